@@ -1,0 +1,25 @@
+//! Sans-IO core of nixl-bounce.
+//!
+//! Everything here is pure protocol logic: no threads, no FFI, no CUDA, no sockets and no
+//! clocks (time comes in as an argument), so that every rule of the bounce design can be
+//! tested deterministically. The IO shell in the `nixl-bounce` crate drives these types.
+//!
+//! - [`config`]: typed configuration from NIXL backend params plus `NIXL_BOUNCE_*` overrides.
+//! - [`plan`]: bin-packs (src, dst) descriptor pairs into chunks and coalesces copy runs.
+//! - [`wire`]: versioned little-endian codec of the control messages and capability blobs.
+//! - [`buddy`]: power-of-two buddy allocator over arena byte offsets.
+//! - [`scheduler`]: the receiver's credit scheduler (per-flow window, round robin, drain mode).
+//! - [`sender`] / [`receiver`]: the two role state machines.
+#![forbid(unsafe_code)]
+
+pub mod buddy;
+pub mod config;
+pub mod manifest;
+pub mod plan;
+pub mod receiver;
+pub mod scheduler;
+pub mod sender;
+pub mod types;
+pub mod wire;
+
+pub use types::*;

@@ -1,0 +1,1 @@
+//! nixl-bounce: the BOUNCE NIXL backend plugin (placeholder while the FFI edge is written).
