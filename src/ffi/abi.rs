@@ -1,0 +1,423 @@
+//! `extern "C"` entry points: raw-to-typed conversion only, each body inside [`guard`].
+//! Declarations for C++ live in `cpp/include/bounce_ffi.h`; keep the two in step.
+
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::path::Path;
+use std::sync::{LazyLock, Once};
+
+use bounce_proto::MemKind;
+use bounce_proto::manifest::{OPTIONS, PLUGIN_NAME, PLUGIN_VERSION};
+
+use super::{Status, guard, guard_void};
+use crate::shell::{CreateParams, Engine, Error, Registration};
+
+/// Borrowed bytes from C++ (`bnc_str`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BncStr {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl BncStr {
+    fn from_slice(s: &'static [u8]) -> Self {
+        Self { ptr: s.as_ptr(), len: s.len() }
+    }
+
+    /// # Safety
+    /// - `ptr` is null with `len == 0`, or valid for reads of `len` bytes for `'a`.
+    unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() || self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the caller guarantees ptr/len describe live bytes for 'a.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// # Safety
+    /// As [`Self::bytes`].
+    unsafe fn str<'a>(self, what: &'static str) -> Result<&'a str, Error> {
+        // SAFETY: forwarded contract.
+        std::str::from_utf8(unsafe { self.bytes() }).map_err(|_| Error::BadUtf8(what))
+    }
+}
+
+/// A key/value pair (`bnc_kv`).
+#[repr(C)]
+pub struct BncKv {
+    key: BncStr,
+    value: BncStr,
+}
+
+/// C++ byte sink (`bnc_sink`).
+pub type BncSink = unsafe extern "C" fn(ctx: *mut c_void, ptr: *const u8, len: usize);
+
+/// Arguments of `bnc_engine_create`.
+#[repr(C)]
+pub struct BncCreateArgs {
+    agent: BncStr,
+    params: *const BncKv,
+    n_params: usize,
+    enable_prog_th: i32,
+    pthr_delay_us: u64,
+    sync_mode: i32,
+    self_path: BncStr,
+}
+
+/// Results of `bnc_engine_create`.
+#[repr(C)]
+pub struct BncCreateOut {
+    engine: *mut c_void,
+    inner_plugin: *const c_void,
+    inner_prog_th: i32,
+    inner_pthr_delay_us: u64,
+    inner_sync_mode: i32,
+}
+
+unsafe extern "C" {
+    /// The plugin descriptor defined by the C++ shim.
+    fn bnc_shim_plugin() -> *const c_void;
+}
+
+static LOG_INIT: Once = Once::new();
+
+/// Installs the stderr `tracing` subscriber once, filtered by `NIXL_BOUNCE_LOG` (default `warn`).
+fn init_logging() {
+    LOG_INIT.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_env("NIXL_BOUNCE_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        // try_init: a host process may already have installed a global subscriber.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .with_ansi(false)
+            .try_init();
+    });
+}
+
+/// NIXL's plugin entry point: returns the plugin descriptor (a `nixlBackendPlugin*`).
+#[unsafe(no_mangle)]
+pub extern "C" fn nixl_plugin_init() -> *const c_void {
+    let mut out = std::ptr::null();
+    guard("nixl_plugin_init", || {
+        init_logging();
+        // SAFETY: bnc_shim_plugin takes no arguments and returns a pointer to static data.
+        out = unsafe { bnc_shim_plugin() };
+        Status::Success
+    });
+    out
+}
+
+/// NIXL's optional plugin exit point. Engines are destroyed individually; nothing global to free.
+#[unsafe(no_mangle)]
+pub extern "C" fn nixl_plugin_fini() {}
+
+static NAME_C: LazyLock<CString> = LazyLock::new(|| CString::new(PLUGIN_NAME).unwrap_or_default());
+static VERSION_C: LazyLock<CString> =
+    LazyLock::new(|| CString::new(PLUGIN_VERSION).unwrap_or_default());
+
+/// The backend name, NUL-terminated, static.
+#[unsafe(no_mangle)]
+pub extern "C" fn bnc_plugin_name() -> *const c_char {
+    NAME_C.as_ptr()
+}
+
+/// The plugin version, NUL-terminated, static.
+#[unsafe(no_mangle)]
+pub extern "C" fn bnc_plugin_version() -> *const c_char {
+    VERSION_C.as_ptr()
+}
+
+/// Number of manifest options.
+#[unsafe(no_mangle)]
+pub extern "C" fn bnc_option_count() -> usize {
+    OPTIONS.len()
+}
+
+/// Name and default of option `i` (static bytes).
+///
+/// # Safety
+/// `name` and `default_value` are valid for writes (null is rejected).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_option_at(i: usize, name: *mut BncStr, default_value: *mut BncStr) -> i32 {
+    guard("bnc_option_at", || {
+        let Some(o) = OPTIONS.get(i) else { return Status::ErrInvalidParam };
+        if name.is_null() || default_value.is_null() {
+            return Status::ErrInvalidParam;
+        }
+        // SAFETY: both pointers are non-null and the caller guarantees they are writable.
+        unsafe {
+            *name = BncStr::from_slice(o.name.as_bytes());
+            *default_value = BncStr::from_slice(o.default.as_bytes());
+        }
+        Status::Success
+    })
+    .code()
+}
+
+fn sink_bytes(sink: BncSink, ctx: *mut c_void, bytes: &[u8]) {
+    // SAFETY: the shim passes a sink that copies exactly `len` bytes from `ptr` into `ctx`'s
+    // object, which it keeps alive for this call; `bytes` is live for the call.
+    unsafe { sink(ctx, bytes.as_ptr(), bytes.len()) }
+}
+
+/// Creates the Rust half of an engine and loads the inner UCX plugin.
+///
+/// # Safety
+/// - `args` points at a valid `bnc_create_args` whose strings and params live for the call.
+/// - `out` is valid for writes; `err`/`err_ctx` form a valid sink.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_engine_create(
+    args: *const BncCreateArgs,
+    out: *mut BncCreateOut,
+    err: BncSink,
+    err_ctx: *mut c_void,
+) -> i32 {
+    init_logging();
+    guard("bnc_engine_create", || {
+        if args.is_null() || out.is_null() {
+            sink_bytes(err, err_ctx, b"null argument");
+            return Status::ErrInvalidParam;
+        }
+        // SAFETY: non-null, and the caller guarantees it is a valid struct for the call.
+        let a = unsafe { &*args };
+        let parsed = (|| -> Result<CreateParams<'_>, Error> {
+            // SAFETY: the shim builds every bnc_str from a live std::string.
+            let agent = unsafe { a.agent.str("agent name") }?;
+            let kvs: &[BncKv] = if a.params.is_null() || a.n_params == 0 {
+                &[]
+            } else {
+                // SAFETY: the shim passes a vector's data() and size(), live for the call.
+                unsafe { std::slice::from_raw_parts(a.params, a.n_params) }
+            };
+            let mut params = Vec::with_capacity(kvs.len());
+            for kv in kvs {
+                // SAFETY: as above, each key/value views a live std::string.
+                params.push(unsafe { (kv.key.str("param name")?, kv.value.str("param value")?) });
+            }
+            // SAFETY: as above.
+            let self_path = unsafe { a.self_path.str("plugin path") }?;
+            Ok(CreateParams {
+                agent,
+                params,
+                enable_prog_th: a.enable_prog_th != 0,
+                pthr_delay_us: a.pthr_delay_us,
+                sync_mode: a.sync_mode,
+                self_path: (!self_path.is_empty()).then(|| Path::new(self_path)),
+            })
+        })();
+        let created = parsed.and_then(|p| Engine::create(&p, |k| std::env::var(k).ok()));
+        match created {
+            Ok((engine, inner)) => {
+                let plugin = engine.inner_plugin();
+                let boxed = Box::into_raw(Box::new(engine));
+                // SAFETY: `out` is non-null and writable (checked above / caller contract).
+                unsafe {
+                    *out = BncCreateOut {
+                        engine: boxed.cast(),
+                        inner_plugin: plugin,
+                        inner_prog_th: i32::from(inner.prog_th),
+                        inner_pthr_delay_us: inner.pthr_delay_us,
+                        inner_sync_mode: inner.sync_mode,
+                    };
+                }
+                Status::Success
+            }
+            Err(e) => {
+                tracing::error!("BOUNCE engine creation failed: {e}");
+                sink_bytes(err, err_ctx, e.to_string().as_bytes());
+                Status::from(&e)
+            }
+        }
+    })
+    .code()
+}
+
+/// # Safety
+/// `engine` is null or a pointer returned by `bnc_engine_create` and not yet destroyed.
+unsafe fn engine_ref<'a>(engine: *mut c_void) -> Option<&'a Engine> {
+    // SAFETY: per the contract it is either null or a live Box<Engine> we handed out.
+    unsafe { engine.cast::<Engine>().as_ref() }
+}
+
+/// Gives the Rust engine the shim pointer it may call back into.
+///
+/// # Safety
+/// `engine` is a live engine handle; `shim` outlives it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_void) -> i32 {
+    guard("bnc_engine_attach", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        e.attach(shim);
+        Status::Success
+    })
+    .code()
+}
+
+/// Destroys an engine handle.
+///
+/// # Safety
+/// `engine` is null or a live handle from `bnc_engine_create`, not used afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_engine_destroy(engine: *mut c_void) {
+    guard_void("bnc_engine_destroy", || {
+        if !engine.is_null() {
+            // SAFETY: it came from Box::into_raw in bnc_engine_create and is destroyed once.
+            drop(unsafe { Box::from_raw(engine.cast::<Engine>()) });
+        }
+    });
+}
+
+/// Wraps the inner conn info into BOUNCE's envelope.
+///
+/// # Safety
+/// `engine` is a live handle; `inner` views live bytes; `out`/`ctx` form a valid sink.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_conn_info_wrap(engine: *mut c_void, inner: BncStr, out: BncSink, ctx: *mut c_void) -> i32 {
+    guard("bnc_conn_info_wrap", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let env = e.wrap_conn_info(unsafe { inner.bytes() });
+        sink_bytes(out, ctx, &env);
+        Status::Success
+    })
+    .code()
+}
+
+/// Unwraps a peer's envelope into the inner conn info.
+///
+/// # Safety
+/// `engine` is a live handle; `agent`/`envelope` view live bytes; `inner`/`ctx` form a valid sink.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_conn_info_load(
+    engine: *mut c_void,
+    agent: BncStr,
+    envelope: BncStr,
+    inner: BncSink,
+    ctx: *mut c_void,
+) -> i32 {
+    guard("bnc_conn_info_load", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let (agent, envelope) = match unsafe { (agent.str("agent name"), envelope.bytes()) } {
+            (Ok(a), b) => (a, b),
+            (Err(err), _) => return Status::from(&err),
+        };
+        match e.load_conn_info(agent, envelope) {
+            Ok(bytes) => {
+                sink_bytes(inner, ctx, &bytes);
+                Status::Success
+            }
+            Err(err) => Status::from(&err),
+        }
+    })
+    .code()
+}
+
+/// Records a registration made through the engine.
+///
+/// # Safety
+/// `engine` is a live handle. `md` is only used as a key, never dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_mem_registered(
+    engine: *mut c_void,
+    md: *const c_void,
+    addr: u64,
+    len: u64,
+    dev: u64,
+    mem: i32,
+) -> i32 {
+    guard("bnc_mem_registered", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        let mem = match mem {
+            0 => MemKind::Dram,
+            1 => MemKind::Vram,
+            _ => return Status::Success, // other segment kinds never take the bounce path
+        };
+        e.mem_registered(md as usize, Registration { addr, len, dev, mem });
+        Status::Success
+    })
+    .code()
+}
+
+/// Forgets a registration.
+///
+/// # Safety
+/// `engine` is a live handle. `md` is only used as a key.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_mem_deregistered(engine: *mut c_void, md: *const c_void) {
+    guard_void("bnc_mem_deregistered", || {
+        // SAFETY: caller contract.
+        if let Some(e) = unsafe { engine_ref(engine) } {
+            e.mem_deregistered(md as usize);
+        }
+    });
+}
+
+/// Emits the engine's counters, one `stats.<name>=<value>` line per sink call.
+///
+/// # Safety
+/// `engine` is a live handle; `line`/`ctx` form a valid sink.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, line: BncSink, ctx: *mut c_void) {
+    guard_void("bnc_stats", || {
+        // SAFETY: caller contract.
+        if let Some(e) = unsafe { engine_ref(engine) } {
+            for (k, v) in e.stats() {
+                sink_bytes(line, ctx, format!("stats.{k}={v}").as_bytes());
+            }
+        }
+    });
+}
+
+// ---- reading another plugin's descriptor (nixlBackendPlugin, API version 1) ----
+
+/// The first fields of NIXL's plugin descriptor, as far as we read them.
+#[repr(C)]
+struct PluginHead {
+    api_version: i32,
+    create_engine: *const c_void,
+    destroy_engine: *const c_void,
+    get_plugin_name: Option<unsafe extern "C" fn() -> *const c_char>,
+}
+
+/// Opens a NIXL plugin library as NIXL does and calls its `nixl_plugin_init`.
+pub(crate) fn open_plugin(path: &Path) -> Result<(libloading::Library, *const c_void), libloading::Error> {
+    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    // RTLD_NODELETE like NIXL: UCX registers atexit/TLS state that must outlive dlclose.
+    const RTLD_NODELETE: i32 = 0x1000;
+    // SAFETY: loading a library runs its initializers. The path is NIXL's own UCX plugin (or
+    // what the user configured in its place), which NIXL would load the same way.
+    let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE) }?;
+    // SAFETY: every NIXL plugin exports `nixl_plugin_init` with this C signature.
+    let init = unsafe { lib.get::<unsafe extern "C" fn() -> *const c_void>(b"nixl_plugin_init\0") }?;
+    // SAFETY: the symbol has the signature above and takes no arguments.
+    let descriptor = unsafe { init() };
+    if descriptor.is_null() {
+        return Err(libloading::Error::DlSymUnknown);
+    }
+    Ok((libloading::Library::from(lib), descriptor))
+}
+
+/// The descriptor's API version.
+pub(crate) fn plugin_api_version(descriptor: *const c_void) -> i32 {
+    // SAFETY: `descriptor` is the non-null pointer nixl_plugin_init returned; every plugin API
+    // version starts with the int api_version.
+    unsafe { (*descriptor.cast::<PluginHead>()).api_version }
+}
+
+/// The descriptor's plugin name (API version 1 layout only; check the version first).
+pub(crate) fn plugin_name(descriptor: *const c_void) -> Option<String> {
+    // SAFETY: version-1 descriptors have this head layout (checked by the caller); the name
+    // function returns a static NUL-terminated string.
+    unsafe {
+        let f = (*descriptor.cast::<PluginHead>()).get_plugin_name?;
+        let p = f();
+        (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
+    }
+}

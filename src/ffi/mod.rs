@@ -1,0 +1,40 @@
+//! The FFI edge: raw C ABI entry points (`abi`), the one status mapping (`status`) and the panic
+//! guard every entry point runs in.
+//!
+//! The C++ shim in `cpp/` implements NIXL's engine class and calls the functions in [`abi`];
+//! `nixl_plugin_init` / `nixl_plugin_fini` are exported from here because a Rust cdylib does not
+//! re-export symbols of a linked C++ static library.
+
+pub mod abi;
+pub mod status;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+pub use status::Status;
+
+/// Runs `f`, turning a panic into `Status::ErrUnknown` with an `error!` log line.
+///
+/// Since Rust 1.81 an unwind out of an `extern "C"` function aborts the process; catching it here
+/// keeps that abort a backstop that never fires.
+pub fn guard(what: &'static str, f: impl FnOnce() -> Status) -> Status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(s) => s,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".to_owned());
+            tracing::error!(entry = what, panic = %msg, "panic caught at the FFI boundary");
+            Status::ErrUnknown
+        }
+    }
+}
+
+/// Like [`guard`] for entry points that return nothing: a panic is logged and swallowed.
+pub fn guard_void(what: &'static str, f: impl FnOnce()) {
+    let _ = guard(what, || {
+        f();
+        Status::Success
+    });
+}
