@@ -46,11 +46,9 @@ pub struct InnerInit {
     pub sync_mode: i32,
 }
 
-/// The inner engine is always created with its progress thread: that makes UCX use a
-/// thread-safe worker and a locked notification list (the bounce reactor calls it concurrently
-/// with application threads) and progresses the receiver side even when its application does not
-/// poll. UCX's thread waits on the workers' event fds and wakes at least every `delay`; a delay of
-/// 0 (what NIXL's Python API passes) would make it spin a core while idle, so we raise it.
+/// If the inner engine ever runs UCX's progress thread, it waits on the workers' event fds and
+/// wakes at least every `delay`; a delay of 0 (what NIXL's Python API passes) would make it spin
+/// a core while idle, so we raise it.
 const MIN_INNER_PTHR_DELAY_US: u64 = 1_000;
 
 /// A registration made through this engine (the receiver only ever scatters into these).
@@ -99,8 +97,12 @@ impl Engine {
         let path = locate_ucx_plugin(config.ucx_plugin.as_deref(), p.self_path);
         let plugin = InnerPlugin::load(&path)?;
         tracing::info!(agent = p.agent, ucx = %plugin.path().display(), "BOUNCE engine created");
+        // No UCX progress thread inside BOUNCE: measured side by side (BENCHMARKS.md), its worker
+        // locking and wakeups cost pass-through ~2x on a 64 MiB write. Progress comes from the
+        // application's own polling, exactly as with plain UCX without a progress thread, and
+        // from BOUNCE's reactor once the bounce path is active.
         let inner = InnerInit {
-            prog_th: true,
+            prog_th: false,
             pthr_delay_us: p.pthr_delay_us.max(MIN_INNER_PTHR_DELAY_US),
             sync_mode: p.sync_mode,
         };

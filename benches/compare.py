@@ -1,0 +1,124 @@
+"""Side-by-side transfer benchmark: BOUNCE vs plain UCX (with and without UCX's SGL put) vs one
+contiguous write of the same bytes, two processes, DRAM, measured in ONE run on one machine.
+
+    .venv/bin/python benches/compare.py [--descs 16384] [--size 4096] [--iters 15]
+
+Each variant runs in its own initiator process (UCX reads NIXL_UCX_SGL_ENABLE at engine
+creation) against a target process (tests/python/peer.py). A sample is the time from
+transfer() to DONE for a re-posted, already prepared request; the table reports the median and
+the ratios the issues ask for.
+"""
+import argparse
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = os.path.join(os.path.dirname(HERE), "tests", "python")
+sys.path.insert(0, PY)
+
+
+def initiator(backend, descs, size, iters, contiguous, params):
+    import numpy as np
+    import nixlkit
+    from conftest import Peer
+
+    total = descs * size
+    slot_spread = 2
+    peer = Peer()
+    meta, raddr = peer.start(name="bench-tgt", backends=[backend], params=params,
+                             size=total * (1 if contiguous else slot_spread), seed=7)
+    ag = nixlkit.agent("bench-ini", (backend,), params)
+    src = nixlkit.pattern(8, total)
+    nixlkit.register(ag, src, backend)
+    ag.add_remote_agent(meta)
+    peer.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
+    if contiguous:
+        lo = [(src.ctypes.data, total, 0)]
+        re = [(raddr, total, 0)]
+    else:
+        slots = np.random.default_rng(9).permutation(descs * slot_spread)[:descs]
+        lo = [(src.ctypes.data + i * size, size, 0) for i in range(descs)]
+        re = [(raddr + int(k) * size, size, 0) for k in slots]
+    h = ag.initialize_xfer("WRITE", ag.get_xfer_descs(lo, "DRAM"), ag.get_xfer_descs(re, "DRAM"),
+                           "bench-tgt", b"", backends=[backend])
+    samples = []
+    for i in range(iters + 2):
+        t0 = time.perf_counter()
+        if ag.transfer(h) == "ERR":
+            raise SystemExit("transfer failed")
+        while True:
+            s = ag.check_xfer_state(h)
+            if s == "DONE":
+                break
+            if s == "ERR":
+                raise SystemExit("transfer failed")
+        if i >= 2:  # two warm-ups
+            samples.append(time.perf_counter() - t0)
+    stats = {}
+    if backend == "BOUNCE":
+        stats = {k: v for k, v in ag.get_backend_params(backend).items() if k.startswith("stats.")} \
+            if hasattr(ag, "get_backend_params") else {}
+    print("RESULT " + json.dumps({"samples": samples, "stats": stats}), flush=True)
+    peer.close()
+    nixlkit.leave(0)
+
+
+VARIANTS = [
+    # name, backend, contiguous, extra env
+    ("BOUNCE scattered", "BOUNCE", False, {}),
+    ("UCX scattered", "UCX", False, {}),
+    ("UCX+SGL scattered", "UCX", False, {"NIXL_UCX_SGL_ENABLE": "1"}),
+    ("UCX 1 contiguous", "UCX", True, {}),
+    ("BOUNCE 1 contiguous", "BOUNCE", True, {}),
+]
+
+
+def run_variant(backend, contiguous, env, args):
+    cmd = [sys.executable, __file__, "--child", backend, "--descs", str(args.descs), "--size",
+           str(args.size), "--iters", str(args.iters)] + (["--contiguous"] if contiguous else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **env})
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"variant {backend} failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--descs", type=int, default=16384)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--child")
+    ap.add_argument("--contiguous", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        initiator(args.child, args.descs, args.size, args.iters, args.contiguous, {})
+        return
+    mib = args.descs * args.size / 2**20
+    print(f"WRITE of {args.descs} x {args.size} B = {mib:.0f} MiB, DRAM, two processes, "
+          f"{args.iters} samples each (median)")
+    med = {}
+    for name, backend, contiguous, env in VARIANTS:
+        res = run_variant(backend, contiguous, env, args)
+        med[name] = statistics.median(res["samples"])
+        q = sorted(res["samples"])
+        print(f"  {name:22s} median {med[name]*1e3:8.2f} ms   "
+              f"min {q[0]*1e3:8.2f}  max {q[-1]*1e3:8.2f}   {mib / med[name] / 1024:6.2f} GiB/s"
+              + (f"   {res['stats']}" if res["stats"] else ""))
+    b = med["BOUNCE scattered"]
+    print("ratios:")
+    print(f"  BOUNCE / UCX scattered       = {b / med['UCX scattered']:.3f}   (goal <= 0.4)")
+    print(f"  BOUNCE / UCX+SGL scattered   = {b / med['UCX+SGL scattered']:.3f}   (goal <= 0.4)")
+    print(f"  BOUNCE / UCX 1 contiguous    = {b / med['UCX 1 contiguous']:.3f}   (goal <= 2.5)")
+    print(f"  BOUNCE 1 contig / UCX 1 contig = "
+          f"{med['BOUNCE 1 contiguous'] / med['UCX 1 contiguous']:.3f}   (pass-through overhead, goal ~1)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+import base64
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+class Peer:
+    """A peer process running peer.py."""
+
+    def __init__(self, env=None):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "peer.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})}, cwd=HERE)
+
+    def call(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"peer died (rc={self.proc.poll()}) during {cmd['op']}")
+        r = json.loads(line)
+        if not r.get("ok"):
+            raise AssertionError(f"peer {cmd['op']} failed: {r.get('error')}")
+        return r
+
+    def start(self, **kw):
+        r = self.call(op="start", **kw)
+        return base64.b64decode(r["meta"]), r["addr"]
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.call(op="exit")
+            except Exception:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture
+def peer():
+    peers = []
+
+    def make(env=None):
+        p = Peer(env)
+        peers.append(p)
+        return p
+
+    yield make
+    for p in peers:
+        p.close()
+
+
+def run_isolated(code, timeout=120, env=None):
+    """Runs `code` in a fresh interpreter (NIXL agents can't be torn down cleanly in-process);
+    returns (rc, stdout+stderr)."""
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, **(env or {})})
+    return r.returncode, r.stdout + r.stderr
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._bnc_exitstatus = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # NIXL 1.5.1 can crash during normal interpreter teardown once a UCX engine existed (a
+    # bundled networking library; see the plugin facts). Leave with pytest's own verdict
+    # instead; engine teardown itself is tested explicitly in isolated interpreters.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(getattr(config, "_bnc_exitstatus", 0))

@@ -1,0 +1,127 @@
+"""Shared helpers for the end-to-end tests: agents, seed-distinct patterns, scattered layouts,
+byte-exact checks (destinations AND the bytes around them), and two-process peers.
+
+Every test here talks to the real NIXL 1.5.1 from PyPI with the BOUNCE plugin installed by
+ci/setup; nothing is mocked.
+"""
+import os
+import time
+
+import numpy as np
+from nixl_cu12 import nixl_agent, nixl_agent_config
+
+DEADLINE_S = 30.0
+
+
+def agent(name, backends=("BOUNCE",), params=None, threads=False):
+    """A NIXL agent with no progress thread (tests poll both sides) and the given backends."""
+    cfg = nixl_agent_config(enable_prog_thread=False, backends=[],
+                            num_threads=0)
+    if threads:
+        from nixl_cu12 import nixl_thread_sync_t
+        cfg = nixl_agent_config(enable_prog_thread=False, backends=[],
+                                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    a = nixl_agent(name, cfg)
+    for b in backends:
+        a.create_backend(b, dict(params or {}))
+    return a
+
+
+def pattern(seed, nbytes):
+    """Bytes that differ for every seed, so a mix-up between transfers can't go unnoticed."""
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def register(ag, arr, backend="BOUNCE"):
+    descs = ag.get_reg_descs([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+    return ag.register_memory(descs, backends=[backend])
+
+
+class Scattered:
+    """`n` pieces of `size` bytes: sources packed in order, destinations scattered (permuted
+    slots in a buffer `spread` times larger, so most destination bytes must stay untouched)."""
+
+    def __init__(self, n, size, seed, spread=2, sizes=None):
+        self.n = n
+        self.sizes = list(sizes) if sizes is not None else [size] * n
+        slot = max(self.sizes)
+        self.slot = slot
+        rng = np.random.default_rng(seed + 1)
+        self.slots = rng.permutation(n * spread)[:n]
+        self.src_offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.src_bytes = int(sum(self.sizes))
+        self.dst_bytes = int(n * spread * slot)
+        # unaligned destinations when sizes are mixed: shift each by a seed-dependent amount
+        self.dst_shift = [int(rng.integers(0, 8)) if sizes is not None else 0 for _ in range(n)]
+        if sizes is not None:
+            self.dst_bytes += 8
+
+    def src_list(self, base):
+        return [(base + int(o), s, 0) for o, s in zip(self.src_offsets, self.sizes)]
+
+    def dst_list(self, base):
+        return [(base + int(k) * self.slot + sh, s, 0)
+                for k, s, sh in zip(self.slots, self.sizes, self.dst_shift)]
+
+    def expected(self, src, dst_before):
+        out = dst_before.copy()
+        for o, s, k, sh in zip(self.src_offsets, self.sizes, self.slots, self.dst_shift):
+            d = int(k) * self.slot + sh
+            out[d:d + s] = src[o:o + s]
+        return out
+
+
+def assert_same(actual, expected, what):
+    if not np.array_equal(actual, expected):
+        bad = np.flatnonzero(actual != expected)
+        raise AssertionError(f"{what}: {bad.size} bytes differ, first at offset {bad[0]}")
+
+
+_mailbox = {}
+
+
+def poll(ag):
+    """Progresses `ag` and keeps the notifications it returns, so polling an agent for progress
+    never loses a notification a later wait_notif looks for."""
+    box = _mailbox.setdefault(id(ag), [])
+    for sender, msgs in ag.get_new_notifs().items():
+        box.extend((sender, m) for m in msgs)
+    return box
+
+
+def wait_xfer(ag, handle, peers=(), deadline=DEADLINE_S):
+    """Polls until the transfer is DONE (also polling `peers` so their side progresses)."""
+    end = time.monotonic() + deadline
+    while True:
+        state = ag.check_xfer_state(handle)
+        for p in peers:
+            poll(p)
+        if state == "DONE":
+            return
+        if state == "ERR":
+            raise AssertionError("transfer failed")
+        if time.monotonic() > end:
+            raise AssertionError("transfer did not finish in time")
+
+
+def wait_notif(ag, sender, msg, others=(), deadline=DEADLINE_S):
+    """Polls `ag` until `msg` from `sender` arrives."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        box = poll(ag)
+        for o in others:
+            poll(o)
+        if (sender, msg) in box:
+            box.remove((sender, msg))
+            return
+        time.sleep(0.0005)
+    raise AssertionError(f"notification {msg!r} from {sender} never arrived")
+
+
+def leave(code=0):
+    """Exit without running interpreter teardown: NIXL 1.5.1's bundled networking library can
+    crash at normal exit (see the plugin facts). Engine unload is tested explicitly elsewhere."""
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,95 @@
+"""A NIXL agent in its own process, driven line by line over stdin/stdout (JSON), for the
+two-process tests and benchmarks. While idle it keeps polling its agent, so transfers that need
+the target to progress (and notifications) move even when the other process is busy.
+
+Commands (one JSON object per line; every reply is one JSON line with "ok"):
+  {"op": "start", "name": N, "backends": [...], "params": {...}, "size": BYTES, "seed": S}
+      -> {"meta": b64, "addr": int}   (buffer filled with pattern(seed))
+  {"op": "load", "meta": b64}                 add a remote agent
+  {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
+  {"op": "notif_send", "to": A, "msg": M}
+  {"op": "dump", "path": P}                   write the buffer to a file
+  {"op": "fill", "seed": S}                   refill the buffer with pattern(seed)
+  {"op": "exit"}
+"""
+import base64
+import json
+import os
+import select
+import sys
+import time
+
+import nixlkit
+
+
+def main():
+    ag = None
+    buf = None
+    seen = []
+    # Replies get a private copy of stdout; everything else printed to fd 1 (NIXL's own log
+    # lines) goes to stderr so it can't corrupt the reply stream.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    def reply(**kw):
+        kw.setdefault("ok", True)
+        out.write(json.dumps(kw) + "\n")
+        out.flush()
+
+    def poll():
+        if ag is None:
+            return
+        for sender, msgs in ag.get_new_notifs().items():
+            for m in msgs:
+                seen.append((sender, m))
+
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.0005 if ag else None)
+        if not ready:
+            poll()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            nixlkit.leave(0)
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "start":
+                ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
+                buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
+                for b in cmd.get("backends", ["BOUNCE"]):
+                    nixlkit.register(ag, buf, b)
+                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode(), addr=buf.ctypes.data)
+            elif op == "load":
+                ag.add_remote_agent(base64.b64decode(cmd["meta"]))
+                reply()
+            elif op == "notif_wait":
+                want = (cmd["from"], cmd["msg"].encode())
+                end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
+                while want not in seen and time.monotonic() < end:
+                    poll()
+                if want in seen:
+                    seen.remove(want)
+                    reply()
+                else:
+                    reply(ok=False, error="notification timed out")
+            elif op == "notif_send":
+                ag.send_notif(cmd["to"], cmd["msg"].encode())
+                reply()
+            elif op == "dump":
+                buf.tofile(cmd["path"])
+                reply()
+            elif op == "fill":
+                buf[:] = nixlkit.pattern(cmd["seed"], buf.nbytes)
+                reply()
+            elif op == "exit":
+                reply()
+                nixlkit.leave(0)
+            else:
+                reply(ok=False, error=f"unknown op {op}")
+        except Exception as e:  # report, keep serving: the test decides
+            reply(ok=False, error=f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""BOUNCE as a drop-in for UCX: loading, options, pass-through transfers and notifications in
+one process and in two, side by side with UCX, and clean failures. (Issue: foundation.)"""
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+import nixlkit
+from conftest import run_isolated
+
+N, S = 4096, 4096
+
+
+def test_plugin_is_discovered_without_env_and_reports_manifest_options():
+    assert "NIXL_PLUGIN_DIR" not in os.environ
+    a = nixlkit.agent("opts", backends=())
+    assert "BOUNCE" in a.get_plugin_list()
+    opts = a.get_plugin_params("BOUNCE")
+    # the manifest is the one source of truth for these
+    import tomllib
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "plugin-manifest", "manifest.toml"), "rb") as f:
+        manifest = tomllib.load(f)
+    for o in manifest["option"]:
+        assert opts[o["name"]] == o["default"], o["name"]
+
+
+def _one_process_pair(backend="BOUNCE", params=None):
+    a = nixlkit.agent("w1", (backend,), params)
+    b = nixlkit.agent("t1", (backend,), params)
+    return a, b
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_scattered_transfer_one_process_is_byte_exact(op):
+    a, b = nixlkit.agent(f"i-{op}"), nixlkit.agent(f"t-{op}")
+    lay = nixlkit.Scattered(N, S, seed=11 if op == "WRITE" else 12)
+    local = nixlkit.pattern(100, lay.src_bytes) if op == "WRITE" else nixlkit.pattern(101, lay.dst_bytes)
+    remote = nixlkit.pattern(200, lay.dst_bytes) if op == "WRITE" else nixlkit.pattern(201, lay.src_bytes)
+    before = local.copy() if op == "READ" else remote.copy()
+    nixlkit.register(a, local)
+    nixlkit.register(b, remote)
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    if op == "WRITE":
+        lo = a.get_xfer_descs(lay.src_list(local.ctypes.data), "DRAM")
+        re = a.get_xfer_descs(lay.dst_list(remote.ctypes.data), "DRAM")
+    else:  # READ remote packed pieces into scattered local slots
+        lo = a.get_xfer_descs(lay.dst_list(local.ctypes.data), "DRAM")
+        re = a.get_xfer_descs(lay.src_list(remote.ctypes.data), "DRAM")
+    h = a.initialize_xfer(op, lo, re, f"t-{op}", b"xfer-done", backends=["BOUNCE"])
+    assert a.transfer(h) != "ERR"
+    nixlkit.wait_xfer(a, h, peers=[b])
+    nixlkit.wait_notif(b, f"i-{op}", b"xfer-done", others=[a])
+    if op == "WRITE":
+        nixlkit.assert_same(remote, lay.expected(local, before), "WRITE destination")
+    else:
+        nixlkit.assert_same(local, lay.expected(remote, before), "READ destination")
+    a.release_xfer_handle(h)
+
+
+def test_gen_notif_both_ways_one_process():
+    a, b = nixlkit.agent("n-a"), nixlkit.agent("n-b")
+    buf_a, buf_b = nixlkit.pattern(1, 4096), nixlkit.pattern(2, 4096)
+    nixlkit.register(a, buf_a)
+    nixlkit.register(b, buf_b)
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    a.send_notif("n-b", b"ping")
+    nixlkit.wait_notif(b, "n-a", b"ping", others=[a])
+    b.send_notif("n-a", b"pong")
+    nixlkit.wait_notif(a, "n-b", b"pong", others=[b])
+
+
+def test_bounce_and_ucx_side_by_side_in_one_agent():
+    a = nixlkit.agent("sx-a", ("BOUNCE", "UCX"))
+    b = nixlkit.agent("sx-b", ("BOUNCE", "UCX"))
+    lay = nixlkit.Scattered(512, S, seed=5)
+    for backend, seed in (("UCX", 30), ("BOUNCE", 31)):
+        src = nixlkit.pattern(seed, lay.src_bytes)
+        dst = nixlkit.pattern(seed + 1000, lay.dst_bytes)
+        before = dst.copy()
+        nixlkit.register(a, src, backend)
+        nixlkit.register(b, dst, backend)
+        a.add_remote_agent(b.get_agent_metadata())
+        b.add_remote_agent(a.get_agent_metadata())
+        lo = a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+        re = a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM")
+        h = a.initialize_xfer("WRITE", lo, re, "sx-b", backend.encode(), backends=[backend])
+        a.transfer(h)
+        nixlkit.wait_xfer(a, h, peers=[b])
+        nixlkit.wait_notif(b, "sx-a", backend.encode(), others=[a])
+        nixlkit.assert_same(dst, lay.expected(src, before), f"{backend} destination")
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_scattered_transfer_two_processes_is_byte_exact(peer, tmp_path, op):
+    lay = nixlkit.Scattered(N, S, seed=21 if op == "WRITE" else 22)
+    p = peer()
+    remote_size = lay.dst_bytes if op == "WRITE" else lay.src_bytes
+    meta, raddr = p.start(name="tgt", size=remote_size, seed=300)
+    a = nixlkit.agent("ini")
+    local = nixlkit.pattern(400, lay.src_bytes if op == "WRITE" else lay.dst_bytes)
+    local_before = local.copy()
+    nixlkit.register(a, local)
+    a.add_remote_agent(meta)
+    import base64
+    p.call(op="load", meta=base64.b64encode(a.get_agent_metadata()).decode())
+    if op == "WRITE":
+        lo = a.get_xfer_descs(lay.src_list(local.ctypes.data), "DRAM")
+        re = a.get_xfer_descs(lay.dst_list(raddr), "DRAM")
+    else:
+        lo = a.get_xfer_descs(lay.dst_list(local.ctypes.data), "DRAM")
+        re = a.get_xfer_descs(lay.src_list(raddr), "DRAM")
+    h = a.initialize_xfer(op, lo, re, "tgt", b"two-proc", backends=["BOUNCE"])
+    a.transfer(h)
+    nixlkit.wait_xfer(a, h)
+    p.call(op="notif_wait", **{"from": "ini", "msg": "two-proc"})
+    remote_before = nixlkit.pattern(300, remote_size)
+    if op == "WRITE":
+        path = tmp_path / "remote.bin"
+        p.call(op="dump", path=str(path))
+        remote = np.fromfile(path, dtype=np.uint8)
+        nixlkit.assert_same(remote, lay.expected(local, remote_before), "remote destination")
+        nixlkit.assert_same(local, local_before, "source must not change")
+    else:
+        nixlkit.assert_same(local, lay.expected(remote_before, local_before), "READ destination")
+    # notifications both ways across processes
+    a.send_notif("tgt", b"hello")
+    p.call(op="notif_wait", **{"from": "ini", "msg": "hello"})
+    p.call(op="notif_send", to="ini", msg="world")
+    nixlkit.wait_notif(a, "tgt", b"world")
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"bounce_ucx_plugin": "/nonexistent/libplugin_UCX.so"}, "UCX plugin was not found"),
+    ({"bounce_max_inflight_chunks": "0"}, "invalid BOUNCE configuration"),
+    ({"bounce_arena_granularity": "3000"}, "invalid BOUNCE configuration"),
+])
+def test_bad_setup_fails_creation_cleanly(params, needle):
+    code = textwrap.dedent(f"""
+        import nixlkit
+        a = nixlkit.agent("bad", backends=())
+        try:
+            a.create_backend("BOUNCE", {params!r})
+        except Exception as e:
+            print("create failed:", type(e).__name__)
+        else:
+            print("create succeeded")
+        # the process is still alive and NIXL still usable
+        b = nixlkit.agent("good")
+        print("still alive")
+        nixlkit.leave(0)
+    """)
+    rc, out = run_isolated(code)
+    assert rc == 0, out
+    assert "create failed" in out, out
+    assert needle in out, out
+    assert "still alive" in out
+
+
+def test_inner_plugin_with_wrong_api_version_is_refused(tmp_path):
+    so = tmp_path / "libplugin_UCX.so"
+    src = tmp_path / "fake.c"
+    src.write_text("struct p { int v; void *f[6]; };\n"
+                   "static struct p plugin = { 2 };\n"
+                   "void *nixl_plugin_init(void) { return &plugin; }\n")
+    assert os.system(f"cc -shared -fPIC -o {so} {src}") == 0
+    code = textwrap.dedent(f"""
+        import nixlkit
+        a = nixlkit.agent("ver", backends=())
+        try:
+            a.create_backend("BOUNCE", {{"bounce_ucx_plugin": "{so}"}})
+            print("create succeeded")
+        except Exception:
+            print("create failed")
+        nixlkit.leave(0)
+    """)
+    rc, out = run_isolated(code)
+    assert rc == 0, out
+    assert "create failed" in out and "plugin API version 2" in out, out
+
+
+def test_inner_plugin_pointing_at_bounce_itself_is_refused():
+    code = textwrap.dedent("""
+        import os, nixl_cu12, nixlkit
+        site = os.path.dirname(os.path.dirname(nixl_cu12.__file__))
+        me = os.path.join(site, ".nixl_cu12.mesonpy.libs", "plugins", "libplugin_BOUNCE.so")
+        a = nixlkit.agent("self", backends=())
+        try:
+            a.create_backend("BOUNCE", {"bounce_ucx_plugin": me})
+            print("create succeeded")
+        except Exception:
+            print("create failed")
+        nixlkit.leave(0)
+    """)
+    rc, out = run_isolated(code)
+    assert rc == 0, out
+    assert "create failed" in out and "is BOUNCE itself" in out, out
+
+
+def test_engine_teardown_after_traffic_does_not_crash():
+    # os._exit hides exit-time crashes, so destroy the agents explicitly first.
+    code = textwrap.dedent("""
+        import gc, nixlkit
+        a, b = nixlkit.agent("td-a"), nixlkit.agent("td-b")
+        lay = nixlkit.Scattered(256, 4096, seed=3)
+        src, dst = nixlkit.pattern(1, lay.src_bytes), nixlkit.pattern(2, lay.dst_bytes)
+        ra, rb = nixlkit.register(a, src), nixlkit.register(b, dst)
+        a.add_remote_agent(b.get_agent_metadata())
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                              a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "td-b", b"x")
+        a.transfer(h)
+        nixlkit.wait_xfer(a, h, peers=[b])
+        a.release_xfer_handle(h)
+        a.remove_remote_agent("td-b")
+        a.deregister_memory(ra); b.deregister_memory(rb)
+        del a, b
+        gc.collect()
+        print("destroyed")
+        nixlkit.leave(0)
+    """)
+    rc, out = run_isolated(code)
+    assert rc == 0, out
+    assert "destroyed" in out
