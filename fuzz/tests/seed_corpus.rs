@@ -1,0 +1,39 @@
+//! Keeps the seed corpus under `fuzz/corpus/<target>/` equal to what the current encoders produce
+//! (`bounce_proto::wire::fuzzing::seed_*`), so a layout change cannot leave stale seeds behind.
+//!
+//! `cargo test --manifest-path fuzz/Cargo.toml` checks; with `BLESS=1` it rewrites the seeds.
+
+use std::{fs, path::PathBuf};
+
+use bounce_proto::wire::fuzzing;
+
+fn check_or_bless(target: &str, seeds: Vec<Vec<u8>>) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("corpus").join(target);
+    let bless = std::env::var_os("BLESS").is_some();
+    if bless {
+        fs::create_dir_all(&dir).unwrap();
+    }
+    for (i, seed) in seeds.iter().enumerate() {
+        let path = dir.join(format!("seed-{i}"));
+        if bless {
+            fs::write(&path, seed).unwrap();
+        } else {
+            let on_disk = fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} (run with BLESS=1)", path.display()));
+            assert_eq!(&on_disk, seed, "{} is stale (run with BLESS=1)", path.display());
+        }
+    }
+}
+
+#[test]
+fn seed_corpus_matches_the_encoders() {
+    check_or_bless("wire_decode", fuzzing::seed_frames());
+    check_or_bless("caps_decode", fuzzing::seed_caps());
+    check_or_bless("envelope_decode", fuzzing::seed_envelopes());
+}
+
+#[test]
+fn seeds_pass_their_targets() {
+    fuzzing::seed_frames().iter().for_each(|s| fuzzing::frame_decode(s));
+    fuzzing::seed_caps().iter().for_each(|s| fuzzing::caps_decode(s));
+    fuzzing::seed_envelopes().iter().for_each(|s| fuzzing::envelope_decode(s));
+}
