@@ -1,1 +1,874 @@
-//! (placeholder; being written)
+//! Typed configuration of the BOUNCE backend.
+//!
+//! Owns the translation of NIXL backend params (a string map) plus `NIXL_BOUNCE_*` environment
+//! overrides into a [`Config`], and the rules that make a configuration usable. It does not read
+//! the environment itself: the shell passes a lookup closure, so tests stay hermetic.
+//!
+//! The option set, defaults, env var names and docs come only from [`crate::manifest::OPTIONS`]
+//! (generated from `plugin-manifest/manifest.toml`). Defaults are parsed from the manifest text
+//! with the same parser as user input, so no default is ever restated in Rust.
+
+use std::{fmt, time::Duration};
+
+use crate::{
+    manifest::{self, OptionSpec},
+    plan,
+    types::ControlKind,
+};
+
+/// Configuration of one BOUNCE engine, shared by its sender and receiver roles.
+///
+/// Build it with [`Config::from_params`] (or [`Config::default`] for the manifest defaults);
+/// both guarantee [`Config::validate`] holds. A hand-built value should be checked with
+/// [`Config::validate`] before use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Master switch of the bounce fast path (`bounce_enable`).
+    pub enabled: bool,
+    /// Size in bytes of the staging arena (`bounce_arena_size`).
+    pub arena_size: u64,
+    /// Smallest region of the arena's buddy allocator, a power of two (`bounce_arena_granularity`).
+    pub arena_granularity: u64,
+    /// Largest chunk of one RDMA write, a power of two no larger than
+    /// [`Config::largest_region`] (`bounce_max_chunk_size`).
+    pub max_chunk_size: u64,
+    /// Per-flow pipeline depth W (`bounce_max_inflight_chunks`).
+    pub max_inflight_chunks: u32,
+    /// Number of gather/scatter copy workers (`bounce_copy_workers`).
+    pub copy_workers: u32,
+    /// Routing gate: minimum descriptor count of a bounced transfer (`bounce_min_descriptor_count`).
+    pub min_descriptor_count: u64,
+    /// Routing gate: maximum average descriptor size in bytes
+    /// (`bounce_max_average_descriptor_size`).
+    pub max_average_descriptor_size: u64,
+    /// No-progress timeout of a bounced transfer (`bounce_request_timeout_ms`).
+    pub request_timeout: Duration,
+    /// Gather before the receiver's grant arrives (`bounce_eager_gather`).
+    pub eager_gather: bool,
+    /// Control channel kind; must match the peer's (`bounce_control`).
+    pub control: ControlKind,
+    /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
+    pub scatter_run_merging: bool,
+    /// Path of NIXL's UCX plugin; `None` means the default next to this plugin
+    /// (`bounce_ucx_plugin`).
+    pub ucx_plugin: Option<String>,
+}
+
+/// A [`Config`] together with the non-fatal problems found while building it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loaded {
+    /// The resulting, validated configuration.
+    pub config: Config,
+    /// Problems that were worked around (bad values, unknown params, clamping); the shell
+    /// should log each one.
+    pub warnings: Vec<ConfigWarning>,
+}
+
+/// Where an option's value came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ValueSource {
+    /// A NIXL backend parameter.
+    Param,
+    /// The option's `NIXL_BOUNCE_*` environment variable (named here).
+    Env(&'static str),
+}
+
+impl fmt::Display for ValueSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Param => f.write_str("backend param"),
+            Self::Env(name) => write!(f, "env {name}"),
+        }
+    }
+}
+
+/// A non-fatal configuration problem; the configuration was built anyway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigWarning {
+    /// A value could not be parsed, so the manifest default was used instead.
+    Unparsable {
+        /// The option's param name.
+        option: &'static str,
+        /// Where the bad value came from.
+        source: ValueSource,
+        /// The rejected text.
+        value: String,
+        /// The manifest default used instead.
+        default: &'static str,
+    },
+    /// A `bounce_*` param that the manifest does not declare (most likely a typo); ignored.
+    UnknownParam {
+        /// The param name as given.
+        name: String,
+    },
+    /// `bounce_max_chunk_size` was lowered to fit the arena and/or to a power of two.
+    ChunkSizeAdjusted {
+        /// The configured value.
+        requested: u64,
+        /// The value in effect.
+        used: u64,
+        /// The arena's largest allocatable block at the time.
+        largest_region: u64,
+    },
+}
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unparsable { option, source, value, default } => {
+                write!(f, "{option}: cannot parse {value:?} from {source}; using the default {default:?}")
+            }
+            Self::UnknownParam { name } => write!(f, "unknown backend param {name:?} ignored"),
+            Self::ChunkSizeAdjusted { requested, used, largest_region } => write!(
+                f,
+                "bounce_max_chunk_size {requested} lowered to {used} (power of two, at most the \
+                 arena's largest region {largest_region})"
+            ),
+        }
+    }
+}
+
+/// A configuration that cannot work (an error, never silently replaced by a default).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The arena granularity is zero or not a power of two.
+    #[error("bounce_arena_granularity {granularity} is not a power of two")]
+    GranularityNotPowerOfTwo {
+        /// The configured granularity.
+        granularity: u64,
+    },
+    /// The arena cannot hold even one region of the minimum size.
+    #[error("bounce_arena_size {arena_size} is smaller than bounce_arena_granularity {granularity}")]
+    ArenaSmallerThanGranularity {
+        /// The configured arena size.
+        arena_size: u64,
+        /// The configured granularity.
+        granularity: u64,
+    },
+    /// The chunk size cannot hold one aligned descriptor slot of the transfer plan.
+    #[error("bounce_max_chunk_size {max_chunk_size} is below the minimum {min}")]
+    ChunkTooSmall {
+        /// The chunk size in effect.
+        max_chunk_size: u64,
+        /// The smallest usable chunk size ([`plan::DEFAULT_ALIGN`]).
+        min: u64,
+    },
+    /// The chunk size is not a power of two (only possible for a hand-built [`Config`]).
+    #[error("bounce_max_chunk_size {max_chunk_size} is not a power of two")]
+    ChunkNotPowerOfTwo {
+        /// The chunk size in effect.
+        max_chunk_size: u64,
+    },
+    /// A chunk would not fit in the arena even when it is empty (only possible for a hand-built
+    /// [`Config`]; [`Config::from_params`] clamps instead).
+    #[error("bounce_max_chunk_size {max_chunk_size} exceeds the arena's largest region {largest_region}")]
+    ChunkExceedsArena {
+        /// The chunk size in effect.
+        max_chunk_size: u64,
+        /// [`Config::largest_region`].
+        largest_region: u64,
+    },
+    /// The per-flow window W is zero, so no transfer could ever make progress.
+    #[error("bounce_max_inflight_chunks must be at least 1")]
+    ZeroInflightChunks,
+    /// No copy worker would ever run a gather or scatter.
+    #[error("bounce_copy_workers must be at least 1")]
+    ZeroCopyWorkers,
+    /// Every transfer would time out at once.
+    #[error("bounce_request_timeout_ms must be at least 1")]
+    ZeroRequestTimeout,
+    /// The manifest's default for an option does not parse as its own kind (a manifest bug).
+    #[error("manifest default {value:?} of {option} does not parse as its kind {kind}")]
+    BadManifestDefault {
+        /// The option's param name.
+        option: &'static str,
+        /// The option's declared kind.
+        kind: &'static str,
+        /// The unparsable default.
+        value: &'static str,
+    },
+    /// The manifest lacks an option [`Config`] needs, or declares it with a kind that does not fit
+    /// the field (a manifest bug).
+    #[error("manifest option {option} is missing or has an unexpected kind")]
+    ManifestMismatch {
+        /// The option's param name.
+        option: &'static str,
+    },
+}
+
+/// Result of configuration building and validation.
+pub type Result<T> = std::result::Result<T, ConfigError>;
+
+/// Prefix of every option this backend owns; other params belong to the wrapped UCX backend.
+const PARAM_PREFIX: &str = "bounce_";
+
+/// A parsed option value, before it is assigned to its typed field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Value {
+    Bool(bool),
+    U64(u64),
+    U32(u32),
+    /// The canonical (manifest-spelled) variant of an `enum:` option.
+    Enum(&'static str),
+    Path(String),
+}
+
+impl Config {
+    /// Builds a configuration from NIXL backend params and environment overrides.
+    ///
+    /// For each manifest option the environment variable (looked up through `env`) wins over
+    /// the param, which wins over the manifest default. An empty environment variable counts
+    /// as unset. Params not starting with `bounce_` are ignored (the shell passes them on to
+    /// UCX); unknown `bounce_*` params and unparsable values become [`ConfigWarning`]s, the
+    /// latter falling back to the manifest default (never to 0). `bounce_max_chunk_size` is
+    /// then lowered to a power of two that fits the arena (see [`Config::largest_region`]).
+    ///
+    /// # Errors
+    ///
+    /// Any [`ConfigError`] from [`Config::validate`], or a manifest inconsistency.
+    pub fn from_params<'a>(
+        params: impl IntoIterator<Item = (&'a str, &'a str)>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Loaded> {
+        let mut warnings = Vec::new();
+        let mut given: Vec<Option<&'a str>> = vec![None; manifest::OPTIONS.len()];
+        for (name, value) in params {
+            if !name.starts_with(PARAM_PREFIX) {
+                continue;
+            }
+            match manifest::OPTIONS.iter().position(|o| o.name == name) {
+                // Later duplicates win, as in a map insert.
+                Some(i) => given[i] = Some(value),
+                None => warnings.push(ConfigWarning::UnknownParam { name: name.to_owned() }),
+            }
+        }
+
+        let mut values = Vec::with_capacity(manifest::OPTIONS.len());
+        for (spec, param) in manifest::OPTIONS.iter().zip(given) {
+            let from_env = env(spec.env).filter(|v| !v.is_empty());
+            let chosen = match (&from_env, param) {
+                (Some(v), _) => Some((ValueSource::Env(spec.env), v.as_str())),
+                (None, Some(v)) => Some((ValueSource::Param, v)),
+                (None, None) => None,
+            };
+            let parsed = chosen.and_then(|(source, text)| {
+                let v = parse_value(spec.kind, text);
+                if v.is_none() {
+                    warnings.push(ConfigWarning::Unparsable {
+                        option: spec.name,
+                        source,
+                        value: text.to_owned(),
+                        default: spec.default,
+                    });
+                }
+                v
+            });
+            let value = match parsed {
+                Some(v) => v,
+                None => default_value(spec)?,
+            };
+            values.push((spec.name, value));
+        }
+
+        let mut config = Self::assemble(&values)?;
+        config.check_arena()?;
+        let requested = config.max_chunk_size;
+        let largest_region = config.largest_region();
+        config.max_chunk_size = prev_power_of_two(requested.min(largest_region));
+        if config.max_chunk_size != requested {
+            warnings.push(ConfigWarning::ChunkSizeAdjusted { requested, used: config.max_chunk_size, largest_region });
+        }
+        config.validate()?;
+        Ok(Loaded { config, warnings })
+    }
+
+    /// Maps parsed option values onto the typed fields, by manifest name.
+    fn assemble(values: &[(&'static str, Value)]) -> Result<Self> {
+        let get = |option: &'static str| {
+            values.iter().find(|(n, _)| *n == option).map(|(_, v)| v).ok_or(ConfigError::ManifestMismatch { option })
+        };
+        let mismatch = |option| ConfigError::ManifestMismatch { option };
+        let boolean = |option| match get(option)? {
+            Value::Bool(b) => Ok(*b),
+            _ => Err(mismatch(option)),
+        };
+        let u64_of = |option| match get(option)? {
+            Value::U64(n) => Ok(*n),
+            _ => Err(mismatch(option)),
+        };
+        let u32_of = |option| match get(option)? {
+            Value::U32(n) => Ok(*n),
+            _ => Err(mismatch(option)),
+        };
+        let control = match get("bounce_control")? {
+            Value::Enum("ucx") => ControlKind::Ucx,
+            Value::Enum("zmq") => ControlKind::Zmq,
+            _ => return Err(mismatch("bounce_control")),
+        };
+        let ucx_plugin = match get("bounce_ucx_plugin")? {
+            Value::Path(p) if p.is_empty() => None,
+            Value::Path(p) => Some(p.clone()),
+            _ => return Err(mismatch("bounce_ucx_plugin")),
+        };
+        Ok(Self {
+            enabled: boolean("bounce_enable")?,
+            arena_size: u64_of("bounce_arena_size")?,
+            arena_granularity: u64_of("bounce_arena_granularity")?,
+            max_chunk_size: u64_of("bounce_max_chunk_size")?,
+            max_inflight_chunks: u32_of("bounce_max_inflight_chunks")?,
+            copy_workers: u32_of("bounce_copy_workers")?,
+            min_descriptor_count: u64_of("bounce_min_descriptor_count")?,
+            max_average_descriptor_size: u64_of("bounce_max_average_descriptor_size")?,
+            request_timeout: Duration::from_millis(u64_of("bounce_request_timeout_ms")?),
+            eager_gather: boolean("bounce_eager_gather")?,
+            control,
+            scatter_run_merging: boolean("bounce_scatter_run_merging")?,
+            ucx_plugin,
+        })
+    }
+
+    /// Bytes of the arena the buddy allocator can hand out: `arena_size` rounded down to a
+    /// multiple of `arena_granularity` (0 when the granularity is 0).
+    pub fn arena_usable_capacity(&self) -> u64 {
+        match self.arena_size.checked_rem(self.arena_granularity) {
+            Some(rem) => self.arena_size - rem,
+            None => 0,
+        }
+    }
+
+    /// The arena's largest single allocatable block: the highest power of two of
+    /// [`Config::arena_usable_capacity`] (a buddy allocator splits a non-power-of-two arena
+    /// into power-of-two top blocks, and a region never spans two of them). 0 for an empty arena.
+    pub fn largest_region(&self) -> u64 {
+        prev_power_of_two(self.arena_usable_capacity())
+    }
+
+    /// Checks that the configuration can work.
+    ///
+    /// A `max_chunk_size` below the arena granularity is accepted: each chunk then wastes the
+    /// rest of its granule, which is inefficient but correct. It must however hold one aligned
+    /// plan slot ([`plan::DEFAULT_ALIGN`] bytes), be a power of two (the buddy allocator would
+    /// round it up anyway) and fit in [`Config::largest_region`], so that a drained arena can
+    /// always grant any chunk.
+    ///
+    /// # Errors
+    ///
+    /// The first violated rule, as a [`ConfigError`].
+    pub fn validate(&self) -> Result<()> {
+        self.check_arena()?;
+        if self.max_chunk_size < plan::DEFAULT_ALIGN {
+            return Err(ConfigError::ChunkTooSmall { max_chunk_size: self.max_chunk_size, min: plan::DEFAULT_ALIGN });
+        }
+        if !self.max_chunk_size.is_power_of_two() {
+            return Err(ConfigError::ChunkNotPowerOfTwo { max_chunk_size: self.max_chunk_size });
+        }
+        if self.max_chunk_size > self.largest_region() {
+            return Err(ConfigError::ChunkExceedsArena {
+                max_chunk_size: self.max_chunk_size,
+                largest_region: self.largest_region(),
+            });
+        }
+        if self.max_inflight_chunks == 0 {
+            return Err(ConfigError::ZeroInflightChunks);
+        }
+        if self.copy_workers == 0 {
+            return Err(ConfigError::ZeroCopyWorkers);
+        }
+        if self.request_timeout.is_zero() {
+            return Err(ConfigError::ZeroRequestTimeout);
+        }
+        Ok(())
+    }
+
+    /// The arena rules, which must hold before the chunk size can be clamped.
+    fn check_arena(&self) -> Result<()> {
+        if !self.arena_granularity.is_power_of_two() {
+            return Err(ConfigError::GranularityNotPowerOfTwo { granularity: self.arena_granularity });
+        }
+        if self.arena_size < self.arena_granularity {
+            return Err(ConfigError::ArenaSmallerThanGranularity {
+                arena_size: self.arena_size,
+                granularity: self.arena_granularity,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Default for Config {
+    /// The manifest defaults, with no params and no environment.
+    ///
+    /// # Panics
+    ///
+    /// If the manifest's defaults are inconsistent (a build-time bug the unit tests catch).
+    fn default() -> Self {
+        match Self::from_params([], |_| None) {
+            Ok(loaded) => loaded.config,
+            Err(e) => panic!("plugin manifest defaults are invalid: {e}"),
+        }
+    }
+}
+
+/// The manifest default of `spec`, parsed like user input.
+fn default_value(spec: &'static OptionSpec) -> Result<Value> {
+    parse_value(spec.kind, spec.default).ok_or(ConfigError::BadManifestDefault {
+        option: spec.name,
+        kind: spec.kind,
+        value: spec.default,
+    })
+}
+
+/// Parses `text` as a value of manifest kind `kind`; `None` when it does not parse (or the kind
+/// is unknown).
+fn parse_value(kind: &'static str, text: &str) -> Option<Value> {
+    match kind {
+        "bool" => parse_bool(text).map(Value::Bool),
+        "bytes" => parse_bytes(text).map(Value::U64),
+        "u64" => text.trim().parse().ok().map(Value::U64),
+        "u32" => text.trim().parse().ok().map(Value::U32),
+        "path" => Some(Value::Path(text.to_owned())),
+        _ => {
+            let variants = kind.strip_prefix("enum:")?;
+            let text = text.trim();
+            variants.split('|').find(|v| v.eq_ignore_ascii_case(text)).map(Value::Enum)
+        }
+    }
+}
+
+/// Parses a boolean: `true/false/1/0/yes/no/on/off`, case-insensitive, surrounding blanks
+/// ignored.
+pub fn parse_bool(text: &str) -> Option<bool> {
+    const TRUE: [&str; 4] = ["true", "1", "yes", "on"];
+    const FALSE: [&str; 4] = ["false", "0", "no", "off"];
+    let t = text.trim();
+    if TRUE.iter().any(|w| w.eq_ignore_ascii_case(t)) {
+        Some(true)
+    } else if FALSE.iter().any(|w| w.eq_ignore_ascii_case(t)) {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Parses a byte count: a decimal integer with an optional binary suffix `K/KB/KiB`,
+/// `M/MB/MiB` or `G/GB/GiB` (case-insensitive, 1K = 1024, blanks allowed before the suffix).
+/// `None` for anything else, including overflow, so bad input can never read as 0.
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(digits_end);
+    if digits.is_empty() {
+        return None;
+    }
+    let number: u64 = digits.parse().ok()?;
+    let shift = match suffix.trim_start().to_ascii_lowercase().as_str() {
+        "" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => return None,
+    };
+    number.checked_mul(1 << shift)
+}
+
+/// The largest power of two `<= n`, or 0 for 0.
+fn prev_power_of_two(n: u64) -> u64 {
+    match n {
+        0 => 0,
+        _ => 1 << (63 - n.leading_zeros()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    fn load(params: &[(&str, &str)]) -> Result<Loaded> {
+        Config::from_params(params.iter().copied(), no_env)
+    }
+
+    fn load_env(params: &[(&str, &str)], env: &[(&str, &str)]) -> Result<Loaded> {
+        let env: HashMap<String, String> = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        Config::from_params(params.iter().copied(), move |k| env.get(k).cloned())
+    }
+
+    fn spec(name: &str) -> &'static OptionSpec {
+        manifest::option(name).unwrap()
+    }
+
+    #[test]
+    fn every_manifest_option_parses_its_own_default() {
+        for o in manifest::OPTIONS {
+            assert!(parse_value(o.kind, o.default).is_some(), "{} default {:?}", o.name, o.default);
+        }
+    }
+
+    #[test]
+    fn every_manifest_option_is_read_into_the_config() {
+        // Setting each option explicitly to its default changes nothing and warns about nothing:
+        // every manifest option is known to from_params.
+        let params: Vec<_> = manifest::OPTIONS.iter().map(|o| (o.name, o.default)).collect();
+        let loaded = load(&params).unwrap();
+        assert_eq!(loaded.warnings, vec![]);
+        assert_eq!(loaded.config, Config::default());
+    }
+
+    /// A valid value of `spec`'s kind that differs from its default.
+    fn non_default(spec: &OptionSpec) -> String {
+        match spec.kind {
+            "bool" => (!parse_bool(spec.default).unwrap()).to_string(),
+            // Doubling keeps power-of-two sizes powers of two and the chunk within the arena.
+            "bytes" | "u64" | "u32" => {
+                let n = parse_bytes(spec.default).unwrap();
+                (if spec.name == "bounce_max_chunk_size" { n / 2 } else { n * 2 }).to_string()
+            }
+            "path" => "/elsewhere/libplugin_UCX.so".into(),
+            kind => {
+                let variants = kind.strip_prefix("enum:").unwrap();
+                variants.split('|').find(|v| *v != spec.default).unwrap().to_owned()
+            }
+        }
+    }
+
+    #[test]
+    fn every_manifest_option_reaches_a_config_field() {
+        for o in manifest::OPTIONS {
+            let value = non_default(o);
+            let loaded = load(&[(o.name, &value)]).unwrap();
+            assert_eq!(loaded.warnings, vec![], "{}", o.name);
+            assert_ne!(loaded.config, Config::default(), "{} = {value} changed nothing", o.name);
+        }
+    }
+
+    #[test]
+    fn default_config_matches_the_manifest_text() {
+        let c = Config::default();
+        c.validate().unwrap();
+        let bytes = |n| parse_bytes(spec(n).default).unwrap();
+        assert_eq!(c.enabled, parse_bool(spec("bounce_enable").default).unwrap());
+        assert_eq!(c.arena_size, bytes("bounce_arena_size"));
+        assert_eq!(c.arena_granularity, bytes("bounce_arena_granularity"));
+        assert_eq!(c.max_chunk_size, bytes("bounce_max_chunk_size"));
+        assert_eq!(c.max_average_descriptor_size, bytes("bounce_max_average_descriptor_size"));
+        assert_eq!(c.max_inflight_chunks.to_string(), spec("bounce_max_inflight_chunks").default);
+        assert_eq!(c.copy_workers.to_string(), spec("bounce_copy_workers").default);
+        assert_eq!(c.min_descriptor_count.to_string(), spec("bounce_min_descriptor_count").default);
+        assert_eq!(c.request_timeout.as_millis().to_string(), spec("bounce_request_timeout_ms").default);
+        assert_eq!(c.ucx_plugin.is_none(), spec("bounce_ucx_plugin").default.is_empty());
+        assert!(Config::from_params([], no_env).unwrap().warnings.is_empty());
+    }
+
+    #[test]
+    fn byte_suffixes_are_binary_and_case_insensitive() {
+        let table: &[(&str, u64)] = &[
+            ("0", 0),
+            ("4096", 4096),
+            ("1K", KIB),
+            ("1k", KIB),
+            ("2KB", 2 * KIB),
+            ("2kb", 2 * KIB),
+            ("3KiB", 3 * KIB),
+            ("3kib", 3 * KIB),
+            ("256MB", 256 * MIB),
+            ("256mib", 256 * MIB),
+            ("1M", MIB),
+            ("1gb", GIB),
+            ("1G", GIB),
+            ("4GiB", 4 * GIB),
+            ("512 KiB", 512 * KIB),
+            ("  64\tK  ", 64 * KIB),
+            ("17179869183G", 17_179_869_183 * GIB),
+        ];
+        for (text, want) in table {
+            assert_eq!(parse_bytes(text), Some(*want), "{text:?}");
+        }
+        let bad = "|K|-1|+1|1.5G|1 T|1TB|1KK|1 K B|0x10|1e3|1B|ten|1_000|18446744073709551616";
+        for text in bad.split('|').chain([" ", "17179869184G"]) {
+            assert_eq!(parse_bytes(text), None, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn bools_accept_the_usual_spellings() {
+        for t in ["true", "TRUE", "1", "yes", "Yes", "on", " ON "] {
+            assert_eq!(parse_bool(t), Some(true), "{t:?}");
+        }
+        for t in ["false", "False", "0", "no", "NO", "off", "Off"] {
+            assert_eq!(parse_bool(t), Some(false), "{t:?}");
+        }
+        for t in ["", "2", "y", "enabled", "truee"] {
+            assert_eq!(parse_bool(t), None, "{t:?}");
+        }
+    }
+
+    #[test]
+    fn params_set_typed_fields() {
+        let c = load(&[
+            ("bounce_enable", "off"),
+            ("bounce_arena_size", "1GiB"),
+            ("bounce_arena_granularity", "1MiB"),
+            ("bounce_max_chunk_size", "32M"),
+            ("bounce_max_inflight_chunks", "4"),
+            ("bounce_copy_workers", "6"),
+            ("bounce_min_descriptor_count", "1024"),
+            ("bounce_max_average_descriptor_size", "16K"),
+            ("bounce_request_timeout_ms", "1500"),
+            ("bounce_eager_gather", "no"),
+            ("bounce_control", "ZMQ"),
+            ("bounce_scatter_run_merging", "0"),
+            ("bounce_ucx_plugin", "/opt/nixl/libplugin_UCX.so"),
+        ])
+        .unwrap();
+        assert_eq!(c.warnings, vec![]);
+        let want = Config {
+            enabled: false,
+            arena_size: GIB,
+            arena_granularity: MIB,
+            max_chunk_size: 32 * MIB,
+            max_inflight_chunks: 4,
+            copy_workers: 6,
+            min_descriptor_count: 1024,
+            max_average_descriptor_size: 16 * KIB,
+            request_timeout: Duration::from_millis(1500),
+            eager_gather: false,
+            control: ControlKind::Zmq,
+            scatter_run_merging: false,
+            ucx_plugin: Some("/opt/nixl/libplugin_UCX.so".into()),
+        };
+        assert_eq!(c.config, want);
+    }
+
+    #[test]
+    fn garbage_falls_back_to_the_default_with_a_warning() {
+        let loaded = load(&[
+            ("bounce_arena_size", "lots"),
+            ("bounce_copy_workers", "-3"),
+            ("bounce_max_inflight_chunks", "4294967296"),
+            ("bounce_eager_gather", "maybe"),
+            ("bounce_control", "tcp"),
+            ("bounce_request_timeout_ms", ""),
+        ])
+        .unwrap();
+        assert_eq!(loaded.config, Config::default());
+        let bad: Vec<_> = loaded
+            .warnings
+            .iter()
+            .map(|w| match w {
+                ConfigWarning::Unparsable { option, source, value, default } => {
+                    assert_eq!(*source, ValueSource::Param);
+                    assert_eq!(*default, spec(option).default);
+                    (*option, value.as_str())
+                }
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        // Manifest order, not param order.
+        assert_eq!(
+            bad,
+            vec![
+                ("bounce_arena_size", "lots"),
+                ("bounce_max_inflight_chunks", "4294967296"),
+                ("bounce_copy_workers", "-3"),
+                ("bounce_request_timeout_ms", ""),
+                ("bounce_eager_gather", "maybe"),
+                ("bounce_control", "tcp"),
+            ]
+        );
+        let text = loaded.warnings[0].to_string();
+        assert!(text.contains("bounce_arena_size") && text.contains("lots"), "{text}");
+    }
+
+    #[test]
+    fn env_beats_param() {
+        let loaded = load_env(
+            &[("bounce_copy_workers", "3"), ("bounce_control", "ucx")],
+            &[("NIXL_BOUNCE_COPY_WORKERS", "5"), ("NIXL_BOUNCE_CONTROL", "zmq")],
+        )
+        .unwrap();
+        assert_eq!(loaded.config.copy_workers, 5);
+        assert_eq!(loaded.config.control, ControlKind::Zmq);
+        assert!(loaded.warnings.is_empty());
+    }
+
+    #[test]
+    fn bad_env_falls_back_to_the_default_not_to_the_param() {
+        let loaded = load_env(&[("bounce_copy_workers", "3")], &[("NIXL_BOUNCE_COPY_WORKERS", "many")]).unwrap();
+        assert_eq!(loaded.config.copy_workers, Config::default().copy_workers);
+        assert_eq!(
+            loaded.warnings,
+            vec![ConfigWarning::Unparsable {
+                option: "bounce_copy_workers",
+                source: ValueSource::Env("NIXL_BOUNCE_COPY_WORKERS"),
+                value: "many".into(),
+                default: spec("bounce_copy_workers").default,
+            }]
+        );
+    }
+
+    #[test]
+    fn empty_env_counts_as_unset() {
+        let loaded = load_env(&[("bounce_copy_workers", "3")], &[("NIXL_BOUNCE_COPY_WORKERS", "")]).unwrap();
+        assert_eq!(loaded.config.copy_workers, 3);
+        assert!(loaded.warnings.is_empty());
+    }
+
+    #[test]
+    fn unknown_bounce_param_warns_and_ucx_params_are_ignored() {
+        let loaded = load(&[
+            ("bounce_arena_sise", "1G"),
+            ("num_workers", "4"),
+            ("device_list", "mlx5_0"),
+            ("ucx_error_handling_mode", "none"),
+        ])
+        .unwrap();
+        assert_eq!(loaded.config, Config::default());
+        assert_eq!(loaded.warnings, vec![ConfigWarning::UnknownParam { name: "bounce_arena_sise".into() }]);
+    }
+
+    #[test]
+    fn empty_ucx_plugin_path_means_none() {
+        assert_eq!(Config::default().ucx_plugin, None);
+        let c = load(&[("bounce_ucx_plugin", "")]).unwrap().config;
+        assert_eq!(c.ucx_plugin, None);
+        let c = load(&[("bounce_ucx_plugin", " /p/x.so")]).unwrap().config;
+        assert_eq!(c.ucx_plugin.as_deref(), Some(" /p/x.so"));
+    }
+
+    #[test]
+    fn usable_capacity_and_largest_region() {
+        let c = Config { arena_size: 5 * MIB + 100, arena_granularity: MIB, ..Config::default() };
+        assert_eq!(c.arena_usable_capacity(), 5 * MIB);
+        assert_eq!(c.largest_region(), 4 * MIB);
+        let c = Config { arena_size: 256 * MIB, arena_granularity: 64 * KIB, ..c };
+        assert_eq!(c.arena_usable_capacity(), 256 * MIB);
+        assert_eq!(c.largest_region(), 256 * MIB);
+        let c = Config { arena_granularity: 0, ..c };
+        assert_eq!(c.arena_usable_capacity(), 0);
+        assert_eq!(c.largest_region(), 0);
+    }
+
+    #[test]
+    fn chunk_size_is_clamped_to_the_largest_region() {
+        let loaded = load(&[
+            ("bounce_arena_size", "6MiB"),
+            ("bounce_arena_granularity", "1MiB"),
+            ("bounce_max_chunk_size", "32MiB"),
+        ])
+        .unwrap();
+        assert_eq!(loaded.config.max_chunk_size, 4 * MIB);
+        assert_eq!(
+            loaded.warnings,
+            vec![ConfigWarning::ChunkSizeAdjusted { requested: 32 * MIB, used: 4 * MIB, largest_region: 4 * MIB }]
+        );
+    }
+
+    #[test]
+    fn chunk_size_is_rounded_down_to_a_power_of_two() {
+        let loaded = load(&[("bounce_max_chunk_size", "3MiB")]).unwrap();
+        assert_eq!(loaded.config.max_chunk_size, 2 * MIB);
+        assert!(matches!(
+            loaded.warnings[..],
+            [ConfigWarning::ChunkSizeAdjusted { requested, used, .. }]
+                if requested == 3 * MIB && used == 2 * MIB
+        ));
+    }
+
+    #[test]
+    fn chunk_size_that_fits_is_kept_silently() {
+        let loaded = load(&[("bounce_max_chunk_size", "1M"), ("bounce_arena_size", "1M")]).unwrap();
+        assert_eq!(loaded.config.max_chunk_size, MIB);
+        assert!(loaded.warnings.is_empty());
+    }
+
+    #[test]
+    fn chunk_smaller_than_granularity_is_allowed() {
+        let loaded = load(&[("bounce_max_chunk_size", "4K")]).unwrap();
+        assert_eq!(loaded.config.max_chunk_size, 4 * KIB);
+        assert!(loaded.config.max_chunk_size < loaded.config.arena_granularity);
+    }
+
+    #[test]
+    fn impossible_params_are_errors() {
+        use ConfigError::*;
+        let min = plan::DEFAULT_ALIGN;
+        let err = |params: &[(&str, &str)]| load(params).unwrap_err();
+        let gran = "bounce_arena_granularity";
+        let arena = "bounce_arena_size";
+        let chunk = "bounce_max_chunk_size";
+        let e = GranularityNotPowerOfTwo { granularity: 0 };
+        assert_eq!(err(&[(gran, "0")]), e);
+        let e = GranularityNotPowerOfTwo { granularity: 96 * KIB };
+        assert_eq!(err(&[(gran, "96K")]), e);
+        let e = ArenaSmallerThanGranularity { arena_size: MIB, granularity: 2 * MIB };
+        assert_eq!(err(&[(arena, "1M"), (gran, "2M")]), e);
+        let e = ArenaSmallerThanGranularity { arena_size: 0, granularity: 64 * KIB };
+        assert_eq!(err(&[(arena, "0")]), e);
+        let e = ChunkTooSmall { max_chunk_size: 0, min };
+        assert_eq!(err(&[(chunk, "0")]), e);
+        // 31 is first rounded down to 16.
+        let e = ChunkTooSmall { max_chunk_size: 16, min };
+        assert_eq!(err(&[(chunk, "31")]), e);
+        assert_eq!(err(&[("bounce_max_inflight_chunks", "0")]), ZeroInflightChunks);
+        assert_eq!(err(&[("bounce_copy_workers", "0")]), ZeroCopyWorkers);
+        assert_eq!(err(&[("bounce_request_timeout_ms", "0")]), ZeroRequestTimeout);
+    }
+
+    #[test]
+    fn hand_built_configs_are_validated() {
+        use ConfigError::*;
+        let check = |edit: fn(&mut Config)| {
+            let mut c = Config::default();
+            edit(&mut c);
+            c.validate()
+        };
+        assert_eq!(check(|_| {}), Ok(()));
+        let e = GranularityNotPowerOfTwo { granularity: 3 };
+        assert_eq!(check(|c| c.arena_granularity = 3), Err(e));
+        let e = ChunkNotPowerOfTwo { max_chunk_size: 3 * MIB };
+        assert_eq!(check(|c| c.max_chunk_size = 3 * MIB), Err(e));
+        let e = ChunkExceedsArena { max_chunk_size: 512 * MIB, largest_region: 256 * MIB };
+        assert_eq!(check(|c| c.max_chunk_size = 512 * MIB), Err(e));
+        let e = ChunkTooSmall { max_chunk_size: 16, min: plan::DEFAULT_ALIGN };
+        assert_eq!(check(|c| c.max_chunk_size = 16), Err(e));
+        assert_eq!(check(|c| c.max_inflight_chunks = 0), Err(ZeroInflightChunks));
+        assert_eq!(check(|c| c.copy_workers = 0), Err(ZeroCopyWorkers));
+        assert_eq!(check(|c| c.request_timeout = Duration::ZERO), Err(ZeroRequestTimeout));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn byte_values_never_read_as_zero_unless_zero(text in prop_oneof![
+            ".*",
+            "[ \t]*[0-9]{0,22}[ \t]*(|[kKmMgG]|[kKmMgG][bB]|[kKmMgG][iI][bB]|x)[ \t]*",
+        ]) {
+            let literally_zero = {
+                let t = text.trim();
+                let digits: String = t.chars().take_while(char::is_ascii_digit).collect();
+                !digits.is_empty() && digits.chars().all(|c| c == '0')
+            };
+            if let Some(n) = parse_bytes(&text) {
+                prop_assert_eq!(n == 0, literally_zero, "{:?} -> {}", text, n);
+            }
+            // Through the whole loader: no panic, and a non-zero-input never yields 0.
+            let loaded = load(&[("bounce_max_average_descriptor_size", &text)]).unwrap();
+            let v = loaded.config.max_average_descriptor_size;
+            prop_assert!(v != 0 || literally_zero, "{:?} -> 0", text);
+        }
+    }
+}

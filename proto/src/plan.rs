@@ -1,1 +1,849 @@
-//! (placeholder; being written)
+//! Transfer plan: bin-packs (src, dst) descriptor pairs into chunks and coalesces copy runs
+//! (design §4 BounceTransferPlan, §6 run merging).
+//!
+//! A chunk is what one RDMA write moves: at most `max_chunk` bytes of a staging region, into
+//! which the sender gathers and out of which the receiver scatters. This module only computes
+//! offsets and lengths: pure functions, no state, no addresses dereferenced (addresses are
+//! opaque integers). The sender builds a [`Plan`] at submit time; the chunk sizes go into WANT
+//! and each chunk's scatter runs into its DATA.
+
+use std::fmt;
+
+use crate::{config::Config, types::CopyRun};
+
+/// Alignment of each descriptor's offset inside a region, in bytes (design §4: 32 B, so that
+/// the copy kernel's vectorized path applies whenever the user addresses allow it).
+pub const DEFAULT_ALIGN: u64 = 32;
+
+/// One descriptor pair of a transfer: `len` bytes from `src` (local) to `dst` (remote).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct DescPair {
+    /// Source address on the sender.
+    pub src: u64,
+    /// Destination address on the receiver.
+    pub dst: u64,
+    /// Length in bytes; zero-length pairs are skipped.
+    pub len: u64,
+}
+
+/// Packing rules of [`plan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanParams {
+    /// Largest chunk in bytes (at least `align`).
+    pub max_chunk: u64,
+    /// Alignment of each descriptor's offset in the region; a power of two.
+    pub align: u64,
+    /// Coalesce contiguous or uniformly strided pieces into one [`CopyRun`].
+    pub merge_runs: bool,
+}
+
+impl PlanParams {
+    /// Parameters with the given chunk cap, [`DEFAULT_ALIGN`] and run merging on.
+    pub fn new(max_chunk: u64) -> Self {
+        Self { max_chunk, align: DEFAULT_ALIGN, merge_runs: true }
+    }
+
+    /// The parameters a validated [`Config`] implies.
+    pub fn from_config(config: &Config) -> Self {
+        Self { merge_runs: config.scatter_run_merging, ..Self::new(config.max_chunk_size) }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !self.align.is_power_of_two() {
+            return Err(PlanError::AlignNotPowerOfTwo { align: self.align });
+        }
+        if self.max_chunk < self.align {
+            return Err(PlanError::ChunkSmallerThanAlign { max_chunk: self.max_chunk, align: self.align });
+        }
+        Ok(())
+    }
+}
+
+/// One chunk of a plan: a staging region's layout and the copies into and out of it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Chunk {
+    /// Packed size in bytes, alignment padding between descriptors included (no trailing
+    /// padding); the region size to request. Never more than [`PlanParams::max_chunk`].
+    pub bytes: u64,
+    /// Copies source → region; [`CopyRun::addr`] is the source address.
+    pub gather: Vec<CopyRun>,
+    /// Copies region → destination; [`CopyRun::addr`] is the destination address.
+    pub scatter: Vec<CopyRun>,
+}
+
+/// The chunks of one transfer, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Plan {
+    /// Non-empty chunks; their count fits in a `u32` (see [`crate::types::ChunkIdx`]).
+    pub chunks: Vec<Chunk>,
+    /// Payload bytes (the sum of the descriptor lengths, padding excluded).
+    pub total_bytes: u64,
+}
+
+impl Plan {
+    /// Each chunk's packed size, in chunk order (the WANT payload).
+    pub fn chunk_sizes(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.chunks.iter().map(|c| c.bytes)
+    }
+}
+
+/// Which side of a descriptor pair an error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The source address.
+    Src,
+    /// The destination address.
+    Dst,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Src => "src",
+            Self::Dst => "dst",
+        })
+    }
+}
+
+/// Why a list of descriptors cannot be planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// [`PlanParams::align`] is zero or not a power of two.
+    #[error("plan alignment {align} is not a power of two")]
+    AlignNotPowerOfTwo {
+        /// The requested alignment.
+        align: u64,
+    },
+    /// [`PlanParams::max_chunk`] cannot hold one aligned slot (this includes 0).
+    #[error("max chunk {max_chunk} is smaller than the alignment {align}")]
+    ChunkSmallerThanAlign {
+        /// The requested chunk cap.
+        max_chunk: u64,
+        /// The requested alignment.
+        align: u64,
+    },
+    /// A descriptor's `addr + len` does not fit in 64 bits.
+    #[error("descriptor {index}: {side} {addr:#x} + {len} overflows the address space")]
+    AddressOverflow {
+        /// Index of the descriptor in the input.
+        index: usize,
+        /// The side that overflows.
+        side: Side,
+        /// Its start address.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// The sum of the descriptor lengths does not fit in 64 bits.
+    #[error("total payload exceeds 2^64 bytes at descriptor {index}")]
+    PayloadOverflow {
+        /// Index of the descriptor at which the sum overflowed.
+        index: usize,
+    },
+    /// The plan would need more chunks than a [`crate::types::ChunkIdx`] can number.
+    #[error("plan needs at least {at_least} chunks, more than u32::MAX")]
+    TooManyChunks {
+        /// A lower bound of the chunks needed.
+        at_least: u64,
+    },
+}
+
+/// Result of planning.
+pub type Result<T> = std::result::Result<T, PlanError>;
+
+/// Bin-packs `descs` into chunks of at most `params.max_chunk` bytes.
+///
+/// Descriptors are packed in input order, each at the next `align`-aligned offset of the
+/// current chunk; zero-length ones are skipped. A descriptor that does not fit in the space
+/// left starts a new chunk, so descriptors of at most `max_chunk` bytes are never split. A
+/// descriptor larger than `max_chunk` has to be split anyway: it first fills the current
+/// chunk's remaining space (if any), then continues in fresh chunks of `max_chunk` bytes,
+/// and its last piece shares its chunk with the descriptors that follow. Runs are merged per
+/// [`PlanParams::merge_runs`] (see [`CopyRun`]), separately for the gather and scatter lists.
+/// Runs in O(n) of the descriptors plus the chunks produced.
+///
+/// # Errors
+///
+/// Invalid `params`, an address range that wraps, a payload sum above `u64::MAX`, or more
+/// than `u32::MAX` chunks (mostly caught before any packing or allocation).
+pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
+    params.validate()?;
+    let total_bytes = check_input(descs, params)?;
+    // Two passes over the same deterministic packing: the first counts each chunk's runs, the
+    // second fills lists allocated at exactly that size. Growing the lists instead cost more
+    // than the packing itself (reallocation copies and page faults dominate at 16k pieces).
+    let mut sizer = Sizer {
+        merge: params.merge_runs,
+        gather: RunCounter::default(),
+        scatter: RunCounter::default(),
+        sizes: Vec::new(),
+    };
+    pack(descs, params, &mut sizer)?;
+    let mut sizes = sizer.sizes.into_iter();
+    let (gather, scatter) = sizes.next().unwrap_or_default();
+    let mut builder = Builder {
+        merge: params.merge_runs,
+        chunks: Vec::with_capacity(sizes.len() + 1),
+        gather: Vec::with_capacity(gather),
+        scatter: Vec::with_capacity(scatter),
+        sizes,
+    };
+    pack(descs, params, &mut builder)?;
+    Ok(Plan { chunks: builder.chunks, total_bytes })
+}
+
+/// Checks the descriptors up front, so that packing has no failure modes of the input, and
+/// returns their payload sum.
+fn check_input(descs: &[DescPair], params: PlanParams) -> Result<u64> {
+    let mut total_bytes = 0u64;
+    for (index, d) in descs.iter().enumerate() {
+        if d.len == 0 {
+            continue;
+        }
+        for (side, addr) in [(Side::Src, d.src), (Side::Dst, d.dst)] {
+            if addr.checked_add(d.len).is_none() {
+                return Err(PlanError::AddressOverflow { index, side, addr, len: d.len });
+            }
+        }
+        total_bytes = total_bytes.checked_add(d.len).ok_or(PlanError::PayloadOverflow { index })?;
+    }
+    // Rejected before packing, which would otherwise spin through billions of chunks.
+    let min_chunks = total_bytes.div_ceil(params.max_chunk);
+    if min_chunks > MAX_CHUNKS {
+        return Err(PlanError::TooManyChunks { at_least: min_chunks });
+    }
+    Ok(total_bytes)
+}
+
+/// Most chunks a plan may have: both the chunk count and chunk indices fit in a `u32`.
+const MAX_CHUNKS: u64 = u32::MAX as u64;
+
+/// Receiver of the packing decisions of [`pack`].
+trait Sink {
+    /// A piece of `len` bytes at offset `off` of the current chunk, from `src` to `dst`.
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64);
+    /// The current (non-empty) chunk is complete, `bytes` long.
+    fn close(&mut self, bytes: u64) -> Result<()>;
+}
+
+/// The packing rules of [`plan`], for descriptors that passed [`check_input`].
+fn pack(descs: &[DescPair], params: PlanParams, sink: &mut impl Sink) -> Result<()> {
+    let PlanParams { max_chunk, align, .. } = params;
+    // End of the last piece of the current chunk; pieces are never empty, so 0 means the
+    // chunk is empty.
+    let mut used = 0u64;
+    for d in descs.iter().filter(|d| d.len != 0) {
+        let DescPair { mut src, mut dst, len: mut rest } = *d;
+        loop {
+            // `used <= max_chunk`, but rounding up may still wrap for a huge `max_chunk`: then
+            // there is no room left.
+            let start = used.checked_next_multiple_of(align);
+            let room = start.map_or(0, |s| max_chunk.saturating_sub(s));
+            match start {
+                Some(start) if rest <= room => {
+                    sink.piece(start, src, dst, rest);
+                    used = start + rest;
+                    break;
+                }
+                Some(start) if rest > max_chunk && room > 0 => {
+                    sink.piece(start, src, dst, room);
+                    used = start + room;
+                    src += room;
+                    dst += room;
+                    rest -= room;
+                }
+                _ => {}
+            }
+            // The chunk is full or `rest` needs a fresh one. It is not empty: an empty chunk
+            // has room for `min(rest, max_chunk) > 0` bytes, so one of the arms above placed
+            // a piece, and each turn makes progress.
+            sink.close(used)?;
+            used = 0;
+        }
+    }
+    if used > 0 {
+        sink.close(used)?;
+    }
+    Ok(())
+}
+
+/// First pass: the number of gather and scatter runs of each chunk.
+struct Sizer {
+    merge: bool,
+    gather: RunCounter,
+    scatter: RunCounter,
+    sizes: Vec<(usize, usize)>,
+}
+
+impl Sink for Sizer {
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64) {
+        push_copy(&mut self.gather, off, src, len, self.merge);
+        push_copy(&mut self.scatter, off, dst, len, self.merge);
+    }
+
+    fn close(&mut self, _bytes: u64) -> Result<()> {
+        if self.sizes.len() as u64 >= MAX_CHUNKS {
+            return Err(PlanError::TooManyChunks { at_least: MAX_CHUNKS + 1 });
+        }
+        self.sizes.push((self.gather.finish(), self.scatter.finish()));
+        Ok(())
+    }
+}
+
+/// Second pass: the chunks, each list allocated at the size the first pass counted.
+struct Builder {
+    merge: bool,
+    chunks: Vec<Chunk>,
+    gather: Vec<CopyRun>,
+    scatter: Vec<CopyRun>,
+    /// Run counts of the chunks after the current one.
+    sizes: std::vec::IntoIter<(usize, usize)>,
+}
+
+impl Sink for Builder {
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64) {
+        push_copy(&mut self.gather, off, src, len, self.merge);
+        push_copy(&mut self.scatter, off, dst, len, self.merge);
+    }
+
+    fn close(&mut self, bytes: u64) -> Result<()> {
+        let (gather, scatter) = self.sizes.next().unwrap_or_default();
+        let gather = std::mem::replace(&mut self.gather, Vec::with_capacity(gather));
+        let scatter = std::mem::replace(&mut self.scatter, Vec::with_capacity(scatter));
+        debug_assert_eq!(gather.len(), gather.capacity(), "passes disagree");
+        debug_assert_eq!(scatter.len(), scatter.capacity(), "passes disagree");
+        self.chunks.push(Chunk { bytes, gather, scatter });
+        Ok(())
+    }
+}
+
+/// A run list as [`push_copy`] sees it: only its last run matters.
+trait RunList {
+    fn last_run(&mut self) -> Option<&mut CopyRun>;
+    fn push_run(&mut self, run: CopyRun);
+}
+
+impl RunList for Vec<CopyRun> {
+    fn last_run(&mut self) -> Option<&mut CopyRun> {
+        self.last_mut()
+    }
+
+    fn push_run(&mut self, run: CopyRun) {
+        self.push(run);
+    }
+}
+
+/// A run list that keeps only its last run and the count.
+#[derive(Default)]
+struct RunCounter {
+    last: Option<CopyRun>,
+    runs: usize,
+}
+
+impl RunCounter {
+    /// The run count of the finished chunk; starts the next one.
+    fn finish(&mut self) -> usize {
+        self.last = None;
+        std::mem::take(&mut self.runs)
+    }
+}
+
+impl RunList for RunCounter {
+    fn last_run(&mut self) -> Option<&mut CopyRun> {
+        self.last.as_mut()
+    }
+
+    fn push_run(&mut self, run: CopyRun) {
+        self.last = Some(run);
+        self.runs += 1;
+    }
+}
+
+/// Appends the copy `(region_off, addr, len)` to `runs`, merged into the last run when
+/// `merge` allows it. Pieces arrive in increasing `region_off`, so only the last run can
+/// absorb the next one: merging is O(1) per piece.
+fn push_copy(runs: &mut impl RunList, region_off: u64, addr: u64, len: u64, merge: bool) {
+    if merge {
+        if let Some(last) = runs.last_run() {
+            if absorb(last, region_off, addr, len) {
+                return;
+            }
+        }
+    }
+    runs.push_run(CopyRun { region_off, addr, len, count: 1, region_stride: 0, addr_stride: 0 });
+}
+
+/// Extends `run` by the copy `(region_off, addr, len)` if the result still describes exactly
+/// the same bytes: a single copy continued on both sides grows longer; otherwise an equal-length
+/// copy at the run's strides (set by its second copy) adds one to its count. Strides are never
+/// negative, so [`CopyRun::addr_span`] stays meaningful.
+fn absorb(run: &mut CopyRun, region_off: u64, addr: u64, len: u64) -> bool {
+    if run.count == 1 && run.region_off + run.len == region_off && run.addr.checked_add(run.len) == Some(addr) {
+        run.len += len;
+        return true;
+    }
+    if len != run.len || run.count == u32::MAX {
+        return false;
+    }
+    // The last copy of the run: both positions are real piece addresses, so no overflow.
+    let last = u64::from(run.count - 1);
+    let last_region = run.region_off + last * run.region_stride;
+    let last_addr = run.addr + last * run.addr_stride;
+    let (Some(region_stride), Some(addr_stride)) = (region_off.checked_sub(last_region), addr.checked_sub(last_addr))
+    else {
+        return false;
+    };
+    if run.count == 1 {
+        run.region_stride = region_stride;
+        run.addr_stride = addr_stride;
+    } else if (region_stride, addr_stride) != (run.region_stride, run.addr_stride) {
+        return false;
+    }
+    run.count += 1;
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fmt::Write as _;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn d(src: u64, dst: u64, len: u64) -> DescPair {
+        DescPair { src, dst, len }
+    }
+
+    fn params(max_chunk: u64, merge_runs: bool) -> PlanParams {
+        PlanParams { merge_runs, ..PlanParams::new(max_chunk) }
+    }
+
+    /// One line per chunk, then one per run: `g`ather or `s`catter,
+    /// `region_off<-addr len` and `xcount +region_stride/+addr_stride` for strided runs.
+    fn render(p: &Plan) -> String {
+        let mut out = format!("total {}\n", p.total_bytes);
+        for (i, c) in p.chunks.iter().enumerate() {
+            writeln!(out, "chunk {i} bytes {}", c.bytes).unwrap();
+            for (tag, runs) in [("g", &c.gather), ("s", &c.scatter)] {
+                for r in runs {
+                    write!(out, "  {tag} {}@{} len {}", r.region_off, r.addr, r.len).unwrap();
+                    if r.count != 1 {
+                        write!(out, " x{} +{}/+{}", r.count, r.region_stride, r.addr_stride).unwrap();
+                    }
+                    out.push('\n');
+                }
+            }
+        }
+        out
+    }
+
+    fn check(descs: &[DescPair], p: PlanParams, want: &str) {
+        let got = render(&plan(descs, p).unwrap());
+        assert_eq!(got.trim(), want.trim(), "\n--- got ---\n{got}");
+    }
+
+    #[test]
+    fn empty_input_and_zero_lengths_give_no_chunks() {
+        assert_eq!(plan(&[], PlanParams::new(64)).unwrap(), Plan::default());
+        let zeros = [d(1, 2, 0), d(u64::MAX, u64::MAX, 0)];
+        assert_eq!(plan(&zeros, PlanParams::new(64)).unwrap(), Plan::default());
+    }
+
+    #[test]
+    fn zero_length_descriptors_are_skipped() {
+        check(
+            &[d(100, 200, 8), d(5, 5, 0), d(300, 400, 8)],
+            params(1024, false),
+            "
+total 16
+chunk 0 bytes 40
+  g 0@100 len 8
+  g 32@300 len 8
+  s 0@200 len 8
+  s 32@400 len 8",
+        );
+    }
+
+    #[test]
+    fn offsets_are_aligned_and_bytes_exclude_trailing_padding() {
+        let p = plan(&[d(0, 0, 1), d(10, 10, 33), d(50, 50, 7)], params(1024, false)).unwrap();
+        let offs: Vec<_> = p.chunks[0].gather.iter().map(|r| r.region_off).collect();
+        assert_eq!(offs, vec![0, 32, 96]);
+        assert_eq!(p.chunks[0].bytes, 103);
+        let p = plan(&[d(0, 0, 1), d(10, 10, 1)], PlanParams { align: 8, ..params(64, false) }).unwrap();
+        assert_eq!(p.chunks[0].bytes, 9);
+    }
+
+    #[test]
+    fn descriptor_of_exactly_max_chunk_fills_one_chunk() {
+        check(
+            &[d(1000, 2000, 64)],
+            params(64, true),
+            "
+total 64
+chunk 0 bytes 64
+  g 0@1000 len 64
+  s 0@2000 len 64",
+        );
+    }
+
+    #[test]
+    fn descriptors_filling_a_chunk_exactly_share_it_and_one_more_byte_starts_another() {
+        let p = plan(&[d(0, 0, 32), d(100, 100, 32)], params(64, false)).unwrap();
+        assert_eq!(p.chunk_sizes().collect::<Vec<_>>(), vec![64]);
+        let p = plan(&[d(0, 0, 32), d(100, 100, 33)], params(64, false)).unwrap();
+        assert_eq!(p.chunk_sizes().collect::<Vec<_>>(), vec![32, 33]);
+    }
+
+    #[test]
+    fn alignment_padding_can_push_a_descriptor_into_the_next_chunk() {
+        // 40 + 24 = 64 would fit unpadded, but the second slot starts at 64.
+        check(
+            &[d(0, 0, 40), d(100, 100, 24)],
+            params(64, false),
+            "
+total 64
+chunk 0 bytes 40
+  g 0@0 len 40
+  s 0@0 len 40
+chunk 1 bytes 24
+  g 0@100 len 24
+  s 0@100 len 24",
+        );
+    }
+
+    #[test]
+    fn descriptor_one_byte_over_max_chunk_is_split() {
+        check(
+            &[d(1000, 5000, 65)],
+            params(64, true),
+            "
+total 65
+chunk 0 bytes 64
+  g 0@1000 len 64
+  s 0@5000 len 64
+chunk 1 bytes 1
+  g 0@1064 len 1
+  s 0@5064 len 1",
+        );
+    }
+
+    #[test]
+    fn huge_descriptor_fills_the_current_chunk_then_spans_several() {
+        // 10 bytes already in the chunk: the 184-byte descriptor takes the 32 aligned bytes
+        // left, two full chunks, and leaves 24 bytes that the next descriptor packs behind.
+        check(
+            &[d(0, 0, 10), d(1000, 9000, 184), d(500, 600, 8)],
+            params(64, true),
+            "
+total 202
+chunk 0 bytes 64
+  g 0@0 len 10
+  g 32@1000 len 32
+  s 0@0 len 10
+  s 32@9000 len 32
+chunk 1 bytes 64
+  g 0@1032 len 64
+  s 0@9032 len 64
+chunk 2 bytes 64
+  g 0@1096 len 64
+  s 0@9096 len 64
+chunk 3 bytes 40
+  g 0@1160 len 24
+  g 32@500 len 8
+  s 0@9160 len 24
+  s 32@600 len 8",
+        );
+    }
+
+    #[test]
+    fn huge_descriptor_into_a_full_chunk_starts_fresh() {
+        let p = plan(&[d(0, 0, 64), d(1000, 1000, 130)], params(64, false)).unwrap();
+        assert_eq!(p.chunk_sizes().collect::<Vec<_>>(), vec![64, 64, 64, 2]);
+    }
+
+    #[test]
+    fn contiguous_descriptors_merge_into_one_copy() {
+        let descs: Vec<_> = (0..100).map(|i| d(4096 + 64 * i, 8192 + 64 * i, 64)).collect();
+        check(
+            &descs,
+            params(1 << 20, true),
+            "
+total 6400
+chunk 0 bytes 6400
+  g 0@4096 len 6400
+  s 0@8192 len 6400",
+        );
+    }
+
+    #[test]
+    fn uniform_strides_merge_into_one_strided_run() {
+        // 8-byte descriptors: 32-byte slots in the region, src dense, dst every 100 bytes.
+        let descs: Vec<_> = (0..50).map(|i| d(1000 + 8 * i, 7000 + 100 * i, 8)).collect();
+        check(
+            &descs,
+            params(1 << 20, true),
+            "
+total 400
+chunk 0 bytes 1576
+  g 0@1000 len 8 x50 +32/+8
+  s 0@7000 len 8 x50 +32/+100",
+        );
+    }
+
+    #[test]
+    fn gather_and_scatter_merge_independently() {
+        // src contiguous, dst scattered at a constant stride: one long gather copy, one
+        // strided scatter run.
+        let descs: Vec<_> = (0..4).map(|i| d(64 * i, 10_000 + 1000 * i, 64)).collect();
+        check(
+            &descs,
+            params(4096, true),
+            "
+total 256
+chunk 0 bytes 256
+  g 0@0 len 256
+  s 0@10000 len 64 x4 +64/+1000",
+        );
+    }
+
+    #[test]
+    fn mixed_patterns_merge_greedily() {
+        let descs = [
+            d(0, 0, 32),
+            d(32, 32, 32),     // contiguous: first copy grows to 64
+            d(500, 900, 64),   // same length at strides 64/500 and 64/900
+            d(1000, 1800, 64), // same strides again
+            d(1, 3, 64),       // backwards on both sides: new run
+            d(9000, 9000, 16), // different length: new run
+        ];
+        check(
+            &descs,
+            params(4096, true),
+            "
+total 272
+chunk 0 bytes 272
+  g 0@0 len 64 x3 +64/+500
+  g 192@1 len 64
+  g 256@9000 len 16
+  s 0@0 len 64 x3 +64/+900
+  s 192@3 len 64
+  s 256@9000 len 16",
+        );
+    }
+
+    #[test]
+    fn runs_never_merge_across_chunks() {
+        let descs: Vec<_> = (0..4).map(|i| d(64 * i, 64 * i, 64)).collect();
+        check(
+            &descs,
+            params(128, true),
+            "
+total 256
+chunk 0 bytes 128
+  g 0@0 len 128
+  s 0@0 len 128
+chunk 1 bytes 128
+  g 0@128 len 128
+  s 0@128 len 128",
+        );
+    }
+
+    #[test]
+    fn without_merging_each_piece_is_one_run() {
+        let descs: Vec<_> = (0..10).map(|i| d(64 * i, 64 * i, 64)).collect();
+        let p = plan(&descs, params(1 << 20, false)).unwrap();
+        assert_eq!(p.chunks[0].gather.len(), 10);
+        assert_eq!(p.chunks[0].scatter.len(), 10);
+        assert!(p.chunks[0].gather.iter().all(|r| r.count == 1));
+    }
+
+    #[test]
+    fn from_config_uses_chunk_size_and_merging_switch() {
+        let cfg = Config { scatter_run_merging: false, ..Config::default() };
+        let p = PlanParams::from_config(&cfg);
+        assert_eq!(p, PlanParams { max_chunk: cfg.max_chunk_size, align: DEFAULT_ALIGN, merge_runs: false });
+    }
+
+    #[test]
+    fn bad_params_and_inputs_are_errors() {
+        let one = [d(0, 0, 1)];
+        let bad_params = [
+            (PlanParams { align: 0, ..PlanParams::new(64) }, PlanError::AlignNotPowerOfTwo { align: 0 }),
+            (PlanParams { align: 48, ..PlanParams::new(64) }, PlanError::AlignNotPowerOfTwo { align: 48 }),
+            (PlanParams::new(0), PlanError::ChunkSmallerThanAlign { max_chunk: 0, align: 32 }),
+            (PlanParams::new(31), PlanError::ChunkSmallerThanAlign { max_chunk: 31, align: 32 }),
+        ];
+        for (p, want) in bad_params {
+            assert_eq!(plan(&one, p), Err(want));
+        }
+        let p = PlanParams::new(64);
+        assert_eq!(
+            plan(&[d(0, 0, 1), d(u64::MAX - 3, 0, 4)], p),
+            Err(PlanError::AddressOverflow { index: 1, side: Side::Src, addr: u64::MAX - 3, len: 4 })
+        );
+        assert_eq!(
+            plan(&[d(0, u64::MAX, 1)], p),
+            Err(PlanError::AddressOverflow { index: 0, side: Side::Dst, addr: u64::MAX, len: 1 })
+        );
+        // Exactly reaching the end of the address space is fine.
+        assert!(plan(&[d(u64::MAX - 4, u64::MAX - 4, 4)], p).is_ok());
+        let half = 1 << 63;
+        assert_eq!(plan(&[d(0, 0, half), d(0, 0, half)], p), Err(PlanError::PayloadOverflow { index: 1 }));
+        assert_eq!(plan(&[d(0, 0, 1 << 40)], PlanParams::new(32)), Err(PlanError::TooManyChunks { at_least: 1 << 35 }));
+    }
+
+    #[test]
+    fn huge_max_chunk_does_not_overflow() {
+        let p = PlanParams::new(u64::MAX);
+        let descs = [d(0, 0, u64::MAX - 1), d(0, 0, 1)];
+        let got = plan(&descs, p).unwrap();
+        assert_eq!(got.chunk_sizes().collect::<Vec<_>>(), vec![u64::MAX - 1, 1]);
+    }
+
+    #[test]
+    fn many_small_descriptors_plan_in_one_pass() {
+        // 16384 × 4 KiB dense descriptors into the default 4 MiB chunks.
+        let descs: Vec<_> = (0..16384).map(|i| d(i << 12, (i << 12) + (1 << 40), 4096)).collect();
+        let p = plan(&descs, PlanParams::new(4 << 20)).unwrap();
+        assert_eq!(p.chunks.len(), 16);
+        assert!(p.chunks.iter().all(|c| c.gather.len() == 1 && c.scatter.len() == 1));
+    }
+
+    // ---- properties ----
+
+    /// Each region byte of each chunk mapped to its (src byte, dst byte), checking on the way
+    /// that gather and scatter copies cover each region byte exactly once and stay within
+    /// `bytes`. Sorted, so two plans moving the same bytes compare equal.
+    fn byte_mapping(p: &Plan) -> std::result::Result<Vec<(u64, u64)>, String> {
+        let mut pairs = Vec::new();
+        for (i, c) in p.chunks.iter().enumerate() {
+            let expand = |runs: &[CopyRun]| -> std::result::Result<Vec<Option<u64>>, String> {
+                let mut map = vec![None; c.bytes as usize];
+                for r in runs {
+                    let (_, end) = r.region_span().ok_or("bad span")?;
+                    if end > c.bytes {
+                        return Err(format!("chunk {i}: run {r:?} ends past {}", c.bytes));
+                    }
+                    for (off, addr, len) in r.copies() {
+                        for k in 0..len {
+                            let slot = &mut map[(off + k) as usize];
+                            if slot.is_some() {
+                                return Err(format!("chunk {i}: region byte {} copied twice", off + k));
+                            }
+                            *slot = Some(addr + k);
+                        }
+                    }
+                }
+                Ok(map)
+            };
+            let gather = expand(&c.gather)?;
+            let scatter = expand(&c.scatter)?;
+            for (off, (g, s)) in gather.iter().zip(&scatter).enumerate() {
+                match (g, s) {
+                    (Some(g), Some(s)) => pairs.push((*g, *s)),
+                    (None, None) => {}
+                    _ => return Err(format!("chunk {i}: byte {off} gathered xor scattered")),
+                }
+            }
+        }
+        pairs.sort_unstable();
+        Ok(pairs)
+    }
+
+    fn input_mapping(descs: &[DescPair]) -> Vec<(u64, u64)> {
+        let mut pairs: Vec<_> = descs.iter().flat_map(|d| (0..d.len).map(move |k| (d.src + k, d.dst + k))).collect();
+        pairs.sort_unstable();
+        pairs
+    }
+
+    /// Descriptor lists that often continue contiguously or at a repeated stride, so that
+    /// every merge path is exercised, plus arbitrary jumps (also backwards).
+    fn descs_strategy() -> impl Strategy<Value = Vec<DescPair>> {
+        let step = (0u8..4, 0u64..200, 0u64..4000, 0u64..4000);
+        (proptest::collection::vec(step, 0..40), 0u64..200).prop_map(|(steps, first_len)| {
+            let mut out: Vec<DescPair> = Vec::with_capacity(steps.len());
+            let mut cur = d(10_000, 50_000, first_len);
+            let mut stride = (64u64, 128u64);
+            for (kind, len, a, b) in steps {
+                out.push(cur);
+                cur = match kind {
+                    0 => d(cur.src + cur.len, cur.dst + cur.len, len),
+                    1 => d(cur.src + stride.0, cur.dst + stride.1, cur.len),
+                    2 => {
+                        stride = (a, b);
+                        d(cur.src + a, cur.dst + b, cur.len)
+                    }
+                    _ => d(a * 3, b * 3, len),
+                };
+            }
+            out.push(cur);
+            out
+        })
+    }
+
+    fn params_strategy() -> impl Strategy<Value = (u64, u64)> {
+        (0u32..7).prop_flat_map(|a| {
+            let align = 1u64 << a;
+            (align..600, Just(align))
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn plans_move_exactly_the_input_bytes(
+            descs in descs_strategy(),
+            (max_chunk, align) in params_strategy(),
+        ) {
+            let want = input_mapping(&descs);
+            let mut mappings = Vec::new();
+            let mut run_counts = Vec::new();
+            for merge_runs in [false, true] {
+                let p = plan(&descs, PlanParams { max_chunk, align, merge_runs }).unwrap();
+                prop_assert_eq!(p.total_bytes, descs.iter().map(|d| d.len).sum::<u64>());
+                prop_assert!(p.chunks.len() as u64 >= p.total_bytes.div_ceil(max_chunk));
+                for c in &p.chunks {
+                    prop_assert!(c.bytes > 0 && c.bytes <= max_chunk, "bytes {}", c.bytes);
+                    prop_assert!(!c.gather.is_empty() && !c.scatter.is_empty());
+                    if !merge_runs {
+                        prop_assert!(c.gather.iter().all(|r| r.count == 1 && r.region_off % align == 0));
+                    }
+                }
+                let got = byte_mapping(&p).map_err(TestCaseError::fail)?;
+                prop_assert_eq!(&got, &want);
+                mappings.push(got);
+                run_counts.push(p.chunks.iter().map(|c| c.gather.len() + c.scatter.len()).sum::<usize>());
+            }
+            prop_assert_eq!(&mappings[0], &mappings[1]);
+            prop_assert!(run_counts[1] <= run_counts[0]);
+        }
+
+        #[test]
+        fn descriptors_that_fit_are_never_split(
+            descs in descs_strategy(),
+            (max_chunk, align) in params_strategy(),
+        ) {
+            let p = plan(&descs, PlanParams { max_chunk, align, merge_runs: false }).unwrap();
+            // Unmerged, the gather runs in chunk order are the pieces in input order.
+            let mut pieces = p.chunks.iter().flat_map(|c| &c.gather);
+            for d in descs.iter().filter(|d| d.len > 0) {
+                let (mut covered, mut n) = (0, 0u64);
+                while covered < d.len {
+                    let r = pieces.next().unwrap();
+                    prop_assert_eq!(r.addr, d.src + covered);
+                    covered += r.len;
+                    n += 1;
+                }
+                prop_assert_eq!(covered, d.len);
+                let most = if d.len <= max_chunk { 1 } else { d.len.div_ceil(max_chunk) + 1 };
+                prop_assert!(n <= most, "{:?} in {} pieces", d, n);
+            }
+            prop_assert!(pieces.next().is_none());
+        }
+    }
+}
