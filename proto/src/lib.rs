@@ -10,10 +10,12 @@
 //! - [`buddy`]: power-of-two buddy allocator over arena byte offsets.
 //! - [`scheduler`]: the receiver's credit scheduler (per-flow window, round robin, drain mode).
 //! - [`sender`] / [`receiver`]: the two role state machines.
+//! - [`endpoint`]: the one object the IO shell drives; owns the scheduler and both roles.
 #![forbid(unsafe_code)]
 
 pub mod buddy;
 pub mod config;
+pub mod endpoint;
 pub mod manifest;
 pub mod plan;
 pub mod receiver;

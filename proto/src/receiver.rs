@@ -1,1 +1,676 @@
-//! (placeholder; being written)
+//! The receiver role (design §5, §6, §9): remote flows that write into this engine's arena,
+//! WANT -> GRANT, DATA -> validated scatter -> ACK, cancel and peer-loss reclaim.
+//!
+//! [`Receiver`] owns what the scheduler does not know: each flow's chunk sizes (to bound the
+//! scatter runs by the bytes actually written), the scatter jobs in flight, the flows' idle
+//! timers and the registered memory that DATA runs may target. Region ownership, the window and
+//! fairness live in the endpoint's shared [`crate::scheduler::CreditScheduler`]. The
+//! [`crate::endpoint::Endpoint`] drives it; nothing else does.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, trace, warn};
+
+use crate::config::Config;
+use crate::endpoint::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
+use crate::scheduler::Grant as SchedGrant;
+use crate::types::{ChunkIdx, FlowKey, PeerId, Region};
+use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
+
+/// One remote flow as the receiver sees it.
+#[derive(Debug)]
+struct Flow {
+    /// Byte size of each chunk announced so far, by chunk index.
+    chunks: Vec<u64>,
+    /// Regions of this flow being scattered.
+    scattering: usize,
+    /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
+    /// DATA, new grants and finished scatters.
+    deadline: Instant,
+    /// The instant of this flow's one entry in `Receiver::timers` (at most `deadline`).
+    timer_at: Instant,
+}
+
+/// A scatter job in flight.
+#[derive(Debug, Clone, Copy)]
+struct Scatter {
+    flow: FlowKey,
+    chunk: ChunkIdx,
+    region: Region,
+    bytes: u64,
+}
+
+/// Protocol state of the transfers peers send to this engine.
+///
+/// Driven only by [`crate::endpoint::Endpoint`], which documents the call order.
+/// - WANT queues the flow's chunks in the scheduler; an empty WANT (cancel) reclaims the flow.
+///   Credits come out of the endpoint's `schedule()` calls, batched into one GRANT per flow.
+/// - DATA is validated: the flow holds the named region for that chunk and is not already
+///   scattering it; every run lies within the chunk's bytes and inside one registered memory
+///   range. A valid DATA becomes an [`Action::Scatter`]; an invalid one is answered with
+///   ACK(Refused) and its flow is reclaimed. A DATA for a flow this receiver does not know (it
+///   was canceled, timed out or lost) is dropped without an answer: its sender has already
+///   failed or will time out, and an ACK would only be one more late message.
+/// - A finished scatter frees the region and answers ACK(Scattered) or ACK(Failed), unless the
+///   flow was reclaimed meanwhile (then nobody waits for it).
+/// - A flow that holds granted regions without WANT, DATA or a new grant for twice the request
+///   timeout is reclaimed: its sender is presumed dead.
+#[derive(Debug)]
+pub struct Receiver {
+    idle_timeout: Duration,
+    /// Registered memory ranges `(start, end)` with their registration counts.
+    registered: BTreeMap<(u64, u64), u32>,
+    flows: BTreeMap<FlowKey, Flow>,
+    scatters: BTreeMap<JobId, Scatter>,
+    timers: BTreeSet<(Instant, FlowKey)>,
+    shutting_down: bool,
+}
+
+impl Receiver {
+    pub(crate) fn new(config: &Config, _now: Instant) -> Self {
+        Self {
+            idle_timeout: config.request_timeout.saturating_mul(2),
+            registered: BTreeMap::new(),
+            flows: BTreeMap::new(),
+            scatters: BTreeMap::new(),
+            timers: BTreeSet::new(),
+            shutting_down: false,
+        }
+    }
+
+    /// Remote flows tracked (with pending chunks, granted or scattering regions).
+    pub fn flows(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// Scatter jobs emitted and not yet reported (those of reclaimed flows included).
+    pub fn scatters_in_flight(&self) -> usize {
+        self.scatters.len()
+    }
+
+    /// True when a DATA run may write `[start, end)`: it lies inside one registered range.
+    pub fn is_registered(&self, start: u64, end: u64) -> bool {
+        // Ranges starting at or before `start`, nearest first; few registrations are expected.
+        self.registered.range(..=(start, u64::MAX)).rev().any(|(&(_, e), _)| end <= e)
+    }
+
+    pub(crate) fn add_registered(&mut self, addr: u64, len: u64) {
+        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
+            warn!(addr, len, "ignoring an empty or wrapping registered range");
+            return;
+        };
+        *self.registered.entry((addr, end)).or_insert(0) += 1;
+    }
+
+    pub(crate) fn remove_registered(&mut self, addr: u64, len: u64) {
+        let key = (addr, addr.saturating_add(len));
+        match self.registered.get_mut(&key) {
+            Some(1) => {
+                self.registered.remove(&key);
+            }
+            Some(n) => *n -= 1,
+            None => warn!(addr, len, "removing a range that is not registered"),
+        }
+    }
+
+    pub(crate) fn next_timeout(&self) -> Option<Instant> {
+        self.timers.first().map(|&(t, _)| t)
+    }
+
+    pub(crate) fn handle_want(&mut self, ctx: &mut Ctx<'_>, from: PeerId, want: Want) -> Result<(), ProtocolError> {
+        let key = FlowKey { peer: from, xfer: want.xfer };
+        if want.is_cancel() {
+            debug!(peer = from.0, xfer = want.xfer.0, "cancel");
+            self.reclaim(ctx, key);
+            return Ok(());
+        }
+        if self.shutting_down {
+            debug!(peer = from.0, xfer = want.xfer.0, "WANT ignored: shutting down");
+            return Ok(());
+        }
+        if let Err(source) = ctx.sched.want(key, &want.chunks) {
+            return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
+        }
+        ctx.stats.wants += 1;
+        let deadline = ctx.now + self.idle_timeout;
+        match self.flows.get_mut(&key) {
+            Some(flow) => {
+                flow.chunks.extend_from_slice(&want.chunks);
+                flow.deadline = deadline;
+            }
+            None => {
+                self.timers.insert((deadline, key));
+                let flow = Flow { chunks: want.chunks, scattering: 0, deadline, timer_at: deadline };
+                self.flows.insert(key, flow);
+            }
+        }
+        debug!(peer = from.0, xfer = want.xfer.0, chunks = self.flows[&key].chunks.len(), "flow wants");
+        Ok(())
+    }
+
+    pub(crate) fn handle_data(&mut self, ctx: &mut Ctx<'_>, from: PeerId, data: Data) -> Result<(), ProtocolError> {
+        let key = FlowKey { peer: from, xfer: data.xfer };
+        let Some(flow) = self.flows.get(&key) else {
+            trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, "late DATA for an unknown flow dropped");
+            ctx.stats.late_data += 1;
+            return Ok(());
+        };
+        let bytes = match self.validate(ctx, key, flow, &data) {
+            Ok(bytes) => bytes,
+            Err(fault) => {
+                ctx.stats.data_refused += 1;
+                if data.region.len != 0 {
+                    let ack =
+                        Ack { xfer: data.xfer, chunk: data.chunk, region: data.region, status: AckStatus::Refused };
+                    ctx.send(from, ack);
+                }
+                // Free the flow's regions now; its sender fails on the refusal.
+                self.reclaim(ctx, key);
+                return Err(ProtocolError::InvalidData { peer: from, xfer: data.xfer, chunk: data.chunk, fault });
+            }
+        };
+        if let Err(e) = ctx.sched.begin_scatter(key, data.region.offset) {
+            internal_error("begin_scatter after a successful validation", &e);
+            return Ok(());
+        }
+        let job = ctx.job();
+        if let Some(flow) = self.flows.get_mut(&key) {
+            flow.scattering += 1;
+            flow.deadline = ctx.now + self.idle_timeout;
+        }
+        self.scatters.insert(job, Scatter { flow: key, chunk: data.chunk, region: data.region, bytes });
+        trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, region = %data.region, runs = data.runs.len(), "scatter");
+        ctx.push(Action::Scatter { job, peer: from, xfer: data.xfer, region: data.region, runs: data.runs });
+        Ok(())
+    }
+
+    pub(crate) fn handle_scatter_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        let Some(s) = self.scatters.remove(&job) else {
+            warn!(job = job.0, "scatter done-event for an unknown job; ignored");
+            return;
+        };
+        let end = match ctx.sched.end_scatter(s.region.offset) {
+            Ok(end) => end,
+            Err(e) => return internal_error("end_scatter of a scatter job", &e),
+        };
+        trace!(
+            peer = s.flow.peer.0,
+            xfer = s.flow.xfer.0,
+            chunk = s.chunk.0,
+            ok,
+            orphaned = end.orphaned,
+            "scatter done"
+        );
+        if ok {
+            ctx.stats.chunks_scattered += 1;
+            ctx.stats.bytes_scattered += s.bytes;
+        } else {
+            ctx.stats.scatters_failed += 1;
+        }
+        if end.orphaned {
+            // The flow was reclaimed while this scatter ran: nobody waits for the ACK.
+            return;
+        }
+        let status = if ok { AckStatus::Scattered } else { AckStatus::Failed };
+        ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, chunk: s.chunk, region: s.region, status });
+        if !ctx.sched.has_flow(s.flow) {
+            self.forget(s.flow);
+            debug!(peer = s.flow.peer.0, xfer = s.flow.xfer.0, "flow done");
+        } else if let Some(flow) = self.flows.get_mut(&s.flow) {
+            flow.scattering -= 1;
+            flow.deadline = ctx.now + self.idle_timeout;
+        }
+    }
+
+    pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        let r = ctx.sched.reclaim_peer(peer);
+        let keys: Vec<FlowKey> = self.flows.keys().filter(|k| k.peer == peer).copied().collect();
+        if !keys.is_empty() {
+            debug!(
+                peer = peer.0,
+                flows = keys.len(),
+                freed = r.freed.len(),
+                deferred = r.deferred.len(),
+                "peer lost: flows reclaimed"
+            );
+        }
+        for key in keys {
+            self.forget(key);
+        }
+    }
+
+    pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
+        let now = ctx.now;
+        while let Some(&(t, key)) = self.timers.first() {
+            if t > now {
+                break;
+            }
+            self.timers.pop_first();
+            let Some(flow) = self.flows.get_mut(&key) else {
+                continue;
+            };
+            let waiting_for_data = ctx.sched.flow_held_count(key).saturating_sub(flow.scattering);
+            if flow.deadline <= now && waiting_for_data > 0 {
+                warn!(
+                    peer = key.peer.0,
+                    xfer = key.xfer.0,
+                    regions = waiting_for_data,
+                    "flow silent too long: reclaimed"
+                );
+                ctx.stats.flows_timed_out += 1;
+                self.reclaim(ctx, key);
+            } else {
+                // Waiting for our arena or our own scatters is not the sender's fault.
+                if flow.deadline <= now {
+                    flow.deadline = now + self.idle_timeout;
+                }
+                flow.timer_at = flow.deadline;
+                self.timers.insert((flow.deadline, key));
+            }
+        }
+    }
+
+    pub(crate) fn shutdown(&mut self, ctx: &mut Ctx<'_>) {
+        self.shutting_down = true;
+        let keys: Vec<FlowKey> = self.flows.keys().copied().collect();
+        for key in keys {
+            self.reclaim(ctx, key);
+        }
+    }
+
+    /// Sends fresh credits, one GRANT per flow (split only beyond the wire's credit cap).
+    pub(crate) fn emit_grants(&mut self, ctx: &mut Ctx<'_>, grants: Vec<SchedGrant>) {
+        ctx.stats.credits_granted += grants.len() as u64;
+        // One batch per flow, in the order the flows were first granted.
+        let mut batches: Vec<(FlowKey, Vec<Credit>)> = Vec::new();
+        let mut index: BTreeMap<FlowKey, usize> = BTreeMap::new();
+        for g in grants {
+            let credit = Credit { chunk: g.chunk, region: g.region };
+            let i = *index.entry(g.flow).or_insert_with(|| {
+                batches.push((g.flow, Vec::new()));
+                batches.len() - 1
+            });
+            batches[i].1.push(credit);
+        }
+        for (key, credits) in batches {
+            match self.flows.get_mut(&key) {
+                Some(flow) => flow.deadline = ctx.now + self.idle_timeout,
+                None => internal_error("grant for a flow the receiver does not track", &key.xfer.0),
+            }
+            trace!(peer = key.peer.0, xfer = key.xfer.0, credits = credits.len(), "grant");
+            for part in credits.chunks(wire::MAX_CREDITS as usize) {
+                ctx.send(key.peer, Grant { xfer: key.xfer, credits: part.to_vec() });
+            }
+        }
+    }
+
+    /// Checks a DATA of known flow `key`; returns the chunk's byte size.
+    fn validate(&self, ctx: &Ctx<'_>, key: FlowKey, flow: &Flow, data: &Data) -> Result<u64, DataFault> {
+        let held = ctx.sched.is_held(key, data.region.offset).ok_or(DataFault::NotHeld)?;
+        if held.region != data.region {
+            return Err(DataFault::RegionMismatch);
+        }
+        if held.chunk != data.chunk {
+            return Err(DataFault::ChunkMismatch);
+        }
+        let Some(&bytes) = flow.chunks.get(data.chunk.0 as usize) else {
+            internal_error("held chunk beyond the flow's WANT", &data.chunk.0);
+            return Err(DataFault::ChunkMismatch);
+        };
+        if data.runs.is_empty() {
+            return Err(DataFault::NoRuns);
+        }
+        if data.runs.len() > wire::MAX_RUNS as usize {
+            return Err(DataFault::TooManyRuns);
+        }
+        // Only the chunk's bytes were written: the rest of the block holds an earlier flow's data.
+        let limit = bytes.min(held.region.len);
+        for (index, run) in data.runs.iter().enumerate() {
+            let (Some((_, end)), Some((a, b))) = (run.region_span(), run.addr_span()) else {
+                return Err(DataFault::BadRun { index });
+            };
+            if run.len == 0 {
+                return Err(DataFault::BadRun { index });
+            }
+            if end > limit {
+                return Err(DataFault::RunOutsideChunk { index });
+            }
+            if !self.is_registered(a, b) {
+                return Err(DataFault::RunOutsideRegistered { index });
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// Cancels flow `key`: frees its idle regions now, orphans the scattering ones.
+    fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey) {
+        let r = ctx.sched.reclaim_flow(key);
+        if self.forget(key) {
+            trace!(
+                peer = key.peer.0,
+                xfer = key.xfer.0,
+                freed = r.freed.len(),
+                deferred = r.deferred.len(),
+                "flow reclaimed"
+            );
+        }
+    }
+
+    /// Drops the receiver's record of `key`; true when there was one.
+    fn forget(&mut self, key: FlowKey) -> bool {
+        match self.flows.remove(&key) {
+            Some(flow) => {
+                self.timers.remove(&(flow.timer_at, key));
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::endpoint::Endpoint;
+    use crate::endpoint::tests::*;
+    use crate::types::{CopyRun, XferId};
+    use crate::wire::Msg;
+
+    /// A receiver with a 32 KiB arena, W = 2, and `[DST, DST + 64 KiB)` registered.
+    fn receiver() -> (Endpoint, Instant) {
+        let (mut ep, t) = endpoint(32 * KIB, 2, true);
+        ep.add_registered(DST, 64 * KIB);
+        (ep, t)
+    }
+
+    /// `(peer, xfer, chunk, region)` of every credit in the GRANTs among `acts`.
+    fn credits(acts: &[Action]) -> Vec<(PeerId, XferId, u32, Region)> {
+        let mut out = Vec::new();
+        for (peer, m) in msgs(acts) {
+            if let Msg::Grant(g) = m {
+                out.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk.0, c.region)));
+            }
+        }
+        out
+    }
+
+    fn acks(acts: &[Action]) -> Vec<(XferId, u32, AckStatus)> {
+        msgs(acts)
+            .into_iter()
+            .filter_map(|(_, m)| match m {
+                Msg::Ack(a) => Some((a.xfer, a.chunk.0, a.status)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Sends a 3-chunk WANT from `PEER`; returns the two regions granted.
+    fn wanted(ep: &mut Endpoint, t: Instant) -> [Region; 2] {
+        ep.handle_msg(t, PEER, want_msg(X, &[CHUNK, CHUNK, 3000])).unwrap();
+        let c = credits(&drain(ep));
+        assert_eq!(c.len(), 2);
+        [c[0].3, c[1].3]
+    }
+
+    fn full_run(chunk: u64) -> Vec<CopyRun> {
+        vec![run(0, DST + chunk * CHUNK, CHUNK)]
+    }
+
+    #[test]
+    fn want_is_granted_up_to_the_window_in_one_grant_message() {
+        let (mut ep, t) = receiver();
+        ep.handle_msg(t, PEER, want_msg(X, &[CHUNK; 5])).unwrap();
+        let acts = drain(&mut ep);
+        assert_eq!(msgs(&acts).len(), 1, "one GRANT batches the flow's credits");
+        let c = credits(&acts);
+        assert_eq!(c.iter().map(|c| (c.0, c.1, c.2)).collect::<Vec<_>>(), vec![(PEER, X, 0), (PEER, X, 1)]);
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.stats().credits_granted, 2);
+        check(&ep);
+    }
+
+    #[test]
+    fn valid_data_is_scattered_then_acked_and_the_window_refilled() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        let s = scatters(&drain(&mut ep));
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].1, r0);
+        ep.handle_scatter_done(t, s[0].0, true);
+        let acts = drain(&mut ep);
+        assert_eq!(acks(&acts), vec![(X, 0, AckStatus::Scattered)]);
+        let c = credits(&acts);
+        assert_eq!((c.len(), c[0].2), (1, 2), "the freed slot goes to chunk 2");
+        assert_eq!(ep.stats().bytes_scattered, CHUNK);
+        check(&ep);
+    }
+
+    /// Sends `runs` for chunk `chunk` in `region`, expects a refusal with `fault` and a reclaimed
+    /// flow whose regions are all free again, except `scattering` ones.
+    fn refused_with(
+        ep: &mut Endpoint,
+        t: Instant,
+        (chunk, region, runs): (u32, Region, Vec<CopyRun>),
+        fault: DataFault,
+        scattering: u64,
+    ) {
+        let err = ep.handle_msg(t, PEER, data_msg(X, chunk, region, runs)).unwrap_err();
+        assert_eq!(err, ProtocolError::InvalidData { peer: PEER, xfer: X, chunk: ChunkIdx(chunk), fault });
+        let acts = drain(ep);
+        assert!(scatters(&acts).is_empty());
+        assert_eq!(acks(&acts), vec![(X, chunk, AckStatus::Refused)]);
+        assert_eq!(ep.remote_flows(), 0, "the flow is reclaimed");
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - scattering * CHUNK, "its regions are free again");
+        check(ep);
+    }
+
+    fn expect_refused(ep: &mut Endpoint, t: Instant, chunk: u32, region: Region, runs: Vec<CopyRun>, fault: DataFault) {
+        refused_with(ep, t, (chunk, region, runs), fault, 0);
+    }
+
+    #[test]
+    fn data_with_a_run_outside_the_region_or_the_chunk_is_refused() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        expect_refused(&mut ep, t, 0, r0, vec![run(CHUNK - 8, DST, 16)], DataFault::RunOutsideChunk { index: 0 });
+
+        // Chunk 2 is 3000 bytes in a 4 KiB block: the block's tail is stale and never scattered.
+        let (mut ep, t) = receiver();
+        let [r0, r1] = wanted(&mut ep, t);
+        for (chunk, region) in [(0, r0), (1, r1)] {
+            ep.handle_msg(t, PEER, data_msg(X, chunk, region, full_run(chunk.into()))).unwrap();
+        }
+        let s = scatters(&drain(&mut ep));
+        ep.handle_scatter_done(t, s[0].0, true);
+        let r2 = credits(&drain(&mut ep))[0].3;
+        assert_eq!(r2.len, CHUNK);
+        let runs = vec![run(0, DST, 2000), run(2048, DST + 2048, 1000)];
+        refused_with(&mut ep, t, (2, r2, runs), DataFault::RunOutsideChunk { index: 1 }, 1);
+        // The scatter of chunk 1 still runs: its region is freed by its done-event, unacked.
+        ep.handle_scatter_done(t, s[1].0, true);
+        assert!(acks(&drain(&mut ep)).is_empty());
+        assert!(ep.is_idle());
+    }
+
+    #[test]
+    fn data_with_a_run_outside_registered_memory_is_refused() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        let runs = vec![run(0, DST, 8), run(8, DST + 64 * KIB - 4, 8)];
+        expect_refused(&mut ep, t, 0, r0, runs, DataFault::RunOutsideRegistered { index: 1 });
+
+        // Two adjacent registrations are two ranges: a run must lie inside one of them.
+        let (mut ep, t) = receiver();
+        ep.add_registered(DST + 64 * KIB, 64 * KIB);
+        let [r0, _] = wanted(&mut ep, t);
+        let strided =
+            CopyRun { region_off: 0, addr: DST + 64 * KIB - 100, len: 8, count: 2, region_stride: 8, addr_stride: 100 };
+        expect_refused(&mut ep, t, 0, r0, vec![strided], DataFault::RunOutsideRegistered { index: 0 });
+        ep.remove_registered(DST + 64 * KIB, 64 * KIB);
+        assert!(!ep.receiver().is_registered(DST + 64 * KIB, DST + 64 * KIB + 1));
+        assert!(ep.receiver().is_registered(DST, DST + 64 * KIB));
+    }
+
+    #[test]
+    fn data_that_names_a_region_or_chunk_it_was_not_granted_is_refused() {
+        let (mut ep, t) = receiver();
+        let [r0, r1] = wanted(&mut ep, t);
+        expect_refused(&mut ep, t, 1, r0, full_run(1), DataFault::ChunkMismatch);
+
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        let shrunk = Region { len: KIB, ..r0 };
+        expect_refused(&mut ep, t, 0, shrunk, vec![run(0, DST, 8)], DataFault::RegionMismatch);
+
+        let (mut ep, t) = receiver();
+        wanted(&mut ep, t);
+        expect_refused(&mut ep, t, 0, Region { offset: 28 * KIB, len: CHUNK }, full_run(0), DataFault::NotHeld);
+
+        // Another flow's region: the intruding flow is refused, the owner is untouched.
+        let (mut ep, t) = receiver();
+        let [r0, r1b] = wanted(&mut ep, t);
+        assert_eq!(r1, r1b);
+        ep.handle_msg(t, PeerId(8), want_msg(XferId(5), &[CHUNK])).unwrap();
+        let theirs = credits(&drain(&mut ep))[0].3;
+        let err = ep.handle_msg(t, PEER, data_msg(X, 0, theirs, full_run(0))).unwrap_err();
+        assert!(matches!(err, ProtocolError::InvalidData { fault: DataFault::NotHeld, .. }));
+        drain(&mut ep);
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.scheduler().flow_held_count(FlowKey { peer: PeerId(8), xfer: XferId(5) }), 1);
+        assert!(ep.scheduler().is_held(FlowKey { peer: PEER, xfer: X }, r0.offset).is_none());
+        check(&ep);
+    }
+
+    #[test]
+    fn duplicate_data_for_a_scattering_region_is_refused_and_the_scatter_orphaned() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        let s = scatters(&drain(&mut ep));
+        assert!(ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).is_err());
+        drain(&mut ep);
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK, "the scattering region is not freed under the copy");
+        ep.handle_scatter_done(t, s[0].0, true);
+        assert!(acks(&drain(&mut ep)).is_empty());
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    #[test]
+    fn late_data_after_a_cancel_is_dropped_without_an_ack() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, Msg::cancel(X, Vec::new())).unwrap();
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+        // The region may already be someone else's: never scatter it, never answer.
+        ep.handle_msg(t, PeerId(8), want_msg(XferId(5), &[CHUNK])).unwrap();
+        let theirs = credits(&drain(&mut ep))[0].3;
+        assert_eq!(theirs, r0);
+        assert!(ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).is_ok());
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!(ep.stats().late_data, 1);
+        // A cancel for a flow never seen is harmless too.
+        ep.handle_msg(t, PEER, Msg::cancel(XferId(77), Vec::new())).unwrap();
+        check(&ep);
+    }
+
+    #[test]
+    fn cancel_during_a_scatter_defers_the_free_and_sends_no_ack() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        let s = scatters(&drain(&mut ep));
+        ep.handle_msg(t, PEER, Msg::cancel(X, Vec::new())).unwrap();
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK);
+        assert_eq!(ep.remote_flows(), 0);
+        ep.handle_scatter_done(t, s[0].0, true);
+        assert!(drain(&mut ep).is_empty());
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    #[test]
+    fn a_failed_scatter_is_acked_as_failed() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        let s = scatters(&drain(&mut ep));
+        ep.handle_scatter_done(t, s[0].0, false);
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Failed)]);
+        assert_eq!(ep.stats().scatters_failed, 1);
+    }
+
+    #[test]
+    fn a_flow_silent_for_two_timeouts_is_reclaimed_but_one_waiting_for_the_arena_is_not() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        // Peer 9 takes half the arena and goes silent; peer 8's chunk waits for space.
+        ep.handle_msg(t, PeerId(9), want_msg(XferId(3), &[16 * KIB])).unwrap();
+        ep.handle_msg(t, PeerId(8), want_msg(XferId(5), &[16 * KIB])).unwrap();
+        drain(&mut ep);
+        ep.handle_msg(t + TIMEOUT, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        let s = scatters(&drain(&mut ep));
+        assert_eq!(ep.poll_timeout(), Some(t + 2 * TIMEOUT));
+        ep.handle_timeout(t + 2 * TIMEOUT);
+        drain(&mut ep);
+        assert_eq!(ep.stats().flows_timed_out, 1, "peer 9's flow sent nothing: reclaimed");
+        assert_eq!(ep.remote_flows(), 2, "the active flow and the one waiting for space remain");
+        assert_eq!(ep.scheduler().flow_held_count(FlowKey { peer: PeerId(8), xfer: XferId(5) }), 1);
+        // PEER's flow: chunk 0 scattering, chunk 1 granted but silent for 2 timeouts since DATA.
+        ep.handle_timeout(t + 3 * TIMEOUT);
+        drain(&mut ep);
+        assert_eq!(ep.stats().flows_timed_out, 2);
+        ep.handle_scatter_done(t + 3 * TIMEOUT, s[0].0, true);
+        assert!(acks(&drain(&mut ep)).is_empty(), "orphaned by the reclaim");
+        // Peer 8 was granted at t + 2T and never wrote.
+        ep.handle_timeout(t + 4 * TIMEOUT - Duration::from_millis(1));
+        assert_eq!(ep.stats().flows_timed_out, 2);
+        ep.handle_timeout(t + 4 * TIMEOUT);
+        drain(&mut ep);
+        assert_eq!(ep.stats().flows_timed_out, 3);
+        assert!(ep.is_idle());
+        assert_eq!(ep.poll_timeout(), None);
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    #[test]
+    fn peer_loss_and_shutdown_reclaim_flows_and_defer_scattering_regions() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        let s = scatters(&drain(&mut ep));
+        ep.handle_msg(t, PeerId(8), want_msg(XferId(5), &[CHUNK])).unwrap();
+        drain(&mut ep);
+        ep.handle_peer_lost(t, PEER);
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - 2 * CHUNK, "peer 8's region and the scattering one");
+        ep.shutdown(t);
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!(ep.remote_flows(), 0);
+        ep.handle_msg(t, PEER, want_msg(XferId(6), &[CHUNK])).unwrap();
+        assert!(drain(&mut ep).is_empty(), "no grants after shutdown");
+        ep.handle_scatter_done(t, s[0].0, true);
+        assert!(drain(&mut ep).is_empty());
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    #[test]
+    fn a_want_the_scheduler_cannot_queue_is_a_protocol_error() {
+        let (mut ep, t) = receiver();
+        for chunks in [vec![CHUNK, 0], vec![64 * KIB]] {
+            let err = ep.handle_msg(t, PEER, want_msg(X, &chunks)).unwrap_err();
+            assert!(matches!(err, ProtocolError::BadWant { .. }), "{err}");
+        }
+        assert!(drain(&mut ep).is_empty());
+        assert!(ep.is_idle());
+        // The endpoint is still usable by the same sender.
+        wanted(&mut ep, t);
+    }
+}

@@ -1,1 +1,1039 @@
-//! (placeholder; being written)
+//! The sender role (design §6, §8 "Sender chunk/request lifecycle", §9): the table of transfers
+//! this engine submitted and the life of each of their chunks, WANT -> credit -> gather ->
+//! write -> DATA -> ACK.
+//!
+//! [`Sender`] owns the per-transfer state, the parked credits (granted but not yet staged for
+//! lack of local arena space), the orphaned staging regions of failed transfers, and the
+//! cancels deferred until their writes finish. It does not own arena space: staging regions
+//! come from the endpoint's shared [`crate::scheduler::CreditScheduler`]. The
+//! [`crate::endpoint::Endpoint`] drives it; nothing else does.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, trace, warn};
+
+use crate::config::Config;
+use crate::endpoint::{Action, Ctx, JobId, ProtocolError, SubmitError, XferError, internal_error};
+use crate::plan::Plan;
+use crate::types::{ChunkIdx, PeerId, Region, XferId};
+use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
+
+/// A credit as the sender keeps it: the granted remote region and when it arrived.
+#[derive(Debug, Clone, Copy)]
+struct Credit {
+    region: Region,
+    at: Instant,
+}
+
+/// Where one chunk is in its lifecycle.
+#[derive(Debug, Clone, Copy)]
+enum Stage {
+    /// No credit, no staging.
+    Idle,
+    /// Credit arrived, but no local staging space yet; listed in `Sender::parked`.
+    Parked { credit: Credit },
+    /// Gather in flight; eager when `credit` is still `None`.
+    Gathering { local: Region, job: JobId, credit: Option<Credit> },
+    /// Staged with nothing in flight: an eager chunk waiting for its credit, or (only on the
+    /// way into `Sender::fail`) a chunk whose job just finished.
+    Gathered { local: Region },
+    /// RDMA write in flight.
+    Writing { local: Region, job: JobId, credit: Credit },
+    /// DATA sent; waiting for the ACK.
+    DataSent { local: Region, credit: Credit },
+    /// Scattered at the receiver; staging released.
+    Acked,
+}
+
+/// One submitted transfer.
+#[derive(Debug)]
+struct Xfer {
+    peer: PeerId,
+    plan: Plan,
+    stages: Vec<Stage>,
+    acked: usize,
+    /// Fails with a timeout when reached; pushed back by every sign of progress.
+    deadline: Instant,
+    /// The instant of this transfer's one entry in `Sender::timers` (at most `deadline`).
+    timer_at: Instant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobKind {
+    Gather,
+    Write,
+}
+
+/// A job of a live transfer.
+#[derive(Debug, Clone, Copy)]
+struct JobRef {
+    xfer: XferId,
+    chunk: usize,
+    kind: JobKind,
+}
+
+/// The staging region of a failed transfer whose job is still in flight.
+#[derive(Debug, Clone, Copy)]
+struct Orphan {
+    xfer: XferId,
+    region: Region,
+    kind: JobKind,
+}
+
+/// A cancel held back until the failed transfer's writes have all finished.
+#[derive(Debug, Clone, Copy)]
+struct PendingCancel {
+    peer: PeerId,
+    writes: usize,
+}
+
+/// Protocol state of the transfers this engine sends.
+///
+/// Driven only by [`crate::endpoint::Endpoint`], which documents the call order. Per transfer:
+/// `submit` sends WANT (and, with eager gather, stages and gathers the first chunks up to `W`
+/// and the eager budget); each credit binds to its chunk (promoting an eager staging region, or
+/// acquiring one and gathering now, or parking the credit when the arena is full); gather done
+/// plus credit posts the write; write done sends DATA; ACK(Scattered) releases the staging
+/// region; all chunks ACKed completes the transfer. Any failure completes it with an error and
+/// retracts its credits with a cancel (an empty WANT), sent only after its in-flight writes
+/// finished.
+///
+/// # The staging reserve
+/// While it has transfers in flight, the sender keeps one region of `max_chunk_size` bytes of
+/// the shared arena in reserve. It counts against the eager budget (half the arena), so remote
+/// flows can always still be granted the other half; it is taken before any eager staging, and
+/// retaken whenever space frees, before the scheduler grants that space to remote flows. A
+/// credit that finds no other staging space takes the reserve (promoting it to credit-backed).
+/// Without it two engines sending to each other can fill both arenas with credits granted to
+/// the other side, each waiting for staging space that only the other's progress would free.
+/// With it a credit is staged as soon as the reserve is back: a reserve-staged chunk needs
+/// nothing more from the local arena to be written, scattered and acknowledged.
+#[derive(Debug)]
+pub struct Sender {
+    timeout: Duration,
+    eager: bool,
+    window: usize,
+    /// Largest chunk both peers agreed on (the handshake checks it).
+    max_chunk: u64,
+    endpoint: Vec<u8>,
+    xfers: BTreeMap<XferId, Xfer>,
+    jobs: BTreeMap<JobId, JobRef>,
+    orphans: BTreeMap<JobId, Orphan>,
+    pending_cancels: BTreeMap<XferId, PendingCancel>,
+    /// Chunks in [`Stage::Parked`], oldest first; entries of failed transfers are dropped
+    /// lazily.
+    parked: VecDeque<(XferId, usize)>,
+    timers: BTreeSet<(Instant, XferId)>,
+    /// Recently finished transfers and their peers, so that GRANTs and ACKs racing with the
+    /// end of a transfer are ignored quietly instead of reported as protocol errors.
+    finished: BTreeMap<XferId, PeerId>,
+    finished_order: VecDeque<(Instant, XferId)>,
+    /// One max-chunk staging region kept back while transfers are in flight, for a credit that
+    /// finds the arena full (see the type docs).
+    reserve: Option<Region>,
+    shutting_down: bool,
+}
+
+impl Sender {
+    pub(crate) fn new(config: &Config, _now: Instant) -> Self {
+        Self {
+            timeout: config.request_timeout,
+            eager: config.eager_gather,
+            window: usize::try_from(config.max_inflight_chunks).unwrap_or(usize::MAX),
+            max_chunk: config.max_chunk_size,
+            endpoint: Vec::new(),
+            xfers: BTreeMap::new(),
+            jobs: BTreeMap::new(),
+            orphans: BTreeMap::new(),
+            pending_cancels: BTreeMap::new(),
+            parked: VecDeque::new(),
+            timers: BTreeSet::new(),
+            finished: BTreeMap::new(),
+            finished_order: VecDeque::new(),
+            reserve: None,
+            shutting_down: false,
+        }
+    }
+
+    /// Transfers submitted and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.xfers.len()
+    }
+
+    /// Staging regions of failed transfers still waiting for their job's done-event.
+    pub fn orphans(&self) -> usize {
+        self.orphans.len()
+    }
+
+    /// Gather and write jobs emitted and not yet reported (orphans included).
+    pub fn jobs_in_flight(&self) -> usize {
+        self.jobs.len() + self.orphans.len()
+    }
+
+    /// Credits waiting for local staging space.
+    pub fn parked_credits(&self) -> usize {
+        self.xfers.values().flat_map(|x| &x.stages).filter(|s| matches!(s, Stage::Parked { .. })).count()
+    }
+
+    /// Cancels held back until the failed transfer's writes finish.
+    pub fn pending_cancels(&self) -> usize {
+        self.pending_cancels.len()
+    }
+
+    /// Chunks of `xfer` acknowledged so far, if it is in flight.
+    pub fn acked_chunks(&self, xfer: XferId) -> Option<usize> {
+        self.xfers.get(&xfer).map(|x| x.acked)
+    }
+
+    pub(crate) fn set_local_endpoint(&mut self, bytes: Vec<u8>) {
+        self.endpoint = bytes;
+    }
+
+    pub(crate) fn next_timeout(&self) -> Option<Instant> {
+        self.timers.first().map(|&(t, _)| t)
+    }
+
+    pub(crate) fn submit(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        xfer: XferId,
+        peer: PeerId,
+        plan: Plan,
+    ) -> Result<(), SubmitError> {
+        self.prune(ctx.now);
+        if self.shutting_down {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) {
+            return Err(SubmitError::DuplicateXfer { xfer });
+        }
+        check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
+        ctx.send(peer, Want { xfer, endpoint: self.endpoint.clone(), chunks: plan.chunk_sizes().collect() });
+        let deadline = ctx.now + self.timeout;
+        let mut x =
+            Xfer { peer, stages: vec![Stage::Idle; plan.chunks.len()], plan, acked: 0, deadline, timer_at: deadline };
+        if self.reserve.is_none() {
+            // Before any eager staging can take the budget the reserve lives in.
+            self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
+        }
+        let mut eager = 0;
+        if self.eager {
+            // Overlap the WANT -> GRANT round trip with the first gathers (design §6).
+            for i in 0..x.plan.chunks.len().min(self.window) {
+                let Some(local) = ctx.sched.acquire_local(x.plan.chunks[i].bytes, true) else {
+                    break;
+                };
+                let job = start_gather(ctx, &mut self.jobs, xfer, &x, i, local);
+                x.stages[i] = Stage::Gathering { local, job, credit: None };
+                eager += 1;
+            }
+        }
+        debug!(xfer = xfer.0, peer = peer.0, chunks = x.plan.chunks.len(), bytes = x.plan.total_bytes, eager, "submit");
+        self.timers.insert((deadline, xfer));
+        self.xfers.insert(xfer, x);
+        ctx.stats.submitted += 1;
+        Ok(())
+    }
+
+    pub(crate) fn cancel(&mut self, ctx: &mut Ctx<'_>, xfer: XferId) {
+        if self.xfers.contains_key(&xfer) {
+            self.fail(ctx, xfer, XferError::Canceled, true);
+        } else {
+            trace!(xfer = xfer.0, "cancel of a finished transfer ignored");
+        }
+    }
+
+    pub(crate) fn handle_grant(&mut self, ctx: &mut Ctx<'_>, from: PeerId, grant: Grant) -> Result<(), ProtocolError> {
+        self.prune(ctx.now);
+        let id = grant.xfer;
+        let Some(x) = self.xfers.get_mut(&id) else {
+            return self.unknown(ctx, from, id);
+        };
+        if x.peer != from {
+            return Err(ProtocolError::WrongPeer { xfer: id, expected: x.peer, got: from });
+        }
+        if grant.credits.is_empty() {
+            return Err(ProtocolError::EmptyGrant { xfer: id });
+        }
+        // Validate the whole message before applying any of it.
+        let mut seen = BTreeSet::new();
+        for c in &grant.credits {
+            let i = c.chunk.0 as usize;
+            let Some(chunk) = x.plan.chunks.get(i) else {
+                return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: c.chunk, chunks: x.plan.chunks.len() });
+            };
+            let open =
+                matches!(x.stages[i], Stage::Idle | Stage::Gathering { credit: None, .. } | Stage::Gathered { .. });
+            if !seen.insert(i) || !open {
+                return Err(ProtocolError::DuplicateCredit { xfer: id, chunk: c.chunk });
+            }
+            if c.region.len < chunk.bytes || c.region.offset.checked_add(c.region.len).is_none() {
+                return Err(ProtocolError::BadCredit {
+                    xfer: id,
+                    chunk: c.chunk,
+                    region: c.region,
+                    bytes: chunk.bytes,
+                });
+            }
+        }
+        x.deadline = ctx.now + self.timeout;
+        for c in grant.credits {
+            trace!(xfer = id.0, chunk = c.chunk.0, region = %c.region, "credit");
+            let credit = Credit { region: c.region, at: ctx.now };
+            if let Err(e) = self.attach(ctx, id, c.chunk.0 as usize, credit) {
+                self.fail(ctx, id, e, true);
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn handle_ack(&mut self, ctx: &mut Ctx<'_>, from: PeerId, ack: Ack) -> Result<(), ProtocolError> {
+        self.prune(ctx.now);
+        let id = ack.xfer;
+        let Some(x) = self.xfers.get_mut(&id) else {
+            return self.unknown(ctx, from, id);
+        };
+        if x.peer != from {
+            return Err(ProtocolError::WrongPeer { xfer: id, expected: x.peer, got: from });
+        }
+        let i = ack.chunk.0 as usize;
+        let Some(&stage) = x.stages.get(i) else {
+            return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
+        };
+        let Stage::DataSent { local, credit } = stage else {
+            return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
+        };
+        if credit.region != ack.region {
+            return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
+        }
+        x.deadline = ctx.now + self.timeout;
+        trace!(xfer = id.0, chunk = ack.chunk.0, status = ?ack.status, "ack");
+        match ack.status {
+            AckStatus::Scattered => {
+                x.stages[i] = Stage::Acked;
+                x.acked += 1;
+                let done = x.acked == x.stages.len();
+                release(ctx, local);
+                if done {
+                    self.complete(ctx, id);
+                }
+            }
+            AckStatus::Refused => self.fail(ctx, id, XferError::Refused, true),
+            AckStatus::Failed => self.fail(ctx, id, XferError::ScatterFailed, true),
+        }
+        Ok(())
+    }
+
+    pub(crate) fn handle_gather_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        let Some(r) = self.take_job(ctx, job, JobKind::Gather) else {
+            return;
+        };
+        let Some(x) = self.xfers.get_mut(&r.xfer) else {
+            return internal_error("gather job of a vanished transfer", &r.xfer.0);
+        };
+        x.deadline = ctx.now + self.timeout;
+        let Stage::Gathering { local, credit, .. } = x.stages[r.chunk] else {
+            return internal_error("gather done for a chunk not gathering", &r.chunk);
+        };
+        trace!(xfer = r.xfer.0, chunk = r.chunk, ok, "gather done");
+        x.stages[r.chunk] = Stage::Gathered { local };
+        if !ok {
+            return self.fail(ctx, r.xfer, XferError::GatherFailed, true);
+        }
+        if let Some(credit) = credit {
+            if let Err(e) = self.post_write(ctx, r.xfer, r.chunk, local, credit) {
+                self.fail(ctx, r.xfer, e, true);
+            }
+        }
+    }
+
+    pub(crate) fn handle_write_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        let Some(r) = self.take_job(ctx, job, JobKind::Write) else {
+            return;
+        };
+        let Some(x) = self.xfers.get_mut(&r.xfer) else {
+            return internal_error("write job of a vanished transfer", &r.xfer.0);
+        };
+        x.deadline = ctx.now + self.timeout;
+        let Stage::Writing { local, credit, .. } = x.stages[r.chunk] else {
+            return internal_error("write done for a chunk not writing", &r.chunk);
+        };
+        trace!(xfer = r.xfer.0, chunk = r.chunk, ok, "write done");
+        if !ok {
+            x.stages[r.chunk] = Stage::Gathered { local };
+            return self.fail(ctx, r.xfer, XferError::WriteFailed, true);
+        }
+        x.stages[r.chunk] = Stage::DataSent { local, credit };
+        let chunk = &x.plan.chunks[r.chunk];
+        ctx.stats.chunks_written += 1;
+        ctx.stats.bytes_written += chunk.bytes;
+        let data =
+            Data { xfer: r.xfer, chunk: ChunkIdx(r.chunk as u32), region: credit.region, runs: chunk.scatter.clone() };
+        ctx.send(x.peer, data);
+    }
+
+    pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        let lost: Vec<XferId> = self.xfers.iter().filter(|(_, x)| x.peer == peer).map(|(&id, _)| id).collect();
+        if !lost.is_empty() {
+            debug!(peer = peer.0, xfers = lost.len(), "peer lost: failing its transfers");
+        }
+        for id in lost {
+            self.fail(ctx, id, XferError::PeerLost, false);
+        }
+        // Nobody is left to receive those cancels; the orphans are still freed by their jobs.
+        self.pending_cancels.retain(|_, c| c.peer != peer);
+    }
+
+    pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
+        let now = ctx.now;
+        while let Some(&(t, id)) = self.timers.first() {
+            if t > now {
+                break;
+            }
+            self.timers.pop_first();
+            let Some(x) = self.xfers.get_mut(&id) else {
+                continue;
+            };
+            if x.deadline <= now {
+                debug!(xfer = id.0, acked = x.acked, chunks = x.stages.len(), "transfer timed out");
+                self.fail(ctx, id, XferError::Timeout, true);
+            } else {
+                x.timer_at = x.deadline;
+                self.timers.insert((x.deadline, id));
+            }
+        }
+        self.prune(now);
+    }
+
+    pub(crate) fn shutdown(&mut self, ctx: &mut Ctx<'_>) {
+        self.shutting_down = true;
+        let all: Vec<XferId> = self.xfers.keys().copied().collect();
+        for id in all {
+            self.fail(ctx, id, XferError::ShuttingDown, true);
+        }
+    }
+
+    /// Gives parked credits the local staging space that freed up, oldest first (a chunk that
+    /// does not fit does not block smaller ones behind it), falling back on the reserve; then
+    /// refills the reserve (or returns it when no transfer is left). Call before the
+    /// scheduler's `schedule()`, so freed space serves local credits before new remote grants.
+    pub(crate) fn retry_parked(&mut self, ctx: &mut Ctx<'_>) {
+        if !self.parked.is_empty() {
+            let mut keep = VecDeque::new();
+            while let Some((id, i)) = self.parked.pop_front() {
+                let Some(x) = self.xfers.get_mut(&id) else {
+                    continue;
+                };
+                let Stage::Parked { credit } = x.stages[i] else {
+                    continue;
+                };
+                match ctx
+                    .sched
+                    .acquire_local(x.plan.chunks[i].bytes, false)
+                    .or_else(|| take_reserve(ctx, &mut self.reserve))
+                {
+                    Some(local) => {
+                        trace!(xfer = id.0, chunk = i, "parked credit staged");
+                        let job = start_gather(ctx, &mut self.jobs, id, x, i, local);
+                        x.stages[i] = Stage::Gathering { local, job, credit: Some(credit) };
+                    }
+                    None => keep.push_back((id, i)),
+                }
+            }
+            self.parked = keep;
+        }
+        match self.reserve {
+            Some(r) if self.xfers.is_empty() => {
+                self.reserve = None;
+                release(ctx, r);
+            }
+            None if !self.xfers.is_empty() => self.reserve = ctx.sched.acquire_local(self.max_chunk, true),
+            _ => {}
+        }
+    }
+
+    /// Binds a validated credit to chunk `i` of `id`.
+    fn attach(&mut self, ctx: &mut Ctx<'_>, id: XferId, i: usize, credit: Credit) -> Result<(), XferError> {
+        let Some(x) = self.xfers.get_mut(&id) else {
+            internal_error("credit for a vanished transfer", &id.0);
+            return Ok(());
+        };
+        match x.stages[i] {
+            Stage::Idle => match ctx
+                .sched
+                .acquire_local(x.plan.chunks[i].bytes, false)
+                .or_else(|| take_reserve(ctx, &mut self.reserve))
+            {
+                Some(local) => {
+                    let job = start_gather(ctx, &mut self.jobs, id, x, i, local);
+                    x.stages[i] = Stage::Gathering { local, job, credit: Some(credit) };
+                }
+                None => {
+                    trace!(xfer = id.0, chunk = i, "credit parked: no local staging space");
+                    x.stages[i] = Stage::Parked { credit };
+                    self.parked.push_back((id, i));
+                }
+            },
+            Stage::Gathering { local, job, credit: None } => {
+                promote(ctx, local);
+                x.stages[i] = Stage::Gathering { local, job, credit: Some(credit) };
+            }
+            Stage::Gathered { local } => {
+                promote(ctx, local);
+                return self.post_write(ctx, id, i, local, credit);
+            }
+            _ => internal_error("credit for a chunk that already has one", &i),
+        }
+        Ok(())
+    }
+
+    /// Posts the write of gathered chunk `i`, unless its credit is stale.
+    fn post_write(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        id: XferId,
+        i: usize,
+        local: Region,
+        credit: Credit,
+    ) -> Result<(), XferError> {
+        let Some(x) = self.xfers.get_mut(&id) else {
+            internal_error("write for a vanished transfer", &id.0);
+            return Ok(());
+        };
+        if ctx.now >= credit.at + self.timeout {
+            // The receiver reclaims regions left unwritten for two timeouts; writing now could
+            // land in a region it has granted to someone else.
+            debug!(xfer = id.0, chunk = i, "credit went stale before the write");
+            x.stages[i] = Stage::Gathered { local };
+            return Err(XferError::Timeout);
+        }
+        let job = ctx.job();
+        self.jobs.insert(job, JobRef { xfer: id, chunk: i, kind: JobKind::Write });
+        x.stages[i] = Stage::Writing { local, job, credit };
+        let len = x.plan.chunks[i].bytes;
+        trace!(xfer = id.0, chunk = i, local = %local, remote = %credit.region, len, "write");
+        ctx.push(Action::Write { job, xfer: id, peer: x.peer, local, remote: credit.region, len });
+        Ok(())
+    }
+
+    /// Removes a reported job: a live one is returned; an orphan is released here.
+    fn take_job(&mut self, ctx: &mut Ctx<'_>, job: JobId, kind: JobKind) -> Option<JobRef> {
+        if let Some(o) = self.orphans.get(&job).copied() {
+            if o.kind != kind {
+                warn!(job = job.0, ?kind, "done-event of the wrong kind for an orphaned job; ignored");
+                return None;
+            }
+            self.orphans.remove(&job);
+            trace!(job = job.0, xfer = o.xfer.0, region = %o.region, "orphan released");
+            release(ctx, o.region);
+            if kind == JobKind::Write {
+                if let Some(pc) = self.pending_cancels.get_mut(&o.xfer) {
+                    pc.writes -= 1;
+                    if pc.writes == 0 {
+                        let peer = pc.peer;
+                        self.pending_cancels.remove(&o.xfer);
+                        ctx.send(peer, Msg::cancel(o.xfer, self.endpoint.clone()));
+                    }
+                }
+            }
+            return None;
+        }
+        match self.jobs.get(&job) {
+            Some(r) if r.kind == kind => self.jobs.remove(&job),
+            Some(_) => {
+                warn!(job = job.0, ?kind, "done-event of the wrong kind for a job; ignored");
+                None
+            }
+            None => {
+                warn!(job = job.0, ?kind, "done-event for an unknown job; ignored");
+                None
+            }
+        }
+    }
+
+    /// Completes `id` successfully (every chunk acknowledged, every staging region released).
+    fn complete(&mut self, ctx: &mut Ctx<'_>, id: XferId) {
+        let Some(x) = self.xfers.remove(&id) else {
+            return;
+        };
+        self.timers.remove(&(x.timer_at, id));
+        debug!(xfer = id.0, chunks = x.stages.len(), bytes = x.plan.total_bytes, "transfer complete");
+        ctx.stats.completed += 1;
+        ctx.push(Action::Complete { xfer: id, outcome: Ok(()) });
+        self.tombstone(ctx.now, id, x.peer);
+    }
+
+    /// Fails `id`: completes it with `err`, releases its idle staging regions, orphans those
+    /// with a job in flight and, with `cancel`, retracts its credits once its writes are done.
+    fn fail(&mut self, ctx: &mut Ctx<'_>, id: XferId, err: XferError, cancel: bool) {
+        let Some(x) = self.xfers.remove(&id) else {
+            return;
+        };
+        self.timers.remove(&(x.timer_at, id));
+        let mut writes = 0;
+        for stage in &x.stages {
+            match *stage {
+                Stage::Gathering { local, job, .. } => {
+                    self.jobs.remove(&job);
+                    self.orphans.insert(job, Orphan { xfer: id, region: local, kind: JobKind::Gather });
+                }
+                Stage::Writing { local, job, .. } => {
+                    self.jobs.remove(&job);
+                    self.orphans.insert(job, Orphan { xfer: id, region: local, kind: JobKind::Write });
+                    writes += 1;
+                }
+                Stage::Gathered { local } | Stage::DataSent { local, .. } => release(ctx, local),
+                Stage::Idle | Stage::Parked { .. } | Stage::Acked => {}
+            }
+        }
+        if cancel {
+            if writes == 0 {
+                ctx.send(x.peer, Msg::cancel(id, self.endpoint.clone()));
+            } else {
+                self.pending_cancels.insert(id, PendingCancel { peer: x.peer, writes });
+            }
+        }
+        debug!(xfer = id.0, peer = x.peer.0, error = %err, acked = x.acked, orphaned_writes = writes, "transfer failed");
+        ctx.stats.failed += 1;
+        match err {
+            XferError::Timeout => ctx.stats.timeouts += 1,
+            XferError::Canceled => ctx.stats.canceled += 1,
+            XferError::Refused => ctx.stats.refused += 1,
+            _ => {}
+        }
+        ctx.push(Action::Complete { xfer: id, outcome: Err(err) });
+        self.tombstone(ctx.now, id, x.peer);
+    }
+
+    /// A GRANT or ACK for a transfer not in flight: quietly ignored when it finished recently
+    /// (the message crossed our completion or cancel), a protocol error otherwise.
+    fn unknown(&self, ctx: &mut Ctx<'_>, from: PeerId, xfer: XferId) -> Result<(), ProtocolError> {
+        if self.finished.get(&xfer) == Some(&from) {
+            trace!(xfer = xfer.0, "late message for a finished transfer ignored");
+            ctx.stats.late_msgs += 1;
+            return Ok(());
+        }
+        Err(ProtocolError::UnknownXfer { peer: from, xfer })
+    }
+
+    /// Remembers a finished transfer for two timeouts: long enough for every message in
+    /// flight about it to arrive.
+    fn tombstone(&mut self, now: Instant, id: XferId, peer: PeerId) {
+        self.finished.insert(id, peer);
+        self.finished_order.push_back((now + 2 * self.timeout, id));
+    }
+
+    fn prune(&mut self, now: Instant) {
+        while let Some(&(t, id)) = self.finished_order.front() {
+            if t > now {
+                break;
+            }
+            self.finished_order.pop_front();
+            self.finished.remove(&id);
+        }
+    }
+}
+
+/// Checks what the peer's decoder and scheduler would refuse, so a bad plan fails at submit
+/// rather than after a timeout.
+fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitError> {
+    if plan.chunks.is_empty() {
+        return Err(SubmitError::EmptyPlan { xfer });
+    }
+    if plan.chunks.len() > wire::MAX_CHUNKS_PER_WANT as usize {
+        return Err(SubmitError::TooManyChunks { xfer, chunks: plan.chunks.len(), max: wire::MAX_CHUNKS_PER_WANT });
+    }
+    for (i, c) in plan.chunks.iter().enumerate() {
+        let chunk = ChunkIdx(i as u32);
+        if c.bytes > max_chunk {
+            return Err(SubmitError::ChunkTooLarge { xfer, chunk, bytes: c.bytes, max: max_chunk });
+        }
+        let runs_ok = |runs: &[crate::types::CopyRun]| {
+            !runs.is_empty()
+                && runs.len() <= wire::MAX_RUNS as usize
+                && runs.iter().all(|r| r.len != 0 && r.region_span().is_some_and(|(_, end)| end <= c.bytes))
+        };
+        if c.bytes == 0 || !runs_ok(&c.gather) || !runs_ok(&c.scatter) {
+            return Err(SubmitError::BadChunk { xfer, chunk });
+        }
+    }
+    Ok(())
+}
+
+/// Emits the gather of chunk `i` of `x` into `local` and records its job.
+fn start_gather(
+    ctx: &mut Ctx<'_>,
+    jobs: &mut BTreeMap<JobId, JobRef>,
+    id: XferId,
+    x: &Xfer,
+    i: usize,
+    local: Region,
+) -> JobId {
+    let job = ctx.job();
+    jobs.insert(job, JobRef { xfer: id, chunk: i, kind: JobKind::Gather });
+    trace!(xfer = id.0, chunk = i, region = %local, "gather");
+    ctx.push(Action::Gather { job, xfer: id, region: local, runs: x.plan.chunks[i].gather.clone() });
+    job
+}
+
+/// Hands the reserve over to a credit-backed chunk.
+fn take_reserve(ctx: &mut Ctx<'_>, reserve: &mut Option<Region>) -> Option<Region> {
+    let local = reserve.take()?;
+    promote(ctx, local);
+    Some(local)
+}
+
+fn promote(ctx: &mut Ctx<'_>, local: Region) {
+    if let Err(e) = ctx.sched.promote_local(local.offset) {
+        internal_error("promoting an eager staging region", &e);
+    }
+}
+
+fn release(ctx: &mut Ctx<'_>, local: Region) {
+    if let Err(e) = ctx.sched.release_local(local.offset) {
+        internal_error("releasing a staging region", &e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::Endpoint;
+    use crate::endpoint::tests::*;
+
+    fn r(kib: u64) -> Region {
+        Region { offset: kib * KIB, len: CHUNK }
+    }
+
+    fn is_cancel(m: &Msg, xfer: XferId) -> bool {
+        matches!(m, Msg::Want(w) if w.is_cancel() && w.xfer == xfer)
+    }
+
+    /// Feeds `msg` from `PEER` and returns the resulting actions.
+    fn feed(ep: &mut Endpoint, now: Instant, msg: Msg) -> Vec<Action> {
+        ep.handle_msg(now, PEER, msg).unwrap();
+        drain(ep)
+    }
+
+    #[test]
+    fn eager_lifecycle_gathers_before_the_grant_and_completes_after_every_ack() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        ep.set_local_endpoint(b"tcp://me".to_vec());
+        ep.submit(t, X, PEER, plan_of(3)).unwrap();
+        let acts = drain(&mut ep);
+        // WANT first, then eager gathers of the first W chunks, staged under the eager budget.
+        let Action::Send { peer, msg: Msg::Want(w) } = &acts[0] else { panic!("{acts:?}") };
+        assert_eq!((*peer, w.xfer, &w.chunks[..], &w.endpoint[..]), (PEER, X, &[CHUNK; 3][..], &b"tcp://me"[..]));
+        let g = gathers(&acts);
+        assert_eq!(g.len(), 2);
+        assert_eq!(ep.scheduler().eager_bytes(), 2 * CHUNK + CHUNK, "two chunks and the reserve");
+
+        // Credits for chunks 0 and 1 promote the eager regions; nothing to do until gathers end.
+        assert!(feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))])).is_empty());
+        assert_eq!(ep.scheduler().eager_bytes(), CHUNK, "only the reserve");
+        ep.handle_gather_done(t, g[0].0, true);
+        let w0 = writes(&drain(&mut ep));
+        assert_eq!(w0, vec![(w0[0].0, g[0].1, r(0), CHUNK)]);
+        ep.handle_gather_done(t, g[1].0, true);
+        let w1 = writes(&drain(&mut ep));
+
+        // Write done -> DATA with the credit's region and the chunk's scatter runs.
+        ep.handle_write_done(t, w0[0].0, true);
+        let m = msgs(&drain(&mut ep));
+        let Msg::Data(d) = &m[0].1 else { panic!("{m:?}") };
+        assert_eq!((d.chunk, d.region, d.runs[0].addr), (ChunkIdx(0), r(0), DST));
+        ep.handle_write_done(t, w1[0].0, true);
+        drain(&mut ep);
+
+        // ACK releases the staging region; the next credit gathers on arrival.
+        assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
+        assert_eq!(ep.scheduler().local_bytes(), CHUNK + CHUNK, "chunk 1's staging and the reserve");
+        let g2 = gathers(&feed(&mut ep, t, grant_msg(X, &[(2, r(0))])));
+        assert_eq!(g2.len(), 1);
+        assert_eq!(ep.scheduler().eager_bytes(), CHUNK, "credit-backed staging is not eager");
+        ep.handle_gather_done(t, g2[0].0, true);
+        let w2 = writes(&drain(&mut ep));
+        ep.handle_write_done(t, w2[0].0, true);
+        drain(&mut ep);
+        feed(&mut ep, t, ack_msg(X, 1, r(4), AckStatus::Scattered));
+        check(&ep);
+        let acts = feed(&mut ep, t, ack_msg(X, 2, r(0), AckStatus::Scattered));
+        assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+        assert_eq!(ep.poll_timeout(), None);
+        assert_eq!((ep.stats().chunks_written, ep.stats().bytes_written), (3, 3 * CHUNK));
+    }
+
+    #[test]
+    fn non_eager_gathers_only_when_a_credit_arrives() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        let acts = drain(&mut ep);
+        assert_eq!(acts.len(), 1, "only the WANT: {acts:?}");
+        assert_eq!(ep.scheduler().local_bytes(), CHUNK, "only the reserve");
+        let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(1, r(8))])));
+        assert_eq!(g.len(), 1);
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        assert_eq!(w[0].2, r(8), "credits bind to their own chunk, in any order");
+    }
+
+    #[test]
+    fn credit_is_parked_when_the_local_arena_is_full_and_staged_after_a_release() {
+        // The arena holds one chunk: the second credit must wait for the first ACK.
+        let (mut ep, t) = endpoint(4 * KIB, 2, false);
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        drain(&mut ep);
+        let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))])));
+        assert_eq!(g.len(), 1);
+        assert_eq!(ep.sender().parked_credits(), 1);
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        ep.handle_write_done(t, w[0].0, true);
+        drain(&mut ep);
+        let g1 = gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)));
+        assert_eq!(g1.len(), 1, "the freed region goes to the parked credit");
+        assert_eq!(ep.sender().parked_credits(), 0);
+        check(&ep);
+    }
+
+    #[test]
+    fn a_credit_that_finds_the_arena_full_of_remote_grants_takes_the_reserve() {
+        let (mut ep, t) = endpoint(8 * KIB, 2, false);
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        drain(&mut ep);
+        assert_eq!(ep.scheduler().local_bytes(), CHUNK, "the reserve is taken before any grant");
+        // The peer also writes to us, and its credits take the rest of the arena.
+        ep.handle_msg(t, PEER, want_msg(XferId(50), &[CHUNK; 4])).unwrap();
+        drain(&mut ep);
+        assert_eq!(ep.arena_free_bytes(), 0);
+        let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))])));
+        assert_eq!(g.len(), 1, "chunk 0 is staged in the reserve");
+        assert_eq!(ep.sender().parked_credits(), 1);
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        ep.handle_write_done(t, w[0].0, true);
+        drain(&mut ep);
+        // Its ACK frees the region: the parked credit takes it before the remote flow does.
+        let g1 = gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)));
+        assert_eq!(g1.len(), 1);
+        ep.handle_gather_done(t, g1[0].0, true);
+        let w = writes(&drain(&mut ep));
+        ep.handle_write_done(t, w[0].0, true);
+        drain(&mut ep);
+        let acts = feed(&mut ep, t, ack_msg(X, 1, r(4), AckStatus::Scattered));
+        assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+        // With no transfer left the reserve goes back, straight to the waiting remote flow.
+        assert_eq!(ep.scheduler().local_bytes(), 0);
+        assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: PEER, xfer: XferId(50) }), 2);
+        check(&ep);
+    }
+
+    #[test]
+    fn cancel_completes_at_once_but_retracts_credits_only_after_in_flight_writes() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        ep.submit(t, X, PEER, plan_of(3)).unwrap();
+        let g = gathers(&drain(&mut ep));
+        feed(&mut ep, t, grant_msg(X, &[(0, r(0))]));
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+
+        ep.cancel(t, X);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::Canceled))]);
+        assert!(msgs(&acts).is_empty(), "no cancel while a write may still land: {acts:?}");
+        // Chunk 0's write and chunk 1's gather are in flight: their regions are orphans.
+        assert_eq!(ep.orphans(), 2);
+        assert_eq!(ep.scheduler().local_bytes(), 2 * CHUNK);
+
+        ep.handle_write_done(t, w[0].0, true);
+        let m = msgs(&drain(&mut ep));
+        assert!(m.len() == 1 && is_cancel(&m[0].1, X), "{m:?}");
+        ep.handle_gather_done(t, g[1].0, true);
+        assert!(drain(&mut ep).is_empty());
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+        // A second cancel, or a late credit, is harmless.
+        ep.cancel(t, X);
+        assert!(feed(&mut ep, t, grant_msg(X, &[(1, r(4))])).is_empty());
+        assert_eq!(ep.stats().late_msgs, 1);
+    }
+
+    #[test]
+    fn no_progress_for_the_request_timeout_fails_the_transfer_and_cancels_it() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        drain(&mut ep);
+        assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT));
+        ep.handle_timeout(t + TIMEOUT / 2);
+        assert!(drain(&mut ep).is_empty(), "an early call is harmless");
+        // A credit is progress: the deadline moves.
+        let half = t + TIMEOUT / 2;
+        let g = gathers(&feed(&mut ep, half, grant_msg(X, &[(0, r(0))])));
+        ep.handle_timeout(t + TIMEOUT);
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!(ep.poll_timeout(), Some(half + TIMEOUT));
+        ep.handle_timeout(half + TIMEOUT);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::Timeout))]);
+        assert!(is_cancel(&msgs(&acts)[0].1, X));
+        assert_eq!(ep.orphans(), 1, "the gather is still in flight");
+        ep.handle_gather_done(half + TIMEOUT, g[0].0, true);
+        assert!(ep.is_idle());
+        assert_eq!(ep.stats().timeouts, 1);
+    }
+
+    #[test]
+    fn a_credit_that_went_stale_is_never_written() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        ep.submit(t, X, PEER, plan_of(1)).unwrap();
+        drain(&mut ep);
+        let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        // The shell reports the gather only after a whole timeout (and never ran our timer).
+        ep.handle_gather_done(t + TIMEOUT, g[0].0, true);
+        let acts = drain(&mut ep);
+        assert!(writes(&acts).is_empty());
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::Timeout))]);
+        assert!(ep.is_idle());
+    }
+
+    #[test]
+    fn peer_loss_fails_its_transfers_without_a_cancel_and_frees_orphans_on_their_done_events() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, XferId(2), PeerId(8), plan_of(1)).unwrap();
+        let g = gathers(&drain(&mut ep));
+        ep.handle_peer_lost(t, PEER);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::PeerLost))]);
+        assert!(msgs(&acts).is_empty());
+        assert_eq!(ep.in_flight_xfers(), 1, "the other peer's transfer lives on");
+        assert_eq!(ep.orphans(), 2);
+        ep.handle_gather_done(t, g[0].0, false);
+        ep.handle_gather_done(t, g[1].0, true);
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!(ep.orphans(), 0);
+        assert_eq!(ep.scheduler().local_bytes(), 2 * CHUNK, "XferId(2)'s eager region and the reserve");
+        check(&ep);
+    }
+
+    #[test]
+    fn shutdown_fails_everything_and_refuses_new_transfers() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        ep.submit(t, X, PEER, plan_of(1)).unwrap();
+        let g = gathers(&drain(&mut ep));
+        ep.shutdown(t);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::ShuttingDown))]);
+        assert!(is_cancel(&msgs(&acts)[0].1, X));
+        assert_eq!(ep.submit(t, XferId(9), PEER, plan_of(1)), Err(SubmitError::ShuttingDown));
+        assert!(!ep.is_idle(), "the gather is still in flight");
+        ep.handle_gather_done(t, g[0].0, true);
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+    }
+
+    /// Runs chunk 0 of a fresh 2-chunk transfer up to its DATA; returns the endpoint.
+    fn up_to_data(eager: bool) -> (Endpoint, Instant) {
+        let (mut ep, t) = endpoint(64 * KIB, 2, eager);
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        let mut g = gathers(&drain(&mut ep));
+        g.extend(gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))]))));
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        ep.handle_write_done(t, w[0].0, true);
+        drain(&mut ep);
+        (ep, t)
+    }
+
+    #[test]
+    fn a_refused_or_failed_scatter_fails_the_transfer_and_cancels_it() {
+        for (status, err) in [(AckStatus::Refused, XferError::Refused), (AckStatus::Failed, XferError::ScatterFailed)] {
+            let (mut ep, t) = up_to_data(false);
+            let acts = feed(&mut ep, t, ack_msg(X, 0, r(0), status));
+            assert_eq!(completes(&acts), vec![(X, Err(err))]);
+            assert!(is_cancel(&msgs(&acts)[0].1, X));
+            assert!(ep.is_idle());
+            assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+        }
+    }
+
+    #[test]
+    fn gather_and_write_failures_fail_the_transfer() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        let g = gathers(&drain(&mut ep));
+        ep.handle_gather_done(t, g[0].0, false);
+        assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::GatherFailed))]);
+        ep.handle_gather_done(t, g[1].0, true);
+        assert!(ep.is_idle());
+
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        ep.submit(t, X, PEER, plan_of(1)).unwrap();
+        drain(&mut ep);
+        let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        ep.handle_write_done(t, w[0].0, false);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::WriteFailed))]);
+        assert!(is_cancel(&msgs(&acts)[0].1, X), "the failed write is over: cancel at once");
+        assert!(ep.is_idle());
+    }
+
+    #[test]
+    fn bad_peer_input_is_rejected_and_changes_nothing() {
+        let (mut ep, t) = up_to_data(true);
+        let before = format!("{:?}", ep.sender());
+        let cases = [
+            (PEER, grant_msg(XferId(99), &[(1, r(4))])),
+            (PeerId(3), grant_msg(X, &[(1, r(4))])),
+            (PEER, grant_msg(X, &[])),
+            (PEER, grant_msg(X, &[(2, r(4))])),
+            (PEER, grant_msg(X, &[(0, r(4))])),
+            (PEER, grant_msg(X, &[(1, r(4)), (1, r(8))])),
+            (PEER, grant_msg(X, &[(1, Region { offset: 0, len: 16 })])),
+            (PEER, grant_msg(X, &[(1, Region { offset: u64::MAX - 10, len: CHUNK })])),
+            (PEER, ack_msg(X, 1, r(4), AckStatus::Scattered)),
+            (PEER, ack_msg(X, 0, r(4), AckStatus::Scattered)),
+            (PEER, ack_msg(X, 5, r(0), AckStatus::Scattered)),
+            (PeerId(3), ack_msg(X, 0, r(0), AckStatus::Refused)),
+        ];
+        let n = cases.len() as u64;
+        for (from, msg) in cases {
+            assert!(ep.handle_msg(t, from, msg.clone()).is_err(), "{msg:?} accepted");
+            assert!(drain(&mut ep).is_empty());
+            assert_eq!(format!("{:?}", ep.sender()), before, "{msg:?} changed the state");
+        }
+        assert_eq!(ep.stats().protocol_errors, n);
+        // Valid input still works afterwards.
+        assert!(ep.handle_msg(t, PEER, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_ok());
+    }
+
+    #[test]
+    fn submit_rejects_plans_the_peer_could_not_accept() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        assert_eq!(ep.submit(t, X, PEER, Plan::default()), Err(SubmitError::EmptyPlan { xfer: X }));
+        let big = crate::plan::plan(
+            &[crate::plan::DescPair { src: SRC, dst: DST, len: 8 * KIB }],
+            crate::plan::PlanParams::new(8 * KIB),
+        )
+        .unwrap();
+        assert!(matches!(ep.submit(t, X, PEER, big), Err(SubmitError::ChunkTooLarge { .. })));
+        let mut bad = plan_of(1);
+        bad.chunks[0].scatter[0].len = 2 * CHUNK;
+        assert!(matches!(ep.submit(t, X, PEER, bad), Err(SubmitError::BadChunk { .. })));
+        ep.submit(t, X, PEER, plan_of(1)).unwrap();
+        assert_eq!(ep.submit(t, X, PEER, plan_of(1)), Err(SubmitError::DuplicateXfer { xfer: X }));
+        ep.cancel(t, X);
+        assert_eq!(
+            ep.submit(t, X, PEER, plan_of(1)),
+            Err(SubmitError::DuplicateXfer { xfer: X }),
+            "ids are never reused"
+        );
+        assert_eq!(ep.stats().submitted, 1);
+    }
+}

@@ -1,0 +1,1021 @@
+//! The engine's protocol endpoint: the one object the IO shell drives (quinn-proto's
+//! `Endpoint`/`Connection` shape, STYLE.md §3), plus the event types both roles share.
+//!
+//! An [`Endpoint`] owns the engine's single [`CreditScheduler`] (one arena serves both
+//! directions, design §2), the [`Sender`] role (transfers this engine submits) and the
+//! [`Receiver`] role (transfers peers write into this engine). It routes inputs to the right
+//! role and collects their outputs as [`Action`]s. It does not move bytes, send messages or read
+//! the clock: the shell performs the actions, reports their completion back through the
+//! `handle_*_done` methods, and passes `now` into every call.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use thiserror::Error;
+use tracing::{debug, trace};
+
+use crate::config::{Config, ConfigError};
+use crate::plan::{Plan, PlanError};
+use crate::receiver::Receiver;
+use crate::scheduler::{CreditScheduler, SchedError};
+use crate::sender::Sender;
+use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
+use crate::wire;
+
+/// Identifier of one gather, write or scatter job; unique within an [`Endpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub u64);
+
+/// Something the shell must do for the endpoint, drained with [`Endpoint::poll_action`].
+///
+/// Jobs ([`Action::Gather`], [`Action::Write`], [`Action::Scatter`]) *MUST* each be reported
+/// back exactly once through the matching `handle_*_done` call, even after the transfer failed,
+/// the peer was lost or the endpoint shut down: until then the arena region stays allocated,
+/// because the copy engine or the NIC may still touch it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Action {
+    /// Send `msg` to `peer` (the shell wraps it into a [`wire::Frame`] with its session).
+    Send {
+        /// Destination peer.
+        peer: PeerId,
+        /// The control message.
+        msg: wire::Msg,
+    },
+    /// Copy user source memory into the local arena `region`; each run's `region_off` is
+    /// relative to `region.offset` and its `addr` is the source address. Report with
+    /// [`Endpoint::handle_gather_done`].
+    Gather {
+        /// The job to report.
+        job: JobId,
+        /// The transfer the chunk belongs to.
+        xfer: XferId,
+        /// Local staging region (a whole buddy block; the runs cover at most the chunk bytes).
+        region: Region,
+        /// Copies source -> region.
+        runs: Vec<CopyRun>,
+    },
+    /// One RDMA write of `len` bytes from the local arena region `local` to the peer's arena
+    /// region `remote`. Report with [`Endpoint::handle_write_done`] once the data is visible at
+    /// the target (or the write failed).
+    Write {
+        /// The job to report.
+        job: JobId,
+        /// The transfer the chunk belongs to.
+        xfer: XferId,
+        /// The peer whose arena is written.
+        peer: PeerId,
+        /// Source region in the local arena.
+        local: Region,
+        /// Target region in the peer's arena, as granted.
+        remote: Region,
+        /// Bytes to write: the chunk size (at most both region lengths).
+        len: u64,
+    },
+    /// Copy the local arena `region` out to user destinations; the runs were validated against
+    /// the region, the chunk and the registered memory. Report with
+    /// [`Endpoint::handle_scatter_done`].
+    Scatter {
+        /// The job to report.
+        job: JobId,
+        /// The peer that wrote the chunk.
+        peer: PeerId,
+        /// The peer's transfer.
+        xfer: XferId,
+        /// Local arena region holding the chunk.
+        region: Region,
+        /// Copies region -> destination; `addr` is the destination address.
+        runs: Vec<CopyRun>,
+    },
+    /// A submitted transfer ended; emitted exactly once per successfully submitted transfer.
+    Complete {
+        /// The transfer.
+        xfer: XferId,
+        /// Its outcome.
+        outcome: Result<(), XferError>,
+    },
+}
+
+/// Why a submitted transfer failed.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum XferError {
+    /// No progress (grant, ack or job completion) for the request timeout, or a credit went
+    /// stale before its chunk could be written.
+    #[error("no progress within the request timeout")]
+    Timeout,
+    /// The peer was lost.
+    #[error("peer lost")]
+    PeerLost,
+    /// The application canceled the transfer.
+    #[error("canceled")]
+    Canceled,
+    /// The receiver refused a chunk's DATA (its runs failed validation).
+    #[error("refused by the receiver")]
+    Refused,
+    /// A gather copy failed.
+    #[error("gather failed")]
+    GatherFailed,
+    /// The RDMA write failed.
+    #[error("write failed")]
+    WriteFailed,
+    /// The receiver reported that its scatter copy failed.
+    #[error("scatter failed at the receiver")]
+    ScatterFailed,
+    /// The endpoint is shutting down.
+    #[error("shutting down")]
+    ShuttingDown,
+    /// The descriptors could not be planned (for the shell, which plans before submitting).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+}
+
+/// Why [`Endpoint::submit`] refused a transfer; a refused transfer gets no
+/// [`Action::Complete`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// [`Endpoint::shutdown`] was called.
+    #[error("the endpoint is shutting down")]
+    ShuttingDown,
+    /// The id is in flight or finished too recently (ids must never be reused).
+    #[error("transfer {} is already known", .xfer.0)]
+    DuplicateXfer {
+        /// The id.
+        xfer: XferId,
+    },
+    /// The plan has no chunks.
+    #[error("transfer {} has an empty plan", .xfer.0)]
+    EmptyPlan {
+        /// The transfer.
+        xfer: XferId,
+    },
+    /// More chunks than one WANT can announce.
+    #[error("transfer {} has {chunks} chunks, more than {max}", .xfer.0)]
+    TooManyChunks {
+        /// The transfer.
+        xfer: XferId,
+        /// Chunks in the plan.
+        chunks: usize,
+        /// [`wire::MAX_CHUNKS_PER_WANT`].
+        max: u32,
+    },
+    /// A chunk is larger than the configured maximum chunk size.
+    #[error("transfer {}: chunk #{} of {bytes} bytes exceeds the max chunk size ({max} bytes)", .xfer.0, .chunk.0)]
+    ChunkTooLarge {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+        /// Its size.
+        bytes: u64,
+        /// [`Config::max_chunk_size`].
+        max: u64,
+    },
+    /// A chunk is empty, has no copy runs, has a degenerate run, or has too many runs for one
+    /// DATA message.
+    #[error("transfer {}: chunk #{} is malformed", .xfer.0, .chunk.0)]
+    BadChunk {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+    },
+}
+
+/// What is wrong with a DATA message (see [`ProtocolError::InvalidData`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DataFault {
+    /// The flow does not hold the region, or it is already being scattered.
+    NotHeld,
+    /// The region's length differs from the granted one.
+    RegionMismatch,
+    /// The chunk index differs from the one the region was granted for.
+    ChunkMismatch,
+    /// No runs.
+    NoRuns,
+    /// More runs than [`wire::MAX_RUNS`].
+    TooManyRuns,
+    /// Run `index` is degenerate (zero count or length) or its span overflows.
+    BadRun {
+        /// Position of the run.
+        index: usize,
+    },
+    /// Run `index` reads beyond the chunk's bytes (or the region).
+    RunOutsideChunk {
+        /// Position of the run.
+        index: usize,
+    },
+    /// Run `index` writes outside every registered memory range.
+    RunOutsideRegistered {
+        /// Position of the run.
+        index: usize,
+    },
+}
+
+/// Peer input that breaks the protocol. The message was ignored (or, for DATA, refused) and the
+/// endpoint stays consistent; the shell should log it at `warn`.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// A GRANT or ACK names a transfer this endpoint never had (or forgot long ago).
+    #[error("peer {}: unknown transfer {}", .peer.0, .xfer.0)]
+    UnknownXfer {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer named.
+        xfer: XferId,
+    },
+    /// A GRANT or ACK for a transfer that goes to another peer.
+    #[error("peer {}: transfer {} belongs to peer {}", .got.0, .xfer.0, .expected.0)]
+    WrongPeer {
+        /// The transfer named.
+        xfer: XferId,
+        /// Its peer.
+        expected: PeerId,
+        /// The sending peer.
+        got: PeerId,
+    },
+    /// A GRANT without credits.
+    #[error("transfer {}: empty GRANT", .xfer.0)]
+    EmptyGrant {
+        /// The transfer.
+        xfer: XferId,
+    },
+    /// A chunk index beyond the transfer's plan.
+    #[error("transfer {}: chunk #{} out of range ({chunks} chunks)", .xfer.0, .chunk.0)]
+    ChunkOutOfRange {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk named.
+        chunk: ChunkIdx,
+        /// Chunks in the plan.
+        chunks: usize,
+    },
+    /// A second credit for a chunk.
+    #[error("transfer {}: duplicate credit for chunk #{}", .xfer.0, .chunk.0)]
+    DuplicateCredit {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+    },
+    /// A credit whose region cannot hold the chunk (or wraps the address space).
+    #[error("transfer {}: credit {region} for chunk #{} cannot hold {bytes} bytes", .xfer.0, .chunk.0)]
+    BadCredit {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+        /// The granted region.
+        region: Region,
+        /// The chunk size.
+        bytes: u64,
+    },
+    /// An ACK for a chunk whose DATA was not sent, or naming another region.
+    #[error("transfer {}: unexpected ACK for chunk #{}", .xfer.0, .chunk.0)]
+    UnexpectedAck {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+    },
+    /// A WANT the scheduler cannot queue (a zero-size or oversized chunk, too many chunks).
+    #[error("peer {}: bad WANT for transfer {}: {source}", .peer.0, .xfer.0)]
+    BadWant {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The scheduler's reason.
+        source: SchedError,
+    },
+    /// A DATA that failed validation: it was dropped, answered with ACK(Refused), and the flow
+    /// was reclaimed.
+    #[error("peer {}: invalid DATA for transfer {} chunk #{}: {fault:?}", .peer.0, .xfer.0, .chunk.0)]
+    InvalidData {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk named.
+        chunk: ChunkIdx,
+        /// What is wrong.
+        fault: DataFault,
+    },
+}
+
+/// Why an [`Endpoint`] cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum EndpointError {
+    /// The configuration does not validate.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The scheduler rejected the arena geometry or window.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+}
+
+/// Counters of an [`Endpoint`], for observability and tests. All only ever grow.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Transfers accepted by [`Endpoint::submit`].
+    pub submitted: u64,
+    /// Transfers completed successfully.
+    pub completed: u64,
+    /// Transfers that failed (any [`XferError`], cancellation included).
+    pub failed: u64,
+    /// Failures by [`XferError::Timeout`].
+    pub timeouts: u64,
+    /// Failures by [`XferError::Canceled`].
+    pub canceled: u64,
+    /// Failures by [`XferError::Refused`].
+    pub refused: u64,
+    /// Chunks written and announced by DATA.
+    pub chunks_written: u64,
+    /// Chunk bytes written.
+    pub bytes_written: u64,
+    /// GRANT or ACK messages for recently finished transfers, ignored.
+    pub late_msgs: u64,
+    /// WANT messages queued (cancels excluded).
+    pub wants: u64,
+    /// Credits granted to remote flows.
+    pub credits_granted: u64,
+    /// Chunks scattered successfully.
+    pub chunks_scattered: u64,
+    /// Chunk bytes scattered successfully.
+    pub bytes_scattered: u64,
+    /// Scatter jobs that failed.
+    pub scatters_failed: u64,
+    /// DATA messages refused by validation.
+    pub data_refused: u64,
+    /// DATA messages for unknown (canceled or reclaimed) flows, dropped silently.
+    pub late_data: u64,
+    /// Remote flows reclaimed because their sender went silent.
+    pub flows_timed_out: u64,
+    /// Peer messages rejected with a [`ProtocolError`].
+    pub protocol_errors: u64,
+}
+
+/// Shared mutable context a role borrows for one call: the scheduler, the action queue, the
+/// job counter and the counters.
+pub(crate) struct Ctx<'a> {
+    pub(crate) now: Instant,
+    pub(crate) sched: &'a mut CreditScheduler,
+    out: &'a mut VecDeque<Action>,
+    next_job: &'a mut u64,
+    pub(crate) stats: &'a mut Stats,
+}
+
+impl Ctx<'_> {
+    /// A fresh job id.
+    pub(crate) fn job(&mut self) -> JobId {
+        let job = JobId(*self.next_job);
+        *self.next_job += 1;
+        job
+    }
+
+    /// Queues an action.
+    pub(crate) fn push(&mut self, action: Action) {
+        self.out.push_back(action);
+    }
+
+    /// Queues a message to `peer`.
+    pub(crate) fn send(&mut self, peer: PeerId, msg: impl Into<wire::Msg>) {
+        let msg = msg.into();
+        trace!(peer = peer.0, xfer = msg.xfer().0, kind = msg.kind_name(), "send");
+        self.out.push_back(Action::Send { peer, msg });
+    }
+}
+
+/// Reports a broken internal invariant: a bug in this crate, never caused by peer input. Debug
+/// builds stop here; release builds log and carry on, leaking at most the region involved.
+pub(crate) fn internal_error(what: &str, err: &dyn std::fmt::Display) {
+    debug_assert!(false, "{what}: {err}");
+    tracing::error!(%err, "internal error: {what}");
+}
+
+/// Builds a [`Ctx`] from an endpoint's disjoint fields, so a role can borrow them while the
+/// endpoint lends out the role itself.
+macro_rules! ctx {
+    ($ep:ident, $now:expr) => {
+        Ctx { now: $now, sched: &mut $ep.sched, out: &mut $ep.out, next_job: &mut $ep.next_job, stats: &mut $ep.stats }
+    };
+}
+
+/// Protocol state and logic of one BOUNCE engine: its sender and receiver roles over one shared
+/// arena.
+///
+/// # Driving it
+/// - Commands: [`submit`](Self::submit), [`cancel`](Self::cancel), [`shutdown`](Self::shutdown),
+///   [`set_local_endpoint`](Self::set_local_endpoint),
+///   [`add_registered`](Self::add_registered) / [`remove_registered`](Self::remove_registered).
+/// - Inputs: [`handle_msg`](Self::handle_msg) for every decoded control message,
+///   `handle_{gather,write,scatter}_done` for every job of an [`Action`],
+///   [`handle_peer_lost`](Self::handle_peer_lost), and [`handle_timeout`](Self::handle_timeout)
+///   once [`poll_timeout`](Self::poll_timeout) has passed.
+/// - Outputs: after *every* command or input, drain [`poll_action`](Self::poll_action) until it
+///   returns `None`, then re-arm the wakeup from [`poll_timeout`](Self::poll_timeout).
+///
+/// Every call takes `now`; it must not go backwards. The endpoint never reads a clock.
+///
+/// # Guarantees
+/// - Each accepted transfer gets exactly one [`Action::Complete`]; none hangs: any stall ends
+///   after `request_timeout` without progress.
+/// - A region is freed only when nothing can still touch it: a failed transfer's staging region
+///   with a gather or write in flight is an *orphan* until that job's done-event; a scattering
+///   region of a reclaimed flow is freed by its scatter's done-event. A cancel (empty WANT) is
+///   sent only once every write of the transfer has completed, so the receiver's reclaim never
+///   frees a region a write may still land in.
+/// - Peer input never panics; bad input is a [`ProtocolError`] and changes nothing unsafely.
+///
+/// Receiver-side staleness: a remote flow holding granted regions without WANT, DATA or a new
+/// grant for twice `request_timeout` is reclaimed (its sender is presumed dead), so a
+/// long-running receiver never leaks regions. The sender only posts a write within
+/// `request_timeout` of receiving its credit, which leaves the write about one more timeout to
+/// land before the region can be granted again.
+#[derive(Debug)]
+pub struct Endpoint {
+    sched: CreditScheduler,
+    sender: Sender,
+    receiver: Receiver,
+    out: VecDeque<Action>,
+    next_job: u64,
+    stats: Stats,
+}
+
+impl Endpoint {
+    /// An idle endpoint over an arena of [`Config::arena_usable_capacity`] bytes with the
+    /// configured granularity and window.
+    ///
+    /// # Errors
+    /// [`EndpointError::Config`] when `config` does not validate; [`EndpointError::Sched`]
+    /// for a geometry the scheduler refuses.
+    pub fn new(config: &Config, now: Instant) -> Result<Self, EndpointError> {
+        config.validate()?;
+        let sched =
+            CreditScheduler::new(config.arena_usable_capacity(), config.arena_granularity, config.max_inflight_chunks)?;
+        Ok(Self {
+            sched,
+            sender: Sender::new(config, now),
+            receiver: Receiver::new(config, now),
+            out: VecDeque::new(),
+            next_job: 0,
+            stats: Stats::default(),
+        })
+    }
+
+    /// Starts transfer `xfer` of `plan` to `peer`: queues its WANT and, with eager gather, the
+    /// gathers of its first chunks (up to `W` and the eager half-arena budget).
+    ///
+    /// # Errors
+    /// A [`SubmitError`]; then nothing was queued and no [`Action::Complete`] will follow.
+    pub fn submit(&mut self, now: Instant, xfer: XferId, peer: PeerId, plan: Plan) -> Result<(), SubmitError> {
+        let r = self.sender.submit(&mut ctx!(self, now), xfer, peer, plan);
+        self.pump(now);
+        r
+    }
+
+    /// Cancels an in-flight transfer (the application released it): [`XferError::Canceled`]
+    /// and a cancel to the peer. Unknown or finished transfers are ignored.
+    pub fn cancel(&mut self, now: Instant, xfer: XferId) {
+        self.sender.cancel(&mut ctx!(self, now), xfer);
+        self.pump(now);
+    }
+
+    /// Sets the control endpoint carried in every WANT (the receiver's reverse path).
+    pub fn set_local_endpoint(&mut self, bytes: Vec<u8>) {
+        self.sender.set_local_endpoint(bytes);
+    }
+
+    /// Adds `[addr, addr + len)` to the memory the receiver may scatter into. A DATA run must
+    /// lie inside one such range; ranges are counted, so equal ranges may be added twice.
+    pub fn add_registered(&mut self, addr: u64, len: u64) {
+        self.receiver.add_registered(addr, len);
+    }
+
+    /// Removes one registration of exactly `[addr, addr + len)`; unknown ranges are ignored.
+    /// Scatters already emitted are not affected.
+    pub fn remove_registered(&mut self, addr: u64, len: u64) {
+        self.receiver.remove_registered(addr, len);
+    }
+
+    /// Handles one control message from `from`: WANT and DATA go to the receiver, GRANT and
+    /// ACK to the sender.
+    ///
+    /// # Errors
+    /// A [`ProtocolError`] for input that breaks the protocol; the message was ignored (an
+    /// invalid DATA was refused and its flow reclaimed). Log it; the endpoint stays usable.
+    pub fn handle_msg(&mut self, now: Instant, from: PeerId, msg: wire::Msg) -> Result<(), ProtocolError> {
+        trace!(peer = from.0, xfer = msg.xfer().0, kind = msg.kind_name(), "recv");
+        let mut ctx = ctx!(self, now);
+        let r = match msg {
+            wire::Msg::Want(m) => self.receiver.handle_want(&mut ctx, from, m),
+            wire::Msg::Data(m) => self.receiver.handle_data(&mut ctx, from, m),
+            wire::Msg::Grant(m) => self.sender.handle_grant(&mut ctx, from, m),
+            wire::Msg::Ack(m) => self.sender.handle_ack(&mut ctx, from, m),
+        };
+        if let Err(e) = &r {
+            // The shell logs the returned error at `warn`; this is for core-level traces.
+            self.stats.protocol_errors += 1;
+            debug!(peer = from.0, error = %e, "protocol error");
+        }
+        self.pump(now);
+        r
+    }
+
+    /// Reports a finished [`Action::Gather`]. Unknown jobs are logged and ignored.
+    pub fn handle_gather_done(&mut self, now: Instant, job: JobId, ok: bool) {
+        self.sender.handle_gather_done(&mut ctx!(self, now), job, ok);
+        self.pump(now);
+    }
+
+    /// Reports a finished [`Action::Write`]. Unknown jobs are logged and ignored.
+    pub fn handle_write_done(&mut self, now: Instant, job: JobId, ok: bool) {
+        self.sender.handle_write_done(&mut ctx!(self, now), job, ok);
+        self.pump(now);
+    }
+
+    /// Reports a finished [`Action::Scatter`]. Unknown jobs are logged and ignored.
+    pub fn handle_scatter_done(&mut self, now: Instant, job: JobId, ok: bool) {
+        self.receiver.handle_scatter_done(&mut ctx!(self, now), job, ok);
+        self.pump(now);
+    }
+
+    /// The peer is gone: its transfers fail with [`XferError::PeerLost`] (no cancel is sent)
+    /// and its flows are reclaimed (scattering regions are freed by their done-events).
+    pub fn handle_peer_lost(&mut self, now: Instant, peer: PeerId) {
+        let mut ctx = ctx!(self, now);
+        self.sender.handle_peer_lost(&mut ctx, peer);
+        self.receiver.handle_peer_lost(&mut ctx, peer);
+        self.pump(now);
+    }
+
+    /// Fires the timers due at `now`: stalled transfers fail with [`XferError::Timeout`], silent
+    /// remote flows are reclaimed. Spurious or early calls are harmless.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let mut ctx = ctx!(self, now);
+        self.sender.handle_timeout(&mut ctx);
+        self.receiver.handle_timeout(&mut ctx);
+        self.pump(now);
+    }
+
+    /// Fails every transfer with [`XferError::ShuttingDown`] (cancels are still queued for the
+    /// peers), reclaims every remote flow and refuses new work. Regions with jobs in flight stay
+    /// allocated until their done-events; [`is_idle`](Self::is_idle) says when none are left.
+    pub fn shutdown(&mut self, now: Instant) {
+        let mut ctx = ctx!(self, now);
+        self.sender.shutdown(&mut ctx);
+        self.receiver.shutdown(&mut ctx);
+        self.pump(now);
+    }
+
+    /// The next action for the shell; call until `None` after every command or input.
+    #[must_use]
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.out.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) should next be called, if ever. It may be
+    /// early (the call is then a no-op); it is never late.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match (self.sender.next_timeout(), self.receiver.next_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Transfers submitted and not yet completed.
+    pub fn in_flight_xfers(&self) -> usize {
+        self.sender.in_flight()
+    }
+
+    /// Staging regions of failed transfers waiting for their gather or write to finish.
+    pub fn orphans(&self) -> usize {
+        self.sender.orphans()
+    }
+
+    /// Jobs emitted and not yet reported done (orphans included).
+    pub fn jobs_in_flight(&self) -> usize {
+        self.sender.jobs_in_flight() + self.receiver.scatters_in_flight()
+    }
+
+    /// Remote flows the receiver tracks.
+    pub fn remote_flows(&self) -> usize {
+        self.receiver.flows()
+    }
+
+    /// True when nothing is in flight: no transfer, no remote flow, no job and no queued action.
+    /// After [`shutdown`](Self::shutdown), the shell may drop the endpoint (and the arena) once
+    /// this holds.
+    pub fn is_idle(&self) -> bool {
+        self.out.is_empty() && self.in_flight_xfers() == 0 && self.jobs_in_flight() == 0 && self.remote_flows() == 0
+    }
+
+    /// Free arena bytes.
+    pub fn arena_free_bytes(&self) -> u64 {
+        self.sched.free_bytes()
+    }
+
+    /// The shared credit scheduler, read-only.
+    pub fn scheduler(&self) -> &CreditScheduler {
+        &self.sched
+    }
+
+    /// The sender role, read-only.
+    pub fn sender(&self) -> &Sender {
+        &self.sender
+    }
+
+    /// The receiver role, read-only.
+    pub fn receiver(&self) -> &Receiver {
+        &self.receiver
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// After any event that may have freed arena space: gives freed space first to parked
+    /// local credits (they finish work a peer already reserved space for), then to remote
+    /// flows through `schedule()`.
+    fn pump(&mut self, now: Instant) {
+        let mut ctx = ctx!(self, now);
+        self.sender.retry_parked(&mut ctx);
+        let grants = ctx.sched.schedule();
+        if !grants.is_empty() {
+            self.receiver.emit_grants(&mut ctx, grants);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    //! Endpoint-level tests, plus the fixtures the sender and receiver tests share.
+
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::plan::{self, DescPair, PlanParams};
+    use crate::wire::{Ack, AckStatus, Credit, Data, Grant, Msg, Want};
+
+    pub(crate) const KIB: u64 = 1024;
+    pub(crate) const CHUNK: u64 = 4 * KIB;
+    pub(crate) const TIMEOUT: Duration = Duration::from_secs(1);
+    pub(crate) const SRC: u64 = 0x10_0000;
+    pub(crate) const DST: u64 = 0x20_0000;
+    pub(crate) const PEER: PeerId = PeerId(7);
+    pub(crate) const X: XferId = XferId(1);
+
+    /// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout.
+    pub(crate) fn config(arena: u64, w: u32, eager: bool) -> Config {
+        let c = Config {
+            arena_size: arena,
+            arena_granularity: KIB,
+            max_chunk_size: CHUNK,
+            max_inflight_chunks: w,
+            eager_gather: eager,
+            request_timeout: TIMEOUT,
+            ..Config::default()
+        };
+        c.validate().unwrap();
+        c
+    }
+
+    pub(crate) fn endpoint(arena: u64, w: u32, eager: bool) -> (Endpoint, Instant) {
+        let now = Instant::now();
+        (Endpoint::new(&config(arena, w, eager), now).unwrap(), now)
+    }
+
+    /// `n` chunks of exactly 4 KiB: descriptor `i` copies `SRC + i*4K` to `DST + i*4K`.
+    pub(crate) fn plan_of(n: u64) -> Plan {
+        let descs: Vec<DescPair> =
+            (0..n).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
+        plan::plan(&descs, PlanParams::new(CHUNK)).unwrap()
+    }
+
+    pub(crate) fn drain(ep: &mut Endpoint) -> Vec<Action> {
+        std::iter::from_fn(|| ep.poll_action()).collect()
+    }
+
+    pub(crate) fn msgs(acts: &[Action]) -> Vec<(PeerId, Msg)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Send { peer, msg } => Some((*peer, msg.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub(crate) fn gathers(acts: &[Action]) -> Vec<(JobId, Region)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Gather { job, region, .. } => Some((*job, *region)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// `(job, local, remote, len)` of each write.
+    pub(crate) fn writes(acts: &[Action]) -> Vec<(JobId, Region, Region, u64)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Write { job, local, remote, len, .. } => Some((*job, *local, *remote, *len)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub(crate) fn scatters(acts: &[Action]) -> Vec<(JobId, Region)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Scatter { job, region, .. } => Some((*job, *region)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub(crate) fn completes(acts: &[Action]) -> Vec<(XferId, Result<(), XferError>)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Complete { xfer, outcome } => Some((*xfer, outcome.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub(crate) fn grant_msg(xfer: XferId, credits: &[(u32, Region)]) -> Msg {
+        Msg::Grant(Grant {
+            xfer,
+            credits: credits.iter().map(|&(c, region)| Credit { chunk: ChunkIdx(c), region }).collect(),
+        })
+    }
+
+    pub(crate) fn ack_msg(xfer: XferId, chunk: u32, region: Region, status: AckStatus) -> Msg {
+        Msg::Ack(Ack { xfer, chunk: ChunkIdx(chunk), region, status })
+    }
+
+    pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
+        Msg::Want(Want { xfer, endpoint: Vec::new(), chunks: chunks.to_vec() })
+    }
+
+    pub(crate) fn data_msg(xfer: XferId, chunk: u32, region: Region, runs: Vec<CopyRun>) -> Msg {
+        Msg::Data(Data { xfer, chunk: ChunkIdx(chunk), region, runs })
+    }
+
+    /// A single-copy run of `len` bytes at region offset `off` to `addr`.
+    pub(crate) fn run(off: u64, addr: u64, len: u64) -> CopyRun {
+        CopyRun { region_off: off, addr, len, count: 1, region_stride: 0, addr_stride: 0 }
+    }
+
+    pub(crate) fn check(ep: &Endpoint) {
+        ep.scheduler().check_invariants().unwrap();
+    }
+
+    #[test]
+    fn new_rejects_an_invalid_config() {
+        let bad = Config { max_inflight_chunks: 0, ..Config::default() };
+        assert!(matches!(Endpoint::new(&bad, Instant::now()), Err(EndpointError::Config(_))));
+    }
+
+    /// Two endpoints with byte-level memories, driven until quiet with every job completing at
+    /// once: the smallest end-to-end run of the whole protocol.
+    struct Pair {
+        eps: [Endpoint; 2],
+        arenas: [Vec<u8>; 2],
+        mem: [BTreeMap<u64, u8>; 2],
+        done: Vec<(usize, XferId, Result<(), XferError>)>,
+        now: Instant,
+    }
+
+    impl Pair {
+        fn new(arena: u64, w: u32, eager: bool) -> Self {
+            let (a, now) = endpoint(arena, w, eager);
+            let (b, _) = endpoint(arena, w, eager);
+            let mut p = Self {
+                eps: [a, b],
+                arenas: [vec![0; arena as usize], vec![0; arena as usize]],
+                mem: [BTreeMap::new(), BTreeMap::new()],
+                done: Vec::new(),
+                now,
+            };
+            for ep in &mut p.eps {
+                ep.add_registered(DST, 1 << 20);
+            }
+            p
+        }
+
+        /// Runs until no endpoint has anything to do; returns the steps taken.
+        fn run(&mut self) -> usize {
+            let mut steps = 0;
+            loop {
+                let mut idle = true;
+                for me in 0..2 {
+                    while let Some(a) = self.eps[me].poll_action() {
+                        idle = false;
+                        steps += 1;
+                        assert!(steps < 100_000, "no quiescence");
+                        self.perform(me, a);
+                        check(&self.eps[me]);
+                    }
+                }
+                if idle {
+                    return steps;
+                }
+            }
+        }
+
+        fn perform(&mut self, me: usize, a: Action) {
+            let peer = 1 - me;
+            let now = self.now;
+            match a {
+                Action::Send { peer: p, msg } => {
+                    assert_eq!(p.0 as usize, peer);
+                    self.eps[peer].handle_msg(now, PeerId(me as u32), msg).unwrap();
+                }
+                Action::Gather { job, region, runs, .. } => {
+                    for r in &runs {
+                        for (off, addr, len) in r.copies() {
+                            for k in 0..len {
+                                let byte = self.mem[me].get(&(addr + k)).copied().unwrap_or(0);
+                                self.arenas[me][(region.offset + off + k) as usize] = byte;
+                            }
+                        }
+                    }
+                    self.eps[me].handle_gather_done(now, job, true);
+                }
+                Action::Write { job, local, remote, len, .. } => {
+                    let src = self.arenas[me][local.offset as usize..][..len as usize].to_vec();
+                    self.arenas[peer][remote.offset as usize..][..len as usize].copy_from_slice(&src);
+                    self.eps[me].handle_write_done(now, job, true);
+                }
+                Action::Scatter { job, region, runs, .. } => {
+                    for r in &runs {
+                        for (off, addr, len) in r.copies() {
+                            for k in 0..len {
+                                let byte = self.arenas[me][(region.offset + off + k) as usize];
+                                self.mem[me].insert(addr + k, byte);
+                            }
+                        }
+                    }
+                    self.eps[me].handle_scatter_done(now, job, true);
+                }
+                Action::Complete { xfer, outcome } => self.done.push((me, xfer, outcome)),
+            }
+        }
+    }
+
+    #[test]
+    fn two_endpoints_move_every_byte_both_ways_through_small_arenas() {
+        for eager in [false, true] {
+            let mut p = Pair::new(16 * KIB, 2, eager);
+            // 40 KiB each way through 16 KiB arenas that also serve the other direction.
+            for me in 0..2 {
+                for i in 0..(10 * CHUNK) {
+                    p.mem[me].insert(SRC + i, (i as u8).wrapping_mul(3).wrapping_add(me as u8));
+                }
+                let now = p.now;
+                p.eps[me].submit(now, X, PeerId(1 - me as u32), plan_of(10)).unwrap();
+            }
+            p.run();
+            let mut done = p.done.clone();
+            done.sort_by_key(|d| d.0);
+            assert_eq!(done, vec![(0, X, Ok(())), (1, X, Ok(()))]);
+            for me in 0..2 {
+                for i in 0..(10 * CHUNK) {
+                    let want = (i as u8).wrapping_mul(3).wrapping_add(1 - me as u8);
+                    assert_eq!(p.mem[me].get(&(DST + i)), Some(&want), "eager={eager} side {me} byte {i}");
+                }
+                let ep = &p.eps[me];
+                assert!(ep.is_idle());
+                assert_eq!(ep.arena_free_bytes(), 16 * KIB);
+                assert_eq!(ep.poll_timeout(), None);
+                assert_eq!(ep.stats().completed, 1);
+                assert_eq!(ep.stats().chunks_scattered, 10);
+            }
+        }
+    }
+
+    /// What the property test below does to an endpoint.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Msg(u32, Msg),
+        Done(usize, bool),
+        Submit(u64, u64),
+        Cancel(u64),
+        PeerLost(u32),
+        Advance(u64),
+    }
+
+    fn any_region() -> impl Strategy<Value = Region> {
+        prop_oneof![
+            (0..32u64, prop::sample::select(vec![KIB, CHUNK, 2 * CHUNK]))
+                .prop_map(|(o, len)| Region { offset: o * KIB, len }),
+            (any::<u64>(), any::<u64>()).prop_map(|(offset, len)| Region { offset, len }),
+        ]
+    }
+
+    fn any_run() -> impl Strategy<Value = CopyRun> {
+        (0..8 * KIB, 0..64 * KIB, 0..5 * KIB, 0..4u32, 0..KIB, 0..KIB).prop_map(|(off, a, len, count, rs, as_)| {
+            CopyRun { region_off: off, addr: DST + a, len, count, region_stride: rs, addr_stride: as_ }
+        })
+    }
+
+    fn any_msg() -> impl Strategy<Value = Msg> {
+        let xfer = (0..4u64).prop_map(XferId);
+        prop_oneof![
+            (xfer.clone(), prop::collection::vec(prop_oneof![Just(CHUNK), 0..3 * CHUNK], 0..5))
+                .prop_map(|(x, c)| want_msg(x, &c)),
+            (xfer.clone(), prop::collection::vec((0..6u32, any_region()), 0..4)).prop_map(|(x, c)| grant_msg(x, &c)),
+            (xfer.clone(), 0..6u32, any_region(), prop::collection::vec(any_run(), 0..3))
+                .prop_map(|(x, c, r, runs)| data_msg(x, c, r, runs)),
+            (
+                xfer,
+                0..6u32,
+                any_region(),
+                prop::sample::select(vec![AckStatus::Scattered, AckStatus::Refused, AckStatus::Failed])
+            )
+                .prop_map(|(x, c, r, st)| ack_msg(x, c, r, st)),
+        ]
+    }
+
+    fn any_op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0..3u32, any_msg()).prop_map(|(p, m)| Op::Msg(p, m)),
+            4 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Done(i, ok)),
+            1 => (0..4u64, 1..6u64).prop_map(|(x, n)| Op::Submit(x, n)),
+            1 => (0..4u64).prop_map(Op::Cancel),
+            1 => (0..3u32).prop_map(Op::PeerLost),
+            1 => (0..1500u64).prop_map(Op::Advance),
+        ]
+    }
+
+    /// The kind of an outstanding job: 0 gather, 1 write, 2 scatter.
+    fn collect_jobs(ep: &mut Endpoint, jobs: &mut Vec<(JobId, u8)>) {
+        for a in drain(ep) {
+            match a {
+                Action::Gather { job, .. } => jobs.push((job, 0)),
+                Action::Write { job, .. } => jobs.push((job, 1)),
+                Action::Scatter { job, .. } => jobs.push((job, 2)),
+                _ => {}
+            }
+        }
+    }
+
+    fn report(ep: &mut Endpoint, now: Instant, (job, kind): (JobId, u8), ok: bool) {
+        match kind {
+            0 => ep.handle_gather_done(now, job, ok),
+            1 => ep.handle_write_done(now, job, ok),
+            _ => ep.handle_scatter_done(now, job, ok),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+        /// Arbitrary peer messages mixed with real work never panic, never break the arena's
+        /// conservation invariant, and after shutdown every region comes back once the jobs in
+        /// flight are reported.
+        #[test]
+        fn arbitrary_peer_input_never_breaks_the_endpoint(ops in prop::collection::vec(any_op(), 1..80), eager: bool) {
+            let (mut ep, mut now) = endpoint(32 * KIB, 2, eager);
+            ep.add_registered(DST, 64 * KIB);
+            let mut jobs = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Msg(p, m) => { let _ = ep.handle_msg(now, PeerId(p), m); }
+                    Op::Done(i, ok) if !jobs.is_empty() => {
+                        let j = jobs.swap_remove(i % jobs.len());
+                        report(&mut ep, now, j, ok);
+                    }
+                    Op::Done(..) => {}
+                    Op::Submit(x, n) => { let _ = ep.submit(now, XferId(x), PeerId(x as u32 % 3), plan_of(n)); }
+                    Op::Cancel(x) => ep.cancel(now, XferId(x)),
+                    Op::PeerLost(p) => ep.handle_peer_lost(now, PeerId(p)),
+                    Op::Advance(ms) => {
+                        now += Duration::from_millis(ms);
+                        ep.handle_timeout(now);
+                    }
+                }
+                collect_jobs(&mut ep, &mut jobs);
+                prop_assert!(ep.scheduler().check_invariants().is_ok(), "{:?}", ep.scheduler().check_invariants());
+            }
+            ep.shutdown(now);
+            collect_jobs(&mut ep, &mut jobs);
+            while let Some(j) = jobs.pop() {
+                report(&mut ep, now, j, true);
+                collect_jobs(&mut ep, &mut jobs);
+            }
+            prop_assert!(ep.is_idle());
+            prop_assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+        }
+    }
+}

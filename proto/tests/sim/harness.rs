@@ -1,0 +1,533 @@
+//! The simulation harness: endpoints joined by a simulated network and simulated copy engines
+//! (quinn-proto's `tests/util.rs` `Pair` shape, with raft `network.rs`-style fault knobs).
+//!
+//! Time is virtual and jumps to the next event or endpoint timer. Messages are really encoded
+//! and decoded through [`wire::Frame`], delayed at random (reordered across channels, and
+//! within a channel unless [`Knobs::fifo`]), and dropped with probability [`Knobs::drop_p`].
+//! Gather, write and scatter jobs really move bytes between per-node user memories and arenas,
+//! at their completion time (the latest moment a real copy engine could touch the memory), and
+//! fail with probability [`Knobs::job_fail_p`] after a partial copy. Everything is driven by
+//! one seeded RNG, so a seed replays exactly.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use bounce_proto::config::Config;
+use bounce_proto::endpoint::{Action, Endpoint, JobId, XferError};
+use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::wire::{Frame, Msg};
+use bounce_proto::{CopyRun, PeerId, Region, XferId};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Base address of every node's user memory.
+pub(crate) const MEM_BASE: u64 = 0x7f00_0000_0000;
+
+/// Fault and timing knobs of a simulation.
+#[derive(Debug, Clone)]
+pub(crate) struct Knobs {
+    /// Message latency range.
+    pub(crate) msg_delay: (Duration, Duration),
+    /// Keep each (from, to) channel FIFO (UCX active messages are ordered per endpoint).
+    pub(crate) fifo: bool,
+    /// Job (gather / write / scatter) duration range.
+    pub(crate) job_delay: (Duration, Duration),
+    /// Probability that a message is lost.
+    pub(crate) drop_p: f64,
+    /// Probability that a job fails (after copying part of its bytes).
+    pub(crate) job_fail_p: f64,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Self {
+            msg_delay: (Duration::from_micros(1), Duration::from_micros(40)),
+            fifo: true,
+            job_delay: (Duration::from_micros(1), Duration::from_micros(30)),
+            drop_p: 0.0,
+            job_fail_p: 0.0,
+        }
+    }
+}
+
+/// An engine configuration for simulations: small arena, 256 B granules, 2 KiB chunks, 10 ms
+/// timeout.
+pub(crate) fn sim_config(arena: u64, window: u32, eager: bool) -> Config {
+    let c = Config {
+        arena_size: arena,
+        arena_granularity: 256,
+        max_chunk_size: 2048,
+        max_inflight_chunks: window,
+        eager_gather: eager,
+        request_timeout: Duration::from_millis(10),
+        ..Config::default()
+    };
+    c.validate().expect("simulation config is valid");
+    c
+}
+
+/// One simulated engine.
+pub(crate) struct Node {
+    /// The protocol endpoint.
+    pub(crate) ep: Endpoint,
+    /// The registered arena's bytes.
+    pub(crate) arena: Vec<u8>,
+    /// User memory at [`MEM_BASE`]; grows as transfers are added.
+    pub(crate) mem: Vec<u8>,
+    /// What `mem` held before the simulation ran.
+    initial: Vec<u8>,
+    /// False once killed.
+    pub(crate) alive: bool,
+    /// Outcome of each transfer this node submitted.
+    pub(crate) outcomes: BTreeMap<XferId, Result<(), XferError>>,
+}
+
+impl Node {
+    /// Takes `len` fresh bytes of user memory (sources and destinations interleave; no two
+    /// transfers share a byte).
+    fn alloc(&mut self, node: usize, len: u64) -> u64 {
+        let at = self.mem.len() as u64;
+        let bytes: Vec<u8> = (at..at + len).map(|a| pattern(node, a)).collect();
+        self.mem.extend_from_slice(&bytes);
+        self.initial.extend_from_slice(&bytes);
+        at
+    }
+}
+
+/// A transfer the simulation submits.
+#[derive(Debug, Clone)]
+pub(crate) struct XferSpec {
+    /// Sending node.
+    pub(crate) from: usize,
+    /// Receiving node.
+    pub(crate) to: usize,
+    /// Its id (unique per sender).
+    pub(crate) xfer: XferId,
+    /// Descriptors: `src` in the sender's memory, `dst` in the receiver's.
+    pub(crate) descs: Vec<DescPair>,
+    /// Chunks of its plan.
+    pub(crate) chunks: usize,
+}
+
+#[derive(Debug)]
+enum Ev {
+    Deliver { from: usize, to: usize, frame: Vec<u8> },
+    Gather { node: usize, job: JobId, xfer: XferId, region: Region, runs: Vec<CopyRun> },
+    Write { node: usize, job: JobId, xfer: XferId, peer: usize, local: Region, remote: Region, len: u64 },
+    Scatter { node: usize, job: JobId, peer: usize, xfer: XferId, region: Region, runs: Vec<CopyRun> },
+    Submit { spec: usize },
+    Cancel { node: usize, xfer: XferId },
+    Kill { node: usize },
+}
+
+/// A set of nodes, the network between them and the pending events.
+pub(crate) struct Sim {
+    /// The nodes; node `i` is `PeerId(i)` to the others.
+    pub(crate) nodes: Vec<Node>,
+    /// Every transfer, submitted or scheduled.
+    pub(crate) specs: Vec<XferSpec>,
+    /// Credits granted by node `to` to flow `(from, xfer)`: `(to, from, xfer) -> count`.
+    pub(crate) granted: BTreeMap<(usize, usize, XferId), u64>,
+    /// Transfers whose outcome must be an error: a job of theirs was failed by the harness,
+    /// or the harness canceled them.
+    pub(crate) tainted: BTreeSet<(usize, XferId)>,
+    /// Simulated time elapsed.
+    pub(crate) elapsed: Duration,
+    /// Steps taken.
+    pub(crate) steps: usize,
+    knobs: Knobs,
+    capacity: u64,
+    start: Instant,
+    rng: ChaCha8Rng,
+    queue: BTreeMap<(Duration, u64), Ev>,
+    seq: u64,
+    /// Latest delivery time per channel, for FIFO channels.
+    channel: BTreeMap<(usize, usize), Duration>,
+    plan_params: PlanParams,
+}
+
+impl Sim {
+    /// `n` nodes with configuration `config`, driven by `seed`. All user memory is registered.
+    pub(crate) fn new(n: usize, config: &Config, knobs: Knobs, seed: u64) -> Self {
+        let start = Instant::now();
+        let nodes = (0..n)
+            .map(|i| {
+                let mut ep = Endpoint::new(config, start).unwrap();
+                ep.set_local_endpoint(format!("node-{i}").into_bytes());
+                ep.add_registered(MEM_BASE, 1 << 40);
+                Node {
+                    ep,
+                    arena: vec![0xEE; config.arena_usable_capacity() as usize],
+                    mem: Vec::new(),
+                    initial: Vec::new(),
+                    alive: true,
+                    outcomes: BTreeMap::new(),
+                }
+            })
+            .collect();
+        Self {
+            nodes,
+            specs: Vec::new(),
+            granted: BTreeMap::new(),
+            tainted: BTreeSet::new(),
+            elapsed: Duration::ZERO,
+            steps: 0,
+            knobs,
+            capacity: config.arena_usable_capacity(),
+            start,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            queue: BTreeMap::new(),
+            seq: 0,
+            channel: BTreeMap::new(),
+            plan_params: PlanParams::from_config(config),
+        }
+    }
+
+    /// The simulation's RNG, for scenario choices.
+    pub(crate) fn rng(&mut self) -> &mut ChaCha8Rng {
+        &mut self.rng
+    }
+
+    /// Plans a transfer of about `bytes` payload bytes from `from` to `to` in random
+    /// descriptors (dense, strided or scattered, sometimes shuffled) and schedules its submit
+    /// at `at`. Returns its index in [`Sim::specs`].
+    pub(crate) fn add_xfer(&mut self, from: usize, to: usize, bytes: u64, at: Duration) -> usize {
+        let xfer = XferId(self.specs.iter().filter(|s| s.from == from).count() as u64 + 1);
+        let style = self.rng.random_range(0..3);
+        let mut lens = Vec::new();
+        let mut total = 0;
+        let fixed = self.rng.random_range(8..=600);
+        while total < bytes {
+            let len = match style {
+                0 | 1 => fixed,
+                _ => self.rng.random_range(1..=3000),
+            };
+            lens.push(len);
+            total += len;
+        }
+        let (src_gap, dst_gap) = match style {
+            0 => (0, 0),
+            1 => (self.rng.random_range(0..64), self.rng.random_range(0..64)),
+            _ => (u64::MAX, u64::MAX),
+        };
+        let mut descs = Vec::with_capacity(lens.len());
+        for len in lens {
+            let sg = if src_gap == u64::MAX { self.rng.random_range(0..200) } else { src_gap };
+            let dg = if dst_gap == u64::MAX { self.rng.random_range(0..200) } else { dst_gap };
+            let src = self.nodes[from].alloc(from, len + sg);
+            let dst = self.nodes[to].alloc(to, len + dg);
+            descs.push(DescPair { src: MEM_BASE + src + sg, dst: MEM_BASE + dst + dg, len });
+        }
+        if style == 2 && self.rng.random_bool(0.5) {
+            // Destinations out of order: planning keeps input order, so runs jump around.
+            for i in (1..descs.len()).rev() {
+                let j = self.rng.random_range(0..=i);
+                descs.swap(i, j);
+            }
+        }
+        let chunks = plan::plan(&descs, self.plan_params).unwrap().chunks.len();
+        self.specs.push(XferSpec { from, to, xfer, descs, chunks });
+        let spec = self.specs.len() - 1;
+        self.schedule(at, Ev::Submit { spec });
+        spec
+    }
+
+    /// Cancels `xfer` of `node` at `at` (if it is still in flight then).
+    pub(crate) fn cancel_at(&mut self, node: usize, xfer: XferId, at: Duration) {
+        self.schedule(at, Ev::Cancel { node, xfer });
+    }
+
+    /// Kills `node` at `at`; the survivors are told through `handle_peer_lost`.
+    pub(crate) fn kill_at(&mut self, node: usize, at: Duration) {
+        self.schedule(at, Ev::Kill { node });
+    }
+
+    /// Runs the next event or timer, then every action it caused, then checks the invariants.
+    /// False when nothing is left to do.
+    pub(crate) fn step(&mut self) -> bool {
+        let next_event = self.queue.first_key_value().map(|(k, _)| k.0);
+        let next_timer =
+            self.nodes.iter().filter(|n| n.alive).filter_map(|n| n.ep.poll_timeout()).min().map(|t| t - self.start);
+        match (next_event, next_timer) {
+            (None, None) => return false,
+            (Some(e), Some(t)) if t < e => self.fire_timers(t),
+            (None, Some(t)) => self.fire_timers(t),
+            _ => {
+                let ((at, _), ev) = self.queue.pop_first().unwrap();
+                self.elapsed = self.elapsed.max(at);
+                self.handle(ev);
+            }
+        }
+        self.drain();
+        self.steps += 1;
+        for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.alive) {
+            if let Err(e) = n.ep.scheduler().check_invariants() {
+                panic!("node {i} after step {}: {e}", self.steps);
+            }
+        }
+        true
+    }
+
+    /// Steps until nothing is left, at most `max` steps.
+    pub(crate) fn drive_bounded(&mut self, max: usize) {
+        while self.step() {
+            assert!(self.steps <= max, "no quiescence after {max} steps ({:?} simulated)", self.elapsed);
+        }
+    }
+
+    /// Steps until nothing is left (bounded by a generous step budget).
+    pub(crate) fn drive(&mut self) {
+        self.drive_bounded(2_000_000);
+    }
+
+    /// Checks the settled state: every transfer of a live sender completed exactly once (the
+    /// harness asserts "once" as outcomes arrive), tainted ones failed, successful ones
+    /// delivered every byte, and no byte outside the destinations of transfers into a node
+    /// ever changed; every live endpoint is idle with its whole arena free.
+    pub(crate) fn check_settled(&self) {
+        for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.alive) {
+            assert!(
+                n.ep.is_idle(),
+                "node {i} not idle: {} xfers, {} jobs",
+                n.ep.in_flight_xfers(),
+                n.ep.jobs_in_flight()
+            );
+            assert_eq!(n.ep.arena_free_bytes(), self.capacity, "node {i} leaks arena space");
+            assert_eq!(n.ep.poll_timeout(), None, "node {i} still has timers");
+            assert_eq!(n.ep.stats().protocol_errors, 0, "node {i} saw protocol errors from honest peers");
+        }
+        // Destination bytes owned by each node's incoming transfers.
+        let mut owned: Vec<BTreeMap<u64, (u64, usize)>> = vec![BTreeMap::new(); self.nodes.len()];
+        for (k, s) in self.specs.iter().enumerate() {
+            for d in s.descs.iter().filter(|d| d.len > 0) {
+                owned[s.to].insert(d.dst - MEM_BASE, (d.len, k));
+            }
+        }
+        for s in &self.specs {
+            let sender = &self.nodes[s.from];
+            if !sender.alive {
+                continue;
+            }
+            let outcome = sender.outcomes.get(&s.xfer);
+            assert!(outcome.is_some(), "node {} xfer {:?} never completed", s.from, s.xfer);
+            if self.tainted.contains(&(s.from, s.xfer)) {
+                assert!(outcome.unwrap().is_err(), "node {} xfer {:?} reported Ok despite a failure", s.from, s.xfer);
+            }
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            if !n.alive {
+                continue;
+            }
+            let mut a = 0usize;
+            for (&start, &(len, k)) in &owned[i] {
+                let (start, len) = (start as usize, len as usize);
+                assert!(n.mem[a..start] == n.initial[a..start], "node {i}: bytes in {a:#x}..{start:#x} changed");
+                let s = &self.specs[k];
+                if self.nodes[s.from].outcomes.get(&s.xfer).is_some_and(|o| o.is_ok()) {
+                    let d = s.descs.iter().find(|d| (d.dst - MEM_BASE) as usize == start).unwrap();
+                    let src = &self.nodes[s.from].mem[(d.src - MEM_BASE) as usize..][..len];
+                    assert!(
+                        src == &n.mem[start..start + len],
+                        "node {i}: xfer {:?} from {} delivered wrong bytes at {start:#x}",
+                        s.xfer,
+                        s.from
+                    );
+                }
+                a = start + len;
+            }
+            assert!(n.mem[a..] == n.initial[a..], "node {i}: bytes after {a:#x} changed");
+        }
+    }
+
+    fn schedule(&mut self, at: Duration, ev: Ev) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), ev);
+    }
+
+    fn delay(&mut self, (lo, hi): (Duration, Duration)) -> Duration {
+        let ns = self.rng.random_range(lo.as_nanos() as u64..=hi.as_nanos() as u64);
+        Duration::from_nanos(ns)
+    }
+
+    fn fire_timers(&mut self, t: Duration) {
+        self.elapsed = self.elapsed.max(t);
+        let now = self.start + self.elapsed;
+        for n in self.nodes.iter_mut().filter(|n| n.alive) {
+            if n.ep.poll_timeout().is_some_and(|d| d <= now) {
+                n.ep.handle_timeout(now);
+            }
+        }
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        let now = self.start + self.elapsed;
+        match ev {
+            Ev::Deliver { from, to, frame } => {
+                if !self.nodes[to].alive {
+                    return;
+                }
+                let frame = Frame::decode(&frame).expect("our frames decode");
+                assert_eq!(frame.session, from as u64);
+                let r = self.nodes[to].ep.handle_msg(now, PeerId(from as u32), frame.msg.clone());
+                if let Err(e) = r {
+                    panic!("node {to}: honest {:?} from {from} refused: {e}", frame.msg.kind_name());
+                }
+            }
+            Ev::Gather { node, job, xfer, region, runs } => {
+                if !self.nodes[node].alive {
+                    return;
+                }
+                let ok = !self.rng.random_bool(self.knobs.job_fail_p);
+                let n = &mut self.nodes[node];
+                for (i, r) in runs.iter().enumerate() {
+                    if !ok && i % 2 == 1 {
+                        continue;
+                    }
+                    for (off, addr, len) in r.copies() {
+                        let src = &n.mem[(addr - MEM_BASE) as usize..][..len as usize];
+                        let at = (region.offset + off) as usize;
+                        n.arena[at..at + len as usize].copy_from_slice(src);
+                    }
+                }
+                if !ok {
+                    self.tainted.insert((node, xfer));
+                }
+                self.nodes[node].ep.handle_gather_done(now, job, ok);
+            }
+            Ev::Write { node, job, xfer, peer, local, remote, len } => {
+                if !self.nodes[node].alive {
+                    return;
+                }
+                let mut ok = self.nodes[peer].alive;
+                if ok && self.rng.random_bool(self.knobs.job_fail_p) {
+                    ok = false;
+                    self.tainted.insert((node, xfer));
+                }
+                if self.nodes[peer].alive {
+                    // A failed write may still have landed in part.
+                    let copied = if ok { len } else { len / 2 };
+                    let src = self.nodes[node].arena[local.offset as usize..][..copied as usize].to_vec();
+                    self.nodes[peer].arena[remote.offset as usize..][..copied as usize].copy_from_slice(&src);
+                }
+                self.nodes[node].ep.handle_write_done(now, job, ok);
+            }
+            Ev::Scatter { node, job, peer, xfer, region, runs } => {
+                if !self.nodes[node].alive {
+                    return;
+                }
+                let ok = !self.rng.random_bool(self.knobs.job_fail_p);
+                let n = &mut self.nodes[node];
+                for (i, r) in runs.iter().enumerate() {
+                    if !ok && i % 2 == 1 {
+                        continue;
+                    }
+                    for (off, addr, len) in r.copies() {
+                        let at = (region.offset + off) as usize;
+                        let dst = (addr - MEM_BASE) as usize;
+                        n.mem[dst..dst + len as usize].copy_from_slice(&n.arena[at..at + len as usize]);
+                    }
+                }
+                if !ok {
+                    self.tainted.insert((peer, xfer));
+                }
+                self.nodes[node].ep.handle_scatter_done(now, job, ok);
+            }
+            Ev::Submit { spec } => {
+                let s = &self.specs[spec];
+                if !self.nodes[s.from].alive {
+                    return;
+                }
+                let plan = plan::plan(&s.descs, self.plan_params).unwrap();
+                let (from, to, xfer) = (s.from, s.to, s.xfer);
+                self.nodes[from].ep.submit(now, xfer, PeerId(to as u32), plan).expect("submit");
+                if !self.nodes[to].alive {
+                    // The shell would not route to a lost peer; tell the endpoint again.
+                    self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));
+                }
+            }
+            Ev::Cancel { node, xfer } => {
+                let n = &mut self.nodes[node];
+                if n.alive && !n.outcomes.contains_key(&xfer) && n.ep.sender().acked_chunks(xfer).is_some() {
+                    self.tainted.insert((node, xfer));
+                    n.ep.cancel(now, xfer);
+                }
+            }
+            Ev::Kill { node } => {
+                if !self.nodes[node].alive {
+                    return;
+                }
+                self.nodes[node].alive = false;
+                for (i, n) in self.nodes.iter_mut().enumerate() {
+                    if i != node && n.alive {
+                        n.ep.handle_peer_lost(now, PeerId(node as u32));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Performs every queued action of every live node until none is left.
+    fn drain(&mut self) {
+        loop {
+            let mut any = false;
+            for i in 0..self.nodes.len() {
+                if !self.nodes[i].alive {
+                    continue;
+                }
+                while let Some(a) = self.nodes[i].ep.poll_action() {
+                    any = true;
+                    self.perform(i, a);
+                }
+            }
+            if !any {
+                return;
+            }
+        }
+    }
+
+    fn perform(&mut self, me: usize, a: Action) {
+        match a {
+            Action::Send { peer, msg } => {
+                let to = peer.0 as usize;
+                if let Msg::Grant(g) = &msg {
+                    *self.granted.entry((me, to, g.xfer)).or_default() += g.credits.len() as u64;
+                }
+                msg.validate().expect("endpoints build valid messages");
+                let frame = Frame { session: me as u64, msg }.to_vec();
+                if self.rng.random_bool(self.knobs.drop_p) {
+                    return;
+                }
+                let mut at = self.elapsed + self.delay(self.knobs.msg_delay);
+                if self.knobs.fifo {
+                    let last = self.channel.entry((me, to)).or_default();
+                    at = at.max(*last);
+                    *last = at;
+                }
+                self.schedule(at, Ev::Deliver { from: me, to, frame });
+            }
+            Action::Gather { job, xfer, region, runs } => {
+                let at = self.elapsed + self.delay(self.knobs.job_delay);
+                self.schedule(at, Ev::Gather { node: me, job, xfer, region, runs });
+            }
+            Action::Write { job, xfer, peer, local, remote, len } => {
+                assert!(len <= local.len && len <= remote.len);
+                let at = self.elapsed + self.delay(self.knobs.job_delay);
+                self.schedule(at, Ev::Write { node: me, job, xfer, peer: peer.0 as usize, local, remote, len });
+            }
+            Action::Scatter { job, peer, xfer, region, runs } => {
+                let at = self.elapsed + self.delay(self.knobs.job_delay);
+                self.schedule(at, Ev::Scatter { node: me, job, peer: peer.0 as usize, xfer, region, runs });
+            }
+            Action::Complete { xfer, outcome } => {
+                let prev = self.nodes[me].outcomes.insert(xfer, outcome);
+                assert!(prev.is_none(), "node {me}: xfer {xfer:?} completed twice");
+                assert!(self.specs.iter().any(|s| s.from == me && s.xfer == xfer), "node {me}: unknown xfer {xfer:?}");
+            }
+        }
+    }
+}
+
+/// The initial byte at offset `a` of node `node`'s memory.
+pub(crate) fn pattern(node: usize, a: u64) -> u8 {
+    (a.wrapping_mul(131) ^ (a >> 7) ^ (node as u64 * 29)) as u8
+}
