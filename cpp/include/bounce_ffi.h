@@ -74,9 +74,60 @@ void bnc_mem_deregistered(void *engine, const void *md);
 // Live counters, one "stats.<name>=<value>" line per sink call.
 void bnc_stats(void *engine, bnc_sink line, void *ctx);
 
+// After the inner engine loaded a peer's conn info: if the peer can bounce, describes its arena
+// (returns 1 and fills the out-params; `key` receives its remote key) so the shim can load it;
+// returns 0 when there is nothing to load.
+int32_t bnc_peer_arena(void *engine, bnc_str agent, uint64_t *addr, uint64_t *len, uint64_t *dev,
+                       int32_t *mem, bnc_sink key, void *key_ctx);
+// The inner engine's metadata for that peer's arena (or null when loading failed).
+void bnc_peer_arena_md(void *engine, bnc_str agent, void *md);
+// The peer is gone (disconnect): fail its transfers, reclaim its regions.
+void bnc_peer_lost(void *engine, bnc_str agent);
+
+// A descriptor as NIXL hands it to a backend (nixlMetaDesc, 32 bytes).
+typedef struct {
+    uint64_t addr;
+    uint64_t len;
+    uint64_t dev;
+    const void *md;
+} bnc_meta_desc;
+
+// Routing decision for prepXfer. On NIXL_SUCCESS, *xfer != 0 means BOUNCE owns the request
+// (handle id for the calls below); *xfer == 0 means "delegate to the inner engine".
+int32_t bnc_xfer_prep(void *engine, int32_t op, const bnc_meta_desc *local, size_t n_local,
+                      int32_t local_mem, const bnc_meta_desc *remote, size_t n_remote,
+                      int32_t remote_mem, bnc_str agent, uint64_t *xfer);
+int32_t bnc_xfer_post(void *engine, uint64_t xfer, bnc_str notif, int32_t has_notif);
+int32_t bnc_xfer_check(void *engine, uint64_t xfer);
+int32_t bnc_xfer_release(void *engine, uint64_t xfer);
+
+// Notifications pulled from the inner engine (by either thread) are routed through Rust:
+// control frames go to the reactor, the application's own are queued...
+void bnc_notif_route(void *engine, bnc_str agent, bnc_str msg);
+// ...and handed back, in arrival order, when the application asks.
+typedef void (*bnc_pair_sink)(void *ctx, const uint8_t *a, size_t a_len, const uint8_t *b,
+                              size_t b_len);
+void bnc_notif_take(void *engine, bnc_pair_sink sink, void *ctx);
+
 // ---- C++ shim -> exported to Rust ----
 // The plugin descriptor handed to NIXL from nixl_plugin_init().
 const void *bnc_shim_plugin(void);
+
+// Operations on the inner UCX engine for the bounce reactor. `shim` is the pointer given to
+// bnc_engine_attach. Each takes the shim's inner-engine lock; none calls back into Rust except
+// bnc_shim_poll_notifs (bnc_notif_route, which never calls the shim).
+int32_t bnc_shim_register(void *shim, uint64_t addr, uint64_t len, uint64_t dev, int32_t mem,
+                          void **md, bnc_sink key, void *key_ctx);
+int32_t bnc_shim_deregister(void *shim, void *md);
+int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx);
+int32_t bnc_shim_load_peer(void *shim, bnc_str agent, bnc_str conn);
+int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t mem, void *local_md, uint64_t laddr,
+                       uint64_t ldev, void *remote_md, uint64_t raddr, uint64_t rdev, uint64_t len,
+                       void **handle);
+int32_t bnc_shim_check(void *shim, void *handle);
+void bnc_shim_release(void *shim, void *handle);
+int32_t bnc_shim_gen_notif(void *shim, bnc_str agent, bnc_str msg);
+int32_t bnc_shim_poll_notifs(void *shim);
 
 #ifdef __cplusplus
 }

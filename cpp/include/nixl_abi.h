@@ -212,6 +212,9 @@ private:
     std::mutex telemetryEventsMutex;
 
 protected:
+    // Our addition (inline, no layout change): the live params map NIXL's getBackendParams reads.
+    params_t &mutableParams() noexcept { return customParams; }
+
     bool initErr = false;
     const std::string localAgent;
     const bool enableTelemetry;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <string>
 
@@ -32,6 +33,26 @@ std::string self_path() {
     if (dladdr(reinterpret_cast<void *>(&bnc_shim_plugin), &info) != 0 && info.dli_fname)
         return info.dli_fname;
     return {};
+}
+
+void pair_sink(void *ctx, const uint8_t *a, size_t al, const uint8_t *b, size_t bl) {
+    static_cast<notif_list_t *>(ctx)->emplace_back(
+        std::string(reinterpret_cast<const char *>(a), al),
+        std::string(reinterpret_cast<const char *>(b), bl));
+}
+
+// What NIXL holds for a request on BOUNCE: either the inner engine's own handle (pass-through)
+// or the id of a request Rust owns (bounce path).
+struct BounceReqH final : BackendReqH {
+    BackendReqH *inner = nullptr;
+    uint64_t xfer = 0;
+};
+
+std::vector<bnc_meta_desc> flatten(const meta_dlist_t &l) {
+    std::vector<bnc_meta_desc> v;
+    v.reserve(l.descs.size());
+    for (const auto &d : l.descs) v.push_back(bnc_meta_desc{d.addr, d.len, d.devId, d.metadataP});
+    return v;
 }
 
 class BounceEngine final : public BackendEngine {
@@ -61,6 +82,7 @@ public:
 
     nixl_status_t registerMem(const BlobDesc &mem, const nixl_mem_t &nixl_mem,
                               BackendMD *&out) override {
+        Lock g(mu_);
         nixl_status_t st = inner_->registerMem(mem, nixl_mem, out);
         if (st == NIXL_SUCCESS && out)
             bnc_mem_registered(rust_, out, mem.addr, mem.len, mem.devId, nixl_mem);
@@ -68,48 +90,122 @@ public:
     }
     nixl_status_t deregisterMem(BackendMD *meta) override {
         bnc_mem_deregistered(rust_, meta);
+        Lock g(mu_);
         return inner_->deregisterMem(meta);
     }
-    nixl_status_t connect(const std::string &agent) override { return inner_->connect(agent); }
+    nixl_status_t connect(const std::string &agent) override {
+        Lock g(mu_);
+        return inner_->connect(agent);
+    }
     nixl_status_t disconnect(const std::string &agent) override {
+        bnc_peer_lost(rust_, view(agent));
+        Lock g(mu_);
         return inner_->disconnect(agent);
     }
-    nixl_status_t unloadMD(BackendMD *input) override { return inner_->unloadMD(input); }
+    nixl_status_t unloadMD(BackendMD *input) override {
+        Lock g(mu_);
+        return inner_->unloadMD(input);
+    }
 
     nixl_status_t prepXfer(const nixl_xfer_op_t &op, const meta_dlist_t &local,
                            const meta_dlist_t &remote, const std::string &agent,
                            BackendReqH *&handle, const BackendOptArgs *opt) const override {
-        return inner_->prepXfer(op, local, remote, agent, handle, opt);
+        uint64_t xfer = 0;
+        {
+            const auto l = flatten(local), r = flatten(remote);
+            auto st = static_cast<nixl_status_t>(
+                bnc_xfer_prep(rust_, op, l.data(), l.size(), local.type, r.data(), r.size(),
+                              remote.type, view(agent), &xfer));
+            if (st != NIXL_SUCCESS) return st;
+        }
+        auto *h = new (std::nothrow) BounceReqH();
+        if (!h) return NIXL_ERR_BACKEND;
+        h->xfer = xfer;
+        if (xfer == 0) {
+            Lock g(mu_);
+            nixl_status_t st = inner_->prepXfer(op, local, remote, agent, h->inner, opt);
+            if (st != NIXL_SUCCESS) {
+                delete h;
+                return st;
+            }
+        }
+        handle = h;
+        // Routing counters changed: publish them (prep is once per request, not a hot path).
+        const_cast<BounceEngine *>(this)->refreshStats();
+        return NIXL_SUCCESS;
     }
     nixl_status_t postXfer(const nixl_xfer_op_t &op, const meta_dlist_t &local,
                            const meta_dlist_t &remote, const std::string &agent,
                            BackendReqH *&handle, const BackendOptArgs *opt) const override {
-        return inner_->postXfer(op, local, remote, agent, handle, opt);
+        auto *h = static_cast<BounceReqH *>(handle);
+        if (!h) return NIXL_ERR_INVALID_PARAM;
+        if (h->xfer != 0) {
+            bnc_str msg{};
+            const bool has = opt && opt->hasNotif;
+            if (has) msg = view(opt->notifMsg);
+            return static_cast<nixl_status_t>(bnc_xfer_post(rust_, h->xfer, msg, has ? 1 : 0));
+        }
+        Lock g(mu_);
+        return inner_->postXfer(op, local, remote, agent, h->inner, opt);
     }
     nixl_status_t checkXfer(BackendReqH *handle) const override {
-        return inner_->checkXfer(handle);
+        auto *h = static_cast<BounceReqH *>(handle);
+        if (!h) return NIXL_ERR_INVALID_PARAM;
+        if (h->xfer != 0) {
+            auto st = static_cast<nixl_status_t>(bnc_xfer_check(rust_, h->xfer));
+            // NIXL calls checkXfer through a const engine, but the engine object itself is
+            // never const: publishing fresh counters when a bounce request settles is fine.
+            if (st != NIXL_IN_PROG) const_cast<BounceEngine *>(this)->refreshStats();
+            return st;
+        }
+        nixl_status_t st;
+        {
+            Lock g(mu_);
+            st = inner_->checkXfer(h->inner);
+        }
+        if (st != NIXL_IN_PROG) const_cast<BounceEngine *>(this)->refreshStats();
+        return st;
     }
     nixl_status_t releaseReqH(BackendReqH *handle) const override {
-        return inner_->releaseReqH(handle);
+        auto *h = static_cast<BounceReqH *>(handle);
+        if (!h) return NIXL_ERR_INVALID_PARAM;
+        nixl_status_t st = NIXL_SUCCESS;
+        if (h->xfer != 0) {
+            st = static_cast<nixl_status_t>(bnc_xfer_release(rust_, h->xfer));
+        } else if (h->inner) {
+            Lock g(mu_);
+            st = inner_->releaseReqH(h->inner);
+        }
+        delete h;
+        return st;
     }
 
     nixl_status_t prepMemView(const remote_meta_dlist_t &l, mem_view_t &v,
                               const BackendOptArgs *o) const override {
+        Lock g(mu_);
         return inner_->prepMemView(l, v, o);
     }
     nixl_status_t prepMemView(const meta_dlist_t &l, mem_view_t &v,
                               const BackendOptArgs *o) const override {
+        Lock g(mu_);
         return inner_->prepMemView(l, v, o);
     }
-    void releaseMemView(mem_view_t v) const override { inner_->releaseMemView(v); }
+    void releaseMemView(mem_view_t v) const override {
+        Lock g(mu_);
+        inner_->releaseMemView(v);
+    }
     nixl_status_t getPublicData(const BackendMD *md, std::string &s) const override {
+        Lock g(mu_);
         return inner_->getPublicData(md, s);
     }
 
     nixl_status_t getConnInfo(std::string &out) const override {
         std::string inner;
-        nixl_status_t st = inner_->getConnInfo(inner);
-        if (st != NIXL_SUCCESS) return st;
+        {
+            Lock g(mu_);
+            nixl_status_t st = inner_->getConnInfo(inner);
+            if (st != NIXL_SUCCESS) return st;
+        }
         return static_cast<nixl_status_t>(bnc_conn_info_wrap(rust_, view(inner), assign_sink, &out));
     }
     nixl_status_t loadRemoteConnInfo(const std::string &agent, const std::string &conn) override {
@@ -117,20 +213,35 @@ public:
         auto st = static_cast<nixl_status_t>(
             bnc_conn_info_load(rust_, view(agent), view(conn), assign_sink, &inner));
         if (st != NIXL_SUCCESS) return st;
-        return inner_->loadRemoteConnInfo(agent, inner);
+        Lock g(mu_);
+        st = inner_->loadRemoteConnInfo(agent, inner);
+        if (st != NIXL_SUCCESS) return st;
+        loadPeerArena(agent);
+        return NIXL_SUCCESS;
     }
     nixl_status_t loadRemoteMD(const BlobDesc &in, const nixl_mem_t &mem, const std::string &agent,
                                BackendMD *&out) override {
+        Lock g(mu_);
         return inner_->loadRemoteMD(in, mem, agent, out);
     }
     nixl_status_t loadLocalMD(BackendMD *in, BackendMD *&out) override {
+        Lock g(mu_);
         return inner_->loadLocalMD(in, out);
     }
-    nixl_status_t getNotifs(notif_list_t &list) override { return inner_->getNotifs(list); }
+    nixl_status_t getNotifs(notif_list_t &list) override {
+        if (!list.empty()) return NIXL_ERR_INVALID_PARAM;
+        nixl_status_t st = pollNotifs();
+        if (st != NIXL_SUCCESS) return st;
+        bnc_notif_take(rust_, pair_sink, &list);
+        refreshStats();
+        return NIXL_SUCCESS;
+    }
     nixl_status_t genNotif(const std::string &agent, const std::string &msg) const override {
+        Lock g(mu_);
         return inner_->genNotif(agent, msg);
     }
     nixl_status_t queryMem(const RegDescListTag &d, std::vector<query_resp_t> &r) const override {
+        Lock g(mu_);
         return inner_->queryMem(d, r);
     }
     nixl_status_t estimateXferCost(const nixl_xfer_op_t &op, const meta_dlist_t &l,
@@ -138,10 +249,142 @@ public:
                                    BackendReqH *const &h, std::chrono::microseconds &d,
                                    std::chrono::microseconds &e, nixl_cost_t &m,
                                    const AgentOptArgsTag *x) const override {
-        return inner_->estimateXferCost(op, l, r, a, h, d, e, m, x);
+        auto *bh = static_cast<BounceReqH *>(h);
+        if (bh && bh->xfer != 0) return NIXL_ERR_NOT_SUPPORTED;
+        BackendReqH *inner_h = bh ? bh->inner : nullptr;
+        Lock g(mu_);
+        return inner_->estimateXferCost(op, l, r, a, inner_h, d, e, m, x);
+    }
+
+    // ---- for the bounce reactor (bnc_shim_*) ----
+    nixl_status_t shimRegister(uint64_t addr, uint64_t len, uint64_t dev, int32_t mem,
+                               void **md, bnc_sink key, void *key_ctx) {
+        BlobDesc d;
+        d.addr = addr;
+        d.len = len;
+        d.devId = dev;
+        BackendMD *out = nullptr;
+        const nixl_mem_t m = static_cast<nixl_mem_t>(mem);
+        Lock g(mu_);
+        nixl_status_t st = inner_->registerMem(d, m, out);
+        if (st != NIXL_SUCCESS) return st;
+        std::string pub;
+        st = inner_->getPublicData(out, pub);
+        if (st != NIXL_SUCCESS) {
+            inner_->deregisterMem(out);
+            return st;
+        }
+        *md = out;
+        key(key_ctx, reinterpret_cast<const uint8_t *>(pub.data()), pub.size());
+        return NIXL_SUCCESS;
+    }
+    nixl_status_t shimDeregister(void *md) {
+        Lock g(mu_);
+        return inner_->deregisterMem(static_cast<BackendMD *>(md));
+    }
+    nixl_status_t shimConnInfo(bnc_sink out, void *ctx) {
+        std::string s;
+        Lock g(mu_);
+        nixl_status_t st = inner_->getConnInfo(s);
+        if (st == NIXL_SUCCESS) out(ctx, reinterpret_cast<const uint8_t *>(s.data()), s.size());
+        return st;
+    }
+    nixl_status_t shimLoadPeer(const std::string &agent, const std::string &conn) {
+        Lock g(mu_);
+        return inner_->loadRemoteConnInfo(agent, conn);
+    }
+    nixl_status_t shimWrite(const std::string &agent, nixl_mem_t mem, void *lmd, uint64_t laddr,
+                            uint64_t ldev, void *rmd, uint64_t raddr, uint64_t rdev, uint64_t len,
+                            void **handle) {
+        meta_dlist_t local(mem), remote(mem);
+        MetaDesc l;
+        l.addr = laddr;
+        l.len = len;
+        l.devId = ldev;
+        l.metadataP = static_cast<BackendMD *>(lmd);
+        MetaDesc r;
+        r.addr = raddr;
+        r.len = len;
+        r.devId = rdev;
+        r.metadataP = static_cast<BackendMD *>(rmd);
+        local.descs.push_back(l);
+        remote.descs.push_back(r);
+        const BackendOptArgs no_notif{};
+        BackendReqH *h = nullptr;
+        Lock g(mu_);
+        nixl_status_t st = inner_->prepXfer(NIXL_WRITE, local, remote, agent, h, &no_notif);
+        if (st != NIXL_SUCCESS) return st;
+        st = inner_->postXfer(NIXL_WRITE, local, remote, agent, h, &no_notif);
+        if (st < 0) {
+            inner_->releaseReqH(h);
+            return st;
+        }
+        *handle = h;
+        return st;
+    }
+    nixl_status_t shimCheck(void *h) {
+        Lock g(mu_);
+        return inner_->checkXfer(static_cast<BackendReqH *>(h));
+    }
+    void shimRelease(void *h) {
+        Lock g(mu_);
+        inner_->releaseReqH(static_cast<BackendReqH *>(h));
+    }
+    nixl_status_t shimGenNotif(const std::string &agent, const std::string &msg) {
+        Lock g(mu_);
+        return inner_->genNotif(agent, msg);
+    }
+    nixl_status_t pollNotifs() {
+        notif_list_t got;
+        {
+            Lock g(mu_);
+            nixl_status_t st = inner_->getNotifs(got);
+            if (st != NIXL_SUCCESS) return st;
+        }
+        for (const auto &n : got) bnc_notif_route(rust_, view(n.first), view(n.second));
+        return NIXL_SUCCESS;
     }
 
 private:
+    using Lock = std::lock_guard<std::recursive_mutex>;
+
+    // The peer's arena, when it can bounce: loaded through the inner engine like any remote
+    // registration, so bounce writes use UCX's own remote key handling. Called with mu_ held.
+    void loadPeerArena(const std::string &agent) {
+        uint64_t addr = 0, len = 0, dev = 0;
+        int32_t mem = 0;
+        std::string key;
+        if (bnc_peer_arena(rust_, view(agent), &addr, &len, &dev, &mem, assign_sink, &key) != 1)
+            return;
+        BlobDesc d;
+        d.addr = addr;
+        d.len = len;
+        d.devId = dev;
+        d.metaInfo = key;
+        BackendMD *md = nullptr;
+        const nixl_mem_t m = static_cast<nixl_mem_t>(mem);
+        if (inner_->loadRemoteMD(d, m, agent, md) != NIXL_SUCCESS) md = nullptr;
+        bnc_peer_arena_md(rust_, view(agent), md);
+    }
+
+    // Publishes the counters as "stats.*" backend params, readable through NIXL's own
+    // getBackendParams. The keys are inserted once at creation so later updates never rehash
+    // the map a reader may be iterating; values are short (SSO) strings.
+    void refreshStats() {
+        Lock g(mu_);
+        std::vector<std::string> lines;
+        bnc_stats(rust_, [](void *ctx, const uint8_t *p, size_t n) {
+            static_cast<std::vector<std::string> *>(ctx)->emplace_back(
+                reinterpret_cast<const char *>(p), n);
+        }, &lines);
+        for (const auto &l : lines) {
+            const auto eq = l.find('=');
+            if (eq == std::string::npos) continue;
+            auto it = mutableParams().find(l.substr(0, eq));
+            if (it != mutableParams().end()) it->second = l.substr(eq + 1);
+            else mutableParams().emplace(l.substr(0, eq), l.substr(eq + 1));
+        }
+    }
     void fail(const std::string &why) {
         std::fprintf(stderr, "%s\n", why.c_str());
         initErr = true;
@@ -197,9 +440,11 @@ private:
             fail("BOUNCE: could not attach the inner engine");
             return;
         }
+        refreshStats();
     }
 
     void *rust_ = nullptr;
+    mutable std::recursive_mutex mu_; // serializes every call into the inner engine
     const BackendPlugin *plugin_ = nullptr;
     BackendEngine *inner_ = nullptr;
 };
@@ -236,3 +481,50 @@ const BackendPlugin kPlugin{kPluginApiVersion, create_engine,   destroy_engine, 
 } // namespace
 
 extern "C" const void *bnc_shim_plugin(void) { return &kPlugin; }
+
+namespace {
+BounceEngine *eng(void *shim) { return static_cast<BounceEngine *>(shim); }
+std::string str(bnc_str s) { return std::string(reinterpret_cast<const char *>(s.ptr), s.len); }
+} // namespace
+
+// The bounce reactor's view of the inner engine. Exceptions from the inner engine become
+// NIXL_ERR_BACKEND here: they must never unwind into Rust.
+#define BNC_SHIM_TRY(expr)                                                                         \
+    try {                                                                                          \
+        return expr;                                                                               \
+    } catch (...) {                                                                                \
+        return NIXL_ERR_BACKEND;                                                                   \
+    }
+
+extern "C" int32_t bnc_shim_register(void *shim, uint64_t addr, uint64_t len, uint64_t dev,
+                                     int32_t mem, void **md, bnc_sink key, void *key_ctx) {
+    BNC_SHIM_TRY(eng(shim)->shimRegister(addr, len, dev, mem, md, key, key_ctx))
+}
+extern "C" int32_t bnc_shim_deregister(void *shim, void *md) {
+    BNC_SHIM_TRY(eng(shim)->shimDeregister(md))
+}
+extern "C" int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx) {
+    BNC_SHIM_TRY(eng(shim)->shimConnInfo(out, ctx))
+}
+extern "C" int32_t bnc_shim_load_peer(void *shim, bnc_str agent, bnc_str conn) {
+    BNC_SHIM_TRY(eng(shim)->shimLoadPeer(str(agent), str(conn)))
+}
+extern "C" int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t mem, void *lmd,
+                                  uint64_t laddr, uint64_t ldev, void *rmd, uint64_t raddr,
+                                  uint64_t rdev, uint64_t len, void **handle) {
+    BNC_SHIM_TRY(eng(shim)->shimWrite(str(agent), static_cast<nixl_mem_t>(mem), lmd, laddr, ldev,
+                                      rmd, raddr, rdev, len, handle))
+}
+extern "C" int32_t bnc_shim_check(void *shim, void *handle) {
+    BNC_SHIM_TRY(eng(shim)->shimCheck(handle))
+}
+extern "C" void bnc_shim_release(void *shim, void *handle) {
+    try {
+        eng(shim)->shimRelease(handle);
+    } catch (...) {
+    }
+}
+extern "C" int32_t bnc_shim_gen_notif(void *shim, bnc_str agent, bnc_str msg) {
+    BNC_SHIM_TRY(eng(shim)->shimGenNotif(str(agent), str(msg)))
+}
+extern "C" int32_t bnc_shim_poll_notifs(void *shim) { BNC_SHIM_TRY(eng(shim)->pollNotifs()) }

@@ -9,7 +9,7 @@ use bounce_proto::MemKind;
 use bounce_proto::manifest::{OPTIONS, PLUGIN_NAME, PLUGIN_VERSION};
 
 use super::{Status, guard, guard_void};
-use crate::shell::{CreateParams, Engine, Error, Registration};
+use crate::shell::{CreateParams, DescView, Engine, Error, Registration};
 
 /// Borrowed bytes from C++ (`bnc_str`).
 #[repr(C)]
@@ -22,6 +22,11 @@ pub struct BncStr {
 impl BncStr {
     fn from_slice(s: &'static [u8]) -> Self {
         Self { ptr: s.as_ptr(), len: s.len() }
+    }
+
+    /// A view of `b`, valid only while `b` is (the callee must not keep it).
+    pub(crate) fn from_bytes(b: &[u8]) -> Self {
+        Self { ptr: b.as_ptr(), len: b.len() }
     }
 
     /// # Safety
@@ -248,8 +253,10 @@ unsafe fn engine_ref<'a>(engine: *mut c_void) -> Option<&'a Engine> {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_void) -> i32 {
     guard("bnc_engine_attach", || {
-        // SAFETY: caller contract.
-        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: per the contract it is a live handle, and attach is called exactly once, before
+        // any other call on this engine, from the thread that created it: no other reference
+        // exists yet, so the exclusive borrow is sound.
+        let Some(e) = (unsafe { engine.cast::<Engine>().as_mut() }) else { return Status::ErrInvalidParam };
         e.attach(shim);
         Status::Success
     })
@@ -370,6 +377,215 @@ pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, line: BncSink, ctx: *mut
         if let Some(e) = unsafe { engine_ref(engine) } {
             for (k, v) in e.stats() {
                 sink_bytes(line, ctx, format!("stats.{k}={v}").as_bytes());
+            }
+        }
+    });
+}
+
+/// Describes the peer's arena for the shim to load (1), or says there is none (0).
+///
+/// # Safety
+/// `engine` is a live handle; `agent` views live bytes; the out-pointers are writable;
+/// `key`/`key_ctx` form a valid sink.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_peer_arena(
+    engine: *mut c_void,
+    agent: BncStr,
+    addr: *mut u64,
+    len: *mut u64,
+    dev: *mut u64,
+    mem: *mut i32,
+    key: BncSink,
+    key_ctx: *mut c_void,
+) -> i32 {
+    let mut found = 0;
+    guard("bnc_peer_arena", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let Ok(agent) = (unsafe { agent.str("agent name") }) else { return Status::ErrInvalidParam };
+        if addr.is_null() || len.is_null() || dev.is_null() || mem.is_null() {
+            return Status::ErrInvalidParam;
+        }
+        if let Some((a, l, d, m, k)) = e.peer_arena(agent) {
+            // SAFETY: all four are non-null and writable per the contract.
+            unsafe {
+                *addr = a;
+                *len = l;
+                *dev = d;
+                *mem = m;
+            }
+            sink_bytes(key, key_ctx, &k);
+            found = 1;
+        }
+        Status::Success
+    });
+    found
+}
+
+/// Records the inner metadata of a peer's arena (null: loading failed).
+///
+/// # Safety
+/// `engine` is a live handle; `agent` views live bytes. `md` is kept as an opaque value and
+/// only ever handed back to the shim.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_peer_arena_md(engine: *mut c_void, agent: BncStr, md: *mut c_void) {
+    guard_void("bnc_peer_arena_md", || {
+        // SAFETY: caller contract.
+        if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), agent.str("agent name")) } {
+            e.peer_arena_loaded(a, (!md.is_null()).then_some(md as usize));
+        }
+    });
+}
+
+/// The peer disconnected.
+///
+/// # Safety
+/// `engine` is a live handle; `agent` views live bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_peer_lost(engine: *mut c_void, agent: BncStr) {
+    guard_void("bnc_peer_lost", || {
+        // SAFETY: caller contract.
+        if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), agent.str("agent name")) } {
+            e.peer_lost(a);
+        }
+    });
+}
+
+/// A NIXL meta descriptor as the shim flattens it (`bnc_meta_desc`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BncMetaDesc {
+    addr: u64,
+    len: u64,
+    dev: u64,
+    md: *const c_void,
+}
+
+/// # Safety
+/// `p` is null with `n == 0`, or points at `n` live descriptors for the call.
+unsafe fn descs(p: *const BncMetaDesc, n: usize) -> Vec<DescView> {
+    if p.is_null() || n == 0 {
+        return Vec::new();
+    }
+    // SAFETY: caller contract.
+    let raw = unsafe { std::slice::from_raw_parts(p, n) };
+    raw.iter().map(|d| DescView { addr: d.addr, len: d.len, dev: d.dev }).collect()
+}
+
+/// Routing decision for a request: `*xfer` = our handle (bounce) or 0 (delegate to UCX).
+///
+/// # Safety
+/// `engine` is a live handle; `local`/`remote` point at `n_local`/`n_remote` descriptors;
+/// `agent` views live bytes; `xfer` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_xfer_prep(
+    engine: *mut c_void,
+    op: i32,
+    local: *const BncMetaDesc,
+    n_local: usize,
+    local_mem: i32,
+    remote: *const BncMetaDesc,
+    n_remote: usize,
+    remote_mem: i32,
+    agent: BncStr,
+    xfer: *mut u64,
+) -> i32 {
+    guard("bnc_xfer_prep", || {
+        if xfer.is_null() {
+            return Status::ErrInvalidParam;
+        }
+        // SAFETY: caller contract.
+        unsafe { *xfer = 0 };
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let Ok(agent) = (unsafe { agent.str("agent name") }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let (l, r) = unsafe { (descs(local, n_local), descs(remote, n_remote)) };
+        if let Some(h) = e.prep(op, &l, local_mem, &r, remote_mem, agent) {
+            // SAFETY: checked non-null above.
+            unsafe { *xfer = h };
+        }
+        Status::Success
+    })
+    .code()
+}
+
+/// Posts a bounce request.
+///
+/// # Safety
+/// `engine` is a live handle; `notif` views live bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_xfer_post(engine: *mut c_void, xfer: u64, notif: BncStr, has_notif: i32) -> i32 {
+    guard("bnc_xfer_post", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let msg = (has_notif != 0).then(|| unsafe { notif.bytes() }.to_vec());
+        e.post(xfer, msg)
+    })
+    .code()
+}
+
+/// Status of a bounce request.
+///
+/// # Safety
+/// `engine` is a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_xfer_check(engine: *mut c_void, xfer: u64) -> i32 {
+    guard("bnc_xfer_check", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        e.check(xfer)
+    })
+    .code()
+}
+
+/// Releases a bounce request (cancels it when in flight).
+///
+/// # Safety
+/// `engine` is a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_xfer_release(engine: *mut c_void, xfer: u64) -> i32 {
+    guard("bnc_xfer_release", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        e.release(xfer)
+    })
+    .code()
+}
+
+/// Routes one notification pulled from the inner engine.
+///
+/// # Safety
+/// `engine` is a live handle; `agent`/`msg` view live bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_notif_route(engine: *mut c_void, agent: BncStr, msg: BncStr) {
+    guard_void("bnc_notif_route", || {
+        // SAFETY: caller contract.
+        if let Some(e) = unsafe { engine_ref(engine) } {
+            // SAFETY: caller contract.
+            e.route_notif(unsafe { agent.bytes() }, unsafe { msg.bytes() });
+        }
+    });
+}
+
+/// C++ pair sink (`bnc_pair_sink`).
+pub type BncPairSink = unsafe extern "C" fn(*mut c_void, *const u8, usize, *const u8, usize);
+
+/// Hands the application's queued notifications to `sink`, in arrival order.
+///
+/// # Safety
+/// `engine` is a live handle; `sink`/`ctx` form a valid pair sink.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_notif_take(engine: *mut c_void, sink: BncPairSink, ctx: *mut c_void) {
+    guard_void("bnc_notif_take", || {
+        // SAFETY: caller contract.
+        if let Some(e) = unsafe { engine_ref(engine) } {
+            for (a, m) in e.take_notifs() {
+                // SAFETY: the sink copies both byte ranges, which are live for the call.
+                unsafe { sink(ctx, a.as_ptr(), a.len(), m.as_ptr(), m.len()) };
             }
         }
     });

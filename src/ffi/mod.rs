@@ -6,6 +6,7 @@
 //! re-export symbols of a linked C++ static library.
 
 pub mod abi;
+pub mod shim;
 pub mod status;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};

@@ -19,16 +19,24 @@ class Peer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})}, cwd=HERE)
 
-    def call(self, **cmd):
+    def send(self, **cmd):
+        """Sends a command without waiting for its reply (pair with recv)."""
+        self._last = cmd["op"]
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def recv(self):
         line = self.proc.stdout.readline()
         if not line:
-            raise AssertionError(f"peer died (rc={self.proc.poll()}) during {cmd['op']}")
+            raise AssertionError(f"peer died (rc={self.proc.poll()}) during {self._last}")
         r = json.loads(line)
         if not r.get("ok"):
-            raise AssertionError(f"peer {cmd['op']} failed: {r.get('error')}")
+            raise AssertionError(f"peer {self._last} failed: {r.get('error')}")
         return r
+
+    def call(self, **cmd):
+        self.send(**cmd)
+        return self.recv()
 
     def start(self, **kw):
         r = self.call(op="start", **kw)

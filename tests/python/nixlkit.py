@@ -27,6 +27,12 @@ def agent(name, backends=("BOUNCE",), params=None, threads=False):
     return a
 
 
+def live_params(ag, backend="BOUNCE"):
+    """The backend's params as the engine reports them NOW (NIXL's getBackendParams; the Python
+    wrapper's get_backend_params returns a copy cached at creation)."""
+    return dict(ag.agent.getBackendParams(ag.backends[backend])[0])
+
+
 def pattern(seed, nbytes):
     """Bytes that differ for every seed, so a mix-up between transfers can't go unnoticed."""
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)

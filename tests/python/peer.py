@@ -10,6 +10,10 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "notif_send", "to": A, "msg": M}
   {"op": "dump", "path": P}                   write the buffer to a file
   {"op": "fill", "seed": S}                   refill the buffer with pattern(seed)
+  {"op": "write", "to": A, "n": N, "size": S, "seed": L, "src_off": O, "raddr": R,
+   "notif": M, "sizes": [..]?}   scattered WRITE of Scattered(N, S, L) from buffer+O to R
+      -> {"state": "DONE"|"ERR", "seconds": t}
+  {"op": "params", "backend": B}             -> {"params": {...}} (live backend params)
   {"op": "exit"}
 """
 import base64
@@ -82,6 +86,31 @@ def main():
             elif op == "fill":
                 buf[:] = nixlkit.pattern(cmd["seed"], buf.nbytes)
                 reply()
+            elif op == "write":
+                lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"], sizes=cmd.get("sizes"))
+                base = buf.ctypes.data + cmd.get("src_off", 0)
+                lo = ag.get_xfer_descs(lay.src_list(base), "DRAM")
+                re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"]), "DRAM")
+                t0 = time.perf_counter()
+                h = ag.initialize_xfer("WRITE", lo, re, cmd["to"], cmd.get("notif", "").encode(),
+                                       backends=[cmd.get("backend", "BOUNCE")])
+                state = ag.transfer(h)
+                end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
+                while state not in ("DONE", "ERR") and time.monotonic() < end:
+                    try:
+                        state = ag.check_xfer_state(h)
+                    except Exception as e:
+                        state = "ERR"
+                        break
+                    poll()
+                secs = time.perf_counter() - t0
+                try:
+                    ag.release_xfer_handle(h)
+                except Exception:
+                    pass
+                reply(state=state, seconds=secs)
+            elif op == "params":
+                reply(params=nixlkit.live_params(ag, cmd.get("backend", "BOUNCE")))
             elif op == "exit":
                 reply()
                 nixlkit.leave(0)

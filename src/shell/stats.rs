@@ -1,0 +1,64 @@
+//! Counters of one engine, published to NIXL as `stats.<name>` backend params.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// Live counters (relaxed atomics: they are observations, not synchronization).
+        #[derive(Debug, Default)]
+        pub(crate) struct Stats { $($(#[$doc])* pub(crate) $name: AtomicU64,)* }
+
+        impl Stats {
+            /// Every counter as `(name, value)`, always the same names in the same order.
+            pub(crate) fn snapshot(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name.load(Relaxed)),)*]
+            }
+        }
+    };
+}
+
+counters! {
+    /// Transfers that took the bounce path (posts).
+    bounce_xfers,
+    /// Bounce transfers that completed successfully.
+    bounce_ok,
+    /// Bounce transfers that failed (any reason).
+    bounce_failed,
+    /// Chunks posted on the bounce path.
+    bounce_chunks,
+    /// Payload bytes posted on the bounce path.
+    bounce_bytes,
+    /// Bounce transfers that failed by no-progress timeout.
+    timeouts,
+    /// Requests handed to the inner UCX engine unchanged.
+    passthrough_xfers,
+    /// Fallbacks to UCX: not a WRITE.
+    fallback_op,
+    /// Fallbacks to UCX: not DRAM on both sides.
+    fallback_mem,
+    /// Fallbacks to UCX: fewer descriptors than the gate's minimum.
+    fallback_count,
+    /// Fallbacks to UCX: average descriptor larger than the gate's maximum.
+    fallback_size,
+    /// Fallbacks to UCX: the peer cannot bounce (no or incompatible capabilities).
+    fallback_peer,
+    /// Fallbacks to UCX: bounce disabled or unavailable in this engine.
+    fallback_disabled,
+    /// Peers whose capabilities were incompatible with ours.
+    peers_incompatible,
+    /// Control frames dropped (malformed, unknown sender, stale session, refused).
+    control_dropped,
+    /// Free bytes of the arena as last seen by the reactor.
+    arena_free_bytes,
+    /// Regions held by nobody but waiting for an in-flight operation to end.
+    arena_orphans,
+    /// Registrations made through this engine.
+    registrations,
+}
+
+impl Stats {
+    /// Adds one to a counter.
+    pub(super) fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Relaxed);
+    }
+}

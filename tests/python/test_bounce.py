@@ -1,0 +1,234 @@
+"""The bounce data path between real NIXL agents in separate processes: gather -> one write ->
+scatter, byte-exact, with the engine's own counters proving which path each transfer took.
+(Issue: host-memory data path.)"""
+import base64
+import threading
+
+import numpy as np
+import pytest
+
+import nixlkit
+
+B = "BOUNCE"
+
+
+def stats(ag):
+    p = nixlkit.live_params(ag, B)
+    return {k[len("stats."):]: int(v) for k, v in p.items() if k.startswith("stats.")}
+
+
+def connect(ag, p):
+    """Both sides know each other (as NIXL users do); returns nothing."""
+    p.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
+
+
+def remote_buffer(p, tmp_path, name="r.bin"):
+    path = tmp_path / name
+    p.call(op="dump", path=str(path))
+    return np.fromfile(path, dtype=np.uint8)
+
+
+def write_from_here(ag, peer_name, lay, src, raddr, notif=b"", deadline=60):
+    lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr), "DRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, peer_name, notif, backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=deadline)
+    ag.release_xfer_handle(h)
+
+
+@pytest.mark.parametrize("n, size", [(16384, 4096)])
+def test_many_small_writes_bounce_byte_exact_with_notification(peer, tmp_path, n, size):
+    lay = nixlkit.Scattered(n, size, seed=41)
+    p = peer()
+    meta, raddr = p.start(name="rx", size=lay.dst_bytes, seed=500)
+    ag = nixlkit.agent("tx")
+    src = nixlkit.pattern(501, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    before = stats(ag)
+    write_from_here(ag, "rx", lay, src, raddr, notif=b"kv-ready")
+    p.call(op="notif_wait", **{"from": "tx", "msg": "kv-ready"})
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(500, lay.dst_bytes)), "destination")
+    after = stats(ag)
+    assert after["bounce_xfers"] == before["bounce_xfers"] + 1
+    assert after["bounce_ok"] == before["bounce_ok"] + 1
+    assert after["bounce_bytes"] - before["bounce_bytes"] == n * size
+    assert after["passthrough_xfers"] == before["passthrough_xfers"]
+
+
+def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
+    rng = np.random.default_rng(7)
+    sizes = [int(x) for x in rng.integers(512, 1 << 20, size=300)]
+    sizes[:200] = [int(x) for x in rng.integers(512, 4096, size=200)]  # mostly small: gate's average
+    lay = nixlkit.Scattered(len(sizes), 0, seed=42, sizes=sizes)
+    p = peer()
+    meta, raddr = p.start(name="rx-mixed", size=lay.dst_bytes, seed=510)
+    ag = nixlkit.agent("tx-mixed", params={"bounce_min_descriptor_count": "64",
+                                           "bounce_max_average_descriptor_size": "1MiB"})
+    src = nixlkit.pattern(511, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    write_from_here(ag, "rx-mixed", lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(510, lay.dst_bytes)), "mixed destination")
+    assert stats(ag)["bounce_ok"] == 1
+
+
+def test_write_larger_than_both_arenas_streams_through(peer, tmp_path):
+    small = {"bounce_arena_size": "4MiB", "bounce_max_chunk_size": "1MiB"}
+    lay = nixlkit.Scattered(8192, 4096, seed=43)  # 32 MiB through 4 MiB arenas
+    p = peer()
+    meta, raddr = p.start(name="rx-big", size=lay.dst_bytes, seed=520, params=small)
+    ag = nixlkit.agent("tx-big", params=small)
+    src = nixlkit.pattern(521, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    write_from_here(ag, "rx-big", lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(520, lay.dst_bytes)), "streamed destination")
+    s = stats(ag)
+    assert s["bounce_ok"] == 1 and s["bounce_chunks"] >= 32
+    assert s["arena_free_bytes"] == 4 << 20  # every staging region came back
+
+
+def test_bidirectional_at_once(peer, tmp_path):
+    lay_out = nixlkit.Scattered(4096, 4096, seed=44)
+    lay_in = nixlkit.Scattered(4096, 4096, seed=45)
+    p = peer()
+    # peer buffer: [dst for our writes | src for its writes]
+    meta, raddr = p.start(name="bi-peer", size=lay_out.dst_bytes + lay_in.src_bytes, seed=530)
+    ag = nixlkit.agent("bi-here")
+    here = nixlkit.pattern(531, lay_out.src_bytes + lay_in.dst_bytes)
+    here_before = here.copy()
+    nixlkit.register(ag, here)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    src_out = here[:lay_out.src_bytes]
+    dst_in = here[lay_out.src_bytes:]
+    # the peer writes into us while we write into it
+    p.send(op="write", to="bi-here", n=4096, size=4096, seed=45, src_off=lay_out.dst_bytes,
+           raddr=dst_in.ctypes.data, notif="in-done")
+    write_from_here(ag, "bi-peer", lay_out, src_out, raddr)
+    r = p.recv()
+    assert r["state"] == "DONE", r
+    nixlkit.wait_notif(ag, "bi-peer", b"in-done")
+    peer_before = nixlkit.pattern(530, lay_out.dst_bytes + lay_in.src_bytes)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got[:lay_out.dst_bytes],
+                        lay_out.expected(src_out, peer_before[:lay_out.dst_bytes]), "peer side")
+    nixlkit.assert_same(dst_in, lay_in.expected(peer_before[lay_out.dst_bytes:],
+                                                here_before[lay_out.src_bytes:]), "our side")
+    assert stats(ag)["bounce_ok"] == 1
+    assert int(p.call(op="params")["params"]["stats.bounce_ok"]) == 1
+
+
+def test_four_senders_to_one_receiver(peer, tmp_path):
+    n, size, k = 2048, 4096, 4
+    lays = [nixlkit.Scattered(n, size, seed=60 + i) for i in range(k)]
+    part = lays[0].dst_bytes
+    ag = nixlkit.agent("sink")
+    dst = nixlkit.pattern(600, part * k)
+    before = dst.copy()
+    nixlkit.register(ag, dst)
+    peers = []
+    for i in range(k):
+        p = peer()
+        meta, _ = p.start(name=f"src{i}", size=lays[i].src_bytes, seed=610 + i)
+        ag.add_remote_agent(meta)
+        connect(ag, p)
+        peers.append(p)
+    for i, p in enumerate(peers):
+        p.send(op="write", to="sink", n=n, size=size, seed=60 + i, raddr=dst.ctypes.data + i * part,
+               notif=f"done{i}")
+    for i, p in enumerate(peers):
+        assert p.recv()["state"] == "DONE"
+        nixlkit.wait_notif(ag, f"src{i}", f"done{i}".encode())
+    for i in range(k):
+        src_i = nixlkit.pattern(610 + i, lays[i].src_bytes)
+        nixlkit.assert_same(dst[i * part:(i + 1) * part],
+                            lays[i].expected(src_i, before[i * part:(i + 1) * part]), f"sender {i}")
+    s = stats(ag)
+    assert s["arena_free_bytes"] > 0
+
+
+def test_64_concurrent_transfers_from_8_threads(peer, tmp_path):
+    n, size, per_thread, threads = 512, 4096, 8, 8
+    total = per_thread * threads
+    lays = [nixlkit.Scattered(n, size, seed=700 + j) for j in range(total)]
+    part = lays[0].dst_bytes
+    p = peer()
+    meta, raddr = p.start(name="rx-mt", size=part * total, seed=800)
+    ag = nixlkit.agent("tx-mt", threads=True, params={"bounce_min_descriptor_count": "256"})
+    srcs = [nixlkit.pattern(900 + j, lays[j].src_bytes) for j in range(total)]
+    for s in srcs:
+        nixlkit.register(ag, s)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    errors = []
+
+    def worker(t):
+        try:
+            for j in range(t * per_thread, (t + 1) * per_thread):
+                write_from_here(ag, "rx-mt", lays[j], srcs[j], raddr + j * part)
+        except Exception as e:  # collected and asserted below
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    got = remote_buffer(p, tmp_path)
+    before = nixlkit.pattern(800, part * total)
+    for j in range(total):
+        nixlkit.assert_same(got[j * part:(j + 1) * part],
+                            lays[j].expected(srcs[j], before[j * part:(j + 1) * part]), f"transfer {j}")
+    assert stats(ag)["bounce_ok"] == total
+
+
+def test_gate_sends_reads_and_few_descriptors_to_plain_ucx(peer, tmp_path):
+    p = peer()
+    lay = nixlkit.Scattered(64, 4096, seed=46)  # below bounce_min_descriptor_count
+    meta, raddr = p.start(name="rx-gate", size=lay.dst_bytes, seed=540)
+    ag = nixlkit.agent("tx-gate")
+    src = nixlkit.pattern(541, lay.dst_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    write_from_here(ag, "rx-gate", lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(540, lay.dst_bytes)), "gated WRITE")
+    # a READ of many small descriptors: bounce is for WRITE only
+    lo = ag.get_xfer_descs([(src.ctypes.data + i * 512, 256, 0) for i in range(1024)], "DRAM")
+    re = ag.get_xfer_descs([(raddr + i * 512, 256, 0) for i in range(1024)], "DRAM")
+    h = ag.initialize_xfer("READ", lo, re, "rx-gate", b"", backends=[B])
+    ag.transfer(h)
+    nixlkit.wait_xfer(ag, h)
+    for i in range(1024):
+        assert np.array_equal(src[i * 512:i * 512 + 256], got[i * 512:i * 512 + 256])
+    s = stats(ag)
+    assert s["bounce_xfers"] == 0
+    assert s["fallback_count"] == 1 and s["fallback_op"] == 1
+    assert s["passthrough_xfers"] == 2
+
+
+def test_peer_with_bounce_disabled_silently_stays_on_ucx(peer, tmp_path):
+    lay = nixlkit.Scattered(4096, 4096, seed=48)
+    p = peer()
+    meta, raddr = p.start(name="rx-off", size=lay.dst_bytes, seed=550, params={"bounce_enable": "false"})
+    ag = nixlkit.agent("tx-off")
+    src = nixlkit.pattern(551, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    write_from_here(ag, "rx-off", lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(550, lay.dst_bytes)), "destination")
+    s = stats(ag)
+    assert s["bounce_xfers"] == 0 and s["fallback_peer"] == 1
