@@ -55,9 +55,10 @@ pub enum Action {
         /// Copies source -> region.
         runs: Vec<CopyRun>,
     },
-    /// One RDMA write of `len` bytes from the local arena region `local` to the peer's arena
-    /// region `remote`. Report with [`Endpoint::handle_write_done`] once the data is visible at
-    /// the target (or the write failed).
+    /// One RDMA write of `len` bytes from `source` (a staged local arena region, or user memory
+    /// for a [`crate::plan::Chunk::direct`] chunk) to the peer's arena region `remote`. Report
+    /// with [`Endpoint::handle_write_done`] once the data is visible at the target (or the
+    /// write failed).
     Write {
         /// The job to report.
         job: JobId,
@@ -65,8 +66,8 @@ pub enum Action {
         xfer: XferId,
         /// The peer whose arena is written.
         peer: PeerId,
-        /// Source region in the local arena.
-        local: Region,
+        /// Where the `len` bytes are read from.
+        source: WriteSource,
         /// Target region in the peer's arena, as granted.
         remote: Region,
         /// Bytes to write: the chunk size (at most both region lengths).
@@ -93,6 +94,20 @@ pub enum Action {
         xfer: XferId,
         /// Its outcome.
         outcome: Result<(), XferError>,
+    },
+}
+
+/// The local side of an [`Action::Write`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WriteSource {
+    /// A staging region of the local arena, gathered before the write.
+    Arena(Region),
+    /// User memory at `addr`: a direct chunk, written unstaged from its source
+    /// ([`crate::plan::Chunk::direct`]); the shell resolves the registration covering
+    /// `[addr, addr + len)`.
+    User {
+        /// Source address of the chunk's first byte.
+        addr: u64,
     },
 }
 
@@ -338,6 +353,9 @@ pub struct Stats {
     pub chunks_written: u64,
     /// Chunk bytes written.
     pub bytes_written: u64,
+    /// Of [`chunks_written`](Self::chunks_written), those written straight from user memory
+    /// (direct chunks, no gather).
+    pub chunks_direct: u64,
     /// GRANT or ACK messages for recently finished transfers, ignored.
     pub late_msgs: u64,
     /// WANT messages queued (cancels excluded).
@@ -695,11 +713,24 @@ pub(crate) mod tests {
         (Endpoint::new(&config(arena, w, eager), now).unwrap(), now)
     }
 
-    /// `n` chunks of exactly 4 KiB: descriptor `i` copies `SRC + i*4K` to `DST + i*4K`.
+    /// `n` staged chunks of exactly 4 KiB: descriptor `i` copies `SRC + i*4K` to `DST + i*4K`.
+    /// Their sources are contiguous, but `direct` is cleared, as a shell does when the source
+    /// is not registered in one piece.
     pub(crate) fn plan_of(n: u64) -> Plan {
+        let mut p = direct_plan_of(n);
+        for c in &mut p.chunks {
+            c.direct = None;
+        }
+        p
+    }
+
+    /// [`plan_of`] with every chunk direct, as planned.
+    pub(crate) fn direct_plan_of(n: u64) -> Plan {
         let descs: Vec<DescPair> =
             (0..n).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
-        plan::plan(&descs, PlanParams::new(CHUNK)).unwrap()
+        let p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        assert!(p.chunks.iter().all(|c| c.direct.is_some()));
+        p
     }
 
     pub(crate) fn drain(ep: &mut Endpoint) -> Vec<Action> {
@@ -724,11 +755,11 @@ pub(crate) mod tests {
             .collect()
     }
 
-    /// `(job, local, remote, len)` of each write.
-    pub(crate) fn writes(acts: &[Action]) -> Vec<(JobId, Region, Region, u64)> {
+    /// `(job, source, remote, len)` of each write.
+    pub(crate) fn writes(acts: &[Action]) -> Vec<(JobId, WriteSource, Region, u64)> {
         acts.iter()
             .filter_map(|a| match a {
-                Action::Write { job, local, remote, len, .. } => Some((*job, *local, *remote, *len)),
+                Action::Write { job, source, remote, len, .. } => Some((*job, *source, *remote, *len)),
                 _ => None,
             })
             .collect()
@@ -852,8 +883,13 @@ pub(crate) mod tests {
                     }
                     self.eps[me].handle_gather_done(now, job, true);
                 }
-                Action::Write { job, local, remote, len, .. } => {
-                    let src = self.arenas[me][local.offset as usize..][..len as usize].to_vec();
+                Action::Write { job, source, remote, len, .. } => {
+                    let src: Vec<u8> = match source {
+                        WriteSource::Arena(local) => self.arenas[me][local.offset as usize..][..len as usize].to_vec(),
+                        WriteSource::User { addr } => {
+                            (addr..addr + len).map(|a| self.mem[me].get(&a).copied().unwrap_or(0)).collect()
+                        }
+                    };
                     self.arenas[peer][remote.offset as usize..][..len as usize].copy_from_slice(&src);
                     self.eps[me].handle_write_done(now, job, true);
                 }
@@ -873,9 +909,22 @@ pub(crate) mod tests {
         }
     }
 
+    /// `plan_of(n)` with chunks `i` where `direct(i)` holds left direct.
+    fn plan_with_direct(n: u64, direct: impl Fn(usize) -> bool) -> Plan {
+        let mut p = direct_plan_of(n);
+        for (i, c) in p.chunks.iter_mut().enumerate() {
+            if !direct(i) {
+                c.direct = None;
+            }
+        }
+        p
+    }
+
     #[test]
     fn two_endpoints_move_every_byte_both_ways_through_small_arenas() {
-        for eager in [false, true] {
+        // Staged, mixed and fully direct plans.
+        let modes: [fn(usize) -> bool; 3] = [|_| false, |i| i % 3 == 1, |_| true];
+        for (eager, mode) in [false, true].into_iter().flat_map(|e| modes.map(|m| (e, m))) {
             let mut p = Pair::new(16 * KIB, 2, eager);
             // 40 KiB each way through 16 KiB arenas that also serve the other direction.
             for me in 0..2 {
@@ -883,7 +932,7 @@ pub(crate) mod tests {
                     p.mem[me].insert(SRC + i, (i as u8).wrapping_mul(3).wrapping_add(me as u8));
                 }
                 let now = p.now;
-                p.eps[me].submit(now, X, PeerId(1 - me as u32), plan_of(10)).unwrap();
+                p.eps[me].submit(now, X, PeerId(1 - me as u32), plan_with_direct(10, mode)).unwrap();
             }
             p.run();
             let mut done = p.done.clone();
@@ -900,6 +949,7 @@ pub(crate) mod tests {
                 assert_eq!(ep.poll_timeout(), None);
                 assert_eq!(ep.stats().completed, 1);
                 assert_eq!(ep.stats().chunks_scattered, 10);
+                assert_eq!(ep.stats().chunks_direct, (0..10).filter(|&i| mode(i)).count() as u64);
             }
         }
     }
@@ -909,7 +959,7 @@ pub(crate) mod tests {
     enum Op {
         Msg(u32, Msg),
         Done(usize, bool),
-        Submit(u64, u64),
+        Submit(u64, u64, u8),
         Cancel(u64),
         PeerLost(u32),
         Advance(u64),
@@ -951,7 +1001,7 @@ pub(crate) mod tests {
         prop_oneof![
             4 => (0..3u32, any_msg()).prop_map(|(p, m)| Op::Msg(p, m)),
             4 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Done(i, ok)),
-            1 => (0..4u64, 1..6u64).prop_map(|(x, n)| Op::Submit(x, n)),
+            1 => (0..4u64, 1..6u64, any::<u8>()).prop_map(|(x, n, d)| Op::Submit(x, n, d)),
             1 => (0..4u64).prop_map(Op::Cancel),
             1 => (0..3u32).prop_map(Op::PeerLost),
             1 => (0..1500u64).prop_map(Op::Advance),
@@ -997,7 +1047,11 @@ pub(crate) mod tests {
                         report(&mut ep, now, j, ok);
                     }
                     Op::Done(..) => {}
-                    Op::Submit(x, n) => { let _ = ep.submit(now, XferId(x), PeerId(x as u32 % 3), plan_of(n)); }
+                    Op::Submit(x, n, d) => {
+                        // Bit `i` of `d` makes chunk `i` direct.
+                        let plan = plan_with_direct(n, |i| d >> i & 1 == 1);
+                        let _ = ep.submit(now, XferId(x), PeerId(x as u32 % 3), plan);
+                    }
                     Op::Cancel(x) => ep.cancel(now, XferId(x)),
                     Op::PeerLost(p) => ep.handle_peer_lost(now, PeerId(p)),
                     Op::Advance(ms) => {

@@ -5,7 +5,8 @@
 //! which the sender gathers and out of which the receiver scatters. This module only computes
 //! offsets and lengths: pure functions, no state, no addresses dereferenced (addresses are
 //! opaque integers). The sender builds a [`Plan`] at submit time; the chunk sizes go into WANT
-//! and each chunk's scatter runs into its DATA.
+//! and each chunk's scatter runs into its DATA. A chunk whose source is already laid out like
+//! its region is marked [`Chunk::direct`]: the sender writes it from user memory, unstaged.
 
 use std::fmt;
 
@@ -70,6 +71,15 @@ pub struct Chunk {
     pub gather: Vec<CopyRun>,
     /// Copies region → destination; [`CopyRun::addr`] is the destination address.
     pub scatter: Vec<CopyRun>,
+    /// The source address of the whole chunk when its payload already lies in user memory
+    /// exactly as the region would hold it: the gather copies one contiguous source range onto
+    /// region bytes `0..bytes` (contiguous sources, no alignment padding; merged, that is one
+    /// [`CopyRun`] with `count == 1`, `region_off == 0` and `len == bytes`). The sender writes
+    /// straight from `[direct, direct + bytes)` and skips staging and the gather. [`plan`]
+    /// sets it; the shell clears it (sets `None`) before submit when it cannot write from that
+    /// memory, e.g. when the range is not registered in one piece. `gather` stays valid either
+    /// way.
+    pub direct: Option<u64>,
 }
 
 /// The chunks of one transfer, in order.
@@ -162,6 +172,8 @@ pub type Result<T> = std::result::Result<T, PlanError>;
 /// chunk's remaining space (if any), then continues in fresh chunks of `max_chunk` bytes,
 /// and its last piece shares its chunk with the descriptors that follow. Runs are merged per
 /// [`PlanParams::merge_runs`] (see [`CopyRun`]), separately for the gather and scatter lists.
+/// A chunk whose source bytes are one contiguous range laid out exactly as in its region gets
+/// [`Chunk::direct`], so that the sender can skip staging it.
 /// Runs in O(n) of the descriptors plus the chunks produced.
 ///
 /// # Errors
@@ -314,9 +326,26 @@ impl Sink for Builder {
         let scatter = std::mem::replace(&mut self.scatter, Vec::with_capacity(scatter));
         debug_assert_eq!(gather.len(), gather.capacity(), "passes disagree");
         debug_assert_eq!(scatter.len(), scatter.capacity(), "passes disagree");
-        self.chunks.push(Chunk { bytes, gather, scatter });
+        let direct = direct_source(&gather, bytes);
+        self.chunks.push(Chunk { bytes, gather, scatter, direct });
         Ok(())
     }
+}
+
+/// The source address when `gather` copies one contiguous source range onto the whole
+/// `bytes`-long region, byte for byte (see [`Chunk::direct`]). Merged, that is a single run;
+/// unmerged, a chain of single copies each continuing the last on both sides.
+fn direct_source(gather: &[CopyRun], bytes: u64) -> Option<u64> {
+    let start = gather.first()?.addr;
+    let (mut off, mut addr) = (0u64, start);
+    for r in gather {
+        if r.count != 1 || r.region_off != off || r.addr != addr {
+            return None;
+        }
+        off = off.checked_add(r.len)?;
+        addr = addr.checked_add(r.len)?;
+    }
+    (off == bytes).then_some(start)
 }
 
 /// A run list as [`push_copy`] sees it: only its last run matters.
@@ -661,6 +690,43 @@ chunk 1 bytes 128
         assert!(p.chunks[0].gather.iter().all(|r| r.count == 1));
     }
 
+    fn directs(descs: &[DescPair], p: PlanParams) -> Vec<Option<u64>> {
+        plan(descs, p).unwrap().chunks.iter().map(|c| c.direct).collect()
+    }
+
+    #[test]
+    fn a_chunk_is_direct_exactly_when_its_gather_is_one_full_contiguous_copy() {
+        let p = params(4096, true);
+        // One descriptor; contiguous descriptors merged into one copy.
+        assert_eq!(directs(&[d(1000, 9000, 100)], p), vec![Some(1000)]);
+        let dense: Vec<_> = (0..8).map(|i| d(2000 + 64 * i, 30_000 - 100 * i, 64)).collect();
+        assert_eq!(directs(&dense, p), vec![Some(2000)], "destinations do not matter");
+        // Contiguous sources, but alignment padding between them in the region.
+        assert_eq!(directs(&[d(0, 0, 40), d(40, 100, 24)], p), vec![None]);
+        // Strided or jumping sources.
+        let strided: Vec<_> = (0..4).map(|i| d(100 * i, 64 * i, 64)).collect();
+        assert_eq!(directs(&strided, p), vec![None]);
+        assert_eq!(directs(&[d(64, 0, 64), d(0, 64, 64)], p), vec![None], "backwards");
+    }
+
+    #[test]
+    fn split_descriptors_give_direct_chunks_only_where_a_piece_fills_a_chunk_alone() {
+        // The huge descriptor's pieces fill chunks 1 and 2 alone; chunks 0 and 3 share theirs.
+        assert_eq!(
+            directs(&[d(0, 0, 10), d(1000, 9000, 184), d(500, 600, 8)], params(64, true)),
+            vec![None, Some(1032), Some(1096), None]
+        );
+        assert_eq!(directs(&[d(1000, 5000, 65)], params(64, true)), vec![Some(1000), Some(1064)]);
+    }
+
+    #[test]
+    fn unmerged_contiguous_copies_are_direct_too() {
+        // Without merging the gather keeps two runs, but they still chain byte for byte.
+        let descs = [d(0, 0, 32), d(32, 500, 32)];
+        let p = plan(&descs, params(4096, false)).unwrap();
+        assert_eq!((p.chunks[0].gather.len(), p.chunks[0].direct), (2, Some(0)));
+    }
+
     #[test]
     fn from_config_uses_chunk_size_and_merging_switch() {
         let cfg = Config { scatter_run_merging: false, ..Config::default() };
@@ -813,6 +879,18 @@ chunk 1 bytes 128
                     if !merge_runs {
                         prop_assert!(c.gather.iter().all(|r| r.count == 1 && r.region_off % align == 0));
                     }
+                }
+                for c in &p.chunks {
+                    // Direct exactly when region byte k comes from source byte `start + k`.
+                    let mut src = vec![None; c.bytes as usize];
+                    for (off, addr, len) in c.gather.iter().flat_map(CopyRun::copies) {
+                        for k in 0..len {
+                            src[(off + k) as usize] = Some(addr + k);
+                        }
+                    }
+                    let start = src[0];
+                    let contiguous = src.iter().enumerate().all(|(k, a)| *a == start.map(|s| s + k as u64));
+                    prop_assert_eq!(c.direct, if contiguous { start } else { None }, "{:?}", c);
                 }
                 let got = byte_mapping(&p).map_err(TestCaseError::fail)?;
                 prop_assert_eq!(&got, &want);

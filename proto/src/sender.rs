@@ -1,6 +1,7 @@
 //! The sender role (design §6, §8 "Sender chunk/request lifecycle", §9): the table of transfers
 //! this engine submitted and the life of each of their chunks, WANT -> credit -> gather ->
-//! write -> DATA -> ACK.
+//! write -> DATA -> ACK, or for a direct chunk (its source already laid out like its region,
+//! [`crate::plan::Chunk::direct`]) WANT -> credit -> write from user memory -> DATA -> ACK.
 //!
 //! [`Sender`] owns the per-transfer state, the parked credits (granted but not yet staged for
 //! lack of local arena space), the orphaned staging regions of failed transfers, and the
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, trace, warn};
 
 use crate::config::Config;
-use crate::endpoint::{Action, Ctx, JobId, ProtocolError, SubmitError, XferError, internal_error};
+use crate::endpoint::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
 use crate::plan::Plan;
 use crate::types::{ChunkIdx, PeerId, Region, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
@@ -38,12 +39,23 @@ enum Stage {
     /// Staged with nothing in flight: an eager chunk waiting for its credit, or (only on the
     /// way into `Sender::fail`) a chunk whose job just finished.
     Gathered { local: Region },
-    /// RDMA write in flight.
-    Writing { local: Region, job: JobId, credit: Credit },
+    /// RDMA write in flight, from the staging region or (a direct chunk) from user memory.
+    Writing { source: WriteSource, job: JobId, credit: Credit },
     /// DATA sent; waiting for the ACK.
-    DataSent { local: Region, credit: Credit },
+    DataSent { source: WriteSource, credit: Credit },
     /// Scattered at the receiver; staging released.
     Acked,
+}
+
+impl Stage {
+    /// The stage of a chunk whose write was not posted or failed: still staged in its region,
+    /// or back to idle for a direct chunk, which holds nothing.
+    fn unwritten(source: WriteSource) -> Self {
+        match source {
+            WriteSource::Arena(local) => Self::Gathered { local },
+            WriteSource::User { .. } => Self::Idle,
+        }
+    }
 }
 
 /// One submitted transfer.
@@ -53,6 +65,8 @@ struct Xfer {
     plan: Plan,
     stages: Vec<Stage>,
     acked: usize,
+    /// Some chunk is not direct, so the transfer may need the staging reserve.
+    staged: bool,
     /// Fails with a timeout when reached; pushed back by every sign of progress.
     deadline: Instant,
     /// The instant of this transfer's one entry in `Sender::timers` (at most `deadline`).
@@ -73,11 +87,12 @@ struct JobRef {
     kind: JobKind,
 }
 
-/// The staging region of a failed transfer whose job is still in flight.
+/// A job of a failed transfer still in flight, and the staging region it holds until done.
 #[derive(Debug, Clone, Copy)]
 struct Orphan {
     xfer: XferId,
-    region: Region,
+    /// `None` for a direct write: nothing to free, but a pending cancel still waits for it.
+    region: Option<Region>,
     kind: JobKind,
 }
 
@@ -99,6 +114,13 @@ struct PendingCancel {
 /// retracts its credits with a cancel (an empty WANT), sent only after its in-flight writes
 /// finished.
 ///
+/// # Direct chunks
+/// A chunk with [`crate::plan::Chunk::direct`] set is never staged: no local region, no
+/// gather, no eager staging (the eager cap of `W` chunks counts staged chunks only). Its credit
+/// posts the write from user memory at once, under the same credit checks as any other; its
+/// ACK has nothing to release. A failure with its write in flight orphans no region, but the
+/// cancel still waits for that write, as for a staged one.
+///
 /// # The staging reserve
 /// While it has transfers in flight, the sender keeps one region of `max_chunk_size` bytes of
 /// the shared arena in reserve. It counts against the eager budget (half the arena), so remote
@@ -108,7 +130,8 @@ struct PendingCancel {
 /// Without it two engines sending to each other can fill both arenas with credits granted to
 /// the other side, each waiting for staging space that only the other's progress would free.
 /// With it a credit is staged as soon as the reserve is back: a reserve-staged chunk needs
-/// nothing more from the local arena to be written, scattered and acknowledged.
+/// nothing more from the local arena to be written, scattered and acknowledged. Transfers made
+/// only of direct chunks never stage, so they do not hold the reserve.
 #[derive(Debug)]
 pub struct Sender {
     timeout: Duration,
@@ -120,6 +143,8 @@ pub struct Sender {
     xfers: BTreeMap<XferId, Xfer>,
     jobs: BTreeMap<JobId, JobRef>,
     orphans: BTreeMap<JobId, Orphan>,
+    /// In-flight transfers with [`Xfer::staged`]: the reserve is kept while this is non-zero.
+    staging_xfers: usize,
     pending_cancels: BTreeMap<XferId, PendingCancel>,
     /// Chunks in [`Stage::Parked`], oldest first; entries of failed transfers are dropped
     /// lazily.
@@ -146,6 +171,7 @@ impl Sender {
             xfers: BTreeMap::new(),
             jobs: BTreeMap::new(),
             orphans: BTreeMap::new(),
+            staging_xfers: 0,
             pending_cancels: BTreeMap::new(),
             parked: VecDeque::new(),
             timers: BTreeSet::new(),
@@ -161,9 +187,10 @@ impl Sender {
         self.xfers.len()
     }
 
-    /// Staging regions of failed transfers still waiting for their job's done-event.
+    /// Staging regions of failed transfers still waiting for their job's done-event (direct
+    /// writes of failed transfers hold none and are not counted).
     pub fn orphans(&self) -> usize {
-        self.orphans.len()
+        self.orphans.values().filter(|o| o.region.is_some()).count()
     }
 
     /// Gather and write jobs emitted and not yet reported (orphans included).
@@ -211,16 +238,27 @@ impl Sender {
         check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
         ctx.send(peer, Want { xfer, endpoint: self.endpoint.clone(), chunks: plan.chunk_sizes().collect() });
         let deadline = ctx.now + self.timeout;
-        let mut x =
-            Xfer { peer, stages: vec![Stage::Idle; plan.chunks.len()], plan, acked: 0, deadline, timer_at: deadline };
-        if self.reserve.is_none() {
-            // Before any eager staging can take the budget the reserve lives in.
-            self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
+        let staged = plan.chunks.iter().any(|c| c.direct.is_none());
+        let stages = vec![Stage::Idle; plan.chunks.len()];
+        let mut x = Xfer { peer, stages, plan, acked: 0, staged, deadline, timer_at: deadline };
+        if staged {
+            self.staging_xfers += 1;
+            if self.reserve.is_none() {
+                // Before any eager staging can take the budget the reserve lives in.
+                self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
+            }
         }
         let mut eager = 0;
         if self.eager {
-            // Overlap the WANT -> GRANT round trip with the first gathers (design §6).
-            for i in 0..x.plan.chunks.len().min(self.window) {
+            // Overlap the WANT -> GRANT round trip with the first gathers (design §6). Direct
+            // chunks have nothing to gather.
+            for i in 0..x.plan.chunks.len() {
+                if eager == self.window {
+                    break;
+                }
+                if x.plan.chunks[i].direct.is_some() {
+                    continue;
+                }
                 let Some(local) = ctx.sched.acquire_local(x.plan.chunks[i].bytes, true) else {
                     break;
                 };
@@ -302,7 +340,7 @@ impl Sender {
         let Some(&stage) = x.stages.get(i) else {
             return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
         };
-        let Stage::DataSent { local, credit } = stage else {
+        let Stage::DataSent { source, credit } = stage else {
             return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
         };
         if credit.region != ack.region {
@@ -315,7 +353,9 @@ impl Sender {
                 x.stages[i] = Stage::Acked;
                 x.acked += 1;
                 let done = x.acked == x.stages.len();
-                release(ctx, local);
+                if let WriteSource::Arena(local) = source {
+                    release(ctx, local);
+                }
                 if done {
                     self.complete(ctx, id);
                 }
@@ -343,7 +383,7 @@ impl Sender {
             return self.fail(ctx, r.xfer, XferError::GatherFailed, true);
         }
         if let Some(credit) = credit {
-            if let Err(e) = self.post_write(ctx, r.xfer, r.chunk, local, credit) {
+            if let Err(e) = self.post_write(ctx, r.xfer, r.chunk, WriteSource::Arena(local), credit) {
                 self.fail(ctx, r.xfer, e, true);
             }
         }
@@ -357,18 +397,21 @@ impl Sender {
             return internal_error("write job of a vanished transfer", &r.xfer.0);
         };
         x.deadline = ctx.now + self.timeout;
-        let Stage::Writing { local, credit, .. } = x.stages[r.chunk] else {
+        let Stage::Writing { source, credit, .. } = x.stages[r.chunk] else {
             return internal_error("write done for a chunk not writing", &r.chunk);
         };
         trace!(xfer = r.xfer.0, chunk = r.chunk, ok, "write done");
         if !ok {
-            x.stages[r.chunk] = Stage::Gathered { local };
+            x.stages[r.chunk] = Stage::unwritten(source);
             return self.fail(ctx, r.xfer, XferError::WriteFailed, true);
         }
-        x.stages[r.chunk] = Stage::DataSent { local, credit };
+        x.stages[r.chunk] = Stage::DataSent { source, credit };
         let chunk = &x.plan.chunks[r.chunk];
         ctx.stats.chunks_written += 1;
         ctx.stats.bytes_written += chunk.bytes;
+        if matches!(source, WriteSource::User { .. }) {
+            ctx.stats.chunks_direct += 1;
+        }
         let data =
             Data { xfer: r.xfer, chunk: ChunkIdx(r.chunk as u32), region: credit.region, runs: chunk.scatter.clone() };
         ctx.send(x.peer, data);
@@ -445,11 +488,11 @@ impl Sender {
             self.parked = keep;
         }
         match self.reserve {
-            Some(r) if self.xfers.is_empty() => {
+            Some(r) if self.staging_xfers == 0 => {
                 self.reserve = None;
                 release(ctx, r);
             }
-            None if !self.xfers.is_empty() => self.reserve = ctx.sched.acquire_local(self.max_chunk, true),
+            None if self.staging_xfers > 0 => self.reserve = ctx.sched.acquire_local(self.max_chunk, true),
             _ => {}
         }
     }
@@ -460,6 +503,9 @@ impl Sender {
             internal_error("credit for a vanished transfer", &id.0);
             return Ok(());
         };
+        if let (Stage::Idle, Some(addr)) = (x.stages[i], x.plan.chunks[i].direct) {
+            return self.post_write(ctx, id, i, WriteSource::User { addr }, credit);
+        }
         match x.stages[i] {
             Stage::Idle => match ctx
                 .sched
@@ -482,20 +528,21 @@ impl Sender {
             }
             Stage::Gathered { local } => {
                 promote(ctx, local);
-                return self.post_write(ctx, id, i, local, credit);
+                return self.post_write(ctx, id, i, WriteSource::Arena(local), credit);
             }
             _ => internal_error("credit for a chunk that already has one", &i),
         }
         Ok(())
     }
 
-    /// Posts the write of gathered chunk `i`, unless its credit is stale.
+    /// Posts the write of chunk `i` from `source` (its gathered region, or user memory for a
+    /// direct chunk), unless its credit is stale.
     fn post_write(
         &mut self,
         ctx: &mut Ctx<'_>,
         id: XferId,
         i: usize,
-        local: Region,
+        source: WriteSource,
         credit: Credit,
     ) -> Result<(), XferError> {
         let Some(x) = self.xfers.get_mut(&id) else {
@@ -506,15 +553,15 @@ impl Sender {
             // The receiver reclaims regions left unwritten for two timeouts; writing now could
             // land in a region it has granted to someone else.
             debug!(xfer = id.0, chunk = i, "credit went stale before the write");
-            x.stages[i] = Stage::Gathered { local };
+            x.stages[i] = Stage::unwritten(source);
             return Err(XferError::Timeout);
         }
         let job = ctx.job();
         self.jobs.insert(job, JobRef { xfer: id, chunk: i, kind: JobKind::Write });
-        x.stages[i] = Stage::Writing { local, job, credit };
+        x.stages[i] = Stage::Writing { source, job, credit };
         let len = x.plan.chunks[i].bytes;
-        trace!(xfer = id.0, chunk = i, local = %local, remote = %credit.region, len, "write");
-        ctx.push(Action::Write { job, xfer: id, peer: x.peer, local, remote: credit.region, len });
+        trace!(xfer = id.0, chunk = i, ?source, remote = %credit.region, len, "write");
+        ctx.push(Action::Write { job, xfer: id, peer: x.peer, source, remote: credit.region, len });
         Ok(())
     }
 
@@ -526,8 +573,10 @@ impl Sender {
                 return None;
             }
             self.orphans.remove(&job);
-            trace!(job = job.0, xfer = o.xfer.0, region = %o.region, "orphan released");
-            release(ctx, o.region);
+            trace!(job = job.0, xfer = o.xfer.0, region = ?o.region, "orphan done");
+            if let Some(region) = o.region {
+                release(ctx, region);
+            }
             if kind == JobKind::Write {
                 if let Some(pc) = self.pending_cancels.get_mut(&o.xfer) {
                     pc.writes -= 1;
@@ -559,6 +608,7 @@ impl Sender {
             return;
         };
         self.timers.remove(&(x.timer_at, id));
+        self.staging_xfers -= usize::from(x.staged);
         debug!(xfer = id.0, chunks = x.stages.len(), bytes = x.plan.total_bytes, "transfer complete");
         ctx.stats.completed += 1;
         ctx.push(Action::Complete { xfer: id, outcome: Ok(()) });
@@ -572,20 +622,30 @@ impl Sender {
             return;
         };
         self.timers.remove(&(x.timer_at, id));
+        self.staging_xfers -= usize::from(x.staged);
         let mut writes = 0;
         for stage in &x.stages {
             match *stage {
                 Stage::Gathering { local, job, .. } => {
                     self.jobs.remove(&job);
-                    self.orphans.insert(job, Orphan { xfer: id, region: local, kind: JobKind::Gather });
+                    self.orphans.insert(job, Orphan { xfer: id, region: Some(local), kind: JobKind::Gather });
                 }
-                Stage::Writing { local, job, .. } => {
+                Stage::Writing { source, job, .. } => {
                     self.jobs.remove(&job);
-                    self.orphans.insert(job, Orphan { xfer: id, region: local, kind: JobKind::Write });
+                    let region = match source {
+                        WriteSource::Arena(local) => Some(local),
+                        WriteSource::User { .. } => None,
+                    };
+                    self.orphans.insert(job, Orphan { xfer: id, region, kind: JobKind::Write });
                     writes += 1;
                 }
-                Stage::Gathered { local } | Stage::DataSent { local, .. } => release(ctx, local),
-                Stage::Idle | Stage::Parked { .. } | Stage::Acked => {}
+                Stage::Gathered { local } | Stage::DataSent { source: WriteSource::Arena(local), .. } => {
+                    release(ctx, local);
+                }
+                Stage::DataSent { source: WriteSource::User { .. }, .. }
+                | Stage::Idle
+                | Stage::Parked { .. }
+                | Stage::Acked => {}
             }
         }
         if cancel {
@@ -655,7 +715,8 @@ fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitErr
                 && runs.len() <= wire::MAX_RUNS as usize
                 && runs.iter().all(|r| r.len != 0 && r.region_span().is_some_and(|(_, end)| end <= c.bytes))
         };
-        if c.bytes == 0 || !runs_ok(&c.gather) || !runs_ok(&c.scatter) {
+        let direct_ok = c.direct.is_none_or(|addr| addr.checked_add(c.bytes).is_some());
+        if c.bytes == 0 || !runs_ok(&c.gather) || !runs_ok(&c.scatter) || !direct_ok {
             return Err(SubmitError::BadChunk { xfer, chunk });
         }
     }
@@ -735,7 +796,7 @@ mod tests {
         assert_eq!(ep.scheduler().eager_bytes(), CHUNK, "only the reserve");
         ep.handle_gather_done(t, g[0].0, true);
         let w0 = writes(&drain(&mut ep));
-        assert_eq!(w0, vec![(w0[0].0, g[0].1, r(0), CHUNK)]);
+        assert_eq!(w0, vec![(w0[0].0, WriteSource::Arena(g[0].1), r(0), CHUNK)]);
         ep.handle_gather_done(t, g[1].0, true);
         let w1 = writes(&drain(&mut ep));
 
@@ -1035,5 +1096,186 @@ mod tests {
             "ids are never reused"
         );
         assert_eq!(ep.stats().submitted, 1);
+        let mut wraps = direct_plan_of(1);
+        wraps.chunks[0].direct = Some(u64::MAX - 8);
+        assert!(matches!(ep.submit(t, XferId(2), PEER, wraps), Err(SubmitError::BadChunk { .. })));
+    }
+
+    // ---- direct chunks ----
+
+    fn user(chunk: u64) -> WriteSource {
+        WriteSource::User { addr: SRC + chunk * CHUNK }
+    }
+
+    /// Reports the write `w` done and returns the DATA it caused.
+    fn finish_write(ep: &mut Endpoint, t: Instant, w: (JobId, WriteSource, Region, u64)) -> wire::Data {
+        ep.handle_write_done(t, w.0, true);
+        let m = msgs(&drain(ep));
+        let [(_, Msg::Data(d))] = &m[..] else { panic!("{m:?}") };
+        d.clone()
+    }
+
+    #[test]
+    fn a_fully_direct_plan_is_written_from_user_memory_without_any_staging() {
+        for eager in [false, true] {
+            let (mut ep, t) = endpoint(64 * KIB, 2, eager);
+            ep.submit(t, X, PEER, direct_plan_of(3)).unwrap();
+            let acts = drain(&mut ep);
+            assert!(matches!(&acts[..], [Action::Send { msg: Msg::Want(_), .. }]), "only the WANT: {acts:?}");
+            assert_eq!(ep.scheduler().local_bytes(), 0, "no eager staging and no reserve");
+
+            // Each credit posts its write at once, straight from the chunk's source.
+            let w = writes(&feed(&mut ep, t, grant_msg(X, &[(1, r(4)), (0, r(0))])));
+            assert_eq!(
+                w.iter().map(|w| (w.1, w.2, w.3)).collect::<Vec<_>>(),
+                vec![(user(1), r(4), CHUNK), (user(0), r(0), CHUNK)]
+            );
+            let d = finish_write(&mut ep, t, w[1]);
+            assert_eq!((d.chunk, d.region, d.runs[0].addr), (ChunkIdx(0), r(0), DST));
+            finish_write(&mut ep, t, w[0]);
+            // A credit for a chunk already written is still a duplicate.
+            assert!(ep.handle_msg(t, PEER, grant_msg(X, &[(0, r(8))])).is_err());
+            assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
+            let w2 = writes(&feed(&mut ep, t, grant_msg(X, &[(2, r(0))])));
+            assert_eq!(w2[0].1, user(2));
+            finish_write(&mut ep, t, w2[0]);
+            feed(&mut ep, t, ack_msg(X, 1, r(4), AckStatus::Scattered));
+            let acts = feed(&mut ep, t, ack_msg(X, 2, r(0), AckStatus::Scattered));
+            assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+            assert!(ep.is_idle());
+            assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+            let st = ep.stats();
+            assert_eq!((st.chunks_written, st.chunks_direct, st.bytes_written), (3, 3, 3 * CHUNK));
+        }
+    }
+
+    /// Chunks 0 and 2 direct, 1 and 3 staged.
+    fn mixed_plan() -> Plan {
+        let mut p = direct_plan_of(4);
+        p.chunks[1].direct = None;
+        p.chunks[3].direct = None;
+        p
+    }
+
+    #[test]
+    fn a_mixed_plan_stages_only_its_staged_chunks() {
+        // W = 2: the eager cap covers two staged chunks, however many direct ones precede them.
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        ep.submit(t, X, PEER, mixed_plan()).unwrap();
+        let g = gathers(&drain(&mut ep));
+        let gathered: Vec<_> = g.iter().map(|&(job, _)| job).collect();
+        assert_eq!(g.len(), 2);
+        assert_eq!(ep.scheduler().eager_bytes(), 2 * CHUNK + CHUNK, "chunks 1 and 3, and the reserve");
+
+        let credits = [(0, r(0)), (1, r(4)), (2, r(8)), (3, r(12))];
+        let w = writes(&feed(&mut ep, t, grant_msg(X, &credits)));
+        assert_eq!(w.iter().map(|w| (w.1, w.2)).collect::<Vec<_>>(), vec![(user(0), r(0)), (user(2), r(8))]);
+        let mut staged = Vec::new();
+        for (job, (_, region)) in gathered.into_iter().zip(&g) {
+            ep.handle_gather_done(t, job, true);
+            let ws = writes(&drain(&mut ep));
+            assert_eq!(ws[0].1, WriteSource::Arena(*region));
+            staged.extend(ws);
+        }
+        for w in w.into_iter().chain(staged) {
+            finish_write(&mut ep, t, w);
+        }
+        assert_eq!(ep.scheduler().local_bytes(), 2 * CHUNK + CHUNK);
+        for (i, region) in credits.into_iter().take(3) {
+            assert!(feed(&mut ep, t, ack_msg(X, i, region, AckStatus::Scattered)).is_empty());
+        }
+        assert_eq!(ep.scheduler().local_bytes(), CHUNK + CHUNK, "chunk 3's staging and the reserve");
+        let acts = feed(&mut ep, t, ack_msg(X, 3, r(12), AckStatus::Scattered));
+        assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+        assert_eq!((ep.stats().chunks_written, ep.stats().chunks_direct), (4, 2));
+    }
+
+    #[test]
+    fn direct_chunks_write_even_when_the_local_arena_is_full() {
+        // One staged chunk fills the arena; the direct ones need none of it.
+        let (mut ep, t) = endpoint(4 * KIB, 2, false);
+        ep.submit(t, X, PEER, mixed_plan()).unwrap();
+        drain(&mut ep);
+        let acts = feed(&mut ep, t, grant_msg(X, &[(1, r(4)), (3, r(12)), (0, r(0)), (2, r(8))]));
+        assert_eq!(gathers(&acts).len(), 1);
+        assert_eq!(ep.sender().parked_credits(), 1);
+        assert_eq!(writes(&acts).iter().map(|w| w.1).collect::<Vec<_>>(), vec![user(0), user(2)]);
+        check(&ep);
+    }
+
+    #[test]
+    fn cancel_waits_for_an_in_flight_direct_write_that_has_no_region_to_orphan() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        ep.submit(t, X, PEER, direct_plan_of(2)).unwrap();
+        drain(&mut ep);
+        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        ep.cancel(t, X);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::Canceled))]);
+        assert!(msgs(&acts).is_empty(), "no cancel while the direct write may still land: {acts:?}");
+        assert_eq!((ep.orphans(), ep.jobs_in_flight(), ep.sender().pending_cancels()), (0, 1, 1));
+        assert!(!ep.is_idle());
+
+        ep.handle_write_done(t, w[0].0, true);
+        let m = msgs(&drain(&mut ep));
+        assert!(m.len() == 1 && is_cancel(&m[0].1, X), "{m:?}");
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+        assert_eq!(ep.stats().chunks_written, 0, "a canceled write announces nothing");
+    }
+
+    #[test]
+    fn a_direct_transfer_times_out_and_cancels_after_its_write_finishes() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        ep.submit(t, X, PEER, direct_plan_of(2)).unwrap();
+        drain(&mut ep);
+        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        // The write never reports within the timeout.
+        ep.handle_timeout(t + TIMEOUT);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::Timeout))]);
+        assert!(msgs(&acts).is_empty());
+        ep.handle_write_done(t + TIMEOUT, w[0].0, false);
+        assert!(is_cancel(&msgs(&drain(&mut ep))[0].1, X));
+        assert!(ep.is_idle());
+        assert_eq!(ep.stats().timeouts, 1);
+
+        // Without any credit, the cancel goes out at once.
+        ep.submit(t + TIMEOUT, XferId(2), PEER, direct_plan_of(1)).unwrap();
+        drain(&mut ep);
+        ep.handle_timeout(t + 2 * TIMEOUT);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(XferId(2), Err(XferError::Timeout))]);
+        assert!(is_cancel(&msgs(&acts)[0].1, XferId(2)));
+        assert!(ep.is_idle());
+    }
+
+    #[test]
+    fn a_failed_direct_write_fails_the_transfer_and_cancels_at_once() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        ep.submit(t, X, PEER, direct_plan_of(1)).unwrap();
+        drain(&mut ep);
+        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        ep.handle_write_done(t, w[0].0, false);
+        let acts = drain(&mut ep);
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::WriteFailed))]);
+        assert!(is_cancel(&msgs(&acts)[0].1, X));
+        assert!(ep.is_idle());
+    }
+
+    #[test]
+    fn peer_loss_with_a_direct_write_in_flight_waits_only_for_its_done_event() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        ep.submit(t, X, PEER, direct_plan_of(1)).unwrap();
+        drain(&mut ep);
+        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        ep.handle_peer_lost(t, PEER);
+        assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
+        assert_eq!((ep.orphans(), ep.jobs_in_flight()), (0, 1));
+        ep.handle_write_done(t, w[0].0, false);
+        assert!(drain(&mut ep).is_empty(), "nobody to cancel at");
+        assert!(ep.is_idle());
     }
 }

@@ -4,7 +4,8 @@
 //! Time is virtual and jumps to the next event or endpoint timer. Messages are really encoded
 //! and decoded through [`wire::Frame`], delayed at random (reordered across channels, and
 //! within a channel unless [`Knobs::fifo`]), and dropped with probability [`Knobs::drop_p`].
-//! Gather, write and scatter jobs really move bytes between per-node user memories and arenas,
+//! Gather, write and scatter jobs really move bytes between per-node user memories and arenas
+//! (a direct write straight from the sender's user memory),
 //! at their completion time (the latest moment a real copy engine could touch the memory), and
 //! fail with probability [`Knobs::job_fail_p`] after a partial copy. Everything is driven by
 //! one seeded RNG, so a seed replays exactly.
@@ -13,10 +14,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Frame, Msg};
-use bounce_proto::{CopyRun, PeerId, Region, XferId};
+use bounce_proto::{CopyRun, FlowKey, PeerId, Region, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -36,6 +37,9 @@ pub(crate) struct Knobs {
     pub(crate) drop_p: f64,
     /// Probability that a job fails (after copying part of its bytes).
     pub(crate) job_fail_p: f64,
+    /// Probability that the shell clears a chunk's [`plan::Chunk::direct`] before submit (as
+    /// for a source not registered in one piece), so it is staged after all.
+    pub(crate) clear_direct_p: f64,
 }
 
 impl Default for Knobs {
@@ -46,6 +50,7 @@ impl Default for Knobs {
             job_delay: (Duration::from_micros(1), Duration::from_micros(30)),
             drop_p: 0.0,
             job_fail_p: 0.0,
+            clear_direct_p: 0.25,
         }
     }
 }
@@ -113,7 +118,7 @@ pub(crate) struct XferSpec {
 enum Ev {
     Deliver { from: usize, to: usize, frame: Vec<u8> },
     Gather { node: usize, job: JobId, xfer: XferId, region: Region, runs: Vec<CopyRun> },
-    Write { node: usize, job: JobId, xfer: XferId, peer: usize, local: Region, remote: Region, len: u64 },
+    Write { node: usize, job: JobId, xfer: XferId, peer: usize, source: WriteSource, remote: Region, len: u64 },
     Scatter { node: usize, job: JobId, peer: usize, xfer: XferId, region: Region, runs: Vec<CopyRun> },
     Submit { spec: usize },
     Cancel { node: usize, xfer: XferId },
@@ -189,11 +194,15 @@ impl Sim {
     }
 
     /// Plans a transfer of about `bytes` payload bytes from `from` to `to` in random
-    /// descriptors (dense, strided or scattered, sometimes shuffled) and schedules its submit
-    /// at `at`. Returns its index in [`Sim::specs`].
+    /// descriptors (dense, strided or scattered, sometimes shuffled, or read from one contiguous
+    /// source buffer so that its chunks are direct) and schedules its submit at `at`. Returns
+    /// its index in [`Sim::specs`].
     pub(crate) fn add_xfer(&mut self, from: usize, to: usize, bytes: u64, at: Duration) -> usize {
         let xfer = XferId(self.specs.iter().filter(|s| s.from == from).count() as u64 + 1);
-        let style = self.rng.random_range(0..3);
+        let style = self.rng.random_range(0..4);
+        if style == 3 {
+            return self.add_contiguous_xfer(from, to, xfer, bytes, at);
+        }
         let mut lens = Vec::new();
         let mut total = 0;
         let fixed = self.rng.random_range(8..=600);
@@ -225,8 +234,39 @@ impl Sim {
                 descs.swap(i, j);
             }
         }
-        let chunks = plan::plan(&descs, self.plan_params).unwrap().chunks.len();
-        self.specs.push(XferSpec { from, to, xfer, descs, chunks });
+        self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0 }, at)
+    }
+
+    /// A transfer whose sources are consecutive slices of one buffer, each a multiple of the
+    /// plan alignment long: every chunk's source is laid out exactly as its region, so every
+    /// chunk is planned direct. Destinations are scattered.
+    fn add_contiguous_xfer(&mut self, from: usize, to: usize, xfer: XferId, bytes: u64, at: Duration) -> usize {
+        let align = self.plan_params.align;
+        let mut lens = Vec::new();
+        let mut total = 0;
+        while total < bytes {
+            // Up to 80 slots: some descriptors exceed a chunk and are split.
+            let len = align * self.rng.random_range(1..=80);
+            lens.push(len);
+            total += len;
+        }
+        let mut src = MEM_BASE + self.nodes[from].alloc(from, total);
+        let mut descs = Vec::with_capacity(lens.len());
+        for len in lens {
+            let gap = self.rng.random_range(0..200);
+            let dst = MEM_BASE + self.nodes[to].alloc(to, len + gap) + gap;
+            descs.push(DescPair { src, dst, len });
+            src += len;
+        }
+        let spec = self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0 }, at);
+        let p = plan::plan(&self.specs[spec].descs, self.plan_params).unwrap();
+        assert!(p.chunks.iter().all(|c| c.direct.is_some()), "contiguous sources plan direct");
+        spec
+    }
+
+    fn push_spec(&mut self, mut spec: XferSpec, at: Duration) -> usize {
+        spec.chunks = plan::plan(&spec.descs, self.plan_params).unwrap().chunks.len();
+        self.specs.push(spec);
         let spec = self.specs.len() - 1;
         self.schedule(at, Ev::Submit { spec });
         spec
@@ -394,7 +434,7 @@ impl Sim {
                 }
                 self.nodes[node].ep.handle_gather_done(now, job, ok);
             }
-            Ev::Write { node, job, xfer, peer, local, remote, len } => {
+            Ev::Write { node, job, xfer, peer, source, remote, len } => {
                 if !self.nodes[node].alive {
                     return;
                 }
@@ -404,9 +444,21 @@ impl Sim {
                     self.tainted.insert((node, xfer));
                 }
                 if self.nodes[peer].alive {
+                    // The receiver must still hold the region for this flow, unscattered: a
+                    // cancel or reclaim that freed it first would let it be granted elsewhere.
+                    let flow = FlowKey { peer: PeerId(node as u32), xfer };
+                    let held = self.nodes[peer].ep.scheduler().is_held(flow, remote.offset);
+                    assert!(
+                        held.is_some_and(|g| g.region == remote),
+                        "node {node} xfer {xfer:?}: write into {remote} of node {peer}, which the flow no longer holds"
+                    );
                     // A failed write may still have landed in part.
                     let copied = if ok { len } else { len / 2 };
-                    let src = self.nodes[node].arena[local.offset as usize..][..copied as usize].to_vec();
+                    let n = &self.nodes[node];
+                    let src = match source {
+                        WriteSource::Arena(local) => n.arena[local.offset as usize..][..copied as usize].to_vec(),
+                        WriteSource::User { addr } => n.mem[(addr - MEM_BASE) as usize..][..copied as usize].to_vec(),
+                    };
                     self.nodes[peer].arena[remote.offset as usize..][..copied as usize].copy_from_slice(&src);
                 }
                 self.nodes[node].ep.handle_write_done(now, job, ok);
@@ -437,8 +489,13 @@ impl Sim {
                 if !self.nodes[s.from].alive {
                     return;
                 }
-                let plan = plan::plan(&s.descs, self.plan_params).unwrap();
+                let mut plan = plan::plan(&s.descs, self.plan_params).unwrap();
                 let (from, to, xfer) = (s.from, s.to, s.xfer);
+                for c in &mut plan.chunks {
+                    if c.direct.is_some() && self.rng.random_bool(self.knobs.clear_direct_p) {
+                        c.direct = None;
+                    }
+                }
                 self.nodes[from].ep.submit(now, xfer, PeerId(to as u32), plan).expect("submit");
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.
@@ -509,10 +566,27 @@ impl Sim {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
                 self.schedule(at, Ev::Gather { node: me, job, xfer, region, runs });
             }
-            Action::Write { job, xfer, peer, local, remote, len } => {
-                assert!(len <= local.len && len <= remote.len);
+            Action::Write { job, xfer, peer, source, remote, len } => {
+                assert!(len <= remote.len);
+                match source {
+                    WriteSource::Arena(local) => assert!(len <= local.len),
+                    WriteSource::User { addr } => {
+                        // A direct write reads exactly one chunk of this transfer's sources.
+                        let s = self.specs.iter().find(|s| s.from == me && s.xfer == xfer).unwrap();
+                        let inside = |d: &DescPair| d.src <= addr && addr < d.src + d.len;
+                        let first = s.descs.iter().position(inside).expect("direct source inside the transfer");
+                        let mut end = addr;
+                        for d in &s.descs[first..] {
+                            if d.src > end || end >= addr + len {
+                                break;
+                            }
+                            end = end.max(d.src + d.len);
+                        }
+                        assert!(end >= addr + len, "node {me}: direct write {addr:#x}+{len} reads past the sources");
+                    }
+                }
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
-                self.schedule(at, Ev::Write { node: me, job, xfer, peer: peer.0 as usize, local, remote, len });
+                self.schedule(at, Ev::Write { node: me, job, xfer, peer: peer.0 as usize, source, remote, len });
             }
             Action::Scatter { job, peer, xfer, region, runs } => {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);

@@ -90,6 +90,8 @@ fn senders_into_one_receiver_settle_under_random_faults() {
                 ("flows_timed_out", st.flows_timed_out),
                 ("data_refused", st.data_refused),
                 ("chunks_scattered", st.chunks_scattered),
+                ("chunks_direct", st.chunks_direct),
+                ("chunks_staged", st.chunks_written - st.chunks_direct),
             ] {
                 *seen.entry(k.to_string()).or_default() += v;
             }
@@ -100,7 +102,7 @@ fn senders_into_one_receiver_settle_under_random_faults() {
     for key in ["ok", "Timeout", "PeerLost", "Canceled", "GatherFailed", "WriteFailed", "ScatterFailed"] {
         assert!(seen.get(key).is_some_and(|&n| n > 0), "no seed produced {key}: {seen:?}");
     }
-    for key in ["late_msgs", "flows_timed_out"] {
+    for key in ["late_msgs", "flows_timed_out", "chunks_direct", "chunks_staged"] {
         assert!(seen.get(key).is_some_and(|&n| n > 0), "no seed exercised {key}: {seen:?}");
     }
 }
