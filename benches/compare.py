@@ -22,7 +22,7 @@ PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
 
 
-def initiator(backend, descs, size, iters, contiguous, params):
+def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0):
     import numpy as np
     import nixlkit
     from conftest import Peer
@@ -57,12 +57,13 @@ def initiator(backend, descs, size, iters, contiguous, params):
                 break
             if s == "ERR":
                 raise SystemExit("transfer failed")
+            if poll_sleep_us:
+                time.sleep(poll_sleep_us * 1e-6)
         if i >= 2:  # two warm-ups
             samples.append(time.perf_counter() - t0)
     stats = {}
     if backend == "BOUNCE":
-        stats = {k: v for k, v in ag.get_backend_params(backend).items() if k.startswith("stats.")} \
-            if hasattr(ag, "get_backend_params") else {}
+        stats = {k: v for k, v in nixlkit.live_params(ag, backend).items() if k.startswith("stats.")}
     print("RESULT " + json.dumps({"samples": samples, "stats": stats}), flush=True)
     peer.close()
     nixlkit.leave(0)
@@ -80,8 +81,11 @@ VARIANTS = [
 
 def run_variant(backend, contiguous, env, args):
     cmd = [sys.executable, __file__, "--child", backend, "--descs", str(args.descs), "--size",
-           str(args.size), "--iters", str(args.iters)] + (["--contiguous"] if contiguous else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+           str(args.size), "--iters", str(args.iters), "--poll-sleep-us", str(args.poll_sleep_us)] \
+        + (["--contiguous"] if contiguous else [])
+    # BENCH_VERBOSE=1 lets the children's stderr (BOUNCE's own log) through.
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
+                       stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
                        env={**os.environ, **env})
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -96,21 +100,29 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--child")
     ap.add_argument("--contiguous", action="store_true")
+    ap.add_argument("--poll-sleep-us", type=int, default=0,
+                    help="sleep between status polls (0: spin, the strictest setting for BOUNCE)")
+    ap.add_argument("--only", help="run only variants whose name contains this (no ratios)")
     args = ap.parse_args()
     if args.child:
-        initiator(args.child, args.descs, args.size, args.iters, args.contiguous, {})
+        initiator(args.child, args.descs, args.size, args.iters, args.contiguous, {}, args.poll_sleep_us)
         return
     mib = args.descs * args.size / 2**20
     print(f"WRITE of {args.descs} x {args.size} B = {mib:.0f} MiB, DRAM, two processes, "
-          f"{args.iters} samples each (median)")
+          f"{args.iters} samples each (median), status polled "
+          + (f"every {args.poll_sleep_us} us" if args.poll_sleep_us else "in a busy loop"))
     med = {}
     for name, backend, contiguous, env in VARIANTS:
+        if args.only and args.only not in name:
+            continue
         res = run_variant(backend, contiguous, env, args)
         med[name] = statistics.median(res["samples"])
         q = sorted(res["samples"])
         print(f"  {name:22s} median {med[name]*1e3:8.2f} ms   "
               f"min {q[0]*1e3:8.2f}  max {q[-1]*1e3:8.2f}   {mib / med[name] / 1024:6.2f} GiB/s"
-              + (f"   {res['stats']}" if res["stats"] else ""))
+              + (f"   chunks={res['stats'].get('stats.bounce_chunks')}" if res["stats"] else ""))
+    if args.only:
+        return
     b = med["BOUNCE scattered"]
     print("ratios:")
     print(f"  BOUNCE / UCX scattered       = {b / med['UCX scattered']:.3f}   (goal <= 0.4)")

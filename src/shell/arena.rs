@@ -7,6 +7,7 @@ use bounce_proto::wire::Capabilities;
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
 
+
 use crate::ffi::shim::{Md, Shim};
 
 /// A registered host arena.
@@ -24,7 +25,14 @@ impl Arena {
     /// A description of what failed (mapping or registration).
     pub(super) fn new(shim: &Shim, len: u64) -> Result<Self, String> {
         let size = usize::try_from(len).map_err(|_| format!("arena size {len} does not fit"))?;
-        let mut map = MmapMut::map_anon(size).map_err(|e| format!("mapping the {len}-byte arena failed: {e}"))?;
+        // Populated up front: the arena is a long-lived RDMA staging buffer (a NIC registration
+        // would pin every page anyway), and first-touch page faults would otherwise land on the
+        // first transfers' critical path (seen as 12 ms on a first 4 MiB gather).
+        let mut map = memmap2::MmapOptions::new()
+            .len(size)
+            .populate()
+            .map_anon()
+            .map_err(|e| format!("mapping the {len}-byte arena failed: {e}"))?;
         let base = map.as_mut_ptr() as u64;
         let (md, key) = shim
             .register(base, len, 0, 0)

@@ -206,8 +206,8 @@ impl Engine {
                 return Err(e);
             }
         };
-        for r in self.registrations.lock().values() {
-            reactor.shared().inbox.push(Cmd::Registered(r.addr, r.len));
+        for (md, r) in self.registrations.lock().iter().filter(|(_, r)| r.mem == MemKind::Dram) {
+            reactor.shared().inbox.push(Cmd::Registered(r.addr, r.len, Md(*md)));
         }
         tracing::info!(agent = self.agent, arena = arena.len(), "bounce path ready");
         Ok(Bounce { reactor, arena, caps, shim })
@@ -284,7 +284,7 @@ impl Engine {
         let caps = peers.get(agent).and_then(|p| p.caps.as_ref());
         match (md, caps) {
             (Some(md), Some(c)) => {
-                let pa = PeerArena { base: c.arena_base, dev: c.arena_dev, md: Md(md) };
+                let pa = PeerArena { base: c.arena_base, len: c.arena_len, dev: c.arena_dev, md: Md(md) };
                 b.reactor.shared().peer_arenas.lock().insert(agent.to_owned(), pa);
             }
             _ => {
@@ -307,8 +307,10 @@ impl Engine {
     pub fn mem_registered(&self, md: usize, reg: Registration) {
         self.registrations.lock().insert(md, reg);
         Stats::bump(&self.stats.registrations);
-        if let Some(b) = &self.bounce {
-            b.reactor.shared().inbox.push(Cmd::Registered(reg.addr, reg.len));
+        // Only host memory may ever be a CPU scatter target or a direct write source: a peer
+        // naming a GPU address in DATA must be refused, not dereferenced.
+        if let (Some(b), MemKind::Dram) = (&self.bounce, reg.mem) {
+            b.reactor.shared().inbox.push(Cmd::Registered(reg.addr, reg.len, Md(md)));
         }
     }
 
@@ -317,8 +319,8 @@ impl Engine {
         let removed = self.registrations.lock().remove(&md);
         if let Some(r) = removed {
             self.stats.registrations.fetch_sub(1, Ordering::Relaxed);
-            if let Some(b) = &self.bounce {
-                b.reactor.shared().inbox.push(Cmd::Deregistered(r.addr, r.len));
+            if let (Some(b), MemKind::Dram) = (&self.bounce, r.mem) {
+                b.reactor.shared().inbox.push(Cmd::Deregistered(r.addr, r.len, Md(md)));
             }
         }
     }
@@ -366,7 +368,23 @@ impl Engine {
         let pairs: Vec<DescPair> =
             local.iter().zip(remote).map(|(l, r)| DescPair { src: l.addr, dst: r.addr, len: l.len }).collect();
         match plan::plan(&pairs, PlanParams::from_config(&self.config)) {
-            Ok(p) => Some(b.reactor.shared().requests.insert(agent.to_owned(), p)),
+            Ok(mut p) => {
+                // A chunk may be written straight from user memory only when one DRAM
+                // registration made through this engine covers its whole source range.
+                let regs = self.registrations.lock();
+                for c in &mut p.chunks {
+                    if let Some(addr) = c.direct {
+                        let end = addr.saturating_add(c.bytes);
+                        let covered =
+                            regs.values().any(|r| r.mem == MemKind::Dram && r.addr <= addr && end <= r.addr + r.len);
+                        if !covered {
+                            c.direct = None;
+                        }
+                    }
+                }
+                drop(regs);
+                Some(b.reactor.shared().requests.insert(agent.to_owned(), p))
+            }
             Err(e) => {
                 tracing::warn!(peer = agent, error = %e, "cannot plan the transfer; plain UCX");
                 fallback(&s.fallback_op)

@@ -14,7 +14,7 @@ use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::wire::{Frame, Msg};
 use bounce_proto::{PeerId, XferId};
 use parking_lot::Mutex;
@@ -43,9 +43,9 @@ pub(super) enum Cmd {
     /// The peer disconnected.
     PeerLost(String),
     /// Memory registered through this engine (the receiver may scatter into it).
-    Registered(u64, u64),
+    Registered(u64, u64, Md),
     /// Memory deregistered.
-    Deregistered(u64, u64),
+    Deregistered(u64, u64, Md),
 }
 
 /// The reactor's mailbox: a queue plus the thread to wake.
@@ -74,6 +74,8 @@ impl Inbox {
 pub(super) struct PeerArena {
     /// Arena base address at the peer.
     pub base: u64,
+    /// Arena length at the peer.
+    pub len: u64,
     /// Device id.
     pub dev: u64,
     /// Inner-engine metadata from loadRemoteMD.
@@ -104,6 +106,14 @@ struct InFlightWrite {
     handle: WriteHandle,
 }
 
+struct QueuedWrite {
+    job: JobId,
+    peer: PeerId,
+    source: WriteSource,
+    remote: bounce_proto::Region,
+    len: u64,
+}
+
 struct XferCtx {
     handle: u64,
     peer: String,
@@ -119,11 +129,16 @@ struct Driver {
     arena_md: Md,
     workers: Workers,
     writes: Vec<InFlightWrite>,
+    /// Writes the core asked for that wait for a slot (see MAX_WRITES_IN_FLIGHT).
+    queued_writes: VecDeque<QueuedWrite>,
     copies: HashMap<JobId, Dir>,
     xfers: HashMap<XferId, XferCtx>,
     peer_ids: HashMap<String, PeerId>,
     peer_names: HashMap<PeerId, String>,
     peer_sessions: HashMap<PeerId, u64>,
+    /// DRAM registrations made through this engine: (addr, len, inner metadata). Direct-source
+    /// chunks are written from these.
+    user_regs: Vec<(u64, u64, Md)>,
     warn_budget: RateLimit,
 }
 
@@ -174,11 +189,13 @@ impl Reactor {
             arena_md,
             workers,
             writes: Vec::new(),
+            queued_writes: VecDeque::new(),
             copies: HashMap::new(),
             xfers: HashMap::new(),
             peer_ids: HashMap::new(),
             peer_names: HashMap::new(),
             peer_sessions: HashMap::new(),
+            user_regs: Vec::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
         };
         let stop2 = Arc::clone(&stop);
@@ -212,8 +229,14 @@ impl Drop for Reactor {
     }
 }
 
-/// Spins this many idle iterations (work in flight, nothing moved) before sleeping.
-const SPIN_ITERATIONS: u32 = 200;
+/// Writes handed to the inner engine at once. UCX runs them one after another anyway; keeping
+/// one queued behind the running one keeps the link busy, and holding the rest back here lets
+/// each finished chunk's DATA go out at once instead of queueing behind every other write's
+/// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
+const MAX_WRITES_IN_FLIGHT: usize = 2;
+/// Polls this many times (yielding) with work in flight but nothing moving before sleeping.
+/// Measured on the 2-core benchmark machine: 20 beat 200 and 2000 (BENCHMARKS.md).
+const SPIN_ITERATIONS: u32 = 20;
 /// Sleep between polls once spinning gave nothing (work in flight).
 const BUSY_SLEEP: Duration = Duration::from_micros(50);
 /// Longest park when idle; also how often an idle engine progresses the inner engine.
@@ -225,7 +248,7 @@ impl Driver {
         let mut stalls = 0u32;
         while !stop.load(std::sync::atomic::Ordering::Acquire) {
             let moved = self.iterate(&mut cmds);
-            let busy = !self.writes.is_empty() || !self.copies.is_empty() || !self.xfers.is_empty();
+            let busy = !self.writes.is_empty() || !self.queued_writes.is_empty() || !self.copies.is_empty() || !self.xfers.is_empty();
             if moved {
                 stalls = 0;
             } else if busy {
@@ -233,7 +256,9 @@ impl Driver {
                 if stalls > SPIN_ITERATIONS {
                     std::thread::park_timeout(BUSY_SLEEP);
                 } else {
-                    std::hint::spin_loop();
+                    // yield, not spin_loop: on a machine with few cores the copy workers and
+                    // the application need this core more than we do.
+                    std::thread::yield_now();
                 }
             } else {
                 let wait = self
@@ -306,8 +331,14 @@ impl Driver {
                     self.peer_sessions.remove(&id);
                 }
             }
-            Cmd::Registered(a, l) => self.ep.add_registered(a, l),
-            Cmd::Deregistered(a, l) => self.ep.remove_registered(a, l),
+            Cmd::Registered(a, l, md) => {
+                self.ep.add_registered(a, l);
+                self.user_regs.push((a, l, md));
+            }
+            Cmd::Deregistered(a, l, md) => {
+                self.ep.remove_registered(a, l);
+                self.user_regs.retain(|r| *r != (a, l, md));
+            }
         }
     }
 
@@ -354,6 +385,9 @@ impl Driver {
         }
     }
 
+    /// Polls in-flight writes oldest first. After each completion the core's reaction (the
+    /// chunk's DATA) goes out before anything else is polled: polling progresses the inner
+    /// engine, which may run the next write's copy first and hold the DATA back behind it.
     fn poll_writes(&mut self, now: Instant) -> bool {
         let mut moved = false;
         let mut i = 0;
@@ -363,12 +397,21 @@ impl Driver {
                 i += 1;
                 continue;
             }
-            let w = self.writes.swap_remove(i);
+            let w = self.writes.remove(i);
             self.shim.release(w.handle);
             self.ep.handle_write_done(now, w.job, st == 0);
+            let _ = self.drain_actions();
+            self.post_queued_writes();
             moved = true;
         }
         moved
+    }
+
+    fn post_queued_writes(&mut self) {
+        while self.writes.len() < MAX_WRITES_IN_FLIGHT {
+            let Some(w) = self.queued_writes.pop_front() else { break };
+            self.write(w.job, w.peer, w.source, w.remote, w.len);
+        }
     }
 
     fn drain_actions(&mut self) -> bool {
@@ -379,7 +422,10 @@ impl Driver {
                 Action::Send { peer, msg } => self.send(peer, msg),
                 Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs),
                 Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
-                Action::Write { job, peer, local, remote, len, .. } => self.write(job, peer, local, remote, len),
+                Action::Write { job, peer, source, remote, len, .. } => {
+                    self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
+                    self.post_queued_writes();
+                }
                 Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
             }
         }
@@ -411,7 +457,18 @@ impl Driver {
         }
     }
 
-    fn write(&mut self, job: JobId, peer: PeerId, local: bounce_proto::Region, remote: bounce_proto::Region, len: u64) {
+    /// The local side of a write: our arena, or user memory registered through this engine.
+    fn write_source(&self, source: WriteSource, len: u64) -> Option<(Md, u64)> {
+        match source {
+            WriteSource::Arena(r) => Some((self.arena_md, self.arena.base + r.offset)),
+            WriteSource::User { addr } => {
+                let end = addr.checked_add(len)?;
+                self.user_regs.iter().find(|(a, l, _)| *a <= addr && end <= a + l).map(|&(_, _, md)| (md, addr))
+            }
+        }
+    }
+
+    fn write(&mut self, job: JobId, peer: PeerId, source: WriteSource, remote: bounce_proto::Region, len: u64) {
         let now = Instant::now();
         let Some(name) = self.peer_names.get(&peer).cloned() else {
             return self.ep.handle_write_done(now, job, false);
@@ -419,13 +476,18 @@ impl Driver {
         let Some(pa) = self.shared.peer_arenas.lock().get(&name).copied() else {
             return self.ep.handle_write_done(now, job, false);
         };
-        let res = self.shim.write(
-            &name,
-            0,
-            (self.arena_md, self.arena.base + local.offset, 0),
-            (pa.md, pa.base + remote.offset, pa.dev),
-            len,
-        );
+        // The core checked the credit against its own bookkeeping; only we know the peer's
+        // arena size. A credit pointing outside it comes from a broken or hostile peer: never
+        // write there.
+        if remote.offset.checked_add(len).is_none_or(|end| end > pa.len) || len > remote.len {
+            self.drop_frame(now, &name, &"credit outside the peer's arena");
+            return self.ep.handle_write_done(now, job, false);
+        }
+        let Some((local_md, local_addr)) = self.write_source(source, len) else {
+            tracing::warn!(peer = name, "direct-source chunk is no longer in registered memory");
+            return self.ep.handle_write_done(now, job, false);
+        };
+        let res = self.shim.write(&name, 0, (local_md, local_addr, 0), (pa.md, pa.base + remote.offset, pa.dev), len);
         match res {
             Ok((0, h)) => {
                 self.shim.release(h);
@@ -469,6 +531,10 @@ impl Driver {
     fn shutdown(&mut self) {
         let now = Instant::now();
         self.ep.shutdown(now);
+        let _ = self.drain_actions();
+        for w in std::mem::take(&mut self.queued_writes) {
+            self.ep.handle_write_done(now, w.job, false);
+        }
         let _ = self.drain_actions();
         // Writes may still read the arena: wait for them (bounded), then release.
         let deadline = Instant::now() + Duration::from_secs(5);

@@ -232,3 +232,27 @@ def test_peer_with_bounce_disabled_silently_stays_on_ucx(peer, tmp_path):
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(550, lay.dst_bytes)), "destination")
     s = stats(ag)
     assert s["bounce_xfers"] == 0 and s["fallback_peer"] == 1
+
+
+def test_idle_engine_does_not_eat_a_core(peer):
+    """The reactor parks when idle: two connected BOUNCE engines that just finished a transfer
+    use well under a tenth of a core while nothing happens."""
+    import resource
+    import time
+    lay = nixlkit.Scattered(1024, 4096, seed=49)
+    p = peer()
+    meta, raddr = p.start(name="rx-idle", size=lay.dst_bytes, seed=560)
+    ag = nixlkit.agent("tx-idle")
+    src = nixlkit.pattern(561, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    write_from_here(ag, "rx-idle", lay, src, raddr)
+    time.sleep(0.2)  # let the reactor notice it is idle
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    time.sleep(2.0)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    share = cpu / (t1 - t0)
+    print(f"idle engine CPU share: {share:.4f} of one core")
+    assert share < 0.1, f"an idle engine used {share:.2%} of a core"
