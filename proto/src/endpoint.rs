@@ -451,10 +451,11 @@ macro_rules! ctx {
 /// - Peer input never panics; bad input is a [`ProtocolError`] and changes nothing unsafely.
 ///
 /// Receiver-side staleness: a remote flow holding granted regions without WANT, DATA or a new
-/// grant for twice `request_timeout` is reclaimed (its sender is presumed dead), so a
-/// long-running receiver never leaks regions. The sender only posts a write within
-/// `request_timeout` of receiving its credit, which leaves the write about one more timeout to
-/// land before the region can be granted again.
+/// grant for half the `request_timeout` is reclaimed (its sender is presumed dead or stuck), so
+/// a long-running receiver never leaks regions and a silent peer cannot hold the arena long
+/// enough to time out everyone else's transfers. The sender only posts a write within a
+/// quarter `request_timeout` of receiving its credit, which leaves the write another quarter
+/// to land before the region can be granted again.
 #[derive(Debug)]
 pub struct Endpoint {
     sched: CreditScheduler,

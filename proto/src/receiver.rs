@@ -70,7 +70,7 @@ pub struct Receiver {
 impl Receiver {
     pub(crate) fn new(config: &Config, _now: Instant) -> Self {
         Self {
-            idle_timeout: config.request_timeout.saturating_mul(2),
+            idle_timeout: config.request_timeout / 2,
             registered: BTreeMap::new(),
             flows: BTreeMap::new(),
             scatters: BTreeMap::new(),
@@ -606,31 +606,33 @@ mod tests {
     }
 
     #[test]
-    fn a_flow_silent_for_two_timeouts_is_reclaimed_but_one_waiting_for_the_arena_is_not() {
+    fn a_flow_silent_for_half_a_timeout_is_reclaimed_but_one_waiting_for_the_arena_is_not() {
+        // The lease is half the request timeout; u is half the lease.
+        let u = TIMEOUT / 4;
         let (mut ep, t) = receiver();
         let [r0, _] = wanted(&mut ep, t);
         // Peer 9 takes half the arena and goes silent; peer 8's chunk waits for space.
         ep.handle_msg(t, PeerId(9), want_msg(XferId(3), &[16 * KIB])).unwrap();
         ep.handle_msg(t, PeerId(8), want_msg(XferId(5), &[16 * KIB])).unwrap();
         drain(&mut ep);
-        ep.handle_msg(t + TIMEOUT, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        ep.handle_msg(t + u, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
         let s = scatters(&drain(&mut ep));
-        assert_eq!(ep.poll_timeout(), Some(t + 2 * TIMEOUT));
-        ep.handle_timeout(t + 2 * TIMEOUT);
+        assert_eq!(ep.poll_timeout(), Some(t + 2 * u));
+        ep.handle_timeout(t + 2 * u);
         drain(&mut ep);
         assert_eq!(ep.stats().flows_timed_out, 1, "peer 9's flow sent nothing: reclaimed");
         assert_eq!(ep.remote_flows(), 2, "the active flow and the one waiting for space remain");
         assert_eq!(ep.scheduler().flow_held_count(FlowKey { peer: PeerId(8), xfer: XferId(5) }), 1);
-        // PEER's flow: chunk 0 scattering, chunk 1 granted but silent for 2 timeouts since DATA.
-        ep.handle_timeout(t + 3 * TIMEOUT);
+        // PEER's flow: chunk 0 scattering, chunk 1 granted but silent for a lease since DATA.
+        ep.handle_timeout(t + 3 * u);
         drain(&mut ep);
         assert_eq!(ep.stats().flows_timed_out, 2);
-        ep.handle_scatter_done(t + 3 * TIMEOUT, s[0].0, true);
+        ep.handle_scatter_done(t + 3 * u, s[0].0, true);
         assert!(acks(&drain(&mut ep)).is_empty(), "orphaned by the reclaim");
         // Peer 8 was granted at t + 2T and never wrote.
-        ep.handle_timeout(t + 4 * TIMEOUT - Duration::from_millis(1));
+        ep.handle_timeout(t + 4 * u - Duration::from_millis(1));
         assert_eq!(ep.stats().flows_timed_out, 2);
-        ep.handle_timeout(t + 4 * TIMEOUT);
+        ep.handle_timeout(t + 4 * u);
         drain(&mut ep);
         assert_eq!(ep.stats().flows_timed_out, 3);
         assert!(ep.is_idle());

@@ -193,6 +193,8 @@ pub struct CreditScheduler {
     eager_bytes: u64,
     scattering: BTreeMap<u64, Scatter>,
     orphaned_bytes: u64,
+    /// Bytes held (granted, not yet freed) by each peer's flows, for the per-peer share cap.
+    peer_held: BTreeMap<PeerId, u64>,
 }
 
 #[derive(Debug, Default)]
@@ -266,6 +268,7 @@ impl CreditScheduler {
             eager_bytes: 0,
             scattering: BTreeMap::new(),
             orphaned_bytes: 0,
+            peer_held: BTreeMap::new(),
         })
     }
 
@@ -386,6 +389,7 @@ impl CreditScheduler {
             self.orphaned_bytes -= s.len;
         } else if let Some(flow) = self.flows.get_mut(&s.flow) {
             flow.held.remove(&offset);
+            Self::unhold(&mut self.peer_held, s.flow.peer, s.len);
             if flow.pending.is_empty() && flow.held.is_empty() {
                 self.flows.remove(&s.flow);
                 self.remove_from_ring(s.flow);
@@ -613,6 +617,16 @@ impl CreditScheduler {
         if self.eager_bytes > self.eager_cap() {
             return Err(format!("eager bytes {} exceed the cap {}", self.eager_bytes, self.eager_cap()));
         }
+        let mut per_peer: BTreeMap<PeerId, u64> = BTreeMap::new();
+        for (k, f) in &self.flows {
+            let b: u64 = f.held.values().map(|h| h.len).sum();
+            if b > 0 {
+                *per_peer.entry(k.peer).or_default() += b;
+            }
+        }
+        if per_peer != self.peer_held {
+            return Err(format!("per-peer held bytes drifted: {:?} != {per_peer:?}", self.peer_held));
+        }
         let ring: BTreeSet<FlowKey> = self.ring.iter().copied().collect();
         if ring.len() != self.ring.len() || !ring.iter().eq(self.flows.keys()) {
             return Err("ring and active flows differ".into());
@@ -656,13 +670,43 @@ impl CreditScheduler {
             return Err(Miss::NotEligible);
         }
         let &(chunk, bytes) = flow.pending.front().ok_or(Miss::NotEligible)?;
+        if self.over_peer_share(key.peer, bytes) {
+            return Err(Miss::NotEligible);
+        }
+        let flow = self.flows.get_mut(&key).ok_or(Miss::NotEligible)?;
         let region = self.buddy.alloc(bytes).ok_or(Miss::NoFit)?;
         flow.pending.pop_front();
         flow.held.insert(region.offset, Held { chunk, len: region.len });
+        *self.peer_held.entry(key.peer).or_default() += region.len;
         self.grant_seq += 1;
         self.unblock(key);
         trace!(flow = ?key, chunk = chunk.0, offset = region.offset, len = region.len, "grant");
         Ok(Grant { flow: key, chunk, region })
+    }
+
+    /// The per-peer share cap: while another peer waits for credits, one peer may hold at most
+    /// half the arena (but always at least one chunk). Fairness in the design is per flow, so a
+    /// peer with many flows (or many announced and then abandoned: frozen, buggy or hostile)
+    /// would otherwise take every region that frees up; the cap keeps half the arena turning
+    /// over for the others. It never binds a peer that is alone.
+    pub(crate) fn over_peer_share(&self, peer: PeerId, bytes: u64) -> bool {
+        let held = self.peer_held.get(&peer).copied().unwrap_or(0);
+        let need = self.buddy.block_len(bytes).unwrap_or(bytes);
+        let cap = (self.usable_capacity() / 2).max(need);
+        if held.saturating_add(need) <= cap {
+            return false;
+        }
+        let window = self.window as usize;
+        self.flows.iter().any(|(k, f)| k.peer != peer && !f.pending.is_empty() && f.held.len() < window)
+    }
+
+    fn unhold(peer_held: &mut BTreeMap<PeerId, u64>, peer: PeerId, len: u64) {
+        if let Some(h) = peer_held.get_mut(&peer) {
+            *h = h.saturating_sub(len);
+            if *h == 0 {
+                peer_held.remove(&peer);
+            }
+        }
     }
 
     /// Stamps a flow whose head did not fit, unless it already carries a stamp.
@@ -694,6 +738,7 @@ impl CreditScheduler {
         }
         let (freed, deferred) = (out.freed.len(), out.deferred.len());
         for (offset, held) in flow.held {
+            Self::unhold(&mut self.peer_held, key.peer, held.len);
             match self.scattering.get_mut(&offset) {
                 Some(s) => {
                     s.orphaned = true;
@@ -833,8 +878,34 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_with_many_flows_leaves_half_the_arena_to_a_waiting_peer() {
+        // 8 regions. Peer 1 has 100 flows; peer 2 asks after it.
+        let mut s = sched(8, 8);
+        for x in 0..100 {
+            s.want(flow(1, x), &[G; 8]).unwrap();
+        }
+        let mut held: VecDeque<Grant> = s.schedule().into();
+        assert_eq!(held.len(), 8, "alone, a peer may use the whole arena");
+        s.want(flow(2, 0), &[G; 8]).unwrap();
+        assert!(s.schedule().is_empty(), "nothing is free yet");
+        // As peer 1's regions turn over, peer 2 gets every freed one until peer 1 is down to half.
+        let mut to_two = 0;
+        for _ in 0..8 {
+            ack(&mut s, &held.pop_front().unwrap());
+            let g = s.schedule();
+            to_two += g.iter().filter(|g| g.flow.peer == PeerId(2)).count();
+            held.extend(g.into_iter().filter(|g| g.flow.peer == PeerId(1)));
+            s.check_invariants().unwrap();
+        }
+        let held_by_one: u64 = (0..100).map(|x| s.flow_held_bytes(flow(1, x))).sum();
+        assert_eq!(to_two, 4, "peer 2 reached its half");
+        assert_eq!(held_by_one, 4 * G);
+    }
+
+    #[test]
     fn drain_mode_admits_a_big_head_blocked_by_a_stream_of_small_chunks() {
-        let (small, big) = (flow(1, 1), flow(2, 1));
+        // One peer, two flows: drain mode is about flows (across peers the share cap binds first).
+        let (small, big) = (flow(1, 1), flow(1, 2));
         let mut s = sched(8, 100);
         s.want(small, &[G; 100]).unwrap();
         let mut held: VecDeque<Grant> = s.schedule().into();
@@ -869,7 +940,7 @@ mod tests {
 
     #[test]
     fn local_staging_ignores_drain_mode() {
-        let (small, big) = (flow(1, 1), flow(2, 1));
+        let (small, big) = (flow(1, 1), flow(1, 2));
         let mut s = sched(8, 100);
         s.want(small, &[G; 100]).unwrap();
         let mut held: VecDeque<Grant> = s.schedule().into();
@@ -1143,8 +1214,13 @@ mod tests {
                 + self.scattering.iter().filter(|(g, o)| g.flow == f && !o).count()
         }
 
+        /// Waiting in the fairness sense: wants a credit, is under its window, and its peer is
+        /// within its share of the arena (a peer over its share is held back on purpose while
+        /// others wait: that is the share cap, not a fairness violation).
         fn waiting(&self, f: FlowKey) -> bool {
-            self.pending.get(&f).is_some_and(|p| !p.is_empty()) && self.held(f) < self.s.window() as usize
+            let head = self.pending.get(&f).and_then(|p| p.front().copied());
+            head.is_some_and(|(_, bytes)| !self.s.over_peer_share(f.peer, bytes))
+                && self.held(f) < self.s.window() as usize
         }
 
         /// Active flows: the mirror forgets a flow exactly when the scheduler must erase it.

@@ -549,9 +549,10 @@ impl Sender {
             internal_error("write for a vanished transfer", &id.0);
             return Ok(());
         };
-        if ctx.now >= credit.at + self.timeout {
-            // The receiver reclaims regions left unwritten for two timeouts; writing now could
-            // land in a region it has granted to someone else.
+        if ctx.now >= credit.at + self.timeout / 4 {
+            // The receiver reclaims regions left unwritten for half a timeout (a lease: a silent
+            // peer must not hold the arena long enough to time out everyone else's transfers);
+            // writing after a quarter could land in a region it has granted to someone else.
             debug!(xfer = id.0, chunk = i, "credit went stale before the write");
             x.stages[i] = Stage::unwritten(source);
             return Err(XferError::Timeout);
