@@ -289,10 +289,6 @@ public:
         if (st == NIXL_SUCCESS) out(ctx, reinterpret_cast<const uint8_t *>(s.data()), s.size());
         return st;
     }
-    nixl_status_t shimLoadPeer(const std::string &agent, const std::string &conn) {
-        Lock g(mu_);
-        return inner_->loadRemoteConnInfo(agent, conn);
-    }
     nixl_status_t shimWrite(const std::string &agent, nixl_mem_t mem, void *lmd, uint64_t laddr,
                             uint64_t ldev, void *rmd, uint64_t raddr, uint64_t rdev, uint64_t len,
                             void **handle) {
@@ -505,9 +501,6 @@ extern "C" int32_t bnc_shim_deregister(void *shim, void *md) {
 }
 extern "C" int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx) {
     BNC_SHIM_TRY(eng(shim)->shimConnInfo(out, ctx))
-}
-extern "C" int32_t bnc_shim_load_peer(void *shim, bnc_str agent, bnc_str conn) {
-    BNC_SHIM_TRY(eng(shim)->shimLoadPeer(str(agent), str(conn)))
 }
 extern "C" int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t mem, void *lmd,
                                   uint64_t laddr, uint64_t ldev, void *rmd, uint64_t raddr,

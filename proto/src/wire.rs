@@ -38,6 +38,11 @@ const KIND_WANT: u8 = 1;
 const KIND_GRANT: u8 = 2;
 const KIND_DATA: u8 = 3;
 const KIND_ACK: u8 = 4;
+/// A HELLO frame: header only. It lives outside [`Msg`] because it is no protocol step of a
+/// transfer but a fact about the link, handled by the shell: "I have loaded your connection
+/// info, so I can answer your WANTs". A sender bounces to a peer only after its HELLO; until
+/// then it stays on plain UCX instead of sending WANTs nobody could answer.
+const KIND_HELLO: u8 = 5;
 
 /// Envelope flag: a capability blob follows the flags byte.
 const FLAG_CAPS: u8 = 0x01;
@@ -348,6 +353,29 @@ impl Msg {
         }
         Ok(())
     }
+}
+
+/// A HELLO frame from the engine with instance nonce `session` (see `KIND_HELLO`).
+pub fn encode_hello(session: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN);
+    out.extend_from_slice(&MAGIC);
+    out.push(WIRE_VERSION);
+    out.push(KIND_HELLO);
+    out.extend_from_slice(&session.to_le_bytes());
+    out
+}
+
+/// The sender's session when `bytes` is exactly a HELLO frame of our wire version.
+pub fn decode_hello(bytes: &[u8]) -> Option<u64> {
+    if bytes.len() != HEADER_LEN || bytes[..MAGIC.len()] != MAGIC {
+        return None;
+    }
+    if bytes[MAGIC.len()] != WIRE_VERSION || bytes[MAGIC.len() + 1] != KIND_HELLO {
+        return None;
+    }
+    let mut s = [0u8; 8];
+    s.copy_from_slice(&bytes[MAGIC.len() + 2..]);
+    Some(u64::from_le_bytes(s))
 }
 
 /// True when `bytes` starts with the control-frame magic: a cheap test that lets the shell tell
@@ -1129,6 +1157,24 @@ mod tests {
             assert_canonical(&env, ConnEnvelope::decode, ConnEnvelope::to_vec);
             assert_canonical(&caps, Capabilities::decode, Capabilities::to_vec);
         }
+    }
+
+    #[test]
+    fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
+        let h = encode_hello(0x0102_0304_0506_0708);
+        assert_eq!(hex(&h), "00424f554e43010508070605040302 01".replace(' ', ""));
+        assert!(is_control_frame(&h));
+        assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
+        assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
+        assert_eq!(decode_hello(&h[..15]), None);
+        let mut longer = h.clone();
+        longer.push(0);
+        assert_eq!(decode_hello(&longer), None);
+        let mut other_version = h.clone();
+        other_version[6] = 2;
+        assert_eq!(decode_hello(&other_version), None);
+        let want = Frame { session: 1, msg: Msg::cancel(XferId(1), vec![]) }.to_vec();
+        assert_eq!(decode_hello(&want), None);
     }
 
     #[test]

@@ -20,7 +20,6 @@ unsafe extern "C" {
     ) -> i32;
     fn bnc_shim_deregister(shim: *mut c_void, md: *mut c_void) -> i32;
     fn bnc_shim_conn_info(shim: *mut c_void, out: unsafe extern "C" fn(*mut c_void, *const u8, usize), ctx: *mut c_void) -> i32;
-    fn bnc_shim_load_peer(shim: *mut c_void, agent: BncStr, conn: BncStr) -> i32;
     fn bnc_shim_write(
         shim: *mut c_void,
         agent: BncStr,
@@ -107,12 +106,6 @@ impl Shim {
         // SAFETY: shim is live; out outlives the call.
         let st = unsafe { bnc_shim_conn_info(self.0.as_ptr(), vec_sink, (&raw mut out).cast()) };
         if st == 0 { Ok(out) } else { Err(st) }
-    }
-
-    /// Makes a peer known to the inner engine from its inner conn info (reverse path).
-    pub fn load_peer(&self, agent: &str, conn: &[u8]) -> i32 {
-        // SAFETY: shim is live; both views are live for the call.
-        unsafe { bnc_shim_load_peer(self.0.as_ptr(), s(agent.as_bytes()), s(conn)) }
     }
 
     /// Posts one write of `len` bytes from our arena to the peer's; returns the post status

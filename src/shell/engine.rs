@@ -196,6 +196,8 @@ impl Engine {
             requests: Default::default(),
             stats: Arc::clone(&self.stats),
             peer_arenas: Mutex::new(HashMap::new()),
+            known_peers: Mutex::new(Default::default()),
+            reachable: Mutex::new(Default::default()),
         });
         let view = ArenaView { base: arena.base(), len: arena.len() };
         let started = Reactor::start(&self.config, shim, shared, self.session, view, arena.md(), endpoint);
@@ -258,19 +260,29 @@ impl Engine {
             _ => None,
         };
         self.peers.lock().insert(agent.to_owned(), PeerInfo { caps });
+        if let Some(b) = &self.bounce {
+            b.reactor.shared().known_peers.lock().insert(agent.to_owned());
+        }
         Ok(env.inner)
     }
 
     /// True when transfers to `agent` may take the bounce path (capabilities compatible and
     /// its arena loaded into the inner engine).
     pub fn peer_can_bounce(&self, agent: &str) -> bool {
-        self.bounce.as_ref().is_some_and(|b| b.reactor.shared().peer_arenas.lock().contains_key(agent))
+        self.bounce.as_ref().is_some_and(|b| {
+            let sh = b.reactor.shared();
+            sh.peer_arenas.lock().contains_key(agent) && sh.reachable.lock().contains(agent)
+        })
     }
 
     /// The peer's arena to load into the inner engine, when it can bounce with us:
     /// `(base, len, dev, mem, key)`.
+    ///
+    /// Called right after the inner engine loaded the peer's conn info, so this is also where
+    /// we tell the peer we can answer it (HELLO).
     pub fn peer_arena(&self, agent: &str) -> Option<(u64, u64, u64, i32, Vec<u8>)> {
-        self.bounce.as_ref()?;
+        let b = self.bounce.as_ref()?;
+        b.reactor.shared().inbox.push(Cmd::Hello(agent.to_owned()));
         let peers = self.peers.lock();
         let c = peers.get(agent)?.caps.as_ref()?;
         let mem = if c.mem == MemKind::Dram { 0 } else { 1 };
@@ -299,6 +311,8 @@ impl Engine {
         self.peers.lock().remove(agent);
         if let Some(b) = &self.bounce {
             b.reactor.shared().peer_arenas.lock().remove(agent);
+            b.reactor.shared().known_peers.lock().remove(agent);
+            b.reactor.shared().reachable.lock().remove(agent);
             b.reactor.shared().inbox.push(Cmd::PeerLost(agent.to_owned()));
         }
     }
@@ -462,6 +476,14 @@ impl Engine {
 
     /// Counters as `(name, value)`, published to NIXL as `stats.<name>`.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
+        if let Some(b) = &self.bounce {
+            let sh = b.reactor.shared();
+            let ready = {
+                let arenas = sh.peer_arenas.lock();
+                sh.reachable.lock().iter().filter(|p| arenas.contains_key(*p)).count()
+            };
+            self.stats.peers_ready.store(ready as u64, Ordering::Relaxed);
+        }
         self.stats.snapshot()
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
-use bounce_proto::wire::{Frame, Msg};
+use bounce_proto::wire::{self, Frame, Msg};
 use bounce_proto::{PeerId, XferId};
 use parking_lot::Mutex;
 
@@ -42,6 +42,8 @@ pub(super) enum Cmd {
     CopyDone(JobId, bool),
     /// The peer disconnected.
     PeerLost(String),
+    /// We loaded this peer's connection info: tell it we can answer (HELLO).
+    Hello(String),
     /// Memory registered through this engine (the receiver may scatter into it).
     Registered(u64, u64, Md),
     /// Memory deregistered.
@@ -92,6 +94,10 @@ pub(super) struct Shared {
     pub stats: Arc<Stats>,
     /// Peers' arenas by agent name.
     pub peer_arenas: Mutex<HashMap<String, PeerArena>>,
+    /// Agents whose connection info NIXL loaded into this engine: the only ones we talk to.
+    pub known_peers: Mutex<std::collections::HashSet<String>>,
+    /// Agents that told us (HELLO) they loaded OUR connection info, so they can answer a WANT.
+    pub reachable: Mutex<std::collections::HashSet<String>>,
 }
 
 /// A running reactor; dropping it stops and joins the thread (and the workers).
@@ -229,6 +235,8 @@ impl Drop for Reactor {
     }
 }
 
+/// Most HELLOs remembered from agents we have not loaded (yet).
+const MAX_REACHABLE: usize = 1024;
 /// Writes handed to the inner engine at once. UCX runs them one after another anyway; keeping
 /// one queued behind the running one keeps the link busy, and holding the rest back here lets
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
@@ -331,6 +339,12 @@ impl Driver {
                     self.peer_sessions.remove(&id);
                 }
             }
+            Cmd::Hello(name) => {
+                let st = self.shim.gen_notif(&name, &wire::encode_hello(self.session));
+                if st != 0 {
+                    tracing::warn!(peer = name, status = st, "sending HELLO failed; the peer stays on plain UCX to us");
+                }
+            }
             Cmd::Registered(a, l, md) => {
                 self.ep.add_registered(a, l);
                 self.user_regs.push((a, l, md));
@@ -350,6 +364,18 @@ impl Driver {
     }
 
     fn on_control(&mut self, now: Instant, peer: &str, bytes: &[u8]) {
+        if wire::decode_hello(bytes).is_some() {
+            // Recorded even before we load the peer (the two loads race); bounded so a flood of
+            // invented names cannot grow it without limit.
+            let mut r = self.shared.reachable.lock();
+            if r.contains(peer) || r.len() < MAX_REACHABLE || self.shared.known_peers.lock().contains(peer) {
+                r.insert(peer.to_owned());
+            } else {
+                drop(r);
+                self.drop_frame(now, peer, &"HELLO from an unknown agent beyond the limit");
+            }
+            return;
+        }
         let frame = match Frame::decode(bytes) {
             Ok(f) => f,
             Err(e) => return self.drop_frame(now, peer, &e),
@@ -371,14 +397,12 @@ impl Driver {
                 self.peer_sessions.insert(id, frame.session);
             }
         }
-        // Reverse path: a sender we never loaded tells us how to reach it.
-        if let Msg::Want(w) = &frame.msg {
-            if !w.endpoint.is_empty() && !self.shared.peer_arenas.lock().contains_key(peer) {
-                let st = self.shim.load_peer(peer, &w.endpoint);
-                if st != 0 && st != -7 {
-                    tracing::debug!(peer, status = st, "loading the sender's endpoint (reverse path)");
-                }
-            }
+        // Only agents whose connection info NIXL loaded into this engine may talk to us: UCX
+        // needs it to answer at all, and the WANT's reverse-path endpoint is NOT loaded on
+        // trust -- UCX aborts the whole process on a malformed worker address (found by the
+        // hostile-peer test), and nothing here can validate one.
+        if !self.shared.known_peers.lock().contains(peer) {
+            return self.drop_frame(now, peer, &"control frame from an agent whose connection info was never loaded");
         }
         if let Err(e) = self.ep.handle_msg(now, id, frame.msg) {
             self.drop_frame(now, peer, &e);
@@ -436,7 +460,7 @@ impl Driver {
         let Some(name) = self.peer_names.get(&peer).cloned() else { return };
         let bytes = Frame { session: self.session, msg }.to_vec();
         let st = self.shim.gen_notif(&name, &bytes);
-        if st != 0 {
+        if st != 0 && self.warn_budget.allow(Instant::now()) {
             // The transfer this belonged to will time out; never block the reactor.
             tracing::warn!(peer = name, status = st, "sending a control frame failed");
         }

@@ -54,6 +54,8 @@ counters! {
     arena_orphans,
     /// Registrations made through this engine.
     registrations,
+    /// Peers a transfer may bounce to now (compatible, arena loaded, HELLO received).
+    peers_ready,
 }
 
 impl Stats {

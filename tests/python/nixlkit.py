@@ -33,6 +33,17 @@ def live_params(ag, backend="BOUNCE"):
     return dict(ag.agent.getBackendParams(ag.backends[backend])[0])
 
 
+def wait_ready(ag, n=1, deadline=DEADLINE_S, backend="BOUNCE"):
+    """Waits until `ag` may bounce to `n` peers (they loaded our metadata and said HELLO)."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        poll(ag)  # getNotifs refreshes the published counters
+        if int(live_params(ag, backend).get("stats.peers_ready", 0)) >= n:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{n} bounce-ready peer(s) never appeared")
+
+
 def pattern(seed, nbytes):
     """Bytes that differ for every seed, so a mix-up between transfers can't go unnoticed."""
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)

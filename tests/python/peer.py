@@ -13,6 +13,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "write", "to": A, "n": N, "size": S, "seed": L, "src_off": O, "raddr": R,
    "notif": M, "sizes": [..]?}   scattered WRITE of Scattered(N, S, L) from buffer+O to R
       -> {"state": "DONE"|"ERR", "seconds": t}
+  {"op": "wait_ready", "n": K}               wait until K peers may take the bounce path
   {"op": "params", "backend": B}             -> {"params": {...}} (live backend params)
   {"op": "exit"}
 """
@@ -109,6 +110,9 @@ def main():
                 except Exception:
                     pass
                 reply(state=state, seconds=secs)
+            elif op == "wait_ready":
+                nixlkit.wait_ready(ag, cmd.get("n", 1))
+                reply()
             elif op == "params":
                 reply(params=nixlkit.live_params(ag, cmd.get("backend", "BOUNCE")))
             elif op == "exit":

@@ -17,9 +17,13 @@ def stats(ag):
     return {k[len("stats."):]: int(v) for k, v in p.items() if k.startswith("stats.")}
 
 
-def connect(ag, p):
-    """Both sides know each other (as NIXL users do); returns nothing."""
+def connect(ag, p, ready=True, n=1):
+    """Both sides load each other's metadata (as NIXL users do) and, when both run BOUNCE with
+    bounce on, wait until each may bounce to the other (HELLO exchanged)."""
     p.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
+    if ready:
+        nixlkit.wait_ready(ag, n)
+        p.call(op="wait_ready", n=1)
 
 
 def remote_buffer(p, tmp_path, name="r.bin"):
@@ -140,7 +144,7 @@ def test_four_senders_to_one_receiver(peer, tmp_path):
         p = peer()
         meta, _ = p.start(name=f"src{i}", size=lays[i].src_bytes, seed=610 + i)
         ag.add_remote_agent(meta)
-        connect(ag, p)
+        connect(ag, p, n=i + 1)
         peers.append(p)
     for i, p in enumerate(peers):
         p.send(op="write", to="sink", n=n, size=size, seed=60 + i, raddr=dst.ctypes.data + i * part,
@@ -226,7 +230,7 @@ def test_peer_with_bounce_disabled_silently_stays_on_ucx(peer, tmp_path):
     src = nixlkit.pattern(551, lay.src_bytes)
     nixlkit.register(ag, src)
     ag.add_remote_agent(meta)
-    connect(ag, p)
+    connect(ag, p, ready=False)
     write_from_here(ag, "rx-off", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(550, lay.dst_bytes)), "destination")

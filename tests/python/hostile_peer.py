@@ -1,0 +1,296 @@
+"""Victim and hostile NIXL agents for test_failures.py, driven line by line over stdin/stdout
+(JSON), like peer.py. One process may hold several agents (by name); while idle it polls all of
+them.
+
+Commands (one JSON object per line; every reply is one JSON line with "ok"):
+  {"op": "agent", "name": N, "params": {...}}          -> {"meta": b64}
+  {"op": "buffer", "agent": N, "size": B, "seed": S, "register": R}
+      one buffer per process, filled with pattern(seed); only its first R bytes are registered
+      (the rest is a canary no peer may ever write)          -> {"addr": int}
+  {"op": "load", "agent": N, "meta": b64}
+  {"op": "dump", "path": P}
+  {"op": "write", "agent": N, "to": A, "n", "size", "seed", "src_off", "raddr", "timeout"}
+      scattered WRITE of Scattered(n, size, seed) from buffer+src_off to raddr
+      -> {"state": "DONE"|"ERR", "seconds": t, "error": str?}
+  {"op": "wait_ready", "agent": N, "n": K}   wait until N may bounce to K peers (HELLO seen)
+  {"op": "params", "agent": N}                           -> {"params": {...}}
+  {"op": "fuzz", "agents": [N...], "to": A, "seconds": T, "seed": S, "targets": {...},
+   "endpoints": bool, "max_flows": F}
+      sends hostile control frames through the real notification channel for T seconds (with
+      "endpoints": false, no WANT carries a forged reverse-path endpoint; at most F transfer
+      ids are ever announced, so at most F flows can hold credits at the victim)
+      -> {"sent": k, "send_errors": e, "kinds": {...}}
+  {"op": "exit"}
+"""
+import base64
+import json
+import os
+import random
+import select
+import struct
+import sys
+import time
+
+import nixlkit
+
+MAGIC = b"\0BOUNC"
+WANT, GRANT, DATA, ACK = 1, 2, 3, 4
+U64 = (1 << 64) - 1
+LATER = None  # in a frame list: send the rest ~20 ms later (after the victim's GRANT)
+
+
+def header(kind, session, version=1):
+    return MAGIC + bytes([version, kind]) + struct.pack("<Q", session)
+
+
+def want(session, xfer, chunks, endpoint=b""):
+    return (header(WANT, session) + struct.pack("<QI", xfer, len(endpoint)) + endpoint
+            + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks))
+
+
+def grant(session, xfer, credits):
+    return (header(GRANT, session) + struct.pack("<QI", xfer, len(credits))
+            + b"".join(struct.pack("<IQQ", c, off, ln) for c, off, ln in credits))
+
+
+def data(session, xfer, chunk, region, runs):
+    """runs: (region_off, addr, len, count, region_stride, addr_stride)"""
+    return (header(DATA, session) + struct.pack("<QIQQI", xfer, chunk, region[0], region[1], len(runs))
+            + b"".join(struct.pack("<QQQIQQ", *r) for r in runs))
+
+
+def ack(session, xfer, chunk, region, status):
+    return header(ACK, session) + struct.pack("<QIQQB", xfer, chunk, region[0], region[1], status)
+
+
+class Fuzzer:
+    """Frames a hostile peer can send: garbage, truncations, wrong versions/kinds, absurd counts,
+    and valid-looking WANT/GRANT/DATA/ACK whose scatter runs point where no peer may write."""
+
+    def __init__(self, seed, targets, endpoints=True, max_flows=1 << 62):
+        self.r = random.Random(seed)
+        self.t = targets
+        self.endpoints = endpoints
+        self.max_flows = max_flows
+        self.flows = 0
+        self.session = self.r.getrandbits(64) | 1
+        self.next_xfer = 1 << 40
+
+    FORBIDDEN_SHAPES = 7
+
+    def forbidden_runs(self, pick=None):
+        """Scatter runs that end outside registered memory (the canary, wild addresses,
+        straddling the end of the registered part, overflowing strides)."""
+        r, t = self.r, self.t
+        can, can_len = t["canary"], t["canary_len"]
+        reg_end = t["reg_addr"] + t["reg_len"]
+        if pick is None:
+            pick = r.randrange(self.FORBIDDEN_SHAPES)
+        if pick == 0:
+            return [(0, can + r.randrange(0, can_len - 64), 64, 1, 0, 0)]
+        if pick == 1:  # starts inside registered memory, ends in the canary
+            return [(0, reg_end - 32, 4096, 1, 0, 0)]
+        if pick == 2:  # many copies striding from registered memory into the canary
+            return [(0, reg_end - 8 * 4096, 4096, 64, 4096, 4096)]
+        if pick == 3:
+            return [(0, r.choice([0, 8, 0x1000, U64 - 4095, 0xdead_beef_0000]), 4096, 1, 0, 0)]
+        if pick == 4:  # overflowing arithmetic
+            return [(0, t["reg_addr"], U64, 2, 0, 0), (0, reg_end - 64, 64, 0xFFFF_FFFF, U64, U64)]
+        if pick == 5:  # region offset outside the region
+            return [(U64 - 10, can, 64, 1, 0, 0)]
+        return [(0, can, 64, 1, 0, 0), (64, t["reg_addr"], 64, 1, 0, 0)]  # one bad run among good
+
+    def guessed_region(self):
+        g = 64 << 10
+        return (self.r.randrange(0, 64) * g, self.r.choice([g, 2 * g, 1 << 20, 4096]))
+
+    def frame(self):
+        r, t, s = self.r, self.t, self.session
+        kind = r.randrange(14)
+        victim_xfers = r.randrange(0, 256)  # small ids: collide with the victim's real transfers
+        if kind == 0:
+            return "garbage", MAGIC + r.randbytes(r.randrange(0, 300))
+        if kind == 1:
+            return "truncated", self.valid_looking()[1][: r.randrange(0, 60)]
+        if kind == 2:
+            f = bytearray(self.valid_looking()[1])
+            f[6] = r.choice([0, 2, 255])
+            return "bad_version", bytes(f)
+        if kind == 3:
+            f = bytearray(self.valid_looking()[1])
+            f[7] = r.choice([0, 5, 255])
+            return "bad_kind", bytes(f)
+        if kind == 4:
+            f = bytearray(self.valid_looking()[1])
+            for _ in range(r.randrange(1, 6)):
+                f[r.randrange(len(f))] = r.randrange(256)
+            return "bitflip", bytes(f)
+        if kind == 5:  # absurd counts with short bodies
+            return "absurd_count", r.choice([
+                header(WANT, s) + struct.pack("<QII", 1, 0, 0xFFFF_FFFF) + b"\1" * 8,
+                header(WANT, s) + struct.pack("<QII", 1, 0, 1 << 20) + b"\1" * 8,
+                header(WANT, s) + struct.pack("<QI", 1, 0xFFFF_FFFF),
+                header(GRANT, s) + struct.pack("<QI", 1, 1 << 16),
+                header(DATA, s) + struct.pack("<QIQQI", 1, 0, 0, 1 << 16, 0xFFFF_FFFF),
+                want(s, self.new_xfer(), [U64, U64]),
+                want(s, self.new_xfer(), [1 << 62] * 64),
+                want(s, self.new_xfer(), [64 << 10] * 4096),
+            ])
+        if kind == 6:
+            return "grant_unknown", grant(s, victim_xfers, [(c, *self.guessed_region()) for c in range(r.randrange(1, 9))])
+        if kind == 7:
+            return "ack_unknown", ack(s, victim_xfers, r.randrange(0, 8), self.guessed_region(), r.randrange(3))
+        if kind == 8:  # DATA for transfers this peer never announced, aimed at registered memory
+            runs = [(0, t["reg_addr"] + r.randrange(0, t["reg_len"] - 4096), 4096, 1, 0, 0)]
+            if "reg_canary" in t:
+                runs.append((0, t["reg_canary"], 4096, 1, 0, 0))
+            return "data_unknown_xfer", data(s, victim_xfers, r.randrange(0, 8), self.guessed_region(), runs)
+        if kind == 9:  # announce, then (once granted) DATA into guessed regions, forbidden runs
+            x = self.new_xfer()
+            return "want_then_bad_data", [want(s, x, [64 << 10] * r.randrange(1, 4)), LATER] + [
+                data(s, x, 0, (k * (64 << 10), 64 << 10), self.forbidden_runs()) for k in range(64)]
+        if kind == 10:
+            return "bad_data", data(s, self.new_xfer() if r.random() < .5 else victim_xfers,
+                                    r.randrange(0, 4), self.guessed_region(), self.forbidden_runs())
+        if kind == 11 and not self.endpoints:
+            return "want", want(s, self.new_xfer(), [4096])
+        if kind == 11:  # WANT with a garbage endpoint (the reverse path must not trust it)
+            return "want_garbage_endpoint", want(s, self.new_xfer(), [4096], r.randbytes(r.randrange(1, 200)))
+        if kind == 12:  # foreign session (a "replay" from an earlier incarnation)
+            f = bytearray(self.valid_looking()[1])
+            f[8:16] = struct.pack("<Q", r.getrandbits(64))
+            return "replay_other_session", bytes(f)
+        return "cancel", want(s, r.choice([victim_xfers, self.new_xfer()]), [])
+
+    def new_xfer(self):
+        """A fresh transfer id, until the flow budget is spent; then the last one again (a WANT
+        for it no longer opens a new flow at the victim)."""
+        if self.flows < self.max_flows:
+            self.flows += 1
+            self.next_xfer += 1
+        return self.next_xfer
+
+    def valid_looking(self):
+        s, r = self.session, self.r
+        return r.choice([
+            ("want", want(s, self.new_xfer(), [4096, 64 << 10])),
+            ("grant", grant(s, r.randrange(256), [(0, 0, 64 << 10)])),
+            ("data", data(s, r.randrange(256), 0, (0, 64 << 10), self.forbidden_runs())),
+            ("ack", ack(s, r.randrange(256), 0, (0, 64 << 10), 0)),
+        ])
+
+
+def main():
+    agents = {}
+    buf = None
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    def reply(**kw):
+        kw.setdefault("ok", True)
+        out.write(json.dumps(kw) + "\n")
+        out.flush()
+
+    def poll():
+        for ag in agents.values():
+            ag.get_new_notifs()
+
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.0005 if agents else None)
+        if not ready:
+            poll()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            nixlkit.leave(0)
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "agent":
+                ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
+                agents[cmd["name"]] = ag
+                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode())
+            elif op == "buffer":
+                ag = agents[cmd["agent"]]
+                buf = nixlkit.pattern(cmd["seed"], cmd["size"])
+                n = cmd.get("register", cmd["size"])
+                ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, n, 0, "")], "DRAM"), backends=["BOUNCE"])
+                # the agent's metadata now carries the registration
+                reply(addr=buf.ctypes.data, meta=base64.b64encode(ag.get_agent_metadata()).decode())
+            elif op == "load":
+                agents[cmd["agent"]].add_remote_agent(base64.b64decode(cmd["meta"]))
+                reply()
+            elif op == "dump":
+                buf.tofile(cmd["path"])
+                reply()
+            elif op == "write":
+                ag = agents[cmd["agent"]]
+                lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
+                lo = ag.get_xfer_descs(lay.src_list(buf.ctypes.data + cmd.get("src_off", 0)), "DRAM")
+                re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"]), "DRAM")
+                t0 = time.perf_counter()
+                err = None
+                h = ag.initialize_xfer("WRITE", lo, re, cmd["to"], b"", backends=["BOUNCE"])
+                try:
+                    state = ag.transfer(h)
+                    end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
+                    while state not in ("DONE", "ERR") and time.monotonic() < end:
+                        state = ag.check_xfer_state(h)
+                        poll()
+                except Exception as e:
+                    state, err = "ERR", f"{type(e).__name__}: {e}"
+                secs = time.perf_counter() - t0
+                try:
+                    ag.release_xfer_handle(h)
+                except Exception:
+                    pass
+                reply(state=state, seconds=secs, error=err)
+            elif op == "wait_ready":
+                nixlkit.wait_ready(agents[cmd["agent"]], cmd.get("n", 1), deadline=10)
+                reply()
+            elif op == "params":
+                reply(params=nixlkit.live_params(agents[cmd["agent"]]))
+            elif op == "fuzz":
+                fz = Fuzzer(cmd.get("seed", 0), cmd["targets"], cmd.get("endpoints", True),
+                            cmd.get("max_flows", 1 << 62))
+                senders = [agents[n] for n in cmd["agents"]]
+                sent = errors = 0
+                kinds = {}
+                end = time.monotonic() + cmd["seconds"]
+                later = []  # (due, sender, frames)
+                i = 0
+
+                def send(sender, frames):
+                    nonlocal sent, errors
+                    for k, f in enumerate(frames):
+                        if f is LATER:
+                            later.append((time.monotonic() + 0.02, sender, frames[k + 1:]))
+                            return
+                        try:
+                            sender.send_notif(cmd["to"], f)
+                            sent += 1
+                        except Exception:
+                            errors += 1
+
+                while time.monotonic() < end:
+                    while later and later[0][0] <= time.monotonic():
+                        send(*later.pop(0)[1:])
+                    kind, frames = fz.frame()
+                    kinds[kind] = kinds.get(kind, 0) + 1
+                    # every frame of one group comes from the same agent (one flow)
+                    send(senders[i % len(senders)], frames if isinstance(frames, list) else [frames])
+                    i += 1
+                    if i % 16 == 0:
+                        poll()
+                reply(sent=sent, send_errors=errors, kinds=kinds)
+            elif op == "exit":
+                reply()
+                nixlkit.leave(0)
+            else:
+                reply(ok=False, error=f"unknown op {op}")
+        except Exception as e:  # report, keep serving: the test decides
+            reply(ok=False, error=f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()
