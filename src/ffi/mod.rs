@@ -39,3 +39,16 @@ pub fn guard_void(what: &'static str, f: impl FnOnce()) {
         Status::Success
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_an_error_status_not_an_abort() {
+        assert_eq!(guard("test", || panic!("boom")), Status::ErrUnknown);
+        assert_eq!(guard("test", || panic!("{}", String::from("formatted"))), Status::ErrUnknown);
+        assert_eq!(guard("test", || Status::InProg), Status::InProg);
+        guard_void("test", || panic!("in a void entry point"));
+    }
+}

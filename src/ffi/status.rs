@@ -67,4 +67,12 @@ mod tests {
         assert_eq!(Status::ErrRemoteDisconnect.code(), -10);
         assert_eq!(Status::ErrCanceled.code(), -11);
     }
+
+    #[test]
+    fn a_malformed_envelope_from_a_peer_is_a_mismatch() {
+        let source = bounce_proto::wire::ConnEnvelope::decode(b"not an envelope").unwrap_err();
+        let e = Error::BadEnvelope { agent: "peer".into(), source };
+        assert_eq!(Status::from(&e), Status::ErrMismatch);
+        assert!(e.to_string().contains("\"peer\""), "{e}");
+    }
 }

@@ -224,3 +224,44 @@ def test_engine_teardown_after_traffic_does_not_crash():
     rc, out = run_isolated(code)
     assert rc == 0, out
     assert "destroyed" in out
+
+
+@pytest.mark.parametrize("case", ["mismatched_counts", "outside_registered", "empty", "unequal_lengths"])
+def test_bad_requests_get_the_same_answer_as_from_ucx(case):
+    """Bad input at the API: BOUNCE answers exactly as UCX does (both reject it, neither moves
+    a byte), with the bounce gate in front."""
+    outcomes = {}
+    for backend in ("UCX", "BOUNCE"):
+        a = nixlkit.agent(f"bad-{case}-{backend}-a", (backend,))
+        b = nixlkit.agent(f"bad-{case}-{backend}-b", (backend,))
+        src = nixlkit.pattern(1, 1 << 20)
+        dst = nixlkit.pattern(2, 1 << 20)
+        before = dst.copy()
+        nixlkit.register(a, src, backend)
+        nixlkit.register(b, dst, backend)
+        a.add_remote_agent(b.get_agent_metadata())
+        b.add_remote_agent(a.get_agent_metadata())
+        n = 512
+        lo = [(src.ctypes.data + i * 1024, 1024, 0) for i in range(n)]
+        re = [(dst.ctypes.data + i * 1024, 1024, 0) for i in range(n)]
+        if case == "mismatched_counts":
+            re = re[:-1]
+        elif case == "outside_registered":
+            re[7] = (dst.ctypes.data + (1 << 20), 1024, 0)
+        elif case == "empty":
+            lo, re = [], []
+        elif case == "unequal_lengths":
+            re[3] = (re[3][0], 512, 0)
+        try:
+            h = a.initialize_xfer("WRITE", a.get_xfer_descs(lo, "DRAM"), a.get_xfer_descs(re, "DRAM"),
+                                  b.name, b"", backends=[backend])
+            st = a.transfer(h)
+            if st != "ERR":
+                nixlkit.wait_xfer(a, h, peers=[b])
+            outcomes[backend] = f"accepted:{st}"
+        except Exception as e:
+            outcomes[backend] = f"rejected:{type(e).__name__}"
+        if outcomes[backend].startswith("rejected"):
+            nixlkit.assert_same(dst, before, f"{backend}: a rejected request moved bytes")
+    assert outcomes["BOUNCE"] == outcomes["UCX"], outcomes
+    assert outcomes["UCX"].startswith("rejected"), outcomes
