@@ -22,7 +22,7 @@ PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
 
 
-def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0):
+def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0, scatter_src=False):
     import numpy as np
     import nixlkit
     from conftest import Peer
@@ -33,7 +33,7 @@ def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0):
     meta, raddr = peer.start(name="bench-tgt", backends=[backend], params=params,
                              size=total * (1 if contiguous else slot_spread), seed=7)
     ag = nixlkit.agent("bench-ini", (backend,), params)
-    src = nixlkit.pattern(8, total)
+    src = nixlkit.pattern(8, total * (2 if scatter_src else 1))
     nixlkit.register(ag, src, backend)
     ag.add_remote_agent(meta)
     peer.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
@@ -42,7 +42,11 @@ def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0):
         re = [(raddr, total, 0)]
     else:
         slots = np.random.default_rng(9).permutation(descs * slot_spread)[:descs]
-        lo = [(src.ctypes.data + i * size, size, 0) for i in range(descs)]
+        if scatter_src:  # sources scattered too: every chunk must be gathered
+            src_slots = np.random.default_rng(10).permutation(descs * 2)[:descs]
+            lo = [(src.ctypes.data + int(k) * size, size, 0) for k in src_slots]
+        else:  # sources packed: chunks are written straight from them (no gather copy)
+            lo = [(src.ctypes.data + i * size, size, 0) for i in range(descs)]
         re = [(raddr + int(k) * size, size, 0) for k in slots]
     h = ag.initialize_xfer("WRITE", ag.get_xfer_descs(lo, "DRAM"), ag.get_xfer_descs(re, "DRAM"),
                            "bench-tgt", b"", backends=[backend])
@@ -82,7 +86,7 @@ VARIANTS = [
 def run_variant(backend, contiguous, env, args):
     cmd = [sys.executable, __file__, "--child", backend, "--descs", str(args.descs), "--size",
            str(args.size), "--iters", str(args.iters), "--poll-sleep-us", str(args.poll_sleep_us)] \
-        + (["--contiguous"] if contiguous else [])
+        + (["--contiguous"] if contiguous else []) + (["--scatter-src"] if args.scatter_src else [])
     # BENCH_VERBOSE=1 lets the children's stderr (BOUNCE's own log) through.
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
                        stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
@@ -102,15 +106,18 @@ def main():
     ap.add_argument("--contiguous", action="store_true")
     ap.add_argument("--poll-sleep-us", type=int, default=0,
                     help="sleep between status polls (0: spin, the strictest setting for BOUNCE)")
+    ap.add_argument("--scatter-src", action="store_true",
+                    help="scatter the source descriptors too (default: packed sources)")
     ap.add_argument("--only", help="run only variants whose name contains this (no ratios)")
     args = ap.parse_args()
     if args.child:
-        initiator(args.child, args.descs, args.size, args.iters, args.contiguous, {}, args.poll_sleep_us)
+        initiator(args.child, args.descs, args.size, args.iters, args.contiguous, {}, args.poll_sleep_us, args.scatter_src)
         return
     mib = args.descs * args.size / 2**20
     print(f"WRITE of {args.descs} x {args.size} B = {mib:.0f} MiB, DRAM, two processes, "
           f"{args.iters} samples each (median), status polled "
-          + (f"every {args.poll_sleep_us} us" if args.poll_sleep_us else "in a busy loop"))
+          + (f"every {args.poll_sleep_us} us" if args.poll_sleep_us else "in a busy loop")
+          + (", sources scattered too" if args.scatter_src else ", sources packed"))
     med = {}
     for name, backend, contiguous, env in VARIANTS:
         if args.only and args.only not in name:

@@ -8,7 +8,10 @@ import os
 import time
 
 import numpy as np
-from nixl_cu12 import nixl_agent, nixl_agent_config
+try:  # the PyPI twin for CUDA 13 hosts (the GPU machine) has the same API
+    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+except ImportError:  # pragma: no cover - only where nixl-cu12 is absent
+    from nixl_cu13 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 DEADLINE_S = 30.0
 
@@ -18,7 +21,6 @@ def agent(name, backends=("BOUNCE",), params=None, threads=False):
     cfg = nixl_agent_config(enable_prog_thread=False, backends=[],
                             num_threads=0)
     if threads:
-        from nixl_cu12 import nixl_thread_sync_t
         cfg = nixl_agent_config(enable_prog_thread=False, backends=[],
                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     a = nixl_agent(name, cfg)
