@@ -206,6 +206,20 @@ fn register(agent: &Agent, buf: &DramBuf) -> RegistrationHandle {
     })
 }
 
+/// BOUNCE's live counter `stats.<name>` on `agent` (NIXL's own getBackendParams).
+fn stat(agent: &Agent, name: &str) -> u64 {
+    let backend = agent.get_backend(BACKEND).expect("backend exists");
+    let (_mems, params) = agent.get_backend_params(&backend).expect("get_backend_params");
+    let key = format!("stats.{name}");
+    let found = params
+        .iter()
+        .expect("params iterator")
+        .filter_map(Result::ok)
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v.parse::<u64>().expect("numeric counter"));
+    found.unwrap_or_else(|| panic!("no {key} among the backend params"))
+}
+
 /// Drains `agent`'s notifications into `seen` (sender -> messages).
 fn drain_notifs(agent: &Agent, map: &mut NotificationMap, seen: &mut HashMap<String, Vec<String>>) {
     agent
@@ -302,6 +316,17 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
     let b_md = b.get_local_md().expect("B: get_local_md");
     let remote = a.load_remote_md(&b_md).expect("A: load_remote_md(B)");
     assert_eq!(remote, "B");
+    // ...and B learns A, so it can answer A's WANTs: B says HELLO and A may bounce to it.
+    let a_md = a.get_local_md().expect("A: get_local_md");
+    assert_eq!(b.load_remote_md(&a_md).expect("B: load_remote_md(A)"), "A");
+    let ready_by = Instant::now() + Duration::from_secs(30);
+    let mut scratch = HashMap::new();
+    while stat(&a, "peers_ready") < 1 {
+        assert!(Instant::now() < ready_by, "B never became bounce-ready for A");
+        let mut map = NotificationMap::new().expect("NotificationMap::new");
+        drain_notifs(&a, &mut map, &mut scratch); // getNotifs refreshes the published counters
+        std::thread::sleep(Duration::from_millis(1));
+    }
 
     // Scattered descriptors: source i (contiguous) -> destination slot slots[i] (permuted).
     let slots = scattered_slots();
@@ -327,6 +352,7 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
         eprintln!("WRITE {DESC_COUNT} x {DESC_LEN} B scattered: complete after {took:?}");
         wait_notif(&b, "A", NOTIF_MSG, &mut seen_at_b);
         drop(req);
+        assert_eq!(stat(&a, "bounce_ok"), 1, "the scattered WRITE took the bounce path");
     }
     let mut problems = Vec::new();
     let mut is_dst = vec![false; DST_SLOTS];
