@@ -48,6 +48,8 @@ typedef struct {
 const char *bnc_plugin_name(void);
 const char *bnc_plugin_version(void);
 size_t bnc_option_count(void);
+// The default inner UCX plugin's descriptor (nixlBackendPlugin*), loaded once; null if absent.
+const void *bnc_default_inner_plugin(bnc_str self_path);
 // Name and default of option `i`; 0 on success, NIXL_ERR_INVALID_PARAM past the end.
 int32_t bnc_option_at(size_t i, bnc_str *name, bnc_str *default_value);
 

@@ -458,8 +458,17 @@ void destroy_engine(BackendEngine *e) { delete e; }
 const char *plugin_name() { return bnc_plugin_name(); }
 const char *plugin_version() { return bnc_plugin_version(); }
 
+// Our options (from the manifest) plus UCX's: every UCX param passes through unchanged.
 params_t backend_options() {
     params_t m;
+    const std::string me = self_path();
+    if (auto *ucx = static_cast<const BackendPlugin *>(bnc_default_inner_plugin(view(me)))) {
+        try {
+            m = ucx->get_backend_options();
+        } catch (...) {
+            m.clear();
+        }
+    }
     for (size_t i = 0, n = bnc_option_count(); i < n; ++i) {
         bnc_str k{}, v{};
         if (bnc_option_at(i, &k, &v) != NIXL_SUCCESS) break;

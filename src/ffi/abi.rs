@@ -134,6 +134,32 @@ pub extern "C" fn bnc_plugin_version() -> *const c_char {
     VERSION_C.as_ptr()
 }
 
+/// The default inner UCX plugin (`NIXL_BOUNCE_UCX_PLUGIN`, else beside BOUNCE), loaded once
+/// and kept, so `get_backend_options` can list UCX's options next to ours: every UCX param is
+/// accepted unchanged. Null when it cannot be loaded (then only our options are listed).
+///
+/// # Safety
+/// `self_path` views live bytes (or is empty).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_default_inner_plugin(self_path: BncStr) -> *const c_void {
+    static DEFAULT: std::sync::OnceLock<Option<crate::shell::InnerPlugin>> = std::sync::OnceLock::new();
+    let mut out = std::ptr::null();
+    guard("bnc_default_inner_plugin", || {
+        // SAFETY: caller contract.
+        let me = unsafe { self_path.str("plugin path") }.ok().filter(|p| !p.is_empty()).map(Path::new);
+        let plugin = DEFAULT.get_or_init(|| {
+            let configured = std::env::var("NIXL_BOUNCE_UCX_PLUGIN").ok().filter(|p| !p.is_empty());
+            let path = crate::shell::locate_ucx_plugin(configured.as_deref(), me);
+            crate::shell::InnerPlugin::load(&path).ok()
+        });
+        if let Some(p) = plugin {
+            out = p.descriptor();
+        }
+        Status::Success
+    });
+    out
+}
+
 /// Number of manifest options.
 #[unsafe(no_mangle)]
 pub extern "C" fn bnc_option_count() -> usize {

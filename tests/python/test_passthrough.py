@@ -24,6 +24,11 @@ def test_plugin_is_discovered_without_env_and_reports_manifest_options():
         manifest = tomllib.load(f)
     for o in manifest["option"]:
         assert opts[o["name"]] == o["default"], o["name"]
+    # every UCX option is accepted unchanged, so it is listed too, with UCX's default
+    ucx = a.get_plugin_params("UCX")
+    assert ucx, "UCX lists options"
+    for k, v in ucx.items():
+        assert opts[k] == v, k
 
 
 def _one_process_pair(backend="BOUNCE", params=None):
