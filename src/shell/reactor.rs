@@ -364,6 +364,7 @@ impl Driver {
     }
 
     fn on_control(&mut self, now: Instant, peer: &str, bytes: &[u8]) {
+        let _span = tracing::trace_span!("control", peer, len = bytes.len()).entered();
         if wire::decode_hello(bytes).is_some() {
             // Recorded even before we load the peer (the two loads race); bounded so a flood of
             // invented names cannot grow it without limit.
@@ -507,6 +508,7 @@ impl Driver {
             self.drop_frame(now, &name, &"credit outside the peer's arena");
             return self.ep.handle_write_done(now, job, false);
         }
+        let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();
         let Some((local_md, local_addr)) = self.write_source(source, len) else {
             tracing::warn!(peer = name, "direct-source chunk is no longer in registered memory");
             return self.ep.handle_write_done(now, job, false);

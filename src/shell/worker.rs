@@ -57,7 +57,11 @@ impl Workers {
                     .name(format!("bounce-copy-{i}"))
                     .spawn(move || {
                         for job in rx {
-                            let ok = run(arena, &job);
+                            let span = match job.dir {
+                                Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len()),
+                                Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len()),
+                            };
+                            let ok = span.in_scope(|| run(arena, &job));
                             done(job.job, ok);
                         }
                     })
