@@ -260,3 +260,30 @@ def test_idle_engine_does_not_eat_a_core(peer):
     share = cpu / (t1 - t0)
     print(f"idle engine CPU share: {share:.4f} of one core")
     assert share < 0.1, f"an idle engine used {share:.2%} of a core"
+
+
+def test_nixl_telemetry_reports_bounced_transfers(peer):
+    """With telemetry on, NIXL's core measures a bounced transfer like any other (bytes,
+    descriptor count, times): BOUNCE reports completion only when the data is in place, so the
+    core's transfer time covers gather, write and scatter."""
+    from nixlkit import nixl_agent, nixl_agent_config
+    lay = nixlkit.Scattered(2048, 4096, seed=50)
+    p = peer()
+    meta, raddr = p.start(name="rx-tel", size=lay.dst_bytes, seed=570)
+    ag = nixl_agent("tx-tel", nixl_agent_config(enable_prog_thread=False, backends=[],
+                                                capture_telemetry=True))
+    ag.create_backend(B, {})
+    src = nixlkit.pattern(571, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr), "DRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, "rx-tel", b"", backends=[B])
+    ag.transfer(h)
+    nixlkit.wait_xfer(ag, h)
+    t = ag.get_xfer_telemetry(h)
+    assert t.totalBytes == 2048 * 4096
+    assert t.descCount == 2048
+    assert t.xferDuration > 0
+    assert stats(ag)["bounce_ok"] == 1
