@@ -425,7 +425,14 @@ impl Engine {
         match b.reactor.shared().requests.state(handle) {
             None => Status::ErrNotFound,
             Some(State::Prepared) => Status::ErrNotPosted,
-            Some(State::Posted(_)) => Status::InProg,
+            Some(State::Posted(_)) => {
+                // Polling a bounce request cannot advance it (the reactor and copy workers do
+                // the work), so hand the core to them: an application spinning on checkXfer
+                // otherwise takes a core they need (A/B on 2 cores, 64 MiB scattered WRITE:
+                // medians 22.7 and 26.0 ms with the yield, 28.5 and 28.8 ms without).
+                std::thread::yield_now();
+                Status::InProg
+            }
             Some(State::Done(Ok(()))) => Status::Success,
             Some(State::Done(Err(e))) => xfer_status(&e),
         }
