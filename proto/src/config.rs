@@ -49,6 +49,8 @@ pub struct Config {
     pub control: ControlKind,
     /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
     pub scatter_run_merging: bool,
+    /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
+    pub direct_writes: bool,
     /// Path of NIXL's UCX plugin; `None` means the default next to this plugin
     /// (`bounce_ucx_plugin`).
     pub ucx_plugin: Option<String>,
@@ -325,6 +327,7 @@ impl Config {
             eager_gather: boolean("bounce_eager_gather")?,
             control,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
+            direct_writes: boolean("bounce_direct_writes")?,
             ucx_plugin,
         })
     }
@@ -630,6 +633,7 @@ mod tests {
             ("bounce_eager_gather", "no"),
             ("bounce_control", "ZMQ"),
             ("bounce_scatter_run_merging", "0"),
+            ("bounce_direct_writes", "false"),
             ("bounce_ucx_plugin", "/opt/nixl/libplugin_UCX.so"),
         ])
         .unwrap();
@@ -647,6 +651,7 @@ mod tests {
             eager_gather: false,
             control: ControlKind::Zmq,
             scatter_run_merging: false,
+            direct_writes: false,
             ucx_plugin: Some("/opt/nixl/libplugin_UCX.so".into()),
         };
         assert_eq!(c.config, want);

@@ -391,7 +391,7 @@ impl Engine {
                         let end = addr.saturating_add(c.bytes);
                         let covered =
                             regs.values().any(|r| r.mem == MemKind::Dram && r.addr <= addr && end <= r.addr + r.len);
-                        if !covered {
+                        if !covered || !self.config.direct_writes {
                             c.direct = None;
                         }
                     }

@@ -299,6 +299,7 @@ impl Driver {
         }
         moved |= self.drain_actions();
         self.shared.stats.arena_free_bytes.store(self.ep.arena_free_bytes(), std::sync::atomic::Ordering::Relaxed);
+        self.shared.stats.chunks_direct.store(self.ep.stats().chunks_direct, std::sync::atomic::Ordering::Relaxed);
         moved
     }
 

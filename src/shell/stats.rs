@@ -28,6 +28,8 @@ counters! {
     bounce_chunks,
     /// Payload bytes posted on the bounce path.
     bounce_bytes,
+    /// Chunks written straight from user memory (no gather copy).
+    chunks_direct,
     /// Bounce transfers that failed by no-progress timeout.
     timeouts,
     /// Requests handed to the inner UCX engine unchanged.

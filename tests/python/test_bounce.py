@@ -287,3 +287,23 @@ def test_nixl_telemetry_reports_bounced_transfers(peer):
     assert t.descCount == 2048
     assert t.xferDuration > 0
     assert stats(ag)["bounce_ok"] == 1
+
+
+@pytest.mark.parametrize("direct", ["true", "false"])
+def test_packed_sources_are_written_directly_unless_disabled(peer, tmp_path, direct):
+    """Sources packed in one registration: every chunk goes straight from user memory (no
+    gather copy) unless bounce_direct_writes is off; the bytes are the same either way."""
+    lay = nixlkit.Scattered(4096, 4096, seed=51)
+    p = peer()
+    meta, raddr = p.start(name=f"rx-direct-{direct}", size=lay.dst_bytes, seed=580)
+    ag = nixlkit.agent(f"tx-direct-{direct}", params={"bounce_direct_writes": direct})
+    src = nixlkit.pattern(581, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    write_from_here(ag, f"rx-direct-{direct}", lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(580, lay.dst_bytes)), "destination")
+    s = stats(ag)
+    assert s["bounce_ok"] == 1 and s["bounce_chunks"] > 0
+    assert s["chunks_direct"] == (s["bounce_chunks"] if direct == "true" else 0), s
