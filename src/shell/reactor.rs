@@ -256,7 +256,13 @@ impl Driver {
         let mut stalls = 0u32;
         while !stop.load(std::sync::atomic::Ordering::Acquire) {
             let moved = self.iterate(&mut cmds);
-            let busy = !self.writes.is_empty() || !self.queued_writes.is_empty() || !self.copies.is_empty() || !self.xfers.is_empty();
+            // Busy includes the receiver role: a remote flow waiting for its next DATA must be
+            // noticed at once, not after an idle park (which cost up to 2 ms per chunk).
+            let busy = !self.writes.is_empty()
+                || !self.queued_writes.is_empty()
+                || !self.copies.is_empty()
+                || !self.xfers.is_empty()
+                || !self.ep.is_idle();
             if moved {
                 stalls = 0;
             } else if busy {
