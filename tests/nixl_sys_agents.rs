@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
-    Agent, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
-    XferDescList, XferOp, XferRequest, XferStatus,
+    Agent, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList, XferOp,
+    XferRequest, XferStatus,
 };
 
 /// Backend under test, as NIXL names it (from `libplugin_BOUNCE.so`).
@@ -66,10 +66,7 @@ fn locate_env() -> Result<NixlEnv, String> {
         }
         return Ok(NixlEnv { capi, plugin_dir });
     }
-    Err(format!(
-        "no site-packages/.nixl_cu12.mesonpy.libs/libnixl_capi.so under {}",
-        lib.display()
-    ))
+    Err(format!("no site-packages/.nixl_cu12.mesonpy.libs/libnixl_capi.so under {}", lib.display()))
 }
 
 /// Loads `libnixl_capi.so` by absolute path and keeps it loaded for the life of the process, so
@@ -164,10 +161,7 @@ fn first_mismatch(what: &str, got: &[u8], want: &[u8]) -> Option<String> {
     assert_eq!(got.len(), want.len());
     got.iter().zip(want).position(|(g, w)| g != w).map(|at| {
         let bad = got.iter().zip(want).filter(|(g, w)| g != w).count();
-        format!(
-            "{what}: {bad} bytes differ, first at +{at}: got {:#04x}, want {:#04x}",
-            got[at], want[at]
-        )
+        format!("{what}: {bad} bytes differ, first at +{at}: got {:#04x}, want {:#04x}", got[at], want[at])
     })
 }
 
@@ -187,9 +181,8 @@ fn subscribe() {
 /// Creates agent `name` with a BOUNCE backend from the plugin's default params.
 fn agent_with_bounce(name: &str) -> Agent {
     let agent = Agent::new(name).unwrap_or_else(|e| panic!("Agent::new({name}): {e:?}"));
-    let (_mems, params) = agent
-        .get_plugin_params(BACKEND)
-        .unwrap_or_else(|e| panic!("{name}: get_plugin_params({BACKEND}): {e:?}"));
+    let (_mems, params) =
+        agent.get_plugin_params(BACKEND).unwrap_or_else(|e| panic!("{name}: get_plugin_params({BACKEND}): {e:?}"));
     agent
         .create_backend(BACKEND, &params)
         .unwrap_or_else(|e| panic!("{name}: create_backend({BACKEND}) with default params: {e:?}"));
@@ -197,13 +190,9 @@ fn agent_with_bounce(name: &str) -> Agent {
 }
 
 fn register(agent: &Agent, buf: &DramBuf) -> RegistrationHandle {
-    agent.register_memory(buf, None).unwrap_or_else(|e| {
-        panic!(
-            "{}: register_memory({} bytes): {e:?}",
-            agent.name(),
-            buf.size()
-        )
-    })
+    agent
+        .register_memory(buf, None)
+        .unwrap_or_else(|e| panic!("{}: register_memory({} bytes): {e:?}", agent.name(), buf.size()))
 }
 
 /// BOUNCE's live counter `stats.<name>` on `agent` (NIXL's own getBackendParams).
@@ -222,9 +211,7 @@ fn stat(agent: &Agent, name: &str) -> u64 {
 
 /// Drains `agent`'s notifications into `seen` (sender -> messages).
 fn drain_notifs(agent: &Agent, map: &mut NotificationMap, seen: &mut HashMap<String, Vec<String>>) {
-    agent
-        .get_notifications(map, None)
-        .expect("get_notifications");
+    agent.get_notifications(map, None).expect("get_notifications");
     for (from, msgs) in map.take_notifs().expect("take_notifs") {
         seen.entry(from).or_default().extend(msgs);
     }
@@ -241,9 +228,7 @@ fn post_and_wait(
 ) -> Duration {
     let mut map = NotificationMap::new().expect("NotificationMap::new");
     let start = Instant::now();
-    let in_progress = initiator
-        .post_xfer_req(req, None)
-        .unwrap_or_else(|e| panic!("{what}: post: {e:?}"));
+    let in_progress = initiator.post_xfer_req(req, None).unwrap_or_else(|e| panic!("{what}: post: {e:?}"));
     if in_progress {
         loop {
             match initiator.get_xfer_status(req) {
@@ -252,10 +237,7 @@ fn post_and_wait(
                 Err(e) => panic!("{what}: transfer failed: {e:?}"),
             }
             drain_notifs(peer, &mut map, seen);
-            assert!(
-                start.elapsed() < WAIT_LIMIT,
-                "{what}: not complete after {WAIT_LIMIT:?}"
-            );
+            assert!(start.elapsed() < WAIT_LIMIT, "{what}: not complete after {WAIT_LIMIT:?}");
             std::thread::sleep(Duration::from_micros(200));
         }
     }
@@ -295,10 +277,7 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
     };
     preload_capi(&env.capi);
     if let Ok(dir) = std::env::var("NIXL_PLUGIN_DIR") {
-        eprintln!(
-            "note: NIXL_PLUGIN_DIR={dir} replaces the default {}",
-            env.plugin_dir.display()
-        );
+        eprintln!("note: NIXL_PLUGIN_DIR={dir} replaces the default {}", env.plugin_dir.display());
     }
 
     let a = agent_with_bounce("A");
@@ -341,13 +320,10 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
     let mut seen_at_b = HashMap::new();
     {
         let mut opt = OptArgs::new().expect("OptArgs::new");
-        opt.set_notification_message(NOTIF_MSG.as_bytes())
-            .expect("set_notification_message");
-        opt.set_has_notification(true)
-            .expect("set_has_notification");
-        let req = a
-            .create_xfer_req(XferOp::Write, &local, &remote_list, "B", Some(&opt))
-            .expect("A: create_xfer_req(WRITE)");
+        opt.set_notification_message(NOTIF_MSG.as_bytes()).expect("set_notification_message");
+        opt.set_has_notification(true).expect("set_has_notification");
+        let req =
+            a.create_xfer_req(XferOp::Write, &local, &remote_list, "B", Some(&opt)).expect("A: create_xfer_req(WRITE)");
         let took = post_and_wait(&a, &b, &req, &mut seen_at_b, "WRITE A->B");
         eprintln!("WRITE {DESC_COUNT} x {DESC_LEN} B scattered: complete after {took:?}");
         wait_notif(&b, "A", NOTIF_MSG, &mut seen_at_b);
@@ -360,27 +336,14 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
         is_dst[slot] = true;
         let got = &dst.0[slot * DESC_LEN..][..DESC_LEN];
         let want = &src.0[i * DESC_LEN..][..DESC_LEN];
-        problems.extend(first_mismatch(
-            &format!("WRITE desc {i} -> slot {slot}"),
-            got,
-            want,
-        ));
+        problems.extend(first_mismatch(&format!("WRITE desc {i} -> slot {slot}"), got, want));
     }
     let sentinel = pattern(DST_SLOTS * DESC_LEN, SENTINEL_SEED, 0);
     for slot in (0..DST_SLOTS).filter(|&s| !is_dst[s]) {
         let range = slot * DESC_LEN..(slot + 1) * DESC_LEN;
-        problems.extend(first_mismatch(
-            &format!("sentinel slot {slot}"),
-            &dst.0[range.clone()],
-            &sentinel[range],
-        ));
+        problems.extend(first_mismatch(&format!("sentinel slot {slot}"), &dst.0[range.clone()], &sentinel[range]));
     }
-    assert!(
-        problems.is_empty(),
-        "{} bad slots after WRITE:\n{}",
-        problems.len(),
-        problems.join("\n")
-    );
+    assert!(problems.is_empty(), "{} bad slots after WRITE:\n{}", problems.len(), problems.join("\n"));
 
     // 2. READ B -> A into the fresh buffer, same scattered remote slots.
     {
@@ -388,9 +351,8 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
         for i in 0..DESC_COUNT {
             back_list.add_desc(back.addr() + i * DESC_LEN, DESC_LEN, 0);
         }
-        let req = a
-            .create_xfer_req(XferOp::Read, &back_list, &remote_list, "B", None)
-            .expect("A: create_xfer_req(READ)");
+        let req =
+            a.create_xfer_req(XferOp::Read, &back_list, &remote_list, "B", None).expect("A: create_xfer_req(READ)");
         let took = post_and_wait(&a, &b, &req, &mut seen_at_b, "READ B->A");
         eprintln!("READ {DESC_COUNT} x {DESC_LEN} B scattered: complete after {took:?}");
     }
@@ -402,9 +364,7 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
     {
         let c = Agent::new("C").expect("Agent::new(C)");
         let (_mems, mut params) = c.get_plugin_params(BACKEND).expect("C: get_plugin_params");
-        params
-            .set("bounce_ucx_plugin", "/nonexistent/libplugin_UCX.so")
-            .expect("params.set");
+        params.set("bounce_ucx_plugin", "/nonexistent/libplugin_UCX.so").expect("params.set");
         match c.create_backend(BACKEND, &params) {
             Ok(_) => panic!("create_backend({BACKEND}) with a missing UCX plugin succeeded"),
             Err(e) => eprintln!("bad bounce_ucx_plugin: create_backend failed as expected: {e:?}"),

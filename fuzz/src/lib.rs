@@ -61,7 +61,12 @@ impl Op {
     fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<Self> {
         Ok(match u.int_in_range(0u8..=11)? {
             0 => Self::Msg { from: u.arbitrary()?, msg: u.arbitrary()? },
-            1 | 2 => Self::Submit { peer: u.arbitrary()?, descs: u.arbitrary()?, size: u.arbitrary()?, packed: u.arbitrary()? },
+            1 | 2 => Self::Submit {
+                peer: u.arbitrary()?,
+                descs: u.arbitrary()?,
+                size: u.arbitrary()?,
+                packed: u.arbitrary()?,
+            },
             3..=7 => Self::Done { which: u.arbitrary()?, ok: u.int_in_range(0u8..=15)? != 0 },
             8 => Self::Cancel { xfer: u.arbitrary()? },
             9 => Self::PeerLost { peer: u.arbitrary()? },

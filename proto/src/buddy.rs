@@ -87,10 +87,7 @@ impl Buddy {
             return Err(AllocError::BadGranularity { granularity });
         }
         if capacity < granularity {
-            return Err(AllocError::CapacityTooSmall {
-                capacity,
-                granularity,
-            });
+            return Err(AllocError::CapacityTooSmall { capacity, granularity });
         }
         let shift = granularity.trailing_zeros();
         let usable = capacity & !(granularity - 1);
@@ -104,14 +101,7 @@ impl Buddy {
                 offset += 1 << (shift + order);
             }
         }
-        Ok(Self {
-            shift,
-            usable,
-            max_order,
-            free,
-            allocated: BTreeMap::new(),
-            free_bytes: usable,
-        })
+        Ok(Self { shift, usable, max_order, free, allocated: BTreeMap::new(), free_bytes: usable })
     }
 
     /// The minimum block size in bytes.
@@ -142,10 +132,7 @@ impl Buddy {
 
     /// The largest allocation that would succeed right now (0 when the arena is full).
     pub fn largest_free(&self) -> u64 {
-        (0..=self.max_order)
-            .rev()
-            .find(|&o| !self.free[o as usize].is_empty())
-            .map_or(0, |o| self.order_len(o))
+        (0..=self.max_order).rev().find(|&o| !self.free[o as usize].is_empty()).map_or(0, |o| self.order_len(o))
     }
 
     /// The block size `alloc(bytes)` would hand out, or `None` when `bytes` is 0 or larger than
@@ -177,14 +164,8 @@ impl Buddy {
     /// [`AllocError::NotAllocated`] when `offset` is not the start of an allocated block (double
     /// free, never allocated, or inside a block); the allocator is left unchanged.
     pub fn free(&mut self, offset: u64) -> Result<Region> {
-        let order = self
-            .allocated
-            .remove(&offset)
-            .ok_or(AllocError::NotAllocated { offset })?;
-        let region = Region {
-            offset,
-            len: self.order_len(order),
-        };
+        let order = self.allocated.remove(&offset).ok_or(AllocError::NotAllocated { offset })?;
+        let region = Region { offset, len: self.order_len(order) };
         self.free_bytes += region.len;
         let (mut off, mut ord) = (offset, order);
         // A buddy of the right order can only exist inside the same top-level block: top-level
@@ -203,18 +184,12 @@ impl Buddy {
 
     /// The allocated block starting at `offset`, if there is one.
     pub fn allocated_at(&self, offset: u64) -> Option<Region> {
-        self.allocated.get(&offset).map(|&o| Region {
-            offset,
-            len: self.order_len(o),
-        })
+        self.allocated.get(&offset).map(|&o| Region { offset, len: self.order_len(o) })
     }
 
     /// All allocated blocks, by ascending offset.
     pub fn allocated_regions(&self) -> impl Iterator<Item = Region> + '_ {
-        self.allocated.iter().map(|(&offset, &o)| Region {
-            offset,
-            len: self.order_len(o),
-        })
+        self.allocated.iter().map(|(&offset, &o)| Region { offset, len: self.order_len(o) })
     }
 
     /// All free blocks, by ascending order then offset.
@@ -246,23 +221,15 @@ impl Buddy {
             }
         }
         if cursor != self.usable {
-            return Err(format!(
-                "blocks cover {cursor:#x} bytes, usable is {:#x}",
-                self.usable
-            ));
+            return Err(format!("blocks cover {cursor:#x} bytes, usable is {:#x}", self.usable));
         }
         if free_sum != self.free_bytes {
-            return Err(format!(
-                "free blocks sum to {free_sum}, counter says {}",
-                self.free_bytes
-            ));
+            return Err(format!("free blocks sum to {free_sum}, counter says {}", self.free_bytes));
         }
         for (o, set) in self.free.iter().enumerate().take(self.max_order as usize) {
             let len = self.order_len(o as u32);
             if let Some(off) = set.iter().find(|&&off| set.contains(&(off ^ len))) {
-                return Err(format!(
-                    "free buddies not coalesced at {off:#x} (order {o})"
-                ));
+                return Err(format!("free buddies not coalesced at {off:#x} (order {o})"));
             }
         }
         Ok(())
@@ -318,13 +285,8 @@ mod tests {
         }
 
         fn is_free(&self, region: Region) -> bool {
-            let (a, b) = (
-                (region.offset / self.g) as usize,
-                (region.end() / self.g) as usize,
-            );
-            region.offset % region.len == 0
-                && b <= self.used.len()
-                && self.used[a..b].iter().all(|u| !u)
+            let (a, b) = ((region.offset / self.g) as usize, (region.end() / self.g) as usize);
+            region.offset % region.len == 0 && b <= self.used.len() && self.used[a..b].iter().all(|u| !u)
         }
 
         /// The lowest free aligned block of `len` bytes. Every aligned block that lies inside
@@ -332,16 +294,11 @@ mod tests {
         /// exists".
         fn find(&self, len: u64) -> Option<Region> {
             let usable = self.used.len() as u64 * self.g;
-            (0..usable / len)
-                .map(|i| r(i * len, len))
-                .find(|&c| self.is_free(c))
+            (0..usable / len).map(|i| r(i * len, len)).find(|&c| self.is_free(c))
         }
 
         fn set(&mut self, region: Region, used: bool) {
-            let (a, b) = (
-                (region.offset / self.g) as usize,
-                (region.end() / self.g) as usize,
-            );
+            let (a, b) = ((region.offset / self.g) as usize, (region.end() / self.g) as usize);
             self.used[a..b].iter_mut().for_each(|u| *u = used);
         }
 
@@ -395,11 +352,7 @@ mod tests {
     impl Allocator for Bitmap {
         fn make(capacity: u64, granularity: u64) -> Self {
             let units = (capacity / granularity) as usize;
-            Self {
-                g: granularity,
-                used: vec![false; units],
-                live: BTreeMap::new(),
-            }
+            Self { g: granularity, used: vec![false; units], live: BTreeMap::new() }
         }
         fn alloc(&mut self, bytes: u64) -> Option<Region> {
             let region = self.find(self.block_len(bytes)?)?;
@@ -407,10 +360,7 @@ mod tests {
             Some(region)
         }
         fn free(&mut self, offset: u64) -> Result<Region> {
-            let len = self
-                .live
-                .remove(&offset)
-                .ok_or(AllocError::NotAllocated { offset })?;
+            let len = self.live.remove(&offset).ok_or(AllocError::NotAllocated { offset })?;
             self.set(r(offset, len), false);
             Ok(r(offset, len))
         }
@@ -610,21 +560,9 @@ mod tests {
 
     #[test]
     fn construction_rejects_bad_geometry() {
-        assert_eq!(
-            Buddy::new(G, 0).unwrap_err(),
-            AllocError::BadGranularity { granularity: 0 }
-        );
-        assert_eq!(
-            Buddy::new(G, 3000).unwrap_err(),
-            AllocError::BadGranularity { granularity: 3000 }
-        );
-        assert_eq!(
-            Buddy::new(G - 1, G).unwrap_err(),
-            AllocError::CapacityTooSmall {
-                capacity: G - 1,
-                granularity: G
-            }
-        );
+        assert_eq!(Buddy::new(G, 0).unwrap_err(), AllocError::BadGranularity { granularity: 0 });
+        assert_eq!(Buddy::new(G, 3000).unwrap_err(), AllocError::BadGranularity { granularity: 3000 });
+        assert_eq!(Buddy::new(G - 1, G).unwrap_err(), AllocError::CapacityTooSmall { capacity: G - 1, granularity: G });
         let b = Buddy::new(u64::MAX, 1).unwrap();
         assert_eq!(b.largest_block(), 1 << 63);
         assert_eq!(b.block_len(u64::MAX), None, "next power of two overflows");
@@ -662,17 +600,9 @@ mod tests {
         let x: Vec<_> = (0..4).map(|_| b.alloc(G).unwrap()).collect();
         b.free(x[0].offset).unwrap();
         b.free(x[2].offset).unwrap();
-        assert_eq!(
-            b.largest_free(),
-            4 * G,
-            "only the untouched upper half is whole"
-        );
+        assert_eq!(b.largest_free(), 4 * G, "only the untouched upper half is whole");
         b.free(x[1].offset).unwrap();
-        assert_eq!(
-            b.free_regions().filter(|f| f.len == 2 * G).count(),
-            1,
-            "units 0+1 merged"
-        );
+        assert_eq!(b.free_regions().filter(|f| f.len == 2 * G).count(), 1, "units 0+1 merged");
         b.free(x[3].offset).unwrap();
         assert_eq!(b.free_regions().collect::<Vec<_>>(), vec![r(0, 8 * G)]);
         b.check_invariants().unwrap();

@@ -47,12 +47,7 @@ fn parse(text: &str) -> Vec<Case> {
                 None => (w.to_string(), String::new()),
             })
             .collect();
-        assert_eq!(
-            lines.get(i + 1).map(|s| s.trim()),
-            Some("----"),
-            "line {}: expected ----",
-            i + 2
-        );
+        assert_eq!(lines.get(i + 1).map(|s| s.trim()), Some("----"), "line {}: expected ----", i + 2);
         let mut j = i + 2;
         let mut expected = String::new();
         while j < lines.len() && !lines[j].trim().is_empty() {
@@ -60,13 +55,7 @@ fn parse(text: &str) -> Vec<Case> {
             expected.push('\n');
             j += 1;
         }
-        cases.push(Case {
-            comment: std::mem::take(&mut comment),
-            line: i + 1,
-            cmd,
-            args,
-            expected,
-        });
+        cases.push(Case { comment: std::mem::take(&mut comment), line: i + 1, cmd, args, expected });
         i = j;
     }
     cases
@@ -75,21 +64,9 @@ fn parse(text: &str) -> Vec<Case> {
 fn render(cases: &[Case], outputs: &[String]) -> String {
     let mut out = String::new();
     for (c, o) in cases.iter().zip(outputs) {
-        let args: Vec<String> = c
-            .args
-            .iter()
-            .map(|(k, v)| {
-                if v.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{k}={v}")
-                }
-            })
-            .collect();
-        let head = std::iter::once(c.cmd.clone())
-            .chain(args)
-            .collect::<Vec<_>>()
-            .join(" ");
+        let args: Vec<String> =
+            c.args.iter().map(|(k, v)| if v.is_empty() { k.clone() } else { format!("{k}={v}") }).collect();
+        let head = std::iter::once(c.cmd.clone()).chain(args).collect::<Vec<_>>().join(" ");
         if !c.comment.is_empty() {
             let _ = writeln!(out, "{}", c.comment.trim_end());
             // The file's leading comment block stands apart from the first case.
@@ -106,14 +83,9 @@ fn render(cases: &[Case], outputs: &[String]) -> String {
 
 /// Runs every `*.txt` under `testdata/<topic>` through a fresh handler from `make`.
 fn run_dir<H: Handler>(topic: &str, make: impl Fn() -> H) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/testdata")
-        .join(topic);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/testdata").join(topic);
     let rewrite = std::env::var_os("BOUNCE_DATADRIVEN_REWRITE").is_some();
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
+    let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.retain(|p| p.extension().is_some_and(|e| e == "txt"));
     files.sort();
     assert!(!files.is_empty(), "no scenarios in {}", dir.display());
@@ -157,10 +129,7 @@ fn arg<'a>(c: &'a Case, key: &str) -> &'a str {
 }
 
 fn opt<'a>(c: &'a Case, key: &str) -> Option<&'a str> {
-    c.args
-        .iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v.as_str())
+    c.args.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
 }
 
 /// `4096`, `4K`, `2M` (binary units).
@@ -170,9 +139,7 @@ fn bytes(s: &str) -> u64 {
         Some(b'M') => (&s[..s.len() - 1], 1 << 20),
         _ => (s, 1),
     };
-    num.parse::<u64>()
-        .unwrap_or_else(|_| panic!("bad size {s}"))
-        * mul
+    num.parse::<u64>().unwrap_or_else(|_| panic!("bad size {s}")) * mul
 }
 
 fn fmt_bytes(n: u64) -> String {
@@ -190,22 +157,13 @@ fn fmt_region(r: Region) -> String {
 
 fn fmt_regions(rs: impl IntoIterator<Item = Region>) -> String {
     let v: Vec<String> = rs.into_iter().map(fmt_region).collect();
-    if v.is_empty() {
-        "-".into()
-    } else {
-        v.join(" ")
-    }
+    if v.is_empty() { "-".into() } else { v.join(" ") }
 }
 
 /// `peer:xfer`, e.g. `1:7`.
 fn flow(s: &str) -> FlowKey {
-    let (p, x) = s
-        .split_once(':')
-        .unwrap_or_else(|| panic!("flow must be peer:xfer, got {s}"));
-    FlowKey {
-        peer: PeerId(p.parse().unwrap()),
-        xfer: XferId(x.parse().unwrap()),
-    }
+    let (p, x) = s.split_once(':').unwrap_or_else(|| panic!("flow must be peer:xfer, got {s}"));
+    FlowKey { peer: PeerId(p.parse().unwrap()), xfer: XferId(x.parse().unwrap()) }
 }
 
 fn fmt_flow(f: FlowKey) -> String {
@@ -254,8 +212,7 @@ impl Handler for BuddyHandler {
             ),
             other => panic!("line {}: unknown command {other}", c.line),
         };
-        b.check_invariants()
-            .unwrap_or_else(|e| panic!("line {}: {e}", c.line));
+        b.check_invariants().unwrap_or_else(|e| panic!("line {}: {e}", c.line));
         out
     }
 }
@@ -292,12 +249,7 @@ impl SchedHandler {
                 .map_or("is_held/begin_scatter disagree".into(), |e| e.to_string()));
         }
         let g = s.begin_scatter(f, off).map_err(|e| e.to_string())?;
-        Ok(format!(
-            "scattering {} #{} {}\n",
-            fmt_flow(g.flow),
-            g.chunk.0,
-            fmt_region(g.region)
-        ))
+        Ok(format!("scattering {} #{} {}\n", fmt_flow(g.flow), g.chunk.0, fmt_region(g.region)))
     }
 
     fn end(s: &mut CreditScheduler, off: u64) -> String {
@@ -307,11 +259,7 @@ impl SchedHandler {
                 fmt_region(e.region),
                 fmt_flow(e.flow),
                 e.chunk.0,
-                if e.orphaned {
-                    " (orphaned, no ACK)"
-                } else {
-                    ""
-                }
+                if e.orphaned { " (orphaned, no ACK)" } else { "" }
             ),
             Err(e) => format!("error: {e}\n"),
         }
@@ -322,11 +270,7 @@ impl Handler for SchedHandler {
     fn run(&mut self, c: &Case) -> String {
         if c.cmd == "new" {
             let window = arg(c, "window").parse().unwrap();
-            return match CreditScheduler::new(
-                bytes(arg(c, "capacity")),
-                bytes(arg(c, "granularity")),
-                window,
-            ) {
+            return match CreditScheduler::new(bytes(arg(c, "capacity")), bytes(arg(c, "granularity")), window) {
                 Ok(s) => {
                     let out = format!(
                         "usable={} max_chunk={} eager_cap={}\n",
@@ -344,11 +288,7 @@ impl Handler for SchedHandler {
         let out = match c.cmd.as_str() {
             "want" => {
                 let f = flow(arg(c, "flow"));
-                let chunks: Vec<u64> = arg(c, "chunks")
-                    .split(',')
-                    .filter(|x| !x.is_empty())
-                    .map(bytes)
-                    .collect();
+                let chunks: Vec<u64> = arg(c, "chunks").split(',').filter(|x| !x.is_empty()).map(bytes).collect();
                 self.seen.insert(f);
                 match s.want(f, &chunks) {
                     Ok(()) => format!("ok, {} pending\n", s.pending_chunks(f)),
@@ -358,13 +298,7 @@ impl Handler for SchedHandler {
             "schedule" => {
                 let mut out = String::new();
                 for g in s.schedule() {
-                    let _ = writeln!(
-                        out,
-                        "grant {} #{} {}",
-                        fmt_flow(g.flow),
-                        g.chunk.0,
-                        fmt_region(g.region)
-                    );
+                    let _ = writeln!(out, "grant {} #{} {}", fmt_flow(g.flow), g.chunk.0, fmt_region(g.region));
                 }
                 if out.is_empty() {
                     out.push_str("no grants\n");
@@ -392,11 +326,7 @@ impl Handler for SchedHandler {
                 } else {
                     s.reclaim_peer(PeerId(arg(c, "peer").parse().unwrap()))
                 };
-                format!(
-                    "freed: {}\ndeferred: {}\n",
-                    fmt_regions(r.freed),
-                    fmt_regions(r.deferred)
-                )
+                format!("freed: {}\ndeferred: {}\n", fmt_regions(r.freed), fmt_regions(r.deferred))
             }
             "local" => match s.acquire_local(bytes(arg(c, "bytes")), opt(c, "eager").is_some()) {
                 Some(r) => format!("{}\n", fmt_region(r)),
@@ -433,16 +363,12 @@ impl Handler for SchedHandler {
             }
             other => panic!("line {}: unknown command {other}", c.line),
         };
-        s.check_invariants()
-            .unwrap_or_else(|e| panic!("line {}: {e}", c.line));
+        s.check_invariants().unwrap_or_else(|e| panic!("line {}: {e}", c.line));
         out
     }
 }
 
 #[test]
 fn scheduler_scenarios() {
-    run_dir("scheduler", || SchedHandler {
-        s: None,
-        seen: BTreeSet::new(),
-    });
+    run_dir("scheduler", || SchedHandler { s: None, seen: BTreeSet::new() });
 }

@@ -119,8 +119,7 @@ pub extern "C" fn nixl_plugin_init() -> *const c_void {
 pub extern "C" fn nixl_plugin_fini() {}
 
 static NAME_C: LazyLock<CString> = LazyLock::new(|| CString::new(PLUGIN_NAME).unwrap_or_default());
-static VERSION_C: LazyLock<CString> =
-    LazyLock::new(|| CString::new(PLUGIN_VERSION).unwrap_or_default());
+static VERSION_C: LazyLock<CString> = LazyLock::new(|| CString::new(PLUGIN_VERSION).unwrap_or_default());
 
 /// The backend name, NUL-terminated, static.
 #[unsafe(no_mangle)]

@@ -19,7 +19,11 @@ unsafe extern "C" {
         key_ctx: *mut c_void,
     ) -> i32;
     fn bnc_shim_deregister(shim: *mut c_void, md: *mut c_void) -> i32;
-    fn bnc_shim_conn_info(shim: *mut c_void, out: unsafe extern "C" fn(*mut c_void, *const u8, usize), ctx: *mut c_void) -> i32;
+    fn bnc_shim_conn_info(
+        shim: *mut c_void,
+        out: unsafe extern "C" fn(*mut c_void, *const u8, usize),
+        ctx: *mut c_void,
+    ) -> i32;
     fn bnc_shim_write(
         shim: *mut c_void,
         agent: BncStr,

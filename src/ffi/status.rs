@@ -46,9 +46,7 @@ impl From<&Error> for Status {
         match e {
             Error::Config(_) => Self::ErrInvalidParam,
             Error::InnerPluginMissing { .. } | Error::InnerPluginLoad { .. } => Self::ErrNotFound,
-            Error::InnerPluginVersion { .. } | Error::InnerPluginIsBounce { .. } => {
-                Self::ErrMismatch
-            }
+            Error::InnerPluginVersion { .. } | Error::InnerPluginIsBounce { .. } => Self::ErrMismatch,
             Error::BadEnvelope { .. } => Self::ErrMismatch,
             Error::NullArgument(_) | Error::BadUtf8(_) => Self::ErrInvalidParam,
         }

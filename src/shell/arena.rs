@@ -7,7 +7,6 @@ use bounce_proto::wire::Capabilities;
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
 
-
 use crate::ffi::shim::{Md, Shim};
 
 /// A registered host arena.

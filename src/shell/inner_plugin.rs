@@ -36,17 +36,12 @@ impl InnerPlugin {
         if !path.is_file() {
             return Err(Error::InnerPluginMissing { path: path.to_owned() });
         }
-        let load_err =
-            |e: libloading::Error| Error::InnerPluginLoad { path: path.to_owned(), reason: e.to_string() };
+        let load_err = |e: libloading::Error| Error::InnerPluginLoad { path: path.to_owned(), reason: e.to_string() };
         let (lib, descriptor) = crate::ffi::abi::open_plugin(path).map_err(load_err)?;
         let plugin = Self { path: path.to_owned(), descriptor, _lib: lib };
         let version = crate::ffi::abi::plugin_api_version(plugin.descriptor);
         if version != PLUGIN_API_VERSION {
-            return Err(Error::InnerPluginVersion {
-                path: path.to_owned(),
-                got: version,
-                want: PLUGIN_API_VERSION,
-            });
+            return Err(Error::InnerPluginVersion { path: path.to_owned(), got: version, want: PLUGIN_API_VERSION });
         }
         if crate::ffi::abi::plugin_name(plugin.descriptor).as_deref() == Some(bounce_proto::manifest::PLUGIN_NAME) {
             return Err(Error::InnerPluginIsBounce { path: path.to_owned() });

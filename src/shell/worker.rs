@@ -140,10 +140,18 @@ mod tests {
         let w = Workers::start(2, view, move |job, ok| tx.send((job, ok)).unwrap());
         let region = Region { offset: 1024, len: 1024 };
         // two strided pieces of 16 bytes from src into the region
-        let g = CopyRun { region_off: 0, addr: src.as_ptr() as u64, len: 16, count: 2, region_stride: 16, addr_stride: 32 };
+        let g =
+            CopyRun { region_off: 0, addr: src.as_ptr() as u64, len: 16, count: 2, region_stride: 16, addr_stride: 32 };
         assert!(w.submit(CopyJob { job: JobId(1), dir: Dir::Gather, region, runs: vec![g] }));
         assert_eq!(rx.recv().unwrap(), (JobId(1), true));
-        let s = CopyRun { region_off: 0, addr: dst.as_mut_ptr() as u64 + 8, len: 32, count: 1, region_stride: 0, addr_stride: 0 };
+        let s = CopyRun {
+            region_off: 0,
+            addr: dst.as_mut_ptr() as u64 + 8,
+            len: 32,
+            count: 1,
+            region_stride: 0,
+            addr_stride: 0,
+        };
         assert!(w.submit(CopyJob { job: JobId(2), dir: Dir::Scatter, region, runs: vec![s] }));
         assert_eq!(rx.recv().unwrap(), (JobId(2), true));
         drop(w);
