@@ -26,6 +26,18 @@ def connect(ag, p, ready=True, n=1):
         p.call(op="wait_ready", n=1)
 
 
+def pair(peer, src, tx, rx, rx_size, rx_seed, params=None, rx_params=None, ready=True):
+    """This process's agent `tx` with `src` registered, and a peer process `rx` whose buffer of
+    `rx_size` bytes holds pattern(rx_seed); connected both ways. Returns (agent, peer, raddr)."""
+    p = peer()
+    meta, raddr = p.start(name=rx, size=rx_size, seed=rx_seed, params=rx_params)
+    ag = nixlkit.agent(tx, params=params)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p, ready=ready)
+    return ag, p, raddr
+
+
 def remote_buffer(p, tmp_path, name="r.bin"):
     path = tmp_path / name
     p.call(op="dump", path=str(path))
@@ -44,13 +56,8 @@ def write_from_here(ag, peer_name, lay, src, raddr, notif=b"", deadline=60):
 @pytest.mark.parametrize("n, size", [(16384, 4096)])
 def test_many_small_writes_bounce_byte_exact_with_notification(peer, tmp_path, n, size):
     lay = nixlkit.Scattered(n, size, seed=41)
-    p = peer()
-    meta, raddr = p.start(name="rx", size=lay.dst_bytes, seed=500)
-    ag = nixlkit.agent("tx")
     src = nixlkit.pattern(501, lay.src_bytes)
-    nixlkit.register(ag, src)
-    ag.add_remote_agent(meta)
-    connect(ag, p)
+    ag, p, raddr = pair(peer, src, tx="tx", rx="rx", rx_size=lay.dst_bytes, rx_seed=500)
     before = stats(ag)
     write_from_here(ag, "rx", lay, src, raddr, notif=b"kv-ready")
     p.call(op="notif_wait", **{"from": "tx", "msg": "kv-ready"})
@@ -68,14 +75,10 @@ def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
     sizes = [int(x) for x in rng.integers(512, 1 << 20, size=300)]
     sizes[:200] = [int(x) for x in rng.integers(512, 4096, size=200)]  # mostly small: gate's average
     lay = nixlkit.Scattered(len(sizes), 0, seed=42, sizes=sizes)
-    p = peer()
-    meta, raddr = p.start(name="rx-mixed", size=lay.dst_bytes, seed=510)
-    ag = nixlkit.agent("tx-mixed", params={"bounce_min_descriptor_count": "64",
-                                           "bounce_max_average_descriptor_size": "1MiB"})
     src = nixlkit.pattern(511, lay.src_bytes)
-    nixlkit.register(ag, src)
-    ag.add_remote_agent(meta)
-    connect(ag, p)
+    gate = {"bounce_min_descriptor_count": "64", "bounce_max_average_descriptor_size": "1MiB"}
+    ag, p, raddr = pair(peer, src, tx="tx-mixed", rx="rx-mixed", rx_size=lay.dst_bytes, rx_seed=510,
+                        params=gate)
     write_from_here(ag, "rx-mixed", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(510, lay.dst_bytes)), "mixed destination")
@@ -85,13 +88,9 @@ def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
 def test_write_larger_than_both_arenas_streams_through(peer, tmp_path):
     small = {"bounce_arena_size": "4MiB", "bounce_max_chunk_size": "1MiB"}
     lay = nixlkit.Scattered(8192, 4096, seed=43)  # 32 MiB through 4 MiB arenas
-    p = peer()
-    meta, raddr = p.start(name="rx-big", size=lay.dst_bytes, seed=520, params=small)
-    ag = nixlkit.agent("tx-big", params=small)
     src = nixlkit.pattern(521, lay.src_bytes)
-    nixlkit.register(ag, src)
-    ag.add_remote_agent(meta)
-    connect(ag, p)
+    ag, p, raddr = pair(peer, src, tx="tx-big", rx="rx-big", rx_size=lay.dst_bytes, rx_seed=520,
+                        params=small, rx_params=small)
     write_from_here(ag, "rx-big", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(520, lay.dst_bytes)), "streamed destination")
@@ -224,13 +223,9 @@ def test_gate_sends_reads_and_few_descriptors_to_plain_ucx(peer, tmp_path):
 
 def test_peer_with_bounce_disabled_silently_stays_on_ucx(peer, tmp_path):
     lay = nixlkit.Scattered(4096, 4096, seed=48)
-    p = peer()
-    meta, raddr = p.start(name="rx-off", size=lay.dst_bytes, seed=550, params={"bounce_enable": "false"})
-    ag = nixlkit.agent("tx-off")
     src = nixlkit.pattern(551, lay.src_bytes)
-    nixlkit.register(ag, src)
-    ag.add_remote_agent(meta)
-    connect(ag, p, ready=False)
+    ag, p, raddr = pair(peer, src, tx="tx-off", rx="rx-off", rx_size=lay.dst_bytes, rx_seed=550,
+                        rx_params={"bounce_enable": "false"}, ready=False)
     write_from_here(ag, "rx-off", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(550, lay.dst_bytes)), "destination")
@@ -244,13 +239,8 @@ def test_idle_engine_does_not_eat_a_core(peer):
     import resource
     import time
     lay = nixlkit.Scattered(1024, 4096, seed=49)
-    p = peer()
-    meta, raddr = p.start(name="rx-idle", size=lay.dst_bytes, seed=560)
-    ag = nixlkit.agent("tx-idle")
     src = nixlkit.pattern(561, lay.src_bytes)
-    nixlkit.register(ag, src)
-    ag.add_remote_agent(meta)
-    connect(ag, p)
+    ag, p, raddr = pair(peer, src, tx="tx-idle", rx="rx-idle", rx_size=lay.dst_bytes, rx_seed=560)
     write_from_here(ag, "rx-idle", lay, src, raddr)
     time.sleep(0.2)  # let the reactor notice it is idle
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
@@ -294,13 +284,9 @@ def test_packed_sources_are_written_directly_unless_disabled(peer, tmp_path, dir
     """Sources packed in one registration: every chunk goes straight from user memory (no
     gather copy) unless bounce_direct_writes is off; the bytes are the same either way."""
     lay = nixlkit.Scattered(4096, 4096, seed=51)
-    p = peer()
-    meta, raddr = p.start(name=f"rx-direct-{direct}", size=lay.dst_bytes, seed=580)
-    ag = nixlkit.agent(f"tx-direct-{direct}", params={"bounce_direct_writes": direct})
     src = nixlkit.pattern(581, lay.src_bytes)
-    nixlkit.register(ag, src)
-    ag.add_remote_agent(meta)
-    connect(ag, p)
+    ag, p, raddr = pair(peer, src, tx=f"tx-direct-{direct}", rx=f"rx-direct-{direct}",
+                        rx_size=lay.dst_bytes, rx_seed=580, params={"bounce_direct_writes": direct})
     write_from_here(ag, f"rx-direct-{direct}", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(580, lay.dst_bytes)), "destination")
