@@ -76,11 +76,11 @@ void bnc_mem_deregistered(void *engine, const void *md);
 // Live counters, one "stats.<name>=<value>" line per sink call.
 void bnc_stats(void *engine, bnc_sink line, void *ctx);
 
-// After the inner engine loaded a peer's conn info: if the peer can bounce, describes its arena
-// (returns 1 and fills the out-params; `key` receives its remote key) so the shim can load it;
-// returns 0 when there is nothing to load.
-int32_t bnc_peer_arena(void *engine, bnc_str agent, uint64_t *addr, uint64_t *len, uint64_t *dev,
-                       int32_t *mem, bnc_sink key, void *key_ctx);
+// After the inner engine loaded a peer's conn info: Rust tells the peer we can answer it
+// (HELLO) and, if the peer can bounce, describes its arena (returns 1 and fills the
+// out-params; `key` receives its remote key) so the shim can load it; 0: nothing to load.
+int32_t bnc_peer_loaded(void *engine, bnc_str agent, uint64_t *addr, uint64_t *len, uint64_t *dev,
+                        int32_t *mem, bnc_sink key, void *key_ctx);
 // The inner engine's metadata for that peer's arena (or null when loading failed).
 void bnc_peer_arena_md(void *engine, bnc_str agent, void *md);
 // The peer is gone (disconnect): fail its transfers, reclaim its regions.

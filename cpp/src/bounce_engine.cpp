@@ -350,7 +350,7 @@ private:
         uint64_t addr = 0, len = 0, dev = 0;
         int32_t mem = 0;
         std::string key;
-        if (bnc_peer_arena(rust_, view(agent), &addr, &len, &dev, &mem, assign_sink, &key) != 1)
+        if (bnc_peer_loaded(rust_, view(agent), &addr, &len, &dev, &mem, assign_sink, &key) != 1)
             return;
         BlobDesc d;
         d.addr = addr;

@@ -407,13 +407,14 @@ pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, line: BncSink, ctx: *mut
     });
 }
 
-/// Describes the peer's arena for the shim to load (1), or says there is none (0).
+/// The inner engine loaded the peer: sends HELLO, and describes the peer's arena for the shim
+/// to load (1), or says there is none (0).
 ///
 /// # Safety
 /// `engine` is a live handle; `agent` views live bytes; the out-pointers are writable;
 /// `key`/`key_ctx` form a valid sink.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn bnc_peer_arena(
+pub unsafe extern "C" fn bnc_peer_loaded(
     engine: *mut c_void,
     agent: BncStr,
     addr: *mut u64,
@@ -424,7 +425,7 @@ pub unsafe extern "C" fn bnc_peer_arena(
     key_ctx: *mut c_void,
 ) -> i32 {
     let mut found = 0;
-    guard("bnc_peer_arena", || {
+    guard("bnc_peer_loaded", || {
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
@@ -432,7 +433,7 @@ pub unsafe extern "C" fn bnc_peer_arena(
         if addr.is_null() || len.is_null() || dev.is_null() || mem.is_null() {
             return Status::ErrInvalidParam;
         }
-        if let Some((a, l, d, m, k)) = e.peer_arena(agent) {
+        if let Some((a, l, d, m, k)) = e.peer_loaded(agent) {
             // SAFETY: all four are non-null and writable per the contract.
             unsafe {
                 *addr = a;

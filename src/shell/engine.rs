@@ -74,13 +74,6 @@ pub struct Registration {
     pub mem: MemKind,
 }
 
-/// What we learned about a peer from its connection info.
-#[derive(Debug, Clone)]
-pub struct PeerInfo {
-    /// Its capabilities, when it advertised compatible ones.
-    pub caps: Option<Capabilities>,
-}
-
 /// A descriptor as NIXL hands it to a backend (`bnc_meta_desc`).
 #[derive(Debug, Clone, Copy)]
 pub struct DescView {
@@ -112,7 +105,6 @@ pub struct Engine {
     config: Config,
     session: u64,
     stats: Arc<Stats>,
-    peers: Mutex<HashMap<String, PeerInfo>>,
     registrations: Mutex<HashMap<usize, Registration>>,
     app_notifs: Mutex<VecDeque<(Vec<u8>, Vec<u8>)>>,
     bounce: Option<Bounce>,
@@ -148,7 +140,6 @@ impl Engine {
             config,
             session,
             stats: Arc::new(Stats::default()),
-            peers: Mutex::new(HashMap::new()),
             registrations: Mutex::new(HashMap::new()),
             app_notifs: Mutex::new(VecDeque::new()),
             bounce: None,
@@ -196,7 +187,7 @@ impl Engine {
             requests: Default::default(),
             stats: Arc::clone(&self.stats),
             peer_arenas: Mutex::new(HashMap::new()),
-            known_peers: Mutex::new(Default::default()),
+            peers: Mutex::new(HashMap::new()),
             reachable: Mutex::new(Default::default()),
         });
         let view = ArenaView { base: arena.base(), len: arena.len() };
@@ -213,16 +204,6 @@ impl Engine {
         }
         tracing::info!(agent = self.agent, arena = arena.len(), "bounce path ready");
         Ok(Bounce { reactor, arena, caps, shim })
-    }
-
-    /// The configuration in force.
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
-
-    /// The local agent name.
-    pub fn agent(&self) -> &str {
-        &self.agent
     }
 
     /// Our capabilities, or `None` while this engine cannot bounce (bounce disabled, or no
@@ -259,9 +240,8 @@ impl Engine {
             },
             _ => None,
         };
-        self.peers.lock().insert(agent.to_owned(), PeerInfo { caps });
         if let Some(b) = &self.bounce {
-            b.reactor.shared().known_peers.lock().insert(agent.to_owned());
+            b.reactor.shared().peers.lock().insert(agent.to_owned(), caps);
         }
         Ok(env.inner)
     }
@@ -275,16 +255,14 @@ impl Engine {
         })
     }
 
-    /// The peer's arena to load into the inner engine, when it can bounce with us:
+    /// The inner engine has loaded the peer's conn info: we can now answer it, so tell it
+    /// (HELLO), and return its arena to load when it can bounce with us:
     /// `(base, len, dev, mem, key)`.
-    ///
-    /// Called right after the inner engine loaded the peer's conn info, so this is also where
-    /// we tell the peer we can answer it (HELLO).
-    pub fn peer_arena(&self, agent: &str) -> Option<(u64, u64, u64, i32, Vec<u8>)> {
+    pub fn peer_loaded(&self, agent: &str) -> Option<(u64, u64, u64, i32, Vec<u8>)> {
         let b = self.bounce.as_ref()?;
         b.reactor.shared().inbox.push(Cmd::Hello(agent.to_owned()));
-        let peers = self.peers.lock();
-        let c = peers.get(agent)?.caps.as_ref()?;
+        let peers = b.reactor.shared().peers.lock();
+        let c = peers.get(agent)?.as_ref()?;
         let mem = if c.mem == MemKind::Dram { 0 } else { 1 };
         Some((c.arena_base, c.arena_len, c.arena_dev, mem, c.arena_key.clone()))
     }
@@ -292,8 +270,8 @@ impl Engine {
     /// Records the inner metadata of the peer's arena (None: loading failed, stay on UCX).
     pub fn peer_arena_loaded(&self, agent: &str, md: Option<usize>) {
         let Some(b) = &self.bounce else { return };
-        let peers = self.peers.lock();
-        let caps = peers.get(agent).and_then(|p| p.caps.as_ref());
+        let peers = b.reactor.shared().peers.lock();
+        let caps = peers.get(agent).and_then(Option::as_ref);
         match (md, caps) {
             (Some(md), Some(c)) => {
                 let pa = PeerArena { base: c.arena_base, len: c.arena_len, dev: c.arena_dev, md: Md(md) };
@@ -308,10 +286,9 @@ impl Engine {
 
     /// The peer disconnected: its transfers fail, its regions are reclaimed.
     pub fn peer_lost(&self, agent: &str) {
-        self.peers.lock().remove(agent);
         if let Some(b) = &self.bounce {
             b.reactor.shared().peer_arenas.lock().remove(agent);
-            b.reactor.shared().known_peers.lock().remove(agent);
+            b.reactor.shared().peers.lock().remove(agent);
             b.reactor.shared().reachable.lock().remove(agent);
             b.reactor.shared().inbox.push(Cmd::PeerLost(agent.to_owned()));
         }
@@ -320,7 +297,6 @@ impl Engine {
     /// Records a registration made through this engine, keyed by the inner metadata handle.
     pub fn mem_registered(&self, md: usize, reg: Registration) {
         self.registrations.lock().insert(md, reg);
-        Stats::bump(&self.stats.registrations);
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
         // naming a GPU address in DATA must be refused, not dereferenced.
         if let (Some(b), MemKind::Dram) = (&self.bounce, reg.mem) {
@@ -332,7 +308,6 @@ impl Engine {
     pub fn mem_deregistered(&self, md: usize) {
         let removed = self.registrations.lock().remove(&md);
         if let Some(r) = removed {
-            self.stats.registrations.fetch_sub(1, Ordering::Relaxed);
             if let (Some(b), MemKind::Dram) = (&self.bounce, r.mem) {
                 b.reactor.shared().inbox.push(Cmd::Deregistered(r.addr, r.len, Md(md)));
             }
@@ -471,18 +446,10 @@ impl Engine {
         self.app_notifs.lock().drain(..).collect()
     }
 
-    /// Number of live registrations.
-    pub fn registration_count(&self) -> usize {
-        self.registrations.lock().len()
-    }
-
-    /// The random instance nonce carried in our control frames.
-    pub fn session(&self) -> u64 {
-        self.session
-    }
-
     /// Counters as `(name, value)`, published to NIXL as `stats.<name>`.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
+        // Gauges are derived here from the state they describe, not kept in step by hand.
+        self.stats.registrations.store(self.registrations.lock().len() as u64, Ordering::Relaxed);
         if let Some(b) = &self.bounce {
             let sh = b.reactor.shared();
             let ready = {

@@ -10,6 +10,6 @@ mod requests;
 mod stats;
 mod worker;
 
-pub use engine::{CreateParams, DescView, Engine, InnerInit, PeerInfo, Registration};
+pub use engine::{CreateParams, DescView, Engine, InnerInit, Registration};
 pub use error::{Error, Result};
 pub use inner_plugin::{InnerPlugin, PLUGIN_API_VERSION, locate_ucx_plugin};

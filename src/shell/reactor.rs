@@ -94,8 +94,9 @@ pub(super) struct Shared {
     pub stats: Arc<Stats>,
     /// Peers' arenas by agent name.
     pub peer_arenas: Mutex<HashMap<String, PeerArena>>,
-    /// Agents whose connection info NIXL loaded into this engine: the only ones we talk to.
-    pub known_peers: Mutex<std::collections::HashSet<String>>,
+    /// Agents whose connection info NIXL loaded into this engine (the only ones we talk to),
+    /// with their capabilities when compatible with ours.
+    pub peers: Mutex<HashMap<String, Option<bounce_proto::wire::Capabilities>>>,
     /// Agents that told us (HELLO) they loaded OUR connection info, so they can answer a WANT.
     pub reachable: Mutex<std::collections::HashSet<String>>,
 }
@@ -376,7 +377,7 @@ impl Driver {
             // Recorded even before we load the peer (the two loads race); bounded so a flood of
             // invented names cannot grow it without limit.
             let mut r = self.shared.reachable.lock();
-            if r.contains(peer) || r.len() < MAX_REACHABLE || self.shared.known_peers.lock().contains(peer) {
+            if r.contains(peer) || r.len() < MAX_REACHABLE || self.shared.peers.lock().contains_key(peer) {
                 r.insert(peer.to_owned());
             } else {
                 drop(r);
@@ -409,7 +410,7 @@ impl Driver {
         // needs it to answer at all, and the WANT's reverse-path endpoint is NOT loaded on
         // trust -- UCX aborts the whole process on a malformed worker address (found by the
         // hostile-peer test), and nothing here can validate one.
-        if !self.shared.known_peers.lock().contains(peer) {
+        if !self.shared.peers.lock().contains_key(peer) {
             return self.drop_frame(now, peer, &"control frame from an agent whose connection info was never loaded");
         }
         if let Err(e) = self.ep.handle_msg(now, id, frame.msg) {
