@@ -144,6 +144,13 @@ def test_scattered_transfer_two_processes_is_byte_exact(peer, tmp_path, op):
     ({"bounce_arena_granularity": "3000"}, "invalid BOUNCE configuration"),
 ])
 def test_bad_setup_fails_creation_cleanly(params, needle):
+    out = create_bounce_in_isolation(params)
+    assert "create failed" in out and needle in out, out
+
+
+def create_bounce_in_isolation(params):
+    """Creates a BOUNCE backend with `params` in a fresh interpreter; returns its output after
+    checking the process survived and NIXL stayed usable."""
     code = textwrap.dedent(f"""
         import nixlkit
         a = nixlkit.agent("bad", backends=())
@@ -160,9 +167,8 @@ def test_bad_setup_fails_creation_cleanly(params, needle):
     """)
     rc, out = run_isolated(code)
     assert rc == 0, out
-    assert "create failed" in out, out
-    assert needle in out, out
-    assert "still alive" in out
+    assert "still alive" in out, out
+    return out
 
 
 def test_inner_plugin_with_wrong_api_version_is_refused(tmp_path):
@@ -172,36 +178,15 @@ def test_inner_plugin_with_wrong_api_version_is_refused(tmp_path):
                    "static struct p plugin = { 2 };\n"
                    "void *nixl_plugin_init(void) { return &plugin; }\n")
     assert os.system(f"cc -shared -fPIC -o {so} {src}") == 0
-    code = textwrap.dedent(f"""
-        import nixlkit
-        a = nixlkit.agent("ver", backends=())
-        try:
-            a.create_backend("BOUNCE", {{"bounce_ucx_plugin": "{so}"}})
-            print("create succeeded")
-        except Exception:
-            print("create failed")
-        nixlkit.leave(0)
-    """)
-    rc, out = run_isolated(code)
-    assert rc == 0, out
+    out = create_bounce_in_isolation({"bounce_ucx_plugin": str(so)})
     assert "create failed" in out and "plugin API version 2" in out, out
 
 
 def test_inner_plugin_pointing_at_bounce_itself_is_refused():
-    code = textwrap.dedent("""
-        import os, nixl_cu12, nixlkit
-        site = os.path.dirname(os.path.dirname(nixl_cu12.__file__))
-        me = os.path.join(site, ".nixl_cu12.mesonpy.libs", "plugins", "libplugin_BOUNCE.so")
-        a = nixlkit.agent("self", backends=())
-        try:
-            a.create_backend("BOUNCE", {"bounce_ucx_plugin": me})
-            print("create succeeded")
-        except Exception:
-            print("create failed")
-        nixlkit.leave(0)
-    """)
-    rc, out = run_isolated(code)
-    assert rc == 0, out
+    import nixl_cu12
+    site = os.path.dirname(os.path.dirname(nixl_cu12.__file__))
+    me = os.path.join(site, ".nixl_cu12.mesonpy.libs", "plugins", "libplugin_BOUNCE.so")
+    out = create_bounce_in_isolation({"bounce_ucx_plugin": me})
     assert "create failed" in out and "is BOUNCE itself" in out, out
 
 
