@@ -121,6 +121,9 @@ pub extern "C" fn nixl_plugin_fini() {}
 static NAME_C: LazyLock<CString> = LazyLock::new(|| CString::new(PLUGIN_NAME).unwrap_or_default());
 static VERSION_C: LazyLock<CString> = LazyLock::new(|| CString::new(PLUGIN_VERSION).unwrap_or_default());
 
+// The next three entry points are not wrapped in `guard`: they only read statics whose
+// initializers cannot panic (`unwrap_or_default`, a slice length).
+
 /// The backend name, NUL-terminated, static.
 #[unsafe(no_mangle)]
 pub extern "C" fn bnc_plugin_name() -> *const c_char {
@@ -204,8 +207,8 @@ pub unsafe extern "C" fn bnc_engine_create(
     err: BncSink,
     err_ctx: *mut c_void,
 ) -> i32 {
-    init_logging();
     guard("bnc_engine_create", || {
+        init_logging();
         if args.is_null() || out.is_null() {
             sink_bytes(err, err_ctx, b"null argument");
             return Status::ErrInvalidParam;

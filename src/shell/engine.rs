@@ -391,6 +391,7 @@ impl Engine {
             }
             Err(PostError::Active) => Status::ErrRepostActive,
             Err(PostError::Unknown) => Status::ErrNotFound,
+            Err(PostError::Closed) => Status::ErrBackend,
         }
     }
 

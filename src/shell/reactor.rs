@@ -211,7 +211,14 @@ impl Reactor {
             .spawn(move || {
                 let span = tracing::debug_span!("reactor", session = d.session);
                 let _g = span.enter();
-                d.run(&stop2);
+                let shared = Arc::clone(&d.shared);
+                // A panic here would be a bug in the shell or core. It must not leave requests
+                // IN_PROG forever (nothing else runs their timeouts): fail them and refuse new
+                // posts; the engine's other entry points keep working on plain UCX.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.run(&stop2))).is_err() {
+                    tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");
+                    shared.requests.close(XferError::ShuttingDown);
+                }
             })
             .map_err(|e| format!("spawning the reactor failed: {e}"))?;
         *shared.inbox.thread.lock() = Some(thread.thread().clone());
@@ -232,7 +239,7 @@ impl Drop for Reactor {
             let _ = t.join();
         }
         // Whatever was still in flight has been failed by the driver's shutdown.
-        self.shared.requests.fail_all(XferError::ShuttingDown);
+        self.shared.requests.close(XferError::ShuttingDown);
     }
 }
 

@@ -54,12 +54,16 @@ pub(super) enum PostError {
     Unknown,
     /// Still in flight.
     Active,
+    /// The reactor is gone (engine shutting down, or it died): nothing would ever run it.
+    Closed,
 }
 
 /// The request table.
 #[derive(Debug, Default)]
 pub(super) struct Requests {
     map: Mutex<HashMap<u64, Request>>,
+    /// Set under `map`'s lock by [`Self::close`]; posts are refused from then on.
+    closed: std::sync::atomic::AtomicBool,
     next_handle: AtomicU64,
     next_xfer: AtomicU64,
 }
@@ -75,6 +79,9 @@ impl Requests {
     /// Marks a request posted under a fresh transfer id.
     pub(super) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<Posted, PostError> {
         let mut map = self.map.lock();
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(PostError::Closed);
+        }
         let r = map.get_mut(&handle).ok_or(PostError::Unknown)?;
         if matches!(r.state, State::Posted(_)) {
             return Err(PostError::Active);
@@ -106,9 +113,12 @@ impl Requests {
         })
     }
 
-    /// Fails every in-flight request (engine shutdown).
-    pub(super) fn fail_all(&self, why: XferError) {
-        for r in self.map.lock().values_mut() {
+    /// Fails every in-flight request and refuses new posts: the reactor stopped or died, so
+    /// nothing would ever run them (a post after this must not hang).
+    pub(super) fn close(&self, why: XferError) {
+        let mut map = self.map.lock();
+        self.closed.store(true, Ordering::Relaxed);
+        for r in map.values_mut() {
             if matches!(r.state, State::Posted(_)) {
                 r.state = State::Done(Err(why.clone()));
             }
@@ -135,5 +145,17 @@ mod tests {
         assert_eq!(t.state(h), Some(State::Posted(p2.xfer)));
         assert_eq!(t.remove(h), Some(Some(p2.xfer)));
         assert_eq!(t.post(h, None).unwrap_err(), PostError::Unknown);
+    }
+
+    #[test]
+    fn closing_fails_in_flight_requests_and_refuses_new_posts() {
+        let t = Requests::default();
+        let (a, b) = (t.insert("p".into(), Plan::default()), t.insert("p".into(), Plan::default()));
+        let pa = t.post(a, None).unwrap();
+        t.close(XferError::ShuttingDown);
+        assert_eq!(t.state(a), Some(State::Done(Err(XferError::ShuttingDown))));
+        assert_eq!(t.post(b, None).unwrap_err(), PostError::Closed);
+        t.finish(a, pa.xfer, Ok(())); // a late completion cannot turn it into a success
+        assert_eq!(t.state(a), Some(State::Done(Err(XferError::ShuttingDown))));
     }
 }

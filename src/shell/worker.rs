@@ -61,7 +61,12 @@ impl Workers {
                                 Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len()),
                                 Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len()),
                             };
-                            let ok = span.in_scope(|| run(arena, &job));
+                            // A panicking job (a bug) reports failure instead of killing the
+                            // worker and leaving the job's transfer to its timeout.
+                            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                span.in_scope(|| run(arena, &job))
+                            }))
+                            .unwrap_or(false);
                             done(job.job, ok);
                         }
                     })
