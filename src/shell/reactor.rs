@@ -147,6 +147,8 @@ struct Driver {
     /// chunks are written from these.
     user_regs: Vec<(u64, u64, Md)>,
     warn_budget: RateLimit,
+    /// Set by shutdown: queued writes are failed, never posted.
+    stopping: bool,
 }
 
 /// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
@@ -204,6 +206,7 @@ impl Reactor {
             peer_sessions: HashMap::new(),
             user_regs: Vec::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
+            stopping: false,
         };
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
@@ -441,35 +444,38 @@ impl Driver {
             self.shim.release(w.handle);
             self.ep.handle_write_done(now, w.job, st == 0);
             let _ = self.drain_actions();
-            self.post_queued_writes();
             moved = true;
         }
         moved
     }
 
-    fn post_queued_writes(&mut self) {
-        while self.writes.len() < MAX_WRITES_IN_FLIGHT {
-            let Some(w) = self.queued_writes.pop_front() else { break };
-            self.write(w.job, w.peer, w.source, w.remote, w.len);
-        }
-    }
-
+    /// Carries out the core's actions, then posts queued writes one at a time, carrying out
+    /// what each completion produces before the next write. UCX's shared-memory path copies a
+    /// write synchronously inside its post, so a chunk's DATA is produced during the post; sent
+    /// right away, the receiver scatters that chunk while the next one is written. (Posting
+    /// every granted write first held all the DATAs back until the whole window was written:
+    /// the receiver idled for 7 ms per 32 MiB window on the 2-core machine, BENCHMARKS.md.)
     fn drain_actions(&mut self) -> bool {
         let mut moved = false;
-        while let Some(a) = self.ep.poll_action() {
-            moved = true;
-            match a {
-                Action::Send { peer, msg } => self.send(peer, msg),
-                Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs),
-                Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
-                Action::Write { job, peer, source, remote, len, .. } => {
-                    self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
-                    self.post_queued_writes();
+        loop {
+            while let Some(a) = self.ep.poll_action() {
+                moved = true;
+                match a {
+                    Action::Send { peer, msg } => self.send(peer, msg),
+                    Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs),
+                    Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
+                    Action::Write { job, peer, source, remote, len, .. } => {
+                        self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
+                    }
+                    Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
                 }
-                Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
             }
+            if self.stopping || self.writes.len() >= MAX_WRITES_IN_FLIGHT {
+                return moved;
+            }
+            let Some(w) = self.queued_writes.pop_front() else { return moved };
+            self.write(w.job, w.peer, w.source, w.remote, w.len);
         }
-        moved
     }
 
     fn send(&mut self, peer: PeerId, msg: Msg) {
@@ -571,6 +577,7 @@ impl Driver {
     /// Fails everything and waits for operations that still touch the arena.
     fn shutdown(&mut self) {
         let now = Instant::now();
+        self.stopping = true;
         self.ep.shutdown(now);
         let _ = self.drain_actions();
         for w in std::mem::take(&mut self.queued_writes) {
