@@ -9,10 +9,19 @@ use memmap2::MmapMut;
 
 use crate::ffi::shim::{Md, Shim};
 
+/// Transparent huge page size on x86-64 and most aarch64 kernels; elsewhere the alignment is
+/// merely wasted slack.
+const HUGE_PAGE: usize = 2 << 20;
+/// Smallest page size we may meet; touching one byte per this many populates every page.
+const SMALL_PAGE: usize = 4096;
+
 /// A registered host arena.
 pub(super) struct Arena {
-    map: MmapMut,
+    /// Held for its lifetime (dropping unmaps); the arena is `len` bytes of it from `base`, the
+    /// first huge-page boundary.
+    _map: MmapMut,
     base: u64,
+    len: u64,
     md: Md,
     key: Vec<u8>,
 }
@@ -24,19 +33,31 @@ impl Arena {
     /// A description of what failed (mapping or registration).
     pub(super) fn new(shim: &Shim, len: u64) -> Result<Self, String> {
         let size = usize::try_from(len).map_err(|_| format!("arena size {len} does not fit"))?;
-        // Populated up front: the arena is a long-lived RDMA staging buffer (a NIC registration
-        // would pin every page anyway), and first-touch page faults would otherwise land on the
-        // first transfers' critical path (seen as 12 ms on a first 4 MiB gather).
+        // Backed by transparent huge pages where the kernel allows them (`madvise` mode is the
+        // common default): every write into or out of the arena pins its pages, and with 4 KiB
+        // pages the page walks cost as much as a third of the copy (2-core machine: a 4 MiB CMA
+        // write into the arena took 0.87 ms, against 0.4 ms per 4 MiB for UCX between two
+        // huge-page numpy buffers). Over-mapped by one huge page so an aligned start exists.
         let mut map = memmap2::MmapOptions::new()
-            .len(size)
-            .populate()
+            .len(size + HUGE_PAGE)
             .map_anon()
             .map_err(|e| format!("mapping the {len}-byte arena failed: {e}"))?;
-        let base = map.as_mut_ptr() as u64;
+        if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+            tracing::debug!(error = %e, "no transparent huge pages for the arena");
+        }
+        let skip = map.as_ptr().align_offset(HUGE_PAGE);
+        // Populated up front: the arena is a long-lived RDMA staging buffer (a NIC registration
+        // would pin every page anyway), and first-touch page faults would otherwise land on the
+        // first transfers' critical path (seen as 12 ms on a first 4 MiB gather). One write per
+        // small page faults everything in, as huge pages where granted.
+        for b in map[skip..skip + size].iter_mut().step_by(SMALL_PAGE) {
+            *b = 0;
+        }
+        let base = map[skip..].as_mut_ptr() as u64;
         let (md, key) = shim
             .register(base, len, 0, 0)
             .map_err(|st| format!("registering the arena with UCX failed (status {st})"))?;
-        Ok(Self { map, base, md, key })
+        Ok(Self { _map: map, base, len, md, key })
     }
 
     /// Base address.
@@ -46,7 +67,7 @@ impl Arena {
 
     /// Length in bytes.
     pub(super) fn len(&self) -> u64 {
-        self.map.len() as u64
+        self.len
     }
 
     /// The inner engine's metadata handle for the registration.
