@@ -51,6 +51,10 @@ pub struct Config {
     pub scatter_run_merging: bool,
     /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
     pub direct_writes: bool,
+    /// Scatter with non-temporal stores (`bounce_streaming_scatter`).
+    pub streaming_scatter: bool,
+    /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
+    pub check_wait: Duration,
     /// Path of NIXL's UCX plugin; `None` means the default next to this plugin
     /// (`bounce_ucx_plugin`).
     pub ucx_plugin: Option<String>,
@@ -328,6 +332,8 @@ impl Config {
             control,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
+            streaming_scatter: boolean("bounce_streaming_scatter")?,
+            check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
             ucx_plugin,
         })
     }
@@ -634,6 +640,8 @@ mod tests {
             ("bounce_control", "ZMQ"),
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
+            ("bounce_streaming_scatter", "off"),
+            ("bounce_check_wait_us", "0"),
             ("bounce_ucx_plugin", "/opt/nixl/libplugin_UCX.so"),
         ])
         .unwrap();
@@ -652,6 +660,8 @@ mod tests {
             control: ControlKind::Zmq,
             scatter_run_merging: false,
             direct_writes: false,
+            streaming_scatter: false,
+            check_wait: Duration::ZERO,
             ucx_plugin: Some("/opt/nixl/libplugin_UCX.so".into()),
         };
         assert_eq!(c.config, want);

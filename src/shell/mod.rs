@@ -2,6 +2,7 @@
 //! and copy workers that drive the sans-IO core.
 
 mod arena;
+mod copy;
 mod engine;
 mod error;
 mod inner_plugin;

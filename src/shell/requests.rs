@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bounce_proto::XferId;
 use bounce_proto::endpoint::XferError;
 use bounce_proto::plan::Plan;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 /// Where a request stands.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +31,8 @@ pub(super) struct Request {
     pub plan: Arc<Plan>,
     /// Where it stands.
     pub state: State,
+    /// When the application last found it in flight (busy-poll detection).
+    pub last_check: Option<Instant>,
 }
 
 /// What the reactor needs to run a posted request.
@@ -62,6 +65,8 @@ pub(super) enum PostError {
 #[derive(Debug, Default)]
 pub(super) struct Requests {
     map: Mutex<HashMap<u64, Request>>,
+    /// Notified whenever a request finishes; busy pollers wait on it.
+    finished: Condvar,
     /// Set under `map`'s lock by [`Self::close`]; posts are refused from then on.
     closed: std::sync::atomic::AtomicBool,
     next_handle: AtomicU64,
@@ -72,7 +77,7 @@ impl Requests {
     /// Adds a prepared request; returns its handle id (never 0).
     pub(super) fn insert(&self, peer: String, plan: Plan) -> u64 {
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed) + 1;
-        self.map.lock().insert(h, Request { peer, plan: Arc::new(plan), state: State::Prepared });
+        self.map.lock().insert(h, Request { peer, plan: Arc::new(plan), state: State::Prepared, last_check: None });
         h
     }
 
@@ -92,8 +97,32 @@ impl Requests {
     }
 
     /// The request's state.
+    #[cfg(test)]
     pub(super) fn state(&self, handle: u64) -> Option<State> {
         self.map.lock().get(&handle).map(|r| r.state.clone())
+    }
+
+    /// The request's state, as the application's status check sees it. A request found in
+    /// flight by a check that follows the previous one within `tight` is being busy-polled:
+    /// that check waits up to `wait` for any request to finish before answering, so the
+    /// poller stops taking the cores the copy engine needs, and wakes the moment work ends.
+    pub(super) fn check(&self, handle: u64, tight: Duration, wait: Duration) -> Option<State> {
+        let mut map = self.map.lock();
+        let r = map.get_mut(&handle)?;
+        if !matches!(r.state, State::Posted(_)) {
+            return Some(r.state.clone());
+        }
+        let now = Instant::now();
+        let busy_poll = r.last_check.is_some_and(|t| now.saturating_duration_since(t) < tight);
+        r.last_check = Some(now);
+        if !busy_poll || wait.is_zero() {
+            return Some(r.state.clone());
+        }
+        let _ = self.finished.wait_for(&mut map, wait);
+        // Measured from the end of the wait: the poller's next check is then tight again.
+        let r = map.get_mut(&handle)?;
+        r.last_check = Some(Instant::now());
+        Some(r.state.clone())
     }
 
     /// Records a transfer's outcome, if its request still waits for exactly that transfer.
@@ -101,6 +130,7 @@ impl Requests {
         if let Some(r) = self.map.lock().get_mut(&handle) {
             if r.state == State::Posted(xfer) {
                 r.state = State::Done(outcome);
+                self.finished.notify_all();
             }
         }
     }
@@ -123,6 +153,7 @@ impl Requests {
                 r.state = State::Done(Err(why.clone()));
             }
         }
+        self.finished.notify_all();
     }
 }
 
@@ -145,6 +176,40 @@ mod tests {
         assert_eq!(t.state(h), Some(State::Posted(p2.xfer)));
         assert_eq!(t.remove(h), Some(Some(p2.xfer)));
         assert_eq!(t.post(h, None).unwrap_err(), PostError::Unknown);
+    }
+
+    /// The first check of an in-flight request answers at once; a check right behind it (a
+    /// busy poll) sleeps until a request finishes, bounded by the wait.
+    #[test]
+    fn busy_polled_checks_sleep_until_a_finish_and_no_longer_than_the_wait() {
+        let t = Arc::new(Requests::default());
+        let h = t.insert("p".into(), Plan::default());
+        let p = t.post(h, None).unwrap();
+        let (tight, long) = (Duration::from_secs(60), Duration::from_secs(60));
+        let start = Instant::now();
+        assert_eq!(t.check(h, tight, long), Some(State::Posted(p.xfer)));
+        assert!(start.elapsed() < Duration::from_secs(30), "a first check must not wait");
+        // Not tight: a zero gap threshold never counts as a busy poll.
+        assert_eq!(t.check(h, Duration::ZERO, long), Some(State::Posted(p.xfer)));
+        assert!(start.elapsed() < Duration::from_secs(30));
+        // Tight, nothing finishes: bounded by the wait.
+        let short = Duration::from_millis(30);
+        let before = Instant::now();
+        assert_eq!(t.check(h, tight, short), Some(State::Posted(p.xfer)));
+        assert!(before.elapsed() >= short);
+        // Tight, and the transfer finishes meanwhile: woken by the finish, not the timeout.
+        let t2 = Arc::clone(&t);
+        let finisher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            t2.finish(h, p.xfer, Ok(()));
+        });
+        let before = Instant::now();
+        assert_eq!(t.check(h, tight, long), Some(State::Done(Ok(()))));
+        assert!(before.elapsed() < Duration::from_secs(30), "the finish must wake the check");
+        finisher.join().unwrap();
+        // A finished request answers at once, however tight the polling.
+        assert_eq!(t.check(h, tight, long), Some(State::Done(Ok(()))));
+        assert_eq!(t.check(42, tight, long), None);
     }
 
     #[test]

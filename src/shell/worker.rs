@@ -1,10 +1,12 @@
 //! Copy workers: gather (user memory -> arena region) and scatter (arena region -> user memory)
-//! with plain memcpy, off the reactor thread. Workers never see protocol state: they get a
+//! with the kernels of [`super::copy`], off the reactor thread. Workers never see protocol state: they get a
 //! [`CopyJob`] and report `(JobId, ok)`.
 
 use std::thread::JoinHandle;
 
 use bounce_proto::endpoint::JobId;
+
+use super::copy;
 use bounce_proto::{CopyRun, Region};
 use crossbeam_channel::{Receiver, Sender};
 
@@ -37,6 +39,8 @@ pub(super) struct ArenaView {
     pub base: u64,
     /// Length.
     pub len: u64,
+    /// Scatter with streaming (non-temporal) stores.
+    pub streaming_scatter: bool,
 }
 
 /// A pool of copy threads.
@@ -107,6 +111,7 @@ fn run(arena: ArenaView, job: &CopyJob) -> bool {
         }
     }
     let region_base = arena.base + job.region.offset;
+    let streaming = job.dir == Dir::Scatter && arena.streaming_scatter;
     for r in &job.runs {
         for (off, addr, len) in r.copies() {
             let arena_ptr = (region_base + off) as *mut u8;
@@ -121,11 +126,16 @@ fn run(arena: ArenaView, job: &CopyJob) -> bool {
             // our private mapping), and the core hands each region to one job at a time.
             unsafe {
                 match job.dir {
-                    Dir::Gather => std::ptr::copy_nonoverlapping(user_ptr, arena_ptr, len),
-                    Dir::Scatter => std::ptr::copy_nonoverlapping(arena_ptr, user_ptr, len),
+                    Dir::Gather => copy::copy_cached(user_ptr, arena_ptr, len),
+                    Dir::Scatter if streaming => copy::copy_streaming(arena_ptr, user_ptr, len),
+                    Dir::Scatter => copy::copy_cached(arena_ptr, user_ptr, len),
                 }
             }
         }
+    }
+    if streaming {
+        // The completion this job reports next must not overtake its streaming stores.
+        copy::fence();
     }
     true
 }
@@ -138,7 +148,7 @@ mod tests {
     #[test]
     fn gather_then_scatter_moves_exact_bytes_and_refuses_escapes() {
         let mut arena = vec![0u8; 4096];
-        let view = ArenaView { base: arena.as_mut_ptr() as u64, len: 4096 };
+        let view = ArenaView { base: arena.as_mut_ptr() as u64, len: 4096, streaming_scatter: true };
         let src: Vec<u8> = (0..64u8).collect();
         let mut dst = vec![0xEEu8; 128];
         let (tx, rx) = mpsc::channel();
