@@ -60,6 +60,32 @@ impl Arena {
         Ok(Self { _map: map, base, len, md, key })
     }
 
+    /// Bytes of the arena backed by huge pages, from `/proc/self/smaps` (`None` where that
+    /// cannot be read). Reported at start-up: without huge pages every write pays page walks.
+    pub(super) fn huge_bytes(&self) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let (lo, hi) = (self.base, self.base + self.len);
+        let mut inside = false;
+        let mut total = 0u64;
+        for line in smaps.lines() {
+            // A mapping header is "start-end perms ..."; its fields follow until the next one.
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((a, b)) = range.split_once('-') {
+                    if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                        inside = a < hi && lo < b;
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                    total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
+                }
+            }
+        }
+        Some(total.min(self.len))
+    }
+
     /// Base address.
     pub(super) fn base(&self) -> u64 {
         self.base

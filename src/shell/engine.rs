@@ -207,7 +207,8 @@ impl Engine {
         for (md, r) in self.registrations.lock().iter().filter(|(_, r)| r.mem == MemKind::Dram) {
             reactor.shared().inbox.push(Cmd::Registered(r.addr, r.len, Md(*md)));
         }
-        tracing::info!(agent = self.agent, arena = arena.len(), "bounce path ready");
+        let huge = arena.huge_bytes();
+        tracing::info!(agent = self.agent, arena = arena.len(), huge_pages = huge, "bounce path ready");
         Ok(Bounce { reactor, arena, caps, shim })
     }
 
