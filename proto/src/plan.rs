@@ -772,7 +772,7 @@ chunk 1 bytes 128
 
     #[test]
     fn many_small_descriptors_plan_in_one_pass() {
-        // 16384 × 4 KiB dense descriptors into the default 4 MiB chunks.
+        // 16384 × 4 KiB dense descriptors into 4 MiB chunks.
         let descs: Vec<_> = (0..16384).map(|i| d(i << 12, (i << 12) + (1 << 40), 4096)).collect();
         let p = plan(&descs, PlanParams::new(4 << 20)).unwrap();
         assert_eq!(p.chunks.len(), 16);
