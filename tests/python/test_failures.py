@@ -172,7 +172,7 @@ def write_exact(ag, p, peer_name, lay, src, raddr, tmp_path, before, deadline=30
                         f"destination at {peer_name}")
 
 
-def streaming_kill_or_cancel(ag, name, lay, src, raddr, act, after_s=0.015):
+def streaming_kill_or_cancel(ag, name, lay, src, raddr, act, after_s=0.003):
     """Posts a streaming transfer and calls `act()` once it has run `after_s` while still in
     flight. Returns (handle, "PROC"), or (None, state) when it ended before `act` could land."""
     h = post(ag, name, lay, src, raddr)
