@@ -7,6 +7,8 @@
 //! `Complete` per transfer. At the end, after shutdown and every outstanding job's completion:
 //! the whole arena is free again.
 
+pub mod buddy_ops;
+
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
