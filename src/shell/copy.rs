@@ -58,7 +58,7 @@ pub(super) unsafe fn copy_streaming(src: *const u8, dst: *mut u8, len: usize) {
 /// Orders every streaming store issued by this thread before any later store, such as the one
 /// that publishes a job's completion.
 pub(super) fn fence() {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     // SAFETY: `sfence` only orders stores; SSE is part of the x86-64 baseline.
     unsafe {
         std::arch::x86_64::_mm_sfence();
@@ -71,13 +71,22 @@ pub(super) fn fence() {
 /// As for [`copy_streaming`], plus: `dst` is aligned to [`LINE`] and `len` is a multiple of it.
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_lines(src: *const u8, dst: *mut u8, len: usize) {
+    #[cfg(not(miri))]
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let mut off = 0;
     while off < len {
+        // Miri cannot run the streaming store (inline assembly); under it each line is copied
+        // plainly, so the bounds of every line access are still checked.
+        #[cfg(miri)]
+        // SAFETY: `off + LINE <= len`: the line lies inside the caller's ranges.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), LINE);
+        }
         // SAFETY: `off + LINE <= len`, so the four 16-byte loads and stores stay inside the
         // caller's ranges; the loads are unaligned-tolerant and every store address is 16-byte
         // aligned because `dst` is line-aligned and `off` a multiple of LINE. SSE2 is part of
         // the x86-64 baseline.
+        #[cfg(not(miri))]
         unsafe {
             let s = src.add(off).cast::<__m128i>();
             let d = dst.add(off).cast::<__m128i>();
