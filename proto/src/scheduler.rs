@@ -195,6 +195,11 @@ pub struct CreditScheduler {
     orphaned_bytes: u64,
     /// Bytes held (granted, not yet freed) by each peer's flows, for the per-peer share cap.
     peer_held: BTreeMap<PeerId, u64>,
+    /// Number of each peer's flows waiting for a credit (something pending, window not full),
+    /// for the share cap's "another peer waits". Kept in step at every change of a flow's
+    /// pending chunks or held regions: a scan of all flows there made each grant O(flows) and
+    /// a schedule pass O(flows^2), which one peer with thousands of flows turned into seconds.
+    waiting: BTreeMap<PeerId, usize>,
 }
 
 #[derive(Debug, Default)]
@@ -269,6 +274,7 @@ impl CreditScheduler {
             scattering: BTreeMap::new(),
             orphaned_bytes: 0,
             peer_held: BTreeMap::new(),
+            waiting: BTreeMap::new(),
         })
     }
 
@@ -298,15 +304,19 @@ impl CreditScheduler {
         if chunks.is_empty() {
             return Ok(());
         }
+        let window = self.window as usize;
         let entry = self.flows.entry(flow).or_insert_with(|| {
             self.ring.push(flow);
             Flow::default()
         });
+        let was = Self::is_waiting(entry, window);
         for (i, &bytes) in chunks.iter().enumerate() {
             // In range: checked against 2^32 above.
             entry.pending.push_back((ChunkIdx((next + i as u64) as u32), bytes));
         }
         entry.next_chunk = next + chunks.len() as u64;
+        let now = Self::is_waiting(entry, window);
+        Self::rewait(&mut self.waiting, flow.peer, was, now);
         trace!(?flow, chunks = chunks.len(), "want");
         Ok(())
     }
@@ -388,7 +398,10 @@ impl CreditScheduler {
         if s.orphaned {
             self.orphaned_bytes -= s.len;
         } else if let Some(flow) = self.flows.get_mut(&s.flow) {
+            let window = self.window as usize;
+            let was = Self::is_waiting(flow, window);
             flow.held.remove(&offset);
+            Self::rewait(&mut self.waiting, s.flow.peer, was, Self::is_waiting(flow, window));
             Self::unhold(&mut self.peer_held, s.flow.peer, s.len);
             if flow.pending.is_empty() && flow.held.is_empty() {
                 self.flows.remove(&s.flow);
@@ -582,6 +595,15 @@ impl CreditScheduler {
                 return Err(format!("{key:?} is stamped but not eligible"));
             }
         }
+        let mut waiting: BTreeMap<PeerId, usize> = BTreeMap::new();
+        for (key, flow) in &self.flows {
+            if Self::is_waiting(flow, self.window as usize) {
+                *waiting.entry(key.peer).or_default() += 1;
+            }
+        }
+        if waiting != self.waiting {
+            return Err(format!("waiting-flow counts {:?} != recount {waiting:?}", self.waiting));
+        }
         let mut orphaned = 0;
         for (&off, s) in &self.scattering {
             let holder = self.flows.get(&s.flow).and_then(|f| f.held.get(&off));
@@ -675,8 +697,10 @@ impl CreditScheduler {
         }
         let flow = self.flows.get_mut(&key).ok_or(Miss::NotEligible)?;
         let region = self.buddy.alloc(bytes).ok_or(Miss::NoFit)?;
+        let was = Self::is_waiting(flow, window);
         flow.pending.pop_front();
         flow.held.insert(region.offset, Held { chunk, len: region.len });
+        Self::rewait(&mut self.waiting, key.peer, was, Self::is_waiting(flow, window));
         *self.peer_held.entry(key.peer).or_default() += region.len;
         self.grant_seq += 1;
         self.unblock(key);
@@ -696,8 +720,28 @@ impl CreditScheduler {
         if held.saturating_add(need) <= cap {
             return false;
         }
-        let window = self.window as usize;
-        self.flows.iter().any(|(k, f)| k.peer != peer && !f.pending.is_empty() && f.held.len() < window)
+        self.waiting.keys().any(|&p| p != peer)
+    }
+
+    /// Whether `flow` waits for a credit.
+    fn is_waiting(flow: &Flow, window: usize) -> bool {
+        !flow.pending.is_empty() && flow.held.len() < window
+    }
+
+    /// Records that a flow of `peer` went from waiting `was` to waiting `now`.
+    fn rewait(waiting: &mut BTreeMap<PeerId, usize>, peer: PeerId, was: bool, now: bool) {
+        match (was, now) {
+            (false, true) => *waiting.entry(peer).or_default() += 1,
+            (true, false) => {
+                if let Some(n) = waiting.get_mut(&peer) {
+                    *n -= 1;
+                    if *n == 0 {
+                        waiting.remove(&peer);
+                    }
+                }
+            }
+            _ => {}
+        }
     }
 
     fn unhold(peer_held: &mut BTreeMap<PeerId, u64>, peer: PeerId, len: u64) {
@@ -732,6 +776,7 @@ impl CreditScheduler {
         let Some(flow) = self.flows.remove(&key) else {
             return;
         };
+        Self::rewait(&mut self.waiting, key.peer, Self::is_waiting(&flow, self.window as usize), false);
         self.remove_from_ring(key);
         if self.drain == Some(key) {
             self.drain = None;
