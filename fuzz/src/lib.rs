@@ -165,6 +165,9 @@ pub fn run(data: &[u8]) -> Coverage {
         if let Err(e) = ep.scheduler().check_invariants() {
             panic!("scheduler invariant broken: {e}");
         }
+        if let Err(e) = ep.receiver().check_invariants() {
+            panic!("receiver invariant broken: {e}");
+        }
     }
     // Shut down, let every outstanding job end, and nothing may stay allocated.
     ep.shutdown(now);

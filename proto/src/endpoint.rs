@@ -306,6 +306,19 @@ pub enum ProtocolError {
         /// The scheduler's reason.
         source: SchedError,
     },
+    /// A WANT that would take the peer over [`crate::receiver::MAX_FLOWS_PER_PEER`] open flows
+    /// or [`crate::receiver::MAX_CHUNKS_PER_PEER`] announced chunks; dropped unqueued.
+    #[error("peer {}: WANT for transfer {} refused: {flows} open flows, {chunks} announced chunks would exceed the per-peer caps", .peer.0, .xfer.0)]
+    PeerOverLimit {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// Open flows the peer would have.
+        flows: usize,
+        /// Announced chunks the peer would have.
+        chunks: u64,
+    },
     /// A DATA that failed validation: it was dropped, answered with ACK(Refused), and the flow
     /// was reclaimed.
     #[error("peer {}: invalid DATA for transfer {} chunk #{}: {fault:?}", .peer.0, .xfer.0, .chunk.0)]
@@ -653,6 +666,12 @@ impl Endpoint {
     /// The receiver role, read-only.
     pub fn receiver(&self) -> &Receiver {
         &self.receiver
+    }
+
+    /// The receiver role, mutable (tests that adjust it).
+    #[cfg(test)]
+    pub(crate) fn receiver_mut(&mut self) -> &mut Receiver {
+        &mut self.receiver
     }
 
     /// The counters.
@@ -1062,6 +1081,7 @@ pub(crate) mod tests {
                 }
                 collect_jobs(&mut ep, &mut jobs);
                 prop_assert!(ep.scheduler().check_invariants().is_ok(), "{:?}", ep.scheduler().check_invariants());
+                prop_assert!(ep.receiver().check_invariants().is_ok(), "{:?}", ep.receiver().check_invariants());
             }
             ep.shutdown(now);
             collect_jobs(&mut ep, &mut jobs);

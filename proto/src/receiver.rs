@@ -18,6 +18,22 @@ use crate::scheduler::Grant as SchedGrant;
 use crate::types::{ChunkIdx, FlowKey, PeerId, Region};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
 
+/// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
+/// and scheduler state until it ends; without a cap a peer could grow that state without
+/// bound by announcing transfers it never sends.
+pub const MAX_FLOWS_PER_PEER: usize = 4096;
+/// Most chunks one peer may have announced across its open flows (each announced chunk is
+/// kept, with its size, until its flow ends). 2^20 chunks is 2 TiB in flight at 2 MiB chunks.
+pub const MAX_CHUNKS_PER_PEER: u64 = 1 << 20;
+
+/// What one peer's open flows hold here: the quantities [`MAX_FLOWS_PER_PEER`] and
+/// [`MAX_CHUNKS_PER_PEER`] bound.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct PeerLoad {
+    flows: usize,
+    chunks: u64,
+}
+
 /// One remote flow as the receiver sees it.
 #[derive(Debug)]
 struct Flow {
@@ -62,6 +78,10 @@ pub struct Receiver {
     /// Registered memory ranges `(start, end)` with their registration counts.
     registered: BTreeMap<(u64, u64), u32>,
     flows: BTreeMap<FlowKey, Flow>,
+    /// Per-peer totals over `flows`, kept in step with it (see `check_invariants`).
+    load: BTreeMap<PeerId, PeerLoad>,
+    /// The per-peer caps: [`MAX_FLOWS_PER_PEER`] and [`MAX_CHUNKS_PER_PEER`] (tests lower them).
+    caps: PeerLoad,
     scatters: BTreeMap<JobId, Scatter>,
     timers: BTreeSet<(Instant, FlowKey)>,
     shutting_down: bool,
@@ -73,6 +93,8 @@ impl Receiver {
             idle_timeout: config.request_timeout / 2,
             registered: BTreeMap::new(),
             flows: BTreeMap::new(),
+            load: BTreeMap::new(),
+            caps: PeerLoad { flows: MAX_FLOWS_PER_PEER, chunks: MAX_CHUNKS_PER_PEER },
             scatters: BTreeMap::new(),
             timers: BTreeSet::new(),
             shutting_down: false,
@@ -129,9 +151,16 @@ impl Receiver {
             debug!(peer = from.0, xfer = want.xfer.0, "WANT ignored: shutting down");
             return Ok(());
         }
+        let load = self.load.get(&from).copied().unwrap_or_default();
+        let flows = load.flows + usize::from(!self.flows.contains_key(&key));
+        let chunks = load.chunks.saturating_add(want.chunks.len() as u64);
+        if flows > self.caps.flows || chunks > self.caps.chunks {
+            return Err(ProtocolError::PeerOverLimit { peer: from, xfer: want.xfer, flows, chunks });
+        }
         if let Err(source) = ctx.sched.want(key, &want.chunks) {
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
         }
+        self.load.insert(from, PeerLoad { flows, chunks });
         ctx.stats.wants += 1;
         let deadline = ctx.now + self.idle_timeout;
         match self.flows.get_mut(&key) {
@@ -362,9 +391,40 @@ impl Receiver {
         match self.flows.remove(&key) {
             Some(flow) => {
                 self.timers.remove(&(flow.timer_at, key));
+                if let Some(load) = self.load.get_mut(&key.peer) {
+                    load.flows -= 1;
+                    load.chunks -= flow.chunks.len() as u64;
+                    if load.flows == 0 {
+                        self.load.remove(&key.peer);
+                    }
+                }
                 true
             }
             None => false,
+        }
+    }
+
+    /// Lowers the per-peer caps (tests: reaching the real ones takes thousands of flows).
+    #[cfg(test)]
+    pub(crate) fn set_peer_caps(&mut self, flows: usize, chunks: u64) {
+        self.caps = PeerLoad { flows, chunks };
+    }
+
+    /// Checks that the per-peer totals match the open flows; `Err` describes the first
+    /// mismatch. For tests, simulations and fuzzing.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut recount: BTreeMap<PeerId, PeerLoad> = BTreeMap::new();
+        for (key, flow) in &self.flows {
+            let l = recount.entry(key.peer).or_default();
+            l.flows += 1;
+            l.chunks += flow.chunks.len() as u64;
+        }
+        if recount != self.load {
+            return Err(format!("per-peer load {:?} but the open flows add up to {:?}", self.load, recount));
+        }
+        match recount.iter().find(|(_, l)| l.flows > self.caps.flows || l.chunks > self.caps.chunks) {
+            Some((peer, l)) => Err(format!("peer {} holds {l:?}, over the per-peer caps", peer.0)),
+            None => Ok(()),
         }
     }
 }
@@ -641,6 +701,45 @@ mod tests {
         assert!(ep.is_idle());
         assert_eq!(ep.poll_timeout(), None);
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    /// A peer cannot grow receiver state without bound by announcing transfers it never
+    /// sends: past the per-peer caps its WANTs are refused unqueued, other peers are not
+    /// affected, and ending a flow gives the room back.
+    #[test]
+    fn a_peer_is_capped_in_open_flows_and_announced_chunks() {
+        const FLOWS: usize = 16;
+        const CHUNKS: u64 = 64;
+        let (mut ep, t) = receiver();
+        assert_eq!(ep.receiver().caps, PeerLoad { flows: MAX_FLOWS_PER_PEER, chunks: MAX_CHUNKS_PER_PEER });
+        ep.receiver_mut().set_peer_caps(FLOWS, CHUNKS);
+        let greedy = PeerId(7);
+        for x in 0..FLOWS as u64 {
+            ep.handle_msg(t, greedy, want_msg(XferId(x), &[CHUNK])).unwrap();
+        }
+        let err = ep.handle_msg(t, greedy, want_msg(XferId(1 << 40), &[CHUNK])).unwrap_err();
+        assert!(matches!(err, ProtocolError::PeerOverLimit { flows, .. } if flows == FLOWS + 1), "{err}");
+        // More chunks for a flow it already has are fine while under the chunk cap.
+        ep.handle_msg(t, greedy, want_msg(XferId(0), &[CHUNK])).unwrap();
+        ep.handle_msg(t, PEER, want_msg(X, &[CHUNK])).unwrap();
+        ep.receiver().check_invariants().unwrap();
+        // Ending one flow makes room for a new one.
+        ep.handle_msg(t, greedy, Msg::cancel(XferId(5), Vec::new())).unwrap();
+        ep.handle_msg(t, greedy, want_msg(XferId(1 << 40), &[CHUNK])).unwrap();
+        ep.handle_peer_lost(t, greedy);
+        ep.receiver().check_invariants().unwrap();
+
+        // The chunk cap, across WANTs of one flow and across flows.
+        let half = vec![CHUNK; (CHUNKS / 2) as usize];
+        ep.handle_msg(t, greedy, want_msg(XferId(1), &half)).unwrap();
+        ep.handle_msg(t, greedy, want_msg(XferId(2), &half)).unwrap();
+        let err = ep.handle_msg(t, greedy, want_msg(XferId(1), &[CHUNK])).unwrap_err();
+        assert!(matches!(err, ProtocolError::PeerOverLimit { chunks, .. } if chunks == CHUNKS + 1), "{err}");
+        assert!(ep.handle_msg(t, greedy, want_msg(XferId(3), &[CHUNK])).is_err());
+        ep.receiver().check_invariants().unwrap();
+        ep.handle_msg(t, greedy, Msg::cancel(XferId(2), Vec::new())).unwrap();
+        ep.handle_msg(t, greedy, want_msg(XferId(3), &[CHUNK])).unwrap();
+        ep.receiver().check_invariants().unwrap();
     }
 
     #[test]

@@ -537,6 +537,50 @@ def test_a_peer_that_wants_and_goes_silent_cannot_starve_another_peer(procs, tmp
                         "honest destination")
 
 
+def test_a_peer_announcing_thousands_of_transfers_is_capped_and_others_still_bounce(procs, tmp_path):
+    """A loaded peer that announces far more transfers than it could ever send must not grow
+    the receiver's state without bound: past 4096 open flows (the per-peer cap) its WANTs are
+    dropped and counted, and an honest peer's transfer still completes byte-exactly."""
+    import hostile_peer as hp
+    lay = nixlkit.Scattered(1024, 4096, seed=95)
+    v, p = procs(), procs()
+    with watchdog(90, [v, p], "flow cap test"):
+        vmeta, vaddr = v.start(name="c-victim", size=lay.dst_bytes, seed=96, params=SMALL)
+        pmeta, _ = p.start(name="c-honest", size=lay.src_bytes, seed=97, params=SMALL)
+        v.call(op="load", meta=base64.b64encode(pmeta).decode())
+        p.call(op="load", meta=base64.b64encode(vmeta).decode())
+        v.call(op="wait_ready", n=1)
+        p.call(op="wait_ready", n=1)
+        flooder = nixlkit.agent("c-flooder", params=SMALL)
+        flooder.add_remote_agent(vmeta)
+        v.call(op="load", meta=meta_b64(flooder))
+        before = peer_stats(v)["control_dropped"]
+        announced = 5000
+        for x in range(1, announced + 1):
+            flooder.send_notif("c-victim", hp.want(9, x, [64 << 10]))
+            if x % 256 == 0:
+                flooder.get_new_notifs()
+        over = announced - 4096
+        # Flows that got a grant and never write are reclaimed after a lease (1.5 s here), which
+        # frees their slots: at most one per arena region (64) can be reused while we send.
+        end, last, stable = time.monotonic() + 30, -1, 0
+        while time.monotonic() < end and stable < 6:
+            flooder.get_new_notifs()
+            dropped = peer_stats(v)["control_dropped"] - before
+            stable = stable + 1 if dropped == last and dropped >= over - 64 else 0
+            last = dropped
+            time.sleep(0.05)
+        assert over - 64 <= dropped <= over, f"{dropped} WANTs dropped; the cap should refuse about {over}"
+        p.send(op="write", to="c-victim", n=lay.n, size=4096, seed=95, raddr=vaddr, timeout=30)
+        while not select.select([p.proc.stdout], [], [], 0.01)[0]:
+            flooder.get_new_notifs()
+        r = p.recv()
+        assert r["state"] == "DONE", f"an honest transfer failed next to a capped flooder: {r}"
+        got = dump(v, tmp_path, "c.bin")
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(97, lay.src_bytes), nixlkit.pattern(96, lay.dst_bytes)),
+                        "honest destination")
+
+
 def test_want_from_an_unknown_agent_with_a_forged_endpoint_cannot_crash_the_victim(procs):
     """A WANT carries an endpoint; from an agent the receiver never loaded, those bytes come
     from whoever sent the frame and must never be able to take the process down (handed to UCX

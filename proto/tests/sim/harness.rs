@@ -301,7 +301,7 @@ impl Sim {
         self.drain();
         self.steps += 1;
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.alive) {
-            if let Err(e) = n.ep.scheduler().check_invariants() {
+            if let Err(e) = n.ep.scheduler().check_invariants().and_then(|()| n.ep.receiver().check_invariants()) {
                 panic!("node {i} after step {}: {e}", self.steps);
             }
         }
