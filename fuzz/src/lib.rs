@@ -9,6 +9,22 @@
 
 pub mod buddy_ops;
 
+/// Deterministic pseudo-random fuzz inputs for the stable tests: `count` byte strings whose
+/// lengths come from `len_of(i)`, from an xorshift generator seeded with `seed`.
+pub fn seeded_inputs(seed: u64, count: usize, len_of: impl Fn(usize) -> usize) -> impl Iterator<Item = Vec<u8>> {
+    let mut state = seed;
+    (0..count).map(move |i| {
+        (0..len_of(i))
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 24) as u8
+            })
+            .collect()
+    })
+}
+
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 

@@ -4,16 +4,7 @@
 #[test]
 fn random_allocation_sequences_keep_every_invariant() {
     let mut total = bounce_fuzz::buddy_ops::BuddyCoverage::default();
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    for len in (0..2000).map(|i| 16 + (i * 53) % 2048) {
-        let bytes: Vec<u8> = (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 24) as u8
-            })
-            .collect();
+    for bytes in bounce_fuzz::seeded_inputs(0x2545_F491_4F6C_DD1D, 2000, |i| 16 + (i * 53) % 2048) {
         let c = bounce_fuzz::buddy_ops::run_buddy(&bytes);
         total.granted += c.granted;
         total.refused_with_free_bytes += c.refused_with_free_bytes;

@@ -4,16 +4,7 @@
 #[test]
 fn random_operation_sequences_keep_every_invariant() {
     let mut total = bounce_fuzz::Coverage::default();
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    for len in (0..3000).map(|i| 64 + (i * 37) % 4096) {
-        let bytes: Vec<u8> = (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 24) as u8
-            })
-            .collect();
+    for bytes in bounce_fuzz::seeded_inputs(0x9E37_79B9_7F4A_7C15, 3000, |i| 64 + (i * 37) % 4096) {
         let c = bounce_fuzz::run(&bytes);
         total.ops += c.ops;
         total.submitted += c.submitted;

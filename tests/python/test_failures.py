@@ -495,46 +495,63 @@ def test_data_into_a_granted_region_with_runs_outside_registered_memory_is_refus
     assert e1["control_dropped"] - e0["control_dropped"] >= 2 * shapes, (e0, e1)
 
 
+class Crowd:
+    """A victim process and an honest sender process, loaded both ways and ready to bounce,
+    plus a third, in-process agent (the misbehaving one) that the victim has loaded."""
+
+    def __init__(self, procs, prefix, lay, seed):
+        self.v, self.p, self.lay, self.seed = procs(), procs(), lay, seed
+        self.victim = f"{prefix}-victim"
+        vmeta, self.vaddr = self.v.start(name=self.victim, size=lay.dst_bytes, seed=seed + 1, params=SMALL)
+        pmeta, _ = self.p.start(name=f"{prefix}-honest", size=lay.src_bytes, seed=seed + 2, params=SMALL)
+        self.v.call(op="load", meta=base64.b64encode(pmeta).decode())
+        self.p.call(op="load", meta=base64.b64encode(vmeta).decode())
+        self.v.call(op="wait_ready", n=1)
+        self.p.call(op="wait_ready", n=1)
+        self.third = nixlkit.agent(f"{prefix}-third", params=SMALL)
+        self.third.add_remote_agent(vmeta)
+        self.v.call(op="load", meta=meta_b64(self.third))
+
+    def honest_write(self, timeout):
+        """The honest peer's scattered WRITE to the victim, the third agent kept polling."""
+        self.p.send(op="write", to=self.victim, n=self.lay.n, size=4096, seed=self.seed, raddr=self.vaddr,
+                    timeout=timeout)
+        while not select.select([self.p.proc.stdout], [], [], 0.01)[0]:
+            self.third.get_new_notifs()
+        return self.p.recv()
+
+    def assert_victim_exact(self, tmp_path):
+        got = dump(self.v, tmp_path, f"{self.victim}.bin")
+        want = self.lay.expected(nixlkit.pattern(self.seed + 2, self.lay.src_bytes),
+                                 nixlkit.pattern(self.seed + 1, self.lay.dst_bytes))
+        nixlkit.assert_same(got, want, "honest destination")
+
+
 def test_a_peer_that_wants_and_goes_silent_cannot_starve_another_peer(procs, tmp_path):
     """A sender that announces transfers and then stalls (frozen, buggy or hostile) must not
     lock every other peer out of the receiver's arena: the receiver's credits are shared fairly,
     so an honest transfer right after still completes, byte-exactly."""
     import hostile_peer as hp
-    lay = nixlkit.Scattered(1024, 4096, seed=90)
-    v, p = procs(), procs()
-    with watchdog(60, [v, p], "starvation test"):
-        vmeta, vaddr = v.start(name="s-victim", size=lay.dst_bytes, seed=91, params=SMALL)
-        pmeta, _ = p.start(name="s-honest", size=lay.src_bytes, seed=92, params=SMALL)
-        v.call(op="load", meta=base64.b64encode(pmeta).decode())
-        p.call(op="load", meta=base64.b64encode(vmeta).decode())
-        v.call(op="wait_ready", n=1)
-        p.call(op="wait_ready", n=1)
-        hoarder = nixlkit.agent("s-hoarder", params=SMALL)
-        hoarder.add_remote_agent(vmeta)
-        v.call(op="load", meta=meta_b64(hoarder))
+    c = Crowd(procs, "s", nixlkit.Scattered(1024, 4096, seed=90), 90)
+    with watchdog(60, [c.v, c.p], "starvation test"):
         for x in range(1, 101):  # 100 transfers of 8 x 64 KiB announced, then silence
-            hoarder.send_notif("s-victim", hp.want(9, x, [64 << 10] * 8))
+            c.third.send_notif(c.victim, hp.want(9, x, [64 << 10] * 8))
         # Let the victim hand out what it will to the silent peer before the honest one arrives
         # (the grants stop changing), so the scenario doesn't depend on who is faster.
         last, end = None, time.monotonic() + 1.0
         while time.monotonic() < end:
-            hoarder.get_new_notifs()
-            free = peer_stats(v)["arena_free_bytes"]
+            c.third.get_new_notifs()
+            free = peer_stats(c.v)["arena_free_bytes"]
             if free == last and free < ARENA:
                 break
             last = free
             time.sleep(0.05)
-        p.send(op="write", to="s-victim", n=lay.n, size=4096, seed=90, raddr=vaddr, timeout=20)
-        while not select.select([p.proc.stdout], [], [], 0.01)[0]:
-            hoarder.get_new_notifs()
-        r = p.recv()
-        held = peer_stats(v)["arena_free_bytes"]
+        r = c.honest_write(timeout=20)
+        held = peer_stats(c.v)["arena_free_bytes"]
         assert r["state"] == "DONE", (
             f"STARVED: an honest transfer failed ({r}) while a silent peer held the receiver's "
             f"arena (free bytes then: {held} of {ARENA})")
-        got = dump(v, tmp_path, "s.bin")
-    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(92, lay.src_bytes), nixlkit.pattern(91, lay.dst_bytes)),
-                        "honest destination")
+        c.assert_victim_exact(tmp_path)
 
 
 def test_a_peer_announcing_thousands_of_transfers_is_capped_and_others_still_bounce(procs, tmp_path):
@@ -542,43 +559,28 @@ def test_a_peer_announcing_thousands_of_transfers_is_capped_and_others_still_bou
     the receiver's state without bound: past 4096 open flows (the per-peer cap) its WANTs are
     dropped and counted, and an honest peer's transfer still completes byte-exactly."""
     import hostile_peer as hp
-    lay = nixlkit.Scattered(1024, 4096, seed=95)
-    v, p = procs(), procs()
-    with watchdog(90, [v, p], "flow cap test"):
-        vmeta, vaddr = v.start(name="c-victim", size=lay.dst_bytes, seed=96, params=SMALL)
-        pmeta, _ = p.start(name="c-honest", size=lay.src_bytes, seed=97, params=SMALL)
-        v.call(op="load", meta=base64.b64encode(pmeta).decode())
-        p.call(op="load", meta=base64.b64encode(vmeta).decode())
-        v.call(op="wait_ready", n=1)
-        p.call(op="wait_ready", n=1)
-        flooder = nixlkit.agent("c-flooder", params=SMALL)
-        flooder.add_remote_agent(vmeta)
-        v.call(op="load", meta=meta_b64(flooder))
-        before = peer_stats(v)["control_dropped"]
+    c = Crowd(procs, "c", nixlkit.Scattered(1024, 4096, seed=95), 95)
+    with watchdog(90, [c.v, c.p], "flow cap test"):
+        before = peer_stats(c.v)["control_dropped"]
         announced = 5000
         for x in range(1, announced + 1):
-            flooder.send_notif("c-victim", hp.want(9, x, [64 << 10]))
+            c.third.send_notif(c.victim, hp.want(9, x, [64 << 10]))
             if x % 256 == 0:
-                flooder.get_new_notifs()
+                c.third.get_new_notifs()
         over = announced - 4096
         # Flows that got a grant and never write are reclaimed after a lease (1.5 s here), which
         # frees their slots: at most one per arena region (64) can be reused while we send.
         end, last, stable = time.monotonic() + 30, -1, 0
         while time.monotonic() < end and stable < 6:
-            flooder.get_new_notifs()
-            dropped = peer_stats(v)["control_dropped"] - before
+            c.third.get_new_notifs()
+            dropped = peer_stats(c.v)["control_dropped"] - before
             stable = stable + 1 if dropped == last and dropped >= over - 64 else 0
             last = dropped
             time.sleep(0.05)
         assert over - 64 <= dropped <= over, f"{dropped} WANTs dropped; the cap should refuse about {over}"
-        p.send(op="write", to="c-victim", n=lay.n, size=4096, seed=95, raddr=vaddr, timeout=30)
-        while not select.select([p.proc.stdout], [], [], 0.01)[0]:
-            flooder.get_new_notifs()
-        r = p.recv()
+        r = c.honest_write(timeout=30)
         assert r["state"] == "DONE", f"an honest transfer failed next to a capped flooder: {r}"
-        got = dump(v, tmp_path, "c.bin")
-    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(97, lay.src_bytes), nixlkit.pattern(96, lay.dst_bytes)),
-                        "honest destination")
+        c.assert_victim_exact(tmp_path)
 
 
 def test_want_from_an_unknown_agent_with_a_forged_endpoint_cannot_crash_the_victim(procs):
