@@ -4,9 +4,11 @@
 //!
 //! This module owns byte layouts only. It does not decide whether a message makes sense for the
 //! state of a transfer (the sender and receiver machines do), nor does it send anything (the shell
-//! does). Every field has a fixed width, every count is a `u32` followed by fixed-size entries, and
-//! enum tags are validated strictly, so the encoding is canonical: whatever `decode` accepts,
-//! `encode` reproduces byte for byte (the fuzz targets under `fuzz/` check exactly that).
+//! does). Every field has a fixed width except DATA's scatter runs, every count is a `u32`, and
+//! enum tags are validated strictly. Scatter runs are delta-coded with varints (a DATA carries
+//! hundreds of them: see `Writer::run`), and the decoder accepts only their one shortest form.
+//! So the encoding is canonical: whatever `decode` accepts, `encode` reproduces byte for byte
+//! (the fuzz targets under `fuzz/` check exactly that).
 //!
 //! Decoding treats its input as hostile: it never panics, and it checks every count against both
 //! an absolute cap and the bytes actually left before it allocates, so a 20-byte frame can never
@@ -18,7 +20,7 @@ use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, Region, XferId};
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Magic that starts a connection-info envelope.
@@ -49,7 +51,15 @@ const FLAG_CAPS: u8 = 0x01;
 
 const REGION_LEN: usize = 16;
 const CREDIT_LEN: usize = 4 + REGION_LEN;
-const RUN_LEN: usize = 8 + 8 + 8 + 4 + 8 + 8;
+/// Fewest bytes one encoded scatter run takes (its flags and a one-byte address delta).
+const MIN_RUN_LEN: usize = 2;
+/// Run flag: `count`, `region_stride` and `addr_stride` follow (set unless the run is a single
+/// copy with zero strides).
+const RUN_STRIDED: u8 = 0x01;
+/// Run flag: `len` follows (set unless it equals the previous run's `len`).
+const RUN_NEW_LEN: u8 = 0x02;
+/// Run flag: `region_off` follows (set unless the run starts where the previous one ended).
+const RUN_REGION_JUMP: u8 = 0x04;
 
 /// Reasons a byte string is not a valid frame, capability blob or envelope.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -423,7 +433,8 @@ impl Frame {
                 w.u32(m.chunk.0);
                 w.region(&m.region);
                 w.len(m.runs.len());
-                m.runs.iter().for_each(|r| w.run(r));
+                let mut prev = RunCursor::default();
+                m.runs.iter().for_each(|r| prev = w.run(r, prev));
             }
             Msg::Ack(m) => {
                 w.u64(m.xfer.0);
@@ -477,8 +488,15 @@ impl Frame {
                 let xfer = XferId(r.u64()?);
                 let chunk = ChunkIdx(r.u32()?);
                 let region = r.region()?;
-                let n = r.count("data runs", MAX_RUNS, RUN_LEN)?;
-                let runs = (0..n).map(|_| r.run()).collect::<Result<_>>()?;
+                let n = r.count("data runs", MAX_RUNS, MIN_RUN_LEN)?;
+                let mut prev = RunCursor::default();
+                let runs = (0..n)
+                    .map(|_| {
+                        let run = r.run(prev)?;
+                        prev = RunCursor::after(&run);
+                        Ok(run)
+                    })
+                    .collect::<Result<_>>()?;
                 Msg::Data(Data { xfer, chunk, region, runs })
             }
             KIND_ACK => Msg::Ack(Ack {
@@ -727,6 +745,42 @@ fn mem_from_tag(t: u8) -> Result<MemKind> {
     }
 }
 
+/// What a scatter run is delta-coded against: where the previous run ended (region and user
+/// side) and its copy length; all zero before the first run. Computed with wrapping
+/// arithmetic, so encoder and decoder agree on any input, hostile ones included.
+#[derive(Debug, Clone, Copy, Default)]
+struct RunCursor {
+    region_end: u64,
+    addr_end: u64,
+    len: u64,
+}
+
+impl RunCursor {
+    fn after(r: &CopyRun) -> Self {
+        let last = u64::from(r.count).wrapping_sub(1);
+        Self {
+            region_end: r.region_off.wrapping_add(r.region_stride.wrapping_mul(last)).wrapping_add(r.len),
+            addr_end: r.addr.wrapping_add(r.addr_stride.wrapping_mul(last)).wrapping_add(r.len),
+            len: r.len,
+        }
+    }
+
+    /// The flags `r` is encoded with after a run that left this cursor.
+    fn flags(r: &CopyRun, prev: Self) -> u8 {
+        let mut f = 0;
+        if r.count != 1 || r.region_stride != 0 || r.addr_stride != 0 {
+            f |= RUN_STRIDED;
+        }
+        if r.len != prev.len {
+            f |= RUN_NEW_LEN;
+        }
+        if r.region_off != prev.region_end {
+            f |= RUN_REGION_JUMP;
+        }
+        f
+    }
+}
+
 /// Cursor over untrusted input: every read checks the bytes left first.
 struct Reader<'a>(&'a [u8]);
 
@@ -786,15 +840,48 @@ impl<'a> Reader<'a> {
         Ok(Region { offset: self.u64()?, len: self.u64()? })
     }
 
-    fn run(&mut self) -> Result<CopyRun> {
-        Ok(CopyRun {
-            region_off: self.u64()?,
-            addr: self.u64()?,
-            len: self.u64()?,
-            count: self.u32()?,
-            region_stride: self.u64()?,
-            addr_stride: self.u64()?,
-        })
+    /// A LEB128 varint of at most 64 bits, in its one shortest form (canonical decoding).
+    fn varint(&mut self) -> Result<u64> {
+        let mut v = 0u64;
+        for i in 0..10 {
+            let b = self.u8()?;
+            let bits = u64::from(b & 0x7f);
+            if i == 9 && b > 1 {
+                return Err(WireError::Invalid { what: "varint over 64 bits" });
+            }
+            v |= bits << (7 * i);
+            if b & 0x80 == 0 {
+                if b == 0 && i > 0 {
+                    return Err(WireError::Invalid { what: "varint not in its shortest form" });
+                }
+                return Ok(v);
+            }
+        }
+        Err(WireError::Invalid { what: "varint over 64 bits" })
+    }
+
+    /// One scatter run, delta-coded against the run before it (see [`Writer::run`]).
+    fn run(&mut self, prev: RunCursor) -> Result<CopyRun> {
+        let flags = self.u8()?;
+        if flags & !(RUN_STRIDED | RUN_NEW_LEN | RUN_REGION_JUMP) != 0 {
+            return Err(WireError::Invalid { what: "scatter run flags" });
+        }
+        let region_off = if flags & RUN_REGION_JUMP != 0 { self.varint()? } else { prev.region_end };
+        let delta = self.varint()?;
+        let addr = prev.addr_end.wrapping_add((delta >> 1) ^ (delta & 1).wrapping_neg());
+        let len = if flags & RUN_NEW_LEN != 0 { self.varint()? } else { prev.len };
+        let (count, region_stride, addr_stride) = if flags & RUN_STRIDED != 0 {
+            let count = u32::try_from(self.varint()?).map_err(|_| WireError::Invalid { what: "run count" })?;
+            (count, self.varint()?, self.varint()?)
+        } else {
+            (1, 0, 0)
+        };
+        let run = CopyRun { region_off, addr, len, count, region_stride, addr_stride };
+        // Canonical: each flag is set exactly when its field differs from the implied value.
+        if RunCursor::flags(&run, prev) != flags {
+            return Err(WireError::Invalid { what: "scatter run not in its canonical form" });
+        }
+        Ok(run)
     }
 
     fn finish(self) -> Result<()> {
@@ -843,13 +930,39 @@ impl Writer<'_> {
         self.u64(g.len);
     }
 
-    fn run(&mut self, r: &CopyRun) {
-        for v in [r.region_off, r.addr, r.len] {
-            self.u64(v);
+    /// A LEB128 varint.
+    fn varint(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.u8(v as u8 | 0x80);
+            v >>= 7;
         }
-        self.u32(r.count);
-        self.u64(r.region_stride);
-        self.u64(r.addr_stride);
+        self.u8(v as u8);
+    }
+
+    /// One scatter run, delta-coded against the run before it: a flags byte, then
+    /// `region_off` only when the run does not start where the previous one ended, the user
+    /// address as a zigzag varint of its distance from the previous run's end, `len` only when
+    /// it changes, and `count` and both strides only for a strided run. A DATA for 512
+    /// scattered 4 KiB pieces shrinks from 22.5 KB (fixed 44-byte runs) to about 3 KB: one UCX
+    /// message fragment instead of several, which each need the sender's progress to go out.
+    /// Returns the cursor for the next run.
+    fn run(&mut self, r: &CopyRun, prev: RunCursor) -> RunCursor {
+        let flags = RunCursor::flags(r, prev);
+        self.u8(flags);
+        if flags & RUN_REGION_JUMP != 0 {
+            self.varint(r.region_off);
+        }
+        let delta = r.addr.wrapping_sub(prev.addr_end) as i64;
+        self.varint(((delta << 1) ^ (delta >> 63)) as u64);
+        if flags & RUN_NEW_LEN != 0 {
+            self.varint(r.len);
+        }
+        if flags & RUN_STRIDED != 0 {
+            self.varint(r.count.into());
+            self.varint(r.region_stride);
+            self.varint(r.addr_stride);
+        }
+        RunCursor::after(r)
     }
 }
 
@@ -1162,7 +1275,7 @@ mod tests {
     #[test]
     fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
         let h = encode_hello(0x0102_0304_0506_0708);
-        assert_eq!(hex(&h), "00424f554e43010508070605040302 01".replace(' ', ""));
+        assert_eq!(hex(&h), "00424f554e43020508070605040302 01".replace(' ', ""));
         assert!(is_control_frame(&h));
         assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
         assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -1171,7 +1284,7 @@ mod tests {
         longer.push(0);
         assert_eq!(decode_hello(&longer), None);
         let mut other_version = h.clone();
-        other_version[6] = 2;
+        other_version[6] = 3;
         assert_eq!(decode_hello(&other_version), None);
         let want = Frame { session: 1, msg: Msg::cancel(XferId(1), vec![]) }.to_vec();
         assert_eq!(decode_hello(&want), None);
@@ -1184,7 +1297,7 @@ mod tests {
         assert_eq!(
             hex(&want.to_vec()),
             hex(&unhex(
-                "00424f554e43 01 01 0100000000000000
+                "00424f554e43 02 01 0100000000000000
                  2a00000000000000 02000000 6570
                  02000000 0010000000000000 2000000000000000"
             ))
@@ -1196,25 +1309,76 @@ mod tests {
         assert_eq!(
             hex(&data.to_vec()),
             hex(&unhex(
-                "00424f554e43 01 03 0400000000000000
+                "00424f554e43 02 03 0400000000000000
                  0300000000000000 02000000 0001000000000000 4000000000000000
                  01000000
-                 0000000000000000 0010000000000000 2000000000000000 02000000
-                 2000000000000000 8000000000000000"
+                 03 8040 20 02 20 8001"
             ))
         );
         assert_eq!(
             hex(&ack.to_vec()),
             hex(&unhex(
-                "00424f554e43 01 04 0500000000000000
+                "00424f554e43 02 04 0500000000000000
                  0300000000000000 02000000 0001000000000000 4000000000000000 01"
             ))
         );
     }
 
+    /// The benchmark's DATA: 512 scattered 4 KiB pieces of a 2 MiB chunk. Fixed 44-byte runs
+    /// made it 22.5 KB; delta-coded it fits one small UCX message.
+    #[test]
+    fn scattered_runs_are_delta_coded_compactly() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let runs: Vec<CopyRun> = (0..512u64)
+            .map(|i| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let slot = state % 32768; // anywhere in a 128 MiB buffer
+                CopyRun {
+                    region_off: i * 4096,
+                    addr: 0x7f00_0000_0000 + slot * 4096,
+                    len: 4096,
+                    count: 1,
+                    region_stride: 0,
+                    addr_stride: 0,
+                }
+            })
+            .collect();
+        let data = Data { xfer: XferId(7), chunk: ChunkIdx(3), region: Region { offset: 0, len: 2 << 20 }, runs };
+        let bytes = Frame { session: 1, msg: Msg::Data(data.clone()) }.to_vec();
+        assert!(bytes.len() <= 3 * 1024, "{} bytes", bytes.len());
+        assert_eq!(Frame::decode(&bytes).map(|f| f.msg), Ok(Msg::Data(data)));
+    }
+
+    /// Each run has exactly one encoding: a flag whose field equals the implied value, an
+    /// overlong varint and an unknown flag bit are all refused.
+    #[test]
+    fn only_the_canonical_run_encoding_decodes() {
+        let good = sample_frames()[3].to_vec();
+        // The sample's one run: flags 03 (strided, new length), address delta 8040, len 20,
+        // count 02, strides 20 and 8001.
+        let (head, run) = good.split_at(good.len() - 8);
+        assert_eq!(hex(run), "0380402002208001");
+        let with = |r: &str| [head, &unhex(r)[..]].concat();
+        assert!(Frame::decode(&with("0380402002208001")).is_ok());
+        let not_canonical = Err(WireError::Invalid { what: "scatter run not in its canonical form" });
+        assert_eq!(Frame::decode(&with("07008040 2002208001")), not_canonical, "region jump to where it ends anyway");
+        assert_eq!(Frame::decode(&with("0380402001 00 00")), not_canonical, "strided flag on a single copy");
+        assert_eq!(
+            Frame::decode(&with("038040a000 02208001")),
+            Err(WireError::Invalid { what: "varint not in its shortest form" })
+        );
+        assert_eq!(Frame::decode(&with("0b80402002208001")), Err(WireError::Invalid { what: "scatter run flags" }));
+        assert_eq!(
+            Frame::decode(&with("03 ffffffffffffffffff7f 2002208001")),
+            Err(WireError::Invalid { what: "varint over 64 bits" })
+        );
+    }
+
     #[test]
     fn capabilities_and_envelope_layouts_are_pinned() {
-        let caps = "0100 01 01 0010000000000000 0020000000000000 0000000000000000
+        let caps = "0200 01 01 0010000000000000 0020000000000000 0000000000000000
                     0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000";
         assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
         let envelopes = sample_envelopes();
@@ -1256,8 +1420,8 @@ mod tests {
     #[test]
     fn other_versions_and_kinds_are_refused() {
         let mut bytes = sample_frames()[0].to_vec();
-        bytes[6] = 2;
-        assert_eq!(Frame::decode(&bytes), Err(WireError::UnsupportedVersion { what: "frame", got: 2 }));
+        bytes[6] = 3;
+        assert_eq!(Frame::decode(&bytes), Err(WireError::UnsupportedVersion { what: "frame", got: 3 }));
         for kind in [0, 5, 0xff] {
             let mut bytes = sample_frames()[0].to_vec();
             bytes[7] = kind;
@@ -1391,8 +1555,8 @@ mod tests {
         b[10] |= 0x02;
         assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnknownFlags { got: 0x03 }));
         let mut b = good;
-        b[15] = 2; // capabilities' wire version
-        assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnsupportedVersion { what: "capabilities", got: 2 }));
+        b[15] = 3; // capabilities' wire version
+        assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnsupportedVersion { what: "capabilities", got: 3 }));
         // Capabilities with bytes of their own left over inside the declared length.
         let mut caps = sample_caps().to_vec();
         caps.push(0);
@@ -1423,17 +1587,17 @@ mod tests {
         assert_eq!(local.compatible_with(&same_rules), Ok(()));
         assert_eq!(same_rules.compatible_with(&local), Ok(()));
 
-        let other_version = Capabilities { wire_version: 2, ..local.clone() };
+        let other_version = Capabilities { wire_version: 3, ..local.clone() };
         let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
         let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-        assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 1, peer: 2 }));
+        assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 2, peer: 3 }));
         assert_eq!(
             local.compatible_with(&other_control),
             Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
         );
         assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
         // Several mismatches: the version is reported first, then the control kind.
-        let all = Capabilities { wire_version: 2, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+        let all = Capabilities { wire_version: 3, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
         assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
         let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
         assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));

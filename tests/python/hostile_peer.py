@@ -39,7 +39,7 @@ U64 = (1 << 64) - 1
 LATER = None  # in a frame list: send the rest ~20 ms later (after the victim's GRANT)
 
 
-def header(kind, session, version=1):
+def header(kind, session, version=2):
     return MAGIC + bytes([version, kind]) + struct.pack("<Q", session)
 
 
@@ -53,10 +53,44 @@ def grant(session, xfer, credits):
             + b"".join(struct.pack("<IQQ", c, off, ln) for c, off, ln in credits))
 
 
+def varint(v):
+    out = bytearray()
+    while v >= 0x80:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def runs_bytes(runs):
+    """Scatter runs, delta-coded as in proto/src/wire.rs (`Writer::run`): a flags byte
+    (1 strided, 2 new length, 4 region jump), the fields that differ from what the previous run
+    implies, and the address as a zigzag varint of its distance from the previous run's end."""
+    out, region_end, addr_end, prev_len = bytearray(), 0, 0, 0
+    for off, addr, ln, count, rs, as_ in runs:
+        strided = count != 1 or rs != 0 or as_ != 0
+        flags = (1 if strided else 0) | (2 if ln != prev_len else 0) | (4 if off != region_end else 0)
+        out.append(flags)
+        if flags & 4:
+            out += varint(off)
+        delta = (addr - addr_end) & U64
+        delta = delta - (1 << 64) if delta >> 63 else delta
+        out += varint(((delta << 1) ^ (delta >> 63)) & U64)
+        if flags & 2:
+            out += varint(ln)
+        if strided:
+            out += varint(count) + varint(rs) + varint(as_)
+        last = (count - 1) & U64
+        region_end = (off + rs * last + ln) & U64
+        addr_end = (addr + as_ * last + ln) & U64
+        prev_len = ln
+    return bytes(out)
+
+
 def data(session, xfer, chunk, region, runs):
     """runs: (region_off, addr, len, count, region_stride, addr_stride)"""
     return (header(DATA, session) + struct.pack("<QIQQI", xfer, chunk, region[0], region[1], len(runs))
-            + b"".join(struct.pack("<QQQIQQ", *r) for r in runs))
+            + runs_bytes(runs))
 
 
 def ack(session, xfer, chunk, region, status):
@@ -114,7 +148,7 @@ class Fuzzer:
             return "truncated", self.valid_looking()[1][: r.randrange(0, 60)]
         if kind == 2:
             f = bytearray(self.valid_looking()[1])
-            f[6] = r.choice([0, 2, 255])
+            f[6] = r.choice([0, 1, 3, 255])
             return "bad_version", bytes(f)
         if kind == 3:
             f = bytearray(self.valid_looking()[1])
