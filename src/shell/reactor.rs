@@ -474,6 +474,7 @@ impl Driver {
                 return moved;
             }
             let Some(w) = self.queued_writes.pop_front() else { return moved };
+            moved = true;
             self.write(w.job, w.peer, w.source, w.remote, w.len);
         }
     }
