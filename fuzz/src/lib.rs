@@ -3,8 +3,13 @@
 //! in any order, cancels, peer losses and clock jumps. Shared by the `endpoint_ops` cargo-fuzz
 //! target and a stable test that runs it over seeded random inputs.
 //!
-//! Checked after every step: no panic, the arena's conservation invariants, at most one
-//! `Complete` per transfer. At the end, after shutdown and every outstanding job's completion:
+//! Besides arbitrary messages, an honest-looking remote sender announces transfers and writes
+//! DATA for the regions this endpoint granted it, with destinations that sometimes stray
+//! outside the registered memory.
+//!
+//! Checked after every step: no panic, the arena's conservation invariants, the receiver's
+//! per-peer totals, at most one `Complete` per transfer, and the safety property that matters
+//! most: every scatter job copies out of its own region only, into registered memory only. At the end, after shutdown and every outstanding job's completion:
 //! the whole arena is free again.
 
 pub mod buddy_ops;
@@ -25,15 +30,15 @@ pub fn seeded_inputs(seed: u64, count: usize, len_of: impl Fn(usize) -> usize) -
     })
 }
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use arbitrary::Unstructured;
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId};
 use bounce_proto::plan::{DescPair, PlanParams, plan};
-use bounce_proto::wire::Msg;
-use bounce_proto::{PeerId, XferId};
+use bounce_proto::wire::{Data, Msg, Want};
+use bounce_proto::{ChunkIdx, CopyRun, PeerId, Region, XferId};
 
 /// One thing that can happen to an endpoint.
 #[derive(Debug)]
@@ -50,6 +55,13 @@ pub enum Op {
     PeerLost { peer: u8 },
     /// Time passes.
     Tick { ms: u16 },
+    /// Remote peer `from % 3` announces transfer `xfer` of `chunks % 4 + 1` chunks of
+    /// `size % 16 KiB + 1` bytes each.
+    RemoteWant { from: u8, xfer: u8, chunks: u8, size: u16 },
+    /// The remote peer writes the credit at `which` among those granted to it and sends its
+    /// DATA: one run of the chunk's bytes to `USER_BASE - 4 KiB + at % (USER_LEN + 8 KiB)`,
+    /// so some destinations cross the registered range's edges.
+    RemoteData { which: u8, at: u32 },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -77,7 +89,7 @@ impl Op {
     /// Draws one operation. Peer messages are drawn less often than the rest: an arbitrary
     /// message eats many input bytes, and the interesting states need submits and completions.
     fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<Self> {
-        Ok(match u.int_in_range(0u8..=11)? {
+        Ok(match u.int_in_range(0u8..=14)? {
             0 => Self::Msg { from: u.arbitrary()?, msg: u.arbitrary()? },
             1 | 2 => Self::Submit {
                 peer: u.arbitrary()?,
@@ -88,7 +100,14 @@ impl Op {
             3..=7 => Self::Done { which: u.arbitrary()?, ok: u.int_in_range(0u8..=15)? != 0 },
             8 => Self::Cancel { xfer: u.arbitrary()? },
             9 => Self::PeerLost { peer: u.arbitrary()? },
-            _ => Self::Tick { ms: u.arbitrary()? },
+            10 | 11 => Self::Tick { ms: u.arbitrary()? },
+            12 => Self::RemoteWant {
+                from: u.arbitrary()?,
+                xfer: u.arbitrary()?,
+                chunks: u.arbitrary()?,
+                size: u.arbitrary()?,
+            },
+            _ => Self::RemoteData { which: u.arbitrary()?, at: u.arbitrary()? },
         })
     }
 }
@@ -104,6 +123,50 @@ pub struct Coverage {
     pub completed: usize,
     /// Gather/write/scatter jobs completed by the harness.
     pub jobs_done: usize,
+    /// Scatter jobs emitted (each checked against the arena and the registered memory).
+    pub scatters: usize,
+    /// DATA messages the receiver refused (destinations outside registered memory among them).
+    pub data_refused: u64,
+}
+
+/// What the harness has seen come out of the endpoint.
+#[derive(Default)]
+struct Seen {
+    capacity: u64,
+    jobs: Vec<(JobId, Kind)>,
+    completed: BTreeSet<XferId>,
+    /// Credits granted to the remote senders, not yet used.
+    credits: Vec<(PeerId, XferId, ChunkIdx, Region)>,
+    scatters: usize,
+}
+
+impl Seen {
+    /// Takes every pending action, checking each scatter job's safety on the way.
+    fn drain(&mut self, ep: &mut Endpoint) {
+        while let Some(a) = ep.poll_action() {
+            match a {
+                Action::Gather { job, .. } => self.jobs.push((job, Kind::Gather)),
+                Action::Write { job, .. } => self.jobs.push((job, Kind::Write)),
+                Action::Scatter { job, region, runs, .. } => {
+                    assert!(region.end() <= self.capacity, "scatter of {region:?} outside the arena");
+                    for r in &runs {
+                        let inside = r.region_span().is_some_and(|(_, end)| end <= region.len);
+                        assert!(inside, "scatter run {r:?} leaves its region {region:?}");
+                        let registered =
+                            r.addr_span().is_some_and(|(a, b)| USER_BASE <= a && b <= USER_BASE + USER_LEN);
+                        assert!(registered, "scatter run {r:?} writes outside registered memory");
+                    }
+                    self.scatters += 1;
+                    self.jobs.push((job, Kind::Scatter));
+                }
+                Action::Complete { xfer, .. } => assert!(self.completed.insert(xfer), "{xfer:?} completed twice"),
+                Action::Send { peer, msg: Msg::Grant(g) } => {
+                    self.credits.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk, c.region)));
+                }
+                Action::Send { .. } => {}
+            }
+        }
+    }
 }
 
 /// Runs one sequence of operations; panics (for the fuzzer to report) on a broken invariant.
@@ -121,22 +184,12 @@ pub fn run(data: &[u8]) -> Coverage {
     let mut now = Instant::now();
     let mut ep = Endpoint::new(&cfg, now).expect("endpoint");
     ep.add_registered(USER_BASE, USER_LEN);
-    let mut jobs: Vec<(JobId, Kind)> = Vec::new();
-    let mut completed: BTreeSet<XferId> = BTreeSet::new();
     let mut next_xfer = 1u64;
     let capacity = cfg.arena_usable_capacity();
 
-    let drain = |ep: &mut Endpoint, jobs: &mut Vec<(JobId, Kind)>, completed: &mut BTreeSet<XferId>| {
-        while let Some(a) = ep.poll_action() {
-            match a {
-                Action::Gather { job, .. } => jobs.push((job, Kind::Gather)),
-                Action::Write { job, .. } => jobs.push((job, Kind::Write)),
-                Action::Scatter { job, .. } => jobs.push((job, Kind::Scatter)),
-                Action::Complete { xfer, .. } => assert!(completed.insert(xfer), "{xfer:?} completed twice"),
-                Action::Send { .. } => {}
-            }
-        }
-    };
+    // What the remote senders know: chunk sizes they announced (credits come with `seen`).
+    let mut announced: BTreeMap<(PeerId, XferId), Vec<u64>> = BTreeMap::new();
+    let mut seen = Seen { capacity, ..Seen::default() };
     let done = |ep: &mut Endpoint, now: Instant, (job, kind): (JobId, Kind), ok: bool| match kind {
         Kind::Gather => ep.handle_gather_done(now, job, ok),
         Kind::Write => ep.handle_write_done(now, job, ok),
@@ -164,8 +217,8 @@ pub fn run(data: &[u8]) -> Coverage {
                 }
             }
             Op::Done { which, ok } => {
-                if !jobs.is_empty() {
-                    let j = jobs.remove(usize::from(which) % jobs.len());
+                if !seen.jobs.is_empty() {
+                    let j = seen.jobs.remove(usize::from(which) % seen.jobs.len());
                     done(&mut ep, now, j, ok);
                     cov.jobs_done += 1;
                 }
@@ -176,8 +229,27 @@ pub fn run(data: &[u8]) -> Coverage {
                 now += Duration::from_millis(u64::from(ms % 200));
                 ep.handle_timeout(now);
             }
+            Op::RemoteWant { from, xfer, chunks, size } => {
+                let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(1000 + u64::from(xfer)));
+                let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
+                let want = Msg::Want(Want { xfer, endpoint: Vec::new(), chunks: sizes.clone() });
+                if ep.handle_msg(now, peer, want).is_ok() {
+                    announced.entry((peer, xfer)).or_default().extend(sizes);
+                }
+            }
+            Op::RemoteData { which, at } => {
+                if !seen.credits.is_empty() {
+                    let (peer, xfer, chunk, region) = seen.credits.swap_remove(usize::from(which) % seen.credits.len());
+                    if let Some(&len) = announced.get(&(peer, xfer)).and_then(|s| s.get(chunk.0 as usize)) {
+                        let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
+                        let run = CopyRun { region_off: 0, addr, len, count: 1, region_stride: 0, addr_stride: 0 };
+                        let data = Msg::Data(Data { xfer, chunk, region, runs: vec![run] });
+                        let _ = ep.handle_msg(now, peer, data);
+                    }
+                }
+            }
         }
-        drain(&mut ep, &mut jobs, &mut completed);
+        seen.drain(&mut ep);
         if let Err(e) = ep.scheduler().check_invariants() {
             panic!("scheduler invariant broken: {e}");
         }
@@ -187,15 +259,17 @@ pub fn run(data: &[u8]) -> Coverage {
     }
     // Shut down, let every outstanding job end, and nothing may stay allocated.
     ep.shutdown(now);
-    drain(&mut ep, &mut jobs, &mut completed);
+    seen.drain(&mut ep);
     let mut guard = 0;
-    while let Some(j) = jobs.pop() {
+    while let Some(j) = seen.jobs.pop() {
         done(&mut ep, now, j, false);
-        drain(&mut ep, &mut jobs, &mut completed);
+        seen.drain(&mut ep);
         guard += 1;
         assert!(guard < 100_000, "jobs keep coming after shutdown");
     }
     assert_eq!(ep.arena_free_bytes(), capacity, "arena bytes leaked after shutdown");
-    cov.completed = completed.len();
+    cov.completed = seen.completed.len();
+    cov.scatters = seen.scatters;
+    cov.data_refused = ep.stats().data_refused;
     cov
 }

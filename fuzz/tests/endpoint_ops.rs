@@ -10,9 +10,13 @@ fn random_operation_sequences_keep_every_invariant() {
         total.submitted += c.submitted;
         total.completed += c.completed;
         total.jobs_done += c.jobs_done;
+        total.scatters += c.scatters;
+        total.data_refused += c.data_refused;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
     assert!(total.ops > 100_000, "{total:?}");
     assert!(total.submitted > 1_000 && total.completed > 1_000 && total.jobs_done > 1_000, "{total:?}");
+    // The remote sender's DATA really reaches the scatter check, and strays get refused.
+    assert!(total.scatters > 1_000 && total.data_refused > 100, "{total:?}");
 }
