@@ -55,6 +55,8 @@ pub struct Config {
     pub streaming_scatter: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
     pub check_wait: Duration,
+    /// Address to bind the ZMQ control socket on; empty means automatic (`bounce_zmq_host`).
+    pub zmq_host: String,
     /// Path of NIXL's UCX plugin; `None` means the default next to this plugin
     /// (`bounce_ucx_plugin`).
     pub ucx_plugin: Option<String>,
@@ -313,6 +315,10 @@ impl Config {
             Value::Enum("zmq") => ControlKind::Zmq,
             _ => return Err(mismatch("bounce_control")),
         };
+        let zmq_host = match get("bounce_zmq_host")? {
+            Value::Path(p) => p.trim().to_owned(),
+            _ => return Err(mismatch("bounce_zmq_host")),
+        };
         let ucx_plugin = match get("bounce_ucx_plugin")? {
             Value::Path(p) if p.is_empty() => None,
             Value::Path(p) => Some(p.clone()),
@@ -334,6 +340,7 @@ impl Config {
             direct_writes: boolean("bounce_direct_writes")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
+            zmq_host,
             ucx_plugin,
         })
     }
@@ -642,6 +649,7 @@ mod tests {
             ("bounce_direct_writes", "false"),
             ("bounce_streaming_scatter", "off"),
             ("bounce_check_wait_us", "0"),
+            ("bounce_zmq_host", "10.0.0.7"),
             ("bounce_ucx_plugin", "/opt/nixl/libplugin_UCX.so"),
         ])
         .unwrap();
@@ -662,6 +670,7 @@ mod tests {
             direct_writes: false,
             streaming_scatter: false,
             check_wait: Duration::ZERO,
+            zmq_host: "10.0.0.7".into(),
             ucx_plugin: Some("/opt/nixl/libplugin_UCX.so".into()),
         };
         assert_eq!(c.config, want);

@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use crate::ffi::Status;
 use crate::ffi::shim::{Md, Shim};
 use crate::shell::arena::Arena;
-use crate::shell::reactor::{Cmd, PeerArena, Reactor, Shared};
+use crate::shell::reactor::{Cmd, Control, PeerArena, Reactor, Shared};
 use crate::shell::requests::{PostError, State};
 use crate::shell::stats::Stats;
 use crate::shell::worker::ArenaView;
@@ -174,18 +174,24 @@ impl Engine {
     }
 
     fn start_bounce(&self, shim: Shim) -> std::result::Result<Bounce, String> {
-        if self.config.control != bounce_proto::ControlKind::Ucx {
-            // Not built yet (see the issue notes): say so instead of advertising a channel we
-            // cannot serve. Peers then see no capabilities and stay on plain UCX.
-            return Err("the ZMQ control channel is not implemented; use bounce_control=ucx".into());
-        }
+        // Bound before the arena: a failure here costs no registration to undo.
+        let zmq = match self.config.control {
+            bounce_proto::ControlKind::Zmq => {
+                Some(super::zmq_channel::ZmqChannel::bind(&self.agent, &self.config.zmq_host)?)
+            }
+            _ => None,
+        };
         let arena = Arena::new(&shim, self.config.arena_size)?;
-        let caps = arena.capabilities(
+        let mut caps = arena.capabilities(
             self.config.control,
             self.config.arena_usable_capacity(),
             self.config.max_chunk_size,
             self.session,
         );
+        if let Some(z) = &zmq {
+            caps.endpoint = z.endpoint().as_bytes().to_vec();
+            tracing::info!(agent = self.agent, endpoint = z.endpoint(), "ZMQ control channel bound");
+        }
         let endpoint = shim.conn_info().map_err(|st| format!("inner getConnInfo failed (status {st})"))?;
         let shared = Arc::new(Shared {
             inbox: Default::default(),
@@ -196,7 +202,8 @@ impl Engine {
             reachable: Mutex::new(Default::default()),
         });
         let view = ArenaView { base: arena.base(), len: arena.len(), streaming_scatter: self.config.streaming_scatter };
-        let started = Reactor::start(&self.config, shim, shared, self.session, view, arena.md(), endpoint);
+        let started =
+            Reactor::start(&self.config, shim, shared, self.session, view, arena.md(), Control { endpoint, zmq });
         let reactor = match started {
             Ok(r) => r,
             Err(e) => {

@@ -10,6 +10,7 @@ mod reactor;
 mod requests;
 mod stats;
 mod worker;
+mod zmq_channel;
 
 pub use engine::{CreateParams, DescView, Engine, InnerInit, Registration};
 pub use error::{Error, Result};

@@ -20,6 +20,8 @@ use bounce_proto::{PeerId, XferId};
 use parking_lot::Mutex;
 
 use crate::ffi::shim::{Md, Shim, WriteHandle};
+
+use super::zmq_channel::ZmqChannel;
 use crate::shell::requests::{Posted, Requests};
 use crate::shell::stats::Stats;
 use crate::shell::worker::{ArenaView, CopyJob, Dir, Workers};
@@ -101,6 +103,14 @@ pub(super) struct Shared {
     pub reachable: Mutex<std::collections::HashSet<String>>,
 }
 
+/// How this engine's control frames travel.
+pub(super) struct Control {
+    /// Our inner conn info, carried in WANTs (the design's reverse path).
+    pub endpoint: Vec<u8>,
+    /// The ZMQ channel when `bounce_control=zmq`; UCX notifications otherwise.
+    pub zmq: Option<ZmqChannel>,
+}
+
 /// A running reactor; dropping it stops and joins the thread (and the workers).
 pub(super) struct Reactor {
     shared: Arc<Shared>,
@@ -149,6 +159,8 @@ struct Driver {
     warn_budget: RateLimit,
     /// Set by shutdown: queued writes are failed, never posted.
     stopping: bool,
+    /// The ZMQ control channel when `bounce_control=zmq`; UCX notifications otherwise.
+    zmq: Option<ZmqChannel>,
 }
 
 /// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
@@ -180,8 +192,9 @@ impl Reactor {
         session: u64,
         arena: ArenaView,
         arena_md: Md,
-        local_endpoint: Vec<u8>,
+        control: Control,
     ) -> Result<Self, String> {
+        let Control { endpoint: local_endpoint, zmq } = control;
         let mut ep = Endpoint::new(config, Instant::now()).map_err(|e| e.to_string())?;
         ep.set_local_endpoint(local_endpoint);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -207,6 +220,7 @@ impl Reactor {
             user_regs: Vec::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,
+            zmq,
         };
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
@@ -246,6 +260,8 @@ impl Drop for Reactor {
     }
 }
 
+/// Most ZMQ messages taken per reactor pass, so a flood cannot starve the rest of the loop.
+const ZMQ_POLL_BATCH: usize = 256;
 /// Most HELLOs remembered from agents we have not loaded (yet).
 const MAX_REACHABLE: usize = 1024;
 /// Writes handed to the inner engine at once. UCX runs them one after another anyway; keeping
@@ -304,6 +320,12 @@ impl Driver {
         if self.shim.poll_notifs() != 0 {
             tracing::trace!("inner getNotifs failed");
         }
+        if let Some(z) = &mut self.zmq {
+            let mut frames = Vec::new();
+            let malformed = z.poll(ZMQ_POLL_BATCH, |peer, frame| frames.push((peer, frame)));
+            self.shared.stats.control_dropped.fetch_add(malformed, std::sync::atomic::Ordering::Relaxed);
+            cmds.extend(frames.into_iter().map(|(peer, frame)| Cmd::Control { peer, frame }));
+        }
         self.shared.inbox.drain(cmds);
         let now = Instant::now();
         for cmd in cmds.drain(..) {
@@ -352,15 +374,21 @@ impl Driver {
             Cmd::Control { peer, frame } => self.on_control(now, &peer, &frame),
             Cmd::CopyDone(job, ok) => self.copy_done(now, job, ok),
             Cmd::PeerLost(name) => {
+                if let Some(z) = &mut self.zmq {
+                    z.forget(&name);
+                }
                 if let Some(&id) = self.peer_ids.get(&name) {
                     self.ep.handle_peer_lost(now, id);
                     self.peer_sessions.remove(&id);
                 }
             }
             Cmd::Hello(name) => {
-                let st = self.shim.gen_notif(&name, &wire::encode_hello(self.session));
-                if st != 0 {
-                    tracing::warn!(peer = name, status = st, "sending HELLO failed; the peer stays on plain UCX to us");
+                let compatible = self.shared.peers.lock().get(&name).is_some_and(Option::is_some);
+                if self.zmq.is_some() && !compatible {
+                    // No ZMQ endpoint to reach it at, and it could not bounce with us anyway.
+                    tracing::debug!(peer = name, "no HELLO over ZMQ to an incompatible peer");
+                } else if let Err(e) = self.send_frame(&name, &wire::encode_hello(self.session)) {
+                    tracing::warn!(peer = name, error = e, "sending HELLO failed; the peer stays on plain UCX to us");
                 }
             }
             Cmd::Registered(a, l, md) => {
@@ -482,10 +510,26 @@ impl Driver {
     fn send(&mut self, peer: PeerId, msg: Msg) {
         let Some(name) = self.peer_names.get(&peer).cloned() else { return };
         let bytes = Frame { session: self.session, msg }.to_vec();
-        let st = self.shim.gen_notif(&name, &bytes);
-        if st != 0 && self.warn_budget.allow(Instant::now()) {
-            // The transfer this belonged to will time out; never block the reactor.
-            tracing::warn!(peer = name, status = st, "sending a control frame failed");
+        if let Err(e) = self.send_frame(&name, &bytes) {
+            if self.warn_budget.allow(Instant::now()) {
+                // The transfer this belonged to will time out; never block the reactor.
+                tracing::warn!(peer = name, error = e, "sending a control frame failed");
+            }
+        }
+    }
+
+    /// One control frame to `peer` over the configured channel. With ZMQ, the peer's endpoint
+    /// comes from the capabilities in its connection info.
+    fn send_frame(&mut self, peer: &str, bytes: &[u8]) -> Result<(), String> {
+        match &mut self.zmq {
+            None => match self.shim.gen_notif(peer, bytes) {
+                0 => Ok(()),
+                st => Err(format!("UCX genNotif status {st}")),
+            },
+            Some(z) => {
+                let endpoint = self.shared.peers.lock().get(peer).and_then(|c| c.as_ref().map(|c| c.endpoint.clone()));
+                z.send(peer, &endpoint.ok_or("no capabilities loaded for this peer")?, bytes)
+            }
         }
     }
 

@@ -233,6 +233,41 @@ def test_peer_with_bounce_disabled_silently_stays_on_ucx(peer, tmp_path):
     assert s["bounce_xfers"] == 0 and s["fallback_peer"] == 1
 
 
+ZMQ = {"bounce_control": "zmq", "bounce_zmq_host": "127.0.0.1"}
+
+
+def test_zmq_control_channel_bounces_byte_exact_with_notification(peer, tmp_path):
+    """With bounce_control=zmq on both sides the control frames go over ZMQ (the UCX
+    notification list carries only the application's own notification), and the transfer is
+    bounced and byte-exact."""
+    lay = nixlkit.Scattered(8192, 4096, seed=49)
+    src = nixlkit.pattern(561, lay.src_bytes)
+    ag, p, raddr = pair(peer, src, tx="tx-zmq", rx="rx-zmq", rx_size=lay.dst_bytes, rx_seed=560,
+                        params=ZMQ, rx_params=ZMQ)
+    before = stats(ag)
+    write_from_here(ag, "rx-zmq", lay, src, raddr, notif=b"zmq-ready")
+    p.call(op="notif_wait", **{"from": "tx-zmq", "msg": "zmq-ready"})
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(560, lay.dst_bytes)), "destination")
+    after = stats(ag)
+    assert after["bounce_ok"] == before["bounce_ok"] + 1
+    assert after["bounce_bytes"] - before["bounce_bytes"] == lay.n * 4096
+
+
+def test_peers_on_different_control_channels_stay_on_ucx(peer, tmp_path):
+    """A ZMQ-control engine and a UCX-control one cannot bounce to each other: the peer is
+    incompatible and transfers silently use plain UCX, byte-exact."""
+    lay = nixlkit.Scattered(4096, 4096, seed=50)
+    src = nixlkit.pattern(571, lay.src_bytes)
+    ag, p, raddr = pair(peer, src, tx="tx-mix", rx="rx-mix", rx_size=lay.dst_bytes, rx_seed=570,
+                        params=ZMQ, ready=False)
+    write_from_here(ag, "rx-mix", lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(570, lay.dst_bytes)), "destination")
+    s = stats(ag)
+    assert s["bounce_xfers"] == 0 and s["peers_incompatible"] == 1 and s["fallback_peer"] == 1
+
+
 def test_idle_engine_does_not_eat_a_core(peer):
     """The reactor parks when idle: two connected BOUNCE engines that just finished a transfer
     use well under a tenth of a core while nothing happens."""
