@@ -53,14 +53,23 @@ def write_from_here(ag, peer_name, lay, src, raddr, notif=b"", deadline=60):
     ag.release_xfer_handle(h)
 
 
+ZMQ = {"bounce_control": "zmq", "bounce_zmq_host": "127.0.0.1"}
+
+
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
 @pytest.mark.parametrize("n, size", [(16384, 4096)])
-def test_many_small_writes_bounce_byte_exact_with_notification(peer, tmp_path, n, size):
+def test_many_small_writes_bounce_byte_exact_with_notification(peer, tmp_path, n, size, control):
+    """Over either control channel (with zmq the control frames go over ZMQ and the UCX
+    notifications carry only the application's own), the transfer is bounced, byte-exact, and
+    its notification arrives after the data."""
     lay = nixlkit.Scattered(n, size, seed=41)
     src = nixlkit.pattern(501, lay.src_bytes)
-    ag, p, raddr = pair(peer, src, tx="tx", rx="rx", rx_size=lay.dst_bytes, rx_seed=500)
+    params = ZMQ if control == "zmq" else None
+    tx, rx = f"tx-{control}", f"rx-{control}"
+    ag, p, raddr = pair(peer, src, tx=tx, rx=rx, rx_size=lay.dst_bytes, rx_seed=500, params=params, rx_params=params)
     before = stats(ag)
-    write_from_here(ag, "rx", lay, src, raddr, notif=b"kv-ready")
-    p.call(op="notif_wait", **{"from": "tx", "msg": "kv-ready"})
+    write_from_here(ag, rx, lay, src, raddr, notif=b"kv-ready")
+    p.call(op="notif_wait", **{"from": tx, "msg": "kv-ready"})
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(500, lay.dst_bytes)), "destination")
     after = stats(ag)
@@ -221,51 +230,22 @@ def test_gate_sends_reads_and_few_descriptors_to_plain_ucx(peer, tmp_path):
     assert s["passthrough_xfers"] == 2
 
 
-def test_peer_with_bounce_disabled_silently_stays_on_ucx(peer, tmp_path):
+@pytest.mark.parametrize("case, params, rx_params, incompatible", [
+    ("off", None, {"bounce_enable": "false"}, 0),  # the peer advertises no capabilities
+    ("mix", ZMQ, None, 1),  # ZMQ control here, UCX control there: incompatible
+])
+def test_a_peer_that_cannot_bounce_with_us_silently_stays_on_ucx(peer, tmp_path, case, params, rx_params,
+                                                                 incompatible):
     lay = nixlkit.Scattered(4096, 4096, seed=48)
     src = nixlkit.pattern(551, lay.src_bytes)
-    ag, p, raddr = pair(peer, src, tx="tx-off", rx="rx-off", rx_size=lay.dst_bytes, rx_seed=550,
-                        rx_params={"bounce_enable": "false"}, ready=False)
-    write_from_here(ag, "rx-off", lay, src, raddr)
+    ag, p, raddr = pair(peer, src, tx=f"tx-{case}", rx=f"rx-{case}", rx_size=lay.dst_bytes, rx_seed=550,
+                        params=params, rx_params=rx_params, ready=False)
+    write_from_here(ag, f"rx-{case}", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(550, lay.dst_bytes)), "destination")
     s = stats(ag)
     assert s["bounce_xfers"] == 0 and s["fallback_peer"] == 1
-
-
-ZMQ = {"bounce_control": "zmq", "bounce_zmq_host": "127.0.0.1"}
-
-
-def test_zmq_control_channel_bounces_byte_exact_with_notification(peer, tmp_path):
-    """With bounce_control=zmq on both sides the control frames go over ZMQ (the UCX
-    notification list carries only the application's own notification), and the transfer is
-    bounced and byte-exact."""
-    lay = nixlkit.Scattered(8192, 4096, seed=49)
-    src = nixlkit.pattern(561, lay.src_bytes)
-    ag, p, raddr = pair(peer, src, tx="tx-zmq", rx="rx-zmq", rx_size=lay.dst_bytes, rx_seed=560,
-                        params=ZMQ, rx_params=ZMQ)
-    before = stats(ag)
-    write_from_here(ag, "rx-zmq", lay, src, raddr, notif=b"zmq-ready")
-    p.call(op="notif_wait", **{"from": "tx-zmq", "msg": "zmq-ready"})
-    got = remote_buffer(p, tmp_path)
-    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(560, lay.dst_bytes)), "destination")
-    after = stats(ag)
-    assert after["bounce_ok"] == before["bounce_ok"] + 1
-    assert after["bounce_bytes"] - before["bounce_bytes"] == lay.n * 4096
-
-
-def test_peers_on_different_control_channels_stay_on_ucx(peer, tmp_path):
-    """A ZMQ-control engine and a UCX-control one cannot bounce to each other: the peer is
-    incompatible and transfers silently use plain UCX, byte-exact."""
-    lay = nixlkit.Scattered(4096, 4096, seed=50)
-    src = nixlkit.pattern(571, lay.src_bytes)
-    ag, p, raddr = pair(peer, src, tx="tx-mix", rx="rx-mix", rx_size=lay.dst_bytes, rx_seed=570,
-                        params=ZMQ, ready=False)
-    write_from_here(ag, "rx-mix", lay, src, raddr)
-    got = remote_buffer(p, tmp_path)
-    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(570, lay.dst_bytes)), "destination")
-    s = stats(ag)
-    assert s["bounce_xfers"] == 0 and s["peers_incompatible"] == 1 and s["fallback_peer"] == 1
+    assert s["peers_incompatible"] == incompatible
 
 
 def test_idle_engine_does_not_eat_a_core(peer):
