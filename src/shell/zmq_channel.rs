@@ -18,9 +18,10 @@ const SEND_HWM: i32 = 65_536;
 
 /// A bound ZMQ control channel.
 pub(super) struct ZmqChannel {
-    /// One PUSH socket per peer, connected on first send. Declared before the context: sockets
-    /// must close before the context terminates.
-    push: HashMap<String, zmq::Socket>,
+    /// One PUSH socket per peer with the endpoint it is connected to, made on first send and
+    /// remade when the peer's advertised endpoint changes (a restarted peer under the same
+    /// name). Declared before the context: sockets must close before the context terminates.
+    push: HashMap<String, (Vec<u8>, zmq::Socket)>,
     pull: zmq::Socket,
     endpoint: String,
     agent: String,
@@ -57,15 +58,16 @@ impl ZmqChannel {
     /// The endpoint is not a `tcp://` address, the connect failed, or the frame could not be
     /// queued (the peer's queue is full); nothing blocks.
     pub(super) fn send(&mut self, peer: &str, peer_endpoint: &[u8], frame: &[u8]) -> Result<(), String> {
-        if !self.push.contains_key(peer) {
+        if self.push.get(peer).is_none_or(|(at, _)| at.as_slice() != peer_endpoint) {
+            self.push.remove(peer);
             let endpoint = valid_endpoint(peer_endpoint)?;
             let s = self._ctx.socket(zmq::PUSH).map_err(|e| format!("creating a ZMQ socket failed: {e}"))?;
             s.set_linger(0).map_err(|e| format!("ZMQ linger: {e}"))?;
             s.set_sndhwm(SEND_HWM).map_err(|e| format!("ZMQ high-water mark: {e}"))?;
             s.connect(endpoint).map_err(|e| format!("connecting to {endpoint} failed: {e}"))?;
-            self.push.insert(peer.to_owned(), s);
+            self.push.insert(peer.to_owned(), (peer_endpoint.to_vec(), s));
         }
-        let s = &self.push[peer];
+        let (_, s) = &self.push[peer];
         s.send_multipart([self.agent.as_bytes(), frame], zmq::DONTWAIT)
             .map_err(|e| format!("queueing a frame for {peer} failed: {e}"))
     }
@@ -136,6 +138,28 @@ mod tests {
             got,
             [("alpha".to_owned(), b"\0BOUNC frame one".to_vec()), ("alpha".to_owned(), b"frame two".to_vec())]
         );
+    }
+
+    /// A peer restarted under the same name advertises a new endpoint: frames follow it.
+    #[test]
+    fn a_new_endpoint_for_the_same_peer_name_is_followed() {
+        let mut a = ZmqChannel::bind("alpha", "127.0.0.1").unwrap();
+        let mut old = ZmqChannel::bind("beta", "127.0.0.1").unwrap();
+        let mut new = ZmqChannel::bind("beta", "127.0.0.1").unwrap();
+        let wait_for = |ch: &mut ZmqChannel, ms: u64| {
+            let mut got = Vec::new();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+            while got.is_empty() && std::time::Instant::now() < deadline {
+                ch.poll(16, |_, f| got.push(f));
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            got
+        };
+        a.send("beta", old.endpoint().as_bytes(), b"to the old one").unwrap();
+        assert_eq!(wait_for(&mut old, 10_000), [b"to the old one".to_vec()]);
+        a.send("beta", new.endpoint().as_bytes(), b"to the new one").unwrap();
+        assert_eq!(wait_for(&mut new, 10_000), [b"to the new one".to_vec()]);
+        assert!(wait_for(&mut old, 200).is_empty(), "nothing more goes to the old endpoint");
     }
 
     #[test]

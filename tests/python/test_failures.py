@@ -26,6 +26,7 @@ TIMEOUT_MS = 3000
 FAST = {"bounce_request_timeout_ms": str(TIMEOUT_MS)}
 ARENA = 4 << 20
 SMALL = {**FAST, "bounce_arena_size": "4MiB", "bounce_max_chunk_size": "1MiB"}
+ZMQ = {"bounce_control": "zmq", "bounce_zmq_host": "127.0.0.1"}
 # A bounced transfer must resolve within its no-progress timeout plus this much slack.
 SLACK_S = 5.0
 
@@ -192,16 +193,20 @@ def streaming_kill_or_cancel(ag, name, lay, src, raddr, act, after_s=0.003):
 # 1. peer killed mid-transfer
 
 
-def test_peer_killed_mid_transfer_fails_in_bounded_time_without_leak_then_reconnects(procs, tmp_path):
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_peer_killed_mid_transfer_fails_in_bounded_time_without_leak_then_reconnects(procs, tmp_path, control):
+    """Over either control channel. With ZMQ the reborn peer advertises a new endpoint under
+    the old name, and the survivor's frames must follow it."""
+    params = {**SMALL, **ZMQ} if control == "zmq" else SMALL
     lay = nixlkit.Scattered(16384, 4096, seed=11)  # 64 MiB through 4 MiB arenas: ~64 chunks stream
-    ag = nixlkit.agent("survivor", params=SMALL)
+    ag = nixlkit.agent(f"survivor-{control}", params=params)
     src = nixlkit.pattern(12, lay.src_bytes)
     nixlkit.register(ag, src)
     outcome = None
     for attempt in range(3):
-        name = f"doomed{attempt}"
+        name = f"doomed-{control}{attempt}"
         p = procs()
-        meta, raddr = p.start(name=name, size=lay.dst_bytes, seed=13, params=SMALL)
+        meta, raddr = p.start(name=name, size=lay.dst_bytes, seed=13, params=params)
         connect(ag, p, meta)
         before = stats(ag)
         # Freeze the peer mid-flight, let every acknowledgement it already sent arrive, and only
@@ -237,7 +242,7 @@ def test_peer_killed_mid_transfer_fails_in_bounded_time_without_leak_then_reconn
     ag.remove_remote_agent(dead)
     lay2 = nixlkit.Scattered(4096, 4096, seed=14)
     p2 = procs()
-    meta, raddr = p2.start(name=dead, size=lay2.dst_bytes, seed=15, params=SMALL)
+    meta, raddr = p2.start(name=dead, size=lay2.dst_bytes, seed=15, params=params)
     connect(ag, p2, meta)
     s0 = stats(ag)
     with watchdog(60, [p2], "transfer to the reborn peer"):
