@@ -366,14 +366,20 @@ impl Sender {
         Ok(())
     }
 
-    pub(crate) fn handle_gather_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
-        let Some(r) = self.take_job(ctx, job, JobKind::Gather) else {
-            return;
-        };
+    /// The live transfer a finished job belongs to, its no-progress deadline pushed back; `None`
+    /// when the job was orphaned or unknown (see `take_job`).
+    fn finished_job(&mut self, ctx: &mut Ctx<'_>, job: JobId, kind: JobKind) -> Option<(JobRef, &mut Xfer)> {
+        let r = self.take_job(ctx, job, kind)?;
         let Some(x) = self.xfers.get_mut(&r.xfer) else {
-            return internal_error("gather job of a vanished transfer", &r.xfer.0);
+            internal_error("job of a vanished transfer", &r.xfer.0);
+            return None;
         };
         x.deadline = ctx.now + self.timeout;
+        Some((r, x))
+    }
+
+    pub(crate) fn handle_gather_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        let Some((r, x)) = self.finished_job(ctx, job, JobKind::Gather) else { return };
         let Stage::Gathering { local, credit, .. } = x.stages[r.chunk] else {
             return internal_error("gather done for a chunk not gathering", &r.chunk);
         };
@@ -390,13 +396,7 @@ impl Sender {
     }
 
     pub(crate) fn handle_write_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
-        let Some(r) = self.take_job(ctx, job, JobKind::Write) else {
-            return;
-        };
-        let Some(x) = self.xfers.get_mut(&r.xfer) else {
-            return internal_error("write job of a vanished transfer", &r.xfer.0);
-        };
-        x.deadline = ctx.now + self.timeout;
+        let Some((r, x)) = self.finished_job(ctx, job, JobKind::Write) else { return };
         let Stage::Writing { source, credit, .. } = x.stages[r.chunk] else {
             return internal_error("write done for a chunk not writing", &r.chunk);
         };
