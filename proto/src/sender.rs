@@ -282,15 +282,28 @@ impl Sender {
         }
     }
 
-    pub(crate) fn handle_grant(&mut self, ctx: &mut Ctx<'_>, from: PeerId, grant: Grant) -> Result<(), ProtocolError> {
+    /// The live transfer a GRANT or ACK from `from` names; `None` when it is not live (`unknown`
+    /// already dealt with that), an error when it belongs to another peer.
+    fn addressed_xfer(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        id: XferId,
+    ) -> Result<Option<&mut Xfer>, ProtocolError> {
         self.prune(ctx.now);
-        let id = grant.xfer;
-        let Some(x) = self.xfers.get_mut(&id) else {
-            return self.unknown(ctx, from, id);
-        };
-        if x.peer != from {
-            return Err(ProtocolError::WrongPeer { xfer: id, expected: x.peer, got: from });
+        if !self.xfers.contains_key(&id) {
+            return self.unknown(ctx, from, id).map(|()| None);
         }
+        match self.xfers.get_mut(&id) {
+            Some(x) if x.peer != from => Err(ProtocolError::WrongPeer { xfer: id, expected: x.peer, got: from }),
+            x => Ok(x),
+        }
+    }
+
+    pub(crate) fn handle_grant(&mut self, ctx: &mut Ctx<'_>, from: PeerId, grant: Grant) -> Result<(), ProtocolError> {
+        let id = grant.xfer;
+        let timeout = self.timeout;
+        let Some(x) = self.addressed_xfer(ctx, from, id)? else { return Ok(()) };
         if grant.credits.is_empty() {
             return Err(ProtocolError::EmptyGrant { xfer: id });
         }
@@ -315,7 +328,7 @@ impl Sender {
                 });
             }
         }
-        x.deadline = ctx.now + self.timeout;
+        x.deadline = ctx.now + timeout;
         for c in grant.credits {
             trace!(xfer = id.0, chunk = c.chunk.0, region = %c.region, "credit");
             let credit = Credit { region: c.region, at: ctx.now };
@@ -328,14 +341,9 @@ impl Sender {
     }
 
     pub(crate) fn handle_ack(&mut self, ctx: &mut Ctx<'_>, from: PeerId, ack: Ack) -> Result<(), ProtocolError> {
-        self.prune(ctx.now);
         let id = ack.xfer;
-        let Some(x) = self.xfers.get_mut(&id) else {
-            return self.unknown(ctx, from, id);
-        };
-        if x.peer != from {
-            return Err(ProtocolError::WrongPeer { xfer: id, expected: x.peer, got: from });
-        }
+        let timeout = self.timeout;
+        let Some(x) = self.addressed_xfer(ctx, from, id)? else { return Ok(()) };
         let i = ack.chunk.0 as usize;
         let Some(&stage) = x.stages.get(i) else {
             return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
@@ -346,7 +354,7 @@ impl Sender {
         if credit.region != ack.region {
             return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
         }
-        x.deadline = ctx.now + self.timeout;
+        x.deadline = ctx.now + timeout;
         trace!(xfer = id.0, chunk = ack.chunk.0, status = ?ack.status, "ack");
         match ack.status {
             AckStatus::Scattered => {
@@ -1206,12 +1214,18 @@ mod tests {
         check(&ep);
     }
 
+    /// Submits `X` as `chunks` direct chunks and grants chunk 0 region `r(0)`: its write is
+    /// in flight (the only job).
+    fn direct_write_granted(ep: &mut Endpoint, t: Instant, chunks: u64) -> Vec<(JobId, WriteSource, Region, u64)> {
+        ep.submit(t, X, PEER, direct_plan_of(chunks)).unwrap();
+        drain(ep);
+        writes(&feed(ep, t, grant_msg(X, &[(0, r(0))])))
+    }
+
     #[test]
     fn cancel_waits_for_an_in_flight_direct_write_that_has_no_region_to_orphan() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
-        ep.submit(t, X, PEER, direct_plan_of(2)).unwrap();
-        drain(&mut ep);
-        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        let w = direct_write_granted(&mut ep, t, 2);
         ep.cancel(t, X);
         let acts = drain(&mut ep);
         assert_eq!(completes(&acts), vec![(X, Err(XferError::Canceled))]);
@@ -1230,9 +1244,7 @@ mod tests {
     #[test]
     fn a_direct_transfer_times_out_and_cancels_after_its_write_finishes() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
-        ep.submit(t, X, PEER, direct_plan_of(2)).unwrap();
-        drain(&mut ep);
-        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        let w = direct_write_granted(&mut ep, t, 2);
         // The write never reports within the timeout.
         ep.handle_timeout(t + TIMEOUT);
         let acts = drain(&mut ep);
@@ -1256,9 +1268,7 @@ mod tests {
     #[test]
     fn a_failed_direct_write_fails_the_transfer_and_cancels_at_once() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
-        ep.submit(t, X, PEER, direct_plan_of(1)).unwrap();
-        drain(&mut ep);
-        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        let w = direct_write_granted(&mut ep, t, 1);
         ep.handle_write_done(t, w[0].0, false);
         let acts = drain(&mut ep);
         assert_eq!(completes(&acts), vec![(X, Err(XferError::WriteFailed))]);
@@ -1269,9 +1279,7 @@ mod tests {
     #[test]
     fn peer_loss_with_a_direct_write_in_flight_waits_only_for_its_done_event() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
-        ep.submit(t, X, PEER, direct_plan_of(1)).unwrap();
-        drain(&mut ep);
-        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        let w = direct_write_granted(&mut ep, t, 1);
         ep.handle_peer_lost(t, PEER);
         assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
         assert_eq!((ep.orphans(), ep.jobs_in_flight()), (0, 1));
