@@ -26,9 +26,7 @@ import base64
 import json
 import os
 import random
-import select
 import struct
-import sys
 import time
 
 import nixlkit
@@ -229,15 +227,7 @@ def main():
         for ag in agents.values():
             ag.get_new_notifs()
 
-    while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.0005 if agents else None)
-        if not ready:
-            poll()
-            continue
-        line = sys.stdin.readline()
-        if not line:
-            nixlkit.leave(0)
-        cmd = json.loads(line)
+    for cmd in nixlkit.commands(poll, lambda: bool(agents)):
         op = cmd["op"]
         try:
             if op == "agent":

@@ -137,6 +137,24 @@ def wait_notif(ag, sender, msg, others=(), deadline=DEADLINE_S):
     raise AssertionError(f"notification {msg!r} from {sender} never arrived")
 
 
+def commands(idle, active):
+    """The JSON-line commands of a helper process's stdin, one dict each. While `active()`,
+    waiting for the next one calls `idle()` every 0.5 ms (to keep the agents polled); at the end
+    of input the process leaves."""
+    import json
+    import select
+    import sys
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.0005 if active() else None)
+        if not ready:
+            idle()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            leave(0)
+        yield json.loads(line)
+
+
 def leave(code=0):
     """Exit without running interpreter teardown: NIXL 1.5.1's bundled networking library can
     crash at normal exit (see the plugin facts). Engine unload is tested explicitly elsewhere."""

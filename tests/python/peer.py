@@ -20,8 +20,6 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
 import base64
 import json
 import os
-import select
-import sys
 import time
 
 import nixlkit
@@ -48,15 +46,7 @@ def main():
             for m in msgs:
                 seen.append((sender, m))
 
-    while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.0005 if ag else None)
-        if not ready:
-            poll()
-            continue
-        line = sys.stdin.readline()
-        if not line:
-            nixlkit.leave(0)
-        cmd = json.loads(line)
+    for cmd in nixlkit.commands(poll, lambda: ag is not None):
         op = cmd["op"]
         try:
             if op == "start":

@@ -742,16 +742,19 @@ def test_two_hosts_over_tcp_link_cut_mid_transfer_resolves_then_new_pair_works(t
         b.send_write(a, lay, timeout)
         return a.recv_write(), b.recv_write()
 
+    def exact_both_ways(a, b, lay, what):
+        ra, rb = both_ways(a, b, lay, 30)
+        assert ra["state"] == "DONE" and rb["state"] == "DONE", (ra, rb)
+        b.landed(a, lay)
+        a.landed(b, lay)
+        b.check(f"a -> b{what}")
+        a.check(f"b -> a{what}")
+
     # 1. byte-exact across the link, on the bounce path
     with watchdog(60, procs.all, "starting two hosts"):
         a, b = pair("", big)
     with watchdog(60, [a.p, b.p], "transfers over the veth link"):
-        ra, rb = both_ways(a, b, small, 30)
-        assert ra["state"] == "DONE" and rb["state"] == "DONE", (ra, rb)
-        b.landed(a, small)
-        a.landed(b, small)
-        b.check("a -> b over TCP")
-        a.check("b -> a over TCP")
+        exact_both_ways(a, b, small, " over TCP")
         sa = peer_stats(a.p)
         assert sa["bounce_ok"] == 1 and sa["passthrough_xfers"] == 0, sa
 
@@ -791,10 +794,5 @@ def test_two_hosts_over_tcp_link_cut_mid_transfer_resolves_then_new_pair_works(t
     with watchdog(60, procs.all, "starting two new hosts"):
         a, b = pair("2", small)
     with watchdog(60, [a.p, b.p], "new pair after the link came back"):
-        ra, rb = both_ways(a, b, small, 30)
-        assert ra["state"] == "DONE" and rb["state"] == "DONE", (ra, rb)
-        b.landed(a, small)
-        a.landed(b, small)
-        b.check("a -> b, new pair after the cut")
-        a.check("b -> a, new pair after the cut")
+        exact_both_ways(a, b, small, ", new pair after the cut")
         assert peer_stats(a.p)["bounce_ok"] == 1

@@ -88,6 +88,26 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    /// Carries out a gather (`to_arena`) or scatter job's runs between user memory and the
+    /// arena; a failing job (`!ok`) copies only every other run, as a copy that broke midway.
+    fn copy_runs(&mut self, region: Region, runs: &[CopyRun], ok: bool, to_arena: bool) {
+        for (i, r) in runs.iter().enumerate() {
+            if !ok && i % 2 == 1 {
+                continue;
+            }
+            for (off, addr, len) in r.copies() {
+                let at = (region.offset + off) as usize;
+                let user = (addr - MEM_BASE) as usize;
+                let (arena, mem) = (&mut self.arena[at..at + len as usize], &mut self.mem[user..user + len as usize]);
+                if to_arena {
+                    arena.copy_from_slice(mem);
+                } else {
+                    mem.copy_from_slice(arena);
+                }
+            }
+        }
+    }
+
     /// Takes `len` fresh bytes of user memory (sources and destinations interleave; no two
     /// transfers share a byte).
     fn alloc(&mut self, node: usize, len: u64) -> u64 {
@@ -418,17 +438,7 @@ impl Sim {
                     return;
                 }
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
-                let n = &mut self.nodes[node];
-                for (i, r) in runs.iter().enumerate() {
-                    if !ok && i % 2 == 1 {
-                        continue;
-                    }
-                    for (off, addr, len) in r.copies() {
-                        let src = &n.mem[(addr - MEM_BASE) as usize..][..len as usize];
-                        let at = (region.offset + off) as usize;
-                        n.arena[at..at + len as usize].copy_from_slice(src);
-                    }
-                }
+                self.nodes[node].copy_runs(region, &runs, ok, true);
                 if !ok {
                     self.tainted.insert((node, xfer));
                 }
@@ -468,17 +478,7 @@ impl Sim {
                     return;
                 }
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
-                let n = &mut self.nodes[node];
-                for (i, r) in runs.iter().enumerate() {
-                    if !ok && i % 2 == 1 {
-                        continue;
-                    }
-                    for (off, addr, len) in r.copies() {
-                        let at = (region.offset + off) as usize;
-                        let dst = (addr - MEM_BASE) as usize;
-                        n.mem[dst..dst + len as usize].copy_from_slice(&n.arena[at..at + len as usize]);
-                    }
-                }
+                self.nodes[node].copy_runs(region, &runs, ok, false);
                 if !ok {
                     self.tainted.insert((peer, xfer));
                 }
