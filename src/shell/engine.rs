@@ -214,7 +214,8 @@ impl Engine {
         for (md, r) in self.registrations.lock().iter().filter(|(_, r)| r.mem == MemKind::Dram) {
             reactor.shared().inbox.push(Cmd::Registered(r.addr, r.len, Md(*md)));
         }
-        let huge = arena.huge_bytes();
+        // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
+        let huge = tracing::enabled!(tracing::Level::INFO).then(|| arena.huge_bytes()).flatten();
         tracing::info!(agent = self.agent, arena = arena.len(), huge_pages = huge, "bounce path ready");
         Ok(Bounce { reactor, arena, caps, shim })
     }

@@ -321,10 +321,8 @@ impl Driver {
             tracing::trace!("inner getNotifs failed");
         }
         if let Some(z) = &mut self.zmq {
-            let mut frames = Vec::new();
-            let malformed = z.poll(ZMQ_POLL_BATCH, |peer, frame| frames.push((peer, frame)));
+            let malformed = z.poll(ZMQ_POLL_BATCH, |peer, frame| cmds.push(Cmd::Control { peer, frame }));
             self.shared.stats.control_dropped.fetch_add(malformed, std::sync::atomic::Ordering::Relaxed);
-            cmds.extend(frames.into_iter().map(|(peer, frame)| Cmd::Control { peer, frame }));
         }
         self.shared.inbox.drain(cmds);
         let now = Instant::now();
@@ -383,10 +381,11 @@ impl Driver {
                 }
             }
             Cmd::Hello(name) => {
+                // Only a peer that can bounce with us has a use for it (compatibility is
+                // symmetric), and only such a peer has a ZMQ endpoint we could reach.
                 let compatible = self.shared.peers.lock().get(&name).is_some_and(Option::is_some);
-                if self.zmq.is_some() && !compatible {
-                    // No ZMQ endpoint to reach it at, and it could not bounce with us anyway.
-                    tracing::debug!(peer = name, "no HELLO over ZMQ to an incompatible peer");
+                if !compatible {
+                    tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
                 } else if let Err(e) = self.send_frame(&name, &wire::encode_hello(self.session)) {
                     tracing::warn!(peer = name, error = e, "sending HELLO failed; the peer stays on plain UCX to us");
                 }
@@ -527,8 +526,9 @@ impl Driver {
                 st => Err(format!("UCX genNotif status {st}")),
             },
             Some(z) => {
-                let endpoint = self.shared.peers.lock().get(peer).and_then(|c| c.as_ref().map(|c| c.endpoint.clone()));
-                z.send(peer, &endpoint.ok_or("no capabilities loaded for this peer")?, bytes)
+                let peers = self.shared.peers.lock();
+                let endpoint = peers.get(peer).and_then(Option::as_ref).map(|c| c.endpoint.as_slice());
+                z.send(peer, endpoint.ok_or("no capabilities loaded for this peer")?, bytes)
             }
         }
     }
