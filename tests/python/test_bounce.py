@@ -164,8 +164,15 @@ def test_four_senders_to_one_receiver(peer, tmp_path):
         src_i = nixlkit.pattern(610 + i, lays[i].src_bytes)
         nixlkit.assert_same(dst[i * part:(i + 1) * part],
                             lays[i].expected(src_i, before[i * part:(i + 1) * part]), f"sender {i}")
+    # Each sender took the bounce path (not UCX's) exactly once, and the receiver's arena is whole
+    # again once every region is scattered and acked.
+    for i, p in enumerate(peers):
+        ps = p.call(op="params")["params"]
+        assert int(ps["stats.bounce_ok"]) == 1, (i, ps)
+        assert int(ps["stats.bounce_xfers"]) == 1, (i, ps)
+        assert int(ps["stats.passthrough_xfers"]) == 0, (i, ps)
     s = stats(ag)
-    assert s["arena_free_bytes"] > 0
+    assert s["arena_free_bytes"] == 256 << 20, s
 
 
 def test_64_concurrent_transfers_from_8_threads(peer, tmp_path):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import nixlkit
-from conftest import HERE, Peer, run_isolated
+from conftest import HERE, Peer, cannot_run, run_isolated
 
 B = "BOUNCE"
 TIMEOUT_MS = 3000
@@ -657,16 +657,16 @@ def _ip(*args, check=True):
 @pytest.fixture
 def two_hosts():
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+        cannot_run("network namespaces need root")
     if not shutil.which("ip"):
-        pytest.skip("no `ip` command (iproute2)")
+        cannot_run("no `ip` command (iproute2)")
     tag = str(os.getpid() % 100000)
     ns_a, ns_b = f"bnc-a{tag}", f"bnc-b{tag}"
     dev_a, dev_b = f"bnca{tag}", f"bncb{tag}"
     try:
         _ip("netns", "add", ns_a)
     except (subprocess.CalledProcessError, OSError) as e:
-        pytest.skip(f"cannot create a network namespace: {getattr(e, 'stderr', e)}")
+        cannot_run(f"cannot create a network namespace: {getattr(e, 'stderr', e)}")
     try:
         _ip("netns", "add", ns_b)
         _ip("link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
@@ -681,7 +681,7 @@ def two_hosts():
     except subprocess.CalledProcessError as e:
         _ip("netns", "del", ns_a, check=False)
         _ip("netns", "del", ns_b, check=False)
-        pytest.skip(f"cannot set up the veth link: {e.stderr}")
+        cannot_run(f"cannot set up the veth link: {e.stderr}")
     try:
         yield {"a": (ns_a, dev_a, "10.200.0.1"), "b": (ns_b, dev_b, "10.200.0.2")}
     finally:
