@@ -1,0 +1,245 @@
+"""Pass-through cost: every operation BOUNCE hands to UCX, measured against plain UCX in ONE run,
+two processes, interleaved (a block of UCX samples, then a block of BOUNCE samples, and so on), so
+that machine noise lands on both alike.
+
+    .venv/bin/python benches/passthrough.py [--rounds 2000] [--block 100]
+
+Measured per backend (the initiator process and the echo process each hold one agent per backend;
+the echo polls get_new_notifs of the backend being measured and answers each "ping" with a "pong"):
+  - notification round trip: send_notif, then get_new_notifs polled until the pong arrives;
+  - one empty get_new_notifs call;
+  - register + deregister of a 4 KiB buffer;
+  - prep + release of a one-descriptor WRITE;
+  - a one-descriptor 4 KiB WRITE and a 1 x 64 MiB WRITE (post, then check until DONE).
+Prints p50 / p99 per backend and the BOUNCE / UCX ratio of the medians.
+"""
+import argparse
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = os.path.join(os.path.dirname(HERE), "tests", "python")
+sys.path.insert(0, PY)
+
+BIG = 64 << 20
+BACKENDS = ("UCX", "BOUNCE")
+
+
+def echo(flag_path):
+    """The echo process: one agent per backend, answering each ping with a pong and serving as the
+    WRITE target. Only the agent of the backend being measured (a byte in the shared flag file)
+    is polled, so that two spinning processes, not three, share the machine's cores."""
+    import mmap
+
+    import nixlkit
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # NIXL's own log lines must not corrupt the reply lines
+    with open(flag_path, "r+b") as f:
+        flag = mmap.mmap(f.fileno(), 1)
+    agents, bufs = [], []
+    for b in BACKENDS:
+        ag = nixlkit.agent(f"echo-{b}", (b,))
+        buf = nixlkit.pattern(1, BIG)
+        nixlkit.register(ag, buf, b)
+        agents.append(ag)
+        bufs.append(buf)
+        out.write(json.dumps({"meta": base64.b64encode(ag.get_agent_metadata()).decode(),
+                              "addr": buf.ctypes.data}) + "\n")
+    out.flush()
+    for ag in agents:
+        ag.add_remote_agent(base64.b64decode(sys.stdin.readline()))
+    while True:
+        active = flag[0]
+        if active >= len(agents):
+            out.write("bye\n")
+            out.flush()
+            nixlkit.leave(0)
+        ag = agents[active]
+        for sender, msgs in ag.get_new_notifs().items():
+            for m in msgs:
+                if m == b"ping":
+                    ag.send_notif(sender, b"pong")
+
+
+class Side:
+    """The initiator's agent for one backend, joined to its agent in the echo process."""
+
+    def __init__(self, backend, hello):
+        import nixlkit
+
+        self.backend = backend
+        self.name = f"ini-{backend}"
+        self.peer = f"echo-{backend}"
+        self.raddr = hello["addr"]
+        self.ag = nixlkit.agent(self.name, (backend,))
+        self.src = nixlkit.pattern(2, BIG)
+        nixlkit.register(self.ag, self.src, backend)
+        self.ag.add_remote_agent(base64.b64decode(hello["meta"]))
+        self.small = None
+        self.big = None
+        self.tiny = nixlkit.pattern(3, 4096)
+
+    def prepare(self):
+        self.small = self._prep(4096)
+        self.big = self._prep(BIG)
+
+    def _prep(self, n):
+        ag = self.ag
+        lo = ag.get_xfer_descs([(self.src.ctypes.data, n, 0)], "DRAM")
+        re = ag.get_xfer_descs([(self.raddr, n, 0)], "DRAM")
+        return ag.initialize_xfer("WRITE", lo, re, self.peer, b"", backends=[self.backend])
+
+    def wait_first_pong(self, deadline_s=30.0):
+        """The echo may need a moment to load our metadata: ping until the first pong."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                self.ag.send_notif(self.peer, b"ping")
+            except Exception:
+                time.sleep(0.01)
+                continue
+            t = time.monotonic() + 0.2
+            while time.monotonic() < t:
+                if self._pongs():
+                    return
+        raise SystemExit(f"{self.backend}: the echo process never answered")
+
+    def _pongs(self):
+        n = 0
+        for _, msgs in self.ag.get_new_notifs().items():
+            n += sum(1 for m in msgs if m == b"pong")
+        return n
+
+    # One sample of each operation, in seconds.
+    def notif_rtt(self):
+        t0 = time.perf_counter()
+        self.ag.send_notif(self.peer, b"ping")
+        while not self._pongs():
+            pass
+        return time.perf_counter() - t0
+
+    def empty_poll(self):
+        t0 = time.perf_counter()
+        self.ag.get_new_notifs()
+        return time.perf_counter() - t0
+
+    def register(self):
+        ag = self.ag
+        t0 = time.perf_counter()
+        d = ag.get_reg_descs([(self.tiny.ctypes.data, self.tiny.nbytes, 0, "")], "DRAM")
+        r = ag.register_memory(d, backends=[self.backend])
+        ag.deregister_memory(r, backends=[self.backend])
+        return time.perf_counter() - t0
+
+    def prep(self):
+        t0 = time.perf_counter()
+        h = self._prep(4096)
+        self.ag.release_xfer_handle(h)
+        return time.perf_counter() - t0
+
+    def _write(self, h):
+        t0 = time.perf_counter()
+        st = self.ag.transfer(h)
+        while st not in ("DONE", "ERR"):
+            st = self.ag.check_xfer_state(h)
+        if st != "DONE":
+            raise SystemExit(f"{self.backend}: transfer failed")
+        return time.perf_counter() - t0
+
+    def write_4k(self):
+        return self._write(self.small)
+
+    def write_64m(self):
+        return self._write(self.big)
+
+OPS = [
+    # name, method, samples per block relative to --block
+    ("notif round trip", "notif_rtt", 1.0),
+    ("empty getNotifs", "empty_poll", 1.0),
+    ("register+deregister 4 KiB", "register", 0.2),
+    ("prep+release 1 desc", "prep", 0.2),
+    ("WRITE 1 x 4 KiB", "write_4k", 0.5),
+    ("WRITE 1 x 64 MiB", "write_64m", 0.05),
+]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2000, help="notification round trips per backend")
+    ap.add_argument("--block", type=int, default=100, help="samples per backend before switching")
+    ap.add_argument("--echo", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="also write the raw samples to this file")
+    args = ap.parse_args()
+    if args.echo:
+        echo(args.echo)
+        return
+    import nixlkit
+
+    import tempfile
+
+    flag_path = os.path.join(tempfile.mkdtemp(), "active")
+    with open(flag_path, "wb") as f:
+        f.write(b"\0")
+    flag = open(flag_path, "r+b")
+
+    def activate(i):
+        flag.seek(0)
+        flag.write(bytes([i]))
+        flag.flush()
+
+    proc = subprocess.Popen([sys.executable, __file__, "--echo", flag_path], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    hellos = [json.loads(proc.stdout.readline()) for _ in BACKENDS]
+    sides = {b: Side(b, h) for b, h in zip(BACKENDS, hellos)}
+    for s in sides.values():
+        proc.stdin.write(base64.b64encode(s.ag.get_agent_metadata()).decode() + "\n")
+    proc.stdin.flush()
+    for i, s in enumerate(sides.values()):
+        activate(i)
+        s.wait_first_pong()
+        s.prepare()
+    samples = {b: {name: [] for name, _, _ in OPS} for b in BACKENDS}
+    blocks = max(1, args.rounds // args.block)
+    for _ in range(blocks):
+        for name, method, share in OPS:
+            n = max(1, int(args.block * share))
+            for i, b in enumerate(BACKENDS):  # interleaved: each block alternates the backends
+                activate(i)
+                f = getattr(sides[b], method)
+                f()  # one warm-up per block keeps a cold first sample out of the tail
+                samples[b][name].extend(f() for _ in range(n))
+    cpus = os.cpu_count()
+    print(f"pass-through cost, two processes, DRAM, no progress thread, {cpus} cores, "
+          f"{blocks} interleaved blocks")
+    print(f"  {'operation':28s} {'UCX p50':>10s} {'UCX p99':>10s} {'BOUNCE p50':>11s} "
+          f"{'BOUNCE p99':>11s} {'p50 ratio':>10s}")
+    for name, _, _ in OPS:
+        u, x = samples["UCX"][name], samples["BOUNCE"][name]
+        ratio = statistics.median(x) / statistics.median(u)
+        unit, k = ("ms", 1e3) if "64 MiB" in name else ("us", 1e6)
+        print(f"  {name:28s} {pct(u, .5)*k:8.1f}{unit} {pct(u, .99)*k:8.1f}{unit} "
+              f"{pct(x, .5)*k:9.1f}{unit} {pct(x, .99)*k:9.1f}{unit} {ratio:10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(samples, f)
+    activate(len(BACKENDS))
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    nixlkit.leave(0)
+
+
+if __name__ == "__main__":
+    main()
