@@ -52,8 +52,58 @@ def pattern(seed, nbytes):
 
 
 def register(ag, arr, backend="BOUNCE"):
-    descs = ag.get_reg_descs([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+    descs = ag.get_reg_descs([(addr(arr), arr.nbytes, dev(arr), "")], mem(arr))
     return ag.register_memory(descs, backends=[backend])
+
+
+class VramBuf:
+    """A GPU buffer (a torch uint8 tensor) with the few numpy-like operations the helpers use:
+    `nbytes`, `fill` from a host pattern, `host()` to copy it back, `tofile`."""
+
+    def __init__(self, host_bytes, device=0):
+        import torch
+        self.device = device
+        self.t = torch.empty(len(host_bytes), dtype=torch.uint8, device=f"cuda:{device}")
+        self.fill(host_bytes)
+        self.nbytes = len(host_bytes)
+
+    def fill(self, host_bytes):
+        import torch
+        self.t.copy_(torch.from_numpy(np.ascontiguousarray(host_bytes)))
+        torch.cuda.synchronize(self.device)
+
+    def host(self):
+        import torch
+        torch.cuda.synchronize(self.device)
+        return self.t.cpu().numpy()
+
+    def tofile(self, path):
+        self.host().tofile(path)
+
+
+def addr(buf):
+    """The address NIXL descriptors use for a host (numpy) or GPU (VramBuf) buffer."""
+    return buf.t.data_ptr() if isinstance(buf, VramBuf) else buf.ctypes.data
+
+
+def mem(buf):
+    return "VRAM" if isinstance(buf, VramBuf) else "DRAM"
+
+
+def dev(buf):
+    return buf.device if isinstance(buf, VramBuf) else 0
+
+
+def gpu_skip_reason():
+    """Why GPU tests cannot run here (None when they can). CI has no GPU: there these tests
+    say "skipped: no GPU" by design, and run on the GPU machine."""
+    try:
+        import torch
+    except ImportError:
+        return "no GPU: torch is not installed"
+    if not torch.cuda.is_available():
+        return "no GPU: torch sees no CUDA device"
+    return None
 
 
 class Scattered:
@@ -75,11 +125,11 @@ class Scattered:
         if sizes is not None:
             self.dst_bytes += 8
 
-    def src_list(self, base):
-        return [(base + int(o), s, 0) for o, s in zip(self.src_offsets, self.sizes)]
+    def src_list(self, base, dev=0):
+        return [(base + int(o), s, dev) for o, s in zip(self.src_offsets, self.sizes)]
 
-    def dst_list(self, base):
-        return [(base + int(k) * self.slot + sh, s, 0)
+    def dst_list(self, base, dev=0):
+        return [(base + int(k) * self.slot + sh, s, dev)
                 for k, s, sh in zip(self.slots, self.sizes, self.dst_shift)]
 
     def expected(self, src, dst_before):

@@ -3,8 +3,9 @@ two-process tests and benchmarks. While idle it keeps polling its agent, so tran
 the target to progress (and notifications) move even when the other process is busy.
 
 Commands (one JSON object per line; every reply is one JSON line with "ok"):
-  {"op": "start", "name": N, "backends": [...], "params": {...}, "size": BYTES, "seed": S}
-      -> {"meta": b64, "addr": int}   (buffer filled with pattern(seed))
+  {"op": "start", "name": N, "backends": [...], "params": {...}, "size": BYTES, "seed": S,
+   "mem": "DRAM"|"VRAM", "dev": GPU}
+      -> {"meta": b64, "addr": int}   (buffer filled with pattern(seed); VRAM: a torch tensor)
   {"op": "load", "meta": b64}                 add a remote agent
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
   {"op": "notif_send", "to": A, "msg": M}
@@ -15,12 +16,17 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
       -> {"state": "DONE"|"ERR", "seconds": t}
   {"op": "wait_ready", "n": K}               wait until K peers may take the bounce path
   {"op": "params", "backend": B}             -> {"params": {...}} (live backend params)
+  {"op": "stage_serve", "from": A, "n": N, "size": S, "seed": L, "stage_off": O, "count": K}
+      hand staging (VRAM benchmarks): K times, wait for notif "staged" from A, scatter the
+      staging area at buffer+O to Scattered(N, S, L)'s slots with torch, answer "scattered"
   {"op": "exit"}
 """
 import base64
 import json
 import os
 import time
+
+import numpy as np
 
 import nixlkit
 
@@ -52,9 +58,11 @@ def main():
             if op == "start":
                 ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
                 buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
+                if cmd.get("mem", "DRAM") == "VRAM":
+                    buf = nixlkit.VramBuf(buf, cmd.get("dev", 0))
                 for b in cmd.get("backends", ["BOUNCE"]):
                     nixlkit.register(ag, buf, b)
-                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode(), addr=buf.ctypes.data)
+                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode(), addr=nixlkit.addr(buf))
             elif op == "load":
                 ag.add_remote_agent(base64.b64decode(cmd["meta"]))
                 reply()
@@ -75,13 +83,17 @@ def main():
                 buf.tofile(cmd["path"])
                 reply()
             elif op == "fill":
-                buf[:] = nixlkit.pattern(cmd["seed"], buf.nbytes)
+                if isinstance(buf, nixlkit.VramBuf):
+                    buf.fill(nixlkit.pattern(cmd["seed"], buf.nbytes))
+                else:
+                    buf[:] = nixlkit.pattern(cmd["seed"], buf.nbytes)
                 reply()
             elif op == "write":
                 lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"], sizes=cmd.get("sizes"))
-                base = buf.ctypes.data + cmd.get("src_off", 0)
-                lo = ag.get_xfer_descs(lay.src_list(base), "DRAM")
-                re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"]), "DRAM")
+                base = nixlkit.addr(buf) + cmd.get("src_off", 0)
+                m, d = nixlkit.mem(buf), nixlkit.dev(buf)
+                lo = ag.get_xfer_descs(lay.src_list(base, d), m)
+                re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"], cmd.get("rdev", d)), m)
                 t0 = time.perf_counter()
                 h = ag.initialize_xfer("WRITE", lo, re, cmd["to"], cmd.get("notif", "").encode(),
                                        backends=[cmd.get("backend", "BOUNCE")])
@@ -105,6 +117,24 @@ def main():
                 reply()
             elif op == "params":
                 reply(params=nixlkit.live_params(ag, cmd.get("backend", "BOUNCE")))
+            elif op == "stage_serve":
+                import torch
+                lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
+                t = buf.t if isinstance(buf, nixlkit.VramBuf) else torch.from_numpy(buf)
+                o, nb, sz = cmd["stage_off"], cmd["n"] * cmd["size"], cmd["size"]
+                stage = t[o:o + nb].view(cmd["n"], sz)
+                slots = torch.as_tensor(lay.slots.astype(np.int64), device=t.device)
+                dst = t[:lay.dst_bytes].view(-1, sz)
+                for _ in range(cmd["count"]):
+                    want = (cmd["from"], b"staged")
+                    while want not in seen:
+                        poll()
+                    seen.remove(want)
+                    dst.index_copy_(0, slots, stage)
+                    if t.is_cuda:
+                        torch.cuda.synchronize(t.device)
+                    ag.send_notif(cmd["from"], b"scattered")
+                reply()
             elif op == "exit":
                 reply()
                 nixlkit.leave(0)

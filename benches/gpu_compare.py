@@ -1,0 +1,187 @@
+"""VRAM -> VRAM side by side on the GPU machine: BOUNCE vs plain UCX vs UCX's best configuration
+vs hand staging vs one contiguous write of the same bytes, two processes (one process gets no
+cuda_ipc), every variant in ONE run.
+
+    python3 benches/gpu_compare.py [--shapes 16384x4096,4096x16384,1024x65536] [--iters 20]
+                                   [--peer-gpu 0] [--inflight 64]
+
+Variants (each in its own initiator process, against a target process running peer.py):
+  BOUNCE            the bounce path (bounce_arena_mem=vram)
+  UCX               plain UCX, no progress thread
+  UCX+SGL           NIXL_UCX_SGL_ENABLE=1
+  UCX best          num_threads=4 + SGL
+  hand staging      what an application can do by hand on plain UCX: sources are packed, so one
+                    WRITE of all bytes into a staging area at the target with a notification,
+                    a torch scatter there, a notification back
+  contiguous        one WRITE of the same bytes (the link's ceiling)
+A sample is the time from transfer() (or the staging WRITE) to DONE (or the answer). Also
+--inflight N transfers of 1024 x 4 KiB posted at once: p50 / p99 of their completion times.
+"""
+import argparse
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = os.path.join(os.path.dirname(HERE), "tests", "python")
+sys.path.insert(0, PY)
+
+VARIANTS = [
+    # name, backend, params, env, mode
+    ("BOUNCE", "BOUNCE", {"bounce_arena_mem": "vram"}, {}, "scattered"),
+    ("UCX", "UCX", {}, {}, "scattered"),
+    ("UCX+SGL", "UCX", {}, {"NIXL_UCX_SGL_ENABLE": "1"}, "scattered"),
+    ("UCX best (4 thr+SGL)", "UCX", {"num_threads": "4"}, {"NIXL_UCX_SGL_ENABLE": "1"}, "scattered"),
+    ("hand staging", "UCX", {}, {}, "staged"),
+    ("contiguous", "UCX", {}, {}, "contiguous"),
+]
+
+
+def child(args):
+    import nixlkit
+    from conftest import Peer
+
+    backend, params, mode = args.backend, json.loads(args.params), args.mode
+    n, size = args.n, args.size
+    lay = nixlkit.Scattered(n, size, seed=5)
+    total = n * size
+    peer = Peer()
+    # target buffer: [scattered destination slots | staging area]
+    meta, raddr = peer.start(name="gtgt", backends=[backend], params=params, size=lay.dst_bytes + total,
+                             seed=6, mem="VRAM", dev=args.peer_gpu)
+    ag = nixlkit.agent("gini", (backend,), params)
+    src = nixlkit.VramBuf(nixlkit.pattern(7, total), 0)
+    nixlkit.register(ag, src, backend)
+    ag.add_remote_agent(meta)
+    peer.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
+    if backend == "BOUNCE":
+        nixlkit.wait_ready(ag, 1)
+    base = nixlkit.addr(src)
+    if mode == "scattered":
+        lo, re = lay.src_list(base, 0), lay.dst_list(raddr, args.peer_gpu)
+    else:  # one descriptor: the staging area, or the same bytes contiguous
+        lo, re = [(base, total, 0)], [(raddr + lay.dst_bytes, total, args.peer_gpu)]
+    h = ag.initialize_xfer("WRITE", ag.get_xfer_descs(lo, "VRAM"), ag.get_xfer_descs(re, "VRAM"),
+                           "gtgt", b"staged" if mode == "staged" else b"", backends=[backend])
+    if mode == "staged":
+        peer.send(op="stage_serve", **{"from": "gini"}, n=n, size=size, seed=5,
+                  stage_off=lay.dst_bytes, count=args.iters + 2)
+    samples = []
+    for i in range(args.iters + 2):
+        t0 = time.perf_counter()
+        if ag.transfer(h) == "ERR":
+            raise SystemExit("transfer failed")
+        while True:
+            s = ag.check_xfer_state(h)
+            if s == "DONE":
+                break
+            if s == "ERR":
+                raise SystemExit("transfer failed")
+        if mode == "staged":
+            nixlkit.wait_notif(ag, "gtgt", b"scattered")
+        if i >= 2:
+            samples.append(time.perf_counter() - t0)
+    if mode == "staged":
+        peer.recv()
+    inflight = []
+    if args.inflight and mode == "scattered":
+        small = nixlkit.Scattered(1024, 4096, seed=8)
+        hs = []
+        for j in range(args.inflight):
+            off = (j * small.src_bytes) % max(1, total - small.src_bytes + 1)
+            lo = ag.get_xfer_descs(small.src_list(base + off, 0), "VRAM")
+            re = ag.get_xfer_descs(small.dst_list(raddr, args.peer_gpu), "VRAM")
+            hs.append(ag.initialize_xfer("WRITE", lo, re, "gtgt", b"", backends=[backend]))
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for x in hs:
+                if ag.transfer(x) == "ERR":
+                    raise SystemExit("transfer failed")
+            left = set(range(len(hs)))
+            while left:
+                for j in list(left):
+                    s = ag.check_xfer_state(hs[j])
+                    if s == "DONE":
+                        inflight.append(time.perf_counter() - t0)
+                        left.discard(j)
+                    elif s == "ERR":
+                        raise SystemExit("transfer failed")
+    stats = {}
+    if backend == "BOUNCE":
+        stats = {k: v for k, v in nixlkit.live_params(ag, backend).items() if k.startswith("stats.")}
+    print("RESULT " + json.dumps({"samples": samples, "inflight": inflight, "stats": stats}), flush=True)
+    peer.close()
+    nixlkit.leave(0)
+
+
+def run(name, backend, params, env, mode, n, size, args):
+    cmd = [sys.executable, __file__, "--child", "--backend", backend, "--params", json.dumps(params),
+           "--mode", mode, "--n", str(n), "--size", str(size), "--iters", str(args.iters),
+           "--peer-gpu", str(args.peer_gpu), "--inflight", str(args.inflight)]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
+                       stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
+                       env={**os.environ, **env})
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    print(f"  {name}: FAILED rc={r.returncode}\n{(r.stderr or '')[-2000:]}")
+    return None
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="16384x4096,4096x16384,1024x65536")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--peer-gpu", type=int, default=0)
+    ap.add_argument("--inflight", type=int, default=64)
+    ap.add_argument("--only", help="run only variants whose name contains this")
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--backend")
+    ap.add_argument("--params", default="{}")
+    ap.add_argument("--mode")
+    ap.add_argument("--n", type=int)
+    ap.add_argument("--size", type=int)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    import torch
+    print(f"VRAM -> VRAM WRITE, two processes, initiator GPU 0 -> target GPU {args.peer_gpu} "
+          f"({torch.cuda.get_device_name(0)}), median of {args.iters}")
+    for shape in args.shapes.split(","):
+        n, size = (int(x) for x in shape.split("x"))
+        mib = n * size / 2**20
+        print(f"{n} x {size} B = {mib:.0f} MiB")
+        med = {}
+        for name, backend, params, env, mode in VARIANTS:
+            if args.only and args.only not in name:
+                continue
+            res = run(name, backend, params, env, mode, n, size, args)
+            if not res:
+                continue
+            med[name] = statistics.median(res["samples"])
+            extra = ""
+            if res["inflight"]:
+                extra = (f"   {args.inflight} in flight: p50 {pct(res['inflight'], .5)*1e3:.2f} ms "
+                         f"p99 {pct(res['inflight'], .99)*1e3:.2f} ms")
+            if res["stats"]:
+                extra += f"   chunks={res['stats'].get('stats.bounce_chunks')} ok={res['stats'].get('stats.bounce_ok')}"
+            print(f"  {name:22s} {med[name]*1e3:9.3f} ms  {mib / 1024 / med[name]:8.1f} GiB/s{extra}")
+        if "BOUNCE" in med:
+            b = med["BOUNCE"]
+            for other in ("UCX", "UCX best (4 thr+SGL)", "hand staging", "contiguous"):
+                if other in med:
+                    print(f"    BOUNCE / {other:22s} = {b / med[other]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
