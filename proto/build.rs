@@ -21,6 +21,8 @@ struct Opt {
     env: String,
     kind: String,
     default: String,
+    #[serde(default)]
+    default_vram: Option<String>,
     doc: String,
 }
 
@@ -41,11 +43,12 @@ fn main() {
         assert!(o.name.starts_with("bounce_"), "option {} must start with bounce_", o.name);
         writeln!(
             out,
-            "    OptionSpec {{ name: {:?}, env: {:?}, kind: {:?}, default: {:?}, doc: {:?} }},",
+            "    OptionSpec {{ name: {:?}, env: {:?}, kind: {:?}, default: {:?}, default_vram: {:?}, doc: {:?} }},",
             o.name,
             format!("NIXL_BOUNCE_{}", o.env),
             o.kind,
             o.default,
+            o.default_vram,
             o.doc
         )
         .unwrap();

@@ -18,6 +18,9 @@ fn readme_documents_every_manifest_option_with_its_default_and_env() {
         assert!(row.contains(&format!("`{}`", o.name)), "{row}");
         assert!(row.contains(&format!("`{}`", o.env)), "{row}");
         assert!(row.contains(&format!("`{default}`")), "{row}");
+        if let Some(v) = o.default_vram {
+            assert!(row.contains(&format!("(VRAM: `{v}`)")), "{row}");
+        }
         assert!(row.contains(o.doc), "{row}");
     }
 }

@@ -13,7 +13,7 @@ use std::{fmt, time::Duration};
 use crate::{
     manifest::{self, OptionSpec},
     plan,
-    types::ControlKind,
+    types::{ControlKind, MemKind},
 };
 
 /// Configuration of one BOUNCE engine, shared by its sender and receiver roles.
@@ -25,6 +25,12 @@ use crate::{
 pub struct Config {
     /// Master switch of the bounce fast path (`bounce_enable`).
     pub enabled: bool,
+    /// Memory of the staging arena as configured (`bounce_arena_mem`); `Auto` is resolved by
+    /// the shell, which alone can see whether the process uses a GPU.
+    pub arena_mem: ArenaMem,
+    /// The memory kind whose defaults filled the options left unset (see
+    /// [`Config::from_params_as`]).
+    pub defaults_for: MemKind,
     /// Size in bytes of the staging arena (`bounce_arena_size`).
     pub arena_size: u64,
     /// Smallest region of the arena's buddy allocator, a power of two (`bounce_arena_granularity`).
@@ -60,6 +66,17 @@ pub struct Config {
     /// Path of NIXL's UCX plugin; `None` means the default next to this plugin
     /// (`bounce_ucx_plugin`).
     pub ucx_plugin: Option<String>,
+}
+
+/// Which memory the staging arena is made of (`bounce_arena_mem`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArenaMem {
+    /// GPU memory when the process has a current CUDA context at backend creation, else host.
+    Auto,
+    /// Host memory: host-memory transfers bounce.
+    Dram,
+    /// GPU memory: GPU-memory transfers bounce (CUDA copy engine).
+    Vram,
 }
 
 /// A [`Config`] together with the non-fatal problems found while building it.
@@ -240,6 +257,23 @@ impl Config {
         params: impl IntoIterator<Item = (&'a str, &'a str)>,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Loaded> {
+        Self::from_params_as(None, params, env)
+    }
+
+    /// Like [`Config::from_params`], with the defaults of the options left unset taken for an
+    /// arena of memory `arena` (the manifest's `default_vram` column for GPU memory). `None`
+    /// takes them for what `bounce_arena_mem` says, host memory for `auto`: the shell resolves
+    /// `auto` and, when it resolves to GPU memory, builds the configuration again with
+    /// `Some(MemKind::Vram)`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Config::from_params`].
+    pub fn from_params_as<'a>(
+        arena: Option<MemKind>,
+        params: impl IntoIterator<Item = (&'a str, &'a str)>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Loaded> {
         let mut warnings = Vec::new();
         let mut given: Vec<Option<&'a str>> = vec![None; manifest::OPTIONS.len()];
         for (name, value) in params {
@@ -253,14 +287,26 @@ impl Config {
             }
         }
 
-        let mut values = Vec::with_capacity(manifest::OPTIONS.len());
-        for (spec, param) in manifest::OPTIONS.iter().zip(given) {
-            let from_env = env(spec.env).filter(|v| !v.is_empty());
-            let chosen = match (&from_env, param) {
-                (Some(v), _) => Some((ValueSource::Env(spec.env), v.as_str())),
-                (None, Some(v)) => Some((ValueSource::Param, v)),
+        let chosen: Vec<_> = manifest::OPTIONS
+            .iter()
+            .zip(given)
+            .map(|(spec, param)| match (env(spec.env).filter(|v| !v.is_empty()), param) {
+                (Some(v), _) => Some((ValueSource::Env(spec.env), v)),
+                (None, Some(v)) => Some((ValueSource::Param, v.to_owned())),
                 (None, None) => None,
-            };
+            })
+            .collect();
+        // Which defaults apply depends on one option's value, so that one is read first.
+        let defaults_for = arena.unwrap_or_else(|| {
+            let i = manifest::OPTIONS.iter().position(|o| o.name == "bounce_arena_mem");
+            match i.and_then(|i| chosen[i].as_ref()).map(|(_, v)| v.trim().to_ascii_lowercase()) {
+                Some(v) if v == "vram" => MemKind::Vram,
+                _ => MemKind::Dram,
+            }
+        });
+        let mut values = Vec::with_capacity(manifest::OPTIONS.len());
+        for (spec, chosen) in manifest::OPTIONS.iter().zip(&chosen) {
+            let chosen = chosen.as_ref().map(|(source, v)| (*source, v.as_str()));
             let parsed = chosen.and_then(|(source, text)| {
                 let v = parse_value(spec.kind, text);
                 if v.is_none() {
@@ -268,19 +314,19 @@ impl Config {
                         option: spec.name,
                         source,
                         value: text.to_owned(),
-                        default: spec.default,
+                        default: spec.default_for(defaults_for),
                     });
                 }
                 v
             });
             let value = match parsed {
                 Some(v) => v,
-                None => default_value(spec)?,
+                None => default_value(spec, defaults_for)?,
             };
             values.push((spec.name, value));
         }
 
-        let mut config = Self::assemble(&values)?;
+        let mut config = Self::assemble(&values, defaults_for)?;
         config.check_arena()?;
         let requested = config.max_chunk_size;
         let largest_region = config.largest_region();
@@ -293,7 +339,7 @@ impl Config {
     }
 
     /// Maps parsed option values onto the typed fields, by manifest name.
-    fn assemble(values: &[(&'static str, Value)]) -> Result<Self> {
+    fn assemble(values: &[(&'static str, Value)], defaults_for: MemKind) -> Result<Self> {
         let get = |option: &'static str| {
             values.iter().find(|(n, _)| *n == option).map(|(_, v)| v).ok_or(ConfigError::ManifestMismatch { option })
         };
@@ -315,6 +361,12 @@ impl Config {
             Value::Enum("zmq") => ControlKind::Zmq,
             _ => return Err(mismatch("bounce_control")),
         };
+        let arena_mem = match get("bounce_arena_mem")? {
+            Value::Enum("auto") => ArenaMem::Auto,
+            Value::Enum("dram") => ArenaMem::Dram,
+            Value::Enum("vram") => ArenaMem::Vram,
+            _ => return Err(mismatch("bounce_arena_mem")),
+        };
         let zmq_host = match get("bounce_zmq_host")? {
             Value::Path(p) => p.trim().to_owned(),
             _ => return Err(mismatch("bounce_zmq_host")),
@@ -326,6 +378,8 @@ impl Config {
         };
         Ok(Self {
             enabled: boolean("bounce_enable")?,
+            arena_mem,
+            defaults_for,
             arena_size: u64_of("bounce_arena_size")?,
             arena_granularity: u64_of("bounce_arena_granularity")?,
             max_chunk_size: u64_of("bounce_max_chunk_size")?,
@@ -428,12 +482,9 @@ impl Default for Config {
 }
 
 /// The manifest default of `spec`, parsed like user input.
-fn default_value(spec: &'static OptionSpec) -> Result<Value> {
-    parse_value(spec.kind, spec.default).ok_or(ConfigError::BadManifestDefault {
-        option: spec.name,
-        kind: spec.kind,
-        value: spec.default,
-    })
+fn default_value(spec: &'static OptionSpec, mem: MemKind) -> Result<Value> {
+    let text = spec.default_for(mem);
+    parse_value(spec.kind, text).ok_or(ConfigError::BadManifestDefault { option: spec.name, kind: spec.kind, value: text })
 }
 
 /// Parses `text` as a value of manifest kind `kind`; `None` when it does not parse (or the kind
@@ -530,7 +581,12 @@ mod tests {
     fn every_manifest_option_parses_its_own_default() {
         for o in manifest::OPTIONS {
             assert!(parse_value(o.kind, o.default).is_some(), "{} default {:?}", o.name, o.default);
+            if let Some(v) = o.default_vram {
+                assert!(parse_value(o.kind, v).is_some(), "{} VRAM default {v:?}", o.name);
+            }
         }
+        // The VRAM defaults together form a valid configuration too.
+        assert!(Config::from_params_as(Some(MemKind::Vram), [], no_env).is_ok());
     }
 
     #[test]
@@ -656,6 +712,8 @@ mod tests {
         assert_eq!(c.warnings, vec![]);
         let want = Config {
             enabled: false,
+            arena_mem: ArenaMem::Auto,
+            defaults_for: MemKind::Dram,
             arena_size: GIB,
             arena_granularity: MIB,
             max_chunk_size: 32 * MIB,
@@ -674,6 +732,37 @@ mod tests {
             ucx_plugin: Some("/opt/nixl/libplugin_UCX.so".into()),
         };
         assert_eq!(c.config, want);
+    }
+
+    #[test]
+    fn a_gpu_arena_takes_the_vram_defaults_for_what_is_unset_and_keeps_what_is_set() {
+        // Named explicitly...
+        let v = load(&[("bounce_arena_mem", "vram"), ("bounce_copy_workers", "2")]).unwrap().config;
+        assert_eq!((v.arena_mem, v.defaults_for), (ArenaMem::Vram, MemKind::Vram));
+        assert_eq!(v.max_chunk_size, 32 * MIB);
+        assert_eq!(v.arena_granularity, MIB);
+        assert_eq!(v.min_descriptor_count, 1024);
+        assert_eq!(v.max_average_descriptor_size, 16 * KIB);
+        assert_eq!(v.copy_workers, 2, "a value the user set wins over either default");
+        // ...or resolved from `auto` by the shell, which builds the config again for VRAM.
+        let a = Config::from_params_as(Some(MemKind::Vram), [("bounce_arena_mem", "auto")], |_| None).unwrap();
+        assert_eq!((a.config.arena_mem, a.config.defaults_for), (ArenaMem::Auto, MemKind::Vram));
+        assert_eq!(a.config.max_chunk_size, 32 * MIB);
+        // Host memory (and unresolved auto) keeps the host defaults.
+        for mem in ["dram", "auto"] {
+            let d = load(&[("bounce_arena_mem", mem)]).unwrap().config;
+            assert_eq!(d.defaults_for, MemKind::Dram);
+            assert_eq!(d.max_chunk_size, Config::default().max_chunk_size);
+            assert_eq!(d.min_descriptor_count, 256);
+        }
+        // A garbage value names the default that replaced it: the VRAM one for a GPU arena.
+        let g = load(&[("bounce_arena_mem", "vram"), ("bounce_max_chunk_size", "huge")]).unwrap();
+        assert!(
+            g.warnings.iter().any(|w| matches!(w, ConfigWarning::Unparsable { default: "32MiB", .. })),
+            "{:?}",
+            g.warnings
+        );
+        assert!(load(&[("bounce_arena_mem", "tpu")]).unwrap().warnings.len() == 1);
     }
 
     #[test]

@@ -12,11 +12,23 @@ pub struct OptionSpec {
     pub kind: &'static str,
     /// Default value, in the same textual form a user would write.
     pub default: &'static str,
+    /// Default when the arena is GPU memory, where it differs from [`OptionSpec::default`].
+    pub default_vram: Option<&'static str>,
     /// One-line documentation.
     pub doc: &'static str,
 }
 
 include!(concat!(env!("OUT_DIR"), "/manifest.rs"));
+
+impl OptionSpec {
+    /// The default for an arena of memory `mem`.
+    pub fn default_for(&self, mem: crate::MemKind) -> &'static str {
+        match (mem, self.default_vram) {
+            (crate::MemKind::Vram, Some(v)) => v,
+            _ => self.default,
+        }
+    }
+}
 
 /// The option named `name`, if the manifest declares it.
 pub fn option(name: &str) -> Option<&'static OptionSpec> {
