@@ -484,7 +484,11 @@ impl Default for Config {
 /// The manifest default of `spec`, parsed like user input.
 fn default_value(spec: &'static OptionSpec, mem: MemKind) -> Result<Value> {
     let text = spec.default_for(mem);
-    parse_value(spec.kind, text).ok_or(ConfigError::BadManifestDefault { option: spec.name, kind: spec.kind, value: text })
+    parse_value(spec.kind, text).ok_or(ConfigError::BadManifestDefault {
+        option: spec.name,
+        kind: spec.kind,
+        value: text,
+    })
 }
 
 /// Parses `text` as a value of manifest kind `kind`; `None` when it does not parse (or the kind
