@@ -11,11 +11,13 @@
 //! - [`scheduler`]: the receiver's credit scheduler (per-flow window, round robin, drain mode).
 //! - [`sender`] / [`receiver`]: the two role state machines.
 //! - [`endpoint`]: the one object the IO shell drives; owns the scheduler and both roles.
+//! - [`event`]: the types the endpoint and both roles share (actions, job ids, errors, stats).
 #![forbid(unsafe_code)]
 
 pub mod buddy;
 pub mod config;
 pub mod endpoint;
+pub mod event;
 pub mod manifest;
 pub mod plan;
 pub mod receiver;

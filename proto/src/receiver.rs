@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, trace, warn};
 
 use crate::config::Config;
-use crate::endpoint::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
+use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
 use crate::scheduler::Grant as SchedGrant;
 use crate::types::{ChunkIdx, FlowKey, PeerId, Region};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, trace, warn};
 
 use crate::config::Config;
-use crate::endpoint::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
+use crate::event::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
 use crate::plan::Plan;
 use crate::types::{ChunkIdx, PeerId, Region, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
