@@ -1610,4 +1610,41 @@ mod tests {
         assert!(matches!(err, WireError::CountTooLarge { what: "endpoint", .. }));
         assert_eq!(Frame::decode(&Frame { session: 0, msg: big }.to_vec()), Err(err));
     }
+
+    /// Golden bytes: the exact encoding of a HELLO, of every sample message, of a capability
+    /// blob and of both envelope shapes, pinned before the codec was split into `wire/`. Any
+    /// change to these strings is a wire-format change and needs a new `WIRE_VERSION`.
+    #[test]
+    fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
+        let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
+        let want = [
+            // WANT
+            "00424f554e4302010100000000000000 2a00000000000000 02000000 6570 02000000 0010000000000000 2000000000000000",
+            // cancel (empty WANT)
+            "00424f554e4302010200000000000000 2a00000000000000 13000000 7463703a2f2f31302e302e302e313a35353535 00000000",
+            // GRANT
+            "00424f554e4302020300000000000000 0300000000000000 02000000
+             00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
+            // DATA
+            "00424f554e4302030400000000000000 0300000000000000 02000000 0001000000000000 4000000000000000
+             01000000 0380402002208001",
+            // ACK
+            "00424f554e4302040500000000000000 0300000000000000 02000000 0001000000000000 4000000000000000 01",
+        ];
+        assert_eq!(frames, want.map(|w| hex(&unhex(w))));
+        assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4302050807060504030201");
+        let caps = "0200 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+                    0004000000000000 0900000000000000 01000000 6b 00000000";
+        assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
+        let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
+        assert_eq!(
+            envelopes,
+            [
+                hex(&unhex("4e58424f554e4345 0100 00 01000000 ab")),
+                hex(&unhex(&format!(
+                    "4e58424f554e4345 0100 01 3d000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
+                ))),
+            ]
+        );
+    }
 }
