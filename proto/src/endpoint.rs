@@ -446,6 +446,37 @@ pub(crate) mod tests {
         assert!(matches!(Endpoint::new(&bad, Instant::now()), Err(EndpointError::Config(_))));
     }
 
+    /// `poll_timeout` is the earliest armed timer of both roles, and a `handle_timeout` before it
+    /// (a spurious wake-up) changes nothing.
+    #[test]
+    fn poll_timeout_is_the_minimum_and_a_spurious_timeout_does_nothing() {
+        let (mut ep, t) = endpoint(32 * KIB, 2, false);
+        assert_eq!(ep.poll_timeout(), None);
+        ep.handle_timeout(t + TIMEOUT * 10);
+        assert!(drain(&mut ep).is_empty());
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        let later = t + TIMEOUT / 4;
+        ep.handle_msg(later, PeerId(9), want_msg(XferId(5), &[CHUNK])).unwrap();
+        drain(&mut ep);
+        // The sender's transfer times out at t + TIMEOUT; the receiver reclaims the silent
+        // flow (it holds a granted region) half a timeout after its WANT, which is earlier.
+        let flow_at = later + TIMEOUT / 2;
+        assert!(flow_at < t + TIMEOUT);
+        assert_eq!(ep.poll_timeout(), Some(flow_at));
+        let before = (ep.stats().clone(), ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes());
+        ep.handle_timeout(flow_at - Duration::from_millis(1));
+        assert!(drain(&mut ep).is_empty(), "a spurious timeout emits nothing");
+        assert_eq!((ep.stats().clone(), ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes()), before);
+        assert_eq!(ep.poll_timeout(), Some(flow_at));
+        ep.handle_timeout(flow_at);
+        drain(&mut ep);
+        assert_eq!((ep.stats().flows_timed_out, ep.remote_flows()), (1, 0));
+        assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT));
+        ep.handle_timeout(t + TIMEOUT);
+        assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::Timeout))]);
+        assert_eq!(ep.poll_timeout(), None);
+    }
+
     /// Two endpoints with byte-level memories, driven until quiet with every job completing at
     /// once: the smallest end-to-end run of the whole protocol.
     struct Pair {

@@ -10,6 +10,7 @@
 //! - [`buddy`]: power-of-two buddy allocator over arena byte offsets.
 //! - [`scheduler`]: the receiver's credit scheduler (per-flow window, round robin, drain mode).
 //! - [`sender`] / [`receiver`]: the two role state machines.
+//! - `timer`: the deadline set both roles arm (one timer per transfer or remote flow).
 //! - [`endpoint`]: the one object the IO shell drives; owns the scheduler and both roles.
 //! - [`event`]: the types the endpoint and both roles share (actions, job ids, errors, stats).
 #![forbid(unsafe_code)]
@@ -23,6 +24,7 @@ pub mod plan;
 pub mod receiver;
 pub mod scheduler;
 pub mod sender;
+mod timer;
 pub mod types;
 pub mod wire;
 
