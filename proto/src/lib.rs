@@ -8,7 +8,8 @@
 //! - [`plan`]: bin-packs (src, dst) descriptor pairs into chunks and coalesces copy runs.
 //! - [`wire`]: versioned little-endian codec of the control messages and capability blobs.
 //! - [`buddy`]: power-of-two buddy allocator over arena byte offsets.
-//! - [`scheduler`]: the receiver's credit scheduler (per-flow window, round robin, drain mode).
+//! - [`scheduler`]: the arena ledger of both roles (who holds each region, the eager cap,
+//!   conservation) and the fair-share credit policy over it (round robin, drain mode, share cap).
 //! - [`sender`] / [`receiver`]: the two role state machines.
 //! - `timer`: the deadline set both roles arm (one timer per transfer or remote flow).
 //! - [`endpoint`]: the one object the IO shell drives; owns the scheduler and both roles.
