@@ -18,6 +18,7 @@ use crate::config::{Config, ConfigError};
 use crate::event::Ctx;
 // The shared event types live in `event`; re-exported here, where the shell has always found them.
 pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
+use crate::peers::{Admitted, FrameRefused, PeerTable};
 use crate::plan::Plan;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
@@ -85,6 +86,7 @@ pub struct Endpoint {
     out: VecDeque<Action>,
     next_job: u64,
     stats: Stats,
+    peers: PeerTable,
 }
 
 impl Endpoint {
@@ -105,6 +107,7 @@ impl Endpoint {
             out: VecDeque::new(),
             next_job: 0,
             stats: Stats::default(),
+            peers: PeerTable::new(),
         })
     }
 
@@ -165,6 +168,58 @@ impl Endpoint {
         }
         self.pump(now);
         r
+    }
+
+    /// Handles one raw control frame from the agent `name`: decodes it, applies the peer rules
+    /// of [`PeerTable`] (HELLO bound, session, restart, loaded peers only) and hands an accepted
+    /// message to [`handle_msg`](Self::handle_msg). A WANT that announces a restart first
+    /// reclaims the peer's old state, as [`handle_peer_lost`](Self::handle_peer_lost) does.
+    ///
+    /// # Errors
+    /// A [`FrameRefused`]: the frame was dropped (a refused message's effects are those of
+    /// `handle_msg`). Log it; the endpoint stays usable.
+    pub fn handle_frame(&mut self, now: Instant, name: &str, bytes: &[u8]) -> Result<(), FrameRefused> {
+        let r = self.admit_frame(now, name, bytes);
+        if let Err(e) = &r {
+            if !matches!(e, FrameRefused::Protocol(_)) {
+                self.stats.frames_refused += 1;
+            }
+            debug!(peer = name, error = %e, "control frame refused");
+        }
+        r
+    }
+
+    fn admit_frame(&mut self, now: Instant, name: &str, bytes: &[u8]) -> Result<(), FrameRefused> {
+        let frame = wire::ControlFrame::decode(bytes)?;
+        let msg = match frame.body {
+            wire::Body::Hello => return self.peers.hello(name),
+            wire::Body::Msg(msg) => msg,
+        };
+        let is_want = matches!(msg, wire::Msg::Want(_));
+        match self.peers.admit(name, frame.session, is_want) {
+            Ok(Admitted { peer, restarted }) => {
+                if restarted {
+                    debug!(peer = name, "peer restarted (new session): reclaiming its old state");
+                    self.handle_peer_lost(now, peer);
+                }
+                Ok(self.handle_msg(now, peer, msg)?)
+            }
+            Err(e) => {
+                if let FrameRefused::NotLoaded { peer, restarted: true } = e {
+                    self.handle_peer_lost(now, peer);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The agent `name` disconnected: the peer table forgets its connection info, arena, HELLO
+    /// and session, and its transfers and flows end as in
+    /// [`handle_peer_lost`](Self::handle_peer_lost). Unknown names are ignored.
+    pub fn handle_agent_lost(&mut self, now: Instant, name: &str) {
+        if let Some(peer) = self.peers.lost(name) {
+            self.handle_peer_lost(now, peer);
+        }
     }
 
     /// Reports a finished [`Action::Gather`]. Unknown jobs are logged and ignored.
@@ -280,6 +335,16 @@ impl Endpoint {
     #[cfg(test)]
     pub(crate) fn receiver_mut(&mut self) -> &mut Receiver {
         &mut self.receiver
+    }
+
+    /// The peer table, read-only.
+    pub fn peers(&self) -> &PeerTable {
+        &self.peers
+    }
+
+    /// The peer table, for the loads NIXL reports (connection info, arenas).
+    pub fn peers_mut(&mut self) -> &mut PeerTable {
+        &mut self.peers
     }
 
     /// The counters.
@@ -444,6 +509,93 @@ pub(crate) mod tests {
     fn new_rejects_an_invalid_config() {
         let bad = Config { max_inflight_chunks: 0, ..Config::default() };
         assert!(matches!(Endpoint::new(&bad, Instant::now()), Err(EndpointError::Config(_))));
+    }
+
+    fn frame(session: u64, msg: Msg) -> Vec<u8> {
+        wire::Frame { session, msg }.to_vec()
+    }
+
+    /// An endpoint that loaded agent `name` (no capabilities needed to talk to it).
+    fn with_loaded(name: &str) -> (Endpoint, Instant, PeerId) {
+        let (mut ep, t) = endpoint(32 * KIB, 2, false);
+        ep.peers_mut().load_conn_info(name, None, None);
+        let id = ep.peers_mut().id(name);
+        (ep, t, id)
+    }
+
+    #[test]
+    fn frames_from_an_agent_never_loaded_are_refused_before_the_endpoint_sees_them() {
+        let (mut ep, t) = endpoint(32 * KIB, 2, false);
+        let r = ep.handle_frame(t, "stranger", &frame(1, want_msg(XferId(5), &[CHUNK])));
+        assert!(matches!(r, Err(FrameRefused::NotLoaded { restarted: false, .. })), "{r:?}");
+        assert!(drain(&mut ep).is_empty(), "no GRANT to an unknown agent");
+        assert_eq!((ep.remote_flows(), ep.stats().wants, ep.stats().frames_refused), (0, 0, 1));
+        assert!(matches!(ep.handle_frame(t, "stranger", b"\0BOUNCgarbage"), Err(FrameRefused::Malformed(_))));
+        assert_eq!(ep.stats().frames_refused, 2);
+    }
+
+    #[test]
+    fn a_loaded_peer_is_served_through_handle_frame_and_protocol_errors_pass_through() {
+        let (mut ep, t, id) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        let sent = msgs(&drain(&mut ep));
+        assert!(matches!(&sent[..], [(p, Msg::Grant(_))] if *p == id), "{sent:?}");
+        let r = ep.handle_frame(t, "a", &frame(7, grant_msg(XferId(99), &[(0, Region { offset: 0, len: CHUNK })])));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::UnknownXfer { .. }))), "{r:?}");
+        assert_eq!((ep.stats().protocol_errors, ep.stats().frames_refused), (1, 0));
+    }
+
+    #[test]
+    fn a_frame_of_a_stale_session_is_refused_and_changes_nothing() {
+        let (mut ep, t, _) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        let granted = msgs(&drain(&mut ep));
+        let Msg::Grant(g) = &granted[0].1 else { panic!("{granted:?}") };
+        let region = g.credits[0].region;
+        // A DATA of an older incarnation for the region granted to the new one.
+        let stale = frame(6, data_msg(XferId(5), 0, region, vec![run(0, DST, CHUNK)]));
+        assert_eq!(ep.handle_frame(t, "a", &stale), Err(FrameRefused::StaleSession { got: 6, current: 7 }));
+        assert!(drain(&mut ep).is_empty(), "no scatter, no ACK");
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.peers().session("a"), Some(7));
+    }
+
+    #[test]
+    fn a_want_with_a_new_session_reclaims_the_old_incarnation_first() {
+        let (mut ep, t, id) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
+        drain(&mut ep);
+        ep.submit(t, X, id, plan_of(1)).unwrap();
+        drain(&mut ep);
+        assert_eq!((ep.remote_flows(), ep.in_flight_xfers()), (1, 1));
+        // The restarted agent announces a transfer that reuses the old id.
+        ep.handle_frame(t, "a", &frame(8, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        let acts = drain(&mut ep);
+        // Our transfer to the old incarnation failed as for a lost peer; the old flow's two
+        // regions were reclaimed and the new flow got one.
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::PeerLost))]);
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK, "only the new flow's region is held");
+        assert_eq!(ep.peers().session("a"), Some(8));
+        check(&ep);
+    }
+
+    #[test]
+    fn a_hello_flood_from_invented_names_is_bounded() {
+        let (mut ep, t, _) = with_loaded("a");
+        let hello = wire::encode_hello(1);
+        for i in 0..crate::peers::MAX_REACHABLE - 1 {
+            ep.handle_frame(t, &format!("invented-{i}"), &hello).unwrap();
+        }
+        assert_eq!(ep.handle_frame(t, "a", &hello), Ok(()));
+        assert_eq!(ep.handle_frame(t, "invented-x", &hello), Err(FrameRefused::HelloFlood));
+        assert_eq!(ep.stats().frames_refused, 1);
+        assert!(ep.peers().is_reachable("a") && !ep.peers().is_reachable("invented-x"));
+        assert!(drain(&mut ep).is_empty());
+        // Loss forgets the peer's HELLO: it must say HELLO again before we bounce to it.
+        ep.handle_agent_lost(t, "a");
+        assert!(!ep.peers().is_reachable("a") && !ep.peers().is_loaded("a"));
     }
 
     /// `poll_timeout` is the earliest armed timer of both roles, and a `handle_timeout` before it

@@ -372,6 +372,9 @@ pub struct Stats {
     pub flows_timed_out: u64,
     /// Peer messages rejected with a [`ProtocolError`].
     pub protocol_errors: u64,
+    /// Control frames refused by the peer rules or the decoder
+    /// ([`crate::peers::FrameRefused`] other than a protocol error).
+    pub frames_refused: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

@@ -12,7 +12,11 @@
 //!   conservation) and the fair-share credit policy over it (round robin, drain mode, share cap).
 //! - [`sender`] / [`receiver`]: the two role state machines.
 //! - `timer`: the deadline set both roles arm (one timer per transfer or remote flow).
-//! - [`endpoint`]: the one object the IO shell drives; owns the scheduler and both roles.
+//! - [`endpoint`]: the one object the IO shell drives; owns the scheduler, both roles and the
+//!   peer table, and takes raw control frames ([`endpoint::Endpoint::handle_frame`]).
+//! - [`peers`]: the peer table (loaded connection info and capabilities, session, HELLO) and its
+//!   frame-admission and credit-bounds rules.
+//! - [`gate`]: the routing gate (bounce or pass through, and why) and direct-write coverage.
 //! - [`event`]: the types the endpoint and both roles share (actions, job ids, errors, stats).
 #![forbid(unsafe_code)]
 
@@ -20,7 +24,9 @@ pub mod buddy;
 pub mod config;
 pub mod endpoint;
 pub mod event;
+pub mod gate;
 pub mod manifest;
+pub mod peers;
 pub mod plan;
 pub mod receiver;
 pub mod scheduler;
