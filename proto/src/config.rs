@@ -12,8 +12,7 @@ use std::{fmt, time::Duration};
 
 use crate::{
     manifest::{self, OptionSpec},
-    plan,
-    types::{ControlKind, MemKind},
+    types::{ControlKind, DEFAULT_ALIGN, MemKind},
 };
 
 /// Configuration of one BOUNCE engine, shared by its sender and receiver roles.
@@ -177,7 +176,7 @@ pub enum ConfigError {
     ChunkTooSmall {
         /// The chunk size in effect.
         max_chunk_size: u64,
-        /// The smallest usable chunk size ([`plan::DEFAULT_ALIGN`]).
+        /// The smallest usable chunk size ([`DEFAULT_ALIGN`]).
         min: u64,
     },
     /// The chunk size is not a power of two (only possible for a hand-built [`Config`]).
@@ -419,7 +418,7 @@ impl Config {
     ///
     /// A `max_chunk_size` below the arena granularity is accepted: each chunk then wastes the
     /// rest of its granule, which is inefficient but correct. It must however hold one aligned
-    /// plan slot ([`plan::DEFAULT_ALIGN`] bytes), be a power of two (the buddy allocator would
+    /// plan slot ([`DEFAULT_ALIGN`] bytes), be a power of two (the buddy allocator would
     /// round it up anyway) and fit in [`Config::largest_region`], so that a drained arena can
     /// always grant any chunk.
     ///
@@ -428,8 +427,8 @@ impl Config {
     /// The first violated rule, as a [`ConfigError`].
     pub fn validate(&self) -> Result<()> {
         self.check_arena()?;
-        if self.max_chunk_size < plan::DEFAULT_ALIGN {
-            return Err(ConfigError::ChunkTooSmall { max_chunk_size: self.max_chunk_size, min: plan::DEFAULT_ALIGN });
+        if self.max_chunk_size < DEFAULT_ALIGN {
+            return Err(ConfigError::ChunkTooSmall { max_chunk_size: self.max_chunk_size, min: DEFAULT_ALIGN });
         }
         if !self.max_chunk_size.is_power_of_two() {
             return Err(ConfigError::ChunkNotPowerOfTwo { max_chunk_size: self.max_chunk_size });
@@ -921,7 +920,7 @@ mod tests {
     #[test]
     fn impossible_params_are_errors() {
         use ConfigError::*;
-        let min = plan::DEFAULT_ALIGN;
+        let min = DEFAULT_ALIGN;
         let err = |params: &[(&str, &str)]| load(params).unwrap_err();
         let gran = "bounce_arena_granularity";
         let arena = "bounce_arena_size";
@@ -959,7 +958,7 @@ mod tests {
         assert_eq!(check(|c| c.max_chunk_size = 3 * MIB), Err(e));
         let e = ChunkExceedsArena { max_chunk_size: 512 * MIB, largest_region: 256 * MIB };
         assert_eq!(check(|c| c.max_chunk_size = 512 * MIB), Err(e));
-        let e = ChunkTooSmall { max_chunk_size: 16, min: plan::DEFAULT_ALIGN };
+        let e = ChunkTooSmall { max_chunk_size: 16, min: DEFAULT_ALIGN };
         assert_eq!(check(|c| c.max_chunk_size = 16), Err(e));
         assert_eq!(check(|c| c.max_inflight_chunks = 0), Err(ZeroInflightChunks));
         assert_eq!(check(|c| c.copy_workers = 0), Err(ZeroCopyWorkers));

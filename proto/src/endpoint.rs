@@ -15,324 +15,16 @@ use thiserror::Error;
 use tracing::{debug, trace};
 
 use crate::config::{Config, ConfigError};
-use crate::plan::{Plan, PlanError};
+use crate::event::Ctx;
+// The shared event types live in `event`; re-exported here, where the shell has always found them.
+pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
+use crate::peers::{Admitted, FrameRefused, PeerTable};
+use crate::plan::Plan;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
 use crate::sender::Sender;
-use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
+use crate::types::{PeerId, XferId};
 use crate::wire;
-
-/// Identifier of one gather, write or scatter job; unique within an [`Endpoint`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct JobId(pub u64);
-
-/// Something the shell must do for the endpoint, drained with [`Endpoint::poll_action`].
-///
-/// Jobs ([`Action::Gather`], [`Action::Write`], [`Action::Scatter`]) *MUST* each be reported
-/// back exactly once through the matching `handle_*_done` call, even after the transfer failed,
-/// the peer was lost or the endpoint shut down: until then the arena region stays allocated,
-/// because the copy engine or the NIC may still touch it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[must_use]
-pub enum Action {
-    /// Send `msg` to `peer` (the shell wraps it into a [`wire::Frame`] with its session).
-    Send {
-        /// Destination peer.
-        peer: PeerId,
-        /// The control message.
-        msg: wire::Msg,
-    },
-    /// Copy user source memory into the local arena `region`; each run's `region_off` is
-    /// relative to `region.offset` and its `addr` is the source address. Report with
-    /// [`Endpoint::handle_gather_done`].
-    Gather {
-        /// The job to report.
-        job: JobId,
-        /// The transfer the chunk belongs to.
-        xfer: XferId,
-        /// Local staging region (a whole buddy block; the runs cover at most the chunk bytes).
-        region: Region,
-        /// Copies source -> region.
-        runs: Vec<CopyRun>,
-    },
-    /// One RDMA write of `len` bytes from `source` (a staged local arena region, or user memory
-    /// for a [`crate::plan::Chunk::direct`] chunk) to the peer's arena region `remote`. Report
-    /// with [`Endpoint::handle_write_done`] once the data is visible at the target (or the
-    /// write failed).
-    Write {
-        /// The job to report.
-        job: JobId,
-        /// The transfer the chunk belongs to.
-        xfer: XferId,
-        /// The peer whose arena is written.
-        peer: PeerId,
-        /// Where the `len` bytes are read from.
-        source: WriteSource,
-        /// Target region in the peer's arena, as granted.
-        remote: Region,
-        /// Bytes to write: the chunk size (at most both region lengths).
-        len: u64,
-    },
-    /// Copy the local arena `region` out to user destinations; the runs were validated against
-    /// the region, the chunk and the registered memory. Report with
-    /// [`Endpoint::handle_scatter_done`].
-    Scatter {
-        /// The job to report.
-        job: JobId,
-        /// The peer that wrote the chunk.
-        peer: PeerId,
-        /// The peer's transfer.
-        xfer: XferId,
-        /// Local arena region holding the chunk.
-        region: Region,
-        /// Copies region -> destination; `addr` is the destination address.
-        runs: Vec<CopyRun>,
-    },
-    /// A submitted transfer ended; emitted exactly once per successfully submitted transfer.
-    Complete {
-        /// The transfer.
-        xfer: XferId,
-        /// Its outcome.
-        outcome: Result<(), XferError>,
-    },
-}
-
-/// The local side of an [`Action::Write`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WriteSource {
-    /// A staging region of the local arena, gathered before the write.
-    Arena(Region),
-    /// User memory at `addr`: a direct chunk, written unstaged from its source
-    /// ([`crate::plan::Chunk::direct`]); the shell resolves the registration covering
-    /// `[addr, addr + len)`.
-    User {
-        /// Source address of the chunk's first byte.
-        addr: u64,
-    },
-}
-
-/// Why a submitted transfer failed.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[non_exhaustive]
-pub enum XferError {
-    /// No progress (grant, ack or job completion) for the request timeout, or a credit went
-    /// stale before its chunk could be written.
-    #[error("no progress within the request timeout")]
-    Timeout,
-    /// The peer was lost.
-    #[error("peer lost")]
-    PeerLost,
-    /// The application canceled the transfer.
-    #[error("canceled")]
-    Canceled,
-    /// The receiver refused a chunk's DATA (its runs failed validation).
-    #[error("refused by the receiver")]
-    Refused,
-    /// A gather copy failed.
-    #[error("gather failed")]
-    GatherFailed,
-    /// The RDMA write failed.
-    #[error("write failed")]
-    WriteFailed,
-    /// The receiver reported that its scatter copy failed.
-    #[error("scatter failed at the receiver")]
-    ScatterFailed,
-    /// The endpoint is shutting down.
-    #[error("shutting down")]
-    ShuttingDown,
-    /// The descriptors could not be planned (for the shell, which plans before submitting).
-    #[error(transparent)]
-    Plan(#[from] PlanError),
-}
-
-/// Why [`Endpoint::submit`] refused a transfer; a refused transfer gets no
-/// [`Action::Complete`].
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[non_exhaustive]
-pub enum SubmitError {
-    /// [`Endpoint::shutdown`] was called.
-    #[error("the endpoint is shutting down")]
-    ShuttingDown,
-    /// The id is in flight or finished too recently (ids must never be reused).
-    #[error("transfer {} is already known", .xfer.0)]
-    DuplicateXfer {
-        /// The id.
-        xfer: XferId,
-    },
-    /// The plan has no chunks.
-    #[error("transfer {} has an empty plan", .xfer.0)]
-    EmptyPlan {
-        /// The transfer.
-        xfer: XferId,
-    },
-    /// More chunks than one WANT can announce.
-    #[error("transfer {} has {chunks} chunks, more than {max}", .xfer.0)]
-    TooManyChunks {
-        /// The transfer.
-        xfer: XferId,
-        /// Chunks in the plan.
-        chunks: usize,
-        /// [`wire::MAX_CHUNKS_PER_WANT`].
-        max: u32,
-    },
-    /// A chunk is larger than the configured maximum chunk size.
-    #[error("transfer {}: chunk #{} of {bytes} bytes exceeds the max chunk size ({max} bytes)", .xfer.0, .chunk.0)]
-    ChunkTooLarge {
-        /// The transfer.
-        xfer: XferId,
-        /// The chunk.
-        chunk: ChunkIdx,
-        /// Its size.
-        bytes: u64,
-        /// [`Config::max_chunk_size`].
-        max: u64,
-    },
-    /// A chunk is empty, has no copy runs, has a degenerate run, or has too many runs for one
-    /// DATA message.
-    #[error("transfer {}: chunk #{} is malformed", .xfer.0, .chunk.0)]
-    BadChunk {
-        /// The transfer.
-        xfer: XferId,
-        /// The chunk.
-        chunk: ChunkIdx,
-    },
-}
-
-/// What is wrong with a DATA message (see [`ProtocolError::InvalidData`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum DataFault {
-    /// The flow does not hold the region, or it is already being scattered.
-    NotHeld,
-    /// The region's length differs from the granted one.
-    RegionMismatch,
-    /// The chunk index differs from the one the region was granted for.
-    ChunkMismatch,
-    /// No runs.
-    NoRuns,
-    /// More runs than [`wire::MAX_RUNS`].
-    TooManyRuns,
-    /// Run `index` is degenerate (zero count or length) or its span overflows.
-    BadRun {
-        /// Position of the run.
-        index: usize,
-    },
-    /// Run `index` reads beyond the chunk's bytes (or the region).
-    RunOutsideChunk {
-        /// Position of the run.
-        index: usize,
-    },
-    /// Run `index` writes outside every registered memory range.
-    RunOutsideRegistered {
-        /// Position of the run.
-        index: usize,
-    },
-}
-
-/// Peer input that breaks the protocol. The message was ignored (or, for DATA, refused) and the
-/// endpoint stays consistent; the shell should log it at `warn`.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[non_exhaustive]
-pub enum ProtocolError {
-    /// A GRANT or ACK names a transfer this endpoint never had (or forgot long ago).
-    #[error("peer {}: unknown transfer {}", .peer.0, .xfer.0)]
-    UnknownXfer {
-        /// The sending peer.
-        peer: PeerId,
-        /// The transfer named.
-        xfer: XferId,
-    },
-    /// A GRANT or ACK for a transfer that goes to another peer.
-    #[error("peer {}: transfer {} belongs to peer {}", .got.0, .xfer.0, .expected.0)]
-    WrongPeer {
-        /// The transfer named.
-        xfer: XferId,
-        /// Its peer.
-        expected: PeerId,
-        /// The sending peer.
-        got: PeerId,
-    },
-    /// A GRANT without credits.
-    #[error("transfer {}: empty GRANT", .xfer.0)]
-    EmptyGrant {
-        /// The transfer.
-        xfer: XferId,
-    },
-    /// A chunk index beyond the transfer's plan.
-    #[error("transfer {}: chunk #{} out of range ({chunks} chunks)", .xfer.0, .chunk.0)]
-    ChunkOutOfRange {
-        /// The transfer.
-        xfer: XferId,
-        /// The chunk named.
-        chunk: ChunkIdx,
-        /// Chunks in the plan.
-        chunks: usize,
-    },
-    /// A second credit for a chunk.
-    #[error("transfer {}: duplicate credit for chunk #{}", .xfer.0, .chunk.0)]
-    DuplicateCredit {
-        /// The transfer.
-        xfer: XferId,
-        /// The chunk.
-        chunk: ChunkIdx,
-    },
-    /// A credit whose region cannot hold the chunk (or wraps the address space).
-    #[error("transfer {}: credit {region} for chunk #{} cannot hold {bytes} bytes", .xfer.0, .chunk.0)]
-    BadCredit {
-        /// The transfer.
-        xfer: XferId,
-        /// The chunk.
-        chunk: ChunkIdx,
-        /// The granted region.
-        region: Region,
-        /// The chunk size.
-        bytes: u64,
-    },
-    /// An ACK for a chunk whose DATA was not sent, or naming another region.
-    #[error("transfer {}: unexpected ACK for chunk #{}", .xfer.0, .chunk.0)]
-    UnexpectedAck {
-        /// The transfer.
-        xfer: XferId,
-        /// The chunk.
-        chunk: ChunkIdx,
-    },
-    /// A WANT the scheduler cannot queue (a zero-size or oversized chunk, too many chunks).
-    #[error("peer {}: bad WANT for transfer {}: {source}", .peer.0, .xfer.0)]
-    BadWant {
-        /// The sending peer.
-        peer: PeerId,
-        /// The transfer.
-        xfer: XferId,
-        /// The scheduler's reason.
-        source: SchedError,
-    },
-    /// A WANT that would take the peer over [`crate::receiver::MAX_FLOWS_PER_PEER`] open flows
-    /// or [`crate::receiver::MAX_CHUNKS_PER_PEER`] announced chunks; dropped unqueued.
-    #[error("peer {}: WANT for transfer {} refused: {flows} open flows, {chunks} announced chunks would exceed the per-peer caps", .peer.0, .xfer.0)]
-    PeerOverLimit {
-        /// The sending peer.
-        peer: PeerId,
-        /// The transfer.
-        xfer: XferId,
-        /// Open flows the peer would have.
-        flows: usize,
-        /// Announced chunks the peer would have.
-        chunks: u64,
-    },
-    /// A DATA that failed validation: it was dropped, answered with ACK(Refused), and the flow
-    /// was reclaimed.
-    #[error("peer {}: invalid DATA for transfer {} chunk #{}: {fault:?}", .peer.0, .xfer.0, .chunk.0)]
-    InvalidData {
-        /// The sending peer.
-        peer: PeerId,
-        /// The transfer.
-        xfer: XferId,
-        /// The chunk named.
-        chunk: ChunkIdx,
-        /// What is wrong.
-        fault: DataFault,
-    },
-}
 
 /// Why an [`Endpoint`] cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -344,89 +36,6 @@ pub enum EndpointError {
     /// The scheduler rejected the arena geometry or window.
     #[error(transparent)]
     Sched(#[from] SchedError),
-}
-
-/// Counters of an [`Endpoint`], for observability and tests. All only ever grow.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Transfers accepted by [`Endpoint::submit`].
-    pub submitted: u64,
-    /// Transfers completed successfully.
-    pub completed: u64,
-    /// Transfers that failed (any [`XferError`], cancellation included).
-    pub failed: u64,
-    /// Failures by [`XferError::Timeout`].
-    pub timeouts: u64,
-    /// Failures by [`XferError::Canceled`].
-    pub canceled: u64,
-    /// Failures by [`XferError::Refused`].
-    pub refused: u64,
-    /// Chunks written and announced by DATA.
-    pub chunks_written: u64,
-    /// Chunk bytes written.
-    pub bytes_written: u64,
-    /// Of [`chunks_written`](Self::chunks_written), those written straight from user memory
-    /// (direct chunks, no gather).
-    pub chunks_direct: u64,
-    /// GRANT or ACK messages for recently finished transfers, ignored.
-    pub late_msgs: u64,
-    /// WANT messages queued (cancels excluded).
-    pub wants: u64,
-    /// Credits granted to remote flows.
-    pub credits_granted: u64,
-    /// Chunks scattered successfully.
-    pub chunks_scattered: u64,
-    /// Chunk bytes scattered successfully.
-    pub bytes_scattered: u64,
-    /// Scatter jobs that failed.
-    pub scatters_failed: u64,
-    /// DATA messages refused by validation.
-    pub data_refused: u64,
-    /// DATA messages for unknown (canceled or reclaimed) flows, dropped silently.
-    pub late_data: u64,
-    /// Remote flows reclaimed because their sender went silent.
-    pub flows_timed_out: u64,
-    /// Peer messages rejected with a [`ProtocolError`].
-    pub protocol_errors: u64,
-}
-
-/// Shared mutable context a role borrows for one call: the scheduler, the action queue, the
-/// job counter and the counters.
-pub(crate) struct Ctx<'a> {
-    pub(crate) now: Instant,
-    pub(crate) sched: &'a mut CreditScheduler,
-    out: &'a mut VecDeque<Action>,
-    next_job: &'a mut u64,
-    pub(crate) stats: &'a mut Stats,
-}
-
-impl Ctx<'_> {
-    /// A fresh job id.
-    pub(crate) fn job(&mut self) -> JobId {
-        let job = JobId(*self.next_job);
-        *self.next_job += 1;
-        job
-    }
-
-    /// Queues an action.
-    pub(crate) fn push(&mut self, action: Action) {
-        self.out.push_back(action);
-    }
-
-    /// Queues a message to `peer`.
-    pub(crate) fn send(&mut self, peer: PeerId, msg: impl Into<wire::Msg>) {
-        let msg = msg.into();
-        trace!(peer = peer.0, xfer = msg.xfer().0, kind = msg.kind_name(), "send");
-        self.out.push_back(Action::Send { peer, msg });
-    }
-}
-
-/// Reports a broken internal invariant: a bug in this crate, never caused by peer input. Debug
-/// builds stop here; release builds log and carry on, leaking at most the region involved.
-pub(crate) fn internal_error(what: &str, err: &dyn std::fmt::Display) {
-    debug_assert!(false, "{what}: {err}");
-    tracing::error!(%err, "internal error: {what}");
 }
 
 /// Builds a [`Ctx`] from an endpoint's disjoint fields, so a role can borrow them while the
@@ -477,6 +86,7 @@ pub struct Endpoint {
     out: VecDeque<Action>,
     next_job: u64,
     stats: Stats,
+    peers: PeerTable,
 }
 
 impl Endpoint {
@@ -497,6 +107,7 @@ impl Endpoint {
             out: VecDeque::new(),
             next_job: 0,
             stats: Stats::default(),
+            peers: PeerTable::new(),
         })
     }
 
@@ -557,6 +168,58 @@ impl Endpoint {
         }
         self.pump(now);
         r
+    }
+
+    /// Handles one raw control frame from the agent `name`: decodes it, applies the peer rules
+    /// of [`PeerTable`] (HELLO bound, session, restart, loaded peers only) and hands an accepted
+    /// message to [`handle_msg`](Self::handle_msg). A WANT that announces a restart first
+    /// reclaims the peer's old state, as [`handle_peer_lost`](Self::handle_peer_lost) does.
+    ///
+    /// # Errors
+    /// A [`FrameRefused`]: the frame was dropped (a refused message's effects are those of
+    /// `handle_msg`). Log it; the endpoint stays usable.
+    pub fn handle_frame(&mut self, now: Instant, name: &str, bytes: &[u8]) -> Result<(), FrameRefused> {
+        let r = self.admit_frame(now, name, bytes);
+        if let Err(e) = &r {
+            if !matches!(e, FrameRefused::Protocol(_)) {
+                self.stats.frames_refused += 1;
+            }
+            debug!(peer = name, error = %e, "control frame refused");
+        }
+        r
+    }
+
+    fn admit_frame(&mut self, now: Instant, name: &str, bytes: &[u8]) -> Result<(), FrameRefused> {
+        let frame = wire::ControlFrame::decode(bytes)?;
+        let msg = match frame.body {
+            wire::Body::Hello => return self.peers.hello(name),
+            wire::Body::Msg(msg) => msg,
+        };
+        let is_want = matches!(msg, wire::Msg::Want(_));
+        match self.peers.admit(name, frame.session, is_want) {
+            Ok(Admitted { peer, restarted }) => {
+                if restarted {
+                    debug!(peer = name, "peer restarted (new session): reclaiming its old state");
+                    self.handle_peer_lost(now, peer);
+                }
+                Ok(self.handle_msg(now, peer, msg)?)
+            }
+            Err(e) => {
+                if let FrameRefused::NotLoaded { peer, restarted: true } = e {
+                    self.handle_peer_lost(now, peer);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The agent `name` disconnected: the peer table forgets its connection info, arena, HELLO
+    /// and session, and its transfers and flows end as in
+    /// [`handle_peer_lost`](Self::handle_peer_lost). Unknown names are ignored.
+    pub fn handle_agent_lost(&mut self, now: Instant, name: &str) {
+        if let Some(peer) = self.peers.lost(name) {
+            self.handle_peer_lost(now, peer);
+        }
     }
 
     /// Reports a finished [`Action::Gather`]. Unknown jobs are logged and ignored.
@@ -674,6 +337,16 @@ impl Endpoint {
         &mut self.receiver
     }
 
+    /// The peer table, read-only.
+    pub fn peers(&self) -> &PeerTable {
+        &self.peers
+    }
+
+    /// The peer table, for the loads NIXL reports (connection info, arenas).
+    pub fn peers_mut(&mut self) -> &mut PeerTable {
+        &mut self.peers
+    }
+
     /// The counters.
     pub fn stats(&self) -> &Stats {
         &self.stats
@@ -703,6 +376,7 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::plan::{self, DescPair, PlanParams};
+    use crate::types::{ChunkIdx, CopyRun, Region};
     use crate::wire::{Ack, AckStatus, Credit, Data, Grant, Msg, Want};
 
     pub(crate) const KIB: u64 = 1024;
@@ -835,6 +509,124 @@ pub(crate) mod tests {
     fn new_rejects_an_invalid_config() {
         let bad = Config { max_inflight_chunks: 0, ..Config::default() };
         assert!(matches!(Endpoint::new(&bad, Instant::now()), Err(EndpointError::Config(_))));
+    }
+
+    fn frame(session: u64, msg: Msg) -> Vec<u8> {
+        wire::Frame { session, msg }.to_vec()
+    }
+
+    /// An endpoint that loaded agent `name` (no capabilities needed to talk to it).
+    fn with_loaded(name: &str) -> (Endpoint, Instant, PeerId) {
+        let (mut ep, t) = endpoint(32 * KIB, 2, false);
+        ep.peers_mut().load_conn_info(name, None, None);
+        let id = ep.peers_mut().id(name);
+        (ep, t, id)
+    }
+
+    #[test]
+    fn frames_from_an_agent_never_loaded_are_refused_before_the_endpoint_sees_them() {
+        let (mut ep, t) = endpoint(32 * KIB, 2, false);
+        let r = ep.handle_frame(t, "stranger", &frame(1, want_msg(XferId(5), &[CHUNK])));
+        assert!(matches!(r, Err(FrameRefused::NotLoaded { restarted: false, .. })), "{r:?}");
+        assert!(drain(&mut ep).is_empty(), "no GRANT to an unknown agent");
+        assert_eq!((ep.remote_flows(), ep.stats().wants, ep.stats().frames_refused), (0, 0, 1));
+        assert!(matches!(ep.handle_frame(t, "stranger", b"\0BOUNCgarbage"), Err(FrameRefused::Malformed(_))));
+        assert_eq!(ep.stats().frames_refused, 2);
+    }
+
+    #[test]
+    fn a_loaded_peer_is_served_through_handle_frame_and_protocol_errors_pass_through() {
+        let (mut ep, t, id) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        let sent = msgs(&drain(&mut ep));
+        assert!(matches!(&sent[..], [(p, Msg::Grant(_))] if *p == id), "{sent:?}");
+        let r = ep.handle_frame(t, "a", &frame(7, grant_msg(XferId(99), &[(0, Region { offset: 0, len: CHUNK })])));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::UnknownXfer { .. }))), "{r:?}");
+        assert_eq!((ep.stats().protocol_errors, ep.stats().frames_refused), (1, 0));
+    }
+
+    #[test]
+    fn a_frame_of_a_stale_session_is_refused_and_changes_nothing() {
+        let (mut ep, t, _) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        let granted = msgs(&drain(&mut ep));
+        let Msg::Grant(g) = &granted[0].1 else { panic!("{granted:?}") };
+        let region = g.credits[0].region;
+        // A DATA of an older incarnation for the region granted to the new one.
+        let stale = frame(6, data_msg(XferId(5), 0, region, vec![run(0, DST, CHUNK)]));
+        assert_eq!(ep.handle_frame(t, "a", &stale), Err(FrameRefused::StaleSession { got: 6, current: 7 }));
+        assert!(drain(&mut ep).is_empty(), "no scatter, no ACK");
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.peers().session("a"), Some(7));
+    }
+
+    #[test]
+    fn a_want_with_a_new_session_reclaims_the_old_incarnation_first() {
+        let (mut ep, t, id) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
+        drain(&mut ep);
+        ep.submit(t, X, id, plan_of(1)).unwrap();
+        drain(&mut ep);
+        assert_eq!((ep.remote_flows(), ep.in_flight_xfers()), (1, 1));
+        // The restarted agent announces a transfer that reuses the old id.
+        ep.handle_frame(t, "a", &frame(8, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        let acts = drain(&mut ep);
+        // Our transfer to the old incarnation failed as for a lost peer; the old flow's two
+        // regions were reclaimed and the new flow got one.
+        assert_eq!(completes(&acts), vec![(X, Err(XferError::PeerLost))]);
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK, "only the new flow's region is held");
+        assert_eq!(ep.peers().session("a"), Some(8));
+        check(&ep);
+    }
+
+    #[test]
+    fn a_hello_flood_from_invented_names_is_bounded() {
+        let (mut ep, t, _) = with_loaded("a");
+        let hello = wire::encode_hello(1);
+        for i in 0..crate::peers::MAX_REACHABLE - 1 {
+            ep.handle_frame(t, &format!("invented-{i}"), &hello).unwrap();
+        }
+        assert_eq!(ep.handle_frame(t, "a", &hello), Ok(()));
+        assert_eq!(ep.handle_frame(t, "invented-x", &hello), Err(FrameRefused::HelloFlood));
+        assert_eq!(ep.stats().frames_refused, 1);
+        assert!(ep.peers().is_reachable("a") && !ep.peers().is_reachable("invented-x"));
+        assert!(drain(&mut ep).is_empty());
+        // Loss forgets the peer's HELLO: it must say HELLO again before we bounce to it.
+        ep.handle_agent_lost(t, "a");
+        assert!(!ep.peers().is_reachable("a") && !ep.peers().is_loaded("a"));
+    }
+
+    /// `poll_timeout` is the earliest armed timer of both roles, and a `handle_timeout` before it
+    /// (a spurious wake-up) changes nothing.
+    #[test]
+    fn poll_timeout_is_the_minimum_and_a_spurious_timeout_does_nothing() {
+        let (mut ep, t) = endpoint(32 * KIB, 2, false);
+        assert_eq!(ep.poll_timeout(), None);
+        ep.handle_timeout(t + TIMEOUT * 10);
+        assert!(drain(&mut ep).is_empty());
+        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        let later = t + TIMEOUT / 4;
+        ep.handle_msg(later, PeerId(9), want_msg(XferId(5), &[CHUNK])).unwrap();
+        drain(&mut ep);
+        // The sender's transfer times out at t + TIMEOUT; the receiver reclaims the silent
+        // flow (it holds a granted region) half a timeout after its WANT, which is earlier.
+        let flow_at = later + TIMEOUT / 2;
+        assert!(flow_at < t + TIMEOUT);
+        assert_eq!(ep.poll_timeout(), Some(flow_at));
+        let before = (ep.stats().clone(), ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes());
+        ep.handle_timeout(flow_at - Duration::from_millis(1));
+        assert!(drain(&mut ep).is_empty(), "a spurious timeout emits nothing");
+        assert_eq!((ep.stats().clone(), ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes()), before);
+        assert_eq!(ep.poll_timeout(), Some(flow_at));
+        ep.handle_timeout(flow_at);
+        drain(&mut ep);
+        assert_eq!((ep.stats().flows_timed_out, ep.remote_flows()), (1, 0));
+        assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT));
+        ep.handle_timeout(t + TIMEOUT);
+        assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::Timeout))]);
+        assert_eq!(ep.poll_timeout(), None);
     }
 
     /// Two endpoints with byte-level memories, driven until quiet with every job completing at

@@ -4,23 +4,40 @@
 //! clocks (time comes in as an argument), so that every rule of the bounce design can be
 //! tested deterministically. The IO shell in the `nixl-bounce` crate drives these types.
 //!
-//! - [`config`]: typed configuration from NIXL backend params plus `NIXL_BOUNCE_*` overrides.
+//! Modules, from the bottom up (each imports only modules above it in this list; the test
+//! `tests/module_cycles.rs` fails on any import cycle):
+//! - [`types`]: identifiers and small value types (`PeerId`, `XferId`, `Region`, `CopyRun`,
+//!   `DEFAULT_ALIGN`).
+//! - [`manifest`] / [`config`]: the option manifest and the typed configuration from NIXL
+//!   backend params plus `NIXL_BOUNCE_*` overrides.
 //! - [`plan`]: bin-packs (src, dst) descriptor pairs into chunks and coalesces copy runs.
-//! - [`wire`]: versioned little-endian codec of the control messages and capability blobs.
 //! - [`buddy`]: power-of-two buddy allocator over arena byte offsets.
-//! - [`scheduler`]: the receiver's credit scheduler (per-flow window, round robin, drain mode).
+//! - [`wire`]: versioned little-endian codec: `codec` (reader, writer, varints), `frame` (the
+//!   control messages and HELLO), `caps` (capability blob and compatibility), `envelope`.
+//! - [`scheduler`]: the arena ledger of both roles (who holds each region, the eager cap,
+//!   conservation) and the fair-share credit policy over it (round robin, drain mode, share cap).
+//! - `timer`: the deadline set both roles arm (one timer per transfer or remote flow).
+//! - [`event`]: the types the endpoint and both roles share (actions, job ids, errors, stats).
 //! - [`sender`] / [`receiver`]: the two role state machines.
-//! - [`endpoint`]: the one object the IO shell drives; owns the scheduler and both roles.
+//! - [`peers`]: the peer table (loaded connection info and capabilities, session, HELLO) and its
+//!   frame-admission and credit-bounds rules.
+//! - [`gate`]: the routing gate (bounce or pass through, and why) and direct-write coverage.
+//! - [`endpoint`]: the one object the IO shell drives; owns the scheduler, both roles and the
+//!   peer table, and takes raw control frames ([`endpoint::Endpoint::handle_frame`]).
 #![forbid(unsafe_code)]
 
 pub mod buddy;
 pub mod config;
 pub mod endpoint;
+pub mod event;
+pub mod gate;
 pub mod manifest;
+pub mod peers;
 pub mod plan;
 pub mod receiver;
 pub mod scheduler;
 pub mod sender;
+mod timer;
 pub mod types;
 pub mod wire;
 

@@ -12,9 +12,9 @@ use std::fmt;
 
 use crate::{config::Config, types::CopyRun};
 
-/// Alignment of each descriptor's offset inside a region, in bytes (design §4: 32 B, so that
-/// the copy kernel's vectorized path applies whenever the user addresses allow it).
-pub const DEFAULT_ALIGN: u64 = 32;
+// Re-exported where it has always been found; it lives in `types` because `config` checks the
+// chunk size against it and `plan` reads the config, and neither may import the other back.
+pub use crate::types::DEFAULT_ALIGN;
 
 /// One descriptor pair of a transfer: `len` bytes from `src` (local) to `dst` (remote).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,14 +7,15 @@
 //! fairness live in the endpoint's shared [`crate::scheduler::CreditScheduler`]. The
 //! [`crate::endpoint::Endpoint`] drives it; nothing else does.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, trace, warn};
 
 use crate::config::Config;
-use crate::endpoint::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
+use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
 use crate::scheduler::Grant as SchedGrant;
+use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, FlowKey, PeerId, Region};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
 
@@ -43,9 +44,9 @@ struct Flow {
     scattering: usize,
     /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
     /// DATA, new grants and finished scatters.
+    /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
+    /// when it fires.
     deadline: Instant,
-    /// The instant of this flow's one entry in `Receiver::timers` (at most `deadline`).
-    timer_at: Instant,
 }
 
 /// A scatter job in flight.
@@ -83,7 +84,7 @@ pub struct Receiver {
     /// The per-peer caps: [`MAX_FLOWS_PER_PEER`] and [`MAX_CHUNKS_PER_PEER`] (tests lower them).
     caps: PeerLoad,
     scatters: BTreeMap<JobId, Scatter>,
-    timers: BTreeSet<(Instant, FlowKey)>,
+    timers: TimerTable<FlowKey>,
     shutting_down: bool,
 }
 
@@ -96,7 +97,7 @@ impl Receiver {
             load: BTreeMap::new(),
             caps: PeerLoad { flows: MAX_FLOWS_PER_PEER, chunks: MAX_CHUNKS_PER_PEER },
             scatters: BTreeMap::new(),
-            timers: BTreeSet::new(),
+            timers: TimerTable::default(),
             shutting_down: false,
         }
     }
@@ -137,7 +138,7 @@ impl Receiver {
     }
 
     pub(crate) fn next_timeout(&self) -> Option<Instant> {
-        self.timers.first().map(|&(t, _)| t)
+        self.timers.next()
     }
 
     pub(crate) fn handle_want(&mut self, ctx: &mut Ctx<'_>, from: PeerId, want: Want) -> Result<(), ProtocolError> {
@@ -169,8 +170,8 @@ impl Receiver {
                 flow.deadline = deadline;
             }
             None => {
-                self.timers.insert((deadline, key));
-                let flow = Flow { chunks: want.chunks, scattering: 0, deadline, timer_at: deadline };
+                self.timers.set(key, deadline);
+                let flow = Flow { chunks: want.chunks, scattering: 0, deadline };
                 self.flows.insert(key, flow);
             }
         }
@@ -271,11 +272,7 @@ impl Receiver {
 
     pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
         let now = ctx.now;
-        while let Some(&(t, key)) = self.timers.first() {
-            if t > now {
-                break;
-            }
-            self.timers.pop_first();
+        while let Some(key) = self.timers.pop_due(now) {
             let Some(flow) = self.flows.get_mut(&key) else {
                 continue;
             };
@@ -294,8 +291,7 @@ impl Receiver {
                 if flow.deadline <= now {
                     flow.deadline = now + self.idle_timeout;
                 }
-                flow.timer_at = flow.deadline;
-                self.timers.insert((flow.deadline, key));
+                self.timers.set(key, flow.deadline);
             }
         }
     }
@@ -390,7 +386,7 @@ impl Receiver {
     fn forget(&mut self, key: FlowKey) -> bool {
         match self.flows.remove(&key) {
             Some(flow) => {
-                self.timers.remove(&(flow.timer_at, key));
+                self.timers.stop(key);
                 if let Some(load) = self.load.get_mut(&key.peer) {
                     load.flows -= 1;
                     load.chunks -= flow.chunks.len() as u64;

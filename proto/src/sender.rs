@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use tracing::{debug, trace, warn};
 
 use crate::config::Config;
-use crate::endpoint::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
+use crate::event::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
 use crate::plan::Plan;
+use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, PeerId, Region, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
 
@@ -67,10 +68,9 @@ struct Xfer {
     acked: usize,
     /// Some chunk is not direct, so the transfer may need the staging reserve.
     staged: bool,
-    /// Fails with a timeout when reached; pushed back by every sign of progress.
+    /// Fails with a timeout when reached; pushed back by every sign of progress (the armed
+    /// instant in `Sender::timers` stays, at most this deadline, and is re-armed when it fires).
     deadline: Instant,
-    /// The instant of this transfer's one entry in `Sender::timers` (at most `deadline`).
-    timer_at: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,7 +149,8 @@ pub struct Sender {
     /// Chunks in [`Stage::Parked`], oldest first; entries of failed transfers are dropped
     /// lazily.
     parked: VecDeque<(XferId, usize)>,
-    timers: BTreeSet<(Instant, XferId)>,
+    /// One no-progress timer per in-flight transfer.
+    timers: TimerTable<XferId>,
     /// Recently finished transfers and their peers, so that GRANTs and ACKs racing with the
     /// end of a transfer are ignored quietly instead of reported as protocol errors.
     finished: BTreeMap<XferId, PeerId>,
@@ -174,7 +175,7 @@ impl Sender {
             staging_xfers: 0,
             pending_cancels: BTreeMap::new(),
             parked: VecDeque::new(),
-            timers: BTreeSet::new(),
+            timers: TimerTable::default(),
             finished: BTreeMap::new(),
             finished_order: VecDeque::new(),
             reserve: None,
@@ -218,7 +219,7 @@ impl Sender {
     }
 
     pub(crate) fn next_timeout(&self) -> Option<Instant> {
-        self.timers.first().map(|&(t, _)| t)
+        self.timers.next()
     }
 
     pub(crate) fn submit(
@@ -240,7 +241,7 @@ impl Sender {
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let stages = vec![Stage::Idle; plan.chunks.len()];
-        let mut x = Xfer { peer, stages, plan, acked: 0, staged, deadline, timer_at: deadline };
+        let mut x = Xfer { peer, stages, plan, acked: 0, staged, deadline };
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {
@@ -268,7 +269,7 @@ impl Sender {
             }
         }
         debug!(xfer = xfer.0, peer = peer.0, chunks = x.plan.chunks.len(), bytes = x.plan.total_bytes, eager, "submit");
-        self.timers.insert((deadline, xfer));
+        self.timers.set(xfer, deadline);
         self.xfers.insert(xfer, x);
         ctx.stats.submitted += 1;
         Ok(())
@@ -439,11 +440,7 @@ impl Sender {
 
     pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
         let now = ctx.now;
-        while let Some(&(t, id)) = self.timers.first() {
-            if t > now {
-                break;
-            }
-            self.timers.pop_first();
+        while let Some(id) = self.timers.pop_due(now) {
             let Some(x) = self.xfers.get_mut(&id) else {
                 continue;
             };
@@ -451,8 +448,7 @@ impl Sender {
                 debug!(xfer = id.0, acked = x.acked, chunks = x.stages.len(), "transfer timed out");
                 self.fail(ctx, id, XferError::Timeout, true);
             } else {
-                x.timer_at = x.deadline;
-                self.timers.insert((x.deadline, id));
+                self.timers.set(id, x.deadline);
             }
         }
         self.prune(now);
@@ -616,7 +612,7 @@ impl Sender {
         let Some(x) = self.xfers.remove(&id) else {
             return;
         };
-        self.timers.remove(&(x.timer_at, id));
+        self.timers.stop(id);
         self.staging_xfers -= usize::from(x.staged);
         debug!(xfer = id.0, chunks = x.stages.len(), bytes = x.plan.total_bytes, "transfer complete");
         ctx.stats.completed += 1;
@@ -630,7 +626,7 @@ impl Sender {
         let Some(x) = self.xfers.remove(&id) else {
             return;
         };
-        self.timers.remove(&(x.timer_at, id));
+        self.timers.stop(id);
         self.staging_xfers -= usize::from(x.staged);
         let mut writes = 0;
         for stage in &x.stages {

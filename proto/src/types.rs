@@ -3,6 +3,10 @@
 
 use std::fmt;
 
+/// Alignment of each descriptor's offset inside a region, in bytes (design §4: 32 B, so that
+/// the copy kernel's vectorized path applies whenever the user addresses allow it).
+pub const DEFAULT_ALIGN: u64 = 32;
+
 /// A peer agent, as numbered by the shell (which maps NIXL agent names to ids).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]

@@ -2,7 +2,8 @@
 //! (quinn-proto's `tests/util.rs` `Pair` shape, with raft `network.rs`-style fault knobs).
 //!
 //! Time is virtual and jumps to the next event or endpoint timer. Messages are really encoded
-//! and decoded through [`wire::Frame`], delayed at random (reordered across channels, and
+//! through [`wire::Frame`] and handed to the receiving endpoint as raw bytes
+//! ([`Endpoint::handle_frame`], so the peer rules apply to every one), delayed at random (reordered across channels, and
 //! within a channel unless [`Knobs::fifo`]), and dropped with probability [`Knobs::drop_p`].
 //! Gather, write and scatter jobs really move bytes between per-node user memories and arenas
 //! (a direct write straight from the sender's user memory),
@@ -15,11 +16,17 @@ use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
+use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
-use bounce_proto::wire::{Frame, Msg};
+use bounce_proto::wire::{self, Frame, Msg};
 use bounce_proto::{CopyRun, FlowKey, PeerId, Region, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+/// The agent name of node `i`.
+fn agent(i: usize) -> String {
+    format!("agent-{i}")
+}
 
 /// Base address of every node's user memory.
 pub(crate) const MEM_BASE: u64 = 0x7f00_0000_0000;
@@ -180,6 +187,17 @@ impl Sim {
                 let mut ep = Endpoint::new(config, start).unwrap();
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
                 ep.add_registered(MEM_BASE, 1 << 40);
+                // Every node loads every other's connection info, naming them in node order,
+                // so the peer table numbers node `j` as `PeerId(j)`.
+                for j in 0..n {
+                    assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
+                    if j != i {
+                        ep.peers_mut().load_conn_info(&agent(j), None, None);
+                        // Each says HELLO to each, through the same frame path as the messages.
+                        ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO accepted");
+                        assert!(ep.peers().is_reachable(&agent(j)));
+                    }
+                }
                 Node {
                     ep,
                     arena: vec![0xEE; config.arena_usable_capacity() as usize],
@@ -355,6 +373,9 @@ impl Sim {
             assert_eq!(n.ep.arena_free_bytes(), self.capacity, "node {i} leaks arena space");
             assert_eq!(n.ep.poll_timeout(), None, "node {i} still has timers");
             assert_eq!(n.ep.stats().protocol_errors, 0, "node {i} saw protocol errors from honest peers");
+            if self.nodes.iter().all(|n| n.alive) {
+                assert_eq!(n.ep.stats().frames_refused, 0, "node {i} refused frames of live honest peers");
+            }
         }
         // Destination bytes owned by each node's incoming transfers.
         let mut owned: Vec<BTreeMap<u64, (u64, usize)>> = vec![BTreeMap::new(); self.nodes.len()];
@@ -426,11 +447,14 @@ impl Sim {
                 if !self.nodes[to].alive {
                     return;
                 }
-                let frame = Frame::decode(&frame).expect("our frames decode");
-                assert_eq!(frame.session, from as u64);
-                let r = self.nodes[to].ep.handle_msg(now, PeerId(from as u32), frame.msg.clone());
-                if let Err(e) = r {
-                    panic!("node {to}: honest {:?} from {from} refused: {e}", frame.msg.kind_name());
+                let decoded = Frame::decode(&frame).expect("our frames decode");
+                assert_eq!(decoded.session, from as u64);
+                // The raw bytes go through the peer rules (session, loaded peers) as in the shell.
+                match self.nodes[to].ep.handle_frame(now, &agent(from), &frame) {
+                    Ok(()) => {}
+                    // Frames of a killed node still in flight: it is no longer loaded.
+                    Err(FrameRefused::NotLoaded { restarted: false, .. }) if !self.nodes[from].alive => {}
+                    Err(e) => panic!("node {to}: honest {:?} from {from} refused: {e}", decoded.msg.kind_name()),
                 }
             }
             Ev::Gather { node, job, xfer, region, runs } => {
@@ -516,7 +540,7 @@ impl Sim {
                 self.nodes[node].alive = false;
                 for (i, n) in self.nodes.iter_mut().enumerate() {
                     if i != node && n.alive {
-                        n.ep.handle_peer_lost(now, PeerId(node as u32));
+                        n.ep.handle_agent_lost(now, &agent(node));
                     }
                 }
             }

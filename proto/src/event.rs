@@ -1,0 +1,416 @@
+//! The event types the endpoint and both roles share (quinn-proto's `shared.rs`): the
+//! [`Action`]s the shell performs, the [`JobId`]s it reports back, the errors of submissions and
+//! peer input, the counters, and the per-call `Ctx` a role borrows.
+//!
+//! They live apart from [`crate::endpoint`] so the roles ([`crate::sender`], [`crate::receiver`])
+//! can use them without importing the endpoint that owns the roles: dependencies point one way,
+//! endpoint -> roles -> event.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use thiserror::Error;
+use tracing::trace;
+
+use crate::plan::PlanError;
+use crate::scheduler::{CreditScheduler, SchedError};
+use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
+use crate::wire;
+
+/// Identifier of one gather, write or scatter job; unique within an [`Endpoint`](crate::endpoint::Endpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub u64);
+
+/// Something the shell must do for the endpoint, drained with [`Endpoint::poll_action`](crate::endpoint::Endpoint::poll_action).
+///
+/// Jobs ([`Action::Gather`], [`Action::Write`], [`Action::Scatter`]) *MUST* each be reported
+/// back exactly once through the matching `handle_*_done` call, even after the transfer failed,
+/// the peer was lost or the endpoint shut down: until then the arena region stays allocated,
+/// because the copy engine or the NIC may still touch it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Action {
+    /// Send `msg` to `peer` (the shell wraps it into a [`wire::Frame`] with its session).
+    Send {
+        /// Destination peer.
+        peer: PeerId,
+        /// The control message.
+        msg: wire::Msg,
+    },
+    /// Copy user source memory into the local arena `region`; each run's `region_off` is
+    /// relative to `region.offset` and its `addr` is the source address. Report with
+    /// [`Endpoint::handle_gather_done`](crate::endpoint::Endpoint::handle_gather_done).
+    Gather {
+        /// The job to report.
+        job: JobId,
+        /// The transfer the chunk belongs to.
+        xfer: XferId,
+        /// Local staging region (a whole buddy block; the runs cover at most the chunk bytes).
+        region: Region,
+        /// Copies source -> region.
+        runs: Vec<CopyRun>,
+    },
+    /// One RDMA write of `len` bytes from `source` (a staged local arena region, or user memory
+    /// for a [`crate::plan::Chunk::direct`] chunk) to the peer's arena region `remote`. Report
+    /// with [`Endpoint::handle_write_done`](crate::endpoint::Endpoint::handle_write_done) once the data is visible at the target (or the
+    /// write failed).
+    Write {
+        /// The job to report.
+        job: JobId,
+        /// The transfer the chunk belongs to.
+        xfer: XferId,
+        /// The peer whose arena is written.
+        peer: PeerId,
+        /// Where the `len` bytes are read from.
+        source: WriteSource,
+        /// Target region in the peer's arena, as granted.
+        remote: Region,
+        /// Bytes to write: the chunk size (at most both region lengths).
+        len: u64,
+    },
+    /// Copy the local arena `region` out to user destinations; the runs were validated against
+    /// the region, the chunk and the registered memory. Report with
+    /// [`Endpoint::handle_scatter_done`](crate::endpoint::Endpoint::handle_scatter_done).
+    Scatter {
+        /// The job to report.
+        job: JobId,
+        /// The peer that wrote the chunk.
+        peer: PeerId,
+        /// The peer's transfer.
+        xfer: XferId,
+        /// Local arena region holding the chunk.
+        region: Region,
+        /// Copies region -> destination; `addr` is the destination address.
+        runs: Vec<CopyRun>,
+    },
+    /// A submitted transfer ended; emitted exactly once per successfully submitted transfer.
+    Complete {
+        /// The transfer.
+        xfer: XferId,
+        /// Its outcome.
+        outcome: Result<(), XferError>,
+    },
+}
+
+/// The local side of an [`Action::Write`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WriteSource {
+    /// A staging region of the local arena, gathered before the write.
+    Arena(Region),
+    /// User memory at `addr`: a direct chunk, written unstaged from its source
+    /// ([`crate::plan::Chunk::direct`]); the shell resolves the registration covering
+    /// `[addr, addr + len)`.
+    User {
+        /// Source address of the chunk's first byte.
+        addr: u64,
+    },
+}
+
+/// Why a submitted transfer failed.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum XferError {
+    /// No progress (grant, ack or job completion) for the request timeout, or a credit went
+    /// stale before its chunk could be written.
+    #[error("no progress within the request timeout")]
+    Timeout,
+    /// The peer was lost.
+    #[error("peer lost")]
+    PeerLost,
+    /// The application canceled the transfer.
+    #[error("canceled")]
+    Canceled,
+    /// The receiver refused a chunk's DATA (its runs failed validation).
+    #[error("refused by the receiver")]
+    Refused,
+    /// A gather copy failed.
+    #[error("gather failed")]
+    GatherFailed,
+    /// The RDMA write failed.
+    #[error("write failed")]
+    WriteFailed,
+    /// The receiver reported that its scatter copy failed.
+    #[error("scatter failed at the receiver")]
+    ScatterFailed,
+    /// The endpoint is shutting down.
+    #[error("shutting down")]
+    ShuttingDown,
+    /// The descriptors could not be planned (for the shell, which plans before submitting).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+}
+
+/// Why [`Endpoint::submit`](crate::endpoint::Endpoint::submit) refused a transfer; a refused transfer gets no
+/// [`Action::Complete`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// [`Endpoint::shutdown`](crate::endpoint::Endpoint::shutdown) was called.
+    #[error("the endpoint is shutting down")]
+    ShuttingDown,
+    /// The id is in flight or finished too recently (ids must never be reused).
+    #[error("transfer {} is already known", .xfer.0)]
+    DuplicateXfer {
+        /// The id.
+        xfer: XferId,
+    },
+    /// The plan has no chunks.
+    #[error("transfer {} has an empty plan", .xfer.0)]
+    EmptyPlan {
+        /// The transfer.
+        xfer: XferId,
+    },
+    /// More chunks than one WANT can announce.
+    #[error("transfer {} has {chunks} chunks, more than {max}", .xfer.0)]
+    TooManyChunks {
+        /// The transfer.
+        xfer: XferId,
+        /// Chunks in the plan.
+        chunks: usize,
+        /// [`wire::MAX_CHUNKS_PER_WANT`].
+        max: u32,
+    },
+    /// A chunk is larger than the configured maximum chunk size.
+    #[error("transfer {}: chunk #{} of {bytes} bytes exceeds the max chunk size ({max} bytes)", .xfer.0, .chunk.0)]
+    ChunkTooLarge {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+        /// Its size.
+        bytes: u64,
+        /// [`Config::max_chunk_size`](crate::config::Config::max_chunk_size).
+        max: u64,
+    },
+    /// A chunk is empty, has no copy runs, has a degenerate run, or has too many runs for one
+    /// DATA message.
+    #[error("transfer {}: chunk #{} is malformed", .xfer.0, .chunk.0)]
+    BadChunk {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+    },
+}
+
+/// What is wrong with a DATA message (see [`ProtocolError::InvalidData`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DataFault {
+    /// The flow does not hold the region, or it is already being scattered.
+    NotHeld,
+    /// The region's length differs from the granted one.
+    RegionMismatch,
+    /// The chunk index differs from the one the region was granted for.
+    ChunkMismatch,
+    /// No runs.
+    NoRuns,
+    /// More runs than [`wire::MAX_RUNS`].
+    TooManyRuns,
+    /// Run `index` is degenerate (zero count or length) or its span overflows.
+    BadRun {
+        /// Position of the run.
+        index: usize,
+    },
+    /// Run `index` reads beyond the chunk's bytes (or the region).
+    RunOutsideChunk {
+        /// Position of the run.
+        index: usize,
+    },
+    /// Run `index` writes outside every registered memory range.
+    RunOutsideRegistered {
+        /// Position of the run.
+        index: usize,
+    },
+}
+
+/// Peer input that breaks the protocol. The message was ignored (or, for DATA, refused) and the
+/// endpoint stays consistent; the shell should log it at `warn`.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// A GRANT or ACK names a transfer this endpoint never had (or forgot long ago).
+    #[error("peer {}: unknown transfer {}", .peer.0, .xfer.0)]
+    UnknownXfer {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer named.
+        xfer: XferId,
+    },
+    /// A GRANT or ACK for a transfer that goes to another peer.
+    #[error("peer {}: transfer {} belongs to peer {}", .got.0, .xfer.0, .expected.0)]
+    WrongPeer {
+        /// The transfer named.
+        xfer: XferId,
+        /// Its peer.
+        expected: PeerId,
+        /// The sending peer.
+        got: PeerId,
+    },
+    /// A GRANT without credits.
+    #[error("transfer {}: empty GRANT", .xfer.0)]
+    EmptyGrant {
+        /// The transfer.
+        xfer: XferId,
+    },
+    /// A chunk index beyond the transfer's plan.
+    #[error("transfer {}: chunk #{} out of range ({chunks} chunks)", .xfer.0, .chunk.0)]
+    ChunkOutOfRange {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk named.
+        chunk: ChunkIdx,
+        /// Chunks in the plan.
+        chunks: usize,
+    },
+    /// A second credit for a chunk.
+    #[error("transfer {}: duplicate credit for chunk #{}", .xfer.0, .chunk.0)]
+    DuplicateCredit {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+    },
+    /// A credit whose region cannot hold the chunk (or wraps the address space).
+    #[error("transfer {}: credit {region} for chunk #{} cannot hold {bytes} bytes", .xfer.0, .chunk.0)]
+    BadCredit {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+        /// The granted region.
+        region: Region,
+        /// The chunk size.
+        bytes: u64,
+    },
+    /// An ACK for a chunk whose DATA was not sent, or naming another region.
+    #[error("transfer {}: unexpected ACK for chunk #{}", .xfer.0, .chunk.0)]
+    UnexpectedAck {
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+    },
+    /// A WANT the scheduler cannot queue (a zero-size or oversized chunk, too many chunks).
+    #[error("peer {}: bad WANT for transfer {}: {source}", .peer.0, .xfer.0)]
+    BadWant {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The scheduler's reason.
+        source: SchedError,
+    },
+    /// A WANT that would take the peer over [`crate::receiver::MAX_FLOWS_PER_PEER`] open flows
+    /// or [`crate::receiver::MAX_CHUNKS_PER_PEER`] announced chunks; dropped unqueued.
+    #[error("peer {}: WANT for transfer {} refused: {flows} open flows, {chunks} announced chunks would exceed the per-peer caps", .peer.0, .xfer.0)]
+    PeerOverLimit {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// Open flows the peer would have.
+        flows: usize,
+        /// Announced chunks the peer would have.
+        chunks: u64,
+    },
+    /// A DATA that failed validation: it was dropped, answered with ACK(Refused), and the flow
+    /// was reclaimed.
+    #[error("peer {}: invalid DATA for transfer {} chunk #{}: {fault:?}", .peer.0, .xfer.0, .chunk.0)]
+    InvalidData {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk named.
+        chunk: ChunkIdx,
+        /// What is wrong.
+        fault: DataFault,
+    },
+}
+
+/// Counters of an [`Endpoint`](crate::endpoint::Endpoint), for observability and tests. All only ever grow.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Transfers accepted by [`Endpoint::submit`](crate::endpoint::Endpoint::submit).
+    pub submitted: u64,
+    /// Transfers completed successfully.
+    pub completed: u64,
+    /// Transfers that failed (any [`XferError`], cancellation included).
+    pub failed: u64,
+    /// Failures by [`XferError::Timeout`].
+    pub timeouts: u64,
+    /// Failures by [`XferError::Canceled`].
+    pub canceled: u64,
+    /// Failures by [`XferError::Refused`].
+    pub refused: u64,
+    /// Chunks written and announced by DATA.
+    pub chunks_written: u64,
+    /// Chunk bytes written.
+    pub bytes_written: u64,
+    /// Of [`chunks_written`](Self::chunks_written), those written straight from user memory
+    /// (direct chunks, no gather).
+    pub chunks_direct: u64,
+    /// GRANT or ACK messages for recently finished transfers, ignored.
+    pub late_msgs: u64,
+    /// WANT messages queued (cancels excluded).
+    pub wants: u64,
+    /// Credits granted to remote flows.
+    pub credits_granted: u64,
+    /// Chunks scattered successfully.
+    pub chunks_scattered: u64,
+    /// Chunk bytes scattered successfully.
+    pub bytes_scattered: u64,
+    /// Scatter jobs that failed.
+    pub scatters_failed: u64,
+    /// DATA messages refused by validation.
+    pub data_refused: u64,
+    /// DATA messages for unknown (canceled or reclaimed) flows, dropped silently.
+    pub late_data: u64,
+    /// Remote flows reclaimed because their sender went silent.
+    pub flows_timed_out: u64,
+    /// Peer messages rejected with a [`ProtocolError`].
+    pub protocol_errors: u64,
+    /// Control frames refused by the peer rules or the decoder
+    /// ([`crate::peers::FrameRefused`] other than a protocol error).
+    pub frames_refused: u64,
+}
+
+/// Shared mutable context a role borrows for one call: the scheduler, the action queue, the
+/// job counter and the counters.
+pub(crate) struct Ctx<'a> {
+    pub(crate) now: Instant,
+    pub(crate) sched: &'a mut CreditScheduler,
+    pub(crate) out: &'a mut VecDeque<Action>,
+    pub(crate) next_job: &'a mut u64,
+    pub(crate) stats: &'a mut Stats,
+}
+
+impl Ctx<'_> {
+    /// A fresh job id.
+    pub(crate) fn job(&mut self) -> JobId {
+        let job = JobId(*self.next_job);
+        *self.next_job += 1;
+        job
+    }
+
+    /// Queues an action.
+    pub(crate) fn push(&mut self, action: Action) {
+        self.out.push_back(action);
+    }
+
+    /// Queues a message to `peer`.
+    pub(crate) fn send(&mut self, peer: PeerId, msg: impl Into<wire::Msg>) {
+        let msg = msg.into();
+        trace!(peer = peer.0, xfer = msg.xfer().0, kind = msg.kind_name(), "send");
+        self.out.push_back(Action::Send { peer, msg });
+    }
+}
+
+/// Reports a broken internal invariant: a bug in this crate, never caused by peer input. Debug
+/// builds stop here; release builds log and carry on, leaking at most the region involved.
+pub(crate) fn internal_error(what: &str, err: &dyn std::fmt::Display) {
+    debug_assert!(false, "{what}: {err}");
+    tracing::error!(%err, "internal error: {what}");
+}

@@ -1,0 +1,320 @@
+//! The routing gate (design §3): whether a transfer takes the bounce path or passes through to
+//! the inner UCX engine untouched, and which chunks of a bounced transfer may be written
+//! straight from user memory.
+//!
+//! Pure functions over what the shell knows at `prepXfer` time; the shell counts each
+//! [`FallbackReason`] and hands pass-through transfers to UCX, which answers malformed lists
+//! with its own statuses (the same errors a user of UCX gets).
+
+use crate::config::Config;
+use crate::plan::Plan;
+use crate::types::MemKind;
+
+/// The NIXL operation of a transfer request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum XferOp {
+    /// `NIXL_READ`: bounce does not serve reads (yet); they pass through.
+    Read,
+    /// `NIXL_WRITE`.
+    Write,
+}
+
+/// One side of one descriptor: an address and a length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// What the gate decides on.
+#[derive(Debug, Clone, Copy)]
+pub struct GateInput<'a> {
+    /// The bounce path is running in this engine (enabled in the config and set up).
+    pub bounce_running: bool,
+    /// The operation.
+    pub op: XferOp,
+    /// Memory kind of the local descriptors; `None` for a NIXL segment kind bounce does not
+    /// know (block, file, object).
+    pub local_mem: Option<MemKind>,
+    /// Memory kind of the remote descriptors, as `local_mem`.
+    pub remote_mem: Option<MemKind>,
+    /// Local descriptors (the sources of a write).
+    pub local: &'a [Desc],
+    /// Remote descriptors (the destinations), pairwise with `local`.
+    pub remote: &'a [Desc],
+    /// [`Config::min_descriptor_count`].
+    pub min_descriptor_count: u64,
+    /// [`Config::max_average_descriptor_size`].
+    pub max_average_descriptor_size: u64,
+    /// [`crate::peers::PeerTable::can_bounce`] for the target agent.
+    pub peer_can_bounce: bool,
+}
+
+impl<'a> GateInput<'a> {
+    /// An input with the thresholds of `config`; the caller fills in the request.
+    #[allow(clippy::too_many_arguments)] // reason: one argument per fact the gate weighs
+    pub fn new(
+        config: &Config,
+        bounce_running: bool,
+        op: XferOp,
+        local_mem: Option<MemKind>,
+        remote_mem: Option<MemKind>,
+        local: &'a [Desc],
+        remote: &'a [Desc],
+        peer_can_bounce: bool,
+    ) -> Self {
+        Self {
+            bounce_running,
+            op,
+            local_mem,
+            remote_mem,
+            local,
+            remote,
+            min_descriptor_count: config.min_descriptor_count,
+            max_average_descriptor_size: config.max_average_descriptor_size,
+            peer_can_bounce,
+        }
+    }
+}
+
+/// Why a transfer passes through to UCX.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FallbackReason {
+    /// Bounce is disabled or not running in this engine.
+    Disabled,
+    /// Not a write.
+    Op,
+    /// Not DRAM on both sides.
+    Mem,
+    /// Fewer descriptors than `min_descriptor_count`.
+    Count,
+    /// Average descriptor larger than `max_average_descriptor_size`.
+    Size,
+    /// The peer cannot bounce with us (not loaded, incompatible, no arena or no HELLO).
+    Peer,
+    /// Empty lists, unequal counts, or a pair of unequal lengths.
+    Malformed,
+}
+
+/// Where a transfer goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// Gather, one write per chunk, scatter.
+    Bounce,
+    /// Straight to the inner UCX engine.
+    PassThrough(FallbackReason),
+}
+
+/// The gate, checked in this order (the first failing rule is the reason): bounce running,
+/// write, DRAM on both sides, well-formed lists, descriptor count at least the minimum,
+/// average descriptor size at most the maximum, peer can bounce.
+pub fn route(input: &GateInput<'_>) -> Route {
+    use FallbackReason as R;
+    let pass = Route::PassThrough;
+    if !input.bounce_running {
+        return pass(R::Disabled);
+    }
+    if input.op != XferOp::Write {
+        return pass(R::Op);
+    }
+    if input.local_mem != Some(MemKind::Dram) || input.remote_mem != Some(MemKind::Dram) {
+        return pass(R::Mem);
+    }
+    let n = input.local.len();
+    if n == 0 || input.remote.len() != n || input.local.iter().zip(input.remote).any(|(l, r)| l.len != r.len) {
+        return pass(R::Malformed);
+    }
+    if (n as u64) < input.min_descriptor_count {
+        return pass(R::Count);
+    }
+    let total: u64 = input.local.iter().map(|d| d.len).fold(0u64, u64::saturating_add);
+    if total / n as u64 > input.max_average_descriptor_size {
+        return pass(R::Size);
+    }
+    if !input.peer_can_bounce {
+        return pass(R::Peer);
+    }
+    Route::Bounce
+}
+
+/// A memory registration made through this engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Registration {
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Memory kind.
+    pub mem: MemKind,
+}
+
+/// Whether one DRAM registration covers all of `[addr, addr + len)`: the condition for writing
+/// straight from user memory (a GPU address must never be read by the CPU path, and the NIC
+/// needs one registration's key for the whole source).
+pub fn covered(regs: &[Registration], addr: u64, len: u64) -> bool {
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    regs.iter().any(|r| r.mem == MemKind::Dram && r.addr <= addr && r.addr.checked_add(r.len).is_some_and(|e| end <= e))
+}
+
+/// Clears [`crate::plan::Chunk::direct`] of every chunk that may not be written straight from
+/// user memory: all of them when `direct_writes` is off, otherwise those whose source is not
+/// [`covered`] by one DRAM registration. Those chunks are gathered into the arena instead.
+pub fn restrict_direct(plan: &mut Plan, regs: &[Registration], direct_writes: bool) {
+    for c in &mut plan.chunks {
+        if let Some(addr) = c.direct {
+            if !direct_writes || !covered(regs, addr, c.bytes) {
+                c.direct = None;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{self, DescPair, PlanParams};
+
+    const MIN: u64 = 4;
+    const MAX_AVG: u64 = 4096;
+
+    fn descs(n: usize, len: u64) -> Vec<Desc> {
+        (0..n as u64).map(|i| Desc { addr: 0x1000 + i * 0x10000, len }).collect()
+    }
+
+    /// A request that bounces; each test changes one fact.
+    fn input<'a>(local: &'a [Desc], remote: &'a [Desc]) -> GateInput<'a> {
+        GateInput {
+            bounce_running: true,
+            op: XferOp::Write,
+            local_mem: Some(MemKind::Dram),
+            remote_mem: Some(MemKind::Dram),
+            local,
+            remote,
+            min_descriptor_count: MIN,
+            max_average_descriptor_size: MAX_AVG,
+            peer_can_bounce: true,
+        }
+    }
+
+    #[test]
+    fn a_write_of_many_small_dram_descriptors_to_a_ready_peer_bounces() {
+        let d = descs(8, 512);
+        assert_eq!(route(&input(&d, &d)), Route::Bounce);
+    }
+
+    #[test]
+    fn every_reason_is_reported_in_gate_order() {
+        let d = descs(8, 512);
+        let pass = Route::PassThrough;
+        let with = |f: &dyn Fn(&mut GateInput<'_>)| {
+            let mut i = input(&d, &d);
+            f(&mut i);
+            route(&i)
+        };
+        assert_eq!(with(&|i| i.bounce_running = false), pass(FallbackReason::Disabled));
+        assert_eq!(with(&|i| i.op = XferOp::Read), pass(FallbackReason::Op));
+        assert_eq!(with(&|i| i.local_mem = Some(MemKind::Vram)), pass(FallbackReason::Mem));
+        assert_eq!(with(&|i| i.remote_mem = Some(MemKind::Vram)), pass(FallbackReason::Mem));
+        assert_eq!(with(&|i| i.remote_mem = None), pass(FallbackReason::Mem));
+        assert_eq!(with(&|i| i.peer_can_bounce = false), pass(FallbackReason::Peer));
+        // The first failing rule wins: disabled beats everything else.
+        assert_eq!(
+            with(&|i| {
+                i.bounce_running = false;
+                i.op = XferOp::Read;
+                i.peer_can_bounce = false;
+            }),
+            pass(FallbackReason::Disabled)
+        );
+        assert_eq!(
+            with(&|i| {
+                i.op = XferOp::Read;
+                i.local_mem = None;
+            }),
+            pass(FallbackReason::Op)
+        );
+    }
+
+    #[test]
+    fn malformed_lists_pass_through() {
+        let d = descs(8, 512);
+        let m = Route::PassThrough(FallbackReason::Malformed);
+        assert_eq!(route(&input(&[], &[])), m, "empty");
+        assert_eq!(route(&input(&d, &d[..7])), m, "unequal counts");
+        let mut other = d.clone();
+        other[3].len = 511;
+        assert_eq!(route(&input(&d, &other)), m, "a pair of unequal lengths");
+        // Malformed is checked before the count: one descriptor against two is malformed.
+        assert_eq!(route(&input(&d[..1], &d[..2])), m);
+    }
+
+    #[test]
+    fn count_and_average_size_edges() {
+        let at_min = descs(MIN as usize, 512);
+        assert_eq!(route(&input(&at_min, &at_min)), Route::Bounce, "count == min bounces");
+        let below = descs(MIN as usize - 1, 512);
+        assert_eq!(route(&input(&below, &below)), Route::PassThrough(FallbackReason::Count));
+        let at_max = descs(8, MAX_AVG);
+        assert_eq!(route(&input(&at_max, &at_max)), Route::Bounce, "average == max bounces");
+        let mut above = descs(8, MAX_AVG);
+        above[0].len += 8; // total / n = MAX_AVG + 1
+        assert_eq!(route(&input(&above, &above)), Route::PassThrough(FallbackReason::Size));
+        let mut just_under = descs(8, MAX_AVG);
+        just_under[0].len += 7; // integer average still MAX_AVG
+        assert_eq!(route(&input(&just_under, &just_under)), Route::Bounce);
+        // Huge lengths saturate instead of wrapping into a small average.
+        let huge = vec![Desc { addr: 0, len: u64::MAX }; 8];
+        assert_eq!(route(&input(&huge, &huge)), Route::PassThrough(FallbackReason::Size));
+    }
+
+    #[test]
+    fn new_takes_the_thresholds_from_the_config() {
+        let cfg = Config { min_descriptor_count: 3, max_average_descriptor_size: 100, ..Config::default() };
+        let d = descs(3, 100);
+        let i = GateInput::new(&cfg, true, XferOp::Write, Some(MemKind::Dram), Some(MemKind::Dram), &d, &d, true);
+        assert_eq!((i.min_descriptor_count, i.max_average_descriptor_size), (3, 100));
+        assert_eq!(route(&i), Route::Bounce);
+    }
+
+    const DRAM: MemKind = MemKind::Dram;
+
+    #[test]
+    fn coverage_needs_one_dram_registration_around_the_whole_range() {
+        let regs = [
+            Registration { addr: 0x1000, len: 0x1000, mem: DRAM },
+            Registration { addr: 0x2000, len: 0x1000, mem: DRAM },
+            Registration { addr: 0x8000, len: 0x1000, mem: MemKind::Vram },
+        ];
+        assert!(covered(&regs, 0x1000, 0x1000), "exactly one registration");
+        assert!(covered(&regs, 0x1800, 0x800), "ends at the registration's end");
+        assert!(!covered(&regs, 0x1800, 0x801), "one byte beyond");
+        assert!(!covered(&regs, 0x1800, 0x1000), "spans two adjacent registrations");
+        assert!(!covered(&regs, 0x0fff, 2), "starts before");
+        assert!(!covered(&regs, 0x8000, 0x10), "VRAM never counts");
+        assert!(!covered(&regs, u64::MAX, 2), "wraps");
+        assert!(!covered(&[], 0x1000, 1));
+    }
+
+    #[test]
+    fn restrict_direct_keeps_only_covered_chunks_and_honours_the_switch() {
+        // Four contiguous 4 KiB descriptors: four direct chunks at 0x10000 + i * 4 KiB.
+        let pairs: Vec<DescPair> =
+            (0..4u64).map(|i| DescPair { src: 0x10000 + i * 4096, dst: 0x90000 + i * 4096, len: 4096 }).collect();
+        let planned = plan::plan(&pairs, PlanParams::new(4096)).unwrap();
+        assert!(planned.chunks.iter().all(|c| c.direct.is_some()));
+        // Registered: the first two chunks' sources only.
+        let regs = [Registration { addr: 0x10000, len: 2 * 4096, mem: DRAM }];
+        let mut p = planned.clone();
+        restrict_direct(&mut p, &regs, true);
+        let direct: Vec<bool> = p.chunks.iter().map(|c| c.direct.is_some()).collect();
+        assert_eq!(direct, [true, true, false, false]);
+        let mut p = planned;
+        restrict_direct(&mut p, &regs, false);
+        assert!(p.chunks.iter().all(|c| c.direct.is_none()), "direct writes switched off");
+    }
+}

@@ -1,0 +1,468 @@
+//! The peer table: what this engine knows about each peer agent, keyed by its NIXL agent name,
+//! and the rules that decide whether a control frame from it is accepted.
+//!
+//! Per peer it keeps the [`PeerId`] the endpoint knows it by, whether NIXL loaded its connection
+//! info into this engine (and its [`Capabilities`] when they are compatible with ours, which
+//! carry the peer arena's base, length and device), whether the peer's arena was loaded into the
+//! inner engine, the session (instance nonce) its frames carry, and whether it said HELLO.
+//!
+//! Rules (as the IO shell applied them before they moved here):
+//! - A HELLO is recorded even before the peer is loaded (the two loads race), but at most
+//!   [`MAX_REACHABLE`] names are recorded unless the name is loaded: a flood of invented names
+//!   cannot grow the table without limit.
+//! - The first session seen from a peer is recorded. A WANT with another session means the
+//!   peer restarted under the same name: its old state is void ([`Admitted::restarted`]: the
+//!   endpoint reclaims it) and the new session is recorded. Any other frame with another session
+//!   is stale and refused.
+//! - Then a frame from an agent whose connection info was never loaded is refused: UCX needs it
+//!   to answer at all, and a WANT's reverse-path endpoint is never loaded on trust.
+//! - Bounce to a peer only when [`can_bounce`](PeerTable::can_bounce): loaded, compatible, its
+//!   arena loaded, and it said HELLO (it loaded ours, so it can answer our WANTs).
+//! - A credit is written only inside the peer's arena ([`check_credit`](PeerTable::check_credit)).
+//!
+//! Pure bookkeeping: the endpoint feeds it frames ([`crate::endpoint::Endpoint::handle_frame`]),
+//! the shell feeds it the loads and losses that NIXL reports.
+
+use std::collections::BTreeMap;
+
+use thiserror::Error;
+
+use crate::types::{PeerId, Region};
+use crate::wire::{Capabilities, Incompatible, WireError};
+
+/// Most agent names recorded as reachable (HELLO) before their connection info is loaded.
+pub const MAX_REACHABLE: usize = 1024;
+
+/// Why a control frame was refused. It was dropped and changed nothing else (except
+/// [`FrameRefused::NotLoaded`] after a restart: see there).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum FrameRefused {
+    /// The bytes are no control frame of our wire version.
+    #[error("malformed control frame: {0}")]
+    Malformed(#[from] WireError),
+    /// A HELLO from a name not loaded, with [`MAX_REACHABLE`] names already recorded.
+    #[error("HELLO from an unknown agent beyond the limit of {MAX_REACHABLE}")]
+    HelloFlood,
+    /// A frame other than WANT whose session differs from the peer's recorded one: from a dead
+    /// earlier incarnation, or a replay.
+    #[error("stale session {got:#x} (the peer's is {current:#x})")]
+    StaleSession {
+        /// The session the frame carries.
+        got: u64,
+        /// The peer's recorded session.
+        current: u64,
+    },
+    /// The agent's connection info was never loaded into this engine. When `restarted`, the
+    /// frame was a WANT with a new session and the peer's old state was reclaimed first.
+    #[error("control frame from an agent whose connection info was never loaded")]
+    NotLoaded {
+        /// The peer.
+        peer: PeerId,
+        /// The frame announced a restart (see [`Admitted::restarted`]).
+        restarted: bool,
+    },
+    /// The endpoint refused the message (see [`crate::event::ProtocolError`]).
+    #[error(transparent)]
+    Protocol(#[from] crate::event::ProtocolError),
+}
+
+/// A message frame the table accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admitted {
+    /// The sending peer.
+    pub peer: PeerId,
+    /// The frame is a WANT with a new session: the peer restarted, and everything of its old
+    /// incarnation must be reclaimed (as for a lost peer) before the message is handled.
+    pub restarted: bool,
+}
+
+/// What loading a peer's connection info decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Loaded {
+    /// Both sides publish compatible capabilities: bounce may be used once the peer's arena is
+    /// loaded and it said HELLO.
+    Compatible,
+    /// One side publishes no capabilities (bounce disabled or unusable there): plain UCX.
+    NoCapabilities,
+    /// The capabilities disagree: plain UCX.
+    Incompatible(Incompatible),
+}
+
+/// Why a credit may not be written (see [`PeerTable::check_credit`]).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum CreditRefused {
+    /// No peer has this id.
+    #[error("unknown peer {}", .0.0)]
+    UnknownPeer(PeerId),
+    /// The peer's arena is not loaded (it cannot bounce with us, or it was lost).
+    #[error("peer {}'s arena is not loaded", .0.0)]
+    NoArena(PeerId),
+    /// The write would leave the granted region or the peer's arena: a broken or hostile peer.
+    #[error("credit {region} for {len} bytes lies outside peer {}'s arena of {arena_len} bytes", .peer.0)]
+    OutsideArena {
+        /// The peer.
+        peer: PeerId,
+        /// The granted region.
+        region: Region,
+        /// Bytes to write.
+        len: u64,
+        /// The peer's arena length.
+        arena_len: u64,
+    },
+}
+
+/// What the table knows about one agent name.
+#[derive(Debug, Clone)]
+struct Peer {
+    id: PeerId,
+    /// `Some` once NIXL loaded its connection info; inside, its capabilities when compatible.
+    conn: Option<Option<Capabilities>>,
+    /// Its arena was loaded into the inner engine.
+    arena: bool,
+    /// The session its frames carry, once one was seen.
+    session: Option<u64>,
+    /// It said HELLO.
+    hello: bool,
+}
+
+/// Every peer agent this engine has heard of, by name (see the module docs for the rules).
+#[derive(Debug, Clone, Default)]
+pub struct PeerTable {
+    by_name: BTreeMap<String, Peer>,
+    names: BTreeMap<PeerId, String>,
+    /// Names with `hello` set, for the [`MAX_REACHABLE`] bound.
+    reachable: usize,
+    next_id: u32,
+}
+
+impl PeerTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The id of `name`, assigning the next free one on first sight. Ids are never reused.
+    pub fn id(&mut self, name: &str) -> PeerId {
+        self.entry(name).id
+    }
+
+    /// The id of `name`, if it was ever seen.
+    pub fn lookup(&self, name: &str) -> Option<PeerId> {
+        self.by_name.get(name).map(|p| p.id)
+    }
+
+    /// The name behind `id`.
+    pub fn name(&self, id: PeerId) -> Option<&str> {
+        self.names.get(&id).map(String::as_str)
+    }
+
+    /// NIXL loaded `name`'s connection info, which published `theirs` (`None`: bounce is off
+    /// there); `ours` is what we publish. Records the peer as loaded, with its capabilities
+    /// when both exist and are compatible.
+    pub fn load_conn_info(&mut self, name: &str, theirs: Option<Capabilities>, ours: Option<&Capabilities>) -> Loaded {
+        let (caps, loaded) = match (theirs, ours) {
+            (Some(theirs), Some(ours)) => match ours.compatible_with(&theirs) {
+                Ok(()) => (Some(theirs), Loaded::Compatible),
+                Err(why) => (None, Loaded::Incompatible(why)),
+            },
+            _ => (None, Loaded::NoCapabilities),
+        };
+        self.entry(name).conn = Some(caps);
+        loaded
+    }
+
+    /// The inner engine loaded `name`'s arena (`ok`), or failed to. Only a compatible peer's
+    /// arena counts as loaded.
+    pub fn arena_loaded(&mut self, name: &str, ok: bool) {
+        let p = self.entry(name);
+        p.arena = ok && matches!(p.conn, Some(Some(_)));
+    }
+
+    /// The capabilities of `name` when it is loaded and compatible: the peer we may HELLO, and
+    /// whose arena we may load.
+    pub fn compatible(&self, name: &str) -> Option<&Capabilities> {
+        self.by_name.get(name)?.conn.as_ref()?.as_ref()
+    }
+
+    /// True when `name`'s connection info was loaded (compatible or not).
+    pub fn is_loaded(&self, name: &str) -> bool {
+        self.by_name.get(name).is_some_and(|p| p.conn.is_some())
+    }
+
+    /// True when `name` said HELLO.
+    pub fn is_reachable(&self, name: &str) -> bool {
+        self.by_name.get(name).is_some_and(|p| p.hello)
+    }
+
+    /// Whether transfers to `name` may take the bounce path: loaded, compatible, its arena
+    /// loaded, and it said HELLO.
+    pub fn can_bounce(&self, name: &str) -> bool {
+        self.by_name.get(name).is_some_and(|p| matches!(p.conn, Some(Some(_))) && p.arena && p.hello)
+    }
+
+    /// Peers that can bounce with us now.
+    pub fn bounce_peers(&self) -> usize {
+        self.by_name.keys().filter(|n| self.can_bounce(n)).count()
+    }
+
+    /// The session recorded for `name`.
+    pub fn session(&self, name: &str) -> Option<u64> {
+        self.by_name.get(name)?.session
+    }
+
+    /// A HELLO from `name`: recorded, unless the name is not loaded and [`MAX_REACHABLE`]
+    /// names are already recorded.
+    ///
+    /// # Errors
+    /// [`FrameRefused::HelloFlood`]; nothing was recorded.
+    pub fn hello(&mut self, name: &str) -> Result<(), FrameRefused> {
+        match self.by_name.get(name) {
+            Some(p) if p.hello => return Ok(()),
+            Some(p) if p.conn.is_some() => {}
+            _ if self.reachable < MAX_REACHABLE => {}
+            _ => return Err(FrameRefused::HelloFlood),
+        }
+        self.entry(name).hello = true;
+        self.reachable += 1;
+        Ok(())
+    }
+
+    /// Applies the session and loading rules to a message frame from `name` carrying `session`
+    /// (`is_want`: the message is a WANT, cancels included).
+    ///
+    /// # Errors
+    /// [`FrameRefused::StaleSession`] (nothing changed) or [`FrameRefused::NotLoaded`] (the
+    /// session was recorded; a restart was applied and is reported in the error).
+    pub fn admit(&mut self, name: &str, session: u64, is_want: bool) -> Result<Admitted, FrameRefused> {
+        let p = self.entry(name);
+        let peer = p.id;
+        let restarted = match p.session {
+            Some(current) if current != session => {
+                if !is_want {
+                    return Err(FrameRefused::StaleSession { got: session, current });
+                }
+                p.session = Some(session);
+                true
+            }
+            Some(_) => false,
+            None => {
+                p.session = Some(session);
+                false
+            }
+        };
+        if p.conn.is_none() {
+            return Err(FrameRefused::NotLoaded { peer, restarted });
+        }
+        Ok(Admitted { peer, restarted })
+    }
+
+    /// `name` disconnected (NIXL reports it): it is no longer loaded, its arena and HELLO are
+    /// forgotten and so is its session. Its id stays. Returns the id, if the name was known.
+    pub fn lost(&mut self, name: &str) -> Option<PeerId> {
+        let p = self.by_name.get_mut(name)?;
+        if p.hello {
+            self.reachable -= 1;
+        }
+        p.conn = None;
+        p.arena = false;
+        p.hello = false;
+        p.session = None;
+        Some(p.id)
+    }
+
+    /// Whether a write of `len` bytes into `peer`'s granted `region` stays inside the region
+    /// and the peer's arena. The core checks credits against its own bookkeeping; only the
+    /// peer's capabilities tell the arena's size, so a credit from a broken or hostile peer that
+    /// points outside it is caught here, before anything is written.
+    ///
+    /// # Errors
+    /// A [`CreditRefused`]: never write then.
+    pub fn check_credit(&self, peer: PeerId, region: Region, len: u64) -> Result<(), CreditRefused> {
+        let p = self.names.get(&peer).and_then(|n| self.by_name.get(n)).ok_or(CreditRefused::UnknownPeer(peer))?;
+        let caps = match &p.conn {
+            Some(Some(caps)) if p.arena => caps,
+            _ => return Err(CreditRefused::NoArena(peer)),
+        };
+        if region.offset.checked_add(len).is_none_or(|end| end > caps.arena_len) || len > region.len {
+            return Err(CreditRefused::OutsideArena { peer, region, len, arena_len: caps.arena_len });
+        }
+        Ok(())
+    }
+
+    fn entry(&mut self, name: &str) -> &mut Peer {
+        if !self.by_name.contains_key(name) {
+            let id = PeerId(self.next_id);
+            self.next_id += 1;
+            self.names.insert(id, name.to_owned());
+            let peer = Peer { id, conn: None, arena: false, session: None, hello: false };
+            self.by_name.insert(name.to_owned(), peer);
+        }
+        self.by_name.get_mut(name).expect("inserted above")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{ControlKind, MemKind};
+
+    fn caps(max_chunk: u64) -> Capabilities {
+        Capabilities {
+            wire_version: crate::wire::WIRE_VERSION.into(),
+            control: ControlKind::Ucx,
+            mem: MemKind::Dram,
+            arena_base: 0x10_0000,
+            arena_len: 0x1_0000,
+            arena_dev: 0,
+            usable_capacity: 0x1_0000,
+            max_chunk,
+            session: 1,
+            arena_key: vec![1],
+            endpoint: Vec::new(),
+        }
+    }
+
+    /// A table where `name` is loaded, compatible, its arena loaded and it said HELLO.
+    fn ready(name: &str) -> PeerTable {
+        let mut t = PeerTable::new();
+        assert_eq!(t.load_conn_info(name, Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
+        t.arena_loaded(name, true);
+        t.hello(name).unwrap();
+        t
+    }
+
+    #[test]
+    fn ids_are_stable_per_name_and_never_reused() {
+        let mut t = PeerTable::new();
+        let a = t.id("a");
+        let b = t.id("b");
+        assert_ne!(a, b);
+        assert_eq!(t.id("a"), a);
+        t.lost("a");
+        assert_eq!(t.id("a"), a);
+        assert_eq!((t.lookup("b"), t.name(b), t.lookup("c")), (Some(b), Some("b"), None));
+    }
+
+    #[test]
+    fn loading_records_capabilities_only_when_compatible() {
+        let mut t = PeerTable::new();
+        assert_eq!(t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
+        assert_eq!(
+            t.load_conn_info("b", Some(caps(8192)), Some(&caps(4096))),
+            Loaded::Incompatible(Incompatible::MaxChunk { local: 4096, peer: 8192 })
+        );
+        assert_eq!(t.load_conn_info("c", None, Some(&caps(4096))), Loaded::NoCapabilities);
+        assert_eq!(t.load_conn_info("d", Some(caps(4096)), None), Loaded::NoCapabilities);
+        assert_eq!(t.compatible("a").map(|c| c.arena_len), Some(0x1_0000));
+        for n in ["b", "c", "d"] {
+            assert!(t.is_loaded(n) && t.compatible(n).is_none(), "{n}");
+        }
+        assert!(!t.is_loaded("e"));
+    }
+
+    #[test]
+    fn can_bounce_needs_loaded_compatible_arena_and_hello() {
+        assert!(ready("a").can_bounce("a"));
+        let mut t = PeerTable::new();
+        t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
+        assert!(!t.can_bounce("a"), "no arena, no HELLO");
+        t.hello("a").unwrap();
+        assert!(!t.can_bounce("a"), "no arena");
+        t.arena_loaded("a", false);
+        assert!(!t.can_bounce("a"), "arena load failed");
+        t.arena_loaded("a", true);
+        assert!(t.can_bounce("a"));
+        assert_eq!(t.bounce_peers(), 1);
+        // An incompatible peer's arena never counts, whatever the shell reports.
+        t.load_conn_info("b", Some(caps(8192)), Some(&caps(4096)));
+        t.arena_loaded("b", true);
+        t.hello("b").unwrap();
+        assert!(!t.can_bounce("b"));
+        // HELLO without loading: reachable, but no bounce.
+        t.hello("c").unwrap();
+        assert!(t.is_reachable("c") && !t.can_bounce("c"));
+        // Loss forgets everything but the id.
+        t.lost("a");
+        assert!(!t.can_bounce("a") && !t.is_reachable("a") && !t.is_loaded("a"));
+        assert_eq!(t.bounce_peers(), 0);
+    }
+
+    #[test]
+    fn the_first_session_is_recorded_and_a_different_one_is_stale_unless_want() {
+        let mut t = ready("a");
+        let a = t.lookup("a").unwrap();
+        assert_eq!(t.admit("a", 7, false), Ok(Admitted { peer: a, restarted: false }));
+        assert_eq!(t.session("a"), Some(7));
+        assert_eq!(t.admit("a", 7, true), Ok(Admitted { peer: a, restarted: false }));
+        assert_eq!(t.admit("a", 8, false), Err(FrameRefused::StaleSession { got: 8, current: 7 }));
+        assert_eq!(t.session("a"), Some(7), "a stale frame changes nothing");
+        assert_eq!(t.admit("a", 8, true), Ok(Admitted { peer: a, restarted: true }));
+        assert_eq!(t.session("a"), Some(8));
+        assert_eq!(t.admit("a", 7, false), Err(FrameRefused::StaleSession { got: 7, current: 8 }));
+        // After a loss the next session is simply the first one again.
+        t.lost("a");
+        t.load_conn_info("a", None, None);
+        assert_eq!(t.admit("a", 9, false), Ok(Admitted { peer: a, restarted: false }));
+    }
+
+    #[test]
+    fn frames_from_an_agent_never_loaded_are_refused_after_the_session_rules() {
+        let mut t = PeerTable::new();
+        let x = t.id("x");
+        assert_eq!(t.admit("x", 1, true), Err(FrameRefused::NotLoaded { peer: x, restarted: false }));
+        // As in the shell, the session was recorded before the loading check ...
+        assert_eq!(t.session("x"), Some(1));
+        assert_eq!(t.admit("x", 2, false), Err(FrameRefused::StaleSession { got: 2, current: 1 }));
+        assert_eq!(t.admit("x", 2, true), Err(FrameRefused::NotLoaded { peer: x, restarted: true }));
+        // ... and an incompatible peer is loaded: it may talk to us (to refuse bounce politely).
+        t.load_conn_info("x", Some(caps(1)), Some(&caps(2)));
+        assert_eq!(t.admit("x", 2, false), Ok(Admitted { peer: x, restarted: false }));
+    }
+
+    #[test]
+    fn hello_from_unknown_names_is_bounded_but_loaded_names_always_count() {
+        let mut t = PeerTable::new();
+        t.load_conn_info("loaded", None, None);
+        for i in 0..MAX_REACHABLE {
+            t.hello(&format!("stranger-{i}")).unwrap();
+        }
+        assert_eq!(t.hello("one-too-many"), Err(FrameRefused::HelloFlood));
+        assert!(!t.is_reachable("one-too-many"));
+        assert_eq!(t.hello("stranger-0"), Ok(()), "a repeated HELLO is no new name");
+        assert_eq!(t.hello("loaded"), Ok(()), "a loaded peer is never refused");
+        assert!(t.is_reachable("loaded"));
+        // The bound counts every recorded name, loaded ones included (1025 now); a loss frees
+        // a place only once the count is below the bound again.
+        t.lost("loaded");
+        assert_eq!(t.hello("one-too-many"), Err(FrameRefused::HelloFlood));
+        t.lost("stranger-1");
+        t.hello("one-too-many").unwrap();
+        assert_eq!(t.hello("no-place-left"), Err(FrameRefused::HelloFlood));
+    }
+
+    #[test]
+    fn credits_must_stay_inside_the_region_and_the_peer_arena() {
+        let t = ready("a");
+        let a = t.lookup("a").unwrap();
+        let len = 0x1_0000; // the arena length in `caps`
+        let ok = |offset, rlen, n| t.check_credit(a, Region { offset, len: rlen }, n);
+        assert_eq!(ok(0, 4096, 4096), Ok(()));
+        assert_eq!(ok(len - 4096, 4096, 4096), Ok(()), "ends exactly at the arena's end");
+        assert_eq!(ok(len - 4096, 8192, 4096), Ok(()), "a region may be longer than the write");
+        let outside = |offset, rlen, n| {
+            Err(CreditRefused::OutsideArena { peer: a, region: Region { offset, len: rlen }, len: n, arena_len: len })
+        };
+        assert_eq!(ok(len - 4095, 4096, 4096), outside(len - 4095, 4096, 4096));
+        assert_eq!(ok(0, 2048, 4096), outside(0, 2048, 4096), "longer than the granted region");
+        assert_eq!(ok(u64::MAX, 4096, 1), outside(u64::MAX, 4096, 1), "wraps the address space");
+        assert_eq!(
+            t.check_credit(PeerId(99), Region { offset: 0, len: 1 }, 1),
+            Err(CreditRefused::UnknownPeer(PeerId(99)))
+        );
+        let mut t = t;
+        t.arena_loaded("a", false);
+        assert_eq!(t.check_credit(a, Region { offset: 0, len: 1 }, 1), Err(CreditRefused::NoArena(a)));
+    }
+}

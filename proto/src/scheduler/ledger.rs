@@ -1,0 +1,318 @@
+//! The arena ledger of both roles: which part of the engine's one arena is held by whom.
+//!
+//! Every region carved from the [`Buddy`](crate::buddy::Buddy) has exactly one owner: a remote
+//! flow that was granted it (until its scatter ends, or it is reclaimed), an orphaned scatter
+//! of a reclaimed flow (until its done-event), or the local sender's gather staging (eager,
+//! capped at half the usable capacity, or credit-backed). This file holds the methods that move
+//! regions between those owners and free them, the per-peer byte counts the share cap reads,
+//! the getters over them, and the conservation check (free + held + orphaned + local ==
+//! usable capacity). Which flow gets the next region is the fair-share policy's job
+//! (`fair.rs`).
+
+use std::collections::BTreeMap;
+
+use tracing::{debug, trace};
+
+use super::{CreditScheduler, EndScatter, Grant, Local, Reclaimed, Result, Scatter, SchedError};
+use crate::buddy::Buddy;
+use crate::types::{FlowKey, PeerId, Region, XferId};
+
+impl CreditScheduler {
+    /// The grant `flow` holds at `offset`, if it holds that region and its scatter has not
+    /// begun: the check for an incoming DATA (a late DATA after a cancel, or one naming another
+    /// flow's region, gets `None` and must be dropped).
+    pub fn is_held(&self, flow: FlowKey, offset: u64) -> Option<Grant> {
+        let held = self.flows.get(&flow)?.held.get(&offset)?;
+        if self.scattering.contains_key(&offset) {
+            return None;
+        }
+        Some(Grant { flow, chunk: held.chunk, region: Region { offset, len: held.len } })
+    }
+
+    /// Marks `flow`'s region at `offset` as scattering (DATA accepted). It stays held by the
+    /// flow, and counts against its window, until [`end_scatter`](Self::end_scatter).
+    ///
+    /// # Errors
+    /// [`SchedError::NotHeld`] when the flow does not hold that region;
+    /// [`SchedError::AlreadyScattering`] for a duplicate DATA.
+    pub fn begin_scatter(&mut self, flow: FlowKey, offset: u64) -> Result<Grant> {
+        let held =
+            *self.flows.get(&flow).and_then(|f| f.held.get(&offset)).ok_or(SchedError::NotHeld { flow, offset })?;
+        if self.scattering.contains_key(&offset) {
+            return Err(SchedError::AlreadyScattering { offset });
+        }
+        let scatter = Scatter { flow, chunk: held.chunk, len: held.len, orphaned: false };
+        self.scattering.insert(offset, scatter);
+        Ok(Grant { flow, chunk: held.chunk, region: Region { offset, len: held.len } })
+    }
+
+    /// Ends the scatter of the region at `offset` (successful or not) and frees the region. A
+    /// flow left with nothing pending or held is erased. When the flow was reclaimed meanwhile
+    /// the region was orphaned: it is freed all the same and `orphaned` is set. Call
+    /// [`schedule`](Self::schedule) afterwards.
+    ///
+    /// # Errors
+    /// [`SchedError::NotScattering`] when no scatter of that region is in progress.
+    pub fn end_scatter(&mut self, offset: u64) -> Result<EndScatter> {
+        let s = self.scattering.remove(&offset).ok_or(SchedError::NotScattering { offset })?;
+        if s.orphaned {
+            self.orphaned_bytes -= s.len;
+        } else if let Some(flow) = self.flows.get_mut(&s.flow) {
+            let window = self.window as usize;
+            let was = Self::is_waiting(flow, window);
+            flow.held.remove(&offset);
+            Self::rewait(&mut self.waiting, s.flow.peer, was, Self::is_waiting(flow, window));
+            Self::unhold(&mut self.peer_held, s.flow.peer, s.len);
+            if flow.pending.is_empty() && flow.held.is_empty() {
+                self.flows.remove(&s.flow);
+                self.remove_from_ring(s.flow);
+                trace!(flow = ?s.flow, "flow done");
+            }
+        }
+        let region = self.free_region(offset);
+        Ok(EndScatter { flow: s.flow, chunk: s.chunk, region, orphaned: s.orphaned })
+    }
+
+    /// Cancels `flow`: drops its pending chunks, frees its granted regions that are not
+    /// scattering and orphans the scattering ones (freed by their `end_scatter`). The flow is
+    /// erased. Unknown flows reclaim nothing. Call [`schedule`](Self::schedule) afterwards.
+    pub fn reclaim_flow(&mut self, flow: FlowKey) -> Reclaimed {
+        let mut out = Reclaimed::default();
+        self.reclaim_into(flow, &mut out);
+        out
+    }
+
+    /// [`reclaim_flow`](Self::reclaim_flow) for every flow of `peer` (peer loss), in key order.
+    pub fn reclaim_peer(&mut self, peer: PeerId) -> Reclaimed {
+        let lo = FlowKey { peer, xfer: XferId(0) };
+        let hi = FlowKey { peer, xfer: XferId(u64::MAX) };
+        let keys: Vec<FlowKey> = self.flows.range(lo..=hi).map(|(k, _)| *k).collect();
+        let mut out = Reclaimed::default();
+        for key in keys {
+            self.reclaim_into(key, &mut out);
+        }
+        out
+    }
+
+    /// Takes a local gather-staging region for `bytes` bytes from the shared arena. With
+    /// `eager` (no credit yet) it is refused when the eager staging would exceed
+    /// [`eager_cap`](Self::eager_cap); credit-backed staging is not capped. Drain mode does not
+    /// apply. `None` when `bytes` is 0, the cap is hit or no block fits.
+    pub fn acquire_local(&mut self, bytes: u64, eager: bool) -> Option<Region> {
+        let len = self.buddy.block_len(bytes)?;
+        if eager && self.eager_bytes + len > self.eager_cap() {
+            return None;
+        }
+        let region = self.buddy.alloc(bytes)?;
+        self.local.insert(region.offset, Local { len, eager });
+        self.local_bytes += len;
+        if eager {
+            self.eager_bytes += len;
+        }
+        Some(region)
+    }
+
+    /// Turns the eager staging region at `offset` into a credit-backed one (its credit
+    /// arrived), so it no longer counts against the eager cap. It frees no arena space, so no
+    /// `schedule()` is needed for it.
+    ///
+    /// # Errors
+    /// [`SchedError::NotLocal`] for an unknown offset; [`SchedError::NotEager`] when it is
+    /// already credit-backed.
+    pub fn promote_local(&mut self, offset: u64) -> Result<()> {
+        let local = self.local.get_mut(&offset).ok_or(SchedError::NotLocal { offset })?;
+        if !local.eager {
+            return Err(SchedError::NotEager { offset });
+        }
+        local.eager = false;
+        self.eager_bytes -= local.len;
+        Ok(())
+    }
+
+    /// Gives back the local staging region at `offset`. Call [`schedule`](Self::schedule)
+    /// afterwards: the freed bytes may unblock a remote flow.
+    ///
+    /// # Errors
+    /// [`SchedError::NotLocal`] when no local region starts there (for example a double
+    /// release).
+    pub fn release_local(&mut self, offset: u64) -> Result<Region> {
+        let local = self.local.remove(&offset).ok_or(SchedError::NotLocal { offset })?;
+        self.local_bytes -= local.len;
+        if local.eager {
+            self.eager_bytes -= local.len;
+        }
+        Ok(self.free_region(offset))
+    }
+
+    /// Usable arena bytes (capacity rounded down to the granularity).
+    pub fn usable_capacity(&self) -> u64 {
+        self.buddy.usable_capacity()
+    }
+
+    /// The largest chunk a WANT may ask for: the arena's largest block. A fully drained arena
+    /// can always fit it, which is what makes drain mode terminate.
+    pub fn max_chunk_bytes(&self) -> u64 {
+        self.buddy.largest_block()
+    }
+
+    /// The eager staging budget: half the usable capacity.
+    pub fn eager_cap(&self) -> u64 {
+        self.usable_capacity() / 2
+    }
+
+    /// Free arena bytes.
+    pub fn free_bytes(&self) -> u64 {
+        self.buddy.free_bytes()
+    }
+
+    /// Bytes of the regions `flow` holds (granted, written or scattering); 0 for unknown flows.
+    pub fn flow_held_bytes(&self, flow: FlowKey) -> u64 {
+        self.flows.get(&flow).map_or(0, |f| f.held.values().map(|h| h.len).sum())
+    }
+
+    /// Number of regions `flow` holds (at most `W`).
+    pub fn flow_held_count(&self, flow: FlowKey) -> usize {
+        self.flows.get(&flow).map_or(0, |f| f.held.len())
+    }
+
+    /// Bytes of local staging regions (eager and credit-backed).
+    pub fn local_bytes(&self) -> u64 {
+        self.local_bytes
+    }
+
+    /// Bytes of eager local staging regions.
+    pub fn eager_bytes(&self) -> u64 {
+        self.eager_bytes
+    }
+
+    /// The embedded allocator, read-only (for inspection and invariant checks).
+    pub fn buddy(&self) -> &Buddy {
+        &self.buddy
+    }
+
+    /// Verifies every invariant; `Err` describes the first violation. Meant for tests, fuzzing
+    /// and simulations (it walks the whole state).
+    ///
+    /// Checked: the buddy's own invariants; every allocated block has exactly one owner (a
+    /// flow's held set, an orphaned scatter, or local staging) and every owned region is an
+    /// allocated block (so owned regions never overlap); free + held + orphaned + local bytes ==
+    /// usable capacity; each flow holds at most `W` regions and is not finished; the eager
+    /// counter is exact and within the cap; the ring lists each active flow exactly once;
+    /// scatter and drain bookkeeping is consistent (the fair-share half is
+    /// `check_fair_share`, in `fair.rs`).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.buddy.check_invariants()?;
+        let mut owners: BTreeMap<u64, (u64, String)> = BTreeMap::new();
+        let mut claim = |offset: u64, len: u64, who: String| match owners.insert(offset, (len, who)) {
+            Some((_, first)) => Err(format!("region {offset:#x} owned twice: {first} and another")),
+            None => Ok(()),
+        };
+        let mut held_bytes = 0;
+        for (key, flow) in &self.flows {
+            if flow.held.len() > self.window as usize {
+                return Err(format!("{key:?} holds {} regions > W = {}", flow.held.len(), self.window));
+            }
+            if flow.pending.is_empty() && flow.held.is_empty() {
+                return Err(format!("{key:?} is finished but not erased"));
+            }
+            for (&off, h) in &flow.held {
+                claim(off, h.len, format!("{key:?}"))?;
+                held_bytes += h.len;
+            }
+        }
+        let mut orphaned = 0;
+        for (&off, s) in &self.scattering {
+            let holder = self.flows.get(&s.flow).and_then(|f| f.held.get(&off));
+            match (s.orphaned, holder) {
+                (false, Some(h)) if h.len == s.len => {}
+                (true, None) => {
+                    claim(off, s.len, "orphaned scatter".into())?;
+                    orphaned += s.len;
+                }
+                _ => {
+                    return Err(format!("scatter of {off:#x} disagrees with {:?}'s held set", s.flow));
+                }
+            }
+        }
+        let (mut local, mut eager) = (0, 0);
+        for (&off, l) in &self.local {
+            claim(off, l.len, "local staging".into())?;
+            local += l.len;
+            eager += if l.eager { l.len } else { 0 };
+        }
+        let allocated: Vec<Region> = self.buddy.allocated_regions().collect();
+        let owned: Vec<Region> = owners.iter().map(|(&offset, &(len, _))| Region { offset, len }).collect();
+        if allocated != owned {
+            return Err(format!("allocated blocks {allocated:?} != owned regions {owned:?}"));
+        }
+        let total = self.free_bytes() + held_bytes + orphaned + local;
+        if total != self.usable_capacity() {
+            return Err(format!("conservation: free+held+orphaned+local = {total} != {}", self.usable_capacity()));
+        }
+        if (orphaned, local, eager) != (self.orphaned_bytes, self.local_bytes, self.eager_bytes) {
+            return Err("orphaned/local/eager byte counters drifted".into());
+        }
+        if self.eager_bytes > self.eager_cap() {
+            return Err(format!("eager bytes {} exceed the cap {}", self.eager_bytes, self.eager_cap()));
+        }
+        let mut per_peer: BTreeMap<PeerId, u64> = BTreeMap::new();
+        for (k, f) in &self.flows {
+            let b: u64 = f.held.values().map(|h| h.len).sum();
+            if b > 0 {
+                *per_peer.entry(k.peer).or_default() += b;
+            }
+        }
+        if per_peer != self.peer_held {
+            return Err(format!("per-peer held bytes drifted: {:?} != {per_peer:?}", self.peer_held));
+        }
+        self.check_fair_share()
+    }
+
+    pub(super) fn unhold(peer_held: &mut BTreeMap<PeerId, u64>, peer: PeerId, len: u64) {
+        if let Some(h) = peer_held.get_mut(&peer) {
+            *h = h.saturating_sub(len);
+            if *h == 0 {
+                peer_held.remove(&peer);
+            }
+        }
+    }
+
+    pub(super) fn reclaim_into(&mut self, key: FlowKey, out: &mut Reclaimed) {
+        self.unblock(key);
+        let Some(flow) = self.flows.remove(&key) else {
+            return;
+        };
+        Self::rewait(&mut self.waiting, key.peer, Self::is_waiting(&flow, self.window as usize), false);
+        self.remove_from_ring(key);
+        if self.drain == Some(key) {
+            self.drain = None;
+        }
+        let (freed, deferred) = (out.freed.len(), out.deferred.len());
+        for (offset, held) in flow.held {
+            Self::unhold(&mut self.peer_held, key.peer, held.len);
+            match self.scattering.get_mut(&offset) {
+                Some(s) => {
+                    s.orphaned = true;
+                    self.orphaned_bytes += held.len;
+                    out.deferred.push(Region { offset, len: held.len });
+                }
+                None => out.freed.push(self.free_region(offset)),
+            }
+        }
+        debug!(
+            flow = ?key,
+            pending = flow.pending.len(),
+            freed = out.freed.len() - freed,
+            deferred = out.deferred.len() - deferred,
+            "flow reclaimed"
+        );
+    }
+
+    /// Frees a region this scheduler owns; failure means the bookkeeping is corrupt.
+    pub(super) fn free_region(&mut self, offset: u64) -> Region {
+        match self.buddy.free(offset) {
+            Ok(region) => region,
+            Err(e) => panic!("scheduler bookkeeping out of sync with its allocator: {e}"),
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The capability blob an agent publishes with its connection info (design §5), and the
+//! compatibility policy over two of them: what a peer needs to decide whether bounce can be used
+//! with us, and to write into our arena.
+
+use super::codec::{Reader, Result, WireError, Writer};
+use super::frame::WIRE_VERSION;
+use crate::types::{ControlKind, MemKind};
+
+/// Reasons a peer's capabilities rule out the bounce path with it (design §5); the peer then
+/// stays on the standard NIXL path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Incompatible {
+    /// The peer speaks another wire version.
+    #[error("wire version {peer} differs from ours ({local})")]
+    WireVersion {
+        /// Our version.
+        local: u16,
+        /// The peer's version.
+        peer: u16,
+    },
+    /// The peer uses another control channel kind.
+    #[error("control kind {peer:?} differs from ours ({local:?})")]
+    ControlKind {
+        /// Our control kind.
+        local: ControlKind,
+        /// The peer's control kind.
+        peer: ControlKind,
+    },
+    /// The peer chunks transfers differently, so the two plans would disagree.
+    #[error("max chunk {peer} differs from ours ({local})")]
+    MaxChunk {
+        /// Our max chunk size in bytes.
+        local: u64,
+        /// The peer's max chunk size in bytes.
+        peer: u64,
+    },
+}
+
+/// An agent's bounce capability blob, published with its connection info (design §5): what a
+/// peer needs to decide whether bounce can be used with it and to write into its arena.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Capabilities {
+    /// Wire version spoken (the frame header's version, widened).
+    pub wire_version: u16,
+    /// Control channel kind.
+    pub control: ControlKind,
+    /// Memory kind of the arena.
+    pub mem: MemKind,
+    /// Address of the arena's first byte in the owner's address space.
+    pub arena_base: u64,
+    /// Arena length in bytes.
+    pub arena_len: u64,
+    /// Device id of the arena.
+    pub arena_dev: u64,
+    /// Bytes of the arena usable for regions.
+    pub usable_capacity: u64,
+    /// Largest chunk in bytes; both peers must agree.
+    pub max_chunk: u64,
+    /// The owner engine's instance nonce (as in frame headers).
+    pub session: u64,
+    /// The inner UCX engine's public data for the arena registration (remote key).
+    pub arena_key: Vec<u8>,
+    /// The control endpoint (a ZMQ endpoint), or empty.
+    pub endpoint: Vec<u8>,
+}
+
+impl Capabilities {
+    /// Appends the blob's encoding to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let mut w = Writer(out);
+        w.u16(self.wire_version);
+        w.u8(control_tag(self.control));
+        w.u8(mem_tag(self.mem));
+        for v in [self.arena_base, self.arena_len, self.arena_dev, self.usable_capacity, self.max_chunk, self.session] {
+            w.u64(v);
+        }
+        w.blob(&self.arena_key);
+        w.blob(&self.endpoint);
+    }
+
+    /// The blob's encoding as a new vector.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+
+    /// Decodes exactly one blob; trailing bytes are an error.
+    ///
+    /// A blob of another wire version is refused outright ([`WireError::UnsupportedVersion`]):
+    /// its layout may differ from here on, and such a peer is incompatible anyway.
+    ///
+    /// # Errors
+    /// Any [`WireError`] for a wrong version, unknown enum tag, truncation, an oversized byte
+    /// string or bytes left over.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader(bytes);
+        let wire_version = r.u16()?;
+        if wire_version != u16::from(WIRE_VERSION) {
+            return Err(WireError::UnsupportedVersion { what: "capabilities", got: wire_version });
+        }
+        let caps = Self {
+            wire_version,
+            control: control_from_tag(r.u8()?)?,
+            mem: mem_from_tag(r.u8()?)?,
+            arena_base: r.u64()?,
+            arena_len: r.u64()?,
+            arena_dev: r.u64()?,
+            usable_capacity: r.u64()?,
+            max_chunk: r.u64()?,
+            session: r.u64()?,
+            arena_key: r.blob("arena key")?,
+            endpoint: r.blob("endpoint")?,
+        };
+        r.finish()?;
+        Ok(caps)
+    }
+
+    /// Whether bounce may be used between us (`self`) and `peer`: wire version, control kind and
+    /// max chunk size must match (design §5). Arena geometry and memory kind may differ.
+    ///
+    /// # Errors
+    /// The first mismatch, in the order version, control kind, max chunk.
+    pub fn compatible_with(&self, peer: &Self) -> Result<(), Incompatible> {
+        if self.wire_version != peer.wire_version {
+            return Err(Incompatible::WireVersion { local: self.wire_version, peer: peer.wire_version });
+        }
+        if self.control != peer.control {
+            return Err(Incompatible::ControlKind { local: self.control, peer: peer.control });
+        }
+        if self.max_chunk != peer.max_chunk {
+            return Err(Incompatible::MaxChunk { local: self.max_chunk, peer: peer.max_chunk });
+        }
+        Ok(())
+    }
+}
+
+fn control_tag(c: ControlKind) -> u8 {
+    match c {
+        ControlKind::Ucx => 0,
+        ControlKind::Zmq => 1,
+    }
+}
+
+fn control_from_tag(t: u8) -> Result<ControlKind> {
+    match t {
+        0 => Ok(ControlKind::Ucx),
+        1 => Ok(ControlKind::Zmq),
+        _ => Err(WireError::Invalid { what: "control kind tag" }),
+    }
+}
+
+/// Tags follow NIXL's `nixl_mem_t` numbering (`DRAM_SEG` = 0, `VRAM_SEG` = 1).
+fn mem_tag(m: MemKind) -> u8 {
+    match m {
+        MemKind::Dram => 0,
+        MemKind::Vram => 1,
+    }
+}
+
+fn mem_from_tag(t: u8) -> Result<MemKind> {
+    match t {
+        0 => Ok(MemKind::Dram),
+        1 => Ok(MemKind::Vram),
+        _ => Err(WireError::Invalid { what: "memory kind tag" }),
+    }
+}

@@ -1,0 +1,586 @@
+//! Control frames (design §5, §9): the 16-byte header (magic, version, kind, session) and the
+//! messages it carries -- the four steps of a transfer ([`Want`], [`Grant`], [`Data`],
+//! [`Ack`], together [`Msg`]) and HELLO, a fact about the link rather than a step of a
+//! transfer. [`Frame`] carries a [`Msg`]; [`ControlFrame`] carries either kind of [`Body`] and
+//! is decoded by the same header and body code.
+//!
+//! Every field has a fixed width except DATA's scatter runs, which are delta-coded with varints
+//! (a DATA carries hundreds of them: see `Writer::run` below); the decoder accepts only their
+//! one shortest form, so whatever `decode` accepts, `encode` reproduces byte for byte.
+
+use super::codec::{MAX_BLOB, Reader, Result, WireError, Writer, check_len};
+use crate::types::{ChunkIdx, CopyRun, Region, XferId};
+
+/// Magic that starts every control frame; the leading NUL keeps it apart from printable
+/// application notifications sharing the same channel.
+pub const MAGIC: [u8; 6] = *b"\0BOUNC";
+/// Version of the frame and capability layouts this build speaks.
+pub const WIRE_VERSION: u8 = 2;
+/// Length of the frame header: magic, version, kind, session.
+pub const HEADER_LEN: usize = 16;
+/// Most chunks one WANT may announce.
+pub const MAX_CHUNKS_PER_WANT: u32 = 1 << 20;
+/// Most credits one GRANT may carry.
+pub const MAX_CREDITS: u32 = 1 << 16;
+/// Most scatter runs one DATA may carry.
+pub const MAX_RUNS: u32 = 1 << 20;
+
+pub(super) const KIND_WANT: u8 = 1;
+pub(super) const KIND_GRANT: u8 = 2;
+pub(super) const KIND_DATA: u8 = 3;
+pub(super) const KIND_ACK: u8 = 4;
+/// A HELLO frame: header only (see [`Body::Hello`]).
+pub(super) const KIND_HELLO: u8 = 5;
+
+pub(super) const REGION_LEN: usize = 16;
+pub(super) const CREDIT_LEN: usize = 4 + REGION_LEN;
+/// Fewest bytes one encoded scatter run takes (its flags and a one-byte address delta).
+pub(super) const MIN_RUN_LEN: usize = 2;
+/// Run flag: `count`, `region_stride` and `addr_stride` follow (set unless the run is a single
+/// copy with zero strides).
+pub(super) const RUN_STRIDED: u8 = 0x01;
+/// Run flag: `len` follows (set unless it equals the previous run's `len`).
+pub(super) const RUN_NEW_LEN: u8 = 0x02;
+/// Run flag: `region_off` follows (set unless the run starts where the previous one ended).
+pub(super) const RUN_REGION_JUMP: u8 = 0x04;
+
+/// A sender's request for credits for the chunks of one transfer, or, with no chunks, the
+/// cancellation of that transfer's flow (design §5).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Want {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The sender's control endpoint (or conn info) for the reverse path; may be empty.
+    pub endpoint: Vec<u8>,
+    /// Byte size of each chunk in chunk order; empty means cancel.
+    pub chunks: Vec<u64>,
+}
+
+impl Want {
+    /// True when this WANT cancels the transfer instead of asking for credits.
+    pub fn is_cancel(&self) -> bool {
+        self.chunks.is_empty()
+    }
+}
+
+/// One credit: exclusive permission to write one chunk into one region of the receiver's arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Credit {
+    /// The chunk the region is for.
+    pub chunk: ChunkIdx,
+    /// The granted region of the receiver's arena.
+    pub region: Region,
+}
+
+/// A receiver's batch of credits for one transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Grant {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The credits; never empty on the wire.
+    pub credits: Vec<Credit>,
+}
+
+/// A sender's notice that a chunk has landed in its region, with the runs to scatter it by.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Data {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The chunk.
+    pub chunk: ChunkIdx,
+    /// The region it was written to (as granted).
+    pub region: Region,
+    /// Scatter runs; `CopyRun::addr` is the receiver's destination address. Never empty.
+    pub runs: Vec<CopyRun>,
+}
+
+/// Outcome of a chunk's scatter, as reported in an ACK.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+#[non_exhaustive]
+pub enum AckStatus {
+    /// The chunk was scattered; its region is free again.
+    Scattered,
+    /// The runs failed validation; nothing was copied.
+    Refused,
+    /// The scatter copy failed.
+    Failed,
+}
+
+/// A receiver's report on one chunk; a negative status lets the sender fail fast instead of
+/// waiting for its timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Ack {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The chunk.
+    pub chunk: ChunkIdx,
+    /// The region the chunk occupied.
+    pub region: Region,
+    /// What happened to the chunk.
+    pub status: AckStatus,
+}
+
+/// A control message.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub enum Msg {
+    /// Sender → receiver: credits wanted (or cancel).
+    Want(Want),
+    /// Receiver → sender: credits granted.
+    Grant(Grant),
+    /// Sender → receiver: chunk written, scatter it.
+    Data(Data),
+    /// Receiver → sender: chunk scattered (or not).
+    Ack(Ack),
+}
+
+impl From<Want> for Msg {
+    fn from(m: Want) -> Self {
+        Self::Want(m)
+    }
+}
+
+impl From<Grant> for Msg {
+    fn from(m: Grant) -> Self {
+        Self::Grant(m)
+    }
+}
+
+impl From<Data> for Msg {
+    fn from(m: Data) -> Self {
+        Self::Data(m)
+    }
+}
+
+impl From<Ack> for Msg {
+    fn from(m: Ack) -> Self {
+        Self::Ack(m)
+    }
+}
+
+impl Msg {
+    /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
+    /// reach back even if it never saw the original WANT.
+    pub fn cancel(xfer: XferId, endpoint: Vec<u8>) -> Self {
+        Self::Want(Want { xfer, endpoint, chunks: Vec::new() })
+    }
+
+    /// The transfer the message is about.
+    pub fn xfer(&self) -> XferId {
+        match self {
+            Self::Want(m) => m.xfer,
+            Self::Grant(m) => m.xfer,
+            Self::Data(m) => m.xfer,
+            Self::Ack(m) => m.xfer,
+        }
+    }
+
+    /// Short upper-case name of the message kind, for logs.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Self::Want(m) if m.is_cancel() => "CANCEL",
+            Self::Want(_) => "WANT",
+            Self::Grant(_) => "GRANT",
+            Self::Data(_) => "DATA",
+            Self::Ack(_) => "ACK",
+        }
+    }
+
+    pub(super) fn kind_byte(&self) -> u8 {
+        match self {
+            Self::Want(_) => KIND_WANT,
+            Self::Grant(_) => KIND_GRANT,
+            Self::Data(_) => KIND_DATA,
+            Self::Ack(_) => KIND_ACK,
+        }
+    }
+
+    /// Checks the rules `decode` enforces beyond layout: counts within their caps, no zero-size
+    /// chunk, region or run, no empty GRANT or DATA.
+    ///
+    /// `encode` does not check them (it cannot fail); a message that fails here is refused by
+    /// the peer's decoder, so the machines should only build valid ones.
+    ///
+    /// # Errors
+    /// The first rule broken, as [`WireError::CountTooLarge`] or [`WireError::Invalid`].
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Self::Want(m) => {
+                check_len("endpoint", m.endpoint.len(), MAX_BLOB)?;
+                check_len("want chunks", m.chunks.len(), MAX_CHUNKS_PER_WANT)?;
+                if m.chunks.contains(&0) {
+                    return Err(WireError::Invalid { what: "zero-size chunk in WANT" });
+                }
+            }
+            Self::Grant(m) => {
+                check_len("grant credits", m.credits.len(), MAX_CREDITS)?;
+                if m.credits.is_empty() {
+                    return Err(WireError::Invalid { what: "GRANT without credits" });
+                }
+                if m.credits.iter().any(|c| c.region.len == 0) {
+                    return Err(WireError::Invalid { what: "zero-length region in GRANT" });
+                }
+            }
+            Self::Data(m) => {
+                check_len("data runs", m.runs.len(), MAX_RUNS)?;
+                if m.region.len == 0 {
+                    return Err(WireError::Invalid { what: "zero-length region in DATA" });
+                }
+                if m.runs.is_empty() {
+                    return Err(WireError::Invalid { what: "DATA without runs" });
+                }
+                if m.runs.iter().any(|r| r.count == 0) {
+                    return Err(WireError::Invalid { what: "run with count 0" });
+                }
+                if m.runs.iter().any(|r| r.len == 0) {
+                    return Err(WireError::Invalid { what: "run with length 0" });
+                }
+            }
+            Self::Ack(m) => {
+                if m.region.len == 0 {
+                    return Err(WireError::Invalid { what: "zero-length region in ACK" });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A control message with the header that carries it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Frame {
+    /// The sending engine's random instance nonce, so a receiver can drop messages from a dead
+    /// earlier incarnation of the same agent name, or replays.
+    pub session: u64,
+    /// The message.
+    pub msg: Msg,
+}
+
+impl Frame {
+    /// Appends the frame's encoding to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let mut w = Writer(out);
+        write_header(&mut w, self.msg.kind_byte(), self.session);
+        write_msg(&mut w, &self.msg);
+    }
+
+    /// The frame's encoding as a new vector.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+
+    /// Decodes exactly one frame carrying a [`Msg`]; trailing bytes are an error, and so is a
+    /// HELLO ([`WireError::UnknownKind`]: it carries no message; see [`ControlFrame`]).
+    ///
+    /// # Errors
+    /// Any [`WireError`]: wrong magic, version or kind, truncation, a count over its cap or
+    /// beyond the input, a value [`Msg::validate`] rejects, or bytes left over.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader(bytes);
+        let (kind, session) = read_header(&mut r)?;
+        let msg = read_msg(&mut r, kind)?;
+        r.finish()?;
+        msg.validate()?;
+        Ok(Self { session, msg })
+    }
+}
+
+/// What a control frame carries.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub enum Body {
+    /// HELLO, header only: "I have loaded your connection info, so I can answer your WANTs". It
+    /// is no step of a transfer but a fact about the link: a sender bounces to a peer only after
+    /// its HELLO; until then it stays on plain UCX instead of sending WANTs nobody could answer.
+    Hello,
+    /// A step of a transfer.
+    Msg(Msg),
+}
+
+/// Any control frame: a [`Msg`] or a HELLO, behind the same header and decoded by the same code
+/// as [`Frame`]. A shell that reads frames off a channel decodes them with this one call.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct ControlFrame {
+    /// The sending engine's instance nonce (see [`Frame::session`]).
+    pub session: u64,
+    /// What the frame carries.
+    pub body: Body,
+}
+
+impl ControlFrame {
+    /// Appends the frame's encoding to `out`: a HELLO is the bare header.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let mut w = Writer(out);
+        match &self.body {
+            Body::Hello => write_header(&mut w, KIND_HELLO, self.session),
+            Body::Msg(msg) => {
+                write_header(&mut w, msg.kind_byte(), self.session);
+                write_msg(&mut w, msg);
+            }
+        }
+    }
+
+    /// The frame's encoding as a new vector.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+
+    /// Decodes exactly one frame of any kind; trailing bytes are an error.
+    ///
+    /// # Errors
+    /// As [`Frame::decode`], except that a HELLO is accepted.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let mut r = Reader(bytes);
+        let (kind, session) = read_header(&mut r)?;
+        let body = match kind {
+            KIND_HELLO => Body::Hello,
+            kind => Body::Msg(read_msg(&mut r, kind)?),
+        };
+        r.finish()?;
+        if let Body::Msg(msg) = &body {
+            msg.validate()?;
+        }
+        Ok(Self { session, body })
+    }
+}
+
+impl From<Frame> for ControlFrame {
+    fn from(f: Frame) -> Self {
+        Self { session: f.session, body: Body::Msg(f.msg) }
+    }
+}
+
+/// A HELLO frame from the engine with instance nonce `session`.
+pub fn encode_hello(session: u64) -> Vec<u8> {
+    ControlFrame { session, body: Body::Hello }.to_vec()
+}
+
+/// The sender's session when `bytes` is exactly a HELLO frame of our wire version.
+pub fn decode_hello(bytes: &[u8]) -> Option<u64> {
+    match ControlFrame::decode(bytes) {
+        Ok(ControlFrame { session, body: Body::Hello }) => Some(session),
+        _ => None,
+    }
+}
+
+/// True when `bytes` starts with the control-frame magic: a cheap test that lets the shell tell
+/// our frames from the application's own notifications before decoding.
+pub fn is_control_frame(bytes: &[u8]) -> bool {
+    bytes.starts_with(&MAGIC)
+}
+
+/// The header: magic, version, kind, session.
+fn write_header(w: &mut Writer<'_>, kind: u8, session: u64) {
+    w.bytes(&MAGIC);
+    w.u8(WIRE_VERSION);
+    w.u8(kind);
+    w.u64(session);
+}
+
+/// Reads and checks the header; returns the (unchecked) kind byte and the session.
+fn read_header(r: &mut Reader<'_>) -> Result<(u8, u64)> {
+    if r.array::<6>()? != MAGIC {
+        return Err(WireError::BadMagic { what: "frame" });
+    }
+    let version = r.u8()?;
+    if version != WIRE_VERSION {
+        return Err(WireError::UnsupportedVersion { what: "frame", got: version.into() });
+    }
+    Ok((r.u8()?, r.u64()?))
+}
+
+/// The body of a [`Msg`], after its header.
+fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
+    match msg {
+        Msg::Want(m) => {
+            w.u64(m.xfer.0);
+            w.blob(&m.endpoint);
+            w.len(m.chunks.len());
+            m.chunks.iter().for_each(|&c| w.u64(c));
+        }
+        Msg::Grant(m) => {
+            w.u64(m.xfer.0);
+            w.len(m.credits.len());
+            for c in &m.credits {
+                w.u32(c.chunk.0);
+                w.region(&c.region);
+            }
+        }
+        Msg::Data(m) => {
+            w.u64(m.xfer.0);
+            w.u32(m.chunk.0);
+            w.region(&m.region);
+            w.len(m.runs.len());
+            let mut prev = RunCursor::default();
+            m.runs.iter().for_each(|r| prev = w.run(r, prev));
+        }
+        Msg::Ack(m) => {
+            w.u64(m.xfer.0);
+            w.u32(m.chunk.0);
+            w.region(&m.region);
+            w.u8(ack_tag(m.status));
+        }
+    }
+}
+
+/// The body of the [`Msg`] of kind byte `kind`; any other kind (HELLO included) is
+/// [`WireError::UnknownKind`]. Not yet validated.
+fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
+    Ok(match kind {
+        KIND_WANT => {
+            let xfer = XferId(r.u64()?);
+            let endpoint = r.blob("endpoint")?;
+            let n = r.count("want chunks", MAX_CHUNKS_PER_WANT, 8)?;
+            let chunks = (0..n).map(|_| r.u64()).collect::<Result<_>>()?;
+            Msg::Want(Want { xfer, endpoint, chunks })
+        }
+        KIND_GRANT => {
+            let xfer = XferId(r.u64()?);
+            let n = r.count("grant credits", MAX_CREDITS, CREDIT_LEN)?;
+            let credits =
+                (0..n).map(|_| Ok(Credit { chunk: ChunkIdx(r.u32()?), region: r.region()? })).collect::<Result<_>>()?;
+            Msg::Grant(Grant { xfer, credits })
+        }
+        KIND_DATA => {
+            let xfer = XferId(r.u64()?);
+            let chunk = ChunkIdx(r.u32()?);
+            let region = r.region()?;
+            let n = r.count("data runs", MAX_RUNS, MIN_RUN_LEN)?;
+            let mut prev = RunCursor::default();
+            let runs = (0..n)
+                .map(|_| {
+                    let run = r.run(prev)?;
+                    prev = RunCursor::after(&run);
+                    Ok(run)
+                })
+                .collect::<Result<_>>()?;
+            Msg::Data(Data { xfer, chunk, region, runs })
+        }
+        KIND_ACK => Msg::Ack(Ack {
+            xfer: XferId(r.u64()?),
+            chunk: ChunkIdx(r.u32()?),
+            region: r.region()?,
+            status: ack_from_tag(r.u8()?)?,
+        }),
+        got => return Err(WireError::UnknownKind { got }),
+    })
+}
+
+fn ack_tag(s: AckStatus) -> u8 {
+    match s {
+        AckStatus::Scattered => 0,
+        AckStatus::Refused => 1,
+        AckStatus::Failed => 2,
+    }
+}
+
+fn ack_from_tag(t: u8) -> Result<AckStatus> {
+    match t {
+        0 => Ok(AckStatus::Scattered),
+        1 => Ok(AckStatus::Refused),
+        2 => Ok(AckStatus::Failed),
+        _ => Err(WireError::Invalid { what: "ack status tag" }),
+    }
+}
+
+/// What a scatter run is delta-coded against: where the previous run ended (region and user
+/// side) and its copy length; all zero before the first run. Computed with wrapping
+/// arithmetic, so encoder and decoder agree on any input, hostile ones included.
+#[derive(Debug, Clone, Copy, Default)]
+struct RunCursor {
+    region_end: u64,
+    addr_end: u64,
+    len: u64,
+}
+
+impl RunCursor {
+    fn after(r: &CopyRun) -> Self {
+        let last = u64::from(r.count).wrapping_sub(1);
+        Self {
+            region_end: r.region_off.wrapping_add(r.region_stride.wrapping_mul(last)).wrapping_add(r.len),
+            addr_end: r.addr.wrapping_add(r.addr_stride.wrapping_mul(last)).wrapping_add(r.len),
+            len: r.len,
+        }
+    }
+
+    /// The flags `r` is encoded with after a run that left this cursor.
+    fn flags(r: &CopyRun, prev: Self) -> u8 {
+        let mut f = 0;
+        if r.count != 1 || r.region_stride != 0 || r.addr_stride != 0 {
+            f |= RUN_STRIDED;
+        }
+        if r.len != prev.len {
+            f |= RUN_NEW_LEN;
+        }
+        if r.region_off != prev.region_end {
+            f |= RUN_REGION_JUMP;
+        }
+        f
+    }
+}
+
+impl Reader<'_> {
+    /// One scatter run, delta-coded against the run before it (see [`Writer::run`]).
+    fn run(&mut self, prev: RunCursor) -> Result<CopyRun> {
+        let flags = self.u8()?;
+        if flags & !(RUN_STRIDED | RUN_NEW_LEN | RUN_REGION_JUMP) != 0 {
+            return Err(WireError::Invalid { what: "scatter run flags" });
+        }
+        let region_off = if flags & RUN_REGION_JUMP != 0 { self.varint()? } else { prev.region_end };
+        let delta = self.varint()?;
+        let addr = prev.addr_end.wrapping_add((delta >> 1) ^ (delta & 1).wrapping_neg());
+        let len = if flags & RUN_NEW_LEN != 0 { self.varint()? } else { prev.len };
+        let (count, region_stride, addr_stride) = if flags & RUN_STRIDED != 0 {
+            let count = u32::try_from(self.varint()?).map_err(|_| WireError::Invalid { what: "run count" })?;
+            (count, self.varint()?, self.varint()?)
+        } else {
+            (1, 0, 0)
+        };
+        let run = CopyRun { region_off, addr, len, count, region_stride, addr_stride };
+        // Canonical: each flag is set exactly when its field differs from the implied value.
+        if RunCursor::flags(&run, prev) != flags {
+            return Err(WireError::Invalid { what: "scatter run not in its canonical form" });
+        }
+        Ok(run)
+    }
+}
+
+impl Writer<'_> {
+    /// One scatter run, delta-coded against the run before it: a flags byte, then
+    /// `region_off` only when the run does not start where the previous one ended, the user
+    /// address as a zigzag varint of its distance from the previous run's end, `len` only when
+    /// it changes, and `count` and both strides only for a strided run. A DATA for 512
+    /// scattered 4 KiB pieces shrinks from 22.5 KB (fixed 44-byte runs) to about 3 KB: one UCX
+    /// message fragment instead of several, which each need the sender's progress to go out.
+    /// Returns the cursor for the next run.
+    fn run(&mut self, r: &CopyRun, prev: RunCursor) -> RunCursor {
+        let flags = RunCursor::flags(r, prev);
+        self.u8(flags);
+        if flags & RUN_REGION_JUMP != 0 {
+            self.varint(r.region_off);
+        }
+        let delta = r.addr.wrapping_sub(prev.addr_end) as i64;
+        self.varint(((delta << 1) ^ (delta >> 63)) as u64);
+        if flags & RUN_NEW_LEN != 0 {
+            self.varint(r.len);
+        }
+        if flags & RUN_STRIDED != 0 {
+            self.varint(r.count.into());
+            self.varint(r.region_stride);
+            self.varint(r.addr_stride);
+        }
+        RunCursor::after(r)
+    }
+}

@@ -1,0 +1,589 @@
+//! Codec tests: round trips, golden bytes, canonical form, hostile input.
+
+use super::envelope::FLAG_CAPS;
+use super::frame::*;
+use super::samples::{assert_canonical, sample_caps, sample_envelopes, sample_frames};
+use super::*;
+use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, Region, XferId};
+use proptest::prelude::*;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    let s: String = s.split_whitespace().collect();
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+fn arb_region() -> impl Strategy<Value = Region> {
+    (any::<u64>(), 1..=u64::MAX).prop_map(|(offset, len)| Region { offset, len })
+}
+
+fn arb_run() -> impl Strategy<Value = CopyRun> {
+    (any::<u64>(), any::<u64>(), 1..=u64::MAX, 1..=u32::MAX, any::<u64>(), any::<u64>()).prop_map(
+        |(region_off, addr, len, count, region_stride, addr_stride)| CopyRun {
+            region_off,
+            addr,
+            len,
+            count,
+            region_stride,
+            addr_stride,
+        },
+    )
+}
+
+fn arb_blob() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(any::<u8>(), 0..24)
+}
+
+fn arb_status() -> impl Strategy<Value = AckStatus> {
+    prop_oneof![Just(AckStatus::Scattered), Just(AckStatus::Refused), Just(AckStatus::Failed)]
+}
+
+fn arb_msg() -> impl Strategy<Value = Msg> {
+    let xfer = any::<u64>().prop_map(XferId);
+    let chunk = any::<u32>().prop_map(ChunkIdx);
+    let credit = (chunk.clone(), arb_region()).prop_map(|(chunk, region)| Credit { chunk, region });
+    prop_oneof![
+        (xfer.clone(), arb_blob(), prop::collection::vec(1..=u64::MAX, 0..8))
+            .prop_map(|(xfer, endpoint, chunks)| Msg::Want(Want { xfer, endpoint, chunks })),
+        (xfer.clone(), prop::collection::vec(credit, 1..6))
+            .prop_map(|(xfer, credits)| Msg::Grant(Grant { xfer, credits })),
+        (xfer.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 1..5))
+            .prop_map(|(xfer, chunk, region, runs)| Msg::Data(Data { xfer, chunk, region, runs })),
+        (xfer, chunk, arb_region(), arb_status())
+            .prop_map(|(xfer, chunk, region, status)| { Msg::Ack(Ack { xfer, chunk, region, status }) }),
+    ]
+}
+
+fn arb_frame() -> impl Strategy<Value = Frame> {
+    (any::<u64>(), arb_msg()).prop_map(|(session, msg)| Frame { session, msg })
+}
+
+fn arb_caps() -> impl Strategy<Value = Capabilities> {
+    let control = prop_oneof![Just(ControlKind::Ucx), Just(ControlKind::Zmq)];
+    let mem = prop_oneof![Just(MemKind::Dram), Just(MemKind::Vram)];
+    (control, mem, prop::array::uniform6(any::<u64>()), arb_blob(), arb_blob()).prop_map(
+        |(control, mem, v, arena_key, endpoint)| Capabilities {
+            wire_version: WIRE_VERSION.into(),
+            control,
+            mem,
+            arena_base: v[0],
+            arena_len: v[1],
+            arena_dev: v[2],
+            usable_capacity: v[3],
+            max_chunk: v[4],
+            session: v[5],
+            arena_key,
+            endpoint,
+        },
+    )
+}
+
+fn arb_envelope() -> impl Strategy<Value = ConnEnvelope> {
+    (prop::option::of(arb_caps()), arb_blob()).prop_map(|(caps, inner)| ConnEnvelope { caps, inner })
+}
+
+/// A valid encoding with a few bytes overwritten, truncated or extended: input close enough
+/// to valid that decoding sometimes still succeeds, which is where non-canonical bugs hide.
+fn mutated(valid: impl Strategy<Value = Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
+    (valid, prop::collection::vec((any::<prop::sample::Index>(), prop_oneof![0..4u8, any::<u8>()]), 0..4), 0..3u8)
+        .prop_map(|(mut bytes, edits, tail)| {
+            for (at, b) in edits {
+                let i = at.index(bytes.len());
+                bytes[i] = b;
+            }
+            match tail {
+                0 => {}
+                1 => bytes.push(0),
+                _ => {
+                    bytes.pop();
+                }
+            }
+            bytes
+        })
+}
+
+fn body_of(frame: &Frame) -> Vec<u8> {
+    frame.to_vec()[HEADER_LEN..].to_vec()
+}
+
+fn frame_bytes(kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut b = MAGIC.to_vec();
+    b.extend_from_slice(&[WIRE_VERSION, kind]);
+    b.extend_from_slice(&7u64.to_le_bytes());
+    b.extend_from_slice(body);
+    b
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn every_valid_frame_round_trips(frame in arb_frame()) {
+        prop_assert_eq!(frame.msg.validate(), Ok(()));
+        let bytes = frame.to_vec();
+        prop_assert!(is_control_frame(&bytes));
+        prop_assert_eq!(Frame::decode(&bytes), Ok(frame));
+    }
+
+    #[test]
+    fn capabilities_round_trip(caps in arb_caps()) {
+        prop_assert_eq!(Capabilities::decode(&caps.to_vec()), Ok(caps));
+    }
+
+    #[test]
+    fn envelopes_round_trip(env in arb_envelope()) {
+        prop_assert_eq!(ConnEnvelope::decode(&env.to_vec()), Ok(env));
+    }
+
+    #[test]
+    fn every_strict_prefix_of_a_frame_is_an_error(frame in arb_frame()) {
+        let bytes = frame.to_vec();
+        for n in 0..bytes.len() {
+            prop_assert!(Frame::decode(&bytes[..n]).is_err(), "prefix {} accepted", n);
+        }
+    }
+
+    #[test]
+    fn every_strict_prefix_of_an_envelope_is_an_error(env in arb_envelope()) {
+        let bytes = env.to_vec();
+        for n in 0..bytes.len() {
+            prop_assert!(ConnEnvelope::decode(&bytes[..n]).is_err(), "prefix {} accepted", n);
+        }
+        let caps = env.caps.map(|c| c.to_vec()).unwrap_or_default();
+        for n in 0..caps.len() {
+            prop_assert!(Capabilities::decode(&caps[..n]).is_err(), "caps prefix {} accepted", n);
+        }
+    }
+
+    #[test]
+    fn decoded_frames_reencode_to_the_same_bytes(
+        bytes in prop_oneof![
+            mutated(arb_frame().prop_map(|f| f.to_vec())),
+            prop::collection::vec(any::<u8>(), 0..64),
+            (1..=5u8, prop::collection::vec(any::<u8>(), 0..64))
+                .prop_map(|(kind, body)| frame_bytes(kind, &body)),
+            // Exactly an ACK's length with a near-valid status tag: these often decode.
+            (prop::collection::vec(any::<u8>(), 28), 0..8u8).prop_map(|(mut b, tag)| {
+                b.push(tag);
+                frame_bytes(KIND_ACK, &b)
+            }),
+        ]
+    ) {
+        assert_canonical(&bytes, Frame::decode, Frame::to_vec);
+        assert_canonical(&bytes, ControlFrame::decode, ControlFrame::to_vec);
+        // `Frame` accepts exactly the `ControlFrame`s that carry a message.
+        let any = ControlFrame::decode(&bytes);
+        match Frame::decode(&bytes) {
+            Ok(f) => prop_assert_eq!(any, Ok(ControlFrame::from(f))),
+            Err(_) => prop_assert!(!matches!(any, Ok(ControlFrame { body: Body::Msg(_), .. })), "{:?}", any),
+        }
+    }
+
+    #[test]
+    fn decoded_envelopes_and_caps_reencode_to_the_same_bytes(
+        env in mutated(arb_envelope().prop_map(|e| e.to_vec())),
+        caps in mutated(arb_caps().prop_map(|c| c.to_vec())),
+    ) {
+        assert_canonical(&env, ConnEnvelope::decode, ConnEnvelope::to_vec);
+        assert_canonical(&caps, Capabilities::decode, Capabilities::to_vec);
+    }
+}
+
+#[test]
+fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
+    let h = encode_hello(0x0102_0304_0506_0708);
+    assert_eq!(hex(&h), "00424f554e43020508070605040302 01".replace(' ', ""));
+    assert!(is_control_frame(&h));
+    assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
+    assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
+    assert_eq!(decode_hello(&h[..15]), None);
+    let mut longer = h.clone();
+    longer.push(0);
+    assert_eq!(decode_hello(&longer), None);
+    let mut other_version = h.clone();
+    other_version[6] = 3;
+    assert_eq!(decode_hello(&other_version), None);
+    let want = Frame { session: 1, msg: Msg::cancel(XferId(1), vec![]) }.to_vec();
+    assert_eq!(decode_hello(&want), None);
+}
+
+/// HELLO goes through the same header and body code as the messages: `ControlFrame` encodes
+/// every sample message to the bytes `Frame` gives, decodes them back, and knows HELLO.
+#[test]
+fn control_frames_share_the_frame_codec_and_carry_hello() {
+    for f in sample_frames() {
+        let bytes = f.to_vec();
+        let any = ControlFrame::from(f.clone());
+        assert_eq!(any.to_vec(), bytes);
+        assert_eq!(ControlFrame::decode(&bytes), Ok(any));
+    }
+    let hello = ControlFrame { session: 0x0102_0304_0506_0708, body: Body::Hello };
+    assert_eq!(hello.to_vec(), encode_hello(0x0102_0304_0506_0708));
+    assert_eq!(ControlFrame::decode(&hello.to_vec()), Ok(hello.clone()));
+    let mut longer = hello.to_vec();
+    longer.push(0);
+    assert_eq!(ControlFrame::decode(&longer), Err(WireError::TrailingBytes { n: 1 }));
+    let mut unknown = hello.to_vec();
+    unknown[7] = 6;
+    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 6 }));
+    let mut future = hello.to_vec();
+    future[6] = WIRE_VERSION + 1;
+    assert!(matches!(ControlFrame::decode(&future), Err(WireError::UnsupportedVersion { .. })));
+}
+
+#[test]
+fn frame_layout_is_pinned() {
+    let frames = sample_frames();
+    let [want, cancel, _, data, ack] = &frames[..] else { panic!("five samples") };
+    assert_eq!(
+        hex(&want.to_vec()),
+        hex(&unhex(
+            "00424f554e43 02 01 0100000000000000
+             2a00000000000000 02000000 6570
+             02000000 0010000000000000 2000000000000000"
+        ))
+    );
+    assert_eq!(
+        hex(&cancel.to_vec()[HEADER_LEN..]),
+        format!("2a00000000000000 13000000 {} 00000000", hex(b"tcp://10.0.0.1:5555")).replace(' ', "")
+    );
+    assert_eq!(
+        hex(&data.to_vec()),
+        hex(&unhex(
+            "00424f554e43 02 03 0400000000000000
+             0300000000000000 02000000 0001000000000000 4000000000000000
+             01000000
+             03 8040 20 02 20 8001"
+        ))
+    );
+    assert_eq!(
+        hex(&ack.to_vec()),
+        hex(&unhex(
+            "00424f554e43 02 04 0500000000000000
+             0300000000000000 02000000 0001000000000000 4000000000000000 01"
+        ))
+    );
+}
+
+/// The benchmark's DATA: 512 scattered 4 KiB pieces of a 2 MiB chunk. Fixed 44-byte runs
+/// made it 22.5 KB; delta-coded it fits one small UCX message.
+#[test]
+fn scattered_runs_are_delta_coded_compactly() {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let runs: Vec<CopyRun> = (0..512u64)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let slot = state % 32768; // anywhere in a 128 MiB buffer
+            CopyRun {
+                region_off: i * 4096,
+                addr: 0x7f00_0000_0000 + slot * 4096,
+                len: 4096,
+                count: 1,
+                region_stride: 0,
+                addr_stride: 0,
+            }
+        })
+        .collect();
+    let data = Data { xfer: XferId(7), chunk: ChunkIdx(3), region: Region { offset: 0, len: 2 << 20 }, runs };
+    let bytes = Frame { session: 1, msg: Msg::Data(data.clone()) }.to_vec();
+    assert!(bytes.len() <= 3 * 1024, "{} bytes", bytes.len());
+    assert_eq!(Frame::decode(&bytes).map(|f| f.msg), Ok(Msg::Data(data)));
+}
+
+/// Each run has exactly one encoding: a flag whose field equals the implied value, an
+/// overlong varint and an unknown flag bit are all refused.
+#[test]
+fn only_the_canonical_run_encoding_decodes() {
+    let good = sample_frames()[3].to_vec();
+    // The sample's one run: flags 03 (strided, new length), address delta 8040, len 20,
+    // count 02, strides 20 and 8001.
+    let (head, run) = good.split_at(good.len() - 8);
+    assert_eq!(hex(run), "0380402002208001");
+    let with = |r: &str| [head, &unhex(r)[..]].concat();
+    assert!(Frame::decode(&with("0380402002208001")).is_ok());
+    let not_canonical = Err(WireError::Invalid { what: "scatter run not in its canonical form" });
+    assert_eq!(Frame::decode(&with("07008040 2002208001")), not_canonical, "region jump to where it ends anyway");
+    assert_eq!(Frame::decode(&with("0380402001 00 00")), not_canonical, "strided flag on a single copy");
+    assert_eq!(
+        Frame::decode(&with("038040a000 02208001")),
+        Err(WireError::Invalid { what: "varint not in its shortest form" })
+    );
+    assert_eq!(Frame::decode(&with("0b80402002208001")), Err(WireError::Invalid { what: "scatter run flags" }));
+    assert_eq!(
+        Frame::decode(&with("03 ffffffffffffffffff7f 2002208001")),
+        Err(WireError::Invalid { what: "varint over 64 bits" })
+    );
+}
+
+#[test]
+fn capabilities_and_envelope_layouts_are_pinned() {
+    let caps = "0200 01 01 0010000000000000 0020000000000000 0000000000000000
+                0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000";
+    assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
+    let envelopes = sample_envelopes();
+    let [bare, full] = &envelopes[..] else { panic!("two samples") };
+    assert_eq!(hex(&bare.to_vec()), hex(&unhex("4e58424f554e4345 0100 00 01000000 ab")));
+    let caps_len = unhex(caps).len() as u32;
+    let expect = format!(
+        "4e58424f554e4345 0100 01 {} {} 12000000 {}",
+        hex(&caps_len.to_le_bytes()),
+        caps,
+        hex(b"ucx-worker-address")
+    );
+    assert_eq!(hex(&full.to_vec()), hex(&unhex(&expect)));
+}
+
+#[test]
+fn samples_decode_and_every_truncation_fails() {
+    for f in sample_frames() {
+        let bytes = f.to_vec();
+        assert_eq!(Frame::decode(&bytes).as_ref(), Ok(&f));
+        for n in 0..bytes.len() {
+            assert!(Frame::decode(&bytes[..n]).is_err(), "{} prefix {n}", f.msg.kind_name());
+        }
+    }
+    assert!(matches!(Frame::decode(&[]), Err(WireError::Truncated { need: 6, have: 0 })));
+}
+
+#[test]
+fn foreign_bytes_are_not_control_frames() {
+    assert!(!is_control_frame(b"hello from the application"));
+    assert!(!is_control_frame(b"\0BOUN"));
+    assert_eq!(Frame::decode(b"NXBOUNCE________"), Err(WireError::BadMagic { what: "frame" }));
+    let mut bytes = sample_frames()[0].to_vec();
+    bytes[0] = b'X';
+    assert!(!is_control_frame(&bytes));
+    assert_eq!(Frame::decode(&bytes), Err(WireError::BadMagic { what: "frame" }));
+}
+
+#[test]
+fn other_versions_and_kinds_are_refused() {
+    let mut bytes = sample_frames()[0].to_vec();
+    bytes[6] = 3;
+    assert_eq!(Frame::decode(&bytes), Err(WireError::UnsupportedVersion { what: "frame", got: 3 }));
+    for kind in [0, 5, 0xff] {
+        let mut bytes = sample_frames()[0].to_vec();
+        bytes[7] = kind;
+        assert_eq!(Frame::decode(&bytes), Err(WireError::UnknownKind { got: kind }));
+    }
+}
+
+#[test]
+fn a_body_under_another_kind_byte_is_refused() {
+    let frames = sample_frames();
+    for f in &frames {
+        for kind in [KIND_WANT, KIND_GRANT, KIND_DATA, KIND_ACK] {
+            if kind == f.msg.kind_byte() {
+                continue;
+            }
+            let r = Frame::decode(&frame_bytes(kind, &body_of(f)));
+            assert!(r.is_err(), "{} body as kind {kind} gave {r:?}", f.msg.kind_name());
+        }
+    }
+}
+
+#[test]
+fn absurd_counts_are_refused_before_allocating() {
+    let mut body = 1u64.to_le_bytes().to_vec(); // xfer
+    body.extend_from_slice(&0u32.to_le_bytes()); // empty endpoint
+    body.extend_from_slice(&u32::MAX.to_le_bytes()); // chunk count
+    body.extend_from_slice(&[1; 8]);
+    assert_eq!(
+        Frame::decode(&frame_bytes(KIND_WANT, &body)),
+        Err(WireError::CountTooLarge { what: "want chunks", count: u32::MAX.into(), max: MAX_CHUNKS_PER_WANT.into() })
+    );
+    // Under the cap but beyond the input: refused from the count alone.
+    body[12..16].copy_from_slice(&MAX_CHUNKS_PER_WANT.to_le_bytes());
+    assert_eq!(Frame::decode(&frame_bytes(KIND_WANT, &body)), Err(WireError::Truncated { need: 8 << 20, have: 8 }));
+    let mut endpoint = 1u64.to_le_bytes().to_vec();
+    endpoint.extend_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(
+        Frame::decode(&frame_bytes(KIND_WANT, &endpoint)),
+        Err(WireError::CountTooLarge { what: "endpoint", .. })
+    ));
+    let mut grant = 1u64.to_le_bytes().to_vec();
+    grant.extend_from_slice(&MAX_CREDITS.to_le_bytes());
+    assert_eq!(
+        Frame::decode(&frame_bytes(KIND_GRANT, &grant)),
+        Err(WireError::Truncated { need: CREDIT_LEN << 16, have: 0 })
+    );
+    let mut data = body_of(&sample_frames()[3]);
+    data[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(
+        Frame::decode(&frame_bytes(KIND_DATA, &data)),
+        Err(WireError::CountTooLarge { what: "data runs", .. })
+    ));
+    let mut env = sample_envelopes()[0].to_vec();
+    env[11..15].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(ConnEnvelope::decode(&env), Err(WireError::CountTooLarge { what: "inner conn info", .. })));
+}
+
+#[test]
+fn trailing_bytes_are_refused() {
+    let mut bytes = sample_frames()[2].to_vec();
+    bytes.push(0);
+    assert_eq!(Frame::decode(&bytes), Err(WireError::TrailingBytes { n: 1 }));
+    let mut caps = sample_caps().to_vec();
+    caps.extend_from_slice(&[0, 0]);
+    assert_eq!(Capabilities::decode(&caps), Err(WireError::TrailingBytes { n: 2 }));
+    let mut env = sample_envelopes()[1].to_vec();
+    env.push(0);
+    assert_eq!(ConnEnvelope::decode(&env), Err(WireError::TrailingBytes { n: 1 }));
+}
+
+#[test]
+fn invalid_values_are_refused() {
+    let xfer = XferId(1);
+    let chunk = ChunkIdx(0);
+    let region = Region { offset: 0, len: 64 };
+    let run = CopyRun { region_off: 0, addr: 0, len: 8, count: 1, region_stride: 0, addr_stride: 0 };
+    let bad = [
+        Msg::Want(Want { xfer, endpoint: vec![], chunks: vec![8, 0] }),
+        Msg::Grant(Grant { xfer, credits: vec![] }),
+        Msg::Grant(Grant { xfer, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
+        Msg::Data(Data { xfer, chunk, region, runs: vec![] }),
+        Msg::Data(Data { xfer, chunk, region: Region { offset: 0, len: 0 }, runs: vec![run] }),
+        Msg::Data(Data { xfer, chunk, region, runs: vec![CopyRun { count: 0, ..run }] }),
+        Msg::Data(Data { xfer, chunk, region, runs: vec![CopyRun { len: 0, ..run }] }),
+        Msg::Ack(Ack { xfer, chunk, region: Region { offset: 0, len: 0 }, status: AckStatus::Failed }),
+    ];
+    for msg in bad {
+        let frame = Frame { session: 1, msg };
+        assert!(matches!(frame.msg.validate(), Err(WireError::Invalid { .. })), "{frame:?}");
+        assert_eq!(Frame::decode(&frame.to_vec()), Err(frame.msg.validate().unwrap_err()));
+    }
+    let mut ack = sample_frames()[4].to_vec();
+    *ack.last_mut().unwrap() = 3;
+    assert_eq!(Frame::decode(&ack), Err(WireError::Invalid { what: "ack status tag" }));
+    let mut caps = sample_caps().to_vec();
+    caps[2] = 2;
+    assert_eq!(Capabilities::decode(&caps), Err(WireError::Invalid { what: "control kind tag" }));
+    caps[2] = 0;
+    caps[3] = 7;
+    assert_eq!(Capabilities::decode(&caps), Err(WireError::Invalid { what: "memory kind tag" }));
+}
+
+#[test]
+fn cancel_is_an_empty_want_that_keeps_its_endpoint() {
+    let m = Msg::cancel(XferId(9), b"ep".to_vec());
+    assert_eq!(m.xfer(), XferId(9));
+    assert_eq!(m.kind_name(), "CANCEL");
+    let Msg::Want(w) = &m else { panic!("cancel is a WANT") };
+    assert!(w.is_cancel());
+    assert_eq!(w.endpoint, b"ep");
+    let back = Frame::decode(&Frame { session: 3, msg: m.clone() }.to_vec()).unwrap();
+    assert_eq!(back.msg, m);
+    let names: Vec<_> = sample_frames().iter().map(|f| f.msg.kind_name()).collect();
+    assert_eq!(names, ["WANT", "CANCEL", "GRANT", "DATA", "ACK"]);
+}
+
+#[test]
+fn envelope_header_errors_are_specific() {
+    let good = sample_envelopes()[1].to_vec();
+    let mut b = good.clone();
+    b[0] = b'x';
+    assert_eq!(ConnEnvelope::decode(&b), Err(WireError::BadMagic { what: "envelope" }));
+    let mut b = good.clone();
+    b[8] = 2;
+    assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnsupportedVersion { what: "envelope", got: 2 }));
+    let mut b = good.clone();
+    b[10] |= 0x02;
+    assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnknownFlags { got: 0x03 }));
+    let mut b = good;
+    b[15] = 3; // capabilities' wire version
+    assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnsupportedVersion { what: "capabilities", got: 3 }));
+    // Capabilities with bytes of their own left over inside the declared length.
+    let mut caps = sample_caps().to_vec();
+    caps.push(0);
+    let mut b = ENVELOPE_MAGIC.to_vec();
+    b.extend_from_slice(&ENVELOPE_VERSION.to_le_bytes());
+    b.push(FLAG_CAPS);
+    b.extend_from_slice(&(caps.len() as u32).to_le_bytes());
+    b.extend_from_slice(&caps);
+    b.extend_from_slice(&0u32.to_le_bytes());
+    assert_eq!(ConnEnvelope::decode(&b), Err(WireError::TrailingBytes { n: 1 }));
+}
+
+#[test]
+fn compatibility_needs_same_version_control_kind_and_max_chunk() {
+    let local = sample_caps();
+    let same_rules = Capabilities {
+        mem: MemKind::Dram,
+        arena_base: 0xdead_0000,
+        arena_len: 1 << 30,
+        arena_dev: 3,
+        usable_capacity: 1 << 29,
+        session: 77,
+        arena_key: vec![1, 2, 3],
+        endpoint: b"tcp://10.0.0.2:1".to_vec(),
+        ..local.clone()
+    };
+    assert_eq!(local.compatible_with(&local), Ok(()));
+    assert_eq!(local.compatible_with(&same_rules), Ok(()));
+    assert_eq!(same_rules.compatible_with(&local), Ok(()));
+
+    let other_version = Capabilities { wire_version: 3, ..local.clone() };
+    let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
+    let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 2, peer: 3 }));
+    assert_eq!(
+        local.compatible_with(&other_control),
+        Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
+    );
+    assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
+    // Several mismatches: the version is reported first, then the control kind.
+    let all = Capabilities { wire_version: 3, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
+    let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
+}
+
+#[test]
+fn oversized_blobs_encode_to_what_decode_refuses() {
+    let big = Msg::Want(Want { xfer: XferId(1), endpoint: vec![0; MAX_BLOB as usize + 1], chunks: vec![8] });
+    let err = big.validate().unwrap_err();
+    assert!(matches!(err, WireError::CountTooLarge { what: "endpoint", .. }));
+    assert_eq!(Frame::decode(&Frame { session: 0, msg: big }.to_vec()), Err(err));
+}
+
+/// Golden bytes: the exact encoding of a HELLO, of every sample message, of a capability
+/// blob and of both envelope shapes, pinned before the codec was split into `wire/`. Any
+/// change to these strings is a wire-format change and needs a new `WIRE_VERSION`.
+#[test]
+fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
+    let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
+    let want = [
+        // WANT
+        "00424f554e4302010100000000000000 2a00000000000000 02000000 6570 02000000 0010000000000000 2000000000000000",
+        // cancel (empty WANT)
+        "00424f554e4302010200000000000000 2a00000000000000 13000000 7463703a2f2f31302e302e302e313a35353535 00000000",
+        // GRANT
+        "00424f554e4302020300000000000000 0300000000000000 02000000
+         00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
+        // DATA
+        "00424f554e4302030400000000000000 0300000000000000 02000000 0001000000000000 4000000000000000
+         01000000 0380402002208001",
+        // ACK
+        "00424f554e4302040500000000000000 0300000000000000 02000000 0001000000000000 4000000000000000 01",
+    ];
+    assert_eq!(frames, want.map(|w| hex(&unhex(w))));
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4302050807060504030201");
+    let caps = "0200 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+                0004000000000000 0900000000000000 01000000 6b 00000000";
+    assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
+    let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
+    assert_eq!(
+        envelopes,
+        [
+            hex(&unhex("4e58424f554e4345 0100 00 01000000 ab")),
+            hex(&unhex(&format!(
+                "4e58424f554e4345 0100 01 3d000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
+            ))),
+        ]
+    );
+}
