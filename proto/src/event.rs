@@ -222,6 +222,14 @@ pub enum DataFault {
         /// Position of the run.
         index: usize,
     },
+    /// The runs copy more bytes in total than the chunk holds: the work a DATA may cause is
+    /// bounded by its chunk, whatever its counts and strides say.
+    TooManyBytes {
+        /// Bytes the runs would copy (saturated at `u64::MAX`).
+        copies: u64,
+        /// Bytes of the chunk.
+        chunk: u64,
+    },
 }
 
 /// Peer input that breaks the protocol. The message was ignored (or, for DATA, refused) and the

@@ -351,6 +351,13 @@ impl Receiver {
         }
         // Only the chunk's bytes were written: the rest of the block holds an earlier flow's data.
         let limit = bytes.min(held.region.len);
+        // Each piece of an honest chunk sits once in the chunk, so its runs copy at most the
+        // chunk's bytes. Without this bound a run of 2^32 pieces with zero strides passes every
+        // span check below and pins a copy worker for hours.
+        let copies = data.runs.iter().fold(0u64, |sum, r| sum.saturating_add(r.len.saturating_mul(u64::from(r.count))));
+        if copies > limit {
+            return Err(DataFault::TooManyBytes { copies, chunk: limit });
+        }
         for (index, run) in data.runs.iter().enumerate() {
             let (Some((_, end)), Some((a, b))) = (run.region_span(), run.addr_span()) else {
                 return Err(DataFault::BadRun { index });
@@ -550,6 +557,27 @@ mod tests {
         ep.handle_scatter_done(t, s[1].0, true);
         assert!(acks(&drain(&mut ep)).is_empty());
         assert!(ep.is_idle());
+    }
+
+    #[test]
+    fn data_whose_runs_copy_more_than_the_chunk_is_refused_whatever_its_strides() {
+        // count = u32::MAX with zero strides: every span lies inside the chunk and registered
+        // memory, but the copy would be 2^32 pieces long.
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        let storm = CopyRun { region_off: 0, addr: DST, len: 16, count: u32::MAX, region_stride: 0, addr_stride: 0 };
+        let copies = 16 * u64::from(u32::MAX);
+        expect_refused(&mut ep, t, 0, r0, vec![storm], DataFault::TooManyBytes { copies, chunk: CHUNK });
+        // Two runs each inside the chunk whose sum is one byte over it.
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        let runs = vec![run(0, DST, CHUNK), run(0, DST + CHUNK, 1)];
+        expect_refused(&mut ep, t, 0, r0, runs, DataFault::TooManyBytes { copies: CHUNK + 1, chunk: CHUNK });
+        // Exactly the chunk's bytes are fine.
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, vec![run(0, DST, CHUNK)])).unwrap();
+        assert_eq!(scatters(&drain(&mut ep)).len(), 1);
     }
 
     #[test]
