@@ -20,7 +20,11 @@ class BuildWithPlugin(build_py):
 
     def run(self):
         super().run()
-        subprocess.run(["cargo", "build", "--release", "--lib", "--quiet"], cwd=ROOT, check=True)
+        try:
+            subprocess.run(["cargo", "build", "--release", "--lib", "--quiet"], cwd=ROOT, check=True)
+        except FileNotFoundError:
+            raise SystemExit("building the nixl-bounce wheel needs a Rust toolchain: cargo is not on PATH "
+                             "(https://rustup.rs)") from None
         target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
         built = os.path.join(target, "release", "libnixl_bounce.so")
         self.copy_file(built, os.path.join(self.build_lib, "nixl_bounce", "libplugin_BOUNCE.so"))

@@ -47,7 +47,7 @@ def cuda() -> Cuda:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return Cuda(error="no libcuda.so.1 (no NVIDIA driver on this machine)")
+        return Cuda(error="libcuda.so.1 not found, no NVIDIA driver on this machine")
     version = ctypes.c_int(0)
     if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value:
         driver = f"{version.value // 1000}.{version.value % 1000 // 10}"
