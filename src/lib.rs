@@ -15,6 +15,7 @@
 //! `info` or `nixl_bounce=debug`) to see it on stderr. The default is `warn`.
 
 pub mod ffi;
+mod nixl_version;
 pub mod shell;
 
 pub use bounce_proto as proto;

@@ -213,6 +213,10 @@ pub unsafe extern "C" fn bnc_engine_create(
             sink_bytes(err, err_ctx, b"null argument");
             return Status::ErrInvalidParam;
         }
+        if let Err(refusal) = crate::nixl_version::check(|k| std::env::var(k).ok()) {
+            sink_bytes(err, err_ctx, refusal.to_string().as_bytes()); // the one line the shim prints
+            return Status::ErrMismatch;
+        }
         // SAFETY: non-null, and the caller guarantees it is a valid struct for the call.
         let a = unsafe { &*args };
         let parsed = (|| -> Result<CreateParams<'_>, Error> {
