@@ -33,6 +33,9 @@ use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
 use crate::sys::shim::{Md, WriteSide, WriteState};
 
+#[cfg(test)]
+mod tests;
+
 /// A command for the reactor.
 #[derive(Debug)]
 pub(crate) enum Cmd {
