@@ -1,5 +1,6 @@
-//! One BOUNCE engine: its configuration, the inner UCX plugin it delegates to, what it knows of
-//! its peers, and the memory registered through it.
+//! One BOUNCE engine: its configuration, the inner UCX plugin it delegates to, the routing gate
+//! and its bounce requests. What it knows of its peers and of the memory registered through it
+//! lives in one table each ([`PeerTable`], [`Registry`]), shared with its reactor.
 //!
 //! Created by `ffi::abi::bnc_engine_create` when NIXL creates a "BOUNCE" backend; destroyed when
 //! NIXL destroys it. All methods take `&self`: NIXL calls an engine from many threads.
@@ -24,7 +25,7 @@ use crate::shell::copy::cpu::{CpuEngine, HostArena};
 use crate::shell::datapath::ShimPath;
 use crate::shell::mailroom::Mailroom;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
-use crate::shell::reactor::{Cmd, LocalArena, Parts, Reactor, Shared};
+use crate::shell::reactor::{Cmd, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
 use crate::shell::registry::{Registration, Registry};
 use crate::shell::requests::{Released, State};
 use crate::shell::stats::Stats;
@@ -221,6 +222,12 @@ impl Engine {
                     copier: Box::new(copier),
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
+                    // The inner engine hands over everything it delivered at once; a socket
+                    // is read in bounded batches.
+                    control_budget: match self.config.control {
+                        ControlKind::Zmq => SOCKET_POLL_BATCH,
+                        ControlKind::Ucx => usize::MAX,
+                    },
                 };
                 Reactor::start(&self.config, Arc::clone(&shared), parts)
             });

@@ -262,6 +262,11 @@ impl PeerTable {
         }
     }
 
+    /// True when NIXL no longer has the peer loaded (it disconnected, or was never loaded).
+    pub(crate) fn gone(&self, id: PeerId) -> bool {
+        self.0.lock().by_id(id).is_none_or(|p| !p.loaded)
+    }
+
     /// Where writes to a peer go: its name and arena.
     pub(crate) fn write_target(&self, id: PeerId) -> Option<(String, PeerArena)> {
         let t = self.0.lock();
@@ -308,6 +313,7 @@ mod tests {
         assert_eq!(t.write_target(id).map(|(n, a)| (n, a.md)), Some(("b".to_owned(), Md(5))));
         t.lost("b");
         assert!(!t.can_bounce("b") && t.loaded_id("b").is_none() && t.write_target(id).is_none());
+        assert!(t.gone(id) && t.gone(PeerId(99)));
         assert_eq!(t.id("b"), id, "ids are never reused");
         // An incompatible peer is loaded (it may talk to us) but has nothing to load.
         t.loaded("c", None);

@@ -123,6 +123,8 @@ pub(crate) struct Parts {
     pub(crate) data: Box<dyn DataPath>,
     /// How control frames travel.
     pub(crate) control: Box<dyn ControlChannel>,
+    /// Most control frames handled per pass (see [`SOCKET_POLL_BATCH`]).
+    pub(crate) control_budget: usize,
 }
 
 /// A running reactor; dropping it stops and joins the thread (and the copy engine).
@@ -159,6 +161,7 @@ struct Driver {
     copier: Box<dyn CopyEngine>,
     data: Box<dyn DataPath>,
     control: Box<dyn ControlChannel>,
+    control_budget: usize,
     writes: Vec<InFlightWrite>,
     /// Writes the core asked for that wait for a slot (see MAX_WRITES_IN_FLIGHT).
     queued_writes: VecDeque<QueuedWrite>,
@@ -195,7 +198,7 @@ impl Reactor {
     /// # Errors
     /// When the core rejects the configuration or the thread cannot be started.
     pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
-        let Parts { session, endpoint, arena, copier, data, control } = parts;
+        let Parts { session, endpoint, arena, copier, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
         let stop = Arc::new(AtomicBool::new(false));
@@ -207,6 +210,7 @@ impl Reactor {
             copier,
             data,
             control,
+            control_budget,
             writes: Vec::new(),
             queued_writes: VecDeque::new(),
             copies: HashMap::new(),
@@ -259,8 +263,11 @@ impl Drop for Reactor {
     }
 }
 
-/// Most control frames taken per reactor pass, so a flood cannot starve the rest of the loop.
-const CONTROL_POLL_BATCH: usize = 256;
+/// Most control frames read from a socket (ZMQ) per reactor pass, so a flood cannot starve the
+/// rest of the loop. Frames the inner engine already delivered (UCX) are all handled in the pass
+/// that pulled them, as they always were: a flood then runs as one pass, with no timer firing
+/// (lease reclaims) in the middle of it.
+pub(crate) const SOCKET_POLL_BATCH: usize = 256;
 /// Writes handed to the data path at once. UCX runs them one after another anyway; keeping
 /// one queued behind the running one keeps the link busy, and holding the rest back here lets
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
@@ -316,7 +323,7 @@ impl Driver {
         let mut moved = false;
         self.data.progress();
         let mut frames = std::mem::take(&mut self.frames);
-        self.control.poll(CONTROL_POLL_BATCH, &mut frames);
+        self.control.poll(self.control_budget, &mut frames);
         self.shared.inbox.drain(cmds);
         let mut done = std::mem::take(&mut self.done);
         self.copier.poll_done(&mut done);
@@ -530,6 +537,11 @@ impl Driver {
         let QueuedWrite { job, peer, source, remote, len } = w;
         let now = Instant::now();
         let Some((name, pa)) = self.shared.peers.write_target(peer) else {
+            // NIXL disconnected the peer and our PeerLost command is still queued: take the
+            // loss now, so its transfers fail as lost (not as a failed write).
+            if self.shared.peers.gone(peer) {
+                self.ep.handle_peer_lost(now, peer);
+            }
             return self.ep.handle_write_done(now, job, false);
         };
         // The core checked the credit against its own bookkeeping; only we know the peer's

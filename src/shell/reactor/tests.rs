@@ -89,6 +89,7 @@ impl Side {
             copier: Box::new(copier),
             data: Box::new(path),
             control: Box::new(net.join(name)),
+            control_budget: SOCKET_POLL_BATCH,
         };
         let reactor = Reactor::start(config, Arc::clone(&shared), parts).unwrap();
         let caps = Capabilities {
