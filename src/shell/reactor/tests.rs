@@ -21,7 +21,7 @@ use crate::sys::nixl::NixlStatus;
 const PIECES: usize = 256;
 const PIECE: usize = 256;
 
-/// Application notifications a data path sent, `(peer, message)`.
+/// Messages kept by a test, `(peer or kind, bytes)`: a data path's notifications, captured frames.
 type Sent = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 
 /// Writes between two arenas of this process: the bytes are copied at the post; every second
@@ -309,4 +309,47 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
         assert!(Instant::now() < deadline, "the arena was not reclaimed");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+#[test]
+fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counted() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    // Keep a copy of the first WANT (a -> b) and the first ACK (b -> a) of a real transfer.
+    let seen: Sent = Arc::default();
+    let s = Arc::clone(&seen);
+    net.set_fault(move |_, _, f| {
+        if let Some(k @ ("want" | "ack")) = kind(f) {
+            let mut s = s.lock();
+            if !s.iter().any(|(seen, _)| seen == k) {
+                s.push((k.to_owned(), f.to_vec()));
+            }
+        }
+        Fate::Deliver
+    });
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    let frame = |k: &str| seen.lock().iter().find(|(s, _)| s == k).map(|(_, f)| f.clone()).unwrap();
+    let (want, ack) = (frame("want"), frame("ack"));
+    let (a_dropped, b_dropped) = (a.stat(|s| &s.control_dropped), b.stat(|s| &s.control_dropped));
+    // A valid WANT from an agent b never loaded, and bytes that only start like a frame.
+    let mut stranger = net.join("x");
+    stranger.send("b", &want).unwrap();
+    stranger.send("b", &want[..want.len() / 2]).unwrap();
+    // An ACK under a session that is not b's current one (only a WANT may start a new session).
+    let mut stale = Frame::decode(&ack).unwrap();
+    stale.session ^= 1;
+    net.join("b").send("a", &stale.to_vec()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.stat(|s| &s.control_dropped) < b_dropped + 2 || a.stat(|s| &s.control_dropped) < a_dropped + 1 {
+        assert!(Instant::now() < deadline, "the frames were not dropped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(b.stat(|s| &s.control_dropped), b_dropped + 2);
+    assert_eq!(a.stat(|s| &s.control_dropped), a_dropped + 1);
+    assert_eq!(b.shared.peers.known_id("x"), None, "a stranger's frames add nothing to the peer table");
 }
