@@ -103,21 +103,22 @@ int32_t bnc_xfer_post(void *engine, uint64_t xfer, bnc_str notif, int32_t has_no
 int32_t bnc_xfer_check(void *engine, uint64_t xfer);
 int32_t bnc_xfer_release(void *engine, uint64_t xfer);
 
-// Notifications pulled from the inner engine (by either thread) are routed through Rust:
-// control frames go to the reactor, the application's own are queued...
-void bnc_notif_route(void *engine, bnc_str agent, bnc_str msg);
-// ...and handed back, in arrival order, when the application asks.
+// (agent, message) pair sink: copies both byte ranges into whatever `ctx` points at.
 typedef void (*bnc_pair_sink)(void *ctx, const uint8_t *a, size_t a_len, const uint8_t *b,
                               size_t b_len);
-void bnc_notif_take(void *engine, bnc_pair_sink sink, void *ctx);
+// The application's getNotifs: Rust pulls what waits in the inner engine (through
+// bnc_shim_poll_notifs), keeps BOUNCE's control frames for its reactor and hands the
+// application's notifications to `sink`, in arrival order. Returns the inner engine's status
+// when pulling failed.
+int32_t bnc_notif_take(void *engine, bnc_pair_sink sink, void *ctx);
 
 // ---- C++ shim -> exported to Rust ----
 // The plugin descriptor handed to NIXL from nixl_plugin_init().
 const void *bnc_shim_plugin(void);
 
 // Operations on the inner UCX engine for the bounce reactor. `shim` is the pointer given to
-// bnc_engine_attach. Each takes the shim's inner-engine lock; none calls back into Rust except
-// bnc_shim_poll_notifs (bnc_notif_route, which never calls the shim).
+// bnc_engine_attach. Each takes the shim's inner-engine lock; none calls back into Rust (sinks
+// only copy bytes).
 int32_t bnc_shim_register(void *shim, uint64_t addr, uint64_t len, uint64_t dev, int32_t mem,
                           void **md, bnc_sink key, void *key_ctx);
 int32_t bnc_shim_deregister(void *shim, void *md);
@@ -128,7 +129,8 @@ int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t mem, void *local_md, u
 int32_t bnc_shim_check(void *shim, void *handle);
 void bnc_shim_release(void *shim, void *handle);
 int32_t bnc_shim_gen_notif(void *shim, bnc_str agent, bnc_str msg);
-int32_t bnc_shim_poll_notifs(void *shim);
+// Progresses the inner engine and hands every notification that arrived to `sink`, in order.
+int32_t bnc_shim_poll_notifs(void *shim, bnc_pair_sink sink, void *ctx);
 
 #ifdef __cplusplus
 }

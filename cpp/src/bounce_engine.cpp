@@ -230,9 +230,9 @@ public:
     }
     nixl_status_t getNotifs(notif_list_t &list) override {
         if (!list.empty()) return NIXL_ERR_INVALID_PARAM;
-        nixl_status_t st = pollNotifs();
+        // Rust pulls from the inner engine (bnc_shim_poll_notifs) and sorts what arrived.
+        auto st = static_cast<nixl_status_t>(bnc_notif_take(rust_, pair_sink, &list));
         if (st != NIXL_SUCCESS) return st;
-        bnc_notif_take(rust_, pair_sink, &list);
         refreshStats();
         return NIXL_SUCCESS;
     }
@@ -330,14 +330,17 @@ public:
         Lock g(mu_);
         return inner_->genNotif(agent, msg);
     }
-    nixl_status_t pollNotifs() {
+    nixl_status_t pollNotifs(bnc_pair_sink sink, void *ctx) {
         notif_list_t got;
         {
             Lock g(mu_);
             nixl_status_t st = inner_->getNotifs(got);
             if (st != NIXL_SUCCESS) return st;
         }
-        for (const auto &n : got) bnc_notif_route(rust_, view(n.first), view(n.second));
+        for (const auto &n : got) {
+            sink(ctx, reinterpret_cast<const uint8_t *>(n.first.data()), n.first.size(),
+                 reinterpret_cast<const uint8_t *>(n.second.data()), n.second.size());
+        }
         return NIXL_SUCCESS;
     }
 
@@ -529,4 +532,6 @@ extern "C" void bnc_shim_release(void *shim, void *handle) {
 extern "C" int32_t bnc_shim_gen_notif(void *shim, bnc_str agent, bnc_str msg) {
     BNC_SHIM_TRY(eng(shim)->shimGenNotif(str(agent), str(msg)))
 }
-extern "C" int32_t bnc_shim_poll_notifs(void *shim) { BNC_SHIM_TRY(eng(shim)->pollNotifs()) }
+extern "C" int32_t bnc_shim_poll_notifs(void *shim, bnc_pair_sink sink, void *ctx) {
+    BNC_SHIM_TRY(eng(shim)->pollNotifs(sink, ctx))
+}

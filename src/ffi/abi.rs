@@ -1,50 +1,26 @@
 //! `extern "C"` entry points: raw-to-typed conversion only, each body inside [`guard`].
 //! Declarations for C++ live in `cpp/include/bounce_ffi.h`; keep the two in step.
 
-use std::ffi::{CStr, CString, c_char, c_void};
+use std::ffi::{CString, c_char, c_void};
 use std::path::Path;
 use std::sync::{LazyLock, Once};
 
-use bounce_proto::MemKind;
 use bounce_proto::manifest::{OPTIONS, PLUGIN_NAME, PLUGIN_VERSION};
 
 use super::{Status, guard, guard_void};
-use crate::shell::{CreateParams, DescView, Engine, Error, Registration};
+use crate::shell::{CreateParams, DescView, Engine, Error, Progress, Registration};
+use crate::sys::c::{BncPairSink, BncSink, BncStr, sink_bytes};
+use crate::sys::inner_plugin::{InnerPlugin, locate_ucx_plugin};
+use crate::sys::nixl::{MemSeg, XferOp};
+use crate::sys::shim::{Md, Shim};
 
-/// Borrowed bytes from C++ (`bnc_str`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct BncStr {
-    ptr: *const u8,
-    len: usize,
-}
-
-impl BncStr {
-    fn from_slice(s: &'static [u8]) -> Self {
-        Self { ptr: s.as_ptr(), len: s.len() }
-    }
-
-    /// A view of `b`, valid only while `b` is (the callee must not keep it).
-    pub(crate) fn from_bytes(b: &[u8]) -> Self {
-        Self { ptr: b.as_ptr(), len: b.len() }
-    }
-
-    /// # Safety
-    /// - `ptr` is null with `len == 0`, or valid for reads of `len` bytes for `'a`.
-    unsafe fn bytes<'a>(self) -> &'a [u8] {
-        if self.ptr.is_null() || self.len == 0 {
-            return &[];
-        }
-        // SAFETY: the caller guarantees ptr/len describe live bytes for 'a.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// # Safety
-    /// As [`Self::bytes`].
-    unsafe fn str<'a>(self, what: &'static str) -> Result<&'a str, Error> {
-        // SAFETY: forwarded contract.
-        std::str::from_utf8(unsafe { self.bytes() }).map_err(|_| Error::BadUtf8(what))
-    }
+/// The UTF-8 text a `bnc_str` views.
+///
+/// # Safety
+/// As [`BncStr::bytes`]: `s` views live bytes (or is empty) for `'a`.
+unsafe fn text<'a>(s: BncStr, what: &'static str) -> Result<&'a str, Error> {
+    // SAFETY: forwarded contract.
+    std::str::from_utf8(unsafe { s.bytes() }).map_err(|_| Error::BadUtf8(what))
 }
 
 /// A key/value pair (`bnc_kv`).
@@ -53,9 +29,6 @@ pub struct BncKv {
     key: BncStr,
     value: BncStr,
 }
-
-/// C++ byte sink (`bnc_sink`).
-pub type BncSink = unsafe extern "C" fn(ctx: *mut c_void, ptr: *const u8, len: usize);
 
 /// Arguments of `bnc_engine_create`.
 #[repr(C)]
@@ -136,6 +109,13 @@ pub extern "C" fn bnc_plugin_version() -> *const c_char {
     VERSION_C.as_ptr()
 }
 
+/// The NIXL versions this build accepts, comma-separated, NUL-terminated, static (read by
+/// `nixl-bounce doctor`).
+#[unsafe(no_mangle)]
+pub extern "C" fn nixl_bounce_tested_nixl_versions() -> *const c_char {
+    crate::sys::nixl_version::TESTED_NIXL_VERSIONS_C.as_ptr()
+}
+
 /// The default inner UCX plugin (`NIXL_BOUNCE_UCX_PLUGIN`, else beside BOUNCE), loaded once
 /// and kept, so `get_backend_options` can list UCX's options next to ours: every UCX param is
 /// accepted unchanged. Null when it cannot be loaded (then only our options are listed).
@@ -144,15 +124,15 @@ pub extern "C" fn bnc_plugin_version() -> *const c_char {
 /// `self_path` views live bytes (or is empty).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_default_inner_plugin(self_path: BncStr) -> *const c_void {
-    static DEFAULT: std::sync::OnceLock<Option<crate::shell::InnerPlugin>> = std::sync::OnceLock::new();
+    static DEFAULT: std::sync::OnceLock<Option<InnerPlugin>> = std::sync::OnceLock::new();
     let mut out = std::ptr::null();
     guard("bnc_default_inner_plugin", || {
         // SAFETY: caller contract.
-        let me = unsafe { self_path.str("plugin path") }.ok().filter(|p| !p.is_empty()).map(Path::new);
+        let me = unsafe { text(self_path, "plugin path") }.ok().filter(|p| !p.is_empty()).map(Path::new);
         let plugin = DEFAULT.get_or_init(|| {
             let configured = std::env::var("NIXL_BOUNCE_UCX_PLUGIN").ok().filter(|p| !p.is_empty());
-            let path = crate::shell::locate_ucx_plugin(configured.as_deref(), me);
-            crate::shell::InnerPlugin::load(&path).ok()
+            let path = locate_ucx_plugin(configured.as_deref(), me);
+            InnerPlugin::load(&path).ok()
         });
         if let Some(p) = plugin {
             out = p.descriptor();
@@ -181,18 +161,18 @@ pub unsafe extern "C" fn bnc_option_at(i: usize, name: *mut BncStr, default_valu
         }
         // SAFETY: both pointers are non-null and the caller guarantees they are writable.
         unsafe {
-            *name = BncStr::from_slice(o.name.as_bytes());
-            *default_value = BncStr::from_slice(o.default.as_bytes());
+            *name = BncStr::from_static(o.name.as_bytes());
+            *default_value = BncStr::from_static(o.default.as_bytes());
         }
         Status::Success
     })
     .code()
 }
 
-fn sink_bytes(sink: BncSink, ctx: *mut c_void, bytes: &[u8]) {
-    // SAFETY: the shim passes a sink that copies exactly `len` bytes from `ptr` into `ctx`'s
-    // object, which it keeps alive for this call; `bytes` is live for the call.
-    unsafe { sink(ctx, bytes.as_ptr(), bytes.len()) }
+/// Hands `bytes` to a sink the shim passed in.
+fn give(sink: BncSink, ctx: *mut c_void, bytes: &[u8]) {
+    // SAFETY: every entry point's contract makes its sink/ctx pair a valid sink for the call.
+    unsafe { sink_bytes(sink, ctx, bytes) }
 }
 
 /// Creates the Rust half of an engine and loads the inner UCX plugin.
@@ -210,18 +190,18 @@ pub unsafe extern "C" fn bnc_engine_create(
     guard("bnc_engine_create", || {
         init_logging();
         if args.is_null() || out.is_null() {
-            sink_bytes(err, err_ctx, b"null argument");
+            give(err, err_ctx, b"null argument");
             return Status::ErrInvalidParam;
         }
-        if let Err(refusal) = crate::nixl_version::check(|k| std::env::var(k).ok()) {
-            sink_bytes(err, err_ctx, refusal.to_string().as_bytes()); // the one line the shim prints
+        if let Err(refusal) = crate::sys::nixl_version::check(|k| std::env::var(k).ok()) {
+            give(err, err_ctx, refusal.to_string().as_bytes()); // the one line the shim prints
             return Status::ErrMismatch;
         }
         // SAFETY: non-null, and the caller guarantees it is a valid struct for the call.
         let a = unsafe { &*args };
         let parsed = (|| -> Result<CreateParams<'_>, Error> {
             // SAFETY: the shim builds every bnc_str from a live std::string.
-            let agent = unsafe { a.agent.str("agent name") }?;
+            let agent = unsafe { text(a.agent, "agent name") }?;
             let kvs: &[BncKv] = if a.params.is_null() || a.n_params == 0 {
                 &[]
             } else {
@@ -231,10 +211,10 @@ pub unsafe extern "C" fn bnc_engine_create(
             let mut params = Vec::with_capacity(kvs.len());
             for kv in kvs {
                 // SAFETY: as above, each key/value views a live std::string.
-                params.push(unsafe { (kv.key.str("param name")?, kv.value.str("param value")?) });
+                params.push(unsafe { (text(kv.key, "param name")?, text(kv.value, "param value")?) });
             }
             // SAFETY: as above.
-            let self_path = unsafe { a.self_path.str("plugin path") }?;
+            let self_path = unsafe { text(a.self_path, "plugin path") }?;
             Ok(CreateParams {
                 agent,
                 params,
@@ -263,7 +243,7 @@ pub unsafe extern "C" fn bnc_engine_create(
             }
             Err(e) => {
                 tracing::error!("BOUNCE engine creation failed: {e}");
-                sink_bytes(err, err_ctx, e.to_string().as_bytes());
+                give(err, err_ctx, e.to_string().as_bytes());
                 Status::from(&e)
             }
         }
@@ -281,7 +261,8 @@ unsafe fn engine_ref<'a>(engine: *mut c_void) -> Option<&'a Engine> {
 /// Gives the Rust engine the shim pointer it may call back into.
 ///
 /// # Safety
-/// `engine` is a live engine handle; `shim` outlives it.
+/// `engine` is a live engine handle; `shim` is null or a live shim engine that outlives it and
+/// whose `bnc_shim_*` functions may be called from any thread.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_void) -> i32 {
     guard("bnc_engine_attach", || {
@@ -289,6 +270,8 @@ pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_voi
         // any other call on this engine, from the thread that created it: no other reference
         // exists yet, so the exclusive borrow is sound.
         let Some(e) = (unsafe { engine.cast::<Engine>().as_mut() }) else { return Status::ErrInvalidParam };
+        // SAFETY: the shim outlives the engine (caller contract), which is what Shim requires.
+        let Some(shim) = (unsafe { Shim::new(shim) }) else { return Status::Success };
         e.attach(shim);
         Status::Success
     })
@@ -320,7 +303,7 @@ pub unsafe extern "C" fn bnc_conn_info_wrap(engine: *mut c_void, inner: BncStr, 
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
         let env = e.wrap_conn_info(unsafe { inner.bytes() });
-        sink_bytes(out, ctx, &env);
+        give(out, ctx, &env);
         Status::Success
     })
     .code()
@@ -342,13 +325,13 @@ pub unsafe extern "C" fn bnc_conn_info_load(
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
-        let (agent, envelope) = match unsafe { (agent.str("agent name"), envelope.bytes()) } {
+        let (agent, envelope) = match unsafe { (text(agent, "agent name"), envelope.bytes()) } {
             (Ok(a), b) => (a, b),
             (Err(err), _) => return Status::from(&err),
         };
         match e.load_conn_info(agent, envelope) {
             Ok(bytes) => {
-                sink_bytes(inner, ctx, &bytes);
+                give(inner, ctx, &bytes);
                 Status::Success
             }
             Err(err) => Status::from(&err),
@@ -373,12 +356,9 @@ pub unsafe extern "C" fn bnc_mem_registered(
     guard("bnc_mem_registered", || {
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
-        let mem = match mem {
-            0 => MemKind::Dram,
-            1 => MemKind::Vram,
-            _ => return Status::Success, // other segment kinds never take the bounce path
-        };
-        e.mem_registered(md as usize, Registration { addr, len, dev, mem });
+        // Other segment kinds never take the bounce path.
+        let Some(mem) = MemSeg::from_code(mem).and_then(MemSeg::kind) else { return Status::Success };
+        e.mem_registered(Md(md as usize), Registration { addr, len, dev, mem });
         Status::Success
     })
     .code()
@@ -393,7 +373,7 @@ pub unsafe extern "C" fn bnc_mem_deregistered(engine: *mut c_void, md: *const c_
     guard_void("bnc_mem_deregistered", || {
         // SAFETY: caller contract.
         if let Some(e) = unsafe { engine_ref(engine) } {
-            e.mem_deregistered(md as usize);
+            e.mem_deregistered(Md(md as usize));
         }
     });
 }
@@ -408,7 +388,7 @@ pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, line: BncSink, ctx: *mut
         // SAFETY: caller contract.
         if let Some(e) = unsafe { engine_ref(engine) } {
             for (k, v) in e.stats() {
-                sink_bytes(line, ctx, format!("stats.{k}={v}").as_bytes());
+                give(line, ctx, format!("stats.{k}={v}").as_bytes());
             }
         }
     });
@@ -436,19 +416,19 @@ pub unsafe extern "C" fn bnc_peer_loaded(
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
-        let Ok(agent) = (unsafe { agent.str("agent name") }) else { return Status::ErrInvalidParam };
+        let Ok(agent) = (unsafe { text(agent, "agent name") }) else { return Status::ErrInvalidParam };
         if addr.is_null() || len.is_null() || dev.is_null() || mem.is_null() {
             return Status::ErrInvalidParam;
         }
-        if let Some((a, l, d, m, k)) = e.peer_loaded(agent) {
+        if let Some(a) = e.peer_loaded(agent) {
             // SAFETY: all four are non-null and writable per the contract.
             unsafe {
-                *addr = a;
-                *len = l;
-                *dev = d;
-                *mem = m;
+                *addr = a.base;
+                *len = a.len;
+                *dev = a.dev;
+                *mem = MemSeg::from(a.mem).code();
             }
-            sink_bytes(key, key_ctx, &k);
+            give(key, key_ctx, &a.key);
             found = 1;
         }
         Status::Success
@@ -465,8 +445,8 @@ pub unsafe extern "C" fn bnc_peer_loaded(
 pub unsafe extern "C" fn bnc_peer_arena_md(engine: *mut c_void, agent: BncStr, md: *mut c_void) {
     guard_void("bnc_peer_arena_md", || {
         // SAFETY: caller contract.
-        if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), agent.str("agent name")) } {
-            e.peer_arena_loaded(a, (!md.is_null()).then_some(md as usize));
+        if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), text(agent, "agent name")) } {
+            e.peer_arena_loaded(a, (!md.is_null()).then_some(Md(md as usize)));
         }
     });
 }
@@ -479,7 +459,7 @@ pub unsafe extern "C" fn bnc_peer_arena_md(engine: *mut c_void, agent: BncStr, m
 pub unsafe extern "C" fn bnc_peer_lost(engine: *mut c_void, agent: BncStr) {
     guard_void("bnc_peer_lost", || {
         // SAFETY: caller contract.
-        if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), agent.str("agent name")) } {
+        if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), text(agent, "agent name")) } {
             e.peer_lost(a);
         }
     });
@@ -503,7 +483,7 @@ unsafe fn descs(p: *const BncMetaDesc, n: usize) -> Vec<DescView> {
     }
     // SAFETY: caller contract.
     let raw = unsafe { std::slice::from_raw_parts(p, n) };
-    raw.iter().map(|d| DescView { addr: d.addr, len: d.len, dev: d.dev }).collect()
+    raw.iter().map(|d| DescView { addr: d.addr, len: d.len }).collect()
 }
 
 /// Routing decision for a request: `*xfer` = our handle (bounce) or 0 (delegate to UCX).
@@ -533,9 +513,11 @@ pub unsafe extern "C" fn bnc_xfer_prep(
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
-        let Ok(agent) = (unsafe { agent.str("agent name") }) else { return Status::ErrInvalidParam };
+        let Ok(agent) = (unsafe { text(agent, "agent name") }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
         let (l, r) = unsafe { (descs(local, n_local), descs(remote, n_remote)) };
+        let (op, local_mem, remote_mem) =
+            (XferOp::from_code(op), MemSeg::from_code(local_mem), MemSeg::from_code(remote_mem));
         if let Some(h) = e.prep(op, &l, local_mem, &r, remote_mem, agent) {
             // SAFETY: checked non-null above.
             unsafe { *xfer = h };
@@ -556,7 +538,10 @@ pub unsafe extern "C" fn bnc_xfer_post(engine: *mut c_void, xfer: u64, notif: Bn
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
         let msg = (has_notif != 0).then(|| unsafe { notif.bytes() }.to_vec());
-        e.post(xfer, msg)
+        match e.post(xfer, msg) {
+            Ok(()) => Status::InProg,
+            Err(err) => Status::from(&err),
+        }
     })
     .code()
 }
@@ -570,7 +555,11 @@ pub unsafe extern "C" fn bnc_xfer_check(engine: *mut c_void, xfer: u64) -> i32 {
     guard("bnc_xfer_check", || {
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
-        e.check(xfer)
+        match e.check(xfer) {
+            Ok(Progress::InFlight) => Status::InProg,
+            Ok(Progress::Done) => Status::Success,
+            Err(err) => Status::from(&err),
+        }
     })
     .code()
 }
@@ -584,89 +573,35 @@ pub unsafe extern "C" fn bnc_xfer_release(engine: *mut c_void, xfer: u64) -> i32
     guard("bnc_xfer_release", || {
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
-        e.release(xfer)
+        match e.release(xfer) {
+            Ok(()) => Status::Success,
+            Err(err) => Status::from(&err),
+        }
     })
     .code()
 }
 
-/// Routes one notification pulled from the inner engine.
-///
-/// # Safety
-/// `engine` is a live handle; `agent`/`msg` view live bytes.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn bnc_notif_route(engine: *mut c_void, agent: BncStr, msg: BncStr) {
-    guard_void("bnc_notif_route", || {
-        // SAFETY: caller contract.
-        if let Some(e) = unsafe { engine_ref(engine) } {
-            // SAFETY: caller contract.
-            e.route_notif(unsafe { agent.bytes() }, unsafe { msg.bytes() });
-        }
-    });
-}
-
-/// C++ pair sink (`bnc_pair_sink`).
-pub type BncPairSink = unsafe extern "C" fn(*mut c_void, *const u8, usize, *const u8, usize);
-
-/// Hands the application's queued notifications to `sink`, in arrival order.
+/// Pulls what waits in the inner engine (control frames go to the reactor) and hands the
+/// application's notifications to `sink`, in arrival order. Returns the inner engine's status
+/// when pulling failed.
 ///
 /// # Safety
 /// `engine` is a live handle; `sink`/`ctx` form a valid pair sink.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn bnc_notif_take(engine: *mut c_void, sink: BncPairSink, ctx: *mut c_void) {
-    guard_void("bnc_notif_take", || {
+pub unsafe extern "C" fn bnc_notif_take(engine: *mut c_void, sink: BncPairSink, ctx: *mut c_void) -> i32 {
+    guard("bnc_notif_take", || {
         // SAFETY: caller contract.
-        if let Some(e) = unsafe { engine_ref(engine) } {
-            for (a, m) in e.take_notifs() {
-                // SAFETY: the sink copies both byte ranges, which are live for the call.
-                unsafe { sink(ctx, a.as_ptr(), a.len(), m.as_ptr(), m.len()) };
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        match e.take_notifs() {
+            Ok(notifs) => {
+                for n in notifs {
+                    // SAFETY: the sink copies both byte ranges, which are live for the call.
+                    unsafe { sink(ctx, n.agent.as_ptr(), n.agent.len(), n.msg.as_ptr(), n.msg.len()) };
+                }
+                Status::Success
             }
+            Err(err) => Status::from(&err),
         }
-    });
-}
-
-// ---- reading another plugin's descriptor (nixlBackendPlugin, API version 1) ----
-
-/// The first fields of NIXL's plugin descriptor, as far as we read them.
-#[repr(C)]
-struct PluginHead {
-    api_version: i32,
-    create_engine: *const c_void,
-    destroy_engine: *const c_void,
-    get_plugin_name: Option<unsafe extern "C" fn() -> *const c_char>,
-}
-
-/// Opens a NIXL plugin library as NIXL does and calls its `nixl_plugin_init`.
-pub(crate) fn open_plugin(path: &Path) -> Result<(libloading::Library, *const c_void), libloading::Error> {
-    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-    // RTLD_NODELETE like NIXL: UCX registers atexit/TLS state that must outlive dlclose.
-    const RTLD_NODELETE: i32 = 0x1000;
-    // SAFETY: loading a library runs its initializers. The path is NIXL's own UCX plugin (or
-    // what the user configured in its place), which NIXL would load the same way.
-    let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE) }?;
-    // SAFETY: every NIXL plugin exports `nixl_plugin_init` with this C signature.
-    let init = unsafe { lib.get::<unsafe extern "C" fn() -> *const c_void>(b"nixl_plugin_init\0") }?;
-    // SAFETY: the symbol has the signature above and takes no arguments.
-    let descriptor = unsafe { init() };
-    if descriptor.is_null() {
-        return Err(libloading::Error::DlSymUnknown);
-    }
-    Ok((libloading::Library::from(lib), descriptor))
-}
-
-/// The descriptor's API version.
-pub(crate) fn plugin_api_version(descriptor: *const c_void) -> i32 {
-    // SAFETY: `descriptor` is the non-null pointer nixl_plugin_init returned; every plugin API
-    // version starts with the int api_version.
-    unsafe { (*descriptor.cast::<PluginHead>()).api_version }
-}
-
-/// The descriptor's plugin name (API version 1 layout only; check the version first).
-pub(crate) fn plugin_name(descriptor: *const c_void) -> Option<String> {
-    // SAFETY: version-1 descriptors have this head layout (checked by the caller); the name
-    // function returns a static NUL-terminated string.
-    unsafe {
-        let f = (*descriptor.cast::<PluginHead>()).get_plugin_name?;
-        let p = f();
-        (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
-    }
+    })
+    .code()
 }

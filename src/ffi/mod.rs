@@ -1,12 +1,12 @@
-//! The FFI edge: raw C ABI entry points (`abi`), the one status mapping (`status`) and the panic
-//! guard every entry point runs in.
+//! The FFI edge, and only what NIXL's C++ calls into: raw C ABI entry points (`abi`), the one
+//! status mapping (`status`) and the panic guard every entry point runs in. What Rust calls out
+//! to (the shim, the inner plugin) lives in `crate::sys`.
 //!
 //! The C++ shim in `cpp/` implements NIXL's engine class and calls the functions in [`abi`];
 //! `nixl_plugin_init` / `nixl_plugin_fini` are exported from here because a Rust cdylib does not
 //! re-export symbols of a linked C++ static library.
 
 pub mod abi;
-pub mod shim;
 pub mod status;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};

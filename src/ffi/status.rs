@@ -1,54 +1,28 @@
 //! NIXL status codes and the single mapping from our errors to them.
 
+use bounce_proto::endpoint::XferError;
+
 use crate::shell::Error;
-
-/// NIXL's `nixl_status_t`, as the C++ shim passes it on to the core.
-#[repr(i32)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Status {
-    /// `NIXL_IN_PROG`
-    InProg = 1,
-    /// `NIXL_SUCCESS`
-    Success = 0,
-    /// `NIXL_ERR_NOT_POSTED`
-    ErrNotPosted = -1,
-    /// `NIXL_ERR_INVALID_PARAM`
-    ErrInvalidParam = -2,
-    /// `NIXL_ERR_BACKEND`
-    ErrBackend = -3,
-    /// `NIXL_ERR_NOT_FOUND`
-    ErrNotFound = -4,
-    /// `NIXL_ERR_MISMATCH`
-    ErrMismatch = -5,
-    /// `NIXL_ERR_NOT_ALLOWED`
-    ErrNotAllowed = -6,
-    /// `NIXL_ERR_REPOST_ACTIVE`
-    ErrRepostActive = -7,
-    /// `NIXL_ERR_UNKNOWN`
-    ErrUnknown = -8,
-    /// `NIXL_ERR_NOT_SUPPORTED`
-    ErrNotSupported = -9,
-    /// `NIXL_ERR_REMOTE_DISCONNECT`
-    ErrRemoteDisconnect = -10,
-    /// `NIXL_ERR_CANCELED`
-    ErrCanceled = -11,
-}
-
-impl Status {
-    /// The raw code.
-    pub fn code(self) -> i32 {
-        self as i32
-    }
-}
+use crate::sys::inner_plugin::LoadError;
+pub use crate::sys::nixl::NixlStatus as Status;
 
 impl From<&Error> for Status {
     fn from(e: &Error) -> Self {
         match e {
-            Error::Config(_) => Self::ErrInvalidParam,
-            Error::InnerPluginMissing { .. } | Error::InnerPluginLoad { .. } => Self::ErrNotFound,
-            Error::InnerPluginVersion { .. } | Error::InnerPluginIsBounce { .. } => Self::ErrMismatch,
+            Error::Config(_) | Error::Endpoint(_) => Self::ErrInvalidParam,
+            Error::InnerPlugin(LoadError::Missing { .. } | LoadError::Load { .. }) => Self::ErrNotFound,
+            Error::InnerPlugin(_) => Self::ErrMismatch,
             Error::BadEnvelope { .. } => Self::ErrMismatch,
-            Error::NullArgument(_) | Error::BadUtf8(_) => Self::ErrInvalidParam,
+            Error::BadUtf8(_) | Error::NoBounce => Self::ErrInvalidParam,
+            Error::UnknownRequest(_) => Self::ErrNotFound,
+            Error::RepostActive(_) => Self::ErrRepostActive,
+            Error::NotPosted(_) => Self::ErrNotPosted,
+            Error::Xfer(XferError::PeerLost) => Self::ErrRemoteDisconnect,
+            Error::Xfer(XferError::Canceled) => Self::ErrCanceled,
+            Error::Xfer(_) | Error::BounceClosed => Self::ErrBackend,
+            // An inner-engine call reports what the inner engine answered (getNotifs).
+            Error::Inner { status, .. } => *status,
+            Error::Arena { .. } | Error::Control(_) | Error::Spawn { .. } => Self::ErrBackend,
         }
     }
 }
@@ -72,5 +46,27 @@ mod tests {
         let e = Error::BadEnvelope { agent: "peer".into(), source };
         assert_eq!(Status::from(&e), Status::ErrMismatch);
         assert!(e.to_string().contains("\"peer\""), "{e}");
+    }
+
+    /// The statuses a bounce request's calls answered before the mapping moved here.
+    #[test]
+    fn request_errors_keep_their_nixl_statuses() {
+        let cases = [
+            (Error::NoBounce, Status::ErrInvalidParam),
+            (Error::UnknownRequest(3), Status::ErrNotFound),
+            (Error::RepostActive(3), Status::ErrRepostActive),
+            (Error::NotPosted(3), Status::ErrNotPosted),
+            (Error::BounceClosed, Status::ErrBackend),
+            (Error::Xfer(XferError::PeerLost), Status::ErrRemoteDisconnect),
+            (Error::Xfer(XferError::Canceled), Status::ErrCanceled),
+            (Error::Xfer(XferError::Timeout), Status::ErrBackend),
+            (Error::Xfer(XferError::Refused), Status::ErrBackend),
+            (Error::InnerPlugin(LoadError::Missing { path: "/x".into() }), Status::ErrNotFound),
+            (Error::InnerPlugin(LoadError::IsBounce { path: "/x".into() }), Status::ErrMismatch),
+            (Error::Inner { op: "getNotifs", status: Status::ErrNotAllowed }, Status::ErrNotAllowed),
+        ];
+        for (e, want) in cases {
+            assert_eq!(Status::from(&e), want, "{e}");
+        }
     }
 }

@@ -7,7 +7,10 @@ use bounce_proto::wire::Capabilities;
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
 
-use crate::ffi::shim::{Md, Shim};
+use crate::shell::error::ArenaFault;
+use crate::shell::{Error, Result};
+use crate::sys::nixl::MemSeg;
+use crate::sys::shim::{Md, Shim};
 
 /// Transparent huge page size on x86-64 and most aarch64 kernels; elsewhere the alignment is
 /// merely wasted slack.
@@ -16,7 +19,7 @@ const HUGE_PAGE: usize = 2 << 20;
 const SMALL_PAGE: usize = 4096;
 
 /// A registered host arena.
-pub(super) struct Arena {
+pub(crate) struct Arena {
     /// Held for its lifetime (dropping unmaps); the arena is `len` bytes of it from `base`, the
     /// first huge-page boundary.
     _map: MmapMut,
@@ -30,18 +33,17 @@ impl Arena {
     /// Maps `len` bytes (lazily zeroed pages: untouched parts cost nothing) and registers them.
     ///
     /// # Errors
-    /// A description of what failed (mapping or registration).
-    pub(super) fn new(shim: &Shim, len: u64) -> Result<Self, String> {
-        let size = usize::try_from(len).map_err(|_| format!("arena size {len} does not fit"))?;
+    /// [`Error::Arena`]: mapping or registration failed.
+    pub(crate) fn new(shim: &Shim, len: u64) -> Result<Self> {
+        let fault = |why| Error::Arena { len, why };
+        let size = usize::try_from(len).map_err(|_| fault(ArenaFault::TooLarge))?;
         // Backed by transparent huge pages where the kernel allows them (`madvise` mode is the
         // common default): every write into or out of the arena pins its pages, and with 4 KiB
         // pages the page walks cost as much as a third of the copy (2-core machine: a 4 MiB CMA
         // write into the arena took 0.87 ms, against 0.4 ms per 4 MiB for UCX between two
         // huge-page numpy buffers). Over-mapped by one huge page so an aligned start exists.
-        let mut map = memmap2::MmapOptions::new()
-            .len(size + HUGE_PAGE)
-            .map_anon()
-            .map_err(|e| format!("mapping the {len}-byte arena failed: {e}"))?;
+        let mut map =
+            memmap2::MmapOptions::new().len(size + HUGE_PAGE).map_anon().map_err(|e| fault(ArenaFault::Map(e)))?;
         if let Err(e) = map.advise(memmap2::Advice::HugePage) {
             tracing::debug!(error = %e, "no transparent huge pages for the arena");
         }
@@ -54,15 +56,13 @@ impl Arena {
             *b = 0;
         }
         let base = map[skip..].as_mut_ptr() as u64;
-        let (md, key) = shim
-            .register(base, len, 0, 0)
-            .map_err(|st| format!("registering the arena with UCX failed (status {st})"))?;
+        let (md, key) = shim.register(base, len, 0, MemSeg::Dram).map_err(|st| fault(ArenaFault::Register(st)))?;
         Ok(Self { _map: map, base, len, md, key })
     }
 
     /// Bytes of the arena backed by huge pages, from `/proc/self/smaps` (`None` where that
     /// cannot be read). Reported at start-up: without huge pages every write pays page walks.
-    pub(super) fn huge_bytes(&self) -> Option<u64> {
+    pub(crate) fn huge_bytes(&self) -> Option<u64> {
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let (lo, hi) = (self.base, self.base + self.len);
         let mut inside = false;
@@ -87,22 +87,22 @@ impl Arena {
     }
 
     /// Base address.
-    pub(super) fn base(&self) -> u64 {
+    pub(crate) fn base(&self) -> u64 {
         self.base
     }
 
     /// Length in bytes.
-    pub(super) fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.len
     }
 
     /// The inner engine's metadata handle for the registration.
-    pub(super) fn md(&self) -> Md {
+    pub(crate) fn md(&self) -> Md {
         self.md
     }
 
     /// What we advertise in our connection info.
-    pub(super) fn capabilities(&self, control: ControlKind, usable: u64, max_chunk: u64, session: u64) -> Capabilities {
+    pub(crate) fn capabilities(&self, control: ControlKind, usable: u64, max_chunk: u64, session: u64) -> Capabilities {
         Capabilities {
             wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
             control,
@@ -119,10 +119,9 @@ impl Arena {
     }
 
     /// Deregisters from the inner engine. Call once, after every write using it ended.
-    pub(super) fn deregister(&self, shim: &Shim) {
-        let st = shim.deregister(self.md);
-        if st != 0 {
-            tracing::warn!(status = st, "deregistering the arena failed");
+    pub(crate) fn deregister(&self, shim: &Shim) {
+        if let Err(st) = shim.deregister(self.md) {
+            tracing::warn!(status = %st, "deregistering the arena failed");
         }
     }
 }

@@ -1,59 +1,65 @@
-//! One BOUNCE engine: its configuration, the inner UCX plugin it delegates to, what it knows of
-//! its peers, and the memory registered through it.
+//! One BOUNCE engine: its configuration, the inner UCX plugin it delegates to, the routing gate
+//! and its bounce requests. What it knows of its peers and of the memory registered through it
+//! lives in one table each ([`PeerTable`], [`Registry`]), shared with its reactor.
 //!
 //! Created by `ffi::abi::bnc_engine_create` when NIXL creates a "BOUNCE" backend; destroyed when
 //! NIXL destroys it. All methods take `&self`: NIXL calls an engine from many threads.
 
 use std::collections::hash_map::RandomState;
-use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use bounce_proto::MemKind;
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::XferError;
 use bounce_proto::plan::{self, DescPair, PlanParams};
-use bounce_proto::wire::{self, Capabilities, ConnEnvelope};
-use parking_lot::Mutex;
+use bounce_proto::wire::{Capabilities, ConnEnvelope};
+use bounce_proto::{ControlKind, MemKind};
 
-use crate::ffi::Status;
-use crate::ffi::shim::{Md, Shim};
 use crate::shell::arena::Arena;
-use crate::shell::reactor::{Cmd, Control, PeerArena, Reactor, Shared};
-use crate::shell::requests::{PostError, State};
+use crate::shell::control::ControlChannel;
+use crate::shell::control::ucx::UcxChannel;
+use crate::shell::control::zmq::ZmqChannel;
+use crate::shell::copy::cpu::{CpuEngine, HostArena};
+use crate::shell::datapath::ShimPath;
+use crate::shell::mailroom::Mailroom;
+use crate::shell::peers::{ArenaToLoad, PeerTable};
+use crate::shell::reactor::{Cmd, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
+use crate::shell::registry::{Registration, Registry};
+use crate::shell::requests::{Released, State};
 use crate::shell::stats::Stats;
-use crate::shell::worker::ArenaView;
-use crate::shell::{Error, InnerPlugin, Result, locate_ucx_plugin};
+use crate::shell::{Error, Result};
+use crate::sys::inner_plugin::{InnerPlugin, locate_ucx_plugin};
+use crate::sys::nixl::{MemSeg, XferOp};
+use crate::sys::shim::{Md, Notif, Shim};
 
 /// What NIXL passed to `create_engine`, already decoded.
 #[derive(Debug)]
-pub struct CreateParams<'a> {
+pub(crate) struct CreateParams<'a> {
     /// The local agent's name.
-    pub agent: &'a str,
+    pub(crate) agent: &'a str,
     /// Every backend param (UCX's and ours).
-    pub params: Vec<(&'a str, &'a str)>,
+    pub(crate) params: Vec<(&'a str, &'a str)>,
     /// The agent asked for a progress thread.
-    pub enable_prog_th: bool,
+    pub(crate) enable_prog_th: bool,
     /// The agent's progress-thread delay, microseconds.
-    pub pthr_delay_us: u64,
+    pub(crate) pthr_delay_us: u64,
     /// The agent's thread-sync mode (`nixl_thread_sync_t`).
-    pub sync_mode: i32,
+    pub(crate) sync_mode: i32,
     /// Where libplugin_BOUNCE.so is, to find libplugin_UCX.so beside it.
-    pub self_path: Option<&'a Path>,
+    pub(crate) self_path: Option<&'a Path>,
 }
 
 /// Init params BOUNCE chooses for its inner UCX engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct InnerInit {
+pub(crate) struct InnerInit {
     /// Run UCX's progress thread.
-    pub prog_th: bool,
+    pub(crate) prog_th: bool,
     /// Its poll delay, microseconds.
-    pub pthr_delay_us: u64,
+    pub(crate) pthr_delay_us: u64,
     /// Thread-sync mode.
-    pub sync_mode: i32,
+    pub(crate) sync_mode: i32,
 }
 
 /// If the inner engine ever runs UCX's progress thread, it waits on the workers' event fds and
@@ -61,42 +67,30 @@ pub struct InnerInit {
 /// a core while idle, so we raise it.
 const MIN_INNER_PTHR_DELAY_US: u64 = 1_000;
 
-/// A registration made through this engine (the receiver only ever scatters into these).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Registration {
-    /// Start address.
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Device id (GPU ordinal for VRAM).
-    pub dev: u64,
-    /// Memory kind.
-    pub mem: MemKind,
-}
-
 /// A descriptor as NIXL hands it to a backend (`bnc_meta_desc`).
 #[derive(Debug, Clone, Copy)]
-pub struct DescView {
+pub(crate) struct DescView {
     /// Address.
-    pub addr: u64,
+    pub(crate) addr: u64,
     /// Length.
-    pub len: u64,
-    /// Device id.
-    pub dev: u64,
+    pub(crate) len: u64,
 }
 
-/// NIXL's WRITE op code.
-const NIXL_WRITE: i32 = 1;
-/// NIXL's DRAM_SEG.
-const DRAM_SEG: i32 = 0;
-
 /// The bounce machinery of an engine: the arena and the reactor driving the core. Field order
-/// is drop order: the reactor (thread + workers) stops before the arena is deregistered.
+/// is drop order: the reactor (thread + copy engine) stops before the arena is deregistered.
 struct Bounce {
     reactor: Reactor,
     arena: Arena,
     caps: Capabilities,
-    shim: Shim,
+}
+
+/// Where a bounce request stands, as a status check reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Progress {
+    /// Still in flight.
+    InFlight,
+    /// Every chunk was scattered at the receiver.
+    Done,
 }
 
 /// Two status checks of one in-flight request closer than this are a busy poll (an
@@ -105,13 +99,18 @@ struct Bounce {
 const BUSY_POLL_GAP: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// One BOUNCE engine.
-pub struct Engine {
+pub(crate) struct Engine {
     agent: String,
     config: Config,
     session: u64,
     stats: Arc<Stats>,
-    registrations: Mutex<HashMap<usize, Registration>>,
-    app_notifs: Mutex<VecDeque<(Vec<u8>, Vec<u8>)>>,
+    /// The one table of registrations made through this engine.
+    registry: Arc<Registry>,
+    /// The one table of peers.
+    peers: Arc<PeerTable>,
+    /// Sorts the inner engine's notifications (control frames / the application's).
+    mail: Arc<Mailroom>,
+    shim: Option<Shim>,
     bounce: Option<Bounce>,
     plugin: InnerPlugin,
 }
@@ -121,7 +120,7 @@ impl Engine {
     ///
     /// # Errors
     /// A bad configuration or a missing/incompatible UCX plugin.
-    pub fn create(p: &CreateParams<'_>, env: impl Fn(&str) -> Option<String>) -> Result<(Self, InnerInit)> {
+    pub(crate) fn create(p: &CreateParams<'_>, env: impl Fn(&str) -> Option<String>) -> Result<(Self, InnerInit)> {
         let loaded = Config::from_params(p.params.iter().copied(), env)?;
         for w in &loaded.warnings {
             tracing::warn!(agent = p.agent, "{w}");
@@ -130,6 +129,9 @@ impl Engine {
         let path = locate_ucx_plugin(config.ucx_plugin.as_deref(), p.self_path);
         let plugin = InnerPlugin::load(&path)?;
         tracing::info!(agent = p.agent, ucx = %plugin.path().display(), "BOUNCE engine created");
+        if p.enable_prog_th {
+            tracing::debug!(agent = p.agent, "the agent asked for a progress thread; the inner UCX engine runs none");
+        }
         // No UCX progress thread inside BOUNCE: measured side by side (BENCHMARKS.md), its worker
         // locking and wakeups cost pass-through ~2x on a 64 MiB write. Progress comes from the
         // application's own polling, exactly as with plain UCX without a progress thread, and
@@ -140,13 +142,16 @@ impl Engine {
             sync_mode: p.sync_mode,
         };
         let session = RandomState::new().build_hasher().finish() | 1;
+        let stats = Arc::new(Stats::default());
         let engine = Self {
             agent: p.agent.to_owned(),
             config,
             session,
-            stats: Arc::new(Stats::default()),
-            registrations: Mutex::new(HashMap::new()),
-            app_notifs: Mutex::new(VecDeque::new()),
+            mail: Arc::new(Mailroom::new(Arc::clone(&stats))),
+            stats,
+            registry: Arc::default(),
+            peers: Arc::default(),
+            shim: None,
             bounce: None,
             plugin,
         };
@@ -154,15 +159,15 @@ impl Engine {
     }
 
     /// The inner plugin's descriptor for the shim.
-    pub fn inner_plugin(&self) -> *const c_void {
+    pub(crate) fn inner_plugin(&self) -> *const c_void {
         self.plugin.descriptor()
     }
 
     /// Connects the engine to its shim (the inner engine now exists) and, when bounce is
     /// enabled, registers the arena and starts the reactor. A bounce set-up failure is a warning:
     /// the engine then advertises no capabilities and everything stays on plain UCX.
-    pub fn attach(&mut self, shim: *mut c_void) {
-        let Some(shim) = Shim::new(shim) else { return };
+    pub(crate) fn attach(&mut self, shim: Shim) {
+        self.shim = Some(shim);
         if !self.config.enabled {
             tracing::info!(agent = self.agent, "bounce disabled by configuration: pure UCX pass-through");
             return;
@@ -173,14 +178,24 @@ impl Engine {
         }
     }
 
-    fn start_bounce(&self, shim: Shim) -> std::result::Result<Bounce, String> {
-        // Bound before the arena: a failure here costs no registration to undo.
-        let zmq = match self.config.control {
-            bounce_proto::ControlKind::Zmq => {
-                Some(super::zmq_channel::ZmqChannel::bind(&self.agent, &self.config.zmq_host)?)
+    /// The control channel `bounce_control` names, with the endpoint to advertise (ZMQ).
+    fn control_channel(&self, shim: Shim) -> Result<(Box<dyn ControlChannel>, Vec<u8>)> {
+        Ok(match self.config.control {
+            ControlKind::Zmq => {
+                let peers = Arc::clone(&self.peers);
+                let resolve = Box::new(move |peer: &str| peers.endpoint(peer));
+                let z = ZmqChannel::bind(&self.agent, &self.config.zmq_host, resolve, Arc::clone(&self.stats))?;
+                tracing::info!(agent = self.agent, endpoint = z.endpoint(), "ZMQ control channel bound");
+                let endpoint = z.endpoint().as_bytes().to_vec();
+                (Box::new(z), endpoint)
             }
-            _ => None,
-        };
+            ControlKind::Ucx => (Box::new(UcxChannel::new(shim, Arc::clone(&self.mail))), Vec::new()),
+        })
+    }
+
+    fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
+        // Bound before the arena: a failure here costs no registration to undo.
+        let (control, control_endpoint) = self.control_channel(shim)?;
         let arena = Arena::new(&shim, self.config.arena_size)?;
         let mut caps = arena.capabilities(
             self.config.control,
@@ -188,22 +203,34 @@ impl Engine {
             self.config.max_chunk_size,
             self.session,
         );
-        if let Some(z) = &zmq {
-            caps.endpoint = z.endpoint().as_bytes().to_vec();
-            tracing::info!(agent = self.agent, endpoint = z.endpoint(), "ZMQ control channel bound");
-        }
-        let endpoint = shim.conn_info().map_err(|st| format!("inner getConnInfo failed (status {st})"))?;
-        let shared = Arc::new(Shared {
-            inbox: Default::default(),
-            requests: Default::default(),
-            stats: Arc::clone(&self.stats),
-            peer_arenas: Mutex::new(HashMap::new()),
-            peers: Mutex::new(HashMap::new()),
-            reachable: Mutex::new(Default::default()),
-        });
-        let view = ArenaView { base: arena.base(), len: arena.len(), streaming_scatter: self.config.streaming_scatter };
+        caps.endpoint = control_endpoint;
+        let shared =
+            Arc::new(Shared::new(Arc::clone(&self.stats), Arc::clone(&self.peers), Arc::clone(&self.registry)));
         let started =
-            Reactor::start(&self.config, shim, shared, self.session, view, arena.md(), Control { endpoint, zmq });
+            shim.conn_info().map_err(|status| Error::Inner { op: "getConnInfo", status }).and_then(|endpoint| {
+                let host = HostArena {
+                    base: arena.base(),
+                    len: arena.len(),
+                    streaming_scatter: self.config.streaming_scatter,
+                };
+                let waker = Arc::clone(&shared);
+                let copier = CpuEngine::start(self.config.copy_workers, host, move || waker.inbox.wake())?;
+                let parts = Parts {
+                    session: self.session,
+                    endpoint,
+                    arena: LocalArena { base: arena.base(), md: arena.md() },
+                    copier: Box::new(copier),
+                    data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
+                    control,
+                    // The inner engine hands over everything it delivered at once; a socket
+                    // is read in bounded batches.
+                    control_budget: match self.config.control {
+                        ControlKind::Zmq => SOCKET_POLL_BATCH,
+                        ControlKind::Ucx => usize::MAX,
+                    },
+                };
+                Reactor::start(&self.config, Arc::clone(&shared), parts)
+            });
         let reactor = match started {
             Ok(r) => r,
             Err(e) => {
@@ -211,23 +238,32 @@ impl Engine {
                 return Err(e);
             }
         };
-        for (md, r) in self.registrations.lock().iter().filter(|(_, r)| r.mem == MemKind::Dram) {
-            reactor.shared().inbox.push(Cmd::Registered(r.addr, r.len, Md(*md)));
+        if self.config.control == ControlKind::Ucx {
+            if let Some(t) = reactor.thread() {
+                self.mail.accept_control(t);
+            }
+        }
+        for (_, r) in self.registry.host() {
+            shared.inbox.push(Cmd::Registered(r.addr, r.len));
         }
         // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
         let huge = tracing::enabled!(tracing::Level::INFO).then(|| arena.huge_bytes()).flatten();
         tracing::info!(agent = self.agent, arena = arena.len(), huge_pages = huge, "bounce path ready");
-        Ok(Bounce { reactor, arena, caps, shim })
+        Ok(Bounce { reactor, arena, caps })
+    }
+
+    fn shared(&self) -> Option<&Arc<Shared>> {
+        self.bounce.as_ref().map(|b| b.reactor.shared())
     }
 
     /// Our capabilities, or `None` while this engine cannot bounce (bounce disabled, or no
     /// arena), in which case peers keep every transfer on plain UCX.
-    pub fn capabilities(&self) -> Option<Capabilities> {
+    pub(crate) fn capabilities(&self) -> Option<Capabilities> {
         self.bounce.as_ref().map(|b| b.caps.clone())
     }
 
     /// BOUNCE's connection info: the versioned envelope around the inner engine's.
-    pub fn wrap_conn_info(&self, inner: &[u8]) -> Vec<u8> {
+    pub(crate) fn wrap_conn_info(&self, inner: &[u8]) -> Vec<u8> {
         let env = ConnEnvelope { caps: self.capabilities(), inner: inner.to_vec() };
         let mut out = Vec::with_capacity(inner.len() + 256);
         env.encode(&mut out);
@@ -238,7 +274,7 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::BadEnvelope`] when it is not a BOUNCE envelope we understand.
-    pub fn load_conn_info(&self, agent: &str, envelope: &[u8]) -> Result<Vec<u8>> {
+    pub(crate) fn load_conn_info(&self, agent: &str, envelope: &[u8]) -> Result<Vec<u8>> {
         let env = ConnEnvelope::decode(envelope).map_err(|source| {
             tracing::warn!(peer = agent, error = %source, "rejecting malformed BOUNCE connection info");
             Error::BadEnvelope { agent: agent.to_owned(), source }
@@ -254,89 +290,69 @@ impl Engine {
             },
             _ => None,
         };
-        if let Some(b) = &self.bounce {
-            b.reactor.shared().peers.lock().insert(agent.to_owned(), caps);
+        if self.bounce.is_some() {
+            self.peers.loaded(agent, caps);
         }
         Ok(env.inner)
     }
 
-    /// True when transfers to `agent` may take the bounce path (capabilities compatible and
-    /// its arena loaded into the inner engine).
-    pub fn peer_can_bounce(&self, agent: &str) -> bool {
-        self.bounce.as_ref().is_some_and(|b| {
-            let sh = b.reactor.shared();
-            sh.peer_arenas.lock().contains_key(agent) && sh.reachable.lock().contains(agent)
-        })
+    /// True when transfers to `agent` may take the bounce path (capabilities compatible, its
+    /// arena loaded into the inner engine, and its HELLO received).
+    fn peer_can_bounce(&self, agent: &str) -> bool {
+        self.bounce.is_some() && self.peers.can_bounce(agent)
     }
 
     /// The inner engine has loaded the peer's conn info: we can now answer it, so tell it
-    /// (HELLO), and return its arena to load when it can bounce with us:
-    /// `(base, len, dev, mem, key)`.
-    pub fn peer_loaded(&self, agent: &str) -> Option<(u64, u64, u64, i32, Vec<u8>)> {
-        let b = self.bounce.as_ref()?;
-        b.reactor.shared().inbox.push(Cmd::Hello(agent.to_owned()));
-        let peers = b.reactor.shared().peers.lock();
-        let c = peers.get(agent)?.as_ref()?;
-        let mem = if c.mem == MemKind::Dram { 0 } else { 1 };
-        Some((c.arena_base, c.arena_len, c.arena_dev, mem, c.arena_key.clone()))
+    /// (HELLO), and return its arena to load when it can bounce with us.
+    pub(crate) fn peer_loaded(&self, agent: &str) -> Option<ArenaToLoad> {
+        self.shared()?.inbox.push(Cmd::Hello(agent.to_owned()));
+        self.peers.arena_to_load(agent)
     }
 
     /// Records the inner metadata of the peer's arena (None: loading failed, stay on UCX).
-    pub fn peer_arena_loaded(&self, agent: &str, md: Option<usize>) {
-        let Some(b) = &self.bounce else { return };
-        let peers = b.reactor.shared().peers.lock();
-        let caps = peers.get(agent).and_then(Option::as_ref);
-        match (md, caps) {
-            (Some(md), Some(c)) => {
-                let pa = PeerArena { base: c.arena_base, len: c.arena_len, dev: c.arena_dev, md: Md(md) };
-                b.reactor.shared().peer_arenas.lock().insert(agent.to_owned(), pa);
-            }
-            _ => {
-                tracing::warn!(peer = agent, "loading the peer's arena failed; plain UCX to it");
-                b.reactor.shared().peer_arenas.lock().remove(agent);
-            }
+    pub(crate) fn peer_arena_loaded(&self, agent: &str, md: Option<Md>) {
+        if self.bounce.is_some() && !self.peers.arena_loaded(agent, md) {
+            tracing::warn!(peer = agent, "loading the peer's arena failed; plain UCX to it");
         }
     }
 
     /// The peer disconnected: its transfers fail, its regions are reclaimed.
-    pub fn peer_lost(&self, agent: &str) {
-        if let Some(b) = &self.bounce {
-            b.reactor.shared().peer_arenas.lock().remove(agent);
-            b.reactor.shared().peers.lock().remove(agent);
-            b.reactor.shared().reachable.lock().remove(agent);
-            b.reactor.shared().inbox.push(Cmd::PeerLost(agent.to_owned()));
+    pub(crate) fn peer_lost(&self, agent: &str) {
+        if let Some(sh) = self.shared() {
+            self.peers.lost(agent);
+            sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
         }
     }
 
     /// Records a registration made through this engine, keyed by the inner metadata handle.
-    pub fn mem_registered(&self, md: usize, reg: Registration) {
-        self.registrations.lock().insert(md, reg);
+    pub(crate) fn mem_registered(&self, md: Md, reg: Registration) {
+        self.registry.insert(md, reg);
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
         // naming a GPU address in DATA must be refused, not dereferenced.
-        if let (Some(b), MemKind::Dram) = (&self.bounce, reg.mem) {
-            b.reactor.shared().inbox.push(Cmd::Registered(reg.addr, reg.len, Md(md)));
+        if let (Some(sh), MemKind::Dram) = (self.shared(), reg.mem) {
+            sh.inbox.push(Cmd::Registered(reg.addr, reg.len));
         }
     }
 
     /// Forgets a registration.
-    pub fn mem_deregistered(&self, md: usize) {
-        let removed = self.registrations.lock().remove(&md);
-        if let Some(r) = removed {
-            if let (Some(b), MemKind::Dram) = (&self.bounce, r.mem) {
-                b.reactor.shared().inbox.push(Cmd::Deregistered(r.addr, r.len, Md(md)));
+    pub(crate) fn mem_deregistered(&self, md: Md) {
+        if let (Some(r), Some(sh)) = (self.registry.remove(md), self.shared()) {
+            if r.mem == MemKind::Dram {
+                sh.inbox.push(Cmd::Deregistered(r.addr, r.len));
             }
         }
     }
 
-    /// Routing decision for a request (the gate, README "Routing"): `Ok(Some(handle))` when
-    /// BOUNCE owns it, `Ok(None)` to delegate it to UCX unchanged.
-    pub fn prep(
+    /// Routing decision for a request (the gate, README "What takes the bounce path"):
+    /// `Some(handle)` when BOUNCE owns it, `None` to delegate it to UCX unchanged. `None` for
+    /// an operation or memory segment NIXL does not define.
+    pub(crate) fn prep(
         &self,
-        op: i32,
+        op: Option<XferOp>,
         local: &[DescView],
-        local_mem: i32,
+        local_mem: Option<MemSeg>,
         remote: &[DescView],
-        remote_mem: i32,
+        remote_mem: Option<MemSeg>,
         agent: &str,
     ) -> Option<u64> {
         let s = &self.stats;
@@ -345,11 +361,11 @@ impl Engine {
             Stats::bump(&s.passthrough_xfers);
             None
         };
-        let Some(b) = &self.bounce else { return fallback(&s.fallback_disabled) };
-        if op != NIXL_WRITE {
+        let Some(sh) = self.shared() else { return fallback(&s.fallback_disabled) };
+        if op != Some(XferOp::Write) {
             return fallback(&s.fallback_op);
         }
-        if local_mem != DRAM_SEG || remote_mem != DRAM_SEG {
+        if local_mem != Some(MemSeg::Dram) || remote_mem != Some(MemSeg::Dram) {
             return fallback(&s.fallback_mem);
         }
         let n = local.len();
@@ -374,19 +390,14 @@ impl Engine {
             Ok(mut p) => {
                 // A chunk may be written straight from user memory only when one DRAM
                 // registration made through this engine covers its whole source range.
-                let regs = self.registrations.lock();
                 for c in &mut p.chunks {
                     if let Some(addr) = c.direct {
-                        let end = addr.saturating_add(c.bytes);
-                        let covered =
-                            regs.values().any(|r| r.mem == MemKind::Dram && r.addr <= addr && end <= r.addr + r.len);
-                        if !covered || !self.config.direct_writes {
+                        if !self.config.direct_writes || self.registry.host_covering(addr, c.bytes).is_none() {
                             c.direct = None;
                         }
                     }
                 }
-                drop(regs);
-                Some(b.reactor.shared().requests.insert(agent.to_owned(), p))
+                Some(sh.requests.insert(agent.to_owned(), p))
             }
             Err(e) => {
                 tracing::warn!(peer = agent, error = %e, "cannot plan the transfer; plain UCX");
@@ -396,82 +407,74 @@ impl Engine {
     }
 
     /// Posts a bounce request.
-    pub fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Status {
-        let Some(b) = &self.bounce else { return Status::ErrInvalidParam };
-        match b.reactor.shared().requests.post(handle, notif) {
-            Ok(p) => {
-                b.reactor.shared().inbox.push(Cmd::Submit(p));
-                Status::InProg
-            }
-            Err(PostError::Active) => Status::ErrRepostActive,
-            Err(PostError::Unknown) => Status::ErrNotFound,
-            Err(PostError::Closed) => Status::ErrBackend,
-        }
+    ///
+    /// # Errors
+    /// [`Error::NoBounce`], or what [`Requests::post`](crate::shell::requests::Requests::post)
+    /// refuses.
+    pub(crate) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<()> {
+        let sh = self.shared().ok_or(Error::NoBounce)?;
+        let p = sh.requests.post(handle, notif)?;
+        sh.inbox.push(Cmd::Submit(p));
+        Ok(())
     }
 
     /// Status of a bounce request.
-    pub fn check(&self, handle: u64) -> Status {
-        let Some(b) = &self.bounce else { return Status::ErrInvalidParam };
-        match b.reactor.shared().requests.check(handle, BUSY_POLL_GAP, self.config.check_wait) {
-            None => Status::ErrNotFound,
-            Some(State::Prepared) => Status::ErrNotPosted,
+    ///
+    /// # Errors
+    /// [`Error::NoBounce`], [`Error::UnknownRequest`], [`Error::NotPosted`], or the transfer's
+    /// failure as [`Error::Xfer`].
+    pub(crate) fn check(&self, handle: u64) -> Result<Progress> {
+        let sh = self.shared().ok_or(Error::NoBounce)?;
+        match sh.requests.check(handle, BUSY_POLL_GAP, self.config.check_wait) {
+            None => Err(Error::UnknownRequest(handle)),
+            Some(State::Prepared) => Err(Error::NotPosted(handle)),
             Some(State::Posted(_)) => {
                 // Polling a bounce request cannot advance it (the reactor and copy workers do
                 // the work), so hand the core to them: an application spinning on checkXfer
                 // otherwise takes a core they need. The busy-poll wait above does most of that;
                 // the yield covers `bounce_check_wait_us = 0`.
                 std::thread::yield_now();
-                Status::InProg
+                Ok(Progress::InFlight)
             }
-            Some(State::Done(Ok(()))) => Status::Success,
-            Some(State::Done(Err(e))) => xfer_status(&e),
+            Some(State::Done(Ok(()))) => Ok(Progress::Done),
+            Some(State::Done(Err(e))) => Err(Error::Xfer(e)),
         }
     }
 
     /// Releases a bounce request, cancelling it when still in flight.
-    pub fn release(&self, handle: u64) -> Status {
-        let Some(b) = &self.bounce else { return Status::ErrInvalidParam };
-        match b.reactor.shared().requests.remove(handle) {
-            None => Status::ErrNotFound,
-            Some(Some(xfer)) => {
-                b.reactor.shared().inbox.push(Cmd::Cancel(xfer));
-                Status::Success
+    ///
+    /// # Errors
+    /// [`Error::NoBounce`], [`Error::UnknownRequest`].
+    pub(crate) fn release(&self, handle: u64) -> Result<()> {
+        let sh = self.shared().ok_or(Error::NoBounce)?;
+        match sh.requests.remove(handle) {
+            None => Err(Error::UnknownRequest(handle)),
+            Some(Released::InFlight(xfer)) => {
+                sh.inbox.push(Cmd::Cancel(xfer));
+                Ok(())
             }
-            Some(None) => Status::Success,
+            Some(Released::Idle) => Ok(()),
         }
     }
 
-    /// A notification pulled from the inner engine: control frames go to the reactor, the
-    /// application's own wait for [`Self::take_notifs`].
-    pub fn route_notif(&self, agent: &[u8], msg: &[u8]) {
-        if wire::is_control_frame(msg) {
-            match (&self.bounce, std::str::from_utf8(agent)) {
-                (Some(b), Ok(a)) => {
-                    b.reactor.shared().inbox.push(Cmd::Control { peer: a.to_owned(), frame: msg.to_vec() })
-                }
-                _ => Stats::bump(&self.stats.control_dropped),
-            }
-            return;
+    /// The application's notifications, in arrival order, after pulling what waits in the
+    /// inner engine (control frames found there go to the reactor).
+    ///
+    /// # Errors
+    /// [`Error::Inner`] when the inner engine's `getNotifs` failed.
+    pub(crate) fn take_notifs(&self) -> Result<Vec<Notif>> {
+        if let Some(shim) = &self.shim {
+            self.mail.pull(shim).map_err(|status| Error::Inner { op: "getNotifs", status })?;
         }
-        self.app_notifs.lock().push_back((agent.to_vec(), msg.to_vec()));
-    }
-
-    /// The application's notifications, in arrival order.
-    pub fn take_notifs(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
-        self.app_notifs.lock().drain(..).collect()
+        Ok(self.mail.take_app())
     }
 
     /// Counters as `(name, value)`, published to NIXL as `stats.<name>`.
-    pub fn stats(&self) -> Vec<(&'static str, u64)> {
+    pub(crate) fn stats(&self) -> Vec<(&'static str, u64)> {
         // Gauges are derived here from the state they describe, not kept in step by hand.
-        self.stats.registrations.store(self.registrations.lock().len() as u64, Ordering::Relaxed);
-        if let Some(b) = &self.bounce {
-            let sh = b.reactor.shared();
-            let ready = {
-                let arenas = sh.peer_arenas.lock();
-                sh.reachable.lock().iter().filter(|p| arenas.contains_key(*p)).count()
-            };
-            self.stats.peers_ready.store(ready as u64, Ordering::Relaxed);
+        self.stats.registrations.store(self.registry.len() as u64, Ordering::Relaxed);
+        if self.bounce.is_some() {
+            self.stats.peers_ready.store(self.peers.ready() as u64, Ordering::Relaxed);
         }
         self.stats.snapshot()
     }
@@ -479,19 +482,10 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        if let Some(b) = self.bounce.take() {
-            let Bounce { reactor, arena, shim, .. } = b;
-            drop(reactor); // joins the reactor and workers; in-flight writes ended or released
+        if let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) {
+            let Bounce { reactor, arena, .. } = b;
+            drop(reactor); // joins the reactor and copy engine; in-flight writes ended or released
             arena.deregister(&shim);
         }
-    }
-}
-
-/// The NIXL status a failed bounce transfer reports.
-fn xfer_status(e: &XferError) -> Status {
-    match e {
-        XferError::PeerLost => Status::ErrRemoteDisconnect,
-        XferError::Canceled => Status::ErrCanceled,
-        _ => Status::ErrBackend,
     }
 }

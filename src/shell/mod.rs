@@ -1,17 +1,22 @@
-//! The IO shell: safe code that owns engines, loads the inner UCX plugin, and runs the reactor
-//! and copy workers that drive the sans-IO core.
+//! The IO shell: safe code between the FFI entry points above and `sys` below. It owns
+//! engines, runs the reactor that drives the sans-IO core, and reaches the outside world only
+//! through its seams: [`control::ControlChannel`] (how control frames travel),
+//! [`copy::CopyEngine`] (where gathers and scatters run) and [`datapath::DataPath`] (where
+//! writes go). It never imports `ffi`; `sys` never imports it.
 
 mod arena;
-mod copy;
+pub(crate) mod control;
+pub(crate) mod copy;
+pub(crate) mod datapath;
 mod engine;
 mod error;
-mod inner_plugin;
+mod mailroom;
+mod peers;
 mod reactor;
+mod registry;
 mod requests;
 mod stats;
-mod worker;
-mod zmq_channel;
 
-pub use engine::{CreateParams, DescView, Engine, InnerInit, Registration};
-pub use error::{Error, Result};
-pub use inner_plugin::{InnerPlugin, PLUGIN_API_VERSION, locate_ucx_plugin};
+pub(crate) use engine::{CreateParams, DescView, Engine, Progress};
+pub(crate) use error::{Error, Result};
+pub(crate) use registry::Registration;

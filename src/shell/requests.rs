@@ -11,20 +11,22 @@ use bounce_proto::plan::Plan;
 use parking_lot::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::shell::{Error, Result};
+
 /// Where a request stands.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) enum State {
+pub(crate) enum State {
     /// Prepared, never posted.
     Prepared,
     /// Posted as this transfer id (a repost gets a fresh one: rids are never reused).
     Posted(XferId),
     /// Finished.
-    Done(Result<(), XferError>),
+    Done(std::result::Result<(), XferError>),
 }
 
 /// One prepared request.
 #[derive(Debug)]
-pub(super) struct Request {
+pub(crate) struct Request {
     /// The peer agent.
     pub peer: String,
     /// The chunk plan, computed once at prep.
@@ -37,7 +39,7 @@ pub(super) struct Request {
 
 /// What the reactor needs to run a posted request.
 #[derive(Debug)]
-pub(super) struct Posted {
+pub(crate) struct Posted {
     /// Fresh transfer id.
     pub xfer: XferId,
     /// The request handle it belongs to.
@@ -50,20 +52,18 @@ pub(super) struct Posted {
     pub notif: Option<Vec<u8>>,
 }
 
-/// Why a post was refused.
+/// What releasing a request left to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum PostError {
-    /// No such handle.
-    Unknown,
-    /// Still in flight.
-    Active,
-    /// The reactor is gone (engine shutting down, or it died): nothing would ever run it.
-    Closed,
+pub(crate) enum Released {
+    /// It was not in flight: nothing to cancel.
+    Idle,
+    /// It was in flight as this transfer, which must be canceled.
+    InFlight(XferId),
 }
 
 /// The request table.
 #[derive(Debug, Default)]
-pub(super) struct Requests {
+pub(crate) struct Requests {
     map: Mutex<HashMap<u64, Request>>,
     /// Notified whenever a request finishes; busy pollers wait on it.
     finished: Condvar,
@@ -75,21 +75,25 @@ pub(super) struct Requests {
 
 impl Requests {
     /// Adds a prepared request; returns its handle id (never 0).
-    pub(super) fn insert(&self, peer: String, plan: Plan) -> u64 {
+    pub(crate) fn insert(&self, peer: String, plan: Plan) -> u64 {
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed) + 1;
         self.map.lock().insert(h, Request { peer, plan: Arc::new(plan), state: State::Prepared, last_check: None });
         h
     }
 
     /// Marks a request posted under a fresh transfer id.
-    pub(super) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<Posted, PostError> {
+    ///
+    /// # Errors
+    /// [`Error::BounceClosed`] after [`Self::close`], [`Error::UnknownRequest`],
+    /// [`Error::RepostActive`] while it is in flight.
+    pub(crate) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<Posted> {
         let mut map = self.map.lock();
         if self.closed.load(Ordering::Relaxed) {
-            return Err(PostError::Closed);
+            return Err(Error::BounceClosed);
         }
-        let r = map.get_mut(&handle).ok_or(PostError::Unknown)?;
+        let r = map.get_mut(&handle).ok_or(Error::UnknownRequest(handle))?;
         if matches!(r.state, State::Posted(_)) {
-            return Err(PostError::Active);
+            return Err(Error::RepostActive(handle));
         }
         let xfer = XferId(self.next_xfer.fetch_add(1, Ordering::Relaxed) + 1);
         r.state = State::Posted(xfer);
@@ -98,7 +102,7 @@ impl Requests {
 
     /// The request's state.
     #[cfg(test)]
-    pub(super) fn state(&self, handle: u64) -> Option<State> {
+    pub(crate) fn state(&self, handle: u64) -> Option<State> {
         self.map.lock().get(&handle).map(|r| r.state.clone())
     }
 
@@ -106,7 +110,7 @@ impl Requests {
     /// flight by a check that follows the previous one within `tight` is being busy-polled:
     /// that check waits up to `wait` for any request to finish before answering, so the
     /// poller stops taking the cores the copy engine needs, and wakes the moment work ends.
-    pub(super) fn check(&self, handle: u64, tight: Duration, wait: Duration) -> Option<State> {
+    pub(crate) fn check(&self, handle: u64, tight: Duration, wait: Duration) -> Option<State> {
         let mut map = self.map.lock();
         let r = map.get_mut(&handle)?;
         if !matches!(r.state, State::Posted(_)) {
@@ -126,7 +130,7 @@ impl Requests {
     }
 
     /// Records a transfer's outcome, if its request still waits for exactly that transfer.
-    pub(super) fn finish(&self, handle: u64, xfer: XferId, outcome: Result<(), XferError>) {
+    pub(crate) fn finish(&self, handle: u64, xfer: XferId, outcome: std::result::Result<(), XferError>) {
         if let Some(r) = self.map.lock().get_mut(&handle) {
             if r.state == State::Posted(xfer) {
                 r.state = State::Done(outcome);
@@ -135,17 +139,17 @@ impl Requests {
         }
     }
 
-    /// Removes a request; returns the transfer to cancel if it was still in flight.
-    pub(super) fn remove(&self, handle: u64) -> Option<Option<XferId>> {
+    /// Removes a request; says whether it was still in flight (`None`: no such request).
+    pub(crate) fn remove(&self, handle: u64) -> Option<Released> {
         self.map.lock().remove(&handle).map(|r| match r.state {
-            State::Posted(x) => Some(x),
-            _ => None,
+            State::Posted(x) => Released::InFlight(x),
+            _ => Released::Idle,
         })
     }
 
     /// Fails every in-flight request and refuses new posts: the reactor stopped or died, so
     /// nothing would ever run them (a post after this must not hang).
-    pub(super) fn close(&self, why: XferError) {
+    pub(crate) fn close(&self, why: XferError) {
         let mut map = self.map.lock();
         self.closed.store(true, Ordering::Relaxed);
         for r in map.values_mut() {
@@ -167,15 +171,18 @@ mod tests {
         let h = t.insert("peer".into(), Plan::default());
         assert_eq!(t.state(h), Some(State::Prepared));
         let p1 = t.post(h, None).unwrap();
-        assert_eq!(t.post(h, None).unwrap_err(), PostError::Active);
+        assert!(matches!(t.post(h, None), Err(Error::RepostActive(x)) if x == h));
         t.finish(h, p1.xfer, Ok(()));
         assert_eq!(t.state(h), Some(State::Done(Ok(()))));
         let p2 = t.post(h, Some(b"n".to_vec())).unwrap();
         assert_ne!(p1.xfer, p2.xfer);
         t.finish(h, p1.xfer, Err(XferError::Timeout)); // stale: ignored
         assert_eq!(t.state(h), Some(State::Posted(p2.xfer)));
-        assert_eq!(t.remove(h), Some(Some(p2.xfer)));
-        assert_eq!(t.post(h, None).unwrap_err(), PostError::Unknown);
+        assert_eq!(t.remove(h), Some(Released::InFlight(p2.xfer)));
+        assert!(matches!(t.post(h, None), Err(Error::UnknownRequest(x)) if x == h));
+        let idle = t.insert("peer".into(), Plan::default());
+        assert_eq!(t.remove(idle), Some(Released::Idle));
+        assert_eq!(t.remove(idle), None);
     }
 
     /// The first check of an in-flight request answers at once; a check right behind it (a
@@ -219,7 +226,7 @@ mod tests {
         let pa = t.post(a, None).unwrap();
         t.close(XferError::ShuttingDown);
         assert_eq!(t.state(a), Some(State::Done(Err(XferError::ShuttingDown))));
-        assert_eq!(t.post(b, None).unwrap_err(), PostError::Closed);
+        assert!(matches!(t.post(b, None), Err(Error::BounceClosed)));
         t.finish(a, pa.xfer, Ok(())); // a late completion cannot turn it into a success
         assert_eq!(t.state(a), Some(State::Done(Err(XferError::ShuttingDown))));
     }

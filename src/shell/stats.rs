@@ -30,7 +30,7 @@ counters! {
     bounce_bytes,
     /// Chunks written straight from user memory (no gather copy).
     chunks_direct,
-    /// Bounce transfers that failed by no-progress timeout.
+    /// Bounce transfers that failed by no-progress timeout (the core's count).
     timeouts,
     /// Requests handed to the inner UCX engine unchanged.
     passthrough_xfers,
@@ -52,7 +52,8 @@ counters! {
     control_dropped,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
-    /// Regions held by nobody but waiting for an in-flight operation to end.
+    /// Staging regions of failed transfers waiting for their gather or write to end (the
+    /// core's count).
     arena_orphans,
     /// Registrations made through this engine.
     registrations,
@@ -62,7 +63,7 @@ counters! {
 
 impl Stats {
     /// Adds one to a counter.
-    pub(super) fn bump(c: &AtomicU64) {
+    pub(crate) fn bump(c: &AtomicU64) {
         c.fetch_add(1, Relaxed);
     }
 }

@@ -1,68 +1,74 @@
 //! The reactor: one IO thread per engine that owns the sans-IO [`Endpoint`] and does what it
-//! asks: sends control frames through the inner engine's notifications, runs gathers and
-//! scatters on the copy workers, posts and polls RDMA writes, and records completions.
+//! asks: sends control frames over its [`ControlChannel`], runs gathers and scatters on its
+//! [`CopyEngine`], posts and polls writes on its [`DataPath`], and records completions.
 //!
-//! Each iteration drains the inbox (application commands, control frames routed from either
-//! thread, copy completions), progresses the inner engine, polls in-flight writes, fires timers,
+//! Each iteration progresses the data path, reads control frames, drains the inbox
+//! (application commands), collects copy completions, polls in-flight writes, fires timers,
 //! then drains `poll_action()` to `None` (quinn's `ConnectionDriver` loop). Polling adapts: it
 //! spins while work is in flight, backs off to short sleeps when progress stalls, and parks
 //! (woken by new commands) when idle, so an idle engine costs no core.
+//!
+//! The reactor never calls NIXL's entry points and never sees the shim directly: its three
+//! seams are given to it, which is how the unit tests below join two reactors in memory.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{PeerId, XferId};
+use bounce_proto::{CopyRun, PeerId, Region, XferId};
 use parking_lot::Mutex;
 
-use crate::ffi::shim::{Md, Shim, WriteHandle};
-
-use super::zmq_channel::ZmqChannel;
-use crate::shell::requests::{Posted, Requests};
+use crate::shell::control::{ControlChannel, ControlError};
+use crate::shell::copy::{CopyEngine, CopyJob, Dir};
+use crate::shell::datapath::{DataPath, Posted, WriteId};
+use crate::shell::peers::{PeerTable, SessionCheck};
+use crate::shell::registry::Registry;
+use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
-use crate::shell::worker::{ArenaView, CopyJob, Dir, Workers};
+use crate::shell::{Error, Result};
+use crate::sys::shim::{Md, WriteSide, WriteState};
+
+#[cfg(test)]
+mod tests;
 
 /// A command for the reactor.
 #[derive(Debug)]
-pub(super) enum Cmd {
+pub(crate) enum Cmd {
     /// Run a posted request.
-    Submit(Posted),
+    Submit(PostedXfer),
     /// The application released an in-flight request.
     Cancel(XferId),
-    /// A control frame from a peer agent.
-    Control {
-        /// Sender agent.
-        peer: String,
-        /// The raw frame.
-        frame: Vec<u8>,
-    },
-    /// A copy job finished.
-    CopyDone(JobId, bool),
     /// The peer disconnected.
     PeerLost(String),
     /// We loaded this peer's connection info: tell it we can answer (HELLO).
     Hello(String),
-    /// Memory registered through this engine (the receiver may scatter into it).
-    Registered(u64, u64, Md),
-    /// Memory deregistered.
-    Deregistered(u64, u64, Md),
+    /// Host memory registered through this engine (the receiver may scatter into it).
+    Registered(u64, u64),
+    /// Host memory deregistered.
+    Deregistered(u64, u64),
 }
 
 /// The reactor's mailbox: a queue plus the thread to wake.
 #[derive(Default)]
-pub(super) struct Inbox {
+pub(crate) struct Inbox {
     q: Mutex<VecDeque<Cmd>>,
     thread: Mutex<Option<Thread>>,
 }
 
 impl Inbox {
     /// Queues a command and wakes the reactor.
-    pub(super) fn push(&self, cmd: Cmd) {
+    pub(crate) fn push(&self, cmd: Cmd) {
         self.q.lock().push_back(cmd);
+        self.wake();
+    }
+
+    /// Wakes the reactor (a copy finished, a frame arrived).
+    pub(crate) fn wake(&self) {
         if let Some(t) = self.thread.lock().as_ref() {
             t.unpark();
         }
@@ -73,61 +79,71 @@ impl Inbox {
     }
 }
 
-/// What the reactor knows of a peer's arena (filled by the engine when its conn info loads).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct PeerArena {
-    /// Arena base address at the peer.
-    pub base: u64,
-    /// Arena length at the peer.
-    pub len: u64,
-    /// Device id.
-    pub dev: u64,
-    /// Inner-engine metadata from loadRemoteMD.
-    pub md: Md,
-}
-
 /// Shared between the engine (application threads) and the reactor.
-pub(super) struct Shared {
+pub(crate) struct Shared {
     /// Commands.
-    pub inbox: Inbox,
+    pub(crate) inbox: Inbox,
     /// Bounce requests.
-    pub requests: Requests,
+    pub(crate) requests: Requests,
     /// Counters.
-    pub stats: Arc<Stats>,
-    /// Peers' arenas by agent name.
-    pub peer_arenas: Mutex<HashMap<String, PeerArena>>,
-    /// Agents whose connection info NIXL loaded into this engine (the only ones we talk to),
-    /// with their capabilities when compatible with ours.
-    pub peers: Mutex<HashMap<String, Option<bounce_proto::wire::Capabilities>>>,
-    /// Agents that told us (HELLO) they loaded OUR connection info, so they can answer a WANT.
-    pub reachable: Mutex<std::collections::HashSet<String>>,
+    pub(crate) stats: Arc<Stats>,
+    /// The one peer table.
+    pub(crate) peers: Arc<PeerTable>,
+    /// The one table of registrations.
+    pub(crate) registry: Arc<Registry>,
 }
 
-/// How this engine's control frames travel.
-pub(super) struct Control {
+impl Shared {
+    /// Fresh shared state over the engine's counters, peers and registrations.
+    pub(crate) fn new(stats: Arc<Stats>, peers: Arc<PeerTable>, registry: Arc<Registry>) -> Self {
+        Self { inbox: Inbox::default(), requests: Requests::default(), stats, peers, registry }
+    }
+}
+
+/// Our arena, as the write path addresses it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LocalArena {
+    /// Base address.
+    pub(crate) base: u64,
+    /// Inner-engine metadata of its registration.
+    pub(crate) md: Md,
+}
+
+/// What a reactor is made of: the engine's identity and its three seams.
+pub(crate) struct Parts {
+    /// Our session id, carried in every frame.
+    pub(crate) session: u64,
     /// Our inner conn info, carried in WANTs (the design's reverse path).
-    pub endpoint: Vec<u8>,
-    /// The ZMQ channel when `bounce_control=zmq`; UCX notifications otherwise.
-    pub zmq: Option<ZmqChannel>,
+    pub(crate) endpoint: Vec<u8>,
+    /// Our arena.
+    pub(crate) arena: LocalArena,
+    /// Where gathers and scatters run.
+    pub(crate) copier: Box<dyn CopyEngine>,
+    /// Where writes go.
+    pub(crate) data: Box<dyn DataPath>,
+    /// How control frames travel.
+    pub(crate) control: Box<dyn ControlChannel>,
+    /// Most control frames handled per pass (see [`SOCKET_POLL_BATCH`]).
+    pub(crate) control_budget: usize,
 }
 
-/// A running reactor; dropping it stops and joins the thread (and the workers).
-pub(super) struct Reactor {
+/// A running reactor; dropping it stops and joins the thread (and the copy engine).
+pub(crate) struct Reactor {
     shared: Arc<Shared>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 struct InFlightWrite {
     job: JobId,
-    handle: WriteHandle,
+    id: WriteId,
 }
 
 struct QueuedWrite {
     job: JobId,
     peer: PeerId,
     source: WriteSource,
-    remote: bounce_proto::Region,
+    remote: Region,
     len: u64,
 }
 
@@ -139,28 +155,24 @@ struct XferCtx {
 
 struct Driver {
     ep: Endpoint,
-    shim: Shim,
     shared: Arc<Shared>,
     session: u64,
-    arena: ArenaView,
-    arena_md: Md,
-    workers: Workers,
+    arena: LocalArena,
+    copier: Box<dyn CopyEngine>,
+    data: Box<dyn DataPath>,
+    control: Box<dyn ControlChannel>,
+    control_budget: usize,
     writes: Vec<InFlightWrite>,
     /// Writes the core asked for that wait for a slot (see MAX_WRITES_IN_FLIGHT).
     queued_writes: VecDeque<QueuedWrite>,
     copies: HashMap<JobId, Dir>,
     xfers: HashMap<XferId, XferCtx>,
-    peer_ids: HashMap<String, PeerId>,
-    peer_names: HashMap<PeerId, String>,
-    peer_sessions: HashMap<PeerId, u64>,
-    /// DRAM registrations made through this engine: (addr, len, inner metadata). Direct-source
-    /// chunks are written from these.
-    user_regs: Vec<(u64, u64, Md)>,
     warn_budget: RateLimit,
     /// Set by shutdown: queued writes are failed, never posted.
     stopping: bool,
-    /// The ZMQ control channel when `bounce_control=zmq`; UCX notifications otherwise.
-    zmq: Option<ZmqChannel>,
+    /// Scratch buffers reused every pass.
+    frames: Vec<(String, Vec<u8>)>,
+    done: Vec<(JobId, bool)>,
 }
 
 /// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
@@ -181,46 +193,32 @@ impl RateLimit {
 }
 
 impl Reactor {
-    /// Starts the reactor thread and `config.copy_workers` copy workers.
+    /// Starts the reactor thread over `parts`.
     ///
     /// # Errors
-    /// When the core rejects the configuration.
-    pub(super) fn start(
-        config: &Config,
-        shim: Shim,
-        shared: Arc<Shared>,
-        session: u64,
-        arena: ArenaView,
-        arena_md: Md,
-        control: Control,
-    ) -> Result<Self, String> {
-        let Control { endpoint: local_endpoint, zmq } = control;
-        let mut ep = Endpoint::new(config, Instant::now()).map_err(|e| e.to_string())?;
-        ep.set_local_endpoint(local_endpoint);
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let inbox_owner = Arc::clone(&shared);
-        let workers = Workers::start(config.copy_workers, arena, move |job, ok| {
-            inbox_owner.inbox.push(Cmd::CopyDone(job, ok));
-        });
+    /// When the core rejects the configuration or the thread cannot be started.
+    pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
+        let Parts { session, endpoint, arena, copier, data, control, control_budget } = parts;
+        let mut ep = Endpoint::new(config, Instant::now())?;
+        ep.set_local_endpoint(endpoint);
+        let stop = Arc::new(AtomicBool::new(false));
         let mut d = Driver {
             ep,
-            shim,
             shared: Arc::clone(&shared),
             session,
             arena,
-            arena_md,
-            workers,
+            copier,
+            data,
+            control,
+            control_budget,
             writes: Vec::new(),
             queued_writes: VecDeque::new(),
             copies: HashMap::new(),
             xfers: HashMap::new(),
-            peer_ids: HashMap::new(),
-            peer_names: HashMap::new(),
-            peer_sessions: HashMap::new(),
-            user_regs: Vec::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,
-            zmq,
+            frames: Vec::new(),
+            done: Vec::new(),
         };
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
@@ -237,20 +235,25 @@ impl Reactor {
                     shared.requests.close(XferError::ShuttingDown);
                 }
             })
-            .map_err(|e| format!("spawning the reactor failed: {e}"))?;
+            .map_err(|source| Error::Spawn { what: "reactor", source })?;
         *shared.inbox.thread.lock() = Some(thread.thread().clone());
         Ok(Self { shared, stop, thread: Some(thread) })
     }
 
     /// The state shared with application threads.
-    pub(super) fn shared(&self) -> &Arc<Shared> {
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
+    }
+
+    /// The reactor thread (to wake it).
+    pub(crate) fn thread(&self) -> Option<Thread> {
+        self.thread.as_ref().map(|t| t.thread().clone())
     }
 }
 
 impl Drop for Reactor {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             t.thread().unpark();
             let _ = t.join();
@@ -260,11 +263,12 @@ impl Drop for Reactor {
     }
 }
 
-/// Most ZMQ messages taken per reactor pass, so a flood cannot starve the rest of the loop.
-const ZMQ_POLL_BATCH: usize = 256;
-/// Most HELLOs remembered from agents we have not loaded (yet).
-const MAX_REACHABLE: usize = 1024;
-/// Writes handed to the inner engine at once. UCX runs them one after another anyway; keeping
+/// Most control frames read from a socket (ZMQ) per reactor pass, so a flood cannot starve the
+/// rest of the loop. Frames the inner engine already delivered (UCX) are all handled in the pass
+/// that pulled them, as they always were: a flood then runs as one pass, with no timer firing
+/// (lease reclaims) in the middle of it.
+pub(crate) const SOCKET_POLL_BATCH: usize = 256;
+/// Writes handed to the data path at once. UCX runs them one after another anyway; keeping
 /// one queued behind the running one keeps the link busy, and holding the rest back here lets
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
 /// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
@@ -278,16 +282,16 @@ const BUSY_SLEEP: Duration = Duration::from_micros(50);
 const IDLE_PARK: Duration = Duration::from_millis(2);
 
 impl Driver {
-    fn run(&mut self, stop: &std::sync::atomic::AtomicBool) {
+    fn run(&mut self, stop: &AtomicBool) {
         let mut cmds = Vec::new();
         let mut stalls = 0u32;
-        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        while !stop.load(Ordering::Acquire) {
             let moved = self.iterate(&mut cmds);
             // Busy includes the receiver role: a remote flow waiting for its next DATA must be
             // noticed at once, not after an idle park (which cost up to 2 ms per chunk).
             let busy = !self.writes.is_empty()
                 || !self.queued_writes.is_empty()
-                || !self.copies.is_empty()
+                || self.copier.in_flight() > 0
                 || !self.xfers.is_empty()
                 || !self.ep.is_idle();
             if moved {
@@ -317,49 +321,54 @@ impl Driver {
     /// One pass; true when anything moved.
     fn iterate(&mut self, cmds: &mut Vec<Cmd>) -> bool {
         let mut moved = false;
-        if self.shim.poll_notifs() != 0 {
-            tracing::trace!("inner getNotifs failed");
-        }
-        if let Some(z) = &mut self.zmq {
-            let malformed = z.poll(ZMQ_POLL_BATCH, |peer, frame| cmds.push(Cmd::Control { peer, frame }));
-            self.shared.stats.control_dropped.fetch_add(malformed, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.data.progress();
+        let mut frames = std::mem::take(&mut self.frames);
+        self.control.poll(self.control_budget, &mut frames);
         self.shared.inbox.drain(cmds);
+        let mut done = std::mem::take(&mut self.done);
+        self.copier.poll_done(&mut done);
         let now = Instant::now();
+        for (peer, frame) in frames.drain(..) {
+            moved = true;
+            self.on_control(now, &peer, &frame);
+        }
         for cmd in cmds.drain(..) {
             moved = true;
             self.handle_cmd(now, cmd);
         }
+        for (job, ok) in done.drain(..) {
+            moved = true;
+            self.copy_done(now, job, ok);
+        }
+        (self.frames, self.done) = (frames, done);
         moved |= self.poll_writes(now);
         if self.ep.poll_timeout().is_some_and(|t| t <= now) {
             self.ep.handle_timeout(now);
         }
         moved |= self.drain_actions();
-        self.shared.stats.arena_free_bytes.store(self.ep.arena_free_bytes(), std::sync::atomic::Ordering::Relaxed);
-        self.shared.stats.chunks_direct.store(self.ep.stats().chunks_direct, std::sync::atomic::Ordering::Relaxed);
+        self.publish_gauges();
         moved
     }
 
-    fn peer_id(&mut self, name: &str) -> PeerId {
-        if let Some(id) = self.peer_ids.get(name) {
-            return *id;
-        }
-        let id = PeerId(u32::try_from(self.peer_ids.len()).unwrap_or(u32::MAX));
-        self.peer_ids.insert(name.to_owned(), id);
-        self.peer_names.insert(id, name.to_owned());
-        id
+    /// Counters the core keeps itself are copied, never counted a second time here.
+    fn publish_gauges(&self) {
+        let (s, core) = (&self.shared.stats, self.ep.stats());
+        s.arena_free_bytes.store(self.ep.arena_free_bytes(), Ordering::Relaxed);
+        s.arena_orphans.store(self.ep.orphans() as u64, Ordering::Relaxed);
+        s.chunks_direct.store(core.chunks_direct, Ordering::Relaxed);
+        s.timeouts.store(core.timeouts, Ordering::Relaxed);
     }
 
     fn handle_cmd(&mut self, now: Instant, cmd: Cmd) {
         match cmd {
             Cmd::Submit(p) => {
-                let peer = self.peer_id(&p.peer);
+                let peer = self.shared.peers.id(&p.peer);
                 let chunks = p.plan.chunks.len() as u64;
                 let bytes = p.plan.total_bytes;
                 self.xfers.insert(p.xfer, XferCtx { handle: p.handle, peer: p.peer, notif: p.notif });
                 Stats::bump(&self.shared.stats.bounce_xfers);
-                self.shared.stats.bounce_chunks.fetch_add(chunks, std::sync::atomic::Ordering::Relaxed);
-                self.shared.stats.bounce_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                self.shared.stats.bounce_chunks.fetch_add(chunks, Ordering::Relaxed);
+                self.shared.stats.bounce_bytes.fetch_add(bytes, Ordering::Relaxed);
                 if let Err(e) = self.ep.submit(now, p.xfer, peer, (*p.plan).clone()) {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "bounce submit refused");
                     self.complete(p.xfer, Err(XferError::Refused));
@@ -369,35 +378,21 @@ impl Driver {
                 self.xfers.remove(&x);
                 self.ep.cancel(now, x);
             }
-            Cmd::Control { peer, frame } => self.on_control(now, &peer, &frame),
-            Cmd::CopyDone(job, ok) => self.copy_done(now, job, ok),
             Cmd::PeerLost(name) => {
-                if let Some(z) = &mut self.zmq {
-                    z.forget(&name);
-                }
-                if let Some(&id) = self.peer_ids.get(&name) {
+                self.control.forget(&name);
+                if let Some(id) = self.shared.peers.known_id(&name) {
                     self.ep.handle_peer_lost(now, id);
-                    self.peer_sessions.remove(&id);
                 }
             }
             Cmd::Hello(name) => {
-                // Only a peer that can bounce with us has a use for it (compatibility is
-                // symmetric), and only such a peer has a ZMQ endpoint we could reach.
-                let compatible = self.shared.peers.lock().get(&name).is_some_and(Option::is_some);
-                if !compatible {
+                if !self.shared.peers.compatible(&name) {
                     tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
-                } else if let Err(e) = self.send_frame(&name, &wire::encode_hello(self.session)) {
-                    tracing::warn!(peer = name, error = e, "sending HELLO failed; the peer stays on plain UCX to us");
+                } else if let Err(e) = self.control.send(&name, &wire::encode_hello(self.session)) {
+                    tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
                 }
             }
-            Cmd::Registered(a, l, md) => {
-                self.ep.add_registered(a, l);
-                self.user_regs.push((a, l, md));
-            }
-            Cmd::Deregistered(a, l, md) => {
-                self.ep.remove_registered(a, l);
-                self.user_regs.retain(|r| *r != (a, l, md));
-            }
+            Cmd::Registered(a, l) => self.ep.add_registered(a, l),
+            Cmd::Deregistered(a, l) => self.ep.remove_registered(a, l),
         }
     }
 
@@ -411,13 +406,7 @@ impl Driver {
     fn on_control(&mut self, now: Instant, peer: &str, bytes: &[u8]) {
         let _span = tracing::trace_span!("control", peer, len = bytes.len()).entered();
         if wire::decode_hello(bytes).is_some() {
-            // Recorded even before we load the peer (the two loads race); bounded so a flood of
-            // invented names cannot grow it without limit.
-            let mut r = self.shared.reachable.lock();
-            if r.contains(peer) || r.len() < MAX_REACHABLE || self.shared.peers.lock().contains_key(peer) {
-                r.insert(peer.to_owned());
-            } else {
-                drop(r);
+            if !self.shared.peers.hello(peer) {
                 self.drop_frame(now, peer, &"HELLO from an unknown agent beyond the limit");
             }
             return;
@@ -426,29 +415,20 @@ impl Driver {
             Ok(f) => f,
             Err(e) => return self.drop_frame(now, peer, &e),
         };
-        let id = self.peer_id(peer);
-        // A peer agent restarted under the same name: everything of its old incarnation is void.
-        match self.peer_sessions.get(&id) {
-            Some(&s) if s != frame.session => {
-                if matches!(&frame.msg, Msg::Want(_)) {
-                    tracing::info!(peer, "peer restarted (new session): reclaiming its old state");
-                    self.ep.handle_peer_lost(now, id);
-                    self.peer_sessions.insert(id, frame.session);
-                } else {
-                    return self.drop_frame(now, peer, &"stale session");
-                }
-            }
-            Some(_) => {}
-            None => {
-                self.peer_sessions.insert(id, frame.session);
-            }
-        }
         // Only agents whose connection info NIXL loaded into this engine may talk to us: UCX
         // needs it to answer at all, and the WANT's reverse-path endpoint is NOT loaded on
         // trust -- UCX aborts the whole process on a malformed worker address (found by the
         // hostile-peer test), and nothing here can validate one.
-        if !self.shared.peers.lock().contains_key(peer) {
+        let Some(id) = self.shared.peers.loaded_id(peer) else {
             return self.drop_frame(now, peer, &"control frame from an agent whose connection info was never loaded");
+        };
+        match self.shared.peers.check_session(id, frame.session, matches!(&frame.msg, Msg::Want(_))) {
+            SessionCheck::Current => {}
+            SessionCheck::Restarted => {
+                tracing::info!(peer, "peer restarted (new session): reclaiming its old state");
+                self.ep.handle_peer_lost(now, id);
+            }
+            SessionCheck::Stale => return self.drop_frame(now, peer, &"stale session"),
         }
         if let Err(e) = self.ep.handle_msg(now, id, frame.msg) {
             self.drop_frame(now, peer, &e);
@@ -462,14 +442,20 @@ impl Driver {
         let mut moved = false;
         let mut i = 0;
         while i < self.writes.len() {
-            let st = self.shim.check(&self.writes[i].handle);
-            if st == 1 {
-                i += 1;
-                continue;
-            }
+            let ok = match self.data.check(&self.writes[i].id) {
+                WriteState::InProg => {
+                    i += 1;
+                    continue;
+                }
+                WriteState::Done => true,
+                WriteState::Failed(st) => {
+                    tracing::debug!(status = %st, "a bounce write failed");
+                    false
+                }
+            };
             let w = self.writes.remove(i);
-            self.shim.release(w.handle);
-            self.ep.handle_write_done(now, w.job, st == 0);
+            self.data.release(w.id);
+            self.ep.handle_write_done(now, w.job, ok);
             let _ = self.drain_actions();
             moved = true;
         }
@@ -502,40 +488,28 @@ impl Driver {
             }
             let Some(w) = self.queued_writes.pop_front() else { return moved };
             moved = true;
-            self.write(w.job, w.peer, w.source, w.remote, w.len);
+            self.write(w);
         }
     }
 
     fn send(&mut self, peer: PeerId, msg: Msg) {
-        let Some(name) = self.peer_names.get(&peer).cloned() else { return };
+        let Some(name) = self.shared.peers.name(peer) else { return };
         let bytes = Frame { session: self.session, msg }.to_vec();
-        if let Err(e) = self.send_frame(&name, &bytes) {
-            if self.warn_budget.allow(Instant::now()) {
-                // The transfer this belonged to will time out; never block the reactor.
-                tracing::warn!(peer = name, error = e, "sending a control frame failed");
-            }
+        if let Err(e) = self.control.send(&name, &bytes) {
+            self.send_failed(&name, &e);
         }
     }
 
-    /// One control frame to `peer` over the configured channel. With ZMQ, the peer's endpoint
-    /// comes from the capabilities in its connection info.
-    fn send_frame(&mut self, peer: &str, bytes: &[u8]) -> Result<(), String> {
-        match &mut self.zmq {
-            None => match self.shim.gen_notif(peer, bytes) {
-                0 => Ok(()),
-                st => Err(format!("UCX genNotif status {st}")),
-            },
-            Some(z) => {
-                let peers = self.shared.peers.lock();
-                let endpoint = peers.get(peer).and_then(Option::as_ref).map(|c| c.endpoint.as_slice());
-                z.send(peer, endpoint.ok_or("no capabilities loaded for this peer")?, bytes)
-            }
+    fn send_failed(&mut self, peer: &str, e: &ControlError) {
+        if self.warn_budget.allow(Instant::now()) {
+            // The transfer this belonged to will time out; never block the reactor.
+            tracing::warn!(peer, error = %e, "sending a control frame failed");
         }
     }
 
-    fn copy(&mut self, job: JobId, dir: Dir, region: bounce_proto::Region, runs: Vec<bounce_proto::CopyRun>) {
+    fn copy(&mut self, job: JobId, dir: Dir, region: Region, runs: Vec<CopyRun>) {
         self.copies.insert(job, dir);
-        if !self.workers.submit(CopyJob { job, dir, region, runs }) {
+        if self.copier.submit(CopyJob { job, dir, region, runs }).is_err() {
             self.copy_done(Instant::now(), job, false);
         }
     }
@@ -549,22 +523,25 @@ impl Driver {
     }
 
     /// The local side of a write: our arena, or user memory registered through this engine.
-    fn write_source(&self, source: WriteSource, len: u64) -> Option<(Md, u64)> {
+    fn write_source(&self, source: WriteSource, len: u64) -> Option<WriteSide> {
         match source {
-            WriteSource::Arena(r) => Some((self.arena_md, self.arena.base + r.offset)),
+            WriteSource::Arena(r) => Some(WriteSide { md: self.arena.md, addr: self.arena.base + r.offset, dev: 0 }),
             WriteSource::User { addr } => {
-                let end = addr.checked_add(len)?;
-                self.user_regs.iter().find(|(a, l, _)| *a <= addr && end <= a + l).map(|&(_, _, md)| (md, addr))
+                let (md, _) = self.shared.registry.host_covering(addr, len)?;
+                Some(WriteSide { md, addr, dev: 0 })
             }
         }
     }
 
-    fn write(&mut self, job: JobId, peer: PeerId, source: WriteSource, remote: bounce_proto::Region, len: u64) {
+    fn write(&mut self, w: QueuedWrite) {
+        let QueuedWrite { job, peer, source, remote, len } = w;
         let now = Instant::now();
-        let Some(name) = self.peer_names.get(&peer).cloned() else {
-            return self.ep.handle_write_done(now, job, false);
-        };
-        let Some(pa) = self.shared.peer_arenas.lock().get(&name).copied() else {
+        let Some((name, pa)) = self.shared.peers.write_target(peer) else {
+            // NIXL disconnected the peer and our PeerLost command is still queued: take the
+            // loss now, so its transfers fail as lost (not as a failed write).
+            if self.shared.peers.gone(peer) {
+                self.ep.handle_peer_lost(now, peer);
+            }
             return self.ep.handle_write_done(now, job, false);
         };
         // The core checked the credit against its own bookkeeping; only we know the peer's
@@ -575,25 +552,22 @@ impl Driver {
             return self.ep.handle_write_done(now, job, false);
         }
         let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();
-        let Some((local_md, local_addr)) = self.write_source(source, len) else {
+        let Some(local) = self.write_source(source, len) else {
             tracing::warn!(peer = name, "direct-source chunk is no longer in registered memory");
             return self.ep.handle_write_done(now, job, false);
         };
-        let res = self.shim.write(&name, 0, (local_md, local_addr, 0), (pa.md, pa.base + remote.offset, pa.dev), len);
-        match res {
-            Ok((0, h)) => {
-                self.shim.release(h);
-                self.ep.handle_write_done(now, job, true);
-            }
-            Ok((_, h)) => self.writes.push(InFlightWrite { job, handle: h }),
+        let remote = WriteSide { md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
+        match self.data.write(&name, local, remote, len) {
+            Ok(Posted::Done) => self.ep.handle_write_done(now, job, true),
+            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { job, id }),
             Err(st) => {
-                tracing::warn!(peer = name, status = st, "posting a bounce write failed");
+                tracing::warn!(peer = name, status = %st, "posting a bounce write failed");
                 self.ep.handle_write_done(now, job, false);
             }
         }
     }
 
-    fn complete(&mut self, xfer: XferId, outcome: Result<(), XferError>) {
+    fn complete(&mut self, xfer: XferId, outcome: std::result::Result<(), XferError>) {
         let Some(ctx) = self.xfers.remove(&xfer) else { return };
         let stats = &self.shared.stats;
         match &outcome {
@@ -602,17 +576,13 @@ impl Driver {
                 // Every chunk is scattered: now the notification may tell the peer's
                 // application its data is in place (the same promise UCX makes).
                 if let Some(msg) = &ctx.notif {
-                    let st = self.shim.gen_notif(&ctx.peer, msg);
-                    if st != 0 {
-                        tracing::warn!(peer = ctx.peer, status = st, "sending the transfer's notification failed");
+                    if let Err(st) = self.data.notify(&ctx.peer, msg) {
+                        tracing::warn!(peer = ctx.peer, status = %st, "sending the transfer's notification failed");
                     }
                 }
             }
             Err(e) => {
                 Stats::bump(&stats.bounce_failed);
-                if matches!(e, XferError::Timeout) {
-                    Stats::bump(&stats.timeouts);
-                }
                 tracing::debug!(xfer = xfer.0, error = %e, "bounce transfer failed");
             }
         }
@@ -632,13 +602,14 @@ impl Driver {
         // Writes may still read the arena: wait for them (bounded), then release.
         let deadline = Instant::now() + Duration::from_secs(5);
         while !self.writes.is_empty() && Instant::now() < deadline {
-            let _ = self.shim.poll_notifs();
+            self.data.progress();
             let _ = self.poll_writes(Instant::now());
             let _ = self.drain_actions();
         }
         for w in self.writes.drain(..) {
-            self.shim.release(w.handle);
+            self.data.release(w.id);
         }
-        // Copy workers are joined when the Driver (and its Workers) drop.
+        self.publish_gauges();
+        // The copy engine waits for its accepted jobs when the Driver drops.
     }
 }

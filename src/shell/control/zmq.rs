@@ -10,6 +10,14 @@
 //! a full queue drops the frame, and the transfer it belonged to times out, never the reactor.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{ControlChannel, ControlError};
+use crate::shell::stats::Stats;
+
+/// Looks up a peer's advertised control endpoint (from the capabilities in its connection
+/// info, kept in the peer table).
+pub(crate) type Resolve = Box<dyn Fn(&str) -> Option<Vec<u8>> + Send>;
 
 /// Longest endpoint string accepted from a peer's capabilities.
 const MAX_ENDPOINT: usize = 256;
@@ -17,7 +25,7 @@ const MAX_ENDPOINT: usize = 256;
 const SEND_HWM: i32 = 65_536;
 
 /// A bound ZMQ control channel.
-pub(super) struct ZmqChannel {
+pub(crate) struct ZmqChannel {
     /// One PUSH socket per peer with the endpoint it is connected to, made on first send and
     /// remade when the peer's advertised endpoint changes (a restarted peer under the same
     /// name). Declared before the context: sockets must close before the context terminates.
@@ -25,30 +33,38 @@ pub(super) struct ZmqChannel {
     pull: zmq::Socket,
     endpoint: String,
     agent: String,
-    _ctx: zmq::Context,
+    resolve: Resolve,
+    /// Malformed messages are counted as dropped control frames.
+    stats: Arc<Stats>,
+    ctx: zmq::Context,
+}
+
+fn zmq_err(op: &'static str) -> impl FnOnce(zmq::Error) -> ControlError {
+    move |source| ControlError::Zmq { op, source }
 }
 
 impl ZmqChannel {
     /// Binds the receiving socket on `host` (an IP address; empty picks the address of the
     /// default route, or loopback without one) and an ephemeral port.
     ///
+    /// `resolve` finds a peer's advertised endpoint when a frame is sent to it.
+    ///
     /// # Errors
-    /// A description of what failed (socket creation, bind, reading the bound endpoint).
-    pub(super) fn bind(agent: &str, host: &str) -> Result<Self, String> {
+    /// [`ControlError::Zmq`] (socket creation, bind, reading the bound endpoint) or
+    /// [`ControlError::EndpointNotUtf8`].
+    pub(crate) fn bind(agent: &str, host: &str, resolve: Resolve, stats: Arc<Stats>) -> Result<Self, ControlError> {
         let ctx = zmq::Context::new();
-        let pull = ctx.socket(zmq::PULL).map_err(|e| format!("creating the ZMQ socket failed: {e}"))?;
+        let pull = ctx.socket(zmq::PULL).map_err(zmq_err("socket"))?;
         let host = if host.is_empty() { default_host() } else { host.to_owned() };
-        pull.set_linger(0).map_err(|e| format!("ZMQ linger: {e}"))?;
-        pull.bind(&format!("tcp://{host}:*")).map_err(|e| format!("binding ZMQ on {host} failed: {e}"))?;
-        let endpoint = pull
-            .get_last_endpoint()
-            .map_err(|e| format!("reading the bound ZMQ endpoint failed: {e}"))?
-            .map_err(|_| "the bound ZMQ endpoint is not UTF-8".to_owned())?;
-        Ok(Self { push: HashMap::new(), pull, endpoint, agent: agent.to_owned(), _ctx: ctx })
+        pull.set_linger(0).map_err(zmq_err("linger"))?;
+        pull.bind(&format!("tcp://{host}:*")).map_err(zmq_err("bind"))?;
+        let endpoint =
+            pull.get_last_endpoint().map_err(zmq_err("last endpoint"))?.map_err(|_| ControlError::EndpointNotUtf8)?;
+        Ok(Self { push: HashMap::new(), pull, endpoint, agent: agent.to_owned(), resolve, stats, ctx })
     }
 
     /// The endpoint peers connect to (`tcp://host:port`), advertised in our capabilities.
-    pub(super) fn endpoint(&self) -> &str {
+    pub(crate) fn endpoint(&self) -> &str {
         &self.endpoint
     }
 
@@ -57,52 +73,63 @@ impl ZmqChannel {
     /// # Errors
     /// The endpoint is not a `tcp://` address, the connect failed, or the frame could not be
     /// queued (the peer's queue is full); nothing blocks.
-    pub(super) fn send(&mut self, peer: &str, peer_endpoint: &[u8], frame: &[u8]) -> Result<(), String> {
+    fn send_to(&mut self, peer: &str, peer_endpoint: &[u8], frame: &[u8]) -> Result<(), ControlError> {
         if self.push.get(peer).is_none_or(|(at, _)| at.as_slice() != peer_endpoint) {
             self.push.remove(peer);
             let endpoint = valid_endpoint(peer_endpoint)?;
-            let s = self._ctx.socket(zmq::PUSH).map_err(|e| format!("creating a ZMQ socket failed: {e}"))?;
-            s.set_linger(0).map_err(|e| format!("ZMQ linger: {e}"))?;
-            s.set_sndhwm(SEND_HWM).map_err(|e| format!("ZMQ high-water mark: {e}"))?;
-            s.connect(endpoint).map_err(|e| format!("connecting to {endpoint} failed: {e}"))?;
+            let s = self.ctx.socket(zmq::PUSH).map_err(zmq_err("socket"))?;
+            s.set_linger(0).map_err(zmq_err("linger"))?;
+            s.set_sndhwm(SEND_HWM).map_err(zmq_err("high-water mark"))?;
+            s.connect(endpoint).map_err(zmq_err("connect"))?;
             self.push.insert(peer.to_owned(), (peer_endpoint.to_vec(), s));
         }
         let (_, s) = &self.push[peer];
-        s.send_multipart([self.agent.as_bytes(), frame], zmq::DONTWAIT)
-            .map_err(|e| format!("queueing a frame for {peer} failed: {e}"))
+        s.send_multipart([self.agent.as_bytes(), frame], zmq::DONTWAIT).map_err(zmq_err("send"))
+    }
+}
+
+impl ControlChannel for ZmqChannel {
+    /// With ZMQ, the peer's endpoint comes from the capabilities in its connection info.
+    fn send(&mut self, peer: &str, frame: &[u8]) -> Result<(), ControlError> {
+        let endpoint = (self.resolve)(peer).ok_or(ControlError::NoEndpoint)?;
+        self.send_to(peer, &endpoint, frame)
     }
 
-    /// Receives up to `max` waiting messages without blocking, handing each well-formed one
-    /// to `f` as (sending agent, frame); returns how many malformed ones were dropped.
-    pub(super) fn poll(&mut self, max: usize, mut f: impl FnMut(String, Vec<u8>)) -> u64 {
-        let mut malformed = 0;
-        for _ in 0..max {
+    /// Receives up to `budget` waiting messages without blocking; malformed ones are counted as
+    /// dropped control frames.
+    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+        let mut got = 0;
+        for _ in 0..budget {
             let Ok(mut parts) = self.pull.recv_multipart(zmq::DONTWAIT) else { break };
             let frame = parts.pop();
             match (parts.pop(), frame, parts.is_empty()) {
                 (Some(name), Some(frame), true) => match String::from_utf8(name) {
-                    Ok(name) => f(name, frame),
-                    Err(_) => malformed += 1,
+                    Ok(name) => {
+                        out.push((name, frame));
+                        got += 1;
+                    }
+                    Err(_) => Stats::bump(&self.stats.control_dropped),
                 },
-                _ => malformed += 1,
+                _ => Stats::bump(&self.stats.control_dropped),
             }
         }
-        malformed
+        got
     }
 
     /// Closes the socket to `peer` (it was lost or removed); a later send reconnects.
-    pub(super) fn forget(&mut self, peer: &str) {
+    fn forget(&mut self, peer: &str) {
         self.push.remove(peer);
     }
 }
 
 /// A peer's advertised endpoint, if it is a plausible `tcp://` address.
-fn valid_endpoint(bytes: &[u8]) -> Result<&str, String> {
-    let s = std::str::from_utf8(bytes).map_err(|_| "the peer's ZMQ endpoint is not UTF-8".to_owned())?;
+fn valid_endpoint(bytes: &[u8]) -> Result<&str, ControlError> {
+    let bad = || ControlError::BadEndpoint(String::from_utf8_lossy(bytes).into_owned());
+    let s = std::str::from_utf8(bytes).map_err(|_| bad())?;
     // Printable ASCII only: the zmq crate panics on an interior NUL (it unwraps a CString).
     let printable = bytes.iter().all(u8::is_ascii_graphic);
     if bytes.len() > MAX_ENDPOINT || !printable || !s.starts_with("tcp://") || s.len() <= "tcp://".len() {
-        return Err(format!("the peer's ZMQ endpoint {s:?} is not a tcp:// address"));
+        return Err(bad());
     }
     Ok(s)
 }
@@ -120,18 +147,24 @@ fn default_host() -> String {
 mod tests {
     use super::*;
 
+    fn bind(agent: &str) -> (ZmqChannel, Arc<Stats>) {
+        let stats = Arc::new(Stats::default());
+        (ZmqChannel::bind(agent, "127.0.0.1", Box::new(|_| None), Arc::clone(&stats)).unwrap(), stats)
+    }
+
     #[test]
     fn frames_travel_between_two_channels_with_the_sender_name() {
-        let mut a = ZmqChannel::bind("alpha", "127.0.0.1").unwrap();
-        let mut b = ZmqChannel::bind("beta", "127.0.0.1").unwrap();
+        let (mut a, _) = bind("alpha");
+        let (mut b, b_stats) = bind("beta");
         assert!(b.endpoint().starts_with("tcp://127.0.0.1:"));
         let ep = b.endpoint().as_bytes().to_vec();
-        a.send("beta", &ep, b"\0BOUNC frame one").unwrap();
-        a.send("beta", &ep, b"frame two").unwrap();
+        a.send_to("beta", &ep, b"\0BOUNC frame one").unwrap();
+        a.send_to("beta", &ep, b"frame two").unwrap();
         let mut got = Vec::new();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while got.len() < 2 && std::time::Instant::now() < deadline {
-            assert_eq!(b.poll(16, |n, f| got.push((n, f))), 0);
+            b.poll(16, &mut got);
+            assert_eq!(b_stats.control_dropped.load(std::sync::atomic::Ordering::Relaxed), 0);
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert_eq!(
@@ -143,31 +176,33 @@ mod tests {
     /// A peer restarted under the same name advertises a new endpoint: frames follow it.
     #[test]
     fn a_new_endpoint_for_the_same_peer_name_is_followed() {
-        let mut a = ZmqChannel::bind("alpha", "127.0.0.1").unwrap();
-        let mut old = ZmqChannel::bind("beta", "127.0.0.1").unwrap();
-        let mut new = ZmqChannel::bind("beta", "127.0.0.1").unwrap();
+        let (mut a, _) = bind("alpha");
+        let (mut old, _) = bind("beta");
+        let (mut new, _) = bind("beta");
         let wait_for = |ch: &mut ZmqChannel, ms: u64| {
             let mut got = Vec::new();
             let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
             while got.is_empty() && std::time::Instant::now() < deadline {
-                ch.poll(16, |_, f| got.push(f));
+                ch.poll(16, &mut got);
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
-            got
+            got.into_iter().map(|(_, f)| f).collect::<Vec<_>>()
         };
-        a.send("beta", old.endpoint().as_bytes(), b"to the old one").unwrap();
+        a.send_to("beta", old.endpoint().as_bytes(), b"to the old one").unwrap();
         assert_eq!(wait_for(&mut old, 10_000), [b"to the old one".to_vec()]);
-        a.send("beta", new.endpoint().as_bytes(), b"to the new one").unwrap();
+        a.send_to("beta", new.endpoint().as_bytes(), b"to the new one").unwrap();
         assert_eq!(wait_for(&mut new, 10_000), [b"to the new one".to_vec()]);
         assert!(wait_for(&mut old, 200).is_empty(), "nothing more goes to the old endpoint");
     }
 
     #[test]
     fn a_bad_peer_endpoint_is_an_error_not_a_crash() {
-        let mut a = ZmqChannel::bind("alpha", "127.0.0.1").unwrap();
+        let (mut a, _) = bind("alpha");
         for bad in [&b""[..], b"tcp://", b"ipc:///tmp/x", b"\xff\xfe", b"tcp://no-such-host-\0:1", &[b'a'; 300][..]] {
-            assert!(a.send("p", bad, b"x").is_err(), "{bad:?}");
+            assert!(a.send_to("p", bad, b"x").is_err(), "{bad:?}");
         }
         assert!(valid_endpoint(b"tcp://10.0.0.1:5555").is_ok());
+        // A peer without a known endpoint is an error too, through the channel interface.
+        assert!(matches!(a.send("p", b"x"), Err(ControlError::NoEndpoint)));
     }
 }

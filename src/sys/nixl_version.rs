@@ -15,7 +15,7 @@
 //! `Version:` header of that METADATA. A NIXL without wheel metadata (a source build) has an
 //! unknown version and is refused the same way, with the same override.
 
-use std::ffi::{CStr, c_char};
+use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -24,7 +24,7 @@ pub(crate) const TESTED_NIXL_VERSIONS: &[&str] = &["1.5.1"];
 
 /// [`TESTED_NIXL_VERSIONS`], comma-separated, for `nixl-bounce doctor` (a unit test keeps the
 /// two equal).
-const TESTED_NIXL_VERSIONS_C: &CStr = c"1.5.1";
+pub(crate) const TESTED_NIXL_VERSIONS_C: &CStr = c"1.5.1";
 
 /// Set to `1` (or `true`/`yes`) to load into an untested or unidentified NIXL anyway.
 pub(crate) const ALLOW_UNTESTED_ENV: &str = "NIXL_BOUNCE_ALLOW_UNTESTED_NIXL";
@@ -199,13 +199,6 @@ pub(crate) fn check(env: impl Fn(&str) -> Option<String>) -> Result<(), Refusal>
     }
 }
 
-/// The NIXL versions this build accepts, comma-separated, static (read by `nixl-bounce doctor`).
-/// `no_mangle` exports it from the cdylib whatever its Rust visibility.
-#[unsafe(no_mangle)]
-pub(crate) extern "C" fn nixl_bounce_tested_nixl_versions() -> *const c_char {
-    TESTED_NIXL_VERSIONS_C.as_ptr()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,8 +303,5 @@ mod tests {
     #[test]
     fn exported_list_matches_the_constant() {
         assert_eq!(TESTED_NIXL_VERSIONS_C.to_str().unwrap(), TESTED_NIXL_VERSIONS.join(","));
-        // SAFETY: the function returns a pointer to a static NUL-terminated string.
-        let exported = unsafe { CStr::from_ptr(nixl_bounce_tested_nixl_versions()) };
-        assert_eq!(exported, TESTED_NIXL_VERSIONS_C);
     }
 }

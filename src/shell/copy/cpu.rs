@@ -1,0 +1,198 @@
+//! The CPU copy engine: worker threads running gathers and scatters with the kernels of
+//! [`super::kernels`], off the reactor thread. Workers never see protocol state: they get a
+//! [`CopyJob`] and report `(JobId, ok)`; each report also wakes the reactor through a callback.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use bounce_proto::endpoint::JobId;
+use crossbeam_channel::{Receiver, Sender};
+
+use super::kernels;
+use super::{CopyEngine, CopyJob, Dir};
+use crate::shell::{Error, Result};
+
+/// The host arena a CPU engine copies into and out of.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostArena {
+    /// Base address.
+    pub(crate) base: u64,
+    /// Length.
+    pub(crate) len: u64,
+    /// Scatter with streaming (non-temporal) stores.
+    pub(crate) streaming_scatter: bool,
+}
+
+/// A pool of copy threads.
+pub(crate) struct CpuEngine {
+    tx: Option<Sender<CopyJob>>,
+    done: Receiver<(JobId, bool)>,
+    in_flight: Arc<AtomicUsize>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl CpuEngine {
+    /// Starts `n` workers (at least one) copying within `arena`; `wake` runs after each job
+    /// finishes (its report is then ready for [`CopyEngine::poll_done`]).
+    ///
+    /// # Errors
+    /// [`Error::Spawn`] when a worker thread cannot be started.
+    pub(crate) fn start(n: u32, arena: HostArena, wake: impl Fn() + Send + Clone + 'static) -> Result<Self> {
+        let (tx, rx): (Sender<CopyJob>, Receiver<CopyJob>) = crossbeam_channel::unbounded();
+        let (done_tx, done) = crossbeam_channel::unbounded();
+        let mut engine = Self { tx: Some(tx), done, in_flight: Arc::new(AtomicUsize::new(0)), threads: Vec::new() };
+        for i in 0..n.max(1) {
+            let (rx, done_tx, wake) = (rx.clone(), done_tx.clone(), wake.clone());
+            let worker = std::thread::Builder::new().name(format!("bounce-copy-{i}")).spawn(move || {
+                for job in rx {
+                    let span = match job.dir {
+                        Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len()),
+                        Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len()),
+                    };
+                    // A panicking job (a bug) reports failure instead of killing the worker
+                    // and leaving the job's transfer to its timeout.
+                    let ok =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| span.in_scope(|| run(arena, &job))))
+                            .unwrap_or(false);
+                    let _ = done_tx.send((job.job, ok));
+                    wake();
+                }
+            });
+            match worker {
+                Ok(t) => engine.threads.push(t),
+                // Dropping `engine` joins the workers already started.
+                Err(source) => return Err(Error::Spawn { what: "copy worker", source }),
+            }
+        }
+        Ok(engine)
+    }
+}
+
+impl CopyEngine for CpuEngine {
+    fn submit(&mut self, job: CopyJob) -> std::result::Result<(), CopyJob> {
+        let Some(tx) = &self.tx else { return Err(job) };
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        tx.send(job).map_err(|e| {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            e.into_inner()
+        })
+    }
+
+    fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
+        let before = out.len();
+        out.extend(self.done.try_iter());
+        let n = out.len() - before;
+        self.in_flight.fetch_sub(n, Ordering::Relaxed);
+        n
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for CpuEngine {
+    fn drop(&mut self) {
+        self.tx = None; // closes the channel: workers finish queued jobs and exit
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Checks a job's arena side, then copies. False when the job would leave its region (the
+/// core never produces such a job; this is defense in depth against a core bug).
+fn run(arena: HostArena, job: &CopyJob) -> bool {
+    if job.region.end() > arena.len {
+        return false;
+    }
+    for r in &job.runs {
+        match r.region_span() {
+            Some((_, end)) if end <= job.region.len => {}
+            _ => return false,
+        }
+        if r.addr_span().is_none() {
+            return false;
+        }
+    }
+    let region_base = arena.base + job.region.offset;
+    let streaming = job.dir == Dir::Scatter && arena.streaming_scatter;
+    for r in &job.runs {
+        for (off, addr, len) in r.copies() {
+            let arena_ptr = (region_base + off) as *mut u8;
+            let user_ptr = addr as *mut u8;
+            let len = len as usize;
+            // SAFETY: the arena side lies inside the mapped arena (checked above: region inside
+            // the arena, every run's span inside the region). The user side is memory the
+            // application registered: for a gather, NIXL validated the local descriptors
+            // against this agent's registrations before calling prepXfer; for a scatter, the
+            // receiver machine checked every run against the registrations made through this
+            // engine before emitting the job. Arena and user memory never overlap (the arena is
+            // our private mapping), and the core hands each region to one job at a time.
+            unsafe {
+                match job.dir {
+                    Dir::Gather => kernels::copy_cached(user_ptr, arena_ptr, len),
+                    Dir::Scatter if streaming => kernels::copy_streaming(arena_ptr, user_ptr, len),
+                    Dir::Scatter => kernels::copy_cached(arena_ptr, user_ptr, len),
+                }
+            }
+        }
+    }
+    if streaming {
+        // The completion this job reports next must not overtake its streaming stores.
+        kernels::fence();
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bounce_proto::{CopyRun, Region};
+    use std::sync::mpsc;
+
+    #[test]
+    fn gather_then_scatter_moves_exact_bytes_and_refuses_escapes() {
+        let mut arena = vec![0u8; 4096];
+        let view = HostArena { base: arena.as_mut_ptr() as u64, len: 4096, streaming_scatter: true };
+        let src: Vec<u8> = (0..64u8).collect();
+        let mut dst = vec![0xEEu8; 128];
+        let (tx, rx) = mpsc::channel();
+        let mut w = CpuEngine::start(2, view, move || tx.send(()).unwrap()).unwrap();
+        let wait_one = |w: &mut CpuEngine| {
+            rx.recv().unwrap();
+            let mut done = Vec::new();
+            assert_eq!(w.poll_done(&mut done), 1);
+            done[0]
+        };
+        let region = Region { offset: 1024, len: 1024 };
+        // two strided pieces of 16 bytes from src into the region
+        let g =
+            CopyRun { region_off: 0, addr: src.as_ptr() as u64, len: 16, count: 2, region_stride: 16, addr_stride: 32 };
+        assert!(w.submit(CopyJob { job: JobId(1), dir: Dir::Gather, region, runs: vec![g] }).is_ok());
+        assert_eq!(w.in_flight(), 1);
+        assert_eq!(wait_one(&mut w), (JobId(1), true));
+        assert_eq!(w.in_flight(), 0);
+        let s = CopyRun {
+            region_off: 0,
+            addr: dst.as_mut_ptr() as u64 + 8,
+            len: 32,
+            count: 1,
+            region_stride: 0,
+            addr_stride: 0,
+        };
+        assert!(w.submit(CopyJob { job: JobId(2), dir: Dir::Scatter, region, runs: vec![s] }).is_ok());
+        assert_eq!(wait_one(&mut w), (JobId(2), true));
+        drop(w);
+        assert!(dst[..8].iter().all(|&b| b == 0xEE));
+        assert_eq!(&dst[8..24], &src[0..16]);
+        assert_eq!(&dst[24..40], &src[32..48]);
+        assert!(dst[40..].iter().all(|&b| b == 0xEE));
+        // a run past its region, and a region past the arena, are refused without copying
+        let bad = CopyRun { region_off: 1000, len: 100, ..s };
+        assert!(!run(view, &CopyJob { job: JobId(3), dir: Dir::Scatter, region, runs: vec![bad] }));
+        let outside = Region { offset: 4000, len: 1024 };
+        assert!(!run(view, &CopyJob { job: JobId(4), dir: Dir::Scatter, region: outside, runs: vec![] }));
+    }
+}

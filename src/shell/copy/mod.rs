@@ -1,0 +1,49 @@
+//! The copy-engine seam: gathers (user memory -> arena region) and scatters (arena region ->
+//! user memory) run on a [`CopyEngine`], which never sees protocol state. Today's engine is
+//! [`cpu::CpuEngine`] (worker threads, [`kernels`]); a CUDA engine plugs in behind the same
+//! trait for GPU arenas.
+
+pub(crate) mod cpu;
+mod kernels;
+
+use bounce_proto::endpoint::JobId;
+use bounce_proto::{CopyRun, Region};
+
+/// Which way a job copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dir {
+    /// User memory -> arena region.
+    Gather,
+    /// Arena region -> user memory.
+    Scatter,
+}
+
+/// One gather or scatter over one arena region (offsets relative to the arena base).
+#[derive(Debug)]
+pub(crate) struct CopyJob {
+    /// Reported back on completion.
+    pub(crate) job: JobId,
+    /// Direction.
+    pub(crate) dir: Dir,
+    /// The arena region.
+    pub(crate) region: Region,
+    /// The copies; each run's `region_off` is relative to `region.offset`.
+    pub(crate) runs: Vec<CopyRun>,
+}
+
+/// A copy engine: CPU workers (memcpy / streaming stores) or CUDA streams (kernels).
+///
+/// Contract: `submit` never blocks; every accepted job is reported exactly once by
+/// `poll_done` (ok=false on any failure); `poll_done` never blocks; dropping the engine waits
+/// for (or safely abandons, never leaving a copy running on freed memory) every accepted job.
+/// The arena an engine copies into and out of is given to it at construction, and it checks
+/// each job's region against that arena before copying (defense in depth).
+pub(crate) trait CopyEngine: Send {
+    /// Queues a job. `Err` gives the job back when the engine cannot take it (closed or
+    /// broken): the caller then fails it.
+    fn submit(&mut self, job: CopyJob) -> Result<(), CopyJob>;
+    /// Appends finished jobs `(job, ok)` to `out`; returns how many were appended.
+    fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize;
+    /// Jobs accepted and not yet reported.
+    fn in_flight(&self) -> usize;
+}

@@ -1,0 +1,142 @@
+//! Sorting the inner engine's notifications: BOUNCE control frames go to the reactor's UCX
+//! control channel, everything else is the application's and waits, in arrival order, for its
+//! `getNotifs`.
+//!
+//! Both the reactor (every pass) and the application (`getNotifs`) pull from the inner engine:
+//! the application must see its notifications without waiting for the reactor, and the reactor
+//! must see control frames even when the application never polls. Whoever pulls sorts, here,
+//! once: a frame travels up from the shim to its reader and never back through the FFI.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::Thread;
+
+use bounce_proto::wire;
+use parking_lot::Mutex;
+
+use crate::shell::stats::Stats;
+use crate::sys::nixl::NixlStatus;
+use crate::sys::shim::{Notif, Shim};
+
+/// Most control frames kept for a reactor that does not drain them (it died): a hostile peer
+/// must not grow memory without bound.
+const MAX_QUEUED_CONTROL: usize = 1 << 16;
+
+/// The sorting point for inner-engine notifications.
+pub(crate) struct Mailroom {
+    /// The application's notifications, in arrival order. Held while pulling, so two threads'
+    /// pulls cannot overtake each other on the way in.
+    app: Mutex<VecDeque<Notif>>,
+    /// Control frames for the UCX control channel, in arrival order.
+    control: Mutex<VecDeque<(String, Vec<u8>)>>,
+    /// True while a reactor reads control frames from UCX (`bounce_control=ucx`); otherwise
+    /// control frames arriving over UCX are dropped and counted.
+    accepts_control: AtomicBool,
+    /// The reactor to wake when another thread's pull found control frames.
+    reactor: Mutex<Option<Thread>>,
+    stats: Arc<Stats>,
+}
+
+impl Mailroom {
+    /// An empty mailroom that accepts no control frames yet.
+    pub(crate) fn new(stats: Arc<Stats>) -> Self {
+        Self {
+            app: Mutex::new(VecDeque::new()),
+            control: Mutex::new(VecDeque::new()),
+            accepts_control: AtomicBool::new(false),
+            reactor: Mutex::new(None),
+            stats,
+        }
+    }
+
+    /// From now on control frames go to the UCX channel; `reactor` is woken when another
+    /// thread's pull queued some.
+    pub(crate) fn accept_control(&self, reactor: Thread) {
+        *self.reactor.lock() = Some(reactor);
+        self.accepts_control.store(true, Ordering::Release);
+    }
+
+    /// Pulls every notification waiting in the inner engine and sorts it.
+    ///
+    /// # Errors
+    /// The inner engine's `getNotifs` status when it failed (nothing was pulled).
+    pub(crate) fn pull(&self, shim: &Shim) -> Result<(), NixlStatus> {
+        let mut app = self.app.lock();
+        let mut got = Vec::new();
+        shim.poll_notifs(&mut got)?;
+        self.sort(&mut app, got);
+        Ok(())
+    }
+
+    /// Sorts pulled notifications (in arrival order) into the two queues.
+    fn sort(&self, app: &mut VecDeque<Notif>, got: Vec<Notif>) {
+        let mut queued = false;
+        for n in got {
+            if !wire::is_control_frame(&n.msg) {
+                app.push_back(n);
+                continue;
+            }
+            let accepted = self.accepts_control.load(Ordering::Acquire);
+            match (accepted, String::from_utf8(n.agent)) {
+                (true, Ok(agent)) => {
+                    let mut q = self.control.lock();
+                    if q.len() < MAX_QUEUED_CONTROL {
+                        q.push_back((agent, n.msg));
+                        queued = true;
+                    } else {
+                        Stats::bump(&self.stats.control_dropped);
+                    }
+                }
+                _ => Stats::bump(&self.stats.control_dropped),
+            }
+        }
+        if queued {
+            if let Some(t) = self.reactor.lock().as_ref() {
+                t.unpark();
+            }
+        }
+    }
+
+    /// The application's notifications, in arrival order.
+    pub(crate) fn take_app(&self) -> Vec<Notif> {
+        self.app.lock().drain(..).collect()
+    }
+
+    /// Moves up to `budget` control frames to `out`; returns how many.
+    pub(crate) fn take_control(&self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+        let mut q = self.control.lock();
+        let n = budget.min(q.len());
+        out.extend(q.drain(..n));
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn notif(agent: &[u8], msg: &[u8]) -> Notif {
+        Notif { agent: agent.to_vec(), msg: msg.to_vec() }
+    }
+
+    #[test]
+    fn control_frames_go_to_the_channel_and_the_rest_stays_in_order() {
+        let stats = Arc::new(Stats::default());
+        let m = Mailroom::new(Arc::clone(&stats));
+        let hello = wire::encode_hello(7);
+        let mut app = m.app.lock();
+        // No reactor reads UCX control frames yet: they are dropped and counted.
+        m.sort(&mut app, vec![notif(b"p", &hello), notif(b"p", b"app one")]);
+        assert_eq!(stats.control_dropped.load(Ordering::Relaxed), 1);
+        m.accept_control(std::thread::current());
+        m.sort(&mut app, vec![notif(b"p", b"app two"), notif(b"p", &hello), notif(b"\xff", &hello)]);
+        drop(app);
+        assert_eq!(stats.control_dropped.load(Ordering::Relaxed), 2, "a non-UTF-8 sender is dropped");
+        assert_eq!(m.take_app(), [notif(b"p", b"app one"), notif(b"p", b"app two")]);
+        assert!(m.take_app().is_empty());
+        let mut out = Vec::new();
+        assert_eq!(m.take_control(8, &mut out), 1);
+        assert_eq!(out, [("p".to_owned(), hello)]);
+    }
+}

@@ -1,0 +1,355 @@
+//! Two reactors joined in memory, without NIXL: control frames over [`MemNet`] (with its fault
+//! hook), writes over [`MemPath`] (a memcpy between the two arenas), gathers and scatters on
+//! the real CPU copy engine. Each test checks what the application would see: the request's
+//! final state and the bytes at the destination.
+
+use std::sync::atomic::AtomicUsize;
+
+use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::wire::{Capabilities, WIRE_VERSION};
+use bounce_proto::{ControlKind, MemKind};
+use memmap2::MmapMut;
+
+use super::*;
+use crate::shell::control::mem::{Fate, MemNet};
+use crate::shell::copy::cpu::{CpuEngine, HostArena};
+use crate::shell::registry::Registration;
+use crate::shell::requests::State;
+use crate::sys::nixl::NixlStatus;
+
+/// Descriptors per transfer, each `PIECE` bytes: 64 KiB in all, 16 chunks of 4 KiB.
+const PIECES: usize = 256;
+const PIECE: usize = 256;
+
+/// Messages kept by a test, `(peer or kind, bytes)`: a data path's notifications, captured frames.
+type Sent = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
+/// Writes between two arenas of this process: the bytes are copied at the post; every second
+/// write then reports in flight once, so the reactor's polling path runs too.
+#[derive(Default)]
+struct MemPath {
+    notified: Sent,
+    posted: u64,
+}
+
+impl DataPath for MemPath {
+    fn write(
+        &mut self,
+        _peer: &str,
+        local: WriteSide,
+        remote: WriteSide,
+        len: u64,
+    ) -> std::result::Result<Posted, NixlStatus> {
+        // SAFETY: test only. `local` lies in the sender's arena or a live test buffer, `remote`
+        // inside the receiver's arena (the reactor checked the credit against the arena length
+        // it advertised); both are distinct live allocations for the test's duration.
+        unsafe { std::ptr::copy_nonoverlapping(local.addr as *const u8, remote.addr as *mut u8, len as usize) };
+        self.posted += 1;
+        Ok(if self.posted % 2 == 0 { Posted::InFlight(WriteId(self.posted)) } else { Posted::Done })
+    }
+
+    fn check(&mut self, _w: &WriteId) -> WriteState {
+        WriteState::Done
+    }
+
+    fn release(&mut self, _w: WriteId) {}
+
+    fn notify(&mut self, peer: &str, msg: &[u8]) -> std::result::Result<(), NixlStatus> {
+        self.notified.lock().push((peer.to_owned(), msg.to_vec()));
+        Ok(())
+    }
+
+    fn progress(&mut self) {}
+}
+
+/// One engine's reactor over a private arena. Field order is drop order: the reactor stops
+/// before its arena is unmapped.
+struct Side {
+    reactor: Reactor,
+    shared: Arc<Shared>,
+    caps: Capabilities,
+    notified: Sent,
+    _arena: MmapMut,
+}
+
+impl Side {
+    fn start(name: &str, session: u64, config: &Config, net: &MemNet) -> Self {
+        let mut arena = MmapMut::map_anon(config.arena_size as usize).unwrap();
+        let base = arena.as_mut_ptr() as u64;
+        let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default()));
+        let host = HostArena { base, len: config.arena_size, streaming_scatter: true };
+        let waker = Arc::clone(&shared);
+        let copier = CpuEngine::start(config.copy_workers, host, move || waker.inbox.wake()).unwrap();
+        let path = MemPath::default();
+        let notified = Arc::clone(&path.notified);
+        let parts = Parts {
+            session,
+            endpoint: name.as_bytes().to_vec(),
+            arena: LocalArena { base, md: Md(0) },
+            copier: Box::new(copier),
+            data: Box::new(path),
+            control: Box::new(net.join(name)),
+            control_budget: SOCKET_POLL_BATCH,
+        };
+        let reactor = Reactor::start(config, Arc::clone(&shared), parts).unwrap();
+        let caps = Capabilities {
+            wire_version: u16::from(WIRE_VERSION),
+            control: ControlKind::Ucx,
+            mem: MemKind::Dram,
+            arena_base: base,
+            arena_len: config.arena_size,
+            arena_dev: 0,
+            usable_capacity: config.arena_usable_capacity(),
+            max_chunk: config.max_chunk_size,
+            session,
+            arena_key: Vec::new(),
+            endpoint: Vec::new(),
+        };
+        Self { reactor, shared, caps, notified, _arena: arena }
+    }
+
+    /// NIXL loaded `other`'s connection info here and its arena into the inner engine.
+    fn load(&self, name: &str, other: &Self) {
+        self.shared.peers.loaded(name, Some(other.caps.clone()));
+        assert!(self.shared.peers.arena_loaded(name, Some(Md(1))));
+        self.shared.inbox.push(Cmd::Hello(name.to_owned()));
+    }
+
+    /// Registers `buf` through this engine (the receiver may scatter into it).
+    fn register(&self, buf: &mut [u8]) {
+        let (addr, len) = (buf.as_mut_ptr() as u64, buf.len() as u64);
+        self.shared.registry.insert(Md(addr as usize), Registration { addr, len, dev: 0, mem: MemKind::Dram });
+        self.shared.inbox.push(Cmd::Registered(addr, len));
+    }
+
+    /// Prepares and posts a WRITE of `src[i*2*PIECE..][..PIECE]` to `dst[i*3*PIECE..][..PIECE]`
+    /// at `peer`; returns the request handle.
+    fn post(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8]) -> u64 {
+        let pairs: Vec<DescPair> = (0..PIECES)
+            .map(|i| DescPair {
+                src: src.as_ptr() as u64 + (i * 2 * PIECE) as u64,
+                dst: dst.as_mut_ptr() as u64 + (i * 3 * PIECE) as u64,
+                len: PIECE as u64,
+            })
+            .collect();
+        let mut p = plan::plan(&pairs, PlanParams::from_config(config)).unwrap();
+        for c in &mut p.chunks {
+            c.direct = None; // the source is not registered here: every chunk is gathered
+        }
+        assert!(p.chunks.len() >= 4, "the tests need several chunks in flight");
+        let h = self.shared.requests.insert(peer.to_owned(), p);
+        let posted = self.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
+        self.shared.inbox.push(Cmd::Submit(posted));
+        h
+    }
+
+    /// The request's final state (panics if it does not finish within `limit`).
+    fn outcome(&self, h: u64, limit: Duration) -> std::result::Result<(), XferError> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(State::Done(r)) = self.shared.requests.state(h) {
+                return r;
+            }
+            assert!(Instant::now() < deadline, "request {h} did not finish within {limit:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn stat(&self, c: impl Fn(&Stats) -> &std::sync::atomic::AtomicU64) -> u64 {
+        c(&self.shared.stats).load(Ordering::Relaxed)
+    }
+}
+
+fn config(timeout_ms: &str) -> Config {
+    let params = [
+        ("bounce_arena_size", "256KiB"),
+        ("bounce_arena_granularity", "4KiB"),
+        ("bounce_max_chunk_size", "4KiB"),
+        ("bounce_max_inflight_chunks", "4"),
+        ("bounce_copy_workers", "1"),
+        ("bounce_request_timeout_ms", timeout_ms),
+    ];
+    Config::from_params(params, |_| None).unwrap().config
+}
+
+/// Two reactors that loaded each other and exchanged HELLOs.
+fn pair(config: &Config, net: &MemNet) -> (Side, Side) {
+    let (a, b) = (Side::start("a", 11, config, net), Side::start("b", 22, config, net));
+    a.load("b", &b);
+    b.load("a", &a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(a.shared.peers.can_bounce("b") && b.shared.peers.can_bounce("a")) {
+        assert!(Instant::now() < deadline, "HELLOs were not exchanged");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (a, b)
+}
+
+fn buffers() -> (Vec<u8>, Vec<u8>) {
+    let src: Vec<u8> = (0..PIECES * 2 * PIECE).map(|i| (i * 7 + i / 251) as u8).collect();
+    (src, vec![0xEE; PIECES * 3 * PIECE])
+}
+
+/// Every piece landed where it belongs, and nothing between the pieces was touched.
+fn assert_exact(src: &[u8], dst: &[u8]) {
+    for i in 0..PIECES {
+        let (s, d) = (i * 2 * PIECE, i * 3 * PIECE);
+        assert_eq!(&dst[d..d + PIECE], &src[s..s + PIECE], "piece {i}");
+        assert!(dst[d + PIECE..d + 3 * PIECE].iter().all(|&b| b == 0xEE), "gap after piece {i}");
+    }
+}
+
+fn kind(frame: &[u8]) -> Option<&'static str> {
+    Frame::decode(frame).ok().map(|f| match f.msg {
+        Msg::Want(_) => "want",
+        Msg::Grant(_) => "grant",
+        Msg::Data(_) => "data",
+        Msg::Ack(_) => "ack",
+    })
+}
+
+#[test]
+fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
+    assert_eq!(a.stat(|s| &s.bounce_ok), 1);
+    assert_eq!(b.stat(|s| &s.control_dropped), 0);
+    drop((a.reactor, b.reactor));
+}
+
+#[test]
+fn a_lost_data_frame_fails_the_transfer_by_timeout_never_success() {
+    let cfg = config("300");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    let lost = Arc::new(AtomicUsize::new(0));
+    let l = Arc::clone(&lost);
+    net.set_fault(move |_, _, f| {
+        if kind(f) == Some("data") && l.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Drop } else { Fate::Deliver }
+    });
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Err(XferError::Timeout));
+    assert!(lost.load(Ordering::Relaxed) >= 1, "a DATA frame was lost");
+    assert!(a.notified.lock().is_empty(), "a failed transfer sends no notification");
+    // The shell's timeout counter is the core's.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while a.stat(|s| &s.timeouts) != 1 {
+        assert!(Instant::now() < deadline, "timeouts = {}", a.stat(|s| &s.timeouts));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_reordered_data_frame_still_lands_byte_exact() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    let held = Arc::new(AtomicUsize::new(0));
+    let h2 = Arc::clone(&held);
+    net.set_fault(move |_, _, f| {
+        if kind(f) == Some("data") && h2.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Hold } else { Fate::Deliver }
+    });
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert!(held.load(Ordering::Relaxed) >= 2, "the first DATA was held behind a later one");
+    assert_exact(&src, &dst);
+}
+
+#[test]
+fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    let free_before = {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while a.stat(|s| &s.arena_free_bytes) == 0 {
+            assert!(Instant::now() < deadline);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        a.stat(|s| &s.arena_free_bytes)
+    };
+    // The receiver's ACKs never arrive: the transfer cannot finish on its own.
+    let data_sent = Arc::new(AtomicUsize::new(0));
+    let d = Arc::clone(&data_sent);
+    net.set_fault(move |_, _, f| match kind(f) {
+        Some("ack") => Fate::Drop,
+        Some("data") => {
+            d.fetch_add(1, Ordering::Relaxed);
+            Fate::Deliver
+        }
+        _ => Fate::Deliver,
+    });
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while data_sent.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "no DATA was sent");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let lost_at = Instant::now();
+    a.shared.peers.lost("b");
+    a.shared.inbox.push(Cmd::PeerLost("b".to_owned()));
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::PeerLost));
+    assert!(lost_at.elapsed() < Duration::from_secs(5), "failed by the loss, not by the 60 s timeout");
+    assert!(!a.shared.peers.can_bounce("b"));
+    // Every staging region comes back once the gathers and writes in flight have ended.
+    while a.stat(|s| &s.arena_free_bytes) != free_before || a.stat(|s| &s.arena_orphans) != 0 {
+        assert!(Instant::now() < deadline, "the arena was not reclaimed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counted() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    // Keep a copy of the first WANT (a -> b) and the first ACK (b -> a) of a real transfer.
+    let seen: Sent = Arc::default();
+    let s = Arc::clone(&seen);
+    net.set_fault(move |_, _, f| {
+        if let Some(k @ ("want" | "ack")) = kind(f) {
+            let mut s = s.lock();
+            if !s.iter().any(|(seen, _)| seen == k) {
+                s.push((k.to_owned(), f.to_vec()));
+            }
+        }
+        Fate::Deliver
+    });
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    let frame = |k: &str| seen.lock().iter().find(|(s, _)| s == k).map(|(_, f)| f.clone()).unwrap();
+    let (want, ack) = (frame("want"), frame("ack"));
+    let (a_dropped, b_dropped) = (a.stat(|s| &s.control_dropped), b.stat(|s| &s.control_dropped));
+    // A valid WANT from an agent b never loaded, and bytes that only start like a frame.
+    let mut stranger = net.join("x");
+    stranger.send("b", &want).unwrap();
+    stranger.send("b", &want[..want.len() / 2]).unwrap();
+    // An ACK under a session that is not b's current one (only a WANT may start a new session).
+    let mut stale = Frame::decode(&ack).unwrap();
+    stale.session ^= 1;
+    net.join("b").send("a", &stale.to_vec()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.stat(|s| &s.control_dropped) < b_dropped + 2 || a.stat(|s| &s.control_dropped) < a_dropped + 1 {
+        assert!(Instant::now() < deadline, "the frames were not dropped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(b.stat(|s| &s.control_dropped), b_dropped + 2);
+    assert_eq!(a.stat(|s| &s.control_dropped), a_dropped + 1);
+    assert_eq!(b.shared.peers.known_id("x"), None, "a stranger's frames add nothing to the peer table");
+}

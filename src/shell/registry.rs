@@ -1,0 +1,85 @@
+//! The registrations made through this engine, kept in one place: the application threads
+//! record them, the gate reads them (may a chunk be written straight from user memory?), the
+//! reactor resolves a direct write's source from them and feeds the core's own copy (the
+//! receiver's scatter check, which stays in the core).
+
+use std::collections::HashMap;
+
+use bounce_proto::MemKind;
+use parking_lot::Mutex;
+
+use crate::sys::shim::Md;
+
+/// A registration made through this engine (the receiver only ever scatters into these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Registration {
+    /// Start address.
+    pub(crate) addr: u64,
+    /// Length in bytes.
+    pub(crate) len: u64,
+    /// Device id (GPU ordinal for VRAM).
+    pub(crate) dev: u64,
+    /// Memory kind.
+    pub(crate) mem: MemKind,
+}
+
+impl Registration {
+    /// True when `[addr, addr + len)` lies inside this host-memory registration.
+    fn covers_host(&self, addr: u64, len: u64) -> bool {
+        self.mem == MemKind::Dram
+            && addr.checked_add(len).is_some_and(|end| self.addr <= addr && end <= self.addr + self.len)
+    }
+}
+
+/// The one table of registrations, keyed by the inner engine's metadata handle.
+#[derive(Debug, Default)]
+pub(crate) struct Registry(Mutex<HashMap<Md, Registration>>);
+
+impl Registry {
+    /// Records a registration.
+    pub(crate) fn insert(&self, md: Md, reg: Registration) {
+        self.0.lock().insert(md, reg);
+    }
+
+    /// Forgets a registration; returns it.
+    pub(crate) fn remove(&self, md: Md) -> Option<Registration> {
+        self.0.lock().remove(&md)
+    }
+
+    /// How many there are.
+    pub(crate) fn len(&self) -> usize {
+        self.0.lock().len()
+    }
+
+    /// Every host-memory registration, for replay to a reactor that starts after them.
+    pub(crate) fn host(&self) -> Vec<(Md, Registration)> {
+        self.0.lock().iter().filter(|(_, r)| r.mem == MemKind::Dram).map(|(m, r)| (*m, *r)).collect()
+    }
+
+    /// The host-memory registration holding all of `[addr, addr + len)`, with its handle.
+    pub(crate) fn host_covering(&self, addr: u64, len: u64) -> Option<(Md, Registration)> {
+        self.0.lock().iter().find(|(_, r)| r.covers_host(addr, len)).map(|(m, r)| (*m, *r))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_one_host_registration_covering_the_whole_range_counts() {
+        let r = Registry::default();
+        r.insert(Md(1), Registration { addr: 1000, len: 100, dev: 0, mem: MemKind::Dram });
+        r.insert(Md(2), Registration { addr: 5000, len: 100, dev: 0, mem: MemKind::Vram });
+        assert_eq!(r.host_covering(1000, 100).map(|(m, _)| m), Some(Md(1)));
+        assert_eq!(r.host_covering(1050, 50).map(|(m, _)| m), Some(Md(1)));
+        assert!(r.host_covering(1050, 51).is_none(), "past the end");
+        assert!(r.host_covering(999, 2).is_none(), "before the start");
+        assert!(r.host_covering(5000, 10).is_none(), "GPU memory is never a CPU write source");
+        assert!(r.host_covering(u64::MAX - 1, 10).is_none(), "no overflow");
+        assert_eq!(r.host().len(), 1);
+        assert_eq!(r.len(), 2);
+        assert!(r.remove(Md(1)).is_some());
+        assert!(r.host_covering(1000, 100).is_none());
+    }
+}
