@@ -73,7 +73,8 @@ int32_t bnc_mem_registered(void *engine, const void *md, uint64_t addr, uint64_t
                            uint64_t dev, int32_t mem);
 void bnc_mem_deregistered(void *engine, const void *md);
 
-// Live counters, one "stats.<name>=<value>" line per sink call.
+// Live counters that changed since the last call (all of them the first time), one
+// "stats.<name>=<value>" line per sink call; the sink runs under Rust's publish lock.
 void bnc_stats(void *engine, bnc_sink line, void *ctx);
 
 // After the inner engine loaded a peer's conn info: Rust tells the peer we can answer it

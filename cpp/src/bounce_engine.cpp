@@ -369,20 +369,24 @@ private:
     // Publishes the counters as "stats.*" backend params, readable through NIXL's own
     // getBackendParams. The keys are inserted once at creation so later updates never rehash
     // the map a reader may be iterating; values are short (SSO) strings.
+    // Rust hands over only the counters that changed since the last publish (while holding its
+    // publish lock, so concurrent publishers stay ordered), so a polling loop (getNotifs,
+    // checkXfer) pays neither the formatting nor the lock when nothing moved.
     void refreshStats() {
-        Lock g(mu_);
-        std::vector<std::string> lines;
-        bnc_stats(rust_, [](void *ctx, const uint8_t *p, size_t n) {
-            static_cast<std::vector<std::string> *>(ctx)->emplace_back(
-                reinterpret_cast<const char *>(p), n);
-        }, &lines);
-        for (const auto &l : lines) {
-            const auto eq = l.find('=');
-            if (eq == std::string::npos) continue;
-            auto it = mutableParams().find(l.substr(0, eq));
-            if (it != mutableParams().end()) it->second = l.substr(eq + 1);
-            else mutableParams().emplace(l.substr(0, eq), l.substr(eq + 1));
-        }
+        bnc_stats(rust_, [](void *ctx, const uint8_t *p, size_t n) noexcept {
+            // Called from Rust: nothing may unwind out of here (a lost counter update is fine).
+            try {
+                auto *self = static_cast<BounceEngine *>(ctx);
+                const std::string l(reinterpret_cast<const char *>(p), n);
+                const auto eq = l.find('=');
+                if (eq == std::string::npos) return;
+                Lock g(self->mu_);
+                auto it = self->mutableParams().find(l.substr(0, eq));
+                if (it != self->mutableParams().end()) it->second = l.substr(eq + 1);
+                else self->mutableParams().emplace(l.substr(0, eq), l.substr(eq + 1));
+            } catch (...) {
+            }
+        }, this);
     }
     void fail(const std::string &why) {
         std::fprintf(stderr, "%s\n", why.c_str());

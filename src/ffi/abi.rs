@@ -387,9 +387,7 @@ pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, line: BncSink, ctx: *mut
     guard_void("bnc_stats", || {
         // SAFETY: caller contract.
         if let Some(e) = unsafe { engine_ref(engine) } {
-            for (k, v) in e.stats() {
-                give(line, ctx, format!("stats.{k}={v}").as_bytes());
-            }
+            e.publish_changed_stats(|k, v| give(line, ctx, format!("stats.{k}={v}").as_bytes()));
         }
     });
 }

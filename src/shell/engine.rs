@@ -16,6 +16,7 @@ use bounce_proto::config::Config;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Capabilities, ConnEnvelope};
 use bounce_proto::{ControlKind, MemKind};
+use parking_lot::Mutex;
 
 use crate::shell::arena::Arena;
 use crate::shell::control::ControlChannel;
@@ -113,6 +114,8 @@ pub(crate) struct Engine {
     shim: Option<Shim>,
     bounce: Option<Bounce>,
     plugin: InnerPlugin,
+    /// The counter values last published to NIXL (see [`Engine::stats_changed`]).
+    published: Mutex<Vec<u64>>,
 }
 
 impl Engine {
@@ -154,6 +157,7 @@ impl Engine {
             shim: None,
             bounce: None,
             plugin,
+            published: Mutex::new(Vec::new()),
         };
         Ok((engine, inner))
     }
@@ -330,7 +334,11 @@ impl Engine {
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
         // naming a GPU address in DATA must be refused, not dereferenced.
         if let (Some(sh), MemKind::Dram) = (self.shared(), reg.mem) {
-            sh.inbox.push(Cmd::Registered(reg.addr, reg.len));
+            // No wake-up: the reactor needs it only for a later DATA or direct write, and it
+            // drains its inbox, in order, before acting on either. Waking it made it take the
+            // inner engine's lock right when the application's next call needed it (a
+            // register + deregister cost 3x UCX's on 2 cores, issue 12).
+            sh.inbox.push_quiet(Cmd::Registered(reg.addr, reg.len));
         }
     }
 
@@ -338,7 +346,7 @@ impl Engine {
     pub(crate) fn mem_deregistered(&self, md: Md) {
         if let (Some(r), Some(sh)) = (self.registry.remove(md), self.shared()) {
             if r.mem == MemKind::Dram {
-                sh.inbox.push(Cmd::Deregistered(r.addr, r.len));
+                sh.inbox.push_quiet(Cmd::Deregistered(r.addr, r.len));
             }
         }
     }
@@ -477,6 +485,25 @@ impl Engine {
             self.stats.peers_ready.store(self.peers.ready() as u64, Ordering::Relaxed);
         }
         self.stats.snapshot()
+    }
+
+    /// Hands `publish` the counters that changed since the last call (all of them the first
+    /// time). Publishing means formatting a line per counter and taking the inner engine's
+    /// lock: a polling loop (getNotifs, checkXfer) must not pay that when nothing moved, nor a
+    /// prep that bumps two counters pay for twenty (measured: an empty getNotifs cost 6x UCX's,
+    /// issue 12). `publish` runs under this engine's publish lock, so two threads publishing at
+    /// once cannot leave an older value behind a newer one.
+    pub(crate) fn publish_changed_stats(&self, mut publish: impl FnMut(&'static str, u64)) {
+        let snap = self.stats();
+        let mut last = self.published.lock();
+        let fresh = last.len() != snap.len();
+        for (i, &(name, v)) in snap.iter().enumerate() {
+            if fresh || last[i] != v {
+                publish(name, v);
+            }
+        }
+        last.clear();
+        last.extend(snap.iter().map(|(_, v)| *v));
     }
 }
 

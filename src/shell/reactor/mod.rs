@@ -67,6 +67,12 @@ impl Inbox {
         self.wake();
     }
 
+    /// Queues a command without waking the reactor: bookkeeping it needs only before its next
+    /// pass, which drains the inbox in order before anything else.
+    pub(crate) fn push_quiet(&self, cmd: Cmd) {
+        self.q.lock().push_back(cmd);
+    }
+
     /// Wakes the reactor (a copy finished, a frame arrived).
     pub(crate) fn wake(&self) {
         if let Some(t) = self.thread.lock().as_ref() {
