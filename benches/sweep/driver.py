@@ -94,6 +94,8 @@ class Pair:
             after = self.tgt.call(op="pace", us=IDLE_PACE_US)
         res["target_cpu"] = after["cpu"] - before["cpu"]
         res["target_notifs"] = after["notifs"] - before["notifs"]
+        res["target_threads"] = {k: round(v - before["threads"].get(k, 0), 3) for k, v in after["threads"].items()
+                                 if v - before["threads"].get(k, 0) > 0}
         return res
 
     def close(self):
@@ -137,6 +139,8 @@ def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row
                dynamic_ncols=True, file=sys.stderr)
     shapes = list(dict.fromkeys(p.shape for p in points))
     index = 0
+    # Everything measured, samples and per-thread CPU included, one JSON object per line.
+    raw = open(os.path.join(outdir, "measurements.jsonl"), "w")
     for shape in shapes:
         todo = [p for p in points if p.shape == shape]
         bar.set_description(f"{shape}: starting {len(variants)} pairs")
@@ -154,6 +158,8 @@ def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row
                     res = pairs[v.label].measure(p, budget, src, buffers)
                     row = report.row(p, v, res)
                     rows.append(row)
+                    raw.write(json.dumps({**row, "raw": res}) + "\n")
+                    raw.flush()
                     if on_row:
                         on_row(row)
                     bar.update(1)
@@ -161,4 +167,5 @@ def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row
             for pr in pairs.values():
                 pr.close()
     bar.close()
+    raw.close()
     return rows

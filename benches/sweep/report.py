@@ -50,7 +50,7 @@ def row(point, variant, res):
                 batch_size=point.count, concurrency=point.conc, backend=variant.label,
                 samples=len(lat), avg_us=float(lat.mean()), p50_us=float(np.percentile(lat, 50)),
                 p99_us=float(np.percentile(lat, 99)), min_us=float(lat.min()), max_us=float(lat.max()),
-                gbps=res["bytes"] / res["wall"] / 1e9 if res["wall"] > 0 else float("nan"),
+                gbps=res["bytes"] / res["loop_wall"] / 1e9,
                 ratio_p50_vs_ucx=None, path=path(res["stats_before"], res["stats_after"]),
                 bounce_xfers=delta(res, "bounce_xfers"), bounce_chunks=delta(res, "bounce_chunks"),
                 chunks_direct=delta(res, "chunks_direct"), initiator_cpu_s=res["cpu"],

@@ -9,10 +9,10 @@ Commands (every reply is one JSON line with "ok"):
   {"op": "load", "meta": b64}           add the other side's agent
   {"op": "ready", "backend"}            (BOUNCE) wait until the peer may take the bounce path
   {"op": "pace", "us"}                  (target) poll notifications every `us` us from now
-      -> {"notifs": received so far, "cpu": process CPU seconds so far}
+      -> {"notifs": received so far, "cpu": process CPU seconds so far, "threads": per name}
   {"op": "run", "point", "budget", "peer", "raddr", "src", "notif_thread", "notif"}
-      (initiator) one measurement -> {"lat", "wall", "bytes", "stats_before", "stats_after",
-      "cpu", "notif_calls"}
+      (initiator) one measurement -> {"lat", "loop_wall", "bytes", "stats_before", "stats_after",
+      "cpu", "threads", "check_calls", "check_call_s", "notif_calls", "notif_call_s"}
   {"op": "exit"}
 """
 import base64
@@ -40,6 +40,22 @@ def cpu_seconds():
     """CPU time of this whole process (every thread: BOUNCE's reactor and copy workers too)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def thread_cpu():
+    """CPU seconds per thread name (/proc: the reactor, copy workers, UCX's and Python's own
+    threads), summed over threads of the same name."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 class Buffers:
@@ -105,22 +121,30 @@ class Initiator:
         stop_notifs = threading.Event()
         notif_calls = [0]
 
+        notif_time = [0.0]
+
         def notif_loop():  # the application's second thread
+            t = time.perf_counter
             while not stop_notifs.is_set():
+                t0 = t()
                 ag.get_new_notifs()
+                notif_time[0] += t() - t0
                 notif_calls[0] += 1
 
         helper = threading.Thread(target=notif_loop, daemon=True) if cmd["notif_thread"] else None
         if helper:
             helper.start()
-        lat, warm = [], b["warmup"]
+        # One full round of the requests in flight is dropped too: their first completions come
+        # in a burst (posted together), not at the steady state the samples should show.
+        lat, warm = [], max(b["warmup"], len(handles))
+        completed = 0
         posted = [0.0] * len(handles)
         live = [True] * len(handles)
-        cpu0 = cpu_seconds()
+        cpu0, threads0 = cpu_seconds(), thread_cpu()
+        check_calls, check_time = 0, 0.0
         clock = time.perf_counter
         t_start = clock()
-        t_measure = t_start if warm == 0 else None
-        t_last = t_start
+        t_measure = None
         for i, h in enumerate(handles):
             posted[i] = clock()
             if ag.transfer(h) == "ERR":
@@ -130,19 +154,22 @@ class Initiator:
             for i, h in enumerate(handles):
                 if not live[i]:
                     continue
+                t0 = clock()
                 state = ag.check_xfer_state(h)
+                check_time += clock() - t0
+                check_calls += 1
                 if state == "PROC":
                     continue
                 if state != "DONE":
                     raise RuntimeError(f"transfer ended {state}")
                 now = clock()
+                completed += 1
                 if warm > 0:
                     warm -= 1
                     if warm == 0:
                         t_measure = now
                 elif sampling:
                     lat.append(now - posted[i])
-                    t_last = now
                 if sampling and t_measure is not None:
                     n, el = len(lat), now - t_measure
                     if n >= b["max_samples"] or (el >= b["max_time"] and n > 0) \
@@ -155,6 +182,8 @@ class Initiator:
                 else:
                     live[i] = False
         cpu = cpu_seconds() - cpu0
+        threads1 = thread_cpu()
+        threads = {k: round(v - threads0.get(k, 0), 3) for k, v in threads1.items() if v - threads0.get(k, 0) > 0}
         wall = clock() - t_start
         if helper:
             stop_notifs.set()
@@ -163,8 +192,10 @@ class Initiator:
         for h in handles:
             ag.release_xfer_handle(h)
         p = cmd["point"]
-        return dict(lat=lat, wall=t_last - t_measure if lat else 0.0, loop_wall=wall,
-                    bytes=len(lat) * p["size"] * p["count"], cpu=cpu, notif_calls=notif_calls[0],
+        # Bandwidth as nixlbench gives it: every byte moved over the whole loop's time.
+        return dict(lat=lat, loop_wall=wall, bytes=completed * p["size"] * p["count"], cpu=cpu,
+                    notif_calls=notif_calls[0], notif_call_s=notif_time[0], check_calls=check_calls,
+                    check_call_s=check_time, threads=threads,
                     stats_before=stats_before, stats_after=stats_after)
 
 
@@ -222,7 +253,7 @@ def main():
                 reply()
             elif op == "pace":
                 role.pace = cmd["us"] * 1e-6
-                reply(notifs=role.notifs, cpu=cpu_seconds())
+                reply(notifs=role.notifs, cpu=cpu_seconds(), threads=thread_cpu())
             elif op == "run":
                 reply(**role.run(cmd))
             elif op == "exit":
