@@ -39,6 +39,9 @@ def parse_args(argv):
                          "measures the bounce path and the crossover can be read)")
     ap.add_argument("--src", choices=["scattered", "packed"], default="scattered",
                     help="source layout (destinations are always scattered; default scattered)")
+    ap.add_argument("--notif-sleep-us", type=int, default=0,
+                    help="mt shapes: the notification thread sleeps this long between calls "
+                         "(default 0: it spins, as a naive application does)")
     ap.add_argument("--warmup", type=int, help="completions dropped before sampling")
     ap.add_argument("--samples", type=int, help="minimum samples per measurement")
     ap.add_argument("--max-samples", type=int)
@@ -107,7 +110,7 @@ def main(argv=None):
              if skipped else ""), flush=True)
     t0 = time.monotonic()
     rows = driver.run(points, variants, args.budget, args.src, outdir, args.max_buffer,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, notif_sleep_us=args.notif_sleep_us)
     report.add_ratios(rows)
     report.write_csv(rows, os.path.join(outdir, "sweep.csv"))
     text = report.table(rows)

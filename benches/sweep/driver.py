@@ -82,14 +82,15 @@ class Pair:
         if self.variant.is_bounce:
             self.ini.call(op="ready", backend="BOUNCE")
 
-    def measure(self, point, budget, src, buffer_bytes):
+    def measure(self, point, budget, src, buffer_bytes, notif_sleep_us=0):
         shape = plan.SHAPES[point.shape]
         before = self.tgt.call(op="pace", us=ACTIVE_PACE_US)
         try:
             res = self.ini.call(op="run", point=dataclasses.asdict(point), budget=dataclasses.asdict(budget),
                                 peer=self.tgt_name, raddr=self.raddr, rdev=self.rdev, src=src,
                                 notif=shape.notif, notif_thread=shape.notif_thread,
-                                backend=self.variant.backend, buffer_bytes=buffer_bytes[point.mem])
+                                backend=self.variant.backend, buffer_bytes=buffer_bytes[point.mem],
+                                notif_sleep_us=notif_sleep_us)
         finally:
             after = self.tgt.call(op="pace", us=IDLE_PACE_US)
         res["target_cpu"] = after["cpu"] - before["cpu"]
@@ -128,7 +129,7 @@ def gpu_pair():
     return (0, 1) if n > 1 else (0, 0)
 
 
-def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row=None):
+def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row=None, notif_sleep_us=0):
     """Measures every point with every variant; returns the rows (report.row dicts)."""
     logdir = os.path.join(outdir, "logs")
     os.makedirs(logdir, exist_ok=True)
@@ -155,7 +156,7 @@ def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row
                 for v in plan.rotated(variants, i):
                     bar.set_description(f"{shape} {p.op} {p.mem} {p.count}x{report.fmt_size(p.size)} "
                                         f"x{p.conc} {v.label}")
-                    res = pairs[v.label].measure(p, budget, src, buffers)
+                    res = pairs[v.label].measure(p, budget, src, buffers, notif_sleep_us)
                     row = report.row(p, v, res)
                     rows.append(row)
                     raw.write(json.dumps({**row, "raw": res}) + "\n")

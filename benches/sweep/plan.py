@@ -52,8 +52,10 @@ OPEN_GATE = (("bounce_min_descriptor_count", "1"), ("bounce_max_average_descript
 
 def parse_variant(spec, ucx_threads=4, shipped_gate=False):
     """`BASE[:key=value,...]` -> Variant. BASE is BOUNCE, UCX, UCX+SGL or UCX-MT (UCX with
-    num_threads=ucx_threads); the extra params let one run A/B a setting, e.g.
-    `BOUNCE:bounce_check_wait_us=0`. The label is the spec itself."""
+    num_threads=ucx_threads); the extra settings let one run A/B a setting, e.g.
+    `BOUNCE:bounce_check_wait_us=0`: lower-case keys are backend params, UPPER-case keys
+    environment variables of that variant's two processes (`UCX:UCX_TLS=tcp`,
+    `BOUNCE:NIXL_PLUGIN_DIR=/other/build`). The label is the spec itself."""
     base, _, rest = spec.partition(":")
     extra = []
     for kv in filter(None, rest.split(",")):
@@ -71,9 +73,11 @@ def parse_variant(spec, ucx_threads=4, shipped_gate=False):
         params, env = (("num_threads", str(ucx_threads)),), ()
     else:
         raise ValueError(f"unknown backend {base!r} (BOUNCE, UCX, UCX+SGL, UCX-MT)")
-    merged = dict(params)
-    merged.update(extra)
-    return Variant(spec, "BOUNCE" if base == "BOUNCE" else "UCX", tuple(sorted(merged.items())), env)
+    merged, merged_env = dict(params), dict(env)
+    for k, v in extra:
+        (merged_env if k.isupper() else merged)[k] = v
+    return Variant(spec, "BOUNCE" if base == "BOUNCE" else "UCX", tuple(sorted(merged.items())),
+                   tuple(sorted(merged_env.items())))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,11 +125,14 @@ class Initiator:
 
         def notif_loop():  # the application's second thread
             t = time.perf_counter
+            pause = cmd.get("notif_sleep_us", 0) * 1e-6
             while not stop_notifs.is_set():
                 t0 = t()
                 ag.get_new_notifs()
                 notif_time[0] += t() - t0
                 notif_calls[0] += 1
+                if pause:
+                    time.sleep(pause)
 
         helper = threading.Thread(target=notif_loop, daemon=True) if cmd["notif_thread"] else None
         if helper:

@@ -119,6 +119,9 @@ def test_backend_specs():
     assert plan.parse_variant("BOUNCE", shipped_gate=True).params == ()
     assert dict(plan.parse_variant("UCX+SGL").env) == {"NIXL_UCX_SGL_ENABLE": "1"}
     assert dict(plan.parse_variant("UCX-MT", ucx_threads=3).params) == {"num_threads": "3"}
+    v = plan.parse_variant("UCX+SGL:UCX_TLS=tcp,num_workers=2")
+    assert dict(v.env) == {"NIXL_UCX_SGL_ENABLE": "1", "UCX_TLS": "tcp"}
+    assert dict(v.params) == {"num_workers": "2"}
     with pytest.raises(ValueError):
         plan.parse_variant("TCP")
     with pytest.raises(ValueError):
