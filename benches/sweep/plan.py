@@ -55,7 +55,12 @@ def parse_variant(spec, ucx_threads=4, shipped_gate=False):
     num_threads=ucx_threads); the extra settings let one run A/B a setting, e.g.
     `BOUNCE:bounce_check_wait_us=0`: lower-case keys are backend params, UPPER-case keys
     environment variables of that variant's two processes (`UCX:UCX_TLS=tcp`,
-    `BOUNCE:NIXL_PLUGIN_DIR=/other/build`). The label is the spec itself."""
+    `BOUNCE:NIXL_PLUGIN_DIR=/other/build`). The label is the spec itself, or NAME given as
+    `NAME=BASE[:...]`."""
+    label = spec
+    head = spec.partition(":")[0]
+    if "=" in head:
+        label, _, spec = spec.partition("=")
     base, _, rest = spec.partition(":")
     extra = []
     for kv in filter(None, rest.split(",")):
@@ -76,7 +81,7 @@ def parse_variant(spec, ucx_threads=4, shipped_gate=False):
     merged, merged_env = dict(params), dict(env)
     for k, v in extra:
         (merged_env if k.isupper() else merged)[k] = v
-    return Variant(spec, "BOUNCE" if base == "BOUNCE" else "UCX", tuple(sorted(merged.items())),
+    return Variant(label, "BOUNCE" if base == "BOUNCE" else "UCX", tuple(sorted(merged.items())),
                    tuple(sorted(merged_env.items())))
 
 

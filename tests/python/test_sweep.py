@@ -122,6 +122,8 @@ def test_backend_specs():
     v = plan.parse_variant("UCX+SGL:UCX_TLS=tcp,num_workers=2")
     assert dict(v.env) == {"NIXL_UCX_SGL_ENABLE": "1", "UCX_TLS": "tcp"}
     assert dict(v.params) == {"num_workers": "2"}
+    v = plan.parse_variant("nowait=BOUNCE:bounce_check_wait_us=0")
+    assert v.label == "nowait" and v.backend == "BOUNCE" and dict(v.params)["bounce_check_wait_us"] == "0"
     with pytest.raises(ValueError):
         plan.parse_variant("TCP")
     with pytest.raises(ValueError):
