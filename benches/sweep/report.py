@@ -109,14 +109,19 @@ def derive_gate(wins):
     """The gate from a crossover: `wins` maps (size, count) -> bool (bounce faster). Returns
     (min_count, max_size): of the gates "count >= min_count and average size <= max_size"
     whose measured points are all wins, the one covering the most measured points (ties: the
-    larger size). None when no such gate holds a single point."""
+    larger size). Every size up to max_size must have been measured at some count the gate
+    admits: a gate never extends to sizes the sweep skipped there. None when no gate holds a
+    single point."""
     sizes = sorted({s for s, _ in wins})
     counts = sorted({c for _, c in wins})
     best, best_n = None, 0
     for max_size in sizes:
         for c in counts:
             region = [(s, k) for s in sizes for k in counts if s <= max_size and k >= c and (s, k) in wins]
-            if region and all(wins[p] for p in region):
+            seen = {s for s, _ in region}
+            if any(s not in seen for s in sizes if s <= max_size):
+                continue  # no evidence for some size inside this gate
+            if all(wins[p] for p in region):
                 if len(region) >= best_n:
                     best, best_n = (c, max_size), len(region)
                 break  # a larger c only covers fewer points at this size

@@ -110,6 +110,10 @@ def test_gate_is_the_widest_all_winning_rectangle():
     assert report.derive_gate(wins) == (256, 16 * K)
     assert report.derive_gate({k: False for k in wins}) is None
     assert report.derive_gate({k: True for k in wins}) == (16, 256 * K)
+    # large sizes measured only at small counts (the rest over the request cap): the gate must
+    # not extend to them on the strength of the small sizes' wins at large counts
+    skipped = {(s, c): c >= 4096 for s in (K, 4 * K, 64 * K) for c in (16, 256, 4096) if not (s == 64 * K and c == 4096)}
+    assert report.derive_gate(skipped) == (4096, 4 * K)
 
 
 def test_backend_specs():
