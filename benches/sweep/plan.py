@@ -101,9 +101,9 @@ class Point:
 
 @dataclasses.dataclass
 class Budget:
-    """How long one (point, backend) measurement runs: `warmup` completions are dropped, then
-    it samples until it has `min_samples` AND `min_time` seconds, or `max_samples`, or
-    `max_time` seconds (with at least one sample)."""
+    """How long one (point, backend) measurement runs: `warmup` completions (at least one per
+    request in flight) are dropped, then it samples until it has `min_samples` AND `min_time`
+    seconds, or `max_samples`, or `max_time` seconds (with at least one sample)."""
     warmup: int
     min_samples: int
     max_samples: int

@@ -113,15 +113,12 @@ class Initiator:
     def run(self, cmd):
         """The closed loop: `conc` requests in flight; each one re-posted the moment it is
         DONE; a sample is one request's time from transfer() to the check that saw DONE."""
-        ag, b = self.ag, cmd["budget"]
-        backend = cmd["backend"]
+        ag, backend = self.ag, cmd["backend"]
         # Read before the requests are prepared: the gate counts its fallbacks at prep time.
         stats_before = nixlkit.live_params(ag, backend) if backend == "BOUNCE" else {}
         handles = self.requests(cmd)
         stop_notifs = threading.Event()
-        notif_calls = [0]
-
-        notif_time = [0.0]
+        notif_calls, notif_time = [0], [0.0]
 
         def notif_loop():  # the application's second thread
             t = time.perf_counter
@@ -137,6 +134,24 @@ class Initiator:
         helper = threading.Thread(target=notif_loop, daemon=True) if cmd["notif_thread"] else None
         if helper:
             helper.start()
+        ok = False
+        try:
+            res = self.closed_loop(cmd, handles, stats_before, notif_calls, notif_time)
+            ok = True
+            return res
+        finally:  # also on a failed transfer: no thread left polling a half-torn-down loop
+            stop_notifs.set()
+            if helper:
+                helper.join()
+            for h in handles:
+                try:
+                    ag.release_xfer_handle(h)
+                except Exception:
+                    if ok:  # after a failure the first error is the one to report
+                        raise
+
+    def closed_loop(self, cmd, handles, stats_before, notif_calls, notif_time):
+        ag, b = self.ag, cmd["budget"]
         # One full round of the requests in flight is dropped too: their first completions come
         # in a burst (posted together), not at the steady state the samples should show.
         lat, warm = [], max(b["warmup"], len(handles))
@@ -188,12 +203,7 @@ class Initiator:
         threads1 = thread_cpu()
         threads = {k: round(v - threads0.get(k, 0), 3) for k, v in threads1.items() if v - threads0.get(k, 0) > 0}
         wall = clock() - t_start
-        if helper:
-            stop_notifs.set()
-            helper.join()
-        stats_after = nixlkit.live_params(ag, backend) if backend == "BOUNCE" else {}
-        for h in handles:
-            ag.release_xfer_handle(h)
+        stats_after = nixlkit.live_params(ag, cmd["backend"]) if cmd["backend"] == "BOUNCE" else {}
         p = cmd["point"]
         # Bandwidth as nixlbench gives it: every byte moved over the whole loop's time.
         return dict(lat=lat, loop_wall=wall, bytes=completed * p["size"] * p["count"], cpu=cpu,
