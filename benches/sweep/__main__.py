@@ -93,6 +93,8 @@ def main(argv=None):
     if "VRAM" in args.mems and not cuda_present():
         print("sweep: no torch with CUDA here: VRAM skipped", file=sys.stderr)
         args.mems = [m for m in args.mems if m != "VRAM"]
+        if not args.mems:
+            sys.exit("sweep: no memory kind left to sweep")
     variants = [plan.parse_variant(s, args.ucx_threads, args.shipped_gate) for s in args.backends]
     if len({v.label for v in variants}) != len(variants):
         sys.exit("sweep: a backend is listed twice")
