@@ -102,6 +102,18 @@ def test_plots_and_summary_are_written(tiny):
     assert (out / "table.txt").read_text().strip() in stdout
 
 
+def test_shipped_gate_fallback_is_reported(tmp_path):
+    """With the gate as shipped (at least 256 descriptors), a 64-descriptor WRITE goes to UCX
+    and the path column names the gate's reason."""
+    r = subprocess.run([sys.executable, "-m", "benches.sweep", "--preset", "tiny", "--shipped-gate",
+                        "--counts", "64", "--ops", "WRITE", "--concurrency", "1", "--out", str(tmp_path),
+                        "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(tmp_path / "sweep.csv") as f:
+        paths = {row["backend"]: row["path"] for row in csv.DictReader(f)}
+    assert paths == {"BOUNCE": "ucx:count", "UCX": "ucx"}
+
+
 def test_gate_is_the_widest_all_winning_rectangle():
     K = 1024
     # bounce wins from 256 descriptors up to 16 KiB, and at 64 KiB only from 4096
