@@ -1,0 +1,191 @@
+"""From measurements to what a user reads: one row per (point, backend) with nixlbench's
+columns, the ratio to UCX, the path BOUNCE's counters say each transfer took; the table, the
+CSV, the gate derived from the crossover, and the closing summary."""
+import csv
+import statistics
+
+import numpy as np
+
+REFERENCE = "UCX"  # the ratio column divides by this variant's median at the same point
+POINT_KEYS = ("shape", "op", "mem", "block_size", "batch_size", "concurrency")
+COLUMNS = POINT_KEYS + ("backend", "samples", "avg_us", "p50_us", "p99_us", "min_us", "max_us",
+                        "gbps", "ratio_p50_vs_ucx", "path", "bounce_xfers", "bounce_chunks",
+                        "chunks_direct", "initiator_cpu_s", "target_cpu_s", "target_notifs",
+                        "notif_calls", "wall_s")
+FALLBACKS = ("op", "mem", "count", "size", "peer", "disabled")
+
+
+def fmt_size(n):
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k}{unit}"
+    return f"{n}B"
+
+
+def path(stats_before, stats_after):
+    """Which path the measurement's transfers took, from BOUNCE's live counters: `bounce`,
+    `ucx:<gate reason>` (a fallback, counted when the request was prepared), or `mixed`."""
+    if not stats_after:
+        return "ucx"
+    d = {k[6:]: int(v) - int(stats_before.get(k, 0)) for k, v in stats_after.items() if k.startswith("stats.")}
+    bounced, passed = d.get("bounce_xfers", 0), d.get("passthrough_xfers", 0)
+    if d.get("bounce_failed", 0):
+        return "bounce-failed"
+    if bounced and not passed:
+        return "bounce"
+    if passed and not bounced:
+        why = [r for r in FALLBACKS if d.get(f"fallback_{r}", 0)]
+        return "ucx:" + ("+".join(why) or "?")
+    return "mixed" if bounced else "?"
+
+
+def delta(res, key):
+    after, before = res["stats_after"], res["stats_before"]
+    return int(after.get(f"stats.{key}", 0)) - int(before.get(f"stats.{key}", 0)) if after else 0
+
+
+def row(point, variant, res):
+    lat = np.array(res["lat"]) * 1e6
+    return dict(shape=point.shape, op=point.op, mem=point.mem, block_size=point.size,
+                batch_size=point.count, concurrency=point.conc, backend=variant.label,
+                samples=len(lat), avg_us=float(lat.mean()), p50_us=float(np.percentile(lat, 50)),
+                p99_us=float(np.percentile(lat, 99)), min_us=float(lat.min()), max_us=float(lat.max()),
+                gbps=res["bytes"] / res["loop_wall"] / 1e9,
+                ratio_p50_vs_ucx=None, path=path(res["stats_before"], res["stats_after"]),
+                bounce_xfers=delta(res, "bounce_xfers"), bounce_chunks=delta(res, "bounce_chunks"),
+                chunks_direct=delta(res, "chunks_direct"), initiator_cpu_s=res["cpu"],
+                target_cpu_s=res["target_cpu"], target_notifs=res["target_notifs"],
+                notif_calls=res["notif_calls"], wall_s=res["loop_wall"])
+
+
+def point_of(r):
+    return tuple(r[k] for k in POINT_KEYS)
+
+
+def add_ratios(rows):
+    """ratio_p50_vs_ucx = p50 / (the UCX variant's p50 at the same point), rounded as printed."""
+    ref = {point_of(r): r["p50_us"] for r in rows if r["backend"] == REFERENCE}
+    for r in rows:
+        base = ref.get(point_of(r))
+        r["ratio_p50_vs_ucx"] = round(r["p50_us"] / base, 3) if base else None
+    return rows
+
+
+def write_csv(rows, path_):
+    with open(path_, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+HEADER = ("Block Size (B)", "Batch Size", "In flight", "Backend", "Avg Lat. (us)", "P50 Lat. (us)",
+          "P99 Lat. (us)", "B/W (GB/Sec)", "vs UCX (p50)", "Path")
+
+
+def table(rows):
+    """nixlbench's columns, one section per (shape, operation, memory)."""
+    out = []
+    widths = [max(len(h), 10) for h in HEADER]
+    widths[3] = max([len(HEADER[3])] + [len(r["backend"]) for r in rows])
+    widths[9] = max([len(HEADER[9])] + [len(r["path"]) for r in rows])
+    sections = list(dict.fromkeys((r["shape"], r["op"], r["mem"]) for r in rows))
+    for shape, op, mem in sections:
+        out.append(f"\n== {op} {mem}, application shape: {shape} ==")
+        out.append("  ".join(h.rjust(w) for h, w in zip(HEADER, widths)))
+        sel = [r for r in rows if (r["shape"], r["op"], r["mem"]) == (shape, op, mem)]
+        order = {b: i for i, b in enumerate(dict.fromkeys(r["backend"] for r in rows))}
+        sel.sort(key=lambda r: (r["concurrency"], r["block_size"], r["batch_size"], order[r["backend"]]))
+        for r in sel:
+            ratio = "" if r["ratio_p50_vs_ucx"] is None else f"{r['ratio_p50_vs_ucx']:.3f}"
+            cells = (str(r["block_size"]), str(r["batch_size"]), str(r["concurrency"]), r["backend"],
+                     f"{r['avg_us']:.1f}", f"{r['p50_us']:.1f}", f"{r['p99_us']:.1f}", f"{r['gbps']:.3f}",
+                     ratio, r["path"])
+            out.append("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
+    return "\n".join(out) + "\n"
+
+
+def derive_gate(wins):
+    """The gate from a crossover: `wins` maps (size, count) -> bool (bounce faster). Returns
+    (min_count, max_size): of the gates "count >= min_count and average size <= max_size"
+    whose measured points are all wins, the one covering the most measured points (ties: the
+    larger size). Every size up to max_size must have been measured at some count the gate
+    admits: a gate never extends to sizes the sweep skipped there. None when no gate holds a
+    single point."""
+    sizes = sorted({s for s, _ in wins})
+    counts = sorted({c for _, c in wins})
+    best, best_n = None, 0
+    for max_size in sizes:
+        for c in counts:
+            region = [(s, k) for s in sizes for k in counts if s <= max_size and k >= c and (s, k) in wins]
+            seen = {s for s, _ in region}
+            if any(s not in seen for s in sizes if s <= max_size):
+                continue  # no evidence for some size inside this gate
+            if all(wins[p] for p in region):
+                if len(region) >= best_n:
+                    best, best_n = (c, max_size), len(region)
+                break  # a larger c only covers fewer points at this size
+    return best
+
+
+def crossover(rows, shape, mem, variant="BOUNCE", conc=None):
+    """(size, count) -> BOUNCE/UCX p50 ratio for WRITE at one concurrency (the lowest run)."""
+    sel = [r for r in rows if r["shape"] == shape and r["op"] == "WRITE" and r["mem"] == mem
+           and r["backend"] == variant and r["ratio_p50_vs_ucx"] is not None]
+    if not sel:
+        return {}, None
+    conc = conc or min(r["concurrency"] for r in sel)
+    return {(r["block_size"], r["batch_size"]): r["ratio_p50_vs_ucx"] for r in sel
+            if r["concurrency"] == conc}, conc
+
+
+def summary(rows, meta, win_below):
+    """The closing text: headline ratios, tail latency under load, the derived gate."""
+    out = [f"Sweep on {meta['machine']}; {meta['elapsed']:.0f} s; results in {meta['outdir']}"]
+    bounce = [r for r in rows if r["backend"] == "BOUNCE" and r["ratio_p50_vs_ucx"] is not None]
+    for shape in dict.fromkeys(r["shape"] for r in bounce):
+        for op in ("WRITE", "READ"):
+            sel = [r for r in bounce if r["shape"] == shape and r["op"] == op]
+            if not sel:
+                continue
+            best = min(sel, key=lambda r: r["ratio_p50_vs_ucx"])
+            paths = sorted({r["path"] for r in sel})
+            out.append(f"- {shape} {op}: BOUNCE/UCX p50 from {best['ratio_p50_vs_ucx']:.3f} "
+                       f"({best['batch_size']} x {fmt_size(best['block_size'])}, {best['concurrency']} in flight) "
+                       f"to {max(r['ratio_p50_vs_ucx'] for r in sel):.3f}; median "
+                       f"{statistics.median(r['ratio_p50_vs_ucx'] for r in sel):.3f}; paths {', '.join(paths)}")
+            top = max(r["concurrency"] for r in sel)
+            if top > 1:
+                at = [r for r in sel if r["concurrency"] == top]
+                ucx = {point_of(r): r for r in rows if r["backend"] == REFERENCE}
+                worst = max(at, key=lambda r: r["p99_us"] / ucx[point_of(r)]["p99_us"])
+                u = ucx[point_of(worst)]
+                out.append(f"  {top} in flight, worst p99 vs UCX: {worst['batch_size']} x "
+                           f"{fmt_size(worst['block_size'])}: BOUNCE p50/p99 {worst['p50_us'] / 1e3:.2f}/"
+                           f"{worst['p99_us'] / 1e3:.2f} ms vs UCX {u['p50_us'] / 1e3:.2f}/{u['p99_us'] / 1e3:.2f} ms")
+    out.append("")
+    out.append(f"Gate (BOUNCE wins = p50 below {win_below} x UCX's, WRITE, lowest concurrency run):")
+    for mem in dict.fromkeys(r["mem"] for r in rows):
+        mem_rows = [r for r in bounce if r["mem"] == mem and r["op"] == "WRITE"]
+        if mem_rows and all(not r["path"].startswith("bounce") for r in mem_rows):
+            out.append(f"- {mem}: every transfer took {', '.join(sorted({r['path'] for r in mem_rows}))}; "
+                       "nothing to derive (no bounce path for this memory yet).")
+            continue
+        for shape in dict.fromkeys(r["shape"] for r in mem_rows):
+            ratios, conc = crossover(rows, shape, mem)
+            gate = derive_gate({k: v < win_below for k, v in ratios.items()})
+            sizes = sorted({s for s, _ in ratios})
+            counts = sorted({c for _, c in ratios})
+            grid = f"{len(sizes)} sizes x {len(counts)} counts, {conc} in flight"
+            if gate is None:
+                out.append(f"- {mem} {shape}: BOUNCE won at no measured point that could open a gate ({grid}): "
+                           "keep the gate closed (bounce_enable=false) on this machine.")
+            else:
+                out.append(f"- {mem} {shape} ({grid}): bounce_min_descriptor_count={gate[0]} "
+                           f"bounce_max_average_descriptor_size={fmt_size(gate[1])}   i.e. "
+                           f"NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT={gate[0]} "
+                           f"NIXL_BOUNCE_MAX_AVERAGE_DESCRIPTOR_SIZE={fmt_size(gate[1])}")
+    out.append("  Only the measured grid counts: the gate is as fine as the sizes and counts swept.")
+    out.append("  Re-derive on your machine: python -m benches.sweep --preset gate  "
+               "(WRITE, DRAM, one request at a time, BOUNCE vs UCX, 512 B..1 MiB x 16..16384).")
+    return "\n".join(out) + "\n"
