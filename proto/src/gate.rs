@@ -19,13 +19,32 @@ pub enum XferOp {
     Write,
 }
 
-/// One side of one descriptor: an address and a length.
+/// One side of one descriptor: an address, a length and the device it lives on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Desc {
     /// First byte.
     pub addr: u64,
     /// Bytes.
     pub len: u64,
+    /// NIXL's device id (the GPU for VRAM; ignored for DRAM).
+    pub dev: u64,
+}
+
+/// Where an arena lives: its memory kind and, for GPU memory, its device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ArenaPlace {
+    /// Memory kind.
+    pub mem: MemKind,
+    /// Device id (the GPU for VRAM; 0 for DRAM).
+    pub dev: u64,
+}
+
+impl ArenaPlace {
+    /// Whether descriptors of memory `mem` lying on devices `devs` can be copied to or from this
+    /// arena by its copy engine: same memory kind, and for GPU memory the arena's own GPU.
+    fn serves(&self, mem: Option<MemKind>, descs: &[Desc]) -> bool {
+        mem == Some(self.mem) && (self.mem == MemKind::Dram || descs.iter().all(|d| d.dev == self.dev))
+    }
 }
 
 /// What the gate decides on.
@@ -40,6 +59,11 @@ pub struct GateInput<'a> {
     pub local_mem: Option<MemKind>,
     /// Memory kind of the remote descriptors, as `local_mem`.
     pub remote_mem: Option<MemKind>,
+    /// Our arena: local descriptors must be of its memory (and GPU) to be gathered into it.
+    pub arena: ArenaPlace,
+    /// The peer's arena, when its capabilities are known and compatible: remote descriptors
+    /// must be of its memory (and GPU) to be scattered from it.
+    pub peer_arena: Option<ArenaPlace>,
     /// Local descriptors (the sources of a write).
     pub local: &'a [Desc],
     /// Remote descriptors (the destinations), pairwise with `local`.
@@ -59,8 +83,8 @@ impl<'a> GateInput<'a> {
         config: &Config,
         bounce_running: bool,
         op: XferOp,
-        local_mem: Option<MemKind>,
-        remote_mem: Option<MemKind>,
+        (local_mem, arena): (Option<MemKind>, ArenaPlace),
+        (remote_mem, peer_arena): (Option<MemKind>, Option<ArenaPlace>),
         local: &'a [Desc],
         remote: &'a [Desc],
         peer_can_bounce: bool,
@@ -70,6 +94,8 @@ impl<'a> GateInput<'a> {
             op,
             local_mem,
             remote_mem,
+            arena,
+            peer_arena,
             local,
             remote,
             min_descriptor_count: config.min_descriptor_count,
@@ -87,7 +113,8 @@ pub enum FallbackReason {
     Disabled,
     /// Not a write.
     Op,
-    /// Not DRAM on both sides.
+    /// The local descriptors are not of our arena's memory, or the remote ones not of the
+    /// peer arena's (a GPU arena also needs every descriptor on its own GPU).
     Mem,
     /// Fewer descriptors than `min_descriptor_count`.
     Count,
@@ -109,8 +136,10 @@ pub enum Route {
 }
 
 /// The gate, checked in this order (the first failing rule is the reason): bounce running,
-/// write, DRAM on both sides, well-formed lists, descriptor count at least the minimum,
-/// average descriptor size at most the maximum, peer can bounce.
+/// write, each side of its arena's memory, well-formed lists, descriptor count at least the
+/// minimum, average descriptor size at most the maximum, peer can bounce, and (GPU arenas)
+/// every descriptor on its arena's GPU. A peer whose arena is not known yet is judged by the
+/// memory kind alone against ours; it fails on `Peer` then.
 pub fn route(input: &GateInput<'_>) -> Route {
     use FallbackReason as R;
     let pass = Route::PassThrough;
@@ -120,7 +149,8 @@ pub fn route(input: &GateInput<'_>) -> Route {
     if input.op != XferOp::Write {
         return pass(R::Op);
     }
-    if input.local_mem != Some(MemKind::Dram) || input.remote_mem != Some(MemKind::Dram) {
+    let peer_mem = input.peer_arena.map_or(input.arena.mem, |a| a.mem);
+    if input.local_mem != Some(input.arena.mem) || input.remote_mem != Some(peer_mem) {
         return pass(R::Mem);
     }
     let n = input.local.len();
@@ -134,8 +164,11 @@ pub fn route(input: &GateInput<'_>) -> Route {
     if total / n as u64 > input.max_average_descriptor_size {
         return pass(R::Size);
     }
-    if !input.peer_can_bounce {
+    let Some(peer_arena) = input.peer_arena.filter(|_| input.peer_can_bounce) else {
         return pass(R::Peer);
+    };
+    if !input.arena.serves(input.local_mem, input.local) || !peer_arena.serves(input.remote_mem, input.remote) {
+        return pass(R::Mem);
     }
     Route::Bounce
 }
@@ -151,23 +184,25 @@ pub struct Registration {
     pub mem: MemKind,
 }
 
-/// Whether one DRAM registration covers all of `[addr, addr + len)`: the condition for writing
-/// straight from user memory (a GPU address must never be read by the CPU path, and the NIC
-/// needs one registration's key for the whole source).
-pub fn covered(regs: &[Registration], addr: u64, len: u64) -> bool {
+/// Whether one registration of memory `mem` covers all of `[addr, addr + len)`: the condition
+/// for writing straight from user memory (the NIC, or the GPU's copy path, needs one
+/// registration's key for the whole source, and a GPU address must never be read by the CPU
+/// path: a host arena writes only from host registrations).
+pub fn covered(regs: &[Registration], mem: MemKind, addr: u64, len: u64) -> bool {
     let Some(end) = addr.checked_add(len) else {
         return false;
     };
-    regs.iter().any(|r| r.mem == MemKind::Dram && r.addr <= addr && r.addr.checked_add(r.len).is_some_and(|e| end <= e))
+    regs.iter().any(|r| r.mem == mem && r.addr <= addr && r.addr.checked_add(r.len).is_some_and(|e| end <= e))
 }
 
 /// Clears [`crate::plan::Chunk::direct`] of every chunk that may not be written straight from
 /// user memory: all of them when `direct_writes` is off, otherwise those whose source is not
-/// [`covered`] by one DRAM registration. Those chunks are gathered into the arena instead.
-pub fn restrict_direct(plan: &mut Plan, regs: &[Registration], direct_writes: bool) {
+/// [`covered`] by one registration of the arena's memory `mem`. Those chunks are gathered into
+/// the arena instead.
+pub fn restrict_direct(plan: &mut Plan, regs: &[Registration], mem: MemKind, direct_writes: bool) {
     for c in &mut plan.chunks {
         if let Some(addr) = c.direct {
-            if !direct_writes || !covered(regs, addr, c.bytes) {
+            if !direct_writes || !covered(regs, mem, addr, c.bytes) {
                 c.direct = None;
             }
         }
@@ -181,9 +216,10 @@ mod tests {
 
     const MIN: u64 = 4;
     const MAX_AVG: u64 = 4096;
+    const HOST: ArenaPlace = ArenaPlace { mem: MemKind::Dram, dev: 0 };
 
     fn descs(n: usize, len: u64) -> Vec<Desc> {
-        (0..n as u64).map(|i| Desc { addr: 0x1000 + i * 0x10000, len }).collect()
+        (0..n as u64).map(|i| Desc { addr: 0x1000 + i * 0x10000, len, dev: 0 }).collect()
     }
 
     /// A request that bounces; each test changes one fact.
@@ -193,6 +229,8 @@ mod tests {
             op: XferOp::Write,
             local_mem: Some(MemKind::Dram),
             remote_mem: Some(MemKind::Dram),
+            arena: HOST,
+            peer_arena: Some(HOST),
             local,
             remote,
             min_descriptor_count: MIN,
@@ -222,6 +260,7 @@ mod tests {
         assert_eq!(with(&|i| i.remote_mem = Some(MemKind::Vram)), pass(FallbackReason::Mem));
         assert_eq!(with(&|i| i.remote_mem = None), pass(FallbackReason::Mem));
         assert_eq!(with(&|i| i.peer_can_bounce = false), pass(FallbackReason::Peer));
+        assert_eq!(with(&|i| i.peer_arena = None), pass(FallbackReason::Peer));
         // The first failing rule wins: disabled beats everything else.
         assert_eq!(
             with(&|i| {
@@ -268,7 +307,7 @@ mod tests {
         just_under[0].len += 7; // integer average still MAX_AVG
         assert_eq!(route(&input(&just_under, &just_under)), Route::Bounce);
         // Huge lengths saturate instead of wrapping into a small average.
-        let huge = vec![Desc { addr: 0, len: u64::MAX }; 8];
+        let huge = vec![Desc { addr: 0, len: u64::MAX, dev: 0 }; 8];
         assert_eq!(route(&input(&huge, &huge)), Route::PassThrough(FallbackReason::Size));
     }
 
@@ -276,12 +315,43 @@ mod tests {
     fn new_takes_the_thresholds_from_the_config() {
         let cfg = Config { min_descriptor_count: 3, max_average_descriptor_size: 100, ..Config::default() };
         let d = descs(3, 100);
-        let i = GateInput::new(&cfg, true, XferOp::Write, Some(MemKind::Dram), Some(MemKind::Dram), &d, &d, true);
+        let dram = (Some(MemKind::Dram), HOST);
+        let i = GateInput::new(&cfg, true, XferOp::Write, dram, (dram.0, Some(HOST)), &d, &d, true);
         assert_eq!((i.min_descriptor_count, i.max_average_descriptor_size), (3, 100));
         assert_eq!(route(&i), Route::Bounce);
     }
 
     const DRAM: MemKind = MemKind::Dram;
+
+    #[test]
+    fn a_gpu_arena_bounces_gpu_descriptors_on_its_own_gpu_only() {
+        let gpu = |dev| ArenaPlace { mem: MemKind::Vram, dev };
+        let on = |dev| -> Vec<Desc> { descs(8, 512).into_iter().map(|d| Desc { dev, ..d }).collect() };
+        let (l, r) = (on(0), on(1));
+        let mut i = input(&l, &r);
+        (i.local_mem, i.remote_mem, i.arena, i.peer_arena) =
+            (Some(MemKind::Vram), Some(MemKind::Vram), gpu(0), Some(gpu(1)));
+        assert_eq!(route(&i), Route::Bounce, "GPU 0 here to the peer's arena on its GPU 1");
+        // Host descriptors cannot be gathered into a GPU arena (nor GPU ones into a host one).
+        i.local_mem = Some(MemKind::Dram);
+        assert_eq!(route(&i), Route::PassThrough(FallbackReason::Mem));
+        i.local_mem = Some(MemKind::Vram);
+        // A source on another GPU than our arena's, or a destination off the peer arena's GPU.
+        let (l2, r2) = (on(3), on(0));
+        let mut j = GateInput { local: &l2, ..i };
+        assert_eq!(route(&j), Route::PassThrough(FallbackReason::Mem));
+        j = GateInput { remote: &r2, ..i };
+        assert_eq!(route(&j), Route::PassThrough(FallbackReason::Mem));
+        // The peer's arena kind decides the destinations' kind: a host arena there takes host
+        // destinations from our GPU arena (UCX writes GPU -> host).
+        let mut k = GateInput { peer_arena: Some(HOST), remote_mem: Some(MemKind::Dram), ..i };
+        assert_eq!(route(&k), Route::Bounce);
+        k.remote_mem = Some(MemKind::Vram);
+        assert_eq!(route(&k), Route::PassThrough(FallbackReason::Mem));
+        // Host arenas ignore device ids.
+        let (h1, h2) = (on(5), on(7));
+        assert_eq!(route(&input(&h1, &h2)), Route::Bounce);
+    }
 
     #[test]
     fn coverage_needs_one_dram_registration_around_the_whole_range() {
@@ -290,14 +360,16 @@ mod tests {
             Registration { addr: 0x2000, len: 0x1000, mem: DRAM },
             Registration { addr: 0x8000, len: 0x1000, mem: MemKind::Vram },
         ];
-        assert!(covered(&regs, 0x1000, 0x1000), "exactly one registration");
-        assert!(covered(&regs, 0x1800, 0x800), "ends at the registration's end");
-        assert!(!covered(&regs, 0x1800, 0x801), "one byte beyond");
-        assert!(!covered(&regs, 0x1800, 0x1000), "spans two adjacent registrations");
-        assert!(!covered(&regs, 0x0fff, 2), "starts before");
-        assert!(!covered(&regs, 0x8000, 0x10), "VRAM never counts");
-        assert!(!covered(&regs, u64::MAX, 2), "wraps");
-        assert!(!covered(&[], 0x1000, 1));
+        assert!(covered(&regs, DRAM, 0x1000, 0x1000), "exactly one registration");
+        assert!(covered(&regs, DRAM, 0x1800, 0x800), "ends at the registration's end");
+        assert!(!covered(&regs, DRAM, 0x1800, 0x801), "one byte beyond");
+        assert!(!covered(&regs, DRAM, 0x1800, 0x1000), "spans two adjacent registrations");
+        assert!(!covered(&regs, DRAM, 0x0fff, 2), "starts before");
+        assert!(!covered(&regs, DRAM, 0x8000, 0x10), "a VRAM registration never covers for a host arena");
+        assert!(covered(&regs, MemKind::Vram, 0x8000, 0x10), "...but does for a GPU arena");
+        assert!(!covered(&regs, MemKind::Vram, 0x1000, 0x10), "and a host one not for a GPU arena");
+        assert!(!covered(&regs, DRAM, u64::MAX, 2), "wraps");
+        assert!(!covered(&[], DRAM, 0x1000, 1));
     }
 
     #[test]
@@ -310,11 +382,11 @@ mod tests {
         // Registered: the first two chunks' sources only.
         let regs = [Registration { addr: 0x10000, len: 2 * 4096, mem: DRAM }];
         let mut p = planned.clone();
-        restrict_direct(&mut p, &regs, true);
+        restrict_direct(&mut p, &regs, DRAM, true);
         let direct: Vec<bool> = p.chunks.iter().map(|c| c.direct.is_some()).collect();
         assert_eq!(direct, [true, true, false, false]);
         let mut p = planned;
-        restrict_direct(&mut p, &regs, false);
+        restrict_direct(&mut p, &regs, DRAM, false);
         assert!(p.chunks.iter().all(|c| c.direct.is_none()), "direct writes switched off");
     }
 }

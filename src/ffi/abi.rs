@@ -481,7 +481,7 @@ unsafe fn descs(p: *const BncMetaDesc, n: usize) -> Vec<DescView> {
     }
     // SAFETY: caller contract.
     let raw = unsafe { std::slice::from_raw_parts(p, n) };
-    raw.iter().map(|d| DescView { addr: d.addr, len: d.len }).collect()
+    raw.iter().map(|d| DescView { addr: d.addr, len: d.len, dev: d.dev }).collect()
 }
 
 /// Routing decision for a request: `*xfer` = our handle (bounce) or 0 (delegate to UCX).

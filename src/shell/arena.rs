@@ -96,6 +96,11 @@ impl Arena {
         self.len
     }
 
+    /// Where the arena lives, for the gate: host memory.
+    pub(crate) fn place(&self) -> bounce_proto::gate::ArenaPlace {
+        bounce_proto::gate::ArenaPlace { mem: MemKind::Dram, dev: 0 }
+    }
+
     /// The inner engine's metadata handle for the registration.
     pub(crate) fn md(&self) -> Md {
         self.md

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bounce_proto::config::Config;
+use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Capabilities, ConnEnvelope};
 use bounce_proto::{ControlKind, MemKind};
@@ -75,7 +76,13 @@ pub(crate) struct DescView {
     pub(crate) addr: u64,
     /// Length.
     pub(crate) len: u64,
+    /// Device id (the GPU for VRAM).
+    pub(crate) dev: u64,
 }
+
+/// Where the gate places an engine without a running bounce path (the gate then says
+/// `Disabled` before it looks at memory).
+const HOST_ARENA: ArenaPlace = ArenaPlace { mem: MemKind::Dram, dev: 0 };
 
 /// The bounce machinery of an engine: the arena and the reactor driving the core. Field order
 /// is drop order: the reactor (thread + copy engine) stops before the arena is deregistered.
@@ -300,12 +307,6 @@ impl Engine {
         Ok(env.inner)
     }
 
-    /// True when transfers to `agent` may take the bounce path (capabilities compatible, its
-    /// arena loaded into the inner engine, and its HELLO received).
-    fn peer_can_bounce(&self, agent: &str) -> bool {
-        self.bounce.is_some() && self.peers.can_bounce(agent)
-    }
-
     /// The inner engine has loaded the peer's conn info: we can now answer it, so tell it
     /// (HELLO), and return its arena to load when it can bounce with us.
     pub(crate) fn peer_loaded(&self, agent: &str) -> Option<ArenaToLoad> {
@@ -364,54 +365,62 @@ impl Engine {
         agent: &str,
     ) -> Option<u64> {
         let s = &self.stats;
-        let fallback = |c: &std::sync::atomic::AtomicU64| {
-            Stats::bump(c);
-            Stats::bump(&s.passthrough_xfers);
-            None
+        let to_desc = |d: &DescView| gate::Desc { addr: d.addr, len: d.len, dev: d.dev };
+        let (l, r): (Vec<_>, Vec<_>) = (local.iter().map(to_desc).collect(), remote.iter().map(to_desc).collect());
+        let peer_arena = self.peers.bounce_arena(agent);
+        let input = GateInput::new(
+            &self.config,
+            self.bounce.is_some(),
+            match op {
+                Some(XferOp::Write) => gate::XferOp::Write,
+                _ => gate::XferOp::Read, // an op NIXL does not define is not a write either
+            },
+            (local_mem.and_then(MemSeg::kind), self.bounce.as_ref().map_or(HOST_ARENA, |b| b.arena.place())),
+            (remote_mem.and_then(MemSeg::kind), peer_arena),
+            &l,
+            &r,
+            peer_arena.is_some(),
+        );
+        let (Route::Bounce, Some(sh)) = (gate::route(&input), self.shared()) else {
+            let reason = match gate::route(&input) {
+                Route::PassThrough(reason) => reason,
+                Route::Bounce => FallbackReason::Disabled,
+            };
+            self.count_fallback(reason);
+            return None;
         };
-        let Some(sh) = self.shared() else { return fallback(&s.fallback_disabled) };
-        if op != Some(XferOp::Write) {
-            return fallback(&s.fallback_op);
-        }
-        if local_mem != Some(MemSeg::Dram) || remote_mem != Some(MemSeg::Dram) {
-            return fallback(&s.fallback_mem);
-        }
-        let n = local.len();
-        // Malformed lists (empty, unequal counts or lengths) go to UCX, which answers them with
-        // its own statuses: the same errors a user of UCX gets.
-        if n == 0 || remote.len() != n || local.iter().zip(remote).any(|(l, r)| l.len != r.len) {
-            return fallback(&s.fallback_op);
-        }
-        if (n as u64) < self.config.min_descriptor_count {
-            return fallback(&s.fallback_count);
-        }
-        let total: u64 = local.iter().map(|d| d.len).fold(0u64, u64::saturating_add);
-        if total / n as u64 > self.config.max_average_descriptor_size {
-            return fallback(&s.fallback_size);
-        }
-        if !self.peer_can_bounce(agent) {
-            return fallback(&s.fallback_peer);
-        }
         let pairs: Vec<DescPair> =
             local.iter().zip(remote).map(|(l, r)| DescPair { src: l.addr, dst: r.addr, len: l.len }).collect();
         match plan::plan(&pairs, PlanParams::from_config(&self.config)) {
             Ok(mut p) => {
-                // A chunk may be written straight from user memory only when one DRAM
-                // registration made through this engine covers its whole source range.
-                for c in &mut p.chunks {
-                    if let Some(addr) = c.direct {
-                        if !self.config.direct_writes || self.registry.host_covering(addr, c.bytes).is_none() {
-                            c.direct = None;
-                        }
-                    }
-                }
+                // A chunk may be written straight from user memory only when one registration
+                // of the arena's memory made through this engine covers its whole source range.
+                gate::restrict_direct(&mut p, &self.registry.for_gate(), input.arena.mem, self.config.direct_writes);
                 Some(sh.requests.insert(agent.to_owned(), p))
             }
             Err(e) => {
                 tracing::warn!(peer = agent, error = %e, "cannot plan the transfer; plain UCX");
-                fallback(&s.fallback_op)
+                Stats::bump(&s.fallback_op);
+                Stats::bump(&s.passthrough_xfers);
+                None
             }
         }
+    }
+
+    /// Counts a pass-through and its reason (README "What takes the bounce path").
+    fn count_fallback(&self, reason: FallbackReason) {
+        let s = &self.stats;
+        Stats::bump(match reason {
+            FallbackReason::Disabled => &s.fallback_disabled,
+            // Malformed lists are counted with the wrong operations, as they always were: UCX
+            // answers both with its own statuses.
+            FallbackReason::Op | FallbackReason::Malformed => &s.fallback_op,
+            FallbackReason::Mem => &s.fallback_mem,
+            FallbackReason::Count => &s.fallback_count,
+            FallbackReason::Size => &s.fallback_size,
+            _ => &s.fallback_peer,
+        });
+        Stats::bump(&s.passthrough_xfers);
     }
 
     /// Posts a bounce request.

@@ -179,9 +179,13 @@ impl PeerTable {
         t.recount();
     }
 
-    /// True when a transfer to the agent may bounce: its arena is loaded and it said HELLO.
-    pub(crate) fn can_bounce(&self, name: &str) -> bool {
-        self.0.lock().get(name).is_some_and(|p| p.arena.is_some() && p.hello)
+    /// Where the agent's arena lives, when a transfer to it may bounce: its arena is loaded and
+    /// it said HELLO.
+    pub(crate) fn bounce_arena(&self, name: &str) -> Option<bounce_proto::gate::ArenaPlace> {
+        let t = self.0.lock();
+        let p = t.get(name).filter(|p| p.arena.is_some() && p.hello)?;
+        let c = p.caps.as_ref()?;
+        Some(bounce_proto::gate::ArenaPlace { mem: c.mem, dev: c.arena_dev })
     }
 
     /// Peers a transfer may bounce to now.
@@ -305,14 +309,14 @@ mod tests {
         assert_eq!(t.endpoint("b").as_deref(), Some(&b"tcp://10.0.0.1:1"[..]));
         assert_eq!(t.arena_to_load("b").map(|a| a.key), Some(b"key".to_vec()));
         assert!(t.arena_loaded("b", Some(Md(5))));
-        assert!(!t.can_bounce("b"), "no HELLO yet");
+        assert!(t.bounce_arena("b").is_none(), "no HELLO yet");
         assert!(t.hello("b"));
-        assert!(t.can_bounce("b"));
+        assert!(t.bounce_arena("b").is_some());
         assert_eq!(t.ready(), 1);
         let id = t.loaded_id("b").unwrap();
         assert_eq!(t.write_target(id).map(|(n, a)| (n, a.md)), Some(("b".to_owned(), Md(5))));
         t.lost("b");
-        assert!(!t.can_bounce("b") && t.loaded_id("b").is_none() && t.write_target(id).is_none());
+        assert!(t.bounce_arena("b").is_none() && t.loaded_id("b").is_none() && t.write_target(id).is_none());
         assert!(t.gone(id) && t.gone(PeerId(99)));
         assert_eq!(t.id("b"), id, "ids are never reused");
         // An incompatible peer is loaded (it may talk to us) but has nothing to load.

@@ -57,6 +57,12 @@ impl Registry {
     }
 
     /// The host-memory registration holding all of `[addr, addr + len)`, with its handle.
+    /// Every registration, as the core's gate takes them.
+    pub(crate) fn for_gate(&self) -> Vec<bounce_proto::gate::Registration> {
+        let t = self.0.lock();
+        t.values().map(|r| bounce_proto::gate::Registration { addr: r.addr, len: r.len, mem: r.mem }).collect()
+    }
+
     pub(crate) fn host_covering(&self, addr: u64, len: u64) -> Option<(Md, Registration)> {
         self.0.lock().iter().find(|(_, r)| r.covers_host(addr, len)).map(|(m, r)| (*m, *r))
     }

@@ -178,7 +178,7 @@ fn pair(config: &Config, net: &MemNet) -> (Side, Side) {
     a.load("b", &b);
     b.load("a", &a);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !(a.shared.peers.can_bounce("b") && b.shared.peers.can_bounce("a")) {
+    while !(a.shared.peers.bounce_arena("b").is_some() && b.shared.peers.bounce_arena("a").is_some()) {
         assert!(Instant::now() < deadline, "HELLOs were not exchanged");
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -303,7 +303,7 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
     a.shared.inbox.push(Cmd::PeerLost("b".to_owned()));
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::PeerLost));
     assert!(lost_at.elapsed() < Duration::from_secs(5), "failed by the loss, not by the 60 s timeout");
-    assert!(!a.shared.peers.can_bounce("b"));
+    assert!(a.shared.peers.bounce_arena("b").is_none());
     // Every staging region comes back once the gathers and writes in flight have ended.
     while a.stat(|s| &s.arena_free_bytes) != free_before || a.stat(|s| &s.arena_orphans) != 0 {
         assert!(Instant::now() < deadline, "the arena was not reclaimed");
