@@ -124,7 +124,8 @@ int32_t bnc_shim_register(void *shim, uint64_t addr, uint64_t len, uint64_t dev,
                           void **md, bnc_sink key, void *key_ctx);
 int32_t bnc_shim_deregister(void *shim, void *md);
 int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx);
-int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t mem, void *local_md, uint64_t laddr,
+int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t local_mem, int32_t remote_mem,
+                       void *local_md, uint64_t laddr,
                        uint64_t ldev, void *remote_md, uint64_t raddr, uint64_t rdev, uint64_t len,
                        void **handle);
 int32_t bnc_shim_check(void *shim, void *handle);

@@ -289,10 +289,10 @@ public:
         if (st == NIXL_SUCCESS) out(ctx, reinterpret_cast<const uint8_t *>(s.data()), s.size());
         return st;
     }
-    nixl_status_t shimWrite(const std::string &agent, nixl_mem_t mem, void *lmd, uint64_t laddr,
-                            uint64_t ldev, void *rmd, uint64_t raddr, uint64_t rdev, uint64_t len,
-                            void **handle) {
-        meta_dlist_t local(mem), remote(mem);
+    nixl_status_t shimWrite(const std::string &agent, nixl_mem_t lmem, nixl_mem_t rmem, void *lmd,
+                            uint64_t laddr, uint64_t ldev, void *rmd, uint64_t raddr,
+                            uint64_t rdev, uint64_t len, void **handle) {
+        meta_dlist_t local(lmem), remote(rmem);
         MetaDesc l;
         l.addr = laddr;
         l.len = len;
@@ -518,11 +518,12 @@ extern "C" int32_t bnc_shim_deregister(void *shim, void *md) {
 extern "C" int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx) {
     BNC_SHIM_TRY(eng(shim)->shimConnInfo(out, ctx))
 }
-extern "C" int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t mem, void *lmd,
-                                  uint64_t laddr, uint64_t ldev, void *rmd, uint64_t raddr,
-                                  uint64_t rdev, uint64_t len, void **handle) {
-    BNC_SHIM_TRY(eng(shim)->shimWrite(str(agent), static_cast<nixl_mem_t>(mem), lmd, laddr, ldev,
-                                      rmd, raddr, rdev, len, handle))
+extern "C" int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t lmem, int32_t rmem,
+                                  void *lmd, uint64_t laddr, uint64_t ldev, void *rmd,
+                                  uint64_t raddr, uint64_t rdev, uint64_t len, void **handle) {
+    BNC_SHIM_TRY(eng(shim)->shimWrite(str(agent), static_cast<nixl_mem_t>(lmem),
+                                      static_cast<nixl_mem_t>(rmem), lmd, laddr, ldev, rmd, raddr,
+                                      rdev, len, handle))
 }
 extern "C" int32_t bnc_shim_check(void *shim, void *handle) {
     BNC_SHIM_TRY(eng(shim)->shimCheck(handle))

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::shell::mailroom::Mailroom;
-use crate::sys::nixl::{MemSeg, NixlStatus};
+use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Shim, WriteHandle, WritePosted, WriteSide, WriteState};
 
 /// A write in flight on a [`DataPath`]; poll it with `check`, then `release` it once.
@@ -60,7 +60,7 @@ impl ShimPath {
 
 impl DataPath for ShimPath {
     fn write(&mut self, peer: &str, local: WriteSide, remote: WriteSide, len: u64) -> Result<Posted, NixlStatus> {
-        match self.shim.write(peer, MemSeg::Dram, local, remote, len)? {
+        match self.shim.write(peer, local, remote, len)? {
             WritePosted::Done => Ok(Posted::Done),
             WritePosted::InFlight(h) => {
                 self.next += 1;

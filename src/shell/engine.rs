@@ -229,7 +229,7 @@ impl Engine {
                 let parts = Parts {
                     session: self.session,
                     endpoint,
-                    arena: LocalArena { base: arena.base(), md: arena.md() },
+                    arena: LocalArena { mem: MemKind::Dram, dev: 0, base: arena.base(), md: arena.md() },
                     copier: Box::new(copier),
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
@@ -254,7 +254,7 @@ impl Engine {
                 self.mail.accept_control(t);
             }
         }
-        for (_, r) in self.registry.host() {
+        for (_, r) in self.registry.serving(arena.place()) {
             shared.inbox.push(Cmd::Registered(r.addr, r.len));
         }
         // Reading /proc/self/smaps costs time in a large process: only when it will be logged.

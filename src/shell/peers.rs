@@ -27,6 +27,8 @@ pub(crate) struct PeerArena {
     pub(crate) len: u64,
     /// Device id.
     pub(crate) dev: u64,
+    /// Memory kind.
+    pub(crate) mem: MemKind,
     /// Inner-engine metadata from loadRemoteMD.
     pub(crate) md: Md,
 }
@@ -156,7 +158,9 @@ impl PeerTable {
         let mut t = self.0.lock();
         let Some(p) = t.get_mut(name) else { return false };
         p.arena = match (md, &p.caps) {
-            (Some(md), Some(c)) => Some(PeerArena { base: c.arena_base, len: c.arena_len, dev: c.arena_dev, md }),
+            (Some(md), Some(c)) => {
+                Some(PeerArena { base: c.arena_base, len: c.arena_len, dev: c.arena_dev, mem: c.mem, md })
+            }
             _ => None,
         };
         p.arena.is_some()

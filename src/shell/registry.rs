@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use bounce_proto::MemKind;
+use bounce_proto::gate::ArenaPlace;
 use parking_lot::Mutex;
 
 use crate::sys::shim::Md;
@@ -24,10 +25,17 @@ pub(crate) struct Registration {
 }
 
 impl Registration {
-    /// True when `[addr, addr + len)` lies inside this host-memory registration.
-    fn covers_host(&self, addr: u64, len: u64) -> bool {
-        self.mem == MemKind::Dram
-            && addr.checked_add(len).is_some_and(|end| self.addr <= addr && end <= self.addr + self.len)
+    /// True when this registration is memory the arena at `place` can copy to and from: the
+    /// same kind, and for GPU memory the arena's own GPU (a CPU copy must never touch a GPU
+    /// address, nor a kernel another GPU's).
+    pub(crate) fn serves(&self, place: ArenaPlace) -> bool {
+        self.mem == place.mem && (place.mem == MemKind::Dram || self.dev == place.dev)
+    }
+
+    /// True when `[addr, addr + len)` lies inside this registration and it [`Self::serves`]
+    /// the arena at `place`.
+    fn covers(&self, place: ArenaPlace, addr: u64, len: u64) -> bool {
+        self.serves(place) && addr.checked_add(len).is_some_and(|end| self.addr <= addr && end <= self.addr + self.len)
     }
 }
 
@@ -51,20 +59,22 @@ impl Registry {
         self.0.lock().len()
     }
 
-    /// Every host-memory registration, for replay to a reactor that starts after them.
-    pub(crate) fn host(&self) -> Vec<(Md, Registration)> {
-        self.0.lock().iter().filter(|(_, r)| r.mem == MemKind::Dram).map(|(m, r)| (*m, *r)).collect()
+    /// Every registration the arena at `place` serves, for replay to a reactor that starts
+    /// after them.
+    pub(crate) fn serving(&self, place: ArenaPlace) -> Vec<(Md, Registration)> {
+        self.0.lock().iter().filter(|(_, r)| r.serves(place)).map(|(m, r)| (*m, *r)).collect()
     }
 
-    /// The host-memory registration holding all of `[addr, addr + len)`, with its handle.
     /// Every registration, as the core's gate takes them.
     pub(crate) fn for_gate(&self) -> Vec<bounce_proto::gate::Registration> {
         let t = self.0.lock();
         t.values().map(|r| bounce_proto::gate::Registration { addr: r.addr, len: r.len, mem: r.mem }).collect()
     }
 
-    pub(crate) fn host_covering(&self, addr: u64, len: u64) -> Option<(Md, Registration)> {
-        self.0.lock().iter().find(|(_, r)| r.covers_host(addr, len)).map(|(m, r)| (*m, *r))
+    /// The registration the arena at `place` serves that holds all of `[addr, addr + len)`,
+    /// with its handle.
+    pub(crate) fn covering(&self, place: ArenaPlace, addr: u64, len: u64) -> Option<(Md, Registration)> {
+        self.0.lock().iter().find(|(_, r)| r.covers(place, addr, len)).map(|(m, r)| (*m, *r))
     }
 }
 

@@ -24,7 +24,8 @@ unsafe extern "C" {
     fn bnc_shim_write(
         shim: *mut c_void,
         agent: BncStr,
-        mem: i32,
+        lmem: i32,
+        rmem: i32,
         local_md: *mut c_void,
         laddr: u64,
         ldev: u64,
@@ -86,9 +87,12 @@ pub(crate) struct Md(pub(crate) usize);
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct WriteHandle(usize);
 
-/// One side of a one-descriptor write: registration handle, address, device id.
+/// One side of a one-descriptor write: memory kind, registration handle, address, device id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WriteSide {
+    /// Memory segment of the range (a GPU arena writes from VRAM, a host one from DRAM; the
+    /// two sides may differ).
+    pub(crate) mem: MemSeg,
     /// Inner metadata of the registration the range lies in.
     pub(crate) md: Md,
     /// Address of the first byte.
@@ -174,7 +178,6 @@ impl Shim {
     pub(crate) fn write(
         &self,
         agent: &str,
-        mem: MemSeg,
         local: WriteSide,
         remote: WriteSide,
         len: u64,
@@ -187,7 +190,8 @@ impl Shim {
             bnc_shim_write(
                 self.0.as_ptr(),
                 BncStr::from_bytes(agent.as_bytes()),
-                mem.code(),
+                local.mem.code(),
+                remote.mem.code(),
                 local.md.0 as *mut c_void,
                 local.addr,
                 local.dev,

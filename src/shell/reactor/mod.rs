@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
+use bounce_proto::gate::ArenaPlace;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, PeerId, Region, XferId};
+use bounce_proto::{CopyRun, MemKind, PeerId, Region, XferId};
 use parking_lot::Mutex;
 
 use crate::shell::control::{ControlChannel, ControlError};
@@ -109,6 +110,10 @@ impl Shared {
 /// Our arena, as the write path addresses it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LocalArena {
+    /// Memory kind (host, or GPU memory with the CUDA copy engine).
+    pub(crate) mem: MemKind,
+    /// Device id (its GPU for VRAM, else 0).
+    pub(crate) dev: u64,
     /// Base address.
     pub(crate) base: u64,
     /// Inner-engine metadata of its registration.
@@ -531,10 +536,17 @@ impl Driver {
     /// The local side of a write: our arena, or user memory registered through this engine.
     fn write_source(&self, source: WriteSource, len: u64) -> Option<WriteSide> {
         match source {
-            WriteSource::Arena(r) => Some(WriteSide { md: self.arena.md, addr: self.arena.base + r.offset, dev: 0 }),
+            WriteSource::Arena(r) => Some(WriteSide {
+                mem: self.arena.mem.into(),
+                md: self.arena.md,
+                addr: self.arena.base + r.offset,
+                dev: self.arena.dev,
+            }),
             WriteSource::User { addr } => {
-                let (md, _) = self.shared.registry.host_covering(addr, len)?;
-                Some(WriteSide { md, addr, dev: 0 })
+                // Only from a registration of the arena's memory: the gate planned it so.
+                let place = ArenaPlace { mem: self.arena.mem, dev: self.arena.dev };
+                let (md, reg) = self.shared.registry.covering(place, addr, len)?;
+                Some(WriteSide { mem: reg.mem.into(), md, addr, dev: reg.dev })
             }
         }
     }
@@ -562,7 +574,7 @@ impl Driver {
             tracing::warn!(peer = name, "direct-source chunk is no longer in registered memory");
             return self.ep.handle_write_done(now, job, false);
         };
-        let remote = WriteSide { md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
+        let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
         match self.data.write(&name, local, remote, len) {
             Ok(Posted::Done) => self.ep.handle_write_done(now, job, true),
             Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { job, id }),
