@@ -16,5 +16,7 @@
 
 pub mod ffi;
 pub mod shell;
+#[doc(hidden)]
+pub mod sys;
 
 pub use bounce_proto as proto;
