@@ -49,13 +49,17 @@ impl DeviceAlloc {
         &self.gpu
     }
 
-    /// Copies `src` to `[off, off + src.len())`, synchronously. Set-up and tests, not the data
-    /// path.
+    /// Copies `src` to `[off, off + src.len())` and waits until the device holds it. Set-up and
+    /// tests, not the data path.
     pub fn write(&self, off: usize, src: &[u8]) -> Result<(), CudaError> {
         self.range(off, src.len())?;
         self.gpu.bind()?;
         // SAFETY: the range lies inside the allocation (checked); `src` is valid for reads.
-        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(self.ptr + off as u64, src.as_ptr().cast(), src.len()) })
+        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(self.ptr + off as u64, src.as_ptr().cast(), src.len()) })?;
+        // From pageable memory the copy may return before the DMA lands, and the copy streams
+        // do not order with the default stream: wait, so later launches see the bytes.
+        // SAFETY: no preconditions.
+        check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })
     }
 
     /// Copies `[off, off + dst.len())` into `dst`, synchronously (waits for all work in the
