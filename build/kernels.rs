@@ -24,7 +24,14 @@ const SOURCES: &[&str] = &["kernels/gather_scatter.cu"];
 const ARCH: &str = "--gpu-architecture=compute_80";
 
 type Prog = *mut c_void;
-type CreateFn = unsafe extern "C" fn(*mut Prog, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> c_int;
+type CreateFn = unsafe extern "C" fn(
+    *mut Prog,
+    *const c_char,
+    *const c_char,
+    c_int,
+    *const *const c_char,
+    *const *const c_char,
+) -> c_int;
 type CompileFn = unsafe extern "C" fn(Prog, c_int, *const *const c_char) -> c_int;
 type SizeFn = unsafe extern "C" fn(Prog, *mut usize) -> c_int;
 type GetFn = unsafe extern "C" fn(Prog, *mut c_char) -> c_int;
@@ -47,7 +54,9 @@ pub(crate) fn build() {
             Ok(ptx) => ptx,
             Err(e) if ci => panic!("kernels: {src} did not compile to PTX under CI: {e}"),
             Err(e) => {
-                println!("cargo:warning=kernels: built WITHOUT GPU kernels ({src}: {e}); run ci/setup or set BOUNCE_NVRTC_LIB");
+                println!(
+                    "cargo:warning=kernels: built WITHOUT GPU kernels ({src}: {e}); run ci/setup or set BOUNCE_NVRTC_LIB"
+                );
                 String::new()
             }
         };
@@ -82,7 +91,10 @@ fn load_nvrtc() -> Result<(libloading::Library, Option<libloading::Library>), St
     let mut errs = Vec::new();
     for cand in nvrtc_candidates() {
         let builtins = cand.parent().filter(|d| !d.as_os_str().is_empty()).and_then(|d| {
-            let b = std::fs::read_dir(d).ok()?.flatten().find(|e| e.file_name().to_string_lossy().starts_with("libnvrtc-builtins.so"))?;
+            let b = std::fs::read_dir(d)
+                .ok()?
+                .flatten()
+                .find(|e| e.file_name().to_string_lossy().starts_with("libnvrtc-builtins.so"))?;
             // SAFETY: loading NVRTC's builtins runs only its (trusted, vendor) initialisers.
             unsafe { libloading::Library::new(b.path()) }.ok()
         });
@@ -102,7 +114,9 @@ fn compile(src: &str) -> Result<String, String> {
     // SAFETY: each symbol is NVRTC's public C API, with the signature its documentation gives.
     let (create, compile, log_size, log, ptx_size, ptx, destroy, version) = unsafe {
         let sym = |n: &[u8]| -> Result<*const c_void, String> {
-            lib.get::<*const c_void>(n).map(|s| *s).map_err(|e| format!("NVRTC symbol {}: {e}", String::from_utf8_lossy(n)))
+            lib.get::<*const c_void>(n)
+                .map(|s| *s)
+                .map_err(|e| format!("NVRTC symbol {}: {e}", String::from_utf8_lossy(n)))
         };
         (
             std::mem::transmute::<*const c_void, CreateFn>(sym(b"nvrtcCreateProgram")?),
@@ -120,7 +134,10 @@ fn compile(src: &str) -> Result<String, String> {
     unsafe { version(&mut major, &mut minor) };
     let c_code = CString::new(code).map_err(|_| format!("{src} holds a NUL byte"))?;
     let c_name = CString::new(src).expect("path without NUL");
-    let opts: Vec<CString> = [ARCH, "--std=c++17", "-lineinfo", "-default-device"].iter().map(|o| CString::new(*o).expect("option")).collect();
+    let opts: Vec<CString> = [ARCH, "--std=c++17", "-lineinfo", "-default-device"]
+        .iter()
+        .map(|o| CString::new(*o).expect("option"))
+        .collect();
     let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: Prog = std::ptr::null_mut();
     // SAFETY: valid C strings that outlive the calls; no headers (0, null, null); `prog` is
@@ -148,7 +165,10 @@ fn compile(src: &str) -> Result<String, String> {
         let mut buf = vec![0u8; n.max(1)];
         ptx(prog, buf.as_mut_ptr().cast());
         destroy(&mut prog);
-        let text = CStr::from_bytes_until_nul(&buf).map_err(|_| "PTX without its NUL".to_string())?.to_string_lossy().into_owned();
+        let text = CStr::from_bytes_until_nul(&buf)
+            .map_err(|_| "PTX without its NUL".to_string())?
+            .to_string_lossy()
+            .into_owned();
         if text.is_empty() {
             return Err("NVRTC returned empty PTX".into());
         }

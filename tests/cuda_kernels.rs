@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use nixl_bounce::proto::CopyRun;
 use nixl_bounce::sys::cuda::{
-    CopyDir, CudaError, DeviceAlloc, ExecContext, GATHER_KERNEL, Gpu, GpuTimer, Kernels, PlanPlacement, SCATTER_KERNEL, alloc_vram, batched_copy,
-    embedded_ptx, gather, scatter,
+    CopyDir, CudaError, DeviceAlloc, ExecContext, GATHER_KERNEL, Gpu, GpuTimer, Kernels, PlanPlacement, SCATTER_KERNEL,
+    alloc_vram, batched_copy, embedded_ptx, gather, scatter, stage_plan,
 };
 
 /// SplitMix64: a seeded generator, so a failure names a reproducible case.
@@ -139,8 +139,12 @@ fn random_case(rng: &mut Rng, dir: CopyDir, n_runs: usize, max_log2: u64, read_l
         }
         cursor = w + need_w;
         runs.push(match dir {
-            CopyDir::Gather => CopyRun { region_off: w, addr: r, len, count, region_stride: wstride, addr_stride: rstride },
-            CopyDir::Scatter => CopyRun { region_off: r, addr: w, len, count, region_stride: rstride, addr_stride: wstride },
+            CopyDir::Gather => {
+                CopyRun { region_off: w, addr: r, len, count, region_stride: wstride, addr_stride: rstride }
+            }
+            CopyDir::Scatter => {
+                CopyRun { region_off: r, addr: w, len, count, region_stride: rstride, addr_stride: wstride }
+            }
         });
     }
     Case { runs }
@@ -155,7 +159,17 @@ enum Path {
 
 /// Runs `case` through `path` on the GPU and checks the whole destination buffer against the
 /// CPU reference, under two different poisons.
-fn run_and_check(gpu: &Arc<Gpu>, k: &Kernels, ctx: &mut ExecContext, dir: CopyDir, path: Path, case: &Case, user_len: usize, region_len: usize, seed: u64) {
+fn run_and_check(
+    gpu: &Arc<Gpu>,
+    k: &Kernels,
+    ctx: &mut ExecContext,
+    dir: CopyDir,
+    path: Path,
+    case: &Case,
+    user_len: usize,
+    region_len: usize,
+    seed: u64,
+) {
     let mut rng = Rng(seed ^ 0x5EED);
     let user = alloc_vram(gpu, user_len).unwrap();
     let region = alloc_vram(gpu, region_len).unwrap();
@@ -197,7 +211,12 @@ fn run_and_check(gpu: &Arc<Gpu>, k: &Kernels, ctx: &mut ExecContext, dir: CopyDi
         dst.read(0, &mut got).unwrap();
         if got != want {
             let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
-            panic!("{dir:?} via {path:?} (seed {seed}, poison {poison:#x}, {} runs): first wrong byte at {first}: got {:#x} want {:#x}", case.runs.len(), got[first], want[first]);
+            panic!(
+                "{dir:?} via {path:?} (seed {seed}, poison {poison:#x}, {} runs): first wrong byte at {first}: got {:#x} want {:#x}",
+                case.runs.len(),
+                got[first],
+                want[first]
+            );
         }
     }
 }
@@ -227,12 +246,20 @@ fn random_cases(test: &str, dir: CopyDir, path: Path) {
 
 #[test]
 fn gather_random_sizes_and_alignments_device_plan() {
-    random_cases("gather_random_sizes_and_alignments_device_plan", CopyDir::Gather, Path::Kernel(PlanPlacement::Device));
+    random_cases(
+        "gather_random_sizes_and_alignments_device_plan",
+        CopyDir::Gather,
+        Path::Kernel(PlanPlacement::Device),
+    );
 }
 
 #[test]
 fn scatter_random_sizes_and_alignments_device_plan() {
-    random_cases("scatter_random_sizes_and_alignments_device_plan", CopyDir::Scatter, Path::Kernel(PlanPlacement::Device));
+    random_cases(
+        "scatter_random_sizes_and_alignments_device_plan",
+        CopyDir::Scatter,
+        Path::Kernel(PlanPlacement::Device),
+    );
 }
 
 #[test]
@@ -264,9 +291,23 @@ fn long_runs_split_across_blocks() {
     let case = Case {
         runs: vec![
             CopyRun { region_off: 3, addr: 19, len: (8 << 20) + 5, count: 1, region_stride: 0, addr_stride: 0 },
-            CopyRun { region_off: (8 << 20) + 64, addr: 1 << 20, len: 1, count: 1000, region_stride: 3, addr_stride: 7 },
+            CopyRun {
+                region_off: (8 << 20) + 64,
+                addr: 1 << 20,
+                len: 1,
+                count: 1000,
+                region_stride: 3,
+                addr_stride: 7,
+            },
             CopyRun { region_off: 9 << 20, addr: 0, len: 0, count: 5, region_stride: 0, addr_stride: 0 },
-            CopyRun { region_off: (9 << 20) + 16, addr: 64, len: (3 << 20) + 4096, count: 2, region_stride: (3 << 20) + 8192, addr_stride: 1 << 20 },
+            CopyRun {
+                region_off: (9 << 20) + 16,
+                addr: 64,
+                len: (3 << 20) + 4096,
+                count: 2,
+                region_stride: (3 << 20) + 8192,
+                addr_stride: 1 << 20,
+            },
         ],
     };
     for dir in [CopyDir::Gather, CopyDir::Scatter] {
@@ -274,7 +315,17 @@ fn long_runs_split_across_blocks() {
             CopyDir::Gather => Case { runs: case.runs.clone() },
             // Swap sides so the written side stays non-overlapping.
             CopyDir::Scatter => Case {
-                runs: case.runs.iter().map(|r| CopyRun { region_off: r.addr, addr: r.region_off, region_stride: r.addr_stride, addr_stride: r.region_stride, ..*r }).collect(),
+                runs: case
+                    .runs
+                    .iter()
+                    .map(|r| CopyRun {
+                        region_off: r.addr,
+                        addr: r.region_off,
+                        region_stride: r.addr_stride,
+                        addr_stride: r.region_stride,
+                        ..*r
+                    })
+                    .collect(),
             },
         };
         run_and_check(&gpu, &k, &mut ctx, dir, Path::Kernel(PlanPlacement::Device), &case, 20 << 20, 20 << 20, 7);
@@ -339,7 +390,13 @@ fn bandwidth_report() {
     // outlive the timings; each job is waited for before the next one rewrites the plan.
     let t_ref = median_ms(&mut ctx, &timer, 21, |c| unsafe { c.copy_d2d(other.ptr(), region.ptr(), total).unwrap() });
     let gbs = |ms: f64| total as f64 / (ms * 1e-3) / 1e9;
-    println!("GPU {} (SMs {}), driver {}: one 64 MiB cuMemcpyDtoDAsync: {t_ref:.4} ms = {:.0} GB/s payload", gpu.ordinal(), gpu.sm_count(), gpu.driver_version(), gbs(t_ref));
+    println!(
+        "GPU {} (SMs {}), driver {}: one 64 MiB cuMemcpyDtoDAsync: {t_ref:.4} ms = {:.0} GB/s payload",
+        gpu.ordinal(),
+        gpu.sm_count(),
+        gpu.driver_version(),
+        gbs(t_ref)
+    );
     println!("{:<8} {:<12} {:<9} {:<16} {:>9} {:>8} {:>7}", "dir", "shape", "layout", "path", "ms", "GB/s", "ratio");
     let mut rng = Rng(42);
     for (count, len) in [(16384u64, 4096u64), (4096, 16384), (1024, 65536)] {
@@ -350,15 +407,53 @@ fn bandwidth_report() {
             slots.swap(i, rng.below(i as u64 + 1) as usize);
         }
         let layouts: [(&str, Vec<CopyRun>); 2] = [
-            ("strided", vec![CopyRun { region_off: 0, addr: user.ptr(), len, count: count as u32, region_stride: len, addr_stride: 2 * len }]),
+            (
+                "strided",
+                vec![CopyRun {
+                    region_off: 0,
+                    addr: user.ptr(),
+                    len,
+                    count: count as u32,
+                    region_stride: len,
+                    addr_stride: 2 * len,
+                }],
+            ),
             (
                 "shuffled",
-                slots.iter().enumerate().map(|(i, &s)| CopyRun { region_off: i as u64 * len, addr: user.ptr() + 2 * s * len, len, count: 1, region_stride: 0, addr_stride: 0 }).collect(),
+                slots
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &s)| CopyRun {
+                        region_off: i as u64 * len,
+                        addr: user.ptr() + 2 * s * len,
+                        len,
+                        count: 1,
+                        region_stride: 0,
+                        addr_stride: 0,
+                    })
+                    .collect(),
             ),
         ];
         for (layout, runs) in &layouts {
+            // The plan upload alone (the part of "kernel dev-plan" that is not the kernel).
+            let mut plan_bytes = 0;
+            let up = median_ms(&mut ctx, &timer, 21, |c| {
+                // SAFETY: the context is idle (each timing waits for its stream).
+                plan_bytes = unsafe { stage_plan(c, runs, PlanPlacement::Device) }.unwrap().0.bytes;
+            });
+            println!(
+                "{:<8} {:<12} {:<9} {:<16} {:>9.4}   ({plan_bytes} plan bytes host->device)",
+                "plan",
+                format!("{count}x{}KiB", len / 1024),
+                layout,
+                "upload only",
+                up
+            );
             for dir in [CopyDir::Gather, CopyDir::Scatter] {
-                let mut paths: Vec<(&str, Path, usize)> = vec![("kernel dev-plan", Path::Kernel(PlanPlacement::Device), 21), ("kernel host-plan", Path::Kernel(PlanPlacement::Host), 21)];
+                let mut paths: Vec<(&str, Path, usize)> = vec![
+                    ("kernel dev-plan", Path::Kernel(PlanPlacement::Device), 21),
+                    ("kernel host-plan", Path::Kernel(PlanPlacement::Host), 21),
+                ];
                 if gpu.has_batched_copy() {
                     paths.push(("batched memcpy", Path::Batched, 5));
                 }
@@ -374,7 +469,16 @@ fn bandwidth_report() {
                             .unwrap()
                         }
                     });
-                    println!("{:<8} {:<12} {:<9} {:<16} {:>9.4} {:>8.0} {:>7.3}", format!("{dir:?}"), format!("{count}x{}KiB", len / 1024), layout, name, ms, gbs(ms), t_ref / ms);
+                    println!(
+                        "{:<8} {:<12} {:<9} {:<16} {:>9.4} {:>8.0} {:>7.3}",
+                        format!("{dir:?}"),
+                        format!("{count}x{}KiB", len / 1024),
+                        layout,
+                        name,
+                        ms,
+                        gbs(ms),
+                        t_ref / ms
+                    );
                 }
             }
         }

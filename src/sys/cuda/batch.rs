@@ -16,7 +16,12 @@ use super::launch::CopyDir;
 /// # Safety
 /// As for [`super::gather`]: `ctx` idle, every piece and region range valid for the copy's
 /// direction until the stream has passed it, no overlaps.
-pub unsafe fn batched_copy(ctx: &mut ExecContext, dir: CopyDir, runs: &[CopyRun], region_base: u64) -> Result<(), CudaError> {
+pub unsafe fn batched_copy(
+    ctx: &mut ExecContext,
+    dir: CopyDir,
+    runs: &[CopyRun],
+    region_base: u64,
+) -> Result<(), CudaError> {
     let f = ctx.gpu().batch_fn()?;
     let ordinal = ctx.gpu().ordinal();
     ctx.gpu().bind()?;
@@ -64,7 +69,17 @@ pub unsafe fn batched_copy(ctx: &mut ExecContext, dir: CopyDir, runs: &[CopyRun]
         BatchFn::V12(call) => {
             let mut fail = 0usize;
             check("cuMemcpyBatchAsync", unsafe {
-                call(b.dsts.as_mut_ptr(), b.srcs.as_mut_ptr(), b.sizes.as_mut_ptr(), n, &mut attr, &mut attr_idx, 1, &mut fail, stream)
+                call(
+                    b.dsts.as_mut_ptr(),
+                    b.srcs.as_mut_ptr(),
+                    b.sizes.as_mut_ptr(),
+                    n,
+                    &mut attr,
+                    &mut attr_idx,
+                    1,
+                    &mut fail,
+                    stream,
+                )
             })
         }
     }

@@ -90,7 +90,8 @@ impl Gpu {
         let driver_version = driver()?;
         let mut count = 0;
         // SAFETY: the driver is initialised (above); valid out-pointer.
-        check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut count) }).map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut count) })
+            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
         if count == 0 {
             return Err(CudaError::Unavailable("no CUDA device".into()));
         }

@@ -44,11 +44,17 @@ impl ExecContext {
         // SAFETY: current context; valid out-pointer. Non-blocking: no implicit sync with the
         // legacy default stream the application may use.
         check("cuStreamCreateWithPriority", unsafe {
-            cu::cuStreamCreateWithPriority(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32, gpu.high_priority())
+            cu::cuStreamCreateWithPriority(
+                &mut stream,
+                cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                gpu.high_priority(),
+            )
         })?;
         let mut event = std::ptr::null_mut();
         // SAFETY: current context; valid out-pointer. No timing: cheaper record and query.
-        let made = check("cuEventCreate", unsafe { cu::cuEventCreate(&mut event, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) });
+        let made = check("cuEventCreate", unsafe {
+            cu::cuEventCreate(&mut event, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        });
         if let Err(e) = made {
             // SAFETY: created above, unused.
             let _ = unsafe { cu::cuStreamDestroy_v2(stream) };
@@ -60,7 +66,9 @@ impl ExecContext {
         let plan_host = PinnedHost::new(gpu, bytes);
         let plan_dev = alloc_vram(gpu, bytes);
         match (plan_host, plan_dev) {
-            (Ok(plan_host), Ok(plan_dev)) => Ok(Self { gpu: gpu.clone(), stream, event, plan_host, plan_dev, batch: BatchArrays::default() }),
+            (Ok(plan_host), Ok(plan_dev)) => {
+                Ok(Self { gpu: gpu.clone(), stream, event, plan_host, plan_dev, batch: BatchArrays::default() })
+            }
             (Err(e), _) | (_, Err(e)) => {
                 // SAFETY: created above, never used.
                 unsafe {

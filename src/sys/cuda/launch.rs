@@ -8,7 +8,7 @@ use cudarc::driver::sys as cu;
 use super::error::{CudaError, check};
 use super::exec::ExecContext;
 use super::module::Kernels;
-use super::plan::{encode, plan_bytes};
+use super::plan::{PlanShape, encode, plan_bytes};
 
 /// Which way a copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +46,13 @@ const BLOCKS_PER_SM: u32 = 8;
 ///   `[region_base + region_off, .. + len)` memory of this GPU it can write; all of it stays
 ///   allocated until the stream has passed the launch; destinations do not overlap each other
 ///   or any source.
-pub unsafe fn gather(ctx: &mut ExecContext, kernels: &Kernels, runs: &[CopyRun], region_base: u64, placement: PlanPlacement) -> Result<(), CudaError> {
+pub unsafe fn gather(
+    ctx: &mut ExecContext,
+    kernels: &Kernels,
+    runs: &[CopyRun],
+    region_base: u64,
+    placement: PlanPlacement,
+) -> Result<(), CudaError> {
     // SAFETY: forwarded from the caller's contract.
     unsafe { launch(ctx, kernels, CopyDir::Gather, runs, region_base, placement) }
 }
@@ -55,23 +61,34 @@ pub unsafe fn gather(ctx: &mut ExecContext, kernels: &Kernels, runs: &[CopyRun],
 ///
 /// # Safety
 /// As for [`gather`], with the roles swapped: the region is read and the user pieces written.
-pub unsafe fn scatter(ctx: &mut ExecContext, kernels: &Kernels, runs: &[CopyRun], region_base: u64, placement: PlanPlacement) -> Result<(), CudaError> {
+pub unsafe fn scatter(
+    ctx: &mut ExecContext,
+    kernels: &Kernels,
+    runs: &[CopyRun],
+    region_base: u64,
+    placement: PlanPlacement,
+) -> Result<(), CudaError> {
     // SAFETY: forwarded from the caller's contract.
     unsafe { launch(ctx, kernels, CopyDir::Scatter, runs, region_base, placement) }
 }
 
+/// Writes the plan of `runs` into `ctx`'s pinned buffer and, for [`PlanPlacement::Device`],
+/// queues its copy to the device on `ctx`'s stream. Returns the plan's shape and the address
+/// the kernels read it from. Public so benchmarks can time the plan upload on its own.
+///
 /// # Safety
-/// See [`gather`].
-unsafe fn launch(ctx: &mut ExecContext, kernels: &Kernels, dir: CopyDir, runs: &[CopyRun], region_base: u64, placement: PlanPlacement) -> Result<(), CudaError> {
+/// `ctx` is idle: no earlier work queued on it still reads its plan buffers.
+pub unsafe fn stage_plan(
+    ctx: &mut ExecContext,
+    runs: &[CopyRun],
+    placement: PlanPlacement,
+) -> Result<(PlanShape, u64), CudaError> {
     ctx.ensure_plan_bytes(plan_bytes(runs.len()))?;
     let shape = encode(runs, ctx.plan_host.as_mut_slice())?;
-    if shape.tiles == 0 {
-        return Ok(());
-    }
-    kernels.gpu().bind()?;
     let base = match placement {
         PlanPlacement::Host => ctx.plan_host.device_ptr(),
         PlanPlacement::Device => {
+            ctx.gpu().bind()?;
             // SAFETY: the plan buffers hold `shape.bytes` (ensured above); the context is idle,
             // so no launch reads the device buffer while this copy overwrites it, and the host
             // buffer is not rewritten until the context's event says the stream passed here.
@@ -81,16 +98,31 @@ unsafe fn launch(ctx: &mut ExecContext, kernels: &Kernels, dir: CopyDir, runs: &
             ctx.plan_dev.ptr()
         }
     };
+    Ok((shape, base))
+}
+
+/// # Safety
+/// See [`gather`].
+unsafe fn launch(
+    ctx: &mut ExecContext,
+    kernels: &Kernels,
+    dir: CopyDir,
+    runs: &[CopyRun],
+    region_base: u64,
+    placement: PlanPlacement,
+) -> Result<(), CudaError> {
+    // SAFETY: `ctx` is idle by the caller's contract.
+    let (shape, base) = unsafe { stage_plan(ctx, runs, placement)? };
+    if shape.tiles == 0 {
+        return Ok(());
+    }
+    kernels.gpu().bind()?;
     let mut runs_ptr: u64 = base;
     let mut prefix_ptr: u64 = base + shape.prefix_off as u64;
     let mut nruns: u32 = shape.nruns;
     let mut region: u64 = region_base;
-    let mut params: [*mut c_void; 4] = [
-        (&raw mut runs_ptr).cast(),
-        (&raw mut prefix_ptr).cast(),
-        (&raw mut nruns).cast(),
-        (&raw mut region).cast(),
-    ];
+    let mut params: [*mut c_void; 4] =
+        [(&raw mut runs_ptr).cast(), (&raw mut prefix_ptr).cast(), (&raw mut nruns).cast(), (&raw mut region).cast()];
     let sms = kernels.gpu().sm_count();
     let warps_per_block = u64::from(BLOCK / 32);
     let grid = shape.tiles.div_ceil(warps_per_block).min(u64::from(sms * BLOCKS_PER_SM)).max(1) as u32;

@@ -122,7 +122,8 @@ impl PinnedHost {
         check("cuMemHostAlloc", unsafe { cu::cuMemHostAlloc(&mut p, len.max(1), flags) })?;
         let mut dev = 0;
         // SAFETY: `p` is a mapped allocation made just above.
-        if let Err(e) = check("cuMemHostGetDevicePointer", unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) }) {
+        if let Err(e) = check("cuMemHostGetDevicePointer", unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) })
+        {
             // SAFETY: frees what was allocated above.
             let _ = unsafe { cu::cuMemFreeHost(p) };
             return Err(e);

@@ -31,7 +31,7 @@ pub fn plan_bytes(nruns: usize) -> usize {
 
 /// Where the parts of an encoded plan are.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct PlanShape {
+pub struct PlanShape {
     /// Runs in the plan.
     pub nruns: u32,
     /// Byte offset of the tile prefix sums.
@@ -63,7 +63,10 @@ pub(super) fn encode(runs: &[CopyRun], out: &mut [u8]) -> Result<PlanShape, Cuda
             tiles_per_piece: tpp,
         };
         out[prefix_off + i * 8..prefix_off + i * 8 + 8].copy_from_slice(&tiles.to_ne_bytes());
-        tiles = u64::from(tpp).checked_mul(u64::from(r.count)).and_then(|t| t.checked_add(tiles)).ok_or(CudaError::Plan("tile count overflow"))?;
+        tiles = u64::from(tpp)
+            .checked_mul(u64::from(r.count))
+            .and_then(|t| t.checked_add(tiles))
+            .ok_or(CudaError::Plan("tile count overflow"))?;
         let fields = [p.region_off, p.addr, p.len, p.region_stride, p.addr_stride];
         let at = i * RUN_BYTES;
         for (k, f) in fields.iter().enumerate() {
