@@ -89,6 +89,10 @@ fn opening_a_gpu_never_panics() {
 /// One random test case: runs over a source and a destination buffer.
 struct Case {
     runs: Vec<CopyRun>,
+    /// Bytes of the user buffer.
+    user_len: usize,
+    /// Bytes of the region buffer.
+    region_len: usize,
 }
 
 /// The length of a random piece: log-uniform over 1 B .. 1 MiB, half the time rounded to a
@@ -97,7 +101,7 @@ fn piece_len(rng: &mut Rng, max_log2: u64) -> u64 {
     let base = 1u64 << rng.below(max_log2 + 1);
     let jitter_log2 = rng.below(max_log2 + 1).min(12);
     let l = base + rng.below(1 << jitter_log2);
-    let l = l.min(1 << 20).max(1);
+    let l = l.clamp(1, 1 << 20);
     if rng.below(2) == 0 { (l + 15) & !15 } else { l }
 }
 
@@ -147,7 +151,11 @@ fn random_case(rng: &mut Rng, dir: CopyDir, n_runs: usize, max_log2: u64, read_l
             }
         });
     }
-    Case { runs }
+    let (user_len, region_len) = match dir {
+        CopyDir::Gather => (read_len as usize, write_len as usize),
+        CopyDir::Scatter => (write_len as usize, read_len as usize),
+    };
+    Case { runs, user_len, region_len }
 }
 
 /// The path a case runs through.
@@ -159,20 +167,10 @@ enum Path {
 
 /// Runs `case` through `path` on the GPU and checks the whole destination buffer against the
 /// CPU reference, under two different poisons.
-fn run_and_check(
-    gpu: &Arc<Gpu>,
-    k: &Kernels,
-    ctx: &mut ExecContext,
-    dir: CopyDir,
-    path: Path,
-    case: &Case,
-    user_len: usize,
-    region_len: usize,
-    seed: u64,
-) {
+fn run_and_check(gpu: &Arc<Gpu>, k: &Kernels, ctx: &mut ExecContext, dir: CopyDir, path: Path, case: &Case, seed: u64) {
     let mut rng = Rng(seed ^ 0x5EED);
-    let user = alloc_vram(gpu, user_len).unwrap();
-    let region = alloc_vram(gpu, region_len).unwrap();
+    let user = alloc_vram(gpu, case.user_len).unwrap();
+    let region = alloc_vram(gpu, case.region_len).unwrap();
     let (src, dst): (&DeviceAlloc, &DeviceAlloc) = match dir {
         CopyDir::Gather => (&user, &region),
         CopyDir::Scatter => (&region, &user),
@@ -239,7 +237,7 @@ fn random_cases(test: &str, dir: CopyDir, path: Path) {
         };
         let case = random_case(&mut rng, dir, n_runs, max_log2, read_len, write_len);
         assert!(!case.runs.is_empty());
-        run_and_check(&gpu, &k, &mut ctx, dir, path, &case, user_len, region_len, seed);
+        run_and_check(&gpu, &k, &mut ctx, dir, path, &case, seed);
     }
     println!("{test}: 24 random cases x 2 poisons byte-exact");
 }
@@ -309,10 +307,12 @@ fn long_runs_split_across_blocks() {
                 addr_stride: 1 << 20,
             },
         ],
+        user_len: 20 << 20,
+        region_len: 20 << 20,
     };
     for dir in [CopyDir::Gather, CopyDir::Scatter] {
         let case = match dir {
-            CopyDir::Gather => Case { runs: case.runs.clone() },
+            CopyDir::Gather => Case { runs: case.runs.clone(), ..case },
             // Swap sides so the written side stays non-overlapping.
             CopyDir::Scatter => Case {
                 runs: case
@@ -326,9 +326,10 @@ fn long_runs_split_across_blocks() {
                         ..*r
                     })
                     .collect(),
+                ..case
             },
         };
-        run_and_check(&gpu, &k, &mut ctx, dir, Path::Kernel(PlanPlacement::Device), &case, 20 << 20, 20 << 20, 7);
+        run_and_check(&gpu, &k, &mut ctx, dir, Path::Kernel(PlanPlacement::Device), &case, 7);
     }
     println!("long_runs_split_across_blocks: ok");
 }
@@ -343,13 +344,13 @@ fn strided_runs_of_the_benchmark_shapes() {
         for dir in [CopyDir::Gather, CopyDir::Scatter] {
             // User pieces every other slot (scattered), the region packed.
             let run = CopyRun { region_off: 0, addr: 0, len, count, region_stride: len, addr_stride: 2 * len };
-            let case = Case { runs: vec![run] };
+            let case = Case { runs: vec![run], user_len: 128 << 20, region_len: 64 << 20 };
             let mut paths = vec![Path::Kernel(PlanPlacement::Device), Path::Kernel(PlanPlacement::Host)];
             if gpu.has_batched_copy() {
                 paths.push(Path::Batched);
             }
             for p in paths {
-                run_and_check(&gpu, &k, &mut ctx, dir, p, &case, 128 << 20, 64 << 20, u64::from(count));
+                run_and_check(&gpu, &k, &mut ctx, dir, p, &case, u64::from(count));
             }
         }
     }
@@ -386,9 +387,12 @@ fn bandwidth_report() {
     let other = alloc_vram(&gpu, total).unwrap();
     user.fill(1).unwrap();
     region.fill(2).unwrap();
-    // SAFETY (all closures below): every address lies inside `user`/`region`/`other`, which
-    // outlive the timings; each job is waited for before the next one rewrites the plan.
-    let t_ref = median_ms(&mut ctx, &timer, 21, |c| unsafe { c.copy_d2d(other.ptr(), region.ptr(), total).unwrap() });
+    // Every address below lies inside `user`/`region`/`other`, which outlive the timings; each
+    // job is waited for before the next one rewrites the plan.
+    let t_ref = median_ms(&mut ctx, &timer, 21, |c| {
+        // SAFETY: see above; `other` and `region` are distinct allocations of `total` bytes.
+        unsafe { c.copy_d2d(other.ptr(), region.ptr(), total).unwrap() }
+    });
     let gbs = |ms: f64| total as f64 / (ms * 1e-3) / 1e9;
     println!(
         "GPU {} (SMs {}), driver {}: one 64 MiB cuMemcpyDtoDAsync: {t_ref:.4} ms = {:.0} GB/s payload",

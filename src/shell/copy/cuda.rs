@@ -249,6 +249,7 @@ mod tests {
     /// On a GPU: more jobs than contexts (queueing), gathers then scatters back, one refused
     /// job; every job is reported exactly once, with the right outcome and bytes.
     #[test]
+    #[cfg_attr(miri, ignore = "loads the CUDA driver (FFI)")]
     fn engine_reports_every_job_once_and_moves_exact_bytes() {
         let gpu = match Gpu::open(0) {
             Ok(g) => g,

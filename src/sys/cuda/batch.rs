@@ -59,16 +59,30 @@ pub unsafe fn batched_copy(
     };
     let mut attr_idx = 0usize;
     let n = b.sizes.len();
-    // SAFETY: the three arrays hold `n` entries each and stay alive (in the context) until the
-    // copy is done; one attribute applies from index 0; the pieces are valid by the caller's
-    // contract; the fn pointer was resolved from the driver with this ABI (see BatchFn).
-    match f {
-        BatchFn::V13(call) => check("cuMemcpyBatchAsync_v2", unsafe {
-            call(b.dsts.as_mut_ptr(), b.srcs.as_mut_ptr(), b.sizes.as_mut_ptr(), n, &mut attr, &mut attr_idx, 1, stream)
-        }),
+    // Why the calls below are sound: the three arrays hold `n` entries each and stay alive (in
+    // the context) until the copy is done; one attribute applies from index 0; the pieces are
+    // valid by the caller's contract; the fn pointer was resolved from the driver with its ABI
+    // (see BatchFn).
+    let code = match f {
+        BatchFn::V13(call) => {
+            // SAFETY: see above; the CUDA 13 ABI has no failure index.
+            unsafe {
+                call(
+                    b.dsts.as_mut_ptr(),
+                    b.srcs.as_mut_ptr(),
+                    b.sizes.as_mut_ptr(),
+                    n,
+                    &mut attr,
+                    &mut attr_idx,
+                    1,
+                    stream,
+                )
+            }
+        }
         BatchFn::V12(call) => {
             let mut fail = 0usize;
-            check("cuMemcpyBatchAsync", unsafe {
+            // SAFETY: see above; `fail` is a valid out-pointer for the failure index.
+            unsafe {
                 call(
                     b.dsts.as_mut_ptr(),
                     b.srcs.as_mut_ptr(),
@@ -80,7 +94,8 @@ pub unsafe fn batched_copy(
                     &mut fail,
                     stream,
                 )
-            })
+            }
         }
-    }
+    };
+    check("cuMemcpyBatchAsync", code)
 }

@@ -8,36 +8,40 @@ use cudarc::driver::sys as cu;
 
 use super::error::{CudaError, check};
 
+/// CUDA 13's `cuMemcpyBatchAsync_v2`: (dsts, srcs, sizes, count, attrs, attr indices, attr
+/// count, stream).
+pub(super) type BatchV13 = unsafe extern "C" fn(
+    *mut cu::CUdeviceptr,
+    *mut cu::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut cu::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    cu::CUstream,
+) -> cu::CUresult;
+
+/// CUDA 12.8's `cuMemcpyBatchAsync`: as [`BatchV13`] plus a failure-index out-pointer before
+/// the stream.
+pub(super) type BatchV12 = unsafe extern "C" fn(
+    *mut cu::CUdeviceptr,
+    *mut cu::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut cu::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    cu::CUstream,
+) -> cu::CUresult;
+
 /// The driver's batched-copy entry point, in the ABI the driver has.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum BatchFn {
-    /// CUDA 13's `cuMemcpyBatchAsync_v2` (no failure index).
-    V13(
-        unsafe extern "C" fn(
-            *mut cu::CUdeviceptr,
-            *mut cu::CUdeviceptr,
-            *mut usize,
-            usize,
-            *mut cu::CUmemcpyAttributes,
-            *mut usize,
-            usize,
-            cu::CUstream,
-        ) -> cu::CUresult,
-    ),
-    /// CUDA 12.8's `cuMemcpyBatchAsync` (with a failure index).
-    V12(
-        unsafe extern "C" fn(
-            *mut cu::CUdeviceptr,
-            *mut cu::CUdeviceptr,
-            *mut usize,
-            usize,
-            *mut cu::CUmemcpyAttributes,
-            *mut usize,
-            usize,
-            *mut usize,
-            cu::CUstream,
-        ) -> cu::CUresult,
-    ),
+    /// CUDA 13's ABI.
+    V13(BatchV13),
+    /// CUDA 12.8's ABI.
+    V12(BatchV12),
 }
 
 /// The process-wide driver state: `cuInit` runs once; its outcome (the driver version, or why
@@ -178,10 +182,10 @@ fn find_batch_fn(driver_version: i32) -> Option<BatchFn> {
     // headers respectively (the enum's variant types); a missing symbol gives an Err.
     unsafe {
         if let Ok(f) = lib.get::<*const c_void>(b"cuMemcpyBatchAsync_v2\0") {
-            return Some(BatchFn::V13(std::mem::transmute::<*const c_void, _>(*f)));
+            return Some(BatchFn::V13(std::mem::transmute::<*const c_void, BatchV13>(*f)));
         }
         if let Ok(f) = lib.get::<*const c_void>(b"cuMemcpyBatchAsync\0") {
-            return Some(BatchFn::V12(std::mem::transmute::<*const c_void, _>(*f)));
+            return Some(BatchFn::V12(std::mem::transmute::<*const c_void, BatchV12>(*f)));
         }
     }
     None
