@@ -1,7 +1,11 @@
 //! Compiles the C++ shim (NIXL's engine class over our own ABI declarations) into a static
-//! library linked into the plugin.
+//! library linked into the plugin, and the CUDA kernels to embedded PTX (build/kernels.rs).
+
+#[path = "build/kernels.rs"]
+mod kernels;
 
 fn main() {
+    kernels::build();
     for f in ["cpp/src/bounce_engine.cpp", "cpp/include/nixl_abi.h", "cpp/include/bounce_ffi.h"] {
         println!("cargo:rerun-if-changed={f}");
     }

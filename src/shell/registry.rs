@@ -83,19 +83,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_one_host_registration_covering_the_whole_range_counts() {
+    fn only_one_registration_of_the_arenas_memory_covering_the_whole_range_counts() {
+        let host = ArenaPlace { mem: MemKind::Dram, dev: 0 };
+        let gpu1 = ArenaPlace { mem: MemKind::Vram, dev: 1 };
         let r = Registry::default();
         r.insert(Md(1), Registration { addr: 1000, len: 100, dev: 0, mem: MemKind::Dram });
-        r.insert(Md(2), Registration { addr: 5000, len: 100, dev: 0, mem: MemKind::Vram });
-        assert_eq!(r.host_covering(1000, 100).map(|(m, _)| m), Some(Md(1)));
-        assert_eq!(r.host_covering(1050, 50).map(|(m, _)| m), Some(Md(1)));
-        assert!(r.host_covering(1050, 51).is_none(), "past the end");
-        assert!(r.host_covering(999, 2).is_none(), "before the start");
-        assert!(r.host_covering(5000, 10).is_none(), "GPU memory is never a CPU write source");
-        assert!(r.host_covering(u64::MAX - 1, 10).is_none(), "no overflow");
-        assert_eq!(r.host().len(), 1);
-        assert_eq!(r.len(), 2);
+        r.insert(Md(2), Registration { addr: 5000, len: 100, dev: 1, mem: MemKind::Vram });
+        r.insert(Md(3), Registration { addr: 9000, len: 100, dev: 0, mem: MemKind::Vram });
+        assert_eq!(r.covering(host, 1000, 100).map(|(m, _)| m), Some(Md(1)));
+        assert_eq!(r.covering(host, 1050, 50).map(|(m, _)| m), Some(Md(1)));
+        assert!(r.covering(host, 1050, 51).is_none(), "past the end");
+        assert!(r.covering(host, 999, 2).is_none(), "before the start");
+        assert!(r.covering(host, 5000, 10).is_none(), "GPU memory is never a CPU write source");
+        assert!(r.covering(host, u64::MAX - 1, 10).is_none(), "no overflow");
+        assert_eq!(r.covering(gpu1, 5000, 10).map(|(m, _)| m), Some(Md(2)));
+        assert!(r.covering(gpu1, 9000, 10).is_none(), "another GPU's memory is not this arena's");
+        assert!(r.covering(gpu1, 1000, 10).is_none(), "host memory is not a GPU arena's");
+        assert_eq!(r.serving(host).len(), 1);
+        assert_eq!(r.serving(gpu1).len(), 1);
+        assert_eq!(r.len(), 3);
         assert!(r.remove(Md(1)).is_some());
-        assert!(r.host_covering(1000, 100).is_none());
+        assert!(r.covering(host, 1000, 100).is_none());
     }
 }

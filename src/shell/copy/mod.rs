@@ -1,9 +1,10 @@
 //! The copy-engine seam: gathers (user memory -> arena region) and scatters (arena region ->
 //! user memory) run on a [`CopyEngine`], which never sees protocol state. Today's engine is
-//! [`cpu::CpuEngine`] (worker threads, [`kernels`]); a CUDA engine plugs in behind the same
-//! trait for GPU arenas.
+//! [`cpu::CpuEngine`] (worker threads, [`kernels`]) for host arenas, [`cuda::CudaCopyEngine`]
+//! (streams and the kernels of `kernels/`) for GPU arenas.
 
 pub(crate) mod cpu;
+pub(crate) mod cuda;
 mod kernels;
 
 use bounce_proto::endpoint::JobId;

@@ -1,0 +1,192 @@
+//! Loading the driver and opening one GPU: the primary context, its SM count, the stream
+//! priorities, and which batched-copy entry point the driver has.
+
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys as cu;
+
+use super::error::{CudaError, check};
+
+/// CUDA 13's `cuMemcpyBatchAsync_v2`: (dsts, srcs, sizes, count, attrs, attr indices, attr
+/// count, stream).
+pub(super) type BatchV13 = unsafe extern "C" fn(
+    *mut cu::CUdeviceptr,
+    *mut cu::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut cu::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    cu::CUstream,
+) -> cu::CUresult;
+
+/// CUDA 12.8's `cuMemcpyBatchAsync`: as [`BatchV13`] plus a failure-index out-pointer before
+/// the stream.
+pub(super) type BatchV12 = unsafe extern "C" fn(
+    *mut cu::CUdeviceptr,
+    *mut cu::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut cu::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    cu::CUstream,
+) -> cu::CUresult;
+
+/// The driver's batched-copy entry point, in the ABI the driver has.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum BatchFn {
+    /// CUDA 13's ABI.
+    V13(BatchV13),
+    /// CUDA 12.8's ABI.
+    V12(BatchV12),
+}
+
+/// The process-wide driver state: `cuInit` runs once; its outcome (the driver version, or why
+/// CUDA is unusable) is kept.
+fn driver() -> Result<i32, CudaError> {
+    static DRIVER: OnceLock<Result<i32, CudaError>> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            // SAFETY: only tries to dlopen libcuda under its usual names; loading the vendor's
+            // driver library runs its initialisers, which is what using CUDA means.
+            if !unsafe { cu::is_culib_present() } {
+                return Err(CudaError::Unavailable("libcuda (the CUDA driver) not found".into()));
+            }
+            // From here on cudarc's loader finds the library, so its calls do not panic.
+            // SAFETY: cuInit(0) has no preconditions.
+            check("cuInit", unsafe { cu::cuInit(0) }).map_err(|e| CudaError::Unavailable(e.to_string()))?;
+            let mut v = 0;
+            // SAFETY: valid out-pointer.
+            check("cuDriverGetVersion", unsafe { cu::cuDriverGetVersion(&mut v) })?;
+            Ok(v)
+        })
+        .clone()
+}
+
+/// One GPU with its primary context retained (shared with the application's runtime, so device
+/// pointers it allocated are valid in it).
+#[derive(Debug)]
+pub struct Gpu {
+    ordinal: i32,
+    dev: cu::CUdevice,
+    ctx: cu::CUcontext,
+    sms: u32,
+    driver_version: i32,
+    priorities: (i32, i32),
+    batch: Option<BatchFn>,
+}
+
+// SAFETY: a CUcontext and a CUdevice are process-wide driver handles usable from any thread
+// (each thread makes the context current with `bind` before using it); the fn pointers are
+// plain code addresses.
+unsafe impl Send for Gpu {}
+// SAFETY: as above; `Gpu` has no interior mutability.
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    /// Opens GPU `ordinal`: checks the driver, retains the device's primary context and makes it
+    /// current on this thread. `Unavailable` without libcuda, without a device, or for a bad
+    /// ordinal.
+    pub fn open(ordinal: i32) -> Result<Arc<Self>, CudaError> {
+        let driver_version = driver()?;
+        let mut count = 0;
+        // SAFETY: the driver is initialised (above); valid out-pointer.
+        check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut count) })
+            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        if count == 0 {
+            return Err(CudaError::Unavailable("no CUDA device".into()));
+        }
+        if ordinal < 0 || ordinal >= count {
+            return Err(CudaError::Unavailable(format!("no CUDA device {ordinal} (the driver sees {count})")));
+        }
+        let mut dev = 0;
+        // SAFETY: ordinal checked; valid out-pointer.
+        check("cuDeviceGet", unsafe { cu::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: `dev` is a valid device; the retain is balanced by the release in Drop.
+        check("cuDevicePrimaryCtxRetain", unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+        let mut gpu = Self { ordinal, dev, ctx, sms: 0, driver_version, priorities: (0, 0), batch: None };
+        gpu.bind()?;
+        let mut sms = 0;
+        // SAFETY: valid device and out-pointer.
+        check("cuDeviceGetAttribute", unsafe {
+            cu::cuDeviceGetAttribute(&mut sms, cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+        })?;
+        gpu.sms = sms.max(1) as u32;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: the context is current (bind above); valid out-pointers.
+        check("cuCtxGetStreamPriorityRange", unsafe { cu::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) })?;
+        gpu.priorities = (least, greatest);
+        gpu.batch = find_batch_fn(driver_version);
+        Ok(Arc::new(gpu))
+    }
+
+    /// Makes this GPU's context current on the calling thread (cheap; call before driver work
+    /// on a thread that may not have it).
+    pub fn bind(&self) -> Result<(), CudaError> {
+        // SAFETY: `ctx` is retained for as long as `self` lives.
+        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.ctx) })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Streaming multiprocessors: sizes the kernels' grids.
+    pub fn sm_count(&self) -> u32 {
+        self.sms
+    }
+
+    /// The driver's CUDA version, e.g. 13000.
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    /// The highest stream priority (numerically the smallest): copy streams use it so copies do
+    /// not queue behind the application's kernels.
+    pub fn high_priority(&self) -> i32 {
+        self.priorities.1
+    }
+
+    /// Whether the driver has a batched memcpy.
+    pub fn has_batched_copy(&self) -> bool {
+        self.batch.is_some()
+    }
+
+    pub(super) fn batch_fn(&self) -> Result<BatchFn, CudaError> {
+        self.batch.ok_or(CudaError::BatchUnsupported(self.driver_version))
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `open`; everything made in the context (allocations,
+        // streams, modules) holds an Arc<Gpu>, so it is gone by now.
+        let _ = unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.dev) };
+    }
+}
+
+/// Looks the batched memcpy up by name (cudarc's typed wrapper would panic on an older driver):
+/// CUDA 13's `_v2` ABI first, then 12.8's.
+fn find_batch_fn(driver_version: i32) -> Option<BatchFn> {
+    if driver_version < 12080 {
+        return None;
+    }
+    // SAFETY: `driver()` succeeded, so cudarc's library handle loads without panicking.
+    let lib = unsafe { cu::culib() };
+    // SAFETY: the symbols are the driver's, with the signatures of the CUDA 13.0 and 12.8
+    // headers respectively (the enum's variant types); a missing symbol gives an Err.
+    unsafe {
+        if let Ok(f) = lib.get::<*const c_void>(b"cuMemcpyBatchAsync_v2\0") {
+            return Some(BatchFn::V13(std::mem::transmute::<*const c_void, BatchV13>(*f)));
+        }
+        if let Ok(f) = lib.get::<*const c_void>(b"cuMemcpyBatchAsync\0") {
+            return Some(BatchFn::V12(std::mem::transmute::<*const c_void, BatchV12>(*f)));
+        }
+    }
+    None
+}

@@ -1,0 +1,29 @@
+//! The only cudarc user: the CUDA driver, loaded at run time.
+//!
+//! Layers, bottom up: [`Gpu`] (is libcuda there, is there a device, the primary context),
+//! [`alloc_vram`] (the one place VRAM is taken, cuMemAlloc), [`Kernels`] (the embedded PTX of
+//! `kernels/`, loaded as a module), [`ExecPool`] (execution contexts: a high-priority stream,
+//! an event and plan buffers each), and the typed launches [`gather`], [`scatter`] and
+//! [`batched_copy`] (the driver's cuMemcpyBatchAsync, for comparison with the kernels).
+//!
+//! Nothing here links against CUDA: cudarc resolves each driver symbol when first called, and
+//! [`Gpu::open`] checks that libcuda can be loaded before the first call (cudarc's loader panics
+//! when it cannot), so a machine without CUDA gets [`CudaError::Unavailable`].
+
+mod batch;
+mod driver;
+mod error;
+mod exec;
+mod launch;
+mod memory;
+mod module;
+mod plan;
+
+pub use batch::batched_copy;
+pub use driver::Gpu;
+pub use error::CudaError;
+pub use exec::{ExecContext, ExecPool, GpuTimer};
+pub use launch::{CopyDir, PlanPlacement, gather, scatter, stage_plan};
+pub use memory::{DeviceAlloc, PinnedHost, alloc_vram};
+pub use module::{GATHER_KERNEL, Kernels, SCATTER_KERNEL, embedded_ptx};
+pub use plan::{PlanShape, TILE, plan_bytes};
