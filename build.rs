@@ -1,7 +1,7 @@
 //! Compiles the C++ shim (NIXL's engine class over our own ABI declarations) into a static
-//! library linked into the plugin, and the CUDA kernels to embedded PTX (build/kernels.rs).
+//! library linked into the plugin, and the CUDA kernels to embedded PTX (kernels/build_ptx.rs).
 
-#[path = "build/kernels.rs"]
+#[path = "kernels/build_ptx.rs"]
 mod kernels;
 
 fn main() {

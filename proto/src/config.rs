@@ -27,6 +27,8 @@ pub struct Config {
     /// Memory of the staging arena as configured (`bounce_arena_mem`); `Auto` is resolved by
     /// the shell, which alone can see whether the process uses a GPU.
     pub arena_mem: ArenaMem,
+    /// How a GPU arena copies (`bounce_gpu_copy`).
+    pub gpu_copy: GpuCopy,
     /// The memory kind whose defaults filled the options left unset (see
     /// [`Config::from_params_as`]).
     pub defaults_for: MemKind,
@@ -76,6 +78,15 @@ pub enum ArenaMem {
     Dram,
     /// GPU memory: GPU-memory transfers bounce (CUDA copy engine).
     Vram,
+}
+
+/// How a GPU arena gathers and scatters (`bounce_gpu_copy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuCopy {
+    /// BOUNCE's CUDA kernels.
+    Kernel,
+    /// The driver's batched memcpy.
+    Batched,
 }
 
 /// A [`Config`] together with the non-fatal problems found while building it.
@@ -366,6 +377,11 @@ impl Config {
             Value::Enum("vram") => ArenaMem::Vram,
             _ => return Err(mismatch("bounce_arena_mem")),
         };
+        let gpu_copy = match get("bounce_gpu_copy")? {
+            Value::Enum("kernel") => GpuCopy::Kernel,
+            Value::Enum("batched") => GpuCopy::Batched,
+            _ => return Err(mismatch("bounce_gpu_copy")),
+        };
         let zmq_host = match get("bounce_zmq_host")? {
             Value::Path(p) => p.trim().to_owned(),
             _ => return Err(mismatch("bounce_zmq_host")),
@@ -378,6 +394,7 @@ impl Config {
         Ok(Self {
             enabled: boolean("bounce_enable")?,
             arena_mem,
+            gpu_copy,
             defaults_for,
             arena_size: u64_of("bounce_arena_size")?,
             arena_granularity: u64_of("bounce_arena_granularity")?,
@@ -716,6 +733,7 @@ mod tests {
         let want = Config {
             enabled: false,
             arena_mem: ArenaMem::Auto,
+            gpu_copy: GpuCopy::Kernel,
             defaults_for: MemKind::Dram,
             arena_size: GIB,
             arena_granularity: MIB,

@@ -1,11 +1,16 @@
-//! The engine's one staging arena in host memory: page-aligned anonymous memory, registered once
-//! with the inner UCX engine, shared by the sender (gather staging) and receiver (RDMA target)
-//! roles. The core hands out regions as offsets; only the copy workers and the write path turn
-//! them into addresses.
+//! The engine's one staging arena, registered once with the inner UCX engine and shared by the
+//! sender (gather staging) and receiver (RDMA target) roles: page-aligned anonymous host memory,
+//! or device memory on one GPU (`bounce_arena_mem`). The core hands out regions as offsets;
+//! only the copy engine and the write path turn them into addresses.
 
+use std::sync::Arc;
+
+use bounce_proto::gate::ArenaPlace;
 use bounce_proto::wire::Capabilities;
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
+
+use crate::sys::cuda::{DeviceAlloc, Gpu, alloc_vram};
 
 use crate::shell::error::ArenaFault;
 use crate::shell::{Error, Result};
@@ -18,11 +23,21 @@ const HUGE_PAGE: usize = 2 << 20;
 /// Smallest page size we may meet; touching one byte per this many populates every page.
 const SMALL_PAGE: usize = 4096;
 
-/// A registered host arena.
+/// What holds an arena's memory for its lifetime.
+enum Backing {
+    /// Host memory (dropping unmaps); the arena is `len` bytes of it from `base`, the first
+    /// huge-page boundary.
+    #[allow(dead_code)] // reason: held, never read: dropping it unmaps the arena
+    Host(MmapMut),
+    /// Device memory on one GPU, shared with the CUDA copy engine (which must outlive no
+    /// copy into it: it synchronizes its streams when dropped, before the last reference goes).
+    Gpu(Arc<DeviceAlloc>),
+}
+
+/// A registered arena.
 pub(crate) struct Arena {
-    /// Held for its lifetime (dropping unmaps); the arena is `len` bytes of it from `base`, the
-    /// first huge-page boundary.
-    _map: MmapMut,
+    backing: Backing,
+    place: ArenaPlace,
     base: u64,
     len: u64,
     md: Md,
@@ -57,12 +72,39 @@ impl Arena {
         }
         let base = map[skip..].as_mut_ptr() as u64;
         let (md, key) = shim.register(base, len, 0, MemSeg::Dram).map_err(|st| fault(ArenaFault::Register(st)))?;
-        Ok(Self { _map: map, base, len, md, key })
+        let place = ArenaPlace { mem: MemKind::Dram, dev: 0 };
+        Ok(Self { backing: Backing::Host(map), place, base, len, md, key })
+    }
+
+    /// Takes `len` bytes of device memory on `gpu` and registers them as VRAM of that GPU.
+    ///
+    /// # Errors
+    /// [`Error::Arena`]: the allocation or the registration failed.
+    pub(crate) fn new_gpu(shim: &Shim, gpu: &Arc<Gpu>, len: u64) -> Result<Self> {
+        let fault = |why| Error::Arena { len, why };
+        let size = usize::try_from(len).map_err(|_| fault(ArenaFault::TooLarge))?;
+        let alloc = Arc::new(alloc_vram(gpu, size).map_err(|e| fault(ArenaFault::Gpu(e)))?);
+        let dev = u64::try_from(gpu.ordinal()).unwrap_or(0);
+        let base = alloc.ptr();
+        let (md, key) = shim.register(base, len, dev, MemSeg::Vram).map_err(|st| fault(ArenaFault::Register(st)))?;
+        let place = ArenaPlace { mem: MemKind::Vram, dev };
+        Ok(Self { backing: Backing::Gpu(alloc), place, base, len, md, key })
+    }
+
+    /// The device allocation of a GPU arena (for its copy engine); `None` for a host arena.
+    pub(crate) fn device(&self) -> Option<&Arc<DeviceAlloc>> {
+        match &self.backing {
+            Backing::Gpu(a) => Some(a),
+            Backing::Host(_) => None,
+        }
     }
 
     /// Bytes of the arena backed by huge pages, from `/proc/self/smaps` (`None` where that
     /// cannot be read). Reported at start-up: without huge pages every write pays page walks.
     pub(crate) fn huge_bytes(&self) -> Option<u64> {
+        if self.device().is_some() {
+            return None;
+        }
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let (lo, hi) = (self.base, self.base + self.len);
         let mut inside = false;
@@ -96,9 +138,9 @@ impl Arena {
         self.len
     }
 
-    /// Where the arena lives, for the gate: host memory.
-    pub(crate) fn place(&self) -> bounce_proto::gate::ArenaPlace {
-        bounce_proto::gate::ArenaPlace { mem: MemKind::Dram, dev: 0 }
+    /// Where the arena lives: its memory kind and GPU.
+    pub(crate) fn place(&self) -> ArenaPlace {
+        self.place
     }
 
     /// The inner engine's metadata handle for the registration.
@@ -111,10 +153,10 @@ impl Arena {
         Capabilities {
             wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
             control,
-            mem: MemKind::Dram,
+            mem: self.place.mem,
             arena_base: self.base,
             arena_len: self.len(),
-            arena_dev: 0,
+            arena_dev: self.place.dev,
             usable_capacity: usable,
             max_chunk,
             session,

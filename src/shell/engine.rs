@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use bounce_proto::config::Config;
+use bounce_proto::config::{ArenaMem, Config, GpuCopy};
 use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Capabilities, ConnEnvelope};
@@ -23,7 +23,10 @@ use crate::shell::arena::Arena;
 use crate::shell::control::ControlChannel;
 use crate::shell::control::ucx::UcxChannel;
 use crate::shell::control::zmq::ZmqChannel;
+use crate::shell::copy::CopyEngine;
 use crate::shell::copy::cpu::{CpuEngine, HostArena};
+use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
+use crate::sys::cuda::{self, Gpu, PlanPlacement};
 use crate::shell::datapath::ShimPath;
 use crate::shell::mailroom::Mailroom;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
@@ -121,8 +124,10 @@ pub(crate) struct Engine {
     shim: Option<Shim>,
     bounce: Option<Bounce>,
     plugin: InnerPlugin,
-    /// The counter values last published to NIXL (see [`Engine::stats_changed`]).
+    /// The counter values last published to NIXL (see [`Engine::publish_changed_stats`]).
     published: Mutex<Vec<u64>>,
+    /// The GPU whose memory the arena is, when `bounce_arena_mem` chose GPU memory.
+    gpu: Option<Arc<Gpu>>,
 }
 
 impl Engine {
@@ -131,7 +136,15 @@ impl Engine {
     /// # Errors
     /// A bad configuration or a missing/incompatible UCX plugin.
     pub(crate) fn create(p: &CreateParams<'_>, env: impl Fn(&str) -> Option<String>) -> Result<(Self, InnerInit)> {
-        let loaded = Config::from_params(p.params.iter().copied(), env)?;
+        let mut loaded = Config::from_params(p.params.iter().copied(), &env)?;
+        let gpu = match choose_gpu(p.agent, &loaded.config) {
+            Some(gpu) => {
+                // A GPU arena: the options left unset take their VRAM defaults.
+                loaded = Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?;
+                Some(gpu)
+            }
+            None => None,
+        };
         for w in &loaded.warnings {
             tracing::warn!(agent = p.agent, "{w}");
         }
@@ -165,6 +178,7 @@ impl Engine {
             bounce: None,
             plugin,
             published: Mutex::new(Vec::new()),
+            gpu,
         };
         Ok((engine, inner))
     }
@@ -181,6 +195,11 @@ impl Engine {
         self.shim = Some(shim);
         if !self.config.enabled {
             tracing::info!(agent = self.agent, "bounce disabled by configuration: pure UCX pass-through");
+            return;
+        }
+        if self.config.arena_mem == ArenaMem::Vram && self.gpu.is_none() {
+            // Asked for a GPU arena and no GPU could be had (logged at creation): a host arena
+            // would bounce transfers the user did not ask to bounce.
             return;
         }
         match self.start_bounce(shim) {
@@ -207,7 +226,10 @@ impl Engine {
     fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
         // Bound before the arena: a failure here costs no registration to undo.
         let (control, control_endpoint) = self.control_channel(shim)?;
-        let arena = Arena::new(&shim, self.config.arena_size)?;
+        let arena = match &self.gpu {
+            Some(gpu) => Arena::new_gpu(&shim, gpu, self.config.arena_size)?,
+            None => Arena::new(&shim, self.config.arena_size)?,
+        };
         let mut caps = arena.capabilities(
             self.config.control,
             self.config.arena_usable_capacity(),
@@ -219,18 +241,35 @@ impl Engine {
             Arc::new(Shared::new(Arc::clone(&self.stats), Arc::clone(&self.peers), Arc::clone(&self.registry)));
         let started =
             shim.conn_info().map_err(|status| Error::Inner { op: "getConnInfo", status }).and_then(|endpoint| {
-                let host = HostArena {
-                    base: arena.base(),
-                    len: arena.len(),
-                    streaming_scatter: self.config.streaming_scatter,
+                let copier: Box<dyn CopyEngine> = match arena.device() {
+                    Some(vram) => {
+                        let path = match self.config.gpu_copy {
+                            GpuCopy::Kernel => CopyPath::Kernel(PlanPlacement::Device),
+                            GpuCopy::Batched => CopyPath::Batched,
+                        };
+                        let contexts = self.config.copy_workers.max(1) as usize;
+                        let engine = CudaCopyEngine::new(Arc::clone(vram), contexts, path).map_err(|e| {
+                            Error::Arena { len: arena.len(), why: crate::shell::error::ArenaFault::Gpu(e) }
+                        })?;
+                        tracing::info!(agent = self.agent, contexts, path = ?engine.path(), "CUDA copy engine");
+                        Box::new(engine)
+                    }
+                    None => {
+                        let host = HostArena {
+                            base: arena.base(),
+                            len: arena.len(),
+                            streaming_scatter: self.config.streaming_scatter,
+                        };
+                        let waker = Arc::clone(&shared);
+                        Box::new(CpuEngine::start(self.config.copy_workers, host, move || waker.inbox.wake())?)
+                    }
                 };
-                let waker = Arc::clone(&shared);
-                let copier = CpuEngine::start(self.config.copy_workers, host, move || waker.inbox.wake())?;
+                let place = arena.place();
                 let parts = Parts {
                     session: self.session,
                     endpoint,
-                    arena: LocalArena { mem: MemKind::Dram, dev: 0, base: arena.base(), md: arena.md() },
-                    copier: Box::new(copier),
+                    arena: LocalArena { mem: place.mem, dev: place.dev, base: arena.base(), md: arena.md() },
+                    copier,
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
                     // The inner engine hands over everything it delivered at once; a socket
@@ -259,7 +298,15 @@ impl Engine {
         }
         // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
         let huge = tracing::enabled!(tracing::Level::INFO).then(|| arena.huge_bytes()).flatten();
-        tracing::info!(agent = self.agent, arena = arena.len(), huge_pages = huge, "bounce path ready");
+        let place = arena.place();
+        tracing::info!(
+            agent = self.agent,
+            arena = arena.len(),
+            mem = ?place.mem,
+            gpu = place.dev,
+            huge_pages = huge,
+            "bounce path ready"
+        );
         Ok(Bounce { reactor, arena, caps })
     }
 
@@ -334,7 +381,8 @@ impl Engine {
         self.registry.insert(md, reg);
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
         // naming a GPU address in DATA must be refused, not dereferenced.
-        if let (Some(sh), MemKind::Dram) = (self.shared(), reg.mem) {
+        let serves = self.bounce.as_ref().is_some_and(|b| reg.serves(b.arena.place()));
+        if let (Some(sh), true) = (self.shared(), serves) {
             // No wake-up: the reactor needs it only for a later DATA or direct write, and it
             // drains its inbox, in order, before acting on either. Waking it made it take the
             // inner engine's lock right when the application's next call needed it (a
@@ -346,7 +394,7 @@ impl Engine {
     /// Forgets a registration.
     pub(crate) fn mem_deregistered(&self, md: Md) {
         if let (Some(r), Some(sh)) = (self.registry.remove(md), self.shared()) {
-            if r.mem == MemKind::Dram {
+            if self.bounce.as_ref().is_some_and(|b| r.serves(b.arena.place())) {
                 sh.inbox.push_quiet(Cmd::Deregistered(r.addr, r.len));
             }
         }
@@ -513,6 +561,39 @@ impl Engine {
         }
         last.clear();
         last.extend(snap.iter().map(|(_, v)| *v));
+    }
+}
+
+/// The GPU whose memory the arena should be (`None`: host memory), as `bounce_arena_mem` asks:
+/// `vram` takes the GPU of the CUDA context current on this thread (the application's), else
+/// GPU 0; `auto` takes the current context's GPU only (a process that has not used a GPU keeps a
+/// host arena, and no CUDA context is created for it). Without a usable driver or GPU a GPU
+/// arena cannot be had: one log line, then host memory for `auto`, no bounce path for `vram`
+/// (see [`Engine::attach`]).
+fn choose_gpu(agent: &str, config: &Config) -> Option<Arc<Gpu>> {
+    if !config.enabled || config.arena_mem == ArenaMem::Dram {
+        return None;
+    }
+    let explicit = config.arena_mem == ArenaMem::Vram;
+    let ordinal = match (cuda::current_device(), explicit) {
+        (Ok(Some(dev)), _) => dev,
+        (Ok(None), true) => 0,
+        (Ok(None), false) => return None,
+        (Err(e), _) => {
+            if explicit {
+                tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
+            } else {
+                tracing::debug!(agent, error = %e, "no CUDA: host-memory arena");
+            }
+            return None;
+        }
+    };
+    match Gpu::open(ordinal) {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            tracing::warn!(agent, gpu = ordinal, error = %e, "cannot open the GPU for the arena: host-memory arena");
+            None
+        }
     }
 }
 

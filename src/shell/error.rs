@@ -89,6 +89,9 @@ pub(crate) enum ArenaFault {
     /// Registering it with the inner engine failed.
     #[error("registering it with UCX failed: {0}")]
     Register(NixlStatus),
+    /// Taking GPU memory failed.
+    #[error("allocating it on the GPU failed: {0}")]
+    Gpu(crate::sys::cuda::CudaError),
 }
 
 /// Why a control frame could not be sent (it is dropped; its transfer times out).

@@ -7,9 +7,6 @@
 //! reactor spins while copies are in flight, so nothing here ever synchronizes except `Drop`,
 //! which waits for every stream before the arena can be freed.
 
-// Constructed by the integrator when VRAM is wired into the transfer path; until then only
-// the tests use it.
-#![cfg_attr(not(test), allow(dead_code))]
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -168,6 +165,12 @@ impl CopyEngine for CudaCopyEngine {
             None => self.waiting.push_back(job),
         }
         Ok(())
+    }
+
+    fn prepare_thread(&mut self) {
+        if let Err(e) = self.arena.gpu().bind() {
+            tracing::warn!(error = %e, "cannot make the arena's CUDA context current on the reactor thread");
+        }
     }
 
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {

@@ -47,4 +47,8 @@ pub(crate) trait CopyEngine: Send {
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize;
     /// Jobs accepted and not yet reported.
     fn in_flight(&self) -> usize;
+    /// Prepares the calling thread (the reactor's, once at its start) for work on this
+    /// engine's memory: the CUDA engine makes its GPU's context current there, which the inner
+    /// engine's writes from GPU memory need too. Nothing for host memory.
+    fn prepare_thread(&mut self) {}
 }

@@ -294,6 +294,9 @@ const IDLE_PARK: Duration = Duration::from_millis(2);
 
 impl Driver {
     fn run(&mut self, stop: &AtomicBool) {
+        // Writes are posted from this thread too: a GPU arena's context must be current here
+        // before the first one (a direct write from GPU memory may come before any copy).
+        self.copier.prepare_thread();
         let mut cmds = Vec::new();
         let mut stalls = 0u32;
         while !stop.load(Ordering::Acquire) {

@@ -66,6 +66,35 @@ fn driver() -> Result<i32, CudaError> {
         .clone()
 }
 
+/// The GPU of the CUDA context current on the calling thread, if any: `Ok(None)` when CUDA
+/// works but this thread has no context (the application has not used a GPU yet). Creates no
+/// context. `Unavailable` without libcuda.
+pub fn current_device() -> Result<Option<i32>, CudaError> {
+    driver()?;
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the driver is initialised; valid out-pointer.
+    check("cuCtxGetCurrent", unsafe { cu::cuCtxGetCurrent(&mut ctx) })?;
+    if ctx.is_null() {
+        return Ok(None);
+    }
+    let mut dev = 0;
+    // SAFETY: a context is current on this thread; valid out-pointer.
+    check("cuCtxGetDevice", unsafe { cu::cuCtxGetDevice(&mut dev) })?;
+    let mut count = 0;
+    // SAFETY: valid out-pointer.
+    check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut count) })?;
+    // A CUdevice is a handle: find the ordinal that names it.
+    for ordinal in 0..count {
+        let mut d = 0;
+        // SAFETY: ordinal in range; valid out-pointer.
+        check("cuDeviceGet", unsafe { cu::cuDeviceGet(&mut d, ordinal) })?;
+        if d == dev {
+            return Ok(Some(ordinal));
+        }
+    }
+    Ok(None)
+}
+
 /// One GPU with its primary context retained (shared with the application's runtime, so device
 /// pointers it allocated are valid in it).
 #[derive(Debug)]

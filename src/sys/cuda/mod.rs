@@ -20,7 +20,7 @@ mod module;
 mod plan;
 
 pub use batch::batched_copy;
-pub use driver::Gpu;
+pub use driver::{Gpu, current_device};
 pub use error::CudaError;
 pub use exec::{ExecContext, ExecPool, GpuTimer};
 pub use launch::{CopyDir, PlanPlacement, gather, scatter, stage_plan};

@@ -1,4 +1,4 @@
-//! The PTX of `kernels/`, embedded at build time (build/kernels.rs), and its module on a GPU.
+//! The PTX of `kernels/`, embedded at build time (kernels/build_ptx.rs), and its module on a GPU.
 
 use std::ffi::CString;
 use std::sync::Arc;
