@@ -56,6 +56,13 @@ def main():
         op = cmd["op"]
         try:
             if op == "start":
+                if cmd.get("mem", "DRAM") == "VRAM":
+                    # As frameworks do: the process's GPU is current before the agent is made
+                    # (BOUNCE puts its GPU arena on the GPU current at backend creation).
+                    import torch
+                    torch.cuda.set_device(cmd.get("dev", 0))
+                    torch.cuda.init()
+                    torch.empty(1, device=f"cuda:{cmd.get('dev', 0)}")
                 ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
                 buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
                 if cmd.get("mem", "DRAM") == "VRAM":
