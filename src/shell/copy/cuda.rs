@@ -7,7 +7,6 @@
 //! reactor spins while copies are in flight, so nothing here ever synchronizes except `Drop`,
 //! which waits for every stream before the arena can be freed.
 
-
 use std::collections::VecDeque;
 use std::sync::Arc;
 
