@@ -196,21 +196,12 @@ impl Endpoint {
             wire::Body::Msg(msg) => msg,
         };
         let is_want = matches!(msg, wire::Msg::Want(_));
-        match self.peers.admit(name, frame.session, is_want) {
-            Ok(Admitted { peer, restarted }) => {
-                if restarted {
-                    debug!(peer = name, "peer restarted (new session): reclaiming its old state");
-                    self.handle_peer_lost(now, peer);
-                }
-                Ok(self.handle_msg(now, peer, msg)?)
-            }
-            Err(e) => {
-                if let FrameRefused::NotLoaded { peer, restarted: true } = e {
-                    self.handle_peer_lost(now, peer);
-                }
-                Err(e)
-            }
+        let Admitted { peer, restarted } = self.peers.admit(name, frame.session, is_want)?;
+        if restarted {
+            debug!(peer = name, "peer restarted (new session): reclaiming its old state");
+            self.handle_peer_lost(now, peer);
         }
+        Ok(self.handle_msg(now, peer, msg)?)
     }
 
     /// The agent `name` disconnected: the peer table forgets its connection info, arena, HELLO
@@ -527,7 +518,7 @@ pub(crate) mod tests {
     fn frames_from_an_agent_never_loaded_are_refused_before_the_endpoint_sees_them() {
         let (mut ep, t) = endpoint(32 * KIB, 2, false);
         let r = ep.handle_frame(t, "stranger", &frame(1, want_msg(XferId(5), &[CHUNK])));
-        assert!(matches!(r, Err(FrameRefused::NotLoaded { restarted: false, .. })), "{r:?}");
+        assert_eq!(r, Err(FrameRefused::NotLoaded));
         assert!(drain(&mut ep).is_empty(), "no GRANT to an unknown agent");
         assert_eq!((ep.remote_flows(), ep.stats().wants, ep.stats().frames_refused), (0, 0, 1));
         assert!(matches!(ep.handle_frame(t, "stranger", b"\0BOUNCgarbage"), Err(FrameRefused::Malformed(_))));

@@ -33,8 +33,7 @@ use crate::wire::{Capabilities, Incompatible, WireError};
 /// Most agent names recorded as reachable (HELLO) before their connection info is loaded.
 pub const MAX_REACHABLE: usize = 1024;
 
-/// Why a control frame was refused. It was dropped and changed nothing else (except
-/// [`FrameRefused::NotLoaded`] after a restart: see there).
+/// Why a control frame was refused. It was dropped and changed nothing else.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
 pub enum FrameRefused {
@@ -53,15 +52,10 @@ pub enum FrameRefused {
         /// The peer's recorded session.
         current: u64,
     },
-    /// The agent's connection info was never loaded into this engine. When `restarted`, the
-    /// frame was a WANT with a new session and the peer's old state was reclaimed first.
+    /// The agent's connection info is not loaded into this engine (never, or lost since).
+    /// Nothing of it is recorded: invented names cannot grow the table.
     #[error("control frame from an agent whose connection info was never loaded")]
-    NotLoaded {
-        /// The peer.
-        peer: PeerId,
-        /// The frame announced a restart (see [`Admitted::restarted`]).
-        restarted: bool,
-    },
+    NotLoaded,
     /// The endpoint refused the message (see [`crate::event::ProtocolError`]).
     #[error(transparent)]
     Protocol(#[from] crate::event::ProtocolError),
@@ -233,10 +227,13 @@ impl PeerTable {
     /// (`is_want`: the message is a WANT, cancels included).
     ///
     /// # Errors
-    /// [`FrameRefused::StaleSession`] (nothing changed) or [`FrameRefused::NotLoaded`] (the
-    /// session was recorded; a restart was applied and is reported in the error).
+    /// [`FrameRefused::NotLoaded`] or [`FrameRefused::StaleSession`]; nothing changed.
     pub fn admit(&mut self, name: &str, session: u64, is_want: bool) -> Result<Admitted, FrameRefused> {
-        let p = self.entry(name);
+        // Loading first: a name NIXL never loaded gets no entry, no id and no session.
+        let p = match self.by_name.get_mut(name) {
+            Some(p) if p.conn.is_some() => p,
+            _ => return Err(FrameRefused::NotLoaded),
+        };
         let peer = p.id;
         let restarted = match p.session {
             Some(current) if current != session => {
@@ -252,9 +249,6 @@ impl PeerTable {
                 false
             }
         };
-        if p.conn.is_none() {
-            return Err(FrameRefused::NotLoaded { peer, restarted });
-        }
         Ok(Admitted { peer, restarted })
     }
 
@@ -408,17 +402,20 @@ mod tests {
     }
 
     #[test]
-    fn frames_from_an_agent_never_loaded_are_refused_after_the_session_rules() {
+    fn frames_from_an_agent_never_loaded_are_refused_and_leave_nothing_behind() {
         let mut t = PeerTable::new();
-        let x = t.id("x");
-        assert_eq!(t.admit("x", 1, true), Err(FrameRefused::NotLoaded { peer: x, restarted: false }));
-        // As in the shell, the session was recorded before the loading check ...
-        assert_eq!(t.session("x"), Some(1));
-        assert_eq!(t.admit("x", 2, false), Err(FrameRefused::StaleSession { got: 2, current: 1 }));
-        assert_eq!(t.admit("x", 2, true), Err(FrameRefused::NotLoaded { peer: x, restarted: true }));
-        // ... and an incompatible peer is loaded: it may talk to us (to refuse bounce politely).
+        assert_eq!(t.admit("x", 1, true), Err(FrameRefused::NotLoaded));
+        // No entry: no id, no session (a stream of invented names cannot grow the table).
+        assert_eq!((t.lookup("x"), t.session("x")), (None, None));
+        assert_eq!(t.admit("x", 2, false), Err(FrameRefused::NotLoaded));
+        // An incompatible peer is loaded: it may talk to us (to refuse bounce politely).
         t.load_conn_info("x", Some(caps(1)), Some(&caps(2)));
-        assert_eq!(t.admit("x", 2, false), Ok(Admitted { peer: x, restarted: false }));
+        let x = t.lookup("x").expect("loaded now");
+        assert_eq!(t.admit("x", 2, true), Ok(Admitted { peer: x, restarted: false }));
+        // Lost again: refused again, and its session is forgotten.
+        t.lost("x");
+        assert_eq!(t.admit("x", 3, false), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.session("x"), None);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering;
 
 use bounce_proto::config::{ArenaMem, Config, GpuCopy};
 use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
+use bounce_proto::peers::Loaded;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Capabilities, ConnEnvelope};
 use bounce_proto::{ControlKind, MemKind};
@@ -337,19 +338,14 @@ impl Engine {
             tracing::warn!(peer = agent, error = %source, "rejecting malformed BOUNCE connection info");
             Error::BadEnvelope { agent: agent.to_owned(), source }
         })?;
-        let caps = match (env.caps, self.capabilities()) {
-            (Some(theirs), Some(ours)) => match ours.compatible_with(&theirs) {
-                Ok(()) => Some(theirs),
-                Err(why) => {
+        if self.bounce.is_some() {
+            match self.peers.loaded(agent, env.caps, self.capabilities().as_ref()) {
+                Loaded::Incompatible(why) => {
                     tracing::info!(peer = agent, reason = ?why, "peer cannot bounce with us; plain UCX");
                     Stats::bump(&self.stats.peers_incompatible);
-                    None
                 }
-            },
-            _ => None,
-        };
-        if self.bounce.is_some() {
-            self.peers.loaded(agent, caps);
+                Loaded::Compatible | Loaded::NoCapabilities => {}
+            }
         }
         Ok(env.inner)
     }

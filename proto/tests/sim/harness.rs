@@ -453,7 +453,7 @@ impl Sim {
                 match self.nodes[to].ep.handle_frame(now, &agent(from), &frame) {
                     Ok(()) => {}
                     // Frames of a killed node still in flight: it is no longer loaded.
-                    Err(FrameRefused::NotLoaded { restarted: false, .. }) if !self.nodes[from].alive => {}
+                    Err(FrameRefused::NotLoaded) if !self.nodes[from].alive => {}
                     Err(e) => panic!("node {to}: honest {:?} from {from} refused: {e}", decoded.msg.kind_name()),
                 }
             }

@@ -27,12 +27,13 @@ use parking_lot::Mutex;
 use crate::shell::control::{ControlChannel, ControlError};
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
-use crate::shell::peers::{PeerTable, SessionCheck};
+use crate::shell::peers::PeerTable;
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
 use crate::sys::shim::{Md, WriteSide, WriteState};
+use bounce_proto::peers::Admitted;
 
 #[cfg(test)]
 mod tests;
@@ -420,8 +421,8 @@ impl Driver {
     fn on_control(&mut self, now: Instant, peer: &str, bytes: &[u8]) {
         let _span = tracing::trace_span!("control", peer, len = bytes.len()).entered();
         if wire::decode_hello(bytes).is_some() {
-            if !self.shared.peers.hello(peer) {
-                self.drop_frame(now, peer, &"HELLO from an unknown agent beyond the limit");
+            if let Err(e) = self.shared.peers.hello(peer) {
+                self.drop_frame(now, peer, &e);
             }
             return;
         }
@@ -433,17 +434,16 @@ impl Driver {
         // needs it to answer at all, and the WANT's reverse-path endpoint is NOT loaded on
         // trust -- UCX aborts the whole process on a malformed worker address (found by the
         // hostile-peer test), and nothing here can validate one.
-        let Some(id) = self.shared.peers.loaded_id(peer) else {
-            return self.drop_frame(now, peer, &"control frame from an agent whose connection info was never loaded");
-        };
-        match self.shared.peers.check_session(id, frame.session, matches!(&frame.msg, Msg::Want(_))) {
-            SessionCheck::Current => {}
-            SessionCheck::Restarted => {
-                tracing::info!(peer, "peer restarted (new session): reclaiming its old state");
-                self.ep.handle_peer_lost(now, id);
+        let id = match self.shared.peers.admit(peer, frame.session, matches!(&frame.msg, Msg::Want(_))) {
+            Ok(Admitted { peer: id, restarted }) => {
+                if restarted {
+                    tracing::info!(peer, "peer restarted (new session): reclaiming its old state");
+                    self.ep.handle_peer_lost(now, id);
+                }
+                id
             }
-            SessionCheck::Stale => return self.drop_frame(now, peer, &"stale session"),
-        }
+            Err(e) => return self.drop_frame(now, peer, &e),
+        };
         if let Err(e) = self.ep.handle_msg(now, id, frame.msg) {
             self.drop_frame(now, peer, &e);
         }
@@ -568,8 +568,8 @@ impl Driver {
         // The core checked the credit against its own bookkeeping; only we know the peer's
         // arena size. A credit pointing outside it comes from a broken or hostile peer: never
         // write there.
-        if remote.offset.checked_add(len).is_none_or(|end| end > pa.len) || len > remote.len {
-            self.drop_frame(now, &name, &"credit outside the peer's arena");
+        if let Err(e) = self.shared.peers.check_credit(peer, remote, len) {
+            self.drop_frame(now, &name, &e);
             return self.ep.handle_write_done(now, job, false);
         }
         let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();
