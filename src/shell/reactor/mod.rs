@@ -420,21 +420,21 @@ impl Driver {
 
     fn on_control(&mut self, now: Instant, peer: &str, bytes: &[u8]) {
         let _span = tracing::trace_span!("control", peer, len = bytes.len()).entered();
-        if wire::decode_hello(bytes).is_some() {
-            if let Err(e) = self.shared.peers.hello(peer) {
-                self.drop_frame(now, peer, &e);
-            }
-            return;
-        }
-        let frame = match Frame::decode(bytes) {
+        // One decoder for every frame kind: HELLO is a frame like the others (the core's).
+        let frame = match wire::ControlFrame::decode(bytes) {
             Ok(f) => f,
             Err(e) => return self.drop_frame(now, peer, &e),
         };
-        // Only agents whose connection info NIXL loaded into this engine may talk to us: UCX
-        // needs it to answer at all, and the WANT's reverse-path endpoint is NOT loaded on
-        // trust -- UCX aborts the whole process on a malformed worker address (found by the
-        // hostile-peer test), and nothing here can validate one.
-        let id = match self.shared.peers.admit(peer, frame.session, matches!(&frame.msg, Msg::Want(_))) {
+        let msg = match frame.body {
+            wire::Body::Hello => {
+                if let Err(e) = self.shared.peers.hello(peer) {
+                    self.drop_frame(now, peer, &e);
+                }
+                return;
+            }
+            wire::Body::Msg(msg) => msg,
+        };
+        let id = match self.shared.peers.admit(peer, frame.session, matches!(&msg, Msg::Want(_))) {
             Ok(Admitted { peer: id, restarted }) => {
                 if restarted {
                     tracing::info!(peer, "peer restarted (new session): reclaiming its old state");
@@ -444,7 +444,7 @@ impl Driver {
             }
             Err(e) => return self.drop_frame(now, peer, &e),
         };
-        if let Err(e) = self.ep.handle_msg(now, id, frame.msg) {
+        if let Err(e) = self.ep.handle_msg(now, id, msg) {
             self.drop_frame(now, peer, &e);
         }
     }
