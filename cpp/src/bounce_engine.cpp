@@ -2,8 +2,9 @@
 //
 // It owns no policy. Each method either forwards to the inner UCX engine (created from NIXL's own
 // UCX plugin, which Rust located and loaded) or hands plain data to Rust through bounce_ffi.h
-// and acts on the answer. C++ exceptions never leave a method: NIXL's core does not expect them
-// from a backend.
+// and acts on the answer. C++ exceptions never leave a method: every status-returning override
+// runs through `guarded` (NIXL's core does not expect exceptions from a backend), and the sinks
+// Rust calls are noexcept.
 #include <dlfcn.h>
 
 #include <cstdio>
@@ -24,8 +25,13 @@ bnc_str view(const std::string &s) {
     return bnc_str{reinterpret_cast<const uint8_t *>(s.data()), s.size()};
 }
 
-void assign_sink(void *ctx, const uint8_t *ptr, size_t len) {
-    static_cast<std::string *>(ctx)->assign(reinterpret_cast<const char *>(ptr), len);
+// The sinks Rust calls back into: nothing may unwind into Rust (undefined behaviour there), so
+// an allocation failure is swallowed; the bytes are then missing, as after any failed copy.
+void assign_sink(void *ctx, const uint8_t *ptr, size_t len) noexcept {
+    try {
+        static_cast<std::string *>(ctx)->assign(reinterpret_cast<const char *>(ptr), len);
+    } catch (...) {
+    }
 }
 
 std::string self_path() {
@@ -35,10 +41,13 @@ std::string self_path() {
     return {};
 }
 
-void pair_sink(void *ctx, const uint8_t *a, size_t al, const uint8_t *b, size_t bl) {
-    static_cast<notif_list_t *>(ctx)->emplace_back(
-        std::string(reinterpret_cast<const char *>(a), al),
-        std::string(reinterpret_cast<const char *>(b), bl));
+void pair_sink(void *ctx, const uint8_t *a, size_t al, const uint8_t *b, size_t bl) noexcept {
+    try {
+        static_cast<notif_list_t *>(ctx)->emplace_back(
+            std::string(reinterpret_cast<const char *>(a), al),
+            std::string(reinterpret_cast<const char *>(b), bl));
+    } catch (...) {
+    }
 }
 
 // What NIXL holds for a request on BOUNCE: either the inner engine's own handle (pass-through)
@@ -53,6 +62,16 @@ std::vector<bnc_meta_desc> flatten(const meta_dlist_t &l) {
     v.reserve(l.descs.size());
     for (const auto &d : l.descs) v.push_back(bnc_meta_desc{d.addr, d.len, d.devId, d.metadataP});
     return v;
+}
+
+// Every status-returning override runs its body through this: no C++ exception (an allocation
+// failure, a std::string throw) may propagate into NIXL's core, which does not expect one.
+template <typename F> static nixl_status_t guarded(F &&f) noexcept {
+    try {
+        return f();
+    } catch (...) {
+        return NIXL_ERR_UNKNOWN;
+    }
 }
 
 class BounceEngine final : public BackendEngine {
@@ -82,178 +101,218 @@ public:
 
     nixl_status_t registerMem(const BlobDesc &mem, const nixl_mem_t &nixl_mem,
                               BackendMD *&out) override {
-        Lock g(mu_);
-        nixl_status_t st = inner_->registerMem(mem, nixl_mem, out);
-        if (st == NIXL_SUCCESS && out)
-            bnc_mem_registered(rust_, out, mem.addr, mem.len, mem.devId, nixl_mem);
-        return st;
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            nixl_status_t st = inner_->registerMem(mem, nixl_mem, out);
+            if (st == NIXL_SUCCESS && out)
+                bnc_mem_registered(rust_, out, mem.addr, mem.len, mem.devId, nixl_mem);
+            return st;
+        });
     }
     nixl_status_t deregisterMem(BackendMD *meta) override {
-        bnc_mem_deregistered(rust_, meta);
-        Lock g(mu_);
-        return inner_->deregisterMem(meta);
+        return guarded([&]() -> nixl_status_t {
+            bnc_mem_deregistered(rust_, meta);
+            Lock g(mu_);
+            return inner_->deregisterMem(meta);
+        });
     }
     nixl_status_t connect(const std::string &agent) override {
-        Lock g(mu_);
-        return inner_->connect(agent);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->connect(agent);
+        });
     }
     nixl_status_t disconnect(const std::string &agent) override {
-        bnc_peer_lost(rust_, view(agent));
-        Lock g(mu_);
-        return inner_->disconnect(agent);
+        return guarded([&]() -> nixl_status_t {
+            bnc_peer_lost(rust_, view(agent));
+            Lock g(mu_);
+            return inner_->disconnect(agent);
+        });
     }
     nixl_status_t unloadMD(BackendMD *input) override {
-        Lock g(mu_);
-        return inner_->unloadMD(input);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->unloadMD(input);
+        });
     }
 
     nixl_status_t prepXfer(const nixl_xfer_op_t &op, const meta_dlist_t &local,
                            const meta_dlist_t &remote, const std::string &agent,
                            BackendReqH *&handle, const BackendOptArgs *opt) const override {
-        uint64_t xfer = 0;
-        {
-            const auto l = flatten(local), r = flatten(remote);
-            auto st = static_cast<nixl_status_t>(
-                bnc_xfer_prep(rust_, op, l.data(), l.size(), local.type, r.data(), r.size(),
-                              remote.type, view(agent), &xfer));
-            if (st != NIXL_SUCCESS) return st;
-        }
-        auto *h = new (std::nothrow) BounceReqH();
-        if (!h) return NIXL_ERR_BACKEND;
-        h->xfer = xfer;
-        if (xfer == 0) {
-            Lock g(mu_);
-            nixl_status_t st = inner_->prepXfer(op, local, remote, agent, h->inner, opt);
-            if (st != NIXL_SUCCESS) {
-                delete h;
-                return st;
+        return guarded([&]() -> nixl_status_t {
+            uint64_t xfer = 0;
+            {
+                const auto l = flatten(local), r = flatten(remote);
+                auto st = static_cast<nixl_status_t>(
+                    bnc_xfer_prep(rust_, op, l.data(), l.size(), local.type, r.data(), r.size(),
+                                  remote.type, view(agent), &xfer));
+                if (st != NIXL_SUCCESS) return st;
             }
-        }
-        handle = h;
-        // Routing counters changed: publish them (prep is once per request, not a hot path).
-        const_cast<BounceEngine *>(this)->refreshStats();
-        return NIXL_SUCCESS;
+            auto *h = new (std::nothrow) BounceReqH();
+            if (!h) return NIXL_ERR_BACKEND;
+            h->xfer = xfer;
+            if (xfer == 0) {
+                Lock g(mu_);
+                nixl_status_t st = inner_->prepXfer(op, local, remote, agent, h->inner, opt);
+                if (st != NIXL_SUCCESS) {
+                    delete h;
+                    return st;
+                }
+            }
+            handle = h;
+            // Routing counters changed: publish them (prep is once per request, not a hot path).
+            const_cast<BounceEngine *>(this)->refreshStats();
+            return NIXL_SUCCESS;
+        });
     }
     nixl_status_t postXfer(const nixl_xfer_op_t &op, const meta_dlist_t &local,
                            const meta_dlist_t &remote, const std::string &agent,
                            BackendReqH *&handle, const BackendOptArgs *opt) const override {
-        auto *h = static_cast<BounceReqH *>(handle);
-        if (!h) return NIXL_ERR_INVALID_PARAM;
-        if (h->xfer != 0) {
-            bnc_str msg{};
-            const bool has = opt && opt->hasNotif;
-            if (has) msg = view(opt->notifMsg);
-            return static_cast<nixl_status_t>(bnc_xfer_post(rust_, h->xfer, msg, has ? 1 : 0));
-        }
-        Lock g(mu_);
-        return inner_->postXfer(op, local, remote, agent, h->inner, opt);
+        return guarded([&]() -> nixl_status_t {
+            auto *h = static_cast<BounceReqH *>(handle);
+            if (!h) return NIXL_ERR_INVALID_PARAM;
+            if (h->xfer != 0) {
+                bnc_str msg{};
+                const bool has = opt && opt->hasNotif;
+                if (has) msg = view(opt->notifMsg);
+                return static_cast<nixl_status_t>(bnc_xfer_post(rust_, h->xfer, msg, has ? 1 : 0));
+            }
+            Lock g(mu_);
+            return inner_->postXfer(op, local, remote, agent, h->inner, opt);
+        });
     }
     nixl_status_t checkXfer(BackendReqH *handle) const override {
-        auto *h = static_cast<BounceReqH *>(handle);
-        if (!h) return NIXL_ERR_INVALID_PARAM;
-        if (h->xfer != 0) {
-            auto st = static_cast<nixl_status_t>(bnc_xfer_check(rust_, h->xfer));
-            // NIXL calls checkXfer through a const engine, but the engine object itself is
-            // never const: publishing fresh counters when a bounce request settles is fine.
+        return guarded([&]() -> nixl_status_t {
+            auto *h = static_cast<BounceReqH *>(handle);
+            if (!h) return NIXL_ERR_INVALID_PARAM;
+            if (h->xfer != 0) {
+                auto st = static_cast<nixl_status_t>(bnc_xfer_check(rust_, h->xfer));
+                // NIXL calls checkXfer through a const engine, but the engine object itself is
+                // never const: publishing fresh counters when a bounce request settles is fine.
+                if (st != NIXL_IN_PROG) const_cast<BounceEngine *>(this)->refreshStats();
+                return st;
+            }
+            nixl_status_t st;
+            {
+                Lock g(mu_);
+                st = inner_->checkXfer(h->inner);
+            }
             if (st != NIXL_IN_PROG) const_cast<BounceEngine *>(this)->refreshStats();
             return st;
-        }
-        nixl_status_t st;
-        {
-            Lock g(mu_);
-            st = inner_->checkXfer(h->inner);
-        }
-        if (st != NIXL_IN_PROG) const_cast<BounceEngine *>(this)->refreshStats();
-        return st;
+        });
     }
     nixl_status_t releaseReqH(BackendReqH *handle) const override {
-        auto *h = static_cast<BounceReqH *>(handle);
-        if (!h) return NIXL_ERR_INVALID_PARAM;
-        nixl_status_t st = NIXL_SUCCESS;
-        if (h->xfer != 0) {
-            st = static_cast<nixl_status_t>(bnc_xfer_release(rust_, h->xfer));
-        } else if (h->inner) {
-            Lock g(mu_);
-            st = inner_->releaseReqH(h->inner);
-        }
-        delete h;
-        return st;
+        return guarded([&]() -> nixl_status_t {
+            auto *h = static_cast<BounceReqH *>(handle);
+            if (!h) return NIXL_ERR_INVALID_PARAM;
+            nixl_status_t st = NIXL_SUCCESS;
+            if (h->xfer != 0) {
+                st = static_cast<nixl_status_t>(bnc_xfer_release(rust_, h->xfer));
+            } else if (h->inner) {
+                Lock g(mu_);
+                st = inner_->releaseReqH(h->inner);
+            }
+            delete h;
+            return st;
+        });
     }
 
     nixl_status_t prepMemView(const remote_meta_dlist_t &l, mem_view_t &v,
                               const BackendOptArgs *o) const override {
-        Lock g(mu_);
-        return inner_->prepMemView(l, v, o);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->prepMemView(l, v, o);
+        });
     }
     nixl_status_t prepMemView(const meta_dlist_t &l, mem_view_t &v,
                               const BackendOptArgs *o) const override {
-        Lock g(mu_);
-        return inner_->prepMemView(l, v, o);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->prepMemView(l, v, o);
+        });
     }
     void releaseMemView(mem_view_t v) const override {
         Lock g(mu_);
         inner_->releaseMemView(v);
     }
     nixl_status_t getPublicData(const BackendMD *md, std::string &s) const override {
-        Lock g(mu_);
-        return inner_->getPublicData(md, s);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->getPublicData(md, s);
+        });
     }
 
     nixl_status_t getConnInfo(std::string &out) const override {
-        std::string inner;
-        {
-            Lock g(mu_);
-            nixl_status_t st = inner_->getConnInfo(inner);
-            if (st != NIXL_SUCCESS) return st;
-        }
-        return static_cast<nixl_status_t>(bnc_conn_info_wrap(rust_, view(inner), assign_sink, &out));
+        return guarded([&]() -> nixl_status_t {
+            std::string inner;
+            {
+                Lock g(mu_);
+                nixl_status_t st = inner_->getConnInfo(inner);
+                if (st != NIXL_SUCCESS) return st;
+            }
+            return static_cast<nixl_status_t>(bnc_conn_info_wrap(rust_, view(inner), assign_sink, &out));
+        });
     }
     nixl_status_t loadRemoteConnInfo(const std::string &agent, const std::string &conn) override {
-        std::string inner;
-        auto st = static_cast<nixl_status_t>(
-            bnc_conn_info_load(rust_, view(agent), view(conn), assign_sink, &inner));
-        if (st != NIXL_SUCCESS) return st;
-        Lock g(mu_);
-        st = inner_->loadRemoteConnInfo(agent, inner);
-        if (st != NIXL_SUCCESS) return st;
-        loadPeerArena(agent);
-        return NIXL_SUCCESS;
+        return guarded([&]() -> nixl_status_t {
+            std::string inner;
+            auto st = static_cast<nixl_status_t>(
+                bnc_conn_info_load(rust_, view(agent), view(conn), assign_sink, &inner));
+            if (st != NIXL_SUCCESS) return st;
+            Lock g(mu_);
+            st = inner_->loadRemoteConnInfo(agent, inner);
+            if (st != NIXL_SUCCESS) return st;
+            loadPeerArena(agent);
+            return NIXL_SUCCESS;
+        });
     }
     nixl_status_t loadRemoteMD(const BlobDesc &in, const nixl_mem_t &mem, const std::string &agent,
                                BackendMD *&out) override {
-        Lock g(mu_);
-        return inner_->loadRemoteMD(in, mem, agent, out);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->loadRemoteMD(in, mem, agent, out);
+        });
     }
     nixl_status_t loadLocalMD(BackendMD *in, BackendMD *&out) override {
-        Lock g(mu_);
-        return inner_->loadLocalMD(in, out);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->loadLocalMD(in, out);
+        });
     }
     nixl_status_t getNotifs(notif_list_t &list) override {
-        if (!list.empty()) return NIXL_ERR_INVALID_PARAM;
-        // Rust pulls from the inner engine (bnc_shim_poll_notifs) and sorts what arrived.
-        auto st = static_cast<nixl_status_t>(bnc_notif_take(rust_, pair_sink, &list));
-        if (st != NIXL_SUCCESS) return st;
-        refreshStats();
-        return NIXL_SUCCESS;
+        return guarded([&]() -> nixl_status_t {
+            if (!list.empty()) return NIXL_ERR_INVALID_PARAM;
+            // Rust pulls from the inner engine (bnc_shim_poll_notifs) and sorts what arrived.
+            auto st = static_cast<nixl_status_t>(bnc_notif_take(rust_, pair_sink, &list));
+            if (st != NIXL_SUCCESS) return st;
+            refreshStats();
+            return NIXL_SUCCESS;
+        });
     }
     nixl_status_t genNotif(const std::string &agent, const std::string &msg) const override {
-        Lock g(mu_);
-        return inner_->genNotif(agent, msg);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->genNotif(agent, msg);
+        });
     }
     nixl_status_t queryMem(const RegDescListTag &d, std::vector<query_resp_t> &r) const override {
-        Lock g(mu_);
-        return inner_->queryMem(d, r);
+        return guarded([&]() -> nixl_status_t {
+            Lock g(mu_);
+            return inner_->queryMem(d, r);
+        });
     }
     nixl_status_t estimateXferCost(const nixl_xfer_op_t &op, const meta_dlist_t &l,
                                    const meta_dlist_t &r, const std::string &a,
                                    BackendReqH *const &h, std::chrono::microseconds &d,
                                    std::chrono::microseconds &e, nixl_cost_t &m,
                                    const AgentOptArgsTag *x) const override {
-        auto *bh = static_cast<BounceReqH *>(h);
-        if (bh && bh->xfer != 0) return NIXL_ERR_NOT_SUPPORTED;
-        BackendReqH *inner_h = bh ? bh->inner : nullptr;
-        Lock g(mu_);
-        return inner_->estimateXferCost(op, l, r, a, inner_h, d, e, m, x);
+        return guarded([&]() -> nixl_status_t {
+            auto *bh = static_cast<BounceReqH *>(h);
+            if (bh && bh->xfer != 0) return NIXL_ERR_NOT_SUPPORTED;
+            BackendReqH *inner_h = bh ? bh->inner : nullptr;
+            Lock g(mu_);
+            return inner_->estimateXferCost(op, l, r, a, inner_h, d, e, m, x);
+        });
     }
 
     // ---- for the bounce reactor (bnc_shim_*) ----

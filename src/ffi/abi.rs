@@ -7,7 +7,7 @@ use std::sync::{LazyLock, Once};
 
 use bounce_proto::manifest::{OPTIONS, PLUGIN_NAME, PLUGIN_VERSION};
 
-use super::{Status, guard, guard_void};
+use super::{Status, guard, guard_value, guard_void};
 use crate::shell::{CreateParams, DescView, Engine, Error, Progress, Registration};
 use crate::sys::c::{BncPairSink, BncSink, BncStr, sink_bytes};
 use crate::sys::inner_plugin::{InnerPlugin, locate_ucx_plugin};
@@ -89,31 +89,32 @@ pub extern "C" fn nixl_plugin_init() -> *const c_void {
 
 /// NIXL's optional plugin exit point. Engines are destroyed individually; nothing global to free.
 #[unsafe(no_mangle)]
-pub extern "C" fn nixl_plugin_fini() {}
+pub extern "C" fn nixl_plugin_fini() {
+    guard_void("nixl_plugin_fini", || {});
+}
 
 static NAME_C: LazyLock<CString> = LazyLock::new(|| CString::new(PLUGIN_NAME).unwrap_or_default());
 static VERSION_C: LazyLock<CString> = LazyLock::new(|| CString::new(PLUGIN_VERSION).unwrap_or_default());
 
-// The next three entry points are not wrapped in `guard`: they only read statics whose
-// initializers cannot panic (`unwrap_or_default`, a slice length).
-
 /// The backend name, NUL-terminated, static.
 #[unsafe(no_mangle)]
 pub extern "C" fn bnc_plugin_name() -> *const c_char {
-    NAME_C.as_ptr()
+    guard_value("bnc_plugin_name", std::ptr::null(), || NAME_C.as_ptr())
 }
 
 /// The plugin version, NUL-terminated, static.
 #[unsafe(no_mangle)]
 pub extern "C" fn bnc_plugin_version() -> *const c_char {
-    VERSION_C.as_ptr()
+    guard_value("bnc_plugin_version", std::ptr::null(), || VERSION_C.as_ptr())
 }
 
 /// The NIXL versions this build accepts, comma-separated, NUL-terminated, static (read by
 /// `nixl-bounce doctor`).
 #[unsafe(no_mangle)]
 pub extern "C" fn nixl_bounce_tested_nixl_versions() -> *const c_char {
-    crate::sys::nixl_version::TESTED_NIXL_VERSIONS_C.as_ptr()
+    guard_value("nixl_bounce_tested_nixl_versions", std::ptr::null(), || {
+        crate::sys::nixl_version::TESTED_NIXL_VERSIONS_C.as_ptr()
+    })
 }
 
 /// The default inner UCX plugin (`NIXL_BOUNCE_UCX_PLUGIN`, else beside BOUNCE), loaded once
@@ -145,7 +146,7 @@ pub unsafe extern "C" fn bnc_default_inner_plugin(self_path: BncStr) -> *const c
 /// Number of manifest options.
 #[unsafe(no_mangle)]
 pub extern "C" fn bnc_option_count() -> usize {
-    OPTIONS.len()
+    guard_value("bnc_option_count", 0, || OPTIONS.len())
 }
 
 /// Name and default of option `i` (static bytes).

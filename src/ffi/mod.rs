@@ -32,6 +32,17 @@ pub fn guard(what: &'static str, f: impl FnOnce() -> Status) -> Status {
     }
 }
 
+/// Like [`guard`] for entry points that return a value: a panic is logged and `fallback`
+/// returned (a null pointer, a zero count).
+pub fn guard_value<T>(what: &'static str, fallback: T, f: impl FnOnce() -> T) -> T {
+    let mut out = None;
+    let _ = guard(what, || {
+        out = Some(f());
+        Status::Success
+    });
+    out.unwrap_or(fallback)
+}
+
 /// Like [`guard`] for entry points that return nothing: a panic is logged and swallowed.
 pub fn guard_void(what: &'static str, f: impl FnOnce()) {
     let _ = guard(what, || {
@@ -50,5 +61,7 @@ mod tests {
         assert_eq!(guard("test", || panic!("{}", String::from("formatted"))), Status::ErrUnknown);
         assert_eq!(guard("test", || Status::InProg), Status::InProg);
         guard_void("test", || panic!("in a void entry point"));
+        assert!(guard_value("test", std::ptr::null::<u8>(), || panic!("in a pointer entry point")).is_null());
+        assert_eq!(guard_value("test", 0usize, || 7), 7);
     }
 }

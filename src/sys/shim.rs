@@ -46,12 +46,16 @@ unsafe extern "C" {
 /// # Safety
 /// `ctx` is a live `*mut Vec<u8>` and `ptr`/`len` describe readable bytes (or len is 0).
 unsafe extern "C" fn vec_sink(ctx: *mut c_void, ptr: *const u8, len: usize) {
-    // SAFETY: per the contract ctx is the &mut Vec<u8> we passed for this call.
-    let v = unsafe { &mut *ctx.cast::<Vec<u8>>() };
-    if len > 0 && !ptr.is_null() {
-        // SAFETY: the shim passes a std::string's data()/size(), live for the call.
-        v.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
-    }
+    // Called from C++: a panic (capacity overflow) must not unwind into it; the bytes are then
+    // missing, which the caller sees as a short or empty answer.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: per the contract ctx is the &mut Vec<u8> we passed for this call.
+        let v = unsafe { &mut *ctx.cast::<Vec<u8>>() };
+        if len > 0 && !ptr.is_null() {
+            // SAFETY: the shim passes a std::string's data()/size(), live for the call.
+            v.extend_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
+        }
+    }));
 }
 
 /// Appends one (agent, message) pair to the `Vec<Notif>` behind `ctx`.
@@ -60,11 +64,14 @@ unsafe extern "C" fn vec_sink(ctx: *mut c_void, ptr: *const u8, len: usize) {
 /// `ctx` is a live `*mut Vec<Notif>`; each pointer/length pair describes readable bytes (or its
 /// length is 0).
 unsafe extern "C" fn notif_sink(ctx: *mut c_void, a: *const u8, al: usize, m: *const u8, ml: usize) {
-    // SAFETY: per the contract ctx is the &mut Vec<Notif> we passed for this call.
-    let v = unsafe { &mut *ctx.cast::<Vec<Notif>>() };
-    // SAFETY: the shim passes two std::strings' data()/size(), live for the call.
-    let (agent, msg) = unsafe { (BncStr::from_raw(a, al).bytes(), BncStr::from_raw(m, ml).bytes()) };
-    v.push(Notif { agent: agent.to_vec(), msg: msg.to_vec() });
+    // Called from C++: as vec_sink, no panic unwinds into it.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: per the contract ctx is the &mut Vec<Notif> we passed for this call.
+        let v = unsafe { &mut *ctx.cast::<Vec<Notif>>() };
+        // SAFETY: the shim passes two std::strings' data()/size(), live for the call.
+        let (agent, msg) = unsafe { (BncStr::from_raw(a, al).bytes(), BncStr::from_raw(m, ml).bytes()) };
+        v.push(Notif { agent: agent.to_vec(), msg: msg.to_vec() });
+    }));
 }
 
 /// One notification pulled from the inner engine: who sent it and what it says. The caller
