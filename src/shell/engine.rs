@@ -265,11 +265,10 @@ impl Engine {
                         Box::new(CpuEngine::start(self.config.copy_workers, host, move || waker.inbox.wake())?)
                     }
                 };
-                let place = arena.place();
                 let parts = Parts {
                     session: self.session,
                     endpoint,
-                    arena: LocalArena { mem: place.mem, dev: place.dev, base: arena.base(), md: arena.md() },
+                    arena: LocalArena { place: arena.place(), base: arena.base(), md: arena.md() },
                     copier,
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
@@ -408,7 +407,6 @@ impl Engine {
         remote_mem: Option<MemSeg>,
         agent: &str,
     ) -> Option<u64> {
-        let s = &self.stats;
         let to_desc = |d: &DescView| gate::Desc { addr: d.addr, len: d.len, dev: d.dev };
         let (l, r): (Vec<_>, Vec<_>) = (local.iter().map(to_desc).collect(), remote.iter().map(to_desc).collect());
         let peer_arena = self.peers.bounce_arena(agent);
@@ -425,13 +423,12 @@ impl Engine {
             &r,
             peer_arena.is_some(),
         );
-        let (Route::Bounce, Some(sh)) = (gate::route(&input), self.shared()) else {
-            let reason = match gate::route(&input) {
-                Route::PassThrough(reason) => reason,
-                Route::Bounce => FallbackReason::Disabled,
-            };
-            self.count_fallback(reason);
-            return None;
+        // The gate runs once; `Bounce` without a running reactor cannot happen (the gate checks
+        // `bounce_running`), and would count as disabled.
+        let sh = match (gate::route(&input), self.shared()) {
+            (Route::Bounce, Some(sh)) => sh,
+            (Route::PassThrough(reason), _) => return self.count_fallback(reason),
+            (Route::Bounce, None) => return self.count_fallback(FallbackReason::Disabled),
         };
         let pairs: Vec<DescPair> =
             local.iter().zip(remote).map(|(l, r)| DescPair { src: l.addr, dst: r.addr, len: l.len }).collect();
@@ -444,15 +441,14 @@ impl Engine {
             }
             Err(e) => {
                 tracing::warn!(peer = agent, error = %e, "cannot plan the transfer; plain UCX");
-                Stats::bump(&s.fallback_op);
-                Stats::bump(&s.passthrough_xfers);
-                None
+                self.count_fallback(FallbackReason::Op)
             }
         }
     }
 
-    /// Counts a pass-through and its reason (README "What takes the bounce path").
-    fn count_fallback(&self, reason: FallbackReason) {
+    /// Counts a pass-through and its reason (README "What takes the bounce path"); the request
+    /// goes to UCX (`None`).
+    fn count_fallback(&self, reason: FallbackReason) -> Option<u64> {
         let s = &self.stats;
         Stats::bump(match reason {
             FallbackReason::Disabled => &s.fallback_disabled,
@@ -465,6 +461,7 @@ impl Engine {
             _ => &s.fallback_peer,
         });
         Stats::bump(&s.passthrough_xfers);
+        None
     }
 
     /// Posts a bounce request.

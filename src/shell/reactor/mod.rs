@@ -21,7 +21,7 @@ use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, MemKind, PeerId, Region, XferId};
+use bounce_proto::{CopyRun, PeerId, Region, XferId};
 use parking_lot::Mutex;
 
 use crate::shell::control::{ControlChannel, ControlError};
@@ -111,10 +111,8 @@ impl Shared {
 /// Our arena, as the write path addresses it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LocalArena {
-    /// Memory kind (host, or GPU memory with the CUDA copy engine).
-    pub(crate) mem: MemKind,
-    /// Device id (its GPU for VRAM, else 0).
-    pub(crate) dev: u64,
+    /// Its memory kind and GPU (host, or GPU memory with the CUDA copy engine).
+    pub(crate) place: ArenaPlace,
     /// Base address.
     pub(crate) base: u64,
     /// Inner-engine metadata of its registration.
@@ -540,15 +538,14 @@ impl Driver {
     fn write_source(&self, source: WriteSource, len: u64) -> Option<WriteSide> {
         match source {
             WriteSource::Arena(r) => Some(WriteSide {
-                mem: self.arena.mem.into(),
+                mem: self.arena.place.mem.into(),
                 md: self.arena.md,
                 addr: self.arena.base + r.offset,
-                dev: self.arena.dev,
+                dev: self.arena.place.dev,
             }),
             WriteSource::User { addr } => {
                 // Only from a registration of the arena's memory: the gate planned it so.
-                let place = ArenaPlace { mem: self.arena.mem, dev: self.arena.dev };
-                let (md, reg) = self.shared.registry.covering(place, addr, len)?;
+                let (md, reg) = self.shared.registry.covering(self.arena.place, addr, len)?;
                 Some(WriteSide { mem: reg.mem.into(), md, addr, dev: reg.dev })
             }
         }

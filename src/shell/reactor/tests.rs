@@ -85,7 +85,7 @@ impl Side {
         let parts = Parts {
             session,
             endpoint: name.as_bytes().to_vec(),
-            arena: LocalArena { mem: MemKind::Dram, dev: 0, base, md: Md(0) },
+            arena: LocalArena { place: ArenaPlace { mem: MemKind::Dram, dev: 0 }, base, md: Md(0) },
             copier: Box::new(copier),
             data: Box::new(path),
             control: Box::new(net.join(name)),
