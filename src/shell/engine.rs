@@ -11,6 +11,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use bounce_proto::config::{ArenaMem, Config, GpuCopy};
 use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
@@ -129,6 +130,8 @@ pub(crate) struct Engine {
     published: Mutex<Vec<u64>>,
     /// The GPU whose memory the arena is, when `bounce_arena_mem` chose GPU memory.
     gpu: Option<Arc<Gpu>>,
+    /// When `getNotifs` last found nothing (busy-poll detection, see [`Engine::take_notifs`]).
+    last_empty_notifs: Mutex<Option<Instant>>,
 }
 
 impl Engine {
@@ -180,6 +183,7 @@ impl Engine {
             plugin,
             published: Mutex::new(Vec::new()),
             gpu,
+            last_empty_notifs: Mutex::new(None),
         };
         Ok((engine, inner))
     }
@@ -238,8 +242,12 @@ impl Engine {
             self.session,
         );
         caps.endpoint = control_endpoint;
-        let shared =
-            Arc::new(Shared::new(Arc::clone(&self.stats), Arc::clone(&self.peers), Arc::clone(&self.registry)));
+        let shared = Arc::new(Shared::new(
+            Arc::clone(&self.stats),
+            Arc::clone(&self.peers),
+            Arc::clone(&self.registry),
+            self.mail.doorbell(),
+        ));
         let started =
             shim.conn_info().map_err(|status| Error::Inner { op: "getConnInfo", status }).and_then(|endpoint| {
                 let copier: Box<dyn CopyEngine> = match arena.device() {
@@ -520,11 +528,45 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::Inner`] when the inner engine's `getNotifs` failed.
+    ///
+    /// An application that spins on `getNotifs` while bounce requests are in flight takes a
+    /// core the reactor and copy workers need (and, in NIXL's STRICT mode, the agent lock its
+    /// other threads need). Such a busy poll (an empty call within [`BUSY_POLL_GAP`] of the
+    /// previous empty one) that again finds nothing waits on the doorbell, bounded by
+    /// `bounce_check_wait_us`, until a notification is sorted or a request finishes. The reactor
+    /// keeps pulling the inner engine while bounce requests are in flight, so nothing arrives
+    /// unseen; with none in flight, `getNotifs` never waits (pass-through keeps UCX's cost).
     pub(crate) fn take_notifs(&self) -> Result<Vec<Notif>> {
+        let bell = self.mail.doorbell();
+        let ticket = bell.ticket();
+        self.pull_notifs()?;
+        let got = self.mail.take_app();
+        if !got.is_empty() || !self.notif_poll_is_busy() {
+            return Ok(got);
+        }
+        if bell.wait_past(ticket, self.config.check_wait) {
+            self.pull_notifs()?;
+            return Ok(self.mail.take_app());
+        }
+        Ok(got)
+    }
+
+    fn pull_notifs(&self) -> Result<()> {
         if let Some(shim) = &self.shim {
             self.mail.pull(shim).map_err(|status| Error::Inner { op: "getNotifs", status })?;
         }
-        Ok(self.mail.take_app())
+        Ok(())
+    }
+
+    /// Whether this empty `getNotifs` is part of a busy poll while bounce requests are in
+    /// flight (see [`Self::take_notifs`]); records it as the latest empty call.
+    fn notif_poll_is_busy(&self) -> bool {
+        let Some(sh) = self.shared() else { return false };
+        let now = Instant::now();
+        let last = self.last_empty_notifs.lock().replace(now);
+        sh.requests.in_flight() > 0
+            && !self.config.check_wait.is_zero()
+            && last.is_some_and(|t| now.saturating_duration_since(t) < BUSY_POLL_GAP)
     }
 
     /// Counters as `(name, value)`, published to NIXL as `stats.<name>`.

@@ -15,6 +15,7 @@ use std::thread::Thread;
 use bounce_proto::wire;
 use parking_lot::Mutex;
 
+use crate::shell::doorbell::Doorbell;
 use crate::shell::stats::Stats;
 use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Notif, Shim};
@@ -35,6 +36,8 @@ pub(crate) struct Mailroom {
     accepts_control: AtomicBool,
     /// The reactor to wake when another thread's pull found control frames.
     reactor: Mutex<Option<Thread>>,
+    /// Rung when an application notification was sorted (an application poller may wait on it).
+    bell: Arc<Doorbell>,
     stats: Arc<Stats>,
 }
 
@@ -46,8 +49,15 @@ impl Mailroom {
             control: Mutex::new(VecDeque::new()),
             accepts_control: AtomicBool::new(false),
             reactor: Mutex::new(None),
+            bell: Arc::default(),
             stats,
         }
+    }
+
+    /// The doorbell rung for every sorted application notification; the request table rings the
+    /// same one when a bounce request finishes.
+    pub(crate) fn doorbell(&self) -> Arc<Doorbell> {
+        Arc::clone(&self.bell)
     }
 
     /// From now on control frames go to the UCX channel; `reactor` is woken when another
@@ -71,10 +81,11 @@ impl Mailroom {
 
     /// Sorts pulled notifications (in arrival order) into the two queues.
     fn sort(&self, app: &mut VecDeque<Notif>, got: Vec<Notif>) {
-        let mut queued = false;
+        let (mut queued, mut for_app) = (false, false);
         for n in got {
             if !wire::is_control_frame(&n.msg) {
                 app.push_back(n);
+                for_app = true;
                 continue;
             }
             let accepted = self.accepts_control.load(Ordering::Acquire);
@@ -95,6 +106,9 @@ impl Mailroom {
             if let Some(t) = self.reactor.lock().as_ref() {
                 t.unpark();
             }
+        }
+        if for_app {
+            self.bell.ring();
         }
     }
 

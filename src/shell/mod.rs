@@ -8,6 +8,7 @@ mod arena;
 pub(crate) mod control;
 pub(crate) mod copy;
 pub(crate) mod datapath;
+mod doorbell;
 mod engine;
 mod error;
 mod mailroom;

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use bounce_proto::XferId;
 use bounce_proto::endpoint::XferError;
@@ -11,6 +11,7 @@ use bounce_proto::plan::Plan;
 use parking_lot::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::shell::doorbell::Doorbell;
 use crate::shell::{Error, Result};
 
 /// Where a request stands.
@@ -71,9 +72,23 @@ pub(crate) struct Requests {
     closed: std::sync::atomic::AtomicBool,
     next_handle: AtomicU64,
     next_xfer: AtomicU64,
+    /// Requests posted and not yet finished or released (kept under `map`'s lock).
+    in_flight: AtomicUsize,
+    /// Rung whenever a request finishes (application pollers wait on it, see `Engine::take_notifs`).
+    bell: Arc<Doorbell>,
 }
 
 impl Requests {
+    /// An empty table that rings `bell` whenever a request finishes.
+    pub(crate) fn new(bell: Arc<Doorbell>) -> Self {
+        Self { bell, ..Self::default() }
+    }
+
+    /// Requests posted and not yet finished or released.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
     /// Adds a prepared request; returns its handle id (never 0).
     pub(crate) fn insert(&self, peer: String, plan: Plan) -> u64 {
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed) + 1;
@@ -97,6 +112,7 @@ impl Requests {
         }
         let xfer = XferId(self.next_xfer.fetch_add(1, Ordering::Relaxed) + 1);
         r.state = State::Posted(xfer);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
         Ok(Posted { xfer, handle, peer: r.peer.clone(), plan: Arc::clone(&r.plan), notif })
     }
 
@@ -134,7 +150,9 @@ impl Requests {
         if let Some(r) = self.map.lock().get_mut(&handle) {
             if r.state == State::Posted(xfer) {
                 r.state = State::Done(outcome);
+                self.in_flight.fetch_sub(1, Ordering::Relaxed);
                 self.finished.notify_all();
+                self.bell.ring();
             }
         }
     }
@@ -142,7 +160,10 @@ impl Requests {
     /// Removes a request; says whether it was still in flight (`None`: no such request).
     pub(crate) fn remove(&self, handle: u64) -> Option<Released> {
         self.map.lock().remove(&handle).map(|r| match r.state {
-            State::Posted(x) => Released::InFlight(x),
+            State::Posted(x) => {
+                self.in_flight.fetch_sub(1, Ordering::Relaxed);
+                Released::InFlight(x)
+            }
             _ => Released::Idle,
         })
     }
@@ -155,9 +176,11 @@ impl Requests {
         for r in map.values_mut() {
             if matches!(r.state, State::Posted(_)) {
                 r.state = State::Done(Err(why.clone()));
+                self.in_flight.fetch_sub(1, Ordering::Relaxed);
             }
         }
         self.finished.notify_all();
+        self.bell.ring();
     }
 }
 

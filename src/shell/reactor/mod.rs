@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use crate::shell::control::{ControlChannel, ControlError};
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
+use crate::shell::doorbell::Doorbell;
 use crate::shell::peers::PeerTable;
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
@@ -102,9 +103,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Fresh shared state over the engine's counters, peers and registrations.
-    pub(crate) fn new(stats: Arc<Stats>, peers: Arc<PeerTable>, registry: Arc<Registry>) -> Self {
-        Self { inbox: Inbox::default(), requests: Requests::default(), stats, peers, registry }
+    /// Fresh shared state over the engine's counters, peers and registrations; `bell` is rung
+    /// whenever a bounce request finishes.
+    pub(crate) fn new(stats: Arc<Stats>, peers: Arc<PeerTable>, registry: Arc<Registry>, bell: Arc<Doorbell>) -> Self {
+        Self { inbox: Inbox::default(), requests: Requests::new(bell), stats, peers, registry }
     }
 }
 

@@ -76,7 +76,7 @@ impl Side {
     fn start(name: &str, session: u64, config: &Config, net: &MemNet) -> Self {
         let mut arena = MmapMut::map_anon(config.arena_size as usize).unwrap();
         let base = arena.as_mut_ptr() as u64;
-        let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default()));
+        let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
         let host = HostArena { base, len: config.arena_size, streaming_scatter: true };
         let waker = Arc::clone(&shared);
         let copier = CpuEngine::start(config.copy_workers, host, move || waker.inbox.wake()).unwrap();
