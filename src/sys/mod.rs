@@ -13,3 +13,4 @@ pub(crate) mod inner_plugin;
 pub mod nixl;
 pub(crate) mod nixl_version;
 pub(crate) mod shim;
+pub(crate) mod thread;
