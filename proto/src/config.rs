@@ -62,8 +62,6 @@ pub struct Config {
     pub streaming_scatter: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
     pub check_wait: Duration,
-    /// How long a reactor with work in flight polls before sleeping (`bounce_reactor_spin_us`).
-    pub reactor_spin: Duration,
     /// Address to bind the ZMQ control socket on; empty means automatic (`bounce_zmq_host`).
     pub zmq_host: String,
     /// Path of NIXL's UCX plugin; `None` means the default next to this plugin
@@ -412,7 +410,6 @@ impl Config {
             direct_writes: boolean("bounce_direct_writes")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
-            reactor_spin: Duration::from_micros(u64_of("bounce_reactor_spin_us")?),
             zmq_host,
             ucx_plugin,
         })
@@ -728,7 +725,6 @@ mod tests {
             ("bounce_direct_writes", "false"),
             ("bounce_streaming_scatter", "off"),
             ("bounce_check_wait_us", "0"),
-            ("bounce_reactor_spin_us", "75"),
             ("bounce_zmq_host", "10.0.0.7"),
             ("bounce_ucx_plugin", "/opt/nixl/libplugin_UCX.so"),
         ])
@@ -753,7 +749,6 @@ mod tests {
             direct_writes: false,
             streaming_scatter: false,
             check_wait: Duration::ZERO,
-            reactor_spin: Duration::from_micros(75),
             zmq_host: "10.0.0.7".into(),
             ucx_plugin: Some("/opt/nixl/libplugin_UCX.so".into()),
         };

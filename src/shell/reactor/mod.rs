@@ -174,8 +174,6 @@ struct Driver {
     data: Box<dyn DataPath>,
     control: Box<dyn ControlChannel>,
     control_budget: usize,
-    /// How long to keep polling with work in flight before sleeping (`bounce_reactor_spin_us`).
-    spin: Duration,
     writes: Vec<InFlightWrite>,
     /// Writes the core asked for that wait for a slot (see MAX_WRITES_IN_FLIGHT).
     queued_writes: VecDeque<QueuedWrite>,
@@ -225,7 +223,6 @@ impl Reactor {
             data,
             control,
             control_budget,
-            spin: config.reactor_spin,
             writes: Vec::new(),
             queued_writes: VecDeque::new(),
             copies: HashMap::new(),
@@ -288,9 +285,9 @@ pub(crate) const SOCKET_POLL_BATCH: usize = 256;
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
 /// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
 const MAX_WRITES_IN_FLIGHT: usize = 2;
-/// Polls this many times (yielding) with work in flight but nothing moving before sleeping, and
-/// for at least `bounce_reactor_spin_us`. Measured on the 2-core benchmark machine: 20 beat 200
-/// and 2000 (BENCHMARKS.md).
+/// Polls this many times (yielding) with work in flight but nothing moving before sleeping.
+/// Measured on the 2-core benchmark machine: 20 beat 200 and 2000 (BENCHMARKS.md); on the
+/// 16-core GPU host a 200 us spin gained nothing measurable either (BENCHMARKS.md, issue 11).
 const SPIN_ITERATIONS: u32 = 20;
 /// Sleep between polls once spinning gave nothing (work in flight).
 const BUSY_SLEEP: Duration = Duration::from_micros(50);
@@ -305,7 +302,6 @@ impl Driver {
         crate::sys::thread::precise_sleeps();
         let mut cmds = Vec::new();
         let mut stalls = 0u32;
-        let mut stalled_since = Instant::now();
         while !stop.load(Ordering::Acquire) {
             let moved = self.iterate(&mut cmds);
             // Busy includes the receiver role: a remote flow waiting for its next DATA must be
@@ -319,10 +315,7 @@ impl Driver {
                 stalls = 0;
             } else if busy {
                 stalls += 1;
-                if stalls == 1 {
-                    stalled_since = Instant::now();
-                }
-                if stalls > SPIN_ITERATIONS && stalled_since.elapsed() >= self.spin {
+                if stalls > SPIN_ITERATIONS {
                     std::thread::park_timeout(BUSY_SLEEP);
                 } else {
                     // yield, not spin_loop: on a machine with few cores the copy workers and
