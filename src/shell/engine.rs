@@ -69,9 +69,10 @@ pub(crate) struct InnerInit {
     pub(crate) sync_mode: i32,
 }
 
-/// If the inner engine ever runs UCX's progress thread, it waits on the workers' event fds and
-/// wakes at least every `delay`; a delay of 0 (what NIXL's Python API passes) would make it spin
-/// a core while idle, so we raise it.
+/// When the inner engine runs UCX's progress thread (bounce path off, thread asked for), it waits
+/// on the workers' event fds and wakes at least every `delay` rounded up to whole milliseconds; a
+/// delay of 0 (what NIXL's Python API passes) makes it poll without sleeping, a core while idle,
+/// so we raise it.
 const MIN_INNER_PTHR_DELAY_US: u64 = 1_000;
 
 /// A descriptor as NIXL hands it to a backend (`bnc_meta_desc`).
@@ -156,15 +157,19 @@ impl Engine {
         let path = locate_ucx_plugin(config.ucx_plugin.as_deref(), p.self_path);
         let plugin = InnerPlugin::load(&path)?;
         tracing::info!(agent = p.agent, ucx = %plugin.path().display(), "BOUNCE engine created");
-        if p.enable_prog_th {
-            tracing::debug!(agent = p.agent, "the agent asked for a progress thread; the inner UCX engine runs none");
+        // Background progress, when the agent asked for a progress thread, is the reactor's: it
+        // progresses the inner engine every pass and at least every 2 ms while idle, which
+        // serves a passive peer's READs over TCP faster than UCX's own thread (test_progress.py,
+        // BENCHMARKS.md) at a fraction of its idle CPU, and leaves pass-through free of the
+        // worker locking a progress thread brings (measured ~2x on a 64 MiB write). With the
+        // bounce path off no reactor runs, so then the inner engine runs UCX's own thread, made
+        // event-driven by the raised delay below (with NIXL's default delay of 0 it spins).
+        let inner_prog_th = p.enable_prog_th && !config.enabled;
+        if p.enable_prog_th && !inner_prog_th {
+            tracing::debug!(agent = p.agent, "the agent asked for a progress thread: the reactor progresses the inner engine");
         }
-        // No UCX progress thread inside BOUNCE: measured side by side (BENCHMARKS.md), its worker
-        // locking and wakeups cost pass-through ~2x on a 64 MiB write. Progress comes from the
-        // application's own polling, exactly as with plain UCX without a progress thread, and
-        // from BOUNCE's reactor once the bounce path is active.
         let inner = InnerInit {
-            prog_th: false,
+            prog_th: inner_prog_th,
             pthr_delay_us: p.pthr_delay_us.max(MIN_INNER_PTHR_DELAY_US),
             sync_mode: p.sync_mode,
         };
