@@ -4,26 +4,33 @@
 //! Tickets make the wait race-free: a poller takes a ticket *before* looking, and waits only while
 //! nothing has rung since, so an event between its look and its wait is never slept through.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-/// The doorbell: a ring counter and the condition variable waiters sleep on.
+/// The doorbell: a ring counter and the condition variable waiters sleep on. The counter is
+/// read without the lock (taking a ticket is on every `getNotifs`); it changes only under it,
+/// so a waiter that compares under the lock cannot miss a ring.
 #[derive(Debug, Default)]
 pub(crate) struct Doorbell {
-    rung: Mutex<u64>,
+    rung: AtomicU64,
+    lock: Mutex<()>,
     cv: Condvar,
 }
 
 impl Doorbell {
     /// The current ticket: pass it to [`Self::wait_past`] after looking.
     pub(crate) fn ticket(&self) -> u64 {
-        *self.rung.lock()
+        self.rung.load(Ordering::Acquire)
     }
 
     /// Rings: wakes every waiter.
     pub(crate) fn ring(&self) {
-        *self.rung.lock() += 1;
+        {
+            let _g = self.lock.lock();
+            self.rung.fetch_add(1, Ordering::AcqRel);
+        }
         self.cv.notify_all();
     }
 
@@ -31,10 +38,10 @@ impl Doorbell {
     /// whether it rang.
     pub(crate) fn wait_past(&self, ticket: u64, max: Duration) -> bool {
         let deadline = Instant::now() + max;
-        let mut rung = self.rung.lock();
-        while *rung == ticket {
-            if self.cv.wait_until(&mut rung, deadline).timed_out() {
-                return *rung != ticket;
+        let mut g = self.lock.lock();
+        while self.ticket() == ticket {
+            if self.cv.wait_until(&mut g, deadline).timed_out() {
+                return self.ticket() != ticket;
             }
         }
         true

@@ -166,7 +166,10 @@ impl Engine {
         // event-driven by the raised delay below (with NIXL's default delay of 0 it spins).
         let inner_prog_th = p.enable_prog_th && !config.enabled;
         if p.enable_prog_th && !inner_prog_th {
-            tracing::debug!(agent = p.agent, "the agent asked for a progress thread: the reactor progresses the inner engine");
+            tracing::debug!(
+                agent = p.agent,
+                "the agent asked for a progress thread: the reactor progresses the inner engine"
+            );
         }
         let inner = InnerInit {
             prog_th: inner_prog_th,
@@ -566,12 +569,14 @@ impl Engine {
     /// Whether this empty `getNotifs` is part of a busy poll while bounce requests are in
     /// flight (see [`Self::take_notifs`]); records it as the latest empty call.
     fn notif_poll_is_busy(&self) -> bool {
+        // Cheap checks first: with nothing bounced in flight this is every idle getNotifs.
         let Some(sh) = self.shared() else { return false };
+        if sh.requests.in_flight() == 0 || self.config.check_wait.is_zero() {
+            return false;
+        }
         let now = Instant::now();
         let last = self.last_empty_notifs.lock().replace(now);
-        sh.requests.in_flight() > 0
-            && !self.config.check_wait.is_zero()
-            && last.is_some_and(|t| now.saturating_duration_since(t) < BUSY_POLL_GAP)
+        last.is_some_and(|t| now.saturating_duration_since(t) < BUSY_POLL_GAP)
     }
 
     /// Counters as `(name, value)`, published to NIXL as `stats.<name>`.
