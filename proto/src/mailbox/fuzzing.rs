@@ -2,7 +2,7 @@
 
 use super::reader::{MailboxReader, ReaderError};
 use super::record::{Answer, RECORD_LEN, Record, RecordKey, Seq, SlotId, Token};
-use super::slots::MailboxLayout;
+use super::slots::{MailboxLayout, candidates};
 use crate::types::{ChunkIdx, Region, XferId};
 use crate::wire::{AckStatus, Credit};
 
@@ -22,7 +22,10 @@ const FUZZ_XFER: XferId = XferId(0x2a);
 /// 3. `data` padded or cut to a ring image, handed to a fresh reader twice: never panics,
 ///    accepts records only in sequence from 1, never more than the ring holds, each one
 ///    authentic for this slot and transfer, and a second pass over the same image accepts
-///    nothing new.
+///    nothing new;
+/// 4. `data` as the first records of the fuzz token's candidate slots, handed to a locating
+///    reader: never panics, and settles only on a candidate whose first record is authentic
+///    record 1 of this transfer in that slot.
 ///
 /// Returns how many records the reader accepted (the stable tests check they are not vacuous).
 ///
@@ -62,6 +65,21 @@ pub fn mailbox_decode(data: &[u8]) -> usize {
     assert_eq!(reader.consumed(), Seq(expect - 1));
     if reader.handle_fetched(&image).is_ok() {
         assert_eq!(reader.poll_answer(), None, "the same image accepted twice");
+    }
+
+    let mut locator = MailboxReader::locate(FUZZ_LAYOUT, FUZZ_XFER, &FUZZ_TOKEN).expect("fuzz layout is valid");
+    let cands = candidates(&FUZZ_TOKEN, FUZZ_LAYOUT);
+    let mut firsts = vec![0u8; cands.len() * RECORD_LEN];
+    let n = data.len().min(firsts.len());
+    firsts[..n].copy_from_slice(&data[..n]);
+    if let Ok(1) = locator.handle_fetched(&firsts) {
+        let slot = locator.slot().expect("located");
+        let i = cands.iter().position(|&c| c == slot).expect("located on a candidate");
+        let r = Record::decode(&firsts[i * RECORD_LEN..(i + 1) * RECORD_LEN], &key)
+            .expect("located on an unauthentic record");
+        assert_eq!((r.slot, r.xfer, r.seq), (slot, FUZZ_XFER, Seq(1)));
+    } else {
+        assert_eq!(locator.slot(), None);
     }
     (expect - 1) as usize
 }

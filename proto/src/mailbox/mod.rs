@@ -19,4 +19,4 @@ mod tests;
 
 pub use reader::{MailboxReader, ReaderError, ReaderStats};
 pub use record::{Answer, FailReason, RECORD_LEN, RECORD_VERSION, Record, RecordError, RecordKey, Seq, SlotId, Token};
-pub use slots::{MailboxLayout, RecordPlace, SlotConfig, SlotError, SlotTable};
+pub use slots::{CANDIDATES, MailboxLayout, RecordPlace, SlotConfig, SlotError, SlotTable, candidates};

@@ -1,17 +1,23 @@
 //! The initiator's side of the mailbox: for one transfer, which bytes of the target's mailbox to
 //! READ, which record comes next, and which records to act on, refuse or ignore.
 //!
+//! Locating: until its first record arrives the initiator does not know which of the
+//! transfer's [`candidates`] the target gave it, so it READs the first record of each (one
+//! 64-byte descriptor per candidate, one READ request) and settles on the one that verifies
+//! as record 1 of this transfer in that slot. From then on it READs that slot's ring.
+//!
 //! Rules, for a fetched image of the transfer's slot (its whole ring):
 //! - only the record at the ring position of the next expected sequence number is looked at,
 //!   and accepted when it decodes under this transfer's key, names this slot and transfer, and
 //!   carries exactly that sequence number; then the next position is looked at, and so on;
 //! - a record with an older sequence number is the previous lap or a replay: ignored (`stale`);
 //! - a record that does not verify (torn by a READ racing the target's write, written by a
-//!   third party, of another transfer) or that sits at the wrong position for its sequence (a
-//!   genuine record copied elsewhere) is refused (`refused`) and read again on the next fetch;
+//!   third party, of another transfer) or that sits in another slot or at another position
+//!   than it names (a genuine record copied elsewhere) is refused (`refused`) and read again
+//!   on the next fetch;
 //!   a forger can only delay answers until the transfer's no-progress timeout, never inject one;
 //! - an authentic record that breaks the ring rule (a sequence number from a lap ahead) or
-//!   names another slot or transfer can only come from the target itself: a protocol error;
+//!   names another transfer can only come from the target itself: a protocol error;
 //! - after a FAIL nothing more is accepted.
 //!
 //! No clock, no IO: the shell posts the READ of [`MailboxReader::fetch`], hands the bytes to
@@ -22,7 +28,7 @@ use std::collections::VecDeque;
 use crate::types::{Region, XferId};
 
 use super::record::{Answer, RECORD_LEN, Record, RecordError, RecordKey, Seq, SlotId, Token};
-use super::slots::{MailboxLayout, SlotError};
+use super::slots::{MailboxLayout, SlotError, candidates};
 
 /// Counters of what the reader saw, for the shell's stats and warnings.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -57,7 +63,7 @@ pub enum ReaderError {
         /// The one found.
         found: Seq,
     },
-    /// An authentic record names another slot or transfer.
+    /// An authentic record names another transfer.
     #[error("authentic record names {slot:?} / {xfer:?}")]
     Misbound {
         /// The slot it names.
@@ -78,16 +84,16 @@ pub enum ReaderError {
 
 /// The initiator's reader of one transfer's mailbox slot.
 ///
-/// Call order: [`new`](Self::new) when the WANT is sent (its token is the key); whenever the
-/// transfer waits for an answer, READ [`fetch`](Self::fetch) from the target's mailbox, call
-/// [`handle_fetched`](Self::handle_fetched) with the bytes, drain
+/// Call order: [`locate`](Self::locate) when the WANT is sent (its token is the key); whenever
+/// the transfer waits for an answer, READ the regions of [`fetch`](Self::fetch) from the
+/// target's mailbox (one READ request, the regions back to back in local memory), call
+/// [`handle_fetched`](Self::handle_fetched) with those bytes, drain
 /// [`poll_answer`](Self::poll_answer) until `None`, and report [`consumed`](Self::consumed) to
 /// the target in the next frame sent to it.
 #[derive(Debug)]
 pub struct MailboxReader {
     layout: MailboxLayout,
-    slot: SlotId,
-    ring: Region,
+    place: Place,
     xfer: XferId,
     key: RecordKey,
     /// The next sequence number to accept.
@@ -97,9 +103,28 @@ pub struct MailboxReader {
     stats: ReaderStats,
 }
 
+/// Where the reader looks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Place {
+    /// Not yet known: the first record of each candidate.
+    Locating(Vec<SlotId>),
+    /// This slot's ring.
+    At { slot: SlotId, ring: Region },
+}
+
 impl MailboxReader {
-    /// A reader for transfer `xfer`'s records in `slot` of a mailbox of shape `layout`, under
-    /// the transfer's `token`.
+    /// A reader for transfer `xfer`'s records in a mailbox of shape `layout`, under the
+    /// transfer's `token`, starting by locating its slot among the token's candidates.
+    ///
+    /// # Errors
+    /// [`ReaderError::Slot`] when the layout is out of bounds (it comes from the target).
+    pub fn locate(layout: MailboxLayout, xfer: XferId, token: &Token) -> Result<Self, ReaderError> {
+        layout.validate()?;
+        Ok(Self::with_place(layout, Place::Locating(candidates(token, layout)), xfer, token))
+    }
+
+    /// A reader for transfer `xfer`'s records in a known `slot` of a mailbox of shape
+    /// `layout`, under the transfer's `token`.
     ///
     /// # Errors
     /// [`ReaderError::Slot`] when the layout is out of bounds, [`ReaderError::NoSuchSlot`] when
@@ -107,22 +132,41 @@ impl MailboxReader {
     pub fn new(layout: MailboxLayout, slot: SlotId, xfer: XferId, token: &Token) -> Result<Self, ReaderError> {
         layout.validate()?;
         let ring = layout.slot_region(slot).ok_or(ReaderError::NoSuchSlot { slot })?;
-        Ok(Self {
+        Ok(Self::with_place(layout, Place::At { slot, ring }, xfer, token))
+    }
+
+    fn with_place(layout: MailboxLayout, place: Place, xfer: XferId, token: &Token) -> Self {
+        Self {
             layout,
-            slot,
-            ring,
+            place,
             xfer,
             key: RecordKey::derive(token),
             next: 1,
             finished: false,
             answers: VecDeque::new(),
             stats: ReaderStats::default(),
-        })
+        }
     }
 
-    /// The bytes to READ: the slot's ring, relative to the target's mailbox base.
-    pub fn fetch(&self) -> Region {
-        self.ring
+    /// The regions to READ, relative to the target's mailbox base: while locating, the first
+    /// record of each candidate slot; then the slot's ring.
+    pub fn fetch(&self) -> Vec<Region> {
+        match &self.place {
+            Place::Locating(c) => c
+                .iter()
+                .filter_map(|&s| self.layout.slot_region(s))
+                .map(|r| Region { offset: r.offset, len: RECORD_LEN as u64 })
+                .collect(),
+            Place::At { ring, .. } => vec![*ring],
+        }
+    }
+
+    /// The transfer's slot, once located.
+    pub fn slot(&self) -> Option<SlotId> {
+        match self.place {
+            Place::Locating(_) => None,
+            Place::At { slot, .. } => Some(slot),
+        }
     }
 
     /// The last sequence number accepted (0: none), to report to the target so it may reuse
@@ -141,16 +185,24 @@ impl MailboxReader {
         self.stats
     }
 
-    /// Takes a fetched image of the ring and queues every new answer in order. Returns how
-    /// many were accepted.
+    /// Takes the bytes of the regions of [`fetch`](Self::fetch), back to back, and queues
+    /// every new answer in order. Returns how many were accepted.
     ///
     /// # Errors
     /// See [`ReaderError`]: the image has the wrong length, or the target broke the protocol
     /// (the transfer should fail). Answers accepted before the error stay queued.
     pub fn handle_fetched(&mut self, image: &[u8]) -> Result<usize, ReaderError> {
-        if image.len() as u64 != self.ring.len {
-            return Err(ReaderError::WrongImageLength { expected: self.ring.len, got: image.len() });
+        let expected: u64 = self.fetch().iter().map(|r| r.len).sum();
+        if image.len() as u64 != expected {
+            return Err(ReaderError::WrongImageLength { expected, got: image.len() });
         }
+        let slot = match &self.place {
+            Place::At { slot, .. } => *slot,
+            Place::Locating(c) => {
+                let c = c.clone();
+                return self.handle_located(&c, image);
+            }
+        };
         let mut accepted = 0;
         // at most one lap: a ring holds `ring` records
         for _ in 0..self.layout.ring {
@@ -167,10 +219,10 @@ impl MailboxReader {
                     break;
                 }
             };
-            if record.slot != self.slot || record.xfer != self.xfer {
+            if record.xfer != self.xfer {
                 return Err(ReaderError::Misbound { slot: record.slot, xfer: record.xfer });
             }
-            if self.layout.position(record.seq) as usize != pos {
+            if record.slot != slot || self.layout.position(record.seq) as usize != pos {
                 self.stats.refused += 1;
                 break;
             }
@@ -190,6 +242,40 @@ impl MailboxReader {
         Ok(accepted)
     }
 
+    /// Locating: the first candidate whose first record verifies as record 1 of this transfer
+    /// in that slot becomes the transfer's slot, and that record its first answer.
+    fn handle_located(&mut self, cands: &[SlotId], image: &[u8]) -> Result<usize, ReaderError> {
+        for (&cand, bytes) in cands.iter().zip(image.chunks_exact(RECORD_LEN)) {
+            let record = match Record::decode(bytes, &self.key) {
+                Ok(r) => r,
+                Err(RecordError::Empty) => continue,
+                Err(_) => {
+                    self.stats.refused += 1;
+                    continue;
+                }
+            };
+            if record.xfer != self.xfer {
+                return Err(ReaderError::Misbound { slot: record.slot, xfer: record.xfer });
+            }
+            if record.slot != cand || self.layout.position(record.seq) != 0 {
+                // a genuine record copied out of the slot or the position it names
+                self.stats.refused += 1;
+                continue;
+            }
+            if record.seq != Seq(1) {
+                return Err(ReaderError::Skipped { expected: Seq(1), found: record.seq });
+            }
+            let ring = self.layout.slot_region(cand).ok_or(ReaderError::NoSuchSlot { slot: cand })?;
+            self.place = Place::At { slot: cand, ring };
+            self.next = 2;
+            self.finished = matches!(record.answer, Answer::Fail(_));
+            self.answers.push_back((record.seq, record.answer));
+            self.stats.accepted += 1;
+            return Ok(1);
+        }
+        Ok(0)
+    }
+
     /// The next accepted answer, in sequence order.
     #[must_use]
     pub fn poll_answer(&mut self) -> Option<(Seq, Answer)> {
@@ -201,6 +287,7 @@ impl MailboxReader {
 mod tests {
     use super::*;
     use crate::mailbox::record::FailReason;
+    use crate::mailbox::slots::candidates;
     use crate::types::ChunkIdx;
     use crate::wire::Credit;
 
@@ -242,7 +329,8 @@ mod tests {
 
     #[test]
     fn fetch_names_the_slots_ring() {
-        assert_eq!(reader().fetch(), Region { offset: 2 * 256, len: 256 });
+        assert_eq!(reader().fetch(), [Region { offset: 2 * 256, len: 256 }]);
+        assert_eq!(reader().slot(), Some(SLOT));
         assert!(matches!(
             MailboxReader::new(LAYOUT, SlotId(4), XFER, &TOKEN),
             Err(ReaderError::NoSuchSlot { slot: SlotId(4) })
@@ -315,17 +403,15 @@ mod tests {
     }
 
     #[test]
-    fn an_authentic_record_of_another_slot_or_transfer_is_a_protocol_error() {
+    fn an_authentic_record_of_another_transfer_is_a_protocol_error_one_of_another_slot_refused() {
         let mut r = reader();
+        let moved = Record { slot: SlotId(1), ..grant(1) };
+        assert_eq!(r.handle_fetched(&image(&[moved], &TOKEN)), Ok(0));
+        assert_eq!(r.stats().refused, 1);
         let other = Record { xfer: XferId(78), ..grant(1) };
         assert_eq!(
             r.handle_fetched(&image(&[other], &TOKEN)),
             Err(ReaderError::Misbound { slot: SLOT, xfer: XferId(78) })
-        );
-        let moved = Record { slot: SlotId(1), ..grant(1) };
-        assert_eq!(
-            r.handle_fetched(&image(&[moved], &TOKEN)),
-            Err(ReaderError::Misbound { slot: SlotId(1), xfer: XFER })
         );
     }
 
@@ -337,6 +423,58 @@ mod tests {
         assert!(r.is_finished());
         assert_eq!(r.handle_fetched(&image(&[grant(1), fail, grant(3)], &TOKEN)), Ok(0));
         assert_eq!(drain(&mut r), [1, 2]);
+    }
+
+    /// The first records of the token's candidates, as the target leaves them when it gave
+    /// the transfer candidate `which` and wrote `first` there.
+    fn first_records(r: &MailboxReader, which: usize, first: &Record, token: &Token) -> Vec<u8> {
+        let n = r.fetch().len();
+        let mut img = vec![0; n * RECORD_LEN];
+        img[which * RECORD_LEN..(which + 1) * RECORD_LEN].copy_from_slice(&first.encode(&RecordKey::derive(token)));
+        img
+    }
+
+    #[test]
+    fn locating_settles_on_the_candidate_holding_record_one() {
+        let layout = MailboxLayout { slots: 64, ring: 4 };
+        let mut r = MailboxReader::locate(layout, XFER, &TOKEN).unwrap();
+        let cands = candidates(&TOKEN, layout);
+        assert_eq!(r.slot(), None);
+        assert_eq!(
+            r.fetch(),
+            cands.iter().map(|s| Region { offset: u64::from(s.0) * 256, len: 64 }).collect::<Vec<_>>()
+        );
+        // nothing yet, then another transfer's record in candidate 0 (refused), ours in candidate 2
+        assert_eq!(r.handle_fetched(&vec![0; cands.len() * RECORD_LEN]), Ok(0));
+        let mine = Record { slot: cands[2], ..grant(1) };
+        let mut img = first_records(&r, 2, &mine, &TOKEN);
+        img[..RECORD_LEN]
+            .copy_from_slice(&Record { slot: cands[0], ..grant(1) }.encode(&RecordKey::derive(&Token([9; 16]))));
+        assert_eq!(r.handle_fetched(&img), Ok(1));
+        assert_eq!(r.slot(), Some(cands[2]));
+        assert_eq!(r.stats().refused, 1);
+        assert_eq!(r.fetch(), [Region { offset: u64::from(cands[2].0) * 256, len: 256 }]);
+        assert_eq!(r.consumed(), Seq(1));
+        assert_eq!(drain(&mut r), [1]);
+    }
+
+    #[test]
+    fn locating_refuses_what_only_a_broken_target_writes() {
+        let layout = MailboxLayout { slots: 64, ring: 4 };
+        let cands = candidates(&TOKEN, layout);
+        let mut r = MailboxReader::locate(layout, XFER, &TOKEN).unwrap();
+        // a genuine record copied into another candidate by a third party: refused, not fatal
+        let elsewhere = Record { slot: SlotId(cands[0].0 + 1), ..grant(1) };
+        let img = first_records(&r, 0, &elsewhere, &TOKEN);
+        assert_eq!(r.handle_fetched(&img), Ok(0));
+        assert_eq!((r.slot(), r.stats().refused), (None, 1));
+        let other = Record { slot: cands[0], xfer: XferId(1), ..grant(1) };
+        let img = first_records(&r, 0, &other, &TOKEN);
+        assert_eq!(r.handle_fetched(&img), Err(ReaderError::Misbound { slot: cands[0], xfer: XferId(1) }));
+        let mut r = MailboxReader::locate(layout, XFER, &TOKEN).unwrap();
+        let late = Record { slot: cands[1], ..grant(5) };
+        let img = first_records(&r, 1, &late, &TOKEN);
+        assert_eq!(r.handle_fetched(&img), Err(ReaderError::Skipped { expected: Seq(1), found: Seq(5) }));
     }
 
     #[test]

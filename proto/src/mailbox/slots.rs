@@ -3,7 +3,10 @@
 //! record the target writes.
 //!
 //! A slot is a ring of `ring` records owned by one transfer from its WANT until the initiator
-//! has read its last record. The target writes record `seq` at ring position `(seq - 1) % ring`
+//! has read its last record. Which slot: the first free one of the transfer's
+//! [`candidates`], a short list both sides derive from the transfer's secret token, so the
+//! initiator knows where to look without the target telling it (the target cannot tell it
+//! anything before the first record), and no other peer can predict or aim at it. The target writes record `seq` at ring position `(seq - 1) % ring`
 //! and never overwrites a record the initiator has not reported consumed (the initiator's
 //! frames carry its cursor), so an initiator that reads slowly loses nothing. Slots are
 //! bounded per peer: one initiator, hostile or just busy, holds at most `per_peer_max` slots,
@@ -17,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use crate::types::{PeerId, Region, XferId};
 
-use super::record::{RECORD_LEN, Seq, SlotId};
+use super::record::{RECORD_LEN, Seq, SlotId, Token};
 
 /// Where the mailbox's slots lie: `slots` rings of `ring` records, packed from the mailbox's
 /// base (which the target advertises with its arena). Both sides compute offsets from it.
@@ -67,6 +70,30 @@ impl MailboxLayout {
         // ring >= 1, and the remainder is < ring: it fits u32
         (seq.0.wrapping_sub(1) % u64::from(self.ring)) as u32
     }
+}
+
+/// How many candidate slots a transfer has: enough that a peer holding its whole share of
+/// slots rarely covers all of another transfer's candidates (with a quarter of the slots held,
+/// (1/4)^8 < 2e-5), few enough that locating costs one small READ of 8 records.
+pub const CANDIDATES: usize = 8;
+
+/// BLAKE3 key-derivation context of the candidate list (distinct from the MAC key's).
+const CANDIDATE_CONTEXT: &str = "nixl-bounce 2026-11 mailbox slot candidates v1";
+
+/// The slots a transfer under `token` may get, in the target's order of preference, without
+/// repeats (fewer than [`CANDIDATES`] when the mailbox is small). Both sides compute it: the
+/// target allocates the first free one, the initiator READs the first record of each until
+/// one verifies.
+pub fn candidates(token: &Token, layout: MailboxLayout) -> Vec<SlotId> {
+    let words = blake3::derive_key(CANDIDATE_CONTEXT, &token.0);
+    let mut out = Vec::with_capacity(CANDIDATES);
+    for w in words.chunks_exact(4).take(CANDIDATES) {
+        let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) % layout.slots.max(1);
+        if !out.contains(&SlotId(v)) {
+            out.push(SlotId(v));
+        }
+    }
+    out
 }
 
 /// Where the target must write its next record of a transfer (offsets relative to the
@@ -122,8 +149,8 @@ pub enum SlotError {
         /// Slots it holds.
         held: u32,
     },
-    /// Every slot is held.
-    #[error("no free mailbox slot")]
+    /// Every candidate slot of the transfer is held: its WANT waits for one to be freed.
+    #[error("no free candidate slot")]
     Exhausted,
     /// This transfer of this peer already has a slot (a duplicated WANT).
     #[error("transfer {xfer:?} of {peer:?} already holds {slot:?}")]
@@ -184,7 +211,8 @@ enum SlotState {
 
 /// The target's slot allocator and record sequencer.
 ///
-/// Call order, per transfer: [`allocate`](Self::allocate) on its WANT; then for each answer
+/// Call order, per transfer: [`allocate`](Self::allocate) on its WANT, with the transfer's
+/// [`candidates`] (a WANT refused with [`SlotError::Exhausted`] waits for a slot to free); then for each answer
 /// [`place`](Self::place) and write the record there; [`handle_consumed`](Self::handle_consumed)
 /// whenever a frame of the initiator reports its cursor; [`close`](Self::close) after the last
 /// record (or on cancel / timeout); [`release_peer`](Self::release_peer) when the peer is lost.
@@ -236,12 +264,19 @@ impl SlotTable {
         self.slots.iter().filter(|s| matches!(s, SlotState::Free)).count() as u32
     }
 
-    /// Gives `peer`'s transfer `xfer` a slot, the lowest free one.
+    /// Gives `peer`'s transfer `xfer` the first free slot of `candidates` (slots outside the
+    /// layout are skipped).
     ///
     /// # Errors
     /// [`SlotError::AlreadyHeld`], [`SlotError::PeerAtCap`] or [`SlotError::Exhausted`]; the
     /// table is unchanged then (apart from reclaiming expired slots).
-    pub fn allocate(&mut self, now: Instant, peer: PeerId, xfer: XferId) -> Result<SlotId, SlotError> {
+    pub fn allocate(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        xfer: XferId,
+        candidates: &[SlotId],
+    ) -> Result<SlotId, SlotError> {
         self.reclaim_expired(now);
         if let Some(slot) = self.slot_of(peer, xfer) {
             return Err(SlotError::AlreadyHeld { peer, xfer, slot });
@@ -250,9 +285,11 @@ impl SlotTable {
         if held >= self.cfg.per_peer_max {
             return Err(SlotError::PeerAtCap { peer, held });
         }
-        let idx = self.slots.iter().position(|s| matches!(s, SlotState::Free)).ok_or(SlotError::Exhausted)?;
-        self.slots[idx] = SlotState::Open(Holder { peer, xfer, written: 0, consumed: 0 });
-        let slot = SlotId(idx as u32);
+        let slot = *candidates
+            .iter()
+            .find(|c| matches!(self.slots.get(c.0 as usize), Some(SlotState::Free)))
+            .ok_or(SlotError::Exhausted)?;
+        self.slots[slot.0 as usize] = SlotState::Open(Holder { peer, xfer, written: 0, consumed: 0 });
         self.by_xfer.insert((peer, xfer), slot);
         *self.held.entry(peer).or_insert(0) += 1;
         Ok(slot)
@@ -381,6 +418,11 @@ impl SlotTable {
 mod tests {
     use super::*;
 
+    /// Every slot, lowest first, as a candidate list.
+    fn all() -> Vec<SlotId> {
+        (0..16).map(SlotId).collect()
+    }
+
     fn table(slots: u32, ring: u32, cap: u32) -> SlotTable {
         SlotTable::new(SlotConfig {
             layout: MailboxLayout { slots, ring },
@@ -388,6 +430,34 @@ mod tests {
             linger: Duration::from_millis(100),
         })
         .unwrap()
+    }
+
+    #[test]
+    fn candidates_are_distinct_in_range_and_token_bound() {
+        let l = MailboxLayout { slots: 256, ring: 8 };
+        let a = candidates(&Token([1; 16]), l);
+        assert_eq!(a, candidates(&Token([1; 16]), l), "both sides derive the same list");
+        assert_ne!(a, candidates(&Token([2; 16]), l));
+        assert!(a.len() >= CANDIDATES - 1 && a.iter().all(|s| s.0 < 256));
+        let mut d = a.clone();
+        d.sort();
+        d.dedup();
+        assert_eq!(d.len(), a.len());
+        // a two-slot mailbox: at most both slots
+        assert!(candidates(&Token([1; 16]), MailboxLayout { slots: 2, ring: 8 }).len() <= 2);
+    }
+
+    #[test]
+    fn only_free_candidates_are_given() {
+        let now = Instant::now();
+        let mut t = table(8, 4, 8);
+        assert_eq!(t.allocate(now, PeerId(1), XferId(1), &[SlotId(5), SlotId(2)]), Ok(SlotId(5)));
+        assert_eq!(t.allocate(now, PeerId(1), XferId(2), &[SlotId(5), SlotId(2)]), Ok(SlotId(2)));
+        assert_eq!(
+            t.allocate(now, PeerId(1), XferId(3), &[SlotId(5), SlotId(2), SlotId(99)]),
+            Err(SlotError::Exhausted)
+        );
+        assert_eq!(t.free(), 6);
     }
 
     #[test]
@@ -421,11 +491,11 @@ mod tests {
         let mut t = table(8, 4, 3);
         let (greedy, other) = (PeerId(1), PeerId(2));
         for x in 0..3 {
-            t.allocate(now, greedy, XferId(x)).unwrap();
+            t.allocate(now, greedy, XferId(x), &all()).unwrap();
         }
-        assert_eq!(t.allocate(now, greedy, XferId(3)), Err(SlotError::PeerAtCap { peer: greedy, held: 3 }));
+        assert_eq!(t.allocate(now, greedy, XferId(3), &all()), Err(SlotError::PeerAtCap { peer: greedy, held: 3 }));
         for x in 0..3 {
-            t.allocate(now, other, XferId(x)).unwrap();
+            t.allocate(now, other, XferId(x), &all()).unwrap();
         }
         assert_eq!(t.free(), 2);
         t.assert_consistent();
@@ -435,13 +505,13 @@ mod tests {
     fn exhaustion_and_duplicates() {
         let now = Instant::now();
         let mut t = table(2, 4, 2);
-        let s = t.allocate(now, PeerId(1), XferId(1)).unwrap();
+        let s = t.allocate(now, PeerId(1), XferId(1), &all()).unwrap();
         assert_eq!(
-            t.allocate(now, PeerId(1), XferId(1)),
+            t.allocate(now, PeerId(1), XferId(1), &all()),
             Err(SlotError::AlreadyHeld { peer: PeerId(1), xfer: XferId(1), slot: s })
         );
-        t.allocate(now, PeerId(2), XferId(1)).unwrap();
-        assert_eq!(t.allocate(now, PeerId(3), XferId(1)), Err(SlotError::Exhausted));
+        t.allocate(now, PeerId(2), XferId(1), &all()).unwrap();
+        assert_eq!(t.allocate(now, PeerId(3), XferId(1), &all()), Err(SlotError::Exhausted));
     }
 
     #[test]
@@ -449,7 +519,7 @@ mod tests {
         let now = Instant::now();
         let mut t = table(2, 4, 2);
         let p = PeerId(1);
-        let s = t.allocate(now, p, XferId(9)).unwrap();
+        let s = t.allocate(now, p, XferId(9), &all()).unwrap();
         let offs: Vec<u64> = (0..4).map(|_| t.place(s).unwrap().offset).collect();
         assert_eq!(offs, [0, 64, 128, 192]);
         assert_eq!(t.place(s), Err(SlotError::RingFull { slot: s }));
@@ -468,7 +538,7 @@ mod tests {
     fn only_the_holder_moves_the_cursor() {
         let now = Instant::now();
         let mut t = table(2, 4, 2);
-        let s = t.allocate(now, PeerId(1), XferId(9)).unwrap();
+        let s = t.allocate(now, PeerId(1), XferId(9), &all()).unwrap();
         t.place(s).unwrap();
         assert_eq!(t.handle_consumed(PeerId(2), s, Seq(1)), Err(SlotError::NotHolder { slot: s, peer: PeerId(2) }));
         assert_eq!(
@@ -483,23 +553,23 @@ mod tests {
         let now = Instant::now();
         let mut t = table(1, 4, 1);
         let p = PeerId(1);
-        let s = t.allocate(now, p, XferId(1)).unwrap();
+        let s = t.allocate(now, p, XferId(1), &all()).unwrap();
         t.place(s).unwrap();
         t.place(s).unwrap();
         t.close(now, s);
         assert_eq!(t.place(s), Err(SlotError::NotHolder { slot: s, peer: p }));
-        assert_eq!(t.allocate(now, PeerId(2), XferId(1)), Err(SlotError::Exhausted));
+        assert_eq!(t.allocate(now, PeerId(2), XferId(1), &all()), Err(SlotError::Exhausted));
         t.handle_consumed(p, s, Seq(1)).unwrap();
         assert_eq!(t.held_by(p), 1);
         t.handle_consumed(p, s, Seq(2)).unwrap();
         assert_eq!(t.held_by(p), 0);
-        let s2 = t.allocate(now, PeerId(2), XferId(1)).unwrap();
+        let s2 = t.allocate(now, PeerId(2), XferId(1), &all()).unwrap();
         t.place(s2).unwrap();
         // the next holder never reports: the slot comes back after linger, not before
         t.close(now, s2);
         let later = now + Duration::from_millis(99);
-        assert_eq!(t.allocate(later, PeerId(3), XferId(1)), Err(SlotError::Exhausted));
-        let s3 = t.allocate(now + Duration::from_millis(100), PeerId(3), XferId(1)).unwrap();
+        assert_eq!(t.allocate(later, PeerId(3), XferId(1), &all()), Err(SlotError::Exhausted));
+        let s3 = t.allocate(now + Duration::from_millis(100), PeerId(3), XferId(1), &all()).unwrap();
         assert_eq!(s3, s2);
         // a fresh transfer in a reused slot starts its sequence again
         assert_eq!(t.place(s3).unwrap().seq, Seq(1));
@@ -510,9 +580,9 @@ mod tests {
     fn a_lost_peer_frees_all_its_slots() {
         let now = Instant::now();
         let mut t = table(4, 4, 3);
-        let a = t.allocate(now, PeerId(1), XferId(5)).unwrap();
-        let b = t.allocate(now, PeerId(1), XferId(2)).unwrap();
-        let c = t.allocate(now, PeerId(2), XferId(5)).unwrap();
+        let a = t.allocate(now, PeerId(1), XferId(5), &all()).unwrap();
+        let b = t.allocate(now, PeerId(1), XferId(2), &all()).unwrap();
+        let c = t.allocate(now, PeerId(2), XferId(5), &all()).unwrap();
         t.place(b).unwrap();
         t.close(now, b); // closing, its record unread
         assert_eq!(t.release_peer(PeerId(1)), vec![a, b]);

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use super::*;
+use crate::mailbox::slots::candidates;
 use crate::types::{ChunkIdx, PeerId, Region, XferId};
 use crate::wire::{AckStatus, Credit};
 
@@ -124,12 +125,18 @@ proptest! {
         let cfg = SlotConfig { layout: MailboxLayout { slots: 5, ring: 3 }, per_peer_max: 2, linger: Duration::from_millis(50) };
         let mut t = SlotTable::new(cfg).unwrap();
         let mut now = Instant::now();
+        let cands = |p: u32, x: u64| candidates(&Token([(p as u8) ^ (x as u8).rotate_left(3); 16]), cfg.layout);
         for op in ops {
             match op {
-                SlotOp::Allocate(p, x) => match t.allocate(now, PeerId(p), XferId(x)) {
-                    Ok(_) | Err(SlotError::AlreadyHeld { .. }) => {}
+                SlotOp::Allocate(p, x) => match t.allocate(now, PeerId(p), XferId(x), &cands(p, x)) {
+                    Ok(s) => prop_assert!(cands(p, x).contains(&s)),
+                    Err(SlotError::AlreadyHeld { .. }) => {}
                     Err(SlotError::PeerAtCap { held, .. }) => prop_assert_eq!(held, 2),
-                    Err(SlotError::Exhausted) => prop_assert_eq!(t.free(), 0),
+                    // refused only when no candidate is free (expired closing slots count as free)
+                    Err(SlotError::Exhausted) => {
+                        let again = t.allocate(now, PeerId(99), XferId(0), &cands(p, x));
+                        prop_assert_eq!(again, Err(SlotError::Exhausted));
+                    }
                     Err(e) => prop_assert!(false, "unexpected {e}"),
                 },
                 SlotOp::Place(s) => { let _ = t.place(SlotId(s)); }
@@ -141,6 +148,11 @@ proptest! {
             t.assert_consistent();
         }
     }
+}
+
+/// The bytes of `regions` of `arena`, back to back: what one READ request of them returns.
+fn gather(arena: &[u8], regions: &[Region]) -> Vec<u8> {
+    regions.iter().flat_map(|r| arena[r.offset as usize..r.end() as usize].iter().copied()).collect()
 }
 
 /// One step of the target / initiator / third-party exchange.
@@ -178,14 +190,15 @@ proptest! {
         let cfg = SlotConfig { layout, per_peer_max: 3, linger: Duration::from_secs(1) };
         let mut target = SlotTable::new(cfg).unwrap();
         let (peer, xfer, token) = (PeerId(1), XferId(9), Token([0x11; 16]));
-        // another transfer of the same peer occupies slot 0, so ours is slot 1
-        target.allocate(Instant::now(), peer, XferId(8)).unwrap();
-        let slot = target.allocate(Instant::now(), peer, xfer).unwrap();
+        let ours = candidates(&token, layout);
+        // another transfer of the same peer holds our first candidate
+        target.allocate(Instant::now(), peer, XferId(8), &ours[..1]).unwrap();
+        let slot = target.allocate(Instant::now(), peer, xfer, &ours).unwrap();
+        prop_assert_ne!(slot, ours[0]);
         let key = RecordKey::derive(&token);
-        let mut reader = MailboxReader::new(layout, slot, xfer, &token).unwrap();
-        let ring = reader.fetch();
+        let mut reader = MailboxReader::locate(layout, xfer, &token).unwrap();
         let mut arena = vec![0u8; layout.byte_len() as usize];
-        let mut last_read = vec![0u8; ring.len as usize];
+        let mut last_read = Vec::new();
         let mut written: Vec<Answer> = Vec::new();
         let mut accepted: Vec<Answer> = Vec::new();
         let mut forged = false;
@@ -201,9 +214,8 @@ proptest! {
                     }
                 }
                 Step::Fetch(tear) => {
-                    let now_img = &arena[ring.offset as usize..ring.end() as usize];
-                    let mut img = now_img.to_vec();
-                    if let Some(seed) = tear {
+                    let mut img = gather(&arena, &reader.fetch());
+                    if let Some(seed) = tear.filter(|_| last_read.len() == img.len()) {
                         for (w, chunk) in img.chunks_mut(8).enumerate() {
                             if (seed >> (w % 64)) & 1 == 1 {
                                 chunk.copy_from_slice(&last_read[w * 8..w * 8 + 8]);
@@ -237,7 +249,10 @@ proptest! {
             prop_assert_eq!(&accepted[..], &written[..accepted.len()]);
         }
         if !forged {
-            reader.handle_fetched(&arena[ring.offset as usize..ring.end() as usize]).unwrap();
+            // a clean READ (two, when the first only located the slot) delivers the rest
+            for _ in 0..2 {
+                reader.handle_fetched(&gather(&arena, &reader.fetch())).unwrap();
+            }
             while let Some((_, a)) = reader.poll_answer() {
                 accepted.push(a);
             }
