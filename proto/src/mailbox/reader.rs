@@ -468,6 +468,12 @@ mod tests {
         let img = first_records(&r, 0, &elsewhere, &TOKEN);
         assert_eq!(r.handle_fetched(&img), Ok(0));
         assert_eq!((r.slot(), r.stats().refused), (None, 1));
+        // ... or moved within its own slot from position 1 to position 0 (found by the exchange
+        // property test): refused too
+        let moved = Record { slot: cands[0], ..grant(2) };
+        let img = first_records(&r, 0, &moved, &TOKEN);
+        assert_eq!(r.handle_fetched(&img), Ok(0));
+        assert_eq!((r.slot(), r.stats().refused), (None, 2));
         let other = Record { slot: cands[0], xfer: XferId(1), ..grant(1) };
         let img = first_records(&r, 0, &other, &TOKEN);
         assert_eq!(r.handle_fetched(&img), Err(ReaderError::Misbound { slot: cands[0], xfer: XferId(1) }));
