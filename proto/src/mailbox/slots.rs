@@ -162,13 +162,20 @@ pub enum SlotError {
         /// The slot it holds.
         slot: SlotId,
     },
-    /// The slot is not open for that peer (unknown, free, closing, or someone else's).
-    #[error("{slot:?} is not open for {peer:?}")]
-    NotHolder {
+    /// The slot is not open (free, closing, or outside the layout).
+    #[error("{slot:?} is not open")]
+    NotOpen {
         /// The slot.
         slot: SlotId,
-        /// The peer that named it.
+    },
+    /// The peer holds no slot for that transfer (never had one, or it was freed): a stale or
+    /// lying cursor report.
+    #[error("{peer:?} holds no slot for {xfer:?}")]
+    UnknownTransfer {
+        /// The peer that reported.
         peer: PeerId,
+        /// The transfer it named.
+        xfer: XferId,
     },
     /// The initiator has not consumed enough records to free the ring position the next one
     /// needs; the target keeps the answer until it has.
@@ -298,12 +305,12 @@ impl SlotTable {
     /// Assigns the next record of the transfer in `slot` its sequence number and place.
     ///
     /// # Errors
-    /// [`SlotError::NotHolder`] when the slot is not open; [`SlotError::RingFull`] when the
+    /// [`SlotError::NotOpen`] when the slot is not open; [`SlotError::RingFull`] when the
     /// record would overwrite one the initiator has not consumed (nothing is assigned then).
     pub fn place(&mut self, slot: SlotId) -> Result<RecordPlace, SlotError> {
         let layout = self.cfg.layout;
         let Some(SlotState::Open(h)) = self.slots.get_mut(slot.0 as usize) else {
-            return Err(self.not_holder(slot));
+            return Err(SlotError::NotOpen { slot });
         };
         let seq = h.written + 1;
         if seq - h.consumed > u64::from(layout.ring) {
@@ -315,16 +322,20 @@ impl SlotTable {
         Ok(RecordPlace { slot, seq: Seq(seq), offset })
     }
 
-    /// The initiator `from` reports it has read every record of `slot` up to `upto`. Stale
-    /// (lower) cursors are ignored; a closing slot whose last record is read becomes free.
+    /// The initiator `from` reports it has read every record of its transfer `xfer` up to
+    /// `upto` (reports name the transfer, not the slot, so a late report of a finished
+    /// transfer can never move the cursor of the slot's next holder). Stale (lower) cursors
+    /// are ignored; a closing slot whose last record is read becomes free.
     ///
     /// # Errors
-    /// [`SlotError::NotHolder`] when `from` does not hold the slot; [`SlotError::CursorAhead`]
-    /// for a cursor past the last record written (a lying or broken peer).
-    pub fn handle_consumed(&mut self, from: PeerId, slot: SlotId, upto: Seq) -> Result<(), SlotError> {
-        let h = match self.slots.get_mut(slot.0 as usize) {
-            Some(SlotState::Open(h) | SlotState::Closing(h, _)) if h.peer == from => h,
-            _ => return Err(SlotError::NotHolder { slot, peer: from }),
+    /// [`SlotError::UnknownTransfer`] when `from` holds no slot for `xfer`;
+    /// [`SlotError::CursorAhead`] for a cursor past the last record written (a lying or broken
+    /// peer).
+    pub fn handle_consumed(&mut self, from: PeerId, xfer: XferId, upto: Seq) -> Result<(), SlotError> {
+        let slot = self.slot_of(from, xfer).ok_or(SlotError::UnknownTransfer { peer: from, xfer })?;
+        let h = match &mut self.slots[slot.0 as usize] {
+            SlotState::Open(h) | SlotState::Closing(h, _) => h,
+            SlotState::Free => return Err(SlotError::UnknownTransfer { peer: from, xfer }),
         };
         if upto.0 > h.written {
             return Err(SlotError::CursorAhead { slot, claimed: upto.0, written: h.written });
@@ -359,14 +370,6 @@ impl SlotTable {
             self.free_slot(slot);
         }
         out
-    }
-
-    fn not_holder(&self, slot: SlotId) -> SlotError {
-        let peer = match self.slots.get(slot.0 as usize) {
-            Some(SlotState::Open(h) | SlotState::Closing(h, _)) => h.peer,
-            _ => PeerId(u32::MAX),
-        };
-        SlotError::NotHolder { slot, peer }
     }
 
     fn reclaim_expired(&mut self, now: Instant) {
@@ -523,14 +526,17 @@ mod tests {
         let offs: Vec<u64> = (0..4).map(|_| t.place(s).unwrap().offset).collect();
         assert_eq!(offs, [0, 64, 128, 192]);
         assert_eq!(t.place(s), Err(SlotError::RingFull { slot: s }));
-        t.handle_consumed(p, s, Seq(2)).unwrap();
+        t.handle_consumed(p, XferId(9), Seq(2)).unwrap();
         assert_eq!(t.place(s).unwrap(), RecordPlace { slot: s, seq: Seq(5), offset: 0 });
         assert_eq!(t.place(s).unwrap().seq, Seq(6));
         assert_eq!(t.place(s), Err(SlotError::RingFull { slot: s }));
         // a stale cursor changes nothing; a cursor past what was written is refused
-        t.handle_consumed(p, s, Seq(1)).unwrap();
+        t.handle_consumed(p, XferId(9), Seq(1)).unwrap();
         assert_eq!(t.place(s), Err(SlotError::RingFull { slot: s }));
-        assert_eq!(t.handle_consumed(p, s, Seq(7)), Err(SlotError::CursorAhead { slot: s, claimed: 7, written: 6 }));
+        assert_eq!(
+            t.handle_consumed(p, XferId(9), Seq(7)),
+            Err(SlotError::CursorAhead { slot: s, claimed: 7, written: 6 })
+        );
         t.assert_consistent();
     }
 
@@ -540,12 +546,23 @@ mod tests {
         let mut t = table(2, 4, 2);
         let s = t.allocate(now, PeerId(1), XferId(9), &all()).unwrap();
         t.place(s).unwrap();
-        assert_eq!(t.handle_consumed(PeerId(2), s, Seq(1)), Err(SlotError::NotHolder { slot: s, peer: PeerId(2) }));
-        assert_eq!(
-            t.handle_consumed(PeerId(2), SlotId(77), Seq(1)),
-            Err(SlotError::NotHolder { slot: SlotId(77), peer: PeerId(2) })
-        );
-        assert_eq!(t.place(SlotId(1)), Err(SlotError::NotHolder { slot: SlotId(1), peer: PeerId(u32::MAX) }));
+        let unknown = |peer, xfer| Err(SlotError::UnknownTransfer { peer, xfer });
+        assert_eq!(t.handle_consumed(PeerId(2), XferId(9), Seq(1)), unknown(PeerId(2), XferId(9)));
+        assert_eq!(t.handle_consumed(PeerId(1), XferId(8), Seq(1)), unknown(PeerId(1), XferId(8)));
+        assert_eq!(t.place(SlotId(1)), Err(SlotError::NotOpen { slot: SlotId(1) }));
+        assert_eq!(t.place(SlotId(77)), Err(SlotError::NotOpen { slot: SlotId(77) }));
+        // the transfer ends and its slot goes to the same peer's next transfer: a late report
+        // of the first transfer does not touch the second's cursor
+        t.handle_consumed(PeerId(1), XferId(9), Seq(1)).unwrap();
+        t.close(now, s);
+        let s2 = t.allocate(now, PeerId(1), XferId(10), &all()).unwrap();
+        assert_eq!(s2, s);
+        t.place(s2).unwrap();
+        assert_eq!(t.handle_consumed(PeerId(1), XferId(9), Seq(1)), unknown(PeerId(1), XferId(9)));
+        for _ in 0..3 {
+            t.place(s2).unwrap();
+        }
+        assert_eq!(t.place(s2), Err(SlotError::RingFull { slot: s2 }), "the old report freed nothing");
     }
 
     #[test]
@@ -557,11 +574,11 @@ mod tests {
         t.place(s).unwrap();
         t.place(s).unwrap();
         t.close(now, s);
-        assert_eq!(t.place(s), Err(SlotError::NotHolder { slot: s, peer: p }));
+        assert_eq!(t.place(s), Err(SlotError::NotOpen { slot: s }));
         assert_eq!(t.allocate(now, PeerId(2), XferId(1), &all()), Err(SlotError::Exhausted));
-        t.handle_consumed(p, s, Seq(1)).unwrap();
+        t.handle_consumed(p, XferId(1), Seq(1)).unwrap();
         assert_eq!(t.held_by(p), 1);
-        t.handle_consumed(p, s, Seq(2)).unwrap();
+        t.handle_consumed(p, XferId(1), Seq(2)).unwrap();
         assert_eq!(t.held_by(p), 0);
         let s2 = t.allocate(now, PeerId(2), XferId(1), &all()).unwrap();
         t.place(s2).unwrap();

@@ -100,7 +100,7 @@ proptest! {
 enum SlotOp {
     Allocate(u32, u64),
     Place(u32),
-    Consumed(u32, u32, u64),
+    Consumed(u32, u64, u64),
     Close(u32),
     LosePeer(u32),
     Advance(u64),
@@ -110,7 +110,7 @@ fn slot_op() -> impl Strategy<Value = SlotOp> {
     prop_oneof![
         (0u32..4, 0u64..6).prop_map(|(p, x)| SlotOp::Allocate(p, x)),
         (0u32..6).prop_map(SlotOp::Place),
-        (0u32..4, 0u32..6, 0u64..12).prop_map(|(p, s, c)| SlotOp::Consumed(p, s, c)),
+        (0u32..4, 0u64..6, 0u64..12).prop_map(|(p, x, c)| SlotOp::Consumed(p, x, c)),
         (0u32..6).prop_map(SlotOp::Close),
         (0u32..4).prop_map(SlotOp::LosePeer),
         (0u64..80).prop_map(SlotOp::Advance),
@@ -140,7 +140,7 @@ proptest! {
                     Err(e) => prop_assert!(false, "unexpected {e}"),
                 },
                 SlotOp::Place(s) => { let _ = t.place(SlotId(s)); }
-                SlotOp::Consumed(p, s, c) => { let _ = t.handle_consumed(PeerId(p), SlotId(s), Seq(c)); }
+                SlotOp::Consumed(p, x, c) => { let _ = t.handle_consumed(PeerId(p), XferId(x), Seq(c)); }
                 SlotOp::Close(s) => t.close(now, SlotId(s)),
                 SlotOp::LosePeer(p) => { t.release_peer(PeerId(p)); prop_assert_eq!(t.held_by(PeerId(p)), 0); }
                 SlotOp::Advance(ms) => now += Duration::from_millis(ms),
@@ -228,7 +228,7 @@ proptest! {
                     }
                     last_read = img;
                 }
-                Step::Report => target.handle_consumed(peer, slot, reader.consumed()).unwrap(),
+                Step::Report => target.handle_consumed(peer, xfer, reader.consumed()).unwrap(),
                 Step::Forge { pos, copy_from, fill } => {
                     if !forge {
                         continue;
