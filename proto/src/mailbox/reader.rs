@@ -14,8 +14,8 @@
 //! - a record that does not verify (torn by a READ racing the target's write, written by a
 //!   third party, of another transfer) or that sits in another slot or at another position
 //!   than it names (a genuine record copied elsewhere) is refused (`refused`) and read again
-//!   on the next fetch;
-//!   a forger can only delay answers until the transfer's no-progress timeout, never inject one;
+//!   on the next fetch: a forger can only delay answers until the transfer's no-progress
+//!   timeout, never inject one;
 //! - an authentic record that breaks the ring rule (a sequence number from a lap ahead) or
 //!   names another transfer can only come from the target itself: a protocol error;
 //! - after a FAIL nothing more is accepted.
@@ -46,10 +46,10 @@ pub struct ReaderStats {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReaderError {
-    /// The image is not exactly the slot's ring.
-    #[error("fetched {got} bytes, the ring is {expected}")]
+    /// The image is not exactly the regions of `fetch`, back to back.
+    #[error("fetched {got} bytes, expected {expected}")]
     WrongImageLength {
-        /// The ring's length.
+        /// The regions' total length.
         expected: u64,
         /// The length handed in.
         got: usize,
@@ -198,10 +198,7 @@ impl MailboxReader {
         }
         let slot = match &self.place {
             Place::At { slot, .. } => *slot,
-            Place::Locating(c) => {
-                let c = c.clone();
-                return self.handle_located(&c, image);
-            }
+            Place::Locating(_) => return self.handle_locating(image),
         };
         let mut accepted = 0;
         // at most one lap: a ring holds `ring` records
@@ -244,8 +241,14 @@ impl MailboxReader {
 
     /// Locating: the first candidate whose first record verifies as record 1 of this transfer
     /// in that slot becomes the transfer's slot, and that record its first answer.
-    fn handle_located(&mut self, cands: &[SlotId], image: &[u8]) -> Result<usize, ReaderError> {
-        for (&cand, bytes) in cands.iter().zip(image.chunks_exact(RECORD_LEN)) {
+    fn handle_locating(&mut self, image: &[u8]) -> Result<usize, ReaderError> {
+        let Place::Locating(cands) = &self.place else { return Ok(0) };
+        // a stack copy of the (at most CANDIDATES) ids, so the loop may update `self` without
+        // a heap clone per poll
+        let mut ids = [SlotId(0); super::slots::CANDIDATES];
+        let n = cands.len().min(ids.len());
+        ids[..n].copy_from_slice(&cands[..n]);
+        for (&cand, bytes) in ids[..n].iter().zip(image.chunks_exact(RECORD_LEN)) {
             let record = match Record::decode(bytes, &self.key) {
                 Ok(r) => r,
                 Err(RecordError::Empty) => continue,
