@@ -219,10 +219,11 @@ enum SlotState {
 /// The target's slot allocator and record sequencer.
 ///
 /// Call order, per transfer: [`allocate`](Self::allocate) on its WANT, with the transfer's
-/// [`candidates`] (a WANT refused with [`SlotError::Exhausted`] waits for a slot to free); then for each answer
-/// [`place`](Self::place) and write the record there; [`handle_consumed`](Self::handle_consumed)
-/// whenever a frame of the initiator reports its cursor; [`close`](Self::close) after the last
-/// record (or on cancel / timeout); [`release_peer`](Self::release_peer) when the peer is lost.
+/// [`candidates`] (a WANT refused with [`SlotError::Exhausted`] or [`SlotError::PeerAtCap`]
+/// waits in the fair queue for a slot to free); then for each answer [`place`](Self::place)
+/// and write the record there; [`handle_consumed`](Self::handle_consumed) whenever a frame of
+/// the initiator reports its cursor; [`close`](Self::close) after the last record (or on
+/// cancel / timeout); [`release_peer`](Self::release_peer) when the peer is lost.
 /// A closed slot is reused once its initiator reports the last record read, or after
 /// `linger`: [`allocate`](Self::allocate) reclaims expired slots itself, so there is no timer.
 #[derive(Debug)]
