@@ -3,11 +3,13 @@
 //! arena, and the initiator fetches them with small RDMA READs. No reverse connection, so no
 //! peer bytes ever reach UCX's address parser.
 //!
-//! One job per file: `record.rs` the 64-byte record, its per-transfer key and MAC, and the slot and sequence ids it carries; `slots.rs`
-//! the target's side (mailbox layout, bounded slot allocation per peer, record sequencing and
-//! ring flow control); `reader.rs` the initiator's side (what to fetch, what comes next, the
-//! replay / forgery / duplicate rules); `fuzzing.rs` the fuzz entry points. This file only
-//! declares and re-exports them. Like the rest of the core: no threads, clocks or IO.
+//! One job per file: `record.rs` the 64-byte record, its per-transfer key and MAC, and the
+//! slot and sequence ids it carries; `slots.rs` the target's side (mailbox layout, candidate
+//! slots, bounded slot allocation per peer, record sequencing and ring flow control);
+//! `reader.rs` the initiator's side (locating the slot, what to fetch, what comes next, the
+//! replay / forgery / duplicate rules); `fuzzing.rs` the fuzz entry points; `tests.rs` the
+//! property tests. This file only declares and re-exports them. Like the rest of the core: no
+//! threads, clocks or IO.
 
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
