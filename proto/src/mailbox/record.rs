@@ -131,6 +131,27 @@ pub enum Answer {
     Fail(FailReason),
 }
 
+impl Answer {
+    /// Checks that every answer but FAIL carries a non-empty region that does not overflow.
+    ///
+    /// # Errors
+    /// [`RecordError::Invalid`] naming the broken rule.
+    pub fn validate(&self) -> Result<(), RecordError> {
+        match *self {
+            Answer::Grant(c) | Answer::Ready(c) | Answer::Ack { credit: c, .. } => {
+                if c.region.len == 0 {
+                    return Err(RecordError::Invalid { what: "empty region" });
+                }
+                if c.region.offset.checked_add(c.region.len).is_none() {
+                    return Err(RecordError::Invalid { what: "region overflows" });
+                }
+                Ok(())
+            }
+            Answer::Fail(_) => Ok(()),
+        }
+    }
+}
+
 /// One mailbox record, as the target writes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
@@ -187,18 +208,7 @@ impl Record {
         if self.seq.0 == 0 {
             return Err(RecordError::Invalid { what: "sequence 0" });
         }
-        match self.answer {
-            Answer::Grant(c) | Answer::Ready(c) | Answer::Ack { credit: c, .. } => {
-                if c.region.len == 0 {
-                    return Err(RecordError::Invalid { what: "empty region" });
-                }
-                if c.region.offset.checked_add(c.region.len).is_none() {
-                    return Err(RecordError::Invalid { what: "region overflows" });
-                }
-                Ok(())
-            }
-            Answer::Fail(_) => Ok(()),
-        }
+        self.answer.validate()
     }
 
     /// The record's bytes, MAC'd under `key`. Total: an invalid record encodes too (and then

@@ -88,7 +88,13 @@ impl MailboxWriter {
     /// # Errors
     /// [`SlotError::UnknownTransfer`] when the transfer is not open (never opened, closed, or
     /// its peer released).
+    ///
+    /// # Panics
+    /// When `answer` is invalid ([`Answer::validate`]: an empty or overflowing region): the
+    /// receiver role only answers with regions it allocated, so this is a bug of ours, and a
+    /// record the initiator cannot decode would stall its transfer until the timeout.
     pub fn answer(&mut self, peer: PeerId, xfer: XferId, answer: Answer) -> Result<(), SlotError> {
+        assert!(answer.validate().is_ok(), "invalid mailbox answer {answer:?}");
         let flow = self.flows.get_mut(&(peer, xfer)).filter(|f| !f.closing);
         let flow = flow.ok_or(SlotError::UnknownTransfer { peer, xfer })?;
         flow.backlog.push_back(answer);
@@ -241,6 +247,15 @@ mod tests {
         w.handle_consumed(now, PEER, XFER, r.consumed()).unwrap();
         assert_eq!(w.table().slot_of(PEER, XFER), None);
         w.table().assert_consistent();
+    }
+
+    #[test]
+    #[should_panic(expected = "invalid mailbox answer")]
+    fn an_answer_with_an_empty_region_is_a_bug_of_ours() {
+        let mut w = writer();
+        w.open(Instant::now(), PEER, XFER, &TOKEN).unwrap();
+        let empty = Credit { chunk: ChunkIdx(0), region: Region { offset: 64, len: 0 } };
+        let _ = w.answer(PEER, XFER, Answer::Ready(empty));
     }
 
     #[test]
