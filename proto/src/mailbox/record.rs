@@ -138,7 +138,7 @@ impl Answer {
     /// [`RecordError::Invalid`] naming the broken rule.
     pub fn validate(&self) -> Result<(), RecordError> {
         match *self {
-            Answer::Grant(c) | Answer::Ready(c) | Answer::Ack { credit: c, .. } => {
+            Self::Grant(c) | Self::Ready(c) | Self::Ack { credit: c, .. } => {
                 if c.region.len == 0 {
                     return Err(RecordError::Invalid { what: "empty region" });
                 }
@@ -147,7 +147,7 @@ impl Answer {
                 }
                 Ok(())
             }
-            Answer::Fail(_) => Ok(()),
+            Self::Fail(_) => Ok(()),
         }
     }
 }
