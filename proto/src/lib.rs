@@ -31,6 +31,7 @@ pub mod config;
 pub mod endpoint;
 pub mod event;
 pub mod gate;
+pub mod mailbox;
 pub mod manifest;
 pub mod peers;
 pub mod plan;

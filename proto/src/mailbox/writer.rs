@@ -1,0 +1,274 @@
+//! The target's mailbox writer: turns the answers of its transfers into the 64-byte record
+//! writes the shell performs into the arena, in order, holding an answer back while its slot's
+//! ring is full and releasing it when the initiator's cursor moves.
+//!
+//! It owns the [`SlotTable`] and each open transfer's key and backlog. It does not decide what
+//! to answer (the receiver role does) and touches no memory: the shell copies each
+//! [`RecordWrite`] to `mailbox base + offset` with one 64-byte copy.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
+
+use crate::types::{PeerId, XferId};
+
+use super::record::{Answer, RECORD_LEN, Record, RecordKey, Seq, SlotId, Token};
+use super::slots::{SlotConfig, SlotError, SlotTable, candidates};
+
+/// One record for the shell to write into the mailbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordWrite {
+    /// Byte offset from the mailbox base.
+    pub offset: u64,
+    /// The record, MAC'd under its transfer's key.
+    pub bytes: [u8; RECORD_LEN],
+}
+
+/// An open transfer's writing state.
+#[derive(Debug)]
+struct Flow {
+    slot: SlotId,
+    key: RecordKey,
+    /// Answers waiting for ring room, oldest first.
+    backlog: VecDeque<Answer>,
+    /// Closed by the caller: the slot closes once the backlog is written.
+    closing: bool,
+}
+
+/// The target's side of the mailbox for all its transfers.
+///
+/// Call order: [`open`](Self::open) on a transfer's WANT (its token keys the records and picks
+/// the candidate slots; on [`SlotError::Exhausted`] or [`SlotError::PeerAtCap`] the WANT waits
+/// and `open` is called again later); [`answer`](Self::answer) for each GRANT / READY / ACK /
+/// FAIL; [`handle_consumed`](Self::handle_consumed) when the initiator's frame carries its
+/// cursor; [`close`](Self::close) after the last answer; [`release_peer`](Self::release_peer)
+/// when the peer is lost. After each of these, drain [`poll_write`](Self::poll_write) until
+/// `None` and perform the writes IN THAT ORDER (a record's ring position may be reused by a
+/// later write once the initiator has consumed it).
+#[derive(Debug)]
+pub struct MailboxWriter {
+    table: SlotTable,
+    flows: BTreeMap<(PeerId, XferId), Flow>,
+    writes: VecDeque<RecordWrite>,
+}
+
+impl MailboxWriter {
+    /// A writer over an empty mailbox.
+    ///
+    /// # Errors
+    /// As [`SlotTable::new`].
+    pub fn new(cfg: SlotConfig) -> Result<Self, SlotError> {
+        Ok(Self { table: SlotTable::new(cfg)?, flows: BTreeMap::new(), writes: VecDeque::new() })
+    }
+
+    /// The slot table (for stats and checks).
+    pub fn table(&self) -> &SlotTable {
+        &self.table
+    }
+
+    /// Answers of `peer`'s transfer `xfer` not yet written for want of ring room.
+    pub fn backlog(&self, peer: PeerId, xfer: XferId) -> usize {
+        self.flows.get(&(peer, xfer)).map_or(0, |f| f.backlog.len())
+    }
+
+    /// Opens `peer`'s transfer `xfer` under its `token`: gives it a slot among the token's
+    /// candidates.
+    ///
+    /// # Errors
+    /// As [`SlotTable::allocate`].
+    pub fn open(&mut self, now: Instant, peer: PeerId, xfer: XferId, token: &Token) -> Result<SlotId, SlotError> {
+        let slot = self.table.allocate(now, peer, xfer, &candidates(token, self.table.layout()))?;
+        let flow = Flow { slot, key: RecordKey::derive(token), backlog: VecDeque::new(), closing: false };
+        self.flows.insert((peer, xfer), flow);
+        Ok(slot)
+    }
+
+    /// Queues `answer` for `peer`'s transfer `xfer`: written at once when the ring has room,
+    /// else when the initiator's cursor makes room.
+    ///
+    /// # Errors
+    /// [`SlotError::UnknownTransfer`] when the transfer is not open (never opened, closed, or
+    /// its peer released).
+    ///
+    /// # Panics
+    /// When `answer` is invalid ([`Answer::validate`]: an empty or overflowing region): the
+    /// receiver role only answers with regions it allocated, so this is a bug of ours, and a
+    /// record the initiator cannot decode would stall its transfer until the timeout.
+    pub fn answer(&mut self, peer: PeerId, xfer: XferId, answer: Answer) -> Result<(), SlotError> {
+        assert!(answer.validate().is_ok(), "invalid mailbox answer {answer:?}");
+        let flow = self.flows.get_mut(&(peer, xfer)).filter(|f| !f.closing);
+        let flow = flow.ok_or(SlotError::UnknownTransfer { peer, xfer })?;
+        flow.backlog.push_back(answer);
+        self.flush(peer, xfer);
+        Ok(())
+    }
+
+    /// The initiator `from` has read its transfer `xfer`'s records up to `upto`: ring room
+    /// frees, backlog is written, and a closed transfer's slot frees once all is read.
+    ///
+    /// # Errors
+    /// As [`SlotTable::handle_consumed`].
+    pub fn handle_consumed(&mut self, now: Instant, from: PeerId, xfer: XferId, upto: Seq) -> Result<(), SlotError> {
+        self.table.handle_consumed(from, xfer, upto)?;
+        self.flush(from, xfer);
+        self.finish_if_drained(now, from, xfer);
+        Ok(())
+    }
+
+    /// No more answers for `peer`'s transfer `xfer`: its slot closes once its backlog is
+    /// written (and is reused once the initiator has read it all, or after the linger time).
+    /// Closing an unknown transfer does nothing.
+    pub fn close(&mut self, now: Instant, peer: PeerId, xfer: XferId) {
+        if let Some(flow) = self.flows.get_mut(&(peer, xfer)) {
+            flow.closing = true;
+        }
+        self.finish_if_drained(now, peer, xfer);
+    }
+
+    /// The peer is gone: its transfers are dropped with their backlogs and their slots freed.
+    /// Returns the transfers, lowest first.
+    pub fn release_peer(&mut self, peer: PeerId) -> Vec<XferId> {
+        self.table.release_peer(peer);
+        let range = (peer, XferId(0))..=(peer, XferId(u64::MAX));
+        let gone: Vec<XferId> = self.flows.range(range).map(|(k, _)| k.1).collect();
+        for xfer in &gone {
+            self.flows.remove(&(peer, *xfer));
+        }
+        gone
+    }
+
+    /// The next record to write into the mailbox.
+    #[must_use]
+    pub fn poll_write(&mut self) -> Option<RecordWrite> {
+        self.writes.pop_front()
+    }
+
+    /// Writes as much of the transfer's backlog as its ring has room for.
+    fn flush(&mut self, peer: PeerId, xfer: XferId) {
+        let Some(flow) = self.flows.get_mut(&(peer, xfer)) else { return };
+        while let Some(&answer) = flow.backlog.front() {
+            let Ok(place) = self.table.place(flow.slot) else { break };
+            flow.backlog.pop_front();
+            let record = Record { slot: flow.slot, seq: place.seq, xfer, answer };
+            self.writes.push_back(RecordWrite { offset: place.offset, bytes: record.encode(&flow.key) });
+        }
+    }
+
+    /// A closed transfer whose backlog is written closes its slot.
+    fn finish_if_drained(&mut self, now: Instant, peer: PeerId, xfer: XferId) {
+        if self.flows.get(&(peer, xfer)).is_some_and(|f| f.closing && f.backlog.is_empty()) {
+            if let Some(flow) = self.flows.remove(&(peer, xfer)) {
+                self.table.close(now, flow.slot);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::mailbox::reader::MailboxReader;
+    use crate::mailbox::slots::MailboxLayout;
+    use crate::types::{ChunkIdx, Region};
+    use crate::wire::Credit;
+
+    const LAYOUT: MailboxLayout = MailboxLayout { slots: 8, ring: 4 };
+    const PEER: PeerId = PeerId(3);
+    const XFER: XferId = XferId(40);
+    const TOKEN: Token = Token([0x77; 16]);
+
+    fn writer() -> MailboxWriter {
+        MailboxWriter::new(SlotConfig { layout: LAYOUT, per_peer_max: 4, linger: Duration::from_secs(1) }).unwrap()
+    }
+
+    fn grant(i: u32) -> Answer {
+        Answer::Grant(Credit { chunk: ChunkIdx(i), region: Region { offset: u64::from(i) * 64, len: 64 } })
+    }
+
+    /// Performs every pending write on `arena` (the mailbox bytes).
+    fn apply(w: &mut MailboxWriter, arena: &mut [u8]) -> usize {
+        let mut n = 0;
+        while let Some(rw) = w.poll_write() {
+            let at = rw.offset as usize;
+            arena[at..at + RECORD_LEN].copy_from_slice(&rw.bytes);
+            n += 1;
+        }
+        n
+    }
+
+    fn read(r: &mut MailboxReader, arena: &[u8]) -> Vec<Answer> {
+        let img: Vec<u8> =
+            r.fetch().iter().flat_map(|g| arena[g.offset as usize..g.end() as usize].iter().copied()).collect();
+        r.handle_fetched(&img).unwrap();
+        std::iter::from_fn(|| r.poll_answer()).map(|(_, a)| a).collect()
+    }
+
+    #[test]
+    fn answers_reach_a_locating_reader_in_order_through_a_full_ring() {
+        let now = Instant::now();
+        let mut w = writer();
+        let mut arena = vec![0u8; LAYOUT.byte_len() as usize];
+        let slot = w.open(now, PEER, XFER, &TOKEN).unwrap();
+        assert_eq!(slot, candidates(&TOKEN, LAYOUT)[0]);
+        let mut r = MailboxReader::locate(LAYOUT, XFER, &TOKEN).unwrap();
+        for i in 0..6 {
+            w.answer(PEER, XFER, grant(i)).unwrap();
+        }
+        // the ring holds 4: two wait
+        assert_eq!(apply(&mut w, &mut arena), 4);
+        assert_eq!(w.backlog(PEER, XFER), 2);
+        assert_eq!(read(&mut r, &arena), [grant(0)], "locating reads record 1 only");
+        assert_eq!(read(&mut r, &arena), [grant(1), grant(2), grant(3)]);
+        w.handle_consumed(now, PEER, XFER, r.consumed()).unwrap();
+        assert_eq!(apply(&mut w, &mut arena), 2);
+        assert_eq!(read(&mut r, &arena), [grant(4), grant(5)]);
+    }
+
+    #[test]
+    fn a_closed_transfer_keeps_its_slot_until_its_backlog_is_written_and_read() {
+        let now = Instant::now();
+        let mut w = writer();
+        let mut arena = vec![0u8; LAYOUT.byte_len() as usize];
+        let slot = w.open(now, PEER, XFER, &TOKEN).unwrap();
+        let mut r = MailboxReader::locate(LAYOUT, XFER, &TOKEN).unwrap();
+        for i in 0..5 {
+            w.answer(PEER, XFER, grant(i)).unwrap();
+        }
+        w.close(now, PEER, XFER);
+        assert_eq!(w.answer(PEER, XFER, grant(9)), Err(SlotError::UnknownTransfer { peer: PEER, xfer: XFER }));
+        apply(&mut w, &mut arena);
+        read(&mut r, &arena);
+        read(&mut r, &arena);
+        w.handle_consumed(now, PEER, XFER, r.consumed()).unwrap();
+        apply(&mut w, &mut arena);
+        assert_eq!(read(&mut r, &arena), [grant(4)]);
+        assert_eq!(w.table().slot_of(PEER, XFER), Some(slot), "closing, last record unread");
+        w.handle_consumed(now, PEER, XFER, r.consumed()).unwrap();
+        assert_eq!(w.table().slot_of(PEER, XFER), None);
+        w.table().assert_consistent();
+    }
+
+    #[test]
+    #[should_panic(expected = "invalid mailbox answer")]
+    fn an_answer_with_an_empty_region_is_a_bug_of_ours() {
+        let mut w = writer();
+        w.open(Instant::now(), PEER, XFER, &TOKEN).unwrap();
+        let empty = Credit { chunk: ChunkIdx(0), region: Region { offset: 64, len: 0 } };
+        let _ = w.answer(PEER, XFER, Answer::Ready(empty));
+    }
+
+    #[test]
+    fn a_lost_peer_drops_its_transfers() {
+        let now = Instant::now();
+        let mut w = writer();
+        w.open(now, PEER, XFER, &TOKEN).unwrap();
+        w.open(now, PEER, XferId(1), &Token([1; 16])).unwrap();
+        w.open(now, PeerId(4), XFER, &Token([2; 16])).unwrap();
+        assert_eq!(w.release_peer(PEER), [XferId(1), XFER]);
+        assert_eq!(w.table().held_by(PEER), 0);
+        assert_eq!(w.answer(PEER, XFER, grant(0)), Err(SlotError::UnknownTransfer { peer: PEER, xfer: XFER }));
+        w.answer(PeerId(4), XFER, grant(0)).unwrap();
+        assert!(w.poll_write().is_some());
+    }
+}
