@@ -24,6 +24,9 @@
 //! - [`gate`]: the routing gate (bounce or pass through, and why) and direct-write coverage.
 //! - [`endpoint`]: the one object the IO shell drives; owns the scheduler, both roles and the
 //!   peer table, and takes raw control frames ([`endpoint::Endpoint::handle_frame`]).
+//! - [`mailbox`]: one-way answers for a target that never loaded its initiator's metadata
+//!   (authenticated records in the target's arena that the initiator READs; `docs/one-way.md`).
+//!   Not yet driven by the roles.
 #![forbid(unsafe_code)]
 
 pub mod buddy;
