@@ -8,7 +8,7 @@
 //! the clock: the shell performs the actions, reports their completion back through the
 //! `handle_*_done` methods, and passes `now` into every call.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
 use thiserror::Error;
@@ -18,6 +18,7 @@ use crate::config::{Config, ConfigError};
 use crate::event::Ctx;
 // The shared event types live in `event`; re-exported here, where the shell has always found them.
 pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
+use crate::liveness::{Liveness, LivenessConfig};
 use crate::peers::{Admitted, FrameRefused, PeerTable};
 use crate::plan::Plan;
 use crate::receiver::Receiver;
@@ -87,6 +88,9 @@ pub struct Endpoint {
     next_job: u64,
     stats: Stats,
     peers: PeerTable,
+    liveness: Liveness,
+    /// Scratch: the peers waited on, rebuilt after every input for the liveness probe.
+    waited: BTreeSet<PeerId>,
 }
 
 impl Endpoint {
@@ -108,6 +112,11 @@ impl Endpoint {
             next_job: 0,
             stats: Stats::default(),
             peers: PeerTable::new(),
+            liveness: Liveness::new(LivenessConfig {
+                probe_after: config.probe_after,
+                dead_after: config.peer_dead_after,
+            }),
+            waited: BTreeSet::new(),
         })
     }
 
@@ -127,6 +136,12 @@ impl Endpoint {
     pub fn cancel(&mut self, now: Instant, xfer: XferId) {
         self.sender.cancel(&mut ctx!(self, now), xfer);
         self.pump(now);
+    }
+
+    /// Sets the secret the liveness probe's PING nonces derive from; the shell draws it at
+    /// random once, so a PONG cannot be forged without seeing our PING.
+    pub fn set_probe_seed(&mut self, seed: u64) {
+        self.liveness.set_seed(seed);
     }
 
     /// Sets the control endpoint carried in every WANT (the receiver's reverse path).
@@ -154,6 +169,8 @@ impl Endpoint {
     /// invalid DATA was refused and its flow reclaimed). Log it; the endpoint stays usable.
     pub fn handle_msg(&mut self, now: Instant, from: PeerId, msg: wire::Msg) -> Result<(), ProtocolError> {
         trace!(peer = from.0, xfer = msg.xfer().0, kind = msg.kind_name(), "recv");
+        // Any admitted message is a sign of life, valid or not: only a live peer sends.
+        self.liveness.heard(now, from);
         let mut ctx = ctx!(self, now);
         let r = match msg {
             wire::Msg::Want(m) => self.receiver.handle_want(&mut ctx, from, m),
@@ -168,6 +185,21 @@ impl Endpoint {
         }
         self.pump(now);
         r
+    }
+
+    /// A PING from `from` (already admitted by the peer rules): it is alive, and it gets a PONG
+    /// echoing `nonce`.
+    pub fn handle_ping(&mut self, now: Instant, from: PeerId, nonce: u64) {
+        self.liveness.heard(now, from);
+        self.out.push_back(Action::Link { peer: from, body: wire::Body::Pong { nonce } });
+    }
+
+    /// A PONG from `from` (already admitted by the peer rules): a sign of life when it echoes
+    /// one of our recent PINGs to it, else ignored.
+    pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) {
+        if self.liveness.handle_pong(now, from, nonce) {
+            self.stats.pongs_received += 1;
+        }
     }
 
     /// Handles one raw control frame from the agent `name`: decodes it, applies the peer rules
@@ -193,6 +225,16 @@ impl Endpoint {
         let frame = wire::ControlFrame::decode(bytes)?;
         let msg = match frame.body {
             wire::Body::Hello => return self.peers.hello(name),
+            wire::Body::Ping { nonce } => {
+                let Admitted { peer, .. } = self.peers.admit(name, frame.session, false)?;
+                self.handle_ping(now, peer, nonce);
+                return Ok(());
+            }
+            wire::Body::Pong { nonce } => {
+                let Admitted { peer, .. } = self.peers.admit(name, frame.session, false)?;
+                self.handle_pong(now, peer, nonce);
+                return Ok(());
+            }
             wire::Body::Msg(msg) => msg,
         };
         let is_want = matches!(msg, wire::Msg::Want(_));
@@ -241,11 +283,28 @@ impl Endpoint {
     }
 
     /// Fires the timers due at `now`: stalled transfers fail with [`XferError::Timeout`], silent
-    /// remote flows are reclaimed. Spurious or early calls are harmless.
+    /// remote flows are reclaimed, silent peers we wait on are PINGed, and a peer that answered
+    /// no PING for the probe's bound is declared dead: its transfers fail with
+    /// [`XferError::PeerLost`] and its flows are reclaimed, as in
+    /// [`handle_peer_lost`](Self::handle_peer_lost). Spurious or early calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
         let mut ctx = ctx!(self, now);
         self.sender.handle_timeout(&mut ctx);
         self.receiver.handle_timeout(&mut ctx);
+        self.watch_waited(now);
+        let verdicts = self.liveness.handle_timeout(now);
+        for (peer, nonce) in verdicts.pings {
+            self.stats.pings_sent += 1;
+            trace!(peer = peer.0, nonce, "ping");
+            self.out.push_back(Action::Link { peer, body: wire::Body::Ping { nonce } });
+        }
+        for peer in verdicts.dead {
+            self.stats.peers_declared_dead += 1;
+            debug!(peer = peer.0, "no sign of life after PINGs: peer declared dead");
+            let mut ctx = ctx!(self, now);
+            self.sender.handle_peer_lost(&mut ctx, peer);
+            self.receiver.handle_peer_lost(&mut ctx, peer);
+        }
         self.pump(now);
     }
 
@@ -269,10 +328,10 @@ impl Endpoint {
     /// early (the call is then a no-op); it is never late.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
-        match (self.sender.next_timeout(), self.receiver.next_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Transfers submitted and not yet completed.
@@ -353,6 +412,15 @@ impl Endpoint {
         if !grants.is_empty() {
             self.receiver.emit_grants(&mut ctx, grants);
         }
+        self.watch_waited(now);
+    }
+
+    /// Tells the liveness probe which peers we wait on now (transfers to them, flows from them).
+    fn watch_waited(&mut self, now: Instant) {
+        self.waited.clear();
+        self.sender.peers_waited_on(&mut self.waited);
+        self.receiver.peers_waited_on(&mut self.waited);
+        self.liveness.watch(now, &self.waited);
     }
 }
 
@@ -378,7 +446,8 @@ pub(crate) mod tests {
     pub(crate) const PEER: PeerId = PeerId(7);
     pub(crate) const X: XferId = XferId(1);
 
-    /// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout.
+    /// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout, no liveness probe (its timers
+    /// would interleave with the ones these tests pin; tests/liveness.rs covers it).
     pub(crate) fn config(arena: u64, w: u32, eager: bool) -> Config {
         let c = Config {
             arena_size: arena,
@@ -387,6 +456,7 @@ pub(crate) mod tests {
             max_inflight_chunks: w,
             eager_gather: eager,
             request_timeout: TIMEOUT,
+            peer_dead_after: Duration::ZERO,
             ..Config::default()
         };
         c.validate().unwrap();
@@ -706,6 +776,14 @@ pub(crate) mod tests {
                         }
                     }
                     self.eps[me].handle_scatter_done(now, job, true);
+                }
+                Action::Link { peer: p, body } => {
+                    assert_eq!(p.0 as usize, peer);
+                    match body {
+                        wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u32), nonce),
+                        wire::Body::Pong { nonce } => self.eps[peer].handle_pong(now, PeerId(me as u32), nonce),
+                        other => panic!("unexpected link frame {other:?}"),
+                    }
                 }
                 Action::Complete { xfer, outcome } => self.done.push((me, xfer, outcome)),
             }

@@ -107,6 +107,11 @@ impl Receiver {
         self.flows.len()
     }
 
+    /// Adds the peers whose flows we track (the liveness probe watches them).
+    pub(crate) fn peers_waited_on(&self, out: &mut std::collections::BTreeSet<PeerId>) {
+        out.extend(self.flows.keys().map(|k| k.peer));
+    }
+
     /// Scatter jobs emitted and not yet reported (those of reclaimed flows included).
     pub fn scatters_in_flight(&self) -> usize {
         self.scatters.len()

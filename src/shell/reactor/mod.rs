@@ -211,6 +211,9 @@ impl Reactor {
         let Parts { session, endpoint, arena, copier, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
+        // The liveness probe's nonces must be unpredictable to others (a forged PONG would keep
+        // a dead peer alive): a random secret per engine.
+        ep.set_probe_seed(std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), session));
         let stop = Arc::new(AtomicBool::new(false));
         let mut d = Driver {
             ep,
@@ -370,6 +373,10 @@ impl Driver {
         s.arena_orphans.store(self.ep.orphans() as u64, Ordering::Relaxed);
         s.chunks_direct.store(core.chunks_direct, Ordering::Relaxed);
         s.timeouts.store(core.timeouts, Ordering::Relaxed);
+        s.flows_timed_out.store(core.flows_timed_out, Ordering::Relaxed);
+        s.pings_sent.store(core.pings_sent, Ordering::Relaxed);
+        s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
+        s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
     }
 
     fn handle_cmd(&mut self, now: Instant, cmd: Cmd) {
@@ -430,6 +437,7 @@ impl Driver {
                 }
                 return;
             }
+            wire::Body::Ping { .. } | wire::Body::Pong { .. } => return self.on_probe(now, peer, frame),
             wire::Body::Msg(msg) => msg,
         };
         let id = match self.shared.peers.admit(peer, frame.session, matches!(&msg, Msg::Want(_))) {
@@ -444,6 +452,20 @@ impl Driver {
         };
         if let Err(e) = self.ep.handle_msg(now, id, msg) {
             self.drop_frame(now, peer, &e);
+        }
+    }
+
+    /// A PING or PONG of the liveness probe: admitted by the same session and loading rules as
+    /// any frame (a PONG of a dead incarnation is stale), then handed to the core.
+    fn on_probe(&mut self, now: Instant, peer: &str, frame: wire::ControlFrame) {
+        let id = match self.shared.peers.admit(peer, frame.session, false) {
+            Ok(a) => a.peer,
+            Err(e) => return self.drop_frame(now, peer, &e),
+        };
+        match frame.body {
+            wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
+            wire::Body::Pong { nonce } => self.ep.handle_pong(now, id, nonce),
+            _ => {}
         }
     }
 
@@ -487,6 +509,7 @@ impl Driver {
                 moved = true;
                 match a {
                     Action::Send { peer, msg } => self.send(peer, msg),
+                    Action::Link { peer, body } => self.send_link(peer, body),
                     Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs),
                     Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
                     Action::Write { job, peer, source, remote, len, .. } => {
@@ -507,6 +530,15 @@ impl Driver {
     fn send(&mut self, peer: PeerId, msg: Msg) {
         let Some(name) = self.shared.peers.name(peer) else { return };
         let bytes = Frame { session: self.session, msg }.to_vec();
+        if let Err(e) = self.control.send(&name, &bytes) {
+            self.send_failed(&name, &e);
+        }
+    }
+
+    /// Sends a link-level frame (the liveness probe's PING or PONG).
+    fn send_link(&mut self, peer: PeerId, body: wire::Body) {
+        let Some(name) = self.shared.peers.name(peer) else { return };
+        let bytes = wire::ControlFrame { session: self.session, body }.to_vec();
         if let Err(e) = self.control.send(&name, &bytes) {
             self.send_failed(&name, &e);
         }
