@@ -232,3 +232,19 @@ fn with_probing_off_a_dead_receiver_is_found_only_by_the_request_timeout() {
     assert_eq!(*at - p.start, Duration::from_secs(30));
     assert_eq!((p.eps[0].stats().pings_sent, p.eps[0].stats().peers_declared_dead), (0, 0));
 }
+
+#[test]
+fn a_transport_reporting_the_peer_unreachable_declares_it_dead_at_once_only_when_waited_on() {
+    let mut p = Pair::new(Duration::from_micros(100));
+    // Nothing waits on the receiver yet: the report changes nothing.
+    let (now, b) = (p.now, p.ids[0]);
+    p.eps[0].handle_peer_unreachable(now, b);
+    assert_eq!(p.eps[0].stats().peers_declared_dead, 0);
+    p.submit(64);
+    p.alive[1] = false;
+    let (now, b) = (p.now, p.ids[0]);
+    p.eps[0].handle_peer_unreachable(now, b);
+    p.drain();
+    assert_eq!(p.done, vec![(now, Err(XferError::PeerLost))]);
+    assert_eq!((p.eps[0].stats().peers_declared_dead, p.eps[0].in_flight_xfers()), (1, 0));
+}

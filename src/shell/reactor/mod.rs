@@ -32,8 +32,9 @@ use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
+use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Md, WriteSide, WriteState};
-use bounce_proto::peers::Admitted;
+use bounce_proto::peers::{Admitted, Hello};
 
 #[cfg(test)]
 mod tests;
@@ -432,8 +433,12 @@ impl Driver {
         };
         let msg = match frame.body {
             wire::Body::Hello => {
-                if let Err(e) = self.shared.peers.hello(peer) {
-                    self.drop_frame(now, peer, &e);
+                // The first HELLO of a compatible peer since its load is answered once: its
+                // copy of ours may have been evicted from its bounded hints.
+                if let Hello::First { answer: true } = self.shared.peers.hello(peer) {
+                    if let Err(e) = self.control.send(peer, &wire::encode_hello(self.session)) {
+                        tracing::debug!(peer, error = %e, "answering a HELLO failed");
+                    }
                 }
                 return;
             }
@@ -531,7 +536,7 @@ impl Driver {
         let Some(name) = self.shared.peers.name(peer) else { return };
         let bytes = Frame { session: self.session, msg }.to_vec();
         if let Err(e) = self.control.send(&name, &bytes) {
-            self.send_failed(&name, &e);
+            self.send_failed(peer, &name, &e);
         }
     }
 
@@ -540,14 +545,22 @@ impl Driver {
         let Some(name) = self.shared.peers.name(peer) else { return };
         let bytes = wire::ControlFrame { session: self.session, body }.to_vec();
         if let Err(e) = self.control.send(&name, &bytes) {
-            self.send_failed(&name, &e);
+            self.send_failed(peer, &name, &e);
         }
     }
 
-    fn send_failed(&mut self, peer: &str, e: &ControlError) {
+    fn send_failed(&mut self, id: PeerId, peer: &str, e: &ControlError) {
         if self.warn_budget.allow(Instant::now()) {
-            // The transfer this belonged to will time out; never block the reactor.
+            // The transfer this belonged to fails by the liveness probe or times out; never
+            // block the reactor.
             tracing::warn!(peer, error = %e, "sending a control frame failed");
+        }
+        // UCX fails a send with ERR_REMOTE_DISCONNECT only once the peer's endpoint has failed
+        // (measured: a SIGKILLed receiver's first PING, 250 ms after its last frame, already
+        // failed so): nothing sent to it can arrive any more, so its transfers need not wait for
+        // the probe's verdict.
+        if matches!(e, ControlError::Notif(NixlStatus::ErrRemoteDisconnect)) {
+            self.ep.handle_peer_unreachable(Instant::now(), id);
         }
     }
 
