@@ -107,9 +107,16 @@ impl Receiver {
         self.flows.len()
     }
 
-    /// Adds the peers whose flows we track (the liveness probe watches them).
+    /// Adds the peers whose flows we track (the liveness probe watches them). Runs after every
+    /// input, so it visits one flow per peer (flows are ordered by peer), not every flow: a
+    /// peer with thousands of flows costs one lookup.
     pub(crate) fn peers_waited_on(&self, out: &mut std::collections::BTreeSet<PeerId>) {
-        out.extend(self.flows.keys().map(|k| k.peer));
+        let mut from = FlowKey { peer: PeerId(0), xfer: crate::types::XferId(0) };
+        while let Some(k) = self.flows.range(from..).next().map(|(k, _)| *k) {
+            out.insert(k.peer);
+            let Some(next) = k.peer.0.checked_add(1) else { break };
+            from = FlowKey { peer: PeerId(next), xfer: crate::types::XferId(0) };
+        }
     }
 
     /// Scatter jobs emitted and not yet reported (those of reclaimed flows included).

@@ -248,3 +248,31 @@ fn a_transport_reporting_the_peer_unreachable_declares_it_dead_at_once_only_when
     assert_eq!(p.done, vec![(now, Err(XferError::PeerLost))]);
     assert_eq!((p.eps[0].stats().peers_declared_dead, p.eps[0].in_flight_xfers()), (1, 0));
 }
+
+#[test]
+fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
+    let p = Pair::new(Duration::from_micros(100));
+    let mut ep = p.eps.into_iter().next().unwrap();
+    let t = p.start;
+    // Flows from peers 3, 5 and 9 (several each), a transfer of ours to peer 1.
+    for (peer, xfers) in [(3u32, 4u64), (5, 1), (9, 7)] {
+        for x in 0..xfers {
+            let want = bounce_proto::wire::Want { xfer: XferId(x), endpoint: Vec::new(), chunks: vec![CHUNK] };
+            ep.handle_msg(t, PeerId(peer), want.into()).unwrap();
+        }
+    }
+    let descs = [DescPair { src: SRC, dst: DST, len: CHUNK }];
+    ep.submit(t, X, PeerId(1), plan::plan(&descs, PlanParams::new(CHUNK)).unwrap()).unwrap();
+    while ep.poll_action().is_some() {}
+    let probe = Duration::from_millis(250);
+    assert_eq!(ep.poll_timeout(), Some(t + probe));
+    ep.handle_timeout(t + probe);
+    let mut pinged: Vec<u32> = std::iter::from_fn(|| ep.poll_action())
+        .filter_map(|a| match a {
+            Action::Link { peer, body: bounce_proto::wire::Body::Ping { .. } } => Some(peer.0),
+            _ => None,
+        })
+        .collect();
+    pinged.sort();
+    assert_eq!(pinged, vec![1, 3, 5, 9]);
+}
