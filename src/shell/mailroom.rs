@@ -26,13 +26,21 @@ const MAX_QUEUED_CONTROL: usize = 1 << 16;
 /// longest legal size.
 const MAX_QUEUED_CONTROL_BYTES: usize = 256 << 20;
 
+/// Control frames `(sender, frame)` waiting for the reactor, in arrival order, and their total
+/// bytes (for [`MAX_QUEUED_CONTROL_BYTES`]).
+#[derive(Default)]
+struct ControlQueue {
+    frames: VecDeque<(String, Vec<u8>)>,
+    bytes: usize,
+}
+
 /// The sorting point for inner-engine notifications.
 pub(crate) struct Mailroom {
     /// The application's notifications, in arrival order. Held while pulling, so two threads'
     /// pulls cannot overtake each other on the way in.
     app: Mutex<VecDeque<Notif>>,
-    /// Control frames for the UCX control channel, in arrival order, and their total bytes.
-    control: Mutex<(VecDeque<(String, Vec<u8>)>, usize)>,
+    /// Control frames for the UCX control channel.
+    control: Mutex<ControlQueue>,
     /// True while a reactor reads control frames from UCX (`bounce_control=ucx`); otherwise
     /// control frames arriving over UCX are dropped and counted.
     accepts_control: AtomicBool,
@@ -46,7 +54,7 @@ impl Mailroom {
     pub(crate) fn new(stats: Arc<Stats>) -> Self {
         Self {
             app: Mutex::new(VecDeque::new()),
-            control: Mutex::new((VecDeque::new(), 0)),
+            control: Mutex::new(ControlQueue::default()),
             accepts_control: AtomicBool::new(false),
             reactor: Mutex::new(None),
             stats,
@@ -84,11 +92,10 @@ impl Mailroom {
             let accepted = self.accepts_control.load(Ordering::Acquire) && n.msg.len() <= wire::MAX_FRAME_LEN;
             match (accepted, String::from_utf8(n.agent)) {
                 (true, Ok(agent)) => {
-                    let mut c = self.control.lock();
-                    let (q, bytes) = &mut *c;
-                    if q.len() < MAX_QUEUED_CONTROL && *bytes + n.msg.len() <= MAX_QUEUED_CONTROL_BYTES {
-                        *bytes += n.msg.len();
-                        q.push_back((agent, n.msg));
+                    let mut q = self.control.lock();
+                    if q.frames.len() < MAX_QUEUED_CONTROL && q.bytes + n.msg.len() <= MAX_QUEUED_CONTROL_BYTES {
+                        q.bytes += n.msg.len();
+                        q.frames.push_back((agent, n.msg));
                         queued = true;
                     } else {
                         Stats::bump(&self.stats.control_dropped);
@@ -111,13 +118,11 @@ impl Mailroom {
 
     /// Moves up to `budget` control frames to `out`; returns how many.
     pub(crate) fn take_control(&self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
-        let mut c = self.control.lock();
-        let (q, bytes) = &mut *c;
-        let n = budget.min(q.len());
-        for f in q.drain(..n) {
-            *bytes -= f.1.len();
-            out.push(f);
-        }
+        let mut q = self.control.lock();
+        let n = budget.min(q.frames.len());
+        let taken: usize = q.frames.iter().take(n).map(|f| f.1.len()).sum();
+        q.bytes -= taken;
+        out.extend(q.frames.drain(..n));
         n
     }
 }
@@ -163,20 +168,20 @@ mod tests {
         let mut huge = wire::encode_hello(1);
         huge.resize(wire::MAX_FRAME_LEN + 1, 0);
         m.sort(&mut app, vec![notif(b"p", &huge)]);
-        assert_eq!((dropped(), m.control.lock().0.len()), (1, 0));
+        assert_eq!((dropped(), m.control.lock().frames.len()), (1, 0));
         // 16 MiB frames: the byte bound stops them long before the frame count does.
         let mut big = wire::encode_hello(1);
         big.resize(16 << 20, 0);
         m.sort(&mut app, (0..20).map(|_| notif(b"p", &big)).collect());
         let fits = MAX_QUEUED_CONTROL_BYTES / big.len();
-        assert_eq!((m.control.lock().0.len(), dropped()), (fits, 1 + (20 - fits) as u64));
+        assert_eq!((m.control.lock().frames.len(), dropped()), (fits, 1 + (20 - fits) as u64));
         // Small frames: the frame count bounds them.
         let hello = wire::encode_hello(1);
         let mut out = Vec::new();
         m.take_control(usize::MAX, &mut out);
-        assert_eq!(m.control.lock().1, 0, "draining gives the bytes back");
+        assert_eq!(m.control.lock().bytes, 0, "draining gives the bytes back");
         m.sort(&mut app, (0..MAX_QUEUED_CONTROL + 5).map(|_| notif(b"p", &hello)).collect());
-        assert_eq!(m.control.lock().0.len(), MAX_QUEUED_CONTROL);
+        assert_eq!(m.control.lock().frames.len(), MAX_QUEUED_CONTROL);
         assert_eq!(dropped(), 1 + (20 - fits) as u64 + 5);
     }
 }
