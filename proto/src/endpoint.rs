@@ -197,7 +197,9 @@ impl Endpoint {
     /// A PONG from `from` (already admitted by the peer rules): a sign of life when it echoes
     /// one of our recent PINGs to it, else ignored.
     pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) {
-        if self.liveness.handle_pong(now, from, nonce) {
+        let answered = self.liveness.handle_pong(now, from, nonce);
+        trace!(peer = from.0, nonce, answered, "pong");
+        if answered {
             self.stats.pongs_received += 1;
         }
     }

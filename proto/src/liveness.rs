@@ -5,9 +5,10 @@
 //! writes into us):
 //! - Quiet time is measured from the later of its last sign of life and the moment we began
 //!   waiting on it (a peer idle for an hour before a new transfer is not suspect at once).
-//! - Any admitted frame from it is a sign of life; so is a PONG echoing one of the nonces of our
-//!   PINGs since its last sign of life (a PONG with another nonce is ignored: it cannot have
-//!   been made without seeing our PING).
+//! - Any admitted frame from it is a sign of life; so is a PONG echoing the nonce of one of our
+//!   last PINGs to it (a PONG with another nonce is ignored: it cannot have been made without
+//!   seeing our PING). A PONG that arrives after another frame already proved the peer alive
+//!   (two peers probing each other cross their PINGs) still counts as answered.
 //! - Quiet for [`LivenessConfig::probe_after`]: it gets a PING, and another after each further
 //!   `probe_after` of quiet (a modest rate: four a second at the default).
 //! - No sign of life for [`LivenessConfig::dead_after`] after the first unanswered PING: the
@@ -27,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use crate::types::PeerId;
 
-/// PINGs remembered per peer while it stays silent; older nonces are forgotten (their PONGs
-/// no longer count, but the later PINGs' do).
+/// PING nonces remembered per peer; older ones are forgotten (their PONGs no longer count, but
+/// the later PINGs' do).
 const MAX_OUTSTANDING: usize = 16;
 
 /// The probe's timings (`bounce_probe_after_ms`, `bounce_peer_dead_after_ms`).
@@ -65,7 +66,7 @@ struct Watch {
     first_ping: Option<Instant>,
     /// When the next PING is due.
     next_ping: Instant,
-    /// Nonces of the PINGs of this quiet time (newest last, at most [`MAX_OUTSTANDING`]).
+    /// Nonces of our last PINGs (newest last, at most [`MAX_OUTSTANDING`]).
     outstanding: Vec<u64>,
 }
 
@@ -121,10 +122,12 @@ impl Liveness {
         }
     }
 
-    /// A frame from `peer` was admitted: it is alive.
+    /// A frame from `peer` was admitted: it is alive. Its quiet time starts again; the nonces
+    /// of our last PINGs stay valid for their PONGs.
     pub fn heard(&mut self, now: Instant, peer: PeerId) {
         if let Some(w) = self.watched.get_mut(&peer) {
-            *w = Watch::new(now, self.cfg.probe_after);
+            w.first_ping = None;
+            w.next_ping = now + self.cfg.probe_after;
         }
     }
 
@@ -280,6 +283,19 @@ mod tests {
         let v = l.handle_timeout(later);
         assert_eq!(v.dead, vec![PeerId(2)]);
         assert_eq!(l.watched(), 1);
+    }
+
+    #[test]
+    fn crossed_pings_still_count_the_pong_as_answered() {
+        let mut l = live();
+        let t = Instant::now();
+        l.watch(t, &peers(&[1]));
+        let v = l.handle_timeout(t + PROBE);
+        let nonce = v.pings[0].1;
+        // The peer's own PING arrives first (a sign of life), then its PONG to ours.
+        l.heard(t + PROBE, PeerId(1));
+        assert!(l.handle_pong(t + PROBE, PeerId(1), nonce));
+        assert_eq!(l.next_timeout(), Some(t + PROBE * 2));
     }
 
     #[test]

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import nixlkit
+from conftest import cannot_run
 from test_failures import ZMQ, connect, dump, post, procs, resolve, stats  # noqa: F401 (fixture)
 
 KILL_BOUND_S = 2.0
@@ -58,11 +59,11 @@ def test_receiver_killed_mid_write_fails_the_initiator_within_2_s(procs, control
     assert _sum(before, after, "bounce_failed") == 1 and _sum(before, after, "bounce_ok") == 0
 
 
-def _freeze_threads(pid, prefix, seconds, frozen):
+def _freeze_threads(pid, prefix, seconds, frozen, errors):
     """Stops the threads of process `pid` whose name starts with `prefix` for `seconds` (ptrace
     stops single threads; SIGSTOP would stop the whole process, reactor included), then lets
     them go. Runs in its own thread: only the tracing thread may detach. Appends the frozen
-    thread ids to `frozen` once they are all stopped."""
+    thread ids to `frozen` once they are all stopped, or the error to `errors`."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
     tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")
@@ -78,6 +79,8 @@ def _freeze_threads(pid, prefix, seconds, frozen):
             os.waitpid(tid, WALL)
         frozen.extend(stopped)
         time.sleep(seconds)
+    except OSError as e:
+        errors.append(e)
     finally:
         for tid in stopped:
             libc.ptrace(PTRACE_DETACH, tid, None, None)
@@ -91,16 +94,19 @@ def test_receiver_whose_copies_stall_3_s_answers_pings_and_is_not_failed_early(p
     p = procs()
     meta, raddr = p.start(name="live-slow", size=lay.dst_bytes, seed=43)
     connect(ag, p, meta)
-    before, peer_before = stats(ag), None
+    before = stats(ag)
     # The receiver's copy workers stop for 3 s before the WRITE: nothing is scattered or
     # acknowledged meanwhile, but its reactor runs and answers PINGs.
-    frozen = []
-    t = threading.Thread(target=_freeze_threads, args=(p.proc.pid, "bounce-copy", FREEZE_S, frozen))
+    frozen, errors = [], []
+    t = threading.Thread(target=_freeze_threads, args=(p.proc.pid, "bounce-copy", FREEZE_S, frozen, errors))
     t.start()
     end = time.monotonic() + 5
-    while not frozen and time.monotonic() < end:
+    while not frozen and not errors and time.monotonic() < end:
         time.sleep(0.01)
-    assert frozen, "could not stop the receiver's copy workers (ptrace refused?)"
+    if errors:
+        t.join()
+        cannot_run(f"ptrace cannot stop the receiver's copy threads here: {errors[0]}")
+    assert frozen, "the receiver's copy workers did not stop"
     t0 = time.monotonic()
     h = post(ag, "live-slow", lay, src, raddr)
     state, _ = resolve(ag, h, 40)
