@@ -163,7 +163,7 @@ proptest! {
         bytes in prop_oneof![
             mutated(arb_frame().prop_map(|f| f.to_vec())),
             prop::collection::vec(any::<u8>(), 0..64),
-            (1..=5u8, prop::collection::vec(any::<u8>(), 0..64))
+            (1..=8u8, prop::collection::vec(any::<u8>(), 0..64))
                 .prop_map(|(kind, body)| frame_bytes(kind, &body)),
             // Exactly an ACK's length with a near-valid status tag: these often decode.
             (prop::collection::vec(any::<u8>(), 28), 0..8u8).prop_map(|(mut b, tag)| {
