@@ -163,7 +163,7 @@ impl Seen {
                 Action::Send { peer, msg: Msg::Grant(g) } => {
                     self.credits.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk, c.region)));
                 }
-                Action::Send { .. } => {}
+                Action::Send { .. } | Action::Link { .. } => {}
             }
         }
     }

@@ -50,6 +50,11 @@ pub struct Config {
     pub max_average_descriptor_size: u64,
     /// No-progress timeout of a bounced transfer (`bounce_request_timeout_ms`).
     pub request_timeout: Duration,
+    /// Quiet time of a waited-on peer before it is PINGed (`bounce_probe_after_ms`).
+    pub probe_after: Duration,
+    /// No sign of life this long after the first unanswered PING: the peer is dead; zero turns
+    /// probing off (`bounce_peer_dead_after_ms`).
+    pub peer_dead_after: Duration,
     /// Gather before the receiver's grant arrives (`bounce_eager_gather`).
     pub eager_gather: bool,
     /// Control channel kind; must match the peer's (`bounce_control`).
@@ -404,6 +409,8 @@ impl Config {
             min_descriptor_count: u64_of("bounce_min_descriptor_count")?,
             max_average_descriptor_size: u64_of("bounce_max_average_descriptor_size")?,
             request_timeout: Duration::from_millis(u64_of("bounce_request_timeout_ms")?),
+            probe_after: Duration::from_millis(u64_of("bounce_probe_after_ms")?),
+            peer_dead_after: Duration::from_millis(u64_of("bounce_peer_dead_after_ms")?),
             eager_gather: boolean("bounce_eager_gather")?,
             control,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
@@ -719,6 +726,8 @@ mod tests {
             ("bounce_min_descriptor_count", "1024"),
             ("bounce_max_average_descriptor_size", "16K"),
             ("bounce_request_timeout_ms", "1500"),
+            ("bounce_probe_after_ms", "100"),
+            ("bounce_peer_dead_after_ms", "0"),
             ("bounce_eager_gather", "no"),
             ("bounce_control", "ZMQ"),
             ("bounce_scatter_run_merging", "0"),
@@ -743,6 +752,8 @@ mod tests {
             min_descriptor_count: 1024,
             max_average_descriptor_size: 16 * KIB,
             request_timeout: Duration::from_millis(1500),
+            probe_after: Duration::from_millis(100),
+            peer_dead_after: Duration::ZERO,
             eager_gather: false,
             control: ControlKind::Zmq,
             scatter_run_merging: false,

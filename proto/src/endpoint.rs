@@ -8,7 +8,7 @@
 //! the clock: the shell performs the actions, reports their completion back through the
 //! `handle_*_done` methods, and passes `now` into every call.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
 use thiserror::Error;
@@ -18,7 +18,8 @@ use crate::config::{Config, ConfigError};
 use crate::event::Ctx;
 // The shared event types live in `event`; re-exported here, where the shell has always found them.
 pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
-use crate::peers::{Admitted, FrameRefused, PeerTable};
+use crate::liveness::{Liveness, LivenessConfig};
+use crate::peers::{Admitted, FrameRefused, Hello, PeerTable};
 use crate::plan::Plan;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
@@ -87,6 +88,9 @@ pub struct Endpoint {
     next_job: u64,
     stats: Stats,
     peers: PeerTable,
+    liveness: Liveness,
+    /// Scratch: the peers waited on, rebuilt after every input for the liveness probe.
+    waited: BTreeSet<PeerId>,
 }
 
 impl Endpoint {
@@ -108,6 +112,11 @@ impl Endpoint {
             next_job: 0,
             stats: Stats::default(),
             peers: PeerTable::new(),
+            liveness: Liveness::new(LivenessConfig {
+                probe_after: config.probe_after,
+                dead_after: config.peer_dead_after,
+            }),
+            waited: BTreeSet::new(),
         })
     }
 
@@ -127,6 +136,12 @@ impl Endpoint {
     pub fn cancel(&mut self, now: Instant, xfer: XferId) {
         self.sender.cancel(&mut ctx!(self, now), xfer);
         self.pump(now);
+    }
+
+    /// Sets the secret the liveness probe's PING nonces derive from; the shell draws it at
+    /// random once, so a PONG cannot be forged without seeing our PING.
+    pub fn set_probe_seed(&mut self, seed: u64) {
+        self.liveness.set_seed(seed);
     }
 
     /// Sets the control endpoint carried in every WANT (the receiver's reverse path).
@@ -154,6 +169,8 @@ impl Endpoint {
     /// invalid DATA was refused and its flow reclaimed). Log it; the endpoint stays usable.
     pub fn handle_msg(&mut self, now: Instant, from: PeerId, msg: wire::Msg) -> Result<(), ProtocolError> {
         trace!(peer = from.0, xfer = msg.xfer().0, kind = msg.kind_name(), "recv");
+        // Any admitted message is a sign of life, valid or not: only a live peer sends.
+        self.liveness.heard(now, from);
         let mut ctx = ctx!(self, now);
         let r = match msg {
             wire::Msg::Want(m) => self.receiver.handle_want(&mut ctx, from, m),
@@ -168,6 +185,23 @@ impl Endpoint {
         }
         self.pump(now);
         r
+    }
+
+    /// A PING from `from` (already admitted by the peer rules): it is alive, and it gets a PONG
+    /// echoing `nonce`.
+    pub fn handle_ping(&mut self, now: Instant, from: PeerId, nonce: u64) {
+        self.liveness.heard(now, from);
+        self.out.push_back(Action::Link { peer: from, body: wire::Body::Pong { nonce } });
+    }
+
+    /// A PONG from `from` (already admitted by the peer rules): a sign of life when it echoes
+    /// one of our recent PINGs to it, else ignored.
+    pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) {
+        let answered = self.liveness.handle_pong(now, from, nonce);
+        trace!(peer = from.0, nonce, answered, "pong");
+        if answered {
+            self.stats.pongs_received += 1;
+        }
     }
 
     /// Handles one raw control frame from the agent `name`: decodes it, applies the peer rules
@@ -192,7 +226,26 @@ impl Endpoint {
     fn admit_frame(&mut self, now: Instant, name: &str, bytes: &[u8]) -> Result<(), FrameRefused> {
         let frame = wire::ControlFrame::decode(bytes)?;
         let msg = match frame.body {
-            wire::Body::Hello => return self.peers.hello(name),
+            wire::Body::Hello => {
+                // The first HELLO of a compatible peer since its load is answered once: its
+                // copy of ours may have been an evicted hint (see `PeerTable::hello`).
+                if let Hello::First { answer: true } = self.peers.hello(name) {
+                    if let Some(peer) = self.peers.lookup(name) {
+                        self.out.push_back(Action::Link { peer, body: wire::Body::Hello });
+                    }
+                }
+                return Ok(());
+            }
+            wire::Body::Ping { nonce } => {
+                let Admitted { peer, .. } = self.peers.admit(name, frame.session, false)?;
+                self.handle_ping(now, peer, nonce);
+                return Ok(());
+            }
+            wire::Body::Pong { nonce } => {
+                let Admitted { peer, .. } = self.peers.admit(name, frame.session, false)?;
+                self.handle_pong(now, peer, nonce);
+                return Ok(());
+            }
             wire::Body::Msg(msg) => msg,
         };
         let is_want = matches!(msg, wire::Msg::Want(_));
@@ -241,12 +294,46 @@ impl Endpoint {
     }
 
     /// Fires the timers due at `now`: stalled transfers fail with [`XferError::Timeout`], silent
-    /// remote flows are reclaimed. Spurious or early calls are harmless.
+    /// remote flows are reclaimed, silent peers we wait on are PINGed, and a peer that answered
+    /// no PING for the probe's bound is declared dead: its transfers fail with
+    /// [`XferError::PeerLost`] and its flows are reclaimed, as in
+    /// [`handle_peer_lost`](Self::handle_peer_lost). Spurious or early calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
         let mut ctx = ctx!(self, now);
         self.sender.handle_timeout(&mut ctx);
         self.receiver.handle_timeout(&mut ctx);
+        self.watch_waited(now);
+        let verdicts = self.liveness.handle_timeout(now);
+        for (peer, nonce) in verdicts.pings {
+            self.stats.pings_sent += 1;
+            trace!(peer = peer.0, nonce, "ping");
+            self.out.push_back(Action::Link { peer, body: wire::Body::Ping { nonce } });
+        }
+        for peer in verdicts.dead {
+            debug!(peer = peer.0, "no sign of life after PINGs: peer declared dead");
+            self.declare_dead(now, peer);
+        }
         self.pump(now);
+    }
+
+    /// The transport says `peer` is gone for good (UCX refused a send to it with
+    /// `ERR_REMOTE_DISCONNECT`: its endpoint failed): when we wait on it, it is declared dead at
+    /// once, as the liveness probe would have done later. Otherwise nothing happens.
+    pub fn handle_peer_unreachable(&mut self, now: Instant, peer: PeerId) {
+        self.watch_waited(now);
+        if self.waited.contains(&peer) {
+            debug!(peer = peer.0, "the transport reports the peer unreachable: peer declared dead");
+            self.declare_dead(now, peer);
+            self.pump(now);
+        }
+    }
+
+    /// Fails `peer`'s transfers as lost and reclaims its flows, counted as a death.
+    fn declare_dead(&mut self, now: Instant, peer: PeerId) {
+        self.stats.peers_declared_dead += 1;
+        let mut ctx = ctx!(self, now);
+        self.sender.handle_peer_lost(&mut ctx, peer);
+        self.receiver.handle_peer_lost(&mut ctx, peer);
     }
 
     /// Fails every transfer with [`XferError::ShuttingDown`] (cancels are still queued for the
@@ -269,10 +356,10 @@ impl Endpoint {
     /// early (the call is then a no-op); it is never late.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
-        match (self.sender.next_timeout(), self.receiver.next_timeout()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Transfers submitted and not yet completed.
@@ -353,6 +440,15 @@ impl Endpoint {
         if !grants.is_empty() {
             self.receiver.emit_grants(&mut ctx, grants);
         }
+        self.watch_waited(now);
+    }
+
+    /// Tells the liveness probe which peers we wait on now (transfers to them, flows from them).
+    fn watch_waited(&mut self, now: Instant) {
+        self.waited.clear();
+        self.sender.peers_waited_on(&mut self.waited);
+        self.receiver.peers_waited_on(&mut self.waited);
+        self.liveness.watch(now, &self.waited);
     }
 }
 
@@ -378,7 +474,8 @@ pub(crate) mod tests {
     pub(crate) const PEER: PeerId = PeerId(7);
     pub(crate) const X: XferId = XferId(1);
 
-    /// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout.
+    /// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout, no liveness probe (its timers
+    /// would interleave with the ones these tests pin; tests/liveness.rs covers it).
     pub(crate) fn config(arena: u64, w: u32, eager: bool) -> Config {
         let c = Config {
             arena_size: arena,
@@ -387,6 +484,7 @@ pub(crate) mod tests {
             max_inflight_chunks: w,
             eager_gather: eager,
             request_timeout: TIMEOUT,
+            peer_dead_after: Duration::ZERO,
             ..Config::default()
         };
         c.validate().unwrap();
@@ -573,17 +671,41 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_hello_flood_from_invented_names_is_bounded() {
-        let (mut ep, t, _) = with_loaded("a");
+    fn a_hello_flood_from_invented_names_cannot_lock_a_real_peer_out() {
+        use crate::peers::MAX_HELLO_HINTS;
+        let (mut ep, t) = endpoint(32 * KIB, 2, false);
         let hello = wire::encode_hello(1);
-        for i in 0..crate::peers::MAX_REACHABLE - 1 {
+        // The real peer's HELLO comes before we load it, then thousands of invented names.
+        ep.handle_frame(t, "a", &hello).unwrap();
+        for i in 0..4 * MAX_HELLO_HINTS {
             ep.handle_frame(t, &format!("invented-{i}"), &hello).unwrap();
         }
-        assert_eq!(ep.handle_frame(t, "a", &hello), Ok(()));
-        assert_eq!(ep.handle_frame(t, "invented-x", &hello), Err(FrameRefused::HelloFlood));
-        assert_eq!(ep.stats().frames_refused, 1);
-        assert!(ep.peers().is_reachable("a") && !ep.peers().is_reachable("invented-x"));
-        assert!(drain(&mut ep).is_empty());
+        assert_eq!(ep.peers().hints(), MAX_HELLO_HINTS, "bounded");
+        assert!(!ep.peers().is_reachable("a"), "its hint was evicted");
+        assert!(drain(&mut ep).is_empty() && ep.stats().frames_refused == 0);
+        let caps = wire::Capabilities {
+            wire_version: wire::WIRE_VERSION.into(),
+            control: crate::types::ControlKind::Ucx,
+            mem: crate::types::MemKind::Dram,
+            arena_base: 0,
+            arena_len: 32 * KIB,
+            arena_dev: 0,
+            usable_capacity: 32 * KIB,
+            max_chunk: CHUNK,
+            session: 1,
+            arena_key: vec![1],
+            endpoint: Vec::new(),
+        };
+        ep.peers_mut().load_conn_info("a", Some(caps.clone()), Some(&caps));
+        ep.peers_mut().arena_loaded("a", true);
+        let id = ep.peers().lookup("a").unwrap();
+        // Our HELLO on load makes it say HELLO again: recorded, and answered once, so that it
+        // records ours even if its own hint of it was evicted the same way.
+        ep.handle_frame(t, "a", &hello).unwrap();
+        assert_eq!(drain(&mut ep), vec![Action::Link { peer: id, body: wire::Body::Hello }]);
+        assert!(ep.peers().can_bounce("a"));
+        ep.handle_frame(t, "a", &hello).unwrap();
+        assert!(drain(&mut ep).is_empty(), "a repeat is not answered: no HELLO ping-pong");
         // Loss forgets the peer's HELLO: it must say HELLO again before we bounce to it.
         ep.handle_agent_lost(t, "a");
         assert!(!ep.peers().is_reachable("a") && !ep.peers().is_loaded("a"));
@@ -706,6 +828,14 @@ pub(crate) mod tests {
                         }
                     }
                     self.eps[me].handle_scatter_done(now, job, true);
+                }
+                Action::Link { peer: p, body } => {
+                    assert_eq!(p.0 as usize, peer);
+                    match body {
+                        wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u32), nonce),
+                        wire::Body::Pong { nonce } => self.eps[peer].handle_pong(now, PeerId(me as u32), nonce),
+                        other => panic!("unexpected link frame {other:?}"),
+                    }
                 }
                 Action::Complete { xfer, outcome } => self.done.push((me, xfer, outcome)),
             }

@@ -83,6 +83,15 @@ pub enum Action {
         /// Copies region -> destination; `addr` is the destination address.
         runs: Vec<CopyRun>,
     },
+    /// Send a link-level frame (a PING or PONG of the liveness probe) to `peer`; the shell wraps
+    /// `body` into a [`wire::ControlFrame`] with its session. No transfer depends on its
+    /// delivery: a lost PING is followed by another.
+    Link {
+        /// Destination peer.
+        peer: PeerId,
+        /// What to send.
+        body: wire::Body,
+    },
     /// A submitted transfer ended; emitted exactly once per successfully submitted transfer.
     Complete {
         /// The transfer.
@@ -383,6 +392,12 @@ pub struct Stats {
     /// Control frames refused by the peer rules or the decoder
     /// ([`crate::peers::FrameRefused`] other than a protocol error).
     pub frames_refused: u64,
+    /// PINGs sent to silent peers we wait on ([`crate::liveness`]).
+    pub pings_sent: u64,
+    /// PONGs that answered one of our PINGs.
+    pub pongs_received: u64,
+    /// Peers declared dead by the liveness probe (their transfers failed as lost).
+    pub peers_declared_dead: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

@@ -19,6 +19,7 @@
 //! - `timer`: the deadline set both roles arm (one timer per transfer or remote flow).
 //! - [`event`]: the types the endpoint and both roles share (actions, job ids, errors, stats).
 //! - [`sender`] / [`receiver`]: the two role state machines.
+//! - [`liveness`]: the probe that declares a silent peer we wait on dead (PING/PONG timings).
 //! - [`peers`]: the peer table (loaded connection info and capabilities, session, HELLO) and its
 //!   frame-admission and credit-bounds rules.
 //! - [`gate`]: the routing gate (bounce or pass through, and why) and direct-write coverage.
@@ -34,6 +35,7 @@ pub mod config;
 pub mod endpoint;
 pub mod event;
 pub mod gate;
+pub mod liveness;
 pub mod mailbox;
 pub mod manifest;
 pub mod peers;

@@ -7,9 +7,12 @@
 //! inner engine, the session (instance nonce) its frames carry, and whether it said HELLO.
 //!
 //! Rules (as the IO shell applied them before they moved here):
-//! - A HELLO is recorded even before the peer is loaded (the two loads race), but at most
-//!   [`MAX_REACHABLE`] names are recorded unless the name is loaded: a flood of invented names
-//!   cannot grow the table without limit.
+//! - A HELLO from a loaded peer is recorded on it. A HELLO from a name not loaded (the two
+//!   loads race) is only a hint, kept among the last [`MAX_HELLO_HINTS`] such names (the oldest
+//!   is evicted): invented names cannot grow memory, and however many there are they cannot
+//!   lock a real peer out. A hint counts as that peer's HELLO once it is loaded. The first HELLO
+//!   of a loaded, compatible peer since its load is answered once with ours
+//!   ([`Hello::First`]), so a peer whose early HELLO was evicted still learns we can answer.
 //! - The first session seen from a peer is recorded. A WANT with another session means the
 //!   peer restarted under the same name: its old state is void ([`Admitted::restarted`]: the
 //!   endpoint reclaims it) and the new session is recorded. Any other frame with another session
@@ -23,15 +26,15 @@
 //! Pure bookkeeping: the endpoint feeds it frames ([`crate::endpoint::Endpoint::handle_frame`]),
 //! the shell feeds it the loads and losses that NIXL reports.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use thiserror::Error;
 
 use crate::types::{PeerId, Region};
 use crate::wire::{Capabilities, Incompatible, WireError};
 
-/// Most agent names recorded as reachable (HELLO) before their connection info is loaded.
-pub const MAX_REACHABLE: usize = 1024;
+/// Most names not loaded whose HELLO is kept as a hint (the oldest is evicted beyond).
+pub const MAX_HELLO_HINTS: usize = 1024;
 
 /// Why a control frame was refused. It was dropped and changed nothing else.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -40,9 +43,6 @@ pub enum FrameRefused {
     /// The bytes are no control frame of our wire version.
     #[error("malformed control frame: {0}")]
     Malformed(#[from] WireError),
-    /// A HELLO from a name not loaded, with [`MAX_REACHABLE`] names already recorded.
-    #[error("HELLO from an unknown agent beyond the limit of {MAX_REACHABLE}")]
-    HelloFlood,
     /// A frame other than WANT whose session differs from the peer's recorded one: from a dead
     /// earlier incarnation, or a replay.
     #[error("stale session {got:#x} (the peer's is {current:#x})")]
@@ -69,6 +69,24 @@ pub struct Admitted {
     /// The frame is a WANT with a new session: the peer restarted, and everything of its old
     /// incarnation must be reclaimed (as for a lost peer) before the message is handled.
     pub restarted: bool,
+}
+
+/// What a HELLO changed (see [`PeerTable::hello`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Hello {
+    /// From a name not loaded: kept as a hint, the oldest hint evicted beyond
+    /// [`MAX_HELLO_HINTS`].
+    Hint,
+    /// From a loaded peer that already said HELLO since its load: nothing new.
+    Repeat,
+    /// The first HELLO of a loaded peer since its load: it may now be bounced to. When `answer`
+    /// (it is compatible), reply once with our own HELLO: its copy of ours may have been an
+    /// evicted hint.
+    First {
+        /// Send our HELLO back.
+        answer: bool,
+    },
 }
 
 /// What loading a peer's connection info decided.
@@ -126,8 +144,10 @@ struct Peer {
 pub struct PeerTable {
     by_name: BTreeMap<String, Peer>,
     names: BTreeMap<PeerId, String>,
-    /// Names with `hello` set, for the [`MAX_REACHABLE`] bound.
-    reachable: usize,
+    /// Names not loaded that said HELLO, oldest first (at most [`MAX_HELLO_HINTS`]).
+    hints: VecDeque<String>,
+    /// The same names, for lookup.
+    hinted: BTreeSet<String>,
     next_id: u32,
 }
 
@@ -163,7 +183,14 @@ impl PeerTable {
             },
             _ => (None, Loaded::NoCapabilities),
         };
-        self.entry(name).conn = Some(caps);
+        // A HELLO that came before the load counts now.
+        let hinted = self.hinted.remove(name);
+        if hinted {
+            self.hints.retain(|n| n != name);
+        }
+        let p = self.entry(name);
+        p.conn = Some(caps);
+        p.hello |= hinted;
         loaded
     }
 
@@ -185,9 +212,14 @@ impl PeerTable {
         self.by_name.get(name).is_some_and(|p| p.conn.is_some())
     }
 
-    /// True when `name` said HELLO.
+    /// True when `name` said HELLO (since its load, or as a hint while not loaded).
     pub fn is_reachable(&self, name: &str) -> bool {
-        self.by_name.get(name).is_some_and(|p| p.hello)
+        self.by_name.get(name).is_some_and(|p| p.hello) || self.hinted.contains(name)
+    }
+
+    /// Names not loaded whose HELLO is kept as a hint.
+    pub fn hints(&self) -> usize {
+        self.hints.len()
     }
 
     /// Whether transfers to `name` may take the bounce path: loaded, compatible, its arena
@@ -206,21 +238,29 @@ impl PeerTable {
         self.by_name.get(name)?.session
     }
 
-    /// A HELLO from `name`: recorded, unless the name is not loaded and [`MAX_REACHABLE`]
-    /// names are already recorded.
-    ///
-    /// # Errors
-    /// [`FrameRefused::HelloFlood`]; nothing was recorded.
-    pub fn hello(&mut self, name: &str) -> Result<(), FrameRefused> {
-        match self.by_name.get(name) {
-            Some(p) if p.hello => return Ok(()),
-            Some(p) if p.conn.is_some() => {}
-            _ if self.reachable < MAX_REACHABLE => {}
-            _ => return Err(FrameRefused::HelloFlood),
+    /// A HELLO from `name`: recorded on a loaded peer, else kept as a hint (see [`Hello`]).
+    /// Never refused: the hints are bounded by eviction, loaded peers by NIXL's loads.
+    pub fn hello(&mut self, name: &str) -> Hello {
+        match self.by_name.get_mut(name) {
+            Some(p) if p.conn.is_some() => {
+                if p.hello {
+                    return Hello::Repeat;
+                }
+                p.hello = true;
+                Hello::First { answer: matches!(p.conn, Some(Some(_))) }
+            }
+            _ => {
+                if self.hinted.insert(name.to_owned()) {
+                    self.hints.push_back(name.to_owned());
+                    if self.hints.len() > MAX_HELLO_HINTS {
+                        if let Some(old) = self.hints.pop_front() {
+                            self.hinted.remove(&old);
+                        }
+                    }
+                }
+                Hello::Hint
+            }
         }
-        self.entry(name).hello = true;
-        self.reachable += 1;
-        Ok(())
     }
 
     /// Applies the session and loading rules to a message frame from `name` carrying `session`
@@ -256,9 +296,6 @@ impl PeerTable {
     /// forgotten and so is its session. Its id stays. Returns the id, if the name was known.
     pub fn lost(&mut self, name: &str) -> Option<PeerId> {
         let p = self.by_name.get_mut(name)?;
-        if p.hello {
-            self.reachable -= 1;
-        }
         p.conn = None;
         p.arena = false;
         p.hello = false;
@@ -323,7 +360,7 @@ mod tests {
         let mut t = PeerTable::new();
         assert_eq!(t.load_conn_info(name, Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
         t.arena_loaded(name, true);
-        t.hello(name).unwrap();
+        assert_eq!(t.hello(name), Hello::First { answer: true });
         t
     }
 
@@ -362,7 +399,7 @@ mod tests {
         let mut t = PeerTable::new();
         t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
         assert!(!t.can_bounce("a"), "no arena, no HELLO");
-        t.hello("a").unwrap();
+        assert_eq!(t.hello("a"), Hello::First { answer: true });
         assert!(!t.can_bounce("a"), "no arena");
         t.arena_loaded("a", false);
         assert!(!t.can_bounce("a"), "arena load failed");
@@ -372,10 +409,10 @@ mod tests {
         // An incompatible peer's arena never counts, whatever the shell reports.
         t.load_conn_info("b", Some(caps(8192)), Some(&caps(4096)));
         t.arena_loaded("b", true);
-        t.hello("b").unwrap();
+        assert_eq!(t.hello("b"), Hello::First { answer: false }, "no HELLO back to an incompatible peer");
         assert!(!t.can_bounce("b"));
         // HELLO without loading: reachable, but no bounce.
-        t.hello("c").unwrap();
+        assert_eq!(t.hello("c"), Hello::Hint);
         assert!(t.is_reachable("c") && !t.can_bounce("c"));
         // Loss forgets everything but the id.
         t.lost("a");
@@ -419,24 +456,41 @@ mod tests {
     }
 
     #[test]
-    fn hello_from_unknown_names_is_bounded_but_loaded_names_always_count() {
+    fn hellos_from_unknown_names_are_bounded_hints_that_cannot_lock_a_real_peer_out() {
         let mut t = PeerTable::new();
-        t.load_conn_info("loaded", None, None);
-        for i in 0..MAX_REACHABLE {
-            t.hello(&format!("stranger-{i}")).unwrap();
+        // A real peer's HELLO arrives before we load it: a hint.
+        assert_eq!(t.hello("real"), Hello::Hint);
+        assert_eq!(t.lookup("real"), None, "a hint makes no table entry, no id");
+        // Thousands of invented names follow and evict it.
+        for i in 0..4 * MAX_HELLO_HINTS {
+            assert_eq!(t.hello(&format!("stranger-{i}")), Hello::Hint);
         }
-        assert_eq!(t.hello("one-too-many"), Err(FrameRefused::HelloFlood));
-        assert!(!t.is_reachable("one-too-many"));
-        assert_eq!(t.hello("stranger-0"), Ok(()), "a repeated HELLO is no new name");
-        assert_eq!(t.hello("loaded"), Ok(()), "a loaded peer is never refused");
-        assert!(t.is_reachable("loaded"));
-        // The bound counts every recorded name, loaded ones included (1025 now); a loss frees
-        // a place only once the count is below the bound again.
-        t.lost("loaded");
-        assert_eq!(t.hello("one-too-many"), Err(FrameRefused::HelloFlood));
-        t.lost("stranger-1");
-        t.hello("one-too-many").unwrap();
-        assert_eq!(t.hello("no-place-left"), Err(FrameRefused::HelloFlood));
+        assert_eq!(t.hints(), MAX_HELLO_HINTS, "memory stays bounded");
+        assert!(!t.is_reachable("real") && t.is_reachable(&format!("stranger-{}", 4 * MAX_HELLO_HINTS - 1)));
+        assert_eq!(t.lookup("stranger-0"), None);
+        // Loaded now: its evicted hint is gone, so no HELLO yet...
+        t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
+        t.arena_loaded("real", true);
+        assert!(!t.can_bounce("real"));
+        // ...but our HELLO on load makes it answer (its First), and its HELLO reaches us now,
+        // whatever the flood: the first one since the load is answered once, repeats are not.
+        assert_eq!(t.hello("real"), Hello::First { answer: true });
+        assert!(t.can_bounce("real"));
+        assert_eq!(t.hello("real"), Hello::Repeat);
+        for i in 0..2 * MAX_HELLO_HINTS {
+            let _ = t.hello(&format!("more-{i}"));
+        }
+        assert!(t.can_bounce("real"), "a loaded peer's HELLO is never evicted");
+        // A hint that survives counts at the load (no answer needed: we HELLO on load anyway).
+        assert_eq!(t.hello("early"), Hello::Hint);
+        t.load_conn_info("early", Some(caps(4096)), Some(&caps(4096)));
+        assert!(t.is_reachable("early") && t.hints() == MAX_HELLO_HINTS - 1);
+        assert_eq!(t.hello("early"), Hello::Repeat);
+        // A loss forgets the HELLO: after a reload the first one is answered again.
+        t.lost("real");
+        assert_eq!(t.hello("real"), Hello::Hint, "not loaded any more");
+        t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
+        assert!(t.is_reachable("real"));
     }
 
     #[test]

@@ -107,6 +107,18 @@ impl Receiver {
         self.flows.len()
     }
 
+    /// Adds the peers whose flows we track (the liveness probe watches them). Runs after every
+    /// input, so it visits one flow per peer (flows are ordered by peer), not every flow: a
+    /// peer with thousands of flows costs one lookup.
+    pub(crate) fn peers_waited_on(&self, out: &mut std::collections::BTreeSet<PeerId>) {
+        let mut from = FlowKey { peer: PeerId(0), xfer: crate::types::XferId(0) };
+        while let Some(k) = self.flows.range(from..).next().map(|(k, _)| *k) {
+            out.insert(k.peer);
+            let Some(next) = k.peer.0.checked_add(1) else { break };
+            from = FlowKey { peer: PeerId(next), xfer: crate::types::XferId(0) };
+        }
+    }
+
     /// Scatter jobs emitted and not yet reported (those of reclaimed flows included).
     pub fn scatters_in_flight(&self) -> usize {
         self.scatters.len()
@@ -278,7 +290,9 @@ impl Receiver {
             };
             let waiting_for_data = ctx.sched.flow_held_count(key).saturating_sub(flow.scattering);
             if flow.deadline <= now && waiting_for_data > 0 {
-                warn!(
+                // Counted (`flows_timed_out`, published by the shell); at debug, since a peer
+                // that opens many flows and goes silent must not flood the log.
+                debug!(
                     peer = key.peer.0,
                     xfer = key.xfer.0,
                     regions = waiting_for_data,

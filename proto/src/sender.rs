@@ -188,6 +188,11 @@ impl Sender {
         self.xfers.len()
     }
 
+    /// Adds the peers our transfers in flight go to (the liveness probe watches them).
+    pub(crate) fn peers_waited_on(&self, out: &mut std::collections::BTreeSet<PeerId>) {
+        out.extend(self.xfers.values().map(|x| x.peer));
+    }
+
     /// Staging regions of failed transfers still waiting for their job's done-event (direct
     /// writes of failed transfers hold none and are not counted).
     pub fn orphans(&self) -> usize {

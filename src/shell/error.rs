@@ -109,6 +109,9 @@ pub(crate) enum ControlError {
         /// ZMQ's error.
         source: zmq::Error,
     },
+    /// `bounce_zmq_host` is not one specific IP address (a name, a wildcard, multicast).
+    #[error("bounce_zmq_host {0:?} is not a specific IP address to bind the ZMQ control socket on")]
+    BindHost(String),
     /// The bound ZMQ endpoint is not UTF-8.
     #[error("the bound ZMQ endpoint is not UTF-8")]
     EndpointNotUtf8,

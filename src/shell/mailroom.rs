@@ -23,14 +23,25 @@ use crate::sys::shim::{Notif, Shim};
 /// Most control frames kept for a reactor that does not drain them (it died): a hostile peer
 /// must not grow memory without bound.
 const MAX_QUEUED_CONTROL: usize = 1 << 16;
+/// Most bytes of control frames kept likewise: the count alone would allow 65536 frames of the
+/// longest legal size.
+const MAX_QUEUED_CONTROL_BYTES: usize = 256 << 20;
+
+/// Control frames `(sender, frame)` waiting for the reactor, in arrival order, and their total
+/// bytes (for [`MAX_QUEUED_CONTROL_BYTES`]).
+#[derive(Default)]
+struct ControlQueue {
+    frames: VecDeque<(String, Vec<u8>)>,
+    bytes: usize,
+}
 
 /// The sorting point for inner-engine notifications.
 pub(crate) struct Mailroom {
     /// The application's notifications, in arrival order. Held while pulling, so two threads'
     /// pulls cannot overtake each other on the way in.
     app: Mutex<VecDeque<Notif>>,
-    /// Control frames for the UCX control channel, in arrival order.
-    control: Mutex<VecDeque<(String, Vec<u8>)>>,
+    /// Control frames for the UCX control channel.
+    control: Mutex<ControlQueue>,
     /// True while a reactor reads control frames from UCX (`bounce_control=ucx`); otherwise
     /// control frames arriving over UCX are dropped and counted.
     accepts_control: AtomicBool,
@@ -46,7 +57,7 @@ impl Mailroom {
     pub(crate) fn new(stats: Arc<Stats>) -> Self {
         Self {
             app: Mutex::new(VecDeque::new()),
-            control: Mutex::new(VecDeque::new()),
+            control: Mutex::new(ControlQueue::default()),
             accepts_control: AtomicBool::new(false),
             reactor: Mutex::new(None),
             bell: Arc::default(),
@@ -88,12 +99,14 @@ impl Mailroom {
                 for_app = true;
                 continue;
             }
-            let accepted = self.accepts_control.load(Ordering::Acquire);
+            // Longer than any legal frame: no decoder would accept it, so it is not kept.
+            let accepted = self.accepts_control.load(Ordering::Acquire) && n.msg.len() <= wire::MAX_FRAME_LEN;
             match (accepted, String::from_utf8(n.agent)) {
                 (true, Ok(agent)) => {
                     let mut q = self.control.lock();
-                    if q.len() < MAX_QUEUED_CONTROL {
-                        q.push_back((agent, n.msg));
+                    if q.frames.len() < MAX_QUEUED_CONTROL && q.bytes + n.msg.len() <= MAX_QUEUED_CONTROL_BYTES {
+                        q.bytes += n.msg.len();
+                        q.frames.push_back((agent, n.msg));
                         queued = true;
                     } else {
                         Stats::bump(&self.stats.control_dropped);
@@ -120,8 +133,10 @@ impl Mailroom {
     /// Moves up to `budget` control frames to `out`; returns how many.
     pub(crate) fn take_control(&self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
         let mut q = self.control.lock();
-        let n = budget.min(q.len());
-        out.extend(q.drain(..n));
+        let n = budget.min(q.frames.len());
+        let taken: usize = q.frames.iter().take(n).map(|f| f.1.len()).sum();
+        q.bytes -= taken;
+        out.extend(q.frames.drain(..n));
         n
     }
 }
@@ -152,5 +167,35 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(m.take_control(8, &mut out), 1);
         assert_eq!(out, [("p".to_owned(), hello)]);
+    }
+
+    /// A reactor that stops draining (it died) cannot make the queue grow without bound, in
+    /// frames or in bytes; draining frees the room again.
+    #[test]
+    fn the_control_queue_is_bounded_in_frames_and_bytes() {
+        let stats = Arc::new(Stats::default());
+        let m = Mailroom::new(Arc::clone(&stats));
+        m.accept_control(std::thread::current());
+        let dropped = || stats.control_dropped.load(Ordering::Relaxed);
+        let mut app = m.app.lock();
+        // Longer than any legal frame: never queued.
+        let mut huge = wire::encode_hello(1);
+        huge.resize(wire::MAX_FRAME_LEN + 1, 0);
+        m.sort(&mut app, vec![notif(b"p", &huge)]);
+        assert_eq!((dropped(), m.control.lock().frames.len()), (1, 0));
+        // 16 MiB frames: the byte bound stops them long before the frame count does.
+        let mut big = wire::encode_hello(1);
+        big.resize(16 << 20, 0);
+        m.sort(&mut app, (0..20).map(|_| notif(b"p", &big)).collect());
+        let fits = MAX_QUEUED_CONTROL_BYTES / big.len();
+        assert_eq!((m.control.lock().frames.len(), dropped()), (fits, 1 + (20 - fits) as u64));
+        // Small frames: the frame count bounds them.
+        let hello = wire::encode_hello(1);
+        let mut out = Vec::new();
+        m.take_control(usize::MAX, &mut out);
+        assert_eq!(m.control.lock().bytes, 0, "draining gives the bytes back");
+        m.sort(&mut app, (0..MAX_QUEUED_CONTROL + 5).map(|_| notif(b"p", &hello)).collect());
+        assert_eq!(m.control.lock().frames.len(), MAX_QUEUED_CONTROL);
+        assert_eq!(dropped(), 1 + (20 - fits) as u64 + 5);
     }
 }

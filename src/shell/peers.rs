@@ -152,11 +152,9 @@ impl PeerTable {
         self.0.lock().rules.compatible(name).map(|c| c.endpoint.clone())
     }
 
-    /// Records a HELLO (the core bounds those from agents not loaded).
-    ///
-    /// # Errors
-    /// [`FrameRefused::HelloFlood`].
-    pub(crate) fn hello(&self, name: &str) -> Result<(), FrameRefused> {
+    /// Records a HELLO (those from agents not loaded are bounded hints); says whether to
+    /// answer it with ours.
+    pub(crate) fn hello(&self, name: &str) -> peers::Hello {
         self.0.lock().rules.hello(name)
     }
 
@@ -222,7 +220,7 @@ mod tests {
         assert_eq!(t.arena_to_load("b").map(|a| a.key), Some(b"key".to_vec()));
         assert!(t.arena_loaded("b", Some(Md(5))));
         assert!(t.bounce_arena("b").is_none(), "no HELLO yet");
-        assert!(t.hello("b").is_ok());
+        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert!(t.bounce_arena("b").is_some());
         assert_eq!(t.ready(), 1);
         let id = t.admit("b", 9, false).unwrap().peer;
@@ -254,14 +252,17 @@ mod tests {
     }
 
     #[test]
-    fn hellos_from_unloaded_agents_are_bounded() {
+    fn hellos_from_unloaded_agents_are_bounded_and_cannot_lock_out_a_loaded_one() {
         let t = PeerTable::default();
-        for i in 0..peers::MAX_REACHABLE {
-            assert!(t.hello(&format!("x{i}")).is_ok());
+        assert_eq!(t.hello("late"), peers::Hello::Hint);
+        for i in 0..2 * peers::MAX_HELLO_HINTS {
+            assert_eq!(t.hello(&format!("x{i}")), peers::Hello::Hint);
         }
-        assert_eq!(t.hello("one-too-many"), Err(FrameRefused::HelloFlood));
-        assert!(t.hello("x0").is_ok(), "a repeat is fine");
-        t.loaded("late", None, None);
-        assert!(t.hello("late").is_ok(), "a loaded agent is always heard");
+        assert_eq!(t.0.lock().rules.hints(), peers::MAX_HELLO_HINTS);
+        t.loaded("late", Some(caps(9)), Some(&caps(1)));
+        assert!(t.arena_loaded("late", Some(Md(5))));
+        assert!(t.bounce_arena("late").is_none(), "its hint was evicted");
+        assert_eq!(t.hello("late"), peers::Hello::First { answer: true }, "a loaded agent is always heard");
+        assert!(t.bounce_arena("late").is_some());
     }
 }

@@ -59,6 +59,15 @@ counters! {
     registrations,
     /// Peers a transfer may bounce to now (compatible, arena loaded, HELLO received).
     peers_ready,
+    /// Remote flows reclaimed because their sender went silent (the core's count).
+    flows_timed_out,
+    /// Liveness PINGs sent to silent peers we wait on (the core's count).
+    pings_sent,
+    /// PONGs that answered one of our PINGs (the core's count).
+    pongs_received,
+    /// Peers declared dead by the liveness probe; their bounced transfers failed (the core's
+    /// count).
+    peers_declared_dead,
 }
 
 impl Stats {

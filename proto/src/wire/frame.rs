@@ -1,7 +1,7 @@
 //! Control frames (design §5, §9): the 16-byte header (magic, version, kind, session) and the
 //! messages it carries -- the four steps of a transfer ([`Want`], [`Grant`], [`Data`],
-//! [`Ack`], together [`Msg`]) and HELLO, a fact about the link rather than a step of a
-//! transfer. [`Frame`] carries a [`Msg`]; [`ControlFrame`] carries either kind of [`Body`] and
+//! [`Ack`], together [`Msg`]) and HELLO, PING and PONG, facts about the link rather than steps
+//! of a transfer. [`Frame`] carries a [`Msg`]; [`ControlFrame`] carries either kind of [`Body`] and
 //! is decoded by the same header and body code.
 //!
 //! Every field has a fixed width except DATA's scatter runs, which are delta-coded with varints
@@ -31,6 +31,25 @@ pub(super) const KIND_DATA: u8 = 3;
 pub(super) const KIND_ACK: u8 = 4;
 /// A HELLO frame: header only (see [`Body::Hello`]).
 pub(super) const KIND_HELLO: u8 = 5;
+/// A PING frame: header and a nonce (see [`Body::Ping`]).
+pub(super) const KIND_PING: u8 = 7;
+/// A PONG frame: header and the PING's nonce (see [`Body::Pong`]).
+pub(super) const KIND_PONG: u8 = 8;
+
+/// Longest legal control frame of any kind, in bytes: a DATA with [`MAX_RUNS`] runs each in
+/// its longest encoding, plus 4 KiB of headroom for fields a later wire version adds. A
+/// transport may refuse anything longer unread (ZMQ's `ZMQ_MAXMSGSIZE`): no decoder would
+/// accept it.
+pub const MAX_FRAME_LEN: usize = {
+    let want = HEADER_LEN + 8 + 4 + MAX_BLOB as usize + 4 + MAX_CHUNKS_PER_WANT as usize * 8;
+    let grant = HEADER_LEN + 8 + 4 + MAX_CREDITS as usize * CREDIT_LEN;
+    let data = HEADER_LEN + 8 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN;
+    let longest = if want > grant { want } else { grant };
+    (if data > longest { data } else { longest }) + 4096
+};
+/// Most bytes one encoded scatter run takes: the flags, five varints of up to 10 bytes and the
+/// count's varint of up to 5.
+pub(super) const MAX_RUN_LEN: usize = 1 + 5 * 10 + 5;
 
 pub(super) const REGION_LEN: usize = 16;
 pub(super) const CREDIT_LEN: usize = 4 + REGION_LEN;
@@ -302,6 +321,17 @@ pub enum Body {
     /// is no step of a transfer but a fact about the link: a sender bounces to a peer only after
     /// its HELLO; until then it stays on plain UCX instead of sending WANTs nobody could answer.
     Hello,
+    /// PING: "are you alive?". A peer we wait on that has sent nothing for a while is probed
+    /// (see `crate::liveness`); the nonce is echoed in the [`Body::Pong`]. Header and nonce only.
+    Ping {
+        /// Chosen by the prober, unpredictable to others, so a PONG cannot be forged blind.
+        nonce: u64,
+    },
+    /// PONG: the answer to a [`Body::Ping`], echoing its nonce. Header and nonce only.
+    Pong {
+        /// The nonce of the PING answered.
+        nonce: u64,
+    },
     /// A step of a transfer.
     Msg(Msg),
 }
@@ -318,11 +348,20 @@ pub struct ControlFrame {
 }
 
 impl ControlFrame {
-    /// Appends the frame's encoding to `out`: a HELLO is the bare header.
+    /// Appends the frame's encoding to `out`: a HELLO is the bare header, a PING or PONG the
+    /// header and its nonce.
     pub fn encode(&self, out: &mut Vec<u8>) {
         let mut w = Writer(out);
         match &self.body {
             Body::Hello => write_header(&mut w, KIND_HELLO, self.session),
+            Body::Ping { nonce } => {
+                write_header(&mut w, KIND_PING, self.session);
+                w.u64(*nonce);
+            }
+            Body::Pong { nonce } => {
+                write_header(&mut w, KIND_PONG, self.session);
+                w.u64(*nonce);
+            }
             Body::Msg(msg) => {
                 write_header(&mut w, msg.kind_byte(), self.session);
                 write_msg(&mut w, msg);
@@ -340,12 +379,14 @@ impl ControlFrame {
     /// Decodes exactly one frame of any kind; trailing bytes are an error.
     ///
     /// # Errors
-    /// As [`Frame::decode`], except that a HELLO is accepted.
+    /// As [`Frame::decode`], except that HELLO, PING and PONG are accepted.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
         let mut r = Reader(bytes);
         let (kind, session) = read_header(&mut r)?;
         let body = match kind {
             KIND_HELLO => Body::Hello,
+            KIND_PING => Body::Ping { nonce: r.u64()? },
+            KIND_PONG => Body::Pong { nonce: r.u64()? },
             kind => Body::Msg(read_msg(&mut r, kind)?),
         };
         r.finish()?;

@@ -163,7 +163,7 @@ proptest! {
         bytes in prop_oneof![
             mutated(arb_frame().prop_map(|f| f.to_vec())),
             prop::collection::vec(any::<u8>(), 0..64),
-            (1..=5u8, prop::collection::vec(any::<u8>(), 0..64))
+            (1..=8u8, prop::collection::vec(any::<u8>(), 0..64))
                 .prop_map(|(kind, body)| frame_bytes(kind, &body)),
             // Exactly an ACK's length with a near-valid status tag: these often decode.
             (prop::collection::vec(any::<u8>(), 28), 0..8u8).prop_map(|(mut b, tag)| {
@@ -586,4 +586,36 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
             ))),
         ]
     );
+}
+
+/// `MAX_FRAME_LEN` (what a transport may refuse unread) holds the longest legal frames: a DATA
+/// of `MAX_RUNS` runs in their longest encoding and a WANT of `MAX_CHUNKS_PER_WANT` chunks with
+/// the longest endpoint, each of which the decoder accepts.
+#[test]
+fn the_longest_legal_frames_fit_in_max_frame_len() {
+    let run = |i: u64| CopyRun {
+        region_off: u64::MAX - i,
+        addr: i.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        len: u64::MAX - (i & 1),
+        count: u32::MAX,
+        region_stride: u64::MAX,
+        addr_stride: u64::MAX,
+    };
+    let data = Msg::Data(Data {
+        xfer: XferId(u64::MAX),
+        chunk: ChunkIdx(u32::MAX),
+        region: Region { offset: u64::MAX, len: u64::MAX },
+        runs: (0..u64::from(MAX_RUNS)).map(run).collect(),
+    });
+    let want = Msg::Want(Want {
+        xfer: XferId(u64::MAX),
+        endpoint: vec![0xff; MAX_BLOB as usize],
+        chunks: vec![u64::MAX; MAX_CHUNKS_PER_WANT as usize],
+    });
+    let len = |msg| Frame { session: u64::MAX, msg }.to_vec().len();
+    let (data, want) = (len(data), len(want));
+    assert!(data <= MAX_FRAME_LEN && want <= MAX_FRAME_LEN, "{data} {want} > {MAX_FRAME_LEN}");
+    // Tight: the cap is the longest DATA plus the headroom (a run's address delta may encode
+    // one byte shorter here), so it refuses nothing legal and little more.
+    assert!(data + 4096 + MAX_RUNS as usize >= MAX_FRAME_LEN, "{data}");
 }

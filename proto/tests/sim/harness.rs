@@ -447,14 +447,14 @@ impl Sim {
                 if !self.nodes[to].alive {
                     return;
                 }
-                let decoded = Frame::decode(&frame).expect("our frames decode");
+                let decoded = wire::ControlFrame::decode(&frame).expect("our frames decode");
                 assert_eq!(decoded.session, from as u64);
                 // The raw bytes go through the peer rules (session, loaded peers) as in the shell.
                 match self.nodes[to].ep.handle_frame(now, &agent(from), &frame) {
                     Ok(()) => {}
                     // Frames of a killed node still in flight: it is no longer loaded.
                     Err(FrameRefused::NotLoaded) if !self.nodes[from].alive => {}
-                    Err(e) => panic!("node {to}: honest {:?} from {from} refused: {e}", decoded.msg.kind_name()),
+                    Err(e) => panic!("node {to}: honest frame from {from} refused: {e}"),
                 }
             }
             Ev::Gather { node, job, xfer, region, runs } => {
@@ -566,6 +566,20 @@ impl Sim {
         }
     }
 
+    /// Puts `frame` from `me` on the wire to `to`: maybe lost, delayed, FIFO per channel.
+    fn post(&mut self, me: usize, to: usize, frame: Vec<u8>) {
+        if self.rng.random_bool(self.knobs.drop_p) {
+            return;
+        }
+        let mut at = self.elapsed + self.delay(self.knobs.msg_delay);
+        if self.knobs.fifo {
+            let last = self.channel.entry((me, to)).or_default();
+            at = at.max(*last);
+            *last = at;
+        }
+        self.schedule(at, Ev::Deliver { from: me, to, frame });
+    }
+
     fn perform(&mut self, me: usize, a: Action) {
         match a {
             Action::Send { peer, msg } => {
@@ -574,17 +588,11 @@ impl Sim {
                     *self.granted.entry((me, to, g.xfer)).or_default() += g.credits.len() as u64;
                 }
                 msg.validate().expect("endpoints build valid messages");
-                let frame = Frame { session: me as u64, msg }.to_vec();
-                if self.rng.random_bool(self.knobs.drop_p) {
-                    return;
-                }
-                let mut at = self.elapsed + self.delay(self.knobs.msg_delay);
-                if self.knobs.fifo {
-                    let last = self.channel.entry((me, to)).or_default();
-                    at = at.max(*last);
-                    *last = at;
-                }
-                self.schedule(at, Ev::Deliver { from: me, to, frame });
+                self.post(me, to, Frame { session: me as u64, msg }.to_vec());
+            }
+            // The liveness probe's PING and PONG travel like any frame.
+            Action::Link { peer, body } => {
+                self.post(me, peer.0 as usize, wire::ControlFrame { session: me as u64, body }.to_vec());
             }
             Action::Gather { job, xfer, region, runs } => {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);

@@ -189,3 +189,37 @@ fn four_senders_share_one_receiver_fairly() {
         assert!(worst <= 6 * 4 - 4, "seed {seed}: grant counts diverged by {worst}");
     });
 }
+
+/// The liveness probe with timings scaled to the simulation (PING after 1 ms of silence, dead
+/// 3 ms after the first unanswered PING): copy jobs that take up to 10 ms each keep peers
+/// silent far longer than the probe's bound, yet a live peer always answers, so no peer is
+/// ever declared dead and every transfer succeeds byte-exactly (issue 10, item 11).
+#[test]
+fn slow_but_live_peers_are_probed_and_never_declared_dead() {
+    for_seeds(0..40, |seed| {
+        let rng = &mut scenario_rng(seed);
+        let senders = rng.random_range(1..=3);
+        let cfg = bounce_proto::config::Config {
+            request_timeout: Duration::from_millis(200),
+            probe_after: Duration::from_millis(1),
+            peer_dead_after: Duration::from_millis(3),
+            ..sim_config(8192, rng.random_range(1..=3), rng.random_bool(0.5))
+        };
+        let knobs =
+            Knobs { fifo: rng.random_bool(0.5), job_delay: (us(1), Duration::from_millis(10)), ..Knobs::default() };
+        let mut sim = Sim::new(senders + 1, &cfg, knobs, seed);
+        for from in 1..=senders {
+            let bytes = sim.rng().random_range(1..=20_000);
+            let at = us(sim.rng().random_range(0..500));
+            sim.add_xfer(from, 0, bytes, at);
+        }
+        sim.drive_bounded(500_000);
+        sim.check_settled();
+        let pings: u64 = sim.nodes.iter().map(|n| n.ep.stats().pings_sent).sum();
+        assert!(pings > 0, "seed {seed}: the slow jobs never made a peer silent enough to probe");
+        for n in &sim.nodes {
+            assert_eq!(n.ep.stats().peers_declared_dead, 0, "seed {seed}");
+            assert!(n.outcomes.values().all(|o| o.is_ok()), "seed {seed}: {:?}", n.outcomes);
+        }
+    });
+}

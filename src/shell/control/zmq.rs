@@ -8,9 +8,17 @@
 //! says it is, exactly as with a UCX notification, so the reactor applies the same checks
 //! (loaded peers only, session ids, strict decoding). All sends and receives are non-blocking:
 //! a full queue drops the frame, and the transfer it belonged to times out, never the reactor.
+//!
+//! Exposure: the socket binds only the address configured in `bounce_zmq_host` (loopback when
+//! empty; never a wildcard), and refuses any message part longer than the longest legal control
+//! frame ([`wire::MAX_FRAME_LEN`]) before reading it (ZMQ drops the connection, the sender's
+//! socket reconnects), so no peer can make it buffer more. ZMQ itself authenticates nothing:
+//! what protects the transfers is the frames' own checks (README, "Control channels").
 
 use std::collections::HashMap;
 use std::sync::Arc;
+
+use bounce_proto::wire;
 
 use super::{ControlChannel, ControlError};
 use crate::shell::stats::Stats;
@@ -23,6 +31,9 @@ pub(crate) type Resolve = Box<dyn Fn(&str) -> Option<Vec<u8>> + Send>;
 const MAX_ENDPOINT: usize = 256;
 /// Frames queued per peer before sends start failing (ZMQ's high-water mark).
 const SEND_HWM: i32 = 65_536;
+/// Longest message part the socket accepts (`ZMQ_MAXMSGSIZE`): the longest legal control
+/// frame. The other part, the sender's name, is far shorter.
+const MAX_MESSAGE_PART: i64 = wire::MAX_FRAME_LEN as i64;
 
 /// A bound ZMQ control channel.
 pub(crate) struct ZmqChannel {
@@ -44,20 +55,25 @@ fn zmq_err(op: &'static str) -> impl FnOnce(zmq::Error) -> ControlError {
 }
 
 impl ZmqChannel {
-    /// Binds the receiving socket on `host` (an IP address; empty picks the address of the
-    /// default route, or loopback without one) and an ephemeral port.
+    /// Binds the receiving socket on `host` and an ephemeral port: exactly the configured IP
+    /// address, or loopback when `host` is empty (other hosts then cannot reach us: set
+    /// `bounce_zmq_host` to the address of the interface peers use). A wildcard address is
+    /// refused: it would listen on every interface and advertise an address no peer can use.
     ///
     /// `resolve` finds a peer's advertised endpoint when a frame is sent to it.
     ///
     /// # Errors
-    /// [`ControlError::Zmq`] (socket creation, bind, reading the bound endpoint) or
+    /// [`ControlError::BindHost`] for a host that is no specific IP address,
+    /// [`ControlError::Zmq`] (socket creation, options, bind, reading the bound endpoint) or
     /// [`ControlError::EndpointNotUtf8`].
     pub(crate) fn bind(agent: &str, host: &str, resolve: Resolve, stats: Arc<Stats>) -> Result<Self, ControlError> {
+        let addr = bind_addr(host)?;
         let ctx = zmq::Context::new();
         let pull = ctx.socket(zmq::PULL).map_err(zmq_err("socket"))?;
-        let host = if host.is_empty() { default_host() } else { host.to_owned() };
         pull.set_linger(0).map_err(zmq_err("linger"))?;
-        pull.bind(&format!("tcp://{host}:*")).map_err(zmq_err("bind"))?;
+        pull.set_maxmsgsize(MAX_MESSAGE_PART).map_err(zmq_err("max message size"))?;
+        pull.set_ipv6(addr.starts_with("tcp://[")).map_err(zmq_err("ipv6"))?;
+        pull.bind(&addr).map_err(zmq_err("bind"))?;
         let endpoint =
             pull.get_last_endpoint().map_err(zmq_err("last endpoint"))?.map_err(|_| ControlError::EndpointNotUtf8)?;
         Ok(Self { push: HashMap::new(), pull, endpoint, agent: agent.to_owned(), resolve, stats, ctx })
@@ -134,13 +150,20 @@ fn valid_endpoint(bytes: &[u8]) -> Result<&str, ControlError> {
     Ok(s)
 }
 
-/// The local address of the default route (no packet is sent: connecting a UDP socket only
-/// picks the route), or loopback when there is none.
-fn default_host() -> String {
-    std::net::UdpSocket::bind("0.0.0.0:0")
-        .and_then(|s| s.connect("192.0.2.1:9").and_then(|()| s.local_addr()))
-        .map(|a| a.ip().to_string())
-        .unwrap_or_else(|_| "127.0.0.1".to_owned())
+/// The ZMQ bind address (ephemeral port) for the configured `host`: a specific IP address, or
+/// loopback when empty.
+fn bind_addr(host: &str) -> Result<String, ControlError> {
+    let ip: std::net::IpAddr = match host {
+        "" => std::net::Ipv4Addr::LOCALHOST.into(),
+        h => h.parse().map_err(|_| ControlError::BindHost(h.to_owned()))?,
+    };
+    if ip.is_unspecified() || ip.is_multicast() {
+        return Err(ControlError::BindHost(host.to_owned()));
+    }
+    Ok(match ip {
+        std::net::IpAddr::V4(v4) => format!("tcp://{v4}:*"),
+        std::net::IpAddr::V6(v6) => format!("tcp://[{v6}]:*"),
+    })
 }
 
 #[cfg(test)]
@@ -193,6 +216,53 @@ mod tests {
         a.send_to("beta", new.endpoint().as_bytes(), b"to the new one").unwrap();
         assert_eq!(wait_for(&mut new, 10_000), [b"to the new one".to_vec()]);
         assert!(wait_for(&mut old, 200).is_empty(), "nothing more goes to the old endpoint");
+    }
+
+    #[test]
+    fn it_binds_only_the_configured_address_loopback_by_default_never_a_wildcard() {
+        let stats = Arc::new(Stats::default());
+        let bind = |host: &str| ZmqChannel::bind("a", host, Box::new(|_| None), Arc::clone(&stats));
+        assert!(bind("").unwrap().endpoint().starts_with("tcp://127.0.0.1:"), "empty: loopback only");
+        assert!(bind("127.0.0.1").unwrap().endpoint().starts_with("tcp://127.0.0.1:"));
+        for bad in ["0.0.0.0", "::", "*", "eth0", "localhost", "224.0.0.1", "10.0.0.1:5555"] {
+            assert!(matches!(bind(bad), Err(ControlError::BindHost(h)) if h == bad), "{bad}");
+        }
+        assert_eq!(bind_addr("::1").unwrap(), "tcp://[::1]:*");
+    }
+
+    /// A message part longer than the longest legal frame is refused by ZMQ before it is read
+    /// (the connection is dropped); the channel keeps receiving, from that sender too once its
+    /// socket reconnected.
+    #[test]
+    fn an_oversized_message_is_dropped_and_the_channel_keeps_working() {
+        let (mut b, b_stats) = bind("beta");
+        let (mut a, _) = bind("alpha");
+        let ctx = zmq::Context::new();
+        let raw = ctx.socket(zmq::PUSH).unwrap();
+        raw.set_linger(0).unwrap();
+        raw.connect(b.endpoint()).unwrap();
+        let huge = vec![0u8; wire::MAX_FRAME_LEN + 1];
+        raw.send_multipart([&b"mallory"[..], &huge[..]], 0).unwrap();
+        let mut got = Vec::new();
+        let wait = |ch: &mut ZmqChannel, got: &mut Vec<(String, Vec<u8>)>, n: usize, ms: u64| {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+            while got.len() < n && std::time::Instant::now() < deadline {
+                ch.poll(16, got);
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        wait(&mut b, &mut got, 1, 500);
+        assert!(got.is_empty(), "the oversized message was delivered");
+        // A regular frame still passes, from another sender...
+        let ep = b.endpoint().as_bytes().to_vec();
+        a.send_to("beta", &ep, b"\0BOUNC after").unwrap();
+        wait(&mut b, &mut got, 1, 10_000);
+        assert_eq!(got, [("alpha".to_owned(), b"\0BOUNC after".to_vec())]);
+        // ...and from the dropped sender once ZMQ reconnected it.
+        raw.send_multipart([&b"mallory"[..], &b"small"[..]], 0).unwrap();
+        wait(&mut b, &mut got, 2, 10_000);
+        assert_eq!(got.get(1), Some(&("mallory".to_owned(), b"small".to_vec())));
+        assert_eq!(b_stats.control_dropped.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 
     #[test]

@@ -33,8 +33,9 @@ use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
+use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Md, WriteSide, WriteState};
-use bounce_proto::peers::Admitted;
+use bounce_proto::peers::{Admitted, Hello};
 
 #[cfg(test)]
 mod tests;
@@ -213,6 +214,9 @@ impl Reactor {
         let Parts { session, endpoint, arena, copier, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
+        // The liveness probe's nonces must be unpredictable to others (a forged PONG would keep
+        // a dead peer alive): a random secret per engine.
+        ep.set_probe_seed(std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), session));
         let stop = Arc::new(AtomicBool::new(false));
         let mut d = Driver {
             ep,
@@ -374,6 +378,10 @@ impl Driver {
         s.arena_orphans.store(self.ep.orphans() as u64, Ordering::Relaxed);
         s.chunks_direct.store(core.chunks_direct, Ordering::Relaxed);
         s.timeouts.store(core.timeouts, Ordering::Relaxed);
+        s.flows_timed_out.store(core.flows_timed_out, Ordering::Relaxed);
+        s.pings_sent.store(core.pings_sent, Ordering::Relaxed);
+        s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
+        s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
     }
 
     fn handle_cmd(&mut self, now: Instant, cmd: Cmd) {
@@ -429,11 +437,16 @@ impl Driver {
         };
         let msg = match frame.body {
             wire::Body::Hello => {
-                if let Err(e) = self.shared.peers.hello(peer) {
-                    self.drop_frame(now, peer, &e);
+                // The first HELLO of a compatible peer since its load is answered once: its
+                // copy of ours may have been evicted from its bounded hints.
+                if let Hello::First { answer: true } = self.shared.peers.hello(peer) {
+                    if let Err(e) = self.control.send(peer, &wire::encode_hello(self.session)) {
+                        tracing::debug!(peer, error = %e, "answering a HELLO failed");
+                    }
                 }
                 return;
             }
+            wire::Body::Ping { .. } | wire::Body::Pong { .. } => return self.on_probe(now, peer, frame),
             wire::Body::Msg(msg) => msg,
         };
         let id = match self.shared.peers.admit(peer, frame.session, matches!(&msg, Msg::Want(_))) {
@@ -448,6 +461,20 @@ impl Driver {
         };
         if let Err(e) = self.ep.handle_msg(now, id, msg) {
             self.drop_frame(now, peer, &e);
+        }
+    }
+
+    /// A PING or PONG of the liveness probe: admitted by the same session and loading rules as
+    /// any frame (a PONG of a dead incarnation is stale), then handed to the core.
+    fn on_probe(&mut self, now: Instant, peer: &str, frame: wire::ControlFrame) {
+        let id = match self.shared.peers.admit(peer, frame.session, false) {
+            Ok(a) => a.peer,
+            Err(e) => return self.drop_frame(now, peer, &e),
+        };
+        match frame.body {
+            wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
+            wire::Body::Pong { nonce } => self.ep.handle_pong(now, id, nonce),
+            _ => {}
         }
     }
 
@@ -491,6 +518,7 @@ impl Driver {
                 moved = true;
                 match a {
                     Action::Send { peer, msg } => self.send(peer, msg),
+                    Action::Link { peer, body } => self.send_link(peer, body),
                     Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs),
                     Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
                     Action::Write { job, peer, source, remote, len, .. } => {
@@ -512,14 +540,31 @@ impl Driver {
         let Some(name) = self.shared.peers.name(peer) else { return };
         let bytes = Frame { session: self.session, msg }.to_vec();
         if let Err(e) = self.control.send(&name, &bytes) {
-            self.send_failed(&name, &e);
+            self.send_failed(peer, &name, &e);
         }
     }
 
-    fn send_failed(&mut self, peer: &str, e: &ControlError) {
+    /// Sends a link-level frame (the liveness probe's PING or PONG).
+    fn send_link(&mut self, peer: PeerId, body: wire::Body) {
+        let Some(name) = self.shared.peers.name(peer) else { return };
+        let bytes = wire::ControlFrame { session: self.session, body }.to_vec();
+        if let Err(e) = self.control.send(&name, &bytes) {
+            self.send_failed(peer, &name, &e);
+        }
+    }
+
+    fn send_failed(&mut self, id: PeerId, peer: &str, e: &ControlError) {
         if self.warn_budget.allow(Instant::now()) {
-            // The transfer this belonged to will time out; never block the reactor.
+            // The transfer this belonged to fails by the liveness probe or times out; never
+            // block the reactor.
             tracing::warn!(peer, error = %e, "sending a control frame failed");
+        }
+        // UCX fails a send with ERR_REMOTE_DISCONNECT only once the peer's endpoint has failed
+        // (measured: a SIGKILLed receiver's first PING, 250 ms after its last frame, already
+        // failed so): nothing sent to it can arrive any more, so its transfers need not wait for
+        // the probe's verdict.
+        if matches!(e, ControlError::Notif(NixlStatus::ErrRemoteDisconnect)) {
+            self.ep.handle_peer_unreachable(Instant::now(), id);
         }
     }
 

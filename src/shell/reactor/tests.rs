@@ -354,3 +354,81 @@ fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counte
     assert_eq!(a.stat(|s| &s.control_dropped), a_dropped + 1);
     assert_eq!(b.shared.peers.known_id("x"), None, "a stranger's frames add nothing to the peer table");
 }
+
+/// Thousands of HELLOs from invented names, before and after the real peer's, cannot keep the
+/// real pair from bouncing: the real HELLO, evicted from the bounded hints, is made up by the
+/// answer to the first HELLO after the load (issue 10, item 9).
+#[test]
+fn a_hello_flood_from_invented_names_cannot_lock_a_real_pair_out() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = (Side::start("a", 11, &cfg, &net), Side::start("b", 22, &cfg, &net));
+    let hello_from_b = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&hello_from_b);
+    net.set_fault(move |from, to, f| {
+        if (from, to) == ("b", "a") && wire::decode_hello(f).is_some() {
+            seen.fetch_add(1, Ordering::Relaxed);
+        }
+        Fate::Deliver
+    });
+    let flood = |range: std::ops::Range<usize>| {
+        for i in range {
+            net.join(&format!("invented-{i}")).send("a", &wire::encode_hello(i as u64)).unwrap();
+        }
+    };
+    let n = bounce_proto::peers::MAX_HELLO_HINTS;
+    flood(0..2 * n);
+    // b loads a and says HELLO before a has loaded b: a keeps it only as a hint...
+    b.load("a", &a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while hello_from_b.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "b sent no HELLO");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // ...which the rest of the flood evicts.
+    flood(2 * n..4 * n);
+    a.load("b", &b);
+    while !(a.shared.peers.bounce_arena("b").is_some() && b.shared.peers.bounce_arena("a").is_some()) {
+        assert!(Instant::now() < deadline, "the real pair never became ready to bounce");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(hello_from_b.load(Ordering::Relaxed), 2, "b answered a's HELLO once, no ping-pong");
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    assert_eq!(a.stat(|s| &s.bounce_ok), 1);
+    assert_eq!(a.shared.peers.known_id("invented-0"), None, "invented names leave no table entry");
+}
+
+/// A peer whose frames stop arriving mid-transfer (dead, from here) is PINGed and declared
+/// dead by the liveness probe: the transfer fails as lost within about 2 s, long before its
+/// 10 s request timeout (issue 10, item 11).
+#[test]
+fn a_peer_gone_silent_mid_transfer_is_declared_dead_by_the_probe() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    // The first ACK b sends is its last frame to reach a.
+    let dead = Arc::new(AtomicUsize::new(0));
+    let d = Arc::clone(&dead);
+    net.set_fault(move |from, _, f| {
+        if from == "b" && (d.load(Ordering::Relaxed) > 0 || kind(f) == Some("ack")) {
+            d.fetch_add(1, Ordering::Relaxed);
+            return if d.load(Ordering::Relaxed) == 1 { Fate::Deliver } else { Fate::Drop };
+        }
+        Fate::Deliver
+    });
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let t0 = Instant::now();
+    let h = a.post("b", &cfg, &src, &mut dst);
+    assert_eq!(a.outcome(h, Duration::from_secs(8)), Err(XferError::PeerLost));
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(2500), "{took:?}");
+    assert_eq!((a.stat(|s| &s.peers_declared_dead), a.stat(|s| &s.timeouts)), (1, 0));
+    assert!(a.stat(|s| &s.pings_sent) >= 2 && a.stat(|s| &s.pongs_received) == 0);
+    // b was alive all along: it kept answering (PONGs, ACKs), but none of it reached a.
+    assert!(dead.load(Ordering::Relaxed) > 1, "b sent nothing after its last delivered frame");
+}

@@ -1,0 +1,278 @@
+//! The liveness probe end to end in the core: two endpoints exchanging real encoded frames
+//! through [`Endpoint::handle_frame`] in virtual time, with the default probe timings and the
+//! default 30 s request timeout. A receiver that dies mid-transfer fails the sender's transfer
+//! as lost within `probe_after + dead_after` of its last frame; a receiver whose scatters take
+//! 3 s each keeps answering PINGs and the transfer succeeds.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use bounce_proto::config::Config;
+use bounce_proto::endpoint::{Action, Endpoint, JobId, XferError};
+use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::wire::{ControlFrame, Frame};
+use bounce_proto::{PeerId, XferId};
+
+const KIB: u64 = 1024;
+const CHUNK: u64 = 4 * KIB;
+const SRC: u64 = 0x10_0000;
+const DST: u64 = 0x20_0000;
+const NAMES: [&str; 2] = ["a", "b"];
+const X: XferId = XferId(1);
+
+/// One scheduled event.
+#[derive(Debug)]
+enum Ev {
+    /// A frame from node `from` arrives at node `to`.
+    Deliver { from: usize, to: usize, frame: Vec<u8> },
+    /// A job of node `node` finishes.
+    Done { node: usize, job: JobId, kind: u8 },
+}
+
+/// Two endpoints, a virtual clock and an event queue. Node 0 sends, node 1 receives.
+struct Pair {
+    eps: [Endpoint; 2],
+    /// Each node's id for the other.
+    ids: [PeerId; 2],
+    alive: [bool; 2],
+    start: Instant,
+    now: Instant,
+    queue: BTreeMap<(Instant, u64), Ev>,
+    seq: u64,
+    latency: Duration,
+    scatter_time: Duration,
+    done: Vec<(Instant, Result<(), XferError>)>,
+    /// When node 0 last admitted a frame from node 1.
+    last_from_receiver: Instant,
+}
+
+impl Pair {
+    fn new(scatter_time: Duration) -> Self {
+        let cfg = Config {
+            arena_size: 64 * KIB,
+            arena_granularity: KIB,
+            max_chunk_size: CHUNK,
+            max_inflight_chunks: 2,
+            ..Config::default()
+        };
+        cfg.validate().unwrap();
+        assert_eq!(cfg.request_timeout, Duration::from_secs(30), "the manifest default");
+        let start = Instant::now();
+        let mut eps = [Endpoint::new(&cfg, start).unwrap(), Endpoint::new(&cfg, start).unwrap()];
+        let mut ids = [PeerId(0); 2];
+        for (me, ep) in eps.iter_mut().enumerate() {
+            let other = NAMES[1 - me];
+            ep.peers_mut().load_conn_info(other, None, None);
+            ids[me] = ep.peers_mut().id(other);
+            ep.set_probe_seed(0xfeed + me as u64);
+            ep.add_registered(DST, 1 << 20);
+        }
+        Self {
+            eps,
+            ids,
+            alive: [true; 2],
+            start,
+            now: start,
+            queue: BTreeMap::new(),
+            seq: 0,
+            latency: Duration::from_micros(50),
+            scatter_time,
+            done: Vec::new(),
+            last_from_receiver: start,
+        }
+    }
+
+    fn at(&mut self, at: Instant, ev: Ev) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), ev);
+    }
+
+    /// Submits `n` chunks of 4 KiB from node 0 to node 1.
+    fn submit(&mut self, n: u64) {
+        let descs: Vec<DescPair> =
+            (0..n).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
+        let p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        let (now, peer) = (self.now, self.ids[0]);
+        self.eps[0].submit(now, X, peer, p).unwrap();
+        self.drain();
+    }
+
+    fn drain(&mut self) {
+        for me in 0..2 {
+            while let Some(a) = self.eps[me].poll_action() {
+                self.perform(me, a);
+            }
+        }
+    }
+
+    fn perform(&mut self, me: usize, a: Action) {
+        let session = me as u64 + 1;
+        let soon = self.now + self.latency;
+        match a {
+            Action::Send { msg, .. } => {
+                let frame = Frame { session, msg }.to_vec();
+                self.at(soon, Ev::Deliver { from: me, to: 1 - me, frame });
+            }
+            Action::Link { body, .. } => {
+                let frame = ControlFrame { session, body }.to_vec();
+                self.at(soon, Ev::Deliver { from: me, to: 1 - me, frame });
+            }
+            Action::Gather { job, .. } => self.at(soon, Ev::Done { node: me, job, kind: 0 }),
+            Action::Write { job, .. } => self.at(soon, Ev::Done { node: me, job, kind: 1 }),
+            Action::Scatter { job, .. } => {
+                let at = self.now + self.scatter_time;
+                self.at(at, Ev::Done { node: me, job, kind: 2 });
+            }
+            Action::Complete { outcome, .. } => {
+                assert_eq!(me, 0);
+                self.done.push((self.now, outcome));
+            }
+        }
+    }
+
+    /// Runs events and timers until `until` or until node 0's transfer completed.
+    fn run(&mut self, until: Instant) {
+        while self.done.is_empty() {
+            let timers = (0..2).filter(|&n| self.alive[n]).filter_map(|n| self.eps[n].poll_timeout()).min();
+            let next_ev = self.queue.keys().next().map(|k| k.0);
+            let Some(next) = [timers, next_ev].into_iter().flatten().min() else { return };
+            if next > until {
+                return;
+            }
+            self.now = self.now.max(next);
+            let now = self.now;
+            if next_ev == Some(next) {
+                let (_, ev) = self.queue.pop_first().unwrap();
+                match ev {
+                    Ev::Deliver { from, to, frame } if self.alive[to] => {
+                        self.eps[to].handle_frame(now, NAMES[from], &frame).unwrap();
+                        if to == 0 {
+                            self.last_from_receiver = now;
+                        }
+                    }
+                    Ev::Done { node, job, kind } if self.alive[node] => match kind {
+                        0 => self.eps[node].handle_gather_done(now, job, true),
+                        1 => self.eps[node].handle_write_done(now, job, true),
+                        _ => self.eps[node].handle_scatter_done(now, job, true),
+                    },
+                    _ => {}
+                }
+            } else {
+                for n in 0..2 {
+                    if self.alive[n] && self.eps[n].poll_timeout().is_some_and(|t| t <= now) {
+                        self.eps[n].handle_timeout(now);
+                    }
+                }
+            }
+            self.drain();
+        }
+    }
+}
+
+#[test]
+fn a_receiver_that_dies_mid_transfer_fails_the_transfer_within_the_probe_bound() {
+    let mut p = Pair::new(Duration::from_micros(100));
+    p.submit(64);
+    // Let a few chunks move, then the receiver dies (SIGKILL: nothing more from it, ever).
+    p.run(p.start + Duration::from_millis(2));
+    assert!(p.done.is_empty() && p.eps[1].stats().chunks_scattered > 0, "mid-transfer");
+    p.alive[1] = false;
+    let died = p.now;
+    p.run(p.start + Duration::from_secs(60));
+    let [(at, outcome)] = &p.done[..] else { panic!("{:?}", p.done) };
+    assert_eq!(outcome, &Err(XferError::PeerLost));
+    let s = p.eps[0].stats();
+    assert_eq!((s.peers_declared_dead, s.timeouts), (1, 0));
+    assert!(s.pings_sent >= 2 && s.pongs_received == 0, "{s:?}");
+    let bound = Duration::from_millis(250 + 1500);
+    assert!(*at - p.last_from_receiver <= bound, "declared dead {:?} after its last frame", *at - p.last_from_receiver);
+    assert!(*at - died < Duration::from_secs(2), "failed {:?} after the death", *at - died);
+    // Nothing is left waiting on the dead peer: no transfer, no PING, no timer.
+    assert_eq!((p.eps[0].in_flight_xfers(), p.eps[0].poll_timeout()), (0, None));
+}
+
+#[test]
+fn a_receiver_whose_scatters_take_3_s_answers_pings_and_the_transfer_succeeds() {
+    let mut p = Pair::new(Duration::from_secs(3));
+    p.submit(8);
+    p.run(p.start + Duration::from_secs(120));
+    let [(at, outcome)] = &p.done[..] else { panic!("{:?}", p.done) };
+    assert_eq!(outcome, &Ok(()));
+    // Four windows of two 3 s scatters each: about 12 s, far beyond the probe's bound.
+    assert!(*at - p.start >= Duration::from_secs(12), "{:?}", *at - p.start);
+    for ep in &p.eps {
+        let s = ep.stats();
+        assert_eq!(s.peers_declared_dead, 0, "{s:?}");
+    }
+    // The sender waited on silent ACKs and probed; every probe was answered.
+    let s = p.eps[0].stats();
+    assert!(s.pings_sent >= 8 && s.pongs_received == s.pings_sent, "{s:?}");
+    assert_eq!(p.eps[1].stats().chunks_scattered, 8);
+}
+
+#[test]
+fn with_probing_off_a_dead_receiver_is_found_only_by_the_request_timeout() {
+    let mut p = Pair::new(Duration::from_millis(1));
+    let cfg = Config {
+        arena_size: 64 * KIB,
+        arena_granularity: KIB,
+        max_chunk_size: CHUNK,
+        max_inflight_chunks: 2,
+        peer_dead_after: Duration::ZERO,
+        ..Config::default()
+    };
+    p.eps[0] = Endpoint::new(&cfg, p.start).unwrap();
+    p.eps[0].peers_mut().load_conn_info("b", None, None);
+    p.ids[0] = p.eps[0].peers_mut().id("b");
+    p.submit(64);
+    p.alive[1] = false;
+    p.run(p.start + Duration::from_secs(60));
+    let [(at, outcome)] = &p.done[..] else { panic!("{:?}", p.done) };
+    assert_eq!(outcome, &Err(XferError::Timeout));
+    assert_eq!(*at - p.start, Duration::from_secs(30));
+    assert_eq!((p.eps[0].stats().pings_sent, p.eps[0].stats().peers_declared_dead), (0, 0));
+}
+
+#[test]
+fn a_transport_reporting_the_peer_unreachable_declares_it_dead_at_once_only_when_waited_on() {
+    let mut p = Pair::new(Duration::from_micros(100));
+    // Nothing waits on the receiver yet: the report changes nothing.
+    let (now, b) = (p.now, p.ids[0]);
+    p.eps[0].handle_peer_unreachable(now, b);
+    assert_eq!(p.eps[0].stats().peers_declared_dead, 0);
+    p.submit(64);
+    p.alive[1] = false;
+    let (now, b) = (p.now, p.ids[0]);
+    p.eps[0].handle_peer_unreachable(now, b);
+    p.drain();
+    assert_eq!(p.done, vec![(now, Err(XferError::PeerLost))]);
+    assert_eq!((p.eps[0].stats().peers_declared_dead, p.eps[0].in_flight_xfers()), (1, 0));
+}
+
+#[test]
+fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
+    let p = Pair::new(Duration::from_micros(100));
+    let mut ep = p.eps.into_iter().next().unwrap();
+    let t = p.start;
+    // Flows from peers 3, 5 and 9 (several each), a transfer of ours to peer 1.
+    for (peer, xfers) in [(3u32, 4u64), (5, 1), (9, 7)] {
+        for x in 0..xfers {
+            let want = bounce_proto::wire::Want { xfer: XferId(x), endpoint: Vec::new(), chunks: vec![CHUNK] };
+            ep.handle_msg(t, PeerId(peer), want.into()).unwrap();
+        }
+    }
+    let descs = [DescPair { src: SRC, dst: DST, len: CHUNK }];
+    ep.submit(t, X, PeerId(1), plan::plan(&descs, PlanParams::new(CHUNK)).unwrap()).unwrap();
+    while ep.poll_action().is_some() {}
+    let probe = Duration::from_millis(250);
+    assert_eq!(ep.poll_timeout(), Some(t + probe));
+    ep.handle_timeout(t + probe);
+    let mut pinged: Vec<u32> = std::iter::from_fn(|| ep.poll_action())
+        .filter_map(|a| match a {
+            Action::Link { peer, body: bounce_proto::wire::Body::Ping { .. } } => Some(peer.0),
+            _ => None,
+        })
+        .collect();
+    pinged.sort();
+    assert_eq!(pinged, vec![1, 3, 5, 9]);
+}
