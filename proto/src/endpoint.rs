@@ -87,6 +87,8 @@ pub struct Endpoint {
     next_job: u64,
     stats: Stats,
     peers: PeerTable,
+    /// [`close`](Self::close) was called: nothing more is granted.
+    closing: bool,
 }
 
 impl Endpoint {
@@ -108,6 +110,7 @@ impl Endpoint {
             next_job: 0,
             stats: Stats::default(),
             peers: PeerTable::new(),
+            closing: false,
         })
     }
 
@@ -144,6 +147,18 @@ impl Endpoint {
     /// Scatters already emitted are not affected.
     pub fn remove_registered(&mut self, addr: u64, len: u64) {
         self.receiver.remove_registered(addr, len);
+    }
+
+    /// The application deregistered `[addr, addr + len)`: the receiver stops scattering into
+    /// it (as [`remove_registered`](Self::remove_registered)) and answers ACK(Failed) for each
+    /// scatter in flight into it; every transfer reading from it fails with
+    /// [`XferError::Deregistered`]. Jobs already emitted still run: the shell must wait for
+    /// those that touch the range before it lets the application free the memory.
+    pub fn deregister(&mut self, now: Instant, addr: u64, len: u64) {
+        let mut ctx = ctx!(self, now);
+        self.receiver.deregister(&mut ctx, addr, len);
+        self.sender.deregister(&mut ctx, addr, addr.saturating_add(len));
+        self.pump(now);
     }
 
     /// Handles one control message from `from`: WANT and DATA go to the receiver, GRANT and
@@ -193,6 +208,11 @@ impl Endpoint {
         let frame = wire::ControlFrame::decode(bytes)?;
         let msg = match frame.body {
             wire::Body::Hello => return self.peers.hello(name),
+            wire::Body::Goodbye => {
+                let peer = self.peers.goodbye(name, frame.session)?;
+                self.handle_goodbye(now, peer);
+                return Ok(());
+            }
             wire::Body::Msg(msg) => msg,
         };
         let is_want = matches!(msg, wire::Msg::Want(_));
@@ -240,6 +260,17 @@ impl Endpoint {
         self.pump(now);
     }
 
+    /// The peer said GOODBYE (its engine is going away, its own writes have ended): its flows
+    /// into us are reclaimed at once, and our transfers to it fail with
+    /// [`XferError::PeerLost`], their credits retracted (a cancel) once our writes into its
+    /// arena have ended, so it can tell when no write of ours can land there any more.
+    pub fn handle_goodbye(&mut self, now: Instant, peer: PeerId) {
+        let mut ctx = ctx!(self, now);
+        self.sender.handle_goodbye(&mut ctx, peer);
+        self.receiver.handle_peer_lost(&mut ctx, peer);
+        self.pump(now);
+    }
+
     /// Fires the timers due at `now`: stalled transfers fail with [`XferError::Timeout`], silent
     /// remote flows are reclaimed. Spurious or early calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
@@ -257,6 +288,25 @@ impl Endpoint {
         self.sender.shutdown(&mut ctx);
         self.receiver.shutdown(&mut ctx);
         self.pump(now);
+    }
+
+    /// Starts closing (the engine is being destroyed): every transfer fails with
+    /// [`XferError::ShuttingDown`] (cancels are queued, as in [`shutdown`](Self::shutdown)),
+    /// no WANT is accepted and no region is granted any more, but regions already granted stay
+    /// held (and their DATA is still scattered) until the peer retracts or uses them:
+    /// [`grants_outstanding`](Self::grants_outstanding) counts them. Call
+    /// [`shutdown`](Self::shutdown) when it reaches zero or the shell stops waiting.
+    pub fn close(&mut self, now: Instant) {
+        self.closing = true;
+        let mut ctx = ctx!(self, now);
+        self.sender.shutdown(&mut ctx);
+        self.receiver.close();
+        self.pump(now);
+    }
+
+    /// Regions granted to peers and not yet returned: where a peer's write may still land.
+    pub fn grants_outstanding(&self) -> usize {
+        self.receiver.grants_outstanding(&self.sched)
     }
 
     /// The next action for the shell; call until `None` after every command or input.
@@ -349,6 +399,9 @@ impl Endpoint {
     fn pump(&mut self, now: Instant) {
         let mut ctx = ctx!(self, now);
         self.sender.retry_parked(&mut ctx);
+        if self.closing {
+            return;
+        }
         let grants = ctx.sched.schedule();
         if !grants.is_empty() {
             self.receiver.emit_grants(&mut ctx, grants);

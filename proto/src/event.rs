@@ -135,6 +135,10 @@ pub enum XferError {
     /// The endpoint is shutting down.
     #[error("shutting down")]
     ShuttingDown,
+    /// The application deregistered memory the transfer reads (a gather or direct-write
+    /// source) or a chunk of it was being scattered into.
+    #[error("memory of the transfer was deregistered")]
+    Deregistered,
     /// The descriptors could not be planned (for the shell, which plans before submitting).
     #[error(transparent)]
     Plan(#[from] PlanError),
@@ -383,6 +387,9 @@ pub struct Stats {
     /// Control frames refused by the peer rules or the decoder
     /// ([`crate::peers::FrameRefused`] other than a protocol error).
     pub frames_refused: u64,
+    /// Transfers failed and scatters answered ACK(Failed) because the application deregistered
+    /// memory they touch.
+    pub dereg_failed: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

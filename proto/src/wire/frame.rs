@@ -31,6 +31,8 @@ pub(super) const KIND_DATA: u8 = 3;
 pub(super) const KIND_ACK: u8 = 4;
 /// A HELLO frame: header only (see [`Body::Hello`]).
 pub(super) const KIND_HELLO: u8 = 5;
+/// A GOODBYE frame: header only (see [`Body::Goodbye`]).
+pub(super) const KIND_GOODBYE: u8 = 6;
 
 pub(super) const REGION_LEN: usize = 16;
 pub(super) const CREDIT_LEN: usize = 4 + REGION_LEN;
@@ -302,6 +304,10 @@ pub enum Body {
     /// is no step of a transfer but a fact about the link: a sender bounces to a peer only after
     /// its HELLO; until then it stays on plain UCX instead of sending WANTs nobody could answer.
     Hello,
+    /// GOODBYE, header only: "my engine is going away; my arena with it". Sent by an engine
+    /// being destroyed once its own writes have ended; the peer fails its transfers to it at
+    /// once (retracting their credits once its own writes end) and forgets its arena.
+    Goodbye,
     /// A step of a transfer.
     Msg(Msg),
 }
@@ -323,6 +329,7 @@ impl ControlFrame {
         let mut w = Writer(out);
         match &self.body {
             Body::Hello => write_header(&mut w, KIND_HELLO, self.session),
+            Body::Goodbye => write_header(&mut w, KIND_GOODBYE, self.session),
             Body::Msg(msg) => {
                 write_header(&mut w, msg.kind_byte(), self.session);
                 write_msg(&mut w, msg);
@@ -346,6 +353,7 @@ impl ControlFrame {
         let (kind, session) = read_header(&mut r)?;
         let body = match kind {
             KIND_HELLO => Body::Hello,
+            KIND_GOODBYE => Body::Goodbye,
             kind => Body::Msg(read_msg(&mut r, kind)?),
         };
         r.finish()?;
@@ -365,6 +373,11 @@ impl From<Frame> for ControlFrame {
 /// A HELLO frame from the engine with instance nonce `session`.
 pub fn encode_hello(session: u64) -> Vec<u8> {
     ControlFrame { session, body: Body::Hello }.to_vec()
+}
+
+/// A GOODBYE frame from the engine with instance nonce `session`.
+pub fn encode_goodbye(session: u64) -> Vec<u8> {
+    ControlFrame { session, body: Body::Goodbye }.to_vec()
 }
 
 /// The sender's session when `bytes` is exactly a HELLO frame of our wire version.
