@@ -59,6 +59,12 @@ counters! {
     registrations,
     /// Peers a transfer may bounce to now (compatible, arena loaded, HELLO received).
     peers_ready,
+    /// Peer arenas loaded through the inner engine and not yet unloaded (those retiring
+    /// behind a write in flight included).
+    peer_arenas_loaded,
+    /// Transfers failed and scatters answered as failed because the application deregistered
+    /// memory they touch (the core's count).
+    dereg_failed,
 }
 
 impl Stats {

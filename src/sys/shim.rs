@@ -20,6 +20,7 @@ unsafe extern "C" {
         key_ctx: *mut c_void,
     ) -> i32;
     fn bnc_shim_deregister(shim: *mut c_void, md: *mut c_void) -> i32;
+    fn bnc_shim_unload_md(shim: *mut c_void, md: *mut c_void) -> i32;
     fn bnc_shim_conn_info(shim: *mut c_void, out: BncSink, ctx: *mut c_void) -> i32;
     fn bnc_shim_write(
         shim: *mut c_void,
@@ -171,6 +172,13 @@ impl Shim {
     pub(crate) fn deregister(&self, md: Md) -> Result<(), NixlStatus> {
         // SAFETY: shim is live; md came from register and is deregistered once.
         NixlStatus::from_code(unsafe { bnc_shim_deregister(self.0.as_ptr(), md.0 as *mut c_void) }).ok()
+    }
+
+    /// Unloads remote metadata the shim loaded through the inner engine (a peer's arena).
+    pub(crate) fn unload(&self, md: Md) -> Result<(), NixlStatus> {
+        // SAFETY: shim is live; md came from the inner engine's loadRemoteMD (loadPeerArena),
+        // is unloaded once (the peer table hands each handle out once) and no write uses it.
+        NixlStatus::from_code(unsafe { bnc_shim_unload_md(self.0.as_ptr(), md.0 as *mut c_void) }).ok()
     }
 
     /// The inner engine's own connection info (our reverse-path endpoint).
