@@ -497,8 +497,9 @@ impl Driver {
             self.ep.handle_timeout(now);
         }
         moved |= self.drain_actions();
-        self.settle();
+        // Gauges first: a deregistration that returns sees its failures counted.
         self.publish_gauges();
+        self.settle();
         moved
     }
 
