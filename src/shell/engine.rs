@@ -30,7 +30,7 @@ use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
 use crate::shell::mailroom::Mailroom;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
-use crate::shell::reactor::{Cmd, Completion, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared, Signal};
+use crate::shell::reactor::{Cmd, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
 use crate::shell::registry::{Registration, Registry};
 use crate::shell::requests::{Released, State};
 use crate::shell::stats::Stats;
@@ -413,9 +413,7 @@ impl Engine {
         if !r.serves(b.arena.place()) {
             return; // never a copy source or target, never a direct-write source
         }
-        let done = Arc::new(Completion::default());
-        sh.inbox.push(Cmd::Deregister { addr: r.addr, len: r.len, done: Signal(Arc::clone(&done)) });
-        done.wait(sh);
+        sh.deregister(r.addr, r.len);
     }
 
     /// Routing decision for a request (the gate, README "What takes the bounce path"):

@@ -27,6 +27,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::shell::control::{ControlChannel, ControlError};
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
+use crate::shell::fence::{Fence, Pin};
 use crate::shell::peers::PeerTable;
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
@@ -51,15 +52,17 @@ pub(crate) enum Cmd {
     Hello(String),
     /// Host memory registered through this engine (the receiver may scatter into it).
     Registered(u64, u64),
-    /// The application deregisters `[addr, addr + len)`: fail what uses it, then signal
-    /// `done` once no queued or running copy job or write touches it.
+    /// The application deregistered `[addr, addr + len)` (marked removed in the [`Fence`]):
+    /// fail what uses it in the core, then (with `done`) signal once no running copy job or
+    /// write touches it.
     Deregister {
         /// Start of the range.
         addr: u64,
         /// Its length.
         len: u64,
-        /// Signalled (dropped) when the range is no longer touched.
-        done: Signal,
+        /// Signalled (dropped) when the range is no longer touched; `None` when nothing
+        /// touched it at the deregistration (the application did not wait).
+        done: Option<Signal>,
     },
     /// A peer arena's inner metadata that is no longer used for new writes (the peer was
     /// lost, said goodbye or was reloaded): unload it once no write in flight uses it.
@@ -152,6 +155,8 @@ pub(crate) struct Shared {
     pub(crate) registry: Arc<Registry>,
     /// Peer arenas dropped from the peer table and not yet unloaded (writes still use them).
     pub(crate) arenas_retiring: AtomicU64,
+    /// Jobs touching user memory, against deregistrations.
+    pub(crate) fence: Fence,
     /// The reactor thread has ended: no command will be handled any more.
     ended: AtomicBool,
 }
@@ -166,8 +171,24 @@ impl Shared {
             peers,
             registry,
             arenas_retiring: AtomicU64::new(0),
+            fence: Fence::default(),
             ended: AtomicBool::new(false),
         }
+    }
+
+    /// The application deregisters `[addr, addr + len)`, which the arena's copies may touch
+    /// (the registration is already gone from the registry): returns once no copy job or write
+    /// of the bounce path touches it, and none will. At once when none is running (the fence
+    /// refuses later ones); otherwise after the reactor has failed what uses the range and the
+    /// jobs on it have ended. The reactor applies the deregistration to the core either way.
+    pub(crate) fn deregister(&self, addr: u64, len: u64) {
+        if !self.fence.deregister((addr, addr.saturating_add(len))) {
+            self.inbox.push_quiet(Cmd::Deregister { addr, len, done: None });
+            return;
+        }
+        let done = Arc::new(Completion::default());
+        self.inbox.push(Cmd::Deregister { addr, len, done: Some(Signal(Arc::clone(&done))) });
+        done.wait(self);
     }
 
     /// The reactor thread is done: commands queued from now on are dropped (their signals
@@ -220,8 +241,8 @@ pub(crate) struct Reactor {
 struct InFlightWrite {
     job: JobId,
     id: WriteId,
-    /// The user memory it reads, `[start, end)` (a direct write), which a deregistration waits for.
-    user: Option<(u64, u64)>,
+    /// Its pin in the fence: the user memory it reads (a direct write).
+    pin: Option<Pin>,
     /// The peer arena's inner metadata it writes through, which is not unloaded before it ends.
     remote_md: Md,
 }
@@ -229,8 +250,8 @@ struct InFlightWrite {
 /// A copy job handed to the copy engine.
 struct CopyInFlight {
     dir: Dir,
-    /// The user addresses its runs touch, `[start, end)` (`None`: no runs).
-    span: Option<(u64, u64)>,
+    /// Its pin in the fence: the user addresses its runs touch.
+    pin: Option<Pin>,
 }
 
 /// A deregistration waiting for the jobs that touch its range.
@@ -238,12 +259,6 @@ struct PendingDereg {
     start: u64,
     end: u64,
     _done: Signal,
-}
-
-impl PendingDereg {
-    fn touches(&self, span: Option<(u64, u64)>) -> bool {
-        span.is_some_and(|(a, b)| a < self.end && self.start < b)
-    }
 }
 
 /// How long a closing engine waits for its own writes, then for the grants it gave out to come
@@ -281,6 +296,9 @@ struct Driver {
     /// Deregistrations waiting for running jobs (declared after `copier`: dropped after the
     /// copy engine has joined its workers, so their waiters wake only then).
     deregs: Vec<PendingDereg>,
+    /// Deregistrations the core applied in this pass: their fence marks go once this pass's
+    /// actions have been handed out.
+    applied: Vec<(u64, u64)>,
     /// Peer arenas to unload once no write in flight uses them.
     retiring: Vec<Md>,
     /// Peers we said HELLO to: those that may bounce to us, and so get our GOODBYE.
@@ -334,6 +352,7 @@ impl Reactor {
             copies: HashMap::new(),
             xfers: HashMap::new(),
             deregs: Vec::new(),
+            applied: Vec::new(),
             retiring: Vec::new(),
             greeted: HashSet::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
@@ -506,10 +525,12 @@ impl Driver {
     /// Signals the deregistrations no running job touches any more, and unloads the retired
     /// peer arenas no write in flight uses.
     fn settle(&mut self) {
+        for range in self.applied.drain(..) {
+            self.shared.fence.applied(range);
+        }
         if !self.deregs.is_empty() {
-            let (copies, writes) = (&self.copies, &self.writes);
-            self.deregs
-                .retain(|d| copies.values().any(|c| d.touches(c.span)) || writes.iter().any(|w| d.touches(w.user)));
+            let fence = &self.shared.fence;
+            self.deregs.retain(|d| fence.busy((d.start, d.end)));
         }
         if !self.retiring.is_empty() {
             let mut i = 0;
@@ -578,10 +599,15 @@ impl Driver {
             }
             Cmd::Registered(a, l) => self.ep.add_registered(a, l),
             Cmd::Deregister { addr, len, done } => {
-                // The core fails what uses the range; `settle` signals once the jobs already
-                // running on it (emitted before, or still queued as actions) have ended.
+                // The core fails what uses the range. Jobs it emitted before are refused by the
+                // fence when handed out; `settle` lifts the mark after this pass's hand-out and
+                // signals once the jobs already running on the range have ended.
                 self.ep.deregister(now, addr, len);
-                self.deregs.push(PendingDereg { start: addr, end: addr.saturating_add(len), _done: done });
+                let range = (addr, addr.saturating_add(len));
+                self.applied.push(range);
+                if let Some(done) = done {
+                    self.deregs.push(PendingDereg { start: range.0, end: range.1, _done: done });
+                }
             }
             Cmd::Unload(md) => self.retire(md),
         }
@@ -659,6 +685,9 @@ impl Driver {
             };
             let w = self.writes.remove(i);
             self.data.release(w.id);
+            if let Some(pin) = w.pin {
+                self.shared.fence.unpin(pin);
+            }
             self.ep.handle_write_done(now, w.job, ok);
             let _ = self.drain_actions();
             moved = true;
@@ -713,14 +742,35 @@ impl Driver {
 
     fn copy(&mut self, job: JobId, dir: Dir, region: Region, runs: Vec<CopyRun>) {
         let span = runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
-        self.copies.insert(job, CopyInFlight { dir, span });
+        let pin = match span {
+            Some(span) => {
+                let touches =
+                    |(s, e): (u64, u64)| runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < e && s < b);
+                match self.shared.fence.pin(span, touches) {
+                    Some(pin) => Some(pin),
+                    None => {
+                        // Its memory was deregistered since the core emitted it: never run it.
+                        self.copies.insert(job, CopyInFlight { dir, pin: None });
+                        return self.copy_done(Instant::now(), job, false);
+                    }
+                }
+            }
+            None => None,
+        };
+        self.copies.insert(job, CopyInFlight { dir, pin });
         if self.copier.submit(CopyJob { job, dir, region, runs }).is_err() {
             self.copy_done(Instant::now(), job, false);
         }
     }
 
     fn copy_done(&mut self, now: Instant, job: JobId, ok: bool) {
-        match self.copies.remove(&job).map(|c| c.dir) {
+        let dir = self.copies.remove(&job).map(|c| {
+            if let Some(pin) = c.pin {
+                self.shared.fence.unpin(pin);
+            }
+            c.dir
+        });
+        match dir {
             Some(Dir::Gather) => self.ep.handle_gather_done(now, job, ok),
             Some(Dir::Scatter) => self.ep.handle_scatter_done(now, job, ok),
             None => tracing::error!(job = job.0, "completion for an unknown copy job"),
@@ -771,10 +821,32 @@ impl Driver {
             WriteSource::User { addr } => Some((addr, addr.saturating_add(len))),
             WriteSource::Arena(_) => None,
         };
+        // A direct write reads user memory: pinned, so a deregistration waits for it (and one
+        // that came first refuses it).
+        let pin = match user {
+            Some(span) => match self.shared.fence.pin(span, |_| true) {
+                Some(pin) => Some(pin),
+                None => {
+                    tracing::debug!(peer = name, "direct-source chunk was deregistered");
+                    return self.ep.handle_write_done(now, job, false);
+                }
+            },
+            None => None,
+        };
         let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
-        match self.data.write(&name, local, remote, len) {
+        let posted = self.data.write(&name, local, remote, len);
+        // Only a write still in flight keeps its pin.
+        let pin = match (&posted, pin) {
+            (Ok(Posted::InFlight(_)), pin) => pin,
+            (_, Some(pin)) => {
+                self.shared.fence.unpin(pin);
+                None
+            }
+            (_, None) => None,
+        };
+        match posted {
             Ok(Posted::Done) => self.ep.handle_write_done(now, job, true),
-            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { job, id, user, remote_md: pa.md }),
+            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { job, id, pin, remote_md: pa.md }),
             Err(st) => {
                 tracing::warn!(peer = name, status = %st, "posting a bounce write failed");
                 self.ep.handle_write_done(now, job, false);
@@ -872,6 +944,9 @@ impl Driver {
         let ended = self.writes.is_empty();
         for w in self.writes.drain(..) {
             self.data.release(w.id);
+            if let Some(pin) = w.pin {
+                self.shared.fence.unpin(pin);
+            }
         }
         for md in std::mem::take(&mut self.retiring).into_iter().chain(self.shared.peers.take_arenas()) {
             self.data.unload(md);

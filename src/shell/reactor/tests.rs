@@ -405,9 +405,7 @@ fn deregister_async(side: &Side, buf: &[u8]) -> std::thread::JoinHandle<Instant>
     let shared = Arc::clone(&side.shared);
     std::thread::spawn(move || {
         assert!(shared.registry.remove(Md(addr as usize)).is_some());
-        let done = Arc::new(Completion::default());
-        shared.inbox.push(Cmd::Deregister { addr, len, done: Signal(Arc::clone(&done)) });
-        done.wait(&shared);
+        shared.deregister(addr, len);
         Instant::now()
     })
 }
@@ -470,7 +468,8 @@ fn deregistration_with_nothing_running_returns_at_once() {
     let Side { reactor, shared, _arena: arena, .. } = b;
     assert!(reactor.stop(), "nothing was granted: the arena may be handed back");
     let done = Arc::new(Completion::default());
-    shared.inbox.push(Cmd::Deregister { addr: other.as_ptr() as u64, len: 4096, done: Signal(Arc::clone(&done)) });
+    let cmd = Cmd::Deregister { addr: other.as_ptr() as u64, len: 4096, done: Some(Signal(Arc::clone(&done))) };
+    shared.inbox.push(cmd);
     done.wait(&shared);
     drop(arena);
 }
