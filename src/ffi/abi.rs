@@ -262,8 +262,10 @@ unsafe fn engine_ref<'a>(engine: *mut c_void) -> Option<&'a Engine> {
 /// Gives the Rust engine the shim pointer it may call back into.
 ///
 /// # Safety
-/// `engine` is a live engine handle; `shim` is null or a live shim engine that outlives it and
-/// whose `bnc_shim_*` functions may be called from any thread.
+/// `engine` is a live engine handle; `shim` is null or a live shim engine whose `bnc_shim_*`
+/// functions may be called from any thread until `bnc_engine_stop` on this engine has returned
+/// (the shim destroys its inner engine only after that, and the Rust engine makes no shim call
+/// once stopped).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_void) -> i32 {
     guard("bnc_engine_attach", || {
@@ -273,7 +275,9 @@ pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_voi
         // The reactor threads attach starts get only Arc-shared state and the shim, never a
         // reference to the Engine, so nothing aliases this borrow while it lives.
         let Some(e) = (unsafe { engine.cast::<Engine>().as_mut() }) else { return Status::ErrInvalidParam };
-        // SAFETY: the shim outlives the engine (caller contract), which is what Shim requires.
+        // SAFETY: the shim stays callable until bnc_engine_stop returns (caller contract), and
+        // every copy of the Shim (the reactor's, its channels') is dropped or unused by then,
+        // which is what Shim requires.
         let Some(shim) = (unsafe { Shim::new(shim) }) else { return Status::Success };
         e.attach(shim);
         Status::Success
