@@ -7,27 +7,30 @@ bounce reactors progress both sides on their own threads.
   side) that buffer: it returns only once nothing of the bounce path touches the memory; the
   transfer ends in an error, never DONE; the bytes do not change after it returned.
 - An agent destroyed mid-transfer says GOODBYE: its peer's transfer fails at once (not by the
-  no-progress timeout), and neither process crashes.
+  no-progress timeout), and neither process crashes. Over both control channels.
 - 50 peer restarts (disconnect first, or GOODBYE first): the survivor's count of loaded peer
-  arenas (`stats.peer_arenas_loaded`) stays flat.
+  arenas (`stats.peer_arenas_loaded`) stays flat. Over both control channels.
 """
 import subprocess
 import textwrap
+
+import pytest
 
 from conftest import run_isolated
 
 # A long no-progress timeout: a failure that comes fast came from the fix, not from the timer.
 SLOW = {"bounce_request_timeout_ms": "60000", "bounce_arena_size": "4MiB", "bounce_max_chunk_size": "1MiB"}
+CONTROL = {"ucx": {}, "zmq": {"bounce_control": "zmq", "bounce_zmq_host": "127.0.0.1"}}
 
-PRELUDE = textwrap.dedent(f"""
+PRELUDE = textwrap.dedent("""
     import base64, gc, sys, time
     import numpy as np
     import nixlkit
-    P = {SLOW!r}
+    P = {params!r}
 
     def stats(ag):
         ag.get_new_notifs()
-        return {{k[6:]: int(v) for k, v in nixlkit.live_params(ag).items() if k.startswith("stats.")}}
+        return {k[6:]: int(v) for k, v in nixlkit.live_params(ag).items() if k.startswith("stats.")}
 
     def pair(tx_name, rx_name, src, dst, params=P):
         # Registered before the metadata goes out: the sender must know the destination's.
@@ -70,9 +73,10 @@ PRELUDE = textwrap.dedent(f"""
 """)
 
 
-def run(body, timeout=120):
+def run(body, timeout=120, control="ucx"):
+    prelude = PRELUDE.replace("{params!r}", repr({**SLOW, **CONTROL[control]}))
     try:
-        rc, out = run_isolated(PRELUDE + textwrap.dedent(body) + "\nnixlkit.leave(0)\n", timeout=timeout)
+        rc, out = run_isolated(prelude + textwrap.dedent(body) + "\nnixlkit.leave(0)\n", timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"HANG: the scenario did not finish in {timeout} s: {(e.stdout or b'')[-2000:]!r}")
     assert rc == 0, f"rc={rc}\n{out[-4000:]}"
@@ -109,7 +113,7 @@ def test_deregistering_the_destination_mid_scatter_fails_the_transfer_and_nothin
             changed = int(np.count_nonzero(frozen != dst))
             s = stats(rx)
             print(f"RESULT state={st} secs={secs:.2f} changed={changed} dereg_s={took:.3f} "
-                  f"dereg_failed={s['dereg_failed']} ok={stats(tx)['bounce_ok']}", flush=True)
+                  f"dereg_failed={s.get('dereg_failed', -1)} ok={stats(tx)['bounce_ok']}", flush=True)
             break
         else:
             print("RESULT never-in-flight=1", flush=True)
@@ -137,7 +141,7 @@ def test_deregistering_the_source_mid_gather_fails_the_transfer():
             tx.deregister_memory(rs)            # must wait for the gathers reading src
             st, secs = resolve(tx, h, 30)
             s = stats(tx)
-            print(f"RESULT state={st} secs={secs:.2f} dereg_failed={s['dereg_failed']} ok={s['bounce_ok']}",
+            print(f"RESULT state={st} secs={secs:.2f} dereg_failed={s.get('dereg_failed', -1)} ok={s['bounce_ok']}",
                   flush=True)
             break
         else:
@@ -151,8 +155,9 @@ def test_deregistering_the_source_mid_gather_fails_the_transfer():
     assert float(r["secs"]) < 5, f"failed only after {r['secs']} s"
 
 
-def test_an_agent_destroyed_mid_transfer_says_goodbye_and_its_peer_fails_fast():
-    out = run("""
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_an_agent_destroyed_mid_transfer_says_goodbye_and_its_peer_fails_fast(control):
+    out = run(control=control, body="""
         lay = nixlkit.Scattered(16384, 4096, seed=60)
         src = nixlkit.pattern(61, lay.src_bytes)
         dst = nixlkit.pattern(62, lay.dst_bytes)
@@ -173,7 +178,7 @@ def test_an_agent_destroyed_mid_transfer_says_goodbye_and_its_peer_fails_fast():
         st, secs = resolve(tx, h, 30)
         s = stats(tx)
         print(f"RESULT state={st} secs={secs:.2f} destroyed={destroyed:.2f} ready={s['peers_ready']} "
-              f"arenas={s['peer_arenas_loaded']} ok={s['bounce_ok']} failed={s['bounce_failed']}", flush=True)
+              f"arenas={s.get('peer_arenas_loaded', -1)} ok={s['bounce_ok']} failed={s['bounce_failed']}", flush=True)
     """)
     r = results(out)
     assert r and "never-in-flight" not in r[0], out[-3000:]
@@ -185,8 +190,9 @@ def test_an_agent_destroyed_mid_transfer_says_goodbye_and_its_peer_fails_fast():
     assert int(r["arenas"]) == 0, "the destroyed agent's arena metadata was not unloaded"
 
 
-def test_50_peer_restarts_keep_the_loaded_peer_arenas_flat():
-    out = run("""
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_50_peer_restarts_keep_the_loaded_peer_arenas_flat(control):
+    out = run(control=control, timeout=300, body="""
         s_ag = nixlkit.agent("survivor", params=P)
         lay = nixlkit.Scattered(1024, 4096, seed=70)
         src = nixlkit.pattern(71, lay.src_bytes)
@@ -205,7 +211,7 @@ def test_50_peer_restarts_keep_the_loaded_peer_arenas_flat():
             assert st == "DONE", f"restart {i}: {st}"
             s_ag.release_xfer_handle(h)
             oks += 1
-            gauge.append(stats(s_ag)["peer_arenas_loaded"])
+            gauge.append(stats(s_ag).get("peer_arenas_loaded", -1))
             if i % 2:
                 del p_ag                          # GOODBYE first, then NIXL forgets it
                 gc.collect()
@@ -215,15 +221,16 @@ def test_50_peer_restarts_keep_the_loaded_peer_arenas_flat():
                 del p_ag
                 gc.collect()
         end = time.monotonic() + 5
-        while stats(s_ag)["peer_arenas_loaded"] != 0 and time.monotonic() < end:
+        while stats(s_ag).get("peer_arenas_loaded", -1) != 0 and time.monotonic() < end:
             time.sleep(0.01)
         s = stats(s_ag)
-        print(f"RESULT max={max(gauge)} min={min(gauge)} final={s['peer_arenas_loaded']} "
+        print(f"RESULT max={max(gauge)} min={min(gauge)} final={s.get('peer_arenas_loaded', -1)} "
               f"oks={oks} bounced={s['bounce_ok']}", flush=True)
-    """, timeout=300)
+    """)
     r = results(out)
     assert r, out[-3000:]
     r = r[0]
     assert int(r["oks"]) == 50 and int(r["bounced"]) == 50, f"not every restart bounced: {r}"
-    assert int(r["max"]) == 1 and int(r["min"]) == 1, f"loaded peer arenas grew over the restarts: {r}"
+    assert int(r["max"]) == 1 and int(r["min"]) == 1, \
+        f"stats.peer_arenas_loaded not flat at 1 over the restarts (-1: no such counter): {r}"
     assert int(r["final"]) == 0, f"peer arenas still loaded after every peer left: {r}"
