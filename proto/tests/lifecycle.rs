@@ -10,7 +10,7 @@ use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError, XferError};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, Plan, PlanParams};
-use bounce_proto::wire::{self, AckStatus, Data, Frame, Grant, Msg, Want};
+use bounce_proto::wire::{self, Ack, AckStatus, Data, Frame, Grant, Msg, Want};
 use bounce_proto::{ChunkIdx, CopyRun, PeerId, Region, XferId};
 
 const KIB: u64 = 1024;
@@ -246,4 +246,197 @@ fn goodbye_is_a_header_only_frame_of_kind_6() {
     let f = wire::ControlFrame::decode(&bytes).unwrap();
     assert_eq!((f.session, f.body), (0x0102_0304_0506_0708, wire::Body::Goodbye));
     assert!(Frame::decode(&bytes).is_err(), "GOODBYE is no transfer message");
+}
+
+/// What the randomized run below keeps track of.
+#[derive(Default)]
+struct Model {
+    /// `R1` is registered now.
+    r1: bool,
+    /// Closing: nothing may be granted any more.
+    closed: bool,
+    /// Outstanding jobs: (job, kind 0 gather / 1 write / 2 scatter).
+    jobs: Vec<(JobId, u8)>,
+    /// Scatters in flight: job -> (peer, xfer, region, touches R1, must be answered as failed).
+    scatters: std::collections::BTreeMap<JobId, (PeerId, XferId, Region, bool, bool)>,
+    /// Scatters reported done, waiting for their ACK: (peer, xfer, region) -> must be Failed.
+    acks_due: std::collections::BTreeMap<(PeerId, XferId, Region), bool>,
+    /// Credits granted to remote flows: (peer, xfer, chunk, region).
+    credits: Vec<(PeerId, XferId, u32, Region)>,
+    /// Local transfers in flight -> reads R1.
+    local: std::collections::BTreeMap<XferId, bool>,
+    /// Local transfers that read R1 when it was deregistered (none may complete Ok).
+    doomed: std::collections::BTreeSet<XferId>,
+    /// DATA we sent for local transfers: (xfer, chunk, region), for the peer's ACK.
+    sent_data: Vec<(XferId, u32, Region)>,
+    /// What the checks saw (so the run is shown not to be vacuous): doomed scatters answered,
+    /// doomed local transfers ended, local transfers that succeeded, scatters emitted.
+    seen: [u64; 4],
+}
+
+const R1: (u64, u64) = (DST, 64 * KIB);
+const R2: (u64, u64) = (SRC2, 64 * KIB);
+const LOCAL_PEER: PeerId = PeerId(5);
+
+fn touches_r1(runs: &[CopyRun]) -> bool {
+    runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < R1.0 + R1.1 && R1.0 < b)
+}
+
+impl Model {
+    /// Takes every action, checking the lifecycle rules on the way.
+    fn drain(&mut self, ep: &mut Endpoint) {
+        while let Some(a) = ep.poll_action() {
+            match a {
+                Action::Gather { job, runs, .. } => {
+                    assert!(self.r1 || !touches_r1(&runs), "a gather reads deregistered memory");
+                    self.jobs.push((job, 0));
+                }
+                Action::Write { job, .. } => self.jobs.push((job, 1)),
+                Action::Scatter { job, peer, xfer, region, runs } => {
+                    let hit = touches_r1(&runs);
+                    assert!(self.r1 || !hit, "a scatter into deregistered memory was emitted");
+                    self.scatters.insert(job, (peer, xfer, region, hit, false));
+                    self.seen[3] += 1;
+                    self.jobs.push((job, 2));
+                }
+                Action::Complete { xfer, outcome } => {
+                    assert!(self.local.remove(&xfer).is_some(), "{xfer:?} completed twice or unknown");
+                    if self.doomed.contains(&xfer) {
+                        assert!(outcome.is_err(), "{xfer:?} read deregistered memory yet succeeded");
+                        self.seen[1] += 1;
+                    } else if outcome.is_ok() {
+                        self.seen[2] += 1;
+                    }
+                }
+                Action::Send { peer, msg: Msg::Grant(g) } => {
+                    assert!(!self.closed, "granted after close");
+                    self.credits.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk.0, c.region)));
+                }
+                Action::Send { peer, msg: Msg::Ack(a) } => {
+                    if let Some(must_fail) = self.acks_due.remove(&(peer, a.xfer, a.region)) {
+                        if must_fail {
+                            assert_eq!(a.status, AckStatus::Failed, "a scatter into deregistered memory was acked");
+                            self.seen[0] += 1;
+                        }
+                    }
+                }
+                Action::Send { msg: Msg::Data(d), .. } => self.sent_data.push((d.xfer, d.chunk.0, d.region)),
+                Action::Send { .. } => {}
+            }
+        }
+    }
+}
+
+/// Random sequences of remote flows, local transfers, job completions, deregistration and
+/// re-registration of one destination-and-source range, GOODBYEs and a close: no gather or
+/// scatter touches the range while it is deregistered, a scatter running into it when it is
+/// deregistered is answered as failed, a local transfer reading it never succeeds, nothing is
+/// granted after close, and after shutdown the arena comes back whole.
+#[test]
+fn random_lifecycles_never_touch_deregistered_memory() {
+    use rand::{Rng, SeedableRng};
+    let mut seen = [0u64; 4];
+    for seed in 0..300u64 {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut now = Instant::now();
+        let mut ep = Endpoint::new(&config(rng.random_bool(0.5)), now).unwrap();
+        ep.add_registered(R1.0, R1.1);
+        ep.add_registered(R2.0, R2.1);
+        let mut m = Model { r1: true, ..Model::default() };
+        let mut next = 1u64;
+        for _ in 0..200 {
+            match rng.random_range(0..12) {
+                0 if !m.closed => {
+                    let (peer, x) = (PeerId(rng.random_range(0..3)), 100 + rng.random_range(0..6u64));
+                    let _ = ep.handle_msg(now, peer, want(x, &[CHUNK; 3]));
+                }
+                1 if !m.credits.is_empty() => {
+                    let (peer, x, chunk, region) = m.credits.swap_remove(rng.random_range(0..m.credits.len()));
+                    let base = if rng.random_bool(0.5) { R1.0 } else { R2.0 };
+                    let _ = ep.handle_msg(now, peer, data(x.0, chunk, region, base + rng.random_range(0..15) * CHUNK));
+                }
+                2..=4 if !m.jobs.is_empty() => {
+                    let (job, kind) = m.jobs.swap_remove(rng.random_range(0..m.jobs.len()));
+                    let ok = rng.random_bool(0.9);
+                    match kind {
+                        0 => ep.handle_gather_done(now, job, ok),
+                        1 => ep.handle_write_done(now, job, ok),
+                        _ => {
+                            let (peer, x, region, _, must_fail) = m.scatters.remove(&job).unwrap();
+                            m.acks_due.insert((peer, x, region), must_fail);
+                            ep.handle_scatter_done(now, job, ok);
+                        }
+                    }
+                }
+                5 if !m.closed => {
+                    // A local transfer, from R1 only while it is registered.
+                    let from_r1 = m.r1 && rng.random_bool(0.5);
+                    let src = if from_r1 { R1.0 } else { R2.0 };
+                    let x = XferId(next);
+                    next += 1;
+                    if ep.submit(now, x, LOCAL_PEER, plan_from(src, rng.random_range(1..4))).is_ok() {
+                        m.local.insert(x, from_r1);
+                    }
+                }
+                6 if !m.local.is_empty() => {
+                    // The local peer grants one chunk of one of our transfers.
+                    let (&x, _) = m.local.iter().nth(rng.random_range(0..m.local.len())).unwrap();
+                    let chunk = rng.random_range(0..3u32);
+                    let region = Region { offset: u64::from(chunk) * CHUNK, len: CHUNK };
+                    let credit = wire::Credit { chunk: ChunkIdx(chunk), region };
+                    let _ = ep.handle_msg(now, LOCAL_PEER, Msg::Grant(Grant { xfer: x, credits: vec![credit] }));
+                }
+                7 if !m.sent_data.is_empty() => {
+                    let (x, chunk, region) = m.sent_data.swap_remove(rng.random_range(0..m.sent_data.len()));
+                    let ack = Ack { xfer: x, chunk: ChunkIdx(chunk), region, status: AckStatus::Scattered };
+                    let _ = ep.handle_msg(now, LOCAL_PEER, Msg::Ack(ack));
+                }
+                8 => {
+                    if m.r1 {
+                        m.r1 = false;
+                        // Everything in flight on R1 now must end badly.
+                        for s in m.scatters.values_mut().filter(|s| s.3) {
+                            s.4 = true;
+                        }
+                        m.doomed.extend(m.local.iter().filter(|(_, r1)| **r1).map(|(x, _)| *x));
+                        ep.deregister(now, R1.0, R1.1);
+                    } else {
+                        m.r1 = true;
+                        ep.add_registered(R1.0, R1.1);
+                    }
+                }
+                9 if rng.random_bool(0.2) => ep.handle_goodbye(now, LOCAL_PEER),
+                10 if rng.random_bool(0.05) && !m.closed => {
+                    ep.close(now);
+                    m.closed = true;
+                }
+                _ => {
+                    now += Duration::from_millis(rng.random_range(0..50));
+                    ep.handle_timeout(now);
+                }
+            }
+            m.drain(&mut ep);
+            assert!(ep.scheduler().check_invariants().is_ok(), "seed {seed}: {:?}", ep.scheduler().check_invariants());
+            assert!(ep.receiver().check_invariants().is_ok(), "seed {seed}");
+        }
+        ep.shutdown(now);
+        m.drain(&mut ep);
+        while let Some((job, kind)) = m.jobs.pop() {
+            match kind {
+                0 => ep.handle_gather_done(now, job, false),
+                1 => ep.handle_write_done(now, job, false),
+                _ => ep.handle_scatter_done(now, job, true),
+            }
+            m.drain(&mut ep);
+        }
+        assert!(ep.is_idle(), "seed {seed}");
+        assert!(m.local.is_empty(), "seed {seed}: transfers never completed: {:?}", m.local);
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB, "seed {seed}");
+        for (t, n) in seen.iter_mut().zip(m.seen) {
+            *t += n;
+        }
+    }
+    // Not vacuous: doomed scatters and transfers really occur, and so do successes.
+    let [failed_acks, doomed, succeeded, scatters] = seen;
+    assert!(failed_acks > 20 && doomed > 20 && succeeded > 100 && scatters > 1000, "{seen:?}");
 }
