@@ -300,7 +300,8 @@ pub unsafe extern "C" fn bnc_engine_stop(engine: *mut c_void) {
     guard_void("bnc_engine_stop", || {
         // SAFETY: a live handle (contract) and no other call runs concurrently (contract); the
         // reactor threads hold only Arc-shared state and the shim, never a reference to the
-        // Engine: this exclusive borrow aliases nothing.
+        // Engine, and the bnc_shim_* functions they call never call back into the engine
+        // (bounce_ffi.h): this exclusive borrow aliases nothing.
         if let Some(e) = unsafe { engine.cast::<Engine>().as_mut() } {
             e.stop();
         }
