@@ -280,6 +280,33 @@ mod tests {
     }
 
     #[test]
+    fn every_arena_handle_dropped_from_the_table_is_handed_back_once_to_unload() {
+        let t = PeerTable::default();
+        t.loaded("b", Some(caps(9)), Some(&caps(1)));
+        assert_eq!(t.arena_loaded("b", Some(Md(5))), (true, vec![]));
+        // NIXL reloaded b's conn info: the new handle replaces the old, which must be unloaded.
+        assert_eq!(t.arena_loaded("b", Some(Md(6))), (true, vec![Md(5)]));
+        // The same handle reported again is kept, never unloaded.
+        assert_eq!(t.arena_loaded("b", Some(Md(6))), (true, vec![]));
+        assert_eq!(t.arenas_loaded(), 1);
+        // GOODBYE under another session changes nothing; under b's, its arena goes.
+        assert!(t.hello("b").is_ok());
+        assert_eq!(t.goodbye("b", 8), Err(FrameRefused::StaleSession { got: 8, current: 9 }));
+        assert!(t.bounce_arena("b").is_some());
+        let id = t.known_id("b").unwrap();
+        assert_eq!(t.goodbye("b", 9), Ok((id, Some(Md(6)))));
+        assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
+        assert_eq!((t.arenas_loaded(), t.lost("b")), (0, None), "handed back once only");
+        // Loading failed after a success: the old handle goes too.
+        t.loaded("c", Some(caps(3)), Some(&caps(1)));
+        assert_eq!(t.arena_loaded("c", Some(Md(7))), (true, vec![]));
+        assert_eq!(t.arena_loaded("c", None), (false, vec![Md(7)]));
+        assert_eq!(t.arena_loaded("c", Some(Md(8))), (true, vec![]));
+        assert_eq!(t.take_arenas(), vec![Md(8)]);
+        assert_eq!(t.arenas_loaded(), 0);
+    }
+
+    #[test]
     fn hellos_from_unloaded_agents_are_bounded() {
         let t = PeerTable::default();
         for i in 0..peers::MAX_REACHABLE {
