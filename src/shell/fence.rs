@@ -3,8 +3,9 @@
 //! inner engine, and unpinned when it ends. A deregistration marks its range removed first and
 //! then looks for a pinned job touching it: when there is none it may return at once (no job
 //! touches the range now, and none pinned later can, since pinning refuses removed ranges);
-//! otherwise it waits for the reactor. The removed mark stays until the reactor has applied
-//! the deregistration to the core and handed out every job the core emitted before it.
+//! otherwise it waits for the reactor. The removed mark stays until the reactor has handed out
+//! every job the core emitted before it and applied the deregistration to the core (then the
+//! same addresses may be registered and used again).
 //!
 //! This is what keeps a deregistration at UCX's cost when nothing is in flight: one lock, no
 //! round trip to the reactor.

@@ -296,9 +296,6 @@ struct Driver {
     /// Deregistrations waiting for running jobs (declared after `copier`: dropped after the
     /// copy engine has joined its workers, so their waiters wake only then).
     deregs: Vec<PendingDereg>,
-    /// Deregistrations the core applied in this pass: their fence marks go once this pass's
-    /// actions have been handed out.
-    applied: Vec<(u64, u64)>,
     /// Peer arenas to unload once no write in flight uses them.
     retiring: Vec<Md>,
     /// Peers we said HELLO to: those that may bounce to us, and so get our GOODBYE.
@@ -352,7 +349,6 @@ impl Reactor {
             copies: HashMap::new(),
             xfers: HashMap::new(),
             deregs: Vec::new(),
-            applied: Vec::new(),
             retiring: Vec::new(),
             greeted: HashSet::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
@@ -525,9 +521,6 @@ impl Driver {
     /// Signals the deregistrations no running job touches any more, and unloads the retired
     /// peer arenas no write in flight uses.
     fn settle(&mut self) {
-        for range in self.applied.drain(..) {
-            self.shared.fence.applied(range);
-        }
         if !self.deregs.is_empty() {
             let fence = &self.shared.fence;
             self.deregs.retain(|d| fence.busy((d.start, d.end)));
@@ -599,12 +592,15 @@ impl Driver {
             }
             Cmd::Registered(a, l) => self.ep.add_registered(a, l),
             Cmd::Deregister { addr, len, done } => {
-                // The core fails what uses the range. Jobs it emitted before are refused by the
-                // fence when handed out; `settle` lifts the mark after this pass's hand-out and
-                // signals once the jobs already running on the range have ended.
+                // Hand out what the core emitted before it knew (the fence refuses the jobs on
+                // the range), let it fail what uses the range, then lift the fence's mark at
+                // once: the same addresses may be registered again by the next command.
+                // `settle` signals once the jobs already running on the range have ended.
+                let _ = self.drain_actions();
                 self.ep.deregister(now, addr, len);
+                let _ = self.drain_actions();
                 let range = (addr, addr.saturating_add(len));
-                self.applied.push(range);
+                self.shared.fence.applied(range);
                 if let Some(done) = done {
                     self.deregs.push(PendingDereg { start: range.0, end: range.1, _done: done });
                 }

@@ -508,3 +508,25 @@ fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     assert!(a.shared.peers.bounce_arena("b").is_none(), "b's arena is forgotten");
     assert_eq!(a.stat(|s| &s.bounce_ok), 0);
 }
+
+#[test]
+fn memory_deregistered_and_registered_again_at_once_bounces_normally() {
+    // Memory pools free and re-register the same addresses: the fence's mark of the old
+    // registration must not outlive the reactor's handling of it, or the new one's gathers
+    // would be refused.
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    let (mut src, mut dst) = buffers();
+    b.register(&mut dst);
+    for _ in 0..3 {
+        a.register(&mut src);
+        deregister_async(&a, &src).join().unwrap();
+        a.register(&mut src);
+        let h = a.post("b", &cfg, &src, &mut dst);
+        assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+        assert_exact(&src, &dst);
+        deregister_async(&a, &src).join().unwrap();
+    }
+    assert_eq!(a.stat(|s| &s.bounce_ok), 3);
+}
