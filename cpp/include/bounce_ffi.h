@@ -60,6 +60,11 @@ int32_t bnc_engine_create(const bnc_create_args *args, bnc_create_out *out, bnc_
 // Gives the Rust engine the shim engine it may call back into (bnc_shim_* below). Called once,
 // after the inner engine exists and before any other engine call.
 int32_t bnc_engine_attach(void *engine, void *shim);
+// Teardown, in this order: bnc_engine_stop (closes the bounce path: GOODBYE to the peers, the
+// reactor joined, the arena deregistered, peer arenas unloaded; it still uses the shim), then
+// the shim destroys the inner engine, then bnc_engine_destroy (frees the Rust engine and
+// unloads the UCX plugin library, so nothing of the inner plugin may be used after it).
+void bnc_engine_stop(void *engine);
 void bnc_engine_destroy(void *engine);
 
 // Connection info: wraps the inner conn info into BOUNCE's versioned envelope...
@@ -123,6 +128,9 @@ const void *bnc_shim_plugin(void);
 int32_t bnc_shim_register(void *shim, uint64_t addr, uint64_t len, uint64_t dev, int32_t mem,
                           void **md, bnc_sink key, void *key_ctx);
 int32_t bnc_shim_deregister(void *shim, void *md);
+// Unloads remote metadata loaded through the inner engine (a peer's arena, see
+// bnc_peer_arena_md).
+int32_t bnc_shim_unload_md(void *shim, void *md);
 int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx);
 int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t local_mem, int32_t remote_mem,
                        void *local_md, uint64_t laddr,

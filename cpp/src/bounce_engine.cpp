@@ -87,11 +87,15 @@ public:
     }
 
     ~BounceEngine() override {
-        // Rust first: its reactor may still be using the inner engine.
-        if (rust_) bnc_engine_destroy(rust_);
-        rust_ = nullptr;
+        // Rust's bounce path first (its reactor uses the inner engine until joined, and the
+        // arena and peer arenas are released through it), then the inner engine, then the Rust
+        // engine, which owns the UCX plugin library plugin_ points into.
+        if (rust_) bnc_engine_stop(rust_);
         if (inner_ && plugin_) plugin_->destroy_engine(inner_);
         inner_ = nullptr;
+        plugin_ = nullptr;
+        if (rust_) bnc_engine_destroy(rust_);
+        rust_ = nullptr;
     }
 
     bool supportsRemote() const override { return inner_->supportsRemote(); }
@@ -341,6 +345,10 @@ public:
         Lock g(mu_);
         return inner_->deregisterMem(static_cast<BackendMD *>(md));
     }
+    nixl_status_t shimUnload(void *md) {
+        Lock g(mu_);
+        return inner_->unloadMD(static_cast<BackendMD *>(md));
+    }
     nixl_status_t shimConnInfo(bnc_sink out, void *ctx) {
         std::string s;
         Lock g(mu_);
@@ -573,6 +581,9 @@ extern "C" int32_t bnc_shim_register(void *shim, uint64_t addr, uint64_t len, ui
 }
 extern "C" int32_t bnc_shim_deregister(void *shim, void *md) {
     BNC_SHIM_TRY(eng(shim)->shimDeregister(md))
+}
+extern "C" int32_t bnc_shim_unload_md(void *shim, void *md) {
+    BNC_SHIM_TRY(eng(shim)->shimUnload(md))
 }
 extern "C" int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx) {
     BNC_SHIM_TRY(eng(shim)->shimConnInfo(out, ctx))

@@ -91,6 +91,8 @@ pub struct Endpoint {
     liveness: Liveness,
     /// Scratch: the peers waited on, rebuilt after every input for the liveness probe.
     waited: BTreeSet<PeerId>,
+    /// [`close`](Self::close) was called: nothing more is granted.
+    closing: bool,
 }
 
 impl Endpoint {
@@ -117,6 +119,7 @@ impl Endpoint {
                 dead_after: config.peer_dead_after,
             }),
             waited: BTreeSet::new(),
+            closing: false,
         })
     }
 
@@ -159,6 +162,18 @@ impl Endpoint {
     /// Scatters already emitted are not affected.
     pub fn remove_registered(&mut self, addr: u64, len: u64) {
         self.receiver.remove_registered(addr, len);
+    }
+
+    /// The application deregistered `[addr, addr + len)`: the receiver stops scattering into
+    /// it (as [`remove_registered`](Self::remove_registered)) and answers ACK(Failed) for each
+    /// scatter in flight into it; every transfer reading from it fails with
+    /// [`XferError::Deregistered`]. Jobs already emitted still run: the shell must wait for
+    /// those that touch the range before it lets the application free the memory.
+    pub fn deregister(&mut self, now: Instant, addr: u64, len: u64) {
+        let mut ctx = ctx!(self, now);
+        self.receiver.deregister(&mut ctx, addr, len);
+        self.sender.deregister(&mut ctx, addr, addr.saturating_add(len));
+        self.pump(now);
     }
 
     /// Handles one control message from `from`: WANT and DATA go to the receiver, GRANT and
@@ -246,6 +261,11 @@ impl Endpoint {
                 self.handle_pong(now, peer, nonce);
                 return Ok(());
             }
+            wire::Body::Goodbye => {
+                let peer = self.peers.goodbye(name, frame.session)?;
+                self.handle_goodbye(now, peer);
+                return Ok(());
+            }
             wire::Body::Msg(msg) => msg,
         };
         let is_want = matches!(msg, wire::Msg::Want(_));
@@ -289,6 +309,17 @@ impl Endpoint {
     pub fn handle_peer_lost(&mut self, now: Instant, peer: PeerId) {
         let mut ctx = ctx!(self, now);
         self.sender.handle_peer_lost(&mut ctx, peer);
+        self.receiver.handle_peer_lost(&mut ctx, peer);
+        self.pump(now);
+    }
+
+    /// The peer said GOODBYE (its engine is going away, its own writes have ended): its flows
+    /// into us are reclaimed at once, and our transfers to it fail with
+    /// [`XferError::PeerLost`], their credits retracted (a cancel) once our writes into its
+    /// arena have ended, so it can tell when no write of ours can land there any more.
+    pub fn handle_goodbye(&mut self, now: Instant, peer: PeerId) {
+        let mut ctx = ctx!(self, now);
+        self.sender.handle_goodbye(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
         self.pump(now);
     }
@@ -344,6 +375,25 @@ impl Endpoint {
         self.sender.shutdown(&mut ctx);
         self.receiver.shutdown(&mut ctx);
         self.pump(now);
+    }
+
+    /// Starts closing (the engine is being destroyed): every transfer fails with
+    /// [`XferError::ShuttingDown`] (cancels are queued, as in [`shutdown`](Self::shutdown)),
+    /// no WANT is accepted and no region is granted any more, but regions already granted stay
+    /// held (and their DATA is still scattered) until the peer retracts or uses them:
+    /// [`grants_outstanding`](Self::grants_outstanding) counts them. Call
+    /// [`shutdown`](Self::shutdown) when it reaches zero or the shell stops waiting.
+    pub fn close(&mut self, now: Instant) {
+        self.closing = true;
+        let mut ctx = ctx!(self, now);
+        self.sender.shutdown(&mut ctx);
+        self.receiver.close();
+        self.pump(now);
+    }
+
+    /// Regions granted to peers and not yet returned: where a peer's write may still land.
+    pub fn grants_outstanding(&self) -> usize {
+        self.receiver.grants_outstanding(&self.sched)
     }
 
     /// The next action for the shell; call until `None` after every command or input.
@@ -436,6 +486,9 @@ impl Endpoint {
     fn pump(&mut self, now: Instant) {
         let mut ctx = ctx!(self, now);
         self.sender.retry_parked(&mut ctx);
+        if self.closing {
+            return;
+        }
         let grants = ctx.sched.schedule();
         if !grants.is_empty() {
             self.receiver.emit_grants(&mut ctx, grants);

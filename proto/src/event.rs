@@ -144,6 +144,10 @@ pub enum XferError {
     /// The endpoint is shutting down.
     #[error("shutting down")]
     ShuttingDown,
+    /// The application deregistered memory the transfer reads (a gather or direct-write
+    /// source) or a chunk of it was being scattered into.
+    #[error("memory of the transfer was deregistered")]
+    Deregistered,
     /// The descriptors could not be planned (for the shell, which plans before submitting).
     #[error(transparent)]
     Plan(#[from] PlanError),
@@ -398,6 +402,9 @@ pub struct Stats {
     pub pongs_received: u64,
     /// Peers declared dead by the liveness probe (their transfers failed as lost).
     pub peers_declared_dead: u64,
+    /// Transfers failed and scatters answered ACK(Failed) because the application deregistered
+    /// memory they touch.
+    pub dereg_failed: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

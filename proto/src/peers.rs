@@ -292,6 +292,32 @@ impl PeerTable {
         Ok(Admitted { peer, restarted })
     }
 
+    /// A GOODBYE from `name` carrying `session`: its engine is going away with its arena. The
+    /// arena and HELLO are forgotten (nothing more is bounced to it until it is loaded and
+    /// says HELLO again); its connection info and session stay, so the retraction of our
+    /// credits and its last frames still pass. Returns its id.
+    ///
+    /// # Errors
+    /// [`FrameRefused::NotLoaded`], or [`FrameRefused::StaleSession`] when `session` is not the
+    /// peer's current one (a GOODBYE never starts a session); nothing changed.
+    pub fn goodbye(&mut self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {
+        let p = match self.by_name.get_mut(name) {
+            Some(p) if p.conn.is_some() => p,
+            _ => return Err(FrameRefused::NotLoaded),
+        };
+        let current = match (&p.session, &p.conn) {
+            (Some(s), _) => *s,
+            (None, Some(Some(caps))) => caps.session,
+            (None, _) => return Err(FrameRefused::NotLoaded),
+        };
+        if current != session {
+            return Err(FrameRefused::StaleSession { got: session, current });
+        }
+        p.arena = false;
+        p.hello = false;
+        Ok(p.id)
+    }
+
     /// `name` disconnected (NIXL reports it): it is no longer loaded, its arena and HELLO are
     /// forgotten and so is its session. Its id stays. Returns the id, if the name was known.
     pub fn lost(&mut self, name: &str) -> Option<PeerId> {

@@ -14,9 +14,9 @@ use tracing::{debug, trace, warn};
 
 use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
-use crate::scheduler::Grant as SchedGrant;
+use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, FlowKey, PeerId, Region};
+use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, Region};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
@@ -56,6 +56,11 @@ struct Scatter {
     chunk: ChunkIdx,
     region: Region,
     bytes: u64,
+    /// The destination addresses its runs write, `[start, end)`.
+    span: (u64, u64),
+    /// Memory it writes was deregistered while it was in flight: it is answered ACK(Failed)
+    /// whatever its outcome (the shell waits for it before the deregistration returns).
+    doomed: bool,
 }
 
 /// Protocol state of the transfers peers send to this engine.
@@ -85,6 +90,7 @@ pub struct Receiver {
     caps: PeerLoad,
     scatters: BTreeMap<JobId, Scatter>,
     timers: TimerTable<FlowKey>,
+    /// No new WANT is accepted (closing or shut down).
     shutting_down: bool,
 }
 
@@ -147,6 +153,41 @@ impl Receiver {
             Some(n) => *n -= 1,
             None => warn!(addr, len, "removing a range that is not registered"),
         }
+    }
+
+    /// Removes the registration `[addr, addr + len)` (as [`Self::remove_registered`]) and dooms
+    /// every scatter in flight that writes into it and no other registration still covers:
+    /// each is answered ACK(Failed), so its sender's transfer ends in an error. Later DATA
+    /// naming the range is refused by validation.
+    pub(crate) fn deregister(&mut self, ctx: &mut Ctx<'_>, addr: u64, len: u64) {
+        self.remove_registered(addr, len);
+        let end = addr.saturating_add(len);
+        let registered = &self.registered;
+        let still_covered = |(a, b): (u64, u64)| registered.range(..=(a, u64::MAX)).rev().any(|(&(_, e), _)| b <= e);
+        for s in self.scatters.values_mut() {
+            if !s.doomed && s.span.0 < end && addr < s.span.1 && !still_covered(s.span) {
+                debug!(
+                    peer = s.flow.peer.0,
+                    xfer = s.flow.xfer.0,
+                    chunk = s.chunk.0,
+                    "scatter into deregistered memory: doomed"
+                );
+                s.doomed = true;
+                ctx.stats.dereg_failed += 1;
+            }
+        }
+    }
+
+    /// Stops accepting WANTs (the engine is closing); flows already open keep their regions
+    /// until their DATA, cancel, reclaim or [`Self::shutdown`].
+    pub(crate) fn close(&mut self) {
+        self.shutting_down = true;
+    }
+
+    /// Regions granted to remote flows and not yet returned (scattering ones included): where
+    /// a peer may still write.
+    pub(crate) fn grants_outstanding(&self, sched: &CreditScheduler) -> usize {
+        self.flows.keys().map(|&k| sched.flow_held_count(k)).sum()
     }
 
     pub(crate) fn next_timeout(&self) -> Option<Instant> {
@@ -221,7 +262,14 @@ impl Receiver {
             flow.scattering += 1;
             flow.deadline = ctx.now + self.idle_timeout;
         }
-        self.scatters.insert(job, Scatter { flow: key, chunk: data.chunk, region: data.region, bytes });
+        // Validation checked every run's span, so this fold cannot see a `None`.
+        let span = data
+            .runs
+            .iter()
+            .filter_map(CopyRun::addr_span)
+            .fold((u64::MAX, 0), |(lo, hi), (a, b)| (lo.min(a), hi.max(b)));
+        self.scatters
+            .insert(job, Scatter { flow: key, chunk: data.chunk, region: data.region, bytes, span, doomed: false });
         trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, region = %data.region, runs = data.runs.len(), "scatter");
         ctx.push(Action::Scatter { job, peer: from, xfer: data.xfer, region: data.region, runs: data.runs });
         Ok(())
@@ -244,6 +292,7 @@ impl Receiver {
             orphaned = end.orphaned,
             "scatter done"
         );
+        let ok = ok && !s.doomed;
         if ok {
             ctx.stats.chunks_scattered += 1;
             ctx.stats.bytes_scattered += s.bytes;

@@ -18,7 +18,7 @@ use crate::config::Config;
 use crate::event::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
 use crate::plan::Plan;
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, PeerId, Region, XferId};
+use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
 
 /// A credit as the sender keeps it: the granted remote region and when it arrived.
@@ -441,6 +441,38 @@ impl Sender {
         }
         // Nobody is left to receive those cancels; the orphans are still freed by their jobs.
         self.pending_cancels.retain(|_, c| c.peer != peer);
+    }
+
+    /// The peer said GOODBYE: its transfers fail with [`XferError::PeerLost`] at once, and
+    /// (unlike a lost peer, which is gone) their credits are retracted once their writes end,
+    /// so the closing peer sees its grants come back before it lets its arena go.
+    pub(crate) fn handle_goodbye(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        let gone: Vec<XferId> = self.xfers.iter().filter(|(_, x)| x.peer == peer).map(|(&id, _)| id).collect();
+        if !gone.is_empty() {
+            debug!(peer = peer.0, xfers = gone.len(), "peer said goodbye: failing its transfers");
+        }
+        for id in gone {
+            self.fail(ctx, id, XferError::PeerLost, true);
+        }
+    }
+
+    /// The application deregistered `[start, end)`: every transfer in flight that reads from
+    /// it (a gather run or a direct chunk's source) fails with [`XferError::Deregistered`];
+    /// its jobs still in flight become orphans as for any failure (the shell waits for those
+    /// that touch the range before the deregistration returns).
+    pub(crate) fn deregister(&mut self, ctx: &mut Ctx<'_>, start: u64, end: u64) {
+        let overlaps = |(a, b): (u64, u64)| a < end && start < b;
+        let reads = |x: &Xfer| {
+            x.plan.chunks.iter().any(|c| {
+                c.direct.is_some_and(|d| overlaps((d, d.saturating_add(c.bytes))))
+                    || c.gather.iter().filter_map(CopyRun::addr_span).any(overlaps)
+            })
+        };
+        let hit: Vec<XferId> = self.xfers.iter().filter(|(_, x)| reads(x)).map(|(&id, _)| id).collect();
+        for id in hit {
+            ctx.stats.dereg_failed += 1;
+            self.fail(ctx, id, XferError::Deregistered, true);
+        }
     }
 
     pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {

@@ -262,16 +262,22 @@ unsafe fn engine_ref<'a>(engine: *mut c_void) -> Option<&'a Engine> {
 /// Gives the Rust engine the shim pointer it may call back into.
 ///
 /// # Safety
-/// `engine` is a live engine handle; `shim` is null or a live shim engine that outlives it and
-/// whose `bnc_shim_*` functions may be called from any thread.
+/// `engine` is a live engine handle; `shim` is null or a live shim engine whose `bnc_shim_*`
+/// functions may be called from any thread until `bnc_engine_stop` on this engine has returned
+/// (the shim destroys its inner engine only after that, and the Rust engine makes no shim call
+/// once stopped).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_void) -> i32 {
     guard("bnc_engine_attach", || {
         // SAFETY: per the contract it is a live handle, and attach is called exactly once, before
-        // any other call on this engine, from the thread that created it: no other reference
-        // exists yet, so the exclusive borrow is sound.
+        // any other call on this engine, from the thread that created it (NIXL has not been
+        // handed the engine yet): no other reference exists, so the exclusive borrow is sound.
+        // The reactor threads attach starts get only Arc-shared state and the shim, never a
+        // reference to the Engine, so nothing aliases this borrow while it lives.
         let Some(e) = (unsafe { engine.cast::<Engine>().as_mut() }) else { return Status::ErrInvalidParam };
-        // SAFETY: the shim outlives the engine (caller contract), which is what Shim requires.
+        // SAFETY: the shim stays callable until bnc_engine_stop returns (caller contract), and
+        // every copy of the Shim (the reactor's, its channels') is dropped or unused by then,
+        // which is what Shim requires.
         let Some(shim) = (unsafe { Shim::new(shim) }) else { return Status::Success };
         e.attach(shim);
         Status::Success
@@ -279,7 +285,30 @@ pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_voi
     .code()
 }
 
-/// Destroys an engine handle.
+/// Closes an engine's bounce path, before the shim destroys the inner engine: says GOODBYE to
+/// the peers, stops and joins the reactor, deregisters the arena (keeping its memory mapped if
+/// a peer may still write into it) and unloads the peer arenas. Later calls on the engine stay
+/// on plain UCX; `bnc_engine_destroy` must follow.
+///
+/// # Safety
+/// `engine` is null or a live handle from `bnc_engine_create`; the shim it was attached to is
+/// still alive (its inner engine too); no other call on this engine runs concurrently or
+/// starts afterwards except `bnc_engine_destroy` (NIXL destroys an engine only once nothing
+/// else uses it).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_engine_stop(engine: *mut c_void) {
+    guard_void("bnc_engine_stop", || {
+        // SAFETY: a live handle (contract) and no other call runs concurrently (contract); the
+        // reactor threads hold only Arc-shared state and the shim, never a reference to the
+        // Engine, and the bnc_shim_* functions they call never call back into the engine
+        // (bounce_ffi.h): this exclusive borrow aliases nothing.
+        if let Some(e) = unsafe { engine.cast::<Engine>().as_mut() } {
+            e.stop();
+        }
+    });
+}
+
+/// Destroys an engine handle (after `bnc_engine_stop` and after the inner engine is gone).
 ///
 /// # Safety
 /// `engine` is null or a live handle from `bnc_engine_create`, not used afterwards.
@@ -287,7 +316,9 @@ pub unsafe extern "C" fn bnc_engine_attach(engine: *mut c_void, shim: *mut c_voi
 pub unsafe extern "C" fn bnc_engine_destroy(engine: *mut c_void) {
     guard_void("bnc_engine_destroy", || {
         if !engine.is_null() {
-            // SAFETY: it came from Box::into_raw in bnc_engine_create and is destroyed once.
+            // SAFETY: it came from Box::into_raw in bnc_engine_create and is destroyed once, with
+            // no other call running (contract): its reactor, the only other thread that ever
+            // used its shared state, was joined by bnc_engine_stop (or is joined by Drop).
             drop(unsafe { Box::from_raw(engine.cast::<Engine>()) });
         }
     });

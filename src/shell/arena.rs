@@ -166,6 +166,15 @@ impl Arena {
     }
 
     /// Deregisters from the inner engine. Call once, after every write using it ended.
+    /// Gives up the arena without handing its memory back: a peer may still write into it, and
+    /// a late write must never land in memory reused for something else.
+    pub(crate) fn leak(self) {
+        match self.backing {
+            Backing::Host(map) => std::mem::forget(map),
+            Backing::Gpu(alloc) => std::mem::forget(alloc),
+        }
+    }
+
     pub(crate) fn deregister(&self, shim: &Shim) {
         if let Err(st) = shim.deregister(self.md) {
             tracing::warn!(status = %st, "deregistering the arena failed");

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::shell::mailroom::Mailroom;
 use crate::sys::nixl::NixlStatus;
-use crate::sys::shim::{Shim, WriteHandle, WritePosted, WriteSide, WriteState};
+use crate::sys::shim::{Md, Shim, WriteHandle, WritePosted, WriteSide, WriteState};
 
 /// A write in flight on a [`DataPath`]; poll it with `check`, then `release` it once.
 #[derive(Debug, PartialEq, Eq, Hash)]
@@ -41,6 +41,8 @@ pub(crate) trait DataPath: Send {
     fn notify(&mut self, peer: &str, msg: &[u8]) -> Result<(), NixlStatus>;
     /// Progresses the path (incoming writes, notifications) without blocking.
     fn progress(&mut self);
+    /// Unloads a peer arena's inner metadata (no write in flight uses it).
+    fn unload(&mut self, md: Md);
 }
 
 /// The inner UCX engine as data path.
@@ -89,6 +91,12 @@ impl DataPath for ShimPath {
     fn progress(&mut self) {
         if let Err(st) = self.mail.pull(&self.shim) {
             tracing::trace!(status = %st, "inner getNotifs failed");
+        }
+    }
+
+    fn unload(&mut self, md: Md) {
+        if let Err(st) = self.shim.unload(md) {
+            tracing::debug!(status = %st, "unloading a peer arena failed");
         }
     }
 }

@@ -372,18 +372,35 @@ impl Engine {
         self.peers.arena_to_load(agent)
     }
 
-    /// Records the inner metadata of the peer's arena (None: loading failed, stay on UCX).
+    /// Records the inner metadata of the peer's arena (None: loading failed, stay on UCX). An
+    /// arena it replaces (the peer's conn info was reloaded), or one not kept, is unloaded once
+    /// no write uses it.
     pub(crate) fn peer_arena_loaded(&self, agent: &str, md: Option<Md>) {
-        if self.bounce.is_some() && !self.peers.arena_loaded(agent, md) {
+        let Some(sh) = self.shared() else {
+            // No reactor, so no write: nothing else can use it.
+            if let (Some(md), Some(shim)) = (md, &self.shim) {
+                let _ = shim.unload(md);
+            }
+            return;
+        };
+        let (kept, unload) = self.peers.arena_loaded(agent, md);
+        if !kept {
             tracing::warn!(peer = agent, "loading the peer's arena failed; plain UCX to it");
+        }
+        for md in unload {
+            sh.inbox.push(Cmd::Unload(md));
         }
     }
 
-    /// The peer disconnected: its transfers fail, its regions are reclaimed.
+    /// The peer disconnected: its transfers fail, its regions are reclaimed, its arena is
+    /// unloaded once no write uses it.
     pub(crate) fn peer_lost(&self, agent: &str) {
         if let Some(sh) = self.shared() {
-            self.peers.lost(agent);
+            let arena = self.peers.lost(agent);
             sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
+            if let Some(md) = arena {
+                sh.inbox.push(Cmd::Unload(md));
+            }
         }
     }
 
@@ -402,13 +419,17 @@ impl Engine {
         }
     }
 
-    /// Forgets a registration.
+    /// Forgets a registration, and returns only once nothing of the bounce path touches its
+    /// memory: transfers that read it or scatter into it fail, and the copy jobs and writes
+    /// already running on it have ended. Called before the inner engine's deregistration,
+    /// without the shim's lock (the reactor needs it to finish its writes).
     pub(crate) fn mem_deregistered(&self, md: Md) {
-        if let (Some(r), Some(sh)) = (self.registry.remove(md), self.shared()) {
-            if self.bounce.as_ref().is_some_and(|b| r.serves(b.arena.place())) {
-                sh.inbox.push_quiet(Cmd::Deregistered(r.addr, r.len));
-            }
+        let Some(r) = self.registry.remove(md) else { return };
+        let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };
+        if !r.serves(b.arena.place()) {
+            return; // never a copy source or target, never a direct-write source
         }
+        sh.deregister(r.addr, r.len);
     }
 
     /// Routing decision for a request (the gate, README "What takes the bounce path"):
@@ -583,8 +604,10 @@ impl Engine {
     pub(crate) fn stats(&self) -> Vec<(&'static str, u64)> {
         // Gauges are derived here from the state they describe, not kept in step by hand.
         self.stats.registrations.store(self.registry.len() as u64, Ordering::Relaxed);
-        if self.bounce.is_some() {
+        if let Some(sh) = self.shared() {
             self.stats.peers_ready.store(self.peers.ready() as u64, Ordering::Relaxed);
+            let retiring = sh.arenas_retiring.load(Ordering::Relaxed);
+            self.stats.peer_arenas_loaded.store(self.peers.arenas_loaded() as u64 + retiring, Ordering::Relaxed);
         }
         self.stats.snapshot()
     }
@@ -642,12 +665,34 @@ fn choose_gpu(agent: &str, config: &Config) -> Option<Arc<Gpu>> {
     }
 }
 
+impl Engine {
+    /// Closes the bounce path while the inner engine still exists (`bnc_engine_stop`): the
+    /// reactor says GOODBYE, waits for the grants it gave out, unloads the peer arenas and is
+    /// joined (with its copy engine); then the arena is deregistered, and its memory handed
+    /// back only when no peer still held a grant in it (otherwise it stays mapped, leaked, so
+    /// a late write cannot land in memory used for something else). Idempotent; afterwards the
+    /// engine is plain UCX.
+    pub(crate) fn stop(&mut self) {
+        let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) else { return };
+        let Bounce { reactor, arena, .. } = b;
+        let quiet = reactor.stop();
+        arena.deregister(&shim);
+        if quiet {
+            drop(arena);
+        } else {
+            tracing::warn!(
+                agent = self.agent,
+                len = arena.len(),
+                "a peer may still write into the arena: its memory is kept (leaked)"
+            );
+            arena.leak();
+        }
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
-        if let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) {
-            let Bounce { reactor, arena, .. } = b;
-            drop(reactor); // joins the reactor and copy engine; in-flight writes ended or released
-            arena.deregister(&shim);
-        }
+        // Normally done already by bnc_engine_stop, before the inner engine was destroyed.
+        self.stop();
     }
 }

@@ -11,6 +11,7 @@ pub(crate) mod datapath;
 mod doorbell;
 mod engine;
 mod error;
+mod fence;
 mod mailroom;
 mod peers;
 mod reactor;

@@ -82,31 +82,44 @@ impl PeerTable {
     }
 
     /// The inner engine loaded the peer's arena as `md` (`None`: loading failed, plain UCX to
-    /// it). Returns whether the peer now has an arena.
-    pub(crate) fn arena_loaded(&self, name: &str, md: Option<Md>) -> bool {
+    /// it). Returns whether the peer now has an arena, and the inner metadata no longer kept
+    /// (the arena it replaces, or `md` itself when it is not kept): each must be unloaded once
+    /// no write uses it.
+    pub(crate) fn arena_loaded(&self, name: &str, md: Option<Md>) -> (bool, Vec<Md>) {
         let mut t = self.0.lock();
         t.rules.arena_loaded(name, md.is_some());
-        let Some(id) = t.rules.lookup(name) else { return false };
+        let Some(id) = t.rules.lookup(name) else { return (false, md.into_iter().collect()) };
         let arena = match (md, t.rules.compatible(name)) {
             (Some(md), Some(c)) => {
                 Some(PeerArena { base: c.arena_base, len: c.arena_len, dev: c.arena_dev, mem: c.mem, md })
             }
             _ => None,
         };
-        match arena {
+        let old = match arena {
             Some(a) => t.arenas.insert(id, a),
             None => t.arenas.remove(&id),
         };
-        arena.is_some()
+        let mut unload: Vec<Md> = old.map(|a| a.md).into_iter().collect();
+        if arena.is_none() {
+            unload.extend(md);
+        }
+        // The handle kept is never unloaded (were the same one reported twice).
+        unload.retain(|&m| arena.is_none_or(|a| a.md != m));
+        (arena.is_some(), unload)
     }
 
     /// The agent disconnected: forget everything NIXL and the agent told us. Its id stays
     /// (ids are never reused).
-    pub(crate) fn lost(&self, name: &str) {
+    /// Returns its arena's inner metadata to unload once no write uses it.
+    pub(crate) fn lost(&self, name: &str) -> Option<Md> {
         let mut t = self.0.lock();
-        if let Some(id) = t.rules.lost(name) {
-            t.arenas.remove(&id);
-        }
+        let id = t.rules.lost(name)?;
+        t.arenas.remove(&id).map(|a| a.md)
+    }
+
+    /// Peer arenas loaded (their inner metadata held) now.
+    pub(crate) fn arenas_loaded(&self) -> usize {
+        self.0.lock().arenas.len()
     }
 
     /// Where the agent's arena lives, when a transfer to it may bounce: loaded, compatible,
@@ -187,6 +200,19 @@ impl PeerTable {
     pub(crate) fn check_credit(&self, id: PeerId, region: Region, len: u64) -> Result<(), CreditRefused> {
         self.0.lock().rules.check_credit(id, region, len)
     }
+
+    /// A GOODBYE from `name` with `session` (see the core's `PeerTable::goodbye`). Returns the
+    /// peer's id and its arena's inner metadata to unload once no write uses it.
+    pub(crate) fn goodbye(&self, name: &str, session: u64) -> Result<(PeerId, Option<Md>), FrameRefused> {
+        let mut t = self.0.lock();
+        let id = t.rules.goodbye(name, session)?;
+        Ok((id, t.arenas.remove(&id).map(|a| a.md)))
+    }
+
+    /// Every peer arena's inner metadata, forgotten here (the engine is shutting down).
+    pub(crate) fn take_arenas(&self) -> Vec<Md> {
+        self.0.lock().arenas.drain().map(|(_, a)| a.md).collect()
+    }
 }
 
 #[cfg(test)]
@@ -218,7 +244,7 @@ mod tests {
         assert!(t.compatible("b"));
         assert_eq!(t.endpoint("b").as_deref(), Some(&b"tcp://10.0.0.1:1"[..]));
         assert_eq!(t.arena_to_load("b").map(|a| a.key), Some(b"key".to_vec()));
-        assert!(t.arena_loaded("b", Some(Md(5))));
+        assert_eq!(t.arena_loaded("b", Some(Md(5))), (true, vec![]));
         assert!(t.bounce_arena("b").is_none(), "no HELLO yet");
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert!(t.bounce_arena("b").is_some());
@@ -228,7 +254,7 @@ mod tests {
         // A credit inside the peer's arena passes, one past its end is refused.
         assert!(t.check_credit(id, Region { offset: 0, len: 4096 }, 4096).is_ok());
         assert!(t.check_credit(id, Region { offset: (1 << 20) - 8, len: 4096 }, 16).is_err());
-        t.lost("b");
+        assert_eq!(t.lost("b"), Some(Md(5)), "the lost peer's arena is handed back to unload");
         assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
         assert_eq!(t.admit("b", 9, false), Err(FrameRefused::NotLoaded));
         assert!(t.gone(id) && t.gone(PeerId(99)));
@@ -236,7 +262,7 @@ mod tests {
         // An incompatible peer is loaded (it may talk to us) but has nothing to load.
         assert!(matches!(t.loaded("c", None, Some(&caps(1))), Loaded::NoCapabilities));
         assert!(t.admit("c", 1, false).is_ok() && t.arena_to_load("c").is_none());
-        assert!(!t.arena_loaded("c", Some(Md(6))));
+        assert_eq!(t.arena_loaded("c", Some(Md(6))), (false, vec![Md(6)]), "loaded but not kept: unload it");
     }
 
     #[test]
@@ -252,6 +278,33 @@ mod tests {
     }
 
     #[test]
+    fn every_arena_handle_dropped_from_the_table_is_handed_back_once_to_unload() {
+        let t = PeerTable::default();
+        t.loaded("b", Some(caps(9)), Some(&caps(1)));
+        assert_eq!(t.arena_loaded("b", Some(Md(5))), (true, vec![]));
+        // NIXL reloaded b's conn info: the new handle replaces the old, which must be unloaded.
+        assert_eq!(t.arena_loaded("b", Some(Md(6))), (true, vec![Md(5)]));
+        // The same handle reported again is kept, never unloaded.
+        assert_eq!(t.arena_loaded("b", Some(Md(6))), (true, vec![]));
+        assert_eq!(t.arenas_loaded(), 1);
+        // GOODBYE under another session changes nothing; under b's, its arena goes.
+        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
+        assert_eq!(t.goodbye("b", 8), Err(FrameRefused::StaleSession { got: 8, current: 9 }));
+        assert!(t.bounce_arena("b").is_some());
+        let id = t.known_id("b").unwrap();
+        assert_eq!(t.goodbye("b", 9), Ok((id, Some(Md(6)))));
+        assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
+        assert_eq!((t.arenas_loaded(), t.lost("b")), (0, None), "handed back once only");
+        // Loading failed after a success: the old handle goes too.
+        t.loaded("c", Some(caps(3)), Some(&caps(1)));
+        assert_eq!(t.arena_loaded("c", Some(Md(7))), (true, vec![]));
+        assert_eq!(t.arena_loaded("c", None), (false, vec![Md(7)]));
+        assert_eq!(t.arena_loaded("c", Some(Md(8))), (true, vec![]));
+        assert_eq!(t.take_arenas(), vec![Md(8)]);
+        assert_eq!(t.arenas_loaded(), 0);
+    }
+
+    #[test]
     fn hellos_from_unloaded_agents_are_bounded_and_cannot_lock_out_a_loaded_one() {
         let t = PeerTable::default();
         assert_eq!(t.hello("late"), peers::Hello::Hint);
@@ -260,7 +313,7 @@ mod tests {
         }
         assert_eq!(t.0.lock().rules.hints(), peers::MAX_HELLO_HINTS);
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
-        assert!(t.arena_loaded("late", Some(Md(5))));
+        assert_eq!(t.arena_loaded("late", Some(Md(5))), (true, vec![]));
         assert!(t.bounce_arena("late").is_none(), "its hint was evicted");
         assert_eq!(t.hello("late"), peers::Hello::First { answer: true }, "a loaded agent is always heard");
         assert!(t.bounce_arena("late").is_some());

@@ -68,6 +68,12 @@ counters! {
     /// Peers declared dead by the liveness probe; their bounced transfers failed (the core's
     /// count).
     peers_declared_dead,
+    /// Peer arenas loaded through the inner engine and not yet unloaded (those retiring
+    /// behind a write in flight included).
+    peer_arenas_loaded,
+    /// Transfers failed and scatters answered as failed because the application deregistered
+    /// memory they touch (the core's count).
+    dereg_failed,
 }
 
 impl Stats {

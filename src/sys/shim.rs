@@ -20,6 +20,7 @@ unsafe extern "C" {
         key_ctx: *mut c_void,
     ) -> i32;
     fn bnc_shim_deregister(shim: *mut c_void, md: *mut c_void) -> i32;
+    fn bnc_shim_unload_md(shim: *mut c_void, md: *mut c_void) -> i32;
     fn bnc_shim_conn_info(shim: *mut c_void, out: BncSink, ctx: *mut c_void) -> i32;
     fn bnc_shim_write(
         shim: *mut c_void,
@@ -132,10 +133,12 @@ pub(crate) enum WriteState {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Shim(NonNull<c_void>);
 
-// SAFETY: the shim engine outlives every user of this pointer (the contract of `Shim::new`):
-// C++ destroys the Rust engine (which joins the reactor and workers) before it destroys the
-// inner engine or itself, and every bnc_shim_* call takes the shim's inner-engine lock, so
-// calls from any thread are serialized.
+// SAFETY: the shim engine and its inner engine outlive every call through this pointer (the
+// contract of `Shim::new`): `~BounceEngine` first calls bnc_engine_stop, which joins the reactor
+// and copy workers (the only other threads holding a copy) and makes the engine's last shim
+// calls (arena deregistration, peer-arena unloads); only then does it destroy the inner engine,
+// and the Rust engine after it, which makes no shim call when dropped. Every bnc_shim_* call
+// takes the shim's inner-engine lock, so calls from any thread are serialized.
 unsafe impl Send for Shim {}
 // SAFETY: as above; the pointer itself is never mutated.
 unsafe impl Sync for Shim {}
@@ -145,7 +148,7 @@ impl Shim {
     ///
     /// # Safety
     /// - `p` is null or a live C++ `BounceEngine` whose `bnc_shim_*` functions may be called
-    ///   from any thread until every copy of the returned value is dropped.
+    ///   from any thread for as long as any copy of the returned value is used.
     pub(crate) unsafe fn new(p: *mut c_void) -> Option<Self> {
         NonNull::new(p).map(Self)
     }
@@ -173,6 +176,13 @@ impl Shim {
         NixlStatus::from_code(unsafe { bnc_shim_deregister(self.0.as_ptr(), md.0 as *mut c_void) }).ok()
     }
 
+    /// Unloads remote metadata the shim loaded through the inner engine (a peer's arena).
+    pub(crate) fn unload(&self, md: Md) -> Result<(), NixlStatus> {
+        // SAFETY: shim is live; md came from the inner engine's loadRemoteMD (loadPeerArena),
+        // is unloaded once (the peer table hands each handle out once) and no write uses it.
+        NixlStatus::from_code(unsafe { bnc_shim_unload_md(self.0.as_ptr(), md.0 as *mut c_void) }).ok()
+    }
+
     /// The inner engine's own connection info (our reverse-path endpoint).
     pub(crate) fn conn_info(&self) -> Result<Vec<u8>, NixlStatus> {
         let mut out = Vec::new();
@@ -191,8 +201,9 @@ impl Shim {
     ) -> Result<WritePosted, NixlStatus> {
         let mut h = std::ptr::null_mut();
         // SAFETY: shim is live; the metadata handles came from register/loadRemoteMD of this
-        // engine and stay valid while the arena / peer entry lives (their owners outlive every
-        // write); the agent view is live for the call.
+        // engine and stay valid for the write: the arena is deregistered only after the reactor
+        // (which posts every write) is joined, and a peer arena is unloaded only once no write
+        // in flight uses it (the reactor retires it); the agent view is live for the call.
         let st = unsafe {
             bnc_shim_write(
                 self.0.as_ptr(),

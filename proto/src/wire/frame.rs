@@ -50,6 +50,8 @@ pub const MAX_FRAME_LEN: usize = {
 /// Most bytes one encoded scatter run takes: the flags, five varints of up to 10 bytes and the
 /// count's varint of up to 5.
 pub(super) const MAX_RUN_LEN: usize = 1 + 5 * 10 + 5;
+/// A GOODBYE frame: header only (see [`Body::Goodbye`]).
+pub(super) const KIND_GOODBYE: u8 = 6;
 
 pub(super) const REGION_LEN: usize = 16;
 pub(super) const CREDIT_LEN: usize = 4 + REGION_LEN;
@@ -332,6 +334,10 @@ pub enum Body {
         /// The nonce of the PING answered.
         nonce: u64,
     },
+    /// GOODBYE, header only: "my engine is going away; my arena with it". Sent by an engine
+    /// being destroyed once its own writes have ended; the peer fails its transfers to it at
+    /// once (retracting their credits once its own writes end) and forgets its arena.
+    Goodbye,
     /// A step of a transfer.
     Msg(Msg),
 }
@@ -362,6 +368,7 @@ impl ControlFrame {
                 write_header(&mut w, KIND_PONG, self.session);
                 w.u64(*nonce);
             }
+            Body::Goodbye => write_header(&mut w, KIND_GOODBYE, self.session),
             Body::Msg(msg) => {
                 write_header(&mut w, msg.kind_byte(), self.session);
                 write_msg(&mut w, msg);
@@ -387,6 +394,7 @@ impl ControlFrame {
             KIND_HELLO => Body::Hello,
             KIND_PING => Body::Ping { nonce: r.u64()? },
             KIND_PONG => Body::Pong { nonce: r.u64()? },
+            KIND_GOODBYE => Body::Goodbye,
             kind => Body::Msg(read_msg(&mut r, kind)?),
         };
         r.finish()?;
@@ -406,6 +414,11 @@ impl From<Frame> for ControlFrame {
 /// A HELLO frame from the engine with instance nonce `session`.
 pub fn encode_hello(session: u64) -> Vec<u8> {
     ControlFrame { session, body: Body::Hello }.to_vec()
+}
+
+/// A GOODBYE frame from the engine with instance nonce `session`.
+pub fn encode_goodbye(session: u64) -> Vec<u8> {
+    ControlFrame { session, body: Body::Goodbye }.to_vec()
 }
 
 /// The sender's session when `bytes` is exactly a HELLO frame of our wire version.

@@ -36,5 +36,6 @@ pub use codec::{MAX_BLOB, Result, WireError};
 pub use envelope::{ConnEnvelope, ENVELOPE_MAGIC, ENVELOPE_VERSION};
 pub use frame::{
     Ack, AckStatus, Body, ControlFrame, Credit, Data, Frame, Grant, HEADER_LEN, MAGIC, MAX_CHUNKS_PER_WANT,
-    MAX_CREDITS, MAX_FRAME_LEN, MAX_RUNS, Msg, WIRE_VERSION, Want, decode_hello, encode_hello, is_control_frame,
+    MAX_CREDITS, MAX_FRAME_LEN, MAX_RUNS, Msg, WIRE_VERSION, Want, decode_hello, encode_goodbye, encode_hello,
+    is_control_frame,
 };

@@ -227,8 +227,8 @@ fn control_frames_share_the_frame_codec_and_carry_hello() {
     longer.push(0);
     assert_eq!(ControlFrame::decode(&longer), Err(WireError::TrailingBytes { n: 1 }));
     let mut unknown = hello.to_vec();
-    unknown[7] = 6;
-    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 6 }));
+    unknown[7] = 9; // 6 is GOODBYE (7 and 8 are taken too)
+    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 9 }));
     let mut future = hello.to_vec();
     future[6] = WIRE_VERSION + 1;
     assert!(matches!(ControlFrame::decode(&future), Err(WireError::UnsupportedVersion { .. })));

@@ -11,9 +11,9 @@
 //! The reactor never calls NIXL's entry points and never sees the shim directly: its three
 //! seams are given to it, which is how the unit tests below join two reactors in memory.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -22,12 +22,13 @@ use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::wire::{self, Frame, Msg};
 use bounce_proto::{CopyRun, PeerId, Region, XferId};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::shell::control::{ControlChannel, ControlError};
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
+use crate::shell::fence::{Fence, Pin};
 use crate::shell::peers::PeerTable;
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
@@ -53,8 +54,61 @@ pub(crate) enum Cmd {
     Hello(String),
     /// Host memory registered through this engine (the receiver may scatter into it).
     Registered(u64, u64),
-    /// Host memory deregistered.
-    Deregistered(u64, u64),
+    /// The application deregistered `[addr, addr + len)` (marked removed in the [`Fence`]):
+    /// fail what uses it in the core, then (with `done`) signal once no running copy job or
+    /// write touches it.
+    Deregister {
+        /// Start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// Signalled (dropped) when the range is no longer touched; `None` when nothing
+        /// touched it at the deregistration (the application did not wait).
+        done: Option<Signal>,
+    },
+    /// A peer arena's inner metadata that is no longer used for new writes (the peer was
+    /// lost, said goodbye or was reloaded): unload it once no write in flight uses it.
+    Unload(Md),
+}
+
+/// What an application thread waits on while the reactor finishes a command.
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Completion {
+    fn signal(&self) {
+        *self.done.lock() = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until signalled or until the reactor of `shared` has ended (its copy engine is
+    /// joined and its writes are released then, so nothing of it touches memory any more).
+    pub(crate) fn wait(&self, shared: &Shared) {
+        let mut done = self.done.lock();
+        let mut waited = Duration::ZERO;
+        while !*done && !shared.ended.load(Ordering::Acquire) {
+            let step = Duration::from_millis(50);
+            let _ = self.cv.wait_for(&mut done, step);
+            waited += step;
+            if waited == Duration::from_secs(5) {
+                tracing::warn!("still waiting for the bounce reactor to let go of deregistered memory");
+            }
+        }
+    }
+}
+
+/// The reactor's side of a [`Completion`]: signals it when dropped, so whatever becomes of the
+/// command (settled, or dropped by a reactor that stopped or panicked) the waiter wakes.
+#[derive(Debug)]
+pub(crate) struct Signal(pub(crate) Arc<Completion>);
+
+impl Drop for Signal {
+    fn drop(&mut self) {
+        self.0.signal();
+    }
 }
 
 /// The reactor's mailbox: a queue plus the thread to wake.
@@ -101,13 +155,52 @@ pub(crate) struct Shared {
     pub(crate) peers: Arc<PeerTable>,
     /// The one table of registrations.
     pub(crate) registry: Arc<Registry>,
+    /// Peer arenas dropped from the peer table and not yet unloaded (writes still use them).
+    pub(crate) arenas_retiring: AtomicU64,
+    /// Jobs touching user memory, against deregistrations.
+    pub(crate) fence: Fence,
+    /// The reactor thread has ended: no command will be handled any more.
+    ended: AtomicBool,
 }
 
 impl Shared {
     /// Fresh shared state over the engine's counters, peers and registrations; `bell` is rung
     /// whenever a bounce request finishes.
     pub(crate) fn new(stats: Arc<Stats>, peers: Arc<PeerTable>, registry: Arc<Registry>, bell: Arc<Doorbell>) -> Self {
-        Self { inbox: Inbox::default(), requests: Requests::new(bell), stats, peers, registry }
+        Self {
+            inbox: Inbox::default(),
+            requests: Requests::new(bell),
+            stats,
+            peers,
+            registry,
+            arenas_retiring: AtomicU64::new(0),
+            fence: Fence::default(),
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    /// The application deregisters `[addr, addr + len)`, which the arena's copies may touch
+    /// (the registration is already gone from the registry): returns once no copy job or write
+    /// of the bounce path touches it, and none will. At once when none is running (the fence
+    /// refuses later ones); otherwise after the reactor has failed what uses the range and the
+    /// jobs on it have ended. The reactor applies the deregistration to the core either way.
+    pub(crate) fn deregister(&self, addr: u64, len: u64) {
+        if !self.fence.deregister((addr, addr.saturating_add(len))) {
+            self.inbox.push_quiet(Cmd::Deregister { addr, len, done: None });
+            return;
+        }
+        let done = Arc::new(Completion::default());
+        self.inbox.push(Cmd::Deregister { addr, len, done: Some(Signal(Arc::clone(&done))) });
+        done.wait(self);
+    }
+
+    /// The reactor thread is done: commands queued from now on are dropped (their signals
+    /// fire), and so are those it never took.
+    fn reactor_ended(&self) {
+        self.ended.store(true, Ordering::Release);
+        let mut left = Vec::new();
+        self.inbox.drain(&mut left);
+        drop(left);
     }
 }
 
@@ -140,17 +233,40 @@ pub(crate) struct Parts {
     pub(crate) control_budget: usize,
 }
 
-/// A running reactor; dropping it stops and joins the thread (and the copy engine).
+/// A running reactor; [`Reactor::stop`] (or dropping it) says goodbye to the peers, stops and
+/// joins the thread (and the copy engine).
 pub(crate) struct Reactor {
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<JoinHandle<bool>>,
 }
 
 struct InFlightWrite {
     job: JobId,
     id: WriteId,
+    /// Its pin in the fence: the user memory it reads (a direct write).
+    pin: Option<Pin>,
+    /// The peer arena's inner metadata it writes through, which is not unloaded before it ends.
+    remote_md: Md,
 }
+
+/// A copy job handed to the copy engine.
+struct CopyInFlight {
+    dir: Dir,
+    /// Its pin in the fence: the user addresses its runs touch.
+    pin: Option<Pin>,
+}
+
+/// A deregistration waiting for the jobs that touch its range.
+struct PendingDereg {
+    start: u64,
+    end: u64,
+    _done: Signal,
+}
+
+/// How long a closing engine waits for its own writes, then for the grants it gave out to come
+/// back, before letting its arena go (an arena with grants still out is then kept mapped).
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
 struct QueuedWrite {
     job: JobId,
@@ -178,8 +294,15 @@ struct Driver {
     writes: Vec<InFlightWrite>,
     /// Writes the core asked for that wait for a slot (see MAX_WRITES_IN_FLIGHT).
     queued_writes: VecDeque<QueuedWrite>,
-    copies: HashMap<JobId, Dir>,
+    copies: HashMap<JobId, CopyInFlight>,
     xfers: HashMap<XferId, XferCtx>,
+    /// Deregistrations waiting for running jobs (declared after `copier`: dropped after the
+    /// copy engine has joined its workers, so their waiters wake only then).
+    deregs: Vec<PendingDereg>,
+    /// Peer arenas to unload once no write in flight uses them.
+    retiring: Vec<Md>,
+    /// Peers we said HELLO to: those that may bounce to us, and so get our GOODBYE.
+    greeted: HashSet<String>,
     warn_budget: RateLimit,
     /// Set by shutdown: queued writes are failed, never posted.
     stopping: bool,
@@ -231,6 +354,9 @@ impl Reactor {
             queued_writes: VecDeque::new(),
             copies: HashMap::new(),
             xfers: HashMap::new(),
+            deregs: Vec::new(),
+            retiring: Vec::new(),
+            greeted: HashSet::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,
             frames: Vec::new(),
@@ -246,10 +372,17 @@ impl Reactor {
                 // A panic here would be a bug in the shell or core. It must not leave requests
                 // IN_PROG forever (nothing else runs their timeouts): fail them and refuse new
                 // posts; the engine's other entry points keep working on plain UCX.
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.run(&stop2))).is_err() {
+                let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.run(&stop2)));
+                if quiet.is_err() {
                     tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");
                     shared.requests.close(XferError::ShuttingDown);
                 }
+                // The copy engine joins its workers here; only then do waiting deregistrations
+                // return.
+                drop(d);
+                shared.reactor_ended();
+                // After a panic nobody knows what peers still hold: keep the arena.
+                quiet.unwrap_or(false)
             })
             .map_err(|source| Error::Spawn { what: "reactor", source })?;
         *shared.inbox.thread.lock() = Some(thread.thread().clone());
@@ -265,17 +398,34 @@ impl Reactor {
     pub(crate) fn thread(&self) -> Option<Thread> {
         self.thread.as_ref().map(|t| t.thread().clone())
     }
+
+    /// Closes the engine's bounce path and joins the thread: fails every transfer, waits
+    /// (bounded) for our writes, sends GOODBYE to every peer we greeted, waits (bounded) for
+    /// the grants we gave out to come back, unloads every peer arena, and stops. Returns true
+    /// when no grant was outstanding at the end: only then may the arena's memory be handed
+    /// back (a late write from a peer could otherwise land in it).
+    pub(crate) fn stop(mut self) -> bool {
+        self.halt()
+    }
+
+    fn halt(&mut self) -> bool {
+        self.stop.store(true, Ordering::Release);
+        let quiet = match self.thread.take() {
+            Some(t) => {
+                t.thread().unpark();
+                t.join().unwrap_or(false)
+            }
+            None => true,
+        };
+        // Whatever was still in flight has been failed by the driver's shutdown.
+        self.shared.requests.close(XferError::ShuttingDown);
+        quiet
+    }
 }
 
 impl Drop for Reactor {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            t.thread().unpark();
-            let _ = t.join();
-        }
-        // Whatever was still in flight has been failed by the driver's shutdown.
-        self.shared.requests.close(XferError::ShuttingDown);
+        let _ = self.halt();
     }
 }
 
@@ -299,7 +449,8 @@ const BUSY_SLEEP: Duration = Duration::from_micros(50);
 const IDLE_PARK: Duration = Duration::from_millis(2);
 
 impl Driver {
-    fn run(&mut self, stop: &AtomicBool) {
+    /// Runs until `stop`, then closes and shuts down; true when no grant was left outstanding.
+    fn run(&mut self, stop: &AtomicBool) -> bool {
         // Writes are posted from this thread too: a GPU arena's context must be current here
         // before the first one (a direct write from GPU memory may come before any copy).
         self.copier.prepare_thread();
@@ -314,6 +465,7 @@ impl Driver {
                 || !self.queued_writes.is_empty()
                 || self.copier.in_flight() > 0
                 || !self.xfers.is_empty()
+                || !self.deregs.is_empty()
                 || !self.ep.is_idle();
             if moved {
                 stalls = 0;
@@ -336,7 +488,8 @@ impl Driver {
                 std::thread::park_timeout(wait);
             }
         }
-        self.shutdown();
+        let quiet = self.close();
+        self.shutdown() && quiet
     }
 
     /// One pass; true when anything moved.
@@ -367,8 +520,37 @@ impl Driver {
             self.ep.handle_timeout(now);
         }
         moved |= self.drain_actions();
+        // Gauges first: a deregistration that returns sees its failures counted.
         self.publish_gauges();
+        self.settle();
         moved
+    }
+
+    /// Signals the deregistrations no running job touches any more, and unloads the retired
+    /// peer arenas no write in flight uses.
+    fn settle(&mut self) {
+        if !self.deregs.is_empty() {
+            let fence = &self.shared.fence;
+            self.deregs.retain(|d| fence.busy((d.start, d.end)));
+        }
+        if !self.retiring.is_empty() {
+            let mut i = 0;
+            while i < self.retiring.len() {
+                let md = self.retiring[i];
+                if self.writes.iter().any(|w| w.remote_md == md) {
+                    i += 1;
+                } else {
+                    self.retiring.swap_remove(i);
+                    self.data.unload(md);
+                }
+            }
+            self.shared.arenas_retiring.store(self.retiring.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn retire(&mut self, md: Md) {
+        self.retiring.push(md);
+        self.shared.arenas_retiring.store(self.retiring.len() as u64, Ordering::Relaxed);
     }
 
     /// Counters the core keeps itself are copied, never counted a second time here.
@@ -382,6 +564,7 @@ impl Driver {
         s.pings_sent.store(core.pings_sent, Ordering::Relaxed);
         s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
+        s.dereg_failed.store(core.dereg_failed, Ordering::Relaxed);
     }
 
     fn handle_cmd(&mut self, now: Instant, cmd: Cmd) {
@@ -404,6 +587,7 @@ impl Driver {
                 self.ep.cancel(now, x);
             }
             Cmd::PeerLost(name) => {
+                self.greeted.remove(&name);
                 self.control.forget(&name);
                 if let Some(id) = self.shared.peers.known_id(&name) {
                     self.ep.handle_peer_lost(now, id);
@@ -414,10 +598,26 @@ impl Driver {
                     tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
                 } else if let Err(e) = self.control.send(&name, &wire::encode_hello(self.session)) {
                     tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
+                } else {
+                    self.greeted.insert(name);
                 }
             }
             Cmd::Registered(a, l) => self.ep.add_registered(a, l),
-            Cmd::Deregistered(a, l) => self.ep.remove_registered(a, l),
+            Cmd::Deregister { addr, len, done } => {
+                // Hand out what the core emitted before it knew (the fence refuses the jobs on
+                // the range), let it fail what uses the range, then lift the fence's mark at
+                // once: the same addresses may be registered again by the next command.
+                // `settle` signals once the jobs already running on the range have ended.
+                let _ = self.drain_actions();
+                self.ep.deregister(now, addr, len);
+                let _ = self.drain_actions();
+                let range = (addr, addr.saturating_add(len));
+                self.shared.fence.applied(range);
+                if let Some(done) = done {
+                    self.deregs.push(PendingDereg { start: range.0, end: range.1, _done: done });
+                }
+            }
+            Cmd::Unload(md) => self.retire(md),
         }
     }
 
@@ -447,6 +647,20 @@ impl Driver {
                 return;
             }
             wire::Body::Ping { .. } | wire::Body::Pong { .. } => return self.on_probe(now, peer, frame),
+            wire::Body::Goodbye => {
+                match self.shared.peers.goodbye(peer, frame.session) {
+                    Ok((id, arena)) => {
+                        tracing::info!(peer, "peer said goodbye: its transfers fail, its arena is forgotten");
+                        self.greeted.remove(peer);
+                        if let Some(md) = arena {
+                            self.retire(md);
+                        }
+                        self.ep.handle_goodbye(now, id);
+                    }
+                    Err(e) => self.drop_frame(now, peer, &e),
+                }
+                return;
+            }
             wire::Body::Msg(msg) => msg,
         };
         let id = match self.shared.peers.admit(peer, frame.session, matches!(&msg, Msg::Want(_))) {
@@ -498,6 +712,9 @@ impl Driver {
             };
             let w = self.writes.remove(i);
             self.data.release(w.id);
+            if let Some(pin) = w.pin {
+                self.shared.fence.unpin(pin);
+            }
             self.ep.handle_write_done(now, w.job, ok);
             let _ = self.drain_actions();
             moved = true;
@@ -569,14 +786,36 @@ impl Driver {
     }
 
     fn copy(&mut self, job: JobId, dir: Dir, region: Region, runs: Vec<CopyRun>) {
-        self.copies.insert(job, dir);
+        let span = runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
+        let pin = match span {
+            Some(span) => {
+                let touches =
+                    |(s, e): (u64, u64)| runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < e && s < b);
+                match self.shared.fence.pin(span, touches) {
+                    Some(pin) => Some(pin),
+                    None => {
+                        // Its memory was deregistered since the core emitted it: never run it.
+                        self.copies.insert(job, CopyInFlight { dir, pin: None });
+                        return self.copy_done(Instant::now(), job, false);
+                    }
+                }
+            }
+            None => None,
+        };
+        self.copies.insert(job, CopyInFlight { dir, pin });
         if self.copier.submit(CopyJob { job, dir, region, runs }).is_err() {
             self.copy_done(Instant::now(), job, false);
         }
     }
 
     fn copy_done(&mut self, now: Instant, job: JobId, ok: bool) {
-        match self.copies.remove(&job) {
+        let dir = self.copies.remove(&job).map(|c| {
+            if let Some(pin) = c.pin {
+                self.shared.fence.unpin(pin);
+            }
+            c.dir
+        });
+        match dir {
             Some(Dir::Gather) => self.ep.handle_gather_done(now, job, ok),
             Some(Dir::Scatter) => self.ep.handle_scatter_done(now, job, ok),
             None => tracing::error!(job = job.0, "completion for an unknown copy job"),
@@ -623,10 +862,36 @@ impl Driver {
             tracing::warn!(peer = name, "direct-source chunk is no longer in registered memory");
             return self.ep.handle_write_done(now, job, false);
         };
+        let user = match source {
+            WriteSource::User { addr } => Some((addr, addr.saturating_add(len))),
+            WriteSource::Arena(_) => None,
+        };
+        // A direct write reads user memory: pinned, so a deregistration waits for it (and one
+        // that came first refuses it).
+        let pin = match user {
+            Some(span) => match self.shared.fence.pin(span, |_| true) {
+                Some(pin) => Some(pin),
+                None => {
+                    tracing::debug!(peer = name, "direct-source chunk was deregistered");
+                    return self.ep.handle_write_done(now, job, false);
+                }
+            },
+            None => None,
+        };
         let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
-        match self.data.write(&name, local, remote, len) {
+        let posted = self.data.write(&name, local, remote, len);
+        // Only a write still in flight keeps its pin.
+        let pin = match (&posted, pin) {
+            (Ok(Posted::InFlight(_)), pin) => pin,
+            (_, Some(pin)) => {
+                self.shared.fence.unpin(pin);
+                None
+            }
+            (_, None) => None,
+        };
+        match posted {
             Ok(Posted::Done) => self.ep.handle_write_done(now, job, true),
-            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { job, id }),
+            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { job, id, pin, remote_md: pa.md }),
             Err(st) => {
                 tracing::warn!(peer = name, status = %st, "posting a bounce write failed");
                 self.ep.handle_write_done(now, job, false);
@@ -656,8 +921,56 @@ impl Driver {
         self.shared.requests.finish(ctx.handle, xfer, outcome);
     }
 
-    /// Fails everything and waits for operations that still touch the arena.
-    fn shutdown(&mut self) {
+    /// The engine is being destroyed: fails our transfers (no queued write is posted any
+    /// more), waits (bounded) for our writes in flight, then says GOODBYE to every peer we
+    /// greeted (none of our writes can land in its arena after it) and waits (bounded) for the
+    /// grants we gave out to come back (DATA, cancels, reclaims). True when none is left.
+    fn close(&mut self) -> bool {
+        let now = Instant::now();
+        self.stopping = true;
+        self.ep.close(now);
+        let _ = self.drain_actions();
+        for w in std::mem::take(&mut self.queued_writes) {
+            self.ep.handle_write_done(now, w.job, false);
+        }
+        let _ = self.drain_actions();
+        let _ = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.writes.is_empty());
+        let goodbye = wire::encode_goodbye(self.session);
+        for name in std::mem::take(&mut self.greeted) {
+            if let Err(e) = self.control.send(&name, &goodbye) {
+                tracing::debug!(peer = name, error = %e, "sending GOODBYE failed");
+            }
+        }
+        let quiet = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.ep.grants_outstanding() == 0);
+        if !quiet {
+            tracing::warn!(
+                grants = self.ep.grants_outstanding(),
+                "peers still hold grants in our arena: it stays mapped (leaked) rather than handed back"
+            );
+        }
+        quiet
+    }
+
+    /// Keeps the loop going (frames, commands, completions; writes are no longer posted) until
+    /// `done` holds or `deadline` passes; true when `done` held.
+    fn run_until(&mut self, deadline: Instant, done: impl Fn(&Self) -> bool) -> bool {
+        let mut cmds = Vec::new();
+        loop {
+            if done(self) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            if !self.iterate(&mut cmds) {
+                std::thread::park_timeout(BUSY_SLEEP);
+            }
+        }
+    }
+
+    /// Fails everything, waits for operations that still touch the arena and unloads every
+    /// peer arena; true when every write ended (none was released in flight).
+    fn shutdown(&mut self) -> bool {
         let now = Instant::now();
         self.stopping = true;
         self.ep.shutdown(now);
@@ -673,10 +986,19 @@ impl Driver {
             let _ = self.poll_writes(Instant::now());
             let _ = self.drain_actions();
         }
+        let ended = self.writes.is_empty();
         for w in self.writes.drain(..) {
             self.data.release(w.id);
+            if let Some(pin) = w.pin {
+                self.shared.fence.unpin(pin);
+            }
         }
+        for md in std::mem::take(&mut self.retiring).into_iter().chain(self.shared.peers.take_arenas()) {
+            self.data.unload(md);
+        }
+        self.shared.arenas_retiring.store(0, Ordering::Relaxed);
         self.publish_gauges();
         // The copy engine waits for its accepted jobs when the Driver drops.
+        ended
     }
 }

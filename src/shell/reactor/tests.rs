@@ -60,6 +60,8 @@ impl DataPath for MemPath {
     }
 
     fn progress(&mut self) {}
+
+    fn unload(&mut self, _md: Md) {}
 }
 
 /// One engine's reactor over a private arena. Field order is drop order: the reactor stops
@@ -74,6 +76,17 @@ struct Side {
 
 impl Side {
     fn start(name: &str, session: u64, config: &Config, net: &MemNet) -> Self {
+        Self::start_with(name, session, config, net, |c| Box::new(c))
+    }
+
+    /// As [`Side::start`], with the CPU copy engine wrapped by `wrap`.
+    fn start_with(
+        name: &str,
+        session: u64,
+        config: &Config,
+        net: &MemNet,
+        wrap: impl FnOnce(CpuEngine) -> Box<dyn CopyEngine>,
+    ) -> Self {
         let mut arena = MmapMut::map_anon(config.arena_size as usize).unwrap();
         let base = arena.as_mut_ptr() as u64;
         let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
@@ -86,7 +99,7 @@ impl Side {
             session,
             endpoint: name.as_bytes().to_vec(),
             arena: LocalArena { place: ArenaPlace { mem: MemKind::Dram, dev: 0 }, base, md: Md(0) },
-            copier: Box::new(copier),
+            copier: wrap(copier),
             data: Box::new(path),
             control: Box::new(net.join(name)),
             control_budget: SOCKET_POLL_BATCH,
@@ -112,7 +125,7 @@ impl Side {
     fn load(&self, name: &str, other: &Self) {
         let loaded = self.shared.peers.loaded(name, Some(other.caps.clone()), Some(&self.caps));
         assert_eq!(loaded, bounce_proto::peers::Loaded::Compatible);
-        assert!(self.shared.peers.arena_loaded(name, Some(Md(1))));
+        assert_eq!(self.shared.peers.arena_loaded(name, Some(Md(1))), (true, vec![]));
         self.shared.inbox.push(Cmd::Hello(name.to_owned()));
     }
 
@@ -431,4 +444,167 @@ fn a_peer_gone_silent_mid_transfer_is_declared_dead_by_the_probe() {
     assert!(a.stat(|s| &s.pings_sent) >= 2 && a.stat(|s| &s.pongs_received) == 0);
     // b was alive all along: it kept answering (PONGs, ACKs), but none of it reached a.
     assert!(dead.load(Ordering::Relaxed) > 1, "b sent nothing after its last delivered frame");
+}
+
+/// A copy engine that holds every job until its gate opens, then hands them to the real one:
+/// a copy "running" for as long as a test wants.
+struct Gated {
+    inner: CpuEngine,
+    open: Arc<AtomicBool>,
+    held: Arc<Mutex<Vec<CopyJob>>>,
+}
+
+impl CopyEngine for Gated {
+    fn submit(&mut self, job: CopyJob) -> std::result::Result<(), CopyJob> {
+        self.held.lock().push(job);
+        Ok(())
+    }
+
+    fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
+        if self.open.load(Ordering::Acquire) {
+            for job in std::mem::take(&mut *self.held.lock()) {
+                if let Err(job) = self.inner.submit(job) {
+                    out.push((job.job, false));
+                }
+            }
+        }
+        self.inner.poll_done(out)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.held.lock().len() + self.inner.in_flight()
+    }
+}
+
+/// What the engine does in `deregisterMem`, on another thread: forget the registration, hand
+/// the reactor the range and wait. Returns when the wait ended.
+fn deregister_async(side: &Side, buf: &[u8]) -> std::thread::JoinHandle<Instant> {
+    let (addr, len) = (buf.as_ptr() as u64, buf.len() as u64);
+    let shared = Arc::clone(&side.shared);
+    std::thread::spawn(move || {
+        assert!(shared.registry.remove(Md(addr as usize)).is_some());
+        shared.deregister(addr, len);
+        Instant::now()
+    })
+}
+
+#[test]
+fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (open, held) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+    let (o, h) = (Arc::clone(&open), Arc::clone(&held));
+    let a = Side::start("a", 11, &cfg, &net);
+    let b = Side::start_with("b", 22, &cfg, &net, move |inner| Box::new(Gated { inner, open: o, held: h }));
+    a.load("b", &b);
+    b.load("a", &a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(a.shared.peers.bounce_arena("b").is_some() && b.shared.peers.bounce_arena("a").is_some()) {
+        assert!(Instant::now() < deadline, "HELLOs were not exchanged");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let x = a.post("b", &cfg, &src, &mut dst);
+    // b's first scatter into dst is accepted and "running" (held at the gate).
+    while held.lock().is_empty() {
+        assert!(Instant::now() < deadline, "no scatter reached b's copy engine");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let waiter = deregister_async(&b, &dst);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!waiter.is_finished(), "deregistration returned while a scatter into the range was running");
+    let opened = Instant::now();
+    open.store(true, Ordering::Release);
+    b.shared.inbox.wake();
+    let returned = waiter.join().unwrap();
+    assert!(returned >= opened, "returned before the scatter was let go");
+    assert!(held.lock().is_empty());
+    // Nothing lands after the deregistration returned, and the transfer never reports SUCCESS.
+    let after = dst.clone();
+    let outcome = a.outcome(x, Duration::from_secs(20));
+    assert!(outcome.is_err(), "a transfer whose destination was deregistered reported {outcome:?}");
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(after == dst, "bytes changed after deregisterMem returned");
+    assert!(b.stat(|s| &s.dereg_failed) >= 1, "the doomed scatter is counted");
+    assert_eq!(a.stat(|s| &s.bounce_ok), 0);
+}
+
+#[test]
+fn deregistration_with_nothing_running_returns_at_once() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (_a, b) = pair(&cfg, &net);
+    let (_, mut dst) = buffers();
+    b.register(&mut dst);
+    let started = Instant::now();
+    deregister_async(&b, &dst).join().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1));
+    // And once the reactor is gone, a waiter is never left hanging.
+    let mut other = vec![0u8; 4096];
+    b.register(&mut other);
+    let Side { reactor, shared, _arena: arena, .. } = b;
+    assert!(reactor.stop(), "nothing was granted: the arena may be handed back");
+    let done = Arc::new(Completion::default());
+    let cmd = Cmd::Deregister { addr: other.as_ptr() as u64, len: 4096, done: Some(Signal(Arc::clone(&done))) };
+    shared.inbox.push(cmd);
+    done.wait(&shared);
+    drop(arena);
+}
+
+#[test]
+fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    // b never ACKs: a's transfer can only end by b going away.
+    let granted = Arc::new(AtomicUsize::new(0));
+    let g = Arc::clone(&granted);
+    net.set_fault(move |_, _, f| match kind(f) {
+        Some("ack") => Fate::Drop,
+        Some("grant") => {
+            g.fetch_add(1, Ordering::Relaxed);
+            Fate::Deliver
+        }
+        _ => Fate::Deliver,
+    });
+    let (src, mut dst) = buffers();
+    b.register(&mut dst);
+    let x = a.post("b", &cfg, &src, &mut dst);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while granted.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "b granted nothing");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let closed_at = Instant::now();
+    let Side { reactor, _arena: arena, .. } = b;
+    // a retracts the credits b gave it once its writes ended: b's arena may be handed back.
+    assert!(reactor.stop(), "b's grants did not come back after its GOODBYE");
+    drop(arena);
+    assert_eq!(a.outcome(x, Duration::from_secs(10)), Err(XferError::PeerLost));
+    assert!(closed_at.elapsed() < Duration::from_secs(5), "failed by GOODBYE, not by the 60 s timeout");
+    assert!(a.shared.peers.bounce_arena("b").is_none(), "b's arena is forgotten");
+    assert_eq!(a.stat(|s| &s.bounce_ok), 0);
+}
+
+#[test]
+fn memory_deregistered_and_registered_again_at_once_bounces_normally() {
+    // Memory pools free and re-register the same addresses: the fence's mark of the old
+    // registration must not outlive the reactor's handling of it, or the new one's gathers
+    // would be refused.
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    let (mut src, mut dst) = buffers();
+    b.register(&mut dst);
+    for _ in 0..3 {
+        a.register(&mut src);
+        deregister_async(&a, &src).join().unwrap();
+        a.register(&mut src);
+        let h = a.post("b", &cfg, &src, &mut dst);
+        assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+        assert_exact(&src, &dst);
+        deregister_async(&a, &src).join().unwrap();
+    }
+    assert_eq!(a.stat(|s| &s.bounce_ok), 3);
 }

@@ -1,0 +1,103 @@
+//! The fence between `deregisterMem` and the bounce path's jobs: every copy job and direct
+//! write is *pinned* here (its user-memory span) before it is handed to a copy engine or the
+//! inner engine, and unpinned when it ends. A deregistration marks its range removed first and
+//! then looks for a pinned job touching it: when there is none it may return at once (no job
+//! touches the range now, and none pinned later can, since pinning refuses removed ranges);
+//! otherwise it waits for the reactor. The removed mark stays until the reactor has handed out
+//! every job the core emitted before it and applied the deregistration to the core (then the
+//! same addresses may be registered and used again).
+//!
+//! This is what keeps a deregistration at UCX's cost when nothing is in flight: one lock, no
+//! round trip to the reactor.
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+/// A user-memory range `[start, end)`.
+pub(crate) type Span = (u64, u64);
+
+fn overlaps((a, b): Span, (c, d): Span) -> bool {
+    a < d && c < b
+}
+
+/// A pinned job's token (unpin it exactly once).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Pin(u64);
+
+#[derive(Debug, Default)]
+struct State {
+    pinned: HashMap<u64, Span>,
+    next: u64,
+    /// Deregistered ranges the reactor has not applied yet (one entry per deregistration).
+    removed: Vec<Span>,
+}
+
+/// See the module docs. Shared by the application threads and the reactor.
+#[derive(Debug, Default)]
+pub(crate) struct Fence(Mutex<State>);
+
+impl Fence {
+    /// The application deregisters `range`: from now on no job touching it is pinned. Returns
+    /// true when a pinned job touches it (the caller must wait for the reactor).
+    pub(crate) fn deregister(&self, range: Span) -> bool {
+        let mut s = self.0.lock();
+        s.removed.push(range);
+        s.pinned.values().any(|&p| overlaps(p, range))
+    }
+
+    /// The reactor applied the deregistration of `range` to the core and handed out every job
+    /// the core emitted before it: the mark can go.
+    pub(crate) fn applied(&self, range: Span) {
+        let mut s = self.0.lock();
+        if let Some(i) = s.removed.iter().position(|&r| r == range) {
+            s.removed.swap_remove(i);
+        }
+    }
+
+    /// Pins a job whose user memory lies within `span`, unless it touches a removed range;
+    /// `touches(range)` says precisely whether it does (the span is only its outer bounds), and
+    /// is asked only when the span overlaps one. `None`: the job must not run.
+    pub(crate) fn pin(&self, span: Span, touches: impl Fn(Span) -> bool) -> Option<Pin> {
+        let mut s = self.0.lock();
+        if s.removed.iter().any(|&r| overlaps(span, r) && touches(r)) {
+            return None;
+        }
+        s.next += 1;
+        let id = s.next;
+        s.pinned.insert(id, span);
+        Some(Pin(id))
+    }
+
+    /// The pinned job ended.
+    pub(crate) fn unpin(&self, pin: Pin) {
+        self.0.lock().pinned.remove(&pin.0);
+    }
+
+    /// True when a pinned job touches `range`.
+    pub(crate) fn busy(&self, range: Span) -> bool {
+        self.0.lock().pinned.values().any(|&p| overlaps(p, range))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_removed_range_refuses_pins_and_a_pinned_job_makes_the_deregistration_wait() {
+        let f = Fence::default();
+        let job = f.pin((100, 200), |_| true).expect("nothing removed yet");
+        assert!(f.deregister((150, 160)), "the pinned job touches it: wait");
+        assert!(f.busy((150, 160)) && !f.busy((200, 300)));
+        assert!(f.pin((120, 130), |_| true).is_some(), "outside the removed range");
+        assert_eq!(f.pin((155, 156), |_| true), None, "inside it: refused");
+        // The outer span overlaps, but the job's runs do not touch the range.
+        assert!(f.pin((140, 170), |_| false).is_some());
+        f.unpin(job);
+        assert!(!f.deregister((100, 120)), "the job that touched it was unpinned");
+        f.applied((150, 160));
+        assert!(f.pin((155, 156), |_| true).is_some(), "applied: the range may be registered again");
+        assert_eq!(f.pin((105, 106), |_| true), None, "(100, 120) is still removed");
+    }
+}
