@@ -255,6 +255,16 @@ pub enum ProtocolError {
         /// The sending peer.
         got: PeerId,
     },
+    /// A GRANT or ACK whose token is not its transfer's, or a DATA, cancel or further WANT
+    /// whose token is not its flow's: a forgery (or a frame of another incarnation). Dropped
+    /// and counted in [`Stats::control_forged`]; nothing of the transfer or flow changed.
+    #[error("peer {}: wrong token for transfer {}", .peer.0, .xfer.0)]
+    WrongToken {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer named.
+        xfer: XferId,
+    },
     /// A GRANT without credits.
     #[error("transfer {}: empty GRANT", .xfer.0)]
     EmptyGrant {
@@ -380,6 +390,11 @@ pub struct Stats {
     pub flows_timed_out: u64,
     /// Peer messages rejected with a [`ProtocolError`].
     pub protocol_errors: u64,
+    /// Frames that looked valid but were not authentic: a wrong transfer token
+    /// ([`ProtocolError::WrongToken`]) or, through
+    /// [`Endpoint::handle_frame`](crate::endpoint::Endpoint::handle_frame), a session other
+    /// than the one in the peer's loaded capabilities.
+    pub control_forged: u64,
     /// Control frames refused by the peer rules or the decoder
     /// ([`crate::peers::FrameRefused`] other than a protocol error).
     pub frames_refused: u64,

@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
 use crate::scheduler::Grant as SchedGrant;
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, FlowKey, PeerId, Region};
+use crate::types::{ChunkIdx, FlowKey, PeerId, Region, Token};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
@@ -38,6 +38,9 @@ struct PeerLoad {
 /// One remote flow as the receiver sees it.
 #[derive(Debug)]
 struct Flow {
+    /// The token of the WANT that created the flow: every later WANT, cancel and DATA of the
+    /// flow must carry it, and every GRANT and ACK echoes it.
+    token: Token,
     /// Byte size of each chunk announced so far, by chunk index.
     chunks: Vec<u64>,
     /// Regions of this flow being scattered.
@@ -53,6 +56,7 @@ struct Flow {
 #[derive(Debug, Clone, Copy)]
 struct Scatter {
     flow: FlowKey,
+    token: Token,
     chunk: ChunkIdx,
     region: Region,
     bytes: u64,
@@ -63,6 +67,9 @@ struct Scatter {
 /// Driven only by [`crate::endpoint::Endpoint`], which documents the call order.
 /// - WANT queues the flow's chunks in the scheduler; an empty WANT (cancel) reclaims the flow.
 ///   Credits come out of the endpoint's `schedule()` calls, batched into one GRANT per flow.
+/// - Every later WANT, cancel and DATA of a flow must carry the [`Token`] of the WANT that
+///   created it; one that does not is dropped and counted (`control_forged`), changing nothing.
+///   GRANTs and ACKs echo the flow's token.
 /// - DATA is validated: the flow holds the named region for that chunk and is not already
 ///   scattering it; every run lies within the chunk's bytes and inside one registered memory
 ///   range. A valid DATA becomes an [`Action::Scatter`]; an invalid one is answered with
@@ -143,6 +150,12 @@ impl Receiver {
 
     pub(crate) fn handle_want(&mut self, ctx: &mut Ctx<'_>, from: PeerId, want: Want) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: want.xfer };
+        // A cancel or further WANT for a live flow must carry the token of the WANT that
+        // created it: otherwise anyone who can guess a transfer id could reclaim the flow.
+        if self.flows.get(&key).is_some_and(|f| f.token != want.token) {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: want.xfer });
+        }
         if want.is_cancel() {
             debug!(peer = from.0, xfer = want.xfer.0, "cancel");
             self.reclaim(ctx, key);
@@ -171,7 +184,7 @@ impl Receiver {
             }
             None => {
                 self.timers.set(key, deadline);
-                let flow = Flow { chunks: want.chunks, scattering: 0, deadline };
+                let flow = Flow { token: want.token, chunks: want.chunks, scattering: 0, deadline };
                 self.flows.insert(key, flow);
             }
         }
@@ -186,13 +199,18 @@ impl Receiver {
             ctx.stats.late_data += 1;
             return Ok(());
         };
+        if flow.token != data.token {
+            // Neither an answer nor a reclaim: the flow belongs to its real sender.
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: data.xfer });
+        }
         let bytes = match self.validate(ctx, key, flow, &data) {
             Ok(bytes) => bytes,
             Err(fault) => {
                 ctx.stats.data_refused += 1;
                 if data.region.len != 0 {
-                    let ack =
-                        Ack { xfer: data.xfer, chunk: data.chunk, region: data.region, status: AckStatus::Refused };
+                    let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
+                    let ack = Ack { xfer, token, chunk, region, status: AckStatus::Refused };
                     ctx.send(from, ack);
                 }
                 // Free the flow's regions now; its sender fails on the refusal.
@@ -209,7 +227,8 @@ impl Receiver {
             flow.scattering += 1;
             flow.deadline = ctx.now + self.idle_timeout;
         }
-        self.scatters.insert(job, Scatter { flow: key, chunk: data.chunk, region: data.region, bytes });
+        let scatter = Scatter { flow: key, token: data.token, chunk: data.chunk, region: data.region, bytes };
+        self.scatters.insert(job, scatter);
         trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, region = %data.region, runs = data.runs.len(), "scatter");
         ctx.push(Action::Scatter { job, peer: from, xfer: data.xfer, region: data.region, runs: data.runs });
         Ok(())
@@ -243,7 +262,7 @@ impl Receiver {
             return;
         }
         let status = if ok { AckStatus::Scattered } else { AckStatus::Failed };
-        ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, chunk: s.chunk, region: s.region, status });
+        ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, token: s.token, chunk: s.chunk, region: s.region, status });
         if !ctx.sched.has_flow(s.flow) {
             self.forget(s.flow);
             debug!(peer = s.flow.peer.0, xfer = s.flow.xfer.0, "flow done");
@@ -319,13 +338,19 @@ impl Receiver {
             batches[i].1.push(credit);
         }
         for (key, credits) in batches {
-            match self.flows.get_mut(&key) {
-                Some(flow) => flow.deadline = ctx.now + self.idle_timeout,
-                None => internal_error("grant for a flow the receiver does not track", &key.xfer.0),
-            }
+            let token = match self.flows.get_mut(&key) {
+                Some(flow) => {
+                    flow.deadline = ctx.now + self.idle_timeout;
+                    flow.token
+                }
+                None => {
+                    internal_error("grant for a flow the receiver does not track", &key.xfer.0);
+                    continue;
+                }
+            };
             trace!(peer = key.peer.0, xfer = key.xfer.0, credits = credits.len(), "grant");
             for part in credits.chunks(wire::MAX_CREDITS as usize) {
-                ctx.send(key.peer, Grant { xfer: key.xfer, credits: part.to_vec() });
+                ctx.send(key.peer, Grant { xfer: key.xfer, token, credits: part.to_vec() });
             }
         }
     }
@@ -648,7 +673,7 @@ mod tests {
     fn late_data_after_a_cancel_is_dropped_without_an_ack() {
         let (mut ep, t) = receiver();
         let [r0, _] = wanted(&mut ep, t);
-        ep.handle_msg(t, PEER, Msg::cancel(X, Vec::new())).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
         assert!(drain(&mut ep).is_empty());
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
         // The region may already be someone else's: never scatter it, never answer.
@@ -662,7 +687,7 @@ mod tests {
         assert!(drain(&mut ep).is_empty());
         assert_eq!(ep.stats().late_data, 1);
         // A cancel for a flow never seen is harmless too.
-        ep.handle_msg(t, PEER, Msg::cancel(XferId(77), Vec::new())).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(XferId(77), TOKEN, Vec::new())).unwrap();
         check(&ep);
     }
 
@@ -672,7 +697,7 @@ mod tests {
         let [r0, _] = wanted(&mut ep, t);
         ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
         let s = scatters(&drain(&mut ep));
-        ep.handle_msg(t, PEER, Msg::cancel(X, Vec::new())).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
         assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK);
         assert_eq!(ep.remote_flows(), 0);
         ep.handle_scatter_done(t, s[0].0, true);
@@ -748,7 +773,7 @@ mod tests {
         ep.handle_msg(t, PEER, want_msg(X, &[CHUNK])).unwrap();
         ep.receiver().check_invariants().unwrap();
         // Ending one flow makes room for a new one.
-        ep.handle_msg(t, greedy, Msg::cancel(XferId(5), Vec::new())).unwrap();
+        ep.handle_msg(t, greedy, Msg::cancel(XferId(5), TOKEN, Vec::new())).unwrap();
         ep.handle_msg(t, greedy, want_msg(XferId(1 << 40), &[CHUNK])).unwrap();
         ep.handle_peer_lost(t, greedy);
         ep.receiver().check_invariants().unwrap();
@@ -761,7 +786,7 @@ mod tests {
         assert!(matches!(err, ProtocolError::PeerOverLimit { chunks, .. } if chunks == CHUNKS + 1), "{err}");
         assert!(ep.handle_msg(t, greedy, want_msg(XferId(3), &[CHUNK])).is_err());
         ep.receiver().check_invariants().unwrap();
-        ep.handle_msg(t, greedy, Msg::cancel(XferId(2), Vec::new())).unwrap();
+        ep.handle_msg(t, greedy, Msg::cancel(XferId(2), TOKEN, Vec::new())).unwrap();
         ep.handle_msg(t, greedy, want_msg(XferId(3), &[CHUNK])).unwrap();
         ep.receiver().check_invariants().unwrap();
     }

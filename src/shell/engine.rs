@@ -338,7 +338,18 @@ impl Engine {
             Error::BadEnvelope { agent: agent.to_owned(), source }
         })?;
         if self.bounce.is_some() {
-            match self.peers.loaded(agent, env.caps, self.capabilities().as_ref()) {
+            let (loaded, replaced) = self.peers.loaded(agent, env.caps, self.capabilities().as_ref());
+            if replaced {
+                // A new session: the agent restarted under the same name. Its old incarnation's
+                // transfers and flows are void; the reactor reclaims them before the HELLO
+                // that `peer_loaded` queues behind this, so no frame of the new session can
+                // reach the old state.
+                tracing::info!(peer = agent, "peer reloaded with a new session: reclaiming its old state");
+                if let Some(sh) = self.shared() {
+                    sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
+                }
+            }
+            match loaded {
                 Loaded::Incompatible(why) => {
                     tracing::info!(peer = agent, reason = ?why, "peer cannot bounce with us; plain UCX");
                     Stats::bump(&self.stats.peers_incompatible);

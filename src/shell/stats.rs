@@ -50,6 +50,9 @@ counters! {
     peers_incompatible,
     /// Control frames dropped (malformed, unknown sender, stale session, refused).
     control_dropped,
+    /// Of those, frames that looked valid but were not authentic: a wrong transfer token, or a
+    /// session other than the one in the sender's loaded metadata.
+    control_forged,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
     /// Staging regions of failed transfers waiting for their gather or write to end (the

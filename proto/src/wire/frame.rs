@@ -4,18 +4,23 @@
 //! transfer. [`Frame`] carries a [`Msg`]; [`ControlFrame`] carries either kind of [`Body`] and
 //! is decoded by the same header and body code.
 //!
+//! Every WANT, GRANT, DATA and ACK carries its transfer's [`Token`] right after the transfer id
+//! (since [`WIRE_VERSION`] 3): the sender draws it, the receiver echoes it, and a frame whose
+//! token is not its transfer's is a forgery (see `crate::peers` for the session rule, which
+//! binds the header's session to the peer's loaded metadata).
+//!
 //! Every field has a fixed width except DATA's scatter runs, which are delta-coded with varints
 //! (a DATA carries hundreds of them: see `Writer::run` below); the decoder accepts only their
 //! one shortest form, so whatever `decode` accepts, `encode` reproduces byte for byte.
 
 use super::codec::{MAX_BLOB, Reader, Result, WireError, Writer, check_len};
-use crate::types::{ChunkIdx, CopyRun, Region, XferId};
+use crate::types::{ChunkIdx, CopyRun, Region, Token, XferId};
 
 /// Magic that starts every control frame; the leading NUL keeps it apart from printable
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 2;
+pub const WIRE_VERSION: u8 = 3;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -51,6 +56,9 @@ pub(super) const RUN_REGION_JUMP: u8 = 0x04;
 pub struct Want {
     /// The transfer.
     pub xfer: XferId,
+    /// The transfer's secret, drawn by the sender; the receiver's flow keeps the one of the
+    /// WANT that created it.
+    pub token: Token,
     /// The sender's control endpoint (or conn info) for the reverse path; may be empty.
     pub endpoint: Vec<u8>,
     /// Byte size of each chunk in chunk order; empty means cancel.
@@ -80,6 +88,8 @@ pub struct Credit {
 pub struct Grant {
     /// The transfer.
     pub xfer: XferId,
+    /// The flow's token, echoed.
+    pub token: Token,
     /// The credits; never empty on the wire.
     pub credits: Vec<Credit>,
 }
@@ -90,6 +100,8 @@ pub struct Grant {
 pub struct Data {
     /// The transfer.
     pub xfer: XferId,
+    /// The transfer's token.
+    pub token: Token,
     /// The chunk.
     pub chunk: ChunkIdx,
     /// The region it was written to (as granted).
@@ -118,6 +130,8 @@ pub enum AckStatus {
 pub struct Ack {
     /// The transfer.
     pub xfer: XferId,
+    /// The flow's token, echoed.
+    pub token: Token,
     /// The chunk.
     pub chunk: ChunkIdx,
     /// The region the chunk occupied.
@@ -167,8 +181,8 @@ impl From<Ack> for Msg {
 impl Msg {
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
-    pub fn cancel(xfer: XferId, endpoint: Vec<u8>) -> Self {
-        Self::Want(Want { xfer, endpoint, chunks: Vec::new() })
+    pub fn cancel(xfer: XferId, token: Token, endpoint: Vec<u8>) -> Self {
+        Self::Want(Want { xfer, token, endpoint, chunks: Vec::new() })
     }
 
     /// The transfer the message is about.
@@ -178,6 +192,16 @@ impl Msg {
             Self::Grant(m) => m.xfer,
             Self::Data(m) => m.xfer,
             Self::Ack(m) => m.xfer,
+        }
+    }
+
+    /// The transfer token the message carries.
+    pub fn token(&self) -> Token {
+        match self {
+            Self::Want(m) => m.token,
+            Self::Grant(m) => m.token,
+            Self::Data(m) => m.token,
+            Self::Ack(m) => m.token,
         }
     }
 
@@ -406,12 +430,14 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
     match msg {
         Msg::Want(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.blob(&m.endpoint);
             w.len(m.chunks.len());
             m.chunks.iter().for_each(|&c| w.u64(c));
         }
         Msg::Grant(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.len(m.credits.len());
             for c in &m.credits {
                 w.u32(c.chunk.0);
@@ -420,6 +446,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
         }
         Msg::Data(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.u32(m.chunk.0);
             w.region(&m.region);
             w.len(m.runs.len());
@@ -428,6 +455,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
         }
         Msg::Ack(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.u32(m.chunk.0);
             w.region(&m.region);
             w.u8(ack_tag(m.status));
@@ -440,21 +468,21 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
 fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
     Ok(match kind {
         KIND_WANT => {
-            let xfer = XferId(r.u64()?);
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
             let endpoint = r.blob("endpoint")?;
             let n = r.count("want chunks", MAX_CHUNKS_PER_WANT, 8)?;
             let chunks = (0..n).map(|_| r.u64()).collect::<Result<_>>()?;
-            Msg::Want(Want { xfer, endpoint, chunks })
+            Msg::Want(Want { xfer, token, endpoint, chunks })
         }
         KIND_GRANT => {
-            let xfer = XferId(r.u64()?);
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
             let n = r.count("grant credits", MAX_CREDITS, CREDIT_LEN)?;
             let credits =
                 (0..n).map(|_| Ok(Credit { chunk: ChunkIdx(r.u32()?), region: r.region()? })).collect::<Result<_>>()?;
-            Msg::Grant(Grant { xfer, credits })
+            Msg::Grant(Grant { xfer, token, credits })
         }
         KIND_DATA => {
-            let xfer = XferId(r.u64()?);
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
             let chunk = ChunkIdx(r.u32()?);
             let region = r.region()?;
             let n = r.count("data runs", MAX_RUNS, MIN_RUN_LEN)?;
@@ -466,10 +494,11 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
                     Ok(run)
                 })
                 .collect::<Result<_>>()?;
-            Msg::Data(Data { xfer, chunk, region, runs })
+            Msg::Data(Data { xfer, token, chunk, region, runs })
         }
         KIND_ACK => Msg::Ack(Ack {
             xfer: XferId(r.u64()?),
+            token: r.token()?,
             chunk: ChunkIdx(r.u32()?),
             region: r.region()?,
             status: ack_from_tag(r.u8()?)?,

@@ -19,7 +19,7 @@ use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, FlowKey, PeerId, Region, XferId};
+use bounce_proto::{ControlKind, CopyRun, FlowKey, MemKind, PeerId, Region, Token, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -192,7 +192,8 @@ impl Sim {
                 for j in 0..n {
                     assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
                     if j != i {
-                        ep.peers_mut().load_conn_info(&agent(j), None, None);
+                        // Node `j`'s metadata: its session is `j`, the one its frames carry.
+                        ep.handle_conn_info(start, &agent(j), Some(caps(config, j as u64)), None);
                         // Each says HELLO to each, through the same frame path as the messages.
                         ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO accepted");
                         assert!(ep.peers().is_reachable(&agent(j)));
@@ -520,7 +521,8 @@ impl Sim {
                         c.direct = None;
                     }
                 }
-                self.nodes[from].ep.submit(now, xfer, PeerId(to as u32), plan).expect("submit");
+                let token = Token(self.rng.random());
+                self.nodes[from].ep.submit(now, xfer, token, PeerId(to as u32), plan).expect("submit");
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.
                     self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));
@@ -628,4 +630,21 @@ impl Sim {
 /// The initial byte at offset `a` of node `node`'s memory.
 pub(crate) fn pattern(node: usize, a: u64) -> u8 {
     (a.wrapping_mul(131) ^ (a >> 7) ^ (node as u64 * 29)) as u8
+}
+
+/// The capabilities a node of `config` publishes with instance nonce `session`.
+fn caps(config: &Config, session: u64) -> wire::Capabilities {
+    wire::Capabilities {
+        wire_version: wire::WIRE_VERSION.into(),
+        control: ControlKind::Ucx,
+        mem: MemKind::Dram,
+        arena_base: 0,
+        arena_len: config.arena_usable_capacity(),
+        arena_dev: 0,
+        usable_capacity: config.arena_usable_capacity(),
+        max_chunk: config.max_chunk_size,
+        session,
+        arena_key: Vec::new(),
+        endpoint: Vec::new(),
+    }
 }

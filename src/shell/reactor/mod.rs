@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
+use bounce_proto::peers::FrameRefused;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, PeerId, Region, XferId};
+use bounce_proto::{CopyRun, PeerId, Region, Token, XferId};
 use parking_lot::Mutex;
 
 use crate::shell::control::{ControlChannel, ControlError};
@@ -33,7 +34,6 @@ use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
 use crate::sys::shim::{Md, WriteSide, WriteState};
-use bounce_proto::peers::Admitted;
 
 #[cfg(test)]
 mod tests;
@@ -180,6 +180,9 @@ struct Driver {
     warn_budget: RateLimit,
     /// Set by shutdown: queued writes are failed, never posted.
     stopping: bool,
+    /// Frames refused because their session is not the one of the sender's loaded metadata
+    /// (the core counts wrong tokens; `stats.control_forged` is the sum).
+    sessions_forged: u64,
     /// Scratch buffers reused every pass.
     frames: Vec<(String, Vec<u8>)>,
     done: Vec<(JobId, bool)>,
@@ -227,6 +230,7 @@ impl Reactor {
             xfers: HashMap::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,
+            sessions_forged: 0,
             frames: Vec::new(),
             done: Vec::new(),
         };
@@ -370,6 +374,7 @@ impl Driver {
         s.arena_orphans.store(self.ep.orphans() as u64, Ordering::Relaxed);
         s.chunks_direct.store(core.chunks_direct, Ordering::Relaxed);
         s.timeouts.store(core.timeouts, Ordering::Relaxed);
+        s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
     fn handle_cmd(&mut self, now: Instant, cmd: Cmd) {
@@ -382,7 +387,15 @@ impl Driver {
                 Stats::bump(&self.shared.stats.bounce_xfers);
                 self.shared.stats.bounce_chunks.fetch_add(chunks, Ordering::Relaxed);
                 self.shared.stats.bounce_bytes.fetch_add(bytes, Ordering::Relaxed);
-                if let Err(e) = self.ep.submit(now, p.xfer, peer, (*p.plan).clone()) {
+                // The transfer's secret (see `Token`): only we and the receiver will know it.
+                let mut secret = [0u8; 16];
+                if let Err(e) = getrandom::fill(&mut secret) {
+                    tracing::warn!(xfer = p.xfer.0, error = %e, "no randomness for a transfer token");
+                    self.complete(p.xfer, Err(XferError::Refused));
+                    return;
+                }
+                let token = Token(u128::from_le_bytes(secret));
+                if let Err(e) = self.ep.submit(now, p.xfer, token, peer, (*p.plan).clone()) {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "bounce submit refused");
                     self.complete(p.xfer, Err(XferError::Refused));
                 }
@@ -432,15 +445,16 @@ impl Driver {
             }
             wire::Body::Msg(msg) => msg,
         };
-        let id = match self.shared.peers.admit(peer, frame.session, matches!(&msg, Msg::Want(_))) {
-            Ok(Admitted { peer: id, restarted }) => {
-                if restarted {
-                    tracing::info!(peer, "peer restarted (new session): reclaiming its old state");
-                    self.ep.handle_peer_lost(now, id);
+        // The session must be the one of the peer's loaded metadata; a new one arrives only
+        // through a metadata reload (`Engine::load_conn_info`), never through a frame.
+        let id = match self.shared.peers.admit(peer, frame.session) {
+            Ok(id) => id,
+            Err(e) => {
+                if matches!(e, FrameRefused::StaleSession { .. }) {
+                    self.sessions_forged += 1;
                 }
-                id
+                return self.drop_frame(now, peer, &e);
             }
-            Err(e) => return self.drop_frame(now, peer, &e),
         };
         if let Err(e) = self.ep.handle_msg(now, id, msg) {
             self.drop_frame(now, peer, &e);

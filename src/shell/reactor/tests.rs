@@ -111,7 +111,7 @@ impl Side {
     /// NIXL loaded `other`'s connection info here and its arena into the inner engine.
     fn load(&self, name: &str, other: &Self) {
         let loaded = self.shared.peers.loaded(name, Some(other.caps.clone()), Some(&self.caps));
-        assert_eq!(loaded, bounce_proto::peers::Loaded::Compatible);
+        assert_eq!(loaded, (bounce_proto::peers::Loaded::Compatible, false));
         assert!(self.shared.peers.arena_loaded(name, Some(Md(1))));
         self.shared.inbox.push(Cmd::Hello(name.to_owned()));
     }
