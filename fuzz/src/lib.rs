@@ -41,8 +41,9 @@ use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
+use bounce_proto::proof;
 use bounce_proto::wire::{Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Msg, Want};
-use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, Region, Token, XferId};
+use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 
 /// One thing that can happen to an endpoint.
 #[derive(Debug)]
@@ -66,10 +67,11 @@ pub enum Op {
     /// DATA: one run of the chunk's bytes to `USER_BASE - 4 KiB + at % (USER_LEN + 8 KiB)`,
     /// so some destinations cross the registered range's edges.
     RemoteData { which: u8, at: u32 },
-    /// A forged frame aimed at live state: kind `kind % 5` (GRANT, ACK(Scattered) for one of
-    /// our transfers; DATA for a granted region, cancel, WANT for a remote flow) with the right
-    /// ids and a token XORed with `flip | 1`, or, with `session`, the right token under a
-    /// session XORed with `flip | 1`. It must be refused and change nothing.
+    /// A forged frame aimed at live state: kind `kind % 6` (GRANT, ACK(Scattered) for one of
+    /// our transfers; DATA for a granted region, cancel, WANT for a remote flow; a new WANT
+    /// whose destination proof was made for another token) with the right ids and a token
+    /// XORed with `flip | 1`, or, with `session`, the right token under a session XORed with
+    /// `flip | 1`. It must be refused and change nothing.
     Forge { kind: u8, which: u8, flip: u128, session: bool },
 }
 
@@ -77,6 +79,10 @@ pub enum Op {
 fn agent(i: u32) -> String {
     format!("peer-{i}")
 }
+
+/// The one registration (`USER_BASE`, `USER_LEN`) and the key its metadata carries.
+const REG: RegId = RegId(1);
+const KEY: RegKey = RegKey([0x3c; 32]);
 
 fn session_of(peer: PeerId) -> u64 {
     0x5e55_0000 + u64::from(peer.0)
@@ -226,7 +232,7 @@ pub fn run(data: &[u8]) -> Coverage {
     let cfg = config();
     let mut now = Instant::now();
     let mut ep = Endpoint::new(&cfg, now).expect("endpoint");
-    ep.add_registered(USER_BASE, USER_LEN);
+    ep.add_registered(REG, KEY, USER_BASE, USER_LEN);
     // Peers 0..3, loaded in order (so `agent(i)` is `PeerId(i)`) with their sessions.
     for i in 0..3 {
         let caps = Capabilities {
@@ -295,7 +301,8 @@ pub fn run(data: &[u8]) -> Coverage {
                 let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(1000 + u64::from(xfer)));
                 let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
-                let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone() });
+                let proofs = vec![proof::prove(REG, &KEY, token)];
+                let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone(), proofs });
                 if ep.handle_msg(now, peer, want).is_ok() {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                 }
@@ -348,11 +355,11 @@ pub fn run(data: &[u8]) -> Coverage {
 /// cancel or WANT for a remote flow we granted. `None` when there is no such state yet.
 fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8, which: u8) -> Option<(PeerId, Msg)> {
     let pick = |n: usize| usize::from(which) % n;
-    Some(match kind % 5 {
+    Some(match kind % 6 {
         0 | 1 if !seen.sent_data.is_empty() => {
             let (peer, xfer, chunk, region) = seen.sent_data[pick(seen.sent_data.len())];
             let token = our_token(xfer);
-            let msg = if kind % 5 == 0 {
+            let msg = if kind % 6 == 0 {
                 Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region }] })
             } else {
                 Msg::Ack(Ack { xfer, token, chunk, region, status: AckStatus::Scattered })
@@ -368,8 +375,16 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
         3 | 4 if !announced.is_empty() => {
             let (&(peer, xfer), sizes) = announced.iter().nth(pick(announced.len()))?;
             let token = remote_token(peer, xfer);
-            let chunks = if kind % 5 == 3 { Vec::new() } else { sizes[..1].to_vec() };
-            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks }))
+            let chunks = if kind % 6 == 3 { Vec::new() } else { sizes[..1].to_vec() };
+            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks, proofs: Vec::new() }))
+        }
+        5 => {
+            // A transfer nobody announced yet, proving the registration: once its token is
+            // changed, the proof is for another token (a replayed or guessed tag).
+            let (peer, xfer) = (PeerId(u32::from(which % 3)), XferId(1 << 32 | u64::from(which)));
+            let token = remote_token(peer, xfer);
+            let proofs = vec![proof::prove(REG, &KEY, token)];
+            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: vec![4096], proofs }))
         }
         _ => return None,
     })
@@ -402,7 +417,9 @@ fn refuse_forgery(ep: &mut Endpoint, now: Instant, peer: PeerId, mut msg: Msg, f
             assert!(session && *got == frame_session && *current == real, "{r:?}");
             true
         }
-        Err(FrameRefused::Protocol(ProtocolError::WrongToken { peer: p, xfer: x })) => {
+        Err(FrameRefused::Protocol(
+            ProtocolError::WrongToken { peer: p, xfer: x } | ProtocolError::BadProof { peer: p, xfer: x, .. },
+        )) => {
             assert!(!session && *p == peer && *x == xfer, "{r:?}");
             true
         }

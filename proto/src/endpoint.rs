@@ -23,7 +23,7 @@ use crate::plan::Plan;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
 use crate::sender::Sender;
-use crate::types::{PeerId, Token, XferId};
+use crate::types::{PeerId, RegId, RegKey, Token, XferId};
 use crate::wire;
 
 /// Why an [`Endpoint`] cannot be built.
@@ -143,16 +143,17 @@ impl Endpoint {
         self.sender.set_local_endpoint(bytes);
     }
 
-    /// Adds `[addr, addr + len)` to the memory the receiver may scatter into. A DATA run must
-    /// lie inside one such range; ranges are counted, so equal ranges may be added twice.
-    pub fn add_registered(&mut self, addr: u64, len: u64) {
-        self.receiver.add_registered(addr, len);
+    /// Records registration `reg` of `[addr, addr + len)` with key `key`: memory the receiver
+    /// may scatter into for a flow whose WANT proved it (see [`crate::proof`]). A DATA run must
+    /// lie inside one registration its flow proved.
+    pub fn add_registered(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) {
+        self.receiver.add_registered(reg, key, addr, len);
     }
 
-    /// Removes one registration of exactly `[addr, addr + len)`; unknown ranges are ignored.
-    /// Scatters already emitted are not affected.
-    pub fn remove_registered(&mut self, addr: u64, len: u64) {
-        self.receiver.remove_registered(addr, len);
+    /// Forgets registration `reg`; unknown ids are ignored. Scatters already emitted are not
+    /// affected.
+    pub fn remove_registered(&mut self, reg: RegId) {
+        self.receiver.remove_registered(reg);
     }
 
     /// Handles one control message from `from`: WANT and DATA go to the receiver, GRANT and
@@ -407,6 +408,9 @@ pub(crate) mod tests {
     pub(crate) const TOKEN: Token = Token(0x5eed_0f70_ce00);
     /// A token nobody issued: what a forger without the secret has to guess.
     pub(crate) const FORGED: Token = Token(0xbad);
+    /// The fixture registration covering `DST`, and its key (as its metadata carries it).
+    pub(crate) const REG: RegId = RegId(1);
+    pub(crate) const KEY: RegKey = RegKey([0x5a; 32]);
 
     /// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout.
     pub(crate) fn config(arena: u64, w: u32, eager: bool) -> Config {
@@ -423,9 +427,12 @@ pub(crate) mod tests {
         c
     }
 
+    /// An endpoint of `config(arena, w, eager)` with `[DST, DST + 64 KiB)` registered as `REG`.
     pub(crate) fn endpoint(arena: u64, w: u32, eager: bool) -> (Endpoint, Instant) {
         let now = Instant::now();
-        (Endpoint::new(&config(arena, w, eager), now).unwrap(), now)
+        let mut ep = Endpoint::new(&config(arena, w, eager), now).unwrap();
+        ep.add_registered(REG, KEY, DST, 64 * KIB);
+        (ep, now)
     }
 
     /// `n` staged chunks of exactly 4 KiB: descriptor `i` copies `SRC + i*4K` to `DST + i*4K`.
@@ -443,8 +450,9 @@ pub(crate) mod tests {
     pub(crate) fn direct_plan_of(n: u64) -> Plan {
         let descs: Vec<DescPair> =
             (0..n).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
-        let p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        let mut p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
         assert!(p.chunks.iter().all(|c| c.direct.is_some()));
+        p.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
         p
     }
 
@@ -511,7 +519,8 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
-        Msg::Want(Want { xfer, token: TOKEN, endpoint: Vec::new(), chunks: chunks.to_vec() })
+        let proofs = vec![crate::proof::prove(REG, &KEY, TOKEN)];
+        Msg::Want(Want { xfer, token: TOKEN, endpoint: Vec::new(), chunks: chunks.to_vec(), proofs })
     }
 
     pub(crate) fn data_msg(xfer: XferId, chunk: u32, region: Region, runs: Vec<CopyRun>) -> Msg {
@@ -711,7 +720,7 @@ pub(crate) mod tests {
                 runs: vec![run(0, DST, CHUNK)],
             }),
             Msg::cancel(XferId(5), FORGED, vec![]),
-            Msg::Want(Want { xfer: XferId(5), token: FORGED, endpoint: vec![], chunks: vec![CHUNK] }),
+            Msg::Want(Want { xfer: XferId(5), token: FORGED, endpoint: vec![], chunks: vec![CHUNK], proofs: vec![] }),
         ];
         for m in forged {
             let r = ep.handle_frame(t, "a", &frame(7, m));
@@ -721,7 +730,7 @@ pub(crate) mod tests {
         assert_eq!((ep.remote_flows(), ep.stats().control_forged, ep.stats().data_refused), (1, 3, 0));
         assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
         // The real DATA scatters, and its ACK carries the flow's token.
-        ep.receiver_mut().add_registered(DST, CHUNK);
+        ep.receiver_mut().add_registered(REG, KEY, DST, CHUNK);
         ep.handle_frame(t, "a", &frame(7, data_msg(XferId(5), 0, region, vec![run(0, DST, CHUNK)]))).unwrap();
         let acts = drain(&mut ep);
         ep.handle_scatter_done(t, scatters(&acts)[0].0, true);
@@ -800,7 +809,7 @@ pub(crate) mod tests {
                 now,
             };
             for ep in &mut p.eps {
-                ep.add_registered(DST, 1 << 20);
+                ep.add_registered(REG, KEY, DST, 1 << 20);
             }
             p
         }
@@ -998,7 +1007,7 @@ pub(crate) mod tests {
         #[test]
         fn arbitrary_peer_input_never_breaks_the_endpoint(ops in prop::collection::vec(any_op(), 1..80), eager: bool) {
             let (mut ep, mut now) = endpoint(32 * KIB, 2, eager);
-            ep.add_registered(DST, 64 * KIB);
+            ep.add_registered(REG, KEY, DST, 64 * KIB);
             let mut jobs = Vec::new();
             for op in ops {
                 match op {

@@ -170,6 +170,16 @@ pub enum SubmitError {
         /// [`wire::MAX_CHUNKS_PER_WANT`].
         max: u32,
     },
+    /// More destination registrations than one WANT can prove.
+    #[error("transfer {} writes into {dests} registrations, more than {max}", .xfer.0)]
+    TooManyDestinations {
+        /// The transfer.
+        xfer: XferId,
+        /// Destination registrations in the plan.
+        dests: usize,
+        /// [`wire::MAX_PROOFS`].
+        max: u32,
+    },
     /// A chunk is larger than the configured maximum chunk size.
     #[error("transfer {}: chunk #{} of {bytes} bytes exceeds the max chunk size ({max} bytes)", .xfer.0, .chunk.0)]
     ChunkTooLarge {
@@ -217,7 +227,8 @@ pub enum DataFault {
         /// Position of the run.
         index: usize,
     },
-    /// Run `index` writes outside every registered memory range.
+    /// Run `index` writes outside every registration the flow's WANTs proved (or one proved
+    /// but deregistered since).
     RunOutsideRegistered {
         /// Position of the run.
         index: usize,
@@ -264,6 +275,18 @@ pub enum ProtocolError {
         peer: PeerId,
         /// The transfer named.
         xfer: XferId,
+    },
+    /// A WANT whose destination proofs do not check out: the sender does not hold the
+    /// metadata of a registration it names. Refused whole, counted in
+    /// [`Stats::control_forged`].
+    #[error("peer {}: WANT for transfer {} refused: {source}", .peer.0, .xfer.0)]
+    BadProof {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The first bad proof.
+        source: crate::proof::BadProof,
     },
     /// A GRANT without credits.
     #[error("transfer {}: empty GRANT", .xfer.0)]
@@ -391,7 +414,8 @@ pub struct Stats {
     /// Peer messages rejected with a [`ProtocolError`].
     pub protocol_errors: u64,
     /// Frames that looked valid but were not authentic: a wrong transfer token
-    /// ([`ProtocolError::WrongToken`]) or, through
+    /// ([`ProtocolError::WrongToken`]), a bad destination proof ([`ProtocolError::BadProof`])
+    /// or, through
     /// [`Endpoint::handle_frame`](crate::endpoint::Endpoint::handle_frame), a session other
     /// than the one in the peer's loaded capabilities.
     pub control_forged: u64,

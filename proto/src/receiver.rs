@@ -14,9 +14,10 @@ use tracing::{debug, trace, warn};
 
 use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
+use crate::proof::Registrations;
 use crate::scheduler::Grant as SchedGrant;
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, FlowKey, PeerId, Region, Token};
+use crate::types::{ChunkIdx, FlowKey, PeerId, RegId, RegKey, Region, Token};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
@@ -41,6 +42,9 @@ struct Flow {
     /// The token of the WANT that created the flow: every later WANT, cancel and DATA of the
     /// flow must carry it, and every GRANT and ACK echoes it.
     token: Token,
+    /// The registrations the flow's WANTs proved (see [`crate::proof`]): its DATA runs may
+    /// write only inside these (those still registered).
+    proven: Vec<RegId>,
     /// Byte size of each chunk announced so far, by chunk index.
     chunks: Vec<u64>,
     /// Regions of this flow being scattered.
@@ -70,6 +74,8 @@ struct Scatter {
 /// - Every later WANT, cancel and DATA of a flow must carry the [`Token`] of the WANT that
 ///   created it; one that does not is dropped and counted (`control_forged`), changing nothing.
 ///   GRANTs and ACKs echo the flow's token.
+/// - A WANT proves the registrations the flow may scatter into ([`crate::proof`]); a WANT
+///   with a bad proof is refused whole and counted (`control_forged`).
 /// - DATA is validated: the flow holds the named region for that chunk and is not already
 ///   scattering it; every run lies within the chunk's bytes and inside one registered memory
 ///   range. A valid DATA becomes an [`Action::Scatter`]; an invalid one is answered with
@@ -83,8 +89,8 @@ struct Scatter {
 #[derive(Debug)]
 pub struct Receiver {
     idle_timeout: Duration,
-    /// Registered memory ranges `(start, end)` with their registration counts.
-    registered: BTreeMap<(u64, u64), u32>,
+    /// The registrations made through this engine, with their keys.
+    registered: Registrations,
     flows: BTreeMap<FlowKey, Flow>,
     /// Per-peer totals over `flows`, kept in step with it (see `check_invariants`).
     load: BTreeMap<PeerId, PeerLoad>,
@@ -99,7 +105,7 @@ impl Receiver {
     pub(crate) fn new(config: &Config, _now: Instant) -> Self {
         Self {
             idle_timeout: config.request_timeout / 2,
-            registered: BTreeMap::new(),
+            registered: Registrations::default(),
             flows: BTreeMap::new(),
             load: BTreeMap::new(),
             caps: PeerLoad { flows: MAX_FLOWS_PER_PEER, chunks: MAX_CHUNKS_PER_PEER },
@@ -119,28 +125,20 @@ impl Receiver {
         self.scatters.len()
     }
 
-    /// True when a DATA run may write `[start, end)`: it lies inside one registered range.
-    pub fn is_registered(&self, start: u64, end: u64) -> bool {
-        // Ranges starting at or before `start`, nearest first; few registrations are expected.
-        self.registered.range(..=(start, u64::MAX)).rev().any(|(&(_, e), _)| end <= e)
+    /// The registrations DATA runs may target, once a flow proved them.
+    pub fn registrations(&self) -> &Registrations {
+        &self.registered
     }
 
-    pub(crate) fn add_registered(&mut self, addr: u64, len: u64) {
-        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
-            warn!(addr, len, "ignoring an empty or wrapping registered range");
-            return;
-        };
-        *self.registered.entry((addr, end)).or_insert(0) += 1;
+    pub(crate) fn add_registered(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) {
+        if !self.registered.add(reg, key, addr, len) {
+            warn!(reg = reg.0, addr, len, "ignoring an empty or wrapping registered range");
+        }
     }
 
-    pub(crate) fn remove_registered(&mut self, addr: u64, len: u64) {
-        let key = (addr, addr.saturating_add(len));
-        match self.registered.get_mut(&key) {
-            Some(1) => {
-                self.registered.remove(&key);
-            }
-            Some(n) => *n -= 1,
-            None => warn!(addr, len, "removing a range that is not registered"),
+    pub(crate) fn remove_registered(&mut self, reg: RegId) {
+        if !self.registered.remove(reg) {
+            warn!(reg = reg.0, "removing a registration that is not known");
         }
     }
 
@@ -171,6 +169,14 @@ impl Receiver {
         if flows > self.caps.flows || chunks > self.caps.chunks {
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: want.xfer, flows, chunks });
         }
+        // Where the flow may scatter: only registrations whose metadata the sender holds.
+        let proven = match self.registered.verify(want.token, &want.proofs) {
+            Ok(proven) => proven,
+            Err(source) => {
+                ctx.stats.control_forged += 1;
+                return Err(ProtocolError::BadProof { peer: from, xfer: want.xfer, source });
+            }
+        };
         if let Err(source) = ctx.sched.want(key, &want.chunks) {
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
         }
@@ -180,11 +186,16 @@ impl Receiver {
         match self.flows.get_mut(&key) {
             Some(flow) => {
                 flow.chunks.extend_from_slice(&want.chunks);
+                for reg in proven {
+                    if !flow.proven.contains(&reg) {
+                        flow.proven.push(reg);
+                    }
+                }
                 flow.deadline = deadline;
             }
             None => {
                 self.timers.set(key, deadline);
-                let flow = Flow { token: want.token, chunks: want.chunks, scattering: 0, deadline };
+                let flow = Flow { token: want.token, proven, chunks: want.chunks, scattering: 0, deadline };
                 self.flows.insert(key, flow);
             }
         }
@@ -393,7 +404,7 @@ impl Receiver {
             if end > limit {
                 return Err(DataFault::RunOutsideChunk { index });
             }
-            if !self.is_registered(a, b) {
+            if !self.registered.covers(&flow.proven, a, b) {
                 return Err(DataFault::RunOutsideRegistered { index });
             }
         }
@@ -470,7 +481,7 @@ mod tests {
     /// A receiver with a 32 KiB arena, W = 2, and `[DST, DST + 64 KiB)` registered.
     fn receiver() -> (Endpoint, Instant) {
         let (mut ep, t) = endpoint(32 * KIB, 2, true);
-        ep.add_registered(DST, 64 * KIB);
+        ep.add_registered(REG, KEY, DST, 64 * KIB);
         (ep, t)
     }
 
@@ -612,16 +623,79 @@ mod tests {
         let runs = vec![run(0, DST, 8), run(8, DST + 64 * KIB - 4, 8)];
         expect_refused(&mut ep, t, 0, r0, runs, DataFault::RunOutsideRegistered { index: 1 });
 
-        // Two adjacent registrations are two ranges: a run must lie inside one of them.
+        // Two adjacent registrations, both proven, are still two ranges: a run must lie
+        // inside one of them.
         let (mut ep, t) = receiver();
-        ep.add_registered(DST + 64 * KIB, 64 * KIB);
-        let [r0, _] = wanted(&mut ep, t);
+        let next = RegId(2);
+        ep.add_registered(next, KEY, DST + 64 * KIB, 64 * KIB);
+        let mut want = want_msg(X, &[CHUNK, CHUNK, 3000]);
+        if let Msg::Want(w) = &mut want {
+            w.proofs.push(crate::proof::prove(next, &KEY, TOKEN));
+        }
+        ep.handle_msg(t, PEER, want).unwrap();
+        let r0 = credits(&drain(&mut ep))[0].3;
         let strided =
             CopyRun { region_off: 0, addr: DST + 64 * KIB - 100, len: 8, count: 2, region_stride: 8, addr_stride: 100 };
         expect_refused(&mut ep, t, 0, r0, vec![strided], DataFault::RunOutsideRegistered { index: 0 });
-        ep.remove_registered(DST + 64 * KIB, 64 * KIB);
-        assert!(!ep.receiver().is_registered(DST + 64 * KIB, DST + 64 * KIB + 1));
-        assert!(ep.receiver().is_registered(DST, DST + 64 * KIB));
+    }
+
+    /// Issue 10 item 7: registered is not enough. A DATA into memory registered here but not
+    /// proven by its flow's WANT (the sender never got that buffer's metadata) is refused, and
+    /// so is one into a proven registration deregistered since.
+    #[test]
+    fn data_into_a_registered_range_the_want_did_not_prove_is_refused() {
+        let (mut ep, t) = receiver();
+        let canary = RegId(2);
+        ep.add_registered(canary, RegKey([0xc0; 32]), DST + 64 * KIB, 64 * KIB);
+        let [r0, _] = wanted(&mut ep, t);
+        expect_refused(
+            &mut ep,
+            t,
+            0,
+            r0,
+            vec![run(0, DST + 64 * KIB, 8)],
+            DataFault::RunOutsideRegistered { index: 0 },
+        );
+        // A WANT without proofs proves nothing: even the memory the fixture proves is refused.
+        let (mut ep, t) = receiver();
+        let mut want = want_msg(X, &[CHUNK]);
+        if let Msg::Want(w) = &mut want {
+            w.proofs.clear();
+        }
+        ep.handle_msg(t, PEER, want).unwrap();
+        let r0 = credits(&drain(&mut ep))[0].3;
+        expect_refused(&mut ep, t, 0, r0, vec![run(0, DST, 8)], DataFault::RunOutsideRegistered { index: 0 });
+        // Proven, then deregistered before the DATA.
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.remove_registered(REG);
+        expect_refused(&mut ep, t, 0, r0, vec![run(0, DST, 8)], DataFault::RunOutsideRegistered { index: 0 });
+    }
+
+    /// A WANT whose proof does not check out (a wrong tag, an unknown registration) is refused
+    /// whole and counted as forged: no flow, no GRANT.
+    #[test]
+    fn a_want_with_a_bad_proof_is_refused_and_counted() {
+        let (mut ep, t) = receiver();
+        let mut bad_tag = crate::proof::prove(REG, &KEY, TOKEN);
+        bad_tag.tag[0] ^= 1;
+        let cases = [
+            (bad_tag, crate::proof::BadProof::WrongTag(REG)),
+            (crate::proof::prove(REG, &RegKey([1; 32]), TOKEN), crate::proof::BadProof::WrongTag(REG)),
+            (crate::proof::prove(REG, &KEY, FORGED), crate::proof::BadProof::WrongTag(REG)),
+            (crate::proof::prove(RegId(9), &KEY, TOKEN), crate::proof::BadProof::UnknownRegistration(RegId(9))),
+        ];
+        for (i, (proof, why)) in cases.into_iter().enumerate() {
+            let mut want = want_msg(X, &[CHUNK]);
+            if let Msg::Want(w) = &mut want {
+                w.proofs.push(proof);
+            }
+            let err = ep.handle_msg(t, PEER, want).unwrap_err();
+            assert_eq!(err, ProtocolError::BadProof { peer: PEER, xfer: X, source: why });
+            assert_eq!(ep.stats().control_forged, i as u64 + 1);
+        }
+        assert!(drain(&mut ep).is_empty(), "no GRANT");
+        assert_eq!(ep.remote_flows(), 0);
     }
 
     #[test]

@@ -17,6 +17,7 @@ use tracing::{debug, trace, warn};
 use crate::config::Config;
 use crate::event::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
 use crate::plan::Plan;
+use crate::proof;
 use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, PeerId, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
@@ -242,7 +243,9 @@ impl Sender {
             return Err(SubmitError::DuplicateXfer { xfer });
         }
         check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
-        ctx.send(peer, Want { xfer, token, endpoint: self.endpoint.clone(), chunks: plan.chunk_sizes().collect() });
+        let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
+        let chunks = plan.chunk_sizes().collect();
+        ctx.send(peer, Want { xfer, token, endpoint: self.endpoint.clone(), chunks, proofs });
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let stages = vec![Stage::Idle; plan.chunks.len()];
@@ -726,6 +729,9 @@ fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitErr
     }
     if plan.chunks.len() > wire::MAX_CHUNKS_PER_WANT as usize {
         return Err(SubmitError::TooManyChunks { xfer, chunks: plan.chunks.len(), max: wire::MAX_CHUNKS_PER_WANT });
+    }
+    if plan.dests.len() > wire::MAX_PROOFS as usize {
+        return Err(SubmitError::TooManyDestinations { xfer, dests: plan.dests.len(), max: wire::MAX_PROOFS });
     }
     for (i, c) in plan.chunks.iter().enumerate() {
         let chunk = ChunkIdx(i as u32);

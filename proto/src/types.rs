@@ -27,6 +27,25 @@ pub struct XferId(pub u64);
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct Token(pub u128);
 
+/// A memory registration made through BOUNCE, as numbered by the engine that owns it and
+/// published in its public metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct RegId(pub u64);
+
+/// A registration's secret key: random bits the owning engine draws at registration and
+/// publishes only in that registration's public metadata, so holding it proves an agent was
+/// given the metadata (see [`crate::proof`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct RegKey(pub [u8; 32]);
+
+impl fmt::Debug for RegKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RegKey(..)") // a secret: never in logs
+    }
+}
+
 /// Index of a chunk within its transfer's plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]

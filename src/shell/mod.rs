@@ -10,6 +10,7 @@ pub(crate) mod copy;
 pub(crate) mod datapath;
 mod engine;
 mod error;
+mod keys;
 mod mailroom;
 mod peers;
 mod reactor;

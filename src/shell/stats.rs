@@ -46,6 +46,9 @@ counters! {
     fallback_peer,
     /// Fallbacks to UCX: bounce disabled or unavailable in this engine.
     fallback_disabled,
+    /// Fallbacks to UCX: a destination's metadata carried no BOUNCE key (not published by a
+    /// BOUNCE engine), so the transfer could not prove it.
+    fallback_unproven,
     /// Peers whose capabilities were incompatible with ours.
     peers_incompatible,
     /// Control frames dropped (malformed, unknown sender, stale session, refused).

@@ -7,6 +7,8 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "buffer", "agent": N, "size": B, "seed": S, "register": R}
       one buffer per process, filled with pattern(seed); only its first R bytes are registered
       (the rest is a canary no peer may ever write)          -> {"addr": int}
+  {"op": "register", "agent": N, "off": O, "len": L}
+      registers buffer[O:O+L] too, after the metadata went out     -> {"meta": b64}
   {"op": "load", "agent": N, "meta": b64}
   {"op": "dump", "path": P}
   {"op": "write", "agent": N, "to": A, "n", "size", "seed", "src_off", "raddr", "timeout"}
@@ -60,9 +62,11 @@ def session_of(meta):
     return struct.unpack_from("<Q", meta, at + 15 + 4 + 5 * 8)[0]
 
 
-def want(session, xfer, chunks, endpoint=b"", token=0):
+def want(session, xfer, chunks, endpoint=b"", token=0, proofs=()):
+    """proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs)."""
     return (header(WANT, session) + struct.pack("<Q", xfer) + tok(token) + struct.pack("<I", len(endpoint))
-            + endpoint + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks))
+            + endpoint + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks)
+            + struct.pack("<I", len(proofs)) + b"".join(struct.pack("<Q", r) + t for r, t in proofs))
 
 
 def grant(session, xfer, credits, token=0):
@@ -300,6 +304,11 @@ def main():
                 ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, n, 0, "")], "DRAM"), backends=["BOUNCE"])
                 # the agent's metadata now carries the registration
                 reply(addr=buf.ctypes.data, meta=base64.b64encode(ag.get_agent_metadata()).decode())
+            elif op == "register":
+                ag = agents[cmd["agent"]]
+                ag.register_memory(ag.get_reg_descs([(buf.ctypes.data + cmd["off"], cmd["len"], 0, "")], "DRAM"),
+                                   backends=["BOUNCE"])
+                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode())
             elif op == "load":
                 agents[cmd["agent"]].add_remote_agent(base64.b64decode(cmd["meta"]))
                 reply()

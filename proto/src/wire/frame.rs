@@ -14,7 +14,7 @@
 //! one shortest form, so whatever `decode` accepts, `encode` reproduces byte for byte.
 
 use super::codec::{MAX_BLOB, Reader, Result, WireError, Writer, check_len};
-use crate::types::{ChunkIdx, CopyRun, Region, Token, XferId};
+use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
 
 /// Magic that starts every control frame; the leading NUL keeps it apart from printable
 /// application notifications sharing the same channel.
@@ -29,6 +29,8 @@ pub const MAX_CHUNKS_PER_WANT: u32 = 1 << 20;
 pub const MAX_CREDITS: u32 = 1 << 16;
 /// Most scatter runs one DATA may carry.
 pub const MAX_RUNS: u32 = 1 << 20;
+/// Most destination proofs one WANT may carry (one per destination registration).
+pub const MAX_PROOFS: u32 = 1 << 12;
 
 pub(super) const KIND_WANT: u8 = 1;
 pub(super) const KIND_GRANT: u8 = 2;
@@ -38,6 +40,7 @@ pub(super) const KIND_ACK: u8 = 4;
 pub(super) const KIND_HELLO: u8 = 5;
 
 pub(super) const REGION_LEN: usize = 16;
+pub(super) const PROOF_LEN: usize = 8 + 16;
 pub(super) const CREDIT_LEN: usize = 4 + REGION_LEN;
 /// Fewest bytes one encoded scatter run takes (its flags and a one-byte address delta).
 pub(super) const MIN_RUN_LEN: usize = 2;
@@ -63,6 +66,20 @@ pub struct Want {
     pub endpoint: Vec<u8>,
     /// Byte size of each chunk in chunk order; empty means cancel.
     pub chunks: Vec<u64>,
+    /// One proof per destination registration of the transfer (see [`crate::proof`]); the
+    /// flow may scatter only into registrations so proven. A cancel carries none.
+    pub proofs: Vec<Proof>,
+}
+
+/// Proof that the sender holds the public metadata of the receiver's registration `reg`: the
+/// keyed hash of the transfer's token under the registration's key ([`crate::proof::tag`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Proof {
+    /// The receiver's registration.
+    pub reg: RegId,
+    /// The tag.
+    pub tag: [u8; 16],
 }
 
 impl Want {
@@ -182,7 +199,7 @@ impl Msg {
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
     pub fn cancel(xfer: XferId, token: Token, endpoint: Vec<u8>) -> Self {
-        Self::Want(Want { xfer, token, endpoint, chunks: Vec::new() })
+        Self::Want(Want { xfer, token, endpoint, chunks: Vec::new(), proofs: Vec::new() })
     }
 
     /// The transfer the message is about.
@@ -238,6 +255,7 @@ impl Msg {
             Self::Want(m) => {
                 check_len("endpoint", m.endpoint.len(), MAX_BLOB)?;
                 check_len("want chunks", m.chunks.len(), MAX_CHUNKS_PER_WANT)?;
+                check_len("want proofs", m.proofs.len(), MAX_PROOFS)?;
                 if m.chunks.contains(&0) {
                     return Err(WireError::Invalid { what: "zero-size chunk in WANT" });
                 }
@@ -434,6 +452,11 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.blob(&m.endpoint);
             w.len(m.chunks.len());
             m.chunks.iter().for_each(|&c| w.u64(c));
+            w.len(m.proofs.len());
+            for p in &m.proofs {
+                w.u64(p.reg.0);
+                w.bytes(&p.tag);
+            }
         }
         Msg::Grant(m) => {
             w.u64(m.xfer.0);
@@ -472,7 +495,9 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
             let endpoint = r.blob("endpoint")?;
             let n = r.count("want chunks", MAX_CHUNKS_PER_WANT, 8)?;
             let chunks = (0..n).map(|_| r.u64()).collect::<Result<_>>()?;
-            Msg::Want(Want { xfer, token, endpoint, chunks })
+            let n = r.count("want proofs", MAX_PROOFS, PROOF_LEN)?;
+            let proofs = (0..n).map(|_| Ok(Proof { reg: RegId(r.u64()?), tag: r.array()? })).collect::<Result<_>>()?;
+            Msg::Want(Want { xfer, token, endpoint, chunks, proofs })
         }
         KIND_GRANT => {
             let (xfer, token) = (XferId(r.u64()?), r.token()?);

@@ -4,8 +4,8 @@
 use super::caps::Capabilities;
 use super::codec::Result;
 use super::envelope::ConnEnvelope;
-use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Msg, WIRE_VERSION, Want};
-use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, Region, Token, XferId};
+use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Msg, Proof, WIRE_VERSION, Want};
+use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 
 /// One valid frame of each shape; the golden tests and the fuzz seed corpus start from these.
 pub(super) fn sample_frames() -> Vec<Frame> {
@@ -15,7 +15,13 @@ pub(super) fn sample_frames() -> Vec<Frame> {
     let chunk = ChunkIdx(2);
     let token = Token(0x0123_4567_89ab_cdef_fedc_ba98_7654_3210);
     let msgs = [
-        Msg::Want(Want { xfer: XferId(0x2a), token, endpoint: b"ep".to_vec(), chunks: vec![4096, 32] }),
+        Msg::Want(Want {
+            xfer: XferId(0x2a),
+            token,
+            endpoint: b"ep".to_vec(),
+            chunks: vec![4096, 32],
+            proofs: vec![Proof { reg: RegId(5), tag: [0xaa; 16] }],
+        }),
         Msg::cancel(XferId(0x2a), token, b"tcp://10.0.0.1:5555".to_vec()),
         Msg::Grant(Grant {
             xfer,

@@ -4,7 +4,7 @@ use super::envelope::FLAG_CAPS;
 use super::frame::*;
 use super::samples::{assert_canonical, sample_caps, sample_envelopes, sample_frames};
 use super::*;
-use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, Region, Token, XferId};
+use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 use proptest::prelude::*;
 
 fn hex(bytes: &[u8]) -> String {
@@ -46,9 +46,12 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
     let token = any::<u128>().prop_map(Token);
     let chunk = any::<u32>().prop_map(ChunkIdx);
     let credit = (chunk.clone(), arb_region()).prop_map(|(chunk, region)| Credit { chunk, region });
+    let proofs = prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..3)
+        .prop_map(|p| p.into_iter().map(|(reg, tag)| Proof { reg: RegId(reg), tag }).collect::<Vec<_>>());
     prop_oneof![
-        (xfer.clone(), token.clone(), arb_blob(), prop::collection::vec(1..=u64::MAX, 0..8))
-            .prop_map(|(xfer, token, endpoint, chunks)| Msg::Want(Want { xfer, token, endpoint, chunks })),
+        (xfer.clone(), token.clone(), arb_blob(), prop::collection::vec(1..=u64::MAX, 0..8), proofs).prop_map(
+            |(xfer, token, endpoint, chunks, proofs)| Msg::Want(Want { xfer, token, endpoint, chunks, proofs })
+        ),
         (xfer.clone(), token.clone(), prop::collection::vec(credit, 1..6))
             .prop_map(|(xfer, token, credits)| Msg::Grant(Grant { xfer, token, credits })),
         (xfer.clone(), token.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 1..5))
@@ -244,13 +247,17 @@ fn frame_layout_is_pinned() {
         hex(&unhex(
             "00424f554e43 03 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
-             02000000 0010000000000000 2000000000000000"
+             02000000 0010000000000000 2000000000000000
+             01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
     assert_eq!(
         hex(&cancel.to_vec()[HEADER_LEN..]),
-        format!("2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000", hex(b"tcp://10.0.0.1:5555"))
-            .replace(' ', "")
+        format!(
+            "2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000 00000000",
+            hex(b"tcp://10.0.0.1:5555")
+        )
+        .replace(' ', "")
     );
     assert_eq!(
         hex(&data.to_vec()),
@@ -450,7 +457,7 @@ fn invalid_values_are_refused() {
     let run = CopyRun { region_off: 0, addr: 0, len: 8, count: 1, region_stride: 0, addr_stride: 0 };
     let token = Token(1);
     let bad = [
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 0] }),
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 0], proofs: vec![] }),
         Msg::Grant(Grant { xfer, token, credits: vec![] }),
         Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
         Msg::Data(Data { xfer, token, chunk, region, runs: vec![] }),
@@ -552,8 +559,13 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
 
 #[test]
 fn oversized_blobs_encode_to_what_decode_refuses() {
-    let big =
-        Msg::Want(Want { xfer: XferId(1), token: Token(1), endpoint: vec![0; MAX_BLOB as usize + 1], chunks: vec![8] });
+    let big = Msg::Want(Want {
+        xfer: XferId(1),
+        token: Token(1),
+        endpoint: vec![0; MAX_BLOB as usize + 1],
+        chunks: vec![8],
+        proofs: vec![],
+    });
     let err = big.validate().unwrap_err();
     assert!(matches!(err, WireError::CountTooLarge { what: "endpoint", .. }));
     assert_eq!(Frame::decode(&Frame { session: 0, msg: big }.to_vec()), Err(err));
@@ -567,9 +579,9 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4303010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000",
+        "00424f554e4303010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         // cancel (empty WANT)
-        "00424f554e4303010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000",
+        "00424f554e4303010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
         // GRANT
         "00424f554e4303020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",

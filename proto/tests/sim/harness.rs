@@ -18,8 +18,9 @@ use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{ControlKind, CopyRun, FlowKey, MemKind, PeerId, Region, Token, XferId};
+use bounce_proto::{ControlKind, CopyRun, FlowKey, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -186,7 +187,7 @@ impl Sim {
             .map(|i| {
                 let mut ep = Endpoint::new(config, start).unwrap();
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
-                ep.add_registered(MEM_BASE, 1 << 40);
+                ep.add_registered(RegId(0), reg_key(i), MEM_BASE, 1 << 40);
                 // Every node loads every other's connection info, naming them in node order,
                 // so the peer table numbers node `j` as `PeerId(j)`.
                 for j in 0..n {
@@ -522,6 +523,8 @@ impl Sim {
                     }
                 }
                 let token = Token(self.rng.random());
+                // The sender holds the destination node's registration metadata.
+                plan.dests = vec![Destination { reg: RegId(0), key: reg_key(to) }];
                 self.nodes[from].ep.submit(now, xfer, token, PeerId(to as u32), plan).expect("submit");
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.
@@ -647,4 +650,9 @@ fn caps(config: &Config, session: u64) -> wire::Capabilities {
         arena_key: Vec::new(),
         endpoint: Vec::new(),
     }
+}
+
+/// The key of node `i`'s one registration (its user memory), as its metadata would carry it.
+fn reg_key(i: usize) -> RegKey {
+    RegKey([i as u8 ^ 0xa5; 32])
 }

@@ -21,8 +21,9 @@ use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::peers::FrameRefused;
+use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, PeerId, Region, Token, XferId};
+use bounce_proto::{CopyRun, PeerId, RegId, Region, Token, XferId};
 use parking_lot::Mutex;
 
 use crate::shell::control::{ControlChannel, ControlError};
@@ -49,10 +50,11 @@ pub(crate) enum Cmd {
     PeerLost(String),
     /// We loaded this peer's connection info: tell it we can answer (HELLO).
     Hello(String),
-    /// Host memory registered through this engine (the receiver may scatter into it).
-    Registered(u64, u64),
+    /// Host memory registered through this engine, with its id and key (the receiver may
+    /// scatter into it for flows that prove the key), address and length.
+    Registered(Destination, u64, u64),
     /// Host memory deregistered.
-    Deregistered(u64, u64),
+    Deregistered(RegId),
 }
 
 /// The reactor's mailbox: a queue plus the thread to wake.
@@ -345,13 +347,17 @@ impl Driver {
         let mut done = std::mem::take(&mut self.done);
         self.copier.poll_done(&mut done);
         let now = Instant::now();
-        for (peer, frame) in frames.drain(..) {
-            moved = true;
-            self.on_control(now, &peer, &frame);
-        }
+        // Commands first: every command queued before the frames above were polled is among
+        // them, and those frames may depend on one -- a WANT proving a registration made just
+        // before its metadata went out, a frame of a peer's new incarnation after the reload
+        // that reclaims the old one.
         for cmd in cmds.drain(..) {
             moved = true;
             self.handle_cmd(now, cmd);
+        }
+        for (peer, frame) in frames.drain(..) {
+            moved = true;
+            self.on_control(now, &peer, &frame);
         }
         for (job, ok) in done.drain(..) {
             moved = true;
@@ -417,8 +423,8 @@ impl Driver {
                     tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
                 }
             }
-            Cmd::Registered(a, l) => self.ep.add_registered(a, l),
-            Cmd::Deregistered(a, l) => self.ep.remove_registered(a, l),
+            Cmd::Registered(d, a, l) => self.ep.add_registered(d.reg, d.key, a, l),
+            Cmd::Deregistered(reg) => self.ep.remove_registered(reg),
         }
     }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicUsize;
 
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Capabilities, WIRE_VERSION};
-use bounce_proto::{ControlKind, MemKind};
+use bounce_proto::{ControlKind, MemKind, RegKey};
 use memmap2::MmapMut;
 
 use super::*;
@@ -117,15 +117,18 @@ impl Side {
     }
 
     /// Registers `buf` through this engine (the receiver may scatter into it).
-    fn register(&self, buf: &mut [u8]) {
+    /// Returns the registration's id and key, as its metadata would carry them to a peer.
+    fn register(&self, buf: &mut [u8]) -> Destination {
         let (addr, len) = (buf.as_mut_ptr() as u64, buf.len() as u64);
         self.shared.registry.insert(Md(addr as usize), Registration { addr, len, dev: 0, mem: MemKind::Dram });
-        self.shared.inbox.push(Cmd::Registered(addr, len));
+        let dest = Destination { reg: RegId(addr), key: RegKey([addr as u8; 32]) };
+        self.shared.inbox.push(Cmd::Registered(dest, addr, len));
+        dest
     }
 
     /// Prepares and posts a WRITE of `src[i*2*PIECE..][..PIECE]` to `dst[i*3*PIECE..][..PIECE]`
     /// at `peer`; returns the request handle.
-    fn post(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8]) -> u64 {
+    fn post(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8], dest: Destination) -> u64 {
         let pairs: Vec<DescPair> = (0..PIECES)
             .map(|i| DescPair {
                 src: src.as_ptr() as u64 + (i * 2 * PIECE) as u64,
@@ -138,6 +141,7 @@ impl Side {
             c.direct = None; // the source is not registered here: every chunk is gathered
         }
         assert!(p.chunks.len() >= 4, "the tests need several chunks in flight");
+        p.dests = vec![dest]; // the receiver's registration metadata, as if loaded
         let h = self.shared.requests.insert(peer.to_owned(), p);
         let posted = self.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
         self.shared.inbox.push(Cmd::Submit(posted));
@@ -215,8 +219,8 @@ fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
     let net = MemNet::default();
     let (a, b) = pair(&cfg, &net);
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert_exact(&src, &dst);
     assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
@@ -236,8 +240,8 @@ fn a_lost_data_frame_fails_the_transfer_by_timeout_never_success() {
         if kind(f) == Some("data") && l.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Drop } else { Fate::Deliver }
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Err(XferError::Timeout));
     assert!(lost.load(Ordering::Relaxed) >= 1, "a DATA frame was lost");
     assert!(a.notified.lock().is_empty(), "a failed transfer sends no notification");
@@ -260,8 +264,8 @@ fn a_reordered_data_frame_still_lands_byte_exact() {
         if kind(f) == Some("data") && h2.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Hold } else { Fate::Deliver }
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert!(held.load(Ordering::Relaxed) >= 2, "the first DATA was held behind a later one");
     assert_exact(&src, &dst);
@@ -292,8 +296,8 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
         _ => Fate::Deliver,
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     let deadline = Instant::now() + Duration::from_secs(10);
     while data_sent.load(Ordering::Relaxed) == 0 {
         assert!(Instant::now() < deadline, "no DATA was sent");
@@ -330,8 +334,8 @@ fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counte
         Fate::Deliver
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     let frame = |k: &str| seen.lock().iter().find(|(s, _)| s == k).map(|(_, f)| f.clone()).unwrap();
     let (want, ack) = (frame("want"), frame("ack"));
