@@ -77,6 +77,15 @@ int32_t bnc_conn_info_load(void *engine, bnc_str agent, bnc_str envelope, bnc_si
 int32_t bnc_mem_registered(void *engine, const void *md, uint64_t addr, uint64_t len,
                            uint64_t dev, int32_t mem);
 void bnc_mem_deregistered(void *engine, const void *md);
+// Registration keys (issue 10, item 7): getPublicData wraps the inner blob with our
+// registration's id and key; loadRemoteMD splits a peer's blob (inner blob to the sink, id and
+// 32-byte key out, *has_key = 0 for a blob that is not ours), then reports the inner remote md;
+// unloadMD forgets it.
+int32_t bnc_public_data_wrap(void *engine, const void *md, bnc_str inner, bnc_sink out, void *out_ctx);
+int32_t bnc_remote_md_split(void *engine, bnc_str blob, bnc_sink inner, void *inner_ctx, uint64_t *reg,
+                            uint8_t *key, int32_t *has_key);
+void bnc_remote_md_loaded(void *engine, const void *md, uint64_t reg, const uint8_t *key);
+void bnc_remote_md_unloaded(void *engine, const void *md);
 
 // Live counters that changed since the last call (all of them the first time), one
 // "stats.<name>=<value>" line per sink call; the sink runs under Rust's publish lock.

@@ -135,6 +135,7 @@ public:
     }
     nixl_status_t unloadMD(BackendMD *input) override {
         return guarded([&]() -> nixl_status_t {
+            bnc_remote_md_unloaded(rust_, input);
             Lock g(mu_);
             return inner_->unloadMD(input);
         });
@@ -239,10 +240,18 @@ public:
         Lock g(mu_);
         inner_->releaseMemView(v);
     }
+    // Our registration's public data: the inner blob wrapped with the registration's id and
+    // key, which a peer needs to name it as a bounce destination (Rust: shell/keys.rs).
     nixl_status_t getPublicData(const BackendMD *md, std::string &s) const override {
         return guarded([&]() -> nixl_status_t {
-            Lock g(mu_);
-            return inner_->getPublicData(md, s);
+            std::string inner;
+            {
+                Lock g(mu_);
+                nixl_status_t st = inner_->getPublicData(md, inner);
+                if (st != NIXL_SUCCESS) return st;
+            }
+            s.clear();
+            return static_cast<nixl_status_t>(bnc_public_data_wrap(rust_, md, view(inner), assign_sink, &s));
         });
     }
 
@@ -270,11 +279,25 @@ public:
             return NIXL_SUCCESS;
         });
     }
+    // A peer's registration: the inner engine loads the inner blob; Rust remembers the key it
+    // carried by the inner remote md (a blob that is not ours loads as is, with no key).
     nixl_status_t loadRemoteMD(const BlobDesc &in, const nixl_mem_t &mem, const std::string &agent,
                                BackendMD *&out) override {
         return guarded([&]() -> nixl_status_t {
-            Lock g(mu_);
-            return inner_->loadRemoteMD(in, mem, agent, out);
+            BlobDesc inner = in;
+            inner.metaInfo.clear();
+            uint64_t reg = 0;
+            uint8_t key[32] = {};
+            int32_t has_key = 0;
+            auto st = static_cast<nixl_status_t>(
+                bnc_remote_md_split(rust_, view(in.metaInfo), assign_sink, &inner.metaInfo, &reg, key, &has_key));
+            if (st != NIXL_SUCCESS) return st;
+            {
+                Lock g(mu_);
+                st = inner_->loadRemoteMD(inner, mem, agent, out);
+            }
+            if (st == NIXL_SUCCESS && out && has_key) bnc_remote_md_loaded(rust_, out, reg, key);
+            return st;
         });
     }
     nixl_status_t loadLocalMD(BackendMD *in, BackendMD *&out) override {

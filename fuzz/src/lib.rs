@@ -5,7 +5,10 @@
 //!
 //! Besides arbitrary messages, an honest-looking remote sender announces transfers and writes
 //! DATA for the regions this endpoint granted it, with destinations that sometimes stray
-//! outside the registered memory.
+//! outside the registered memory. A forger sends valid-looking frames that name live
+//! transfers and flows (right transfer id, chunk and region) but carry a wrong token, or come
+//! with a session other than the one in the peer's loaded capabilities; each must be refused,
+//! counted in `control_forged`, and change nothing at all.
 //!
 //! Checked after every step: no panic, the arena's conservation invariants, the receiver's
 //! per-peer totals, at most one `Complete` per transfer, and the safety property that matters
@@ -35,10 +38,12 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Unstructured;
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId};
+use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError};
+use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
-use bounce_proto::wire::{Data, Msg, Want};
-use bounce_proto::{ChunkIdx, CopyRun, PeerId, Region, XferId};
+use bounce_proto::proof;
+use bounce_proto::wire::{Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Msg, Want};
+use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 
 /// One thing that can happen to an endpoint.
 #[derive(Debug)]
@@ -62,6 +67,36 @@ pub enum Op {
     /// DATA: one run of the chunk's bytes to `USER_BASE - 4 KiB + at % (USER_LEN + 8 KiB)`,
     /// so some destinations cross the registered range's edges.
     RemoteData { which: u8, at: u32 },
+    /// A forged frame aimed at live state: kind `kind % 6` (GRANT, ACK(Scattered) for one of
+    /// our transfers; DATA for a granted region, cancel, WANT for a remote flow; a new WANT
+    /// whose destination proof was made for another token) with the right ids and a token
+    /// XORed with `flip | 1`, or, with `session`, the right token under a session XORed with
+    /// `flip | 1`. It must be refused and change nothing.
+    Forge { kind: u8, which: u8, flip: u128, session: bool },
+}
+
+/// The agent name of peer `i`, whose loaded capabilities carry session `session_of(i)`.
+fn agent(i: u32) -> String {
+    format!("peer-{i}")
+}
+
+/// The one registration (`USER_BASE`, `USER_LEN`) and the key its metadata carries.
+const REG: RegId = RegId(1);
+const KEY: RegKey = RegKey([0x3c; 32]);
+
+fn session_of(peer: PeerId) -> u64 {
+    0x5e55_0000 + u64::from(peer.0)
+}
+
+/// The token our endpoint's transfer `xfer` carries (the shell draws random ones; distinct
+/// values are all the harness needs).
+fn our_token(xfer: XferId) -> Token {
+    Token(u128::from(xfer.0).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) | 1)
+}
+
+/// The token the honest remote sender `peer` uses for its transfer `xfer`.
+fn remote_token(peer: PeerId, xfer: XferId) -> Token {
+    Token((u128::from(peer.0) << 64 | u128::from(xfer.0)).wrapping_mul(0xD6E8_FEB8_6659_FD93) | 2)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -101,6 +136,12 @@ impl Op {
             8 => Self::Cancel { xfer: u.arbitrary()? },
             9 => Self::PeerLost { peer: u.arbitrary()? },
             10 | 11 => Self::Tick { ms: u.arbitrary()? },
+            13 if u.arbitrary::<bool>()? => Self::Forge {
+                kind: u.arbitrary()?,
+                which: u.arbitrary()?,
+                flip: u.arbitrary()?,
+                session: u.arbitrary()?,
+            },
             12 => Self::RemoteWant {
                 from: u.arbitrary()?,
                 xfer: u.arbitrary()?,
@@ -127,6 +168,8 @@ pub struct Coverage {
     pub scatters: usize,
     /// DATA messages the receiver refused (destinations outside registered memory among them).
     pub data_refused: u64,
+    /// Forged frames aimed at live transfers or flows, each refused and counted.
+    pub forged: u64,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -137,6 +180,8 @@ struct Seen {
     completed: BTreeSet<XferId>,
     /// Credits granted to the remote senders, not yet used.
     credits: Vec<(PeerId, XferId, ChunkIdx, Region)>,
+    /// DATA our endpoint sent for its own transfers (the chunks an ACK may name).
+    sent_data: Vec<(PeerId, XferId, ChunkIdx, Region)>,
     scatters: usize,
 }
 
@@ -163,6 +208,10 @@ impl Seen {
                 Action::Send { peer, msg: Msg::Grant(g) } => {
                     self.credits.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk, c.region)));
                 }
+                Action::Send { peer, msg: Msg::Data(d) } => {
+                    assert_eq!(d.token, our_token(d.xfer), "a DATA must carry its transfer's token");
+                    self.sent_data.push((peer, d.xfer, d.chunk, d.region));
+                }
                 Action::Send { .. } | Action::Link { .. } => {}
             }
         }
@@ -183,7 +232,25 @@ pub fn run(data: &[u8]) -> Coverage {
     let cfg = config();
     let mut now = Instant::now();
     let mut ep = Endpoint::new(&cfg, now).expect("endpoint");
-    ep.add_registered(USER_BASE, USER_LEN);
+    ep.add_registered(REG, KEY, USER_BASE, USER_LEN);
+    // Peers 0..3, loaded in order (so `agent(i)` is `PeerId(i)`) with their sessions.
+    for i in 0..3 {
+        let caps = Capabilities {
+            wire_version: bounce_proto::wire::WIRE_VERSION.into(),
+            control: ControlKind::Ucx,
+            mem: MemKind::Dram,
+            arena_base: 0,
+            arena_len: cfg.arena_usable_capacity(),
+            arena_dev: 0,
+            usable_capacity: cfg.arena_usable_capacity(),
+            max_chunk: cfg.max_chunk_size,
+            session: session_of(PeerId(i)),
+            arena_key: Vec::new(),
+            endpoint: Vec::new(),
+        };
+        ep.handle_conn_info(now, &agent(i), Some(caps), None);
+        assert_eq!(ep.peers().lookup(&agent(i)), Some(PeerId(i)));
+    }
     let mut next_xfer = 1u64;
     let capacity = cfg.arena_usable_capacity();
 
@@ -210,7 +277,8 @@ pub fn run(data: &[u8]) -> Coverage {
                     .map(|i| DescPair { src: USER_BASE + i * stride, dst: 0x4000_0000 + i * stride, len })
                     .collect();
                 if let Ok(p) = plan(&pairs, PlanParams::from_config(&cfg)) {
-                    if ep.submit(now, XferId(next_xfer), PeerId(u32::from(peer % 3)), p).is_ok() {
+                    let xfer = XferId(next_xfer);
+                    if ep.submit(now, xfer, our_token(xfer), PeerId(u32::from(peer % 3)), p).is_ok() {
                         cov.submitted += 1;
                     }
                     next_xfer += 1;
@@ -232,7 +300,9 @@ pub fn run(data: &[u8]) -> Coverage {
             Op::RemoteWant { from, xfer, chunks, size } => {
                 let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(1000 + u64::from(xfer)));
                 let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
-                let want = Msg::Want(Want { xfer, endpoint: Vec::new(), chunks: sizes.clone() });
+                let token = remote_token(peer, xfer);
+                let proofs = vec![proof::prove(REG, &KEY, token)];
+                let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone(), proofs });
                 if ep.handle_msg(now, peer, want).is_ok() {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                 }
@@ -243,9 +313,15 @@ pub fn run(data: &[u8]) -> Coverage {
                     if let Some(&len) = announced.get(&(peer, xfer)).and_then(|s| s.get(chunk.0 as usize)) {
                         let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
                         let run = CopyRun { region_off: 0, addr, len, count: 1, region_stride: 0, addr_stride: 0 };
-                        let data = Msg::Data(Data { xfer, chunk, region, runs: vec![run] });
+                        let token = remote_token(peer, xfer);
+                        let data = Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] });
                         let _ = ep.handle_msg(now, peer, data);
                     }
+                }
+            }
+            Op::Forge { kind, which, flip, session } => {
+                if let Some((peer, msg)) = forge(&seen, &announced, kind, which) {
+                    cov.forged += u64::from(refuse_forgery(&mut ep, now, peer, msg, flip | 1, session));
                 }
             }
         }
@@ -272,4 +348,98 @@ pub fn run(data: &[u8]) -> Coverage {
     cov.scatters = seen.scatters;
     cov.data_refused = ep.stats().data_refused;
     cov
+}
+
+/// A genuine-looking message aimed at live state, as the honest side would send it (right
+/// ids, right token): GRANT or ACK(Scattered) for a chunk of ours whose DATA went out; DATA,
+/// cancel or WANT for a remote flow we granted. `None` when there is no such state yet.
+fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8, which: u8) -> Option<(PeerId, Msg)> {
+    let pick = |n: usize| usize::from(which) % n;
+    Some(match kind % 6 {
+        0 | 1 if !seen.sent_data.is_empty() => {
+            let (peer, xfer, chunk, region) = seen.sent_data[pick(seen.sent_data.len())];
+            let token = our_token(xfer);
+            let msg = if kind.is_multiple_of(6) {
+                Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region }] })
+            } else {
+                Msg::Ack(Ack { xfer, token, chunk, region, status: AckStatus::Scattered })
+            };
+            (peer, msg)
+        }
+        2 if !seen.credits.is_empty() => {
+            let (peer, xfer, chunk, region) = seen.credits[pick(seen.credits.len())];
+            let len = *announced.get(&(peer, xfer))?.get(chunk.0 as usize)?;
+            let run = CopyRun { region_off: 0, addr: USER_BASE, len, count: 1, region_stride: 0, addr_stride: 0 };
+            (peer, Msg::Data(Data { xfer, token: remote_token(peer, xfer), chunk, region, runs: vec![run] }))
+        }
+        3 | 4 if !announced.is_empty() => {
+            let (&(peer, xfer), sizes) = announced.iter().nth(pick(announced.len()))?;
+            let token = remote_token(peer, xfer);
+            let chunks = if kind % 6 == 3 { Vec::new() } else { sizes[..1].to_vec() };
+            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks, proofs: Vec::new() }))
+        }
+        5 => {
+            // A transfer nobody announced yet, proving the registration: once its token is
+            // changed, the proof is for another token (a replayed or guessed tag).
+            let (peer, xfer) = (PeerId(u32::from(which % 3)), XferId(1 << 32 | u64::from(which)));
+            let token = remote_token(peer, xfer);
+            let proofs = vec![proof::prove(REG, &KEY, token)];
+            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: vec![4096], proofs }))
+        }
+        _ => return None,
+    })
+}
+
+/// Sends `msg` from `peer` with its token or (with `session`) its session XORed with `flip`,
+/// through the frame path, and checks that it was refused as a forgery when it named live
+/// state, and that nothing changed. Returns whether it was such a refusal.
+fn refuse_forgery(ep: &mut Endpoint, now: Instant, peer: PeerId, mut msg: Msg, flip: u128, session: bool) -> bool {
+    let real = session_of(peer);
+    let frame_session = if session { real ^ (flip as u64 | 1) } else { real };
+    if !session {
+        let forged = Token(msg.token().0 ^ flip);
+        match &mut msg {
+            Msg::Want(m) => m.token = forged,
+            Msg::Grant(m) => m.token = forged,
+            Msg::Data(m) => m.token = forged,
+            Msg::Ack(m) => m.token = forged,
+        }
+    }
+    let xfer = msg.xfer();
+    let before =
+        (ep.stats().clone(), ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes(), ep.jobs_in_flight());
+    let bytes = Frame { session: frame_session, msg }.to_vec();
+    let r = ep.handle_frame(now, &agent(peer.0), &bytes);
+    // Our transfers and the remote flows may have ended since the harness noted them (then
+    // the frame is late or unknown, not forged); while they live, the refusal is a forgery.
+    let forged = match &r {
+        Err(FrameRefused::StaleSession { got, current }) => {
+            assert!(session && *got == frame_session && *current == real, "{r:?}");
+            true
+        }
+        Err(FrameRefused::Protocol(
+            ProtocolError::WrongToken { peer: p, xfer: x } | ProtocolError::BadProof { peer: p, xfer: x, .. },
+        )) => {
+            assert!(!session && *p == peer && *x == xfer, "{r:?}");
+            true
+        }
+        other => {
+            // Only a frame about state that is gone may get through, and then it changes no
+            // transfer: a GRANT or ACK for a finished transfer is late, a DATA or cancel for a
+            // gone flow is dropped, a WANT for a gone flow starts a new one (its token is its
+            // own) -- never under a wrong session.
+            assert!(!session, "a frame of a foreign session was accepted: {other:?}");
+            false
+        }
+    };
+    if forged {
+        let stats = ep.stats();
+        assert_eq!(stats.control_forged, before.0.control_forged + 1, "a forgery is counted once");
+        assert_eq!(stats.completed, before.0.completed, "a forgery never completes a transfer");
+        assert_eq!(stats.chunks_scattered, before.0.chunks_scattered);
+        let after = (ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes(), ep.jobs_in_flight());
+        assert_eq!(after, (before.1, before.2, before.3, before.4), "a forgery changed the endpoint");
+        assert!(ep.poll_action().is_none(), "a forgery made the endpoint act");
+    }
+    forged
 }

@@ -12,6 +12,7 @@ fn random_operation_sequences_keep_every_invariant() {
         total.jobs_done += c.jobs_done;
         total.scatters += c.scatters;
         total.data_refused += c.data_refused;
+        total.forged += c.forged;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
@@ -19,4 +20,6 @@ fn random_operation_sequences_keep_every_invariant() {
     assert!(total.submitted > 1_000 && total.completed > 1_000 && total.jobs_done > 1_000, "{total:?}");
     // The remote sender's DATA really reaches the scatter check, and strays get refused.
     assert!(total.scatters > 1_000 && total.data_refused > 100, "{total:?}");
+    // Forged tokens and sessions really hit live transfers and flows (and each was refused).
+    assert!(total.forged > 1_000, "{total:?}");
 }

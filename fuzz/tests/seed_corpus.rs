@@ -29,6 +29,7 @@ fn seed_corpus_matches_the_encoders() {
     check_or_bless("wire_decode", fuzzing::seed_frames());
     check_or_bless("caps_decode", fuzzing::seed_caps());
     check_or_bless("envelope_decode", fuzzing::seed_envelopes());
+    check_or_bless("public_decode", fuzzing::seed_public());
 }
 
 #[test]
@@ -36,4 +37,5 @@ fn seeds_pass_their_targets() {
     fuzzing::seed_frames().iter().for_each(|s| fuzzing::frame_decode(s));
     fuzzing::seed_caps().iter().for_each(|s| fuzzing::caps_decode(s));
     fuzzing::seed_envelopes().iter().for_each(|s| fuzzing::envelope_decode(s));
+    fuzzing::seed_public().iter().for_each(|s| fuzzing::public_decode(s));
 }

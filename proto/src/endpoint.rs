@@ -19,12 +19,12 @@ use crate::event::Ctx;
 // The shared event types live in `event`; re-exported here, where the shell has always found them.
 pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
 use crate::liveness::{Liveness, LivenessConfig};
-use crate::peers::{Admitted, FrameRefused, Hello, PeerTable};
+use crate::peers::{FrameRefused, Hello, Loaded, PeerTable};
 use crate::plan::Plan;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
 use crate::sender::Sender;
-use crate::types::{PeerId, XferId};
+use crate::types::{PeerId, RegId, RegKey, Token, XferId};
 use crate::wire;
 
 /// Why an [`Endpoint`] cannot be built.
@@ -124,12 +124,21 @@ impl Endpoint {
     }
 
     /// Starts transfer `xfer` of `plan` to `peer`: queues its WANT and, with eager gather, the
-    /// gathers of its first chunks (up to `W` and the eager half-arena budget).
+    /// gathers of its first chunks (up to `W` and the eager half-arena budget). `token` is the
+    /// transfer's secret: 128 bits the shell draws from a CSPRNG for each transfer (the core
+    /// never draws randomness); the peer must echo it in every GRANT and ACK.
     ///
     /// # Errors
     /// A [`SubmitError`]; then nothing was queued and no [`Action::Complete`] will follow.
-    pub fn submit(&mut self, now: Instant, xfer: XferId, peer: PeerId, plan: Plan) -> Result<(), SubmitError> {
-        let r = self.sender.submit(&mut ctx!(self, now), xfer, peer, plan);
+    pub fn submit(
+        &mut self,
+        now: Instant,
+        xfer: XferId,
+        token: Token,
+        peer: PeerId,
+        plan: Plan,
+    ) -> Result<(), SubmitError> {
+        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan);
         self.pump(now);
         r
     }
@@ -152,26 +161,27 @@ impl Endpoint {
         self.sender.set_local_endpoint(bytes);
     }
 
-    /// Adds `[addr, addr + len)` to the memory the receiver may scatter into. A DATA run must
-    /// lie inside one such range; ranges are counted, so equal ranges may be added twice.
-    pub fn add_registered(&mut self, addr: u64, len: u64) {
-        self.receiver.add_registered(addr, len);
+    /// Records registration `reg` of `[addr, addr + len)` with key `key`: memory the receiver
+    /// may scatter into for a flow whose WANT proved it (see [`crate::proof`]). A DATA run must
+    /// lie inside one registration its flow proved.
+    pub fn add_registered(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) {
+        self.receiver.add_registered(reg, key, addr, len);
     }
 
-    /// Removes one registration of exactly `[addr, addr + len)`; unknown ranges are ignored.
-    /// Scatters already emitted are not affected.
-    pub fn remove_registered(&mut self, addr: u64, len: u64) {
-        self.receiver.remove_registered(addr, len);
+    /// Forgets registration `reg`; unknown ids are ignored. Scatters already emitted are not
+    /// affected.
+    pub fn remove_registered(&mut self, reg: RegId) {
+        self.receiver.remove_registered(reg);
     }
 
-    /// The application deregistered `[addr, addr + len)`: the receiver stops scattering into
-    /// it (as [`remove_registered`](Self::remove_registered)) and answers ACK(Failed) for each
+    /// The application deregistered `[addr, addr + len)` (registration `reg`, when it had an
+    /// id): the receiver stops scattering into it (as [`remove_registered`](Self::remove_registered)) and answers ACK(Failed) for each
     /// scatter in flight into it; every transfer reading from it fails with
     /// [`XferError::Deregistered`]. Jobs already emitted still run: the shell must wait for
     /// those that touch the range before it lets the application free the memory.
-    pub fn deregister(&mut self, now: Instant, addr: u64, len: u64) {
+    pub fn deregister(&mut self, now: Instant, reg: Option<RegId>, addr: u64, len: u64) {
         let mut ctx = ctx!(self, now);
-        self.receiver.deregister(&mut ctx, addr, len);
+        self.receiver.deregister(&mut ctx, reg, addr, len);
         self.sender.deregister(&mut ctx, addr, addr.saturating_add(len));
         self.pump(now);
     }
@@ -220,9 +230,9 @@ impl Endpoint {
     }
 
     /// Handles one raw control frame from the agent `name`: decodes it, applies the peer rules
-    /// of [`PeerTable`] (HELLO bound, session, restart, loaded peers only) and hands an accepted
-    /// message to [`handle_msg`](Self::handle_msg). A WANT that announces a restart first
-    /// reclaims the peer's old state, as [`handle_peer_lost`](Self::handle_peer_lost) does.
+    /// of [`PeerTable`] (HELLO bound, loaded peers only, the session of the loaded
+    /// capabilities) and hands an accepted message to [`handle_msg`](Self::handle_msg). A frame
+    /// of another session is refused and counted in [`Stats::control_forged`].
     ///
     /// # Errors
     /// A [`FrameRefused`]: the frame was dropped (a refused message's effects are those of
@@ -232,6 +242,9 @@ impl Endpoint {
         if let Err(e) = &r {
             if !matches!(e, FrameRefused::Protocol(_)) {
                 self.stats.frames_refused += 1;
+            }
+            if matches!(e, FrameRefused::StaleSession { .. }) {
+                self.stats.control_forged += 1;
             }
             debug!(peer = name, error = %e, "control frame refused");
         }
@@ -252,12 +265,12 @@ impl Endpoint {
                 return Ok(());
             }
             wire::Body::Ping { nonce } => {
-                let Admitted { peer, .. } = self.peers.admit(name, frame.session, false)?;
+                let peer = self.peers.admit(name, frame.session)?;
                 self.handle_ping(now, peer, nonce);
                 return Ok(());
             }
             wire::Body::Pong { nonce } => {
-                let Admitted { peer, .. } = self.peers.admit(name, frame.session, false)?;
+                let peer = self.peers.admit(name, frame.session)?;
                 self.handle_pong(now, peer, nonce);
                 return Ok(());
             }
@@ -268,13 +281,27 @@ impl Endpoint {
             }
             wire::Body::Msg(msg) => msg,
         };
-        let is_want = matches!(msg, wire::Msg::Want(_));
-        let Admitted { peer, restarted } = self.peers.admit(name, frame.session, is_want)?;
-        if restarted {
-            debug!(peer = name, "peer restarted (new session): reclaiming its old state");
-            self.handle_peer_lost(now, peer);
-        }
+        let peer = self.peers.admit(name, frame.session)?;
         Ok(self.handle_msg(now, peer, msg)?)
+    }
+
+    /// NIXL loaded the agent `name`'s connection info, which published `theirs`; `ours` is
+    /// what we publish (see [`PeerTable::load_conn_info`]). A reload that brings a new session
+    /// means the agent restarted under the same name: everything of its old incarnation is
+    /// reclaimed first, as [`handle_peer_lost`](Self::handle_peer_lost) does. This is the only
+    /// way a peer's session changes: a frame never changes it.
+    pub fn handle_conn_info(
+        &mut self,
+        now: Instant,
+        name: &str,
+        theirs: Option<wire::Capabilities>,
+        ours: Option<&wire::Capabilities>,
+    ) -> Loaded {
+        if let Some(old) = self.peers.load_replaces(name, theirs.as_ref()) {
+            debug!(peer = name, "peer reloaded with a new session: reclaiming its old incarnation");
+            self.handle_peer_lost(now, old);
+        }
+        self.peers.load_conn_info(name, theirs, ours)
     }
 
     /// The agent `name` disconnected: the peer table forgets its connection info, arena, HELLO
@@ -526,6 +553,13 @@ pub(crate) mod tests {
     pub(crate) const DST: u64 = 0x20_0000;
     pub(crate) const PEER: PeerId = PeerId(7);
     pub(crate) const X: XferId = XferId(1);
+    /// The token every fixture transfer carries (the shell draws a random one per transfer).
+    pub(crate) const TOKEN: Token = Token(0x5eed_0f70_ce00);
+    /// A token nobody issued: what a forger without the secret has to guess.
+    pub(crate) const FORGED: Token = Token(0xbad);
+    /// The fixture registration covering `DST`, and its key (as its metadata carries it).
+    pub(crate) const REG: RegId = RegId(1);
+    pub(crate) const KEY: RegKey = RegKey([0x5a; 32]);
 
     /// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout, no liveness probe (its timers
     /// would interleave with the ones these tests pin; tests/liveness.rs covers it).
@@ -544,9 +578,12 @@ pub(crate) mod tests {
         c
     }
 
+    /// An endpoint of `config(arena, w, eager)` with `[DST, DST + 64 KiB)` registered as `REG`.
     pub(crate) fn endpoint(arena: u64, w: u32, eager: bool) -> (Endpoint, Instant) {
         let now = Instant::now();
-        (Endpoint::new(&config(arena, w, eager), now).unwrap(), now)
+        let mut ep = Endpoint::new(&config(arena, w, eager), now).unwrap();
+        ep.add_registered(REG, KEY, DST, 64 * KIB);
+        (ep, now)
     }
 
     /// `n` staged chunks of exactly 4 KiB: descriptor `i` copies `SRC + i*4K` to `DST + i*4K`.
@@ -564,8 +601,9 @@ pub(crate) mod tests {
     pub(crate) fn direct_plan_of(n: u64) -> Plan {
         let descs: Vec<DescPair> =
             (0..n).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
-        let p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        let mut p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
         assert!(p.chunks.iter().all(|c| c.direct.is_some()));
+        p.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
         p
     }
 
@@ -622,20 +660,22 @@ pub(crate) mod tests {
     pub(crate) fn grant_msg(xfer: XferId, credits: &[(u32, Region)]) -> Msg {
         Msg::Grant(Grant {
             xfer,
+            token: TOKEN,
             credits: credits.iter().map(|&(c, region)| Credit { chunk: ChunkIdx(c), region }).collect(),
         })
     }
 
     pub(crate) fn ack_msg(xfer: XferId, chunk: u32, region: Region, status: AckStatus) -> Msg {
-        Msg::Ack(Ack { xfer, chunk: ChunkIdx(chunk), region, status })
+        Msg::Ack(Ack { xfer, token: TOKEN, chunk: ChunkIdx(chunk), region, status })
     }
 
     pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
-        Msg::Want(Want { xfer, endpoint: Vec::new(), chunks: chunks.to_vec() })
+        let proofs = vec![crate::proof::prove(REG, &KEY, TOKEN)];
+        Msg::Want(Want { xfer, token: TOKEN, endpoint: Vec::new(), chunks: chunks.to_vec(), proofs })
     }
 
     pub(crate) fn data_msg(xfer: XferId, chunk: u32, region: Region, runs: Vec<CopyRun>) -> Msg {
-        Msg::Data(Data { xfer, chunk: ChunkIdx(chunk), region, runs })
+        Msg::Data(Data { xfer, token: TOKEN, chunk: ChunkIdx(chunk), region, runs })
     }
 
     /// A single-copy run of `len` bytes at region offset `off` to `addr`.
@@ -657,10 +697,27 @@ pub(crate) mod tests {
         wire::Frame { session, msg }.to_vec()
     }
 
-    /// An endpoint that loaded agent `name` (no capabilities needed to talk to it).
+    /// Capabilities matching `config`'s, with instance nonce `session`.
+    fn caps(session: u64) -> wire::Capabilities {
+        wire::Capabilities {
+            wire_version: wire::WIRE_VERSION.into(),
+            control: crate::types::ControlKind::Ucx,
+            mem: crate::types::MemKind::Dram,
+            arena_base: 0,
+            arena_len: 32 * KIB,
+            arena_dev: 0,
+            usable_capacity: 32 * KIB,
+            max_chunk: CHUNK,
+            session,
+            arena_key: Vec::new(),
+            endpoint: Vec::new(),
+        }
+    }
+
+    /// An endpoint that loaded agent `name`'s connection info with session 7.
     fn with_loaded(name: &str) -> (Endpoint, Instant, PeerId) {
         let (mut ep, t) = endpoint(32 * KIB, 2, false);
-        ep.peers_mut().load_conn_info(name, None, None);
+        assert_eq!(ep.handle_conn_info(t, name, Some(caps(7)), Some(&caps(1))), Loaded::Compatible);
         let id = ep.peers_mut().id(name);
         (ep, t, id)
     }
@@ -700,26 +757,136 @@ pub(crate) mod tests {
         assert!(drain(&mut ep).is_empty(), "no scatter, no ACK");
         assert_eq!(ep.remote_flows(), 1);
         assert_eq!(ep.peers().session("a"), Some(7));
+        assert_eq!((ep.stats().control_forged, ep.stats().frames_refused), (1, 1));
     }
 
+    /// The forgery of issue 10 item 6: a third party sends a WANT with a new session under a
+    /// loaded peer's name. It used to reset the peer (failing our transfer to it and
+    /// reclaiming its flows); now the session is the loaded capabilities' and the WANT is
+    /// refused, changing nothing.
     #[test]
-    fn a_want_with_a_new_session_reclaims_the_old_incarnation_first() {
+    fn a_want_with_a_new_session_is_refused_without_resetting_the_peer() {
         let (mut ep, t, id) = with_loaded("a");
         ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
         drain(&mut ep);
-        ep.submit(t, X, id, plan_of(1)).unwrap();
+        ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
         drain(&mut ep);
+        let free = ep.arena_free_bytes();
         assert_eq!((ep.remote_flows(), ep.in_flight_xfers()), (1, 1));
-        // The restarted agent announces a transfer that reuses the old id.
+        for forged in
+            [want_msg(XferId(5), &[CHUNK]), want_msg(XferId(6), &[CHUNK]), Msg::cancel(XferId(5), TOKEN, vec![])]
+        {
+            let r = ep.handle_frame(t, "a", &frame(8, forged));
+            assert_eq!(r, Err(FrameRefused::StaleSession { got: 8, current: 7 }));
+        }
+        assert!(drain(&mut ep).is_empty(), "no completion, no GRANT");
+        assert_eq!((ep.remote_flows(), ep.in_flight_xfers(), ep.arena_free_bytes()), (1, 1, free));
+        assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 2);
+        assert_eq!((ep.peers().session("a"), ep.stats().control_forged), (Some(7), 3));
+        check(&ep);
+    }
+
+    /// A restart is learned from NIXL, not from frames: reloading the peer's metadata with a
+    /// new session reclaims everything of the old incarnation, and only then is the new
+    /// session admitted.
+    #[test]
+    fn a_reload_with_a_new_session_reclaims_the_old_incarnation() {
+        let (mut ep, t, id) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
+        drain(&mut ep);
+        ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
+        drain(&mut ep);
+        // Reloading the same metadata changes nothing.
+        assert_eq!(ep.handle_conn_info(t, "a", Some(caps(7)), Some(&caps(1))), Loaded::Compatible);
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!((ep.remote_flows(), ep.in_flight_xfers()), (1, 1));
+        // The restarted agent's metadata: our transfer to the old incarnation fails as for a
+        // lost peer and the old flow's regions come back.
+        assert_eq!(ep.handle_conn_info(t, "a", Some(caps(8)), Some(&caps(1))), Loaded::Compatible);
+        assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
+        assert_eq!((ep.remote_flows(), ep.arena_free_bytes()), (0, 32 * KIB));
+        // The new incarnation announces a transfer that reuses the old id; the old one is refused.
         ep.handle_frame(t, "a", &frame(8, want_msg(XferId(5), &[CHUNK]))).unwrap();
-        let acts = drain(&mut ep);
-        // Our transfer to the old incarnation failed as for a lost peer; the old flow's two
-        // regions were reclaimed and the new flow got one.
-        assert_eq!(completes(&acts), vec![(X, Err(XferError::PeerLost))]);
-        assert_eq!(ep.remote_flows(), 1);
+        drain(&mut ep);
         assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
-        assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK, "only the new flow's region is held");
+        let old = frame(7, want_msg(XferId(9), &[CHUNK]));
+        assert_eq!(ep.handle_frame(t, "a", &old), Err(FrameRefused::StaleSession { got: 7, current: 8 }));
         assert_eq!(ep.peers().session("a"), Some(8));
+        check(&ep);
+    }
+
+    /// The forgery of issue 10 item 6, second half: GRANT and ACK(Scattered) naming our
+    /// transfer and its chunk, from the right peer and session, but without the transfer's
+    /// token. The sender must never complete on them (and nothing of the transfer changes);
+    /// the real ones still complete it.
+    #[test]
+    fn a_forged_grant_and_ack_with_the_wrong_token_never_complete_the_sender() {
+        let (mut ep, t, id) = with_loaded("a");
+        ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
+        drain(&mut ep);
+        let region = Region { offset: 0, len: CHUNK };
+        let forge = |m: Msg| match m {
+            Msg::Grant(g) => Msg::Grant(Grant { token: FORGED, ..g }),
+            Msg::Ack(a) => Msg::Ack(Ack { token: FORGED, ..a }),
+            m => m,
+        };
+        let r = ep.handle_frame(t, "a", &frame(7, forge(grant_msg(X, &[(0, region)]))));
+        assert_eq!(r, Err(FrameRefused::Protocol(ProtocolError::WrongToken { peer: id, xfer: X })));
+        assert!(drain(&mut ep).is_empty(), "no gather, no write for a forged credit");
+        // The real GRANT: the chunk is gathered, written and its DATA (with our token) sent.
+        ep.handle_frame(t, "a", &frame(7, grant_msg(X, &[(0, region)]))).unwrap();
+        let acts = drain(&mut ep);
+        ep.handle_gather_done(t, gathers(&acts)[0].0, true);
+        let acts = drain(&mut ep);
+        ep.handle_write_done(t, writes(&acts)[0].0, true);
+        let sent = msgs(&drain(&mut ep));
+        assert!(matches!(&sent[..], [(_, Msg::Data(d))] if d.token == TOKEN), "{sent:?}");
+        // Now a forged ACK(Scattered) for exactly that chunk and region.
+        let r = ep.handle_frame(t, "a", &frame(7, forge(ack_msg(X, 0, region, AckStatus::Scattered))));
+        assert_eq!(r, Err(FrameRefused::Protocol(ProtocolError::WrongToken { peer: id, xfer: X })));
+        assert!(drain(&mut ep).is_empty(), "no completion on a forged ACK");
+        assert_eq!((ep.in_flight_xfers(), ep.sender().acked_chunks(X)), (1, Some(0)));
+        assert_eq!(ep.stats().control_forged, 2);
+        // The receiver's own ACK completes it.
+        ep.handle_frame(t, "a", &frame(7, ack_msg(X, 0, region, AckStatus::Scattered))).unwrap();
+        assert_eq!(completes(&drain(&mut ep)), vec![(X, Ok(()))]);
+    }
+
+    /// Receiver side: a DATA, cancel or further WANT naming a live flow but carrying another
+    /// token is dropped and counted; it neither scatters, nor refuses, nor reclaims the flow.
+    #[test]
+    fn data_cancel_and_want_with_the_wrong_token_leave_the_flow_alone() {
+        let (mut ep, t, id) = with_loaded("a");
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        let granted = msgs(&drain(&mut ep));
+        let Msg::Grant(g) = &granted[0].1 else { panic!("{granted:?}") };
+        assert_eq!(g.token, TOKEN, "the GRANT echoes the WANT's token");
+        let region = g.credits[0].region;
+        let forged = [
+            Msg::Data(Data {
+                xfer: XferId(5),
+                token: FORGED,
+                chunk: ChunkIdx(0),
+                region,
+                runs: vec![run(0, DST, CHUNK)],
+            }),
+            Msg::cancel(XferId(5), FORGED, vec![]),
+            Msg::Want(Want { xfer: XferId(5), token: FORGED, endpoint: vec![], chunks: vec![CHUNK], proofs: vec![] }),
+        ];
+        for m in forged {
+            let r = ep.handle_frame(t, "a", &frame(7, m));
+            assert_eq!(r, Err(FrameRefused::Protocol(ProtocolError::WrongToken { peer: id, xfer: XferId(5) })));
+        }
+        assert!(drain(&mut ep).is_empty(), "no scatter, no ACK(Refused)");
+        assert_eq!((ep.remote_flows(), ep.stats().control_forged, ep.stats().data_refused), (1, 3, 0));
+        assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
+        // The real DATA scatters, and its ACK carries the flow's token.
+        ep.receiver_mut().add_registered(REG, KEY, DST, CHUNK);
+        ep.handle_frame(t, "a", &frame(7, data_msg(XferId(5), 0, region, vec![run(0, DST, CHUNK)]))).unwrap();
+        let acts = drain(&mut ep);
+        ep.handle_scatter_done(t, scatters(&acts)[0].0, true);
+        let sent = msgs(&drain(&mut ep));
+        assert!(matches!(&sent[..], [(_, Msg::Ack(a))] if a.token == TOKEN && a.status == AckStatus::Scattered));
         check(&ep);
     }
 
@@ -772,7 +939,7 @@ pub(crate) mod tests {
         assert_eq!(ep.poll_timeout(), None);
         ep.handle_timeout(t + TIMEOUT * 10);
         assert!(drain(&mut ep).is_empty());
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
         let later = t + TIMEOUT / 4;
         ep.handle_msg(later, PeerId(9), want_msg(XferId(5), &[CHUNK])).unwrap();
         drain(&mut ep);
@@ -817,7 +984,7 @@ pub(crate) mod tests {
                 now,
             };
             for ep in &mut p.eps {
-                ep.add_registered(DST, 1 << 20);
+                ep.add_registered(REG, KEY, DST, 1 << 20);
             }
             p
         }
@@ -918,7 +1085,7 @@ pub(crate) mod tests {
                     p.mem[me].insert(SRC + i, (i as u8).wrapping_mul(3).wrapping_add(me as u8));
                 }
                 let now = p.now;
-                p.eps[me].submit(now, X, PeerId(1 - me as u32), plan_with_direct(10, mode)).unwrap();
+                p.eps[me].submit(now, X, TOKEN, PeerId(1 - me as u32), plan_with_direct(10, mode)).unwrap();
             }
             p.run();
             let mut done = p.done.clone();
@@ -1023,7 +1190,7 @@ pub(crate) mod tests {
         #[test]
         fn arbitrary_peer_input_never_breaks_the_endpoint(ops in prop::collection::vec(any_op(), 1..80), eager: bool) {
             let (mut ep, mut now) = endpoint(32 * KIB, 2, eager);
-            ep.add_registered(DST, 64 * KIB);
+            ep.add_registered(REG, KEY, DST, 64 * KIB);
             let mut jobs = Vec::new();
             for op in ops {
                 match op {
@@ -1036,7 +1203,7 @@ pub(crate) mod tests {
                     Op::Submit(x, n, d) => {
                         // Bit `i` of `d` makes chunk `i` direct.
                         let plan = plan_with_direct(n, |i| d >> i & 1 == 1);
-                        let _ = ep.submit(now, XferId(x), PeerId(x as u32 % 3), plan);
+                        let _ = ep.submit(now, XferId(x), TOKEN, PeerId(x as u32 % 3), plan);
                     }
                     Op::Cancel(x) => ep.cancel(now, XferId(x)),
                     Op::PeerLost(p) => ep.handle_peer_lost(now, PeerId(p)),

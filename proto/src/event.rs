@@ -183,6 +183,16 @@ pub enum SubmitError {
         /// [`wire::MAX_CHUNKS_PER_WANT`].
         max: u32,
     },
+    /// More destination registrations than one WANT can prove.
+    #[error("transfer {} writes into {dests} registrations, more than {max}", .xfer.0)]
+    TooManyDestinations {
+        /// The transfer.
+        xfer: XferId,
+        /// Destination registrations in the plan.
+        dests: usize,
+        /// [`wire::MAX_PROOFS`].
+        max: u32,
+    },
     /// A chunk is larger than the configured maximum chunk size.
     #[error("transfer {}: chunk #{} of {bytes} bytes exceeds the max chunk size ({max} bytes)", .xfer.0, .chunk.0)]
     ChunkTooLarge {
@@ -230,7 +240,8 @@ pub enum DataFault {
         /// Position of the run.
         index: usize,
     },
-    /// Run `index` writes outside every registered memory range.
+    /// Run `index` writes outside every registration the flow's WANTs proved (or one proved
+    /// but deregistered since).
     RunOutsideRegistered {
         /// Position of the run.
         index: usize,
@@ -267,6 +278,28 @@ pub enum ProtocolError {
         expected: PeerId,
         /// The sending peer.
         got: PeerId,
+    },
+    /// A GRANT or ACK whose token is not its transfer's, or a DATA, cancel or further WANT
+    /// whose token is not its flow's: a forgery (or a frame of another incarnation). Dropped
+    /// and counted in [`Stats::control_forged`]; nothing of the transfer or flow changed.
+    #[error("peer {}: wrong token for transfer {}", .peer.0, .xfer.0)]
+    WrongToken {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer named.
+        xfer: XferId,
+    },
+    /// A WANT whose destination proofs do not check out: the sender does not hold the
+    /// metadata of a registration it names. Refused whole, counted in
+    /// [`Stats::control_forged`].
+    #[error("peer {}: WANT for transfer {} refused: {source}", .peer.0, .xfer.0)]
+    BadProof {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The first bad proof.
+        source: crate::proof::BadProof,
     },
     /// A GRANT without credits.
     #[error("transfer {}: empty GRANT", .xfer.0)]
@@ -393,6 +426,12 @@ pub struct Stats {
     pub flows_timed_out: u64,
     /// Peer messages rejected with a [`ProtocolError`].
     pub protocol_errors: u64,
+    /// Frames that looked valid but were not authentic: a wrong transfer token
+    /// ([`ProtocolError::WrongToken`]), a bad destination proof ([`ProtocolError::BadProof`])
+    /// or, through
+    /// [`Endpoint::handle_frame`](crate::endpoint::Endpoint::handle_frame), a session other
+    /// than the one in the peer's loaded capabilities.
+    pub control_forged: u64,
     /// Control frames refused by the peer rules or the decoder
     /// ([`crate::peers::FrameRefused`] other than a protocol error).
     pub frames_refused: u64,

@@ -22,6 +22,8 @@
 //! - [`liveness`]: the probe that declares a silent peer we wait on dead (PING/PONG timings).
 //! - [`peers`]: the peer table (loaded connection info and capabilities, session, HELLO) and its
 //!   frame-admission and credit-bounds rules.
+//! - [`proof`]: destination proofs (a keyed hash of the transfer token under a registration
+//!   key) and the registrations a receiver may scatter into.
 //! - [`gate`]: the routing gate (bounce or pass through, and why) and direct-write coverage.
 //! - [`endpoint`]: the one object the IO shell drives; owns the scheduler, both roles and the
 //!   peer table, and takes raw control frames ([`endpoint::Endpoint::handle_frame`]).
@@ -40,6 +42,7 @@ pub mod mailbox;
 pub mod manifest;
 pub mod peers;
 pub mod plan;
+pub mod proof;
 pub mod receiver;
 pub mod scheduler;
 pub mod sender;

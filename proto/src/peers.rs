@@ -13,12 +13,15 @@
 //!   lock a real peer out. A hint counts as that peer's HELLO once it is loaded. The first HELLO
 //!   of a loaded, compatible peer since its load is answered once with ours
 //!   ([`Hello::First`]), so a peer whose early HELLO was evicted still learns we can answer.
-//! - The first session seen from a peer is recorded. A WANT with another session means the
-//!   peer restarted under the same name: its old state is void ([`Admitted::restarted`]: the
-//!   endpoint reclaims it) and the new session is recorded. Any other frame with another session
-//!   is stale and refused.
-//! - Then a frame from an agent whose connection info was never loaded is refused: UCX needs it
-//!   to answer at all, and a WANT's reverse-path endpoint is never loaded on trust.
+//! - A frame from an agent whose connection info was never loaded is refused: UCX needs it to
+//!   answer at all, and a WANT's reverse-path endpoint is never loaded on trust.
+//! - A peer's session is the one in the capabilities NIXL loaded for it, and nothing else: a
+//!   message frame whose header carries another session is refused, whatever its kind (a
+//!   frame of a dead incarnation, a replay, or a forgery by a third party that would otherwise
+//!   reset the peer and answer for it). A peer that published no capabilities has no session
+//!   and sends no message frames. A new session is accepted only through a metadata reload
+//!   ([`load_conn_info`](PeerTable::load_conn_info) with new capabilities), which reports the
+//!   replaced incarnation so that its old state is reclaimed.
 //! - Bounce to a peer only when [`can_bounce`](PeerTable::can_bounce): loaded, compatible, its
 //!   arena loaded, and it said HELLO (it loaded ours, so it can answer our WANTs).
 //! - A credit is written only inside the peer's arena ([`check_credit`](PeerTable::check_credit)).
@@ -43,8 +46,8 @@ pub enum FrameRefused {
     /// The bytes are no control frame of our wire version.
     #[error("malformed control frame: {0}")]
     Malformed(#[from] WireError),
-    /// A frame other than WANT whose session differs from the peer's recorded one: from a dead
-    /// earlier incarnation, or a replay.
+    /// A message frame whose session differs from the one in the peer's loaded capabilities:
+    /// from a dead earlier incarnation, a replay, or a forgery.
     #[error("stale session {got:#x} (the peer's is {current:#x})")]
     StaleSession {
         /// The session the frame carries.
@@ -52,6 +55,10 @@ pub enum FrameRefused {
         /// The peer's recorded session.
         current: u64,
     },
+    /// A message frame from a loaded agent that published no capabilities: it has no session
+    /// and takes no part in bounce transfers.
+    #[error("control message from an agent that published no capabilities")]
+    NoSession,
     /// The agent's connection info is not loaded into this engine (never, or lost since).
     /// Nothing of it is recorded: invented names cannot grow the table.
     #[error("control frame from an agent whose connection info was never loaded")]
@@ -59,16 +66,6 @@ pub enum FrameRefused {
     /// The endpoint refused the message (see [`crate::event::ProtocolError`]).
     #[error(transparent)]
     Protocol(#[from] crate::event::ProtocolError),
-}
-
-/// A message frame the table accepted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Admitted {
-    /// The sending peer.
-    pub peer: PeerId,
-    /// The frame is a WANT with a new session: the peer restarted, and everything of its old
-    /// incarnation must be reclaimed (as for a lost peer) before the message is handled.
-    pub restarted: bool,
 }
 
 /// What a HELLO changed (see [`PeerTable::hello`]).
@@ -133,7 +130,7 @@ struct Peer {
     conn: Option<Option<Capabilities>>,
     /// Its arena was loaded into the inner engine.
     arena: bool,
-    /// The session its frames carry, once one was seen.
+    /// The session its frames must carry: the one in the capabilities loaded for it.
     session: Option<u64>,
     /// It said HELLO.
     hello: bool,
@@ -174,8 +171,11 @@ impl PeerTable {
 
     /// NIXL loaded `name`'s connection info, which published `theirs` (`None`: bounce is off
     /// there); `ours` is what we publish. Records the peer as loaded, with its capabilities
-    /// when both exist and are compatible.
+    /// when both exist and are compatible, and its session (the one `theirs` carries, even when
+    /// incompatible). A reload with the same session changes nothing else; see
+    /// [`load_replaces`](Self::load_replaces) for one that brings a new incarnation.
     pub fn load_conn_info(&mut self, name: &str, theirs: Option<Capabilities>, ours: Option<&Capabilities>) -> Loaded {
+        let session = theirs.as_ref().map(|c| c.session);
         let (caps, loaded) = match (theirs, ours) {
             (Some(theirs), Some(ours)) => match ours.compatible_with(&theirs) {
                 Ok(()) => (Some(theirs), Loaded::Compatible),
@@ -183,15 +183,30 @@ impl PeerTable {
             },
             _ => (None, Loaded::NoCapabilities),
         };
-        // A HELLO that came before the load counts now.
+        // A HELLO that came before the load counts now; one from an earlier incarnation does not.
         let hinted = self.hinted.remove(name);
         if hinted {
             self.hints.retain(|n| n != name);
         }
         let p = self.entry(name);
+        if p.session != session {
+            p.hello = false;
+        }
         p.conn = Some(caps);
+        p.session = session;
         p.hello |= hinted;
         loaded
+    }
+
+    /// The peer whose old incarnation loading `theirs` for `name` would replace: `Some` when
+    /// `name` is loaded with a session and `theirs` carries another one (or none). Everything
+    /// the endpoint holds for that peer belongs to the old incarnation and must be reclaimed
+    /// (as for a lost peer) before frames of the new session can arrive, so ask this *before*
+    /// calling [`load_conn_info`](Self::load_conn_info).
+    pub fn load_replaces(&self, name: &str, theirs: Option<&Capabilities>) -> Option<PeerId> {
+        let p = self.by_name.get(name).filter(|p| p.conn.is_some())?;
+        let old = p.session?;
+        (theirs.map(|c| c.session) != Some(old)).then_some(p.id)
     }
 
     /// The inner engine loaded `name`'s arena (`ok`), or failed to. Only a compatible peer's
@@ -263,33 +278,23 @@ impl PeerTable {
         }
     }
 
-    /// Applies the session and loading rules to a message frame from `name` carrying `session`
-    /// (`is_want`: the message is a WANT, cancels included).
+    /// Applies the loading and session rules to a message frame from `name` carrying
+    /// `session`; returns the sending peer. Nothing is recorded, whatever the outcome.
     ///
     /// # Errors
-    /// [`FrameRefused::NotLoaded`] or [`FrameRefused::StaleSession`]; nothing changed.
-    pub fn admit(&mut self, name: &str, session: u64, is_want: bool) -> Result<Admitted, FrameRefused> {
+    /// [`FrameRefused::NotLoaded`], [`FrameRefused::NoSession`] or
+    /// [`FrameRefused::StaleSession`].
+    pub fn admit(&self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {
         // Loading first: a name NIXL never loaded gets no entry, no id and no session.
-        let p = match self.by_name.get_mut(name) {
+        let p = match self.by_name.get(name) {
             Some(p) if p.conn.is_some() => p,
             _ => return Err(FrameRefused::NotLoaded),
         };
-        let peer = p.id;
-        let restarted = match p.session {
-            Some(current) if current != session => {
-                if !is_want {
-                    return Err(FrameRefused::StaleSession { got: session, current });
-                }
-                p.session = Some(session);
-                true
-            }
-            Some(_) => false,
-            None => {
-                p.session = Some(session);
-                false
-            }
-        };
-        Ok(Admitted { peer, restarted })
+        match p.session {
+            Some(current) if current == session => Ok(p.id),
+            Some(current) => Err(FrameRefused::StaleSession { got: session, current }),
+            None => Err(FrameRefused::NoSession),
+        }
     }
 
     /// A GOODBYE from `name` carrying `session`: its engine is going away with its arena. The
@@ -447,37 +452,49 @@ mod tests {
     }
 
     #[test]
-    fn the_first_session_is_recorded_and_a_different_one_is_stale_unless_want() {
+    fn the_session_is_the_loaded_capabilities_one_and_only_a_reload_changes_it() {
         let mut t = ready("a");
         let a = t.lookup("a").unwrap();
-        assert_eq!(t.admit("a", 7, false), Ok(Admitted { peer: a, restarted: false }));
-        assert_eq!(t.session("a"), Some(7));
-        assert_eq!(t.admit("a", 7, true), Ok(Admitted { peer: a, restarted: false }));
-        assert_eq!(t.admit("a", 8, false), Err(FrameRefused::StaleSession { got: 8, current: 7 }));
-        assert_eq!(t.session("a"), Some(7), "a stale frame changes nothing");
-        assert_eq!(t.admit("a", 8, true), Ok(Admitted { peer: a, restarted: true }));
-        assert_eq!(t.session("a"), Some(8));
-        assert_eq!(t.admit("a", 7, false), Err(FrameRefused::StaleSession { got: 7, current: 8 }));
-        // After a loss the next session is simply the first one again.
-        t.lost("a");
+        assert_eq!(t.session("a"), Some(1), "from the loaded capabilities, before any frame");
+        assert_eq!(t.admit("a", 1), Ok(a));
+        // Another session is refused whatever the frame (a WANT no longer resets the peer).
+        assert_eq!(t.admit("a", 8), Err(FrameRefused::StaleSession { got: 8, current: 1 }));
+        assert_eq!(t.session("a"), Some(1), "a refused frame changes nothing");
+        assert!(t.can_bounce("a"));
+        // A reload with the same session replaces nothing; one with a new session replaces
+        // the old incarnation, and only then is the new session admitted.
+        assert_eq!(t.load_replaces("a", Some(&caps(4096))), None);
+        let new = Capabilities { session: 8, ..caps(4096) };
+        assert_eq!(t.load_replaces("a", Some(&new)), Some(a));
+        assert_eq!(t.load_conn_info("a", Some(new), Some(&caps(4096))), Loaded::Compatible);
+        assert_eq!(t.admit("a", 8), Ok(a));
+        assert_eq!(t.admit("a", 1), Err(FrameRefused::StaleSession { got: 1, current: 8 }));
+        // Reloaded without capabilities: the old incarnation is replaced, and the peer has no
+        // session left to send message frames with.
+        assert_eq!(t.load_replaces("a", None), Some(a));
         t.load_conn_info("a", None, None);
-        assert_eq!(t.admit("a", 9, false), Ok(Admitted { peer: a, restarted: false }));
+        assert_eq!(t.admit("a", 8), Err(FrameRefused::NoSession));
+        // After a loss nothing is replaced: the loss reclaimed everything already.
+        t.lost("a");
+        assert_eq!(t.load_replaces("a", Some(&caps(4096))), None);
+        assert_eq!(t.admit("a", 1), Err(FrameRefused::NotLoaded));
     }
 
     #[test]
     fn frames_from_an_agent_never_loaded_are_refused_and_leave_nothing_behind() {
         let mut t = PeerTable::new();
-        assert_eq!(t.admit("x", 1, true), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.admit("x", 1), Err(FrameRefused::NotLoaded));
         // No entry: no id, no session (a stream of invented names cannot grow the table).
         assert_eq!((t.lookup("x"), t.session("x")), (None, None));
-        assert_eq!(t.admit("x", 2, false), Err(FrameRefused::NotLoaded));
-        // An incompatible peer is loaded: it may talk to us (to refuse bounce politely).
+        assert_eq!(t.admit("x", 2), Err(FrameRefused::NotLoaded));
+        // An incompatible peer is loaded: it may talk to us (to refuse bounce politely), with
+        // the session its capabilities carry.
         t.load_conn_info("x", Some(caps(1)), Some(&caps(2)));
         let x = t.lookup("x").expect("loaded now");
-        assert_eq!(t.admit("x", 2, true), Ok(Admitted { peer: x, restarted: false }));
+        assert_eq!(t.admit("x", 1), Ok(x));
         // Lost again: refused again, and its session is forgotten.
         t.lost("x");
-        assert_eq!(t.admit("x", 3, false), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.admit("x", 1), Err(FrameRefused::NotLoaded));
         assert_eq!(t.session("x"), None);
     }
 

@@ -89,6 +89,11 @@ pub struct Plan {
     pub chunks: Vec<Chunk>,
     /// Payload bytes (the sum of the descriptor lengths, padding excluded).
     pub total_bytes: u64,
+    /// The receiver's registrations the descriptors write into, with the keys the sender was
+    /// given in their metadata: the WANT proves each ([`crate::proof`]). `plan` leaves it
+    /// empty; the shell fills it from the remote descriptors. Without a proof for a
+    /// destination the receiver refuses to scatter there.
+    pub dests: Vec<crate::proof::Destination>,
 }
 
 impl Plan {
@@ -203,7 +208,7 @@ pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
         sizes,
     };
     pack(descs, params, &mut builder)?;
-    Ok(Plan { chunks: builder.chunks, total_bytes })
+    Ok(Plan { chunks: builder.chunks, total_bytes, dests: Vec::new() })
 }
 
 /// Checks the descriptors up front, so that packing has no failure modes of the input, and

@@ -14,9 +14,10 @@ use tracing::{debug, trace, warn};
 
 use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
+use crate::proof::Registrations;
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, Region};
+use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
@@ -38,6 +39,12 @@ struct PeerLoad {
 /// One remote flow as the receiver sees it.
 #[derive(Debug)]
 struct Flow {
+    /// The token of the WANT that created the flow: every later WANT, cancel and DATA of the
+    /// flow must carry it, and every GRANT and ACK echoes it.
+    token: Token,
+    /// The registrations the flow's WANTs proved (see [`crate::proof`]): its DATA runs may
+    /// write only inside these (those still registered).
+    proven: Vec<RegId>,
     /// Byte size of each chunk announced so far, by chunk index.
     chunks: Vec<u64>,
     /// Regions of this flow being scattered.
@@ -53,6 +60,7 @@ struct Flow {
 #[derive(Debug, Clone, Copy)]
 struct Scatter {
     flow: FlowKey,
+    token: Token,
     chunk: ChunkIdx,
     region: Region,
     bytes: u64,
@@ -68,6 +76,11 @@ struct Scatter {
 /// Driven only by [`crate::endpoint::Endpoint`], which documents the call order.
 /// - WANT queues the flow's chunks in the scheduler; an empty WANT (cancel) reclaims the flow.
 ///   Credits come out of the endpoint's `schedule()` calls, batched into one GRANT per flow.
+/// - Every later WANT, cancel and DATA of a flow must carry the [`Token`] of the WANT that
+///   created it; one that does not is dropped and counted (`control_forged`), changing nothing.
+///   GRANTs and ACKs echo the flow's token.
+/// - A WANT proves the registrations the flow may scatter into ([`crate::proof`]); a WANT
+///   with a bad proof is refused whole and counted (`control_forged`).
 /// - DATA is validated: the flow holds the named region for that chunk and is not already
 ///   scattering it; every run lies within the chunk's bytes and inside one registered memory
 ///   range. A valid DATA becomes an [`Action::Scatter`]; an invalid one is answered with
@@ -81,8 +94,8 @@ struct Scatter {
 #[derive(Debug)]
 pub struct Receiver {
     idle_timeout: Duration,
-    /// Registered memory ranges `(start, end)` with their registration counts.
-    registered: BTreeMap<(u64, u64), u32>,
+    /// The registrations made through this engine, with their keys.
+    registered: Registrations,
     flows: BTreeMap<FlowKey, Flow>,
     /// Per-peer totals over `flows`, kept in step with it (see `check_invariants`).
     load: BTreeMap<PeerId, PeerLoad>,
@@ -98,7 +111,7 @@ impl Receiver {
     pub(crate) fn new(config: &Config, _now: Instant) -> Self {
         Self {
             idle_timeout: config.request_timeout / 2,
-            registered: BTreeMap::new(),
+            registered: Registrations::default(),
             flows: BTreeMap::new(),
             load: BTreeMap::new(),
             caps: PeerLoad { flows: MAX_FLOWS_PER_PEER, chunks: MAX_CHUNKS_PER_PEER },
@@ -130,42 +143,35 @@ impl Receiver {
         self.scatters.len()
     }
 
-    /// True when a DATA run may write `[start, end)`: it lies inside one registered range.
-    pub fn is_registered(&self, start: u64, end: u64) -> bool {
-        // Ranges starting at or before `start`, nearest first; few registrations are expected.
-        self.registered.range(..=(start, u64::MAX)).rev().any(|(&(_, e), _)| end <= e)
+    /// The registrations DATA runs may target, once a flow proved them.
+    pub fn registrations(&self) -> &Registrations {
+        &self.registered
     }
 
-    pub(crate) fn add_registered(&mut self, addr: u64, len: u64) {
-        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
-            warn!(addr, len, "ignoring an empty or wrapping registered range");
-            return;
-        };
-        *self.registered.entry((addr, end)).or_insert(0) += 1;
-    }
-
-    pub(crate) fn remove_registered(&mut self, addr: u64, len: u64) {
-        let key = (addr, addr.saturating_add(len));
-        match self.registered.get_mut(&key) {
-            Some(1) => {
-                self.registered.remove(&key);
-            }
-            Some(n) => *n -= 1,
-            None => warn!(addr, len, "removing a range that is not registered"),
+    pub(crate) fn add_registered(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) {
+        if !self.registered.add(reg, key, addr, len) {
+            warn!(reg = reg.0, addr, len, "ignoring an empty or wrapping registered range");
         }
     }
 
-    /// Removes the registration `[addr, addr + len)` (as [`Self::remove_registered`]) and dooms
-    /// every scatter in flight that writes into it and no other registration still covers:
+    pub(crate) fn remove_registered(&mut self, reg: RegId) {
+        if !self.registered.remove(reg) {
+            warn!(reg = reg.0, "removing a registration that is not known");
+        }
+    }
+
+    /// Removes registration `reg` of `[addr, addr + len)` (as [`Self::remove_registered`]) and
+    /// dooms every scatter in flight that writes into the range and no other registration still
+    /// covers:
     /// each is answered ACK(Failed), so its sender's transfer ends in an error. Later DATA
     /// naming the range is refused by validation.
-    pub(crate) fn deregister(&mut self, ctx: &mut Ctx<'_>, addr: u64, len: u64) {
-        self.remove_registered(addr, len);
+    pub(crate) fn deregister(&mut self, ctx: &mut Ctx<'_>, reg: Option<RegId>, addr: u64, len: u64) {
+        if let Some(reg) = reg {
+            self.remove_registered(reg);
+        }
         let end = addr.saturating_add(len);
-        let registered = &self.registered;
-        let still_covered = |(a, b): (u64, u64)| registered.range(..=(a, u64::MAX)).rev().any(|(&(_, e), _)| b <= e);
         for s in self.scatters.values_mut() {
-            if !s.doomed && s.span.0 < end && addr < s.span.1 && !still_covered(s.span) {
+            if !s.doomed && s.span.0 < end && addr < s.span.1 && !self.registered.covers_any(s.span.0, s.span.1) {
                 debug!(
                     peer = s.flow.peer.0,
                     xfer = s.flow.xfer.0,
@@ -196,6 +202,12 @@ impl Receiver {
 
     pub(crate) fn handle_want(&mut self, ctx: &mut Ctx<'_>, from: PeerId, want: Want) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: want.xfer };
+        // A cancel or further WANT for a live flow must carry the token of the WANT that
+        // created it: otherwise anyone who can guess a transfer id could reclaim the flow.
+        if self.flows.get(&key).is_some_and(|f| f.token != want.token) {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: want.xfer });
+        }
         if want.is_cancel() {
             debug!(peer = from.0, xfer = want.xfer.0, "cancel");
             self.reclaim(ctx, key);
@@ -211,6 +223,14 @@ impl Receiver {
         if flows > self.caps.flows || chunks > self.caps.chunks {
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: want.xfer, flows, chunks });
         }
+        // Where the flow may scatter: only registrations whose metadata the sender holds.
+        let proven = match self.registered.verify(want.token, &want.proofs) {
+            Ok(proven) => proven,
+            Err(source) => {
+                ctx.stats.control_forged += 1;
+                return Err(ProtocolError::BadProof { peer: from, xfer: want.xfer, source });
+            }
+        };
         if let Err(source) = ctx.sched.want(key, &want.chunks) {
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
         }
@@ -220,11 +240,16 @@ impl Receiver {
         match self.flows.get_mut(&key) {
             Some(flow) => {
                 flow.chunks.extend_from_slice(&want.chunks);
+                for reg in proven {
+                    if !flow.proven.contains(&reg) {
+                        flow.proven.push(reg);
+                    }
+                }
                 flow.deadline = deadline;
             }
             None => {
                 self.timers.set(key, deadline);
-                let flow = Flow { chunks: want.chunks, scattering: 0, deadline };
+                let flow = Flow { token: want.token, proven, chunks: want.chunks, scattering: 0, deadline };
                 self.flows.insert(key, flow);
             }
         }
@@ -239,13 +264,18 @@ impl Receiver {
             ctx.stats.late_data += 1;
             return Ok(());
         };
+        if flow.token != data.token {
+            // Neither an answer nor a reclaim: the flow belongs to its real sender.
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: data.xfer });
+        }
         let bytes = match self.validate(ctx, key, flow, &data) {
             Ok(bytes) => bytes,
             Err(fault) => {
                 ctx.stats.data_refused += 1;
                 if data.region.len != 0 {
-                    let ack =
-                        Ack { xfer: data.xfer, chunk: data.chunk, region: data.region, status: AckStatus::Refused };
+                    let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
+                    let ack = Ack { xfer, token, chunk, region, status: AckStatus::Refused };
                     ctx.send(from, ack);
                 }
                 // Free the flow's regions now; its sender fails on the refusal.
@@ -268,8 +298,16 @@ impl Receiver {
             .iter()
             .filter_map(CopyRun::addr_span)
             .fold((u64::MAX, 0), |(lo, hi), (a, b)| (lo.min(a), hi.max(b)));
-        self.scatters
-            .insert(job, Scatter { flow: key, chunk: data.chunk, region: data.region, bytes, span, doomed: false });
+        let scatter = Scatter {
+            flow: key,
+            token: data.token,
+            chunk: data.chunk,
+            region: data.region,
+            bytes,
+            span,
+            doomed: false,
+        };
+        self.scatters.insert(job, scatter);
         trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, region = %data.region, runs = data.runs.len(), "scatter");
         ctx.push(Action::Scatter { job, peer: from, xfer: data.xfer, region: data.region, runs: data.runs });
         Ok(())
@@ -304,7 +342,7 @@ impl Receiver {
             return;
         }
         let status = if ok { AckStatus::Scattered } else { AckStatus::Failed };
-        ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, chunk: s.chunk, region: s.region, status });
+        ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, token: s.token, chunk: s.chunk, region: s.region, status });
         if !ctx.sched.has_flow(s.flow) {
             self.forget(s.flow);
             debug!(peer = s.flow.peer.0, xfer = s.flow.xfer.0, "flow done");
@@ -382,13 +420,19 @@ impl Receiver {
             batches[i].1.push(credit);
         }
         for (key, credits) in batches {
-            match self.flows.get_mut(&key) {
-                Some(flow) => flow.deadline = ctx.now + self.idle_timeout,
-                None => internal_error("grant for a flow the receiver does not track", &key.xfer.0),
-            }
+            let token = match self.flows.get_mut(&key) {
+                Some(flow) => {
+                    flow.deadline = ctx.now + self.idle_timeout;
+                    flow.token
+                }
+                None => {
+                    internal_error("grant for a flow the receiver does not track", &key.xfer.0);
+                    continue;
+                }
+            };
             trace!(peer = key.peer.0, xfer = key.xfer.0, credits = credits.len(), "grant");
             for part in credits.chunks(wire::MAX_CREDITS as usize) {
-                ctx.send(key.peer, Grant { xfer: key.xfer, credits: part.to_vec() });
+                ctx.send(key.peer, Grant { xfer: key.xfer, token, credits: part.to_vec() });
             }
         }
     }
@@ -431,7 +475,7 @@ impl Receiver {
             if end > limit {
                 return Err(DataFault::RunOutsideChunk { index });
             }
-            if !self.is_registered(a, b) {
+            if !self.registered.covers(&flow.proven, a, b) {
                 return Err(DataFault::RunOutsideRegistered { index });
             }
         }
@@ -508,7 +552,7 @@ mod tests {
     /// A receiver with a 32 KiB arena, W = 2, and `[DST, DST + 64 KiB)` registered.
     fn receiver() -> (Endpoint, Instant) {
         let (mut ep, t) = endpoint(32 * KIB, 2, true);
-        ep.add_registered(DST, 64 * KIB);
+        ep.add_registered(REG, KEY, DST, 64 * KIB);
         (ep, t)
     }
 
@@ -650,16 +694,79 @@ mod tests {
         let runs = vec![run(0, DST, 8), run(8, DST + 64 * KIB - 4, 8)];
         expect_refused(&mut ep, t, 0, r0, runs, DataFault::RunOutsideRegistered { index: 1 });
 
-        // Two adjacent registrations are two ranges: a run must lie inside one of them.
+        // Two adjacent registrations, both proven, are still two ranges: a run must lie
+        // inside one of them.
         let (mut ep, t) = receiver();
-        ep.add_registered(DST + 64 * KIB, 64 * KIB);
-        let [r0, _] = wanted(&mut ep, t);
+        let next = RegId(2);
+        ep.add_registered(next, KEY, DST + 64 * KIB, 64 * KIB);
+        let mut want = want_msg(X, &[CHUNK, CHUNK, 3000]);
+        if let Msg::Want(w) = &mut want {
+            w.proofs.push(crate::proof::prove(next, &KEY, TOKEN));
+        }
+        ep.handle_msg(t, PEER, want).unwrap();
+        let r0 = credits(&drain(&mut ep))[0].3;
         let strided =
             CopyRun { region_off: 0, addr: DST + 64 * KIB - 100, len: 8, count: 2, region_stride: 8, addr_stride: 100 };
         expect_refused(&mut ep, t, 0, r0, vec![strided], DataFault::RunOutsideRegistered { index: 0 });
-        ep.remove_registered(DST + 64 * KIB, 64 * KIB);
-        assert!(!ep.receiver().is_registered(DST + 64 * KIB, DST + 64 * KIB + 1));
-        assert!(ep.receiver().is_registered(DST, DST + 64 * KIB));
+    }
+
+    /// Issue 10 item 7: registered is not enough. A DATA into memory registered here but not
+    /// proven by its flow's WANT (the sender never got that buffer's metadata) is refused, and
+    /// so is one into a proven registration deregistered since.
+    #[test]
+    fn data_into_a_registered_range_the_want_did_not_prove_is_refused() {
+        let (mut ep, t) = receiver();
+        let canary = RegId(2);
+        ep.add_registered(canary, RegKey([0xc0; 32]), DST + 64 * KIB, 64 * KIB);
+        let [r0, _] = wanted(&mut ep, t);
+        expect_refused(
+            &mut ep,
+            t,
+            0,
+            r0,
+            vec![run(0, DST + 64 * KIB, 8)],
+            DataFault::RunOutsideRegistered { index: 0 },
+        );
+        // A WANT without proofs proves nothing: even the memory the fixture proves is refused.
+        let (mut ep, t) = receiver();
+        let mut want = want_msg(X, &[CHUNK]);
+        if let Msg::Want(w) = &mut want {
+            w.proofs.clear();
+        }
+        ep.handle_msg(t, PEER, want).unwrap();
+        let r0 = credits(&drain(&mut ep))[0].3;
+        expect_refused(&mut ep, t, 0, r0, vec![run(0, DST, 8)], DataFault::RunOutsideRegistered { index: 0 });
+        // Proven, then deregistered before the DATA.
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.remove_registered(REG);
+        expect_refused(&mut ep, t, 0, r0, vec![run(0, DST, 8)], DataFault::RunOutsideRegistered { index: 0 });
+    }
+
+    /// A WANT whose proof does not check out (a wrong tag, an unknown registration) is refused
+    /// whole and counted as forged: no flow, no GRANT.
+    #[test]
+    fn a_want_with_a_bad_proof_is_refused_and_counted() {
+        let (mut ep, t) = receiver();
+        let mut bad_tag = crate::proof::prove(REG, &KEY, TOKEN);
+        bad_tag.tag[0] ^= 1;
+        let cases = [
+            (bad_tag, crate::proof::BadProof::WrongTag(REG)),
+            (crate::proof::prove(REG, &RegKey([1; 32]), TOKEN), crate::proof::BadProof::WrongTag(REG)),
+            (crate::proof::prove(REG, &KEY, FORGED), crate::proof::BadProof::WrongTag(REG)),
+            (crate::proof::prove(RegId(9), &KEY, TOKEN), crate::proof::BadProof::UnknownRegistration(RegId(9))),
+        ];
+        for (i, (proof, why)) in cases.into_iter().enumerate() {
+            let mut want = want_msg(X, &[CHUNK]);
+            if let Msg::Want(w) = &mut want {
+                w.proofs.push(proof);
+            }
+            let err = ep.handle_msg(t, PEER, want).unwrap_err();
+            assert_eq!(err, ProtocolError::BadProof { peer: PEER, xfer: X, source: why });
+            assert_eq!(ep.stats().control_forged, i as u64 + 1);
+        }
+        assert!(drain(&mut ep).is_empty(), "no GRANT");
+        assert_eq!(ep.remote_flows(), 0);
     }
 
     #[test]
@@ -711,7 +818,7 @@ mod tests {
     fn late_data_after_a_cancel_is_dropped_without_an_ack() {
         let (mut ep, t) = receiver();
         let [r0, _] = wanted(&mut ep, t);
-        ep.handle_msg(t, PEER, Msg::cancel(X, Vec::new())).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
         assert!(drain(&mut ep).is_empty());
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
         // The region may already be someone else's: never scatter it, never answer.
@@ -725,7 +832,7 @@ mod tests {
         assert!(drain(&mut ep).is_empty());
         assert_eq!(ep.stats().late_data, 1);
         // A cancel for a flow never seen is harmless too.
-        ep.handle_msg(t, PEER, Msg::cancel(XferId(77), Vec::new())).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(XferId(77), TOKEN, Vec::new())).unwrap();
         check(&ep);
     }
 
@@ -735,7 +842,7 @@ mod tests {
         let [r0, _] = wanted(&mut ep, t);
         ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
         let s = scatters(&drain(&mut ep));
-        ep.handle_msg(t, PEER, Msg::cancel(X, Vec::new())).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
         assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK);
         assert_eq!(ep.remote_flows(), 0);
         ep.handle_scatter_done(t, s[0].0, true);
@@ -811,7 +918,7 @@ mod tests {
         ep.handle_msg(t, PEER, want_msg(X, &[CHUNK])).unwrap();
         ep.receiver().check_invariants().unwrap();
         // Ending one flow makes room for a new one.
-        ep.handle_msg(t, greedy, Msg::cancel(XferId(5), Vec::new())).unwrap();
+        ep.handle_msg(t, greedy, Msg::cancel(XferId(5), TOKEN, Vec::new())).unwrap();
         ep.handle_msg(t, greedy, want_msg(XferId(1 << 40), &[CHUNK])).unwrap();
         ep.handle_peer_lost(t, greedy);
         ep.receiver().check_invariants().unwrap();
@@ -824,7 +931,7 @@ mod tests {
         assert!(matches!(err, ProtocolError::PeerOverLimit { chunks, .. } if chunks == CHUNKS + 1), "{err}");
         assert!(ep.handle_msg(t, greedy, want_msg(XferId(3), &[CHUNK])).is_err());
         ep.receiver().check_invariants().unwrap();
-        ep.handle_msg(t, greedy, Msg::cancel(XferId(2), Vec::new())).unwrap();
+        ep.handle_msg(t, greedy, Msg::cancel(XferId(2), TOKEN, Vec::new())).unwrap();
         ep.handle_msg(t, greedy, want_msg(XferId(3), &[CHUNK])).unwrap();
         ep.receiver().check_invariants().unwrap();
     }

@@ -17,8 +17,9 @@ use tracing::{debug, trace, warn};
 use crate::config::Config;
 use crate::event::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
 use crate::plan::Plan;
+use crate::proof;
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
+use crate::types::{ChunkIdx, CopyRun, PeerId, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
 
 /// A credit as the sender keeps it: the granted remote region and when it arrived.
@@ -63,6 +64,9 @@ impl Stage {
 #[derive(Debug)]
 struct Xfer {
     peer: PeerId,
+    /// The transfer's secret (see [`Token`]): sent in its WANT, DATA and cancel, required in
+    /// every GRANT and ACK.
+    token: Token,
     plan: Plan,
     stages: Vec<Stage>,
     acked: usize,
@@ -100,6 +104,7 @@ struct Orphan {
 #[derive(Debug, Clone, Copy)]
 struct PendingCancel {
     peer: PeerId,
+    token: Token,
     writes: usize,
 }
 
@@ -231,6 +236,7 @@ impl Sender {
         &mut self,
         ctx: &mut Ctx<'_>,
         xfer: XferId,
+        token: Token,
         peer: PeerId,
         plan: Plan,
     ) -> Result<(), SubmitError> {
@@ -242,11 +248,13 @@ impl Sender {
             return Err(SubmitError::DuplicateXfer { xfer });
         }
         check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
-        ctx.send(peer, Want { xfer, endpoint: self.endpoint.clone(), chunks: plan.chunk_sizes().collect() });
+        let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
+        let chunks = plan.chunk_sizes().collect();
+        ctx.send(peer, Want { xfer, token, endpoint: self.endpoint.clone(), chunks, proofs });
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let stages = vec![Stage::Idle; plan.chunks.len()];
-        let mut x = Xfer { peer, stages, plan, acked: 0, staged, deadline };
+        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, deadline };
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {
@@ -288,13 +296,16 @@ impl Sender {
         }
     }
 
-    /// The live transfer a GRANT or ACK from `from` names; `None` when it is not live (`unknown`
-    /// already dealt with that), an error when it belongs to another peer.
+    /// The live transfer a GRANT or ACK from `from` carrying `token` names; `None` when it is
+    /// not live (`unknown` already dealt with that), an error when it belongs to another peer
+    /// or the token is not the transfer's (a forgery: counted in `control_forged`, and nothing
+    /// of the transfer changes, so a forged ACK can never complete it).
     fn addressed_xfer(
         &mut self,
         ctx: &mut Ctx<'_>,
         from: PeerId,
         id: XferId,
+        token: Token,
     ) -> Result<Option<&mut Xfer>, ProtocolError> {
         self.prune(ctx.now);
         if !self.xfers.contains_key(&id) {
@@ -302,6 +313,10 @@ impl Sender {
         }
         match self.xfers.get_mut(&id) {
             Some(x) if x.peer != from => Err(ProtocolError::WrongPeer { xfer: id, expected: x.peer, got: from }),
+            Some(x) if x.token != token => {
+                ctx.stats.control_forged += 1;
+                Err(ProtocolError::WrongToken { peer: from, xfer: id })
+            }
             x => Ok(x),
         }
     }
@@ -309,7 +324,7 @@ impl Sender {
     pub(crate) fn handle_grant(&mut self, ctx: &mut Ctx<'_>, from: PeerId, grant: Grant) -> Result<(), ProtocolError> {
         let id = grant.xfer;
         let timeout = self.timeout;
-        let Some(x) = self.addressed_xfer(ctx, from, id)? else { return Ok(()) };
+        let Some(x) = self.addressed_xfer(ctx, from, id, grant.token)? else { return Ok(()) };
         if grant.credits.is_empty() {
             return Err(ProtocolError::EmptyGrant { xfer: id });
         }
@@ -349,7 +364,7 @@ impl Sender {
     pub(crate) fn handle_ack(&mut self, ctx: &mut Ctx<'_>, from: PeerId, ack: Ack) -> Result<(), ProtocolError> {
         let id = ack.xfer;
         let timeout = self.timeout;
-        let Some(x) = self.addressed_xfer(ctx, from, id)? else { return Ok(()) };
+        let Some(x) = self.addressed_xfer(ctx, from, id, ack.token)? else { return Ok(()) };
         let i = ack.chunk.0 as usize;
         let Some(&stage) = x.stages.get(i) else {
             return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
@@ -426,8 +441,13 @@ impl Sender {
         if matches!(source, WriteSource::User { .. }) {
             ctx.stats.chunks_direct += 1;
         }
-        let data =
-            Data { xfer: r.xfer, chunk: ChunkIdx(r.chunk as u32), region: credit.region, runs: chunk.scatter.clone() };
+        let data = Data {
+            xfer: r.xfer,
+            token: x.token,
+            chunk: ChunkIdx(r.chunk as u32),
+            region: credit.region,
+            runs: chunk.scatter.clone(),
+        };
         ctx.send(x.peer, data);
     }
 
@@ -623,9 +643,9 @@ impl Sender {
                 if let Some(pc) = self.pending_cancels.get_mut(&o.xfer) {
                     pc.writes -= 1;
                     if pc.writes == 0 {
-                        let peer = pc.peer;
+                        let (peer, token) = (pc.peer, pc.token);
                         self.pending_cancels.remove(&o.xfer);
-                        ctx.send(peer, Msg::cancel(o.xfer, self.endpoint.clone()));
+                        ctx.send(peer, Msg::cancel(o.xfer, token, self.endpoint.clone()));
                     }
                 }
             }
@@ -692,9 +712,9 @@ impl Sender {
         }
         if cancel {
             if writes == 0 {
-                ctx.send(x.peer, Msg::cancel(id, self.endpoint.clone()));
+                ctx.send(x.peer, Msg::cancel(id, x.token, self.endpoint.clone()));
             } else {
-                self.pending_cancels.insert(id, PendingCancel { peer: x.peer, writes });
+                self.pending_cancels.insert(id, PendingCancel { peer: x.peer, token: x.token, writes });
             }
         }
         debug!(xfer = id.0, peer = x.peer.0, error = %err, acked = x.acked, orphaned_writes = writes, "transfer failed");
@@ -746,6 +766,9 @@ fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitErr
     }
     if plan.chunks.len() > wire::MAX_CHUNKS_PER_WANT as usize {
         return Err(SubmitError::TooManyChunks { xfer, chunks: plan.chunks.len(), max: wire::MAX_CHUNKS_PER_WANT });
+    }
+    if plan.dests.len() > wire::MAX_PROOFS as usize {
+        return Err(SubmitError::TooManyDestinations { xfer, dests: plan.dests.len(), max: wire::MAX_PROOFS });
     }
     for (i, c) in plan.chunks.iter().enumerate() {
         let chunk = ChunkIdx(i as u32);
@@ -811,7 +834,7 @@ mod tests {
     }
 
     fn is_cancel(m: &Msg, xfer: XferId) -> bool {
-        matches!(m, Msg::Want(w) if w.is_cancel() && w.xfer == xfer)
+        matches!(m, Msg::Want(w) if w.is_cancel() && w.xfer == xfer && w.token == TOKEN)
     }
 
     /// Feeds `msg` from `PEER` and returns the resulting actions.
@@ -824,7 +847,7 @@ mod tests {
     fn eager_lifecycle_gathers_before_the_grant_and_completes_after_every_ack() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
         ep.set_local_endpoint(b"tcp://me".to_vec());
-        ep.submit(t, X, PEER, plan_of(3)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(3)).unwrap();
         let acts = drain(&mut ep);
         // WANT first, then eager gathers of the first W chunks, staged under the eager budget.
         let Action::Send { peer, msg: Msg::Want(w) } = &acts[0] else { panic!("{acts:?}") };
@@ -873,7 +896,7 @@ mod tests {
     #[test]
     fn non_eager_gathers_only_when_a_credit_arrives() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
         let acts = drain(&mut ep);
         assert_eq!(acts.len(), 1, "only the WANT: {acts:?}");
         assert_eq!(ep.scheduler().local_bytes(), CHUNK, "only the reserve");
@@ -888,7 +911,7 @@ mod tests {
     fn credit_is_parked_when_the_local_arena_is_full_and_staged_after_a_release() {
         // The arena holds one chunk: the second credit must wait for the first ACK.
         let (mut ep, t) = endpoint(4 * KIB, 2, false);
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
         drain(&mut ep);
         let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))])));
         assert_eq!(g.len(), 1);
@@ -906,7 +929,7 @@ mod tests {
     #[test]
     fn a_credit_that_finds_the_arena_full_of_remote_grants_takes_the_reserve() {
         let (mut ep, t) = endpoint(8 * KIB, 2, false);
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
         drain(&mut ep);
         assert_eq!(ep.scheduler().local_bytes(), CHUNK, "the reserve is taken before any grant");
         // The peer also writes to us, and its credits take the rest of the arena.
@@ -938,7 +961,7 @@ mod tests {
     #[test]
     fn cancel_completes_at_once_but_retracts_credits_only_after_in_flight_writes() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
-        ep.submit(t, X, PEER, plan_of(3)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(3)).unwrap();
         let g = gathers(&drain(&mut ep));
         feed(&mut ep, t, grant_msg(X, &[(0, r(0))]));
         ep.handle_gather_done(t, g[0].0, true);
@@ -968,7 +991,7 @@ mod tests {
     #[test]
     fn no_progress_for_the_request_timeout_fails_the_transfer_and_cancels_it() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
         drain(&mut ep);
         assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT));
         ep.handle_timeout(t + TIMEOUT / 2);
@@ -992,7 +1015,7 @@ mod tests {
     #[test]
     fn a_credit_that_went_stale_is_never_written() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
-        ep.submit(t, X, PEER, plan_of(1)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
         drain(&mut ep);
         let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
         // The shell reports the gather only after a whole timeout (and never ran our timer).
@@ -1006,8 +1029,8 @@ mod tests {
     #[test]
     fn peer_loss_fails_its_transfers_without_a_cancel_and_frees_orphans_on_their_done_events() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
-        ep.submit(t, XferId(2), PeerId(8), plan_of(1)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+        ep.submit(t, XferId(2), TOKEN, PeerId(8), plan_of(1)).unwrap();
         let g = gathers(&drain(&mut ep));
         ep.handle_peer_lost(t, PEER);
         let acts = drain(&mut ep);
@@ -1026,13 +1049,13 @@ mod tests {
     #[test]
     fn shutdown_fails_everything_and_refuses_new_transfers() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
-        ep.submit(t, X, PEER, plan_of(1)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
         let g = gathers(&drain(&mut ep));
         ep.shutdown(t);
         let acts = drain(&mut ep);
         assert_eq!(completes(&acts), vec![(X, Err(XferError::ShuttingDown))]);
         assert!(is_cancel(&msgs(&acts)[0].1, X));
-        assert_eq!(ep.submit(t, XferId(9), PEER, plan_of(1)), Err(SubmitError::ShuttingDown));
+        assert_eq!(ep.submit(t, XferId(9), TOKEN, PEER, plan_of(1)), Err(SubmitError::ShuttingDown));
         assert!(!ep.is_idle(), "the gather is still in flight");
         ep.handle_gather_done(t, g[0].0, true);
         assert!(ep.is_idle());
@@ -1042,7 +1065,7 @@ mod tests {
     /// Runs chunk 0 of a fresh 2-chunk transfer up to its DATA; returns the endpoint.
     fn up_to_data(eager: bool) -> (Endpoint, Instant) {
         let (mut ep, t) = endpoint(64 * KIB, 2, eager);
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
         let mut g = gathers(&drain(&mut ep));
         g.extend(gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))]))));
         ep.handle_gather_done(t, g[0].0, true);
@@ -1067,7 +1090,7 @@ mod tests {
     #[test]
     fn gather_and_write_failures_fail_the_transfer() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
-        ep.submit(t, X, PEER, plan_of(2)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
         let g = gathers(&drain(&mut ep));
         ep.handle_gather_done(t, g[0].0, false);
         assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::GatherFailed))]);
@@ -1075,7 +1098,7 @@ mod tests {
         assert!(ep.is_idle());
 
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
-        ep.submit(t, X, PEER, plan_of(1)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
         drain(&mut ep);
         let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
         ep.handle_gather_done(t, g[0].0, true);
@@ -1119,28 +1142,28 @@ mod tests {
     #[test]
     fn submit_rejects_plans_the_peer_could_not_accept() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
-        assert_eq!(ep.submit(t, X, PEER, Plan::default()), Err(SubmitError::EmptyPlan { xfer: X }));
+        assert_eq!(ep.submit(t, X, TOKEN, PEER, Plan::default()), Err(SubmitError::EmptyPlan { xfer: X }));
         let big = crate::plan::plan(
             &[crate::plan::DescPair { src: SRC, dst: DST, len: 8 * KIB }],
             crate::plan::PlanParams::new(8 * KIB),
         )
         .unwrap();
-        assert!(matches!(ep.submit(t, X, PEER, big), Err(SubmitError::ChunkTooLarge { .. })));
+        assert!(matches!(ep.submit(t, X, TOKEN, PEER, big), Err(SubmitError::ChunkTooLarge { .. })));
         let mut bad = plan_of(1);
         bad.chunks[0].scatter[0].len = 2 * CHUNK;
-        assert!(matches!(ep.submit(t, X, PEER, bad), Err(SubmitError::BadChunk { .. })));
-        ep.submit(t, X, PEER, plan_of(1)).unwrap();
-        assert_eq!(ep.submit(t, X, PEER, plan_of(1)), Err(SubmitError::DuplicateXfer { xfer: X }));
+        assert!(matches!(ep.submit(t, X, TOKEN, PEER, bad), Err(SubmitError::BadChunk { .. })));
+        ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+        assert_eq!(ep.submit(t, X, TOKEN, PEER, plan_of(1)), Err(SubmitError::DuplicateXfer { xfer: X }));
         ep.cancel(t, X);
         assert_eq!(
-            ep.submit(t, X, PEER, plan_of(1)),
+            ep.submit(t, X, TOKEN, PEER, plan_of(1)),
             Err(SubmitError::DuplicateXfer { xfer: X }),
             "ids are never reused"
         );
         assert_eq!(ep.stats().submitted, 1);
         let mut wraps = direct_plan_of(1);
         wraps.chunks[0].direct = Some(u64::MAX - 8);
-        assert!(matches!(ep.submit(t, XferId(2), PEER, wraps), Err(SubmitError::BadChunk { .. })));
+        assert!(matches!(ep.submit(t, XferId(2), TOKEN, PEER, wraps), Err(SubmitError::BadChunk { .. })));
     }
 
     // ---- direct chunks ----
@@ -1161,7 +1184,7 @@ mod tests {
     fn a_fully_direct_plan_is_written_from_user_memory_without_any_staging() {
         for eager in [false, true] {
             let (mut ep, t) = endpoint(64 * KIB, 2, eager);
-            ep.submit(t, X, PEER, direct_plan_of(3)).unwrap();
+            ep.submit(t, X, TOKEN, PEER, direct_plan_of(3)).unwrap();
             let acts = drain(&mut ep);
             assert!(matches!(&acts[..], [Action::Send { msg: Msg::Want(_), .. }]), "only the WANT: {acts:?}");
             assert_eq!(ep.scheduler().local_bytes(), 0, "no eager staging and no reserve");
@@ -1203,7 +1226,7 @@ mod tests {
     fn a_mixed_plan_stages_only_its_staged_chunks() {
         // W = 2: the eager cap covers two staged chunks, however many direct ones precede them.
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
-        ep.submit(t, X, PEER, mixed_plan()).unwrap();
+        ep.submit(t, X, TOKEN, PEER, mixed_plan()).unwrap();
         let g = gathers(&drain(&mut ep));
         let gathered: Vec<_> = g.iter().map(|&(job, _)| job).collect();
         assert_eq!(g.len(), 2);
@@ -1238,7 +1261,7 @@ mod tests {
     fn direct_chunks_write_even_when_the_local_arena_is_full() {
         // One staged chunk fills the arena; the direct ones need none of it.
         let (mut ep, t) = endpoint(4 * KIB, 2, false);
-        ep.submit(t, X, PEER, mixed_plan()).unwrap();
+        ep.submit(t, X, TOKEN, PEER, mixed_plan()).unwrap();
         drain(&mut ep);
         let acts = feed(&mut ep, t, grant_msg(X, &[(1, r(4)), (3, r(12)), (0, r(0)), (2, r(8))]));
         assert_eq!(gathers(&acts).len(), 1);
@@ -1250,7 +1273,7 @@ mod tests {
     /// Submits `X` as `chunks` direct chunks and grants chunk 0 region `r(0)`: its write is
     /// in flight (the only job).
     fn direct_write_granted(ep: &mut Endpoint, t: Instant, chunks: u64) -> Vec<(JobId, WriteSource, Region, u64)> {
-        ep.submit(t, X, PEER, direct_plan_of(chunks)).unwrap();
+        ep.submit(t, X, TOKEN, PEER, direct_plan_of(chunks)).unwrap();
         drain(ep);
         writes(&feed(ep, t, grant_msg(X, &[(0, r(0))])))
     }
@@ -1289,7 +1312,7 @@ mod tests {
         assert_eq!(ep.stats().timeouts, 1);
 
         // Without any credit, the cancel goes out at once.
-        ep.submit(t + TIMEOUT, XferId(2), PEER, direct_plan_of(1)).unwrap();
+        ep.submit(t + TIMEOUT, XferId(2), TOKEN, PEER, direct_plan_of(1)).unwrap();
         drain(&mut ep);
         ep.handle_timeout(t + 2 * TIMEOUT);
         let acts = drain(&mut ep);

@@ -18,6 +18,34 @@ pub struct PeerId(pub u32);
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct XferId(pub u64);
 
+/// A transfer's secret: 128 random bits the sender draws for each transfer (the shell draws
+/// them; the core never does, STYLE.md §1) and carries in its WANT, cancel and DATA. The
+/// receiver stores it with the flow the WANT created and echoes it in every GRANT and ACK, so
+/// only the two ends of the transfer know it: a frame naming the right transfer with another
+/// token is a forgery (or a stale incarnation) and is dropped and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Token(pub u128);
+
+/// A memory registration made through BOUNCE, as numbered by the engine that owns it and
+/// published in its public metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct RegId(pub u64);
+
+/// A registration's secret key: random bits the owning engine draws at registration and
+/// publishes only in that registration's public metadata, so holding it proves an agent was
+/// given the metadata (see [`crate::proof`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct RegKey(pub [u8; 32]);
+
+impl fmt::Debug for RegKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RegKey(..)") // a secret: never in logs
+    }
+}
+
 /// Index of a chunk within its transfer's plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]

@@ -10,8 +10,9 @@ use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError, XferError};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, Plan, PlanParams};
+use bounce_proto::proof;
 use bounce_proto::wire::{self, Ack, AckStatus, Data, Frame, Grant, Msg, Want};
-use bounce_proto::{ChunkIdx, CopyRun, PeerId, Region, XferId};
+use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 
 const KIB: u64 = 1024;
 const CHUNK: u64 = 4 * KIB;
@@ -65,8 +66,45 @@ fn sent(acts: &[Action]) -> Vec<Msg> {
     acts.iter().filter_map(|a| if let Action::Send { msg, .. } = a { Some(msg.clone()) } else { None }).collect()
 }
 
+/// The destination registration the single-range tests use.
+const D: RegId = RegId(1);
+
+/// Transfer `xfer`'s token, as its sender drew it.
+fn tok(xfer: u64) -> Token {
+    Token(u128::from(xfer) * 7 + 1)
+}
+
+/// Registration `r`'s key, as its metadata carries it to a peer.
+fn key(r: RegId) -> RegKey {
+    RegKey([r.0 as u8; 32])
+}
+
+/// A peer's WANT for `chunks`, proving registration `D`.
 fn want(xfer: u64, chunks: &[u64]) -> Msg {
-    Msg::Want(Want { xfer: XferId(xfer), endpoint: Vec::new(), chunks: chunks.to_vec() })
+    want_proving(xfer, chunks, &[D])
+}
+
+fn want_proving(xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
+    let proofs = regs.iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
+    Msg::Want(Want { xfer: XferId(xfer), token: tok(xfer), endpoint: Vec::new(), chunks: chunks.to_vec(), proofs })
+}
+
+/// Connection info published by an engine with `session` (compatibility does not matter here:
+/// it is what binds the peer's session).
+fn caps(session: u64) -> wire::Capabilities {
+    wire::Capabilities {
+        wire_version: wire::WIRE_VERSION.into(),
+        control: ControlKind::Ucx,
+        mem: MemKind::Dram,
+        arena_base: 0,
+        arena_len: 1 << 20,
+        arena_dev: 0,
+        usable_capacity: 1 << 20,
+        max_chunk: CHUNK,
+        session,
+        arena_key: Vec::new(),
+        endpoint: Vec::new(),
+    }
 }
 
 fn credits(msgs: &[Msg]) -> Vec<(u32, Region)> {
@@ -78,7 +116,7 @@ fn credits(msgs: &[Msg]) -> Vec<(u32, Region)> {
 
 fn data(xfer: u64, chunk: u32, region: Region, addr: u64) -> Msg {
     let run = CopyRun { region_off: 0, addr, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
-    Msg::Data(Data { xfer: XferId(xfer), chunk: ChunkIdx(chunk), region, runs: vec![run] })
+    Msg::Data(Data { xfer: XferId(xfer), token: tok(xfer), chunk: ChunkIdx(chunk), region, runs: vec![run] })
 }
 
 fn acks(msgs: &[Msg]) -> Vec<AckStatus> {
@@ -90,12 +128,12 @@ fn deregistration_fails_the_transfers_that_read_the_range_and_no_other() {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(true), now).unwrap();
     let peer = PeerId(3);
-    ep.submit(now, XferId(1), peer, plan_from(SRC, 2)).unwrap();
-    ep.submit(now, XferId(2), peer, plan_from(SRC2, 2)).unwrap();
+    ep.submit(now, XferId(1), tok(1), peer, plan_from(SRC, 2)).unwrap();
+    ep.submit(now, XferId(2), tok(2), peer, plan_from(SRC2, 2)).unwrap();
     let jobs = gathers(&drain(&mut ep));
     assert!(!jobs.is_empty(), "eager gathers are in flight");
     // The range of transfer 1's second source chunk only.
-    ep.deregister(now, SRC + CHUNK, CHUNK);
+    ep.deregister(now, None, SRC + CHUNK, CHUNK);
     let acts = drain(&mut ep);
     assert_eq!(completes(&acts), vec![(XferId(1), Err(XferError::Deregistered))]);
     assert_eq!(ep.stats().dereg_failed, 1);
@@ -119,8 +157,8 @@ fn deregistration_fails_the_transfers_that_read_the_range_and_no_other() {
 fn scattering(times: usize) -> (Endpoint, Instant, JobId, Region) {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
-    for _ in 0..times {
-        ep.add_registered(DST, 64 * KIB);
+    for i in 0..times as u64 {
+        ep.add_registered(RegId(D.0 + i), key(RegId(D.0 + i)), DST, 64 * KIB);
     }
     ep.handle_msg(now, PeerId(5), want(9, &[CHUNK, CHUNK])).unwrap();
     let c = credits(&sent(&drain(&mut ep)));
@@ -136,7 +174,7 @@ fn scattering(times: usize) -> (Endpoint, Instant, JobId, Region) {
 #[test]
 fn a_scatter_into_deregistered_memory_is_answered_failed_and_later_data_refused() {
     let (mut ep, now, job, second) = scattering(1);
-    ep.deregister(now, DST, 64 * KIB);
+    ep.deregister(now, Some(D), DST, 64 * KIB);
     assert!(drain(&mut ep).is_empty(), "the running scatter is not cut short: the shell waits for it");
     // It ran to completion, yet the sender must not count the chunk as delivered.
     ep.handle_scatter_done(now, job, true);
@@ -151,7 +189,7 @@ fn a_scatter_into_deregistered_memory_is_answered_failed_and_later_data_refused(
 #[test]
 fn a_scatter_still_covered_by_another_registration_is_not_doomed() {
     let (mut ep, now, job, _) = scattering(2);
-    ep.deregister(now, DST, 64 * KIB);
+    ep.deregister(now, Some(D), DST, 64 * KIB);
     ep.handle_scatter_done(now, job, true);
     assert_eq!(acks(&sent(&drain(&mut ep))), vec![AckStatus::Scattered]);
     assert_eq!(ep.stats().dereg_failed, 0);
@@ -161,8 +199,8 @@ fn a_scatter_still_covered_by_another_registration_is_not_doomed() {
 fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_reclaims_its_flows() {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
-    ep.add_registered(DST, 64 * KIB);
-    ep.peers_mut().load_conn_info("b", None, None);
+    ep.add_registered(D, key(D), DST, 64 * KIB);
+    ep.peers_mut().load_conn_info("b", Some(caps(77)), None);
     let b = ep.peers_mut().id("b");
     let frame = |session, msg| Frame { session, msg }.to_vec();
     // b writes into us (a flow holding two regions) ...
@@ -170,10 +208,11 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
     drain(&mut ep);
     assert_eq!(ep.grants_outstanding(), 2);
     // ... and we write into b: credit, gather, write in flight.
-    ep.submit(now, XferId(1), b, plan_from(SRC, 2)).unwrap();
+    ep.submit(now, XferId(1), tok(1), b, plan_from(SRC, 2)).unwrap();
     drain(&mut ep);
     let grant = Msg::Grant(Grant {
         xfer: XferId(1),
+        token: tok(1),
         credits: vec![wire::Credit { chunk: ChunkIdx(0), region: Region { offset: 0, len: CHUNK } }],
     });
     ep.handle_frame(now, "b", &frame(77, grant)).unwrap();
@@ -205,12 +244,12 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
 fn closing_grants_nothing_more_and_counts_the_grants_until_they_come_back() {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
-    ep.add_registered(DST, 64 * KIB);
+    ep.add_registered(D, key(D), DST, 64 * KIB);
     // Peer 5's flow wants four chunks; the window grants two.
     ep.handle_msg(now, PeerId(5), want(9, &[CHUNK; 4])).unwrap();
     let c = credits(&sent(&drain(&mut ep)));
     assert_eq!(c.len(), 2);
-    ep.submit(now, XferId(1), PeerId(6), plan_from(SRC, 1)).unwrap();
+    ep.submit(now, XferId(1), tok(1), PeerId(6), plan_from(SRC, 1)).unwrap();
     drain(&mut ep);
     ep.close(now);
     let acts = drain(&mut ep);
@@ -230,7 +269,7 @@ fn closing_grants_nothing_more_and_counts_the_grants_until_they_come_back() {
     assert!(credits(&msgs).is_empty(), "nothing is granted while closing");
     assert_eq!((ep.grants_outstanding(), ep.remote_flows()), (1, 1));
     // The peer retracts the rest.
-    ep.handle_msg(now, PeerId(5), Msg::cancel(XferId(9), Vec::new())).unwrap();
+    ep.handle_msg(now, PeerId(5), Msg::cancel(XferId(9), tok(9), Vec::new())).unwrap();
     assert!(sent(&drain(&mut ep)).is_empty());
     assert_eq!(ep.grants_outstanding(), 0);
     ep.shutdown(now);
@@ -276,6 +315,9 @@ struct Model {
 
 const R1: (u64, u64) = (DST, 64 * KIB);
 const R2: (u64, u64) = (SRC2, 64 * KIB);
+/// The registrations of `R1` and `R2`.
+const RA: RegId = RegId(11);
+const RB: RegId = RegId(12);
 const LOCAL_PEER: PeerId = PeerId(5);
 
 fn touches_r1(runs: &[CopyRun]) -> bool {
@@ -340,15 +382,16 @@ fn random_lifecycles_never_touch_deregistered_memory() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut now = Instant::now();
         let mut ep = Endpoint::new(&config(rng.random_bool(0.5)), now).unwrap();
-        ep.add_registered(R1.0, R1.1);
-        ep.add_registered(R2.0, R2.1);
+        ep.add_registered(RA, key(RA), R1.0, R1.1);
+        ep.add_registered(RB, key(RB), R2.0, R2.1);
         let mut m = Model { r1: true, ..Model::default() };
         let mut next = 1u64;
         for _ in 0..200 {
             match rng.random_range(0..12) {
                 0 if !m.closed => {
                     let (peer, x) = (PeerId(rng.random_range(0..3)), 100 + rng.random_range(0..6u64));
-                    let _ = ep.handle_msg(now, peer, want(x, &[CHUNK; 3]));
+                    let regs: &[RegId] = if m.r1 { &[RA, RB] } else { &[RB] };
+                    let _ = ep.handle_msg(now, peer, want_proving(x, &[CHUNK; 3], regs));
                 }
                 1 if !m.credits.is_empty() => {
                     let (peer, x, chunk, region) = m.credits.swap_remove(rng.random_range(0..m.credits.len()));
@@ -374,7 +417,7 @@ fn random_lifecycles_never_touch_deregistered_memory() {
                     let src = if from_r1 { R1.0 } else { R2.0 };
                     let x = XferId(next);
                     next += 1;
-                    if ep.submit(now, x, LOCAL_PEER, plan_from(src, rng.random_range(1..4))).is_ok() {
+                    if ep.submit(now, x, tok(x.0), LOCAL_PEER, plan_from(src, rng.random_range(1..4))).is_ok() {
                         m.local.insert(x, from_r1);
                     }
                 }
@@ -384,11 +427,13 @@ fn random_lifecycles_never_touch_deregistered_memory() {
                     let chunk = rng.random_range(0..3u32);
                     let region = Region { offset: u64::from(chunk) * CHUNK, len: CHUNK };
                     let credit = wire::Credit { chunk: ChunkIdx(chunk), region };
-                    let _ = ep.handle_msg(now, LOCAL_PEER, Msg::Grant(Grant { xfer: x, credits: vec![credit] }));
+                    let grant = Grant { xfer: x, token: tok(x.0), credits: vec![credit] };
+                    let _ = ep.handle_msg(now, LOCAL_PEER, Msg::Grant(grant));
                 }
                 7 if !m.sent_data.is_empty() => {
                     let (x, chunk, region) = m.sent_data.swap_remove(rng.random_range(0..m.sent_data.len()));
-                    let ack = Ack { xfer: x, chunk: ChunkIdx(chunk), region, status: AckStatus::Scattered };
+                    let ack =
+                        Ack { xfer: x, token: tok(x.0), chunk: ChunkIdx(chunk), region, status: AckStatus::Scattered };
                     let _ = ep.handle_msg(now, LOCAL_PEER, Msg::Ack(ack));
                 }
                 8 => {
@@ -399,10 +444,10 @@ fn random_lifecycles_never_touch_deregistered_memory() {
                             s.4 = true;
                         }
                         m.doomed.extend(m.local.iter().filter(|(_, r1)| **r1).map(|(x, _)| *x));
-                        ep.deregister(now, R1.0, R1.1);
+                        ep.deregister(now, Some(RA), R1.0, R1.1);
                     } else {
                         m.r1 = true;
-                        ep.add_registered(R1.0, R1.1);
+                        ep.add_registered(RA, key(RA), R1.0, R1.1);
                     }
                 }
                 9 if rng.random_bool(0.2) => ep.handle_goodbye(now, LOCAL_PEER),

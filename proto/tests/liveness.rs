@@ -10,8 +10,29 @@ use std::time::{Duration, Instant};
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, XferError};
 use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::proof::Destination;
 use bounce_proto::wire::{ControlFrame, Frame};
-use bounce_proto::{PeerId, XferId};
+use bounce_proto::{PeerId, RegId, RegKey, Token, XferId};
+
+/// The key of the receiver's one registration, as its metadata would carry it.
+const KEY: RegKey = RegKey([0x5a; 32]);
+
+/// Connection info published by a node whose frames carry `session`.
+fn caps(session: u64) -> bounce_proto::wire::Capabilities {
+    bounce_proto::wire::Capabilities {
+        wire_version: bounce_proto::wire::WIRE_VERSION.into(),
+        control: bounce_proto::ControlKind::Ucx,
+        mem: bounce_proto::MemKind::Dram,
+        arena_base: 0,
+        arena_len: 1 << 30,
+        arena_dev: 0,
+        usable_capacity: 1 << 30,
+        max_chunk: 1 << 20,
+        session,
+        arena_key: Vec::new(),
+        endpoint: Vec::new(),
+    }
+}
 
 const KIB: u64 = 1024;
 const CHUNK: u64 = 4 * KIB;
@@ -62,10 +83,11 @@ impl Pair {
         let mut ids = [PeerId(0); 2];
         for (me, ep) in eps.iter_mut().enumerate() {
             let other = NAMES[1 - me];
-            ep.peers_mut().load_conn_info(other, None, None);
+            // The other node's connection info carries its session (node n sends n + 1).
+            ep.peers_mut().load_conn_info(other, Some(caps(2 - me as u64)), None);
             ids[me] = ep.peers_mut().id(other);
             ep.set_probe_seed(0xfeed + me as u64);
-            ep.add_registered(DST, 1 << 20);
+            ep.add_registered(RegId(0), KEY, DST, 1 << 20);
         }
         Self {
             eps,
@@ -91,9 +113,10 @@ impl Pair {
     fn submit(&mut self, n: u64) {
         let descs: Vec<DescPair> =
             (0..n).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
-        let p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        let mut p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        p.dests = vec![Destination { reg: RegId(0), key: KEY }];
         let (now, peer) = (self.now, self.ids[0]);
-        self.eps[0].submit(now, X, peer, p).unwrap();
+        self.eps[0].submit(now, X, Token(0x5eed), peer, p).unwrap();
         self.drain();
     }
 
@@ -257,12 +280,18 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
     // Flows from peers 3, 5 and 9 (several each), a transfer of ours to peer 1.
     for (peer, xfers) in [(3u32, 4u64), (5, 1), (9, 7)] {
         for x in 0..xfers {
-            let want = bounce_proto::wire::Want { xfer: XferId(x), endpoint: Vec::new(), chunks: vec![CHUNK] };
+            let want = bounce_proto::wire::Want {
+                xfer: XferId(x),
+                token: Token(u128::from(x) + 1),
+                endpoint: Vec::new(),
+                chunks: vec![CHUNK],
+                proofs: Vec::new(),
+            };
             ep.handle_msg(t, PeerId(peer), want.into()).unwrap();
         }
     }
     let descs = [DescPair { src: SRC, dst: DST, len: CHUNK }];
-    ep.submit(t, X, PeerId(1), plan::plan(&descs, PlanParams::new(CHUNK)).unwrap()).unwrap();
+    ep.submit(t, X, Token(7), PeerId(1), plan::plan(&descs, PlanParams::new(CHUNK)).unwrap()).unwrap();
     while ep.poll_action().is_some() {}
     let probe = Duration::from_millis(250);
     assert_eq!(ep.poll_timeout(), Some(t + probe));

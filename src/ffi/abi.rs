@@ -6,6 +6,8 @@ use std::path::Path;
 use std::sync::{LazyLock, Once};
 
 use bounce_proto::manifest::{OPTIONS, PLUGIN_NAME, PLUGIN_VERSION};
+use bounce_proto::proof::Destination;
+use bounce_proto::{RegId, RegKey};
 
 use super::{Status, guard, guard_value, guard_void};
 use crate::shell::{CreateParams, DescView, Engine, Error, Progress, Registration};
@@ -372,6 +374,102 @@ pub unsafe extern "C" fn bnc_conn_info_load(
     .code()
 }
 
+/// Wraps the inner engine's public data of our registration `md` with its id and key.
+///
+/// # Safety
+/// `engine` is a live handle; `inner` views live bytes; `out`/`ctx` form a valid sink. `md` is
+/// only used as a key, never dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_public_data_wrap(
+    engine: *mut c_void,
+    md: *const c_void,
+    inner: BncStr,
+    out: BncSink,
+    ctx: *mut c_void,
+) -> i32 {
+    guard("bnc_public_data_wrap", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let blob = e.public_data(Md(md as usize), unsafe { inner.bytes() });
+        give(out, ctx, &blob);
+        Status::Success
+    })
+    .code()
+}
+
+/// Takes a peer's registration metadata apart: the inner blob goes to `inner`; `*reg` and
+/// `key[0..32]` receive the registration's id and key and `*has_key` says whether there were
+/// any (a blob that is not ours loads as is).
+///
+/// # Safety
+/// `engine` is a live handle; `blob` views live bytes; `inner`/`ctx` form a valid sink; `reg`,
+/// `has_key` and `key` (32 bytes) are valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_remote_md_split(
+    engine: *mut c_void,
+    blob: BncStr,
+    inner: BncSink,
+    ctx: *mut c_void,
+    reg: *mut u64,
+    key: *mut u8,
+    has_key: *mut i32,
+) -> i32 {
+    guard("bnc_remote_md_split", || {
+        if reg.is_null() || key.is_null() || has_key.is_null() {
+            return Status::ErrInvalidParam;
+        }
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        // SAFETY: caller contract.
+        let (bytes, dest) = e.split_remote_md(unsafe { blob.bytes() });
+        give(inner, ctx, &bytes);
+        let (id, k, has) = dest.map_or((0, [0u8; 32], 0), |d| (d.reg.0, d.key.0, 1));
+        // SAFETY: caller contract: all three are valid for writes, `key` for 32 bytes.
+        unsafe {
+            reg.write(id);
+            std::ptr::copy_nonoverlapping(k.as_ptr(), key, k.len());
+            has_key.write(has);
+        }
+        Status::Success
+    })
+    .code()
+}
+
+/// The inner engine loaded a peer's registration as `md`, with the id and key (32 bytes)
+/// `bnc_remote_md_split` found.
+///
+/// # Safety
+/// `engine` is a live handle; `key` points at 32 readable bytes. `md` is only a key.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_remote_md_loaded(engine: *mut c_void, md: *const c_void, reg: u64, key: *const u8) {
+    guard_void("bnc_remote_md_loaded", || {
+        if key.is_null() {
+            return;
+        }
+        // SAFETY: caller contract: 32 readable bytes.
+        let k: [u8; 32] = unsafe { std::ptr::read_unaligned(key.cast::<[u8; 32]>()) };
+        // SAFETY: caller contract.
+        if let Some(e) = unsafe { engine_ref(engine) } {
+            e.remote_md_loaded(Md(md as usize), Destination { reg: RegId(reg), key: RegKey(k) });
+        }
+    });
+}
+
+/// NIXL unloaded remote metadata `md`.
+///
+/// # Safety
+/// `engine` is a live handle. `md` is only used as a key.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_remote_md_unloaded(engine: *mut c_void, md: *const c_void) {
+    guard_void("bnc_remote_md_unloaded", || {
+        // SAFETY: caller contract.
+        if let Some(e) = unsafe { engine_ref(engine) } {
+            e.remote_md_unloaded(Md(md as usize));
+        }
+    });
+}
+
 /// Records a registration made through the engine.
 ///
 /// # Safety
@@ -513,7 +611,7 @@ unsafe fn descs(p: *const BncMetaDesc, n: usize) -> Vec<DescView> {
     }
     // SAFETY: caller contract.
     let raw = unsafe { std::slice::from_raw_parts(p, n) };
-    raw.iter().map(|d| DescView { addr: d.addr, len: d.len, dev: d.dev }).collect()
+    raw.iter().map(|d| DescView { addr: d.addr, len: d.len, dev: d.dev, md: Md(d.md as usize) }).collect()
 }
 
 /// Routing decision for a request: `*xfer` = our handle (bounce) or 0 (delegate to UCX).

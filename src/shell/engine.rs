@@ -17,6 +17,7 @@ use bounce_proto::config::{ArenaMem, Config, GpuCopy};
 use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
 use bounce_proto::peers::Loaded;
 use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::proof::Destination;
 use bounce_proto::wire::{Capabilities, ConnEnvelope};
 use bounce_proto::{ControlKind, MemKind};
 use parking_lot::Mutex;
@@ -29,6 +30,7 @@ use crate::shell::copy::CopyEngine;
 use crate::shell::copy::cpu::{CpuEngine, HostArena};
 use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
+use crate::shell::keys::Keys;
 use crate::shell::mailroom::Mailroom;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
 use crate::shell::reactor::{Cmd, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
@@ -84,6 +86,9 @@ pub(crate) struct DescView {
     pub(crate) len: u64,
     /// Device id (the GPU for VRAM).
     pub(crate) dev: u64,
+    /// The metadata handle NIXL passed with it (for remote descriptors, the inner engine's
+    /// remote handle from `loadRemoteMD`).
+    pub(crate) md: Md,
 }
 
 /// Where the gate places an engine without a running bounce path (the gate then says
@@ -120,6 +125,8 @@ pub(crate) struct Engine {
     stats: Arc<Stats>,
     /// The one table of registrations made through this engine.
     registry: Arc<Registry>,
+    /// Our registrations' keys and the ones peers published for theirs.
+    keys: Keys,
     /// The one table of peers.
     peers: Arc<PeerTable>,
     /// Sorts the inner engine's notifications (control frames / the application's).
@@ -185,6 +192,7 @@ impl Engine {
             mail: Arc::new(Mailroom::new(Arc::clone(&stats))),
             stats,
             registry: Arc::default(),
+            keys: Keys::default(),
             peers: Arc::default(),
             shim: None,
             bounce: None,
@@ -309,8 +317,10 @@ impl Engine {
                 self.mail.accept_control(t);
             }
         }
-        for (_, r) in self.registry.serving(arena.place()) {
-            shared.inbox.push(Cmd::Registered(r.addr, r.len));
+        for (md, r) in self.registry.serving(arena.place()) {
+            if let Some(d) = self.keys.local(md) {
+                shared.inbox.push(Cmd::Registered(d, r.addr, r.len));
+            }
         }
         // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
         let huge = tracing::enabled!(tracing::Level::INFO).then(|| arena.huge_bytes()).flatten();
@@ -354,7 +364,18 @@ impl Engine {
             Error::BadEnvelope { agent: agent.to_owned(), source }
         })?;
         if self.bounce.is_some() {
-            match self.peers.loaded(agent, env.caps, self.capabilities().as_ref()) {
+            let (loaded, replaced) = self.peers.loaded(agent, env.caps, self.capabilities().as_ref());
+            if replaced {
+                // A new session: the agent restarted under the same name. Its old incarnation's
+                // transfers and flows are void; the reactor reclaims them before the HELLO
+                // that `peer_loaded` queues behind this, so no frame of the new session can
+                // reach the old state.
+                tracing::info!(peer = agent, "peer reloaded with a new session: reclaiming its old state");
+                if let Some(sh) = self.shared() {
+                    sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
+                }
+            }
+            match loaded {
                 Loaded::Incompatible(why) => {
                     tracing::info!(peer = agent, reason = ?why, "peer cannot bounce with us; plain UCX");
                     Stats::bump(&self.stats.peers_incompatible);
@@ -407,15 +428,16 @@ impl Engine {
     /// Records a registration made through this engine, keyed by the inner metadata handle.
     pub(crate) fn mem_registered(&self, md: Md, reg: Registration) {
         self.registry.insert(md, reg);
+        let key = self.keys.issue(md);
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
         // naming a GPU address in DATA must be refused, not dereferenced.
         let serves = self.bounce.as_ref().is_some_and(|b| reg.serves(b.arena.place()));
-        if let (Some(sh), true) = (self.shared(), serves) {
+        if let (Some(sh), true, Some(d)) = (self.shared(), serves, key) {
             // No wake-up: the reactor needs it only for a later DATA or direct write, and it
             // drains its inbox, in order, before acting on either. Waking it made it take the
             // inner engine's lock right when the application's next call needed it (a
             // register + deregister cost 3x UCX's on 2 cores, issue 12).
-            sh.inbox.push_quiet(Cmd::Registered(reg.addr, reg.len));
+            sh.inbox.push_quiet(Cmd::Registered(d, reg.addr, reg.len));
         }
     }
 
@@ -424,12 +446,35 @@ impl Engine {
     /// already running on it have ended. Called before the inner engine's deregistration,
     /// without the shim's lock (the reactor needs it to finish its writes).
     pub(crate) fn mem_deregistered(&self, md: Md) {
+        let key = self.keys.forget_local(md);
         let Some(r) = self.registry.remove(md) else { return };
         let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };
         if !r.serves(b.arena.place()) {
             return; // never a copy source or target, never a direct-write source
         }
-        sh.deregister(r.addr, r.len);
+        sh.deregister(key.map(|d| d.reg), r.addr, r.len);
+    }
+
+    /// Our registration `md`'s public data: the inner engine's `inner` wrapped with the
+    /// registration's id and key (see `keys`).
+    pub(crate) fn public_data(&self, md: Md, inner: &[u8]) -> Vec<u8> {
+        self.keys.public_data(md, inner)
+    }
+
+    /// Takes a peer's registration metadata apart (see `keys`): the inner blob to load, and
+    /// the destination it proves (`None`: not ours; it loads, but never bounces).
+    pub(crate) fn split_remote_md(&self, blob: &[u8]) -> (Vec<u8>, Option<Destination>) {
+        self.keys.split_remote(blob)
+    }
+
+    /// The inner engine loaded a peer's registration as `md`, carrying `dest`.
+    pub(crate) fn remote_md_loaded(&self, md: Md, dest: Destination) {
+        self.keys.remote_loaded(md, dest);
+    }
+
+    /// NIXL unloaded remote metadata `md`.
+    pub(crate) fn remote_md_unloaded(&self, md: Md) {
+        self.keys.remote_unloaded(md);
     }
 
     /// Routing decision for a request (the gate, README "What takes the bounce path"):
@@ -469,8 +514,17 @@ impl Engine {
         };
         let pairs: Vec<DescPair> =
             local.iter().zip(remote).map(|(l, r)| DescPair { src: l.addr, dst: r.addr, len: l.len }).collect();
+        // Where the transfer writes must be registrations whose metadata (and key) we were
+        // given: the WANT proves each, and the receiver scatters nowhere else.
+        let Some(dests) = self.keys.destinations(remote.iter().map(|d| d.md)) else {
+            tracing::debug!(peer = agent, "a destination has no BOUNCE key (metadata not ours); plain UCX");
+            Stats::bump(&self.stats.fallback_unproven);
+            Stats::bump(&self.stats.passthrough_xfers);
+            return None;
+        };
         match plan::plan(&pairs, PlanParams::from_config(&self.config)) {
             Ok(mut p) => {
+                p.dests = dests;
                 // A chunk may be written straight from user memory only when one registration
                 // of the arena's memory made through this engine covers its whole source range.
                 gate::restrict_direct(&mut p, &self.registry.for_gate(), input.arena.mem, self.config.direct_writes);

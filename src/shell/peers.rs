@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use bounce_proto::gate::ArenaPlace;
-use bounce_proto::peers::{self, Admitted, CreditRefused, FrameRefused, Loaded};
+use bounce_proto::peers::{self, CreditRefused, FrameRefused, Loaded};
 use bounce_proto::wire::Capabilities;
 use bounce_proto::{MemKind, PeerId, Region};
 use parking_lot::Mutex;
@@ -63,9 +63,18 @@ impl PeerTable {
     // ---- from NIXL (application threads) ----
 
     /// NIXL loaded the agent's connection info, which published `theirs`; `ours` are our
-    /// capabilities. Says whether the two can bounce together.
-    pub(crate) fn loaded(&self, name: &str, theirs: Option<Capabilities>, ours: Option<&Capabilities>) -> Loaded {
-        self.0.lock().rules.load_conn_info(name, theirs, ours)
+    /// capabilities. Says whether the two can bounce together, and whether the load replaced
+    /// an older incarnation of the agent (another session): everything of that one must then
+    /// be reclaimed, as for a lost peer, before the new one is told HELLO.
+    pub(crate) fn loaded(
+        &self,
+        name: &str,
+        theirs: Option<Capabilities>,
+        ours: Option<&Capabilities>,
+    ) -> (Loaded, bool) {
+        let mut t = self.0.lock();
+        let replaced = t.rules.load_replaces(name, theirs.as_ref()).is_some();
+        (t.rules.load_conn_info(name, theirs, ours), replaced)
     }
 
     /// The arena to load for a peer that can bounce with us (`None`: nothing to load).
@@ -171,12 +180,14 @@ impl PeerTable {
         self.0.lock().rules.hello(name)
     }
 
-    /// Applies the core's loading and session rules to a message frame from `name`.
+    /// Applies the core's loading and session rules to a message frame from `name`: the
+    /// session must be the one of the agent's loaded capabilities.
     ///
     /// # Errors
-    /// [`FrameRefused::NotLoaded`] or [`FrameRefused::StaleSession`]: drop the frame.
-    pub(crate) fn admit(&self, name: &str, session: u64, is_want: bool) -> Result<Admitted, FrameRefused> {
-        self.0.lock().rules.admit(name, session, is_want)
+    /// [`FrameRefused::NotLoaded`], [`FrameRefused::NoSession`] or
+    /// [`FrameRefused::StaleSession`]: drop the frame.
+    pub(crate) fn admit(&self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {
+        self.0.lock().rules.admit(name, session)
     }
 
     /// True when NIXL no longer has the peer loaded (it disconnected, or was never loaded).
@@ -239,8 +250,8 @@ mod tests {
     #[test]
     fn a_peer_can_bounce_once_loaded_with_its_arena_and_after_its_hello() {
         let t = PeerTable::default();
-        assert_eq!(t.admit("b", 9, false), Err(FrameRefused::NotLoaded));
-        assert_eq!(t.loaded("b", Some(caps(9)), Some(&caps(1))), Loaded::Compatible);
+        assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.loaded("b", Some(caps(9)), Some(&caps(1))), (Loaded::Compatible, false));
         assert!(t.compatible("b"));
         assert_eq!(t.endpoint("b").as_deref(), Some(&b"tcp://10.0.0.1:1"[..]));
         assert_eq!(t.arena_to_load("b").map(|a| a.key), Some(b"key".to_vec()));
@@ -249,32 +260,37 @@ mod tests {
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert!(t.bounce_arena("b").is_some());
         assert_eq!(t.ready(), 1);
-        let id = t.admit("b", 9, false).unwrap().peer;
+        let id = t.admit("b", 9).unwrap();
         assert_eq!(t.write_target(id).map(|(n, a)| (n, a.md)), Some(("b".to_owned(), Md(5))));
         // A credit inside the peer's arena passes, one past its end is refused.
         assert!(t.check_credit(id, Region { offset: 0, len: 4096 }, 4096).is_ok());
         assert!(t.check_credit(id, Region { offset: (1 << 20) - 8, len: 4096 }, 16).is_err());
         assert_eq!(t.lost("b"), Some(Md(5)), "the lost peer's arena is handed back to unload");
         assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
-        assert_eq!(t.admit("b", 9, false), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
         assert!(t.gone(id) && t.gone(PeerId(99)));
         assert_eq!(t.id("b"), id, "ids are never reused");
-        // An incompatible peer is loaded (it may talk to us) but has nothing to load.
-        assert!(matches!(t.loaded("c", None, Some(&caps(1))), Loaded::NoCapabilities));
-        assert!(t.admit("c", 1, false).is_ok() && t.arena_to_load("c").is_none());
+        // An incompatible peer is loaded (it may talk to us, with its session) but has nothing
+        // to load; one without capabilities has no session to send message frames with.
+        assert!(matches!(t.loaded("c", Some(caps(3)), None), (Loaded::NoCapabilities, false)));
+        assert!(t.admit("c", 3).is_ok() && t.arena_to_load("c").is_none());
+        assert!(matches!(t.loaded("d", None, Some(&caps(1))), (Loaded::NoCapabilities, false)));
+        assert_eq!(t.admit("d", 1), Err(FrameRefused::NoSession));
         assert_eq!(t.arena_loaded("c", Some(Md(6))), (false, vec![Md(6)]), "loaded but not kept: unload it");
     }
 
     #[test]
-    fn sessions_restart_only_on_a_want_and_stale_frames_are_refused() {
+    fn the_session_comes_from_the_loaded_metadata_and_changes_only_by_a_reload() {
         let t = PeerTable::default();
-        t.loaded("b", None, None);
-        let ok = |restarted| Ok(Admitted { peer: t.known_id("b").unwrap(), restarted });
-        assert_eq!(t.admit("b", 1, false), ok(false));
-        assert_eq!(t.admit("b", 1, false), ok(false));
-        assert_eq!(t.admit("b", 2, false), Err(FrameRefused::StaleSession { got: 2, current: 1 }));
-        assert_eq!(t.admit("b", 2, true), ok(true));
-        assert_eq!(t.admit("b", 1, false), Err(FrameRefused::StaleSession { got: 1, current: 2 }));
+        assert_eq!(t.loaded("b", Some(caps(1)), Some(&caps(9))), (Loaded::Compatible, false));
+        let b = t.known_id("b").unwrap();
+        assert_eq!(t.admit("b", 1), Ok(b));
+        assert_eq!(t.admit("b", 2), Err(FrameRefused::StaleSession { got: 2, current: 1 }));
+        assert_eq!(t.admit("b", 1), Ok(b), "a refused frame changes nothing");
+        assert_eq!(t.loaded("b", Some(caps(1)), Some(&caps(9))), (Loaded::Compatible, false), "same session");
+        assert_eq!(t.loaded("b", Some(caps(2)), Some(&caps(9))), (Loaded::Compatible, true), "new incarnation");
+        assert_eq!(t.admit("b", 2), Ok(b));
+        assert_eq!(t.admit("b", 1), Err(FrameRefused::StaleSession { got: 1, current: 2 }));
     }
 
     #[test]

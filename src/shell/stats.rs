@@ -46,10 +46,16 @@ counters! {
     fallback_peer,
     /// Fallbacks to UCX: bounce disabled or unavailable in this engine.
     fallback_disabled,
+    /// Fallbacks to UCX: a destination's metadata carried no BOUNCE key (not published by a
+    /// BOUNCE engine), so the transfer could not prove it.
+    fallback_unproven,
     /// Peers whose capabilities were incompatible with ours.
     peers_incompatible,
     /// Control frames dropped (malformed, unknown sender, stale session, refused).
     control_dropped,
+    /// Of those, frames that looked valid but were not authentic: a wrong transfer token, or a
+    /// session other than the one in the sender's loaded metadata.
+    control_forged,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
     /// Staging regions of failed transfers waiting for their gather or write to end (the

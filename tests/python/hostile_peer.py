@@ -7,6 +7,8 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "buffer", "agent": N, "size": B, "seed": S, "register": R}
       one buffer per process, filled with pattern(seed); only its first R bytes are registered
       (the rest is a canary no peer may ever write)          -> {"addr": int}
+  {"op": "register", "agent": N, "off": O, "len": L}
+      registers buffer[O:O+L] too, after the metadata went out     -> {"meta": b64}
   {"op": "load", "agent": N, "meta": b64}
   {"op": "dump", "path": P}
   {"op": "write", "agent": N, "to": A, "n", "size", "seed", "src_off", "raddr", "timeout"}
@@ -15,11 +17,13 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "wait_ready", "agent": N, "n": K}   wait until N may bounce to K peers (HELLO seen)
   {"op": "params", "agent": N}                           -> {"params": {...}}
   {"op": "fuzz", "agents": [N...], "to": A, "seconds": T, "seed": S, "targets": {...},
-   "endpoints": bool, "max_flows": F}
+   "endpoints": bool, "max_flows": F, "forge": bool, "sessions": [int...]}
       sends hostile control frames through the real notification channel for T seconds (with
       "endpoints": false, no WANT carries a forged reverse-path endpoint; at most F transfer
-      ids are ever announced, so at most F flows can hold credits at the victim)
-      -> {"sent": k, "send_errors": e, "kinds": {...}}
+      ids are ever announced, so at most F flows can hold credits at the victim); frames carry
+      the first agent's real session; with "forge", every fourth group is a forgery sent by
+      the first agent (other agents' "sessions", or wrong tokens for its own live flows)
+      -> {"sent": k, "send_errors": e, "kinds": {...}, "forged": {kind: frames to refuse}}
   {"op": "exit"}
 """
 import base64
@@ -32,22 +36,41 @@ import time
 import nixlkit
 
 MAGIC = b"\0BOUNC"
+VERSION = 3
 WANT, GRANT, DATA, ACK = 1, 2, 3, 4
+ENVELOPE_MAGIC = b"NXBOUNCE"
 U64 = (1 << 64) - 1
 LATER = None  # in a frame list: send the rest ~20 ms later (after the victim's GRANT)
 
 
-def header(kind, session, version=2):
+def header(kind, session, version=VERSION):
     return MAGIC + bytes([version, kind]) + struct.pack("<Q", session)
 
 
-def want(session, xfer, chunks, endpoint=b""):
-    return (header(WANT, session) + struct.pack("<QI", xfer, len(endpoint)) + endpoint
-            + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks))
+def tok(token):
+    """A transfer token: 128 bits, little-endian (proto/src/wire/codec.rs `Writer::token`)."""
+    return (token & ((1 << 128) - 1)).to_bytes(16, "little")
 
 
-def grant(session, xfer, credits):
-    return (header(GRANT, session) + struct.pack("<QI", xfer, len(credits))
+def session_of(meta):
+    """The BOUNCE session (instance nonce) an agent publishes in its metadata: the frames it
+    sends must carry it, or the peers that loaded the metadata refuse them. The metadata holds
+    the connection-info envelope raw: magic, u16 version, u8 flags, u32 caps length, then the
+    capabilities (u16 wire version, control and memory tags, five u64 fields, the session)."""
+    at = meta.find(ENVELOPE_MAGIC)
+    assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in this agent's metadata"
+    return struct.unpack_from("<Q", meta, at + 15 + 4 + 5 * 8)[0]
+
+
+def want(session, xfer, chunks, endpoint=b"", token=0, proofs=()):
+    """proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs)."""
+    return (header(WANT, session) + struct.pack("<Q", xfer) + tok(token) + struct.pack("<I", len(endpoint))
+            + endpoint + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks)
+            + struct.pack("<I", len(proofs)) + b"".join(struct.pack("<Q", r) + t for r, t in proofs))
+
+
+def grant(session, xfer, credits, token=0):
+    return (header(GRANT, session) + struct.pack("<Q", xfer) + tok(token) + struct.pack("<I", len(credits))
             + b"".join(struct.pack("<IQQ", c, off, ln) for c, off, ln in credits))
 
 
@@ -85,28 +108,39 @@ def runs_bytes(runs):
     return bytes(out)
 
 
-def data(session, xfer, chunk, region, runs):
+def data(session, xfer, chunk, region, runs, token=0):
     """runs: (region_off, addr, len, count, region_stride, addr_stride)"""
-    return (header(DATA, session) + struct.pack("<QIQQI", xfer, chunk, region[0], region[1], len(runs))
-            + runs_bytes(runs))
+    return (header(DATA, session) + struct.pack("<Q", xfer) + tok(token)
+            + struct.pack("<IQQI", chunk, region[0], region[1], len(runs)) + runs_bytes(runs))
 
 
-def ack(session, xfer, chunk, region, status):
-    return header(ACK, session) + struct.pack("<QIQQB", xfer, chunk, region[0], region[1], status)
+def ack(session, xfer, chunk, region, status, token=0):
+    return (header(ACK, session) + struct.pack("<Q", xfer) + tok(token)
+            + struct.pack("<IQQB", chunk, region[0], region[1], status))
 
 
 class Fuzzer:
     """Frames a hostile peer can send: garbage, truncations, wrong versions/kinds, absurd counts,
-    and valid-looking WANT/GRANT/DATA/ACK whose scatter runs point where no peer may write."""
+    valid-looking WANT/GRANT/DATA/ACK whose scatter runs point where no peer may write, and
+    forgeries (FORGED_KINDS) that a victim must refuse, every one, as not authentic: frames under
+    another agent's session, and frames naming the hostile's own live flow with a wrong token.
 
-    def __init__(self, seed, targets, endpoints=True, max_flows=1 << 62):
+    `session` is the session the sending agent really has (`session_of` its metadata), so that
+    the plain frames reach the victim's protocol checks instead of all dying on the session
+    rule; every non-forged frame carries token 0. `sessions` are other agents' sessions."""
+
+    FORGED_KINDS = ("forged_session", "forged_token")
+
+    def __init__(self, seed, targets, endpoints=True, max_flows=1 << 62, session=None, sessions=()):
         self.r = random.Random(seed)
         self.t = targets
         self.endpoints = endpoints
         self.max_flows = max_flows
         self.flows = 0
-        self.session = self.r.getrandbits(64) | 1
+        self.session = self.r.getrandbits(64) | 1 if session is None else session
+        self.others = [x for x in sessions if x != self.session]
         self.next_xfer = 1 << 40
+        self.next_forged_xfer = 1 << 50
 
     FORBIDDEN_SHAPES = 7
 
@@ -137,6 +171,34 @@ class Fuzzer:
         return (self.r.randrange(0, 64) * g, self.r.choice([g, 2 * g, 1 << 20, 4096]))
 
     def frame(self):
+        """(kind, frame or list of frames, forged): `forged` is how many of the frames a victim
+        that loaded this agent must refuse as forgeries (kinds FORGED_KINDS only)."""
+        kind, frames = self.plain_frame()
+        return kind, frames, 0
+
+    def forged_frame(self):
+        """One of FORGED_KINDS: (kind, frames, forged)."""
+        r, t, s = self.r, self.t, self.session
+        if r.random() < 0.5:
+            # A valid-looking frame under another agent's session (or a random one).
+            f = bytearray(self.valid_looking()[1])
+            other = r.choice(self.others) if self.others and r.random() < 0.7 else r.getrandbits(64)
+            f[8:16] = struct.pack("<Q", other if other != s else s ^ 1)
+            return "forged_session", bytes(f), 1
+        # Our own flow, announced with token T, then frames naming it (right transfer id,
+        # granted-region guesses) with wrong tokens: DATA aimed at the registered canary, a
+        # cancel, a WANT for more chunks. Each must be refused; the real cancel ends the flow.
+        self.next_forged_xfer += 1
+        x, token = self.next_forged_xfer, r.getrandbits(128) | 1
+        bad = token ^ (r.getrandbits(128) | 1)
+        target = t.get("reg_canary", t["reg_addr"])
+        forged = [data(s, x, 0, (k * (64 << 10), 64 << 10), [(0, target, 4096, 1, 0, 0)], token=bad)
+                  for k in range(16)]
+        forged += [want(s, x, [], token=bad), want(s, x, [4096], token=bad)]
+        return "forged_token", [want(s, x, [64 << 10], token=token), LATER] + forged + [
+            want(s, x, [], token=token)], len(forged)
+
+    def plain_frame(self):
         r, t, s = self.r, self.t, self.session
         kind = r.randrange(14)
         victim_xfers = r.randrange(0, 256)  # small ids: collide with the victim's real transfers
@@ -152,18 +214,19 @@ class Fuzzer:
             f = bytearray(self.valid_looking()[1])
             f[7] = r.choice([0, 5, 255])
             return "bad_kind", bytes(f)
-        if kind == 4:
+        if kind == 4:  # the session and token bytes stay: a change there is a forgery (counted)
             f = bytearray(self.valid_looking()[1])
             for _ in range(r.randrange(1, 6)):
-                f[r.randrange(len(f))] = r.randrange(256)
+                i = r.randrange(len(f) - 32)
+                f[i if i < 8 else i + 32] = r.randrange(256)
             return "bitflip", bytes(f)
         if kind == 5:  # absurd counts with short bodies
             return "absurd_count", r.choice([
-                header(WANT, s) + struct.pack("<QII", 1, 0, 0xFFFF_FFFF) + b"\1" * 8,
-                header(WANT, s) + struct.pack("<QII", 1, 0, 1 << 20) + b"\1" * 8,
-                header(WANT, s) + struct.pack("<QI", 1, 0xFFFF_FFFF),
-                header(GRANT, s) + struct.pack("<QI", 1, 1 << 16),
-                header(DATA, s) + struct.pack("<QIQQI", 1, 0, 0, 1 << 16, 0xFFFF_FFFF),
+                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<II", 0, 0xFFFF_FFFF) + b"\1" * 8,
+                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<II", 0, 1 << 20) + b"\1" * 8,
+                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<I", 0xFFFF_FFFF),
+                header(GRANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<I", 1 << 16),
+                header(DATA, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<IQQI", 0, 0, 1 << 16, 0xFFFF_FFFF),
                 want(s, self.new_xfer(), [U64, U64]),
                 want(s, self.new_xfer(), [1 << 62] * 64),
                 want(s, self.new_xfer(), [64 << 10] * 4096),
@@ -188,10 +251,10 @@ class Fuzzer:
             return "want", want(s, self.new_xfer(), [4096])
         if kind == 11:  # WANT with a garbage endpoint (the reverse path must not trust it)
             return "want_garbage_endpoint", want(s, self.new_xfer(), [4096], r.randbytes(r.randrange(1, 200)))
-        if kind == 12:  # foreign session (a "replay" from an earlier incarnation)
+        if kind == 12:  # a truncated frame under another session: malformed first
             f = bytearray(self.valid_looking()[1])
             f[8:16] = struct.pack("<Q", r.getrandbits(64))
-            return "replay_other_session", bytes(f)
+            return "replay_truncated", bytes(f[:20])
         return "cancel", want(s, r.choice([victim_xfers, self.new_xfer()]), [])
 
     def new_xfer(self):
@@ -241,6 +304,11 @@ def main():
                 ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, n, 0, "")], "DRAM"), backends=["BOUNCE"])
                 # the agent's metadata now carries the registration
                 reply(addr=buf.ctypes.data, meta=base64.b64encode(ag.get_agent_metadata()).decode())
+            elif op == "register":
+                ag = agents[cmd["agent"]]
+                ag.register_memory(ag.get_reg_descs([(buf.ctypes.data + cmd["off"], cmd["len"], 0, "")], "DRAM"),
+                                   backends=["BOUNCE"])
+                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode())
             elif op == "load":
                 agents[cmd["agent"]].add_remote_agent(base64.b64decode(cmd["meta"]))
                 reply()
@@ -275,11 +343,14 @@ def main():
             elif op == "params":
                 reply(params=nixlkit.live_params(agents[cmd["agent"]]))
             elif op == "fuzz":
-                fz = Fuzzer(cmd.get("seed", 0), cmd["targets"], cmd.get("endpoints", True),
-                            cmd.get("max_flows", 1 << 62))
                 senders = [agents[n] for n in cmd["agents"]]
+                # The first agent is the one the victim loaded: its frames carry its real session,
+                # and it alone sends the forgeries (a victim refuses the others' frames earlier).
+                fz = Fuzzer(cmd.get("seed", 0), cmd["targets"], cmd.get("endpoints", True),
+                            cmd.get("max_flows", 1 << 62), session=session_of(senders[0].get_agent_metadata()),
+                            sessions=cmd.get("sessions", ()))
                 sent = errors = 0
-                kinds = {}
+                kinds, forged = {}, {}
                 end = time.monotonic() + cmd["seconds"]
                 later = []  # (due, sender, frames)
                 i = 0
@@ -299,14 +370,23 @@ def main():
                 while time.monotonic() < end:
                     while later and later[0][0] <= time.monotonic():
                         send(*later.pop(0)[1:])
-                    kind, frames = fz.frame()
+                    if cmd.get("forge") and i % 4 == 3:
+                        kind, frames, n_forged = fz.forged_frame()
+                        sender = senders[0]
+                        forged[kind] = forged.get(kind, 0) + n_forged
+                    else:
+                        kind, frames, _ = fz.frame()
+                        sender = senders[i % len(senders)]
                     kinds[kind] = kinds.get(kind, 0) + 1
                     # every frame of one group comes from the same agent (one flow)
-                    send(senders[i % len(senders)], frames if isinstance(frames, list) else [frames])
+                    send(sender, frames if isinstance(frames, list) else [frames])
                     i += 1
                     if i % 16 == 0:
                         poll()
-                reply(sent=sent, send_errors=errors, kinds=kinds)
+                while later:  # the rest of every group goes out (a forged group's real cancel)
+                    time.sleep(max(0.0, later[0][0] - time.monotonic()))
+                    send(*later.pop(0)[1:])
+                reply(sent=sent, send_errors=errors, kinds=kinds, forged=forged)
             elif op == "exit":
                 reply()
                 nixlkit.leave(0)

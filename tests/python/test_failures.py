@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+import hostile_peer
 import nixlkit
 from conftest import HERE, Peer, cannot_run, run_isolated
 
@@ -362,25 +363,28 @@ def test_engine_destroyed_with_64_transfers_in_flight_does_not_crash(peer_state,
 
 def test_frame_encoder_of_the_hostile_peer_matches_the_pinned_wire_layout():
     """The hostile peer's valid-looking frames are only worth something if they decode: pin the
-    Python encoder to the golden bytes of proto/src/wire.rs."""
+    Python encoder to the golden bytes of proto/src/wire/tests.rs."""
     import hostile_peer as hp
-    assert hp.want(1, 0x2a, [4096, 32], b"ep").hex() == (
-        "00424f554e43" "02" "01" "0100000000000000" "2a00000000000000" "02000000" "6570"
-        "02000000" "0010000000000000" "2000000000000000")
-    assert hp.data(4, 3, 2, (0x100, 0x40), [(0, 0x1000, 0x20, 2, 0x20, 0x80)]).hex() == (
-        "00424f554e43" "02" "03" "0400000000000000" "0300000000000000" "02000000"
+    t = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210  # the golden samples' token
+    tb = "1032547698badcfe" "efcdab8967452301"
+    assert hp.want(1, 0x2a, [4096, 32], b"ep", token=t, proofs=[(5, b"\xaa" * 16)]).hex() == (
+        "00424f554e43" "03" "01" "0100000000000000" "2a00000000000000" + tb + "02000000" "6570"
+        "02000000" "0010000000000000" "2000000000000000" "01000000" "0500000000000000" + "aa" * 16)
+    assert hp.data(4, 3, 2, (0x100, 0x40), [(0, 0x1000, 0x20, 2, 0x20, 0x80)], token=t).hex() == (
+        "00424f554e43" "03" "03" "0400000000000000" "0300000000000000" + tb + "02000000"
         "0001000000000000" "4000000000000000" "01000000" "03" "8040" "20" "02" "20" "8001")
-    assert hp.ack(5, 3, 2, (0x100, 0x40), 1).hex() == (
-        "00424f554e43" "02" "04" "0500000000000000" "0300000000000000" "02000000"
+    assert hp.ack(5, 3, 2, (0x100, 0x40), 1, token=t).hex() == (
+        "00424f554e43" "03" "04" "0500000000000000" "0300000000000000" + tb + "02000000"
         "0001000000000000" "4000000000000000" "01")
-    assert hp.grant(3, 3, [(0, 0x100, 0x40)])[16:].hex() == (
-        "0300000000000000" "01000000" "00000000" "0001000000000000" "4000000000000000")
+    assert hp.grant(3, 3, [(0, 0x100, 0x40)], token=t)[16:].hex() == (
+        "0300000000000000" + tb + "01000000" "00000000" "0001000000000000" "4000000000000000")
 
 
 VICTIM = {**SMALL, "bounce_arena_size": "64MiB"}
 
 
 def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
+    import hostile_peer as hp_mod
     n, size = 1024, 4096
     lay_in = nixlkit.Scattered(n, size, seed=41)   # honest -> victim
     lay_out = nixlkit.Scattered(n, size, seed=42)  # victim -> honest
@@ -438,8 +442,12 @@ def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
         # Forged reverse-path endpoints and credit hoarding have tests of their own (below):
         # here they would only repeat those failures and hide everything else. So no forged
         # endpoints, and at most 40 announced transfers (<= 20 MiB of the victim's 64 MiB arena).
+        # Every fourth group is a forgery from the known hostile: valid-looking frames under
+        # the honest peer's or the victim's session, or frames naming its own live flow (right
+        # transfer id) with a wrong token, their DATA aimed at the registered canary.
+        sessions = [hp_mod.session_of(h_meta), hp_mod.session_of(base64.b64decode(v_meta))]
         hp.send(op="fuzz", agents=["evil-known", "evil-stranger"], to="victim", seconds=3.0,
-                seed=44, targets=targets, endpoints=False, max_flows=40)
+                seed=44, targets=targets, endpoints=False, max_flows=40, forge=True, sessions=sessions)
         t_end = time.monotonic() + 3.0
         rounds = 1
         while time.monotonic() < t_end:
@@ -453,6 +461,10 @@ def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
     vlog.close()
     assert fz["sent"] > 1000 and fz["send_errors"] == 0, fz
     assert s_after["control_dropped"] - s_before["control_dropped"] >= fz["sent"] // 10, (fz, s_after)
+    # Every forgery was refused as one, and nothing else was taken for one.
+    forged = fz["forged"]
+    assert forged.get("forged_session", 0) > 50 and forged.get("forged_token", 0) > 200, fz
+    assert s_after["control_forged"] - s_before["control_forged"] == sum(forged.values()), (fz, s_before, s_after)
     assert s_after["bounce_ok"] == s_before["bounce_ok"] + rounds + 1
     assert rounds >= 3, rounds
 
@@ -470,7 +482,8 @@ def test_data_into_a_granted_region_with_runs_outside_registered_memory_is_refus
         evil = nixlkit.agent("g-evil", params=SMALL)
         evil.add_remote_agent(base64.b64decode(vmeta))
         v.call(op="load", agent="g-victim", meta=meta_b64(evil))
-        fz = hp.Fuzzer(81, {"reg_addr": addr, "reg_len": mib, "canary": addr + mib, "canary_len": mib})
+        fz = hp.Fuzzer(81, {"reg_addr": addr, "reg_len": mib, "canary": addr + mib, "canary_len": mib},
+                       session=hp.session_of(evil.get_agent_metadata()))
         v0, e0 = peer_stats(v, agent="g-victim"), stats(evil)
 
         def pump(seconds):
@@ -514,6 +527,8 @@ class Crowd:
         self.p.call(op="wait_ready", n=1)
         self.third = nixlkit.agent(f"{prefix}-third", params=SMALL)
         self.third.add_remote_agent(vmeta)
+        # The session its frames must carry (the one in the metadata the victim loads).
+        self.session = hostile_peer.session_of(self.third.get_agent_metadata())
         self.v.call(op="load", meta=meta_b64(self.third))
 
     def honest_write(self, timeout):
@@ -539,7 +554,7 @@ def test_a_peer_that_wants_and_goes_silent_cannot_starve_another_peer(procs, tmp
     c = Crowd(procs, "s", nixlkit.Scattered(1024, 4096, seed=90), 90)
     with watchdog(60, [c.v, c.p], "starvation test"):
         for x in range(1, 101):  # 100 transfers of 8 x 64 KiB announced, then silence
-            c.third.send_notif(c.victim, hp.want(9, x, [64 << 10] * 8))
+            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10] * 8))
         # Let the victim hand out what it will to the silent peer before the honest one arrives
         # (the grants stop changing), so the scenario doesn't depend on who is faster.
         last, end = None, time.monotonic() + 1.0
@@ -569,7 +584,7 @@ def test_a_peer_announcing_thousands_of_transfers_is_capped_and_others_still_bou
         before = v0["control_dropped"]
         announced = 5000
         for x in range(1, announced + 1):
-            c.third.send_notif(c.victim, hp.want(9, x, [64 << 10]))
+            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10]))
             if x % 256 == 0:
                 c.third.get_new_notifs()
         over = announced - 4096

@@ -6,7 +6,7 @@
 //! It knows fields, not messages: the frame, capability and envelope layouts are built from
 //! these primitives in the sibling modules.
 
-use crate::types::Region;
+use crate::types::{Region, Token};
 
 /// Largest opaque byte string (endpoint, remote key, inner conn info).
 pub const MAX_BLOB: u32 = 1 << 20;
@@ -125,6 +125,11 @@ impl<'a> Reader<'a> {
         self.array().map(u64::from_le_bytes)
     }
 
+    /// A transfer token: 16 little-endian bytes.
+    pub(super) fn token(&mut self) -> Result<Token> {
+        self.array().map(u128::from_le_bytes).map(Token)
+    }
+
     /// Reads a `u32` count of `entry`-byte items and checks it against `max` and against the
     /// bytes left, so the caller may allocate `count` items safely.
     pub(super) fn count(&mut self, what: &'static str, max: u32, entry: usize) -> Result<usize> {
@@ -198,6 +203,10 @@ impl Writer<'_> {
 
     pub(super) fn u64(&mut self, v: u64) {
         self.bytes(&v.to_le_bytes());
+    }
+
+    pub(super) fn token(&mut self, t: Token) {
+        self.bytes(&t.0.to_le_bytes());
     }
 
     pub(super) fn len(&mut self, n: usize) {

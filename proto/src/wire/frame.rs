@@ -4,18 +4,23 @@
 //! of a transfer. [`Frame`] carries a [`Msg`]; [`ControlFrame`] carries either kind of [`Body`] and
 //! is decoded by the same header and body code.
 //!
+//! Every WANT, GRANT, DATA and ACK carries its transfer's [`Token`] right after the transfer id
+//! (since [`WIRE_VERSION`] 3): the sender draws it, the receiver echoes it, and a frame whose
+//! token is not its transfer's is a forgery (see `crate::peers` for the session rule, which
+//! binds the header's session to the peer's loaded metadata).
+//!
 //! Every field has a fixed width except DATA's scatter runs, which are delta-coded with varints
 //! (a DATA carries hundreds of them: see `Writer::run` below); the decoder accepts only their
 //! one shortest form, so whatever `decode` accepts, `encode` reproduces byte for byte.
 
 use super::codec::{MAX_BLOB, Reader, Result, WireError, Writer, check_len};
-use crate::types::{ChunkIdx, CopyRun, Region, XferId};
+use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
 
 /// Magic that starts every control frame; the leading NUL keeps it apart from printable
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 2;
+pub const WIRE_VERSION: u8 = 3;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -24,6 +29,8 @@ pub const MAX_CHUNKS_PER_WANT: u32 = 1 << 20;
 pub const MAX_CREDITS: u32 = 1 << 16;
 /// Most scatter runs one DATA may carry.
 pub const MAX_RUNS: u32 = 1 << 20;
+/// Most destination proofs one WANT may carry (one per destination registration).
+pub const MAX_PROOFS: u32 = 1 << 12;
 
 pub(super) const KIND_WANT: u8 = 1;
 pub(super) const KIND_GRANT: u8 = 2;
@@ -41,9 +48,18 @@ pub(super) const KIND_PONG: u8 = 8;
 /// transport may refuse anything longer unread (ZMQ's `ZMQ_MAXMSGSIZE`): no decoder would
 /// accept it.
 pub const MAX_FRAME_LEN: usize = {
-    let want = HEADER_LEN + 8 + 4 + MAX_BLOB as usize + 4 + MAX_CHUNKS_PER_WANT as usize * 8;
-    let grant = HEADER_LEN + 8 + 4 + MAX_CREDITS as usize * CREDIT_LEN;
-    let data = HEADER_LEN + 8 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN;
+    // Every message carries its transfer id (8) and token (16); a WANT also its proofs.
+    let want = HEADER_LEN
+        + 8
+        + 16
+        + 4
+        + MAX_BLOB as usize
+        + 4
+        + MAX_CHUNKS_PER_WANT as usize * 8
+        + 4
+        + MAX_PROOFS as usize * PROOF_LEN;
+    let grant = HEADER_LEN + 8 + 16 + 4 + MAX_CREDITS as usize * CREDIT_LEN;
+    let data = HEADER_LEN + 8 + 16 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN;
     let longest = if want > grant { want } else { grant };
     (if data > longest { data } else { longest }) + 4096
 };
@@ -54,6 +70,7 @@ pub(super) const MAX_RUN_LEN: usize = 1 + 5 * 10 + 5;
 pub(super) const KIND_GOODBYE: u8 = 6;
 
 pub(super) const REGION_LEN: usize = 16;
+pub(super) const PROOF_LEN: usize = 8 + 16;
 pub(super) const CREDIT_LEN: usize = 4 + REGION_LEN;
 /// Fewest bytes one encoded scatter run takes (its flags and a one-byte address delta).
 pub(super) const MIN_RUN_LEN: usize = 2;
@@ -72,10 +89,27 @@ pub(super) const RUN_REGION_JUMP: u8 = 0x04;
 pub struct Want {
     /// The transfer.
     pub xfer: XferId,
+    /// The transfer's secret, drawn by the sender; the receiver's flow keeps the one of the
+    /// WANT that created it.
+    pub token: Token,
     /// The sender's control endpoint (or conn info) for the reverse path; may be empty.
     pub endpoint: Vec<u8>,
     /// Byte size of each chunk in chunk order; empty means cancel.
     pub chunks: Vec<u64>,
+    /// One proof per destination registration of the transfer (see [`crate::proof`]); the
+    /// flow may scatter only into registrations so proven. A cancel carries none.
+    pub proofs: Vec<Proof>,
+}
+
+/// Proof that the sender holds the public metadata of the receiver's registration `reg`: the
+/// keyed hash of the transfer's token under the registration's key ([`crate::proof::tag`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Proof {
+    /// The receiver's registration.
+    pub reg: RegId,
+    /// The tag.
+    pub tag: [u8; 16],
 }
 
 impl Want {
@@ -101,6 +135,8 @@ pub struct Credit {
 pub struct Grant {
     /// The transfer.
     pub xfer: XferId,
+    /// The flow's token, echoed.
+    pub token: Token,
     /// The credits; never empty on the wire.
     pub credits: Vec<Credit>,
 }
@@ -111,6 +147,8 @@ pub struct Grant {
 pub struct Data {
     /// The transfer.
     pub xfer: XferId,
+    /// The transfer's token.
+    pub token: Token,
     /// The chunk.
     pub chunk: ChunkIdx,
     /// The region it was written to (as granted).
@@ -139,6 +177,8 @@ pub enum AckStatus {
 pub struct Ack {
     /// The transfer.
     pub xfer: XferId,
+    /// The flow's token, echoed.
+    pub token: Token,
     /// The chunk.
     pub chunk: ChunkIdx,
     /// The region the chunk occupied.
@@ -188,8 +228,8 @@ impl From<Ack> for Msg {
 impl Msg {
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
-    pub fn cancel(xfer: XferId, endpoint: Vec<u8>) -> Self {
-        Self::Want(Want { xfer, endpoint, chunks: Vec::new() })
+    pub fn cancel(xfer: XferId, token: Token, endpoint: Vec<u8>) -> Self {
+        Self::Want(Want { xfer, token, endpoint, chunks: Vec::new(), proofs: Vec::new() })
     }
 
     /// The transfer the message is about.
@@ -199,6 +239,16 @@ impl Msg {
             Self::Grant(m) => m.xfer,
             Self::Data(m) => m.xfer,
             Self::Ack(m) => m.xfer,
+        }
+    }
+
+    /// The transfer token the message carries.
+    pub fn token(&self) -> Token {
+        match self {
+            Self::Want(m) => m.token,
+            Self::Grant(m) => m.token,
+            Self::Data(m) => m.token,
+            Self::Ack(m) => m.token,
         }
     }
 
@@ -235,6 +285,7 @@ impl Msg {
             Self::Want(m) => {
                 check_len("endpoint", m.endpoint.len(), MAX_BLOB)?;
                 check_len("want chunks", m.chunks.len(), MAX_CHUNKS_PER_WANT)?;
+                check_len("want proofs", m.proofs.len(), MAX_PROOFS)?;
                 if m.chunks.contains(&0) {
                     return Err(WireError::Invalid { what: "zero-size chunk in WANT" });
                 }
@@ -460,12 +511,19 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
     match msg {
         Msg::Want(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.blob(&m.endpoint);
             w.len(m.chunks.len());
             m.chunks.iter().for_each(|&c| w.u64(c));
+            w.len(m.proofs.len());
+            for p in &m.proofs {
+                w.u64(p.reg.0);
+                w.bytes(&p.tag);
+            }
         }
         Msg::Grant(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.len(m.credits.len());
             for c in &m.credits {
                 w.u32(c.chunk.0);
@@ -474,6 +532,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
         }
         Msg::Data(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.u32(m.chunk.0);
             w.region(&m.region);
             w.len(m.runs.len());
@@ -482,6 +541,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
         }
         Msg::Ack(m) => {
             w.u64(m.xfer.0);
+            w.token(m.token);
             w.u32(m.chunk.0);
             w.region(&m.region);
             w.u8(ack_tag(m.status));
@@ -494,21 +554,23 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
 fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
     Ok(match kind {
         KIND_WANT => {
-            let xfer = XferId(r.u64()?);
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
             let endpoint = r.blob("endpoint")?;
             let n = r.count("want chunks", MAX_CHUNKS_PER_WANT, 8)?;
             let chunks = (0..n).map(|_| r.u64()).collect::<Result<_>>()?;
-            Msg::Want(Want { xfer, endpoint, chunks })
+            let n = r.count("want proofs", MAX_PROOFS, PROOF_LEN)?;
+            let proofs = (0..n).map(|_| Ok(Proof { reg: RegId(r.u64()?), tag: r.array()? })).collect::<Result<_>>()?;
+            Msg::Want(Want { xfer, token, endpoint, chunks, proofs })
         }
         KIND_GRANT => {
-            let xfer = XferId(r.u64()?);
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
             let n = r.count("grant credits", MAX_CREDITS, CREDIT_LEN)?;
             let credits =
                 (0..n).map(|_| Ok(Credit { chunk: ChunkIdx(r.u32()?), region: r.region()? })).collect::<Result<_>>()?;
-            Msg::Grant(Grant { xfer, credits })
+            Msg::Grant(Grant { xfer, token, credits })
         }
         KIND_DATA => {
-            let xfer = XferId(r.u64()?);
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
             let chunk = ChunkIdx(r.u32()?);
             let region = r.region()?;
             let n = r.count("data runs", MAX_RUNS, MIN_RUN_LEN)?;
@@ -520,10 +582,11 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
                     Ok(run)
                 })
                 .collect::<Result<_>>()?;
-            Msg::Data(Data { xfer, chunk, region, runs })
+            Msg::Data(Data { xfer, token, chunk, region, runs })
         }
         KIND_ACK => Msg::Ack(Ack {
             xfer: XferId(r.u64()?),
+            token: r.token()?,
             chunk: ChunkIdx(r.u32()?),
             region: r.region()?,
             status: ack_from_tag(r.u8()?)?,

@@ -3,6 +3,7 @@
 use super::caps::Capabilities;
 use super::envelope::ConnEnvelope;
 use super::frame::{ControlFrame, Frame};
+use super::public::PublicData;
 use super::samples::{self, assert_canonical};
 
 /// Decodes `data` as a frame, and as a control frame of any kind (HELLO included); if either
@@ -45,6 +46,15 @@ pub fn envelope_decode(data: &[u8]) {
     assert_canonical(data, ConnEnvelope::decode, ConnEnvelope::to_vec);
 }
 
+/// Decodes `data` as a registration's public-data envelope; if that succeeds, asserts
+/// re-encoding gives `data`.
+///
+/// # Panics
+/// When the codec is not canonical (a bug).
+pub fn public_decode(data: &[u8]) {
+    assert_canonical(data, PublicData::decode, PublicData::to_vec);
+}
+
 /// Valid encoded frames, one per message shape, for the `wire_decode` seed corpus.
 pub fn seed_frames() -> Vec<Vec<u8>> {
     samples::sample_frames().iter().map(Frame::to_vec).collect()
@@ -65,4 +75,14 @@ pub fn seed_caps() -> Vec<Vec<u8>> {
 /// Valid encoded envelopes (with and without capabilities) for the `envelope_decode` corpus.
 pub fn seed_envelopes() -> Vec<Vec<u8>> {
     samples::sample_envelopes().iter().map(ConnEnvelope::to_vec).collect()
+}
+
+/// Valid public-data envelopes (with and without an inner blob) for the `public_decode` corpus.
+pub fn seed_public() -> Vec<Vec<u8>> {
+    let key = crate::types::RegKey([0x42; 32]);
+    [Vec::new(), b"ucx-rkey-blob".to_vec()]
+        .into_iter()
+        .enumerate()
+        .map(|(i, inner)| PublicData { reg: crate::types::RegId(i as u64 + 1), key, inner }.to_vec())
+        .collect()
 }

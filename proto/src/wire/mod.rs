@@ -16,7 +16,8 @@
 //!
 //! One job per file: `codec.rs` the primitives (reader, writer, varints, the canonical-form
 //! rules), `frame.rs` the control frames and their messages (HELLO included), `caps.rs` the
-//! capability blob and the compatibility policy, `envelope.rs` the connection-info envelope,
+//! capability blob and the compatibility policy, `envelope.rs` the connection-info envelope, `public.rs` the public-data envelope of a
+//! registration,
 //! `samples.rs` one valid value of each (tests and fuzz seeds), `fuzzing.rs` the fuzz entry
 //! points. This file only declares and re-exports them.
 
@@ -26,6 +27,7 @@ mod envelope;
 mod frame;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod public;
 #[cfg(any(test, feature = "fuzzing"))]
 mod samples;
 #[cfg(test)]
@@ -36,6 +38,7 @@ pub use codec::{MAX_BLOB, Result, WireError};
 pub use envelope::{ConnEnvelope, ENVELOPE_MAGIC, ENVELOPE_VERSION};
 pub use frame::{
     Ack, AckStatus, Body, ControlFrame, Credit, Data, Frame, Grant, HEADER_LEN, MAGIC, MAX_CHUNKS_PER_WANT,
-    MAX_CREDITS, MAX_FRAME_LEN, MAX_RUNS, Msg, WIRE_VERSION, Want, decode_hello, encode_goodbye, encode_hello,
-    is_control_frame,
+    MAX_CREDITS, MAX_FRAME_LEN, MAX_PROOFS, MAX_RUNS, Msg, Proof, WIRE_VERSION, Want, decode_hello, encode_goodbye,
+    encode_hello, is_control_frame,
 };
+pub use public::{PUBLIC_MAGIC, PUBLIC_VERSION, PublicData};

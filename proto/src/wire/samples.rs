@@ -4,8 +4,8 @@
 use super::caps::Capabilities;
 use super::codec::Result;
 use super::envelope::ConnEnvelope;
-use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Msg, WIRE_VERSION, Want};
-use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, Region, XferId};
+use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Msg, Proof, WIRE_VERSION, Want};
+use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 
 /// One valid frame of each shape; the golden tests and the fuzz seed corpus start from these.
 pub(super) fn sample_frames() -> Vec<Frame> {
@@ -13,18 +13,26 @@ pub(super) fn sample_frames() -> Vec<Frame> {
     let run = CopyRun { region_off: 0, addr: 0x1000, len: 0x20, count: 2, region_stride: 0x20, addr_stride: 0x80 };
     let xfer = XferId(3);
     let chunk = ChunkIdx(2);
+    let token = Token(0x0123_4567_89ab_cdef_fedc_ba98_7654_3210);
     let msgs = [
-        Msg::Want(Want { xfer: XferId(0x2a), endpoint: b"ep".to_vec(), chunks: vec![4096, 32] }),
-        Msg::cancel(XferId(0x2a), b"tcp://10.0.0.1:5555".to_vec()),
+        Msg::Want(Want {
+            xfer: XferId(0x2a),
+            token,
+            endpoint: b"ep".to_vec(),
+            chunks: vec![4096, 32],
+            proofs: vec![Proof { reg: RegId(5), tag: [0xaa; 16] }],
+        }),
+        Msg::cancel(XferId(0x2a), token, b"tcp://10.0.0.1:5555".to_vec()),
         Msg::Grant(Grant {
             xfer,
+            token,
             credits: vec![
                 Credit { chunk: ChunkIdx(0), region },
                 Credit { chunk: ChunkIdx(1), region: Region { offset: 0x140, len: 0x20 } },
             ],
         }),
-        Msg::Data(Data { xfer, chunk, region, runs: vec![run] }),
-        Msg::Ack(Ack { xfer, chunk, region, status: AckStatus::Refused }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] }),
+        Msg::Ack(Ack { xfer, token, chunk, region, status: AckStatus::Refused }),
     ];
     msgs.into_iter().enumerate().map(|(i, msg)| Frame { session: i as u64 + 1, msg }).collect()
 }

@@ -4,7 +4,7 @@ use super::envelope::FLAG_CAPS;
 use super::frame::*;
 use super::samples::{assert_canonical, sample_caps, sample_envelopes, sample_frames};
 use super::*;
-use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, Region, XferId};
+use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 use proptest::prelude::*;
 
 fn hex(bytes: &[u8]) -> String {
@@ -43,17 +43,21 @@ fn arb_status() -> impl Strategy<Value = AckStatus> {
 
 fn arb_msg() -> impl Strategy<Value = Msg> {
     let xfer = any::<u64>().prop_map(XferId);
+    let token = any::<u128>().prop_map(Token);
     let chunk = any::<u32>().prop_map(ChunkIdx);
     let credit = (chunk.clone(), arb_region()).prop_map(|(chunk, region)| Credit { chunk, region });
+    let proofs = prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..3)
+        .prop_map(|p| p.into_iter().map(|(reg, tag)| Proof { reg: RegId(reg), tag }).collect::<Vec<_>>());
     prop_oneof![
-        (xfer.clone(), arb_blob(), prop::collection::vec(1..=u64::MAX, 0..8))
-            .prop_map(|(xfer, endpoint, chunks)| Msg::Want(Want { xfer, endpoint, chunks })),
-        (xfer.clone(), prop::collection::vec(credit, 1..6))
-            .prop_map(|(xfer, credits)| Msg::Grant(Grant { xfer, credits })),
-        (xfer.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 1..5))
-            .prop_map(|(xfer, chunk, region, runs)| Msg::Data(Data { xfer, chunk, region, runs })),
-        (xfer, chunk, arb_region(), arb_status())
-            .prop_map(|(xfer, chunk, region, status)| { Msg::Ack(Ack { xfer, chunk, region, status }) }),
+        (xfer.clone(), token.clone(), arb_blob(), prop::collection::vec(1..=u64::MAX, 0..8), proofs).prop_map(
+            |(xfer, token, endpoint, chunks, proofs)| Msg::Want(Want { xfer, token, endpoint, chunks, proofs })
+        ),
+        (xfer.clone(), token.clone(), prop::collection::vec(credit, 1..6))
+            .prop_map(|(xfer, token, credits)| Msg::Grant(Grant { xfer, token, credits })),
+        (xfer.clone(), token.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 1..5))
+            .prop_map(|(xfer, token, chunk, region, runs)| Msg::Data(Data { xfer, token, chunk, region, runs })),
+        (xfer, token, chunk, arb_region(), arb_status())
+            .prop_map(|(xfer, token, chunk, region, status)| Msg::Ack(Ack { xfer, token, chunk, region, status })),
     ]
 }
 
@@ -195,7 +199,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43020508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e43030508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -204,9 +208,9 @@ fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     longer.push(0);
     assert_eq!(decode_hello(&longer), None);
     let mut other_version = h.clone();
-    other_version[6] = 3;
+    other_version[6] = 2;
     assert_eq!(decode_hello(&other_version), None);
-    let want = Frame { session: 1, msg: Msg::cancel(XferId(1), vec![]) }.to_vec();
+    let want = Frame { session: 1, msg: Msg::cancel(XferId(1), Token(1), vec![]) }.to_vec();
     assert_eq!(decode_hello(&want), None);
 }
 
@@ -241,20 +245,25 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 02 01 0100000000000000
-             2a00000000000000 02000000 6570
-             02000000 0010000000000000 2000000000000000"
+            "00424f554e43 03 01 0100000000000000
+             2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
+             02000000 0010000000000000 2000000000000000
+             01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
     assert_eq!(
         hex(&cancel.to_vec()[HEADER_LEN..]),
-        format!("2a00000000000000 13000000 {} 00000000", hex(b"tcp://10.0.0.1:5555")).replace(' ', "")
+        format!(
+            "2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000 00000000",
+            hex(b"tcp://10.0.0.1:5555")
+        )
+        .replace(' ', "")
     );
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 02 03 0400000000000000
-             0300000000000000 02000000 0001000000000000 4000000000000000
+            "00424f554e43 03 03 0400000000000000
+             0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001"
         ))
@@ -262,8 +271,8 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 02 04 0500000000000000
-             0300000000000000 02000000 0001000000000000 4000000000000000 01"
+            "00424f554e43 03 04 0500000000000000
+             0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
 }
@@ -289,7 +298,8 @@ fn scattered_runs_are_delta_coded_compactly() {
             }
         })
         .collect();
-    let data = Data { xfer: XferId(7), chunk: ChunkIdx(3), region: Region { offset: 0, len: 2 << 20 }, runs };
+    let data =
+        Data { xfer: XferId(7), token: Token(7), chunk: ChunkIdx(3), region: Region { offset: 0, len: 2 << 20 }, runs };
     let bytes = Frame { session: 1, msg: Msg::Data(data.clone()) }.to_vec();
     assert!(bytes.len() <= 3 * 1024, "{} bytes", bytes.len());
     assert_eq!(Frame::decode(&bytes).map(|f| f.msg), Ok(Msg::Data(data)));
@@ -322,7 +332,7 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0200 01 01 0010000000000000 0020000000000000 0000000000000000
+    let caps = "0300 01 01 0010000000000000 0020000000000000 0000000000000000
                 0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes = sample_envelopes();
@@ -364,8 +374,8 @@ fn foreign_bytes_are_not_control_frames() {
 #[test]
 fn other_versions_and_kinds_are_refused() {
     let mut bytes = sample_frames()[0].to_vec();
-    bytes[6] = 3;
-    assert_eq!(Frame::decode(&bytes), Err(WireError::UnsupportedVersion { what: "frame", got: 3 }));
+    bytes[6] = 2;
+    assert_eq!(Frame::decode(&bytes), Err(WireError::UnsupportedVersion { what: "frame", got: 2 }));
     for kind in [0, 5, 0xff] {
         let mut bytes = sample_frames()[0].to_vec();
         bytes[7] = kind;
@@ -390,6 +400,7 @@ fn a_body_under_another_kind_byte_is_refused() {
 #[test]
 fn absurd_counts_are_refused_before_allocating() {
     let mut body = 1u64.to_le_bytes().to_vec(); // xfer
+    body.extend_from_slice(&[7; 16]); // token
     body.extend_from_slice(&0u32.to_le_bytes()); // empty endpoint
     body.extend_from_slice(&u32::MAX.to_le_bytes()); // chunk count
     body.extend_from_slice(&[1; 8]);
@@ -398,22 +409,24 @@ fn absurd_counts_are_refused_before_allocating() {
         Err(WireError::CountTooLarge { what: "want chunks", count: u32::MAX.into(), max: MAX_CHUNKS_PER_WANT.into() })
     );
     // Under the cap but beyond the input: refused from the count alone.
-    body[12..16].copy_from_slice(&MAX_CHUNKS_PER_WANT.to_le_bytes());
+    body[28..32].copy_from_slice(&MAX_CHUNKS_PER_WANT.to_le_bytes());
     assert_eq!(Frame::decode(&frame_bytes(KIND_WANT, &body)), Err(WireError::Truncated { need: 8 << 20, have: 8 }));
     let mut endpoint = 1u64.to_le_bytes().to_vec();
+    endpoint.extend_from_slice(&[7; 16]);
     endpoint.extend_from_slice(&u32::MAX.to_le_bytes());
     assert!(matches!(
         Frame::decode(&frame_bytes(KIND_WANT, &endpoint)),
         Err(WireError::CountTooLarge { what: "endpoint", .. })
     ));
     let mut grant = 1u64.to_le_bytes().to_vec();
+    grant.extend_from_slice(&[7; 16]);
     grant.extend_from_slice(&MAX_CREDITS.to_le_bytes());
     assert_eq!(
         Frame::decode(&frame_bytes(KIND_GRANT, &grant)),
         Err(WireError::Truncated { need: CREDIT_LEN << 16, have: 0 })
     );
     let mut data = body_of(&sample_frames()[3]);
-    data[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+    data[44..48].copy_from_slice(&u32::MAX.to_le_bytes());
     assert!(matches!(
         Frame::decode(&frame_bytes(KIND_DATA, &data)),
         Err(WireError::CountTooLarge { what: "data runs", .. })
@@ -442,15 +455,16 @@ fn invalid_values_are_refused() {
     let chunk = ChunkIdx(0);
     let region = Region { offset: 0, len: 64 };
     let run = CopyRun { region_off: 0, addr: 0, len: 8, count: 1, region_stride: 0, addr_stride: 0 };
+    let token = Token(1);
     let bad = [
-        Msg::Want(Want { xfer, endpoint: vec![], chunks: vec![8, 0] }),
-        Msg::Grant(Grant { xfer, credits: vec![] }),
-        Msg::Grant(Grant { xfer, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
-        Msg::Data(Data { xfer, chunk, region, runs: vec![] }),
-        Msg::Data(Data { xfer, chunk, region: Region { offset: 0, len: 0 }, runs: vec![run] }),
-        Msg::Data(Data { xfer, chunk, region, runs: vec![CopyRun { count: 0, ..run }] }),
-        Msg::Data(Data { xfer, chunk, region, runs: vec![CopyRun { len: 0, ..run }] }),
-        Msg::Ack(Ack { xfer, chunk, region: Region { offset: 0, len: 0 }, status: AckStatus::Failed }),
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 0], proofs: vec![] }),
+        Msg::Grant(Grant { xfer, token, credits: vec![] }),
+        Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![] }),
+        Msg::Data(Data { xfer, token, chunk, region: Region { offset: 0, len: 0 }, runs: vec![run] }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { count: 0, ..run }] }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { len: 0, ..run }] }),
+        Msg::Ack(Ack { xfer, token, chunk, region: Region { offset: 0, len: 0 }, status: AckStatus::Failed }),
     ];
     for msg in bad {
         let frame = Frame { session: 1, msg };
@@ -470,7 +484,7 @@ fn invalid_values_are_refused() {
 
 #[test]
 fn cancel_is_an_empty_want_that_keeps_its_endpoint() {
-    let m = Msg::cancel(XferId(9), b"ep".to_vec());
+    let m = Msg::cancel(XferId(9), Token(9), b"ep".to_vec());
     assert_eq!(m.xfer(), XferId(9));
     assert_eq!(m.kind_name(), "CANCEL");
     let Msg::Want(w) = &m else { panic!("cancel is a WANT") };
@@ -495,8 +509,8 @@ fn envelope_header_errors_are_specific() {
     b[10] |= 0x02;
     assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnknownFlags { got: 0x03 }));
     let mut b = good;
-    b[15] = 3; // capabilities' wire version
-    assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnsupportedVersion { what: "capabilities", got: 3 }));
+    b[15] = 2; // capabilities' wire version
+    assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnsupportedVersion { what: "capabilities", got: 2 }));
     // Capabilities with bytes of their own left over inside the declared length.
     let mut caps = sample_caps().to_vec();
     caps.push(0);
@@ -527,17 +541,17 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     assert_eq!(local.compatible_with(&same_rules), Ok(()));
     assert_eq!(same_rules.compatible_with(&local), Ok(()));
 
-    let other_version = Capabilities { wire_version: 3, ..local.clone() };
+    let other_version = Capabilities { wire_version: 4, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 2, peer: 3 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 3, peer: 4 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
     assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities { wire_version: 3, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let all = Capabilities { wire_version: 4, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
     let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
@@ -545,7 +559,13 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
 
 #[test]
 fn oversized_blobs_encode_to_what_decode_refuses() {
-    let big = Msg::Want(Want { xfer: XferId(1), endpoint: vec![0; MAX_BLOB as usize + 1], chunks: vec![8] });
+    let big = Msg::Want(Want {
+        xfer: XferId(1),
+        token: Token(1),
+        endpoint: vec![0; MAX_BLOB as usize + 1],
+        chunks: vec![8],
+        proofs: vec![],
+    });
     let err = big.validate().unwrap_err();
     assert!(matches!(err, WireError::CountTooLarge { what: "endpoint", .. }));
     assert_eq!(Frame::decode(&Frame { session: 0, msg: big }.to_vec()), Err(err));
@@ -559,21 +579,21 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4302010100000000000000 2a00000000000000 02000000 6570 02000000 0010000000000000 2000000000000000",
+        "00424f554e4303010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         // cancel (empty WANT)
-        "00424f554e4302010200000000000000 2a00000000000000 13000000 7463703a2f2f31302e302e302e313a35353535 00000000",
+        "00424f554e4303010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
         // GRANT
-        "00424f554e4302020300000000000000 0300000000000000 02000000
+        "00424f554e4303020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4302030400000000000000 0300000000000000 02000000 0001000000000000 4000000000000000
+        "00424f554e4303030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001",
         // ACK
-        "00424f554e4302040500000000000000 0300000000000000 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4303040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4302050807060504030201");
-    let caps = "0200 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4303050807060504030201");
+    let caps = "0300 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
@@ -590,7 +610,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
 
 /// `MAX_FRAME_LEN` (what a transport may refuse unread) holds the longest legal frames: a DATA
 /// of `MAX_RUNS` runs in their longest encoding and a WANT of `MAX_CHUNKS_PER_WANT` chunks with
-/// the longest endpoint, each of which the decoder accepts.
+/// the longest endpoint and `MAX_PROOFS` proofs, each of which the decoder accepts.
 #[test]
 fn the_longest_legal_frames_fit_in_max_frame_len() {
     let run = |i: u64| CopyRun {
@@ -603,14 +623,17 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
     };
     let data = Msg::Data(Data {
         xfer: XferId(u64::MAX),
+        token: Token(u128::MAX),
         chunk: ChunkIdx(u32::MAX),
         region: Region { offset: u64::MAX, len: u64::MAX },
         runs: (0..u64::from(MAX_RUNS)).map(run).collect(),
     });
     let want = Msg::Want(Want {
         xfer: XferId(u64::MAX),
+        token: Token(u128::MAX),
         endpoint: vec![0xff; MAX_BLOB as usize],
         chunks: vec![u64::MAX; MAX_CHUNKS_PER_WANT as usize],
+        proofs: (0..u64::from(MAX_PROOFS)).map(|i| Proof { reg: RegId(u64::MAX - i), tag: [0xff; 16] }).collect(),
     });
     let len = |msg| Frame { session: u64::MAX, msg }.to_vec().len();
     let (data, want) = (len(data), len(want));

@@ -18,8 +18,9 @@ use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, FlowKey, PeerId, Region, XferId};
+use bounce_proto::{ControlKind, CopyRun, FlowKey, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -186,13 +187,14 @@ impl Sim {
             .map(|i| {
                 let mut ep = Endpoint::new(config, start).unwrap();
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
-                ep.add_registered(MEM_BASE, 1 << 40);
+                ep.add_registered(RegId(0), reg_key(i), MEM_BASE, 1 << 40);
                 // Every node loads every other's connection info, naming them in node order,
                 // so the peer table numbers node `j` as `PeerId(j)`.
                 for j in 0..n {
                     assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
                     if j != i {
-                        ep.peers_mut().load_conn_info(&agent(j), None, None);
+                        // Node `j`'s metadata: its session is `j`, the one its frames carry.
+                        ep.handle_conn_info(start, &agent(j), Some(caps(config, j as u64)), None);
                         // Each says HELLO to each, through the same frame path as the messages.
                         ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO accepted");
                         assert!(ep.peers().is_reachable(&agent(j)));
@@ -520,7 +522,10 @@ impl Sim {
                         c.direct = None;
                     }
                 }
-                self.nodes[from].ep.submit(now, xfer, PeerId(to as u32), plan).expect("submit");
+                let token = Token(self.rng.random());
+                // The sender holds the destination node's registration metadata.
+                plan.dests = vec![Destination { reg: RegId(0), key: reg_key(to) }];
+                self.nodes[from].ep.submit(now, xfer, token, PeerId(to as u32), plan).expect("submit");
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.
                     self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));
@@ -636,4 +641,26 @@ impl Sim {
 /// The initial byte at offset `a` of node `node`'s memory.
 pub(crate) fn pattern(node: usize, a: u64) -> u8 {
     (a.wrapping_mul(131) ^ (a >> 7) ^ (node as u64 * 29)) as u8
+}
+
+/// The capabilities a node of `config` publishes with instance nonce `session`.
+fn caps(config: &Config, session: u64) -> wire::Capabilities {
+    wire::Capabilities {
+        wire_version: wire::WIRE_VERSION.into(),
+        control: ControlKind::Ucx,
+        mem: MemKind::Dram,
+        arena_base: 0,
+        arena_len: config.arena_usable_capacity(),
+        arena_dev: 0,
+        usable_capacity: config.arena_usable_capacity(),
+        max_chunk: config.max_chunk_size,
+        session,
+        arena_key: Vec::new(),
+        endpoint: Vec::new(),
+    }
+}
+
+/// The key of node `i`'s one registration (its user memory), as its metadata would carry it.
+fn reg_key(i: usize) -> RegKey {
+    RegKey([i as u8 ^ 0xa5; 32])
 }

@@ -20,8 +20,10 @@ use std::time::{Duration, Instant};
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
+use bounce_proto::peers::FrameRefused;
+use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, PeerId, Region, XferId};
+use bounce_proto::{CopyRun, PeerId, RegId, Region, Token, XferId};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::control::{ControlChannel, ControlError};
@@ -36,7 +38,7 @@ use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
 use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Md, WriteSide, WriteState};
-use bounce_proto::peers::{Admitted, Hello};
+use bounce_proto::peers::Hello;
 
 #[cfg(test)]
 mod tests;
@@ -52,12 +54,15 @@ pub(crate) enum Cmd {
     PeerLost(String),
     /// We loaded this peer's connection info: tell it we can answer (HELLO).
     Hello(String),
-    /// Host memory registered through this engine (the receiver may scatter into it).
-    Registered(u64, u64),
+    /// Host memory registered through this engine, with its id and key (the receiver may
+    /// scatter into it for flows that prove the key), address and length.
+    Registered(Destination, u64, u64),
     /// The application deregistered `[addr, addr + len)` (marked removed in the [`Fence`]):
     /// fail what uses it in the core, then (with `done`) signal once no running copy job or
     /// write touches it.
     Deregister {
+        /// The registration's id, when it had one (a key was issued for it).
+        reg: Option<RegId>,
         /// Start of the range.
         addr: u64,
         /// Its length.
@@ -179,18 +184,19 @@ impl Shared {
         }
     }
 
-    /// The application deregisters `[addr, addr + len)`, which the arena's copies may touch
+    /// The application deregisters `[addr, addr + len)` (registration `reg`, when it had an
+    /// id), which the arena's copies may touch
     /// (the registration is already gone from the registry): returns once no copy job or write
     /// of the bounce path touches it, and none will. At once when none is running (the fence
     /// refuses later ones); otherwise after the reactor has failed what uses the range and the
     /// jobs on it have ended. The reactor applies the deregistration to the core either way.
-    pub(crate) fn deregister(&self, addr: u64, len: u64) {
+    pub(crate) fn deregister(&self, reg: Option<RegId>, addr: u64, len: u64) {
         if !self.fence.deregister((addr, addr.saturating_add(len))) {
-            self.inbox.push_quiet(Cmd::Deregister { addr, len, done: None });
+            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None });
             return;
         }
         let done = Arc::new(Completion::default());
-        self.inbox.push(Cmd::Deregister { addr, len, done: Some(Signal(Arc::clone(&done))) });
+        self.inbox.push(Cmd::Deregister { reg, addr, len, done: Some(Signal(Arc::clone(&done))) });
         done.wait(self);
     }
 
@@ -306,6 +312,9 @@ struct Driver {
     warn_budget: RateLimit,
     /// Set by shutdown: queued writes are failed, never posted.
     stopping: bool,
+    /// Frames refused because their session is not the one of the sender's loaded metadata
+    /// (the core counts wrong tokens; `stats.control_forged` is the sum).
+    sessions_forged: u64,
     /// Scratch buffers reused every pass.
     frames: Vec<(String, Vec<u8>)>,
     done: Vec<(JobId, bool)>,
@@ -359,6 +368,7 @@ impl Reactor {
             greeted: HashSet::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,
+            sessions_forged: 0,
             frames: Vec::new(),
             done: Vec::new(),
         };
@@ -502,13 +512,17 @@ impl Driver {
         let mut done = std::mem::take(&mut self.done);
         self.copier.poll_done(&mut done);
         let now = Instant::now();
-        for (peer, frame) in frames.drain(..) {
-            moved = true;
-            self.on_control(now, &peer, &frame);
-        }
+        // Commands first: every command queued before the frames above were polled is among
+        // them, and those frames may depend on one -- a WANT proving a registration made just
+        // before its metadata went out, a frame of a peer's new incarnation after the reload
+        // that reclaims the old one.
         for cmd in cmds.drain(..) {
             moved = true;
             self.handle_cmd(now, cmd);
+        }
+        for (peer, frame) in frames.drain(..) {
+            moved = true;
+            self.on_control(now, &peer, &frame);
         }
         for (job, ok) in done.drain(..) {
             moved = true;
@@ -565,6 +579,7 @@ impl Driver {
         s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
         s.dereg_failed.store(core.dereg_failed, Ordering::Relaxed);
+        s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
     fn handle_cmd(&mut self, now: Instant, cmd: Cmd) {
@@ -577,7 +592,15 @@ impl Driver {
                 Stats::bump(&self.shared.stats.bounce_xfers);
                 self.shared.stats.bounce_chunks.fetch_add(chunks, Ordering::Relaxed);
                 self.shared.stats.bounce_bytes.fetch_add(bytes, Ordering::Relaxed);
-                if let Err(e) = self.ep.submit(now, p.xfer, peer, (*p.plan).clone()) {
+                // The transfer's secret (see `Token`): only we and the receiver will know it.
+                let mut secret = [0u8; 16];
+                if let Err(e) = getrandom::fill(&mut secret) {
+                    tracing::warn!(xfer = p.xfer.0, error = %e, "no randomness for a transfer token");
+                    self.complete(p.xfer, Err(XferError::Refused));
+                    return;
+                }
+                let token = Token(u128::from_le_bytes(secret));
+                if let Err(e) = self.ep.submit(now, p.xfer, token, peer, (*p.plan).clone()) {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "bounce submit refused");
                     self.complete(p.xfer, Err(XferError::Refused));
                 }
@@ -602,14 +625,14 @@ impl Driver {
                     self.greeted.insert(name);
                 }
             }
-            Cmd::Registered(a, l) => self.ep.add_registered(a, l),
-            Cmd::Deregister { addr, len, done } => {
+            Cmd::Registered(d, a, l) => self.ep.add_registered(d.reg, d.key, a, l),
+            Cmd::Deregister { reg, addr, len, done } => {
                 // Hand out what the core emitted before it knew (the fence refuses the jobs on
                 // the range), let it fail what uses the range, then lift the fence's mark at
                 // once: the same addresses may be registered again by the next command.
                 // `settle` signals once the jobs already running on the range have ended.
                 let _ = self.drain_actions();
-                self.ep.deregister(now, addr, len);
+                self.ep.deregister(now, reg, addr, len);
                 let _ = self.drain_actions();
                 let range = (addr, addr.saturating_add(len));
                 self.shared.fence.applied(range);
@@ -663,15 +686,16 @@ impl Driver {
             }
             wire::Body::Msg(msg) => msg,
         };
-        let id = match self.shared.peers.admit(peer, frame.session, matches!(&msg, Msg::Want(_))) {
-            Ok(Admitted { peer: id, restarted }) => {
-                if restarted {
-                    tracing::info!(peer, "peer restarted (new session): reclaiming its old state");
-                    self.ep.handle_peer_lost(now, id);
+        // The session must be the one of the peer's loaded metadata; a new one arrives only
+        // through a metadata reload (`Engine::load_conn_info`), never through a frame.
+        let id = match self.shared.peers.admit(peer, frame.session) {
+            Ok(id) => id,
+            Err(e) => {
+                if matches!(e, FrameRefused::StaleSession { .. }) {
+                    self.sessions_forged += 1;
                 }
-                id
+                return self.drop_frame(now, peer, &e);
             }
-            Err(e) => return self.drop_frame(now, peer, &e),
         };
         if let Err(e) = self.ep.handle_msg(now, id, msg) {
             self.drop_frame(now, peer, &e);
@@ -681,9 +705,14 @@ impl Driver {
     /// A PING or PONG of the liveness probe: admitted by the same session and loading rules as
     /// any frame (a PONG of a dead incarnation is stale), then handed to the core.
     fn on_probe(&mut self, now: Instant, peer: &str, frame: wire::ControlFrame) {
-        let id = match self.shared.peers.admit(peer, frame.session, false) {
-            Ok(a) => a.peer,
-            Err(e) => return self.drop_frame(now, peer, &e),
+        let id = match self.shared.peers.admit(peer, frame.session) {
+            Ok(id) => id,
+            Err(e) => {
+                if matches!(e, FrameRefused::StaleSession { .. }) {
+                    self.sessions_forged += 1;
+                }
+                return self.drop_frame(now, peer, &e);
+            }
         };
         match frame.body {
             wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicUsize;
 
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Capabilities, WIRE_VERSION};
-use bounce_proto::{ControlKind, MemKind};
+use bounce_proto::{ControlKind, MemKind, RegKey};
 use memmap2::MmapMut;
 
 use super::*;
@@ -124,21 +124,24 @@ impl Side {
     /// NIXL loaded `other`'s connection info here and its arena into the inner engine.
     fn load(&self, name: &str, other: &Self) {
         let loaded = self.shared.peers.loaded(name, Some(other.caps.clone()), Some(&self.caps));
-        assert_eq!(loaded, bounce_proto::peers::Loaded::Compatible);
+        assert_eq!(loaded, (bounce_proto::peers::Loaded::Compatible, false));
         assert_eq!(self.shared.peers.arena_loaded(name, Some(Md(1))), (true, vec![]));
         self.shared.inbox.push(Cmd::Hello(name.to_owned()));
     }
 
     /// Registers `buf` through this engine (the receiver may scatter into it).
-    fn register(&self, buf: &mut [u8]) {
+    /// Returns the registration's id and key, as its metadata would carry them to a peer.
+    fn register(&self, buf: &mut [u8]) -> Destination {
         let (addr, len) = (buf.as_mut_ptr() as u64, buf.len() as u64);
         self.shared.registry.insert(Md(addr as usize), Registration { addr, len, dev: 0, mem: MemKind::Dram });
-        self.shared.inbox.push(Cmd::Registered(addr, len));
+        let dest = Destination { reg: RegId(addr), key: RegKey([addr as u8; 32]) };
+        self.shared.inbox.push(Cmd::Registered(dest, addr, len));
+        dest
     }
 
     /// Prepares and posts a WRITE of `src[i*2*PIECE..][..PIECE]` to `dst[i*3*PIECE..][..PIECE]`
     /// at `peer`; returns the request handle.
-    fn post(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8]) -> u64 {
+    fn post(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8], dest: Destination) -> u64 {
         let pairs: Vec<DescPair> = (0..PIECES)
             .map(|i| DescPair {
                 src: src.as_ptr() as u64 + (i * 2 * PIECE) as u64,
@@ -151,6 +154,7 @@ impl Side {
             c.direct = None; // the source is not registered here: every chunk is gathered
         }
         assert!(p.chunks.len() >= 4, "the tests need several chunks in flight");
+        p.dests = vec![dest]; // the receiver's registration metadata, as if loaded
         let h = self.shared.requests.insert(peer.to_owned(), p);
         let posted = self.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
         self.shared.inbox.push(Cmd::Submit(posted));
@@ -228,8 +232,8 @@ fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
     let net = MemNet::default();
     let (a, b) = pair(&cfg, &net);
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert_exact(&src, &dst);
     assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
@@ -249,8 +253,8 @@ fn a_lost_data_frame_fails_the_transfer_by_timeout_never_success() {
         if kind(f) == Some("data") && l.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Drop } else { Fate::Deliver }
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Err(XferError::Timeout));
     assert!(lost.load(Ordering::Relaxed) >= 1, "a DATA frame was lost");
     assert!(a.notified.lock().is_empty(), "a failed transfer sends no notification");
@@ -273,8 +277,8 @@ fn a_reordered_data_frame_still_lands_byte_exact() {
         if kind(f) == Some("data") && h2.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Hold } else { Fate::Deliver }
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert!(held.load(Ordering::Relaxed) >= 2, "the first DATA was held behind a later one");
     assert_exact(&src, &dst);
@@ -305,8 +309,8 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
         _ => Fate::Deliver,
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     let deadline = Instant::now() + Duration::from_secs(10);
     while data_sent.load(Ordering::Relaxed) == 0 {
         assert!(Instant::now() < deadline, "no DATA was sent");
@@ -343,8 +347,8 @@ fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counte
         Fate::Deliver
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     let frame = |k: &str| seen.lock().iter().find(|(s, _)| s == k).map(|(_, f)| f.clone()).unwrap();
     let (want, ack) = (frame("want"), frame("ack"));
@@ -407,8 +411,8 @@ fn a_hello_flood_from_invented_names_cannot_lock_a_real_pair_out() {
     }
     assert_eq!(hello_from_b.load(Ordering::Relaxed), 2, "b answered a's HELLO once, no ping-pong");
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert_exact(&src, &dst);
     assert_eq!(a.stat(|s| &s.bounce_ok), 1);
@@ -434,9 +438,9 @@ fn a_peer_gone_silent_mid_transfer_is_declared_dead_by_the_probe() {
         Fate::Deliver
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
+    let dest = b.register(&mut dst);
     let t0 = Instant::now();
-    let h = a.post("b", &cfg, &src, &mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(8)), Err(XferError::PeerLost));
     let took = t0.elapsed();
     assert!(took < Duration::from_millis(2500), "{took:?}");
@@ -483,7 +487,7 @@ fn deregister_async(side: &Side, buf: &[u8]) -> std::thread::JoinHandle<Instant>
     let shared = Arc::clone(&side.shared);
     std::thread::spawn(move || {
         assert!(shared.registry.remove(Md(addr as usize)).is_some());
-        shared.deregister(addr, len);
+        shared.deregister(Some(RegId(addr)), addr, len);
         Instant::now()
     })
 }
@@ -504,8 +508,8 @@ fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
         std::thread::sleep(Duration::from_millis(1));
     }
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let x = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let x = a.post("b", &cfg, &src, &mut dst, dest);
     // b's first scatter into dst is accepted and "running" (held at the gate).
     while held.lock().is_empty() {
         assert!(Instant::now() < deadline, "no scatter reached b's copy engine");
@@ -546,7 +550,8 @@ fn deregistration_with_nothing_running_returns_at_once() {
     let Side { reactor, shared, _arena: arena, .. } = b;
     assert!(reactor.stop(), "nothing was granted: the arena may be handed back");
     let done = Arc::new(Completion::default());
-    let cmd = Cmd::Deregister { addr: other.as_ptr() as u64, len: 4096, done: Some(Signal(Arc::clone(&done))) };
+    let addr = other.as_ptr() as u64;
+    let cmd = Cmd::Deregister { reg: Some(RegId(addr)), addr, len: 4096, done: Some(Signal(Arc::clone(&done))) };
     shared.inbox.push(cmd);
     done.wait(&shared);
     drop(arena);
@@ -569,8 +574,8 @@ fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
         _ => Fate::Deliver,
     });
     let (src, mut dst) = buffers();
-    b.register(&mut dst);
-    let x = a.post("b", &cfg, &src, &mut dst);
+    let dest = b.register(&mut dst);
+    let x = a.post("b", &cfg, &src, &mut dst, dest);
     let deadline = Instant::now() + Duration::from_secs(10);
     while granted.load(Ordering::Relaxed) == 0 {
         assert!(Instant::now() < deadline, "b granted nothing");
@@ -596,12 +601,12 @@ fn memory_deregistered_and_registered_again_at_once_bounces_normally() {
     let net = MemNet::default();
     let (a, b) = pair(&cfg, &net);
     let (mut src, mut dst) = buffers();
-    b.register(&mut dst);
+    let dest = b.register(&mut dst);
     for _ in 0..3 {
         a.register(&mut src);
         deregister_async(&a, &src).join().unwrap();
         a.register(&mut src);
-        let h = a.post("b", &cfg, &src, &mut dst);
+        let h = a.post("b", &cfg, &src, &mut dst, dest);
         assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
         assert_exact(&src, &dst);
         deregister_async(&a, &src).join().unwrap();

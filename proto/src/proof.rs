@@ -1,0 +1,164 @@
+//! Destination proofs (issue 10, item 7): a peer may make us scatter only into registrations
+//! whose public metadata it was given, as with plain UCX, where it can write only where it
+//! holds a remote key.
+//!
+//! Each registration made through BOUNCE has an id and a random [`RegKey`], published only in
+//! that registration's metadata. A sender proves, per destination registration of a transfer,
+//! that it holds the key: its WANT carries a [`Proof`] whose tag is the keyed hash (BLAKE3) of
+//! the transfer's [`Token`] under the key. Tags differ per transfer, so one seen on the wire
+//! proves nothing for another transfer. The receiver checks each proof against its
+//! [`Registrations`] and lets the flow scatter only inside the registrations so proven.
+
+use std::collections::BTreeMap;
+
+use thiserror::Error;
+
+use crate::types::{RegId, RegKey, Token};
+use crate::wire::Proof;
+
+/// Bytes of a proof's tag (a truncated BLAKE3 keyed hash: 128 bits, like the token).
+pub const TAG_LEN: usize = 16;
+
+/// The tag proving possession of `key` for the transfer with `token`.
+pub fn tag(key: &RegKey, token: Token) -> [u8; TAG_LEN] {
+    let hash = blake3::keyed_hash(&key.0, &token.0.to_le_bytes());
+    let mut out = [0; TAG_LEN];
+    out.copy_from_slice(&hash.as_bytes()[..TAG_LEN]);
+    out
+}
+
+/// The proof for `key`'s registration `reg` in the transfer with `token`.
+pub fn prove(reg: RegId, key: &RegKey, token: Token) -> Proof {
+    Proof { reg, tag: tag(key, token) }
+}
+
+/// A destination registration the sender holds the metadata (and so the key) of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Destination {
+    /// The receiver's registration id.
+    pub reg: RegId,
+    /// Its key, from the registration's public metadata.
+    pub key: RegKey,
+}
+
+/// Why a WANT's proofs were refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum BadProof {
+    /// No registration has this id (never, or deregistered since).
+    #[error("unknown registration {}", .0.0)]
+    UnknownRegistration(RegId),
+    /// The tag is not the transfer token's under the registration's key.
+    #[error("wrong tag for registration {}", .0.0)]
+    WrongTag(RegId),
+}
+
+/// One registration: its key and the bytes it covers.
+#[derive(Debug, Clone, Copy)]
+struct Registration {
+    key: RegKey,
+    start: u64,
+    end: u64,
+}
+
+/// The registrations made through this engine, by id: what a flow may prove and scatter into.
+#[derive(Debug, Default, Clone)]
+pub struct Registrations {
+    by_id: BTreeMap<RegId, Registration>,
+}
+
+impl Registrations {
+    /// Records registration `reg` of `[addr, addr + len)` with `key`. An empty or wrapping
+    /// range is ignored (returns false); a repeated id replaces the older entry.
+    pub fn add(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else { return false };
+        self.by_id.insert(reg, Registration { key, start: addr, end });
+        true
+    }
+
+    /// Forgets registration `reg`; true when it was known. Flows that proved it can no longer
+    /// scatter into it.
+    pub fn remove(&mut self, reg: RegId) -> bool {
+        self.by_id.remove(&reg).is_some()
+    }
+
+    /// Checks `proofs` for the transfer with `token`; returns the proven registration ids.
+    ///
+    /// # Errors
+    /// The first [`BadProof`]: then the WANT carrying them is refused as a whole.
+    pub fn verify(&self, token: Token, proofs: &[Proof]) -> Result<Vec<RegId>, BadProof> {
+        proofs
+            .iter()
+            .map(|p| {
+                let r = self.by_id.get(&p.reg).ok_or(BadProof::UnknownRegistration(p.reg))?;
+                let want = tag(&r.key, token);
+                // Compare without an early exit: the time taken says nothing about the tag.
+                let diff = want.iter().zip(&p.tag).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+                if diff == 0 { Ok(p.reg) } else { Err(BadProof::WrongTag(p.reg)) }
+            })
+            .collect()
+    }
+
+    /// True when `[start, end)` lies inside one of the registrations `proven` that still
+    /// exists.
+    pub fn covers(&self, proven: &[RegId], start: u64, end: u64) -> bool {
+        proven.iter().filter_map(|id| self.by_id.get(id)).any(|r| r.start <= start && end <= r.end)
+    }
+
+    /// True when `[start, end)` lies inside any registration recorded now (proven or not): the
+    /// memory is still the application's to be written, whoever proved it.
+    pub fn covers_any(&self, start: u64, end: u64) -> bool {
+        self.by_id.values().any(|r| r.start <= start && end <= r.end)
+    }
+
+    /// Registrations recorded.
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// True when none is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: RegKey = RegKey([7; 32]);
+
+    #[test]
+    fn a_proof_holds_only_for_its_key_and_token() {
+        let mut regs = Registrations::default();
+        assert!(regs.add(RegId(1), KEY, 0x1000, 0x1000));
+        assert!(regs.add(RegId(2), RegKey([8; 32]), 0x4000, 0x1000));
+        let t = Token(42);
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)]), Ok(vec![RegId(1)]));
+        // Another token, another key, another id, a flipped bit: all refused.
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, Token(43))]), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify(t, &[prove(RegId(2), &KEY, t)]), Err(BadProof::WrongTag(RegId(2))));
+        assert_eq!(regs.verify(t, &[prove(RegId(3), &KEY, t)]), Err(BadProof::UnknownRegistration(RegId(3))));
+        let mut p = prove(RegId(1), &KEY, t);
+        p.tag[TAG_LEN - 1] ^= 1;
+        assert_eq!(regs.verify(t, &[p]), Err(BadProof::WrongTag(RegId(1))));
+        // One bad proof among good ones spoils the lot.
+        assert!(regs.verify(t, &[prove(RegId(1), &KEY, t), p]).is_err());
+        assert_ne!(tag(&KEY, t), tag(&KEY, Token(43)), "tags differ per transfer");
+    }
+
+    #[test]
+    fn only_proven_registrations_that_still_exist_are_covered() {
+        let mut regs = Registrations::default();
+        regs.add(RegId(1), KEY, 0x1000, 0x1000);
+        regs.add(RegId(2), KEY, 0x4000, 0x1000);
+        assert!(regs.covers(&[RegId(1)], 0x1000, 0x2000));
+        assert!(!regs.covers(&[RegId(1)], 0x1000, 0x2001), "past its end");
+        assert!(!regs.covers(&[RegId(1)], 0x4000, 0x4010), "registered, not proven");
+        assert!(!regs.covers(&[], 0x1000, 0x1010));
+        assert!(regs.remove(RegId(1)));
+        assert!(!regs.covers(&[RegId(1)], 0x1000, 0x1010), "deregistered since");
+        assert!(!regs.add(RegId(3), KEY, u64::MAX, 2), "a wrapping range is ignored");
+        assert_eq!(regs.len(), 1);
+    }
+}

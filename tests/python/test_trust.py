@@ -1,0 +1,91 @@
+"""A peer may make BOUNCE scatter only where it could write with plain UCX (issue 10, item 7):
+into registrations whose metadata it was given. Real NIXL agents in two processes: the victim
+in hostile_peer.py, the peer in this process.
+
+The peer here is a real BOUNCE agent that loaded the victim's metadata (so its frames pass the
+session rule), but the victim registers a second buffer only afterwards: the peer never gets
+that buffer's metadata, hence never its key. Whatever frames it forges -- a WANT with no proof
+or a made-up one, then DATA for the granted regions aimed at that buffer -- the buffer's bytes
+must not change. A normal WRITE into the buffer whose metadata it does hold still bounces,
+byte-exactly."""
+import base64
+import random
+import time
+
+
+import hostile_peer as hp
+import nixlkit
+from test_failures import SLACK_S, SMALL, TIMEOUT_MS, dump, meta_b64, peer_stats, procs, settle, stats, watchdog  # noqa: F401 (procs: fixture)
+
+MIB = 1 << 20
+ARENA = 4 << 20
+
+
+def pump(ag, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ag.get_new_notifs()
+
+
+def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(procs, tmp_path):
+    v = procs("hostile_peer.py")
+    lay = nixlkit.Scattered(1024, 256, seed=110)  # 1024 x 256 B pieces into the first MiB
+    assert lay.dst_bytes <= MIB
+    with watchdog(90, [v], "trust test"):
+        v.call(op="agent", name="t-victim", params=SMALL)
+        # [0, 1 MiB): registered, its metadata goes to the peer; [1, 2 MiB): registered later.
+        r = v.call(op="buffer", agent="t-victim", size=2 * MIB, seed=111, register=MIB)
+        addr, vmeta = r["addr"], r["meta"]
+        peer = nixlkit.agent("t-peer", params=SMALL)
+        src = nixlkit.pattern(112, lay.src_bytes)
+        nixlkit.register(peer, src)
+        peer.add_remote_agent(base64.b64decode(vmeta))
+        v.call(op="load", agent="t-victim", meta=meta_b64(peer))
+        v.call(op="wait_ready", agent="t-victim", n=1)
+        nixlkit.wait_ready(peer, 1)
+        hidden = addr + MIB
+        v.call(op="register", agent="t-victim", off=MIB, len=MIB)  # the peer never sees this
+        before = nixlkit.pattern(111, 2 * MIB)
+        v0, p0 = peer_stats(v, agent="t-victim"), stats(peer)
+
+        # Forgeries under the peer's real session (it is loaded at the victim).
+        session = hp.session_of(peer.get_agent_metadata())
+        rnd = random.Random(113)
+        made_up = 0
+        for reg in range(1, 9):  # a WANT "proving" the hidden registration by guessing
+            x = 9000 + reg
+            peer.send_notif("t-victim", hp.want(session, x, [64 << 10], token=x,
+                                                proofs=[(reg, rnd.randbytes(16))]))
+            made_up += 1
+        pump(peer, 0.05)
+        unproven = 0
+        for x in range(9100, 9104):  # WANTs proving nothing, then DATA into the hidden buffer
+            peer.send_notif("t-victim", hp.want(session, x, [64 << 10], token=x))
+            pump(peer, 0.03)  # the victim grants one 64 KiB region somewhere in its arena
+            for k in range(ARENA // (64 << 10)):  # one of these names the granted region
+                runs = [(0, hidden + (x - 9100) * (64 << 10), 4096, 1, 0, 0)]
+                peer.send_notif("t-victim", hp.data(session, x, 0, (k * (64 << 10), 64 << 10), runs, token=x))
+            unproven += 1
+            pump(peer, 0.05)
+        v1 = settle(lambda: peer_stats(v, agent="t-victim"), ARENA, TIMEOUT_MS / 1000 + SLACK_S,
+                    "victim after the forged frames")
+        got = dump(v, tmp_path, "forged.bin")
+        nixlkit.assert_same(got, before, "victim buffer after forged frames (hidden half included)")
+        # Every made-up proof was refused as a forgery; every unproven flow's DATA was refused
+        # (answered ACK(Refused), which the peer's own engine drops as unknown).
+        assert v1["control_forged"] - v0["control_forged"] == made_up, (v0, v1)
+        assert v1["control_dropped"] - v0["control_dropped"] >= made_up + unproven, (v0, v1)
+
+        # The buffer whose metadata the peer holds: a normal WRITE still bounces, byte-exact.
+        lo = peer.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+        re = peer.get_xfer_descs(lay.dst_list(addr), "DRAM")
+        h = peer.initialize_xfer("WRITE", lo, re, "t-victim", b"", backends=["BOUNCE"])
+        assert peer.transfer(h) != "ERR"
+        nixlkit.wait_xfer(peer, h, deadline=30)
+        peer.release_xfer_handle(h)
+        p1 = stats(peer)
+        got = dump(v, tmp_path, "honest.bin")
+    assert p1["bounce_ok"] == p0["bounce_ok"] + 1, (p0, p1)
+    assert p1["fallback_unproven"] == p0["fallback_unproven"], (p0, p1)
+    nixlkit.assert_same(got[:lay.dst_bytes], lay.expected(src, before[:lay.dst_bytes]), "proven destination")
+    nixlkit.assert_same(got[lay.dst_bytes:], before[lay.dst_bytes:], "rest of the buffer, hidden half included")
