@@ -169,7 +169,7 @@ def summary(rows, meta, win_below):
         mem_rows = [r for r in bounce if r["mem"] == mem and r["op"] == "WRITE"]
         if mem_rows and all(not r["path"].startswith("bounce") for r in mem_rows):
             out.append(f"- {mem}: every transfer took {', '.join(sorted({r['path'] for r in mem_rows}))}; "
-                       "nothing to derive (no bounce path for this memory yet).")
+                       "nothing to derive (the engines' arena is not of this memory kind: sweep it on its own, --mems VRAM).")
             continue
         for shape in dict.fromkeys(r["shape"] for r in mem_rows):
             ratios, conc = crossover(rows, shape, mem)

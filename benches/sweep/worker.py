@@ -247,6 +247,13 @@ def main():
         op = cmd["op"]
         try:
             if op == "start":
+                if list(cmd["mems"]) == ["VRAM"]:
+                    # As frameworks do: the GPU is current before the agent exists, so BOUNCE's
+                    # arena (bounce_arena_mem=auto) goes to that GPU's memory. A sweep of both
+                    # memory kinds keeps a host arena, and its VRAM points pass through.
+                    import torch
+                    torch.cuda.set_device(cmd.get("gpu", 0))
+                    torch.empty(1, device=f"cuda:{cmd.get('gpu', 0)}")
                 cfg = nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=0,
                                         sync_mode=SYNC[cmd["sync"]])
                 ag = nixl_agent(cmd["name"], cfg)
