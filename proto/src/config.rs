@@ -773,8 +773,8 @@ mod tests {
         assert_eq!((v.arena_mem, v.defaults_for), (ArenaMem::Vram, MemKind::Vram));
         assert_eq!(v.max_chunk_size, 32 * MIB);
         assert_eq!(v.arena_granularity, MIB);
-        assert_eq!(v.min_descriptor_count, 1024);
-        assert_eq!(v.max_average_descriptor_size, 16 * KIB);
+        assert_eq!(v.min_descriptor_count, 256, "the host default: the VRAM sweep found no other crossover");
+        assert_eq!(v.max_average_descriptor_size, 256 * KIB);
         assert_eq!(v.copy_workers, 2, "a value the user set wins over either default");
         // ...or resolved from `auto` by the shell, which builds the config again for VRAM.
         let a = Config::from_params_as(Some(MemKind::Vram), [("bounce_arena_mem", "auto")], |_| None).unwrap();
