@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Unstructured;
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError};
+use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError, WriteSource};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
 use bounce_proto::proof;
@@ -73,6 +73,16 @@ pub enum Op {
     /// XORed with `flip | 1`, or, with `session`, the right token under a session XORed with
     /// `flip | 1`. It must be refused and change nothing.
     Forge { kind: u8, which: u8, flip: u128, session: bool },
+    /// The application deregisters the user range (when registered) or registers it again
+    /// under a new id and key (as the shell issues them). While it is deregistered no gather,
+    /// scatter or direct write may touch it, and no transfer is submitted from it (the shell's
+    /// gate needs the registration).
+    Deregister,
+    /// A remote sender's DATA for the credit at `which` with one strided run of hostile shape:
+    /// `count` copies of `len % 64 KiB + 1` bytes, strides `region_stride` / `addr_stride`,
+    /// starting at `USER_BASE + at % USER_LEN`. Whatever is accepted must copy no more than
+    /// the chunk, inside its region and the registered range.
+    HostileData { which: u8, len: u16, count: u32, region_stride: u32, addr_stride: u32, at: u32 },
 }
 
 /// The agent name of peer `i`, whose loaded capabilities carry session `session_of(i)`.
@@ -80,9 +90,15 @@ fn agent(i: u32) -> String {
     format!("peer-{i}")
 }
 
-/// The one registration (`USER_BASE`, `USER_LEN`) and the key its metadata carries.
+/// The first registration of (`USER_BASE`, `USER_LEN`) and the key its metadata carries; each
+/// registration after a deregistration gets the next id and its own key.
 const REG: RegId = RegId(1);
 const KEY: RegKey = RegKey([0x3c; 32]);
+
+/// The key of registration `reg` (the first is [`KEY`]).
+fn key_of(reg: RegId) -> RegKey {
+    if reg == REG { KEY } else { RegKey([reg.0 as u8 ^ 0x5a; 32]) }
+}
 
 fn session_of(peer: PeerId) -> u64 {
     0x5e55_0000 + u64::from(peer.0)
@@ -124,7 +140,16 @@ impl Op {
     /// Draws one operation. Peer messages are drawn less often than the rest: an arbitrary
     /// message eats many input bytes, and the interesting states need submits and completions.
     fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<Self> {
-        Ok(match u.int_in_range(0u8..=14)? {
+        Ok(match u.int_in_range(0u8..=16)? {
+            15 => Self::Deregister,
+            16 => Self::HostileData {
+                which: u.arbitrary()?,
+                len: u.arbitrary()?,
+                count: u.arbitrary()?,
+                region_stride: u.arbitrary()?,
+                addr_stride: u.arbitrary()?,
+                at: u.arbitrary()?,
+            },
             0 => Self::Msg { from: u.arbitrary()?, msg: u.arbitrary()? },
             1 | 2 => Self::Submit {
                 peer: u.arbitrary()?,
@@ -170,6 +195,8 @@ pub struct Coverage {
     pub data_refused: u64,
     /// Forged frames aimed at live transfers or flows, each refused and counted.
     pub forged: u64,
+    /// Deregistrations of the user range applied.
+    pub deregistrations: usize,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -183,6 +210,13 @@ struct Seen {
     /// DATA our endpoint sent for its own transfers (the chunks an ACK may name).
     sent_data: Vec<(PeerId, XferId, ChunkIdx, Region)>,
     scatters: usize,
+    /// The user range is registered (see [`Op::Deregister`]).
+    registered: bool,
+}
+
+/// Whether `r` touches the user range at all.
+fn touches_user(r: &CopyRun) -> bool {
+    r.addr_span().is_none_or(|(a, b)| a < USER_BASE + USER_LEN && USER_BASE < b)
 }
 
 impl Seen {
@@ -190,10 +224,22 @@ impl Seen {
     fn drain(&mut self, ep: &mut Endpoint) {
         while let Some(a) = ep.poll_action() {
             match a {
-                Action::Gather { job, .. } => self.jobs.push((job, Kind::Gather)),
-                Action::Write { job, .. } => self.jobs.push((job, Kind::Write)),
+                Action::Gather { job, runs, .. } => {
+                    assert!(self.registered || !runs.iter().any(touches_user), "a gather reads deregistered memory");
+                    self.jobs.push((job, Kind::Gather));
+                }
+                Action::Write { job, source, len, .. } => {
+                    if let WriteSource::User { addr } = source {
+                        let touches = addr < USER_BASE + USER_LEN && USER_BASE < addr.saturating_add(len);
+                        assert!(self.registered || !touches, "a direct write reads deregistered memory");
+                    }
+                    self.jobs.push((job, Kind::Write));
+                }
                 Action::Scatter { job, region, runs, .. } => {
+                    assert!(self.registered, "a scatter was emitted while its memory is deregistered");
                     assert!(region.end() <= self.capacity, "scatter of {region:?} outside the arena");
+                    let copied: u64 = runs.iter().map(|r| r.bytes().expect("a validated run has a size")).sum();
+                    assert!(copied <= region.len, "a scatter copies {copied} bytes out of a {region:?}");
                     for r in &runs {
                         let inside = r.region_span().is_some_and(|(_, end)| end <= region.len);
                         assert!(inside, "scatter run {r:?} leaves its region {region:?}");
@@ -256,7 +302,8 @@ pub fn run(data: &[u8]) -> Coverage {
 
     // What the remote senders know: chunk sizes they announced (credits come with `seen`).
     let mut announced: BTreeMap<(PeerId, XferId), Vec<u64>> = BTreeMap::new();
-    let mut seen = Seen { capacity, ..Seen::default() };
+    let mut seen = Seen { capacity, registered: true, ..Seen::default() };
+    let mut reg = REG;
     let done = |ep: &mut Endpoint, now: Instant, (job, kind): (JobId, Kind), ok: bool| match kind {
         Kind::Gather => ep.handle_gather_done(now, job, ok),
         Kind::Write => ep.handle_write_done(now, job, ok),
@@ -269,6 +316,7 @@ pub fn run(data: &[u8]) -> Coverage {
             Op::Msg { from, msg } => {
                 let _ = ep.handle_msg(now, PeerId(u32::from(from % 3)), msg);
             }
+            Op::Submit { .. } if !seen.registered => {}
             Op::Submit { peer, descs, size, packed } => {
                 let n = u64::from(descs % 64) + 1;
                 let len = u64::from(size % 8192) + 1;
@@ -301,7 +349,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(1000 + u64::from(xfer)));
                 let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
-                let proofs = vec![proof::prove(REG, &KEY, token)];
+                let proofs = vec![proof::prove(reg, &key_of(reg), token)];
                 let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone(), proofs });
                 if ep.handle_msg(now, peer, want).is_ok() {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
@@ -317,6 +365,34 @@ pub fn run(data: &[u8]) -> Coverage {
                         let data = Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] });
                         let _ = ep.handle_msg(now, peer, data);
                     }
+                }
+            }
+            Op::Deregister => {
+                if seen.registered {
+                    // Flush what the endpoint emitted before it learns (the shell's fence does
+                    // the same: jobs handed out before the deregistration are waited for).
+                    seen.drain(&mut ep);
+                    ep.deregister(now, Some(reg), USER_BASE, USER_LEN);
+                    cov.deregistrations += 1;
+                } else {
+                    reg = RegId(reg.0 + 1);
+                    ep.add_registered(reg, key_of(reg), USER_BASE, USER_LEN);
+                }
+                seen.registered = !seen.registered;
+            }
+            Op::HostileData { which, len, count, region_stride, addr_stride, at } => {
+                if !seen.credits.is_empty() {
+                    let (peer, xfer, chunk, region) = seen.credits.swap_remove(usize::from(which) % seen.credits.len());
+                    let run = CopyRun {
+                        region_off: 0,
+                        addr: USER_BASE + u64::from(at) % USER_LEN,
+                        len: u64::from(len % u16::MAX) + 1,
+                        count,
+                        region_stride: u64::from(region_stride),
+                        addr_stride: u64::from(addr_stride),
+                    };
+                    let token = remote_token(peer, xfer);
+                    let _ = ep.handle_msg(now, peer, Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] }));
                 }
             }
             Op::Forge { kind, which, flip, session } => {

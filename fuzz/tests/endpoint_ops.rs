@@ -13,6 +13,7 @@ fn random_operation_sequences_keep_every_invariant() {
         total.scatters += c.scatters;
         total.data_refused += c.data_refused;
         total.forged += c.forged;
+        total.deregistrations += c.deregistrations;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
@@ -22,4 +23,6 @@ fn random_operation_sequences_keep_every_invariant() {
     assert!(total.scatters > 1_000 && total.data_refused > 100, "{total:?}");
     // Forged tokens and sessions really hit live transfers and flows (and each was refused).
     assert!(total.forged > 1_000, "{total:?}");
+    // The user range really is deregistered (and registered again) under live transfers.
+    assert!(total.deregistrations > 1_000, "{total:?}");
 }
