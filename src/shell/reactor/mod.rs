@@ -956,13 +956,8 @@ impl Driver {
     /// grants we gave out to come back (DATA, cancels, reclaims). True when none is left.
     fn close(&mut self) -> bool {
         let now = Instant::now();
-        self.stopping = true;
         self.ep.close(now);
-        let _ = self.drain_actions();
-        for w in std::mem::take(&mut self.queued_writes) {
-            self.ep.handle_write_done(now, w.job, false);
-        }
-        let _ = self.drain_actions();
+        self.stop_posting(now);
         let _ = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.writes.is_empty());
         let goodbye = wire::encode_goodbye(self.session);
         for name in std::mem::take(&mut self.greeted) {
@@ -978,6 +973,17 @@ impl Driver {
             );
         }
         quiet
+    }
+
+    /// From now on no write is posted: carries out what the core emitted, failing every write
+    /// it queued instead of posting it.
+    fn stop_posting(&mut self, now: Instant) {
+        self.stopping = true;
+        let _ = self.drain_actions();
+        for w in std::mem::take(&mut self.queued_writes) {
+            self.ep.handle_write_done(now, w.job, false);
+        }
+        let _ = self.drain_actions();
     }
 
     /// Keeps the loop going (frames, commands, completions; writes are no longer posted) until
@@ -1001,13 +1007,8 @@ impl Driver {
     /// peer arena; true when every write ended (none was released in flight).
     fn shutdown(&mut self) -> bool {
         let now = Instant::now();
-        self.stopping = true;
         self.ep.shutdown(now);
-        let _ = self.drain_actions();
-        for w in std::mem::take(&mut self.queued_writes) {
-            self.ep.handle_write_done(now, w.job, false);
-        }
-        let _ = self.drain_actions();
+        self.stop_posting(now);
         // Writes may still read the arena: wait for them (bounded), then release.
         let deadline = Instant::now() + Duration::from_secs(5);
         while !self.writes.is_empty() && Instant::now() < deadline {

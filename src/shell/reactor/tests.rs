@@ -226,6 +226,31 @@ fn kind(frame: &[u8]) -> Option<&'static str> {
     })
 }
 
+/// Drops every ACK on `net` (so no transfer can finish on its own) and counts the frames of
+/// kind `counted`; returns the count.
+fn drop_acks_counting(net: &MemNet, counted: &'static str) -> Arc<AtomicUsize> {
+    let seen = Arc::new(AtomicUsize::new(0));
+    let s = Arc::clone(&seen);
+    net.set_fault(move |_, _, f| match kind(f) {
+        Some("ack") => Fate::Drop,
+        Some(k) if k == counted => {
+            s.fetch_add(1, Ordering::Relaxed);
+            Fate::Deliver
+        }
+        _ => Fate::Deliver,
+    });
+    seen
+}
+
+/// Waits (at most 10 s) until `count` is non-zero.
+fn wait_nonzero(count: &AtomicUsize, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while count.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
     let cfg = config("10000");
@@ -298,24 +323,11 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
         a.stat(|s| &s.arena_free_bytes)
     };
     // The receiver's ACKs never arrive: the transfer cannot finish on its own.
-    let data_sent = Arc::new(AtomicUsize::new(0));
-    let d = Arc::clone(&data_sent);
-    net.set_fault(move |_, _, f| match kind(f) {
-        Some("ack") => Fate::Drop,
-        Some("data") => {
-            d.fetch_add(1, Ordering::Relaxed);
-            Fate::Deliver
-        }
-        _ => Fate::Deliver,
-    });
+    let data_sent = drop_acks_counting(&net, "data");
     let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while data_sent.load(Ordering::Relaxed) == 0 {
-        assert!(Instant::now() < deadline, "no DATA was sent");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_nonzero(&data_sent, "no DATA was sent");
     let lost_at = Instant::now();
     a.shared.peers.lost("b");
     a.shared.inbox.push(Cmd::PeerLost("b".to_owned()));
@@ -323,6 +335,7 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
     assert!(lost_at.elapsed() < Duration::from_secs(5), "failed by the loss, not by the 60 s timeout");
     assert!(a.shared.peers.bounce_arena("b").is_none());
     // Every staging region comes back once the gathers and writes in flight have ended.
+    let deadline = Instant::now() + Duration::from_secs(10);
     while a.stat(|s| &s.arena_free_bytes) != free_before || a.stat(|s| &s.arena_orphans) != 0 {
         assert!(Instant::now() < deadline, "the arena was not reclaimed");
         std::thread::sleep(Duration::from_millis(1));
@@ -563,24 +576,11 @@ fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     let net = MemNet::default();
     let (a, b) = pair(&cfg, &net);
     // b never ACKs: a's transfer can only end by b going away.
-    let granted = Arc::new(AtomicUsize::new(0));
-    let g = Arc::clone(&granted);
-    net.set_fault(move |_, _, f| match kind(f) {
-        Some("ack") => Fate::Drop,
-        Some("grant") => {
-            g.fetch_add(1, Ordering::Relaxed);
-            Fate::Deliver
-        }
-        _ => Fate::Deliver,
-    });
+    let granted = drop_acks_counting(&net, "grant");
     let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let x = a.post("b", &cfg, &src, &mut dst, dest);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while granted.load(Ordering::Relaxed) == 0 {
-        assert!(Instant::now() < deadline, "b granted nothing");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_nonzero(&granted, "b granted nothing");
     let closed_at = Instant::now();
     let Side { reactor, _arena: arena, .. } = b;
     // a retracts the credits b gave it once its writes ended: b's arena may be handed back.
