@@ -903,19 +903,7 @@ pub(crate) mod tests {
         assert_eq!(ep.peers().hints(), MAX_HELLO_HINTS, "bounded");
         assert!(!ep.peers().is_reachable("a"), "its hint was evicted");
         assert!(drain(&mut ep).is_empty() && ep.stats().frames_refused == 0);
-        let caps = wire::Capabilities {
-            wire_version: wire::WIRE_VERSION.into(),
-            control: crate::types::ControlKind::Ucx,
-            mem: crate::types::MemKind::Dram,
-            arena_base: 0,
-            arena_len: 32 * KIB,
-            arena_dev: 0,
-            usable_capacity: 32 * KIB,
-            max_chunk: CHUNK,
-            session: 1,
-            arena_key: vec![1],
-            endpoint: Vec::new(),
-        };
+        let caps = wire::Capabilities { arena_key: vec![1], ..caps(1) };
         ep.peers_mut().load_conn_info("a", Some(caps.clone()), Some(&caps));
         ep.peers_mut().arena_loaded("a", true);
         let id = ep.peers().lookup("a").unwrap();
