@@ -223,3 +223,54 @@ fn slow_but_live_peers_are_probed_and_never_declared_dead() {
         }
     });
 }
+
+/// Runs senders into one receiver whose copy jobs take up to `job_max`, with or without lost
+/// frames, and checks the end state: no SUCCESS with wrong bytes, no byte outside a destination
+/// changed, every arena whole. The harness also asserts, at the moment each write lands, that
+/// the receiver still holds that region for that flow.
+fn slow_jobs_against_reclaims(seeds: std::ops::Range<u64>, job_max: Duration) {
+    for_seeds(seeds, |seed| {
+        let rng = &mut scenario_rng(seed);
+        let senders = rng.random_range(1..=3);
+        let cfg = sim_config(8192, rng.random_range(1..=3), rng.random_bool(0.5));
+        let knobs = Knobs {
+            fifo: rng.random_bool(0.5),
+            job_delay: (us(1), job_max),
+            drop_p: if rng.random_bool(0.5) { 0.02 } else { 0.0 },
+            ..Knobs::default()
+        };
+        let mut sim = Sim::new(senders + 1, &cfg, knobs, seed);
+        for from in 1..=senders {
+            for _ in 0..sim.rng().random_range(1..=3) {
+                let bytes = sim.rng().random_range(1..=20_000);
+                let at = us(sim.rng().random_range(0..2_000));
+                sim.add_xfer(from, 0, bytes, at);
+            }
+        }
+        sim.drive_bounded(2_000_000);
+        sim.check_settled();
+    });
+}
+
+/// Copy jobs up to 2 ms against a 10 ms request timeout (a silent flow is reclaimed after
+/// 5 ms; the sender posts a write only within 2.5 ms of its credit): scatters finish for flows
+/// already reclaimed, frames are lost, transfers time out, yet none reports SUCCESS with wrong
+/// bytes and no write lands in a region its flow no longer holds (issue 10, tests).
+#[test]
+fn slow_jobs_within_the_write_bound_never_yield_success_with_wrong_bytes() {
+    slow_jobs_against_reclaims(0..40, Duration::from_millis(2));
+}
+
+/// KNOWN HOLE (issue 10, left open): the receiver reclaims a silent flow's regions after half
+/// the request timeout, which is safe only while every write lands within a quarter of it
+/// (the sender posts within the first quarter). A write that takes longer (here up to 8 ms
+/// against 10 ms; on a fabric, a stall longer than 7.5 s under the default 30 s timeout) lands
+/// in a region already reclaimed, which may by then be granted to another flow: the harness
+/// stops at "write into ... which the flow no longer holds" (seed 0). Fixing it means keeping a
+/// reclaimed region out of the free pool until the sender's cancel (sent only after its writes
+/// ended) or the peer's loss; until then this test documents the failure.
+#[test]
+#[ignore = "documents a known hole: writes slower than a quarter request_timeout (issue 10)"]
+fn writes_slower_than_the_bound_land_in_reclaimed_regions() {
+    slow_jobs_against_reclaims(0..40, Duration::from_millis(8));
+}
