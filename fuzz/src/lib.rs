@@ -42,7 +42,7 @@ use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError, WriteSource
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
 use bounce_proto::proof;
-use bounce_proto::wire::{Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Msg, Want};
+use bounce_proto::wire::{Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Want};
 use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 
 /// One thing that can happen to an endpoint.
@@ -67,9 +67,9 @@ pub enum Op {
     /// DATA: one run of the chunk's bytes to `USER_BASE - 4 KiB + at % (USER_LEN + 8 KiB)`,
     /// so some destinations cross the registered range's edges.
     RemoteData { which: u8, at: u32 },
-    /// A forged frame aimed at live state: kind `kind % 6` (GRANT, ACK(Scattered) for one of
+    /// A forged frame aimed at live state: kind `kind % 7` (GRANT, ACK(Scattered) for one of
     /// our transfers; DATA for a granted region, cancel, WANT for a remote flow; a new WANT
-    /// whose destination proof was made for another token) with the right ids and a token
+    /// whose destination proof was made for another token; a KEEP for a granted flow) with the right ids and a token
     /// XORed with `flip | 1`, or, with `session`, the right token under a session XORed with
     /// `flip | 1`. It must be refused and change nothing.
     Forge { kind: u8, which: u8, flip: u128, session: bool },
@@ -431,11 +431,11 @@ pub fn run(data: &[u8]) -> Coverage {
 /// cancel or WANT for a remote flow we granted. `None` when there is no such state yet.
 fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8, which: u8) -> Option<(PeerId, Msg)> {
     let pick = |n: usize| usize::from(which) % n;
-    Some(match kind % 6 {
+    Some(match kind % 7 {
         0 | 1 if !seen.sent_data.is_empty() => {
             let (peer, xfer, chunk, region) = seen.sent_data[pick(seen.sent_data.len())];
             let token = our_token(xfer);
-            let msg = if kind.is_multiple_of(6) {
+            let msg = if kind.is_multiple_of(7) {
                 Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region }] })
             } else {
                 Msg::Ack(Ack { xfer, token, chunk, region, status: AckStatus::Scattered })
@@ -451,7 +451,7 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
         3 | 4 if !announced.is_empty() => {
             let (&(peer, xfer), sizes) = announced.iter().nth(pick(announced.len()))?;
             let token = remote_token(peer, xfer);
-            let chunks = if kind % 6 == 3 { Vec::new() } else { sizes[..1].to_vec() };
+            let chunks = if kind % 7 == 3 { Vec::new() } else { sizes[..1].to_vec() };
             (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks, proofs: Vec::new() }))
         }
         5 => {
@@ -461,6 +461,11 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             let token = remote_token(peer, xfer);
             let proofs = vec![proof::prove(REG, &KEY, token)];
             (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: vec![4096], proofs }))
+        }
+        6 if !seen.credits.is_empty() => {
+            // A KEEP for a granted flow: with its token it would hold the reclaim off.
+            let (peer, xfer, _, _) = seen.credits[pick(seen.credits.len())];
+            (peer, Msg::Keep(Keep { xfer, token: remote_token(peer, xfer) }))
         }
         _ => return None,
     })
@@ -479,6 +484,7 @@ fn refuse_forgery(ep: &mut Endpoint, now: Instant, peer: PeerId, mut msg: Msg, f
             Msg::Grant(m) => m.token = forged,
             Msg::Data(m) => m.token = forged,
             Msg::Ack(m) => m.token = forged,
+            Msg::Keep(m) => m.token = forged,
         }
     }
     let xfer = msg.xfer();

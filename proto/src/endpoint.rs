@@ -73,12 +73,14 @@ macro_rules! ctx {
 ///   frees a region a write may still land in.
 /// - Peer input never panics; bad input is a [`ProtocolError`] and changes nothing unsafely.
 ///
-/// Receiver-side staleness: a remote flow holding granted regions without WANT, DATA or a new
-/// grant for half the `request_timeout` is reclaimed (its sender is presumed dead or stuck), so
-/// a long-running receiver never leaks regions and a silent peer cannot hold the arena long
-/// enough to time out everyone else's transfers. The sender only posts a write within a
-/// quarter `request_timeout` of receiving its credit, which leaves the write another quarter
-/// to land before the region can be granted again.
+/// Receiver-side staleness: a remote flow holding granted regions without WANT, DATA, KEEP or a
+/// new grant for half the `request_timeout` is reclaimed (its sender is presumed dead or
+/// stuck), so a long-running receiver never leaks regions and a silent peer cannot hold the
+/// arena long enough to time out everyone else's transfers. The sender only posts a write
+/// within a quarter `request_timeout` of receiving its credit, and while a write of its is in
+/// flight for longer than an eighth it sends the flow a KEEP every eighth ([`wire::Keep`]), so
+/// a slow write never lands in a region reclaimed (and granted again) under it; a sender that
+/// is truly silent sends none. A dead one is declared so by the liveness probe.
 #[derive(Debug)]
 pub struct Endpoint {
     sched: CreditScheduler,
@@ -202,6 +204,7 @@ impl Endpoint {
             wire::Msg::Data(m) => self.receiver.handle_data(&mut ctx, from, m),
             wire::Msg::Grant(m) => self.sender.handle_grant(&mut ctx, from, m),
             wire::Msg::Ack(m) => self.sender.handle_ack(&mut ctx, from, m),
+            wire::Msg::Keep(m) => self.receiver.handle_keep(&mut ctx, from, m),
         };
         if let Err(e) = &r {
             // The shell logs the returned error at `warn`; this is for core-level traces.

@@ -444,6 +444,8 @@ pub struct Stats {
     /// Transfers failed and scatters answered ACK(Failed) because the application deregistered
     /// memory they touch.
     pub dereg_failed: u64,
+    /// KEEPs sent for writes still in flight (see [`crate::wire::Keep`]).
+    pub keeps_sent: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

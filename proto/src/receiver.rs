@@ -18,7 +18,7 @@ use crate::proof::Registrations;
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token};
-use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Want};
+use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
 /// and scheduler state until it ends; without a cap a peer could grow that state without
@@ -254,6 +254,23 @@ impl Receiver {
             }
         }
         debug!(peer = from.0, xfer = want.xfer.0, chunks = self.flows[&key].chunks.len(), "flow wants");
+        Ok(())
+    }
+
+    /// A KEEP: one of the sender's writes into this flow's regions is still in flight, so the
+    /// flow is not silent: its deadline moves on (the timer re-arms when it fires). A KEEP
+    /// for a flow that is gone is late and ignored; one with the wrong token is forged.
+    pub(crate) fn handle_keep(&mut self, ctx: &mut Ctx<'_>, from: PeerId, keep: Keep) -> Result<(), ProtocolError> {
+        let key = FlowKey { peer: from, xfer: keep.xfer };
+        let Some(flow) = self.flows.get_mut(&key) else {
+            trace!(peer = from.0, xfer = keep.xfer.0, "KEEP for an unknown flow ignored");
+            return Ok(());
+        };
+        if flow.token != keep.token {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: keep.xfer });
+        }
+        flow.deadline = ctx.now + self.idle_timeout;
         Ok(())
     }
 
@@ -860,6 +877,32 @@ mod tests {
         ep.handle_scatter_done(t, s[0].0, false);
         assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Failed)]);
         assert_eq!(ep.stats().scatters_failed, 1);
+    }
+
+    #[test]
+    fn keeps_hold_off_the_reclaim_of_a_flow_whose_write_is_slow_and_a_forged_one_does_not() {
+        let u = TIMEOUT / 4;
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        let keep = |token| Msg::Keep(wire::Keep { xfer: X, token });
+        // The sender's write of chunk 0 is slow: it sends a KEEP every eighth of the timeout.
+        for k in 1..=8u32 {
+            let at = t + TIMEOUT * k / 8;
+            ep.handle_timeout(at);
+            ep.handle_msg(at, PEER, keep(TOKEN)).unwrap();
+        }
+        assert_eq!(ep.stats().flows_timed_out, 0, "a flow kept alive is not reclaimed");
+        // A KEEP with another token is forged: counted, and it holds nothing off.
+        let forged = ep.handle_msg(t + TIMEOUT, PEER, keep(Token(TOKEN.0 ^ 1)));
+        assert!(matches!(forged, Err(ProtocolError::WrongToken { .. })), "{forged:?}");
+        assert_eq!(ep.stats().control_forged, 1);
+        // The write lands; the region is still the flow's.
+        ep.handle_msg(t + TIMEOUT, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        assert_eq!(scatters(&drain(&mut ep)).len(), 1);
+        // Silent from here: reclaimed half a timeout after its last frame.
+        ep.handle_timeout(t + TIMEOUT + 2 * u);
+        drain(&mut ep);
+        assert_eq!(ep.stats().flows_timed_out, 1);
     }
 
     #[test]

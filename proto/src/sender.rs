@@ -164,6 +164,22 @@ pub struct Sender {
     /// finds the arena full (see the type docs).
     reserve: Option<Region>,
     shutting_down: bool,
+    /// Writes posted and not yet done (of live and of failed transfers): while one outlasts
+    /// `keep_every`, its flow gets a KEEP every `keep_every` (see [`wire::Keep`]).
+    writes: BTreeMap<JobId, WriteInFlight>,
+    /// When the next round of KEEPs is due; `None` with no write in flight.
+    next_keep: Option<Instant>,
+    /// An eighth of the request timeout: the receiver reclaims a flow silent for half of it.
+    keep_every: Duration,
+}
+
+/// A write in flight, as KEEPs need it.
+#[derive(Debug, Clone, Copy)]
+struct WriteInFlight {
+    peer: PeerId,
+    xfer: XferId,
+    token: Token,
+    posted: Instant,
 }
 
 impl Sender {
@@ -185,6 +201,9 @@ impl Sender {
             finished_order: VecDeque::new(),
             reserve: None,
             shutting_down: false,
+            writes: BTreeMap::new(),
+            next_keep: None,
+            keep_every: config.request_timeout / 8,
         }
     }
 
@@ -229,7 +248,7 @@ impl Sender {
     }
 
     pub(crate) fn next_timeout(&self) -> Option<Instant> {
-        self.timers.next()
+        [self.timers.next(), self.next_keep].into_iter().flatten().min()
     }
 
     pub(crate) fn submit(
@@ -425,6 +444,10 @@ impl Sender {
     }
 
     pub(crate) fn handle_write_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        self.writes.remove(&job);
+        if self.writes.is_empty() {
+            self.next_keep = None;
+        }
         let Some((r, x)) = self.finished_job(ctx, job, JobKind::Write) else { return };
         let Stage::Writing { source, credit, .. } = x.stages[r.chunk] else {
             return internal_error("write done for a chunk not writing", &r.chunk);
@@ -497,6 +520,9 @@ impl Sender {
 
     pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
         let now = ctx.now;
+        if self.next_keep.is_some_and(|t| t <= now) {
+            self.send_keeps(ctx);
+        }
         while let Some(id) = self.timers.pop_due(now) {
             let Some(x) = self.xfers.get_mut(&id) else {
                 continue;
@@ -624,7 +650,27 @@ impl Sender {
         let len = x.plan.chunks[i].bytes;
         trace!(xfer = id.0, chunk = i, ?source, remote = %credit.region, len, "write");
         ctx.push(Action::Write { job, xfer: id, peer: x.peer, source, remote: credit.region, len });
+        self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token, posted: ctx.now });
+        if self.next_keep.is_none() && !self.keep_every.is_zero() {
+            self.next_keep = Some(ctx.now + self.keep_every);
+        }
         Ok(())
+    }
+
+    /// One round of KEEPs: one per flow with a write in flight for at least `keep_every`, so
+    /// the receiver does not reclaim a region a slow write may still land in. Re-armed while
+    /// any write is in flight.
+    fn send_keeps(&mut self, ctx: &mut Ctx<'_>) {
+        let now = ctx.now;
+        let mut kept = BTreeSet::new();
+        for w in self.writes.values() {
+            if w.posted + self.keep_every <= now && kept.insert((w.peer, w.xfer)) {
+                trace!(peer = w.peer.0, xfer = w.xfer.0, "write still in flight: KEEP");
+                ctx.push(Action::Send { peer: w.peer, msg: wire::Keep { xfer: w.xfer, token: w.token }.into() });
+            }
+        }
+        ctx.stats.keeps_sent += kept.len() as u64;
+        self.next_keep = (!self.writes.is_empty()).then(|| now + self.keep_every);
     }
 
     /// Removes a reported job: a live one is returned; an orphan is released here.
@@ -1298,6 +1344,33 @@ mod tests {
     }
 
     #[test]
+    fn a_write_in_flight_past_an_eighth_of_the_timeout_sends_keeps_until_it_is_done() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        let w = direct_write_granted(&mut ep, t, 2);
+        let keeps = |acts: &[Action]| {
+            msgs(acts).iter().filter(|(_, m)| matches!(m, Msg::Keep(k) if k.xfer == X && k.token == TOKEN)).count()
+        };
+        // Not yet: a write younger than an eighth of the timeout needs no KEEP.
+        assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT / 8));
+        ep.handle_timeout(t + TIMEOUT / 16);
+        assert_eq!(keeps(&drain(&mut ep)), 0);
+        // Then one per round (one per flow, however many of its writes are in flight).
+        ep.handle_timeout(t + TIMEOUT / 8);
+        assert_eq!(keeps(&drain(&mut ep)), 1);
+        ep.handle_timeout(t + TIMEOUT / 4);
+        assert_eq!(keeps(&drain(&mut ep)), 1);
+        assert_eq!(ep.stats().keeps_sent, 2);
+        // Done: no more rounds.
+        for (job, ..) in w {
+            ep.handle_write_done(t + TIMEOUT / 4, job, true);
+        }
+        drain(&mut ep);
+        ep.handle_timeout(t + TIMEOUT * 3 / 8);
+        assert_eq!(keeps(&drain(&mut ep)), 0);
+        assert_eq!(ep.stats().keeps_sent, 2);
+    }
+
+    #[test]
     fn a_direct_transfer_times_out_and_cancels_after_its_write_finishes() {
         let (mut ep, t) = endpoint(64 * KIB, 2, true);
         let w = direct_write_granted(&mut ep, t, 2);
@@ -1305,7 +1378,8 @@ mod tests {
         ep.handle_timeout(t + TIMEOUT);
         let acts = drain(&mut ep);
         assert_eq!(completes(&acts), vec![(X, Err(XferError::Timeout))]);
-        assert!(msgs(&acts).is_empty());
+        // No cancel while the write may still land; KEEPs tell the receiver it is in flight.
+        assert!(msgs(&acts).iter().all(|(_, m)| matches!(m, Msg::Keep(_))), "{:?}", msgs(&acts));
         ep.handle_write_done(t + TIMEOUT, w[0].0, false);
         assert!(is_cancel(&msgs(&drain(&mut ep))[0].1, X));
         assert!(ep.is_idle());

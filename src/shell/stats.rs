@@ -80,6 +80,9 @@ counters! {
     /// Transfers failed and scatters answered as failed because the application deregistered
     /// memory they touch (the core's count).
     dereg_failed,
+    /// KEEPs sent: one of our writes into a peer's region was still in flight after an eighth
+    /// of the request timeout (the core's count).
+    keeps_sent,
 }
 
 impl Stats {

@@ -36,6 +36,8 @@ pub(super) const KIND_WANT: u8 = 1;
 pub(super) const KIND_GRANT: u8 = 2;
 pub(super) const KIND_DATA: u8 = 3;
 pub(super) const KIND_ACK: u8 = 4;
+/// A KEEP: a sender's write into the flow's region is still in flight (see [`Keep`]).
+pub(super) const KIND_KEEP: u8 = 9;
 /// A HELLO frame: header only (see [`Body::Hello`]).
 pub(super) const KIND_HELLO: u8 = 5;
 /// A PING frame: header and a nonce (see [`Body::Ping`]).
@@ -187,6 +189,19 @@ pub struct Ack {
     pub status: AckStatus,
 }
 
+/// A sender's notice that a write into a region of the flow is still in flight: the receiver
+/// must not reclaim the flow's regions as silent meanwhile (a write landing after the reclaim
+/// could hit a region granted to another flow). Sent while a write outlasts an eighth of the
+/// request timeout, again every eighth; a sender that is silent sends none and is reclaimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Keep {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The flow's token.
+    pub token: Token,
+}
+
 /// A control message.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
@@ -199,6 +214,8 @@ pub enum Msg {
     Data(Data),
     /// Receiver → sender: chunk scattered (or not).
     Ack(Ack),
+    /// Sender → receiver: a write into the flow's region is still in flight.
+    Keep(Keep),
 }
 
 impl From<Want> for Msg {
@@ -225,6 +242,12 @@ impl From<Ack> for Msg {
     }
 }
 
+impl From<Keep> for Msg {
+    fn from(m: Keep) -> Self {
+        Self::Keep(m)
+    }
+}
+
 impl Msg {
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
@@ -239,6 +262,7 @@ impl Msg {
             Self::Grant(m) => m.xfer,
             Self::Data(m) => m.xfer,
             Self::Ack(m) => m.xfer,
+            Self::Keep(m) => m.xfer,
         }
     }
 
@@ -249,6 +273,7 @@ impl Msg {
             Self::Grant(m) => m.token,
             Self::Data(m) => m.token,
             Self::Ack(m) => m.token,
+            Self::Keep(m) => m.token,
         }
     }
 
@@ -260,6 +285,7 @@ impl Msg {
             Self::Grant(_) => "GRANT",
             Self::Data(_) => "DATA",
             Self::Ack(_) => "ACK",
+            Self::Keep(_) => "KEEP",
         }
     }
 
@@ -269,6 +295,7 @@ impl Msg {
             Self::Grant(_) => KIND_GRANT,
             Self::Data(_) => KIND_DATA,
             Self::Ack(_) => KIND_ACK,
+            Self::Keep(_) => KIND_KEEP,
         }
     }
 
@@ -319,6 +346,7 @@ impl Msg {
                     return Err(WireError::Invalid { what: "zero-length region in ACK" });
                 }
             }
+            Self::Keep(_) => {}
         }
         Ok(())
     }
@@ -546,6 +574,10 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.region(&m.region);
             w.u8(ack_tag(m.status));
         }
+        Msg::Keep(m) => {
+            w.u64(m.xfer.0);
+            w.token(m.token);
+        }
     }
 }
 
@@ -591,6 +623,7 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
             region: r.region()?,
             status: ack_from_tag(r.u8()?)?,
         }),
+        KIND_KEEP => Msg::Keep(Keep { xfer: XferId(r.u64()?), token: r.token()? }),
         got => return Err(WireError::UnknownKind { got }),
     })
 }

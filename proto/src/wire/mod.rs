@@ -37,7 +37,7 @@ pub use caps::{Capabilities, Incompatible};
 pub use codec::{MAX_BLOB, Result, WireError};
 pub use envelope::{ConnEnvelope, ENVELOPE_MAGIC, ENVELOPE_VERSION};
 pub use frame::{
-    Ack, AckStatus, Body, ControlFrame, Credit, Data, Frame, Grant, HEADER_LEN, MAGIC, MAX_CHUNKS_PER_WANT,
+    Ack, AckStatus, Body, ControlFrame, Credit, Data, Frame, Grant, HEADER_LEN, Keep, MAGIC, MAX_CHUNKS_PER_WANT,
     MAX_CREDITS, MAX_FRAME_LEN, MAX_PROOFS, MAX_RUNS, Msg, Proof, WIRE_VERSION, Want, decode_hello, encode_goodbye,
     encode_hello, is_control_frame,
 };

@@ -231,8 +231,8 @@ fn control_frames_share_the_frame_codec_and_carry_hello() {
     longer.push(0);
     assert_eq!(ControlFrame::decode(&longer), Err(WireError::TrailingBytes { n: 1 }));
     let mut unknown = hello.to_vec();
-    unknown[7] = 9; // 6 is GOODBYE (7 and 8 are taken too)
-    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 9 }));
+    unknown[7] = 10; // 6 is GOODBYE (7, 8 and 9 are taken too)
+    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 10 }));
     let mut future = hello.to_vec();
     future[6] = WIRE_VERSION + 1;
     assert!(matches!(ControlFrame::decode(&future), Err(WireError::UnsupportedVersion { .. })));
@@ -641,4 +641,15 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
     // Tight: the cap is the longest DATA plus the headroom (a run's address delta may encode
     // one byte shorter here), so it refuses nothing legal and little more.
     assert!(data + 4096 + MAX_RUNS as usize >= MAX_FRAME_LEN, "{data}");
+}
+
+/// A KEEP is the header, the transfer id and the token, nothing else, and decodes back.
+#[test]
+fn a_keep_is_header_xfer_and_token() {
+    let keep = Frame { session: 7, msg: Msg::Keep(Keep { xfer: XferId(0x2a), token: Token(0xfeed) }) };
+    let bytes = keep.to_vec();
+    assert_eq!(bytes.len(), HEADER_LEN + 8 + 16);
+    assert_eq!(bytes[7], 9, "kind byte");
+    assert_eq!(Frame::decode(&bytes), Ok(keep));
+    assert!(Frame::decode(&bytes[..bytes.len() - 1]).is_err(), "a truncated KEEP is refused");
 }

@@ -261,16 +261,13 @@ fn slow_jobs_within_the_write_bound_never_yield_success_with_wrong_bytes() {
     slow_jobs_against_reclaims(0..40, Duration::from_millis(2));
 }
 
-/// KNOWN HOLE (issue 10, left open): the receiver reclaims a silent flow's regions after half
-/// the request timeout, which is safe only while every write lands within a quarter of it
-/// (the sender posts within the first quarter). A write that takes longer (here up to 8 ms
-/// against 10 ms; on a fabric, a stall longer than 7.5 s under the default 30 s timeout) lands
-/// in a region already reclaimed, which may by then be granted to another flow: the harness
-/// stops at "write into ... which the flow no longer holds" (seed 0). Fixing it means keeping a
-/// reclaimed region out of the free pool until the sender's cancel (sent only after its writes
-/// ended) or the peer's loss; until then this test documents the failure.
+/// Writes up to 8 ms against a 10 ms request timeout: longer than the quarter of it within
+/// which a write used to have to land, since the receiver reclaims a flow silent for half of
+/// it. Without KEEPs such a write landed in a region already reclaimed (and possibly granted
+/// to another flow; the harness stopped at "write into ... which the flow no longer holds",
+/// seed 0). With them, the sender tells the receiver every eighth of the timeout that a write
+/// is still in flight, and every write lands in a region its flow still holds (issue 10).
 #[test]
-#[ignore = "documents a known hole: writes slower than a quarter request_timeout (issue 10)"]
-fn writes_slower_than_the_bound_land_in_reclaimed_regions() {
+fn writes_slower_than_a_quarter_timeout_are_kept_alive_and_land_in_their_own_regions() {
     slow_jobs_against_reclaims(0..40, Duration::from_millis(8));
 }

@@ -579,6 +579,7 @@ impl Driver {
         s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
         s.dereg_failed.store(core.dereg_failed, Ordering::Relaxed);
+        s.keeps_sent.store(core.keeps_sent, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 

@@ -223,6 +223,7 @@ fn kind(frame: &[u8]) -> Option<&'static str> {
         Msg::Grant(_) => "grant",
         Msg::Data(_) => "data",
         Msg::Ack(_) => "ack",
+        Msg::Keep(_) => "keep",
     })
 }
 
