@@ -77,8 +77,9 @@ counters! {
     /// Peer arenas loaded through the inner engine and not yet unloaded (those retiring
     /// behind a write in flight included).
     peer_arenas_loaded,
-    /// Transfers failed and scatters answered as failed because the application deregistered
-    /// memory they touch (the core's count).
+    /// Transfers failed, scatters answered as failed, and copy jobs or direct writes refused
+    /// because the application deregistered memory they touch (the core's count plus the
+    /// reactor's refusals).
     dereg_failed,
     /// KEEPs sent: one of our writes into a peer's region was still in flight after an eighth
     /// of the request timeout (the core's count).

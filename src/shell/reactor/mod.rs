@@ -315,6 +315,9 @@ struct Driver {
     /// Frames refused because their session is not the one of the sender's loaded metadata
     /// (the core counts wrong tokens; `stats.control_forged` is the sum).
     sessions_forged: u64,
+    /// Copy jobs and direct writes the fence refused because their memory was being
+    /// deregistered (their transfer fails before the core hears of the deregistration).
+    dereg_refused: u64,
     /// Scratch buffers reused every pass.
     frames: Vec<(String, Vec<u8>)>,
     done: Vec<(JobId, bool)>,
@@ -369,6 +372,7 @@ impl Reactor {
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,
             sessions_forged: 0,
+            dereg_refused: 0,
             frames: Vec::new(),
             done: Vec::new(),
         };
@@ -578,7 +582,7 @@ impl Driver {
         s.pings_sent.store(core.pings_sent, Ordering::Relaxed);
         s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
-        s.dereg_failed.store(core.dereg_failed, Ordering::Relaxed);
+        s.dereg_failed.store(core.dereg_failed + self.dereg_refused, Ordering::Relaxed);
         s.keeps_sent.store(core.keeps_sent, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
@@ -628,11 +632,11 @@ impl Driver {
             }
             Cmd::Registered(d, a, l) => self.ep.add_registered(d.reg, d.key, a, l),
             Cmd::Deregister { reg, addr, len, done } => {
-                // Hand out what the core emitted before it knew (the fence refuses the jobs on
-                // the range), let it fail what uses the range, then lift the fence's mark at
-                // once: the same addresses may be registered again by the next command.
-                // `settle` signals once the jobs already running on the range have ended.
-                let _ = self.drain_actions();
+                // Let the core fail what uses the range first (so each such transfer ends as
+                // Deregistered and is counted so, whatever it had queued), then hand out what
+                // it emitted (the fence, still marking the range, refuses the jobs on it), then
+                // lift the mark at once: the same addresses may be registered again by the next
+                // command. `settle` signals once the jobs already running on the range have ended.
                 self.ep.deregister(now, reg, addr, len);
                 let _ = self.drain_actions();
                 let range = (addr, addr.saturating_add(len));
@@ -825,6 +829,7 @@ impl Driver {
                     Some(pin) => Some(pin),
                     None => {
                         // Its memory was deregistered since the core emitted it: never run it.
+                        self.dereg_refused += 1;
                         self.copies.insert(job, CopyInFlight { dir, pin: None });
                         return self.copy_done(Instant::now(), job, false);
                     }
@@ -903,6 +908,7 @@ impl Driver {
                 Some(pin) => Some(pin),
                 None => {
                     tracing::debug!(peer = name, "direct-source chunk was deregistered");
+                    self.dereg_refused += 1;
                     return self.ep.handle_write_done(now, job, false);
                 }
             },
@@ -931,6 +937,9 @@ impl Driver {
 
     fn complete(&mut self, xfer: XferId, outcome: std::result::Result<(), XferError>) {
         let Some(ctx) = self.xfers.remove(&xfer) else { return };
+        // The core's counters first: an application that sees the request settle and then
+        // reads the counters must find what ended it counted.
+        self.publish_gauges();
         let stats = &self.shared.stats;
         match &outcome {
             Ok(()) => {
