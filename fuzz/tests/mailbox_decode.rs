@@ -1,28 +1,8 @@
 //! Runs the `mailbox_decode` fuzz body on stable over its seed corpus and over seeded random
-//! mutations of it, and keeps `fuzz/corpus/mailbox_decode/` equal to what the encoder produces
-//! (`BLESS=1` rewrites it).
-
-use std::{fs, path::PathBuf};
+//! mutations of it (`tests/seed_corpus.rs` keeps `fuzz/corpus/mailbox_decode/` equal to what
+//! the encoder produces).
 
 use bounce_proto::mailbox::fuzzing;
-
-#[test]
-fn seed_corpus_matches_the_encoder() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("corpus").join("mailbox_decode");
-    let bless = std::env::var_os("BLESS").is_some();
-    if bless {
-        fs::create_dir_all(&dir).unwrap();
-    }
-    for (i, seed) in fuzzing::seed_rings().iter().enumerate() {
-        let path = dir.join(format!("seed-{i}"));
-        if bless {
-            fs::write(&path, seed).unwrap();
-        } else {
-            let on_disk = fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} (run with BLESS=1)", path.display()));
-            assert_eq!(&on_disk, seed, "{} is stale (run with BLESS=1)", path.display());
-        }
-    }
-}
 
 #[test]
 fn seeds_are_read_in_full() {

@@ -1,5 +1,5 @@
 //! Keeps the seed corpus under `fuzz/corpus/<target>/` equal to what the current encoders produce
-//! (`bounce_proto::wire::fuzzing::seed_*`), so a layout change cannot leave stale seeds behind.
+//! (`bounce_proto::wire::fuzzing::seed_*`, `bounce_proto::mailbox::fuzzing::seed_rings`), so a layout change cannot leave stale seeds behind.
 //!
 //! `cargo test --manifest-path fuzz/Cargo.toml` checks; with `BLESS=1` it rewrites the seeds.
 
@@ -30,6 +30,7 @@ fn seed_corpus_matches_the_encoders() {
     check_or_bless("caps_decode", fuzzing::seed_caps());
     check_or_bless("envelope_decode", fuzzing::seed_envelopes());
     check_or_bless("public_decode", fuzzing::seed_public());
+    check_or_bless("mailbox_decode", bounce_proto::mailbox::fuzzing::seed_rings());
 }
 
 #[test]
