@@ -53,8 +53,13 @@ def test_receiver_killed_mid_write_fails_the_initiator_within_2_s(procs, control
     with contextlib.suppress(Exception):
         ag.release_xfer_handle(h)
     after = stats(ag)
-    assert _sum(before, after, "peers_declared_dead") == 1, after
-    assert _sum(before, after, "pings_sent") >= 1, after
+    # Either the probe declared the peer dead, or (seen once on a loaded CI machine) UCX failed
+    # the write itself before the first PING was due: both end the transfer in time, neither
+    # by the no-progress timeout.
+    if _sum(before, after, "peers_declared_dead") == 1:
+        assert _sum(before, after, "pings_sent") >= 1, after
+    else:
+        assert _sum(before, after, "pings_sent") == 0 and took < 1.0, (took, after)
     assert _sum(before, after, "timeouts") == 0, "ended by the probe, not the no-progress timeout"
     assert _sum(before, after, "bounce_failed") == 1 and _sum(before, after, "bounce_ok") == 0
 
