@@ -894,7 +894,11 @@ impl Driver {
         }
         let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();
         let Some(local) = self.write_source(source, len) else {
-            tracing::warn!(peer = name, "direct-source chunk is no longer in registered memory");
+            // The gate planned a direct chunk only inside a registration, and only a
+            // deregistration removes one: it took the source away before its fence mark (the
+            // registry goes first), so this is the same refusal as the fence's.
+            tracing::debug!(peer = name, "direct-source chunk is no longer in registered memory");
+            self.dereg_refused += 1;
             return self.ep.handle_write_done(now, job, false);
         };
         let user = match source {
