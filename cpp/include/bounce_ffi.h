@@ -145,6 +145,11 @@ int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t local_mem, int32_t rem
                        void *local_md, uint64_t laddr,
                        uint64_t ldev, void *remote_md, uint64_t raddr, uint64_t rdev, uint64_t len,
                        void **handle);
+// As bnc_shim_write, but READs `len` bytes of the peer's (remote) range into the local one.
+int32_t bnc_shim_read(void *shim, bnc_str agent, int32_t local_mem, int32_t remote_mem,
+                      void *local_md, uint64_t laddr,
+                      uint64_t ldev, void *remote_md, uint64_t raddr, uint64_t rdev, uint64_t len,
+                      void **handle);
 int32_t bnc_shim_check(void *shim, void *handle);
 void bnc_shim_release(void *shim, void *handle);
 int32_t bnc_shim_gen_notif(void *shim, bnc_str agent, bnc_str msg);

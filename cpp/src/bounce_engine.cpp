@@ -379,9 +379,11 @@ public:
         if (st == NIXL_SUCCESS) out(ctx, reinterpret_cast<const uint8_t *>(s.data()), s.size());
         return st;
     }
-    nixl_status_t shimWrite(const std::string &agent, nixl_mem_t lmem, nixl_mem_t rmem, void *lmd,
-                            uint64_t laddr, uint64_t ldev, void *rmd, uint64_t raddr,
-                            uint64_t rdev, uint64_t len, void **handle) {
+    // One single-descriptor transfer through the inner engine: a bounce write (WRITE), or a
+    // one-way initiator's fetch of a peer's mailbox (READ).
+    nixl_status_t shimPost(nixl_xfer_op_t op, const std::string &agent, nixl_mem_t lmem,
+                           nixl_mem_t rmem, void *lmd, uint64_t laddr, uint64_t ldev, void *rmd,
+                           uint64_t raddr, uint64_t rdev, uint64_t len, void **handle) {
         meta_dlist_t local(lmem), remote(rmem);
         MetaDesc l;
         l.addr = laddr;
@@ -398,9 +400,9 @@ public:
         const BackendOptArgs no_notif{};
         BackendReqH *h = nullptr;
         Lock g(mu_);
-        nixl_status_t st = inner_->prepXfer(NIXL_WRITE, local, remote, agent, h, &no_notif);
+        nixl_status_t st = inner_->prepXfer(op, local, remote, agent, h, &no_notif);
         if (st != NIXL_SUCCESS) return st;
-        st = inner_->postXfer(NIXL_WRITE, local, remote, agent, h, &no_notif);
+        st = inner_->postXfer(op, local, remote, agent, h, &no_notif);
         if (st < 0) {
             inner_->releaseReqH(h);
             return st;
@@ -614,9 +616,16 @@ extern "C" int32_t bnc_shim_conn_info(void *shim, bnc_sink out, void *ctx) {
 extern "C" int32_t bnc_shim_write(void *shim, bnc_str agent, int32_t lmem, int32_t rmem,
                                   void *lmd, uint64_t laddr, uint64_t ldev, void *rmd,
                                   uint64_t raddr, uint64_t rdev, uint64_t len, void **handle) {
-    BNC_SHIM_TRY(eng(shim)->shimWrite(str(agent), static_cast<nixl_mem_t>(lmem),
-                                      static_cast<nixl_mem_t>(rmem), lmd, laddr, ldev, rmd, raddr,
-                                      rdev, len, handle))
+    BNC_SHIM_TRY(eng(shim)->shimPost(NIXL_WRITE, str(agent), static_cast<nixl_mem_t>(lmem),
+                                     static_cast<nixl_mem_t>(rmem), lmd, laddr, ldev, rmd, raddr,
+                                     rdev, len, handle))
+}
+extern "C" int32_t bnc_shim_read(void *shim, bnc_str agent, int32_t lmem, int32_t rmem,
+                                 void *lmd, uint64_t laddr, uint64_t ldev, void *rmd,
+                                 uint64_t raddr, uint64_t rdev, uint64_t len, void **handle) {
+    BNC_SHIM_TRY(eng(shim)->shimPost(NIXL_READ, str(agent), static_cast<nixl_mem_t>(lmem),
+                                     static_cast<nixl_mem_t>(rmem), lmd, laddr, ldev, rmd, raddr,
+                                     rdev, len, handle))
 }
 extern "C" int32_t bnc_shim_check(void *shim, void *handle) {
     BNC_SHIM_TRY(eng(shim)->shimCheck(handle))

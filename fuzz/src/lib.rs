@@ -258,7 +258,8 @@ impl Seen {
                     assert_eq!(d.token, our_token(d.xfer), "a DATA must carry its transfer's token");
                     self.sent_data.push((peer, d.xfer, d.chunk, d.region));
                 }
-                Action::Send { .. } | Action::Link { .. } => {}
+                // No endpoint here keeps a mailbox.
+                Action::Send { .. } | Action::Link { .. } | Action::PutRecord { .. } => {}
             }
         }
     }

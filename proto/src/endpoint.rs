@@ -19,12 +19,14 @@ use crate::event::Ctx;
 // The shared event types live in `event`; re-exported here, where the shell has always found them.
 pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
 use crate::liveness::{Liveness, LivenessConfig};
+use crate::mailbox::{FailReason, MailboxLayout};
+use crate::oneway::{Answering, OneWayLayout, Read, Reading};
 use crate::peers::{FrameRefused, Hello, Loaded, PeerTable};
 use crate::plan::Plan;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
 use crate::sender::Sender;
-use crate::types::{PeerId, RegId, RegKey, Token, XferId};
+use crate::types::{FlowKey, PeerId, RegId, RegKey, Token, XferId};
 use crate::wire;
 
 /// Why an [`Endpoint`] cannot be built.
@@ -95,6 +97,14 @@ pub struct Endpoint {
     waited: BTreeSet<PeerId>,
     /// [`close`](Self::close) was called: nothing more is granted.
     closing: bool,
+    /// One-way flows into us, answered through our mailbox (see [`crate::oneway`]).
+    answering: Answering,
+    /// Our one-way transfers, whose answers we read from the targets' mailboxes.
+    reading: Reading,
+    /// Where our mailbox and fetch area lie in the arena.
+    one_way: OneWayLayout,
+    /// Scratch for [`handle_fetched`](Self::handle_fetched).
+    reads: Vec<Read>,
 }
 
 impl Endpoint {
@@ -122,6 +132,10 @@ impl Endpoint {
             }),
             waited: BTreeSet::new(),
             closing: false,
+            answering: Answering::new(None, 0, config.request_timeout),
+            reading: Reading::default(),
+            one_way: OneWayLayout::for_config(config),
+            reads: Vec::new(),
         })
     }
 
@@ -140,9 +154,124 @@ impl Endpoint {
         peer: PeerId,
         plan: Plan,
     ) -> Result<(), SubmitError> {
-        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan);
+        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan, false);
         self.pump(now);
         r
+    }
+
+    /// As [`submit`](Self::submit), to a target that may never have loaded our metadata: the
+    /// WANT asks it to answer through its mailbox of shape `mailbox` (from its capabilities,
+    /// checked by [`crate::oneway::peer_layout`]), and the shell READs the answers
+    /// ([`fetch`](Self::fetch), [`handle_fetched`](Self::handle_fetched)).
+    ///
+    /// # Errors
+    /// As [`submit`](Self::submit).
+    pub fn submit_one_way(
+        &mut self,
+        now: Instant,
+        xfer: XferId,
+        token: Token,
+        peer: PeerId,
+        plan: Plan,
+        mailbox: MailboxLayout,
+    ) -> Result<(), SubmitError> {
+        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan, true)?;
+        if self.reading.start(xfer, peer, token, mailbox).is_err() {
+            // The layout was checked when the peer was loaded: unreachable in practice.
+            self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
+        } else {
+            self.stats.one_way_sent += 1;
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    /// A READ of one-way transfer `xfer`'s mailbox failed (the target is gone, or its arena
+    /// no longer loaded): no answer can come, so it fails as lost.
+    pub fn handle_fetch_failed(&mut self, now: Instant, xfer: XferId) {
+        if self.reading.contains(xfer) {
+            self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::PeerLost);
+            self.pump(now);
+        }
+    }
+
+    /// Keeps a mailbox (our arena is host memory the shell can write records into) and answers
+    /// one-way WANTs through it, or not.
+    pub fn keep_mailbox(&mut self, yes: bool) {
+        let layout = self.one_way.mailbox;
+        let layout = yes.then_some(MailboxLayout { slots: layout.slots, ring: layout.ring });
+        self.answering = Answering::new(layout, self.one_way.mailbox.offset, self.answering.linger());
+    }
+
+    /// Mailbox slots held now (open or closing), for stats and tests.
+    pub fn answering_slots_held(&self) -> u32 {
+        self.answering.slots_held()
+    }
+
+    /// Where our mailbox and fetch area lie in the arena (the shell sizes the arena by it).
+    pub fn one_way_layout(&self) -> OneWayLayout {
+        self.one_way
+    }
+
+    /// True when we keep a mailbox (see [`keep_mailbox`](Self::keep_mailbox)).
+    pub fn has_mailbox(&self) -> bool {
+        self.answering.has_mailbox()
+    }
+
+    /// Our one-way transfers waiting for answers, lowest id first: the shell keeps a READ of
+    /// each one's [`fetch`](Self::fetch) going.
+    pub fn one_way_xfers(&self) -> impl Iterator<Item = XferId> + '_ {
+        self.reading.xfers()
+    }
+
+    /// What to READ now for one-way transfer `xfer`: regions of the target's mailbox (relative
+    /// to its mailbox base), to be read back to back. `None` once the transfer has ended.
+    pub fn fetch(&self, xfer: XferId) -> Option<crate::oneway::Fetch> {
+        self.reading.fetch(xfer)
+    }
+
+    /// The bytes a READ of [`fetch`](Self::fetch) brought for `xfer`: the new answers go to the
+    /// sender as if they had come as frames (same token and credit checks). Returns how many
+    /// records were new (the shell's poll policy backs off while there are none).
+    pub fn handle_fetched(&mut self, now: Instant, xfer: XferId, image: &[u8]) -> usize {
+        let mut reads = std::mem::take(&mut self.reads);
+        let mut cursor = None;
+        let n = self.reading.handle_fetched(xfer, image, &mut reads, &mut cursor);
+        self.stats.records_read += n as u64;
+        for read in reads.drain(..) {
+            let mut ctx = ctx!(self, now);
+            let r = match read {
+                Read::Msg(peer, wire::Msg::Grant(g)) => {
+                    self.liveness.heard(now, peer);
+                    self.sender.handle_grant(&mut ctx, peer, g)
+                }
+                Read::Msg(peer, wire::Msg::Ack(a)) => {
+                    self.liveness.heard(now, peer);
+                    self.sender.handle_ack(&mut ctx, peer, a)
+                }
+                Read::Msg(..) => Ok(()),
+                Read::Failed(xfer, reason) => {
+                    let err = match reason {
+                        FailReason::TimedOut => XferError::Timeout,
+                        FailReason::Shutdown => XferError::PeerLost,
+                        FailReason::CopyFailed => XferError::ScatterFailed,
+                        FailReason::Cancelled | FailReason::Refused => XferError::Refused,
+                    };
+                    self.sender.fail_by_peer(&mut ctx, xfer, err);
+                    Ok(())
+                }
+            };
+            if let Err(e) = r {
+                self.stats.protocol_errors += 1;
+                debug!(xfer = xfer.0, error = %e, "protocol error in a mailbox answer");
+            }
+        }
+        self.reads = reads;
+        if let Some((peer, msg)) = cursor {
+            self.out.push_back(Action::Send { peer, msg });
+        }
+        self.pump(now);
+        n
     }
 
     /// Cancels an in-flight transfer (the application released it): [`XferError::Canceled`]
@@ -200,6 +329,48 @@ impl Endpoint {
         self.liveness.heard(now, from);
         let mut ctx = ctx!(self, now);
         let r = match msg {
+            wire::Msg::Want(m) if m.endpoint == wire::REPLY_MAILBOX && !m.is_cancel() => {
+                let key = FlowKey { peer: from, xfer: m.xfer };
+                let (token, chunks) = (m.token, m.chunks.len());
+                if self.answering.is_one_way(key) {
+                    // More chunks for an open one-way flow (the receiver checks the token).
+                    let r = self.receiver.handle_want(&mut ctx, from, m);
+                    if r.is_ok() {
+                        let _ = self.answering.open(now, key, token, chunks);
+                    }
+                    r
+                } else if self.receiver.has_flow(key) {
+                    // A flow that began two way stays so, whatever a later WANT asks.
+                    self.receiver.handle_want(&mut ctx, from, m)
+                } else if self.answering.open(now, key, token, chunks).is_err() {
+                    self.stats.one_way_refused += 1;
+                    Err(ProtocolError::NoMailboxSlot { peer: from, xfer: key.xfer })
+                } else {
+                    let r = self.receiver.handle_want(&mut ctx, from, m);
+                    match r {
+                        Ok(()) => self.stats.one_way_answered += 1,
+                        Err(_) => self.answering.abandon(now, key),
+                    }
+                    r
+                }
+            }
+            wire::Msg::Cursor(c) => {
+                let key = FlowKey { peer: from, xfer: c.xfer };
+                match self.answering.token(key) {
+                    None => Ok(()), // a late cursor of a slot already freed
+                    Some(t) if t != c.token => {
+                        self.stats.control_forged += 1;
+                        Err(ProtocolError::WrongToken { peer: from, xfer: c.xfer })
+                    }
+                    Some(_) => match self.answering.handle_cursor(now, key, c.consumed, &mut self.out) {
+                        Ok(written) => {
+                            self.stats.records_written += written as u64;
+                            Ok(())
+                        }
+                        Err(_) => Err(ProtocolError::BadCursor { peer: from, xfer: c.xfer }),
+                    },
+                }
+            }
             wire::Msg::Want(m) => self.receiver.handle_want(&mut ctx, from, m),
             wire::Msg::Data(m) => self.receiver.handle_data(&mut ctx, from, m),
             wire::Msg::Grant(m) => self.sender.handle_grant(&mut ctx, from, m),
@@ -284,8 +455,33 @@ impl Endpoint {
             }
             wire::Body::Msg(msg) => msg,
         };
-        let peer = self.peers.admit(name, frame.session)?;
+        let peer = match self.peers.admit(name, frame.session) {
+            Ok(peer) => peer,
+            // One way: an initiator we never loaded may open a flow answered through our
+            // mailbox, and then send that flow's frames (each must carry its token).
+            Err(FrameRefused::NotLoaded) if self.admits_one_way(self.peers.lookup(name), &msg) => {
+                self.peers.admit_one_way(name)?
+            }
+            Err(e) => return Err(e),
+        };
         Ok(self.handle_msg(now, peer, msg)?)
+    }
+
+    /// Whether a message from an agent never loaded here (`peer`: its id, if it has one) may
+    /// pass as one-way traffic: a one-way WANT when we keep a mailbox, or any message of a
+    /// one-way flow it holds. The shell, which keeps its own peer table, asks this too.
+    pub fn admits_one_way(&self, peer: Option<PeerId>, msg: &wire::Msg) -> bool {
+        if !self.answering.has_mailbox() {
+            return false;
+        }
+        if let wire::Msg::Want(w) = msg {
+            if w.endpoint == wire::REPLY_MAILBOX && !w.is_cancel() {
+                return true;
+            }
+        }
+        let Some(peer) = peer else { return false };
+        matches!(msg, wire::Msg::Want(_) | wire::Msg::Data(_) | wire::Msg::Keep(_) | wire::Msg::Cursor(_))
+            && self.answering.is_one_way(FlowKey { peer, xfer: msg.xfer() })
     }
 
     /// NIXL loaded the agent `name`'s connection info, which published `theirs`; `ours` is
@@ -340,6 +536,7 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.sender.handle_peer_lost(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
+        self.answering.release_peer(peer);
         self.pump(now);
     }
 
@@ -516,21 +713,55 @@ impl Endpoint {
     fn pump(&mut self, now: Instant) {
         let mut ctx = ctx!(self, now);
         self.sender.retry_parked(&mut ctx);
-        if self.closing {
-            return;
+        if !self.closing {
+            let grants = ctx.sched.schedule();
+            if !grants.is_empty() {
+                self.receiver.emit_grants(&mut ctx, grants);
+            }
+            self.watch_waited(now);
         }
-        let grants = ctx.sched.schedule();
-        if !grants.is_empty() {
-            self.receiver.emit_grants(&mut ctx, grants);
+        self.one_way_outputs(now);
+    }
+
+    /// Routes what the roles emitted for one-way transfers: answers to one-way flows become
+    /// mailbox records, and an ended one-way transfer of ours stops being read (after a success,
+    /// with the CURSOR that frees its slot at the target).
+    fn one_way_outputs(&mut self, now: Instant) {
+        if !self.reading.is_empty() {
+            let ended: Vec<(XferId, bool)> = self
+                .out
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Complete { xfer, outcome } if self.reading.contains(*xfer) => {
+                        Some((*xfer, outcome.is_ok()))
+                    }
+                    _ => None,
+                })
+                .collect();
+            for (xfer, ok) in ended {
+                if let Some((peer, msg)) = self.reading.finish(xfer, ok) {
+                    self.out.push_back(Action::Send { peer, msg });
+                }
+            }
         }
-        self.watch_waited(now);
+        let receiver = &self.receiver;
+        let shutting_down = self.closing || receiver.is_shutting_down();
+        let written = self.answering.translate(now, &mut self.out, |k| receiver.has_flow(k), shutting_down);
+        self.stats.records_written += written as u64;
     }
 
     /// Tells the liveness probe which peers we wait on now (transfers to them, flows from them).
+    /// A peer we deal with only one way cannot answer a PING (it never loaded us, or we never
+    /// loaded it): its transfers end by their timeouts or by a failed READ of its mailbox.
     fn watch_waited(&mut self, now: Instant) {
         self.waited.clear();
         self.sender.peers_waited_on(&mut self.waited);
         self.receiver.peers_waited_on(&mut self.waited);
+        let (peers, answering, reading) = (&self.peers, &self.answering, &self.reading);
+        self.waited.retain(|&p| {
+            let one_way = answering.has_peer(p) || reading.has_peer(p);
+            !one_way || peers.name(p).is_some_and(|n| peers.can_bounce(n))
+        });
         self.liveness.watch(now, &self.waited);
     }
 }
@@ -714,6 +945,7 @@ pub(crate) mod tests {
             session,
             arena_key: Vec::new(),
             endpoint: Vec::new(),
+            mailbox: None,
         }
     }
 
@@ -967,9 +1199,11 @@ pub(crate) mod tests {
         fn new(arena: u64, w: u32, eager: bool) -> Self {
             let (a, now) = endpoint(arena, w, eager);
             let (b, _) = endpoint(arena, w, eager);
+            // The whole arena: the scheduler's part, the mailbox and the fetch area.
+            let len = a.one_way_layout().arena_len as usize;
             let mut p = Self {
                 eps: [a, b],
-                arenas: [vec![0; arena as usize], vec![0; arena as usize]],
+                arenas: [vec![0; len], vec![0; len]],
                 mem: [BTreeMap::new(), BTreeMap::new()],
                 done: Vec::new(),
                 now,
@@ -992,6 +1226,25 @@ pub(crate) mod tests {
                         assert!(steps < 100_000, "no quiescence");
                         self.perform(me, a);
                         check(&self.eps[me]);
+                    }
+                }
+                // One-way transfers READ their targets' mailboxes (here: copy the bytes).
+                for me in 0..2 {
+                    let xfers: Vec<XferId> = self.eps[me].one_way_xfers().collect();
+                    for xfer in xfers {
+                        let Some(f) = self.eps[me].fetch(xfer) else { continue };
+                        let base = self.eps[f.peer.0 as usize].one_way_layout().mailbox.offset;
+                        let image: Vec<u8> = f
+                            .regions
+                            .iter()
+                            .flat_map(|r| {
+                                &self.arenas[f.peer.0 as usize][(base + r.offset) as usize..][..r.len as usize]
+                            })
+                            .copied()
+                            .collect();
+                        if self.eps[me].handle_fetched(self.now, xfer, &image) > 0 {
+                            idle = false;
+                        }
                     }
                 }
                 if idle {
@@ -1048,6 +1301,9 @@ pub(crate) mod tests {
                         other => panic!("unexpected link frame {other:?}"),
                     }
                 }
+                Action::PutRecord { offset, bytes } => {
+                    self.arenas[me][offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+                }
                 Action::Complete { xfer, outcome } => self.done.push((me, xfer, outcome)),
             }
         }
@@ -1095,6 +1351,46 @@ pub(crate) mod tests {
                 assert_eq!(ep.stats().chunks_scattered, 10);
                 assert_eq!(ep.stats().chunks_direct, (0..10).filter(|&i| mode(i)).count() as u64);
             }
+        }
+    }
+
+    #[test]
+    fn a_one_way_write_moves_every_byte_through_the_targets_mailbox() {
+        // Endpoint 1 keeps a mailbox; endpoint 0 sends one way, so every GRANT and ACK of its
+        // transfers travels as a record it READs. Twenty chunks through a window of 2: 40
+        // records through rings of 8, so the ring fills and the CURSORs must make room.
+        for eager in [false, true] {
+            let mut p = Pair::new(16 * KIB, 2, eager);
+            p.eps[1].keep_mailbox(true);
+            let m = p.eps[1].one_way_layout().mailbox;
+            let layout = crate::mailbox::MailboxLayout { slots: m.slots, ring: m.ring };
+            assert_eq!(layout.ring, 8);
+            for i in 0..(20 * CHUNK) {
+                p.mem[0].insert(SRC + i, (i as u8).wrapping_mul(7).wrapping_add(1));
+            }
+            for (n, xfer) in [XferId(1), XferId(2)].into_iter().enumerate() {
+                let now = p.now;
+                let token = Token(TOKEN.0 + n as u128);
+                p.eps[0].submit_one_way(now, xfer, token, PeerId(1), plan_of(10), layout).unwrap();
+            }
+            p.run();
+            let mut done = p.done.clone();
+            done.sort_by_key(|d| d.1);
+            assert_eq!(done, vec![(0, XferId(1), Ok(())), (0, XferId(2), Ok(()))], "eager={eager}");
+            for i in 0..(10 * CHUNK) {
+                let want = (i as u8).wrapping_mul(7).wrapping_add(1);
+                assert_eq!(p.mem[1].get(&(DST + i)), Some(&want), "eager={eager} byte {i}");
+            }
+            let (tx, rx) = (p.eps[0].stats(), p.eps[1].stats());
+            assert_eq!((tx.one_way_sent, rx.one_way_answered), (2, 2));
+            // Per transfer 10 GRANTs and 10 ACKs: every record written was read.
+            assert_eq!((rx.records_written, tx.records_read), (40, 40));
+            assert_eq!(rx.chunks_scattered, 20);
+            // Nothing stays behind: the last CURSORs freed both slots.
+            assert!(p.eps[0].is_idle() && p.eps[1].is_idle());
+            assert_eq!(p.eps[1].answering.flows(), 0);
+            assert_eq!(p.eps[1].answering_slots_held(), 0);
+            assert_eq!(p.eps[0].one_way_xfers().count(), 0);
         }
     }
 

@@ -92,6 +92,14 @@ pub enum Action {
         /// What to send.
         body: wire::Body,
     },
+    /// Write one mailbox record (a one-way flow's answer, see [`crate::oneway`]) into our own
+    /// arena at `offset` (from the arena's base), with one 64-byte copy, in the order emitted.
+    PutRecord {
+        /// Byte offset from the arena's base.
+        offset: u64,
+        /// The record.
+        bytes: [u8; crate::mailbox::RECORD_LEN],
+    },
     /// A submitted transfer ended; emitted exactly once per successfully submitted transfer.
     Complete {
         /// The transfer.
@@ -368,6 +376,24 @@ pub enum ProtocolError {
         /// Announced chunks the peer would have.
         chunks: u64,
     },
+    /// A one-way WANT (answers through our mailbox) that got no mailbox slot: we keep no
+    /// mailbox, or the peer holds its share of the slots, or all the transfer's candidate slots
+    /// are taken. Dropped unqueued; its sender times out.
+    #[error("peer {}: one-way WANT for transfer {} dropped: no mailbox slot", .peer.0, .xfer.0)]
+    NoMailboxSlot {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+    },
+    /// A CURSOR claiming more records read than were written for the flow; ignored.
+    #[error("peer {}: CURSOR for transfer {} is past the records written", .peer.0, .xfer.0)]
+    BadCursor {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+    },
     /// A DATA that failed validation: it was dropped, answered with ACK(Refused), and the flow
     /// was reclaimed.
     #[error("peer {}: invalid DATA for transfer {} chunk #{}: {fault:?}", .peer.0, .xfer.0, .chunk.0)]
@@ -446,6 +472,16 @@ pub struct Stats {
     pub dereg_failed: u64,
     /// KEEPs sent for writes still in flight (see [`crate::wire::Keep`]).
     pub keeps_sent: u64,
+    /// Transfers we sent one way (answered through the target's mailbox).
+    pub one_way_sent: u64,
+    /// One-way flows we answered through our mailbox.
+    pub one_way_answered: u64,
+    /// One-way WANTs dropped for want of a mailbox slot (the initiator times out).
+    pub one_way_refused: u64,
+    /// Mailbox records written into our arena.
+    pub records_written: u64,
+    /// Mailbox records read from targets.
+    pub records_read: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

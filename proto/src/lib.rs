@@ -29,7 +29,8 @@
 //!   peer table, and takes raw control frames ([`endpoint::Endpoint::handle_frame`]).
 //! - [`mailbox`]: one-way answers for a target that never loaded its initiator's metadata
 //!   (authenticated records in the target's arena that the initiator READs; `docs/one-way.md`).
-//!   Not yet driven by the roles.
+//! - [`oneway`]: one-way flows: moves a one-way flow's answers between the roles and the
+//!   mailbox (records written at the target, READ and verified at the initiator).
 #![forbid(unsafe_code)]
 
 pub mod buddy;
@@ -40,6 +41,7 @@ pub mod gate;
 pub mod liveness;
 pub mod mailbox;
 pub mod manifest;
+pub mod oneway;
 pub mod peers;
 pub mod plan;
 pub mod proof;

@@ -38,6 +38,9 @@ use crate::wire::{Capabilities, Incompatible, WireError};
 
 /// Most names not loaded whose HELLO is kept as a hint (the oldest is evicted beyond).
 pub const MAX_HELLO_HINTS: usize = 1024;
+/// Most agent names never loaded here that may be given an id to send one-way frames (see
+/// [`PeerTable::admit_one_way`]): invented names cannot grow the table beyond it.
+pub const MAX_ONE_WAY_NAMES: usize = 4096;
 
 /// Why a control frame was refused. It was dropped and changed nothing else.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -143,6 +146,9 @@ pub struct PeerTable {
     names: BTreeMap<PeerId, String>,
     /// Names not loaded that said HELLO, oldest first (at most [`MAX_HELLO_HINTS`]).
     hints: VecDeque<String>,
+    /// Names never loaded that were given an id for one-way frames (at most
+    /// [`MAX_ONE_WAY_NAMES`]).
+    one_way: BTreeSet<String>,
     /// The same names, for lookup.
     hinted: BTreeSet<String>,
     next_id: u32,
@@ -297,6 +303,31 @@ impl PeerTable {
         }
     }
 
+    /// Admits a one-way frame from `name`, which NIXL never loaded here (the caller checked
+    /// the frame is one-way traffic: a WANT answered through our mailbox, or a message of such
+    /// a flow, each carrying its flow's token). No session applies: we hold none for it, and
+    /// the flow's token authenticates every frame of the flow. Gives the name an id on first
+    /// sight, for at most [`MAX_ONE_WAY_NAMES`] names.
+    ///
+    /// # Errors
+    /// [`FrameRefused::NotLoaded`] when the name is new and the cap is reached.
+    pub fn admit_one_way(&mut self, name: &str) -> Result<PeerId, FrameRefused> {
+        if let Some(p) = self.by_name.get(name) {
+            return Ok(p.id);
+        }
+        if self.one_way.len() >= MAX_ONE_WAY_NAMES {
+            return Err(FrameRefused::NotLoaded);
+        }
+        self.one_way.insert(name.to_owned());
+        Ok(self.entry(name).id)
+    }
+
+    /// Whether transfers to `name` may bounce one way: loaded, compatible, its arena loaded,
+    /// and it keeps a mailbox (no HELLO needed: it answers through the mailbox).
+    pub fn can_bounce_one_way(&self, name: &str) -> bool {
+        self.by_name.get(name).is_some_and(|p| matches!(&p.conn, Some(Some(c)) if c.mailbox.is_some()) && p.arena)
+    }
+
     /// A GOODBYE from `name` carrying `session`: its engine is going away with its arena. The
     /// arena and HELLO are forgotten (nothing more is bounced to it until it is loaded and
     /// says HELLO again); its connection info and session stay, so the retraction of our
@@ -383,6 +414,7 @@ mod tests {
             session: 1,
             arena_key: vec![1],
             endpoint: Vec::new(),
+            mailbox: None,
         }
     }
 

@@ -121,6 +121,21 @@ impl Receiver {
         }
     }
 
+    /// True while the receiver tracks flow `key`.
+    pub fn has_flow(&self, key: FlowKey) -> bool {
+        self.flows.contains_key(&key)
+    }
+
+    /// The token of flow `key`, while it is tracked.
+    pub fn flow_token(&self, key: FlowKey) -> Option<Token> {
+        self.flows.get(&key).map(|f| f.token)
+    }
+
+    /// True once [`shutdown`](Self::shutdown) or close stopped accepting WANTs.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down
+    }
+
     /// Remote flows tracked (with pending chunks, granted or scattering regions).
     pub fn flows(&self) -> usize {
         self.flows.len()

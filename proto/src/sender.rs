@@ -258,6 +258,7 @@ impl Sender {
         token: Token,
         peer: PeerId,
         plan: Plan,
+        one_way: bool,
     ) -> Result<(), SubmitError> {
         self.prune(ctx.now);
         if self.shutting_down {
@@ -269,7 +270,9 @@ impl Sender {
         check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
         let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
         let chunks = plan.chunk_sizes().collect();
-        ctx.send(peer, Want { xfer, token, endpoint: self.endpoint.clone(), chunks, proofs });
+        // A one-way transfer asks to be answered through the target's mailbox.
+        let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
+        ctx.send(peer, Want { xfer, token, endpoint, chunks, proofs });
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let stages = vec![Stage::Idle; plan.chunks.len()];
@@ -721,6 +724,12 @@ impl Sender {
         ctx.stats.completed += 1;
         ctx.push(Action::Complete { xfer: id, outcome: Ok(()) });
         self.tombstone(ctx.now, id, x.peer);
+    }
+
+    /// The target ended transfer `id` (a one-way FAIL record) or broke the protocol: it fails
+    /// with `err`, its credits retracted as for any failure.
+    pub(crate) fn fail_by_peer(&mut self, ctx: &mut Ctx<'_>, id: XferId, err: XferError) {
+        self.fail(ctx, id, err, true);
     }
 
     /// Fails `id`: completes it with `err`, releases its idle staging regions, orphans those

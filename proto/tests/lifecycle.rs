@@ -104,6 +104,7 @@ fn caps(session: u64) -> wire::Capabilities {
         session,
         arena_key: Vec::new(),
         endpoint: Vec::new(),
+        mailbox: None,
     }
 }
 
@@ -363,7 +364,8 @@ impl Model {
                     }
                 }
                 Action::Send { msg: Msg::Data(d), .. } => self.sent_data.push((d.xfer, d.chunk.0, d.region)),
-                Action::Send { .. } | Action::Link { .. } => {}
+                // No endpoint here keeps a mailbox.
+                Action::Send { .. } | Action::Link { .. } | Action::PutRecord { .. } => {}
             }
         }
     }

@@ -31,6 +31,7 @@ fn caps(session: u64) -> bounce_proto::wire::Capabilities {
         session,
         arena_key: Vec::new(),
         endpoint: Vec::new(),
+        mailbox: None,
     }
 }
 
@@ -140,6 +141,7 @@ impl Pair {
                 let frame = ControlFrame { session, body }.to_vec();
                 self.at(soon, Ev::Deliver { from: me, to: 1 - me, frame });
             }
+            Action::PutRecord { .. } => unreachable!("no node here keeps a mailbox"),
             Action::Gather { job, .. } => self.at(soon, Ev::Done { node: me, job, kind: 0 }),
             Action::Write { job, .. } => self.at(soon, Ev::Done { node: me, job, kind: 1 }),
             Action::Scatter { job, .. } => {

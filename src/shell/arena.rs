@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use bounce_proto::gate::ArenaPlace;
-use bounce_proto::wire::Capabilities;
+use bounce_proto::wire::{Capabilities, MailboxCaps};
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
 
@@ -148,8 +148,16 @@ impl Arena {
         self.md
     }
 
-    /// What we advertise in our connection info.
-    pub(crate) fn capabilities(&self, control: ControlKind, usable: u64, max_chunk: u64, session: u64) -> Capabilities {
+    /// What we advertise in our connection info (`mailbox`: where one-way peers READ our
+    /// answers, when we keep a mailbox).
+    pub(crate) fn capabilities(
+        &self,
+        control: ControlKind,
+        usable: u64,
+        max_chunk: u64,
+        session: u64,
+        mailbox: Option<MailboxCaps>,
+    ) -> Capabilities {
         Capabilities {
             wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
             control,
@@ -162,6 +170,7 @@ impl Arena {
             session,
             arena_key: self.key.clone(),
             endpoint: Vec::new(),
+            mailbox,
         }
     }
 

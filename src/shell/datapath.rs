@@ -30,6 +30,12 @@ pub(crate) trait DataPath: Send {
     /// # Errors
     /// The status the post failed with.
     fn write(&mut self, peer: &str, local: WriteSide, remote: WriteSide, len: u64) -> Result<Posted, NixlStatus>;
+    /// Posts one READ of `len` host-memory bytes of `remote` at `peer` into `local` (a
+    /// one-way initiator's fetch of the peer's mailbox); polled and released like a write.
+    ///
+    /// # Errors
+    /// The status the post failed with.
+    fn read(&mut self, peer: &str, local: WriteSide, remote: WriteSide, len: u64) -> Result<Posted, NixlStatus>;
     /// Polls a write in flight.
     fn check(&mut self, w: &WriteId) -> WriteState;
     /// Releases a write (exactly once, finished or not).
@@ -63,6 +69,17 @@ impl ShimPath {
 impl DataPath for ShimPath {
     fn write(&mut self, peer: &str, local: WriteSide, remote: WriteSide, len: u64) -> Result<Posted, NixlStatus> {
         match self.shim.write(peer, local, remote, len)? {
+            WritePosted::Done => Ok(Posted::Done),
+            WritePosted::InFlight(h) => {
+                self.next += 1;
+                self.writes.insert(self.next, h);
+                Ok(Posted::InFlight(WriteId(self.next)))
+            }
+        }
+    }
+
+    fn read(&mut self, peer: &str, local: WriteSide, remote: WriteSide, len: u64) -> Result<Posted, NixlStatus> {
+        match self.shim.read(peer, local, remote, len)? {
             WritePosted::Done => Ok(Posted::Done),
             WritePosted::InFlight(h) => {
                 self.next += 1;

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use bounce_proto::config::{ArenaMem, Config, GpuCopy};
 use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
+use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::Loaded;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
@@ -247,15 +248,20 @@ impl Engine {
     fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
         // Bound before the arena: a failure here costs no registration to undo.
         let (control, control_endpoint) = self.control_channel(shim)?;
-        let arena = match &self.gpu {
-            Some(gpu) => Arena::new_gpu(&shim, gpu, self.config.arena_size)?,
-            None => Arena::new(&shim, self.config.arena_size)?,
+        // A host arena also holds the mailbox one-way peers READ our answers from, and the
+        // fetch area our own one-way READs land in (bounce_proto::oneway); a GPU arena keeps
+        // neither, so it answers and sends two way only.
+        let one_way = OneWayLayout::for_config(&self.config);
+        let (arena, mailbox) = match &self.gpu {
+            Some(gpu) => (Arena::new_gpu(&shim, gpu, self.config.arena_size)?, None),
+            None => (Arena::new(&shim, one_way.arena_len.max(self.config.arena_size))?, Some(one_way.mailbox)),
         };
         let mut caps = arena.capabilities(
             self.config.control,
             self.config.arena_usable_capacity(),
             self.config.max_chunk_size,
             self.session,
+            mailbox,
         );
         caps.endpoint = control_endpoint;
         let shared = Arc::new(Shared::new(
@@ -289,10 +295,16 @@ impl Engine {
                         Box::new(CpuEngine::start(self.config.copy_workers, host, move || waker.inbox.wake())?)
                     }
                 };
+                let host = arena.device().is_none().then(|| HostArena {
+                    base: arena.base(),
+                    len: arena.len(),
+                    streaming_scatter: self.config.streaming_scatter,
+                });
                 let parts = Parts {
                     session: self.session,
                     endpoint,
                     arena: LocalArena { place: arena.place(), base: arena.base(), md: arena.md() },
+                    host,
                     copier,
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
@@ -491,7 +503,13 @@ impl Engine {
     ) -> Option<u64> {
         let to_desc = |d: &DescView| gate::Desc { addr: d.addr, len: d.len, dev: d.dev };
         let (l, r): (Vec<_>, Vec<_>) = (local.iter().map(to_desc).collect(), remote.iter().map(to_desc).collect());
-        let peer_arena = self.peers.bounce_arena(agent);
+        // Two way once the peer said HELLO; else one way, answered through its mailbox, when
+        // it keeps one and our arena is host memory (where our READs of it land).
+        let host_arena = self.bounce.as_ref().is_some_and(|b| b.arena.device().is_none());
+        let peer_arena = self
+            .peers
+            .bounce_arena(agent)
+            .or_else(|| host_arena.then(|| self.peers.one_way_target(agent).map(|(place, _)| place)).flatten());
         let input = GateInput::new(
             &self.config,
             self.bounce.is_some(),

@@ -9,6 +9,8 @@
 use std::collections::HashMap;
 
 use bounce_proto::gate::ArenaPlace;
+use bounce_proto::mailbox::MailboxLayout;
+use bounce_proto::oneway;
 use bounce_proto::peers::{self, CreditRefused, FrameRefused, Loaded};
 use bounce_proto::wire::Capabilities;
 use bounce_proto::{MemKind, PeerId, Region};
@@ -141,6 +143,36 @@ impl PeerTable {
         t.rules.compatible(name).map(|c| ArenaPlace { mem: c.mem, dev: c.arena_dev })
     }
 
+    /// Where the agent's arena lives and its mailbox's shape, when a transfer to it may bounce
+    /// one way only: loaded, compatible, its arena loaded, a mailbox in bounds, but no HELLO
+    /// (it never loaded us, or not yet). A peer that said HELLO is bounced to two way.
+    pub(crate) fn one_way_target(&self, name: &str) -> Option<(ArenaPlace, MailboxLayout)> {
+        let t = self.0.lock();
+        if t.rules.can_bounce(name) || !t.rules.can_bounce_one_way(name) {
+            return None;
+        }
+        let caps = t.rules.compatible(name)?;
+        Some((ArenaPlace { mem: caps.mem, dev: caps.arena_dev }, oneway::peer_layout(caps)?))
+    }
+
+    /// Where one-way fetches from a peer go: its name, arena and the mailbox's offset in it.
+    pub(crate) fn mailbox_target(&self, id: PeerId) -> Option<(String, PeerArena, u64)> {
+        let t = self.0.lock();
+        let a = *t.arenas.get(&id)?;
+        let name = t.rules.name(id)?;
+        let mailbox = t.rules.compatible(name)?.mailbox?;
+        Some((name.to_owned(), a, mailbox.offset))
+    }
+
+    /// Admits a one-way frame from an agent NIXL never loaded (the core's
+    /// `PeerTable::admit_one_way`: the caller checked it is one-way traffic).
+    ///
+    /// # Errors
+    /// [`FrameRefused::NotLoaded`] once too many such names were seen.
+    pub(crate) fn admit_one_way(&self, name: &str) -> Result<PeerId, FrameRefused> {
+        self.0.lock().rules.admit_one_way(name)
+    }
+
     /// Peers a transfer may bounce to now.
     pub(crate) fn ready(&self) -> usize {
         self.0.lock().rules.bounce_peers()
@@ -244,6 +276,7 @@ mod tests {
             session,
             arena_key: b"key".to_vec(),
             endpoint: b"tcp://10.0.0.1:1".to_vec(),
+            mailbox: None,
         }
     }
 

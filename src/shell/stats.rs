@@ -84,6 +84,18 @@ counters! {
     /// KEEPs sent: one of our writes into a peer's region was still in flight after an eighth
     /// of the request timeout (the core's count).
     keeps_sent,
+    /// Bounce transfers we sent one way: the target never loaded our metadata and answered
+    /// through its mailbox, which we READ (the core's count).
+    one_way_sent,
+    /// One-way flows we answered through our mailbox (the core's count).
+    one_way_answered,
+    /// One-way WANTs dropped for want of a mailbox slot; their senders time out (the core's
+    /// count).
+    one_way_refused,
+    /// Mailbox records we wrote for one-way flows (the core's count).
+    records_written,
+    /// Mailbox records we read from targets (the core's count).
+    records_read,
 }
 
 impl Stats {

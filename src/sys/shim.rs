@@ -36,6 +36,20 @@ unsafe extern "C" {
         len: u64,
         handle: *mut *mut c_void,
     ) -> i32;
+    fn bnc_shim_read(
+        shim: *mut c_void,
+        agent: BncStr,
+        lmem: i32,
+        rmem: i32,
+        local_md: *mut c_void,
+        laddr: u64,
+        ldev: u64,
+        remote_md: *mut c_void,
+        raddr: u64,
+        rdev: u64,
+        len: u64,
+        handle: *mut *mut c_void,
+    ) -> i32;
     fn bnc_shim_check(shim: *mut c_void, handle: *mut c_void) -> i32;
     fn bnc_shim_release(shim: *mut c_void, handle: *mut c_void);
     fn bnc_shim_gen_notif(shim: *mut c_void, agent: BncStr, msg: BncStr) -> i32;
@@ -199,13 +213,50 @@ impl Shim {
         remote: WriteSide,
         len: u64,
     ) -> Result<WritePosted, NixlStatus> {
+        self.post(bnc_shim_write, agent, local, remote, len)
+    }
+
+    /// Posts one READ of `len` bytes of `remote` at `agent` into `local` (a one-way initiator's
+    /// fetch of the peer's mailbox into its own arena). Completes like a write.
+    pub(crate) fn read(
+        &self,
+        agent: &str,
+        local: WriteSide,
+        remote: WriteSide,
+        len: u64,
+    ) -> Result<WritePosted, NixlStatus> {
+        self.post(bnc_shim_read, agent, local, remote, len)
+    }
+
+    fn post(
+        &self,
+        entry: unsafe extern "C" fn(
+            *mut c_void,
+            BncStr,
+            i32,
+            i32,
+            *mut c_void,
+            u64,
+            u64,
+            *mut c_void,
+            u64,
+            u64,
+            u64,
+            *mut *mut c_void,
+        ) -> i32,
+        agent: &str,
+        local: WriteSide,
+        remote: WriteSide,
+        len: u64,
+    ) -> Result<WritePosted, NixlStatus> {
         let mut h = std::ptr::null_mut();
-        // SAFETY: shim is live; the metadata handles came from register/loadRemoteMD of this
-        // engine and stay valid for the write: the arena is deregistered only after the reactor
-        // (which posts every write) is joined, and a peer arena is unloaded only once no write
+        // SAFETY: `entry` is bnc_shim_write or bnc_shim_read, which share this signature; shim
+        // is live; the metadata handles came from register/loadRemoteMD of this engine and stay
+        // valid for the transfer: the arena is deregistered only after the reactor (which posts
+        // every write and read) is joined, and a peer arena is unloaded only once no transfer
         // in flight uses it (the reactor retires it); the agent view is live for the call.
         let st = unsafe {
-            bnc_shim_write(
+            entry(
                 self.0.as_ptr(),
                 BncStr::from_bytes(agent.as_bytes()),
                 local.mem.code(),

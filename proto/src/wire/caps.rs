@@ -64,6 +64,23 @@ pub struct Capabilities {
     pub arena_key: Vec<u8>,
     /// The control endpoint (a ZMQ endpoint), or empty.
     pub endpoint: Vec<u8>,
+    /// The mailbox one-way peers READ our answers from (docs/one-way.md), when we keep one.
+    pub mailbox: Option<MailboxCaps>,
+}
+
+/// Where and how large an agent's mailbox is: `slots` rings of `ring` 64-byte records, starting
+/// `offset` bytes into its arena (past the part the credit scheduler hands out). Advertised by
+/// an agent that answers one-way WANTs; a peer that loaded its metadata may then bounce to it
+/// without it ever loading the peer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct MailboxCaps {
+    /// Byte offset of the mailbox in the arena.
+    pub offset: u64,
+    /// Number of slots.
+    pub slots: u32,
+    /// Records per slot.
+    pub ring: u32,
 }
 
 impl Capabilities {
@@ -78,6 +95,11 @@ impl Capabilities {
         }
         w.blob(&self.arena_key);
         w.blob(&self.endpoint);
+        // No mailbox: all zero (a mailbox has at least one slot).
+        let m = self.mailbox.unwrap_or(MailboxCaps { offset: 0, slots: 0, ring: 0 });
+        w.u64(m.offset);
+        w.u32(m.slots);
+        w.u32(m.ring);
     }
 
     /// The blob's encoding as a new vector.
@@ -113,6 +135,14 @@ impl Capabilities {
             session: r.u64()?,
             arena_key: r.blob("arena key")?,
             endpoint: r.blob("endpoint")?,
+            mailbox: {
+                let (offset, slots, ring) = (r.u64()?, r.u32()?, r.u32()?);
+                if slots == 0 && (offset != 0 || ring != 0) {
+                    // "No mailbox" has one encoding only, so decoding and encoding agree.
+                    return Err(WireError::Invalid { what: "mailbox fields without slots" });
+                }
+                (slots != 0).then_some(MailboxCaps { offset, slots, ring })
+            },
         };
         r.finish()?;
         Ok(caps)

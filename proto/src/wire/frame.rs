@@ -20,7 +20,7 @@ use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 3;
+pub const WIRE_VERSION: u8 = 4;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -38,6 +38,12 @@ pub(super) const KIND_DATA: u8 = 3;
 pub(super) const KIND_ACK: u8 = 4;
 /// A KEEP: a sender's write into the flow's region is still in flight (see [`Keep`]).
 pub(super) const KIND_KEEP: u8 = 9;
+/// A CURSOR: how far a one-way sender has read its flow's mailbox records (see [`Cursor`]).
+pub(super) const KIND_CURSOR: u8 = 10;
+/// The [`Want::endpoint`] of a sender that asks to be answered through the receiver's mailbox
+/// (it loaded the receiver's metadata, the receiver may never have loaded its own: see
+/// docs/one-way.md). Any other value, the empty one included, asks for GRANT and ACK frames.
+pub const REPLY_MAILBOX: &[u8] = b"\0mailbox";
 /// A HELLO frame: header only (see [`Body::Hello`]).
 pub(super) const KIND_HELLO: u8 = 5;
 /// A PING frame: header and a nonce (see [`Body::Ping`]).
@@ -94,7 +100,8 @@ pub struct Want {
     /// The transfer's secret, drawn by the sender; the receiver's flow keeps the one of the
     /// WANT that created it.
     pub token: Token,
-    /// The sender's control endpoint (or conn info) for the reverse path; may be empty.
+    /// How the receiver answers: [`REPLY_MAILBOX`] for mailbox records the sender READs (a
+    /// one-way flow); otherwise with GRANT and ACK frames (it is never parsed as an address).
     pub endpoint: Vec<u8>,
     /// Byte size of each chunk in chunk order; empty means cancel.
     pub chunks: Vec<u64>,
@@ -202,6 +209,20 @@ pub struct Keep {
     pub token: Token,
 }
 
+/// A one-way sender's report of how far it has read its flow's mailbox records: the receiver may
+/// reuse the ring positions up to `consumed`, and once the flow has ended, its slot. Sent when
+/// half a ring has been read since the last report and once after the last record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Cursor {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The flow's token.
+    pub token: Token,
+    /// The last record sequence number read (records are numbered from 1).
+    pub consumed: u64,
+}
+
 /// A control message.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
@@ -216,6 +237,8 @@ pub enum Msg {
     Ack(Ack),
     /// Sender → receiver: a write into the flow's region is still in flight.
     Keep(Keep),
+    /// Sender → receiver (one-way flows): mailbox records read so far.
+    Cursor(Cursor),
 }
 
 impl From<Want> for Msg {
@@ -248,6 +271,12 @@ impl From<Keep> for Msg {
     }
 }
 
+impl From<Cursor> for Msg {
+    fn from(m: Cursor) -> Self {
+        Self::Cursor(m)
+    }
+}
+
 impl Msg {
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
@@ -263,6 +292,7 @@ impl Msg {
             Self::Data(m) => m.xfer,
             Self::Ack(m) => m.xfer,
             Self::Keep(m) => m.xfer,
+            Self::Cursor(m) => m.xfer,
         }
     }
 
@@ -274,6 +304,7 @@ impl Msg {
             Self::Data(m) => m.token,
             Self::Ack(m) => m.token,
             Self::Keep(m) => m.token,
+            Self::Cursor(m) => m.token,
         }
     }
 
@@ -286,6 +317,7 @@ impl Msg {
             Self::Data(_) => "DATA",
             Self::Ack(_) => "ACK",
             Self::Keep(_) => "KEEP",
+            Self::Cursor(_) => "CURSOR",
         }
     }
 
@@ -296,6 +328,7 @@ impl Msg {
             Self::Data(_) => KIND_DATA,
             Self::Ack(_) => KIND_ACK,
             Self::Keep(_) => KIND_KEEP,
+            Self::Cursor(_) => KIND_CURSOR,
         }
     }
 
@@ -346,7 +379,7 @@ impl Msg {
                     return Err(WireError::Invalid { what: "zero-length region in ACK" });
                 }
             }
-            Self::Keep(_) => {}
+            Self::Keep(_) | Self::Cursor(_) => {}
         }
         Ok(())
     }
@@ -578,6 +611,11 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.u64(m.xfer.0);
             w.token(m.token);
         }
+        Msg::Cursor(m) => {
+            w.u64(m.xfer.0);
+            w.token(m.token);
+            w.u64(m.consumed);
+        }
     }
 }
 
@@ -624,6 +662,7 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
             status: ack_from_tag(r.u8()?)?,
         }),
         KIND_KEEP => Msg::Keep(Keep { xfer: XferId(r.u64()?), token: r.token()? }),
+        KIND_CURSOR => Msg::Cursor(Cursor { xfer: XferId(r.u64()?), token: r.token()?, consumed: r.u64()? }),
         got => return Err(WireError::UnknownKind { got }),
     })
 }

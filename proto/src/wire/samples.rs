@@ -1,7 +1,7 @@
 //! One valid value of each wire shape, shared by the codec's tests and the fuzz seed corpus,
 //! and the canonical-encoding assertion both use.
 
-use super::caps::Capabilities;
+use super::caps::{Capabilities, MailboxCaps};
 use super::codec::Result;
 use super::envelope::ConnEnvelope;
 use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Msg, Proof, WIRE_VERSION, Want};
@@ -50,6 +50,7 @@ pub(super) fn sample_caps() -> Capabilities {
         session: 9,
         arena_key: b"k".to_vec(),
         endpoint: Vec::new(),
+        mailbox: Some(MailboxCaps { offset: 64 << 20, slots: 256, ring: 18 }),
     }
 }
 

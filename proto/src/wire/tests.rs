@@ -68,8 +68,10 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
 fn arb_caps() -> impl Strategy<Value = Capabilities> {
     let control = prop_oneof![Just(ControlKind::Ucx), Just(ControlKind::Zmq)];
     let mem = prop_oneof![Just(MemKind::Dram), Just(MemKind::Vram)];
-    (control, mem, prop::array::uniform6(any::<u64>()), arb_blob(), arb_blob()).prop_map(
-        |(control, mem, v, arena_key, endpoint)| Capabilities {
+    let mailbox = prop::option::of((any::<u64>(), 1..=u32::MAX, any::<u32>()))
+        .prop_map(|m| m.map(|(offset, slots, ring)| MailboxCaps { offset, slots, ring }));
+    (control, mem, prop::array::uniform6(any::<u64>()), arb_blob(), arb_blob(), mailbox).prop_map(
+        |(control, mem, v, arena_key, endpoint, mailbox)| Capabilities {
             wire_version: WIRE_VERSION.into(),
             control,
             mem,
@@ -81,6 +83,7 @@ fn arb_caps() -> impl Strategy<Value = Capabilities> {
             session: v[5],
             arena_key,
             endpoint,
+            mailbox,
         },
     )
 }
@@ -199,7 +202,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43030508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e43040508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -231,8 +234,8 @@ fn control_frames_share_the_frame_codec_and_carry_hello() {
     longer.push(0);
     assert_eq!(ControlFrame::decode(&longer), Err(WireError::TrailingBytes { n: 1 }));
     let mut unknown = hello.to_vec();
-    unknown[7] = 10; // 6 is GOODBYE (7, 8 and 9 are taken too)
-    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 10 }));
+    unknown[7] = 11; // 6 is GOODBYE (7, 8, 9 and 10 are taken too)
+    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 11 }));
     let mut future = hello.to_vec();
     future[6] = WIRE_VERSION + 1;
     assert!(matches!(ControlFrame::decode(&future), Err(WireError::UnsupportedVersion { .. })));
@@ -245,7 +248,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 03 01 0100000000000000
+            "00424f554e43 04 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
@@ -262,7 +265,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 03 03 0400000000000000
+            "00424f554e43 04 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001"
@@ -271,7 +274,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 03 04 0500000000000000
+            "00424f554e43 04 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -332,8 +335,9 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0300 01 01 0010000000000000 0020000000000000 0000000000000000
-                0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000";
+    let caps = "0400 01 01 0010000000000000 0020000000000000 0000000000000000
+                0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
+                0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes = sample_envelopes();
     let [bare, full] = &envelopes[..] else { panic!("two samples") };
@@ -541,17 +545,17 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     assert_eq!(local.compatible_with(&same_rules), Ok(()));
     assert_eq!(same_rules.compatible_with(&local), Ok(()));
 
-    let other_version = Capabilities { wire_version: 4, ..local.clone() };
+    let other_version = Capabilities { wire_version: 5, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 3, peer: 4 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 4, peer: 5 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
     assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities { wire_version: 4, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let all = Capabilities { wire_version: 5, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
     let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
@@ -579,22 +583,31 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4303010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "00424f554e4304010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         // cancel (empty WANT)
-        "00424f554e4303010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
+        "00424f554e4304010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
         // GRANT
-        "00424f554e4303020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e4304020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4303030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e4304030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001",
         // ACK
-        "00424f554e4303040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4304040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4303050807060504030201");
-    let caps = "0300 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
-                0004000000000000 0900000000000000 01000000 6b 00000000";
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4304050807060504030201");
+    // CURSOR (kind 10): transfer, token, records read.
+    let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
+    assert_eq!(
+        hex(&cursor.to_vec()),
+        hex(&unhex(
+            "00424f554e43040a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+        ))
+    );
+    assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
+    let caps = "0400 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+                0004000000000000 0900000000000000 01000000 6b 00000000 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
     assert_eq!(
@@ -602,7 +615,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
         [
             hex(&unhex("4e58424f554e4345 0100 00 01000000 ab")),
             hex(&unhex(&format!(
-                "4e58424f554e4345 0100 01 3d000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
+                "4e58424f554e4345 0100 01 4d000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
             ))),
         ]
     );

@@ -595,6 +595,7 @@ impl Sim {
                 msg.validate().expect("endpoints build valid messages");
                 self.post(me, to, Frame { session: me as u64, msg }.to_vec());
             }
+            Action::PutRecord { .. } => unreachable!("no node here keeps a mailbox"),
             // The liveness probe's PING and PONG travel like any frame.
             Action::Link { peer, body } => {
                 self.post(me, peer.0 as usize, wire::ControlFrame { session: me as u64, body }.to_vec());
@@ -657,6 +658,7 @@ fn caps(config: &Config, session: u64) -> wire::Capabilities {
         session,
         arena_key: Vec::new(),
         endpoint: Vec::new(),
+        mailbox: None,
     }
 }
 

@@ -24,6 +24,33 @@ pub(crate) struct HostArena {
     pub(crate) streaming_scatter: bool,
 }
 
+impl HostArena {
+    /// Copies `bytes` into the arena at byte `offset` (a mailbox record); false, copying
+    /// nothing, when they would leave the arena.
+    pub(crate) fn put(&self, offset: u64, bytes: &[u8]) -> bool {
+        if offset.checked_add(bytes.len() as u64).is_none_or(|end| end > self.len) {
+            return false;
+        }
+        // SAFETY: `[base + offset, + len)` lies inside the mapped arena (checked above), which
+        // outlives every engine that holds this value; `bytes` is a distinct Rust buffer. A
+        // peer's RDMA READ may read these bytes meanwhile: a torn record fails its MAC there
+        // and is read again.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), (self.base + offset) as *mut u8, bytes.len()) };
+        true
+    }
+
+    /// Copies `len` bytes at byte `offset` out of the arena (a finished fetch); `None` when
+    /// they would leave the arena.
+    pub(crate) fn get(&self, offset: u64, len: u64) -> Option<Vec<u8>> {
+        offset.checked_add(len).filter(|&end| end <= self.len)?;
+        let mut out = vec![0; usize::try_from(len).ok()?];
+        // SAFETY: inside the mapped arena (checked above), which outlives this call; the READ
+        // that filled these bytes has completed, and no other job targets the fetch area.
+        unsafe { std::ptr::copy_nonoverlapping((self.base + offset) as *const u8, out.as_mut_ptr(), out.len()) };
+        Some(out)
+    }
+}
+
 /// A pool of copy threads.
 pub(crate) struct CpuEngine {
     tx: Option<Sender<CopyJob>>,

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
+use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
@@ -27,6 +28,7 @@ use bounce_proto::{CopyRun, PeerId, RegId, Region, Token, XferId};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::control::{ControlChannel, ControlError};
+use crate::shell::copy::cpu::HostArena;
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
@@ -39,7 +41,9 @@ use crate::shell::{Error, Result};
 use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Md, WriteSide, WriteState};
 use bounce_proto::peers::Hello;
+use fetch::Fetches;
 
+mod fetch;
 #[cfg(test)]
 mod tests;
 
@@ -229,6 +233,9 @@ pub(crate) struct Parts {
     pub(crate) endpoint: Vec<u8>,
     /// Our arena.
     pub(crate) arena: LocalArena,
+    /// Our arena's host mapping, when it is host memory: it then holds our mailbox (records
+    /// written by this thread) and our fetch area (one-way READs land there).
+    pub(crate) host: Option<HostArena>,
     /// Where gathers and scatters run.
     pub(crate) copier: Box<dyn CopyEngine>,
     /// Where writes go.
@@ -293,6 +300,11 @@ struct Driver {
     shared: Arc<Shared>,
     session: u64,
     arena: LocalArena,
+    host: Option<HostArena>,
+    /// Where our mailbox and fetch area lie in the arena.
+    one_way: OneWayLayout,
+    /// Our one-way transfers' mailbox polls.
+    fetches: Fetches,
     copier: Box<dyn CopyEngine>,
     data: Box<dyn DataPath>,
     control: Box<dyn ControlChannel>,
@@ -346,9 +358,12 @@ impl Reactor {
     /// # Errors
     /// When the core rejects the configuration or the thread cannot be started.
     pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
-        let Parts { session, endpoint, arena, copier, data, control, control_budget } = parts;
+        let Parts { session, endpoint, arena, host, copier, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
+        // Only a host arena can hold a mailbox this thread writes records into.
+        ep.keep_mailbox(host.is_some());
+        let one_way = ep.one_way_layout();
         // The liveness probe's nonces must be unpredictable to others (a forged PONG would keep
         // a dead peer alive): a random secret per engine.
         ep.set_probe_seed(std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), session));
@@ -358,6 +373,9 @@ impl Reactor {
             shared: Arc::clone(&shared),
             session,
             arena,
+            host,
+            one_way,
+            fetches: Fetches::new(one_way.fetch_slices),
             copier,
             data,
             control,
@@ -480,6 +498,7 @@ impl Driver {
                 || self.copier.in_flight() > 0
                 || !self.xfers.is_empty()
                 || !self.deregs.is_empty()
+                || self.fetches.busy()
                 || !self.ep.is_idle();
             if moved {
                 stalls = 0;
@@ -534,6 +553,7 @@ impl Driver {
         }
         (self.frames, self.done) = (frames, done);
         moved |= self.poll_writes(now);
+        moved |= self.poll_fetches(now);
         if self.ep.poll_timeout().is_some_and(|t| t <= now) {
             self.ep.handle_timeout(now);
         }
@@ -555,7 +575,7 @@ impl Driver {
             let mut i = 0;
             while i < self.retiring.len() {
                 let md = self.retiring[i];
-                if self.writes.iter().any(|w| w.remote_md == md) {
+                if self.writes.iter().any(|w| w.remote_md == md) || self.fetches.uses(md) {
                     i += 1;
                 } else {
                     self.retiring.swap_remove(i);
@@ -584,6 +604,11 @@ impl Driver {
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
         s.dereg_failed.store(core.dereg_failed + self.dereg_refused, Ordering::Relaxed);
         s.keeps_sent.store(core.keeps_sent, Ordering::Relaxed);
+        s.one_way_sent.store(core.one_way_sent, Ordering::Relaxed);
+        s.one_way_answered.store(core.one_way_answered, Ordering::Relaxed);
+        s.one_way_refused.store(core.one_way_refused, Ordering::Relaxed);
+        s.records_written.store(core.records_written, Ordering::Relaxed);
+        s.records_read.store(core.records_read, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
@@ -591,6 +616,9 @@ impl Driver {
         match cmd {
             Cmd::Submit(p) => {
                 let peer = self.shared.peers.id(&p.peer);
+                // Two way once the peer said HELLO; one way (answers READ from its mailbox)
+                // when it never loaded us but keeps a mailbox and our arena is host memory.
+                let one_way = self.host.and_then(|_| self.shared.peers.one_way_target(&p.peer)).map(|(_, l)| l);
                 let chunks = p.plan.chunks.len() as u64;
                 let bytes = p.plan.total_bytes;
                 self.xfers.insert(p.xfer, XferCtx { handle: p.handle, peer: p.peer, notif: p.notif });
@@ -605,7 +633,11 @@ impl Driver {
                     return;
                 }
                 let token = Token(u128::from_le_bytes(secret));
-                if let Err(e) = self.ep.submit(now, p.xfer, token, peer, (*p.plan).clone()) {
+                let submitted = match one_way {
+                    Some(layout) => self.ep.submit_one_way(now, p.xfer, token, peer, (*p.plan).clone(), layout),
+                    None => self.ep.submit(now, p.xfer, token, peer, (*p.plan).clone()),
+                };
+                if let Err(e) = submitted {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "bounce submit refused");
                     self.complete(p.xfer, Err(XferError::Refused));
                 }
@@ -693,7 +725,15 @@ impl Driver {
         };
         // The session must be the one of the peer's loaded metadata; a new one arrives only
         // through a metadata reload (`Engine::load_conn_info`), never through a frame.
-        let id = match self.shared.peers.admit(peer, frame.session) {
+        let admitted = match self.shared.peers.admit(peer, frame.session) {
+            // One way: an initiator we never loaded may open a flow answered through our
+            // mailbox, then send that flow's frames (each carries the flow's token).
+            Err(FrameRefused::NotLoaded) if self.ep.admits_one_way(self.shared.peers.known_id(peer), &msg) => {
+                self.shared.peers.admit_one_way(peer)
+            }
+            r => r,
+        };
+        let id = match admitted {
             Ok(id) => id,
             Err(e) => {
                 if matches!(e, FrameRefused::StaleSession { .. }) {
@@ -724,6 +764,110 @@ impl Driver {
             wire::Body::Pong { nonce } => self.ep.handle_pong(now, id, nonce),
             _ => {}
         }
+    }
+
+    /// Our one-way transfers' mailbox READs: hands finished fetches to the core, frees the
+    /// slices of ended transfers, and posts the fetches that are due (see `fetch`).
+    fn poll_fetches(&mut self, now: Instant) -> bool {
+        let Some(host) = self.host else { return false };
+        let mut moved = false;
+        for xfer in self.fetches.xfers() {
+            let live = self.ep.fetch(xfer).is_some();
+            let Some(poll) = self.fetches.poll(xfer, now) else { continue };
+            let mut pending = false;
+            let mut k = 0;
+            while k < poll.reads.len() {
+                match self.data.check(&poll.reads[k]) {
+                    WriteState::InProg => {
+                        pending = true;
+                        k += 1;
+                        continue;
+                    }
+                    WriteState::Done => {}
+                    WriteState::Failed(st) => {
+                        tracing::debug!(xfer = xfer.0, status = %st, "a mailbox READ failed");
+                        poll.failed = true;
+                    }
+                }
+                let id = poll.reads.swap_remove(k);
+                self.data.release(id);
+            }
+            if pending {
+                continue;
+            }
+            if !live {
+                self.fetches.remove(xfer);
+                continue;
+            }
+            if poll.posted {
+                let (failed, slice, len) = (poll.failed, poll.slice, poll.len);
+                moved = true;
+                if failed {
+                    // The target is gone or its arena unreachable: no answer will come.
+                    self.fetches.fetched(xfer, 0, now);
+                    self.ep.handle_fetch_failed(now, xfer);
+                } else {
+                    let at = self.one_way.fetch_offset + u64::from(slice) * self.one_way.fetch_slice;
+                    let image = host.get(at, len).unwrap_or_default();
+                    let new = self.ep.handle_fetched(now, xfer, &image);
+                    self.fetches.fetched(xfer, new, now);
+                }
+                let _ = self.drain_actions();
+            }
+        }
+        let due: Vec<XferId> = self.ep.one_way_xfers().collect();
+        for xfer in due {
+            moved |= self.post_fetch(now, xfer);
+        }
+        moved
+    }
+
+    /// Posts the fetch of `xfer` when it is due and none is in flight; true when it posted.
+    fn post_fetch(&mut self, now: Instant, xfer: XferId) -> bool {
+        let Some(poll) = self.fetches.poll(xfer, now) else { return false };
+        if poll.posted || poll.next_at > now {
+            return false;
+        }
+        let Some(f) = self.ep.fetch(xfer) else { return false };
+        let slice_at = self.one_way.fetch_offset + u64::from(poll.slice) * self.one_way.fetch_slice;
+        let Some((name, pa, mailbox)) = self.shared.peers.mailbox_target(f.peer) else {
+            self.ep.handle_fetch_failed(now, xfer);
+            let _ = self.drain_actions();
+            return true;
+        };
+        poll.posted = true;
+        poll.remote_md = Some(pa.md);
+        let mut off = 0;
+        for r in &f.regions {
+            // Within our slice (the core's fetches never exceed one) and the peer's arena (its
+            // layout was checked against the arena it advertised when it was loaded).
+            let inside =
+                mailbox.checked_add(r.offset).and_then(|o| o.checked_add(r.len)).is_some_and(|end| end <= pa.len)
+                    && off + r.len <= self.one_way.fetch_slice;
+            if !inside {
+                poll.failed = true;
+                break;
+            }
+            let local = WriteSide {
+                mem: self.arena.place.mem.into(),
+                md: self.arena.md,
+                addr: self.arena.base + slice_at + off,
+                dev: self.arena.place.dev,
+            };
+            let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + mailbox + r.offset, dev: pa.dev };
+            match self.data.read(&name, local, remote, r.len) {
+                Ok(Posted::Done) => {}
+                Ok(Posted::InFlight(id)) => poll.reads.push(id),
+                Err(st) => {
+                    tracing::debug!(peer = name, status = %st, "posting a mailbox READ failed");
+                    poll.failed = true;
+                    break;
+                }
+            }
+            off += r.len;
+        }
+        poll.len = off;
+        true
     }
 
     /// Polls in-flight writes oldest first. After each completion the core's reaction (the
@@ -774,6 +918,13 @@ impl Driver {
                     Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
                     Action::Write { job, peer, source, remote, len, .. } => {
                         self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
+                    }
+                    Action::PutRecord { offset, bytes } => {
+                        // Only an engine with a host arena keeps a mailbox; the core places
+                        // records inside it.
+                        if !self.host.is_some_and(|h| h.put(offset, &bytes)) {
+                            tracing::error!(offset, "a mailbox record outside the host arena");
+                        }
                     }
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
                 }

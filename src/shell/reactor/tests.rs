@@ -5,6 +5,7 @@
 
 use std::sync::atomic::AtomicUsize;
 
+use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::wire::{Capabilities, WIRE_VERSION};
 use bounce_proto::{ControlKind, MemKind, RegKey};
@@ -48,6 +49,21 @@ impl DataPath for MemPath {
         Ok(if self.posted % 2 == 0 { Posted::InFlight(WriteId(self.posted)) } else { Posted::Done })
     }
 
+    fn read(
+        &mut self,
+        _peer: &str,
+        local: WriteSide,
+        remote: WriteSide,
+        len: u64,
+    ) -> std::result::Result<Posted, NixlStatus> {
+        // SAFETY: test only. `remote` lies in the peer's arena (its mailbox, bounds checked by
+        // the reactor against the advertised arena), `local` in our own arena's fetch area;
+        // both are distinct live allocations for the test's duration.
+        unsafe { std::ptr::copy_nonoverlapping(remote.addr as *const u8, local.addr as *mut u8, len as usize) };
+        self.posted += 1;
+        Ok(if self.posted % 2 == 0 { Posted::InFlight(WriteId(self.posted)) } else { Posted::Done })
+    }
+
     fn check(&mut self, _w: &WriteId) -> WriteState {
         WriteState::Done
     }
@@ -87,10 +103,13 @@ impl Side {
         net: &MemNet,
         wrap: impl FnOnce(CpuEngine) -> Box<dyn CopyEngine>,
     ) -> Self {
-        let mut arena = MmapMut::map_anon(config.arena_size as usize).unwrap();
+        // As the engine maps it: the scheduler's part, then the mailbox and the fetch area.
+        let one_way = OneWayLayout::for_config(config);
+        let len = one_way.arena_len.max(config.arena_size);
+        let mut arena = MmapMut::map_anon(len as usize).unwrap();
         let base = arena.as_mut_ptr() as u64;
         let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
-        let host = HostArena { base, len: config.arena_size, streaming_scatter: true };
+        let host = HostArena { base, len, streaming_scatter: true };
         let waker = Arc::clone(&shared);
         let copier = CpuEngine::start(config.copy_workers, host, move || waker.inbox.wake()).unwrap();
         let path = MemPath::default();
@@ -99,6 +118,7 @@ impl Side {
             session,
             endpoint: name.as_bytes().to_vec(),
             arena: LocalArena { place: ArenaPlace { mem: MemKind::Dram, dev: 0 }, base, md: Md(0) },
+            host: Some(host),
             copier: wrap(copier),
             data: Box::new(path),
             control: Box::new(net.join(name)),
@@ -110,13 +130,14 @@ impl Side {
             control: ControlKind::Ucx,
             mem: MemKind::Dram,
             arena_base: base,
-            arena_len: config.arena_size,
+            arena_len: len,
             arena_dev: 0,
             usable_capacity: config.arena_usable_capacity(),
             max_chunk: config.max_chunk_size,
             session,
             arena_key: Vec::new(),
             endpoint: Vec::new(),
+            mailbox: Some(one_way.mailbox),
         };
         Self { reactor, shared, caps, notified, _arena: arena }
     }
@@ -224,6 +245,7 @@ fn kind(frame: &[u8]) -> Option<&'static str> {
         Msg::Data(_) => "data",
         Msg::Ack(_) => "ack",
         Msg::Keep(_) => "keep",
+        Msg::Cursor(_) => "cursor",
     })
 }
 

@@ -1,0 +1,440 @@
+//! One-way flows (issue 13, docs/one-way.md): bounce between an initiator that loaded the
+//! target's metadata and a target that never loaded the initiator's, so it cannot send it a
+//! frame. The target answers through its mailbox instead: GRANT and ACK become authenticated
+//! 64-byte records ([`crate::mailbox`]) in its own arena, which the initiator READs.
+//!
+//! This module only moves answers between the two transports; the sender and receiver roles
+//! decide exactly as for a two-way flow and never know the difference:
+//! - target side ([`Answering`]): a WANT whose endpoint is [`wire::REPLY_MAILBOX`] opens a slot;
+//!   every GRANT and ACK the receiver then sends that flow is taken out of the action queue and
+//!   written as records instead ([`Action::PutRecord`]); when the receiver forgets the flow
+//!   before its last chunk was acknowledged (timeout, cancel, refusal, shutdown) a FAIL record
+//!   tells the initiator; a CURSOR frame frees ring room and, after the last record, the slot.
+//! - initiator side ([`Reading`]): each one-way transfer has a [`MailboxReader`]; the shell READs
+//!   what [`Reading::fetches`] names, hands the bytes to [`Reading::handle_fetched`], and the
+//!   answers come back as the GRANT and ACK messages the sender would have received as frames
+//!   (same token, same checks). How far it has read goes back to the target in CURSOR frames.
+//!
+//! Layout: the mailbox sits in the arena right after the part the credit scheduler hands out,
+//! and after it the initiator's own fetch area, where its READs of peers' mailboxes land
+//! ([`OneWayLayout`]).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::event::Action;
+use crate::mailbox::{
+    self, Answer, CANDIDATES, FailReason, MailboxLayout, MailboxReader, MailboxWriter, RECORD_LEN, ReaderError, Seq,
+    SlotConfig, SlotError,
+};
+use crate::types::{FlowKey, PeerId, Region, Token, XferId};
+use crate::wire::{self, Ack, AckStatus, Credit, Cursor, Grant, MailboxCaps, Msg};
+
+/// Slots in a mailbox: one-way transfers in flight into one target at once.
+pub const MAILBOX_SLOTS: u32 = 256;
+/// Fetch slices of the initiator's fetch area: one-way transfers it can poll at once (the
+/// others wait for a slice, in order).
+pub const FETCH_SLICES: u32 = 64;
+
+/// Where the mailbox and the fetch area lie in an engine's arena, for its configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OneWayLayout {
+    /// The mailbox, as advertised in our capabilities.
+    pub mailbox: MailboxCaps,
+    /// Byte offset of the fetch area in the arena.
+    pub fetch_offset: u64,
+    /// Bytes of one fetch slice: the largest fetch of one transfer.
+    pub fetch_slice: u64,
+    /// Number of fetch slices.
+    pub fetch_slices: u32,
+    /// Bytes the arena needs in all: the scheduler's part, the mailbox and the fetch area.
+    pub arena_len: u64,
+}
+
+impl OneWayLayout {
+    /// The layout for `config`: `ring` = 2W + 2 records per slot (up to W GRANTs and W ACKs
+    /// unread, a FAIL, one spare), so a reader that keeps up never holds an answer back.
+    pub fn for_config(config: &Config) -> Self {
+        let ring = (2 * config.max_inflight_chunks + 2).clamp(CANDIDATES as u32, MailboxLayout::MAX_RING);
+        let layout = MailboxLayout { slots: MAILBOX_SLOTS, ring };
+        let offset = config.arena_usable_capacity();
+        let fetch_offset = offset + layout.byte_len();
+        // A ring, or while locating one record of each candidate slot.
+        let fetch_slice = layout.ring_bytes().max((CANDIDATES * RECORD_LEN) as u64);
+        let arena_len = fetch_offset + fetch_slice * u64::from(FETCH_SLICES);
+        Self {
+            mailbox: MailboxCaps { offset, slots: layout.slots, ring: layout.ring },
+            fetch_offset,
+            fetch_slice,
+            fetch_slices: FETCH_SLICES,
+            arena_len,
+        }
+    }
+}
+
+/// The mailbox shape a peer advertised, checked against its arena: `None` when it is out of
+/// bounds (a broken or hostile peer: then it is never bounced to one way).
+pub fn peer_layout(caps: &wire::Capabilities) -> Option<MailboxLayout> {
+    let m = caps.mailbox?;
+    let layout = MailboxLayout { slots: m.slots, ring: m.ring };
+    layout.validate().ok()?;
+    let end = m.offset.checked_add(layout.byte_len())?;
+    (end <= caps.arena_len).then_some(layout)
+}
+
+/// Why a one-way WANT was not taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OneWayRefused {
+    /// This engine keeps no mailbox (its arena is GPU memory, or bounce is off).
+    #[error("this engine keeps no mailbox")]
+    NoMailbox,
+    /// No slot for it now.
+    #[error(transparent)]
+    Slot(#[from] SlotError),
+}
+
+/// One one-way flow into us, as the target answers it.
+#[derive(Debug, Clone, Copy)]
+struct Flow {
+    token: Token,
+    /// Chunks the flow announced and chunks acknowledged as scattered.
+    chunks: usize,
+    scattered: usize,
+    /// The receiver forgot the flow and its slot is closing: only the CURSOR may still come.
+    closed: bool,
+}
+
+/// The target's side: the mailbox writer and the one-way flows it answers.
+#[derive(Debug)]
+pub struct Answering {
+    writer: Option<MailboxWriter>,
+    /// Byte offset of the mailbox in the arena (records are placed relative to it).
+    base: u64,
+    flows: BTreeMap<FlowKey, Flow>,
+    linger: Duration,
+}
+
+impl Answering {
+    /// A target with the mailbox of `layout` at byte `base` of its arena (`None`: it answers
+    /// no one-way WANT).
+    pub fn new(layout: Option<MailboxLayout>, base: u64, linger: Duration) -> Self {
+        let writer = layout.and_then(|layout| {
+            // A quarter of the slots per peer: one busy or hostile initiator cannot take them all.
+            let per_peer_max = (layout.slots / 4).max(1);
+            MailboxWriter::new(SlotConfig { layout, per_peer_max, linger }).ok()
+        });
+        Self { writer, base, flows: BTreeMap::new(), linger }
+    }
+
+    /// True when this engine keeps a mailbox.
+    pub fn has_mailbox(&self) -> bool {
+        self.writer.is_some()
+    }
+
+    /// True when `key` is a one-way flow (open, or its slot still closing).
+    pub fn is_one_way(&self, key: FlowKey) -> bool {
+        self.flows.contains_key(&key)
+    }
+
+    /// True when `peer` has a one-way flow here.
+    pub fn has_peer(&self, peer: PeerId) -> bool {
+        self.flows.range(FlowKey { peer, xfer: XferId(0) }..=FlowKey { peer, xfer: XferId(u64::MAX) }).next().is_some()
+    }
+
+    /// Mailbox slots held now (open or closing).
+    pub fn slots_held(&self) -> u32 {
+        self.writer.as_ref().map_or(0, |w| w.table().layout().slots - w.table().free())
+    }
+
+    /// Open one-way flows (slots closing included).
+    pub fn flows(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// A one-way WANT for a new flow `key`: gives it a slot. A further WANT of a known flow
+    /// adds its chunks.
+    ///
+    /// # Errors
+    /// [`OneWayRefused`]: the WANT must be dropped (the initiator times out).
+    pub fn open(&mut self, now: Instant, key: FlowKey, token: Token, chunks: usize) -> Result<(), OneWayRefused> {
+        if let Some(f) = self.flows.get_mut(&key) {
+            if !f.closed {
+                f.chunks += chunks;
+            }
+            return Ok(());
+        }
+        let writer = self.writer.as_mut().ok_or(OneWayRefused::NoMailbox)?;
+        writer.open(now, key.peer, key.xfer, &record_token(token))?;
+        self.flows.insert(key, Flow { token, chunks, scattered: 0, closed: false });
+        Ok(())
+    }
+
+    /// The receiver refused the WANT that opened `key`: its slot goes at once.
+    pub fn abandon(&mut self, now: Instant, key: FlowKey) {
+        if self.flows.get(&key).is_some_and(|f| f.scattered == 0 && !f.closed) {
+            self.flows.remove(&key);
+            if let Some(w) = self.writer.as_mut() {
+                w.close(now, key.peer, key.xfer);
+            }
+        }
+    }
+
+    /// The token of one-way flow `key`, for the frames that name it.
+    pub fn token(&self, key: FlowKey) -> Option<Token> {
+        self.flows.get(&key).map(|f| f.token)
+    }
+
+    /// A CURSOR from the flow's initiator (its token already checked by the caller); returns
+    /// the record writes it released (answers held back for ring room).
+    ///
+    /// # Errors
+    /// As [`MailboxWriter::handle_consumed`]: a cursor past the records written.
+    pub fn handle_cursor(
+        &mut self,
+        now: Instant,
+        key: FlowKey,
+        consumed: u64,
+        out: &mut std::collections::VecDeque<Action>,
+    ) -> Result<usize, SlotError> {
+        let Some(w) = self.writer.as_mut() else { return Ok(0) };
+        w.handle_consumed(now, key.peer, key.xfer, Seq(consumed))?;
+        if self.flows.get(&key).is_some_and(|f| f.closed) && w.table().slot_of(key.peer, key.xfer).is_none() {
+            self.flows.remove(&key);
+        }
+        let mut written = 0;
+        while let Some(r) = w.poll_write() {
+            out.push_back(Action::PutRecord { offset: self.base + r.offset, bytes: r.bytes });
+            written += 1;
+        }
+        Ok(written)
+    }
+
+    /// Takes the GRANTs and ACKs for one-way flows out of `out` and queues them as records;
+    /// closes the slots of flows the receiver no longer has (`alive` says which it has), with a
+    /// FAIL record first when they ended early; then appends the record writes to `out`.
+    /// Returns how many records it appended.
+    pub fn translate(
+        &mut self,
+        now: Instant,
+        out: &mut std::collections::VecDeque<Action>,
+        alive: impl Fn(FlowKey) -> bool,
+        shutting_down: bool,
+    ) -> usize {
+        let Some(writer) = self.writer.as_mut() else { return 0 };
+        if self.flows.is_empty() {
+            return 0;
+        }
+        let flows = &mut self.flows;
+        let mut kept = std::collections::VecDeque::with_capacity(out.len());
+        for action in out.drain(..) {
+            let (peer, answers): (PeerId, Vec<Answer>) = match &action {
+                Action::Send { peer, msg: Msg::Grant(g) } if is_open(flows, *peer, g.xfer) => {
+                    (*peer, g.credits.iter().map(|&c| Answer::Grant(c)).collect())
+                }
+                Action::Send { peer, msg: Msg::Ack(a) } if is_open(flows, *peer, a.xfer) => {
+                    let credit = Credit { chunk: a.chunk, region: a.region };
+                    (*peer, vec![Answer::Ack { credit, status: a.status }])
+                }
+                _ => {
+                    kept.push_back(action);
+                    continue;
+                }
+            };
+            let xfer = action_xfer(&action);
+            let key = FlowKey { peer, xfer };
+            for answer in answers {
+                if let (Answer::Ack { status: AckStatus::Scattered, .. }, Some(f)) = (&answer, flows.get_mut(&key)) {
+                    f.scattered += 1;
+                }
+                // The receiver only answers with regions it allocated: never invalid.
+                if writer.answer(peer, xfer, answer).is_err() {
+                    crate::event::internal_error("mailbox answer for a flow without a slot", &xfer.0);
+                }
+            }
+        }
+        *out = kept;
+        // Flows the receiver has forgotten: their last answer is queued; close their slots.
+        let ended: Vec<FlowKey> = flows.iter().filter(|(k, f)| !f.closed && !alive(**k)).map(|(k, _)| *k).collect();
+        for key in ended {
+            let Some(f) = flows.get_mut(&key) else { continue };
+            if f.scattered < f.chunks {
+                let reason = if shutting_down { FailReason::Shutdown } else { FailReason::TimedOut };
+                let _ = writer.answer(key.peer, key.xfer, Answer::Fail(reason));
+            }
+            f.closed = true;
+            writer.close(now, key.peer, key.xfer);
+        }
+        // Slots freed (read to the end, or lingered out): forget their flows.
+        flows.retain(|k, f| !f.closed || writer.table().slot_of(k.peer, k.xfer).is_some());
+        let mut written = 0;
+        while let Some(w) = writer.poll_write() {
+            out.push_back(Action::PutRecord { offset: self.base + w.offset, bytes: w.bytes });
+            written += 1;
+        }
+        written
+    }
+
+    /// The peer is gone: its slots are freed at once.
+    pub fn release_peer(&mut self, peer: PeerId) {
+        if let Some(w) = self.writer.as_mut() {
+            w.release_peer(peer);
+        }
+        self.flows.retain(|k, _| k.peer != peer);
+    }
+
+    /// How long a closed slot waits for its last CURSOR.
+    pub fn linger(&self) -> Duration {
+        self.linger
+    }
+}
+
+fn is_open(flows: &BTreeMap<FlowKey, Flow>, peer: PeerId, xfer: XferId) -> bool {
+    flows.get(&FlowKey { peer, xfer }).is_some_and(|f| !f.closed)
+}
+
+fn action_xfer(a: &Action) -> XferId {
+    match a {
+        Action::Send { msg, .. } => msg.xfer(),
+        _ => XferId(0),
+    }
+}
+
+/// The mailbox's key material for a transfer token.
+pub fn record_token(token: Token) -> mailbox::Token {
+    mailbox::Token(token.0.to_le_bytes())
+}
+
+/// One one-way transfer of ours, as the initiator reads its answers.
+#[derive(Debug)]
+struct Reader {
+    peer: PeerId,
+    token: Token,
+    reader: MailboxReader,
+    /// The cursor last reported to the target.
+    reported: u64,
+    ring: u32,
+}
+
+/// What one fetch READs: regions of the target's mailbox, back to back into the transfer's
+/// fetch slice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetch {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The target.
+    pub peer: PeerId,
+    /// Regions relative to the target's mailbox base.
+    pub regions: Vec<Region>,
+}
+
+/// An answer read from a mailbox, as the message the sender would have received as a frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Read {
+    /// A GRANT or ACK for the sender.
+    Msg(PeerId, Msg),
+    /// The target ended the transfer (a FAIL record) or broke the protocol.
+    Failed(XferId, FailReason),
+}
+
+/// The initiator's side: a mailbox reader per one-way transfer.
+#[derive(Debug, Default)]
+pub struct Reading {
+    readers: BTreeMap<XferId, Reader>,
+}
+
+impl Reading {
+    /// Starts reading transfer `xfer`'s answers from `peer`'s mailbox of shape `layout`.
+    ///
+    /// # Errors
+    /// The layout is out of bounds (checked before by [`peer_layout`], so never in practice).
+    pub fn start(
+        &mut self,
+        xfer: XferId,
+        peer: PeerId,
+        token: Token,
+        layout: MailboxLayout,
+    ) -> Result<(), ReaderError> {
+        let reader = MailboxReader::locate(layout, xfer, &record_token(token))?;
+        self.readers.insert(xfer, Reader { peer, token, reader, reported: 0, ring: layout.ring });
+        Ok(())
+    }
+
+    /// True when `xfer` is read one way.
+    pub fn contains(&self, xfer: XferId) -> bool {
+        self.readers.contains_key(&xfer)
+    }
+
+    /// True when some one-way transfer of ours goes to `peer`.
+    pub fn has_peer(&self, peer: PeerId) -> bool {
+        self.readers.values().any(|r| r.peer == peer)
+    }
+
+    /// One-way transfers being read.
+    pub fn len(&self) -> usize {
+        self.readers.len()
+    }
+
+    /// True when none is.
+    pub fn is_empty(&self) -> bool {
+        self.readers.is_empty()
+    }
+
+    /// What to READ for transfer `xfer` now (`None`: not a one-way transfer of ours).
+    pub fn fetch(&self, xfer: XferId) -> Option<Fetch> {
+        let r = self.readers.get(&xfer)?;
+        Some(Fetch { xfer, peer: r.peer, regions: r.reader.fetch() })
+    }
+
+    /// The one-way transfers being read, lowest id first.
+    pub fn xfers(&self) -> impl Iterator<Item = XferId> + '_ {
+        self.readers.keys().copied()
+    }
+
+    /// The bytes a fetch of `xfer` READ: the new answers, in order, as messages for the sender
+    /// (or the end of the transfer), and, when half a ring has been read since the last report,
+    /// a CURSOR for the target. Returns how many records were new.
+    pub fn handle_fetched(
+        &mut self,
+        xfer: XferId,
+        image: &[u8],
+        out: &mut Vec<Read>,
+        cursor: &mut Option<(PeerId, Msg)>,
+    ) -> usize {
+        let Some(r) = self.readers.get_mut(&xfer) else { return 0 };
+        let Ok(got) = r.reader.handle_fetched(image) else {
+            // The target broke the protocol (a record it alone could have written skips one
+            // or names another transfer): the transfer fails.
+            out.push(Read::Failed(xfer, FailReason::Refused));
+            self.readers.remove(&xfer);
+            return 0;
+        };
+        while let Some((_, answer)) = r.reader.poll_answer() {
+            let (token, peer) = (r.token, r.peer);
+            out.push(match answer {
+                Answer::Grant(c) => Read::Msg(peer, Msg::Grant(Grant { xfer, token, credits: vec![c] })),
+                Answer::Ack { credit, status } => {
+                    Read::Msg(peer, Msg::Ack(Ack { xfer, token, chunk: credit.chunk, region: credit.region, status }))
+                }
+                // A READY belongs to a READ, which this initiator never asked of a one-way flow.
+                Answer::Ready(_) => Read::Failed(xfer, FailReason::Refused),
+                Answer::Fail(reason) => Read::Failed(xfer, reason),
+            });
+        }
+        let consumed = r.reader.consumed().0;
+        if consumed >= r.reported + u64::from(r.ring / 2).max(1) {
+            r.reported = consumed;
+            *cursor = Some((r.peer, Msg::Cursor(Cursor { xfer, token: r.token, consumed })));
+        }
+        got
+    }
+
+    /// Transfer `xfer` ended: stops reading it; when it succeeded, the final CURSOR that frees
+    /// its slot at the target.
+    pub fn finish(&mut self, xfer: XferId, ok: bool) -> Option<(PeerId, Msg)> {
+        let r = self.readers.remove(&xfer)?;
+        let consumed = r.reader.consumed().0;
+        (ok && consumed > r.reported).then_some((r.peer, Msg::Cursor(Cursor { xfer, token: r.token, consumed })))
+    }
+}
