@@ -19,6 +19,10 @@ Commands:
         reuse (pull): N overwrites those requests' source blocks with `reuse_seed`'s bytes, as
           a prefill worker reusing blocks the decode side said it has read;
       -> {"seen": [{"msg", "t", "bad"}...]}  (t: time.monotonic(), comparable across processes)
+  {"op": "take", "name": N, "from": A, "n": K}   wait until K notifications from A arrived
+      (any messages; for the benchmark's re-posted requests) and forget them
+  {"op": "expect", "name": N, "requests": {...}, "src_seed": S}   N's cache must now hold those
+      requests' blocks from `src_seed`'s cache (a push whose notifications were taken)
   {"op": "check", "name": N}   -> {"report": CheckReport}   every byte of N's cache
   {"op": "params", "name": N}  -> {"params": {...}}         N's live backend params
   {"op": "exit"}
@@ -45,9 +49,23 @@ class Side:
         for sender, msgs in self.agent.get_new_notifs().items():
             self.seen.extend((sender, m) for m in msgs)
 
+    def requests(self, spec):
+        return kvcache.make_requests(self.layout, spec["count"], spec["blocks"], spec["seed"])
+
+    def take(self, cmd):
+        sender, left = cmd["from"], cmd["n"]
+        end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
+        while left > 0:
+            if time.monotonic() > end:
+                raise TimeoutError(f"{left} notification(s) from {sender} never arrived")
+            self.poll()
+            mine = [x for x in self.seen if x[0] == sender][:left]
+            for x in mine:
+                self.seen.remove(x)
+            left -= len(mine)
+
     def serve(self, cmd):
-        spec = cmd["requests"]
-        reqs = kvcache.make_requests(self.layout, spec["count"], spec["blocks"], spec["seed"])
+        reqs = self.requests(cmd["requests"])
         waiting = {}
         for e in cmd["expect"]:
             msg = b"batch" if e == "batch" else reqs[e].notif
@@ -106,6 +124,14 @@ def main():
                 reply()
             elif op == "serve":
                 reply(seen=sides[cmd["name"]].serve(cmd))
+            elif op == "take":
+                sides[cmd["name"]].take(cmd)
+                reply()
+            elif op == "expect":
+                s = sides[cmd["name"]]
+                for r in s.requests(cmd["requests"]):
+                    s.cache.expect_request(r, cmd["src_seed"])
+                reply()
             elif op == "check":
                 reply(report=sides[cmd["name"]].cache.check().as_dict())
             elif op == "params":
