@@ -9,14 +9,17 @@ Commands:
          bytes, one registration per layer (bases: the layers' addresses)
   {"op": "load", "name": N, "meta": b64}     N adds a remote agent (two-way metadata only)
   {"op": "fill", "name": N, "seed": S}       refill N's cache with `seed`'s bytes
+  {"op": "watch", "name": N, "prefix": P, "seed": S}   map the initiator's cache (its layers
+      made by kvcache.shared_layers(P), holding `seed`'s bytes) read-only into this process
   {"op": "serve", "name": N, "from": A, "requests": {"count", "blocks", "seed"},
-   "expect": [index | "batch", ...], "action": "verify" | "reuse" | "none",
-   "src_seed": S, "reuse_seed": R}
+   "expect": [index | "batch", ...], "verify": "own" | "initiator" | null, "src_seed": S,
+   "reuse_seed": R | null}
       polls N until the expected notifications from A arrived (b"req-<i>", b"batch"), and on
       seeing each one, before polling again:
-        verify (push): N's cache must now hold those requests' blocks from `src_seed`'s cache:
-          the bad byte count of their destination blocks at that moment is reported;
-        reuse (pull): N overwrites those requests' source blocks with `reuse_seed`'s bytes, as
+        verify: the destination blocks of those requests (N's own cache for a push, the
+          watched initiator's for a pull) must now hold their blocks from `src_seed`'s cache;
+          the count of wrong bytes at that moment is reported;
+        reuse_seed (pull): N then overwrites those requests' source blocks with its bytes, as
           a prefill worker reusing blocks the decode side said it has read;
       -> {"seen": [{"msg", "t", "bad"}...]}  (t: time.monotonic(), comparable across processes)
   {"op": "take", "name": N, "from": A, "n": K}   wait until K notifications from A arrived
@@ -44,6 +47,7 @@ class Side:
         self.cache = kvcache.KvCache(self.layout, cmd["seed"])
         self.cache.register(self.agent, self.backend)
         self.seen = []
+        self.watched = None
 
     def poll(self):
         for sender, msgs in self.agent.get_new_notifs().items():
@@ -84,11 +88,12 @@ class Side:
                 self.seen.remove((who, msg))
                 mine = waiting.pop(msg)
                 bad = None
-                if cmd["action"] == "verify":
+                if cmd.get("verify"):
+                    dst = self.cache if cmd["verify"] == "own" else self.watched
                     for r in mine:
-                        self.cache.expect_request(r, cmd["src_seed"])
-                    bad = sum(self.cache.bad_bytes(r.dst_blocks) for r in mine)
-                elif cmd["action"] == "reuse":
+                        dst.expect_request(r, cmd["src_seed"])
+                    bad = sum(dst.bad_bytes(r.dst_blocks) for r in mine)
+                if cmd.get("reuse_seed") is not None:
                     for r in mine:
                         self.cache.overwrite(r.src_blocks, cmd["reuse_seed"])
                 out.append({"msg": msg.decode(), "t": t, "bad": bad})
@@ -124,6 +129,11 @@ def main():
                 reply()
             elif op == "serve":
                 reply(seen=sides[cmd["name"]].serve(cmd))
+            elif op == "watch":
+                s = sides[cmd["name"]]
+                s.watched = kvcache.KvCache(s.layout, cmd["seed"],
+                                            attached=kvcache.attach_layers(cmd["prefix"], s.layout))
+                reply()
             elif op == "take":
                 sides[cmd["name"]].take(cmd)
                 reply()

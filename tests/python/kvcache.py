@@ -14,11 +14,18 @@ machine; this costs one pass at memory speed, and still every word of every bloc
 every word at the same offset of any other block, layer or seed, so a block written to the
 wrong place, from the wrong place, or not at all is caught at every word.
 
+Layers may live in files mapped shared (`shared_layers`, e.g. under /dev/shm), so that the
+target process can look at the initiator's destination blocks at the very moment it sees the
+notification (`KvCache(..., layers=attach_layers(...))`): that is how the pull tests prove the
+notification comes only after the READ's data landed.
+
 The checker keeps, per block row, where its bytes must come from (a seed and a row: the row's
 `origin`), regenerates the expected bytes and compares every byte of every layer: rows a
 transfer wrote must hold the source's bytes, every other row must still hold its own.
 """
 import functools
+import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,23 +126,62 @@ class CheckReport:
         return dict(self.__dict__, clean=self.clean)
 
 
+def layer_paths(prefix, layout):
+    return [f"{prefix}-{layer}" for layer in range(layout.layers)]
+
+
+def _map(path, layout, create):
+    with open(path, "w+b" if create else "r+b") as f:
+        if create:
+            f.truncate(layout.layer_bytes)
+        m = mmap.mmap(f.fileno(), layout.layer_bytes, mmap.MAP_SHARED)
+    return np.frombuffer(m, dtype=WORD)  # the array keeps the mapping alive
+
+
+def shared_layers(prefix, layout):
+    """New layers in files `prefix`-<layer> mapped shared (another process may attach them)."""
+    return [_map(p, layout, True) for p in layer_paths(prefix, layout)]
+
+
+def attach_layers(prefix, layout):
+    """Another process's `shared_layers`, mapped here too: the same bytes, live."""
+    return [_map(p, layout, False) for p in layer_paths(prefix, layout)]
+
+
+def remove_layers(prefix, layout):
+    for p in layer_paths(prefix, layout):
+        if os.path.exists(p):
+            os.unlink(p)
+
+
 class KvCache:
     """One side's cache: the layers (filled with `seed`'s bytes) and, per block row, where its
-    bytes must come from now (`origin_seed`, `origin_row`) and whether a transfer wrote it."""
+    bytes must come from now (`origin_seed`, `origin_row`) and whether a transfer wrote it.
+    `layers` (from shared_layers) are filled; `attached` ones (attach_layers: a view of another
+    process's cache, which holds `seed`'s bytes) are only read."""
 
-    def __init__(self, layout, seed):
+    def __init__(self, layout, seed, layers=None, attached=None):
         self.layout = layout
         words = layout.layer_bytes // 8
-        self.layers = [np.empty(words, dtype=WORD) for _ in range(layout.layers)]
+        if attached is not None:
+            self.layers = attached
+            self._model(seed)
+            return
+        self.layers = layers or [np.empty(words, dtype=WORD) for _ in range(layout.layers)]
         self.fill(seed)
 
     def fill(self, seed):
         """Refills every layer with `seed`'s bytes; nothing counts as written any more."""
         L = self.layout
-        self.seed = seed
         every = np.arange(L.rows)
         for layer, buf in enumerate(self.layers):
             buf.reshape(L.rows, -1)[:] = rows_bytes(seed, layer, every, L)
+        self._model(seed)
+
+    def _model(self, seed):
+        L = self.layout
+        every = np.arange(L.rows)
+        self.seed = seed
         self.origin_seed = np.full((L.layers, L.rows), seed, dtype=np.int64)
         self.origin_row = np.tile(every, (L.layers, 1))
         self.written = np.zeros((L.layers, L.rows), dtype=bool)

@@ -3,9 +3,11 @@ processes, with a paged KV cache laid out as vLLM lays it out (kvcache.py: one r
 layer, [K|V] x blocks x 4 KiB, 16 layers, random block ids per request):
 
 - pull (vLLM's NIXL connector): the decode side (initiator) READs the request's blocks from the
-  prefill side, the READ carrying a notification; the prefill side waits for it and then
-  reuses the request's blocks at once (overwrites them), so a notification that overtook the
-  data would leave the decode side with the new bytes;
+  prefill side, the READ carrying a notification; the prefill side waits for it, checks at
+  that moment that every byte of the request is already in the decode side's blocks (the
+  decode side's layers are mapped shared, /dev/shm, so the prefill process can look at them),
+  and then reuses the request's blocks at once (overwrites them), as a prefill worker frees
+  them;
 - push (the reference design): the context side (initiator) WRITEs the blocks into the
   generation side with a notification; the generation side waits for it and checks, at the
   moment it sees it, that every byte of the request is already in place.
@@ -23,8 +25,10 @@ be plain UCX pass-through (and still byte-exact). Add a case here when its path 
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -68,6 +72,23 @@ def kv_peer():
         p.close()
 
 
+@pytest.fixture
+def shm():
+    """A folder for layers mapped shared between the two processes (tmpfs where there is one)."""
+    d = tempfile.mkdtemp(prefix="kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def initiator_cache(ag, p, tgt, shm, seed):
+    """The initiator's cache, its layers mapped shared and watched by the target process."""
+    prefix = os.path.join(shm, "initiator")
+    cache = kvcache.KvCache(LAYOUT, seed, layers=kvcache.shared_layers(prefix, LAYOUT))
+    cache.register(ag, B)
+    p.call(op="watch", name=tgt, prefix=prefix, seed=seed)
+    return cache
+
+
 def stats(params):
     return {k[len("stats."):]: int(v) for k, v in params.items() if k.startswith("stats.")}
 
@@ -103,10 +124,11 @@ def run_requests(ag, p, pattern, names, cache, bases, tgt_seed, req_seed, batch,
     ini, tgt = names
     reqs = kvcache.make_requests(LAYOUT, COUNT, BLOCKS, req_seed)
     spec = {"count": COUNT, "blocks": BLOCKS, "seed": req_seed}
+    pull = pattern == "pull"
     p.send(op="serve", name=tgt, **{"from": ini}, requests=spec,
            expect=["batch"] if batch else [r.index for r in reqs],
-           action="reuse" if pattern == "pull" else "verify",
-           src_seed=cache.seed, reuse_seed=reuse_seed)
+           verify="initiator" if pull else "own", src_seed=tgt_seed if pull else cache.seed,
+           reuse_seed=reuse_seed if pull else None)
     groups = [reqs] if batch else [[r] for r in reqs]
     for group in groups:
         notif = b"batch" if batch else group[0].notif
@@ -116,8 +138,8 @@ def run_requests(ag, p, pattern, names, cache, bases, tgt_seed, req_seed, batch,
             transfer(ag, "READ", local, remote, tgt, notif)
             for r in group:
                 cache.expect_request(r, tgt_seed)
-            # DONE here; the prefill side reuses these blocks as soon as it sees the
-            # notification, so any byte read after that shows up as the reuse pattern
+            # DONE here; the prefill side reuses its blocks as soon as it sees the
+            # notification, so any byte read after that shows up here as the reuse pattern
             bad = sum(cache.bad_bytes(r.dst_blocks) for r in group)
             assert bad == 0, f"request(s) {[r.index for r in group]}: {bad} bytes wrong after DONE"
         else:  # context side: our sources -> the generation side's destinations
@@ -126,14 +148,13 @@ def run_requests(ag, p, pattern, names, cache, bases, tgt_seed, req_seed, batch,
             transfer(ag, "WRITE", local, remote, tgt, notif)
     seen = p.recv()["seen"]
     assert len(seen) == len(groups)
-    if pattern == "push":
-        late = [s for s in seen if s["bad"] != 0]
-        assert not late, f"notification seen before its bytes were in place: {late}"
+    late = [s for s in seen if s["bad"] != 0]
+    assert not late, f"notification seen before its bytes were in place: {late}"
 
 
 @pytest.mark.parametrize("metadata", ["two-way", "one-way"])
 @pytest.mark.parametrize("pattern", ["pull", "push"])
-def test_kv_requests_one_by_one_and_batched(kv_peer, pattern, metadata):
+def test_kv_requests_one_by_one_and_batched(kv_peer, shm, pattern, metadata):
     case = f"{pattern}-{metadata}"
     ini, tgt = (f"decode-{case}", f"prefill-{case}") if pattern == "pull" else \
         (f"context-{case}", f"generation-{case}")
@@ -141,8 +162,7 @@ def test_kv_requests_one_by_one_and_batched(kv_peer, pattern, metadata):
     p = kv_peer()
     meta, bases = p.start(name=tgt, backend=B, layout=LAYOUT.__dict__, seed=tgt_seed)
     ag = nixlkit.agent(ini)
-    cache = kvcache.KvCache(LAYOUT, ini_seed)
-    cache.register(ag, B)
+    cache = initiator_cache(ag, p, tgt, shm, ini_seed)
     ag.add_remote_agent(meta)
     if metadata == "two-way":
         p.call(op="load", name=tgt, meta=base64.b64encode(ag.get_agent_metadata()).decode())
@@ -155,6 +175,7 @@ def test_kv_requests_one_by_one_and_batched(kv_peer, pattern, metadata):
     # one batch of 8 other requests, both caches refilled so nothing of the first phase counts
     ini_seed, tgt_seed = 101, 201
     cache.fill(ini_seed)
+    p.call(op="watch", name=tgt, prefix=os.path.join(shm, "initiator"), seed=ini_seed)
     p.call(op="fill", name=tgt, seed=tgt_seed)
     run_requests(ag, p, pattern, (ini, tgt), cache, bases, tgt_seed, 14, True, 301)
 
@@ -173,6 +194,10 @@ def test_kv_requests_one_by_one_and_batched(kv_peer, pattern, metadata):
         assert d.get("bounce_xfers") == xfers and d.get("bounce_ok") == xfers, d
         assert d.get("bounce_bytes") == nbytes, d
         assert d.get("passthrough_xfers", 0) == 0 and d.get("bounce_failed", 0) == 0, d
+        # per-direction counters (issue 13), once the engine has them
+        per_dir = f"bounce_{'read' if pattern == 'pull' else 'write'}_ok"
+        if per_dir in counters(ag):
+            assert d.get(per_dir) == xfers, d
     else:
         assert d.get("passthrough_xfers") == xfers, d
         assert d.get("bounce_xfers", 0) == 0, d
@@ -211,26 +236,26 @@ def test_checker_sees_wrong_missing_and_stray_blocks():
 
 
 @pytest.mark.parametrize("pattern", ["pull", "push"])
-def test_ordering_checks_catch_a_notification_ahead_of_its_data(kv_peer, pattern):
+def test_ordering_checks_catch_a_notification_ahead_of_its_data(kv_peer, shm, pattern):
     """The ordering checks above can fail: a notification sent BEFORE the transfer is seen by
-    the target with the bytes not in place (push), or makes the prefill side reuse blocks the
-    READ then returns with the reuse pattern (pull)."""
+    the target with the request's bytes not in place, and (pull) makes the prefill side reuse
+    blocks that a READ posted afterwards returns with the reuse pattern."""
     ini, tgt = f"early-{pattern}-ini", f"early-{pattern}-tgt"
     p = kv_peer()
     meta, bases = p.start(name=tgt, backend=B, layout=LAYOUT.__dict__, seed=210)
     ag = nixlkit.agent(ini)
-    cache = kvcache.KvCache(LAYOUT, 110)
-    cache.register(ag, B)
+    cache = initiator_cache(ag, p, tgt, shm, 110)
     ag.add_remote_agent(meta)
     req = kvcache.make_requests(LAYOUT, COUNT, BLOCKS, 15)[0]
+    pull = pattern == "pull"
     p.send(op="serve", name=tgt, **{"from": ini}, requests={"count": COUNT, "blocks": BLOCKS, "seed": 15},
-           expect=[0], action="reuse" if pattern == "pull" else "verify", src_seed=110, reuse_seed=310)
+           expect=[0], verify="initiator" if pull else "own", src_seed=210 if pull else 110,
+           reuse_seed=310 if pull else None)
     ag.send_notif(tgt, req.notif)
     seen = p.recv()["seen"]
-    if pattern == "push":
-        assert seen[0]["bad"] > 0, seen
-        return
-    transfer(ag, "READ", cache.descs(req.dst_blocks),
-             kvcache.block_descs(LAYOUT, bases, req.src_blocks), tgt, b"")
-    cache.expect_request(req, 210)
-    assert cache.bad_bytes(req.dst_blocks) > 0
+    assert seen[0]["bad"] > 0, seen
+    if pull:
+        transfer(ag, "READ", cache.descs(req.dst_blocks),
+                 kvcache.block_descs(LAYOUT, bases, req.src_blocks), tgt, b"")
+        cache.expect_request(req, 210)
+        assert cache.bad_bytes(req.dst_blocks) > 0
