@@ -10,13 +10,13 @@ layer x K/V x block, in that order, the two sides' lists pairing block i with bl
 Byte patterns: every block row (one K or V block of one layer) holds
 `tile(seed, layer) XOR row_key(seed, layer, row)` in 64-bit words, both drawn from
 nixlkit.pattern. Generating 64 MiB of nixlkit.pattern per side takes seconds on the 2-core CI
-machine; this costs one pass at memory speed, and still every word of every block differs from
-every word at the same offset of any other block, layer or seed, so a block written to the
-wrong place, from the wrong place, or not at all is caught at every word.
+machine; this costs one pass at memory speed, and still a word of a block equals the word at
+the same offset of another block, layer or seed only with probability 2^-64, so a block written
+to the wrong place, from the wrong place, or not at all is caught at every word.
 
 Layers may live in files mapped shared (`shared_layers`, e.g. under /dev/shm), so that the
 target process can look at the initiator's destination blocks at the very moment it sees the
-notification (`KvCache(..., layers=attach_layers(...))`): that is how the pull tests prove the
+notification (`KvCache(..., attached=attach_layers(...))`): that is how the pull tests prove the
 notification comes only after the READ's data landed.
 
 The checker keeps, per block row, where its bytes must come from (a seed and a row: the row's
@@ -25,7 +25,6 @@ transfer wrote must hold the source's bytes, every other row must still hold its
 """
 import functools
 import mmap
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +36,7 @@ WORD = np.uint64
 
 @dataclass(frozen=True)
 class KvLayout:
+    """The shape of one side's cache (both sides of a transfer use the same)."""
     layers: int = 16
     blocks: int = 512
     block_bytes: int = 4096
@@ -50,12 +50,6 @@ class KvLayout:
     def layer_bytes(self):
         return self.rows * self.block_bytes
 
-    @property
-    def total_bytes(self):
-        return self.layers * self.layer_bytes
-
-    def row(self, kv, block):
-        return kv * self.blocks + block
 
 
 @functools.lru_cache(maxsize=256)
@@ -146,12 +140,6 @@ def shared_layers(prefix, layout):
 def attach_layers(prefix, layout):
     """Another process's `shared_layers`, mapped here too: the same bytes, live."""
     return [_map(p, layout, False) for p in layer_paths(prefix, layout)]
-
-
-def remove_layers(prefix, layout):
-    for p in layer_paths(prefix, layout):
-        if os.path.exists(p):
-            os.unlink(p)
 
 
 class KvCache:
