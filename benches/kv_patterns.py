@@ -193,7 +193,8 @@ def main():
           f"one registration per layer; {args.requests} requests of {args.per_request} random blocks "
           f"= {descs} descriptors ({descs * args.block_bytes / 2**20:.0f} MiB) each, batch "
           f"{args.requests * descs} descriptors; DRAM, two processes, {args.rounds} rounds "
-          f"(interleaved blocks, BOUNCE and UCX alternating first), status polled in a busy loop")
+          f"(interleaved blocks, BOUNCE and UCX alternating first), status polled in a busy loop; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
     failed = False
     for pattern, metadata in CASES:
         name = f"{pattern}-{metadata}"
