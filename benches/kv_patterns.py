@@ -16,7 +16,8 @@ alternating), so machine noise lands on both alike.
 
 A block: the 8 requests one by one (1024 descriptors each with the defaults), then one batch of
 all 8 (8192 descriptors); each a prepared request re-posted, timed from transfer() to DONE
-(status polled in a busy loop), then the target must have seen every notification. One
+(status polled in a busy loop; the target process polls its agents every 0.5 ms meanwhile, as
+a framework's loop would), then the target must have seen every notification. One
 warm-up round is not counted. Reported per backend: batch median; per-request p50 and p99
 (over rounds x requests); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal
 <= 1.5); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
@@ -74,7 +75,7 @@ def counters(ag, backend):
 class Side:
     """One backend's pair: our agent and cache, the target's agent, the prepared requests."""
 
-    def __init__(self, backend, case, target, layout, reqs, args):
+    def __init__(self, backend, case, target, layout, reqs):
         import kvcache
         import nixlkit
 
@@ -138,7 +139,7 @@ def child(case, args):
     layout = kvcache.KvLayout(args.layers, args.blocks, args.block_bytes)
     reqs = kvcache.make_requests(layout, args.requests, args.per_request, seed=7)
     target = Target()
-    sides = [Side(b, case, target, layout, reqs, args) for b in BACKENDS]
+    sides = [Side(b, case, target, layout, reqs) for b in BACKENDS]
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
