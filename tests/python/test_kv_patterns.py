@@ -187,8 +187,12 @@ def test_kv_requests_one_by_one_and_batched(kv_peer, shm, pattern, metadata):
     assert_clean(theirs, f"{tgt} ({pattern} target)", rows if pattern == "push" else 0)
 
     d = moved(before, counters(ag))
-    dt = moved(tgt_before, stats(p.call(op="params", name=tgt)["params"]))
+    tgt_after = stats(p.call(op="params", name=tgt)["params"])
+    dt = moved(tgt_before, tgt_after)
     print(f"\n{case}: initiator counters moved {d}\n{case}: target counters moved {dt}")
+    # one-way really is one way: the target holds nothing of the initiator (its arena included)
+    loaded = tgt_after["peer_arenas_loaded"]
+    assert loaded == (1 if metadata == "two-way" else 0), tgt_after
     xfers, nbytes = COUNT + 1, 2 * COUNT * DESCS * LAYOUT.block_bytes
     if (pattern, metadata) in BOUNCES:
         assert d.get("bounce_xfers") == xfers and d.get("bounce_ok") == xfers, d
