@@ -1,0 +1,233 @@
+"""KV-cache transfers the way frameworks make them (issue 13): BOUNCE vs plain UCX, side by side
+in ONE run, two processes, DRAM, a paged KV cache laid out as vLLM lays it out
+(tests/python/kvcache.py: one registration per layer, [K|V] x blocks x block bytes).
+
+    .venv/bin/python benches/kv_patterns.py [--rounds 15] [--layers 16] [--blocks 512]
+        [--per-request 32] [--requests 8] [--block-bytes 4096] [--only pull-one-way]
+
+Cases: pull (the decode side READs the request's blocks from the prefill side, the READ
+carrying a notification, as vLLM's NIXL connector does) and push (the context side WRITEs them
+into the generation side with a notification, as the reference design does), each with
+metadata loaded both ways (two-way) and by the initiator only (one-way: the target never calls
+add_remote_agent). Each case runs in a child process (the initiator) against a target process
+(tests/python/kv_peer.py); both hold one agent per backend, each with its own cache, and the
+backends are measured in interleaved blocks (a round: one block per backend, the order
+alternating), so machine noise lands on both alike.
+
+A block: the 8 requests one by one (1024 descriptors each with the defaults), then one batch of
+all 8 (8192 descriptors); each a prepared request re-posted, timed from transfer() to DONE
+(status polled in a busy loop; the target process polls its agents every 0.5 ms meanwhile, as
+a framework's loop would), then the target must have seen every notification. One
+warm-up round is not counted. Reported per backend: batch median; per-request p50 and p99
+(over rounds x requests); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal
+<= 1.5); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
+request is prepared, so `passthrough_xfers` and `fallback_*` count the 9 prepared requests,
+`bounce_xfers` / `bounce_ok` count posts); and a byte-exact check of both caches of both
+backends after the run.
+"""
+import argparse
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = os.path.join(os.path.dirname(HERE), "tests", "python")
+sys.path.insert(0, PY)
+
+BACKENDS = ("BOUNCE", "UCX")
+CASES = [(p, m) for p in ("pull", "push") for m in ("two-way", "one-way")]
+PATH_KEYS = ("bounce_xfers", "bounce_ok", "bounce_failed", "passthrough_xfers", "fallback_op",
+             "fallback_peer", "fallback_count", "fallback_size", "fallback_unproven")
+
+
+class Target:
+    """The target process (kv_peer.py), driven line by line."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(PY, "kv_peer.py")], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, cwd=PY,
+            stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.DEVNULL)
+
+    def call(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"target died (rc={self.proc.poll()}) during {cmd['op']}")
+        r = json.loads(line)
+        if not r.get("ok"):
+            raise SystemExit(f"target {cmd['op']} failed: {r.get('error')}")
+        return r
+
+
+def counters(ag, backend):
+    import nixlkit
+    nixlkit.poll(ag)  # getNotifs publishes the counters
+    return {k[len("stats."):]: int(v) for k, v in nixlkit.live_params(ag, backend).items()
+            if k.startswith("stats.")}
+
+
+class Side:
+    """One backend's pair: our agent and cache, the target's agent, the prepared requests."""
+
+    def __init__(self, backend, case, target, layout, reqs):
+        import kvcache
+        import nixlkit
+
+        pattern, metadata = case
+        self.backend = backend
+        tag = f"{pattern}-{metadata}-{backend}"
+        self.name, self.peer = (f"decode-{tag}", f"prefill-{tag}") if pattern == "pull" else \
+            (f"context-{tag}", f"generation-{tag}")
+        self.tgt_seed, self.ini_seed = 20, 10
+        r = target.call(op="start", name=self.peer, backend=backend, layout=layout.__dict__,
+                        seed=self.tgt_seed)
+        self.ag = nixlkit.agent(self.name, (backend,))
+        self.cache = kvcache.KvCache(layout, self.ini_seed)
+        self.cache.register(self.ag, backend)
+        self.ag.add_remote_agent(base64.b64decode(r["meta"]))
+        if metadata == "two-way":
+            target.call(op="load", name=self.peer,
+                        meta=base64.b64encode(self.ag.get_agent_metadata()).decode())
+            if backend == "BOUNCE":
+                nixlkit.wait_ready(self.ag)
+        op = "READ" if pattern == "pull" else "WRITE"
+        # before the requests are prepared: the gate runs (and counts a pass-through) at prep
+        self.before = counters(self.ag, backend) if backend == "BOUNCE" else {}
+
+        def prep(group, notif):
+            mine = [d for q in group for d in self.cache.descs(
+                q.dst_blocks if pattern == "pull" else q.src_blocks)]
+            theirs = [d for q in group for d in kvcache.block_descs(
+                layout, r["bases"], q.src_blocks if pattern == "pull" else q.dst_blocks)]
+            return self.ag.initialize_xfer(op, self.ag.get_xfer_descs(mine, "DRAM"),
+                                           self.ag.get_xfer_descs(theirs, "DRAM"), self.peer,
+                                           notif, backends=[backend])
+
+        self.singles = [prep([q], q.notif) for q in reqs]
+        self.batch = prep(reqs, b"batch")
+        self.single_s, self.batch_s = [], []
+
+    def post(self, h):
+        t0 = time.perf_counter()
+        state = self.ag.transfer(h)
+        while state not in ("DONE", "ERR"):
+            state = self.ag.check_xfer_state(h)
+        if state != "DONE":
+            raise SystemExit(f"{self.backend}: transfer failed")
+        return time.perf_counter() - t0
+
+    def block(self, target, keep):
+        singles = [self.post(h) for h in self.singles]
+        batch = self.post(self.batch)
+        # every notification must reach the target: 8 requests + the batch
+        target.call(op="take", name=self.peer, **{"from": self.name}, n=len(self.singles) + 1)
+        if keep:
+            self.single_s.extend(singles)
+            self.batch_s.append(batch)
+
+
+def child(case, args):
+    import kvcache
+    import nixlkit
+
+    layout = kvcache.KvLayout(args.layers, args.blocks, args.block_bytes)
+    reqs = kvcache.make_requests(layout, args.requests, args.per_request, seed=7)
+    target = Target()
+    sides = [Side(b, case, target, layout, reqs) for b in BACKENDS]
+    for rnd in range(args.rounds + 1):
+        order = sides if rnd % 2 == 0 else sides[::-1]
+        for s in order:
+            s.block(target, keep=rnd > 0)
+    out = {}
+    for s in sides:
+        # byte-exact: the destinations hold the sources' bytes, everything else is untouched
+        if case[0] == "pull":
+            for q in reqs:
+                s.cache.expect_request(q, s.tgt_seed)
+            mine = s.cache.check().as_dict()
+            theirs = target.call(op="check", name=s.peer)["report"]
+        else:
+            mine = s.cache.check().as_dict()
+            target.call(op="expect", name=s.peer, src_seed=s.ini_seed,
+                        requests={"count": args.requests, "blocks": args.per_request, "seed": 7})
+            theirs = target.call(op="check", name=s.peer)["report"]
+        path = {}
+        if s.backend == "BOUNCE":
+            after = counters(s.ag, s.backend)
+            path = {k: after.get(k, 0) - s.before.get(k, 0) for k in PATH_KEYS
+                    if after.get(k, 0) != s.before.get(k, 0)}
+        out[s.backend] = {"single": s.single_s, "batch": s.batch_s, "path": path,
+                          "exact": mine["clean"] and theirs["clean"], "mine": mine, "theirs": theirs}
+    print("RESULT " + json.dumps(out), flush=True)
+    target.call(op="exit")
+    nixlkit.leave(0)
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=512, help="blocks per layer (each K and V)")
+    ap.add_argument("--block-bytes", type=int, default=4096)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--per-request", type=int, default=32, help="blocks per request")
+    ap.add_argument("--only", help="run only the cases whose name contains this (pull-one-way, push, ...)")
+    ap.add_argument("--child")
+    args = ap.parse_args()
+    if args.child:
+        pattern, metadata = args.child.split(":")
+        child((pattern, metadata), args)
+        return
+    descs = args.layers * 2 * args.per_request
+    print(f"KV cache: {args.layers} layers x [K|V] x {args.blocks} blocks of {args.block_bytes} B, "
+          f"one registration per layer; {args.requests} requests of {args.per_request} random blocks "
+          f"= {descs} descriptors ({descs * args.block_bytes / 2**20:.0f} MiB) each, batch "
+          f"{args.requests * descs} descriptors; DRAM, two processes, {args.rounds} rounds "
+          f"(interleaved blocks, BOUNCE and UCX alternating first), status polled in a busy loop; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    failed = False
+    for pattern, metadata in CASES:
+        name = f"{pattern}-{metadata}"
+        if args.only and args.only not in name:
+            continue
+        cmd = [sys.executable, __file__, "--child", f"{pattern}:{metadata}"] + [
+            a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request")
+            for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
+                           stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE)
+        res = next((json.loads(line[7:]) for line in r.stdout.splitlines()
+                    if line.startswith("RESULT ")), None)
+        if res is None:
+            raise SystemExit(f"case {name} failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}")
+        print(f"{name} ({'decode READs from prefill' if pattern == 'pull' else 'context WRITEs to generation'}"
+              f", metadata {metadata}):")
+        med = {}
+        for b in BACKENDS:
+            x = res[b]
+            med[b] = statistics.median(x["batch"])
+            p50, p99 = pct(x["single"], 50), pct(x["single"], 99)
+            failed |= not x["exact"]
+            print(f"  {b:6s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
+                  f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}   "
+                  f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
+        b = res["BOUNCE"]["single"]
+        print(f"  BOUNCE / UCX batch = {med['BOUNCE'] / med['UCX']:.3f} (goal <= 0.4)   BOUNCE request "
+              f"p99/p50 = {pct(b, 99) / pct(b, 50):.2f} (goal <= 1.5)   BOUNCE engine's path: "
+              f"{json.dumps(res['BOUNCE']['path'])}")
+    if failed:
+        raise SystemExit("a transfer was not byte-exact")
+
+
+if __name__ == "__main__":
+    main()
