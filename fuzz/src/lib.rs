@@ -294,6 +294,7 @@ pub fn run(data: &[u8]) -> Coverage {
             session: session_of(PeerId(i)),
             arena_key: Vec::new(),
             endpoint: Vec::new(),
+            mailbox: None,
         };
         ep.handle_conn_info(now, &agent(i), Some(caps), None);
         assert_eq!(ep.peers().lookup(&agent(i)), Some(PeerId(i)));
@@ -486,6 +487,7 @@ fn refuse_forgery(ep: &mut Endpoint, now: Instant, peer: PeerId, mut msg: Msg, f
             Msg::Data(m) => m.token = forged,
             Msg::Ack(m) => m.token = forged,
             Msg::Keep(m) => m.token = forged,
+            Msg::Cursor(m) => m.token = forged,
         }
     }
     let xfer = msg.xfer();
