@@ -480,8 +480,14 @@ impl Endpoint {
             }
         }
         let Some(peer) = peer else { return false };
-        matches!(msg, wire::Msg::Want(_) | wire::Msg::Data(_) | wire::Msg::Keep(_) | wire::Msg::Cursor(_))
-            && self.answering.is_one_way(FlowKey { peer, xfer: msg.xfer() })
+        match msg {
+            // The last CURSOR may come after the slot freed (then it is ignored).
+            wire::Msg::Cursor(_) => true,
+            wire::Msg::Want(_) | wire::Msg::Data(_) | wire::Msg::Keep(_) => {
+                self.answering.is_one_way(FlowKey { peer, xfer: msg.xfer() })
+            }
+            wire::Msg::Grant(_) | wire::Msg::Ack(_) => false,
+        }
     }
 
     /// NIXL loaded the agent `name`'s connection info, which published `theirs`; `ours` is

@@ -37,7 +37,7 @@ import kvcache
 import nixlkit
 from conftest import HERE, Peer
 
-BOUNCES = {("push", "two-way")}
+BOUNCES = {("push", "two-way"), ("push", "one-way")}
 
 B = "BOUNCE"
 LAYOUT = kvcache.KvLayout(layers=16, blocks=512, block_bytes=4096)

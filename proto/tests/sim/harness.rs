@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
+use bounce_proto::mailbox::MailboxLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
@@ -48,6 +49,9 @@ pub(crate) struct Knobs {
     /// Probability that the shell clears a chunk's [`plan::Chunk::direct`] before submit (as
     /// for a source not registered in one piece), so it is staged after all.
     pub(crate) clear_direct_p: f64,
+    /// Every transfer goes one way: each node keeps a mailbox, answers through it, and READs
+    /// its own transfers' answers from the target's (each READ takes a message delay).
+    pub(crate) one_way: bool,
 }
 
 impl Default for Knobs {
@@ -59,6 +63,7 @@ impl Default for Knobs {
             drop_p: 0.0,
             job_fail_p: 0.0,
             clear_direct_p: 0.25,
+            one_way: false,
         }
     }
 }
@@ -144,13 +149,50 @@ pub(crate) struct XferSpec {
 
 #[derive(Debug)]
 enum Ev {
-    Deliver { from: usize, to: usize, frame: Vec<u8> },
-    Gather { node: usize, job: JobId, xfer: XferId, region: Region, runs: Vec<CopyRun> },
-    Write { node: usize, job: JobId, xfer: XferId, peer: usize, source: WriteSource, remote: Region, len: u64 },
-    Scatter { node: usize, job: JobId, peer: usize, xfer: XferId, region: Region, runs: Vec<CopyRun> },
-    Submit { spec: usize },
-    Cancel { node: usize, xfer: XferId },
-    Kill { node: usize },
+    Deliver {
+        from: usize,
+        to: usize,
+        frame: Vec<u8>,
+    },
+    Gather {
+        node: usize,
+        job: JobId,
+        xfer: XferId,
+        region: Region,
+        runs: Vec<CopyRun>,
+    },
+    Write {
+        node: usize,
+        job: JobId,
+        xfer: XferId,
+        peer: usize,
+        source: WriteSource,
+        remote: Region,
+        len: u64,
+    },
+    Scatter {
+        node: usize,
+        job: JobId,
+        peer: usize,
+        xfer: XferId,
+        region: Region,
+        runs: Vec<CopyRun>,
+    },
+    Submit {
+        spec: usize,
+    },
+    Cancel {
+        node: usize,
+        xfer: XferId,
+    },
+    Kill {
+        node: usize,
+    },
+    /// A one-way transfer's READ of its target's mailbox completes.
+    Fetch {
+        node: usize,
+        xfer: XferId,
+    },
 }
 
 /// A set of nodes, the network between them and the pending events.
@@ -177,6 +219,8 @@ pub(crate) struct Sim {
     /// Latest delivery time per channel, for FIFO channels.
     channel: BTreeMap<(usize, usize), Duration>,
     plan_params: PlanParams,
+    /// One-way transfers with a mailbox READ in flight.
+    fetching: BTreeSet<(usize, XferId)>,
 }
 
 impl Sim {
@@ -187,6 +231,7 @@ impl Sim {
             .map(|i| {
                 let mut ep = Endpoint::new(config, start).unwrap();
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
+                ep.keep_mailbox(knobs.one_way);
                 ep.add_registered(RegId(0), reg_key(i), MEM_BASE, 1 << 40);
                 // Every node loads every other's connection info, naming them in node order,
                 // so the peer table numbers node `j` as `PeerId(j)`.
@@ -202,7 +247,8 @@ impl Sim {
                 }
                 Node {
                     ep,
-                    arena: vec![0xEE; config.arena_usable_capacity() as usize],
+                    // The scheduler's part, then the mailbox (and the fetch area, unused here).
+                    arena: vec![0xEE; ep_arena_len(config)],
                     mem: Vec::new(),
                     initial: Vec::new(),
                     alive: true,
@@ -225,6 +271,7 @@ impl Sim {
             seq: 0,
             channel: BTreeMap::new(),
             plan_params: PlanParams::from_config(config),
+            fetching: BTreeSet::new(),
         }
     }
 
@@ -339,6 +386,7 @@ impl Sim {
             }
         }
         self.drain();
+        self.post_fetches();
         self.steps += 1;
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.alive) {
             if let Err(e) = n.ep.scheduler().check_invariants().and_then(|()| n.ep.receiver().check_invariants()) {
@@ -419,6 +467,25 @@ impl Sim {
                 a = start + len;
             }
             assert!(n.mem[a..] == n.initial[a..], "node {i}: bytes after {a:#x} changed");
+        }
+    }
+
+    /// Starts a mailbox READ for every one-way transfer of a live node that has none in flight.
+    fn post_fetches(&mut self) {
+        if !self.knobs.one_way {
+            return;
+        }
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].alive {
+                continue;
+            }
+            let xfers: Vec<XferId> = self.nodes[i].ep.one_way_xfers().collect();
+            for xfer in xfers {
+                if self.fetching.insert((i, xfer)) {
+                    let at = self.elapsed + self.delay(self.knobs.msg_delay);
+                    self.schedule(at, Ev::Fetch { node: i, xfer });
+                }
+            }
         }
     }
 
@@ -525,7 +592,16 @@ impl Sim {
                 let token = Token(self.rng.random());
                 // The sender holds the destination node's registration metadata.
                 plan.dests = vec![Destination { reg: RegId(0), key: reg_key(to) }];
-                self.nodes[from].ep.submit(now, xfer, token, PeerId(to as u32), plan).expect("submit");
+                if self.knobs.one_way {
+                    let m = self.nodes[to].ep.one_way_layout().mailbox;
+                    let layout = MailboxLayout { slots: m.slots, ring: m.ring };
+                    self.nodes[from]
+                        .ep
+                        .submit_one_way(now, xfer, token, PeerId(to as u32), plan, layout)
+                        .expect("submit");
+                } else {
+                    self.nodes[from].ep.submit(now, xfer, token, PeerId(to as u32), plan).expect("submit");
+                }
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.
                     self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));
@@ -537,6 +613,28 @@ impl Sim {
                     self.tainted.insert((node, xfer));
                     n.ep.cancel(now, xfer);
                 }
+            }
+            Ev::Fetch { node, xfer } => {
+                self.fetching.remove(&(node, xfer));
+                if !self.nodes[node].alive {
+                    return;
+                }
+                let Some(f) = self.nodes[node].ep.fetch(xfer) else { return };
+                let target = f.peer.0 as usize;
+                if !self.nodes[target].alive {
+                    // The READ fails: the target is gone.
+                    self.nodes[node].ep.handle_fetch_failed(now, xfer);
+                    return;
+                }
+                let base = self.nodes[target].ep.one_way_layout().mailbox.offset as usize;
+                let arena = &self.nodes[target].arena;
+                let image: Vec<u8> = f
+                    .regions
+                    .iter()
+                    .flat_map(|r| &arena[base + r.offset as usize..][..r.len as usize])
+                    .copied()
+                    .collect();
+                self.nodes[node].ep.handle_fetched(now, xfer, &image);
             }
             Ev::Kill { node } => {
                 if !self.nodes[node].alive {
@@ -595,7 +693,10 @@ impl Sim {
                 msg.validate().expect("endpoints build valid messages");
                 self.post(me, to, Frame { session: me as u64, msg }.to_vec());
             }
-            Action::PutRecord { .. } => unreachable!("no node here keeps a mailbox"),
+            Action::PutRecord { offset, bytes } => {
+                assert!(self.knobs.one_way, "only one-way nodes keep a mailbox");
+                self.nodes[me].arena[offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+            }
             // The liveness probe's PING and PONG travel like any frame.
             Action::Link { peer, body } => {
                 self.post(me, peer.0 as usize, wire::ControlFrame { session: me as u64, body }.to_vec());
@@ -642,6 +743,11 @@ impl Sim {
 /// The initial byte at offset `a` of node `node`'s memory.
 pub(crate) fn pattern(node: usize, a: u64) -> u8 {
     (a.wrapping_mul(131) ^ (a >> 7) ^ (node as u64 * 29)) as u8
+}
+
+/// The arena a node of `config` maps: the scheduler's part, the mailbox and the fetch area.
+fn ep_arena_len(config: &Config) -> usize {
+    bounce_proto::oneway::OneWayLayout::for_config(config).arena_len as usize
 }
 
 /// The capabilities a node of `config` publishes with instance nonce `session`.

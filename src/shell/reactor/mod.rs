@@ -717,6 +717,9 @@ impl Driver {
                         }
                         self.ep.handle_goodbye(now, id);
                     }
+                    // A one-way initiator we never loaded says GOODBYE too: nothing binds it
+                    // to a session, so it cannot end its flows here (their timers do).
+                    Err(FrameRefused::NotLoaded) => tracing::debug!(peer, "GOODBYE from an agent never loaded"),
                     Err(e) => self.drop_frame(now, peer, &e),
                 }
                 return;
