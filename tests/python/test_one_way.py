@@ -1,0 +1,127 @@
+"""One-way metadata (issue 13): the initiator loads the target's metadata, the target never loads
+the initiator's, and a WRITE still bounces: the target answers through the mailbox in its arena
+and the initiator READs it. Real NIXL agents, the target in its own process. What must hold:
+every byte lands (and nothing else changes), the counters prove the one-way path on both sides,
+and every failure resolves the transfer: a target killed mid-transfer, a transfer cancelled
+mid-flight (both arenas come back whole, then the same pair is byte-exact again). Over both
+control channels."""
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+import nixlkit
+from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, dump, peer_stats, procs,  # noqa: F401
+                           resolve, settle, settle_local, stats, streaming_kill_or_cancel, watchdog)
+
+CONTROL = {"ucx": {}, "zmq": ZMQ}
+
+
+def one_way(ag, meta):
+    """Only the initiator loads the target: no HELLO can come back, so a bounce is one way."""
+    ag.add_remote_agent(meta)
+
+
+def write_one_way_exact(ag, p, name, lay, src, raddr, tmp_path, before):
+    lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr), "DRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, name, b"", backends=["BOUNCE"])
+    assert ag.transfer(h) != "ERR"
+    st, _ = resolve(ag, h, 30)
+    assert st == "DONE", f"one-way transfer to {name}: {st}"
+    ag.release_xfer_handle(h)
+    nixlkit.assert_same(dump(p, tmp_path, f"{name}.bin"), lay.expected(src, before), f"destination at {name}")
+
+
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_a_one_way_write_is_byte_exact_and_both_sides_count_the_mailbox(procs, tmp_path, control):
+    params = {**SMALL, **CONTROL[control]}
+    lay = nixlkit.Scattered(16384, 4096, seed=61)  # 64 MiB through 4 MiB arenas: rings wrap
+    p = procs()
+    meta, raddr = p.start(name=f"ow-rx-{control}", size=lay.dst_bytes, seed=62, params=params)
+    ag = nixlkit.agent(f"ow-tx-{control}", params=params)
+    src = nixlkit.pattern(63, lay.src_bytes)
+    nixlkit.register(ag, src)
+    one_way(ag, meta)
+    s0, t0 = stats(ag), peer_stats(p)
+    with watchdog(90, [p], "one-way write"):
+        write_one_way_exact(ag, p, f"ow-rx-{control}", lay, src, raddr, tmp_path, nixlkit.pattern(62, lay.dst_bytes))
+    s1 = settle_local(ag, ARENA, SLACK_S, "initiator")
+    t1 = settle(lambda: peer_stats(p), ARENA, SLACK_S, "target")
+    assert s1["one_way_sent"] == s0["one_way_sent"] + 1 and s1["bounce_ok"] == s0["bounce_ok"] + 1
+    assert s1["passthrough_xfers"] == s0["passthrough_xfers"], "the transfer went through plain UCX"
+    assert t1["one_way_answered"] == t0["one_way_answered"] + 1
+    # Every answer (a GRANT and an ACK per chunk) was written as a record and read back.
+    chunks = s1["bounce_chunks"] - s0["bounce_chunks"]
+    assert t1["records_written"] - t0["records_written"] == 2 * chunks
+    assert s1["records_read"] - s0["records_read"] == 2 * chunks
+    assert t1["peer_arenas_loaded"] == 0, "the target loaded the initiator: not one way"
+
+
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_a_one_way_target_killed_mid_transfer_fails_it_in_bounded_time(procs, tmp_path, control):
+    params = {**SMALL, **CONTROL[control]}
+    lay = nixlkit.Scattered(16384, 4096, seed=64)
+    ag = nixlkit.agent(f"ow-survivor-{control}", params=params)
+    src = nixlkit.pattern(65, lay.src_bytes)
+    nixlkit.register(ag, src)
+    for attempt in range(3):
+        name = f"ow-doomed-{control}{attempt}"
+        p = procs()
+        meta, raddr = p.start(name=name, size=lay.dst_bytes, seed=66, params=params)
+        one_way(ag, meta)
+        before = stats(ag)
+        # Frozen mid-flight, then killed: no answer can be written after the freeze.
+        h, st = streaming_kill_or_cancel(ag, name, lay, src, raddr, lambda: os.kill(p.proc.pid, signal.SIGSTOP))
+        if h is not None:
+            st, _ = resolve(ag, h, 0.3)
+        if st != "PROC":
+            assert st == "DONE", f"transfer failed before anything happened to its target: {st}"
+            with contextlib.suppress(Exception):
+                if h is not None:
+                    ag.release_xfer_handle(h)
+            p.kill()
+            ag.remove_remote_agent(name)
+            continue
+        os.kill(p.proc.pid, signal.SIGKILL)
+        state, took = resolve(ag, h, TIMEOUT_MS / 1000 + SLACK_S)
+        assert state != "PROC", f"HANG: one-way transfer to a killed target still in progress after {took:.1f}s"
+        assert state != "DONE", "FALSE DONE: a one-way transfer whose target was killed reported DONE"
+        with contextlib.suppress(Exception):
+            ag.release_xfer_handle(h)
+        after = settle_local(ag, ARENA, TIMEOUT_MS / 1000 + SLACK_S, "initiator after the target's death")
+        assert after["bounce_failed"] == before["bounce_failed"] + 1
+        assert after["one_way_sent"] == before["one_way_sent"] + 1
+        return
+    raise AssertionError("the kill never landed mid-transfer in 3 attempts")
+
+
+def test_a_one_way_cancel_frees_both_arenas_then_the_pair_is_byte_exact(procs, tmp_path):
+    lay = nixlkit.Scattered(16384, 4096, seed=67)
+    p = procs()
+    meta, raddr = p.start(name="ow-cancel-rx", size=lay.dst_bytes, seed=68, params=SMALL)
+    ag = nixlkit.agent("ow-cancel-tx", params=SMALL)
+    src = nixlkit.pattern(69, lay.src_bytes)
+    nixlkit.register(ag, src)
+    one_way(ag, meta)
+    with watchdog(90, [p], "one-way cancel"):
+        for _ in range(3):
+            h, st = streaming_kill_or_cancel(ag, "ow-cancel-rx", lay, src, raddr, lambda: None)
+            if h is not None:
+                ag.release_xfer_handle(h)  # still PROC: this cancels it
+                break
+            assert st == "DONE", st
+        else:
+            raise AssertionError("could not cancel mid-flight in 3 attempts")
+        t0 = time.monotonic()
+        mine = settle_local(ag, ARENA, TIMEOUT_MS / 1000 + SLACK_S, "initiator after cancel")
+        settle(lambda: peer_stats(p), ARENA, TIMEOUT_MS / 1000 + SLACK_S, "target after cancel")
+        settled = time.monotonic() - t0
+        p.call(op="fill", seed=70)
+        lay2 = nixlkit.Scattered(16384, 4096, seed=71)
+        write_one_way_exact(ag, p, "ow-cancel-rx", lay2, src, raddr, tmp_path, nixlkit.pattern(70, lay2.dst_bytes))
+    assert mine["bounce_ok"] == 0, "the cancelled transfer was counted as a success"
+    # The cancel (a frame to the target) frees its regions at once, not by the timeout.
+    assert settled < TIMEOUT_MS / 1000 / 2, f"regions came back only after {settled:.1f}s"
