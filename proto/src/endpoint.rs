@@ -346,10 +346,11 @@ impl Endpoint {
                     self.stats.one_way_refused += 1;
                     Err(ProtocolError::NoMailboxSlot { peer: from, xfer: key.xfer })
                 } else {
+                    // Refused or not, the flow's slot carries the answer: the receiver's
+                    // refusal (an ACK) becomes a record, then the slot closes with a FAIL.
                     let r = self.receiver.handle_want(&mut ctx, from, m);
-                    match r {
-                        Ok(()) => self.stats.one_way_answered += 1,
-                        Err(_) => self.answering.abandon(now, key),
+                    if r.is_ok() {
+                        self.stats.one_way_answered += 1;
                     }
                     r
                 }

@@ -171,16 +171,6 @@ impl Answering {
         Ok(())
     }
 
-    /// The receiver refused the WANT that opened `key`: its slot goes at once.
-    pub fn abandon(&mut self, now: Instant, key: FlowKey) {
-        if self.flows.get(&key).is_some_and(|f| f.scattered == 0 && !f.closed) {
-            self.flows.remove(&key);
-            if let Some(w) = self.writer.as_mut() {
-                w.close(now, key.peer, key.xfer);
-            }
-        }
-    }
-
     /// The token of one-way flow `key`, for the frames that name it.
     pub fn token(&self, key: FlowKey) -> Option<Token> {
         self.flows.get(&key).map(|f| f.token)

@@ -51,7 +51,15 @@ pub enum BadProof {
     /// The tag is not the transfer token's under the registration's key.
     #[error("wrong tag for registration {}", .0.0)]
     WrongTag(RegId),
+    /// A valid proof of a registration deregistered since its metadata went out: the sender
+    /// is honest but late (no forgery), and its transfer cannot be served.
+    #[error("registration {} was deregistered", .0.0)]
+    Deregistered(RegId),
 }
+
+/// Deregistered registrations remembered, so that a WANT racing a deregistration is told apart
+/// from a forgery (the oldest is forgotten beyond).
+pub const REMEMBERED_DEREGISTRATIONS: usize = 1024;
 
 /// One registration: its key and the bytes it covers.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +73,8 @@ struct Registration {
 #[derive(Debug, Default, Clone)]
 pub struct Registrations {
     by_id: BTreeMap<RegId, Registration>,
+    /// The last [`REMEMBERED_DEREGISTRATIONS`] deregistered ids and keys, oldest first.
+    gone: std::collections::VecDeque<(RegId, RegKey)>,
 }
 
 impl Registrations {
@@ -79,7 +89,12 @@ impl Registrations {
     /// Forgets registration `reg`; true when it was known. Flows that proved it can no longer
     /// scatter into it.
     pub fn remove(&mut self, reg: RegId) -> bool {
-        self.by_id.remove(&reg).is_some()
+        let Some(r) = self.by_id.remove(&reg) else { return false };
+        if self.gone.len() == REMEMBERED_DEREGISTRATIONS {
+            self.gone.pop_front();
+        }
+        self.gone.push_back((reg, r.key));
+        true
     }
 
     /// Checks `proofs` for the transfer with `token`; returns the proven registration ids.
@@ -90,11 +105,16 @@ impl Registrations {
         proofs
             .iter()
             .map(|p| {
-                let r = self.by_id.get(&p.reg).ok_or(BadProof::UnknownRegistration(p.reg))?;
-                let want = tag(&r.key, token);
-                // Compare without an early exit: the time taken says nothing about the tag.
-                let diff = want.iter().zip(&p.tag).fold(0u8, |acc, (a, b)| acc | (a ^ b));
-                if diff == 0 { Ok(p.reg) } else { Err(BadProof::WrongTag(p.reg)) }
+                let Some(r) = self.by_id.get(&p.reg) else {
+                    // Only a proof under the gone registration's key counts as late, not forged.
+                    let late = self.gone.iter().any(|(id, key)| *id == p.reg && same(&tag(key, token), &p.tag));
+                    return Err(if late {
+                        BadProof::Deregistered(p.reg)
+                    } else {
+                        BadProof::UnknownRegistration(p.reg)
+                    });
+                };
+                if same(&tag(&r.key, token), &p.tag) { Ok(p.reg) } else { Err(BadProof::WrongTag(p.reg)) }
             })
             .collect()
     }
@@ -120,6 +140,11 @@ impl Registrations {
     pub fn is_empty(&self) -> bool {
         self.by_id.is_empty()
     }
+}
+
+/// Tag equality without an early exit: the time taken says nothing about the tag.
+fn same(a: &[u8; TAG_LEN], b: &[u8; TAG_LEN]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]
@@ -158,6 +183,11 @@ mod tests {
         assert!(!regs.covers(&[], 0x1000, 0x1010));
         assert!(regs.remove(RegId(1)));
         assert!(!regs.covers(&[RegId(1)], 0x1000, 0x1010), "deregistered since");
+        // A valid proof of it is late, not forged; a wrong tag of it stays unknown.
+        let t = Token(5);
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)]), Err(BadProof::Deregistered(RegId(1))));
+        let other = RegKey([9; 32]);
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &other, t)]), Err(BadProof::UnknownRegistration(RegId(1))));
         assert!(!regs.add(RegId(3), KEY, u64::MAX, 2), "a wrapping range is ignored");
         assert_eq!(regs.len(), 1);
     }

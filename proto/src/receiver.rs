@@ -14,7 +14,7 @@ use tracing::{debug, trace, warn};
 
 use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
-use crate::proof::Registrations;
+use crate::proof::{BadProof, Registrations};
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token};
@@ -229,24 +229,34 @@ impl Receiver {
             return Ok(());
         }
         if self.shutting_down {
-            debug!(peer = from.0, xfer = want.xfer.0, "WANT ignored: shutting down");
+            debug!(peer = from.0, xfer = want.xfer.0, "WANT refused: shutting down");
+            refuse_want(ctx, from, &want);
             return Ok(());
         }
         let load = self.load.get(&from).copied().unwrap_or_default();
         let flows = load.flows + usize::from(!self.flows.contains_key(&key));
         let chunks = load.chunks.saturating_add(want.chunks.len() as u64);
         if flows > self.caps.flows || chunks > self.caps.chunks {
+            refuse_want(ctx, from, &want);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: want.xfer, flows, chunks });
         }
         // Where the flow may scatter: only registrations whose metadata the sender holds.
         let proven = match self.registered.verify(want.token, &want.proofs) {
             Ok(proven) => proven,
+            Err(source @ BadProof::Deregistered(_)) => {
+                // An honest sender whose WANT crossed the deregistration of its destination:
+                // it learns at once instead of waiting for credits until its timeout.
+                refuse_want(ctx, from, &want);
+                return Err(ProtocolError::BadProof { peer: from, xfer: want.xfer, source });
+            }
             Err(source) => {
+                // A forgery gets no answer: it must not make this engine act.
                 ctx.stats.control_forged += 1;
                 return Err(ProtocolError::BadProof { peer: from, xfer: want.xfer, source });
             }
         };
         if let Err(source) = ctx.sched.want(key, &want.chunks) {
+            refuse_want(ctx, from, &want);
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
         }
         self.load.insert(from, PeerLoad { flows, chunks });
@@ -571,6 +581,15 @@ impl Receiver {
     }
 }
 
+/// Answers a WANT this receiver will not serve with an ACK(Refused) naming no credit (chunk 0,
+/// the one-byte region at offset 0: a refusal of the whole transfer, see
+/// [`crate::sender::Sender`]), so its sender fails at once instead of waiting for credits until
+/// its timeout. A flow that exists keeps going: only a refused WANT is answered.
+fn refuse_want(ctx: &mut Ctx<'_>, to: PeerId, want: &Want) {
+    let region = Region { offset: 0, len: 1 };
+    ctx.send(to, Ack { xfer: want.xfer, token: want.token, chunk: ChunkIdx(0), region, status: AckStatus::Refused });
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -797,7 +816,7 @@ mod tests {
             assert_eq!(err, ProtocolError::BadProof { peer: PEER, xfer: X, source: why });
             assert_eq!(ep.stats().control_forged, i as u64 + 1);
         }
-        assert!(drain(&mut ep).is_empty(), "no GRANT");
+        assert!(drain(&mut ep).is_empty(), "no GRANT, and no answer to a forgery");
         assert_eq!(ep.remote_flows(), 0);
     }
 
@@ -1010,7 +1029,11 @@ mod tests {
         assert!(drain(&mut ep).is_empty());
         assert_eq!(ep.remote_flows(), 0);
         ep.handle_msg(t, PEER, want_msg(XferId(6), &[CHUNK])).unwrap();
-        assert!(drain(&mut ep).is_empty(), "no grants after shutdown");
+        assert_eq!(
+            acks(&drain(&mut ep)),
+            vec![(XferId(6), 0, AckStatus::Refused)],
+            "refused after shutdown, no grants"
+        );
         ep.handle_scatter_done(t, s[0].0, true);
         assert!(drain(&mut ep).is_empty());
         assert!(ep.is_idle());
@@ -1023,8 +1046,8 @@ mod tests {
         for chunks in [vec![CHUNK, 0], vec![64 * KIB]] {
             let err = ep.handle_msg(t, PEER, want_msg(X, &chunks)).unwrap_err();
             assert!(matches!(err, ProtocolError::BadWant { .. }), "{err}");
+            assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Refused)], "the sender learns at once");
         }
-        assert!(drain(&mut ep).is_empty());
         assert!(ep.is_idle());
         // The endpoint is still usable by the same sender.
         wanted(&mut ep, t);

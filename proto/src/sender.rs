@@ -392,6 +392,12 @@ impl Sender {
             return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
         };
         let Stage::DataSent { source, credit } = stage else {
+            // A refusal of the whole transfer (the receiver will not serve its WANT: see
+            // `receiver::refuse_want`); its token shows it comes from the receiver.
+            if ack.status == AckStatus::Refused {
+                self.fail(ctx, id, XferError::Refused, true);
+                return Ok(());
+            }
             return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
         };
         if credit.region != ack.region {

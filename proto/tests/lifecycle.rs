@@ -187,6 +187,32 @@ fn a_scatter_into_deregistered_memory_is_answered_failed_and_later_data_refused(
     assert_eq!(acks(&sent(&drain(&mut ep))), vec![AckStatus::Refused]);
 }
 
+/// The race the CI run hit: the application deregisters the destination after the sender's
+/// WANT left but before the receiver took it. The WANT proves a registration that is gone: it
+/// is refused, and answered, so the sender fails at once instead of waiting for credits until
+/// its (60 s) timeout.
+#[test]
+fn a_want_proving_a_registration_deregistered_before_it_arrived_fails_its_sender_at_once() {
+    let now = Instant::now();
+    let mut tx = Endpoint::new(&config(false), now).unwrap();
+    let mut rx = Endpoint::new(&config(false), now).unwrap();
+    rx.add_registered(D, key(D), DST, 64 * KIB);
+    let mut plan = plan_from(SRC, 2);
+    plan.dests = vec![bounce_proto::proof::Destination { reg: D, key: key(D) }];
+    tx.submit(now, XferId(1), tok(1), PeerId(5), plan).unwrap();
+    let wants = sent(&drain(&mut tx));
+    assert!(matches!(wants.as_slice(), [Msg::Want(_)]), "{wants:?}");
+    rx.deregister(now, Some(D), DST, 64 * KIB);
+    let r = rx.handle_msg(now, PeerId(5), wants[0].clone());
+    assert!(matches!(r, Err(ProtocolError::BadProof { .. })), "{r:?}");
+    let answer = sent(&drain(&mut rx));
+    assert_eq!(acks(&answer), vec![AckStatus::Refused], "the refusal goes back");
+    assert_eq!(rx.remote_flows(), 0);
+    tx.handle_msg(now, PeerId(5), answer[0].clone()).unwrap();
+    assert_eq!(completes(&drain(&mut tx)), vec![(XferId(1), Err(XferError::Refused))]);
+    assert!(tx.is_idle());
+}
+
 #[test]
 fn a_scatter_still_covered_by_another_registration_is_not_doomed() {
     let (mut ep, now, job, _) = scattering(2);
