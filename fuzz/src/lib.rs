@@ -39,6 +39,8 @@ use std::time::{Duration, Instant};
 use arbitrary::Unstructured;
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError, WriteSource};
+use bounce_proto::mailbox::{Answer, MailboxLayout, RECORD_LEN, Record, RecordKey, Seq, candidates};
+use bounce_proto::oneway;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
 use bounce_proto::proof;
@@ -83,6 +85,19 @@ pub enum Op {
     /// starting at `USER_BASE + at % USER_LEN`. Whatever is accepted must copy no more than
     /// the chunk, inside its region and the registered range.
     HostileData { which: u8, len: u16, count: u32, region_stride: u32, addr_stride: u32, at: u32 },
+    /// As [`Op::RemoteWant`], one way: the WANT asks for mailbox answers, which come out as
+    /// record writes (the harness decodes them with the flow's token to learn its credits).
+    OneWayWant { from: u8, xfer: u8, chunks: u8, size: u16 },
+    /// A CURSOR for the one-way flow at `which` claiming `consumed` records read (honest or
+    /// past what was written).
+    Cursor { which: u8, consumed: u8 },
+    /// The application submits a one-way transfer (as [`Op::Submit`]) to `peer % 3`, whose
+    /// mailbox the harness plays.
+    SubmitOneWay { peer: u8, descs: u8, size: u16 },
+    /// A fetch of one of our one-way transfers returns: garbage, or the transfer's first record
+    /// (a GRANT of `region` for `chunk`, or a FAIL) correctly keyed in the slot it locates,
+    /// as a broken or hostile target could write it.
+    Fetched { which: u8, garbage: bool, first: u8, chunk: u8, offset: u32, len: u32 },
 }
 
 /// The agent name of peer `i`, whose loaded capabilities carry session `session_of(i)`.
@@ -167,6 +182,24 @@ impl Op {
                 flip: u.arbitrary()?,
                 session: u.arbitrary()?,
             },
+            14 => match u.int_in_range(0u8..=3)? {
+                0 => Self::OneWayWant {
+                    from: u.arbitrary()?,
+                    xfer: u.arbitrary()?,
+                    chunks: u.arbitrary()?,
+                    size: u.arbitrary()?,
+                },
+                1 => Self::Cursor { which: u.arbitrary()?, consumed: u.arbitrary()? },
+                2 => Self::SubmitOneWay { peer: u.arbitrary()?, descs: u.arbitrary()?, size: u.arbitrary()? },
+                _ => Self::Fetched {
+                    which: u.arbitrary()?,
+                    garbage: u.arbitrary()?,
+                    first: u.arbitrary()?,
+                    chunk: u.arbitrary()?,
+                    offset: u.arbitrary()?,
+                    len: u.arbitrary()?,
+                },
+            },
             12 => Self::RemoteWant {
                 from: u.arbitrary()?,
                 xfer: u.arbitrary()?,
@@ -197,6 +230,10 @@ pub struct Coverage {
     pub forged: u64,
     /// Deregistrations of the user range applied.
     pub deregistrations: usize,
+    /// Mailbox records the endpoint wrote (each checked to lie inside its mailbox).
+    pub records: usize,
+    /// Fetches of our one-way transfers' answers handed in.
+    pub fetched: usize,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -212,6 +249,11 @@ struct Seen {
     scatters: usize,
     /// The user range is registered (see [`Op::Deregister`]).
     registered: bool,
+    /// One-way flows into the endpoint, whose answers come as records: (peer, xfer).
+    one_way: Vec<(PeerId, XferId)>,
+    /// Where the endpoint's mailbox lies in its arena: `[start, end)`.
+    mailbox: (u64, u64),
+    records: usize,
 }
 
 /// Whether `r` touches the user range at all.
@@ -258,8 +300,21 @@ impl Seen {
                     assert_eq!(d.token, our_token(d.xfer), "a DATA must carry its transfer's token");
                     self.sent_data.push((peer, d.xfer, d.chunk, d.region));
                 }
-                // No endpoint here keeps a mailbox.
-                Action::Send { .. } | Action::Link { .. } | Action::PutRecord { .. } => {}
+                Action::PutRecord { offset, bytes } => {
+                    let inside = self.mailbox.0 <= offset && offset + bytes.len() as u64 <= self.mailbox.1;
+                    assert!(inside, "a record at {offset:#x} outside the mailbox {:?}", self.mailbox);
+                    self.records += 1;
+                    // The honest one-way senders read their credits from the records.
+                    for &(peer, xfer) in &self.one_way {
+                        let key = RecordKey::derive(&oneway::record_token(remote_token(peer, xfer)));
+                        if let Ok(r) = Record::decode(&bytes, &key) {
+                            if let (true, Answer::Grant(c)) = (r.xfer == xfer, r.answer) {
+                                self.credits.push((peer, xfer, c.chunk, c.region));
+                            }
+                        }
+                    }
+                }
+                Action::Send { .. } | Action::Link { .. } => {}
             }
         }
     }
@@ -279,6 +334,9 @@ pub fn run(data: &[u8]) -> Coverage {
     let cfg = config();
     let mut now = Instant::now();
     let mut ep = Endpoint::new(&cfg, now).expect("endpoint");
+    ep.keep_mailbox(true);
+    let layout = ep.one_way_layout();
+    let mailbox = MailboxLayout { slots: layout.mailbox.slots, ring: layout.mailbox.ring };
     ep.add_registered(REG, KEY, USER_BASE, USER_LEN);
     // Peers 0..3, loaded in order (so `agent(i)` is `PeerId(i)`) with their sessions.
     for i in 0..3 {
@@ -304,7 +362,9 @@ pub fn run(data: &[u8]) -> Coverage {
 
     // What the remote senders know: chunk sizes they announced (credits come with `seen`).
     let mut announced: BTreeMap<(PeerId, XferId), Vec<u64>> = BTreeMap::new();
-    let mut seen = Seen { capacity, registered: true, ..Seen::default() };
+    let mailbox_at = (layout.mailbox.offset, layout.mailbox.offset + mailbox.byte_len());
+    let mut seen = Seen { capacity, registered: true, mailbox: mailbox_at, ..Seen::default() };
+    let mut our_one_way: Vec<XferId> = Vec::new();
     let mut reg = REG;
     let done = |ep: &mut Endpoint, now: Instant, (job, kind): (JobId, Kind), ok: bool| match kind {
         Kind::Gather => ep.handle_gather_done(now, job, ok),
@@ -397,6 +457,77 @@ pub fn run(data: &[u8]) -> Coverage {
                     let _ = ep.handle_msg(now, peer, Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] }));
                 }
             }
+            Op::OneWayWant { from, xfer, chunks, size } => {
+                let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(2000 + u64::from(xfer)));
+                let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
+                let token = remote_token(peer, xfer);
+                let proofs = vec![proof::prove(reg, &key_of(reg), token)];
+                let endpoint = bounce_proto::wire::REPLY_MAILBOX.to_vec();
+                let want = Msg::Want(Want { xfer, token, endpoint, chunks: sizes.clone(), proofs });
+                if ep.handle_msg(now, peer, want).is_ok() {
+                    announced.entry((peer, xfer)).or_default().extend(sizes);
+                    if !seen.one_way.contains(&(peer, xfer)) {
+                        seen.one_way.push((peer, xfer));
+                    }
+                }
+            }
+            Op::Cursor { which, consumed } => {
+                if !seen.one_way.is_empty() {
+                    let (peer, xfer) = seen.one_way[usize::from(which) % seen.one_way.len()];
+                    let token = remote_token(peer, xfer);
+                    let c = bounce_proto::wire::Cursor { xfer, token, consumed: u64::from(consumed) };
+                    let _ = ep.handle_msg(now, peer, Msg::Cursor(c));
+                }
+            }
+            Op::SubmitOneWay { .. } if !seen.registered => {}
+            Op::SubmitOneWay { peer, descs, size } => {
+                let n = u64::from(descs % 64) + 1;
+                let len = u64::from(size % 8192) + 1;
+                let pairs: Vec<DescPair> = (0..n)
+                    .map(|i| DescPair { src: USER_BASE + i * len * 2, dst: 0x4000_0000 + i * len * 2, len })
+                    .collect();
+                if let Ok(p) = plan(&pairs, PlanParams::from_config(&cfg)) {
+                    let xfer = XferId(next_xfer);
+                    let peer = PeerId(u32::from(peer % 3));
+                    if ep.submit_one_way(now, xfer, our_token(xfer), peer, p, mailbox).is_ok() {
+                        cov.submitted += 1;
+                        our_one_way.push(xfer);
+                    }
+                    next_xfer += 1;
+                }
+            }
+            Op::Fetched { which, garbage, first, chunk, offset, len } => {
+                our_one_way.retain(|x| ep.fetch(*x).is_some());
+                if !our_one_way.is_empty() {
+                    let xfer = our_one_way[usize::from(which) % our_one_way.len()];
+                    if let Some(f) = ep.fetch(xfer) {
+                        let total: u64 = f.regions.iter().map(|r| r.len).sum();
+                        let mut image = vec![0u8; total as usize];
+                        if garbage {
+                            for (i, b) in image.iter_mut().enumerate() {
+                                *b = (i as u8).wrapping_mul(first) ^ chunk;
+                            }
+                        } else {
+                            // Record 1 of the transfer, in the first candidate slot (a locating
+                            // fetch reads one record per candidate, in candidate order).
+                            let token = oneway::record_token(our_token(xfer));
+                            let slot = candidates(&token, mailbox)[0];
+                            let region = Region { offset: u64::from(offset), len: u64::from(len) };
+                            let answer = if first % 4 == 0 {
+                                Answer::Fail(bounce_proto::mailbox::FailReason::TimedOut)
+                            } else {
+                                Answer::Grant(Credit { chunk: ChunkIdx(u32::from(chunk)), region })
+                            };
+                            let rec = Record { slot, seq: Seq(1), xfer, answer };
+                            if answer.validate().is_ok() && image.len() >= RECORD_LEN {
+                                image[..RECORD_LEN].copy_from_slice(&rec.encode(&RecordKey::derive(&token)));
+                            }
+                        }
+                        ep.handle_fetched(now, xfer, &image);
+                        cov.fetched += 1;
+                    }
+                }
+            }
             Op::Forge { kind, which, flip, session } => {
                 if let Some((peer, msg)) = forge(&seen, &announced, kind, which) {
                     cov.forged += u64::from(refuse_forgery(&mut ep, now, peer, msg, flip | 1, session));
@@ -424,6 +555,7 @@ pub fn run(data: &[u8]) -> Coverage {
     assert_eq!(ep.arena_free_bytes(), capacity, "arena bytes leaked after shutdown");
     cov.completed = seen.completed.len();
     cov.scatters = seen.scatters;
+    cov.records = seen.records;
     cov.data_refused = ep.stats().data_refused;
     cov
 }

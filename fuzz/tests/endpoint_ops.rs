@@ -14,6 +14,8 @@ fn random_operation_sequences_keep_every_invariant() {
         total.data_refused += c.data_refused;
         total.forged += c.forged;
         total.deregistrations += c.deregistrations;
+        total.records += c.records;
+        total.fetched += c.fetched;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
@@ -25,4 +27,7 @@ fn random_operation_sequences_keep_every_invariant() {
     assert!(total.forged > 1_000, "{total:?}");
     // The user range really is deregistered (and registered again) under live transfers.
     assert!(total.deregistrations > 1_000, "{total:?}");
+    // One-way flows really answer through the mailbox (every record checked to lie inside
+    // it), and our one-way transfers really take hostile and honest-looking fetches.
+    assert!(total.records > 1_000 && total.fetched > 200, "{total:?}");
 }
