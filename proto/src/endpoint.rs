@@ -342,17 +342,27 @@ impl Endpoint {
                 } else if self.receiver.has_flow(key) {
                     // A flow that began two way stays so, whatever a later WANT asks.
                     self.receiver.handle_want(&mut ctx, from, m)
-                } else if self.answering.open(now, key, token, chunks).is_err() {
-                    self.stats.one_way_refused += 1;
-                    Err(ProtocolError::NoMailboxSlot { peer: from, xfer: key.xfer })
                 } else {
-                    // Refused or not, the flow's slot carries the answer: the receiver's
-                    // refusal (an ACK) becomes a record, then the slot closes with a FAIL.
+                    // The receiver judges the WANT first: a forgery (a bad proof) must not
+                    // take a slot, or invented names could pin the whole mailbox. An accepted
+                    // WANT, or a refusal worth answering (an ACK(Refused) it emitted), gets a
+                    // slot that carries the answer; without one the flow cannot be answered.
+                    let before = ctx.out.len();
                     let r = self.receiver.handle_want(&mut ctx, from, m);
-                    if r.is_ok() {
-                        self.stats.one_way_answered += 1;
+                    let answered = ctx.out.len() > before;
+                    if (r.is_ok() || answered) && self.answering.open(now, key, token, chunks).is_err() {
+                        ctx.stats.one_way_refused += 1;
+                        ctx.out.truncate(before);
+                        if r.is_ok() {
+                            self.receiver.drop_flow(&mut ctx, key);
+                        }
+                        Err(ProtocolError::NoMailboxSlot { peer: from, xfer: key.xfer })
+                    } else {
+                        if r.is_ok() {
+                            ctx.stats.one_way_answered += 1;
+                        }
+                        r
                     }
-                    r
                 }
             }
             wire::Msg::Cursor(c) => {
@@ -731,22 +741,20 @@ impl Endpoint {
     }
 
     /// Routes what the roles emitted for one-way transfers: answers to one-way flows become
-    /// mailbox records, and an ended one-way transfer of ours stops being read (after a success,
-    /// with the CURSOR that frees its slot at the target).
+    /// mailbox records, and an ended one-way transfer of ours stops being read, with the CURSOR
+    /// that frees its slot at the target.
     fn one_way_outputs(&mut self, now: Instant) {
         if !self.reading.is_empty() {
-            let ended: Vec<(XferId, bool)> = self
+            let ended: Vec<XferId> = self
                 .out
                 .iter()
                 .filter_map(|a| match a {
-                    Action::Complete { xfer, outcome } if self.reading.contains(*xfer) => {
-                        Some((*xfer, outcome.is_ok()))
-                    }
+                    Action::Complete { xfer, .. } if self.reading.contains(*xfer) => Some(*xfer),
                     _ => None,
                 })
                 .collect();
-            for (xfer, ok) in ended {
-                if let Some((peer, msg)) = self.reading.finish(xfer, ok) {
+            for xfer in ended {
+                if let Some((peer, msg)) = self.reading.finish(xfer) {
                     self.out.push_back(Action::Send { peer, msg });
                 }
             }
@@ -1399,6 +1407,42 @@ pub(crate) mod tests {
             assert_eq!(p.eps[1].answering_slots_held(), 0);
             assert_eq!(p.eps[0].one_way_xfers().count(), 0);
         }
+    }
+
+    #[test]
+    fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_destination() {
+        let (mut ep, t) = endpoint(16 * KIB, 2, false);
+        ep.keep_mailbox(true);
+        let want = |xfer: u64, proofs| {
+            let w = Want {
+                xfer: XferId(xfer),
+                token: TOKEN,
+                endpoint: wire::REPLY_MAILBOX.to_vec(),
+                chunks: vec![CHUNK],
+                proofs,
+            };
+            wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
+        };
+        // Forged proofs under invented names: refused, no slot, no answer, no flow.
+        for i in 0..20u64 {
+            let mut p = crate::proof::prove(REG, &KEY, TOKEN);
+            p.tag[0] ^= 1;
+            let r = ep.handle_frame(t, &format!("stranger-{i}"), &want(i, vec![p]));
+            assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{r:?}");
+        }
+        assert!(drain(&mut ep).is_empty(), "a forgery got an answer");
+        assert_eq!((ep.answering_slots_held(), ep.remote_flows()), (0, 0));
+        assert_eq!(ep.stats().control_forged, 20);
+        // A valid proof: admitted without loaded metadata or session, answered in the mailbox.
+        ep.handle_frame(t, "initiator", &want(1, vec![crate::proof::prove(REG, &KEY, TOKEN)])).unwrap();
+        let acts = drain(&mut ep);
+        assert!(acts.iter().all(|a| matches!(a, Action::PutRecord { .. })), "{acts:?}");
+        assert_eq!(acts.len(), 1, "one GRANT record");
+        assert_eq!((ep.answering_slots_held(), ep.remote_flows(), ep.stats().one_way_answered), (1, 1, 1));
+        // Its other frames pass only for its flow: a DATA of a flow it never opened does not.
+        let stray = Msg::Keep(wire::Keep { xfer: XferId(7), token: TOKEN });
+        let r = ep.handle_frame(t, "initiator", &wire::Frame { session: 99, msg: stray }.to_vec());
+        assert_eq!(r, Err(FrameRefused::NotLoaded));
     }
 
     /// What the property test below does to an endpoint.

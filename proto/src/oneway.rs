@@ -420,11 +420,12 @@ impl Reading {
         got
     }
 
-    /// Transfer `xfer` ended: stops reading it; when it succeeded, the final CURSOR that frees
-    /// its slot at the target.
-    pub fn finish(&mut self, xfer: XferId, ok: bool) -> Option<(PeerId, Msg)> {
+    /// Transfer `xfer` ended: stops reading it, and returns the final CURSOR that frees its
+    /// slot at the target (when something was read since the last report). After a failure
+    /// the target may still write a FAIL past it; the slot then lingers out instead.
+    pub fn finish(&mut self, xfer: XferId) -> Option<(PeerId, Msg)> {
         let r = self.readers.remove(&xfer)?;
         let consumed = r.reader.consumed().0;
-        (ok && consumed > r.reported).then_some((r.peer, Msg::Cursor(Cursor { xfer, token: r.token, consumed })))
+        (consumed > r.reported).then_some((r.peer, Msg::Cursor(Cursor { xfer, token: r.token, consumed })))
     }
 }

@@ -524,6 +524,11 @@ impl Receiver {
         Ok(bytes)
     }
 
+    /// Drops flow `key` as a cancel would (the endpoint found no way to answer it).
+    pub(crate) fn drop_flow(&mut self, ctx: &mut Ctx<'_>, key: FlowKey) {
+        self.reclaim(ctx, key);
+    }
+
     /// Cancels flow `key`: frees its idle regions now, orphans the scattering ones.
     fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey) {
         let r = ctx.sched.reclaim_flow(key);
