@@ -290,6 +290,37 @@ fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
     drop((a.reactor, b.reactor));
 }
 
+/// One way: `a` loads `b`, `b` never loads `a`. The WANT is admitted from a name `b` never
+/// loaded, `b` answers in its mailbox, `a`'s fetches READ the records (the in-memory path
+/// completes every other READ later, so both completion shapes are polled), and the data
+/// lands as in the two-way case.
+#[test]
+fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_mailbox() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = (Side::start("a", 11, &cfg, &net), Side::start("b", 22, &cfg, &net));
+    a.load("b", &b);
+    assert!(a.shared.peers.bounce_arena("b").is_none(), "no HELLO can come back");
+    assert!(a.shared.peers.one_way_target("b").is_some(), "but b keeps a mailbox");
+    let (src, mut dst) = buffers();
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
+    assert_eq!((a.stat(|s| &s.one_way_sent), a.stat(|s| &s.bounce_ok)), (1, 1));
+    // b publishes its counters on its next pass: wait for them.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while b.stat(|s| &s.one_way_answered) == 0 {
+        assert!(Instant::now() < deadline, "b never counted the one-way flow");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let chunks = a.stat(|s| &s.bounce_chunks);
+    assert_eq!(b.stat(|s| &s.records_written), 2 * chunks, "a GRANT and an ACK record per chunk");
+    assert_eq!(a.stat(|s| &s.records_read), 2 * chunks);
+    drop((a.reactor, b.reactor));
+}
+
 #[test]
 fn a_lost_data_frame_fails_the_transfer_by_timeout_never_success() {
     let cfg = config("300");
