@@ -44,7 +44,9 @@ use bounce_proto::oneway;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
 use bounce_proto::proof;
-use bounce_proto::wire::{Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Want};
+use bounce_proto::wire::{
+    Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Pull, PullChunk, Release, Want,
+};
 use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 
 /// One thing that can happen to an endpoint.
@@ -98,6 +100,15 @@ pub enum Op {
     /// (a GRANT of `region` for `chunk`, or a FAIL) correctly keyed in the slot it locates,
     /// as a broken or hostile target could write it.
     Fetched { which: u8, garbage: bool, first: u8, chunk: u8, offset: u32, len: u32 },
+    /// The application submits a READ of `descs` pieces of `size` bytes from `peer % 3`.
+    SubmitRead { peer: u8, descs: u8, size: u16 },
+    /// Remote peer `from % 3` PULLs `chunks % 4 + 1` chunks of `size % 16 KiB + 1` bytes, each
+    /// gathered from `USER_BASE - 4 KiB + at % (USER_LEN + 8 KiB)` (some straddle the
+    /// registered range's edges and must be refused).
+    RemotePull { from: u8, xfer: u8, chunks: u8, size: u16, at: u32 },
+    /// The remote READ initiator releases the ready region at `which` (or, with `wrong`, names
+    /// another chunk than announced).
+    RemoteRelease { which: u8, wrong: bool },
 }
 
 /// The agent name of peer `i`, whose loaded capabilities carry session `session_of(i)`.
@@ -135,6 +146,7 @@ enum Kind {
     Gather,
     Write,
     Scatter,
+    Read,
 }
 
 const USER_BASE: u64 = 0x10_0000;
@@ -182,7 +194,16 @@ impl Op {
                 flip: u.arbitrary()?,
                 session: u.arbitrary()?,
             },
-            14 => match u.int_in_range(0u8..=3)? {
+            14 => match u.int_in_range(0u8..=6)? {
+                4 => Self::SubmitRead { peer: u.arbitrary()?, descs: u.arbitrary()?, size: u.arbitrary()? },
+                5 => Self::RemotePull {
+                    from: u.arbitrary()?,
+                    xfer: u.arbitrary()?,
+                    chunks: u.arbitrary()?,
+                    size: u.arbitrary()?,
+                    at: u.arbitrary()?,
+                },
+                6 => Self::RemoteRelease { which: u.arbitrary()?, wrong: u.arbitrary()? },
                 0 => Self::OneWayWant {
                     from: u.arbitrary()?,
                     xfer: u.arbitrary()?,
@@ -234,6 +255,10 @@ pub struct Coverage {
     pub records: usize,
     /// Fetches of our one-way transfers' answers handed in.
     pub fetched: usize,
+    /// READs submitted.
+    pub reads: usize,
+    /// READ chunks the endpoint gathered for remote initiators and announced ready.
+    pub served: u64,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -251,6 +276,10 @@ struct Seen {
     registered: bool,
     /// One-way flows into the endpoint, whose answers come as records: (peer, xfer).
     one_way: Vec<(PeerId, XferId)>,
+    /// READ flows into the endpoint (remote PULLs accepted).
+    pulls: Vec<(PeerId, XferId)>,
+    /// Regions those announced ready, not yet released.
+    ready: Vec<(PeerId, XferId, ChunkIdx, Region)>,
     /// Where the endpoint's mailbox lies in its arena: `[start, end)`.
     mailbox: (u64, u64),
     records: usize,
@@ -293,12 +322,24 @@ impl Seen {
                     self.jobs.push((job, Kind::Scatter));
                 }
                 Action::Complete { xfer, .. } => assert!(self.completed.insert(xfer), "{xfer:?} completed twice"),
+                Action::Send { peer, msg: Msg::Grant(g) } if self.pulls.contains(&(peer, g.xfer)) => {
+                    // A READ flow's GRANT announces a gathered region, ready to be READ.
+                    for c in &g.credits {
+                        assert!(c.region.end() <= self.capacity, "a ready region {:?} outside the arena", c.region);
+                    }
+                    self.ready.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk, c.region)));
+                }
                 Action::Send { peer, msg: Msg::Grant(g) } => {
                     self.credits.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk, c.region)));
                 }
                 Action::Send { peer, msg: Msg::Data(d) } => {
                     assert_eq!(d.token, our_token(d.xfer), "a DATA must carry its transfer's token");
                     self.sent_data.push((peer, d.xfer, d.chunk, d.region));
+                }
+                Action::Read { job, local, remote, len, .. } => {
+                    assert!(local.end() <= self.capacity, "a READ into {local:?} outside the arena");
+                    assert!(len <= local.len && len <= remote.len, "a READ of {len} bytes overflows a region");
+                    self.jobs.push((job, Kind::Read));
                 }
                 Action::PutRecord { offset, bytes } => {
                     let inside = self.mailbox.0 <= offset && offset + bytes.len() as u64 <= self.mailbox.1;
@@ -370,6 +411,7 @@ pub fn run(data: &[u8]) -> Coverage {
         Kind::Gather => ep.handle_gather_done(now, job, ok),
         Kind::Write => ep.handle_write_done(now, job, ok),
         Kind::Scatter => ep.handle_scatter_done(now, job, ok),
+        Kind::Read => ep.handle_read_done(now, job, ok),
     };
 
     for op in ops.into_iter().take(256) {
@@ -528,6 +570,45 @@ pub fn run(data: &[u8]) -> Coverage {
                     }
                 }
             }
+            Op::SubmitRead { .. } if !seen.registered => {}
+            Op::SubmitRead { peer, descs, size } => {
+                // Sources in the peer's memory, destinations in our registered range.
+                let n = u64::from(descs % 64) + 1;
+                let len = u64::from(size % 8192) + 1;
+                let pairs: Vec<DescPair> = (0..n)
+                    .map(|i| DescPair { src: 0x4000_0000 + i * len * 2, dst: USER_BASE + i * len * 2, len })
+                    .collect();
+                if let Ok(mut p) = plan(&pairs, PlanParams::from_config(&cfg)) {
+                    p.read = true;
+                    let xfer = XferId(next_xfer);
+                    if ep.submit_read(now, xfer, our_token(xfer), PeerId(u32::from(peer % 3)), p, None).is_ok() {
+                        cov.submitted += 1;
+                        cov.reads += 1;
+                    }
+                    next_xfer += 1;
+                }
+            }
+            Op::RemotePull { from, xfer, chunks, size, at } => {
+                let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(3000 + u64::from(xfer)));
+                let bytes = u64::from(size % (16 << 10)) + 1;
+                let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
+                let run = CopyRun { region_off: 0, addr, len: bytes, count: 1, region_stride: 0, addr_stride: 0 };
+                let chunks = vec![PullChunk { bytes, runs: vec![run] }; usize::from(chunks % 4) + 1];
+                let token = remote_token(peer, xfer);
+                let proofs = vec![proof::prove(reg, &key_of(reg), token)];
+                let pull = Msg::Pull(Pull { xfer, token, endpoint: Vec::new(), chunks, proofs });
+                if ep.handle_msg(now, peer, pull).is_ok() {
+                    seen.pulls.push((peer, xfer));
+                }
+            }
+            Op::RemoteRelease { which, wrong } => {
+                if !seen.ready.is_empty() {
+                    let (peer, xfer, chunk, region) = seen.ready.swap_remove(usize::from(which) % seen.ready.len());
+                    let chunk = if wrong { ChunkIdx(chunk.0 ^ 1) } else { chunk };
+                    let token = remote_token(peer, xfer);
+                    let _ = ep.handle_msg(now, peer, Msg::Release(Release { xfer, token, chunk, region }));
+                }
+            }
             Op::Forge { kind, which, flip, session } => {
                 if let Some((peer, msg)) = forge(&seen, &announced, kind, which) {
                     cov.forged += u64::from(refuse_forgery(&mut ep, now, peer, msg, flip | 1, session));
@@ -556,6 +637,7 @@ pub fn run(data: &[u8]) -> Coverage {
     cov.completed = seen.completed.len();
     cov.scatters = seen.scatters;
     cov.records = seen.records;
+    cov.served = ep.stats().chunks_served;
     cov.data_refused = ep.stats().data_refused;
     cov
 }
@@ -620,6 +702,8 @@ fn refuse_forgery(ep: &mut Endpoint, now: Instant, peer: PeerId, mut msg: Msg, f
             Msg::Ack(m) => m.token = forged,
             Msg::Keep(m) => m.token = forged,
             Msg::Cursor(m) => m.token = forged,
+            Msg::Pull(m) => m.token = forged,
+            Msg::Release(m) => m.token = forged,
         }
     }
     let xfer = msg.xfer();

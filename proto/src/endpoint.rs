@@ -195,6 +195,35 @@ impl Endpoint {
         }
     }
 
+    /// Starts READ transfer `xfer` of `plan` from `peer` (gather runs: the peer's source
+    /// addresses; scatter runs: our destinations): the peer gathers each chunk into its arena
+    /// and announces it ready, we READ it into our staging and scatter it. With `mailbox`
+    /// (one way: the peer never loaded us) the answers come through its mailbox as for
+    /// [`submit_one_way`](Self::submit_one_way).
+    ///
+    /// # Errors
+    /// As [`submit`](Self::submit).
+    pub fn submit_read(
+        &mut self,
+        now: Instant,
+        xfer: XferId,
+        token: Token,
+        peer: PeerId,
+        plan: Plan,
+        mailbox: Option<MailboxLayout>,
+    ) -> Result<(), SubmitError> {
+        self.sender.submit_read(&mut ctx!(self, now), xfer, token, peer, plan, mailbox.is_some())?;
+        if let Some(layout) = mailbox {
+            if self.reading.start(xfer, peer, token, layout).is_err() {
+                self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
+            } else {
+                self.stats.one_way_sent += 1;
+            }
+        }
+        self.pump(now);
+        Ok(())
+    }
+
     /// Keeps a mailbox (our arena is host memory the shell can write records into) and answers
     /// one-way WANTs through it, or not.
     pub fn keep_mailbox(&mut self, yes: bool) {
@@ -365,6 +394,41 @@ impl Endpoint {
                     }
                 }
             }
+            wire::Msg::Pull(m) if m.endpoint == wire::REPLY_MAILBOX && !m.chunks.is_empty() => {
+                // A one-way READ: opened like a one-way WANT (see there).
+                let key = FlowKey { peer: from, xfer: m.xfer };
+                let (token, chunks) = (m.token, m.chunks.len());
+                if self.answering.is_one_way(key) || self.receiver.has_flow(key) {
+                    self.receiver.handle_pull(&mut ctx, from, m)
+                } else {
+                    let before = ctx.out.len();
+                    let r = self.receiver.handle_pull(&mut ctx, from, m);
+                    let answered = ctx.out.len() > before;
+                    if (r.is_ok() || answered) && self.answering.open(now, key, token, chunks).is_err() {
+                        ctx.stats.one_way_refused += 1;
+                        ctx.out.truncate(before);
+                        if r.is_ok() {
+                            self.receiver.drop_flow(&mut ctx, key);
+                        }
+                        Err(ProtocolError::NoMailboxSlot { peer: from, xfer: key.xfer })
+                    } else {
+                        if r.is_ok() {
+                            ctx.stats.one_way_answered += 1;
+                        }
+                        r
+                    }
+                }
+            }
+            wire::Msg::Pull(m) => self.receiver.handle_pull(&mut ctx, from, m),
+            wire::Msg::Release(m) => {
+                let key = FlowKey { peer: from, xfer: m.xfer };
+                let r = self.receiver.handle_release(&mut ctx, from, m);
+                if r.is_ok() {
+                    // A one-way READ flow's chunks end with their RELEASEs (no ACK is written).
+                    self.answering.count_done(key);
+                }
+                r
+            }
             wire::Msg::Cursor(c) => {
                 let key = FlowKey { peer: from, xfer: c.xfer };
                 match self.answering.token(key) {
@@ -485,18 +549,20 @@ impl Endpoint {
         if !self.answering.has_mailbox() {
             return false;
         }
-        if let wire::Msg::Want(w) = msg {
-            if w.endpoint == wire::REPLY_MAILBOX && !w.is_cancel() {
-                return true;
-            }
+        match msg {
+            wire::Msg::Want(w) if w.endpoint == wire::REPLY_MAILBOX && !w.is_cancel() => return true,
+            wire::Msg::Pull(p) if p.endpoint == wire::REPLY_MAILBOX && !p.chunks.is_empty() => return true,
+            _ => {}
         }
         let Some(peer) = peer else { return false };
         match msg {
             // The last CURSOR may come after the slot freed (then it is ignored).
             wire::Msg::Cursor(_) => true,
-            wire::Msg::Want(_) | wire::Msg::Data(_) | wire::Msg::Keep(_) => {
-                self.answering.is_one_way(FlowKey { peer, xfer: msg.xfer() })
-            }
+            wire::Msg::Want(_)
+            | wire::Msg::Data(_)
+            | wire::Msg::Keep(_)
+            | wire::Msg::Pull(_)
+            | wire::Msg::Release(_) => self.answering.is_one_way(FlowKey { peer, xfer: msg.xfer() }),
             wire::Msg::Grant(_) | wire::Msg::Ack(_) => false,
         }
     }
@@ -529,9 +595,20 @@ impl Endpoint {
         }
     }
 
-    /// Reports a finished [`Action::Gather`]. Unknown jobs are logged and ignored.
+    /// Reports a finished [`Action::Gather`] (a sender's staging or a READ target's).
+    /// Unknown jobs are logged and ignored.
     pub fn handle_gather_done(&mut self, now: Instant, job: JobId, ok: bool) {
-        self.sender.handle_gather_done(&mut ctx!(self, now), job, ok);
+        if self.receiver.owns_gather(job) {
+            self.receiver.handle_gather_done(&mut ctx!(self, now), job, ok);
+        } else {
+            self.sender.handle_gather_done(&mut ctx!(self, now), job, ok);
+        }
+        self.pump(now);
+    }
+
+    /// Reports a finished [`Action::Read`].
+    pub fn handle_read_done(&mut self, now: Instant, job: JobId, ok: bool) {
+        self.sender.handle_read_done(&mut ctx!(self, now), job, ok);
         self.pump(now);
     }
 
@@ -541,9 +618,14 @@ impl Endpoint {
         self.pump(now);
     }
 
-    /// Reports a finished [`Action::Scatter`]. Unknown jobs are logged and ignored.
+    /// Reports a finished [`Action::Scatter`] (a receiver's, or a READ initiator's local one).
+    /// Unknown jobs are logged and ignored.
     pub fn handle_scatter_done(&mut self, now: Instant, job: JobId, ok: bool) {
-        self.receiver.handle_scatter_done(&mut ctx!(self, now), job, ok);
+        if self.sender.owns_job(job) {
+            self.sender.handle_scatter_done(&mut ctx!(self, now), job, ok);
+        } else {
+            self.receiver.handle_scatter_done(&mut ctx!(self, now), job, ok);
+        }
         self.pump(now);
     }
 
@@ -1319,6 +1401,11 @@ pub(crate) mod tests {
                 Action::PutRecord { offset, bytes } => {
                     self.arenas[me][offset as usize..][..bytes.len()].copy_from_slice(&bytes);
                 }
+                Action::Read { job, remote, local, len, .. } => {
+                    let src = self.arenas[peer][remote.offset as usize..][..len as usize].to_vec();
+                    self.arenas[me][local.offset as usize..][..len as usize].copy_from_slice(&src);
+                    self.eps[me].handle_read_done(now, job, true);
+                }
                 Action::Complete { xfer, outcome } => self.done.push((me, xfer, outcome)),
             }
         }
@@ -1443,6 +1530,48 @@ pub(crate) mod tests {
         let stray = Msg::Keep(wire::Keep { xfer: XferId(7), token: TOKEN });
         let r = ep.handle_frame(t, "initiator", &wire::Frame { session: 99, msg: stray }.to_vec());
         assert_eq!(r, Err(FrameRefused::NotLoaded));
+    }
+
+    /// A READ: endpoint 0 pulls 10 chunks of endpoint 1's registered memory into its own, two
+    /// way (answers as frames) and one way (answers READ from endpoint 1's mailbox): endpoint 1
+    /// gathers each chunk into its arena, announces it ready, endpoint 0 READs it, releases it
+    /// and scatters it locally. Through arenas smaller than the transfer.
+    #[test]
+    fn a_read_pulls_every_byte_through_the_targets_arena_two_way_and_one_way() {
+        for one_way in [false, true] {
+            let mut p = Pair::new(16 * KIB, 2, false);
+            p.eps[1].keep_mailbox(true);
+            let m = p.eps[1].one_way_layout().mailbox;
+            let layout = crate::mailbox::MailboxLayout { slots: m.slots, ring: m.ring };
+            // The target's source: its registered range at DST; our destinations at SRC.
+            for i in 0..(10 * CHUNK) {
+                p.mem[1].insert(DST + i, (i as u8).wrapping_mul(5).wrapping_add(3));
+            }
+            let descs: Vec<DescPair> =
+                (0..10).map(|i| DescPair { src: DST + i * CHUNK, dst: SRC + i * CHUNK, len: CHUNK }).collect();
+            let mut plan = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+            plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+            let now = p.now;
+            p.eps[0].submit_read(now, X, TOKEN, PeerId(1), plan, one_way.then_some(layout)).unwrap();
+            p.run();
+            assert_eq!(p.done, vec![(0, X, Ok(()))], "one_way={one_way}");
+            for i in 0..(10 * CHUNK) {
+                let want = (i as u8).wrapping_mul(5).wrapping_add(3);
+                assert_eq!(p.mem[0].get(&(SRC + i)), Some(&want), "one_way={one_way} byte {i}");
+            }
+            let (ini, tgt) = (p.eps[0].stats(), p.eps[1].stats());
+            assert_eq!((ini.chunks_pulled, tgt.chunks_served), (10, 10));
+            assert_eq!(tgt.chunks_scattered, 0, "nothing was written into the target");
+            if one_way {
+                // Ten READY records (GRANTs), and no FAIL: the RELEASEs ended the flow.
+                assert_eq!((tgt.records_written, ini.records_read), (10, 10));
+                assert_eq!(p.eps[1].answering_slots_held(), 0);
+            }
+            for ep in &p.eps {
+                assert!(ep.is_idle());
+                assert_eq!(ep.arena_free_bytes(), 16 * KIB);
+            }
+        }
     }
 
     /// What the property test below does to an endpoint.

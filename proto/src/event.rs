@@ -92,6 +92,24 @@ pub enum Action {
         /// What to send.
         body: wire::Body,
     },
+    /// One RDMA READ of `len` bytes of the peer's arena region `remote` (a READ flow's chunk,
+    /// announced ready) into our arena's staging region `local`. Report with
+    /// [`Endpoint::handle_read_done`](crate::endpoint::Endpoint::handle_read_done) once the
+    /// bytes are in `local` (or the read failed).
+    Read {
+        /// The job to report.
+        job: JobId,
+        /// The transfer the chunk belongs to.
+        xfer: XferId,
+        /// The peer whose arena is read.
+        peer: PeerId,
+        /// The ready region in the peer's arena.
+        remote: Region,
+        /// Our staging region.
+        local: Region,
+        /// Bytes to read: the chunk size.
+        len: u64,
+    },
     /// Write one mailbox record (a one-way flow's answer, see [`crate::oneway`]) into our own
     /// arena at `offset` (from the arena's base), with one 64-byte copy, in the order emitted.
     PutRecord {
@@ -146,6 +164,9 @@ pub enum XferError {
     /// The RDMA write failed.
     #[error("write failed")]
     WriteFailed,
+    /// A READ of a target's region into our staging failed.
+    #[error("RDMA read failed")]
+    ReadFailed,
     /// The receiver reported that its scatter copy failed.
     #[error("scatter failed at the receiver")]
     ScatterFailed,
@@ -386,6 +407,27 @@ pub enum ProtocolError {
         /// The transfer.
         xfer: XferId,
     },
+    /// A PULL this target will not serve: its runs read outside the chunk or the registrations
+    /// it proved, or it names a flow that exists. Refused whole (answered ACK(Refused)).
+    #[error("peer {}: bad PULL for transfer {}: {why}", .peer.0, .xfer.0)]
+    BadPull {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The rule it broke.
+        why: &'static str,
+    },
+    /// A RELEASE naming a region its READ flow does not hold ready (or a flow that is no READ).
+    #[error("peer {}: RELEASE for transfer {} chunk #{} names no ready region", .peer.0, .xfer.0, .chunk.0)]
+    BadRelease {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The chunk.
+        chunk: ChunkIdx,
+    },
     /// A CURSOR claiming more records read than were written for the flow; ignored.
     #[error("peer {}: CURSOR for transfer {} is past the records written", .peer.0, .xfer.0)]
     BadCursor {
@@ -482,6 +524,10 @@ pub struct Stats {
     pub records_written: u64,
     /// Mailbox records read from targets.
     pub records_read: u64,
+    /// READ chunks this target gathered and announced ready.
+    pub chunks_served: u64,
+    /// READ chunks this initiator read and scattered.
+    pub chunks_pulled: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

@@ -146,8 +146,11 @@ pub fn route(input: &GateInput<'_>) -> Route {
     if !input.bounce_running {
         return pass(R::Disabled);
     }
-    if input.op != XferOp::Write {
-        return pass(R::Op);
+    // READs bounce between host arenas (a GPU arena's READ path is not built yet).
+    match input.op {
+        XferOp::Write => {}
+        XferOp::Read if input.arena.mem == MemKind::Dram => {}
+        XferOp::Read => return pass(R::Op),
     }
     let peer_mem = input.peer_arena.map_or(input.arena.mem, |a| a.mem);
     if input.local_mem != Some(input.arena.mem) || input.remote_mem != Some(peer_mem) {
@@ -255,7 +258,7 @@ mod tests {
             route(&i)
         };
         assert_eq!(with(&|i| i.bounce_running = false), pass(FallbackReason::Disabled));
-        assert_eq!(with(&|i| i.op = XferOp::Read), pass(FallbackReason::Op));
+        assert_eq!(with(&|i| i.op = XferOp::Read), Route::Bounce, "a READ between host arenas bounces");
         assert_eq!(with(&|i| i.local_mem = Some(MemKind::Vram)), pass(FallbackReason::Mem));
         assert_eq!(with(&|i| i.remote_mem = Some(MemKind::Vram)), pass(FallbackReason::Mem));
         assert_eq!(with(&|i| i.remote_mem = None), pass(FallbackReason::Mem));
@@ -274,6 +277,15 @@ mod tests {
             with(&|i| {
                 i.op = XferOp::Read;
                 i.local_mem = None;
+            }),
+            pass(FallbackReason::Mem)
+        );
+        // A READ with a GPU arena is not built: it passes through as an operation.
+        let gpu = ArenaPlace { mem: MemKind::Vram, dev: 0 };
+        assert_eq!(
+            with(&|i| {
+                i.op = XferOp::Read;
+                i.arena = gpu;
             }),
             pass(FallbackReason::Op)
         );

@@ -171,6 +171,14 @@ impl Answering {
         Ok(())
     }
 
+    /// A chunk of one-way READ flow `key` was released: it counts as done, as an ACK(Scattered)
+    /// does for a WRITE flow (a flow that ends with all its chunks done gets no FAIL).
+    pub fn count_done(&mut self, key: FlowKey) {
+        if let Some(f) = self.flows.get_mut(&key) {
+            f.scattered += 1;
+        }
+    }
+
     /// The token of one-way flow `key`, for the frames that name it.
     pub fn token(&self, key: FlowKey) -> Option<Token> {
         self.flows.get(&key).map(|f| f.token)

@@ -94,6 +94,10 @@ pub struct Plan {
     /// empty; the shell fills it from the remote descriptors. Without a proof for a
     /// destination the receiver refuses to scatter there.
     pub dests: Vec<crate::proof::Destination>,
+    /// A READ: the descriptors' sources are the peer's (the gather runs read its memory, and
+    /// `dests` prove its registrations) and their destinations ours. `plan` leaves it false;
+    /// the shell sets it for a READ request.
+    pub read: bool,
 }
 
 impl Plan {
@@ -208,7 +212,7 @@ pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
         sizes,
     };
     pack(descs, params, &mut builder)?;
-    Ok(Plan { chunks: builder.chunks, total_bytes, dests: Vec::new() })
+    Ok(Plan { chunks: builder.chunks, total_bytes, dests: Vec::new(), read: false })
 }
 
 /// Checks the descriptors up front, so that packing has no failure modes of the input, and

@@ -18,7 +18,7 @@ use crate::proof::{BadProof, Registrations};
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token};
-use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Want};
+use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
 /// and scheduler state until it ends; without a cap a peer could grow that state without
@@ -49,6 +49,10 @@ struct Flow {
     chunks: Vec<u64>,
     /// Regions of this flow being scattered.
     scattering: usize,
+    /// A READ flow (a PULL): each chunk's gather runs (source addresses here). Its regions are
+    /// gathered when granted, announced ready with a GRANT, and freed by the initiator's
+    /// RELEASE; `scattering` then counts its gathers in flight.
+    pull: Option<Vec<Vec<CopyRun>>>,
     /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
     /// DATA, new grants and finished scatters.
     /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
@@ -68,6 +72,19 @@ struct Scatter {
     span: (u64, u64),
     /// Memory it writes was deregistered while it was in flight: it is answered ACK(Failed)
     /// whatever its outcome (the shell waits for it before the deregistration returns).
+    doomed: bool,
+}
+
+/// A READ flow's gather in flight (its region is marked busy in the scheduler meanwhile).
+#[derive(Debug, Clone, Copy)]
+struct PullGather {
+    flow: FlowKey,
+    token: Token,
+    chunk: ChunkIdx,
+    region: Region,
+    /// The source addresses its runs read, `[start, end)`.
+    span: (u64, u64),
+    /// Memory it reads was deregistered while it ran: it is answered ACK(Failed).
     doomed: bool,
 }
 
@@ -102,6 +119,8 @@ pub struct Receiver {
     /// The per-peer caps: [`MAX_FLOWS_PER_PEER`] and [`MAX_CHUNKS_PER_PEER`] (tests lower them).
     caps: PeerLoad,
     scatters: BTreeMap<JobId, Scatter>,
+    /// READ flows' gathers in flight.
+    gathers: BTreeMap<JobId, PullGather>,
     timers: TimerTable<FlowKey>,
     /// No new WANT is accepted (closing or shut down).
     shutting_down: bool,
@@ -116,6 +135,7 @@ impl Receiver {
             load: BTreeMap::new(),
             caps: PeerLoad { flows: MAX_FLOWS_PER_PEER, chunks: MAX_CHUNKS_PER_PEER },
             scatters: BTreeMap::new(),
+            gathers: BTreeMap::new(),
             timers: TimerTable::default(),
             shutting_down: false,
         }
@@ -155,6 +175,10 @@ impl Receiver {
 
     /// Scatter jobs emitted and not yet reported (those of reclaimed flows included).
     pub fn scatters_in_flight(&self) -> usize {
+        self.gathers.len() + self.scatters_only()
+    }
+
+    fn scatters_only(&self) -> usize {
         self.scatters.len()
     }
 
@@ -194,6 +218,18 @@ impl Receiver {
                     "scatter into deregistered memory: doomed"
                 );
                 s.doomed = true;
+                ctx.stats.dereg_failed += 1;
+            }
+        }
+        for g in self.gathers.values_mut() {
+            if !g.doomed && g.span.0 < end && addr < g.span.1 && !self.registered.covers_any(g.span.0, g.span.1) {
+                debug!(
+                    peer = g.flow.peer.0,
+                    xfer = g.flow.xfer.0,
+                    chunk = g.chunk.0,
+                    "gather from deregistered memory: doomed"
+                );
+                g.doomed = true;
                 ctx.stats.dereg_failed += 1;
             }
         }
@@ -274,7 +310,7 @@ impl Receiver {
             }
             None => {
                 self.timers.set(key, deadline);
-                let flow = Flow { token: want.token, proven, chunks: want.chunks, scattering: 0, deadline };
+                let flow = Flow { token: want.token, proven, chunks: want.chunks, scattering: 0, pull: None, deadline };
                 self.flows.insert(key, flow);
             }
         }
@@ -472,11 +508,189 @@ impl Receiver {
                     continue;
                 }
             };
+            if self.flows.get(&key).is_some_and(|f| f.pull.is_some()) {
+                self.start_gathers(ctx, key, token, &credits);
+                continue;
+            }
             trace!(peer = key.peer.0, xfer = key.xfer.0, credits = credits.len(), "grant");
             for part in credits.chunks(wire::MAX_CREDITS as usize) {
                 ctx.send(key.peer, Grant { xfer: key.xfer, token, credits: part.to_vec() });
             }
         }
+    }
+
+    /// A READ flow's regions were granted: gather each chunk into its region (announced ready
+    /// once gathered). A chunk whose sources are no longer registered fails the flow.
+    fn start_gathers(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, token: Token, credits: &[Credit]) {
+        for c in credits {
+            let Some(flow) = self.flows.get_mut(&key) else { return };
+            let Some(runs) = flow.pull.as_ref().and_then(|p| p.get(c.chunk.0 as usize)).cloned() else {
+                internal_error("grant for a READ chunk without runs", &c.chunk.0);
+                continue;
+            };
+            let spans: Vec<(u64, u64)> = runs.iter().filter_map(CopyRun::addr_span).collect();
+            if spans.len() != runs.len() || !spans.iter().all(|&(a, b)| self.registered.covers(&flow.proven, a, b)) {
+                debug!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, "READ source no longer registered");
+                ctx.stats.dereg_failed += 1;
+                let ack = Ack { xfer: key.xfer, token, chunk: c.chunk, region: c.region, status: AckStatus::Failed };
+                ctx.send(key.peer, ack);
+                self.reclaim(ctx, key);
+                return;
+            }
+            if let Err(e) = ctx.sched.begin_scatter(key, c.region.offset) {
+                internal_error("begin a READ gather on a region just granted", &e);
+                continue;
+            }
+            flow.scattering += 1;
+            let span = spans.iter().fold((u64::MAX, 0), |(lo, hi), &(a, b)| (lo.min(a), hi.max(b)));
+            let job = ctx.job();
+            self.gathers
+                .insert(job, PullGather { flow: key, token, chunk: c.chunk, region: c.region, span, doomed: false });
+            trace!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, region = %c.region, "READ gather");
+            ctx.push(Action::Gather { job, xfer: key.xfer, region: c.region, runs });
+        }
+    }
+
+    /// True when `job` is one of this target's READ gathers.
+    pub(crate) fn owns_gather(&self, job: JobId) -> bool {
+        self.gathers.contains_key(&job)
+    }
+
+    /// A READ gather ended: the region is announced ready (a GRANT) or, failed, the flow is
+    /// answered ACK(Failed) and reclaimed.
+    pub(crate) fn handle_gather_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        let Some(g) = self.gathers.remove(&job) else { return };
+        match ctx.sched.end_job(g.region.offset) {
+            Ok(Some(_freed)) => return, // the flow was reclaimed meanwhile: nobody waits
+            Ok(None) => {}
+            Err(e) => return internal_error("end of a READ gather", &e),
+        }
+        if let Some(flow) = self.flows.get_mut(&g.flow) {
+            flow.scattering -= 1;
+            flow.deadline = ctx.now + self.idle_timeout;
+        }
+        if ok && !g.doomed {
+            ctx.stats.chunks_served += 1;
+            let credit = Credit { chunk: g.chunk, region: g.region };
+            ctx.send(g.flow.peer, Grant { xfer: g.flow.xfer, token: g.token, credits: vec![credit] });
+        } else {
+            let ack =
+                Ack { xfer: g.flow.xfer, token: g.token, chunk: g.chunk, region: g.region, status: AckStatus::Failed };
+            ctx.send(g.flow.peer, ack);
+            self.reclaim(ctx, g.flow);
+        }
+    }
+
+    /// A PULL: the initiator READs these chunks of our registered memory through our arena. As
+    /// a WANT, but each chunk comes with its gather runs, checked here against the chunk and
+    /// the registrations the PULL proved; an empty PULL cancels.
+    pub(crate) fn handle_pull(&mut self, ctx: &mut Ctx<'_>, from: PeerId, pull: Pull) -> Result<(), ProtocolError> {
+        let key = FlowKey { peer: from, xfer: pull.xfer };
+        if self.flows.get(&key).is_some_and(|f| f.token != pull.token) {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: pull.xfer });
+        }
+        let refuse = |ctx: &mut Ctx<'_>| {
+            let region = Region { offset: 0, len: 1 };
+            let ack =
+                Ack { xfer: pull.xfer, token: pull.token, chunk: ChunkIdx(0), region, status: AckStatus::Refused };
+            ctx.send(from, ack);
+        };
+        if pull.chunks.is_empty() {
+            debug!(peer = from.0, xfer = pull.xfer.0, "READ cancel");
+            self.reclaim(ctx, key);
+            return Ok(());
+        }
+        let bad = |why| Err(ProtocolError::BadPull { peer: from, xfer: pull.xfer, why });
+        if self.flows.contains_key(&key) {
+            return bad("a second PULL for a flow");
+        }
+        if self.shutting_down {
+            refuse(ctx);
+            return Ok(());
+        }
+        let load = self.load.get(&from).copied().unwrap_or_default();
+        let (flows, chunks) = (load.flows + 1, load.chunks.saturating_add(pull.chunks.len() as u64));
+        if flows > self.caps.flows || chunks > self.caps.chunks {
+            refuse(ctx);
+            return Err(ProtocolError::PeerOverLimit { peer: from, xfer: pull.xfer, flows, chunks });
+        }
+        let proven = match self.registered.verify(pull.token, &pull.proofs) {
+            Ok(proven) => proven,
+            Err(source @ BadProof::Deregistered(_)) => {
+                refuse(ctx);
+                return Err(ProtocolError::BadProof { peer: from, xfer: pull.xfer, source });
+            }
+            Err(source) => {
+                ctx.stats.control_forged += 1;
+                return Err(ProtocolError::BadProof { peer: from, xfer: pull.xfer, source });
+            }
+        };
+        for c in &pull.chunks {
+            let copies =
+                c.runs.iter().fold(0u64, |sum, r| sum.saturating_add(r.len.saturating_mul(u64::from(r.count))));
+            let inside = c.runs.iter().all(|r| {
+                r.len > 0
+                    && r.region_span().is_some_and(|(_, end)| end <= c.bytes)
+                    && r.addr_span().is_some_and(|(a, b)| self.registered.covers(&proven, a, b))
+            });
+            if c.runs.is_empty() || copies > c.bytes || !inside {
+                refuse(ctx);
+                return bad("a run reads outside its chunk or the proven registrations");
+            }
+        }
+        let sizes: Vec<u64> = pull.chunks.iter().map(|c| c.bytes).collect();
+        if let Err(source) = ctx.sched.want(key, &sizes) {
+            refuse(ctx);
+            return Err(ProtocolError::BadWant { peer: from, xfer: pull.xfer, source });
+        }
+        self.load.insert(from, PeerLoad { flows, chunks });
+        ctx.stats.wants += 1;
+        let deadline = ctx.now + self.idle_timeout;
+        self.timers.set(key, deadline);
+        let runs = pull.chunks.into_iter().map(|c| c.runs).collect();
+        let flow = Flow { token: pull.token, proven, chunks: sizes, scattering: 0, pull: Some(runs), deadline };
+        self.flows.insert(key, flow);
+        debug!(peer = from.0, xfer = pull.xfer.0, "READ flow wants");
+        Ok(())
+    }
+
+    /// A RELEASE: the initiator has READ the chunk's region; it is freed (and the window
+    /// refills). The last one ends the flow.
+    pub(crate) fn handle_release(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        rel: Release,
+    ) -> Result<(), ProtocolError> {
+        let key = FlowKey { peer: from, xfer: rel.xfer };
+        let Some(flow) = self.flows.get_mut(&key) else {
+            ctx.stats.late_data += 1;
+            return Ok(());
+        };
+        if flow.token != rel.token {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: rel.xfer });
+        }
+        let bad = Err(ProtocolError::BadRelease { peer: from, xfer: rel.xfer, chunk: rel.chunk });
+        if flow.pull.is_none() {
+            return bad;
+        }
+        // Held, ready (its gather ended), and the very region and chunk announced.
+        match ctx.sched.is_held(key, rel.region.offset) {
+            Some(g) if g.region == rel.region && g.chunk == rel.chunk => {}
+            _ => return bad,
+        }
+        flow.deadline = ctx.now + self.idle_timeout;
+        if ctx.sched.begin_scatter(key, rel.region.offset).is_err() || ctx.sched.end_scatter(rel.region.offset).is_err()
+        {
+            internal_error("freeing a released READ region", &rel.region.offset);
+        }
+        if !ctx.sched.has_flow(key) {
+            self.forget(key);
+            debug!(peer = from.0, xfer = rel.xfer.0, "READ flow done");
+        }
+        Ok(())
     }
 
     /// Checks a DATA of known flow `key`; returns the chunk's byte size.

@@ -47,6 +47,10 @@ enum Stage {
     DataSent { source: WriteSource, credit: Credit },
     /// Scattered at the receiver; staging released.
     Acked,
+    /// A READ's chunk: RDMA READ of the target's ready region into `local` in flight.
+    Reading { local: Region, job: JobId, credit: Credit },
+    /// A READ's chunk read (RELEASE sent): the local scatter to the destinations in flight.
+    Pulled { local: Region, job: JobId },
 }
 
 impl Stage {
@@ -72,6 +76,8 @@ struct Xfer {
     acked: usize,
     /// Some chunk is not direct, so the transfer may need the staging reserve.
     staged: bool,
+    /// A READ: the target gathers, we READ its region and scatter locally (see `submit_read`).
+    read: bool,
     /// Fails with a timeout when reached; pushed back by every sign of progress (the armed
     /// instant in `Sender::timers` stays, at most this deadline, and is re-armed when it fires).
     deadline: Instant,
@@ -81,6 +87,10 @@ struct Xfer {
 enum JobKind {
     Gather,
     Write,
+    /// A READ's RDMA read of the target's region.
+    Read,
+    /// A READ's local scatter.
+    Scatter,
 }
 
 /// A job of a live transfer.
@@ -276,7 +286,7 @@ impl Sender {
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let stages = vec![Stage::Idle; plan.chunks.len()];
-        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, deadline };
+        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, read: false, deadline };
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {
@@ -307,6 +317,130 @@ impl Sender {
         self.timers.set(xfer, deadline);
         self.xfers.insert(xfer, x);
         ctx.stats.submitted += 1;
+        Ok(())
+    }
+
+    /// Starts READ transfer `xfer` of `plan` from `peer`: the plan's gather runs read the
+    /// target's memory (`CopyRun::addr` there) and its scatter runs write ours. Sends the PULL;
+    /// each ready region (a GRANT) is READ into local staging, released, and scattered here.
+    /// No eager staging and no direct chunks: nothing can be staged before the target gathers.
+    pub(crate) fn submit_read(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        xfer: XferId,
+        token: Token,
+        peer: PeerId,
+        mut plan: Plan,
+        one_way: bool,
+    ) -> Result<(), SubmitError> {
+        self.prune(ctx.now);
+        if self.shutting_down {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) {
+            return Err(SubmitError::DuplicateXfer { xfer });
+        }
+        check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
+        for c in &mut plan.chunks {
+            c.direct = None;
+        }
+        let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
+        let chunks = plan.chunks.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: c.gather.clone() }).collect();
+        let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
+        ctx.send(peer, wire::Pull { xfer, token, endpoint, chunks, proofs });
+        let deadline = ctx.now + self.timeout;
+        let stages = vec![Stage::Idle; plan.chunks.len()];
+        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, deadline };
+        self.staging_xfers += 1;
+        if self.reserve.is_none() {
+            self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
+        }
+        debug!(xfer = xfer.0, peer = peer.0, chunks = x.plan.chunks.len(), bytes = x.plan.total_bytes, "submit READ");
+        self.timers.set(xfer, deadline);
+        self.xfers.insert(xfer, x);
+        ctx.stats.submitted += 1;
+        Ok(())
+    }
+
+    /// True when `job` is one of this sender's jobs (live or orphaned).
+    pub(crate) fn owns_job(&self, job: JobId) -> bool {
+        self.jobs.contains_key(&job) || self.orphans.contains_key(&job)
+    }
+
+    /// A READ's RDMA read ended: the region is released at the target and the chunk scattered
+    /// here, or the transfer fails.
+    pub(crate) fn handle_read_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        self.writes.remove(&job);
+        if self.writes.is_empty() {
+            self.next_keep = None;
+        }
+        let Some((r, x)) = self.finished_job(ctx, job, JobKind::Read) else { return };
+        let Stage::Reading { local, credit, .. } = x.stages[r.chunk] else {
+            return internal_error("read done for a chunk not reading", &r.chunk);
+        };
+        trace!(xfer = r.xfer.0, chunk = r.chunk, ok, "read done");
+        if !ok {
+            x.stages[r.chunk] = Stage::Gathered { local };
+            return self.fail(ctx, r.xfer, XferError::ReadFailed, true);
+        }
+        let chunk = ChunkIdx(r.chunk as u32);
+        ctx.send(x.peer, wire::Release { xfer: r.xfer, token: x.token, chunk, region: credit.region });
+        let scatter = ctx.job();
+        x.stages[r.chunk] = Stage::Pulled { local, job: scatter };
+        let (peer, runs) = (x.peer, x.plan.chunks[r.chunk].scatter.clone());
+        self.jobs.insert(scatter, JobRef { xfer: r.xfer, chunk: r.chunk, kind: JobKind::Scatter });
+        ctx.push(Action::Scatter { job: scatter, peer, xfer: r.xfer, region: local, runs });
+    }
+
+    /// A READ's local scatter ended: the chunk is done (the transfer completes with its last),
+    /// or the transfer fails.
+    pub(crate) fn handle_scatter_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        let Some((r, x)) = self.finished_job(ctx, job, JobKind::Scatter) else { return };
+        let Stage::Pulled { local, .. } = x.stages[r.chunk] else {
+            return internal_error("scatter done for a chunk not pulled", &r.chunk);
+        };
+        release(ctx, local);
+        if !ok {
+            x.stages[r.chunk] = Stage::Idle;
+            return self.fail(ctx, r.xfer, XferError::ScatterFailed, true);
+        }
+        x.stages[r.chunk] = Stage::Acked;
+        x.acked += 1;
+        ctx.stats.chunks_pulled += 1;
+        if x.acked == x.stages.len() {
+            self.complete(ctx, r.xfer);
+        }
+    }
+
+    /// Starts the RDMA read of READ chunk `i` into `local`, unless its credit is stale (the
+    /// target reclaims a region left unread for half a timeout, as one left unwritten).
+    fn start_read(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        id: XferId,
+        i: usize,
+        local: Region,
+        credit: Credit,
+    ) -> Result<(), XferError> {
+        let Some(x) = self.xfers.get_mut(&id) else {
+            release(ctx, local);
+            return Ok(());
+        };
+        if ctx.now >= credit.at + self.timeout / 4 {
+            debug!(xfer = id.0, chunk = i, "READ credit went stale before the read");
+            x.stages[i] = Stage::Gathered { local };
+            return Err(XferError::Timeout);
+        }
+        let job = ctx.job();
+        self.jobs.insert(job, JobRef { xfer: id, chunk: i, kind: JobKind::Read });
+        x.stages[i] = Stage::Reading { local, job, credit };
+        let len = x.plan.chunks[i].bytes;
+        trace!(xfer = id.0, chunk = i, remote = %credit.region, %local, "read");
+        ctx.push(Action::Read { job, xfer: id, peer: x.peer, remote: credit.region, local, len });
+        self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token, posted: ctx.now });
+        if self.next_keep.is_none() && !self.keep_every.is_zero() {
+            self.next_keep = Some(ctx.now + self.keep_every);
+        }
         Ok(())
     }
 
@@ -516,6 +650,10 @@ impl Sender {
         let overlaps = |(a, b): (u64, u64)| a < end && start < b;
         let reads = |x: &Xfer| {
             x.plan.chunks.iter().any(|c| {
+                if x.read {
+                    // A READ's local side is its scatter's destinations.
+                    return c.scatter.iter().filter_map(CopyRun::addr_span).any(overlaps);
+                }
                 c.direct.is_some_and(|d| overlaps((d, d.saturating_add(c.bytes))))
                     || c.gather.iter().filter_map(CopyRun::addr_span).any(overlaps)
             })
@@ -568,11 +706,18 @@ impl Sender {
                 let Stage::Parked { credit } = x.stages[i] else {
                     continue;
                 };
+                let read = x.read;
                 match ctx
                     .sched
                     .acquire_local(x.plan.chunks[i].bytes, false)
                     .or_else(|| take_reserve(ctx, &mut self.reserve))
                 {
+                    Some(local) if read => {
+                        trace!(xfer = id.0, chunk = i, "parked READ credit staged");
+                        if let Err(e) = self.start_read(ctx, id, i, local, credit) {
+                            self.fail(ctx, id, e, true);
+                        }
+                    }
                     Some(local) => {
                         trace!(xfer = id.0, chunk = i, "parked credit staged");
                         let job = start_gather(ctx, &mut self.jobs, id, x, i, local);
@@ -599,6 +744,25 @@ impl Sender {
             internal_error("credit for a vanished transfer", &id.0);
             return Ok(());
         };
+        if x.read {
+            let Stage::Idle = x.stages[i] else {
+                internal_error("READ credit for a chunk that already has one", &i);
+                return Ok(());
+            };
+            return match ctx
+                .sched
+                .acquire_local(x.plan.chunks[i].bytes, false)
+                .or_else(|| take_reserve(ctx, &mut self.reserve))
+            {
+                Some(local) => self.start_read(ctx, id, i, local, credit),
+                None => {
+                    trace!(xfer = id.0, chunk = i, "READ credit parked: no local staging space");
+                    x.stages[i] = Stage::Parked { credit };
+                    self.parked.push_back((id, i));
+                    Ok(())
+                }
+            };
+        }
         if let (Stage::Idle, Some(addr)) = (x.stages[i], x.plan.chunks[i].direct) {
             return self.post_write(ctx, id, i, WriteSource::User { addr }, credit);
         }
@@ -694,7 +858,7 @@ impl Sender {
             if let Some(region) = o.region {
                 release(ctx, region);
             }
-            if kind == JobKind::Write {
+            if matches!(kind, JobKind::Write | JobKind::Read) {
                 if let Some(pc) = self.pending_cancels.get_mut(&o.xfer) {
                     pc.writes -= 1;
                     if pc.writes == 0 {
@@ -764,6 +928,17 @@ impl Sender {
                 }
                 Stage::Gathered { local } | Stage::DataSent { source: WriteSource::Arena(local), .. } => {
                     release(ctx, local);
+                }
+                Stage::Reading { local, job, .. } => {
+                    // The cancel waits for it, as for a write: the target must not reuse a
+                    // region our READ may still be reading.
+                    self.jobs.remove(&job);
+                    self.orphans.insert(job, Orphan { xfer: id, region: Some(local), kind: JobKind::Read });
+                    writes += 1;
+                }
+                Stage::Pulled { local, job } => {
+                    self.jobs.remove(&job);
+                    self.orphans.insert(job, Orphan { xfer: id, region: Some(local), kind: JobKind::Scatter });
                 }
                 Stage::DataSent { source: WriteSource::User { .. }, .. }
                 | Stage::Idle

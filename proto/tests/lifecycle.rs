@@ -390,8 +390,9 @@ impl Model {
                     }
                 }
                 Action::Send { msg: Msg::Data(d), .. } => self.sent_data.push((d.xfer, d.chunk.0, d.region)),
-                // No endpoint here keeps a mailbox.
+                // No endpoint here keeps a mailbox or submits a READ.
                 Action::Send { .. } | Action::Link { .. } | Action::PutRecord { .. } => {}
+                Action::Read { .. } => unreachable!("no READ is submitted here"),
             }
         }
     }

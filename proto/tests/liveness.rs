@@ -142,6 +142,7 @@ impl Pair {
                 self.at(soon, Ev::Deliver { from: me, to: 1 - me, frame });
             }
             Action::PutRecord { .. } => unreachable!("no node here keeps a mailbox"),
+            Action::Read { .. } => unreachable!("no node here READs"),
             Action::Gather { job, .. } => self.at(soon, Ev::Done { node: me, job, kind: 0 }),
             Action::Write { job, .. } => self.at(soon, Ev::Done { node: me, job, kind: 1 }),
             Action::Scatter { job, .. } => {

@@ -530,8 +530,17 @@ impl Engine {
             (Route::PassThrough(reason), _) => return self.count_fallback(reason),
             (Route::Bounce, None) => return self.count_fallback(FallbackReason::Disabled),
         };
-        let pairs: Vec<DescPair> =
-            local.iter().zip(remote).map(|(l, r)| DescPair { src: l.addr, dst: r.addr, len: l.len }).collect();
+        // A READ's bytes go the other way: the peer's descriptors are the sources (its gather
+        // runs), ours the destinations (our scatter runs).
+        let read = matches!(op, Some(XferOp::Read));
+        let pairs: Vec<DescPair> = local
+            .iter()
+            .zip(remote)
+            .map(|(l, r)| match read {
+                false => DescPair { src: l.addr, dst: r.addr, len: l.len },
+                true => DescPair { src: r.addr, dst: l.addr, len: l.len },
+            })
+            .collect();
         // Where the transfer writes must be registrations whose metadata (and key) we were
         // given: the WANT proves each, and the receiver scatters nowhere else.
         let Some(dests) = self.keys.destinations(remote.iter().map(|d| d.md)) else {
@@ -543,6 +552,7 @@ impl Engine {
         match plan::plan(&pairs, PlanParams::from_config(&self.config)) {
             Ok(mut p) => {
                 p.dests = dests;
+                p.read = read;
                 // A chunk may be written straight from user memory only when one registration
                 // of the arena's memory made through this engine covers its whole source range.
                 gate::restrict_direct(&mut p, &self.registry.for_gate(), input.arena.mem, self.config.direct_writes);

@@ -24,6 +24,10 @@ counters! {
     bounce_ok,
     /// Bounce transfers that failed (any reason).
     bounce_failed,
+    /// Of `bounce_ok`, the WRITEs.
+    bounce_write_ok,
+    /// Of `bounce_ok`, the READs (the peer gathered, we READ its region and scattered).
+    bounce_read_ok,
     /// Chunks posted on the bounce path.
     bounce_chunks,
     /// Payload bytes posted on the bounce path.
@@ -34,7 +38,7 @@ counters! {
     timeouts,
     /// Requests handed to the inner UCX engine unchanged.
     passthrough_xfers,
-    /// Fallbacks to UCX: not a WRITE.
+    /// Fallbacks to UCX: neither a WRITE nor a READ between host arenas.
     fallback_op,
     /// Fallbacks to UCX: not DRAM on both sides.
     fallback_mem,
@@ -96,6 +100,10 @@ counters! {
     records_written,
     /// Mailbox records we read from targets (the core's count).
     records_read,
+    /// READ chunks we gathered for peers and announced ready (the core's count).
+    read_chunks_served,
+    /// READ chunks we read from peers and scattered here (the core's count).
+    read_chunks_pulled,
 }
 
 impl Stats {

@@ -37,7 +37,7 @@ import kvcache
 import nixlkit
 from conftest import HERE, Peer
 
-BOUNCES = {("push", "two-way"), ("push", "one-way")}
+BOUNCES = {("push", "two-way"), ("push", "one-way"), ("pull", "two-way"), ("pull", "one-way")}
 
 B = "BOUNCE"
 LAYOUT = kvcache.KvLayout(layers=16, blocks=512, block_bytes=4096)
@@ -198,10 +198,9 @@ def test_kv_requests_one_by_one_and_batched(kv_peer, shm, pattern, metadata):
         assert d.get("bounce_xfers") == xfers and d.get("bounce_ok") == xfers, d
         assert d.get("bounce_bytes") == nbytes, d
         assert d.get("passthrough_xfers", 0) == 0 and d.get("bounce_failed", 0) == 0, d
-        # per-direction counters (issue 13), once the engine has them
+        # per-direction counters (issue 13)
         per_dir = f"bounce_{'read' if pattern == 'pull' else 'write'}_ok"
-        if per_dir in counters(ag):
-            assert d.get(per_dir) == xfers, d
+        assert d.get(per_dir) == xfers, d
     else:
         assert d.get("passthrough_xfers") == xfers, d
         assert d.get("bounce_xfers", 0) == 0, d

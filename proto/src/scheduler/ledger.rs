@@ -73,6 +73,23 @@ impl CreditScheduler {
         Ok(EndScatter { flow: s.flow, chunk: s.chunk, region, orphaned: s.orphaned })
     }
 
+    /// Ends a job on the region at `offset` that leaves it held (a READ target's gather into
+    /// it: the initiator READs it next): the flow holds it again, idle, until it is released
+    /// (a `begin_scatter` + `end_scatter`) or reclaimed. When the flow was reclaimed while the
+    /// job ran, the region is freed as by [`end_scatter`](Self::end_scatter) instead, and that
+    /// is returned.
+    ///
+    /// # Errors
+    /// [`SchedError::NotScattering`] when no job on that region is in progress.
+    pub fn end_job(&mut self, offset: u64) -> Result<Option<EndScatter>> {
+        let s = self.scattering.get(&offset).ok_or(SchedError::NotScattering { offset })?;
+        if s.orphaned {
+            return self.end_scatter(offset).map(Some);
+        }
+        self.scattering.remove(&offset);
+        Ok(None)
+    }
+
     /// Cancels `flow`: drops its pending chunks, frees its granted regions that are not
     /// scattering and orphans the scattering ones (freed by their `end_scatter`). The flow is
     /// erased. Unknown flows reclaim nothing. Call [`schedule`](Self::schedule) afterwards.

@@ -40,6 +40,10 @@ pub(super) const KIND_ACK: u8 = 4;
 pub(super) const KIND_KEEP: u8 = 9;
 /// A CURSOR: how far a one-way sender has read its flow's mailbox records (see [`Cursor`]).
 pub(super) const KIND_CURSOR: u8 = 10;
+/// A PULL: a READ's initiator asks the target to gather chunks for it (see [`Pull`]).
+pub(super) const KIND_PULL: u8 = 11;
+/// A RELEASE: a READ's initiator has read a region (see [`Release`]).
+pub(super) const KIND_RELEASE: u8 = 12;
 /// The [`Want::endpoint`] of a sender that asks to be answered through the receiver's mailbox
 /// (it loaded the receiver's metadata, the receiver may never have loaded its own: see
 /// docs/one-way.md). Any other value, the empty one included, asks for GRANT and ACK frames.
@@ -68,7 +72,19 @@ pub const MAX_FRAME_LEN: usize = {
         + MAX_PROOFS as usize * PROOF_LEN;
     let grant = HEADER_LEN + 8 + 16 + 4 + MAX_CREDITS as usize * CREDIT_LEN;
     let data = HEADER_LEN + 8 + 16 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN;
+    // A PULL: its chunk sizes and run counts, every run in its longest encoding, the proofs.
+    let pull = HEADER_LEN
+        + 8
+        + 16
+        + 4
+        + MAX_BLOB as usize
+        + 4
+        + MAX_CHUNKS_PER_WANT as usize * (8 + 4)
+        + MAX_RUNS as usize * MAX_RUN_LEN
+        + 4
+        + MAX_PROOFS as usize * PROOF_LEN;
     let longest = if want > grant { want } else { grant };
+    let longest = if pull > longest { pull } else { longest };
     (if data > longest { data } else { longest }) + 4096
 };
 /// Most bytes one encoded scatter run takes: the flags, five varints of up to 10 bytes and the
@@ -223,6 +239,50 @@ pub struct Cursor {
     pub consumed: u64,
 }
 
+/// A READ's initiator asks the target to gather these chunks out of its registered memory into
+/// regions of its arena, each to be READ once it is announced ready (a GRANT of the region,
+/// through the answer path of [`Want::endpoint`]); with no chunks, it cancels the flow like an
+/// empty WANT would. The proofs cover the target registrations the runs read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Pull {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The transfer's secret, as in a WANT.
+    pub token: Token,
+    /// How the target answers, as [`Want::endpoint`].
+    pub endpoint: Vec<u8>,
+    /// Each chunk: its size and the gather runs that fill its region (`CopyRun::addr` is the
+    /// target's source address).
+    pub chunks: Vec<PullChunk>,
+    /// One proof per source registration of the transfer.
+    pub proofs: Vec<Proof>,
+}
+
+/// One chunk of a [`Pull`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct PullChunk {
+    /// Its size in bytes (the region to hold it).
+    pub bytes: u64,
+    /// Copies source -> region. Never empty.
+    pub runs: Vec<CopyRun>,
+}
+
+/// A READ's initiator has read the chunk's region: the target may reuse it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Release {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The flow's token.
+    pub token: Token,
+    /// The chunk.
+    pub chunk: ChunkIdx,
+    /// The region it was read from (as announced).
+    pub region: Region,
+}
+
 /// A control message.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
@@ -239,6 +299,10 @@ pub enum Msg {
     Keep(Keep),
     /// Sender → receiver (one-way flows): mailbox records read so far.
     Cursor(Cursor),
+    /// READ initiator → target: gather these chunks for me (or, empty, cancel).
+    Pull(Pull),
+    /// READ initiator → target: I have read this region.
+    Release(Release),
 }
 
 impl From<Want> for Msg {
@@ -271,6 +335,18 @@ impl From<Keep> for Msg {
     }
 }
 
+impl From<Pull> for Msg {
+    fn from(m: Pull) -> Self {
+        Self::Pull(m)
+    }
+}
+
+impl From<Release> for Msg {
+    fn from(m: Release) -> Self {
+        Self::Release(m)
+    }
+}
+
 impl From<Cursor> for Msg {
     fn from(m: Cursor) -> Self {
         Self::Cursor(m)
@@ -293,6 +369,8 @@ impl Msg {
             Self::Ack(m) => m.xfer,
             Self::Keep(m) => m.xfer,
             Self::Cursor(m) => m.xfer,
+            Self::Pull(m) => m.xfer,
+            Self::Release(m) => m.xfer,
         }
     }
 
@@ -305,6 +383,8 @@ impl Msg {
             Self::Ack(m) => m.token,
             Self::Keep(m) => m.token,
             Self::Cursor(m) => m.token,
+            Self::Pull(m) => m.token,
+            Self::Release(m) => m.token,
         }
     }
 
@@ -318,6 +398,9 @@ impl Msg {
             Self::Ack(_) => "ACK",
             Self::Keep(_) => "KEEP",
             Self::Cursor(_) => "CURSOR",
+            Self::Pull(m) if m.chunks.is_empty() => "PULL-CANCEL",
+            Self::Pull(_) => "PULL",
+            Self::Release(_) => "RELEASE",
         }
     }
 
@@ -329,6 +412,8 @@ impl Msg {
             Self::Ack(_) => KIND_ACK,
             Self::Keep(_) => KIND_KEEP,
             Self::Cursor(_) => KIND_CURSOR,
+            Self::Pull(_) => KIND_PULL,
+            Self::Release(_) => KIND_RELEASE,
         }
     }
 
@@ -380,6 +465,26 @@ impl Msg {
                 }
             }
             Self::Keep(_) | Self::Cursor(_) => {}
+            Self::Pull(m) => {
+                check_len("endpoint", m.endpoint.len(), MAX_BLOB)?;
+                check_len("pull chunks", m.chunks.len(), MAX_CHUNKS_PER_WANT)?;
+                check_len("pull proofs", m.proofs.len(), MAX_PROOFS)?;
+                check_len("pull runs", m.chunks.iter().map(|c| c.runs.len()).sum(), MAX_RUNS)?;
+                if m.chunks.iter().any(|c| c.bytes == 0) {
+                    return Err(WireError::Invalid { what: "zero-size chunk in PULL" });
+                }
+                if m.chunks.iter().any(|c| c.runs.is_empty()) {
+                    return Err(WireError::Invalid { what: "PULL chunk without runs" });
+                }
+                if m.chunks.iter().flat_map(|c| &c.runs).any(|r| r.count == 0 || r.len == 0) {
+                    return Err(WireError::Invalid { what: "empty run in PULL" });
+                }
+            }
+            Self::Release(m) => {
+                if m.region.len == 0 {
+                    return Err(WireError::Invalid { what: "zero-length region in RELEASE" });
+                }
+            }
         }
         Ok(())
     }
@@ -616,6 +721,29 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.token(m.token);
             w.u64(m.consumed);
         }
+        Msg::Pull(m) => {
+            w.u64(m.xfer.0);
+            w.token(m.token);
+            w.blob(&m.endpoint);
+            w.len(m.chunks.len());
+            for c in &m.chunks {
+                w.u64(c.bytes);
+                w.len(c.runs.len());
+                let mut prev = RunCursor::default();
+                c.runs.iter().for_each(|r| prev = w.run(r, prev));
+            }
+            w.len(m.proofs.len());
+            for p in &m.proofs {
+                w.u64(p.reg.0);
+                w.bytes(&p.tag);
+            }
+        }
+        Msg::Release(m) => {
+            w.u64(m.xfer.0);
+            w.token(m.token);
+            w.u32(m.chunk.0);
+            w.region(&m.region);
+        }
     }
 }
 
@@ -663,6 +791,37 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
         }),
         KIND_KEEP => Msg::Keep(Keep { xfer: XferId(r.u64()?), token: r.token()? }),
         KIND_CURSOR => Msg::Cursor(Cursor { xfer: XferId(r.u64()?), token: r.token()?, consumed: r.u64()? }),
+        KIND_PULL => {
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
+            let endpoint = r.blob("endpoint")?;
+            let n = r.count("pull chunks", MAX_CHUNKS_PER_WANT, 8 + 4)?;
+            let mut runs_left = MAX_RUNS;
+            let chunks = (0..n)
+                .map(|_| {
+                    let bytes = r.u64()?;
+                    let k = r.count("pull runs", runs_left, MIN_RUN_LEN)?;
+                    runs_left -= k as u32;
+                    let mut prev = RunCursor::default();
+                    let runs = (0..k)
+                        .map(|_| {
+                            let run = r.run(prev)?;
+                            prev = RunCursor::after(&run);
+                            Ok(run)
+                        })
+                        .collect::<Result<_>>()?;
+                    Ok(PullChunk { bytes, runs })
+                })
+                .collect::<Result<_>>()?;
+            let n = r.count("pull proofs", MAX_PROOFS, PROOF_LEN)?;
+            let proofs = (0..n).map(|_| Ok(Proof { reg: RegId(r.u64()?), tag: r.array()? })).collect::<Result<_>>()?;
+            Msg::Pull(Pull { xfer, token, endpoint, chunks, proofs })
+        }
+        KIND_RELEASE => Msg::Release(Release {
+            xfer: XferId(r.u64()?),
+            token: r.token()?,
+            chunk: ChunkIdx(r.u32()?),
+            region: r.region()?,
+        }),
         got => return Err(WireError::UnknownKind { got }),
     })
 }

@@ -234,8 +234,8 @@ fn control_frames_share_the_frame_codec_and_carry_hello() {
     longer.push(0);
     assert_eq!(ControlFrame::decode(&longer), Err(WireError::TrailingBytes { n: 1 }));
     let mut unknown = hello.to_vec();
-    unknown[7] = 11; // 6 is GOODBYE (7, 8, 9 and 10 are taken too)
-    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 11 }));
+    unknown[7] = 13; // 6 is GOODBYE (7 to 12 are taken too)
+    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 13 }));
     let mut future = hello.to_vec();
     future[6] = WIRE_VERSION + 1;
     assert!(matches!(ControlFrame::decode(&future), Err(WireError::UnsupportedVersion { .. })));
@@ -606,6 +606,45 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
+    // PULL (kind 11): transfer, token, endpoint, chunks (size, delta-coded gather runs as in
+    // DATA), proofs.
+    let run = CopyRun { region_off: 0, addr: 0x1000, len: 0x20, count: 2, region_stride: 0x20, addr_stride: 0x80 };
+    let pull = Frame {
+        session: 7,
+        msg: Msg::Pull(Pull {
+            xfer: XferId(3),
+            token: Token(0xfeed),
+            endpoint: Vec::new(),
+            chunks: vec![PullChunk { bytes: 64, runs: vec![run] }],
+            proofs: vec![Proof { reg: RegId(5), tag: [0xaa; 16] }],
+        }),
+    };
+    assert_eq!(
+        hex(&pull.to_vec()),
+        hex(&unhex(
+            "00424f554e43040b0700000000000000 0300000000000000 edfe0000000000000000000000000000 00000000
+             01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+        ))
+    );
+    assert_eq!(Frame::decode(&pull.to_vec()), Ok(pull));
+    // RELEASE (kind 12): transfer, token, chunk, region.
+    let release = Frame {
+        session: 7,
+        msg: Msg::Release(Release {
+            xfer: XferId(3),
+            token: Token(0xfeed),
+            chunk: ChunkIdx(2),
+            region: Region { offset: 0x100, len: 0x40 },
+        }),
+    };
+    assert_eq!(
+        hex(&release.to_vec()),
+        hex(&unhex(
+            "00424f554e43040c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+             0001000000000000 4000000000000000"
+        ))
+    );
+    assert_eq!(Frame::decode(&release.to_vec()), Ok(release));
     let caps = "0400 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -648,12 +687,26 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
         chunks: vec![u64::MAX; MAX_CHUNKS_PER_WANT as usize],
         proofs: (0..u64::from(MAX_PROOFS)).map(|i| Proof { reg: RegId(u64::MAX - i), tag: [0xff; 16] }).collect(),
     });
+    // A PULL: every chunk with one run in its longest encoding (runs are capped in all).
+    let pull = Msg::Pull(Pull {
+        xfer: XferId(u64::MAX),
+        token: Token(u128::MAX),
+        endpoint: vec![0xff; MAX_BLOB as usize],
+        chunks: (0..u64::from(MAX_CHUNKS_PER_WANT))
+            .map(|i| PullChunk { bytes: u64::MAX, runs: vec![run(i)] })
+            .collect(),
+        proofs: (0..u64::from(MAX_PROOFS)).map(|i| Proof { reg: RegId(u64::MAX - i), tag: [0xff; 16] }).collect(),
+    });
+    assert!(pull.validate().is_ok());
     let len = |msg| Frame { session: u64::MAX, msg }.to_vec().len();
-    let (data, want) = (len(data), len(want));
-    assert!(data <= MAX_FRAME_LEN && want <= MAX_FRAME_LEN, "{data} {want} > {MAX_FRAME_LEN}");
-    // Tight: the cap is the longest DATA plus the headroom (a run's address delta may encode
+    let (data, want, pull) = (len(data), len(want), len(pull));
+    assert!(
+        data <= MAX_FRAME_LEN && want <= MAX_FRAME_LEN && pull <= MAX_FRAME_LEN,
+        "{data} {want} {pull} > {MAX_FRAME_LEN}"
+    );
+    // Tight: the cap is the longest PULL plus the headroom (a run's address delta may encode
     // one byte shorter here), so it refuses nothing legal and little more.
-    assert!(data + 4096 + MAX_RUNS as usize >= MAX_FRAME_LEN, "{data}");
+    assert!(pull + 4096 + MAX_RUNS as usize >= MAX_FRAME_LEN, "{pull}");
 }
 
 /// A KEEP is the header, the transfer id and the token, nothing else, and decodes back.

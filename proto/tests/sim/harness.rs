@@ -693,6 +693,7 @@ impl Sim {
                 msg.validate().expect("endpoints build valid messages");
                 self.post(me, to, Frame { session: me as u64, msg }.to_vec());
             }
+            Action::Read { .. } => unreachable!("the simulation submits no READ yet"),
             Action::PutRecord { offset, bytes } => {
                 assert!(self.knobs.one_way, "only one-way nodes keep a mailbox");
                 self.nodes[me].arena[offset as usize..][..bytes.len()].copy_from_slice(&bytes);

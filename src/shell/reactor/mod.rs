@@ -255,6 +255,8 @@ pub(crate) struct Reactor {
 }
 
 struct InFlightWrite {
+    /// A READ's RDMA read of a peer's ready region (reported with `handle_read_done`).
+    read: bool,
     job: JobId,
     id: WriteId,
     /// Its pin in the fence: the user memory it reads (a direct write).
@@ -293,6 +295,8 @@ struct XferCtx {
     handle: u64,
     peer: String,
     notif: Option<Vec<u8>>,
+    /// A READ (counted per direction).
+    read: bool,
 }
 
 struct Driver {
@@ -609,6 +613,8 @@ impl Driver {
         s.one_way_refused.store(core.one_way_refused, Ordering::Relaxed);
         s.records_written.store(core.records_written, Ordering::Relaxed);
         s.records_read.store(core.records_read, Ordering::Relaxed);
+        s.read_chunks_served.store(core.chunks_served, Ordering::Relaxed);
+        s.read_chunks_pulled.store(core.chunks_pulled, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
@@ -621,7 +627,8 @@ impl Driver {
                 let one_way = self.host.and_then(|_| self.shared.peers.one_way_target(&p.peer)).map(|(_, l)| l);
                 let chunks = p.plan.chunks.len() as u64;
                 let bytes = p.plan.total_bytes;
-                self.xfers.insert(p.xfer, XferCtx { handle: p.handle, peer: p.peer, notif: p.notif });
+                let read = p.plan.read;
+                self.xfers.insert(p.xfer, XferCtx { handle: p.handle, peer: p.peer, notif: p.notif, read });
                 Stats::bump(&self.shared.stats.bounce_xfers);
                 self.shared.stats.bounce_chunks.fetch_add(chunks, Ordering::Relaxed);
                 self.shared.stats.bounce_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -633,9 +640,11 @@ impl Driver {
                     return;
                 }
                 let token = Token(u128::from_le_bytes(secret));
-                let submitted = match one_way {
-                    Some(layout) => self.ep.submit_one_way(now, p.xfer, token, peer, (*p.plan).clone(), layout),
-                    None => self.ep.submit(now, p.xfer, token, peer, (*p.plan).clone()),
+                let plan = (*p.plan).clone();
+                let submitted = match (plan.read, one_way) {
+                    (true, layout) => self.ep.submit_read(now, p.xfer, token, peer, plan, layout),
+                    (false, Some(layout)) => self.ep.submit_one_way(now, p.xfer, token, peer, plan, layout),
+                    (false, None) => self.ep.submit(now, p.xfer, token, peer, plan),
                 };
                 if let Err(e) = submitted {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "bounce submit refused");
@@ -896,7 +905,11 @@ impl Driver {
             if let Some(pin) = w.pin {
                 self.shared.fence.unpin(pin);
             }
-            self.ep.handle_write_done(now, w.job, ok);
+            if w.read {
+                self.ep.handle_read_done(now, w.job, ok);
+            } else {
+                self.ep.handle_write_done(now, w.job, ok);
+            }
             let _ = self.drain_actions();
             moved = true;
         }
@@ -922,6 +935,7 @@ impl Driver {
                     Action::Write { job, peer, source, remote, len, .. } => {
                         self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
                     }
+                    Action::Read { job, peer, remote, local, len, .. } => self.read(job, peer, remote, local, len),
                     Action::PutRecord { offset, bytes } => {
                         // Only an engine with a host arena keeps a mailbox; the core places
                         // records inside it.
@@ -1028,6 +1042,40 @@ impl Driver {
         }
     }
 
+    /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
+    fn read(&mut self, job: JobId, peer: PeerId, remote: Region, local: Region, len: u64) {
+        let now = Instant::now();
+        let Some((name, pa)) = self.shared.peers.write_target(peer) else {
+            if self.shared.peers.gone(peer) {
+                self.ep.handle_peer_lost(now, peer);
+            }
+            return self.ep.handle_read_done(now, job, false);
+        };
+        // As for a credit: a ready region outside the peer's arena comes from a broken or
+        // hostile peer, and is never read.
+        if let Err(e) = self.shared.peers.check_credit(peer, remote, len) {
+            self.drop_frame(now, &name, &e);
+            return self.ep.handle_read_done(now, job, false);
+        }
+        let local_side = WriteSide {
+            mem: self.arena.place.mem.into(),
+            md: self.arena.md,
+            addr: self.arena.base + local.offset,
+            dev: self.arena.place.dev,
+        };
+        let remote_side = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
+        match self.data.read(&name, local_side, remote_side, len) {
+            Ok(Posted::Done) => self.ep.handle_read_done(now, job, true),
+            Ok(Posted::InFlight(id)) => {
+                self.writes.push(InFlightWrite { read: true, job, id, pin: None, remote_md: pa.md });
+            }
+            Err(st) => {
+                tracing::warn!(peer = name, status = %st, "posting a bounce READ failed");
+                self.ep.handle_read_done(now, job, false);
+            }
+        }
+    }
+
     fn write(&mut self, w: QueuedWrite) {
         let QueuedWrite { job, peer, source, remote, len } = w;
         let now = Instant::now();
@@ -1085,7 +1133,7 @@ impl Driver {
         };
         match posted {
             Ok(Posted::Done) => self.ep.handle_write_done(now, job, true),
-            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { job, id, pin, remote_md: pa.md }),
+            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { read: false, job, id, pin, remote_md: pa.md }),
             Err(st) => {
                 tracing::warn!(peer = name, status = %st, "posting a bounce write failed");
                 self.ep.handle_write_done(now, job, false);
@@ -1102,6 +1150,7 @@ impl Driver {
         match &outcome {
             Ok(()) => {
                 Stats::bump(&stats.bounce_ok);
+                Stats::bump(if ctx.read { &stats.bounce_read_ok } else { &stats.bounce_write_ok });
                 // Every chunk is scattered: now the notification may tell the peer's
                 // application its data is in place (the same promise UCX makes).
                 if let Some(msg) = &ctx.notif {

@@ -246,6 +246,8 @@ fn kind(frame: &[u8]) -> Option<&'static str> {
         Msg::Ack(_) => "ack",
         Msg::Keep(_) => "keep",
         Msg::Cursor(_) => "cursor",
+        Msg::Pull(_) => "pull",
+        Msg::Release(_) => "release",
     })
 }
 
