@@ -675,13 +675,14 @@ impl Engine {
     /// prep that bumps two counters pay for twenty (measured: an empty getNotifs cost 6x UCX's,
     /// issue 12). `publish` runs under this engine's publish lock, so two threads publishing at
     /// once cannot leave an older value behind a newer one.
-    pub(crate) fn publish_changed_stats(&self, mut publish: impl FnMut(&'static str, u64)) {
+    /// Each counter goes with its index in [`Self::stats`]'s order, which never changes.
+    pub(crate) fn publish_changed_stats(&self, mut publish: impl FnMut(usize, &'static str, u64)) {
         let snap = self.stats();
         let mut last = self.published.lock();
         let fresh = last.len() != snap.len();
         for (i, &(name, v)) in snap.iter().enumerate() {
             if fresh || last[i] != v {
-                publish(name, v);
+                publish(i, name, v);
             }
         }
         last.clear();
