@@ -612,16 +612,13 @@ impl Engine {
     /// # Errors
     /// [`Error::Inner`] when the inner engine's `getNotifs` failed.
     ///
-    /// An application that spins on `getNotifs` while bounce transfers are in flight, sent or
-    /// received, takes a core the reactor and copy workers need (and, in NIXL's STRICT mode, the
-    /// agent lock its other threads need). Such a busy poll (an empty call within
-    /// [`BUSY_POLL_GAP`] of the previous empty one) that again finds nothing waits on the
-    /// doorbell, bounded by `bounce_check_wait_us`, until a notification is sorted or a request
-    /// finishes. The reactor keeps pulling the inner engine while it has work in flight, so
-    /// nothing arrives unseen; with none in flight, `getNotifs` never waits (pass-through keeps
-    /// UCX's cost). The receiving side counts too: a target spinning on `getNotifs` kept its own
-    /// reactor and copy workers off the CPU for a scheduler tick (4 ms) per scatter on 2 cores
-    /// (benches/control_hops.py, issue 12).
+    /// An application that spins on `getNotifs` while bounce requests are in flight takes a
+    /// core the reactor and copy workers need (and, in NIXL's STRICT mode, the agent lock its
+    /// other threads need). Such a busy poll (an empty call within [`BUSY_POLL_GAP`] of the
+    /// previous empty one) that again finds nothing waits on the doorbell, bounded by
+    /// `bounce_check_wait_us`, until a notification is sorted or a request finishes. The reactor
+    /// keeps pulling the inner engine while bounce requests are in flight, so nothing arrives
+    /// unseen; with none in flight, `getNotifs` never waits (pass-through keeps UCX's cost).
     pub(crate) fn take_notifs(&self) -> Result<Vec<Notif>> {
         let bell = self.mail.doorbell();
         let ticket = bell.ticket();
@@ -649,7 +646,7 @@ impl Engine {
     fn notif_poll_is_busy(&self) -> bool {
         // Cheap checks first: with nothing bounced in flight this is every idle getNotifs.
         let Some(sh) = self.shared() else { return false };
-        if (sh.requests.in_flight() == 0 && !sh.reactor_busy()) || self.config.check_wait.is_zero() {
+        if sh.requests.in_flight() == 0 || self.config.check_wait.is_zero() {
             return false;
         }
         let now = Instant::now();

@@ -166,8 +166,6 @@ pub(crate) struct Shared {
     pub(crate) fence: Fence,
     /// The reactor thread has ended: no command will be handled any more.
     ended: AtomicBool,
-    /// The reactor has work in flight (either role) and polls the inner engine every pass.
-    busy: AtomicBool,
 }
 
 impl Shared {
@@ -183,15 +181,7 @@ impl Shared {
             arenas_retiring: AtomicU64::new(0),
             fence: Fence::default(),
             ended: AtomicBool::new(false),
-            busy: AtomicBool::new(false),
         }
-    }
-
-    /// Whether the reactor has work in flight, as a transfer's sender or receiver: it then
-    /// pulls the inner engine at least every [`BUSY_SLEEP`], so what arrives for the
-    /// application is sorted (and rings the doorbell) without the application pulling.
-    pub(crate) fn reactor_busy(&self) -> bool {
-        self.busy.load(Ordering::Relaxed)
     }
 
     /// The application deregisters `[addr, addr + len)` (registration `reg`, when it had an
@@ -500,9 +490,6 @@ impl Driver {
                 || !self.ep.is_idle();
             if busy {
                 last_busy = Some(Instant::now());
-            }
-            if busy != self.shared.reactor_busy() {
-                self.shared.busy.store(busy, Ordering::Relaxed);
             }
             if moved {
                 stalls = 0;

@@ -17,8 +17,6 @@ use crate::shell::registry::Registration;
 use crate::shell::requests::State;
 use crate::sys::nixl::NixlStatus;
 
-mod busy;
-
 /// Descriptors per transfer, each `PIECE` bytes: 64 KiB in all, 16 chunks of 4 KiB.
 const PIECES: usize = 256;
 const PIECE: usize = 256;
