@@ -461,12 +461,6 @@ const SPIN_ITERATIONS: u32 = 20;
 const BUSY_SLEEP: Duration = Duration::from_micros(50);
 /// Longest park when idle; also how often an idle engine progresses the inner engine.
 const IDLE_PARK: Duration = Duration::from_millis(2);
-/// How long after its last busy pass an idle reactor keeps polling every [`BUSY_SLEEP`] before
-/// it parks for [`IDLE_PARK`]: nothing wakes it when a frame reaches the inner engine, so the
-/// next transfer's WANT waited up to a whole park (2.4 ms per 16 KiB bounced WRITE against 0.4 ms
-/// on UCX to a target that does not poll, issue 12). Transfers come in runs; an engine idle for
-/// longer than this costs no core again (well inside test_bounce's 0.2 s before it measures).
-const LINGER: Duration = Duration::from_millis(20);
 
 impl Driver {
     /// Runs until `stop`, then closes and shuts down; true when no grant was left outstanding.
@@ -477,7 +471,14 @@ impl Driver {
         crate::sys::thread::precise_sleeps();
         let mut cmds = Vec::new();
         let mut stalls = 0u32;
-        let mut last_busy: Option<Instant> = None;
+        // The next idle park's length. Nothing wakes the reactor when a frame reaches the inner
+        // engine, so a WANT arriving while it is parked waited up to a whole IDLE_PARK (2.4 ms
+        // per 16 KiB bounced WRITE against 0.4 ms on UCX, to a target that does not poll, issue
+        // 12). Transfers come in runs: after a busy pass the idle parks start at BUSY_SLEEP and
+        // double up to IDLE_PARK, so the next transfer of a run is seen within about its gap,
+        // for a handful of wake-ups (polling every BUSY_SLEEP for 20 ms instead took the cores
+        // of a 2-core machine's other work: UCX round trips there ran 2x slower).
+        let mut idle_park = IDLE_PARK;
         while !stop.load(Ordering::Acquire) {
             let moved = self.iterate(&mut cmds);
             // Busy includes the receiver role: a remote flow waiting for its next DATA must be
@@ -489,7 +490,7 @@ impl Driver {
                 || !self.deregs.is_empty()
                 || !self.ep.is_idle();
             if busy {
-                last_busy = Some(Instant::now());
+                idle_park = BUSY_SLEEP;
             }
             if moved {
                 stalls = 0;
@@ -503,11 +504,14 @@ impl Driver {
                     std::thread::yield_now();
                 }
             } else {
-                let now = Instant::now();
-                let lingering = last_busy.is_some_and(|t| now.saturating_duration_since(t) < LINGER);
-                let longest = if lingering { BUSY_SLEEP } else { IDLE_PARK };
-                let wait =
-                    self.ep.poll_timeout().map(|t| t.saturating_duration_since(now)).unwrap_or(longest).min(longest);
+                let longest = idle_park;
+                idle_park = (idle_park * 2).min(IDLE_PARK);
+                let wait = self
+                    .ep
+                    .poll_timeout()
+                    .map(|t| t.saturating_duration_since(Instant::now()))
+                    .unwrap_or(longest)
+                    .min(longest);
                 std::thread::park_timeout(wait);
             }
         }
