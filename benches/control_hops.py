@@ -12,8 +12,10 @@ two notification round trips. Measured, per block:
     notification round trips, timed as one sample;
   - WRITE descs x size: the scattered WRITE on each backend (post, check until DONE); on BOUNCE it
     bounces (checked: stats.bounce_ok grows by one per sample), on UCX it is UCX's own;
-  - the same WRITE while the target does not call into NIXL at all (an "idle target": only
-    BOUNCE's reactor progresses its engine there; UCX's puts need no target progress).
+  - the same WRITE on BOUNCE while the target does not call into NIXL at all (an "idle target":
+    only BOUNCE's reactor progresses its engine there). Its ratio is against UCX's WRITE to the
+    polling target: UCX is not measured against an idle target, because its WRITE may need the
+    target's progress (measured here: one stayed in flight for good).
 Prints p50 / p99 of each and the hop estimate: (bounced WRITE - UCX floor) / 2 + one RTT, i.e.
 what one control round trip of the bounce path costs against the notification round trip.
 """
@@ -128,10 +130,13 @@ class Side:
         while not self._pongs():
             pass
 
-    def _write(self, h):
+    def _write(self, h, deadline_s=10.0):
         st = self.ag.transfer(h)
+        end = time.monotonic() + deadline_s
         while st not in ("DONE", "ERR"):
             st = self.ag.check_xfer_state(h)
+            if st == "PROC" and time.monotonic() > end:
+                raise SystemExit(f"{self.backend}: a WRITE was still in flight after {deadline_s} s")
         if st != "DONE":
             raise SystemExit(f"{self.backend}: transfer failed")
 
@@ -159,12 +164,12 @@ class Side:
         return time.perf_counter() - t0
 
 
-# name, method, backends, target idle
+# name, method, backends, target idle, the row whose UCX median the ratio divides by
 OPS = [
-    ("notif round trip", "notif_rtt", BACKENDS, False),
-    ("UCX floor: write + 2 RTT", "floor", ("UCX",), False),
-    ("WRITE scattered", "write_scattered", BACKENDS, False),
-    ("WRITE scattered, idle tgt", "write_scattered", BACKENDS, True),
+    ("notif round trip", "notif_rtt", BACKENDS, False, "notif round trip"),
+    ("UCX floor: write + 2 RTT", "floor", ("UCX",), False, None),
+    ("WRITE scattered", "write_scattered", BACKENDS, False, "WRITE scattered"),
+    ("WRITE scattered, idle tgt", "write_scattered", ("BOUNCE",), True, "WRITE scattered"),
 ]
 
 
@@ -208,22 +213,32 @@ def main():
         if s.backend == "BOUNCE":
             nixlkit.wait_ready(s.ag)
         s.prepare()
-    samples = {(name, b): [] for name, _, backends, _ in OPS for b in backends}
+        # Both writes, a block's worth, while the target polls: UCX's first puts to a peer need
+        # the target's progress (measured: with only one before them, a UCX WRITE to the idle
+        # target stayed IN_PROG).
+        for _ in range(args.block):
+            s.write_scattered()
+            s.floor()
+    samples = {(name, b): [] for name, _, backends, _, _ in OPS for b in backends}
     ok_before = sides["BOUNCE"].bounce_ok()
     bounced = 0
-    for _ in range(args.blocks):
-        for name, method, backends, idle in OPS:
-            if args.only and args.only not in name:
-                continue
-            for b in backends:
-                flag[ACTIVE], flag[IDLE] = BACKENDS.index(b), int(idle)
-                if idle:
-                    time.sleep(0.005)  # the target is past its last poll
-                f = getattr(sides[b], method)
-                f()  # one warm-up per block keeps a cold first sample out of the tail
-                samples[(name, b)].extend(f() for _ in range(args.block))
-                if b == "BOUNCE" and method == "write_scattered":
-                    bounced += args.block + 1
+    try:
+        for _ in range(args.blocks):
+            for name, method, backends, idle, _ in OPS:
+                if args.only and args.only not in name:
+                    continue
+                for b in backends:
+                    flag[ACTIVE], flag[IDLE] = BACKENDS.index(b), int(idle)
+                    if idle:
+                        time.sleep(0.005)  # the target is past its last poll
+                    f = getattr(sides[b], method)
+                    f()  # one warm-up per block keeps a cold first sample out of the tail
+                    samples[(name, b)].extend(f() for _ in range(args.block))
+                    if b == "BOUNCE" and method == "write_scattered":
+                        bounced += args.block + 1
+    except BaseException:
+        flag[ACTIVE] = len(BACKENDS)  # the target leaves too
+        raise
     flag[IDLE] = 0
     ok = sides["BOUNCE"].bounce_ok() - ok_before
     print(f"control hops, two processes, DRAM, no progress thread, {os.cpu_count()} cores, "
@@ -231,7 +246,7 @@ def main():
     print(f"  {'measurement':27s} {'UCX p50':>9s} {'UCX p99':>9s} {'BOUNCE p50':>11s} {'BOUNCE p99':>11s} "
           f"{'p50 ratio':>10s}")
     med = {}
-    for name, _, backends, _ in OPS:
+    for name, _, backends, _, base in OPS:
         cols = []
         for b in BACKENDS:
             xs = samples.get((name, b))
@@ -240,8 +255,8 @@ def main():
                 cols += [f"{pct(xs, .5)*1e6:7.1f}us", f"{pct(xs, .99)*1e6:7.1f}us"]
             else:
                 cols += ["-", "-"]
-        ratio = (f"{med[(name, 'BOUNCE')] / med[(name, 'UCX')]:10.2f}"
-                 if (name, "BOUNCE") in med and (name, "UCX") in med else f"{'-':>10s}")
+        ratio = (f"{med[(name, 'BOUNCE')] / med[(base, 'UCX')]:10.2f}"
+                 if (name, "BOUNCE") in med and (base, "UCX") in med else f"{'-':>10s}")
         print(f"  {name:27s} {cols[0]:>9s} {cols[1]:>9s} {cols[2]:>11s} {cols[3]:>11s} {ratio}")
     rtt, floor = med.get(("notif round trip", "UCX")), med.get(("UCX floor: write + 2 RTT", "UCX"))
     if rtt and floor and ("WRITE scattered", "BOUNCE") in med:
