@@ -620,25 +620,24 @@ impl Engine {
     /// keeps pulling the inner engine while bounce requests are in flight, so nothing arrives
     /// unseen; with none in flight, `getNotifs` never waits (pass-through keeps UCX's cost).
     pub(crate) fn take_notifs(&self) -> Result<Vec<Notif>> {
-        let bell = self.mail.doorbell();
+        let bell = self.mail.bell();
         let ticket = bell.ticket();
-        self.pull_notifs()?;
-        let got = self.mail.take_app();
+        let got = self.pull_and_take()?;
         if !got.is_empty() || !self.notif_poll_is_busy() {
             return Ok(got);
         }
         if bell.wait_past(ticket, self.config.check_wait) {
-            self.pull_notifs()?;
-            return Ok(self.mail.take_app());
+            return self.pull_and_take();
         }
         Ok(got)
     }
 
-    fn pull_notifs(&self) -> Result<()> {
-        if let Some(shim) = &self.shim {
-            self.mail.pull(shim).map_err(|status| Error::Inner { op: "getNotifs", status })?;
+    /// Pulls the inner engine's notifications and takes the application's.
+    fn pull_and_take(&self) -> Result<Vec<Notif>> {
+        match &self.shim {
+            Some(shim) => self.mail.pull_and_take(shim).map_err(|status| Error::Inner { op: "getNotifs", status }),
+            None => Ok(self.mail.take_app()),
         }
-        Ok(())
     }
 
     /// Whether this empty `getNotifs` is part of a busy poll while bounce requests are in

@@ -71,6 +71,12 @@ impl Mailroom {
         Arc::clone(&self.bell)
     }
 
+    /// The same doorbell, borrowed (every `getNotifs` takes a ticket: no reference count
+    /// traffic for it).
+    pub(crate) fn bell(&self) -> &Doorbell {
+        &self.bell
+    }
+
     /// From now on control frames go to the UCX channel; `reactor` is woken when another
     /// thread's pull queued some.
     pub(crate) fn accept_control(&self, reactor: Thread) {
@@ -78,21 +84,25 @@ impl Mailroom {
         self.accepts_control.store(true, Ordering::Release);
     }
 
-    /// Pulls every notification waiting in the inner engine and sorts it.
+    /// Pulls every notification waiting in the inner engine, sorts it, and takes the
+    /// application's ([`Self::take_app`]), under one hold of the application queue (the
+    /// application's `getNotifs` does both on every call).
     ///
     /// # Errors
-    /// The inner engine's `getNotifs` status when it failed (nothing was pulled).
-    pub(crate) fn pull(&self, shim: &Shim) -> Result<(), NixlStatus> {
+    /// The inner engine's `getNotifs` status when it failed (nothing was pulled or taken).
+    pub(crate) fn pull_and_take(&self, shim: &Shim) -> Result<Vec<Notif>, NixlStatus> {
         let mut app = self.app.lock();
-        self.pull_into(&mut app, |got| shim.poll_notifs(got))
+        self.pull_into(&mut app, |got| shim.poll_notifs(got))?;
+        Ok(app.drain(..).collect())
     }
 
-    /// Like [`Self::pull`], for the reactor: when another thread is pulling right now it returns
-    /// at once with `Ok(false)` instead of waiting its turn. That pull sorts whatever is
-    /// waiting, control frames included, and wakes the reactor for them, so waiting would only
-    /// repeat it. Waiting cost whole milliseconds: an application spinning on `getNotifs` took
-    /// the lock again before the woken reactor ran, and every pass of a receiver's reactor
-    /// (each control hop, each scatter completion) paid 3-4 ms on 2 cores (issue 12).
+    /// Pulls and sorts like [`Self::pull_and_take`], for the reactor (taking nothing): when
+    /// another thread is pulling right now it returns at once with `Ok(false)` instead of
+    /// waiting its turn. That pull sorts whatever is waiting, control frames included, and wakes
+    /// the reactor for them, so waiting would only repeat it. Waiting cost whole milliseconds on
+    /// the loaded 2-core machine: an application spinning on `getNotifs` took the lock again
+    /// before the woken reactor ran, and every pass of a receiver's reactor (each control hop,
+    /// each scatter completion) paid 3-4 ms (issue 12).
     ///
     /// # Errors
     /// The inner engine's `getNotifs` status when it failed (nothing was pulled).
