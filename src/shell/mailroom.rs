@@ -208,7 +208,8 @@ mod tests {
     }
 
     /// The reactor's pull never waits for another thread's: while one is pulling it returns
-    /// at once without touching the inner engine; otherwise it pulls and sorts like `pull`.
+    /// at once without touching the inner engine; otherwise it pulls and sorts like
+    /// `pull_and_take`.
     #[test]
     fn a_reactor_pull_skips_while_another_thread_pulls() {
         let m = Mailroom::new(Arc::new(Stats::default()));
