@@ -87,9 +87,14 @@ int32_t bnc_remote_md_split(void *engine, bnc_str blob, bnc_sink inner, void *in
 void bnc_remote_md_loaded(void *engine, const void *md, uint64_t reg, const uint8_t *key);
 void bnc_remote_md_unloaded(void *engine, const void *md);
 
-// Live counters that changed since the last call (all of them the first time), one
-// "stats.<name>=<value>" line per sink call; the sink runs under Rust's publish lock.
-void bnc_stats(void *engine, bnc_sink line, void *ctx);
+// C++-side counter sink: counter number `index` (the same counter, and name, for the engine's
+// whole life), its name without the "stats." prefix, and its value.
+typedef void (*bnc_stat_sink)(void *ctx, size_t index, const uint8_t *name, size_t name_len,
+                              uint64_t value);
+
+// Live counters that changed since the last call (all of them the first time), one per sink
+// call; the sink runs under Rust's publish lock.
+void bnc_stats(void *engine, bnc_stat_sink sink, void *ctx);
 
 // After the inner engine loaded a peer's conn info: Rust tells the peer we can answer it
 // (HELLO) and, if the peer can bounce, describes its arena (returns 1 and fills the

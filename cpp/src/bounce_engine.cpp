@@ -13,6 +13,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "bounce_ffi.h"
 #include "nixl_abi.h"
@@ -465,20 +466,24 @@ private:
     // publish lock, so concurrent publishers stay ordered), so a polling loop (getNotifs,
     // checkXfer) pays neither the formatting nor the lock when nothing moved.
     void refreshStats() {
-        bnc_stats(rust_, [](void *ctx, const uint8_t *p, size_t n) noexcept {
+        bnc_stats(rust_, [](void *ctx, size_t i, const uint8_t *name, size_t n, uint64_t v) noexcept {
             // Called from Rust: nothing may unwind out of here (a lost counter update is fine).
             try {
-                auto *self = static_cast<BounceEngine *>(ctx);
-                const std::string l(reinterpret_cast<const char *>(p), n);
-                const auto eq = l.find('=');
-                if (eq == std::string::npos) return;
-                Lock g(self->mu_);
-                auto it = self->mutableParams().find(l.substr(0, eq));
-                if (it != self->mutableParams().end()) it->second = l.substr(eq + 1);
-                else self->mutableParams().emplace(l.substr(0, eq), l.substr(eq + 1));
+                static_cast<BounceEngine *>(ctx)->setStat(i, name, n, v);
             } catch (...) {
             }
         }, this);
+    }
+    // Counter i's value in the params map: its key is built and looked up once (at creation,
+    // when every counter is published), then reached by index. References to an unordered_map's
+    // values stay valid across inserts and rehashes, and no key is ever erased.
+    void setStat(size_t i, const uint8_t *name, size_t n, uint64_t v) {
+        Lock g(mu_);
+        if (i >= statValues_.size()) statValues_.resize(i + 1, nullptr);
+        std::string *&slot = statValues_[i];
+        if (!slot)
+            slot = &mutableParams()["stats." + std::string(reinterpret_cast<const char *>(name), n)];
+        *slot = std::to_string(v);
     }
     void fail(const std::string &why) {
         std::fprintf(stderr, "%s\n", why.c_str());
@@ -539,6 +544,7 @@ private:
     }
 
     void *rust_ = nullptr;
+    std::vector<std::string *> statValues_; // by counter index; see setStat (under mu_)
     mutable std::recursive_mutex mu_; // serializes every call into the inner engine
     const BackendPlugin *plugin_ = nullptr;
     BackendEngine *inner_ = nullptr;

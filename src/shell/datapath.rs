@@ -104,9 +104,10 @@ impl DataPath for ShimPath {
     }
 
     /// Progresses the inner engine by pulling its notifications (sorted by the mailroom:
-    /// control frames for the UCX channel, the rest for the application).
+    /// control frames for the UCX channel, the rest for the application), unless another
+    /// thread is pulling right now (see [`Mailroom::try_pull`]).
     fn progress(&mut self) {
-        if let Err(st) = self.mail.pull(&self.shim) {
+        if let Err(st) = self.mail.try_pull(&self.shim) {
             tracing::trace!(status = %st, "inner getNotifs failed");
         }
     }

@@ -648,25 +648,24 @@ impl Engine {
     /// keeps pulling the inner engine while bounce requests are in flight, so nothing arrives
     /// unseen; with none in flight, `getNotifs` never waits (pass-through keeps UCX's cost).
     pub(crate) fn take_notifs(&self) -> Result<Vec<Notif>> {
-        let bell = self.mail.doorbell();
+        let bell = self.mail.bell();
         let ticket = bell.ticket();
-        self.pull_notifs()?;
-        let got = self.mail.take_app();
+        let got = self.pull_and_take()?;
         if !got.is_empty() || !self.notif_poll_is_busy() {
             return Ok(got);
         }
         if bell.wait_past(ticket, self.config.check_wait) {
-            self.pull_notifs()?;
-            return Ok(self.mail.take_app());
+            return self.pull_and_take();
         }
         Ok(got)
     }
 
-    fn pull_notifs(&self) -> Result<()> {
-        if let Some(shim) = &self.shim {
-            self.mail.pull(shim).map_err(|status| Error::Inner { op: "getNotifs", status })?;
+    /// Pulls the inner engine's notifications and takes the application's.
+    fn pull_and_take(&self) -> Result<Vec<Notif>> {
+        match &self.shim {
+            Some(shim) => self.mail.pull_and_take(shim).map_err(|status| Error::Inner { op: "getNotifs", status }),
+            None => Ok(self.mail.take_app()),
         }
-        Ok(())
     }
 
     /// Whether this empty `getNotifs` is part of a busy poll while bounce requests are in
@@ -700,13 +699,14 @@ impl Engine {
     /// prep that bumps two counters pay for twenty (measured: an empty getNotifs cost 6x UCX's,
     /// issue 12). `publish` runs under this engine's publish lock, so two threads publishing at
     /// once cannot leave an older value behind a newer one.
-    pub(crate) fn publish_changed_stats(&self, mut publish: impl FnMut(&'static str, u64)) {
+    /// Each counter goes with its index in [`Self::stats`]'s order, which never changes.
+    pub(crate) fn publish_changed_stats(&self, mut publish: impl FnMut(usize, &'static str, u64)) {
         let snap = self.stats();
         let mut last = self.published.lock();
         let fresh = last.len() != snap.len();
         for (i, &(name, v)) in snap.iter().enumerate() {
             if fresh || last[i] != v {
-                publish(name, v);
+                publish(i, name, v);
             }
         }
         last.clear();

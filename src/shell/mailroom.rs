@@ -71,6 +71,12 @@ impl Mailroom {
         Arc::clone(&self.bell)
     }
 
+    /// The same doorbell, borrowed (every `getNotifs` takes a ticket: no reference count
+    /// traffic for it).
+    pub(crate) fn bell(&self) -> &Doorbell {
+        &self.bell
+    }
+
     /// From now on control frames go to the UCX channel; `reactor` is woken when another
     /// thread's pull queued some.
     pub(crate) fn accept_control(&self, reactor: Thread) {
@@ -78,15 +84,47 @@ impl Mailroom {
         self.accepts_control.store(true, Ordering::Release);
     }
 
-    /// Pulls every notification waiting in the inner engine and sorts it.
+    /// Pulls every notification waiting in the inner engine, sorts it, and takes the
+    /// application's ([`Self::take_app`]), under one hold of the application queue (the
+    /// application's `getNotifs` does both on every call).
+    ///
+    /// # Errors
+    /// The inner engine's `getNotifs` status when it failed (nothing was pulled or taken).
+    pub(crate) fn pull_and_take(&self, shim: &Shim) -> Result<Vec<Notif>, NixlStatus> {
+        let mut app = self.app.lock();
+        self.pull_into(&mut app, |got| shim.poll_notifs(got))?;
+        Ok(app.drain(..).collect())
+    }
+
+    /// Pulls and sorts like [`Self::pull_and_take`], for the reactor (taking nothing): when
+    /// another thread is pulling right now it returns at once with `Ok(false)` instead of
+    /// waiting its turn. That pull sorts whatever is waiting, control frames included, and wakes
+    /// the reactor for them, so waiting would only repeat it. Waiting cost whole milliseconds on
+    /// the loaded 2-core machine: an application spinning on `getNotifs` took the lock again
+    /// before the woken reactor ran, and every pass of a receiver's reactor (each control hop,
+    /// each scatter completion) paid 3-4 ms (issue 12).
     ///
     /// # Errors
     /// The inner engine's `getNotifs` status when it failed (nothing was pulled).
-    pub(crate) fn pull(&self, shim: &Shim) -> Result<(), NixlStatus> {
-        let mut app = self.app.lock();
+    pub(crate) fn try_pull(&self, shim: &Shim) -> Result<bool, NixlStatus> {
+        self.try_pull_with(|got| shim.poll_notifs(got))
+    }
+
+    /// [`Self::try_pull`] over any source of notifications (the tests' stand-in for the shim).
+    fn try_pull_with(&self, poll: impl FnOnce(&mut Vec<Notif>) -> Result<(), NixlStatus>) -> Result<bool, NixlStatus> {
+        let Some(mut app) = self.app.try_lock() else { return Ok(false) };
+        self.pull_into(&mut app, poll).map(|()| true)
+    }
+
+    /// Pulls with `poll` and sorts, under the caller's hold of the application queue.
+    fn pull_into(
+        &self,
+        app: &mut VecDeque<Notif>,
+        poll: impl FnOnce(&mut Vec<Notif>) -> Result<(), NixlStatus>,
+    ) -> Result<(), NixlStatus> {
         let mut got = Vec::new();
-        shim.poll_notifs(&mut got)?;
-        self.sort(&mut app, got);
+        poll(&mut got)?;
+        self.sort(app, got);
         Ok(())
     }
 
@@ -167,6 +205,34 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(m.take_control(8, &mut out), 1);
         assert_eq!(out, [("p".to_owned(), hello)]);
+    }
+
+    /// The reactor's pull never waits for another thread's: while one is pulling it returns
+    /// at once without touching the inner engine; otherwise it pulls and sorts like
+    /// `pull_and_take`.
+    #[test]
+    fn a_reactor_pull_skips_while_another_thread_pulls() {
+        let m = Mailroom::new(Arc::new(Stats::default()));
+        m.accept_control(std::thread::current());
+        let hello = wire::encode_hello(3);
+        let held = m.app.lock(); // the application's getNotifs is pulling
+        let mut polled = false;
+        let r = m.try_pull_with(|_| {
+            polled = true;
+            Ok(())
+        });
+        assert_eq!(r, Ok(false));
+        assert!(!polled, "the inner engine is not polled a second time");
+        drop(held);
+        let r = m.try_pull_with(|got| {
+            got.extend([notif(b"p", b"app"), notif(b"p", &hello)]);
+            Ok(())
+        });
+        assert_eq!(r, Ok(true));
+        assert_eq!(m.take_app(), [notif(b"p", b"app")]);
+        let mut out = Vec::new();
+        assert_eq!(m.take_control(8, &mut out), 1, "the control frame went to the reactor's queue");
+        assert_eq!(m.try_pull_with(|_| Err(NixlStatus::ErrBackend)), Err(NixlStatus::ErrBackend));
     }
 
     /// A reactor that stops draining (it died) cannot make the queue grow without bound, in

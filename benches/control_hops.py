@@ -1,0 +1,282 @@
+"""The control hops of a bounced transfer against UCX's notification floor (issue 12), measured
+side by side in ONE run, two processes, blocks of UCX and BOUNCE samples interleaved.
+
+    .venv/bin/python benches/control_hops.py [--blocks 20] [--block 20] [--descs 256] [--size 64]
+
+A bounced WRITE of `--descs` scattered pieces of `--size` bytes costs two control round trips
+(WANT -> GRANT, then DATA -> ACK), one write of the gathered chunk and a gather and a scatter of a
+few KiB. Its floor on UCX is what the same messages cost there: one write of that many bytes plus
+two notification round trips. Measured, per block:
+  - notif round trip: send_notif, then get_new_notifs polled until the echo's pong arrives;
+  - UCX floor: a 1-descriptor UCX WRITE of descs x size bytes (post, check until DONE), then two
+    notification round trips, timed as one sample;
+  - WRITE descs x size: the scattered WRITE on each backend (post, check until DONE); on BOUNCE it
+    bounces (checked: stats.bounce_ok grows by one per sample), on UCX it is UCX's own;
+  - the same WRITE on BOUNCE while the target does not call into NIXL at all (an "idle target":
+    only BOUNCE's reactor progresses its engine there). Its ratio is against UCX's WRITE to the
+    polling target: UCX is not measured against an idle target, because its WRITE may need the
+    target's progress (measured here: one stayed in flight for good).
+Prints p50 / p99 of each and the hop estimate: (bounced WRITE - UCX floor) / 2 + one RTT, i.e.
+what one control round trip of the bounce path costs against the notification round trip.
+"""
+import argparse
+import base64
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python"))
+
+BACKENDS = ("UCX", "BOUNCE")
+# The flag file the initiator steers the target with: byte 0 is the backend whose agent the
+# target polls (len(BACKENDS): leave), byte 1 is 1 while the target must stay away from NIXL.
+ACTIVE, IDLE = 0, 1
+
+
+def target(flag_path, nbytes):
+    """The target process: one agent per backend, each with a registered destination buffer;
+    polls the active one and answers each "ping" with a "pong", or (idle) only sleeps."""
+    import numpy as np
+
+    import nixlkit
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # NIXL's own log lines must not corrupt the reply lines
+    with open(flag_path, "r+b") as f:
+        flag = mmap.mmap(f.fileno(), 2)
+    agents, bufs = [], []
+    for b in BACKENDS:
+        ag = nixlkit.agent(f"hop-target-{b}", (b,))
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        nixlkit.register(ag, buf, b)
+        agents.append(ag)
+        bufs.append(buf)
+        out.write(json.dumps({"meta": base64.b64encode(ag.get_agent_metadata()).decode(),
+                              "addr": buf.ctypes.data}) + "\n")
+    out.flush()
+    for ag in agents:
+        ag.add_remote_agent(base64.b64decode(sys.stdin.readline()))
+    while True:
+        active = flag[ACTIVE]
+        if active >= len(agents):
+            out.write("bye\n")
+            out.flush()
+            nixlkit.leave(0)
+        if flag[IDLE]:
+            time.sleep(0.001)
+            continue
+        ag = agents[active]
+        for sender, msgs in ag.get_new_notifs().items():
+            for m in msgs:
+                if m == b"ping":
+                    ag.send_notif(sender, b"pong")
+
+
+class Side:
+    """The initiator's agent for one backend, joined to its twin in the target process."""
+
+    def __init__(self, backend, hello, descs, size):
+        import nixlkit
+
+        self.backend = backend
+        self.peer = f"hop-target-{backend}"
+        self.ag = nixlkit.agent(f"hop-ini-{backend}", (backend,))
+        stride = 2 * size  # a gap after every piece: nothing merges, the pieces stay scattered
+        self.src = nixlkit.pattern(5, descs * stride)
+        nixlkit.register(self.ag, self.src, backend)
+        self.ag.add_remote_agent(base64.b64decode(hello["meta"]))
+        raddr = hello["addr"]
+        self.lo_scattered = [(self.src.ctypes.data + i * stride, size, 0) for i in range(descs)]
+        self.re_scattered = [(raddr + i * stride, size, 0) for i in range(descs)]
+        self.lo_one = [(self.src.ctypes.data, descs * size, 0)]
+        self.re_one = [(raddr, descs * size, 0)]
+        self.scattered = self.one = None
+
+    def prepare(self):
+        self.scattered = self._prep(self.lo_scattered, self.re_scattered)
+        self.one = self._prep(self.lo_one, self.re_one)
+
+    def _prep(self, lo, re):
+        ag = self.ag
+        return ag.initialize_xfer("WRITE", ag.get_xfer_descs(lo, "DRAM"), ag.get_xfer_descs(re, "DRAM"),
+                                  self.peer, b"", backends=[self.backend])
+
+    def wait_first_pong(self, deadline_s=30.0):
+        """The target may need a moment to load our metadata: ping until the first pong."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                self.ag.send_notif(self.peer, b"ping")
+            except Exception:
+                time.sleep(0.01)
+                continue
+            t = time.monotonic() + 0.2
+            while time.monotonic() < t:
+                if self._pongs():
+                    return
+        raise SystemExit(f"{self.backend}: the target never answered")
+
+    def _pongs(self):
+        return sum(m == b"pong" for _, msgs in self.ag.get_new_notifs().items() for m in msgs)
+
+    def _ping_pong(self):
+        self.ag.send_notif(self.peer, b"ping")
+        while not self._pongs():
+            pass
+
+    def _write(self, h, deadline_s=10.0):
+        st = self.ag.transfer(h)
+        end = time.monotonic() + deadline_s
+        while st not in ("DONE", "ERR"):
+            st = self.ag.check_xfer_state(h)
+            if st == "PROC" and time.monotonic() > end:
+                raise SystemExit(f"{self.backend}: a WRITE was still in flight after {deadline_s} s")
+        if st != "DONE":
+            raise SystemExit(f"{self.backend}: transfer failed")
+
+    def bounce_ok(self):
+        import nixlkit
+
+        return int(nixlkit.live_params(self.ag, self.backend).get("stats.bounce_ok", 0))
+
+    # One sample of each measurement, in seconds.
+    def notif_rtt(self):
+        t0 = time.perf_counter()
+        self._ping_pong()
+        return time.perf_counter() - t0
+
+    def floor(self):
+        t0 = time.perf_counter()
+        self._write(self.one)
+        self._ping_pong()
+        self._ping_pong()
+        return time.perf_counter() - t0
+
+    def write_scattered(self):
+        t0 = time.perf_counter()
+        self._write(self.scattered)
+        return time.perf_counter() - t0
+
+
+# name, method, backends, target idle, the row whose UCX median the ratio divides by
+OPS = [
+    ("notif round trip", "notif_rtt", BACKENDS, False, "notif round trip"),
+    ("UCX floor: write + 2 RTT", "floor", ("UCX",), False, None),
+    ("WRITE scattered", "write_scattered", BACKENDS, False, "WRITE scattered"),
+    ("WRITE scattered, idle tgt", "write_scattered", ("BOUNCE",), True, "WRITE scattered"),
+]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=20, help="interleaved blocks")
+    ap.add_argument("--block", type=int, default=20, help="samples per backend and block")
+    ap.add_argument("--descs", type=int, default=256, help="pieces per scattered WRITE")
+    ap.add_argument("--size", type=int, default=64, help="bytes per piece")
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="also write the raw samples to this file")
+    ap.add_argument("--only", help="run only the measurements whose name contains this (tracing)")
+    args = ap.parse_args()
+    if args.target:
+        target(args.target, 2 * args.size * args.descs)
+        return
+    import nixlkit
+
+    flag_path = os.path.join(tempfile.mkdtemp(), "flag")
+    with open(flag_path, "wb") as f:
+        f.write(b"\0\0")
+    with open(flag_path, "r+b") as f:
+        flag = mmap.mmap(f.fileno(), 2)
+
+    proc = subprocess.Popen([sys.executable, __file__, "--target", flag_path, "--descs", str(args.descs),
+                             "--size", str(args.size)], text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    hellos = [json.loads(proc.stdout.readline()) for _ in BACKENDS]
+    sides = {b: Side(b, h, args.descs, args.size) for b, h in zip(BACKENDS, hellos)}
+    for s in sides.values():
+        proc.stdin.write(base64.b64encode(s.ag.get_agent_metadata()).decode() + "\n")
+    proc.stdin.flush()
+    for i, s in enumerate(sides.values()):
+        flag[ACTIVE] = i
+        s.wait_first_pong()
+        if s.backend == "BOUNCE":
+            nixlkit.wait_ready(s.ag)
+        s.prepare()
+        # Both writes, a block's worth, while the target polls: UCX's first puts to a peer need
+        # the target's progress (measured: with only one before them, a UCX WRITE to the idle
+        # target stayed IN_PROG).
+        for _ in range(args.block):
+            s.write_scattered()
+            s.floor()
+    samples = {(name, b): [] for name, _, backends, _, _ in OPS for b in backends}
+    ok_before = sides["BOUNCE"].bounce_ok()
+    bounced = 0
+    try:
+        for _ in range(args.blocks):
+            for name, method, backends, idle, _ in OPS:
+                if args.only and args.only not in name:
+                    continue
+                for b in backends:
+                    flag[ACTIVE], flag[IDLE] = BACKENDS.index(b), int(idle)
+                    if idle:
+                        time.sleep(0.005)  # the target is past its last poll
+                    f = getattr(sides[b], method)
+                    f()  # one warm-up per block keeps a cold first sample out of the tail
+                    samples[(name, b)].extend(f() for _ in range(args.block))
+                    if b == "BOUNCE" and method == "write_scattered":
+                        bounced += args.block + 1
+    except BaseException:
+        flag[ACTIVE] = len(BACKENDS)  # the target leaves too
+        raise
+    flag[IDLE] = 0
+    ok = sides["BOUNCE"].bounce_ok() - ok_before
+    print(f"control hops, two processes, DRAM, no progress thread, {os.cpu_count()} cores, "
+          f"{args.blocks} interleaved blocks of {args.block}, WRITE of {args.descs} x {args.size} B")
+    print(f"  {'measurement':27s} {'UCX p50':>9s} {'UCX p99':>9s} {'BOUNCE p50':>11s} {'BOUNCE p99':>11s} "
+          f"{'p50 ratio':>10s}")
+    med = {}
+    for name, _, backends, _, base in OPS:
+        cols = []
+        for b in BACKENDS:
+            xs = samples.get((name, b))
+            if xs:
+                med[(name, b)] = statistics.median(xs)
+                cols += [f"{pct(xs, .5)*1e6:7.1f}us", f"{pct(xs, .99)*1e6:7.1f}us"]
+            else:
+                cols += ["-", "-"]
+        ratio = (f"{med[(name, 'BOUNCE')] / med[(base, 'UCX')]:10.2f}"
+                 if (name, "BOUNCE") in med and (base, "UCX") in med else f"{'-':>10s}")
+        print(f"  {name:27s} {cols[0]:>9s} {cols[1]:>9s} {cols[2]:>11s} {cols[3]:>11s} {ratio}")
+    rtt, floor = med.get(("notif round trip", "UCX")), med.get(("UCX floor: write + 2 RTT", "UCX"))
+    if rtt and floor and ("WRITE scattered", "BOUNCE") in med:
+        hop = (med[("WRITE scattered", "BOUNCE")] - floor) / 2 + rtt
+        print(f"  one bounce control round trip ~ {hop*1e6:.1f}us against the notification round trip "
+              f"{rtt*1e6:.1f}us ({hop / rtt:.2f}x; includes a share of the gather and scatter)")
+    print(f"  bounced: {ok} of {bounced} BOUNCE scattered WRITEs took the bounce path")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{n}|{b}": v for (n, b), v in samples.items()}, f)
+    flag[ACTIVE] = len(BACKENDS)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    if ok != bounced:
+        print("FAIL: some BOUNCE WRITEs did not bounce; the figures above are not the bounce path's")
+        nixlkit.leave(1)
+    nixlkit.leave(0)
+
+
+if __name__ == "__main__":
+    main()
