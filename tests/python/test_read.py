@@ -1,0 +1,154 @@
+"""READ bounce (issue 13): the initiator READs many small pieces of the target's registered
+memory; the target gathers them into its arena, the initiator READs each region into its own
+and scatters it. Real NIXL agents, the target in its own process, with metadata loaded both
+ways or by the initiator only (the target answers through its mailbox then). What must hold:
+every destination byte lands and nothing else changes, the counters prove the READ path, and
+every failure resolves the transfer: a target killed mid-READ, a READ cancelled mid-flight
+(both arenas come back whole, then the pair is byte-exact again)."""
+import contextlib
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import nixlkit
+from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, connect, peer_stats, procs,  # noqa: F401
+                           resolve, settle, settle_local, stats, watchdog)
+
+CONTROL = {"ucx": {}, "zmq": ZMQ}
+
+
+def post_read(ag, name, lay, dst, raddr):
+    """Our scattered destinations, the target's packed sources."""
+    lo = ag.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM")
+    re = ag.get_xfer_descs(lay.src_list(raddr), "DRAM")
+    h = ag.initialize_xfer("READ", lo, re, name, b"", backends=["BOUNCE"])
+    assert ag.transfer(h) != "ERR"
+    return h
+
+
+def in_flight_then(ag, name, lay, dst, raddr, act, after_s=0.003):
+    """Posts a READ and calls `act()` once it has run `after_s` while still in flight."""
+    h = post_read(ag, name, lay, dst, raddr)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < after_s:
+        try:
+            st = ag.check_xfer_state(h)
+        except Exception:
+            st = "ERR"
+        if st != "PROC":
+            return None, st
+    act()
+    return h, "PROC"
+
+
+@pytest.mark.parametrize("metadata, control", [("one-way", "ucx"), ("two-way", "ucx"), ("one-way", "zmq")])
+def test_a_read_lands_byte_exact_and_the_counters_prove_the_path(procs, metadata, control):
+    params = {**SMALL, **CONTROL[control]}
+    lay = nixlkit.Scattered(16384, 4096, seed=81)  # 64 MiB through 4 MiB arenas
+    p = procs()
+    name = f"rd-tgt-{metadata}-{control}"
+    meta, raddr = p.start(name=name, size=lay.src_bytes, seed=82, params=params)
+    ag = nixlkit.agent(f"rd-ini-{metadata}-{control}", params=params)
+    dst = nixlkit.pattern(83, lay.dst_bytes)
+    nixlkit.register(ag, dst)
+    if metadata == "two-way":
+        connect(ag, p, meta)
+    else:
+        ag.add_remote_agent(meta)
+    s0, t0 = stats(ag), peer_stats(p)
+    with watchdog(90, [p], "READ"):
+        h = post_read(ag, name, lay, dst, raddr)
+        st, _ = resolve(ag, h, 30)
+        assert st == "DONE", st
+        ag.release_xfer_handle(h)
+    nixlkit.assert_same(dst, lay.expected(nixlkit.pattern(82, lay.src_bytes), nixlkit.pattern(83, lay.dst_bytes)),
+                        "READ destinations (and every byte between them)")
+    s1 = settle_local(ag, ARENA, SLACK_S, "initiator")
+    t1 = settle(lambda: peer_stats(p), ARENA, SLACK_S, "target")
+    assert s1["bounce_read_ok"] == s0["bounce_read_ok"] + 1, (s0, s1)
+    assert s1["passthrough_xfers"] == s0["passthrough_xfers"], "the READ went through plain UCX"
+    chunks = s1["bounce_chunks"] - s0["bounce_chunks"]
+    assert s1["read_chunks_pulled"] - s0["read_chunks_pulled"] == chunks
+    assert t1["read_chunks_served"] - t0["read_chunks_served"] == chunks
+    if metadata == "one-way":
+        assert s1["one_way_sent"] == s0["one_way_sent"] + 1
+        assert t1["records_written"] - t0["records_written"] == chunks, "a READY record per chunk"
+        assert t1["peer_arenas_loaded"] == 0, "the target loaded the initiator: not one way"
+
+
+@pytest.mark.parametrize("metadata", ["one-way", "two-way"])
+def test_a_read_whose_target_is_killed_fails_in_bounded_time(procs, metadata):
+    lay = nixlkit.Scattered(16384, 4096, seed=84)
+    ag = nixlkit.agent(f"rd-survivor-{metadata}", params=SMALL)
+    dst = nixlkit.pattern(85, lay.dst_bytes)
+    nixlkit.register(ag, dst)
+    for attempt in range(3):
+        name = f"rd-doomed-{metadata}{attempt}"
+        p = procs()
+        meta, raddr = p.start(name=name, size=lay.src_bytes, seed=86, params=SMALL)
+        if metadata == "two-way":
+            connect(ag, p, meta)
+        else:
+            ag.add_remote_agent(meta)
+        before = stats(ag)
+        h, st = in_flight_then(ag, name, lay, dst, raddr, lambda: os.kill(p.proc.pid, signal.SIGSTOP))
+        if h is not None:
+            st, _ = resolve(ag, h, 0.3)
+        if st != "PROC":
+            assert st == "DONE", f"READ failed before anything happened to its target: {st}"
+            with contextlib.suppress(Exception):
+                if h is not None:
+                    ag.release_xfer_handle(h)
+            p.kill()
+            ag.remove_remote_agent(name)
+            continue
+        os.kill(p.proc.pid, signal.SIGKILL)
+        state, took = resolve(ag, h, TIMEOUT_MS / 1000 + SLACK_S)
+        assert state != "PROC", f"HANG: READ from a killed target still in progress after {took:.1f}s"
+        assert state != "DONE", "FALSE DONE: a READ whose target was killed reported DONE"
+        with contextlib.suppress(Exception):
+            ag.release_xfer_handle(h)
+        after = settle_local(ag, ARENA, TIMEOUT_MS / 1000 + SLACK_S, "initiator after the target's death")
+        assert after["bounce_failed"] == before["bounce_failed"] + 1
+        assert after["bounce_read_ok"] == before["bounce_read_ok"]
+        return
+    raise AssertionError("the kill never landed mid-READ in 3 attempts")
+
+
+def test_a_cancelled_read_frees_both_arenas_then_the_pair_is_byte_exact(procs):
+    lay = nixlkit.Scattered(16384, 4096, seed=87)
+    p = procs()
+    meta, raddr = p.start(name="rd-cancel-tgt", size=lay.src_bytes, seed=88, params=SMALL)
+    ag = nixlkit.agent("rd-cancel-ini", params=SMALL)
+    dst = nixlkit.pattern(89, lay.dst_bytes)
+    nixlkit.register(ag, dst)
+    ag.add_remote_agent(meta)
+    with watchdog(90, [p], "READ cancel"):
+        for _ in range(3):
+            h, st = in_flight_then(ag, "rd-cancel-tgt", lay, dst, raddr, lambda: None)
+            if h is not None:
+                ag.release_xfer_handle(h)  # still PROC: this cancels it
+                break
+            assert st == "DONE", st
+        else:
+            raise AssertionError("could not cancel a READ mid-flight in 3 attempts")
+        t0 = time.monotonic()
+        mine = settle_local(ag, ARENA, TIMEOUT_MS / 1000 + SLACK_S, "initiator after cancel")
+        settle(lambda: peer_stats(p), ARENA, TIMEOUT_MS / 1000 + SLACK_S, "target after cancel")
+        settled = time.monotonic() - t0
+        # Nothing of the cancelled READ may land after this point: refill, READ anew, and
+        # compare the whole destination buffer.
+        dst[:] = nixlkit.pattern(90, lay.dst_bytes)
+        before = dst.copy()
+        h = post_read(ag, "rd-cancel-tgt", lay, dst, raddr)
+        st, _ = resolve(ag, h, 30)
+        assert st == "DONE", st
+        ag.release_xfer_handle(h)
+        time.sleep(0.2)
+        nixlkit.assert_same(dst, lay.expected(nixlkit.pattern(88, lay.src_bytes), before), "READ after a cancel")
+    assert mine["bounce_read_ok"] == 0, "the cancelled READ was counted as a success"
+    assert settled < TIMEOUT_MS / 1000 / 2, f"regions came back only after {settled:.1f}s"
+    assert np.array_equal(dst, lay.expected(nixlkit.pattern(88, lay.src_bytes), before))
