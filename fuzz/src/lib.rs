@@ -740,7 +740,8 @@ fn refuse_forgery(ep: &mut Endpoint, now: Instant, peer: PeerId, mut msg: Msg, f
         assert_eq!(stats.chunks_scattered, before.0.chunks_scattered);
         let after = (ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes(), ep.jobs_in_flight());
         assert_eq!(after, (before.1, before.2, before.3, before.4), "a forgery changed the endpoint");
-        assert!(ep.poll_action().is_none(), "a forgery made the endpoint act");
+        let acted = ep.poll_action();
+        assert!(acted.is_none(), "a forgery made the endpoint act: {acted:?} ({r:?})");
     }
     forged
 }

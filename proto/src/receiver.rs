@@ -532,10 +532,8 @@ impl Receiver {
             if spans.len() != runs.len() || !spans.iter().all(|&(a, b)| self.registered.covers(&flow.proven, a, b)) {
                 debug!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, "READ source no longer registered");
                 ctx.stats.dereg_failed += 1;
-                let ack = Ack { xfer: key.xfer, token, chunk: c.chunk, region: c.region, status: AckStatus::Failed };
-                ctx.send(key.peer, ack);
-                self.reclaim(ctx, key);
-                return;
+                self.fail_chunk(ctx, key, token, c.chunk, c.region);
+                continue;
             }
             if let Err(e) = ctx.sched.begin_scatter(key, c.region.offset) {
                 internal_error("begin a READ gather on a region just granted", &e);
@@ -574,10 +572,23 @@ impl Receiver {
             let credit = Credit { chunk: g.chunk, region: g.region };
             ctx.send(g.flow.peer, Grant { xfer: g.flow.xfer, token: g.token, credits: vec![credit] });
         } else {
-            let ack =
-                Ack { xfer: g.flow.xfer, token: g.token, chunk: g.chunk, region: g.region, status: AckStatus::Failed };
-            ctx.send(g.flow.peer, ack);
-            self.reclaim(ctx, g.flow);
+            self.fail_chunk(ctx, g.flow, g.token, g.chunk, g.region);
+        }
+    }
+
+    /// A READ chunk that cannot be served: its region (never announced) is freed and the
+    /// initiator told with ACK(Failed). The flow itself stays: the initiator may be READing
+    /// other regions of it, which must not be freed under it; its cancel ends the flow.
+    fn fail_chunk(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, token: Token, chunk: ChunkIdx, region: Region) {
+        let ack = Ack { xfer: key.xfer, token, chunk, region, status: AckStatus::Failed };
+        ctx.send(key.peer, ack);
+        // The transfer has failed: grant it nothing more (its initiator cancels the rest).
+        ctx.sched.drop_pending(key);
+        if ctx.sched.begin_scatter(key, region.offset).is_err() || ctx.sched.end_scatter(region.offset).is_err() {
+            internal_error("freeing a failed READ region", &region.offset);
+        }
+        if !ctx.sched.has_flow(key) {
+            self.forget(key);
         }
     }
 

@@ -532,6 +532,11 @@ impl Sender {
                 self.fail(ctx, id, XferError::Refused, true);
                 return Ok(());
             }
+            // A READ target whose gather of the chunk failed (nothing was announced ready).
+            if x.read && ack.status == AckStatus::Failed {
+                self.fail(ctx, id, XferError::GatherFailed, true);
+                return Ok(());
+            }
             return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
         };
         if credit.region != ack.region {

@@ -90,6 +90,26 @@ impl CreditScheduler {
         Ok(None)
     }
 
+    /// Drops `flow`'s pending chunks (nothing more is granted to it) but keeps the regions it
+    /// holds, for a READ flow the target can no longer serve: its initiator may still be
+    /// reading ready regions, which must not be freed under it before its cancel. A flow left
+    /// with nothing held is erased. Unknown flows are ignored.
+    pub fn drop_pending(&mut self, key: FlowKey) {
+        self.unblock(key);
+        let window = self.window as usize;
+        let Some(flow) = self.flows.get_mut(&key) else { return };
+        let was = Self::is_waiting(flow, window);
+        flow.pending.clear();
+        Self::rewait(&mut self.waiting, key.peer, was, false);
+        if self.drain == Some(key) {
+            self.drain = None;
+        }
+        if self.flows.get(&key).is_some_and(|f| f.held.is_empty()) {
+            self.flows.remove(&key);
+            self.remove_from_ring(key);
+        }
+    }
+
     /// Cancels `flow`: drops its pending chunks, frees its granted regions that are not
     /// scattering and orphans the scattering ones (freed by their `end_scatter`). The flow is
     /// erased. Unknown flows reclaim nothing. Call [`schedule`](Self::schedule) afterwards.

@@ -145,6 +145,20 @@ pub(crate) struct XferSpec {
     pub(crate) descs: Vec<DescPair>,
     /// Chunks of its plan.
     pub(crate) chunks: usize,
+    /// A READ: `to` initiates it and pulls from `from` (the bytes still go `from` -> `to`).
+    pub(crate) read: bool,
+}
+
+impl XferSpec {
+    /// The node that submitted it (and gets its outcome).
+    pub(crate) fn initiator(&self) -> usize {
+        if self.read { self.to } else { self.from }
+    }
+
+    /// The node at the other end.
+    pub(crate) fn target(&self) -> usize {
+        if self.read { self.from } else { self.to }
+    }
 }
 
 #[derive(Debug)]
@@ -187,6 +201,16 @@ enum Ev {
     },
     Kill {
         node: usize,
+    },
+    /// A READ transfer's RDMA read of the target's ready region completes.
+    Read {
+        node: usize,
+        job: JobId,
+        xfer: XferId,
+        peer: usize,
+        remote: Region,
+        local: Region,
+        len: u64,
     },
     /// A one-way transfer's READ of its target's mailbox completes.
     Fetch {
@@ -285,7 +309,8 @@ impl Sim {
     /// source buffer so that its chunks are direct) and schedules its submit at `at`. Returns
     /// its index in [`Sim::specs`].
     pub(crate) fn add_xfer(&mut self, from: usize, to: usize, bytes: u64, at: Duration) -> usize {
-        let xfer = XferId(self.specs.iter().filter(|s| s.from == from).count() as u64 + 1);
+        // Unique across all nodes: a job's transfer id then names its initiator too.
+        let xfer = XferId(self.specs.len() as u64 + 1);
         let style = self.rng.random_range(0..4);
         if style == 3 {
             return self.add_contiguous_xfer(from, to, xfer, bytes, at);
@@ -321,7 +346,19 @@ impl Sim {
                 descs.swap(i, j);
             }
         }
-        self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0 }, at)
+        self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false }, at)
+    }
+
+    /// As [`Sim::add_xfer`], as a READ: node `to` pulls the bytes from node `from`.
+    pub(crate) fn add_read(&mut self, from: usize, to: usize, bytes: u64, at: Duration) -> usize {
+        let spec = self.add_xfer(from, to, bytes, at);
+        self.specs[spec].read = true;
+        spec
+    }
+
+    /// The node that initiated transfer `xfer` (ids are unique across nodes).
+    fn initiator_of(&self, xfer: XferId) -> usize {
+        self.specs.iter().find(|s| s.xfer == xfer).map_or(0, XferSpec::initiator)
     }
 
     /// A transfer whose sources are consecutive slices of one buffer, each a multiple of the
@@ -345,7 +382,7 @@ impl Sim {
             descs.push(DescPair { src, dst, len });
             src += len;
         }
-        let spec = self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0 }, at);
+        let spec = self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false }, at);
         let p = plan::plan(&self.specs[spec].descs, self.plan_params).unwrap();
         assert!(p.chunks.iter().all(|c| c.direct.is_some()), "contiguous sources plan direct");
         spec
@@ -435,14 +472,19 @@ impl Sim {
             }
         }
         for s in &self.specs {
-            let sender = &self.nodes[s.from];
+            let sender = &self.nodes[s.initiator()];
             if !sender.alive {
                 continue;
             }
             let outcome = sender.outcomes.get(&s.xfer);
-            assert!(outcome.is_some(), "node {} xfer {:?} never completed", s.from, s.xfer);
-            if self.tainted.contains(&(s.from, s.xfer)) {
-                assert!(outcome.unwrap().is_err(), "node {} xfer {:?} reported Ok despite a failure", s.from, s.xfer);
+            assert!(outcome.is_some(), "node {} xfer {:?} never completed", s.initiator(), s.xfer);
+            if self.tainted.contains(&(s.initiator(), s.xfer)) {
+                assert!(
+                    outcome.unwrap().is_err(),
+                    "node {} xfer {:?} reported Ok despite a failure",
+                    s.initiator(),
+                    s.xfer
+                );
             }
         }
         for (i, n) in self.nodes.iter().enumerate() {
@@ -454,7 +496,7 @@ impl Sim {
                 let (start, len) = (start as usize, len as usize);
                 assert!(n.mem[a..start] == n.initial[a..start], "node {i}: bytes in {a:#x}..{start:#x} changed");
                 let s = &self.specs[k];
-                if self.nodes[s.from].outcomes.get(&s.xfer).is_some_and(|o| o.is_ok()) {
+                if self.nodes[s.initiator()].outcomes.get(&s.xfer).is_some_and(|o| o.is_ok()) {
                     let d = s.descs.iter().find(|d| (d.dst - MEM_BASE) as usize == start).unwrap();
                     let src = &self.nodes[s.from].mem[(d.src - MEM_BASE) as usize..][..len];
                     assert!(
@@ -533,7 +575,8 @@ impl Sim {
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
                 self.nodes[node].copy_runs(region, &runs, ok, true);
                 if !ok {
-                    self.tainted.insert((node, xfer));
+                    // Our own staging, or a READ target's gather: its initiator must fail.
+                    self.tainted.insert((self.initiator_of(xfer), xfer));
                 }
                 self.nodes[node].ep.handle_gather_done(now, job, ok);
             }
@@ -573,17 +616,35 @@ impl Sim {
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
                 self.nodes[node].copy_runs(region, &runs, ok, false);
                 if !ok {
-                    self.tainted.insert((peer, xfer));
+                    // A WRITE's scatter at its receiver (`peer` sent it), or a READ's at its
+                    // initiator: either way the initiator must fail.
+                    debug_assert!(peer < self.nodes.len());
+                    self.tainted.insert((self.initiator_of(xfer), xfer));
                 }
                 self.nodes[node].ep.handle_scatter_done(now, job, ok);
             }
             Ev::Submit { spec } => {
                 let s = &self.specs[spec];
-                if !self.nodes[s.from].alive {
+                if !self.nodes[s.initiator()].alive {
                     return;
                 }
                 let mut plan = plan::plan(&s.descs, self.plan_params).unwrap();
-                let (from, to, xfer) = (s.from, s.to, s.xfer);
+                let (from, to, xfer) = (s.initiator(), s.target(), s.xfer);
+                if s.read {
+                    // The initiator holds the target's registration metadata (its sources).
+                    plan.read = true;
+                    plan.dests = vec![Destination { reg: RegId(0), key: reg_key(to) }];
+                    let token = Token(self.rng.random());
+                    let layout = self.knobs.one_way.then(|| {
+                        let m = self.nodes[to].ep.one_way_layout().mailbox;
+                        MailboxLayout { slots: m.slots, ring: m.ring }
+                    });
+                    self.nodes[from].ep.submit_read(now, xfer, token, PeerId(to as u32), plan, layout).expect("submit");
+                    if !self.nodes[to].alive {
+                        self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));
+                    }
+                    return;
+                }
                 for c in &mut plan.chunks {
                     if c.direct.is_some() && self.rng.random_bool(self.knobs.clear_direct_p) {
                         c.direct = None;
@@ -613,6 +674,30 @@ impl Sim {
                     self.tainted.insert((node, xfer));
                     n.ep.cancel(now, xfer);
                 }
+            }
+            Ev::Read { node, job, xfer, peer, remote, local, len } => {
+                if !self.nodes[node].alive {
+                    return;
+                }
+                let mut ok = self.nodes[peer].alive;
+                if ok && self.rng.random_bool(self.knobs.job_fail_p) {
+                    ok = false;
+                    self.tainted.insert((node, xfer));
+                }
+                if self.nodes[peer].alive {
+                    // The target must still hold the region for this flow, gathered and idle: a
+                    // reclaim that freed it first would let another flow's bytes be read.
+                    let flow = FlowKey { peer: PeerId(node as u32), xfer };
+                    let held = self.nodes[peer].ep.scheduler().is_held(flow, remote.offset);
+                    assert!(
+                        held.is_some_and(|g| g.region == remote),
+                        "node {node} xfer {xfer:?}: READ of {remote} of node {peer}, which the flow no longer holds ready"
+                    );
+                    let copied = if ok { len } else { len / 2 };
+                    let src = self.nodes[peer].arena[remote.offset as usize..][..copied as usize].to_vec();
+                    self.nodes[node].arena[local.offset as usize..][..copied as usize].copy_from_slice(&src);
+                }
+                self.nodes[node].ep.handle_read_done(now, job, ok);
             }
             Ev::Fetch { node, xfer } => {
                 self.fetching.remove(&(node, xfer));
@@ -693,7 +778,11 @@ impl Sim {
                 msg.validate().expect("endpoints build valid messages");
                 self.post(me, to, Frame { session: me as u64, msg }.to_vec());
             }
-            Action::Read { .. } => unreachable!("the simulation submits no READ yet"),
+            Action::Read { job, xfer, peer, remote, local, len } => {
+                assert!(len <= remote.len && len <= local.len);
+                let at = self.elapsed + self.delay(self.knobs.job_delay);
+                self.schedule(at, Ev::Read { node: me, job, xfer, peer: peer.0 as usize, remote, local, len });
+            }
             Action::PutRecord { offset, bytes } => {
                 assert!(self.knobs.one_way, "only one-way nodes keep a mailbox");
                 self.nodes[me].arena[offset as usize..][..bytes.len()].copy_from_slice(&bytes);
@@ -712,7 +801,7 @@ impl Sim {
                     WriteSource::Arena(local) => assert!(len <= local.len),
                     WriteSource::User { addr } => {
                         // A direct write reads exactly one chunk of this transfer's sources.
-                        let s = self.specs.iter().find(|s| s.from == me && s.xfer == xfer).unwrap();
+                        let s = self.specs.iter().find(|s| s.initiator() == me && s.xfer == xfer).unwrap();
                         let inside = |d: &DescPair| d.src <= addr && addr < d.src + d.len;
                         let first = s.descs.iter().position(inside).expect("direct source inside the transfer");
                         let mut end = addr;
@@ -735,7 +824,10 @@ impl Sim {
             Action::Complete { xfer, outcome } => {
                 let prev = self.nodes[me].outcomes.insert(xfer, outcome);
                 assert!(prev.is_none(), "node {me}: xfer {xfer:?} completed twice");
-                assert!(self.specs.iter().any(|s| s.from == me && s.xfer == xfer), "node {me}: unknown xfer {xfer:?}");
+                assert!(
+                    self.specs.iter().any(|s| s.initiator() == me && s.xfer == xfer),
+                    "node {me}: unknown xfer {xfer:?}"
+                );
             }
         }
     }

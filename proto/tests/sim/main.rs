@@ -51,6 +51,72 @@ fn one_way_senders_into_one_receiver_settle_under_random_faults() {
     random_faults(true, 0..150);
 }
 
+/// READs and WRITEs together, both ways between three nodes (every READ's target gathers into
+/// its arena while other flows write into it), under the same faults, two way and one way: every
+/// transfer settles, a READ never reads a region its flow no longer holds ready (the harness
+/// asserts it at every read), failed jobs fail their initiator's transfer, and no byte outside
+/// the destinations changes.
+#[test]
+fn reads_and_writes_between_nodes_settle_under_random_faults() {
+    let seen = std::cell::RefCell::new(std::collections::BTreeMap::<String, u64>::new());
+    for_seeds(0..150, |seed| {
+        let rng = &mut scenario_rng(seed);
+        let arena = [8192, 16384][rng.random_range(0..2)];
+        let window = rng.random_range(1..=4);
+        let knobs = Knobs {
+            fifo: rng.random_bool(0.5),
+            drop_p: if rng.random_bool(0.3) { 0.02 } else { 0.0 },
+            job_fail_p: if rng.random_bool(0.3) { 0.02 } else { 0.0 },
+            one_way: seed % 2 == 1,
+            ..Knobs::default()
+        };
+        let kill = rng.random_bool(0.15);
+        let mut sim = Sim::new(3, &sim_config(arena, window, rng.random_bool(0.5)), knobs, seed);
+        for _ in 0..sim.rng().random_range(2..=6) {
+            let from = sim.rng().random_range(0..3);
+            let to = (from + sim.rng().random_range(1..3)) % 3;
+            let bytes = sim.rng().random_range(1..=20_000);
+            let at = us(sim.rng().random_range(0..500));
+            let spec = if sim.rng().random_bool(0.5) {
+                sim.add_read(from, to, bytes, at)
+            } else {
+                sim.add_xfer(from, to, bytes, at)
+            };
+            if sim.rng().random_bool(0.1) {
+                let (node, xfer) = (sim.specs[spec].initiator(), sim.specs[spec].xfer);
+                let at = at + us(sim.rng().random_range(0..300));
+                sim.cancel_at(node, xfer, at);
+            }
+        }
+        if kill {
+            let node = sim.rng().random_range(0..3);
+            let at = us(sim.rng().random_range(0..800));
+            sim.kill_at(node, at);
+        }
+        sim.drive_bounded(200_000);
+        sim.check_settled();
+        let mut seen = seen.borrow_mut();
+        for n in sim.nodes.iter().filter(|n| n.alive) {
+            for o in n.outcomes.values() {
+                let key = match o {
+                    Ok(()) => "ok".to_string(),
+                    Err(e) => format!("{e:?}"),
+                };
+                *seen.entry(key).or_default() += 1;
+            }
+            let st = n.ep.stats();
+            for (k, v) in [("chunks_pulled", st.chunks_pulled), ("chunks_served", st.chunks_served)] {
+                *seen.entry(k.to_string()).or_default() += v;
+            }
+        }
+    });
+    let seen = seen.into_inner();
+    eprintln!("outcomes and events over all seeds: {seen:?}");
+    for key in ["ok", "ReadFailed", "GatherFailed", "ScatterFailed", "Canceled", "PeerLost", "chunks_pulled"] {
+        assert!(seen.get(key).is_some_and(|&n| n > 0), "no seed produced {key}: {seen:?}");
+    }
+}
+
 fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
     // Outcome and event counts over all seeds: proof that the fault knobs reach every path.
     let seen = std::cell::RefCell::new(std::collections::BTreeMap::<String, u64>::new());
