@@ -372,26 +372,8 @@ impl Endpoint {
                     // A flow that began two way stays so, whatever a later WANT asks.
                     self.receiver.handle_want(&mut ctx, from, m)
                 } else {
-                    // The receiver judges the WANT first: a forgery (a bad proof) must not
-                    // take a slot, or invented names could pin the whole mailbox. An accepted
-                    // WANT, or a refusal worth answering (an ACK(Refused) it emitted), gets a
-                    // slot that carries the answer; without one the flow cannot be answered.
-                    let before = ctx.out.len();
-                    let r = self.receiver.handle_want(&mut ctx, from, m);
-                    let answered = ctx.out.len() > before;
-                    if (r.is_ok() || answered) && self.answering.open(now, key, token, chunks).is_err() {
-                        ctx.stats.one_way_refused += 1;
-                        ctx.out.truncate(before);
-                        if r.is_ok() {
-                            self.receiver.drop_flow(&mut ctx, key);
-                        }
-                        Err(ProtocolError::NoMailboxSlot { peer: from, xfer: key.xfer })
-                    } else {
-                        if r.is_ok() {
-                            ctx.stats.one_way_answered += 1;
-                        }
-                        r
-                    }
+                    let open = |rx: &mut Receiver, ctx: &mut Ctx<'_>| rx.handle_want(ctx, from, m);
+                    open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, token, chunks, open)
                 }
             }
             wire::Msg::Pull(m) if m.endpoint == wire::REPLY_MAILBOX && !m.chunks.is_empty() => {
@@ -401,22 +383,8 @@ impl Endpoint {
                 if self.answering.is_one_way(key) || self.receiver.has_flow(key) {
                     self.receiver.handle_pull(&mut ctx, from, m)
                 } else {
-                    let before = ctx.out.len();
-                    let r = self.receiver.handle_pull(&mut ctx, from, m);
-                    let answered = ctx.out.len() > before;
-                    if (r.is_ok() || answered) && self.answering.open(now, key, token, chunks).is_err() {
-                        ctx.stats.one_way_refused += 1;
-                        ctx.out.truncate(before);
-                        if r.is_ok() {
-                            self.receiver.drop_flow(&mut ctx, key);
-                        }
-                        Err(ProtocolError::NoMailboxSlot { peer: from, xfer: key.xfer })
-                    } else {
-                        if r.is_ok() {
-                            ctx.stats.one_way_answered += 1;
-                        }
-                        r
-                    }
+                    let open = |rx: &mut Receiver, ctx: &mut Ctx<'_>| rx.handle_pull(ctx, from, m);
+                    open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, token, chunks, open)
                 }
             }
             wire::Msg::Pull(m) => self.receiver.handle_pull(&mut ctx, from, m),
@@ -861,6 +829,37 @@ impl Endpoint {
         });
         self.liveness.watch(now, &self.waited);
     }
+}
+
+/// Opens one-way flow `key` with its first WANT or PULL (`handle`, the receiver's judgment).
+/// The receiver judges it first: a forgery (a bad proof) must not take a slot, or invented
+/// names could pin the whole mailbox. An accepted one, or a refusal worth answering (the
+/// receiver emitted an ACK(Refused)), gets a slot that carries the answer; without a slot the
+/// flow cannot be answered, so it is dropped unanswered.
+fn open_one_way(
+    receiver: &mut Receiver,
+    answering: &mut Answering,
+    ctx: &mut Ctx<'_>,
+    key: FlowKey,
+    token: Token,
+    chunks: usize,
+    handle: impl FnOnce(&mut Receiver, &mut Ctx<'_>) -> Result<(), ProtocolError>,
+) -> Result<(), ProtocolError> {
+    let before = ctx.out.len();
+    let r = handle(receiver, ctx);
+    let answered = ctx.out.len() > before;
+    if (r.is_ok() || answered) && answering.open(ctx.now, key, token, chunks).is_err() {
+        ctx.stats.one_way_refused += 1;
+        ctx.out.truncate(before);
+        if r.is_ok() {
+            receiver.drop_flow(ctx, key);
+        }
+        return Err(ProtocolError::NoMailboxSlot { peer: key.peer, xfer: key.xfer });
+    }
+    if r.is_ok() {
+        ctx.stats.one_way_answered += 1;
+    }
+    r
 }
 
 #[cfg(test)]

@@ -270,14 +270,7 @@ impl Sender {
         plan: Plan,
         one_way: bool,
     ) -> Result<(), SubmitError> {
-        self.prune(ctx.now);
-        if self.shutting_down {
-            return Err(SubmitError::ShuttingDown);
-        }
-        if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) {
-            return Err(SubmitError::DuplicateXfer { xfer });
-        }
-        check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
+        self.admit(ctx, xfer, &plan)?;
         let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
         let chunks = plan.chunk_sizes().collect();
         // A one-way transfer asks to be answered through the target's mailbox.
@@ -333,14 +326,7 @@ impl Sender {
         mut plan: Plan,
         one_way: bool,
     ) -> Result<(), SubmitError> {
-        self.prune(ctx.now);
-        if self.shutting_down {
-            return Err(SubmitError::ShuttingDown);
-        }
-        if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) {
-            return Err(SubmitError::DuplicateXfer { xfer });
-        }
-        check_plan(xfer, &plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))?;
+        self.admit(ctx, xfer, &plan)?;
         for c in &mut plan.chunks {
             c.direct = None;
         }
@@ -360,6 +346,19 @@ impl Sender {
         self.xfers.insert(xfer, x);
         ctx.stats.submitted += 1;
         Ok(())
+    }
+
+    /// Whether a new transfer `xfer` of `plan` may start: not shutting down, a fresh id, a
+    /// plan within the caps.
+    fn admit(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, plan: &Plan) -> Result<(), SubmitError> {
+        self.prune(ctx.now);
+        if self.shutting_down {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) {
+            return Err(SubmitError::DuplicateXfer { xfer });
+        }
+        check_plan(xfer, plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))
     }
 
     /// True when `job` is one of this sender's jobs (live or orphaned).

@@ -190,6 +190,46 @@ def streaming_kill_or_cancel(ag, name, lay, src, raddr, act, after_s=0.003):
     return h, "PROC"
 
 
+def kill_mid_flight(ag, procs, start, post, attempts=3):
+    """Starts a peer process (`start(p, name)` loads it where needed and returns the remote
+    address), posts a transfer to it (`post(name, raddr)` -> handle) and, once that has run
+    3 ms still in flight, freezes the peer, lets everything it already sent arrive, then
+    SIGKILLs it: from then on nothing can be acknowledged, so a DONE after the kill is a lie,
+    not a race. A transfer that finishes before the freeze takes a fresh peer (up to
+    `attempts`). Asserts the transfer then ends within the timeout and not DONE; returns
+    (peer name, seconds it took, our counters before the post)."""
+    for attempt in range(attempts):
+        p = procs()
+        name = f"{p.proc.pid}-doomed{attempt}"
+        raddr = start(p, name)
+        before = stats(ag)
+        h = post(name, raddr)
+        t0, st = time.monotonic(), "PROC"
+        while time.monotonic() - t0 < 0.003 and st == "PROC":
+            try:
+                st = ag.check_xfer_state(h)
+            except Exception:
+                st = "ERR"
+        if st == "PROC":
+            os.kill(p.proc.pid, signal.SIGSTOP)
+            st, _ = resolve(ag, h, 0.3)
+        if st != "PROC":  # finished before the freeze: take a fresh peer and try again
+            assert st == "DONE", f"transfer failed before anything happened to its peer: {st}"
+            with contextlib.suppress(Exception):
+                ag.release_xfer_handle(h)
+            p.kill()
+            ag.remove_remote_agent(name)
+            continue
+        os.kill(p.proc.pid, signal.SIGKILL)
+        state, took = resolve(ag, h, TIMEOUT_MS / 1000 + SLACK_S)
+        assert state != "PROC", f"HANG: transfer to a killed peer still in progress after {took:.1f}s"
+        assert state != "DONE", "FALSE DONE: a transfer whose peer was killed mid-flight reported DONE"
+        with contextlib.suppress(Exception):
+            ag.release_xfer_handle(h)
+        return name, took, before
+    raise AssertionError(f"the kill never landed mid-transfer in {attempts} attempts")
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. peer killed mid-transfer
 
@@ -203,38 +243,12 @@ def test_peer_killed_mid_transfer_fails_in_bounded_time_without_leak_then_reconn
     ag = nixlkit.agent(f"survivor-{control}", params=params)
     src = nixlkit.pattern(12, lay.src_bytes)
     nixlkit.register(ag, src)
-    outcome = None
-    for attempt in range(3):
-        name = f"doomed-{control}{attempt}"
-        p = procs()
+    def start(p, name):
         meta, raddr = p.start(name=name, size=lay.dst_bytes, seed=13, params=params)
         connect(ag, p, meta)
-        before = stats(ag)
-        # Freeze the peer mid-flight, let every acknowledgement it already sent arrive, and only
-        # then kill it: from that point on no chunk can be acknowledged any more, so a DONE
-        # after the kill is a lie, not a race.
-        h, st = streaming_kill_or_cancel(ag, name, lay, src, raddr,
-                                         lambda: os.kill(p.proc.pid, signal.SIGSTOP))
-        if h is not None:
-            st, _ = resolve(ag, h, 0.3)
-        if st != "PROC":  # finished before the freeze: take a fresh peer and try again
-            assert st == "DONE", f"transfer failed before anything happened to its peer: {st}"
-            with contextlib.suppress(Exception):
-                if h is not None:
-                    ag.release_xfer_handle(h)
-            p.kill()
-            ag.remove_remote_agent(name)
-            continue
-        os.kill(p.proc.pid, signal.SIGKILL)
-        state, took = resolve(ag, h, TIMEOUT_MS / 1000 + SLACK_S)
-        assert state != "PROC", f"HANG: transfer to a killed peer still in progress after {took:.1f}s"
-        assert state != "DONE", "FALSE DONE: a transfer whose peer was killed mid-flight reported DONE"
-        with contextlib.suppress(Exception):
-            ag.release_xfer_handle(h)
-        outcome = (name, took)
-        break
-    assert outcome is not None, "the kill never landed mid-transfer in 3 attempts"
-    dead, took = outcome
+        return raddr
+
+    dead, took, before = kill_mid_flight(ag, procs, start, lambda name, raddr: post(ag, name, lay, src, raddr))
     after = settle_local(ag, ARENA, TIMEOUT_MS / 1000 + SLACK_S, "survivor after peer death")
     assert after["bounce_failed"] == before["bounce_failed"] + 1
     assert after["bounce_ok"] == before["bounce_ok"]
