@@ -25,7 +25,8 @@ use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release
 /// bound by announcing transfers it never sends.
 pub const MAX_FLOWS_PER_PEER: usize = 4096;
 /// Most chunks one peer may have announced across its open flows (each announced chunk is
-/// kept, with its size, until its flow ends). 2^20 chunks is 2 TiB in flight at 2 MiB chunks.
+/// kept, with its size, until its flow ends), READ flows' kept gather runs counted with them.
+/// 2^20 chunks is 2 TiB in flight at 2 MiB chunks.
 pub const MAX_CHUNKS_PER_PEER: u64 = 1 << 20;
 
 /// What one peer's open flows hold here: the quantities [`MAX_FLOWS_PER_PEER`] and
@@ -73,6 +74,15 @@ struct Scatter {
     /// Memory it writes was deregistered while it was in flight: it is answered ACK(Failed)
     /// whatever its outcome (the shell waits for it before the deregistration returns).
     doomed: bool,
+}
+
+impl Flow {
+    /// What the flow holds against its peer's budget ([`MAX_CHUNKS_PER_PEER`]): its announced
+    /// chunks and, for a READ flow, the gather runs it keeps.
+    fn units(&self) -> u64 {
+        let runs = self.pull.as_ref().map_or(0, |p| p.iter().map(|r| r.len() as u64).sum::<u64>());
+        (self.chunks.len() as u64).saturating_add(runs)
+    }
 }
 
 /// A READ flow's gather in flight (its region is marked busy in the scheduler meanwhile).
@@ -621,7 +631,11 @@ impl Receiver {
             return Ok(());
         }
         let load = self.load.get(&from).copied().unwrap_or_default();
-        let (flows, chunks) = (load.flows + 1, load.chunks.saturating_add(pull.chunks.len() as u64));
+        // A PULL's gather runs are kept until its flow ends: they count against the peer's
+        // budget with its chunks, so a peer cannot park unbounded run lists here.
+        let runs: u64 = pull.chunks.iter().map(|c| c.runs.len() as u64).sum();
+        let units = (pull.chunks.len() as u64).saturating_add(runs);
+        let (flows, chunks) = (load.flows + 1, load.chunks.saturating_add(units));
         if flows > self.caps.flows || chunks > self.caps.chunks {
             refuse(ctx);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: pull.xfer, flows, chunks });
@@ -775,7 +789,7 @@ impl Receiver {
                 self.timers.stop(key);
                 if let Some(load) = self.load.get_mut(&key.peer) {
                     load.flows -= 1;
-                    load.chunks -= flow.chunks.len() as u64;
+                    load.chunks -= flow.units();
                     if load.flows == 0 {
                         self.load.remove(&key.peer);
                     }
@@ -799,7 +813,7 @@ impl Receiver {
         for (key, flow) in &self.flows {
             let l = recount.entry(key.peer).or_default();
             l.flows += 1;
-            l.chunks += flow.chunks.len() as u64;
+            l.chunks += flow.units();
         }
         if recount != self.load {
             return Err(format!("per-peer load {:?} but the open flows add up to {:?}", self.load, recount));
@@ -1202,6 +1216,45 @@ mod tests {
         assert!(ep.is_idle());
         assert_eq!(ep.poll_timeout(), None);
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    /// A READ flow keeps its gather runs until it ends: they count against the peer's budget
+    /// with its chunks, so a peer cannot park unbounded run lists in PULLs; a cancel gives the
+    /// room back.
+    #[test]
+    fn a_peers_pulls_are_capped_in_the_gather_runs_they_keep() {
+        let (mut ep, t) = receiver();
+        ep.receiver_mut().set_peer_caps(16, 100);
+        let pull = |xfer: u64, runs: u64| {
+            let runs = (0..runs)
+                .map(|i| CopyRun {
+                    region_off: i * 2,
+                    addr: DST + i * 2,
+                    len: 1,
+                    count: 1,
+                    region_stride: 0,
+                    addr_stride: 0,
+                })
+                .collect();
+            Msg::Pull(wire::Pull {
+                xfer: XferId(xfer),
+                token: TOKEN,
+                endpoint: Vec::new(),
+                chunks: vec![wire::PullChunk { bytes: CHUNK, runs }],
+                proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],
+            })
+        };
+        let over = ep.handle_msg(t, PEER, pull(1, 200));
+        assert!(matches!(over, Err(ProtocolError::PeerOverLimit { chunks: 201, .. })), "{over:?}");
+        ep.handle_msg(t, PEER, pull(2, 50)).unwrap();
+        let over = ep.handle_msg(t, PEER, pull(3, 60));
+        assert!(matches!(over, Err(ProtocolError::PeerOverLimit { chunks: 112, .. })), "{over:?}");
+        ep.receiver().check_invariants().unwrap();
+        // Cancelling the accepted READ gives its 51 units (1 chunk, 50 runs) back.
+        ep.handle_msg(t, PEER, Msg::cancel(XferId(2), TOKEN, Vec::new())).unwrap();
+        drain(&mut ep);
+        ep.handle_msg(t, PEER, pull(3, 60)).unwrap();
+        ep.receiver().check_invariants().unwrap();
     }
 
     /// A peer cannot grow receiver state without bound by announcing transfers it never
