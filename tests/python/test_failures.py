@@ -174,10 +174,9 @@ def write_exact(ag, p, peer_name, lay, src, raddr, tmp_path, before, deadline=30
                         f"destination at {peer_name}")
 
 
-def streaming_kill_or_cancel(ag, name, lay, src, raddr, act, after_s=0.003):
-    """Posts a streaming transfer and calls `act()` once it has run `after_s` while still in
-    flight. Returns (handle, "PROC"), or (None, state) when it ended before `act` could land."""
-    h = post(ag, name, lay, src, raddr)
+def act_in_flight(ag, h, act, after_s=0.003):
+    """Calls `act()` once the posted transfer `h` has run `after_s` while still in flight.
+    Returns (h, "PROC"), or (None, state) when it ended before `act` could land."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < after_s:
         try:
@@ -188,6 +187,12 @@ def streaming_kill_or_cancel(ag, name, lay, src, raddr, act, after_s=0.003):
             return None, st
     act()
     return h, "PROC"
+
+
+def streaming_kill_or_cancel(ag, name, lay, src, raddr, act, after_s=0.003):
+    """Posts a streaming WRITE and calls `act()` once it has run `after_s` while still in
+    flight (see `act_in_flight`)."""
+    return act_in_flight(ag, post(ag, name, lay, src, raddr), act, after_s)
 
 
 def kill_mid_flight(ag, procs, start, post, attempts=3):
@@ -204,14 +209,8 @@ def kill_mid_flight(ag, procs, start, post, attempts=3):
         raddr = start(p, name)
         before = stats(ag)
         h = post(name, raddr)
-        t0, st = time.monotonic(), "PROC"
-        while time.monotonic() - t0 < 0.003 and st == "PROC":
-            try:
-                st = ag.check_xfer_state(h)
-            except Exception:
-                st = "ERR"
-        if st == "PROC":
-            os.kill(p.proc.pid, signal.SIGSTOP)
+        frozen, st = act_in_flight(ag, h, lambda: os.kill(p.proc.pid, signal.SIGSTOP))
+        if frozen is not None:
             st, _ = resolve(ag, h, 0.3)
         if st != "PROC":  # finished before the freeze: take a fresh peer and try again
             assert st == "DONE", f"transfer failed before anything happened to its peer: {st}"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nixlkit
-from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, connect, kill_mid_flight,  # noqa: F401
+from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, act_in_flight, connect, kill_mid_flight,  # noqa: F401
                            peer_stats, procs, resolve, settle, settle_local, stats, watchdog)
 
 CONTROL = {"ucx": {}, "zmq": ZMQ}
@@ -26,19 +26,6 @@ def post_read(ag, name, lay, dst, raddr):
     return h
 
 
-def in_flight_then(ag, name, lay, dst, raddr, act, after_s=0.003):
-    """Posts a READ and calls `act()` once it has run `after_s` while still in flight."""
-    h = post_read(ag, name, lay, dst, raddr)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < after_s:
-        try:
-            st = ag.check_xfer_state(h)
-        except Exception:
-            st = "ERR"
-        if st != "PROC":
-            return None, st
-    act()
-    return h, "PROC"
 
 
 @pytest.mark.parametrize("metadata, control", [("one-way", "ucx"), ("two-way", "ucx"), ("one-way", "zmq")])
@@ -106,7 +93,7 @@ def test_a_cancelled_read_frees_both_arenas_then_the_pair_is_byte_exact(procs):
     ag.add_remote_agent(meta)
     with watchdog(90, [p], "READ cancel"):
         for _ in range(3):
-            h, st = in_flight_then(ag, "rd-cancel-tgt", lay, dst, raddr, lambda: None)
+            h, st = act_in_flight(ag, post_read(ag, "rd-cancel-tgt", lay, dst, raddr), lambda: None)
             if h is not None:
                 ag.release_xfer_handle(h)  # still PROC: this cancels it
                 break

@@ -33,7 +33,7 @@ use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
 use crate::shell::fence::{Fence, Pin};
-use crate::shell::peers::PeerTable;
+use crate::shell::peers::{PeerArena, PeerTable};
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
@@ -223,6 +223,13 @@ pub(crate) struct LocalArena {
     pub(crate) base: u64,
     /// Inner-engine metadata of its registration.
     pub(crate) md: Md,
+}
+
+impl LocalArena {
+    /// The arena at byte `offset`, as the local side of a write or READ.
+    fn side(&self, offset: u64) -> WriteSide {
+        WriteSide { mem: self.place.mem.into(), md: self.md, addr: self.base + offset, dev: self.place.dev }
+    }
 }
 
 /// What a reactor is made of: the engine's identity and its three seams.
@@ -873,12 +880,7 @@ impl Driver {
                 poll.failed = true;
                 break;
             }
-            let local = WriteSide {
-                mem: self.arena.place.mem.into(),
-                md: self.arena.md,
-                addr: self.arena.base + slice_at + off,
-                dev: self.arena.place.dev,
-            };
+            let local = self.arena.side(slice_at + off);
             let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + mailbox + r.offset, dev: pa.dev };
             match self.data.read(&name, local, remote, r.len) {
                 Ok(Posted::Done) => {}
@@ -1041,12 +1043,7 @@ impl Driver {
     /// The local side of a write: our arena, or user memory registered through this engine.
     fn write_source(&self, source: WriteSource, len: u64) -> Option<WriteSide> {
         match source {
-            WriteSource::Arena(r) => Some(WriteSide {
-                mem: self.arena.place.mem.into(),
-                md: self.arena.md,
-                addr: self.arena.base + r.offset,
-                dev: self.arena.place.dev,
-            }),
+            WriteSource::Arena(r) => Some(self.arena.side(r.offset)),
             WriteSource::User { addr } => {
                 // Only from a registration of the arena's memory: the gate planned it so.
                 let (md, reg) = self.shared.registry.covering(self.arena.place, addr, len)?;
@@ -1055,27 +1052,33 @@ impl Driver {
         }
     }
 
-    /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
-    fn read(&mut self, job: JobId, peer: PeerId, remote: Region, local: Region, len: u64) {
-        let now = Instant::now();
+    /// The peer arena a write into (or READ of) its region `remote` of `len` bytes goes
+    /// through, with the peer's name; `None` when it must not be posted: the peer is gone (NIXL
+    /// disconnected it and our PeerLost command is still queued: the loss is taken now, so its
+    /// transfers fail as lost, not as a failed write), or the region lies outside its arena.
+    /// The core checked the region against its own bookkeeping; only we know the peer's arena
+    /// size, and a region pointing outside it comes from a broken or hostile peer.
+    fn peer_region(&mut self, now: Instant, peer: PeerId, remote: Region, len: u64) -> Option<(String, PeerArena)> {
         let Some((name, pa)) = self.shared.peers.write_target(peer) else {
             if self.shared.peers.gone(peer) {
                 self.ep.handle_peer_lost(now, peer);
             }
-            return self.ep.handle_read_done(now, job, false);
+            return None;
         };
-        // As for a credit: a ready region outside the peer's arena comes from a broken or
-        // hostile peer, and is never read.
         if let Err(e) = self.shared.peers.check_credit(peer, remote, len) {
             self.drop_frame(now, &name, &e);
-            return self.ep.handle_read_done(now, job, false);
+            return None;
         }
-        let local_side = WriteSide {
-            mem: self.arena.place.mem.into(),
-            md: self.arena.md,
-            addr: self.arena.base + local.offset,
-            dev: self.arena.place.dev,
+        Some((name, pa))
+    }
+
+    /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
+    fn read(&mut self, job: JobId, peer: PeerId, remote: Region, local: Region, len: u64) {
+        let now = Instant::now();
+        let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {
+            return self.ep.handle_read_done(now, job, false);
         };
+        let local_side = self.arena.side(local.offset);
         let remote_side = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
         match self.data.read(&name, local_side, remote_side, len) {
             Ok(Posted::Done) => self.ep.handle_read_done(now, job, true),
@@ -1092,21 +1095,9 @@ impl Driver {
     fn write(&mut self, w: QueuedWrite) {
         let QueuedWrite { job, peer, source, remote, len } = w;
         let now = Instant::now();
-        let Some((name, pa)) = self.shared.peers.write_target(peer) else {
-            // NIXL disconnected the peer and our PeerLost command is still queued: take the
-            // loss now, so its transfers fail as lost (not as a failed write).
-            if self.shared.peers.gone(peer) {
-                self.ep.handle_peer_lost(now, peer);
-            }
+        let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {
             return self.ep.handle_write_done(now, job, false);
         };
-        // The core checked the credit against its own bookkeeping; only we know the peer's
-        // arena size. A credit pointing outside it comes from a broken or hostile peer: never
-        // write there.
-        if let Err(e) = self.shared.peers.check_credit(peer, remote, len) {
-            self.drop_frame(now, &name, &e);
-            return self.ep.handle_write_done(now, job, false);
-        }
         let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();
         let Some(local) = self.write_source(source, len) else {
             // The gate planned a direct chunk only inside a registration, and only a
