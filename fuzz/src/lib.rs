@@ -45,7 +45,7 @@ use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
 use bounce_proto::proof;
 use bounce_proto::wire::{
-    Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Pull, PullChunk, Release, Want,
+    Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Plan, Pull, PullChunk, Release, Want,
 };
 use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 
@@ -69,8 +69,16 @@ pub enum Op {
     RemoteWant { from: u8, xfer: u8, chunks: u8, size: u16 },
     /// The remote peer writes the credit at `which` among those granted to it and sends its
     /// DATA: one run of the chunk's bytes to `USER_BASE - 4 KiB + at % (USER_LEN + 8 KiB)`,
-    /// so some destinations cross the registered range's edges.
-    RemoteData { which: u8, at: u32 },
+    /// so some destinations cross the registered range's edges; with `ahead`, a DATA naming
+    /// no runs (they went ahead in a PLAN, or it is answered ACK(Replan)).
+    RemoteData { which: u8, at: u32, ahead: bool },
+    /// A remote sender's PLAN for chunk `chunk` of the announced flow at `which`: one run of
+    /// the chunk's bytes to `USER_BASE - 4 KiB + at % (USER_LEN + 8 KiB)` (some stray and must
+    /// be dropped, never scattered by a later DATA).
+    RemotePlan { which: u8, chunk: u8, at: u32 },
+    /// The remote receiver answers the DATA at `which` among those we sent: ACK(Scattered), or
+    /// with `replan` ACK(Replan) (we must send the DATA again, with its runs).
+    RemoteAck { which: u8, replan: bool },
     /// A forged frame aimed at live state: kind `kind % 7` (GRANT, ACK(Scattered) for one of
     /// our transfers; DATA for a granted region, cancel, WANT for a remote flow; a new WANT
     /// whose destination proof was made for another token; a KEEP for a granted flow) with the right ids and a token
@@ -159,6 +167,8 @@ fn config() -> Config {
         ("bounce_max_chunk_size", "16KiB"),
         ("bounce_max_inflight_chunks", "2"),
         ("bounce_request_timeout_ms", "100"),
+        // Chunks of two or more runs send them ahead in a PLAN, single runs ride in the DATA.
+        ("bounce_plan_ahead_runs", "2"),
     ];
     Config::from_params(params, |_| None).expect("a valid fuzz configuration").config
 }
@@ -167,7 +177,9 @@ impl Op {
     /// Draws one operation. Peer messages are drawn less often than the rest: an arbitrary
     /// message eats many input bytes, and the interesting states need submits and completions.
     fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<Self> {
-        Ok(match u.int_in_range(0u8..=16)? {
+        Ok(match u.int_in_range(0u8..=18)? {
+            17 => Self::RemotePlan { which: u.arbitrary()?, chunk: u.arbitrary()?, at: u.arbitrary()? },
+            18 => Self::RemoteAck { which: u.arbitrary()?, replan: u.arbitrary()? },
             15 => Self::Deregister,
             16 => Self::HostileData {
                 which: u.arbitrary()?,
@@ -227,7 +239,7 @@ impl Op {
                 chunks: u.arbitrary()?,
                 size: u.arbitrary()?,
             },
-            _ => Self::RemoteData { which: u.arbitrary()?, at: u.arbitrary()? },
+            _ => Self::RemoteData { which: u.arbitrary()?, at: u.arbitrary()?, ahead: u.int_in_range(0u8..=4)? == 0 },
         })
     }
 }
@@ -259,6 +271,12 @@ pub struct Coverage {
     pub reads: usize,
     /// READ chunks the endpoint gathered for remote initiators and announced ready.
     pub served: u64,
+    /// Remote PLANs kept for their DATA.
+    pub plans_kept: u64,
+    /// PLANs we sent ahead of our DATAs (each checked to carry its transfer's token).
+    pub plans_sent: u64,
+    /// DATAs answered ACK(Replan) by the endpoint, or sent again by it with their runs.
+    pub replans: u64,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -335,6 +353,10 @@ impl Seen {
                 Action::Send { peer, msg: Msg::Data(d) } => {
                     assert_eq!(d.token, our_token(d.xfer), "a DATA must carry its transfer's token");
                     self.sent_data.push((peer, d.xfer, d.chunk, d.region));
+                }
+                Action::Send { msg: Msg::Plan(p), .. } => {
+                    assert_eq!(p.token, our_token(p.xfer), "a PLAN must carry its transfer's token");
+                    assert!(!p.runs.is_empty(), "a PLAN names runs");
                 }
                 Action::Read { job, local, remote, len, .. } => {
                     assert!(local.end() <= self.capacity, "a READ into {local:?} outside the arena");
@@ -425,8 +447,11 @@ pub fn run(data: &[u8]) -> Coverage {
                 let n = u64::from(descs % 64) + 1;
                 let len = u64::from(size % 8192) + 1;
                 let stride = if packed { len } else { len * 2 };
+                // Unpacked destinations are shuffled (slot 7i mod n): scatter plans of several runs,
+                // which go ahead of their DATA in PLANs.
+                let slot = |i: u64| if packed { i } else { (i * 7) % n };
                 let pairs: Vec<DescPair> = (0..n)
-                    .map(|i| DescPair { src: USER_BASE + i * stride, dst: 0x4000_0000 + i * stride, len })
+                    .map(|i| DescPair { src: USER_BASE + i * stride, dst: 0x4000_0000 + slot(i) * stride, len })
                     .collect();
                 if let Ok(p) = plan(&pairs, PlanParams::from_config(&cfg)) {
                     let xfer = XferId(next_xfer);
@@ -459,16 +484,42 @@ pub fn run(data: &[u8]) -> Coverage {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                 }
             }
-            Op::RemoteData { which, at } => {
+            Op::RemoteData { which, at, ahead } => {
                 if !seen.credits.is_empty() {
                     let (peer, xfer, chunk, region) = seen.credits.swap_remove(usize::from(which) % seen.credits.len());
                     if let Some(&len) = announced.get(&(peer, xfer)).and_then(|s| s.get(chunk.0 as usize)) {
                         let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
                         let run = CopyRun { region_off: 0, addr, len, count: 1, region_stride: 0, addr_stride: 0 };
                         let token = remote_token(peer, xfer);
-                        let data = Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] });
+                        let runs = if ahead { Vec::new() } else { vec![run] };
+                        let data = Msg::Data(Data { xfer, token, chunk, region, runs });
                         let _ = ep.handle_msg(now, peer, data);
+                        // A DATA asked for its runs keeps its credit for the runs' DATA.
+                        if ahead && ep.receiver().has_flow(bounce_proto::FlowKey { peer, xfer }) {
+                            seen.credits.push((peer, xfer, chunk, region));
+                        }
                     }
+                }
+            }
+            Op::RemotePlan { which, chunk, at } => {
+                if !announced.is_empty() {
+                    let (&(peer, xfer), sizes) =
+                        announced.iter().nth(usize::from(which) % announced.len()).expect("in range");
+                    let i = usize::from(chunk) % sizes.len();
+                    let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
+                    let run =
+                        CopyRun { region_off: 0, addr, len: sizes[i], count: 1, region_stride: 0, addr_stride: 0 };
+                    let (token, chunk) = (remote_token(peer, xfer), ChunkIdx(i as u32));
+                    let _ = ep.handle_msg(now, peer, Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }));
+                }
+            }
+            Op::RemoteAck { which, replan } => {
+                if !seen.sent_data.is_empty() {
+                    let (peer, xfer, chunk, region) =
+                        seen.sent_data.swap_remove(usize::from(which) % seen.sent_data.len());
+                    let status = if replan { AckStatus::Replan } else { AckStatus::Scattered };
+                    let ack = Msg::Ack(Ack { xfer, token: our_token(xfer), chunk, region, status });
+                    let _ = ep.handle_msg(now, peer, ack);
                 }
             }
             Op::Deregister => {
@@ -639,6 +690,9 @@ pub fn run(data: &[u8]) -> Coverage {
     cov.records = seen.records;
     cov.served = ep.stats().chunks_served;
     cov.data_refused = ep.stats().data_refused;
+    cov.plans_kept = ep.stats().plans_kept;
+    cov.plans_sent = ep.stats().plans_sent;
+    cov.replans = ep.stats().replans;
     cov
 }
 
@@ -704,6 +758,7 @@ fn refuse_forgery(ep: &mut Endpoint, now: Instant, peer: PeerId, mut msg: Msg, f
             Msg::Cursor(m) => m.token = forged,
             Msg::Pull(m) => m.token = forged,
             Msg::Release(m) => m.token = forged,
+            Msg::Plan(m) => m.token = forged,
         }
     }
     let xfer = msg.xfer();

@@ -18,6 +18,9 @@ fn random_operation_sequences_keep_every_invariant() {
         total.fetched += c.fetched;
         total.reads += c.reads;
         total.served += c.served;
+        total.plans_kept += c.plans_kept;
+        total.plans_sent += c.plans_sent;
+        total.replans += c.replans;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
@@ -34,4 +37,6 @@ fn random_operation_sequences_keep_every_invariant() {
     assert!(total.records > 1_000 && total.fetched > 100, "{total:?}");
     // READs go both ways: ours are submitted, remote PULLs are gathered and served.
     assert!(total.reads > 1_000 && total.served > 100, "{total:?}");
+    // Plans go ahead both ways, and a DATA without runs is asked for them or resent with them.
+    assert!(total.plans_kept > 100 && total.plans_sent > 100 && total.replans > 100, "{total:?}");
 }

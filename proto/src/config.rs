@@ -59,6 +59,9 @@ pub struct Config {
     pub eager_gather: bool,
     /// Control channel kind; must match the peer's (`bounce_control`).
     pub control: ControlKind,
+    /// Fewest scatter runs a chunk must have for its runs to go ahead of its DATA in a PLAN;
+    /// 0: never (`bounce_plan_ahead_runs`).
+    pub plan_ahead_runs: u32,
     /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
     pub scatter_run_merging: bool,
     /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
@@ -413,6 +416,7 @@ impl Config {
             peer_dead_after: Duration::from_millis(u64_of("bounce_peer_dead_after_ms")?),
             eager_gather: boolean("bounce_eager_gather")?,
             control,
+            plan_ahead_runs: u32_of("bounce_plan_ahead_runs")?,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
@@ -730,6 +734,7 @@ mod tests {
             ("bounce_peer_dead_after_ms", "0"),
             ("bounce_eager_gather", "no"),
             ("bounce_control", "ZMQ"),
+            ("bounce_plan_ahead_runs", "0"),
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
             ("bounce_streaming_scatter", "off"),
@@ -756,6 +761,7 @@ mod tests {
             peer_dead_after: Duration::ZERO,
             eager_gather: false,
             control: ControlKind::Zmq,
+            plan_ahead_runs: 0,
             scatter_run_merging: false,
             direct_writes: false,
             streaming_scatter: false,

@@ -416,6 +416,7 @@ impl Endpoint {
             }
             wire::Msg::Want(m) => self.receiver.handle_want(&mut ctx, from, m),
             wire::Msg::Data(m) => self.receiver.handle_data(&mut ctx, from, m),
+            wire::Msg::Plan(m) => self.receiver.handle_plan(&mut ctx, from, m),
             wire::Msg::Grant(m) => self.sender.handle_grant(&mut ctx, from, m),
             wire::Msg::Ack(m) => self.sender.handle_ack(&mut ctx, from, m),
             wire::Msg::Keep(m) => self.receiver.handle_keep(&mut ctx, from, m),
@@ -528,6 +529,7 @@ impl Endpoint {
             wire::Msg::Cursor(_) => true,
             wire::Msg::Want(_)
             | wire::Msg::Data(_)
+            | wire::Msg::Plan(_)
             | wire::Msg::Keep(_)
             | wire::Msg::Pull(_)
             | wire::Msg::Release(_) => self.answering.is_one_way(FlowKey { peer, xfer: msg.xfer() }),

@@ -528,6 +528,15 @@ pub struct Stats {
     pub chunks_served: u64,
     /// READ chunks this initiator read and scattered.
     pub chunks_pulled: u64,
+    /// PLANs sent ahead of their DATA (see [`crate::wire::Plan`]).
+    pub plans_sent: u64,
+    /// PLANs validated and kept for their chunk's DATA.
+    pub plans_kept: u64,
+    /// PLANs not kept: over the peer's budget, a duplicate, or refused by validation (the
+    /// chunk's DATA is then answered ACK(Replan), and its runs come with the DATA).
+    pub plans_dropped: u64,
+    /// DATAs answered ACK(Replan) here, or (as sender) sent again with their runs.
+    pub replans: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

@@ -75,6 +75,8 @@ pub struct Registrations {
     by_id: BTreeMap<RegId, Registration>,
     /// The last [`REMEMBERED_DEREGISTRATIONS`] deregistered ids and keys, oldest first.
     gone: std::collections::VecDeque<(RegId, RegKey)>,
+    /// Deregistrations so far: a check made while this was unchanged still holds.
+    removals: u64,
 }
 
 impl Registrations {
@@ -82,7 +84,10 @@ impl Registrations {
     /// range is ignored (returns false); a repeated id replaces the older entry.
     pub fn add(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) -> bool {
         let Some(end) = addr.checked_add(len).filter(|_| len > 0) else { return false };
-        self.by_id.insert(reg, Registration { key, start: addr, end });
+        if self.by_id.insert(reg, Registration { key, start: addr, end }).is_some() {
+            // The replaced range may have covered more than the new one.
+            self.removals += 1;
+        }
         true
     }
 
@@ -94,7 +99,14 @@ impl Registrations {
             self.gone.pop_front();
         }
         self.gone.push_back((reg, r.key));
+        self.removals += 1;
         true
+    }
+
+    /// How many registrations were removed so far. A [`covers`](Self::covers) check made when
+    /// this had the same value still holds: registrations only shrink by removal.
+    pub fn removals(&self) -> u64 {
+        self.removals
     }
 
     /// Checks `proofs` for the transfer with `token`; returns the proven registration ids.

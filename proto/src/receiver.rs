@@ -54,6 +54,8 @@ struct Flow {
     /// gathered when granted, announced ready with a GRANT, and freed by the initiator's
     /// RELEASE; `scattering` then counts its gathers in flight.
     pull: Option<Vec<Vec<CopyRun>>>,
+    /// Scatter runs that came ahead of their chunk's DATA in a PLAN, by chunk index.
+    plans: BTreeMap<u32, Planned>,
     /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
     /// DATA, new grants and finished scatters.
     /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
@@ -76,12 +78,23 @@ struct Scatter {
     doomed: bool,
 }
 
+/// A chunk's scatter runs kept from its PLAN until its DATA (see [`wire::Plan`]): checked
+/// against the chunk and the flow's proven registrations when they came.
+#[derive(Debug)]
+struct Planned {
+    runs: Vec<CopyRun>,
+    /// [`Registrations::removals`] at that check: while it is unchanged, the runs still lie
+    /// inside registered memory.
+    removals: u64,
+}
+
 impl Flow {
     /// What the flow holds against its peer's budget ([`MAX_CHUNKS_PER_PEER`]): its announced
-    /// chunks and, for a READ flow, the gather runs it keeps.
+    /// chunks, the runs of the PLANs it keeps and, for a READ flow, the gather runs it keeps.
     fn units(&self) -> u64 {
         let runs = self.pull.as_ref().map_or(0, |p| p.iter().map(|r| r.len() as u64).sum::<u64>());
-        (self.chunks.len() as u64).saturating_add(runs)
+        let planned = self.plans.values().map(|p| p.runs.len() as u64).sum::<u64>();
+        (self.chunks.len() as u64).saturating_add(runs).saturating_add(planned)
     }
 }
 
@@ -320,7 +333,15 @@ impl Receiver {
             }
             None => {
                 self.timers.set(key, deadline);
-                let flow = Flow { token: want.token, proven, chunks: want.chunks, scattering: 0, pull: None, deadline };
+                let flow = Flow {
+                    token: want.token,
+                    proven,
+                    chunks: want.chunks,
+                    scattering: 0,
+                    pull: None,
+                    plans: BTreeMap::new(),
+                    deadline,
+                };
                 self.flows.insert(key, flow);
             }
         }
@@ -345,7 +366,63 @@ impl Receiver {
         Ok(())
     }
 
-    pub(crate) fn handle_data(&mut self, ctx: &mut Ctx<'_>, from: PeerId, data: Data) -> Result<(), ProtocolError> {
+    /// A PLAN: the runs of a chunk whose DATA is still to come. Checked now, against the chunk
+    /// and the flow's proven registrations, and kept for the DATA (counted against the peer's
+    /// budget meanwhile). One that is late, over the budget, a duplicate or invalid is dropped,
+    /// changing nothing: a DATA that finds no plan asks for its runs (ACK(Replan)) and is
+    /// checked whole, so a PLAN can never get more through than a DATA could.
+    pub(crate) fn handle_plan(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        plan: wire::Plan,
+    ) -> Result<(), ProtocolError> {
+        let key = FlowKey { peer: from, xfer: plan.xfer };
+        let Some(flow) = self.flows.get(&key) else {
+            trace!(peer = from.0, xfer = plan.xfer.0, chunk = plan.chunk.0, "late PLAN for an unknown flow dropped");
+            ctx.stats.late_data += 1;
+            return Ok(());
+        };
+        if flow.token != plan.token {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer: plan.xfer });
+        }
+        let (xfer, chunk) = (plan.xfer, plan.chunk);
+        let fault = match flow.chunks.get(chunk.0 as usize) {
+            None => Some(DataFault::ChunkMismatch),
+            Some(_) if flow.pull.is_some() || flow.plans.contains_key(&chunk.0) => Some(DataFault::NotHeld),
+            Some(&bytes) => self.check_runs(flow, &plan.runs, bytes).err(),
+        };
+        if let Some(fault) = fault {
+            ctx.stats.plans_dropped += 1;
+            return Err(ProtocolError::InvalidData { peer: from, xfer, chunk, fault });
+        }
+        let load = self.load.entry(from).or_default();
+        let runs = plan.runs.len() as u64;
+        if load.chunks.saturating_add(runs) > self.caps.chunks {
+            debug!(peer = from.0, xfer = xfer.0, chunk = chunk.0, runs, "PLAN dropped: over the peer's budget");
+            ctx.stats.plans_dropped += 1;
+            return Ok(());
+        }
+        load.chunks += runs;
+        let removals = self.registered.removals();
+        if let Some(flow) = self.flows.get_mut(&key) {
+            flow.plans.insert(chunk.0, Planned { runs: plan.runs, removals });
+        }
+        ctx.stats.plans_kept += 1;
+        Ok(())
+    }
+
+    /// Takes the plan flow `key` keeps for `chunk`, giving its runs back to the peer's budget.
+    fn take_plan(&mut self, key: FlowKey, chunk: ChunkIdx) -> Option<Planned> {
+        let planned = self.flows.get_mut(&key)?.plans.remove(&chunk.0)?;
+        if let Some(load) = self.load.get_mut(&key.peer) {
+            load.chunks -= planned.runs.len() as u64;
+        }
+        Some(planned)
+    }
+
+    pub(crate) fn handle_data(&mut self, ctx: &mut Ctx<'_>, from: PeerId, mut data: Data) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: data.xfer };
         let Some(flow) = self.flows.get(&key) else {
             trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, "late DATA for an unknown flow dropped");
@@ -357,20 +434,39 @@ impl Receiver {
             ctx.stats.control_forged += 1;
             return Err(ProtocolError::WrongToken { peer: from, xfer: data.xfer });
         }
-        let bytes = match self.validate(ctx, key, flow, &data) {
-            Ok(bytes) => bytes,
-            Err(fault) => {
-                ctx.stats.data_refused += 1;
-                if data.region.len != 0 {
-                    let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
-                    let ack = Ack { xfer, token, chunk, region, status: AckStatus::Refused };
-                    ctx.send(from, ack);
-                }
-                // Free the flow's regions now; its sender fails on the refusal.
-                self.reclaim(ctx, key);
-                return Err(ProtocolError::InvalidData { peer: from, xfer: data.xfer, chunk: data.chunk, fault });
-            }
+        let (bytes, limit) = match self.check_held(ctx, key, flow, &data) {
+            Ok(held) => held,
+            Err(fault) => return self.refuse_data(ctx, from, &data, fault),
         };
+        // A DATA with its runs makes any plan of the chunk moot; one without takes the plan.
+        let planned = self.take_plan(key, data.chunk);
+        let mut still_registered = false;
+        if data.runs.is_empty() {
+            let Some(planned) = planned else {
+                // Nothing kept for the chunk (dropped, or never sent): ask for the runs with
+                // the DATA. The region stays held for it.
+                ctx.stats.replans += 1;
+                if let Some(flow) = self.flows.get_mut(&key) {
+                    flow.deadline = ctx.now + self.idle_timeout;
+                }
+                let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
+                ctx.send(from, Ack { xfer, token, chunk, region, status: AckStatus::Replan });
+                return Ok(());
+            };
+            still_registered = planned.removals == self.registered.removals();
+            data.runs = planned.runs;
+        }
+        let flow = &self.flows[&key];
+        // A plan's runs were checked against the registrations when it came; unless one was
+        // removed since, only their (cheap) bounds are checked again, against the region.
+        let checked = if still_registered {
+            self.check_bounds(&data.runs, limit)
+        } else {
+            self.check_runs(flow, &data.runs, limit)
+        };
+        if let Err(fault) = checked {
+            return self.refuse_data(ctx, from, &data, fault);
+        }
         if let Err(e) = ctx.sched.begin_scatter(key, data.region.offset) {
             internal_error("begin_scatter after a successful validation", &e);
             return Ok(());
@@ -674,7 +770,15 @@ impl Receiver {
         let deadline = ctx.now + self.idle_timeout;
         self.timers.set(key, deadline);
         let runs = pull.chunks.into_iter().map(|c| c.runs).collect();
-        let flow = Flow { token: pull.token, proven, chunks: sizes, scattering: 0, pull: Some(runs), deadline };
+        let flow = Flow {
+            token: pull.token,
+            proven,
+            chunks: sizes,
+            scattering: 0,
+            pull: Some(runs),
+            plans: BTreeMap::new(),
+            deadline,
+        };
         self.flows.insert(key, flow);
         debug!(peer = from.0, xfer = pull.xfer.0, "READ flow wants");
         Ok(())
@@ -719,7 +823,27 @@ impl Receiver {
     }
 
     /// Checks a DATA of known flow `key`; returns the chunk's byte size.
-    fn validate(&self, ctx: &Ctx<'_>, key: FlowKey, flow: &Flow, data: &Data) -> Result<u64, DataFault> {
+    /// Refuses an invalid DATA: ACK(Refused), and the flow's regions are freed at once (its
+    /// sender fails on the refusal).
+    fn refuse_data(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        data: &Data,
+        fault: DataFault,
+    ) -> Result<(), ProtocolError> {
+        ctx.stats.data_refused += 1;
+        if data.region.len != 0 {
+            let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
+            ctx.send(from, Ack { xfer, token, chunk, region, status: AckStatus::Refused });
+        }
+        self.reclaim(ctx, FlowKey { peer: from, xfer: data.xfer });
+        Err(ProtocolError::InvalidData { peer: from, xfer: data.xfer, chunk: data.chunk, fault })
+    }
+
+    /// The DATA's region is the one the flow holds for its chunk: returns the chunk's bytes and
+    /// how far into the region its runs may read.
+    fn check_held(&self, ctx: &Ctx<'_>, key: FlowKey, flow: &Flow, data: &Data) -> Result<(u64, u64), DataFault> {
         let held = ctx.sched.is_held(key, data.region.offset).ok_or(DataFault::NotHeld)?;
         if held.region != data.region {
             return Err(DataFault::RegionMismatch);
@@ -731,23 +855,41 @@ impl Receiver {
             internal_error("held chunk beyond the flow's WANT", &data.chunk.0);
             return Err(DataFault::ChunkMismatch);
         };
-        if data.runs.is_empty() {
+        // Only the chunk's bytes were written: the rest of the block holds an earlier flow's data.
+        Ok((bytes, bytes.min(held.region.len)))
+    }
+
+    /// Every run reads inside the first `limit` bytes of the chunk's region and writes inside
+    /// one registration the flow proved.
+    fn check_runs(&self, flow: &Flow, runs: &[CopyRun], limit: u64) -> Result<(), DataFault> {
+        self.check_bounds(runs, limit)?;
+        match runs
+            .iter()
+            .position(|run| run.addr_span().is_none_or(|(a, b)| !self.registered.covers(&flow.proven, a, b)))
+        {
+            Some(index) => Err(DataFault::RunOutsideRegistered { index }),
+            None => Ok(()),
+        }
+    }
+
+    /// Every run is well-formed, reads inside the first `limit` bytes of the region, and all
+    /// together copy no more than `limit` bytes.
+    fn check_bounds(&self, runs: &[CopyRun], limit: u64) -> Result<(), DataFault> {
+        if runs.is_empty() {
             return Err(DataFault::NoRuns);
         }
-        if data.runs.len() > wire::MAX_RUNS as usize {
+        if runs.len() > wire::MAX_RUNS as usize {
             return Err(DataFault::TooManyRuns);
         }
-        // Only the chunk's bytes were written: the rest of the block holds an earlier flow's data.
-        let limit = bytes.min(held.region.len);
         // Each piece of an honest chunk sits once in the chunk, so its runs copy at most the
         // chunk's bytes. Without this bound a run of 2^32 pieces with zero strides passes every
         // span check below and pins a copy worker for hours.
-        let copies = data.runs.iter().fold(0u64, |sum, r| sum.saturating_add(r.len.saturating_mul(u64::from(r.count))));
+        let copies = runs.iter().fold(0u64, |sum, r| sum.saturating_add(r.len.saturating_mul(u64::from(r.count))));
         if copies > limit {
             return Err(DataFault::TooManyBytes { copies, chunk: limit });
         }
-        for (index, run) in data.runs.iter().enumerate() {
-            let (Some((_, end)), Some((a, b))) = (run.region_span(), run.addr_span()) else {
+        for (index, run) in runs.iter().enumerate() {
+            let (Some((_, end)), Some(_)) = (run.region_span(), run.addr_span()) else {
                 return Err(DataFault::BadRun { index });
             };
             if run.len == 0 {
@@ -756,11 +898,8 @@ impl Receiver {
             if end > limit {
                 return Err(DataFault::RunOutsideChunk { index });
             }
-            if !self.registered.covers(&flow.proven, a, b) {
-                return Err(DataFault::RunOutsideRegistered { index });
-            }
         }
-        Ok(bytes)
+        Ok(())
     }
 
     /// Drops flow `key` as a cancel would (the endpoint found no way to answer it).
@@ -1107,6 +1246,134 @@ mod tests {
         assert!(acks(&drain(&mut ep)).is_empty());
         assert!(ep.is_idle());
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    fn plan_msg(chunk: u32, runs: Vec<CopyRun>) -> Msg {
+        Msg::Plan(wire::Plan { xfer: X, token: TOKEN, chunk: ChunkIdx(chunk), runs })
+    }
+
+    /// The runs of the one scatter among `acts`.
+    fn scattered_runs(acts: &[Action]) -> Vec<CopyRun> {
+        let runs: Vec<_> = acts
+            .iter()
+            .filter_map(|a| match a {
+                Action::Scatter { runs, .. } => Some(runs.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(runs.len(), 1, "{acts:?}");
+        runs.into_iter().next().unwrap_or_default()
+    }
+
+    fn invariants(ep: &Endpoint) {
+        check(ep);
+        ep.receiver().check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_plan_ahead_is_checked_and_kept_and_its_data_scatters_by_it_with_no_runs() {
+        let (mut ep, t) = receiver();
+        ep.handle_msg(t, PEER, want_msg(X, &[CHUNK, CHUNK, 3000])).unwrap();
+        // Runs are region-relative: a PLAN needs no credit, it may come before the GRANT.
+        let runs = vec![run(0, DST + 4 * CHUNK, 1000), run(1000, DST, CHUNK - 1000)];
+        ep.handle_msg(t, PEER, plan_msg(1, runs.clone())).unwrap();
+        assert_eq!(ep.stats().plans_kept, 1);
+        invariants(&ep);
+        let c = credits(&drain(&mut ep));
+        ep.handle_msg(t, PEER, data_msg(X, 1, c[1].3, Vec::new())).unwrap();
+        assert_eq!(scattered_runs(&drain(&mut ep)), runs, "the kept runs, in order");
+        invariants(&ep);
+    }
+
+    #[test]
+    fn a_data_without_runs_and_no_plan_kept_asks_for_them_and_keeps_its_region() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, Vec::new())).unwrap();
+        let acts = drain(&mut ep);
+        assert_eq!(acks(&acts), vec![(X, 0, AckStatus::Replan)]);
+        assert!(scatters(&acts).is_empty());
+        assert_eq!((ep.remote_flows(), ep.stats().replans), (1, 1));
+        // The DATA again, with its runs: scattered as any.
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        assert_eq!(scattered_runs(&drain(&mut ep)), full_run(0));
+        invariants(&ep);
+    }
+
+    #[test]
+    fn a_plan_that_breaks_a_rule_is_dropped_and_can_never_get_more_through_than_a_data() {
+        let (mut ep, t) = receiver();
+        let [r0, r1] = wanted(&mut ep, t);
+        let outside = vec![run(0, DST + 64 * KIB, 8)];
+        let cases = [
+            (plan_msg(0, outside.clone()), DataFault::RunOutsideRegistered { index: 0 }),
+            (plan_msg(1, vec![run(CHUNK - 8, DST, 16)]), DataFault::RunOutsideChunk { index: 0 }),
+            (plan_msg(9, full_run(0)), DataFault::ChunkMismatch),
+        ];
+        for (msg, fault) in cases {
+            let chunk = match &msg {
+                Msg::Plan(p) => p.chunk,
+                _ => unreachable!(),
+            };
+            let err = ep.handle_msg(t, PEER, msg).unwrap_err();
+            assert_eq!(err, ProtocolError::InvalidData { peer: PEER, xfer: X, chunk, fault });
+        }
+        // A second PLAN for a chunk that has one is dropped too; the first one stays.
+        ep.handle_msg(t, PEER, plan_msg(1, full_run(1))).unwrap();
+        let dup = ep.handle_msg(t, PEER, plan_msg(1, full_run(0))).unwrap_err();
+        assert!(matches!(dup, ProtocolError::InvalidData { fault: DataFault::NotHeld, .. }), "{dup:?}");
+        // A forged one (a guessed token) changes nothing.
+        let forged = Msg::Plan(wire::Plan { xfer: X, token: FORGED, chunk: ChunkIdx(0), runs: full_run(0) });
+        assert_eq!(ep.handle_msg(t, PEER, forged), Err(ProtocolError::WrongToken { peer: PEER, xfer: X }));
+        assert_eq!((ep.stats().plans_dropped, ep.stats().plans_kept, ep.stats().control_forged), (4, 1, 1));
+        assert!(drain(&mut ep).is_empty(), "a dropped PLAN is never answered");
+        invariants(&ep);
+        // Chunk 0 kept nothing: its DATA is asked for its runs, and those are checked whole.
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, Vec::new())).unwrap();
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Replan)]);
+        ep.handle_msg(t, PEER, data_msg(X, 1, r1, Vec::new())).unwrap();
+        assert_eq!(scattered_runs(&drain(&mut ep)), full_run(1));
+        refused_with(&mut ep, t, (0, r0, outside), DataFault::RunOutsideRegistered { index: 0 }, 1);
+    }
+
+    #[test]
+    fn a_plan_kept_across_a_deregistration_is_checked_again_at_its_data() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, plan_msg(0, full_run(0))).unwrap();
+        assert_eq!(ep.stats().plans_kept, 1);
+        ep.remove_registered(REG);
+        let err = ep.handle_msg(t, PEER, data_msg(X, 0, r0, Vec::new())).unwrap_err();
+        let fault = DataFault::RunOutsideRegistered { index: 0 };
+        assert_eq!(err, ProtocolError::InvalidData { peer: PEER, xfer: X, chunk: ChunkIdx(0), fault });
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Refused)]);
+        assert_eq!(ep.remote_flows(), 0);
+        invariants(&ep);
+    }
+
+    #[test]
+    fn plans_count_against_the_peers_budget_and_one_over_it_is_dropped_quietly() {
+        let (mut ep, t) = receiver();
+        // 3 announced chunks + 2 runs fit; 3 more runs do not.
+        ep.receiver_mut().set_peer_caps(8, 5);
+        let [r0, r1] = wanted(&mut ep, t);
+        ep.handle_msg(t, PEER, plan_msg(0, vec![run(0, DST, 8), run(8, DST + 64, CHUNK - 8)])).unwrap();
+        let three = vec![run(0, DST, 8), run(8, DST + 64, 8), run(16, DST + 128, CHUNK - 16)];
+        ep.handle_msg(t, PEER, plan_msg(1, three.clone())).unwrap();
+        assert_eq!((ep.stats().plans_kept, ep.stats().plans_dropped), (1, 1));
+        invariants(&ep);
+        ep.handle_msg(t, PEER, data_msg(X, 1, r1, Vec::new())).unwrap();
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 1, AckStatus::Replan)]);
+        // Taking the kept plan gives its runs back to the budget.
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, Vec::new())).unwrap();
+        assert_eq!(scatters(&drain(&mut ep)).len(), 1);
+        invariants(&ep);
+        ep.handle_msg(t, PEER, data_msg(X, 1, r1, three)).unwrap();
+        assert_eq!(scatters(&drain(&mut ep)).len(), 1);
+        invariants(&ep);
+        // A cancel takes whatever plans are left with the flow.
+        ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
+        invariants(&ep);
     }
 
     #[test]

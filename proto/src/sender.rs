@@ -64,6 +64,35 @@ impl Stage {
     }
 }
 
+impl Xfer {
+    /// Sends the PLAN of each chunk before `upto` not yet considered that has at least
+    /// `min_runs` scatter runs (none when `min_runs` is 0): the receiver checks those runs
+    /// while the chunk is gathered and written, and its DATA then carries none.
+    fn plan_ahead(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, upto: usize, min_runs: usize) {
+        let upto = upto.min(self.plan.chunks.len());
+        while self.next_plan < upto {
+            let i = self.next_plan;
+            self.next_plan += 1;
+            let runs = &self.plan.chunks[i].scatter;
+            if min_runs == 0 || runs.len() < min_runs {
+                continue;
+            }
+            self.planned[i] = true;
+            ctx.stats.plans_sent += 1;
+            let chunk = ChunkIdx(u32::try_from(i).unwrap_or(u32::MAX));
+            ctx.send(self.peer, wire::Plan { xfer, token: self.token, chunk, runs: runs.clone() });
+        }
+    }
+
+    /// The DATA announcing chunk `i` written into `region`: with its runs unless they went
+    /// ahead in a PLAN and `inline` is false.
+    fn data(&self, xfer: XferId, i: usize, region: Region, inline: bool) -> Data {
+        let runs = if self.planned[i] && !inline { Vec::new() } else { self.plan.chunks[i].scatter.clone() };
+        let chunk = ChunkIdx(u32::try_from(i).unwrap_or(u32::MAX));
+        Data { xfer, token: self.token, chunk, region, runs }
+    }
+}
+
 /// One submitted transfer.
 #[derive(Debug)]
 struct Xfer {
@@ -78,6 +107,10 @@ struct Xfer {
     staged: bool,
     /// A READ: the target gathers, we READ its region and scatter locally (see `submit_read`).
     read: bool,
+    /// Chunks whose runs went ahead in a PLAN (their DATA carries none).
+    planned: Vec<bool>,
+    /// Chunks before this one have had their PLAN sent or found too small for one.
+    next_plan: usize,
     /// Fails with a timeout when reached; pushed back by every sign of progress (the armed
     /// instant in `Sender::timers` stays, at most this deadline, and is re-armed when it fires).
     deadline: Instant,
@@ -152,6 +185,8 @@ pub struct Sender {
     timeout: Duration,
     eager: bool,
     window: usize,
+    /// Fewest runs a chunk's plan needs to go ahead in a PLAN; 0: never (see [`wire::Plan`]).
+    plan_ahead_runs: usize,
     /// Largest chunk both peers agreed on (the handshake checks it).
     max_chunk: u64,
     endpoint: Vec<u8>,
@@ -198,6 +233,7 @@ impl Sender {
             timeout: config.request_timeout,
             eager: config.eager_gather,
             window: usize::try_from(config.max_inflight_chunks).unwrap_or(usize::MAX),
+            plan_ahead_runs: usize::try_from(config.plan_ahead_runs).unwrap_or(usize::MAX),
             max_chunk: config.max_chunk_size,
             endpoint: Vec::new(),
             xfers: BTreeMap::new(),
@@ -278,8 +314,11 @@ impl Sender {
         ctx.send(peer, Want { xfer, token, endpoint, chunks, proofs });
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
-        let stages = vec![Stage::Idle; plan.chunks.len()];
-        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, read: false, deadline };
+        let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
+        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, read: false, planned, next_plan: 0, deadline };
+        // The first window's runs follow the WANT at once: the receiver checks them during the
+        // WANT -> GRANT round trip and the writes (the rest follow as chunks are announced).
+        x.plan_ahead(ctx, xfer, self.window, self.plan_ahead_runs);
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {
@@ -335,8 +374,8 @@ impl Sender {
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
         ctx.send(peer, wire::Pull { xfer, token, endpoint, chunks, proofs });
         let deadline = ctx.now + self.timeout;
-        let stages = vec![Stage::Idle; plan.chunks.len()];
-        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, deadline };
+        let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
+        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, planned, next_plan: 0, deadline };
         self.staging_xfers += 1;
         if self.reserve.is_none() {
             self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
@@ -557,6 +596,12 @@ impl Sender {
             }
             AckStatus::Refused => self.fail(ctx, id, XferError::Refused, true),
             AckStatus::Failed => self.fail(ctx, id, XferError::ScatterFailed, true),
+            AckStatus::Replan => {
+                // The receiver kept no plan for the chunk: the DATA again, with its runs.
+                ctx.stats.replans += 1;
+                let data = x.data(id, i, credit.region, true);
+                ctx.send(x.peer, data);
+            }
         }
         Ok(())
     }
@@ -591,6 +636,7 @@ impl Sender {
     }
 
     pub(crate) fn handle_write_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
+        let (window, plan_ahead_runs) = (self.window, self.plan_ahead_runs);
         self.writes.remove(&job);
         if self.writes.is_empty() {
             self.next_keep = None;
@@ -611,14 +657,10 @@ impl Sender {
         if matches!(source, WriteSource::User { .. }) {
             ctx.stats.chunks_direct += 1;
         }
-        let data = Data {
-            xfer: r.xfer,
-            token: x.token,
-            chunk: ChunkIdx(r.chunk as u32),
-            region: credit.region,
-            runs: chunk.scatter.clone(),
-        };
+        let data = x.data(r.xfer, r.chunk, credit.region, false);
         ctx.send(x.peer, data);
+        // Keep a window of plans ahead of the chunks announced.
+        x.plan_ahead(ctx, r.xfer, r.chunk + 1 + window, plan_ahead_runs);
     }
 
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
@@ -1081,6 +1123,35 @@ mod tests {
     fn feed(ep: &mut Endpoint, now: Instant, msg: Msg) -> Vec<Action> {
         ep.handle_msg(now, PEER, msg).unwrap();
         drain(ep)
+    }
+
+    #[test]
+    fn plans_go_ahead_a_window_at_a_time_and_a_replan_sends_the_runs_with_the_data() {
+        let now = Instant::now();
+        let cfg = Config { plan_ahead_runs: 1, ..config(64 * KIB, 2, true) };
+        let mut ep = Endpoint::new(&cfg, now).unwrap();
+        let t = now;
+        let plan = direct_plan_of(3);
+        let runs = |i: usize| plan.chunks[i].scatter.clone();
+        ep.submit(t, X, TOKEN, PEER, plan.clone()).unwrap();
+        // The WANT, then the first window's plans (W = 2).
+        let sent: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().map(|(_, m)| m).collect();
+        let plan_msg =
+            |i: u32| Msg::Plan(wire::Plan { xfer: X, token: TOKEN, chunk: ChunkIdx(i), runs: runs(i as usize) });
+        assert!(matches!(&sent[0], Msg::Want(_)), "{sent:?}");
+        assert_eq!(sent[1..], [plan_msg(0), plan_msg(1)]);
+        assert_eq!(ep.stats().plans_sent, 2);
+        // Chunk 0 written: its DATA names no runs, and the window's next plan follows.
+        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        ep.handle_write_done(t, w[0].0, true);
+        let sent: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().map(|(_, m)| m).collect();
+        assert_eq!(sent, [data_msg(X, 0, r(0), Vec::new()), plan_msg(2)]);
+        // The receiver kept no plan: the same DATA again, with its runs.
+        let sent = msgs(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Replan)));
+        assert_eq!(sent, [(PEER, data_msg(X, 0, r(0), runs(0)))]);
+        assert_eq!(ep.stats().replans, 1);
+        assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
+        assert_eq!(ep.sender().acked_chunks(X), Some(1));
     }
 
     #[test]

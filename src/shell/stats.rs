@@ -104,6 +104,16 @@ counters! {
     read_chunks_served,
     /// READ chunks we read from peers and scattered here (the core's count).
     read_chunks_pulled,
+    /// Scatter plans we sent ahead of their chunk's DATA (a PLAN frame; the core's count).
+    plans_sent,
+    /// Peers' PLANs we checked and kept for their DATA (the core's count).
+    plans_kept,
+    /// Peers' PLANs we dropped: late, over the peer's budget, duplicate or invalid (the core's
+    /// count).
+    plans_dropped,
+    /// DATAs without runs asked for them (ACK(Replan)), or sent again with them (the core's
+    /// count).
+    replans,
 }
 
 impl Stats {

@@ -36,7 +36,7 @@ import time
 import nixlkit
 
 MAGIC = b"\0BOUNC"
-VERSION = 4  # proto/src/wire/frame.rs WIRE_VERSION
+VERSION = 5  # proto/src/wire/frame.rs WIRE_VERSION
 WANT, GRANT, DATA, ACK = 1, 2, 3, 4
 ENVELOPE_MAGIC = b"NXBOUNCE"
 U64 = (1 << 64) - 1

@@ -298,6 +298,7 @@ fn ack_tag(s: AckStatus) -> u8 {
         AckStatus::Scattered => 0,
         AckStatus::Refused => 1,
         AckStatus::Failed => 2,
+        AckStatus::Replan => 3,
     }
 }
 
@@ -306,6 +307,7 @@ fn ack_from_tag(t: u8) -> Result<AckStatus, RecordError> {
         0 => Ok(AckStatus::Scattered),
         1 => Ok(AckStatus::Refused),
         2 => Ok(AckStatus::Failed),
+        3 => Ok(AckStatus::Replan),
         _ => Err(RecordError::Invalid { what: "ACK status" }),
     }
 }
@@ -357,6 +359,7 @@ mod tests {
             Answer::Ack { credit, status: AckStatus::Scattered },
             Answer::Ack { credit, status: AckStatus::Refused },
             Answer::Ack { credit, status: AckStatus::Failed },
+            Answer::Ack { credit, status: AckStatus::Replan },
             Answer::Fail(FailReason::Cancelled),
             Answer::Fail(FailReason::Refused),
             Answer::Fail(FailReason::TimedOut),
@@ -456,7 +459,7 @@ mod tests {
         let mut ack =
             Record { answer: Answer::Ack { credit: NO_CREDIT, status: AckStatus::Failed }, ..grant() }.encode(&k);
         ack[40] = 1;
-        ack[2] = 3;
+        ack[2] = 4;
         assert_eq!(Record::decode(&remac(ack, &k), &k), Err(RecordError::Invalid { what: "ACK status" }));
     }
 

@@ -20,7 +20,7 @@ use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 4;
+pub const WIRE_VERSION: u8 = 5;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -44,6 +44,8 @@ pub(super) const KIND_CURSOR: u8 = 10;
 pub(super) const KIND_PULL: u8 = 11;
 /// A RELEASE: a READ's initiator has read a region (see [`Release`]).
 pub(super) const KIND_RELEASE: u8 = 12;
+/// A PLAN: a chunk's scatter runs, sent ahead of its DATA (see [`Plan`]).
+pub(super) const KIND_PLAN: u8 = 13;
 /// The [`Want::endpoint`] of a sender that asks to be answered through the receiver's mailbox
 /// (it loaded the receiver's metadata, the receiver may never have loaded its own: see
 /// docs/one-way.md). Any other value, the empty one included, asks for GRANT and ACK frames.
@@ -166,7 +168,8 @@ pub struct Grant {
     pub credits: Vec<Credit>,
 }
 
-/// A sender's notice that a chunk has landed in its region, with the runs to scatter it by.
+/// A sender's notice that a chunk has landed in its region, with the runs to scatter it by, or,
+/// with no runs, by the runs of the chunk's [`Plan`] sent ahead.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct Data {
@@ -178,7 +181,28 @@ pub struct Data {
     pub chunk: ChunkIdx,
     /// The region it was written to (as granted).
     pub region: Region,
-    /// Scatter runs; `CopyRun::addr` is the receiver's destination address. Never empty.
+    /// Scatter runs; `CopyRun::addr` is the receiver's destination address. Empty when the
+    /// chunk's runs went ahead in a [`Plan`] (a receiver that kept none answers
+    /// [`AckStatus::Replan`]).
+    pub runs: Vec<CopyRun>,
+}
+
+/// A chunk's scatter runs, sent ahead of the chunk's DATA so the receiver decodes and validates
+/// them while the chunk is still being written: a fully scattered 32 MiB chunk has thousands of
+/// runs (a 72 KB frame), and carried by its DATA they cost the receiver 0.6-0.9 ms after the
+/// write, on the critical path of every chunk (BENCHMARKS.md, issue 11). Runs are relative to
+/// the chunk's region, so a PLAN needs no credit: the sender sends the first window's PLANs
+/// right after the WANT.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Plan {
+    /// The transfer.
+    pub xfer: XferId,
+    /// The transfer's token.
+    pub token: Token,
+    /// The chunk.
+    pub chunk: ChunkIdx,
+    /// Scatter runs, as in [`Data::runs`]. Never empty.
     pub runs: Vec<CopyRun>,
 }
 
@@ -193,6 +217,9 @@ pub enum AckStatus {
     Refused,
     /// The scatter copy failed.
     Failed,
+    /// The DATA named no runs and the receiver kept no [`Plan`] for the chunk (it had no room
+    /// for it, or it never arrived): send the DATA again with its runs. The region stays held.
+    Replan,
 }
 
 /// A receiver's report on one chunk; a negative status lets the sender fail fast instead of
@@ -303,6 +330,8 @@ pub enum Msg {
     Pull(Pull),
     /// READ initiator → target: I have read this region.
     Release(Release),
+    /// Sender → receiver: a chunk's scatter runs, ahead of its DATA.
+    Plan(Plan),
 }
 
 impl From<Want> for Msg {
@@ -347,6 +376,12 @@ impl From<Release> for Msg {
     }
 }
 
+impl From<Plan> for Msg {
+    fn from(m: Plan) -> Self {
+        Self::Plan(m)
+    }
+}
+
 impl From<Cursor> for Msg {
     fn from(m: Cursor) -> Self {
         Self::Cursor(m)
@@ -371,6 +406,7 @@ impl Msg {
             Self::Cursor(m) => m.xfer,
             Self::Pull(m) => m.xfer,
             Self::Release(m) => m.xfer,
+            Self::Plan(m) => m.xfer,
         }
     }
 
@@ -385,6 +421,7 @@ impl Msg {
             Self::Cursor(m) => m.token,
             Self::Pull(m) => m.token,
             Self::Release(m) => m.token,
+            Self::Plan(m) => m.token,
         }
     }
 
@@ -401,6 +438,7 @@ impl Msg {
             Self::Pull(m) if m.chunks.is_empty() => "PULL-CANCEL",
             Self::Pull(_) => "PULL",
             Self::Release(_) => "RELEASE",
+            Self::Plan(_) => "PLAN",
         }
     }
 
@@ -414,6 +452,7 @@ impl Msg {
             Self::Cursor(_) => KIND_CURSOR,
             Self::Pull(_) => KIND_PULL,
             Self::Release(_) => KIND_RELEASE,
+            Self::Plan(_) => KIND_PLAN,
         }
     }
 
@@ -449,15 +488,14 @@ impl Msg {
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in DATA" });
                 }
+                check_runs(&m.runs)?;
+            }
+            Self::Plan(m) => {
+                check_len("plan runs", m.runs.len(), MAX_RUNS)?;
                 if m.runs.is_empty() {
-                    return Err(WireError::Invalid { what: "DATA without runs" });
+                    return Err(WireError::Invalid { what: "PLAN without runs" });
                 }
-                if m.runs.iter().any(|r| r.count == 0) {
-                    return Err(WireError::Invalid { what: "run with count 0" });
-                }
-                if m.runs.iter().any(|r| r.len == 0) {
-                    return Err(WireError::Invalid { what: "run with length 0" });
-                }
+                check_runs(&m.runs)?;
             }
             Self::Ack(m) => {
                 if m.region.len == 0 {
@@ -488,6 +526,17 @@ impl Msg {
         }
         Ok(())
     }
+}
+
+/// No run of a DATA or PLAN copies nothing.
+fn check_runs(runs: &[CopyRun]) -> Result<()> {
+    if runs.iter().any(|r| r.count == 0) {
+        return Err(WireError::Invalid { what: "run with count 0" });
+    }
+    if runs.iter().any(|r| r.len == 0) {
+        return Err(WireError::Invalid { what: "run with length 0" });
+    }
+    Ok(())
 }
 
 /// A control message with the header that carries it.
@@ -701,9 +750,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.token(m.token);
             w.u32(m.chunk.0);
             w.region(&m.region);
-            w.len(m.runs.len());
-            let mut prev = RunCursor::default();
-            m.runs.iter().for_each(|r| prev = w.run(r, prev));
+            w.runs(&m.runs);
         }
         Msg::Ack(m) => {
             w.u64(m.xfer.0);
@@ -744,6 +791,12 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.u32(m.chunk.0);
             w.region(&m.region);
         }
+        Msg::Plan(m) => {
+            w.u64(m.xfer.0);
+            w.token(m.token);
+            w.u32(m.chunk.0);
+            w.runs(&m.runs);
+        }
     }
 }
 
@@ -771,16 +824,14 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
             let (xfer, token) = (XferId(r.u64()?), r.token()?);
             let chunk = ChunkIdx(r.u32()?);
             let region = r.region()?;
-            let n = r.count("data runs", MAX_RUNS, MIN_RUN_LEN)?;
-            let mut prev = RunCursor::default();
-            let runs = (0..n)
-                .map(|_| {
-                    let run = r.run(prev)?;
-                    prev = RunCursor::after(&run);
-                    Ok(run)
-                })
-                .collect::<Result<_>>()?;
+            let runs = r.runs("data runs")?;
             Msg::Data(Data { xfer, token, chunk, region, runs })
+        }
+        KIND_PLAN => {
+            let (xfer, token) = (XferId(r.u64()?), r.token()?);
+            let chunk = ChunkIdx(r.u32()?);
+            let runs = r.runs("plan runs")?;
+            Msg::Plan(Plan { xfer, token, chunk, runs })
         }
         KIND_ACK => Msg::Ack(Ack {
             xfer: XferId(r.u64()?),
@@ -831,6 +882,7 @@ fn ack_tag(s: AckStatus) -> u8 {
         AckStatus::Scattered => 0,
         AckStatus::Refused => 1,
         AckStatus::Failed => 2,
+        AckStatus::Replan => 3,
     }
 }
 
@@ -839,6 +891,7 @@ fn ack_from_tag(t: u8) -> Result<AckStatus> {
         0 => Ok(AckStatus::Scattered),
         1 => Ok(AckStatus::Refused),
         2 => Ok(AckStatus::Failed),
+        3 => Ok(AckStatus::Replan),
         _ => Err(WireError::Invalid { what: "ack status tag" }),
     }
 }
@@ -880,6 +933,19 @@ impl RunCursor {
 }
 
 impl Reader<'_> {
+    /// A count of scatter runs, then the runs (see [`Writer::runs`]).
+    fn runs(&mut self, what: &'static str) -> Result<Vec<CopyRun>> {
+        let n = self.count(what, MAX_RUNS, MIN_RUN_LEN)?;
+        let mut prev = RunCursor::default();
+        (0..n)
+            .map(|_| {
+                let run = self.run(prev)?;
+                prev = RunCursor::after(&run);
+                Ok(run)
+            })
+            .collect()
+    }
+
     /// One scatter run, delta-coded against the run before it (see [`Writer::run`]).
     fn run(&mut self, prev: RunCursor) -> Result<CopyRun> {
         let flags = self.u8()?;
@@ -906,6 +972,13 @@ impl Reader<'_> {
 }
 
 impl Writer<'_> {
+    /// A count of scatter runs, then each delta-coded against the one before it.
+    fn runs(&mut self, runs: &[CopyRun]) {
+        self.len(runs.len());
+        let mut prev = RunCursor::default();
+        runs.iter().for_each(|r| prev = self.run(r, prev));
+    }
+
     /// One scatter run, delta-coded against the run before it: a flags byte, then
     /// `region_off` only when the run does not start where the previous one ended, the user
     /// address as a zigzag varint of its distance from the previous run's end, `len` only when

@@ -38,7 +38,7 @@ fn arb_blob() -> impl Strategy<Value = Vec<u8>> {
 }
 
 fn arb_status() -> impl Strategy<Value = AckStatus> {
-    prop_oneof![Just(AckStatus::Scattered), Just(AckStatus::Refused), Just(AckStatus::Failed)]
+    prop_oneof![Just(AckStatus::Scattered), Just(AckStatus::Refused), Just(AckStatus::Failed), Just(AckStatus::Replan)]
 }
 
 fn arb_msg() -> impl Strategy<Value = Msg> {
@@ -54,8 +54,10 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
         ),
         (xfer.clone(), token.clone(), prop::collection::vec(credit, 1..6))
             .prop_map(|(xfer, token, credits)| Msg::Grant(Grant { xfer, token, credits })),
-        (xfer.clone(), token.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 1..5))
+        (xfer.clone(), token.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 0..5))
             .prop_map(|(xfer, token, chunk, region, runs)| Msg::Data(Data { xfer, token, chunk, region, runs })),
+        (xfer.clone(), token.clone(), chunk.clone(), prop::collection::vec(arb_run(), 1..5))
+            .prop_map(|(xfer, token, chunk, runs)| Msg::Plan(Plan { xfer, token, chunk, runs })),
         (xfer, token, chunk, arb_region(), arb_status())
             .prop_map(|(xfer, token, chunk, region, status)| Msg::Ack(Ack { xfer, token, chunk, region, status })),
     ]
@@ -202,7 +204,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43040508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e43050508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -234,8 +236,8 @@ fn control_frames_share_the_frame_codec_and_carry_hello() {
     longer.push(0);
     assert_eq!(ControlFrame::decode(&longer), Err(WireError::TrailingBytes { n: 1 }));
     let mut unknown = hello.to_vec();
-    unknown[7] = 13; // 6 is GOODBYE (7 to 12 are taken too)
-    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 13 }));
+    unknown[7] = 14; // 6 is GOODBYE (7 to 13 are taken too)
+    assert_eq!(ControlFrame::decode(&unknown), Err(WireError::UnknownKind { got: 14 }));
     let mut future = hello.to_vec();
     future[6] = WIRE_VERSION + 1;
     assert!(matches!(ControlFrame::decode(&future), Err(WireError::UnsupportedVersion { .. })));
@@ -248,7 +250,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 04 01 0100000000000000
+            "00424f554e43 05 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
@@ -265,7 +267,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 04 03 0400000000000000
+            "00424f554e43 05 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001"
@@ -274,7 +276,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 04 04 0500000000000000
+            "00424f554e43 05 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -335,7 +337,7 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0400 01 01 0010000000000000 0020000000000000 0000000000000000
+    let caps = "0500 01 01 0010000000000000 0020000000000000 0000000000000000
                 0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
                 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -464,7 +466,8 @@ fn invalid_values_are_refused() {
         Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 0], proofs: vec![] }),
         Msg::Grant(Grant { xfer, token, credits: vec![] }),
         Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
-        Msg::Data(Data { xfer, token, chunk, region, runs: vec![] }),
+        Msg::Plan(Plan { xfer, token, chunk, runs: vec![] }),
+        Msg::Plan(Plan { xfer, token, chunk, runs: vec![CopyRun { count: 0, ..run }] }),
         Msg::Data(Data { xfer, token, chunk, region: Region { offset: 0, len: 0 }, runs: vec![run] }),
         Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { count: 0, ..run }] }),
         Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { len: 0, ..run }] }),
@@ -476,7 +479,7 @@ fn invalid_values_are_refused() {
         assert_eq!(Frame::decode(&frame.to_vec()), Err(frame.msg.validate().unwrap_err()));
     }
     let mut ack = sample_frames()[4].to_vec();
-    *ack.last_mut().unwrap() = 3;
+    *ack.last_mut().unwrap() = 4;
     assert_eq!(Frame::decode(&ack), Err(WireError::Invalid { what: "ack status tag" }));
     let mut caps = sample_caps().to_vec();
     caps[2] = 2;
@@ -545,17 +548,17 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     assert_eq!(local.compatible_with(&same_rules), Ok(()));
     assert_eq!(same_rules.compatible_with(&local), Ok(()));
 
-    let other_version = Capabilities { wire_version: 5, ..local.clone() };
+    let other_version = Capabilities { wire_version: 6, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 4, peer: 5 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 5, peer: 6 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
     assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities { wire_version: 5, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let all = Capabilities { wire_version: 6, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
     let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
@@ -583,26 +586,26 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4304010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "00424f554e4305010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         // cancel (empty WANT)
-        "00424f554e4304010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
+        "00424f554e4305010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
         // GRANT
-        "00424f554e4304020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e4305020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4304030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e4305030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001",
         // ACK
-        "00424f554e4304040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4305040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4304050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4305050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e43040a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e43050a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
@@ -622,11 +625,24 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e43040b0700000000000000 0300000000000000 edfe0000000000000000000000000000 00000000
+            "00424f554e43050b0700000000000000 0300000000000000 edfe0000000000000000000000000000 00000000
              01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
     assert_eq!(Frame::decode(&pull.to_vec()), Ok(pull));
+    // PLAN (kind 13): transfer, token, chunk, delta-coded scatter runs as in DATA.
+    let plan = Frame {
+        session: 7,
+        msg: Msg::Plan(Plan { xfer: XferId(3), token: Token(0xfeed), chunk: ChunkIdx(2), runs: vec![run] }),
+    };
+    assert_eq!(
+        hex(&plan.to_vec()),
+        hex(&unhex(
+            "00424f554e43050d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+             01000000 0380402002208001"
+        ))
+    );
+    assert_eq!(Frame::decode(&plan.to_vec()), Ok(plan));
     // RELEASE (kind 12): transfer, token, chunk, region.
     let release = Frame {
         session: 7,
@@ -640,12 +656,12 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&release.to_vec()),
         hex(&unhex(
-            "00424f554e43040c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+            "00424f554e43050c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
              0001000000000000 4000000000000000"
         ))
     );
     assert_eq!(Frame::decode(&release.to_vec()), Ok(release));
-    let caps = "0400 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+    let caps = "0500 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();

@@ -69,7 +69,8 @@ impl Default for Knobs {
 }
 
 /// An engine configuration for simulations: small arena, 256 B granules, 2 KiB chunks, 10 ms
-/// timeout.
+/// timeout; a chunk of two or more scatter runs sends them ahead in a PLAN, one of a single run
+/// in its DATA, so both paths run.
 pub(crate) fn sim_config(arena: u64, window: u32, eager: bool) -> Config {
     let c = Config {
         arena_size: arena,
@@ -78,6 +79,7 @@ pub(crate) fn sim_config(arena: u64, window: u32, eager: bool) -> Config {
         max_inflight_chunks: window,
         eager_gather: eager,
         request_timeout: Duration::from_millis(10),
+        plan_ahead_runs: 2,
         ..Config::default()
     };
     c.validate().expect("simulation config is valid");

@@ -174,6 +174,8 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
                 ("chunks_staged", st.chunks_written - st.chunks_direct),
                 ("records_read", st.records_read),
                 ("one_way_answered", st.one_way_answered),
+                ("plans_kept", st.plans_kept),
+                ("replans", st.replans),
             ] {
                 *seen.entry(k.to_string()).or_default() += v;
             }
@@ -185,10 +187,19 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
         assert!(seen.get(key).is_some_and(|&n| n > 0), "no seed produced {key}: {seen:?}");
     }
     // One way, answers are READ only while their transfer lives: none can come late.
+    // Plans go ahead of their DATA; a lost PLAN is asked for again (ACK(Replan)).
     let events: &[&str] = if one_way {
-        &["flows_timed_out", "chunks_direct", "chunks_staged", "records_read", "one_way_answered"]
+        &[
+            "flows_timed_out",
+            "chunks_direct",
+            "chunks_staged",
+            "records_read",
+            "one_way_answered",
+            "plans_kept",
+            "replans",
+        ]
     } else {
-        &["late_msgs", "flows_timed_out", "chunks_direct", "chunks_staged"]
+        &["late_msgs", "flows_timed_out", "chunks_direct", "chunks_staged", "plans_kept", "replans"]
     };
     for key in events {
         assert!(seen.get(*key).is_some_and(|&n| n > 0), "no seed exercised {key}: {seen:?}");

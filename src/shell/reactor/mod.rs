@@ -570,6 +570,9 @@ impl Driver {
         for (peer, frame) in frames.drain(..) {
             moved = true;
             self.on_control(now, &peer, &frame);
+            // Answer each frame before decoding the next: a WANT's GRANT must not wait for the
+            // PLANs that follow it (thousands of runs each) to be decoded and checked.
+            self.drain_actions();
         }
         for (job, ok) in done.drain(..) {
             moved = true;
@@ -635,6 +638,10 @@ impl Driver {
         s.records_read.store(core.records_read, Ordering::Relaxed);
         s.read_chunks_served.store(core.chunks_served, Ordering::Relaxed);
         s.read_chunks_pulled.store(core.chunks_pulled, Ordering::Relaxed);
+        s.plans_sent.store(core.plans_sent, Ordering::Relaxed);
+        s.plans_kept.store(core.plans_kept, Ordering::Relaxed);
+        s.plans_dropped.store(core.plans_dropped, Ordering::Relaxed);
+        s.replans.store(core.replans, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 

@@ -248,6 +248,7 @@ fn kind(frame: &[u8]) -> Option<&'static str> {
         Msg::Cursor(_) => "cursor",
         Msg::Pull(_) => "pull",
         Msg::Release(_) => "release",
+        Msg::Plan(_) => "plan",
     })
 }
 
