@@ -42,8 +42,10 @@ use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Md, WriteSide, WriteState};
 use bounce_proto::peers::Hello;
 use fetch::Fetches;
+use pace::{BUSY_SLEEP, Pace, Wait};
 
 mod fetch;
+mod pace;
 #[cfg(test)]
 mod tests;
 
@@ -482,15 +484,6 @@ pub(crate) const SOCKET_POLL_BATCH: usize = 256;
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
 /// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
 const MAX_WRITES_IN_FLIGHT: usize = 2;
-/// Polls this many times (yielding) with work in flight but nothing moving before sleeping.
-/// Measured on the 2-core benchmark machine: 20 beat 200 and 2000 (BENCHMARKS.md); on the
-/// 16-core GPU host a 200 us spin gained nothing measurable either (BENCHMARKS.md, issue 11).
-const SPIN_ITERATIONS: u32 = 20;
-/// Sleep between polls once spinning gave nothing (work in flight).
-const BUSY_SLEEP: Duration = Duration::from_micros(50);
-/// Longest park when idle; also how often an idle engine progresses the inner engine.
-const IDLE_PARK: Duration = Duration::from_millis(2);
-
 impl Driver {
     /// Runs until `stop`, then closes and shuts down; true when no grant was left outstanding.
     fn run(&mut self, stop: &AtomicBool) -> bool {
@@ -499,15 +492,8 @@ impl Driver {
         self.copier.prepare_thread();
         crate::sys::thread::precise_sleeps();
         let mut cmds = Vec::new();
-        let mut stalls = 0u32;
-        // The next idle park's length. Nothing wakes the reactor when a frame reaches the inner
-        // engine, so a WANT arriving while it is parked waited up to a whole IDLE_PARK (2.4 ms
-        // per 16 KiB bounced WRITE against 0.4 ms on UCX, to a target that does not poll, issue
-        // 12). Transfers come in runs: after a busy pass the idle parks start at BUSY_SLEEP and
-        // double up to IDLE_PARK, so the next transfer of a run is seen within about its gap,
-        // for a handful of wake-ups (polling every BUSY_SLEEP for 20 ms instead took the cores
-        // of a 2-core machine's other work: UCX round trips there ran 2x slower).
-        let mut idle_park = IDLE_PARK;
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let mut pace = Pace::new(cores, Instant::now());
         while !stop.load(Ordering::Acquire) {
             let moved = self.iterate(&mut cmds);
             // Busy includes the receiver role: a remote flow waiting for its next DATA must be
@@ -519,30 +505,14 @@ impl Driver {
                 || !self.deregs.is_empty()
                 || self.fetches.busy()
                 || !self.ep.is_idle();
-            if busy {
-                idle_park = BUSY_SLEEP;
-            }
-            if moved {
-                stalls = 0;
-            } else if busy {
-                stalls += 1;
-                if stalls > SPIN_ITERATIONS {
-                    std::thread::park_timeout(BUSY_SLEEP);
-                } else {
-                    // yield, not spin_loop: on a machine with few cores the copy workers and
-                    // the application need this core more than we do.
-                    std::thread::yield_now();
-                }
-            } else {
-                let longest = idle_park;
-                idle_park = (idle_park * 2).min(IDLE_PARK);
-                let wait = self
-                    .ep
-                    .poll_timeout()
-                    .map(|t| t.saturating_duration_since(Instant::now()))
-                    .unwrap_or(longest)
-                    .min(longest);
-                std::thread::park_timeout(wait);
+            let now = Instant::now();
+            let timer = self.ep.poll_timeout().map(|t| t.saturating_duration_since(now));
+            match pace.after_pass(now, moved, busy, timer) {
+                Wait::Now => {}
+                // yield, not spin_loop: on a machine with few cores the copy workers and the
+                // application need this core more than we do.
+                Wait::Yield => std::thread::yield_now(),
+                Wait::Park(d) => std::thread::park_timeout(d),
             }
         }
         let quiet = self.close();

@@ -1,0 +1,133 @@
+//! How the reactor waits between passes. Nothing wakes it when a frame, a write's completion or
+//! a copy's completion reaches the inner engine or the GPU: it must poll, and how often it
+//! polls is the latency of every control hop.
+//!
+//! - With something moving it never waits.
+//! - On a host with many cores it spins (yielding) for [`HOT_SPIN`] after the last pass that
+//!   moved anything: UCX delivers a large control frame (a PLAN of thousands of runs, tens of
+//!   KB) a fragment per progress call, so a frame sent while both reactors slept 50 us between
+//!   polls took 0.3-0.5 ms to cross the 16-core GPU host, and every hop of a bounced transfer
+//!   waited up to a sleep (BENCHMARKS.md, issue 11). A busy UCX progress thread burns a core
+//!   the same way, all the time; this spins only around activity.
+//! - Otherwise, with work in flight, it yields [`SPIN_ITERATIONS`] times, then sleeps
+//!   [`BUSY_SLEEP`] between polls: on a 2-core machine the copy workers and the application
+//!   need the cores (a reactor polling every 50 us for 20 ms there made UCX's own round trips
+//!   2x slower, issue 12).
+//! - Idle, its sleeps start at [`BUSY_SLEEP`] and double up to [`IDLE_PARK`], so the next
+//!   transfer of a run is seen within about its gap, for a handful of wake-ups.
+//!
+//! Time is passed in, so the policy is tested without a clock.
+
+use std::time::{Duration, Instant};
+
+/// Polls this many times (yielding) with work in flight but nothing moving before sleeping.
+/// Measured on the 2-core benchmark machine: 20 beat 200 and 2000 (BENCHMARKS.md).
+pub(super) const SPIN_ITERATIONS: u32 = 20;
+/// Sleep between polls once spinning gave nothing (work in flight).
+pub(super) const BUSY_SLEEP: Duration = Duration::from_micros(50);
+/// Longest park when idle; also how often an idle engine progresses the inner engine.
+pub(super) const IDLE_PARK: Duration = Duration::from_millis(2);
+/// How long a reactor on a many-core host keeps spinning after its last pass that moved.
+pub(super) const HOT_SPIN: Duration = Duration::from_millis(1);
+/// Fewest cores for [`HOT_SPIN`]: below, the reactor's core is needed elsewhere.
+pub(super) const HOT_SPIN_CORES: usize = 8;
+
+/// What the reactor does before its next pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wait {
+    /// Nothing: something moved, go again.
+    Now,
+    /// Give the core away once, then go again.
+    Yield,
+    /// Sleep at most this long (an unpark ends it early).
+    Park(Duration),
+}
+
+/// The reactor's waiting policy (see the module docs).
+#[derive(Debug)]
+pub(super) struct Pace {
+    hot: Duration,
+    stalls: u32,
+    idle_park: Duration,
+    last_moved: Instant,
+}
+
+impl Pace {
+    /// The policy for a host with `cores` cores.
+    pub(super) fn new(cores: usize, now: Instant) -> Self {
+        let hot = if cores >= HOT_SPIN_CORES { HOT_SPIN } else { Duration::ZERO };
+        Self { hot, stalls: 0, idle_park: IDLE_PARK, last_moved: now }
+    }
+
+    /// After a pass at `now` that `moved` anything, with work in flight (`busy`) or not, and
+    /// the core's next timer due in `timer`: what to do before the next pass.
+    pub(super) fn after_pass(&mut self, now: Instant, moved: bool, busy: bool, timer: Option<Duration>) -> Wait {
+        if busy {
+            self.idle_park = BUSY_SLEEP;
+        }
+        if moved {
+            self.stalls = 0;
+            self.last_moved = now;
+            return Wait::Now;
+        }
+        if now.saturating_duration_since(self.last_moved) < self.hot {
+            return Wait::Yield;
+        }
+        if busy {
+            self.stalls += 1;
+            return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
+        }
+        let longest = self.idle_park;
+        self.idle_park = (self.idle_park * 2).min(IDLE_PARK);
+        Wait::Park(timer.unwrap_or(longest).min(longest))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    /// The waits of `n` passes that move nothing, `step` apart, starting `from` after `t0`.
+    fn stalled(p: &mut Pace, t0: Instant, from: Duration, step: Duration, n: u32, busy: bool) -> Vec<Wait> {
+        (0..n).map(|i| p.after_pass(t0 + from + step * i, false, busy, None)).collect()
+    }
+
+    #[test]
+    fn few_cores_yield_a_while_then_sleep_between_polls_and_back_off_when_idle() {
+        let t0 = Instant::now();
+        let mut p = Pace::new(2, t0);
+        assert_eq!(p.after_pass(t0, true, true, None), Wait::Now);
+        let waits = stalled(&mut p, t0, us(1), us(1), SPIN_ITERATIONS + 2, true);
+        assert!(waits[..SPIN_ITERATIONS as usize].iter().all(|w| *w == Wait::Yield), "{waits:?}");
+        assert_eq!(waits[SPIN_ITERATIONS as usize..], [Wait::Park(BUSY_SLEEP); 2]);
+        // Idle: 50 us, doubling up to 2 ms; a timer due sooner cuts the park short.
+        let idle = stalled(&mut p, t0, us(100), us(1), 7, false);
+        let parks: Vec<_> = [50, 100, 200, 400, 800, 1600, 2000].into_iter().map(|n| Wait::Park(us(n))).collect();
+        assert_eq!(idle, parks);
+        assert_eq!(p.after_pass(t0 + us(200), false, false, Some(us(30))), Wait::Park(us(30)));
+        // Work in flight again resets the back-off.
+        p.after_pass(t0 + us(300), false, true, None);
+        assert_eq!(p.after_pass(t0 + us(301), false, false, None), Wait::Park(BUSY_SLEEP));
+    }
+
+    #[test]
+    fn many_cores_spin_for_the_hot_window_after_the_last_movement_then_pace_as_few_cores_do() {
+        let t0 = Instant::now();
+        let mut p = Pace::new(16, t0);
+        assert_eq!(p.after_pass(t0, true, true, None), Wait::Now);
+        // Busy or idle, nothing moving: yields only, for HOT_SPIN after the movement.
+        let hot = stalled(&mut p, t0, us(1), us(10), 99, true);
+        assert!(hot.iter().all(|w| *w == Wait::Yield), "{hot:?}");
+        assert!(stalled(&mut p, t0, us(500), us(10), 20, false).iter().all(|w| *w == Wait::Yield));
+        // Past the window, the few-core pacing: idle parks back off, busy ones sleep 50 us.
+        assert_eq!(p.after_pass(t0 + HOT_SPIN, false, false, None), Wait::Park(BUSY_SLEEP));
+        assert_eq!(p.after_pass(t0 + HOT_SPIN + us(60), false, false, None), Wait::Park(us(100)));
+        // A movement opens a new window.
+        assert_eq!(p.after_pass(t0 + us(5000), true, false, None), Wait::Now);
+        assert_eq!(p.after_pass(t0 + us(5900), false, false, None), Wait::Yield);
+    }
+}
