@@ -1,0 +1,173 @@
+"""A hostile peer forging a one-way target's mailbox records, end to end (issue 13).
+
+Three processes: a target T (peer.py, BOUNCE, host memory) that never loads anyone's metadata,
+so it answers one way by writing authenticated records into the mailbox in its arena; an honest
+initiator I (this process) that loaded T's metadata and bounces many small scattered pieces to
+or from T; and a forger F (mailbox_forger.py), a plain UCX agent that loaded T's metadata too.
+The arena is one registration whose remote key is in T's published capabilities, so F can
+RDMA-READ and RDMA-WRITE the whole mailbox, and it does while I's transfers run: garbage,
+genuine records with a flipped bit, moved to the next position, copied from another slot or
+replayed from an earlier lap, and ACKs it cannot authenticate (it never sees the token).
+
+What must hold: every honest transfer ends DONE with every byte right (and every byte between
+destinations untouched) or fails in bounded time, never DONE with wrong bytes; T and I stay
+alive; no forged record is ever taken as an answer (I reads exactly the records T wrote); and F
+cannot make I report a transfer done whose data never landed.
+
+Placing a forgery where the reader looks next races the target writing the genuine record
+there. The "frozen" phases take the race out: the test stops T (SIGSTOP) for a few
+milliseconds, F reads the mailbox and writes its forgeries after every slot's latest record,
+the reader polls them (a READ of a stopped process's memory needs nothing of it), and T, let
+go, writes the genuine records over them: every transfer must then complete byte-exact. The
+free-running phase lets F race T; a forgery that lands just after T's genuine record destroys
+it, which only delays the transfer until its no-progress timeout (docs/one-way.md, "What a
+hostile writer can still do"), so there a transfer may fail, in bounded time."""
+import base64
+import contextlib
+import os
+import signal
+import time
+
+import nixlkit
+from test_failures import (SLACK_S, TIMEOUT_MS, act_in_flight, dump, peer_stats, procs, resolve, settle,  # noqa: F401
+                           settle_local, stats, watchdog)
+
+ARENA = 4 << 20
+# 64 KiB chunks through a 4 MiB arena: a 4 MiB transfer is 64 chunks, 128 records for a WRITE
+# (a GRANT and an ACK each) through rings of 18, so every ring wraps seven times.
+PARAMS = {"bounce_request_timeout_ms": str(TIMEOUT_MS), "bounce_arena_size": "4MiB",
+          "bounce_max_chunk_size": "64KiB"}
+BOUND_S = TIMEOUT_MS / 1000 + SLACK_S  # a transfer resolves within this, whatever F does
+PIECES, PIECE = 16384, 1024  # 16 MiB of 1 KiB pieces (256 chunks), scattered over 32 MiB
+
+
+def stopped(pid, deadline_s=2.0):
+    """Waits until every thread of `pid` is stopped: kill() returns before a thread running on
+    another core has taken the signal, and T's last record writes must be over before F reads."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as fh:
+                states.append(fh.read().rsplit(")", 1)[1].split()[0])
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.0002)
+    raise AssertionError(f"process {pid} did not stop within {deadline_s}s")
+
+
+class Trio:
+    """T (never loads anyone), I (loads T: one way) and F (loads T's arena under T's name)."""
+
+    def __init__(self, procs, tag, size, seed):
+        self.name = f"mt-target-{tag}"
+        self.t = procs()
+        self.meta, self.raddr = self.t.start(name=self.name, size=size, seed=seed, params=PARAMS)
+        self.i = nixlkit.agent(f"mt-initiator-{tag}", params=PARAMS)
+        self.i.add_remote_agent(self.meta)
+        self.f = procs("mailbox_forger.py")
+        r = self.f.call(op="start", name=f"mt-forger-{tag}", seed=seed,
+                        target_meta=base64.b64encode(self.meta).decode())
+        self.mailbox = r["mailbox"]
+        self.forged = self.present = self.freezes = 0
+
+    def post(self, op, local, remote):
+        lo = self.i.get_xfer_descs(local, "DRAM")
+        re = self.i.get_xfer_descs(remote, "DRAM")
+        h = self.i.initialize_xfer(op, lo, re, self.name, b"", backends=["BOUNCE"])
+        assert self.i.transfer(h) != "ERR"
+        return h
+
+    @contextlib.contextmanager
+    def frozen(self):
+        os.kill(self.t.proc.pid, signal.SIGSTOP)
+        try:
+            stopped(self.t.proc.pid)
+            yield
+        finally:
+            os.kill(self.t.proc.pid, signal.SIGCONT)
+
+    def under_frozen_forgery(self, h, every_s=0.002, hold_s=0.003):
+        """Until `h` resolves: every `every_s`, stop T, let F forge a record after every slot's
+        latest one, keep T stopped `hold_s` while I's reader polls them (F checks they are still
+        there), then let T go on. Returns the transfer's end state."""
+        end = time.monotonic() + BOUND_S + 10
+        while time.monotonic() < end:
+            st, _ = resolve(self.i, h, every_s)
+            if st != "PROC":
+                return st
+            with self.frozen():
+                n = self.f.call(op="forge")["n"]
+                time.sleep(hold_s)
+                if n:
+                    self.forged += n
+                    self.present += self.f.call(op="check_forged")["present"]
+                self.freezes += 1
+        raise AssertionError(f"HANG: a transfer under frozen forgery still in flight after {BOUND_S + 10}s")
+
+
+def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, tmp_path):
+    lays = [nixlkit.Scattered(PIECES, PIECE, seed=400 + k) for k in range(64)]
+    size = lays[0].dst_bytes
+    x = Trio(procs, "w", size, seed=401)
+    srcs = [nixlkit.pattern(500 + k, lays[0].src_bytes) for k in range(2)]
+    for s in srcs:
+        nixlkit.register(x.i, s)
+    expect = [nixlkit.pattern(401, size)]
+
+    def post(k):
+        return x.post("WRITE", lays[k].src_list(srcs[k % 2].ctypes.data), lays[k].dst_list(x.raddr))
+
+    def landed(k, st):
+        """DONE: T's whole buffer is exactly what the transfers so far put there. Anything else:
+        its destinations may hold anything, so T's buffer starts again from a known fill."""
+        if st == "DONE":
+            expect[0] = lays[k].expected(srcs[k % 2], expect[0])
+            nixlkit.assert_same(dump(x.t, tmp_path, "dst.bin"), expect[0], f"T's buffer after honest WRITE {k}")
+        else:
+            x.t.call(op="fill", seed=600 + k)
+            expect[0] = nixlkit.pattern(600 + k, size)
+
+    with watchdog(90, [x.t, x.f], "one-way WRITE under mailbox forgery"):
+        # 1. frozen forgery: every transfer completes byte-exact, every record read is genuine
+        s0, t0 = stats(x.i), peer_stats(x.t)
+        frozen = 4
+        for k in range(frozen):
+            st = x.under_frozen_forgery(post(k))
+            assert st == "DONE", f"honest WRITE {k} under frozen forgery: {st}"
+            landed(k, st)
+        s1 = settle_local(x.i, ARENA, SLACK_S, "initiator after frozen forgery")
+        t1 = settle(lambda: peer_stats(x.t), ARENA, SLACK_S, "target after frozen forgery")
+        chunks = s1["bounce_chunks"] - s0["bounce_chunks"]
+        read, written = s1["records_read"] - s0["records_read"], t1["records_written"] - t0["records_written"]
+
+        # 2. free-running: F races T; DONE must be byte-exact, anything else bounded
+        x.f.send(op="harass", seconds=3.0)
+        done = failed = 0
+        k = frozen
+        t_end = time.monotonic() + 2.5
+        while time.monotonic() < t_end:
+            st, took = resolve(x.i, post(k), BOUND_S)
+            assert st in ("DONE", "ERR"), f"HANG: honest WRITE {k} still {st} after {took:.1f}s"
+            landed(k, st)
+            done, failed = done + (st == "DONE"), failed + (st != "DONE")
+            k += 1
+        race = x.f.recv()
+        s2 = settle_local(x.i, ARENA, BOUND_S, "initiator after racing forgery")
+        settle(lambda: peer_stats(x.t), ARENA, BOUND_S, "target after racing forgery")
+
+        # 3. afterwards the pair is whole: one more transfer, byte-exact
+        st, _ = resolve(x.i, post(k), BOUND_S)
+        assert st == "DONE", f"honest WRITE after the forger stopped: {st}"
+        landed(k, st)
+    print(f"\nfrozen: {frozen} WRITEs, {x.freezes} freezes, {x.forged} forged records ({x.present} still in place "
+          f"after the hold), {chunks} chunks, records: T wrote {written}, I read {read}")
+    print(f"racing: {done} done, {failed} failed (timeouts {s2['timeouts'] - s1['timeouts']}); forger {race}")
+    assert x.t.proc.poll() is None, "the target died"
+    assert x.forged > 0 and x.present == x.forged, "the forgeries did not sit in T's mailbox while it was stopped"
+    # Not one forged record taken as an answer: I read exactly T's records, a GRANT and an ACK
+    # per chunk (a forged ACK taken would also have left bytes unwritten, caught above).
+    assert read == written == 2 * chunks, (read, written, chunks)
+    assert s2["bounce_failed"] - s1["bounce_failed"] == failed
+    assert s2["timeouts"] - s1["timeouts"] == failed, "a racing forgery failed a transfer other than by delay"
+    assert sum(race["written"].values()) > 0, f"the racing forger never found a live slot: {race}"
