@@ -336,6 +336,7 @@ class Forger:
                 items.append((off, record(kind, slot, seq + 1 + n, xfer, c, region, m)))
         self.write(items)
         self.forged = items
+        self.mine.update(items)
         return {"written": len(items), "slots": len({o // self.ring_bytes for o, _ in items}), "xfers": sorted(xfers)}
 
     def check_forged(self):

@@ -41,6 +41,12 @@ BOUND_S = TIMEOUT_MS / 1000 + SLACK_S  # a transfer resolves within this, whatev
 PIECES, PIECE = 16384, 1024  # 16 MiB of 1 KiB pieces (256 chunks), scattered over 32 MiB
 
 
+def fresh(ag):
+    """Our counters as of now (getNotifs publishes what the engine counted so far)."""
+    ag.get_new_notifs()
+    return stats(ag)
+
+
 def stopped(pid, deadline_s=2.0):
     """Waits until every thread of `pid` is stopped: kill() returns before a thread running on
     another core has taken the signal, and T's last record writes must be over before F reads."""
@@ -130,7 +136,7 @@ def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, t
 
     with watchdog(90, [x.t, x.f], "one-way WRITE under mailbox forgery"):
         # 1. frozen forgery: every transfer completes byte-exact, every record read is genuine
-        s0, t0 = stats(x.i), peer_stats(x.t)
+        s0, t0 = fresh(x.i), peer_stats(x.t)
         frozen = 4
         for k in range(frozen):
             st = x.under_frozen_forgery(post(k))
@@ -171,3 +177,92 @@ def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, t
     assert s2["bounce_failed"] - s1["bounce_failed"] == failed
     assert s2["timeouts"] - s1["timeouts"] == failed, "a racing forgery failed a transfer other than by delay"
     assert sum(race["written"].values()) > 0, f"the racing forger never found a live slot: {race}"
+
+
+def test_forged_mailbox_records_never_complete_a_read_with_wrong_bytes(procs):
+    """One-way READ: T gathers each chunk into a region and announces it with a GRANT record;
+    a forged one taken would make I READ the wrong region (or none) and scatter wrong bytes."""
+    lays = [nixlkit.Scattered(PIECES, PIECE, seed=440 + k) for k in range(3)]
+    x = Trio(procs, "r", lays[0].src_bytes, seed=441)
+    src = nixlkit.pattern(441, lays[0].src_bytes)
+    dst = nixlkit.pattern(442, lays[0].dst_bytes)
+    nixlkit.register(x.i, dst)
+    expect = dst.copy()
+    with watchdog(90, [x.t, x.f], "one-way READ under mailbox forgery"):
+        s0, t0 = fresh(x.i), peer_stats(x.t)
+        for k, lay in enumerate(lays):
+            st = x.under_frozen_forgery(x.post("READ", lay.dst_list(dst.ctypes.data), lay.src_list(x.raddr)))
+            assert st == "DONE", f"honest READ {k} under frozen forgery: {st}"
+            expect = lay.expected(src, expect)
+            nixlkit.assert_same(dst, expect, f"I's buffer after honest READ {k} (and every byte between)")
+        s1 = settle_local(x.i, ARENA, SLACK_S, "initiator after forgery")
+        t1 = settle(lambda: peer_stats(x.t), ARENA, SLACK_S, "target after forgery")
+    chunks = s1["bounce_chunks"] - s0["bounce_chunks"]
+    read, written = s1["records_read"] - s0["records_read"], t1["records_written"] - t0["records_written"]
+    print(f"\nREAD: {len(lays)} READs, {x.freezes} freezes, {x.forged} forged records, {chunks} chunks, "
+          f"records: T wrote {written}, I read {read}")
+    assert x.t.proc.poll() is None, "the target died"
+    assert s1["bounce_read_ok"] - s0["bounce_read_ok"] == len(lays)
+    assert x.forged > 0 and x.present == x.forged, "the forgeries did not sit in T's mailbox while it was stopped"
+    assert read == written == chunks, "I took a record T never wrote (or lost one)"
+
+
+def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_path):
+    """T is stopped mid-WRITE: from then on it scatters nothing and writes no record. F fills
+    every free position of the transfer's ring with the records that would finish it -- an ACK
+    for each chunk granted and not acknowledged, then GRANT + ACK pairs for the rest -- every
+    field right (slot, sequence number, transfer id, chunk, a genuine region), the MAC a
+    genuine GRANT's, then zero, then random: without the token it cannot make one. I must not
+    report DONE; it fails by its no-progress timeout. Then T, let go, serves a WRITE byte-exact."""
+    lay = nixlkit.Scattered(PIECES, PIECE, seed=460)
+    x = Trio(procs, "ack", lay.dst_bytes, seed=461)
+    src = nixlkit.pattern(462, lay.src_bytes)
+    nixlkit.register(x.i, src)
+    pid = x.t.proc.pid
+    with watchdog(90, [x.t, x.f], "forged ACKs against a stopped target"):
+        for _ in range(3):
+            x.f.call(op="snapshot")
+            s0 = fresh(x.i)
+            h = x.post("WRITE", lay.src_list(src.ctypes.data), lay.dst_list(x.raddr))
+            h, st = act_in_flight(x.i, h, lambda: os.kill(pid, signal.SIGSTOP), after_s=0.002)
+            if h is not None:
+                break
+            assert st == "DONE", st  # finished before the stop: once more
+        else:
+            raise AssertionError("could not stop the target mid-WRITE in 3 attempts")
+        try:
+            stopped(pid)
+            t_stop = time.monotonic()
+            time.sleep(0.05)  # I's reader takes every record T wrote before it stopped
+            before = fresh(x.i)
+            forged = []
+            for mac in ("grant", "zero", "random"):
+                r = x.f.call(op="forge_acks", mac=mac)
+                assert r["written"] > 0 and r["slots"] == 1, f"F found no transfer to forge for: {r}"
+                time.sleep(0.3)  # I's reader polls them
+                forged.append((r["written"], x.f.call(op="check_forged")["present"]))
+            st, _ = resolve(x.i, h, BOUND_S)
+            took = time.monotonic() - t_stop
+            after = fresh(x.i)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        x.i.release_xfer_handle(h)
+        assert st != "DONE", "FALSE DONE: forged ACKs completed a WRITE whose target scattered nothing"
+        assert st == "ERR", f"HANG: the WRITE against a stopped target still {st} after {took:.1f}s"
+        s1 = settle_local(x.i, ARENA, BOUND_S, "initiator after the forged ACKs")
+        settle(lambda: peer_stats(x.t), ARENA, BOUND_S, "target after the forged ACKs")
+        # the pair is whole: a WRITE into a refilled T is byte-exact
+        x.t.call(op="fill", seed=463)
+        lay2 = nixlkit.Scattered(PIECES, PIECE, seed=464)
+        st2, _ = resolve(x.i, x.post("WRITE", lay2.src_list(src.ctypes.data), lay2.dst_list(x.raddr)), BOUND_S)
+        assert st2 == "DONE", st2
+        nixlkit.assert_same(dump(x.t, tmp_path, "after.bin"), lay2.expected(src, nixlkit.pattern(463, lay.dst_bytes)),
+                            "T's buffer after the forged ACKs")
+    print(f"\nforged ACKs: {forged} (written, still in place) per MAC kind; the WRITE failed {took:.1f}s after "
+          f"T stopped; records read while stopped: {after['records_read'] - before['records_read']}")
+    assert all(w == p for w, p in forged), f"F's records did not stay where the reader looks: {forged}"
+    assert after["records_read"] == before["records_read"], "I took a record while T could write none"
+    assert s1["bounce_failed"] == s0["bounce_failed"] + 1 and s1["timeouts"] == s0["timeouts"] + 1, (s0, s1)
+    assert s1["bounce_ok"] == s0["bounce_ok"]
+    assert took <= BOUND_S
+    assert x.t.proc.poll() is None, "the target died"
