@@ -49,6 +49,7 @@ import json
 import os
 import random
 import struct
+import time
 
 import numpy as np
 
@@ -158,9 +159,6 @@ class Forger:
         self.local = self.ag.get_xfer_descs([(self.image.ctypes.data, self.mb_len, 0)], "DRAM")
         self.remote = self.ag.get_xfer_descs([(self.mb_addr, self.mb_len, 0)], "DRAM")
         self.read_h = self.ag.initialize_xfer("READ", self.local, self.remote, self.target, b"", backends=["UCX"])
-        # The first transfer wires the connection up, which needs the target to answer: do it
-        # now, while it runs (the test stops it later and expects our READs to go on).
-        self.read()
         self.last = None
         self.mine = {}  # mailbox offset -> the record we last wrote there
         self.history = {}  # slot -> {seq: record bytes}: every genuine-looking record seen
@@ -170,10 +168,12 @@ class Forger:
         self.written = {k: 0 for k in self.KINDS}
         self.hit = {}  # slot -> the sequence number we last forged after
         self.active = set()
-        self.start_top = self.prev_top = None
+        # The first transfer wires the connection up, which needs the target to answer: do it
+        # now, while it runs (the test stops it later and expects our READs to go on). What the
+        # mailbox holds now is the baseline: slots whose latest record is older are left alone.
+        self.start_top = self.prev_top = self.tops(self.read())
 
     def run(self, h, deadline_s=5.0):
-        import time
         end = time.monotonic() + deadline_s
         state = self.ag.transfer(h)
         while state not in ("DONE", "ERR"):
@@ -236,8 +236,6 @@ class Forger:
         one forged record where the next one goes. Returns [(offset, bytes)] written."""
         img = self.read()
         top = self.tops(img)
-        if self.start_top is None:
-            self.start_top = self.prev_top = top
         for slot in np.flatnonzero(top != self.prev_top):
             slot, seq = int(slot), int(top[slot])
             if seq:
@@ -290,7 +288,6 @@ class Forger:
     def harass(self, seconds):
         """Free-running forge rounds (quiet slots only) for `seconds`: the target keeps running,
         so a forgery may land just after the target wrote the record it replaces."""
-        import time
         landed = rounds = 0
         pending = []
         end = time.monotonic() + seconds
@@ -316,14 +313,14 @@ class Forger:
             xfer = fields(self.record_at(img, slot, seq))["xfer"]
             xfers.add(xfer)
             # the transfer's records still in the ring (the last lap)
-            mine = [fields(r) | {"mac": r[48:]} for r in (self.record_at(img, slot, q)
+            recs = [fields(r) | {"mac": r[48:]} for r in (self.record_at(img, slot, q)
                                                           for q in range(max(1, seq - self.ring + 1), seq + 1))]
-            mine = [r for r in mine if r["xfer"] == xfer]
-            grants = [r for r in mine if r["kind"] == GRANT]
-            acked = {r["chunk"] for r in mine if r["kind"] == ACK}
+            recs = [r for r in recs if r["xfer"] == xfer]
+            grants = [r for r in recs if r["kind"] == GRANT]
+            acked = {r["chunk"] for r in recs if r["kind"] == ACK}
             todo = [(ACK, g["chunk"], g["region"], g["mac"]) for g in grants if g["chunk"] not in acked]
-            template = grants[-1] if grants else mine[-1]
-            chunk = max((r["chunk"] for r in mine), default=0)
+            template = grants[-1] if grants else recs[-1]
+            chunk = max((r["chunk"] for r in recs), default=0)
             # Every position but the latest record's: the target stopped, so the reader has
             # consumed all it wrote, and nothing genuine is left to overwrite but that one.
             while len(todo) < self.ring - 1:

@@ -17,19 +17,28 @@ cannot make I report a transfer done whose data never landed.
 Placing a forgery where the reader looks next races the target writing the genuine record
 there. The "frozen" phases take the race out: the test stops T (SIGSTOP) for a few
 milliseconds, F reads the mailbox and writes its forgeries after every slot's latest record,
-the reader polls them (a READ of a stopped process's memory needs nothing of it), and T, let
-go, writes the genuine records over them: every transfer must then complete byte-exact. The
-free-running phase lets F race T; a forgery that lands just after T's genuine record destroys
-it, which only delays the transfer until its no-progress timeout (docs/one-way.md, "What a
-hostile writer can still do"), so there a transfer may fail, in bounded time."""
+I's reader polls them (a READ of a stopped process's memory needs nothing of it), and T, let
+go, writes the genuine records over them: every transfer must then complete byte-exact, and
+`stats.records_refused` shows the reader saw and refused them. (Over the UCX control channel
+I's polling stops while T is stopped, a bug the last test pins as xfail, so there the refusals
+are asserted over ZMQ only.) The free-running phase lets F race T; a forgery that lands just
+after T's genuine record destroys it, which only delays the transfer until its no-progress
+timeout (docs/one-way.md, "What a hostile writer can still do"): there a transfer may fail,
+in bounded time, and only by that timeout.
+
+How F finds the mailbox, and what T's own counters show: see mailbox_forger.py. T cannot see
+a forgery (nothing of T reads its mailbox, and F's RDMA writes bypass T's CPU): only I's
+`records_refused` counts them."""
 import base64
 import contextlib
 import os
 import signal
 import time
 
+import pytest
+
 import nixlkit
-from test_failures import (SLACK_S, TIMEOUT_MS, act_in_flight, dump, peer_stats, procs, resolve, settle,  # noqa: F401
+from test_failures import (SLACK_S, TIMEOUT_MS, ZMQ, act_in_flight, dump, peer_stats, procs, resolve, settle,  # noqa: F401
                            settle_local, stats, watchdog)
 
 ARENA = 4 << 20
@@ -37,6 +46,11 @@ ARENA = 4 << 20
 # (a GRANT and an ACK each) through rings of 18, so every ring wraps seven times.
 PARAMS = {"bounce_request_timeout_ms": str(TIMEOUT_MS), "bounce_arena_size": "4MiB",
           "bounce_max_chunk_size": "64KiB"}
+CONTROL = {"ucx": {}, "zmq": ZMQ}
+# With the UCX control channel the initiator's mailbox polling stops while the target is
+# stopped (see test_a_stopped_target_does_not_stall_transfers_to_others), so the reader cannot
+# look at forgeries placed during a freeze: refusals are counted only over ZMQ.
+SEES_DURING_FREEZE = {"ucx": False, "zmq": True}
 BOUND_S = TIMEOUT_MS / 1000 + SLACK_S  # a transfer resolves within this, whatever F does
 PIECES, PIECE = 16384, 1024  # 16 MiB of 1 KiB pieces (256 chunks), scattered over 32 MiB
 
@@ -65,11 +79,12 @@ def stopped(pid, deadline_s=2.0):
 class Trio:
     """T (never loads anyone), I (loads T: one way) and F (loads T's arena under T's name)."""
 
-    def __init__(self, procs, tag, size, seed):
+    def __init__(self, procs, tag, size, seed, control="ucx"):
+        params = {**PARAMS, **CONTROL[control]}
         self.name = f"mt-target-{tag}"
         self.t = procs()
-        self.meta, self.raddr = self.t.start(name=self.name, size=size, seed=seed, params=PARAMS)
-        self.i = nixlkit.agent(f"mt-initiator-{tag}", params=PARAMS)
+        self.meta, self.raddr = self.t.start(name=self.name, size=size, seed=seed, params=params)
+        self.i = nixlkit.agent(f"mt-initiator-{tag}", params=params)
         self.i.add_remote_agent(self.meta)
         self.f = procs("mailbox_forger.py")
         r = self.f.call(op="start", name=f"mt-forger-{tag}", seed=seed,
@@ -112,10 +127,11 @@ class Trio:
         raise AssertionError(f"HANG: a transfer under frozen forgery still in flight after {BOUND_S + 10}s")
 
 
-def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, tmp_path):
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, tmp_path, control):
     lays = [nixlkit.Scattered(PIECES, PIECE, seed=400 + k) for k in range(64)]
     size = lays[0].dst_bytes
-    x = Trio(procs, "w", size, seed=401)
+    x = Trio(procs, f"w-{control}", size, seed=401, control=control)
     srcs = [nixlkit.pattern(500 + k, lays[0].src_bytes) for k in range(2)]
     for s in srcs:
         nixlkit.register(x.i, s)
@@ -137,7 +153,7 @@ def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, t
     with watchdog(90, [x.t, x.f], "one-way WRITE under mailbox forgery"):
         # 1. frozen forgery: every transfer completes byte-exact, every record read is genuine
         s0, t0 = fresh(x.i), peer_stats(x.t)
-        frozen = 4
+        frozen = 3
         for k in range(frozen):
             st = x.under_frozen_forgery(post(k))
             assert st == "DONE", f"honest WRITE {k} under frozen forgery: {st}"
@@ -146,12 +162,13 @@ def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, t
         t1 = settle(lambda: peer_stats(x.t), ARENA, SLACK_S, "target after frozen forgery")
         chunks = s1["bounce_chunks"] - s0["bounce_chunks"]
         read, written = s1["records_read"] - s0["records_read"], t1["records_written"] - t0["records_written"]
+        refused = s1["records_refused"] - s0["records_refused"]
 
         # 2. free-running: F races T; DONE must be byte-exact, anything else bounded
-        x.f.send(op="harass", seconds=3.0)
+        x.f.send(op="harass", seconds=2.0)
         done = failed = 0
         k = frozen
-        t_end = time.monotonic() + 2.5
+        t_end = time.monotonic() + 1.5
         while time.monotonic() < t_end:
             st, took = resolve(x.i, post(k), BOUND_S)
             assert st in ("DONE", "ERR"), f"HANG: honest WRITE {k} still {st} after {took:.1f}s"
@@ -167,23 +184,27 @@ def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, t
         assert st == "DONE", f"honest WRITE after the forger stopped: {st}"
         landed(k, st)
     print(f"\nfrozen: {frozen} WRITEs, {x.freezes} freezes, {x.forged} forged records ({x.present} still in place "
-          f"after the hold), {chunks} chunks, records: T wrote {written}, I read {read}")
-    print(f"racing: {done} done, {failed} failed (timeouts {s2['timeouts'] - s1['timeouts']}); forger {race}")
+          f"after the hold), {chunks} chunks, records: T wrote {written}, I read {read}, I refused {refused}")
+    print(f"racing: {done} done, {failed} failed (timeouts {s2['timeouts'] - s1['timeouts']}), I refused "
+          f"{s2['records_refused'] - s1['records_refused']} records; forger {race}")
     assert x.t.proc.poll() is None, "the target died"
     assert x.forged > 0 and x.present == x.forged, "the forgeries did not sit in T's mailbox while it was stopped"
     # Not one forged record taken as an answer: I read exactly T's records, a GRANT and an ACK
     # per chunk (a forged ACK taken would also have left bytes unwritten, caught above).
     assert read == written == 2 * chunks, (read, written, chunks)
+    if SEES_DURING_FREEZE[control]:
+        assert refused > 0, "I's reader never saw a forged record (or saw it and did not count the refusal)"
     assert s2["bounce_failed"] - s1["bounce_failed"] == failed
     assert s2["timeouts"] - s1["timeouts"] == failed, "a racing forgery failed a transfer other than by delay"
     assert sum(race["written"].values()) > 0, f"the racing forger never found a live slot: {race}"
 
 
-def test_forged_mailbox_records_never_complete_a_read_with_wrong_bytes(procs):
+@pytest.mark.parametrize("control", ["zmq"])
+def test_forged_mailbox_records_never_complete_a_read_with_wrong_bytes(procs, control):
     """One-way READ: T gathers each chunk into a region and announces it with a GRANT record;
     a forged one taken would make I READ the wrong region (or none) and scatter wrong bytes."""
     lays = [nixlkit.Scattered(PIECES, PIECE, seed=440 + k) for k in range(3)]
-    x = Trio(procs, "r", lays[0].src_bytes, seed=441)
+    x = Trio(procs, f"r-{control}", lays[0].src_bytes, seed=441, control=control)
     src = nixlkit.pattern(441, lays[0].src_bytes)
     dst = nixlkit.pattern(442, lays[0].dst_bytes)
     nixlkit.register(x.i, dst)
@@ -199,15 +220,19 @@ def test_forged_mailbox_records_never_complete_a_read_with_wrong_bytes(procs):
         t1 = settle(lambda: peer_stats(x.t), ARENA, SLACK_S, "target after forgery")
     chunks = s1["bounce_chunks"] - s0["bounce_chunks"]
     read, written = s1["records_read"] - s0["records_read"], t1["records_written"] - t0["records_written"]
+    refused = s1["records_refused"] - s0["records_refused"]
     print(f"\nREAD: {len(lays)} READs, {x.freezes} freezes, {x.forged} forged records, {chunks} chunks, "
-          f"records: T wrote {written}, I read {read}")
+          f"records: T wrote {written}, I read {read}, I refused {refused}")
     assert x.t.proc.poll() is None, "the target died"
     assert s1["bounce_read_ok"] - s0["bounce_read_ok"] == len(lays)
     assert x.forged > 0 and x.present == x.forged, "the forgeries did not sit in T's mailbox while it was stopped"
     assert read == written == chunks, "I took a record T never wrote (or lost one)"
+    if SEES_DURING_FREEZE[control]:
+        assert refused > 0, "I's reader never saw a forged record (or saw it and did not count the refusal)"
 
 
-def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_path):
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_path, control):
     """T is stopped mid-WRITE: from then on it scatters nothing and writes no record. F fills
     every free position of the transfer's ring with the records that would finish it -- an ACK
     for each chunk granted and not acknowledged, then GRANT + ACK pairs for the rest -- every
@@ -215,7 +240,7 @@ def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_
     genuine GRANT's, then zero, then random: without the token it cannot make one. I must not
     report DONE; it fails by its no-progress timeout. Then T, let go, serves a WRITE byte-exact."""
     lay = nixlkit.Scattered(PIECES, PIECE, seed=460)
-    x = Trio(procs, "ack", lay.dst_bytes, seed=461)
+    x = Trio(procs, f"ack-{control}", lay.dst_bytes, seed=461, control=control)
     src = nixlkit.pattern(462, lay.src_bytes)
     nixlkit.register(x.i, src)
     pid = x.t.proc.pid
@@ -235,12 +260,16 @@ def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_
             t_stop = time.monotonic()
             time.sleep(0.05)  # I's reader takes every record T wrote before it stopped
             before = fresh(x.i)
+            time.sleep(0.1)  # and then polls a mailbox nobody writes: nothing to refuse
+            idle = fresh(x.i)["records_refused"] - before["records_refused"]
             forged = []
             for mac in ("grant", "zero", "random"):
                 r = x.f.call(op="forge_acks", mac=mac)
                 assert r["written"] > 0 and r["slots"] == 1, f"F found no transfer to forge for: {r}"
+                was = fresh(x.i)["records_refused"]
                 time.sleep(0.3)  # I's reader polls them
-                forged.append((r["written"], x.f.call(op="check_forged")["present"]))
+                refused = fresh(x.i)["records_refused"] - was
+                forged.append((r["written"], x.f.call(op="check_forged")["present"], refused))
             st, _ = resolve(x.i, h, BOUND_S)
             took = time.monotonic() - t_stop
             after = fresh(x.i)
@@ -258,11 +287,70 @@ def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_
         assert st2 == "DONE", st2
         nixlkit.assert_same(dump(x.t, tmp_path, "after.bin"), lay2.expected(src, nixlkit.pattern(463, lay.dst_bytes)),
                             "T's buffer after the forged ACKs")
-    print(f"\nforged ACKs: {forged} (written, still in place) per MAC kind; the WRITE failed {took:.1f}s after "
+    print(f"\nforged ACKs: {forged} (written, still in place, refusals by I's reader) per MAC kind; the WRITE failed {took:.1f}s after "
           f"T stopped; records read while stopped: {after['records_read'] - before['records_read']}")
-    assert all(w == p for w, p in forged), f"F's records did not stay where the reader looks: {forged}"
+    assert all(w == p for w, p, _ in forged), f"F's records did not stay where the reader looks: {forged}"
+    assert idle == 0, f"{idle} records refused while nobody wrote the mailbox: the count is not the forgeries'"
+    if SEES_DURING_FREEZE[control]:
+        assert all(n > 0 for _, _, n in forged), f"I's reader did not see and refuse each kind of forged MAC: {forged}"
     assert after["records_read"] == before["records_read"], "I took a record while T could write none"
     assert s1["bounce_failed"] == s0["bounce_failed"] + 1 and s1["timeouts"] == s0["timeouts"] + 1, (s0, s1)
     assert s1["bounce_ok"] == s0["bounce_ok"]
     assert took <= BOUND_S
     assert x.t.proc.poll() is None, "the target died"
+
+
+@pytest.mark.parametrize("control", [
+    pytest.param("ucx", marks=pytest.mark.xfail(strict=True, reason=(
+        "BUG (found here): with the UCX control channel, an initiator whose one-way target is "
+        "stopped mid-WRITE makes no progress on a WRITE to another, healthy one-way target: it "
+        "fails by the 3 s no-progress timeout. Over ZMQ it completes in milliseconds. The "
+        "initiator's mailbox READs of the stopped target also stop (0 refusals of forged "
+        "records over 0.9 s, ~1200 over ZMQ), so the engine's IO is held up behind the stopped "
+        "peer, most likely in the inner engine's notification path (src/shell/reactor, not "
+        "edited here)."))),
+    "zmq",
+])
+def test_a_stopped_target_does_not_stall_transfers_to_others(procs, control):
+    """A hung (or hostile, or descheduled) target may fail its own transfers, by timeout, never
+    those of the initiator to other targets."""
+    params = {**PARAMS, **CONTROL[control]}
+    lay = nixlkit.Scattered(PIECES, PIECE, seed=480)
+    ts = [procs(), procs()]
+    metas = [t.start(name=f"mt-hol-{control}-{k}", size=lay.dst_bytes, seed=481 + k, params=params)
+             for k, t in enumerate(ts)]
+    i = nixlkit.agent(f"mt-hol-initiator-{control}", params=params)
+    src = nixlkit.pattern(483, lay.src_bytes)
+    nixlkit.register(i, src)
+    for meta, _ in metas:
+        i.add_remote_agent(meta)
+
+    def post(k):
+        lo = i.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+        re = i.get_xfer_descs(lay.dst_list(metas[k][1]), "DRAM")
+        h = i.initialize_xfer("WRITE", lo, re, f"mt-hol-{control}-{k}", b"", backends=["BOUNCE"])
+        assert i.transfer(h) != "ERR"
+        return h
+
+    pid = ts[0].proc.pid
+    with watchdog(60, ts, "transfers while another target is stopped"):
+        st, _ = resolve(i, post(1), BOUND_S)
+        assert st == "DONE", f"the healthy target, before: {st}"
+        for _ in range(3):
+            h, st = act_in_flight(i, post(0), lambda: os.kill(pid, signal.SIGSTOP), after_s=0.002)
+            if h is not None:
+                break
+            assert st == "DONE", st
+        else:
+            raise AssertionError("could not stop the target mid-WRITE in 3 attempts")
+        try:
+            stopped(pid)
+            other, took = resolve(i, post(1), BOUND_S)
+            mine, _ = resolve(i, h, BOUND_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    print(f"\n{control}: WRITE to the healthy target while the other is stopped: {other} in {took:.3f}s; "
+          f"the stopped target's: {mine}")
+    assert mine != "DONE", "FALSE DONE: a WRITE into a stopped target completed"
+    assert other == "DONE" and took < TIMEOUT_MS / 1000 / 2, (
+        f"a WRITE to a healthy target ended {other} after {took:.1f}s while another target was stopped")
