@@ -20,8 +20,8 @@ milliseconds, F reads the mailbox and writes its forgeries after every slot's la
 I's reader polls them (a READ of a stopped process's memory needs nothing of it), and T, let
 go, writes the genuine records over them: every transfer must then complete byte-exact, and
 `stats.records_refused` shows the reader saw and refused them. (Over the UCX control channel
-I's polling stops while T is stopped, a bug the last test pins as xfail, so there the refusals
-are asserted over ZMQ only.) The free-running phase lets F race T; a forgery that lands just
+I's reader takes nothing in while T is stopped, part of a bug the last test pins as xfail, so
+the refusals are asserted over ZMQ only.) The free-running phase lets F race T; a forgery that lands just
 after T's genuine record destroys it, which only delays the transfer until its no-progress
 timeout (docs/one-way.md, "What a hostile writer can still do"): there a transfer may fail,
 in bounded time, and only by that timeout.
@@ -32,6 +32,7 @@ a forgery (nothing of T reads its mailbox, and F's RDMA writes bypass T's CPU): 
 import base64
 import contextlib
 import os
+import select
 import signal
 import time
 
@@ -47,9 +48,10 @@ ARENA = 4 << 20
 PARAMS = {"bounce_request_timeout_ms": str(TIMEOUT_MS), "bounce_arena_size": "4MiB",
           "bounce_max_chunk_size": "64KiB"}
 CONTROL = {"ucx": {}, "zmq": ZMQ}
-# With the UCX control channel the initiator's mailbox polling stops while the target is
-# stopped (see test_a_stopped_target_does_not_stall_transfers_to_others), so the reader cannot
-# look at forgeries placed during a freeze: refusals are counted only over ZMQ.
+# With the UCX control channel, while the target is stopped mid-transfer the initiator's reader
+# takes in nothing from its mailbox (no record read, none refused, though F's READs of the same
+# bytes work): the bug test_a_stopped_target_does_not_stall_transfers_to_others pins. So the
+# forgeries placed during a freeze are seen, and their refusals asserted, over ZMQ only.
 SEES_DURING_FREEZE = {"ucx": False, "zmq": True}
 BOUND_S = TIMEOUT_MS / 1000 + SLACK_S  # a transfer resolves within this, whatever F does
 PIECES, PIECE = 16384, 1024  # 16 MiB of 1 KiB pieces (256 chunks), scattered over 32 MiB
@@ -90,7 +92,7 @@ class Trio:
         r = self.f.call(op="start", name=f"mt-forger-{tag}", seed=seed,
                         target_meta=base64.b64encode(self.meta).decode())
         self.mailbox = r["mailbox"]
-        self.forged = self.present = self.freezes = 0
+        self.forged = self.present = self.freezes = self.late = 0
 
     def post(self, op, local, remote):
         lo = self.i.get_xfer_descs(local, "DRAM")
@@ -108,6 +110,29 @@ class Trio:
         finally:
             os.kill(self.t.proc.pid, signal.SIGCONT)
 
+    def f_call_while_frozen(self, wait_s=0.5, **cmd):
+        """F's reply, or None when none came within `wait_s` with T stopped. Rarely one of F's
+        UCX transfers into T's arena waits for T itself (the inner engine's doing; the usual
+        path is a CMA copy that needs nothing of T); then T is let go at once (the caller's
+        `frozen` block ends), F's reply is taken and the round counted as `late`: its
+        forgeries may have landed after T's genuine records, a delay attack."""
+        self.f.send(**cmd)
+        ready, _, _ = select.select([self.f.proc.stdout], [], [], wait_s)
+        if ready:
+            return self.f.recv()
+        os.kill(self.t.proc.pid, signal.SIGCONT)
+        self.f.recv()
+        self.late += 1
+        return None
+
+    def done_or_late(self, st, what):
+        """A transfer under frozen forgery must end DONE, unless a round was late (then a
+        forgery may have destroyed a genuine record: it may fail, by its timeout only)."""
+        if self.late == 0:
+            assert st == "DONE", f"{what}: {st}"
+        else:
+            assert st in ("DONE", "ERR"), f"{what}: {st}"
+
     def under_frozen_forgery(self, h, every_s=0.002, hold_s=0.003):
         """Until `h` resolves: every `every_s`, stop T, let F forge a record after every slot's
         latest one, keep T stopped `hold_s` while I's reader polls them (F checks they are still
@@ -118,10 +143,12 @@ class Trio:
             if st != "PROC":
                 return st
             with self.frozen():
-                n = self.f.call(op="forge")["n"]
+                r = self.f_call_while_frozen(op="forge")
+                if r is None:  # F's transfer waits for T: let T go, the round raced it
+                    continue
                 time.sleep(hold_s)
-                if n:
-                    self.forged += n
+                if r["n"]:
+                    self.forged += r["n"]
                     self.present += self.f.call(op="check_forged")["present"]
                 self.freezes += 1
         raise AssertionError(f"HANG: a transfer under frozen forgery still in flight after {BOUND_S + 10}s")
@@ -156,7 +183,7 @@ def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, t
         frozen = 3
         for k in range(frozen):
             st = x.under_frozen_forgery(post(k))
-            assert st == "DONE", f"honest WRITE {k} under frozen forgery: {st}"
+            x.done_or_late(st, f"honest WRITE {k} under frozen forgery")
             landed(k, st)
         s1 = settle_local(x.i, ARENA, SLACK_S, "initiator after frozen forgery")
         t1 = settle(lambda: peer_stats(x.t), ARENA, SLACK_S, "target after frozen forgery")
@@ -183,15 +210,17 @@ def test_forged_mailbox_records_never_complete_a_write_with_wrong_bytes(procs, t
         st, _ = resolve(x.i, post(k), BOUND_S)
         assert st == "DONE", f"honest WRITE after the forger stopped: {st}"
         landed(k, st)
-    print(f"\nfrozen: {frozen} WRITEs, {x.freezes} freezes, {x.forged} forged records ({x.present} still in place "
-          f"after the hold), {chunks} chunks, records: T wrote {written}, I read {read}, I refused {refused}")
+    print(f"\nfrozen: {frozen} WRITEs, {x.freezes} freezes ({x.late} late), {x.forged} forged records ({x.present} "
+          f"still in place after the hold), {chunks} chunks, records: T wrote {written}, I read {read}, I refused {refused}")
     print(f"racing: {done} done, {failed} failed (timeouts {s2['timeouts'] - s1['timeouts']}), I refused "
           f"{s2['records_refused'] - s1['records_refused']} records; forger {race}")
     assert x.t.proc.poll() is None, "the target died"
     assert x.forged > 0 and x.present == x.forged, "the forgeries did not sit in T's mailbox while it was stopped"
     # Not one forged record taken as an answer: I read exactly T's records, a GRANT and an ACK
     # per chunk (a forged ACK taken would also have left bytes unwritten, caught above).
-    assert read == written == 2 * chunks, (read, written, chunks)
+    # With no late round (the usual case; see Trio.f_call_while_frozen) every WRITE completed,
+    # so I read exactly T's records; a late one may have failed a WRITE, leaving records unread.
+    assert read == written == 2 * chunks if x.late == 0 else read <= written, (read, written, chunks, x.late)
     if SEES_DURING_FREEZE[control]:
         assert refused > 0, "I's reader never saw a forged record (or saw it and did not count the refusal)"
     assert s2["bounce_failed"] - s1["bounce_failed"] == failed
@@ -213,7 +242,10 @@ def test_forged_mailbox_records_never_complete_a_read_with_wrong_bytes(procs, co
         s0, t0 = fresh(x.i), peer_stats(x.t)
         for k, lay in enumerate(lays):
             st = x.under_frozen_forgery(x.post("READ", lay.dst_list(dst.ctypes.data), lay.src_list(x.raddr)))
-            assert st == "DONE", f"honest READ {k} under frozen forgery: {st}"
+            x.done_or_late(st, f"honest READ {k} under frozen forgery")
+            if st != "DONE":  # its destinations may hold anything: start again from a known fill
+                dst[:] = expect = nixlkit.pattern(443 + k, lays[0].dst_bytes)
+                continue
             expect = lay.expected(src, expect)
             nixlkit.assert_same(dst, expect, f"I's buffer after honest READ {k} (and every byte between)")
         s1 = settle_local(x.i, ARENA, SLACK_S, "initiator after forgery")
@@ -221,12 +253,12 @@ def test_forged_mailbox_records_never_complete_a_read_with_wrong_bytes(procs, co
     chunks = s1["bounce_chunks"] - s0["bounce_chunks"]
     read, written = s1["records_read"] - s0["records_read"], t1["records_written"] - t0["records_written"]
     refused = s1["records_refused"] - s0["records_refused"]
-    print(f"\nREAD: {len(lays)} READs, {x.freezes} freezes, {x.forged} forged records, {chunks} chunks, "
+    print(f"\nREAD: {len(lays)} READs, {x.freezes} freezes ({x.late} late), {x.forged} forged records, {chunks} chunks, "
           f"records: T wrote {written}, I read {read}, I refused {refused}")
     assert x.t.proc.poll() is None, "the target died"
-    assert s1["bounce_read_ok"] - s0["bounce_read_ok"] == len(lays)
+    assert s1["bounce_read_ok"] - s0["bounce_read_ok"] == len(lays) or x.late > 0
     assert x.forged > 0 and x.present == x.forged, "the forgeries did not sit in T's mailbox while it was stopped"
-    assert read == written == chunks, "I took a record T never wrote (or lost one)"
+    assert read == written == chunks if x.late == 0 else read <= written, (read, written, chunks, x.late)
     if SEES_DURING_FREEZE[control]:
         assert refused > 0, "I's reader never saw a forged record (or saw it and did not count the refusal)"
 
@@ -244,17 +276,17 @@ def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_
     src = nixlkit.pattern(462, lay.src_bytes)
     nixlkit.register(x.i, src)
     pid = x.t.proc.pid
-    with watchdog(90, [x.t, x.f], "forged ACKs against a stopped target"):
-        for _ in range(3):
-            x.f.call(op="snapshot")
-            s0 = fresh(x.i)
-            h = x.post("WRITE", lay.src_list(src.ctypes.data), lay.dst_list(x.raddr))
-            h, st = act_in_flight(x.i, h, lambda: os.kill(pid, signal.SIGSTOP), after_s=0.002)
-            if h is not None:
-                break
+
+    def attempt():
+        """Stops T mid-WRITE and forges; None when spoiled: the WRITE ended before the stop, or
+        one of F's calls waited for T, which was then let go (see `Trio.f_call_while_frozen`)."""
+        x.f.call(op="snapshot")
+        s0 = fresh(x.i)
+        h = x.post("WRITE", lay.src_list(src.ctypes.data), lay.dst_list(x.raddr))
+        h, st = act_in_flight(x.i, h, lambda: os.kill(pid, signal.SIGSTOP), after_s=0.002)
+        if h is None:
             assert st == "DONE", st  # finished before the stop: once more
-        else:
-            raise AssertionError("could not stop the target mid-WRITE in 3 attempts")
+            return None
         try:
             stopped(pid)
             t_stop = time.monotonic()
@@ -264,18 +296,37 @@ def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_
             idle = fresh(x.i)["records_refused"] - before["records_refused"]
             forged = []
             for mac in ("grant", "zero", "random"):
-                r = x.f.call(op="forge_acks", mac=mac)
+                r = x.f_call_while_frozen(op="forge_acks", mac=mac)
+                if r is None:
+                    break
                 assert r["written"] > 0 and r["slots"] == 1, f"F found no transfer to forge for: {r}"
                 was = fresh(x.i)["records_refused"]
                 time.sleep(0.3)  # I's reader polls them
                 refused = fresh(x.i)["records_refused"] - was
-                forged.append((r["written"], x.f.call(op="check_forged")["present"], refused))
+                present = x.f_call_while_frozen(op="check_forged")
+                if present is None:
+                    break
+                forged.append((r["written"], present["present"], refused))
             st, _ = resolve(x.i, h, BOUND_S)
             took = time.monotonic() - t_stop
             after = fresh(x.i)
         finally:
             os.kill(pid, signal.SIGCONT)
         x.i.release_xfer_handle(h)
+        if len(forged) < 3:  # T was let go mid-forgery: whatever the WRITE did proves nothing
+            settle_local(x.i, ARENA, BOUND_S, "initiator after a spoiled attempt")
+            settle(lambda: peer_stats(x.t), ARENA, BOUND_S, "target after a spoiled attempt")
+            return None
+        return s0, st, took, before, after, idle, forged
+
+    with watchdog(90, [x.t, x.f], "forged ACKs against a stopped target"):
+        for _ in range(3):
+            got = attempt()
+            if got is not None:
+                break
+        else:
+            raise AssertionError("no attempt stopped the target mid-WRITE and forged while it was stopped")
+        s0, st, took, before, after, idle, forged = got
         assert st != "DONE", "FALSE DONE: forged ACKs completed a WRITE whose target scattered nothing"
         assert st == "ERR", f"HANG: the WRITE against a stopped target still {st} after {took:.1f}s"
         s1 = settle_local(x.i, ARENA, BOUND_S, "initiator after the forged ACKs")
@@ -302,13 +353,14 @@ def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_
 
 @pytest.mark.parametrize("control", [
     pytest.param("ucx", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG (found here): with the UCX control channel, an initiator whose one-way target is "
-        "stopped mid-WRITE makes no progress on a WRITE to another, healthy one-way target: it "
-        "fails by the 3 s no-progress timeout. Over ZMQ it completes in milliseconds. The "
-        "initiator's mailbox READs of the stopped target also stop (0 refusals of forged "
-        "records over 0.9 s, ~1200 over ZMQ), so the engine's IO is held up behind the stopped "
-        "peer, most likely in the inner engine's notification path (src/shell/reactor, not "
-        "edited here)."))),
+        "BUG (found here): with the UCX control channel, an initiator whose target is stopped "
+        "mid-WRITE makes no progress on a WRITE to another, healthy target: that WRITE fails by "
+        "the 3 s no-progress timeout (over ZMQ it completes in ~20 ms; with the stopped target "
+        "idle, no transfer in flight to it, it completes too). The healthy target answers the "
+        "WANT (it writes its 8 GRANT records), then nothing more moves. Metadata loaded two "
+        "way shows the same (probe, not in the suite), so it is the UCX control/data path, not "
+        "the mailbox. The reactor thread is not blocked (it keeps progressing the inner UCX "
+        "worker). Lives in src/shell/reactor or the inner engine, not edited here."))),
     "zmq",
 ])
 def test_a_stopped_target_does_not_stall_transfers_to_others(procs, control):
@@ -345,6 +397,7 @@ def test_a_stopped_target_does_not_stall_transfers_to_others(procs, control):
             raise AssertionError("could not stop the target mid-WRITE in 3 attempts")
         try:
             stopped(pid)
+            time.sleep(0.05)  # what stalls sets in within this (posted at once, the WRITE may beat it)
             other, took = resolve(i, post(1), BOUND_S)
             mine, _ = resolve(i, h, BOUND_S)
         finally:
