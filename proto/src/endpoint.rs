@@ -267,6 +267,7 @@ impl Endpoint {
         let mut cursor = None;
         let n = self.reading.handle_fetched(xfer, image, &mut reads, &mut cursor);
         self.stats.records_read += n as u64;
+        self.stats.records_refused = self.reading.refused();
         for read in reads.drain(..) {
             let mut ctx = ctx!(self, now);
             let r = match read {

@@ -524,6 +524,9 @@ pub struct Stats {
     pub records_written: u64,
     /// Mailbox records read from targets.
     pub records_read: u64,
+    /// Mailbox records read from targets and refused (forged, moved, replayed or torn), each
+    /// time one was read.
+    pub records_refused: u64,
     /// READ chunks this target gathered and announced ready.
     pub chunks_served: u64,
     /// READ chunks this initiator read and scattered.

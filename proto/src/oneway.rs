@@ -340,6 +340,8 @@ pub enum Read {
 #[derive(Debug, Default)]
 pub struct Reading {
     readers: BTreeMap<XferId, Reader>,
+    /// Records refused by every reader so far (see [`Reading::refused`]).
+    refused: u64,
 }
 
 impl Reading {
@@ -401,7 +403,10 @@ impl Reading {
         cursor: &mut Option<(PeerId, Msg)>,
     ) -> usize {
         let Some(r) = self.readers.get_mut(&xfer) else { return 0 };
-        let Ok(got) = r.reader.handle_fetched(image) else {
+        let refused_before = r.reader.stats().refused;
+        let fetched = r.reader.handle_fetched(image);
+        self.refused += r.reader.stats().refused - refused_before;
+        let Ok(got) = fetched else {
             // The target broke the protocol (a record it alone could have written skips one
             // or names another transfer): the transfer fails.
             out.push(Read::Failed(xfer, FailReason::Refused));
@@ -428,6 +433,14 @@ impl Reading {
         got
     }
 
+    /// Mailbox records refused so far, by every transfer's reader: records at the position read
+    /// next that did not verify under the transfer's token or sat in another slot or position
+    /// than they name (a third party's forgery or replay, or a READ torn by the target's own
+    /// write), each counted every time it is read.
+    pub fn refused(&self) -> u64 {
+        self.refused
+    }
+
     /// Transfer `xfer` ended: stops reading it, and returns the final CURSOR that frees its
     /// slot at the target (when something was read since the last report). After a failure
     /// the target may still write a FAIL past it; the slot then lingers out instead.
@@ -435,5 +448,31 @@ impl Reading {
         let r = self.readers.remove(&xfer)?;
         let consumed = r.reader.consumed().0;
         (consumed > r.reported).then_some((r.peer, Msg::Cursor(Cursor { xfer, token: r.token, consumed })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reading_counts_every_refused_record_and_takes_none_of_them() {
+        let layout = MailboxLayout { slots: 16, ring: 8 };
+        let (xfer, mut reading) = (XferId(9), Reading::default());
+        reading.start(xfer, PeerId(1), Token(0x5eed), layout).expect("layout in bounds");
+        let len: u64 = reading.fetch(xfer).expect("reading it").regions.iter().map(|r| r.len).sum();
+        let (mut out, mut cursor) = (Vec::new(), None);
+        // Nothing written yet: not a refusal.
+        assert_eq!(reading.handle_fetched(xfer, &vec![0; len as usize], &mut out, &mut cursor), 0);
+        assert_eq!(reading.refused(), 0);
+        // A third party's record in the first candidate slot: refused each time it is read.
+        let mut image = vec![0u8; len as usize];
+        image[..RECORD_LEN].fill(0xa5);
+        image[0] = 1;
+        for n in 1..=3 {
+            assert_eq!(reading.handle_fetched(xfer, &image, &mut out, &mut cursor), 0);
+            assert_eq!(reading.refused(), n);
+        }
+        assert!(out.is_empty() && cursor.is_none(), "a refused record became an answer: {out:?}");
     }
 }

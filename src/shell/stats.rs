@@ -100,6 +100,9 @@ counters! {
     records_written,
     /// Mailbox records we read from targets (the core's count).
     records_read,
+    /// Mailbox records we read from targets and refused: forged, moved or replayed by a third
+    /// party, or torn by the target's own write; each time one was read (the core's count).
+    records_refused,
     /// READ chunks we gathered for peers and announced ready (the core's count).
     read_chunks_served,
     /// READ chunks we read from peers and scattered here (the core's count).

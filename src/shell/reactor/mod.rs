@@ -606,6 +606,7 @@ impl Driver {
         s.one_way_refused.store(core.one_way_refused, Ordering::Relaxed);
         s.records_written.store(core.records_written, Ordering::Relaxed);
         s.records_read.store(core.records_read, Ordering::Relaxed);
+        s.records_refused.store(core.records_refused, Ordering::Relaxed);
         s.read_chunks_served.store(core.chunks_served, Ordering::Relaxed);
         s.read_chunks_pulled.store(core.chunks_pulled, Ordering::Relaxed);
         s.plans_sent.store(core.plans_sent, Ordering::Relaxed);
