@@ -266,6 +266,8 @@ pub(crate) struct Reactor {
 struct InFlightWrite {
     /// A READ's RDMA read of a peer's ready region (reported with `handle_read_done`).
     read: bool,
+    /// The peer it writes to (or reads from).
+    peer: PeerId,
     job: JobId,
     id: WriteId,
     /// Its pin in the fence: the user memory it reads (a direct write).
@@ -479,7 +481,7 @@ impl Drop for Reactor {
 /// that pulled them, as they always were: a flood then runs as one pass, with no timer firing
 /// (lease reclaims) in the middle of it.
 pub(crate) const SOCKET_POLL_BATCH: usize = 256;
-/// Writes handed to the data path at once. UCX runs them one after another anyway; keeping
+/// Writes handed to the data path at once, per peer. UCX runs them one after another anyway; keeping
 /// one queued behind the running one keeps the link busy, and holding the rest back here lets
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
 /// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
@@ -939,10 +941,15 @@ impl Driver {
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
                 }
             }
-            if self.stopping || self.writes.len() >= MAX_WRITES_IN_FLIGHT {
+            if self.stopping {
                 return moved;
             }
-            let Some(w) = self.queued_writes.pop_front() else { return moved };
+            // The oldest queued write whose peer has room: a peer that stopped answering (its
+            // writes never complete: UCX's flush waits for it) must not hold back the writes to
+            // every other peer.
+            let room = |peer: PeerId| self.writes.iter().filter(|w| w.peer == peer).count() < MAX_WRITES_IN_FLIGHT;
+            let Some(i) = self.queued_writes.iter().position(|w| room(w.peer)) else { return moved };
+            let Some(w) = self.queued_writes.remove(i) else { return moved };
             moved = true;
             self.write(w);
         }
@@ -1061,7 +1068,7 @@ impl Driver {
         match self.data.read(&name, local_side, remote_side, len) {
             Ok(Posted::Done) => self.ep.handle_read_done(now, job, true),
             Ok(Posted::InFlight(id)) => {
-                self.writes.push(InFlightWrite { read: true, job, id, pin: None, remote_md: pa.md });
+                self.writes.push(InFlightWrite { read: true, peer, job, id, pin: None, remote_md: pa.md });
             }
             Err(st) => {
                 tracing::warn!(peer = name, status = %st, "posting a bounce READ failed");
@@ -1115,7 +1122,9 @@ impl Driver {
         };
         match posted {
             Ok(Posted::Done) => self.ep.handle_write_done(now, job, true),
-            Ok(Posted::InFlight(id)) => self.writes.push(InFlightWrite { read: false, job, id, pin, remote_md: pa.md }),
+            Ok(Posted::InFlight(id)) => {
+                self.writes.push(InFlightWrite { read: false, peer, job, id, pin, remote_md: pa.md });
+            }
             Err(st) => {
                 tracing::warn!(peer = name, status = %st, "posting a bounce write failed");
                 self.ep.handle_write_done(now, job, false);
