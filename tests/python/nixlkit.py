@@ -25,7 +25,12 @@ def agent(name, backends=("BOUNCE",), params=None, threads=False):
                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     a = nixl_agent(name, cfg)
     for b in backends:
-        a.create_backend(b, dict(params or {}))
+        # Host memory unless the test asks otherwise: with bounce_arena_mem=auto an agent made
+        # after a GPU test in the same process (a current CUDA context) gets a GPU arena, and
+        # its DRAM transfers stay on UCX (seen on the GPU host: every later DRAM READ and
+        # one-way test failed when run in one pytest session after test_gpu.py).
+        defaults = {"bounce_arena_mem": "dram"} if b == "BOUNCE" else {}
+        a.create_backend(b, {**defaults, **(params or {})})
     return a
 
 
