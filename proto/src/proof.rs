@@ -137,6 +137,20 @@ impl Registrations {
         proven.iter().filter_map(|id| self.by_id.get(id)).any(|r| r.start <= start && end <= r.end)
     }
 
+    /// The ranges of the registrations `proven` that still exist, for checking many runs at
+    /// once: a PLAN or DATA of thousands of runs looked each one up by id per run.
+    pub fn proven_ranges(&self, proven: &[RegId]) -> ProvenRanges {
+        let mut ranges: Vec<(u64, u64)> =
+            proven.iter().filter_map(|id| self.by_id.get(id)).map(|r| (r.start, r.end)).collect();
+        ranges.sort_unstable();
+        let starts = ranges.iter().map(|r| r.0).collect();
+        let reach = ranges.iter().scan(0, |m, r| {
+            *m = r.1.max(*m);
+            Some(*m)
+        });
+        ProvenRanges { starts, reach: reach.collect() }
+    }
+
     /// True when `[start, end)` lies inside any registration recorded now (proven or not): the
     /// memory is still the application's to be written, whoever proved it.
     pub fn covers_any(&self, start: u64, end: u64) -> bool {
@@ -154,6 +168,25 @@ impl Registrations {
     }
 }
 
+/// A flow's proven registrations as ranges, sorted by start (see
+/// [`Registrations::proven_ranges`]); answers what [`Registrations::covers`] answers.
+#[derive(Debug, Clone)]
+pub struct ProvenRanges {
+    /// Range starts, ascending.
+    starts: Vec<u64>,
+    /// `reach[i]`: the farthest end among the ranges `0..=i`.
+    reach: Vec<u64>,
+}
+
+impl ProvenRanges {
+    /// True when `[start, end)` lies inside one of the ranges: among those starting at or
+    /// before `start`, the one reaching farthest reaches `end`.
+    pub fn covers(&self, start: u64, end: u64) -> bool {
+        let n = self.starts.partition_point(|&s| s <= start);
+        n > 0 && self.reach[n - 1] >= end
+    }
+}
+
 /// Tag equality without an early exit: the time taken says nothing about the tag.
 fn same(a: &[u8; TAG_LEN], b: &[u8; TAG_LEN]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -164,6 +197,31 @@ mod tests {
     use super::*;
 
     const KEY: RegKey = RegKey([7; 32]);
+
+    proptest::proptest! {
+        /// The ranges answer exactly what the per-id lookup answers, overlapping and nested
+        /// registrations, unproven and removed ones included.
+        #[test]
+        fn proven_ranges_cover_exactly_what_covers_covers(
+            regs in proptest::collection::vec((0u64..64, 1u64..32), 0..8),
+            proven in proptest::collection::vec(0u64..10, 0..8),
+            removed in proptest::collection::vec(0u64..10, 0..3),
+            queries in proptest::collection::vec((0u64..100, 0u64..40), 1..40),
+        ) {
+            let mut r = Registrations::default();
+            for (i, &(start, len)) in regs.iter().enumerate() {
+                r.add(RegId(i as u64), KEY, start, len);
+            }
+            for id in removed {
+                r.remove(RegId(id));
+            }
+            let proven: Vec<RegId> = proven.into_iter().map(RegId).collect();
+            let ranges = r.proven_ranges(&proven);
+            for (a, len) in queries {
+                proptest::prop_assert_eq!(ranges.covers(a, a + len), r.covers(&proven, a, a + len), "[{}, {})", a, a + len);
+            }
+        }
+    }
 
     #[test]
     fn a_proof_holds_only_for_its_key_and_token() {

@@ -635,7 +635,8 @@ impl Receiver {
                 continue;
             };
             let spans: Vec<(u64, u64)> = runs.iter().filter_map(CopyRun::addr_span).collect();
-            if spans.len() != runs.len() || !spans.iter().all(|&(a, b)| self.registered.covers(&flow.proven, a, b)) {
+            let proven = self.registered.proven_ranges(&flow.proven);
+            if spans.len() != runs.len() || !spans.iter().all(|&(a, b)| proven.covers(a, b)) {
                 debug!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, "READ source no longer registered");
                 ctx.stats.dereg_failed += 1;
                 self.fail_chunk(ctx, key, token, c.chunk, c.region);
@@ -747,13 +748,14 @@ impl Receiver {
                 return Err(ProtocolError::BadProof { peer: from, xfer: pull.xfer, source });
             }
         };
+        let ranges = self.registered.proven_ranges(&proven);
         for c in &pull.chunks {
             let copies =
                 c.runs.iter().fold(0u64, |sum, r| sum.saturating_add(r.len.saturating_mul(u64::from(r.count))));
             let inside = c.runs.iter().all(|r| {
                 r.len > 0
                     && r.region_span().is_some_and(|(_, end)| end <= c.bytes)
-                    && r.addr_span().is_some_and(|(a, b)| self.registered.covers(&proven, a, b))
+                    && r.addr_span().is_some_and(|(a, b)| ranges.covers(a, b))
             });
             if c.runs.is_empty() || copies > c.bytes || !inside {
                 refuse(ctx);
