@@ -378,15 +378,7 @@ impl Receiver {
         plan: wire::Plan,
     ) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: plan.xfer };
-        let Some(flow) = self.flows.get(&key) else {
-            trace!(peer = from.0, xfer = plan.xfer.0, chunk = plan.chunk.0, "late PLAN for an unknown flow dropped");
-            ctx.stats.late_data += 1;
-            return Ok(());
-        };
-        if flow.token != plan.token {
-            ctx.stats.control_forged += 1;
-            return Err(ProtocolError::WrongToken { peer: from, xfer: plan.xfer });
-        }
+        let Some(flow) = self.addressed_flow(ctx, key, plan.token, plan.chunk, "PLAN")? else { return Ok(()) };
         let (xfer, chunk) = (plan.xfer, plan.chunk);
         let fault = match flow.chunks.get(chunk.0 as usize) {
             None => Some(DataFault::ChunkMismatch),
@@ -413,6 +405,36 @@ impl Receiver {
         Ok(())
     }
 
+    /// The flow a sender's PLAN or DATA (`kind`) names: `None` when it is gone (the frame is
+    /// late: dropped without an answer, counted); an error when the frame lacks the flow's
+    /// token (forged: counted, and neither answered nor a reclaim, since the flow belongs to
+    /// its real sender).
+    fn addressed_flow(
+        &self,
+        ctx: &mut Ctx<'_>,
+        key: FlowKey,
+        token: Token,
+        chunk: ChunkIdx,
+        kind: &str,
+    ) -> Result<Option<&Flow>, ProtocolError> {
+        let Some(flow) = self.flows.get(&key) else {
+            trace!(
+                peer = key.peer.0,
+                xfer = key.xfer.0,
+                chunk = chunk.0,
+                kind,
+                "late frame for an unknown flow dropped"
+            );
+            ctx.stats.late_data += 1;
+            return Ok(None);
+        };
+        if flow.token != token {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: key.peer, xfer: key.xfer });
+        }
+        Ok(Some(flow))
+    }
+
     /// Takes the plan flow `key` keeps for `chunk`, giving its runs back to the peer's budget.
     fn take_plan(&mut self, key: FlowKey, chunk: ChunkIdx) -> Option<Planned> {
         let planned = self.flows.get_mut(&key)?.plans.remove(&chunk.0)?;
@@ -424,16 +446,7 @@ impl Receiver {
 
     pub(crate) fn handle_data(&mut self, ctx: &mut Ctx<'_>, from: PeerId, mut data: Data) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: data.xfer };
-        let Some(flow) = self.flows.get(&key) else {
-            trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, "late DATA for an unknown flow dropped");
-            ctx.stats.late_data += 1;
-            return Ok(());
-        };
-        if flow.token != data.token {
-            // Neither an answer nor a reclaim: the flow belongs to its real sender.
-            ctx.stats.control_forged += 1;
-            return Err(ProtocolError::WrongToken { peer: from, xfer: data.xfer });
-        }
+        let Some(flow) = self.addressed_flow(ctx, key, data.token, data.chunk, "DATA")? else { return Ok(()) };
         let (bytes, limit) = match self.check_held(ctx, key, flow, &data) {
             Ok(held) => held,
             Err(fault) => return self.refuse_data(ctx, from, &data, fault),

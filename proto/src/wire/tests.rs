@@ -578,6 +578,13 @@ fn oversized_blobs_encode_to_what_decode_refuses() {
     assert_eq!(Frame::decode(&Frame { session: 0, msg: big }.to_vec()), Err(err));
 }
 
+/// `msg` in a frame of session 7 encodes to `golden` (hex, spaces ignored) and decodes back.
+fn assert_pinned(msg: Msg, golden: &str) {
+    let frame = Frame { session: 7, msg };
+    assert_eq!(hex(&frame.to_vec()), hex(&unhex(golden)));
+    assert_eq!(Frame::decode(&frame.to_vec()), Ok(frame));
+}
+
 /// Golden bytes: the exact encoding of a HELLO, of every sample message, of a capability
 /// blob and of both envelope shapes, pinned before the codec was split into `wire/`. Any
 /// change to these strings is a wire-format change and needs a new `WIRE_VERSION`.
@@ -631,36 +638,18 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     );
     assert_eq!(Frame::decode(&pull.to_vec()), Ok(pull));
     // PLAN (kind 13): transfer, token, chunk, delta-coded scatter runs as in DATA.
-    let plan = Frame {
-        session: 7,
-        msg: Msg::Plan(Plan { xfer: XferId(3), token: Token(0xfeed), chunk: ChunkIdx(2), runs: vec![run] }),
-    };
-    assert_eq!(
-        hex(&plan.to_vec()),
-        hex(&unhex(
-            "00424f554e43050d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
-             01000000 0380402002208001"
-        ))
+    let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
+    assert_pinned(
+        Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
+        "00424f554e43050d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+         01000000 0380402002208001",
     );
-    assert_eq!(Frame::decode(&plan.to_vec()), Ok(plan));
     // RELEASE (kind 12): transfer, token, chunk, region.
-    let release = Frame {
-        session: 7,
-        msg: Msg::Release(Release {
-            xfer: XferId(3),
-            token: Token(0xfeed),
-            chunk: ChunkIdx(2),
-            region: Region { offset: 0x100, len: 0x40 },
-        }),
-    };
-    assert_eq!(
-        hex(&release.to_vec()),
-        hex(&unhex(
-            "00424f554e43050c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
-             0001000000000000 4000000000000000"
-        ))
+    assert_pinned(
+        Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
+        "00424f554e43050c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+         0001000000000000 4000000000000000",
     );
-    assert_eq!(Frame::decode(&release.to_vec()), Ok(release));
     let caps = "0500 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
