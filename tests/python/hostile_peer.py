@@ -27,8 +27,6 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "exit"}
 """
 import base64
-import json
-import os
 import random
 import struct
 import time
@@ -278,122 +276,111 @@ class Fuzzer:
 def main():
     agents = {}
     buf = None
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-
-    def reply(**kw):
-        kw.setdefault("ok", True)
-        out.write(json.dumps(kw) + "\n")
-        out.flush()
 
     def poll():
         for ag in agents.values():
             ag.get_new_notifs()
 
-    for cmd in nixlkit.commands(poll, lambda: bool(agents)):
-        op = cmd["op"]
+    def agent(cmd):
+        ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
+        agents[cmd["name"]] = ag
+        return {"meta": base64.b64encode(ag.get_agent_metadata()).decode()}
+
+    def buffer(cmd):
+        nonlocal buf
+        ag = agents[cmd["agent"]]
+        buf = nixlkit.pattern(cmd["seed"], cmd["size"])
+        n = cmd.get("register", cmd["size"])
+        ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, n, 0, "")], "DRAM"), backends=["BOUNCE"])
+        # the agent's metadata now carries the registration
+        return {"addr": buf.ctypes.data, "meta": base64.b64encode(ag.get_agent_metadata()).decode()}
+
+    def register(cmd):
+        ag = agents[cmd["agent"]]
+        ag.register_memory(ag.get_reg_descs([(buf.ctypes.data + cmd["off"], cmd["len"], 0, "")], "DRAM"),
+                           backends=["BOUNCE"])
+        return {"meta": base64.b64encode(ag.get_agent_metadata()).decode()}
+
+    def write(cmd):
+        ag = agents[cmd["agent"]]
+        lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
+        lo = ag.get_xfer_descs(lay.src_list(buf.ctypes.data + cmd.get("src_off", 0)), "DRAM")
+        re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"]), "DRAM")
+        t0 = time.perf_counter()
+        err = None
+        h = ag.initialize_xfer("WRITE", lo, re, cmd["to"], b"", backends=["BOUNCE"])
         try:
-            if op == "agent":
-                ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
-                agents[cmd["name"]] = ag
-                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode())
-            elif op == "buffer":
-                ag = agents[cmd["agent"]]
-                buf = nixlkit.pattern(cmd["seed"], cmd["size"])
-                n = cmd.get("register", cmd["size"])
-                ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, n, 0, "")], "DRAM"), backends=["BOUNCE"])
-                # the agent's metadata now carries the registration
-                reply(addr=buf.ctypes.data, meta=base64.b64encode(ag.get_agent_metadata()).decode())
-            elif op == "register":
-                ag = agents[cmd["agent"]]
-                ag.register_memory(ag.get_reg_descs([(buf.ctypes.data + cmd["off"], cmd["len"], 0, "")], "DRAM"),
-                                   backends=["BOUNCE"])
-                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode())
-            elif op == "load":
-                agents[cmd["agent"]].add_remote_agent(base64.b64decode(cmd["meta"]))
-                reply()
-            elif op == "dump":
-                buf.tofile(cmd["path"])
-                reply()
-            elif op == "write":
-                ag = agents[cmd["agent"]]
-                lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
-                lo = ag.get_xfer_descs(lay.src_list(buf.ctypes.data + cmd.get("src_off", 0)), "DRAM")
-                re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"]), "DRAM")
-                t0 = time.perf_counter()
-                err = None
-                h = ag.initialize_xfer("WRITE", lo, re, cmd["to"], b"", backends=["BOUNCE"])
+            state = ag.transfer(h)
+            end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
+            while state not in ("DONE", "ERR") and time.monotonic() < end:
+                state = ag.check_xfer_state(h)
+                poll()
+        except Exception as e:
+            state, err = "ERR", f"{type(e).__name__}: {e}"
+        secs = time.perf_counter() - t0
+        try:
+            ag.release_xfer_handle(h)
+        except Exception:
+            pass
+        return {"state": state, "seconds": secs, "error": err}
+
+    def fuzz(cmd):
+        senders = [agents[n] for n in cmd["agents"]]
+        # The first agent is the one the victim loaded: its frames carry its real session,
+        # and it alone sends the forgeries (a victim refuses the others' frames earlier).
+        fz = Fuzzer(cmd.get("seed", 0), cmd["targets"], cmd.get("endpoints", True),
+                    cmd.get("max_flows", 1 << 62), session=session_of(senders[0].get_agent_metadata()),
+                    sessions=cmd.get("sessions", ()))
+        sent = errors = 0
+        kinds, forged = {}, {}
+        end = time.monotonic() + cmd["seconds"]
+        later = []  # (due, sender, frames)
+        i = 0
+
+        def send(sender, frames):
+            nonlocal sent, errors
+            for k, f in enumerate(frames):
+                if f is LATER:
+                    later.append((time.monotonic() + 0.02, sender, frames[k + 1:]))
+                    return
                 try:
-                    state = ag.transfer(h)
-                    end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
-                    while state not in ("DONE", "ERR") and time.monotonic() < end:
-                        state = ag.check_xfer_state(h)
-                        poll()
-                except Exception as e:
-                    state, err = "ERR", f"{type(e).__name__}: {e}"
-                secs = time.perf_counter() - t0
-                try:
-                    ag.release_xfer_handle(h)
+                    sender.send_notif(cmd["to"], f)
+                    sent += 1
                 except Exception:
-                    pass
-                reply(state=state, seconds=secs, error=err)
-            elif op == "wait_ready":
-                nixlkit.wait_ready(agents[cmd["agent"]], cmd.get("n", 1), deadline=10)
-                reply()
-            elif op == "params":
-                reply(params=nixlkit.live_params(agents[cmd["agent"]]))
-            elif op == "fuzz":
-                senders = [agents[n] for n in cmd["agents"]]
-                # The first agent is the one the victim loaded: its frames carry its real session,
-                # and it alone sends the forgeries (a victim refuses the others' frames earlier).
-                fz = Fuzzer(cmd.get("seed", 0), cmd["targets"], cmd.get("endpoints", True),
-                            cmd.get("max_flows", 1 << 62), session=session_of(senders[0].get_agent_metadata()),
-                            sessions=cmd.get("sessions", ()))
-                sent = errors = 0
-                kinds, forged = {}, {}
-                end = time.monotonic() + cmd["seconds"]
-                later = []  # (due, sender, frames)
-                i = 0
+                    errors += 1
 
-                def send(sender, frames):
-                    nonlocal sent, errors
-                    for k, f in enumerate(frames):
-                        if f is LATER:
-                            later.append((time.monotonic() + 0.02, sender, frames[k + 1:]))
-                            return
-                        try:
-                            sender.send_notif(cmd["to"], f)
-                            sent += 1
-                        except Exception:
-                            errors += 1
-
-                while time.monotonic() < end:
-                    while later and later[0][0] <= time.monotonic():
-                        send(*later.pop(0)[1:])
-                    if cmd.get("forge") and i % 4 == 3:
-                        kind, frames, n_forged = fz.forged_frame()
-                        sender = senders[0]
-                        forged[kind] = forged.get(kind, 0) + n_forged
-                    else:
-                        kind, frames, _ = fz.frame()
-                        sender = senders[i % len(senders)]
-                    kinds[kind] = kinds.get(kind, 0) + 1
-                    # every frame of one group comes from the same agent (one flow)
-                    send(sender, frames if isinstance(frames, list) else [frames])
-                    i += 1
-                    if i % 16 == 0:
-                        poll()
-                while later:  # the rest of every group goes out (a forged group's real cancel)
-                    time.sleep(max(0.0, later[0][0] - time.monotonic()))
-                    send(*later.pop(0)[1:])
-                reply(sent=sent, send_errors=errors, kinds=kinds, forged=forged)
-            elif op == "exit":
-                reply()
-                nixlkit.leave(0)
+        while time.monotonic() < end:
+            while later and later[0][0] <= time.monotonic():
+                send(*later.pop(0)[1:])
+            if cmd.get("forge") and i % 4 == 3:
+                kind, frames, n_forged = fz.forged_frame()
+                sender = senders[0]
+                forged[kind] = forged.get(kind, 0) + n_forged
             else:
-                reply(ok=False, error=f"unknown op {op}")
-        except Exception as e:  # report, keep serving: the test decides
-            reply(ok=False, error=f"{type(e).__name__}: {e}")
+                kind, frames, _ = fz.frame()
+                sender = senders[i % len(senders)]
+            kinds[kind] = kinds.get(kind, 0) + 1
+            # every frame of one group comes from the same agent (one flow)
+            send(sender, frames if isinstance(frames, list) else [frames])
+            i += 1
+            if i % 16 == 0:
+                poll()
+        while later:  # the rest of every group goes out (a forged group's real cancel)
+            time.sleep(max(0.0, later[0][0] - time.monotonic()))
+            send(*later.pop(0)[1:])
+        return {"sent": sent, "send_errors": errors, "kinds": kinds, "forged": forged}
+
+    nixlkit.serve({
+        "agent": agent,
+        "buffer": buffer,
+        "register": register,
+        "load": lambda cmd: agents[cmd["agent"]].add_remote_agent(base64.b64decode(cmd["meta"])),
+        "dump": lambda cmd: buf.tofile(cmd["path"]),
+        "write": write,
+        "wait_ready": lambda cmd: nixlkit.wait_ready(agents[cmd["agent"]], cmd.get("n", 1), deadline=10),
+        "params": lambda cmd: {"params": nixlkit.live_params(agents[cmd["agent"]])},
+        "fuzz": fuzz,
+    }, idle=poll, active=lambda: bool(agents))
 
 
 if __name__ == "__main__":

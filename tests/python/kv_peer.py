@@ -31,8 +31,6 @@ Commands:
   {"op": "exit"}
 """
 import base64
-import json
-import os
 import time
 
 import kvcache
@@ -111,59 +109,41 @@ class Side:
 
 def main():
     sides = {}
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # NIXL's own log lines go to stderr, never into the reply stream
 
-    def reply(**kw):
-        kw.setdefault("ok", True)
-        out.write(json.dumps(kw) + "\n")
-        out.flush()
+    def start(cmd):
+        s = Side(cmd)
+        sides[cmd["name"]] = s
+        return {"meta": base64.b64encode(s.agent.get_agent_metadata()).decode(), "bases": s.cache.bases}
+
+    def watch(cmd):
+        s = sides[cmd["name"]]
+        s.watched = kvcache.KvCache(s.layout, cmd["seed"], attached=kvcache.attach_layers(cmd["prefix"], s.layout))
+
+    def expect(cmd):
+        s = sides[cmd["name"]]
+        for r in s.requests(cmd["requests"]):
+            s.cache.expect_request(r, cmd["src_seed"])
+
+    def params(cmd):
+        s = sides[cmd["name"]]
+        s.poll()  # getNotifs publishes the engine's counters
+        return {"params": nixlkit.live_params(s.agent, s.backend)}
 
     def idle():
         for s in sides.values():
             s.poll()
 
-    for cmd in nixlkit.commands(idle, lambda: bool(sides)):
-        op = cmd["op"]
-        try:
-            if op == "start":
-                s = Side(cmd)
-                sides[cmd["name"]] = s
-                reply(meta=base64.b64encode(s.agent.get_agent_metadata()).decode(), bases=s.cache.bases)
-            elif op == "load":
-                sides[cmd["name"]].agent.add_remote_agent(base64.b64decode(cmd["meta"]))
-                reply()
-            elif op == "fill":
-                sides[cmd["name"]].cache.fill(cmd["seed"])
-                reply()
-            elif op == "serve":
-                reply(seen=sides[cmd["name"]].serve(cmd))
-            elif op == "watch":
-                s = sides[cmd["name"]]
-                s.watched = kvcache.KvCache(s.layout, cmd["seed"],
-                                            attached=kvcache.attach_layers(cmd["prefix"], s.layout))
-                reply()
-            elif op == "take":
-                sides[cmd["name"]].take(cmd)
-                reply()
-            elif op == "expect":
-                s = sides[cmd["name"]]
-                for r in s.requests(cmd["requests"]):
-                    s.cache.expect_request(r, cmd["src_seed"])
-                reply()
-            elif op == "check":
-                reply(report=sides[cmd["name"]].cache.check().as_dict())
-            elif op == "params":
-                s = sides[cmd["name"]]
-                s.poll()  # getNotifs publishes the engine's counters
-                reply(params=nixlkit.live_params(s.agent, s.backend))
-            elif op == "exit":
-                reply()
-                nixlkit.leave(0)
-            else:
-                reply(ok=False, error=f"unknown op {op}")
-        except Exception as e:  # report, keep serving: the caller decides
-            reply(ok=False, error=f"{type(e).__name__}: {e}")
+    nixlkit.serve({
+        "start": start,
+        "load": lambda cmd: sides[cmd["name"]].agent.add_remote_agent(base64.b64decode(cmd["meta"])),
+        "fill": lambda cmd: sides[cmd["name"]].cache.fill(cmd["seed"]),
+        "serve": lambda cmd: {"seen": sides[cmd["name"]].serve(cmd)},
+        "watch": watch,
+        "take": lambda cmd: sides[cmd["name"]].take(cmd),
+        "expect": expect,
+        "check": lambda cmd: {"report": sides[cmd["name"]].cache.check().as_dict()},
+        "params": params,
+    }, idle=idle, active=lambda: bool(sides))
 
 
 if __name__ == "__main__":

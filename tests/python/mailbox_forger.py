@@ -45,8 +45,6 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "exit"}
 """
 import base64
-import json
-import os
 import random
 import struct
 import time
@@ -343,44 +341,29 @@ class Forger:
 
 def main():
     fg = None
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
 
-    def reply(**kw):
-        kw.setdefault("ok", True)
-        out.write(json.dumps(kw) + "\n")
-        out.flush()
+    def start(cmd):
+        nonlocal fg
+        fg = Forger(cmd)
+        return {"mailbox": {"addr": fg.mb_addr, "offset": fg.caps["mailbox_offset"], "slots": fg.slots,
+                            "ring": fg.ring}, "arena_base": fg.caps["arena_base"], "arena_len": fg.caps["arena_len"]}
 
-    def idle():
-        fg.ag.get_new_notifs()
+    def snapshot(_cmd):
+        fg.last = fg.read()
+        fg.start_top = fg.prev_top = fg.tops(fg.last)
 
-    for cmd in nixlkit.commands(idle, lambda: fg is not None):
-        op = cmd["op"]
-        try:
-            if op == "start":
-                fg = Forger(cmd)
-                reply(mailbox={"addr": fg.mb_addr, "offset": fg.caps["mailbox_offset"], "slots": fg.slots,
-                               "ring": fg.ring}, arena_base=fg.caps["arena_base"], arena_len=fg.caps["arena_len"])
-            elif op == "snapshot":
-                fg.last = fg.read()
-                fg.start_top = fg.prev_top = fg.tops(fg.last)
-                reply()
-            elif op == "harass":
-                reply(**fg.harass(cmd["seconds"]))
-            elif op == "forge":
-                fg.forged = fg.forge_round(quiet_only=False)[1]
-                reply(n=len(fg.forged), **fg.report())
-            elif op == "forge_acks":
-                reply(**fg.forge_acks(cmd.get("mac", "grant")))
-            elif op == "check_forged":
-                reply(present=fg.check_forged())
-            elif op == "exit":
-                reply()
-                nixlkit.leave(0)
-            else:
-                reply(ok=False, error=f"unknown op {op}")
-        except Exception as e:  # report, keep serving: the test decides
-            reply(ok=False, error=f"{type(e).__name__}: {e}")
+    def forge(_cmd):
+        fg.forged = fg.forge_round(quiet_only=False)[1]
+        return {"n": len(fg.forged), **fg.report()}
+
+    nixlkit.serve({
+        "start": start,
+        "snapshot": snapshot,
+        "harass": lambda cmd: fg.harass(cmd["seconds"]),
+        "forge": forge,
+        "forge_acks": lambda cmd: fg.forge_acks(cmd.get("mac", "grant")),
+        "check_forged": lambda _cmd: {"present": fg.check_forged()},
+    }, idle=lambda: fg.ag.get_new_notifs(), active=lambda: fg is not None)
 
 
 if __name__ == "__main__":

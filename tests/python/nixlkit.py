@@ -192,15 +192,15 @@ def wait_notif(ag, sender, msg, others=(), deadline=DEADLINE_S):
     raise AssertionError(f"notification {msg!r} from {sender} never arrived")
 
 
-def commands(idle, active):
+def commands(idle, active, interval=lambda: 0.0005):
     """The JSON-line commands of a helper process's stdin, one dict each. While `active()`,
-    waiting for the next one calls `idle()` every 0.5 ms (to keep the agents polled); at the end
-    of input the process leaves."""
+    waiting for the next one calls `idle()` every `interval()` seconds (0.5 ms: to keep the
+    agents polled); at the end of input the process leaves."""
     import json
     import select
     import sys
     while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.0005 if active() else None)
+        ready, _, _ = select.select([sys.stdin], [], [], interval() if active() else None)
         if not ready:
             idle()
             continue
@@ -208,6 +208,37 @@ def commands(idle, active):
         if not line:
             leave(0)
         yield json.loads(line)
+
+
+def serve(handlers, idle, active, interval=lambda: 0.0005):
+    """A helper process's command loop: each JSON-line command `{"op": name, ...}` from stdin
+    goes to `handlers[name](cmd)`, whose dict (anything else: nothing) is the reply, one JSON line with
+    `"ok": true` added; "exit" replies and leaves; an unknown op or an exception is replied as
+    `{"ok": false, "error": ...}` and the loop goes on (the test decides). Replies get a private
+    copy of stdout; whatever else writes to fd 1 (NIXL's own log lines) goes to stderr. `idle`,
+    `active` and `interval` as for `commands`."""
+    import json
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    def reply(**kw):
+        kw.setdefault("ok", True)
+        out.write(json.dumps(kw) + "\n")
+        out.flush()
+
+    for cmd in commands(idle, active, interval):
+        op = cmd["op"]
+        try:
+            if op == "exit":
+                reply()
+                leave(0)
+            elif op in handlers:
+                r = handlers[op](cmd)
+                reply(**(r if isinstance(r, dict) else {}))
+            else:
+                reply(ok=False, error=f"unknown op {op}")
+        except Exception as e:  # report, keep serving: the test decides
+            reply(ok=False, error=f"{type(e).__name__}: {e}")
 
 
 def leave(code=0):

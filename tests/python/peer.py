@@ -22,8 +22,6 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "exit"}
 """
 import base64
-import json
-import os
 import time
 
 import numpy as np
@@ -35,15 +33,6 @@ def main():
     ag = None
     buf = None
     seen = []
-    # Replies get a private copy of stdout; everything else printed to fd 1 (NIXL's own log
-    # lines) goes to stderr so it can't corrupt the reply stream.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-
-    def reply(**kw):
-        kw.setdefault("ok", True)
-        out.write(json.dumps(kw) + "\n")
-        out.flush()
 
     def poll():
         if ag is None:
@@ -52,103 +41,93 @@ def main():
             for m in msgs:
                 seen.append((sender, m))
 
-    for cmd in nixlkit.commands(poll, lambda: ag is not None):
-        op = cmd["op"]
+    def start(cmd):
+        nonlocal ag, buf
+        if cmd.get("mem", "DRAM") == "VRAM":
+            # As frameworks do: the process's GPU is current before the agent is made
+            # (BOUNCE puts its GPU arena on the GPU current at backend creation).
+            import torch
+            torch.cuda.set_device(cmd.get("dev", 0))
+            torch.cuda.init()
+            torch.empty(1, device=f"cuda:{cmd.get('dev', 0)}")
+        ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
+        buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
+        if cmd.get("mem", "DRAM") == "VRAM":
+            buf = nixlkit.VramBuf(buf, cmd.get("dev", 0))
+        for b in cmd.get("backends", ["BOUNCE"]):
+            nixlkit.register(ag, buf, b)
+        return {"meta": base64.b64encode(ag.get_agent_metadata()).decode(), "addr": nixlkit.addr(buf)}
+
+    def notif_wait(cmd):
+        want = (cmd["from"], cmd["msg"].encode())
+        end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
+        while want not in seen and time.monotonic() < end:
+            poll()
+        if want not in seen:
+            return {"ok": False, "error": "notification timed out"}
+        seen.remove(want)
+
+    def fill(cmd):
+        if isinstance(buf, nixlkit.VramBuf):
+            buf.fill(nixlkit.pattern(cmd["seed"], buf.nbytes))
+        else:
+            buf[:] = nixlkit.pattern(cmd["seed"], buf.nbytes)
+
+    def write(cmd):
+        lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"], sizes=cmd.get("sizes"))
+        base = nixlkit.addr(buf) + cmd.get("src_off", 0)
+        m, d = nixlkit.mem(buf), nixlkit.dev(buf)
+        lo = ag.get_xfer_descs(lay.src_list(base, d), m)
+        re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"], cmd.get("rdev", d)), m)
+        t0 = time.perf_counter()
+        h = ag.initialize_xfer("WRITE", lo, re, cmd["to"], cmd.get("notif", "").encode(),
+                               backends=[cmd.get("backend", "BOUNCE")])
+        state = ag.transfer(h)
+        end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
+        while state not in ("DONE", "ERR") and time.monotonic() < end:
+            try:
+                state = ag.check_xfer_state(h)
+            except Exception:
+                state = "ERR"
+                break
+            poll()
+        secs = time.perf_counter() - t0
         try:
-            if op == "start":
-                if cmd.get("mem", "DRAM") == "VRAM":
-                    # As frameworks do: the process's GPU is current before the agent is made
-                    # (BOUNCE puts its GPU arena on the GPU current at backend creation).
-                    import torch
-                    torch.cuda.set_device(cmd.get("dev", 0))
-                    torch.cuda.init()
-                    torch.empty(1, device=f"cuda:{cmd.get('dev', 0)}")
-                ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
-                buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
-                if cmd.get("mem", "DRAM") == "VRAM":
-                    buf = nixlkit.VramBuf(buf, cmd.get("dev", 0))
-                for b in cmd.get("backends", ["BOUNCE"]):
-                    nixlkit.register(ag, buf, b)
-                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode(), addr=nixlkit.addr(buf))
-            elif op == "load":
-                ag.add_remote_agent(base64.b64decode(cmd["meta"]))
-                reply()
-            elif op == "notif_wait":
-                want = (cmd["from"], cmd["msg"].encode())
-                end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
-                while want not in seen and time.monotonic() < end:
-                    poll()
-                if want in seen:
-                    seen.remove(want)
-                    reply()
-                else:
-                    reply(ok=False, error="notification timed out")
-            elif op == "notif_send":
-                ag.send_notif(cmd["to"], cmd["msg"].encode())
-                reply()
-            elif op == "dump":
-                buf.tofile(cmd["path"])
-                reply()
-            elif op == "fill":
-                if isinstance(buf, nixlkit.VramBuf):
-                    buf.fill(nixlkit.pattern(cmd["seed"], buf.nbytes))
-                else:
-                    buf[:] = nixlkit.pattern(cmd["seed"], buf.nbytes)
-                reply()
-            elif op == "write":
-                lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"], sizes=cmd.get("sizes"))
-                base = nixlkit.addr(buf) + cmd.get("src_off", 0)
-                m, d = nixlkit.mem(buf), nixlkit.dev(buf)
-                lo = ag.get_xfer_descs(lay.src_list(base, d), m)
-                re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"], cmd.get("rdev", d)), m)
-                t0 = time.perf_counter()
-                h = ag.initialize_xfer("WRITE", lo, re, cmd["to"], cmd.get("notif", "").encode(),
-                                       backends=[cmd.get("backend", "BOUNCE")])
-                state = ag.transfer(h)
-                end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
-                while state not in ("DONE", "ERR") and time.monotonic() < end:
-                    try:
-                        state = ag.check_xfer_state(h)
-                    except Exception as e:
-                        state = "ERR"
-                        break
-                    poll()
-                secs = time.perf_counter() - t0
-                try:
-                    ag.release_xfer_handle(h)
-                except Exception:
-                    pass
-                reply(state=state, seconds=secs)
-            elif op == "wait_ready":
-                nixlkit.wait_ready(ag, cmd.get("n", 1))
-                reply()
-            elif op == "params":
-                reply(params=nixlkit.live_params(ag, cmd.get("backend", "BOUNCE")))
-            elif op == "stage_serve":
-                import torch
-                lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
-                t = buf.t if isinstance(buf, nixlkit.VramBuf) else torch.from_numpy(buf)
-                o, nb, sz = cmd["stage_off"], cmd["n"] * cmd["size"], cmd["size"]
-                stage = t[o:o + nb].view(cmd["n"], sz)
-                slots = torch.as_tensor(lay.slots.astype(np.int64), device=t.device)
-                dst = t[:lay.dst_bytes].view(-1, sz)
-                for _ in range(cmd["count"]):
-                    want = (cmd["from"], b"staged")
-                    while want not in seen:
-                        poll()
-                    seen.remove(want)
-                    dst.index_copy_(0, slots, stage)
-                    if t.is_cuda:
-                        torch.cuda.synchronize(t.device)
-                    ag.send_notif(cmd["from"], b"scattered")
-                reply()
-            elif op == "exit":
-                reply()
-                nixlkit.leave(0)
-            else:
-                reply(ok=False, error=f"unknown op {op}")
-        except Exception as e:  # report, keep serving: the test decides
-            reply(ok=False, error=f"{type(e).__name__}: {e}")
+            ag.release_xfer_handle(h)
+        except Exception:
+            pass
+        return {"state": state, "seconds": secs}
+
+    def stage_serve(cmd):
+        import torch
+        lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
+        t = buf.t if isinstance(buf, nixlkit.VramBuf) else torch.from_numpy(buf)
+        o, nb, sz = cmd["stage_off"], cmd["n"] * cmd["size"], cmd["size"]
+        stage = t[o:o + nb].view(cmd["n"], sz)
+        slots = torch.as_tensor(lay.slots.astype(np.int64), device=t.device)
+        dst = t[:lay.dst_bytes].view(-1, sz)
+        for _ in range(cmd["count"]):
+            want = (cmd["from"], b"staged")
+            while want not in seen:
+                poll()
+            seen.remove(want)
+            dst.index_copy_(0, slots, stage)
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+            ag.send_notif(cmd["from"], b"scattered")
+
+    nixlkit.serve({
+        "start": start,
+        "load": lambda cmd: ag.add_remote_agent(base64.b64decode(cmd["meta"])),
+        "notif_wait": notif_wait,
+        "notif_send": lambda cmd: ag.send_notif(cmd["to"], cmd["msg"].encode()),
+        "dump": lambda cmd: buf.tofile(cmd["path"]),
+        "fill": fill,
+        "write": write,
+        "wait_ready": lambda cmd: nixlkit.wait_ready(ag, cmd.get("n", 1)),
+        "params": lambda cmd: {"params": nixlkit.live_params(ag, cmd.get("backend", "BOUNCE"))},
+        "stage_serve": stage_serve,
+    }, idle=poll, active=lambda: ag is not None)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,7 @@ Commands (every reply is one JSON line with "ok"):
   {"op": "exit"}
 """
 import base64
-import json
-import os
 import resource
-import select
-import sys
 import time
 
 import nixlkit
@@ -33,73 +29,54 @@ def cpu_seconds():
 
 def main():
     ag, buf, poll_s = None, None, 0.0005
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-
-    def reply(**kw):
-        kw.setdefault("ok", True)
-        out.write(json.dumps(kw) + "\n")
-        out.flush()
 
     def poll():
         if ag is not None:
             ag.get_new_notifs()
 
-    while True:
-        ready, _, _ = select.select([sys.stdin], [], [], poll_s if ag is not None else None)
-        if not ready:
+    def start(cmd):
+        nonlocal ag, buf, poll_s
+        cfg = nixl_agent_config(enable_prog_thread=cmd.get("prog_thread", True), backends=[])
+        ag = nixl_agent(cmd["name"], cfg)
+        ag.create_backend(cmd["backend"], dict(cmd.get("params") or {}))
+        buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
+        nixlkit.register(ag, buf, cmd["backend"])
+        poll_s = cmd.get("poll_ms", 0.5) / 1000
+        return {"meta": base64.b64encode(ag.get_agent_metadata()).decode(), "addr": nixlkit.addr(buf)}
+
+    def read(cmd):
+        lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
+        lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(buf)), "DRAM")
+        re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"]), "DRAM")
+        times, state = [], "DONE"
+        for _ in range(cmd.get("reps", 1)):
+            h = ag.initialize_xfer("READ", lo, re, cmd["from"], b"")
+            t0 = time.perf_counter()
+            state = ag.transfer(h)
+            end = time.monotonic() + nixlkit.DEADLINE_S
+            while state not in ("DONE", "ERR") and time.monotonic() < end:
+                state = ag.check_xfer_state(h)
+            times.append(time.perf_counter() - t0)
+            ag.release_xfer_handle(h)
+            if state != "DONE":
+                break
+        return {"seconds": times, "state": state}
+
+    def cpu(cmd):
+        c0, t0 = cpu_seconds(), time.monotonic()
+        while time.monotonic() - t0 < cmd["seconds"]:
+            time.sleep(poll_s)
             poll()
-            continue
-        line = sys.stdin.readline()
-        if not line:
-            nixlkit.leave(0)
-        cmd = json.loads(line)
-        op = cmd["op"]
-        try:
-            if op == "start":
-                cfg = nixl_agent_config(enable_prog_thread=cmd.get("prog_thread", True), backends=[])
-                ag = nixl_agent(cmd["name"], cfg)
-                ag.create_backend(cmd["backend"], dict(cmd.get("params") or {}))
-                buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
-                nixlkit.register(ag, buf, cmd["backend"])
-                poll_s = cmd.get("poll_ms", 0.5) / 1000
-                reply(meta=base64.b64encode(ag.get_agent_metadata()).decode(), addr=nixlkit.addr(buf))
-            elif op == "load":
-                ag.add_remote_agent(base64.b64decode(cmd["meta"]))
-                reply()
-            elif op == "read":
-                lay = nixlkit.Scattered(cmd["n"], cmd["size"], cmd["seed"])
-                lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(buf)), "DRAM")
-                re = ag.get_xfer_descs(lay.dst_list(cmd["raddr"]), "DRAM")
-                times, state = [], "DONE"
-                for _ in range(cmd.get("reps", 1)):
-                    h = ag.initialize_xfer("READ", lo, re, cmd["from"], b"")
-                    t0 = time.perf_counter()
-                    state = ag.transfer(h)
-                    end = time.monotonic() + nixlkit.DEADLINE_S
-                    while state not in ("DONE", "ERR") and time.monotonic() < end:
-                        state = ag.check_xfer_state(h)
-                    times.append(time.perf_counter() - t0)
-                    ag.release_xfer_handle(h)
-                    if state != "DONE":
-                        break
-                reply(seconds=times, state=state)
-            elif op == "cpu":
-                c0, t0 = cpu_seconds(), time.monotonic()
-                while time.monotonic() - t0 < cmd["seconds"]:
-                    time.sleep(poll_s)
-                    poll()
-                reply(cpu=cpu_seconds() - c0, wall=time.monotonic() - t0)
-            elif op == "dump":
-                buf.tofile(cmd["path"])
-                reply()
-            elif op == "exit":
-                reply()
-                nixlkit.leave(0)
-            else:
-                reply(ok=False, error=f"unknown op {op}")
-        except Exception as e:  # report, keep serving: the test decides
-            reply(ok=False, error=f"{type(e).__name__}: {e}")
+        return {"cpu": cpu_seconds() - c0, "wall": time.monotonic() - t0}
+
+    # Polled every `poll_ms` of its start command: a passive target that rarely polls.
+    nixlkit.serve({
+        "start": start,
+        "load": lambda cmd: ag.add_remote_agent(base64.b64decode(cmd["meta"])),
+        "read": read,
+        "cpu": cpu,
+        "dump": lambda cmd: buf.tofile(cmd["path"]),
+    }, idle=poll, active=lambda: ag is not None, interval=lambda: poll_s)
 
 
 if __name__ == "__main__":
