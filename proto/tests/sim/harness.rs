@@ -359,6 +359,30 @@ impl Sim {
     }
 
     /// The node that initiated transfer `xfer` (ids are unique across nodes).
+    /// Whether `node`'s write into (or READ of, `what`) `peer`'s region `remote` for `xfer`
+    /// succeeds: not when the peer is dead or a drawn job failure hits (which taints the
+    /// transfer); `None` when `node` itself is dead. Asserts first that a live peer's flow still
+    /// holds the region.
+    fn remote_job(&mut self, node: usize, xfer: XferId, peer: usize, remote: Region, what: &str) -> Option<bool> {
+        if !self.nodes[node].alive {
+            return None;
+        }
+        let mut ok = self.nodes[peer].alive;
+        if ok && self.rng.random_bool(self.knobs.job_fail_p) {
+            ok = false;
+            self.tainted.insert((node, xfer));
+        }
+        if self.nodes[peer].alive {
+            let flow = FlowKey { peer: PeerId(node as u32), xfer };
+            let held = self.nodes[peer].ep.scheduler().is_held(flow, remote.offset);
+            assert!(
+                held.is_some_and(|g| g.region == remote),
+                "node {node} xfer {xfer:?}: {what} {remote} of node {peer}, which the flow no longer holds"
+            );
+        }
+        Some(ok)
+    }
+
     fn initiator_of(&self, xfer: XferId) -> usize {
         self.specs.iter().find(|s| s.xfer == xfer).map_or(0, XferSpec::initiator)
     }
@@ -583,23 +607,10 @@ impl Sim {
                 self.nodes[node].ep.handle_gather_done(now, job, ok);
             }
             Ev::Write { node, job, xfer, peer, source, remote, len } => {
-                if !self.nodes[node].alive {
-                    return;
-                }
-                let mut ok = self.nodes[peer].alive;
-                if ok && self.rng.random_bool(self.knobs.job_fail_p) {
-                    ok = false;
-                    self.tainted.insert((node, xfer));
-                }
+                // The receiver must still hold the region for this flow, unscattered: a cancel or
+                // reclaim that freed it first would let it be granted elsewhere.
+                let Some(ok) = self.remote_job(node, xfer, peer, remote, "write into") else { return };
                 if self.nodes[peer].alive {
-                    // The receiver must still hold the region for this flow, unscattered: a
-                    // cancel or reclaim that freed it first would let it be granted elsewhere.
-                    let flow = FlowKey { peer: PeerId(node as u32), xfer };
-                    let held = self.nodes[peer].ep.scheduler().is_held(flow, remote.offset);
-                    assert!(
-                        held.is_some_and(|g| g.region == remote),
-                        "node {node} xfer {xfer:?}: write into {remote} of node {peer}, which the flow no longer holds"
-                    );
                     // A failed write may still have landed in part.
                     let copied = if ok { len } else { len / 2 };
                     let n = &self.nodes[node];
@@ -678,23 +689,10 @@ impl Sim {
                 }
             }
             Ev::Read { node, job, xfer, peer, remote, local, len } => {
-                if !self.nodes[node].alive {
-                    return;
-                }
-                let mut ok = self.nodes[peer].alive;
-                if ok && self.rng.random_bool(self.knobs.job_fail_p) {
-                    ok = false;
-                    self.tainted.insert((node, xfer));
-                }
+                // The target must still hold the region for this flow, gathered and idle: a
+                // reclaim that freed it first would let another flow's bytes be read.
+                let Some(ok) = self.remote_job(node, xfer, peer, remote, "READ of") else { return };
                 if self.nodes[peer].alive {
-                    // The target must still hold the region for this flow, gathered and idle: a
-                    // reclaim that freed it first would let another flow's bytes be read.
-                    let flow = FlowKey { peer: PeerId(node as u32), xfer };
-                    let held = self.nodes[peer].ep.scheduler().is_held(flow, remote.offset);
-                    assert!(
-                        held.is_some_and(|g| g.region == remote),
-                        "node {node} xfer {xfer:?}: READ of {remote} of node {peer}, which the flow no longer holds ready"
-                    );
                     let copied = if ok { len } else { len / 2 };
                     let src = self.nodes[peer].arena[remote.offset as usize..][..copied as usize].to_vec();
                     self.nodes[node].arena[local.offset as usize..][..copied as usize].copy_from_slice(&src);

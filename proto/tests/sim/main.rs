@@ -88,22 +88,10 @@ fn reads_and_writes_between_nodes_settle_under_random_faults() {
                 sim.cancel_at(node, xfer, at);
             }
         }
-        if kill {
-            let node = sim.rng().random_range(0..3);
-            let at = us(sim.rng().random_range(0..800));
-            sim.kill_at(node, at);
-        }
-        sim.drive_bounded(200_000);
-        sim.check_settled();
+        settle(&mut sim, kill.then_some(0..3));
         let mut seen = seen.borrow_mut();
+        tally_outcomes(&sim, &mut seen);
         for n in sim.nodes.iter().filter(|n| n.alive) {
-            for o in n.outcomes.values() {
-                let key = match o {
-                    Ok(()) => "ok".to_string(),
-                    Err(e) => format!("{e:?}"),
-                };
-                *seen.entry(key).or_default() += 1;
-            }
             let st = n.ep.stats();
             for (k, v) in [("chunks_pulled", st.chunks_pulled), ("chunks_served", st.chunks_served)] {
                 *seen.entry(k.to_string()).or_default() += v;
@@ -114,6 +102,31 @@ fn reads_and_writes_between_nodes_settle_under_random_faults() {
     eprintln!("outcomes and events over all seeds: {seen:?}");
     for key in ["ok", "ReadFailed", "GatherFailed", "ScatterFailed", "Canceled", "PeerLost", "chunks_pulled"] {
         assert!(seen.get(key).is_some_and(|&n| n > 0), "no seed produced {key}: {seen:?}");
+    }
+}
+
+/// Kills one node of `kill` (when given) at a random time in the first 0.8 ms, then runs the
+/// simulation until every transfer has settled (asserting it did).
+fn settle(sim: &mut Sim, kill: Option<std::ops::Range<usize>>) {
+    if let Some(nodes) = kill {
+        let node = sim.rng().random_range(nodes);
+        let at = us(sim.rng().random_range(0..800));
+        sim.kill_at(node, at);
+    }
+    sim.drive_bounded(200_000);
+    sim.check_settled();
+}
+
+/// Counts each live node's transfer outcomes by name ("ok" or the error's).
+fn tally_outcomes(sim: &Sim, seen: &mut std::collections::BTreeMap<String, u64>) {
+    for n in sim.nodes.iter().filter(|n| n.alive) {
+        for o in n.outcomes.values() {
+            let key = match o {
+                Ok(()) => "ok".to_string(),
+                Err(e) => format!("{e:?}"),
+            };
+            *seen.entry(key).or_default() += 1;
+        }
     }
 }
 
@@ -147,22 +160,10 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
                 }
             }
         }
-        if kill {
-            let node = sim.rng().random_range(0..=senders);
-            let at = us(sim.rng().random_range(0..800));
-            sim.kill_at(node, at);
-        }
-        sim.drive_bounded(200_000);
-        sim.check_settled();
+        settle(&mut sim, kill.then_some(0..senders + 1));
         let mut seen = seen.borrow_mut();
+        tally_outcomes(&sim, &mut seen);
         for n in sim.nodes.iter().filter(|n| n.alive) {
-            for o in n.outcomes.values() {
-                let key = match o {
-                    Ok(()) => "ok".to_string(),
-                    Err(e) => format!("{e:?}"),
-                };
-                *seen.entry(key).or_default() += 1;
-            }
             let st = n.ep.stats();
             for (k, v) in [
                 ("late_data", st.late_data),
