@@ -7,11 +7,13 @@
 // Rust calls are noexcept.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -310,9 +312,13 @@ public:
     nixl_status_t getNotifs(notif_list_t &list) override {
         return guarded([&]() -> nixl_status_t {
             if (!list.empty()) return NIXL_ERR_INVALID_PARAM;
-            // Rust pulls from the inner engine (bnc_shim_poll_notifs) and sorts what arrived.
-            auto st = static_cast<nixl_status_t>(bnc_notif_take(rust_, pair_sink, &list));
-            if (st != NIXL_SUCCESS) return st;
+            std::optional<nixl_status_t> st = pullDirect(list);
+            if (!st) {
+                // Rust pulls from the inner engine (bnc_shim_poll_notifs) and sorts what
+                // arrived, after what its reactor pulled earlier.
+                st = static_cast<nixl_status_t>(bnc_notif_take(rust_, pair_sink, &list));
+            }
+            if (*st != NIXL_SUCCESS) return *st;
             refreshStats();
             return NIXL_SUCCESS;
         });
@@ -422,6 +428,30 @@ public:
     nixl_status_t shimGenNotif(const std::string &agent, const std::string &msg) {
         Lock g(mu_);
         return inner_->genNotif(agent, msg);
+    }
+    // The short way of getNotifs (see bnc_notif_direct): the inner engine's notifications go
+    // straight into the caller's list, only control frames are handed to Rust, all under the
+    // inner lock so no pull of the reactor's overtakes them. Returns the inner engine's status,
+    // or nothing when the long way must be taken.
+    std::optional<nixl_status_t> pullDirect(notif_list_t &list) {
+        Lock g(mu_);
+        if (bnc_notif_direct(rust_) != 1) return std::nullopt;
+        nixl_status_t st = inner_->getNotifs(list);
+        if (st != NIXL_SUCCESS) {
+            list.clear();
+            return st;
+        }
+        list.erase(std::remove_if(list.begin(), list.end(),
+                                  [this](const auto &n) {
+                                      return bnc_notif_divert(
+                                                 rust_,
+                                                 reinterpret_cast<const uint8_t *>(n.first.data()),
+                                                 n.first.size(),
+                                                 reinterpret_cast<const uint8_t *>(n.second.data()),
+                                                 n.second.size()) == 1;
+                                  }),
+                   list.end());
+        return NIXL_SUCCESS;
     }
     nixl_status_t pollNotifs(bnc_pair_sink sink, void *ctx) {
         notif_list_t got;

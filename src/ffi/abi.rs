@@ -716,6 +716,44 @@ pub unsafe extern "C" fn bnc_xfer_release(engine: *mut c_void, xfer: u64) -> i32
     .code()
 }
 
+/// Whether the application's `getNotifs` may pull the inner engine straight into its list
+/// (1) or must go through [`bnc_notif_take`] (0; also on a bad handle or a panic).
+///
+/// # Safety
+/// `engine` is a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_notif_direct(engine: *mut c_void) -> i32 {
+    guard_value("bnc_notif_direct", 0, || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return 0 };
+        i32::from(e.app_notifs_direct())
+    })
+}
+
+/// For a direct pull: 1 when the notification is a BOUNCE control frame, now taken by Rust; 0
+/// when it is the application's (also on bad arguments or a panic: it stays in the list).
+///
+/// # Safety
+/// `engine` is a live handle; `agent`/`msg` point at `agent_len`/`msg_len` readable bytes (or
+/// are null with length 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_notif_divert(
+    engine: *mut c_void,
+    agent: *const u8,
+    agent_len: usize,
+    msg: *const u8,
+    msg_len: usize,
+) -> i32 {
+    guard_value("bnc_notif_divert", 0, || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return 0 };
+        // SAFETY: caller contract: both ranges are readable (or null and empty) for the call.
+        let (agent, msg) =
+            unsafe { (BncStr::from_raw(agent, agent_len).bytes(), BncStr::from_raw(msg, msg_len).bytes()) };
+        i32::from(e.divert_notif(agent, msg))
+    })
+}
+
 /// Pulls what waits in the inner engine (control frames go to the reactor) and hands the
 /// application's notifications to `sink`, in arrival order. Returns the inner engine's status
 /// when pulling failed.

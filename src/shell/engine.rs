@@ -660,6 +660,22 @@ impl Engine {
         Ok(got)
     }
 
+    /// Whether the application's `getNotifs` may pull the inner engine straight into its own
+    /// list (asked with the inner engine's lock held): nothing older waits in the mailroom
+    /// ([`Mailroom::app_pull_is_direct`]) and no bounce request is in flight (a poller then
+    /// takes [`Self::take_notifs`], whose busy-poll wait needs it). Pass-through traffic then
+    /// costs what UCX's own `getNotifs` does.
+    pub(crate) fn app_notifs_direct(&self) -> bool {
+        self.shim.is_some()
+            && self.shared().is_none_or(|sh| sh.requests.in_flight() == 0)
+            && self.mail.app_pull_is_direct()
+    }
+
+    /// For a direct pull: takes `msg` when it is a control frame (see [`Mailroom::divert`]).
+    pub(crate) fn divert_notif(&self, agent: &[u8], msg: &[u8]) -> bool {
+        self.mail.divert(agent, msg)
+    }
+
     /// Pulls the inner engine's notifications and takes the application's.
     fn pull_and_take(&self) -> Result<Vec<Notif>> {
         match &self.shim {
@@ -681,16 +697,14 @@ impl Engine {
         last.is_some_and(|t| now.saturating_duration_since(t) < BUSY_POLL_GAP)
     }
 
-    /// Counters as `(name, value)`, published to NIXL as `stats.<name>`.
-    pub(crate) fn stats(&self) -> Vec<(&'static str, u64)> {
-        // Gauges are derived here from the state they describe, not kept in step by hand.
+    /// Gauges are derived from the state they describe, not kept in step by hand.
+    fn refresh_gauges(&self) {
         self.stats.registrations.store(self.registry.len() as u64, Ordering::Relaxed);
         if let Some(sh) = self.shared() {
             self.stats.peers_ready.store(self.peers.ready() as u64, Ordering::Relaxed);
             let retiring = sh.arenas_retiring.load(Ordering::Relaxed);
             self.stats.peer_arenas_loaded.store(self.peers.arenas_loaded() as u64 + retiring, Ordering::Relaxed);
         }
-        self.stats.snapshot()
     }
 
     /// Hands `publish` the counters that changed since the last call (all of them the first
@@ -699,18 +713,23 @@ impl Engine {
     /// prep that bumps two counters pay for twenty (measured: an empty getNotifs cost 6x UCX's,
     /// issue 12). `publish` runs under this engine's publish lock, so two threads publishing at
     /// once cannot leave an older value behind a newer one.
-    /// Each counter goes with its index in [`Self::stats`]'s order, which never changes.
+    /// Each counter goes with its index in [`Stats::for_each`]'s order, which never changes.
     pub(crate) fn publish_changed_stats(&self, mut publish: impl FnMut(usize, &'static str, u64)) {
-        let snap = self.stats();
+        // Compared in place, no snapshot: this runs on every getNotifs of a polling loop, and
+        // building a vector of every counter there was most of BOUNCE's cost over UCX's in an
+        // empty call (issue 12).
+        self.refresh_gauges();
         let mut last = self.published.lock();
-        let fresh = last.len() != snap.len();
-        for (i, &(name, v)) in snap.iter().enumerate() {
-            if fresh || last[i] != v {
+        let fresh = last.is_empty();
+        self.stats.for_each(|i, name, v| {
+            if fresh {
+                last.push(v);
+                publish(i, name, v);
+            } else if last[i] != v {
+                last[i] = v;
                 publish(i, name, v);
             }
-        }
-        last.clear();
-        last.extend(snap.iter().map(|(_, v)| *v));
+        });
     }
 }
 

@@ -9,9 +9,12 @@ macro_rules! counters {
         pub(crate) struct Stats { $($(#[$doc])* pub(crate) $name: AtomicU64,)* }
 
         impl Stats {
-            /// Every counter as `(name, value)`, always the same names in the same order.
-            pub(crate) fn snapshot(&self) -> Vec<(&'static str, u64)> {
-                vec![$((stringify!($name), self.$name.load(Relaxed)),)*]
+            /// Hands `f` every counter as `(index, name, value)`, always the same names in the
+            /// same order, without allocating (a polling `getNotifs` publishes through this).
+            pub(crate) fn for_each(&self, mut f: impl FnMut(usize, &'static str, u64)) {
+                let mut i = 0;
+                $(f(i, stringify!($name), self.$name.load(Relaxed)); i += 1;)*
+                let _ = i;
             }
         }
     };
