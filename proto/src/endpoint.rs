@@ -358,7 +358,10 @@ impl Endpoint {
         trace!(peer = from.0, xfer = msg.xfer().0, kind = msg.kind_name(), "recv");
         // Any admitted message is a sign of life, valid or not: only a live peer sends.
         self.liveness.heard(now, from);
-        if self.answering.is_waiting(FlowKey { peer: from, xfer: msg.xfer() }) {
+        // A frame for our receiver role (not a GRANT or ACK, which answer our own transfers) of a
+        // one-way flow still waiting for a slot.
+        let to_receiver = !matches!(msg, wire::Msg::Grant(_) | wire::Msg::Ack(_));
+        if to_receiver && self.answering.is_waiting(FlowKey { peer: from, xfer: msg.xfer() }) {
             return self.hold_waiting(from, msg);
         }
         let mut ctx = ctx!(self, now);

@@ -260,7 +260,7 @@ impl<T> SlotQueue<T> {
         }
         if let Some(u) = self.units.get_mut(&peer) {
             *u -= w.units;
-            if self.order.get(&peer).is_none() {
+            if !self.order.contains_key(&peer) {
                 self.units.remove(&peer);
             }
         }
