@@ -397,9 +397,9 @@ pub enum ProtocolError {
         /// Announced chunks the peer would have.
         chunks: u64,
     },
-    /// A one-way WANT (answers through our mailbox) that got no mailbox slot: we keep no
-    /// mailbox, or the peer holds its share of the slots, or all the transfer's candidate slots
-    /// are taken. Dropped unqueued; its sender times out.
+    /// A one-way WANT (answers through our mailbox) that got no mailbox slot and cannot wait
+    /// for one: we keep no mailbox, or the queue of WANTs waiting for a slot is at its bound
+    /// (see [`crate::oneway::Answering`]). Dropped; its sender times out.
     #[error("peer {}: one-way WANT for transfer {} dropped: no mailbox slot", .peer.0, .xfer.0)]
     NoMailboxSlot {
         /// The sending peer.

@@ -27,6 +27,18 @@ def layouts(seed):
     return [nixlkit.Scattered(PIECES, SIZE, seed=seed + k) for k in range(XFERS)]
 
 
+def post_all(ag, handles, deadline=40):
+    """Posts every prepared transfer back to back (so they are all in flight at once), then
+    waits for all; returns their states and when each ended after the first post."""
+    t0 = time.monotonic()
+    for h in handles:
+        assert ag.transfer(h) != "ERR"
+    posted = time.monotonic() - t0
+    states, ended = run_all(ag, handles, deadline)
+    print(f"\nposted {len(handles)} in {posted * 1e3:.1f} ms", end="")
+    return states, ended
+
+
 def run_all(ag, handles, deadline):
     """Polls every handle until none is in flight; returns their states and when each ended."""
     t0 = time.monotonic()
@@ -70,10 +82,8 @@ def test_more_one_way_writes_than_a_peers_slots_all_land_byte_exact(procs, tmp_p
         for k, lay in enumerate(lays):
             lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data + k * src_bytes), "DRAM")
             re = ag.get_xfer_descs(lay.dst_list(raddr + k * dst_bytes), "DRAM")
-            h = ag.initialize_xfer("WRITE", lo, re, "ows-w-rx", b"", backends=["BOUNCE"])
-            assert ag.transfer(h) != "ERR"
-            handles.append(h)
-        states, ended = run_all(ag, handles, 40)
+            handles.append(ag.initialize_xfer("WRITE", lo, re, "ows-w-rx", b"", backends=["BOUNCE"]))
+        states, ended = post_all(ag, handles)
         assert states == ["DONE"] * XFERS, f"states: {states}"
         for h in handles:
             ag.release_xfer_handle(h)
@@ -82,8 +92,9 @@ def test_more_one_way_writes_than_a_peers_slots_all_land_byte_exact(procs, tmp_p
         lay.expected(src[k * src_bytes:(k + 1) * src_bytes], before[k * dst_bytes:(k + 1) * dst_bytes])
         for k, lay in enumerate(lays)])
     nixlkit.assert_same(dump(p, tmp_path, "ows-w-rx.bin"), expected, "destinations (and every byte between them)")
-    check_counters(ag, p, s0, t0, "bounce_ok")
-    print(f"\n{XFERS} one-way WRITEs: first done {min(ended):.3f}s, last {max(ended):.3f}s")
+    _, t1 = check_counters(ag, p, s0, t0, "bounce_ok")
+    print(f"; {XFERS} one-way WRITEs: first done {min(ended):.3f}s, last {max(ended):.3f}s,"
+          f" {t1['one_way_queued'] - t0['one_way_queued']} waited for a slot")
 
 
 def test_more_one_way_reads_than_a_peers_slots_all_land_byte_exact(procs):
@@ -103,10 +114,8 @@ def test_more_one_way_reads_than_a_peers_slots_all_land_byte_exact(procs):
         for k, lay in enumerate(lays):
             lo = ag.get_xfer_descs(lay.dst_list(dst.ctypes.data + k * dst_bytes), "DRAM")
             re = ag.get_xfer_descs(lay.src_list(raddr + k * src_bytes), "DRAM")
-            h = ag.initialize_xfer("READ", lo, re, "ows-r-tgt", b"", backends=["BOUNCE"])
-            assert ag.transfer(h) != "ERR"
-            handles.append(h)
-        states, ended = run_all(ag, handles, 40)
+            handles.append(ag.initialize_xfer("READ", lo, re, "ows-r-tgt", b"", backends=["BOUNCE"]))
+        states, ended = post_all(ag, handles)
         assert states == ["DONE"] * XFERS, f"states: {states}"
         for h in handles:
             ag.release_xfer_handle(h)
@@ -115,8 +124,9 @@ def test_more_one_way_reads_than_a_peers_slots_all_land_byte_exact(procs):
         lay.expected(sources[k * src_bytes:(k + 1) * src_bytes], before[k * dst_bytes:(k + 1) * dst_bytes])
         for k, lay in enumerate(lays)])
     nixlkit.assert_same(dst, expected, "READ destinations (and every byte between them)")
-    check_counters(ag, p, s0, t0, "bounce_read_ok")
-    print(f"\n{XFERS} one-way READs: first done {min(ended):.3f}s, last {max(ended):.3f}s")
+    _, t1 = check_counters(ag, p, s0, t0, "bounce_read_ok")
+    print(f"; {XFERS} one-way READs: first done {min(ended):.3f}s, last {max(ended):.3f}s,"
+          f" {t1['one_way_queued'] - t0['one_way_queued']} waited for a slot")
 
 
 def test_under_the_slot_cap_nothing_waits(procs):

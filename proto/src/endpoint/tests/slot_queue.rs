@@ -310,3 +310,23 @@ fn more_one_way_transfers_than_a_peers_slot_cap_all_complete_byte_exact() {
         assert_eq!((p.eps[1].answering_slots_held(), p.eps[1].answering.waiting()), (0, 0));
     }
 }
+
+/// A slot whose initiator never reports its last record read frees after the linger: the
+/// endpoint asks to be woken then, and the waiter opens at that wake-up.
+#[test]
+fn a_waiter_opens_when_a_closed_slot_lingers_out() {
+    let (mut ep, t) = target();
+    fill_the_cap(&mut ep, t);
+    // Flow 0 is cancelled, and its initiator never sends the CURSOR: the slot lingers.
+    ep.handle_msg(t, INI, Msg::cancel(XferId(0), token(0), Vec::new())).unwrap();
+    drain(&mut ep);
+    let later = t + TIMEOUT / 2 + Duration::from_millis(1);
+    ep.handle_msg(later, INI, one_way_want(CAP)).unwrap();
+    assert_eq!(ep.answering.waiting(), 1);
+    let wake = ep.poll_timeout().expect("a wake-up");
+    assert!(wake <= t + TIMEOUT, "woken by the linger's end at the latest");
+    ep.handle_timeout(t + TIMEOUT);
+    drain(&mut ep);
+    assert!(ep.answering.is_one_way(FlowKey { peer: INI, xfer: XferId(CAP) }), "opened at the linger's end");
+    assert_eq!((ep.answering.waiting(), ep.stats().one_way_refused), (0, 0));
+}
