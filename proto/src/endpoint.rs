@@ -20,9 +20,10 @@ use crate::event::Ctx;
 pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
 use crate::liveness::{Liveness, LivenessConfig};
 use crate::mailbox::{FailReason, MailboxLayout};
-use crate::oneway::{Answering, OneWayLayout, Read, Reading};
+use crate::oneway::{Answering, HoldError, OneWayLayout, OneWayRefused, Read, Reading};
 use crate::peers::{FrameRefused, Hello, Loaded, PeerTable};
 use crate::plan::Plan;
+use crate::proof::BadProof;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
 use crate::sender::Sender;
@@ -357,6 +358,12 @@ impl Endpoint {
         trace!(peer = from.0, xfer = msg.xfer().0, kind = msg.kind_name(), "recv");
         // Any admitted message is a sign of life, valid or not: only a live peer sends.
         self.liveness.heard(now, from);
+        // A frame for our receiver role (not a GRANT or ACK, which answer our own transfers) of a
+        // one-way flow still waiting for a slot.
+        let to_receiver = !matches!(msg, wire::Msg::Grant(_) | wire::Msg::Ack(_));
+        if to_receiver && self.answering.is_waiting(FlowKey { peer: from, xfer: msg.xfer() }) {
+            return self.hold_waiting(from, msg);
+        }
         let mut ctx = ctx!(self, now);
         let r = match msg {
             wire::Msg::Want(m) if m.endpoint == wire::REPLY_MAILBOX && !m.is_cancel() => {
@@ -373,19 +380,16 @@ impl Endpoint {
                     // A flow that began two way stays so, whatever a later WANT asks.
                     self.receiver.handle_want(&mut ctx, from, m)
                 } else {
-                    let open = |rx: &mut Receiver, ctx: &mut Ctx<'_>| rx.handle_want(ctx, from, m);
-                    open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, token, chunks, open)
+                    open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, wire::Msg::Want(m))
                 }
             }
             wire::Msg::Pull(m) if m.endpoint == wire::REPLY_MAILBOX && !m.chunks.is_empty() => {
                 // A one-way READ: opened like a one-way WANT (see there).
                 let key = FlowKey { peer: from, xfer: m.xfer };
-                let (token, chunks) = (m.token, m.chunks.len());
                 if self.answering.is_one_way(key) || self.receiver.has_flow(key) {
                     self.receiver.handle_pull(&mut ctx, from, m)
                 } else {
-                    let open = |rx: &mut Receiver, ctx: &mut Ctx<'_>| rx.handle_pull(ctx, from, m);
-                    open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, token, chunks, open)
+                    open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, wire::Msg::Pull(m))
                 }
             }
             wire::Msg::Pull(m) => self.receiver.handle_pull(&mut ctx, from, m),
@@ -533,7 +537,7 @@ impl Endpoint {
             | wire::Msg::Plan(_)
             | wire::Msg::Keep(_)
             | wire::Msg::Pull(_)
-            | wire::Msg::Release(_) => self.answering.is_one_way(FlowKey { peer, xfer: msg.xfer() }),
+            | wire::Msg::Release(_) => self.answering.knows(FlowKey { peer, xfer: msg.xfer() }),
             wire::Msg::Grant(_) | wire::Msg::Ack(_) => false,
         }
     }
@@ -627,6 +631,9 @@ impl Endpoint {
     /// [`XferError::PeerLost`] and its flows are reclaimed, as in
     /// [`handle_peer_lost`](Self::handle_peer_lost). Spurious or early calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
+        // Waiters whose initiators have given up are dropped; the others may find a slot whose
+        // linger ended (the pump below serves them).
+        self.stats.one_way_refused += self.answering.expire(now) as u64;
         let mut ctx = ctx!(self, now);
         self.sender.handle_timeout(&mut ctx);
         self.receiver.handle_timeout(&mut ctx);
@@ -703,7 +710,8 @@ impl Endpoint {
     /// early (the call is then a no-op); it is never late.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
-        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout()]
+        let waiting = self.answering.next_timeout();
+        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout(), waiting]
             .into_iter()
             .flatten()
             .min()
@@ -780,17 +788,80 @@ impl Endpoint {
     /// After any event that may have freed arena space: gives freed space first to parked
     /// local credits (they finish work a peer already reserved space for), then to remote
     /// flows through `schedule()`.
+    ///
+    /// Then opens the one-way flows waiting for a slot that one has freed for, and pumps again
+    /// for them (each round opens at least one waiter, so this ends).
     fn pump(&mut self, now: Instant) {
-        let mut ctx = ctx!(self, now);
-        self.sender.retry_parked(&mut ctx);
-        if !self.closing {
-            let grants = ctx.sched.schedule();
-            if !grants.is_empty() {
-                self.receiver.emit_grants(&mut ctx, grants);
+        loop {
+            let mut ctx = ctx!(self, now);
+            self.sender.retry_parked(&mut ctx);
+            if !self.closing {
+                let grants = ctx.sched.schedule();
+                if !grants.is_empty() {
+                    self.receiver.emit_grants(&mut ctx, grants);
+                }
+                self.watch_waited(now);
             }
-            self.watch_waited(now);
+            self.one_way_outputs(now);
+            if !self.serve_waiting(now) {
+                break;
+            }
         }
-        self.one_way_outputs(now);
+    }
+
+    /// A message `from` a one-way flow waiting for a slot (see [`Answering::hold`]).
+    fn hold_waiting(&mut self, from: PeerId, msg: wire::Msg) -> Result<(), ProtocolError> {
+        let xfer = msg.xfer();
+        let r = match self.answering.hold(FlowKey { peer: from, xfer }, msg) {
+            Ok(held) => {
+                trace!(peer = from.0, xfer = xfer.0, ?held, "message of a transfer waiting for a slot");
+                Ok(())
+            }
+            Err(HoldError::WrongToken) => {
+                self.stats.control_forged += 1;
+                Err(ProtocolError::WrongToken { peer: from, xfer })
+            }
+            Err(HoldError::Full(_)) => {
+                self.stats.one_way_refused += 1;
+                Err(ProtocolError::NoMailboxSlot { peer: from, xfer })
+            }
+        };
+        if let Err(e) = &r {
+            self.stats.protocol_errors += 1;
+            debug!(peer = from.0, error = %e, "protocol error");
+        }
+        r
+    }
+
+    /// Opens the waiting one-way flows a slot is free for now: each one's held messages are
+    /// replayed as they came (the opening WANT or PULL judged by the receiver for the first
+    /// time, then its further WANTs). Returns true when one was opened.
+    fn serve_waiting(&mut self, now: Instant) -> bool {
+        let mut served = false;
+        while let Some((key, held)) = self.answering.next_servable(now) {
+            served = true;
+            for (n, msg) in held.into_iter().enumerate() {
+                let mut ctx = ctx!(self, now);
+                let r = match msg {
+                    msg if n == 0 => open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, msg),
+                    wire::Msg::Want(m) if self.answering.is_one_way(key) => {
+                        let (token, chunks) = (m.token, m.chunks.len());
+                        let r = self.receiver.handle_want(&mut ctx, key.peer, m);
+                        if r.is_ok() {
+                            let _ = self.answering.open(now, key, token, chunks);
+                        }
+                        r
+                    }
+                    // The first one opened nothing (the receiver refused it unanswered).
+                    _ => Ok(()),
+                };
+                if let Err(e) = &r {
+                    self.stats.protocol_errors += 1;
+                    debug!(peer = key.peer.0, error = %e, "protocol error in a WANT that waited for a slot");
+                }
+            }
+        }
+        served
     }
 
     /// Routes what the roles emitted for one-way transfers: answers to one-way flows become
@@ -834,22 +905,42 @@ impl Endpoint {
     }
 }
 
-/// Opens one-way flow `key` with its first WANT or PULL (`handle`, the receiver's judgment).
-/// The receiver judges it first: a forgery (a bad proof) must not take a slot, or invented
-/// names could pin the whole mailbox. An accepted one, or a refusal worth answering (the
-/// receiver emitted an ACK(Refused)), gets a slot that carries the answer; without a slot the
-/// flow cannot be answered, so it is dropped unanswered.
+/// Opens one-way flow `key` with its first WANT or PULL (`msg`). When no slot is free for it,
+/// a genuine one (its proofs verify under our registrations' keys, or are late for a
+/// registration just removed) waits for one (see [`Answering`]: held, not judged, and replayed
+/// here when a slot frees), counted in `one_way_queued`; only one the queue has no room for is
+/// dropped (`one_way_refused`). Otherwise the receiver judges it first: a forgery (a bad proof)
+/// must neither take a slot nor a place in the queue, or invented names could pin the whole
+/// mailbox. An accepted one, or a refusal worth answering (the receiver emitted an
+/// ACK(Refused)), gets a slot that carries the answer.
 fn open_one_way(
     receiver: &mut Receiver,
     answering: &mut Answering,
     ctx: &mut Ctx<'_>,
     key: FlowKey,
-    token: Token,
-    chunks: usize,
-    handle: impl FnOnce(&mut Receiver, &mut Ctx<'_>) -> Result<(), ProtocolError>,
+    msg: wire::Msg,
 ) -> Result<(), ProtocolError> {
+    let (token, chunks, genuine) = match &msg {
+        wire::Msg::Want(m) => (m.token, m.chunks.len(), receiver.registrations().verify(m.token, &m.proofs)),
+        wire::Msg::Pull(m) => (m.token, m.chunks.len(), receiver.registrations().verify(m.token, &m.proofs)),
+        _ => return Ok(()),
+    };
+    let genuine = matches!(genuine, Ok(_) | Err(BadProof::Deregistered(_)));
+    if genuine && matches!(answering.vacancy(ctx.now, key, token), Err(OneWayRefused::Slot(_))) {
+        if answering.wait(ctx.now, key, msg).is_ok() {
+            ctx.stats.one_way_queued += 1;
+            trace!(peer = key.peer.0, xfer = key.xfer.0, "one-way WANT waits for a mailbox slot");
+            return Ok(());
+        }
+        ctx.stats.one_way_refused += 1;
+        return Err(ProtocolError::NoMailboxSlot { peer: key.peer, xfer: key.xfer });
+    }
     let before = ctx.out.len();
-    let r = handle(receiver, ctx);
+    let r = match msg {
+        wire::Msg::Want(m) => receiver.handle_want(ctx, key.peer, m),
+        wire::Msg::Pull(m) => receiver.handle_pull(ctx, key.peer, m),
+        _ => Ok(()),
+    };
     let answered = ctx.out.len() > before;
     if (r.is_ok() || answered) && answering.open(ctx.now, key, token, chunks).is_err() {
         ctx.stats.one_way_refused += 1;
@@ -868,6 +959,8 @@ fn open_one_way(
 #[cfg(test)]
 pub(crate) mod tests {
     //! Endpoint-level tests, plus the fixtures the sender and receiver tests share.
+
+    mod slot_queue;
 
     use std::collections::BTreeMap;
     use std::time::Duration;

@@ -397,9 +397,9 @@ pub enum ProtocolError {
         /// Announced chunks the peer would have.
         chunks: u64,
     },
-    /// A one-way WANT (answers through our mailbox) that got no mailbox slot: we keep no
-    /// mailbox, or the peer holds its share of the slots, or all the transfer's candidate slots
-    /// are taken. Dropped unqueued; its sender times out.
+    /// A one-way WANT (answers through our mailbox) that got no mailbox slot and cannot wait
+    /// for one: we keep no mailbox, or the queue of WANTs waiting for a slot is at its bound
+    /// (see [`crate::oneway::Answering`]). Dropped; its sender times out.
     #[error("peer {}: one-way WANT for transfer {} dropped: no mailbox slot", .peer.0, .xfer.0)]
     NoMailboxSlot {
         /// The sending peer.
@@ -518,8 +518,12 @@ pub struct Stats {
     pub one_way_sent: u64,
     /// One-way flows we answered through our mailbox.
     pub one_way_answered: u64,
-    /// One-way WANTs dropped for want of a mailbox slot (the initiator times out).
+    /// One-way WANTs dropped for want of a mailbox slot (the initiator times out): the queue
+    /// of WANTs waiting for a slot was full, or a waiting WANT's initiator gave up first.
     pub one_way_refused: u64,
+    /// One-way WANTs (and PULLs) that found no mailbox slot and waited for one in the bounded
+    /// queue (see [`crate::oneway::Answering`]), instead of being dropped.
+    pub one_way_queued: u64,
     /// Mailbox records written into our arena.
     pub records_written: u64,
     /// Mailbox records read from targets.

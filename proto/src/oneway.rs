@@ -25,14 +25,24 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::event::Action;
 use crate::mailbox::{
-    self, Answer, CANDIDATES, FailReason, MailboxLayout, MailboxReader, MailboxWriter, RECORD_LEN, ReaderError, Seq,
-    SlotConfig, SlotError,
+    self, Answer, CANDIDATES, FailReason, MailboxLayout, MailboxReader, MailboxWriter, QueueConfig, QueueError,
+    RECORD_LEN, ReaderError, Seq, SlotConfig, SlotError, SlotQueue, candidates,
 };
 use crate::types::{FlowKey, PeerId, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Credit, Cursor, Grant, MailboxCaps, Msg};
 
 /// Slots in a mailbox: one-way transfers in flight into one target at once.
 pub const MAILBOX_SLOTS: u32 = 256;
+/// One-way transfers one peer may have waiting for a slot (on top of the quarter of the slots
+/// it may hold): enough for a few hundred transfers in flight into one target.
+pub const WAITING_PER_PEER: usize = MAILBOX_SLOTS as usize;
+/// One-way transfers waiting for a slot in all, from every peer.
+pub const WAITING_TOTAL: usize = 4 * MAILBOX_SLOTS as usize;
+/// Chunks and gather runs the waiting transfers of one peer may hold: the receiver's own
+/// per-peer budget, which would refuse more anyway.
+pub const WAITING_UNITS_PER_PEER: u64 = crate::receiver::MAX_CHUNKS_PER_PEER;
+/// Chunks and gather runs held by all waiting transfers (tens of MiB at most).
+pub const WAITING_UNITS_TOTAL: u64 = 2 * WAITING_UNITS_PER_PEER;
 /// Fetch slices of the initiator's fetch area: one-way transfers it can poll at once (the
 /// others wait for a slice, in order).
 pub const FETCH_SLICES: u32 = 64;
@@ -93,6 +103,18 @@ pub enum OneWayRefused {
     /// No slot for it now.
     #[error(transparent)]
     Slot(#[from] SlotError),
+    /// No slot, and no room to wait for one.
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+}
+
+/// What a held WANT or PULL costs the queue: its chunks and gather runs.
+fn held_units(msg: &Msg) -> u64 {
+    match msg {
+        Msg::Want(w) => w.chunks.len() as u64,
+        Msg::Pull(p) => p.chunks.iter().map(|c| 1 + c.runs.len() as u64).sum(),
+        _ => 0,
+    }
 }
 
 /// One one-way flow into us, as the target answers it.
@@ -106,7 +128,46 @@ struct Flow {
     closed: bool,
 }
 
-/// The target's side: the mailbox writer and the one-way flows it answers.
+/// What became of a message of a transfer waiting for a slot ([`Answering::hold`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// A further WANT: held, replayed after the opening one.
+    Kept,
+    /// A cancel (an empty WANT or PULL): the transfer left the queue.
+    Canceled,
+    /// Anything else (a DATA, KEEP, CURSOR, ... before any GRANT): late or broken, ignored.
+    Ignored,
+}
+
+/// Why a message of a waiting transfer was not held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HoldError {
+    /// It carries another token than the WANT that queued the transfer: a forgery.
+    #[error("another token than the waiting transfer's")]
+    WrongToken,
+    /// Holding it would pass the queue's bounds: the whole transfer was dropped.
+    #[error(transparent)]
+    Full(#[from] QueueError),
+}
+
+/// The target's side: the mailbox writer, the one-way flows it answers, and the transfers
+/// waiting for a slot.
+///
+/// # Waiting for a slot
+/// A one-way WANT or PULL that is genuine (its proofs verify) but finds no slot (its peer
+/// holds its quarter, or its candidates are all held) waits in a bounded [`SlotQueue`]
+/// ([`wait`](Self::wait)) instead of being dropped: the message itself is held, not judged
+/// into the receiver, and replayed exactly as it came once a candidate slot is free for it
+/// ([`next_servable`](Self::next_servable)); further WANTs of the transfer are held behind it
+/// ([`hold`](Self::hold)). So the receiver's credit scheduler never sees a flow it could not
+/// answer: granting regions to a flow with no slot would hold arena space nobody can use (its
+/// GRANTs could not be written) and keep the flow's idle timer running, and judging a WANT
+/// once on arrival and again on opening would count it twice. The price: a refusal the
+/// receiver would make (over its per-peer limits, a bad run) is made only when the transfer's
+/// turn comes, and answered in its slot then. A waiter leaves when its initiator's timeout
+/// has passed ([`expire`](Self::expire)), on cancel, or with its peer; only a WANT that
+/// overflows the queue is dropped (`one_way_refused`).
 #[derive(Debug)]
 pub struct Answering {
     writer: Option<MailboxWriter>,
@@ -114,6 +175,8 @@ pub struct Answering {
     base: u64,
     flows: BTreeMap<FlowKey, Flow>,
     linger: Duration,
+    /// Genuine WANTs and PULLs (and the further WANTs of their transfers) waiting for a slot.
+    waiting: SlotQueue<Msg>,
 }
 
 impl Answering {
@@ -125,7 +188,119 @@ impl Answering {
             let per_peer_max = (layout.slots / 4).max(1);
             MailboxWriter::new(SlotConfig { layout, per_peer_max, linger }).ok()
         });
-        Self { writer, base, flows: BTreeMap::new(), linger }
+        let waiting = SlotQueue::new(QueueConfig {
+            per_peer: WAITING_PER_PEER,
+            total: WAITING_TOTAL,
+            units_per_peer: WAITING_UNITS_PER_PEER,
+            units_total: WAITING_UNITS_TOTAL,
+            // The initiator's no-progress timeout: nobody waits for the answer after it.
+            wait: linger,
+        });
+        Self { writer, base, flows: BTreeMap::new(), linger, waiting }
+    }
+
+    /// Whether a new one-way flow `key` under `token` would get a slot now.
+    ///
+    /// # Errors
+    /// [`OneWayRefused::NoMailbox`]; [`SlotError::PeerAtCap`] or [`SlotError::Exhausted`]
+    /// when it has to [`wait`](Self::wait).
+    pub fn vacancy(&mut self, now: Instant, key: FlowKey, token: Token) -> Result<(), OneWayRefused> {
+        let writer = self.writer.as_mut().ok_or(OneWayRefused::NoMailbox)?;
+        writer.reclaim_expired(now);
+        let candidates = candidates(&record_token(token), writer.table().layout());
+        writer.vacancy(key.peer, key.xfer, &candidates)?;
+        Ok(())
+    }
+
+    /// Queues `msg`, the genuine opening WANT or PULL of flow `key`, which found no slot.
+    ///
+    /// # Errors
+    /// [`OneWayRefused::NoMailbox`], or the queue is at a bound ([`OneWayRefused::Queue`]):
+    /// the WANT must be dropped.
+    pub fn wait(&mut self, now: Instant, key: FlowKey, msg: Msg) -> Result<(), OneWayRefused> {
+        let writer = self.writer.as_ref().ok_or(OneWayRefused::NoMailbox)?;
+        let token = record_token(msg.token());
+        let candidates = candidates(&token, writer.table().layout());
+        let units = held_units(&msg);
+        self.waiting.push(now, key.peer, key.xfer, token, candidates, msg, units)?;
+        Ok(())
+    }
+
+    /// True when flow `key` waits for a slot.
+    pub fn is_waiting(&self, key: FlowKey) -> bool {
+        self.waiting.contains(key.peer, key.xfer)
+    }
+
+    /// True when `key` is a one-way flow here, open or waiting: its frames are admitted.
+    pub fn knows(&self, key: FlowKey) -> bool {
+        self.is_one_way(key) || self.is_waiting(key)
+    }
+
+    /// Transfers waiting for a slot.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// A message of flow `key`, which waits for a slot: a further WANT is held behind the
+    /// opening one, a cancel takes the transfer out of the queue, anything else is ignored.
+    ///
+    /// # Errors
+    /// [`HoldError::WrongToken`] for another token than the waiting transfer's (nothing
+    /// changes); [`HoldError::Full`] when holding a further WANT would pass the queue's bounds:
+    /// the whole transfer is dropped then (opened without those chunks it could only time out).
+    pub fn hold(&mut self, key: FlowKey, msg: Msg) -> Result<Held, HoldError> {
+        if self.waiting.token(key.peer, key.xfer) != Some(&record_token(msg.token())) {
+            return Err(HoldError::WrongToken);
+        }
+        let cancel = match &msg {
+            Msg::Want(w) => w.is_cancel(),
+            Msg::Pull(p) => p.chunks.is_empty(),
+            _ => return Ok(Held::Ignored),
+        };
+        if cancel {
+            self.waiting.remove(key.peer, key.xfer);
+            return Ok(Held::Canceled);
+        }
+        if matches!(msg, Msg::Pull(_)) {
+            // A second PULL for a flow is refused by the receiver too: one per READ.
+            return Ok(Held::Ignored);
+        }
+        let units = held_units(&msg);
+        if let Err(e) = self.waiting.hold(key.peer, key.xfer, msg, units) {
+            self.waiting.remove(key.peer, key.xfer);
+            return Err(e.into());
+        }
+        Ok(Held::Kept)
+    }
+
+    /// The next waiting transfer one of whose candidate slots is free for it now, with the
+    /// messages it held, opening one first (round robin across peers, oldest first per peer).
+    /// The caller replays them as if they had just come; the slot is taken when the first is
+    /// accepted.
+    pub fn next_servable(&mut self, now: Instant) -> Option<(FlowKey, Vec<Msg>)> {
+        let writer = self.writer.as_mut()?;
+        if self.waiting.is_empty() {
+            return None;
+        }
+        writer.reclaim_expired(now);
+        let w = self.waiting.pop_servable(|peer, xfer, c| writer.vacancy(peer, xfer, c))?;
+        Some((FlowKey { peer: w.peer, xfer: w.xfer }, w.held))
+    }
+
+    /// Waiting transfers whose initiators have given up by `now` leave the queue; returns how
+    /// many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        self.waiting.expire(now).len()
+    }
+
+    /// When the waiting transfers need a call even if no message comes: the first deadline of
+    /// a waiter, or the first closing slot's linger end (which frees a slot for one).
+    pub fn next_timeout(&self) -> Option<Instant> {
+        if self.waiting.is_empty() {
+            return None;
+        }
+        let linger = self.writer.as_ref().and_then(|w| w.table().next_expiry());
+        self.waiting.next_deadline().into_iter().chain(linger).min()
     }
 
     /// True when this engine keeps a mailbox.
@@ -274,12 +449,13 @@ impl Answering {
         written
     }
 
-    /// The peer is gone: its slots are freed at once.
+    /// The peer is gone: its slots are freed at once, and its waiting transfers leave.
     pub fn release_peer(&mut self, peer: PeerId) {
         if let Some(w) = self.writer.as_mut() {
             w.release_peer(peer);
         }
         self.flows.retain(|k, _| k.peer != peer);
+        self.waiting.release_peer(peer);
     }
 
     /// How long a closed slot waits for its last CURSOR.

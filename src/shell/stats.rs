@@ -96,9 +96,12 @@ counters! {
     one_way_sent,
     /// One-way flows we answered through our mailbox (the core's count).
     one_way_answered,
-    /// One-way WANTs dropped for want of a mailbox slot; their senders time out (the core's
-    /// count).
+    /// One-way WANTs dropped for want of a mailbox slot (the queue of waiting WANTs was full,
+    /// or one waited past its sender's timeout); their senders time out (the core's count).
     one_way_refused,
+    /// One-way WANTs that found no mailbox slot and waited for one instead of being dropped
+    /// (the core's count).
+    one_way_queued,
     /// Mailbox records we wrote for one-way flows (the core's count).
     records_written,
     /// Mailbox records we read from targets (the core's count).

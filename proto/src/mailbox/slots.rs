@@ -220,7 +220,9 @@ enum SlotState {
 ///
 /// Call order, per transfer: [`allocate`](Self::allocate) on its WANT, with the transfer's
 /// [`candidates`] (a WANT refused with [`SlotError::Exhausted`] or [`SlotError::PeerAtCap`]
-/// waits in the fair queue for a slot to free); then for each answer [`place`](Self::place)
+/// waits in a [`SlotQueue`](super::SlotQueue) until [`vacancy`](Self::vacancy) finds it a
+/// slot: after a close, a CURSOR, a peer release, or at [`next_expiry`](Self::next_expiry));
+/// then for each answer [`place`](Self::place)
 /// and write the record there; [`handle_consumed`](Self::handle_consumed) whenever a frame of
 /// the initiator reports its cursor; [`close`](Self::close) after the last record (or on
 /// cancel / timeout); [`release_peer`](Self::release_peer) when the peer is lost.
@@ -286,6 +288,21 @@ impl SlotTable {
         candidates: &[SlotId],
     ) -> Result<SlotId, SlotError> {
         self.reclaim_expired(now);
+        let slot = self.vacancy(peer, xfer, candidates)?;
+        self.slots[slot.0 as usize] = SlotState::Open(Holder { peer, xfer, written: 0, consumed: 0 });
+        self.by_xfer.insert((peer, xfer), slot);
+        *self.held.entry(peer).or_insert(0) += 1;
+        Ok(slot)
+    }
+
+    /// The slot [`allocate`](Self::allocate) would give `peer`'s transfer `xfer` now, without
+    /// taking it, so a waiting WANT is judged only once it is sure of a slot. Unlike
+    /// `allocate` it does not reclaim expired slots: call
+    /// [`reclaim_expired`](Self::reclaim_expired) first (once for a whole queue of waiters).
+    ///
+    /// # Errors
+    /// As [`allocate`](Self::allocate).
+    pub fn vacancy(&self, peer: PeerId, xfer: XferId, candidates: &[SlotId]) -> Result<SlotId, SlotError> {
         if let Some(slot) = self.slot_of(peer, xfer) {
             return Err(SlotError::AlreadyHeld { peer, xfer, slot });
         }
@@ -293,14 +310,23 @@ impl SlotTable {
         if held >= self.cfg.per_peer_max {
             return Err(SlotError::PeerAtCap { peer, held });
         }
-        let slot = *candidates
+        candidates
             .iter()
+            .copied()
             .find(|c| matches!(self.slots.get(c.0 as usize), Some(SlotState::Free)))
-            .ok_or(SlotError::Exhausted)?;
-        self.slots[slot.0 as usize] = SlotState::Open(Holder { peer, xfer, written: 0, consumed: 0 });
-        self.by_xfer.insert((peer, xfer), slot);
-        *self.held.entry(peer).or_insert(0) += 1;
-        Ok(slot)
+            .ok_or(SlotError::Exhausted)
+    }
+
+    /// When the first closing slot's linger ends (it frees then even if never reported read):
+    /// the wake-up a waiting WANT needs when nothing else will free a slot.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.slots
+            .iter()
+            .filter_map(|s| match s {
+                SlotState::Closing(_, until) => Some(*until),
+                _ => None,
+            })
+            .min()
     }
 
     /// Assigns the next record of the transfer in `slot` its sequence number and place.
@@ -373,7 +399,8 @@ impl SlotTable {
         out
     }
 
-    fn reclaim_expired(&mut self, now: Instant) {
+    /// Frees every closing slot whose linger has ended by `now`.
+    pub fn reclaim_expired(&mut self, now: Instant) {
         let expired: Vec<SlotId> = (0..self.slots.len())
             .filter(|&i| matches!(self.slots[i], SlotState::Closing(_, until) if until <= now))
             .map(|i| SlotId(i as u32))

@@ -270,3 +270,101 @@ proptest! {
         }
     }
 }
+
+#[derive(Debug, Clone)]
+enum QueueOp {
+    Push(u32, u64, u64),
+    Hold(u32, u64, u64),
+    /// Serve with the slots of this bit mask free.
+    Pop(u8),
+    Remove(u32, u64),
+    Advance(u64),
+    LosePeer(u32),
+}
+
+fn queue_op() -> impl Strategy<Value = QueueOp> {
+    prop_oneof![
+        4 => (0u32..4, 0u64..12, 0u64..40).prop_map(|(p, x, u)| QueueOp::Push(p, x, u)),
+        2 => (0u32..4, 0u64..12, 0u64..40).prop_map(|(p, x, u)| QueueOp::Hold(p, x, u)),
+        3 => any::<u8>().prop_map(QueueOp::Pop),
+        1 => (0u32..4, 0u64..12).prop_map(|(p, x)| QueueOp::Remove(p, x)),
+        1 => (0u64..60).prop_map(QueueOp::Advance),
+        1 => (0u32..4).prop_map(QueueOp::LosePeer),
+    ]
+}
+
+proptest! {
+    /// Whatever peers send, the queue of WANTs waiting for a slot stays within its bounds per
+    /// peer and in total (transfers and held units), refuses exactly what would pass them, and
+    /// serves each peer's waiters oldest first among those a slot is free for.
+    #[test]
+    fn slot_queue_bounds_hold_and_each_peer_is_served_oldest_first(ops in proptest::collection::vec(queue_op(), 1..200)) {
+        let cfg = QueueConfig { per_peer: 3, total: 7, units_per_peer: 60, units_total: 100, wait: Duration::from_millis(50) };
+        let mut q: SlotQueue<u64> = SlotQueue::new(cfg);
+        let mut now = Instant::now();
+        // The model: each peer's waiting transfers in arrival order, with their units.
+        let mut model: std::collections::BTreeMap<u32, Vec<(u64, u64, Instant)>> = Default::default();
+        let slot_of = |x: u64| SlotId((x % 8) as u32);
+        for op in ops {
+            match op {
+                QueueOp::Push(p, x, u) => {
+                    let r = q.push(now, PeerId(p), XferId(x), Token([x as u8; 16]), vec![slot_of(x)], x, u);
+                    let mine = model.get(&p).map_or(0, Vec::len);
+                    let units: u64 = model.values().flatten().map(|w| w.1).sum();
+                    let my_units: u64 = model.get(&p).map_or(0, |v| v.iter().map(|w| w.1).sum());
+                    let total: usize = model.values().map(Vec::len).sum();
+                    let fits = mine < 3 && total < 7 && my_units + u <= 60 && units + u <= 100;
+                    let dup = model.get(&p).is_some_and(|v| v.iter().any(|w| w.0 == x));
+                    prop_assert_eq!(r.is_ok(), fits && !dup, "{:?}", r);
+                    if r.is_ok() {
+                        model.entry(p).or_default().push((x, u, now + cfg.wait));
+                    }
+                }
+                QueueOp::Hold(p, x, u) => {
+                    if q.hold(PeerId(p), XferId(x), x, u).is_ok() {
+                        let w = model.get_mut(&p).and_then(|v| v.iter_mut().find(|w| w.0 == x));
+                        prop_assert!(w.is_some(), "held for a transfer that does not wait");
+                        if let Some(w) = w { w.1 += u; }
+                    }
+                }
+                QueueOp::Pop(mask) => {
+                    let free = |c: &[SlotId]| mask & (1 << c[0].0) != 0;
+                    let got = q.pop_servable(|_, _, c| if free(c) { Ok(c[0]) } else { Err(SlotError::Exhausted) });
+                    match got {
+                        Some(w) => {
+                            let v = model.get_mut(&w.peer.0).expect("a waiting peer");
+                            let first = v.iter().position(|m| mask & (1 << slot_of(m.0).0) != 0);
+                            prop_assert_eq!(first.map(|i| v[i].0), Some(w.xfer.0), "not the oldest servable");
+                            if let Some(i) = first { v.remove(i); }
+                            model.retain(|_, v| !v.is_empty());
+                        }
+                        None => prop_assert!(
+                            model.values().flatten().all(|m| mask & (1 << slot_of(m.0).0) == 0),
+                            "a servable waiter was left waiting"
+                        ),
+                    }
+                }
+                QueueOp::Remove(p, x) => {
+                    let was = model.get(&p).is_some_and(|v| v.iter().any(|w| w.0 == x));
+                    prop_assert_eq!(q.remove(PeerId(p), XferId(x)).is_some(), was);
+                    if let Some(v) = model.get_mut(&p) { v.retain(|w| w.0 != x); }
+                    model.retain(|_, v| !v.is_empty());
+                }
+                QueueOp::Advance(ms) => {
+                    now += Duration::from_millis(ms);
+                    let gone = q.expire(now).len();
+                    let due = model.values().flatten().filter(|w| w.2 <= now).count();
+                    prop_assert_eq!(gone, due);
+                    for v in model.values_mut() { v.retain(|w| w.2 > now); }
+                    model.retain(|_, v| !v.is_empty());
+                }
+                QueueOp::LosePeer(p) => {
+                    prop_assert_eq!(q.release_peer(PeerId(p)), model.remove(&p).map_or(0, |v| v.len()));
+                }
+            }
+            q.assert_consistent();
+            prop_assert_eq!(q.len(), model.values().map(Vec::len).sum::<usize>());
+            prop_assert_eq!(q.units(), model.values().flatten().map(|w| w.1).sum::<u64>());
+        }
+    }
+}

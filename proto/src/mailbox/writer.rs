@@ -82,6 +82,22 @@ impl MailboxWriter {
         Ok(slot)
     }
 
+    /// The slot [`open`](Self::open) would give `peer`'s transfer `xfer` under `token` now,
+    /// without taking it (see [`SlotTable::vacancy`]; call
+    /// [`reclaim_expired`](Self::reclaim_expired) first).
+    ///
+    /// # Errors
+    /// As [`SlotTable::allocate`].
+    pub fn vacancy(&self, peer: PeerId, xfer: XferId, candidates: &[SlotId]) -> Result<SlotId, SlotError> {
+        self.table.vacancy(peer, xfer, candidates)
+    }
+
+    /// Frees the closing slots whose linger has ended by `now` (their transfers' flows were
+    /// already dropped when they closed).
+    pub fn reclaim_expired(&mut self, now: Instant) {
+        self.table.reclaim_expired(now);
+    }
+
     /// Queues `answer` for `peer`'s transfer `xfer`: written at once when the ring has room,
     /// else when the initiator's cursor makes room.
     ///

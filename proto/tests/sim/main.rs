@@ -4,6 +4,7 @@
 //! transfers) over many seeds. Each seed replays exactly; a failure message names it.
 
 mod harness;
+mod slot_queue;
 
 use std::time::Duration;
 

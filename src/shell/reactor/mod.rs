@@ -606,6 +606,7 @@ impl Driver {
         s.one_way_sent.store(core.one_way_sent, Ordering::Relaxed);
         s.one_way_answered.store(core.one_way_answered, Ordering::Relaxed);
         s.one_way_refused.store(core.one_way_refused, Ordering::Relaxed);
+        s.one_way_queued.store(core.one_way_queued, Ordering::Relaxed);
         s.records_written.store(core.records_written, Ordering::Relaxed);
         s.records_read.store(core.records_read, Ordering::Relaxed);
         s.records_refused.store(core.records_refused, Ordering::Relaxed);
