@@ -146,12 +146,10 @@ pub fn route(input: &GateInput<'_>) -> Route {
     if !input.bounce_running {
         return pass(R::Disabled);
     }
-    // READs bounce between host arenas (a GPU arena's READ path is not built yet).
-    match input.op {
-        XferOp::Write => {}
-        XferOp::Read if input.arena.mem == MemKind::Dram => {}
-        XferOp::Read => return pass(R::Op),
-    }
+    // WRITEs and READs bounce with either arena kind: a READ's gather runs on the target's
+    // copy engine and its scatter on ours, the same engines a WRITE uses the other way round.
+    // (One way, with no HELLO, needs a host arena for the mailbox: the caller offers a peer
+    // arena only then.)
     let peer_mem = input.peer_arena.map_or(input.arena.mem, |a| a.mem);
     if input.local_mem != Some(input.arena.mem) || input.remote_mem != Some(peer_mem) {
         return pass(R::Mem);
@@ -280,14 +278,23 @@ mod tests {
             }),
             pass(FallbackReason::Mem)
         );
-        // A READ with a GPU arena is not built: it passes through as an operation.
+        // A READ with GPU arenas bounces too, and is judged by memory like a WRITE.
         let gpu = ArenaPlace { mem: MemKind::Vram, dev: 0 };
+        let vram = |i: &mut GateInput<'_>| {
+            i.op = XferOp::Read;
+            i.arena = gpu;
+            i.peer_arena = Some(gpu);
+            i.local_mem = Some(MemKind::Vram);
+            i.remote_mem = Some(MemKind::Vram);
+        };
+        assert_eq!(with(&vram), Route::Bounce, "a READ between GPU arenas bounces");
         assert_eq!(
             with(&|i| {
-                i.op = XferOp::Read;
-                i.arena = gpu;
+                vram(i);
+                i.local_mem = Some(MemKind::Dram);
             }),
-            pass(FallbackReason::Op)
+            pass(FallbackReason::Mem),
+            "a READ from VRAM into host memory does not"
         );
     }
 

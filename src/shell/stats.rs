@@ -41,7 +41,7 @@ counters! {
     timeouts,
     /// Requests handed to the inner UCX engine unchanged.
     passthrough_xfers,
-    /// Fallbacks to UCX: neither a WRITE nor a READ between host arenas.
+    /// Fallbacks to UCX: neither a WRITE nor a READ.
     fallback_op,
     /// Fallbacks to UCX: not DRAM on both sides.
     fallback_mem,

@@ -69,6 +69,35 @@ def test_vram_scattered_write_bounces_byte_exact(peer, tmp_path, n, size):
     assert s["passthrough_xfers"] == 0, s
 
 
+def test_vram_scattered_read_bounces_byte_exact(peer):
+    """READ (vLLM's pull): the target gathers its scattered VRAM pieces into its GPU arena with
+    the gather kernel, we READ each region into our GPU arena and scatter it here; every
+    destination byte and every byte between them checked, the counters proving the READ path."""
+    lay = nixlkit.Scattered(16384, 4096, seed=981)
+    p = peer()
+    meta, raddr = p.start(name="g6-rx", size=lay.src_bytes, seed=983, mem="VRAM", dev=PEER_GPU,
+                          params=VRAM)
+    ag = nixlkit.agent("g6-tx", params=VRAM)
+    dst = nixlkit.VramBuf(nixlkit.pattern(982, lay.dst_bytes), 0)
+    nixlkit.register(ag, dst)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    for _ in range(2):  # the second READ reuses the prepared plans and arenas
+        dst.fill(nixlkit.pattern(982, lay.dst_bytes))
+        lo = ag.get_xfer_descs(lay.dst_list(nixlkit.addr(dst), 0), "VRAM")
+        re = ag.get_xfer_descs(lay.src_list(raddr, PEER_GPU), "VRAM")
+        h = ag.initialize_xfer("READ", lo, re, "g6-rx", b"", backends=[B])
+        assert ag.transfer(h) != "ERR"
+        nixlkit.wait_xfer(ag, h, deadline=60)
+        ag.release_xfer_handle(h)
+        nixlkit.assert_same(dst.host(), lay.expected(nixlkit.pattern(983, lay.src_bytes),
+                                                     nixlkit.pattern(982, lay.dst_bytes)),
+                            "READ destinations (and every byte between them)")
+    s = stats(ag)
+    assert s["bounce_read_ok"] == 2 and s["bounce_chunks"] > 0, s
+    assert s["passthrough_xfers"] == 0, s
+
+
 def test_vram_mixed_unaligned_sizes(peer, tmp_path):
     rng = np.random.default_rng(910)
     sizes = [int(x) for x in rng.integers(1, 16384, size=2048)]
