@@ -62,12 +62,19 @@ unsafe extern "C" {
 static LOG_INIT: Once = Once::new();
 
 /// Installs the stderr `tracing` subscriber once, filtered by `NIXL_BOUNCE_LOG` (default `warn`).
+/// `NIXL_BOUNCE_LOG_SPANS=1` also logs each span's busy and idle time when it closes (a control
+/// frame's handling, a write, a copy launch): the timeline a trace of the pipeline needs.
 fn init_logging() {
     LOG_INIT.call_once(|| {
         let filter = tracing_subscriber::EnvFilter::try_from_env("NIXL_BOUNCE_LOG")
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let spans = match std::env::var("NIXL_BOUNCE_LOG_SPANS") {
+            Ok(v) if !v.is_empty() && v != "0" => tracing_subscriber::fmt::format::FmtSpan::CLOSE,
+            _ => tracing_subscriber::fmt::format::FmtSpan::NONE,
+        };
         // try_init: a host process may already have installed a global subscriber.
         let _ = tracing_subscriber::fmt()
+            .with_span_events(spans)
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
             .with_target(false)

@@ -87,6 +87,8 @@ impl CudaCopyEngine {
 
     /// Launches `job` on the idle context `ctx`.
     fn launch(&mut self, ctx: usize, job: CopyJob) {
+        let _span =
+            tracing::trace_span!("cuda_launch", job = job.job.0, dir = ?job.dir, runs = job.runs.len()).entered();
         let region_base = self.arena.ptr() + job.region.offset;
         let c = self.pool.get(ctx);
         // SAFETY: `validate` put every run's region span inside the job's region, and the region
