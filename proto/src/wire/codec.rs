@@ -156,6 +156,7 @@ impl<'a> Reader<'a> {
     /// A LEB128 varint of at most 64 bits, in its one shortest form (canonical decoding).
     /// Reads the slice directly rather than byte by byte through [`Reader::u8`]: a PLAN or DATA
     /// decodes tens of thousands of these, on the receiver's critical path.
+    #[inline(always)]
     pub(super) fn varint(&mut self) -> Result<u64> {
         let b = self.0;
         let mut v = 0u64;

@@ -948,6 +948,7 @@ impl Reader<'_> {
     }
 
     /// One scatter run, delta-coded against the run before it (see [`Writer::run`]).
+    #[inline(always)]
     fn run(&mut self, prev: RunCursor) -> Result<CopyRun> {
         let flags = self.u8()?;
         if flags & !(RUN_STRIDED | RUN_NEW_LEN | RUN_REGION_JUMP) != 0 {
