@@ -117,6 +117,9 @@ pub enum Op {
     /// The remote READ initiator releases the ready region at `which` (or, with `wrong`, names
     /// another chunk than announced).
     RemoteRelease { which: u8, wrong: bool },
+    /// The honest receiver grants chunk `chunk` of one of our WRITEs whose WANT went out
+    /// (`which`), a region at `at` as long as the chunk: our write, and the chunk's PLAN, follow.
+    RemoteGrant { which: u8, chunk: u8, at: u32 },
 }
 
 /// The agent name of peer `i`, whose loaded capabilities carry session `session_of(i)`.
@@ -177,7 +180,8 @@ impl Op {
     /// Draws one operation. Peer messages are drawn less often than the rest: an arbitrary
     /// message eats many input bytes, and the interesting states need submits and completions.
     fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<Self> {
-        Ok(match u.int_in_range(0u8..=18)? {
+        Ok(match u.int_in_range(0u8..=19)? {
+            19 => Self::RemoteGrant { which: u.arbitrary()?, chunk: u.arbitrary()?, at: u.arbitrary()? },
             17 => Self::RemotePlan { which: u.arbitrary()?, chunk: u.arbitrary()?, at: u.arbitrary()? },
             18 => Self::RemoteAck { which: u.arbitrary()?, replan: u.arbitrary()? },
             15 => Self::Deregister,
@@ -289,6 +293,8 @@ struct Seen {
     credits: Vec<(PeerId, XferId, ChunkIdx, Region)>,
     /// DATA our endpoint sent for its own transfers (the chunks an ACK may name).
     sent_data: Vec<(PeerId, XferId, ChunkIdx, Region)>,
+    /// Our WRITEs whose WANT went out: peer, transfer, chunk sizes (what a GRANT may credit).
+    wanted: Vec<(PeerId, XferId, Vec<u64>)>,
     scatters: usize,
     /// The user range is registered (see [`Op::Deregister`]).
     registered: bool,
@@ -349,6 +355,9 @@ impl Seen {
                 }
                 Action::Send { peer, msg: Msg::Grant(g) } => {
                     self.credits.extend(g.credits.iter().map(|c| (peer, g.xfer, c.chunk, c.region)));
+                }
+                Action::Send { peer, msg: Msg::Want(w) } if w.token == our_token(w.xfer) && !w.is_cancel() => {
+                    self.wanted.push((peer, w.xfer, w.chunks.clone()));
                 }
                 Action::Send { peer, msg: Msg::Data(d) } => {
                     assert_eq!(d.token, our_token(d.xfer), "a DATA must carry its transfer's token");
@@ -650,6 +659,17 @@ pub fn run(data: &[u8]) -> Coverage {
                 let pull = Msg::Pull(Pull { xfer, token, endpoint: Vec::new(), chunks, proofs });
                 if ep.handle_msg(now, peer, pull).is_ok() {
                     seen.pulls.push((peer, xfer));
+                }
+            }
+            Op::RemoteGrant { which, chunk, at } => {
+                if !seen.wanted.is_empty() {
+                    let (peer, xfer, ref sizes) = seen.wanted[usize::from(which) % seen.wanted.len()];
+                    if !sizes.is_empty() {
+                        let i = usize::from(chunk) % sizes.len();
+                        let region = Region { offset: u64::from(at), len: sizes[i] };
+                        let credits = vec![Credit { chunk: ChunkIdx(i as u32), region }];
+                        let _ = ep.handle_msg(now, peer, Msg::Grant(Grant { xfer, token: our_token(xfer), credits }));
+                    }
                 }
             }
             Op::RemoteRelease { which, wrong } => {

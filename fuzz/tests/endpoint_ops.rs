@@ -4,7 +4,7 @@
 #[test]
 fn random_operation_sequences_keep_every_invariant() {
     let mut total = bounce_fuzz::Coverage::default();
-    for bytes in bounce_fuzz::seeded_inputs(0x9E37_79B9_7F4A_7C15, 3000, |i| 64 + (i * 37) % 4096) {
+    for bytes in bounce_fuzz::seeded_inputs(0x9E37_79B9_7F4A_7C15, 3300, |i| 64 + (i * 37) % 4096) {
         let c = bounce_fuzz::run(&bytes);
         total.ops += c.ops;
         total.submitted += c.submitted;

@@ -65,23 +65,23 @@ impl Stage {
 }
 
 impl Xfer {
-    /// Sends the PLAN of each chunk before `upto` not yet considered that has at least
-    /// `min_runs` scatter runs (none when `min_runs` is 0): the receiver checks those runs
-    /// while the chunk is gathered and written, and its DATA then carries none.
-    fn plan_ahead(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, upto: usize, min_runs: usize) {
-        let upto = upto.min(self.plan.chunks.len());
-        while self.next_plan < upto {
-            let i = self.next_plan;
-            self.next_plan += 1;
-            let runs = &self.plan.chunks[i].scatter;
-            if min_runs == 0 || runs.len() < min_runs {
-                continue;
-            }
-            self.planned[i] = true;
-            ctx.stats.plans_sent += 1;
-            let chunk = ChunkIdx(u32::try_from(i).unwrap_or(u32::MAX));
-            ctx.send(self.peer, wire::Plan { xfer, token: self.token, chunk, runs: runs.clone() });
+    /// Sends chunk `i`'s PLAN when it has at least `min_runs` scatter runs (never when
+    /// `min_runs` is 0) and none went yet: the receiver checks those runs while the chunk is
+    /// written, and its DATA then carries none. Sent when the chunk's credit comes, after its
+    /// write is posted: PLANs sent with the WANT (tens of KB each for a scattered 32 MiB chunk)
+    /// crossed the control channel while the WANT and its GRANT did, and their encoding held
+    /// the initiator's reactor before it read the GRANT; on the GPU host the GRANT hop took
+    /// ~230 us instead of ~80 (issue 11).
+    fn plan_chunk(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, i: usize, min_runs: usize) {
+        let runs = &self.plan.chunks[i].scatter;
+        // A READ's scatter runs are ours to run: nothing to send.
+        if self.read || min_runs == 0 || runs.len() < min_runs || self.planned[i] {
+            return;
         }
+        self.planned[i] = true;
+        ctx.stats.plans_sent += 1;
+        let chunk = ChunkIdx(u32::try_from(i).unwrap_or(u32::MAX));
+        ctx.send(self.peer, wire::Plan { xfer, token: self.token, chunk, runs: runs.clone() });
     }
 
     /// The DATA announcing chunk `i` written into `region`: with its runs unless they went
@@ -109,8 +109,6 @@ struct Xfer {
     read: bool,
     /// Chunks whose runs went ahead in a PLAN (their DATA carries none).
     planned: Vec<bool>,
-    /// Chunks before this one have had their PLAN sent or found too small for one.
-    next_plan: usize,
     /// Fails with a timeout when reached; pushed back by every sign of progress (the armed
     /// instant in `Sender::timers` stays, at most this deadline, and is re-armed when it fires).
     deadline: Instant,
@@ -315,10 +313,9 @@ impl Sender {
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
-        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, read: false, planned, next_plan: 0, deadline };
+        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, read: false, planned, deadline };
         // The first window's runs follow the WANT at once: the receiver checks them during the
         // WANT -> GRANT round trip and the writes (the rest follow as chunks are announced).
-        x.plan_ahead(ctx, xfer, self.window, self.plan_ahead_runs);
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {
@@ -375,7 +372,7 @@ impl Sender {
         ctx.send(peer, wire::Pull { xfer, token, endpoint, chunks, proofs });
         let deadline = ctx.now + self.timeout;
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
-        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, planned, next_plan: 0, deadline };
+        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, planned, deadline };
         self.staging_xfers += 1;
         if self.reserve.is_none() {
             self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
@@ -544,12 +541,19 @@ impl Sender {
             }
         }
         x.deadline = ctx.now + timeout;
-        for c in grant.credits {
+        let min_runs = self.plan_ahead_runs;
+        for c in &grant.credits {
             trace!(xfer = id.0, chunk = c.chunk.0, region = %c.region, "credit");
             let credit = Credit { region: c.region, at: ctx.now };
             if let Err(e) = self.attach(ctx, id, c.chunk.0 as usize, credit) {
                 self.fail(ctx, id, e, true);
-                break;
+                return Ok(());
+            }
+        }
+        // The writes are posted: now the credited chunks' plans, checked while they are written.
+        if let Some(x) = self.xfers.get_mut(&id) {
+            for c in &grant.credits {
+                x.plan_chunk(ctx, id, c.chunk.0 as usize, min_runs);
             }
         }
         Ok(())
@@ -636,7 +640,6 @@ impl Sender {
     }
 
     pub(crate) fn handle_write_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
-        let (window, plan_ahead_runs) = (self.window, self.plan_ahead_runs);
         self.writes.remove(&job);
         if self.writes.is_empty() {
             self.next_keep = None;
@@ -659,8 +662,6 @@ impl Sender {
         }
         let data = x.data(r.xfer, r.chunk, credit.region, false);
         ctx.send(x.peer, data);
-        // Keep a window of plans ahead of the chunks announced.
-        x.plan_ahead(ctx, r.xfer, r.chunk + 1 + window, plan_ahead_runs);
     }
 
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
@@ -1126,7 +1127,7 @@ mod tests {
     }
 
     #[test]
-    fn plans_go_ahead_a_window_at_a_time_and_a_replan_sends_the_runs_with_the_data() {
+    fn a_chunks_plan_follows_its_write_when_its_credit_comes_and_a_replan_sends_the_runs_with_the_data() {
         let now = Instant::now();
         let cfg = Config { plan_ahead_runs: 1, ..config(64 * KIB, 2, true) };
         let mut ep = Endpoint::new(&cfg, now).unwrap();
@@ -1134,24 +1135,34 @@ mod tests {
         let plan = direct_plan_of(3);
         let runs = |i: usize| plan.chunks[i].scatter.clone();
         ep.submit(t, X, TOKEN, PEER, plan.clone()).unwrap();
-        // The WANT, then the first window's plans (W = 2).
+        // The WANT alone: no plan crosses the control channel while the WANT and GRANT do.
         let sent: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().map(|(_, m)| m).collect();
+        assert!(matches!(&sent[..], [Msg::Want(_)]), "{sent:?}");
         let plan_msg =
             |i: u32| Msg::Plan(wire::Plan { xfer: X, token: TOKEN, chunk: ChunkIdx(i), runs: runs(i as usize) });
-        assert!(matches!(&sent[0], Msg::Want(_)), "{sent:?}");
-        assert_eq!(sent[1..], [plan_msg(0), plan_msg(1)]);
+        // Credits for chunks 0 and 1: both writes are posted first, then both plans.
+        let acts = feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))]));
+        let w = writes(&acts);
+        assert_eq!(w.len(), 2);
+        let first_send = acts.iter().position(|a| matches!(a, Action::Send { .. })).unwrap();
+        let last_write = acts.iter().rposition(|a| matches!(a, Action::Write { .. })).unwrap();
+        assert!(last_write < first_send, "writes before plans: {acts:?}");
+        assert_eq!(msgs(&acts).into_iter().map(|(_, m)| m).collect::<Vec<_>>(), [plan_msg(0), plan_msg(1)]);
         assert_eq!(ep.stats().plans_sent, 2);
-        // Chunk 0 written: its DATA names no runs, and the window's next plan follows.
-        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+        // Chunk 0 written: its DATA names no runs.
         ep.handle_write_done(t, w[0].0, true);
         let sent: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().map(|(_, m)| m).collect();
-        assert_eq!(sent, [data_msg(X, 0, r(0), Vec::new()), plan_msg(2)]);
+        assert_eq!(sent, [data_msg(X, 0, r(0), Vec::new())]);
         // The receiver kept no plan: the same DATA again, with its runs.
         let sent = msgs(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Replan)));
         assert_eq!(sent, [(PEER, data_msg(X, 0, r(0), runs(0)))]);
         assert_eq!(ep.stats().replans, 1);
         assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
         assert_eq!(ep.sender().acked_chunks(X), Some(1));
+        // Chunk 2's credit brings its plan; a second credit for a planned chunk cannot come.
+        let acts = feed(&mut ep, t, grant_msg(X, &[(2, r(0))]));
+        assert_eq!(msgs(&acts).into_iter().map(|(_, m)| m).collect::<Vec<_>>(), [plan_msg(2)]);
+        assert_eq!(ep.stats().plans_sent, 3);
     }
 
     #[test]
