@@ -314,8 +314,6 @@ impl Sender {
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
         let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, read: false, planned, deadline };
-        // The first window's runs follow the WANT at once: the receiver checks them during the
-        // WANT -> GRANT round trip and the writes (the rest follow as chunks are announced).
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {

@@ -191,8 +191,8 @@ pub struct Data {
 /// them while the chunk is still being written: a fully scattered 32 MiB chunk has thousands of
 /// runs (a 72 KB frame), and carried by its DATA they cost the receiver 0.6-0.9 ms after the
 /// write, on the critical path of every chunk (BENCHMARKS.md, issue 11). Runs are relative to
-/// the chunk's region, so a PLAN needs no credit: the sender sends the first window's PLANs
-/// right after the WANT.
+/// the chunk's region; the sender sends a chunk's PLAN when its credit comes, right after
+/// posting its write.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct Plan {
