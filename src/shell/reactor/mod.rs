@@ -930,6 +930,10 @@ impl Driver {
                     Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
                     Action::Write { job, peer, source, remote, len, .. } => {
                         self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
+                        // Posted now, before the actions after it: a chunk's PLAN follows its
+                        // write, and encoding a scattered chunk's PLAN takes the reactor 100 us
+                        // or more (on the H200 two PLANs held both writes back ~300 us).
+                        self.post_queued_writes();
                     }
                     Action::Read { job, peer, remote, local, len, .. } => self.read(job, peer, remote, local, len),
                     Action::PutRecord { offset, bytes } => {
@@ -942,18 +946,27 @@ impl Driver {
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
                 }
             }
-            if self.stopping {
+            if self.stopping || !self.post_queued_writes() {
                 return moved;
             }
-            // The oldest queued write whose peer has room: a peer that stopped answering (its
-            // writes never complete: UCX's flush waits for it) must not hold back the writes to
-            // every other peer.
-            let room = |peer: PeerId| self.writes.iter().filter(|w| w.peer == peer).count() < MAX_WRITES_IN_FLIGHT;
-            let Some(i) = self.queued_writes.iter().position(|w| room(w.peer)) else { return moved };
-            let Some(w) = self.queued_writes.remove(i) else { return moved };
             moved = true;
+        }
+    }
+
+    /// Posts queued writes while their peers have room; true when it posted any. The oldest
+    /// queued write whose peer has room goes first: a peer that stopped answering (its writes
+    /// never complete: UCX's flush waits for it) must not hold back the writes to every other
+    /// peer.
+    fn post_queued_writes(&mut self) -> bool {
+        let mut posted = false;
+        while !self.stopping {
+            let room = |peer: PeerId| self.writes.iter().filter(|w| w.peer == peer).count() < MAX_WRITES_IN_FLIGHT;
+            let Some(i) = self.queued_writes.iter().position(|w| room(w.peer)) else { break };
+            let Some(w) = self.queued_writes.remove(i) else { break };
+            posted = true;
             self.write(w);
         }
+        posted
     }
 
     fn send(&mut self, peer: PeerId, msg: Msg) {
