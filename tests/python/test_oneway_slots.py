@@ -66,6 +66,26 @@ def check_counters(ag, p, s0, t0, ok_key):
     return s1, t1
 
 
+def expected_all(lays, sources, before):
+    """The destinations after every transfer k moved its layout's pieces of `sources` (laid
+    back to back, one transfer's sources each) into its part of `before`."""
+    sb, db = lays[0].src_bytes, lays[0].dst_bytes
+    return np.concatenate([lay.expected(sources[k * sb:(k + 1) * sb], before[k * db:(k + 1) * db])
+                           for k, lay in enumerate(lays)])
+
+
+def transfer_all(ag, op, peer_name, lists):
+    """Prepares one `op` per (local, remote) descriptor list pair, posts them all back to back,
+    waits until each is DONE and releases them; returns when each ended (see `post_all`)."""
+    handles = [ag.initialize_xfer(op, ag.get_xfer_descs(lo, "DRAM"), ag.get_xfer_descs(re, "DRAM"),
+                                  peer_name, b"", backends=["BOUNCE"]) for lo, re in lists]
+    states, ended = post_all(ag, handles)
+    assert states == ["DONE"] * len(handles), f"states: {states}"
+    for h in handles:
+        ag.release_xfer_handle(h)
+    return ended
+
+
 def test_more_one_way_writes_than_a_peers_slots_all_land_byte_exact(procs, tmp_path):
     lays = layouts(seed=500)
     src_bytes, dst_bytes = lays[0].src_bytes, lays[0].dst_bytes
@@ -77,20 +97,12 @@ def test_more_one_way_writes_than_a_peers_slots_all_land_byte_exact(procs, tmp_p
     nixlkit.register(ag, src)
     ag.add_remote_agent(meta)  # the target never loads us: one way
     s0, t0 = stats(ag), peer_stats(p)
+    lists = [(lay.src_list(src.ctypes.data + k * src_bytes), lay.dst_list(raddr + k * dst_bytes))
+             for k, lay in enumerate(lays)]
     with watchdog(60, [p], "one-way writes past the slot cap"):
-        handles = []
-        for k, lay in enumerate(lays):
-            lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data + k * src_bytes), "DRAM")
-            re = ag.get_xfer_descs(lay.dst_list(raddr + k * dst_bytes), "DRAM")
-            handles.append(ag.initialize_xfer("WRITE", lo, re, "ows-w-rx", b"", backends=["BOUNCE"]))
-        states, ended = post_all(ag, handles)
-        assert states == ["DONE"] * XFERS, f"states: {states}"
-        for h in handles:
-            ag.release_xfer_handle(h)
+        ended = transfer_all(ag, "WRITE", "ows-w-rx", lists)
     before = nixlkit.pattern(401, XFERS * dst_bytes)
-    expected = np.concatenate([
-        lay.expected(src[k * src_bytes:(k + 1) * src_bytes], before[k * dst_bytes:(k + 1) * dst_bytes])
-        for k, lay in enumerate(lays)])
+    expected = expected_all(lays, src, before)
     nixlkit.assert_same(dump(p, tmp_path, "ows-w-rx.bin"), expected, "destinations (and every byte between them)")
     _, t1 = check_counters(ag, p, s0, t0, "bounce_ok")
     print(f"; {XFERS} one-way WRITEs: first done {min(ended):.3f}s, last {max(ended):.3f}s,"
@@ -109,20 +121,12 @@ def test_more_one_way_reads_than_a_peers_slots_all_land_byte_exact(procs):
     nixlkit.register(ag, dst)
     ag.add_remote_agent(meta)  # the target never loads us: one way
     s0, t0 = stats(ag), peer_stats(p)
+    lists = [(lay.dst_list(dst.ctypes.data + k * dst_bytes), lay.src_list(raddr + k * src_bytes))
+             for k, lay in enumerate(lays)]
     with watchdog(60, [p], "one-way READs past the slot cap"):
-        handles = []
-        for k, lay in enumerate(lays):
-            lo = ag.get_xfer_descs(lay.dst_list(dst.ctypes.data + k * dst_bytes), "DRAM")
-            re = ag.get_xfer_descs(lay.src_list(raddr + k * src_bytes), "DRAM")
-            handles.append(ag.initialize_xfer("READ", lo, re, "ows-r-tgt", b"", backends=["BOUNCE"]))
-        states, ended = post_all(ag, handles)
-        assert states == ["DONE"] * XFERS, f"states: {states}"
-        for h in handles:
-            ag.release_xfer_handle(h)
+        ended = transfer_all(ag, "READ", "ows-r-tgt", lists)
     sources = nixlkit.pattern(801, XFERS * src_bytes)
-    expected = np.concatenate([
-        lay.expected(sources[k * src_bytes:(k + 1) * src_bytes], before[k * dst_bytes:(k + 1) * dst_bytes])
-        for k, lay in enumerate(lays)])
+    expected = expected_all(lays, sources, before)
     nixlkit.assert_same(dst, expected, "READ destinations (and every byte between them)")
     _, t1 = check_counters(ag, p, s0, t0, "bounce_read_ok")
     print(f"; {XFERS} one-way READs: first done {min(ended):.3f}s, last {max(ended):.3f}s,"
