@@ -9,6 +9,7 @@
 //! `handle_*_done` methods, and passes `now` into every call.
 
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use thiserror::Error;
@@ -153,9 +154,9 @@ impl Endpoint {
         xfer: XferId,
         token: Token,
         peer: PeerId,
-        plan: Plan,
+        plan: impl Into<Arc<Plan>>,
     ) -> Result<(), SubmitError> {
-        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan, false);
+        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), false);
         self.pump(now);
         r
     }
@@ -173,10 +174,10 @@ impl Endpoint {
         xfer: XferId,
         token: Token,
         peer: PeerId,
-        plan: Plan,
+        plan: impl Into<Arc<Plan>>,
         mailbox: MailboxLayout,
     ) -> Result<(), SubmitError> {
-        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan, true)?;
+        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), true)?;
         if self.reading.start(xfer, peer, token, mailbox).is_err() {
             // The layout was checked when the peer was loaded: unreachable in practice.
             self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
@@ -210,10 +211,10 @@ impl Endpoint {
         xfer: XferId,
         token: Token,
         peer: PeerId,
-        plan: Plan,
+        plan: impl Into<Arc<Plan>>,
         mailbox: Option<MailboxLayout>,
     ) -> Result<(), SubmitError> {
-        self.sender.submit_read(&mut ctx!(self, now), xfer, token, peer, plan, mailbox.is_some())?;
+        self.sender.submit_read(&mut ctx!(self, now), xfer, token, peer, plan.into(), mailbox.is_some())?;
         if let Some(layout) = mailbox {
             if self.reading.start(xfer, peer, token, layout).is_err() {
                 self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);

@@ -10,6 +10,7 @@
 //! [`crate::endpoint::Endpoint`] drives it; nothing else does.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, trace, warn};
@@ -100,7 +101,8 @@ struct Xfer {
     /// The transfer's secret (see [`Token`]): sent in its WANT, DATA and cancel, required in
     /// every GRANT and ACK.
     token: Token,
-    plan: Plan,
+    /// Shared with the prepared request it was posted from: a post copies no runs.
+    plan: Arc<Plan>,
     stages: Vec<Stage>,
     acked: usize,
     /// Some chunk is not direct, so the transfer may need the staging reserve.
@@ -301,7 +303,7 @@ impl Sender {
         xfer: XferId,
         token: Token,
         peer: PeerId,
-        plan: Plan,
+        plan: Arc<Plan>,
         one_way: bool,
     ) -> Result<(), SubmitError> {
         self.admit(ctx, xfer, &plan)?;
@@ -357,12 +359,14 @@ impl Sender {
         xfer: XferId,
         token: Token,
         peer: PeerId,
-        mut plan: Plan,
+        mut plan: Arc<Plan>,
         one_way: bool,
     ) -> Result<(), SubmitError> {
         self.admit(ctx, xfer, &plan)?;
-        for c in &mut plan.chunks {
-            c.direct = None;
+        if plan.chunks.iter().any(|c| c.direct.is_some()) {
+            for c in &mut Arc::make_mut(&mut plan).chunks {
+                c.direct = None;
+            }
         }
         let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
         let chunks = plan.chunks.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: c.gather.clone() }).collect();
