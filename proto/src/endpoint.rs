@@ -369,14 +369,8 @@ impl Endpoint {
         let r = match msg {
             wire::Msg::Want(m) if m.endpoint == wire::REPLY_MAILBOX && !m.is_cancel() => {
                 let key = FlowKey { peer: from, xfer: m.xfer };
-                let (token, chunks) = (m.token, m.chunks.len());
                 if self.answering.is_one_way(key) {
-                    // More chunks for an open one-way flow (the receiver checks the token).
-                    let r = self.receiver.handle_want(&mut ctx, from, m);
-                    if r.is_ok() {
-                        let _ = self.answering.open(now, key, token, chunks);
-                    }
-                    r
+                    more_one_way_chunks(&mut self.receiver, &mut self.answering, &mut ctx, key, m)
                 } else if self.receiver.has_flow(key) {
                     // A flow that began two way stays so, whatever a later WANT asks.
                     self.receiver.handle_want(&mut ctx, from, m)
@@ -846,12 +840,7 @@ impl Endpoint {
                 let r = match msg {
                     msg if n == 0 => open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, msg),
                     wire::Msg::Want(m) if self.answering.is_one_way(key) => {
-                        let (token, chunks) = (m.token, m.chunks.len());
-                        let r = self.receiver.handle_want(&mut ctx, key.peer, m);
-                        if r.is_ok() {
-                            let _ = self.answering.open(now, key, token, chunks);
-                        }
-                        r
+                        more_one_way_chunks(&mut self.receiver, &mut self.answering, &mut ctx, key, m)
                     }
                     // The first one opened nothing (the receiver refused it unanswered).
                     _ => Ok(()),
@@ -904,6 +893,23 @@ impl Endpoint {
         });
         self.liveness.watch(now, &self.waited);
     }
+}
+
+/// A further WANT of open one-way flow `key`: the receiver takes its chunks (checking the
+/// token), and the flow's answers then count them.
+fn more_one_way_chunks(
+    receiver: &mut Receiver,
+    answering: &mut Answering,
+    ctx: &mut Ctx<'_>,
+    key: FlowKey,
+    want: wire::Want,
+) -> Result<(), ProtocolError> {
+    let (token, chunks) = (want.token, want.chunks.len());
+    let r = receiver.handle_want(ctx, key.peer, want);
+    if r.is_ok() {
+        let _ = answering.open(ctx.now, key, token, chunks);
+    }
+    r
 }
 
 /// Opens one-way flow `key` with its first WANT or PULL (`msg`). When no slot is free for it,

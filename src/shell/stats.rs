@@ -12,9 +12,10 @@ macro_rules! counters {
             /// Hands `f` every counter as `(index, name, value)`, always the same names in the
             /// same order, without allocating (a polling `getNotifs` publishes through this).
             pub(crate) fn for_each(&self, mut f: impl FnMut(usize, &'static str, u64)) {
-                let mut i = 0;
-                $(f(i, stringify!($name), self.$name.load(Relaxed)); i += 1;)*
-                let _ = i;
+                let all = [$((stringify!($name), &self.$name)),*];
+                for (i, (name, c)) in all.into_iter().enumerate() {
+                    f(i, name, c.load(Relaxed));
+                }
             }
         }
     };
