@@ -281,6 +281,9 @@ pub struct Coverage {
     pub plans_sent: u64,
     /// DATAs answered ACK(Replan) by the endpoint, or sent again by it with their runs.
     pub replans: u64,
+    /// Scatters by plans left unchecked in their regions (each checked to be bounded by
+    /// registered memory and its region).
+    pub region_plans: usize,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -296,6 +299,7 @@ struct Seen {
     /// Our WRITEs whose WANT went out: peer, transfer, chunk sizes (what a GRANT may credit).
     wanted: Vec<(PeerId, XferId, Vec<u64>)>,
     scatters: usize,
+    region_plans: usize,
     /// The user range is registered (see [`Op::Deregister`]).
     registered: bool,
     /// One-way flows into the endpoint, whose answers come as records: (peer, xfer).
@@ -330,8 +334,18 @@ impl Seen {
                     }
                     self.jobs.push((job, Kind::Write));
                 }
-                Action::Scatter { job, region, runs, .. } => {
+                Action::Scatter { job, region, runs, in_region, .. } => {
                     assert!(self.registered, "a scatter was emitted while its memory is deregistered");
+                    if let Some(p) = &in_region {
+                        // Unchecked runs: what bounds them is what the copy engine checks them
+                        // against, which must be registered memory and leave room for the plan.
+                        assert!(runs.is_empty(), "a region plan's scatter names runs of its own");
+                        let (lo, hi) = p.allowed.hull().expect("a region plan scatters only with ranges");
+                        assert!(USER_BASE <= lo && hi <= USER_BASE + USER_LEN, "region plan may write outside");
+                        let end = p.offset.checked_add(bounce_proto::wire::region_plan::plan_bytes(p.runs));
+                        assert!(end.is_some_and(|e| e <= region.len), "region plan leaves its region {region:?}");
+                        self.region_plans += 1;
+                    }
                     assert!(region.end() <= self.capacity, "scatter of {region:?} outside the arena");
                     let copied: u64 = runs.iter().map(|r| r.bytes().expect("a validated run has a size")).sum();
                     assert!(copied <= region.len, "a scatter copies {copied} bytes out of a {region:?}");
@@ -485,7 +499,10 @@ pub fn run(data: &[u8]) -> Coverage {
             }
             Op::RemoteWant { from, xfer, chunks, size } => {
                 let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(1000 + u64::from(xfer)));
-                let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
+                // Half the chunks a multiple of 8 bytes: where a region plan can end a chunk.
+                let size = u64::from(size % (16 << 10)) + 1;
+                let size = if size & 1 == 0 { size.next_multiple_of(8) } else { size };
+                let sizes = vec![size; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
                 let proofs = vec![proof::prove(reg, &key_of(reg), token)];
                 let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone(), proofs });
@@ -500,8 +517,11 @@ pub fn run(data: &[u8]) -> Coverage {
                         let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
                         let run = CopyRun { region_off: 0, addr, len, count: 1, region_stride: 0, addr_stride: 0 };
                         let token = remote_token(peer, xfer);
-                        let runs = if ahead { Vec::new() } else { vec![run] };
-                        let data = Msg::Data(Data { xfer, token, chunk, region, runs });
+                        // One DATA in four says its runs lie in the region, in a plan of 1-8
+                        // runs that may or may not fit there.
+                        let region_plan_runs = if !ahead && at % 4 == 0 { 1 + at / 4 % 8 } else { 0 };
+                        let runs = if ahead || region_plan_runs != 0 { Vec::new() } else { vec![run] };
+                        let data = Msg::Data(Data { xfer, token, chunk, region, runs, region_plan_runs });
                         let _ = ep.handle_msg(now, peer, data);
                         // A DATA asked for its runs keeps its credit for the runs' DATA.
                         if ahead && ep.receiver().has_flow(bounce_proto::FlowKey { peer, xfer }) {
@@ -556,7 +576,8 @@ pub fn run(data: &[u8]) -> Coverage {
                         addr_stride: u64::from(addr_stride),
                     };
                     let token = remote_token(peer, xfer);
-                    let _ = ep.handle_msg(now, peer, Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] }));
+                    let data = Data { xfer, token, chunk, region, runs: vec![run], region_plan_runs: 0 };
+                    let _ = ep.handle_msg(now, peer, Msg::Data(data));
                 }
             }
             Op::OneWayWant { from, xfer, chunks, size } => {
@@ -707,6 +728,7 @@ pub fn run(data: &[u8]) -> Coverage {
     assert_eq!(ep.arena_free_bytes(), capacity, "arena bytes leaked after shutdown");
     cov.completed = seen.completed.len();
     cov.scatters = seen.scatters;
+    cov.region_plans = seen.region_plans;
     cov.records = seen.records;
     cov.served = ep.stats().chunks_served;
     cov.data_refused = ep.stats().data_refused;
@@ -736,7 +758,17 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             let (peer, xfer, chunk, region) = seen.credits[pick(seen.credits.len())];
             let len = *announced.get(&(peer, xfer))?.get(chunk.0 as usize)?;
             let run = CopyRun { region_off: 0, addr: USER_BASE, len, count: 1, region_stride: 0, addr_stride: 0 };
-            (peer, Msg::Data(Data { xfer, token: remote_token(peer, xfer), chunk, region, runs: vec![run] }))
+            (
+                peer,
+                Msg::Data(Data {
+                    xfer,
+                    token: remote_token(peer, xfer),
+                    chunk,
+                    region,
+                    runs: vec![run],
+                    region_plan_runs: 0,
+                }),
+            )
         }
         3 | 4 if !announced.is_empty() => {
             let (&(peer, xfer), sizes) = announced.iter().nth(pick(announced.len()))?;

@@ -31,6 +31,7 @@ fn seed_corpus_matches_the_encoders() {
     check_or_bless("envelope_decode", fuzzing::seed_envelopes());
     check_or_bless("public_decode", fuzzing::seed_public());
     check_or_bless("mailbox_decode", bounce_proto::mailbox::fuzzing::seed_rings());
+    check_or_bless("region_plan_check", fuzzing::seed_region_plans());
 }
 
 #[test]
@@ -39,4 +40,5 @@ fn seeds_pass_their_targets() {
     fuzzing::seed_caps().iter().for_each(|s| fuzzing::caps_decode(s));
     fuzzing::seed_envelopes().iter().for_each(|s| fuzzing::envelope_decode(s));
     fuzzing::seed_public().iter().for_each(|s| fuzzing::public_decode(s));
+    fuzzing::seed_region_plans().iter().for_each(|s| fuzzing::region_plan_check(s));
 }

@@ -62,6 +62,9 @@ pub struct Config {
     /// Fewest scatter runs a chunk must have for its runs to go ahead of its DATA in a PLAN;
     /// 0: never (`bounce_plan_ahead_runs`).
     pub plan_ahead_runs: u32,
+    /// Fewest scatter runs a chunk must have for its runs to travel in its region, behind its
+    /// data; 0: never (`bounce_region_plan_runs`).
+    pub region_plan_runs: u32,
     /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
     pub scatter_run_merging: bool,
     /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
@@ -417,6 +420,7 @@ impl Config {
             eager_gather: boolean("bounce_eager_gather")?,
             control,
             plan_ahead_runs: u32_of("bounce_plan_ahead_runs")?,
+            region_plan_runs: u32_of("bounce_region_plan_runs")?,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
@@ -735,6 +739,7 @@ mod tests {
             ("bounce_eager_gather", "no"),
             ("bounce_control", "ZMQ"),
             ("bounce_plan_ahead_runs", "0"),
+            ("bounce_region_plan_runs", "7"),
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
             ("bounce_streaming_scatter", "off"),
@@ -762,6 +767,7 @@ mod tests {
             eager_gather: false,
             control: ControlKind::Zmq,
             plan_ahead_runs: 0,
+            region_plan_runs: 7,
             scatter_run_merging: false,
             direct_writes: false,
             streaming_scatter: false,

@@ -18,7 +18,9 @@ use tracing::{debug, trace};
 use crate::config::{Config, ConfigError};
 use crate::event::Ctx;
 // The shared event types live in `event`; re-exported here, where the shell has always found them.
-pub use crate::event::{Action, DataFault, JobId, ProtocolError, Stats, SubmitError, WriteSource, XferError};
+pub use crate::event::{
+    Action, DataFault, InRegionPlan, JobId, JobRuns, ProtocolError, Stats, SubmitError, WriteSource, XferError,
+};
 use crate::liveness::{Liveness, LivenessConfig};
 use crate::mailbox::{FailReason, MailboxLayout};
 use crate::oneway::{Answering, HoldError, OneWayLayout, OneWayRefused, Read, Reading};
@@ -1108,7 +1110,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn data_msg(xfer: XferId, chunk: u32, region: Region, runs: Vec<CopyRun>) -> Msg {
-        Msg::Data(Data { xfer, token: TOKEN, chunk: ChunkIdx(chunk), region, runs })
+        Msg::Data(Data { xfer, token: TOKEN, chunk: ChunkIdx(chunk), region, runs, region_plan_runs: 0 })
     }
 
     /// A single-copy run of `len` bytes at region offset `off` to `addr`.
@@ -1303,6 +1305,7 @@ pub(crate) mod tests {
                 chunk: ChunkIdx(0),
                 region,
                 runs: vec![run(0, DST, CHUNK)],
+                region_plan_runs: 0,
             }),
             Msg::cancel(XferId(5), FORGED, vec![]),
             Msg::Want(Want { xfer: XferId(5), token: FORGED, endpoint: vec![], chunks: vec![CHUNK], proofs: vec![] }),
@@ -1461,7 +1464,7 @@ pub(crate) mod tests {
                     self.eps[peer].handle_msg(now, PeerId(me as u32), msg).unwrap();
                 }
                 Action::Gather { job, region, runs, .. } => {
-                    for r in &runs {
+                    for r in runs.runs() {
                         for (off, addr, len) in r.copies() {
                             for k in 0..len {
                                 let byte = self.mem[me].get(&(addr + k)).copied().unwrap_or(0);

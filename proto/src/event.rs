@@ -7,15 +7,76 @@
 //! endpoint -> roles -> event.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 use thiserror::Error;
 use tracing::trace;
 
-use crate::plan::PlanError;
+use crate::plan::{Plan, PlanError};
+use crate::proof::ProvenRanges;
 use crate::scheduler::{CreditScheduler, SchedError};
 use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
 use crate::wire;
+
+/// The copy runs of a gather: its own, or one chunk's of a prepared plan shared with the
+/// shell, so that a post copies none of a chunk's thousands of runs and an engine may keep
+/// what it derives from them (a device copy, say) for as long as the plan lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobRuns {
+    /// Runs of this job alone (a READ target's gather).
+    Own(Vec<CopyRun>),
+    /// The gather runs of chunk `chunk` of `plan`.
+    Chunk {
+        /// The prepared plan.
+        plan: Arc<Plan>,
+        /// The chunk's index in it.
+        chunk: usize,
+    },
+}
+
+impl JobRuns {
+    /// The runs.
+    pub fn runs(&self) -> &[CopyRun] {
+        match self {
+            Self::Own(runs) => runs,
+            Self::Chunk { plan, chunk } => plan.chunks.get(*chunk).map_or(&[], |c| &c.gather),
+        }
+    }
+
+    /// For a chunk whose scatter runs travel in its region: where their plan goes in the
+    /// region ([`crate::wire::region_plan`]) and the runs to encode there.
+    pub fn region_plan(&self) -> Option<(u64, &[CopyRun])> {
+        match self {
+            Self::Own(_) => None,
+            Self::Chunk { plan, chunk } => plan.chunks.get(*chunk).and_then(|c| Some((c.region_plan?, &c.scatter[..]))),
+        }
+    }
+}
+
+impl std::ops::Deref for JobRuns {
+    type Target = [CopyRun];
+
+    fn deref(&self) -> &[CopyRun] {
+        self.runs()
+    }
+}
+
+/// A scatter whose runs lie in its region (a [`crate::wire::region_plan`]) and have not been
+/// checked: the copy engine reads them into memory of its own, checks them with
+/// [`crate::wire::region_plan::check`] (or the same predicate on the device) against the data
+/// before `offset` and the ranges in `allowed`, and scatters by that copy, or copies nothing
+/// and reports failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InRegionPlan {
+    /// Where the plan starts in the region; also how many bytes of data precede it.
+    pub offset: u64,
+    /// Runs in the plan.
+    pub runs: u32,
+    /// The registrations the flow proved, as they are when the DATA came: the runs may write
+    /// there only.
+    pub allowed: ProvenRanges,
+}
 
 /// Identifier of one gather, write or scatter job; unique within an [`Endpoint`](crate::endpoint::Endpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -47,8 +108,11 @@ pub enum Action {
         xfer: XferId,
         /// Local staging region (a whole buddy block; the runs cover at most the chunk bytes).
         region: Region,
-        /// Copies source -> region.
-        runs: Vec<CopyRun>,
+        /// Copies source -> region, and for a chunk with a [`Chunk::region_plan`] the plan to
+        /// write behind its data (see [`JobRuns::region_plan`]).
+        ///
+        /// [`Chunk::region_plan`]: crate::plan::Chunk::region_plan
+        runs: JobRuns,
     },
     /// One RDMA write of `len` bytes from `source` (a staged local arena region, or user memory
     /// for a [`crate::plan::Chunk::direct`] chunk) to the peer's arena region `remote`. Report
@@ -80,8 +144,12 @@ pub enum Action {
         xfer: XferId,
         /// Local arena region holding the chunk.
         region: Region,
-        /// Copies region -> destination; `addr` is the destination address.
+        /// Copies region -> destination; `addr` is the destination address. Empty when
+        /// `in_region` is set.
         runs: Vec<CopyRun>,
+        /// The runs lie in the region behind the chunk's data, unchecked: the copy engine
+        /// checks them (see [`InRegionPlan`]) and copies nothing when they fail.
+        in_region: Option<InRegionPlan>,
     },
     /// Send a link-level frame (a PING or PONG of the liveness probe) to `peer`; the shell wraps
     /// `body` into a [`wire::ControlFrame`] with its session. No transfer depends on its
@@ -544,6 +612,10 @@ pub struct Stats {
     pub plans_dropped: u64,
     /// DATAs answered ACK(Replan) here, or (as sender) sent again with their runs.
     pub replans: u64,
+    /// Chunks written with their scatter runs in the region behind their data.
+    pub region_plans_sent: u64,
+    /// DATAs whose runs lay in their region, handed to the copy engine to check and scatter.
+    pub region_plans_received: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

@@ -37,17 +37,24 @@ pub struct PlanParams {
     pub align: u64,
     /// Coalesce contiguous or uniformly strided pieces into one [`CopyRun`].
     pub merge_runs: bool,
+    /// Fewest scatter runs for which a chunk carries them in its region ([`Chunk::region_plan`]);
+    /// 0: never.
+    pub region_plan_runs: u32,
 }
 
 impl PlanParams {
     /// Parameters with the given chunk cap, [`DEFAULT_ALIGN`] and run merging on.
     pub fn new(max_chunk: u64) -> Self {
-        Self { max_chunk, align: DEFAULT_ALIGN, merge_runs: true }
+        Self { max_chunk, align: DEFAULT_ALIGN, merge_runs: true, region_plan_runs: 0 }
     }
 
     /// The parameters a validated [`Config`] implies.
     pub fn from_config(config: &Config) -> Self {
-        Self { merge_runs: config.scatter_run_merging, ..Self::new(config.max_chunk_size) }
+        Self {
+            merge_runs: config.scatter_run_merging,
+            region_plan_runs: config.region_plan_runs,
+            ..Self::new(config.max_chunk_size)
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -80,6 +87,19 @@ pub struct Chunk {
     /// memory, e.g. when the range is not registered in one piece. `gather` stays valid either
     /// way.
     pub direct: Option<u64>,
+    /// Where the chunk's scatter runs lie in its region when they travel there
+    /// ([`crate::wire::region_plan`]): the region is the data, padded to 8 bytes, then the
+    /// plan, and `bytes` counts both. `None`: the runs travel in control frames. [`plan`] sets
+    /// it for chunks of at least [`PlanParams::region_plan_runs`] runs; such a chunk is never
+    /// [`Chunk::direct`] (the plan must be staged behind the data).
+    pub region_plan: Option<u64>,
+}
+
+impl Chunk {
+    /// Bytes of payload and padding before the region plan (all of `bytes` without one).
+    pub fn data_bytes(&self) -> u64 {
+        self.region_plan.unwrap_or(self.bytes)
+    }
 }
 
 /// The chunks of one transfer, in order.
@@ -191,6 +211,68 @@ pub type Result<T> = std::result::Result<T, PlanError>;
 /// than `u32::MAX` chunks (mostly caught before any packing or allocation).
 pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
     params.validate()?;
+    if params.region_plan_runs == 0 {
+        return packed(descs, params);
+    }
+    // Chunks carrying their plan hold less data: pack with a smaller cap until every chunk that
+    // wants its plan in the region fits within `max_chunk` with it (a region one byte over
+    // takes a buddy block twice the size). Fewer bytes per chunk never means more runs per
+    // chunk, so this settles in a pass or two; after four, the chunks that still do not fit
+    // keep their plans in control frames.
+    let mut cap = params.max_chunk;
+    for _ in 0..4 {
+        let mut p = packed(descs, PlanParams { max_chunk: cap, ..params })?;
+        let over = p
+            .chunks
+            .iter()
+            .filter_map(|c| with_region_plan(c, params))
+            .map(|b| b.saturating_sub(params.max_chunk))
+            .max();
+        match over {
+            Some(over) if over > 0 => {
+                let smaller = cap.saturating_sub(over) / params.align * params.align;
+                if smaller < params.align {
+                    break;
+                }
+                cap = smaller;
+            }
+            _ => {
+                place_region_plans(&mut p, params);
+                return Ok(p);
+            }
+        }
+    }
+    let mut p = packed(descs, PlanParams { max_chunk: cap, ..params })?;
+    place_region_plans(&mut p, params);
+    Ok(p)
+}
+
+/// The region size chunk `c` needs with its plan behind its data, when it has enough runs for
+/// one (and the plan can be expressed).
+fn with_region_plan(c: &Chunk, params: PlanParams) -> Option<u64> {
+    let runs = u32::try_from(c.scatter.len()).ok()?;
+    if runs < params.region_plan_runs
+        || c.scatter.iter().any(|r| r.len.div_ceil(crate::wire::region_plan::TILE) > u64::from(u32::MAX))
+    {
+        return None;
+    }
+    c.bytes.checked_next_multiple_of(8)?.checked_add(crate::wire::region_plan::plan_bytes(runs))
+}
+
+/// Puts the plan of every chunk with enough runs behind its data where the region still fits
+/// `max_chunk`.
+fn place_region_plans(p: &mut Plan, params: PlanParams) {
+    for c in &mut p.chunks {
+        if let Some(bytes) = with_region_plan(c, params).filter(|&b| b <= params.max_chunk) {
+            c.region_plan = Some(c.bytes.next_multiple_of(8));
+            c.bytes = bytes;
+            c.direct = None;
+        }
+    }
+}
+
+/// [`plan`] without region plans.
+fn packed(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
     let total_bytes = check_input(descs, params)?;
     // Two passes over the same deterministic packing: the first counts each chunk's runs, the
     // second fills lists allocated at exactly that size. Growing the lists instead cost more
@@ -336,7 +418,7 @@ impl Sink for Builder {
         debug_assert_eq!(gather.len(), gather.capacity(), "passes disagree");
         debug_assert_eq!(scatter.len(), scatter.capacity(), "passes disagree");
         let direct = direct_source(&gather, bytes);
-        self.chunks.push(Chunk { bytes, gather, scatter, direct });
+        self.chunks.push(Chunk { bytes, gather, scatter, direct, region_plan: None });
         Ok(())
     }
 }
@@ -740,7 +822,10 @@ chunk 1 bytes 128
     fn from_config_uses_chunk_size_and_merging_switch() {
         let cfg = Config { scatter_run_merging: false, ..Config::default() };
         let p = PlanParams::from_config(&cfg);
-        assert_eq!(p, PlanParams { max_chunk: cfg.max_chunk_size, align: DEFAULT_ALIGN, merge_runs: false });
+        assert_eq!(
+            p,
+            PlanParams { max_chunk: cfg.max_chunk_size, align: DEFAULT_ALIGN, merge_runs: false, region_plan_runs: 0 }
+        );
     }
 
     #[test]
@@ -879,7 +964,7 @@ chunk 1 bytes 128
             let mut mappings = Vec::new();
             let mut run_counts = Vec::new();
             for merge_runs in [false, true] {
-                let p = plan(&descs, PlanParams { max_chunk, align, merge_runs }).unwrap();
+                let p = plan(&descs, PlanParams { max_chunk, align, merge_runs, region_plan_runs: 0 }).unwrap();
                 prop_assert_eq!(p.total_bytes, descs.iter().map(|d| d.len).sum::<u64>());
                 prop_assert!(p.chunks.len() as u64 >= p.total_bytes.div_ceil(max_chunk));
                 for c in &p.chunks {
@@ -915,7 +1000,7 @@ chunk 1 bytes 128
             descs in descs_strategy(),
             (max_chunk, align) in params_strategy(),
         ) {
-            let p = plan(&descs, PlanParams { max_chunk, align, merge_runs: false }).unwrap();
+            let p = plan(&descs, PlanParams { max_chunk, align, merge_runs: false, region_plan_runs: 0 }).unwrap();
             // Unmerged, the gather runs in chunk order are the pieces in input order.
             let mut pieces = p.chunks.iter().flat_map(|c| &c.gather);
             for d in descs.iter().filter(|d| d.len > 0) {
@@ -932,5 +1017,47 @@ chunk 1 bytes 128
             }
             prop_assert!(pieces.next().is_none());
         }
+    }
+}
+
+#[cfg(test)]
+mod region_plan_tests {
+    use super::*;
+    use crate::wire::region_plan::{plan_bytes, plan_offset};
+
+    /// 16384 scattered 4 KiB pieces in 32 MiB chunks, each chunk carrying its ~5,000-run plan:
+    /// every chunk's region (data, padding, plan) still fits 32 MiB, the plan fills its end
+    /// exactly, its runs read only the data, no chunk is direct, and all pieces are planned (a
+    /// last chunk with fewer runs than the threshold keeps them out of its region).
+    #[test]
+    fn chunks_make_room_for_their_plans_and_never_outgrow_max_chunk() {
+        const MIB: u64 = 1 << 20;
+        let descs: Vec<DescPair> = (0..16384u64)
+            .map(|i| DescPair { src: (1 << 40) | (i * 4096), dst: (1 << 41) | ((i * 7919 % 32768) * 4096), len: 4096 })
+            .collect();
+        let params = PlanParams { region_plan_runs: 64, ..PlanParams::new(32 * MIB) };
+        let p = plan(&descs, params).unwrap();
+        assert!(p.chunks.len() >= 3, "the plans take room: {} chunks", p.chunks.len());
+        let (mut pieces, mut planned) = (0, 0);
+        for c in &p.chunks {
+            let runs = c.scatter.len() as u32;
+            pieces += c.scatter.iter().map(|r| u64::from(r.count)).sum::<u64>();
+            let Some(off) = c.region_plan else {
+                assert!(runs < 64, "a chunk of {runs} runs kept its plan out of its region");
+                continue;
+            };
+            planned += 1;
+            assert!(c.bytes <= 32 * MIB && c.direct.is_none());
+            assert_eq!(plan_offset(c.bytes, runs), Some(off));
+            assert_eq!(off + plan_bytes(runs), c.bytes);
+            assert!(c.scatter.iter().chain(&c.gather).all(|r| r.region_span().unwrap().1 <= off));
+        }
+        assert_eq!(pieces, 16384);
+        assert!(planned >= 2, "{planned} chunks carry their plans");
+        // Below the threshold, or with it off, nothing changes.
+        let off = plan(&descs, PlanParams::new(32 * MIB)).unwrap();
+        assert!(off.chunks.iter().all(|c| c.region_plan.is_none()) && off.chunks.len() == 2);
+        let few = plan(&descs, PlanParams { region_plan_runs: 1 << 20, ..params }).unwrap();
+        assert_eq!(few, off);
     }
 }

@@ -170,7 +170,7 @@ impl Registrations {
 
 /// A flow's proven registrations as ranges, sorted by start (see
 /// [`Registrations::proven_ranges`]); answers what [`Registrations::covers`] answers.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ProvenRanges {
     /// Range starts, ascending.
     starts: Vec<u64>,
@@ -184,6 +184,23 @@ impl ProvenRanges {
     pub fn covers(&self, start: u64, end: u64) -> bool {
         let n = self.starts.partition_point(|&s| s <= start);
         n > 0 && self.reach[n - 1] >= end
+    }
+
+    /// Range starts, ascending (for a copy engine that checks on the device what
+    /// [`Self::covers`] answers).
+    pub fn starts(&self) -> &[u64] {
+        &self.starts
+    }
+
+    /// `reach()[i]`: the farthest end among the ranges `0..=i`.
+    pub fn reach(&self) -> &[u64] {
+        &self.reach
+    }
+
+    /// The smallest span holding every range (`None` when there is none): what a scatter by
+    /// an unchecked plan may touch at most.
+    pub fn hull(&self) -> Option<(u64, u64)> {
+        Some((*self.starts.first()?, *self.reach.last()?))
     }
 }
 

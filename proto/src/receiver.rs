@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, trace, warn};
 
 use crate::config::Config;
-use crate::event::{Action, Ctx, DataFault, JobId, ProtocolError, internal_error};
+use crate::event::{Action, Ctx, DataFault, InRegionPlan, JobId, JobRuns, ProtocolError, internal_error};
 use crate::proof::{BadProof, Registrations};
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
@@ -456,6 +456,9 @@ impl Receiver {
         };
         // A DATA with its runs makes any plan of the chunk moot; one without takes the plan.
         let planned = self.take_plan(key, data.chunk);
+        if data.region_plan_runs != 0 {
+            return self.scatter_in_region(ctx, from, key, data, bytes, limit);
+        }
         let (mut still_registered, mut still_bounded) = (false, false);
         if data.runs.is_empty() {
             let Some(planned) = planned else {
@@ -512,7 +515,55 @@ impl Receiver {
         };
         self.scatters.insert(job, scatter);
         trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, region = %data.region, runs = data.runs.len(), "scatter");
-        ctx.push(Action::Scatter { job, peer: from, xfer: data.xfer, region: data.region, runs: data.runs });
+        ctx.push(Action::Scatter {
+            job,
+            peer: from,
+            xfer: data.xfer,
+            region: data.region,
+            runs: data.runs,
+            in_region: None,
+        });
+        Ok(())
+    }
+
+    /// A DATA whose runs lie in its region: the plan must fill the end of the chunk's bytes
+    /// (all of them written, none beyond); the copy engine checks the runs themselves against
+    /// the data before the plan and the flow's proven registrations as they are now.
+    fn scatter_in_region(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        key: FlowKey,
+        data: Data,
+        bytes: u64,
+        limit: u64,
+    ) -> Result<(), ProtocolError> {
+        let runs = data.region_plan_runs;
+        let Some(offset) = wire::region_plan::plan_offset(bytes, runs).filter(|_| limit == bytes) else {
+            return self.refuse_data(ctx, from, &data, DataFault::RunOutsideChunk { index: 0 });
+        };
+        let allowed = self.registered.proven_ranges(&self.flows[&key].proven);
+        let Some(span) = allowed.hull() else {
+            // Nothing left that the peer may write: every run would fail.
+            return self.refuse_data(ctx, from, &data, DataFault::RunOutsideRegistered { index: 0 });
+        };
+        if let Err(e) = ctx.sched.begin_scatter(key, data.region.offset) {
+            internal_error("begin_scatter of a checked region", &e);
+            return Ok(());
+        }
+        let job = ctx.job();
+        if let Some(flow) = self.flows.get_mut(&key) {
+            flow.scattering += 1;
+            flow.deadline = ctx.now + self.idle_timeout;
+        }
+        // The scatter may touch any proven registration: a deregistration inside the hull dooms
+        // it (conservative; the runs are not known here).
+        let (token, chunk, region) = (data.token, data.chunk, data.region);
+        self.scatters.insert(job, Scatter { flow: key, token, chunk, region, bytes: offset, span, doomed: false });
+        trace!(peer = from.0, xfer = data.xfer.0, chunk = chunk.0, region = %region, runs, "scatter by region plan");
+        ctx.stats.region_plans_received += 1;
+        let in_region = Some(InRegionPlan { offset, runs, allowed });
+        ctx.push(Action::Scatter { job, peer: from, xfer: data.xfer, region, runs: Vec::new(), in_region });
         Ok(())
     }
 
@@ -671,7 +722,7 @@ impl Receiver {
             self.gathers
                 .insert(job, PullGather { flow: key, token, chunk: c.chunk, region: c.region, span, doomed: false });
             trace!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, region = %c.region, "READ gather");
-            ctx.push(Action::Gather { job, xfer: key.xfer, region: c.region, runs });
+            ctx.push(Action::Gather { job, xfer: key.xfer, region: c.region, runs: JobRuns::Own(runs) });
         }
     }
 

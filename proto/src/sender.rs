@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, trace, warn};
 
 use crate::config::Config;
-use crate::event::{Action, Ctx, JobId, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
+use crate::event::{Action, Ctx, JobId, JobRuns, ProtocolError, SubmitError, WriteSource, XferError, internal_error};
 use crate::plan::Plan;
 use crate::proof;
 use crate::timer::TimerTable;
@@ -75,8 +75,10 @@ impl Xfer {
     /// ~230 us instead of ~80 (issue 11).
     fn plan_chunk(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, i: usize, min_runs: usize) {
         let runs = &self.plan.chunks[i].scatter;
-        // A READ's scatter runs are ours to run: nothing to send.
-        if self.read || min_runs == 0 || runs.len() < min_runs || self.planned[i] {
+        // A READ's scatter runs are ours to run, and a region plan travels with the data:
+        // nothing to send.
+        let in_region = self.plan.chunks[i].region_plan.is_some();
+        if self.read || in_region || min_runs == 0 || runs.len() < min_runs || self.planned[i] {
             return;
         }
         self.planned[i] = true;
@@ -86,11 +88,17 @@ impl Xfer {
     }
 
     /// The DATA announcing chunk `i` written into `region`: with its runs unless they went
-    /// ahead in a PLAN and `inline` is false.
+    /// ahead in a PLAN and `inline` is false, or they lie in the region behind the data.
     fn data(&self, xfer: XferId, i: usize, region: Region, inline: bool) -> Data {
-        let runs = if self.planned[i] && !inline { Vec::new() } else { self.plan.chunks[i].scatter.clone() };
+        let c = &self.plan.chunks[i];
         let chunk = ChunkIdx(u32::try_from(i).unwrap_or(u32::MAX));
-        Data { xfer, token: self.token, chunk, region, runs }
+        if c.region_plan.is_some() {
+            // `plan` placed it only for a run count that fits a u32.
+            let region_plan_runs = u32::try_from(c.scatter.len()).unwrap_or(u32::MAX);
+            return Data { xfer, token: self.token, chunk, region, runs: Vec::new(), region_plan_runs };
+        }
+        let runs = if self.planned[i] && !inline { Vec::new() } else { c.scatter.clone() };
+        Data { xfer, token: self.token, chunk, region, runs, region_plan_runs: 0 }
     }
 }
 
@@ -426,7 +434,7 @@ impl Sender {
         x.stages[r.chunk] = Stage::Pulled { local, job: scatter };
         let (peer, runs) = (x.peer, x.plan.chunks[r.chunk].scatter.clone());
         self.jobs.insert(scatter, JobRef { xfer: r.xfer, chunk: r.chunk, kind: JobKind::Scatter });
-        ctx.push(Action::Scatter { job: scatter, peer, xfer: r.xfer, region: local, runs });
+        ctx.push(Action::Scatter { job: scatter, peer, xfer: r.xfer, region: local, runs, in_region: None });
     }
 
     /// A READ's local scatter ended: the chunk is done (the transfer completes with its last),
@@ -663,6 +671,9 @@ impl Sender {
             ctx.stats.chunks_direct += 1;
         }
         let data = x.data(r.xfer, r.chunk, credit.region, false);
+        if data.region_plan_runs != 0 {
+            ctx.stats.region_plans_sent += 1;
+        }
         ctx.send(x.peer, data);
     }
 
@@ -1063,10 +1074,15 @@ fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitErr
         let runs_ok = |runs: &[crate::types::CopyRun]| {
             !runs.is_empty()
                 && runs.len() <= wire::MAX_RUNS as usize
-                && runs.iter().all(|r| r.len != 0 && r.region_span().is_some_and(|(_, end)| end <= c.bytes))
+                && runs.iter().all(|r| r.len != 0 && r.region_span().is_some_and(|(_, end)| end <= c.data_bytes()))
         };
         let direct_ok = c.direct.is_none_or(|addr| addr.checked_add(c.bytes).is_some());
-        if c.bytes == 0 || !runs_ok(&c.gather) || !runs_ok(&c.scatter) || !direct_ok {
+        // A region plan fills the region's end exactly, where the receiver looks for it.
+        let region_plan_ok = c.region_plan.is_none_or(|off| {
+            let runs = u32::try_from(c.scatter.len()).unwrap_or(u32::MAX);
+            c.direct.is_none() && wire::region_plan::plan_offset(c.bytes, runs) == Some(off)
+        });
+        if c.bytes == 0 || !runs_ok(&c.gather) || !runs_ok(&c.scatter) || !direct_ok || !region_plan_ok {
             return Err(SubmitError::BadChunk { xfer, chunk });
         }
     }
@@ -1085,7 +1101,7 @@ fn start_gather(
     let job = ctx.job();
     jobs.insert(job, JobRef { xfer: id, chunk: i, kind: JobKind::Gather });
     trace!(xfer = id.0, chunk = i, region = %local, "gather");
-    ctx.push(Action::Gather { job, xfer: id, region: local, runs: x.plan.chunks[i].gather.clone() });
+    ctx.push(Action::Gather { job, xfer: id, region: local, runs: JobRuns::Chunk { plan: x.plan.clone(), chunk: i } });
     job
 }
 

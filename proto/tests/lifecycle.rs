@@ -117,7 +117,14 @@ fn credits(msgs: &[Msg]) -> Vec<(u32, Region)> {
 
 fn data(xfer: u64, chunk: u32, region: Region, addr: u64) -> Msg {
     let run = CopyRun { region_off: 0, addr, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
-    Msg::Data(Data { xfer: XferId(xfer), token: tok(xfer), chunk: ChunkIdx(chunk), region, runs: vec![run] })
+    Msg::Data(Data {
+        xfer: XferId(xfer),
+        token: tok(xfer),
+        chunk: ChunkIdx(chunk),
+        region,
+        runs: vec![run],
+        region_plan_runs: 0,
+    })
 }
 
 fn acks(msgs: &[Msg]) -> Vec<AckStatus> {
@@ -357,11 +364,11 @@ impl Model {
         while let Some(a) = ep.poll_action() {
             match a {
                 Action::Gather { job, runs, .. } => {
-                    assert!(self.r1 || !touches_r1(&runs), "a gather reads deregistered memory");
+                    assert!(self.r1 || !touches_r1(runs.runs()), "a gather reads deregistered memory");
                     self.jobs.push((job, 0));
                 }
                 Action::Write { job, .. } => self.jobs.push((job, 1)),
-                Action::Scatter { job, peer, xfer, region, runs } => {
+                Action::Scatter { job, peer, xfer, region, runs, .. } => {
                     let hit = touches_r1(&runs);
                     assert!(self.r1 || !hit, "a scatter into deregistered memory was emitted");
                     self.scatters.insert(job, (peer, xfer, region, hit, false));

@@ -549,7 +549,13 @@ impl Engine {
             Stats::bump(&self.stats.passthrough_xfers);
             return None;
         };
-        match plan::plan(&pairs, PlanParams::from_config(&self.config)) {
+        let mut params = PlanParams::from_config(&self.config);
+        // Plans in regions are for two-way WRITEs: a READ's initiator scatters by its own runs,
+        // and one-way flows are not built for them (yet).
+        if read || self.peers.bounce_arena(agent).is_none() {
+            params.region_plan_runs = 0;
+        }
+        match plan::plan(&pairs, params) {
             Ok(mut p) => {
                 p.dests = dests;
                 p.read = read;

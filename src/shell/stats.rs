@@ -124,6 +124,15 @@ counters! {
     /// DATAs without runs asked for them (ACK(Replan)), or sent again with them (the core's
     /// count).
     replans,
+    /// Chunks we wrote with their scatter runs in the region behind their data (the core's
+    /// count).
+    region_plans_sent,
+    /// Peers' chunks whose runs lay in their region, handed to our copy engine to check and
+    /// scatter (the core's count).
+    region_plans_received,
+    /// Of those, scatters whose plan our copy engine refused (or whose copy failed): nothing
+    /// was written for a refused plan, and its transfer failed.
+    region_plans_failed,
 }
 
 impl Stats {

@@ -34,7 +34,7 @@ import time
 import nixlkit
 
 MAGIC = b"\0BOUNC"
-VERSION = 5  # proto/src/wire/frame.rs WIRE_VERSION
+VERSION = 6  # proto/src/wire/frame.rs WIRE_VERSION
 WANT, GRANT, DATA, ACK = 1, 2, 3, 4
 ENVELOPE_MAGIC = b"NXBOUNCE"
 U64 = (1 << 64) - 1
@@ -106,10 +106,12 @@ def runs_bytes(runs):
     return bytes(out)
 
 
-def data(session, xfer, chunk, region, runs, token=0):
-    """runs: (region_off, addr, len, count, region_stride, addr_stride)"""
+def data(session, xfer, chunk, region, runs, token=0, region_plan_runs=0):
+    """runs: (region_off, addr, len, count, region_stride, addr_stride); region_plan_runs: the
+    count of runs the DATA says lie in its region (then `runs` must be empty)."""
     return (header(DATA, session) + struct.pack("<Q", xfer) + tok(token)
-            + struct.pack("<IQQI", chunk, region[0], region[1], len(runs)) + runs_bytes(runs))
+            + struct.pack("<IQQI", chunk, region[0], region[1], len(runs)) + runs_bytes(runs)
+            + struct.pack("<I", region_plan_runs))
 
 
 def ack(session, xfer, chunk, region, status, token=0):
@@ -240,6 +242,12 @@ class Fuzzer:
             return "data_unknown_xfer", data(s, victim_xfers, r.randrange(0, 8), self.guessed_region(), runs)
         if kind == 9:  # announce, then (once granted) DATA into guessed regions, forbidden runs
             x = self.new_xfer()
+            if r.random() < .5:
+                # ...or DATA saying the runs lie in the region, where whatever an earlier flow
+                # left (or nothing) must fail the victim's check: nothing scattered.
+                return "want_then_region_plan", [want(s, x, [64 << 10] * r.randrange(1, 4)), LATER] + [
+                    data(s, x, 0, (k * (64 << 10), 64 << 10), [], region_plan_runs=r.randrange(1, 64))
+                    for k in range(64)]
             return "want_then_bad_data", [want(s, x, [64 << 10] * r.randrange(1, 4)), LATER] + [
                 data(s, x, 0, (k * (64 << 10), 64 << 10), self.forbidden_runs()) for k in range(64)]
         if kind == 10:

@@ -20,7 +20,7 @@ use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 5;
+pub const WIRE_VERSION: u8 = 6;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -73,7 +73,7 @@ pub const MAX_FRAME_LEN: usize = {
         + 4
         + MAX_PROOFS as usize * PROOF_LEN;
     let grant = HEADER_LEN + 8 + 16 + 4 + MAX_CREDITS as usize * CREDIT_LEN;
-    let data = HEADER_LEN + 8 + 16 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN;
+    let data = HEADER_LEN + 8 + 16 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN + 4;
     // A PULL: its chunk sizes and run counts, every run in its longest encoding, the proofs.
     let pull = HEADER_LEN
         + 8
@@ -183,8 +183,11 @@ pub struct Data {
     pub region: Region,
     /// Scatter runs; `CopyRun::addr` is the receiver's destination address. Empty when the
     /// chunk's runs went ahead in a [`Plan`] (a receiver that kept none answers
-    /// [`AckStatus::Replan`]).
+    /// [`AckStatus::Replan`]), or when they travel in the region.
     pub runs: Vec<CopyRun>,
+    /// When not 0: the chunk's scatter runs, this many, lie in its region behind its data, in
+    /// the fixed-width form of [`super::region_plan`] (then `runs` is empty).
+    pub region_plan_runs: u32,
 }
 
 /// A chunk's scatter runs, sent ahead of the chunk's DATA so the receiver decodes and validates
@@ -488,6 +491,9 @@ impl Msg {
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in DATA" });
                 }
+                if m.region_plan_runs > MAX_RUNS || (m.region_plan_runs != 0 && !m.runs.is_empty()) {
+                    return Err(WireError::Invalid { what: "DATA region plan" });
+                }
                 check_runs(&m.runs)?;
             }
             Self::Plan(m) => {
@@ -751,6 +757,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.u32(m.chunk.0);
             w.region(&m.region);
             w.runs(&m.runs);
+            w.u32(m.region_plan_runs);
         }
         Msg::Ack(m) => {
             w.u64(m.xfer.0);
@@ -825,7 +832,8 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
             let chunk = ChunkIdx(r.u32()?);
             let region = r.region()?;
             let runs = r.runs("data runs")?;
-            Msg::Data(Data { xfer, token, chunk, region, runs })
+            let region_plan_runs = r.u32()?;
+            Msg::Data(Data { xfer, token, chunk, region, runs, region_plan_runs })
         }
         KIND_PLAN => {
             let (xfer, token) = (XferId(r.u64()?), r.token()?);

@@ -86,3 +86,50 @@ pub fn seed_public() -> Vec<Vec<u8>> {
         .map(|(i, inner)| PublicData { reg: crate::types::RegId(i as u64 + 1), key, inner }.to_vec())
         .collect()
 }
+
+/// Checks `data` as a region plan behind a chunk (the first byte picks the run count, the next
+/// eight the chunk's data length; the rest are the plan's bytes); whatever [`check`] accepts
+/// obeys every rule, and re-encoding the runs it returns gives the plan's bytes back (the form
+/// has one valid encoding per plan).
+///
+/// [`check`]: super::region_plan::check
+///
+/// # Panics
+/// When an accepted plan breaks a rule or does not re-encode to itself (a bug).
+pub fn region_plan_check(data: &[u8]) {
+    use super::region_plan::{check, encoded};
+    let [runs, l0, l1, l2, l3, l4, l5, l6, l7, plan @ ..] = data else { return };
+    let limit = u64::from_le_bytes([*l0, *l1, *l2, *l3, *l4, *l5, *l6, *l7]) >> 24;
+    // Ranges the flow may write: [4096, 2^40) minus nothing else; anything outside refuses.
+    let covers = |a: u64, b: u64| a >= 4096 && b <= 1 << 40;
+    if let Ok(out) = check(plan, u32::from(*runs), limit, covers) {
+        let total = out.iter().try_fold(0u64, |s, r| s.checked_add(r.bytes()?));
+        assert!(total.is_some_and(|t| t <= limit), "accepted runs copy more than the chunk");
+        for r in &out {
+            assert!(r.region_span().is_some_and(|(_, end)| end <= limit), "accepted run reads past the data");
+            assert!(r.addr_span().is_some_and(|(a, b)| covers(a, b)), "accepted run writes outside");
+        }
+        assert_eq!(encoded(&out).as_deref(), Some(plan), "an accepted plan is not canonical");
+    }
+}
+
+/// Honest region plans for the `region_plan_check` seed corpus.
+pub fn seed_region_plans() -> Vec<Vec<u8>> {
+    use super::region_plan::encoded;
+    use crate::types::CopyRun;
+    let runs = [
+        vec![CopyRun { region_off: 0, addr: 8192, len: 4096, count: 4, region_stride: 4096, addr_stride: 8192 }],
+        vec![
+            CopyRun { region_off: 0, addr: 1 << 20, len: 100, count: 1, region_stride: 0, addr_stride: 0 },
+            CopyRun { region_off: 104, addr: 3 << 20, len: 5000, count: 2, region_stride: 5000, addr_stride: 6000 },
+        ],
+    ];
+    runs.iter()
+        .map(|r| {
+            let mut seed = vec![r.len() as u8];
+            seed.extend_from_slice(&((1u64 << 20) << 24).to_le_bytes());
+            seed.extend(encoded(r).expect("honest runs encode"));
+            seed
+        })
+        .collect()
+}

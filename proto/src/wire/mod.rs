@@ -17,7 +17,7 @@
 //! One job per file: `codec.rs` the primitives (reader, writer, varints, the canonical-form
 //! rules), `frame.rs` the control frames and their messages (HELLO included), `caps.rs` the
 //! capability blob and the compatibility policy, `envelope.rs` the connection-info envelope, `public.rs` the public-data envelope of a
-//! registration,
+//! registration, `region_plan.rs` the fixed-width scatter plan a sender writes behind a chunk's data,
 //! `samples.rs` one valid value of each (tests and fuzz seeds), `fuzzing.rs` the fuzz entry
 //! points. This file only declares and re-exports them.
 
@@ -28,6 +28,7 @@ mod frame;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod public;
+pub mod region_plan;
 #[cfg(any(test, feature = "fuzzing"))]
 mod samples;
 #[cfg(test)]

@@ -31,7 +31,7 @@ pub(super) fn sample_frames() -> Vec<Frame> {
                 Credit { chunk: ChunkIdx(1), region: Region { offset: 0x140, len: 0x20 } },
             ],
         }),
-        Msg::Data(Data { xfer, token, chunk, region, runs: vec![run] }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![run], region_plan_runs: 0 }),
         Msg::Ack(Ack { xfer, token, chunk, region, status: AckStatus::Refused }),
     ];
     msgs.into_iter().enumerate().map(|(i, msg)| Frame { session: i as u64 + 1, msg }).collect()

@@ -54,8 +54,12 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
         ),
         (xfer.clone(), token.clone(), prop::collection::vec(credit, 1..6))
             .prop_map(|(xfer, token, credits)| Msg::Grant(Grant { xfer, token, credits })),
-        (xfer.clone(), token.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 0..5))
-            .prop_map(|(xfer, token, chunk, region, runs)| Msg::Data(Data { xfer, token, chunk, region, runs })),
+        (xfer.clone(), token.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 0..5), 0u32..3)
+            .prop_map(|(xfer, token, chunk, region, runs, region_plan_runs)| {
+                // A region plan only where the DATA names no runs: the one valid combination.
+                let region_plan_runs = if runs.is_empty() { region_plan_runs } else { 0 };
+                Msg::Data(Data { xfer, token, chunk, region, runs, region_plan_runs })
+            }),
         (xfer.clone(), token.clone(), chunk.clone(), prop::collection::vec(arb_run(), 1..5))
             .prop_map(|(xfer, token, chunk, runs)| Msg::Plan(Plan { xfer, token, chunk, runs })),
         (xfer, token, chunk, arb_region(), arb_status())
@@ -204,7 +208,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43050508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e43060508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -250,7 +254,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 05 01 0100000000000000
+            "00424f554e43 06 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
@@ -267,16 +271,17 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 05 03 0400000000000000
+            "00424f554e43 06 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
-             03 8040 20 02 20 8001"
+             03 8040 20 02 20 8001
+             00000000"
         ))
     );
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 05 04 0500000000000000
+            "00424f554e43 06 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -303,8 +308,14 @@ fn scattered_runs_are_delta_coded_compactly() {
             }
         })
         .collect();
-    let data =
-        Data { xfer: XferId(7), token: Token(7), chunk: ChunkIdx(3), region: Region { offset: 0, len: 2 << 20 }, runs };
+    let data = Data {
+        xfer: XferId(7),
+        token: Token(7),
+        chunk: ChunkIdx(3),
+        region: Region { offset: 0, len: 2 << 20 },
+        runs,
+        region_plan_runs: 0,
+    };
     let bytes = Frame { session: 1, msg: Msg::Data(data.clone()) }.to_vec();
     assert!(bytes.len() <= 3 * 1024, "{} bytes", bytes.len());
     assert_eq!(Frame::decode(&bytes).map(|f| f.msg), Ok(Msg::Data(data)));
@@ -317,9 +328,10 @@ fn only_the_canonical_run_encoding_decodes() {
     let good = sample_frames()[3].to_vec();
     // The sample's one run: flags 03 (strided, new length), address delta 8040, len 20,
     // count 02, strides 20 and 8001.
-    let (head, run) = good.split_at(good.len() - 8);
+    // The DATA ends with the run, then its region plan's run count (none).
+    let (head, run) = good[..good.len() - 4].split_at(good.len() - 12);
     assert_eq!(hex(run), "0380402002208001");
-    let with = |r: &str| [head, &unhex(r)[..]].concat();
+    let with = |r: &str| [head, &unhex(r)[..], &[0; 4]].concat();
     assert!(Frame::decode(&with("0380402002208001")).is_ok());
     let not_canonical = Err(WireError::Invalid { what: "scatter run not in its canonical form" });
     assert_eq!(Frame::decode(&with("07008040 2002208001")), not_canonical, "region jump to where it ends anyway");
@@ -337,7 +349,7 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0500 01 01 0010000000000000 0020000000000000 0000000000000000
+    let caps = "0600 01 01 0010000000000000 0020000000000000 0000000000000000
                 0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
                 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -468,9 +480,18 @@ fn invalid_values_are_refused() {
         Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![] }),
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![CopyRun { count: 0, ..run }] }),
-        Msg::Data(Data { xfer, token, chunk, region: Region { offset: 0, len: 0 }, runs: vec![run] }),
-        Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { count: 0, ..run }] }),
-        Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { len: 0, ..run }] }),
+        Msg::Data(Data {
+            xfer,
+            token,
+            chunk,
+            region: Region { offset: 0, len: 0 },
+            runs: vec![run],
+            region_plan_runs: 0,
+        }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![run], region_plan_runs: 1 }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: Vec::new(), region_plan_runs: MAX_RUNS + 1 }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { count: 0, ..run }], region_plan_runs: 0 }),
+        Msg::Data(Data { xfer, token, chunk, region, runs: vec![CopyRun { len: 0, ..run }], region_plan_runs: 0 }),
         Msg::Ack(Ack { xfer, token, chunk, region: Region { offset: 0, len: 0 }, status: AckStatus::Failed }),
     ];
     for msg in bad {
@@ -548,17 +569,17 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     assert_eq!(local.compatible_with(&same_rules), Ok(()));
     assert_eq!(same_rules.compatible_with(&local), Ok(()));
 
-    let other_version = Capabilities { wire_version: 6, ..local.clone() };
+    let other_version = Capabilities { wire_version: 7, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 5, peer: 6 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 6, peer: 7 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
     assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities { wire_version: 6, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let all = Capabilities { wire_version: 7, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
     let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
@@ -593,26 +614,26 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4305010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "00424f554e4306010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         // cancel (empty WANT)
-        "00424f554e4305010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
+        "00424f554e4306010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
         // GRANT
-        "00424f554e4305020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e4306020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4305030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
-         01000000 0380402002208001",
+        "00424f554e4306030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+         01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e4305040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4306040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4305050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4306050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e43050a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e43060a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
@@ -632,7 +653,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e43050b0700000000000000 0300000000000000 edfe0000000000000000000000000000 00000000
+            "00424f554e43060b0700000000000000 0300000000000000 edfe0000000000000000000000000000 00000000
              01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
@@ -641,16 +662,16 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e43050d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43060d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e43050c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43060c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
-    let caps = "0500 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+    let caps = "0600 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
@@ -684,6 +705,7 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
         chunk: ChunkIdx(u32::MAX),
         region: Region { offset: u64::MAX, len: u64::MAX },
         runs: (0..u64::from(MAX_RUNS)).map(run).collect(),
+        region_plan_runs: 0,
     });
     let want = Msg::Want(Want {
         xfer: XferId(u64::MAX),

@@ -15,12 +15,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, InRegionPlan, JobId, JobRuns, WriteSource, XferError};
 use bounce_proto::mailbox::MailboxLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
-use bounce_proto::wire::{self, Frame, Msg};
+use bounce_proto::wire::{self, Frame, Msg, region_plan};
 use bounce_proto::{ControlKind, CopyRun, FlowKey, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -175,7 +175,7 @@ enum Ev {
         job: JobId,
         xfer: XferId,
         region: Region,
-        runs: Vec<CopyRun>,
+        runs: JobRuns,
     },
     Write {
         node: usize,
@@ -193,6 +193,7 @@ enum Ev {
         xfer: XferId,
         region: Region,
         runs: Vec<CopyRun>,
+        in_region: Option<InRegionPlan>,
     },
     Submit {
         spec: usize,
@@ -247,6 +248,9 @@ pub(crate) struct Sim {
     plan_params: PlanParams,
     /// One-way transfers with a mailbox READ in flight.
     fetching: BTreeSet<(usize, XferId)>,
+    /// Region plans gathered behind their chunk's data, and checked by a receiver.
+    pub(crate) region_plans_written: u64,
+    pub(crate) region_plans_checked: u64,
 }
 
 impl Sim {
@@ -297,6 +301,8 @@ impl Sim {
             seq: 0,
             channel: BTreeMap::new(),
             plan_params: PlanParams::from_config(config),
+            region_plans_written: 0,
+            region_plans_checked: 0,
             fetching: BTreeSet::new(),
         }
     }
@@ -409,13 +415,23 @@ impl Sim {
             src += len;
         }
         let spec = self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false }, at);
-        let p = plan::plan(&self.specs[spec].descs, self.plan_params).unwrap();
-        assert!(p.chunks.iter().all(|c| c.direct.is_some()), "contiguous sources plan direct");
+        let p = plan::plan(&self.specs[spec].descs, self.params(false)).unwrap();
+        // A chunk carrying its plan is staged (the plan goes behind the data).
+        assert!(
+            p.chunks.iter().all(|c| c.direct.is_some() || c.region_plan.is_some()),
+            "contiguous sources plan direct"
+        );
         spec
     }
 
+    /// How a transfer is planned: as the shell does, a READ never carries its plan in a region
+    /// (its initiator scatters by its own runs).
+    fn params(&self, read: bool) -> PlanParams {
+        PlanParams { region_plan_runs: if read { 0 } else { self.plan_params.region_plan_runs }, ..self.plan_params }
+    }
+
     fn push_spec(&mut self, mut spec: XferSpec, at: Duration) -> usize {
-        spec.chunks = plan::plan(&spec.descs, self.plan_params).unwrap().chunks.len();
+        spec.chunks = plan::plan(&spec.descs, self.params(spec.read)).unwrap().chunks.len();
         self.specs.push(spec);
         let spec = self.specs.len() - 1;
         self.schedule(at, Ev::Submit { spec });
@@ -599,7 +615,15 @@ impl Sim {
                     return;
                 }
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
-                self.nodes[node].copy_runs(region, &runs, ok, true);
+                self.nodes[node].copy_runs(region, runs.runs(), ok, true);
+                if let (true, Some((off, scatter))) = (ok, runs.region_plan()) {
+                    // The chunk's scatter runs behind its data, where the receiver reads them.
+                    let bytes = region_plan::encoded(scatter).expect("an honest plan encodes");
+                    let at = (region.offset + off) as usize;
+                    assert!(off + bytes.len() as u64 <= region.len, "the region plan leaves its region");
+                    self.nodes[node].arena[at..at + bytes.len()].copy_from_slice(&bytes);
+                    self.region_plans_written += 1;
+                }
                 if !ok {
                     // Our own staging, or a READ target's gather: its initiator must fail.
                     self.tainted.insert((self.initiator_of(xfer), xfer));
@@ -622,9 +646,19 @@ impl Sim {
                 }
                 self.nodes[node].ep.handle_write_done(now, job, ok);
             }
-            Ev::Scatter { node, job, peer, xfer, region, runs } => {
+            Ev::Scatter { node, job, peer, xfer, region, mut runs, in_region } => {
                 if !self.nodes[node].alive {
                     return;
+                }
+                if let Some(p) = in_region {
+                    // What a copy engine does: copy the plan out of the arena, check that copy.
+                    assert!(runs.is_empty());
+                    let at = (region.offset + p.offset) as usize;
+                    let bytes = self.nodes[node].arena[at..at + region_plan::plan_bytes(p.runs) as usize].to_vec();
+                    let checked = region_plan::check(&bytes, p.runs, p.offset, |a, b| p.allowed.covers(a, b));
+                    // Honest peers only here: their plans always pass.
+                    runs = checked.unwrap_or_else(|e| panic!("node {node}: an honest region plan was refused: {e}"));
+                    self.region_plans_checked += 1;
                 }
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
                 self.nodes[node].copy_runs(region, &runs, ok, false);
@@ -641,7 +675,7 @@ impl Sim {
                 if !self.nodes[s.initiator()].alive {
                     return;
                 }
-                let mut plan = plan::plan(&s.descs, self.plan_params).unwrap();
+                let mut plan = plan::plan(&s.descs, self.params(s.read)).unwrap();
                 let (from, to, xfer) = (s.initiator(), s.target(), s.xfer);
                 if s.read {
                     // The initiator holds the target's registration metadata (its sources).
@@ -817,9 +851,9 @@ impl Sim {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
                 self.schedule(at, Ev::Write { node: me, job, xfer, peer: peer.0 as usize, source, remote, len });
             }
-            Action::Scatter { job, peer, xfer, region, runs } => {
+            Action::Scatter { job, peer, xfer, region, runs, in_region } => {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
-                self.schedule(at, Ev::Scatter { node: me, job, peer: peer.0 as usize, xfer, region, runs });
+                self.schedule(at, Ev::Scatter { node: me, job, peer: peer.0 as usize, xfer, region, runs, in_region });
             }
             Action::Complete { xfer, outcome } => {
                 let prev = self.nodes[me].outcomes.insert(xfer, outcome);

@@ -148,7 +148,11 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
             ..Knobs::default()
         };
         let kill = rng.random_bool(0.2);
-        let mut sim = Sim::new(senders + 1, &sim_config(arena, window, eager), knobs, seed);
+        // Half the seeds carry plans of two or more runs in their regions (then the 2 KiB
+        // chunks hold less data), the rest in PLAN frames.
+        let region_plan_runs = if rng.random_bool(0.5) { 2 } else { 0 };
+        let cfg = bounce_proto::config::Config { region_plan_runs, ..sim_config(arena, window, eager) };
+        let mut sim = Sim::new(senders + 1, &cfg, knobs, seed);
         for from in 1..=senders {
             for _ in 0..sim.rng().random_range(1..=3) {
                 let bytes = sim.rng().random_range(1..=20_000);
@@ -164,6 +168,8 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
         settle(&mut sim, kill.then_some(0..senders + 1));
         let mut seen = seen.borrow_mut();
         tally_outcomes(&sim, &mut seen);
+        *seen.entry("region_plans_written".into()).or_default() += sim.region_plans_written;
+        *seen.entry("region_plans_checked".into()).or_default() += sim.region_plans_checked;
         for n in sim.nodes.iter().filter(|n| n.alive) {
             let st = n.ep.stats();
             for (k, v) in [
@@ -199,9 +205,20 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
             "one_way_answered",
             "plans_kept",
             "replans",
+            "region_plans_written",
+            "region_plans_checked",
         ]
     } else {
-        &["late_msgs", "flows_timed_out", "chunks_direct", "chunks_staged", "plans_kept", "replans"]
+        &[
+            "late_msgs",
+            "flows_timed_out",
+            "chunks_direct",
+            "chunks_staged",
+            "plans_kept",
+            "replans",
+            "region_plans_written",
+            "region_plans_checked",
+        ]
     };
     for key in events {
         assert!(seen.get(*key).is_some_and(|&n| n > 0), "no seed exercised {key}: {seen:?}");

@@ -9,6 +9,10 @@ use std::thread::JoinHandle;
 use bounce_proto::endpoint::JobId;
 use crossbeam_channel::{Receiver, Sender};
 
+use bounce_proto::endpoint::InRegionPlan;
+use bounce_proto::wire::region_plan::{self, RegionPlanFault};
+use bounce_proto::{CopyRun, Region};
+
 use super::kernels;
 use super::{CopyEngine, CopyJob, Dir};
 use crate::shell::{Error, Result};
@@ -129,12 +133,60 @@ impl Drop for CpuEngine {
 }
 
 /// Checks a job's arena side, then copies. False when the job would leave its region (the
-/// core never produces such a job; this is defense in depth against a core bug).
+/// core never produces such a job; this is defense in depth against a core bug), or when the
+/// plan a peer left in the region fails its check (then nothing is copied).
 fn run(arena: HostArena, job: &CopyJob) -> bool {
     if job.region.end() > arena.len {
         return false;
     }
-    for r in &job.runs {
+    let checked;
+    let runs: &[CopyRun] = match &job.in_region {
+        None => &job.runs,
+        Some(plan) => match scatter_plan(arena, job.region, plan) {
+            Ok(runs) => {
+                checked = runs;
+                &checked
+            }
+            Err(e) => {
+                tracing::warn!(job = job.job.0, error = %e, "a peer's region plan was refused; nothing copied");
+                return false;
+            }
+        },
+    };
+    if !copy_runs(arena, job, runs) {
+        return false;
+    }
+    match job.runs.region_plan() {
+        Some((off, scatter)) if job.dir == Dir::Gather => write_plan(arena, job.region, off, scatter),
+        _ => true,
+    }
+}
+
+/// The runs of a peer's plan in `region`: copied out of the arena first (the peer can still
+/// write there), then checked, so the runs used are exactly the runs checked.
+fn scatter_plan(
+    arena: HostArena,
+    region: Region,
+    plan: &InRegionPlan,
+) -> std::result::Result<Vec<CopyRun>, RegionPlanFault> {
+    let misplaced = RegionPlanFault::Misplaced { runs: plan.runs };
+    let len = region_plan::plan_bytes(plan.runs);
+    if plan.offset.checked_add(len).is_none_or(|end| end > region.len) {
+        return Err(misplaced);
+    }
+    let bytes = arena.get(region.offset + plan.offset, len).ok_or(misplaced)?;
+    region_plan::check(&bytes, plan.runs, plan.offset, |a, b| plan.allowed.covers(a, b))
+}
+
+/// Encodes chunk runs `scatter` into `region` at `off`, behind the gathered data.
+fn write_plan(arena: HostArena, region: Region, off: u64, scatter: &[CopyRun]) -> bool {
+    let Some(bytes) = region_plan::encoded(scatter) else { return false };
+    off.checked_add(bytes.len() as u64).is_some_and(|end| end <= region.len) && arena.put(region.offset + off, &bytes)
+}
+
+/// Copies `runs` of `job` after checking their arena side.
+fn copy_runs(arena: HostArena, job: &CopyJob, runs: &[CopyRun]) -> bool {
+    for r in runs {
         match r.region_span() {
             Some((_, end)) if end <= job.region.len => {}
             _ => return false,
@@ -145,7 +197,7 @@ fn run(arena: HostArena, job: &CopyJob) -> bool {
     }
     let region_base = arena.base + job.region.offset;
     let streaming = job.dir == Dir::Scatter && arena.streaming_scatter;
-    for r in &job.runs {
+    for r in runs {
         for (off, addr, len) in r.copies() {
             let arena_ptr = (region_base + off) as *mut u8;
             let user_ptr = addr as *mut u8;
@@ -155,7 +207,8 @@ fn run(arena: HostArena, job: &CopyJob) -> bool {
             // application registered: for a gather, NIXL validated the local descriptors
             // against this agent's registrations before calling prepXfer; for a scatter, the
             // receiver machine checked every run against the registrations made through this
-            // engine before emitting the job. Arena and user memory never overlap (the arena is
+            // engine before emitting the job, or (a region plan) `scatter_plan` checked the
+            // runs against the ranges the receiver machine gave, and these are those runs. Arena and user memory never overlap (the arena is
             // our private mapping), and the core hands each region to one job at a time.
             unsafe {
                 match job.dir {
@@ -176,8 +229,11 @@ fn run(arena: HostArena, job: &CopyJob) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bounce_proto::{CopyRun, Region};
-    use std::sync::mpsc;
+    use bounce_proto::endpoint::{JobId, JobRuns};
+    use bounce_proto::plan::{self, DescPair, PlanParams};
+    use bounce_proto::proof::Registrations;
+    use bounce_proto::{RegId, RegKey};
+    use std::sync::{Arc, mpsc};
 
     #[test]
     fn gather_then_scatter_moves_exact_bytes_and_refuses_escapes() {
@@ -197,7 +253,10 @@ mod tests {
         // two strided pieces of 16 bytes from src into the region
         let g =
             CopyRun { region_off: 0, addr: src.as_ptr() as u64, len: 16, count: 2, region_stride: 16, addr_stride: 32 };
-        assert!(w.submit(CopyJob { job: JobId(1), dir: Dir::Gather, region, runs: vec![g] }).is_ok());
+        assert!(
+            w.submit(CopyJob { job: JobId(1), dir: Dir::Gather, region, runs: JobRuns::Own(vec![g]), in_region: None })
+                .is_ok()
+        );
         assert_eq!(w.in_flight(), 1);
         assert_eq!(wait_one(&mut w), (JobId(1), true));
         assert_eq!(w.in_flight(), 0);
@@ -209,7 +268,16 @@ mod tests {
             region_stride: 0,
             addr_stride: 0,
         };
-        assert!(w.submit(CopyJob { job: JobId(2), dir: Dir::Scatter, region, runs: vec![s] }).is_ok());
+        assert!(
+            w.submit(CopyJob {
+                job: JobId(2),
+                dir: Dir::Scatter,
+                region,
+                runs: JobRuns::Own(vec![s]),
+                in_region: None
+            })
+            .is_ok()
+        );
         assert_eq!(wait_one(&mut w), (JobId(2), true));
         drop(w);
         assert!(dst[..8].iter().all(|&b| b == 0xEE));
@@ -218,8 +286,73 @@ mod tests {
         assert!(dst[40..].iter().all(|&b| b == 0xEE));
         // a run past its region, and a region past the arena, are refused without copying
         let bad = CopyRun { region_off: 1000, len: 100, ..s };
-        assert!(!run(view, &CopyJob { job: JobId(3), dir: Dir::Scatter, region, runs: vec![bad] }));
+        assert!(!run(
+            view,
+            &CopyJob { job: JobId(3), dir: Dir::Scatter, region, runs: JobRuns::Own(vec![bad]), in_region: None }
+        ));
         let outside = Region { offset: 4000, len: 1024 };
-        assert!(!run(view, &CopyJob { job: JobId(4), dir: Dir::Scatter, region: outside, runs: vec![] }));
+        assert!(!run(
+            view,
+            &CopyJob { job: JobId(4), dir: Dir::Scatter, region: outside, runs: JobRuns::Own(vec![]), in_region: None }
+        ));
+    }
+
+    /// A gather of a chunk with a region plan writes the plan behind the data; the scatter by
+    /// that plan, checked against the destination's registration, puts every byte in place;
+    /// a plan that writes one byte outside the registration, or one the peer rewrote into a
+    /// forgery, copies nothing.
+    #[test]
+    fn a_region_plan_is_gathered_behind_the_data_and_checked_before_its_scatter() {
+        const ARENA: usize = 1 << 16;
+        let mut arena = vec![0u8; ARENA];
+        let view = HostArena { base: arena.as_mut_ptr() as u64, len: ARENA as u64, streaming_scatter: false };
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut dst = vec![0xEEu8; 8192];
+        let dst_base = dst.as_mut_ptr() as u64;
+        // 32 scattered pieces of 64 bytes: destinations 200 bytes apart, in reverse order.
+        let descs: Vec<DescPair> = (0..32u64)
+            .map(|i| DescPair { src: src.as_ptr() as u64 + i * 64, dst: dst_base + (31 - i) * 200, len: 64 })
+            .collect();
+        let params = PlanParams { region_plan_runs: 4, ..PlanParams::new(1 << 15) };
+        let p = Arc::new(plan::plan(&descs, params).unwrap());
+        let off = p.chunks[0].region_plan.expect("32 runs carry their plan");
+        let region = Region { offset: 4096, len: p.chunks[0].bytes };
+        let gather = CopyJob {
+            job: JobId(1),
+            dir: Dir::Gather,
+            region,
+            runs: JobRuns::Chunk { plan: p.clone(), chunk: 0 },
+            in_region: None,
+        };
+        assert!(run(view, &gather));
+        let mut regs = Registrations::default();
+        regs.add(RegId(1), RegKey([1; 32]), dst_base, 8192);
+        regs.add(RegId(2), RegKey([2; 32]), dst_base + 8192, 8192);
+        let runs = p.chunks[0].scatter.len() as u32;
+        let scatter = |allowed| CopyJob {
+            job: JobId(2),
+            dir: Dir::Scatter,
+            region,
+            runs: JobRuns::Own(Vec::new()),
+            in_region: Some(InRegionPlan { offset: off, runs, allowed }),
+        };
+        // Only the second registration proved: every run falls outside it, nothing is copied.
+        assert!(!run(view, &scatter(regs.proven_ranges(&[RegId(2)]))));
+        assert!(dst.iter().all(|&b| b == 0xEE));
+        // A forged first run, one byte past the first registration: nothing is copied.
+        let at = (region.offset + off) as usize;
+        arena[at + 8..at + 16].copy_from_slice(&(dst_base + 8192 - 63).to_le_bytes());
+        assert!(!run(view, &scatter(regs.proven_ranges(&[RegId(1)]))));
+        assert!(dst.iter().all(|&b| b == 0xEE));
+        // Restored (its `addr` field), the plan scatters every piece and nothing else.
+        let addr = p.chunks[0].scatter[0].addr;
+        arena[at + 8..at + 16].copy_from_slice(&addr.to_le_bytes());
+        assert!(run(view, &scatter(regs.proven_ranges(&[RegId(1)]))));
+        for i in 0..32usize {
+            let d = (31 - i) * 200;
+            assert_eq!(&dst[d..d + 64], &src[i * 64..i * 64 + 64], "piece {i}");
+            assert!(dst[d + 64..d + 200].iter().all(|&b| b == 0xEE), "bytes after piece {i}");
+        }
+        assert!(dst[32 * 200..].iter().all(|&b| b == 0xEE));
     }
 }

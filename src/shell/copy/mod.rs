@@ -7,8 +7,8 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 mod kernels;
 
-use bounce_proto::endpoint::JobId;
-use bounce_proto::{CopyRun, Region};
+use bounce_proto::Region;
+use bounce_proto::endpoint::{InRegionPlan, JobId, JobRuns};
 
 /// Which way a job copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,8 +28,14 @@ pub(crate) struct CopyJob {
     pub(crate) dir: Dir,
     /// The arena region.
     pub(crate) region: Region,
-    /// The copies; each run's `region_off` is relative to `region.offset`.
-    pub(crate) runs: Vec<CopyRun>,
+    /// The copies; each run's `region_off` is relative to `region.offset`. A gather whose
+    /// chunk carries its plan in the region also writes that plan there
+    /// ([`JobRuns::region_plan`]).
+    pub(crate) runs: JobRuns,
+    /// A scatter whose runs lie unchecked in the region: the engine copies them out, checks
+    /// that copy ([`bounce_proto::wire::region_plan::check`] or the same on the device) and
+    /// scatters by it, or copies nothing and reports failure.
+    pub(crate) in_region: Option<InRegionPlan>,
 }
 
 /// A copy engine: CPU workers (memcpy / streaming stores) or CUDA streams (kernels).

@@ -18,7 +18,7 @@ use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteSource, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, InRegionPlan, JobId, JobRuns, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::FrameRefused;
@@ -281,6 +281,8 @@ struct CopyInFlight {
     dir: Dir,
     /// Its pin in the fence: the user addresses its runs touch.
     pin: Option<Pin>,
+    /// A scatter by a plan in its region (counted when it fails).
+    in_region: bool,
 }
 
 /// A deregistration waiting for the jobs that touch its range.
@@ -616,6 +618,8 @@ impl Driver {
         s.plans_kept.store(core.plans_kept, Ordering::Relaxed);
         s.plans_dropped.store(core.plans_dropped, Ordering::Relaxed);
         s.replans.store(core.replans, Ordering::Relaxed);
+        s.region_plans_sent.store(core.region_plans_sent, Ordering::Relaxed);
+        s.region_plans_received.store(core.region_plans_received, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
@@ -927,8 +931,10 @@ impl Driver {
                 match a {
                     Action::Send { peer, msg } => self.send(peer, msg),
                     Action::Link { peer, body } => self.send_link(peer, body),
-                    Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs),
-                    Action::Scatter { job, region, runs, .. } => self.copy(job, Dir::Scatter, region, runs),
+                    Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs, None),
+                    Action::Scatter { job, region, runs, in_region, .. } => {
+                        self.copy(job, Dir::Scatter, region, JobRuns::Own(runs), in_region);
+                    }
                     Action::Write { job, peer, source, remote, len, .. } => {
                         self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
                         // Posted now, before the actions after it: a chunk's PLAN follows its
@@ -1002,26 +1008,30 @@ impl Driver {
         }
     }
 
-    fn copy(&mut self, job: JobId, dir: Dir, region: Region, runs: Vec<CopyRun>) {
-        let span = runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
+    fn copy(&mut self, job: JobId, dir: Dir, region: Region, runs: JobRuns, in_region: Option<InRegionPlan>) {
+        // A plan in the region is not known yet: it may touch any range the flow proved.
+        let spans: Vec<(u64, u64)> = match &in_region {
+            Some(p) => p.allowed.starts().iter().copied().zip(p.allowed.reach().iter().copied()).collect(),
+            None => runs.runs().iter().filter_map(CopyRun::addr_span).collect(),
+        };
+        let span = spans.iter().copied().reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
         let pin = match span {
             Some(span) => {
-                let touches =
-                    |(s, e): (u64, u64)| runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < e && s < b);
+                let touches = |(s, e): (u64, u64)| spans.iter().any(|&(a, b)| a < e && s < b);
                 match self.shared.fence.pin(span, touches) {
                     Some(pin) => Some(pin),
                     None => {
                         // Its memory was deregistered since the core emitted it: never run it.
                         self.dereg_refused += 1;
-                        self.copies.insert(job, CopyInFlight { dir, pin: None });
+                        self.copies.insert(job, CopyInFlight { dir, pin: None, in_region: false });
                         return self.copy_done(Instant::now(), job, false);
                     }
                 }
             }
             None => None,
         };
-        self.copies.insert(job, CopyInFlight { dir, pin });
-        if self.copier.submit(CopyJob { job, dir, region, runs }).is_err() {
+        self.copies.insert(job, CopyInFlight { dir, pin, in_region: in_region.is_some() });
+        if self.copier.submit(CopyJob { job, dir, region, runs, in_region }).is_err() {
             self.copy_done(Instant::now(), job, false);
         }
     }
@@ -1030,6 +1040,9 @@ impl Driver {
         let dir = self.copies.remove(&job).map(|c| {
             if let Some(pin) = c.pin {
                 self.shared.fence.unpin(pin);
+            }
+            if c.in_region && !ok {
+                Stats::bump(&self.shared.stats.region_plans_failed);
             }
             c.dir
         });
