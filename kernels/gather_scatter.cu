@@ -134,3 +134,96 @@ extern "C" __global__ void bounce_scatter(const PlanRun* __restrict__ runs,
                                           u64 region_base) {
     run_tiles<false>(runs, first_tile, nruns, region_base);
 }
+
+// ---- Region plans ----
+//
+// A region plan is a scatter plan in the format above (runs, then first_tile) that the peer
+// wrote into the region behind the chunk's data, at byte `limit` (P): the data is region bytes
+// [0, P). It is HOSTILE input. The host snapshots it into memory the peer cannot reach, then
+// bounce_plan_check checks the snapshot and bounce_scatter_checked scatters from the snapshot
+// only if the check passed: the CPU never decodes it. The rules (the same predicate as the
+// protocol core's CPU checker; they must agree exactly), for every run r:
+//   count >= 1, len >= 1, tiles_per_piece == ceil(len / BOUNCE_TILE);
+//   region_off + (count - 1) * region_stride + len <= P, without overflow;
+//   end = addr + (count - 1) * addr_stride + len without overflow, and [addr, end) inside ONE
+//   allowed range: with i = the number of starts <= addr, i > 0 and reach[i - 1] >= end;
+//   count * len without overflow and <= P, and the sum over all runs <= P;
+//   first_tile[0] == 0 and first_tile[r + 1] == first_tile[r] + count * tiles_per_piece.
+// Once they hold, the job has at most P tiles (tiles_per_piece <= len), so run_tiles' tile
+// arithmetic stays in range for P < 2^40 (the host refuses larger P), no piece has zero tiles
+// (no division by zero), first_tile is strictly increasing (the binary search is sound), and
+// every byte read lies in region [0, P) and every byte written in one allowed range.
+
+// a * b into *out; false when the product does not fit in 64 bits.
+__device__ __forceinline__ bool mul_fits(u64 a, u64 b, u64* out) {
+    *out = a * b;
+    return __umul64hi(a, b) == 0;
+}
+
+// a + b into *out; false when the sum does not fit in 64 bits.
+__device__ __forceinline__ bool add_fits(u64 a, u64 b, u64* out) {
+    *out = a + b;
+    return *out >= a;
+}
+
+// Whether [a, b) lies inside one allowed range (starts ascending, reach[k] the farthest end
+// among ranges 0..=k): among the ranges starting at or before a, the one reaching farthest
+// reaches b. Upper-bound binary search, as partition_point(|s| s <= a) on the host.
+__device__ __forceinline__ bool range_allowed(const u64* __restrict__ starts, const u64* __restrict__ reach,
+                                              u32 nranges, u64 a, u64 b) {
+    u32 lo = 0, hi = nranges;
+    while (lo < hi) {
+        const u32 mid = lo + ((hi - lo) >> 1);
+        if (starts[mid] <= a) lo = mid + 1; else hi = mid;
+    }
+    return lo > 0 && reach[lo - 1] >= b;
+}
+
+// Checks a region plan snapshot, one thread per run. `*bad` and `*sum` must be zero before the
+// launch. On return `*bad` is 0 when every run passed its own rules, else 1 + the highest index
+// of a failing run (atomicMax; first_tile[0] != 0 counts against run 0); `*sum` is the sum of
+// count * len over the runs whose own count * len fits and is <= limit. The plan is valid iff
+// *bad == 0 and *sum <= limit afterwards. A sum that wraps past 2^64 marks the run whose add
+// wrapped as bad: every wrap happens at some add, so none goes unseen.
+extern "C" __global__ void bounce_plan_check(const PlanRun* __restrict__ runs,
+                                             const u64* __restrict__ first_tile, u32 nruns,
+                                             u64 limit, const u64* __restrict__ starts,
+                                             const u64* __restrict__ reach, u32 nranges, u32* bad,
+                                             u64* sum) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nruns) return;
+    const u32 r = (u32)i;
+    const PlanRun run = runs[r];
+    // Each test runs only when the ones before it held (&&): `count - 1` is computed only for
+    // count >= 1, and no later rule sees a wrapped value.
+    bool ok = run.count >= 1 && run.len >= 1;
+    ok = ok && (u64)run.tiles_per_piece == (run.len - 1) / BOUNCE_TILE + 1;
+    const u64 last = (u64)run.count - 1;
+    u64 span = 0, end = 0;
+    ok = ok && mul_fits(last, run.region_stride, &span) && add_fits(span, run.len, &end) &&
+         add_fits(end, run.region_off, &end) && end <= limit;
+    ok = ok && mul_fits(last, run.addr_stride, &span) && add_fits(span, run.len, &end) &&
+         add_fits(end, run.addr, &end) && range_allowed(starts, reach, nranges, run.addr, end);
+    u64 bytes = 0, next = 0;
+    ok = ok && mul_fits((u64)run.count, run.len, &bytes) && bytes <= limit;
+    // count * tiles_per_piece < 2^64 always (two 32-bit factors).
+    ok = ok && add_fits(first_tile[r], (u64)run.count * run.tiles_per_piece, &next) && first_tile[r + 1] == next;
+    ok = ok && (r != 0 || first_tile[0] == 0);
+    if (ok) {
+        const u64 before = atomicAdd((unsigned long long*)sum, (unsigned long long)bytes);
+        ok = before + bytes >= before;
+    }
+    // r <= 2^32 - 2 (r < nruns), so r + 1 does not wrap to 0.
+    if (!ok) atomicMax(bad, r + 1);
+}
+
+// Region at `region_base` -> user pieces, from a plan snapshot that bounce_plan_check checked
+// earlier on the same stream: does nothing unless that check passed (*bad == 0, *sum <= limit).
+extern "C" __global__ void bounce_scatter_checked(const PlanRun* __restrict__ runs,
+                                                  const u64* __restrict__ first_tile, u32 nruns,
+                                                  u64 region_base, const u32* __restrict__ bad,
+                                                  const u64* __restrict__ sum, u64 limit) {
+    // Written by the check kernel, which stream order completed before this launch began.
+    if (*bad != 0 || *sum > limit) return;
+    run_tiles<false>(runs, first_tile, nruns, region_base);
+}

@@ -22,6 +22,10 @@ pub struct ExecContext {
     pub(super) plan_dev: DeviceAlloc,
     /// Per-piece arrays of the batched-memcpy path, kept until the copy is done.
     pub(super) batch: BatchArrays,
+    /// Where the last region plan launch copies its verdict (pinned host, made on first use).
+    pub(super) verdict: Option<PinnedHost>,
+    /// The region limit (P) the last region plan launch checked against.
+    pub(super) verdict_limit: u64,
 }
 
 /// The argument arrays of one cuMemcpyBatchAsync call.
@@ -66,9 +70,16 @@ impl ExecContext {
         let plan_host = PinnedHost::new(gpu, bytes);
         let plan_dev = alloc_vram(gpu, bytes);
         match (plan_host, plan_dev) {
-            (Ok(plan_host), Ok(plan_dev)) => {
-                Ok(Self { gpu: gpu.clone(), stream, event, plan_host, plan_dev, batch: BatchArrays::default() })
-            }
+            (Ok(plan_host), Ok(plan_dev)) => Ok(Self {
+                gpu: gpu.clone(),
+                stream,
+                event,
+                plan_host,
+                plan_dev,
+                batch: BatchArrays::default(),
+                verdict: None,
+                verdict_limit: 0,
+            }),
             (Err(e), _) | (_, Err(e)) => {
                 // SAFETY: created above, never used.
                 unsafe {

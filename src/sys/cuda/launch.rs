@@ -32,7 +32,7 @@ pub enum PlanPlacement {
 }
 
 /// Threads per block: eight warps, each copying its own tiles.
-const BLOCK: u32 = 256;
+pub(super) const BLOCK: u32 = 256;
 /// Resident blocks per SM the grid is sized for (2048 threads per SM on sm_80/sm_90).
 const BLOCKS_PER_SM: u32 = 8;
 
@@ -116,6 +116,40 @@ unsafe fn launch(
     if shape.tiles == 0 {
         return Ok(());
     }
+    let f = match dir {
+        CopyDir::Gather => kernels.gather,
+        CopyDir::Scatter => kernels.scatter,
+    };
+    // SAFETY: `f` is the gather or scatter kernel; the plan lies in the context's buffers, which
+    // stay valid and unchanged until the event completes (the context is idle by the caller's
+    // contract and `stage_plan` queued its copy first); the pieces are valid by the contract.
+    unsafe { queue_copy_kernel(ctx, kernels, f, &shape, base, region_base) }
+}
+
+/// Blocks of a copy kernel's grid for a job of `tiles` tiles: a warp per tile up to the
+/// resident limit of `sms` SMs, and at least one block.
+pub(super) fn copy_grid(sms: u32, tiles: u64) -> u32 {
+    let warps_per_block = u64::from(BLOCK / 32);
+    tiles.div_ceil(warps_per_block).min(u64::from(sms * BLOCKS_PER_SM)).max(1) as u32
+}
+
+/// Queues the copy kernel `f` (gather or scatter) over the encoded plan of `shape` at device
+/// address `base` on `ctx`'s stream.
+///
+/// # Safety
+/// - `f` is `kernels.gather` or `kernels.scatter`, and `kernels` and `ctx` belong to one GPU.
+/// - `[base, base + shape.bytes)` holds a plan `encode` wrote (or its device copy, queued before
+///   this on the stream), readable by the device and unchanged until the stream has passed the
+///   launch.
+/// - The pieces are valid as [`gather`] (or [`scatter`]) requires.
+pub(super) unsafe fn queue_copy_kernel(
+    ctx: &ExecContext,
+    kernels: &Kernels,
+    f: cu::CUfunction,
+    shape: &PlanShape,
+    base: u64,
+    region_base: u64,
+) -> Result<(), CudaError> {
     kernels.gpu().bind()?;
     let mut runs_ptr: u64 = base;
     let mut prefix_ptr: u64 = base + shape.prefix_off as u64;
@@ -123,17 +157,10 @@ unsafe fn launch(
     let mut region: u64 = region_base;
     let mut params: [*mut c_void; 4] =
         [(&raw mut runs_ptr).cast(), (&raw mut prefix_ptr).cast(), (&raw mut nruns).cast(), (&raw mut region).cast()];
-    let sms = kernels.gpu().sm_count();
-    let warps_per_block = u64::from(BLOCK / 32);
-    let grid = shape.tiles.div_ceil(warps_per_block).min(u64::from(sms * BLOCKS_PER_SM)).max(1) as u32;
-    let f = match dir {
-        CopyDir::Gather => kernels.gather,
-        CopyDir::Scatter => kernels.scatter,
-    };
+    let grid = copy_grid(kernels.gpu().sm_count(), shape.tiles);
     // SAFETY: `f` is a kernel of a loaded module taking (const PlanRun*, const u64*, u32, u64),
     // matched by `params` in order and type; the values are copied by the driver at launch.
-    // The plan it reads lies in the context's buffers (valid until the event completes); the
-    // pieces are valid by the caller's contract.
+    // The plan and the pieces are valid by the caller's contract.
     check("cuLaunchKernel", unsafe {
         cu::cuLaunchKernel(f, grid, 1, 1, BLOCK, 1, 1, 0, ctx.stream, params.as_mut_ptr(), std::ptr::null_mut())
     })

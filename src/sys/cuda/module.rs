@@ -12,6 +12,10 @@ use super::error::{CudaError, check};
 pub const GATHER_KERNEL: &str = "bounce_gather";
 /// Entry point of the scatter kernel.
 pub const SCATTER_KERNEL: &str = "bounce_scatter";
+/// Entry point of the region plan check kernel.
+pub const PLAN_CHECK_KERNEL: &str = "bounce_plan_check";
+/// Entry point of the scatter that runs only when the region plan check passed.
+pub const SCATTER_CHECKED_KERNEL: &str = "bounce_scatter_checked";
 
 /// The PTX text NVRTC produced at build time; empty when the build had no NVRTC.
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gather_scatter.ptx"));
@@ -28,6 +32,8 @@ pub struct Kernels {
     module: cu::CUmodule,
     pub(super) gather: cu::CUfunction,
     pub(super) scatter: cu::CUfunction,
+    pub(super) plan_check: cu::CUfunction,
+    pub(super) scatter_checked: cu::CUfunction,
 }
 
 // SAFETY: module and function handles are process-wide driver handles, usable from any thread
@@ -45,9 +51,13 @@ impl Kernels {
         let mut module = std::ptr::null_mut();
         // SAFETY: the context is current; `image` is NUL-terminated PTX text that outlives the call.
         check("cuModuleLoadData", unsafe { cu::cuModuleLoadData(&mut module, image.as_ptr().cast()) })?;
-        let mut k = Self { gpu: gpu.clone(), module, gather: std::ptr::null_mut(), scatter: std::ptr::null_mut() };
+        let null = std::ptr::null_mut();
+        let mut k =
+            Self { gpu: gpu.clone(), module, gather: null, scatter: null, plan_check: null, scatter_checked: null };
         k.gather = k.function(GATHER_KERNEL)?;
         k.scatter = k.function(SCATTER_KERNEL)?;
+        k.plan_check = k.function(PLAN_CHECK_KERNEL)?;
+        k.scatter_checked = k.function(SCATTER_CHECKED_KERNEL)?;
         Ok(k)
     }
 

@@ -42,8 +42,9 @@ pub struct PlanShape {
     pub tiles: u64,
 }
 
-/// Writes the plan of `runs` into `out` (at least [`plan_bytes`] long).
-pub(super) fn encode(runs: &[CopyRun], out: &mut [u8]) -> Result<PlanShape, CudaError> {
+/// Writes the plan of `runs` into `out` (at least [`plan_bytes`] long). Public (as
+/// `encode_plan`) for tests and tools that build plan bytes, region plans included.
+pub fn encode(runs: &[CopyRun], out: &mut [u8]) -> Result<PlanShape, CudaError> {
     let nruns = u32::try_from(runs.len()).map_err(|_| CudaError::Plan("more than 2^32 runs"))?;
     let bytes = plan_bytes(runs.len());
     if out.len() < bytes {

@@ -1,0 +1,138 @@
+//! Prepared plans: a job's copy runs encoded once into VRAM ([`DevicePlan`]) and launched many
+//! times from there ([`gather_planned`], [`scatter_planned`]), so that a request posted again
+//! and again costs no encode on the host and no host-to-device copy per launch. The encoded
+//! bytes are also what the initiator copies behind a chunk's data as its region plan
+//! ([`DevicePlan::ptr`], [`DevicePlan::len`], then `ExecContext::copy_d2d`).
+
+use std::sync::Arc;
+
+use bounce_proto::CopyRun;
+use cudarc::driver::sys as cu;
+
+use super::driver::Gpu;
+use super::error::{CudaError, check};
+use super::exec::ExecContext;
+use super::launch::queue_copy_kernel;
+use super::memory::{DeviceAlloc, alloc_vram};
+use super::module::Kernels;
+use super::plan::{PlanShape, encode, plan_bytes};
+
+/// An encoded kernel plan (the format of `plan.rs`, identical to a region plan) in VRAM of one
+/// GPU, with its shape. Immutable once made; freed on drop.
+#[derive(Debug)]
+pub struct DevicePlan {
+    mem: DeviceAlloc,
+    shape: PlanShape,
+}
+
+impl DevicePlan {
+    /// Encodes `runs` and copies the plan into new VRAM of `gpu`, waiting until it is there
+    /// (on a stream of its own, so it waits for nothing else running on the GPU). Made once
+    /// per prepared request and chunk, not per launch.
+    ///
+    /// # Errors
+    /// [`CudaError::Plan`] when `runs` cannot be encoded (see `plan.rs`), a driver error when
+    /// the allocation or the copy fails.
+    pub fn upload(gpu: &Arc<Gpu>, runs: &[CopyRun]) -> Result<Self, CudaError> {
+        let mut host = vec![0u8; plan_bytes(runs.len())];
+        let shape = encode(runs, &mut host)?;
+        let mem = alloc_vram(gpu, shape.bytes)?;
+        copy_to_device_and_wait(gpu, mem.ptr(), &host[..shape.bytes])?;
+        Ok(Self { mem, shape })
+    }
+
+    /// Device address of the first byte of the plan (its first run).
+    pub fn ptr(&self) -> u64 {
+        self.mem.ptr()
+    }
+
+    /// Bytes of the encoded plan: `plan_bytes(shape.nruns)`.
+    pub fn len(&self) -> usize {
+        self.shape.bytes
+    }
+
+    /// Never true: a plan holds at least its tile total.
+    pub fn is_empty(&self) -> bool {
+        self.shape.bytes == 0
+    }
+
+    /// Where the parts of the plan are, and the job's tile count.
+    pub fn shape(&self) -> PlanShape {
+        self.shape
+    }
+
+    /// The GPU it lives on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        self.mem.gpu()
+    }
+}
+
+/// Queues a gather of `plan`'s runs (user pieces) into the region at `region_base` on `ctx`'s
+/// stream. Touches none of `ctx`'s plan buffers, so `ctx` need not be idle.
+///
+/// # Safety
+/// - `kernels`, `ctx` and `plan` belong to the same GPU.
+/// - `plan` is not dropped until `ctx`'s stream has passed the launch.
+/// - The pieces of `plan`'s runs are valid as [`super::gather`] requires: sources readable,
+///   `[region_base + region_off, .. + len)` writable memory of this GPU, all of it allocated
+///   until the stream has passed the launch, destinations not overlapping each other or a
+///   source.
+pub unsafe fn gather_planned(
+    ctx: &mut ExecContext,
+    kernels: &Kernels,
+    plan: &DevicePlan,
+    region_base: u64,
+) -> Result<(), CudaError> {
+    if plan.shape.tiles == 0 {
+        return Ok(());
+    }
+    // SAFETY: `kernels.gather` is the gather kernel; the plan is `encode`'s output in VRAM
+    // that nobody writes after `upload` and that outlives the launch (caller's contract), as
+    // do the pieces.
+    unsafe { queue_copy_kernel(ctx, kernels, kernels.gather, &plan.shape, plan.ptr(), region_base) }
+}
+
+/// Queues a scatter of the region at `region_base` into `plan`'s runs (user pieces) on `ctx`'s
+/// stream. For a plan this process made itself (a READ's local side); a plan that came from
+/// the peer goes through [`super::scatter_region_plan`], which checks it.
+///
+/// # Safety
+/// As for [`gather_planned`], with the roles swapped: the region is read and the user pieces
+/// written.
+pub unsafe fn scatter_planned(
+    ctx: &mut ExecContext,
+    kernels: &Kernels,
+    plan: &DevicePlan,
+    region_base: u64,
+) -> Result<(), CudaError> {
+    if plan.shape.tiles == 0 {
+        return Ok(());
+    }
+    // SAFETY: as in `gather_planned`, for the scatter kernel.
+    unsafe { queue_copy_kernel(ctx, kernels, kernels.scatter, &plan.shape, plan.ptr(), region_base) }
+}
+
+/// Copies `src` to device address `dst` and waits for the copy only: a temporary non-blocking
+/// stream, so neither the legacy default stream (which an application's work may hold) nor the
+/// whole context (cuCtxSynchronize would wait for every transfer in flight) is waited for.
+fn copy_to_device_and_wait(gpu: &Arc<Gpu>, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+    gpu.bind()?;
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: the context is current; valid out-pointer.
+    check("cuStreamCreate", unsafe {
+        cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+    })?;
+    let copy_and_wait = || {
+        // SAFETY: `dst` is device memory of at least `src.len()` bytes (the caller's
+        // allocation) and `src` is valid for reads; from pageable memory the driver stages the
+        // bytes before the call returns, and the synchronize below waits until they landed.
+        check("cuMemcpyHtoDAsync", unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream) })?;
+        // SAFETY: the stream made above.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(stream) })
+    };
+    let copied = copy_and_wait();
+    // SAFETY: made above; destroyed once. After a failed synchronize the driver still releases
+    // it once its work is done.
+    let _ = unsafe { cu::cuStreamDestroy_v2(stream) };
+    copied
+}
