@@ -3,7 +3,10 @@ vs hand staging vs one contiguous write of the same bytes, two processes (one pr
 cuda_ipc), every variant in ONE run.
 
     python3 benches/gpu_compare.py [--shapes 16384x4096,4096x16384,1024x65536] [--iters 20]
-                                   [--peer-gpu 0] [--inflight 64]
+                                   [--peer-gpu 0] [--inflight 64] [--op WRITE|READ]
+
+With --op READ the initiator reads the target's scattered pieces into its packed buffer (the
+way vLLM's decode side pulls KV); hand staging is a WRITE recipe and is not run then.
 
 Variants (each in its own initiator process, against a target process running peer.py):
   BOUNCE            the bounce path (bounce_arena_mem=vram)
@@ -65,7 +68,7 @@ def child(args):
         lo, re = lay.src_list(base, 0), lay.dst_list(raddr, args.peer_gpu)
     else:  # one descriptor: the staging area, or the same bytes contiguous
         lo, re = [(base, total, 0)], [(raddr + lay.dst_bytes, total, args.peer_gpu)]
-    h = ag.initialize_xfer("WRITE", ag.get_xfer_descs(lo, "VRAM"), ag.get_xfer_descs(re, "VRAM"),
+    h = ag.initialize_xfer(args.op, ag.get_xfer_descs(lo, "VRAM"), ag.get_xfer_descs(re, "VRAM"),
                            "gtgt", b"staged" if mode == "staged" else b"", backends=[backend])
     if mode == "staged":
         peer.send(op="stage_serve", **{"from": "gini"}, n=n, size=size, seed=5,
@@ -95,7 +98,7 @@ def child(args):
             off = (j * small.src_bytes) % max(1, total - small.src_bytes + 1)
             lo = ag.get_xfer_descs(small.src_list(base + off, 0), "VRAM")
             re = ag.get_xfer_descs(small.dst_list(raddr, args.peer_gpu), "VRAM")
-            hs.append(ag.initialize_xfer("WRITE", lo, re, "gtgt", b"", backends=[backend]))
+            hs.append(ag.initialize_xfer(args.op, lo, re, "gtgt", b"", backends=[backend]))
         for _ in range(3):
             t0 = time.perf_counter()
             for x in hs:
@@ -121,7 +124,7 @@ def child(args):
 def run(name, backend, params, env, mode, n, size, args):
     cmd = [sys.executable, __file__, "--child", "--backend", backend, "--params", json.dumps(params),
            "--mode", mode, "--n", str(n), "--size", str(size), "--iters", str(args.iters),
-           "--peer-gpu", str(args.peer_gpu), "--inflight", str(args.inflight)]
+           "--peer-gpu", str(args.peer_gpu), "--inflight", str(args.inflight), "--op", args.op]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
                        stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
                        env={**os.environ, **env})
@@ -150,12 +153,13 @@ def main():
     ap.add_argument("--mode")
     ap.add_argument("--n", type=int)
     ap.add_argument("--size", type=int)
+    ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
     args = ap.parse_args()
     if args.child:
         child(args)
         return
     import torch
-    print(f"VRAM -> VRAM WRITE, two processes, initiator GPU 0 -> target GPU {args.peer_gpu} "
+    print(f"VRAM -> VRAM {args.op}, two processes, initiator GPU 0 -> target GPU {args.peer_gpu} "
           f"({torch.cuda.get_device_name(0)}), median of {args.iters}")
     for shape in args.shapes.split(","):
         n, size = (int(x) for x in shape.split("x"))
@@ -163,7 +167,7 @@ def main():
         print(f"{n} x {size} B = {mib:.0f} MiB")
         med = {}
         for name, backend, params, env, mode in VARIANTS:
-            if args.only and args.only not in name:
+            if args.only and args.only not in name or (args.op == "READ" and mode == "staged"):
                 continue
             res = run(name, backend, params, env, mode, n, size, args)
             if not res:
@@ -174,7 +178,9 @@ def main():
                 extra = (f"   {args.inflight} in flight: p50 {pct(res['inflight'], .5)*1e3:.2f} ms "
                          f"p99 {pct(res['inflight'], .99)*1e3:.2f} ms")
             if res["stats"]:
-                extra += f"   chunks={res['stats'].get('stats.bounce_chunks')} ok={res['stats'].get('stats.bounce_ok')}"
+                s = res["stats"]
+                ok = s.get("stats.bounce_read_ok") if args.op == "READ" else s.get("stats.bounce_ok")
+                extra += f"   chunks={s.get('stats.bounce_chunks')} ok={ok} region_plans={s.get('stats.region_plans_sent')}"
             print(f"  {name:22s} {med[name]*1e3:9.3f} ms  {mib / 1024 / med[name]:8.1f} GiB/s{extra}")
         if "BOUNCE" in med:
             b = med["BOUNCE"]

@@ -55,18 +55,40 @@ def remote_host_copy(p, tmp_path, name="r.bin"):
     return np.fromfile(path, dtype=np.uint8)
 
 
+def peer_stats(p):
+    params = p.call(op="params")["params"]
+    return {k[len("stats."):]: int(v) for k, v in params.items() if k.startswith("stats.")}
+
+
 @pytest.mark.parametrize("n, size", [(16384, 4096)])
-def test_vram_scattered_write_bounces_byte_exact(peer, tmp_path, n, size):
+@pytest.mark.parametrize("region_plans", ["64", "0"])
+def test_vram_scattered_write_bounces_byte_exact(peer, tmp_path, n, size, region_plans):
+    """With region plans (the GPU default) each chunk's plan rides behind its data and the
+    target's check kernel passes it; without, PLAN frames carry them. One prepared request is
+    posted twice (the second post reuses its device plans)."""
     lay = nixlkit.Scattered(n, size, seed=901)
-    ag, p, raddr, src = gpu_pair(peer, "g1", lay.src_bytes, lay.dst_bytes, 902, 903)
-    vram_write(ag, "g1-rx", lay, src, raddr, notif=b"g1-done")
-    p.call(op="notif_wait", **{"from": "g1-tx", "msg": "g1-done"})
+    name = f"g1-{region_plans}"
+    ag, p, raddr, src = gpu_pair(peer, name, lay.src_bytes, lay.dst_bytes, 902, 903,
+                                 params={"bounce_region_plan_runs": region_plans})
+    lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(src), 0), "VRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr, PEER_GPU), "VRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, f"{name}-rx", b"g1-done", backends=[B])
+    for _ in range(2):
+        assert ag.transfer(h) != "ERR"
+        nixlkit.wait_xfer(ag, h, deadline=60)
+        p.call(op="notif_wait", **{"from": f"{name}-tx", "msg": "g1-done"})
+    ag.release_xfer_handle(h)
     got = remote_host_copy(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(nixlkit.pattern(902, lay.src_bytes),
                                           nixlkit.pattern(903, lay.dst_bytes)), "VRAM destination")
-    s = stats(ag)
-    assert s["bounce_ok"] == 1 and s["bounce_chunks"] > 0, s
+    s, t = stats(ag), peer_stats(p)
+    assert s["bounce_ok"] == 2 and s["bounce_chunks"] > 0, s
     assert s["passthrough_xfers"] == 0, s
+    if region_plans == "0":
+        assert s["region_plans_sent"] == 0 and s["plans_sent"] > 0, s
+    else:
+        assert s["region_plans_sent"] >= 4 and s["plans_sent"] == 0, s
+        assert t["region_plans_received"] == s["region_plans_sent"] and t["region_plans_failed"] == 0, t
 
 
 def test_vram_scattered_read_bounces_byte_exact(peer):

@@ -7,13 +7,15 @@
 //! reactor spins while copies are in flight, so nothing here ever synchronizes except `Drop`,
 //! which waits for every stream before the arena can be freed.
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Weak};
 
-use bounce_proto::endpoint::JobId;
+use bounce_proto::endpoint::{JobId, JobRuns};
+use bounce_proto::plan::Plan;
+use bounce_proto::wire::region_plan;
 
 use super::{CopyEngine, CopyJob, Dir};
-use crate::sys::cuda::{self, CudaError, DeviceAlloc, ExecPool, Kernels, PlanPlacement};
+use crate::sys::cuda::{self, CudaError, DeviceAlloc, DevicePlan, ExecPool, Gpu, Kernels, PlanPlacement};
 
 /// How the engine copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +33,46 @@ struct Running {
     job: JobId,
     ctx: usize,
     ok: bool,
+    /// A scatter by a peer's region plan: it succeeded only if the plan passed its check.
+    checked: bool,
+    /// Device plans the launch reads, kept alive until its event completes.
+    _plans: Vec<Arc<DevicePlan>>,
+}
+
+/// Device copies of a prepared plan's chunk: its gather runs in the kernels' form, and for a
+/// chunk carrying its plan in the region, its scatter runs (the bytes copied behind the data).
+struct CachedChunk {
+    owner: Weak<Plan>,
+    gather: Arc<DevicePlan>,
+    region_plan: Option<Arc<DevicePlan>>,
+}
+
+/// Device copies made at a prepared plan's first post and reused by every later post of it: a
+/// scattered 32 MiB chunk's ~5,000 runs were encoded and uploaded on the reactor at every
+/// launch. An entry dies with its plan (the application released the request); dead entries
+/// go at the next upload.
+#[derive(Default)]
+struct PlanCache(HashMap<(usize, usize), CachedChunk>);
+
+impl PlanCache {
+    /// The device copies of chunk `chunk` of `plan`, uploaded on first use.
+    fn get(&mut self, gpu: &Arc<Gpu>, plan: &Arc<Plan>, chunk: usize) -> Result<&CachedChunk, CudaError> {
+        let key = (Arc::as_ptr(plan) as usize, chunk);
+        // A live entry under this address is this plan's (an address is reused only after the
+        // plan that held it was dropped, and then its entry's owner is dead).
+        let fresh = self.0.get(&key).is_some_and(|c| c.owner.strong_count() > 0);
+        if !fresh {
+            self.0.retain(|_, c| c.owner.strong_count() > 0);
+            let c = plan.chunks.get(chunk).ok_or(CudaError::Plan("chunk beyond its plan"))?;
+            let gather = Arc::new(DevicePlan::upload(gpu, &c.gather)?);
+            let region_plan = match c.region_plan {
+                Some(_) => Some(Arc::new(DevicePlan::upload(gpu, &c.scatter)?)),
+                None => None,
+            };
+            self.0.insert(key, CachedChunk { owner: Arc::downgrade(plan), gather, region_plan });
+        }
+        self.0.get(&key).ok_or(CudaError::Plan("plan cache entry vanished"))
+    }
 }
 
 /// The CUDA implementation of [`CopyEngine`] over one VRAM arena.
@@ -43,6 +85,7 @@ pub(crate) struct CudaCopyEngine {
     path: CopyPath,
     running: Vec<Running>,
     waiting: VecDeque<CopyJob>,
+    plans: PlanCache,
     /// Refused at validation or launch, reported by the next `poll_done`.
     failed: Vec<JobId>,
     /// A device fault was seen: the context is unusable, new jobs are given back.
@@ -75,6 +118,7 @@ impl CudaCopyEngine {
             path,
             running: Vec::new(),
             waiting: VecDeque::new(),
+            plans: PlanCache::default(),
             failed: Vec::new(),
             broken: false,
         })
@@ -89,32 +133,20 @@ impl CudaCopyEngine {
     fn launch(&mut self, ctx: usize, job: CopyJob) {
         let _span =
             tracing::trace_span!("cuda_launch", job = job.job.0, dir = ?job.dir, runs = job.runs.len()).entered();
-        let region_base = self.arena.ptr() + job.region.offset;
-        let c = self.pool.get(ctx);
-        // SAFETY: `validate` put every run's region span inside the job's region, and the region
-        // inside the arena, which lives until this engine has synchronized (Drop). The user
-        // side is memory the application registered (NIXL checked the local descriptors for a
-        // gather; the receiver machine checked every run against this engine's registrations
-        // for a scatter); the core gives each region to one job at a time, and user pieces of
-        // one job do not overlap. `ctx` is idle (taken from the pool, which gets a context
-        // back only after its event completed).
-        let launched = unsafe {
-            match (self.path, job.dir) {
-                (CopyPath::Kernel(p), Dir::Gather) => cuda::gather(c, &self.kernels, &job.runs, region_base, p),
-                (CopyPath::Kernel(p), Dir::Scatter) => cuda::scatter(c, &self.kernels, &job.runs, region_base, p),
-                (CopyPath::Batched, Dir::Gather) => {
-                    cuda::batched_copy(c, cuda::CopyDir::Gather, &job.runs, region_base)
-                }
-                (CopyPath::Batched, Dir::Scatter) => {
-                    cuda::batched_copy(c, cuda::CopyDir::Scatter, &job.runs, region_base)
-                }
-            }
-        };
+        let mut plans = Vec::new();
+        let launched = self.queue(ctx, &job, &mut plans);
         if let Err(e) = &launched {
             tracing::warn!(job = job.job.0, error = %e, "CUDA copy launch failed");
         }
+        let c = self.pool.get(ctx);
         match c.record() {
-            Ok(()) => self.running.push(Running { job: job.job, ctx, ok: launched.is_ok() }),
+            Ok(()) => self.running.push(Running {
+                job: job.job,
+                ctx,
+                ok: launched.is_ok(),
+                checked: job.in_region.is_some(),
+                _plans: plans,
+            }),
             Err(e) => {
                 // Without an event nothing tells when the stream is past this job's queued
                 // work: wait for it here (a failure path only) before reusing the context.
@@ -124,6 +156,77 @@ impl CudaCopyEngine {
                 self.failed.push(job.job);
             }
         }
+    }
+
+    /// Queues `job`'s copies on the idle context `ctx`; `keep` gets the device plans they read.
+    fn queue(&mut self, ctx: usize, job: &CopyJob, keep: &mut Vec<Arc<DevicePlan>>) -> Result<(), CudaError> {
+        let region_base = self.arena.ptr() + job.region.offset;
+        // A prepared chunk's gather reads its device copy, made at its plan's first post.
+        let cached = match (&job.runs, job.dir, self.path) {
+            (JobRuns::Chunk { plan, chunk }, Dir::Gather, CopyPath::Kernel(_)) => {
+                let gpu = self.arena.gpu().clone();
+                let c = self.plans.get(&gpu, plan, *chunk)?;
+                Some((c.gather.clone(), c.region_plan.clone()))
+            }
+            _ => None,
+        };
+        let c = self.pool.get(ctx);
+        // SAFETY: `validate` put every run's region span inside the job's region (and a region
+        // plan inside it too), and the region inside the arena, which lives until this engine
+        // has synchronized (Drop). The user side is memory the application registered (NIXL
+        // checked the local descriptors for a gather; the receiver machine checked every run
+        // against this engine's registrations for a scatter by runs; a peer's region plan is
+        // checked on the device, against the ranges the receiver machine proved, before its
+        // scatter writes anything). The core gives each region to one job at a time, and user
+        // pieces of one job do not overlap. `ctx` is idle (taken from the pool, which gets a
+        // context back only after its event completed). Device plans stay alive in `keep`
+        // until that event.
+        unsafe {
+            match (&job.in_region, &cached, self.path, job.dir) {
+                (Some(p), ..) => cuda::scatter_region_plan(
+                    c,
+                    &self.kernels,
+                    region_base,
+                    p.offset,
+                    p.runs,
+                    p.allowed.starts(),
+                    p.allowed.reach(),
+                )?,
+                (None, Some((g, _)), _, Dir::Gather) => cuda::gather_planned(c, &self.kernels, g, region_base)?,
+                (None, _, CopyPath::Kernel(p), Dir::Gather) => cuda::gather(c, &self.kernels, &job.runs, region_base, p)?,
+                (None, _, CopyPath::Kernel(p), Dir::Scatter) => {
+                    cuda::scatter(c, &self.kernels, &job.runs, region_base, p)?;
+                }
+                (None, _, CopyPath::Batched, Dir::Gather) => {
+                    cuda::batched_copy(c, cuda::CopyDir::Gather, &job.runs, region_base)?;
+                }
+                (None, _, CopyPath::Batched, Dir::Scatter) => {
+                    cuda::batched_copy(c, cuda::CopyDir::Scatter, &job.runs, region_base)?;
+                }
+            }
+        }
+        let Some((off, scatter)) = job.runs.region_plan().filter(|_| job.dir == Dir::Gather) else {
+            keep.extend(cached.map(|(g, _)| g));
+            return Ok(());
+        };
+        // The chunk's scatter plan goes behind its data, where the receiver looks for it:
+        // one device-to-device copy of the bytes uploaded at the first post.
+        let (gather, region_plan) = match cached {
+            Some((g, Some(rp))) => (Some(g), rp),
+            // The batched path keeps no device plans: upload this one for the launch.
+            _ => (None, Arc::new(DevicePlan::upload(self.arena.gpu(), scatter)?)),
+        };
+        let len = region_plan::plan_bytes(u32::try_from(scatter.len()).unwrap_or(u32::MAX));
+        if region_plan.len() as u64 != len || off.checked_add(len).is_none_or(|end| end > job.region.len) {
+            return Err(CudaError::Plan("a region plan that does not fit its region"));
+        }
+        // SAFETY: `[region_base + off, + len)` lies inside the job's region (checked above),
+        // which the core gave to this job alone; the source is the plan's device copy, alive
+        // in `keep` until the context's event. `ctx` is idle, as above.
+        unsafe { c.copy_d2d(region_base + off, region_plan.ptr(), region_plan.len())? };
+        keep.extend(gather);
+        keep.push(region_plan);
+        Ok(())
     }
 
     /// Launches waiting jobs while contexts are free.
@@ -139,7 +242,11 @@ impl CudaCopyEngine {
 /// Checks a job against the arena, as the CPU workers do: the region inside the arena, every
 /// run inside the region, no address arithmetic that overflows. False means a core bug.
 fn validate(arena_len: u64, job: &CopyJob) -> bool {
-    job.region.offset.checked_add(job.region.len).is_some_and(|end| end <= arena_len)
+    let plan_inside = job.in_region.as_ref().is_none_or(|p| {
+        p.offset.checked_add(region_plan::plan_bytes(p.runs)).is_some_and(|end| end <= job.region.len)
+    });
+    plan_inside
+        && job.region.offset.checked_add(job.region.len).is_some_and(|end| end <= arena_len)
         && job
             .runs
             .iter()
@@ -150,12 +257,6 @@ impl CopyEngine for CudaCopyEngine {
     fn submit(&mut self, job: CopyJob) -> Result<(), CopyJob> {
         if self.broken {
             return Err(job);
-        }
-        if job.in_region.is_some() || job.runs.region_plan().is_some() {
-            // Not wired to the kernels yet: refused, never run half-done.
-            tracing::error!(job = job.job.0, "region plans are not supported by the CUDA copy engine yet");
-            self.failed.push(job.job);
-            return Ok(());
         }
         if !validate(self.arena.len() as u64, &job) {
             tracing::error!(job = job.job.0, "copy job outside its arena region refused");
@@ -195,7 +296,13 @@ impl CopyEngine for CudaCopyEngine {
                         self.broken = true;
                     }
                     let r = self.running.swap_remove(i);
-                    out.push((r.job, r.ok && done.is_ok()));
+                    // A region plan's scatter ran only if the device's check passed; read
+                    // before the context (and its verdict) goes back to the pool.
+                    let passed = !r.checked || cuda::region_plan_verdict(self.pool.get(r.ctx));
+                    if !passed {
+                        tracing::warn!(job = r.job.0, "a peer's region plan was refused on the device; nothing copied");
+                    }
+                    out.push((r.job, r.ok && done.is_ok() && passed));
                     self.pool.release(r.ctx);
                 }
             }
