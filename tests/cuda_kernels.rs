@@ -548,7 +548,8 @@ const RP_USER: u64 = 8 << 20;
 /// Pieces are placed in user bytes [RP_MARGIN, RP_MARGIN + RP_WRITE): a forged run pointing
 /// just outside them still points into the buffer, where a missed refusal shows.
 const RP_MARGIN: u64 = 4096;
-const RP_WRITE: u64 = 6 << 20;
+/// No more than RP_DATA: the pieces are disjoint there, so a plan's work sum stays <= P.
+const RP_WRITE: u64 = RP_DATA;
 
 /// The byte offsets of a run's fields in an encoded plan (plan.rs, kernels/gather_scatter.cu).
 const F_REGION_OFF: usize = 0;
@@ -602,41 +603,58 @@ fn fix_first_tile(b: &mut [u8], n: usize) {
 }
 
 /// The rules of a region plan, written independently of the kernel (128-bit arithmetic
-/// instead of overflow checks): the verdict the GPU must give for `plan` (n runs) against the
-/// limit `p` and the allowed ranges.
-fn cpu_accepts(plan: &[u8], n: usize, p: u64, starts: &[u64], reach: &[u64]) -> bool {
+/// instead of overflow checks): which ones `plan` (n runs) breaks against the limit `p` and
+/// the allowed ranges, by name, sorted. The rules on a run's extents are judged only for runs
+/// of at least one piece.
+fn cpu_broken_rules(plan: &[u8], n: usize, p: u64, starts: &[u64], reach: &[u64]) -> Vec<&'static str> {
     let wide = u128::from;
+    let mut broken = Vec::new();
     if get64(plan, first_tile(n, 0)) != 0 {
-        return false;
+        broken.push("first_tile");
     }
     let mut sum: u128 = 0;
     for r in 0..n {
         let [off, addr, len, rs, s] =
             [F_REGION_OFF, F_ADDR, F_LEN, F_REGION_STRIDE, F_ADDR_STRIDE].map(|f| wide(get64(plan, field(r, f))));
         let [count, tpp] = SMALL_FIELDS.map(|f| wide(u64::from(get32(plan, field(r, f)))));
-        if count == 0 || len == 0 || tpp != len.div_ceil(4096) {
-            return false;
+        if count == 0 {
+            broken.push("count");
         }
-        if off + (count - 1) * rs + len > wide(p) {
-            return false;
+        if len == 0 {
+            broken.push("len");
         }
-        let end = addr + (count - 1) * s + len;
-        if end > wide(u64::MAX) {
-            return false;
+        if tpp != len.div_ceil(4096) {
+            broken.push("tiles_per_piece");
         }
-        let i = starts.partition_point(|&st| wide(st) <= addr);
-        if i == 0 || wide(reach[i - 1]) < end {
-            return false;
+        if count > 0 {
+            if off + (count - 1) * rs + len > wide(p) {
+                broken.push("region");
+            }
+            let end = addr + (count - 1) * s + len;
+            let i = starts.partition_point(|&st| wide(st) <= addr);
+            if end > wide(u64::MAX) || i == 0 || wide(reach[i - 1]) < end {
+                broken.push("user");
+            }
         }
         if count * len > wide(p) {
-            return false;
+            broken.push("work");
         }
         sum += count * len;
         if wide(get64(plan, first_tile(n, r + 1))) != wide(get64(plan, first_tile(n, r))) + count * tpp {
-            return false;
+            broken.push("first_tile");
         }
     }
-    sum <= wide(p)
+    if sum > wide(p) {
+        broken.push("sum");
+    }
+    broken.sort_unstable();
+    broken.dedup();
+    broken
+}
+
+/// The verdict the GPU must give: no rule broken.
+fn cpu_accepts(plan: &[u8], n: usize, p: u64, starts: &[u64], reach: &[u64]) -> bool {
+    cpu_broken_rules(plan, n, p, starts, reach).is_empty()
 }
 
 /// Each run's user extent [addr, end), sorted; and the allowed ranges that are exactly those
@@ -662,7 +680,11 @@ fn tight_ranges(runs: &[CopyRun]) -> (Vec<(u64, u64)>, Vec<u64>, Vec<u64>) {
 fn random_region_runs(rng: &mut Rng, user_base: u64, n_runs: usize, max_log2: u64) -> Vec<CopyRun> {
     let case = random_case(rng, CopyDir::Scatter, n_runs, max_log2, RP_DATA, RP_WRITE);
     assert!(!case.runs.is_empty());
-    case.runs.iter().map(|r| CopyRun { addr: user_base + RP_MARGIN + r.addr, ..*r }).collect()
+    let runs: Vec<CopyRun> = case.runs.iter().map(|r| CopyRun { addr: user_base + RP_MARGIN + r.addr, ..*r }).collect();
+    let (_, starts, reach) = tight_ranges(&runs);
+    let broken = cpu_broken_rules(&encoded(&runs), runs.len(), RP_DATA, &starts, &reach);
+    assert!(broken.is_empty(), "the generator made an invalid plan (breaks {broken:?})");
+    runs
 }
 
 /// The GPU side of the region plan tests: a user buffer, a region of RP_DATA random bytes
@@ -756,14 +778,20 @@ fn assert_first_difference(what: &str, got: &[u8], want: &[u8]) {
     }
 }
 
+/// The random valid plan of seed `seed`: a few long pieces, or many short ones (at most 400
+/// runs, the region's room).
+fn valid_test_runs(seed: u64, user_base: u64) -> Vec<CopyRun> {
+    let mut rng = Rng(seed);
+    let (n_runs, max_log2) = if seed % 4 == 0 { (12, 20) } else { (300, 12) };
+    random_region_runs(&mut rng, user_base, n_runs, max_log2)
+}
+
 #[test]
 fn region_plan_random_valid_plans_scatter_byte_exact() {
     let Some((gpu, k)) = gpu_or_skip("region_plan_random_valid_plans_scatter_byte_exact") else { return };
     let mut b = RegionBench::new(gpu, k, 400);
     for seed in 0..16u64 {
-        let mut rng = Rng(seed);
-        let (n_runs, max_log2) = if seed % 4 == 0 { (12, 20) } else { (300, 12) };
-        let runs = random_region_runs(&mut rng, b.user.ptr(), n_runs, max_log2);
+        let runs = valid_test_runs(seed, b.user.ptr());
         let (_, starts, reach) = tight_ranges(&runs);
         let plan = encoded(&runs);
         if seed % 2 == 0 {
@@ -794,13 +822,21 @@ struct Forged {
     n: usize,
     starts: Vec<u64>,
     reach: Vec<u64>,
-    /// `Some(runs)`: valid, and scatters exactly as `runs` say; `None`: refused.
-    accept: Option<Vec<CopyRun>>,
+    expect: Expect,
+}
+
+/// What a plan of the forgery list must do.
+enum Expect {
+    /// Pass, and scatter exactly as these runs say.
+    Scatters(Vec<CopyRun>),
+    /// Be refused: it breaks exactly these rules (names of [`cpu_broken_rules`]).
+    Breaks(&'static [&'static str]),
 }
 
 /// Hand-made forgeries of a random valid plan over user memory at `user_base`, each breaking
 /// one rule, next to the valid plans at the edges they step over.
 fn forged_plans(user_base: u64) -> Vec<Forged> {
+    use Expect::{Breaks, Scatters};
     let mut rng = Rng(99);
     let runs = random_region_runs(&mut rng, user_base, 40, 14);
     let n = runs.len();
@@ -808,8 +844,8 @@ fn forged_plans(user_base: u64) -> Vec<Forged> {
     let (_, starts, reach) = tight_ranges(&runs);
     let plan = encoded(&runs);
     let mut out = Vec::new();
-    let mut push = |what, plan: Vec<u8>, n, starts: &[u64], reach: &[u64], accept| {
-        out.push(Forged { what, plan, n, starts: starts.to_vec(), reach: reach.to_vec(), accept });
+    let mut push = |what, plan: Vec<u8>, n, starts: &[u64], reach: &[u64], expect| {
+        out.push(Forged { what, plan, n, starts: starts.to_vec(), reach: reach.to_vec(), expect });
     };
     let with = |f: &dyn Fn(&mut Vec<CopyRun>)| {
         let mut r = runs.clone();
@@ -818,25 +854,25 @@ fn forged_plans(user_base: u64) -> Vec<Forged> {
         (r, p)
     };
     // The untouched plan passes: each refusal below is its forgery's doing.
-    push("base", plan.clone(), n, &starts, &reach, Some(runs.clone()));
+    push("base", plan.clone(), n, &starts, &reach, Scatters(runs.clone()));
 
     // The user side: one byte past / before an allowed range (the last run has no range after
     // it, the first none before it), one byte longer, no range at all.
-    push("last run one byte past its range", with(&|r| r[n - 1].addr += 1).1, n, &starts, &reach, None);
-    push("first run one byte before its range", with(&|r| r[0].addr -= 1).1, n, &starts, &reach, None);
-    push("last run one byte longer", with(&|r| r[n - 1].len += 1).1, n, &starts, &reach, None);
-    push("no allowed range at all", plan.clone(), n, &[], &[], None);
+    push("last run one byte past its range", with(&|r| r[n - 1].addr += 1).1, n, &starts, &reach, Breaks(&["user"]));
+    push("first run one byte before its range", with(&|r| r[0].addr -= 1).1, n, &starts, &reach, Breaks(&["user"]));
+    push("last run one byte longer", with(&|r| r[n - 1].len += 1).1, n, &starts, &reach, Breaks(&["user"]));
+    push("no allowed range at all", plan.clone(), n, &[], &[], Breaks(&["user"]));
 
     // The region side: ending exactly at P passes, one byte further is refused.
     let extent = |r: &CopyRun| u64::from(r.count - 1) * r.region_stride + r.len;
     let (edge, p) = with(&|r| r[1].region_off = RP_DATA - extent(&r[1]));
-    push("run reading up to P exactly", p, n, &starts, &reach, Some(edge));
+    push("run reading up to P exactly", p, n, &starts, &reach, Scatters(edge));
     let p = with(&|r| r[1].region_off = RP_DATA - extent(&r[1]) + 1).1;
-    push("run reading one byte past P", p, n, &starts, &reach, None);
+    push("run reading one byte past P", p, n, &starts, &reach, Breaks(&["region"]));
 
     // Empty runs.
-    push("a run of zero pieces", with(&|r| r[2].count = 0).1, n, &starts, &reach, None);
-    push("a run of empty pieces", with(&|r| r[2].len = 0).1, n, &starts, &reach, None);
+    push("a run of zero pieces", with(&|r| r[2].count = 0).1, n, &starts, &reach, Breaks(&["count"]));
+    push("a run of empty pieces", with(&|r| r[2].len = 0).1, n, &starts, &reach, Breaks(&["len"]));
 
     // tiles_per_piece off by one either way, and zero (the scatter would divide by it), with
     // first_tile made consistent again so that only this rule breaks.
@@ -846,7 +882,7 @@ fn forged_plans(user_base: u64) -> Vec<Forged> {
         let mut p = plan.clone();
         set32(&mut p, field(longest, F_TILES_PER_PIECE), v);
         fix_first_tile(&mut p, n);
-        push(what, p, n, &starts, &reach, None);
+        push(what, p, n, &starts, &reach, Breaks(&["tiles_per_piece"]));
     }
 
     // first_tile inconsistent: the total one more or one less (the scatter would walk past the
@@ -858,37 +894,42 @@ fn forged_plans(user_base: u64) -> Vec<Forged> {
         let mut p = plan.clone();
         let v = get64(&p, first_tile(n, at)).wrapping_add(delta);
         set64(&mut p, first_tile(n, at), v);
-        push(what, p, n, &starts, &reach, None);
+        push(what, p, n, &starts, &reach, Breaks(&["first_tile"]));
     }
     let mut p = plan.clone();
     for i in 0..=n {
         let v = get64(&p, first_tile(n, i)) + 1;
         set64(&mut p, first_tile(n, i), v);
     }
-    push("first_tile shifted by one", p, n, &starts, &reach, None);
+    push("first_tile shifted by one", p, n, &starts, &reach, Breaks(&["first_tile"]));
 
     // Strides whose products or sums wrap around 2^64 to land back in range (a check with
-    // wrapping arithmetic would pass every one of these).
+    // wrapping arithmetic would pass every one of these); the other side's stride 0, so that
+    // its pieces stay where the run's first piece was.
     let p = with(&|r| {
         r[1].count = 2;
         r[1].region_stride = 0u64.wrapping_sub(r[1].len) + 8;
+        r[1].addr_stride = 0;
     });
-    push("region stride wrapping past 2^64", p.1, n, &starts, &reach, None);
+    push("region stride wrapping past 2^64", p.1, n, &starts, &reach, Breaks(&["region"]));
     let p = with(&|r| {
         r[1].count = 3;
         r[1].region_stride = 1 << 63;
+        r[1].addr_stride = 0;
     });
-    push("region stride times count wrapping to 0", p.1, n, &starts, &reach, None);
+    push("region stride times count wrapping to 0", p.1, n, &starts, &reach, Breaks(&["region"]));
     let p = with(&|r| {
         r[1].count = 2;
         r[1].addr_stride = 0u64.wrapping_sub(r[1].len);
+        r[1].region_stride = 0;
     });
-    push("user stride wrapping past 2^64", p.1, n, &starts, &reach, None);
+    push("user stride wrapping past 2^64", p.1, n, &starts, &reach, Breaks(&["user"]));
     let p = with(&|r| {
         r[1].count = 3;
         r[1].addr_stride = 1 << 63;
+        r[1].region_stride = 0;
     });
-    push("user stride times count wrapping to 0", p.1, n, &starts, &reach, None);
+    push("user stride times count wrapping to 0", p.1, n, &starts, &reach, Breaks(&["user"]));
 
     // The work bound: the sum over runs of count * len <= P. 8-byte pieces all read from
     // region byte 0 and written to one place: no other rule stops a huge count.
@@ -898,26 +939,34 @@ fn forged_plans(user_base: u64) -> Vec<Forged> {
     let (starts, reach) = ([dst, dst + 64], [dst + 8, dst + 72]);
     let per_p = (RP_DATA / 8) as u32;
     let one = vec![piece(dst, per_p)];
-    push("one run, count * len == P", encoded(&one), 1, &starts, &reach, Some(one));
+    push("one run, count * len == P", encoded(&one), 1, &starts, &reach, Scatters(one));
     let one = [piece(dst, per_p + 1)];
-    push("one run, count * len == P + 8", encoded(&one), 1, &starts, &reach, None);
+    push("one run, count * len == P + 8", encoded(&one), 1, &starts, &reach, Breaks(&["sum", "work"]));
     // Two runs each within P, together over it: only the sum catches them.
     let two = vec![piece(dst, per_p / 2), piece(dst + 64, per_p / 2)];
-    push("two runs, sum == P", encoded(&two), 2, &starts, &reach, Some(two));
+    push("two runs, sum == P", encoded(&two), 2, &starts, &reach, Scatters(two));
     let two = [piece(dst, per_p / 2 + 1), piece(dst + 64, per_p / 2 + 1)];
-    push("two runs, sum == P + 16", encoded(&two), 2, &starts, &reach, None);
+    push("two runs, sum == P + 16", encoded(&two), 2, &starts, &reach, Breaks(&["sum"]));
     out
 }
 
-/// Runs everywhere (no GPU): each hand-made forgery breaks the rules, as written on the CPU,
-/// and each edge plan keeps them, so the GPU test below tests what it says.
+/// Runs everywhere (no GPU): each hand-made forgery breaks exactly the rule it is named for, as
+/// written on the CPU, and each edge plan keeps them all, so the GPU tests test what they say.
 #[test]
-fn region_plan_forgeries_break_the_rules_and_edges_keep_them() {
+fn region_plan_forgeries_break_one_rule_each_and_edges_keep_them() {
     let list = forged_plans(0x7f00_0000_0000);
     for f in &list {
-        assert_eq!(cpu_accepts(&f.plan, f.n, RP_DATA, &f.starts, &f.reach), f.accept.is_some(), "{}", f.what);
+        let broken = cpu_broken_rules(&f.plan, f.n, RP_DATA, &f.starts, &f.reach);
+        match f.expect {
+            Expect::Scatters(_) => assert!(broken.is_empty(), "{}: breaks {broken:?}", f.what),
+            Expect::Breaks(rules) => assert_eq!(broken, rules, "{}", f.what),
+        }
     }
-    assert!(list.iter().filter(|f| f.accept.is_none()).count() >= 20, "the list shrank");
+    assert!(list.iter().filter(|f| matches!(f.expect, Expect::Breaks(_))).count() >= 20, "the list shrank");
+    // The GPU test's valid plans are valid (random_region_runs checks each it makes).
+    for seed in 0..16 {
+        assert!(valid_test_runs(seed, 0x7f00_0000_0000).len() <= 400);
+    }
 }
 
 #[test]
@@ -926,20 +975,47 @@ fn region_plan_forgeries_are_refused_and_write_nothing() {
     let mut b = RegionBench::new(gpu, k, 64);
     let list = forged_plans(b.user.ptr());
     for f in &list {
-        match &f.accept {
-            Some(runs) => b.assert_accepted(f.what, runs, &f.plan, &f.starts, &f.reach),
-            None => b.assert_refused(f.what, &f.plan, f.n, &f.starts, &f.reach),
+        match &f.expect {
+            Expect::Scatters(runs) => b.assert_accepted(f.what, runs, &f.plan, &f.starts, &f.reach),
+            Expect::Breaks(_) => b.assert_refused(f.what, &f.plan, f.n, &f.starts, &f.reach),
         }
     }
     // Arguments that name no plan are refused before anything is queued, and the verdict of
     // an earlier pass does not survive them.
     let base = &list[0];
-    b.assert_accepted("base again", base.accept.as_ref().unwrap(), &base.plan, &base.starts, &base.reach);
+    let Expect::Scatters(runs) = &base.expect else { panic!("the list starts with its valid base") };
+    b.assert_accepted("base again", runs, &base.plan, &base.starts, &base.reach);
     // SAFETY: as in RegionBench::scatter; nothing is queued for zero runs.
     let r = unsafe { scatter_region_plan(&mut b.ctx, &b.k, b.region.ptr(), RP_DATA, 0, &base.starts, &base.reach) };
     assert!(matches!(r, Err(CudaError::Plan(_))), "zero runs: {r:?}");
     assert!(!region_plan_verdict(&b.ctx), "a refused call must not leave the last pass standing");
     println!("region_plan_forgeries_are_refused_and_write_nothing: {} plans ok", list.len());
+}
+
+/// One random forgery of the valid plan `base` (n runs, m allowed ranges): one field of one
+/// run, or one first_tile entry, set to a neighbour of its value or an extreme, first_tile made
+/// consistent again half the time; and how many of the ranges to keep (now and then one fewer).
+/// Returns the plan, the ranges to keep, and what was done.
+fn random_forgery(rng: &mut Rng, base: &[u8], n: usize, m: usize) -> (Vec<u8>, usize, String) {
+    let mut p = base.to_vec();
+    let r = rng.below(n as u64) as usize;
+    // A field of run r (kinds 0..=6), or an entry of first_tile (kind 7).
+    let kind = rng.below(8) as usize;
+    let pick = rng.below(6) as usize;
+    let fields = [F_REGION_OFF, F_ADDR, F_LEN, F_REGION_STRIDE, F_ADDR_STRIDE, F_COUNT, F_TILES_PER_PIECE];
+    let at = if kind == 7 { first_tile(n, rng.below(n as u64 + 1) as usize) } else { field(r, fields[kind]) };
+    if kind == 5 || kind == 6 {
+        let v = get32(&p, at);
+        set32(&mut p, at, [v.wrapping_add(1), v.wrapping_sub(1), 0, u32::MAX, 1 << 31, rng.next() as u32][pick]);
+    } else {
+        let v = get64(&p, at);
+        set64(&mut p, at, [v.wrapping_add(1), v.wrapping_sub(1), 0, u64::MAX, 1 << 63, rng.next()][pick]);
+    }
+    if kind != 7 && rng.below(2) == 0 {
+        fix_first_tile(&mut p, n);
+    }
+    let keep = if m > 0 && rng.below(8) == 0 { m - 1 } else { m };
+    (p, keep, format!("run {r}, byte {at} (kind {kind}, pick {pick}), {keep} of {m} ranges"))
 }
 
 /// Random single-field forgeries of random valid plans: the GPU's verdict equals the CPU
@@ -961,32 +1037,12 @@ fn region_plan_random_forgeries_agree_with_the_cpu_rules() {
         }
         let base = encoded(&runs);
         for case in 0..24u64 {
-            let mut p = base.clone();
-            let r = rng.below(n as u64) as usize;
-            // A field of run r (kinds 0..=6), or an entry of first_tile (kind 7).
-            let kind = rng.below(8) as usize;
-            let pick = rng.below(6);
-            let fields = [F_REGION_OFF, F_ADDR, F_LEN, F_REGION_STRIDE, F_ADDR_STRIDE, F_COUNT, F_TILES_PER_PIECE];
-            let at = if kind == 7 { first_tile(n, rng.below(n as u64 + 1) as usize) } else { field(r, fields[kind]) };
-            if kind == 5 || kind == 6 {
-                let v = get32(&p, at);
-                let nv = [v.wrapping_add(1), v.wrapping_sub(1), 0, u32::MAX, 1 << 31, rng.next() as u32][pick as usize];
-                set32(&mut p, at, nv);
-            } else {
-                let v = get64(&p, at);
-                let nv = [v.wrapping_add(1), v.wrapping_sub(1), 0, u64::MAX, 1 << 63, rng.next()][pick as usize];
-                set64(&mut p, at, nv);
-            }
-            if kind != 7 && rng.below(2) == 0 {
-                fix_first_tile(&mut p, n);
-            }
-            // Now and then the allowed set loses its last range (for this case only).
-            let m = if rng.below(8) == 0 { starts.len() - 1 } else { starts.len() };
+            let (p, m, what) = random_forgery(&mut rng, &base, n, starts.len());
             let (starts, reach) = (&starts[..m], &reach[..m]);
+            let what = format!("round {round} case {case}: {what}");
             let want = cpu_accepts(&p, n, RP_DATA, starts, reach);
             b.place(&p);
             let (ok, got) = b.scatter(n as u32, starts, reach, 0x3C);
-            let what = format!("round {round} case {case}: run {r}, byte {at} (kind {kind}, pick {pick})");
             assert_eq!(ok, want, "{what}: GPU verdict {ok}, CPU rules {want}");
             if ok {
                 accepted += 1;
@@ -1002,4 +1058,73 @@ fn region_plan_random_forgeries_agree_with_the_cpu_rules() {
     // Both outcomes occur, or the comparison proved little.
     assert!(accepted > 0 && refused > 0, "accepted {accepted}, refused {refused}");
     println!("region_plan_random_forgeries_agree_with_the_cpu_rules: {accepted} accepted, {refused} refused");
+}
+
+/// Runs wherever a C++ compiler is, GPU or not: the check kernel's own source, compiled for the
+/// host with the CUDA built-ins it uses stubbed (kernels/host/plan_check_host.cpp, its threads
+/// run one after another), gives the CPU rules' verdict on every hand-made plan and on
+/// thousands of random forgeries.
+#[test]
+fn region_plan_check_kernel_compiled_for_the_host_agrees_with_the_cpu_rules() {
+    const TEST: &str = "region_plan_check_kernel_compiled_for_the_host_agrees_with_the_cpu_rules";
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let dir = std::env::temp_dir().join(format!("bounce-plan-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("plan_check_host");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/host/plan_check_host.cpp");
+    match std::process::Command::new(&cxx).args(["-O2", "-std=c++17", "-o"]).arg(&exe).arg(src).output() {
+        Err(e) => {
+            assert!(!under_ci(), "CI=true but no C++ compiler ({cxx}: {e})");
+            println!("{TEST}: skipped: no C++ compiler ({cxx}: {e})");
+            return;
+        }
+        Ok(o) => assert!(o.status.success(), "{cxx} {src}:\n{}", String::from_utf8_lossy(&o.stderr)),
+    }
+    // The hand-made list, then random valid plans, each followed by forgeries of it.
+    let user_base = 0x7f00_0000_0000u64;
+    /// A plan to judge, named, with its run count and allowed ranges.
+    type Case = (String, Vec<u8>, usize, Vec<u64>, Vec<u64>);
+    let mut cases: Vec<Case> =
+        forged_plans(user_base).into_iter().map(|f| (f.what.to_string(), f.plan, f.n, f.starts, f.reach)).collect();
+    let mut rng = Rng(0x4057);
+    for round in 0..200 {
+        let (n_runs, max_log2) = (1 + rng.below(48) as usize, 1 + rng.below(16));
+        let runs = random_region_runs(&mut rng, user_base, n_runs, max_log2);
+        let (_, starts, reach) = tight_ranges(&runs);
+        let base = encoded(&runs);
+        for case in 0..50 {
+            let (p, m, what) = random_forgery(&mut rng, &base, runs.len(), starts.len());
+            cases.push((
+                format!("round {round} case {case}: {what}"),
+                p,
+                runs.len(),
+                starts[..m].to_vec(),
+                reach[..m].to_vec(),
+            ));
+        }
+        cases.push((format!("round {round}: the valid plan"), base, runs.len(), starts, reach));
+    }
+    let mut input = Vec::new();
+    for (_, plan, n, starts, reach) in &cases {
+        input.extend((*n as u32).to_le_bytes());
+        input.extend(RP_DATA.to_le_bytes());
+        input.extend((starts.len() as u32).to_le_bytes());
+        input.extend(plan);
+        starts.iter().chain(reach).for_each(|v| input.extend(v.to_le_bytes()));
+    }
+    let path = dir.join("cases.bin");
+    std::fs::write(&path, &input).unwrap();
+    let out = std::process::Command::new(&exe).arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.stdout.len(), cases.len(), "one verdict per case");
+    let mut accepted = 0;
+    for ((what, plan, n, starts, reach), &v) in cases.iter().zip(&out.stdout) {
+        let want = cpu_accepts(plan, *n, RP_DATA, starts, reach);
+        assert_eq!(v == b'1', want, "{what}: kernel verdict {}, CPU rules {want}", v == b'1');
+        accepted += usize::from(want);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // Both outcomes in numbers, or the agreement proved little.
+    assert!(accepted >= 200 && cases.len() - accepted >= 1000, "accepted {accepted} of {}", cases.len());
+    println!("{TEST}: {} cases agree ({accepted} accepted)", cases.len());
 }
