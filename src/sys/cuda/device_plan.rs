@@ -136,3 +136,10 @@ fn copy_to_device_and_wait(gpu: &Arc<Gpu>, dst: u64, src: &[u8]) -> Result<(), C
     let _ = unsafe { cu::cuStreamDestroy_v2(stream) };
     copied
 }
+
+// A prepared request may be shared between threads (the reactor and the copy workers): a
+// compile-time check that it stays so.
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<DevicePlan>();
+};
