@@ -30,6 +30,12 @@ impl DevicePlan {
     /// (on a stream of its own, so it waits for nothing else running on the GPU). Made once
     /// per prepared request and chunk, not per launch.
     ///
+    /// For a region plan (the peer scatters by it), the runs must keep the peer's rules
+    /// (kernels/gather_scatter.cu, "Region plans"): every run at least one piece of at least
+    /// one byte, pieces read from the data part of the region only, written to memory the peer
+    /// proved, and the bytes of all pieces together no more than that data part. The encoder
+    /// does not check them; the peer's GPU does, and refuses the whole plan.
+    ///
     /// # Errors
     /// [`CudaError::Plan`] when `runs` cannot be encoded (see `plan.rs`), a driver error when
     /// the allocation or the copy fails.
@@ -136,3 +142,10 @@ fn copy_to_device_and_wait(gpu: &Arc<Gpu>, dst: u64, src: &[u8]) -> Result<(), C
     let _ = unsafe { cu::cuStreamDestroy_v2(stream) };
     copied
 }
+
+// A prepared request may be shared between threads (the reactor and the copy workers): a
+// compile-time check that it stays so.
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<DevicePlan>();
+};

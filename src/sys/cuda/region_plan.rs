@@ -96,10 +96,11 @@ fn plan_address(region_base: u64, plan_off: u64, nruns: u32, starts: &[u64], rea
 /// nothing (every plan is refused).
 ///
 /// # Errors
-/// [`CudaError::Plan`] without queuing anything when `nruns == 0`, `plan_off >= 2^40`, the
-/// plan's end overflows, `starts` and `reach` differ in length, or `starts` is not ascending;
-/// a driver error when a copy or launch cannot be queued (then part of the work may be queued:
-/// wait for the stream before reusing `ctx`; the verdict reads "refused").
+/// [`CudaError::Plan`] without queuing anything (the verdict reads "refused") when
+/// `nruns == 0`, `plan_off >= 2^40`, the plan's end overflows, `starts` and `reach` differ in
+/// length, or `starts` is not ascending; a driver error when a copy or launch cannot be queued
+/// (then part of the work may be queued: wait for the stream before reusing `ctx`; the verdict
+/// reads "refused").
 ///
 /// # Safety
 /// - `kernels` and `ctx` belong to the same GPU, and `ctx` is idle: nothing queued on it earlier
@@ -121,11 +122,9 @@ pub unsafe fn scatter_region_plan(
     starts: &[u64],
     reach: &[u64],
 ) -> Result<(), CudaError> {
-    let plan_addr = plan_address(region_base, plan_off, nruns, starts, reach)?;
-    let nranges = starts.len() as u32; // checked by plan_address
-    let lay = Layout::new(nruns, starts.len());
-    // Until this launch's verdict copy lands, the verdict reads "refused": a launch that failed
-    // half-queued, or a stale verdict of an earlier launch, never reads as passed.
+    // Until this launch's verdict copy lands, the verdict reads "refused": a call refused here,
+    // a launch that failed half-queued, or a stale verdict of an earlier launch, never reads as
+    // passed.
     let mut verdict_host = match ctx.verdict.take() {
         Some(v) => v,
         None => PinnedHost::new(ctx.gpu(), VERDICT_BYTES)?,
@@ -137,6 +136,9 @@ pub unsafe fn scatter_region_plan(
     let verdict_dst = verdict_host.host_ptr();
     ctx.verdict = Some(verdict_host);
     ctx.verdict_limit = plan_off;
+    let plan_addr = plan_address(region_base, plan_off, nruns, starts, reach)?;
+    let nranges = starts.len() as u32; // checked by plan_address
+    let lay = Layout::new(nruns, starts.len());
 
     ctx.ensure_plan_bytes(lay.bytes)?;
     let host = ctx.plan_host.as_mut_slice();
