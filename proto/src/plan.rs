@@ -237,6 +237,9 @@ pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
                 cap = smaller;
             }
             _ => {
+                if cap < params.max_chunk {
+                    p = balanced(descs, params, p)?;
+                }
                 place_region_plans(&mut p, params);
                 return Ok(p);
             }
@@ -244,6 +247,32 @@ pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
     }
     let mut p = packed(descs, PlanParams { max_chunk: cap, ..params })?;
     place_region_plans(&mut p, params);
+    Ok(p)
+}
+
+/// `p`, packed with a cap shrunk to make room for region plans, again with the cap that splits
+/// its bytes evenly over as many chunks, when every chunk still fits with its plan: 64 MiB in
+/// 32 MiB chunks otherwise became two full chunks and a sliver, where three even ones overlap
+/// their gathers, writes and scatters better.
+fn balanced(descs: &[DescPair], params: PlanParams, p: Plan) -> Result<Plan> {
+    let n = p.chunks.len() as u64;
+    if n < 2 {
+        return Ok(p);
+    }
+    let even = p.chunks.iter().map(|c| c.bytes).sum::<u64>().div_ceil(n);
+    // Pieces are not split to fill a chunk to the byte: the exact third of 64 MiB of 4 KiB
+    // pieces packs into four chunks. Try the even share rounded up to ever coarser steps.
+    for step in [params.align, 4 << 10, 64 << 10, 1 << 20] {
+        let cap = even.next_multiple_of(step.max(params.align));
+        if cap >= params.max_chunk {
+            break;
+        }
+        let e = packed(descs, PlanParams { max_chunk: cap, ..params })?;
+        let fits = e.chunks.iter().filter_map(|c| with_region_plan(c, params)).all(|b| b <= params.max_chunk);
+        if e.chunks.len() as u64 == n && fits {
+            return Ok(e);
+        }
+    }
     Ok(p)
 }
 
@@ -1054,6 +1083,10 @@ mod region_plan_tests {
         }
         assert_eq!(pieces, 16384);
         assert!(planned >= 2, "{planned} chunks carry their plans");
+        // Even chunks, not two full ones and a sliver (they overlap their copies better).
+        let data: Vec<u64> = p.chunks.iter().map(Chunk::data_bytes).collect();
+        let (lo, hi) = (data.iter().min().unwrap(), data.iter().max().unwrap());
+        assert!(hi - lo <= 64 * 4096, "uneven chunks: {data:?}");
         // Below the threshold, or with it off, nothing changes.
         let off = plan(&descs, PlanParams::new(32 * MIB)).unwrap();
         assert!(off.chunks.iter().all(|c| c.region_plan.is_none()) && off.chunks.len() == 2);
