@@ -193,7 +193,9 @@ impl CudaCopyEngine {
                     p.allowed.reach(),
                 )?,
                 (None, Some((g, _)), _, Dir::Gather) => cuda::gather_planned(c, &self.kernels, g, region_base)?,
-                (None, _, CopyPath::Kernel(p), Dir::Gather) => cuda::gather(c, &self.kernels, &job.runs, region_base, p)?,
+                (None, _, CopyPath::Kernel(p), Dir::Gather) => {
+                    cuda::gather(c, &self.kernels, &job.runs, region_base, p)?
+                }
                 (None, _, CopyPath::Kernel(p), Dir::Scatter) => {
                     cuda::scatter(c, &self.kernels, &job.runs, region_base, p)?;
                 }
@@ -242,9 +244,10 @@ impl CudaCopyEngine {
 /// Checks a job against the arena, as the CPU workers do: the region inside the arena, every
 /// run inside the region, no address arithmetic that overflows. False means a core bug.
 fn validate(arena_len: u64, job: &CopyJob) -> bool {
-    let plan_inside = job.in_region.as_ref().is_none_or(|p| {
-        p.offset.checked_add(region_plan::plan_bytes(p.runs)).is_some_and(|end| end <= job.region.len)
-    });
+    let plan_inside = job
+        .in_region
+        .as_ref()
+        .is_none_or(|p| p.offset.checked_add(region_plan::plan_bytes(p.runs)).is_some_and(|end| end <= job.region.len));
     plan_inside
         && job.region.offset.checked_add(job.region.len).is_some_and(|end| end <= arena_len)
         && job
