@@ -240,14 +240,25 @@ pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
                 if cap < params.max_chunk {
                     p = balanced(descs, params, p)?;
                 }
-                place_region_plans(&mut p, params);
-                return Ok(p);
+                return with_plans_placed(descs, params, p);
             }
         }
     }
-    let mut p = packed(descs, PlanParams { max_chunk: cap, ..params })?;
+    let p = packed(descs, PlanParams { max_chunk: cap, ..params })?;
+    with_plans_placed(descs, params, p)
+}
+
+/// `p` with its region plans placed; when none can be (smaller chunks merged fewer pieces into
+/// fewer runs than the threshold), the plan packed at full size instead, which the room made for
+/// plans would only have cut into more chunks.
+fn with_plans_placed(descs: &[DescPair], params: PlanParams, mut p: Plan) -> Result<Plan> {
     place_region_plans(&mut p, params);
-    Ok(p)
+    if p.chunks.iter().any(|c| c.region_plan.is_some()) { Ok(p) } else { packed(descs, params) }
+}
+
+/// Chunks of `p` that can carry their plans in their regions.
+fn plan_carriers(p: &Plan, params: PlanParams) -> usize {
+    p.chunks.iter().filter(|c| with_region_plan(c, params).is_some_and(|b| b <= params.max_chunk)).count()
 }
 
 /// `p`, packed with a cap shrunk to make room for region plans, again with the cap that splits
@@ -269,7 +280,8 @@ fn balanced(descs: &[DescPair], params: PlanParams, p: Plan) -> Result<Plan> {
         }
         let e = packed(descs, PlanParams { max_chunk: cap, ..params })?;
         let fits = e.chunks.iter().filter_map(|c| with_region_plan(c, params)).all(|b| b <= params.max_chunk);
-        if e.chunks.len() as u64 == n && fits {
+        // Smaller chunks may fall below the run threshold: never trade plans away for balance.
+        if e.chunks.len() as u64 == n && fits && plan_carriers(&e, params) >= plan_carriers(&p, params) {
             return Ok(e);
         }
     }
@@ -1092,5 +1104,32 @@ mod region_plan_tests {
         assert!(off.chunks.iter().all(|c| c.region_plan.is_none()) && off.chunks.len() == 2);
         let few = plan(&descs, PlanParams { region_plan_runs: 1 << 20, ..params }).unwrap();
         assert_eq!(few, off);
+    }
+}
+
+#[cfg(test)]
+mod region_plan_threshold_tests {
+    use super::*;
+
+    /// 4096 x 16 KiB with destinations in a shuffled layout whose neighbours often share a
+    /// stride (runs of two pieces): two 32 MiB chunks hold ~1,280 runs each, three even ones
+    /// ~850. With the threshold at 1024 the plans cannot ride in the regions of either packing
+    /// that fits, and the plan stays the plain two chunks, not three chunks without plans.
+    #[test]
+    fn room_for_plans_is_not_made_when_no_chunk_could_carry_one() {
+        let slot = |i: u64| (i * 2 + (i / 2) % 2 * 4096) % 8192;
+        let descs: Vec<DescPair> =
+            (0..4096u64).map(|i| DescPair { src: i * 16384, dst: (1 << 40) + slot(i) * 16384, len: 16384 }).collect();
+        let plain = plan(&descs, PlanParams::new(32 << 20)).unwrap();
+        let runs: Vec<usize> = plain.chunks.iter().map(|c| c.scatter.len()).collect();
+        let threshold = u32::try_from(runs.iter().min().unwrap() - 1).unwrap();
+        // A threshold just under the two chunks' runs: any smaller packing has fewer runs.
+        let p = plan(&descs, PlanParams { region_plan_runs: threshold, ..PlanParams::new(32 << 20) }).unwrap();
+        // The packing with room for plans has three chunks of fewer runs, none at the threshold.
+        let three = plan(&descs, PlanParams::new(22 << 20)).unwrap();
+        assert!(three.chunks.len() == 3 && three.chunks.iter().all(|c| (c.scatter.len() as u32) < threshold));
+        assert_eq!(p, plain, "runs of the plain chunks {runs:?}");
+        let high = plan(&descs, PlanParams { region_plan_runs: 1 << 20, ..PlanParams::new(32 << 20) }).unwrap();
+        assert_eq!(high, plain);
     }
 }
