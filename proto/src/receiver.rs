@@ -489,15 +489,7 @@ impl Receiver {
         if let Err(fault) = checked {
             return self.refuse_data(ctx, from, &data, fault);
         }
-        if let Err(e) = ctx.sched.begin_scatter(key, data.region.offset) {
-            internal_error("begin_scatter after a successful validation", &e);
-            return Ok(());
-        }
-        let job = ctx.job();
-        if let Some(flow) = self.flows.get_mut(&key) {
-            flow.scattering += 1;
-            flow.deadline = ctx.now + self.idle_timeout;
-        }
+        let Some(job) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
         // Validation checked every run's span, so this fold cannot see a `None`.
         let span = data
             .runs
@@ -526,6 +518,20 @@ impl Receiver {
         Ok(())
     }
 
+    /// Marks `region` of flow `key` as scattering (a DATA passed its checks) and returns the
+    /// job that will scatter it; `None` only on a scheduler inconsistency (logged).
+    fn begin_scatter(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, region: Region) -> Option<JobId> {
+        if let Err(e) = ctx.sched.begin_scatter(key, region.offset) {
+            internal_error("begin_scatter after a successful validation", &e);
+            return None;
+        }
+        if let Some(flow) = self.flows.get_mut(&key) {
+            flow.scattering += 1;
+            flow.deadline = ctx.now + self.idle_timeout;
+        }
+        Some(ctx.job())
+    }
+
     /// A DATA whose runs lie in its region: the plan must fill the end of the chunk's bytes
     /// (all of them written, none beyond); the copy engine checks the runs themselves against
     /// the data before the plan and the flow's proven registrations as they are now.
@@ -547,15 +553,7 @@ impl Receiver {
             // Nothing left that the peer may write: every run would fail.
             return self.refuse_data(ctx, from, &data, DataFault::RunOutsideRegistered { index: 0 });
         };
-        if let Err(e) = ctx.sched.begin_scatter(key, data.region.offset) {
-            internal_error("begin_scatter of a checked region", &e);
-            return Ok(());
-        }
-        let job = ctx.job();
-        if let Some(flow) = self.flows.get_mut(&key) {
-            flow.scattering += 1;
-            flow.deadline = ctx.now + self.idle_timeout;
-        }
+        let Some(job) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
         // The scatter may touch any proven registration: a deregistration inside the hull dooms
         // it (conservative; the runs are not known here).
         let (token, chunk, region) = (data.token, data.chunk, data.region);

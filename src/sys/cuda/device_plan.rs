@@ -89,13 +89,8 @@ pub unsafe fn gather_planned(
     plan: &DevicePlan,
     region_base: u64,
 ) -> Result<(), CudaError> {
-    if plan.shape.tiles == 0 {
-        return Ok(());
-    }
-    // SAFETY: `kernels.gather` is the gather kernel; the plan is `encode`'s output in VRAM
-    // that nobody writes after `upload` and that outlives the launch (caller's contract), as
-    // do the pieces.
-    unsafe { queue_copy_kernel(ctx, kernels, kernels.gather, &plan.shape, plan.ptr(), region_base) }
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { queue_planned(ctx, kernels, kernels.gather, plan, region_base) }
 }
 
 /// Queues a scatter of the region at `region_base` into `plan`'s runs (user pieces) on `ctx`'s
@@ -111,11 +106,25 @@ pub unsafe fn scatter_planned(
     plan: &DevicePlan,
     region_base: u64,
 ) -> Result<(), CudaError> {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { queue_planned(ctx, kernels, kernels.scatter, plan, region_base) }
+}
+
+/// # Safety
+/// As for [`gather_planned`]; `f` is the gather or the scatter kernel of `kernels`.
+unsafe fn queue_planned(
+    ctx: &mut ExecContext,
+    kernels: &Kernels,
+    f: cu::CUfunction,
+    plan: &DevicePlan,
+    region_base: u64,
+) -> Result<(), CudaError> {
     if plan.shape.tiles == 0 {
         return Ok(());
     }
-    // SAFETY: as in `gather_planned`, for the scatter kernel.
-    unsafe { queue_copy_kernel(ctx, kernels, kernels.scatter, &plan.shape, plan.ptr(), region_base) }
+    // SAFETY: `f` is a copy kernel; the plan is `encode`'s output in VRAM that nobody writes
+    // after `upload` and that outlives the launch (caller's contract), as do the pieces.
+    unsafe { queue_copy_kernel(ctx, kernels, f, &plan.shape, plan.ptr(), region_base) }
 }
 
 /// Copies `src` to device address `dst` and waits for the copy only: a temporary non-blocking
