@@ -61,25 +61,55 @@ unsafe extern "C" {
 
 static LOG_INIT: Once = Once::new();
 
+/// True when the environment variable is set to something other than empty or `0`.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 /// Installs the stderr `tracing` subscriber once, filtered by `NIXL_BOUNCE_LOG` (default `warn`).
 /// `NIXL_BOUNCE_LOG_SPANS=1` also logs each span's busy and idle time when it closes (a control
 /// frame's handling, a write, a copy launch): the timeline a trace of the pipeline needs.
+/// `NIXL_BOUNCE_NVTX=1` makes every span of the engine an NVTX range too (see
+/// [`crate::sys::nvtx`]), whatever `NIXL_BOUNCE_LOG` says.
 fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer, filter};
+
     LOG_INIT.call_once(|| {
-        let filter = tracing_subscriber::EnvFilter::try_from_env("NIXL_BOUNCE_LOG")
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-        let spans = match std::env::var("NIXL_BOUNCE_LOG_SPANS") {
-            Ok(v) if !v.is_empty() && v != "0" => tracing_subscriber::fmt::format::FmtSpan::CLOSE,
-            _ => tracing_subscriber::fmt::format::FmtSpan::NONE,
+        let log = EnvFilter::try_from_env("NIXL_BOUNCE_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+        let spans = match env_flag("NIXL_BOUNCE_LOG_SPANS") {
+            true => tracing_subscriber::fmt::format::FmtSpan::CLOSE,
+            false => tracing_subscriber::fmt::format::FmtSpan::NONE,
         };
-        // try_init: a host process may already have installed a global subscriber.
-        let _ = tracing_subscriber::fmt()
+        let fmt = tracing_subscriber::fmt::layer()
             .with_span_events(spans)
-            .with_env_filter(filter)
             .with_writer(std::io::stderr)
             .with_target(false)
             .with_ansi(false)
-            .try_init();
+            .with_filter(log);
+        let (nvtx, nvtx_error) = match env_flag("NIXL_BOUNCE_NVTX") {
+            false => (None, None),
+            true => match crate::sys::nvtx::Nvtx::load(std::env::var("NIXL_BOUNCE_NVTX_LIB").ok().as_deref()) {
+                // Spans only (no events), the engine's own, at every level.
+                Ok(n) => {
+                    let only = filter::Targets::new()
+                        .with_target("nixl_bounce", tracing::Level::TRACE)
+                        .with_target("bounce_proto", tracing::Level::TRACE);
+                    (Some(crate::sys::nvtx::NvtxLayer::new(n).with_filter(only)), None)
+                }
+                Err(e) => (None, Some(e)),
+            },
+        };
+        // try_init: a host process may already have installed a global subscriber.
+        let on = nvtx.is_some();
+        if tracing_subscriber::registry().with(fmt).with(nvtx).try_init().is_ok() {
+            match nvtx_error {
+                Some(e) => tracing::warn!(error = %e, "NIXL_BOUNCE_NVTX=1 but NVTX could not be loaded: no ranges"),
+                None if on => tracing::info!("NVTX ranges on"),
+                None => {}
+            }
+        }
     });
 }
 

@@ -12,5 +12,6 @@ pub mod cuda;
 pub(crate) mod inner_plugin;
 pub mod nixl;
 pub(crate) mod nixl_version;
+pub mod nvtx;
 pub(crate) mod shim;
 pub(crate) mod thread;

@@ -626,6 +626,7 @@ impl Driver {
     fn handle_cmd(&mut self, now: Instant, cmd: Cmd) {
         match cmd {
             Cmd::Submit(p) => {
+                let _span = tracing::trace_span!("submit", handle = p.handle).entered();
                 let peer = self.shared.peers.id(&p.peer);
                 // Two way once the peer said HELLO; one way (answers READ from its mailbox)
                 // when it never loaded us but keeps a mailbox and our arena is host memory.
