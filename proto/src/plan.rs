@@ -100,6 +100,15 @@ impl Chunk {
     pub fn data_bytes(&self) -> u64 {
         self.region_plan.unwrap_or(self.bytes)
     }
+
+    /// Runs in the plan behind the data; 0 without one ([`plan`] places one only for a run
+    /// count that fits a `u32`).
+    pub fn region_plan_runs(&self) -> u32 {
+        match self.region_plan {
+            Some(_) => u32::try_from(self.scatter.len()).unwrap_or(u32::MAX),
+            None => 0,
+        }
+    }
 }
 
 /// The chunks of one transfer, in order.

@@ -93,8 +93,7 @@ impl Xfer {
         let c = &self.plan.chunks[i];
         let chunk = ChunkIdx(u32::try_from(i).unwrap_or(u32::MAX));
         if c.region_plan.is_some() {
-            // `plan` placed it only for a run count that fits a u32.
-            let region_plan_runs = u32::try_from(c.scatter.len()).unwrap_or(u32::MAX);
+            let region_plan_runs = c.region_plan_runs();
             return Data { xfer, token: self.token, chunk, region, runs: Vec::new(), region_plan_runs };
         }
         let runs = if self.planned[i] && !inline { Vec::new() } else { c.scatter.clone() };
@@ -1079,8 +1078,7 @@ fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitErr
         let direct_ok = c.direct.is_none_or(|addr| addr.checked_add(c.bytes).is_some());
         // A region plan fills the region's end exactly, where the receiver looks for it.
         let region_plan_ok = c.region_plan.is_none_or(|off| {
-            let runs = u32::try_from(c.scatter.len()).unwrap_or(u32::MAX);
-            c.direct.is_none() && wire::region_plan::plan_offset(c.bytes, runs) == Some(off)
+            c.direct.is_none() && wire::region_plan::plan_offset(c.bytes, c.region_plan_runs()) == Some(off)
         });
         if c.bytes == 0 || !runs_ok(&c.gather) || !runs_ok(&c.scatter) || !direct_ok || !region_plan_ok {
             return Err(SubmitError::BadChunk { xfer, chunk });

@@ -506,9 +506,8 @@ impl Engine {
         // Two way once the peer said HELLO; else one way, answered through its mailbox, when
         // it keeps one and our arena is host memory (where our READs of it land).
         let host_arena = self.bounce.as_ref().is_some_and(|b| b.arena.device().is_none());
-        let peer_arena = self
-            .peers
-            .bounce_arena(agent)
+        let two_way_arena = self.peers.bounce_arena(agent);
+        let peer_arena = two_way_arena
             .or_else(|| host_arena.then(|| self.peers.one_way_target(agent).map(|(place, _)| place)).flatten());
         let input = GateInput::new(
             &self.config,
@@ -552,7 +551,7 @@ impl Engine {
         let mut params = PlanParams::from_config(&self.config);
         // Plans in regions are for two-way WRITEs: a READ's initiator scatters by its own runs,
         // and one-way flows are not built for them (yet).
-        if read || self.peers.bounce_arena(agent).is_none() {
+        if read || two_way_arena.is_none() {
             params.region_plan_runs = 0;
         }
         match plan::plan(&pairs, params) {

@@ -6,12 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
-use bounce_proto::endpoint::JobId;
-use crossbeam_channel::{Receiver, Sender};
-
-use bounce_proto::endpoint::InRegionPlan;
+use bounce_proto::endpoint::{InRegionPlan, JobId};
 use bounce_proto::wire::region_plan::{self, RegionPlanFault};
 use bounce_proto::{CopyRun, Region};
+use crossbeam_channel::{Receiver, Sender};
 
 use super::kernels;
 use super::{CopyEngine, CopyJob, Dir};

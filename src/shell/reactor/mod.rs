@@ -1010,15 +1010,19 @@ impl Driver {
     }
 
     fn copy(&mut self, job: JobId, dir: Dir, region: Region, runs: JobRuns, in_region: Option<InRegionPlan>) {
-        // A plan in the region is not known yet: it may touch any range the flow proved.
-        let spans: Vec<(u64, u64)> = match &in_region {
-            Some(p) => p.allowed.starts().iter().copied().zip(p.allowed.reach().iter().copied()).collect(),
-            None => runs.runs().iter().filter_map(CopyRun::addr_span).collect(),
+        // A plan in the region is not known yet: it may touch any range the flow proved
+        // (`(starts[i], reach[i])` covers range i and is within the hull). Nothing is collected:
+        // a gather names thousands of runs, and this runs on the reactor for every job.
+        let span = match &in_region {
+            Some(p) => p.allowed.hull(),
+            None => runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d))),
         };
-        let span = spans.iter().copied().reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
         let pin = match span {
             Some(span) => {
-                let touches = |(s, e): (u64, u64)| spans.iter().any(|&(a, b)| a < e && s < b);
+                let touches = |(s, e): (u64, u64)| match &in_region {
+                    Some(p) => p.allowed.starts().iter().zip(p.allowed.reach()).any(|(&a, &b)| a < e && s < b),
+                    None => runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < e && s < b),
+                };
                 match self.shared.fence.pin(span, touches) {
                     Some(pin) => Some(pin),
                     None => {

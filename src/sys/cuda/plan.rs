@@ -1,32 +1,24 @@
 //! The plan a launch reads: the job's copy runs as the kernels want them (48 bytes each), then
 //! the prefix sum of tiles per run. Computed on the host in O(runs), once per job.
+//!
+//! The form is the wire's region plan (`bounce_proto::wire::region_plan`, which a peer writes
+//! behind a chunk's data): one encoder for both, so the kernels and the wire cannot drift apart.
 
 use bounce_proto::CopyRun;
+use bounce_proto::wire::region_plan;
 
 use super::error::CudaError;
 
 /// Bytes per tile: the unit one warp copies. Must equal BOUNCE_TILE in kernels/gather_scatter.cu.
-pub const TILE: u64 = 4096;
+pub const TILE: u64 = region_plan::TILE;
 
-/// One run as the kernels read it. Layout must match `PlanRun` in kernels/gather_scatter.cu.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct PlanRun {
-    region_off: u64,
-    addr: u64,
-    len: u64,
-    region_stride: u64,
-    addr_stride: u64,
-    count: u32,
-    tiles_per_piece: u32,
-}
-
-const RUN_BYTES: usize = std::mem::size_of::<PlanRun>();
-const _: () = assert!(RUN_BYTES == 48);
+// The records are read as native words by the kernels; the wire form is little-endian.
+const _: () = assert!(cfg!(target_endian = "little"), "plans are little-endian");
+const _: () = assert!(region_plan::RECORD_BYTES == 48, "PlanRun in kernels/gather_scatter.cu is 48 bytes");
 
 /// Bytes a plan of `nruns` runs takes: the runs, then `nruns + 1` tile offsets.
 pub fn plan_bytes(nruns: usize) -> usize {
-    nruns * RUN_BYTES + (nruns + 1) * 8
+    nruns * region_plan::RECORD_BYTES as usize + (nruns + 1) * 8
 }
 
 /// Where the parts of an encoded plan are.
@@ -50,41 +42,15 @@ pub fn encode(runs: &[CopyRun], out: &mut [u8]) -> Result<PlanShape, CudaError> 
     if out.len() < bytes {
         return Err(CudaError::Plan("plan buffer too small"));
     }
-    let prefix_off = runs.len() * RUN_BYTES;
-    let (run_area, rest) = out[..bytes].split_at_mut(prefix_off);
-    let (prefixes, total) = rest.split_at_mut(runs.len() * 8);
-    let mut tiles: u64 = 0;
-    // Fixed-size pieces of the output, zipped with the runs: no bounds check per field (a
-    // 5,000-run plan is encoded on the reactor for every scatter).
-    for ((r, slot), prefix) in runs.iter().zip(run_area.chunks_exact_mut(RUN_BYTES)).zip(prefixes.chunks_exact_mut(8)) {
-        let tpp = u32::try_from(r.len.div_ceil(TILE)).map_err(|_| CudaError::Plan("piece too long"))?;
-        let p = PlanRun {
-            region_off: r.region_off,
-            addr: r.addr,
-            len: r.len,
-            region_stride: r.region_stride,
-            addr_stride: r.addr_stride,
-            count: r.count,
-            tiles_per_piece: tpp,
-        };
-        prefix.copy_from_slice(&tiles.to_ne_bytes());
-        tiles = u64::from(tpp)
-            .checked_mul(u64::from(r.count))
-            .and_then(|t| t.checked_add(tiles))
-            .ok_or(CudaError::Plan("tile count overflow"))?;
-        let (words, tail) = slot.split_at_mut(40);
-        for (w, f) in words.chunks_exact_mut(8).zip([p.region_off, p.addr, p.len, p.region_stride, p.addr_stride]) {
-            w.copy_from_slice(&f.to_ne_bytes());
-        }
-        tail[..4].copy_from_slice(&p.count.to_ne_bytes());
-        tail[4..].copy_from_slice(&p.tiles_per_piece.to_ne_bytes());
-    }
-    total.copy_from_slice(&tiles.to_ne_bytes());
+    region_plan::encode(runs, &mut out[..bytes]).ok_or(CudaError::Plan("piece too long or tile count overflow"))?;
+    let mut total = [0; 8];
+    total.copy_from_slice(&out[bytes - 8..bytes]);
+    let tiles = u64::from_le_bytes(total);
     // The kernel's tile arithmetic (total * warp) stays far below 2^64 under this bound.
     if tiles >= 1 << 40 {
         return Err(CudaError::Plan("job too large"));
     }
-    Ok(PlanShape { nruns, prefix_off, bytes, tiles })
+    Ok(PlanShape { nruns, prefix_off: runs.len() * region_plan::RECORD_BYTES as usize, bytes, tiles })
 }
 
 #[cfg(test)]

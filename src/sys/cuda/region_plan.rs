@@ -22,9 +22,6 @@ use super::memory::PinnedHost;
 use super::module::Kernels;
 use super::plan::{TILE, plan_bytes};
 
-// The format is little-endian and `plan.rs` writes native-endian words.
-const _: () = assert!(cfg!(target_endian = "little"), "region plans are little-endian");
-
 /// Regions at or above this many data bytes are refused: it keeps the scatter kernel's tile
 /// arithmetic (at most P tiles, times the warp count) far from 2^64.
 pub const REGION_PLAN_MAX_DATA: u64 = 1 << 40;
