@@ -9,7 +9,9 @@ With --op READ the initiator reads the target's scattered pieces into its packed
 way vLLM's decode side pulls KV); hand staging is a WRITE recipe and is not run then.
 
 Variants (each in its own initiator process, against a target process running peer.py):
-  BOUNCE            the bounce path (bounce_arena_mem=vram)
+  BOUNCE            bounce_arena_mem=vram: between two processes of one host, the same-host path
+                    (one kernel through CUDA IPC mappings of the peer's registrations)
+  BOUNCE bounced    the same with bounce_cuda_ipc=false: the bounce path
   UCX               plain UCX, no progress thread
   UCX+SGL           NIXL_UCX_SGL_ENABLE=1
   UCX best          num_threads=4 + SGL
@@ -19,6 +21,7 @@ Variants (each in its own initiator process, against a target process running pe
   contiguous        one WRITE of the same bytes (the link's ceiling)
 A sample is the time from transfer() (or the staging WRITE) to DONE (or the answer). Also
 --inflight N transfers of 1024 x 4 KiB posted at once: p50 / p99 of their completion times.
+BENCH_TRACE=DIR records both BOUNCE processes' CUDA activity into DIR/*.json (torch.profiler).
 """
 import argparse
 import base64
@@ -36,6 +39,7 @@ sys.path.insert(0, PY)
 VARIANTS = [
     # name, backend, params, env, mode
     ("BOUNCE", "BOUNCE", {"bounce_arena_mem": "vram"}, {}, "scattered"),
+    ("BOUNCE bounced", "BOUNCE", {"bounce_arena_mem": "vram", "bounce_cuda_ipc": "false"}, {}, "scattered"),
     ("UCX", "UCX", {}, {}, "scattered"),
     ("UCX+SGL", "UCX", {}, {"NIXL_UCX_SGL_ENABLE": "1"}, "scattered"),
     ("UCX best (4 thr+SGL)", "UCX", {"num_threads": "4"}, {"NIXL_UCX_SGL_ENABLE": "1"}, "scattered"),
@@ -74,6 +78,8 @@ def child(args):
         peer.send(op="stage_serve", **{"from": "gini"}, n=n, size=size, seed=5,
                   stage_off=lay.dst_bytes, count=args.iters + 2)
     samples = []
+    if backend == "BOUNCE":
+        nixlkit.gpu_trace(f"initiator-{n}x{size}")
     for i in range(args.iters + 2):
         t0 = time.perf_counter()
         if ag.transfer(h) == "ERR":
@@ -146,7 +152,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--peer-gpu", type=int, default=0)
     ap.add_argument("--inflight", type=int, default=64)
-    ap.add_argument("--only", help="run only variants whose name contains this")
+    ap.add_argument("--only", help="run only variants whose name contains this (or one of these, comma-separated)")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--backend")
     ap.add_argument("--params", default="{}")
@@ -167,7 +173,7 @@ def main():
         print(f"{n} x {size} B = {mib:.0f} MiB")
         med = {}
         for name, backend, params, env, mode in VARIANTS:
-            if args.only and args.only not in name or (args.op == "READ" and mode == "staged"):
+            if args.only and not any(o in name for o in args.only.split(",")) or (args.op == "READ" and mode == "staged"):
                 continue
             res = run(name, backend, params, env, mode, n, size, args)
             if not res:
@@ -180,13 +186,16 @@ def main():
             if res["stats"]:
                 s = res["stats"]
                 ok = s.get("stats.bounce_read_ok") if args.op == "READ" else s.get("stats.bounce_ok")
-                extra += f"   chunks={s.get('stats.bounce_chunks')} ok={ok} region_plans={s.get('stats.region_plans_sent')}"
+                extra += (f"   ipc_ok={s.get('stats.ipc_ok')} chunks={s.get('stats.bounce_chunks')} ok={ok} "
+                          f"region_plans={s.get('stats.region_plans_sent')}")
             print(f"  {name:22s} {med[name]*1e3:9.3f} ms  {mib / 1024 / med[name]:8.1f} GiB/s{extra}")
         if "BOUNCE" in med:
             b = med["BOUNCE"]
-            for other in ("UCX", "UCX best (4 thr+SGL)", "hand staging", "contiguous"):
+            for other in ("BOUNCE bounced", "UCX", "UCX best (4 thr+SGL)", "hand staging", "contiguous"):
                 if other in med:
                     print(f"    BOUNCE / {other:22s} = {b / med[other]:.3f}")
+        if "BOUNCE bounced" in med and "hand staging" in med:
+            print(f"    BOUNCE bounced / hand staging    = {med['BOUNCE bounced'] / med['hand staging']:.3f}")
 
 
 if __name__ == "__main__":

@@ -241,10 +241,35 @@ def serve(handlers, idle, active, interval=lambda: 0.0005):
             reply(ok=False, error=f"{type(e).__name__}: {e}")
 
 
+BEFORE_LEAVE = []
+
+
+def gpu_trace(name):
+    """With BENCH_TRACE=DIR (GPU benchmarks), records this process's CUDA activity (CUPTI, through
+    torch.profiler: every kernel and copy in the process, the plugin's included) until `leave`,
+    which writes DIR/NAME.json (Chrome trace). No-op without BENCH_TRACE."""
+    out = os.environ.get("BENCH_TRACE")
+    if not out:
+        return
+    import torch.profiler as tp
+    prof = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+    prof.start()
+
+    def export():
+        prof.stop()
+        os.makedirs(out, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(out, f"{name}.json"))
+
+    BEFORE_LEAVE.append(export)
+
+
 def leave(code=0):
     """Exit without running interpreter teardown: NIXL 1.5.1's bundled networking library can
-    crash at normal exit (see the plugin facts). Engine unload is tested explicitly elsewhere."""
+    crash at normal exit (see the plugin facts). Engine unload is tested explicitly elsewhere.
+    Runs BEFORE_LEAVE first (trace writers)."""
     import sys
+    for f in BEFORE_LEAVE:
+        f()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -50,6 +50,7 @@ def main():
             torch.cuda.set_device(cmd.get("dev", 0))
             torch.cuda.init()
             torch.empty(1, device=f"cuda:{cmd.get('dev', 0)}")
+            nixlkit.gpu_trace(f"target-{cmd['name']}")
         ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
         buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
         if cmd.get("mem", "DRAM") == "VRAM":
