@@ -69,6 +69,9 @@ pub struct Config {
     pub scatter_run_merging: bool,
     /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
     pub direct_writes: bool,
+    /// Copy same-host GPU transfers through CUDA IPC mappings of the peer's registrations
+    /// instead of bouncing them (`bounce_cuda_ipc`).
+    pub cuda_ipc: bool,
     /// Scatter with non-temporal stores (`bounce_streaming_scatter`).
     pub streaming_scatter: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
@@ -423,6 +426,7 @@ impl Config {
             region_plan_runs: u32_of("bounce_region_plan_runs")?,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
+            cuda_ipc: boolean("bounce_cuda_ipc")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
             zmq_host,
@@ -742,6 +746,7 @@ mod tests {
             ("bounce_region_plan_runs", "7"),
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
+            ("bounce_cuda_ipc", "no"),
             ("bounce_streaming_scatter", "off"),
             ("bounce_check_wait_us", "0"),
             ("bounce_zmq_host", "10.0.0.7"),
@@ -770,6 +775,7 @@ mod tests {
             region_plan_runs: 7,
             scatter_run_merging: false,
             direct_writes: false,
+            cuda_ipc: false,
             streaming_scatter: false,
             check_wait: Duration::ZERO,
             zmq_host: "10.0.0.7".into(),

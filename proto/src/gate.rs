@@ -174,6 +174,18 @@ pub fn route(input: &GateInput<'_>) -> Route {
     Route::Bounce
 }
 
+/// The gate for the same-host path (`bounce_cuda_ipc`): the bounce gate's rules, with the
+/// peer's side judged as GPU memory of the remote descriptors' device and no HELLO asked for
+/// (the path needs no peer arena and no control frame, only the peer's IPC handles, which the
+/// caller has checked: `mapped`). Only GPU arenas take it: the kernels copy.
+pub fn route_mapped(input: &GateInput<'_>, mapped: bool) -> Route {
+    if input.arena.mem != MemKind::Vram {
+        return Route::PassThrough(FallbackReason::Mem);
+    }
+    let dev = input.remote.first().map_or(0, |d| d.dev);
+    route(&GateInput { peer_arena: Some(ArenaPlace { mem: MemKind::Vram, dev }), peer_can_bounce: mapped, ..*input })
+}
+
 /// A memory registration made through this engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Registration {
@@ -244,6 +256,60 @@ mod tests {
     fn a_write_of_many_small_dram_descriptors_to_a_ready_peer_bounces() {
         let d = descs(8, 512);
         assert_eq!(route(&input(&d, &d)), Route::Bounce);
+    }
+
+    #[test]
+    fn the_mapped_path_needs_a_gpu_arena_and_the_peers_handles_but_no_hello() {
+        let gpu = ArenaPlace { mem: MemKind::Vram, dev: 1 };
+        let mine: Vec<Desc> = descs(8, 512).into_iter().map(|d| Desc { dev: 1, ..d }).collect();
+        let theirs: Vec<Desc> = descs(8, 512).into_iter().map(|d| Desc { dev: 3, ..d }).collect();
+        let mut i = input(&mine, &theirs);
+        (i.arena, i.peer_arena, i.peer_can_bounce) = (gpu, None, false);
+        (i.local_mem, i.remote_mem) = (Some(MemKind::Vram), Some(MemKind::Vram));
+        assert_eq!(route(&i), Route::PassThrough(FallbackReason::Peer), "no HELLO: no bounce");
+        assert_eq!(route_mapped(&i, true), Route::Bounce, "the peer's GPU is its descriptors' own");
+        assert_eq!(route_mapped(&i, false), Route::PassThrough(FallbackReason::Peer), "no handles");
+        assert_eq!(route_mapped(&GateInput { op: XferOp::Read, ..i }, true), Route::Bounce);
+        assert_eq!(
+            route_mapped(&GateInput { remote_mem: Some(MemKind::Dram), ..i }, true),
+            Route::PassThrough(FallbackReason::Mem)
+        );
+        assert_eq!(
+            route_mapped(&GateInput { arena: HOST, local_mem: Some(MemKind::Dram), ..i }, true),
+            Route::PassThrough(FallbackReason::Mem)
+        );
+        // The thresholds hold as for bouncing.
+        assert_eq!(
+            route_mapped(&GateInput { min_descriptor_count: 9, ..i }, true),
+            Route::PassThrough(FallbackReason::Count)
+        );
+        // Every remote descriptor on one device, every local one on the arena's GPU.
+        let mut mixed = theirs.clone();
+        mixed[5].dev = 2;
+        assert_eq!(route_mapped(&input_with(i, &mine, &mixed), true), Route::PassThrough(FallbackReason::Mem));
+        let mut elsewhere = mine.clone();
+        elsewhere[0].dev = 0;
+        assert_eq!(route_mapped(&input_with(i, &elsewhere, &theirs), true), Route::PassThrough(FallbackReason::Mem));
+    }
+
+    /// `i` with other descriptor lists.
+    fn input_with<'a>(i: GateInput<'_>, local: &'a [Desc], remote: &'a [Desc]) -> GateInput<'a> {
+        let GateInput { bounce_running, op, local_mem, remote_mem, arena, peer_arena, .. } = i;
+        let (min_descriptor_count, max_average_descriptor_size, peer_can_bounce) =
+            (i.min_descriptor_count, i.max_average_descriptor_size, i.peer_can_bounce);
+        GateInput {
+            bounce_running,
+            op,
+            local_mem,
+            remote_mem,
+            arena,
+            peer_arena,
+            local,
+            remote,
+            min_descriptor_count,
+            max_average_descriptor_size,
+            peer_can_bounce,
+        }
     }
 
     #[test]

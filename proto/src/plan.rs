@@ -489,6 +489,24 @@ fn direct_source(gather: &[CopyRun], bytes: u64) -> Option<u64> {
     (off == bytes).then_some(start)
 }
 
+/// Runs that copy every pair's `len` bytes from `src` to `dst` in one launch, no region in
+/// between: a run's `region_off` is the source address and `addr` the destination (a copy
+/// kernel reads its "region" at base 0). The same-host path (`bounce_cuda_ipc`) copies so,
+/// through a mapping of the peer's memory. Zero-length pairs are skipped; pairs are merged
+/// into strided runs as [`plan`] merges pieces (when `merge`).
+///
+/// # Errors
+/// [`PlanError::AddressOverflow`] for a pair whose range wraps the address space,
+/// [`PlanError::PayloadOverflow`] when the total does not fit a `u64`.
+pub fn pair_runs(descs: &[DescPair], merge: bool) -> Result<Vec<CopyRun>> {
+    check_input(descs, PlanParams { max_chunk: u64::MAX, ..PlanParams::new(u64::MAX) })?;
+    let mut runs = Vec::new();
+    for d in descs.iter().filter(|d| d.len > 0) {
+        push_copy(&mut runs, d.src, d.dst, d.len, merge);
+    }
+    Ok(runs)
+}
+
 /// A run list as [`push_copy`] sees it: only its last run matters.
 trait RunList {
     fn last_run(&mut self) -> Option<&mut CopyRun>;
@@ -613,6 +631,62 @@ mod tests {
     fn check(descs: &[DescPair], p: PlanParams, want: &str) {
         let got = render(&plan(descs, p).unwrap());
         assert_eq!(got.trim(), want.trim(), "\n--- got ---\n{got}");
+    }
+
+    #[test]
+    fn pair_runs_copy_source_to_destination_with_no_region_between() {
+        // Contiguous on both sides: one run; equal pieces at equal strides: one strided run;
+        // a source going backwards starts a new run (strides are never negative).
+        let descs = [
+            d(0x1000, 0x9000, 16),
+            d(0x1010, 0x9010, 16),
+            d(0x5000, 0x20000, 8),
+            d(0x5100, 0x20040, 8),
+            d(0x5200, 0x20080, 8),
+            d(0x100, 0x30000, 4),
+            d(0x200, 0x40000, 0),
+        ];
+        let runs = pair_runs(&descs, true).unwrap();
+        let want = [
+            CopyRun { region_off: 0x1000, addr: 0x9000, len: 32, count: 1, region_stride: 0, addr_stride: 0 },
+            CopyRun { region_off: 0x5000, addr: 0x20000, len: 8, count: 3, region_stride: 0x100, addr_stride: 0x40 },
+            CopyRun { region_off: 0x100, addr: 0x30000, len: 4, count: 1, region_stride: 0, addr_stride: 0 },
+        ];
+        assert_eq!(runs, want);
+        // Unmerged: one run per non-empty pair, as given.
+        assert_eq!(pair_runs(&descs, false).unwrap().len(), 6);
+        assert!(matches!(pair_runs(&[d(u64::MAX - 3, 0, 8)], true), Err(PlanError::AddressOverflow { .. })));
+        assert!(matches!(pair_runs(&[d(0, u64::MAX - 3, 8)], true), Err(PlanError::AddressOverflow { .. })));
+    }
+
+    proptest! {
+        /// Every byte a pair names is copied exactly once, to its own destination offset.
+        #[test]
+        fn pair_runs_move_exactly_the_pairs_bytes(pieces in proptest::collection::vec((0u64..64, 1u64..48), 0..40), merge: bool) {
+            let mut descs = Vec::new();
+            let (mut src, mut dst) = (0u64, 1u64 << 20);
+            for (gap, len) in pieces {
+                src += gap;
+                dst += gap / 2;
+                descs.push(d(src, dst, len));
+                src += len;
+                dst += len;
+            }
+            let mut want: Vec<(u64, u64)> =
+                descs.iter().flat_map(|p| (0..p.len).map(move |i| (p.src + i, p.dst + i))).collect();
+            let mut got: Vec<(u64, u64)> = pair_runs(&descs, merge)
+                .unwrap()
+                .iter()
+                .flat_map(|r| {
+                    (0..u64::from(r.count)).flat_map(move |k| {
+                        (0..r.len).map(move |i| (r.region_off + k * r.region_stride + i, r.addr + k * r.addr_stride + i))
+                    })
+                })
+                .collect();
+            want.sort_unstable();
+            got.sort_unstable();
+            prop_assert_eq!(got, want);
+        }
     }
 
     #[test]

@@ -77,13 +77,15 @@ pub fn seed_envelopes() -> Vec<Vec<u8>> {
     samples::sample_envelopes().iter().map(ConnEnvelope::to_vec).collect()
 }
 
-/// Valid public-data envelopes (with and without an inner blob) for the `public_decode` corpus.
+/// Valid public-data envelopes (with and without an inner blob, one with an IPC record) for the
+/// `public_decode` corpus.
 pub fn seed_public() -> Vec<Vec<u8>> {
     let key = crate::types::RegKey([0x42; 32]);
-    [Vec::new(), b"ucx-rkey-blob".to_vec()]
+    let ipc = super::IpcRecord { node: [7; 16], handle: [0x33; 64], alloc_off: 512, addr: 0x7000_0000, len: 1 << 20 };
+    [(Vec::new(), None), (b"ucx-rkey-blob".to_vec(), None), (b"ucx-rkey-blob".to_vec(), Some(ipc))]
         .into_iter()
         .enumerate()
-        .map(|(i, inner)| PublicData { reg: crate::types::RegId(i as u64 + 1), key, inner }.to_vec())
+        .map(|(i, (inner, ipc))| PublicData { reg: crate::types::RegId(i as u64 + 1), key, ipc, inner }.to_vec())
         .collect()
 }
 
