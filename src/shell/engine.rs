@@ -31,6 +31,7 @@ use crate::shell::copy::CopyEngine;
 use crate::shell::copy::cpu::{CpuEngine, HostArena};
 use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
+use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPath};
 use crate::shell::keys::Keys;
 use crate::shell::mailroom::Mailroom;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
@@ -141,6 +142,8 @@ pub(crate) struct Engine {
     gpu: Option<Arc<Gpu>>,
     /// When `getNotifs` last found nothing (busy-poll detection, see [`Engine::take_notifs`]).
     last_empty_notifs: Mutex<Option<Instant>>,
+    /// The same-host path (`bounce_cuda_ipc`, GPU arenas).
+    ipc: Option<IpcPath>,
 }
 
 impl Engine {
@@ -186,6 +189,7 @@ impl Engine {
         };
         let session = RandomState::new().build_hasher().finish() | 1;
         let stats = Arc::new(Stats::default());
+        let ipc = gpu.as_ref().filter(|_| config.cuda_ipc).and_then(|g| IpcPath::new(g, Arc::clone(&stats)));
         let engine = Self {
             agent: p.agent.to_owned(),
             config,
@@ -201,6 +205,7 @@ impl Engine {
             published: Mutex::new(Vec::new()),
             gpu,
             last_empty_notifs: Mutex::new(None),
+            ipc,
         };
         Ok((engine, inner))
     }
@@ -441,6 +446,11 @@ impl Engine {
     pub(crate) fn mem_registered(&self, md: Md, reg: Registration) {
         self.registry.insert(md, reg);
         let key = self.keys.issue(md);
+        if let (Some(ipc), Some(_)) = (&self.ipc, key) {
+            if let Some(rec) = ipc.export(&reg) {
+                self.keys.set_local_ipc(md, rec);
+            }
+        }
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
         // naming a GPU address in DATA must be refused, not dereferenced.
         let serves = self.bounce.as_ref().is_some_and(|b| reg.serves(b.arena.place()));
@@ -522,6 +532,17 @@ impl Engine {
             &r,
             peer_arena.is_some(),
         );
+        // A READ's bytes go the other way: the peer's descriptors are the sources (its gather
+        // runs), ours the destinations (our scatter runs).
+        let read = matches!(op, Some(XferOp::Read));
+        let pair = |(l, r): (&DescView, &DescView)| match read {
+            false => DescPair { src: l.addr, dst: r.addr, len: l.len },
+            true => DescPair { src: r.addr, dst: l.addr, len: l.len },
+        };
+        // Same host, GPU memory, the peer's handles loaded: one kernel, no bounce.
+        if let Some(h) = self.prep_mapped(op, &input, local, remote, agent, pair) {
+            return Some(h);
+        }
         // The gate runs once; `Bounce` without a running reactor cannot happen (the gate checks
         // `bounce_running`), and would count as disabled.
         let sh = match (gate::route(&input), self.shared()) {
@@ -529,17 +550,7 @@ impl Engine {
             (Route::PassThrough(reason), _) => return self.count_fallback(reason),
             (Route::Bounce, None) => return self.count_fallback(FallbackReason::Disabled),
         };
-        // A READ's bytes go the other way: the peer's descriptors are the sources (its gather
-        // runs), ours the destinations (our scatter runs).
-        let read = matches!(op, Some(XferOp::Read));
-        let pairs: Vec<DescPair> = local
-            .iter()
-            .zip(remote)
-            .map(|(l, r)| match read {
-                false => DescPair { src: l.addr, dst: r.addr, len: l.len },
-                true => DescPair { src: r.addr, dst: l.addr, len: l.len },
-            })
-            .collect();
+        let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
         // Where the transfer writes must be registrations whose metadata (and key) we were
         // given: the WANT proves each, and the receiver scatters nowhere else.
         let Some(dests) = self.keys.destinations(remote.iter().map(|d| d.md)) else {
@@ -570,6 +581,26 @@ impl Engine {
         }
     }
 
+    /// The same-host path's request for a transfer the gate would let bounce, when every
+    /// remote descriptor's registration came with an IPC handle this process can map.
+    fn prep_mapped(
+        &self,
+        op: Option<XferOp>,
+        input: &GateInput<'_>,
+        local: &[DescView],
+        remote: &[DescView],
+        agent: &str,
+        pair: impl Fn((&DescView, &DescView)) -> DescPair,
+    ) -> Option<u64> {
+        let ipc = self.ipc.as_ref()?;
+        if !matches!(op, Some(XferOp::Write | XferOp::Read)) || gate::route_mapped(input, true) != Route::Bounce {
+            return None;
+        }
+        let recs = self.keys.remote_ipc(remote.iter().map(|d| d.md))?;
+        let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
+        ipc.prep(agent, &pairs, &recs, matches!(op, Some(XferOp::Read)))
+    }
+
     /// Counts a pass-through and its reason (README "What takes the bounce path"); the request
     /// goes to UCX (`None`).
     fn count_fallback(&self, reason: FallbackReason) -> Option<u64> {
@@ -594,6 +625,9 @@ impl Engine {
     /// [`Error::NoBounce`], or what [`Requests::post`](crate::shell::requests::Requests::post)
     /// refuses.
     pub(crate) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<()> {
+        if let Some(ipc) = self.ipc.as_ref().filter(|_| handle & IPC_HANDLE_BIT != 0) {
+            return ipc.post(handle, notif);
+        }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         let p = sh.requests.post(handle, notif)?;
         sh.inbox.push(Cmd::Submit(p));
@@ -606,6 +640,9 @@ impl Engine {
     /// [`Error::NoBounce`], [`Error::UnknownRequest`], [`Error::NotPosted`], or the transfer's
     /// failure as [`Error::Xfer`].
     pub(crate) fn check(&self, handle: u64) -> Result<Progress> {
+        if let Some(ipc) = self.ipc.as_ref().filter(|_| handle & IPC_HANDLE_BIT != 0) {
+            return ipc.check(handle, self.shim);
+        }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         match sh.requests.check(handle, BUSY_POLL_GAP, self.config.check_wait) {
             None => Err(Error::UnknownRequest(handle)),
@@ -628,6 +665,9 @@ impl Engine {
     /// # Errors
     /// [`Error::NoBounce`], [`Error::UnknownRequest`].
     pub(crate) fn release(&self, handle: u64) -> Result<()> {
+        if let Some(ipc) = self.ipc.as_ref().filter(|_| handle & IPC_HANDLE_BIT != 0) {
+            return ipc.release(handle);
+        }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         match sh.requests.remove(handle) {
             None => Err(Error::UnknownRequest(handle)),
@@ -779,6 +819,8 @@ impl Engine {
     /// a late write cannot land in memory used for something else). Idempotent; afterwards the
     /// engine is plain UCX.
     pub(crate) fn stop(&mut self) {
+        // Its running copies end first; its notifications need the inner engine.
+        drop(self.ipc.take());
         let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) else { return };
         let Bounce { reactor, arena, .. } = b;
         let quiet = reactor.stop();

@@ -7,16 +7,23 @@
 //! envelope apart, hands the inner blob to the inner engine and remembers, by the inner
 //! metadata handle it returns, the key it carried; a transfer bounces only when every remote
 //! descriptor's handle has one (its WANT proves them, see `bounce_proto::proof`).
+//!
+//! A GPU registration may also carry an [`IpcRecord`] (the same-host path, `shell::ipc`): it
+//! travels in the same envelope, waits by the registration's id and key until the inner engine
+//! has loaded the blob, and is then kept by the inner remote handle, like the key.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bounce_proto::proof::Destination;
-use bounce_proto::wire::PublicData;
+use bounce_proto::wire::{IpcRecord, PublicData};
 use bounce_proto::{RegId, RegKey};
 use parking_lot::Mutex;
 
 use crate::sys::shim::Md;
+
+/// Most peers' IPC records waiting for their load at once.
+const MAX_PENDING_IPC: usize = 1 << 16;
 
 /// Our registrations' ids and keys, and the keys peers published for theirs.
 #[derive(Debug, Default)]
@@ -25,6 +32,12 @@ pub(crate) struct Keys {
     local: Mutex<HashMap<Md, Destination>>,
     /// Peers' registrations we loaded, by the inner engine's remote handle.
     remote: Mutex<HashMap<Md, Destination>>,
+    /// Our registrations' IPC exports, by the inner engine's handle.
+    local_ipc: Mutex<HashMap<Md, IpcRecord>>,
+    /// Peers' IPC records taken out of an envelope, waiting for the inner engine's load.
+    pending_ipc: Mutex<HashMap<Destination, IpcRecord>>,
+    /// Peers' IPC records, by the inner engine's remote handle.
+    remote_ipc: Mutex<HashMap<Md, IpcRecord>>,
     next_id: AtomicU64,
     /// A blob without our envelope was loaded (logged once).
     foreign_seen: AtomicBool,
@@ -51,14 +64,23 @@ impl Keys {
 
     /// Forgets our registration `md`; returns what it had.
     pub(crate) fn forget_local(&self, md: Md) -> Option<Destination> {
+        self.local_ipc.lock().remove(&md);
         self.local.lock().remove(&md)
     }
 
+    /// Publishes `ipc` with our registration `md` from now on.
+    pub(crate) fn set_local_ipc(&self, md: Md, ipc: IpcRecord) {
+        self.local_ipc.lock().insert(md, ipc);
+    }
+
     /// The public data to publish for our registration `md`: the inner engine's `inner`
-    /// wrapped with the registration's id and key (unwrapped when it has none).
+    /// wrapped with the registration's id, key and IPC record (unwrapped when it has no key).
     pub(crate) fn public_data(&self, md: Md, inner: &[u8]) -> Vec<u8> {
         match self.local(md) {
-            Some(d) => PublicData { reg: d.reg, key: d.key, inner: inner.to_vec() }.to_vec(),
+            Some(d) => {
+                let ipc = self.local_ipc.lock().get(&md).copied();
+                PublicData { reg: d.reg, key: d.key, ipc, inner: inner.to_vec() }.to_vec()
+            }
             None => inner.to_vec(),
         }
     }
@@ -68,7 +90,18 @@ impl Keys {
     /// with no key: such destinations never bounce.
     pub(crate) fn split_remote(&self, blob: &[u8]) -> (Vec<u8>, Option<Destination>) {
         match PublicData::decode(blob) {
-            Ok(p) => (p.inner, Some(Destination { reg: p.reg, key: p.key })),
+            Ok(p) => {
+                let dest = Destination { reg: p.reg, key: p.key };
+                if let Some(ipc) = p.ipc {
+                    let mut pending = self.pending_ipc.lock();
+                    // A blob whose load failed leaves its record here; bound what that costs.
+                    if pending.len() >= MAX_PENDING_IPC {
+                        pending.clear();
+                    }
+                    pending.insert(dest, ipc);
+                }
+                (p.inner, Some(dest))
+            }
             Err(e) => {
                 if !self.foreign_seen.swap(true, Ordering::Relaxed) {
                     tracing::info!(error = %e, "loading remote metadata without BOUNCE keys: transfers into it stay on UCX");
@@ -80,12 +113,34 @@ impl Keys {
 
     /// The inner engine loaded a peer's registration as `md`, carrying `dest`.
     pub(crate) fn remote_loaded(&self, md: Md, dest: Destination) {
+        if let Some(ipc) = self.pending_ipc.lock().remove(&dest) {
+            self.remote_ipc.lock().insert(md, ipc);
+        }
         self.remote.lock().insert(md, dest);
     }
 
     /// NIXL unloaded remote metadata `md`.
     pub(crate) fn remote_unloaded(&self, md: Md) {
+        self.remote_ipc.lock().remove(&md);
         self.remote.lock().remove(&md);
+    }
+
+    /// The IPC records of the remote descriptors' registrations `mds`, one per descriptor, when
+    /// every one has one (`None` otherwise: the same-host path is not open to the transfer).
+    pub(crate) fn remote_ipc(&self, mds: impl IntoIterator<Item = Md>) -> Option<Vec<IpcRecord>> {
+        let remote = self.remote_ipc.lock();
+        let mut last: Option<(Md, IpcRecord)> = None;
+        mds.into_iter()
+            .map(|md| match last {
+                // descriptors of one registration come in runs: skip the lookups
+                Some((m, r)) if m == md => Some(r),
+                _ => {
+                    let r = *remote.get(&md)?;
+                    last = Some((md, r));
+                    Some(r)
+                }
+            })
+            .collect()
     }
 
     /// The distinct destinations the remote descriptors `mds` write into, when every one is
@@ -131,5 +186,30 @@ mod tests {
         assert_eq!(theirs.destinations([Md(10)]), None);
         assert_eq!(ours.forget_local(Md(1)), Some(d));
         assert_eq!(ours.public_data(Md(1), b"rkey"), b"rkey", "no key, no envelope");
+    }
+
+    #[test]
+    fn an_ipc_record_travels_with_its_key_and_is_kept_by_the_loaded_handle() {
+        let (ours, theirs) = (Keys::default(), Keys::default());
+        let d = ours.issue(Md(1)).expect("randomness");
+        let e = ours.issue(Md(2)).expect("randomness");
+        let ipc = IpcRecord { node: [1; 16], handle: [2; 64], alloc_off: 0, addr: 0x1000, len: 64 };
+        ours.set_local_ipc(Md(1), ipc);
+        let (inner, got) = theirs.split_remote(&ours.public_data(Md(1), b"rkey"));
+        assert_eq!((inner.as_slice(), got), (&b"rkey"[..], Some(d)));
+        let (_, got_e) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
+        assert_eq!(got_e, Some(e));
+        assert_eq!(theirs.remote_ipc([Md(10)]), None, "not loaded yet");
+        theirs.remote_loaded(Md(10), d);
+        theirs.remote_loaded(Md(11), e);
+        assert_eq!(theirs.remote_ipc([Md(10), Md(10)]), Some(vec![ipc, ipc]));
+        assert_eq!(theirs.remote_ipc([Md(10), Md(11)]), None, "registration 2 has no record");
+        theirs.remote_unloaded(Md(10));
+        assert_eq!(theirs.remote_ipc([Md(10)]), None);
+        assert_eq!(ours.forget_local(Md(1)), Some(d));
+        ours.issue(Md(1)).expect("randomness");
+        let (_, again) = theirs.split_remote(&ours.public_data(Md(1), b"rkey"));
+        theirs.remote_loaded(Md(12), again.unwrap());
+        assert_eq!(theirs.remote_ipc([Md(12)]), None, "a forgotten registration's record is gone");
     }
 }

@@ -12,6 +12,7 @@ mod doorbell;
 mod engine;
 mod error;
 mod fence;
+mod ipc;
 mod keys;
 mod mailroom;
 mod peers;

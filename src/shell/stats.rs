@@ -38,6 +38,10 @@ counters! {
     bounce_bytes,
     /// Chunks written straight from user memory (no gather copy).
     chunks_direct,
+    /// Transfers posted on the same-host path (one kernel through CUDA IPC, `bounce_cuda_ipc`).
+    ipc_xfers,
+    /// Of those, the ones that completed successfully.
+    ipc_ok,
     /// Bounce transfers that failed by no-progress timeout (the core's count).
     timeouts,
     /// Requests handed to the inner UCX engine unchanged.

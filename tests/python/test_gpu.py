@@ -1,6 +1,7 @@
 """GPU memory (VRAM -> VRAM) through the bounce path, between real NIXL agents in two processes
 (one process gets no cuda_ipc from UCX): CUDA gather -> one write -> CUDA scatter, byte-exact,
-with the engine's counters proving the path. Runs on the GPU machine (the device tool); on a
+with the engine's counters proving the path; and through the same-host path (one kernel from
+the sources to the peer's destinations, mapped by CUDA IPC). Runs on the GPU machine (the device tool); on a
 machine without a GPU (CI) every test says "skipped: no GPU (...)".
 
 BOUNCE_TEST_PEER_GPU picks the target process's GPU (default 0: both processes share GPU 0;
@@ -22,7 +23,10 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"skipped: {WHY}")
 
 B = "BOUNCE"
 PEER_GPU = int(os.environ.get("BOUNCE_TEST_PEER_GPU", "0"))
-VRAM = {"bounce_arena_mem": "vram"}
+# These tests prove the bounce path: the same-host path (one kernel through CUDA IPC, the default
+# between two processes of one host) is off in them, and proven by the tests at the end.
+VRAM = {"bounce_arena_mem": "vram", "bounce_cuda_ipc": "false"}
+IPC = {"bounce_arena_mem": "vram"}
 TIMEOUT_MS = 3000
 
 
@@ -144,16 +148,18 @@ def test_vram_transfer_larger_than_both_arenas_streams(peer, tmp_path):
     assert s["bounce_ok"] == 1 and s["bounce_chunks"] >= 32, s
 
 
-def test_vram_64_concurrent_transfers_from_8_threads(peer, tmp_path):
+@pytest.mark.parametrize("path", ["bounce", "ipc"])
+def test_vram_64_concurrent_transfers_from_8_threads(peer, tmp_path, path):
     n, size, per_thread, threads = 512, 4096, 8, 8
+    mode = VRAM if path == "bounce" else IPC
     total = per_thread * threads
     lays = [nixlkit.Scattered(n, size, seed=930 + j) for j in range(total)]
     part = lays[0].dst_bytes
     params = {"bounce_min_descriptor_count": "256"}
     p = peer()
-    meta, raddr = p.start(name="g4-rx", size=part * total, seed=931, mem="VRAM", dev=PEER_GPU,
-                          params={**VRAM, **params})
-    ag = nixlkit.agent("g4-tx", params={**VRAM, **params}, threads=True)
+    meta, raddr = p.start(name=f"g4-{path}-rx", size=part * total, seed=931, mem="VRAM", dev=PEER_GPU,
+                          params={**mode, **params})
+    ag = nixlkit.agent(f"g4-{path}-tx", params={**mode, **params}, threads=True)
     srcs = nixlkit.VramBuf(np.concatenate([nixlkit.pattern(940 + j, lays[j].src_bytes)
                                            for j in range(total)]), 0)
     nixlkit.register(ag, srcs)
@@ -168,7 +174,7 @@ def test_vram_64_concurrent_transfers_from_8_threads(peer, tmp_path):
                 lo = ag.get_xfer_descs(lays[j].src_list(nixlkit.addr(srcs) + j * lays[j].src_bytes, 0),
                                        "VRAM")
                 re = ag.get_xfer_descs(lays[j].dst_list(raddr + j * part, PEER_GPU), "VRAM")
-                h = ag.initialize_xfer("WRITE", lo, re, "g4-rx", b"", backends=[B])
+                h = ag.initialize_xfer("WRITE", lo, re, f"g4-{path}-rx", b"", backends=[B])
                 assert ag.transfer(h) != "ERR"
                 nixlkit.wait_xfer(ag, h, deadline=120)
                 ag.release_xfer_handle(h)
@@ -188,7 +194,7 @@ def test_vram_64_concurrent_transfers_from_8_threads(peer, tmp_path):
                             lays[j].expected(nixlkit.pattern(940 + j, lays[j].src_bytes),
                                              before[j * part:(j + 1) * part]), f"transfer {j}")
     s = stats(ag)
-    assert s["bounce_ok"] == total, s
+    assert s["bounce_ok" if path == "bounce" else "ipc_ok"] == total, s
 
 
 def test_vram_peer_killed_mid_transfer_fails_in_bounded_time_then_new_peer_works(peer, tmp_path):
@@ -233,3 +239,79 @@ def test_vram_peer_killed_mid_transfer_fails_in_bounded_time_then_new_peer_works
     nixlkit.assert_same(got, small.expected(nixlkit.pattern(952, lay.src_bytes)[:small.src_bytes],
                                             nixlkit.pattern(963, small.dst_bytes)), "after restart")
     assert stats(ag)["bounce_ok"] == before_ok + 1
+
+
+def ipc_pair(peer, name, tx_bytes, rx_bytes, tx_seed, rx_seed, rx_params=None):
+    """As gpu_pair, with the same-host path on (the default) on both sides unless rx_params
+    says otherwise."""
+    p = peer()
+    meta, raddr = p.start(name=f"{name}-rx", size=rx_bytes, seed=rx_seed, mem="VRAM", dev=PEER_GPU,
+                          params={**IPC, **(rx_params or {})})
+    ag = nixlkit.agent(f"{name}-tx", params=IPC)
+    buf = nixlkit.VramBuf(nixlkit.pattern(tx_seed, tx_bytes), 0)
+    nixlkit.register(ag, buf)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    return ag, p, raddr, buf
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_vram_same_host_transfer_is_one_kernel_byte_exact(peer, tmp_path, op):
+    """Two processes of one host: a 16384 x 4 KiB WRITE (READ) is copied by one kernel through
+    this process's mapping of the peer's registration, posted twice from one prepared request;
+    the notification reaches the peer after each; nothing bounced, nothing went to UCX; every
+    byte of the peer's (our) buffer checked, between the pieces too."""
+    lay = nixlkit.Scattered(16384, 4096, seed=1001)
+    name = f"i1-{op.lower()}"
+    if op == "WRITE":
+        ag, p, raddr, buf = ipc_pair(peer, name, lay.src_bytes, lay.dst_bytes, 1002, 1003)
+        lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(buf), 0), "VRAM")
+        re = ag.get_xfer_descs(lay.dst_list(raddr, PEER_GPU), "VRAM")
+    else:
+        ag, p, raddr, buf = ipc_pair(peer, name, lay.dst_bytes, lay.src_bytes, 1003, 1002)
+        lo = ag.get_xfer_descs(lay.dst_list(nixlkit.addr(buf), 0), "VRAM")
+        re = ag.get_xfer_descs(lay.src_list(raddr, PEER_GPU), "VRAM")
+    h = ag.initialize_xfer(op, lo, re, f"{name}-rx", b"i1-done", backends=[B])
+    for _ in range(2):
+        if op == "READ":
+            buf.fill(nixlkit.pattern(1003, lay.dst_bytes))
+        assert ag.transfer(h) != "ERR"
+        nixlkit.wait_xfer(ag, h, deadline=30)
+        p.call(op="notif_wait", **{"from": f"{name}-tx", "msg": "i1-done"})
+    ag.release_xfer_handle(h)
+    got = remote_host_copy(p, tmp_path) if op == "WRITE" else buf.host()
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1002, lay.src_bytes),
+                                          nixlkit.pattern(1003, lay.dst_bytes)), f"{op} destination")
+    s, t = stats(ag), peer_stats(p)
+    assert s["ipc_xfers"] == 2 and s["ipc_ok"] == 2, s
+    assert s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0, s
+    assert t["bounce_ok"] == 0 and t["ipc_xfers"] == 0, t
+
+
+def test_vram_same_host_mixed_unaligned_sizes(peer, tmp_path):
+    """Pieces of 1..16383 bytes at every alignment: the kernel's byte, word and vector paths
+    across the mapping."""
+    rng = np.random.default_rng(1010)
+    sizes = [int(x) for x in rng.integers(1, 16384, size=2048)]
+    lay = nixlkit.Scattered(len(sizes), 0, seed=1011, sizes=sizes)
+    ag, p, raddr, src = ipc_pair(peer, "i2", lay.src_bytes, lay.dst_bytes, 1012, 1013)
+    vram_write(ag, "i2-rx", lay, src, raddr)
+    got = remote_host_copy(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1012, lay.src_bytes),
+                                          nixlkit.pattern(1013, lay.dst_bytes)), "unaligned")
+    s = stats(ag)
+    assert s["ipc_ok"] == 1 and s["bounce_xfers"] == 0, s
+
+
+def test_vram_peer_without_ipc_handles_keeps_the_bounce_path(peer, tmp_path):
+    """A target that publishes no IPC handles (bounce_cuda_ipc off there) is bounced to,
+    silently, as before."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1021)
+    ag, p, raddr, src = ipc_pair(peer, "i3", lay.src_bytes, lay.dst_bytes, 1022, 1023,
+                                 rx_params={"bounce_cuda_ipc": "false"})
+    vram_write(ag, "i3-rx", lay, src, raddr)
+    got = remote_host_copy(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1022, lay.src_bytes),
+                                          nixlkit.pattern(1023, lay.dst_bytes)), "bounced")
+    s = stats(ag)
+    assert s["ipc_xfers"] == 0 and s["bounce_ok"] == 1, s

@@ -6,7 +6,9 @@
 //! an event and plan buffers each), and the typed launches [`gather`], [`scatter`] and
 //! [`batched_copy`] (the driver's cuMemcpyBatchAsync, for comparison with the kernels); prepared
 //! plans kept in VRAM ([`DevicePlan`], [`gather_planned`], [`scatter_planned`]); and region
-//! plans, the peer's scatter plan checked and used on the GPU ([`scatter_region_plan`]).
+//! plans, the peer's scatter plan checked and used on the GPU ([`scatter_region_plan`]); and
+//! CUDA IPC exports and mappings of registrations for the same-host path ([`ipc_export`],
+//! [`IpcMapping`]).
 //!
 //! Nothing here links against CUDA: cudarc resolves each driver symbol when first called, and
 //! [`Gpu::open`] checks that libcuda can be loaded before the first call (cudarc's loader panics
@@ -17,6 +19,7 @@ mod device_plan;
 mod driver;
 mod error;
 mod exec;
+mod ipc;
 mod launch;
 mod memory;
 mod module;
@@ -28,6 +31,7 @@ pub use device_plan::{DevicePlan, gather_planned, scatter_planned};
 pub use driver::{Gpu, current_device};
 pub use error::CudaError;
 pub use exec::{ExecContext, ExecPool, GpuTimer};
+pub use ipc::{IpcExport, IpcMapping, ipc_export};
 pub use launch::{CopyDir, PlanPlacement, gather, scatter, stage_plan};
 pub use memory::{DeviceAlloc, PinnedHost, alloc_vram};
 pub use module::{GATHER_KERNEL, Kernels, PLAN_CHECK_KERNEL, SCATTER_CHECKED_KERNEL, SCATTER_KERNEL, embedded_ptx};

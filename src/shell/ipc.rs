@@ -1,0 +1,364 @@
+//! The same-host path (`bounce_cuda_ipc`): a GPU transfer between two processes of one host is
+//! copied by one kernel launch, from the sources straight to the destinations, through this
+//! process's CUDA IPC mapping of the peer's registrations. No staging, no credit, no control
+//! frame, and no work in the peer's process.
+//!
+//! Why: on one host the bounce path pays for what the hardware does not need. Measured on one
+//! H200 with two processes (BENCHMARKS.md, session 8): a bounced 16384 x 4 KiB WRITE spends its
+//! GPU time in a gather, a write and a scatter of ~20 us each, but the work queued by one
+//! process started 100-150 us after its launch whenever the other process had used the GPU
+//! last, and a bounced transfer switches processes twice (the target scatters, the initiator
+//! gathers the next). The peer's memory mapped here needs neither.
+//!
+//! Trust: the peer gives its handles only in the registration metadata it publishes (the same
+//! envelope as its keys), and a handle names an allocation the peer exported; every piece is
+//! checked to lie inside the registration its descriptor names before anything is launched. A
+//! peer can do no more to us this way than through UCX's own cuda_ipc transport, which maps the
+//! same allocations from the same handles.
+//!
+//! Completion: SUCCESS once the kernel's event has completed; the notification, if any, is
+//! sent through the inner engine then, so it reaches the peer after the bytes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bounce_proto::MemKind;
+use bounce_proto::endpoint::XferError;
+use bounce_proto::plan::{self, DescPair};
+use bounce_proto::wire::IpcRecord;
+use parking_lot::Mutex;
+
+use crate::shell::registry::Registration;
+use crate::shell::stats::Stats;
+use crate::shell::{Error, Progress, Result};
+use crate::sys::cuda::{self, CudaError, DevicePlan, ExecContext, Gpu, IpcMapping, Kernels};
+use crate::sys::shim::Shim;
+
+/// Request handles of this path carry this bit; the bounce path's never do.
+pub(crate) const IPC_HANDLE_BIT: u64 = 1 << 62;
+
+/// Where a request of this path stands.
+#[derive(Debug)]
+enum State {
+    Prepared,
+    /// Launched; the context's event completes when the copy has.
+    Running(ExecContext, Option<Vec<u8>>),
+    Done(std::result::Result<(), XferError>),
+}
+
+/// A prepared request: the kernel plan in VRAM and the mappings it writes through.
+#[derive(Debug)]
+struct Request {
+    peer: String,
+    read: bool,
+    plan: Arc<DevicePlan>,
+    /// Kept open for as long as the request may launch.
+    _maps: Vec<Arc<IpcMapping>>,
+    state: State,
+}
+
+/// The path of one engine whose arena is on `gpu`.
+#[derive(Debug)]
+pub(crate) struct IpcPath {
+    gpu: Arc<Gpu>,
+    node: [u8; 16],
+    kernels: Kernels,
+    /// Peer allocations mapped so far, by handle; `None`: the driver refused it (a handle of
+    /// this very process, say), never tried again.
+    maps: Mutex<HashMap<[u8; 64], Option<Arc<IpcMapping>>>>,
+    reqs: Mutex<HashMap<u64, Request>>,
+    /// Execution contexts not running a request.
+    idle: Mutex<Vec<ExecContext>>,
+    next: AtomicU64,
+    stats: Arc<Stats>,
+}
+
+impl IpcPath {
+    /// The path for an engine whose arena is on `gpu`; `None` (with the reason logged) when the
+    /// host has no identity to check peers' handles against or the kernels do not load.
+    pub(crate) fn new(gpu: &Arc<Gpu>, stats: Arc<Stats>) -> Option<Self> {
+        let Some(node) = host_identity() else {
+            tracing::info!("no host identity (/proc/sys/kernel/random/boot_id): no same-host path");
+            return None;
+        };
+        match Kernels::load(gpu) {
+            Ok(kernels) => Some(Self {
+                gpu: gpu.clone(),
+                node,
+                kernels,
+                maps: Mutex::default(),
+                reqs: Mutex::default(),
+                idle: Mutex::default(),
+                next: AtomicU64::new(1),
+                stats,
+            }),
+            Err(e) => {
+                tracing::warn!(error = %e, "kernels unavailable: no same-host path");
+                None
+            }
+        }
+    }
+
+    /// The record to publish with our registration `reg` (GPU memory cuMemAlloc made), or
+    /// `None` when it cannot be exported.
+    pub(crate) fn export(&self, reg: &Registration) -> Option<IpcRecord> {
+        if reg.mem != MemKind::Vram || reg.len == 0 {
+            return None;
+        }
+        let e = match cuda::ipc_export(&self.gpu, reg.addr) {
+            Ok(e) => e,
+            Err(err) => {
+                tracing::debug!(addr = reg.addr, error = %err, "GPU registration not exportable: no same-host path to it");
+                return None;
+            }
+        };
+        let alloc_off = reg.addr.checked_sub(e.base)?;
+        // The whole registration inside the one allocation: a mapping reaches nothing else.
+        (alloc_off.checked_add(reg.len)? <= e.len).then_some(IpcRecord {
+            node: self.node,
+            handle: e.handle,
+            alloc_off,
+            addr: reg.addr,
+            len: reg.len,
+        })
+    }
+
+    /// Prepares a transfer of `descs` (sources and destinations as NIXL gave them: ours and
+    /// the peer's addresses), `ipc[i]` the record of descriptor i's remote registration.
+    /// `None` when the path cannot take it (another host, a piece outside its registration, a
+    /// handle the driver refuses): the caller bounces it or hands it to UCX.
+    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], ipc: &[IpcRecord], read: bool) -> Option<u64> {
+        if descs.len() != ipc.len() {
+            return None;
+        }
+        let mut maps: Vec<Arc<IpcMapping>> = Vec::new();
+        let mut mapped = Vec::with_capacity(descs.len());
+        let mut last: Option<(&IpcRecord, u64)> = None;
+        for (d, rec) in descs.iter().zip(ipc) {
+            let base = match last {
+                Some((r, base)) if r == rec => base,
+                _ => {
+                    let m = self.map(rec)?;
+                    let base = m.ptr().checked_add(rec.alloc_off)?;
+                    if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                        maps.push(m);
+                    }
+                    last = Some((rec, base));
+                    base
+                }
+            };
+            let remote = if read { d.src } else { d.dst };
+            let local = translate(rec, base, remote, d.len)?;
+            mapped.push(if read { DescPair { src: local, ..*d } } else { DescPair { dst: local, ..*d } });
+        }
+        let runs = match plan::pair_runs(&mapped, true) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(peer, error = %e, "cannot plan a same-host copy");
+                return None;
+            }
+        };
+        let plan = match DevicePlan::upload(&self.gpu, &runs) {
+            Ok(p) => Arc::new(p),
+            Err(e) => {
+                tracing::warn!(peer, error = %e, "cannot upload a same-host copy plan");
+                return None;
+            }
+        };
+        let h = IPC_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
+        let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, state: State::Prepared };
+        self.reqs.lock().insert(h, req);
+        Some(h)
+    }
+
+    /// The mapping of `rec`'s allocation, opened at first use; `None` for another host's
+    /// record or a handle the driver refuses.
+    fn map(&self, rec: &IpcRecord) -> Option<Arc<IpcMapping>> {
+        if rec.node != self.node {
+            return None;
+        }
+        self.maps
+            .lock()
+            .entry(rec.handle)
+            .or_insert_with(|| match IpcMapping::open(&self.gpu, &rec.handle) {
+                Ok(m) => Some(Arc::new(m)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "peer allocation not mappable here: it keeps the bounce path");
+                    None
+                }
+            })
+            .clone()
+    }
+
+    /// Launches request `h`; the notification goes to the peer once the copy is done.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`], [`Error::RepostActive`], or the launch's failure as
+    /// [`Error::Xfer`] (the request is then done with that error).
+    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>) -> Result<()> {
+        let mut reqs = self.reqs.lock();
+        let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
+        if matches!(req.state, State::Running(..)) {
+            return Err(Error::RepostActive(h));
+        }
+        let failed = if req.read { XferError::ReadFailed } else { XferError::WriteFailed };
+        let launched = self.context().and_then(|mut ctx| {
+            // SAFETY: every piece's source and destination was checked at prep to lie inside a
+            // registration: ours (NIXL checked the local descriptors against them) or the
+            // peer's, reached through its mapping, which `req` keeps open; the plan in VRAM is
+            // kept alive by `req` too, and `release` waits for the launch before dropping
+            // either. `ctx` is idle (taken from the pool, which gets contexts back only once
+            // their event completed). The "region" base is 0: each run's region offset is its
+            // source address (`plan::pair_runs`).
+            unsafe { cuda::scatter_planned(&mut ctx, &self.kernels, &req.plan, 0)? };
+            ctx.record()?;
+            Ok(ctx)
+        });
+        match launched {
+            Ok(ctx) => {
+                Stats::bump(&self.stats.ipc_xfers);
+                req.state = State::Running(ctx, notif);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(peer = req.peer, error = %e, "same-host copy launch failed");
+                req.state = State::Done(Err(failed.clone()));
+                Err(Error::Xfer(failed))
+            }
+        }
+    }
+
+    /// An idle execution context, or a new one.
+    fn context(&self) -> std::result::Result<ExecContext, CudaError> {
+        self.gpu.bind()?;
+        match self.idle.lock().pop() {
+            Some(c) => Ok(c),
+            None => ExecContext::new(&self.gpu, 1),
+        }
+    }
+
+    /// Where request `h` stands; the first check that finds its copy done sends its
+    /// notification through `shim`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`], [`Error::NotPosted`], the copy's failure as [`Error::Xfer`],
+    /// or the notification's as [`Error::Inner`] (the bytes have landed then).
+    pub(crate) fn check(&self, h: u64, shim: Option<Shim>) -> Result<Progress> {
+        let mut reqs = self.reqs.lock();
+        let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
+        let done = match &req.state {
+            State::Prepared => return Err(Error::NotPosted(h)),
+            State::Done(r) => return r.clone().map(|()| Progress::Done).map_err(Error::Xfer),
+            State::Running(ctx, _) => match ctx.is_done() {
+                Ok(false) => return Ok(Progress::InFlight),
+                Ok(true) => Ok(()),
+                Err(e) => {
+                    // A fault inside the kernel: sticky for the CUDA context, as on the bounce path.
+                    tracing::error!(peer = req.peer, error = %e, "same-host copy failed on the device");
+                    Err(if req.read { XferError::ReadFailed } else { XferError::WriteFailed })
+                }
+            },
+        };
+        let State::Running(ctx, notif) = std::mem::replace(&mut req.state, State::Done(done.clone())) else {
+            unreachable!("matched Running above");
+        };
+        if done.is_ok() {
+            self.idle.lock().push(ctx);
+        }
+        done.map_err(Error::Xfer)?;
+        Stats::bump(&self.stats.ipc_ok);
+        if let (Some(msg), Some(shim)) = (notif, shim) {
+            shim.gen_notif(&req.peer, &msg).map_err(|status| Error::Inner { op: "genNotif", status })?;
+        }
+        Ok(Progress::Done)
+    }
+
+    /// Releases request `h`; one still running is waited for (a launched copy cannot be
+    /// called back, and its plan and mappings must outlive it).
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`].
+    pub(crate) fn release(&self, h: u64) -> Result<()> {
+        let req = self.reqs.lock().remove(&h).ok_or(Error::UnknownRequest(h))?;
+        if let State::Running(ctx, _) = req.state {
+            if ctx.synchronize().is_ok() {
+                self.idle.lock().push(ctx);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for IpcPath {
+    fn drop(&mut self) {
+        // Running copies end before their plans and mappings are freed.
+        for (_, req) in self.reqs.lock().drain() {
+            if let State::Running(ctx, _) = req.state {
+                let _ = ctx.synchronize();
+            }
+        }
+    }
+}
+
+/// Where `len` bytes at the peer's `addr` are in this process: `base` is the registration's
+/// first byte as mapped here. `None` unless the whole range lies inside the registration.
+fn translate(rec: &IpcRecord, base: u64, addr: u64, len: u64) -> Option<u64> {
+    let off = addr.checked_sub(rec.addr)?;
+    (off.checked_add(len)? <= rec.len).then_some(())?;
+    base.checked_add(off)
+}
+
+/// This host's identity: its boot id (a handle is meaningless on another host, or after a
+/// reboot).
+fn host_identity() -> Option<[u8; 16]> {
+    let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    parse_uuid(s.trim())
+}
+
+/// The 16 bytes of a textual UUID.
+fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let hex: Vec<u8> = s.bytes().filter(|b| *b != b'-').collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, pair) in hex.chunks(2).enumerate() {
+        out[i] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(addr: u64, len: u64) -> IpcRecord {
+        IpcRecord { node: [0; 16], handle: [0; 64], alloc_off: 0x100, addr, len }
+    }
+
+    #[test]
+    fn a_piece_is_translated_only_inside_its_registration() {
+        let r = rec(0x10_0000, 0x1000);
+        let base = 0x7000_0100; // the mapping's address plus alloc_off
+        assert_eq!(translate(&r, base, 0x10_0000, 0x1000), Some(0x7000_0100));
+        assert_eq!(translate(&r, base, 0x10_0ff0, 0x10), Some(0x7000_10f0));
+        assert_eq!(translate(&r, base, 0x10_0ff0, 0x11), None, "one byte past the end");
+        assert_eq!(translate(&r, base, 0x0f_ffff, 1), None, "one byte before the start");
+        assert_eq!(translate(&r, base, u64::MAX, 2), None);
+        assert_eq!(translate(&rec(0, u64::MAX), u64::MAX - 1, 4, 1), None, "the mapped address overflows");
+    }
+
+    #[test]
+    fn the_host_identity_is_the_boot_ids_bytes() {
+        assert_eq!(
+            parse_uuid("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"),
+            Some([0x0f, 0x1e, 0x2d, 0x3c, 0x4b, 0x5a, 0x69, 0x78, 0x87, 0x96, 0xa5, 0xb4, 0xc3, 0xd2, 0xe1, 0xf0])
+        );
+        assert_eq!(parse_uuid("0f1e2d3c-4b5a"), None);
+        assert_eq!(parse_uuid("zz1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"), None);
+        if std::path::Path::new("/proc/sys/kernel/random/boot_id").exists() {
+            assert!(host_identity().is_some(), "Linux has a boot id");
+        }
+    }
+}
