@@ -4,6 +4,11 @@ in ONE run, two processes, DRAM, a paged KV cache laid out as vLLM lays it out
 
     .venv/bin/python benches/kv_patterns.py [--rounds 15] [--layers 16] [--blocks 512]
         [--per-request 32] [--requests 8] [--block-bytes 4096] [--only pull-one-way]
+        [--mem VRAM]
+
+--mem VRAM (on a GPU machine) puts both caches in GPU memory (one torch tensor per layer, both
+processes on GPU 0) and gives BOUNCE a GPU arena (bounce_arena_mem=vram): between two processes
+of one host that is the same-host path.
 
 Cases: pull (the decode side READs the request's blocks from the prefill side, the READ
 carrying a notification, as vLLM's NIXL connector does) and push (the context side WRITEs them
@@ -40,7 +45,7 @@ sys.path.insert(0, PY)
 
 BACKENDS = ("BOUNCE", "UCX")
 CASES = [(p, m) for p in ("pull", "push") for m in ("two-way", "one-way")]
-PATH_KEYS = ("bounce_xfers", "bounce_ok", "bounce_failed", "passthrough_xfers", "fallback_op",
+PATH_KEYS = ("ipc_xfers", "ipc_ok", "bounce_xfers", "bounce_ok", "bounce_failed", "passthrough_xfers", "fallback_op",
              "fallback_peer", "fallback_count", "fallback_size", "fallback_unproven")
 
 
@@ -75,7 +80,7 @@ def counters(ag, backend):
 class Side:
     """One backend's pair: our agent and cache, the target's agent, the prepared requests."""
 
-    def __init__(self, backend, case, target, layout, reqs):
+    def __init__(self, backend, case, target, layout, reqs, mem):
         import kvcache
         import nixlkit
 
@@ -85,10 +90,12 @@ class Side:
         self.name, self.peer = (f"decode-{tag}", f"prefill-{tag}") if pattern == "pull" else \
             (f"context-{tag}", f"generation-{tag}")
         self.tgt_seed, self.ini_seed = 20, 10
+        params = {"bounce_arena_mem": "vram"} if backend == "BOUNCE" and mem == "VRAM" else None
         r = target.call(op="start", name=self.peer, backend=backend, layout=layout.__dict__,
-                        seed=self.tgt_seed)
-        self.ag = nixlkit.agent(self.name, (backend,))
-        self.cache = kvcache.KvCache(layout, self.ini_seed)
+                        seed=self.tgt_seed, mem=mem, params=params)
+        self.ag = nixlkit.agent(self.name, (backend,), params)
+        self.cache = kvcache.GpuKvCache(layout, self.ini_seed) if mem == "VRAM" else \
+            kvcache.KvCache(layout, self.ini_seed)
         self.cache.register(self.ag, backend)
         self.ag.add_remote_agent(base64.b64decode(r["meta"]))
         if metadata == "two-way":
@@ -105,8 +112,8 @@ class Side:
                 q.dst_blocks if pattern == "pull" else q.src_blocks)]
             theirs = [d for q in group for d in kvcache.block_descs(
                 layout, r["bases"], q.src_blocks if pattern == "pull" else q.dst_blocks)]
-            return self.ag.initialize_xfer(op, self.ag.get_xfer_descs(mine, "DRAM"),
-                                           self.ag.get_xfer_descs(theirs, "DRAM"), self.peer,
+            return self.ag.initialize_xfer(op, self.ag.get_xfer_descs(mine, mem),
+                                           self.ag.get_xfer_descs(theirs, mem), self.peer,
                                            notif, backends=[backend])
 
         self.singles = [prep([q], q.notif) for q in reqs]
@@ -139,7 +146,11 @@ def child(case, args):
     layout = kvcache.KvLayout(args.layers, args.blocks, args.block_bytes)
     reqs = kvcache.make_requests(layout, args.requests, args.per_request, seed=7)
     target = Target()
-    sides = [Side(b, case, target, layout, reqs) for b in BACKENDS]
+    if args.mem == "VRAM":
+        import torch
+        torch.cuda.set_device(0)
+        torch.empty(1, device="cuda:0")  # the GPU current before the agents are made
+    sides = [Side(b, case, target, layout, reqs, args.mem) for b in BACKENDS]
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
@@ -183,6 +194,7 @@ def main():
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--per-request", type=int, default=32, help="blocks per request")
     ap.add_argument("--only", help="run only the cases whose name contains this (pull-one-way, push, ...)")
+    ap.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -193,7 +205,7 @@ def main():
     print(f"KV cache: {args.layers} layers x [K|V] x {args.blocks} blocks of {args.block_bytes} B, "
           f"one registration per layer; {args.requests} requests of {args.per_request} random blocks "
           f"= {descs} descriptors ({descs * args.block_bytes / 2**20:.0f} MiB) each, batch "
-          f"{args.requests * descs} descriptors; DRAM, two processes, {args.rounds} rounds "
+          f"{args.requests * descs} descriptors; {args.mem}, two processes, {args.rounds} rounds "
           f"(interleaved blocks, BOUNCE and UCX alternating first), status polled in a busy loop; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
     failed = False
@@ -202,7 +214,7 @@ def main():
         if args.only and args.only not in name:
             continue
         cmd = [sys.executable, __file__, "--child", f"{pattern}:{metadata}"] + [
-            a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request")
+            a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request", "mem")
             for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
                            stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE)

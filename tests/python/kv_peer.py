@@ -4,9 +4,11 @@ agents, each with its own paged KV cache (kvcache.KvCache), driven by JSON lines
 ("load"), so it can play the target of one-way metadata.
 
 Commands:
-  {"op": "start", "name": N, "backend": B, "params": {...}, "layout": {...}, "seed": S}
+  {"op": "start", "name": N, "backend": B, "params": {...}, "layout": {...}, "seed": S,
+   "mem": "DRAM"|"VRAM", "dev": GPU}
       -> {"meta": b64, "bases": [...]}   an agent N with backend B and a cache of `seed`'s
-         bytes, one registration per layer (bases: the layers' addresses)
+         bytes, one registration per layer (bases: the layers' addresses); VRAM: the layers
+         are tensors on GPU `dev` (kvcache.GpuKvCache)
   {"op": "load", "name": N, "meta": b64}     N adds a remote agent (two-way metadata only)
   {"op": "fill", "name": N, "seed": S}       refill N's cache with `seed`'s bytes
   {"op": "watch", "name": N, "prefix": P, "seed": S}   map the initiator's cache (its layers
@@ -45,8 +47,15 @@ class Side:
     def __init__(self, cmd):
         self.backend = cmd.get("backend", "BOUNCE")
         self.layout = kvcache.KvLayout(**cmd.get("layout", {}))
+        vram = cmd.get("mem", "DRAM") == "VRAM"
+        if vram:
+            # As frameworks do: the GPU is current before the agent is made.
+            import torch
+            torch.cuda.set_device(cmd.get("dev", 0))
+            torch.empty(1, device=f"cuda:{cmd.get('dev', 0)}")
         self.agent = nixlkit.agent(cmd["name"], (self.backend,), cmd.get("params"))
-        self.cache = kvcache.KvCache(self.layout, cmd["seed"])
+        self.cache = (kvcache.GpuKvCache(self.layout, cmd["seed"], cmd.get("dev", 0)) if vram
+                      else kvcache.KvCache(self.layout, cmd["seed"]))
         self.cache.register(self.agent, self.backend)
         self.seen = []
         self.watched = None

@@ -250,3 +250,56 @@ class KvCache:
                 rep.first_bad = (f"layer {layer} {'KV'[kv]} block {block} "
                                  f"({'written' if w[row] else 'untouched'}): {int(per_row[row])} bytes")
         return rep
+
+
+class GpuKvCache(KvCache):
+    """A cache whose layers live in GPU memory, one torch tensor per layer on GPU `dev` (as a
+    framework's KV tensors do). The host layers are its image: filling and overwriting write
+    them and upload; checks download first. Registered as VRAM, one registration per layer."""
+
+    def __init__(self, layout, seed, dev=0):
+        import torch
+        self.dev = dev
+        self.gpu = [torch.empty(layout.layer_bytes, dtype=torch.uint8, device=f"cuda:{dev}")
+                    for _ in range(layout.layers)]
+        super().__init__(layout, seed)
+
+    def _upload(self):
+        import torch
+        for h, g in zip(self.layers, self.gpu):
+            g.copy_(torch.from_numpy(h.view(np.uint8)))
+        torch.cuda.synchronize(self.dev)
+
+    def _download(self):
+        import torch
+        torch.cuda.synchronize(self.dev)
+        for h, g in zip(self.layers, self.gpu):
+            h.view(np.uint8)[:] = g.cpu().numpy()
+
+    def fill(self, seed):
+        super().fill(seed)
+        self._upload()
+
+    def overwrite(self, blocks, seed):
+        super().overwrite(blocks, seed)
+        self._upload()
+
+    def register(self, agent, backend):
+        return [agent.register_memory(
+            agent.get_reg_descs([(g.data_ptr(), g.numel(), self.dev, "")], "VRAM"),
+            backends=[backend]) for g in self.gpu]
+
+    @property
+    def bases(self):
+        return [g.data_ptr() for g in self.gpu]
+
+    def descs(self, blocks):
+        return [(a, n, self.dev) for a, n, _ in block_descs(self.layout, self.bases, blocks)]
+
+    def bad_bytes(self, blocks):
+        self._download()
+        return super().bad_bytes(blocks)
+
+    def check(self):
+        self._download()
+        return super().check()

@@ -315,3 +315,71 @@ def test_vram_peer_without_ipc_handles_keeps_the_bounce_path(peer, tmp_path):
                                           nixlkit.pattern(1023, lay.dst_bytes)), "bounced")
     s = stats(ag)
     assert s["ipc_xfers"] == 0 and s["bounce_ok"] == 1, s
+
+
+@pytest.mark.parametrize("pattern", ["pull", "push"])
+def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern):
+    """Issue 13's patterns on GPU memory: a paged KV cache in VRAM (16 layers x [K|V] x 512
+    blocks of 4 KiB, one registration per layer, as vLLM registers its KV tensors), metadata
+    loaded by the initiator only. pull: the decode side READs 8 requests (1024 descriptors
+    each), then a batch of 8 more, each with a notification; the prefill side overwrites a
+    request's source blocks the moment it sees its notification, so a READ still running then
+    would bring the overwritten bytes. push: the context side WRITEs them; the generation side
+    checks its blocks the moment it sees each notification. Both caches byte-exact at the end,
+    every transfer on the same-host path."""
+    import kvcache
+    from test_kv_patterns import KvPeer
+
+    layout = kvcache.KvLayout(layers=16, blocks=512, block_bytes=4096)
+    ini, tgt = ("decode-gpu", "prefill-gpu") if pattern == "pull" else ("context-gpu", "generation-gpu")
+    p = KvPeer()
+    try:
+        meta, bases = p.start(name=tgt, backend=B, params=IPC, layout=layout.__dict__, seed=200,
+                              mem="VRAM", dev=PEER_GPU)
+        ag = nixlkit.agent(ini, params=IPC)
+        cache = kvcache.GpuKvCache(layout, 100, 0)
+        cache.register(ag, B)
+        ag.add_remote_agent(meta)  # one way: the target never loads ours
+        nixlkit.poll(ag)  # getNotifs publishes the counters
+        before = stats(ag)
+        phases = [(13, False, 100, 200, 300), (14, True, 101, 201, 301)]
+        for req_seed, batch, ini_seed, tgt_seed, reuse in phases:
+            if cache.seed != ini_seed:
+                cache.fill(ini_seed)
+                p.call(op="fill", name=tgt, seed=tgt_seed)
+            reqs = kvcache.make_requests(layout, 8, 32, req_seed)
+            spec = {"count": 8, "blocks": 32, "seed": req_seed}
+            pull = pattern == "pull"
+            p.send(op="serve", name=tgt, **{"from": ini}, requests=spec,
+                   expect=["batch"] if batch else [r.index for r in reqs],
+                   verify=None if pull else "own", src_seed=tgt_seed if pull else ini_seed,
+                   reuse_seed=reuse if pull else None)
+            for group in ([reqs] if batch else [[r] for r in reqs]):
+                notif = b"batch" if batch else group[0].notif
+                mine = [d for r in group for d in cache.descs(r.dst_blocks if pull else r.src_blocks)]
+                theirs = [(a, n, PEER_GPU) for r in group for a, n, _ in
+                          kvcache.block_descs(layout, bases, r.src_blocks if pull else r.dst_blocks)]
+                h = ag.initialize_xfer("READ" if pull else "WRITE", ag.get_xfer_descs(mine, "VRAM"),
+                                       ag.get_xfer_descs(theirs, "VRAM"), tgt, notif, backends=[B])
+                assert ag.transfer(h) != "ERR"
+                nixlkit.wait_xfer(ag, h, deadline=30)
+                ag.release_xfer_handle(h)
+                if pull:
+                    for r in group:
+                        cache.expect_request(r, tgt_seed)
+                    bad = sum(cache.bad_bytes(r.dst_blocks) for r in group)
+                    assert bad == 0, f"requests {[r.index for r in group]}: {bad} bytes wrong after DONE"
+            seen = p.recv()["seen"]
+            assert len(seen) == (1 if batch else 8), seen
+            assert all(s["bad"] in (None, 0) for s in seen), f"a notification came ahead of its bytes: {seen}"
+        rows = 8 * 32 * 2 * layout.layers
+        mine, theirs = cache.check().as_dict(), p.call(op="check", name=tgt)["report"]
+        assert mine["clean"] and theirs["clean"], (mine, theirs)
+        assert (mine if pattern == "pull" else theirs)["written_rows"] == rows, (mine, theirs)
+        nixlkit.poll(ag)
+        after = stats(ag)
+        moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        assert moved.get("ipc_ok") == 9 and moved.get("ipc_xfers") == 9, moved
+        assert moved.get("bounce_xfers", 0) == 0 and moved.get("passthrough_xfers", 0) == 0, moved
+    finally:
+        p.close()
