@@ -12,9 +12,10 @@
 //!
 //! Trust: the peer gives its handles only in the registration metadata it publishes (the same
 //! envelope as its keys), and a handle names an allocation the peer exported; every piece is
-//! checked to lie inside the registration its descriptor names before anything is launched. A
-//! peer can do no more to us this way than through UCX's own cuda_ipc transport, which maps the
-//! same allocations from the same handles.
+//! checked to lie inside the registration its descriptor names, and the registration inside
+//! the allocation as the driver mapped it (not as the peer claims), before anything is
+//! launched. A peer can do no more to us this way than through UCX's own cuda_ipc transport,
+//! which maps the same allocations from the same handles.
 //!
 //! Completion: SUCCESS once the kernel's event has completed; the notification, if any, is
 //! sent through the inner engine then, so it reaches the peer after the bytes.
@@ -140,6 +141,12 @@ impl IpcPath {
                 Some((r, base)) if r == rec => base,
                 _ => {
                     let m = self.map(rec)?;
+                    // The peer's claim (where its registration lies in the allocation, and
+                    // how long it is) must fit what the driver actually mapped.
+                    if rec.alloc_off.checked_add(rec.len).is_none_or(|end| end > m.len()) {
+                        tracing::warn!(peer, "a peer's IPC record claims more than its allocation: not mapped");
+                        return None;
+                    }
                     let base = m.ptr().checked_add(rec.alloc_off)?;
                     if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
                         maps.push(m);

@@ -383,3 +383,94 @@ def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern):
         assert moved.get("bounce_xfers", 0) == 0 and moved.get("passthrough_xfers", 0) == 0, moved
     finally:
         p.close()
+
+
+def test_vram_same_host_record_claiming_more_than_its_allocation_is_not_mapped(peer, tmp_path):
+    """A peer whose metadata claims a registration longer than the allocation the driver maps
+    (its IPC record's length forged to 1 TiB; NIXL's own registration list untouched, so the
+    descriptors stay valid): the initiator does not copy through the mapping but bounces,
+    byte-exact."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1031)
+    p = peer()
+    meta, raddr = p.start(name="i4-rx", size=lay.dst_bytes, seed=1033, mem="VRAM", dev=PEER_GPU, params=IPC)
+    at = meta.find(b"NXBNCREG\x02\x00")
+    assert at >= 0, "the peer's metadata carries no IPC record"
+    length = at + 10 + 8 + 32 + 16 + 64 + 8 + 8  # magic+version, id, key, node, handle, alloc_off, addr
+    assert int.from_bytes(meta[length:length + 8], "little") == lay.dst_bytes
+    forged = meta[:length] + (1 << 40).to_bytes(8, "little") + meta[length + 8:]
+    ag = nixlkit.agent("i4-tx", params=IPC)
+    src = nixlkit.VramBuf(nixlkit.pattern(1032, lay.src_bytes), 0)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(forged)
+    connect(ag, p)
+    vram_write(ag, "i4-rx", lay, src, raddr)
+    got = remote_host_copy(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1032, lay.src_bytes),
+                                          nixlkit.pattern(1033, lay.dst_bytes)), "bounced instead")
+    s = stats(ag)
+    assert s["ipc_xfers"] == 0 and s["bounce_ok"] == 1, s
+
+
+def test_vram_same_host_peer_killed_then_a_new_peer_works(peer, tmp_path):
+    """The peer is killed between two posts of one request: the second resolves (DONE, the
+    bytes going to memory the dead peer's mapping still holds, as through UCX's cuda_ipc, or
+    ERR), never hangs and never breaks this process's CUDA context: a new peer then gets a
+    byte-exact transfer on the same-host path."""
+    lay = nixlkit.Scattered(16384, 4096, seed=1041)
+    ag, p, raddr, src = ipc_pair(peer, "i5", lay.src_bytes, lay.dst_bytes, 1042, 1043)
+    lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(src), 0), "VRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr, PEER_GPU), "VRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, "i5-rx", b"i5", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=30)
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    t0 = time.monotonic()
+    state = "PROC"
+    try:
+        state = ag.transfer(h)
+    except Exception:
+        state = "ERR"
+    while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
+        try:
+            state = ag.check_xfer_state(h)
+        except Exception:
+            state = "ERR"
+    assert state in ("DONE", "ERR"), f"still {state} after {time.monotonic() - t0:.1f} s"
+    print(f"\nsecond post after the peer was killed: {state}")
+    try:
+        ag.release_xfer_handle(h)
+    except Exception:
+        pass
+    ag.remove_remote_agent("i5-rx")
+    p2 = peer()
+    small = nixlkit.Scattered(4096, 4096, seed=1051)
+    meta, raddr2 = p2.start(name="i5-rx2", size=small.dst_bytes, seed=1053, mem="VRAM", dev=PEER_GPU,
+                            params=IPC)
+    ag.add_remote_agent(meta)
+    connect(ag, p2, n=1)
+    before = stats(ag)["ipc_ok"]
+    vram_write(ag, "i5-rx2", small, src, raddr2)
+    got = remote_host_copy(p2, tmp_path, "r2.bin")
+    nixlkit.assert_same(got, small.expected(nixlkit.pattern(1042, lay.src_bytes)[:small.src_bytes],
+                                            nixlkit.pattern(1053, small.dst_bytes)), "after the kill")
+    assert stats(ag)["ipc_ok"] == before + 1
+
+
+def test_vram_same_host_release_while_in_flight_then_again(peer, tmp_path):
+    """Requests released right after their post (a copy cannot be called back: the release
+    waits for it) leave nothing behind: a full transfer afterwards is byte-exact."""
+    lay = nixlkit.Scattered(16384, 4096, seed=1061)
+    ag, p, raddr, src = ipc_pair(peer, "i6", lay.src_bytes, lay.dst_bytes, 1062, 1063)
+    lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(src), 0), "VRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr, PEER_GPU), "VRAM")
+    for _ in range(3):
+        h = ag.initialize_xfer("WRITE", lo, re, "i6-rx", b"", backends=[B])
+        assert ag.transfer(h) != "ERR"
+        ag.release_xfer_handle(h)
+    vram_write(ag, "i6-rx", lay, src, raddr)
+    got = remote_host_copy(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1062, lay.src_bytes),
+                                          nixlkit.pattern(1063, lay.dst_bytes)), "after releases")
+    s = stats(ag)
+    assert s["ipc_xfers"] == 4 and s["bounce_xfers"] == 0, s

@@ -39,6 +39,7 @@ pub fn ipc_export(gpu: &Gpu, addr: u64) -> Result<IpcExport, CudaError> {
 pub struct IpcMapping {
     gpu: Arc<Gpu>,
     ptr: u64,
+    len: u64,
 }
 
 impl IpcMapping {
@@ -57,12 +58,33 @@ impl IpcMapping {
                 cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
             )
         })?;
-        Ok(Self { gpu: gpu.clone(), ptr })
+        let mut m = Self { gpu: gpu.clone(), ptr, len: 0 };
+        // The length the driver mapped, not the one the peer claims: pieces are checked
+        // against it, so a record claiming more than its allocation cannot reach past it.
+        let mut base = 0;
+        let mut len = 0usize;
+        // SAFETY: `ptr` was just mapped in this context; valid out-pointers.
+        check("cuMemGetAddressRange", unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut len, ptr) })?;
+        if base != ptr {
+            return Err(CudaError::Plan("an IPC mapping that does not start its allocation"));
+        }
+        m.len = len as u64;
+        Ok(m)
     }
 
     /// This process's address of the allocation's first byte.
     pub fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// The mapped allocation's length, as the driver reports it.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for an empty mapping (never made by `open`).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
