@@ -196,6 +196,14 @@ pub enum PlanError {
         /// A lower bound of the chunks needed.
         at_least: u64,
     },
+    /// [`plan_segmented`] got segments that are neither one per descriptor nor none.
+    #[error("{segs} segments for {descs} descriptors")]
+    Segments {
+        /// Descriptors given.
+        descs: usize,
+        /// Segments given.
+        segs: usize,
+    },
 }
 
 /// Result of planning.
@@ -219,6 +227,23 @@ pub type Result<T> = std::result::Result<T, PlanError>;
 /// Invalid `params`, an address range that wraps, a payload sum above `u64::MAX`, or more
 /// than `u32::MAX` chunks (mostly caught before any packing or allocation).
 pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
+    plan_segmented(descs, &[], params)
+}
+
+/// [`plan`], where `segs[i]` names the pair of registrations descriptor i lies in (ours and the
+/// peer's): no run merges pieces across a change of it. The receiver checks each run's whole
+/// span against one registration, so a strided run reaching from the last block of one layer
+/// to the first of the next (two registrations, adjacent in memory, the stride equal by
+/// chance or, as with KV blocks at one offset of every layer, always) would be refused.
+/// An empty `segs` is one segment.
+///
+/// # Errors
+/// As [`plan`]; [`PlanError::Segments`] when `segs` is neither empty nor one per descriptor.
+pub fn plan_segmented(descs: &[DescPair], segs: &[u32], params: PlanParams) -> Result<Plan> {
+    if !segs.is_empty() && segs.len() != descs.len() {
+        return Err(PlanError::Segments { descs: descs.len(), segs: segs.len() });
+    }
+    let descs = Descs { pairs: descs, segs };
     params.validate()?;
     if params.region_plan_runs == 0 {
         return packed(descs, params);
@@ -260,7 +285,7 @@ pub fn plan(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
 /// `p` with its region plans placed; when none can be (smaller chunks merged fewer pieces into
 /// fewer runs than the threshold), the plan packed at full size instead, which the room made for
 /// plans would only have cut into more chunks.
-fn with_plans_placed(descs: &[DescPair], params: PlanParams, mut p: Plan) -> Result<Plan> {
+fn with_plans_placed(descs: Descs<'_>, params: PlanParams, mut p: Plan) -> Result<Plan> {
     place_region_plans(&mut p, params);
     if p.chunks.iter().any(|c| c.region_plan.is_some()) { Ok(p) } else { packed(descs, params) }
 }
@@ -274,7 +299,7 @@ fn plan_carriers(p: &Plan, params: PlanParams) -> usize {
 /// its bytes evenly over as many chunks, when every chunk still fits with its plan: 64 MiB in
 /// 32 MiB chunks otherwise became two full chunks and a sliver, where three even ones overlap
 /// their gathers, writes and scatters better.
-fn balanced(descs: &[DescPair], params: PlanParams, p: Plan) -> Result<Plan> {
+fn balanced(descs: Descs<'_>, params: PlanParams, p: Plan) -> Result<Plan> {
     let n = p.chunks.len() as u64;
     if n < 2 {
         return Ok(p);
@@ -321,14 +346,23 @@ fn place_region_plans(p: &mut Plan, params: PlanParams) {
     }
 }
 
+/// The input of [`plan_segmented`].
+#[derive(Clone, Copy)]
+struct Descs<'a> {
+    pairs: &'a [DescPair],
+    /// One per pair, or empty (one segment).
+    segs: &'a [u32],
+}
+
 /// [`plan`] without region plans.
-fn packed(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
-    let total_bytes = check_input(descs, params)?;
+fn packed(descs: Descs<'_>, params: PlanParams) -> Result<Plan> {
+    let total_bytes = check_input(descs.pairs, params)?;
     // Two passes over the same deterministic packing: the first counts each chunk's runs, the
     // second fills lists allocated at exactly that size. Growing the lists instead cost more
     // than the packing itself (reallocation copies and page faults dominate at 16k pieces).
     let mut sizer = Sizer {
         merge: params.merge_runs,
+        last_seg: None,
         gather: RunCounter::default(),
         scatter: RunCounter::default(),
         sizes: Vec::new(),
@@ -338,6 +372,7 @@ fn packed(descs: &[DescPair], params: PlanParams) -> Result<Plan> {
     let (gather, scatter) = sizes.next().unwrap_or_default();
     let mut builder = Builder {
         merge: params.merge_runs,
+        last_seg: None,
         chunks: Vec::with_capacity(sizes.len() + 1),
         gather: Vec::with_capacity(gather),
         scatter: Vec::with_capacity(scatter),
@@ -375,19 +410,21 @@ const MAX_CHUNKS: u64 = u32::MAX as u64;
 
 /// Receiver of the packing decisions of [`pack`].
 trait Sink {
-    /// A piece of `len` bytes at offset `off` of the current chunk, from `src` to `dst`.
-    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64);
+    /// A piece of `len` bytes at offset `off` of the current chunk, from `src` to `dst`, of
+    /// segment `seg` (see [`plan_segmented`]).
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64, seg: u32);
     /// The current (non-empty) chunk is complete, `bytes` long.
     fn close(&mut self, bytes: u64) -> Result<()>;
 }
 
 /// The packing rules of [`plan`], for descriptors that passed [`check_input`].
-fn pack(descs: &[DescPair], params: PlanParams, sink: &mut impl Sink) -> Result<()> {
+fn pack(descs: Descs<'_>, params: PlanParams, sink: &mut impl Sink) -> Result<()> {
     let PlanParams { max_chunk, align, .. } = params;
     // End of the last piece of the current chunk; pieces are never empty, so 0 means the
     // chunk is empty.
     let mut used = 0u64;
-    for d in descs.iter().filter(|d| d.len != 0) {
+    for (i, d) in descs.pairs.iter().enumerate().filter(|(_, d)| d.len != 0) {
+        let seg = descs.segs.get(i).copied().unwrap_or(0);
         let DescPair { mut src, mut dst, len: mut rest } = *d;
         loop {
             // `used <= max_chunk`, but rounding up may still wrap for a huge `max_chunk`: then
@@ -396,12 +433,12 @@ fn pack(descs: &[DescPair], params: PlanParams, sink: &mut impl Sink) -> Result<
             let room = start.map_or(0, |s| max_chunk.saturating_sub(s));
             match start {
                 Some(start) if rest <= room => {
-                    sink.piece(start, src, dst, rest);
+                    sink.piece(start, src, dst, rest, seg);
                     used = start + rest;
                     break;
                 }
                 Some(start) if rest > max_chunk && room > 0 => {
-                    sink.piece(start, src, dst, room);
+                    sink.piece(start, src, dst, room, seg);
                     used = start + room;
                     src += room;
                     dst += room;
@@ -425,15 +462,18 @@ fn pack(descs: &[DescPair], params: PlanParams, sink: &mut impl Sink) -> Result<
 /// First pass: the number of gather and scatter runs of each chunk.
 struct Sizer {
     merge: bool,
+    /// The previous piece's segment: runs merge only within one.
+    last_seg: Option<u32>,
     gather: RunCounter,
     scatter: RunCounter,
     sizes: Vec<(usize, usize)>,
 }
 
 impl Sink for Sizer {
-    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64) {
-        push_copy(&mut self.gather, off, src, len, self.merge);
-        push_copy(&mut self.scatter, off, dst, len, self.merge);
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64, seg: u32) {
+        let merge = self.merge && self.last_seg.replace(seg).is_none_or(|last| last == seg);
+        push_copy(&mut self.gather, off, src, len, merge);
+        push_copy(&mut self.scatter, off, dst, len, merge);
     }
 
     fn close(&mut self, _bytes: u64) -> Result<()> {
@@ -448,6 +488,8 @@ impl Sink for Sizer {
 /// Second pass: the chunks, each list allocated at the size the first pass counted.
 struct Builder {
     merge: bool,
+    /// As [`Sizer::last_seg`]: both passes decide alike.
+    last_seg: Option<u32>,
     chunks: Vec<Chunk>,
     gather: Vec<CopyRun>,
     scatter: Vec<CopyRun>,
@@ -456,9 +498,10 @@ struct Builder {
 }
 
 impl Sink for Builder {
-    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64) {
-        push_copy(&mut self.gather, off, src, len, self.merge);
-        push_copy(&mut self.scatter, off, dst, len, self.merge);
+    fn piece(&mut self, off: u64, src: u64, dst: u64, len: u64, seg: u32) {
+        let merge = self.merge && self.last_seg.replace(seg).is_none_or(|last| last == seg);
+        push_copy(&mut self.gather, off, src, len, merge);
+        push_copy(&mut self.scatter, off, dst, len, merge);
     }
 
     fn close(&mut self, bytes: u64) -> Result<()> {
@@ -631,6 +674,24 @@ mod tests {
     fn check(descs: &[DescPair], p: PlanParams, want: &str) {
         let got = render(&plan(descs, p).unwrap());
         assert_eq!(got.trim(), want.trim(), "\n--- got ---\n{got}");
+    }
+
+    #[test]
+    fn runs_never_merge_across_segments() {
+        // Two "layers" (registrations) back to back, the same block offset in each: one
+        // segment merges the two pieces into a run striding from one layer into the next;
+        // with a segment per layer they stay two runs, each inside its registration.
+        let layer = 0x10_0000;
+        let descs = [d(0x1000, 0x9000_0000 + 0xff000, 4096), d(0x2000, 0x9000_0000 + layer + 0xff000, 4096)];
+        let one = plan(&descs, params(1 << 20, true)).unwrap();
+        assert_eq!(one.chunks[0].scatter.len(), 1, "one segment: merged into a strided run");
+        let two = plan_segmented(&descs, &[0, 1], params(1 << 20, true)).unwrap();
+        assert_eq!(two.chunks[0].scatter.len(), 2);
+        assert_eq!(two.chunks[0].gather.len(), 2, "neither side merges across");
+        // Within one segment nothing changes.
+        let same = plan_segmented(&descs, &[3, 3], params(1 << 20, true)).unwrap();
+        assert_eq!(same.chunks, one.chunks);
+        assert_eq!(plan_segmented(&descs, &[1], params(1 << 20, true)), Err(PlanError::Segments { descs: 2, segs: 1 }));
     }
 
     #[test]

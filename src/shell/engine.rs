@@ -565,7 +565,21 @@ impl Engine {
         if read || two_way_arena.is_none() {
             params.region_plan_runs = 0;
         }
-        match plan::plan(&pairs, params) {
+        // Runs never merge across registrations (either side's): the receiver checks each run
+        // inside one.
+        let mut seg = 0u32;
+        let segs: Vec<u32> = local
+            .iter()
+            .zip(remote)
+            .enumerate()
+            .map(|(i, (l, r))| {
+                if i > 0 && (local[i - 1].md, remote[i - 1].md) != (l.md, r.md) {
+                    seg = seg.wrapping_add(1);
+                }
+                seg
+            })
+            .collect();
+        match plan::plan_segmented(&pairs, &segs, params) {
             Ok(mut p) => {
                 p.dests = dests;
                 p.read = read;
