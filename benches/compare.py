@@ -74,8 +74,11 @@ def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0, 
 
 
 VARIANTS = [
-    # name, backend, contiguous, extra env
+    # name, backend, contiguous, extra env. "BOUNCE scattered" is the plugin as shipped: between
+    # two processes of one host that is the same-host path (CMA); "BOUNCE bounced" turns it off,
+    # as between two hosts.
     ("BOUNCE scattered", "BOUNCE", False, {}),
+    ("BOUNCE bounced", "BOUNCE", False, {"NIXL_BOUNCE_CMA": "0"}),
     ("UCX scattered", "UCX", False, {}),
     ("UCX+SGL scattered", "UCX", False, {"NIXL_UCX_SGL_ENABLE": "1"}),
     ("UCX 1 contiguous", "UCX", True, {}),
@@ -127,13 +130,15 @@ def main():
         q = sorted(res["samples"])
         print(f"  {name:22s} median {med[name]*1e3:8.2f} ms   "
               f"min {q[0]*1e3:8.2f}  max {q[-1]*1e3:8.2f}   {mib / med[name] / 1024:6.2f} GiB/s"
-              + (f"   chunks={res['stats'].get('stats.bounce_chunks')}" if res["stats"] else ""))
+              + (f"   chunks={res['stats'].get('stats.bounce_chunks')} cma={res['stats'].get('stats.cma_ok')}"
+                 if res["stats"] else ""))
     if args.only:
         return
     b = med["BOUNCE scattered"]
     print("ratios:")
     print(f"  BOUNCE / UCX scattered       = {b / med['UCX scattered']:.3f}   (goal <= 0.4)")
     print(f"  BOUNCE / UCX+SGL scattered   = {b / med['UCX+SGL scattered']:.3f}   (goal <= 0.4)")
+    print(f"  BOUNCE bounced / UCX scattered = {med['BOUNCE bounced'] / med['UCX scattered']:.3f}")
     print(f"  BOUNCE / UCX 1 contiguous    = {b / med['UCX 1 contiguous']:.3f}   (goal <= 2.5)")
     print(f"  BOUNCE 1 contig / UCX 1 contig = "
           f"{med['BOUNCE 1 contiguous'] / med['UCX 1 contiguous']:.3f}   (pass-through overhead, goal ~1)")

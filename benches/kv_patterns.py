@@ -15,8 +15,9 @@ carrying a notification, as vLLM's NIXL connector does) and push (the context si
 into the generation side with a notification, as the reference design does), each with
 metadata loaded both ways (two-way) and by the initiator only (one-way: the target never calls
 add_remote_agent). Each case runs in a child process (the initiator) against a target process
-(tests/python/kv_peer.py); both hold one agent per backend, each with its own cache, and the
-backends are measured in interleaved blocks (a round: one block per backend, the order
+(tests/python/kv_peer.py); both hold one agent per variant (BOUNCE as shipped, which between
+processes of one host takes the same-host path; "BOUNCE bounced", that path off, as between two
+hosts; UCX), each with its own cache, and the variants are measured in interleaved blocks (a round: one block per backend, the order
 alternating), so machine noise lands on both alike.
 
 A block: the 8 requests one by one (1024 descriptors each with the defaults), then one batch of
@@ -43,9 +44,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
 
-BACKENDS = ("BOUNCE", "UCX")
+# (name, backend, params): "BOUNCE" as shipped (between processes of one host, the same-host
+# path: CMA for host memory, CUDA IPC for GPU memory), "BOUNCE bounced" with that path off (what
+# two hosts get), and plain UCX.
+VARIANTS = (("BOUNCE", "BOUNCE", {}), ("BOUNCE bounced", "BOUNCE", {"bounce_cma": "false", "bounce_cuda_ipc": "false"}),
+            ("UCX", "UCX", {}))
+BACKENDS = tuple(v[0] for v in VARIANTS)
 CASES = [(p, m) for p in ("pull", "push") for m in ("two-way", "one-way")]
-PATH_KEYS = ("ipc_xfers", "ipc_ok", "bounce_xfers", "bounce_ok", "bounce_failed", "passthrough_xfers", "fallback_op",
+PATH_KEYS = ("cma_xfers", "cma_ok", "ipc_xfers", "ipc_ok", "bounce_xfers", "bounce_ok", "bounce_failed", "passthrough_xfers", "fallback_op",
              "fallback_peer", "fallback_count", "fallback_size", "fallback_unproven")
 
 
@@ -80,17 +86,18 @@ def counters(ag, backend):
 class Side:
     """One backend's pair: our agent and cache, the target's agent, the prepared requests."""
 
-    def __init__(self, backend, case, target, layout, reqs, mem):
+    def __init__(self, variant, case, target, layout, reqs, mem):
         import kvcache
         import nixlkit
 
         pattern, metadata = case
+        self.variant, backend, extra = variant
         self.backend = backend
-        tag = f"{pattern}-{metadata}-{backend}"
+        tag = f"{pattern}-{metadata}-{self.variant.replace(' ', '-')}"
         self.name, self.peer = (f"decode-{tag}", f"prefill-{tag}") if pattern == "pull" else \
             (f"context-{tag}", f"generation-{tag}")
         self.tgt_seed, self.ini_seed = 20, 10
-        params = {"bounce_arena_mem": "vram"} if backend == "BOUNCE" and mem == "VRAM" else None
+        params = {**({"bounce_arena_mem": "vram"} if backend == "BOUNCE" and mem == "VRAM" else {}), **extra} or None
         r = target.call(op="start", name=self.peer, backend=backend, layout=layout.__dict__,
                         seed=self.tgt_seed, mem=mem, params=params)
         self.ag = nixlkit.agent(self.name, (backend,), params)
@@ -150,7 +157,7 @@ def child(case, args):
         import torch
         torch.cuda.set_device(0)
         torch.empty(1, device="cuda:0")  # the GPU current before the agents are made
-    sides = [Side(b, case, target, layout, reqs, args.mem) for b in BACKENDS]
+    sides = [Side(v, case, target, layout, reqs, args.mem) for v in VARIANTS]
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
@@ -173,7 +180,7 @@ def child(case, args):
             after = counters(s.ag, s.backend)
             path = {k: after.get(k, 0) - s.before.get(k, 0) for k in PATH_KEYS
                     if after.get(k, 0) != s.before.get(k, 0)}
-        out[s.backend] = {"single": s.single_s, "batch": s.batch_s, "path": path,
+        out[s.variant] = {"single": s.single_s, "batch": s.batch_s, "path": path,
                           "exact": mine["clean"] and theirs["clean"], "mine": mine, "theirs": theirs}
     print("RESULT " + json.dumps(out), flush=True)
     target.call(op="exit")
@@ -230,13 +237,14 @@ def main():
             med[b] = statistics.median(x["batch"])
             p50, p99 = pct(x["single"], 50), pct(x["single"], 99)
             failed |= not x["exact"]
-            print(f"  {b:6s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
+            print(f"  {b:14s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
                   f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}   "
                   f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
-        b = res["BOUNCE"]["single"]
-        print(f"  BOUNCE / UCX batch = {med['BOUNCE'] / med['UCX']:.3f} (goal <= 0.4)   BOUNCE request "
-              f"p99/p50 = {pct(b, 99) / pct(b, 50):.2f} (goal <= 1.5)   BOUNCE engine's path: "
-              f"{json.dumps(res['BOUNCE']['path'])}")
+        for name in ("BOUNCE", "BOUNCE bounced"):
+            b = res[name]["single"]
+            print(f"  {name} / UCX batch = {med[name] / med['UCX']:.3f} (goal <= 0.4)   request "
+                  f"p99/p50 = {pct(b, 99) / pct(b, 50):.2f} (goal <= 1.5)   engine's path: "
+                  f"{json.dumps(res[name]['path'])}")
     if failed:
         raise SystemExit("a transfer was not byte-exact")
 

@@ -17,6 +17,12 @@ ACTIVE_PACE_US = 500  # the target's notification poll while a measurement runs 
 IDLE_PACE_US = 5000  # and between measurements, so idle pairs leave the cores to the others
 
 
+
+# The sweep maps the bounce path (the gate's thresholds come from it): the same-host path,
+# which BOUNCE takes between two processes of one host by default, is off unless the
+# environment or a variant (`NAME=BOUNCE:NIXL_BOUNCE_CMA=1`) turns it on.
+SWEEP_ENV = {"NIXL_BOUNCE_CMA": "0"}
+
 class Worker:
     """A benches/sweep/worker.py process (stderr, NIXL's and BOUNCE's log, to `log_path`)."""
 
@@ -24,7 +30,7 @@ class Worker:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "benches.sweep.worker"], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env={**os.environ, **env})
+                                     text=True, env={**SWEEP_ENV, **os.environ, **env})
         self.log_path = log_path
         self.last = None
 

@@ -72,6 +72,9 @@ pub struct Config {
     /// Copy same-host GPU transfers through CUDA IPC mappings of the peer's registrations
     /// instead of bouncing them (`bounce_cuda_ipc`).
     pub cuda_ipc: bool,
+    /// Copy same-host host-memory transfers with cross-memory attach instead of bouncing them
+    /// (`bounce_cma`).
+    pub cma: bool,
     /// Scatter with non-temporal stores (`bounce_streaming_scatter`).
     pub streaming_scatter: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
@@ -427,6 +430,7 @@ impl Config {
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
             cuda_ipc: boolean("bounce_cuda_ipc")?,
+            cma: boolean("bounce_cma")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
             zmq_host,
@@ -747,6 +751,7 @@ mod tests {
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
             ("bounce_cuda_ipc", "no"),
+            ("bounce_cma", "off"),
             ("bounce_streaming_scatter", "off"),
             ("bounce_check_wait_us", "0"),
             ("bounce_zmq_host", "10.0.0.7"),
@@ -776,6 +781,7 @@ mod tests {
             scatter_run_merging: false,
             direct_writes: false,
             cuda_ipc: false,
+            cma: false,
             streaming_scatter: false,
             check_wait: Duration::ZERO,
             zmq_host: "10.0.0.7".into(),

@@ -174,16 +174,18 @@ pub fn route(input: &GateInput<'_>) -> Route {
     Route::Bounce
 }
 
-/// The gate for the same-host path (`bounce_cuda_ipc`): the bounce gate's rules, with the
-/// peer's side judged as GPU memory of the remote descriptors' device and no HELLO asked for
-/// (the path needs no peer arena and no control frame, only the peer's IPC handles, which the
-/// caller has checked: `mapped`). Only GPU arenas take it: the kernels copy.
+/// The gate for the same-host paths (`bounce_cuda_ipc` for GPU arenas, `bounce_cma` for host
+/// arenas): the bounce gate's rules, with the peer's side judged as memory of our arena's kind
+/// (for GPU memory, on the remote descriptors' device) and no HELLO asked for: the paths need
+/// no peer arena and no control frame, only the peer's records, which the caller has checked
+/// (`mapped`).
 pub fn route_mapped(input: &GateInput<'_>, mapped: bool) -> Route {
-    if input.arena.mem != MemKind::Vram {
-        return Route::PassThrough(FallbackReason::Mem);
-    }
-    let dev = input.remote.first().map_or(0, |d| d.dev);
-    route(&GateInput { peer_arena: Some(ArenaPlace { mem: MemKind::Vram, dev }), peer_can_bounce: mapped, ..*input })
+    let dev = match input.arena.mem {
+        MemKind::Vram => input.remote.first().map_or(0, |d| d.dev),
+        MemKind::Dram => 0,
+    };
+    let peer = ArenaPlace { mem: input.arena.mem, dev };
+    route(&GateInput { peer_arena: Some(peer), peer_can_bounce: mapped, ..*input })
 }
 
 /// A memory registration made through this engine.
@@ -259,7 +261,7 @@ mod tests {
     }
 
     #[test]
-    fn the_mapped_path_needs_a_gpu_arena_and_the_peers_handles_but_no_hello() {
+    fn the_mapped_paths_need_the_peers_records_and_memory_of_the_arenas_kind_but_no_hello() {
         let gpu = ArenaPlace { mem: MemKind::Vram, dev: 1 };
         let mine: Vec<Desc> = descs(8, 512).into_iter().map(|d| Desc { dev: 1, ..d }).collect();
         let theirs: Vec<Desc> = descs(8, 512).into_iter().map(|d| Desc { dev: 3, ..d }).collect();
@@ -276,8 +278,13 @@ mod tests {
         );
         assert_eq!(
             route_mapped(&GateInput { arena: HOST, local_mem: Some(MemKind::Dram), ..i }, true),
-            Route::PassThrough(FallbackReason::Mem)
+            Route::PassThrough(FallbackReason::Mem),
+            "a host arena, a GPU peer"
         );
+        let host = GateInput { arena: HOST, local_mem: Some(MemKind::Dram), remote_mem: Some(MemKind::Dram), ..i };
+        let d = descs(8, 512);
+        assert_eq!(route_mapped(&input_with(host, &d, &d), true), Route::Bounce, "host memory on both sides (CMA)");
+        assert_eq!(route_mapped(&input_with(host, &d, &d), false), Route::PassThrough(FallbackReason::Peer));
         // The thresholds hold as for bouncing.
         assert_eq!(
             route_mapped(&GateInput { min_descriptor_count: 9, ..i }, true),

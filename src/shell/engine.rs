@@ -24,6 +24,7 @@ use bounce_proto::{ControlKind, MemKind};
 use parking_lot::Mutex;
 
 use crate::shell::arena::Arena;
+use crate::shell::cma::{CMA_HANDLE_BIT, CmaPath};
 use crate::shell::control::ControlChannel;
 use crate::shell::control::ucx::UcxChannel;
 use crate::shell::control::zmq::ZmqChannel;
@@ -32,7 +33,7 @@ use crate::shell::copy::cpu::{CpuEngine, HostArena};
 use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
 use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPath};
-use crate::shell::keys::Keys;
+use crate::shell::keys::{Keys, Reach};
 use crate::shell::mailroom::Mailroom;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
 use crate::shell::reactor::{Cmd, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
@@ -144,6 +145,8 @@ pub(crate) struct Engine {
     last_empty_notifs: Mutex<Option<Instant>>,
     /// The same-host path (`bounce_cuda_ipc`, GPU arenas).
     ipc: Option<IpcPath>,
+    /// The same-host path for host memory (`bounce_cma`, host arenas).
+    cma: Option<CmaPath>,
 }
 
 impl Engine {
@@ -190,6 +193,9 @@ impl Engine {
         let session = RandomState::new().build_hasher().finish() | 1;
         let stats = Arc::new(Stats::default());
         let ipc = gpu.as_ref().filter(|_| config.cuda_ipc).and_then(|g| IpcPath::new(g, Arc::clone(&stats)));
+        let cma = (gpu.is_none() && config.enabled && config.cma && config.arena_mem != ArenaMem::Vram)
+            .then(|| CmaPath::new(config.copy_workers, Arc::clone(&stats)))
+            .flatten();
         let engine = Self {
             agent: p.agent.to_owned(),
             config,
@@ -206,6 +212,7 @@ impl Engine {
             gpu,
             last_empty_notifs: Mutex::new(None),
             ipc,
+            cma,
         };
         Ok((engine, inner))
     }
@@ -446,9 +453,14 @@ impl Engine {
     pub(crate) fn mem_registered(&self, md: Md, reg: Registration) {
         self.registry.insert(md, reg);
         let key = self.keys.issue(md);
-        if let (Some(ipc), Some(_)) = (&self.ipc, key) {
-            if let Some(rec) = ipc.export(&reg) {
-                self.keys.set_local_ipc(md, rec);
+        if key.is_some() {
+            let reach = match (&self.ipc, &self.cma) {
+                (Some(ipc), _) => ipc.export(&reg).map(Reach::Ipc),
+                (None, Some(cma)) => cma.export(&reg).map(Reach::Cma),
+                (None, None) => None,
+            };
+            if let Some(r) = reach {
+                self.keys.set_local_reach(md, r);
             }
         }
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
@@ -596,7 +608,8 @@ impl Engine {
     }
 
     /// The same-host path's request for a transfer the gate would let bounce, when every
-    /// remote descriptor's registration came with an IPC handle this process can map.
+    /// remote descriptor's registration came with a record of this host this engine can use
+    /// (CUDA IPC for a GPU arena, CMA for a host arena).
     fn prep_mapped(
         &self,
         op: Option<XferOp>,
@@ -606,13 +619,28 @@ impl Engine {
         agent: &str,
         pair: impl Fn((&DescView, &DescView)) -> DescPair,
     ) -> Option<u64> {
-        let ipc = self.ipc.as_ref()?;
+        if self.ipc.is_none() && self.cma.is_none() {
+            return None;
+        }
         if !matches!(op, Some(XferOp::Write | XferOp::Read)) || gate::route_mapped(input, true) != Route::Bounce {
             return None;
         }
-        let recs = self.keys.remote_ipc(remote.iter().map(|d| d.md))?;
+        let recs = self.keys.remote_reach(remote.iter().map(|d| d.md))?;
         let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
-        ipc.prep(agent, &pairs, &recs, matches!(op, Some(XferOp::Read)))
+        let read = matches!(op, Some(XferOp::Read));
+        match (&self.ipc, &self.cma) {
+            (Some(ipc), _) => {
+                let recs: Option<Vec<_>> =
+                    recs.iter().map(|r| if let Reach::Ipc(x) = r { Some(*x) } else { None }).collect();
+                ipc.prep(agent, &pairs, &recs?, read)
+            }
+            (None, Some(cma)) => {
+                let recs: Option<Vec<_>> =
+                    recs.iter().map(|r| if let Reach::Cma(x) = r { Some(*x) } else { None }).collect();
+                cma.prep(agent, &pairs, &recs?, read)
+            }
+            (None, None) => None,
+        }
     }
 
     /// Counts a pass-through and its reason (README "What takes the bounce path"); the request
@@ -642,6 +670,9 @@ impl Engine {
         if let Some(ipc) = self.ipc.as_ref().filter(|_| handle & IPC_HANDLE_BIT != 0) {
             return ipc.post(handle, notif);
         }
+        if let Some(cma) = self.cma.as_ref().filter(|_| handle & CMA_HANDLE_BIT != 0) {
+            return cma.post(handle, notif);
+        }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         let p = sh.requests.post(handle, notif)?;
         sh.inbox.push(Cmd::Submit(p));
@@ -656,6 +687,9 @@ impl Engine {
     pub(crate) fn check(&self, handle: u64) -> Result<Progress> {
         if let Some(ipc) = self.ipc.as_ref().filter(|_| handle & IPC_HANDLE_BIT != 0) {
             return ipc.check(handle, self.shim);
+        }
+        if let Some(cma) = self.cma.as_ref().filter(|_| handle & CMA_HANDLE_BIT != 0) {
+            return cma.check(handle, self.shim, self.config.check_wait);
         }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         match sh.requests.check(handle, BUSY_POLL_GAP, self.config.check_wait) {
@@ -681,6 +715,9 @@ impl Engine {
     pub(crate) fn release(&self, handle: u64) -> Result<()> {
         if let Some(ipc) = self.ipc.as_ref().filter(|_| handle & IPC_HANDLE_BIT != 0) {
             return ipc.release(handle);
+        }
+        if let Some(cma) = self.cma.as_ref().filter(|_| handle & CMA_HANDLE_BIT != 0) {
+            return cma.release(handle);
         }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         match sh.requests.remove(handle) {
@@ -835,6 +872,7 @@ impl Engine {
     pub(crate) fn stop(&mut self) {
         // Its running copies end first; its notifications need the inner engine.
         drop(self.ipc.take());
+        drop(self.cma.take());
         let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) else { return };
         let Bounce { reactor, arena, .. } = b;
         let quiet = reactor.stop();

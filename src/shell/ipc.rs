@@ -318,7 +318,7 @@ fn translate(rec: &IpcRecord, base: u64, addr: u64, len: u64) -> Option<u64> {
 
 /// This host's identity: its boot id (a handle is meaningless on another host, or after a
 /// reboot).
-fn host_identity() -> Option<[u8; 16]> {
+pub(crate) fn host_identity() -> Option<[u8; 16]> {
     let s = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     parse_uuid(s.trim())
 }

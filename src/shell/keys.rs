@@ -8,7 +8,8 @@
 //! metadata handle it returns, the key it carried; a transfer bounces only when every remote
 //! descriptor's handle has one (its WANT proves them, see `bounce_proto::proof`).
 //!
-//! A GPU registration may also carry an [`IpcRecord`] (the same-host path, `shell::ipc`): it
+//! A registration may also carry a [`Reach`], what a process of the same host needs to copy
+//! into it without bouncing (`shell::ipc` for GPU memory, `shell::cma` for host memory): it
 //! travels in the same envelope, waits by the registration's id and key until the inner engine
 //! has loaded the blob, and is then kept by the inner remote handle, like the key.
 
@@ -16,14 +17,23 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bounce_proto::proof::Destination;
-use bounce_proto::wire::{IpcRecord, PublicData};
+use bounce_proto::wire::{CmaRecord, IpcRecord, PublicData};
 use bounce_proto::{RegId, RegKey};
 use parking_lot::Mutex;
 
 use crate::sys::shim::Md;
 
-/// Most peers' IPC records waiting for their load at once.
-const MAX_PENDING_IPC: usize = 1 << 16;
+/// Most peers' records waiting for their load at once.
+const MAX_PENDING_REACH: usize = 1 << 16;
+
+/// What a process of the same host needs to copy into and out of a registration directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// GPU memory: map its allocation by CUDA IPC.
+    Ipc(IpcRecord),
+    /// Host memory: its process, for cross-memory attach.
+    Cma(CmaRecord),
+}
 
 /// Our registrations' ids and keys, and the keys peers published for theirs.
 #[derive(Debug, Default)]
@@ -32,12 +42,12 @@ pub(crate) struct Keys {
     local: Mutex<HashMap<Md, Destination>>,
     /// Peers' registrations we loaded, by the inner engine's remote handle.
     remote: Mutex<HashMap<Md, Destination>>,
-    /// Our registrations' IPC exports, by the inner engine's handle.
-    local_ipc: Mutex<HashMap<Md, IpcRecord>>,
-    /// Peers' IPC records taken out of an envelope, waiting for the inner engine's load.
-    pending_ipc: Mutex<HashMap<Destination, IpcRecord>>,
-    /// Peers' IPC records, by the inner engine's remote handle.
-    remote_ipc: Mutex<HashMap<Md, IpcRecord>>,
+    /// Our registrations' same-host records, by the inner engine's handle.
+    local_reach: Mutex<HashMap<Md, Reach>>,
+    /// Peers' records taken out of an envelope, waiting for the inner engine's load.
+    pending_reach: Mutex<HashMap<Destination, Reach>>,
+    /// Peers' records, by the inner engine's remote handle.
+    remote_reach: Mutex<HashMap<Md, Reach>>,
     next_id: AtomicU64,
     /// A blob without our envelope was loaded (logged once).
     foreign_seen: AtomicBool,
@@ -64,22 +74,28 @@ impl Keys {
 
     /// Forgets our registration `md`; returns what it had.
     pub(crate) fn forget_local(&self, md: Md) -> Option<Destination> {
-        self.local_ipc.lock().remove(&md);
+        self.local_reach.lock().remove(&md);
         self.local.lock().remove(&md)
     }
 
-    /// Publishes `ipc` with our registration `md` from now on.
-    pub(crate) fn set_local_ipc(&self, md: Md, ipc: IpcRecord) {
-        self.local_ipc.lock().insert(md, ipc);
+    /// Publishes `reach` with our registration `md` from now on.
+    pub(crate) fn set_local_reach(&self, md: Md, reach: Reach) {
+        self.local_reach.lock().insert(md, reach);
     }
 
     /// The public data to publish for our registration `md`: the inner engine's `inner`
-    /// wrapped with the registration's id, key and IPC record (unwrapped when it has no key).
+    /// wrapped with the registration's id, key and same-host record (unwrapped when it has no
+    /// key).
     pub(crate) fn public_data(&self, md: Md, inner: &[u8]) -> Vec<u8> {
         match self.local(md) {
             Some(d) => {
-                let ipc = self.local_ipc.lock().get(&md).copied();
-                PublicData { reg: d.reg, key: d.key, ipc, inner: inner.to_vec() }.to_vec()
+                let reach = self.local_reach.lock().get(&md).copied();
+                let (ipc, cma) = match reach {
+                    Some(Reach::Ipc(r)) => (Some(r), None),
+                    Some(Reach::Cma(r)) => (None, Some(r)),
+                    None => (None, None),
+                };
+                PublicData { reg: d.reg, key: d.key, ipc, cma, inner: inner.to_vec() }.to_vec()
             }
             None => inner.to_vec(),
         }
@@ -92,13 +108,13 @@ impl Keys {
         match PublicData::decode(blob) {
             Ok(p) => {
                 let dest = Destination { reg: p.reg, key: p.key };
-                if let Some(ipc) = p.ipc {
-                    let mut pending = self.pending_ipc.lock();
+                if let Some(reach) = p.ipc.map(Reach::Ipc).or(p.cma.map(Reach::Cma)) {
+                    let mut pending = self.pending_reach.lock();
                     // A blob whose load failed leaves its record here; bound what that costs.
-                    if pending.len() >= MAX_PENDING_IPC {
+                    if pending.len() >= MAX_PENDING_REACH {
                         pending.clear();
                     }
-                    pending.insert(dest, ipc);
+                    pending.insert(dest, reach);
                 }
                 (p.inner, Some(dest))
             }
@@ -113,23 +129,24 @@ impl Keys {
 
     /// The inner engine loaded a peer's registration as `md`, carrying `dest`.
     pub(crate) fn remote_loaded(&self, md: Md, dest: Destination) {
-        if let Some(ipc) = self.pending_ipc.lock().remove(&dest) {
-            self.remote_ipc.lock().insert(md, ipc);
+        if let Some(reach) = self.pending_reach.lock().remove(&dest) {
+            self.remote_reach.lock().insert(md, reach);
         }
         self.remote.lock().insert(md, dest);
     }
 
     /// NIXL unloaded remote metadata `md`.
     pub(crate) fn remote_unloaded(&self, md: Md) {
-        self.remote_ipc.lock().remove(&md);
+        self.remote_reach.lock().remove(&md);
         self.remote.lock().remove(&md);
     }
 
-    /// The IPC records of the remote descriptors' registrations `mds`, one per descriptor, when
-    /// every one has one (`None` otherwise: the same-host path is not open to the transfer).
-    pub(crate) fn remote_ipc(&self, mds: impl IntoIterator<Item = Md>) -> Option<Vec<IpcRecord>> {
-        let remote = self.remote_ipc.lock();
-        let mut last: Option<(Md, IpcRecord)> = None;
+    /// The same-host records of the remote descriptors' registrations `mds`, one per
+    /// descriptor, when every one has one (`None` otherwise: no same-host path for the
+    /// transfer).
+    pub(crate) fn remote_reach(&self, mds: impl IntoIterator<Item = Md>) -> Option<Vec<Reach>> {
+        let remote = self.remote_reach.lock();
+        let mut last: Option<(Md, Reach)> = None;
         mds.into_iter()
             .map(|md| match last {
                 // descriptors of one registration come in runs: skip the lookups
@@ -194,22 +211,28 @@ mod tests {
         let d = ours.issue(Md(1)).expect("randomness");
         let e = ours.issue(Md(2)).expect("randomness");
         let ipc = IpcRecord { node: [1; 16], handle: [2; 64], alloc_off: 0, addr: 0x1000, len: 64 };
-        ours.set_local_ipc(Md(1), ipc);
+        ours.set_local_reach(Md(1), Reach::Ipc(ipc));
         let (inner, got) = theirs.split_remote(&ours.public_data(Md(1), b"rkey"));
         assert_eq!((inner.as_slice(), got), (&b"rkey"[..], Some(d)));
         let (_, got_e) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
         assert_eq!(got_e, Some(e));
-        assert_eq!(theirs.remote_ipc([Md(10)]), None, "not loaded yet");
+        assert_eq!(theirs.remote_reach([Md(10)]), None, "not loaded yet");
         theirs.remote_loaded(Md(10), d);
         theirs.remote_loaded(Md(11), e);
-        assert_eq!(theirs.remote_ipc([Md(10), Md(10)]), Some(vec![ipc, ipc]));
-        assert_eq!(theirs.remote_ipc([Md(10), Md(11)]), None, "registration 2 has no record");
+        assert_eq!(theirs.remote_reach([Md(10), Md(10)]), Some(vec![Reach::Ipc(ipc); 2]));
+        assert_eq!(theirs.remote_reach([Md(10), Md(11)]), None, "registration 2 has no record");
         theirs.remote_unloaded(Md(10));
-        assert_eq!(theirs.remote_ipc([Md(10)]), None);
+        assert_eq!(theirs.remote_reach([Md(10)]), None);
         assert_eq!(ours.forget_local(Md(1)), Some(d));
         ours.issue(Md(1)).expect("randomness");
         let (_, again) = theirs.split_remote(&ours.public_data(Md(1), b"rkey"));
         theirs.remote_loaded(Md(12), again.unwrap());
-        assert_eq!(theirs.remote_ipc([Md(12)]), None, "a forgotten registration's record is gone");
+        assert_eq!(theirs.remote_reach([Md(12)]), None, "a forgotten registration's record is gone");
+        // A host registration's CMA record travels the same way.
+        let cma = CmaRecord { node: [1; 16], pidns: 7, pid: 42, start: 99, addr: 0x2000, len: 64 };
+        ours.set_local_reach(Md(2), Reach::Cma(cma));
+        let (_, got) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
+        theirs.remote_loaded(Md(13), got.unwrap());
+        assert_eq!(theirs.remote_reach([Md(13)]), Some(vec![Reach::Cma(cma)]));
     }
 }

@@ -5,6 +5,7 @@
 //! writes go). It never imports `ffi`; `sys` never imports it.
 
 mod arena;
+mod cma;
 pub(crate) mod control;
 pub(crate) mod copy;
 pub(crate) mod datapath;

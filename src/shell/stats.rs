@@ -42,6 +42,11 @@ counters! {
     ipc_xfers,
     /// Of those, the ones that completed successfully.
     ipc_ok,
+    /// Transfers posted on the same-host path for host memory (cross-memory attach,
+    /// `bounce_cma`).
+    cma_xfers,
+    /// Of those, the ones that completed successfully.
+    cma_ok,
     /// Bounce transfers that failed by no-progress timeout (the core's count).
     timeouts,
     /// Requests handed to the inner UCX engine unchanged.

@@ -10,6 +10,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+
+def pytest_configure(config):
+    """Between two processes of one host, host-memory transfers take the same-host path (CMA)
+    by default, not the bounce path. The suite proves the bounce path between processes of one
+    machine, so it is off under pytest (the environment wins over backend params, and peer
+    processes inherit it); test_cma.py turns it back on where it proves the same-host path.
+    Here, not at import: benchmarks import this module's Peer and run BOUNCE as shipped."""
+    os.environ["NIXL_BOUNCE_CMA"] = "0"
+
+
 class Peer:
     """A peer process running peer.py."""
 

@@ -77,16 +77,22 @@ pub fn seed_envelopes() -> Vec<Vec<u8>> {
     samples::sample_envelopes().iter().map(ConnEnvelope::to_vec).collect()
 }
 
-/// Valid public-data envelopes (with and without an inner blob, one with an IPC record) for the
-/// `public_decode` corpus.
+/// Valid public-data envelopes (with and without an inner blob, one with an IPC record, one with
+/// a CMA record) for the `public_decode` corpus.
 pub fn seed_public() -> Vec<Vec<u8>> {
     let key = crate::types::RegKey([0x42; 32]);
     let ipc = super::IpcRecord { node: [7; 16], handle: [0x33; 64], alloc_off: 512, addr: 0x7000_0000, len: 1 << 20 };
-    [(Vec::new(), None), (b"ucx-rkey-blob".to_vec(), None), (b"ucx-rkey-blob".to_vec(), Some(ipc))]
-        .into_iter()
-        .enumerate()
-        .map(|(i, (inner, ipc))| PublicData { reg: crate::types::RegId(i as u64 + 1), key, ipc, inner }.to_vec())
-        .collect()
+    let cma = super::CmaRecord { node: [7; 16], pidns: 4026531836, pid: 77, start: 9, addr: 0x7000_0000, len: 1 << 20 };
+    [
+        (Vec::new(), None, None),
+        (b"ucx-rkey-blob".to_vec(), None, None),
+        (b"ucx-rkey-blob".to_vec(), Some(ipc), None),
+        (b"ucx-rkey-blob".to_vec(), None, Some(cma)),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (inner, ipc, cma))| PublicData { reg: crate::types::RegId(i as u64 + 1), key, ipc, cma, inner }.to_vec())
+    .collect()
 }
 
 /// Checks `data` as a region plan behind a chunk (the first byte picks the run count, the next

@@ -42,4 +42,6 @@ pub use frame::{
     MAX_CHUNKS_PER_WANT, MAX_CREDITS, MAX_FRAME_LEN, MAX_PROOFS, MAX_RUNS, Msg, Plan, Proof, Pull, PullChunk,
     REPLY_MAILBOX, Release, WIRE_VERSION, Want, decode_hello, encode_goodbye, encode_hello, is_control_frame,
 };
-pub use public::{IpcRecord, PUBLIC_MAGIC, PUBLIC_VERSION, PUBLIC_VERSION_IPC, PublicData};
+pub use public::{
+    CmaRecord, IpcRecord, PUBLIC_MAGIC, PUBLIC_VERSION, PUBLIC_VERSION_CMA, PUBLIC_VERSION_IPC, PublicData,
+};

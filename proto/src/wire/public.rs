@@ -4,8 +4,9 @@
 //!
 //! Layout: magic, `u16` version, `u64` registration id, the 32-byte key, then the inner blob to
 //! the end (NIXL keeps the blob's length). Version 2, written only for a GPU registration this
-//! engine could export, puts its [`IpcRecord`] between the key and the inner blob; version 1
-//! has none. Both decode.
+//! engine could export, puts its [`IpcRecord`] between the key and the inner blob; version 3,
+//! for a host registration of an engine that lets same-host peers copy by CMA, its
+//! [`CmaRecord`]; version 1 has neither. All three decode.
 
 use super::codec::{Reader, Result, WireError, Writer};
 use crate::types::{RegId, RegKey};
@@ -16,6 +17,29 @@ pub const PUBLIC_MAGIC: [u8; 8] = *b"NXBNCREG";
 pub const PUBLIC_VERSION: u16 = 1;
 /// Version of the layout with an [`IpcRecord`].
 pub const PUBLIC_VERSION_IPC: u16 = 2;
+/// Version of the layout with a [`CmaRecord`].
+pub const PUBLIC_VERSION_CMA: u16 = 3;
+
+/// How a process of the same host may copy into and out of a host registration with
+/// `process_vm_writev` / `process_vm_readv` (`bounce_cma`): the owner process as the kernel
+/// knows it, and the registration. Opaque to the core; the shell checks that `pid` in its own
+/// PID namespace is that very process (namespace and start time) before every copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct CmaRecord {
+    /// The host's identity (its boot id).
+    pub node: [u8; 16],
+    /// The owner's PID namespace (the inode of `/proc/self/ns/pid`).
+    pub pidns: u64,
+    /// The owner's process id in that namespace.
+    pub pid: u32,
+    /// The owner's start time (`/proc/<pid>/stat` field 22): a reused pid has another.
+    pub start: u64,
+    /// The registration's address in its owner's process.
+    pub addr: u64,
+    /// The registration's length.
+    pub len: u64,
+}
 
 /// How a process of the same host may map a GPU registration (`bounce_cuda_ipc`): the CUDA IPC
 /// handle of the allocation holding it, and where the registration lies in it. Opaque to the
@@ -45,6 +69,9 @@ pub struct PublicData {
     pub key: RegKey,
     /// How a process of the same host may map the registration (GPU memory only).
     pub ipc: Option<IpcRecord>,
+    /// How a process of the same host may copy into and out of it (host memory only; never
+    /// together with `ipc`, which wins when both are set).
+    pub cma: Option<CmaRecord>,
     /// The inner UCX engine's public data, opaque.
     pub inner: Vec<u8>,
 }
@@ -55,15 +82,30 @@ impl PublicData {
         let mut out = Vec::with_capacity(154 + self.inner.len());
         let mut w = Writer(&mut out);
         w.bytes(&PUBLIC_MAGIC);
-        w.u16(if self.ipc.is_some() { PUBLIC_VERSION_IPC } else { PUBLIC_VERSION });
+        w.u16(match (&self.ipc, &self.cma) {
+            (Some(_), _) => PUBLIC_VERSION_IPC,
+            (None, Some(_)) => PUBLIC_VERSION_CMA,
+            (None, None) => PUBLIC_VERSION,
+        });
         w.u64(self.reg.0);
         w.bytes(&self.key.0);
-        if let Some(ipc) = &self.ipc {
-            w.bytes(&ipc.node);
-            w.bytes(&ipc.handle);
-            w.u64(ipc.alloc_off);
-            w.u64(ipc.addr);
-            w.u64(ipc.len);
+        match (&self.ipc, &self.cma) {
+            (Some(ipc), _) => {
+                w.bytes(&ipc.node);
+                w.bytes(&ipc.handle);
+                w.u64(ipc.alloc_off);
+                w.u64(ipc.addr);
+                w.u64(ipc.len);
+            }
+            (None, Some(cma)) => {
+                w.bytes(&cma.node);
+                w.u64(cma.pidns);
+                w.u32(cma.pid);
+                w.u64(cma.start);
+                w.u64(cma.addr);
+                w.u64(cma.len);
+            }
+            (None, None) => {}
         }
         w.bytes(&self.inner);
         out
@@ -80,7 +122,7 @@ impl PublicData {
             return Err(WireError::BadMagic { what: "public data" });
         }
         let version = r.u16()?;
-        if version != PUBLIC_VERSION && version != PUBLIC_VERSION_IPC {
+        if !matches!(version, PUBLIC_VERSION | PUBLIC_VERSION_IPC | PUBLIC_VERSION_CMA) {
             return Err(WireError::UnsupportedVersion { what: "public data", got: version });
         }
         let reg = RegId(r.u64()?);
@@ -95,7 +137,18 @@ impl PublicData {
             }),
             _ => None,
         };
-        Ok(Self { reg, key, ipc, inner: r.0.to_vec() })
+        let cma = match version {
+            PUBLIC_VERSION_CMA => Some(CmaRecord {
+                node: r.array()?,
+                pidns: r.u64()?,
+                pid: r.u32()?,
+                start: r.u64()?,
+                addr: r.u64()?,
+                len: r.u64()?,
+            }),
+            _ => None,
+        };
+        Ok(Self { reg, key, ipc, cma, inner: r.0.to_vec() })
     }
 }
 
@@ -105,23 +158,24 @@ mod tests {
 
     #[test]
     fn public_data_round_trips_and_foreign_blobs_are_told_apart() {
-        let p = PublicData { reg: RegId(7), key: RegKey([3; 32]), ipc: None, inner: b"ucx-rkey".to_vec() };
+        let p = PublicData { reg: RegId(7), key: RegKey([3; 32]), ipc: None, cma: None, inner: b"ucx-rkey".to_vec() };
         let bytes = p.to_vec();
         assert_eq!(&bytes[..10], b"NXBNCREG\x01\x00");
         assert_eq!(PublicData::decode(&bytes), Ok(p));
         assert_eq!(PublicData::decode(b"plain ucx rkey blob"), Err(WireError::BadMagic { what: "public data" }));
         assert!(matches!(PublicData::decode(&bytes[..20]), Err(WireError::Truncated { .. })));
         let mut other = bytes.clone();
-        other[8] = 3;
-        assert_eq!(PublicData::decode(&other), Err(WireError::UnsupportedVersion { what: "public data", got: 3 }));
-        let empty = PublicData { reg: RegId(1), key: RegKey([0; 32]), ipc: None, inner: Vec::new() };
+        other[8] = 4;
+        assert_eq!(PublicData::decode(&other), Err(WireError::UnsupportedVersion { what: "public data", got: 4 }));
+        let empty = PublicData { reg: RegId(1), key: RegKey([0; 32]), ipc: None, cma: None, inner: Vec::new() };
         assert_eq!(PublicData::decode(&empty.to_vec()), Ok(empty));
     }
 
     #[test]
     fn an_ipc_record_travels_as_version_2_between_key_and_inner_blob() {
         let ipc = IpcRecord { node: [9; 16], handle: [5; 64], alloc_off: 4096, addr: 0x7f00_0000_1000, len: 1 << 20 };
-        let p = PublicData { reg: RegId(7), key: RegKey([3; 32]), ipc: Some(ipc), inner: b"ucx-rkey".to_vec() };
+        let p =
+            PublicData { reg: RegId(7), key: RegKey([3; 32]), ipc: Some(ipc), cma: None, inner: b"ucx-rkey".to_vec() };
         let bytes = p.to_vec();
         assert_eq!(&bytes[..10], b"NXBNCREG\x02\x00");
         assert_eq!(bytes.len(), 10 + 8 + 32 + 16 + 64 + 24 + 8);
@@ -130,5 +184,19 @@ mod tests {
         assert_eq!(PublicData::decode(&bytes), Ok(p));
         // Cut inside the record: truncated, not an envelope with a shorter inner blob.
         assert!(matches!(PublicData::decode(&bytes[..100]), Err(WireError::Truncated { .. })));
+    }
+
+    #[test]
+    fn a_cma_record_travels_as_version_3() {
+        let cma =
+            CmaRecord { node: [9; 16], pidns: 4026531836, pid: 4242, start: 123_456, addr: 0x7f00_0000, len: 4096 };
+        let p = PublicData { reg: RegId(7), key: RegKey([3; 32]), ipc: None, cma: Some(cma), inner: b"ucx".to_vec() };
+        let bytes = p.to_vec();
+        assert_eq!(&bytes[..10], b"NXBNCREG\x03\x00");
+        assert_eq!(bytes.len(), 10 + 8 + 32 + 16 + 8 + 4 + 8 + 8 + 8 + 3);
+        assert_eq!(&bytes[66..74], &4026531836u64.to_le_bytes());
+        assert_eq!(&bytes[74..78], &4242u32.to_le_bytes());
+        assert_eq!(PublicData::decode(&bytes), Ok(p));
+        assert!(matches!(PublicData::decode(&bytes[..90]), Err(WireError::Truncated { .. })));
     }
 }

@@ -1,0 +1,421 @@
+//! The same-host path for host memory (`bounce_cma`): a transfer between two processes of one
+//! host is copied by the kernel straight between the two address spaces
+//! (`process_vm_writev` / `process_vm_readv`), split across this path's copy workers. No
+//! staging, no credit, no control frame, nothing in the peer's process.
+//!
+//! Why: bouncing host memory copies each byte three times (gather, write, scatter), and UCX's
+//! own cma transport makes one system call per descriptor; here each byte is copied once, and
+//! a call moves up to 1024 pieces.
+//!
+//! Trust: the records come only in the registration metadata the peer published (beside its
+//! keys). Only our local side is written by a READ, within local descriptors NIXL checked
+//! against our registrations; a WRITE reads our memory and writes the peer's, which the kernel
+//! checks (a piece outside the peer's mappings fails the transfer). The process named by a
+//! record must be the one that published it: same host (boot id), same PID namespace, and the
+//! start time of the pid checked again at every post, so a pid reused since is refused.
+//!
+//! Completion: SUCCESS once every worker's part is copied; the notification then goes through
+//! the inner engine. A release of a running request waits for its parts (a system call cannot
+//! be called back).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bounce_proto::MemKind;
+use bounce_proto::endpoint::XferError;
+use bounce_proto::plan::DescPair;
+use bounce_proto::wire::CmaRecord;
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
+
+use crate::shell::registry::Registration;
+use crate::shell::stats::Stats;
+use crate::shell::{Error, Progress, Result};
+use crate::sys::cma::{self, CmaDir, Piece, ProcessId};
+use crate::sys::shim::Shim;
+
+/// Request handles of this path carry this bit.
+pub(crate) const CMA_HANDLE_BIT: u64 = 1 << 61;
+
+/// A transfer smaller than this goes in one part (one worker): splitting costs more.
+const MIN_PART_BYTES: u64 = 1 << 20;
+
+/// The parts of one post still being copied.
+#[derive(Debug, Default)]
+struct Job {
+    left: AtomicUsize,
+    failed: AtomicBool,
+    done: Mutex<bool>,
+    finished: Condvar,
+}
+
+impl Job {
+    fn part_done(&self, ok: bool) {
+        if !ok {
+            self.failed.store(true, Ordering::Release);
+        }
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            *self.done.lock() = true;
+            self.finished.notify_all();
+        }
+    }
+
+    fn wait(&self) {
+        let mut done = self.done.lock();
+        while !*done {
+            self.finished.wait(&mut done);
+        }
+    }
+
+    /// Waits until the job is done or `limit` has passed.
+    fn wait_for(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let mut done = self.done.lock();
+        while !*done && !self.finished.wait_until(&mut done, deadline).timed_out() {}
+    }
+}
+
+/// One worker's share of a post.
+struct Task {
+    job: Arc<Job>,
+    parts: Arc<Vec<Vec<Piece>>>,
+    part: usize,
+    pid: u32,
+    dir: CmaDir,
+}
+
+#[derive(Debug)]
+enum State {
+    Prepared,
+    Running(Arc<Job>, Option<Vec<u8>>),
+    Done(std::result::Result<(), XferError>),
+}
+
+#[derive(Debug)]
+struct Request {
+    peer: String,
+    read: bool,
+    pid: u32,
+    start: u64,
+    /// The pieces, cut into one part per worker (fewer for small transfers).
+    parts: Arc<Vec<Vec<Piece>>>,
+    state: State,
+    /// When a check last found it in flight (busy-poll detection).
+    last_check: Option<Instant>,
+}
+
+/// Two checks of one in-flight request closer than this are a busy poll (as on the bounce
+/// path).
+const BUSY_POLL_GAP: Duration = Duration::from_micros(50);
+
+/// The path of one engine with a host arena.
+pub(crate) struct CmaPath {
+    node: [u8; 16],
+    me: ProcessId,
+    tasks: Option<Sender<Task>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    reqs: Mutex<HashMap<u64, Request>>,
+    next: AtomicU64,
+    stats: Arc<Stats>,
+    /// Whether a record of this very process is taken (tests only: two agents of one process
+    /// keep bouncing, which their tests prove).
+    allow_self: bool,
+}
+
+impl std::fmt::Debug for CmaPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CmaPath").field("me", &self.me).field("workers", &self.workers.len()).finish()
+    }
+}
+
+impl CmaPath {
+    /// The path with `workers` copy threads; `None` (logged) without a host identity or
+    /// `/proc`.
+    pub(crate) fn new(workers: u32, stats: Arc<Stats>) -> Option<Self> {
+        let (Some(node), Some(me)) = (super::ipc::host_identity(), cma::this_process()) else {
+            tracing::info!("no host or process identity (/proc): no same-host path for host memory");
+            return None;
+        };
+        let (tx, rx) = crossbeam_channel::unbounded::<Task>();
+        let mut handles = Vec::new();
+        for i in 0..workers.max(1) {
+            let rx: Receiver<Task> = rx.clone();
+            let spawned = std::thread::Builder::new().name(format!("bounce-cma-{i}")).spawn(move || {
+                for t in rx.iter() {
+                    let pieces = &t.parts[t.part];
+                    // SAFETY: a READ writes the pieces' local ranges: our registrations, named
+                    // by local descriptors NIXL checked, which the request owns until its job
+                    // is done (release waits for it); the parts of one request do not overlap
+                    // (each descriptor is in exactly one part). A WRITE only reads them.
+                    let r = unsafe { cma::copy(t.pid, t.dir, pieces) };
+                    if let Err(e) = &r {
+                        tracing::warn!(pid = t.pid, error = %e, "same-host copy (CMA) failed");
+                    }
+                    t.job.part_done(r.is_ok());
+                }
+            });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot start a CMA copy worker: no same-host path for host memory");
+                    return None;
+                }
+            }
+        }
+        Some(Self {
+            node,
+            me,
+            tasks: Some(tx),
+            workers: handles,
+            reqs: Mutex::default(),
+            next: AtomicU64::new(1),
+            stats,
+            allow_self: false,
+        })
+    }
+
+    /// The record to publish with our host registration `reg`.
+    pub(crate) fn export(&self, reg: &Registration) -> Option<CmaRecord> {
+        (reg.mem == MemKind::Dram && reg.len > 0).then_some(CmaRecord {
+            node: self.node,
+            pidns: self.me.pidns,
+            pid: self.me.pid,
+            start: self.me.start,
+            addr: reg.addr,
+            len: reg.len,
+        })
+    }
+
+    /// Prepares a transfer of `descs` (ours and the peer's addresses), `recs[i]` the record of
+    /// descriptor i's remote registration. `None` when the path cannot take it: another host
+    /// or PID namespace, records of several processes, a piece outside its registration, or a
+    /// process that is not (any more) the one that published the record.
+    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], recs: &[CmaRecord], read: bool) -> Option<u64> {
+        let first = recs.first()?;
+        if descs.len() != recs.len() || first.node != self.node || first.pidns != self.me.pidns {
+            return None;
+        }
+        if first.pid == self.me.pid && !self.allow_self {
+            return None;
+        }
+        let mut pieces: Vec<Piece> = Vec::with_capacity(descs.len());
+        for (d, rec) in descs.iter().zip(recs) {
+            if (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start) {
+                return None;
+            }
+            if d.len == 0 {
+                continue;
+            }
+            let (local, remote) = if read { (d.dst, d.src) } else { (d.src, d.dst) };
+            let inside = remote.checked_sub(rec.addr).and_then(|o| o.checked_add(d.len)).is_some_and(|e| e <= rec.len);
+            if !inside || local.checked_add(d.len).is_none() {
+                return None;
+            }
+            // Adjacent on both sides: one piece (fewer iovecs).
+            match pieces.last_mut() {
+                Some(p) if p.local + p.len == local && p.remote + p.len == remote => p.len += d.len,
+                _ => pieces.push(Piece { local, remote, len: d.len }),
+            }
+        }
+        if cma::start_time(first.pid) != Some(first.start) {
+            tracing::debug!(peer, pid = first.pid, "the record's process is gone or not the same: no CMA");
+            return None;
+        }
+        let parts = Arc::new(split(pieces, self.workers.len()));
+        let h = CMA_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
+        let req = Request {
+            peer: peer.to_owned(),
+            read,
+            pid: first.pid,
+            start: first.start,
+            parts,
+            state: State::Prepared,
+            last_check: None,
+        };
+        self.reqs.lock().insert(h, req);
+        Some(h)
+    }
+
+    /// Hands request `h`'s parts to the workers.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`], [`Error::RepostActive`], or [`Error::Xfer`] when the peer's
+    /// process is gone (or its pid reused) or the path is shutting down.
+    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>) -> Result<()> {
+        let mut reqs = self.reqs.lock();
+        let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
+        if matches!(req.state, State::Running(..)) {
+            return Err(Error::RepostActive(h));
+        }
+        if cma::start_time(req.pid) != Some(req.start) {
+            req.state = State::Done(Err(XferError::PeerLost));
+            return Err(Error::Xfer(XferError::PeerLost));
+        }
+        let Some(tx) = &self.tasks else {
+            return Err(Error::Xfer(XferError::ShuttingDown));
+        };
+        let job = Arc::new(Job::default());
+        job.left.store(req.parts.len().max(1), Ordering::Release);
+        let dir = if req.read { CmaDir::Read } else { CmaDir::Write };
+        if req.parts.is_empty() {
+            job.part_done(true);
+        }
+        for part in 0..req.parts.len() {
+            let t = Task { job: Arc::clone(&job), parts: Arc::clone(&req.parts), part, pid: req.pid, dir };
+            if tx.send(t).is_err() {
+                job.part_done(false);
+            }
+        }
+        Stats::bump(&self.stats.cma_xfers);
+        req.state = State::Running(job, notif);
+        Ok(())
+    }
+
+    /// Where request `h` stands; the first check that finds it copied sends its notification
+    /// through `shim`. A busy poll (a check within 50 us of the previous one that found it in
+    /// flight) first waits up to `wait` for the copy, so an application spinning on the status
+    /// leaves the cores to the copy workers.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`], [`Error::NotPosted`], the copy's failure as [`Error::Xfer`],
+    /// or the notification's as [`Error::Inner`] (the bytes have landed then).
+    pub(crate) fn check(&self, h: u64, shim: Option<Shim>, wait: Duration) -> Result<Progress> {
+        let busy = {
+            let mut reqs = self.reqs.lock();
+            let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
+            let busy = req.last_check.is_some_and(|t| t.elapsed() < BUSY_POLL_GAP);
+            match &req.state {
+                State::Running(job, _) if busy && !wait.is_zero() => Some(Arc::clone(job)),
+                _ => None,
+            }
+        };
+        // Without the table's lock: other requests' posts and checks go on meanwhile.
+        if let Some(job) = busy {
+            job.wait_for(wait);
+        }
+        let mut reqs = self.reqs.lock();
+        let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
+        let done = match &req.state {
+            State::Prepared => return Err(Error::NotPosted(h)),
+            State::Done(r) => return r.clone().map(|()| Progress::Done).map_err(Error::Xfer),
+            State::Running(job, _) => {
+                if job.left.load(Ordering::Acquire) > 0 {
+                    req.last_check = Some(Instant::now());
+                    return Ok(Progress::InFlight);
+                }
+                match job.failed.load(Ordering::Acquire) {
+                    false => Ok(()),
+                    true => Err(if req.read { XferError::ReadFailed } else { XferError::WriteFailed }),
+                }
+            }
+        };
+        let State::Running(_, notif) = std::mem::replace(&mut req.state, State::Done(done.clone())) else {
+            unreachable!("matched Running above");
+        };
+        done.map_err(Error::Xfer)?;
+        Stats::bump(&self.stats.cma_ok);
+        if let (Some(msg), Some(shim)) = (notif, shim) {
+            shim.gen_notif(&req.peer, &msg).map_err(|status| Error::Inner { op: "genNotif", status })?;
+        }
+        Ok(Progress::Done)
+    }
+
+    /// Releases request `h`, waiting for its parts when it is running.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`].
+    pub(crate) fn release(&self, h: u64) -> Result<()> {
+        let req = self.reqs.lock().remove(&h).ok_or(Error::UnknownRequest(h))?;
+        if let State::Running(job, _) = req.state {
+            job.wait();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CmaPath {
+    fn drop(&mut self) {
+        // The workers finish what was handed to them, then see the channel closed.
+        drop(self.tasks.take());
+        for h in self.workers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Cuts `pieces` into at most `n` parts of about equal bytes, in order, a piece never split
+/// (one part below [`MIN_PART_BYTES`] a part).
+fn split(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
+    let total: u64 = pieces.iter().map(|p| p.len).sum();
+    let n = (n.max(1) as u64).min(total.div_ceil(MIN_PART_BYTES).max(1));
+    if n <= 1 {
+        return if pieces.is_empty() { Vec::new() } else { vec![pieces] };
+    }
+    let per = total.div_ceil(n);
+    let mut parts = vec![Vec::new()];
+    let mut bytes = 0u64;
+    for p in pieces {
+        if bytes >= per && (parts.len() as u64) < n {
+            parts.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += p.len;
+        parts.last_mut().expect("one part at least").push(p);
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(i: u64, len: u64) -> Piece {
+        Piece { local: i << 32, remote: i << 33, len }
+    }
+
+    #[test]
+    fn parts_are_balanced_by_bytes_keep_order_and_lose_nothing() {
+        let pieces: Vec<Piece> = (0..1000).map(|i| piece(i, 4096 + (i % 7) * 100)).collect();
+        let parts = split(pieces.clone(), 3);
+        assert_eq!(parts.len(), 3);
+        assert_eq!(parts.concat(), pieces, "every piece once, in order");
+        let sizes: Vec<u64> = parts.iter().map(|p| p.iter().map(|x| x.len).sum()).collect();
+        let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+        assert!(hi - lo <= 2 * 4700, "{sizes:?}");
+        // Small transfers stay in one part; nothing gives no part.
+        assert_eq!(split(vec![piece(1, 4096); 10], 4).len(), 1);
+        assert!(split(Vec::new(), 4).is_empty());
+    }
+
+    #[test]
+    fn a_record_is_taken_only_for_this_host_namespace_and_a_live_process() {
+        let stats = Arc::new(Stats::default());
+        let mut path = CmaPath::new(1, Arc::clone(&stats)).expect("Linux has /proc");
+        let mut buf = vec![0u8; 64];
+        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let rec = path.export(&reg).expect("host memory exports");
+        let one = [DescPair { src: 0x1000, dst: reg.addr, len: 8 }];
+        assert!(path.prep("p", &one, &[rec], false).is_none(), "two agents of one process keep bouncing");
+        path.allow_self = true;
+        let src: Vec<u8> = (0..64).collect();
+        let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr + 8, len: 16 }];
+        // Another host, another namespace, a reused pid, a piece outside: refused.
+        assert!(path.prep("p", &pair, &[CmaRecord { node: [0xee; 16], ..rec }], false).is_none());
+        assert!(path.prep("p", &pair, &[CmaRecord { pidns: rec.pidns ^ 1, ..rec }], false).is_none());
+        assert!(path.prep("p", &pair, &[CmaRecord { start: rec.start + 1, ..rec }], false).is_none());
+        assert!(path.prep("p", &pair, &[CmaRecord { len: 16, ..rec }], false).is_none());
+        // This very process as the peer: the copy lands, and only where the pair says.
+        let h = path.prep("p", &pair, &[rec], false).expect("a live process of this host");
+        path.post(h, None).unwrap();
+        while path.check(h, None, Duration::from_micros(200)).unwrap() == Progress::InFlight {
+            std::thread::yield_now();
+        }
+        assert_eq!(&buf[8..24], &src[..16]);
+        assert!(buf[..8].iter().chain(&buf[24..]).all(|b| *b == 0));
+        assert_eq!(stats.cma_ok.load(Ordering::Relaxed), 1);
+        path.release(h).unwrap();
+        assert!(matches!(path.check(h, None, Duration::ZERO), Err(Error::UnknownRequest(_))));
+    }
+}

@@ -1,0 +1,167 @@
+//! Cross-memory attach: copying between this process and another of the same host with
+//! `process_vm_writev` / `process_vm_readv` (the same-host path for host memory, `bounce_cma`),
+//! and naming a process so that a reused pid is told apart.
+//!
+//! The kernel copies each piece once, between the two address spaces, checking both sides'
+//! mappings itself (a bad address is `EFAULT`, never a fault in this process). It needs the
+//! permission to ptrace the peer (same user; Yama's `ptrace_scope` may forbid it): without, the
+//! first copy fails with `EPERM` and the caller goes back to bouncing.
+
+use std::io;
+
+/// Which way the bytes go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CmaDir {
+    /// Local -> the peer (`process_vm_writev`).
+    Write,
+    /// The peer -> local (`process_vm_readv`).
+    Read,
+}
+
+/// One piece: `len` bytes at `local` here and at `remote` in the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// Address in this process.
+    pub(crate) local: u64,
+    /// Address in the peer.
+    pub(crate) remote: u64,
+    /// Bytes.
+    pub(crate) len: u64,
+}
+
+/// Most iovecs one call takes (Linux's `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
+/// Copies every piece between this process and process `pid`, `IOV_MAX` pieces a call.
+///
+/// # Safety
+/// For [`CmaDir::Read`], every piece's local range must be memory of this process that nothing
+/// else reads or writes during the call (the kernel writes it, as a `memcpy` would). For
+/// [`CmaDir::Write`] the local ranges are only read, and an unmapped one fails the call.
+///
+/// # Errors
+/// The kernel's error (`EPERM`, `ESRCH`, `EFAULT`, ...), or `UnexpectedEof` when a call moved
+/// fewer bytes than asked (an unmapped remote page): the copy is then incomplete.
+pub(crate) unsafe fn copy(pid: u32, dir: CmaDir, pieces: &[Piece]) -> io::Result<()> {
+    let mut local = Vec::with_capacity(pieces.len().min(IOV_MAX));
+    let mut remote = Vec::with_capacity(pieces.len().min(IOV_MAX));
+    for batch in pieces.chunks(IOV_MAX) {
+        local.clear();
+        remote.clear();
+        let mut want = 0usize;
+        for p in batch {
+            let len = usize::try_from(p.len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            local.push(libc::iovec { iov_base: p.local as usize as *mut libc::c_void, iov_len: len });
+            remote.push(libc::iovec { iov_base: p.remote as usize as *mut libc::c_void, iov_len: len });
+            want = want.checked_add(len).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        }
+        let pid = pid as libc::pid_t;
+        // SAFETY: both iovec arrays are live for the call and `batch.len() <= IOV_MAX` long.
+        // The remote side is the kernel's to check. The local side: read for a write (an
+        // unmapped range fails with EFAULT); written for a read, which the caller's contract
+        // makes this call's alone.
+        let n = unsafe {
+            match dir {
+                CmaDir::Write => libc::process_vm_writev(
+                    pid,
+                    local.as_ptr(),
+                    local.len() as _,
+                    remote.as_ptr(),
+                    remote.len() as _,
+                    0,
+                ),
+                CmaDir::Read => {
+                    libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+                }
+            }
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n as usize != want {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("moved {n} of {want} bytes")));
+        }
+    }
+    Ok(())
+}
+
+/// A process as the kernel names it, with what tells a reused pid apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProcessId {
+    /// The inode of its PID namespace (`/proc/self/ns/pid`).
+    pub(crate) pidns: u64,
+    /// Its pid in that namespace.
+    pub(crate) pid: u32,
+    /// Its start time in clock ticks since boot (`/proc/<pid>/stat` field 22).
+    pub(crate) start: u64,
+}
+
+/// This process, or `None` without a readable `/proc`.
+pub(crate) fn this_process() -> Option<ProcessId> {
+    let pid = std::process::id();
+    Some(ProcessId { pidns: pid_namespace()?, pid, start: start_time(pid)? })
+}
+
+/// The inode of this process's PID namespace.
+pub(crate) fn pid_namespace() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
+}
+
+/// Process `pid`'s start time (`/proc/<pid>/stat` field 22), `None` when there is no such
+/// process.
+pub(crate) fn start_time(pid: u32) -> Option<u64> {
+    parse_start_time(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Field 22 of a `/proc/<pid>/stat` line. The command name (field 2, in parentheses) may hold
+/// spaces and parentheses itself, so the fields are counted after its last `)`.
+fn parse_start_time(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // After the name come field 3 (state) onward: field 22 is the 20th of them.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_start_time_is_field_22_even_when_the_name_has_spaces_and_parentheses() {
+        let line = "4242 (my (odd) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 1 0 987654 1000 10";
+        assert_eq!(parse_start_time(line), Some(987654));
+        assert_eq!(parse_start_time("4242 (x) S 1"), None);
+        let me = this_process().expect("Linux has /proc");
+        assert_eq!(me.pid, std::process::id());
+        assert_eq!(start_time(me.pid), Some(me.start), "stable for a live process");
+    }
+
+    #[test]
+    fn copies_into_and_out_of_a_process_piece_by_piece_across_batches() {
+        // This very process as the peer: the kernel path is the same.
+        let pid = std::process::id();
+        let src: Vec<u8> = (0..3000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut dst = vec![0u8; 3000 * 2];
+        // 1500 two-byte pieces, every other pair of destination bytes: two batches of calls.
+        let pieces: Vec<Piece> = (0..1500u64)
+            .map(|i| Piece { local: src.as_ptr() as u64 + 2 * i, remote: dst.as_mut_ptr() as u64 + 4 * i, len: 2 })
+            .collect();
+        // SAFETY: a write only reads the local ranges (inside `src`).
+        unsafe { copy(pid, CmaDir::Write, &pieces) }.expect("process_vm_writev to itself");
+        for i in 0..1500 {
+            assert_eq!(&dst[4 * i..4 * i + 2], &src[2 * i..2 * i + 2]);
+            assert_eq!(&dst[4 * i + 2..4 * i + 4], &[0, 0], "between pieces untouched");
+        }
+        let mut back = vec![0u8; 3000];
+        let pieces: Vec<Piece> = (0..1500u64)
+            .map(|i| Piece { local: back.as_mut_ptr() as u64 + 2 * i, remote: dst.as_ptr() as u64 + 4 * i, len: 2 })
+            .collect();
+        // SAFETY: the local ranges are inside `back`, which nothing else touches meanwhile.
+        unsafe { copy(pid, CmaDir::Read, &pieces) }.expect("process_vm_readv from itself");
+        assert_eq!(back, src);
+        // An unmapped remote address: an error, not a fault.
+        let bad = [Piece { local: src.as_ptr() as u64, remote: 8, len: 2 }];
+        // SAFETY: as above.
+        assert!(unsafe { copy(pid, CmaDir::Write, &bad) }.is_err());
+    }
+}

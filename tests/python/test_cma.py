@@ -1,0 +1,178 @@
+"""The same-host path for host memory (bounce_cma): between two processes of one host, a
+transfer the gate would bounce is copied by the kernel straight between the two address spaces
+(process_vm_writev / process_vm_readv), once, on the copy workers. Real NIXL agents in two
+processes, byte-exact (every byte between the destinations too), the counters proving the path.
+
+conftest.py turns the path off for the rest of the suite; each test here turns it on (the
+environment is read when an agent is made, and peer processes inherit it).
+"""
+import os
+import signal
+import time
+
+import pytest
+
+import nixlkit
+from test_bounce import B, connect, remote_buffer, stats
+
+ON = {"NIXL_BOUNCE_CMA": "1"}
+
+
+@pytest.fixture
+def cma(monkeypatch):
+    monkeypatch.setenv("NIXL_BOUNCE_CMA", "1")
+
+
+def peer_stats(p):
+    params = p.call(op="params")["params"]
+    return {k[len("stats."):]: int(v) for k, v in params.items() if k.startswith("stats.")}
+
+
+def setup(peer, name, tx_bytes, rx_bytes, tx_seed, rx_seed, two_way=True, peer_env=None, meta_edit=None):
+    """This process's agent `name`-tx with a buffer of pattern(tx_seed), and a peer process
+    `name`-rx with pattern(rx_seed); our agent loads the peer's metadata (edited by
+    `meta_edit`), the peer ours only when `two_way`."""
+    p = peer({**ON, **(peer_env or {})})
+    meta, raddr = p.start(name=f"{name}-rx", size=rx_bytes, seed=rx_seed)
+    ag = nixlkit.agent(f"{name}-tx")
+    buf = nixlkit.pattern(tx_seed, tx_bytes)
+    nixlkit.register(ag, buf)
+    ag.add_remote_agent(meta_edit(meta) if meta_edit else meta)
+    if two_way:
+        connect(ag, p)
+    return ag, p, raddr, buf
+
+
+def descs(ag, op, lay, buf, raddr):
+    if op == "WRITE":
+        return ag.get_xfer_descs(lay.src_list(buf.ctypes.data), "DRAM"), ag.get_xfer_descs(lay.dst_list(raddr), "DRAM")
+    return ag.get_xfer_descs(lay.dst_list(buf.ctypes.data), "DRAM"), ag.get_xfer_descs(lay.src_list(raddr), "DRAM")
+
+
+@pytest.mark.parametrize("metadata", ["two-way", "one-way"])
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_same_host_transfer_is_one_copy_byte_exact(cma, peer, tmp_path, op, metadata):
+    """16384 x 4 KiB, posted twice from one prepared request, each with a notification the
+    peer sees after the bytes; nothing bounced, nothing passed to UCX; with metadata loaded
+    both ways or only by us (the peer never loads ours: vLLM's pull, the reference design's
+    push)."""
+    lay = nixlkit.Scattered(16384, 4096, seed=1101)
+    name = f"c1-{op.lower()}-{metadata}"
+    if op == "WRITE":
+        ag, p, raddr, buf = setup(peer, name, lay.src_bytes, lay.dst_bytes, 1102, 1103, metadata == "two-way")
+    else:
+        ag, p, raddr, buf = setup(peer, name, lay.dst_bytes, lay.src_bytes, 1103, 1102, metadata == "two-way")
+    lo, re = descs(ag, op, lay, buf, raddr)
+    h = ag.initialize_xfer(op, lo, re, f"{name}-rx", b"c1-done", backends=[B])
+    for _ in range(2):
+        if op == "READ":
+            buf[:] = nixlkit.pattern(1103, lay.dst_bytes)
+        assert ag.transfer(h) != "ERR"
+        nixlkit.wait_xfer(ag, h)
+        p.call(op="notif_wait", **{"from": f"{name}-tx", "msg": "c1-done"})
+    ag.release_xfer_handle(h)
+    got = remote_buffer(p, tmp_path) if op == "WRITE" else buf
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1102, lay.src_bytes),
+                                          nixlkit.pattern(1103, lay.dst_bytes)), f"{op} destination")
+    s, t = stats(ag), peer_stats(p)
+    assert s["cma_xfers"] == 2 and s["cma_ok"] == 2, s
+    assert s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0, s
+    assert t["bounce_ok"] == 0 and t["cma_xfers"] == 0, t
+
+
+def test_a_peer_without_records_is_bounced_to(cma, peer, tmp_path):
+    """A peer with the path off publishes no record: transfers to it bounce, silently."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1111)
+    ag, p, raddr, buf = setup(peer, "c2", lay.src_bytes, lay.dst_bytes, 1112, 1113,
+                              peer_env={"NIXL_BOUNCE_CMA": "0"})
+    lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    h = ag.initialize_xfer("WRITE", lo, re, "c2-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, nixlkit.pattern(1113, lay.dst_bytes)), "bounced")
+    s = stats(ag)
+    assert s["cma_xfers"] == 0 and s["bounce_ok"] == 1, s
+
+
+def forge(field_off, value, size):
+    """A metadata editor replacing a field of the CMA record (offset from the envelope's magic)."""
+    def edit(meta):
+        at = meta.find(b"NXBNCREG\x03\x00")
+        assert at >= 0, "the peer's metadata carries no CMA record"
+        at += field_off
+        return meta[:at] + value.to_bytes(size, "little") + meta[at + size:]
+    return edit
+
+
+# Offsets in a version-3 envelope: magic+version 10, id 8, key 32, node 16, then the PID
+# namespace (8), the pid (4), the start time (8).
+PID_AT, START_AT = 10 + 8 + 32 + 16 + 8, 10 + 8 + 32 + 16 + 8 + 4
+
+
+@pytest.mark.parametrize("forged", ["pid", "start"])
+def test_a_record_naming_another_process_is_refused(cma, peer, tmp_path, forged):
+    """A record whose pid is another live process (pid 1), or whose start time is not the
+    pid's (a reused pid): nothing is copied through CMA; the transfer bounces, byte-exact."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1121)
+    edit = forge(PID_AT, 1, 4) if forged == "pid" else forge(START_AT, 1, 8)
+    ag, p, raddr, buf = setup(peer, f"c3-{forged}", lay.src_bytes, lay.dst_bytes, 1122, 1123, meta_edit=edit)
+    lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    h = ag.initialize_xfer("WRITE", lo, re, f"c3-{forged}-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, nixlkit.pattern(1123, lay.dst_bytes)), "bounced")
+    s = stats(ag)
+    assert s["cma_xfers"] == 0 and s["bounce_ok"] == 1, s
+
+
+def test_peer_killed_between_posts_fails_at_once_then_a_new_peer_works(cma, peer, tmp_path):
+    """The peer's process is gone: the next post of a prepared request answers ERR at once (its
+    pid is checked at every post), and a new peer then gets a byte-exact same-host transfer."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1131)
+    ag, p, raddr, buf = setup(peer, "c4", lay.src_bytes, lay.dst_bytes, 1132, 1133)
+    lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    h = ag.initialize_xfer("WRITE", lo, re, "c4-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    t0 = time.monotonic()
+    try:
+        state = ag.transfer(h)
+    except Exception:
+        state = "ERR"
+    while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
+        state = ag.check_xfer_state(h)
+    assert state == "ERR", state
+    assert time.monotonic() - t0 < 1
+    ag.release_xfer_handle(h)
+    ag.remove_remote_agent("c4-rx")
+    p2 = peer(ON)
+    meta, raddr2 = p2.start(name="c4-rx2", size=lay.dst_bytes, seed=1134)
+    ag.add_remote_agent(meta)
+    connect(ag, p2)
+    lo, re = descs(ag, "WRITE", lay, buf, raddr2)
+    h = ag.initialize_xfer("WRITE", lo, re, "c4-rx2", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    ag.release_xfer_handle(h)
+    nixlkit.assert_same(remote_buffer(p2, tmp_path, "r2.bin"), lay.expected(buf, nixlkit.pattern(1134, lay.dst_bytes)),
+                        "after the kill")
+    assert stats(ag)["cma_ok"] == 2
+
+
+def test_release_while_in_flight_waits_and_loses_nothing(cma, peer, tmp_path):
+    """Requests released right after their posts (the copy is waited for), then a full one."""
+    lay = nixlkit.Scattered(16384, 4096, seed=1141)
+    ag, p, raddr, buf = setup(peer, "c5", lay.src_bytes, lay.dst_bytes, 1142, 1143)
+    lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    for _ in range(3):
+        h = ag.initialize_xfer("WRITE", lo, re, "c5-rx", b"", backends=[B])
+        assert ag.transfer(h) != "ERR"
+        ag.release_xfer_handle(h)
+    h = ag.initialize_xfer("WRITE", lo, re, "c5-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, nixlkit.pattern(1143, lay.dst_bytes)), "after releases")
+    s = stats(ag)
+    assert s["cma_xfers"] == 4 and s["bounce_xfers"] == 0, s
