@@ -119,6 +119,8 @@ pub(crate) struct CmaPath {
     reqs: Mutex<HashMap<u64, Request>>,
     next: AtomicU64,
     stats: Arc<Stats>,
+    /// Peer processes (pid, start time) tried, and whether the kernel let us copy with them.
+    permitted: Mutex<HashMap<(u32, u64), bool>>,
     /// Whether a record of this very process is taken (tests only: two agents of one process
     /// keep bouncing, which their tests prove).
     allow_self: bool,
@@ -172,6 +174,7 @@ impl CmaPath {
             reqs: Mutex::default(),
             next: AtomicU64::new(1),
             stats,
+            permitted: Mutex::default(),
             allow_self: false,
         })
     }
@@ -223,6 +226,9 @@ impl CmaPath {
             tracing::debug!(peer, pid = first.pid, "the record's process is gone or not the same: no CMA");
             return None;
         }
+        if !self.permitted(peer, first) {
+            return None;
+        }
         let parts = Arc::new(split(pieces, self.workers.len()));
         let h = CMA_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
         let req = Request {
@@ -236,6 +242,25 @@ impl CmaPath {
         };
         self.reqs.lock().insert(h, req);
         Some(h)
+    }
+
+    /// Whether the kernel lets us copy with the process of `rec` (ptrace permission: same
+    /// user, and Yama or a seccomp profile may forbid it): one byte of its registration read
+    /// once per process, so that a peer we may not reach is bounced to from its first
+    /// transfer on instead of failing every one.
+    fn permitted(&self, peer: &str, rec: &CmaRecord) -> bool {
+        *self.permitted.lock().entry((rec.pid, rec.start)).or_insert_with(|| {
+            let mut byte = 0u8;
+            let probe = [Piece { local: std::ptr::addr_of_mut!(byte) as u64, remote: rec.addr, len: 1 }];
+            // SAFETY: the one local byte is `byte`, which nothing else touches meanwhile.
+            match unsafe { cma::copy(rec.pid, CmaDir::Read, &probe) } {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::info!(peer, pid = rec.pid, error = %e, "cross-memory attach refused: transfers to this peer bounce");
+                    false
+                }
+            }
+        })
     }
 
     /// Hands request `h`'s parts to the workers.
@@ -417,5 +442,14 @@ mod tests {
         assert_eq!(stats.cma_ok.load(Ordering::Relaxed), 1);
         path.release(h).unwrap();
         assert!(matches!(path.check(h, None, Duration::ZERO), Err(Error::UnknownRequest(_))));
+        // A process the kernel does not let us reach (here: one that has exited) is tried once
+        // and remembered: its transfers bounce instead of failing.
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let gone = child.id();
+        child.wait().unwrap();
+        let rec_gone = CmaRecord { pid: gone, start: 1, ..rec };
+        assert!(!path.permitted("p", &rec_gone));
+        assert_eq!(path.permitted.lock().get(&(gone, 1)), Some(&false));
+        assert!(path.permitted("p", &rec), "this process: reachable");
     }
 }
