@@ -283,8 +283,15 @@ mod tests {
         );
         let host = GateInput { arena: HOST, local_mem: Some(MemKind::Dram), remote_mem: Some(MemKind::Dram), ..i };
         let d = descs(8, 512);
-        assert_eq!(route_mapped(&input_with(host, &d, &d), true), Route::Bounce, "host memory on both sides (CMA)");
-        assert_eq!(route_mapped(&input_with(host, &d, &d), false), Route::PassThrough(FallbackReason::Peer));
+        assert_eq!(
+            route_mapped(&GateInput { local: &d, remote: &d, ..host }, true),
+            Route::Bounce,
+            "host memory on both sides (CMA)"
+        );
+        assert_eq!(
+            route_mapped(&GateInput { local: &d, remote: &d, ..host }, false),
+            Route::PassThrough(FallbackReason::Peer)
+        );
         // The thresholds hold as for bouncing.
         assert_eq!(
             route_mapped(&GateInput { min_descriptor_count: 9, ..i }, true),
@@ -293,30 +300,16 @@ mod tests {
         // Every remote descriptor on one device, every local one on the arena's GPU.
         let mut mixed = theirs.clone();
         mixed[5].dev = 2;
-        assert_eq!(route_mapped(&input_with(i, &mine, &mixed), true), Route::PassThrough(FallbackReason::Mem));
+        assert_eq!(
+            route_mapped(&GateInput { local: &mine, remote: &mixed, ..i }, true),
+            Route::PassThrough(FallbackReason::Mem)
+        );
         let mut elsewhere = mine.clone();
         elsewhere[0].dev = 0;
-        assert_eq!(route_mapped(&input_with(i, &elsewhere, &theirs), true), Route::PassThrough(FallbackReason::Mem));
-    }
-
-    /// `i` with other descriptor lists.
-    fn input_with<'a>(i: GateInput<'_>, local: &'a [Desc], remote: &'a [Desc]) -> GateInput<'a> {
-        let GateInput { bounce_running, op, local_mem, remote_mem, arena, peer_arena, .. } = i;
-        let (min_descriptor_count, max_average_descriptor_size, peer_can_bounce) =
-            (i.min_descriptor_count, i.max_average_descriptor_size, i.peer_can_bounce);
-        GateInput {
-            bounce_running,
-            op,
-            local_mem,
-            remote_mem,
-            arena,
-            peer_arena,
-            local,
-            remote,
-            min_descriptor_count,
-            max_average_descriptor_size,
-            peer_can_bounce,
-        }
+        assert_eq!(
+            route_mapped(&GateInput { local: &elsewhere, remote: &theirs, ..i }, true),
+            Route::PassThrough(FallbackReason::Mem)
+        );
     }
 
     #[test]
