@@ -551,7 +551,8 @@ impl Engine {
             false => DescPair { src: l.addr, dst: r.addr, len: l.len },
             true => DescPair { src: r.addr, dst: l.addr, len: l.len },
         };
-        // Same host, GPU memory, the peer's handles loaded: one kernel, no bounce.
+        // A peer process of this host whose records we loaded: one kernel (GPU memory) or one
+        // kernel copy per piece (host memory, CMA), no bounce.
         if let Some(h) = self.prep_mapped(op, &input, local, remote, agent, pair) {
             return Some(h);
         }
