@@ -12,7 +12,12 @@
 //! against our registrations; a WRITE reads our memory and writes the peer's, which the kernel
 //! checks (a piece outside the peer's mappings fails the transfer). The process named by a
 //! record must be the one that published it: same host (boot id), same PID namespace, and the
-//! start time of the pid checked again at every post, so a pid reused since is refused.
+//! start time of the pid checked again at every post, so a pid reused since is refused. Nor is a
+//! deregistered registration written: each record names a liveness word in its owner's
+//! process, which holds the record's tag while the registration lives and 0 once it is
+//! deregistered; the copier reads the words of a request's registrations at prep and before
+//! every post. (A deregistration racing a copy already running is not caught: the owner cannot
+//! wait for another process's system call. The bounce path's receiver can, and does.)
 //!
 //! Completion: SUCCESS once every worker's part is copied; the notification then goes through
 //! the inner engine. A release of a running request waits for its parts (a system call cannot
@@ -34,10 +39,78 @@ use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
 use crate::sys::cma::{self, CmaDir, Piece, ProcessId};
+use crate::sys::shim::Md;
 use crate::sys::shim::Shim;
 
 /// Request handles of this path carry this bit.
 pub(crate) const CMA_HANDLE_BIT: u64 = 1 << 61;
+
+/// Liveness words, so registrations that can be reached by CMA at once.
+const LIVE_SLOTS: usize = 1 << 16;
+
+/// Our registrations' liveness words (see the module docs).
+#[derive(Debug)]
+struct Liveness {
+    /// Never moves: peers read its words at the addresses our records publish.
+    words: Box<[AtomicU64]>,
+    slots: Mutex<Slots>,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    by_md: HashMap<Md, usize>,
+    free: Vec<usize>,
+    next: usize,
+}
+
+impl Liveness {
+    fn new() -> Self {
+        Self { words: (0..LIVE_SLOTS).map(|_| AtomicU64::new(0)).collect(), slots: Mutex::default() }
+    }
+
+    /// A word for registration `md`, set to a fresh nonzero tag: (its address, the tag).
+    fn take(&self, md: Md) -> Option<(u64, u64)> {
+        let mut slots = self.slots.lock();
+        let slot = match slots.free.pop() {
+            Some(s) => s,
+            None if slots.next < LIVE_SLOTS => {
+                slots.next += 1;
+                slots.next - 1
+            }
+            None => return None, // every word in use: the registration is not published
+        };
+        let mut raw = [0u8; 8];
+        getrandom::fill(&mut raw).ok()?;
+        let tag = u64::from_ne_bytes(raw) | 1;
+        self.words[slot].store(tag, Ordering::Release);
+        if let Some(old) = slots.by_md.insert(md, slot) {
+            self.words[old].store(0, Ordering::Release);
+            slots.free.push(old);
+        }
+        Some((std::ptr::from_ref(&self.words[slot]) as u64, tag))
+    }
+
+    /// Registration `md` is gone: its word reads 0 from now on.
+    fn clear(&self, md: Md) {
+        let mut slots = self.slots.lock();
+        if let Some(slot) = slots.by_md.remove(&md) {
+            self.words[slot].store(0, Ordering::Release);
+            slots.free.push(slot);
+        }
+    }
+}
+
+/// Whether every (address, tag) liveness word of process `pid` still holds its tag.
+fn all_live(pid: u32, words: &[(u64, u64)]) -> bool {
+    let mut got = vec![0u64; words.len()];
+    let pieces: Vec<Piece> = got
+        .iter_mut()
+        .zip(words)
+        .map(|(g, (addr, _))| Piece { local: std::ptr::from_mut(g) as u64, remote: *addr, len: 8 })
+        .collect();
+    // SAFETY: the local ranges are the words of `got`, which nothing else touches meanwhile.
+    unsafe { cma::copy(pid, CmaDir::Read, &pieces) }.is_ok() && got.iter().zip(words).all(|(g, (_, tag))| g == tag)
+}
 
 /// A transfer smaller than this goes in one part (one worker): splitting costs more.
 const MIN_PART_BYTES: u64 = 1 << 20;
@@ -99,6 +172,8 @@ struct Request {
     read: bool,
     pid: u32,
     start: u64,
+    /// The liveness words of its registrations: (address, tag).
+    live: Vec<(u64, u64)>,
     /// The pieces, cut into one part per worker (fewer for small transfers).
     parts: Arc<Vec<Vec<Piece>>>,
     state: State,
@@ -119,6 +194,8 @@ pub(crate) struct CmaPath {
     reqs: Mutex<HashMap<u64, Request>>,
     next: AtomicU64,
     stats: Arc<Stats>,
+    /// Our registrations' liveness words.
+    liveness: Liveness,
     /// Peer processes (pid, start time) tried, and whether the kernel let us copy with them.
     permitted: Mutex<HashMap<(u32, u64), bool>>,
     /// Whether a record of this very process is taken (tests only: two agents of one process
@@ -174,21 +251,35 @@ impl CmaPath {
             reqs: Mutex::default(),
             next: AtomicU64::new(1),
             stats,
+            liveness: Liveness::new(),
             permitted: Mutex::default(),
             allow_self: false,
         })
     }
 
-    /// The record to publish with our host registration `reg`.
-    pub(crate) fn export(&self, reg: &Registration) -> Option<CmaRecord> {
-        (reg.mem == MemKind::Dram && reg.len > 0).then_some(CmaRecord {
+    /// The record to publish with our host registration `md` (`reg`), with a liveness word
+    /// of its own.
+    pub(crate) fn export(&self, md: Md, reg: &Registration) -> Option<CmaRecord> {
+        if reg.mem != MemKind::Dram || reg.len == 0 {
+            return None;
+        }
+        let (live, tag) = self.liveness.take(md)?;
+        Some(CmaRecord {
             node: self.node,
             pidns: self.me.pidns,
             pid: self.me.pid,
             start: self.me.start,
             addr: reg.addr,
             len: reg.len,
+            live,
+            tag,
         })
+    }
+
+    /// Our registration `md` is being deregistered: peers holding its record copy no more into
+    /// or out of it (their next prep or post reads its liveness word as 0).
+    pub(crate) fn forget(&self, md: Md) {
+        self.liveness.clear(md);
     }
 
     /// Prepares a transfer of `descs` (ours and the peer's addresses), `recs[i]` the record of
@@ -204,7 +295,11 @@ impl CmaPath {
             return None;
         }
         let mut pieces: Vec<Piece> = Vec::with_capacity(descs.len());
+        let mut live: Vec<(u64, u64)> = Vec::new();
         for (d, rec) in descs.iter().zip(recs) {
+            if live.last() != Some(&(rec.live, rec.tag)) && !live.contains(&(rec.live, rec.tag)) {
+                live.push((rec.live, rec.tag));
+            }
             if (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start) {
                 return None;
             }
@@ -226,7 +321,7 @@ impl CmaPath {
             tracing::debug!(peer, pid = first.pid, "the record's process is gone or not the same: no CMA");
             return None;
         }
-        if !self.permitted(peer, first) {
+        if !self.permitted(peer, first) || !all_live(first.pid, &live) {
             return None;
         }
         let parts = Arc::new(split(pieces, self.workers.len()));
@@ -236,6 +331,7 @@ impl CmaPath {
             read,
             pid: first.pid,
             start: first.start,
+            live,
             parts,
             state: State::Prepared,
             last_check: None,
@@ -277,6 +373,10 @@ impl CmaPath {
         if cma::start_time(req.pid) != Some(req.start) {
             req.state = State::Done(Err(XferError::PeerLost));
             return Err(Error::Xfer(XferError::PeerLost));
+        }
+        if !all_live(req.pid, &req.live) {
+            req.state = State::Done(Err(XferError::Deregistered));
+            return Err(Error::Xfer(XferError::Deregistered));
         }
         let Some(tx) = &self.tasks else {
             return Err(Error::Xfer(XferError::ShuttingDown));
@@ -420,7 +520,7 @@ mod tests {
         let mut path = CmaPath::new(1, Arc::clone(&stats)).expect("Linux has /proc");
         let mut buf = vec![0u8; 64];
         let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
-        let rec = path.export(&reg).expect("host memory exports");
+        let rec = path.export(Md(1), &reg).expect("host memory exports");
         let one = [DescPair { src: 0x1000, dst: reg.addr, len: 8 }];
         assert!(path.prep("p", &one, &[rec], false).is_none(), "two agents of one process keep bouncing");
         path.allow_self = true;
@@ -442,6 +542,15 @@ mod tests {
         assert_eq!(stats.cma_ok.load(Ordering::Relaxed), 1);
         path.release(h).unwrap();
         assert!(matches!(path.check(h, None, Duration::ZERO), Err(Error::UnknownRequest(_))));
+        // Deregistered: a prepared request's next post fails, and no new one is prepared.
+        let h = path.prep("p", &pair, &[rec], false).expect("live");
+        path.forget(Md(1));
+        assert!(matches!(path.post(h, None), Err(Error::Xfer(XferError::Deregistered))));
+        assert!(path.prep("p", &pair, &[rec], false).is_none(), "its liveness word reads 0");
+        let again = path.export(Md(1), &reg).expect("registered again");
+        assert_ne!(again.tag, rec.tag, "a fresh tag: the old record stays dead");
+        assert!(path.prep("p", &pair, &[rec], false).is_none());
+        assert!(path.prep("p", &pair, &[again], false).is_some());
         // A process the kernel does not let us reach (here: one that has exited) is tried once
         // and remembered: its transfers bounce instead of failing.
         let mut child = std::process::Command::new("true").spawn().expect("spawn true");

@@ -456,7 +456,7 @@ impl Engine {
         if key.is_some() {
             let reach = match (&self.ipc, &self.cma) {
                 (Some(ipc), _) => ipc.export(&reg).map(Reach::Ipc),
-                (None, Some(cma)) => cma.export(&reg).map(Reach::Cma),
+                (None, Some(cma)) => cma.export(md, &reg).map(Reach::Cma),
                 (None, None) => None,
             };
             if let Some(r) = reach {
@@ -480,6 +480,9 @@ impl Engine {
     /// already running on it have ended. Called before the inner engine's deregistration,
     /// without the shim's lock (the reactor needs it to finish its writes).
     pub(crate) fn mem_deregistered(&self, md: Md) {
+        if let Some(cma) = &self.cma {
+            cma.forget(md);
+        }
         let key = self.keys.forget_local(md);
         let Some(r) = self.registry.remove(md) else { return };
         let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };

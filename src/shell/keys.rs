@@ -229,7 +229,8 @@ mod tests {
         theirs.remote_loaded(Md(12), again.unwrap());
         assert_eq!(theirs.remote_reach([Md(12)]), None, "a forgotten registration's record is gone");
         // A host registration's CMA record travels the same way.
-        let cma = CmaRecord { node: [1; 16], pidns: 7, pid: 42, start: 99, addr: 0x2000, len: 64 };
+        let cma =
+            CmaRecord { node: [1; 16], pidns: 7, pid: 42, start: 99, addr: 0x2000, len: 64, live: 0x3000, tag: 5 };
         ours.set_local_reach(Md(2), Reach::Cma(cma));
         let (_, got) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
         theirs.remote_loaded(Md(13), got.unwrap());

@@ -19,6 +19,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "stage_serve", "from": A, "n": N, "size": S, "seed": L, "stage_off": O, "count": K}
       hand staging (VRAM benchmarks): K times, wait for notif "staged" from A, scatter the
       staging area at buffer+O to Scattered(N, S, L)'s slots with torch, answer "scattered"
+  {"op": "dereg"}                              deregister the buffer (from every backend)
   {"op": "exit"}
 """
 import base64
@@ -32,6 +33,7 @@ import nixlkit
 def main():
     ag = None
     buf = None
+    regs = []
     seen = []
 
     def poll():
@@ -56,7 +58,7 @@ def main():
         if cmd.get("mem", "DRAM") == "VRAM":
             buf = nixlkit.VramBuf(buf, cmd.get("dev", 0))
         for b in cmd.get("backends", ["BOUNCE"]):
-            nixlkit.register(ag, buf, b)
+            regs.append(nixlkit.register(ag, buf, b))
         return {"meta": base64.b64encode(ag.get_agent_metadata()).decode(), "addr": nixlkit.addr(buf)}
 
     def notif_wait(cmd):
@@ -128,6 +130,7 @@ def main():
         "wait_ready": lambda cmd: nixlkit.wait_ready(ag, cmd.get("n", 1)),
         "params": lambda cmd: {"params": nixlkit.live_params(ag, cmd.get("backend", "BOUNCE"))},
         "stage_serve": stage_serve,
+        "dereg": lambda cmd: [ag.deregister_memory(regs.pop()) for _ in list(regs)] and None,
     }, idle=poll, active=lambda: ag is not None)
 
 

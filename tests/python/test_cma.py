@@ -176,3 +176,34 @@ def test_release_while_in_flight_waits_and_loses_nothing(cma, peer, tmp_path):
     nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, nixlkit.pattern(1143, lay.dst_bytes)), "after releases")
     s = stats(ag)
     assert s["cma_xfers"] == 4 and s["bounce_xfers"] == 0, s
+
+
+def test_a_deregistered_destination_is_not_written(cma, peer, tmp_path):
+    """The peer deregisters its buffer (its memory stays allocated): the next post of a
+    prepared request fails at once, and not one byte of the peer's buffer changes after the
+    deregistration. The bounce path refuses such writes at the receiver; CMA reads the
+    registration's liveness word in the peer before every post."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1151)
+    ag, p, raddr, buf = setup(peer, "c6", lay.src_bytes, lay.dst_bytes, 1152, 1153)
+    lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    h = ag.initialize_xfer("WRITE", lo, re, "c6-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    before = remote_buffer(p, tmp_path, "before.bin")
+    p.call(op="dereg")
+    buf[:] = nixlkit.pattern(1154, lay.src_bytes)  # other bytes, so a write would show
+    try:
+        state = ag.transfer(h)
+    except Exception:
+        state = "ERR"
+    t0 = time.monotonic()
+    while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
+        try:
+            state = ag.check_xfer_state(h)
+        except Exception:
+            state = "ERR"
+    assert state == "ERR", state
+    after = remote_buffer(p, tmp_path, "after.bin")
+    assert (after == before).all(), "the deregistered buffer was written"
+    s = stats(ag)
+    assert s["cma_xfers"] == 1 and s["cma_ok"] == 1, s

@@ -82,7 +82,16 @@ pub fn seed_envelopes() -> Vec<Vec<u8>> {
 pub fn seed_public() -> Vec<Vec<u8>> {
     let key = crate::types::RegKey([0x42; 32]);
     let ipc = super::IpcRecord { node: [7; 16], handle: [0x33; 64], alloc_off: 512, addr: 0x7000_0000, len: 1 << 20 };
-    let cma = super::CmaRecord { node: [7; 16], pidns: 4026531836, pid: 77, start: 9, addr: 0x7000_0000, len: 1 << 20 };
+    let cma = super::CmaRecord {
+        node: [7; 16],
+        pidns: 4026531836,
+        pid: 77,
+        start: 9,
+        addr: 0x7000_0000,
+        len: 1 << 20,
+        live: 0x5000_0010,
+        tag: 3,
+    };
     [
         (Vec::new(), None, None),
         (b"ucx-rkey-blob".to_vec(), None, None),

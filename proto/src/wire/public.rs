@@ -39,6 +39,12 @@ pub struct CmaRecord {
     pub addr: u64,
     /// The registration's length.
     pub len: u64,
+    /// Address, in its owner's process, of the registration's liveness word: it holds `tag`
+    /// while the registration lives and 0 from its deregistration on. A copier reads it before
+    /// every copy, so a deregistered registration is not written.
+    pub live: u64,
+    /// The liveness word's value while the registration lives (never 0).
+    pub tag: u64,
 }
 
 /// How a process of the same host may map a GPU registration (`bounce_cuda_ipc`): the CUDA IPC
@@ -104,6 +110,8 @@ impl PublicData {
                 w.u64(cma.start);
                 w.u64(cma.addr);
                 w.u64(cma.len);
+                w.u64(cma.live);
+                w.u64(cma.tag);
             }
             (None, None) => {}
         }
@@ -145,6 +153,8 @@ impl PublicData {
                 start: r.u64()?,
                 addr: r.u64()?,
                 len: r.u64()?,
+                live: r.u64()?,
+                tag: r.u64()?,
             }),
             _ => None,
         };
@@ -188,12 +198,20 @@ mod tests {
 
     #[test]
     fn a_cma_record_travels_as_version_3() {
-        let cma =
-            CmaRecord { node: [9; 16], pidns: 4026531836, pid: 4242, start: 123_456, addr: 0x7f00_0000, len: 4096 };
+        let cma = CmaRecord {
+            node: [9; 16],
+            pidns: 4026531836,
+            pid: 4242,
+            start: 123_456,
+            addr: 0x7f00_0000,
+            len: 4096,
+            live: 0x5500_0008,
+            tag: 77,
+        };
         let p = PublicData { reg: RegId(7), key: RegKey([3; 32]), ipc: None, cma: Some(cma), inner: b"ucx".to_vec() };
         let bytes = p.to_vec();
         assert_eq!(&bytes[..10], b"NXBNCREG\x03\x00");
-        assert_eq!(bytes.len(), 10 + 8 + 32 + 16 + 8 + 4 + 8 + 8 + 8 + 3);
+        assert_eq!(bytes.len(), 10 + 8 + 32 + 16 + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 3);
         assert_eq!(&bytes[66..74], &4026531836u64.to_le_bytes());
         assert_eq!(&bytes[74..78], &4242u32.to_le_bytes());
         assert_eq!(PublicData::decode(&bytes), Ok(p));
