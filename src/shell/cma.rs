@@ -297,7 +297,8 @@ impl CmaPath {
         let mut pieces: Vec<Piece> = Vec::with_capacity(descs.len());
         let mut live: Vec<(u64, u64)> = Vec::new();
         for (d, rec) in descs.iter().zip(recs) {
-            if live.last() != Some(&(rec.live, rec.tag)) && !live.contains(&(rec.live, rec.tag)) {
+            // Descriptors of one registration come in runs; duplicates left go below.
+            if live.last() != Some(&(rec.live, rec.tag)) {
                 live.push((rec.live, rec.tag));
             }
             if (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start) {
@@ -317,6 +318,10 @@ impl CmaPath {
                 _ => pieces.push(Piece { local, remote, len: d.len }),
             }
         }
+        // Sorted and deduplicated once: a search per descriptor was quadratic when registrations
+        // alternate.
+        live.sort_unstable();
+        live.dedup();
         if cma::start_time(first.pid) != Some(first.start) {
             tracing::debug!(peer, pid = first.pid, "the record's process is gone or not the same: no CMA");
             return None;

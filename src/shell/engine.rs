@@ -634,13 +634,11 @@ impl Engine {
         let read = matches!(op, Some(XferOp::Read));
         match (&self.ipc, &self.cma) {
             (Some(ipc), _) => {
-                let recs: Option<Vec<_>> =
-                    recs.iter().map(|r| if let Reach::Ipc(x) = r { Some(*x) } else { None }).collect();
+                let recs: Option<Vec<_>> = recs.iter().map(Reach::ipc).collect();
                 ipc.prep(agent, &pairs, &recs?, read)
             }
             (None, Some(cma)) => {
-                let recs: Option<Vec<_>> =
-                    recs.iter().map(|r| if let Reach::Cma(x) = r { Some(*x) } else { None }).collect();
+                let recs: Option<Vec<_>> = recs.iter().map(Reach::cma).collect();
                 cma.prep(agent, &pairs, &recs?, read)
             }
             (None, None) => None,

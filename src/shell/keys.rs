@@ -35,6 +35,18 @@ pub(crate) enum Reach {
     Cma(CmaRecord),
 }
 
+impl Reach {
+    /// The CUDA IPC record, if it is one.
+    pub(crate) fn ipc(&self) -> Option<IpcRecord> {
+        if let Self::Ipc(r) = self { Some(*r) } else { None }
+    }
+
+    /// The CMA record, if it is one.
+    pub(crate) fn cma(&self) -> Option<CmaRecord> {
+        if let Self::Cma(r) = self { Some(*r) } else { None }
+    }
+}
+
 /// Our registrations' ids and keys, and the keys peers published for theirs.
 #[derive(Debug, Default)]
 pub(crate) struct Keys {
