@@ -224,11 +224,17 @@ impl CmaPath {
             let spawned = std::thread::Builder::new().name(format!("bounce-cma-{i}")).spawn(move || {
                 for t in rx.iter() {
                     let pieces = &t.parts[t.part];
-                    // SAFETY: a READ writes the pieces' local ranges: our registrations, named
-                    // by local descriptors NIXL checked, which the request owns until its job
-                    // is done (release waits for it); the parts of one request do not overlap
-                    // (each descriptor is in exactly one part). A WRITE only reads them.
-                    let r = unsafe { cma::copy(t.pid, t.dir, pieces) };
+                    // A panic (none is known) must still end the part, or its transfer would
+                    // stay in flight for ever: it counts as a failed copy.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        // SAFETY: a READ writes the pieces' local ranges: our registrations,
+                        // named by local descriptors NIXL checked, which the request owns until
+                        // its job is done (release waits for it); the parts of one request do
+                        // not overlap (each descriptor is in exactly one part). A WRITE only
+                        // reads them.
+                        unsafe { cma::copy(t.pid, t.dir, pieces) }
+                    }))
+                    .unwrap_or_else(|_| Err(std::io::Error::other("the copy worker panicked")));
                     if let Err(e) = &r {
                         tracing::warn!(pid = t.pid, error = %e, "same-host copy (CMA) failed");
                     }
