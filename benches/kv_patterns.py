@@ -4,10 +4,10 @@ in ONE run, two processes, DRAM, a paged KV cache laid out as vLLM lays it out
 
     .venv/bin/python benches/kv_patterns.py [--rounds 15] [--layers 16] [--blocks 512]
         [--per-request 32] [--requests 8] [--block-bytes 4096] [--only pull-one-way]
-        [--mem VRAM]
+        [--mem VRAM [--peer-gpu 1]]
 
 --mem VRAM (on a GPU machine) puts both caches in GPU memory (one torch tensor per layer, both
-processes on GPU 0) and gives BOUNCE a GPU arena (bounce_arena_mem=vram): between two processes
+processes on GPU 0, or the target's on --peer-gpu) and gives BOUNCE a GPU arena (bounce_arena_mem=vram): between two processes
 of one host that is the same-host path.
 
 Cases: pull (the decode side READs the request's blocks from the prefill side, the READ
@@ -86,7 +86,7 @@ def counters(ag, backend):
 class Side:
     """One backend's pair: our agent and cache, the target's agent, the prepared requests."""
 
-    def __init__(self, variant, case, target, layout, reqs, mem):
+    def __init__(self, variant, case, target, layout, reqs, mem, peer_gpu=0):
         import kvcache
         import nixlkit
 
@@ -99,7 +99,7 @@ class Side:
         self.tgt_seed, self.ini_seed = 20, 10
         params = {**({"bounce_arena_mem": "vram"} if backend == "BOUNCE" and mem == "VRAM" else {}), **extra} or None
         r = target.call(op="start", name=self.peer, backend=backend, layout=layout.__dict__,
-                        seed=self.tgt_seed, mem=mem, params=params)
+                        seed=self.tgt_seed, mem=mem, dev=peer_gpu, params=params)
         self.ag = nixlkit.agent(self.name, (backend,), params)
         self.cache = kvcache.GpuKvCache(layout, self.ini_seed) if mem == "VRAM" else \
             kvcache.KvCache(layout, self.ini_seed)
@@ -117,7 +117,7 @@ class Side:
         def prep(group, notif):
             mine = [d for q in group for d in self.cache.descs(
                 q.dst_blocks if pattern == "pull" else q.src_blocks)]
-            theirs = [d for q in group for d in kvcache.block_descs(
+            theirs = [(a, n, peer_gpu) for q in group for a, n, _ in kvcache.block_descs(
                 layout, r["bases"], q.src_blocks if pattern == "pull" else q.dst_blocks)]
             return self.ag.initialize_xfer(op, self.ag.get_xfer_descs(mine, mem),
                                            self.ag.get_xfer_descs(theirs, mem), self.peer,
@@ -157,7 +157,7 @@ def child(case, args):
         import torch
         torch.cuda.set_device(0)
         torch.empty(1, device="cuda:0")  # the GPU current before the agents are made
-    sides = [Side(v, case, target, layout, reqs, args.mem) for v in VARIANTS]
+    sides = [Side(v, case, target, layout, reqs, args.mem, args.peer_gpu) for v in VARIANTS]
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
@@ -202,6 +202,8 @@ def main():
     ap.add_argument("--per-request", type=int, default=32, help="blocks per request")
     ap.add_argument("--only", help="run only the cases whose name contains this (pull-one-way, push, ...)")
     ap.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
+    ap.add_argument("--peer-gpu", type=int, default=0,
+                    help="with --mem VRAM: the target's GPU (1 on a two-GPU host: across NVLink)")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -221,7 +223,8 @@ def main():
         if args.only and args.only not in name:
             continue
         cmd = [sys.executable, __file__, "--child", f"{pattern}:{metadata}"] + [
-            a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request", "mem")
+            a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request", "mem",
+                                "peer_gpu")
             for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
                            stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE)
@@ -237,8 +240,13 @@ def main():
             med[b] = statistics.median(x["batch"])
             p50, p99 = pct(x["single"], 50), pct(x["single"], 99)
             failed |= not x["exact"]
+            # the first request of each block (posted after the target's last check, often to
+            # an idle GPU or copy thread) against the rest: where the tail comes from
+            first = statistics.median(x["single"][::args.requests])
+            rest = statistics.median([t for i, t in enumerate(x["single"]) if i % args.requests])
             print(f"  {b:14s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
-                  f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}   "
+                  f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}  (first of a block {first * 1e3:.2f},"
+                  f" others {rest * 1e3:.2f})   "
                   f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
         for name in ("BOUNCE", "BOUNCE bounced"):
             b = res[name]["single"]

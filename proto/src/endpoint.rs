@@ -228,8 +228,8 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Keeps a mailbox (our arena is host memory the shell can write records into) and answers
-    /// one-way WANTs through it, or not.
+    /// Keeps a mailbox (the shell can write records into our arena: in place in host memory,
+    /// by small copies in GPU memory) and answers one-way WANTs through it, or not.
     pub fn keep_mailbox(&mut self, yes: bool) {
         let layout = self.one_way.mailbox;
         let layout = yes.then_some(MailboxLayout { slots: layout.slots, ring: layout.ring });

@@ -148,8 +148,8 @@ pub fn route(input: &GateInput<'_>) -> Route {
     }
     // WRITEs and READs bounce with either arena kind: a READ's gather runs on the target's
     // copy engine and its scatter on ours, the same engines a WRITE uses the other way round.
-    // (One way, with no HELLO, needs a host arena for the mailbox: the caller offers a peer
-    // arena only then.)
+    // (One way, with no HELLO, needs a mailbox on both sides: the caller offers a peer arena
+    // only then.)
     let peer_mem = input.peer_arena.map_or(input.arena.mem, |a| a.mem);
     if input.local_mem != Some(input.arena.mem) || input.remote_mem != Some(peer_mem) {
         return pass(R::Mem);

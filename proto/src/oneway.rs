@@ -97,7 +97,7 @@ pub fn peer_layout(caps: &wire::Capabilities) -> Option<MailboxLayout> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum OneWayRefused {
-    /// This engine keeps no mailbox (its arena is GPU memory, or bounce is off).
+    /// This engine keeps no mailbox (bounce is off, or its GPU arena got no copy stream).
     #[error("this engine keeps no mailbox")]
     NoMailbox,
     /// No slot for it now.

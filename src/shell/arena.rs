@@ -10,7 +10,8 @@ use bounce_proto::wire::{Capabilities, MailboxCaps};
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
 
-use crate::sys::cuda::{DeviceAlloc, Gpu, alloc_vram};
+use crate::shell::copy::cpu::HostArena;
+use crate::sys::cuda::{DeviceAlloc, Gpu, SmallCopies, alloc_vram};
 
 use crate::shell::error::ArenaFault;
 use crate::shell::{Error, Result};
@@ -32,6 +33,40 @@ enum Backing {
     /// Device memory on one GPU, shared with the CUDA copy engine (which must outlive no
     /// copy into it: it synchronizes its streams when dropped, before the last reference goes).
     Gpu(Arc<DeviceAlloc>),
+}
+
+/// The arena as the reactor's own thread reads and writes it: the mailbox records it puts
+/// there and the answers its one-way fetches brought in (bounce_proto::oneway). Host memory is
+/// copied in place; GPU memory by small synchronous copies on a stream of their own.
+pub(crate) enum ArenaBytes {
+    Host(HostArena),
+    Gpu(SmallCopies),
+}
+
+impl ArenaBytes {
+    /// Copies `bytes` to byte `offset` of the arena; false, copying nothing, when they would
+    /// leave it or the device refused the copy.
+    pub(crate) fn put(&self, offset: u64, bytes: &[u8]) -> bool {
+        match self {
+            Self::Host(h) => h.put(offset, bytes),
+            Self::Gpu(g) => {
+                g.put(offset, bytes).map_err(|e| tracing::warn!(error = %e, "a mailbox record copy")).is_ok()
+            }
+        }
+    }
+
+    /// `len` bytes from byte `offset` of the arena; `None` outside it or when the device
+    /// refused the copy.
+    pub(crate) fn get(&self, offset: u64, len: u64) -> Option<Vec<u8>> {
+        match self {
+            Self::Host(h) => h.get(offset, len),
+            Self::Gpu(g) => {
+                let mut out = vec![0; usize::try_from(len).ok()?];
+                g.get(offset, &mut out).map_err(|e| tracing::warn!(error = %e, "a fetched answers copy")).ok()?;
+                Some(out)
+            }
+        }
+    }
 }
 
 /// A registered arena.
@@ -96,6 +131,22 @@ impl Arena {
         match &self.backing {
             Backing::Gpu(a) => Some(a),
             Backing::Host(_) => None,
+        }
+    }
+
+    /// The arena's bytes for the reactor's mailbox and fetch area, from byte `from` on (zeroed
+    /// there first on a GPU, whose memory comes uninitialized). `None` when a GPU arena cannot
+    /// get its copy stream: the engine then keeps no mailbox and bounces two way only.
+    pub(crate) fn bytes(&self, from: u64, streaming_scatter: bool) -> Option<ArenaBytes> {
+        match &self.backing {
+            Backing::Host(_) => Some(ArenaBytes::Host(HostArena { base: self.base, len: self.len, streaming_scatter })),
+            Backing::Gpu(alloc) => {
+                let tail = usize::try_from(self.len.saturating_sub(from)).ok()?;
+                let made = SmallCopies::new(Arc::clone(alloc)).and_then(|g| g.zero(from, tail).map(|()| g));
+                made.map(ArenaBytes::Gpu)
+                    .map_err(|e| tracing::warn!(error = %e, "no copy stream for the GPU arena's mailbox: one way off"))
+                    .ok()
+            }
         }
     }
 

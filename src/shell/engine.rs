@@ -260,14 +260,18 @@ impl Engine {
     fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
         // Bound before the arena: a failure here costs no registration to undo.
         let (control, control_endpoint) = self.control_channel(shim)?;
-        // A host arena also holds the mailbox one-way peers READ our answers from, and the
-        // fetch area our own one-way READs land in (bounce_proto::oneway); a GPU arena keeps
-        // neither, so it answers and sends two way only.
+        // The arena also holds the mailbox one-way peers READ our answers from, and the fetch
+        // area our own one-way READs land in (bounce_proto::oneway), past the part the credit
+        // scheduler hands out. The reactor writes records and reads answers there itself: in
+        // place in host memory, by small copies of its own in GPU memory.
         let one_way = OneWayLayout::for_config(&self.config);
-        let (arena, mailbox) = match &self.gpu {
-            Some(gpu) => (Arena::new_gpu(&shim, gpu, self.config.arena_size)?, None),
-            None => (Arena::new(&shim, one_way.arena_len.max(self.config.arena_size))?, Some(one_way.mailbox)),
+        let len = one_way.arena_len.max(self.config.arena_size);
+        let arena = match &self.gpu {
+            Some(gpu) => Arena::new_gpu(&shim, gpu, len)?,
+            None => Arena::new(&shim, len)?,
         };
+        let bytes = arena.bytes(one_way.mailbox.offset, self.config.streaming_scatter);
+        let mailbox = bytes.is_some().then_some(one_way.mailbox);
         let mut caps = arena.capabilities(
             self.config.control,
             self.config.arena_usable_capacity(),
@@ -307,16 +311,11 @@ impl Engine {
                         Box::new(CpuEngine::start(self.config.copy_workers, host, move || waker.inbox.wake())?)
                     }
                 };
-                let host = arena.device().is_none().then(|| HostArena {
-                    base: arena.base(),
-                    len: arena.len(),
-                    streaming_scatter: self.config.streaming_scatter,
-                });
                 let parts = Parts {
                     session: self.session,
                     endpoint,
                     arena: LocalArena { place: arena.place(), base: arena.base(), md: arena.md() },
-                    host,
+                    bytes,
                     copier,
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
@@ -529,11 +528,11 @@ impl Engine {
         let to_desc = |d: &DescView| gate::Desc { addr: d.addr, len: d.len, dev: d.dev };
         let (l, r): (Vec<_>, Vec<_>) = (local.iter().map(to_desc).collect(), remote.iter().map(to_desc).collect());
         // Two way once the peer said HELLO; else one way, answered through its mailbox, when
-        // it keeps one and our arena is host memory (where our READs of it land).
-        let host_arena = self.bounce.as_ref().is_some_and(|b| b.arena.device().is_none());
+        // it keeps one and so do we (our READs of it land in our arena's fetch area).
+        let one_way_here = self.bounce.as_ref().is_some_and(|b| b.caps.mailbox.is_some());
         let two_way_arena = self.peers.bounce_arena(agent);
         let peer_arena = two_way_arena
-            .or_else(|| host_arena.then(|| self.peers.one_way_target(agent).map(|(place, _)| place)).flatten());
+            .or_else(|| one_way_here.then(|| self.peers.one_way_target(agent).map(|(place, _)| place)).flatten());
         let input = GateInput::new(
             &self.config,
             self.bounce.is_some(),

@@ -317,8 +317,9 @@ def test_vram_peer_without_ipc_handles_keeps_the_bounce_path(peer, tmp_path):
     assert s["ipc_xfers"] == 0 and s["bounce_ok"] == 1, s
 
 
+@pytest.mark.parametrize("path", ["same-host", "bounced"])
 @pytest.mark.parametrize("pattern", ["pull", "push"])
-def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern):
+def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern, path):
     """Issue 13's patterns on GPU memory: a paged KV cache in VRAM (16 layers x [K|V] x 512
     blocks of 4 KiB, one registration per layer, as vLLM registers its KV tensors), metadata
     loaded by the initiator only. pull: the decode side READs 8 requests (1024 descriptors
@@ -326,17 +327,21 @@ def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern):
     request's source blocks the moment it sees its notification, so a READ still running then
     would bring the overwritten bytes. push: the context side WRITEs them; the generation side
     checks its blocks the moment it sees each notification. Both caches byte-exact at the end,
-    every transfer on the same-host path."""
+    every transfer on the path asked for: "same-host" (CUDA IPC, the default between processes
+    of one host) or "bounced" (bounce_cuda_ipc off on both sides, as between hosts: one way
+    through the target's mailbox in its GPU arena, the runs in control frames)."""
     import kvcache
     from test_kv_patterns import KvPeer
 
     layout = kvcache.KvLayout(layers=16, blocks=512, block_bytes=4096)
     ini, tgt = ("decode-gpu", "prefill-gpu") if pattern == "pull" else ("context-gpu", "generation-gpu")
+    params = IPC if path == "same-host" else VRAM
+    ini, tgt = f"{ini}-{path}", f"{tgt}-{path}"
     p = KvPeer()
     try:
-        meta, bases = p.start(name=tgt, backend=B, params=IPC, layout=layout.__dict__, seed=200,
+        meta, bases = p.start(name=tgt, backend=B, params=params, layout=layout.__dict__, seed=200,
                               mem="VRAM", dev=PEER_GPU)
-        ag = nixlkit.agent(ini, params=IPC)
+        ag = nixlkit.agent(ini, params=params)
         cache = kvcache.GpuKvCache(layout, 100, 0)
         cache.register(ag, B)
         ag.add_remote_agent(meta)  # one way: the target never loads ours
@@ -379,8 +384,12 @@ def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern):
         nixlkit.poll(ag)
         after = stats(ag)
         moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
-        assert moved.get("ipc_ok") == 9 and moved.get("ipc_xfers") == 9, moved
-        assert moved.get("bounce_xfers", 0) == 0 and moved.get("passthrough_xfers", 0) == 0, moved
+        done, other = ("ipc", "bounce") if path == "same-host" else ("bounce", "ipc")
+        assert moved.get(f"{done}_ok") == 9 and moved.get(f"{done}_xfers") == 9, moved
+        assert moved.get(f"{other}_xfers", 0) == 0 and moved.get("passthrough_xfers", 0) == 0, moved
+        if path == "bounced":
+            # one way: every answer came from the target's mailbox (READs of its GPU arena)
+            assert moved.get("one_way_sent") == 9, moved
     finally:
         p.close()
 

@@ -27,8 +27,8 @@ use bounce_proto::wire::{self, Frame, Msg};
 use bounce_proto::{CopyRun, PeerId, RegId, Region, Token, XferId};
 use parking_lot::{Condvar, Mutex};
 
+use crate::shell::arena::ArenaBytes;
 use crate::shell::control::{ControlChannel, ControlError};
-use crate::shell::copy::cpu::HostArena;
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
@@ -242,9 +242,9 @@ pub(crate) struct Parts {
     pub(crate) endpoint: Vec<u8>,
     /// Our arena.
     pub(crate) arena: LocalArena,
-    /// Our arena's host mapping, when it is host memory: it then holds our mailbox (records
-    /// written by this thread) and our fetch area (one-way READs land there).
-    pub(crate) host: Option<HostArena>,
+    /// Our arena's bytes past the scheduler's part: our mailbox (records written by this
+    /// thread) and our fetch area (one-way READs land there). `None`: no mailbox (two way only).
+    pub(crate) bytes: Option<ArenaBytes>,
     /// Where gathers and scatters run.
     pub(crate) copier: Box<dyn CopyEngine>,
     /// Where writes go.
@@ -317,7 +317,7 @@ struct Driver {
     shared: Arc<Shared>,
     session: u64,
     arena: LocalArena,
-    host: Option<HostArena>,
+    bytes: Option<ArenaBytes>,
     /// Where our mailbox and fetch area lie in the arena.
     one_way: OneWayLayout,
     /// Our one-way transfers' mailbox polls.
@@ -375,11 +375,11 @@ impl Reactor {
     /// # Errors
     /// When the core rejects the configuration or the thread cannot be started.
     pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
-        let Parts { session, endpoint, arena, host, copier, data, control, control_budget } = parts;
+        let Parts { session, endpoint, arena, bytes, copier, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
-        // Only a host arena can hold a mailbox this thread writes records into.
-        ep.keep_mailbox(host.is_some());
+        // A mailbox only where this thread can write records into the arena.
+        ep.keep_mailbox(bytes.is_some());
         let one_way = ep.one_way_layout();
         // The liveness probe's nonces must be unpredictable to others (a forged PONG would keep
         // a dead peer alive): a random secret per engine.
@@ -390,7 +390,7 @@ impl Reactor {
             shared: Arc::clone(&shared),
             session,
             arena,
-            host,
+            bytes,
             one_way,
             fetches: Fetches::new(one_way.fetch_slices),
             copier,
@@ -629,8 +629,9 @@ impl Driver {
                 let _span = tracing::trace_span!("submit", handle = p.handle).entered();
                 let peer = self.shared.peers.id(&p.peer);
                 // Two way once the peer said HELLO; one way (answers READ from its mailbox)
-                // when it never loaded us but keeps a mailbox and our arena is host memory.
-                let one_way = self.host.and_then(|_| self.shared.peers.one_way_target(&p.peer)).map(|(_, l)| l);
+                // when it never loaded us but keeps a mailbox, and we keep a fetch area.
+                let one_way =
+                    self.bytes.as_ref().and_then(|_| self.shared.peers.one_way_target(&p.peer)).map(|(_, l)| l);
                 let chunks = p.plan.chunks.len() as u64;
                 let bytes = p.plan.total_bytes;
                 let read = p.plan.read;
@@ -788,7 +789,9 @@ impl Driver {
     /// Our one-way transfers' mailbox READs: hands finished fetches to the core, frees the
     /// slices of ended transfers, and posts the fetches that are due (see `fetch`).
     fn poll_fetches(&mut self, now: Instant) -> bool {
-        let Some(host) = self.host else { return false };
+        if self.bytes.is_none() {
+            return false;
+        }
         let mut moved = false;
         for xfer in self.fetches.xfers() {
             let live = self.ep.fetch(xfer).is_some();
@@ -827,7 +830,7 @@ impl Driver {
                     self.ep.handle_fetch_failed(now, xfer);
                 } else {
                     let at = self.one_way.fetch_offset + u64::from(slice) * self.one_way.fetch_slice;
-                    let image = host.get(at, len).unwrap_or_default();
+                    let image = self.bytes.as_ref().and_then(|b| b.get(at, len)).unwrap_or_default();
                     let new = self.ep.handle_fetched(now, xfer, &image);
                     self.fetches.fetched(xfer, new, now);
                 }
@@ -945,10 +948,10 @@ impl Driver {
                     }
                     Action::Read { job, peer, remote, local, len, .. } => self.read(job, peer, remote, local, len),
                     Action::PutRecord { offset, bytes } => {
-                        // Only an engine with a host arena keeps a mailbox; the core places
-                        // records inside it.
-                        if !self.host.is_some_and(|h| h.put(offset, &bytes)) {
-                            tracing::error!(offset, "a mailbox record outside the host arena");
+                        // Only an engine with the arena's bytes keeps a mailbox; the core
+                        // places records inside it.
+                        if !self.bytes.as_ref().is_some_and(|b| b.put(offset, &bytes)) {
+                            tracing::error!(offset, "a mailbox record outside the arena");
                         }
                     }
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),

@@ -12,6 +12,7 @@ use bounce_proto::{ControlKind, MemKind, RegKey};
 use memmap2::MmapMut;
 
 use super::*;
+use crate::shell::arena::ArenaBytes;
 use crate::shell::control::mem::{Fate, MemNet};
 use crate::shell::copy::cpu::{CpuEngine, HostArena};
 use crate::shell::registry::Registration;
@@ -118,7 +119,7 @@ impl Side {
             session,
             endpoint: name.as_bytes().to_vec(),
             arena: LocalArena { place: ArenaPlace { mem: MemKind::Dram, dev: 0 }, base, md: Md(0) },
-            host: Some(host),
+            bytes: Some(ArenaBytes::Host(host)),
             copier: wrap(copier),
             data: Box::new(path),
             control: Box::new(net.join(name)),

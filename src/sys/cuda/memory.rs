@@ -168,3 +168,85 @@ impl Drop for PinnedHost {
         let _ = unsafe { cu::cuMemFreeHost(self.ptr.cast()) };
     }
 }
+
+/// Small synchronous copies between host memory and one device allocation, on a stream of
+/// their own: a GPU arena's mailbox records (written by the reactor) and the answers its
+/// fetches brought in (read by the reactor). Each waits for its own copy only, never for the
+/// gathers and scatters queued on the copy engine's streams.
+#[derive(Debug)]
+pub struct SmallCopies {
+    alloc: Arc<DeviceAlloc>,
+    stream: cu::CUstream,
+}
+
+// SAFETY: the stream is a driver handle usable from any thread with the context current (each
+// call binds it); every call waits for its copy before returning, so no copy outlives the call
+// that borrowed its host buffer.
+unsafe impl Send for SmallCopies {}
+// SAFETY: as above; the driver serializes work on one stream.
+unsafe impl Sync for SmallCopies {}
+
+impl SmallCopies {
+    /// A stream for small copies into and out of `alloc`.
+    pub fn new(alloc: Arc<DeviceAlloc>) -> Result<Self, CudaError> {
+        alloc.gpu.bind()?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: current context; valid out-pointer. Non-blocking: no implicit ordering with
+        // the legacy default stream (the application's, or a scatter's).
+        check("cuStreamCreate", unsafe {
+            cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        })?;
+        Ok(Self { alloc, stream })
+    }
+
+    /// Copies `src` to byte `off` of the allocation and waits until the device holds it.
+    pub fn put(&self, off: u64, src: &[u8]) -> Result<(), CudaError> {
+        let off = self.inside(off, src.len())?;
+        self.alloc.gpu.bind()?;
+        // SAFETY: the range lies inside the allocation (checked), which outlives `self`; `src`
+        // stays borrowed until the stream synchronization below has seen the copy complete.
+        check("cuMemcpyHtoDAsync", unsafe {
+            cu::cuMemcpyHtoDAsync_v2(self.alloc.ptr + off, src.as_ptr().cast(), src.len(), self.stream)
+        })?;
+        // SAFETY: a valid stream of this context.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.stream) })
+    }
+
+    /// Copies `dst.len()` bytes at byte `off` of the allocation into `dst`, and waits.
+    pub fn get(&self, off: u64, dst: &mut [u8]) -> Result<(), CudaError> {
+        let off = self.inside(off, dst.len())?;
+        self.alloc.gpu.bind()?;
+        // SAFETY: the range lies inside the allocation (checked); `dst` stays borrowed until
+        // the synchronization below.
+        check("cuMemcpyDtoHAsync", unsafe {
+            cu::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.alloc.ptr + off, dst.len(), self.stream)
+        })?;
+        // SAFETY: a valid stream of this context.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.stream) })
+    }
+
+    /// Zeroes `len` bytes from byte `off` of the allocation, and waits.
+    pub fn zero(&self, off: u64, len: usize) -> Result<(), CudaError> {
+        let off = self.inside(off, len)?;
+        self.alloc.gpu.bind()?;
+        // SAFETY: the range lies inside the allocation (checked).
+        check("cuMemsetD8Async", unsafe { cu::cuMemsetD8Async(self.alloc.ptr + off, 0, len, self.stream) })?;
+        // SAFETY: a valid stream of this context.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.stream) })
+    }
+
+    fn inside(&self, off: u64, n: usize) -> Result<u64, CudaError> {
+        let off = usize::try_from(off).map_err(|_| CudaError::Plan("range outside the allocation"))?;
+        self.alloc.range(off, n)?;
+        Ok(off as u64)
+    }
+}
+
+impl Drop for SmallCopies {
+    fn drop(&mut self) {
+        if self.alloc.gpu.bind().is_ok() {
+            // SAFETY: created in `new` and destroyed once; every copy on it was waited for.
+            let _ = unsafe { cu::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
