@@ -510,7 +510,9 @@ impl Engine {
 
     /// NIXL unloaded remote metadata `md`.
     pub(crate) fn remote_md_unloaded(&self, md: Md) {
-        self.keys.remote_unloaded(md);
+        if let (Some(handle), Some(ipc)) = (self.keys.remote_unloaded(md), &self.ipc) {
+            ipc.unmap(&handle);
+        }
     }
 
     /// Routing decision for a request (the gate, README "What takes the bounce path"):

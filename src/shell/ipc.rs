@@ -48,6 +48,20 @@ enum State {
     Done(std::result::Result<(), XferError>),
 }
 
+/// A peer allocation mapped here, counted in `stats.ipc_mappings` while it is open.
+#[derive(Debug)]
+struct Mapped {
+    map: IpcMapping,
+    stats: Arc<Stats>,
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // `map` closes right after this.
+        self.stats.ipc_mappings.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A prepared request: the kernel plan in VRAM and the mappings it writes through.
 #[derive(Debug)]
 struct Request {
@@ -55,7 +69,7 @@ struct Request {
     read: bool,
     plan: Arc<DevicePlan>,
     /// Kept open for as long as the request may launch.
-    _maps: Vec<Arc<IpcMapping>>,
+    _maps: Vec<Arc<Mapped>>,
     state: State,
 }
 
@@ -65,9 +79,10 @@ pub(crate) struct IpcPath {
     gpu: Arc<Gpu>,
     node: [u8; 16],
     kernels: Kernels,
-    /// Peer allocations mapped so far, by handle; `None`: the driver refused it (a handle of
-    /// this very process, say), never tried again.
-    maps: Mutex<HashMap<[u8; 64], Option<Arc<IpcMapping>>>>,
+    /// Peer allocations mapped, by handle, until no loaded registration names them (see
+    /// [`IpcPath::unmap`]); `None`: the driver refused it (a handle of this very process, say),
+    /// not tried again while it stays loaded.
+    maps: Mutex<HashMap<[u8; 64], Option<Arc<Mapped>>>>,
     reqs: Mutex<HashMap<u64, Request>>,
     /// Execution contexts not running a request.
     idle: Mutex<Vec<ExecContext>>,
@@ -133,7 +148,7 @@ impl IpcPath {
         if descs.len() != ipc.len() {
             return None;
         }
-        let mut maps: Vec<Arc<IpcMapping>> = Vec::new();
+        let mut maps: Vec<Arc<Mapped>> = Vec::new();
         let mut mapped = Vec::with_capacity(descs.len());
         let mut last: Option<(&IpcRecord, u64)> = None;
         for (d, rec) in descs.iter().zip(ipc) {
@@ -143,11 +158,11 @@ impl IpcPath {
                     let m = self.map(rec)?;
                     // The peer's claim (where its registration lies in the allocation, and
                     // how long it is) must fit what the driver actually mapped.
-                    if rec.alloc_off.checked_add(rec.len).is_none_or(|end| end > m.len()) {
+                    if rec.alloc_off.checked_add(rec.len).is_none_or(|end| end > m.map.len()) {
                         tracing::warn!(peer, "a peer's IPC record claims more than its allocation: not mapped");
                         return None;
                     }
-                    let base = m.ptr().checked_add(rec.alloc_off)?;
+                    let base = m.map.ptr().checked_add(rec.alloc_off)?;
                     if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
                         maps.push(m);
                     }
@@ -181,7 +196,7 @@ impl IpcPath {
 
     /// The mapping of `rec`'s allocation, opened at first use; `None` for another host's
     /// record or a handle the driver refuses.
-    fn map(&self, rec: &IpcRecord) -> Option<Arc<IpcMapping>> {
+    fn map(&self, rec: &IpcRecord) -> Option<Arc<Mapped>> {
         if rec.node != self.node {
             return None;
         }
@@ -189,13 +204,26 @@ impl IpcPath {
             .lock()
             .entry(rec.handle)
             .or_insert_with(|| match IpcMapping::open(&self.gpu, &rec.handle) {
-                Ok(m) => Some(Arc::new(m)),
+                Ok(map) => {
+                    self.stats.ipc_mappings.fetch_add(1, Ordering::Relaxed);
+                    Some(Arc::new(Mapped { map, stats: Arc::clone(&self.stats) }))
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "peer allocation not mappable here: it keeps the bounce path");
                     None
                 }
             })
             .clone()
+    }
+
+    /// No loaded registration names the allocation `handle` any more (NIXL unloaded the last
+    /// one, as it does when the peer is removed or disconnects): forget its mapping. Requests
+    /// prepared through it keep it open until they are released; then it closes, so a
+    /// long-lived engine does not keep every departed peer's memory mapped. (A prep racing the
+    /// unload of the registration it names may map the allocation again, which then stays
+    /// until the engine goes; NIXL forbids using metadata while it is unloaded.)
+    pub(crate) fn unmap(&self, handle: &[u8; 64]) {
+        self.maps.lock().remove(handle);
     }
 
     /// Launches request `h`; the notification goes to the peer once the copy is done.

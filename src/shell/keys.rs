@@ -147,10 +147,14 @@ impl Keys {
         self.remote.lock().insert(md, dest);
     }
 
-    /// NIXL unloaded remote metadata `md`.
-    pub(crate) fn remote_unloaded(&self, md: Md) {
-        self.remote_reach.lock().remove(&md);
+    /// NIXL unloaded remote metadata `md`. Returns the IPC handle of its allocation when no
+    /// other loaded registration names that allocation (its mapping may then go).
+    pub(crate) fn remote_unloaded(&self, md: Md) -> Option<[u8; 64]> {
         self.remote.lock().remove(&md);
+        let mut reach = self.remote_reach.lock();
+        let gone = reach.remove(&md)?.ipc()?;
+        (!reach.values().any(|r| r.ipc().is_some_and(|o| o.node == gone.node && o.handle == gone.handle)))
+            .then_some(gone.handle)
     }
 
     /// The same-host records of the remote descriptors' registrations `mds`, one per
@@ -233,7 +237,7 @@ mod tests {
         theirs.remote_loaded(Md(11), e);
         assert_eq!(theirs.remote_reach([Md(10), Md(10)]), Some(vec![Reach::Ipc(ipc); 2]));
         assert_eq!(theirs.remote_reach([Md(10), Md(11)]), None, "registration 2 has no record");
-        theirs.remote_unloaded(Md(10));
+        assert_eq!(theirs.remote_unloaded(Md(10)), Some([2; 64]), "the allocation's last registration");
         assert_eq!(theirs.remote_reach([Md(10)]), None);
         assert_eq!(ours.forget_local(Md(1)), Some(d));
         ours.issue(Md(1)).expect("randomness");
@@ -247,5 +251,24 @@ mod tests {
         let (_, got) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
         theirs.remote_loaded(Md(13), got.unwrap());
         assert_eq!(theirs.remote_reach([Md(13)]), Some(vec![Reach::Cma(cma)]));
+        assert_eq!(theirs.remote_unloaded(Md(13)), None, "no mapping behind a CMA record");
+    }
+
+    #[test]
+    fn an_allocations_mapping_may_go_only_with_the_last_loaded_registration_that_names_it() {
+        let (ours, theirs) = (Keys::default(), Keys::default());
+        // Two registrations in one allocation (one handle), a third in another.
+        let recs = [(1, [2; 64], 0), (2, [2; 64], 4096), (3, [3; 64], 0)];
+        for (md, handle, alloc_off) in recs {
+            ours.issue(Md(md)).expect("randomness");
+            let r = IpcRecord { node: [1; 16], handle, alloc_off, addr: 0x10000 * md as u64, len: 64 };
+            ours.set_local_reach(Md(md), Reach::Ipc(r));
+            let (_, got) = theirs.split_remote(&ours.public_data(Md(md), b"rkey"));
+            theirs.remote_loaded(Md(10 + md), got.unwrap());
+        }
+        assert_eq!(theirs.remote_unloaded(Md(11)), None, "registration 2 still names the allocation");
+        assert_eq!(theirs.remote_unloaded(Md(13)), Some([3; 64]));
+        assert_eq!(theirs.remote_unloaded(Md(12)), Some([2; 64]));
+        assert_eq!(theirs.remote_unloaded(Md(12)), None, "unloaded twice: nothing more to unmap");
     }
 }

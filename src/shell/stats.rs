@@ -42,6 +42,8 @@ counters! {
     ipc_xfers,
     /// Of those, the ones that completed successfully.
     ipc_ok,
+    /// Peer GPU allocations mapped here now (the same-host path; a gauge).
+    ipc_mappings,
     /// Transfers posted on the same-host path for host memory (cross-memory attach,
     /// `bounce_cma`).
     cma_xfers,

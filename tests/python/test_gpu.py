@@ -303,6 +303,38 @@ def test_vram_same_host_mixed_unaligned_sizes(peer, tmp_path):
     assert s["ipc_ok"] == 1 and s["bounce_xfers"] == 0, s
 
 
+def test_vram_same_host_mapping_closes_when_the_peer_is_removed_and_opens_again(peer, tmp_path):
+    """A long-lived engine must not keep every departed peer's GPU memory mapped: the peer's
+    allocation is mapped at the first prep, kept while its metadata stays loaded (the next
+    requests reuse it), and closed once NIXL unloads that metadata (remove_remote_agent, as at
+    a disconnect). Loaded again, it is mapped again and the copy is byte-exact."""
+    lay = nixlkit.Scattered(1024, 4096, seed=1061)
+    p = peer()
+    meta, raddr = p.start(name="i6-rx", size=lay.dst_bytes, seed=1063, mem="VRAM", dev=PEER_GPU, params=IPC)
+    ag = nixlkit.agent("i6-tx", params=IPC)
+    src = nixlkit.VramBuf(nixlkit.pattern(1062, lay.src_bytes), 0)
+    nixlkit.register(ag, src)
+
+    def mappings():
+        nixlkit.poll(ag)  # getNotifs publishes the counters
+        return stats(ag)["ipc_mappings"]
+
+    for round_ in range(2):
+        ag.add_remote_agent(meta)
+        assert mappings() == 0, "nothing mapped before a prep"
+        p.call(op="fill", seed=1063)
+        for _ in range(2):
+            vram_write(ag, "i6-rx", lay, src, raddr)
+            assert mappings() == 1, "one allocation, mapped once and kept while loaded"
+        got = remote_host_copy(p, tmp_path, f"r{round_}.bin")
+        nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1062, lay.src_bytes),
+                                              nixlkit.pattern(1063, lay.dst_bytes)), f"round {round_}")
+        ag.remove_remote_agent("i6-rx")
+        assert mappings() == 0, "the peer's metadata unloaded: its allocation unmapped"
+    s = stats(ag)
+    assert s["ipc_ok"] == 4 and s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0, s
+
+
 def test_vram_peer_without_ipc_handles_keeps_the_bounce_path(peer, tmp_path):
     """A target that publishes no IPC handles (bounce_cuda_ipc off there) is bounced to,
     silently, as before."""
