@@ -51,7 +51,8 @@ VARIANTS = (("BOUNCE", "BOUNCE", {}), ("BOUNCE bounced", "BOUNCE", {"bounce_cma"
             ("UCX", "UCX", {}))
 BACKENDS = tuple(v[0] for v in VARIANTS)
 CASES = [(p, m) for p in ("pull", "push") for m in ("two-way", "one-way")]
-PATH_KEYS = ("cma_xfers", "cma_ok", "ipc_xfers", "ipc_ok", "bounce_xfers", "bounce_ok", "bounce_failed", "passthrough_xfers", "fallback_op",
+PATH_KEYS = ("cma_xfers", "cma_ok", "ipc_xfers", "ipc_ok", "bounce_xfers", "bounce_ok", "bounce_failed", "one_way_sent",
+             "region_plans_sent", "passthrough_xfers", "fallback_op",
              "fallback_peer", "fallback_count", "fallback_size", "fallback_unproven")
 
 

@@ -577,9 +577,9 @@ impl Engine {
             return None;
         };
         let mut params = PlanParams::from_config(&self.config);
-        // Plans in regions are for two-way WRITEs: a READ's initiator scatters by its own runs,
-        // and one-way flows are not built for them (yet).
-        if read || two_way_arena.is_none() {
+        // Plans in regions are for WRITEs, two way and one way (the DATA that names them goes
+        // from the initiator either way): a READ's initiator scatters by its own runs.
+        if read {
             params.region_plan_runs = 0;
         }
         // Runs never merge across registrations (either side's): the receiver checks each run

@@ -422,6 +422,10 @@ def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern, path):
         if path == "bounced":
             # one way: every answer came from the target's mailbox (READs of its GPU arena)
             assert moved.get("one_way_sent") == 9, moved
+            # the batch's chunks (~4096 runs each) carry their runs behind their data; a
+            # request's 1024 runs, under bounce_region_plan_runs, and a READ's go in frames
+            plans = moved.get("region_plans_sent", 0)
+            assert plans >= 1 if pattern == "push" else plans == 0, moved
     finally:
         p.close()
 

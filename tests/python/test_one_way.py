@@ -32,9 +32,14 @@ def write_one_way_exact(ag, p, name, lay, src, raddr, tmp_path, before):
     nixlkit.assert_same(dump(p, tmp_path, f"{name}.bin"), lay.expected(src, before), f"destination at {name}")
 
 
-@pytest.mark.parametrize("control", ["ucx", "zmq"])
-def test_a_one_way_write_is_byte_exact_and_both_sides_count_the_mailbox(procs, tmp_path, control):
-    params = {**SMALL, **CONTROL[control]}
+@pytest.mark.parametrize("case", ["ucx", "zmq", "ucx-region-plans"])
+def test_a_one_way_write_is_byte_exact_and_both_sides_count_the_mailbox(procs, tmp_path, case):
+    """ucx-region-plans: each chunk's runs travel behind its data (bounce_region_plan_runs, the
+    GPU default's mechanism, here on host arenas), so no PLAN frame carries them."""
+    plans = case.endswith("region-plans")
+    control = case  # the agents' names
+    params = {**SMALL, **CONTROL[case.removesuffix("-region-plans")],
+              **({"bounce_region_plan_runs": "64"} if plans else {})}
     lay = nixlkit.Scattered(16384, 4096, seed=61)  # 64 MiB through 4 MiB arenas: rings wrap
     p = procs()
     meta, raddr = p.start(name=f"ow-rx-{control}", size=lay.dst_bytes, seed=62, params=params)
@@ -55,6 +60,11 @@ def test_a_one_way_write_is_byte_exact_and_both_sides_count_the_mailbox(procs, t
     assert t1["records_written"] - t0["records_written"] == 2 * chunks
     assert s1["records_read"] - s0["records_read"] == 2 * chunks
     assert t1["peer_arenas_loaded"] == 0, "the target loaded the initiator: not one way"
+    sent = s1["region_plans_sent"] - s0["region_plans_sent"]
+    if plans:
+        assert sent == chunks and t1["region_plans_received"] - t0["region_plans_received"] == chunks, (s1, t1)
+    else:
+        assert sent == 0, s1
 
 
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
