@@ -4,7 +4,7 @@ in ONE run, two processes, DRAM, a paged KV cache laid out as vLLM lays it out
 
     .venv/bin/python benches/kv_patterns.py [--rounds 15] [--layers 16] [--blocks 512]
         [--per-request 32] [--requests 8] [--block-bytes 4096] [--only pull-one-way]
-        [--mem VRAM [--peer-gpu 1]]
+        [--mem VRAM [--peer-gpu 1]] [--variants "BOUNCE bounced,UCX"]
 
 --mem VRAM (on a GPU machine) puts both caches in GPU memory (one torch tensor per layer, both
 processes on GPU 0, or the target's on --peer-gpu) and gives BOUNCE a GPU arena (bounce_arena_mem=vram): between two processes
@@ -158,7 +158,7 @@ def child(case, args):
         import torch
         torch.cuda.set_device(0)
         torch.empty(1, device="cuda:0")  # the GPU current before the agents are made
-    sides = [Side(v, case, target, layout, reqs, args.mem, args.peer_gpu) for v in VARIANTS]
+    sides = [Side(v, case, target, layout, reqs, args.mem, args.peer_gpu) for v in chosen(args)]
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
@@ -188,6 +188,15 @@ def child(case, args):
     nixlkit.leave(0)
 
 
+def chosen(args):
+    """The variants asked for (--variants), in VARIANTS' order."""
+    names = args.variants.split(",") if args.variants else BACKENDS
+    unknown = set(names) - set(BACKENDS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(BACKENDS)}")
+    return [v for v in VARIANTS if v[0] in names]
+
+
 def pct(xs, p):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
@@ -205,6 +214,8 @@ def main():
     ap.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
     ap.add_argument("--peer-gpu", type=int, default=0,
                     help="with --mem VRAM: the target's GPU (1 on a two-GPU host: across NVLink)")
+    ap.add_argument("--variants", help="comma-separated subset of " + ",".join(BACKENDS) +
+                    " (alone, a variant's blocks follow each other with no other variant's in between)")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -225,7 +236,8 @@ def main():
             continue
         cmd = [sys.executable, __file__, "--child", f"{pattern}:{metadata}"] + [
             a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request", "mem",
-                                "peer_gpu")
+                        "peer_gpu", "variants")
+            if getattr(args, k) is not None
             for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
                            stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE)
@@ -236,7 +248,7 @@ def main():
         print(f"{name} ({'decode READs from prefill' if pattern == 'pull' else 'context WRITEs to generation'}"
               f", metadata {metadata}):")
         med = {}
-        for b in BACKENDS:
+        for b in res:
             x = res[b]
             med[b] = statistics.median(x["batch"])
             p50, p99 = pct(x["single"], 50), pct(x["single"], 99)
@@ -250,6 +262,8 @@ def main():
                   f" others {rest * 1e3:.2f})   "
                   f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
         for name in ("BOUNCE", "BOUNCE bounced"):
+            if name not in res or "UCX" not in res:
+                continue
             b = res[name]["single"]
             print(f"  {name} / UCX batch = {med[name] / med['UCX']:.3f} (goal <= 0.4)   request "
                   f"p99/p50 = {pct(b, 99) / pct(b, 50):.2f} (goal <= 1.5)   engine's path: "
