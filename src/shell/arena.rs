@@ -43,27 +43,35 @@ pub(crate) enum ArenaBytes {
     Gpu(SmallCopies),
 }
 
+/// Why the reactor could not read or write the arena's bytes (the caller logs it, rate-limited:
+/// a broken GPU context would fail every record).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BytesFault {
+    /// The range leaves the arena (a core bug: it places records and fetches inside).
+    #[error("range outside the arena")]
+    Outside,
+    /// The device refused the copy.
+    #[error(transparent)]
+    Device(#[from] crate::sys::cuda::CudaError),
+}
+
 impl ArenaBytes {
-    /// Copies `bytes` to byte `offset` of the arena; false, copying nothing, when they would
-    /// leave it or the device refused the copy.
-    pub(crate) fn put(&self, offset: u64, bytes: &[u8]) -> bool {
+    /// Copies `bytes` to byte `offset` of the arena; copies nothing when they would leave it.
+    pub(crate) fn put(&self, offset: u64, bytes: &[u8]) -> std::result::Result<(), BytesFault> {
         match self {
-            Self::Host(h) => h.put(offset, bytes),
-            Self::Gpu(g) => {
-                g.put(offset, bytes).map_err(|e| tracing::warn!(error = %e, "a mailbox record copy")).is_ok()
-            }
+            Self::Host(h) => h.put(offset, bytes).then_some(()).ok_or(BytesFault::Outside),
+            Self::Gpu(g) => Ok(g.put(offset, bytes)?),
         }
     }
 
-    /// `len` bytes from byte `offset` of the arena; `None` outside it or when the device
-    /// refused the copy.
-    pub(crate) fn get(&self, offset: u64, len: u64) -> Option<Vec<u8>> {
+    /// `len` bytes from byte `offset` of the arena.
+    pub(crate) fn get(&self, offset: u64, len: u64) -> std::result::Result<Vec<u8>, BytesFault> {
         match self {
-            Self::Host(h) => h.get(offset, len),
+            Self::Host(h) => h.get(offset, len).ok_or(BytesFault::Outside),
             Self::Gpu(g) => {
-                let mut out = vec![0; usize::try_from(len).ok()?];
-                g.get(offset, &mut out).map_err(|e| tracing::warn!(error = %e, "a fetched answers copy")).ok()?;
-                Some(out)
+                let mut out = vec![0; usize::try_from(len).map_err(|_| BytesFault::Outside)?];
+                g.get(offset, &mut out)?;
+                Ok(out)
             }
         }
     }

@@ -830,7 +830,16 @@ impl Driver {
                     self.ep.handle_fetch_failed(now, xfer);
                 } else {
                     let at = self.one_way.fetch_offset + u64::from(slice) * self.one_way.fetch_slice;
-                    let image = self.bytes.as_ref().and_then(|b| b.get(at, len)).unwrap_or_default();
+                    // An unreadable fetch reads as nothing new: the next poll tries again, and
+                    // the transfer's timeout bounds the wait.
+                    let image = match self.bytes.as_ref().map(|b| b.get(at, len)) {
+                        Some(Ok(image)) => image,
+                        Some(Err(e)) => {
+                            self.arena_bytes_failed("reading fetched answers", &e);
+                            Vec::new()
+                        }
+                        None => Vec::new(),
+                    };
                     let new = self.ep.handle_fetched(now, xfer, &image);
                     self.fetches.fetched(xfer, new, now);
                 }
@@ -949,9 +958,10 @@ impl Driver {
                     Action::Read { job, peer, remote, local, len, .. } => self.read(job, peer, remote, local, len),
                     Action::PutRecord { offset, bytes } => {
                         // Only an engine with the arena's bytes keeps a mailbox; the core
-                        // places records inside it.
-                        if !self.bytes.as_ref().is_some_and(|b| b.put(offset, &bytes)) {
-                            tracing::error!(offset, "a mailbox record outside the arena");
+                        // places records inside it. A record not written is an answer the
+                        // initiator never reads: its transfer times out.
+                        if let Some(Err(e)) = self.bytes.as_ref().map(|b| b.put(offset, &bytes)) {
+                            self.arena_bytes_failed("writing a mailbox record", &e);
                         }
                     }
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
@@ -994,6 +1004,12 @@ impl Driver {
         let bytes = wire::ControlFrame { session: self.session, body }.to_vec();
         if let Err(e) = self.control.send(&name, &bytes) {
             self.send_failed(peer, &name, &e);
+        }
+    }
+
+    fn arena_bytes_failed(&mut self, what: &'static str, e: &crate::shell::arena::BytesFault) {
+        if self.warn_budget.allow(Instant::now()) {
+            tracing::warn!(error = %e, "{what} failed");
         }
     }
 
