@@ -225,6 +225,11 @@ fn pair(config: &Config, net: &MemNet) -> (Side, Side) {
     (a, b)
 }
 
+/// A test's source and destination buffers. Made before its sides: a side's reactor and copy
+/// workers may touch them until the side is dropped (the peer of a failed transfer goes on
+/// scattering what it already received), and locals drop in reverse order, so buffers made
+/// after the sides were freed under a running scatter (an intermittent SIGSEGV of
+/// `losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena`).
 fn buffers() -> (Vec<u8>, Vec<u8>) {
     let src: Vec<u8> = (0..PIECES * 2 * PIECE).map(|i| (i * 7 + i / 251) as u8).collect();
     (src, vec![0xEE; PIECES * 3 * PIECE])
@@ -282,8 +287,8 @@ fn wait_nonzero(count: &AtomicUsize, what: &str) {
 fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
     let cfg = config("10000");
     let net = MemNet::default();
-    let (a, b) = pair(&cfg, &net);
     let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
@@ -302,11 +307,11 @@ fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
 fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_mailbox() {
     let cfg = config("10000");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = (Side::start("a", 11, &cfg, &net), Side::start("b", 22, &cfg, &net));
     a.load("b", &b);
     assert!(a.shared.peers.bounce_arena("b").is_none(), "no HELLO can come back");
     assert!(a.shared.peers.one_way_target("b").is_some(), "but b keeps a mailbox");
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
@@ -329,13 +334,13 @@ fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_ma
 fn a_lost_data_frame_fails_the_transfer_by_timeout_never_success() {
     let cfg = config("300");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
     let lost = Arc::new(AtomicUsize::new(0));
     let l = Arc::clone(&lost);
     net.set_fault(move |_, _, f| {
         if kind(f) == Some("data") && l.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Drop } else { Fate::Deliver }
     });
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Err(XferError::Timeout));
@@ -353,13 +358,13 @@ fn a_lost_data_frame_fails_the_transfer_by_timeout_never_success() {
 fn a_reordered_data_frame_still_lands_byte_exact() {
     let cfg = config("10000");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
     let held = Arc::new(AtomicUsize::new(0));
     let h2 = Arc::clone(&held);
     net.set_fault(move |_, _, f| {
         if kind(f) == Some("data") && h2.fetch_add(1, Ordering::Relaxed) == 0 { Fate::Hold } else { Fate::Deliver }
     });
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
@@ -371,6 +376,7 @@ fn a_reordered_data_frame_still_lands_byte_exact() {
 fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
     let cfg = config("60000");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
     let free_before = {
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -382,7 +388,6 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
     };
     // The receiver's ACKs never arrive: the transfer cannot finish on its own.
     let data_sent = drop_acks_counting(&net, "data");
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     wait_nonzero(&data_sent, "no DATA was sent");
@@ -404,6 +409,7 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
 fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counted() {
     let cfg = config("10000");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
     // Keep a copy of the first WANT (a -> b) and the first ACK (b -> a) of a real transfer.
     let seen: Sent = Arc::default();
@@ -417,7 +423,6 @@ fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counte
         }
         Fate::Deliver
     });
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
@@ -450,6 +455,7 @@ fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counte
 fn a_hello_flood_from_invented_names_cannot_lock_a_real_pair_out() {
     let cfg = config("10000");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = (Side::start("a", 11, &cfg, &net), Side::start("b", 22, &cfg, &net));
     let hello_from_b = Arc::new(AtomicUsize::new(0));
     let seen = Arc::clone(&hello_from_b);
@@ -481,7 +487,6 @@ fn a_hello_flood_from_invented_names_cannot_lock_a_real_pair_out() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(hello_from_b.load(Ordering::Relaxed), 2, "b answered a's HELLO once, no ping-pong");
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
@@ -497,6 +502,7 @@ fn a_hello_flood_from_invented_names_cannot_lock_a_real_pair_out() {
 fn a_peer_gone_silent_mid_transfer_is_declared_dead_by_the_probe() {
     let cfg = config("10000");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
     // The first ACK b sends is its last frame to reach a.
     let dead = Arc::new(AtomicUsize::new(0));
@@ -508,7 +514,6 @@ fn a_peer_gone_silent_mid_transfer_is_declared_dead_by_the_probe() {
         }
         Fate::Deliver
     });
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let t0 = Instant::now();
     let h = a.post("b", &cfg, &src, &mut dst, dest);
@@ -569,6 +574,7 @@ fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
     let net = MemNet::default();
     let (open, held) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
     let (o, h) = (Arc::clone(&open), Arc::clone(&held));
+    let (src, mut dst) = buffers();
     let a = Side::start("a", 11, &cfg, &net);
     let b = Side::start_with("b", 22, &cfg, &net, move |inner| Box::new(Gated { inner, open: o, held: h }));
     a.load("b", &b);
@@ -578,7 +584,6 @@ fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
         assert!(Instant::now() < deadline, "HELLOs were not exchanged");
         std::thread::sleep(Duration::from_millis(1));
     }
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let x = a.post("b", &cfg, &src, &mut dst, dest);
     // b's first scatter into dst is accepted and "running" (held at the gate).
@@ -609,8 +614,8 @@ fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
 fn deregistration_with_nothing_running_returns_at_once() {
     let cfg = config("60000");
     let net = MemNet::default();
-    let (_a, b) = pair(&cfg, &net);
     let (_, mut dst) = buffers();
+    let (_a, b) = pair(&cfg, &net);
     b.register(&mut dst);
     let started = Instant::now();
     deregister_async(&b, &dst).join().unwrap();
@@ -632,10 +637,10 @@ fn deregistration_with_nothing_running_returns_at_once() {
 fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     let cfg = config("60000");
     let net = MemNet::default();
+    let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
     // b never ACKs: a's transfer can only end by b going away.
     let granted = drop_acks_counting(&net, "grant");
-    let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     let x = a.post("b", &cfg, &src, &mut dst, dest);
     wait_nonzero(&granted, "b granted nothing");
@@ -657,8 +662,8 @@ fn memory_deregistered_and_registered_again_at_once_bounces_normally() {
     // would be refused.
     let cfg = config("10000");
     let net = MemNet::default();
-    let (a, b) = pair(&cfg, &net);
     let (mut src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
     let dest = b.register(&mut dst);
     for _ in 0..3 {
         a.register(&mut src);
