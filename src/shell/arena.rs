@@ -249,3 +249,21 @@ impl Arena {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_arena_bytes_round_trip_inside_and_refuse_outside_touching_nothing() {
+        let mut mem = vec![0u8; 256];
+        let host = HostArena { base: mem.as_mut_ptr() as u64, len: 256, streaming_scatter: false };
+        let bytes = ArenaBytes::Host(host);
+        bytes.put(192, &[7; 64]).expect("the last 64 bytes are inside");
+        assert_eq!(bytes.get(192, 64).expect("inside"), vec![7; 64]);
+        assert!(matches!(bytes.put(193, &[9; 64]), Err(BytesFault::Outside)));
+        assert!(matches!(bytes.put(u64::MAX, &[9; 1]), Err(BytesFault::Outside)), "no wrap-around");
+        assert!(matches!(bytes.get(200, 64), Err(BytesFault::Outside)));
+        assert!(mem[..192].iter().all(|&b| b == 0) && mem[192..].iter().all(|&b| b == 7), "nothing else written");
+    }
+}
