@@ -145,9 +145,12 @@ impl Arena {
     /// The arena's bytes for the reactor's mailbox and fetch area, from byte `from` on (zeroed
     /// there first on a GPU, whose memory comes uninitialized). `None` when a GPU arena cannot
     /// get its copy stream: the engine then keeps no mailbox and bounces two way only.
-    pub(crate) fn bytes(&self, from: u64, streaming_scatter: bool) -> Option<ArenaBytes> {
+    pub(crate) fn bytes(&self, from: u64) -> Option<ArenaBytes> {
         match &self.backing {
-            Backing::Host(_) => Some(ArenaBytes::Host(HostArena { base: self.base, len: self.len, streaming_scatter })),
+            // Records and fetched answers are plain copies: the scatter setting plays no part.
+            Backing::Host(_) => {
+                Some(ArenaBytes::Host(HostArena { base: self.base, len: self.len, streaming_scatter: false }))
+            }
             Backing::Gpu(alloc) => {
                 let tail = usize::try_from(self.len.saturating_sub(from)).ok()?;
                 let made = SmallCopies::new(Arc::clone(alloc)).and_then(|g| g.zero(from, tail).map(|()| g));

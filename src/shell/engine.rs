@@ -270,7 +270,7 @@ impl Engine {
             Some(gpu) => Arena::new_gpu(&shim, gpu, len)?,
             None => Arena::new(&shim, len)?,
         };
-        let bytes = arena.bytes(one_way.mailbox.offset, self.config.streaming_scatter);
+        let bytes = arena.bytes(one_way.mailbox.offset);
         let mailbox = bytes.is_some().then_some(one_way.mailbox);
         let mut caps = arena.capabilities(
             self.config.control,
