@@ -52,7 +52,7 @@ VARIANTS = (("BOUNCE", "BOUNCE", {}), ("BOUNCE bounced", "BOUNCE", {"bounce_cma"
 BACKENDS = tuple(v[0] for v in VARIANTS)
 CASES = [(p, m) for p in ("pull", "push") for m in ("two-way", "one-way")]
 PATH_KEYS = ("cma_xfers", "cma_ok", "ipc_xfers", "ipc_ok", "bounce_xfers", "bounce_ok", "bounce_failed", "one_way_sent",
-             "region_plans_sent", "passthrough_xfers", "fallback_op",
+             "region_plans_sent", "mailbox_fetches", "mailbox_fetch_us", "passthrough_xfers", "fallback_op",
              "fallback_peer", "fallback_count", "fallback_size", "fallback_unproven")
 
 
@@ -262,12 +262,15 @@ def main():
                   f" others {rest * 1e3:.2f})   "
                   f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
         for name in ("BOUNCE", "BOUNCE bounced"):
-            if name not in res or "UCX" not in res:
+            if name not in res:
                 continue
             b = res[name]["single"]
-            print(f"  {name} / UCX batch = {med[name] / med['UCX']:.3f} (goal <= 0.4)   request "
-                  f"p99/p50 = {pct(b, 99) / pct(b, 50):.2f} (goal <= 1.5)   engine's path: "
-                  f"{json.dumps(res[name]['path'])}")
+            path = res[name]["path"]
+            fetch = (f"   mailbox fetch mean {path['mailbox_fetch_us'] / path['mailbox_fetches']:.0f} us"
+                     if path.get("mailbox_fetches") else "")
+            ratio = f"{name} / UCX batch = {med[name] / med['UCX']:.3f} (goal <= 0.4)   " if "UCX" in med else f"{name}: "
+            print(f"  {ratio}request p99/p50 = {pct(b, 99) / pct(b, 50):.2f} (goal <= 1.5)   engine's path: "
+                  f"{json.dumps(path)}{fetch}")
     if failed:
         raise SystemExit("a transfer was not byte-exact")
 

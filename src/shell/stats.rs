@@ -118,6 +118,11 @@ counters! {
     records_written,
     /// Mailbox records we read from targets (the core's count).
     records_read,
+    /// Mailbox fetches (the READs of a target's mailbox, one-way initiator) that completed.
+    mailbox_fetches,
+    /// Their summed time from post to seen complete by the reactor, in microseconds:
+    /// `mailbox_fetch_us / mailbox_fetches` is what one poll of a target's answers costs here.
+    mailbox_fetch_us,
     /// Mailbox records we read from targets and refused: forged, moved or replayed by a third
     /// party, or torn by the target's own write; each time one was read (the core's count).
     records_refused,

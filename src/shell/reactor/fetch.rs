@@ -31,6 +31,8 @@ pub(crate) struct Poll {
     pub(crate) slice: u32,
     /// A fetch was posted and its bytes not yet handed to the core.
     pub(crate) posted: bool,
+    /// When the fetch in flight was posted.
+    pub(crate) posted_at: Instant,
     /// Its READs still in flight, and the bytes the fetch covers in all.
     pub(crate) reads: Vec<WriteId>,
     pub(crate) len: u64,
@@ -70,6 +72,7 @@ impl Fetches {
             let poll = Poll {
                 slice,
                 posted: false,
+                posted_at: now,
                 reads: Vec::new(),
                 len: 0,
                 remote_md: None,

@@ -823,7 +823,11 @@ impl Driver {
             }
             if poll.posted {
                 let (failed, slice, len) = (poll.failed, poll.slice, poll.len);
+                let took = now.saturating_duration_since(poll.posted_at);
                 moved = true;
+                let stats = &self.shared.stats;
+                Stats::bump(&stats.mailbox_fetches);
+                stats.mailbox_fetch_us.fetch_add(took.as_micros() as u64, Ordering::Relaxed);
                 if failed {
                     // The target is gone or its arena unreachable: no answer will come.
                     self.fetches.fetched(xfer, 0, now);
@@ -867,6 +871,7 @@ impl Driver {
             return true;
         };
         poll.posted = true;
+        poll.posted_at = now;
         poll.remote_md = Some(pa.md);
         let mut off = 0;
         for r in &f.regions {

@@ -327,6 +327,9 @@ fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_ma
     let chunks = a.stat(|s| &s.bounce_chunks);
     assert_eq!(b.stat(|s| &s.records_written), 2 * chunks, "a GRANT and an ACK record per chunk");
     assert_eq!(a.stat(|s| &s.records_read), 2 * chunks);
+    // A GRANT is fetched before its chunk is written and the ACK after it is scattered: two
+    // fetches at the least, each timed.
+    assert!(a.stat(|s| &s.mailbox_fetches) >= 2, "{} fetches", a.stat(|s| &s.mailbox_fetches));
     drop((a.reactor, b.reactor));
 }
 
