@@ -118,7 +118,8 @@ counters! {
     records_written,
     /// Mailbox records we read from targets (the core's count).
     records_read,
-    /// Mailbox fetches (the READs of a target's mailbox, one-way initiator) that completed.
+    /// Mailbox fetches (the READs of a target's mailbox, one-way initiator) that ended, done or
+    /// failed.
     mailbox_fetches,
     /// Their summed time from post to seen complete by the reactor, in microseconds:
     /// `mailbox_fetch_us / mailbox_fetches` is what one poll of a target's answers costs here.

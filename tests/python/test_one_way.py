@@ -37,19 +37,18 @@ def test_a_one_way_write_is_byte_exact_and_both_sides_count_the_mailbox(procs, t
     """ucx-region-plans: each chunk's runs travel behind its data (bounce_region_plan_runs, the
     GPU default's mechanism, here on host arenas), so no PLAN frame carries them."""
     plans = case.endswith("region-plans")
-    control = case  # the agents' names
     params = {**SMALL, **CONTROL[case.removesuffix("-region-plans")],
               **({"bounce_region_plan_runs": "64"} if plans else {})}
     lay = nixlkit.Scattered(16384, 4096, seed=61)  # 64 MiB through 4 MiB arenas: rings wrap
     p = procs()
-    meta, raddr = p.start(name=f"ow-rx-{control}", size=lay.dst_bytes, seed=62, params=params)
-    ag = nixlkit.agent(f"ow-tx-{control}", params=params)
+    meta, raddr = p.start(name=f"ow-rx-{case}", size=lay.dst_bytes, seed=62, params=params)
+    ag = nixlkit.agent(f"ow-tx-{case}", params=params)
     src = nixlkit.pattern(63, lay.src_bytes)
     nixlkit.register(ag, src)
     one_way(ag, meta)
     s0, t0 = stats(ag), peer_stats(p)
     with watchdog(90, [p], "one-way write"):
-        write_one_way_exact(ag, p, f"ow-rx-{control}", lay, src, raddr, tmp_path, nixlkit.pattern(62, lay.dst_bytes))
+        write_one_way_exact(ag, p, f"ow-rx-{case}", lay, src, raddr, tmp_path, nixlkit.pattern(62, lay.dst_bytes))
     s1 = settle_local(ag, ARENA, SLACK_S, "initiator")
     t1 = settle(lambda: peer_stats(p), ARENA, SLACK_S, "target")
     assert s1["one_way_sent"] == s0["one_way_sent"] + 1 and s1["bounce_ok"] == s0["bounce_ok"] + 1
