@@ -674,7 +674,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 let bytes = u64::from(size % (16 << 10)) + 1;
                 let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
                 let run = CopyRun { region_off: 0, addr, len: bytes, count: 1, region_stride: 0, addr_stride: 0 };
-                let chunks = vec![PullChunk { bytes, runs: vec![run] }; usize::from(chunks % 4) + 1];
+                let chunks = vec![PullChunk { bytes, runs: vec![run].into() }; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
                 let proofs = vec![proof::prove(reg, &key_of(reg), token)];
                 let pull = Msg::Pull(Pull { xfer, token, endpoint: Vec::new(), chunks, proofs });

@@ -24,8 +24,11 @@ use crate::wire;
 /// what it derives from them (a device copy, say) for as long as the plan lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JobRuns {
-    /// Runs of this job alone (a READ target's gather).
+    /// Runs of this job alone (a scatter's).
     Own(Vec<CopyRun>),
+    /// A READ target's gather: the runs its flow keeps from the PULL, shared so that starting
+    /// a gather of thousands of runs copies none of them.
+    Pulled(Arc<Vec<CopyRun>>),
     /// The gather runs of chunk `chunk` of `plan`.
     Chunk {
         /// The prepared plan.
@@ -40,6 +43,7 @@ impl JobRuns {
     pub fn runs(&self) -> &[CopyRun] {
         match self {
             Self::Own(runs) => runs,
+            Self::Pulled(runs) => runs,
             Self::Chunk { plan, chunk } => plan.chunks.get(*chunk).map_or(&[], |c| &c.gather),
         }
     }
@@ -48,7 +52,7 @@ impl JobRuns {
     /// region ([`crate::wire::region_plan`]) and the runs to encode there.
     pub fn region_plan(&self) -> Option<(u64, &[CopyRun])> {
         match self {
-            Self::Own(_) => None,
+            Self::Own(_) | Self::Pulled(_) => None,
             Self::Chunk { plan, chunk } => plan.chunks.get(*chunk).and_then(|c| Some((c.region_plan?, &c.scatter[..]))),
         }
     }

@@ -9,6 +9,7 @@
 //! its region is marked [`Chunk::direct`]: the sender writes it from user memory, unstaged.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::{config::Config, types::CopyRun};
 
@@ -74,8 +75,9 @@ pub struct Chunk {
     /// Packed size in bytes, alignment padding between descriptors included (no trailing
     /// padding); the region size to request. Never more than [`PlanParams::max_chunk`].
     pub bytes: u64,
-    /// Copies source → region; [`CopyRun::addr`] is the source address.
-    pub gather: Vec<CopyRun>,
+    /// Copies source → region; [`CopyRun::addr`] is the source address. Shared: a READ's PULL
+    /// carries them to the target without copying thousands of runs.
+    pub gather: Arc<Vec<CopyRun>>,
     /// Copies region → destination; [`CopyRun::addr`] is the destination address.
     pub scatter: Vec<CopyRun>,
     /// The source address of the whole chunk when its payload already lies in user memory
@@ -511,7 +513,7 @@ impl Sink for Builder {
         debug_assert_eq!(gather.len(), gather.capacity(), "passes disagree");
         debug_assert_eq!(scatter.len(), scatter.capacity(), "passes disagree");
         let direct = direct_source(&gather, bytes);
-        self.chunks.push(Chunk { bytes, gather, scatter, direct, region_plan: None });
+        self.chunks.push(Chunk { bytes, gather: Arc::new(gather), scatter, direct, region_plan: None });
         Ok(())
     }
 }
@@ -658,7 +660,7 @@ mod tests {
         let mut out = format!("total {}\n", p.total_bytes);
         for (i, c) in p.chunks.iter().enumerate() {
             writeln!(out, "chunk {i} bytes {}", c.bytes).unwrap();
-            for (tag, runs) in [("g", &c.gather), ("s", &c.scatter)] {
+            for (tag, runs) in [("g", &c.gather[..]), ("s", &c.scatter[..])] {
                 for r in runs {
                     write!(out, "  {tag} {}@{} len {}", r.region_off, r.addr, r.len).unwrap();
                     if r.count != 1 {
@@ -1187,7 +1189,7 @@ chunk 1 bytes 128
         ) {
             let p = plan(&descs, PlanParams { max_chunk, align, merge_runs: false, region_plan_runs: 0 }).unwrap();
             // Unmerged, the gather runs in chunk order are the pieces in input order.
-            let mut pieces = p.chunks.iter().flat_map(|c| &c.gather);
+            let mut pieces = p.chunks.iter().flat_map(|c| c.gather.iter());
             for d in descs.iter().filter(|d| d.len > 0) {
                 let (mut covered, mut n) = (0, 0u64);
                 while covered < d.len {
@@ -1235,7 +1237,7 @@ mod region_plan_tests {
             assert!(c.bytes <= 32 * MIB && c.direct.is_none());
             assert_eq!(plan_offset(c.bytes, runs), Some(off));
             assert_eq!(off + plan_bytes(runs), c.bytes);
-            assert!(c.scatter.iter().chain(&c.gather).all(|r| r.region_span().unwrap().1 <= off));
+            assert!(c.scatter.iter().chain(c.gather.iter()).all(|r| r.region_span().unwrap().1 <= off));
         }
         assert_eq!(pieces, 16384);
         assert!(planned >= 2, "{planned} chunks carry their plans");

@@ -8,6 +8,7 @@
 //! [`crate::endpoint::Endpoint`] drives it; nothing else does.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, trace, warn};
@@ -53,7 +54,7 @@ struct Flow {
     /// A READ flow (a PULL): each chunk's gather runs (source addresses here). Its regions are
     /// gathered when granted, announced ready with a GRANT, and freed by the initiator's
     /// RELEASE; `scattering` then counts its gathers in flight.
-    pull: Option<Vec<Vec<CopyRun>>>,
+    pull: Option<PullRuns>,
     /// Scatter runs that came ahead of their chunk's DATA in a PLAN, by chunk index.
     plans: BTreeMap<u32, Planned>,
     /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
@@ -78,6 +79,20 @@ struct Scatter {
     doomed: bool,
 }
 
+/// A READ flow's gather runs, kept from its PULL: checked against each chunk and the flow's
+/// proven registrations when they came.
+#[derive(Debug)]
+struct PullRuns {
+    /// Each chunk's runs, shared with its gathers (a region reclaimed unread is gathered
+    /// again).
+    chunks: Vec<Arc<Vec<CopyRun>>>,
+    /// Each chunk's source span `[start, end)`.
+    spans: Vec<(u64, u64)>,
+    /// [`Registrations::removals`] at that check: while it is unchanged, every run still lies
+    /// inside registered memory and a gather starts without checking its runs again.
+    removals: u64,
+}
+
 /// A chunk's scatter runs kept from its PLAN until its DATA (see [`wire::Plan`]): checked
 /// against the chunk and the flow's proven registrations when they came.
 #[derive(Debug)]
@@ -94,7 +109,7 @@ impl Flow {
     /// What the flow holds against its peer's budget ([`MAX_CHUNKS_PER_PEER`]): its announced
     /// chunks, the runs of the PLANs it keeps and, for a READ flow, the gather runs it keeps.
     fn units(&self) -> u64 {
-        let runs = self.pull.as_ref().map_or(0, |p| p.iter().map(|r| r.len() as u64).sum::<u64>());
+        let runs = self.pull.as_ref().map_or(0, |p| p.chunks.iter().map(|r| r.len() as u64).sum::<u64>());
         let planned = self.plans.values().map(|p| p.runs.len() as u64).sum::<u64>();
         (self.chunks.len() as u64).saturating_add(runs).saturating_add(planned)
     }
@@ -698,13 +713,20 @@ impl Receiver {
     fn start_gathers(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, token: Token, credits: &[Credit]) {
         for c in credits {
             let Some(flow) = self.flows.get_mut(&key) else { return };
-            let Some(runs) = flow.pull.as_ref().and_then(|p| p.get(c.chunk.0 as usize)).cloned() else {
+            let i = c.chunk.0 as usize;
+            let Some((runs, span, removals)) =
+                flow.pull.as_ref().and_then(|p| Some((Arc::clone(p.chunks.get(i)?), *p.spans.get(i)?, p.removals)))
+            else {
                 internal_error("grant for a READ chunk without runs", &c.chunk.0);
                 continue;
             };
-            let spans: Vec<(u64, u64)> = runs.iter().filter_map(CopyRun::addr_span).collect();
-            let proven = self.registered.proven_ranges(&flow.proven);
-            if spans.len() != runs.len() || !spans.iter().all(|&(a, b)| proven.covers(a, b)) {
+            // Checked at the PULL; again only if a registration went since (a deregistration
+            // racing the READ), as a kept PLAN is.
+            let still_registered = removals == self.registered.removals() || {
+                let proven = self.registered.proven_ranges(&flow.proven);
+                runs.iter().all(|r| r.addr_span().is_some_and(|(a, b)| proven.covers(a, b)))
+            };
+            if !still_registered {
                 debug!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, "READ source no longer registered");
                 ctx.stats.dereg_failed += 1;
                 self.fail_chunk(ctx, key, token, c.chunk, c.region);
@@ -715,12 +737,11 @@ impl Receiver {
                 continue;
             }
             flow.scattering += 1;
-            let span = spans.iter().fold((u64::MAX, 0), |(lo, hi), &(a, b)| (lo.min(a), hi.max(b)));
             let job = ctx.job();
             self.gathers
                 .insert(job, PullGather { flow: key, token, chunk: c.chunk, region: c.region, span, doomed: false });
             trace!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, region = %c.region, "READ gather");
-            ctx.push(Action::Gather { job, xfer: key.xfer, region: c.region, runs: JobRuns::Own(runs) });
+            ctx.push(Action::Gather { job, xfer: key.xfer, region: c.region, runs: JobRuns::Pulled(runs) });
         }
     }
 
@@ -817,18 +838,23 @@ impl Receiver {
             }
         };
         let ranges = self.registered.proven_ranges(&proven);
+        let mut spans = Vec::with_capacity(pull.chunks.len());
         for c in &pull.chunks {
-            let copies =
-                c.runs.iter().fold(0u64, |sum, r| sum.saturating_add(r.len.saturating_mul(u64::from(r.count))));
-            let inside = c.runs.iter().all(|r| {
-                r.len > 0
-                    && r.region_span().is_some_and(|(_, end)| end <= c.bytes)
-                    && r.addr_span().is_some_and(|(a, b)| ranges.covers(a, b))
-            });
-            if c.runs.is_empty() || copies > c.bytes || !inside {
+            let (mut copies, mut span, mut inside) = (0u64, (u64::MAX, 0), !c.runs.is_empty());
+            for r in c.runs.iter() {
+                copies = copies.saturating_add(r.len.saturating_mul(u64::from(r.count)));
+                match (r.region_span(), r.addr_span()) {
+                    (Some((_, end)), Some((a, b))) if r.len > 0 && end <= c.bytes && ranges.covers(a, b) => {
+                        span = (span.0.min(a), span.1.max(b));
+                    }
+                    _ => inside = false,
+                }
+            }
+            if copies > c.bytes || !inside {
                 refuse(ctx);
                 return bad("a run reads outside its chunk or the proven registrations");
             }
+            spans.push(span);
         }
         let sizes: Vec<u64> = pull.chunks.iter().map(|c| c.bytes).collect();
         if let Err(source) = ctx.sched.want(key, &sizes) {
@@ -839,7 +865,8 @@ impl Receiver {
         ctx.stats.wants += 1;
         let deadline = ctx.now + self.idle_timeout;
         self.timers.set(key, deadline);
-        let runs = pull.chunks.into_iter().map(|c| c.runs).collect();
+        let chunks = pull.chunks.into_iter().map(|c| c.runs).collect();
+        let runs = PullRuns { chunks, spans, removals: self.registered.removals() };
         let flow = Flow {
             token: pull.token,
             proven,
@@ -1563,7 +1590,7 @@ mod tests {
         let (mut ep, t) = receiver();
         ep.receiver_mut().set_peer_caps(16, 100);
         let pull = |xfer: u64, runs: u64| {
-            let runs = (0..runs)
+            let runs: Vec<_> = (0..runs)
                 .map(|i| CopyRun {
                     region_off: i * 2,
                     addr: DST + i * 2,
@@ -1577,7 +1604,7 @@ mod tests {
                 xfer: XferId(xfer),
                 token: TOKEN,
                 endpoint: Vec::new(),
-                chunks: vec![wire::PullChunk { bytes: CHUNK, runs }],
+                chunks: vec![wire::PullChunk { bytes: CHUNK, runs: runs.into() }],
                 proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],
             })
         };

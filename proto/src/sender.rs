@@ -376,7 +376,8 @@ impl Sender {
             }
         }
         let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
-        let chunks = plan.chunks.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: c.gather.clone() }).collect();
+        let chunks =
+            plan.chunks.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: Arc::clone(&c.gather) }).collect();
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
         ctx.send(peer, wire::Pull { xfer, token, endpoint, chunks, proofs });
         let deadline = ctx.now + self.timeout;

@@ -521,3 +521,46 @@ fn random_lifecycles_never_touch_deregistered_memory() {
     let [failed_acks, doomed, succeeded, scatters] = seen;
     assert!(failed_acks > 20 && doomed > 20 && succeeded > 100 && scatters > 1000, "{seen:?}");
 }
+
+/// A READ's gather runs are checked against the registrations at its PULL, and again for a
+/// chunk gathered later only once a registration went meanwhile: a chunk whose source was
+/// deregistered after the PULL is answered ACK(Failed) when its turn comes, never read, while
+/// the chunks of the registration that stayed are gathered.
+#[test]
+fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other() {
+    let now = Instant::now();
+    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let (kept, gone) = (RegId(1), RegId(2));
+    ep.add_registered(kept, key(kept), DST, 2 * CHUNK);
+    ep.add_registered(gone, key(gone), DST + 2 * CHUNK, CHUNK);
+    let (xfer, peer) = (9, PeerId(5));
+    let run = |i: u64| CopyRun {
+        region_off: 0,
+        addr: DST + i * CHUNK,
+        len: CHUNK,
+        count: 1,
+        region_stride: 0,
+        addr_stride: 0,
+    };
+    let chunks = (0..3).map(|i| wire::PullChunk { bytes: CHUNK, runs: vec![run(i)].into() }).collect();
+    let proofs = [kept, gone].iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
+    let pull = wire::Pull { xfer: XferId(xfer), token: tok(xfer), endpoint: Vec::new(), chunks, proofs };
+    ep.handle_msg(now, peer, Msg::Pull(pull)).unwrap();
+    let first = gathers(&drain(&mut ep));
+    assert_eq!(first.len(), 2, "a window of two chunks");
+    ep.deregister(now, Some(gone), DST + 2 * CHUNK, CHUNK);
+    assert!(sent(&drain(&mut ep)).is_empty(), "nothing running reads the range");
+    // Chunk 0 gathered and announced; its RELEASE frees the window for chunk 2.
+    ep.handle_gather_done(now, first[0], true);
+    let ready = credits(&sent(&drain(&mut ep)));
+    assert_eq!(ready.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0]);
+    let release = wire::Release { xfer: XferId(xfer), token: tok(xfer), chunk: ChunkIdx(0), region: ready[0].1 };
+    ep.handle_msg(now, peer, Msg::Release(release)).unwrap();
+    let acts = drain(&mut ep);
+    assert!(gathers(&acts).is_empty(), "chunk 2's source is not read");
+    assert_eq!(acks(&sent(&acts)), vec![AckStatus::Failed]);
+    assert_eq!(ep.stats().dereg_failed, 1);
+    // Chunk 1 reads the registration that stayed: it is announced as usual.
+    ep.handle_gather_done(now, first[1], true);
+    assert_eq!(credits(&sent(&drain(&mut ep))).iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
+}

@@ -646,7 +646,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
             xfer: XferId(3),
             token: Token(0xfeed),
             endpoint: Vec::new(),
-            chunks: vec![PullChunk { bytes: 64, runs: vec![run] }],
+            chunks: vec![PullChunk { bytes: 64, runs: vec![run].into() }],
             proofs: vec![Proof { reg: RegId(5), tag: [0xaa; 16] }],
         }),
     };
@@ -720,7 +720,7 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
         token: Token(u128::MAX),
         endpoint: vec![0xff; MAX_BLOB as usize],
         chunks: (0..u64::from(MAX_CHUNKS_PER_WANT))
-            .map(|i| PullChunk { bytes: u64::MAX, runs: vec![run(i)] })
+            .map(|i| PullChunk { bytes: u64::MAX, runs: vec![run(i)].into() })
             .collect(),
         proofs: (0..u64::from(MAX_PROOFS)).map(|i| Proof { reg: RegId(u64::MAX - i), tag: [0xff; 16] }).collect(),
     });

@@ -1,0 +1,135 @@
+//! What a bounced READ costs its two reactors before the target's first gather: the
+//! initiator's submit and PULL encoding, then the target's PULL decoding and handling, up to
+//! the first `Action::Gather`. The shell does nothing more on this path (the frame goes out
+//! through UCX in between), so this is the READ's serial CPU cost, on this machine, with no
+//! network and no copies.
+//!
+//! `cargo run --release -p bounce-proto --example read_cpu_path [-- PIECES PIECE_BYTES]`
+//! (default 16384 x 4096: the benchmarks' scattered 64 MiB). Prints the minimum of 50 rounds
+//! for host-memory defaults (2 MiB chunks) and GPU-memory defaults (32 MiB chunks).
+
+use std::time::{Duration, Instant};
+
+use bounce_proto::config::Config;
+use bounce_proto::endpoint::{Action, Endpoint};
+use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::proof::Destination;
+use bounce_proto::wire::{self, Frame};
+use bounce_proto::{ControlKind, MemKind, PeerId, RegId, RegKey, Token, XferId};
+
+const MEM_BASE: u64 = 0x7f00_0000_0000;
+const ROUNDS: usize = 200;
+
+fn main() {
+    let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>().expect("a number"));
+    let pieces = args.next().unwrap_or(16384);
+    let piece = args.next().unwrap_or(4096);
+    for (name, mem) in [("host-memory defaults", MemKind::Dram), ("GPU-memory defaults", MemKind::Vram)] {
+        let config = Config::from_params_as(Some(mem), [], |_| None).expect("defaults").config;
+        let t = measure(&config, pieces, piece);
+        println!(
+            "{pieces} x {piece} B READ, {name} ({} MiB chunks): initiator submit + encode {:7.1} us, \
+             target decode + handle to first gather {:7.1} us ({} B PULL, {} chunks)",
+            config.max_chunk_size >> 20,
+            t.initiator.as_secs_f64() * 1e6,
+            t.target.as_secs_f64() * 1e6,
+            t.frame_bytes,
+            t.chunks,
+        );
+    }
+}
+
+struct Timing {
+    initiator: Duration,
+    target: Duration,
+    frame_bytes: usize,
+    chunks: usize,
+}
+
+/// Both sides' minimum over [`ROUNDS`] fresh transfers of one scattered plan.
+fn measure(config: &Config, pieces: u64, piece: u64) -> Timing {
+    // Pieces at shuffled slots of a registration 4x their total, on both sides (paged KV).
+    let slots = pieces * 4;
+    let mut order: Vec<u64> = (0..slots).collect();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..order.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let descs: Vec<DescPair> = (0..pieces as usize)
+        .map(|i| DescPair {
+            src: MEM_BASE + order[i] * piece,
+            dst: MEM_BASE + order[order.len() - 1 - i] * piece,
+            len: piece,
+        })
+        .collect();
+    let params = PlanParams { region_plan_runs: 0, ..PlanParams::from_config(config) };
+    let mut best = Timing { initiator: Duration::MAX, target: Duration::MAX, frame_bytes: 0, chunks: 0 };
+    for round in 0..ROUNDS {
+        let now = Instant::now();
+        let (mut initiator, mut target) = (endpoint(config, 0, now), endpoint(config, 1, now));
+        let mut plan = plan::plan(&descs, params).expect("plan");
+        plan.read = true;
+        plan.dests = vec![Destination { reg: RegId(0), key: key(1) }];
+        best.chunks = plan.chunks.len();
+
+        let t0 = Instant::now();
+        let xfer = XferId(round as u64 + 1);
+        initiator.submit_read(now, xfer, Token(7), PeerId(1), plan, None).expect("submit");
+        let pull = std::iter::from_fn(|| initiator.poll_action())
+            .find_map(|a| match a {
+                Action::Send { msg: m @ wire::Msg::Pull(_), .. } => Some(m),
+                _ => None,
+            })
+            .expect("a PULL");
+        let bytes = Frame { session: 0, msg: pull }.to_vec();
+        let t1 = Instant::now();
+        target.handle_frame(now, &agent(0), &bytes).expect("PULL accepted");
+        let gathered = std::iter::from_fn(|| target.poll_action()).any(|a| matches!(a, Action::Gather { .. }));
+        let t2 = Instant::now();
+        assert!(gathered, "the target gathers");
+        best.initiator = best.initiator.min(t1 - t0);
+        best.target = best.target.min(t2 - t1);
+        best.frame_bytes = bytes.len();
+    }
+    best
+}
+
+fn agent(i: usize) -> String {
+    format!("agent-{i}")
+}
+
+fn key(i: usize) -> RegKey {
+    RegKey([i as u8 ^ 0xa5; 32])
+}
+
+/// Endpoint `i` of two that loaded each other and exchanged HELLO; all its memory registered.
+fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
+    let mut ep = Endpoint::new(config, now).expect("endpoint");
+    ep.set_local_endpoint(format!("node-{i}").into_bytes());
+    ep.add_registered(RegId(0), key(i), MEM_BASE, 1 << 40);
+    for j in 0..2 {
+        assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
+        if j != i {
+            let caps = wire::Capabilities {
+                wire_version: wire::WIRE_VERSION.into(),
+                control: ControlKind::Ucx,
+                mem: MemKind::Dram,
+                arena_base: 0,
+                arena_len: config.arena_usable_capacity(),
+                arena_dev: 0,
+                usable_capacity: config.arena_usable_capacity(),
+                max_chunk: config.max_chunk_size,
+                session: j as u64,
+                arena_key: Vec::new(),
+                endpoint: Vec::new(),
+                mailbox: None,
+            };
+            ep.handle_conn_info(now, &agent(j), Some(caps), None);
+            ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO");
+        }
+    }
+    ep
+}
