@@ -256,10 +256,11 @@ def main():
             # the first request of each block (posted after the target's last check, often to
             # an idle GPU or copy thread) against the rest: where the tail comes from
             first = statistics.median(x["single"][::args.requests])
-            rest = statistics.median([t for i, t in enumerate(x["single"]) if i % args.requests])
+            others = [t for i, t in enumerate(x["single"]) if i % args.requests]
+            split = (f"  (first of a block {first * 1e3:.2f}, others {statistics.median(others) * 1e3:.2f})"
+                     if others else "")
             print(f"  {b:14s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
-                  f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}  (first of a block {first * 1e3:.2f},"
-                  f" others {rest * 1e3:.2f})   "
+                  f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}{split}   "
                   f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
         for name in ("BOUNCE", "BOUNCE bounced"):
             if name not in res:

@@ -674,10 +674,15 @@ pub fn run(data: &[u8]) -> Coverage {
                 let bytes = u64::from(size % (16 << 10)) + 1;
                 let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
                 let run = CopyRun { region_off: 0, addr, len: bytes, count: 1, region_stride: 0, addr_stride: 0 };
-                let chunks = vec![PullChunk { bytes, runs: vec![run].into() }; usize::from(chunks % 4) + 1];
+                // 1-4 chunks, starting at chunk 0-2 of a READ of up to one chunk more: opening
+                // PULLs (with proofs), later ones (without, as a sender sends them), out of order.
+                let (n, first) = (u32::from(chunks % 4) + 1, u32::from((chunks >> 2) % 3));
+                let total = first + n + u32::from((chunks >> 4) % 2);
+                let chunks = vec![PullChunk { bytes, runs: vec![run].into() }; n as usize];
                 let token = remote_token(peer, xfer);
-                let proofs = vec![proof::prove(reg, &key_of(reg), token)];
-                let pull = Msg::Pull(Pull { xfer, token, endpoint: Vec::new(), chunks, proofs });
+                let proofs = if first == 0 { vec![proof::prove(reg, &key_of(reg), token)] } else { Vec::new() };
+                let (first, endpoint) = (ChunkIdx(first), Vec::new());
+                let pull = Msg::Pull(Pull { xfer, token, first, total, endpoint, chunks, proofs });
                 if ep.handle_msg(now, peer, pull).is_ok() {
                     seen.pulls.push((peer, xfer));
                 }

@@ -381,9 +381,10 @@ impl Endpoint {
                 }
             }
             wire::Msg::Pull(m) if m.endpoint == wire::REPLY_MAILBOX && !m.chunks.is_empty() => {
-                // A one-way READ: opened like a one-way WANT (see there).
+                // A one-way READ: opened like a one-way WANT (see there) by its first PULL; a
+                // later one only adds to a flow (or, the flow gone, is dropped as late).
                 let key = FlowKey { peer: from, xfer: m.xfer };
-                if self.answering.is_one_way(key) || self.receiver.has_flow(key) {
+                if m.first.0 > 0 || self.answering.is_one_way(key) || self.receiver.has_flow(key) {
                     self.receiver.handle_pull(&mut ctx, from, m)
                 } else {
                     open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, wire::Msg::Pull(m))
@@ -832,7 +833,7 @@ impl Endpoint {
 
     /// Opens the waiting one-way flows a slot is free for now: each one's held messages are
     /// replayed as they came (the opening WANT or PULL judged by the receiver for the first
-    /// time, then its further WANTs). Returns true when one was opened.
+    /// time, then its further WANTs or PULLs). Returns true when one was opened.
     fn serve_waiting(&mut self, now: Instant) -> bool {
         let mut served = false;
         while let Some((key, held)) = self.answering.next_servable(now) {
@@ -843,6 +844,9 @@ impl Endpoint {
                     msg if n == 0 => open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, msg),
                     wire::Msg::Want(m) if self.answering.is_one_way(key) => {
                         more_one_way_chunks(&mut self.receiver, &mut self.answering, &mut ctx, key, m)
+                    }
+                    wire::Msg::Pull(m) if self.answering.is_one_way(key) => {
+                        self.receiver.handle_pull(&mut ctx, key.peer, m)
                     }
                     // The first one opened nothing (the receiver refused it unanswered).
                     _ => Ok(()),
@@ -931,7 +935,8 @@ fn open_one_way(
 ) -> Result<(), ProtocolError> {
     let (token, chunks, genuine) = match &msg {
         wire::Msg::Want(m) => (m.token, m.chunks.len(), receiver.registrations().verify(m.token, &m.proofs)),
-        wire::Msg::Pull(m) => (m.token, m.chunks.len(), receiver.registrations().verify(m.token, &m.proofs)),
+        // A READ's answers count all its chunks, those of its later PULLs too.
+        wire::Msg::Pull(m) => (m.token, m.total as usize, receiver.registrations().verify(m.token, &m.proofs)),
         _ => return Ok(()),
     };
     let genuine = matches!(genuine, Ok(_) | Err(BadProof::Deregistered(_)));

@@ -241,13 +241,14 @@ impl Answering {
         self.waiting.len()
     }
 
-    /// A message of flow `key`, which waits for a slot: a further WANT is held behind the
-    /// opening one, a cancel takes the transfer out of the queue, anything else is ignored.
+    /// A message of flow `key`, which waits for a slot: a further WANT or PULL is held behind
+    /// the opening one, a cancel takes the transfer out of the queue, anything else is ignored.
     ///
     /// # Errors
     /// [`HoldError::WrongToken`] for another token than the waiting transfer's (nothing
     /// changes); [`HoldError::Full`] when holding a further WANT would pass the queue's bounds:
     /// the whole transfer is dropped then (opened without those chunks it could only time out).
+    /// A PULL is held whole, runs and all: they count against the queue's bounds.
     pub fn hold(&mut self, key: FlowKey, msg: Msg) -> Result<Held, HoldError> {
         if self.waiting.token(key.peer, key.xfer) != Some(&record_token(msg.token())) {
             return Err(HoldError::WrongToken);
@@ -260,10 +261,6 @@ impl Answering {
         if cancel {
             self.waiting.remove(key.peer, key.xfer);
             return Ok(Held::Canceled);
-        }
-        if matches!(msg, Msg::Pull(_)) {
-            // A second PULL for a flow is refused by the receiver too: one per READ.
-            return Ok(Held::Ignored);
         }
         let units = held_units(&msg);
         if let Err(e) = self.waiting.hold(key.peer, key.xfer, msg, units) {

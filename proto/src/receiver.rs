@@ -79,15 +79,32 @@ struct Scatter {
     doomed: bool,
 }
 
-/// A READ flow's gather runs, kept from its PULL: checked against each chunk and the flow's
-/// proven registrations when they came.
+/// A READ flow's gather runs, kept from its PULLs (see [`wire::Pull`]).
 #[derive(Debug)]
 struct PullRuns {
-    /// Each chunk's runs, shared with its gathers (a region reclaimed unread is gathered
-    /// again).
-    chunks: Vec<Arc<Vec<CopyRun>>>,
-    /// Each chunk's source span `[start, end)`.
-    spans: Vec<(u64, u64)>,
+    /// The chunks announced so far, in order.
+    chunks: Vec<PulledChunk>,
+    /// The transfer's chunk count: the flow stays until all have come (and ended).
+    total: u32,
+    /// A chunk failed: its initiator fails the transfer and cancels; later PULLs are dropped.
+    failed: bool,
+}
+
+impl PullRuns {
+    /// True when no PULL of the flow is still to come.
+    fn complete(&self) -> bool {
+        self.failed || self.chunks.len() >= self.total as usize
+    }
+}
+
+/// One READ chunk's gather runs: checked against the chunk and the flow's proven
+/// registrations when its PULL came.
+#[derive(Debug)]
+struct PulledChunk {
+    /// Shared with its gathers (a region reclaimed unread is gathered again).
+    runs: Arc<Vec<CopyRun>>,
+    /// The source span `[start, end)`.
+    span: (u64, u64),
     /// [`Registrations::removals`] at that check: while it is unchanged, every run still lies
     /// inside registered memory and a gather starts without checking its runs again.
     removals: u64,
@@ -109,7 +126,7 @@ impl Flow {
     /// What the flow holds against its peer's budget ([`MAX_CHUNKS_PER_PEER`]): its announced
     /// chunks, the runs of the PLANs it keeps and, for a READ flow, the gather runs it keeps.
     fn units(&self) -> u64 {
-        let runs = self.pull.as_ref().map_or(0, |p| p.chunks.iter().map(|r| r.len() as u64).sum::<u64>());
+        let runs = self.pull.as_ref().map_or(0, |p| p.chunks.iter().map(|c| c.runs.len() as u64).sum::<u64>());
         let planned = self.plans.values().map(|p| p.runs.len() as u64).sum::<u64>();
         (self.chunks.len() as u64).saturating_add(runs).saturating_add(planned)
     }
@@ -643,7 +660,8 @@ impl Receiver {
                 continue;
             };
             let waiting_for_data = ctx.sched.flow_held_count(key).saturating_sub(flow.scattering);
-            if flow.deadline <= now && waiting_for_data > 0 {
+            let waiting_for_pulls = flow.pull.as_ref().is_some_and(|p| !p.complete());
+            if flow.deadline <= now && (waiting_for_data > 0 || waiting_for_pulls) {
                 // Counted (`flows_timed_out`, published by the shell); at debug, since a peer
                 // that opens many flows and goes silent must not flood the log.
                 debug!(
@@ -715,7 +733,7 @@ impl Receiver {
             let Some(flow) = self.flows.get_mut(&key) else { return };
             let i = c.chunk.0 as usize;
             let Some((runs, span, removals)) =
-                flow.pull.as_ref().and_then(|p| Some((Arc::clone(p.chunks.get(i)?), *p.spans.get(i)?, p.removals)))
+                flow.pull.as_ref().and_then(|p| p.chunks.get(i)).map(|c| (Arc::clone(&c.runs), c.span, c.removals))
             else {
                 internal_error("grant for a READ chunk without runs", &c.chunk.0);
                 continue;
@@ -780,20 +798,31 @@ impl Receiver {
         ctx.send(key.peer, ack);
         // The transfer has failed: grant it nothing more (its initiator cancels the rest).
         ctx.sched.drop_pending(key);
+        if let Some(p) = self.flows.get_mut(&key).and_then(|f| f.pull.as_mut()) {
+            p.failed = true;
+        }
         if ctx.sched.begin_scatter(key, region.offset).is_err() || ctx.sched.end_scatter(region.offset).is_err() {
             internal_error("freeing a failed READ region", &region.offset);
         }
-        if !ctx.sched.has_flow(key) {
-            self.forget(key);
-        }
+        self.forget_if_ended(ctx, key);
+    }
+
+    /// Forgets READ flow `key` once it holds nothing and no PULL of it is still to come: a
+    /// READ whose first chunks were served before the rest were announced goes on.
+    fn forget_if_ended(&mut self, ctx: &Ctx<'_>, key: FlowKey) -> bool {
+        let ended = !ctx.sched.has_flow(key)
+            && self.flows.get(&key).is_none_or(|f| f.pull.as_ref().is_none_or(PullRuns::complete));
+        ended && self.forget(key)
     }
 
     /// A PULL: the initiator READs these chunks of our registered memory through our arena. As
     /// a WANT, but each chunk comes with its gather runs, checked here against the chunk and
-    /// the registrations the PULL proved; an empty PULL cancels.
+    /// the registrations the flow proved; an empty PULL cancels. The first PULL of a READ opens
+    /// its flow; the next ones (same token, the chunks that follow) add to it.
     pub(crate) fn handle_pull(&mut self, ctx: &mut Ctx<'_>, from: PeerId, pull: Pull) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: pull.xfer };
-        if self.flows.get(&key).is_some_and(|f| f.token != pull.token) {
+        let flow = self.flows.get(&key);
+        if flow.is_some_and(|f| f.token != pull.token) {
             ctx.stats.control_forged += 1;
             return Err(ProtocolError::WrongToken { peer: from, xfer: pull.xfer });
         }
@@ -809,9 +838,21 @@ impl Receiver {
             return Ok(());
         }
         let bad = |why| Err(ProtocolError::BadPull { peer: from, xfer: pull.xfer, why });
-        if self.flows.contains_key(&key) {
-            return bad("a second PULL for a flow");
-        }
+        let opens = match flow.map(|f| f.pull.as_ref()) {
+            None if pull.first.0 == 0 => true,
+            // A later PULL of a flow already ended (failed, canceled or reclaimed): its
+            // initiator has failed the transfer or will; nothing to do.
+            None => {
+                ctx.stats.late_data += 1;
+                return Ok(());
+            }
+            Some(None) => return bad("a PULL for a WRITE flow"),
+            Some(Some(p)) if p.failed => return Ok(()),
+            Some(Some(p)) if pull.first.0 as usize != p.chunks.len() || pull.total != p.total => {
+                return bad("a PULL out of its flow's order");
+            }
+            Some(Some(_)) => false,
+        };
         if self.shutting_down {
             refuse(ctx);
             return Ok(());
@@ -821,12 +862,12 @@ impl Receiver {
         // budget with its chunks, so a peer cannot park unbounded run lists here.
         let runs: u64 = pull.chunks.iter().map(|c| c.runs.len() as u64).sum();
         let units = (pull.chunks.len() as u64).saturating_add(runs);
-        let (flows, chunks) = (load.flows + 1, load.chunks.saturating_add(units));
+        let (flows, chunks) = (load.flows + usize::from(opens), load.chunks.saturating_add(units));
         if flows > self.caps.flows || chunks > self.caps.chunks {
             refuse(ctx);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: pull.xfer, flows, chunks });
         }
-        let proven = match self.registered.verify(pull.token, &pull.proofs) {
+        let mut proven = match self.registered.verify(pull.token, &pull.proofs) {
             Ok(proven) => proven,
             Err(source @ BadProof::Deregistered(_)) => {
                 refuse(ctx);
@@ -837,9 +878,13 @@ impl Receiver {
                 return Err(ProtocolError::BadProof { peer: from, xfer: pull.xfer, source });
             }
         };
+        if let Some(f) = self.flows.get(&key) {
+            proven.extend(f.proven.iter().filter(|r| !proven.contains(r)).copied().collect::<Vec<_>>());
+        }
         let ranges = self.registered.proven_ranges(&proven);
-        let mut spans = Vec::with_capacity(pull.chunks.len());
-        for c in &pull.chunks {
+        let removals = self.registered.removals();
+        let mut pulled = Vec::with_capacity(pull.chunks.len());
+        for c in pull.chunks.iter() {
             let (mut copies, mut span, mut inside) = (0u64, (u64::MAX, 0), !c.runs.is_empty());
             for r in c.runs.iter() {
                 copies = copies.saturating_add(r.len.saturating_mul(u64::from(r.count)));
@@ -854,30 +899,40 @@ impl Receiver {
                 refuse(ctx);
                 return bad("a run reads outside its chunk or the proven registrations");
             }
-            spans.push(span);
+            pulled.push(PulledChunk { runs: Arc::clone(&c.runs), span, removals });
         }
         let sizes: Vec<u64> = pull.chunks.iter().map(|c| c.bytes).collect();
-        if let Err(source) = ctx.sched.want(key, &sizes) {
+        if let Err(source) = ctx.sched.want_from(key, pull.first.0.into(), &sizes) {
             refuse(ctx);
             return Err(ProtocolError::BadWant { peer: from, xfer: pull.xfer, source });
         }
         self.load.insert(from, PeerLoad { flows, chunks });
         ctx.stats.wants += 1;
         let deadline = ctx.now + self.idle_timeout;
-        self.timers.set(key, deadline);
-        let chunks = pull.chunks.into_iter().map(|c| c.runs).collect();
-        let runs = PullRuns { chunks, spans, removals: self.registered.removals() };
-        let flow = Flow {
-            token: pull.token,
-            proven,
-            chunks: sizes,
-            scattering: 0,
-            pull: Some(runs),
-            plans: BTreeMap::new(),
-            deadline,
-        };
-        self.flows.insert(key, flow);
-        debug!(peer = from.0, xfer = pull.xfer.0, "READ flow wants");
+        match self.flows.get_mut(&key) {
+            Some(flow) => {
+                flow.chunks.extend_from_slice(&sizes);
+                flow.proven = proven;
+                flow.deadline = deadline;
+                if let Some(p) = flow.pull.as_mut() {
+                    p.chunks.extend(pulled);
+                }
+            }
+            None => {
+                self.timers.set(key, deadline);
+                let flow = Flow {
+                    token: pull.token,
+                    proven,
+                    chunks: sizes,
+                    scattering: 0,
+                    pull: Some(PullRuns { chunks: pulled, total: pull.total, failed: false }),
+                    plans: BTreeMap::new(),
+                    deadline,
+                };
+                self.flows.insert(key, flow);
+            }
+        }
+        debug!(peer = from.0, xfer = pull.xfer.0, first = pull.first.0, total = pull.total, "READ flow wants");
         Ok(())
     }
 
@@ -912,8 +967,7 @@ impl Receiver {
         {
             internal_error("freeing a released READ region", &rel.region.offset);
         }
-        if !ctx.sched.has_flow(key) {
-            self.forget(key);
+        if self.forget_if_ended(ctx, key) {
             debug!(peer = from.0, xfer = rel.xfer.0, "READ flow done");
         }
         Ok(())
@@ -1603,6 +1657,8 @@ mod tests {
             Msg::Pull(wire::Pull {
                 xfer: XferId(xfer),
                 token: TOKEN,
+                first: ChunkIdx(0),
+                total: 1,
                 endpoint: Vec::new(),
                 chunks: vec![wire::PullChunk { bytes: CHUNK, runs: runs.into() }],
                 proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],

@@ -375,11 +375,15 @@ impl Sender {
                 c.direct = None;
             }
         }
-        let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
-        let chunks =
-            plan.chunks.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: Arc::clone(&c.gather) }).collect();
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
-        ctx.send(peer, wire::Pull { xfer, token, endpoint, chunks, proofs });
+        let mut proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
+        // `check_plan` capped the chunks at MAX_CHUNKS_PER_WANT, a u32.
+        let total = plan.chunks.len() as u32;
+        for (first, part) in pull_frames(&plan.chunks) {
+            let chunks = part.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: Arc::clone(&c.gather) }).collect();
+            let (first, proofs) = (ChunkIdx(first as u32), std::mem::take(&mut proofs));
+            ctx.send(peer, wire::Pull { xfer, token, first, total, endpoint: endpoint.clone(), chunks, proofs });
+        }
         let deadline = ctx.now + self.timeout;
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
         let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, planned, deadline };
@@ -1056,6 +1060,32 @@ impl Sender {
 
 /// Checks what the peer's decoder and scheduler would refuse, so a bad plan fails at submit
 /// rather than after a timeout.
+/// Most gather runs a later PULL of a READ carries (one chunk with more goes alone).
+pub(crate) const PULL_FRAME_RUNS: usize = 1024;
+
+/// How a READ's chunks are split into PULLs, as (index of the first chunk, the chunks): the
+/// first chunk alone, so the target gathers it while the rest are still encoded, sent and
+/// decoded; then whole chunks up to [`PULL_FRAME_RUNS`] runs a PULL.
+fn pull_frames(chunks: &[crate::plan::Chunk]) -> impl Iterator<Item = (usize, &[crate::plan::Chunk])> + '_ {
+    let mut first = 0;
+    std::iter::from_fn(move || {
+        if first >= chunks.len() {
+            return None;
+        }
+        let mut end = first + 1;
+        if first > 0 {
+            let mut runs = chunks[first].gather.len();
+            while end < chunks.len() && runs + chunks[end].gather.len() <= PULL_FRAME_RUNS {
+                runs += chunks[end].gather.len();
+                end += 1;
+            }
+        }
+        let part = (first, &chunks[first..end]);
+        first = end;
+        Some(part)
+    })
+}
+
 fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitError> {
     if plan.chunks.is_empty() {
         return Err(SubmitError::EmptyPlan { xfer });
@@ -1131,6 +1161,28 @@ mod tests {
 
     fn r(kib: u64) -> Region {
         Region { offset: kib * KIB, len: CHUNK }
+    }
+
+    /// A READ's PULLs: its first chunk alone, then whole chunks up to PULL_FRAME_RUNS runs a
+    /// PULL, a chunk with more alone; every chunk exactly once, in order.
+    #[test]
+    fn a_read_is_pulled_first_chunk_alone_then_in_frames_of_whole_chunks() {
+        let run = CopyRun { region_off: 0, addr: SRC, len: 1, count: 1, region_stride: 0, addr_stride: 0 };
+        let chunk = |runs: usize| crate::plan::Chunk { gather: Arc::new(vec![run; runs]), ..Default::default() };
+        let runs = [600, 600, 400, 30, 2000, 1, 1024, 1];
+        let chunks: Vec<_> = runs.iter().map(|&n| chunk(n)).collect();
+        let frames: Vec<(usize, usize)> = pull_frames(&chunks).map(|(first, part)| (first, part.len())).collect();
+        // 600 + 400 fit in one; 30 + 2000 do not; 2000 and 1024 + 1 go alone.
+        assert_eq!(frames, [(0, 1), (1, 2), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1)]);
+        let mut next = 0;
+        for &(first, n) in &frames {
+            assert_eq!(first, next, "in order, none skipped");
+            assert!(n == 1 || runs[first..first + n].iter().sum::<usize>() <= PULL_FRAME_RUNS);
+            next = first + n;
+        }
+        assert_eq!(next, runs.len());
+        let one: Vec<_> = pull_frames(&chunks[..1]).map(|(f, p)| (f, p.len())).collect();
+        assert_eq!(one, [(0, 1)]);
     }
 
     fn is_cancel(m: &Msg, xfer: XferId) -> bool {

@@ -544,7 +544,8 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
     };
     let chunks = (0..3).map(|i| wire::PullChunk { bytes: CHUNK, runs: vec![run(i)].into() }).collect();
     let proofs = [kept, gone].iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
-    let pull = wire::Pull { xfer: XferId(xfer), token: tok(xfer), endpoint: Vec::new(), chunks, proofs };
+    let (first, endpoint) = (ChunkIdx(0), Vec::new());
+    let pull = wire::Pull { xfer: XferId(xfer), token: tok(xfer), first, total: 3, endpoint, chunks, proofs };
     ep.handle_msg(now, peer, Msg::Pull(pull)).unwrap();
     let first = gathers(&drain(&mut ep));
     assert_eq!(first.len(), 2, "a window of two chunks");
@@ -563,4 +564,96 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
     // Chunk 1 reads the registration that stayed: it is announced as usual.
     ep.handle_gather_done(now, first[1], true);
     assert_eq!(credits(&sent(&drain(&mut ep))).iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
+}
+
+/// The PULL of `chunks` (one 4 KiB run each, from `DST + i * CHUNK`) starting at chunk `first`
+/// of a READ of `total` chunks, proving `D` when it opens the flow.
+fn pull(xfer: u64, first: u32, chunks: std::ops::Range<u64>, total: u32) -> Msg {
+    let run = |i: u64| CopyRun {
+        region_off: 0,
+        addr: DST + i * CHUNK,
+        len: CHUNK,
+        count: 1,
+        region_stride: 0,
+        addr_stride: 0,
+    };
+    let chunks = chunks.map(|i| wire::PullChunk { bytes: CHUNK, runs: vec![run(i)].into() }).collect();
+    let proofs = if first == 0 { vec![proof::prove(D, &key(D), tok(xfer))] } else { Vec::new() };
+    let (first, endpoint) = (ChunkIdx(first), Vec::new());
+    Msg::Pull(wire::Pull { xfer: XferId(xfer), token: tok(xfer), first, total, endpoint, chunks, proofs })
+}
+
+/// A READ comes as several PULLs (the first chunk alone, so it is gathered while the rest
+/// are still encoded and decoded): the target gathers chunk 0 at once, keeps the flow when
+/// that chunk is READ and released before the next PULL came, takes the later chunks in order
+/// only, and forgets the flow once all `total` chunks came and were released.
+#[test]
+fn a_read_split_in_pulls_is_served_from_its_first_pull_and_kept_until_its_last() {
+    let now = Instant::now();
+    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    ep.add_registered(D, key(D), DST, 8 * CHUNK);
+    let (xfer, peer) = (9, PeerId(5));
+    ep.handle_msg(now, peer, pull(xfer, 0, 0..1, 3)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    assert_eq!(g.len(), 1, "chunk 0 is gathered before the rest of the READ is announced");
+    ep.handle_gather_done(now, g[0], true);
+    let ready = credits(&sent(&drain(&mut ep)));
+    let release = |chunk: u32, region| {
+        Msg::Release(wire::Release { xfer: XferId(xfer), token: tok(xfer), chunk: ChunkIdx(chunk), region })
+    };
+    ep.handle_msg(now, peer, release(0, ready[0].1)).unwrap();
+    assert_eq!(ep.remote_flows(), 1, "the flow waits for its other chunks");
+    // Out of order (chunk 2 before chunk 1), or claiming another total: refused, unqueued.
+    let r = ep.handle_msg(now, peer, pull(xfer, 2, 2..3, 3));
+    assert!(matches!(r, Err(ProtocolError::BadPull { .. })), "{r:?}");
+    let r = ep.handle_msg(now, peer, pull(xfer, 1, 1..3, 4));
+    assert!(matches!(r, Err(ProtocolError::BadPull { .. })), "{r:?}");
+    // Another token cannot add to the flow.
+    let mut forged = pull(xfer, 1, 1..3, 3);
+    if let Msg::Pull(p) = &mut forged {
+        p.token = Token(1);
+    }
+    assert!(matches!(ep.handle_msg(now, peer, forged), Err(ProtocolError::WrongToken { .. })));
+    assert!(gathers(&drain(&mut ep)).is_empty());
+    // The genuine next PULL: both chunks are gathered, announced and released.
+    ep.handle_msg(now, peer, pull(xfer, 1, 1..3, 3)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    assert_eq!(g.len(), 2);
+    for j in g {
+        ep.handle_gather_done(now, j, true);
+    }
+    for (chunk, region) in credits(&sent(&drain(&mut ep))) {
+        assert!(chunk == 1 || chunk == 2);
+        ep.handle_msg(now, peer, release(chunk, region)).unwrap();
+    }
+    assert_eq!(ep.remote_flows(), 0, "all three chunks came and ended: the flow is done");
+    assert_eq!(ep.stats().chunks_served, 3);
+    // A later PULL of the ended READ is dropped as late, and opens nothing.
+    ep.handle_msg(now, peer, pull(xfer, 3, 3..4, 4)).unwrap();
+    assert_eq!((ep.remote_flows(), ep.stats().late_data), (0, 1));
+    assert!(drain(&mut ep).is_empty());
+    ep.receiver().check_invariants().unwrap();
+}
+
+/// A READ flow whose later PULLs never come (its initiator died between two) is reclaimed by
+/// the idle timeout, like a flow that holds regions nobody writes.
+#[test]
+fn a_read_flow_waiting_for_pulls_that_never_come_is_reclaimed() {
+    let now = Instant::now();
+    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    ep.add_registered(D, key(D), DST, 8 * CHUNK);
+    let peer = PeerId(5);
+    ep.handle_msg(now, peer, pull(9, 0, 0..1, 2)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    ep.handle_gather_done(now, g[0], true);
+    let ready = credits(&sent(&drain(&mut ep)));
+    let release = wire::Release { xfer: XferId(9), token: tok(9), chunk: ChunkIdx(0), region: ready[0].1 };
+    ep.handle_msg(now, peer, Msg::Release(release)).unwrap();
+    assert_eq!(ep.remote_flows(), 1);
+    let later = now + Duration::from_secs(600);
+    ep.handle_timeout(later);
+    drain(&mut ep);
+    assert_eq!((ep.remote_flows(), ep.stats().flows_timed_out), (0, 1));
+    ep.receiver().check_invariants().unwrap();
+    assert_eq!(ep.arena_free_bytes(), 32 * KIB);
 }

@@ -33,6 +33,18 @@ impl CreditScheduler {
     /// [`max_chunk_bytes`](Self::max_chunk_bytes)) or [`SchedError::TooManyChunks`]; then no
     /// chunk of this WANT is queued.
     pub fn want(&mut self, flow: FlowKey, chunks: &[u64]) -> Result<()> {
+        let next = self.flows.get(&flow).map_or(0, |f| f.next_chunk);
+        self.want_from(flow, next, chunks)
+    }
+
+    /// As [`want`](Self::want), numbering the chunks from `first`: a READ's later PULL names
+    /// its first chunk, and the flow's earlier chunks may all have ended (and the flow left
+    /// the scheduler) before it came.
+    ///
+    /// # Errors
+    /// As [`want`](Self::want); [`SchedError::ChunkOrder`] when `first` is below the flow's
+    /// next chunk.
+    pub fn want_from(&mut self, flow: FlowKey, first: u64, chunks: &[u64]) -> Result<()> {
         let max = self.max_chunk_bytes();
         for (index, &bytes) in chunks.iter().enumerate() {
             if bytes == 0 {
@@ -42,7 +54,11 @@ impl CreditScheduler {
                 return Err(SchedError::ChunkTooLarge { flow, bytes, max });
             }
         }
-        let next = self.flows.get(&flow).map_or(0, |f| f.next_chunk);
+        let queued = self.flows.get(&flow).map_or(0, |f| f.next_chunk);
+        if first < queued {
+            return Err(SchedError::ChunkOrder { flow, first, next: queued });
+        }
+        let next = first;
         if next + chunks.len() as u64 > 1 << 32 {
             return Err(SchedError::TooManyChunks { flow });
         }

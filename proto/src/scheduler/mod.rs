@@ -54,6 +54,16 @@ pub enum SchedError {
         /// [`CreditScheduler::max_chunk_bytes`].
         max: u64,
     },
+    /// Chunks numbered from below the flow's next chunk: those are queued already.
+    #[error("flow {}/{}: chunks from {first} but {next} are queued already", .flow.peer.0, .flow.xfer.0)]
+    ChunkOrder {
+        /// The flow that asked.
+        flow: FlowKey,
+        /// The first chunk asked for.
+        first: u64,
+        /// The flow's next chunk.
+        next: u64,
+    },
     /// The flow would queue more chunks than [`ChunkIdx`] can number.
     #[error("flow {}/{}: more than 2^32 chunks", .flow.peer.0, .flow.xfer.0)]
     TooManyChunks {

@@ -208,7 +208,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43060508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e43070508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -254,7 +254,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 06 01 0100000000000000
+            "00424f554e43 07 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
@@ -271,7 +271,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 06 03 0400000000000000
+            "00424f554e43 07 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001
@@ -281,7 +281,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 06 04 0500000000000000
+            "00424f554e43 07 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -349,7 +349,7 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0600 01 01 0010000000000000 0020000000000000 0000000000000000
+    let caps = "0700 01 01 0010000000000000 0020000000000000 0000000000000000
                 0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
                 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -569,17 +569,17 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     assert_eq!(local.compatible_with(&same_rules), Ok(()));
     assert_eq!(same_rules.compatible_with(&local), Ok(()));
 
-    let other_version = Capabilities { wire_version: 7, ..local.clone() };
+    let other_version = Capabilities { wire_version: u16::from(WIRE_VERSION) + 1, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 6, peer: 7 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 7, peer: 8 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
     assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities { wire_version: 7, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let all = Capabilities { wire_version: 8, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
     let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
@@ -614,37 +614,39 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4306010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "00424f554e4307010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         // cancel (empty WANT)
-        "00424f554e4306010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
+        "00424f554e4307010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
         // GRANT
-        "00424f554e4306020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e4307020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4306030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e4307030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e4306040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4307040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4306050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4307050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e43060a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e43070a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
-    // PULL (kind 11): transfer, token, endpoint, chunks (size, delta-coded gather runs as in
-    // DATA), proofs.
+    // PULL (kind 11): transfer, token, first chunk, total chunks, endpoint, chunks (size,
+    // delta-coded gather runs as in DATA), proofs.
     let run = CopyRun { region_off: 0, addr: 0x1000, len: 0x20, count: 2, region_stride: 0x20, addr_stride: 0x80 };
     let pull = Frame {
         session: 7,
         msg: Msg::Pull(Pull {
             xfer: XferId(3),
             token: Token(0xfeed),
+            first: ChunkIdx(1),
+            total: 2,
             endpoint: Vec::new(),
             chunks: vec![PullChunk { bytes: 64, runs: vec![run].into() }],
             proofs: vec![Proof { reg: RegId(5), tag: [0xaa; 16] }],
@@ -653,8 +655,8 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e43060b0700000000000000 0300000000000000 edfe0000000000000000000000000000 00000000
-             01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+            "00424f554e43070b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
+             02000000 00000000 01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
     assert_eq!(Frame::decode(&pull.to_vec()), Ok(pull));
@@ -662,16 +664,16 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e43060d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43070d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e43060c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43070c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
-    let caps = "0600 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+    let caps = "0700 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000 0000000400000000 00010000 12000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
@@ -718,6 +720,8 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
     let pull = Msg::Pull(Pull {
         xfer: XferId(u64::MAX),
         token: Token(u128::MAX),
+        first: ChunkIdx(0),
+        total: MAX_CHUNKS_PER_WANT,
         endpoint: vec![0xff; MAX_BLOB as usize],
         chunks: (0..u64::from(MAX_CHUNKS_PER_WANT))
             .map(|i| PullChunk { bytes: u64::MAX, runs: vec![run(i)].into() })

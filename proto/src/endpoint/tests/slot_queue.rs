@@ -245,14 +245,16 @@ fn one_peers_waiters_stop_at_its_share_of_the_queue() {
     assert_eq!((ep.answering_slots_held(), ep.answering.waiting()), (0, 0));
 }
 
-/// Plans of one chunk each: transfer `k` moves two 1 KiB descriptors from `from + k*4K` (and
-/// + 2K) to `to + k*4K` (and + 2K), leaving 1 KiB gaps between destinations.
+/// Plans of two 1 KiB chunks each (a READ of them comes as two PULLs, the second held while
+/// the transfer waits for a slot): transfer `k` moves two 1 KiB descriptors from `from + k*4K`
+/// (and + 2K) to `to + k*4K` (and + 2K), leaving 1 KiB gaps between destinations.
 fn gapped_plan(k: u64, from: u64, to: u64) -> Plan {
     let descs: Vec<DescPair> = [0, 2 * KIB]
         .iter()
         .map(|&o| DescPair { src: from + k * CHUNK + o, dst: to + k * CHUNK + o, len: KIB })
         .collect();
-    let mut p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+    let mut p = plan::plan(&descs, PlanParams::new(KIB)).unwrap();
+    assert_eq!(p.chunks.len(), 2);
     p.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
     p
 }
@@ -329,4 +331,43 @@ fn a_waiter_opens_when_a_closed_slot_lingers_out() {
     drain(&mut ep);
     assert!(ep.answering.is_one_way(FlowKey { peer: INI, xfer: XferId(CAP) }), "opened at the linger's end");
     assert_eq!((ep.answering.waiting(), ep.stats().one_way_refused), (0, 0));
+}
+
+/// A one-way READ counts all the chunks its PULLs will bring, not only the first PULL's: when
+/// its flow is reclaimed after chunk 0 was served but before the second PULL came (its
+/// initiator stalled), the mailbox gets a FAIL, so the initiator fails now instead of at its
+/// own timeout.
+#[test]
+fn a_one_way_read_reclaimed_between_its_pulls_is_answered_fail() {
+    use crate::mailbox::{Answer, Record, RecordKey};
+    let (mut ep, t) = target();
+    let (xfer, tok) = (5, token(5));
+    let run = CopyRun { region_off: 0, addr: DST, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
+    let pull = wire::Pull {
+        xfer: XferId(xfer),
+        token: tok,
+        first: ChunkIdx(0),
+        total: 2,
+        endpoint: wire::REPLY_MAILBOX.to_vec(),
+        chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run].into() }],
+        proofs: vec![crate::proof::prove(REG, &KEY, tok)],
+    };
+    ep.handle_msg(t, INI, Msg::Pull(pull)).unwrap();
+    let job = drain(&mut ep)
+        .into_iter()
+        .find_map(|a| if let Action::Gather { job, .. } = a { Some(job) } else { None })
+        .expect("chunk 0 gathered");
+    ep.handle_gather_done(t, job, true);
+    let key = RecordKey::derive(&crate::oneway::record_token(tok));
+    let answers = |acts: &[Action]| -> Vec<Answer> {
+        records_of(acts, xfer).iter().map(|(_, b)| Record::decode(b, &key).expect("a valid record").answer).collect()
+    };
+    let ready = answers(&drain(&mut ep));
+    let [Answer::Grant(credit) | Answer::Ready(credit)] = ready[..] else { panic!("{ready:?}") };
+    let release = wire::Release { xfer: XferId(xfer), token: tok, chunk: credit.chunk, region: credit.region };
+    ep.handle_msg(t, INI, Msg::Release(release)).unwrap();
+    assert!(answers(&drain(&mut ep)).is_empty(), "chunk 1 is still to come: no end yet");
+    ep.handle_timeout(t + Duration::from_secs(600));
+    let end = answers(&drain(&mut ep));
+    assert!(matches!(end[..], [Answer::Fail(_)]), "{end:?}");
 }
