@@ -339,7 +339,7 @@ impl Seen {
                     if let Some(p) = &in_region {
                         // Unchecked runs: what bounds them is what the copy engine checks them
                         // against, which must be registered memory and leave room for the plan.
-                        assert!(runs.is_empty(), "a region plan's scatter names runs of its own");
+                        assert!(runs.runs().is_empty(), "a region plan's scatter names runs of its own");
                         let (lo, hi) = p.allowed.hull().expect("a region plan scatters only with ranges");
                         assert!(USER_BASE <= lo && hi <= USER_BASE + USER_LEN, "region plan may write outside");
                         let end = p.offset.checked_add(bounce_proto::wire::region_plan::plan_bytes(p.runs));
@@ -349,7 +349,7 @@ impl Seen {
                     assert!(region.end() <= self.capacity, "scatter of {region:?} outside the arena");
                     let copied: u64 = runs.iter().map(|r| r.bytes().expect("a validated run has a size")).sum();
                     assert!(copied <= region.len, "a scatter copies {copied} bytes out of a {region:?}");
-                    for r in &runs {
+                    for r in runs.runs() {
                         let inside = r.region_span().is_some_and(|(_, end)| end <= region.len);
                         assert!(inside, "scatter run {r:?} leaves its region {region:?}");
                         let registered =

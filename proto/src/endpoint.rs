@@ -1490,7 +1490,7 @@ pub(crate) mod tests {
                     self.eps[me].handle_write_done(now, job, true);
                 }
                 Action::Scatter { job, region, runs, .. } => {
-                    for r in &runs {
+                    for r in runs.runs() {
                         for (off, addr, len) in r.copies() {
                             for k in 0..len {
                                 let byte = self.arenas[me][(region.offset + off + k) as usize];

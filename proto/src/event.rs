@@ -19,9 +19,9 @@ use crate::scheduler::{CreditScheduler, SchedError};
 use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
 use crate::wire;
 
-/// The copy runs of a gather: its own, or one chunk's of a prepared plan shared with the
-/// shell, so that a post copies none of a chunk's thousands of runs and an engine may keep
-/// what it derives from them (a device copy, say) for as long as the plan lives.
+/// The copy runs of a gather or scatter: its own, or one chunk's of a prepared plan shared
+/// with the shell, so that a post copies none of a chunk's thousands of runs and an engine may
+/// keep what it derives from them (a device copy, say) for as long as the plan lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JobRuns {
     /// Runs of this job alone (a scatter's).
@@ -36,6 +36,13 @@ pub enum JobRuns {
         /// The chunk's index in it.
         chunk: usize,
     },
+    /// The scatter runs of chunk `chunk` of `plan`: a READ initiator's local scatter.
+    ChunkScatter {
+        /// The prepared plan.
+        plan: Arc<Plan>,
+        /// The chunk's index in it.
+        chunk: usize,
+    },
 }
 
 impl JobRuns {
@@ -45,6 +52,7 @@ impl JobRuns {
             Self::Own(runs) => runs,
             Self::Pulled(runs) => runs,
             Self::Chunk { plan, chunk } => plan.chunks.get(*chunk).map_or(&[], |c| &c.gather),
+            Self::ChunkScatter { plan, chunk } => plan.chunks.get(*chunk).map_or(&[], |c| &c.scatter),
         }
     }
 
@@ -52,7 +60,7 @@ impl JobRuns {
     /// region ([`crate::wire::region_plan`]) and the runs to encode there.
     pub fn region_plan(&self) -> Option<(u64, &[CopyRun])> {
         match self {
-            Self::Own(_) | Self::Pulled(_) => None,
+            Self::Own(_) | Self::Pulled(_) | Self::ChunkScatter { .. } => None,
             Self::Chunk { plan, chunk } => plan.chunks.get(*chunk).and_then(|c| Some((c.region_plan?, &c.scatter[..]))),
         }
     }
@@ -148,9 +156,9 @@ pub enum Action {
         xfer: XferId,
         /// Local arena region holding the chunk.
         region: Region,
-        /// Copies region -> destination; `addr` is the destination address. Empty when
-        /// `in_region` is set.
-        runs: Vec<CopyRun>,
+        /// Copies region -> destination; `addr` is the destination address: a DATA's (own),
+        /// or a READ initiator's plan chunk (shared). Empty when `in_region` is set.
+        runs: JobRuns,
         /// The runs lie in the region behind the chunk's data, unchecked: the copy engine
         /// checks them (see [`InRegionPlan`]) and copies nothing when they fail.
         in_region: Option<InRegionPlan>,

@@ -544,7 +544,7 @@ impl Receiver {
             peer: from,
             xfer: data.xfer,
             region: data.region,
-            runs: data.runs,
+            runs: JobRuns::Own(data.runs),
             in_region: None,
         });
         Ok(())
@@ -593,7 +593,14 @@ impl Receiver {
         trace!(peer = from.0, xfer = data.xfer.0, chunk = chunk.0, region = %region, runs, "scatter by region plan");
         ctx.stats.region_plans_received += 1;
         let in_region = Some(InRegionPlan { offset, runs, allowed });
-        ctx.push(Action::Scatter { job, peer: from, xfer: data.xfer, region, runs: Vec::new(), in_region });
+        ctx.push(Action::Scatter {
+            job,
+            peer: from,
+            xfer: data.xfer,
+            region,
+            runs: JobRuns::Own(Vec::new()),
+            in_region,
+        });
         Ok(())
     }
 
@@ -1408,7 +1415,7 @@ mod tests {
         let runs: Vec<_> = acts
             .iter()
             .filter_map(|a| match a {
-                Action::Scatter { runs, .. } => Some(runs.clone()),
+                Action::Scatter { runs, .. } => Some(runs.runs().to_vec()),
                 _ => None,
             })
             .collect();

@@ -436,7 +436,8 @@ impl Sender {
         ctx.send(x.peer, wire::Release { xfer: r.xfer, token: x.token, chunk, region: credit.region });
         let scatter = ctx.job();
         x.stages[r.chunk] = Stage::Pulled { local, job: scatter };
-        let (peer, runs) = (x.peer, x.plan.chunks[r.chunk].scatter.clone());
+        // The plan's own runs, shared: a GPU engine keeps their device copy with the plan.
+        let (peer, runs) = (x.peer, JobRuns::ChunkScatter { plan: Arc::clone(&x.plan), chunk: r.chunk });
         self.jobs.insert(scatter, JobRef { xfer: r.xfer, chunk: r.chunk, kind: JobKind::Scatter });
         ctx.push(Action::Scatter { job: scatter, peer, xfer: r.xfer, region: local, runs, in_region: None });
     }

@@ -853,7 +853,18 @@ impl Sim {
             }
             Action::Scatter { job, peer, xfer, region, runs, in_region } => {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
-                self.schedule(at, Ev::Scatter { node: me, job, peer: peer.0 as usize, xfer, region, runs, in_region });
+                self.schedule(
+                    at,
+                    Ev::Scatter {
+                        node: me,
+                        job,
+                        peer: peer.0 as usize,
+                        xfer,
+                        region,
+                        runs: runs.runs().to_vec(),
+                        in_region,
+                    },
+                );
             }
             Action::Complete { xfer, outcome } => {
                 let prev = self.nodes[me].outcomes.insert(xfer, outcome);

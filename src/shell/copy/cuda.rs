@@ -39,37 +39,40 @@ struct Running {
     _plans: Vec<Arc<DevicePlan>>,
 }
 
-/// Device copies of a prepared plan's chunk: its gather runs in the kernels' form, and for a
-/// chunk carrying its plan in the region, its scatter runs (the bytes copied behind the data).
+/// Device copies of a prepared plan's chunk, for one side of it: its gather runs in the
+/// kernels' form and, for a chunk carrying its plan in the region, its scatter runs (the bytes
+/// copied behind the data); or, for a READ's local scatter, its scatter runs.
 struct CachedChunk {
     owner: Weak<Plan>,
-    gather: Arc<DevicePlan>,
+    runs: Arc<DevicePlan>,
     region_plan: Option<Arc<DevicePlan>>,
 }
 
 /// Device copies made at a prepared plan's first post and reused by every later post of it: a
 /// scattered 32 MiB chunk's ~5,000 runs were encoded and uploaded on the reactor at every
 /// launch. An entry dies with its plan (the application released the request); dead entries
-/// go at the next upload.
+/// go at the next upload. Keyed by plan, chunk and side (a WRITE's gather, a READ's scatter).
 #[derive(Default)]
-struct PlanCache(HashMap<(usize, usize), CachedChunk>);
+struct PlanCache(HashMap<(usize, usize, Dir), CachedChunk>);
 
 impl PlanCache {
-    /// The device copies of chunk `chunk` of `plan`, uploaded on first use.
-    fn get(&mut self, gpu: &Arc<Gpu>, plan: &Arc<Plan>, chunk: usize) -> Result<&CachedChunk, CudaError> {
-        let key = (Arc::as_ptr(plan) as usize, chunk);
+    /// The device copies of the `dir` side of chunk `chunk` of `plan`, uploaded on first use.
+    fn get(&mut self, gpu: &Arc<Gpu>, plan: &Arc<Plan>, chunk: usize, dir: Dir) -> Result<&CachedChunk, CudaError> {
+        let key = (Arc::as_ptr(plan) as usize, chunk, dir);
         // A live entry under this address is this plan's (an address is reused only after the
         // plan that held it was dropped, and then its entry's owner is dead).
         let fresh = self.0.get(&key).is_some_and(|c| c.owner.strong_count() > 0);
         if !fresh {
             self.0.retain(|_, c| c.owner.strong_count() > 0);
             let c = plan.chunks.get(chunk).ok_or(CudaError::Plan("chunk beyond its plan"))?;
-            let gather = Arc::new(DevicePlan::upload(gpu, &c.gather)?);
-            let region_plan = match c.region_plan {
-                Some(_) => Some(Arc::new(DevicePlan::upload(gpu, &c.scatter)?)),
-                None => None,
+            let (runs, region_plan) = match dir {
+                Dir::Gather => (
+                    Arc::new(DevicePlan::upload(gpu, &c.gather)?),
+                    c.region_plan.map(|_| DevicePlan::upload(gpu, &c.scatter)).transpose()?.map(Arc::new),
+                ),
+                Dir::Scatter => (Arc::new(DevicePlan::upload(gpu, &c.scatter)?), None),
             };
-            self.0.insert(key, CachedChunk { owner: Arc::downgrade(plan), gather, region_plan });
+            self.0.insert(key, CachedChunk { owner: Arc::downgrade(plan), runs, region_plan });
         }
         self.0.get(&key).ok_or(CudaError::Plan("plan cache entry vanished"))
     }
@@ -161,12 +164,14 @@ impl CudaCopyEngine {
     /// Queues `job`'s copies on the idle context `ctx`; `keep` gets the device plans they read.
     fn queue(&mut self, ctx: usize, job: &CopyJob, keep: &mut Vec<Arc<DevicePlan>>) -> Result<(), CudaError> {
         let region_base = self.arena.ptr() + job.region.offset;
-        // A prepared chunk's gather reads its device copy, made at its plan's first post.
+        // A prepared chunk's gather (a WRITE's) or scatter (a READ's, into our own memory)
+        // reads its device copy, made at its plan's first post.
         let cached = match (&job.runs, job.dir, self.path) {
-            (JobRuns::Chunk { plan, chunk }, Dir::Gather, CopyPath::Kernel(_)) => {
+            (JobRuns::Chunk { plan, chunk }, Dir::Gather, CopyPath::Kernel(_))
+            | (JobRuns::ChunkScatter { plan, chunk }, Dir::Scatter, CopyPath::Kernel(_)) => {
                 let gpu = self.arena.gpu().clone();
-                let c = self.plans.get(&gpu, plan, *chunk)?;
-                Some((c.gather.clone(), c.region_plan.clone()))
+                let c = self.plans.get(&gpu, plan, *chunk, job.dir)?;
+                Some((c.runs.clone(), c.region_plan.clone()))
             }
             _ => None,
         };
@@ -174,8 +179,9 @@ impl CudaCopyEngine {
         // SAFETY: `validate` put every run's region span inside the job's region (and a region
         // plan inside it too), and the region inside the arena, which lives until this engine
         // has synchronized (Drop). The user side is memory the application registered (NIXL
-        // checked the local descriptors for a gather; the receiver machine checked every run
-        // against this engine's registrations for a scatter by runs; a peer's region plan is
+        // checked the local descriptors for a gather, and for a READ's local scatter, whose
+        // runs, cached or not, are our own plan's; the receiver machine checked every run
+        // against this engine's registrations for a scatter by a DATA's runs; a peer's region plan is
         // checked on the device, against the ranges the receiver machine proved, before its
         // scatter writes anything). The core gives each region to one job at a time, and user
         // pieces of one job do not overlap. `ctx` is idle (taken from the pool, which gets a
@@ -193,6 +199,7 @@ impl CudaCopyEngine {
                     p.allowed.reach(),
                 )?,
                 (None, Some((g, _)), _, Dir::Gather) => cuda::gather_planned(c, &self.kernels, g, region_base)?,
+                (None, Some((s, _)), _, Dir::Scatter) => cuda::scatter_planned(c, &self.kernels, s, region_base)?,
                 (None, _, CopyPath::Kernel(p), Dir::Gather) => {
                     cuda::gather(c, &self.kernels, &job.runs, region_base, p)?
                 }
@@ -438,5 +445,63 @@ mod tests {
             }
             println!("engine {path:?} (ran as {ran:?}): {} jobs byte-exact", 2 * jobs);
         }
+    }
+
+    /// On a GPU: a READ's local scatter by its prepared plan (`JobRuns::ChunkScatter`) is
+    /// exact, uploads the chunk's scatter runs once for all posts of the plan (one cache entry,
+    /// the same device copy), and the entry goes with the plan.
+    #[test]
+    #[cfg_attr(miri, ignore = "loads the CUDA driver (FFI)")]
+    fn a_reads_scatter_by_its_prepared_plan_uploads_the_runs_once_and_is_exact() {
+        use bounce_proto::plan::{DescPair, PlanParams, plan};
+        let gpu = match Gpu::open(0) {
+            Ok(g) => g,
+            Err(e) => {
+                println!(
+                    "a_reads_scatter_by_its_prepared_plan_uploads_the_runs_once_and_is_exact: skipped: no GPU ({e})"
+                );
+                return;
+            }
+        };
+        let (piece, n) = (4096u64 + 3, 300u64);
+        let arena = Arc::new(alloc_vram(&gpu, (piece * n) as usize).unwrap());
+        let dst = alloc_vram(&gpu, (2 * piece * n) as usize).unwrap();
+        let bytes: Vec<u8> = (0..piece * n).map(|i| (i * 13 + i / 241) as u8).collect();
+        // Destinations every other slot, in reverse order: no two runs merge.
+        let descs: Vec<DescPair> =
+            (0..n).map(|i| DescPair { src: 0, dst: dst.ptr() + (n - 1 - i) * 2 * piece, len: piece }).collect();
+        let p = Arc::new(plan(&descs, PlanParams { align: 1, ..PlanParams::new(piece * n) }).unwrap());
+        assert_eq!(p.chunks.len(), 1);
+        let mut eng = CudaCopyEngine::new(arena.clone(), 2, CopyPath::Kernel(PlanPlacement::Device)).unwrap();
+        let region = Region { offset: 0, len: p.chunks[0].bytes };
+        let mut uploaded = None;
+        for post in 0..2u64 {
+            arena.write(0, &bytes).unwrap();
+            dst.fill(0xEE).unwrap();
+            let runs = JobRuns::ChunkScatter { plan: p.clone(), chunk: 0 };
+            eng.submit(CopyJob { job: JobId(post), dir: Dir::Scatter, region, runs, in_region: None }).unwrap();
+            let mut done = Vec::new();
+            while eng.in_flight() > 0 {
+                eng.poll_done(&mut done);
+                std::hint::spin_loop();
+            }
+            assert_eq!(done, [(JobId(post), true)]);
+            let entry = eng.plans.0.get(&(Arc::as_ptr(&p) as usize, 0, Dir::Scatter)).expect("cached");
+            let ptr = entry.runs.ptr();
+            assert_eq!(*uploaded.get_or_insert(ptr), ptr, "post {post}: the same device copy");
+            assert_eq!(eng.plans.0.len(), 1);
+            let mut got = vec![0u8; (2 * piece * n) as usize];
+            dst.read(0, &mut got).unwrap();
+            for (i, &g) in got.iter().enumerate() {
+                let (slot, at) = (i as u64 / (2 * piece), i as u64 % (2 * piece));
+                let want = if at < piece { bytes[((n - 1 - slot) * piece + at) as usize] } else { 0xEE };
+                assert_eq!(g, want, "post {post}: byte {i}");
+            }
+        }
+        drop(p);
+        // A dead entry goes at the next upload (of any plan).
+        let other = Arc::new(plan(&descs[..1], PlanParams { align: 1, ..PlanParams::new(piece) }).unwrap());
+        eng.plans.get(arena.gpu(), &other, 0, Dir::Scatter).unwrap();
+        assert_eq!(eng.plans.0.len(), 1, "only the live plan's entry is left");
     }
 }

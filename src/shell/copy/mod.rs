@@ -11,7 +11,7 @@ use bounce_proto::Region;
 use bounce_proto::endpoint::{InRegionPlan, JobId, JobRuns};
 
 /// Which way a job copies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Dir {
     /// User memory -> arena region.
     Gather,

@@ -951,7 +951,7 @@ impl Driver {
                     Action::Link { peer, body } => self.send_link(peer, body),
                     Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs, None),
                     Action::Scatter { job, region, runs, in_region, .. } => {
-                        self.copy(job, Dir::Scatter, region, JobRuns::Own(runs), in_region);
+                        self.copy(job, Dir::Scatter, region, runs, in_region);
                     }
                     Action::Write { job, peer, source, remote, len, .. } => {
                         self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
