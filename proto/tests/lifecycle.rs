@@ -522,6 +522,12 @@ fn random_lifecycles_never_touch_deregistered_memory() {
     assert!(failed_acks > 20 && doomed > 20 && succeeded > 100 && scatters > 1000, "{seen:?}");
 }
 
+/// READ chunk `i`: one 4 KiB run from `DST + i * CHUNK`.
+fn pull_chunk(i: u64) -> wire::PullChunk {
+    let run = CopyRun { region_off: 0, addr: DST + i * CHUNK, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
+    wire::PullChunk { bytes: CHUNK, runs: vec![run].into() }
+}
+
 /// A READ's gather runs are checked against the registrations at its PULL, and again for a
 /// chunk gathered later only once a registration went meanwhile: a chunk whose source was
 /// deregistered after the PULL is answered ACK(Failed) when its turn comes, never read, while
@@ -534,15 +540,7 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
     ep.add_registered(kept, key(kept), DST, 2 * CHUNK);
     ep.add_registered(gone, key(gone), DST + 2 * CHUNK, CHUNK);
     let (xfer, peer) = (9, PeerId(5));
-    let run = |i: u64| CopyRun {
-        region_off: 0,
-        addr: DST + i * CHUNK,
-        len: CHUNK,
-        count: 1,
-        region_stride: 0,
-        addr_stride: 0,
-    };
-    let chunks = (0..3).map(|i| wire::PullChunk { bytes: CHUNK, runs: vec![run(i)].into() }).collect();
+    let chunks = (0..3).map(pull_chunk).collect();
     let proofs = [kept, gone].iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
     let (first, endpoint) = (ChunkIdx(0), Vec::new());
     let pull = wire::Pull { xfer: XferId(xfer), token: tok(xfer), first, total: 3, endpoint, chunks, proofs };
@@ -566,18 +564,10 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
     assert_eq!(credits(&sent(&drain(&mut ep))).iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
 }
 
-/// The PULL of `chunks` (one 4 KiB run each, from `DST + i * CHUNK`) starting at chunk `first`
-/// of a READ of `total` chunks, proving `D` when it opens the flow.
+/// The PULL of `chunks` (see [`pull_chunk`]) starting at chunk `first` of a READ of `total`
+/// chunks, proving `D` when it opens the flow.
 fn pull(xfer: u64, first: u32, chunks: std::ops::Range<u64>, total: u32) -> Msg {
-    let run = |i: u64| CopyRun {
-        region_off: 0,
-        addr: DST + i * CHUNK,
-        len: CHUNK,
-        count: 1,
-        region_stride: 0,
-        addr_stride: 0,
-    };
-    let chunks = chunks.map(|i| wire::PullChunk { bytes: CHUNK, runs: vec![run(i)].into() }).collect();
+    let chunks = chunks.map(pull_chunk).collect();
     let proofs = if first == 0 { vec![proof::prove(D, &key(D), tok(xfer))] } else { Vec::new() };
     let (first, endpoint) = (ChunkIdx(first), Vec::new());
     Msg::Pull(wire::Pull { xfer: XferId(xfer), token: tok(xfer), first, total, endpoint, chunks, proofs })
