@@ -4,7 +4,7 @@ in ONE run, two processes, DRAM, a paged KV cache laid out as vLLM lays it out
 
     .venv/bin/python benches/kv_patterns.py [--rounds 15] [--layers 16] [--blocks 512]
         [--per-request 32] [--requests 8] [--block-bytes 4096] [--only pull-one-way]
-        [--mem VRAM [--peer-gpu 1]] [--variants "BOUNCE bounced,UCX"]
+        [--mem VRAM [--peer-gpu 1]] [--variants "BOUNCE bounced,UCX"] [--prep-each]
 
 --mem VRAM (on a GPU machine) puts both caches in GPU memory (one torch tensor per layer, both
 processes on GPU 0, or the target's on --peer-gpu) and gives BOUNCE a GPU arena (bounce_arena_mem=vram): between two processes
@@ -21,7 +21,9 @@ hosts; UCX), each with its own cache, and the variants are measured in interleav
 alternating), so machine noise lands on both alike.
 
 A block: the 8 requests one by one (1024 descriptors each with the defaults), then one batch of
-all 8 (8192 descriptors); each a prepared request re-posted, timed from transfer() to DONE
+all 8 (8192 descriptors); each a prepared request re-posted (with --prep-each: prepared right
+before its post and released after, the prep timed too, as vLLM's connector prepares each
+request's own block ids), timed from transfer() to DONE
 (status polled in a busy loop; the target process polls its agents every 0.5 ms meanwhile, as
 a framework's loop would), then the target must have seen every notification. One
 warm-up round is not counted. Reported per backend: batch median; per-request p50 and p99
@@ -87,9 +89,10 @@ def counters(ag, backend):
 class Side:
     """One backend's pair: our agent and cache, the target's agent, the prepared requests."""
 
-    def __init__(self, variant, case, target, layout, reqs, mem, peer_gpu=0):
+    def __init__(self, variant, case, target, layout, reqs, mem, peer_gpu=0, prep_each=False):
         import kvcache
         import nixlkit
+        import numpy as np
 
         pattern, metadata = case
         self.variant, backend, extra = variant
@@ -124,12 +127,43 @@ class Side:
                                            self.ag.get_xfer_descs(theirs, mem), self.peer,
                                            notif, backends=[backend])
 
-        self.singles = [prep([q], q.notif) for q in reqs]
-        self.batch = prep(reqs, b"batch")
-        self.single_s, self.batch_s = [], []
+        self.prep_each = prep_each
+        # --prep-each makes each request right before its post, timed with it, and releases it
+        # after, as vLLM's connector does: both sides' block lists prepared once
+        # (prep_xfer_dlist: every layer x K/V x block), a request made from its block ids
+        # (make_prepped_xfer).
+        if prep_each:
+            every = range(layout.blocks)
+            local = self.ag.prep_xfer_dlist("NIXL_INIT_AGENT", self.cache.descs(every), mem, backends=[backend])
+            remote = self.ag.prep_xfer_dlist(self.peer, [(a, n, peer_gpu) for a, n, _ in kvcache.block_descs(
+                layout, r["bases"], every)], mem, backends=[backend])
 
-    def post(self, h):
+            def ids(blocks):  # as vLLM computes them: with numpy, handed over as an array
+                rows = kvcache.rows_of(layout, blocks)
+                return (np.arange(layout.layers)[:, None] * (2 * layout.blocks) + rows[None, :]).ravel()
+
+            def prep(group, notif):  # noqa: F811  (the per-request form of the one above)
+                mine = [b for q in group for b in (q.dst_blocks if pattern == "pull" else q.src_blocks)]
+                theirs = [b for q in group for b in (q.src_blocks if pattern == "pull" else q.dst_blocks)]
+                return self.ag.make_prepped_xfer(op, local, ids(mine), remote, ids(theirs), notif,
+                                                 backends=[backend])
+        self.prep = prep
+        self.groups = [([q], q.notif) for q in reqs] + [(reqs, b"batch")]
+        if not prep_each:
+            self.singles = [prep([q], q.notif) for q in reqs]
+            self.batch = prep(reqs, b"batch")
+        self.single_s, self.batch_s, self.prep_single_s, self.prep_batch_s = [], [], [], []
+
+    def post_fresh(self, group, notif):
         t0 = time.perf_counter()
+        h = self.prep(group, notif)
+        prep = time.perf_counter() - t0
+        dt = self.post(h, t0)
+        self.ag.release_xfer_handle(h)
+        return dt, prep
+
+    def post(self, h, t0=None):
+        t0 = time.perf_counter() if t0 is None else t0
         state = self.ag.transfer(h)
         while state not in ("DONE", "ERR"):
             state = self.ag.check_xfer_state(h)
@@ -138,13 +172,21 @@ class Side:
         return time.perf_counter() - t0
 
     def block(self, target, keep):
-        singles = [self.post(h) for h in self.singles]
-        batch = self.post(self.batch)
+        preps = []
+        if self.prep_each:
+            times, preps = zip(*[self.post_fresh(*g) for g in self.groups])
+            singles, batch = list(times[:-1]), times[-1]
+        else:
+            singles = [self.post(h) for h in self.singles]
+            batch = self.post(self.batch)
         # every notification must reach the target: 8 requests + the batch
-        target.call(op="take", name=self.peer, **{"from": self.name}, n=len(self.singles) + 1)
+        target.call(op="take", name=self.peer, **{"from": self.name}, n=len(self.groups))
         if keep:
             self.single_s.extend(singles)
             self.batch_s.append(batch)
+            if preps:
+                self.prep_single_s.extend(preps[:-1])
+                self.prep_batch_s.append(preps[-1])
 
 
 def child(case, args):
@@ -158,7 +200,7 @@ def child(case, args):
         import torch
         torch.cuda.set_device(0)
         torch.empty(1, device="cuda:0")  # the GPU current before the agents are made
-    sides = [Side(v, case, target, layout, reqs, args.mem, args.peer_gpu) for v in chosen(args)]
+    sides = [Side(v, case, target, layout, reqs, args.mem, args.peer_gpu, args.prep_each) for v in chosen(args)]
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
@@ -182,6 +224,7 @@ def child(case, args):
             path = {k: after.get(k, 0) - s.before.get(k, 0) for k in PATH_KEYS
                     if after.get(k, 0) != s.before.get(k, 0)}
         out[s.variant] = {"single": s.single_s, "batch": s.batch_s, "path": path,
+                          "prep_single": s.prep_single_s, "prep_batch": s.prep_batch_s,
                           "exact": mine["clean"] and theirs["clean"], "mine": mine, "theirs": theirs}
     print("RESULT " + json.dumps(out), flush=True)
     target.call(op="exit")
@@ -216,6 +259,9 @@ def main():
                     help="with --mem VRAM: the target's GPU (1 on a two-GPU host: across NVLink)")
     ap.add_argument("--variants", help="comma-separated subset of " + ",".join(BACKENDS) +
                     " (alone, a variant's blocks follow each other with no other variant's in between)")
+    ap.add_argument("--prep-each", action="store_true",
+                    help="prepare each request (and the batch) right before its post, timed with it, "
+                         "and release it after, as vLLM does; default: prepared once, posted every round")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -227,7 +273,8 @@ def main():
           f"one registration per layer; {args.requests} requests of {args.per_request} random blocks "
           f"= {descs} descriptors ({descs * args.block_bytes / 2**20:.0f} MiB) each, batch "
           f"{args.requests * descs} descriptors; {args.mem}, two processes, {args.rounds} rounds "
-          f"(interleaved blocks, BOUNCE and UCX alternating first), status polled in a busy loop; "
+          f"(interleaved blocks, BOUNCE and UCX alternating first), status polled in a busy loop, "
+          f"{'each request prepared right before its post and timed with it' if args.prep_each else 'requests prepared once'}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
     failed = False
     for pattern, metadata in CASES:
@@ -238,7 +285,7 @@ def main():
             a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request", "mem",
                         "peer_gpu", "variants")
             if getattr(args, k) is not None
-            for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+            for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + (["--prep-each"] if args.prep_each else [])
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
                            stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE)
         res = next((json.loads(line[7:]) for line in r.stdout.splitlines()
@@ -262,6 +309,9 @@ def main():
             print(f"  {b:14s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
                   f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}{split}   "
                   f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
+            if x.get("prep_single"):
+                print(f"  {'':14s} of which prep: request median {statistics.median(x['prep_single']) * 1e3:.2f} ms, "
+                      f"batch median {statistics.median(x['prep_batch']) * 1e3:.2f} ms")
         for name in ("BOUNCE", "BOUNCE bounced"):
             if name not in res:
                 continue
