@@ -292,9 +292,12 @@ impl CmaPath {
     /// descriptor i's remote registration. `None` when the path cannot take it: another host
     /// or PID namespace, records of several processes, a piece outside its registration, or a
     /// process that is not (any more) the one that published the record.
-    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], recs: &[CmaRecord], read: bool) -> Option<u64> {
-        let first = recs.first()?;
-        if descs.len() != recs.len() || first.node != self.node || first.pidns != self.me.pidns {
+    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], recs: &[(CmaRecord, usize)], read: bool) -> Option<u64> {
+        let (first, _) = recs.first()?;
+        if descs.len() != recs.iter().map(|(_, n)| n).sum::<usize>()
+            || first.node != self.node
+            || first.pidns != self.me.pidns
+        {
             return None;
         }
         if first.pid == self.me.pid && !self.allow_self {
@@ -302,27 +305,33 @@ impl CmaPath {
         }
         let mut pieces: Vec<Piece> = Vec::with_capacity(descs.len());
         let mut live: Vec<(u64, u64)> = Vec::new();
-        for (d, rec) in descs.iter().zip(recs) {
-            // Descriptors of one registration come in runs; duplicates left go below.
+        let mut at = 0;
+        // Runs of descriptors of one record (see `Keys::remote_reach`).
+        for (rec, n) in recs {
+            // Duplicates left (a registration's runs interleaved with another's) go below.
             if live.last() != Some(&(rec.live, rec.tag)) {
                 live.push((rec.live, rec.tag));
             }
             if (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start) {
                 return None;
             }
-            if d.len == 0 {
-                continue;
+            for d in &descs[at..at + n] {
+                if d.len == 0 {
+                    continue;
+                }
+                let (local, remote) = if read { (d.dst, d.src) } else { (d.src, d.dst) };
+                let inside =
+                    remote.checked_sub(rec.addr).and_then(|o| o.checked_add(d.len)).is_some_and(|e| e <= rec.len);
+                if !inside || local.checked_add(d.len).is_none() {
+                    return None;
+                }
+                // Adjacent on both sides: one piece (fewer iovecs).
+                match pieces.last_mut() {
+                    Some(p) if p.local + p.len == local && p.remote + p.len == remote => p.len += d.len,
+                    _ => pieces.push(Piece { local, remote, len: d.len }),
+                }
             }
-            let (local, remote) = if read { (d.dst, d.src) } else { (d.src, d.dst) };
-            let inside = remote.checked_sub(rec.addr).and_then(|o| o.checked_add(d.len)).is_some_and(|e| e <= rec.len);
-            if !inside || local.checked_add(d.len).is_none() {
-                return None;
-            }
-            // Adjacent on both sides: one piece (fewer iovecs).
-            match pieces.last_mut() {
-                Some(p) if p.local + p.len == local && p.remote + p.len == remote => p.len += d.len,
-                _ => pieces.push(Piece { local, remote, len: d.len }),
-            }
+            at += n;
         }
         // Sorted and deduplicated once: a search per descriptor was quadratic when registrations
         // alternate.
@@ -533,17 +542,20 @@ mod tests {
         let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
         let rec = path.export(Md(1), &reg).expect("host memory exports");
         let one = [DescPair { src: 0x1000, dst: reg.addr, len: 8 }];
-        assert!(path.prep("p", &one, &[rec], false).is_none(), "two agents of one process keep bouncing");
+        assert!(path.prep("p", &one, &[(rec, 1)], false).is_none(), "two agents of one process keep bouncing");
         path.allow_self = true;
         let src: Vec<u8> = (0..64).collect();
         let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr + 8, len: 16 }];
         // Another host, another namespace, a reused pid, a piece outside: refused.
-        assert!(path.prep("p", &pair, &[CmaRecord { node: [0xee; 16], ..rec }], false).is_none());
-        assert!(path.prep("p", &pair, &[CmaRecord { pidns: rec.pidns ^ 1, ..rec }], false).is_none());
-        assert!(path.prep("p", &pair, &[CmaRecord { start: rec.start + 1, ..rec }], false).is_none());
-        assert!(path.prep("p", &pair, &[CmaRecord { len: 16, ..rec }], false).is_none());
+        assert!(path.prep("p", &pair, &[(CmaRecord { node: [0xee; 16], ..rec }, 1)], false).is_none());
+        assert!(path.prep("p", &pair, &[(CmaRecord { pidns: rec.pidns ^ 1, ..rec }, 1)], false).is_none());
+        assert!(path.prep("p", &pair, &[(CmaRecord { start: rec.start + 1, ..rec }, 1)], false).is_none());
+        assert!(path.prep("p", &pair, &[(CmaRecord { len: 16, ..rec }, 1)], false).is_none());
+        // Record runs that do not add up to the descriptors: refused.
+        assert!(path.prep("p", &pair, &[(rec, 2)], false).is_none());
+        assert!(path.prep("p", &pair, &[(rec, 0)], false).is_none());
         // This very process as the peer: the copy lands, and only where the pair says.
-        let h = path.prep("p", &pair, &[rec], false).expect("a live process of this host");
+        let h = path.prep("p", &pair, &[(rec, 1)], false).expect("a live process of this host");
         path.post(h, None).unwrap();
         while path.check(h, None, Duration::from_micros(200)).unwrap() == Progress::InFlight {
             std::thread::yield_now();
@@ -554,14 +566,14 @@ mod tests {
         path.release(h).unwrap();
         assert!(matches!(path.check(h, None, Duration::ZERO), Err(Error::UnknownRequest(_))));
         // Deregistered: a prepared request's next post fails, and no new one is prepared.
-        let h = path.prep("p", &pair, &[rec], false).expect("live");
+        let h = path.prep("p", &pair, &[(rec, 1)], false).expect("live");
         path.forget(Md(1));
         assert!(matches!(path.post(h, None), Err(Error::Xfer(XferError::Deregistered))));
-        assert!(path.prep("p", &pair, &[rec], false).is_none(), "its liveness word reads 0");
+        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_none(), "its liveness word reads 0");
         let again = path.export(Md(1), &reg).expect("registered again");
         assert_ne!(again.tag, rec.tag, "a fresh tag: the old record stays dead");
-        assert!(path.prep("p", &pair, &[rec], false).is_none());
-        assert!(path.prep("p", &pair, &[again], false).is_some());
+        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_none());
+        assert!(path.prep("p", &pair, &[(again, 1)], false).is_some());
         // A process the kernel does not let us reach (here: one that has exited) is tried once
         // and remembered: its transfers bounce instead of failing.
         let mut child = std::process::Command::new("true").spawn().expect("spawn true");

@@ -635,11 +635,11 @@ impl Engine {
         let read = matches!(op, Some(XferOp::Read));
         match (&self.ipc, &self.cma) {
             (Some(ipc), _) => {
-                let recs: Option<Vec<_>> = recs.iter().map(Reach::ipc).collect();
+                let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.ipc()?, *n))).collect();
                 ipc.prep(agent, &pairs, &recs?, read)
             }
             (None, Some(cma)) => {
-                let recs: Option<Vec<_>> = recs.iter().map(Reach::cma).collect();
+                let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.cma()?, *n))).collect();
                 cma.prep(agent, &pairs, &recs?, read)
             }
             (None, None) => None,

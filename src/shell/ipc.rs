@@ -144,35 +144,32 @@ impl IpcPath {
     /// the peer's addresses), `ipc[i]` the record of descriptor i's remote registration.
     /// `None` when the path cannot take it (another host, a piece outside its registration, a
     /// handle the driver refuses): the caller bounces it or hands it to UCX.
-    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], ipc: &[IpcRecord], read: bool) -> Option<u64> {
-        if descs.len() != ipc.len() {
+    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], ipc: &[(IpcRecord, usize)], read: bool) -> Option<u64> {
+        if descs.len() != ipc.iter().map(|(_, n)| n).sum::<usize>() {
             return None;
         }
         let mut maps: Vec<Arc<Mapped>> = Vec::new();
         let mut mapped = Vec::with_capacity(descs.len());
-        let mut last: Option<(&IpcRecord, u64)> = None;
-        for (d, rec) in descs.iter().zip(ipc) {
-            let base = match last {
-                Some((r, base)) if r == rec => base,
-                _ => {
-                    let m = self.map(rec)?;
-                    // The peer's claim (where its registration lies in the allocation, and
-                    // how long it is) must fit what the driver actually mapped.
-                    if rec.alloc_off.checked_add(rec.len).is_none_or(|end| end > m.map.len()) {
-                        tracing::warn!(peer, "a peer's IPC record claims more than its allocation: not mapped");
-                        return None;
-                    }
-                    let base = m.map.ptr().checked_add(rec.alloc_off)?;
-                    if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
-                        maps.push(m);
-                    }
-                    last = Some((rec, base));
-                    base
-                }
-            };
-            let remote = if read { d.src } else { d.dst };
-            let local = translate(rec, base, remote, d.len)?;
-            mapped.push(if read { DescPair { src: local, ..*d } } else { DescPair { dst: local, ..*d } });
+        let mut at = 0;
+        // Runs of descriptors of one record (see `Keys::remote_reach`): mapped once a run.
+        for (rec, n) in ipc {
+            let m = self.map(rec)?;
+            // The peer's claim (where its registration lies in the allocation, and how long
+            // it is) must fit what the driver actually mapped.
+            if rec.alloc_off.checked_add(rec.len).is_none_or(|end| end > m.map.len()) {
+                tracing::warn!(peer, "a peer's IPC record claims more than its allocation: not mapped");
+                return None;
+            }
+            let base = m.map.ptr().checked_add(rec.alloc_off)?;
+            if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                maps.push(m);
+            }
+            for d in &descs[at..at + n] {
+                let remote = if read { d.src } else { d.dst };
+                let local = translate(rec, base, remote, d.len)?;
+                mapped.push(if read { DescPair { src: local, ..*d } } else { DescPair { dst: local, ..*d } });
+            }
+            at += n;
         }
         let runs = match plan::pair_runs(&mapped, true) {
             Ok(r) => r,

@@ -157,23 +157,25 @@ impl Keys {
             .then_some(gone.handle)
     }
 
-    /// The same-host records of the remote descriptors' registrations `mds`, one per
-    /// descriptor, when every one has one (`None` otherwise: no same-host path for the
+    /// The same-host records of the remote descriptors' registrations `mds`, run-length
+    /// coded (a record and how many descriptors in a row it serves: descriptors of one
+    /// registration come in runs, and a record per descriptor was ~110 bytes copied twice for
+    /// each of 8192), when every one has one (`None` otherwise: no same-host path for the
     /// transfer).
-    pub(crate) fn remote_reach(&self, mds: impl IntoIterator<Item = Md>) -> Option<Vec<Reach>> {
+    pub(crate) fn remote_reach(&self, mds: impl IntoIterator<Item = Md>) -> Option<Vec<(Reach, usize)>> {
         let remote = self.remote_reach.lock();
-        let mut last: Option<(Md, Reach)> = None;
-        mds.into_iter()
-            .map(|md| match last {
-                // descriptors of one registration come in runs: skip the lookups
-                Some((m, r)) if m == md => Some(r),
+        let mut out: Vec<(Reach, usize)> = Vec::new();
+        let mut last = None;
+        for md in mds {
+            match out.last_mut() {
+                Some((_, n)) if last == Some(md) => *n += 1,
                 _ => {
-                    let r = *remote.get(&md)?;
-                    last = Some((md, r));
-                    Some(r)
+                    out.push((*remote.get(&md)?, 1));
+                    last = Some(md);
                 }
-            })
-            .collect()
+            }
+        }
+        Some(out)
     }
 
     /// The distinct destinations the remote descriptors `mds` write into, when every one is
@@ -235,7 +237,7 @@ mod tests {
         assert_eq!(theirs.remote_reach([Md(10)]), None, "not loaded yet");
         theirs.remote_loaded(Md(10), d);
         theirs.remote_loaded(Md(11), e);
-        assert_eq!(theirs.remote_reach([Md(10), Md(10)]), Some(vec![Reach::Ipc(ipc); 2]));
+        assert_eq!(theirs.remote_reach([Md(10), Md(10)]), Some(vec![(Reach::Ipc(ipc), 2)]));
         assert_eq!(theirs.remote_reach([Md(10), Md(11)]), None, "registration 2 has no record");
         assert_eq!(theirs.remote_unloaded(Md(10)), Some([2; 64]), "the allocation's last registration");
         assert_eq!(theirs.remote_reach([Md(10)]), None);
@@ -250,7 +252,12 @@ mod tests {
         ours.set_local_reach(Md(2), Reach::Cma(cma));
         let (_, got) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
         theirs.remote_loaded(Md(13), got.unwrap());
-        assert_eq!(theirs.remote_reach([Md(13)]), Some(vec![Reach::Cma(cma)]));
+        assert_eq!(theirs.remote_reach([Md(13)]), Some(vec![(Reach::Cma(cma), 1)]));
+        assert_eq!(
+            theirs.remote_reach([Md(13), Md(13), Md(11), Md(13)]),
+            None,
+            "one descriptor without a record keeps the transfer off the same-host path"
+        );
         assert_eq!(theirs.remote_unloaded(Md(13)), None, "no mapping behind a CMA record");
     }
 
