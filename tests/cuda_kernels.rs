@@ -17,8 +17,9 @@ use std::sync::Arc;
 use nixl_bounce::proto::CopyRun;
 use nixl_bounce::sys::cuda::{
     CopyDir, CudaError, DeviceAlloc, DevicePlan, ExecContext, GATHER_KERNEL, Gpu, GpuTimer, Kernels, PLAN_CHECK_KERNEL,
-    PlanPlacement, SCATTER_CHECKED_KERNEL, SCATTER_KERNEL, alloc_vram, batched_copy, embedded_ptx, encode_plan, gather,
-    gather_planned, plan_bytes, region_plan_verdict, scatter, scatter_planned, scatter_region_plan, stage_plan,
+    PlanPlacement, PlanPool, SCATTER_CHECKED_KERNEL, SCATTER_KERNEL, alloc_vram, batched_copy, embedded_ptx,
+    encode_plan, gather, gather_planned, plan_bytes, region_plan_verdict, scatter, scatter_planned,
+    scatter_region_plan, stage_plan,
 };
 
 /// SplitMix64: a seeded generator, so a failure names a reproducible case.
@@ -1132,4 +1133,72 @@ fn region_plan_check_kernel_compiled_for_the_host_agrees_with_the_cpu_rules() {
     // Both outcomes in numbers, or the agreement proved little.
     assert!(accepted >= 200 && cases.len() - accepted >= 1000, "accepted {accepted} of {}", cases.len());
     println!("{TEST}: {} cases agree ({accepted} accepted)", cases.len());
+}
+
+/// A plan pool (the same-host path's, one plan per request): plans uploaded through it scatter
+/// byte-exact, a dropped plan's buffer serves the next plan of a similar size (the same device
+/// address, no cuMemAlloc or cuMemFree), one far smaller or larger gets a buffer of its own,
+/// and what the pool keeps is bounded.
+#[test]
+fn pooled_plans_scatter_exact_and_their_buffers_serve_the_next_plans() {
+    let Some((gpu, k)) = gpu_or_skip("pooled_plans_scatter_exact_and_their_buffers_serve_the_next_plans") else {
+        return;
+    };
+    let pool = PlanPool::new(&gpu).unwrap();
+    let mut ctx = ExecContext::new(&gpu, 16).unwrap();
+    let (piece, len) = (4096u64 + 5, 4 << 20);
+    let region = alloc_vram(&gpu, len).unwrap();
+    let user = alloc_vram(&gpu, 2 * len).unwrap();
+    let mut rng = Rng(77);
+    let src = rng.bytes(len);
+    region.write(0, &src).unwrap();
+    // `n` pieces of the region scattered to every other slot of `user`, in reverse order.
+    let runs = |n: u64| -> Vec<CopyRun> {
+        (0..n)
+            .map(|i| CopyRun {
+                region_off: i * piece,
+                addr: user.ptr() + (n - 1 - i) * 2 * piece,
+                len: piece,
+                count: 1,
+                region_stride: 0,
+                addr_stride: 0,
+            })
+            .collect()
+    };
+    let mut scatter_and_check = |plan: &DevicePlan, n: u64| {
+        user.fill(0xEE).unwrap();
+        // SAFETY: every piece lies inside `region` and `user` (n * 2 * piece <= 2 * len), the
+        // destinations do not overlap, and both allocations and the plan outlive the
+        // synchronize below; the context is idle.
+        unsafe { scatter_planned(&mut ctx, &k, plan, region.ptr()) }.unwrap();
+        ctx.record().unwrap();
+        ctx.synchronize().unwrap();
+        let mut got = vec![0u8; 2 * len];
+        user.read(0, &mut got).unwrap();
+        for (i, &g) in got.iter().enumerate() {
+            let (slot, at) = (i as u64 / (2 * piece), i as u64 % (2 * piece));
+            let want = if slot < n && at < piece { src[((n - 1 - slot) * piece + at) as usize] } else { 0xEE };
+            assert_eq!(g, want, "{n} pieces: byte {i}");
+        }
+    };
+    let first = pool.upload(&runs(300)).unwrap();
+    scatter_and_check(&first, 300);
+    let addr = first.ptr();
+    drop(first);
+    assert_eq!(pool.kept(), 1, "the dropped plan's buffer is kept");
+    let again = pool.upload(&runs(280)).unwrap();
+    assert_eq!(again.ptr(), addr, "a plan of a similar size takes the kept buffer");
+    assert_eq!(pool.kept(), 0);
+    scatter_and_check(&again, 280);
+    drop(again);
+    let small = pool.upload(&runs(3)).unwrap();
+    assert_ne!(small.ptr(), addr, "a far smaller plan leaves the large kept buffer alone");
+    assert_eq!(pool.kept(), 1);
+    scatter_and_check(&small, 3);
+    drop(small);
+    assert_eq!(pool.kept(), 2);
+    // Bounded: more buffers than the pool keeps are freed on drop.
+    let many: Vec<DevicePlan> = (0..40).map(|_| pool.upload(&runs(300)).unwrap()).collect();
+    drop(many);
+    assert!(pool.kept() <= 32, "{} kept", pool.kept());
 }

@@ -33,7 +33,7 @@ use parking_lot::Mutex;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
-use crate::sys::cuda::{self, CudaError, DevicePlan, ExecContext, Gpu, IpcMapping, Kernels};
+use crate::sys::cuda::{self, CudaError, DevicePlan, ExecContext, Gpu, IpcMapping, Kernels, PlanPool};
 use crate::sys::shim::Shim;
 
 /// Request handles of this path carry this bit; the bounce path's never do.
@@ -86,6 +86,8 @@ pub(crate) struct IpcPath {
     reqs: Mutex<HashMap<u64, Request>>,
     /// Execution contexts not running a request.
     idle: Mutex<Vec<ExecContext>>,
+    /// Device buffers for the requests' copy plans, reused from request to request.
+    plans: Arc<PlanPool>,
     next: AtomicU64,
     stats: Arc<Stats>,
 }
@@ -98,19 +100,20 @@ impl IpcPath {
             tracing::info!("no host identity (/proc/sys/kernel/random/boot_id): no same-host path");
             return None;
         };
-        match Kernels::load(gpu) {
-            Ok(kernels) => Some(Self {
+        match Kernels::load(gpu).and_then(|k| Ok((k, PlanPool::new(gpu)?))) {
+            Ok((kernels, plans)) => Some(Self {
                 gpu: gpu.clone(),
                 node,
                 kernels,
                 maps: Mutex::default(),
                 reqs: Mutex::default(),
                 idle: Mutex::default(),
+                plans,
                 next: AtomicU64::new(1),
                 stats,
             }),
             Err(e) => {
-                tracing::warn!(error = %e, "kernels unavailable: no same-host path");
+                tracing::warn!(error = %e, "kernels or a plan stream unavailable: no same-host path");
                 None
             }
         }
@@ -178,7 +181,7 @@ impl IpcPath {
                 return None;
             }
         };
-        let plan = match DevicePlan::upload(&self.gpu, &runs) {
+        let plan = match self.plans.upload(&runs) {
             Ok(p) => Arc::new(p),
             Err(e) => {
                 tracing::warn!(peer, error = %e, "cannot upload a same-host copy plan");

@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use bounce_proto::CopyRun;
 use cudarc::driver::sys as cu;
 
@@ -18,11 +20,124 @@ use super::module::Kernels;
 use super::plan::{PlanShape, encode, plan_bytes};
 
 /// An encoded kernel plan (the format of `plan.rs`, identical to a region plan) in VRAM of one
-/// GPU, with its shape. Immutable once made; freed on drop.
+/// GPU, with its shape. Immutable once made; freed on drop, or given back to the [`PlanPool`]
+/// it came from.
 #[derive(Debug)]
 pub struct DevicePlan {
-    mem: DeviceAlloc,
+    gpu: Arc<Gpu>,
+    /// Always `Some` until dropped.
+    mem: Option<DeviceAlloc>,
     shape: PlanShape,
+    pool: Option<Arc<PlanPool>>,
+}
+
+impl Drop for DevicePlan {
+    fn drop(&mut self) {
+        // Whoever launched work reading the plan waited for it before dropping it (the same
+        // rule as for freeing it), so the buffer may serve the next plan at once.
+        if let (Some(pool), Some(mem)) = (self.pool.take(), self.mem.take()) {
+            pool.give(mem);
+        }
+    }
+}
+
+/// Most plan buffers a [`PlanPool`] keeps, and most bytes.
+const POOL_BUFFERS: usize = 32;
+const POOL_BYTES: usize = 64 << 20;
+
+/// Device buffers for plans made and dropped at a framework's pace (the same-host path makes
+/// one per request), kept for the next plans, with one upload stream. Per plan, a cuMemAlloc,
+/// a stream made and destroyed, and a cuMemFree cost the request's prep, and cuMemFree waits
+/// for the whole device: releasing a request stalled on every kernel in flight, the
+/// application's included.
+#[derive(Debug)]
+pub struct PlanPool {
+    gpu: Arc<Gpu>,
+    free: Mutex<Vec<DeviceAlloc>>,
+    stream: cu::CUstream,
+}
+
+// SAFETY: the stream is a driver handle usable from any thread with the context current (each
+// use binds it); an upload waits for its copy before returning, so no copy outlives the host
+// buffer it reads. The free list is behind a lock.
+unsafe impl Send for PlanPool {}
+// SAFETY: as above; the driver serializes work on one stream.
+unsafe impl Sync for PlanPool {}
+
+impl PlanPool {
+    /// An empty pool for plans on `gpu`.
+    ///
+    /// # Errors
+    /// A driver error when the upload stream cannot be made.
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Arc<Self>, CudaError> {
+        gpu.bind()?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: current context; valid out-pointer. Non-blocking: an upload waits for nothing
+        // on the legacy default stream (the application's).
+        check("cuStreamCreate", unsafe {
+            cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        })?;
+        Ok(Arc::new(Self { gpu: gpu.clone(), free: Mutex::new(Vec::new()), stream }))
+    }
+
+    /// As [`DevicePlan::upload`], into a buffer of this pool (a kept one when one fits, at most
+    /// twice the size needed), given back when the plan drops.
+    ///
+    /// # Errors
+    /// As [`DevicePlan::upload`].
+    pub fn upload(self: &Arc<Self>, runs: &[CopyRun]) -> Result<DevicePlan, CudaError> {
+        let mut host = vec![0u8; plan_bytes(runs.len())];
+        let shape = encode(runs, &mut host)?;
+        let need = shape.bytes.max(1);
+        let kept = {
+            let mut free = self.free.lock();
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.len() >= need && a.len() <= need.saturating_mul(2).max(4096))
+                .min_by_key(|(_, a)| a.len())
+                .map(|(i, _)| i);
+            best.map(|i| free.swap_remove(i))
+        };
+        // Sizes rounded up to a power of two, so that the next requests find them again.
+        let mem = match kept {
+            Some(m) => m,
+            None => alloc_vram(&self.gpu, need.next_power_of_two().max(4096))?,
+        };
+        self.gpu.bind()?;
+        // SAFETY: `mem` holds at least `shape.bytes` bytes and nothing reads it (a kept buffer's
+        // last plan was dropped after its launches ended); `host` stays borrowed until the
+        // stream synchronization below has seen the copy complete.
+        check("cuMemcpyHtoDAsync", unsafe {
+            cu::cuMemcpyHtoDAsync_v2(mem.ptr(), host.as_ptr().cast(), shape.bytes, self.stream)
+        })?;
+        // SAFETY: the pool's stream, of this context.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.stream) })?;
+        Ok(DevicePlan { gpu: self.gpu.clone(), mem: Some(mem), shape, pool: Some(Arc::clone(self)) })
+    }
+
+    /// Keeps `mem` for the next plans, unless the pool holds enough already (then it is freed).
+    fn give(&self, mem: DeviceAlloc) {
+        let mut free = self.free.lock();
+        if free.len() < POOL_BUFFERS && free.iter().map(DeviceAlloc::len).sum::<usize>() + mem.len() <= POOL_BYTES {
+            free.push(mem);
+        }
+    }
+
+    /// Buffers kept now (tests).
+    pub fn kept(&self) -> usize {
+        self.free.lock().len()
+    }
+}
+
+impl Drop for PlanPool {
+    fn drop(&mut self) {
+        self.free.get_mut().clear();
+        if self.gpu.bind().is_ok() {
+            // SAFETY: made in `new`, destroyed once; every upload waited for its copy.
+            let _ = unsafe { cu::cuStreamDestroy_v2(self.stream) };
+        }
+    }
 }
 
 impl DevicePlan {
@@ -44,12 +159,12 @@ impl DevicePlan {
         let shape = encode(runs, &mut host)?;
         let mem = alloc_vram(gpu, shape.bytes)?;
         copy_to_device_and_wait(gpu, mem.ptr(), &host[..shape.bytes])?;
-        Ok(Self { mem, shape })
+        Ok(Self { gpu: gpu.clone(), mem: Some(mem), shape, pool: None })
     }
 
     /// Device address of the first byte of the plan (its first run).
     pub fn ptr(&self) -> u64 {
-        self.mem.ptr()
+        self.mem.as_ref().map_or(0, DeviceAlloc::ptr)
     }
 
     /// Bytes of the encoded plan: `plan_bytes(shape.nruns)`.
@@ -69,7 +184,7 @@ impl DevicePlan {
 
     /// The GPU it lives on.
     pub fn gpu(&self) -> &Arc<Gpu> {
-        self.mem.gpu()
+        &self.gpu
     }
 }
 

@@ -27,7 +27,7 @@ mod plan;
 mod region_plan;
 
 pub use batch::batched_copy;
-pub use device_plan::{DevicePlan, gather_planned, scatter_planned};
+pub use device_plan::{DevicePlan, PlanPool, gather_planned, scatter_planned};
 pub use driver::{Gpu, current_device};
 pub use error::CudaError;
 pub use exec::{ExecContext, ExecPool, GpuTimer};
