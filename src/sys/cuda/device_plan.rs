@@ -81,7 +81,7 @@ impl PlanPool {
     }
 
     /// As [`DevicePlan::upload`], into a buffer of this pool (a kept one when one fits, at most
-    /// twice the size needed), given back when the plan drops.
+    /// twice the size class needed), given back when the plan drops.
     ///
     /// # Errors
     /// As [`DevicePlan::upload`].
@@ -89,20 +89,22 @@ impl PlanPool {
         let mut host = vec![0u8; plan_bytes(runs.len())];
         let shape = encode(runs, &mut host)?;
         let need = shape.bytes.max(1);
+        // Buffers come in power-of-two size classes (4 KiB at least), so that plans of similar
+        // sizes find them again; a kept buffer serves a plan of its class or the class below.
+        let class = need.next_power_of_two().max(4096);
         let kept = {
             let mut free = self.free.lock();
             let best = free
                 .iter()
                 .enumerate()
-                .filter(|(_, a)| a.len() >= need && a.len() <= need.saturating_mul(2).max(4096))
+                .filter(|(_, a)| a.len() >= need && a.len() <= class.saturating_mul(2))
                 .min_by_key(|(_, a)| a.len())
                 .map(|(i, _)| i);
             best.map(|i| free.swap_remove(i))
         };
-        // Sizes rounded up to a power of two, so that the next requests find them again.
         let mem = match kept {
             Some(m) => m,
-            None => alloc_vram(&self.gpu, need.next_power_of_two().max(4096))?,
+            None => alloc_vram(&self.gpu, class)?,
         };
         self.gpu.bind()?;
         // SAFETY: `mem` holds at least `shape.bytes` bytes and nothing reads it (a kept buffer's
