@@ -379,14 +379,7 @@ fn packed(descs: Descs<'_>, params: PlanParams) -> Result<Plan> {
     // Two passes over the same deterministic packing: the first counts each chunk's runs, the
     // second fills lists allocated at exactly that size. Growing the lists instead cost more
     // than the packing itself (reallocation copies and page faults dominate at 16k pieces).
-    let mut sizer = Sizer {
-        merge: params.merge_runs,
-        last_seg: None,
-        gather: RunCounter::default(),
-        scatter: RunCounter::default(),
-        sizes: Vec::new(),
-        shapes: None,
-    };
+    let mut sizer = Sizer::new(params, false);
     pack(descs, params, &mut sizer)?;
     let mut sizes = sizer.sizes.into_iter();
     let (gather, scatter) = sizes.next().unwrap_or_default();
@@ -482,14 +475,7 @@ fn pack(descs: Descs<'_>, params: PlanParams, sink: &mut impl Sink) -> Result<()
 /// The shape of each chunk [`packed`] would build with `params`: one counting pass.
 fn shape(descs: Descs<'_>, params: PlanParams) -> Result<Vec<ChunkShape>> {
     check_input(descs.pairs, params)?;
-    let mut sizer = Sizer {
-        merge: params.merge_runs,
-        last_seg: None,
-        gather: RunCounter::default(),
-        scatter: RunCounter::default(),
-        sizes: Vec::new(),
-        shapes: Some(Vec::new()),
-    };
+    let mut sizer = Sizer::new(params, true);
     pack(descs, params, &mut sizer)?;
     Ok(sizer.shapes.unwrap_or_default())
 }
@@ -504,6 +490,21 @@ struct Sizer {
     scatter: RunCounter,
     sizes: Vec<(usize, usize)>,
     shapes: Option<Vec<ChunkShape>>,
+}
+
+impl Sizer {
+    /// A counting pass for `params`, recording shapes (for [`shape`]) or run counts (for
+    /// [`packed`]).
+    fn new(params: PlanParams, shapes: bool) -> Self {
+        Self {
+            merge: params.merge_runs,
+            last_seg: None,
+            gather: RunCounter::default(),
+            scatter: RunCounter::default(),
+            sizes: Vec::new(),
+            shapes: shapes.then(Vec::new),
+        }
+    }
 }
 
 impl Sink for Sizer {
