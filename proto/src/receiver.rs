@@ -885,8 +885,11 @@ impl Receiver {
                 return Err(ProtocolError::BadProof { peer: from, xfer: pull.xfer, source });
             }
         };
-        if let Some(f) = self.flows.get(&key) {
-            proven.extend(f.proven.iter().filter(|r| !proven.contains(r)).copied().collect::<Vec<_>>());
+        // A later PULL reads what the flow proved so far, and what it proves itself.
+        for reg in self.flows.get(&key).map_or(&[][..], |f| &f.proven[..]) {
+            if !proven.contains(reg) {
+                proven.push(*reg);
+            }
         }
         let ranges = self.registered.proven_ranges(&proven);
         let removals = self.registered.removals();
