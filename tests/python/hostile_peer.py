@@ -27,14 +27,28 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "exit"}
 """
 import base64
+import os
 import random
+import re
 import struct
 import time
 
 import nixlkit
 
+
+def wire_version():
+    """The frame version the plugin speaks, read from its source (proto/src/wire/frame.rs), so
+    that a version bump cannot leave these frames behind, dropped for their version alone."""
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "proto", "src", "wire", "frame.rs")
+    with open(src) as f:
+        m = re.search(r"pub const WIRE_VERSION: u8 = (\d+);", f.read())
+    if not m:
+        raise SystemExit(f"WIRE_VERSION not found in {src}")
+    return int(m.group(1))
+
+
 MAGIC = b"\0BOUNC"
-VERSION = 6  # proto/src/wire/frame.rs WIRE_VERSION
+VERSION = wire_version()
 WANT, GRANT, DATA, ACK = 1, 2, 3, 4
 ENVELOPE_MAGIC = b"NXBOUNCE"
 U64 = (1 << 64) - 1
