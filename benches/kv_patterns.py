@@ -142,19 +142,19 @@ class Side:
                 rows = kvcache.rows_of(layout, blocks)
                 return (np.arange(layout.layers)[:, None] * (2 * layout.blocks) + rows[None, :]).ravel()
 
-            def prep(group, notif):  # noqa: F811  (the per-request form of the one above)
+            def made(group, notif):
                 mine = [b for q in group for b in (q.dst_blocks if pattern == "pull" else q.src_blocks)]
                 theirs = [b for q in group for b in (q.src_blocks if pattern == "pull" else q.dst_blocks)]
                 return self.ag.make_prepped_xfer(op, local, ids(mine), remote, ids(theirs), notif,
                                                  backends=[backend])
-        self.prep = prep
+        self.prep = made if prep_each else prep
+        # the 8 requests one by one, then the batch: prepared once here, or per post
         self.groups = [([q], q.notif) for q in reqs] + [(reqs, b"batch")]
-        if not prep_each:
-            self.singles = [prep([q], q.notif) for q in reqs]
-            self.batch = prep(reqs, b"batch")
+        self.handles = [] if prep_each else [prep(*g) for g in self.groups]
         self.single_s, self.batch_s, self.prep_single_s, self.prep_batch_s = [], [], [], []
 
     def post_fresh(self, group, notif):
+        """Makes the request, posts it and releases it: (total time, prep time)."""
         t0 = time.perf_counter()
         h = self.prep(group, notif)
         prep = time.perf_counter() - t0
@@ -172,13 +172,11 @@ class Side:
         return time.perf_counter() - t0
 
     def block(self, target, keep):
-        preps = []
         if self.prep_each:
             times, preps = zip(*[self.post_fresh(*g) for g in self.groups])
-            singles, batch = list(times[:-1]), times[-1]
         else:
-            singles = [self.post(h) for h in self.singles]
-            batch = self.post(self.batch)
+            times, preps = [self.post(h) for h in self.handles], []
+        singles, batch = list(times[:-1]), times[-1]
         # every notification must reach the target: 8 requests + the batch
         target.call(op="take", name=self.peer, **{"from": self.name}, n=len(self.groups))
         if keep:
