@@ -29,7 +29,7 @@ use crate::shell::control::ControlChannel;
 use crate::shell::control::ucx::UcxChannel;
 use crate::shell::control::zmq::ZmqChannel;
 use crate::shell::copy::CopyEngine;
-use crate::shell::copy::cpu::{CpuEngine, HostArena};
+use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
 use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
 use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPath};
@@ -308,7 +308,9 @@ impl Engine {
                             streaming_scatter: self.config.streaming_scatter,
                         };
                         let waker = Arc::clone(&shared);
-                        Box::new(CpuEngine::start(self.config.copy_workers, host, move || waker.inbox.wake())?)
+                        Box::new(CpuEngine::start(self.config.copy_workers, host, INLINE_MAX_BYTES, move || {
+                            waker.inbox.wake();
+                        })?)
                     }
                 };
                 let parts = Parts {

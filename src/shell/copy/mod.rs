@@ -40,7 +40,8 @@ pub(crate) struct CopyJob {
 
 /// A copy engine: CPU workers (memcpy / streaming stores) or CUDA streams (kernels).
 ///
-/// Contract: `submit` never blocks; every accepted job is reported exactly once by
+/// Contract: `submit` never waits for anything (it may run a small job at once on the calling
+/// thread, which then reports it at the next `poll_done`); every accepted job is reported exactly once by
 /// `poll_done` (ok=false on any failure); `poll_done` never blocks; dropping the engine waits
 /// for (or safely abandons, never leaving a copy running on freed memory) every accepted job.
 /// The arena an engine copies into and out of is given to it at construction, and it checks

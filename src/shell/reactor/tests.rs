@@ -14,7 +14,7 @@ use memmap2::MmapMut;
 use super::*;
 use crate::shell::arena::ArenaBytes;
 use crate::shell::control::mem::{Fate, MemNet};
-use crate::shell::copy::cpu::{CpuEngine, HostArena};
+use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
 use crate::shell::registry::Registration;
 use crate::shell::requests::State;
 use crate::sys::nixl::NixlStatus;
@@ -112,7 +112,7 @@ impl Side {
         let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
         let host = HostArena { base, len, streaming_scatter: true };
         let waker = Arc::clone(&shared);
-        let copier = CpuEngine::start(config.copy_workers, host, move || waker.inbox.wake()).unwrap();
+        let copier = CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, move || waker.inbox.wake()).unwrap();
         let path = MemPath::default();
         let notified = Arc::clone(&path.notified);
         let parts = Parts {
