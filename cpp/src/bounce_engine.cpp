@@ -312,7 +312,10 @@ public:
     nixl_status_t getNotifs(notif_list_t &list) override {
         return guarded([&]() -> nixl_status_t {
             if (!list.empty()) return NIXL_ERR_INVALID_PARAM;
-            std::optional<nixl_status_t> st = pullDirect(list);
+            bool control = false;
+            std::optional<nixl_status_t> st = pullDirect(list, control);
+            // Outside the inner lock: the reactor pass this may run takes it again.
+            if (control) bnc_control_arrived(rust_);
             if (!st) {
                 // Rust pulls from the inner engine (bnc_shim_poll_notifs) and sorts what
                 // arrived, after what its reactor pulled earlier.
@@ -433,22 +436,27 @@ public:
     // straight into the caller's list, only control frames are handed to Rust, all under the
     // inner lock so no pull of the reactor's overtakes them. Returns the inner engine's status,
     // or nothing when the long way must be taken.
-    std::optional<nixl_status_t> pullDirect(notif_list_t &list) {
+    // `control` is set when control frames were handed over or the bounce path is busy.
+    std::optional<nixl_status_t> pullDirect(notif_list_t &list, bool &control) {
         Lock g(mu_);
-        if (bnc_notif_direct(rust_) != 1) return std::nullopt;
+        const int32_t direct = bnc_notif_direct(rust_);
+        if (direct != 1 && direct != 2) return std::nullopt;
+        control = direct == 2;
         nixl_status_t st = inner_->getNotifs(list);
         if (st != NIXL_SUCCESS) {
             list.clear();
             return st;
         }
         list.erase(std::remove_if(list.begin(), list.end(),
-                                  [this](const auto &n) {
-                                      return bnc_notif_divert(
+                                  [this, &control](const auto &n) {
+                                      bool c = bnc_notif_divert(
                                                  rust_,
                                                  reinterpret_cast<const uint8_t *>(n.first.data()),
                                                  n.first.size(),
                                                  reinterpret_cast<const uint8_t *>(n.second.data()),
                                                  n.second.size()) == 1;
+                                      control |= c;
+                                      return c;
                                   }),
                    list.end());
         return NIXL_SUCCESS;

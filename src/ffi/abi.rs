@@ -754,7 +754,8 @@ pub unsafe extern "C" fn bnc_xfer_release(engine: *mut c_void, xfer: u64) -> i32
 }
 
 /// Whether the application's `getNotifs` may pull the inner engine straight into its list
-/// (1) or must go through [`bnc_notif_take`] (0; also on a bad handle or a panic).
+/// (1, or 2 when the bounce path is busy: then say [`bnc_control_arrived`] after the pull) or
+/// must go through [`bnc_notif_take`] (0; also on a bad handle or a panic).
 ///
 /// # Safety
 /// `engine` is a live handle.
@@ -763,7 +764,11 @@ pub unsafe extern "C" fn bnc_notif_direct(engine: *mut c_void) -> i32 {
     guard_value("bnc_notif_direct", 0, || {
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return 0 };
-        i32::from(e.app_notifs_direct())
+        match e.app_notifs_direct() {
+            false => 0,
+            true if e.bounce_busy() => 2,
+            true => 1,
+        }
     })
 }
 
@@ -789,6 +794,22 @@ pub unsafe extern "C" fn bnc_notif_divert(
             unsafe { (BncStr::from_raw(agent, agent_len).bytes(), BncStr::from_raw(msg, msg_len).bytes()) };
         i32::from(e.divert_notif(agent, msg))
     })
+}
+
+/// After a direct pull that diverted control frames, or that [`bnc_notif_direct`] found the
+/// bounce path busy for (the inner engine's lock released): the calling thread runs a reactor
+/// pass, or wakes the reactor.
+///
+/// # Safety
+/// `engine` is a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_control_arrived(engine: *mut c_void) {
+    guard_void("bnc_control_arrived", || {
+        // SAFETY: caller contract.
+        if let Some(e) = unsafe { engine_ref(engine) } {
+            e.control_arrived();
+        }
+    });
 }
 
 /// Pulls what waits in the inner engine (control frames go to the reactor) and hands the

@@ -11,7 +11,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bounce_proto::config::{ArenaMem, Config, GpuCopy};
 use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
@@ -36,7 +36,7 @@ use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPath};
 use crate::shell::keys::{Keys, Reach};
 use crate::shell::mailroom::Mailroom;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
-use crate::shell::reactor::{Cmd, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
+use crate::shell::reactor::{Cmd, Drove, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
 use crate::shell::registry::{Registration, Registry};
 use crate::shell::requests::{Released, State};
 use crate::shell::stats::Stats;
@@ -118,7 +118,7 @@ pub(crate) enum Progress {
 /// Two status checks of one in-flight request closer than this are a busy poll (an
 /// application loop doing nothing else in between; a Python loop around
 /// `check_xfer_state` repeats every few microseconds).
-const BUSY_POLL_GAP: std::time::Duration = std::time::Duration::from_micros(50);
+const BUSY_POLL_GAP: Duration = Duration::from_micros(50);
 
 /// One BOUNCE engine.
 pub(crate) struct Engine {
@@ -680,7 +680,12 @@ impl Engine {
         }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         let p = sh.requests.post(handle, notif)?;
-        sh.inbox.push(Cmd::Submit(p));
+        // Submitted in a pass on this thread (the WANT leaves before post returns), or by the
+        // reactor thread when no pass can run here.
+        sh.inbox.push_quiet(Cmd::Submit(p));
+        if self.drive().is_none() {
+            sh.inbox.wake();
+        }
         Ok(())
     }
 
@@ -697,14 +702,14 @@ impl Engine {
             return cma.check(handle, self.shim, self.config.check_wait);
         }
         let sh = self.shared().ok_or(Error::NoBounce)?;
-        match sh.requests.check(handle, BUSY_POLL_GAP, self.config.check_wait) {
+        let wait = self.poll_wait(self.drive());
+        match sh.requests.check(handle, BUSY_POLL_GAP, wait) {
             None => Err(Error::UnknownRequest(handle)),
             Some(State::Prepared) => Err(Error::NotPosted(handle)),
             Some(State::Posted(_)) => {
-                // Polling a bounce request cannot advance it (the reactor and copy workers do
-                // the work), so hand the core to them: an application spinning on checkXfer
-                // otherwise takes a core they need. The busy-poll wait above does most of that;
-                // the yield covers `bounce_check_wait_us = 0`.
+                // Hand the core to the reactor and copy workers: an application spinning on
+                // checkXfer otherwise takes a core they need. The busy-poll wait above does
+                // most of that; the yield covers `bounce_check_wait_us = 0`.
                 std::thread::yield_now();
                 Ok(Progress::InFlight)
             }
@@ -752,10 +757,14 @@ impl Engine {
         let bell = self.mail.bell();
         let ticket = bell.ticket();
         let got = self.pull_and_take()?;
+        if self.mail.control_waiting() || self.bounce_busy() {
+            self.control_arrived();
+        }
         if !got.is_empty() || !self.notif_poll_is_busy() {
             return Ok(got);
         }
-        if bell.wait_past(ticket, self.config.check_wait) {
+        let wait = self.poll_wait(self.drive());
+        if !wait.is_zero() && bell.wait_past(ticket, wait) {
             return self.pull_and_take();
         }
         Ok(got)
@@ -772,9 +781,47 @@ impl Engine {
             && self.mail.app_pull_is_direct()
     }
 
+    /// Whether the bounce path has work in flight (a receiver's flows included), which a
+    /// poller advances by driving ([`Self::control_arrived`] after its pull).
+    pub(crate) fn bounce_busy(&self) -> bool {
+        self.bounce.as_ref().is_some_and(|b| b.reactor.busy())
+    }
+
     /// For a direct pull: takes `msg` when it is a control frame (see [`Mailroom::divert`]).
+    /// The caller says [`Self::control_arrived`] once its pull is over and the inner engine's
+    /// lock released.
     pub(crate) fn divert_notif(&self, agent: &[u8], msg: &[u8]) -> bool {
         self.mail.divert(agent, msg)
+    }
+
+    /// This application thread pulled control frames, or polled while the bounce path is
+    /// busy: run a reactor pass here, or wake the reactor thread when no pass can run here (a
+    /// GPU arena, or the thread is in a pass of its own and may have polled before the frames
+    /// were queued).
+    pub(crate) fn control_arrived(&self) {
+        if self.drive().is_none() {
+            self.mail.wake_reactor();
+        }
+    }
+
+    /// One reactor pass on the calling thread ([`Reactor::drive`]), or `None` when none ran.
+    /// Called only by pollers and posters, never with a lock of ours or the shim's held.
+    fn drive(&self) -> Option<Drove> {
+        self.bounce.as_ref()?.reactor.drive()
+    }
+
+    /// How long a busy poller of bounce requests waits, after `drove`, for one to finish.
+    ///
+    /// A poller whose pass ran and left no copy on the workers is the transfer's progress, as
+    /// it is UCX's: it answers at once and drives again at its next call (waiting would leave
+    /// the next frame to the reactor thread, which a spinning application keeps off the core on
+    /// a small host). Otherwise it waits up to `bounce_check_wait_us`, so the copy workers and
+    /// the reactor get the core (issue 12: a spinning poller cost them whole scheduler ticks).
+    fn poll_wait(&self, drove: Option<Drove>) -> Duration {
+        match drove {
+            Some(d) if d.moved || !d.copying => Duration::ZERO,
+            _ => self.config.check_wait,
+        }
     }
 
     /// Pulls the inner engine's notifications and takes the application's.

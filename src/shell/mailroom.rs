@@ -119,15 +119,20 @@ impl Mailroom {
     /// For a direct pull: takes `msg` from `agent` when it is a control frame (queued for the
     /// reactor, or dropped and counted, as a sorted one would be) and returns true; false when
     /// it is the application's. Called with the inner engine's lock held, in arrival order, so
-    /// control frames keep their order against every other pull.
+    /// control frames keep their order against every other pull. Wakes nobody: the caller
+    /// handles what it queued once the lock is released, or wakes the reactor
+    /// ([`crate::shell::engine`]'s `control_arrived`).
     pub(crate) fn divert(&self, agent: &[u8], msg: &[u8]) -> bool {
         if !wire::is_control_frame(msg) {
             return false;
         }
-        if self.queue_control(agent.to_vec(), msg.to_vec()) {
-            self.wake_reactor();
-        }
+        self.queue_control(agent.to_vec(), msg.to_vec());
         true
+    }
+
+    /// Whether control frames wait for the reactor.
+    pub(crate) fn control_waiting(&self) -> bool {
+        !self.control.lock().frames.is_empty()
     }
 
     /// Pulls and sorts like [`Self::pull_and_take`], for the reactor (taking nothing): when
@@ -214,7 +219,7 @@ impl Mailroom {
     }
 
     /// Wakes the reactor for control frames another thread queued.
-    fn wake_reactor(&self) {
+    pub(crate) fn wake_reactor(&self) {
         if let Some(t) = self.reactor.lock().as_ref() {
             t.unpark();
         }

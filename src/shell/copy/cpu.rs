@@ -154,6 +154,10 @@ impl CopyEngine for CpuEngine {
     fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
     }
+
+    fn any_thread(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for CpuEngine {

@@ -58,4 +58,10 @@ pub(crate) trait CopyEngine: Send {
     /// engine's memory: the CUDA engine makes its GPU's context current there, which the inner
     /// engine's writes from GPU memory need too. Nothing for host memory.
     fn prepare_thread(&mut self) {}
+    /// Whether jobs may be submitted and polled from any thread with no [`Self::prepare_thread`]
+    /// (then an application thread may run the reactor's passes while it polls). False unless
+    /// an engine says so.
+    fn any_thread(&self) -> bool {
+        false
+    }
 }

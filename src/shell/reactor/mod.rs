@@ -259,8 +259,47 @@ pub(crate) struct Parts {
 /// joins the thread (and the copy engine).
 pub(crate) struct Reactor {
     shared: Arc<Shared>,
+    cell: Arc<Cell>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<bool>>,
+}
+
+/// What a pass on an application thread did ([`Reactor::drive`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Drove {
+    /// Anything moved: another pass may move more at once.
+    pub(crate) moved: bool,
+    /// Copy jobs run on the copy workers: they need the cores more than a poller does.
+    pub(crate) copying: bool,
+}
+
+/// The driver, shared between the reactor thread and application threads that run a pass of it
+/// while they poll ([`Reactor::drive`]).
+///
+/// Why: every control hop of a bounced transfer otherwise waits for the reactor thread to be
+/// scheduled. On a host with few cores an application spinning on `getNotifs` or `checkXfer`
+/// holds a core the woken reactor needs, and a hop cost up to a scheduler tick (4 ms; issue
+/// 12). The thread that found the frame handles it instead, as UCX's own progress runs on the
+/// thread that polls. The lock is only ever tried by application threads: one that finds it
+/// held leaves the work to the thread holding it.
+struct Cell {
+    /// `None` once the reactor thread has ended.
+    driver: Mutex<Option<Driver>>,
+    /// Passes may run on any thread: the copy engine needs no per-thread set-up (host memory;
+    /// a GPU arena's context must be current, which we do not impose on application threads).
+    any_thread: bool,
+    /// The reactor thread parks without work in flight (up to [`pace::IDLE_PARK`]): a pass
+    /// elsewhere that started work must wake it, or the work's next step could wait that long.
+    parked_idle: AtomicBool,
+    /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
+    busy: AtomicBool,
+    /// When the latest pass on an application thread ended, in nanoseconds since `epoch`
+    /// (0: none yet). While pollers drive, the reactor thread stands down ([`STAND_DOWN`]).
+    driven_at: AtomicU64,
+    epoch: Instant,
+    /// A pass on an application thread panicked: the driver's state is suspect, so the reactor
+    /// thread ends without closing (as after its own panic, the arena is kept).
+    poisoned: AtomicBool,
 }
 
 struct InFlightWrite {
@@ -350,6 +389,7 @@ struct Driver {
     /// Scratch buffers reused every pass.
     frames: Vec<(String, Vec<u8>)>,
     done: Vec<(JobId, bool)>,
+    cmds: Vec<Cmd>,
 }
 
 /// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
@@ -385,7 +425,7 @@ impl Reactor {
         // a dead peer alive): a random secret per engine.
         ep.set_probe_seed(std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), session));
         let stop = Arc::new(AtomicBool::new(false));
-        let mut d = Driver {
+        let d = Driver {
             ep,
             shared: Arc::clone(&shared),
             session,
@@ -410,24 +450,36 @@ impl Reactor {
             dereg_refused: 0,
             frames: Vec::new(),
             done: Vec::new(),
+            cmds: Vec::new(),
         };
-        let stop2 = Arc::clone(&stop);
+        let session = d.session;
+        let cell = Arc::new(Cell {
+            any_thread: d.copier.any_thread(),
+            driver: Mutex::new(Some(d)),
+            parked_idle: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
+            driven_at: AtomicU64::new(0),
+            epoch: Instant::now(),
+            poisoned: AtomicBool::new(false),
+        });
+        let (stop2, cell2, shared2) = (Arc::clone(&stop), Arc::clone(&cell), Arc::clone(&shared));
         let thread = std::thread::Builder::new()
             .name("bounce-reactor".into())
             .spawn(move || {
-                let span = tracing::debug_span!("reactor", session = d.session);
+                let span = tracing::debug_span!("reactor", session);
                 let _g = span.enter();
-                let shared = Arc::clone(&d.shared);
+                let shared = shared2;
                 // A panic here would be a bug in the shell or core. It must not leave requests
                 // IN_PROG forever (nothing else runs their timeouts): fail them and refuse new
                 // posts; the engine's other entry points keep working on plain UCX.
-                let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.run(&stop2)));
+                let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cell2, &stop2)));
                 if quiet.is_err() {
                     tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");
                     shared.requests.close(XferError::ShuttingDown);
                 }
                 // The copy engine joins its workers here; only then do waiting deregistrations
-                // return.
+                // return. Taken under the lock: no application pass runs it any more.
+                let d = cell2.driver.lock().take();
                 drop(d);
                 shared.reactor_ended();
                 // After a panic nobody knows what peers still hold: keep the arena.
@@ -435,7 +487,47 @@ impl Reactor {
             })
             .map_err(|source| Error::Spawn { what: "reactor", source })?;
         *shared.inbox.thread.lock() = Some(thread.thread().clone());
-        Ok(Self { shared, stop, thread: Some(thread) })
+        Ok(Self { shared, cell, stop, thread: Some(thread) })
+    }
+
+    /// Whether work was in flight after the latest pass: a poller should drive.
+    pub(crate) fn busy(&self) -> bool {
+        self.cell.any_thread && self.cell.busy.load(Ordering::Acquire)
+    }
+
+    /// Runs one pass of the reactor on the calling (application) thread, when passes may run
+    /// there and no other thread is running one; `None` when no pass ran (the reactor thread is
+    /// in one and will see the same work in its next, or it has stopped).
+    pub(crate) fn drive(&self) -> Option<Drove> {
+        if !self.cell.any_thread || self.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut g = self.cell.driver.try_lock()?;
+        let d = g.as_mut()?;
+        let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate())) {
+            Ok(moved) => {
+                let copying = d.copier.in_flight() > 0;
+                self.cell.busy.store(d.busy(), Ordering::Release);
+                self.cell.driven_at.store(self.cell.since_epoch(Instant::now()), Ordering::Release);
+                drop(g);
+                if moved && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
+                    self.shared.inbox.wake();
+                }
+                Some(Drove { moved, copying })
+            }
+            Err(_) => {
+                drop(g);
+                tracing::error!(
+                    "a bounce pass on an application thread panicked; failing its transfers, bounce path closed"
+                );
+                self.cell.poisoned.store(true, Ordering::Release);
+                self.stop.store(true, Ordering::Release);
+                self.shared.requests.close(XferError::ShuttingDown);
+                self.shared.inbox.wake();
+                Some(Drove { moved: false, copying: false })
+            }
+        }
     }
 
     /// The state shared with application threads.
@@ -488,48 +580,99 @@ pub(crate) const SOCKET_POLL_BATCH: usize = 256;
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
 /// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
 const MAX_WRITES_IN_FLIGHT: usize = 2;
-impl Driver {
-    /// Runs until `stop`, then closes and shuts down; true when no grant was left outstanding.
-    fn run(&mut self, stop: &AtomicBool) -> bool {
-        // Writes are posted from this thread too: a GPU arena's context must be current here
-        // before the first one (a direct write from GPU memory may come before any copy).
-        self.copier.prepare_thread();
-        crate::sys::thread::precise_sleeps();
-        let mut cmds = Vec::new();
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-        let mut pace = Pace::new(cores, Instant::now());
-        while !stop.load(Ordering::Acquire) {
-            let moved = self.iterate(&mut cmds);
-            // Busy includes the receiver role: a remote flow waiting for its next DATA must be
-            // noticed at once, not after an idle park (which cost up to 2 ms per chunk).
-            let busy = !self.writes.is_empty()
-                || !self.queued_writes.is_empty()
-                || self.copier.in_flight() > 0
-                || !self.xfers.is_empty()
-                || !self.deregs.is_empty()
-                || self.fetches.busy()
-                || !self.ep.is_idle();
+/// How long the reactor thread leaves the passes to the application after one of its threads
+/// drove: a poller that drives is the transfer's progress, and a reactor thread running passes
+/// beside it only contends for the driver and, on a small host, for the cores (a lock holder
+/// preempted by the other cost a scheduler tick, 4 ms, per transfer). As long as one
+/// busy poll apart (`BUSY_POLL_GAP`), so a poller that stops is replaced within it.
+const STAND_DOWN: Duration = Duration::from_micros(50);
+
+impl Cell {
+    fn since_epoch(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// How much longer the reactor thread stands down, if an application thread drove within
+    /// [`STAND_DOWN`] of `now`.
+    fn standing_down(&self, now: Instant) -> Option<Duration> {
+        let at = self.driven_at.load(Ordering::Acquire);
+        if at == 0 {
+            return None;
+        }
+        let since = Duration::from_nanos(self.since_epoch(now).saturating_sub(at));
+        STAND_DOWN.checked_sub(since).filter(|left| !left.is_zero())
+    }
+}
+
+/// The reactor thread's loop: passes until `stop`, then closes and shuts down; true when no
+/// grant was left outstanding.
+fn run(cell: &Cell, stop: &AtomicBool) -> bool {
+    // Writes are posted from this thread too: a GPU arena's context must be current here
+    // before the first one (a direct write from GPU memory may come before any copy).
+    if let Some(d) = cell.driver.lock().as_mut() {
+        d.copier.prepare_thread();
+    }
+    crate::sys::thread::precise_sleeps();
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let mut pace = Pace::new(cores, Instant::now());
+    while !stop.load(Ordering::Acquire) {
+        if let Some(left) = cell.standing_down(Instant::now()) {
+            std::thread::park_timeout(left);
+            continue;
+        }
+        let pass = cell.driver.lock().as_mut().map(|d| {
+            let moved = d.iterate();
             let now = Instant::now();
-            let timer = self.ep.poll_timeout().map(|t| t.saturating_duration_since(now));
-            match pace.after_pass(now, moved, busy, timer) {
-                Wait::Now => {}
-                // yield, not spin_loop: on a machine with few cores the copy workers and the
-                // application need this core more than we do.
-                Wait::Yield => std::thread::yield_now(),
-                Wait::Park(d) => std::thread::park_timeout(d),
+            let busy = d.busy();
+            cell.busy.store(busy, Ordering::Release);
+            (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now)
+        });
+        let Some((moved, busy, timer, now)) = pass else { return false };
+        match pace.after_pass(now, moved, busy, timer) {
+            Wait::Now => {}
+            // yield, not spin_loop: on a machine with few cores the copy workers and the
+            // application need this core more than we do.
+            Wait::Yield => std::thread::yield_now(),
+            Wait::Park(d) => {
+                // Set before parking and cleared after: an application pass that starts work
+                // meanwhile wakes us (an unpark before the park makes the park return at once).
+                cell.parked_idle.store(!busy, Ordering::Release);
+                std::thread::park_timeout(d);
+                cell.parked_idle.store(false, Ordering::Release);
             }
         }
-        let quiet = self.close();
-        self.shutdown() && quiet
+    }
+    if cell.poisoned.load(Ordering::Acquire) {
+        return false;
+    }
+    let mut g = cell.driver.lock();
+    let Some(d) = g.as_mut() else { return false };
+    let quiet = d.close();
+    d.shutdown() && quiet
+}
+
+impl Driver {
+    /// Whether work is in flight: the reactor then polls closely. Includes the receiver role:
+    /// a remote flow waiting for its next DATA must be noticed at once, not after an idle park
+    /// (which cost up to 2 ms per chunk).
+    fn busy(&self) -> bool {
+        !self.writes.is_empty()
+            || !self.queued_writes.is_empty()
+            || self.copier.in_flight() > 0
+            || !self.xfers.is_empty()
+            || !self.deregs.is_empty()
+            || self.fetches.busy()
+            || !self.ep.is_idle()
     }
 
     /// One pass; true when anything moved.
-    fn iterate(&mut self, cmds: &mut Vec<Cmd>) -> bool {
+    fn iterate(&mut self) -> bool {
         let mut moved = false;
         self.data.progress();
         let mut frames = std::mem::take(&mut self.frames);
         self.control.poll(self.control_budget, &mut frames);
-        self.shared.inbox.drain(cmds);
+        let mut cmds = std::mem::take(&mut self.cmds);
+        self.shared.inbox.drain(&mut cmds);
         let mut done = std::mem::take(&mut self.done);
         self.copier.poll_done(&mut done);
         let now = Instant::now();
@@ -552,7 +695,7 @@ impl Driver {
             moved = true;
             self.copy_done(now, job, ok);
         }
-        (self.frames, self.done) = (frames, done);
+        (self.frames, self.done, self.cmds) = (frames, done, cmds);
         moved |= self.poll_writes(now);
         moved |= self.poll_fetches(now);
         if self.ep.poll_timeout().is_some_and(|t| t <= now) {
@@ -1254,7 +1397,6 @@ impl Driver {
     /// Keeps the loop going (frames, commands, completions; writes are no longer posted) until
     /// `done` holds or `deadline` passes; true when `done` held.
     fn run_until(&mut self, deadline: Instant, done: impl Fn(&Self) -> bool) -> bool {
-        let mut cmds = Vec::new();
         loop {
             if done(self) {
                 return true;
@@ -1262,7 +1404,7 @@ impl Driver {
             if Instant::now() >= deadline {
                 return false;
             }
-            if !self.iterate(&mut cmds) {
+            if !self.iterate() {
                 std::thread::park_timeout(BUSY_SLEEP);
             }
         }

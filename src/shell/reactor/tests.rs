@@ -679,3 +679,92 @@ fn memory_deregistered_and_registered_again_at_once_bounces_normally() {
     }
     assert_eq!(a.stat(|s| &s.bounce_ok), 3);
 }
+
+/// Application threads that poll run the reactor's passes themselves: with a poller on each
+/// side driving in a loop, the transfer lands byte-exact and notifies once, and passes ran on
+/// both pollers' threads (some of them moved the transfer).
+#[test]
+fn pollers_that_drive_carry_the_transfer_byte_exact() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let dest = b.register(&mut dst);
+    let done = AtomicBool::new(false);
+    let moved = [AtomicUsize::new(0), AtomicUsize::new(0)];
+    let h = std::thread::scope(|s| {
+        for (side, count) in [&a, &b].into_iter().zip(&moved) {
+            let done = &done;
+            s.spawn(move || {
+                while !done.load(Ordering::Acquire) {
+                    if side.reactor.drive().is_some_and(|d| d.moved) {
+                        count.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        let h = a.post("b", &cfg, &src, &mut dst, dest);
+        let r = a.outcome(h, Duration::from_secs(20));
+        done.store(true, Ordering::Release);
+        assert_eq!(r, Ok(()));
+        h
+    });
+    assert_exact(&src, &dst);
+    assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
+    assert_eq!(a.stat(|s| &s.bounce_ok), 1, "request {h}");
+    let counts = moved.each_ref().map(|c| c.load(Ordering::Relaxed));
+    assert!(counts.iter().all(|&n| n > 0), "passes that moved, initiator and receiver: {counts:?}");
+    drop((a.reactor, b.reactor));
+}
+
+/// A copy engine that needs its thread prepared (a GPU arena's) keeps every pass on the
+/// reactor thread: pollers get `None` and the transfer still completes.
+#[test]
+fn no_pass_runs_on_a_poller_when_the_copy_engine_needs_its_own_thread() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let open = Arc::new(AtomicBool::new(true));
+    let (a, b) = (
+        Side::start_with("a", 11, &cfg, &net, |inner| {
+            Box::new(Gated { inner, open: Arc::clone(&open), held: Arc::default() })
+        }),
+        Side::start("b", 22, &cfg, &net),
+    );
+    a.load("b", &b);
+    b.load("a", &a);
+    let dest = b.register(&mut dst);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.shared.peers.bounce_arena("b").is_none() {
+        assert!(Instant::now() < deadline, "HELLOs were not exchanged");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.reactor.drive(), None);
+    assert!(!a.reactor.busy(), "a poller is never asked to drive");
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    drop((a.reactor, b.reactor));
+}
+
+/// The reactor thread leaves the passes to the pollers for `STAND_DOWN` after one drove, and
+/// not at all before any did.
+#[test]
+fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
+    let t0 = Instant::now();
+    let cell = Cell {
+        driver: Mutex::new(None),
+        any_thread: true,
+        parked_idle: AtomicBool::new(false),
+        busy: AtomicBool::new(false),
+        driven_at: AtomicU64::new(0),
+        poisoned: AtomicBool::new(false),
+        epoch: t0,
+    };
+    let us = Duration::from_micros;
+    assert_eq!(cell.standing_down(t0 + us(5)), None, "nobody drove yet");
+    cell.driven_at.store(cell.since_epoch(t0 + us(10)), Ordering::Release);
+    assert_eq!(cell.standing_down(t0 + us(20)), Some(STAND_DOWN - us(10)));
+    assert_eq!(cell.standing_down(t0 + us(10) + STAND_DOWN), None);
+    assert_eq!(cell.standing_down(t0 + us(10) + STAND_DOWN * 3), None);
+}
