@@ -1141,6 +1141,7 @@ impl Driver {
     fn send(&mut self, peer: PeerId, msg: Msg) {
         let Some(name) = self.shared.peers.name(peer) else { return };
         let bytes = Frame { session: self.session, msg }.to_vec();
+        let _span = tracing::trace_span!("send", peer = name, len = bytes.len()).entered();
         if let Err(e) = self.control.send(&name, &bytes) {
             self.send_failed(peer, &name, &e);
         }
