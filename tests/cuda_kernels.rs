@@ -17,9 +17,9 @@ use std::sync::Arc;
 use nixl_bounce::proto::CopyRun;
 use nixl_bounce::sys::cuda::{
     CopyDir, CudaError, DeviceAlloc, DevicePlan, ExecContext, GATHER_KERNEL, Gpu, GpuTimer, Kernels, PLAN_CHECK_KERNEL,
-    PlanPlacement, PlanPool, SCATTER_CHECKED_KERNEL, SCATTER_KERNEL, alloc_vram, batched_copy, embedded_ptx,
-    encode_plan, gather, gather_planned, plan_bytes, region_plan_verdict, scatter, scatter_planned,
-    scatter_region_plan, stage_plan,
+    PlanPlacement, PlanPool, SCATTER_CHECKED_KERNEL, SCATTER_KERNEL, alloc_vram, batched_copy, current_device,
+    embedded_ptx, encode_plan, gather, gather_planned, plan_bytes, region_plan_verdict, restore_thread_context,
+    scatter, scatter_planned, scatter_region_plan, stage_plan,
 };
 
 /// SplitMix64: a seeded generator, so a failure names a reproducible case.
@@ -102,6 +102,26 @@ struct Case {
 
 /// The length of a random piece: log-uniform over 1 B .. 1 MiB, half the time rounded to a
 /// multiple of 16 so the vector path is exercised with whole vectors too.
+/// A thread BOUNCE binds a GPU's context on gets back what it had when the call returns (the
+/// FFI edge restores after every entry point): here a thread with no context, bound twice, has
+/// none again after one restore, and a restore with nothing bound changes nothing.
+#[test]
+fn a_bound_context_is_put_back_to_what_the_thread_had() {
+    let Some((gpu, _k)) = gpu_or_skip("a_bound_context_is_put_back_to_what_the_thread_had") else { return };
+    std::thread::spawn(move || {
+        assert_eq!(current_device().unwrap(), None, "a new thread has no context");
+        gpu.bind().unwrap();
+        gpu.bind().unwrap();
+        assert_eq!(current_device().unwrap(), Some(gpu.ordinal()));
+        restore_thread_context();
+        assert_eq!(current_device().unwrap(), None, "the thread had no context before the binds");
+        restore_thread_context();
+        assert_eq!(current_device().unwrap(), None);
+    })
+    .join()
+    .unwrap();
+}
+
 fn piece_len(rng: &mut Rng, max_log2: u64) -> u64 {
     let base = 1u64 << rng.below(max_log2 + 1);
     let jitter_log2 = rng.below(max_log2 + 1).min(12);

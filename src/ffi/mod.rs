@@ -17,8 +17,13 @@ pub use status::Status;
 ///
 /// Since Rust 1.81 an unwind out of an `extern "C"` function aborts the process; catching it here
 /// keeps that abort a backstop that never fires.
+///
+/// On the way out the calling thread's CUDA context is put back if anything in the call bound
+/// another ([`crate::sys::cuda::restore_thread_context`]).
 pub fn guard(what: &'static str, f: impl FnOnce() -> Status) -> Status {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    let outcome = catch_unwind(AssertUnwindSafe(f));
+    crate::sys::cuda::restore_thread_context();
+    match outcome {
         Ok(s) => s,
         Err(payload) => {
             let msg = payload

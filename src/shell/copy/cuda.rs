@@ -285,10 +285,18 @@ impl CopyEngine for CudaCopyEngine {
         Ok(())
     }
 
-    fn prepare_thread(&mut self) {
-        if let Err(e) = self.arena.gpu().bind() {
-            tracing::warn!(error = %e, "cannot make the arena's CUDA context current on the reactor thread");
+    fn prepare_thread(&mut self) -> bool {
+        match self.arena.gpu().bind() {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot make the arena's CUDA context current on this thread");
+                false
+            }
         }
+    }
+
+    fn any_thread(&self) -> bool {
+        true
     }
 
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {

@@ -54,13 +54,16 @@ pub(crate) trait CopyEngine: Send {
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize;
     /// Jobs accepted and not yet reported.
     fn in_flight(&self) -> usize;
-    /// Prepares the calling thread (the reactor's, once at its start) for work on this
-    /// engine's memory: the CUDA engine makes its GPU's context current there, which the inner
-    /// engine's writes from GPU memory need too. Nothing for host memory.
-    fn prepare_thread(&mut self) {}
-    /// Whether jobs may be submitted and polled from any thread with no [`Self::prepare_thread`]
-    /// (then an application thread may run the reactor's passes while it polls). False unless
-    /// an engine says so.
+    /// Prepares the calling thread for work on this engine's memory: the CUDA engine makes its
+    /// GPU's context current there (the reactor's thread once at its start; an application
+    /// thread before each reactor pass it runs, the FFI edge restoring its own context after),
+    /// which the inner engine's writes from GPU memory need too. Nothing for host memory.
+    /// False when the thread cannot be prepared: then no pass may run on it.
+    fn prepare_thread(&mut self) -> bool {
+        true
+    }
+    /// Whether an application thread may run the reactor's passes while it polls (after
+    /// [`Self::prepare_thread`]). False unless an engine says so.
     fn any_thread(&self) -> bool {
         false
     }

@@ -285,8 +285,8 @@ pub(crate) struct Drove {
 struct Cell {
     /// `None` once the reactor thread has ended.
     driver: Mutex<Option<Driver>>,
-    /// Passes may run on any thread: the copy engine needs no per-thread set-up (host memory;
-    /// a GPU arena's context must be current, which we do not impose on application threads).
+    /// Passes may run on application threads ([`CopyEngine::any_thread`]; a GPU arena's
+    /// context is made current for the pass and the application's restored at the FFI edge).
     any_thread: bool,
     /// The reactor thread parks without work in flight (up to [`pace::IDLE_PARK`]): a pass
     /// elsewhere that started work must wake it, or the work's next step could wait that long.
@@ -504,6 +504,10 @@ impl Reactor {
         }
         let mut g = self.cell.driver.try_lock()?;
         let d = g.as_mut()?;
+        // A GPU arena's context, current here until the FFI edge puts the application's back.
+        if !d.copier.prepare_thread() {
+            return None;
+        }
         let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate())) {
             Ok(moved) => {
@@ -610,7 +614,7 @@ fn run(cell: &Cell, stop: &AtomicBool) -> bool {
     // Writes are posted from this thread too: a GPU arena's context must be current here
     // before the first one (a direct write from GPU memory may come before any copy).
     if let Some(d) = cell.driver.lock().as_mut() {
-        d.copier.prepare_thread();
+        let _ = d.copier.prepare_thread();
     }
     crate::sys::thread::precise_sleeps();
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);

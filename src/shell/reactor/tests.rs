@@ -717,10 +717,10 @@ fn pollers_that_drive_carry_the_transfer_byte_exact() {
     drop((a.reactor, b.reactor));
 }
 
-/// A copy engine that needs its thread prepared (a GPU arena's) keeps every pass on the
-/// reactor thread: pollers get `None` and the transfer still completes.
+/// A copy engine that does not allow passes on other threads keeps every pass on the reactor
+/// thread: pollers get `None` and the transfer still completes.
 #[test]
-fn no_pass_runs_on_a_poller_when_the_copy_engine_needs_its_own_thread() {
+fn no_pass_runs_on_a_poller_when_the_copy_engine_does_not_allow_it() {
     let cfg = config("10000");
     let net = MemNet::default();
     let (src, mut dst) = buffers();
@@ -745,6 +745,41 @@ fn no_pass_runs_on_a_poller_when_the_copy_engine_needs_its_own_thread() {
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert_exact(&src, &dst);
     drop((a.reactor, b.reactor));
+}
+
+/// A copy engine that allows passes on other threads but cannot prepare this one (a GPU
+/// context that will not bind) runs no pass there.
+struct Unpreparable(CpuEngine);
+
+impl CopyEngine for Unpreparable {
+    fn submit(&mut self, job: CopyJob) -> std::result::Result<(), CopyJob> {
+        self.0.submit(job)
+    }
+
+    fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
+        self.0.poll_done(out)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.0.in_flight()
+    }
+
+    fn prepare_thread(&mut self) -> bool {
+        false
+    }
+
+    fn any_thread(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn no_pass_runs_on_a_thread_the_copy_engine_cannot_prepare() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let a = Side::start_with("a", 11, &cfg, &net, |inner| Box::new(Unpreparable(inner)));
+    assert_eq!(a.reactor.drive(), None);
+    drop(a.reactor);
 }
 
 /// The reactor thread leaves the passes to the pollers for `STAND_DOWN` after one drove, and

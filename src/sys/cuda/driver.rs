@@ -95,6 +95,25 @@ pub fn current_device() -> Result<Option<i32>, CudaError> {
     Ok(None)
 }
 
+thread_local! {
+    /// The context that was current on this thread before the first [`Gpu::bind`] that changed
+    /// it since the last [`restore_thread_context`] (`Some(0)`: none was).
+    static REPLACED: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes current again on this thread the context (or no context) that was current before
+/// [`Gpu::bind`] first replaced it, if it did. Every entry point NIXL calls runs this on its way
+/// out: a CUDA context is the application's runtime's current device, and a call into BOUNCE
+/// (registering memory of another GPU, a same-host GPU copy, a reactor pass) must not change it
+/// under the application. Costs a thread-local read when nothing was bound.
+pub fn restore_thread_context() {
+    let Some(prev) = REPLACED.with(std::cell::Cell::take) else { return };
+    // A context was bound, so the driver is loaded and initialised. SAFETY: `prev` was current
+    // on this thread when it was replaced; a context the application destroyed since is
+    // refused by the driver with an error, which leaves no context current (nothing to do).
+    let _ = unsafe { cu::cuCtxSetCurrent(prev as cu::CUcontext) };
+}
+
 /// One GPU with its primary context retained (shared with the application's runtime, so device
 /// pointers it allocated are valid in it).
 #[derive(Debug)]
@@ -154,10 +173,24 @@ impl Gpu {
     }
 
     /// Makes this GPU's context current on the calling thread (cheap; call before driver work
-    /// on a thread that may not have it).
+    /// on a thread that may not have it). The context it replaces is remembered for
+    /// [`restore_thread_context`]: an application thread that calls into BOUNCE gets its own
+    /// back when the call returns.
     pub fn bind(&self) -> Result<(), CudaError> {
+        let mut current = std::ptr::null_mut();
+        // SAFETY: the driver is initialised (this Gpu exists); valid out-pointer.
+        check("cuCtxGetCurrent", unsafe { cu::cuCtxGetCurrent(&mut current) })?;
+        if current == self.ctx {
+            return Ok(());
+        }
         // SAFETY: `ctx` is retained for as long as `self` lives.
-        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.ctx) })
+        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.ctx) })?;
+        REPLACED.with(|r| {
+            if r.get().is_none() {
+                r.set(Some(current as usize));
+            }
+        });
+        Ok(())
     }
 
     /// The device ordinal.
