@@ -820,7 +820,14 @@ impl Engine {
     fn poll_wait(&self, drove: Option<Drove>) -> Duration {
         match drove {
             Some(d) if d.moved || !d.copying => Duration::ZERO,
-            _ => self.config.check_wait,
+            Some(_) => {
+                // This poller stops driving for a while: the reactor thread takes over now.
+                if let Some(b) = self.bounce.as_ref().filter(|_| !self.config.check_wait.is_zero()) {
+                    b.reactor.resign();
+                }
+                self.config.check_wait
+            }
+            None => self.config.check_wait,
         }
     }
 

@@ -490,6 +490,15 @@ impl Reactor {
         Ok(Self { shared, cell, stop, thread: Some(thread) })
     }
 
+    /// The poller that drove is about to wait (for copies on the workers or the GPU): the
+    /// reactor thread stops standing down and, if it is parked for that, is woken, so nothing
+    /// that arrives meanwhile waits for the stand-down to end.
+    pub(crate) fn resign(&self) {
+        if self.cell.resign() {
+            self.shared.inbox.wake();
+        }
+    }
+
     /// Whether work was in flight after the latest pass: a poller should drive.
     pub(crate) fn busy(&self) -> bool {
         self.cell.any_thread && self.cell.busy.load(Ordering::Acquire)
@@ -594,6 +603,12 @@ const STAND_DOWN: Duration = Duration::from_micros(50);
 impl Cell {
     fn since_epoch(&self, now: Instant) -> u64 {
         u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// No application thread drives any more: the reactor thread stops standing down. True
+    /// when it was (it may be parked for that, and wants waking).
+    fn resign(&self) -> bool {
+        self.driven_at.swap(0, Ordering::AcqRel) != 0
     }
 
     /// How much longer the reactor thread stands down, if an application thread drove within

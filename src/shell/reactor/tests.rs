@@ -782,8 +782,8 @@ fn no_pass_runs_on_a_thread_the_copy_engine_cannot_prepare() {
     drop(a.reactor);
 }
 
-/// The reactor thread leaves the passes to the pollers for `STAND_DOWN` after one drove, and
-/// not at all before any did.
+/// The reactor thread leaves the passes to the pollers for `STAND_DOWN` after one drove, not at
+/// all before any did, and no longer once the poller resigned (it went to wait).
 #[test]
 fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
     let t0 = Instant::now();
@@ -802,4 +802,10 @@ fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
     assert_eq!(cell.standing_down(t0 + us(20)), Some(STAND_DOWN - us(10)));
     assert_eq!(cell.standing_down(t0 + us(10) + STAND_DOWN), None);
     assert_eq!(cell.standing_down(t0 + us(10) + STAND_DOWN * 3), None);
+    // A poller that goes to wait resigns: the stand-down ends at once.
+    cell.driven_at.store(cell.since_epoch(t0 + us(100)), Ordering::Release);
+    assert!(cell.standing_down(t0 + us(110)).is_some());
+    assert!(cell.resign(), "it was standing down");
+    assert_eq!(cell.standing_down(t0 + us(110)), None);
+    assert!(!cell.resign());
 }
