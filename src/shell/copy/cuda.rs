@@ -295,9 +295,10 @@ impl CopyEngine for CudaCopyEngine {
         }
     }
 
-    fn any_thread(&self) -> bool {
-        true
-    }
+    // `any_thread` stays false: passes on the application's threads were measured no faster
+    // for GPU arenas on the H200 (a bounced 16384 x 4 KiB VRAM WRITE 0.58-0.69 ms against
+    // 0.55-0.60 without, BENCHMARKS.md session 11): with 16 cores the reactor thread already
+    // spins around activity, and the GPU's copies, not the hops, bound the transfer.
 
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
         let before = out.len();

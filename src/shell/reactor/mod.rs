@@ -639,13 +639,20 @@ fn run(cell: &Cell, stop: &AtomicBool) -> bool {
             std::thread::park_timeout(left);
             continue;
         }
-        let pass = cell.driver.lock().as_mut().map(|d| {
+        // An application thread in a pass does this pass's work: leave it the driver rather
+        // than queue behind it (and be woken late when it lets go).
+        let Some(mut g) = cell.driver.try_lock() else {
+            std::thread::park_timeout(STAND_DOWN);
+            continue;
+        };
+        let pass = g.as_mut().map(|d| {
             let moved = d.iterate();
             let now = Instant::now();
             let busy = d.busy();
             cell.busy.store(busy, Ordering::Release);
             (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now)
         });
+        drop(g);
         let Some((moved, busy, timer, now)) = pass else { return false };
         match pace.after_pass(now, moved, busy, timer) {
             Wait::Now => {}
