@@ -807,7 +807,7 @@ pub unsafe extern "C" fn bnc_control_arrived(engine: *mut c_void) {
     guard_void("bnc_control_arrived", || {
         // SAFETY: caller contract.
         if let Some(e) = unsafe { engine_ref(engine) } {
-            e.control_arrived();
+            let _ = e.control_arrived();
         }
     });
 }

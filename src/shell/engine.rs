@@ -757,13 +757,11 @@ impl Engine {
         let bell = self.mail.bell();
         let ticket = bell.ticket();
         let got = self.pull_and_take()?;
-        if self.mail.control_waiting() || self.bounce_busy() {
-            self.control_arrived();
-        }
+        let drove = if self.mail.control_waiting() || self.bounce_busy() { self.control_arrived() } else { None };
         if !got.is_empty() || !self.notif_poll_is_busy() {
             return Ok(got);
         }
-        let wait = self.poll_wait(self.drive());
+        let wait = self.poll_wait(drove.or_else(|| self.drive()));
         if !wait.is_zero() && bell.wait_past(ticket, wait) {
             return self.pull_and_take();
         }
@@ -798,10 +796,12 @@ impl Engine {
     /// busy: run a reactor pass here, or wake the reactor thread when no pass can run here (a
     /// GPU arena, or the thread is in a pass of its own and may have polled before the frames
     /// were queued).
-    pub(crate) fn control_arrived(&self) {
-        if self.drive().is_none() {
+    pub(crate) fn control_arrived(&self) -> Option<Drove> {
+        let drove = self.drive();
+        if drove.is_none() {
             self.mail.wake_reactor();
         }
+        drove
     }
 
     /// One reactor pass on the calling thread ([`Reactor::drive`]), or `None` when none ran.

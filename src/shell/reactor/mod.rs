@@ -596,8 +596,9 @@ const MAX_WRITES_IN_FLIGHT: usize = 2;
 /// How long the reactor thread leaves the passes to the application after one of its threads
 /// drove: a poller that drives is the transfer's progress, and a reactor thread running passes
 /// beside it only contends for the driver and, on a small host, for the cores (a lock holder
-/// preempted by the other cost a scheduler tick, 4 ms, per transfer). As long as one
-/// busy poll apart (`BUSY_POLL_GAP`), so a poller that stops is replaced within it.
+/// preempted by the other cost a scheduler tick, 4 ms, per transfer). As long as the engine's
+/// busy-poll gap, so a poller that stops polling is replaced within it (one that goes to wait
+/// resigns at once, [`Reactor::resign`]).
 const STAND_DOWN: Duration = Duration::from_micros(50);
 
 impl Cell {
