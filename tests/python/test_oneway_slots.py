@@ -6,6 +6,8 @@ as many READs. What must hold: every transfer completes, every destination byte 
 transfer carried (each transfer from a pattern of its own seed) and every byte between the
 destinations is untouched; the counters show the bounce path, WANTs that waited for a slot
 (`one_way_queued` > 0) and none dropped (`one_way_refused` == 0)."""
+import os
+import signal
 import time
 
 import numpy as np
@@ -27,12 +29,19 @@ def layouts(seed):
     return [nixlkit.Scattered(PIECES, SIZE, seed=seed + k) for k in range(XFERS)]
 
 
-def post_all(ag, handles, deadline=40):
-    """Posts every prepared transfer back to back (so they are all in flight at once), then
-    waits for all; returns their states and when each ended after the first post."""
+def post_all(ag, handles, hold, deadline=40):
+    """Posts every prepared transfer back to back while the target process `hold` is stopped
+    (SIGSTOP), so that all of them are in flight at once however fast the first ones could
+    finish (a posting thread now runs the WANT out itself, and small transfers finished while
+    later ones were still being posted), then lets it go on and waits for all; returns their
+    states and when each ended after the first post."""
     t0 = time.monotonic()
-    for h in handles:
-        assert ag.transfer(h) != "ERR"
+    os.kill(hold, signal.SIGSTOP)
+    try:
+        for h in handles:
+            assert ag.transfer(h) != "ERR"
+    finally:
+        os.kill(hold, signal.SIGCONT)
     posted = time.monotonic() - t0
     states, ended = run_all(ag, handles, deadline)
     print(f"\nposted {len(handles)} in {posted * 1e3:.1f} ms", end="")
@@ -74,12 +83,13 @@ def expected_all(lays, sources, before):
                            for k, lay in enumerate(lays)])
 
 
-def transfer_all(ag, op, peer_name, lists):
-    """Prepares one `op` per (local, remote) descriptor list pair, posts them all back to back,
-    waits until each is DONE and releases them; returns when each ended (see `post_all`)."""
+def transfer_all(ag, op, peer_name, lists, hold):
+    """Prepares one `op` per (local, remote) descriptor list pair, posts them all back to back
+    while process `hold` is stopped, waits until each is DONE and releases them; returns when
+    each ended (see `post_all`)."""
     handles = [ag.initialize_xfer(op, ag.get_xfer_descs(lo, "DRAM"), ag.get_xfer_descs(re, "DRAM"),
                                   peer_name, b"", backends=["BOUNCE"]) for lo, re in lists]
-    states, ended = post_all(ag, handles)
+    states, ended = post_all(ag, handles, hold)
     assert states == ["DONE"] * len(handles), f"states: {states}"
     for h in handles:
         ag.release_xfer_handle(h)
@@ -100,7 +110,7 @@ def test_more_one_way_writes_than_a_peers_slots_all_land_byte_exact(procs, tmp_p
     lists = [(lay.src_list(src.ctypes.data + k * src_bytes), lay.dst_list(raddr + k * dst_bytes))
              for k, lay in enumerate(lays)]
     with watchdog(60, [p], "one-way writes past the slot cap"):
-        ended = transfer_all(ag, "WRITE", "ows-w-rx", lists)
+        ended = transfer_all(ag, "WRITE", "ows-w-rx", lists, p.proc.pid)
     before = nixlkit.pattern(401, XFERS * dst_bytes)
     expected = expected_all(lays, src, before)
     nixlkit.assert_same(dump(p, tmp_path, "ows-w-rx.bin"), expected, "destinations (and every byte between them)")
@@ -124,7 +134,7 @@ def test_more_one_way_reads_than_a_peers_slots_all_land_byte_exact(procs):
     lists = [(lay.dst_list(dst.ctypes.data + k * dst_bytes), lay.src_list(raddr + k * src_bytes))
              for k, lay in enumerate(lays)]
     with watchdog(60, [p], "one-way READs past the slot cap"):
-        ended = transfer_all(ag, "READ", "ows-r-tgt", lists)
+        ended = transfer_all(ag, "READ", "ows-r-tgt", lists, p.proc.pid)
     sources = nixlkit.pattern(801, XFERS * src_bytes)
     expected = expected_all(lays, sources, before)
     nixlkit.assert_same(dst, expected, "READ destinations (and every byte between them)")
@@ -146,14 +156,12 @@ def test_under_the_slot_cap_nothing_waits(procs):
     ag.add_remote_agent(meta)
     t0 = peer_stats(p)
     with watchdog(60, [p], "one-way writes under the slot cap"):
-        handles = []
-        for k, lay in enumerate(lays):
-            lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data + k * src_bytes), "DRAM")
-            re = ag.get_xfer_descs(lay.dst_list(raddr + k * dst_bytes), "DRAM")
-            h = ag.initialize_xfer("WRITE", lo, re, "ows-c-rx", b"", backends=["BOUNCE"])
-            assert ag.transfer(h) != "ERR"
-            handles.append(h)
-        states, _ = run_all(ag, handles, 40)
+        # Posted as the tests above post theirs: all at once, the target stopped meanwhile.
+        lists = [(lay.src_list(src.ctypes.data + k * src_bytes), lay.dst_list(raddr + k * dst_bytes))
+                 for k, lay in enumerate(lays)]
+        handles = [ag.initialize_xfer("WRITE", ag.get_xfer_descs(lo, "DRAM"), ag.get_xfer_descs(re, "DRAM"),
+                                      "ows-c-rx", b"", backends=["BOUNCE"]) for lo, re in lists]
+        states, _ = post_all(ag, handles, p.proc.pid)
         assert states == ["DONE"] * len(lays), f"states: {states}"
         for h in handles:
             ag.release_xfer_handle(h)
