@@ -50,7 +50,8 @@ def test_a_bounced_write_shows_its_pipeline_as_nvtx_ranges(tmp_path):
                    check=True)
     out = tmp_path / "ranges.txt"
     env = dict(os.environ, NIXL_BOUNCE_NVTX="1", NIXL_BOUNCE_NVTX_LIB=lib, NVTX_INJECTION64_PATH=str(probe),
-               BOUNCE_NVTX_PROBE_OUT=str(out), NIXL_BOUNCE_CMA="0", PYTHONPATH=HERE)
+               BOUNCE_NVTX_PROBE_OUT=str(out), NIXL_BOUNCE_CMA="0",
+               PYTHONPATH=os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
     r = subprocess.run([sys.executable, os.path.join(HERE, "nvtx_transfer.py")], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
