@@ -214,7 +214,11 @@ fn config(timeout_ms: &str) -> Config {
 
 /// Two reactors that loaded each other and exchanged HELLOs.
 fn pair(config: &Config, net: &MemNet) -> (Side, Side) {
-    let (a, b) = (Side::start("a", 11, config, net), Side::start("b", 22, config, net));
+    introduce(Side::start("a", 11, config, net), Side::start("b", 22, config, net))
+}
+
+/// Sides "a" and "b" load each other; returns them once both exchanged HELLOs.
+fn introduce(a: Side, b: Side) -> (Side, Side) {
     a.load("b", &b);
     b.load("a", &a);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -578,15 +582,11 @@ fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
     let (open, held) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
     let (o, h) = (Arc::clone(&open), Arc::clone(&held));
     let (src, mut dst) = buffers();
-    let a = Side::start("a", 11, &cfg, &net);
-    let b = Side::start_with("b", 22, &cfg, &net, move |inner| Box::new(Gated { inner, open: o, held: h }));
-    a.load("b", &b);
-    b.load("a", &a);
+    let (a, b) = introduce(
+        Side::start("a", 11, &cfg, &net),
+        Side::start_with("b", 22, &cfg, &net, move |inner| Box::new(Gated { inner, open: o, held: h })),
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !(a.shared.peers.bounce_arena("b").is_some() && b.shared.peers.bounce_arena("a").is_some()) {
-        assert!(Instant::now() < deadline, "HELLOs were not exchanged");
-        std::thread::sleep(Duration::from_millis(1));
-    }
     let dest = b.register(&mut dst);
     let x = a.post("b", &cfg, &src, &mut dst, dest);
     // b's first scatter into dst is accepted and "running" (held at the gate).
@@ -725,20 +725,13 @@ fn no_pass_runs_on_a_poller_when_the_copy_engine_does_not_allow_it() {
     let net = MemNet::default();
     let (src, mut dst) = buffers();
     let open = Arc::new(AtomicBool::new(true));
-    let (a, b) = (
+    let (a, b) = introduce(
         Side::start_with("a", 11, &cfg, &net, |inner| {
             Box::new(Gated { inner, open: Arc::clone(&open), held: Arc::default() })
         }),
         Side::start("b", 22, &cfg, &net),
     );
-    a.load("b", &b);
-    b.load("a", &a);
     let dest = b.register(&mut dst);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while a.shared.peers.bounce_arena("b").is_none() {
-        assert!(Instant::now() < deadline, "HELLOs were not exchanged");
-        std::thread::sleep(Duration::from_millis(1));
-    }
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.reactor.drive(), None);
     assert!(!a.reactor.busy(), "a poller is never asked to drive");
