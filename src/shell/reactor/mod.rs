@@ -390,6 +390,8 @@ struct Driver {
     frames: Vec<(String, Vec<u8>)>,
     done: Vec<(JobId, bool)>,
     cmds: Vec<Cmd>,
+    /// The latest pass took as many control frames as its budget allowed.
+    control_full: bool,
 }
 
 /// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
@@ -451,6 +453,7 @@ impl Reactor {
             frames: Vec::new(),
             done: Vec::new(),
             cmds: Vec::new(),
+            control_full: false,
         };
         let session = d.session;
         let cell = Arc::new(Cell {
@@ -518,14 +521,24 @@ impl Reactor {
             return None;
         }
         let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate())) {
+        // A pass on the application's call handles a bounded batch of frames: a peer flooding
+        // us must not hold that call for the whole flood.
+        let budget = d.control_budget.min(SOCKET_POLL_BATCH);
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget))) {
             Ok(moved) => {
                 let copying = d.copier.in_flight() > 0;
                 self.cell.busy.store(d.busy(), Ordering::Release);
-                self.cell.driven_at.store(self.cell.since_epoch(Instant::now()), Ordering::Release);
+                let more = d.control_full;
                 drop(g);
-                if moved && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
+                if more {
+                    // The rest of the batch is the reactor thread's, at once.
+                    self.cell.resign();
                     self.shared.inbox.wake();
+                } else {
+                    self.cell.driven_at.store(self.cell.since_epoch(Instant::now()), Ordering::Release);
+                    if moved && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
+                        self.shared.inbox.wake();
+                    }
                 }
                 Some(Drove { moved, copying })
             }
@@ -585,8 +598,9 @@ impl Drop for Reactor {
 
 /// Most control frames read from a socket (ZMQ) per reactor pass, so a flood cannot starve the
 /// rest of the loop. Frames the inner engine already delivered (UCX) are all handled in the pass
-/// that pulled them, as they always were: a flood then runs as one pass, with no timer firing
-/// (lease reclaims) in the middle of it.
+/// that pulled them by the reactor thread, as they always were: a flood then runs as one pass,
+/// with no timer firing (lease reclaims) in the middle of it. A pass on an application's call
+/// ([`Reactor::drive`]) takes at most this many too, and leaves the rest to the reactor thread.
 pub(crate) const SOCKET_POLL_BATCH: usize = 256;
 /// Writes handed to the data path at once, per peer. UCX runs them one after another anyway; keeping
 /// one queued behind the running one keeps the link busy, and holding the rest back here lets
@@ -679,6 +693,11 @@ fn run(cell: &Cell, stop: &AtomicBool) -> bool {
 }
 
 impl Driver {
+    /// One pass of the reactor thread (its channel's whole budget).
+    fn iterate(&mut self) -> bool {
+        self.iterate_with(self.control_budget)
+    }
+
     /// Whether work is in flight: the reactor then polls closely. Includes the receiver role:
     /// a remote flow waiting for its next DATA must be noticed at once, not after an idle park
     /// (which cost up to 2 ms per chunk).
@@ -692,12 +711,13 @@ impl Driver {
             || !self.ep.is_idle()
     }
 
-    /// One pass; true when anything moved.
-    fn iterate(&mut self) -> bool {
+    /// One pass, handling at most `budget` control frames; true when anything moved. Sets
+    /// `control_full` when the budget was used up (more may wait).
+    fn iterate_with(&mut self, budget: usize) -> bool {
         let mut moved = false;
         self.data.progress();
         let mut frames = std::mem::take(&mut self.frames);
-        self.control.poll(self.control_budget, &mut frames);
+        self.control_full = self.control.poll(budget, &mut frames) >= budget;
         let mut cmds = std::mem::take(&mut self.cmds);
         self.shared.inbox.drain(&mut cmds);
         let mut done = std::mem::take(&mut self.done);
