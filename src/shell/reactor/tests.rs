@@ -104,6 +104,18 @@ impl Side {
         net: &MemNet,
         wrap: impl FnOnce(CpuEngine) -> Box<dyn CopyEngine>,
     ) -> Self {
+        Self::start_full(name, session, config, wrap, Box::new(net.join(name)), SOCKET_POLL_BATCH)
+    }
+
+    /// As [`Side::start_with`], over `control` read `control_budget` frames a pass.
+    fn start_full(
+        name: &str,
+        session: u64,
+        config: &Config,
+        wrap: impl FnOnce(CpuEngine) -> Box<dyn CopyEngine>,
+        control: Box<dyn ControlChannel>,
+        control_budget: usize,
+    ) -> Self {
         // As the engine maps it: the scheduler's part, then the mailbox and the fetch area.
         let one_way = OneWayLayout::for_config(config);
         let len = one_way.arena_len.max(config.arena_size);
@@ -122,8 +134,8 @@ impl Side {
             bytes: Some(ArenaBytes::Host(host)),
             copier: wrap(copier),
             data: Box::new(path),
-            control: Box::new(net.join(name)),
-            control_budget: SOCKET_POLL_BATCH,
+            control,
+            control_budget,
         };
         let reactor = Reactor::start(config, Arc::clone(&shared), parts).unwrap();
         let caps = Capabilities {
@@ -239,6 +251,14 @@ fn buffers() -> (Vec<u8>, Vec<u8>) {
     (src, vec![0xEE; PIECES * 3 * PIECE])
 }
 
+/// `a`'s transfer to "b" landed: every byte in place, its notification sent once (after the
+/// data), counted as one bounced transfer.
+fn assert_landed_once(a: &Side, src: &[u8], dst: &[u8]) {
+    assert_exact(src, dst);
+    assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
+    assert_eq!(a.stat(|s| &s.bounce_ok), 1);
+}
+
 /// Every piece landed where it belongs, and nothing between the pieces was touched.
 fn assert_exact(src: &[u8], dst: &[u8]) {
     for i in 0..PIECES {
@@ -296,9 +316,7 @@ fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
-    assert_exact(&src, &dst);
-    assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
-    assert_eq!(a.stat(|s| &s.bounce_ok), 1);
+    assert_landed_once(&a, &src, &dst);
     assert_eq!(b.stat(|s| &s.control_dropped), 0);
     drop((a.reactor, b.reactor));
 }
@@ -692,7 +710,7 @@ fn pollers_that_drive_carry_the_transfer_byte_exact() {
     let dest = b.register(&mut dst);
     let done = AtomicBool::new(false);
     let moved = [AtomicUsize::new(0), AtomicUsize::new(0)];
-    let h = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         for (side, count) in [&a, &b].into_iter().zip(&moved) {
             let done = &done;
             s.spawn(move || {
@@ -707,11 +725,8 @@ fn pollers_that_drive_carry_the_transfer_byte_exact() {
         let r = a.outcome(h, Duration::from_secs(20));
         done.store(true, Ordering::Release);
         assert_eq!(r, Ok(()));
-        h
     });
-    assert_exact(&src, &dst);
-    assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
-    assert_eq!(a.stat(|s| &s.bounce_ok), 1, "request {h}");
+    assert_landed_once(&a, &src, &dst);
     let counts = moved.each_ref().map(|c| c.load(Ordering::Relaxed));
     assert!(counts.iter().all(|&n| n > 0), "passes that moved, initiator and receiver: {counts:?}");
     drop((a.reactor, b.reactor));
