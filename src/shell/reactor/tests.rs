@@ -13,7 +13,7 @@ use memmap2::MmapMut;
 
 use super::*;
 use crate::shell::arena::ArenaBytes;
-use crate::shell::control::mem::{Fate, MemNet};
+use crate::shell::control::mem::{Fate, MemChannel, MemNet};
 use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
 use crate::shell::registry::Registration;
 use crate::shell::requests::State;
@@ -816,4 +816,69 @@ fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
     assert!(cell.resign(), "it was standing down");
     assert_eq!(cell.standing_down(t0 + us(110)), None);
     assert!(!cell.resign());
+}
+
+/// A control channel that records how many frames each `poll` took, and on which thread; while
+/// `only` names a thread, the others' polls find nothing (as a reactor thread kept off the
+/// core would not poll).
+struct Counted {
+    inner: MemChannel,
+    takes: Arc<Mutex<Vec<(std::thread::ThreadId, usize)>>>,
+    only: Arc<Mutex<Option<std::thread::ThreadId>>>,
+}
+
+impl ControlChannel for Counted {
+    fn send(&mut self, peer: &str, frame: &[u8]) -> std::result::Result<(), ControlError> {
+        self.inner.send(peer, frame)
+    }
+
+    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+        let me = std::thread::current().id();
+        if self.only.lock().is_some_and(|t| t != me) {
+            return 0;
+        }
+        let n = self.inner.poll(budget, out);
+        if n > 0 {
+            self.takes.lock().push((std::thread::current().id(), n));
+        }
+        n
+    }
+
+    fn forget(&mut self, peer: &str) {
+        self.inner.forget(peer);
+    }
+}
+
+/// A peer floods us over a channel read without a budget (as UCX's is): a pass run on the
+/// application's call takes `SOCKET_POLL_BATCH` of the frames, not the flood, the reactor
+/// thread the rest, and every one of them is refused and counted.
+#[test]
+fn a_pollers_pass_takes_a_bounded_batch_of_a_flood() {
+    const FLOOD: usize = 1000;
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let me = std::thread::current().id();
+    let (takes, only) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Some(me))));
+    let channel = Counted { inner: net.join("b"), takes: Arc::clone(&takes), only: Arc::clone(&only) };
+    let b = Side::start_full("b", 22, &cfg, |c| Box::new(c), Box::new(channel), usize::MAX);
+    let mut stranger = net.join("x");
+    // Bytes that only start like a frame: refused at decoding, whoever sends them.
+    let hello = wire::encode_hello(7);
+    for _ in 0..FLOOD {
+        stranger.send("b", &hello[..hello.len() / 2]).unwrap();
+    }
+    // This thread's pass meets the whole flood; then the reactor thread may poll again.
+    while b.reactor.drive().is_none() {}
+    *only.lock() = None;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.stat(|s| &s.control_dropped) < FLOOD as u64 {
+        assert!(Instant::now() < deadline, "the flood was not all refused");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(b.stat(|s| &s.control_dropped), FLOOD as u64);
+    let takes = takes.lock();
+    let mine: Vec<usize> = takes.iter().filter(|t| t.0 == me).map(|t| t.1).collect();
+    assert_eq!(mine, [SOCKET_POLL_BATCH], "the poller's one pass took one bounded batch");
+    assert_eq!(takes.iter().map(|t| t.1).sum::<usize>(), FLOOD, "the reactor thread took the rest");
+    drop(b.reactor);
 }
