@@ -41,9 +41,10 @@ pub(crate) struct CopyJob {
 /// A copy engine: CPU workers (memcpy / streaming stores) or CUDA streams (kernels).
 ///
 /// Contract: `submit` never waits for anything (it may run a small job at once on the calling
-/// thread, which then reports it at the next `poll_done`); every accepted job is reported exactly once by
-/// `poll_done` (ok=false on any failure); `poll_done` never blocks; dropping the engine waits
-/// for (or safely abandons, never leaving a copy running on freed memory) every accepted job.
+/// thread, which then reports it at the next `poll_done`); every accepted job is reported
+/// exactly once by `poll_done` (ok=false on any failure); `poll_done` never blocks; dropping
+/// the engine waits for (or safely abandons, never leaving a copy running on freed memory)
+/// every accepted job.
 /// The arena an engine copies into and out of is given to it at construction, and it checks
 /// each job's region against that arena before copying (defense in depth).
 pub(crate) trait CopyEngine: Send {
@@ -55,8 +56,9 @@ pub(crate) trait CopyEngine: Send {
     /// Jobs accepted and not yet reported.
     fn in_flight(&self) -> usize;
     /// Prepares the calling thread for work on this engine's memory: the CUDA engine makes its
-    /// GPU's context current there (the reactor's thread once at its start; an application
-    /// thread before each reactor pass it runs, the FFI edge restoring its own context after),
+    /// GPU's context current there (the reactor's thread once at its start; where
+    /// [`Self::any_thread`] allows passes on application threads, such a thread before each
+    /// pass it runs, the FFI edge restoring its own context after),
     /// which the inner engine's writes from GPU memory need too. Nothing for host memory.
     /// False when the thread cannot be prepared: then no pass may run on it.
     fn prepare_thread(&mut self) -> bool {

@@ -104,8 +104,9 @@ thread_local! {
 /// Makes current again on this thread the context (or no context) that was current before
 /// [`Gpu::bind`] first replaced it, if it did. Every entry point NIXL calls runs this on its way
 /// out: a CUDA context is the application's runtime's current device, and a call into BOUNCE
-/// (registering memory of another GPU, a same-host GPU copy, a reactor pass) must not change it
-/// under the application. Costs a thread-local read when nothing was bound.
+/// (registering GPU memory, a same-host GPU copy, a reactor pass on a copy engine that allows
+/// it on application threads) must not change it under the application. Costs a thread-local
+/// read when nothing was bound.
 pub fn restore_thread_context() {
     let Some(prev) = REPLACED.with(std::cell::Cell::take) else { return };
     // A context was bound, so the driver is loaded and initialised. SAFETY: `prev` was current
