@@ -174,6 +174,11 @@ void bnc_shim_release(void *shim, void *handle);
 int32_t bnc_shim_gen_notif(void *shim, bnc_str agent, bnc_str msg);
 // Progresses the inner engine and hands every notification that arrived to `sink`, in order.
 int32_t bnc_shim_poll_notifs(void *shim, bnc_pair_sink sink, void *ctx);
+// As bnc_shim_poll_notifs, but only when the inner-engine lock is free (or this thread holds
+// it): `*polled` is 1 when it pulled, 0 when another thread holds the lock (nothing pulled).
+// The reactor's background poll: blocking there put it in a lock convoy with an application
+// calling the inner engine in a loop, and every one of the application's unlocks paid a wake.
+int32_t bnc_shim_try_poll_notifs(void *shim, bnc_pair_sink sink, void *ctx, int32_t *polled);
 
 #ifdef __cplusplus
 }

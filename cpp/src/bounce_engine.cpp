@@ -461,10 +461,18 @@ public:
                    list.end());
         return NIXL_SUCCESS;
     }
-    nixl_status_t pollNotifs(bnc_pair_sink sink, void *ctx) {
+    // `polled` null: waits for the inner lock. Otherwise only tries it, and sets `*polled` to 0
+    // when another thread holds it (nothing pulled), 1 when it pulled.
+    nixl_status_t pollNotifs(bnc_pair_sink sink, void *ctx, int32_t *polled) {
         notif_list_t got;
         {
-            Lock g(mu_);
+            std::unique_lock<std::recursive_mutex> g(mu_, std::defer_lock);
+            if (polled) {
+                *polled = g.try_lock() ? 1 : 0;
+                if (!*polled) return NIXL_SUCCESS;
+            } else {
+                g.lock();
+            }
             nixl_status_t st = inner_->getNotifs(got);
             if (st != NIXL_SUCCESS) return st;
         }
@@ -684,5 +692,10 @@ extern "C" int32_t bnc_shim_gen_notif(void *shim, bnc_str agent, bnc_str msg) {
     BNC_SHIM_TRY(eng(shim)->shimGenNotif(str(agent), str(msg)))
 }
 extern "C" int32_t bnc_shim_poll_notifs(void *shim, bnc_pair_sink sink, void *ctx) {
-    BNC_SHIM_TRY(eng(shim)->pollNotifs(sink, ctx))
+    BNC_SHIM_TRY(eng(shim)->pollNotifs(sink, ctx, nullptr))
+}
+extern "C" int32_t bnc_shim_try_poll_notifs(void *shim, bnc_pair_sink sink, void *ctx,
+                                            int32_t *polled) {
+    *polled = 0;
+    BNC_SHIM_TRY(eng(shim)->pollNotifs(sink, ctx, polled))
 }

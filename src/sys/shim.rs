@@ -54,6 +54,7 @@ unsafe extern "C" {
     fn bnc_shim_release(shim: *mut c_void, handle: *mut c_void);
     fn bnc_shim_gen_notif(shim: *mut c_void, agent: BncStr, msg: BncStr) -> i32;
     fn bnc_shim_poll_notifs(shim: *mut c_void, sink: BncPairSink, ctx: *mut c_void) -> i32;
+    fn bnc_shim_try_poll_notifs(shim: *mut c_void, sink: BncPairSink, ctx: *mut c_void, polled: *mut i32) -> i32;
 }
 
 /// Appends the bytes the shim hands us to the `Vec<u8>` behind `ctx`.
@@ -315,5 +316,16 @@ impl Shim {
         // SAFETY: shim is live; `out` outlives the call; notif_sink matches &mut Vec<Notif>.
         let st = unsafe { bnc_shim_poll_notifs(self.0.as_ptr(), notif_sink, (out as *mut Vec<Notif>).cast()) };
         NixlStatus::from_code(st).ok()
+    }
+
+    /// As [`Self::poll_notifs`], unless another thread holds the inner engine's lock: then
+    /// returns `Ok(false)` at once, having pulled nothing.
+    pub(crate) fn try_poll_notifs(&self, out: &mut Vec<Notif>) -> Result<bool, NixlStatus> {
+        let mut polled = 0i32;
+        // SAFETY: as poll_notifs; `polled` outlives the call.
+        let st = unsafe {
+            bnc_shim_try_poll_notifs(self.0.as_ptr(), notif_sink, (out as *mut Vec<Notif>).cast(), &raw mut polled)
+        };
+        NixlStatus::from_code(st).ok().map(|()| polled == 1)
     }
 }
