@@ -80,7 +80,7 @@ impl Liveness {
             None => return None, // every word in use: the registration is not published
         };
         let mut raw = [0u8; 8];
-        getrandom::fill(&mut raw).ok()?;
+        crate::shell::drbg::fill(&mut raw).ok()?;
         let tag = u64::from_ne_bytes(raw) | 1;
         self.words[slot].store(tag, Ordering::Release);
         if let Some(old) = slots.by_md.insert(md, slot) {

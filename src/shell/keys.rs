@@ -1,9 +1,9 @@
 //! Registration keys (issue 10, item 7): the secrets that let a peer name our memory as a
 //! bounce destination, and the ones peers gave us for theirs.
 //!
-//! Each registration made through this engine gets an id and a random key; `getPublicData`
-//! publishes them around the inner engine's public data ([`PublicData`]), so only an agent
-//! that was given the registration's metadata holds the key. `loadRemoteMD` takes a peer's
+//! Each registration made through this engine gets an id and a secret random key (from
+//! `shell::drbg`); `getPublicData` publishes them around the inner engine's public data
+//! ([`PublicData`]), so only an agent that was given the registration's metadata holds the key. `loadRemoteMD` takes a peer's
 //! envelope apart, hands the inner blob to the inner engine and remembers, by the inner
 //! metadata handle it returns, the key it carried; a transfer bounces only when every remote
 //! descriptor's handle has one (its WANT proves them, see `bounce_proto::proof`).
@@ -70,7 +70,7 @@ impl Keys {
     /// randomness to give: the registration then has no key and is never a bounce destination.
     pub(crate) fn issue(&self, md: Md) -> Option<Destination> {
         let mut key = [0u8; 32];
-        if let Err(e) = getrandom::fill(&mut key) {
+        if let Err(e) = crate::shell::drbg::fill(&mut key) {
             tracing::warn!(error = %e, "no randomness for a registration key: it will never be a bounce destination");
             return None;
         }

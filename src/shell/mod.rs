@@ -10,6 +10,7 @@ pub(crate) mod control;
 pub(crate) mod copy;
 pub(crate) mod datapath;
 mod doorbell;
+mod drbg;
 mod engine;
 mod error;
 mod fence;

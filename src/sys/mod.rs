@@ -1,7 +1,8 @@
 //! What Rust calls out to, below the shell: the C++ shim's `bnc_shim_*` functions (the inner
 //! UCX engine), loading NIXL's UCX plugin, the typed NIXL integers (`nixl_status_t`,
-//! `nixl_mem_t`, `nixl_xfer_op_t`) both directions share, the CUDA driver ([`cuda`]), and
-//! cross-memory attach between processes of one host ([`cma`]).
+//! `nixl_mem_t`, `nixl_xfer_op_t`) both directions share, the CUDA driver ([`cuda`]),
+//! cross-memory attach between processes of one host ([`cma`]), and telling a forked child from
+//! its parent ([`fork`]).
 //!
 //! Nothing here imports the shell or the FFI entry points: errors are this layer's own types
 //! ([`nixl::NixlStatus`], [`inner_plugin::LoadError`], [`cuda::CudaError`]), which the shell
@@ -10,6 +11,7 @@
 
 pub mod c;
 pub(crate) mod cma;
+pub(crate) mod fork;
 pub mod cuda;
 pub(crate) mod inner_plugin;
 pub mod nixl;

@@ -831,7 +831,7 @@ impl Driver {
                 self.shared.stats.bounce_bytes.fetch_add(bytes, Ordering::Relaxed);
                 // The transfer's secret (see `Token`): only we and the receiver will know it.
                 let mut secret = [0u8; 16];
-                if let Err(e) = getrandom::fill(&mut secret) {
+                if let Err(e) = crate::shell::drbg::fill(&mut secret) {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "no randomness for a transfer token");
                     self.complete(p.xfer, Err(XferError::Refused));
                     return;
