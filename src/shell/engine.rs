@@ -39,7 +39,7 @@ use crate::shell::peers::{ArenaToLoad, PeerTable};
 use crate::shell::reactor::{Cmd, Drove, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
 use crate::shell::registry::{Registration, Registry};
 use crate::shell::requests::{Released, State};
-use crate::shell::stats::Stats;
+use crate::shell::stats::{Published, Stats};
 use crate::shell::{Error, Result};
 use crate::sys::cuda::{self, Gpu, PlanPlacement};
 use crate::sys::inner_plugin::{InnerPlugin, locate_ucx_plugin};
@@ -137,8 +137,8 @@ pub(crate) struct Engine {
     shim: Option<Shim>,
     bounce: Option<Bounce>,
     plugin: InnerPlugin,
-    /// The counter values last published to NIXL (see [`Engine::publish_changed_stats`]).
-    published: Mutex<Vec<u64>>,
+    /// What was last published to NIXL (see [`Engine::publish_changed_stats`]).
+    published: Mutex<Published>,
     /// The GPU whose memory the arena is, when `bounce_arena_mem` chose GPU memory.
     gpu: Option<Arc<Gpu>>,
     /// When `getNotifs` last found nothing (busy-poll detection, see [`Engine::take_notifs`]).
@@ -208,7 +208,7 @@ impl Engine {
             shim: None,
             bounce: None,
             plugin,
-            published: Mutex::new(Vec::new()),
+            published: Mutex::default(),
             gpu,
             last_empty_notifs: Mutex::new(None),
             ipc,
@@ -866,25 +866,13 @@ impl Engine {
     /// time). Publishing means formatting a line per counter and taking the inner engine's
     /// lock: a polling loop (getNotifs, checkXfer) must not pay that when nothing moved, nor a
     /// prep that bumps two counters pay for twenty (measured: an empty getNotifs cost 6x UCX's,
-    /// issue 12). `publish` runs under this engine's publish lock, so two threads publishing at
-    /// once cannot leave an older value behind a newer one.
+    /// issue 12); nor even compare every counter when none changed ([`Stats::publish_changes`]).
+    /// `publish` runs under this engine's publish lock, so two threads publishing at once
+    /// cannot leave an older value behind a newer one.
     /// Each counter goes with its index in [`Stats::for_each`]'s order, which never changes.
-    pub(crate) fn publish_changed_stats(&self, mut publish: impl FnMut(usize, &'static str, u64)) {
-        // Compared in place, no snapshot: this runs on every getNotifs of a polling loop, and
-        // building a vector of every counter there was most of BOUNCE's cost over UCX's in an
-        // empty call (issue 12).
+    pub(crate) fn publish_changed_stats(&self, publish: impl FnMut(usize, &'static str, u64)) {
         self.refresh_gauges();
-        let mut last = self.published.lock();
-        let fresh = last.is_empty();
-        self.stats.for_each(|i, name, v| {
-            if fresh {
-                last.push(v);
-                publish(i, name, v);
-            } else if last[i] != v {
-                last[i] = v;
-                publish(i, name, v);
-            }
-        });
+        self.stats.publish_changes(&mut self.published.lock(), publish);
     }
 }
 

@@ -15,6 +15,7 @@ use super::*;
 use crate::shell::arena::ArenaBytes;
 use crate::shell::control::mem::{Fate, MemChannel, MemNet};
 use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
+use crate::shell::stats::Counter;
 use crate::shell::registry::Registration;
 use crate::shell::requests::State;
 use crate::sys::nixl::NixlStatus;
@@ -207,7 +208,7 @@ impl Side {
         }
     }
 
-    fn stat(&self, c: impl Fn(&Stats) -> &std::sync::atomic::AtomicU64) -> u64 {
+    fn stat(&self, c: impl Fn(&Stats) -> &Counter) -> u64 {
         c(&self.shared.stats).load(Ordering::Relaxed)
     }
 }
