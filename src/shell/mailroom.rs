@@ -156,7 +156,10 @@ impl Mailroom {
 
     /// [`Self::try_pull`] over any source of notifications (the tests' stand-in for the shim),
     /// whose `poll` answers `Ok(false)` when it could not pull (the inner lock was held).
-    fn try_pull_with(&self, poll: impl FnOnce(&mut Vec<Notif>) -> Result<bool, NixlStatus>) -> Result<bool, NixlStatus> {
+    fn try_pull_with(
+        &self,
+        poll: impl FnOnce(&mut Vec<Notif>) -> Result<bool, NixlStatus>,
+    ) -> Result<bool, NixlStatus> {
         let Some(mut app) = self.app.try_lock() else { return Ok(false) };
         let mut polled = false;
         self.pull_into(&mut app, |got| poll(got).map(|p| polled = p))?;

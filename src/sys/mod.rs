@@ -11,8 +11,8 @@
 
 pub mod c;
 pub(crate) mod cma;
-pub(crate) mod fork;
 pub mod cuda;
+pub(crate) mod fork;
 pub(crate) mod inner_plugin;
 pub mod nixl;
 pub(crate) mod nixl_version;

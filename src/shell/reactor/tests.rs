@@ -15,9 +15,9 @@ use super::*;
 use crate::shell::arena::ArenaBytes;
 use crate::shell::control::mem::{Fate, MemChannel, MemNet};
 use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
-use crate::shell::stats::Counter;
 use crate::shell::registry::Registration;
 use crate::shell::requests::State;
+use crate::shell::stats::Counter;
 use crate::sys::nixl::NixlStatus;
 
 /// Descriptors per transfer, each `PIECE` bytes: 64 KiB in all, 16 chunks of 4 KiB.
