@@ -277,6 +277,53 @@ def test_idle_engine_does_not_eat_a_core(peer):
     assert share < 0.1, f"an idle engine used {share:.2%} of a core"
 
 
+def test_a_target_busy_in_other_ucx_calls_still_answers_bounced_writes(peer):
+    """The target's application never polls NIXL; a thread of it registers and deregisters
+    memory in a loop, each call holding the engine's inner lock. Only the target's reactor can
+    pull the WANT and the DATAs out of UCX, and its background poll only *tries* that lock (it
+    must never queue behind the application, whose every unlock would then pay a wake-up):
+    the bounced WRITEs still complete, byte-exact, while the loop runs."""
+    lay = nixlkit.Scattered(2048, 4096, seed=73)
+    p = peer()
+    meta, _ = p.start(name="tx-busy", size=lay.src_bytes, seed=731)
+    dst = nixlkit.pattern(730, lay.dst_bytes)
+    ag = nixlkit.agent("rx-busy")
+    nixlkit.register(ag, dst)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    spare = nixlkit.pattern(732, 4096)
+    stop, calls, errors = threading.Event(), [0], []
+
+    def register_in_a_loop():
+        d = ag.get_reg_descs([(spare.ctypes.data, spare.nbytes, 0, "")], "DRAM")
+        try:
+            while not stop.is_set():
+                r = ag.register_memory(d, backends=[B])
+                ag.deregister_memory(r, backends=[B])
+                calls[0] += 1
+        except Exception as e:  # reported below: the loop itself must not fail
+            errors.append(e)
+
+    busy = threading.Thread(target=register_in_a_loop)
+    busy.start()
+    try:
+        for i in range(3):
+            before = calls[0]
+            r = p.call(op="write", to="rx-busy", n=lay.n, size=4096, seed=73, src_off=0,
+                       raddr=dst.ctypes.data, timeout=30)
+            assert r["state"] == "DONE", (i, r)
+            assert calls[0] > before, "the target's application was not busy during the WRITE"
+    finally:
+        stop.set()
+        busy.join()
+    assert not errors, errors
+    want = lay.expected(nixlkit.pattern(731, lay.src_bytes), nixlkit.pattern(730, lay.dst_bytes))
+    nixlkit.assert_same(dst, want, "destination")
+    theirs = {k[len("stats."):]: int(v) for k, v in p.call(op="params")["params"].items()
+              if k.startswith("stats.")}
+    assert theirs["bounce_ok"] == 3 and theirs["passthrough_xfers"] == 0, theirs
+
+
 def test_nixl_telemetry_reports_bounced_transfers(peer):
     """With telemetry on, NIXL's core measures a bounced transfer like any other (bytes,
     descriptor count, times): BOUNCE reports completion only when the data is in place, so the
