@@ -15,7 +15,9 @@ two notification round trips. Measured, per block:
   - the same WRITE on BOUNCE while the target does not call into NIXL at all (an "idle target":
     only BOUNCE's reactor progresses its engine there). Its ratio is against UCX's WRITE to the
     polling target: UCX is not measured against an idle target, because its WRITE may need the
-    target's progress (measured here: one stayed in flight for good).
+    target's progress (measured here: one stayed in flight for good);
+  - the same again with `--apart-ms` (default 20) between samples: a transfer that comes after a
+    pause, when the target's reactor has backed off to its longest idle park.
 Prints p50 / p99 of each and the hop estimate: (bounced WRITE - UCX floor) / 2 + one RTT, i.e.
 what one control round trip of the bounce path costs against the notification round trip.
 """
@@ -167,6 +169,10 @@ class Side:
         self._write(self.scattered)
         return time.perf_counter() - t0
 
+    def write_scattered_apart(self):
+        time.sleep(self.apart)  # not timed: the target's reactor backs off meanwhile
+        return self.write_scattered()
+
 
 # name, method, backends, target idle, the row whose UCX median the ratio divides by
 OPS = [
@@ -174,6 +180,7 @@ OPS = [
     ("UCX floor: write + 2 RTT", "floor", ("UCX",), False, None),
     ("WRITE scattered", "write_scattered", BACKENDS, False, "WRITE scattered"),
     ("WRITE scattered, idle tgt", "write_scattered", ("BOUNCE",), True, "WRITE scattered"),
+    ("  the same, after a pause", "write_scattered_apart", ("BOUNCE",), True, "WRITE scattered"),
 ]
 
 
@@ -191,6 +198,8 @@ def main():
     ap.add_argument("--target", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the raw samples to this file")
     ap.add_argument("--only", help="run only the measurements whose name contains this (tracing)")
+    ap.add_argument("--apart-ms", type=float, default=20.0,
+                    help="pause before each sample of the 'after a pause' row")
     args = ap.parse_args()
     if args.target:
         target(args.target, 2 * args.size * args.descs)
@@ -208,6 +217,8 @@ def main():
                             stdout=subprocess.PIPE)
     hellos = [json.loads(proc.stdout.readline()) for _ in BACKENDS]
     sides = {b: Side(b, h, args.descs, args.size) for b, h in zip(BACKENDS, hellos)}
+    for s in sides.values():
+        s.apart = args.apart_ms / 1e3
     for s in sides.values():
         proc.stdin.write(base64.b64encode(s.ag.get_agent_metadata()).decode() + "\n")
     proc.stdin.flush()
@@ -238,7 +249,7 @@ def main():
                     f = getattr(sides[b], method)
                     f()  # one warm-up per block keeps a cold first sample out of the tail
                     samples[(name, b)].extend(f() for _ in range(args.block))
-                    if b == "BOUNCE" and method == "write_scattered":
+                    if b == "BOUNCE" and method.startswith("write_scattered"):
                         bounced += args.block + 1
     except BaseException:
         flag[ACTIVE] = len(BACKENDS)  # the target leaves too
