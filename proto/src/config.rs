@@ -15,6 +15,10 @@ use crate::{
     types::{ControlKind, DEFAULT_ALIGN, MemKind},
 };
 
+/// Fewest microseconds of `bounce_idle_park_us`: a busy reactor's sleep between polls, which an
+/// idle one must not undercut.
+pub const MIN_IDLE_PARK_US: u64 = 50;
+
 /// Configuration of one BOUNCE engine, shared by its sender and receiver roles.
 ///
 /// Build it with [`Config::from_params`] (or [`Config::default`] for the manifest defaults);
@@ -79,6 +83,8 @@ pub struct Config {
     pub streaming_scatter: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
     pub check_wait: Duration,
+    /// Longest sleep of an idle reactor between polls (`bounce_idle_park_us`).
+    pub idle_park: Duration,
     /// Address to bind the ZMQ control socket on; empty means automatic (`bounce_zmq_host`).
     pub zmq_host: String,
     /// Path of NIXL's UCX plugin; `None` means the default next to this plugin
@@ -231,6 +237,14 @@ pub enum ConfigError {
     /// Every transfer would time out at once.
     #[error("bounce_request_timeout_ms must be at least 1")]
     ZeroRequestTimeout,
+    /// An idle reactor would wake more often than a busy one.
+    #[error(
+        "bounce_idle_park_us must be at least {MIN_IDLE_PARK_US} (the sleep between polls of a reactor with work in flight), got {got}"
+    )]
+    IdleParkTooShort {
+        /// The value given, in microseconds.
+        got: u64,
+    },
     /// The manifest's default for an option does not parse as its own kind (a manifest bug).
     #[error("manifest default {value:?} of {option} does not parse as its kind {kind}")]
     BadManifestDefault {
@@ -433,6 +447,7 @@ impl Config {
             cma: boolean("bounce_cma")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
+            idle_park: Duration::from_micros(u64_of("bounce_idle_park_us")?),
             zmq_host,
             ucx_plugin,
         })
@@ -487,6 +502,9 @@ impl Config {
         }
         if self.request_timeout.is_zero() {
             return Err(ConfigError::ZeroRequestTimeout);
+        }
+        if self.idle_park < Duration::from_micros(MIN_IDLE_PARK_US) {
+            return Err(ConfigError::IdleParkTooShort { got: self.idle_park.as_micros() as u64 });
         }
         Ok(())
     }
@@ -754,6 +772,7 @@ mod tests {
             ("bounce_cma", "off"),
             ("bounce_streaming_scatter", "off"),
             ("bounce_check_wait_us", "0"),
+            ("bounce_idle_park_us", "250"),
             ("bounce_zmq_host", "10.0.0.7"),
             ("bounce_ucx_plugin", "/opt/nixl/libplugin_UCX.so"),
         ])
@@ -784,6 +803,7 @@ mod tests {
             cma: false,
             streaming_scatter: false,
             check_wait: Duration::ZERO,
+            idle_park: Duration::from_micros(250),
             zmq_host: "10.0.0.7".into(),
             ucx_plugin: Some("/opt/nixl/libplugin_UCX.so".into()),
         };
@@ -994,6 +1014,8 @@ mod tests {
         assert_eq!(err(&[("bounce_max_inflight_chunks", "0")]), ZeroInflightChunks);
         assert_eq!(err(&[("bounce_copy_workers", "0")]), ZeroCopyWorkers);
         assert_eq!(err(&[("bounce_request_timeout_ms", "0")]), ZeroRequestTimeout);
+        assert_eq!(err(&[("bounce_idle_park_us", "49")]), IdleParkTooShort { got: 49 });
+        assert!(load(&[("bounce_idle_park_us", "50")]).is_ok());
     }
 
     #[test]
@@ -1016,6 +1038,7 @@ mod tests {
         assert_eq!(check(|c| c.max_inflight_chunks = 0), Err(ZeroInflightChunks));
         assert_eq!(check(|c| c.copy_workers = 0), Err(ZeroCopyWorkers));
         assert_eq!(check(|c| c.request_timeout = Duration::ZERO), Err(ZeroRequestTimeout));
+        assert_eq!(check(|c| c.idle_park = Duration::ZERO), Err(IdleParkTooShort { got: 0 }));
     }
 
     proptest! {

@@ -288,7 +288,7 @@ struct Cell {
     /// Passes may run on application threads ([`CopyEngine::any_thread`]; a GPU arena's
     /// context is made current for the pass and the application's restored at the FFI edge).
     any_thread: bool,
-    /// The reactor thread parks without work in flight (up to [`pace::IDLE_PARK`]): a pass
+    /// The reactor thread parks without work in flight (up to `bounce_idle_park_us`): a pass
     /// elsewhere that started work must wake it, or the work's next step could wait that long.
     parked_idle: AtomicBool,
     /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
@@ -466,6 +466,7 @@ impl Reactor {
             poisoned: AtomicBool::new(false),
         });
         let (stop2, cell2, shared2) = (Arc::clone(&stop), Arc::clone(&cell), Arc::clone(&shared));
+        let idle_park = config.idle_park;
         let thread = std::thread::Builder::new()
             .name("bounce-reactor".into())
             .spawn(move || {
@@ -475,7 +476,7 @@ impl Reactor {
                 // A panic here would be a bug in the shell or core. It must not leave requests
                 // IN_PROG forever (nothing else runs their timeouts): fail them and refuse new
                 // posts; the engine's other entry points keep working on plain UCX.
-                let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cell2, &stop2)));
+                let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cell2, &stop2, idle_park)));
                 if quiet.is_err() {
                     tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");
                     shared.requests.close(XferError::ShuttingDown);
@@ -639,8 +640,8 @@ impl Cell {
 }
 
 /// The reactor thread's loop: passes until `stop`, then closes and shuts down; true when no
-/// grant was left outstanding.
-fn run(cell: &Cell, stop: &AtomicBool) -> bool {
+/// grant was left outstanding. Idle, it parks up to `idle_park` (`bounce_idle_park_us`).
+fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration) -> bool {
     // Writes are posted from this thread too: a GPU arena's context must be current here
     // before the first one (a direct write from GPU memory may come before any copy).
     if let Some(d) = cell.driver.lock().as_mut() {
@@ -648,7 +649,7 @@ fn run(cell: &Cell, stop: &AtomicBool) -> bool {
     }
     crate::sys::thread::precise_sleeps();
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let mut pace = Pace::new(cores, Instant::now());
+    let mut pace = Pace::new(cores, idle_park, Instant::now());
     while !stop.load(Ordering::Acquire) {
         if let Some(left) = cell.standing_down(Instant::now()) {
             std::thread::park_timeout(left);

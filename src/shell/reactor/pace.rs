@@ -13,8 +13,10 @@
 //!   [`BUSY_SLEEP`] between polls: on a 2-core machine the copy workers and the application
 //!   need the cores (a reactor polling every 50 us for 20 ms there made UCX's own round trips
 //!   2x slower, issue 12).
-//! - Idle, its sleeps start at [`BUSY_SLEEP`] and double up to [`IDLE_PARK`], so the next
-//!   transfer of a run is seen within about its gap, for a handful of wake-ups.
+//! - Idle, its sleeps start at [`BUSY_SLEEP`] and double up to `bounce_idle_park_us` (1 ms by
+//!   default), so the next transfer of a run is seen within about its gap, for a handful of
+//!   wake-ups. That longest park is also how long a transfer after a pause waits to be seen at a
+//!   target whose application does not poll, and how often an idle engine wakes.
 //!
 //! Time is passed in, so the policy is tested without a clock.
 
@@ -23,10 +25,9 @@ use std::time::{Duration, Instant};
 /// Polls this many times (yielding) with work in flight but nothing moving before sleeping.
 /// Measured on the 2-core benchmark machine: 20 beat 200 and 2000 (BENCHMARKS.md).
 pub(super) const SPIN_ITERATIONS: u32 = 20;
-/// Sleep between polls once spinning gave nothing (work in flight).
-pub(super) const BUSY_SLEEP: Duration = Duration::from_micros(50);
-/// Longest park when idle; also how often an idle engine progresses the inner engine.
-pub(super) const IDLE_PARK: Duration = Duration::from_millis(2);
+/// Sleep between polls once spinning gave nothing (work in flight); also the shortest
+/// `bounce_idle_park_us` the configuration accepts.
+pub(super) const BUSY_SLEEP: Duration = Duration::from_micros(bounce_proto::config::MIN_IDLE_PARK_US);
 /// How long a reactor on a many-core host keeps spinning after its last pass that moved.
 pub(super) const HOT_SPIN: Duration = Duration::from_millis(1);
 /// Fewest cores for [`HOT_SPIN`]: below, the reactor's core is needed elsewhere.
@@ -49,14 +50,16 @@ pub(super) struct Pace {
     hot: Duration,
     stalls: u32,
     idle_park: Duration,
+    longest_park: Duration,
     last_moved: Instant,
 }
 
 impl Pace {
-    /// The policy for a host with `cores` cores.
-    pub(super) fn new(cores: usize, now: Instant) -> Self {
+    /// The policy for a host with `cores` cores whose idle parks grow up to `longest_park`
+    /// (`bounce_idle_park_us`).
+    pub(super) fn new(cores: usize, longest_park: Duration, now: Instant) -> Self {
         let hot = if cores >= HOT_SPIN_CORES { HOT_SPIN } else { Duration::ZERO };
-        Self { hot, stalls: 0, idle_park: IDLE_PARK, last_moved: now }
+        Self { hot, stalls: 0, idle_park: longest_park, longest_park, last_moved: now }
     }
 
     /// After a pass at `now` that `moved` anything, with work in flight (`busy`) or not, and
@@ -78,7 +81,7 @@ impl Pace {
             return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
         }
         let longest = self.idle_park;
-        self.idle_park = (self.idle_park * 2).min(IDLE_PARK);
+        self.idle_park = (self.idle_park * 2).min(self.longest_park);
         Wait::Park(timer.unwrap_or(longest).min(longest))
     }
 }
@@ -91,6 +94,10 @@ mod tests {
         Duration::from_micros(n)
     }
 
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
     /// The waits of `n` passes that move nothing, `step` apart, starting `from` after `t0`.
     fn stalled(p: &mut Pace, t0: Instant, from: Duration, step: Duration, n: u32, busy: bool) -> Vec<Wait> {
         (0..n).map(|i| p.after_pass(t0 + from + step * i, false, busy, None)).collect()
@@ -99,7 +106,7 @@ mod tests {
     #[test]
     fn few_cores_yield_a_while_then_sleep_between_polls_and_back_off_when_idle() {
         let t0 = Instant::now();
-        let mut p = Pace::new(2, t0);
+        let mut p = Pace::new(2, ms(2), t0);
         assert_eq!(p.after_pass(t0, true, true, None), Wait::Now);
         let waits = stalled(&mut p, t0, us(1), us(1), SPIN_ITERATIONS + 2, true);
         assert!(waits[..SPIN_ITERATIONS as usize].iter().all(|w| *w == Wait::Yield), "{waits:?}");
@@ -115,9 +122,22 @@ mod tests {
     }
 
     #[test]
+    fn idle_parks_grow_to_the_configured_longest() {
+        let t0 = Instant::now();
+        let mut p = Pace::new(2, us(500), t0);
+        p.after_pass(t0, false, true, None); // work in flight: parks start short again
+        let idle = stalled(&mut p, t0, us(10), us(1), 6, false);
+        let parks: Vec<_> = [50, 100, 200, 400, 500, 500].into_iter().map(|n| Wait::Park(us(n))).collect();
+        assert_eq!(idle, parks);
+        // The first idle park of a new reactor is already the longest.
+        let mut fresh = Pace::new(2, us(500), t0);
+        assert_eq!(fresh.after_pass(t0 + ms(5), false, false, None), Wait::Park(us(500)));
+    }
+
+    #[test]
     fn many_cores_spin_for_the_hot_window_after_the_last_movement_then_pace_as_few_cores_do() {
         let t0 = Instant::now();
-        let mut p = Pace::new(16, t0);
+        let mut p = Pace::new(16, ms(2), t0);
         assert_eq!(p.after_pass(t0, true, true, None), Wait::Now);
         // Busy or idle, nothing moving: yields only, for HOT_SPIN after the movement.
         let hot = stalled(&mut p, t0, us(1), us(10), 99, true);
