@@ -172,12 +172,13 @@ impl Engine {
         let plugin = InnerPlugin::load(&path)?;
         tracing::info!(agent = p.agent, ucx = %plugin.path().display(), "BOUNCE engine created");
         // Background progress, when the agent asked for a progress thread, is the reactor's: it
-        // progresses the inner engine every pass and at least every 2 ms while idle, which
-        // serves a passive peer's READs over TCP faster than UCX's own thread (test_progress.py,
-        // BENCHMARKS.md) at a fraction of its idle CPU, and leaves pass-through free of the
-        // worker locking a progress thread brings (measured ~2x on a 64 MiB write). With the
-        // bounce path off no reactor runs, so then the inner engine runs UCX's own thread, made
-        // event-driven by the raised delay below (with NIXL's default delay of 0 it spins).
+        // progresses the inner engine every pass and at least every `bounce_idle_park_us` (1 ms
+        // by default) while idle, which serves a passive peer's READs over TCP faster than UCX's
+        // own thread (test_progress.py, BENCHMARKS.md) at a fraction of its idle CPU, and leaves
+        // pass-through free of the worker locking a progress thread brings (measured ~2x on a
+        // 64 MiB write). With the bounce path off no reactor runs, so then the inner engine runs
+        // UCX's own thread, made event-driven by the raised delay below (with NIXL's default
+        // delay of 0 it spins).
         let inner_prog_th = p.enable_prog_th && !config.enabled;
         if p.enable_prog_th && !inner_prog_th {
             tracing::debug!(
