@@ -3,10 +3,11 @@
 //!
 //! Each registration made through this engine gets an id and a secret random key (from
 //! `shell::drbg`); `getPublicData` publishes them around the inner engine's public data
-//! ([`PublicData`]), so only an agent that was given the registration's metadata holds the key. `loadRemoteMD` takes a peer's
-//! envelope apart, hands the inner blob to the inner engine and remembers, by the inner
-//! metadata handle it returns, the key it carried; a transfer bounces only when every remote
-//! descriptor's handle has one (its WANT proves them, see `bounce_proto::proof`).
+//! ([`PublicData`]), so only an agent that was given the registration's metadata holds the key.
+//! `loadRemoteMD` takes a peer's envelope apart, hands the inner blob to the inner engine and
+//! remembers, by the inner metadata handle it returns, the key it carried; a transfer bounces
+//! only when every remote descriptor's handle has one (its WANT proves them, see
+//! `bounce_proto::proof`).
 //!
 //! A registration may also carry a [`Reach`], what a process of the same host needs to copy
 //! into it without bouncing (`shell::ipc` for GPU memory, `shell::cma` for host memory): it

@@ -10,6 +10,12 @@ use std::sync::atomic::{AtomicU64, Ordering, Ordering::Relaxed};
 /// Moves on every change of any engine's counters (see the module docs).
 static EPOCH: AtomicU64 = AtomicU64::new(0);
 
+/// A counter changed: called after its new value is stored (Release pairs with [`epoch`]'s
+/// Acquire, so a publisher that reads the moved epoch reads the value too).
+fn moved() {
+    EPOCH.fetch_add(1, Ordering::Release);
+}
+
 /// The counters' epoch now. Read it before the counters: a change made after this read moves
 /// the epoch past it, so the next publisher that compares will see that change.
 pub(crate) fn epoch() -> u64 {
@@ -26,7 +32,7 @@ impl Counter {
     pub(crate) fn fetch_add(&self, v: u64, order: Ordering) -> u64 {
         let old = self.0.fetch_add(v, order);
         if v != 0 {
-            EPOCH.fetch_add(1, Ordering::Release);
+            moved();
         }
         old
     }
@@ -35,7 +41,7 @@ impl Counter {
     pub(crate) fn fetch_sub(&self, v: u64, order: Ordering) -> u64 {
         let old = self.0.fetch_sub(v, order);
         if v != 0 {
-            EPOCH.fetch_add(1, Ordering::Release);
+            moved();
         }
         old
     }
@@ -45,7 +51,7 @@ impl Counter {
     pub(crate) fn store(&self, v: u64, order: Ordering) {
         if self.0.load(Relaxed) != v {
             self.0.store(v, order);
-            EPOCH.fetch_add(1, Ordering::Release);
+            moved();
         }
     }
 
