@@ -97,12 +97,16 @@ typedef void (*bnc_stat_sink)(void *ctx, size_t index, const uint8_t *name, size
 void bnc_stats(void *engine, bnc_stat_sink sink, void *ctx);
 
 // After the inner engine loaded a peer's conn info: Rust tells the peer we can answer it
-// (HELLO) and, if the peer can bounce, describes its arena (returns 1 and fills the
-// out-params; `key` receives its remote key) so the shim can load it; 0: nothing to load.
+// (HELLO) and, if the peer can bounce, describes its arena (bit 0 of the result; fills the
+// out-params, `key` receives its remote key) and, when it keeps one, its mailbox's host
+// registration (bit 1; `mbox_addr`, `mbox_len`, `mbox_key`), so the shim can load them;
+// 0: nothing to load.
 int32_t bnc_peer_loaded(void *engine, bnc_str agent, uint64_t *addr, uint64_t *len, uint64_t *dev,
-                        int32_t *mem, bnc_sink key, void *key_ctx);
-// The inner engine's metadata for that peer's arena (or null when loading failed).
-void bnc_peer_arena_md(void *engine, bnc_str agent, void *md);
+                        int32_t *mem, bnc_sink key, void *key_ctx, uint64_t *mbox_addr,
+                        uint64_t *mbox_len, bnc_sink mbox_key, void *mbox_key_ctx);
+// The inner engine's metadata for that peer's arena and mailbox (each null when loading it
+// failed or there was none).
+void bnc_peer_arena_md(void *engine, bnc_str agent, void *md, void *mbox_md);
 // The peer is gone (disconnect): fail its transfers, reclaim its regions.
 void bnc_peer_lost(void *engine, bnc_str agent);
 

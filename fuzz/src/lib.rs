@@ -439,6 +439,9 @@ pub fn run(data: &[u8]) -> Coverage {
             arena_key: Vec::new(),
             endpoint: Vec::new(),
             mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
         };
         ep.handle_conn_info(now, &agent(i), Some(caps), None);
         assert_eq!(ep.peers().lookup(&agent(i)), Some(PeerId(i)));

@@ -168,6 +168,9 @@ fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
                 arena_key: Vec::new(),
                 endpoint: Vec::new(),
                 mailbox: None,
+                mailbox_base: 0,
+                mailbox_len: 0,
+                mailbox_key: Vec::new(),
             };
             ep.handle_conn_info(now, &agent(j), Some(caps), None);
             ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO");

@@ -1152,6 +1152,9 @@ pub(crate) mod tests {
             arena_key: Vec::new(),
             endpoint: Vec::new(),
             mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
         }
     }
 

@@ -15,9 +15,10 @@
 //!   answers come back as the GRANT and ACK messages the sender would have received as frames
 //!   (same token, same checks). How far it has read goes back to the target in CURSOR frames.
 //!
-//! Layout: the mailbox sits in the arena right after the part the credit scheduler hands out,
-//! and after it the initiator's own fetch area, where its READs of peers' mailboxes land
-//! ([`OneWayLayout`]).
+//! Layout: the mailbox follows, in the endpoint's offsets, the part of the arena the credit
+//! scheduler hands out, and after it comes the initiator's own fetch area, where its READs of
+//! peers' mailboxes land ([`OneWayLayout`]). The shell keeps these two in host memory of their
+//! own, registered apart from the arena, and advertises the mailbox at its offset there.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -47,18 +48,22 @@ pub const WAITING_UNITS_TOTAL: u64 = 2 * WAITING_UNITS_PER_PEER;
 /// others wait for a slice, in order).
 pub const FETCH_SLICES: u32 = 64;
 
-/// Where the mailbox and the fetch area lie in an engine's arena, for its configuration.
+/// Where the mailbox and the fetch area lie, in the endpoint's offsets, for its configuration:
+/// past the arena's part the credit scheduler hands out, so one offset space covers all three
+/// (the simulation maps them as one buffer). The shell keeps `[mailbox.offset, arena_len)` in a
+/// host registration of its own: the one-way area ([`OneWayLayout::area_len`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OneWayLayout {
-    /// The mailbox, as advertised in our capabilities.
+    /// The mailbox, at its offset in the endpoint's offsets (advertised to peers at its offset
+    /// in the one-way area: [`OneWayLayout::advertised`]).
     pub mailbox: MailboxCaps,
-    /// Byte offset of the fetch area in the arena.
+    /// Byte offset of the fetch area.
     pub fetch_offset: u64,
     /// Bytes of one fetch slice: the largest fetch of one transfer.
     pub fetch_slice: u64,
     /// Number of fetch slices.
     pub fetch_slices: u32,
-    /// Bytes the arena needs in all: the scheduler's part, the mailbox and the fetch area.
+    /// End of the fetch area: the scheduler's part, the mailbox and the fetch area together.
     pub arena_len: u64,
 }
 
@@ -81,16 +86,26 @@ impl OneWayLayout {
             arena_len,
         }
     }
+
+    /// Bytes of the one-way area: the mailbox, then the fetch area.
+    pub fn area_len(&self) -> u64 {
+        self.arena_len - self.mailbox.offset
+    }
+
+    /// The mailbox as peers see it: at its offset in the one-way area (its start).
+    pub fn advertised(&self) -> MailboxCaps {
+        MailboxCaps { offset: 0, ..self.mailbox }
+    }
 }
 
-/// The mailbox shape a peer advertised, checked against its arena: `None` when it is out of
-/// bounds (a broken or hostile peer: then it is never bounced to one way).
+/// The mailbox shape a peer advertised, checked against the registration it lies in: `None`
+/// when it is out of bounds (a broken or hostile peer: then it is never bounced to one way).
 pub fn peer_layout(caps: &wire::Capabilities) -> Option<MailboxLayout> {
     let m = caps.mailbox?;
     let layout = MailboxLayout { slots: m.slots, ring: m.ring };
     layout.validate().ok()?;
     let end = m.offset.checked_add(layout.byte_len())?;
-    (end <= caps.arena_len).then_some(layout)
+    (end <= caps.mailbox_len).then_some(layout)
 }
 
 /// Why a one-way WANT was not taken.
@@ -627,6 +642,46 @@ impl Reading {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ControlKind, MemKind};
+
+    #[test]
+    fn a_peers_mailbox_is_used_only_inside_the_registration_it_advertised() {
+        let layout = MailboxLayout { slots: 16, ring: 8 };
+        let caps = |offset, mailbox_len| wire::Capabilities {
+            wire_version: wire::WIRE_VERSION.into(),
+            control: ControlKind::Ucx,
+            mem: MemKind::Vram,
+            arena_base: 0x10_0000,
+            arena_len: 1 << 30,
+            arena_dev: 0,
+            usable_capacity: 1 << 30,
+            max_chunk: 1 << 20,
+            session: 1,
+            arena_key: b"a".to_vec(),
+            endpoint: Vec::new(),
+            mailbox: Some(MailboxCaps { offset, slots: layout.slots, ring: layout.ring }),
+            mailbox_base: 0x7f00_0000_0000,
+            mailbox_len,
+            mailbox_key: b"m".to_vec(),
+        };
+        let fits = layout.byte_len();
+        assert_eq!(peer_layout(&caps(0, fits)), Some(layout), "exactly its registration");
+        assert_eq!(peer_layout(&caps(64, fits + 64)), Some(layout));
+        // Past the end of its registration, however large the arena: never bounced to one way.
+        assert_eq!(peer_layout(&caps(64, fits)), None);
+        assert_eq!(peer_layout(&caps(u64::MAX - 8, fits)), None, "no wrap-around");
+        let shape = wire::Capabilities { mailbox: Some(MailboxCaps { offset: 0, slots: 0, ring: 8 }), ..caps(0, fits) };
+        assert_eq!(peer_layout(&shape), None, "a shape that does not validate");
+        // Our own advertisement: at the start of the one-way area, which holds it and the
+        // fetch area.
+        let ours = OneWayLayout::for_config(&Config::default());
+        let ad = ours.advertised();
+        assert_eq!((ad.offset, ad.slots, ad.ring), (0, ours.mailbox.slots, ours.mailbox.ring));
+        let mine = MailboxLayout { slots: ad.slots, ring: ad.ring };
+        assert!(mine.byte_len() < ours.area_len());
+        assert_eq!(ours.fetch_offset - ours.mailbox.offset, mine.byte_len(), "the fetch area follows");
+        assert_eq!(ours.area_len(), mine.byte_len() + ours.fetch_slice * u64::from(ours.fetch_slices));
+    }
 
     #[test]
     fn reading_counts_every_refused_record_and_takes_none_of_them() {

@@ -415,6 +415,9 @@ mod tests {
             arena_key: vec![1],
             endpoint: Vec::new(),
             mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
         }
     }
 

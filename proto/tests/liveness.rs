@@ -32,6 +32,9 @@ fn caps(session: u64) -> bounce_proto::wire::Capabilities {
         arena_key: Vec::new(),
         endpoint: Vec::new(),
         mailbox: None,
+        mailbox_base: 0,
+        mailbox_len: 0,
+        mailbox_key: Vec::new(),
     }
 }
 

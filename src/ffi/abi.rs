@@ -566,12 +566,13 @@ pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, sink: BncStatSink, ctx: 
     });
 }
 
-/// The inner engine loaded the peer: sends HELLO, and describes the peer's arena for the shim
-/// to load (1), or says there is none (0).
+/// The inner engine loaded the peer: sends HELLO, and describes what the shim is to load: the
+/// peer's arena (bit 0 of the result) and its mailbox's host registration (bit 1); 0 when
+/// there is nothing.
 ///
 /// # Safety
 /// `engine` is a live handle; `agent` views live bytes; the out-pointers are writable;
-/// `key`/`key_ctx` form a valid sink.
+/// `key`/`key_ctx` and `mbox_key`/`mbox_key_ctx` form valid sinks.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_peer_loaded(
     engine: *mut c_void,
@@ -582,6 +583,10 @@ pub unsafe extern "C" fn bnc_peer_loaded(
     mem: *mut i32,
     key: BncSink,
     key_ctx: *mut c_void,
+    mbox_addr: *mut u64,
+    mbox_len: *mut u64,
+    mbox_key: BncSink,
+    mbox_key_ctx: *mut c_void,
 ) -> i32 {
     let mut found = 0;
     guard("bnc_peer_loaded", || {
@@ -589,7 +594,7 @@ pub unsafe extern "C" fn bnc_peer_loaded(
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
         let Ok(agent) = (unsafe { text(agent, "agent name") }) else { return Status::ErrInvalidParam };
-        if addr.is_null() || len.is_null() || dev.is_null() || mem.is_null() {
+        if [addr, len, dev, mbox_addr, mbox_len].iter().any(|p| p.is_null()) || mem.is_null() {
             return Status::ErrInvalidParam;
         }
         if let Some(a) = e.peer_loaded(agent) {
@@ -602,23 +607,34 @@ pub unsafe extern "C" fn bnc_peer_loaded(
             }
             give(key, key_ctx, &a.key);
             found = 1;
+            if let Some((base, n, k)) = &a.mailbox {
+                // SAFETY: both are non-null and writable per the contract.
+                unsafe {
+                    *mbox_addr = *base;
+                    *mbox_len = *n;
+                }
+                give(mbox_key, mbox_key_ctx, k);
+                found |= 2;
+            }
         }
         Status::Success
     });
     found
 }
 
-/// Records the inner metadata of a peer's arena (null: loading failed).
+/// Records the inner metadata of a peer's arena and of its mailbox's registration (each null:
+/// loading it failed, or there was none).
 ///
 /// # Safety
-/// `engine` is a live handle; `agent` views live bytes. `md` is kept as an opaque value and
-/// only ever handed back to the shim.
+/// `engine` is a live handle; `agent` views live bytes. `md` and `mbox_md` are kept as opaque
+/// values and only ever handed back to the shim.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn bnc_peer_arena_md(engine: *mut c_void, agent: BncStr, md: *mut c_void) {
+pub unsafe extern "C" fn bnc_peer_arena_md(engine: *mut c_void, agent: BncStr, md: *mut c_void, mbox_md: *mut c_void) {
     guard_void("bnc_peer_arena_md", || {
         // SAFETY: caller contract.
         if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), text(agent, "agent name")) } {
-            e.peer_arena_loaded(a, (!md.is_null()).then_some(Md(md as usize)));
+            let handle = |p: *mut c_void| (!p.is_null()).then_some(Md(p as usize));
+            e.peer_arena_loaded(a, handle(md), handle(mbox_md));
         }
     });
 }

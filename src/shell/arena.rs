@@ -6,12 +6,11 @@
 use std::sync::Arc;
 
 use bounce_proto::gate::ArenaPlace;
-use bounce_proto::wire::{Capabilities, MailboxCaps};
+use bounce_proto::wire::Capabilities;
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
 
-use crate::shell::copy::cpu::HostArena;
-use crate::sys::cuda::{DeviceAlloc, Gpu, SmallCopies, alloc_vram};
+use crate::sys::cuda::{DeviceAlloc, Gpu, alloc_vram};
 
 use crate::shell::error::ArenaFault;
 use crate::shell::{Error, Result};
@@ -33,48 +32,6 @@ enum Backing {
     /// Device memory on one GPU, shared with the CUDA copy engine (which must outlive no
     /// copy into it: it synchronizes its streams when dropped, before the last reference goes).
     Gpu(Arc<DeviceAlloc>),
-}
-
-/// The arena as the reactor's own thread reads and writes it: the mailbox records it puts
-/// there and the answers its one-way fetches brought in (bounce_proto::oneway). Host memory is
-/// copied in place; GPU memory by small synchronous copies on a stream of their own.
-pub(crate) enum ArenaBytes {
-    Host(HostArena),
-    Gpu(SmallCopies),
-}
-
-/// Why the reactor could not read or write the arena's bytes (the caller logs it, rate-limited:
-/// a broken GPU context would fail every record).
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum BytesFault {
-    /// The range leaves the arena (a core bug: it places records and fetches inside).
-    #[error("range outside the arena")]
-    Outside,
-    /// The device refused the copy.
-    #[error(transparent)]
-    Device(#[from] crate::sys::cuda::CudaError),
-}
-
-impl ArenaBytes {
-    /// Copies `bytes` to byte `offset` of the arena; copies nothing when they would leave it.
-    pub(crate) fn put(&self, offset: u64, bytes: &[u8]) -> std::result::Result<(), BytesFault> {
-        match self {
-            Self::Host(h) => h.put(offset, bytes).then_some(()).ok_or(BytesFault::Outside),
-            Self::Gpu(g) => Ok(g.put(offset, bytes)?),
-        }
-    }
-
-    /// `len` bytes from byte `offset` of the arena.
-    pub(crate) fn get(&self, offset: u64, len: u64) -> std::result::Result<Vec<u8>, BytesFault> {
-        match self {
-            Self::Host(h) => h.get(offset, len).ok_or(BytesFault::Outside),
-            Self::Gpu(g) => {
-                let mut out = vec![0; usize::try_from(len).map_err(|_| BytesFault::Outside)?];
-                g.get(offset, &mut out)?;
-                Ok(out)
-            }
-        }
-    }
 }
 
 /// A registered arena.
@@ -142,25 +99,6 @@ impl Arena {
         }
     }
 
-    /// The arena's bytes for the reactor's mailbox and fetch area, from byte `from` on (zeroed
-    /// there first on a GPU, whose memory comes uninitialized). `None` when a GPU arena cannot
-    /// get its copy stream: the engine then keeps no mailbox and bounces two way only.
-    pub(crate) fn bytes(&self, from: u64) -> Option<ArenaBytes> {
-        match &self.backing {
-            // Records and fetched answers are plain copies: the scatter setting plays no part.
-            Backing::Host(_) => {
-                Some(ArenaBytes::Host(HostArena { base: self.base, len: self.len, streaming_scatter: false }))
-            }
-            Backing::Gpu(alloc) => {
-                let tail = usize::try_from(self.len.saturating_sub(from)).ok()?;
-                let made = SmallCopies::new(Arc::clone(alloc)).and_then(|g| g.zero(from, tail).map(|()| g));
-                made.map(ArenaBytes::Gpu)
-                    .map_err(|e| tracing::warn!(error = %e, "no copy stream for the GPU arena's mailbox: one way off"))
-                    .ok()
-            }
-        }
-    }
-
     /// Bytes of the arena backed by huge pages, from `/proc/self/smaps` (`None` where that
     /// cannot be read). Reported at start-up: without huge pages every write pays page walks.
     pub(crate) fn huge_bytes(&self) -> Option<u64> {
@@ -210,16 +148,9 @@ impl Arena {
         self.md
     }
 
-    /// What we advertise in our connection info (`mailbox`: where one-way peers READ our
-    /// answers, when we keep a mailbox).
-    pub(crate) fn capabilities(
-        &self,
-        control: ControlKind,
-        usable: u64,
-        max_chunk: u64,
-        session: u64,
-        mailbox: Option<MailboxCaps>,
-    ) -> Capabilities {
+    /// What we advertise in our connection info, without a mailbox (the engine adds the one
+    /// in its one-way area).
+    pub(crate) fn capabilities(&self, control: ControlKind, usable: u64, max_chunk: u64, session: u64) -> Capabilities {
         Capabilities {
             wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
             control,
@@ -232,7 +163,10 @@ impl Arena {
             session,
             arena_key: self.key.clone(),
             endpoint: Vec::new(),
-            mailbox,
+            mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
         }
     }
 
@@ -250,23 +184,5 @@ impl Arena {
         if let Err(st) = shim.deregister(self.md) {
             tracing::warn!(status = %st, "deregistering the arena failed");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn host_arena_bytes_round_trip_inside_and_refuse_outside_touching_nothing() {
-        let mut mem = vec![0u8; 256];
-        let host = HostArena { base: mem.as_mut_ptr() as u64, len: 256, streaming_scatter: false };
-        let bytes = ArenaBytes::Host(host);
-        bytes.put(192, &[7; 64]).expect("the last 64 bytes are inside");
-        assert_eq!(bytes.get(192, 64).expect("inside"), vec![7; 64]);
-        assert!(matches!(bytes.put(193, &[9; 64]), Err(BytesFault::Outside)));
-        assert!(matches!(bytes.put(u64::MAX, &[9; 1]), Err(BytesFault::Outside)), "no wrap-around");
-        assert!(matches!(bytes.get(200, 64), Err(BytesFault::Outside)));
-        assert!(mem[..192].iter().all(|&b| b == 0) && mem[192..].iter().all(|&b| b == 7), "nothing else written");
     }
 }

@@ -35,6 +35,7 @@ use crate::shell::datapath::ShimPath;
 use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPath};
 use crate::shell::keys::{Keys, Reach};
 use crate::shell::mailroom::Mailroom;
+use crate::shell::oneway_area::OneWayArea;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
 use crate::shell::reactor::{Cmd, Drove, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
 use crate::shell::registry::{Registration, Registry};
@@ -103,6 +104,8 @@ const HOST_ARENA: ArenaPlace = ArenaPlace { mem: MemKind::Dram, dev: 0 };
 struct Bounce {
     reactor: Reactor,
     arena: Arena,
+    /// Our mailbox and fetch area (`None`: it could not be set up; two way only).
+    one_way: Option<OneWayArea>,
     caps: Capabilities,
 }
 
@@ -261,26 +264,29 @@ impl Engine {
     fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
         // Bound before the arena: a failure here costs no registration to undo.
         let (control, control_endpoint) = self.control_channel(shim)?;
-        // The arena also holds the mailbox one-way peers READ our answers from, and the fetch
-        // area our own one-way READs land in (bounce_proto::oneway), past the part the credit
-        // scheduler hands out. The reactor writes records and reads answers there itself: in
-        // place in host memory, by small copies of its own in GPU memory.
-        let one_way = OneWayLayout::for_config(&self.config);
-        let len = one_way.arena_len.max(self.config.arena_size);
+        let len = self.config.arena_size;
         let arena = match &self.gpu {
             Some(gpu) => Arena::new_gpu(&shim, gpu, len)?,
             None => Arena::new(&shim, len)?,
         };
-        let bytes = arena.bytes(one_way.mailbox.offset);
-        let mailbox = bytes.is_some().then_some(one_way.mailbox);
+        // The mailbox one-way peers READ our answers from, and the fetch area our own one-way
+        // READs land in (bounce_proto::oneway): host memory registered on its own, whatever
+        // the arena's memory, so the reactor writes records and reads answers in place.
+        let layout = OneWayLayout::for_config(&self.config);
+        let one_way = OneWayArea::new(&shim, &layout)
+            .map_err(|e| tracing::warn!(agent = self.agent, error = %e, "no mailbox: bouncing two way only"))
+            .ok();
         let mut caps = arena.capabilities(
             self.config.control,
             self.config.arena_usable_capacity(),
             self.config.max_chunk_size,
             self.session,
-            mailbox,
         );
         caps.endpoint = control_endpoint;
+        if let Some(area) = &one_way {
+            (caps.mailbox_base, caps.mailbox_len, caps.mailbox_key) = area.advert();
+            caps.mailbox = Some(layout.advertised());
+        }
         let shared = Arc::new(Shared::new(
             Arc::clone(&self.stats),
             Arc::clone(&self.peers),
@@ -318,7 +324,7 @@ impl Engine {
                     session: self.session,
                     endpoint,
                     arena: LocalArena { place: arena.place(), base: arena.base(), md: arena.md() },
-                    bytes,
+                    one_way: one_way.as_ref().map(OneWayArea::view),
                     copier,
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
@@ -335,6 +341,9 @@ impl Engine {
             Ok(r) => r,
             Err(e) => {
                 arena.deregister(&shim);
+                if let Some(area) = &one_way {
+                    area.deregister(&shim);
+                }
                 return Err(e);
             }
         };
@@ -359,7 +368,7 @@ impl Engine {
             huge_pages = huge,
             "bounce path ready"
         );
-        Ok(Bounce { reactor, arena, caps })
+        Ok(Bounce { reactor, arena, one_way, caps })
     }
 
     fn shared(&self) -> Option<&Arc<Shared>> {
@@ -422,15 +431,17 @@ impl Engine {
     /// Records the inner metadata of the peer's arena (None: loading failed, stay on UCX). An
     /// arena it replaces (the peer's conn info was reloaded), or one not kept, is unloaded once
     /// no write uses it.
-    pub(crate) fn peer_arena_loaded(&self, agent: &str, md: Option<Md>) {
+    pub(crate) fn peer_arena_loaded(&self, agent: &str, md: Option<Md>, mailbox: Option<Md>) {
         let Some(sh) = self.shared() else {
-            // No reactor, so no write: nothing else can use it.
-            if let (Some(md), Some(shim)) = (md, &self.shim) {
-                let _ = shim.unload(md);
+            // No reactor, so no write or READ: nothing else can use them.
+            if let Some(shim) = &self.shim {
+                for md in md.into_iter().chain(mailbox) {
+                    let _ = shim.unload(md);
+                }
             }
             return;
         };
-        let (kept, unload) = self.peers.arena_loaded(agent, md);
+        let (kept, unload) = self.peers.arena_loaded(agent, md, mailbox);
         if !kept {
             tracing::warn!(peer = agent, "loading the peer's arena failed; plain UCX to it");
         }
@@ -443,9 +454,9 @@ impl Engine {
     /// unloaded once no write uses it.
     pub(crate) fn peer_lost(&self, agent: &str) {
         if let Some(sh) = self.shared() {
-            let arena = self.peers.lost(agent);
+            let unload = self.peers.lost(agent);
             sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
-            if let Some(md) = arena {
+            for md in unload {
                 sh.inbox.push(Cmd::Unload(md));
             }
         }
@@ -533,7 +544,7 @@ impl Engine {
         let to_desc = |d: &DescView| gate::Desc { addr: d.addr, len: d.len, dev: d.dev };
         let (l, r): (Vec<_>, Vec<_>) = (local.iter().map(to_desc).collect(), remote.iter().map(to_desc).collect());
         // Two way once the peer said HELLO; else one way, answered through its mailbox, when
-        // it keeps one and so do we (our READs of it land in our arena's fetch area).
+        // it keeps one and so do we (our READs of it land in our fetch area).
         let one_way_here = self.bounce.as_ref().is_some_and(|b| b.caps.mailbox.is_some());
         let two_way_arena = self.peers.bounce_arena(agent);
         let peer_arena = two_way_arena
@@ -922,18 +933,25 @@ impl Engine {
         drop(self.ipc.take());
         drop(self.cma.take());
         let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) else { return };
-        let Bounce { reactor, arena, .. } = b;
+        let Bounce { reactor, arena, one_way, .. } = b;
         let quiet = reactor.stop();
         arena.deregister(&shim);
+        if let Some(area) = &one_way {
+            area.deregister(&shim);
+        }
         if quiet {
             drop(arena);
+            drop(one_way);
         } else {
             tracing::warn!(
                 agent = self.agent,
-                len = arena.len(),
-                "a peer may still write into the arena: its memory is kept (leaked)"
+                len = arena.len() + one_way.as_ref().map_or(0, OneWayArea::len),
+                "a peer may still write into the arena: its memory and the mailbox's are kept (leaked)"
             );
             arena.leak();
+            if let Some(area) = one_way {
+                area.leak();
+            }
         }
     }
 }

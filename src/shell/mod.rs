@@ -17,6 +17,7 @@ mod fence;
 mod ipc;
 mod keys;
 mod mailroom;
+mod oneway_area;
 mod peers;
 mod reactor;
 mod registry;

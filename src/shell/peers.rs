@@ -31,6 +31,29 @@ pub(crate) struct PeerArena {
     pub(crate) mem: MemKind,
     /// Inner-engine metadata from loadRemoteMD.
     pub(crate) md: Md,
+    /// Its mailbox's registration, when it keeps one and loading it succeeded.
+    pub(crate) mailbox: Option<PeerMailbox>,
+}
+
+impl PeerArena {
+    /// Every inner metadata handle it holds (each unloaded once no operation uses it).
+    fn mds(&self) -> impl Iterator<Item = Md> + use<> {
+        std::iter::once(self.md).chain(self.mailbox.map(|m| m.md))
+    }
+}
+
+/// A peer's mailbox registration (host memory of its own), loaded into the inner engine: where
+/// one-way fetches READ its answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PeerMailbox {
+    /// Base address at the peer.
+    pub(crate) base: u64,
+    /// Length at the peer.
+    pub(crate) len: u64,
+    /// The mailbox's offset in it.
+    pub(crate) offset: u64,
+    /// Inner-engine metadata from loadRemoteMD.
+    pub(crate) md: Md,
 }
 
 /// What the shim must load for a peer that can bounce: its arena, as its capabilities
@@ -47,6 +70,8 @@ pub(crate) struct ArenaToLoad {
     pub(crate) mem: MemKind,
     /// Remote key (the inner engine's public data for the arena registration).
     pub(crate) key: Vec<u8>,
+    /// The peer's mailbox registration (host memory), when it keeps one: base, length, key.
+    pub(crate) mailbox: Option<(u64, u64, Vec<u8>)>,
 }
 
 #[derive(Debug, Default)]
@@ -89,43 +114,55 @@ impl PeerTable {
             dev: c.arena_dev,
             mem: c.mem,
             key: c.arena_key.clone(),
+            mailbox: c.mailbox.map(|_| (c.mailbox_base, c.mailbox_len, c.mailbox_key.clone())),
         })
     }
 
-    /// The inner engine loaded the peer's arena as `md` (`None`: loading failed, plain UCX to
-    /// it). Returns whether the peer now has an arena, and the inner metadata no longer kept
-    /// (the arena it replaces, or `md` itself when it is not kept): each must be unloaded once
-    /// no write uses it.
-    pub(crate) fn arena_loaded(&self, name: &str, md: Option<Md>) -> (bool, Vec<Md>) {
+    /// The inner engine loaded the peer's arena as `md` and its mailbox registration as
+    /// `mailbox` (`None`: loading failed or there is none; without the arena, plain UCX to it;
+    /// without the mailbox, no one-way bounce to it). Returns whether the peer now has an arena,
+    /// and the inner metadata no longer kept (what the new handles replace, or the handles
+    /// themselves when not kept): each must be unloaded once no write or READ uses it.
+    pub(crate) fn arena_loaded(&self, name: &str, md: Option<Md>, mailbox: Option<Md>) -> (bool, Vec<Md>) {
         let mut t = self.0.lock();
         t.rules.arena_loaded(name, md.is_some());
-        let Some(id) = t.rules.lookup(name) else { return (false, md.into_iter().collect()) };
+        let given = md.into_iter().chain(mailbox);
+        let Some(id) = t.rules.lookup(name) else { return (false, given.collect()) };
         let arena = match (md, t.rules.compatible(name)) {
-            (Some(md), Some(c)) => {
-                Some(PeerArena { base: c.arena_base, len: c.arena_len, dev: c.arena_dev, mem: c.mem, md })
-            }
+            (Some(md), Some(c)) => Some(PeerArena {
+                base: c.arena_base,
+                len: c.arena_len,
+                dev: c.arena_dev,
+                mem: c.mem,
+                md,
+                mailbox: match (mailbox, c.mailbox) {
+                    (Some(md), Some(m)) => {
+                        Some(PeerMailbox { base: c.mailbox_base, len: c.mailbox_len, offset: m.offset, md })
+                    }
+                    _ => None,
+                },
+            }),
             _ => None,
         };
         let old = match arena {
             Some(a) => t.arenas.insert(id, a),
             None => t.arenas.remove(&id),
         };
-        let mut unload: Vec<Md> = old.map(|a| a.md).into_iter().collect();
-        if arena.is_none() {
-            unload.extend(md);
-        }
-        // The handle kept is never unloaded (were the same one reported twice).
-        unload.retain(|&m| arena.is_none_or(|a| a.md != m));
+        let mut unload: Vec<Md> = old.iter().flat_map(PeerArena::mds).chain(given).collect();
+        // The handles kept are never unloaded (were the same ones reported twice).
+        unload.retain(|m| arena.is_none_or(|a| a.mds().all(|k| k != *m)));
+        unload.sort_unstable_by_key(|m| m.0);
+        unload.dedup();
         (arena.is_some(), unload)
     }
 
     /// The agent disconnected: forget everything NIXL and the agent told us. Its id stays
     /// (ids are never reused).
-    /// Returns its arena's inner metadata to unload once no write uses it.
-    pub(crate) fn lost(&self, name: &str) -> Option<Md> {
+    /// Returns its arena's inner metadata (and its mailbox's) to unload once nothing uses them.
+    pub(crate) fn lost(&self, name: &str) -> Vec<Md> {
         let mut t = self.0.lock();
-        let id = t.rules.lost(name)?;
-        t.arenas.remove(&id).map(|a| a.md)
+        let Some(id) = t.rules.lost(name) else { return Vec::new() };
+        t.arenas.remove(&id).iter().flat_map(PeerArena::mds).collect()
     }
 
     /// Peer arenas loaded (their inner metadata held) now.
@@ -151,17 +188,17 @@ impl PeerTable {
         if t.rules.can_bounce(name) || !t.rules.can_bounce_one_way(name) {
             return None;
         }
+        // Its mailbox's registration must be loaded too: our fetches READ through it.
+        t.arenas.get(&t.rules.lookup(name)?)?.mailbox?;
         let caps = t.rules.compatible(name)?;
         Some((ArenaPlace { mem: caps.mem, dev: caps.arena_dev }, oneway::peer_layout(caps)?))
     }
 
-    /// Where one-way fetches from a peer go: its name, arena and the mailbox's offset in it.
-    pub(crate) fn mailbox_target(&self, id: PeerId) -> Option<(String, PeerArena, u64)> {
+    /// Where one-way fetches from a peer go: its name and its mailbox's registration.
+    pub(crate) fn mailbox_target(&self, id: PeerId) -> Option<(String, PeerMailbox)> {
         let t = self.0.lock();
-        let a = *t.arenas.get(&id)?;
-        let name = t.rules.name(id)?;
-        let mailbox = t.rules.compatible(name)?.mailbox?;
-        Some((name.to_owned(), a, mailbox.offset))
+        let mailbox = t.arenas.get(&id)?.mailbox?;
+        Some((t.rules.name(id)?.to_owned(), mailbox))
     }
 
     /// Admits a one-way frame from an agent NIXL never loaded (the core's
@@ -245,16 +282,18 @@ impl PeerTable {
     }
 
     /// A GOODBYE from `name` with `session` (see the core's `PeerTable::goodbye`). Returns the
-    /// peer's id and its arena's inner metadata to unload once no write uses it.
-    pub(crate) fn goodbye(&self, name: &str, session: u64) -> Result<(PeerId, Option<Md>), FrameRefused> {
+    /// peer's id and its arena's inner metadata (and its mailbox's) to unload once nothing uses
+    /// them.
+    pub(crate) fn goodbye(&self, name: &str, session: u64) -> Result<(PeerId, Vec<Md>), FrameRefused> {
         let mut t = self.0.lock();
         let id = t.rules.goodbye(name, session)?;
-        Ok((id, t.arenas.remove(&id).map(|a| a.md)))
+        Ok((id, t.arenas.remove(&id).iter().flat_map(PeerArena::mds).collect()))
     }
 
-    /// Every peer arena's inner metadata, forgotten here (the engine is shutting down).
+    /// Every peer arena's inner metadata (and mailbox's), forgotten here (the engine is shutting
+    /// down).
     pub(crate) fn take_arenas(&self) -> Vec<Md> {
-        self.0.lock().arenas.drain().map(|(_, a)| a.md).collect()
+        self.0.lock().arenas.drain().flat_map(|(_, a)| a.mds()).collect()
     }
 }
 
@@ -277,6 +316,9 @@ mod tests {
             arena_key: b"key".to_vec(),
             endpoint: b"tcp://10.0.0.1:1".to_vec(),
             mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
         }
     }
 
@@ -288,7 +330,7 @@ mod tests {
         assert!(t.compatible("b"));
         assert_eq!(t.endpoint("b").as_deref(), Some(&b"tcp://10.0.0.1:1"[..]));
         assert_eq!(t.arena_to_load("b").map(|a| a.key), Some(b"key".to_vec()));
-        assert_eq!(t.arena_loaded("b", Some(Md(5))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arena("b").is_none(), "no HELLO yet");
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert!(t.bounce_arena("b").is_some());
@@ -298,7 +340,7 @@ mod tests {
         // A credit inside the peer's arena passes, one past its end is refused.
         assert!(t.check_credit(id, Region { offset: 0, len: 4096 }, 4096).is_ok());
         assert!(t.check_credit(id, Region { offset: (1 << 20) - 8, len: 4096 }, 16).is_err());
-        assert_eq!(t.lost("b"), Some(Md(5)), "the lost peer's arena is handed back to unload");
+        assert_eq!(t.lost("b"), vec![Md(5)], "the lost peer's arena is handed back to unload");
         assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
         assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
         assert!(t.gone(id) && t.gone(PeerId(99)));
@@ -309,7 +351,7 @@ mod tests {
         assert!(t.admit("c", 3).is_ok() && t.arena_to_load("c").is_none());
         assert!(matches!(t.loaded("d", None, Some(&caps(1))), (Loaded::NoCapabilities, false)));
         assert_eq!(t.admit("d", 1), Err(FrameRefused::NoSession));
-        assert_eq!(t.arena_loaded("c", Some(Md(6))), (false, vec![Md(6)]), "loaded but not kept: unload it");
+        assert_eq!(t.arena_loaded("c", Some(Md(6)), None), (false, vec![Md(6)]), "loaded but not kept: unload it");
     }
 
     #[test]
@@ -330,27 +372,68 @@ mod tests {
     fn every_arena_handle_dropped_from_the_table_is_handed_back_once_to_unload() {
         let t = PeerTable::default();
         t.loaded("b", Some(caps(9)), Some(&caps(1)));
-        assert_eq!(t.arena_loaded("b", Some(Md(5))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", Some(Md(5)), None), (true, vec![]));
         // NIXL reloaded b's conn info: the new handle replaces the old, which must be unloaded.
-        assert_eq!(t.arena_loaded("b", Some(Md(6))), (true, vec![Md(5)]));
+        assert_eq!(t.arena_loaded("b", Some(Md(6)), None), (true, vec![Md(5)]));
         // The same handle reported again is kept, never unloaded.
-        assert_eq!(t.arena_loaded("b", Some(Md(6))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", Some(Md(6)), None), (true, vec![]));
         assert_eq!(t.arenas_loaded(), 1);
         // GOODBYE under another session changes nothing; under b's, its arena goes.
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert_eq!(t.goodbye("b", 8), Err(FrameRefused::StaleSession { got: 8, current: 9 }));
         assert!(t.bounce_arena("b").is_some());
         let id = t.known_id("b").unwrap();
-        assert_eq!(t.goodbye("b", 9), Ok((id, Some(Md(6)))));
+        assert_eq!(t.goodbye("b", 9), Ok((id, vec![Md(6)])));
         assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
-        assert_eq!((t.arenas_loaded(), t.lost("b")), (0, None), "handed back once only");
+        assert_eq!((t.arenas_loaded(), t.lost("b")), (0, vec![]), "handed back once only");
         // Loading failed after a success: the old handle goes too.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));
-        assert_eq!(t.arena_loaded("c", Some(Md(7))), (true, vec![]));
-        assert_eq!(t.arena_loaded("c", None), (false, vec![Md(7)]));
-        assert_eq!(t.arena_loaded("c", Some(Md(8))), (true, vec![]));
+        assert_eq!(t.arena_loaded("c", Some(Md(7)), None), (true, vec![]));
+        assert_eq!(t.arena_loaded("c", None, None), (false, vec![Md(7)]));
+        assert_eq!(t.arena_loaded("c", Some(Md(8)), None), (true, vec![]));
         assert_eq!(t.take_arenas(), vec![Md(8)]);
         assert_eq!(t.arenas_loaded(), 0);
+    }
+
+    #[test]
+    fn a_peers_mailbox_registration_is_loaded_beside_its_arena_and_unloaded_with_it() {
+        let t = PeerTable::default();
+        let layout = bounce_proto::oneway::OneWayLayout::for_config(&bounce_proto::config::Config::default());
+        let with_mailbox = |session| Capabilities {
+            mailbox: Some(layout.advertised()),
+            mailbox_base: 0x7f00_0000_0000,
+            mailbox_len: layout.area_len(),
+            mailbox_key: b"mkey".to_vec(),
+            ..caps(session)
+        };
+        t.loaded("b", Some(with_mailbox(9)), Some(&caps(1)));
+        let load = t.arena_to_load("b").expect("compatible");
+        assert_eq!(load.mailbox, Some((0x7f00_0000_0000, layout.area_len(), b"mkey".to_vec())));
+        // Its mailbox failed to load: two way only (after its HELLO), never one way.
+        assert_eq!(t.arena_loaded("b", Some(Md(5)), None), (true, vec![]));
+        assert!(t.one_way_target("b").is_none(), "no mailbox registration to READ through");
+        let id = t.known_id("b").unwrap();
+        assert!(t.mailbox_target(id).is_none());
+        // Reloaded with both: the old arena handle goes, the new pair is kept.
+        assert_eq!(t.arena_loaded("b", Some(Md(6)), Some(Md(7))), (true, vec![Md(5)]));
+        assert!(t.one_way_target("b").is_some(), "one way before any HELLO");
+        let m = t.mailbox_target(id).map(|(n, m)| (n, m.base, m.len, m.offset, m.md));
+        assert_eq!(m, Some(("b".to_owned(), 0x7f00_0000_0000, layout.area_len(), 0, Md(7))));
+        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
+        assert!(t.one_way_target("b").is_none() && t.bounce_arena("b").is_some(), "two way after its HELLO");
+        // The same pair reported again is kept; a new pair replaces both.
+        assert_eq!(t.arena_loaded("b", Some(Md(6)), Some(Md(7))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", Some(Md(8)), Some(Md(9))), (true, vec![Md(6), Md(7)]));
+        // The arena failed to load: both handles handed back, nothing kept.
+        assert_eq!(t.arena_loaded("b", None, Some(Md(10))), (false, vec![Md(8), Md(9), Md(10)]));
+        assert_eq!(t.arena_loaded("b", Some(Md(11)), Some(Md(12))), (true, vec![]));
+        assert_eq!(t.lost("b"), vec![Md(11), Md(12)], "both handed back to unload");
+        assert_eq!(t.arenas_loaded(), 0);
+        // A peer without a mailbox has none to load, and a handle given anyway is not kept.
+        t.loaded("c", Some(caps(3)), Some(&caps(1)));
+        assert_eq!(t.arena_to_load("c").and_then(|a| a.mailbox), None);
+        assert_eq!(t.arena_loaded("c", Some(Md(13)), Some(Md(14))), (true, vec![Md(14)]));
+        assert_eq!(t.take_arenas(), vec![Md(13)]);
     }
 
     #[test]
@@ -362,7 +445,7 @@ mod tests {
         }
         assert_eq!(t.0.lock().rules.hints(), peers::MAX_HELLO_HINTS);
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
-        assert_eq!(t.arena_loaded("late", Some(Md(5))), (true, vec![]));
+        assert_eq!(t.arena_loaded("late", Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arena("late").is_none(), "its hint was evicted");
         assert_eq!(t.hello("late"), peers::Hello::First { answer: true }, "a loaded agent is always heard");
         assert!(t.bounce_arena("late").is_some());

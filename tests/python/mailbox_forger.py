@@ -3,14 +3,14 @@ in its own process, driven line by line over stdin/stdout (JSON) like peer.py.
 
 The forger is a plain UCX agent. It never talks BOUNCE: everything it needs comes from the
 target's published metadata. The BOUNCE connection info there is an envelope holding the
-target's capabilities (arena address and length, the inner UCX engine's public data for the
-arena registration -- its remote key -- and the mailbox's offset, slots and ring) around the
-inner UCX engine's own conn info (its worker address). `forged_metadata` re-frames exactly
-those bytes as NIXL metadata of a UCX agent under the target's name whose one registration is
-the whole arena, so the forger's own UCX engine can RDMA-READ and RDMA-WRITE the mailbox: what
-any agent that loaded the target's metadata can do.
+target's capabilities (among them the mailbox's offset, slots and ring, and the host
+registration it lies in: address, length and the inner UCX engine's public data for it -- its
+remote key) around the inner UCX engine's own conn info (its worker address).
+`forged_metadata` re-frames exactly those bytes as NIXL metadata of a UCX agent under the
+target's name whose one registration is the mailbox's, so the forger's own UCX engine can
+RDMA-READ and RDMA-WRITE the mailbox: what any agent that loaded the target's metadata can do.
 
-Finding the mailbox: the capabilities give the arena's address and the mailbox's offset in it,
+Finding the mailbox: the capabilities give its registration's address and its offset in it,
 `slots` rings of `ring` 64-byte records. Which slot a transfer uses is derived from its secret
 token, so the forger cannot aim: it READs the whole mailbox and goes after every slot whose
 latest record (by the plain sequence-number field, at the ring position it claims) is new.
@@ -19,7 +19,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "start", "name": N, "target_meta": b64, "seed": S}
       a UCX agent N that loads the target's arena as above and READs the mailbox once (the
       baseline: slots whose latest record is older are left alone)
-      -> {"mailbox": {"addr", "offset", "slots", "ring"}, "arena_base", "arena_len"}
+      -> {"mailbox": {"addr", "offset", "slots", "ring"}, "mailbox_base", "mailbox_len"}
   {"op": "forge"}
       one round: READ the mailbox and, after the latest record of every slot that moved since
       the baseline (once per record), write one forged record where the next one goes, the
@@ -76,7 +76,8 @@ def bounce_caps(meta):
     envelope magic, u16 version, u8 flags, u32 caps length, then the caps: u16 wire version, u8
     control, u8 memory, six u64 (arena base, arena length, device, usable capacity, max chunk,
     session), the arena key and the endpoint as u32-length blobs, the mailbox (u64 offset, u32
-    slots, u32 ring); after the caps the inner UCX conn info as a u32-length blob."""
+    slots, u32 ring) and its registration (u64 base, u64 length, the key as a u32-length blob);
+    after the caps the inner UCX conn info as a u32-length blob."""
     at = meta.find(ENVELOPE_MAGIC)
     assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in the target's metadata"
     (caps_len,) = struct.unpack_from("<I", meta, at + 11)
@@ -89,7 +90,10 @@ def bounce_caps(meta):
     _, p = _blob(meta, p)  # the ZMQ endpoint
     fields["mailbox_offset"], p = _u64(meta, p)
     fields["slots"], fields["ring"] = struct.unpack_from("<II", meta, p)
-    assert p + 8 == c + caps_len, "capability blob of an unexpected length"
+    fields["mailbox_base"], p = _u64(meta, p + 8)
+    fields["mailbox_len"], p = _u64(meta, p)
+    fields["mailbox_key"], p = _blob(meta, p)
+    assert p == c + caps_len, "capability blob of an unexpected length"
     fields["inner"], _ = _blob(meta, c + caps_len)
     return fields
 
@@ -108,10 +112,10 @@ def agent_name(meta):
 
 def forged_metadata(meta):
     """NIXL metadata of a UCX agent under the target's name: the inner UCX conn info, and one
-    DRAM registration, the target's whole arena, whose public data is the arena key."""
+    DRAM registration, the target's mailbox registration, whose public data is its key."""
     c = bounce_caps(meta)
     name = agent_name(meta).encode()
-    desc = struct.pack("<QQQ", c["arena_base"], c["arena_len"], 0) + c["arena_key"]
+    desc = struct.pack("<QQQ", c["mailbox_base"], c["mailbox_len"], 0) + c["mailbox_key"]
     return (b"nixlSerDes" + _str(b"|Agent", name)
             + _str(b"|Conns", struct.pack("<Q", 1)) + _str(b"|t", b"UCX") + _str(b"|c", c["inner"])
             + _str(b"|", b"MemSection") + _str(b"|nixlSecElms", struct.pack("<Q", 1))
@@ -146,7 +150,7 @@ class Forger:
         self.ring, self.slots = self.caps["ring"], self.caps["slots"]
         self.ring_bytes = self.ring * RECORD
         self.mb_len = self.slots * self.ring_bytes
-        self.mb_addr = self.caps["arena_base"] + self.caps["mailbox_offset"]
+        self.mb_addr = self.caps["mailbox_base"] + self.caps["mailbox_offset"]
         self.ag = nixlkit.agent(cmd["name"], ("UCX",))
         # the image of the mailbox READs land in, then room for what we write
         self.image = np.zeros(self.mb_len, dtype=np.uint8)
@@ -346,7 +350,8 @@ def main():
         nonlocal fg
         fg = Forger(cmd)
         return {"mailbox": {"addr": fg.mb_addr, "offset": fg.caps["mailbox_offset"], "slots": fg.slots,
-                            "ring": fg.ring}, "arena_base": fg.caps["arena_base"], "arena_len": fg.caps["arena_len"]}
+                            "ring": fg.ring}, "mailbox_base": fg.caps["mailbox_base"],
+                "mailbox_len": fg.caps["mailbox_len"]}
 
     def snapshot(_cmd):
         fg.last = fg.read()

@@ -361,7 +361,7 @@ def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern, path):
     checks its blocks the moment it sees each notification. Both caches byte-exact at the end,
     every transfer on the path asked for: "same-host" (CUDA IPC, the default between processes
     of one host) or "bounced" (bounce_cuda_ipc off on both sides, as between hosts: one way
-    through the target's mailbox in its GPU arena, the runs in control frames)."""
+    through the target's mailbox, in host memory of its own, the runs in control frames)."""
     import kvcache
     from test_kv_patterns import KvPeer
 
@@ -420,7 +420,7 @@ def test_vram_kv_patterns_with_metadata_loaded_one_way(pattern, path):
         assert moved.get(f"{done}_ok") == 9 and moved.get(f"{done}_xfers") == 9, moved
         assert moved.get(f"{other}_xfers", 0) == 0 and moved.get("passthrough_xfers", 0) == 0, moved
         if path == "bounced":
-            # one way: every answer came from the target's mailbox (READs of its GPU arena)
+            # one way: every answer came from the target's mailbox (READs of its host registration)
             assert moved.get("one_way_sent") == 9, moved
             # the batch's chunks (~4096 runs each) carry their runs behind their data; a
             # request's 1024 runs, under bounce_region_plan_runs, and a READ's go in frames

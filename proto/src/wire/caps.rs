@@ -66,16 +66,24 @@ pub struct Capabilities {
     pub endpoint: Vec<u8>,
     /// The mailbox one-way peers READ our answers from (docs/one-way.md), when we keep one.
     pub mailbox: Option<MailboxCaps>,
+    /// Address of the first byte of the registration the mailbox lies in: host memory of its
+    /// own, whatever the arena's memory (a GPU arena's records would otherwise cost a device
+    /// copy each, and every fetch a READ of GPU memory). 0 without a mailbox.
+    pub mailbox_base: u64,
+    /// Length of that registration in bytes (0 without a mailbox).
+    pub mailbox_len: u64,
+    /// The inner UCX engine's public data for that registration (empty without a mailbox).
+    pub mailbox_key: Vec<u8>,
 }
 
 /// Where and how large an agent's mailbox is: `slots` rings of `ring` 64-byte records, starting
-/// `offset` bytes into its arena (past the part the credit scheduler hands out). Advertised by
+/// `offset` bytes into the registration [`Capabilities::mailbox_base`] names. Advertised by
 /// an agent that answers one-way WANTs; a peer that loaded its metadata may then bounce to it
 /// without it ever loading the peer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct MailboxCaps {
-    /// Byte offset of the mailbox in the arena.
+    /// Byte offset of the mailbox in its registration.
     pub offset: u64,
     /// Number of slots.
     pub slots: u32,
@@ -100,6 +108,9 @@ impl Capabilities {
         w.u64(m.offset);
         w.u32(m.slots);
         w.u32(m.ring);
+        w.u64(self.mailbox_base);
+        w.u64(self.mailbox_len);
+        w.blob(&self.mailbox_key);
     }
 
     /// The blob's encoding as a new vector.
@@ -143,7 +154,13 @@ impl Capabilities {
                 }
                 (slots != 0).then_some(MailboxCaps { offset, slots, ring })
             },
+            mailbox_base: r.u64()?,
+            mailbox_len: r.u64()?,
+            mailbox_key: r.blob("mailbox key")?,
         };
+        if caps.mailbox.is_none() && (caps.mailbox_base != 0 || caps.mailbox_len != 0 || !caps.mailbox_key.is_empty()) {
+            return Err(WireError::Invalid { what: "mailbox registration without a mailbox" });
+        }
         r.finish()?;
         Ok(caps)
     }

@@ -50,7 +50,10 @@ pub(super) fn sample_caps() -> Capabilities {
         session: 9,
         arena_key: b"k".to_vec(),
         endpoint: Vec::new(),
-        mailbox: Some(MailboxCaps { offset: 64 << 20, slots: 256, ring: 18 }),
+        mailbox: Some(MailboxCaps { offset: 0, slots: 256, ring: 18 }),
+        mailbox_base: 0x7f00_0000_0000,
+        mailbox_len: 256 * 18 * 64,
+        mailbox_key: b"m".to_vec(),
     }
 }
 

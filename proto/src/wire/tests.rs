@@ -74,10 +74,16 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
 fn arb_caps() -> impl Strategy<Value = Capabilities> {
     let control = prop_oneof![Just(ControlKind::Ucx), Just(ControlKind::Zmq)];
     let mem = prop_oneof![Just(MemKind::Dram), Just(MemKind::Vram)];
-    let mailbox = prop::option::of((any::<u64>(), 1..=u32::MAX, any::<u32>()))
-        .prop_map(|m| m.map(|(offset, slots, ring)| MailboxCaps { offset, slots, ring }));
+    // A mailbox comes with its registration; without one those fields are zero and empty.
+    let mailbox = prop::option::of((any::<u64>(), 1..=u32::MAX, any::<u32>(), any::<(u64, u64)>(), arb_blob()))
+        .prop_map(|m| match m {
+            Some((offset, slots, ring, (base, len), key)) => {
+                (Some(MailboxCaps { offset, slots, ring }), base, len, key)
+            }
+            None => (None, 0, 0, Vec::new()),
+        });
     (control, mem, prop::array::uniform6(any::<u64>()), arb_blob(), arb_blob(), mailbox).prop_map(
-        |(control, mem, v, arena_key, endpoint, mailbox)| Capabilities {
+        |(control, mem, v, arena_key, endpoint, (mailbox, mailbox_base, mailbox_len, mailbox_key))| Capabilities {
             wire_version: WIRE_VERSION.into(),
             control,
             mem,
@@ -90,6 +96,9 @@ fn arb_caps() -> impl Strategy<Value = Capabilities> {
             arena_key,
             endpoint,
             mailbox,
+            mailbox_base,
+            mailbox_len,
+            mailbox_key,
         },
     )
 }
@@ -208,7 +217,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43070508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e43080508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -254,7 +263,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 07 01 0100000000000000
+            "00424f554e43 08 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
@@ -271,7 +280,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 07 03 0400000000000000
+            "00424f554e43 08 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001
@@ -281,7 +290,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 07 04 0500000000000000
+            "00424f554e43 08 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -349,9 +358,9 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0700 01 01 0010000000000000 0020000000000000 0000000000000000
+    let caps = "0800 01 01 0010000000000000 0020000000000000 0000000000000000
                 0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
-                0000000400000000 00010000 12000000";
+                0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes = sample_envelopes();
     let [bare, full] = &envelopes[..] else { panic!("two samples") };
@@ -508,6 +517,18 @@ fn invalid_values_are_refused() {
     caps[2] = 0;
     caps[3] = 7;
     assert_eq!(Capabilities::decode(&caps), Err(WireError::Invalid { what: "memory kind tag" }));
+    // "No mailbox" has one encoding: its registration's fields zero and empty too.
+    let none =
+        Capabilities { mailbox: None, mailbox_base: 0, mailbox_len: 0, mailbox_key: Vec::new(), ..sample_caps() };
+    assert_eq!(Capabilities::decode(&none.to_vec()), Ok(none.clone()));
+    for stray in [
+        Capabilities { mailbox_base: 1, ..none.clone() },
+        Capabilities { mailbox_len: 1, ..none.clone() },
+        Capabilities { mailbox_key: b"m".to_vec(), ..none.clone() },
+    ] {
+        let want = Err(WireError::Invalid { what: "mailbox registration without a mailbox" });
+        assert_eq!(Capabilities::decode(&stray.to_vec()), want, "{stray:?}");
+    }
 }
 
 #[test]
@@ -572,14 +593,14 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     let other_version = Capabilities { wire_version: u16::from(WIRE_VERSION) + 1, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 7, peer: 8 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 8, peer: 9 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
     assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities { wire_version: 8, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let all = Capabilities { wire_version: 9, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
     let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
@@ -614,26 +635,26 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4307010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "00424f554e4308010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         // cancel (empty WANT)
-        "00424f554e4307010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
+        "00424f554e4308010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
         // GRANT
-        "00424f554e4307020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e4308020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4307030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e4308030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e4307040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4308040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4307050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4308050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e43070a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e43080a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
@@ -655,7 +676,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e43070b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
+            "00424f554e43080b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
              02000000 00000000 01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
@@ -664,17 +685,18 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e43070d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43080d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e43070c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43080c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
-    let caps = "0700 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
-                0004000000000000 0900000000000000 01000000 6b 00000000 0000000400000000 00010000 12000000";
+    let caps = "0800 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+                0004000000000000 0900000000000000 01000000 6b 00000000 0000000000000000 00010000 12000000
+                00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
     assert_eq!(
@@ -682,7 +704,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
         [
             hex(&unhex("4e58424f554e4345 0100 00 01000000 ab")),
             hex(&unhex(&format!(
-                "4e58424f554e4345 0100 01 4d000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
+                "4e58424f554e4345 0100 01 62000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
             ))),
         ]
     );

@@ -903,6 +903,9 @@ fn caps(config: &Config, session: u64) -> wire::Capabilities {
         arena_key: Vec::new(),
         endpoint: Vec::new(),
         mailbox: None,
+        mailbox_base: 0,
+        mailbox_len: 0,
+        mailbox_key: Vec::new(),
     }
 }
 

@@ -105,7 +105,17 @@ impl Fetches {
         }
     }
 
-    /// True when a READ in flight goes through the peer arena `md`.
+    /// True when some READ is in flight.
+    pub(crate) fn reading(&self) -> bool {
+        self.polls.values().any(|p| !p.reads.is_empty())
+    }
+
+    /// Every READ still in flight, forgotten here (the reactor is stopping and releases them).
+    pub(crate) fn take_reads(&mut self) -> Vec<WriteId> {
+        self.polls.values_mut().flat_map(|p| std::mem::take(&mut p.reads)).collect()
+    }
+
+    /// True when a READ in flight goes through the peer registration `md`.
     pub(crate) fn uses(&self, md: Md) -> bool {
         self.polls.values().any(|p| !p.reads.is_empty() && p.remote_md == Some(md))
     }

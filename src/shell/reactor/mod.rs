@@ -27,18 +27,18 @@ use bounce_proto::wire::{self, Frame, Msg};
 use bounce_proto::{CopyRun, PeerId, RegId, Region, Token, XferId};
 use parking_lot::{Condvar, Mutex};
 
-use crate::shell::arena::ArenaBytes;
 use crate::shell::control::{ControlChannel, ControlError};
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
 use crate::shell::fence::{Fence, Pin};
+use crate::shell::oneway_area::AreaView;
 use crate::shell::peers::{PeerArena, PeerTable};
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
-use crate::sys::nixl::NixlStatus;
+use crate::sys::nixl::{MemSeg, NixlStatus};
 use crate::sys::shim::{Md, WriteSide, WriteState};
 use bounce_proto::peers::Hello;
 use fetch::Fetches;
@@ -242,9 +242,9 @@ pub(crate) struct Parts {
     pub(crate) endpoint: Vec<u8>,
     /// Our arena.
     pub(crate) arena: LocalArena,
-    /// Our arena's bytes past the scheduler's part: our mailbox (records written by this
-    /// thread) and our fetch area (one-way READs land there). `None`: no mailbox (two way only).
-    pub(crate) bytes: Option<ArenaBytes>,
+    /// Our one-way area: our mailbox (records written by this thread) and our fetch area
+    /// (one-way READs land there). `None`: no mailbox (two way only).
+    pub(crate) one_way: Option<AreaView>,
     /// Where gathers and scatters run.
     pub(crate) copier: Box<dyn CopyEngine>,
     /// Where writes go.
@@ -356,8 +356,9 @@ struct Driver {
     shared: Arc<Shared>,
     session: u64,
     arena: LocalArena,
-    bytes: Option<ArenaBytes>,
-    /// Where our mailbox and fetch area lie in the arena.
+    /// Our mailbox and fetch area, in host memory (`None`: two way only).
+    area: Option<AreaView>,
+    /// Where our mailbox and fetch area lie, in the core's offsets.
     one_way: OneWayLayout,
     /// Our one-way transfers' mailbox polls.
     fetches: Fetches,
@@ -417,11 +418,11 @@ impl Reactor {
     /// # Errors
     /// When the core rejects the configuration or the thread cannot be started.
     pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
-        let Parts { session, endpoint, arena, bytes, copier, data, control, control_budget } = parts;
+        let Parts { session, endpoint, arena, one_way: area, copier, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
-        // A mailbox only where this thread can write records into the arena.
-        ep.keep_mailbox(bytes.is_some());
+        // A mailbox only where we have one to write records into.
+        ep.keep_mailbox(area.is_some());
         let one_way = ep.one_way_layout();
         // The liveness probe's nonces must be unpredictable to others (a forged PONG would keep
         // a dead peer alive): a random secret per engine.
@@ -432,7 +433,7 @@ impl Reactor {
             shared: Arc::clone(&shared),
             session,
             arena,
-            bytes,
+            area,
             one_way,
             fetches: Fetches::new(one_way.fetch_slices),
             copier,
@@ -822,7 +823,7 @@ impl Driver {
                 // Two way once the peer said HELLO; one way (answers READ from its mailbox)
                 // when it never loaded us but keeps a mailbox, and we keep a fetch area.
                 let one_way =
-                    self.bytes.as_ref().and_then(|_| self.shared.peers.one_way_target(&p.peer)).map(|(_, l)| l);
+                    self.area.as_ref().and_then(|_| self.shared.peers.one_way_target(&p.peer)).map(|(_, l)| l);
                 let chunks = p.plan.chunks.len() as u64;
                 let bytes = p.plan.total_bytes;
                 let read = p.plan.read;
@@ -917,10 +918,10 @@ impl Driver {
             wire::Body::Ping { .. } | wire::Body::Pong { .. } => return self.on_probe(now, peer, frame),
             wire::Body::Goodbye => {
                 match self.shared.peers.goodbye(peer, frame.session) {
-                    Ok((id, arena)) => {
+                    Ok((id, unload)) => {
                         tracing::info!(peer, "peer said goodbye: its transfers fail, its arena is forgotten");
                         self.greeted.remove(peer);
-                        if let Some(md) = arena {
+                        for md in unload {
                             self.retire(md);
                         }
                         self.ep.handle_goodbye(now, id);
@@ -980,7 +981,7 @@ impl Driver {
     /// Our one-way transfers' mailbox READs: hands finished fetches to the core, frees the
     /// slices of ended transfers, and posts the fetches that are due (see `fetch`).
     fn poll_fetches(&mut self, now: Instant) -> bool {
-        if self.bytes.is_none() {
+        if self.area.is_none() {
             return false;
         }
         let mut moved = false;
@@ -1027,10 +1028,10 @@ impl Driver {
                     let at = self.one_way.fetch_offset + u64::from(slice) * self.one_way.fetch_slice;
                     // An unreadable fetch reads as nothing new: the next poll tries again, and
                     // the transfer's timeout bounds the wait.
-                    let image = match self.bytes.as_ref().map(|b| b.get(at, len)) {
-                        Some(Ok(image)) => image,
-                        Some(Err(e)) => {
-                            self.arena_bytes_failed("reading fetched answers", &e);
+                    let image = match self.area.as_ref().map(|a| a.get(at, len)) {
+                        Some(Some(image)) => image,
+                        Some(None) => {
+                            self.area_outside("reading fetched answers");
                             Vec::new()
                         }
                         None => Vec::new(),
@@ -1056,27 +1057,27 @@ impl Driver {
         }
         let Some(f) = self.ep.fetch(xfer) else { return false };
         let slice_at = self.one_way.fetch_offset + u64::from(poll.slice) * self.one_way.fetch_slice;
-        let Some((name, pa, mailbox)) = self.shared.peers.mailbox_target(f.peer) else {
+        let (Some(area), Some((name, mb))) = (self.area, self.shared.peers.mailbox_target(f.peer)) else {
             self.ep.handle_fetch_failed(now, xfer);
             let _ = self.drain_actions();
             return true;
         };
         poll.posted = true;
         poll.posted_at = now;
-        poll.remote_md = Some(pa.md);
+        poll.remote_md = Some(mb.md);
         let mut off = 0;
         for r in &f.regions {
-            // Within our slice (the core's fetches never exceed one) and the peer's arena (its
-            // layout was checked against the arena it advertised when it was loaded).
+            // Within our slice (the core's fetches never exceed one) and the peer's mailbox
+            // registration (its layout was checked against it when it was loaded).
             let inside =
-                mailbox.checked_add(r.offset).and_then(|o| o.checked_add(r.len)).is_some_and(|end| end <= pa.len)
+                mb.offset.checked_add(r.offset).and_then(|o| o.checked_add(r.len)).is_some_and(|end| end <= mb.len)
                     && off + r.len <= self.one_way.fetch_slice;
-            if !inside {
+            let local = area.side(slice_at + off, r.len).filter(|_| inside);
+            let Some(local) = local else {
                 poll.failed = true;
                 break;
-            }
-            let local = self.arena.side(slice_at + off);
-            let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + mailbox + r.offset, dev: pa.dev };
+            };
+            let remote = WriteSide { mem: MemSeg::Dram, md: mb.md, addr: mb.base + mb.offset + r.offset, dev: 0 };
             match self.data.read(&name, local, remote, r.len) {
                 Ok(Posted::Done) => {}
                 Ok(Posted::InFlight(id)) => poll.reads.push(id),
@@ -1153,11 +1154,11 @@ impl Driver {
                     }
                     Action::Read { job, peer, remote, local, len, .. } => self.read(job, peer, remote, local, len),
                     Action::PutRecord { offset, bytes } => {
-                        // Only an engine with the arena's bytes keeps a mailbox; the core
-                        // places records inside it. A record not written is an answer the
-                        // initiator never reads: its transfer times out.
-                        if let Some(Err(e)) = self.bytes.as_ref().map(|b| b.put(offset, &bytes)) {
-                            self.arena_bytes_failed("writing a mailbox record", &e);
+                        // Only an engine with a one-way area keeps a mailbox; the core places
+                        // records inside it. A record not written is an answer the initiator
+                        // never reads: its transfer times out.
+                        if self.area.is_some_and(|a| !a.put(offset, &bytes)) {
+                            self.area_outside("writing a mailbox record");
                         }
                     }
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
@@ -1204,9 +1205,11 @@ impl Driver {
         }
     }
 
-    fn arena_bytes_failed(&mut self, what: &'static str, e: &crate::shell::arena::BytesFault) {
+    /// The core placed a record or a fetch outside our one-way area (a core bug: it places
+    /// them inside).
+    fn area_outside(&mut self, what: &'static str) {
         if self.warn_budget.allow(Instant::now()) {
-            tracing::warn!(error = %e, "{what} failed");
+            tracing::warn!("{what} failed: range outside the one-way area");
         }
     }
 
@@ -1465,19 +1468,24 @@ impl Driver {
         let now = Instant::now();
         self.ep.shutdown(now);
         self.stop_posting(now);
-        // Writes may still read the arena: wait for them (bounded), then release.
+        // Writes may still read the arena, and mailbox READs land in the fetch area: wait for
+        // them (bounded), then release.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !self.writes.is_empty() && Instant::now() < deadline {
+        while (!self.writes.is_empty() || self.fetches.reading()) && Instant::now() < deadline {
             self.data.progress();
             let _ = self.poll_writes(Instant::now());
+            let _ = self.poll_fetches(Instant::now());
             let _ = self.drain_actions();
         }
-        let ended = self.writes.is_empty();
+        let ended = self.writes.is_empty() && !self.fetches.reading();
         for w in self.writes.drain(..) {
             self.data.release(w.id);
             if let Some(pin) = w.pin {
                 self.shared.fence.unpin(pin);
             }
+        }
+        for id in self.fetches.take_reads() {
+            self.data.release(id);
         }
         for md in std::mem::take(&mut self.retiring).into_iter().chain(self.shared.peers.take_arenas()) {
             self.data.unload(md);

@@ -12,9 +12,9 @@ use bounce_proto::{ControlKind, MemKind, RegKey};
 use memmap2::MmapMut;
 
 use super::*;
-use crate::shell::arena::ArenaBytes;
 use crate::shell::control::mem::{Fate, MemChannel, MemNet};
 use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
+use crate::shell::oneway_area::AreaView;
 use crate::shell::registry::Registration;
 use crate::shell::requests::State;
 use crate::shell::stats::Counter;
@@ -58,9 +58,9 @@ impl DataPath for MemPath {
         remote: WriteSide,
         len: u64,
     ) -> std::result::Result<Posted, NixlStatus> {
-        // SAFETY: test only. `remote` lies in the peer's arena (its mailbox, bounds checked by
-        // the reactor against the advertised arena), `local` in our own arena's fetch area;
-        // both are distinct live allocations for the test's duration.
+        // SAFETY: test only. `remote` lies in the peer's one-way area (its mailbox, bounds
+        // checked by the reactor against the registration it advertised), `local` in our own
+        // fetch area; both are distinct live allocations for the test's duration.
         unsafe { std::ptr::copy_nonoverlapping(remote.addr as *const u8, local.addr as *mut u8, len as usize) };
         self.posted += 1;
         Ok(if self.posted % 2 == 0 { Posted::InFlight(WriteId(self.posted)) } else { Posted::Done })
@@ -90,6 +90,7 @@ struct Side {
     caps: Capabilities,
     notified: Sent,
     _arena: MmapMut,
+    _area: MmapMut,
 }
 
 impl Side {
@@ -117,11 +118,14 @@ impl Side {
         control: Box<dyn ControlChannel>,
         control_budget: usize,
     ) -> Self {
-        // As the engine maps it: the scheduler's part, then the mailbox and the fetch area.
+        // As the engine maps them: the arena, and apart from it the one-way area (the mailbox
+        // and the fetch area).
         let one_way = OneWayLayout::for_config(config);
-        let len = one_way.arena_len.max(config.arena_size);
+        let len = config.arena_size;
         let mut arena = MmapMut::map_anon(len as usize).unwrap();
         let base = arena.as_mut_ptr() as u64;
+        let mut area = MmapMut::map_anon(one_way.area_len() as usize).unwrap();
+        let area_host = HostArena { base: area.as_mut_ptr() as u64, len: one_way.area_len(), streaming_scatter: false };
         let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
         let host = HostArena { base, len, streaming_scatter: true };
         let waker = Arc::clone(&shared);
@@ -132,7 +136,7 @@ impl Side {
             session,
             endpoint: name.as_bytes().to_vec(),
             arena: LocalArena { place: ArenaPlace { mem: MemKind::Dram, dev: 0 }, base, md: Md(0) },
-            bytes: Some(ArenaBytes::Host(host)),
+            one_way: Some(AreaView { host: area_host, origin: one_way.mailbox.offset, md: Md(2) }),
             copier: wrap(copier),
             data: Box::new(path),
             control,
@@ -151,16 +155,19 @@ impl Side {
             session,
             arena_key: Vec::new(),
             endpoint: Vec::new(),
-            mailbox: Some(one_way.mailbox),
+            mailbox: Some(one_way.advertised()),
+            mailbox_base: area_host.base,
+            mailbox_len: area_host.len,
+            mailbox_key: Vec::new(),
         };
-        Self { reactor, shared, caps, notified, _arena: arena }
+        Self { reactor, shared, caps, notified, _arena: arena, _area: area }
     }
 
     /// NIXL loaded `other`'s connection info here and its arena into the inner engine.
     fn load(&self, name: &str, other: &Self) {
         let loaded = self.shared.peers.loaded(name, Some(other.caps.clone()), Some(&self.caps));
         assert_eq!(loaded, (bounce_proto::peers::Loaded::Compatible, false));
-        assert_eq!(self.shared.peers.arena_loaded(name, Some(Md(1))), (true, vec![]));
+        assert_eq!(self.shared.peers.arena_loaded(name, Some(Md(1)), Some(Md(2))), (true, vec![]));
         self.shared.inbox.push(Cmd::Hello(name.to_owned()));
     }
 

@@ -33,7 +33,7 @@ pub use error::CudaError;
 pub use exec::{ExecContext, ExecPool, GpuTimer};
 pub use ipc::{IpcExport, IpcMapping, ipc_export};
 pub use launch::{CopyDir, PlanPlacement, gather, scatter, stage_plan};
-pub use memory::{DeviceAlloc, PinnedHost, SmallCopies, alloc_vram};
+pub use memory::{DeviceAlloc, PinnedHost, alloc_vram};
 pub use module::{GATHER_KERNEL, Kernels, PLAN_CHECK_KERNEL, SCATTER_CHECKED_KERNEL, SCATTER_KERNEL, embedded_ptx};
 pub use plan::{PlanShape, TILE, encode as encode_plan, plan_bytes};
 pub use region_plan::{REGION_PLAN_MAX_DATA, region_plan_verdict, scatter_region_plan};
