@@ -105,7 +105,7 @@ pub struct Endpoint {
     answering: Answering,
     /// Our one-way transfers, whose answers we read from the targets' mailboxes.
     reading: Reading,
-    /// Where our mailbox and fetch area lie in the arena.
+    /// Where our mailbox and fetch area lie, in our offsets (past the arena's scheduled part).
     one_way: OneWayLayout,
     /// Scratch for [`handle_fetched`](Self::handle_fetched).
     reads: Vec<Read>,
@@ -190,7 +190,7 @@ impl Endpoint {
         Ok(())
     }
 
-    /// A READ of one-way transfer `xfer`'s mailbox failed (the target is gone, or its arena
+    /// A READ of one-way transfer `xfer`'s mailbox failed (the target is gone, or its mailbox
     /// no longer loaded): no answer can come, so it fails as lost.
     pub fn handle_fetch_failed(&mut self, now: Instant, xfer: XferId) {
         if self.reading.contains(xfer) {
@@ -228,8 +228,8 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Keeps a mailbox (the shell can write records into our arena: in place in host memory,
-    /// by small copies in GPU memory) and answers one-way WANTs through it, or not.
+    /// Keeps a mailbox (the shell has a one-way area to write records into) and answers one-way
+    /// WANTs through it, or not.
     pub fn keep_mailbox(&mut self, yes: bool) {
         let layout = self.one_way.mailbox;
         let layout = yes.then_some(MailboxLayout { slots: layout.slots, ring: layout.ring });
@@ -241,7 +241,7 @@ impl Endpoint {
         self.answering.slots_held()
     }
 
-    /// Where our mailbox and fetch area lie in the arena (the shell sizes the arena by it).
+    /// Where our mailbox and fetch area lie (the shell sizes its one-way area by it).
     pub fn one_way_layout(&self) -> OneWayLayout {
         self.one_way
     }
@@ -1409,7 +1409,8 @@ pub(crate) mod tests {
         fn new(arena: u64, w: u32, eager: bool) -> Self {
             let (a, now) = endpoint(arena, w, eager);
             let (b, _) = endpoint(arena, w, eager);
-            // The whole arena: the scheduler's part, the mailbox and the fetch area.
+            // One buffer for all the core's offsets: the scheduler's part, the mailbox and the
+            // fetch area.
             let len = a.one_way_layout().arena_len as usize;
             let mut p = Self {
                 eps: [a, b],

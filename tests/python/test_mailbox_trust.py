@@ -1,10 +1,10 @@
 """A hostile peer forging a one-way target's mailbox records, end to end (issue 13).
 
 Three processes: a target T (peer.py, BOUNCE, host memory) that never loads anyone's metadata,
-so it answers one way by writing authenticated records into the mailbox in its arena; an honest
+so it answers one way by writing authenticated records into its mailbox; an honest
 initiator I (this process) that loaded T's metadata and bounces many small scattered pieces to
 or from T; and a forger F (mailbox_forger.py), a plain UCX agent that loaded T's metadata too.
-The arena is one registration whose remote key is in T's published capabilities, so F can
+The mailbox is one registration whose remote key is in T's published capabilities, so F can
 RDMA-READ and RDMA-WRITE the whole mailbox, and it does while I's transfers run: garbage,
 genuine records with a flipped bit, moved to the next position, copied from another slot or
 replayed from an earlier lap, and ACKs it cannot authenticate (it never sees the token).

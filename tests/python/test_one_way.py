@@ -1,5 +1,5 @@
 """One-way metadata (issue 13): the initiator loads the target's metadata, the target never loads
-the initiator's, and a WRITE still bounces: the target answers through the mailbox in its arena
+the initiator's, and a WRITE still bounces: the target answers through its mailbox
 and the initiator READs it. Real NIXL agents, the target in its own process. What must hold:
 every byte lands (and nothing else changes), the counters prove the one-way path on both sides,
 and every failure resolves the transfer: a target killed mid-transfer, a transfer cancelled
