@@ -16,8 +16,11 @@ two notification round trips. Measured, per block:
     only BOUNCE's reactor progresses its engine there). Its ratio is against UCX's WRITE to the
     polling target: UCX is not measured against an idle target, because its WRITE may need the
     target's progress (measured here: one stayed in flight for good);
-  - the same again with `--apart-ms` (default 20) between samples: a transfer that comes after a
-    pause, when the target's reactor has backed off to its longest idle park.
+  - both WRITEs again with `--apart-ms` (default 20) between samples, to the polling target and
+    (BOUNCE) to the idle one: a transfer that comes after a pause, when both sides' threads have
+    gone quiet and an idle target's reactor has backed off to its longest idle park. The polling
+    row shows what a pause costs anyway (both processes' wake-ups, cold caches); the idle row
+    adds the target reactor's park.
 Prints p50 / p99 of each and the hop estimate: (bounced WRITE - UCX floor) / 2 + one RTT, i.e.
 what one control round trip of the bounce path costs against the notification round trip.
 """
@@ -179,8 +182,9 @@ OPS = [
     ("notif round trip", "notif_rtt", BACKENDS, False, "notif round trip"),
     ("UCX floor: write + 2 RTT", "floor", ("UCX",), False, None),
     ("WRITE scattered", "write_scattered", BACKENDS, False, "WRITE scattered"),
+    ("  after a pause", "write_scattered_apart", BACKENDS, False, "  after a pause"),
     ("WRITE scattered, idle tgt", "write_scattered", ("BOUNCE",), True, "WRITE scattered"),
-    ("  the same, after a pause", "write_scattered_apart", ("BOUNCE",), True, "WRITE scattered"),
+    ("  idle tgt, after a pause", "write_scattered_apart", ("BOUNCE",), True, "  after a pause"),
 ]
 
 

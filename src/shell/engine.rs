@@ -445,8 +445,8 @@ impl Engine {
         if !kept {
             tracing::warn!(peer = agent, "loading the peer's arena failed; plain UCX to it");
         }
-        for md in unload {
-            sh.inbox.push(Cmd::Unload(md));
+        for arena in unload {
+            sh.inbox.push(Cmd::Unload(arena));
         }
     }
 
@@ -456,8 +456,8 @@ impl Engine {
         if let Some(sh) = self.shared() {
             let unload = self.peers.lost(agent);
             sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
-            for md in unload {
-                sh.inbox.push(Cmd::Unload(md));
+            if !unload.is_empty() {
+                sh.inbox.push(Cmd::Unload(unload));
             }
         }
     }

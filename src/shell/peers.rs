@@ -7,6 +7,9 @@
 //! reactor the rest.
 
 use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
 
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::mailbox::MailboxLayout;
@@ -14,7 +17,7 @@ use bounce_proto::oneway;
 use bounce_proto::peers::{self, CreditRefused, FrameRefused, Loaded};
 use bounce_proto::wire::Capabilities;
 use bounce_proto::{MemKind, PeerId, Region};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::sys::shim::Md;
 
@@ -36,9 +39,10 @@ pub(crate) struct PeerArena {
 }
 
 impl PeerArena {
-    /// Every inner metadata handle it holds (each unloaded once no operation uses it).
-    fn mds(&self) -> impl Iterator<Item = Md> + use<> {
-        std::iter::once(self.md).chain(self.mailbox.map(|m| m.md))
+    /// Every inner metadata handle it holds: unloaded together once no write or READ uses
+    /// any of them (one retiring arena).
+    fn mds(&self) -> Vec<Md> {
+        std::iter::once(self.md).chain(self.mailbox.map(|m| m.md)).collect()
     }
 }
 
@@ -84,9 +88,48 @@ struct Table {
 
 /// The peer table, shared by the engine's application threads and its reactor.
 #[derive(Debug, Default)]
-pub(crate) struct PeerTable(Mutex<Table>);
+pub(crate) struct PeerTable {
+    table: Mutex<Table>,
+    /// Peers a transfer may bounce to, and peer arenas loaded: stored under the lock by every
+    /// change that can move them, so a polling application's stats refresh reads both
+    /// without taking it (issue 12).
+    ready: AtomicUsize,
+    arenas: AtomicUsize,
+}
+
+/// The table locked by a change that may move the gauges; they are stored when it is dropped,
+/// still under the lock, so the last change's values are the ones left.
+struct Changing<'a> {
+    table: MutexGuard<'a, Table>,
+    gauges: (&'a AtomicUsize, &'a AtomicUsize),
+}
+
+impl Deref for Changing<'_> {
+    type Target = Table;
+    fn deref(&self) -> &Table {
+        &self.table
+    }
+}
+
+impl DerefMut for Changing<'_> {
+    fn deref_mut(&mut self) -> &mut Table {
+        &mut self.table
+    }
+}
+
+impl Drop for Changing<'_> {
+    fn drop(&mut self) {
+        self.gauges.0.store(self.table.rules.bounce_peers(), Relaxed);
+        self.gauges.1.store(self.table.arenas.len(), Relaxed);
+    }
+}
 
 impl PeerTable {
+    /// The table, for a change that may move who can bounce or which arenas are loaded.
+    fn change(&self) -> Changing<'_> {
+        Changing { table: self.table.lock(), gauges: (&self.ready, &self.arenas) }
+    }
+
     // ---- from NIXL (application threads) ----
 
     /// NIXL loaded the agent's connection info, which published `theirs`; `ours` are our
@@ -99,14 +142,14 @@ impl PeerTable {
         theirs: Option<Capabilities>,
         ours: Option<&Capabilities>,
     ) -> (Loaded, bool) {
-        let mut t = self.0.lock();
+        let mut t = self.change();
         let replaced = t.rules.load_replaces(name, theirs.as_ref()).is_some();
         (t.rules.load_conn_info(name, theirs, ours), replaced)
     }
 
     /// The arena to load for a peer that can bounce with us (`None`: nothing to load).
     pub(crate) fn arena_to_load(&self, name: &str) -> Option<ArenaToLoad> {
-        let t = self.0.lock();
+        let t = self.table.lock();
         let c = t.rules.compatible(name)?;
         Some(ArenaToLoad {
             base: c.arena_base,
@@ -121,13 +164,15 @@ impl PeerTable {
     /// The inner engine loaded the peer's arena as `md` and its mailbox registration as
     /// `mailbox` (`None`: loading failed or there is none; without the arena, plain UCX to it;
     /// without the mailbox, no one-way bounce to it). Returns whether the peer now has an arena,
-    /// and the inner metadata no longer kept (what the new handles replace, or the handles
-    /// themselves when not kept): each must be unloaded once no write or READ uses it.
-    pub(crate) fn arena_loaded(&self, name: &str, md: Option<Md>, mailbox: Option<Md>) -> (bool, Vec<Md>) {
-        let mut t = self.0.lock();
+    /// and the inner metadata no longer kept, by arena: the handles the new ones replace, and
+    /// the new ones not kept. Each group is unloaded once no write or READ uses any of it.
+    pub(crate) fn arena_loaded(&self, name: &str, md: Option<Md>, mailbox: Option<Md>) -> (bool, Vec<Vec<Md>>) {
+        let mut t = self.change();
         t.rules.arena_loaded(name, md.is_some());
-        let given = md.into_iter().chain(mailbox);
-        let Some(id) = t.rules.lookup(name) else { return (false, given.collect()) };
+        let given: Vec<Md> = md.into_iter().chain(mailbox).collect();
+        let Some(id) = t.rules.lookup(name) else {
+            return (false, [given].into_iter().filter(|g| !g.is_empty()).collect());
+        };
         let arena = match (md, t.rules.compatible(name)) {
             (Some(md), Some(c)) => Some(PeerArena {
                 base: c.arena_base,
@@ -148,32 +193,34 @@ impl PeerTable {
             Some(a) => t.arenas.insert(id, a),
             None => t.arenas.remove(&id),
         };
-        let mut unload: Vec<Md> = old.iter().flat_map(PeerArena::mds).chain(given).collect();
-        // The handles kept are never unloaded (were the same ones reported twice).
-        unload.retain(|m| arena.is_none_or(|a| a.mds().all(|k| k != *m)));
-        unload.sort_unstable_by_key(|m| m.0);
-        unload.dedup();
-        (arena.is_some(), unload)
+        // The handles kept are never unloaded (were the same ones reported twice), nor one
+        // handed back twice.
+        let kept = arena.map(|a| a.mds()).unwrap_or_default();
+        let old = old.map(|a| a.mds()).unwrap_or_default();
+        let old: Vec<Md> = old.into_iter().filter(|m| !kept.contains(m)).collect();
+        let given: Vec<Md> = given.into_iter().filter(|m| !kept.contains(m) && !old.contains(m)).collect();
+        (arena.is_some(), [old, given].into_iter().filter(|g| !g.is_empty()).collect())
     }
 
     /// The agent disconnected: forget everything NIXL and the agent told us. Its id stays
     /// (ids are never reused).
-    /// Returns its arena's inner metadata (and its mailbox's) to unload once nothing uses them.
+    /// Returns its arena's inner metadata (and its mailbox's) to unload once nothing uses them
+    /// (empty: none was loaded).
     pub(crate) fn lost(&self, name: &str) -> Vec<Md> {
-        let mut t = self.0.lock();
+        let mut t = self.change();
         let Some(id) = t.rules.lost(name) else { return Vec::new() };
-        t.arenas.remove(&id).iter().flat_map(PeerArena::mds).collect()
+        t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default()
     }
 
     /// Peer arenas loaded (their inner metadata held) now.
     pub(crate) fn arenas_loaded(&self) -> usize {
-        self.0.lock().arenas.len()
+        self.arenas.load(Relaxed)
     }
 
     /// Where the agent's arena lives, when a transfer to it may bounce: loaded, compatible,
     /// its arena loaded, and it said HELLO.
     pub(crate) fn bounce_arena(&self, name: &str) -> Option<ArenaPlace> {
-        let t = self.0.lock();
+        let t = self.table.lock();
         if !t.rules.can_bounce(name) {
             return None;
         }
@@ -184,7 +231,7 @@ impl PeerTable {
     /// one way only: loaded, compatible, its arena loaded, a mailbox in bounds, but no HELLO
     /// (it never loaded us, or not yet). A peer that said HELLO is bounced to two way.
     pub(crate) fn one_way_target(&self, name: &str) -> Option<(ArenaPlace, MailboxLayout)> {
-        let t = self.0.lock();
+        let t = self.table.lock();
         if t.rules.can_bounce(name) || !t.rules.can_bounce_one_way(name) {
             return None;
         }
@@ -196,7 +243,7 @@ impl PeerTable {
 
     /// Where one-way fetches from a peer go: its name and its mailbox's registration.
     pub(crate) fn mailbox_target(&self, id: PeerId) -> Option<(String, PeerMailbox)> {
-        let t = self.0.lock();
+        let t = self.table.lock();
         let mailbox = t.arenas.get(&id)?.mailbox?;
         Some((t.rules.name(id)?.to_owned(), mailbox))
     }
@@ -207,46 +254,46 @@ impl PeerTable {
     /// # Errors
     /// [`FrameRefused::NotLoaded`] once too many such names were seen.
     pub(crate) fn admit_one_way(&self, name: &str) -> Result<PeerId, FrameRefused> {
-        self.0.lock().rules.admit_one_way(name)
+        self.table.lock().rules.admit_one_way(name)
     }
 
     /// Peers a transfer may bounce to now.
     pub(crate) fn ready(&self) -> usize {
-        self.0.lock().rules.bounce_peers()
+        self.ready.load(Relaxed)
     }
 
     // ---- from the reactor ----
 
     /// The id of a peer the application submits a transfer to (adding it if needed).
     pub(crate) fn id(&self, name: &str) -> PeerId {
-        self.0.lock().rules.id(name)
+        self.table.lock().rules.id(name)
     }
 
     /// The id of an agent already in the table (`None`: never heard of).
     pub(crate) fn known_id(&self, name: &str) -> Option<PeerId> {
-        self.0.lock().rules.lookup(name)
+        self.table.lock().rules.lookup(name)
     }
 
     /// The name of a peer id.
     pub(crate) fn name(&self, id: PeerId) -> Option<String> {
-        self.0.lock().rules.name(id).map(str::to_owned)
+        self.table.lock().rules.name(id).map(str::to_owned)
     }
 
     /// True when the agent's capabilities are compatible with ours (a HELLO is only of use to
     /// such a peer, and only such a peer has a ZMQ endpoint we could reach).
     pub(crate) fn compatible(&self, name: &str) -> bool {
-        self.0.lock().rules.compatible(name).is_some()
+        self.table.lock().rules.compatible(name).is_some()
     }
 
     /// The control endpoint the agent advertised (ZMQ).
     pub(crate) fn endpoint(&self, name: &str) -> Option<Vec<u8>> {
-        self.0.lock().rules.compatible(name).map(|c| c.endpoint.clone())
+        self.table.lock().rules.compatible(name).map(|c| c.endpoint.clone())
     }
 
     /// Records a HELLO (those from agents not loaded are bounded hints); says whether to
     /// answer it with ours.
     pub(crate) fn hello(&self, name: &str) -> peers::Hello {
-        self.0.lock().rules.hello(name)
+        self.change().rules.hello(name)
     }
 
     /// Applies the core's loading and session rules to a message frame from `name`: the
@@ -256,18 +303,18 @@ impl PeerTable {
     /// [`FrameRefused::NotLoaded`], [`FrameRefused::NoSession`] or
     /// [`FrameRefused::StaleSession`]: drop the frame.
     pub(crate) fn admit(&self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {
-        self.0.lock().rules.admit(name, session)
+        self.table.lock().rules.admit(name, session)
     }
 
     /// True when NIXL no longer has the peer loaded (it disconnected, or was never loaded).
     pub(crate) fn gone(&self, id: PeerId) -> bool {
-        let t = self.0.lock();
+        let t = self.table.lock();
         t.rules.name(id).is_none_or(|n| !t.rules.is_loaded(n))
     }
 
     /// Where writes to a peer go: its name and arena.
     pub(crate) fn write_target(&self, id: PeerId) -> Option<(String, PeerArena)> {
-        let t = self.0.lock();
+        let t = self.table.lock();
         let a = *t.arenas.get(&id)?;
         Some((t.rules.name(id)?.to_owned(), a))
     }
@@ -278,22 +325,22 @@ impl PeerTable {
     /// # Errors
     /// A [`CreditRefused`]: never write then.
     pub(crate) fn check_credit(&self, id: PeerId, region: Region, len: u64) -> Result<(), CreditRefused> {
-        self.0.lock().rules.check_credit(id, region, len)
+        self.table.lock().rules.check_credit(id, region, len)
     }
 
     /// A GOODBYE from `name` with `session` (see the core's `PeerTable::goodbye`). Returns the
     /// peer's id and its arena's inner metadata (and its mailbox's) to unload once nothing uses
     /// them.
     pub(crate) fn goodbye(&self, name: &str, session: u64) -> Result<(PeerId, Vec<Md>), FrameRefused> {
-        let mut t = self.0.lock();
+        let mut t = self.change();
         let id = t.rules.goodbye(name, session)?;
-        Ok((id, t.arenas.remove(&id).iter().flat_map(PeerArena::mds).collect()))
+        Ok((id, t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default()))
     }
 
     /// Every peer arena's inner metadata (and mailbox's), forgotten here (the engine is shutting
     /// down).
     pub(crate) fn take_arenas(&self) -> Vec<Md> {
-        self.0.lock().arenas.drain().flat_map(|(_, a)| a.mds()).collect()
+        self.change().arenas.drain().flat_map(|(_, a)| a.mds()).collect()
     }
 }
 
@@ -342,6 +389,7 @@ mod tests {
         assert!(t.check_credit(id, Region { offset: (1 << 20) - 8, len: 4096 }, 16).is_err());
         assert_eq!(t.lost("b"), vec![Md(5)], "the lost peer's arena is handed back to unload");
         assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
+        assert_eq!((t.ready(), t.arenas_loaded()), (0, 0), "the gauges follow the loss");
         assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
         assert!(t.gone(id) && t.gone(PeerId(99)));
         assert_eq!(t.id("b"), id, "ids are never reused");
@@ -351,7 +399,11 @@ mod tests {
         assert!(t.admit("c", 3).is_ok() && t.arena_to_load("c").is_none());
         assert!(matches!(t.loaded("d", None, Some(&caps(1))), (Loaded::NoCapabilities, false)));
         assert_eq!(t.admit("d", 1), Err(FrameRefused::NoSession));
-        assert_eq!(t.arena_loaded("c", Some(Md(6)), None), (false, vec![Md(6)]), "loaded but not kept: unload it");
+        assert_eq!(
+            t.arena_loaded("c", Some(Md(6)), None),
+            (false, vec![vec![Md(6)]]),
+            "loaded but not kept: unload it"
+        );
     }
 
     #[test]
@@ -374,7 +426,7 @@ mod tests {
         t.loaded("b", Some(caps(9)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("b", Some(Md(5)), None), (true, vec![]));
         // NIXL reloaded b's conn info: the new handle replaces the old, which must be unloaded.
-        assert_eq!(t.arena_loaded("b", Some(Md(6)), None), (true, vec![Md(5)]));
+        assert_eq!(t.arena_loaded("b", Some(Md(6)), None), (true, vec![vec![Md(5)]]));
         // The same handle reported again is kept, never unloaded.
         assert_eq!(t.arena_loaded("b", Some(Md(6)), None), (true, vec![]));
         assert_eq!(t.arenas_loaded(), 1);
@@ -389,7 +441,7 @@ mod tests {
         // Loading failed after a success: the old handle goes too.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("c", Some(Md(7)), None), (true, vec![]));
-        assert_eq!(t.arena_loaded("c", None, None), (false, vec![Md(7)]));
+        assert_eq!(t.arena_loaded("c", None, None), (false, vec![vec![Md(7)]]));
         assert_eq!(t.arena_loaded("c", Some(Md(8)), None), (true, vec![]));
         assert_eq!(t.take_arenas(), vec![Md(8)]);
         assert_eq!(t.arenas_loaded(), 0);
@@ -415,7 +467,7 @@ mod tests {
         let id = t.known_id("b").unwrap();
         assert!(t.mailbox_target(id).is_none());
         // Reloaded with both: the old arena handle goes, the new pair is kept.
-        assert_eq!(t.arena_loaded("b", Some(Md(6)), Some(Md(7))), (true, vec![Md(5)]));
+        assert_eq!(t.arena_loaded("b", Some(Md(6)), Some(Md(7))), (true, vec![vec![Md(5)]]));
         assert!(t.one_way_target("b").is_some(), "one way before any HELLO");
         let m = t.mailbox_target(id).map(|(n, m)| (n, m.base, m.len, m.offset, m.md));
         assert_eq!(m, Some(("b".to_owned(), 0x7f00_0000_0000, layout.area_len(), 0, Md(7))));
@@ -423,16 +475,19 @@ mod tests {
         assert!(t.one_way_target("b").is_none() && t.bounce_arena("b").is_some(), "two way after its HELLO");
         // The same pair reported again is kept; a new pair replaces both.
         assert_eq!(t.arena_loaded("b", Some(Md(6)), Some(Md(7))), (true, vec![]));
-        assert_eq!(t.arena_loaded("b", Some(Md(8)), Some(Md(9))), (true, vec![Md(6), Md(7)]));
-        // The arena failed to load: both handles handed back, nothing kept.
-        assert_eq!(t.arena_loaded("b", None, Some(Md(10))), (false, vec![Md(8), Md(9), Md(10)]));
+        assert_eq!(t.arena_loaded("b", Some(Md(8)), Some(Md(9))), (true, vec![vec![Md(6), Md(7)]]));
+        // The arena failed to load: the old pair handed back, and the new handle, nothing kept;
+        // a handle reported again is handed back once.
+        assert_eq!(t.arena_loaded("b", None, Some(Md(10))), (false, vec![vec![Md(8), Md(9)], vec![Md(10)]]));
+        assert_eq!(t.arena_loaded("b", Some(Md(15)), Some(Md(16))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", None, Some(Md(16))), (false, vec![vec![Md(15), Md(16)]]));
         assert_eq!(t.arena_loaded("b", Some(Md(11)), Some(Md(12))), (true, vec![]));
         assert_eq!(t.lost("b"), vec![Md(11), Md(12)], "both handed back to unload");
         assert_eq!(t.arenas_loaded(), 0);
         // A peer without a mailbox has none to load, and a handle given anyway is not kept.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));
         assert_eq!(t.arena_to_load("c").and_then(|a| a.mailbox), None);
-        assert_eq!(t.arena_loaded("c", Some(Md(13)), Some(Md(14))), (true, vec![Md(14)]));
+        assert_eq!(t.arena_loaded("c", Some(Md(13)), Some(Md(14))), (true, vec![vec![Md(14)]]));
         assert_eq!(t.take_arenas(), vec![Md(13)]);
     }
 
@@ -443,7 +498,7 @@ mod tests {
         for i in 0..2 * peers::MAX_HELLO_HINTS {
             assert_eq!(t.hello(&format!("x{i}")), peers::Hello::Hint);
         }
-        assert_eq!(t.0.lock().rules.hints(), peers::MAX_HELLO_HINTS);
+        assert_eq!(t.table.lock().rules.hints(), peers::MAX_HELLO_HINTS);
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("late", Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arena("late").is_none(), "its hint was evicted");

@@ -4,6 +4,8 @@
 //! receiver's scatter check, which stays in the core).
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
 
 use bounce_proto::MemKind;
 use bounce_proto::gate::ArenaPlace;
@@ -41,40 +43,50 @@ impl Registration {
 
 /// The one table of registrations, keyed by the inner engine's metadata handle.
 #[derive(Debug, Default)]
-pub(crate) struct Registry(Mutex<HashMap<Md, Registration>>);
+pub(crate) struct Registry {
+    table: Mutex<HashMap<Md, Registration>>,
+    /// The table's length, stored under its lock by every change: a polling application's
+    /// stats refresh reads it without taking the lock (issue 12).
+    len: AtomicUsize,
+}
 
 impl Registry {
     /// Records a registration.
     pub(crate) fn insert(&self, md: Md, reg: Registration) {
-        self.0.lock().insert(md, reg);
+        let mut t = self.table.lock();
+        t.insert(md, reg);
+        self.len.store(t.len(), Relaxed);
     }
 
     /// Forgets a registration; returns it.
     pub(crate) fn remove(&self, md: Md) -> Option<Registration> {
-        self.0.lock().remove(&md)
+        let mut t = self.table.lock();
+        let r = t.remove(&md);
+        self.len.store(t.len(), Relaxed);
+        r
     }
 
-    /// How many there are.
+    /// How many there are (as of the last change; no lock).
     pub(crate) fn len(&self) -> usize {
-        self.0.lock().len()
+        self.len.load(Relaxed)
     }
 
     /// Every registration the arena at `place` serves, for replay to a reactor that starts
     /// after them.
     pub(crate) fn serving(&self, place: ArenaPlace) -> Vec<(Md, Registration)> {
-        self.0.lock().iter().filter(|(_, r)| r.serves(place)).map(|(m, r)| (*m, *r)).collect()
+        self.table.lock().iter().filter(|(_, r)| r.serves(place)).map(|(m, r)| (*m, *r)).collect()
     }
 
     /// Every registration, as the core's gate takes them.
     pub(crate) fn for_gate(&self) -> Vec<bounce_proto::gate::Registration> {
-        let t = self.0.lock();
+        let t = self.table.lock();
         t.values().map(|r| bounce_proto::gate::Registration { addr: r.addr, len: r.len, mem: r.mem }).collect()
     }
 
     /// The registration the arena at `place` serves that holds all of `[addr, addr + len)`,
     /// with its handle.
     pub(crate) fn covering(&self, place: ArenaPlace, addr: u64, len: u64) -> Option<(Md, Registration)> {
-        self.0.lock().iter().find(|(_, r)| r.covers(place, addr, len)).map(|(m, r)| (*m, *r))
+        self.table.lock().iter().find(|(_, r)| r.covers(place, addr, len)).map(|(m, r)| (*m, *r))
     }
 }
 

@@ -77,9 +77,10 @@ pub(crate) enum Cmd {
         /// touched it at the deregistration (the application did not wait).
         done: Option<Signal>,
     },
-    /// A peer arena's inner metadata that is no longer used for new writes (the peer was
-    /// lost, said goodbye or was reloaded): unload it once no write in flight uses it.
-    Unload(Md),
+    /// One peer arena's inner metadata (its arena's and its mailbox's registrations) that is
+    /// no longer used for new writes or READs (the peer was lost, said goodbye or was
+    /// reloaded): unload it once no write or READ in flight uses any of it.
+    Unload(Vec<Md>),
 }
 
 /// What an application thread waits on while the reactor finishes a command.
@@ -374,8 +375,9 @@ struct Driver {
     /// Deregistrations waiting for running jobs (declared after `copier`: dropped after the
     /// copy engine has joined its workers, so their waiters wake only then).
     deregs: Vec<PendingDereg>,
-    /// Peer arenas to unload once no write in flight uses them.
-    retiring: Vec<Md>,
+    /// Peer arenas (each its arena's and mailbox's handles) to unload once no write or READ in
+    /// flight uses them.
+    retiring: Vec<Vec<Md>>,
     /// Peers we said HELLO to: those that may bounce to us, and so get our GOODBYE.
     greeted: HashSet<String>,
     warn_budget: RateLimit,
@@ -767,20 +769,26 @@ impl Driver {
         if !self.retiring.is_empty() {
             let mut i = 0;
             while i < self.retiring.len() {
-                let md = self.retiring[i];
-                if self.writes.iter().any(|w| w.remote_md == md) || self.fetches.uses(md) {
+                let busy = |md: &Md| self.writes.iter().any(|w| w.remote_md == *md) || self.fetches.uses(*md);
+                if self.retiring[i].iter().any(busy) {
                     i += 1;
                 } else {
-                    self.retiring.swap_remove(i);
-                    self.data.unload(md);
+                    for md in self.retiring.swap_remove(i) {
+                        self.data.unload(md);
+                    }
                 }
             }
             self.shared.arenas_retiring.store(self.retiring.len() as u64, Ordering::Relaxed);
         }
     }
 
-    fn retire(&mut self, md: Md) {
-        self.retiring.push(md);
+    /// One peer arena's handles (its arena and mailbox registrations), unloaded together once
+    /// no write or READ uses any of them.
+    fn retire(&mut self, mds: Vec<Md>) {
+        if mds.is_empty() {
+            return;
+        }
+        self.retiring.push(mds);
         self.shared.arenas_retiring.store(self.retiring.len() as u64, Ordering::Relaxed);
     }
 
@@ -886,7 +894,7 @@ impl Driver {
                     self.deregs.push(PendingDereg { start: range.0, end: range.1, _done: done });
                 }
             }
-            Cmd::Unload(md) => self.retire(md),
+            Cmd::Unload(mds) => self.retire(mds),
         }
     }
 
@@ -921,9 +929,7 @@ impl Driver {
                     Ok((id, unload)) => {
                         tracing::info!(peer, "peer said goodbye: its transfers fail, its arena is forgotten");
                         self.greeted.remove(peer);
-                        for md in unload {
-                            self.retire(md);
-                        }
+                        self.retire(unload);
                         self.ep.handle_goodbye(now, id);
                     }
                     // A one-way initiator we never loaded says GOODBYE too: nothing binds it
@@ -1487,7 +1493,7 @@ impl Driver {
         for id in self.fetches.take_reads() {
             self.data.release(id);
         }
-        for md in std::mem::take(&mut self.retiring).into_iter().chain(self.shared.peers.take_arenas()) {
+        for md in std::mem::take(&mut self.retiring).into_iter().flatten().chain(self.shared.peers.take_arenas()) {
             self.data.unload(md);
         }
         self.shared.arenas_retiring.store(0, Ordering::Relaxed);
