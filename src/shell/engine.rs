@@ -428,9 +428,10 @@ impl Engine {
         self.peers.arena_to_load(agent)
     }
 
-    /// Records the inner metadata of the peer's arena (None: loading failed, stay on UCX). An
-    /// arena it replaces (the peer's conn info was reloaded), or one not kept, is unloaded once
-    /// no write uses it.
+    /// Records the inner metadata of the peer's arena and of its mailbox's registration (None:
+    /// loading failed, or it keeps no mailbox; without the arena it stays on UCX, without the
+    /// mailbox it is bounced to two way only). What they replace (the peer's conn info was
+    /// reloaded), or what is not kept, is unloaded once no write or READ uses it.
     pub(crate) fn peer_arena_loaded(&self, agent: &str, md: Option<Md>, mailbox: Option<Md>) {
         let Some(sh) = self.shared() else {
             // No reactor, so no write or READ: nothing else can use them.
