@@ -3,7 +3,7 @@
 //! the real CPU copy engine. Each test checks what the application would see: the request's
 //! final state and the bytes at the destination.
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::plan::{self, DescPair, PlanParams};
@@ -28,11 +28,15 @@ const PIECE: usize = 256;
 type Sent = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 
 /// Writes between two arenas of this process: the bytes are copied at the post; every second
-/// write then reports in flight once, so the reactor's polling path runs too.
+/// write then reports in flight once, so the reactor's polling path runs too. With `hold`,
+/// every READ stays in flight until the flag is set (a mailbox READ the peer is slow to serve).
 #[derive(Default)]
 struct MemPath {
     notified: Sent,
     posted: u64,
+    hold: Option<Arc<AtomicBool>>,
+    held: HashSet<u64>,
+    reads: Arc<AtomicUsize>,
 }
 
 impl DataPath for MemPath {
@@ -63,10 +67,19 @@ impl DataPath for MemPath {
         // fetch area; both are distinct live allocations for the test's duration.
         unsafe { std::ptr::copy_nonoverlapping(remote.addr as *const u8, local.addr as *mut u8, len as usize) };
         self.posted += 1;
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        if self.hold.is_some() {
+            self.held.insert(self.posted);
+            return Ok(Posted::InFlight(WriteId(self.posted)));
+        }
         Ok(if self.posted % 2 == 0 { Posted::InFlight(WriteId(self.posted)) } else { Posted::Done })
     }
 
-    fn check(&mut self, _w: &WriteId) -> WriteState {
+    fn check(&mut self, w: &WriteId) -> WriteState {
+        let released = self.hold.as_ref().is_none_or(|h| h.load(Ordering::Acquire));
+        if self.held.contains(&w.0) && !released {
+            return WriteState::InProg;
+        }
         WriteState::Done
     }
 
@@ -106,7 +119,7 @@ impl Side {
         net: &MemNet,
         wrap: impl FnOnce(CpuEngine) -> Box<dyn CopyEngine>,
     ) -> Self {
-        Self::start_full(name, session, config, wrap, Box::new(net.join(name)), SOCKET_POLL_BATCH)
+        Self::start_full(name, session, config, wrap, Box::new(net.join(name)), SOCKET_POLL_BATCH, MemPath::default())
     }
 
     /// As [`Side::start_with`], over `control` read `control_budget` frames a pass.
@@ -117,6 +130,7 @@ impl Side {
         wrap: impl FnOnce(CpuEngine) -> Box<dyn CopyEngine>,
         control: Box<dyn ControlChannel>,
         control_budget: usize,
+        path: MemPath,
     ) -> Self {
         // As the engine maps them: the arena, and apart from it the one-way area (the mailbox
         // and the fetch area).
@@ -130,7 +144,6 @@ impl Side {
         let host = HostArena { base, len, streaming_scatter: true };
         let waker = Arc::clone(&shared);
         let copier = CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, move || waker.inbox.wake()).unwrap();
-        let path = MemPath::default();
         let notified = Arc::clone(&path.notified);
         let parts = Parts {
             session,
@@ -361,6 +374,40 @@ fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_ma
     // fetches at the least, each timed.
     assert!(a.stat(|s| &s.mailbox_fetches) >= 2, "{} fetches", a.stat(|s| &s.mailbox_fetches));
     drop((a.reactor, b.reactor));
+}
+
+#[test]
+fn stopping_waits_for_a_mailbox_read_in_flight_before_the_fetch_area_may_go() {
+    // A mailbox READ lands in our fetch area: the engine unmaps that area once the reactor
+    // stopped quietly, so a READ still in flight must hold the stop (bounded) first.
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let release = Arc::new(AtomicBool::new(false));
+    let path = MemPath { hold: Some(Arc::clone(&release)), ..MemPath::default() };
+    let reads = Arc::clone(&path.reads);
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let b = Side::start("b", 22, &cfg, &net);
+    a.load("b", &b);
+    let dest = b.register(&mut dst);
+    a.post("b", &cfg, &src, &mut dst, dest);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reads.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "no mailbox READ was posted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        release.store(true, Ordering::Release);
+    });
+    let started = Instant::now();
+    let Side { reactor, _area: area, .. } = a;
+    assert!(reactor.stop(), "the READ completed within the bound: a quiet stop");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(250), "the stop did not wait for the READ in flight ({waited:?})");
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    releaser.join().unwrap();
+    drop((area, b.reactor));
 }
 
 #[test]
@@ -868,7 +915,7 @@ fn a_pollers_pass_takes_a_bounded_batch_of_a_flood() {
     let me = std::thread::current().id();
     let (takes, only) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Some(me))));
     let channel = Counted { inner: net.join("b"), takes: Arc::clone(&takes), only: Arc::clone(&only) };
-    let b = Side::start_full("b", 22, &cfg, |c| Box::new(c), Box::new(channel), usize::MAX);
+    let b = Side::start_full("b", 22, &cfg, |c| Box::new(c), Box::new(channel), usize::MAX, MemPath::default());
     let mut stranger = net.join("x");
     // Bytes that only start like a frame: refused at decoding, whoever sends them.
     let hello = wire::encode_hello(7);
