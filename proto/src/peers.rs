@@ -139,6 +139,13 @@ struct Peer {
     hello: bool,
 }
 
+impl Peer {
+    /// Loaded, compatible, its arena loaded, and it said HELLO.
+    fn can_bounce(&self) -> bool {
+        matches!(self.conn, Some(Some(_))) && self.arena && self.hello
+    }
+}
+
 /// Every peer agent this engine has heard of, by name (see the module docs for the rules).
 #[derive(Debug, Clone, Default)]
 pub struct PeerTable {
@@ -246,12 +253,12 @@ impl PeerTable {
     /// Whether transfers to `name` may take the bounce path: loaded, compatible, its arena
     /// loaded, and it said HELLO.
     pub fn can_bounce(&self, name: &str) -> bool {
-        self.by_name.get(name).is_some_and(|p| matches!(p.conn, Some(Some(_))) && p.arena && p.hello)
+        self.by_name.get(name).is_some_and(Peer::can_bounce)
     }
 
-    /// Peers that can bounce with us now.
+    /// Peers that can bounce with us now (one pass over the table).
     pub fn bounce_peers(&self) -> usize {
-        self.by_name.keys().filter(|n| self.can_bounce(n)).count()
+        self.by_name.values().filter(|p| p.can_bounce()).count()
     }
 
     /// The session recorded for `name`.

@@ -293,7 +293,14 @@ impl PeerTable {
     /// Records a HELLO (those from agents not loaded are bounded hints); says whether to
     /// answer it with ours.
     pub(crate) fn hello(&self, name: &str) -> peers::Hello {
-        self.change().rules.hello(name)
+        // Only a loaded peer's first HELLO can make it bounceable: a flood of hints and repeats
+        // must not pay a recount of the table each.
+        let mut t = self.table.lock();
+        let h = t.rules.hello(name);
+        if matches!(h, peers::Hello::First { .. }) {
+            self.ready.store(t.rules.bounce_peers(), Relaxed);
+        }
+        h
     }
 
     /// Applies the core's loading and session rules to a message frame from `name`: the
@@ -502,7 +509,12 @@ mod tests {
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("late", Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arena("late").is_none(), "its hint was evicted");
+        assert_eq!(t.ready(), 0);
         assert_eq!(t.hello("late"), peers::Hello::First { answer: true }, "a loaded agent is always heard");
         assert!(t.bounce_arena("late").is_some());
+        assert_eq!(t.ready(), 1, "its first HELLO counts it ready");
+        assert_eq!(t.hello("late"), peers::Hello::Repeat);
+        assert_eq!(t.hello("x0"), peers::Hello::Hint);
+        assert_eq!(t.ready(), 1, "repeats and hints change nothing");
     }
 }
