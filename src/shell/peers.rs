@@ -101,7 +101,7 @@ pub(crate) struct PeerTable {
 /// still under the lock, so the last change's values are the ones left.
 struct Changing<'a> {
     table: MutexGuard<'a, Table>,
-    gauges: (&'a AtomicUsize, &'a AtomicUsize),
+    owner: &'a PeerTable,
 }
 
 impl Deref for Changing<'_> {
@@ -119,15 +119,20 @@ impl DerefMut for Changing<'_> {
 
 impl Drop for Changing<'_> {
     fn drop(&mut self) {
-        self.gauges.0.store(self.table.rules.bounce_peers(), Relaxed);
-        self.gauges.1.store(self.table.arenas.len(), Relaxed);
+        self.owner.store_gauges(&self.table);
     }
 }
 
 impl PeerTable {
     /// The table, for a change that may move who can bounce or which arenas are loaded.
     fn change(&self) -> Changing<'_> {
-        Changing { table: self.table.lock(), gauges: (&self.ready, &self.arenas) }
+        Changing { table: self.table.lock(), owner: self }
+    }
+
+    /// Stores the gauges from `t` (the locked table: the last change's values stay).
+    fn store_gauges(&self, t: &Table) {
+        self.ready.store(t.rules.bounce_peers(), Relaxed);
+        self.arenas.store(t.arenas.len(), Relaxed);
     }
 
     // ---- from NIXL (application threads) ----
@@ -298,7 +303,7 @@ impl PeerTable {
         let mut t = self.table.lock();
         let h = t.rules.hello(name);
         if matches!(h, peers::Hello::First { .. }) {
-            self.ready.store(t.rules.bounce_peers(), Relaxed);
+            self.store_gauges(&t);
         }
         h
     }
@@ -339,9 +344,12 @@ impl PeerTable {
     /// peer's id and its arena's inner metadata (and its mailbox's) to unload once nothing uses
     /// them.
     pub(crate) fn goodbye(&self, name: &str, session: u64) -> Result<(PeerId, Vec<Md>), FrameRefused> {
-        let mut t = self.change();
+        // A refused GOODBYE (forged, stale) changes nothing: no recount for it.
+        let mut t = self.table.lock();
         let id = t.rules.goodbye(name, session)?;
-        Ok((id, t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default()))
+        let unload = t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default();
+        self.store_gauges(&t);
+        Ok((id, unload))
     }
 
     /// Every peer arena's inner metadata (and mailbox's), forgotten here (the engine is shutting
@@ -441,9 +449,11 @@ mod tests {
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert_eq!(t.goodbye("b", 8), Err(FrameRefused::StaleSession { got: 8, current: 9 }));
         assert!(t.bounce_arena("b").is_some());
+        assert_eq!((t.ready(), t.arenas_loaded()), (1, 1), "a refused GOODBYE moves no gauge");
         let id = t.known_id("b").unwrap();
         assert_eq!(t.goodbye("b", 9), Ok((id, vec![Md(6)])));
         assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
+        assert_eq!((t.ready(), t.arenas_loaded()), (0, 0));
         assert_eq!((t.arenas_loaded(), t.lost("b")), (0, vec![]), "handed back once only");
         // Loading failed after a success: the old handle goes too.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));
