@@ -16,11 +16,11 @@ two notification round trips. Measured, per block:
     only BOUNCE's reactor progresses its engine there). Its ratio is against UCX's WRITE to the
     polling target: UCX is not measured against an idle target, because its WRITE may need the
     target's progress (measured here: one stayed in flight for good);
-  - both WRITEs again with `--apart-ms` (default 20) between samples, to the polling target and
-    (BOUNCE) to the idle one: a transfer that comes after a pause, when both sides' threads have
-    gone quiet and an idle target's reactor has backed off to its longest idle park. The polling
-    row shows what a pause costs anyway (both processes' wake-ups, cold caches); the idle row
-    adds the target reactor's park.
+  - both WRITEs again after a pause before each sample (drawn at random, `--apart-ms` on
+    average, default 20), to the polling target and (BOUNCE) to the idle one: a transfer that
+    comes after a pause, when both sides' threads have gone quiet and an idle target's reactor
+    has backed off to its longest idle park. The polling row shows what a pause costs anyway
+    (both processes' wake-ups, cold caches); the idle row adds the target reactor's park.
 Prints p50 / p99 of each and the hop estimate: (bounced WRITE - UCX floor) / 2 + one RTT, i.e.
 what one control round trip of the bounce path costs against the notification round trip.
 """
@@ -29,6 +29,7 @@ import base64
 import json
 import mmap
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -173,7 +174,11 @@ class Side:
         return time.perf_counter() - t0
 
     def write_scattered_apart(self):
-        time.sleep(self.apart)  # not timed: the target's reactor backs off meanwhile
+        # Not timed: the target's reactor backs off meanwhile. The pause is drawn at random
+        # from [apart/2, 3 apart/2): a fixed pause phase-locks with the reactor's park period
+        # (each sample then meets the park at the same phase, not at a random one: on 16 cores
+        # a 20 ms pause gave 0.64 ms with 2 ms parks but 3.8 ms with 4 ms parks).
+        time.sleep(self.apart * random.uniform(0.5, 1.5))
         return self.write_scattered()
 
 
@@ -203,7 +208,7 @@ def main():
     ap.add_argument("--json", help="also write the raw samples to this file")
     ap.add_argument("--only", help="run only the measurements whose name contains this (tracing)")
     ap.add_argument("--apart-ms", type=float, default=20.0,
-                    help="pause before each sample of the 'after a pause' row")
+                    help="mean pause before each sample of the 'after a pause' rows (drawn from 0.5x to 1.5x)")
     args = ap.parse_args()
     if args.target:
         target(args.target, 2 * args.size * args.descs)

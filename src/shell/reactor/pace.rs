@@ -15,8 +15,9 @@
 //!   2x slower, issue 12).
 //! - Idle, its sleeps start at [`BUSY_SLEEP`] and double up to `bounce_idle_park_us` (1 ms by
 //!   default), so the next transfer of a run is seen within about its gap, for a handful of
-//!   wake-ups. That longest park is also how long a transfer after a pause waits to be seen at a
-//!   target whose application does not poll, and how often an idle engine wakes.
+//!   wake-ups. That longest park is also the most a transfer after a pause waits to be seen at
+//!   a target whose application does not poll (about half of it on average), and how often an
+//!   idle engine wakes.
 //!
 //! Time is passed in, so the policy is tested without a clock.
 
