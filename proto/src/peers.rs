@@ -159,6 +159,23 @@ pub struct PeerTable {
     /// The same names, for lookup.
     hinted: BTreeSet<String>,
     next_id: u32,
+    /// Peers that can bounce now, kept in step by every change to an entry ([`tracked`]), so
+    /// reading it costs no pass over the table: the shell publishes it after each change, a
+    /// flood of HELLOs or GOODBYEs included.
+    ready: usize,
+}
+
+/// Applies `f` to `p` and keeps `ready` in step with whether `p` can bounce before and after.
+/// Every change to an entry's `conn`, `arena` or `hello` goes through here.
+fn tracked<R>(ready: &mut usize, p: &mut Peer, f: impl FnOnce(&mut Peer) -> R) -> R {
+    let before = p.can_bounce();
+    let r = f(p);
+    match (before, p.can_bounce()) {
+        (false, true) => *ready += 1,
+        (true, false) => *ready -= 1,
+        _ => {}
+    }
+    r
 }
 
 impl PeerTable {
@@ -201,13 +218,16 @@ impl PeerTable {
         if hinted {
             self.hints.retain(|n| n != name);
         }
-        let p = self.entry(name);
-        if p.session != session {
-            p.hello = false;
-        }
-        p.conn = Some(caps);
-        p.session = session;
-        p.hello |= hinted;
+        self.entry(name);
+        let p = self.by_name.get_mut(name).expect("entry made above");
+        tracked(&mut self.ready, p, |p| {
+            if p.session != session {
+                p.hello = false;
+            }
+            p.conn = Some(caps);
+            p.session = session;
+            p.hello |= hinted;
+        });
         loaded
     }
 
@@ -225,8 +245,9 @@ impl PeerTable {
     /// The inner engine loaded `name`'s arena (`ok`), or failed to. Only a compatible peer's
     /// arena counts as loaded.
     pub fn arena_loaded(&mut self, name: &str, ok: bool) {
-        let p = self.entry(name);
-        p.arena = ok && matches!(p.conn, Some(Some(_)));
+        self.entry(name);
+        let p = self.by_name.get_mut(name).expect("entry made above");
+        tracked(&mut self.ready, p, |p| p.arena = ok && matches!(p.conn, Some(Some(_))));
     }
 
     /// The capabilities of `name` when it is loaded and compatible: the peer we may HELLO, and
@@ -256,9 +277,9 @@ impl PeerTable {
         self.by_name.get(name).is_some_and(Peer::can_bounce)
     }
 
-    /// Peers that can bounce with us now (one pass over the table).
+    /// Peers that can bounce with us now (a count kept as the table changes).
     pub fn bounce_peers(&self) -> usize {
-        self.by_name.values().filter(|p| p.can_bounce()).count()
+        self.ready
     }
 
     /// The session recorded for `name`.
@@ -274,7 +295,7 @@ impl PeerTable {
                 if p.hello {
                     return Hello::Repeat;
                 }
-                p.hello = true;
+                tracked(&mut self.ready, p, |p| p.hello = true);
                 Hello::First { answer: matches!(p.conn, Some(Some(_))) }
             }
             _ => {
@@ -356,8 +377,10 @@ impl PeerTable {
         if current != session {
             return Err(FrameRefused::StaleSession { got: session, current });
         }
-        p.arena = false;
-        p.hello = false;
+        tracked(&mut self.ready, p, |p| {
+            p.arena = false;
+            p.hello = false;
+        });
         Ok(p.id)
     }
 
@@ -365,10 +388,12 @@ impl PeerTable {
     /// forgotten and so is its session. Its id stays. Returns the id, if the name was known.
     pub fn lost(&mut self, name: &str) -> Option<PeerId> {
         let p = self.by_name.get_mut(name)?;
-        p.conn = None;
-        p.arena = false;
-        p.hello = false;
-        p.session = None;
+        tracked(&mut self.ready, p, |p| {
+            p.conn = None;
+            p.arena = false;
+            p.hello = false;
+            p.session = None;
+        });
         Some(p.id)
     }
 
@@ -600,5 +625,70 @@ mod tests {
         let mut t = t;
         t.arena_loaded("a", false);
         assert_eq!(t.check_credit(a, Region { offset: 0, len: 1 }, 1), Err(CreditRefused::NoArena(a)));
+    }
+
+    /// Every change a peer can go through, with the agent it is for (of three) and, for loads
+    /// and GOODBYEs, the session.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Load(usize, Option<u64>),
+        LoadIncompatible(usize),
+        Arena(usize, bool),
+        Hello(usize),
+        Goodbye(usize, u64),
+        Lost(usize),
+        OneWay(usize),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let who = 0..3usize;
+        let session = prop_oneof![Just(1u64), Just(2u64)];
+        prop_oneof![
+            (who.clone(), proptest::option::of(session.clone())).prop_map(|(w, s)| Op::Load(w, s)),
+            who.clone().prop_map(Op::LoadIncompatible),
+            (who.clone(), any::<bool>()).prop_map(|(w, ok)| Op::Arena(w, ok)),
+            who.clone().prop_map(Op::Hello),
+            (who.clone(), session).prop_map(|(w, s)| Op::Goodbye(w, s)),
+            who.clone().prop_map(Op::Lost),
+            who.prop_map(Op::OneWay),
+        ]
+    }
+
+    proptest::proptest! {
+        /// The count of peers that can bounce, kept as the table changes, is always what a
+        /// pass over the table counts, whatever the order of loads, arenas, HELLOs, GOODBYEs
+        /// (accepted or refused), losses and one-way admissions.
+        #[test]
+        fn the_ready_count_always_equals_a_recount(ops in proptest::collection::vec(op(), 0..64)) {
+            let names = ["a", "b", "c"];
+            let mut t = PeerTable::new();
+            for op in ops {
+                match op {
+                    Op::Load(w, session) => {
+                        let theirs = session.map(|s| Capabilities { session: s, ..caps(4096) });
+                        let _ = t.load_conn_info(names[w], theirs, Some(&caps(4096)));
+                    }
+                    Op::LoadIncompatible(w) => {
+                        let _ = t.load_conn_info(names[w], Some(caps(4096)), Some(&caps(8192)));
+                    }
+                    Op::Arena(w, ok) => t.arena_loaded(names[w], ok),
+                    Op::Hello(w) => {
+                        let _ = t.hello(names[w]);
+                    }
+                    Op::Goodbye(w, s) => {
+                        let _ = t.goodbye(names[w], s);
+                    }
+                    Op::Lost(w) => {
+                        let _ = t.lost(names[w]);
+                    }
+                    Op::OneWay(w) => {
+                        let _ = t.admit_one_way(names[w]);
+                    }
+                }
+                let recount = names.iter().filter(|n| t.can_bounce(n)).count();
+                proptest::prop_assert_eq!(t.bounce_peers(), recount);
+            }
+        }
     }
 }

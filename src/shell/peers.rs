@@ -91,8 +91,9 @@ struct Table {
 pub(crate) struct PeerTable {
     table: Mutex<Table>,
     /// Peers a transfer may bounce to, and peer arenas loaded: stored under the lock by every
-    /// change that can move them, so a polling application's stats refresh reads both
-    /// without taking it (issue 12).
+    /// change that can move them ([`Changing`]), so a polling application's stats refresh reads
+    /// both without taking it (issue 12). Both are counts the tables keep as they change, so
+    /// storing them costs no pass over a table, whatever a flood of frames changes.
     ready: AtomicUsize,
     arenas: AtomicUsize,
 }
@@ -129,7 +130,8 @@ impl PeerTable {
         Changing { table: self.table.lock(), owner: self }
     }
 
-    /// Stores the gauges from `t` (the locked table: the last change's values stay).
+    /// Stores the gauges from `t` (the locked table: the last change's values stay). Constant
+    /// time: both are counts kept by the tables.
     fn store_gauges(&self, t: &Table) {
         self.ready.store(t.rules.bounce_peers(), Relaxed);
         self.arenas.store(t.arenas.len(), Relaxed);
@@ -298,14 +300,7 @@ impl PeerTable {
     /// Records a HELLO (those from agents not loaded are bounded hints); says whether to
     /// answer it with ours.
     pub(crate) fn hello(&self, name: &str) -> peers::Hello {
-        // Only a loaded peer's first HELLO can make it bounceable: a flood of hints and repeats
-        // must not pay a recount of the table each.
-        let mut t = self.table.lock();
-        let h = t.rules.hello(name);
-        if matches!(h, peers::Hello::First { .. }) {
-            self.store_gauges(&t);
-        }
-        h
+        self.change().rules.hello(name)
     }
 
     /// Applies the core's loading and session rules to a message frame from `name`: the
@@ -344,11 +339,9 @@ impl PeerTable {
     /// peer's id and its arena's inner metadata (and its mailbox's) to unload once nothing uses
     /// them.
     pub(crate) fn goodbye(&self, name: &str, session: u64) -> Result<(PeerId, Vec<Md>), FrameRefused> {
-        // A refused GOODBYE (forged, stale) changes nothing: no recount for it.
-        let mut t = self.table.lock();
+        let mut t = self.change();
         let id = t.rules.goodbye(name, session)?;
         let unload = t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default();
-        self.store_gauges(&t);
         Ok((id, unload))
     }
 
