@@ -23,6 +23,10 @@ two notification round trips. Measured, per block:
     (both processes' wake-ups, cold caches); the idle row adds the target reactor's park.
 Prints p50 / p99 of each and the hop estimate: (bounced WRITE - UCX floor) / 2 + one RTT, i.e.
 what one control round trip of the bounce path costs against the notification round trip.
+Then the two round trips as the initiator's engine timed them (`stats.grant_wait_ns` and
+`stats.ack_wait_ns` over their counts): WANT -> GRANT and DATA -> ACK (the target's scatter of
+the chunk in it), each the median over blocks of the block's mean, beside the notification
+round trip's p50.
 """
 import argparse
 import base64
@@ -155,6 +159,14 @@ class Side:
 
         return int(nixlkit.live_params(self.ag, self.backend).get("stats.bounce_ok", 0))
 
+    def waits(self):
+        """The engine's timed control round trips so far: {name: (count, summed ns)}."""
+        import nixlkit
+
+        p = nixlkit.live_params(self.ag, self.backend)
+        return {k: (int(p.get(f"stats.{k}s", 0)), int(p.get(f"stats.{k}_ns", 0)))
+                for k in ("grant_wait", "ack_wait")}
+
     # One sample of each measurement, in seconds.
     def notif_rtt(self):
         t0 = time.perf_counter()
@@ -244,6 +256,9 @@ def main():
             s.write_scattered()
             s.floor()
     samples = {(name, b): [] for name, _, backends, _, _ in OPS for b in backends}
+    # Per block of bounced WRITEs (polling target, idle target): mean WANT -> GRANT and
+    # DATA -> ACK as the initiator's engine timed them, in seconds.
+    hops = {}
     ok_before = sides["BOUNCE"].bounce_ok()
     bounced = 0
     try:
@@ -257,7 +272,15 @@ def main():
                         time.sleep(0.005)  # the target is past its last poll
                     f = getattr(sides[b], method)
                     f()  # one warm-up per block keeps a cold first sample out of the tail
+                    timed = b == "BOUNCE" and method == "write_scattered"
+                    w0 = sides[b].waits() if timed else None
                     samples[(name, b)].extend(f() for _ in range(args.block))
+                    if timed:
+                        w1 = sides[b].waits()
+                        for k in w1:
+                            n, ns = w1[k][0] - w0[k][0], w1[k][1] - w0[k][1]
+                            if n:
+                                hops.setdefault((name, k), []).append(ns / n / 1e9)
                     if b == "BOUNCE" and method.startswith("write_scattered"):
                         bounced += args.block + 1
     except BaseException:
@@ -287,6 +310,14 @@ def main():
         hop = (med[("WRITE scattered", "BOUNCE")] - floor) / 2 + rtt
         print(f"  one bounce control round trip ~ {hop*1e6:.1f}us against the notification round trip "
               f"{rtt*1e6:.1f}us ({hop / rtt:.2f}x; includes a share of the gather and scatter)")
+    if rtt:
+        for name in ("WRITE scattered", "WRITE scattered, idle tgt"):
+            for k, label in (("grant_wait", "WANT -> GRANT"), ("ack_wait", "DATA -> ACK")):
+                xs = hops.get((name, k))
+                if xs:
+                    m = statistics.median(xs)
+                    print(f"  {label:13s} timed by the engine ({name}): {m*1e6:6.1f}us, "
+                          f"{m / rtt:.2f}x the notification round trip")
     print(f"  bounced: {ok} of {bounced} BOUNCE scattered WRITEs took the bounce path")
     if args.json:
         with open(args.json, "w") as f:

@@ -628,6 +628,17 @@ pub struct Stats {
     pub region_plans_sent: u64,
     /// DATAs whose runs lay in their region, handed to the copy engine to check and scatter.
     pub region_plans_received: u64,
+    /// WRITE transfers whose first GRANT came (each one WANT -> GRANT round trip, timed).
+    pub grant_waits: u64,
+    /// Nanoseconds from each such transfer's WANT to its first GRANT, summed: the control
+    /// round trip as this initiator's reactor saw it, from the pass that sent the WANT to the
+    /// pass that read the GRANT (the target's handling included).
+    pub grant_wait_ns: u64,
+    /// Chunks ACKed as scattered (each one DATA -> ACK round trip, timed).
+    pub ack_waits: u64,
+    /// Nanoseconds from each such chunk's DATA to its ACK, summed: the round trip with the
+    /// target's scatter of the chunk in it (one way: the mailbox fetches that found the ACK).
+    pub ack_wait_ns: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

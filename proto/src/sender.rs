@@ -44,8 +44,8 @@ enum Stage {
     Gathered { local: Region },
     /// RDMA write in flight, from the staging region or (a direct chunk) from user memory.
     Writing { source: WriteSource, job: JobId, credit: Credit },
-    /// DATA sent; waiting for the ACK.
-    DataSent { source: WriteSource, credit: Credit },
+    /// DATA sent at `sent`; waiting for the ACK.
+    DataSent { source: WriteSource, credit: Credit, sent: Instant },
     /// Scattered at the receiver; staging released.
     Acked,
     /// A READ's chunk: RDMA READ of the target's ready region into `local` in flight.
@@ -121,6 +121,9 @@ struct Xfer {
     /// Fails with a timeout when reached; pushed back by every sign of progress (the armed
     /// instant in `Sender::timers` stays, at most this deadline, and is re-armed when it fires).
     deadline: Instant,
+    /// When a WRITE's WANT went out, until its first GRANT: that wait is the WANT -> GRANT
+    /// round trip ([`crate::event::Stats::grant_wait_ns`]).
+    wanted: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -322,7 +325,8 @@ impl Sender {
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
-        let mut x = Xfer { peer, token, stages, plan, acked: 0, staged, read: false, planned, deadline };
+        let mut x =
+            Xfer { peer, token, stages, plan, acked: 0, staged, read: false, planned, deadline, wanted: Some(ctx.now) };
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {
@@ -386,7 +390,8 @@ impl Sender {
         }
         let deadline = ctx.now + self.timeout;
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
-        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, planned, deadline };
+        // A READ's GRANT comes after the target's gather: no control round trip to time.
+        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, planned, deadline, wanted: None };
         self.staging_xfers += 1;
         if self.reserve.is_none() {
             self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
@@ -556,6 +561,10 @@ impl Sender {
             }
         }
         x.deadline = ctx.now + timeout;
+        if let Some(at) = x.wanted.take() {
+            ctx.stats.grant_waits += 1;
+            ctx.stats.grant_wait_ns += nanos(ctx.now, at);
+        }
         let min_runs = self.plan_ahead_runs;
         for c in &grant.credits {
             trace!(xfer = id.0, chunk = c.chunk.0, region = %c.region, "credit");
@@ -582,7 +591,7 @@ impl Sender {
         let Some(&stage) = x.stages.get(i) else {
             return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
         };
-        let Stage::DataSent { source, credit } = stage else {
+        let Stage::DataSent { source, credit, sent } = stage else {
             // A refusal of the whole transfer (the receiver will not serve its WANT: see
             // `receiver::refuse_want`); its token shows it comes from the receiver.
             if ack.status == AckStatus::Refused {
@@ -603,6 +612,8 @@ impl Sender {
         trace!(xfer = id.0, chunk = ack.chunk.0, status = ?ack.status, "ack");
         match ack.status {
             AckStatus::Scattered => {
+                ctx.stats.ack_waits += 1;
+                ctx.stats.ack_wait_ns += nanos(ctx.now, sent);
                 x.stages[i] = Stage::Acked;
                 x.acked += 1;
                 let done = x.acked == x.stages.len();
@@ -618,6 +629,7 @@ impl Sender {
             AckStatus::Replan => {
                 // The receiver kept no plan for the chunk: the DATA again, with its runs.
                 ctx.stats.replans += 1;
+                x.stages[i] = Stage::DataSent { source, credit, sent: ctx.now };
                 let data = x.data(id, i, credit.region, true);
                 ctx.send(x.peer, data);
             }
@@ -668,7 +680,7 @@ impl Sender {
             x.stages[r.chunk] = Stage::unwritten(source);
             return self.fail(ctx, r.xfer, XferError::WriteFailed, true);
         }
-        x.stages[r.chunk] = Stage::DataSent { source, credit };
+        x.stages[r.chunk] = Stage::DataSent { source, credit, sent: ctx.now };
         let chunk = &x.plan.chunks[r.chunk];
         ctx.stats.chunks_written += 1;
         ctx.stats.bytes_written += chunk.bytes;
@@ -1136,6 +1148,11 @@ fn start_gather(
 }
 
 /// Hands the reserve over to a credit-backed chunk.
+/// Nanoseconds from `at` to `now` (0 if the clock went backwards; saturating).
+fn nanos(now: Instant, at: Instant) -> u64 {
+    u64::try_from(now.saturating_duration_since(at).as_nanos()).unwrap_or(u64::MAX)
+}
+
 fn take_reserve(ctx: &mut Ctx<'_>, reserve: &mut Option<Region>) -> Option<Region> {
     let local = reserve.take()?;
     promote(ctx, local);
@@ -1283,6 +1300,37 @@ mod tests {
         assert_eq!(ep.arena_free_bytes(), 64 * KIB);
         assert_eq!(ep.poll_timeout(), None);
         assert_eq!((ep.stats().chunks_written, ep.stats().bytes_written), (3, 3 * CHUNK));
+    }
+
+    /// The two control round trips are timed from the pass that sent to the pass that read the
+    /// answer: WANT -> first GRANT once per WRITE (a later GRANT refills the window and is
+    /// not one), DATA -> ACK once per scattered chunk, from the DATA sent last (a replan's).
+    #[test]
+    fn the_want_grant_and_data_ack_round_trips_are_timed_by_the_time_passed_in() {
+        let us = Duration::from_micros;
+        let (mut ep, t) = endpoint(64 * KIB, 1, false);
+        ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+        drain(&mut ep);
+        let g = gathers(&feed(&mut ep, t + us(7), grant_msg(X, &[(0, r(0))])));
+        assert_eq!((ep.stats().grant_waits, ep.stats().grant_wait_ns), (1, 7_000));
+        ep.handle_gather_done(t + us(8), g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        ep.handle_write_done(t + us(10), w[0].0, true);
+        drain(&mut ep);
+        // A replan at +20 sends the DATA again: the round trip counts from there.
+        feed(&mut ep, t + us(20), ack_msg(X, 0, r(0), AckStatus::Replan));
+        feed(&mut ep, t + us(31), ack_msg(X, 0, r(0), AckStatus::Scattered));
+        assert_eq!((ep.stats().ack_waits, ep.stats().ack_wait_ns), (1, 11_000));
+        // Chunk 1's credit refills the window: no WANT went before it.
+        let g = gathers(&feed(&mut ep, t + us(40), grant_msg(X, &[(1, r(0))])));
+        assert_eq!((ep.stats().grant_waits, ep.stats().grant_wait_ns), (1, 7_000));
+        ep.handle_gather_done(t + us(41), g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        ep.handle_write_done(t + us(45), w[0].0, true);
+        drain(&mut ep);
+        let acts = feed(&mut ep, t + us(50), ack_msg(X, 1, r(0), AckStatus::Scattered));
+        assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+        assert_eq!((ep.stats().ack_waits, ep.stats().ack_wait_ns), (2, 16_000));
     }
 
     #[test]

@@ -209,6 +209,19 @@ counters! {
     /// Of those, scatters whose plan our copy engine refused (or whose copy failed): nothing
     /// was written for a refused plan, and its transfer failed.
     region_plans_failed,
+    /// Bounced WRITEs whose first GRANT came: each is one WANT -> GRANT round trip timed
+    /// (the core's count).
+    grant_waits,
+    /// Their summed WANT -> GRANT time in nanoseconds, from the reactor pass that sent the WANT
+    /// to the one that read the GRANT: `grant_wait_ns / grant_waits` is one control round trip
+    /// as this initiator sees it (the core's count).
+    grant_wait_ns,
+    /// Chunks we wrote that the target ACKed as scattered: each is one DATA -> ACK round trip
+    /// timed (the core's count).
+    ack_waits,
+    /// Their summed DATA -> ACK time in nanoseconds, the target's scatter of the chunk
+    /// included (one way: until a mailbox fetch found the ACK; the core's count).
+    ack_wait_ns,
 }
 
 /// What a publisher last handed on (see [`Stats::publish_changes`]).

@@ -820,6 +820,10 @@ impl Driver {
         s.replans.store(core.replans, Ordering::Relaxed);
         s.region_plans_sent.store(core.region_plans_sent, Ordering::Relaxed);
         s.region_plans_received.store(core.region_plans_received, Ordering::Relaxed);
+        s.grant_waits.store(core.grant_waits, Ordering::Relaxed);
+        s.grant_wait_ns.store(core.grant_wait_ns, Ordering::Relaxed);
+        s.ack_waits.store(core.ack_waits, Ordering::Relaxed);
+        s.ack_wait_ns.store(core.ack_wait_ns, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
