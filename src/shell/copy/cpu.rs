@@ -155,6 +155,13 @@ impl CopyEngine for CpuEngine {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    fn take_finished_inline(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
+        let n = self.ran.len();
+        out.append(&mut self.ran);
+        self.in_flight.fetch_sub(n, Ordering::Relaxed);
+        n
+    }
+
     fn any_thread(&self) -> bool {
         true
     }
@@ -384,9 +391,17 @@ mod tests {
         assert!(w.submit(gather(2, BOUND + 1)).is_ok());
         rx.recv().unwrap();
         done.clear();
+        // A worker's job is not one that finished inside submit: only poll_done reports it.
+        assert_eq!(w.take_finished_inline(&mut done), 0);
         assert_eq!(w.poll_done(&mut done), 1);
         assert_eq!(done[0], (JobId(2), true));
         assert_eq!(&arena[..BOUND as usize + 1], &src[..BOUND as usize + 1]);
+        // An inline job taken at once is reported once: poll_done does not report it again.
+        done.clear();
+        assert!(w.submit(gather(3, BOUND)).is_ok());
+        assert_eq!(w.take_finished_inline(&mut done), 1);
+        assert_eq!((done[0], w.in_flight()), ((JobId(3), true), 0));
+        assert_eq!((w.take_finished_inline(&mut done), w.poll_done(&mut done)), (0, 0));
     }
 
     /// A gather of a chunk with a region plan writes the plan behind the data; the scatter by

@@ -55,6 +55,13 @@ pub(crate) trait CopyEngine: Send {
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize;
     /// Jobs accepted and not yet reported.
     fn in_flight(&self) -> usize;
+    /// Appends the jobs that already finished inside [`Self::submit`] (copied on the submitting
+    /// thread), as [`Self::poll_done`] would report them; returns how many. The reactor hands
+    /// their completions on in the same pass (a small scatter's ACK goes out with the DATA's
+    /// handling, not a pass later). None unless an engine says so.
+    fn take_finished_inline(&mut self, _out: &mut Vec<(JobId, bool)>) -> usize {
+        0
+    }
     /// Prepares the calling thread for work on this engine's memory: the CUDA engine makes its
     /// GPU's context current there (the reactor's thread once at its start; where
     /// [`Self::any_thread`] allows passes on application threads, such a thread before each
