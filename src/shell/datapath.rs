@@ -47,6 +47,12 @@ pub(crate) trait DataPath: Send {
     fn notify(&mut self, peer: &str, msg: &[u8]) -> Result<(), NixlStatus>;
     /// Progresses the path (incoming writes, notifications) without blocking.
     fn progress(&mut self);
+    /// Whether the application pulled the inner engine's notifications since the last ask
+    /// ([`crate::shell::mailroom::Mailroom::app_pulled_since_look`]): the reactor thread then
+    /// leaves the pull to it. False for a path with no application pulling.
+    fn app_pulls(&mut self) -> bool {
+        false
+    }
     /// Unloads a peer arena's inner metadata (no write in flight uses it).
     fn unload(&mut self, md: Md);
 }
@@ -110,6 +116,10 @@ impl DataPath for ShimPath {
         if let Err(st) = self.mail.try_pull(&self.shim) {
             tracing::trace!(status = %st, "inner getNotifs failed");
         }
+    }
+
+    fn app_pulls(&mut self) -> bool {
+        self.mail.app_pulled_since_look()
     }
 
     fn unload(&mut self, md: Md) {

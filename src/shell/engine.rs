@@ -787,6 +787,8 @@ impl Engine {
     /// takes [`Self::take_notifs`], whose busy-poll wait needs it). Pass-through traffic then
     /// costs what UCX's own `getNotifs` does.
     pub(crate) fn app_notifs_direct(&self) -> bool {
+        // Asked at the start of every application getNotifs, whichever way it then pulls.
+        self.mail.note_app_pull();
         self.shim.is_some()
             && self.shared().is_none_or(|sh| sh.requests.in_flight() == 0)
             && self.mail.app_pull_is_direct()

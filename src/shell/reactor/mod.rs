@@ -532,7 +532,7 @@ impl Reactor {
         // A pass on the application's call handles a bounded batch of frames: a peer flooding
         // us must not hold that call for the whole flood.
         let budget = d.control_budget.min(SOCKET_POLL_BATCH);
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget))) {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
             Ok(moved) => {
                 let copying = d.copier.in_flight() > 0;
                 self.cell.busy.store(d.busy(), Ordering::Release);
@@ -703,7 +703,7 @@ fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration) -> bool {
 impl Driver {
     /// One pass of the reactor thread (its channel's whole budget).
     fn iterate(&mut self) -> bool {
-        self.iterate_with(self.control_budget)
+        self.iterate_with(self.control_budget, true)
     }
 
     /// Whether work is in flight: the reactor then polls closely. Includes the receiver role:
@@ -721,9 +721,14 @@ impl Driver {
 
     /// One pass, handling at most `budget` control frames; true when anything moved. Sets
     /// `control_full` when the budget was used up (more may wait).
-    fn iterate_with(&mut self, budget: usize) -> bool {
+    fn iterate_with(&mut self, budget: usize, reactor_thread: bool) -> bool {
         let mut moved = false;
-        self.data.progress();
+        // The reactor thread leaves the inner engine's notifications to an application that is
+        // pulling them: its pull hands their control frames to a pass on its own thread (or
+        // queues them and wakes us). Frames already queued are taken below either way.
+        if !(reactor_thread && self.data.app_pulls()) {
+            self.data.progress();
+        }
         let mut frames = std::mem::take(&mut self.frames);
         self.control_full = self.control.poll(budget, &mut frames) >= budget;
         let mut cmds = std::mem::take(&mut self.cmds);
