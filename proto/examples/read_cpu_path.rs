@@ -10,16 +10,18 @@
 //! (default 16384 x 4096: the benchmarks' scattered 64 MiB). Prints the minimum of 50 rounds
 //! for host-memory defaults (2 MiB chunks) and GPU-memory defaults (32 MiB chunks).
 
+mod common;
+use common::{MEM_BASE, agent, endpoint, key};
+
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint};
+use bounce_proto::endpoint::Action;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame};
-use bounce_proto::{ControlKind, MemKind, PeerId, RegId, RegKey, Token, XferId};
+use bounce_proto::{MemKind, PeerId, RegId, Token, XferId};
 
-const MEM_BASE: u64 = 0x7f00_0000_0000;
 const ROUNDS: usize = 200;
 
 fn main() {
@@ -137,44 +139,4 @@ fn measure(config: &Config, pieces: u64, piece: u64) -> Timing {
         best.pulls = frames.len();
     }
     best
-}
-
-fn agent(i: usize) -> String {
-    format!("agent-{i}")
-}
-
-fn key(i: usize) -> RegKey {
-    RegKey([i as u8 ^ 0xa5; 32])
-}
-
-/// Endpoint `i` of two that loaded each other and exchanged HELLO; all its memory registered.
-fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
-    let mut ep = Endpoint::new(config, now).expect("endpoint");
-    ep.set_local_endpoint(format!("node-{i}").into_bytes());
-    ep.add_registered(RegId(0), key(i), MEM_BASE, 1 << 40);
-    for j in 0..2 {
-        assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
-        if j != i {
-            let caps = wire::Capabilities {
-                wire_version: wire::WIRE_VERSION.into(),
-                control: ControlKind::Ucx,
-                mem: MemKind::Dram,
-                arena_base: 0,
-                arena_len: config.arena_usable_capacity(),
-                arena_dev: 0,
-                usable_capacity: config.arena_usable_capacity(),
-                max_chunk: config.max_chunk_size,
-                session: j as u64,
-                arena_key: Vec::new(),
-                endpoint: Vec::new(),
-                mailbox: None,
-                mailbox_base: 0,
-                mailbox_len: 0,
-                mailbox_key: Vec::new(),
-            };
-            ep.handle_conn_info(now, &agent(j), Some(caps), None);
-            ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO");
-        }
-    }
-    ep
 }

@@ -1,0 +1,52 @@
+//! What the examples share: two endpoints that loaded each other, their agents' names and
+//! registration keys.
+
+use std::time::Instant;
+
+use bounce_proto::config::Config;
+use bounce_proto::endpoint::Endpoint;
+use bounce_proto::wire;
+use bounce_proto::{ControlKind, MemKind, PeerId, RegId, RegKey};
+
+/// Where every endpoint's one registration starts.
+pub(crate) const MEM_BASE: u64 = 0x7f00_0000_0000;
+
+pub(crate) fn agent(i: usize) -> String {
+    format!("agent-{i}")
+}
+
+pub(crate) fn key(i: usize) -> RegKey {
+    RegKey([i as u8 ^ 0xa5; 32])
+}
+
+/// Endpoint `i` of two that loaded each other and exchanged HELLO; all its memory registered.
+pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
+    let mut ep = Endpoint::new(config, now).expect("endpoint");
+    ep.set_local_endpoint(format!("node-{i}").into_bytes());
+    ep.add_registered(RegId(0), key(i), MEM_BASE, 1 << 40);
+    for j in 0..2 {
+        assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
+        if j != i {
+            let caps = wire::Capabilities {
+                wire_version: wire::WIRE_VERSION.into(),
+                control: ControlKind::Ucx,
+                mem: MemKind::Dram,
+                arena_base: 0,
+                arena_len: config.arena_usable_capacity(),
+                arena_dev: 0,
+                usable_capacity: config.arena_usable_capacity(),
+                max_chunk: config.max_chunk_size,
+                session: j as u64,
+                arena_key: Vec::new(),
+                endpoint: Vec::new(),
+                mailbox: None,
+                mailbox_base: 0,
+                mailbox_len: 0,
+                mailbox_key: Vec::new(),
+            };
+            ep.handle_conn_info(now, &agent(j), Some(caps), None);
+            ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO");
+        }
+    }
+    ep
+}
