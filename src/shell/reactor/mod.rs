@@ -887,7 +887,13 @@ impl Driver {
                 if !self.shared.peers.compatible(&name) {
                     tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
                 } else if let Err(e) = self.control.send(&name, &wire::encode_hello(self.session)) {
-                    tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
+                    // The application may have unloaded the peer since the check above (its
+                    // loss is recorded before the inner engine disconnects): nothing is wrong.
+                    if self.shared.peers.compatible(&name) {
+                        tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
+                    } else {
+                        tracing::debug!(peer = name, error = %e, "no HELLO: the peer was unloaded meanwhile");
+                    }
                 } else {
                     self.greeted.insert(name);
                 }
