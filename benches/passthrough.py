@@ -10,7 +10,13 @@ the echo polls get_new_notifs of the backend being measured and answers each "pi
   - one empty get_new_notifs call;
   - register + deregister of a 4 KiB buffer;
   - prep + release of a one-descriptor WRITE;
-  - a one-descriptor 4 KiB WRITE and a 1 x 64 MiB WRITE (post, then check until DONE).
+  - a one-descriptor 4 KiB WRITE and a 1 x 64 MiB WRITE (post, then check until DONE);
+  - the agent's metadata made (get_agent_metadata: connection info and the public data of its
+    one registration), and another agent's metadata loaded and unloaded (add_remote_agent,
+    then remove_remote_agent, of a third agent of the same backend in this process with one
+    registration). On BOUNCE a load of a peer that can bounce also loads its arena and mailbox
+    registrations and greets it (HELLO), and the unload hands them back: work plain UCX has
+    not, and the price of the bounce path's set-up, paid once per peer.
 Prints p50 / p99 per backend and the BOUNCE / UCX ratio of the medians.
 """
 import argparse
@@ -84,6 +90,12 @@ class Side:
         self.small = None
         self.big = None
         self.tiny = nixlkit.pattern(3, 4096)
+        # A third agent of the backend whose metadata the initiator loads and unloads.
+        self.other_name = f"meta-{backend}"
+        self.other = nixlkit.agent(self.other_name, (backend,))
+        self.other_buf = nixlkit.pattern(4, 4096)
+        nixlkit.register(self.other, self.other_buf, backend)
+        self.other_meta = self.other.get_agent_metadata()
 
     def prepare(self):
         self.small = self._prep(4096)
@@ -152,6 +164,17 @@ class Side:
             raise SystemExit(f"{self.backend}: transfer failed")
         return time.perf_counter() - t0
 
+    def get_metadata(self):
+        t0 = time.perf_counter()
+        self.ag.get_agent_metadata()
+        return time.perf_counter() - t0
+
+    def load_metadata(self):
+        t0 = time.perf_counter()
+        self.ag.add_remote_agent(self.other_meta)
+        self.ag.remove_remote_agent(self.other_name)
+        return time.perf_counter() - t0
+
     def write_4k(self):
         return self._write(self.small)
 
@@ -167,11 +190,30 @@ OPS = [
     ("WRITE 1 x 4 KiB", "write_4k", 0.5),
     ("WRITE 1 x 64 MiB", "write_64m", 0.05),
 ]
+# Measured after all of OPS, in blocks of their own: every load and unload leaves UCX endpoints
+# closing in the initiator's worker, and interleaved with the rows above they slowed plain
+# UCX's own calls there (an empty getNotifs 5 us instead of 1.7 on 2 cores).
+META_OPS = [
+    ("get metadata", "get_metadata", 0.2),
+    ("load+unload metadata", "load_metadata", 0.1),
+]
 
 
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_blocks(ops, blocks, block, sides, samples, activate):
+    """`blocks` rounds of every op in `ops`, each a block of samples per backend in turn."""
+    for _ in range(blocks):
+        for name, method, share in ops:
+            n = max(1, int(block * share))
+            for i, b in enumerate(BACKENDS):  # interleaved: each block alternates the backends
+                activate(i)
+                f = getattr(sides[b], method)
+                f()  # one warm-up per block keeps a cold first sample out of the tail
+                samples[b][name].extend(f() for _ in range(n))
 
 
 def main():
@@ -209,22 +251,16 @@ def main():
         activate(i)
         s.wait_first_pong()
         s.prepare()
-    samples = {b: {name: [] for name, _, _ in OPS} for b in BACKENDS}
+    samples = {b: {name: [] for name, _, _ in OPS + META_OPS} for b in BACKENDS}
     blocks = max(1, args.rounds // args.block)
-    for _ in range(blocks):
-        for name, method, share in OPS:
-            n = max(1, int(args.block * share))
-            for i, b in enumerate(BACKENDS):  # interleaved: each block alternates the backends
-                activate(i)
-                f = getattr(sides[b], method)
-                f()  # one warm-up per block keeps a cold first sample out of the tail
-                samples[b][name].extend(f() for _ in range(n))
+    for ops in (OPS, META_OPS):
+        run_blocks(ops, blocks, args.block, sides, samples, activate)
     cpus = os.cpu_count()
     print(f"pass-through cost, two processes, DRAM, no progress thread, {cpus} cores, "
           f"{blocks} interleaved blocks")
     print(f"  {'operation':28s} {'UCX p50':>10s} {'UCX p99':>10s} {'BOUNCE p50':>11s} "
           f"{'BOUNCE p99':>11s} {'p50 ratio':>10s}")
-    for name, _, _ in OPS:
+    for name, _, _ in OPS + META_OPS:
         u, x = samples["UCX"][name], samples["BOUNCE"][name]
         ratio = statistics.median(x) / statistics.median(u)
         unit, k = ("ms", 1e3) if "64 MiB" in name else ("us", 1e6)
