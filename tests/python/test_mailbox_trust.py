@@ -132,10 +132,12 @@ class Trio:
     def done_or_late(self, st, what):
         """A transfer under frozen forgery must end DONE, unless a round was late (then a
         forgery may have destroyed a genuine record: it may fail, by its timeout only)."""
+        # On a failure, the initiator's counters say how the transfer ended (a timeout, a
+        # refusal, a peer declared dead...): BOUNCE logs a failed transfer at debug only.
         if self.late == 0:
-            assert st == "DONE", f"{what}: {st}"
+            assert st == "DONE", f"{what}: {st}; the initiator's counters: {fresh(self.i)}"
         else:
-            assert st in ("DONE", "ERR"), f"{what}: {st}"
+            assert st in ("DONE", "ERR"), f"{what}: {st}; the initiator's counters: {fresh(self.i)}"
 
     def under_frozen_forgery(self, h, every_s=0.002, hold_s=0.003):
         """Until `h` resolves: every `every_s`, stop T, let F forge a record after every slot's
