@@ -787,11 +787,15 @@ impl Engine {
     /// takes [`Self::take_notifs`], whose busy-poll wait needs it). Pass-through traffic then
     /// costs what UCX's own `getNotifs` does.
     pub(crate) fn app_notifs_direct(&self) -> bool {
-        // Asked at the start of every application getNotifs, whichever way it then pulls.
-        self.mail.note_app_pull();
-        self.shim.is_some()
+        let direct = self.shim.is_some()
             && self.shared().is_none_or(|sh| sh.requests.in_flight() == 0)
-            && self.mail.app_pull_is_direct()
+            && self.mail.app_pull_is_direct();
+        // The caller pulls the inner engine now; the other way notes its pull in
+        // `Mailroom::pull_and_take`.
+        if direct {
+            self.mail.note_app_pull();
+        }
+        direct
     }
 
     /// Whether the bounce path has work in flight (a receiver's flows included), which a
