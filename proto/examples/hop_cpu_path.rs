@@ -52,38 +52,38 @@ fn main() {
         let mut t = [Duration::ZERO; 7];
         let xfer = XferId(round as u64 + 1);
         // Each step: the calls its reactor makes, and the frame it sends, encoded as the shell does.
-        let s = Instant::now();
-        ini.submit(now, xfer, Token(7), PeerId(1), plan.clone()).expect("submit");
-        let (want, gathers) = drain(&mut ini, 0);
-        t[0] = s.elapsed();
+        let (want, gathers) = timed(&mut t[0], || {
+            ini.submit(now, xfer, Token(7), PeerId(1), plan.clone()).expect("submit");
+            drain(&mut ini, 0)
+        });
         for job in gathers.gathers {
             ini.handle_gather_done(now, job, true);
         }
         let _ = drain(&mut ini, 0);
-        let s = Instant::now();
-        tgt.handle_frame(now, &agent(0), &want.expect("a WANT")).expect("WANT accepted");
-        let (grant, _) = drain(&mut tgt, 1);
-        t[1] = s.elapsed();
-        let s = Instant::now();
-        ini.handle_frame(now, &agent(1), &grant.expect("a GRANT")).expect("GRANT accepted");
-        let (_, jobs) = drain(&mut ini, 0);
-        t[2] = s.elapsed();
-        let s = Instant::now();
-        ini.handle_write_done(now, jobs.writes[0], true);
-        let (data, _) = drain(&mut ini, 0);
-        t[3] = s.elapsed();
-        let s = Instant::now();
-        tgt.handle_frame(now, &agent(0), &data.expect("a DATA")).expect("DATA accepted");
-        let (_, jobs) = drain(&mut tgt, 1);
-        t[4] = s.elapsed();
-        let s = Instant::now();
-        tgt.handle_scatter_done(now, jobs.scatters[0], true);
-        let (ack, _) = drain(&mut tgt, 1);
-        t[5] = s.elapsed();
-        let s = Instant::now();
-        ini.handle_frame(now, &agent(1), &ack.expect("an ACK")).expect("ACK accepted");
-        let (_, jobs) = drain(&mut ini, 0);
-        t[6] = s.elapsed();
+        let (grant, _) = timed(&mut t[1], || {
+            tgt.handle_frame(now, &agent(0), &want.expect("a WANT")).expect("WANT accepted");
+            drain(&mut tgt, 1)
+        });
+        let (_, jobs) = timed(&mut t[2], || {
+            ini.handle_frame(now, &agent(1), &grant.expect("a GRANT")).expect("GRANT accepted");
+            drain(&mut ini, 0)
+        });
+        let (data, _) = timed(&mut t[3], || {
+            ini.handle_write_done(now, jobs.writes[0], true);
+            drain(&mut ini, 0)
+        });
+        let (_, jobs) = timed(&mut t[4], || {
+            tgt.handle_frame(now, &agent(0), &data.expect("a DATA")).expect("DATA accepted");
+            drain(&mut tgt, 1)
+        });
+        let (ack, _) = timed(&mut t[5], || {
+            tgt.handle_scatter_done(now, jobs.scatters[0], true);
+            drain(&mut tgt, 1)
+        });
+        let (_, jobs) = timed(&mut t[6], || {
+            ini.handle_frame(now, &agent(1), &ack.expect("an ACK")).expect("ACK accepted");
+            drain(&mut ini, 0)
+        });
         assert_eq!(jobs.completes, 1, "the transfer completed");
         samples.push(t);
     }
@@ -98,6 +98,14 @@ fn main() {
         println!("  {name:52} {min:6.2} / {med:6.2} us");
     }
     println!("  {:52} {:6.2} / {:6.2} us", "all seven", sums.0, sums.1);
+}
+
+/// Runs `f`, storing how long it took in `took`.
+fn timed<R>(took: &mut Duration, f: impl FnOnce() -> R) -> R {
+    let s = Instant::now();
+    let r = f();
+    *took = s.elapsed();
+    r
 }
 
 #[derive(Default)]
