@@ -284,6 +284,8 @@ pub struct Coverage {
     /// Scatters by plans left unchecked in their regions (each checked to be bounded by
     /// registered memory and its region).
     pub region_plans: usize,
+    /// Scatters of inline chunks from remote WANTs (each checked to fit its region).
+    pub inline_scatters: usize,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -300,6 +302,7 @@ struct Seen {
     wanted: Vec<(PeerId, XferId, Vec<u64>)>,
     scatters: usize,
     region_plans: usize,
+    inline_scatters: usize,
     /// The user range is registered (see [`Op::Deregister`]).
     registered: bool,
     /// One-way flows into the endpoint, whose answers come as records: (peer, xfer).
@@ -334,8 +337,13 @@ impl Seen {
                     }
                     self.jobs.push((job, Kind::Write));
                 }
-                Action::Scatter { job, region, runs, in_region, .. } => {
+                Action::Scatter { job, region, runs, in_region, inline, .. } => {
                     assert!(self.registered, "a scatter was emitted while its memory is deregistered");
+                    if let Some(bytes) = &inline {
+                        assert!(bytes.len() as u64 <= region.len, "inline bytes beyond their region {region:?}");
+                        assert!(in_region.is_none(), "an inline chunk's runs are its own");
+                        self.inline_scatters += 1;
+                    }
                     if let Some(p) = &in_region {
                         // Unchecked runs: what bounds them is what the copy engine checks them
                         // against, which must be registered memory and leave room for the plan.
@@ -508,7 +516,14 @@ pub fn run(data: &[u8]) -> Coverage {
                 let sizes = vec![size; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
                 let proofs = vec![proof::prove(reg, &key_of(reg), token)];
-                let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone(), proofs });
+                // Half the one-chunk WANTs carry the chunk inline, scattered by one run that
+                // may leave the registration (a hostile peer's).
+                let inline = (sizes.len() == 1 && from & 0x80 != 0).then(|| {
+                    let addr = USER_BASE - 4096 + (u64::from(size) * 131) % (USER_LEN + 8192);
+                    let run = CopyRun { region_off: 0, addr, len: size, count: 1, region_stride: 0, addr_stride: 0 };
+                    bounce_proto::wire::Inline { runs: vec![run], bytes: vec![0xa5; size as usize] }
+                });
+                let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone(), proofs, inline });
                 if ep.handle_msg(now, peer, want).is_ok() {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                 }
@@ -589,7 +604,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 let token = remote_token(peer, xfer);
                 let proofs = vec![proof::prove(reg, &key_of(reg), token)];
                 let endpoint = bounce_proto::wire::REPLY_MAILBOX.to_vec();
-                let want = Msg::Want(Want { xfer, token, endpoint, chunks: sizes.clone(), proofs });
+                let want = Msg::Want(Want { xfer, token, endpoint, chunks: sizes.clone(), proofs, inline: None });
                 if ep.handle_msg(now, peer, want).is_ok() {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                     if !seen.one_way.contains(&(peer, xfer)) {
@@ -737,6 +752,7 @@ pub fn run(data: &[u8]) -> Coverage {
     cov.completed = seen.completed.len();
     cov.scatters = seen.scatters;
     cov.region_plans = seen.region_plans;
+    cov.inline_scatters = seen.inline_scatters;
     cov.records = seen.records;
     cov.served = ep.stats().chunks_served;
     cov.data_refused = ep.stats().data_refused;
@@ -782,7 +798,7 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             let (&(peer, xfer), sizes) = announced.iter().nth(pick(announced.len()))?;
             let token = remote_token(peer, xfer);
             let chunks = if kind % 7 == 3 { Vec::new() } else { sizes[..1].to_vec() };
-            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks, proofs: Vec::new() }))
+            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks, proofs: Vec::new(), inline: None }))
         }
         5 => {
             // A transfer nobody announced yet, proving the registration: once its token is
@@ -790,7 +806,7 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             let (peer, xfer) = (PeerId(u32::from(which % 3)), XferId(1 << 32 | u64::from(which)));
             let token = remote_token(peer, xfer);
             let proofs = vec![proof::prove(REG, &KEY, token)];
-            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: vec![4096], proofs }))
+            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: vec![4096], proofs, inline: None }))
         }
         6 if !seen.credits.is_empty() => {
             // A KEEP for a granted flow: with its token it would hold the reclaim off.

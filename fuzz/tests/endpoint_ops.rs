@@ -22,6 +22,7 @@ fn random_operation_sequences_keep_every_invariant() {
         total.plans_sent += c.plans_sent;
         total.replans += c.replans;
         total.region_plans += c.region_plans;
+        total.inline_scatters += c.inline_scatters;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
@@ -32,6 +33,8 @@ fn random_operation_sequences_keep_every_invariant() {
     assert!(total.scatters > 900 && total.data_refused > 100, "{total:?}");
     // DATAs saying their runs lie in the region reach the copy engine bounded.
     assert!(total.region_plans > 100, "{total:?}");
+    // Remote WANTs' inline chunks really reach the scatter, each within its region.
+    assert!(total.inline_scatters > 50, "{total:?}");
     // Forged tokens and sessions really hit live transfers and flows (and each was refused).
     assert!(total.forged > 1_000, "{total:?}");
     // The user range really is deregistered (and registered again) under live transfers.

@@ -69,6 +69,9 @@ pub struct Config {
     /// Fewest scatter runs a chunk must have for its runs to travel in its region, behind its
     /// data; 0: never (`bounce_region_plan_runs`).
     pub region_plan_runs: u32,
+    /// Largest single-chunk WRITE whose bytes ride in its WANT (sent, and taken from peers);
+    /// 0: never (`bounce_inline_bytes`).
+    pub inline_bytes: u64,
     /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
     pub scatter_run_merging: bool,
     /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
@@ -243,6 +246,12 @@ pub enum ConfigError {
     )]
     IdleParkTooShort {
         /// The value given, in microseconds.
+        got: u64,
+    },
+    /// More inline bytes than a WANT may carry.
+    #[error("bounce_inline_bytes {got} exceeds the wire's limit of {} bytes", crate::wire::MAX_INLINE_BYTES)]
+    InlineTooLarge {
+        /// The value given.
         got: u64,
     },
     /// The manifest's default for an option does not parse as its own kind (a manifest bug).
@@ -441,6 +450,7 @@ impl Config {
             control,
             plan_ahead_runs: u32_of("bounce_plan_ahead_runs")?,
             region_plan_runs: u32_of("bounce_region_plan_runs")?,
+            inline_bytes: u64_of("bounce_inline_bytes")?,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
             cuda_ipc: boolean("bounce_cuda_ipc")?,
@@ -505,6 +515,9 @@ impl Config {
         }
         if self.idle_park < Duration::from_micros(MIN_IDLE_PARK_US) {
             return Err(ConfigError::IdleParkTooShort { got: self.idle_park.as_micros() as u64 });
+        }
+        if self.inline_bytes > u64::from(crate::wire::MAX_INLINE_BYTES) {
+            return Err(ConfigError::InlineTooLarge { got: self.inline_bytes });
         }
         Ok(())
     }
@@ -766,6 +779,7 @@ mod tests {
             ("bounce_control", "ZMQ"),
             ("bounce_plan_ahead_runs", "0"),
             ("bounce_region_plan_runs", "7"),
+            ("bounce_inline_bytes", "1K"),
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
             ("bounce_cuda_ipc", "no"),
@@ -797,6 +811,7 @@ mod tests {
             control: ControlKind::Zmq,
             plan_ahead_runs: 0,
             region_plan_runs: 7,
+            inline_bytes: 1024,
             scatter_run_merging: false,
             direct_writes: false,
             cuda_ipc: false,

@@ -29,7 +29,7 @@ use crate::plan::Plan;
 use crate::proof::BadProof;
 use crate::receiver::Receiver;
 use crate::scheduler::{CreditScheduler, SchedError};
-use crate::sender::Sender;
+use crate::sender::{Sender, WantShape};
 use crate::types::{FlowKey, PeerId, RegId, RegKey, Token, XferId};
 use crate::wire;
 
@@ -158,9 +158,44 @@ impl Endpoint {
         peer: PeerId,
         plan: impl Into<Arc<Plan>>,
     ) -> Result<(), SubmitError> {
-        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), false);
+        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), WantShape::Plain);
         self.pump(now);
         r
+    }
+
+    /// As [`submit`](Self::submit), with the plan's one chunk gathered by the shell into
+    /// `bytes`: when the plan is a single chunk of exactly those bytes, at most
+    /// [`inline_bytes`](Self::inline_bytes), they ride in the WANT ([`wire::Inline`]) and the
+    /// receiver may answer with the ACK alone. Otherwise the bytes are dropped and the transfer
+    /// goes the usual way.
+    ///
+    /// # Errors
+    /// As [`submit`](Self::submit).
+    pub fn submit_inline(
+        &mut self,
+        now: Instant,
+        xfer: XferId,
+        token: Token,
+        peer: PeerId,
+        plan: impl Into<Arc<Plan>>,
+        bytes: Vec<u8>,
+    ) -> Result<(), SubmitError> {
+        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), WantShape::Inline(bytes));
+        self.pump(now);
+        r
+    }
+
+    /// Largest chunk sent inside its WANT (`bounce_inline_bytes`); 0: never.
+    pub fn inline_bytes(&self) -> u64 {
+        self.sender.inline_bytes()
+    }
+
+    /// Takes inline chunks from peers' WANTs of at most `bytes` (capped by the configured
+    /// value and [`wire::MAX_INLINE_BYTES`]), and sends them of at most that too; 0: neither.
+    /// The shell sets 0 when its arena is not host memory: it could put no bytes there.
+    pub fn set_inline_bytes(&mut self, bytes: u64) {
+        self.sender.set_inline_bytes(bytes);
+        self.receiver.set_inline_bytes(bytes.min(self.sender.inline_bytes()));
     }
 
     /// As [`submit`](Self::submit), to a target that may never have loaded our metadata: the
@@ -179,7 +214,7 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         mailbox: MailboxLayout,
     ) -> Result<(), SubmitError> {
-        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), true)?;
+        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), WantShape::OneWay)?;
         if self.reading.start(xfer, peer, token, mailbox).is_err() {
             // The layout was checked when the peer was loaded: unreachable in practice.
             self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
@@ -1111,7 +1146,7 @@ pub(crate) mod tests {
 
     pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
         let proofs = vec![crate::proof::prove(REG, &KEY, TOKEN)];
-        Msg::Want(Want { xfer, token: TOKEN, endpoint: Vec::new(), chunks: chunks.to_vec(), proofs })
+        Msg::Want(Want { xfer, token: TOKEN, endpoint: Vec::new(), chunks: chunks.to_vec(), proofs, inline: None })
     }
 
     pub(crate) fn data_msg(xfer: XferId, chunk: u32, region: Region, runs: Vec<CopyRun>) -> Msg {
@@ -1316,7 +1351,14 @@ pub(crate) mod tests {
                 region_plan_runs: 0,
             }),
             Msg::cancel(XferId(5), FORGED, vec![]),
-            Msg::Want(Want { xfer: XferId(5), token: FORGED, endpoint: vec![], chunks: vec![CHUNK], proofs: vec![] }),
+            Msg::Want(Want {
+                xfer: XferId(5),
+                token: FORGED,
+                endpoint: vec![],
+                chunks: vec![CHUNK],
+                proofs: vec![],
+                inline: None,
+            }),
         ];
         for m in forged {
             let r = ep.handle_frame(t, "a", &frame(7, m));
@@ -1621,6 +1663,7 @@ pub(crate) mod tests {
                 endpoint: wire::REPLY_MAILBOX.to_vec(),
                 chunks: vec![CHUNK],
                 proofs,
+                inline: None,
             };
             wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
         };

@@ -162,6 +162,9 @@ pub enum Action {
         /// The runs lie in the region behind the chunk's data, unchecked: the copy engine
         /// checks them (see [`InRegionPlan`]) and copies nothing when they fail.
         in_region: Option<InRegionPlan>,
+        /// The chunk's bytes, from its WANT ([`wire::Inline`]): put into `region` first, then
+        /// scattered. A shell that cannot put them there fails the job without copying.
+        inline: Option<Vec<u8>>,
     },
     /// Send a link-level frame (a PING or PONG of the liveness probe) to `peer`; the shell wraps
     /// `body` into a [`wire::ControlFrame`] with its session. No transfer depends on its
@@ -639,6 +642,17 @@ pub struct Stats {
     /// Nanoseconds from each such chunk's DATA to its ACK, summed: the round trip with the
     /// target's scatter of the chunk in it (one way: the mailbox fetches that found the ACK).
     pub ack_wait_ns: u64,
+    /// WRITEs whose one chunk this initiator sent inside its WANT ([`wire::Inline`]).
+    pub inline_sent: u64,
+    /// Of those, the ones the target declined (it GRANTed the chunk instead).
+    pub inline_declined: u64,
+    /// Of those, the ones ACKed with no GRANT: one control round trip each, timed.
+    pub inline_acks: u64,
+    /// Nanoseconds from each such WANT to its ACK, summed (the target's fill and scatter in it).
+    pub inline_ack_wait_ns: u64,
+    /// Inline chunks this target took from a WANT: put in a region it granted itself and
+    /// scattered from there.
+    pub inline_taken: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

@@ -18,7 +18,7 @@ use crate::event::{Action, Ctx, DataFault, InRegionPlan, JobId, JobRuns, Protoco
 use crate::proof::{BadProof, Registrations};
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token};
+use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
@@ -29,6 +29,10 @@ pub const MAX_FLOWS_PER_PEER: usize = 4096;
 /// kept, with its size, until its flow ends), READ flows' kept gather runs counted with them.
 /// 2^20 chunks is 2 TiB in flight at 2 MiB chunks.
 pub const MAX_CHUNKS_PER_PEER: u64 = 1 << 20;
+/// Most inline bytes ([`wire::Inline`]) held at once, across all peers, for flows whose chunk
+/// the scheduler has not granted yet (a busy arena). Beyond it an inline WANT is served the
+/// usual way (GRANT, write, DATA): a flood of them costs other peers the shortcut, never memory.
+pub const MAX_INLINE_HELD: u64 = 4 << 20;
 
 /// What one peer's open flows hold here: the quantities [`MAX_FLOWS_PER_PEER`] and
 /// [`MAX_CHUNKS_PER_PEER`] bound.
@@ -57,6 +61,9 @@ struct Flow {
     pull: Option<PullRuns>,
     /// Scatter runs that came ahead of their chunk's DATA in a PLAN, by chunk index.
     plans: BTreeMap<u32, Planned>,
+    /// The one chunk's bytes and runs from the WANT ([`wire::Inline`]), taken until the
+    /// chunk's region is granted: then they are put there and scattered, with no GRANT sent.
+    inline: Option<wire::Inline>,
     /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
     /// DATA, new grants and finished scatters.
     /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
@@ -128,7 +135,8 @@ impl Flow {
     fn units(&self) -> u64 {
         let runs = self.pull.as_ref().map_or(0, |p| p.chunks.iter().map(|c| c.runs.len() as u64).sum::<u64>());
         let planned = self.plans.values().map(|p| p.runs.len() as u64).sum::<u64>();
-        (self.chunks.len() as u64).saturating_add(runs).saturating_add(planned)
+        let inline = self.inline.as_ref().map_or(0, |i| i.runs.len() as u64);
+        (self.chunks.len() as u64).saturating_add(runs).saturating_add(planned).saturating_add(inline)
     }
 }
 
@@ -181,6 +189,15 @@ pub struct Receiver {
     timers: TimerTable<FlowKey>,
     /// No new WANT is accepted (closing or shut down).
     shutting_down: bool,
+    /// Largest inline chunk taken from a WANT; 0: none (a GPU arena, or the option).
+    inline_bytes: u64,
+    /// Inline bytes held by flows not yet granted (at most [`MAX_INLINE_HELD`]).
+    inline_held: u64,
+    /// Per peer, the highest transfer whose inline chunk was taken. Transfer ids only grow
+    /// (see [`crate::types::XferId`]), so an inline WANT at or below it is a replay: its bytes
+    /// would land again over newer ones. It is served the usual way, which writes nothing
+    /// without its sender. Forgotten when the peer is lost (a new incarnation counts afresh).
+    inline_floor: BTreeMap<PeerId, XferId>,
 }
 
 impl Receiver {
@@ -195,7 +212,16 @@ impl Receiver {
             gathers: BTreeMap::new(),
             timers: TimerTable::default(),
             shutting_down: false,
+            inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
+            inline_held: 0,
+            inline_floor: BTreeMap::new(),
         }
+    }
+
+    /// Sets the largest inline chunk taken from WANTs (0: none): the shell lowers it to 0 when
+    /// its arena is not host memory, where it could not put the bytes.
+    pub(crate) fn set_inline_bytes(&mut self, bytes: u64) {
+        self.inline_bytes = bytes.min(u64::from(wire::MAX_INLINE_BYTES));
     }
 
     /// True while the receiver tracks flow `key`.
@@ -352,6 +378,20 @@ impl Receiver {
             refuse_want(ctx, from, &want);
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
         }
+        let inline = match want.inline {
+            Some(i) if self.flows.contains_key(&key) => {
+                debug!(
+                    peer = from.0,
+                    xfer = want.xfer.0,
+                    bytes = i.bytes.len(),
+                    "inline bytes for a live flow ignored"
+                );
+                None
+            }
+            Some(i) => self.take_inline(from, &want.endpoint, want.xfer, chunks, i),
+            None => None,
+        };
+        let chunks = chunks + inline.as_ref().map_or(0, |i| i.runs.len() as u64);
         self.load.insert(from, PeerLoad { flows, chunks });
         ctx.stats.wants += 1;
         let deadline = ctx.now + self.idle_timeout;
@@ -374,13 +414,55 @@ impl Receiver {
                     scattering: 0,
                     pull: None,
                     plans: BTreeMap::new(),
+                    inline,
                     deadline,
                 };
                 self.flows.insert(key, flow);
             }
         }
         debug!(peer = from.0, xfer = want.xfer.0, chunks = self.flows[&key].chunks.len(), "flow wants");
+        // An inline chunk's runs are checked now, as a DATA's would be (and again when its
+        // region is granted, should a registration go meanwhile): a bad one refuses the WANT.
+        let flow = &self.flows[&key];
+        if let Some(i) = &flow.inline {
+            if let Err(fault) = self.check_runs(flow, &i.runs, i.bytes.len() as u64) {
+                ctx.stats.data_refused += 1;
+                refuse_xfer(ctx, from, key.xfer, flow.token);
+                self.reclaim(ctx, key);
+                return Err(ProtocolError::InvalidData { peer: from, xfer: key.xfer, chunk: ChunkIdx(0), fault });
+            }
+        }
         Ok(())
+    }
+
+    /// Takes an inline chunk from a new flow's WANT when this receiver may: it takes inline
+    /// chunks of this size, the WANT is answered with frames (not a mailbox), the transfer is
+    /// newer than any inline one taken from the peer (not a replay), and holding the bytes
+    /// stays within [`MAX_INLINE_HELD`] and the runs within the peer's budget. Otherwise the
+    /// flow is served the usual way.
+    fn take_inline(
+        &mut self,
+        from: PeerId,
+        endpoint: &[u8],
+        xfer: XferId,
+        units: u64,
+        inline: wire::Inline,
+    ) -> Option<wire::Inline> {
+        let len = inline.bytes.len() as u64;
+        let fresh = self.inline_floor.get(&from).is_none_or(|&floor| xfer > floor);
+        let budget = units.saturating_add(inline.runs.len() as u64) <= self.caps.chunks;
+        let take = len <= self.inline_bytes
+            && endpoint != wire::REPLY_MAILBOX
+            && fresh
+            && budget
+            && self.inline_held + len <= MAX_INLINE_HELD;
+        if !take {
+            debug!(peer = from.0, xfer = xfer.0, bytes = len, fresh, "inline bytes declined");
+            return None;
+        }
+        self.inline_floor.insert(from, xfer);
+        self.inline_held += len;
+        Some(inline)
     }
 
     /// A KEEP: one of the sender's writes into this flow's regions is still in flight, so the
@@ -479,7 +561,20 @@ impl Receiver {
         Some(planned)
     }
 
-    pub(crate) fn handle_data(&mut self, ctx: &mut Ctx<'_>, from: PeerId, mut data: Data) -> Result<(), ProtocolError> {
+    pub(crate) fn handle_data(&mut self, ctx: &mut Ctx<'_>, from: PeerId, data: Data) -> Result<(), ProtocolError> {
+        self.take_data(ctx, from, data, None)
+    }
+
+    /// A DATA, or (with `inline`) the bytes and runs of an inline chunk whose region was just
+    /// granted, dressed as the DATA for that region: the same checks, the same scatter, the
+    /// bytes put in the region first.
+    fn take_data(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        mut data: Data,
+        inline: Option<Vec<u8>>,
+    ) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: data.xfer };
         let Some(flow) = self.addressed_flow(ctx, key, data.token, data.chunk, "DATA")? else { return Ok(()) };
         let (bytes, limit) = match self.check_held(ctx, key, flow, &data) {
@@ -539,6 +634,7 @@ impl Receiver {
         };
         self.scatters.insert(job, scatter);
         trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, region = %data.region, runs = data.runs.len(), "scatter");
+        ctx.stats.inline_taken += u64::from(inline.is_some());
         ctx.push(Action::Scatter {
             job,
             peer: from,
@@ -546,6 +642,7 @@ impl Receiver {
             region: data.region,
             runs: JobRuns::Own(data.runs),
             in_region: None,
+            inline,
         });
         Ok(())
     }
@@ -600,6 +697,7 @@ impl Receiver {
             region,
             runs: JobRuns::Own(Vec::new()),
             in_region,
+            inline: None,
         });
         Ok(())
     }
@@ -644,6 +742,7 @@ impl Receiver {
     }
 
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        self.inline_floor.remove(&peer);
         let r = ctx.sched.reclaim_peer(peer);
         let keys: Vec<FlowKey> = self.flows.keys().filter(|k| k.peer == peer).copied().collect();
         if !keys.is_empty() {
@@ -711,7 +810,7 @@ impl Receiver {
             });
             batches[i].1.push(credit);
         }
-        for (key, credits) in batches {
+        for (key, mut credits) in batches {
             let token = match self.flows.get_mut(&key) {
                 Some(flow) => {
                     flow.deadline = ctx.now + self.idle_timeout;
@@ -726,10 +825,42 @@ impl Receiver {
                 self.start_gathers(ctx, key, token, &credits);
                 continue;
             }
+            if let Some(at) = credits.iter().position(|c| c.chunk.0 == 0) {
+                if let Some(inline) = self.untake_inline(key) {
+                    let credit = credits.remove(at);
+                    self.scatter_inline(ctx, key, token, credit.region, inline);
+                }
+            }
+            if credits.is_empty() {
+                continue;
+            }
             trace!(peer = key.peer.0, xfer = key.xfer.0, credits = credits.len(), "grant");
             for part in credits.chunks(wire::MAX_CREDITS as usize) {
                 ctx.send(key.peer, Grant { xfer: key.xfer, token, credits: part.to_vec() });
             }
+        }
+    }
+
+    /// The inline chunk flow `key` holds, if any, given back to the budgets it was held in.
+    fn untake_inline(&mut self, key: FlowKey) -> Option<wire::Inline> {
+        let inline = self.flows.get_mut(&key)?.inline.take()?;
+        self.inline_held -= inline.bytes.len() as u64;
+        if let Some(load) = self.load.get_mut(&key.peer) {
+            load.chunks -= inline.runs.len() as u64;
+        }
+        Some(inline)
+    }
+
+    /// Flow `key`'s inline chunk, its region just granted: instead of a GRANT, the bytes go in
+    /// the region and are scattered as that region's DATA would be (every check included); the
+    /// ACK answers the WANT.
+    fn scatter_inline(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, token: Token, region: Region, inline: wire::Inline) {
+        let wire::Inline { runs, bytes } = inline;
+        let data = Data { xfer: key.xfer, token, chunk: ChunkIdx(0), region, runs, region_plan_runs: 0 };
+        trace!(peer = key.peer.0, xfer = key.xfer.0, region = %region, bytes = bytes.len(), "inline chunk");
+        if let Err(e) = self.take_data(ctx, key.peer, data, Some(bytes)) {
+            ctx.stats.protocol_errors += 1;
+            debug!(peer = key.peer.0, error = %e, "inline chunk refused");
         }
     }
 
@@ -937,6 +1068,7 @@ impl Receiver {
                     scattering: 0,
                     pull: Some(PullRuns { chunks: pulled, total: pull.total, failed: false }),
                     plans: BTreeMap::new(),
+                    inline: None,
                     deadline,
                 };
                 self.flows.insert(key, flow);
@@ -1087,6 +1219,7 @@ impl Receiver {
         match self.flows.remove(&key) {
             Some(flow) => {
                 self.timers.stop(key);
+                self.inline_held -= flow.inline.as_ref().map_or(0, |i| i.bytes.len() as u64);
                 if let Some(load) = self.load.get_mut(&key.peer) {
                     load.flows -= 1;
                     load.chunks -= flow.units();
@@ -1130,8 +1263,13 @@ impl Receiver {
 /// [`crate::sender::Sender`]), so its sender fails at once instead of waiting for credits until
 /// its timeout. A flow that exists keeps going: only a refused WANT is answered.
 fn refuse_want(ctx: &mut Ctx<'_>, to: PeerId, want: &Want) {
+    refuse_xfer(ctx, to, want.xfer, want.token);
+}
+
+/// The refusal [`refuse_want`] sends, for transfer `xfer` of token `token`.
+fn refuse_xfer(ctx: &mut Ctx<'_>, to: PeerId, xfer: XferId, token: Token) {
     let region = Region { offset: 0, len: 1 };
-    ctx.send(to, Ack { xfer: want.xfer, token: want.token, chunk: ChunkIdx(0), region, status: AckStatus::Refused });
+    ctx.send(to, Ack { xfer, token, chunk: ChunkIdx(0), region, status: AckStatus::Refused });
 }
 
 #[cfg(test)]
@@ -1764,5 +1902,112 @@ mod tests {
         assert!(ep.is_idle());
         // The endpoint is still usable by the same sender.
         wanted(&mut ep, t);
+    }
+
+    /// A WANT for `xfer` carrying its one chunk of `CHUNK` bytes (`fill`), scattered by `runs`.
+    fn inline_want(xfer: XferId, fill: u8, runs: Vec<CopyRun>) -> Msg {
+        let Msg::Want(mut w) = want_msg(xfer, &[CHUNK]) else { unreachable!() };
+        w.inline = Some(wire::Inline { runs, bytes: vec![fill; CHUNK as usize] });
+        Msg::Want(w)
+    }
+
+    /// The scatters of `acts` with the inline bytes each carries.
+    fn inline_scatters(acts: &[Action]) -> Vec<(JobId, Region, Option<Vec<u8>>)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Scatter { job, region, inline, .. } => Some((*job, *region, inline.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_inline_want_is_put_in_a_region_and_scattered_with_no_grant_then_acked() {
+        let (mut ep, t) = receiver();
+        ep.handle_msg(t, PEER, inline_want(X, 0xab, full_run(0))).unwrap();
+        let acts = drain(&mut ep);
+        assert!(credits(&acts).is_empty(), "no GRANT: {acts:?}");
+        let s = inline_scatters(&acts);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].2.as_deref(), Some(&[0xab; CHUNK as usize][..]), "the WANT's bytes go with the scatter");
+        assert!(s[0].1.len >= CHUNK);
+        ep.handle_scatter_done(t, s[0].0, true);
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Scattered)]);
+        assert_eq!((ep.stats().inline_taken, ep.remote_flows()), (1, 0));
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB, "the region is free again");
+        check(&ep);
+    }
+
+    #[test]
+    fn an_inline_chunk_whose_runs_leave_the_proven_memory_is_refused_and_writes_nothing() {
+        let (mut ep, t) = receiver();
+        // Past the end of the registration, and a run that reads beyond the chunk.
+        for (x, runs) in [(1, vec![run(0, DST + 64 * KIB - 8, 16)]), (2, vec![run(8, DST, CHUNK)])] {
+            let err = ep.handle_msg(t, PEER, inline_want(XferId(x), 1, runs)).unwrap_err();
+            assert!(matches!(err, ProtocolError::InvalidData { .. }), "{err}");
+            let acts = drain(&mut ep);
+            assert!(inline_scatters(&acts).is_empty(), "{acts:?}");
+            assert_eq!(acks(&acts), vec![(XferId(x), 0, AckStatus::Refused)]);
+            assert_eq!((ep.remote_flows(), ep.arena_free_bytes()), (0, 32 * KIB));
+            check(&ep);
+        }
+        assert_eq!(ep.stats().inline_taken, 0);
+    }
+
+    #[test]
+    fn a_replayed_or_older_inline_want_is_served_the_usual_way_and_puts_nothing() {
+        let (mut ep, t) = receiver();
+        let later = XferId(X.0 + 5);
+        ep.handle_msg(t, PEER, inline_want(later, 1, full_run(0))).unwrap();
+        let s = inline_scatters(&drain(&mut ep));
+        ep.handle_scatter_done(t, s[0].0, true);
+        drain(&mut ep);
+        // The same frame again, and an older transfer's: no bytes put, a GRANT instead (which
+        // a replay's sender, long done, ignores: nothing is written without it).
+        for xfer in [later, X] {
+            ep.handle_msg(t, PEER, inline_want(xfer, 2, full_run(0))).unwrap();
+            let acts = drain(&mut ep);
+            assert!(inline_scatters(&acts).is_empty(), "{acts:?}");
+            assert_eq!(credits(&acts).iter().map(|c| (c.1, c.2)).collect::<Vec<_>>(), vec![(xfer, 0)]);
+        }
+        assert_eq!(ep.stats().inline_taken, 1);
+        check(&ep);
+    }
+
+    #[test]
+    fn inline_bytes_wait_for_a_busy_arena_within_their_budget_and_go_with_a_cancel() {
+        let (mut ep, t) = receiver();
+        // Fill the 32 KiB arena: eight flows of one chunk.
+        for x in 10..18 {
+            ep.handle_msg(t, PEER, want_msg(XferId(x), &[CHUNK])).unwrap();
+        }
+        drain(&mut ep);
+        assert_eq!(ep.arena_free_bytes(), 0);
+        ep.handle_msg(t, PEER, inline_want(XferId(20), 3, full_run(0))).unwrap();
+        assert!(inline_scatters(&drain(&mut ep)).is_empty(), "held until a region frees");
+        check(&ep);
+        // A region frees: the held bytes take it.
+        ep.handle_msg(t, PEER, Msg::cancel(XferId(10), TOKEN, Vec::new())).unwrap();
+        let s = inline_scatters(&drain(&mut ep));
+        assert_eq!((s.len(), s[0].2.as_ref().map(Vec::len)), (1, Some(CHUNK as usize)));
+        check(&ep);
+        // Held bytes of a flow canceled before its grant are dropped with it.
+        ep.handle_msg(t, PEER, inline_want(XferId(21), 4, full_run(1))).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(XferId(21), TOKEN, Vec::new())).unwrap();
+        ep.handle_msg(t, PEER, Msg::cancel(XferId(11), TOKEN, Vec::new())).unwrap();
+        assert!(inline_scatters(&drain(&mut ep)).is_empty());
+        assert_eq!(ep.receiver().inline_held, 0);
+        check(&ep);
+    }
+
+    #[test]
+    fn a_receiver_that_takes_no_inline_bytes_grants_as_for_any_want() {
+        let (mut ep, t) = receiver();
+        ep.set_inline_bytes(0);
+        ep.handle_msg(t, PEER, inline_want(X, 1, full_run(0))).unwrap();
+        let acts = drain(&mut ep);
+        assert!(inline_scatters(&acts).is_empty());
+        assert_eq!(credits(&acts).len(), 1);
+        check(&ep);
     }
 }

@@ -101,6 +101,18 @@ impl Xfer {
     }
 }
 
+/// How a WRITE's WANT asks to be answered, and what it carries.
+#[derive(Debug)]
+pub(crate) enum WantShape {
+    /// GRANTs and ACKs as frames; the chunks are written after their GRANTs.
+    Plain,
+    /// As `Plain`, the shell's gather of the plan's one chunk riding in the WANT when it may
+    /// ([`wire::Inline`]; see `Sender::inline_chunk`).
+    Inline(Vec<u8>),
+    /// Answers through the target's mailbox (a one-way transfer): never inline.
+    OneWay,
+}
+
 /// One submitted transfer.
 #[derive(Debug)]
 struct Xfer {
@@ -124,6 +136,9 @@ struct Xfer {
     /// When a WRITE's WANT went out, until its first GRANT: that wait is the WANT -> GRANT
     /// round trip ([`crate::event::Stats::grant_wait_ns`]).
     wanted: Option<Instant>,
+    /// Its one chunk rode in the WANT ([`wire::Inline`]) and no GRANT came: the receiver's ACK
+    /// may come with no write from us, for a region we never saw.
+    inline: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +212,8 @@ pub struct Sender {
     window: usize,
     /// Fewest runs a chunk's plan needs to go ahead in a PLAN; 0: never (see [`wire::Plan`]).
     plan_ahead_runs: usize,
+    /// Largest chunk sent inside its WANT ([`wire::Inline`]); 0: never.
+    inline_bytes: u64,
     /// Largest chunk both peers agreed on (the handshake checks it).
     max_chunk: u64,
     endpoint: Vec<u8>,
@@ -244,6 +261,7 @@ impl Sender {
             eager: config.eager_gather,
             window: usize::try_from(config.max_inflight_chunks).unwrap_or(usize::MAX),
             plan_ahead_runs: usize::try_from(config.plan_ahead_runs).unwrap_or(usize::MAX),
+            inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
             max_chunk: config.max_chunk_size,
             endpoint: Vec::new(),
             xfers: BTreeMap::new(),
@@ -299,6 +317,15 @@ impl Sender {
         self.xfers.get(&xfer).map(|x| x.acked)
     }
 
+    pub(crate) fn inline_bytes(&self) -> u64 {
+        self.inline_bytes
+    }
+
+    /// Lowers (never raises) the largest chunk sent inline.
+    pub(crate) fn set_inline_bytes(&mut self, bytes: u64) {
+        self.inline_bytes = self.inline_bytes.min(bytes);
+    }
+
     pub(crate) fn set_local_endpoint(&mut self, bytes: Vec<u8>) {
         self.endpoint = bytes;
     }
@@ -314,19 +341,41 @@ impl Sender {
         token: Token,
         peer: PeerId,
         plan: Arc<Plan>,
-        one_way: bool,
+        shape: WantShape,
     ) -> Result<(), SubmitError> {
         self.admit(ctx, xfer, &plan)?;
+        let (one_way, inline) = match shape {
+            WantShape::Plain => (false, None),
+            WantShape::Inline(bytes) => (false, Some(bytes)),
+            WantShape::OneWay => (true, None),
+        };
         let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
         let chunks = plan.chunk_sizes().collect();
         // A one-way transfer asks to be answered through the target's mailbox.
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
-        ctx.send(peer, Want { xfer, token, endpoint, chunks, proofs });
+        let inline = inline.and_then(|bytes| self.inline_chunk(&plan, one_way, bytes));
+        let inlined = inline.is_some();
+        if inlined {
+            ctx.stats.inline_sent += 1;
+        }
+        ctx.send(peer, Want { xfer, token, endpoint, chunks, proofs, inline });
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
-        let mut x =
-            Xfer { peer, token, stages, plan, acked: 0, staged, read: false, planned, deadline, wanted: Some(ctx.now) };
+        let wanted = Some(ctx.now);
+        let mut x = Xfer {
+            peer,
+            token,
+            stages,
+            plan,
+            acked: 0,
+            staged,
+            read: false,
+            planned,
+            deadline,
+            wanted,
+            inline: inlined,
+        };
         if staged {
             self.staging_xfers += 1;
             if self.reserve.is_none() {
@@ -335,7 +384,8 @@ impl Sender {
             }
         }
         let mut eager = 0;
-        if self.eager {
+        // An inline chunk is staged only if the receiver GRANTs it after all.
+        if self.eager && !inlined {
             // Overlap the WANT -> GRANT round trip with the first gathers (design §6). Direct
             // chunks have nothing to gather.
             for i in 0..x.plan.chunks.len() {
@@ -391,7 +441,19 @@ impl Sender {
         let deadline = ctx.now + self.timeout;
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
         // A READ's GRANT comes after the target's gather: no control round trip to time.
-        let x = Xfer { peer, token, stages, plan, acked: 0, staged: true, read: true, planned, deadline, wanted: None };
+        let x = Xfer {
+            peer,
+            token,
+            stages,
+            plan,
+            acked: 0,
+            staged: true,
+            read: true,
+            planned,
+            deadline,
+            wanted: None,
+            inline: false,
+        };
         self.staging_xfers += 1;
         if self.reserve.is_none() {
             self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
@@ -401,6 +463,19 @@ impl Sender {
         self.xfers.insert(xfer, x);
         ctx.stats.submitted += 1;
         Ok(())
+    }
+
+    /// The [`wire::Inline`] for `plan` out of the shell's gather of its chunk, `bytes`: only for
+    /// a two-way WRITE of one chunk of at most `inline_bytes`, its runs in frames (no region
+    /// plan), and bytes that are exactly that chunk. Anything else goes the full exchange.
+    fn inline_chunk(&self, plan: &Plan, one_way: bool, bytes: Vec<u8>) -> Option<wire::Inline> {
+        let [chunk] = &plan.chunks[..] else { return None };
+        let fits = chunk.bytes == bytes.len() as u64 && chunk.bytes <= self.inline_bytes;
+        if one_way || !fits || chunk.region_plan.is_some() || chunk.scatter.is_empty() {
+            debug!(bytes = bytes.len(), chunk = chunk.bytes, one_way, "inline bytes not sent");
+            return None;
+        }
+        Some(wire::Inline { runs: chunk.scatter.clone(), bytes })
     }
 
     /// Whether a new transfer `xfer` of `plan` may start: not shutting down, a fresh id, a
@@ -444,7 +519,15 @@ impl Sender {
         // The plan's own runs, shared: a GPU engine keeps their device copy with the plan.
         let (peer, runs) = (x.peer, JobRuns::ChunkScatter { plan: Arc::clone(&x.plan), chunk: r.chunk });
         self.jobs.insert(scatter, JobRef { xfer: r.xfer, chunk: r.chunk, kind: JobKind::Scatter });
-        ctx.push(Action::Scatter { job: scatter, peer, xfer: r.xfer, region: local, runs, in_region: None });
+        ctx.push(Action::Scatter {
+            job: scatter,
+            peer,
+            xfer: r.xfer,
+            region: local,
+            runs,
+            in_region: None,
+            inline: None,
+        });
     }
 
     /// A READ's local scatter ended: the chunk is done (the transfer completes with its last),
@@ -561,6 +644,10 @@ impl Sender {
             }
         }
         x.deadline = ctx.now + timeout;
+        if std::mem::take(&mut x.inline) {
+            // The receiver declined the inline bytes: the chunk goes the full exchange.
+            ctx.stats.inline_declined += 1;
+        }
         if let Some(at) = x.wanted.take() {
             ctx.stats.grant_waits += 1;
             ctx.stats.grant_wait_ns += nanos(ctx.now, at);
@@ -591,6 +678,26 @@ impl Sender {
         let Some(&stage) = x.stages.get(i) else {
             return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
         };
+        if x.inline && i == 0 && matches!(stage, Stage::Idle) && ack.status != AckStatus::Replan {
+            // The answer to an inline WANT: the receiver put the bytes in a region of its own,
+            // scattered them and freed it; nothing of ours is held.
+            x.deadline = ctx.now + timeout;
+            trace!(xfer = id.0, status = ?ack.status, "inline ack");
+            match ack.status {
+                AckStatus::Scattered => {
+                    if let Some(at) = x.wanted.take() {
+                        ctx.stats.inline_acks += 1;
+                        ctx.stats.inline_ack_wait_ns += nanos(ctx.now, at);
+                    }
+                    x.stages[0] = Stage::Acked;
+                    x.acked = 1;
+                    self.complete(ctx, id);
+                }
+                AckStatus::Refused => self.fail(ctx, id, XferError::Refused, true),
+                AckStatus::Failed | AckStatus::Replan => self.fail(ctx, id, XferError::ScatterFailed, true),
+            }
+            return Ok(());
+        }
         let Stage::DataSent { source, credit, sent } = stage else {
             // A refusal of the whole transfer (the receiver will not serve its WANT: see
             // `receiver::refuse_want`); its token shows it comes from the receiver.
@@ -1331,6 +1438,59 @@ mod tests {
         let acts = feed(&mut ep, t + us(50), ack_msg(X, 1, r(0), AckStatus::Scattered));
         assert_eq!(completes(&acts), vec![(X, Ok(()))]);
         assert_eq!((ep.stats().ack_waits, ep.stats().ack_wait_ns), (2, 16_000));
+    }
+
+    /// The WANT of an inline submission carries the chunk's bytes and runs and nothing is
+    /// staged; the ACK alone completes it (timed from the WANT). Declined (a GRANT comes
+    /// instead), the chunk goes the usual way, and its ACK must then name the granted region.
+    #[test]
+    fn an_inline_chunk_rides_in_its_want_and_its_ack_alone_completes_it_or_a_grant_sends_it_the_usual_way() {
+        let us = Duration::from_micros;
+        for declined in [false, true] {
+            let (mut ep, t) = endpoint(64 * KIB, 2, true);
+            let bytes = vec![0x5a; CHUNK as usize];
+            ep.submit_inline(t, X, TOKEN, PEER, plan_of(1), bytes.clone()).unwrap();
+            let acts = drain(&mut ep);
+            assert!(gathers(&acts).is_empty(), "nothing staged, even eagerly: {acts:?}");
+            let [(_, Msg::Want(w))] = &msgs(&acts)[..] else { panic!("one WANT: {acts:?}") };
+            let inline = w.inline.as_ref().expect("inline");
+            assert_eq!((&inline.bytes, &inline.runs), (&bytes, &plan_of(1).chunks[0].scatter));
+            assert_eq!(ep.stats().inline_sent, 1);
+            if !declined {
+                let acts = feed(&mut ep, t + us(9), ack_msg(X, 0, r(12), AckStatus::Scattered));
+                assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+                assert_eq!((ep.stats().inline_acks, ep.stats().inline_ack_wait_ns), (1, 9_000));
+                assert_eq!((ep.stats().chunks_written, ep.stats().grant_waits), (0, 0));
+            } else {
+                let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(8))])));
+                assert_eq!((g.len(), ep.stats().inline_declined), (1, 1));
+                ep.handle_gather_done(t, g[0].0, true);
+                let w = writes(&drain(&mut ep));
+                ep.handle_write_done(t, w[0].0, true);
+                drain(&mut ep);
+                // Now only an ACK for the granted region ends it.
+                assert!(ep.handle_msg(t, PEER, ack_msg(X, 0, r(12), AckStatus::Scattered)).is_err());
+                let acts = feed(&mut ep, t, ack_msg(X, 0, r(8), AckStatus::Scattered));
+                assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+                assert_eq!((ep.stats().chunks_written, ep.stats().inline_acks), (1, 0));
+            }
+            assert!(ep.is_idle());
+            assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+            check(&ep);
+        }
+    }
+
+    #[test]
+    fn inline_bytes_that_are_not_the_plans_one_chunk_are_not_sent() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        // Two chunks; then one chunk with bytes of another length.
+        ep.submit_inline(t, X, TOKEN, PEER, plan_of(2), vec![0; 2 * CHUNK as usize]).unwrap();
+        ep.submit_inline(t, XferId(2), TOKEN, PEER, plan_of(1), vec![0; CHUNK as usize - 1]).unwrap();
+        for (_, m) in msgs(&drain(&mut ep)) {
+            let Msg::Want(w) = m else { panic!("{m:?}") };
+            assert!(w.inline.is_none());
+        }
+        assert_eq!(ep.stats().inline_sent, 0);
     }
 
     #[test]

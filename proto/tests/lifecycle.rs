@@ -86,7 +86,14 @@ fn want(xfer: u64, chunks: &[u64]) -> Msg {
 
 fn want_proving(xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
     let proofs = regs.iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
-    Msg::Want(Want { xfer: XferId(xfer), token: tok(xfer), endpoint: Vec::new(), chunks: chunks.to_vec(), proofs })
+    Msg::Want(Want {
+        xfer: XferId(xfer),
+        token: tok(xfer),
+        endpoint: Vec::new(),
+        chunks: chunks.to_vec(),
+        proofs,
+        inline: None,
+    })
 }
 
 /// Connection info published by an engine with `session` (compatibility does not matter here:

@@ -292,6 +292,7 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
                 endpoint: Vec::new(),
                 chunks: vec![CHUNK],
                 proofs: Vec::new(),
+                inline: None,
             };
             ep.handle_msg(t, PeerId(peer), want.into()).unwrap();
         }

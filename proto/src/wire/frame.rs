@@ -22,7 +22,7 @@ use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 8;
+pub const WIRE_VERSION: u8 = 9;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -33,6 +33,8 @@ pub const MAX_CREDITS: u32 = 1 << 16;
 pub const MAX_RUNS: u32 = 1 << 20;
 /// Most destination proofs one WANT may carry (one per destination registration).
 pub const MAX_PROOFS: u32 = 1 << 12;
+/// Most payload bytes one WANT may carry inline (see [`Inline`]).
+pub const MAX_INLINE_BYTES: u32 = 64 << 10;
 
 pub(super) const KIND_WANT: u8 = 1;
 pub(super) const KIND_GRANT: u8 = 2;
@@ -73,7 +75,11 @@ pub const MAX_FRAME_LEN: usize = {
         + 4
         + MAX_CHUNKS_PER_WANT as usize * 8
         + 4
-        + MAX_PROOFS as usize * PROOF_LEN;
+        + MAX_PROOFS as usize * PROOF_LEN
+        + 4
+        + MAX_INLINE_BYTES as usize
+        + 4
+        + MAX_RUNS as usize * MAX_RUN_LEN;
     let grant = HEADER_LEN + 8 + 16 + 4 + MAX_CREDITS as usize * CREDIT_LEN;
     let data = HEADER_LEN + 8 + 16 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN + 4;
     // A PULL: its first chunk and total, its chunk sizes and run counts, every run in its
@@ -131,6 +137,22 @@ pub struct Want {
     /// One proof per destination registration of the transfer (see [`crate::proof`]); the
     /// flow may scatter only into registrations so proven. A cancel carries none.
     pub proofs: Vec<Proof>,
+    /// The transfer's only chunk, carried in the WANT itself (see [`Inline`]); `None` for the
+    /// full exchange.
+    pub inline: Option<Inline>,
+}
+
+/// A small transfer's payload carried in its WANT: the receiver may put it in the region it
+/// grants the chunk and scatter it at once, answering with the ACK alone, which takes the
+/// WANT -> GRANT round trip and the write off the transfer (docs/control-hops.md). Or it may
+/// ignore it and GRANT as for any WANT; the sender then writes the chunk as usual.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct Inline {
+    /// The chunk's scatter runs, as a DATA carries them (offsets into `bytes`).
+    pub runs: Vec<CopyRun>,
+    /// The chunk's bytes: exactly the WANT's one chunk size, at most [`MAX_INLINE_BYTES`].
+    pub bytes: Vec<u8>,
 }
 
 /// Proof that the sender holds the public metadata of the receiver's registration `reg`: the
@@ -411,7 +433,7 @@ impl Msg {
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
     pub fn cancel(xfer: XferId, token: Token, endpoint: Vec<u8>) -> Self {
-        Self::Want(Want { xfer, token, endpoint, chunks: Vec::new(), proofs: Vec::new() })
+        Self::Want(Want { xfer, token, endpoint, chunks: Vec::new(), proofs: Vec::new(), inline: None })
     }
 
     /// The transfer the message is about.
@@ -491,6 +513,17 @@ impl Msg {
                 check_len("want proofs", m.proofs.len(), MAX_PROOFS)?;
                 if m.chunks.contains(&0) {
                     return Err(WireError::Invalid { what: "zero-size chunk in WANT" });
+                }
+                if let Some(i) = &m.inline {
+                    check_len("inline bytes", i.bytes.len(), MAX_INLINE_BYTES)?;
+                    check_len("inline runs", i.runs.len(), MAX_RUNS)?;
+                    if m.chunks.len() != 1 || m.chunks[0] != i.bytes.len() as u64 {
+                        return Err(WireError::Invalid { what: "WANT inline bytes not its one chunk" });
+                    }
+                    if i.runs.is_empty() {
+                        return Err(WireError::Invalid { what: "WANT inline without runs" });
+                    }
+                    check_runs(&i.runs)?;
                 }
             }
             Self::Grant(m) => {
@@ -761,6 +794,15 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
                 w.u64(p.reg.0);
                 w.bytes(&p.tag);
             }
+            // 0 bytes: no inline chunk (an inline chunk is never empty).
+            match &m.inline {
+                None => w.len(0),
+                Some(i) => {
+                    w.len(i.bytes.len());
+                    w.bytes(&i.bytes);
+                    w.runs(&i.runs);
+                }
+            }
         }
         Msg::Grant(m) => {
             w.u64(m.xfer.0);
@@ -840,7 +882,14 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
             let chunks = (0..n).map(|_| r.u64()).collect::<Result<_>>()?;
             let n = r.count("want proofs", MAX_PROOFS, PROOF_LEN)?;
             let proofs = (0..n).map(|_| Ok(Proof { reg: RegId(r.u64()?), tag: r.array()? })).collect::<Result<_>>()?;
-            Msg::Want(Want { xfer, token, endpoint, chunks, proofs })
+            let inline = match r.count("inline bytes", MAX_INLINE_BYTES, 1)? {
+                0 => None,
+                n => {
+                    let bytes = r.take(n)?.to_vec();
+                    Some(Inline { bytes, runs: r.runs("inline runs")? })
+                }
+            };
+            Msg::Want(Want { xfer, token, endpoint, chunks, proofs, inline })
         }
         KIND_GRANT => {
             let (xfer, token) = (XferId(r.u64()?), r.token()?);

@@ -4,7 +4,7 @@
 use super::caps::{Capabilities, MailboxCaps};
 use super::codec::Result;
 use super::envelope::ConnEnvelope;
-use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Msg, Proof, WIRE_VERSION, Want};
+use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Inline, Msg, Proof, WIRE_VERSION, Want};
 use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 
 /// One valid frame of each shape; the golden tests and the fuzz seed corpus start from these.
@@ -21,6 +21,7 @@ pub(super) fn sample_frames() -> Vec<Frame> {
             endpoint: b"ep".to_vec(),
             chunks: vec![4096, 32],
             proofs: vec![Proof { reg: RegId(5), tag: [0xaa; 16] }],
+            inline: None,
         }),
         Msg::cancel(XferId(0x2a), token, b"tcp://10.0.0.1:5555".to_vec()),
         Msg::Grant(Grant {
@@ -33,6 +34,15 @@ pub(super) fn sample_frames() -> Vec<Frame> {
         }),
         Msg::Data(Data { xfer, token, chunk, region, runs: vec![run], region_plan_runs: 0 }),
         Msg::Ack(Ack { xfer, token, chunk, region, status: AckStatus::Refused }),
+        // A WANT carrying its one chunk (wire version 9).
+        Msg::Want(Want {
+            xfer: XferId(0x2b),
+            token,
+            endpoint: b"ep".to_vec(),
+            chunks: vec![0x40],
+            proofs: vec![Proof { reg: RegId(5), tag: [0xbb; 16] }],
+            inline: Some(Inline { runs: vec![run], bytes: (0..0x40).collect() }),
+        }),
     ];
     msgs.into_iter().enumerate().map(|(i, msg)| Frame { session: i as u64 + 1, msg }).collect()
 }

@@ -33,6 +33,12 @@ fn arb_run() -> impl Strategy<Value = CopyRun> {
     )
 }
 
+/// An inline chunk of `bytes` bytes (0, 1, 2, ...) scattered by `runs` one-byte runs.
+fn inline(bytes: usize, runs: usize) -> Option<Inline> {
+    let run = |i: u64| CopyRun { region_off: i, addr: 0x1000 + i, len: 1, count: 1, region_stride: 0, addr_stride: 0 };
+    Some(Inline { runs: (0..runs as u64).map(run).collect(), bytes: (0..bytes).map(|b| b as u8).collect() })
+}
+
 fn arb_blob() -> impl Strategy<Value = Vec<u8>> {
     prop::collection::vec(any::<u8>(), 0..24)
 }
@@ -50,8 +56,32 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
         .prop_map(|p| p.into_iter().map(|(reg, tag)| Proof { reg: RegId(reg), tag }).collect::<Vec<_>>());
     prop_oneof![
         (xfer.clone(), token.clone(), arb_blob(), prop::collection::vec(1..=u64::MAX, 0..8), proofs).prop_map(
-            |(xfer, token, endpoint, chunks, proofs)| Msg::Want(Want { xfer, token, endpoint, chunks, proofs })
+            |(xfer, token, endpoint, chunks, proofs)| Msg::Want(Want {
+                xfer,
+                token,
+                endpoint,
+                chunks,
+                proofs,
+                inline: None
+            })
         ),
+        (
+            xfer.clone(),
+            token.clone(),
+            prop::collection::vec(any::<u8>(), 1..64),
+            prop::collection::vec(arb_run(), 1..4)
+        )
+            .prop_map(|(xfer, token, bytes, runs)| {
+                let chunks = vec![bytes.len() as u64];
+                Msg::Want(Want {
+                    xfer,
+                    token,
+                    endpoint: vec![],
+                    chunks,
+                    proofs: vec![],
+                    inline: Some(Inline { runs, bytes }),
+                })
+            }),
         (xfer.clone(), token.clone(), prop::collection::vec(credit, 1..6))
             .prop_map(|(xfer, token, credits)| Msg::Grant(Grant { xfer, token, credits })),
         (xfer.clone(), token.clone(), chunk.clone(), arb_region(), prop::collection::vec(arb_run(), 0..5), 0u32..3)
@@ -217,7 +247,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43080508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e43090508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -259,20 +289,21 @@ fn control_frames_share_the_frame_codec_and_carry_hello() {
 #[test]
 fn frame_layout_is_pinned() {
     let frames = sample_frames();
-    let [want, cancel, _, data, ack] = &frames[..] else { panic!("five samples") };
+    let [want, cancel, _, data, ack, _] = &frames[..] else { panic!("six samples") };
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 08 01 0100000000000000
+            "00424f554e43 09 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
-             01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+             01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
+             00000000"
         ))
     );
     assert_eq!(
         hex(&cancel.to_vec()[HEADER_LEN..]),
         format!(
-            "2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000 00000000",
+            "2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000 00000000 00000000",
             hex(b"tcp://10.0.0.1:5555")
         )
         .replace(' ', "")
@@ -280,7 +311,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 08 03 0400000000000000
+            "00424f554e43 09 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001
@@ -290,7 +321,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 08 04 0500000000000000
+            "00424f554e43 09 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -358,7 +389,7 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0800 01 01 0010000000000000 0020000000000000 0000000000000000
+    let caps = "0900 01 01 0010000000000000 0020000000000000 0000000000000000
                 0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
                 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -484,7 +515,12 @@ fn invalid_values_are_refused() {
     let run = CopyRun { region_off: 0, addr: 0, len: 8, count: 1, region_stride: 0, addr_stride: 0 };
     let token = Token(1);
     let bad = [
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 0], proofs: vec![] }),
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 0], proofs: vec![], inline: None }),
+        // Inline bytes that are not exactly the WANT's one chunk, or scatter by no run.
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8], proofs: vec![], inline: inline(7, 1) }),
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 8], proofs: vec![], inline: inline(8, 1) }),
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8], proofs: vec![], inline: inline(8, 0) }),
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![], proofs: vec![], inline: inline(8, 1) }),
         Msg::Grant(Grant { xfer, token, credits: vec![] }),
         Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![] }),
@@ -542,7 +578,7 @@ fn cancel_is_an_empty_want_that_keeps_its_endpoint() {
     let back = Frame::decode(&Frame { session: 3, msg: m.clone() }.to_vec()).unwrap();
     assert_eq!(back.msg, m);
     let names: Vec<_> = sample_frames().iter().map(|f| f.msg.kind_name()).collect();
-    assert_eq!(names, ["WANT", "CANCEL", "GRANT", "DATA", "ACK"]);
+    assert_eq!(names, ["WANT", "CANCEL", "GRANT", "DATA", "ACK", "WANT"]);
 }
 
 #[test]
@@ -593,14 +629,19 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     let other_version = Capabilities { wire_version: u16::from(WIRE_VERSION) + 1, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 8, peer: 9 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 9, peer: 10 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
     assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities { wire_version: 9, control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let all = Capabilities {
+        wire_version: u16::from(WIRE_VERSION) + 1,
+        control: ControlKind::Ucx,
+        max_chunk: 1,
+        ..local.clone()
+    };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
     let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
@@ -614,6 +655,7 @@ fn oversized_blobs_encode_to_what_decode_refuses() {
         endpoint: vec![0; MAX_BLOB as usize + 1],
         chunks: vec![8],
         proofs: vec![],
+        inline: None,
     });
     let err = big.validate().unwrap_err();
     assert!(matches!(err, WireError::CountTooLarge { what: "endpoint", .. }));
@@ -635,26 +677,31 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4308010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "00424f554e4309010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000",
         // cancel (empty WANT)
-        "00424f554e4308010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000",
+        "00424f554e4309010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000",
         // GRANT
-        "00424f554e4308020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e4309020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4308030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e4309030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e4308040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4309040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        // WANT with its one chunk inline: 0x40 bytes, then one run
+        "00424f554e4309010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 01000000 4000000000000000
+         01000000 0500000000000000 bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb
+         40000000 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f
+         01000000 0380402002208001",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4308050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4309050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e43080a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e43090a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
@@ -676,7 +723,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e43080b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
+            "00424f554e43090b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
              02000000 00000000 01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
@@ -685,16 +732,16 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e43080d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43090d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e43080c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43090c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
-    let caps = "0800 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+    let caps = "0900 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000 0000000000000000 00010000 12000000
                 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -737,6 +784,7 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
         endpoint: vec![0xff; MAX_BLOB as usize],
         chunks: vec![u64::MAX; MAX_CHUNKS_PER_WANT as usize],
         proofs: (0..u64::from(MAX_PROOFS)).map(|i| Proof { reg: RegId(u64::MAX - i), tag: [0xff; 16] }).collect(),
+        inline: None,
     });
     // A PULL: every chunk with one run in its longest encoding (runs are capped in all).
     let pull = Msg::Pull(Pull {

@@ -52,6 +52,9 @@ pub(crate) struct Knobs {
     /// Every transfer goes one way: each node keeps a mailbox, answers through it, and READs
     /// its own transfers' answers from the target's (each READ takes a message delay).
     pub(crate) one_way: bool,
+    /// Probability that the shell gathers a one-chunk WRITE into its WANT (see
+    /// `Endpoint::submit_inline`).
+    pub(crate) inline_p: f64,
 }
 
 impl Default for Knobs {
@@ -64,6 +67,7 @@ impl Default for Knobs {
             job_fail_p: 0.0,
             clear_direct_p: 0.25,
             one_way: false,
+            inline_p: 0.5,
         }
     }
 }
@@ -194,6 +198,7 @@ enum Ev {
         region: Region,
         runs: Vec<CopyRun>,
         in_region: Option<InRegionPlan>,
+        inline: Option<Vec<u8>>,
     },
     Submit {
         spec: usize,
@@ -251,6 +256,8 @@ pub(crate) struct Sim {
     /// Region plans gathered behind their chunk's data, and checked by a receiver.
     pub(crate) region_plans_written: u64,
     pub(crate) region_plans_checked: u64,
+    /// Scatters of inline chunks (their bytes put in the region first).
+    pub(crate) inline_scatters: u64,
 }
 
 impl Sim {
@@ -303,6 +310,7 @@ impl Sim {
             plan_params: PlanParams::from_config(config),
             region_plans_written: 0,
             region_plans_checked: 0,
+            inline_scatters: 0,
             fetching: BTreeSet::new(),
         }
     }
@@ -646,9 +654,15 @@ impl Sim {
                 }
                 self.nodes[node].ep.handle_write_done(now, job, ok);
             }
-            Ev::Scatter { node, job, peer, xfer, region, mut runs, in_region } => {
+            Ev::Scatter { node, job, peer, xfer, region, mut runs, in_region, inline } => {
                 if !self.nodes[node].alive {
                     return;
+                }
+                if let Some(bytes) = inline {
+                    // What the shell does first with an inline chunk: put it in its region.
+                    assert!(bytes.len() as u64 <= region.len, "inline bytes beyond their region");
+                    self.nodes[node].arena[region.offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+                    self.inline_scatters += 1;
                 }
                 if let Some(p) = in_region {
                     // What a copy engine does: copy the plan out of the arena, check that copy.
@@ -706,6 +720,21 @@ impl Sim {
                     self.nodes[from]
                         .ep
                         .submit_one_way(now, xfer, token, PeerId(to as u32), plan, layout)
+                        .expect("submit");
+                } else if plan.chunks.len() == 1 && self.rng.random_bool(self.knobs.inline_p) {
+                    // The shell's gather of the one chunk, into the bytes its WANT carries.
+                    let c = &plan.chunks[0];
+                    let mut bytes = vec![0u8; c.bytes as usize];
+                    for r in c.gather.iter() {
+                        for (off, addr, len) in r.copies() {
+                            let user = (addr - MEM_BASE) as usize;
+                            bytes[off as usize..][..len as usize]
+                                .copy_from_slice(&self.nodes[from].mem[user..user + len as usize]);
+                        }
+                    }
+                    self.nodes[from]
+                        .ep
+                        .submit_inline(now, xfer, token, PeerId(to as u32), plan, bytes)
                         .expect("submit");
                 } else {
                     self.nodes[from].ep.submit(now, xfer, token, PeerId(to as u32), plan).expect("submit");
@@ -851,7 +880,7 @@ impl Sim {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
                 self.schedule(at, Ev::Write { node: me, job, xfer, peer: peer.0 as usize, source, remote, len });
             }
-            Action::Scatter { job, peer, xfer, region, runs, in_region } => {
+            Action::Scatter { job, peer, xfer, region, runs, in_region, inline } => {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
                 self.schedule(
                     at,
@@ -863,6 +892,7 @@ impl Sim {
                         region,
                         runs: runs.runs().to_vec(),
                         in_region,
+                        inline,
                     },
                 );
             }

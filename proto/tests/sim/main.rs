@@ -170,6 +170,7 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
         tally_outcomes(&sim, &mut seen);
         *seen.entry("region_plans_written".into()).or_default() += sim.region_plans_written;
         *seen.entry("region_plans_checked".into()).or_default() += sim.region_plans_checked;
+        *seen.entry("inline_scatters".into()).or_default() += sim.inline_scatters;
         for n in sim.nodes.iter().filter(|n| n.alive) {
             let st = n.ep.stats();
             for (k, v) in [
@@ -184,6 +185,10 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
                 ("one_way_answered", st.one_way_answered),
                 ("plans_kept", st.plans_kept),
                 ("replans", st.replans),
+                ("inline_sent", st.inline_sent),
+                ("inline_declined", st.inline_declined),
+                ("inline_acks", st.inline_acks),
+                ("inline_taken", st.inline_taken),
             ] {
                 *seen.entry(k.to_string()).or_default() += v;
             }
@@ -218,6 +223,10 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
             "replans",
             "region_plans_written",
             "region_plans_checked",
+            "inline_sent",
+            "inline_acks",
+            "inline_taken",
+            "inline_scatters",
         ]
     };
     for key in events {
@@ -225,6 +234,8 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
     }
     if !one_way {
         assert_eq!(seen.get("records_read"), Some(&0), "two-way transfers read no mailbox");
+    } else {
+        assert_eq!(seen.get("inline_sent"), Some(&0), "one-way transfers carry nothing in their WANTs");
     }
 }
 

@@ -23,6 +23,7 @@ fn one_way_want(xfer: u64) -> Msg {
         endpoint: wire::REPLY_MAILBOX.to_vec(),
         chunks: vec![CHUNK],
         proofs,
+        inline: None,
     })
 }
 
