@@ -26,7 +26,9 @@ what one control round trip of the bounce path costs against the notification ro
 Then the two round trips as the initiator's engine timed them (`stats.grant_wait_ns` and
 `stats.ack_wait_ns` over their counts): WANT -> GRANT and DATA -> ACK (the target's scatter of
 the chunk in it), each the median over blocks of the block's mean, beside the notification
-round trip's p50.
+round trip's p50. A WRITE small enough to ride in its WANT (`bounce_inline_bytes`, 16 KiB by
+default: 256 x 64 B does) has one round trip instead, WANT -> ACK (`stats.inline_ack_wait_ns`);
+run with NIXL_BOUNCE_INLINE_BYTES=0 to measure the two-round-trip exchange.
 """
 import argparse
 import base64
@@ -164,8 +166,8 @@ class Side:
         import nixlkit
 
         p = nixlkit.live_params(self.ag, self.backend)
-        return {k: (int(p.get(f"stats.{k}s", 0)), int(p.get(f"stats.{k}_ns", 0)))
-                for k in ("grant_wait", "ack_wait")}
+        pairs = {"grant_wait": "grant_waits", "ack_wait": "ack_waits", "inline_ack_wait": "inline_acks"}
+        return {k: (int(p.get(f"stats.{n}", 0)), int(p.get(f"stats.{k}_ns", 0))) for k, n in pairs.items()}
 
     # One sample of each measurement, in seconds.
     def notif_rtt(self):
@@ -312,11 +314,12 @@ def main():
               f"{rtt*1e6:.1f}us ({hop / rtt:.2f}x; includes a share of the gather and scatter)")
     if rtt:
         for name in ("WRITE scattered", "WRITE scattered, idle tgt"):
-            for k, label in (("grant_wait", "WANT -> GRANT"), ("ack_wait", "DATA -> ACK")):
+            for k, label in (("grant_wait", "WANT -> GRANT"), ("ack_wait", "DATA -> ACK"),
+                             ("inline_ack_wait", "WANT -> ACK, inline")):
                 xs = hops.get((name, k))
                 if xs:
                     m = statistics.median(xs)
-                    print(f"  {label:13s} timed by the engine ({name}): {m*1e6:6.1f}us, "
+                    print(f"  {label:19s} timed by the engine ({name}): {m*1e6:6.1f}us, "
                           f"{m / rtt:.2f}x the notification round trip")
     print(f"  bounced: {ok} of {bounced} BOUNCE scattered WRITEs took the bounce path")
     if args.json:

@@ -222,6 +222,20 @@ counters! {
     /// Their summed DATA -> ACK time in nanoseconds, the target's scatter of the chunk
     /// included (one way: until a mailbox fetch found the ACK; the core's count).
     ack_wait_ns,
+    /// Bounced WRITEs whose one chunk we sent inside the WANT (`bounce_inline_bytes`; the
+    /// core's count).
+    inline_sent,
+    /// Of those, the ones the target declined: it GRANTed the chunk, which we then wrote as
+    /// usual (the core's count).
+    inline_declined,
+    /// Of those, the ones the ACK alone completed: one control round trip and no write each
+    /// (the core's count).
+    inline_acks,
+    /// Their summed WANT -> ACK time in nanoseconds, the target's put and scatter included:
+    /// `inline_ack_wait_ns / inline_acks` is the whole transfer's round trip (the core's count).
+    inline_ack_wait_ns,
+    /// Peers' inline chunks we put in a region of our arena and scattered (the core's count).
+    inline_taken,
 }
 
 /// What a publisher last handed on (see [`Stats::publish_changes`]).

@@ -74,11 +74,16 @@ def session_of(meta):
     return struct.unpack_from("<Q", meta, at + 15 + 4 + 5 * 8)[0]
 
 
-def want(session, xfer, chunks, endpoint=b"", token=0, proofs=()):
-    """proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs)."""
+def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None):
+    """proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs); inline: (bytes, runs),
+    the one chunk carried in the WANT (proto/src/wire/frame.rs `Inline`), runs as for `data`."""
+    tail = struct.pack("<I", 0)
+    if inline is not None:
+        payload, runs = inline
+        tail = struct.pack("<I", len(payload)) + payload + struct.pack("<I", len(runs)) + runs_bytes(runs)
     return (header(WANT, session) + struct.pack("<Q", xfer) + tok(token) + struct.pack("<I", len(endpoint))
             + endpoint + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks)
-            + struct.pack("<I", len(proofs)) + b"".join(struct.pack("<Q", r) + t for r, t in proofs))
+            + struct.pack("<I", len(proofs)) + b"".join(struct.pack("<Q", r) + t for r, t in proofs) + tail)
 
 
 def grant(session, xfer, credits, token=0):
@@ -214,7 +219,7 @@ class Fuzzer:
 
     def plain_frame(self):
         r, t, s = self.r, self.t, self.session
-        kind = r.randrange(14)
+        kind = r.randrange(15)
         victim_xfers = r.randrange(0, 256)  # small ids: collide with the victim's real transfers
         if kind == 0:
             return "garbage", MAGIC + r.randbytes(r.randrange(0, 300))
@@ -275,6 +280,9 @@ class Fuzzer:
             f = bytearray(self.valid_looking()[1])
             f[8:16] = struct.pack("<Q", r.getrandbits(64))
             return "replay_truncated", bytes(f[:20])
+        if kind == 13:  # a WANT carrying its one chunk inline, scattered by forbidden runs
+            size = r.choice([64, 4096, 16 << 10])
+            return "inline_bad_runs", want(s, self.new_xfer(), [size], inline=(r.randbytes(size), self.forbidden_runs()))
         return "cancel", want(s, r.choice([victim_xfers, self.new_xfer()]), [])
 
     def new_xfer(self):

@@ -79,6 +79,39 @@ def test_many_small_writes_bounce_byte_exact_with_notification(peer, tmp_path, n
     assert after["passthrough_xfers"] == before["passthrough_xfers"]
 
 
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+@pytest.mark.parametrize("rx_inline", ["16KiB", "0"])
+def test_a_small_write_rides_in_its_want_or_goes_the_usual_way_when_the_target_declines(
+        peer, tmp_path, control, rx_inline):
+    """A bounced WRITE that fits one chunk of at most bounce_inline_bytes (256 x 64 B) carries its
+    bytes in its WANT: the target puts them in a region it grants itself and scatters them, and
+    its ACK alone completes the transfer (no GRANT, no write). A target that takes no inline
+    bytes GRANTs as for any WANT and the chunk is written as usual. Byte-exact either way, the
+    bytes around every destination untouched, the notification after the data."""
+    lay = nixlkit.Scattered(256, 64, seed=46)
+    src = nixlkit.pattern(541, lay.src_bytes)
+    params = ZMQ if control == "zmq" else {}
+    tx, rx = f"tx-inline-{control}-{rx_inline}", f"rx-inline-{control}-{rx_inline}"
+    ag, p, raddr = pair(peer, src, tx=tx, rx=rx, rx_size=lay.dst_bytes, rx_seed=540, params=params,
+                        rx_params={**params, "bounce_inline_bytes": rx_inline})
+    before = stats(ag)
+    for i in range(3):
+        write_from_here(ag, rx, lay, src, raddr, notif=f"small-{i}".encode())
+        p.call(op="notif_wait", **{"from": tx, "msg": f"small-{i}"})
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(540, lay.dst_bytes)), "destination")
+    after = stats(ag)
+    theirs = {k[len("stats."):]: int(v) for k, v in p.call(op="params")["params"].items() if k.startswith("stats.")}
+    # ack_waits: chunks written and ACKed after a DATA; grant_waits: transfers that got a GRANT.
+    d = {k: after[k] - before[k]
+         for k in ("bounce_ok", "inline_sent", "inline_acks", "inline_declined", "ack_waits", "grant_waits")}
+    taken = rx_inline != "0"
+    n, declined = (3, 0) if taken else (0, 3)
+    assert d == {"bounce_ok": 3, "inline_sent": 3, "inline_acks": n, "inline_declined": declined,
+                 "ack_waits": declined, "grant_waits": declined}, d
+    assert theirs["inline_taken"] == (3 if taken else 0), theirs
+
+
 def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
     rng = np.random.default_rng(7)
     sizes = [int(x) for x in rng.integers(512, 1 << 20, size=300)]

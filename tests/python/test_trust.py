@@ -5,8 +5,8 @@ in hostile_peer.py, the peer in this process.
 The peer here is a real BOUNCE agent that loaded the victim's metadata (so its frames pass the
 session rule), but the victim registers a second buffer only afterwards: the peer never gets
 that buffer's metadata, hence never its key. Whatever frames it forges -- a WANT with no proof
-or a made-up one, then DATA for the granted regions aimed at that buffer -- the buffer's bytes
-must not change. A normal WRITE into the buffer whose metadata it does hold still bounces,
+or a made-up one, then DATA for the granted regions aimed at that buffer, or a WANT carrying its
+chunk inline aimed there -- the buffer's bytes must not change. A normal WRITE into the buffer whose metadata it does hold still bounces,
 byte-exactly."""
 import base64
 import random
@@ -57,8 +57,19 @@ def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(pr
             peer.send_notif("t-victim", hp.want(session, x, [64 << 10], token=x,
                                                 proofs=[(reg, rnd.randbytes(16))]))
             made_up += 1
+        # The same with the chunk inline in the WANT, aimed at the hidden buffer: the bytes must
+        # never be put anywhere.
+        inline = (rnd.randbytes(4096), [(0, hidden, 4096, 1, 0, 0)])
+        for reg in range(1, 9):
+            x = 9200 + reg
+            peer.send_notif("t-victim", hp.want(session, x, [4096], token=x, proofs=[(reg, rnd.randbytes(16))],
+                                                inline=inline))
+            made_up += 1
         pump(peer, 0.05)
         unproven = 0
+        for x in range(9300, 9304):  # inline WANTs proving nothing: refused whole
+            peer.send_notif("t-victim", hp.want(session, x, [4096], token=x, inline=inline))
+            unproven += 1
         for x in range(9100, 9104):  # WANTs proving nothing, then DATA into the hidden buffer
             peer.send_notif("t-victim", hp.want(session, x, [64 << 10], token=x))
             pump(peer, 0.03)  # the victim grants one 64 KiB region somewhere in its arena
@@ -71,10 +82,10 @@ def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(pr
                     "victim after the forged frames")
         got = dump(v, tmp_path, "forged.bin")
         nixlkit.assert_same(got, before, "victim buffer after forged frames (hidden half included)")
-        # Every made-up proof was refused as a forgery; every unproven flow's DATA was refused
-        # (answered ACK(Refused), which the peer's own engine drops as unknown).
+        # Every made-up proof was refused as a forgery; every unproven flow's DATA (or inline
+        # chunk) was refused (answered ACK(Refused), which the peer's own engine drops as unknown).
         assert v1["control_forged"] - v0["control_forged"] == made_up, (v0, v1)
-        assert v1["control_dropped"] - v0["control_dropped"] >= made_up + unproven, (v0, v1)
+        assert v1["control_dropped"] - v0["control_dropped"] >= made_up + unproven, sorted((k, v0[k], v1[k]) for k in v1 if v0[k] != v1[k])
 
         # The buffer whose metadata the peer holds: a normal WRITE still bounces, byte-exact.
         lo = peer.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")

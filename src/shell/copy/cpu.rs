@@ -155,6 +155,28 @@ impl CopyEngine for CpuEngine {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    fn put(&mut self, region: Region, bytes: &[u8]) -> bool {
+        bytes.len() as u64 <= region.len && self.arena.put(region.offset, bytes)
+    }
+
+    fn gather_inline(&mut self, runs: &[CopyRun], len: u64) -> Option<Vec<u8>> {
+        let within = |r: &CopyRun| r.region_span().is_some_and(|(_, end)| end <= len) && r.addr_span().is_some();
+        if !runs.iter().all(within) {
+            return None;
+        }
+        let mut out = vec![0u8; usize::try_from(len).ok()?];
+        for r in runs {
+            for (off, addr, n) in r.copies() {
+                // SAFETY: `[off, off + n)` lies inside `out` (every run's region span is within
+                // `len`, checked above). The source is local user memory NIXL validated against
+                // this agent's registrations before prepXfer, as for any gather; it is not ours,
+                // so it cannot overlap `out`.
+                unsafe { kernels::copy_cached(addr as *const u8, out.as_mut_ptr().add(off as usize), n as usize) };
+            }
+        }
+        Some(out)
+    }
+
     fn take_finished_inline(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
         let n = self.ran.len();
         out.append(&mut self.ran);

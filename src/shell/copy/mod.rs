@@ -7,8 +7,8 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 mod kernels;
 
-use bounce_proto::Region;
 use bounce_proto::endpoint::{InRegionPlan, JobId, JobRuns};
+use bounce_proto::{CopyRun, Region};
 
 /// Which way a job copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -70,6 +70,19 @@ pub(crate) trait CopyEngine: Send {
     /// False when the thread cannot be prepared: then no pass may run on it.
     fn prepare_thread(&mut self) -> bool {
         true
+    }
+    /// Puts `bytes` (an inline chunk from a peer's WANT) at the start of arena `region`, at once
+    /// on the calling thread; false, putting nothing, when they do not fit the region or this
+    /// engine's arena is not host memory. None unless an engine says so.
+    fn put(&mut self, _region: Region, _bytes: &[u8]) -> bool {
+        false
+    }
+    /// Gathers a chunk of `len` bytes by its gather `runs` (region offsets into the result,
+    /// source addresses in user memory) into a new buffer, at once on the calling thread: the
+    /// bytes a WANT carries inline. `None` when a run leaves the chunk or this engine does not
+    /// copy host memory. None unless an engine says so.
+    fn gather_inline(&mut self, _runs: &[CopyRun], _len: u64) -> Option<Vec<u8>> {
+        None
     }
     /// Whether an application thread may run the reactor's passes while it polls (after
     /// [`Self::prepare_thread`]). False unless an engine says so.

@@ -426,6 +426,10 @@ impl Reactor {
         let Parts { session, endpoint, arena, one_way: area, copier, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
+        if arena.place.mem != bounce_proto::MemKind::Dram {
+            // Inline chunks are put into and gathered for host arenas only.
+            ep.set_inline_bytes(0);
+        }
         // A mailbox only where we have one to write records into.
         ep.keep_mailbox(area.is_some());
         let one_way = ep.one_way_layout();
@@ -833,6 +837,11 @@ impl Driver {
         s.grant_wait_ns.store(core.grant_wait_ns, Ordering::Relaxed);
         s.ack_waits.store(core.ack_waits, Ordering::Relaxed);
         s.ack_wait_ns.store(core.ack_wait_ns, Ordering::Relaxed);
+        s.inline_sent.store(core.inline_sent, Ordering::Relaxed);
+        s.inline_declined.store(core.inline_declined, Ordering::Relaxed);
+        s.inline_acks.store(core.inline_acks, Ordering::Relaxed);
+        s.inline_ack_wait_ns.store(core.inline_ack_wait_ns, Ordering::Relaxed);
+        s.inline_taken.store(core.inline_taken, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
@@ -865,7 +874,10 @@ impl Driver {
                 let submitted = match (plan.read, one_way) {
                     (true, layout) => self.ep.submit_read(now, p.xfer, token, peer, plan, layout),
                     (false, Some(layout)) => self.ep.submit_one_way(now, p.xfer, token, peer, plan, layout),
-                    (false, None) => self.ep.submit(now, p.xfer, token, peer, plan),
+                    (false, None) => match self.inline_bytes(&plan) {
+                        Some(bytes) => self.ep.submit_inline(now, p.xfer, token, peer, plan, bytes),
+                        None => self.ep.submit(now, p.xfer, token, peer, plan),
+                    },
                 };
                 if let Err(e) = submitted {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "bounce submit refused");
@@ -1167,8 +1179,15 @@ impl Driver {
                     Action::Send { peer, msg } => self.send(peer, msg),
                     Action::Link { peer, body } => self.send_link(peer, body),
                     Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs, None),
-                    Action::Scatter { job, region, runs, in_region, .. } => {
-                        self.copy(job, Dir::Scatter, region, runs, in_region);
+                    Action::Scatter { job, region, runs, in_region, inline, .. } => {
+                        // An inline chunk's bytes go into its region first (a host arena: the
+                        // core takes none otherwise); not put, nothing may be scattered.
+                        if inline.is_some_and(|bytes| !self.copier.put(region, &bytes)) {
+                            self.copies.insert(job, CopyInFlight { dir: Dir::Scatter, pin: None, in_region: false });
+                            self.copy_done(Instant::now(), job, false);
+                        } else {
+                            self.copy(job, Dir::Scatter, region, runs, in_region);
+                        }
                     }
                     Action::Write { job, peer, source, remote, len, .. } => {
                         self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
@@ -1306,6 +1325,16 @@ impl Driver {
         if self.copier.submit(CopyJob { job, dir, region, runs, in_region }).is_err() {
             self.copy_done(Instant::now(), job, false);
         }
+    }
+
+    /// The bytes of a WRITE's one chunk, gathered now to ride in its WANT, when the core sends
+    /// chunks of its size inline (`bounce_inline_bytes`; never from a GPU arena).
+    fn inline_bytes(&mut self, plan: &bounce_proto::plan::Plan) -> Option<Vec<u8>> {
+        let [chunk] = &plan.chunks[..] else { return None };
+        if chunk.bytes > self.ep.inline_bytes() || chunk.region_plan.is_some() {
+            return None;
+        }
+        self.copier.gather_inline(&chunk.gather, chunk.bytes)
     }
 
     fn copy_done(&mut self, now: Instant, job: JobId, ok: bool) {
