@@ -1251,6 +1251,10 @@ impl Receiver {
         if recount != self.load {
             return Err(format!("per-peer load {:?} but the open flows add up to {:?}", self.load, recount));
         }
+        let held: u64 = self.flows.values().filter_map(|f| f.inline.as_ref()).map(|i| i.bytes.len() as u64).sum();
+        if held != self.inline_held || held > MAX_INLINE_HELD {
+            return Err(format!("inline bytes held {} but the open flows hold {held}", self.inline_held));
+        }
         match recount.iter().find(|(_, l)| l.flows > self.caps.flows || l.chunks > self.caps.chunks) {
             Some((peer, l)) => Err(format!("peer {} holds {l:?}, over the per-peer caps", peer.0)),
             None => Ok(()),
