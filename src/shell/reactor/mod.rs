@@ -1328,13 +1328,22 @@ impl Driver {
     }
 
     /// The bytes of a WRITE's one chunk, gathered now to ride in its WANT, when the core sends
-    /// chunks of its size inline (`bounce_inline_bytes`; never from a GPU arena).
+    /// chunks of its size inline (`bounce_inline_bytes`; never from a GPU arena). Pinned in the
+    /// fence like any gather: a deregistration of the sources returns only once no copy reads
+    /// them, and sources already deregistered are not read (the transfer then goes the usual
+    /// way, where its gather is refused and it fails as deregistered).
     fn inline_bytes(&mut self, plan: &bounce_proto::plan::Plan) -> Option<Vec<u8>> {
         let [chunk] = &plan.chunks[..] else { return None };
         if chunk.bytes > self.ep.inline_bytes() || chunk.region_plan.is_some() {
             return None;
         }
-        self.copier.gather_inline(&chunk.gather, chunk.bytes)
+        let runs = &chunk.gather;
+        let span = runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)))?;
+        let touches = |(s, e): (u64, u64)| runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < e && s < b);
+        let pin = self.shared.fence.pin(span, touches)?;
+        let bytes = self.copier.gather_inline(runs, chunk.bytes);
+        self.shared.fence.unpin(pin);
+        bytes
     }
 
     fn copy_done(&mut self, now: Instant, job: JobId, ok: bool) {

@@ -342,6 +342,43 @@ fn a_transfer_between_two_reactors_lands_byte_exact_then_notifies() {
     drop((a.reactor, b.reactor));
 }
 
+/// A WRITE of one small chunk (64 pieces of 32 B) rides in its WANT: `b` puts the bytes in a
+/// region and scatters them, its ACK completes the transfer, and nothing is written (no GRANT,
+/// no write). Every destination byte is exact and every byte around them untouched.
+#[test]
+fn a_one_chunk_write_rides_in_its_want_and_lands_byte_exact_with_no_write() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let dest = b.register(&mut dst);
+    let (n, piece) = (64, 32);
+    let pairs: Vec<DescPair> = (0..n)
+        .map(|i| DescPair {
+            src: src.as_ptr() as u64 + (i * 3 * piece) as u64,
+            dst: dst.as_mut_ptr() as u64 + (i * 5 * piece) as u64,
+            len: piece as u64,
+        })
+        .collect();
+    let mut p = plan::plan(&pairs, PlanParams::from_config(&cfg)).unwrap();
+    assert_eq!(p.chunks.len(), 1);
+    p.dests = vec![dest];
+    let h = a.shared.requests.insert("b".to_owned(), p);
+    let posted = a.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
+    a.shared.inbox.push(Cmd::Submit(posted));
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    let mut want = vec![0xEE; dst.len()];
+    for i in 0..n {
+        want[i * 5 * piece..][..piece].copy_from_slice(&src[i * 3 * piece..][..piece]);
+    }
+    assert!(want == dst, "destination bytes (and the bytes around them)");
+    assert_eq!(*a.notified.lock(), [("b".to_owned(), b"landed".to_vec())], "notified once, after the data");
+    let counts = (a.stat(|s| &s.inline_sent), a.stat(|s| &s.inline_acks), b.stat(|s| &s.inline_taken));
+    assert_eq!(counts, (1, 1, 1));
+    assert_eq!((a.stat(|s| &s.grant_waits), a.stat(|s| &s.ack_waits)), (0, 0), "no GRANT, no DATA");
+    drop((a.reactor, b.reactor));
+}
+
 /// One way: `a` loads `b`, `b` never loads `a`. The WANT is admitted from a name `b` never
 /// loaded, `b` answers in its mailbox, `a`'s fetches READ the records (the in-memory path
 /// completes every other READ later, so both completion shapes are polled), and the data
