@@ -604,7 +604,14 @@ pub fn run(data: &[u8]) -> Coverage {
                 let token = remote_token(peer, xfer);
                 let proofs = vec![proof::prove(reg, &key_of(reg), token)];
                 let endpoint = bounce_proto::wire::REPLY_MAILBOX.to_vec();
-                let want = Msg::Want(Want { xfer, token, endpoint, chunks: sizes.clone(), proofs, inline: None });
+                // Half the one-chunk ones carry their chunk inline, as a two-way WANT may.
+                let inline = (sizes.len() == 1 && from & 0x80 != 0).then(|| {
+                    let len = sizes[0];
+                    let addr = USER_BASE - 4096 + (len * 131) % (USER_LEN + 8192);
+                    let run = CopyRun { region_off: 0, addr, len, count: 1, region_stride: 0, addr_stride: 0 };
+                    bounce_proto::wire::Inline { runs: vec![run], bytes: vec![0x5a; len as usize] }
+                });
+                let want = Msg::Want(Want { xfer, token, endpoint, chunks: sizes.clone(), proofs, inline });
                 if ep.handle_msg(now, peer, want).is_ok() {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                     if !seen.one_way.contains(&(peer, xfer)) {

@@ -33,6 +33,24 @@ use crate::sender::{Sender, WantShape};
 use crate::types::{FlowKey, PeerId, RegId, RegKey, Token, XferId};
 use crate::wire;
 
+/// How a WRITE is answered and what its WANT carries ([`Endpoint::submit_write`]).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct WriteRoute {
+    /// Answers through this mailbox of the target's (one way: it may never have loaded our
+    /// metadata); `None`: GRANT and ACK frames.
+    pub mailbox: Option<MailboxLayout>,
+    /// The shell's gather of the plan's one chunk, to ride in the WANT when it may
+    /// ([`wire::Inline`]).
+    pub inline: Option<Vec<u8>>,
+}
+
+impl WriteRoute {
+    /// Two way, with the plan's one chunk `bytes` to carry inline.
+    pub fn inline(bytes: Vec<u8>) -> Self {
+        Self { mailbox: None, inline: Some(bytes) }
+    }
+}
+
 /// Why an [`Endpoint`] cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
@@ -158,44 +176,7 @@ impl Endpoint {
         peer: PeerId,
         plan: impl Into<Arc<Plan>>,
     ) -> Result<(), SubmitError> {
-        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), WantShape::Plain);
-        self.pump(now);
-        r
-    }
-
-    /// As [`submit`](Self::submit), with the plan's one chunk gathered by the shell into
-    /// `bytes`: when the plan is a single chunk of exactly those bytes, at most
-    /// [`inline_bytes`](Self::inline_bytes), they ride in the WANT ([`wire::Inline`]) and the
-    /// receiver may answer with the ACK alone. Otherwise the bytes are dropped and the transfer
-    /// goes the usual way.
-    ///
-    /// # Errors
-    /// As [`submit`](Self::submit).
-    pub fn submit_inline(
-        &mut self,
-        now: Instant,
-        xfer: XferId,
-        token: Token,
-        peer: PeerId,
-        plan: impl Into<Arc<Plan>>,
-        bytes: Vec<u8>,
-    ) -> Result<(), SubmitError> {
-        let r = self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), WantShape::Inline(bytes));
-        self.pump(now);
-        r
-    }
-
-    /// Largest chunk sent inside its WANT (`bounce_inline_bytes`); 0: never.
-    pub fn inline_bytes(&self) -> u64 {
-        self.sender.inline_bytes()
-    }
-
-    /// Takes inline chunks from peers' WANTs of at most `bytes` (capped by the configured
-    /// value and [`wire::MAX_INLINE_BYTES`]), and sends them of at most that too; 0: neither.
-    /// The shell sets 0 when its arena is not host memory: it could put no bytes there.
-    pub fn set_inline_bytes(&mut self, bytes: u64) {
-        self.sender.set_inline_bytes(bytes);
-        self.receiver.set_inline_bytes(bytes.min(self.sender.inline_bytes()));
+        self.submit_write(now, xfer, token, peer, plan, WriteRoute::default())
     }
 
     /// As [`submit`](Self::submit), to a target that may never have loaded our metadata: the
@@ -214,15 +195,52 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         mailbox: MailboxLayout,
     ) -> Result<(), SubmitError> {
-        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), WantShape::OneWay)?;
-        if self.reading.start(xfer, peer, token, mailbox).is_err() {
-            // The layout was checked when the peer was loaded: unreachable in practice.
-            self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
-        } else {
-            self.stats.one_way_sent += 1;
+        self.submit_write(now, xfer, token, peer, plan, WriteRoute { mailbox: Some(mailbox), inline: None })
+    }
+
+    /// Starts WRITE `xfer` as [`submit`](Self::submit) (two way) or
+    /// [`submit_one_way`](Self::submit_one_way) (with [`WriteRoute::mailbox`]). With
+    /// [`WriteRoute::inline`], the shell's gather of the plan's one chunk: when the plan is a
+    /// single chunk of exactly those bytes, at most [`inline_bytes`](Self::inline_bytes), they
+    /// ride in the WANT ([`wire::Inline`]) and the target may answer with the ACK alone;
+    /// otherwise the bytes are dropped and the transfer goes the usual way.
+    ///
+    /// # Errors
+    /// As [`submit`](Self::submit).
+    pub fn submit_write(
+        &mut self,
+        now: Instant,
+        xfer: XferId,
+        token: Token,
+        peer: PeerId,
+        plan: impl Into<Arc<Plan>>,
+        route: WriteRoute,
+    ) -> Result<(), SubmitError> {
+        let shape = WantShape { one_way: route.mailbox.is_some(), inline: route.inline };
+        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), shape)?;
+        if let Some(mailbox) = route.mailbox {
+            if self.reading.start(xfer, peer, token, mailbox).is_err() {
+                // The layout was checked when the peer was loaded: unreachable in practice.
+                self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
+            } else {
+                self.stats.one_way_sent += 1;
+            }
         }
         self.pump(now);
         Ok(())
+    }
+
+    /// Largest chunk sent inside its WANT (`bounce_inline_bytes`); 0: never.
+    pub fn inline_bytes(&self) -> u64 {
+        self.sender.inline_bytes()
+    }
+
+    /// Takes inline chunks from peers' WANTs of at most `bytes` (capped by the configured
+    /// value and [`wire::MAX_INLINE_BYTES`]), and sends them of at most that too; 0: neither.
+    /// The shell sets 0 when its arena is not host memory: it could put no bytes there.
+    pub fn set_inline_bytes(&mut self, bytes: u64) {
+        self.sender.set_inline_bytes(bytes);
+        self.receiver.set_inline_bytes(bytes.min(self.sender.inline_bytes()));
     }
 
     /// A READ of one-way transfer `xfer`'s mailbox failed (the target is gone, or its mailbox
@@ -843,7 +861,8 @@ impl Endpoint {
     }
 
     /// A message `from` a one-way flow waiting for a slot (see [`Answering::hold`]).
-    fn hold_waiting(&mut self, from: PeerId, msg: wire::Msg) -> Result<(), ProtocolError> {
+    fn hold_waiting(&mut self, from: PeerId, mut msg: wire::Msg) -> Result<(), ProtocolError> {
+        strip_inline(&mut msg);
         let xfer = msg.xfer();
         let r = match self.answering.hold(FlowKey { peer: from, xfer }, msg) {
             Ok(held) => {
@@ -961,6 +980,17 @@ fn more_one_way_chunks(
 /// must neither take a slot nor a place in the queue, or invented names could pin the whole
 /// mailbox. An accepted one, or a refusal worth answering (the receiver emitted an
 /// ACK(Refused)), gets a slot that carries the answer.
+/// Drops a WANT's inline chunk: one that waits for a mailbox slot is served the usual way when
+/// it gets one, so the queue of waiting WANTs holds no payloads (only [`MAX_INLINE_HELD`]
+/// bytes are ever held for inline chunks).
+///
+/// [`MAX_INLINE_HELD`]: crate::receiver::MAX_INLINE_HELD
+fn strip_inline(msg: &mut wire::Msg) {
+    if let wire::Msg::Want(w) = msg {
+        w.inline = None;
+    }
+}
+
 fn open_one_way(
     receiver: &mut Receiver,
     answering: &mut Answering,
@@ -976,6 +1006,8 @@ fn open_one_way(
     };
     let genuine = matches!(genuine, Ok(_) | Err(BadProof::Deregistered(_)));
     if genuine && matches!(answering.vacancy(ctx.now, key, token), Err(OneWayRefused::Slot(_))) {
+        let mut msg = msg;
+        strip_inline(&mut msg);
         if answering.wait(ctx.now, key, msg).is_ok() {
             ctx.stats.one_way_queued += 1;
             trace!(peer = key.peer.0, xfer = key.xfer.0, "one-way WANT waits for a mailbox slot");

@@ -388,7 +388,7 @@ impl Receiver {
                 );
                 None
             }
-            Some(i) => self.take_inline(from, &want.endpoint, want.xfer, chunks, i),
+            Some(i) => self.take_inline(from, want.xfer, chunks, i),
             None => None,
         };
         let chunks = chunks + inline.as_ref().map_or(0, |i| i.runs.len() as u64);
@@ -436,26 +436,15 @@ impl Receiver {
     }
 
     /// Takes an inline chunk from a new flow's WANT when this receiver may: it takes inline
-    /// chunks of this size, the WANT is answered with frames (not a mailbox), the transfer is
-    /// newer than any inline one taken from the peer (not a replay), and holding the bytes
-    /// stays within [`MAX_INLINE_HELD`] and the runs within the peer's budget. Otherwise the
-    /// flow is served the usual way.
-    fn take_inline(
-        &mut self,
-        from: PeerId,
-        endpoint: &[u8],
-        xfer: XferId,
-        units: u64,
-        inline: wire::Inline,
-    ) -> Option<wire::Inline> {
+    /// chunks of this size, the transfer is newer than any inline one taken from the peer (not
+    /// a replay), and holding the bytes stays within [`MAX_INLINE_HELD`] and the runs within
+    /// the peer's budget. Otherwise the flow is served the usual way. A one-way flow's answer
+    /// (the ACK) goes to its mailbox like any other.
+    fn take_inline(&mut self, from: PeerId, xfer: XferId, units: u64, inline: wire::Inline) -> Option<wire::Inline> {
         let len = inline.bytes.len() as u64;
         let fresh = self.inline_floor.get(&from).is_none_or(|&floor| xfer > floor);
         let budget = units.saturating_add(inline.runs.len() as u64) <= self.caps.chunks;
-        let take = len <= self.inline_bytes
-            && endpoint != wire::REPLY_MAILBOX
-            && fresh
-            && budget
-            && self.inline_held + len <= MAX_INLINE_HELD;
+        let take = len <= self.inline_bytes && fresh && budget && self.inline_held + len <= MAX_INLINE_HELD;
         if !take {
             debug!(peer = from.0, xfer = xfer.0, bytes = len, fresh, "inline bytes declined");
             return None;

@@ -102,15 +102,13 @@ impl Xfer {
 }
 
 /// How a WRITE's WANT asks to be answered, and what it carries.
-#[derive(Debug)]
-pub(crate) enum WantShape {
-    /// GRANTs and ACKs as frames; the chunks are written after their GRANTs.
-    Plain,
-    /// As `Plain`, the shell's gather of the plan's one chunk riding in the WANT when it may
+#[derive(Debug, Default)]
+pub(crate) struct WantShape {
+    /// Answers through the target's mailbox (a one-way transfer), else as frames.
+    pub(crate) one_way: bool,
+    /// The shell's gather of the plan's one chunk, to ride in the WANT when it may
     /// ([`wire::Inline`]; see `Sender::inline_chunk`).
-    Inline(Vec<u8>),
-    /// Answers through the target's mailbox (a one-way transfer): never inline.
-    OneWay,
+    pub(crate) inline: Option<Vec<u8>>,
 }
 
 /// One submitted transfer.
@@ -344,16 +342,12 @@ impl Sender {
         shape: WantShape,
     ) -> Result<(), SubmitError> {
         self.admit(ctx, xfer, &plan)?;
-        let (one_way, inline) = match shape {
-            WantShape::Plain => (false, None),
-            WantShape::Inline(bytes) => (false, Some(bytes)),
-            WantShape::OneWay => (true, None),
-        };
+        let WantShape { one_way, inline } = shape;
         let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
         let chunks = plan.chunk_sizes().collect();
         // A one-way transfer asks to be answered through the target's mailbox.
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
-        let inline = inline.and_then(|bytes| self.inline_chunk(&plan, one_way, bytes));
+        let inline = inline.and_then(|bytes| self.inline_chunk(&plan, bytes));
         let inlined = inline.is_some();
         if inlined {
             ctx.stats.inline_sent += 1;
@@ -466,13 +460,13 @@ impl Sender {
     }
 
     /// The [`wire::Inline`] for `plan` out of the shell's gather of its chunk, `bytes`: only for
-    /// a two-way WRITE of one chunk of at most `inline_bytes`, its runs in frames (no region
-    /// plan), and bytes that are exactly that chunk. Anything else goes the full exchange.
-    fn inline_chunk(&self, plan: &Plan, one_way: bool, bytes: Vec<u8>) -> Option<wire::Inline> {
+    /// a WRITE of one chunk of at most `inline_bytes`, its runs in frames (no region plan), and
+    /// bytes that are exactly that chunk. Anything else goes the full exchange.
+    fn inline_chunk(&self, plan: &Plan, bytes: Vec<u8>) -> Option<wire::Inline> {
         let [chunk] = &plan.chunks[..] else { return None };
         let fits = chunk.bytes == bytes.len() as u64 && chunk.bytes <= self.inline_bytes;
-        if one_way || !fits || chunk.region_plan.is_some() || chunk.scatter.is_empty() {
-            debug!(bytes = bytes.len(), chunk = chunk.bytes, one_way, "inline bytes not sent");
+        if !fits || chunk.region_plan.is_some() || chunk.scatter.is_empty() {
+            debug!(bytes = bytes.len(), chunk = chunk.bytes, "inline bytes not sent");
             return None;
         }
         Some(wire::Inline { runs: chunk.scatter.clone(), bytes })
@@ -1282,6 +1276,7 @@ fn release(ctx: &mut Ctx<'_>, local: Region) {
 mod tests {
     use super::*;
     use crate::endpoint::Endpoint;
+    use crate::endpoint::WriteRoute;
     use crate::endpoint::tests::*;
 
     fn r(kib: u64) -> Region {
@@ -1449,7 +1444,7 @@ mod tests {
         for declined in [false, true] {
             let (mut ep, t) = endpoint(64 * KIB, 2, true);
             let bytes = vec![0x5a; CHUNK as usize];
-            ep.submit_inline(t, X, TOKEN, PEER, plan_of(1), bytes.clone()).unwrap();
+            ep.submit_write(t, X, TOKEN, PEER, plan_of(1), WriteRoute::inline(bytes.clone())).unwrap();
             let acts = drain(&mut ep);
             assert!(gathers(&acts).is_empty(), "nothing staged, even eagerly: {acts:?}");
             let [(_, Msg::Want(w))] = &msgs(&acts)[..] else { panic!("one WANT: {acts:?}") };
@@ -1484,8 +1479,9 @@ mod tests {
     fn inline_bytes_that_are_not_the_plans_one_chunk_are_not_sent() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
         // Two chunks; then one chunk with bytes of another length.
-        ep.submit_inline(t, X, TOKEN, PEER, plan_of(2), vec![0; 2 * CHUNK as usize]).unwrap();
-        ep.submit_inline(t, XferId(2), TOKEN, PEER, plan_of(1), vec![0; CHUNK as usize - 1]).unwrap();
+        ep.submit_write(t, X, TOKEN, PEER, plan_of(2), WriteRoute::inline(vec![0; 2 * CHUNK as usize])).unwrap();
+        let short = WriteRoute::inline(vec![0; CHUNK as usize - 1]);
+        ep.submit_write(t, XferId(2), TOKEN, PEER, plan_of(1), short).unwrap();
         for (_, m) in msgs(&drain(&mut ep)) {
             let Msg::Want(w) = m else { panic!("{m:?}") };
             assert!(w.inline.is_none());

@@ -67,6 +67,33 @@ def test_a_one_way_write_is_byte_exact_and_both_sides_count_the_mailbox(procs, t
 
 
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_a_small_one_way_write_rides_in_its_want_and_one_ack_record_completes_it(procs, tmp_path, control):
+    """256 x 64 B, one chunk within bounce_inline_bytes: the WANT carries the bytes, the target
+    (which never loaded us) puts them in a region and scatters them, and writes one record, the
+    ACK, which the initiator reads: no GRANT record, no write. Byte-exact, three times."""
+    params = {**SMALL, **CONTROL[control]}
+    lay = nixlkit.Scattered(256, 64, seed=67)
+    p = procs()
+    name = f"ow-inline-rx-{control}"
+    meta, raddr = p.start(name=name, size=lay.dst_bytes, seed=68, params=params)
+    ag = nixlkit.agent(f"ow-inline-tx-{control}", params=params)
+    src = nixlkit.pattern(69, lay.src_bytes)
+    nixlkit.register(ag, src)
+    one_way(ag, meta)
+    s0, t0 = stats(ag), peer_stats(p)
+    with watchdog(60, [p], "one-way inline writes"):
+        for _ in range(3):
+            write_one_way_exact(ag, p, name, lay, src, raddr, tmp_path, nixlkit.pattern(68, lay.dst_bytes))
+    s1 = settle_local(ag, ARENA, SLACK_S, "initiator")
+    t1 = settle(lambda: peer_stats(p), ARENA, SLACK_S, "target")
+    d = {k: s1[k] - s0[k] for k in ("one_way_sent", "bounce_ok", "inline_sent", "inline_acks", "records_read")}
+    assert d == {"one_way_sent": 3, "bounce_ok": 3, "inline_sent": 3, "inline_acks": 3, "records_read": 3}, d
+    t = {k: t1[k] - t0[k] for k in ("one_way_answered", "inline_taken", "records_written")}
+    assert t == {"one_way_answered": 3, "inline_taken": 3, "records_written": 3}, t
+    assert t1["peer_arenas_loaded"] == 0, "the target loaded the initiator: not one way"
+
+
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
 def test_a_one_way_target_killed_mid_transfer_fails_it_in_bounded_time(procs, tmp_path, control):
     params = {**SMALL, **CONTROL[control]}
     lay = nixlkit.Scattered(16384, 4096, seed=64)

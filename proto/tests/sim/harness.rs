@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, InRegionPlan, JobId, JobRuns, WriteSource, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, InRegionPlan, JobId, JobRuns, WriteRoute, WriteSource, XferError};
 use bounce_proto::mailbox::MailboxLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
@@ -53,7 +53,7 @@ pub(crate) struct Knobs {
     /// its own transfers' answers from the target's (each READ takes a message delay).
     pub(crate) one_way: bool,
     /// Probability that the shell gathers a one-chunk WRITE into its WANT (see
-    /// `Endpoint::submit_inline`).
+    /// `Endpoint::submit_write`), two way or one way.
     pub(crate) inline_p: f64,
 }
 
@@ -714,15 +714,12 @@ impl Sim {
                 let token = Token(self.rng.random());
                 // The sender holds the destination node's registration metadata.
                 plan.dests = vec![Destination { reg: RegId(0), key: reg_key(to) }];
-                if self.knobs.one_way {
+                let mailbox = self.knobs.one_way.then(|| {
                     let m = self.nodes[to].ep.one_way_layout().mailbox;
-                    let layout = MailboxLayout { slots: m.slots, ring: m.ring };
-                    self.nodes[from]
-                        .ep
-                        .submit_one_way(now, xfer, token, PeerId(to as u32), plan, layout)
-                        .expect("submit");
-                } else if plan.chunks.len() == 1 && self.rng.random_bool(self.knobs.inline_p) {
-                    // The shell's gather of the one chunk, into the bytes its WANT carries.
+                    MailboxLayout { slots: m.slots, ring: m.ring }
+                });
+                // The shell's gather of a one-chunk WRITE, into the bytes its WANT carries.
+                let inline = (plan.chunks.len() == 1 && self.rng.random_bool(self.knobs.inline_p)).then(|| {
                     let c = &plan.chunks[0];
                     let mut bytes = vec![0u8; c.bytes as usize];
                     for r in c.gather.iter() {
@@ -732,13 +729,10 @@ impl Sim {
                                 .copy_from_slice(&self.nodes[from].mem[user..user + len as usize]);
                         }
                     }
-                    self.nodes[from]
-                        .ep
-                        .submit_inline(now, xfer, token, PeerId(to as u32), plan, bytes)
-                        .expect("submit");
-                } else {
-                    self.nodes[from].ep.submit(now, xfer, token, PeerId(to as u32), plan).expect("submit");
-                }
+                    bytes
+                });
+                let route = WriteRoute { mailbox, inline };
+                self.nodes[from].ep.submit_write(now, xfer, token, PeerId(to as u32), plan, route).expect("submit");
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.
                     self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));

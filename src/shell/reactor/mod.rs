@@ -18,7 +18,7 @@ use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, InRegionPlan, JobId, JobRuns, WriteSource, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, InRegionPlan, JobId, JobRuns, WriteRoute, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::FrameRefused;
@@ -871,13 +871,12 @@ impl Driver {
                 let token = Token(u128::from_le_bytes(secret));
                 // Shared, not copied: a scattered 64 MiB request's plan is ~10,000 runs.
                 let plan = Arc::clone(&p.plan);
-                let submitted = match (plan.read, one_way) {
-                    (true, layout) => self.ep.submit_read(now, p.xfer, token, peer, plan, layout),
-                    (false, Some(layout)) => self.ep.submit_one_way(now, p.xfer, token, peer, plan, layout),
-                    (false, None) => match self.inline_bytes(&plan) {
-                        Some(bytes) => self.ep.submit_inline(now, p.xfer, token, peer, plan, bytes),
-                        None => self.ep.submit(now, p.xfer, token, peer, plan),
-                    },
+                let submitted = match plan.read {
+                    true => self.ep.submit_read(now, p.xfer, token, peer, plan, one_way),
+                    false => {
+                        let route = WriteRoute { mailbox: one_way, inline: self.inline_bytes(&plan) };
+                        self.ep.submit_write(now, p.xfer, token, peer, plan, route)
+                    }
                 };
                 if let Err(e) = submitted {
                     tracing::warn!(xfer = p.xfer.0, error = %e, "bounce submit refused");
