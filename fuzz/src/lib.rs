@@ -47,7 +47,7 @@ use bounce_proto::proof;
 use bounce_proto::wire::{
     Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Plan, Pull, PullChunk, Release, Want,
 };
-use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
+use bounce_proto::{ChunkIdx, CopyRun, PeerId, RegId, RegKey, Region, Token, XferId};
 
 /// One thing that can happen to an endpoint.
 #[derive(Debug)]
@@ -434,23 +434,7 @@ pub fn run(data: &[u8]) -> Coverage {
     ep.add_registered(REG, KEY, USER_BASE, USER_LEN);
     // Peers 0..3, loaded in order (so `agent(i)` is `PeerId(i)`) with their sessions.
     for i in 0..3 {
-        let caps = Capabilities {
-            wire_version: bounce_proto::wire::WIRE_VERSION.into(),
-            control: ControlKind::Ucx,
-            mem: MemKind::Dram,
-            arena_base: 0,
-            arena_len: cfg.arena_usable_capacity(),
-            arena_dev: 0,
-            usable_capacity: cfg.arena_usable_capacity(),
-            max_chunk: cfg.max_chunk_size,
-            session: session_of(PeerId(i)),
-            arena_key: Vec::new(),
-            endpoint: Vec::new(),
-            mailbox: None,
-            mailbox_base: 0,
-            mailbox_len: 0,
-            mailbox_key: Vec::new(),
-        };
+        let caps = Capabilities::host_arena(cfg.arena_usable_capacity(), cfg.max_chunk_size, session_of(PeerId(i)));
         ep.handle_conn_info(now, &agent(i), Some(caps), None);
         assert_eq!(ep.peers().lookup(&agent(i)), Some(PeerId(i)));
     }

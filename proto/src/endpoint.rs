@@ -1206,23 +1206,7 @@ pub(crate) mod tests {
 
     /// Capabilities matching `config`'s, with instance nonce `session`.
     fn caps(session: u64) -> wire::Capabilities {
-        wire::Capabilities {
-            wire_version: wire::WIRE_VERSION.into(),
-            control: crate::types::ControlKind::Ucx,
-            mem: crate::types::MemKind::Dram,
-            arena_base: 0,
-            arena_len: 32 * KIB,
-            arena_dev: 0,
-            usable_capacity: 32 * KIB,
-            max_chunk: CHUNK,
-            session,
-            arena_key: Vec::new(),
-            endpoint: Vec::new(),
-            mailbox: None,
-            mailbox_base: 0,
-            mailbox_len: 0,
-            mailbox_key: Vec::new(),
-        }
+        wire::Capabilities::host_arena(32 * KIB, CHUNK, session)
     }
 
     /// An endpoint that loaded agent `name`'s connection info with session 7.

@@ -431,26 +431,9 @@ impl PeerTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{ControlKind, MemKind};
 
     fn caps(max_chunk: u64) -> Capabilities {
-        Capabilities {
-            wire_version: crate::wire::WIRE_VERSION.into(),
-            control: ControlKind::Ucx,
-            mem: MemKind::Dram,
-            arena_base: 0x10_0000,
-            arena_len: 0x1_0000,
-            arena_dev: 0,
-            usable_capacity: 0x1_0000,
-            max_chunk,
-            session: 1,
-            arena_key: vec![1],
-            endpoint: Vec::new(),
-            mailbox: None,
-            mailbox_base: 0,
-            mailbox_len: 0,
-            mailbox_key: Vec::new(),
-        }
+        Capabilities { arena_base: 0x10_0000, arena_key: vec![1], ..Capabilities::host_arena(0x1_0000, max_chunk, 1) }
     }
 
     /// A table where `name` is loaded, compatible, its arena loaded and it said HELLO.

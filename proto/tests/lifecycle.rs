@@ -12,7 +12,7 @@ use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, Plan, PlanParams};
 use bounce_proto::proof;
 use bounce_proto::wire::{self, Ack, AckStatus, Data, Frame, Grant, Msg, Want};
-use bounce_proto::{ChunkIdx, ControlKind, CopyRun, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
+use bounce_proto::{ChunkIdx, CopyRun, PeerId, RegId, RegKey, Region, Token, XferId};
 
 const KIB: u64 = 1024;
 const CHUNK: u64 = 4 * KIB;
@@ -99,23 +99,7 @@ fn want_proving(xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
 /// Connection info published by an engine with `session` (compatibility does not matter here:
 /// it is what binds the peer's session).
 fn caps(session: u64) -> wire::Capabilities {
-    wire::Capabilities {
-        wire_version: wire::WIRE_VERSION.into(),
-        control: ControlKind::Ucx,
-        mem: MemKind::Dram,
-        arena_base: 0,
-        arena_len: 1 << 20,
-        arena_dev: 0,
-        usable_capacity: 1 << 20,
-        max_chunk: CHUNK,
-        session,
-        arena_key: Vec::new(),
-        endpoint: Vec::new(),
-        mailbox: None,
-        mailbox_base: 0,
-        mailbox_len: 0,
-        mailbox_key: Vec::new(),
-    }
+    wire::Capabilities::host_arena(1 << 20, CHUNK, session)
 }
 
 fn credits(msgs: &[Msg]) -> Vec<(u32, Region)> {

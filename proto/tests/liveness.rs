@@ -19,23 +19,7 @@ const KEY: RegKey = RegKey([0x5a; 32]);
 
 /// Connection info published by a node whose frames carry `session`.
 fn caps(session: u64) -> bounce_proto::wire::Capabilities {
-    bounce_proto::wire::Capabilities {
-        wire_version: bounce_proto::wire::WIRE_VERSION.into(),
-        control: bounce_proto::ControlKind::Ucx,
-        mem: bounce_proto::MemKind::Dram,
-        arena_base: 0,
-        arena_len: 1 << 30,
-        arena_dev: 0,
-        usable_capacity: 1 << 30,
-        max_chunk: 1 << 20,
-        session,
-        arena_key: Vec::new(),
-        endpoint: Vec::new(),
-        mailbox: None,
-        mailbox_base: 0,
-        mailbox_len: 0,
-        mailbox_key: Vec::new(),
-    }
+    bounce_proto::wire::Capabilities::host_arena(1 << 30, 1 << 20, session)
 }
 
 const KIB: u64 = 1024;

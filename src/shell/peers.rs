@@ -355,25 +355,13 @@ impl PeerTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bounce_proto::ControlKind;
 
     fn caps(session: u64) -> Capabilities {
         Capabilities {
-            wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
-            control: ControlKind::Ucx,
-            mem: MemKind::Dram,
             arena_base: 0x1000,
-            arena_len: 1 << 20,
-            arena_dev: 0,
-            usable_capacity: 1 << 20,
-            max_chunk: 1 << 16,
-            session,
             arena_key: b"key".to_vec(),
             endpoint: b"tcp://10.0.0.1:1".to_vec(),
-            mailbox: None,
-            mailbox_base: 0,
-            mailbox_len: 0,
-            mailbox_key: Vec::new(),
+            ..Capabilities::host_arena(1 << 20, 1 << 16, session)
         }
     }
 

@@ -6,7 +6,7 @@ use std::time::Instant;
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::Endpoint;
 use bounce_proto::wire;
-use bounce_proto::{ControlKind, MemKind, PeerId, RegId, RegKey};
+use bounce_proto::{PeerId, RegId, RegKey};
 
 /// Where every endpoint's one registration starts.
 pub(crate) const MEM_BASE: u64 = 0x7f00_0000_0000;
@@ -27,23 +27,7 @@ pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
     for j in 0..2 {
         assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
         if j != i {
-            let caps = wire::Capabilities {
-                wire_version: wire::WIRE_VERSION.into(),
-                control: ControlKind::Ucx,
-                mem: MemKind::Dram,
-                arena_base: 0,
-                arena_len: config.arena_usable_capacity(),
-                arena_dev: 0,
-                usable_capacity: config.arena_usable_capacity(),
-                max_chunk: config.max_chunk_size,
-                session: j as u64,
-                arena_key: Vec::new(),
-                endpoint: Vec::new(),
-                mailbox: None,
-                mailbox_base: 0,
-                mailbox_len: 0,
-                mailbox_key: Vec::new(),
-            };
+            let caps = wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, j as u64);
             ep.handle_conn_info(now, &agent(j), Some(caps), None);
             ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO");
         }

@@ -92,6 +92,31 @@ pub struct MailboxCaps {
 }
 
 impl Capabilities {
+    /// The capabilities of a host arena of `capacity` usable bytes at address 0, on this build's
+    /// wire version and the UCX control channel, chunks of `max_chunk`, instance `session`; no
+    /// keys, no ZMQ endpoint, no mailbox. What a simulated peer publishes (simulations, examples,
+    /// fuzzers, tests), with struct update syntax for anything else. A real engine describes
+    /// its own arena instead.
+    pub fn host_arena(capacity: u64, max_chunk: u64, session: u64) -> Self {
+        Self {
+            wire_version: WIRE_VERSION.into(),
+            control: ControlKind::Ucx,
+            mem: MemKind::Dram,
+            arena_base: 0,
+            arena_len: capacity,
+            arena_dev: 0,
+            usable_capacity: capacity,
+            max_chunk,
+            session,
+            arena_key: Vec::new(),
+            endpoint: Vec::new(),
+            mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
+        }
+    }
+
     /// Appends the blob's encoding to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         let mut w = Writer(out);

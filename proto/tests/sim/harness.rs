@@ -21,7 +21,7 @@ use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg, region_plan};
-use bounce_proto::{ControlKind, CopyRun, FlowKey, MemKind, PeerId, RegId, RegKey, Region, Token, XferId};
+use bounce_proto::{CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -914,23 +914,7 @@ fn ep_arena_len(config: &Config) -> usize {
 
 /// The capabilities a node of `config` publishes with instance nonce `session`.
 fn caps(config: &Config, session: u64) -> wire::Capabilities {
-    wire::Capabilities {
-        wire_version: wire::WIRE_VERSION.into(),
-        control: ControlKind::Ucx,
-        mem: MemKind::Dram,
-        arena_base: 0,
-        arena_len: config.arena_usable_capacity(),
-        arena_dev: 0,
-        usable_capacity: config.arena_usable_capacity(),
-        max_chunk: config.max_chunk_size,
-        session,
-        arena_key: Vec::new(),
-        endpoint: Vec::new(),
-        mailbox: None,
-        mailbox_base: 0,
-        mailbox_len: 0,
-        mailbox_key: Vec::new(),
-    }
+    wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, session)
 }
 
 /// The key of node `i`'s one registration (its user memory), as its metadata would carry it.
