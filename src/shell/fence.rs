@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use bounce_proto::CopyRun;
 use parking_lot::Mutex;
 
 /// A user-memory range `[start, end)`.
@@ -19,6 +20,16 @@ pub(crate) type Span = (u64, u64);
 
 fn overlaps((a, b): Span, (c, d): Span) -> bool {
     a < d && c < b
+}
+
+/// The outer bounds of `runs`' user-side spans (what a copy job pins); `None` for no copies.
+pub(crate) fn runs_span(runs: &[CopyRun]) -> Option<Span> {
+    runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)))
+}
+
+/// Whether one of `runs`' user-side spans overlaps `range` (the precise test behind a pin).
+pub(crate) fn runs_touch(runs: &[CopyRun], range: Span) -> bool {
+    runs.iter().filter_map(CopyRun::addr_span).any(|r| overlaps(r, range))
 }
 
 /// A pinned job's token (unpin it exactly once).

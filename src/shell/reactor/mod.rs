@@ -24,14 +24,14 @@ use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{CopyRun, PeerId, RegId, Region, Token, XferId};
+use bounce_proto::{PeerId, RegId, Region, Token, XferId};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::control::{ControlChannel, ControlError};
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
-use crate::shell::fence::{Fence, Pin};
+use crate::shell::fence::{Fence, Pin, runs_span, runs_touch};
 use crate::shell::oneway_area::AreaView;
 use crate::shell::peers::{PeerArena, PeerTable};
 use crate::shell::registry::Registry;
@@ -1300,13 +1300,13 @@ impl Driver {
         // a gather names thousands of runs, and this runs on the reactor for every job.
         let span = match &in_region {
             Some(p) => p.allowed.hull(),
-            None => runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d))),
+            None => runs_span(&runs),
         };
         let pin = match span {
             Some(span) => {
                 let touches = |(s, e): (u64, u64)| match &in_region {
                     Some(p) => p.allowed.starts().iter().zip(p.allowed.reach()).any(|(&a, &b)| a < e && s < b),
-                    None => runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < e && s < b),
+                    None => runs_touch(&runs, (s, e)),
                 };
                 match self.shared.fence.pin(span, touches) {
                     Some(pin) => Some(pin),
@@ -1337,9 +1337,7 @@ impl Driver {
             return None;
         }
         let runs = &chunk.gather;
-        let span = runs.iter().filter_map(CopyRun::addr_span).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)))?;
-        let touches = |(s, e): (u64, u64)| runs.iter().filter_map(CopyRun::addr_span).any(|(a, b)| a < e && s < b);
-        let pin = self.shared.fence.pin(span, touches)?;
+        let pin = self.shared.fence.pin(runs_span(runs)?, |range| runs_touch(runs, range))?;
         let bytes = self.copier.gather_inline(runs, chunk.bytes);
         self.shared.fence.unpin(pin);
         bytes
