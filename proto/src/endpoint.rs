@@ -235,12 +235,12 @@ impl Endpoint {
         self.sender.inline_bytes()
     }
 
-    /// Takes inline chunks from peers' WANTs of at most `bytes` (capped by the configured
-    /// value and [`wire::MAX_INLINE_BYTES`]), and sends them of at most that too; 0: neither.
-    /// The shell sets 0 when its arena is not host memory: it could put no bytes there.
+    /// Lowers (never raises) the largest inline chunk sent in a WANT and taken from peers'
+    /// WANTs to `bytes` (`bounce_inline_bytes` is the highest); 0: neither. The shell sets 0
+    /// when its arena is not host memory: it could put no bytes there.
     pub fn set_inline_bytes(&mut self, bytes: u64) {
         self.sender.set_inline_bytes(bytes);
-        self.receiver.set_inline_bytes(bytes.min(self.sender.inline_bytes()));
+        self.receiver.set_inline_bytes(bytes);
     }
 
     /// A READ of one-way transfer `xfer`'s mailbox failed (the target is gone, or its mailbox

@@ -218,10 +218,10 @@ impl Receiver {
         }
     }
 
-    /// Sets the largest inline chunk taken from WANTs (0: none): the shell lowers it to 0 when
+    /// Lowers (never raises) the largest inline chunk taken from WANTs: the shell sets 0 when
     /// its arena is not host memory, where it could not put the bytes.
     pub(crate) fn set_inline_bytes(&mut self, bytes: u64) {
-        self.inline_bytes = bytes.min(u64::from(wire::MAX_INLINE_BYTES));
+        self.inline_bytes = self.inline_bytes.min(bytes);
     }
 
     /// True while the receiver tracks flow `key`.

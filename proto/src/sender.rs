@@ -672,7 +672,7 @@ impl Sender {
         let Some(&stage) = x.stages.get(i) else {
             return Err(ProtocolError::ChunkOutOfRange { xfer: id, chunk: ack.chunk, chunks: x.stages.len() });
         };
-        if x.inline && i == 0 && matches!(stage, Stage::Idle) && ack.status != AckStatus::Replan {
+        if x.inline && i == 0 && matches!(stage, Stage::Idle) {
             // The answer to an inline WANT: the receiver put the bytes in a region of its own,
             // scattered them and freed it; nothing of ours is held.
             x.deadline = ctx.now + timeout;
@@ -688,7 +688,9 @@ impl Sender {
                     self.complete(ctx, id);
                 }
                 AckStatus::Refused => self.fail(ctx, id, XferError::Refused, true),
-                AckStatus::Failed | AckStatus::Replan => self.fail(ctx, id, XferError::ScatterFailed, true),
+                AckStatus::Failed => self.fail(ctx, id, XferError::ScatterFailed, true),
+                // Nothing was sent that could be replanned.
+                AckStatus::Replan => return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk }),
             }
             return Ok(());
         }
