@@ -846,15 +846,21 @@ impl Endpoint {
         loop {
             let mut ctx = ctx!(self, now);
             self.sender.retry_parked(&mut ctx);
+            let mut free = ctx.sched.free_bytes();
             if !self.closing {
                 let grants = ctx.sched.schedule();
+                free = ctx.sched.free_bytes();
                 if !grants.is_empty() {
                     self.receiver.emit_grants(&mut ctx, grants);
                 }
                 self.watch_waited(now);
             }
             self.one_way_outputs(now);
-            if !self.serve_waiting(now) {
+            // What was granted may have been freed at once (an inline chunk whose runs a
+            // deregistration made invalid refuses its flow), and ending one-way flows may free
+            // space too: that space is scheduled in one more round, not left for the next event.
+            let freed = self.sched.free_bytes() > free;
+            if !self.serve_waiting(now) && !freed {
                 break;
             }
         }
