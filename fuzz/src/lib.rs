@@ -44,10 +44,11 @@ use bounce_proto::oneway;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{DescPair, PlanParams, plan};
 use bounce_proto::proof;
+use bounce_proto::sender::STANDING_XFER_BIT;
 use bounce_proto::wire::{
-    Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Plan, Pull, PullChunk, Release, Want,
+    Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Plan, Pull, PullChunk, Release, Standing, Want,
 };
-use bounce_proto::{ChunkIdx, CopyRun, PeerId, RegId, RegKey, Region, Token, XferId};
+use bounce_proto::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 
 /// One thing that can happen to an endpoint.
 #[derive(Debug)]
@@ -286,6 +287,8 @@ pub struct Coverage {
     pub region_plans: usize,
     /// Scatters of inline chunks from remote WANTs (each checked to fit its region).
     pub inline_scatters: usize,
+    /// Remote WANTs whose chunk 0 claimed the peer's standing credit.
+    pub standing_taken: u64,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -507,9 +510,42 @@ pub fn run(data: &[u8]) -> Coverage {
                     let run = CopyRun { region_off: 0, addr, len: size, count: 1, region_stride: 0, addr_stride: 0 };
                     bounce_proto::wire::Inline { runs: vec![run], bytes: vec![0xa5; size as usize] }
                 });
-                let want = Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: sizes.clone(), proofs, inline });
-                if ep.handle_msg(now, peer, want).is_ok() {
+                // Some WANTs open the peer's standing flow (of at most 4 KiB: an eighth of this
+                // arena holds two), or claim it, with its token or a forged one (a hostile
+                // peer's), for chunks of at most 4 KiB.
+                let mode = (chunks >> 4) % 16;
+                let standing_id = XferId(STANDING_XFER_BIT | (1000 + u64::from(peer.0)));
+                let (xfer, token, proofs, inline, standing) = match mode {
+                    1 | 2 => (standing_id, remote_token(peer, standing_id), Vec::new(), None, Standing::Open),
+                    3..=6 if inline.is_none() => {
+                        let forged = mode == 6;
+                        let claim_token = if forged { Token(7) } else { remote_token(peer, standing_id) };
+                        (xfer, token, proofs, None, Standing::Claim { xfer: standing_id, token: claim_token })
+                    }
+                    _ => (xfer, token, proofs, inline, Standing::None),
+                };
+                let sizes = match standing {
+                    Standing::Open => vec![sizes[0].min(4096)],
+                    Standing::Claim { .. } => sizes.iter().map(|&s| s.min(4096)).collect(),
+                    Standing::None => sizes,
+                };
+                let want = Msg::Want(Want {
+                    xfer,
+                    token,
+                    endpoint: Vec::new(),
+                    chunks: sizes.clone(),
+                    proofs,
+                    inline,
+                    standing,
+                });
+                if ep.handle_msg(now, peer, want).is_ok() && standing != Standing::Open {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
+                    // A claim taken: chunk 0's region is the standing one, written as if granted.
+                    if let Some(g) = ep.scheduler().idle_held(FlowKey { peer, xfer }) {
+                        if matches!(standing, Standing::Claim { .. }) && g.chunk.0 == 0 {
+                            seen.credits.push((peer, xfer, g.chunk, g.region));
+                        }
+                    }
                 }
             }
             Op::RemoteData { which, at, ahead } => {
@@ -595,7 +631,15 @@ pub fn run(data: &[u8]) -> Coverage {
                     let run = CopyRun { region_off: 0, addr, len, count: 1, region_stride: 0, addr_stride: 0 };
                     bounce_proto::wire::Inline { runs: vec![run], bytes: vec![0x5a; len as usize] }
                 });
-                let want = Msg::Want(Want { xfer, token, endpoint, chunks: sizes.clone(), proofs, inline });
+                let want = Msg::Want(Want {
+                    xfer,
+                    token,
+                    endpoint,
+                    chunks: sizes.clone(),
+                    proofs,
+                    inline,
+                    standing: Default::default(),
+                });
                 if ep.handle_msg(now, peer, want).is_ok() {
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                     if !seen.one_way.contains(&(peer, xfer)) {
@@ -744,6 +788,7 @@ pub fn run(data: &[u8]) -> Coverage {
     cov.scatters = seen.scatters;
     cov.region_plans = seen.region_plans;
     cov.inline_scatters = seen.inline_scatters;
+    cov.standing_taken = ep.stats().standing_taken;
     cov.records = seen.records;
     cov.served = ep.stats().chunks_served;
     cov.data_refused = ep.stats().data_refused;
@@ -789,7 +834,18 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             let (&(peer, xfer), sizes) = announced.iter().nth(pick(announced.len()))?;
             let token = remote_token(peer, xfer);
             let chunks = if kind % 7 == 3 { Vec::new() } else { sizes[..1].to_vec() };
-            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks, proofs: Vec::new(), inline: None }))
+            (
+                peer,
+                Msg::Want(Want {
+                    xfer,
+                    token,
+                    endpoint: Vec::new(),
+                    chunks,
+                    proofs: Vec::new(),
+                    inline: None,
+                    standing: Default::default(),
+                }),
+            )
         }
         5 => {
             // A transfer nobody announced yet, proving the registration: once its token is
@@ -797,7 +853,18 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             let (peer, xfer) = (PeerId(u32::from(which % 3)), XferId(1 << 32 | u64::from(which)));
             let token = remote_token(peer, xfer);
             let proofs = vec![proof::prove(REG, &KEY, token)];
-            (peer, Msg::Want(Want { xfer, token, endpoint: Vec::new(), chunks: vec![4096], proofs, inline: None }))
+            (
+                peer,
+                Msg::Want(Want {
+                    xfer,
+                    token,
+                    endpoint: Vec::new(),
+                    chunks: vec![4096],
+                    proofs,
+                    inline: None,
+                    standing: Default::default(),
+                }),
+            )
         }
         6 if !seen.credits.is_empty() => {
             // A KEEP for a granted flow: with its token it would hold the reclaim off.

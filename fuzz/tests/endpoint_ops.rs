@@ -4,7 +4,7 @@
 #[test]
 fn random_operation_sequences_keep_every_invariant() {
     let mut total = bounce_fuzz::Coverage::default();
-    for bytes in bounce_fuzz::seeded_inputs(0x9E37_79B9_7F4A_7C15, 3300, |i| 64 + (i * 37) % 4096) {
+    for bytes in bounce_fuzz::seeded_inputs(0x9E37_79B9_7F4A_7C15, 4200, |i| 64 + (i * 37) % 4096) {
         let c = bounce_fuzz::run(&bytes);
         total.ops += c.ops;
         total.submitted += c.submitted;
@@ -23,6 +23,7 @@ fn random_operation_sequences_keep_every_invariant() {
         total.replans += c.replans;
         total.region_plans += c.region_plans;
         total.inline_scatters += c.inline_scatters;
+        total.standing_taken += c.standing_taken;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
@@ -35,6 +36,8 @@ fn random_operation_sequences_keep_every_invariant() {
     assert!(total.region_plans > 100, "{total:?}");
     // Remote WANTs' inline chunks really reach the scatter, each within its region.
     assert!(total.inline_scatters > 50, "{total:?}");
+    // Remote WANTs really claim standing credits their peer opened.
+    assert!(total.standing_taken > 30, "{total:?}");
     // Forged tokens and sessions really hit live transfers and flows (and each was refused).
     assert!(total.forged > 1_000, "{total:?}");
     // The user range really is deregistered (and registered again) under live transfers.

@@ -72,6 +72,9 @@ pub struct Config {
     /// Largest single-chunk WRITE whose bytes ride in its WANT (sent, and taken from peers);
     /// 0: never (`bounce_inline_bytes`).
     pub inline_bytes: u64,
+    /// Bytes of the standing credit asked of each peer written to, and most given to one
+    /// (clamped to the chunk size); 0: never (`bounce_standing_bytes`).
+    pub standing_bytes: u64,
     /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
     pub scatter_run_merging: bool,
     /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
@@ -451,6 +454,7 @@ impl Config {
             plan_ahead_runs: u32_of("bounce_plan_ahead_runs")?,
             region_plan_runs: u32_of("bounce_region_plan_runs")?,
             inline_bytes: u64_of("bounce_inline_bytes")?,
+            standing_bytes: u64_of("bounce_standing_bytes")?,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
             cuda_ipc: boolean("bounce_cuda_ipc")?,
@@ -780,6 +784,7 @@ mod tests {
             ("bounce_plan_ahead_runs", "0"),
             ("bounce_region_plan_runs", "7"),
             ("bounce_inline_bytes", "1K"),
+            ("bounce_standing_bytes", "256K"),
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
             ("bounce_cuda_ipc", "no"),
@@ -812,6 +817,7 @@ mod tests {
             plan_ahead_runs: 0,
             region_plan_runs: 7,
             inline_bytes: 1024,
+            standing_bytes: 256 * KIB,
             scatter_run_merging: false,
             direct_writes: false,
             cuda_ipc: false,

@@ -800,6 +800,12 @@ impl Endpoint {
         self.sched.free_bytes()
     }
 
+    /// Arena bytes held for peers' standing credits ([`wire::Standing`]): granted ahead of
+    /// their transfers, back when claimed and replaced, or at the lease's end.
+    pub fn arena_standing_bytes(&self) -> u64 {
+        self.receiver.standing_held_bytes(&self.sched)
+    }
+
     /// The shared credit scheduler, read-only.
     pub fn scheduler(&self) -> &CreditScheduler {
         &self.sched
@@ -1048,6 +1054,7 @@ pub(crate) mod tests {
     //! Endpoint-level tests, plus the fixtures the sender and receiver tests share.
 
     mod slot_queue;
+    mod standing;
 
     use std::collections::BTreeMap;
     use std::time::Duration;
@@ -1085,6 +1092,9 @@ pub(crate) mod tests {
             eager_gather: eager,
             request_timeout: TIMEOUT,
             peer_dead_after: Duration::ZERO,
+            // Off here: the exchanges these tests pin have no standing flow in them
+            // (`standing.rs` in the endpoint tests covers it).
+            standing_bytes: 0,
             ..Config::default()
         };
         c.validate().unwrap();
@@ -1184,7 +1194,15 @@ pub(crate) mod tests {
 
     pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
         let proofs = vec![crate::proof::prove(REG, &KEY, TOKEN)];
-        Msg::Want(Want { xfer, token: TOKEN, endpoint: Vec::new(), chunks: chunks.to_vec(), proofs, inline: None })
+        Msg::Want(Want {
+            xfer,
+            token: TOKEN,
+            endpoint: Vec::new(),
+            chunks: chunks.to_vec(),
+            proofs,
+            inline: None,
+            standing: Default::default(),
+        })
     }
 
     pub(crate) fn data_msg(xfer: XferId, chunk: u32, region: Region, runs: Vec<CopyRun>) -> Msg {
@@ -1380,6 +1398,7 @@ pub(crate) mod tests {
                 chunks: vec![CHUNK],
                 proofs: vec![],
                 inline: None,
+                standing: Default::default(),
             }),
         ];
         for m in forged {
@@ -1686,6 +1705,7 @@ pub(crate) mod tests {
                 chunks: vec![CHUNK],
                 proofs,
                 inline: None,
+                standing: Default::default(),
             };
             wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
         };

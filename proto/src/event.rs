@@ -467,6 +467,24 @@ pub enum ProtocolError {
         /// The scheduler's reason.
         source: SchedError,
     },
+    /// A WANT whose standing claim ([`crate::wire::Standing::Claim`]) names no standing flow
+    /// of the peer with a region idle and large enough for its chunk 0; refused.
+    #[error("peer {}: WANT for transfer {} claims no usable standing credit", .peer.0, .xfer.0)]
+    BadClaim {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+    },
+    /// A WANT adding chunks to a standing flow (which keeps its one), or a second standing
+    /// flow under a live flow's id; ignored.
+    #[error("peer {}: WANT for standing flow {} ignored", .peer.0, .xfer.0)]
+    StandingWant {
+        /// The sending peer.
+        peer: PeerId,
+        /// The flow.
+        xfer: XferId,
+    },
     /// A WANT that would take the peer over [`crate::receiver::MAX_FLOWS_PER_PEER`] open flows
     /// or [`crate::receiver::MAX_CHUNKS_PER_PEER`] announced chunks; dropped unqueued.
     #[error("peer {}: WANT for transfer {} refused: {flows} open flows, {chunks} announced chunks would exceed the per-peer caps", .peer.0, .xfer.0)]
@@ -653,6 +671,19 @@ pub struct Stats {
     /// Inline chunks this target took from a WANT: put in a region it granted itself and
     /// scattered from there.
     pub inline_taken: u64,
+    /// Standing flows this initiator opened at its targets ([`wire::Standing::Open`]).
+    pub standing_opened_out: u64,
+    /// WRITEs whose first chunk this initiator wrote into a standing credit, with no
+    /// WANT -> GRANT round trip.
+    pub standing_claims: u64,
+    /// Standing flows peers opened here.
+    pub standing_opened: u64,
+    /// Standing flows refused here (this target gives none of that size, the peer has one,
+    /// or the standing share of the arena is taken); counted by the target.
+    pub standing_refused: u64,
+    /// Standing credits claimed here: a new flow's chunk 0 took the region its sender's
+    /// standing flow held.
+    pub standing_taken: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

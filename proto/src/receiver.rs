@@ -19,7 +19,7 @@ use crate::proof::{BadProof, Registrations};
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
 use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
-use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Want};
+use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Standing, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
 /// and scheduler state until it ends; without a cap a peer could grow that state without
@@ -33,6 +33,9 @@ pub const MAX_CHUNKS_PER_PEER: u64 = 1 << 20;
 /// the scheduler has not granted yet (a busy arena). Beyond it an inline WANT is served the
 /// usual way (GRANT, write, DATA): a flood of them costs other peers the shortcut, never memory.
 pub const MAX_INLINE_HELD: u64 = 4 << 20;
+/// Share of the arena's usable bytes that standing credits ([`wire::Standing`]) may hold, all
+/// peers together: beyond it a peer's standing flow is refused (it then uses the full exchange).
+pub const STANDING_SHARE: u64 = 8;
 
 /// What one peer's open flows hold here: the quantities [`MAX_FLOWS_PER_PEER`] and
 /// [`MAX_CHUNKS_PER_PEER`] bound.
@@ -64,6 +67,11 @@ struct Flow {
     /// The one chunk's bytes and runs from the WANT ([`wire::Inline`]), taken until the
     /// chunk's region is granted: then they are put there and scattered, with no GRANT sent.
     inline: Option<wire::Inline>,
+    /// The sender's standing flow ([`wire::Standing::Open`]): it holds at most one region, for
+    /// a later transfer of the sender to claim, is reclaimed like any flow when its region goes
+    /// unclaimed for the idle timeout (a lease), is not watched by the liveness probe, and
+    /// carries no data of its own (it proved no registration, so any DATA naming it is refused).
+    standing: bool,
     /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
     /// DATA, new grants and finished scatters.
     /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
@@ -198,6 +206,10 @@ pub struct Receiver {
     /// would land again over newer ones. It is served the usual way, which writes nothing
     /// without its sender. Forgotten when the peer is lost (a new incarnation counts afresh).
     inline_floor: BTreeMap<PeerId, XferId>,
+    /// Largest standing credit given to one peer (`bounce_standing_bytes`); 0: none.
+    standing_bytes: u64,
+    /// Each peer's standing flow (at most one) and its chunk's bytes.
+    standing: BTreeMap<PeerId, (XferId, u64)>,
 }
 
 impl Receiver {
@@ -215,6 +227,8 @@ impl Receiver {
             inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
             inline_held: 0,
             inline_floor: BTreeMap::new(),
+            standing_bytes: config.standing_bytes,
+            standing: BTreeMap::new(),
         }
     }
 
@@ -222,6 +236,16 @@ impl Receiver {
     /// its arena is not host memory, where it could not put the bytes.
     pub(crate) fn set_inline_bytes(&mut self, bytes: u64) {
         self.inline_bytes = self.inline_bytes.min(bytes);
+    }
+
+    /// The standing flow `peer` holds here ([`wire::Standing`]), if any.
+    pub fn standing_flow(&self, peer: PeerId) -> Option<XferId> {
+        self.standing.get(&peer).map(|&(xfer, _)| xfer)
+    }
+
+    /// Arena bytes the peers' standing flows hold (granted and not yet claimed).
+    pub fn standing_held_bytes(&self, sched: &CreditScheduler) -> u64 {
+        self.standing.iter().map(|(&peer, &(xfer, _))| sched.flow_held_bytes(FlowKey { peer, xfer })).sum()
     }
 
     /// True while the receiver tracks flow `key`.
@@ -250,7 +274,12 @@ impl Receiver {
     pub(crate) fn peers_waited_on(&self, out: &mut std::collections::BTreeSet<PeerId>) {
         let mut from = FlowKey { peer: PeerId(0), xfer: crate::types::XferId(0) };
         while let Some(k) = self.flows.range(from..).next().map(|(k, _)| *k) {
-            out.insert(k.peer);
+            // A standing flow waits for nothing (its lease ends it): a peer with no other flow
+            // here is not probed for it, so two idle engines stay quiet. It has at most one.
+            let mut flows = self.flows.range(k..).take_while(|(f, _)| f.peer == k.peer).take(2);
+            if flows.any(|(_, f)| !f.standing) {
+                out.insert(k.peer);
+            }
             let Some(next) = k.peer.0.checked_add(1) else { break };
             from = FlowKey { peer: PeerId(next), xfer: crate::types::XferId(0) };
         }
@@ -352,12 +381,19 @@ impl Receiver {
             refuse_want(ctx, from, &want);
             return Ok(());
         }
+        let live = self.flows.get(&key);
+        if live.is_some_and(|f| f.standing) || (live.is_some() && want.standing == Standing::Open) {
+            return Err(ProtocolError::StandingWant { peer: from, xfer: want.xfer });
+        }
         let load = self.load.get(&from).copied().unwrap_or_default();
         let flows = load.flows + usize::from(!self.flows.contains_key(&key));
         let chunks = load.chunks.saturating_add(want.chunks.len() as u64);
         if flows > self.caps.flows || chunks > self.caps.chunks {
             refuse_want(ctx, from, &want);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: want.xfer, flows, chunks });
+        }
+        if want.standing == Standing::Open {
+            return self.open_standing(ctx, from, want, PeerLoad { flows, chunks });
         }
         // Where the flow may scatter: only registrations whose metadata the sender holds.
         let proven = match self.registered.verify(want.token, &want.proofs) {
@@ -374,9 +410,34 @@ impl Receiver {
                 return Err(ProtocolError::BadProof { peer: from, xfer: want.xfer, source });
             }
         };
-        if let Err(source) = ctx.sched.want(key, &want.chunks) {
+        let claimed = match want.standing {
+            Standing::Claim { xfer, token } => Some(self.claimable(ctx, from, &want, xfer, token)?),
+            _ => None,
+        };
+        let queued = match claimed {
+            // Chunk 0 takes the standing region; the chunks after it queue as usual.
+            Some(standing) => ctx.sched.want_from(key, 1, &want.chunks[1..]).and_then(|()| {
+                let adopted = ctx.sched.adopt(standing.flow, standing.region.offset, key, ChunkIdx(0));
+                if adopted.is_err() {
+                    ctx.sched.reclaim_flow(key);
+                }
+                adopted.map(drop)
+            }),
+            None => ctx.sched.want(key, &want.chunks),
+        };
+        if let Err(source) = queued {
             refuse_want(ctx, from, &want);
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
+        }
+        if let Some(standing) = claimed {
+            // The standing flow asks for a fresh region at once: its next GRANT replaces the
+            // credit its sender just used.
+            let bytes = self.standing.get(&from).map_or(0, |&(_, b)| b);
+            if let Err(e) = ctx.sched.want(standing.flow, &[bytes]) {
+                internal_error("re-arm a standing flow", &e);
+            }
+            ctx.stats.standing_taken += 1;
+            trace!(peer = from.0, xfer = want.xfer.0, region = %standing.region, "standing credit claimed");
         }
         let inline = match want.inline {
             Some(i) if self.flows.contains_key(&key) => {
@@ -415,6 +476,7 @@ impl Receiver {
                     pull: None,
                     plans: BTreeMap::new(),
                     inline,
+                    standing: false,
                     deadline,
                 };
                 self.flows.insert(key, flow);
@@ -452,6 +514,94 @@ impl Receiver {
         self.inline_floor.insert(from, xfer);
         self.inline_held += len;
         Some(inline)
+    }
+
+    /// A WANT that opens `from`'s standing flow ([`Standing::Open`]; `load`: the peer's load
+    /// with it). Refused (the sender then uses the full exchange) when this receiver gives no
+    /// standing credit of that size, the peer has one already, the standing share of the arena
+    /// is taken, or the WANT asks for mailbox answers (one way: no GRANT could reach it).
+    fn open_standing(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        want: Want,
+        load: PeerLoad,
+    ) -> Result<(), ProtocolError> {
+        let key = FlowKey { peer: from, xfer: want.xfer };
+        let bytes = want.chunks[0];
+        let held: u64 = self.standing.values().map(|&(_, b)| b).sum();
+        let share = ctx.sched.usable_capacity() / STANDING_SHARE;
+        let fits = bytes <= self.standing_bytes.min(ctx.sched.max_chunk_bytes()) && held + bytes <= share;
+        let fresh = !self.standing.contains_key(&from) && !self.flows.contains_key(&key);
+        // What the decoder refuses too (`Msg::validate`), for messages handed in directly.
+        let bare = want.chunks.len() == 1 && want.inline.is_none() && want.proofs.is_empty();
+        if !fits || !fresh || !bare || want.endpoint == wire::REPLY_MAILBOX {
+            debug!(peer = from.0, xfer = want.xfer.0, bytes, fits, fresh, "standing flow refused");
+            ctx.stats.standing_refused += 1;
+            refuse_want(ctx, from, &want);
+            return Ok(());
+        }
+        if let Err(source) = ctx.sched.want(key, &want.chunks) {
+            refuse_want(ctx, from, &want);
+            return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
+        }
+        self.load.insert(from, load);
+        self.standing.insert(from, (want.xfer, bytes));
+        // Leased like any grant: a region left unclaimed for the idle timeout is reclaimed with
+        // the flow (its sender claims none older than half that, and opens a new one).
+        let deadline = ctx.now + self.idle_timeout;
+        self.timers.set(key, deadline);
+        let flow = Flow {
+            token: want.token,
+            proven: Vec::new(),
+            chunks: want.chunks,
+            scattering: 0,
+            pull: None,
+            plans: BTreeMap::new(),
+            inline: None,
+            standing: true,
+            deadline,
+        };
+        self.flows.insert(key, flow);
+        ctx.stats.standing_opened += 1;
+        debug!(peer = from.0, xfer = want.xfer.0, bytes, "standing flow opened");
+        Ok(())
+    }
+
+    /// The region `from`'s standing flow `xfer` holds, for `want`'s chunk 0 to claim
+    /// ([`Standing::Claim`] with `token`). A claim without the standing flow's token is a
+    /// forgery: not answered, nothing changes. A claim of a standing flow that is gone or holds
+    /// no region (not granted yet, or claimed already), one too small for the chunk, or one
+    /// for a flow that exists already or is answered one way, refuses the WANT. The sender may
+    /// be writing into the region already: it stays the standing flow's until the sender's
+    /// cancel, which comes after its writes.
+    fn claimable(
+        &self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        want: &Want,
+        xfer: XferId,
+        token: Token,
+    ) -> Result<SchedGrant, ProtocolError> {
+        let key = FlowKey { peer: from, xfer: want.xfer };
+        let standing = FlowKey { peer: from, xfer };
+        let Some(flow) = self.flows.get(&standing).filter(|f| f.standing) else {
+            refuse_want(ctx, from, want);
+            return Err(ProtocolError::BadClaim { peer: from, xfer: want.xfer });
+        };
+        if flow.token != token {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: from, xfer });
+        }
+        let region = ctx.sched.idle_held(standing);
+        let usable = region.filter(|g| g.region.len >= want.chunks[0]);
+        match usable {
+            Some(g) if !self.flows.contains_key(&key) && want.endpoint != wire::REPLY_MAILBOX => Ok(g),
+            _ => {
+                refuse_want(ctx, from, want);
+                Err(ProtocolError::BadClaim { peer: from, xfer: want.xfer })
+            }
+        }
     }
 
     /// A KEEP: one of the sender's writes into this flow's regions is still in flight, so the
@@ -1058,6 +1208,7 @@ impl Receiver {
                     pull: Some(PullRuns { chunks: pulled, total: pull.total, failed: false }),
                     plans: BTreeMap::new(),
                     inline: None,
+                    standing: false,
                     deadline,
                 };
                 self.flows.insert(key, flow);
@@ -1209,6 +1360,9 @@ impl Receiver {
             Some(flow) => {
                 self.timers.stop(key);
                 self.inline_held -= flow.inline.as_ref().map_or(0, |i| i.bytes.len() as u64);
+                if flow.standing {
+                    self.standing.remove(&key.peer);
+                }
                 if let Some(load) = self.load.get_mut(&key.peer) {
                     load.flows -= 1;
                     load.chunks -= flow.units();
@@ -1239,6 +1393,11 @@ impl Receiver {
         }
         if recount != self.load {
             return Err(format!("per-peer load {:?} but the open flows add up to {:?}", self.load, recount));
+        }
+        let standing: BTreeMap<PeerId, (XferId, u64)> =
+            self.flows.iter().filter(|(_, f)| f.standing).map(|(k, f)| (k.peer, (k.xfer, f.chunks[0]))).collect();
+        if standing != self.standing {
+            return Err(format!("standing flows {:?} but the open flows have {standing:?}", self.standing));
         }
         let held: u64 = self.flows.values().filter_map(|f| f.inline.as_ref()).map(|i| i.bytes.len() as u64).sum();
         if held != self.inline_held || held > MAX_INLINE_HELD {

@@ -21,13 +21,34 @@ use crate::plan::Plan;
 use crate::proof;
 use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, CopyRun, PeerId, Region, Token, XferId};
-use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Want};
+use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Standing, Want};
 
 /// A credit as the sender keeps it: the granted remote region and when it arrived.
 #[derive(Debug, Clone, Copy)]
 struct Credit {
     region: Region,
     at: Instant,
+}
+
+/// Transfer ids with this bit set name standing flows ([`wire::Standing`]): each is the id of
+/// the transfer whose submit opened it with the bit set, so it is unique and never a
+/// transfer's (the shell numbers transfers from 1; `submit` refuses ids with the bit).
+pub const STANDING_XFER_BIT: u64 = 1 << 63;
+
+/// Key under which a standing flow's token is derived from the token of the transfer that
+/// opened it (the core draws no randomness): only the two ends of that transfer know it.
+const STANDING_TOKEN_KEY: crate::types::RegKey = crate::types::RegKey(*b"nixl-bounce standing flow token.");
+
+/// This engine's standing flow at one peer ([`wire::Standing`]).
+#[derive(Debug, Clone, Copy)]
+struct StandingSlot {
+    xfer: XferId,
+    token: Token,
+    /// The bytes asked for.
+    bytes: u64,
+    /// The region granted and not claimed yet, and when its GRANT came; `None` while a grant
+    /// is awaited.
+    region: Option<(Region, Instant)>,
 }
 
 /// Where one chunk is in its lifecycle.
@@ -137,6 +158,9 @@ struct Xfer {
     /// Its one chunk rode in the WANT ([`wire::Inline`]) and no GRANT came: the receiver's ACK
     /// may come with no write from us, for a region we never saw.
     inline: bool,
+    /// The standing flow (and its token) whose region chunk 0 claimed: if the transfer fails,
+    /// that flow is canceled with it, after its writes (see `Sender::fail`).
+    claimed: Option<(XferId, Token)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +196,8 @@ struct PendingCancel {
     peer: PeerId,
     token: Token,
     writes: usize,
+    /// The standing flow the transfer claimed a region of, canceled with it.
+    standing: Option<(XferId, Token)>,
 }
 
 /// Protocol state of the transfers this engine sends.
@@ -241,6 +267,12 @@ pub struct Sender {
     next_keep: Option<Instant>,
     /// An eighth of the request timeout: the receiver reclaims a flow silent for half of it.
     keep_every: Duration,
+    /// Bytes of the standing credit asked of each peer written to two way; 0: none.
+    standing_bytes: u64,
+    /// Our standing flow at each peer (see [`wire::Standing`]).
+    standing: BTreeMap<PeerId, StandingSlot>,
+    /// Peers that refused our standing flow: not asked again until they are lost.
+    no_standing: BTreeSet<PeerId>,
 }
 
 /// A write in flight, as KEEPs need it.
@@ -276,6 +308,9 @@ impl Sender {
             writes: BTreeMap::new(),
             next_keep: None,
             keep_every: config.request_timeout / 8,
+            standing_bytes: config.standing_bytes.min(config.max_chunk_size),
+            standing: BTreeMap::new(),
+            no_standing: BTreeSet::new(),
         }
     }
 
@@ -352,7 +387,30 @@ impl Sender {
         if inlined {
             ctx.stats.inline_sent += 1;
         }
-        ctx.send(peer, Want { xfer, token, endpoint, chunks, proofs, inline });
+        // Chunk 0 takes our standing credit at this peer when there is one and it fits. One
+        // granted a quarter timeout ago is not used, as any credit (see `post_write`): the
+        // receiver's lease on it may end before our write lands. Its flow goes, and a new one
+        // is opened below.
+        let lease = self.timeout / 4;
+        let stale = self.standing.get(&peer).and_then(|s| s.region).is_some_and(|(_, at)| ctx.now >= at + lease);
+        if stale {
+            self.close_standing(ctx, peer, true);
+        }
+        let claim = match self.standing.get_mut(&peer) {
+            Some(slot) if !one_way && !inlined => match slot.region {
+                Some((region, _)) if region.len >= plan.chunks[0].bytes => {
+                    slot.region = None;
+                    Some((slot.xfer, slot.token, region))
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        let standing = claim.map_or(Standing::None, |(xfer, token, _)| Standing::Claim { xfer, token });
+        ctx.send(peer, Want { xfer, token, endpoint, chunks, proofs, inline, standing });
+        if !one_way {
+            self.open_standing(ctx, xfer, token, peer);
+        }
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
@@ -369,6 +427,7 @@ impl Sender {
             deadline,
             wanted,
             inline: inlined,
+            claimed: claim.map(|(xfer, token, _)| (xfer, token)),
         };
         if staged {
             self.staging_xfers += 1;
@@ -401,7 +460,70 @@ impl Sender {
         self.timers.set(xfer, deadline);
         self.xfers.insert(xfer, x);
         ctx.stats.submitted += 1;
+        if let Some((_, _, region)) = claim {
+            // Written at once, as if the GRANT had come: the region is ours until the
+            // receiver hands it to this transfer on the claim.
+            ctx.stats.standing_claims += 1;
+            trace!(xfer = xfer.0, region = %region, "standing credit claimed");
+            if let Err(e) = self.attach(ctx, xfer, 0, Credit { region, at: ctx.now }) {
+                self.fail(ctx, xfer, e, true);
+            } else if let Some(x) = self.xfers.get_mut(&xfer) {
+                x.plan_chunk(ctx, xfer, 0, self.plan_ahead_runs);
+            }
+        }
         Ok(())
+    }
+
+    /// Opens our standing flow at `peer` (see [`wire::Standing`]) when we have none there and
+    /// the peer has not refused one. Named after transfer `xfer`, whose submit opens it, with
+    /// a token derived from that transfer's.
+    fn open_standing(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, token: Token, peer: PeerId) {
+        if self.standing_bytes == 0 || self.standing.contains_key(&peer) || self.no_standing.contains(&peer) {
+            return;
+        }
+        let id = XferId(xfer.0 | STANDING_XFER_BIT);
+        let token = Token(u128::from_le_bytes(proof::tag(&STANDING_TOKEN_KEY, token)));
+        let bytes = self.standing_bytes;
+        let want = Want {
+            xfer: id,
+            token,
+            endpoint: self.endpoint.clone(),
+            chunks: vec![bytes],
+            proofs: Vec::new(),
+            inline: None,
+            standing: Standing::Open,
+        };
+        ctx.send(peer, want);
+        self.standing.insert(peer, StandingSlot { xfer: id, token, bytes, region: None });
+        ctx.stats.standing_opened_out += 1;
+        debug!(peer = peer.0, xfer = id.0, bytes, "standing flow opened");
+    }
+
+    /// Ends our standing flow at `peer`, if any: forgotten here and, with `cancel`, canceled
+    /// there now (nothing of ours is being written into its region).
+    fn close_standing(&mut self, ctx: &mut Ctx<'_>, peer: PeerId, cancel: bool) {
+        if let Some(slot) = self.standing.remove(&peer) {
+            if cancel {
+                ctx.send(peer, Msg::cancel(slot.xfer, slot.token, self.endpoint.clone()));
+            }
+            self.tombstone(ctx.now, slot.xfer, peer);
+        }
+    }
+
+    /// A GRANT or ACK for our standing flow at `from`, if `xfer` names it: `None` otherwise.
+    fn standing_msg(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        xfer: XferId,
+        token: Token,
+    ) -> Option<Result<&mut StandingSlot, ProtocolError>> {
+        let slot = self.standing.get_mut(&from).filter(|s| s.xfer == xfer)?;
+        if slot.token != token {
+            ctx.stats.control_forged += 1;
+            return Some(Err(ProtocolError::WrongToken { peer: from, xfer }));
+        }
+        Some(Ok(slot))
     }
 
     /// Starts READ transfer `xfer` of `plan` from `peer`: the plan's gather runs read the
@@ -447,6 +569,7 @@ impl Sender {
             deadline,
             wanted: None,
             inline: false,
+            claimed: None,
         };
         self.staging_xfers += 1;
         if self.reserve.is_none() {
@@ -479,7 +602,7 @@ impl Sender {
         if self.shutting_down {
             return Err(SubmitError::ShuttingDown);
         }
-        if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) {
+        if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) || xfer.0 & STANDING_XFER_BIT != 0 {
             return Err(SubmitError::DuplicateXfer { xfer });
         }
         check_plan(xfer, plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))
@@ -611,6 +734,22 @@ impl Sender {
 
     pub(crate) fn handle_grant(&mut self, ctx: &mut Ctx<'_>, from: PeerId, grant: Grant) -> Result<(), ProtocolError> {
         let id = grant.xfer;
+        if let Some(slot) = self.standing_msg(ctx, from, id, grant.token) {
+            // Our standing flow's region: kept for the next transfer to this peer.
+            let slot = slot?;
+            let [c] = grant.credits[..] else {
+                return Err(ProtocolError::DuplicateCredit { xfer: id, chunk: ChunkIdx(0) });
+            };
+            if slot.region.is_some() {
+                return Err(ProtocolError::DuplicateCredit { xfer: id, chunk: c.chunk });
+            }
+            if c.region.len < slot.bytes || c.region.offset.checked_add(c.region.len).is_none() {
+                return Err(ProtocolError::BadCredit { xfer: id, chunk: c.chunk, region: c.region, bytes: slot.bytes });
+            }
+            trace!(peer = from.0, region = %c.region, "standing credit");
+            slot.region = Some((c.region, ctx.now));
+            return Ok(());
+        }
         let timeout = self.timeout;
         let Some(x) = self.addressed_xfer(ctx, from, id, grant.token)? else { return Ok(()) };
         if grant.credits.is_empty() {
@@ -666,6 +805,17 @@ impl Sender {
 
     pub(crate) fn handle_ack(&mut self, ctx: &mut Ctx<'_>, from: PeerId, ack: Ack) -> Result<(), ProtocolError> {
         let id = ack.xfer;
+        if let Some(slot) = self.standing_msg(ctx, from, id, ack.token) {
+            slot?;
+            // The only answer a standing flow gets is a refusal: no standing credit there.
+            if ack.status != AckStatus::Refused {
+                return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
+            }
+            debug!(peer = from.0, "standing flow refused");
+            self.close_standing(ctx, from, false);
+            self.no_standing.insert(from);
+            return Ok(());
+        }
         let timeout = self.timeout;
         let Some(x) = self.addressed_xfer(ctx, from, id, ack.token)? else { return Ok(()) };
         let i = ack.chunk.0 as usize;
@@ -805,6 +955,9 @@ impl Sender {
         for id in lost {
             self.fail(ctx, id, XferError::PeerLost, false);
         }
+        // Its new incarnation starts with no standing flow of ours, and may give one.
+        self.close_standing(ctx, peer, false);
+        self.no_standing.remove(&peer);
         // Nobody is left to receive those cancels; the orphans are still freed by their jobs.
         self.pending_cancels.retain(|_, c| c.peer != peer);
     }
@@ -820,6 +973,8 @@ impl Sender {
         for id in gone {
             self.fail(ctx, id, XferError::PeerLost, true);
         }
+        // Its standing region back too (one a failed transfer claimed goes with that one).
+        self.close_standing(ctx, peer, true);
     }
 
     /// The application deregistered `[start, end)`: every transfer in flight that reads from
@@ -869,6 +1024,10 @@ impl Sender {
         let all: Vec<XferId> = self.xfers.keys().copied().collect();
         for id in all {
             self.fail(ctx, id, XferError::ShuttingDown, true);
+        }
+        let peers: Vec<PeerId> = self.standing.keys().copied().collect();
+        for peer in peers {
+            self.close_standing(ctx, peer, true);
         }
     }
 
@@ -1042,9 +1201,12 @@ impl Sender {
                 if let Some(pc) = self.pending_cancels.get_mut(&o.xfer) {
                     pc.writes -= 1;
                     if pc.writes == 0 {
-                        let (peer, token) = (pc.peer, pc.token);
+                        let (peer, token, standing) = (pc.peer, pc.token, pc.standing);
                         self.pending_cancels.remove(&o.xfer);
                         ctx.send(peer, Msg::cancel(o.xfer, token, self.endpoint.clone()));
+                        if let Some((xfer, token)) = standing {
+                            ctx.send(peer, Msg::cancel(xfer, token, self.endpoint.clone()));
+                        }
                     }
                 }
             }
@@ -1126,11 +1288,25 @@ impl Sender {
                 | Stage::Acked => {}
             }
         }
+        // A claim of our standing region: the region may hold (or be about to receive) this
+        // transfer's write while the receiver refused the claim and left it with the standing
+        // flow, which then goes too, after the writes, and is opened afresh by a later submit.
+        let standing = x.claimed.filter(|&(s, _)| self.standing.get(&x.peer).is_some_and(|slot| slot.xfer == s));
+        if standing.is_some() {
+            self.standing.remove(&x.peer);
+        }
+        if let Some((s, _)) = x.claimed {
+            self.tombstone(ctx.now, s, x.peer);
+        }
         if cancel {
             if writes == 0 {
                 ctx.send(x.peer, Msg::cancel(id, x.token, self.endpoint.clone()));
+                if let Some((s, token)) = standing {
+                    ctx.send(x.peer, Msg::cancel(s, token, self.endpoint.clone()));
+                }
             } else {
-                self.pending_cancels.insert(id, PendingCancel { peer: x.peer, token: x.token, writes });
+                let pc = PendingCancel { peer: x.peer, token: x.token, writes, standing };
+                self.pending_cancels.insert(id, pc);
             }
         }
         debug!(xfer = id.0, peer = x.peer.0, error = %err, acked = x.acked, orphaned_writes = writes, "transfer failed");

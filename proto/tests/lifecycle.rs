@@ -28,6 +28,9 @@ fn config(eager: bool) -> Config {
         max_inflight_chunks: 2,
         eager_gather: eager,
         request_timeout: Duration::from_secs(60),
+        // These pin exchanges with no standing flow in them (the simulation and the
+        // endpoint's `standing` tests cover it).
+        standing_bytes: 0,
         ..Config::default()
     };
     c.validate().unwrap();
@@ -93,6 +96,7 @@ fn want_proving(xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
         chunks: chunks.to_vec(),
         proofs,
         inline: None,
+        standing: Default::default(),
     })
 }
 

@@ -277,6 +277,7 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
                 chunks: vec![CHUNK],
                 proofs: Vec::new(),
                 inline: None,
+                standing: Default::default(),
             };
             ep.handle_msg(t, PeerId(peer), want.into()).unwrap();
         }

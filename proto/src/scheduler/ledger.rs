@@ -13,9 +13,9 @@ use std::collections::BTreeMap;
 
 use tracing::{debug, trace};
 
-use super::{CreditScheduler, EndScatter, Grant, Local, Reclaimed, Result, Scatter, SchedError};
+use super::{CreditScheduler, EndScatter, Flow, Grant, Held, Local, Reclaimed, Result, Scatter, SchedError};
 use crate::buddy::Buddy;
-use crate::types::{FlowKey, PeerId, Region, XferId};
+use crate::types::{ChunkIdx, FlowKey, PeerId, Region, XferId};
 
 impl CreditScheduler {
     /// The grant `flow` holds at `offset`, if it holds that region and its scatter has not
@@ -44,6 +44,68 @@ impl CreditScheduler {
         let scatter = Scatter { flow, chunk: held.chunk, len: held.len, orphaned: false };
         self.scattering.insert(offset, scatter);
         Ok(Grant { flow, chunk: held.chunk, region: Region { offset, len: held.len } })
+    }
+
+    /// The region `flow` holds whose scatter (or gather) has not begun, if any: the region a
+    /// standing flow keeps for its sender (it holds at most one, [`wire::Standing`]).
+    ///
+    /// [`wire::Standing`]: crate::wire::Standing
+    pub fn idle_held(&self, flow: FlowKey) -> Option<Grant> {
+        let f = self.flows.get(&flow)?;
+        let (&offset, held) = f.held.iter().find(|(off, _)| !self.scattering.contains_key(off))?;
+        Some(Grant { flow, chunk: held.chunk, region: Region { offset, len: held.len } })
+    }
+
+    /// Moves the idle region `from` holds at `offset` to flow `to` as its chunk `chunk`, as if
+    /// it had been granted there: a standing credit claimed by a new transfer
+    /// ([`wire::Standing::Claim`]). Both flows are one peer's, so its held bytes do not change.
+    /// `to` must hold nothing and not be stamped, and `chunk` must be numbered and not pending:
+    /// the caller queues the chunks after it first (`want_from(to, chunk + 1, ..)`); a `to`
+    /// that is not in the scheduler yet is added. `from` is erased when left with nothing.
+    /// Call [`schedule`](Self::schedule) afterwards.
+    ///
+    /// # Errors
+    /// [`SchedError::NotHeld`] when `from` does not hold that region idle (or `to` is another
+    /// peer's); [`SchedError::CannotAdopt`] for a `to` that breaks the rules above. Nothing
+    /// changes then.
+    ///
+    /// [`wire::Standing::Claim`]: crate::wire::Standing::Claim
+    pub fn adopt(&mut self, from: FlowKey, offset: u64, to: FlowKey, chunk: ChunkIdx) -> Result<Grant> {
+        let idle = !self.scattering.contains_key(&offset);
+        let held = self.flows.get(&from).and_then(|f| f.held.get(&offset)).copied();
+        let Some(held) = held.filter(|_| idle && from.peer == to.peer && from != to) else {
+            return Err(SchedError::NotHeld { flow: from, offset });
+        };
+        let cannot = SchedError::CannotAdopt { flow: to, chunk: chunk.0 };
+        if let Some(f) = self.flows.get(&to) {
+            let pending = f.pending.front().is_some_and(|&(c, _)| c <= chunk);
+            if !f.held.is_empty() || f.blocked.is_some() || f.next_chunk <= u64::from(chunk.0) || pending {
+                return Err(cannot);
+            }
+        }
+        let window = self.window as usize;
+        if let Some(f) = self.flows.get_mut(&from) {
+            let was = Self::is_waiting(f, window);
+            f.held.remove(&offset);
+            Self::rewait(&mut self.waiting, from.peer, was, Self::is_waiting(f, window));
+            if f.pending.is_empty() && f.held.is_empty() {
+                self.unblock(from);
+                self.flows.remove(&from);
+                self.remove_from_ring(from);
+                if self.drain == Some(from) {
+                    self.drain = None;
+                }
+            }
+        }
+        let entry = self.flows.entry(to).or_insert_with(|| {
+            self.ring.push(to);
+            Flow { next_chunk: u64::from(chunk.0) + 1, ..Flow::default() }
+        });
+        let was = Self::is_waiting(entry, window);
+        entry.held.insert(offset, Held { chunk, len: held.len });
+        Self::rewait(&mut self.waiting, to.peer, was, Self::is_waiting(entry, window));
+        trace!(?from, ?to, offset, chunk = chunk.0, "region adopted");
+        Ok(Grant { flow: to, chunk, region: Region { offset, len: held.len } })
     }
 
     /// Ends the scatter of the region at `offset` (successful or not) and frees the region. A

@@ -91,6 +91,15 @@ pub enum SchedError {
         /// The region handle.
         offset: u64,
     },
+    /// [`CreditScheduler::adopt`] into a flow that already holds a region, is stamped, or
+    /// has that chunk pending or not yet wanted.
+    #[error("flow {}/{} cannot adopt a region as chunk {chunk}", .flow.peer.0, .flow.xfer.0)]
+    CannotAdopt {
+        /// The flow that was to adopt the region.
+        flow: FlowKey,
+        /// The chunk it was to hold.
+        chunk: u32,
+    },
     /// No local staging region starts at this offset (never acquired or already released).
     #[error("no local staging region at {offset:#x}")]
     NotLocal {

@@ -22,7 +22,7 @@ use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 9;
+pub const WIRE_VERSION: u8 = 10;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -79,7 +79,10 @@ pub const MAX_FRAME_LEN: usize = {
         + 4
         + MAX_INLINE_BYTES as usize
         + 4
-        + MAX_RUNS as usize * MAX_RUN_LEN;
+        + MAX_RUNS as usize * MAX_RUN_LEN
+        + 1
+        + 8
+        + 16;
     let grant = HEADER_LEN + 8 + 16 + 4 + MAX_CREDITS as usize * CREDIT_LEN;
     let data = HEADER_LEN + 8 + 16 + 4 + REGION_LEN + 4 + MAX_RUNS as usize * MAX_RUN_LEN + 4;
     // A PULL: its first chunk and total, its chunk sizes and run counts, every run in its
@@ -140,7 +143,43 @@ pub struct Want {
     /// The transfer's only chunk, carried in the WANT itself (see [`Inline`]); `None` for the
     /// full exchange.
     pub inline: Option<Inline>,
+    /// Whether the WANT opens the sender's standing flow or claims its region (see
+    /// [`Standing`]); [`Standing::None`] for any other WANT.
+    pub standing: Standing,
 }
+
+/// A standing credit (docs/control-hops.md): one region of the receiver's arena that a
+/// sender holds ahead of its transfers, so that a transfer's first chunk is written with no
+/// WANT -> GRANT round trip.
+///
+/// The sender opens a *standing flow*: a WANT of one chunk with [`Standing::Open`], no
+/// proofs (its regions are never scattered from) and its own token. The receiver grants it
+/// like any flow but never reclaims it for silence. A later WANT of a transfer claims the
+/// region the standing flow holds for its chunk 0 ([`Standing::Claim`], with the standing
+/// flow's token): the receiver moves that region to the new flow as if it had granted it
+/// there, and grants the standing flow a fresh one. The sender writes chunk 0 into the region
+/// as soon as it sent the claim, and its DATA follows as for any granted chunk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub enum Standing {
+    /// An ordinary WANT.
+    #[default]
+    None,
+    /// This WANT opens the sender's standing flow (one chunk, no inline bytes).
+    Open,
+    /// This WANT's chunk 0 takes the region that standing flow `xfer` holds; `token` is that
+    /// flow's, proving the claim comes from its sender.
+    Claim {
+        /// The standing flow.
+        xfer: XferId,
+        /// The standing flow's token.
+        token: Token,
+    },
+}
+
+const STANDING_NONE: u8 = 0;
+const STANDING_OPEN: u8 = 1;
+const STANDING_CLAIM: u8 = 2;
 
 /// A small transfer's payload carried in its WANT: the receiver may put it in the region it
 /// grants the chunk and scatter it at once, answering with the ACK alone, which takes the
@@ -433,7 +472,15 @@ impl Msg {
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
     pub fn cancel(xfer: XferId, token: Token, endpoint: Vec<u8>) -> Self {
-        Self::Want(Want { xfer, token, endpoint, chunks: Vec::new(), proofs: Vec::new(), inline: None })
+        Self::Want(Want {
+            xfer,
+            token,
+            endpoint,
+            chunks: Vec::new(),
+            proofs: Vec::new(),
+            inline: None,
+            standing: Standing::None,
+        })
     }
 
     /// The transfer the message is about.
@@ -524,6 +571,17 @@ impl Msg {
                         return Err(WireError::Invalid { what: "WANT inline without runs" });
                     }
                     check_runs(&i.runs)?;
+                }
+                match m.standing {
+                    Standing::None => {}
+                    Standing::Open if m.chunks.len() != 1 || m.inline.is_some() || !m.proofs.is_empty() => {
+                        return Err(WireError::Invalid { what: "standing WANT not one bare chunk" });
+                    }
+                    Standing::Open => {}
+                    Standing::Claim { .. } if m.chunks.is_empty() || m.inline.is_some() => {
+                        return Err(WireError::Invalid { what: "standing claim on a cancel or an inline WANT" });
+                    }
+                    Standing::Claim { .. } => {}
                 }
             }
             Self::Grant(m) => {
@@ -803,6 +861,15 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
                     w.runs(&i.runs);
                 }
             }
+            match m.standing {
+                Standing::None => w.u8(STANDING_NONE),
+                Standing::Open => w.u8(STANDING_OPEN),
+                Standing::Claim { xfer, token } => {
+                    w.u8(STANDING_CLAIM);
+                    w.u64(xfer.0);
+                    w.token(token);
+                }
+            }
         }
         Msg::Grant(m) => {
             w.u64(m.xfer.0);
@@ -889,7 +956,13 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
                     Some(Inline { bytes, runs: r.runs("inline runs")? })
                 }
             };
-            Msg::Want(Want { xfer, token, endpoint, chunks, proofs, inline })
+            let standing = match r.u8()? {
+                STANDING_NONE => Standing::None,
+                STANDING_OPEN => Standing::Open,
+                STANDING_CLAIM => Standing::Claim { xfer: XferId(r.u64()?), token: r.token()? },
+                _ => return Err(WireError::Invalid { what: "WANT standing tag" }),
+            };
+            Msg::Want(Want { xfer, token, endpoint, chunks, proofs, inline, standing })
         }
         KIND_GRANT => {
             let (xfer, token) = (XferId(r.u64()?), r.token()?);

@@ -40,7 +40,7 @@ pub use envelope::{ConnEnvelope, ENVELOPE_MAGIC, ENVELOPE_VERSION};
 pub use frame::{
     Ack, AckStatus, Body, ControlFrame, Credit, Cursor, Data, Frame, Grant, HEADER_LEN, Inline, Keep, MAGIC,
     MAX_CHUNKS_PER_WANT, MAX_CREDITS, MAX_FRAME_LEN, MAX_INLINE_BYTES, MAX_PROOFS, MAX_RUNS, Msg, Plan, Proof, Pull,
-    PullChunk, REPLY_MAILBOX, Release, WIRE_VERSION, Want, decode_hello, encode_goodbye, encode_hello,
+    PullChunk, REPLY_MAILBOX, Release, Standing, WIRE_VERSION, Want, decode_hello, encode_goodbye, encode_hello,
     is_control_frame,
 };
 pub use public::{

@@ -4,7 +4,7 @@
 use super::caps::{Capabilities, MailboxCaps};
 use super::codec::Result;
 use super::envelope::ConnEnvelope;
-use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Inline, Msg, Proof, WIRE_VERSION, Want};
+use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Inline, Msg, Proof, Standing, WIRE_VERSION, Want};
 use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 
 /// One valid frame of each shape; the golden tests and the fuzz seed corpus start from these.
@@ -22,6 +22,8 @@ pub(super) fn sample_frames() -> Vec<Frame> {
             chunks: vec![4096, 32],
             proofs: vec![Proof { reg: RegId(5), tag: [0xaa; 16] }],
             inline: None,
+            // Chunk 0 claims the standing flow's region (wire version 10).
+            standing: Standing::Claim { xfer: XferId(0x8000_0000_0000_0001), token },
         }),
         Msg::cancel(XferId(0x2a), token, b"tcp://10.0.0.1:5555".to_vec()),
         Msg::Grant(Grant {
@@ -42,6 +44,17 @@ pub(super) fn sample_frames() -> Vec<Frame> {
             chunks: vec![0x40],
             proofs: vec![Proof { reg: RegId(5), tag: [0xbb; 16] }],
             inline: Some(Inline { runs: vec![run], bytes: (0..0x40).collect() }),
+            standing: Default::default(),
+        }),
+        // A WANT that opens a standing flow (wire version 10).
+        Msg::Want(Want {
+            xfer: XferId(0x8000_0000_0000_0029),
+            token,
+            endpoint: b"ep".to_vec(),
+            chunks: vec![0x20_0000],
+            proofs: vec![],
+            inline: None,
+            standing: Standing::Open,
         }),
     ];
     msgs.into_iter().enumerate().map(|(i, msg)| Frame { session: i as u64 + 1, msg }).collect()

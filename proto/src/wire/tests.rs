@@ -62,7 +62,8 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                 endpoint,
                 chunks,
                 proofs,
-                inline: None
+                inline: None,
+                standing: Default::default(),
             })
         ),
         (
@@ -80,6 +81,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                     chunks,
                     proofs: vec![],
                     inline: Some(Inline { runs, bytes }),
+                    standing: Default::default(),
                 })
             }),
         (xfer.clone(), token.clone(), prop::collection::vec(credit, 1..6))
@@ -247,7 +249,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e43090508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e430a0508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -289,21 +291,22 @@ fn control_frames_share_the_frame_codec_and_carry_hello() {
 #[test]
 fn frame_layout_is_pinned() {
     let frames = sample_frames();
-    let [want, cancel, _, data, ack, _] = &frames[..] else { panic!("six samples") };
+    let [want, cancel, _, data, ack, _, _] = &frames[..] else { panic!("seven samples") };
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 09 01 0100000000000000
+            "00424f554e43 0a 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
-             00000000"
+             00000000
+             02 0100000000000080 1032547698badcfeefcdab8967452301"
         ))
     );
     assert_eq!(
         hex(&cancel.to_vec()[HEADER_LEN..]),
         format!(
-            "2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000 00000000 00000000",
+            "2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000 00000000 00000000 00",
             hex(b"tcp://10.0.0.1:5555")
         )
         .replace(' ', "")
@@ -311,7 +314,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 09 03 0400000000000000
+            "00424f554e43 0a 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001
@@ -321,7 +324,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 09 04 0500000000000000
+            "00424f554e43 0a 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -389,7 +392,7 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0900 01 01 0010000000000000 0020000000000000 0000000000000000
+    let caps = "0a00 01 01 0010000000000000 0020000000000000 0000000000000000
                 0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
                 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -515,12 +518,52 @@ fn invalid_values_are_refused() {
     let run = CopyRun { region_off: 0, addr: 0, len: 8, count: 1, region_stride: 0, addr_stride: 0 };
     let token = Token(1);
     let bad = [
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 0], proofs: vec![], inline: None }),
+        Msg::Want(Want {
+            xfer,
+            token,
+            endpoint: vec![],
+            chunks: vec![8, 0],
+            proofs: vec![],
+            inline: None,
+            standing: Default::default(),
+        }),
         // Inline bytes that are not exactly the WANT's one chunk, or scatter by no run.
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8], proofs: vec![], inline: inline(7, 1) }),
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8, 8], proofs: vec![], inline: inline(8, 1) }),
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![8], proofs: vec![], inline: inline(8, 0) }),
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks: vec![], proofs: vec![], inline: inline(8, 1) }),
+        Msg::Want(Want {
+            xfer,
+            token,
+            endpoint: vec![],
+            chunks: vec![8],
+            proofs: vec![],
+            inline: inline(7, 1),
+            standing: Default::default(),
+        }),
+        Msg::Want(Want {
+            xfer,
+            token,
+            endpoint: vec![],
+            chunks: vec![8, 8],
+            proofs: vec![],
+            inline: inline(8, 1),
+            standing: Default::default(),
+        }),
+        Msg::Want(Want {
+            xfer,
+            token,
+            endpoint: vec![],
+            chunks: vec![8],
+            proofs: vec![],
+            inline: inline(8, 0),
+            standing: Default::default(),
+        }),
+        Msg::Want(Want {
+            xfer,
+            token,
+            endpoint: vec![],
+            chunks: vec![],
+            proofs: vec![],
+            inline: inline(8, 1),
+            standing: Default::default(),
+        }),
         Msg::Grant(Grant { xfer, token, credits: vec![] }),
         Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![] }),
@@ -578,7 +621,7 @@ fn cancel_is_an_empty_want_that_keeps_its_endpoint() {
     let back = Frame::decode(&Frame { session: 3, msg: m.clone() }.to_vec()).unwrap();
     assert_eq!(back.msg, m);
     let names: Vec<_> = sample_frames().iter().map(|f| f.msg.kind_name()).collect();
-    assert_eq!(names, ["WANT", "CANCEL", "GRANT", "DATA", "ACK", "WANT"]);
+    assert_eq!(names, ["WANT", "CANCEL", "GRANT", "DATA", "ACK", "WANT", "WANT"]);
 }
 
 #[test]
@@ -629,7 +672,7 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
     let other_version = Capabilities { wire_version: u16::from(WIRE_VERSION) + 1, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
     let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 9, peer: 10 }));
+    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 10, peer: 11 }));
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
@@ -656,6 +699,7 @@ fn oversized_blobs_encode_to_what_decode_refuses() {
         chunks: vec![8],
         proofs: vec![],
         inline: None,
+        standing: Default::default(),
     });
     let err = big.validate().unwrap_err();
     assert!(matches!(err, WireError::CountTooLarge { what: "endpoint", .. }));
@@ -677,31 +721,35 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e4309010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000",
+        "00424f554e430a010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000
+         02 0100000000000080 1032547698badcfeefcdab8967452301",
         // cancel (empty WANT)
-        "00424f554e4309010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000",
+        "00424f554e430a010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000 00",
         // GRANT
-        "00424f554e4309020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e430a020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e4309030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e430a030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e4309040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e430a040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
         // WANT with its one chunk inline: 0x40 bytes, then one run
-        "00424f554e4309010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 01000000 4000000000000000
+        "00424f554e430a010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 01000000 4000000000000000
          01000000 0500000000000000 bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb
          40000000 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f
-         01000000 0380402002208001",
+         01000000 0380402002208001 00",
+        // WANT opening a standing flow of one 2 MiB chunk
+        "00424f554e430a010700000000000000 2900000000000080 1032547698badcfeefcdab8967452301 02000000 6570 01000000 0000200000000000
+         00000000 00000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e4309050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e430a050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e43090a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e430a0a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
@@ -723,7 +771,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e43090b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
+            "00424f554e430a0b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
              02000000 00000000 01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
@@ -732,16 +780,16 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e43090d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e430a0d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e43090c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e430a0c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
-    let caps = "0900 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
+    let caps = "0a00 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
                 0004000000000000 0900000000000000 01000000 6b 00000000 0000000000000000 00010000 12000000
                 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -785,6 +833,7 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
         chunks: vec![u64::MAX; MAX_CHUNKS_PER_WANT as usize],
         proofs: (0..u64::from(MAX_PROOFS)).map(|i| Proof { reg: RegId(u64::MAX - i), tag: [0xff; 16] }).collect(),
         inline: None,
+        standing: Default::default(),
     });
     // A PULL: every chunk with one run in its longest encoding (runs are capped in all).
     let pull = Msg::Pull(Pull {

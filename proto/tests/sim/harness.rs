@@ -387,8 +387,12 @@ impl Sim {
             self.tainted.insert((node, xfer));
         }
         if self.nodes[peer].alive {
-            let flow = FlowKey { peer: PeerId(node as u32), xfer };
-            let held = self.nodes[peer].ep.scheduler().is_held(flow, remote.offset);
+            let ep = &self.nodes[peer].ep;
+            let held_by = |xfer| ep.scheduler().is_held(FlowKey { peer: PeerId(node as u32), xfer }, remote.offset);
+            // A chunk 0 written into a standing credit may land before its claim is taken:
+            // the region is then still the sender's standing flow's.
+            let standing = ep.receiver().standing_flow(PeerId(node as u32)).and_then(held_by);
+            let held = held_by(xfer).or(standing);
             assert!(
                 held.is_some_and(|g| g.region == remote),
                 "node {node} xfer {xfer:?}: {what} {remote} of node {peer}, which the flow no longer holds"

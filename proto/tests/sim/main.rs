@@ -151,7 +151,10 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
         // Half the seeds carry plans of two or more runs in their regions (then the 2 KiB
         // chunks hold less data), the rest in PLAN frames.
         let region_plan_runs = if rng.random_bool(0.5) { 2 } else { 0 };
-        let cfg = bounce_proto::config::Config { region_plan_runs, ..sim_config(arena, window, eager) };
+        // Standing credits of a whole chunk (the default: at most one fits in the receiver's
+        // eighth of these arenas), a quarter chunk (several peers hold one), or none.
+        let standing_bytes = [2048, 512, 0][rng.random_range(0..3)];
+        let cfg = bounce_proto::config::Config { region_plan_runs, standing_bytes, ..sim_config(arena, window, eager) };
         let mut sim = Sim::new(senders + 1, &cfg, knobs, seed);
         for from in 1..=senders {
             for _ in 0..sim.rng().random_range(1..=3) {
@@ -189,6 +192,10 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
                 ("inline_declined", st.inline_declined),
                 ("inline_acks", st.inline_acks),
                 ("inline_taken", st.inline_taken),
+                ("standing_opened", st.standing_opened),
+                ("standing_refused", st.standing_refused),
+                ("standing_claims", st.standing_claims),
+                ("standing_taken", st.standing_taken),
             ] {
                 *seen.entry(k.to_string()).or_default() += v;
             }
@@ -231,6 +238,10 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
             "inline_acks",
             "inline_taken",
             "inline_scatters",
+            "standing_opened",
+            "standing_refused",
+            "standing_claims",
+            "standing_taken",
         ]
     };
     for key in events {

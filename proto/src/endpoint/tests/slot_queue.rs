@@ -24,6 +24,7 @@ fn one_way_want(xfer: u64) -> Msg {
         chunks: vec![CHUNK],
         proofs,
         inline: None,
+        standing: Default::default(),
     })
 }
 

@@ -1,0 +1,291 @@
+//! The standing credit ([`wire::Standing`], issue 12): a sender keeps one region of each
+//! peer's arena granted ahead of its transfers, and a transfer's chunk 0 claims it with no
+//! WANT -> GRANT round trip. Both ends, the lease, the refusals and the forgeries.
+
+use super::*;
+use crate::sender::STANDING_XFER_BIT;
+use crate::wire::Standing;
+
+/// Standing credits of one chunk, on both ends.
+fn standing_endpoint(arena: u64, eager: bool) -> (Endpoint, Instant) {
+    let now = Instant::now();
+    let cfg = Config { standing_bytes: CHUNK, ..config(arena, 2, eager) };
+    let mut ep = Endpoint::new(&cfg, now).unwrap();
+    ep.add_registered(REG, KEY, DST, 64 * KIB);
+    (ep, now)
+}
+
+/// The standing flow a peer opens: `xfer` with the bit, one `bytes` chunk, no proofs.
+fn open_msg(xfer: u64, bytes: u64) -> Msg {
+    Msg::Want(Want {
+        xfer: XferId(STANDING_XFER_BIT | xfer),
+        token: Token(0x57a4d),
+        endpoint: Vec::new(),
+        chunks: vec![bytes],
+        proofs: Vec::new(),
+        inline: None,
+        standing: Standing::Open,
+    })
+}
+
+/// Transfer `xfer`'s WANT of `chunks` whose chunk 0 claims standing flow `standing` with
+/// `token`.
+fn claim_msg(xfer: XferId, chunks: &[u64], standing: u64, token: Token) -> Msg {
+    let Msg::Want(mut w) = want_msg(xfer, chunks) else { unreachable!() };
+    w.standing = Standing::Claim { xfer: XferId(STANDING_XFER_BIT | standing), token };
+    Msg::Want(w)
+}
+
+fn grants(acts: &[Action]) -> Vec<(XferId, Vec<(u32, Region)>)> {
+    msgs(acts)
+        .into_iter()
+        .filter_map(|(_, m)| match m {
+            Msg::Grant(g) => Some((g.xfer, g.credits.iter().map(|c| (c.chunk.0, c.region)).collect())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn refusals(acts: &[Action]) -> Vec<XferId> {
+    msgs(acts)
+        .into_iter()
+        .filter_map(|(_, m)| match m {
+            Msg::Ack(a) if a.status == AckStatus::Refused => Some(a.xfer),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A receiver holding `PEER`'s standing flow 1, granted: returns its region.
+fn with_standing(ep: &mut Endpoint, t: Instant) -> Region {
+    ep.handle_msg(t, PEER, open_msg(1, CHUNK)).unwrap();
+    let g = grants(&drain(ep));
+    assert_eq!(g.len(), 1, "the standing flow is granted like any flow: {g:?}");
+    assert_eq!(ep.receiver().standing_flow(PEER), Some(XferId(STANDING_XFER_BIT | 1)));
+    g[0].1[0].1
+}
+
+#[test]
+fn a_claim_takes_the_standing_region_for_chunk_0_with_no_grant_and_the_standing_flow_is_granted_anew() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    let r1 = with_standing(&mut ep, t);
+    ep.handle_msg(t, PEER, claim_msg(X, &[CHUNK, CHUNK], 1, Token(0x57a4d))).unwrap();
+    let acts = drain(&mut ep);
+    let g = grants(&acts);
+    // Chunk 1 is granted as usual; chunk 0 never is: it holds the standing region already.
+    // The standing flow gets a fresh region.
+    assert!(g.iter().all(|(x, c)| *x != X || c.iter().all(|&(chunk, _)| chunk != 0)), "{g:?}");
+    let fresh = g.iter().find(|(x, _)| x.0 & STANDING_XFER_BIT != 0).expect("the standing flow is granted again");
+    assert_ne!(fresh.1[0].1, r1);
+    assert_eq!(ep.stats().standing_taken, 1);
+    // The chunk's DATA names the standing region, and is scattered from it.
+    ep.handle_msg(t, PEER, data_msg(X, 0, r1, vec![run(0, DST, CHUNK)])).unwrap();
+    let acts = drain(&mut ep);
+    assert_eq!(scatters(&acts).iter().map(|s| s.1).collect::<Vec<_>>(), vec![r1]);
+    check(&ep);
+}
+
+#[test]
+fn claims_forged_stale_or_too_large_change_nothing_or_are_refused() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    let free = ep.arena_free_bytes();
+    // No standing flow yet: the claim is refused, so its sender fails at once.
+    let r = ep.handle_msg(t, PEER, claim_msg(X, &[CHUNK], 1, Token(0x57a4d)));
+    assert!(matches!(r, Err(ProtocolError::BadClaim { .. })), "{r:?}");
+    assert_eq!(refusals(&drain(&mut ep)), vec![X]);
+    let r1 = with_standing(&mut ep, t);
+    let held = ep.arena_free_bytes();
+    assert_eq!(held, free - r1.len);
+    // The standing flow's token is the proof of the claim: a forger gets no answer.
+    let forged_before = ep.stats().control_forged;
+    let r = ep.handle_msg(t, PEER, claim_msg(XferId(2), &[CHUNK], 1, FORGED));
+    assert!(matches!(r, Err(ProtocolError::WrongToken { .. })), "{r:?}");
+    assert!(drain(&mut ep).is_empty(), "a forgery makes the receiver act");
+    assert_eq!(ep.stats().control_forged, forged_before + 1);
+    // Another peer cannot claim it: it has no standing flow here.
+    let r = ep.handle_msg(t, PeerId(9), claim_msg(XferId(3), &[CHUNK], 1, Token(0x57a4d)));
+    assert!(matches!(r, Err(ProtocolError::BadClaim { .. })), "{r:?}");
+    assert_eq!(refusals(&drain(&mut ep)), vec![XferId(3)]);
+    // A chunk larger than the region is refused; the region stays the standing flow's.
+    let r = ep.handle_msg(t, PEER, claim_msg(XferId(4), &[2 * CHUNK], 1, Token(0x57a4d)));
+    assert!(r.is_err(), "{r:?}");
+    assert_eq!(refusals(&drain(&mut ep)), vec![XferId(4)]);
+    assert_eq!((ep.arena_free_bytes(), ep.remote_flows()), (held, 1));
+    // The standing flow takes no DATA of its own: it proved no registration.
+    let s = XferId(STANDING_XFER_BIT | 1);
+    let data = Msg::Data(Data {
+        xfer: s,
+        token: Token(0x57a4d),
+        chunk: ChunkIdx(0),
+        region: r1,
+        runs: vec![run(0, DST, CHUNK)],
+        region_plan_runs: 0,
+    });
+    assert!(ep.handle_msg(t, PEER, data).is_err());
+    let acts = drain(&mut ep);
+    assert!(scatters(&acts).is_empty(), "nothing scattered from a standing region: {acts:?}");
+    assert_eq!(ep.receiver().standing_flow(PEER), None, "and the flow is reclaimed");
+    assert_eq!(ep.arena_free_bytes(), free);
+    check(&ep);
+}
+
+#[test]
+fn a_receiver_gives_one_standing_flow_per_peer_within_an_eighth_of_its_arena() {
+    let (mut ep, t) = standing_endpoint(64 * KIB, false);
+    // An eighth of 64 KiB: two 4 KiB standing flows, from two peers.
+    ep.handle_msg(t, PEER, open_msg(1, CHUNK)).unwrap();
+    ep.handle_msg(t, PEER, open_msg(2, CHUNK)).unwrap();
+    assert_eq!(refusals(&drain(&mut ep)), vec![XferId(STANDING_XFER_BIT | 2)], "one per peer");
+    ep.handle_msg(t, PeerId(8), open_msg(1, CHUNK)).unwrap();
+    ep.handle_msg(t, PeerId(9), open_msg(1, CHUNK)).unwrap();
+    let acts = drain(&mut ep);
+    assert_eq!(refusals(&acts), vec![XferId(STANDING_XFER_BIT | 1)], "the third goes over the share");
+    assert_eq!(ep.stats().standing_opened, 2);
+    assert_eq!(ep.stats().standing_refused, 2);
+    // More than this receiver gives, or chunks added later, are refused too.
+    ep.handle_msg(t, PeerId(10), open_msg(1, 2 * CHUNK)).unwrap();
+    assert_eq!(refusals(&drain(&mut ep)), vec![XferId(STANDING_XFER_BIT | 1)]);
+    let more = want_msg(XferId(STANDING_XFER_BIT | 1), &[CHUNK]);
+    let Msg::Want(mut more) = more else { unreachable!() };
+    more.token = Token(0x57a4d);
+    assert!(matches!(ep.handle_msg(t, PEER, Msg::Want(more)), Err(ProtocolError::StandingWant { .. })));
+    check(&ep);
+}
+
+#[test]
+fn an_unclaimed_standing_region_is_reclaimed_after_the_idle_timeout_and_not_probed_before() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    let free = ep.arena_free_bytes();
+    with_standing(&mut ep, t);
+    let mut waited = std::collections::BTreeSet::new();
+    ep.receiver().peers_waited_on(&mut waited);
+    assert!(waited.is_empty(), "a standing flow alone is not a reason to probe its peer");
+    ep.handle_timeout(t + TIMEOUT / 4);
+    assert_eq!(ep.receiver().standing_flow(PEER), Some(XferId(STANDING_XFER_BIT | 1)));
+    ep.handle_timeout(t + TIMEOUT / 2 + Duration::from_millis(1));
+    assert_eq!(ep.receiver().standing_flow(PEER), None);
+    assert_eq!(ep.arena_free_bytes(), free);
+    check(&ep);
+}
+
+/// A sender with standing credits, its first transfer submitted (that opens the standing
+/// flow) and the standing GRANT fed: returns the standing id, its token and region.
+fn sender_with_standing(eager: bool) -> (Endpoint, Instant, XferId, Token, Region) {
+    let (mut ep, t) = standing_endpoint(32 * KIB, eager);
+    ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+    let sent = msgs(&drain(&mut ep));
+    let opens: Vec<&Want> = sent
+        .iter()
+        .filter_map(|(_, m)| match m {
+            Msg::Want(w) if w.standing == Standing::Open => Some(w),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(opens.len(), 1, "{sent:?}");
+    let (s, token) = (opens[0].xfer, opens[0].token);
+    assert_ne!(token, TOKEN, "the standing flow has a token of its own");
+    let region = Region { offset: 16 * KIB, len: CHUNK };
+    let grant = Msg::Grant(Grant { xfer: s, token, credits: vec![Credit { chunk: ChunkIdx(0), region }] });
+    ep.handle_msg(t, PEER, grant).unwrap();
+    (ep, t, s, token, region)
+}
+
+#[test]
+fn a_senders_next_write_claims_its_standing_region_and_writes_chunk_0_at_once() {
+    for eager in [false, true] {
+        let (mut ep, t, s, token, region) = sender_with_standing(eager);
+        ep.submit(t, XferId(2), TOKEN, PEER, plan_of(1)).unwrap();
+        let acts = drain(&mut ep);
+        let claims: Vec<Standing> = msgs(&acts)
+            .iter()
+            .filter_map(|(_, m)| if let Msg::Want(w) = m { Some(w.standing) } else { None })
+            .collect();
+        assert_eq!(claims, vec![Standing::Claim { xfer: s, token }], "one claim, and no second open");
+        // Chunk 0 is gathered with its credit already there, and written into the region.
+        let g = gathers(&acts);
+        assert_eq!(g.len(), 1, "{acts:?}");
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        assert_eq!(w.iter().map(|w| w.2).collect::<Vec<_>>(), vec![region]);
+        assert_eq!(ep.stats().standing_claims, 1);
+        // A third write before the next standing GRANT goes the usual way.
+        ep.submit(t, XferId(3), TOKEN, PEER, plan_of(1)).unwrap();
+        let acts = drain(&mut ep);
+        assert!(writes(&acts).is_empty(), "{acts:?}");
+        assert_eq!(ep.stats().standing_claims, 1);
+    }
+}
+
+#[test]
+fn a_stale_standing_region_is_not_claimed_its_flow_is_canceled_and_a_new_one_opened() {
+    let (mut ep, t, s, _, _) = sender_with_standing(false);
+    ep.submit(t + TIMEOUT / 4, XferId(2), TOKEN, PEER, plan_of(1)).unwrap();
+    let sent = msgs(&drain(&mut ep));
+    let wants: Vec<(XferId, bool, Standing)> = sent
+        .iter()
+        .filter_map(|(_, m)| if let Msg::Want(w) = m { Some((w.xfer, w.is_cancel(), w.standing)) } else { None })
+        .collect();
+    let reopened = XferId(STANDING_XFER_BIT | 2);
+    assert_eq!(
+        wants,
+        vec![(s, true, Standing::None), (XferId(2), false, Standing::None), (reopened, false, Standing::Open)]
+    );
+}
+
+#[test]
+fn a_failed_claimer_cancels_the_standing_flow_with_itself_after_its_write() {
+    let (mut ep, t, s, token, region) = sender_with_standing(false);
+    ep.submit(t, XferId(2), TOKEN, PEER, plan_of(1)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    // The receiver refuses the claimer while its write into the standing region is in flight.
+    ep.handle_msg(t, PEER, ack_msg(XferId(2), 0, Region { offset: 0, len: 1 }, AckStatus::Refused)).unwrap();
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(XferId(2), Err(XferError::Refused))]);
+    assert!(msgs(&acts).is_empty(), "no cancel while the write may land: {acts:?}");
+    ep.handle_write_done(t, w[0].0, true);
+    let cancels: Vec<(XferId, Token)> = msgs(&drain(&mut ep))
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Want(w) = m { w.is_cancel().then_some((w.xfer, w.token)) } else { None })
+        .collect();
+    assert_eq!(cancels, vec![(XferId(2), TOKEN), (s, token)]);
+    // A late GRANT of the old standing flow is quiet, and the next write opens a new one.
+    let late = Msg::Grant(Grant { xfer: s, token, credits: vec![Credit { chunk: ChunkIdx(0), region }] });
+    assert!(ep.handle_msg(t, PEER, late).is_ok());
+    ep.submit(t, XferId(3), TOKEN, PEER, plan_of(1)).unwrap();
+    let opens = msgs(&drain(&mut ep))
+        .into_iter()
+        .filter(|(_, m)| matches!(m, Msg::Want(w) if w.standing == Standing::Open))
+        .count();
+    assert_eq!(opens, 1);
+}
+
+#[test]
+fn a_refused_standing_flow_is_not_asked_again_until_the_peer_is_lost() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+    let open = msgs(&drain(&mut ep))
+        .into_iter()
+        .find_map(|(_, m)| match m {
+            Msg::Want(w) if w.standing == Standing::Open => Some(w),
+            _ => None,
+        })
+        .unwrap();
+    let refusal = Ack {
+        xfer: open.xfer,
+        token: open.token,
+        chunk: ChunkIdx(0),
+        region: Region { offset: 0, len: 1 },
+        status: AckStatus::Refused,
+    };
+    ep.handle_msg(t, PEER, Msg::Ack(refusal)).unwrap();
+    let opened = |ep: &mut Endpoint, x| {
+        ep.submit(t, XferId(x), TOKEN, PEER, plan_of(1)).unwrap();
+        msgs(&drain(ep)).iter().filter(|(_, m)| matches!(m, Msg::Want(w) if w.standing == Standing::Open)).count()
+    };
+    assert_eq!(opened(&mut ep, 2), 0);
+    ep.handle_peer_lost(t, PEER);
+    drain(&mut ep);
+    assert_eq!(opened(&mut ep, 3), 1, "a new incarnation is asked again");
+}
