@@ -136,6 +136,9 @@ counters! {
     control_forged,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
+    /// Arena bytes held for peers' standing credits (`bounce_standing_bytes`): granted ahead of
+    /// their WRITEs, not free, not leaked (a lease ends each unclaimed one).
+    arena_standing_bytes,
     /// Staging regions of failed transfers waiting for their gather or write to end (the
     /// core's count).
     arena_orphans,
@@ -236,6 +239,20 @@ counters! {
     inline_ack_wait_ns,
     /// Peers' inline chunks we put in a region of our arena and scattered (the core's count).
     inline_taken,
+    /// Standing flows we opened at targets we WRITE to (`bounce_standing_bytes`; the core's
+    /// count).
+    standing_opened_out,
+    /// Bounced WRITEs whose first chunk we wrote into a standing credit, with no WANT -> GRANT
+    /// round trip (the core's count).
+    standing_claims,
+    /// Standing flows peers opened here (the core's count).
+    standing_opened,
+    /// Standing flows refused here: none of that size given, one per peer, or the standing
+    /// share of the arena taken (the core's count).
+    standing_refused,
+    /// Peers' transfers whose first chunk came in the standing credit we held for them (the
+    /// core's count).
+    standing_taken,
 }
 
 /// What a publisher last handed on (see [`Stats::publish_changes`]).

@@ -74,13 +74,21 @@ def session_of(meta):
     return struct.unpack_from("<Q", meta, at + 15 + 4 + 5 * 8)[0]
 
 
-def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None):
+def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None, standing=None):
     """proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs); inline: (bytes, runs),
-    the one chunk carried in the WANT (proto/src/wire/frame.rs `Inline`), runs as for `data`."""
+    the one chunk carried in the WANT (proto/src/wire/frame.rs `Inline`), runs as for `data`;
+    standing: None, "open", or ("claim", standing flow id, its token) (frame.rs `Standing`)."""
     tail = struct.pack("<I", 0)
     if inline is not None:
         payload, runs = inline
         tail = struct.pack("<I", len(payload)) + payload + struct.pack("<I", len(runs)) + runs_bytes(runs)
+    if standing is None:
+        tail += b"\x00"
+    elif standing == "open":
+        tail += b"\x01"
+    else:
+        _, sx, st = standing
+        tail += b"\x02" + struct.pack("<Q", sx) + tok(st)
     return (header(WANT, session) + struct.pack("<Q", xfer) + tok(token) + struct.pack("<I", len(endpoint))
             + endpoint + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks)
             + struct.pack("<I", len(proofs)) + b"".join(struct.pack("<Q", r) + t for r, t in proofs) + tail)
@@ -219,7 +227,7 @@ class Fuzzer:
 
     def plain_frame(self):
         r, t, s = self.r, self.t, self.session
-        kind = r.randrange(15)
+        kind = r.randrange(16)
         victim_xfers = r.randrange(0, 256)  # small ids: collide with the victim's real transfers
         if kind == 0:
             return "garbage", MAGIC + r.randbytes(r.randrange(0, 300))
@@ -283,6 +291,15 @@ class Fuzzer:
         if kind == 13:  # a WANT carrying its one chunk inline, scattered by forbidden runs
             size = r.choice([64, 4096, 16 << 10])
             return "inline_bad_runs", want(s, self.new_xfer(), [size], inline=(r.randbytes(size), self.forbidden_runs()))
+        if kind == 14:  # a standing flow opened and claimed, then DATA into guessed regions
+            # The standing flow's token follows from its id: once the flow budget is spent the
+            # ids repeat, and a new token on a live flow would be a forgery (counted apart).
+            sx, x = (1 << 63) | self.new_xfer(), self.new_xfer()
+            st = sx ^ 0x5747
+            return "standing_claim_bad_data", [
+                want(s, sx, [64 << 10], token=st, standing="open"), LATER,
+                want(s, x, [64 << 10], standing=("claim", sx, st)), LATER] + [
+                data(s, x, 0, self.guessed_region(), self.forbidden_runs()) for _ in range(16)]
         return "cancel", want(s, r.choice([victim_xfers, self.new_xfer()]), [])
 
     def new_xfer(self):

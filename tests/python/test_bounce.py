@@ -112,6 +112,40 @@ def test_a_small_write_rides_in_its_want_or_goes_the_usual_way_when_the_target_d
     assert theirs["inline_taken"] == (3 if taken else 0), theirs
 
 
+@pytest.mark.parametrize("rx_standing", ["2MiB", "0"])
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_writes_after_the_first_write_their_chunk_into_a_standing_credit_with_no_grant_wait(
+        peer, tmp_path, control, rx_standing):
+    """The first bounced WRITE to a peer opens a standing flow there; the target grants it one
+    region ahead of any transfer. Each later WRITE (256 x 4 KiB: one chunk, too large to ride
+    in its WANT) claims that region for its chunk and writes it at once, with no WANT -> GRANT
+    round trip, and the target grants the standing flow a fresh region. A target that gives
+    no standing credit refuses the flow and every WRITE takes the full exchange. Byte-exact
+    either way, the bytes around every destination untouched, the notification after the data."""
+    lay = nixlkit.Scattered(256, 4096, seed=47)
+    src = nixlkit.pattern(551, lay.src_bytes)
+    params = ZMQ if control == "zmq" else {}
+    tx, rx = f"tx-standing-{control}-{rx_standing}", f"rx-standing-{control}-{rx_standing}"
+    ag, p, raddr = pair(peer, src, tx=tx, rx=rx, rx_size=lay.dst_bytes, rx_seed=550, params=params,
+                        rx_params={**params, "bounce_standing_bytes": rx_standing})
+    before = stats(ag)
+    for i in range(4):
+        write_from_here(ag, rx, lay, src, raddr, notif=f"standing-{i}".encode())
+        p.call(op="notif_wait", **{"from": tx, "msg": f"standing-{i}"})
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(550, lay.dst_bytes)), "destination")
+    after = stats(ag)
+    theirs = {k[len("stats."):]: int(v) for k, v in p.call(op="params")["params"].items() if k.startswith("stats.")}
+    d = {k: after[k] - before[k] for k in ("bounce_ok", "standing_opened_out", "standing_claims", "grant_waits")}
+    given = rx_standing != "0"
+    claims = 3 if given else 0
+    assert d == {"bounce_ok": 4, "standing_opened_out": 1, "standing_claims": claims, "grant_waits": 4 - claims}, d
+    t = {k: theirs[k] for k in ("standing_opened", "standing_refused", "standing_taken")}
+    assert t == {"standing_opened": int(given), "standing_refused": int(not given), "standing_taken": claims}, t
+    # The target holds the next standing region (2 MiB) until a claim or the lease's end.
+    assert theirs["arena_standing_bytes"] == (2 << 20 if given else 0), theirs
+
+
 def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
     rng = np.random.default_rng(7)
     sizes = [int(x) for x in rng.integers(512, 1 << 20, size=300)]
@@ -138,7 +172,7 @@ def test_write_larger_than_both_arenas_streams_through(peer, tmp_path):
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(520, lay.dst_bytes)), "streamed destination")
     s = stats(ag)
     assert s["bounce_ok"] == 1 and s["bounce_chunks"] >= 32
-    assert s["arena_free_bytes"] == 4 << 20  # every staging region came back
+    assert s["arena_free_bytes"] + s["arena_standing_bytes"] == 4 << 20  # every staging region came back
 
 
 def test_bidirectional_at_once(peer, tmp_path):
@@ -205,7 +239,7 @@ def test_four_senders_to_one_receiver(peer, tmp_path):
         assert int(ps["stats.bounce_xfers"]) == 1, (i, ps)
         assert int(ps["stats.passthrough_xfers"]) == 0, (i, ps)
     s = stats(ag)
-    assert s["arena_free_bytes"] == 256 << 20, s
+    assert s["arena_free_bytes"] + s["arena_standing_bytes"] == 256 << 20, s
 
 
 def test_64_concurrent_transfers_from_8_threads(peer, tmp_path):

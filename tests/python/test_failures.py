@@ -146,11 +146,12 @@ def resolve(ag, h, deadline):
 
 
 def settle(read_stats, full, deadline, what):
-    """Waits until the arena is whole again (every region back, no orphans)."""
+    """Waits until the arena is whole again (every region back, no orphans); a standing credit
+    held for a peer counts as back (it is a reservation with a lease, not a leak)."""
     end = time.monotonic() + deadline
     while True:
         s = read_stats()
-        if s["arena_free_bytes"] == full and s["arena_orphans"] == 0:
+        if s["arena_free_bytes"] + s["arena_standing_bytes"] == full and s["arena_orphans"] == 0:
             return s
         if time.monotonic() > end:
             raise AssertionError(f"{what}: arena leaked: free {s['arena_free_bytes']} of {full}, "
@@ -303,7 +304,7 @@ def test_cancel_mid_transfer_frees_both_arenas_then_same_peer_is_byte_exact(proc
     assert mine["bounce_ok"] == 0, "the cancelled transfer was counted as a success"
     # the cancel itself frees the receiver's regions: no waiting for the no-progress timeout
     assert settled < TIMEOUT_MS / 1000 / 2, f"regions came back only after {settled:.1f}s"
-    assert theirs["arena_free_bytes"] == ARENA
+    assert theirs["arena_free_bytes"] + theirs["arena_standing_bytes"] == ARENA
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,21 +383,25 @@ def test_frame_encoder_of_the_hostile_peer_matches_the_pinned_wire_layout():
     import hostile_peer as hp
     t = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210  # the golden samples' token
     tb = "1032547698badcfe" "efcdab8967452301"
-    assert hp.want(1, 0x2a, [4096, 32], b"ep", token=t, proofs=[(5, b"\xaa" * 16)]).hex() == (
-        "00424f554e43" "09" "01" "0100000000000000" "2a00000000000000" + tb + "02000000" "6570"
+    claim = ("claim", 0x8000_0000_0000_0001, t)
+    assert hp.want(1, 0x2a, [4096, 32], b"ep", token=t, proofs=[(5, b"\xaa" * 16)], standing=claim).hex() == (
+        "00424f554e43" "0a" "01" "0100000000000000" "2a00000000000000" + tb + "02000000" "6570"
         "02000000" "0010000000000000" "2000000000000000" "01000000" "0500000000000000" + "aa" * 16
-        + "00000000")
+        + "00000000" "02" "0100000000000080" + tb)
+    assert hp.want(7, 0x8000_0000_0000_0029, [0x20_0000], b"ep", token=t, standing="open").hex() == (
+        "00424f554e43" "0a" "01" "0700000000000000" "2900000000000080" + tb + "02000000" "6570"
+        "01000000" "0000200000000000" "00000000" "00000000" "01")
     run = (0, 0x1000, 0x20, 2, 0x20, 0x80)
     assert hp.want(6, 0x2b, [0x40], b"ep", token=t, proofs=[(5, b"\xbb" * 16)],
                    inline=(bytes(range(0x40)), [run])).hex() == (
-        "00424f554e43" "09" "01" "0600000000000000" "2b00000000000000" + tb + "02000000" "6570"
+        "00424f554e43" "0a" "01" "0600000000000000" "2b00000000000000" + tb + "02000000" "6570"
         "01000000" "4000000000000000" "01000000" "0500000000000000" + "bb" * 16
-        + "40000000" + bytes(range(0x40)).hex() + "01000000" "0380402002208001")
+        + "40000000" + bytes(range(0x40)).hex() + "01000000" "0380402002208001" "00")
     assert hp.data(4, 3, 2, (0x100, 0x40), [(0, 0x1000, 0x20, 2, 0x20, 0x80)], token=t).hex() == (
-        "00424f554e43" "09" "03" "0400000000000000" "0300000000000000" + tb + "02000000"
+        "00424f554e43" "0a" "03" "0400000000000000" "0300000000000000" + tb + "02000000"
         "0001000000000000" "4000000000000000" "01000000" "03" "8040" "20" "02" "20" "8001" "00000000")
     assert hp.ack(5, 3, 2, (0x100, 0x40), 1, token=t).hex() == (
-        "00424f554e43" "09" "04" "0500000000000000" "0300000000000000" + tb + "02000000"
+        "00424f554e43" "0a" "04" "0500000000000000" "0300000000000000" + tb + "02000000"
         "0001000000000000" "4000000000000000" "01")
     assert hp.grant(3, 3, [(0, 0x100, 0x40)], token=t)[16:].hex() == (
         "0300000000000000" + tb + "01000000" "00000000" "0001000000000000" "4000000000000000")
@@ -684,7 +689,7 @@ def test_unknown_agent_flooding_wants_cannot_flood_the_victims_log(procs, tmp_pa
         common[key] = common.get(key, 0) + 1
     assert len(lines) < 200, (f"LOG FLOOD: {len(lines)} warning lines for {sent} frames in ~4 s; "
                               f"most common: {sorted(common.items(), key=lambda kv: -kv[1])[:3]}")
-    assert s["arena_free_bytes"] == 256 << 20, s
+    assert s["arena_free_bytes"] + s["arena_standing_bytes"] == 256 << 20, s
 
 
 # ---------------------------------------------------------------------------------------------

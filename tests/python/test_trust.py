@@ -5,8 +5,9 @@ in hostile_peer.py, the peer in this process.
 The peer here is a real BOUNCE agent that loaded the victim's metadata (so its frames pass the
 session rule), but the victim registers a second buffer only afterwards: the peer never gets
 that buffer's metadata, hence never its key. Whatever frames it forges -- a WANT with no proof
-or a made-up one, then DATA for the granted regions aimed at that buffer, or a WANT carrying its
-chunk inline aimed there -- the buffer's bytes must not change. A normal WRITE into the buffer whose metadata it does hold still bounces,
+or a made-up one, then DATA for the granted regions aimed at that buffer, a WANT carrying its
+chunk inline aimed there, or a standing flow of its own claimed by a WANT that proves nothing --
+the buffer's bytes must not change. A normal WRITE into the buffer whose metadata it does hold still bounces,
 byte-exactly."""
 import base64
 import random
@@ -78,6 +79,20 @@ def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(pr
                 peer.send_notif("t-victim", hp.data(session, x, 0, (k * (64 << 10), 64 << 10), runs, token=x))
             unproven += 1
             pump(peer, 0.05)
+        # A standing flow of its own, claimed by transfers that prove nothing, then DATA into the
+        # hidden buffer through every candidate region: the claimed region is the transfer's,
+        # and its DATA is refused all the same.
+        sx, st = (1 << 63) | 9400, 0x5747
+        peer.send_notif("t-victim", hp.want(session, sx, [64 << 10], token=st, standing="open"))
+        pump(peer, 0.03)
+        for x in range(9401, 9404):
+            peer.send_notif("t-victim", hp.want(session, x, [4096], token=x, standing=("claim", sx, st)))
+            pump(peer, 0.03)
+            for k in range(ARENA // (64 << 10)):
+                runs = [(0, hidden + (x - 9401) * 4096, 4096, 1, 0, 0)]
+                peer.send_notif("t-victim", hp.data(session, x, 0, (k * (64 << 10), 64 << 10), runs, token=x))
+            unproven += 1
+            pump(peer, 0.05)
         v1 = settle(lambda: peer_stats(v, agent="t-victim"), ARENA, TIMEOUT_MS / 1000 + SLACK_S,
                     "victim after the forged frames")
         got = dump(v, tmp_path, "forged.bin")
@@ -86,6 +101,7 @@ def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(pr
         # chunk) was refused (answered ACK(Refused), which the peer's own engine drops as unknown).
         assert v1["control_forged"] - v0["control_forged"] == made_up, (v0, v1)
         assert v1["control_dropped"] - v0["control_dropped"] >= made_up + unproven, sorted((k, v0[k], v1[k]) for k in v1 if v0[k] != v1[k])
+        assert v1["standing_taken"] - v0["standing_taken"] == 3, (v0, v1)  # the claims really came through
 
         # The buffer whose metadata the peer holds: a normal WRITE still bounces, byte-exact.
         lo = peer.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")

@@ -809,6 +809,7 @@ impl Driver {
     fn publish_gauges(&self) {
         let (s, core) = (&self.shared.stats, self.ep.stats());
         s.arena_free_bytes.store(self.ep.arena_free_bytes(), Ordering::Relaxed);
+        s.arena_standing_bytes.store(self.ep.arena_standing_bytes(), Ordering::Relaxed);
         s.arena_orphans.store(self.ep.orphans() as u64, Ordering::Relaxed);
         s.chunks_direct.store(core.chunks_direct, Ordering::Relaxed);
         s.timeouts.store(core.timeouts, Ordering::Relaxed);
@@ -842,6 +843,11 @@ impl Driver {
         s.inline_acks.store(core.inline_acks, Ordering::Relaxed);
         s.inline_ack_wait_ns.store(core.inline_ack_wait_ns, Ordering::Relaxed);
         s.inline_taken.store(core.inline_taken, Ordering::Relaxed);
+        s.standing_opened_out.store(core.standing_opened_out, Ordering::Relaxed);
+        s.standing_claims.store(core.standing_claims, Ordering::Relaxed);
+        s.standing_opened.store(core.standing_opened, Ordering::Relaxed);
+        s.standing_refused.store(core.standing_refused, Ordering::Relaxed);
+        s.standing_taken.store(core.standing_taken, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 
