@@ -28,7 +28,10 @@ Then the two round trips as the initiator's engine timed them (`stats.grant_wait
 the chunk in it), each the median over blocks of the block's mean, beside the notification
 round trip's p50. A WRITE small enough to ride in its WANT (`bounce_inline_bytes`, 16 KiB by
 default: 256 x 64 B does) has one round trip instead, WANT -> ACK (`stats.inline_ack_wait_ns`);
-run with NIXL_BOUNCE_INLINE_BYTES=0 to measure the two-round-trip exchange.
+run with NIXL_BOUNCE_INLINE_BYTES=0 to measure the two-round-trip exchange. A larger WRITE
+(`--size 4096`: 1 MiB, one chunk) writes its chunk into the standing credit its initiator keeps
+at the target (`bounce_standing_bytes`), with no WANT -> GRANT either: DATA -> ACK is its one
+round trip; run with NIXL_BOUNCE_STANDING_BYTES=0 to measure the full exchange.
 """
 import argparse
 import base64
@@ -161,6 +164,11 @@ class Side:
 
         return int(nixlkit.live_params(self.ag, self.backend).get("stats.bounce_ok", 0))
 
+    def standing_claims(self):
+        import nixlkit
+
+        return int(nixlkit.live_params(self.ag, self.backend).get("stats.standing_claims", 0))
+
     def waits(self):
         """The engine's timed control round trips so far: {name: (count, summed ns)}."""
         import nixlkit
@@ -262,6 +270,7 @@ def main():
     # DATA -> ACK as the initiator's engine timed them, in seconds.
     hops = {}
     ok_before = sides["BOUNCE"].bounce_ok()
+    claims_before = sides["BOUNCE"].standing_claims()
     bounced = 0
     try:
         for _ in range(args.blocks):
@@ -321,7 +330,9 @@ def main():
                     m = statistics.median(xs)
                     print(f"  {label:19s} timed by the engine ({name}): {m*1e6:6.1f}us, "
                           f"{m / rtt:.2f}x the notification round trip")
-    print(f"  bounced: {ok} of {bounced} BOUNCE scattered WRITEs took the bounce path")
+    print(f"  bounced: {ok} of {bounced} BOUNCE scattered WRITEs took the bounce path; "
+          f"{sides['BOUNCE'].standing_claims() - claims_before} wrote their first chunk into a standing "
+          f"credit (no WANT -> GRANT)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{n}|{b}": v for (n, b), v in samples.items()}, f)

@@ -112,17 +112,17 @@ def test_a_small_write_rides_in_its_want_or_goes_the_usual_way_when_the_target_d
     assert theirs["inline_taken"] == (3 if taken else 0), theirs
 
 
-@pytest.mark.parametrize("rx_standing", ["2MiB", "0"])
+@pytest.mark.parametrize("rx_standing", ["256KiB", "0"])
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
 def test_writes_after_the_first_write_their_chunk_into_a_standing_credit_with_no_grant_wait(
         peer, tmp_path, control, rx_standing):
     """The first bounced WRITE to a peer opens a standing flow there; the target grants it one
-    region ahead of any transfer. Each later WRITE (256 x 4 KiB: one chunk, too large to ride
+    region ahead of any transfer. Each later WRITE (256 x 256 B: one chunk, too large to ride
     in its WANT) claims that region for its chunk and writes it at once, with no WANT -> GRANT
     round trip, and the target grants the standing flow a fresh region. A target that gives
     no standing credit refuses the flow and every WRITE takes the full exchange. Byte-exact
     either way, the bytes around every destination untouched, the notification after the data."""
-    lay = nixlkit.Scattered(256, 4096, seed=47)
+    lay = nixlkit.Scattered(256, 256, seed=47)
     src = nixlkit.pattern(551, lay.src_bytes)
     params = ZMQ if control == "zmq" else {}
     tx, rx = f"tx-standing-{control}-{rx_standing}", f"rx-standing-{control}-{rx_standing}"
@@ -142,8 +142,8 @@ def test_writes_after_the_first_write_their_chunk_into_a_standing_credit_with_no
     assert d == {"bounce_ok": 4, "standing_opened_out": 1, "standing_claims": claims, "grant_waits": 4 - claims}, d
     t = {k: theirs[k] for k in ("standing_opened", "standing_refused", "standing_taken")}
     assert t == {"standing_opened": int(given), "standing_refused": int(not given), "standing_taken": claims}, t
-    # The target holds the next standing region (2 MiB) until a claim or the lease's end.
-    assert theirs["arena_standing_bytes"] == (2 << 20 if given else 0), theirs
+    # The target holds the next standing region (256 KiB) until a claim or the lease's end.
+    assert theirs["arena_standing_bytes"] == (256 << 10 if given else 0), theirs
 
 
 def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
