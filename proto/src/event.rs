@@ -684,6 +684,9 @@ pub struct Stats {
     /// Standing credits claimed here: a new flow's chunk 0 took the region its sender's
     /// standing flow held.
     pub standing_taken: u64,
+    /// Of those, the regions given back to their standing flow once the chunk was scattered
+    /// (answered ACK(Kept)), with no fresh grant needed.
+    pub standing_kept: u64,
 }
 
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the

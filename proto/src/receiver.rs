@@ -72,6 +72,10 @@ struct Flow {
     /// unclaimed for the idle timeout (a lease), is not watched by the liveness probe, and
     /// carries no data of its own (it proved no registration, so any DATA naming it is refused).
     standing: bool,
+    /// The standing flow whose region this flow's chunk 0 claimed, until that chunk's scatter
+    /// gives it back ([`AckStatus::Kept`]); should the flow end first, the standing flow is
+    /// granted a fresh region instead.
+    claimed_from: Option<XferId>,
     /// Reclaimed when reached while it holds regions that wait for DATA; pushed back by WANT,
     /// DATA, new grants and finished scatters.
     /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
@@ -430,12 +434,7 @@ impl Receiver {
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
         }
         if let Some(standing) = claimed {
-            // The standing flow asks for a fresh region at once: its next GRANT replaces the
-            // credit its sender just used.
-            let bytes = self.standing.get(&from).map_or(0, |&(_, b)| b);
-            if let Err(e) = ctx.sched.want(standing.flow, &[bytes]) {
-                internal_error("re-arm a standing flow", &e);
-            }
+            // The region goes back to the standing flow when this chunk is scattered.
             ctx.stats.standing_taken += 1;
             trace!(peer = from.0, xfer = want.xfer.0, region = %standing.region, "standing credit claimed");
         }
@@ -477,6 +476,7 @@ impl Receiver {
                     plans: BTreeMap::new(),
                     inline,
                     standing: false,
+                    claimed_from: claimed.map(|g| g.flow.xfer),
                     deadline,
                 };
                 self.flows.insert(key, flow);
@@ -560,6 +560,7 @@ impl Receiver {
             plans: BTreeMap::new(),
             inline: None,
             standing: true,
+            claimed_from: None,
             deadline,
         };
         self.flows.insert(key, flow);
@@ -846,6 +847,19 @@ impl Receiver {
             warn!(job = job.0, "scatter done-event for an unknown job; ignored");
             return;
         };
+        let ok = ok && !s.doomed;
+        let claimed = self.flows.get(&s.flow).and_then(|f| f.claimed_from).filter(|_| s.chunk.0 == 0);
+        if let Some(xfer) = claimed {
+            if let Some(f) = self.flows.get_mut(&s.flow) {
+                f.claimed_from = None;
+            }
+            match ok.then(|| self.keep_standing(ctx, s.flow, xfer, s.region)).flatten() {
+                Some(true) => return self.scattered(ctx, s, true, AckStatus::Kept),
+                // Orphaned meanwhile, and freed: nobody waits for the ACK.
+                Some(false) => return self.count_scatter(ctx, &s, ok),
+                None => self.rearm_standing(ctx, s.flow.peer),
+            }
+        }
         let end = match ctx.sched.end_scatter(s.region.offset) {
             Ok(end) => end,
             Err(e) => return internal_error("end_scatter of a scatter job", &e),
@@ -858,18 +872,28 @@ impl Receiver {
             orphaned = end.orphaned,
             "scatter done"
         );
-        let ok = ok && !s.doomed;
+        if end.orphaned {
+            // The flow was reclaimed while this scatter ran: nobody waits for the ACK.
+            self.count_scatter(ctx, &s, ok);
+            return;
+        }
+        let status = if ok { AckStatus::Scattered } else { AckStatus::Failed };
+        self.scattered(ctx, s, ok, status);
+    }
+
+    fn count_scatter(&self, ctx: &mut Ctx<'_>, s: &Scatter, ok: bool) {
         if ok {
             ctx.stats.chunks_scattered += 1;
             ctx.stats.bytes_scattered += s.bytes;
         } else {
             ctx.stats.scatters_failed += 1;
         }
-        if end.orphaned {
-            // The flow was reclaimed while this scatter ran: nobody waits for the ACK.
-            return;
-        }
-        let status = if ok { AckStatus::Scattered } else { AckStatus::Failed };
+    }
+
+    /// A scatter of a live flow ended (its region freed, or kept for the standing flow):
+    /// counts it, answers `status` and forgets the flow if that was its last region.
+    fn scattered(&mut self, ctx: &mut Ctx<'_>, s: Scatter, ok: bool, status: AckStatus) {
+        self.count_scatter(ctx, &s, ok);
         ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, token: s.token, chunk: s.chunk, region: s.region, status });
         if !ctx.sched.has_flow(s.flow) {
             self.forget(s.flow);
@@ -877,6 +901,54 @@ impl Receiver {
         } else if let Some(flow) = self.flows.get_mut(&s.flow) {
             flow.scattering -= 1;
             flow.deadline = ctx.now + self.idle_timeout;
+        }
+    }
+
+    /// Ends the scatter of the region flow `key`'s claimed chunk 0 was written in, and gives
+    /// the region back to the standing flow `xfer` it came from, as that flow's idle region:
+    /// `Some(true)`. `None`, the scatter left as it was, when the standing flow is gone or holds
+    /// or waits for another region (a claim failed first); `Some(false)` when the flow was
+    /// reclaimed while the scatter ran (the region is freed).
+    fn keep_standing(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, xfer: XferId, region: Region) -> Option<bool> {
+        let standing = FlowKey { peer: key.peer, xfer };
+        if self.shutting_down || !self.flows.get(&standing).is_some_and(|f| f.standing) || ctx.sched.has_flow(standing)
+        {
+            return None;
+        }
+        match ctx.sched.end_job(region.offset) {
+            Ok(None) => {}
+            Ok(Some(_)) => return Some(false),
+            Err(e) => {
+                internal_error("end the scatter of a claimed region", &e);
+                return Some(false);
+            }
+        }
+        if let Err(e) = ctx.sched.adopt(key, region.offset, standing, ChunkIdx(0)) {
+            // Unreachable (checked above); the region stays the flow's, idle, until its reclaim.
+            internal_error("give a claimed region back to its standing flow", &e);
+            return Some(false);
+        }
+        // A fresh lease, as for a grant.
+        let deadline = ctx.now + self.idle_timeout;
+        if let Some(f) = self.flows.get_mut(&standing) {
+            f.deadline = deadline;
+        }
+        self.timers.set(standing, deadline);
+        ctx.stats.standing_kept += 1;
+        trace!(peer = key.peer.0, xfer = key.xfer.0, region = %region, "claimed region kept for the standing flow");
+        Some(true)
+    }
+
+    /// Asks the scheduler for a fresh region for `peer`'s standing flow when it holds none and
+    /// waits for none: the region its last claim took will not come back.
+    fn rearm_standing(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        let Some(&(xfer, bytes)) = self.standing.get(&peer) else { return };
+        let key = FlowKey { peer, xfer };
+        if self.shutting_down || ctx.sched.has_flow(key) {
+            return;
+        }
+        if let Err(e) = ctx.sched.want(key, &[bytes]) {
+            internal_error("re-arm a standing flow", &e);
         }
     }
 
@@ -1209,6 +1281,7 @@ impl Receiver {
                     plans: BTreeMap::new(),
                     inline: None,
                     standing: false,
+                    claimed_from: None,
                     deadline,
                 };
                 self.flows.insert(key, flow);
@@ -1343,6 +1416,9 @@ impl Receiver {
     /// Cancels flow `key`: frees its idle regions now, orphans the scattering ones.
     fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey) {
         let r = ctx.sched.reclaim_flow(key);
+        if self.flows.get(&key).is_some_and(|f| f.claimed_from.is_some()) {
+            self.rearm_standing(ctx, key.peer);
+        }
         if self.forget(key) {
             trace!(
                 peer = key.peer.0,

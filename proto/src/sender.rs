@@ -839,8 +839,10 @@ impl Sender {
                 }
                 AckStatus::Refused => self.fail(ctx, id, XferError::Refused, true),
                 AckStatus::Failed => self.fail(ctx, id, XferError::ScatterFailed, true),
-                // Nothing was sent that could be replanned.
-                AckStatus::Replan => return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk }),
+                // Nothing was sent that could be replanned, or claimed.
+                AckStatus::Replan | AckStatus::Kept => {
+                    return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
+                }
             }
             return Ok(());
         }
@@ -863,8 +865,19 @@ impl Sender {
         }
         x.deadline = ctx.now + timeout;
         trace!(xfer = id.0, chunk = ack.chunk.0, status = ?ack.status, "ack");
+        if ack.status == AckStatus::Kept {
+            // Chunk 0's region, claimed from our standing flow, is that flow's credit again.
+            let claimed = x.claimed.filter(|_| i == 0).map(|(s, _)| s);
+            match self.standing.get_mut(&from) {
+                Some(slot) if Some(slot.xfer) == claimed && slot.region.is_none() => {
+                    slot.region = Some((credit.region, ctx.now));
+                }
+                _ => debug!(xfer = id.0, chunk = i, "a region kept for a standing flow we no longer use"),
+            }
+        }
+        let Some(x) = self.xfers.get_mut(&id) else { return Ok(()) };
         match ack.status {
-            AckStatus::Scattered => {
+            AckStatus::Scattered | AckStatus::Kept => {
                 ctx.stats.ack_waits += 1;
                 ctx.stats.ack_wait_ns += nanos(ctx.now, sent);
                 x.stages[i] = Stage::Acked;

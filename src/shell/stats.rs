@@ -253,6 +253,9 @@ counters! {
     /// Peers' transfers whose first chunk came in the standing credit we held for them (the
     /// core's count).
     standing_taken,
+    /// Of those, the regions given back to the peer's standing flow with the chunk's ACK, so
+    /// its next transfer needs no fresh grant (the core's count).
+    standing_kept,
 }
 
 /// What a publisher last handed on (see [`Stats::publish_changes`]).

@@ -140,9 +140,11 @@ def test_writes_after_the_first_write_their_chunk_into_a_standing_credit_with_no
     given = rx_standing != "0"
     claims = 3 if given else 0
     assert d == {"bounce_ok": 4, "standing_opened_out": 1, "standing_claims": claims, "grant_waits": 4 - claims}, d
-    t = {k: theirs[k] for k in ("standing_opened", "standing_refused", "standing_taken")}
-    assert t == {"standing_opened": int(given), "standing_refused": int(not given), "standing_taken": claims}, t
-    # The target holds the next standing region (256 KiB) until a claim or the lease's end.
+    t = {k: theirs[k] for k in ("standing_opened", "standing_refused", "standing_taken", "standing_kept")}
+    assert t == {"standing_opened": int(given), "standing_refused": int(not given), "standing_taken": claims,
+                 "standing_kept": claims}, t
+    # Each claimed region came back with its ACK; the target holds it (256 KiB) for the next
+    # claim, until the lease's end.
     assert theirs["arena_standing_bytes"] == (256 << 10 if given else 0), theirs
 
 

@@ -299,6 +299,9 @@ fn ack_tag(s: AckStatus) -> u8 {
         AckStatus::Refused => 1,
         AckStatus::Failed => 2,
         AckStatus::Replan => 3,
+        // One-way flows never claim a standing credit (the receiver refuses claims answered
+        // through the mailbox), so no record says Kept; were one asked for, it is a scatter.
+        AckStatus::Kept => 0,
     }
 }
 

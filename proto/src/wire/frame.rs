@@ -154,11 +154,14 @@ pub struct Want {
 ///
 /// The sender opens a *standing flow*: a WANT of one chunk with [`Standing::Open`], no
 /// proofs (its regions are never scattered from) and its own token. The receiver grants it
-/// like any flow but never reclaims it for silence. A later WANT of a transfer claims the
-/// region the standing flow holds for its chunk 0 ([`Standing::Claim`], with the standing
-/// flow's token): the receiver moves that region to the new flow as if it had granted it
-/// there, and grants the standing flow a fresh one. The sender writes chunk 0 into the region
-/// as soon as it sent the claim, and its DATA follows as for any granted chunk.
+/// like any flow (on a lease, as any grant). A later WANT of a transfer claims the region the
+/// standing flow holds for its chunk 0 ([`Standing::Claim`], with the standing flow's token):
+/// the receiver moves that region to the new flow as if it had granted it there. The sender
+/// writes chunk 0 into the region as soon as it sent the claim, and its DATA follows as for any
+/// granted chunk. When that chunk is scattered the region goes back to the standing flow and
+/// the ACK says so ([`AckStatus::Kept`]): no frame more than the full exchange's, and the
+/// sender's next transfer can claim it at once. Should it not go back (the scatter failed, the
+/// flow was reclaimed first), the standing flow is granted a fresh region.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub enum Standing {
@@ -289,6 +292,10 @@ pub enum AckStatus {
     /// The DATA named no runs and the receiver kept no [`Plan`] for the chunk (it had no room
     /// for it, or it never arrived): send the DATA again with its runs. The region stays held.
     Replan,
+    /// The chunk was scattered, and its region, which its WANT claimed from the sender's
+    /// standing flow ([`Standing::Claim`]), is that flow's standing credit again: the sender
+    /// may claim it for its next transfer (wire version 10).
+    Kept,
 }
 
 /// A receiver's report on one chunk; a negative status lets the sender fail fast instead of
@@ -1028,6 +1035,7 @@ fn ack_tag(s: AckStatus) -> u8 {
         AckStatus::Refused => 1,
         AckStatus::Failed => 2,
         AckStatus::Replan => 3,
+        AckStatus::Kept => 4,
     }
 }
 
@@ -1037,6 +1045,7 @@ fn ack_from_tag(t: u8) -> Result<AckStatus> {
         1 => Ok(AckStatus::Refused),
         2 => Ok(AckStatus::Failed),
         3 => Ok(AckStatus::Replan),
+        4 => Ok(AckStatus::Kept),
         _ => Err(WireError::Invalid { what: "ack status tag" }),
     }
 }

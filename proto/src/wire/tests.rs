@@ -588,7 +588,7 @@ fn invalid_values_are_refused() {
         assert_eq!(Frame::decode(&frame.to_vec()), Err(frame.msg.validate().unwrap_err()));
     }
     let mut ack = sample_frames()[4].to_vec();
-    *ack.last_mut().unwrap() = 4;
+    *ack.last_mut().unwrap() = 5;
     assert_eq!(Frame::decode(&ack), Err(WireError::Invalid { what: "ack status tag" }));
     let mut caps = sample_caps().to_vec();
     caps[2] = 2;

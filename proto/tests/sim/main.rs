@@ -196,6 +196,7 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
                 ("standing_refused", st.standing_refused),
                 ("standing_claims", st.standing_claims),
                 ("standing_taken", st.standing_taken),
+                ("standing_kept", st.standing_kept),
             ] {
                 *seen.entry(k.to_string()).or_default() += v;
             }
@@ -242,6 +243,7 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
             "standing_refused",
             "standing_claims",
             "standing_taken",
+            "standing_kept",
         ]
     };
     for key in events {

@@ -848,6 +848,7 @@ impl Driver {
         s.standing_opened.store(core.standing_opened, Ordering::Relaxed);
         s.standing_refused.store(core.standing_refused, Ordering::Relaxed);
         s.standing_taken.store(core.standing_taken, Ordering::Relaxed);
+        s.standing_kept.store(core.standing_kept, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
     }
 

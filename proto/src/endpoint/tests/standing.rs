@@ -65,24 +65,67 @@ fn with_standing(ep: &mut Endpoint, t: Instant) -> Region {
     g[0].1[0].1
 }
 
+fn acked(acts: &[Action]) -> Vec<(XferId, u32, AckStatus)> {
+    msgs(acts)
+        .into_iter()
+        .filter_map(|(_, m)| match m {
+            Msg::Ack(a) => Some((a.xfer, a.chunk.0, a.status)),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
-fn a_claim_takes_the_standing_region_for_chunk_0_with_no_grant_and_the_standing_flow_is_granted_anew() {
+fn a_claim_takes_the_standing_region_for_chunk_0_with_no_grant_and_its_scatter_gives_it_back() {
     let (mut ep, t) = standing_endpoint(32 * KIB, false);
     let r1 = with_standing(&mut ep, t);
+    let s = FlowKey { peer: PEER, xfer: XferId(STANDING_XFER_BIT | 1) };
     ep.handle_msg(t, PEER, claim_msg(X, &[CHUNK, CHUNK], 1, Token(0x57a4d))).unwrap();
     let acts = drain(&mut ep);
-    let g = grants(&acts);
-    // Chunk 1 is granted as usual; chunk 0 never is: it holds the standing region already.
-    // The standing flow gets a fresh region.
-    assert!(g.iter().all(|(x, c)| *x != X || c.iter().all(|&(chunk, _)| chunk != 0)), "{g:?}");
-    let fresh = g.iter().find(|(x, _)| x.0 & STANDING_XFER_BIT != 0).expect("the standing flow is granted again");
-    assert_ne!(fresh.1[0].1, r1);
+    // Chunk 1 is granted as usual; chunk 0 never is: it holds the standing region already,
+    // and the standing flow waits for it back (no fresh grant, no frame more).
+    assert_eq!(grants(&acts).iter().map(|(x, c)| (*x, c.len(), c[0].0)).collect::<Vec<_>>(), vec![(X, 1, 1)]);
+    assert_eq!(ep.scheduler().idle_held(FlowKey { peer: PEER, xfer: X }).map(|g| g.region), Some(r1));
+    assert!(!ep.scheduler().has_flow(s));
     assert_eq!(ep.stats().standing_taken, 1);
-    // The chunk's DATA names the standing region, and is scattered from it.
+    // The chunk's DATA names the standing region, and is scattered from it; the ACK says the
+    // region is the standing flow's again.
     ep.handle_msg(t, PEER, data_msg(X, 0, r1, vec![run(0, DST, CHUNK)])).unwrap();
-    let acts = drain(&mut ep);
-    assert_eq!(scatters(&acts).iter().map(|s| s.1).collect::<Vec<_>>(), vec![r1]);
+    let sc = scatters(&drain(&mut ep));
+    assert_eq!(sc.iter().map(|s| s.1).collect::<Vec<_>>(), vec![r1]);
+    ep.handle_scatter_done(t, sc[0].0, true);
+    assert_eq!(acked(&drain(&mut ep)), vec![(X, 0, AckStatus::Kept)]);
+    assert_eq!(ep.scheduler().idle_held(s).map(|g| g.region), Some(r1));
+    assert_eq!(ep.stats().standing_kept, 1);
     check(&ep);
+}
+
+#[test]
+fn a_claimed_chunk_whose_scatter_fails_or_whose_flow_ends_first_gets_the_standing_flow_a_fresh_region() {
+    for ending in ["failed scatter", "cancel"] {
+        let (mut ep, t) = standing_endpoint(32 * KIB, false);
+        let r1 = with_standing(&mut ep, t);
+        let s = XferId(STANDING_XFER_BIT | 1);
+        ep.handle_msg(t, PEER, claim_msg(X, &[CHUNK], 1, Token(0x57a4d))).unwrap();
+        drain(&mut ep);
+        if ending == "cancel" {
+            let Msg::Want(mut cancel) = want_msg(X, &[]) else { unreachable!() };
+            cancel.proofs.clear();
+            ep.handle_msg(t, PEER, Msg::Want(cancel)).unwrap();
+        } else {
+            ep.handle_msg(t, PEER, data_msg(X, 0, r1, vec![run(0, DST, CHUNK)])).unwrap();
+            let sc = scatters(&drain(&mut ep));
+            ep.handle_scatter_done(t, sc[0].0, false);
+        }
+        let acts = drain(&mut ep);
+        let fresh: Vec<XferId> = grants(&acts).into_iter().map(|(x, _)| x).collect();
+        assert_eq!(fresh, vec![s], "{ending}: the standing flow is granted again");
+        if ending != "cancel" {
+            assert_eq!(acked(&acts), vec![(X, 0, AckStatus::Failed)]);
+        }
+        assert_eq!(ep.stats().standing_kept, 0);
+        check(&ep);
+    }
 }
 
 #[test]
@@ -208,11 +251,22 @@ fn a_senders_next_write_claims_its_standing_region_and_writes_chunk_0_at_once() 
         let w = writes(&drain(&mut ep));
         assert_eq!(w.iter().map(|w| w.2).collect::<Vec<_>>(), vec![region]);
         assert_eq!(ep.stats().standing_claims, 1);
-        // A third write before the next standing GRANT goes the usual way.
+        // A third write before the region comes back goes the usual way.
         ep.submit(t, XferId(3), TOKEN, PEER, plan_of(1)).unwrap();
         let acts = drain(&mut ep);
         assert!(writes(&acts).is_empty(), "{acts:?}");
         assert_eq!(ep.stats().standing_claims, 1);
+        // The second's ACK gives the region back: the fourth claims it with no GRANT at all.
+        ep.handle_write_done(t, w[0].0, true);
+        drain(&mut ep);
+        ep.handle_msg(t, PEER, ack_msg(XferId(2), 0, region, AckStatus::Kept)).unwrap();
+        assert_eq!(completes(&drain(&mut ep)), vec![(XferId(2), Ok(()))]);
+        ep.submit(t, XferId(4), TOKEN, PEER, plan_of(1)).unwrap();
+        let g = gathers(&drain(&mut ep));
+        ep.handle_gather_done(t, g[0].0, true);
+        let w = writes(&drain(&mut ep));
+        assert_eq!(w.iter().map(|w| w.2).collect::<Vec<_>>(), vec![region]);
+        assert_eq!(ep.stats().standing_claims, 2);
     }
 }
 
