@@ -1143,6 +1143,17 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// `(xfer, chunk, status)` of each ACK sent.
+    pub(crate) fn acks(acts: &[Action]) -> Vec<(XferId, u32, AckStatus)> {
+        msgs(acts)
+            .into_iter()
+            .filter_map(|(_, m)| match m {
+                Msg::Ack(a) => Some((a.xfer, a.chunk.0, a.status)),
+                _ => None,
+            })
+            .collect()
+    }
+
     pub(crate) fn gathers(acts: &[Action]) -> Vec<(JobId, Region)> {
         acts.iter()
             .filter_map(|a| match a {

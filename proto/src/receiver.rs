@@ -1528,16 +1528,6 @@ mod tests {
         out
     }
 
-    fn acks(acts: &[Action]) -> Vec<(XferId, u32, AckStatus)> {
-        msgs(acts)
-            .into_iter()
-            .filter_map(|(_, m)| match m {
-                Msg::Ack(a) => Some((a.xfer, a.chunk.0, a.status)),
-                _ => None,
-            })
-            .collect()
-    }
-
     /// Sends a 3-chunk WANT from `PEER`; returns the two regions granted.
     fn wanted(ep: &mut Endpoint, t: Instant) -> [Region; 2] {
         ep.handle_msg(t, PEER, want_msg(X, &[CHUNK, CHUNK, 3000])).unwrap();

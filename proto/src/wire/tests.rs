@@ -517,53 +517,24 @@ fn invalid_values_are_refused() {
     let region = Region { offset: 0, len: 64 };
     let run = CopyRun { region_off: 0, addr: 0, len: 8, count: 1, region_stride: 0, addr_stride: 0 };
     let token = Token(1);
+    let want = |chunks: Vec<u64>, proofs: Vec<Proof>, inline: Option<Inline>, standing: Standing| {
+        Msg::Want(Want { xfer, token, endpoint: vec![], chunks, proofs, inline, standing })
+    };
+    let proof = Proof { reg: RegId(1), tag: [0; 16] };
+    let claim = Standing::Claim { xfer: XferId(1 << 63), token };
     let bad = [
-        Msg::Want(Want {
-            xfer,
-            token,
-            endpoint: vec![],
-            chunks: vec![8, 0],
-            proofs: vec![],
-            inline: None,
-            standing: Default::default(),
-        }),
+        want(vec![8, 0], vec![], None, Standing::None),
         // Inline bytes that are not exactly the WANT's one chunk, or scatter by no run.
-        Msg::Want(Want {
-            xfer,
-            token,
-            endpoint: vec![],
-            chunks: vec![8],
-            proofs: vec![],
-            inline: inline(7, 1),
-            standing: Default::default(),
-        }),
-        Msg::Want(Want {
-            xfer,
-            token,
-            endpoint: vec![],
-            chunks: vec![8, 8],
-            proofs: vec![],
-            inline: inline(8, 1),
-            standing: Default::default(),
-        }),
-        Msg::Want(Want {
-            xfer,
-            token,
-            endpoint: vec![],
-            chunks: vec![8],
-            proofs: vec![],
-            inline: inline(8, 0),
-            standing: Default::default(),
-        }),
-        Msg::Want(Want {
-            xfer,
-            token,
-            endpoint: vec![],
-            chunks: vec![],
-            proofs: vec![],
-            inline: inline(8, 1),
-            standing: Default::default(),
-        }),
+        want(vec![8], vec![], inline(7, 1), Standing::None),
+        want(vec![8, 8], vec![], inline(8, 1), Standing::None),
+        want(vec![8], vec![], inline(8, 0), Standing::None),
+        want(vec![], vec![], inline(8, 1), Standing::None),
+        // A standing flow is one bare chunk; a claim names a chunk 0 and carries no bytes.
+        want(vec![8, 8], vec![], None, Standing::Open),
+        want(vec![8], vec![proof], None, Standing::Open),
+        want(vec![8], vec![], inline(8, 1), Standing::Open),
+        want(vec![], vec![], None, claim),
+        want(vec![8], vec![], inline(8, 1), claim),
         Msg::Grant(Grant { xfer, token, credits: vec![] }),
         Msg::Grant(Grant { xfer, token, credits: vec![Credit { chunk, region: Region { offset: 0, len: 0 } }] }),
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![] }),

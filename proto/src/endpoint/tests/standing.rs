@@ -65,16 +65,6 @@ fn with_standing(ep: &mut Endpoint, t: Instant) -> Region {
     g[0].1[0].1
 }
 
-fn acked(acts: &[Action]) -> Vec<(XferId, u32, AckStatus)> {
-    msgs(acts)
-        .into_iter()
-        .filter_map(|(_, m)| match m {
-            Msg::Ack(a) => Some((a.xfer, a.chunk.0, a.status)),
-            _ => None,
-        })
-        .collect()
-}
-
 #[test]
 fn a_claim_takes_the_standing_region_for_chunk_0_with_no_grant_and_its_scatter_gives_it_back() {
     let (mut ep, t) = standing_endpoint(32 * KIB, false);
@@ -94,7 +84,7 @@ fn a_claim_takes_the_standing_region_for_chunk_0_with_no_grant_and_its_scatter_g
     let sc = scatters(&drain(&mut ep));
     assert_eq!(sc.iter().map(|s| s.1).collect::<Vec<_>>(), vec![r1]);
     ep.handle_scatter_done(t, sc[0].0, true);
-    assert_eq!(acked(&drain(&mut ep)), vec![(X, 0, AckStatus::Kept)]);
+    assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Kept)]);
     assert_eq!(ep.scheduler().idle_held(s).map(|g| g.region), Some(r1));
     assert_eq!(ep.stats().standing_kept, 1);
     check(&ep);
@@ -121,7 +111,7 @@ fn a_claimed_chunk_whose_scatter_fails_or_whose_flow_ends_first_gets_the_standin
         let fresh: Vec<XferId> = grants(&acts).into_iter().map(|(x, _)| x).collect();
         assert_eq!(fresh, vec![s], "{ending}: the standing flow is granted again");
         if ending != "cancel" {
-            assert_eq!(acked(&acts), vec![(X, 0, AckStatus::Failed)]);
+            assert_eq!(acks(&acts), vec![(X, 0, AckStatus::Failed)]);
         }
         assert_eq!(ep.stats().standing_kept, 0);
         check(&ep);
