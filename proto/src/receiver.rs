@@ -210,6 +210,10 @@ pub struct Receiver {
     /// would land again over newer ones. It is served the usual way, which writes nothing
     /// without its sender. Forgotten when the peer is lost (a new incarnation counts afresh).
     inline_floor: BTreeMap<PeerId, XferId>,
+    /// Per peer, the highest transfer that claimed its standing credit: a claim at or below it
+    /// is a replay (a captured WANT and DATA sent again would otherwise scatter whatever the
+    /// standing region holds now into the old transfer's destinations). Forgotten with the peer.
+    claim_floor: BTreeMap<PeerId, XferId>,
     /// Largest standing credit given to one peer (`bounce_standing_bytes`); 0: none.
     standing_bytes: u64,
     /// Each peer's standing flow (at most one) and its chunk's bytes.
@@ -231,6 +235,7 @@ impl Receiver {
             inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
             inline_held: 0,
             inline_floor: BTreeMap::new(),
+            claim_floor: BTreeMap::new(),
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
         }
@@ -435,6 +440,7 @@ impl Receiver {
         }
         if let Some(standing) = claimed {
             // The region goes back to the standing flow when this chunk is scattered.
+            self.claim_floor.insert(from, want.xfer);
             ctx.stats.standing_taken += 1;
             trace!(peer = from.0, xfer = want.xfer.0, region = %standing.region, "standing credit claimed");
         }
@@ -573,7 +579,8 @@ impl Receiver {
     /// ([`Standing::Claim`] with `token`). A claim without the standing flow's token is a
     /// forgery: not answered, nothing changes. A claim of a standing flow that is gone or holds
     /// no region (not granted yet, or claimed already), one too small for the chunk, or one
-    /// for a flow that exists already or is answered one way, refuses the WANT. The sender may
+    /// for a flow that exists already or is answered one way, or one of a transfer at or below
+    /// the newest that claimed (a replay: transfer ids only grow), refuses the WANT. The sender may
     /// be writing into the region already: it stays the standing flow's until the sender's
     /// cancel, which comes after its writes.
     fn claimable(
@@ -596,8 +603,9 @@ impl Receiver {
         }
         let region = ctx.sched.idle_held(standing);
         let usable = region.filter(|g| g.region.len >= want.chunks[0]);
+        let fresh = self.claim_floor.get(&from).is_none_or(|&floor| want.xfer > floor);
         match usable {
-            Some(g) if !self.flows.contains_key(&key) && want.endpoint != wire::REPLY_MAILBOX => Ok(g),
+            Some(g) if fresh && !self.flows.contains_key(&key) && want.endpoint != wire::REPLY_MAILBOX => Ok(g),
             _ => {
                 refuse_want(ctx, from, want);
                 Err(ProtocolError::BadClaim { peer: from, xfer: want.xfer })
@@ -954,6 +962,7 @@ impl Receiver {
 
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
         self.inline_floor.remove(&peer);
+        self.claim_floor.remove(&peer);
         let r = ctx.sched.reclaim_peer(peer);
         let keys: Vec<FlowKey> = self.flows.keys().filter(|k| k.peer == peer).copied().collect();
         if !keys.is_empty() {

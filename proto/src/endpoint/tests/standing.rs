@@ -91,6 +91,28 @@ fn a_claim_takes_the_standing_region_for_chunk_0_with_no_grant_and_its_scatter_g
 }
 
 #[test]
+fn a_replayed_claim_and_its_data_are_refused_and_scatter_nothing() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    let r1 = with_standing(&mut ep, t);
+    let claim = claim_msg(X, &[CHUNK], 1, Token(0x57a4d));
+    let data = data_msg(X, 0, r1, vec![run(0, DST, CHUNK)]);
+    ep.handle_msg(t, PEER, claim.clone()).unwrap();
+    ep.handle_msg(t, PEER, data.clone()).unwrap();
+    let sc = scatters(&drain(&mut ep));
+    ep.handle_scatter_done(t, sc[0].0, true);
+    assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Kept)]);
+    // The same two frames again (the region is the standing flow's again, same offset).
+    let r = ep.handle_msg(t, PEER, claim);
+    assert!(matches!(r, Err(ProtocolError::BadClaim { .. })), "{r:?}");
+    assert_eq!(refusals(&drain(&mut ep)), vec![X]);
+    let _ = ep.handle_msg(t, PEER, data);
+    assert!(scatters(&drain(&mut ep)).is_empty(), "a replayed DATA scatters nothing");
+    let s = FlowKey { peer: PEER, xfer: XferId(STANDING_XFER_BIT | 1) };
+    assert_eq!(ep.scheduler().idle_held(s).map(|g| g.region), Some(r1), "the region stays with the standing flow");
+    check(&ep);
+}
+
+#[test]
 fn a_claimed_chunk_whose_scatter_fails_or_whose_flow_ends_first_gets_the_standing_flow_a_fresh_region() {
     for ending in ["failed scatter", "cancel"] {
         let (mut ep, t) = standing_endpoint(32 * KIB, false);
