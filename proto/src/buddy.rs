@@ -56,13 +56,16 @@ pub type Result<T> = std::result::Result<T, AllocError>;
 /// - [`free(offset)`](Self::free) takes the offset of a block returned by `alloc` and merges it
 ///   with its free buddies; any other offset (double free, never allocated, inside a block) is
 ///   an [`AllocError::NotAllocated`] and leaves the allocator unchanged. Nothing here panics.
-/// - Placement is deterministic next-fit: the lowest free block that fits at or after the end
-///   of the previous allocation, wrapping around to offset 0. Successive regions therefore
-///   sweep the arena, and a region just freed is reused last instead of first. Reusing it first
-///   meant writing lines that another core had just read for the scatter: on the 2-core
-///   benchmark machine, medians of the same 64 MiB transfer then fell in two modes, 8.6-9.8 ms
-///   and 14.5-15.6 ms, depending on where the scheduler put the threads; with next-fit they
-///   stay at 11.2-11.8 ms (BENCHMARKS.md).
+/// - Placement is deterministic next-fit: the lowest free block that fits at or after a
+///   cursor, wrapping around to offset 0. [`alloc`](Self::alloc) leaves the cursor at the end
+///   of the block it hands out and [`free`](Self::free) leaves it alone, so a region freed that
+///   way is reused last; [`free_hot`](Self::free_hot) moves the cursor to the freed block, so
+///   the next allocation of its size takes it again. Callers free *hot* what no peer can still
+///   write (a scattered region, local staging): reused at once, its lines are still in cache,
+///   and on the 16-core GPU host a bounced 1 MiB WRITE's cma write then took 120 us instead
+///   of 230 and a 64 MiB one 10-12.5 ms instead of 14.3-15.5 (BENCHMARKS.md, session 17).
+///   They free the rest (a reclaimed flow's regions, which a slow writer may still reach)
+///   plainly, to be reused as late as the sweep allows.
 /// - Both operations are `O(log n)` set operations per order (at most 64 orders).
 ///
 /// Invariants (checked by [`check_invariants`](Self::check_invariants)): free blocks and
@@ -77,7 +80,8 @@ pub struct Buddy {
     max_order: u32,
     /// Free block offsets, indexed by order.
     free: Vec<BTreeSet<u64>>,
-    /// Where the next search starts: the end of the previous allocation (next-fit).
+    /// Where the next search starts: the end of the previous allocation, or the block freed
+    /// hot since (next-fit).
     cursor: u64,
     /// Allocated block offset -> order.
     allocated: BTreeMap<u64, u32>,
@@ -215,6 +219,17 @@ impl Buddy {
             ord += 1;
         }
         self.free[ord as usize].insert(off);
+        Ok(region)
+    }
+
+    /// [`free`](Self::free), then points the cursor at the freed block, so that the next
+    /// allocation of its size reuses it while its lines are still in cache.
+    ///
+    /// # Errors
+    /// As for [`free`](Self::free); the cursor is then left unchanged.
+    pub fn free_hot(&mut self, offset: u64) -> Result<Region> {
+        let region = self.free(offset)?;
+        self.cursor = region.offset;
         Ok(region)
     }
 
@@ -631,6 +646,25 @@ mod tests {
     }
 
     #[test]
+    fn a_region_freed_hot_is_reused_first_and_a_plain_free_after_it_still_last() {
+        let mut b = Buddy::new(16 * 4096, 4096).unwrap();
+        let regions: Vec<Region> = (0..4).map(|_| b.alloc(4096).unwrap()).collect();
+        b.free_hot(regions[1].offset).unwrap();
+        assert_eq!(b.alloc(4096), Some(regions[1]), "the hot region comes back at once");
+        // The sweep goes on after it: the plainly freed region 0 is not next.
+        b.free(regions[0].offset).unwrap();
+        assert_eq!(b.alloc(4096), Some(r(4 * 4096, 4096)));
+        // A hot free of a block whose buddy is free coalesces as any free does; the next
+        // allocation of its size still lands on it, and a larger one does not go back.
+        b.free_hot(regions[1].offset).unwrap();
+        assert_eq!(b.alloc(4096), Some(regions[1]));
+        b.free_hot(regions[1].offset).unwrap();
+        assert_eq!(b.alloc(2 * 4096), Some(r(6 * 4096, 2 * 4096)));
+        assert_eq!(b.free_hot(3 * 4096 + 1), Err(AllocError::NotAllocated { offset: 3 * 4096 + 1 }));
+        b.check_invariants().unwrap();
+    }
+
+    #[test]
     fn alloc_splits_the_smallest_fitting_block_and_keeps_the_lower_half() {
         let mut b = Buddy::new(8 * G, G).unwrap();
         assert_eq!(b.alloc(G), Some(r(0, G)));
@@ -676,6 +710,7 @@ mod tests {
     enum DiffOp {
         Alloc(u64),
         Free(usize),
+        FreeHot(usize),
     }
 
     proptest! {
@@ -691,7 +726,8 @@ mod tests {
             (g, capacity) in geometry(),
             ops in prop::collection::vec(prop_oneof![
                 3 => (0u64..48).prop_map(DiffOp::Alloc),
-                2 => any::<usize>().prop_map(DiffOp::Free),
+                1 => any::<usize>().prop_map(DiffOp::Free),
+                1 => any::<usize>().prop_map(DiffOp::FreeHot),
             ], 0..150),
         ) {
             let mut buddy = Buddy::new(capacity, g).unwrap();
@@ -719,7 +755,11 @@ mod tests {
                         let off = *model.live.keys().nth(i % model.live.len()).unwrap();
                         prop_assert_eq!(buddy.free(off), Allocator::free(&mut model, off));
                     }
-                    DiffOp::Free(_) => {}
+                    DiffOp::FreeHot(i) if !model.live.is_empty() => {
+                        let off = *model.live.keys().nth(i % model.live.len()).unwrap();
+                        prop_assert_eq!(buddy.free_hot(off), Allocator::free(&mut model, off));
+                    }
+                    DiffOp::Free(_) | DiffOp::FreeHot(_) => {}
                 }
                 prop_assert_eq!(buddy.free_bytes(), Allocator::free_bytes(&model));
                 prop_assert_eq!(buddy.largest_free(), Allocator::largest_free(&model));

@@ -131,7 +131,9 @@ impl CreditScheduler {
                 trace!(flow = ?s.flow, "flow done");
             }
         }
-        let region = self.free_region(offset);
+        // Hot: the DATA that started this scatter came after its writer's write ended, so no
+        // honest writer still reaches the region; reused next, its lines are still in cache.
+        let region = self.free_region(offset, true);
         Ok(EndScatter { flow: s.flow, chunk: s.chunk, region, orphaned: s.orphaned })
     }
 
@@ -240,7 +242,8 @@ impl CreditScheduler {
         if local.eager {
             self.eager_bytes -= local.len;
         }
-        Ok(self.free_region(offset))
+        // Hot: local staging, which no peer writes.
+        Ok(self.free_region(offset, true))
     }
 
     /// Usable arena bytes (capacity rounded down to the granularity).
@@ -395,7 +398,8 @@ impl CreditScheduler {
                     self.orphaned_bytes += held.len;
                     out.deferred.push(Region { offset, len: held.len });
                 }
-                None => out.freed.push(self.free_region(offset)),
+                // Cold: its writer may be slow rather than gone; reused as late as possible.
+                None => out.freed.push(self.free_region(offset, false)),
             }
         }
         debug!(
@@ -407,9 +411,11 @@ impl CreditScheduler {
         );
     }
 
-    /// Frees a region this scheduler owns; failure means the bookkeeping is corrupt.
-    pub(super) fn free_region(&mut self, offset: u64) -> Region {
-        match self.buddy.free(offset) {
+    /// Frees a region this scheduler owns, `hot` ([`Buddy::free_hot`]) when nothing can still
+    /// write into it; failure means the bookkeeping is corrupt.
+    pub(super) fn free_region(&mut self, offset: u64, hot: bool) -> Region {
+        let freed = if hot { self.buddy.free_hot(offset) } else { self.buddy.free(offset) };
+        match freed {
             Ok(region) => region,
             Err(e) => panic!("scheduler bookkeeping out of sync with its allocator: {e}"),
         }
