@@ -75,6 +75,9 @@ pub struct Config {
     /// Bytes of the standing credit asked of each peer written to, and most given to one
     /// (clamped to the chunk size); 0: never (`bounce_standing_bytes`).
     pub standing_bytes: u64,
+    /// A transfer of at least twice this many bytes that would take one or two chunks takes
+    /// two equal ones; 0: never (`bounce_split_bytes`).
+    pub split_bytes: u64,
     /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
     pub scatter_run_merging: bool,
     /// Write chunks whose source is contiguous straight from user memory (`bounce_direct_writes`).
@@ -455,6 +458,7 @@ impl Config {
             region_plan_runs: u32_of("bounce_region_plan_runs")?,
             inline_bytes: u64_of("bounce_inline_bytes")?,
             standing_bytes: u64_of("bounce_standing_bytes")?,
+            split_bytes: u64_of("bounce_split_bytes")?,
             scatter_run_merging: boolean("bounce_scatter_run_merging")?,
             direct_writes: boolean("bounce_direct_writes")?,
             cuda_ipc: boolean("bounce_cuda_ipc")?,
@@ -785,6 +789,7 @@ mod tests {
             ("bounce_region_plan_runs", "7"),
             ("bounce_inline_bytes", "1K"),
             ("bounce_standing_bytes", "256K"),
+            ("bounce_split_bytes", "1M"),
             ("bounce_scatter_run_merging", "0"),
             ("bounce_direct_writes", "false"),
             ("bounce_cuda_ipc", "no"),
@@ -818,6 +823,7 @@ mod tests {
             region_plan_runs: 7,
             inline_bytes: 1024,
             standing_bytes: 256 * KIB,
+            split_bytes: MIB,
             scatter_run_merging: false,
             direct_writes: false,
             cuda_ipc: false,

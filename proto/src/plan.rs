@@ -41,12 +41,15 @@ pub struct PlanParams {
     /// Fewest scatter runs for which a chunk carries them in its region ([`Chunk::region_plan`]);
     /// 0: never.
     pub region_plan_runs: u32,
+    /// A transfer of at least twice this many region bytes that would take one or two chunks
+    /// takes two of about equal size instead ([`Self::split_for`]); 0: never.
+    pub split_bytes: u64,
 }
 
 impl PlanParams {
     /// Parameters with the given chunk cap, [`DEFAULT_ALIGN`] and run merging on.
     pub fn new(max_chunk: u64) -> Self {
-        Self { max_chunk, align: DEFAULT_ALIGN, merge_runs: true, region_plan_runs: 0 }
+        Self { max_chunk, align: DEFAULT_ALIGN, merge_runs: true, region_plan_runs: 0, split_bytes: 0 }
     }
 
     /// The parameters a validated [`Config`] implies.
@@ -54,8 +57,29 @@ impl PlanParams {
         Self {
             merge_runs: config.scatter_run_merging,
             region_plan_runs: config.region_plan_runs,
+            split_bytes: config.split_bytes,
             ..Self::new(config.max_chunk_size)
         }
+    }
+
+    /// The parameters for `descs`: with [`split_bytes`](Self::split_bytes) set, a transfer
+    /// whose region bytes (each piece padded to `align`) are at least twice that and at most
+    /// two chunks gets a chunk cap of half of them, so it moves in two chunks of about equal
+    /// size: one chunk's gather, write and scatter then overlap the other's instead of all
+    /// following each other (a 1 MiB WRITE as one chunk had them in series). Larger transfers
+    /// already pipeline and keep `max_chunk`.
+    pub fn split_for(self, descs: &[DescPair]) -> Self {
+        if self.split_bytes == 0 || !self.align.is_power_of_two() {
+            return self;
+        }
+        let padded = descs
+            .iter()
+            .fold(0u64, |sum, d| sum.saturating_add(d.len.checked_next_multiple_of(self.align).unwrap_or(u64::MAX)));
+        if padded / 2 < self.split_bytes || padded / 2 >= self.max_chunk {
+            return self;
+        }
+        let half = padded.div_ceil(2).next_multiple_of(self.align);
+        Self { max_chunk: half.min(self.max_chunk), ..self }
     }
 
     fn validate(&self) -> Result<()> {
@@ -245,8 +269,9 @@ pub fn plan_segmented(descs: &[DescPair], segs: &[u32], params: PlanParams) -> R
     if !segs.is_empty() && segs.len() != descs.len() {
         return Err(PlanError::Segments { descs: descs.len(), segs: segs.len() });
     }
-    let descs = Descs { pairs: descs, segs };
     params.validate()?;
+    let params = params.split_for(descs);
+    let descs = Descs { pairs: descs, segs };
     if params.region_plan_runs == 0 {
         return packed(descs, params);
     }
@@ -1062,8 +1087,46 @@ chunk 1 bytes 128
         let p = PlanParams::from_config(&cfg);
         assert_eq!(
             p,
-            PlanParams { max_chunk: cfg.max_chunk_size, align: DEFAULT_ALIGN, merge_runs: false, region_plan_runs: 0 }
+            PlanParams {
+                max_chunk: cfg.max_chunk_size,
+                align: DEFAULT_ALIGN,
+                merge_runs: false,
+                region_plan_runs: 0,
+                split_bytes: cfg.split_bytes,
+            }
         );
+    }
+
+    const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * KIB;
+
+    /// `n` pieces of `len` bytes, sources packed, destinations two pieces apart.
+    fn strided(n: u64, len: u64) -> Vec<DescPair> {
+        (0..n).map(|i| d(0x10_0000 + i * len, 0x4000_0000 + 2 * i * len, len)).collect()
+    }
+
+    #[test]
+    fn a_transfer_of_one_or_two_chunks_is_split_in_two_halves_when_large_enough() {
+        let split = |descs: &[DescPair], split_bytes| {
+            let params = PlanParams { split_bytes, ..PlanParams::new(2 * MIB) };
+            plan(descs, params).unwrap().chunks.iter().map(|c| c.bytes).collect::<Vec<_>>()
+        };
+        // 1 MiB of 4 KiB pieces: one chunk unsplit, two halves with a 512 KiB floor.
+        let one_mib = strided(256, 4 * KIB);
+        assert_eq!(split(&one_mib, 0), [MIB]);
+        assert_eq!(split(&one_mib, 512 * KIB), [512 * KIB, 512 * KIB]);
+        assert_eq!(split(&one_mib, 256 * KIB), [512 * KIB, 512 * KIB]);
+        // Below twice the floor: untouched.
+        assert_eq!(split(&one_mib, 512 * KIB + 1), [MIB]);
+        // Two unequal chunks become two equal ones; a transfer of two full chunks or more
+        // already pipelines and keeps its chunks.
+        assert_eq!(split(&strided(768, 4 * KIB), 512 * KIB), [1536 * KIB, 1536 * KIB]);
+        assert_eq!(split(&strided(1024, 4 * KIB), 512 * KIB), [2 * MIB, 2 * MIB]);
+        assert_eq!(split(&strided(1280, 4 * KIB), 512 * KIB), [2 * MIB, 2 * MIB, MIB]);
+        // Padding counts: 256 pieces of 4000 bytes occupy 4032 each at the default alignment.
+        let padded = split(&strided(256, 4000), 500 * KIB);
+        assert_eq!(padded.len(), 2);
+        assert!(padded.iter().all(|&b| b <= 256 * 4032 / 2), "{padded:?}");
     }
 
     #[test]
@@ -1205,7 +1268,7 @@ chunk 1 bytes 128
         ) {
             let segs: Vec<u32> = (0..descs.len()).map(|i| i.checked_div(seg_every).unwrap_or(0) as u32).collect();
             let d = Descs { pairs: &descs, segs: &segs };
-            let params = PlanParams { max_chunk, align, merge_runs, region_plan_runs: 0 };
+            let params = PlanParams { max_chunk, align, merge_runs, region_plan_runs: 0, split_bytes: 0 };
             let built: Vec<ChunkShape> = packed(d, params).unwrap().chunks.iter().map(ChunkShape::of).collect();
             prop_assert_eq!(shape(d, params).unwrap(), built);
         }
@@ -1214,12 +1277,13 @@ chunk 1 bytes 128
         fn plans_move_exactly_the_input_bytes(
             descs in descs_strategy(),
             (max_chunk, align) in params_strategy(),
+            split_bytes in prop_oneof![Just(0u64), 1u64..200],
         ) {
             let want = input_mapping(&descs);
             let mut mappings = Vec::new();
             let mut run_counts = Vec::new();
             for merge_runs in [false, true] {
-                let p = plan(&descs, PlanParams { max_chunk, align, merge_runs, region_plan_runs: 0 }).unwrap();
+                let p = plan(&descs, PlanParams { max_chunk, align, merge_runs, region_plan_runs: 0, split_bytes }).unwrap();
                 prop_assert_eq!(p.total_bytes, descs.iter().map(|d| d.len).sum::<u64>());
                 prop_assert!(p.chunks.len() as u64 >= p.total_bytes.div_ceil(max_chunk));
                 for c in &p.chunks {
@@ -1255,7 +1319,9 @@ chunk 1 bytes 128
             descs in descs_strategy(),
             (max_chunk, align) in params_strategy(),
         ) {
-            let p = plan(&descs, PlanParams { max_chunk, align, merge_runs: false, region_plan_runs: 0 }).unwrap();
+            let p =
+                plan(&descs, PlanParams { max_chunk, align, merge_runs: false, region_plan_runs: 0, split_bytes: 0 })
+                    .unwrap();
             // Unmerged, the gather runs in chunk order are the pieces in input order.
             let mut pieces = p.chunks.iter().flat_map(|c| c.gather.iter());
             for d in descs.iter().filter(|d| d.len > 0) {

@@ -119,7 +119,7 @@ def test_writes_after_the_first_write_their_chunk_into_a_standing_credit_with_no
     """The first bounced WRITE to a peer opens a standing flow there; the target grants it one
     region ahead of any transfer. Each later WRITE (256 x 256 B: one chunk, too large to ride
     in its WANT) claims that region for its chunk and writes it at once, with no WANT -> GRANT
-    round trip, and the target grants the standing flow a fresh region. A target that gives
+    round trip, and the chunk's ACK gives the region back to the standing flow. A target that gives
     no standing credit refuses the flow and every WRITE takes the full exchange. Byte-exact
     either way, the bytes around every destination untouched, the notification after the data."""
     lay = nixlkit.Scattered(256, 256, seed=47)
@@ -146,6 +146,27 @@ def test_writes_after_the_first_write_their_chunk_into_a_standing_credit_with_no
     # Each claimed region came back with its ACK; the target holds it (256 KiB) for the next
     # claim, until the lease's end.
     assert theirs["arena_standing_bytes"] == (256 << 10 if given else 0), theirs
+
+
+@pytest.mark.parametrize("split", ["512KiB", "0"])
+def test_a_1_mib_write_moves_as_two_chunks_that_overlap_unless_splitting_is_off(peer, tmp_path, split):
+    """A bounced 1 MiB WRITE (256 x 4 KiB) fits one 2 MiB chunk. With `bounce_split_bytes`
+    512 KiB (the default) it moves as two chunks of 512 KiB, so that one's gather, write and
+    scatter overlap the other's; with 0 as one. Byte-exact either way, with the bytes around
+    every destination untouched."""
+    lay = nixlkit.Scattered(256, 4096, seed=61)
+    src = nixlkit.pattern(611, lay.src_bytes)
+    rx = f"rx-split-{split}"
+    ag, p, raddr = pair(peer, src, tx=f"tx-split-{split}", rx=rx, rx_size=lay.dst_bytes, rx_seed=610,
+                        params={"bounce_split_bytes": split})
+    before = stats(ag)
+    for _ in range(2):
+        write_from_here(ag, rx, lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(610, lay.dst_bytes)), "destination")
+    after = stats(ag)
+    d = {k: after[k] - before[k] for k in ("bounce_ok", "bounce_chunks")}
+    assert d == {"bounce_ok": 2, "bounce_chunks": 4 if split != "0" else 2}, d
 
 
 def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
