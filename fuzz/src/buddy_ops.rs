@@ -1,12 +1,14 @@
 //! Operation-sequence fuzzing of the arena's buddy allocator on its own: allocations of any
-//! size, frees of live regions in any order, and frees of arbitrary offsets. Shared by the
+//! size, frees (plain and hot) of live regions in any order, and frees of arbitrary offsets.
+//! Shared by the
 //! `buddy_ops` cargo-fuzz target and a stable test over seeded inputs.
 //!
 //! Checked after every step, against a shadow list of live regions: the allocator's own
 //! invariants; conservation (free + live bytes = usable capacity); every granted region is a
 //! power of two of at least `max(bytes, granularity)`, aligned to its size, inside the arena and
 //! disjoint from every live region; an allocation is refused only when no free block is large
-//! enough (next-fit must still find any fit); a bogus free is an error that changes nothing. At
+//! enough (next-fit must still find any fit); a region freed hot comes back from the next
+//! allocation of its size; a bogus free is an error that changes nothing. At
 //! the end, freeing everything coalesces the arena back into its top-level blocks.
 
 use arbitrary::Unstructured;
@@ -18,8 +20,9 @@ use bounce_proto::buddy::Buddy;
 enum Op {
     /// Allocate `bytes` (0 included: always refused).
     Alloc { bytes: u64 },
-    /// Free the live region at `which % live`.
-    Free { which: u16 },
+    /// Free the live region at `which % live`, hot or not; with `reuse`, allocate its size at
+    /// once.
+    Free { which: u16, hot: bool, reuse: bool },
     /// Free an arbitrary offset (double free, inside a block, past the end).
     Bogus { offset: u64 },
 }
@@ -33,6 +36,8 @@ pub struct BuddyCoverage {
     pub refused_with_free_bytes: u64,
     /// Frees of live regions.
     pub freed: u64,
+    /// Regions freed hot and taken again by the next allocation of their size.
+    pub hot_reused: u64,
     /// Bogus frees rejected.
     pub bogus: u64,
 }
@@ -53,7 +58,11 @@ pub fn run_buddy(data: &[u8]) -> BuddyCoverage {
     while !u.is_empty() {
         let op = match u.int_in_range(0u8..=9).unwrap_or(0) {
             0..=5 => Op::Alloc { bytes: u.int_in_range(0..=usable + granularity).unwrap_or(0) },
-            6..=8 => Op::Free { which: u.arbitrary().unwrap_or(0) },
+            6..=8 => Op::Free {
+                which: u.arbitrary().unwrap_or(0),
+                hot: u.arbitrary().unwrap_or(false),
+                reuse: u.arbitrary().unwrap_or(false),
+            },
             _ => Op::Bogus { offset: u.int_in_range(0..=usable + granularity).unwrap_or(0) },
         };
         match op {
@@ -79,13 +88,18 @@ pub fn run_buddy(data: &[u8]) -> BuddyCoverage {
                     }
                 }
             },
-            Op::Free { which } => {
+            Op::Free { which, hot, reuse } => {
                 if live.is_empty() {
                     continue;
                 }
                 let r = live.swap_remove(usize::from(which) % live.len());
-                assert_eq!(b.free(r.offset), Ok(r));
+                assert_eq!(if hot { b.free_hot(r.offset) } else { b.free(r.offset) }, Ok(r));
                 cov.freed += 1;
+                if hot && reuse {
+                    assert_eq!(b.alloc(r.len), Some(r), "a region freed hot was not the next of its size");
+                    live.push(r);
+                    cov.hot_reused += 1;
+                }
             }
             Op::Bogus { offset } => {
                 if live.iter().any(|l| l.offset == offset) {

@@ -9,11 +9,13 @@ fn random_allocation_sequences_keep_every_invariant() {
         total.granted += c.granted;
         total.refused_with_free_bytes += c.refused_with_free_bytes;
         total.freed += c.freed;
+        total.hot_reused += c.hot_reused;
         total.bogus += c.bogus;
     }
     eprintln!("{total:?}");
-    // Not vacuous: grants, frees, rejected frees, and refusals despite free bytes (the case
-    // where a placement policy could wrongly give up) all happen many times.
-    assert!(total.granted > 50_000 && total.freed > 20_000, "{total:?}");
+    // Not vacuous: grants, frees (hot ones reused at once among them), rejected frees, and
+    // refusals despite free bytes (the case where a placement policy could wrongly give up)
+    // all happen many times.
+    assert!(total.granted > 50_000 && total.freed > 20_000 && total.hot_reused > 2_000, "{total:?}");
     assert!(total.bogus > 10_000 && total.refused_with_free_bytes > 1_000, "{total:?}");
 }
