@@ -1306,9 +1306,10 @@ impl Sender {
         // flow, which then goes too, after the writes, and is opened afresh by a later submit.
         let standing = x.claimed.filter(|&(s, _)| self.standing.get(&x.peer).is_some_and(|slot| slot.xfer == s));
         if standing.is_some() {
-            self.standing.remove(&x.peer);
-        }
-        if let Some((s, _)) = x.claimed {
+            // Its cancel goes with this transfer's, below (after the writes when some are out).
+            self.close_standing(ctx, x.peer, false);
+        } else if let Some((s, _)) = x.claimed {
+            // A standing flow already replaced: its late messages are still expected.
             self.tombstone(ctx.now, s, x.peer);
         }
         if cancel {
