@@ -61,9 +61,10 @@ pub type Result<T> = std::result::Result<T, AllocError>;
 ///   of the block it hands out and [`free`](Self::free) leaves it alone, so a region freed that
 ///   way is reused last; [`free_hot`](Self::free_hot) moves the cursor to the freed block, so
 ///   the next allocation of its size takes it again. Callers free *hot* what no peer can still
-///   write (a scattered region, local staging): reused at once, its lines are still in cache,
-///   and on the 16-core GPU host a bounced 1 MiB WRITE's cma write then took 120 us instead
-///   of 230 and a 64 MiB one 10-12.5 ms instead of 14.3-15.5 (BENCHMARKS.md, session 17).
+///   write (a scattered region, local staging): reused at once, its lines are still in cache.
+///   On the 16-core GPU host a bounced 1 MiB WRITE's cma write into a reused region took 120
+///   us instead of 230, the WRITE 587-607 us instead of 765-767, and a 64 MiB one 15.1-16.4
+///   ms instead of 16.1-18.1 (BENCHMARKS.md, session 17).
 ///   They free the rest (a reclaimed flow's regions, which a slow writer may still reach)
 ///   plainly, to be reused as late as the sweep allows.
 /// - Both operations are `O(log n)` set operations per order (at most 64 orders).
