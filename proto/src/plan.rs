@@ -78,7 +78,7 @@ impl PlanParams {
         if padded / 2 < self.split_bytes || padded / 2 >= self.max_chunk {
             return self;
         }
-        let half = padded.div_ceil(2).next_multiple_of(self.align);
+        let half = padded.div_ceil(2).checked_next_multiple_of(self.align).unwrap_or(self.max_chunk);
         Self { max_chunk: half.min(self.max_chunk), ..self }
     }
 
