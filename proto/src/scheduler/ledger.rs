@@ -398,7 +398,7 @@ impl CreditScheduler {
                     self.orphaned_bytes += held.len;
                     out.deferred.push(Region { offset, len: held.len });
                 }
-                // Cold: its writer may be slow rather than gone; reused as late as possible.
+                // Cold: its writer may be slow rather than gone; not pulled to the front.
                 None => out.freed.push(self.free_region(offset, false)),
             }
         }
