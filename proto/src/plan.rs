@@ -69,7 +69,9 @@ impl PlanParams {
     /// following each other (a 1 MiB WRITE as one chunk had them in series). Larger transfers
     /// already pipeline and keep `max_chunk`.
     pub fn split_for(self, descs: &[DescPair]) -> Self {
-        if self.split_bytes == 0 || !self.align.is_power_of_two() {
+        // No alignment check: an alignment of 0 makes every piece's padding "overflow", the
+        // sum saturates and the transfer is left as it is.
+        if self.split_bytes == 0 {
             return self;
         }
         let padded = descs
