@@ -32,8 +32,10 @@ fn random_operation_sequences_keep_every_invariant() {
     // The remote sender's DATA really reaches the scatter check, and strays get refused.
     // (A quarter of the DATAs carry region plans, some of which do not fit and are refused.)
     assert!(total.scatters > 900 && total.data_refused > 100, "{total:?}");
-    // DATAs saying their runs lie in the region reach the copy engine bounded.
-    assert!(total.region_plans > 100, "{total:?}");
+    // DATAs saying their runs lie in the region reach the copy engine bounded. (101 of them
+    // before reclaimed regions rested in quarantine, 94 since: a refused DATA's flow keeps its
+    // other regions out of use for a quarter timeout, so fewer later chunks find room.)
+    assert!(total.region_plans > 80, "{total:?}");
     // Remote WANTs' inline chunks really reach the scatter, each within its region.
     assert!(total.inline_scatters > 50, "{total:?}");
     // Remote WANTs really claim standing credits their peer opened.

@@ -65,11 +65,9 @@ pub type Result<T> = std::result::Result<T, AllocError>;
 ///   On the 16-core GPU host a bounced 1 MiB WRITE's cma write into a reused region took 120
 ///   us instead of 230, the WRITE 587-607 us instead of 765-767, and a 64 MiB one 15.1-16.4
 ///   ms instead of 16.1-18.1 (BENCHMARKS.md, session 17).
-///   They free the rest plainly (a reclaimed flow's regions, which a slow writer may still
-///   reach): that does not pull the cursor to them, but the cursor now stays near the working
-///   set, so one lying just past it is reused after a few allocations, where pure next-fit
-///   reused any freed region only after a sweep of the arena. A quarantine for reclaimed
-///   regions is not built. (Next-fit was chosen on the 2-core machine, where reusing regions
+///   They free the rest plainly (a reclaimed flow's regions, after the scheduler's quarantine
+///   that keeps them from a slow writer's late write): that does not pull the cursor to them.
+///   (Next-fit was chosen on the 2-core machine, where reusing regions
 ///   first put medians of a 64 MiB transfer in two modes; hot reuse there measured 15.1-22.9
 ///   ms against next-fit's 17.0-21.2, a wider spread around a lower median.)
 /// - Both operations are `O(log n)` set operations per order (at most 64 orders).

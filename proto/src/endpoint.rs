@@ -104,7 +104,12 @@ macro_rules! ctx {
 /// within a quarter `request_timeout` of receiving its credit, and while a write of its is in
 /// flight for longer than an eighth it sends the flow a KEEP every eighth ([`wire::Keep`]), so
 /// a slow write never lands in a region reclaimed (and granted again) under it; a sender that
-/// is truly silent sends none. A dead one is declared so by the liveness probe.
+/// is truly silent sends none. A dead one is declared so by the liveness probe. Should KEEPs be
+/// lost, or a live peer be declared dead, the regions reclaimed rest in quarantine for a
+/// quarter `request_timeout` before they are granted again ([`Reuse::After`]): a late write
+/// lands where nobody reads. A cancel frees at once (it follows the transfer's writes).
+///
+/// [`Reuse::After`]: crate::scheduler::Reuse::After
 #[derive(Debug)]
 pub struct Endpoint {
     sched: CreditScheduler,
@@ -680,11 +685,14 @@ impl Endpoint {
     /// remote flows are reclaimed, silent peers we wait on are PINGed, and a peer that answered
     /// no PING for the probe's bound is declared dead: its transfers fail with
     /// [`XferError::PeerLost`] and its flows are reclaimed, as in
-    /// [`handle_peer_lost`](Self::handle_peer_lost). Spurious or early calls are harmless.
+    /// [`handle_peer_lost`](Self::handle_peer_lost); arena regions whose quarantine ended are
+    /// freed and granted. Spurious or early calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
         // Waiters whose initiators have given up are dropped; the others may find a slot whose
         // linger ended (the pump below serves them).
         self.stats.one_way_refused += self.answering.expire(now) as u64;
+        // Regions whose quarantine ended are free again (the pump below grants them).
+        self.sched.lift_quarantine(Some(now));
         let mut ctx = ctx!(self, now);
         self.sender.handle_timeout(&mut ctx);
         self.receiver.handle_timeout(&mut ctx);
@@ -762,7 +770,8 @@ impl Endpoint {
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
         let waiting = self.answering.next_timeout();
-        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout(), waiting]
+        let lift = self.sched.next_lift();
+        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout(), waiting, lift]
             .into_iter()
             .flatten()
             .min()
@@ -798,6 +807,12 @@ impl Endpoint {
     /// Free arena bytes.
     pub fn arena_free_bytes(&self) -> u64 {
         self.sched.free_bytes()
+    }
+
+    /// Arena bytes in quarantine: reclaimed from writers that went silent or were lost, free
+    /// again a quarter request timeout later.
+    pub fn arena_quarantined_bytes(&self) -> u64 {
+        self.sched.quarantined_bytes()
     }
 
     /// Arena bytes held for peers' standing credits ([`wire::Standing`]): granted ahead of
@@ -1331,10 +1346,12 @@ pub(crate) mod tests {
         assert!(drain(&mut ep).is_empty());
         assert_eq!((ep.remote_flows(), ep.in_flight_xfers()), (1, 1));
         // The restarted agent's metadata: our transfer to the old incarnation fails as for a
-        // lost peer and the old flow's regions come back.
+        // lost peer and the old flow's regions come back, after a quarantine (the old process
+        // may be stuck rather than gone).
         assert_eq!(ep.handle_conn_info(t, "a", Some(caps(8)), Some(&caps(1))), Loaded::Compatible);
         assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
-        assert_eq!((ep.remote_flows(), ep.arena_free_bytes()), (0, 32 * KIB));
+        assert_eq!(ep.arena_quarantined_bytes(), 2 * CHUNK);
+        assert_eq!((ep.remote_flows(), ep.arena_free_bytes() + 2 * CHUNK), (0, 32 * KIB));
         // The new incarnation announces a transfer that reuses the old id; the old one is refused.
         ep.handle_frame(t, "a", &frame(8, want_msg(XferId(5), &[CHUNK]))).unwrap();
         drain(&mut ep);

@@ -593,6 +593,9 @@ pub struct Stats {
     pub late_data: u64,
     /// Remote flows reclaimed because their sender went silent.
     pub flows_timed_out: u64,
+    /// Arena regions put in quarantine: reclaimed from a flow whose writer went silent or was
+    /// lost, and kept from every flow for a quarter of the request timeout.
+    pub regions_quarantined: u64,
     /// Peer messages rejected with a [`ProtocolError`].
     pub protocol_errors: u64,
     /// Frames that looked valid but were not authentic: a wrong transfer token

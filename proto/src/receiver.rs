@@ -16,7 +16,7 @@ use tracing::{debug, trace, warn};
 use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, InRegionPlan, JobId, JobRuns, ProtocolError, internal_error};
 use crate::proof::{BadProof, Registrations};
-use crate::scheduler::{CreditScheduler, Grant as SchedGrant};
+use crate::scheduler::{CreditScheduler, Grant as SchedGrant, Reuse};
 use crate::timer::TimerTable;
 use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Standing, Want};
@@ -183,11 +183,20 @@ struct PullGather {
 ///   failed or will time out, and an ACK would only be one more late message.
 /// - A finished scatter frees the region and answers ACK(Scattered) or ACK(Failed), unless the
 ///   flow was reclaimed meanwhile (then nobody waits for it).
-/// - A flow that holds granted regions without WANT, DATA or a new grant for twice the request
-///   timeout is reclaimed: its sender is presumed dead.
+/// - A flow that holds granted regions without WANT, DATA, KEEP or a new grant for half the
+///   request timeout is reclaimed: its sender is presumed dead. So is every flow of a lost
+///   peer. Their regions are quarantined for a quarter timeout before they are granted again
+///   (a writer presumed dead may only be slow); a cancel, sent after its writer's writes have
+///   ended, frees them at once.
 #[derive(Debug)]
 pub struct Receiver {
     idle_timeout: Duration,
+    /// How long a region reclaimed from a silent or lost writer rests before it is granted
+    /// again: a quarter of the request timeout. A flow is reclaimed after half of it without a
+    /// sign of its writer, so a late write must come three quarters of a timeout after the
+    /// writer's last sign to land in a region granted since; a longer rest would let a flow
+    /// waiting for that region time out first.
+    quarantine: Duration,
     /// The registrations made through this engine, with their keys.
     registered: Registrations,
     flows: BTreeMap<FlowKey, Flow>,
@@ -224,6 +233,7 @@ impl Receiver {
     pub(crate) fn new(config: &Config, _now: Instant) -> Self {
         Self {
             idle_timeout: config.request_timeout / 2,
+            quarantine: config.request_timeout / 4,
             registered: Registrations::default(),
             flows: BTreeMap::new(),
             load: BTreeMap::new(),
@@ -382,7 +392,8 @@ impl Receiver {
         }
         if want.is_cancel() {
             debug!(peer = from.0, xfer = want.xfer.0, "cancel");
-            self.reclaim(ctx, key);
+            // Sent after the writes of the transfer ended: nothing can land any more.
+            self.reclaim(ctx, key, Reuse::Now);
             return Ok(());
         }
         if self.shutting_down {
@@ -428,7 +439,8 @@ impl Receiver {
             Some(standing) => ctx.sched.want_from(key, 1, &want.chunks[1..]).and_then(|()| {
                 let adopted = ctx.sched.adopt(standing.flow, standing.region.offset, key, ChunkIdx(0));
                 if adopted.is_err() {
-                    ctx.sched.reclaim_flow(key);
+                    // Only queued, never granted: nothing to free.
+                    ctx.sched.reclaim_flow(key, Reuse::Now);
                 }
                 adopted.map(drop)
             }),
@@ -496,7 +508,7 @@ impl Receiver {
             if let Err(fault) = self.check_runs(flow, &i.runs, i.bytes.len() as u64) {
                 ctx.stats.data_refused += 1;
                 refuse_xfer(ctx, from, key.xfer, flow.token);
-                self.reclaim(ctx, key);
+                self.reclaim(ctx, key, self.rest(ctx));
                 return Err(ProtocolError::InvalidData { peer: from, xfer: key.xfer, chunk: ChunkIdx(0), fault });
             }
         }
@@ -963,13 +975,15 @@ impl Receiver {
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
         self.inline_floor.remove(&peer);
         self.claim_floor.remove(&peer);
-        let r = ctx.sched.reclaim_peer(peer);
+        let r = ctx.sched.reclaim_peer(peer, self.rest(ctx));
+        ctx.stats.regions_quarantined += r.quarantined.len() as u64;
         let keys: Vec<FlowKey> = self.flows.keys().filter(|k| k.peer == peer).copied().collect();
         if !keys.is_empty() {
             debug!(
                 peer = peer.0,
                 flows = keys.len(),
                 freed = r.freed.len(),
+                quarantined = r.quarantined.len(),
                 deferred = r.deferred.len(),
                 "peer lost: flows reclaimed"
             );
@@ -997,7 +1011,7 @@ impl Receiver {
                     "flow silent too long: reclaimed"
                 );
                 ctx.stats.flows_timed_out += 1;
-                self.reclaim(ctx, key);
+                self.reclaim(ctx, key, self.rest(ctx));
             } else {
                 // Waiting for our arena or our own scatters is not the sender's fault.
                 if flow.deadline <= now {
@@ -1012,8 +1026,10 @@ impl Receiver {
         self.shutting_down = true;
         let keys: Vec<FlowKey> = self.flows.keys().copied().collect();
         for key in keys {
-            self.reclaim(ctx, key);
+            self.reclaim(ctx, key, Reuse::Now);
         }
+        // The arena goes with the engine; a late write then fails at its writer.
+        ctx.sched.lift_quarantine(None);
     }
 
     /// Sends fresh credits, one GRANT per flow (split only beyond the wire's credit cap).
@@ -1192,7 +1208,7 @@ impl Receiver {
         };
         if pull.chunks.is_empty() {
             debug!(peer = from.0, xfer = pull.xfer.0, "READ cancel");
-            self.reclaim(ctx, key);
+            self.reclaim(ctx, key, Reuse::Now);
             return Ok(());
         }
         let bad = |why| Err(ProtocolError::BadPull { peer: from, xfer: pull.xfer, why });
@@ -1352,7 +1368,8 @@ impl Receiver {
             let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
             ctx.send(from, Ack { xfer, token, chunk, region, status: AckStatus::Refused });
         }
-        self.reclaim(ctx, FlowKey { peer: from, xfer: data.xfer });
+        // Its other regions may still have writes in flight.
+        self.reclaim(ctx, FlowKey { peer: from, xfer: data.xfer }, self.rest(ctx));
         Err(ProtocolError::InvalidData { peer: from, xfer: data.xfer, chunk: data.chunk, fault })
     }
 
@@ -1419,12 +1436,18 @@ impl Receiver {
 
     /// Drops flow `key` as a cancel would (the endpoint found no way to answer it).
     pub(crate) fn drop_flow(&mut self, ctx: &mut Ctx<'_>, key: FlowKey) {
-        self.reclaim(ctx, key);
+        self.reclaim(ctx, key, self.rest(ctx));
     }
 
-    /// Cancels flow `key`: frees its idle regions now, orphans the scattering ones.
-    fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey) {
-        let r = ctx.sched.reclaim_flow(key);
+    /// The quarantine of a region reclaimed now from a writer that did not say it is done.
+    fn rest(&self, ctx: &Ctx<'_>) -> Reuse {
+        Reuse::After(ctx.now + self.quarantine)
+    }
+
+    /// Cancels flow `key`: orphans its scattering regions and frees the others as `reuse` says.
+    fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, reuse: Reuse) {
+        let r = ctx.sched.reclaim_flow(key, reuse);
+        ctx.stats.regions_quarantined += r.quarantined.len() as u64;
         if self.flows.get(&key).is_some_and(|f| f.claimed_from.is_some()) {
             self.rearm_standing(ctx, key.peer);
         }
@@ -1433,6 +1456,7 @@ impl Receiver {
                 peer = key.peer.0,
                 xfer = key.xfer.0,
                 freed = r.freed.len(),
+                quarantined = r.quarantined.len(),
                 deferred = r.deferred.len(),
                 "flow reclaimed"
             );
@@ -1580,7 +1604,8 @@ mod tests {
     }
 
     /// Sends `runs` for chunk `chunk` in `region`, expects a refusal with `fault` and a reclaimed
-    /// flow whose regions are all free again, except `scattering` ones.
+    /// flow whose regions rest in quarantine (its other writes may still land) and are free
+    /// again a request timeout later, except `scattering` ones.
     fn refused_with(
         ep: &mut Endpoint,
         t: Instant,
@@ -1594,6 +1619,12 @@ mod tests {
         assert!(scatters(&acts).is_empty());
         assert_eq!(acks(&acts), vec![(X, chunk, AckStatus::Refused)]);
         assert_eq!(ep.remote_flows(), 0, "the flow is reclaimed");
+        let rest = ep.arena_quarantined_bytes();
+        assert_eq!(ep.arena_free_bytes() + rest, 32 * KIB - scattering * CHUNK, "its regions are all accounted for");
+        assert_eq!(ep.poll_timeout(), (rest > 0).then_some(t + TIMEOUT / 4));
+        check(ep);
+        ep.handle_timeout(t + TIMEOUT / 4);
+        assert!(acks(&drain(ep)).is_empty(), "a lift answers nobody");
         assert_eq!(ep.arena_free_bytes(), 32 * KIB - scattering * CHUNK, "its regions are free again");
         check(ep);
     }
@@ -1767,10 +1798,12 @@ mod tests {
         let s = scatters(&drain(&mut ep));
         assert!(ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).is_err());
         drain(&mut ep);
-        assert_eq!(ep.arena_free_bytes(), 32 * KIB - CHUNK, "the scattering region is not freed under the copy");
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - 2 * CHUNK, "the scattering region is not freed under the copy");
+        assert_eq!(ep.arena_quarantined_bytes(), CHUNK, "chunk 1's region may still be written: it rests");
         ep.handle_scatter_done(t, s[0].0, true);
         assert!(acks(&drain(&mut ep)).is_empty());
         assert!(ep.is_idle());
+        ep.handle_timeout(t + TIMEOUT / 4);
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
     }
 
@@ -1978,7 +2011,8 @@ mod tests {
 
     #[test]
     fn a_flow_silent_for_half_a_timeout_is_reclaimed_but_one_waiting_for_the_arena_is_not() {
-        // The lease is half the request timeout; u is half the lease.
+        // The lease is half the request timeout; u is half the lease, and the quarantine of a
+        // reclaimed region.
         let u = TIMEOUT / 4;
         let (mut ep, t) = receiver();
         let [r0, _] = wanted(&mut ep, t);
@@ -1993,27 +2027,34 @@ mod tests {
         drain(&mut ep);
         assert_eq!(ep.stats().flows_timed_out, 1, "peer 9's flow sent nothing: reclaimed");
         assert_eq!(ep.remote_flows(), 2, "the active flow and the one waiting for space remain");
-        assert_eq!(ep.scheduler().flow_held_count(FlowKey { peer: PeerId(8), xfer: XferId(5) }), 1);
+        // Peer 9's half rests for u: a write of it still in flight lands where nobody reads.
+        let peer8 = FlowKey { peer: PeerId(8), xfer: XferId(5) };
+        assert_eq!((ep.scheduler().flow_held_count(peer8), ep.arena_quarantined_bytes()), (0, 16 * KIB));
         // PEER's flow: chunk 0 scattering, chunk 1 granted but silent for a lease since DATA.
         ep.handle_timeout(t + 3 * u);
         drain(&mut ep);
         assert_eq!(ep.stats().flows_timed_out, 2);
+        assert_eq!(
+            ep.scheduler().flow_held_count(peer8),
+            1,
+            "peer 9's half came back and went to peer 8, a quarter timeout before its own timeout"
+        );
+        assert_eq!(ep.arena_quarantined_bytes(), CHUNK, "PEER's chunk 1 rests");
         ep.handle_scatter_done(t + 3 * u, s[0].0, true);
         assert!(acks(&drain(&mut ep)).is_empty(), "orphaned by the reclaim");
-        // Peer 8 was granted at t + 2T and never wrote.
-        ep.handle_timeout(t + 4 * u - Duration::from_millis(1));
-        assert_eq!(ep.stats().flows_timed_out, 2);
-        ep.handle_timeout(t + 4 * u);
+        // Peer 8 was granted at t + 3u and never wrote.
+        ep.handle_timeout(t + 5 * u - Duration::from_millis(1));
+        assert_eq!((ep.stats().flows_timed_out, ep.arena_quarantined_bytes()), (2, 0));
+        ep.handle_timeout(t + 5 * u);
         drain(&mut ep);
         assert_eq!(ep.stats().flows_timed_out, 3);
         assert!(ep.is_idle());
+        assert_eq!((ep.arena_quarantined_bytes(), ep.poll_timeout()), (16 * KIB, Some(t + 6 * u)));
+        ep.handle_timeout(t + 6 * u);
         assert_eq!(ep.poll_timeout(), None);
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
     }
 
-    /// A READ flow keeps its gather runs until it ends: they count against the peer's budget
-    /// with its chunks, so a peer cannot park unbounded run lists in PULLs; a cancel gives the
-    /// room back.
     #[test]
     fn a_peers_pulls_are_capped_in_the_gather_runs_they_keep() {
         let (mut ep, t) = receiver();
@@ -2102,8 +2143,10 @@ mod tests {
         ep.handle_peer_lost(t, PEER);
         assert!(drain(&mut ep).is_empty());
         assert_eq!(ep.remote_flows(), 1);
-        assert_eq!(ep.arena_free_bytes(), 32 * KIB - 2 * CHUNK, "peer 8's region and the scattering one");
+        assert_eq!(ep.arena_quarantined_bytes(), CHUNK, "the lost peer's idle region rests");
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB - 3 * CHUNK, "peer 8's region, the scattering one, the resting one");
         ep.shutdown(t);
+        assert_eq!(ep.arena_quarantined_bytes(), 0, "shutdown lifts the quarantine");
         assert!(drain(&mut ep).is_empty());
         assert_eq!(ep.remote_flows(), 0);
         ep.handle_msg(t, PEER, want_msg(XferId(6), &[CHUNK])).unwrap();

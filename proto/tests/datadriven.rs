@@ -9,9 +9,10 @@
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use bounce_proto::buddy::Buddy;
-use bounce_proto::scheduler::CreditScheduler;
+use bounce_proto::scheduler::{CreditScheduler, Reuse};
 use bounce_proto::{FlowKey, PeerId, Region, XferId};
 
 /// One case: `cmd key=value ...`, `----`, expected output.
@@ -132,6 +133,11 @@ fn opt<'a>(c: &'a Case, key: &str) -> Option<&'a str> {
     c.args.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
 }
 
+/// Milliseconds since a handler's time zero.
+fn millis(ms: &str) -> Duration {
+    Duration::from_millis(ms.parse().unwrap_or_else(|_| panic!("bad milliseconds {ms}")))
+}
+
 /// `4096`, `4K`, `2M` (binary units).
 fn bytes(s: &str) -> u64 {
     let (num, mul) = match s.as_bytes().last() {
@@ -237,6 +243,8 @@ fn buddy_scenarios() {
 struct SchedHandler {
     s: Option<CreditScheduler>,
     seen: BTreeSet<FlowKey>,
+    /// Time zero of the `rest=` and `lift at=` arguments (milliseconds).
+    t0: Instant,
 }
 
 impl SchedHandler {
@@ -321,12 +329,25 @@ impl Handler for SchedHandler {
                 }
             }
             "reclaim" | "reclaim-peer" => {
+                // `rest=<ms>`: quarantined until that instant; without it, freed at once.
+                let reuse = opt(c, "rest").map_or(Reuse::Now, |ms| Reuse::After(self.t0 + millis(ms)));
                 let r = if c.cmd == "reclaim" {
-                    s.reclaim_flow(flow(arg(c, "flow")))
+                    s.reclaim_flow(flow(arg(c, "flow")), reuse)
                 } else {
-                    s.reclaim_peer(PeerId(arg(c, "peer").parse().unwrap()))
+                    s.reclaim_peer(PeerId(arg(c, "peer").parse().unwrap()), reuse)
                 };
-                format!("freed: {}\ndeferred: {}\n", fmt_regions(r.freed), fmt_regions(r.deferred))
+                let mut out = format!("freed: {}\n", fmt_regions(r.freed));
+                if reuse != Reuse::Now {
+                    let _ = writeln!(out, "quarantined: {}", fmt_regions(r.quarantined));
+                }
+                let _ = writeln!(out, "deferred: {}", fmt_regions(r.deferred));
+                out
+            }
+            // `lift at=<ms>` lifts the quarantines ended by then; `lift` alone, all (shutdown).
+            "lift" => {
+                let lifted = s.lift_quarantine(opt(c, "at").map(|ms| self.t0 + millis(ms)));
+                let next = s.next_lift().map_or("-".into(), |t| format!("{}ms", (t - self.t0).as_millis()));
+                format!("lifted: {}\nnext lift: {next}\n", fmt_regions(lifted))
             }
             "local" => match s.acquire_local(bytes(arg(c, "bytes")), opt(c, "eager").is_some()) {
                 Some(r) => format!("{}\n", fmt_region(r)),
@@ -349,6 +370,9 @@ impl Handler for SchedHandler {
                     s.active_flows(),
                     s.drain_target().map_or("-".into(), fmt_flow)
                 );
+                if s.quarantined_bytes() > 0 {
+                    let _ = writeln!(out, "quarantined={}", fmt_bytes(s.quarantined_bytes()));
+                }
                 for &f in self.seen.iter().filter(|f| s.has_flow(**f)) {
                     let _ = writeln!(
                         out,
@@ -370,5 +394,5 @@ impl Handler for SchedHandler {
 
 #[test]
 fn scheduler_scenarios() {
-    run_dir("scheduler", || SchedHandler { s: None, seen: BTreeSet::new() });
+    run_dir("scheduler", || SchedHandler { s: None, seen: BTreeSet::new(), t0: Instant::now() });
 }

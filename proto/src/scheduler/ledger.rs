@@ -3,17 +3,19 @@
 //! Every region carved from the [`Buddy`](crate::buddy::Buddy) has exactly one owner: a remote
 //! flow that was granted it (until its scatter ends, or it is reclaimed), an orphaned scatter
 //! of a reclaimed flow (until its done-event), or the local sender's gather staging (eager,
-//! capped at half the usable capacity, or credit-backed). This file holds the methods that move
-//! regions between those owners and free them, the per-peer byte counts the share cap reads,
-//! the getters over them, and the conservation check (free + held + orphaned + local ==
-//! usable capacity). Which flow gets the next region is the fair-share policy's job
-//! (`fair.rs`).
+//! capped at half the usable capacity, or credit-backed); a region reclaimed from a flow whose
+//! writer may still write rests in quarantine, owned by nobody, until its instant passes. This
+//! file holds the methods that move regions between those owners and free them, the per-peer
+//! byte counts the share cap reads, the getters over them, and the conservation check (free +
+//! held + orphaned + local + quarantined == usable capacity). Which flow gets the next region
+//! is the fair-share policy's job (`fair.rs`).
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use tracing::{debug, trace};
 
-use super::{CreditScheduler, EndScatter, Flow, Grant, Held, Local, Reclaimed, Result, Scatter, SchedError};
+use super::{CreditScheduler, EndScatter, Flow, Grant, Held, Local, Reclaimed, Result, Reuse, Scatter, SchedError};
 use crate::buddy::Buddy;
 use crate::types::{ChunkIdx, FlowKey, PeerId, Region, XferId};
 
@@ -174,25 +176,62 @@ impl CreditScheduler {
         }
     }
 
-    /// Cancels `flow`: drops its pending chunks, frees its granted regions that are not
-    /// scattering and orphans the scattering ones (freed by their `end_scatter`). The flow is
-    /// erased. Unknown flows reclaim nothing. Call [`schedule`](Self::schedule) afterwards.
-    pub fn reclaim_flow(&mut self, flow: FlowKey) -> Reclaimed {
+    /// Cancels `flow`: drops its pending chunks, orphans its regions that are scattering (freed
+    /// by their `end_scatter`) and frees the others as `reuse` says: at once, or after a
+    /// quarantine. The flow is erased. Unknown flows reclaim nothing. Call
+    /// [`schedule`](Self::schedule) afterwards.
+    pub fn reclaim_flow(&mut self, flow: FlowKey, reuse: Reuse) -> Reclaimed {
         let mut out = Reclaimed::default();
-        self.reclaim_into(flow, &mut out);
+        self.reclaim_into(flow, reuse, &mut out);
         out
     }
 
     /// [`reclaim_flow`](Self::reclaim_flow) for every flow of `peer` (peer loss), in key order.
-    pub fn reclaim_peer(&mut self, peer: PeerId) -> Reclaimed {
+    pub fn reclaim_peer(&mut self, peer: PeerId, reuse: Reuse) -> Reclaimed {
         let lo = FlowKey { peer, xfer: XferId(0) };
         let hi = FlowKey { peer, xfer: XferId(u64::MAX) };
         let keys: Vec<FlowKey> = self.flows.range(lo..=hi).map(|(k, _)| *k).collect();
         let mut out = Reclaimed::default();
         for key in keys {
-            self.reclaim_into(key, &mut out);
+            self.reclaim_into(key, reuse, &mut out);
         }
         out
+    }
+
+    /// Frees the quarantined regions whose instant is at or before `now` (every one with
+    /// `None`: the engine is shutting down), earliest first, and returns them. Call
+    /// [`schedule`](Self::schedule) afterwards when any came back.
+    pub fn lift_quarantine(&mut self, now: Option<Instant>) -> Vec<Region> {
+        let mut lifted = Vec::new();
+        while let Some(&(at, offset)) = self.quarantine.by_time.first() {
+            if now.is_some_and(|now| at > now) {
+                break;
+            }
+            self.quarantine.by_time.pop_first();
+            let len = self.quarantine.regions.remove(&offset).unwrap_or_default();
+            self.quarantine.bytes -= len;
+            // Cold: a late write may have touched it, and nothing makes its lines warm.
+            lifted.push(self.free_region(offset, false));
+        }
+        if !lifted.is_empty() {
+            trace!(regions = lifted.len(), "quarantine lifted");
+        }
+        lifted
+    }
+
+    /// When the next quarantined region may be freed, if any is quarantined.
+    pub fn next_lift(&self) -> Option<Instant> {
+        self.quarantine.by_time.first().map(|&(at, _)| at)
+    }
+
+    /// Bytes of quarantined regions.
+    pub fn quarantined_bytes(&self) -> u64 {
+        self.quarantine.bytes
+    }
+
+    /// The quarantined region that starts at `offset`, if one does.
+    pub fn quarantined_at(&self, offset: u64) -> Option<Region> {
+        self.quarantine.regions.get(&offset).map(|&len| Region { offset, len })
     }
 
     /// Takes a local gather-staging region for `bytes` bytes from the shared arena. With
@@ -296,11 +335,12 @@ impl CreditScheduler {
     /// and simulations (it walks the whole state).
     ///
     /// Checked: the buddy's own invariants; every allocated block has exactly one owner (a
-    /// flow's held set, an orphaned scatter, or local staging) and every owned region is an
-    /// allocated block (so owned regions never overlap); free + held + orphaned + local bytes ==
-    /// usable capacity; each flow holds at most `W` regions and is not finished; the eager
-    /// counter is exact and within the cap; the ring lists each active flow exactly once;
-    /// scatter and drain bookkeeping is consistent (the fair-share half is
+    /// flow's held set, an orphaned scatter, local staging, or the quarantine) and every owned
+    /// region is an allocated block (so owned regions never overlap); free + held + orphaned +
+    /// local + quarantined bytes == usable capacity, and the quarantine's two indexes agree;
+    /// each flow holds at most `W` regions and is not finished; the eager counter is exact and
+    /// within the cap; the ring lists each active flow exactly once; scatter and drain
+    /// bookkeeping is consistent (the fair-share half is
     /// `check_fair_share`, in `fair.rs`).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.buddy.check_invariants()?;
@@ -342,14 +382,31 @@ impl CreditScheduler {
             local += l.len;
             eager += if l.eager { l.len } else { 0 };
         }
+        let mut quarantined = 0;
+        for (&off, &len) in &self.quarantine.regions {
+            claim(off, len, "quarantine".into())?;
+            quarantined += len;
+        }
+        let timed: Vec<u64> = self.quarantine.by_time.iter().map(|&(_, off)| off).collect();
+        if timed.len() != self.quarantine.regions.len()
+            || timed.iter().any(|o| !self.quarantine.regions.contains_key(o))
+        {
+            return Err("the quarantine's time index disagrees with its regions".into());
+        }
+        if quarantined != self.quarantine.bytes {
+            return Err("quarantined byte counter drifted".into());
+        }
         let allocated: Vec<Region> = self.buddy.allocated_regions().collect();
         let owned: Vec<Region> = owners.iter().map(|(&offset, &(len, _))| Region { offset, len }).collect();
         if allocated != owned {
             return Err(format!("allocated blocks {allocated:?} != owned regions {owned:?}"));
         }
-        let total = self.free_bytes() + held_bytes + orphaned + local;
+        let total = self.free_bytes() + held_bytes + orphaned + local + quarantined;
         if total != self.usable_capacity() {
-            return Err(format!("conservation: free+held+orphaned+local = {total} != {}", self.usable_capacity()));
+            return Err(format!(
+                "conservation: free+held+orphaned+local+quarantined = {total} != {}",
+                self.usable_capacity()
+            ));
         }
         if (orphaned, local, eager) != (self.orphaned_bytes, self.local_bytes, self.eager_bytes) {
             return Err("orphaned/local/eager byte counters drifted".into());
@@ -379,7 +436,7 @@ impl CreditScheduler {
         }
     }
 
-    pub(super) fn reclaim_into(&mut self, key: FlowKey, out: &mut Reclaimed) {
+    pub(super) fn reclaim_into(&mut self, key: FlowKey, reuse: Reuse, out: &mut Reclaimed) {
         self.unblock(key);
         let Some(flow) = self.flows.remove(&key) else {
             return;
@@ -389,23 +446,31 @@ impl CreditScheduler {
         if self.drain == Some(key) {
             self.drain = None;
         }
-        let (freed, deferred) = (out.freed.len(), out.deferred.len());
+        let (freed, quarantined, deferred) = (out.freed.len(), out.quarantined.len(), out.deferred.len());
         for (offset, held) in flow.held {
             Self::unhold(&mut self.peer_held, key.peer, held.len);
-            match self.scattering.get_mut(&offset) {
-                Some(s) => {
+            let region = Region { offset, len: held.len };
+            match (self.scattering.get_mut(&offset), reuse) {
+                (Some(s), _) => {
                     s.orphaned = true;
                     self.orphaned_bytes += held.len;
-                    out.deferred.push(Region { offset, len: held.len });
+                    out.deferred.push(region);
                 }
-                // Cold: its writer may be slow rather than gone; not pulled to the front.
-                None => out.freed.push(self.free_region(offset, false)),
+                // Cold: nothing writes it any more, but nothing warmed it either.
+                (None, Reuse::Now) => out.freed.push(self.free_region(offset, false)),
+                (None, Reuse::After(at)) => {
+                    self.quarantine.regions.insert(offset, held.len);
+                    self.quarantine.by_time.insert((at, offset));
+                    self.quarantine.bytes += held.len;
+                    out.quarantined.push(region);
+                }
             }
         }
         debug!(
             flow = ?key,
             pending = flow.pending.len(),
             freed = out.freed.len() - freed,
+            quarantined = out.quarantined.len() - quarantined,
             deferred = out.deferred.len() - deferred,
             "flow reclaimed"
         );

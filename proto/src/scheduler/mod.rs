@@ -16,6 +16,7 @@
 //! This file holds the shared state, its types and errors, and the constructor.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Instant;
 
 use thiserror::Error;
 
@@ -141,11 +142,28 @@ pub struct EndScatter {
     pub orphaned: bool,
 }
 
+/// When a region taken back from a flow, and not being scattered, may be granted again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reuse {
+    /// At once: the flow's writer said its writes have ended (a cancel, sent only after them),
+    /// or the engine is shutting down.
+    Now,
+    /// Not before this instant (the region is *quarantined*): the flow was reclaimed because
+    /// its writer went silent or was declared lost, and it may be slow rather than gone. A late
+    /// write of it lands in a region nobody holds instead of in one granted since to another
+    /// flow.
+    After(Instant),
+}
+
 /// Regions released by [`CreditScheduler::reclaim_flow`] / [`CreditScheduler::reclaim_peer`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Reclaimed {
-    /// Regions freed now (granted but not scattering), by ascending offset per flow.
+    /// Regions freed now (granted but not scattering, [`Reuse::Now`]), by ascending offset per
+    /// flow.
     pub freed: Vec<Region>,
+    /// Regions granted but not scattering, quarantined ([`Reuse::After`]): freed by
+    /// [`CreditScheduler::lift_quarantine`] once their instant has passed.
+    pub quarantined: Vec<Region>,
     /// Regions still scattering: now orphaned, freed by their `end_scatter`.
     pub deferred: Vec<Region>,
 }
@@ -159,7 +177,8 @@ pub struct Reclaimed {
 ///   credits and returns them as [`Grant`]s for the caller to send.
 /// - You *MUST* call `schedule()` after every call that queues work or frees space: `want`,
 ///   [`end_scatter`](Self::end_scatter), [`reclaim_flow`](Self::reclaim_flow),
-///   [`reclaim_peer`](Self::reclaim_peer) and [`release_local`](Self::release_local). Nothing
+///   [`reclaim_peer`](Self::reclaim_peer), [`lift_quarantine`](Self::lift_quarantine) and
+///   [`release_local`](Self::release_local). Nothing
 ///   is granted behind your back, and a freed region granted to nobody stays free until the
 ///   next `schedule()`. Several such calls may be
 ///   batched before one `schedule()`; `schedule()` is idempotent (a second call right after
@@ -171,7 +190,9 @@ pub struct Reclaimed {
 /// - A cancel (empty WANT) is [`reclaim_flow`](Self::reclaim_flow); peer loss is
 ///   [`reclaim_peer`](Self::reclaim_peer). Regions still scattering are not freed then: they
 ///   are orphaned and freed by their `end_scatter`, so a new grant never overlaps a running
-///   scatter.
+///   scatter. The other regions are freed at once ([`Reuse::Now`]) or quarantined until an
+///   instant ([`Reuse::After`]); the caller wakes at [`next_lift`](Self::next_lift) and calls
+///   [`lift_quarantine`](Self::lift_quarantine).
 /// - The local sender takes gather staging with [`acquire_local`](Self::acquire_local) and gives
 ///   it back with [`release_local`](Self::release_local). Eager (credit-less) staging is capped
 ///   at half the usable capacity; [`promote_local`](Self::promote_local) moves a region out of
@@ -196,7 +217,8 @@ pub struct Reclaimed {
 /// waits for its next grant (it has pending chunks and holds fewer than `W` regions), the other
 /// flows receive at most `6M - 4` grants, where `M` is the number of flows active at some point
 /// during the wait. With every region eventually scattered and ended and local staging
-/// eventually released, every pending chunk is eventually granted.
+/// eventually released and quarantine eventually lifted, every pending chunk is eventually
+/// granted.
 ///
 /// # Panics
 /// Only if the scheduler's own bookkeeping disagrees with its allocator (a bug here, never
@@ -205,7 +227,7 @@ pub struct Reclaimed {
 #[derive(Debug)]
 pub struct CreditScheduler {
     // Ledger (`ledger.rs`): `buddy`, the held regions in `flows`, `local`, `local_bytes`,
-    // `eager_bytes`, `scattering`, `orphaned_bytes`, `peer_held`. Fair share (`fair.rs`): the
+    // `eager_bytes`, `scattering`, `orphaned_bytes`, `quarantine`, `peer_held`. Fair share (`fair.rs`): the
     // pending chunks and stamps in `flows`, `ring`, `cursor`, `grant_seq`, `blocked`, `drain`,
     // `waiting`. `window` bounds both.
     buddy: Buddy,
@@ -226,6 +248,8 @@ pub struct CreditScheduler {
     eager_bytes: u64,
     scattering: BTreeMap<u64, Scatter>,
     orphaned_bytes: u64,
+    /// Regions reclaimed with [`Reuse::After`], not yet freed.
+    quarantine: Quarantine,
     /// Bytes held (granted, not yet freed) by each peer's flows, for the per-peer share cap.
     peer_held: BTreeMap<PeerId, u64>,
     /// Number of each peer's flows waiting for a credit (something pending, window not full),
@@ -266,6 +290,14 @@ struct Local {
     eager: bool,
 }
 
+/// Quarantined regions: offset -> length, and the same offsets in the order they may be freed.
+#[derive(Debug, Default)]
+struct Quarantine {
+    regions: BTreeMap<u64, u64>,
+    by_time: BTreeSet<(Instant, u64)>,
+    bytes: u64,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Scatter {
     flow: FlowKey,
@@ -303,6 +335,7 @@ impl CreditScheduler {
             eager_bytes: 0,
             scattering: BTreeMap::new(),
             orphaned_bytes: 0,
+            quarantine: Quarantine::default(),
             peer_held: BTreeMap::new(),
             waiting: BTreeMap::new(),
         })

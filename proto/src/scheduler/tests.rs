@@ -1,6 +1,7 @@
 //! Scheduler tests: design examples, ledger misuse, and the fairness/liveness property.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
@@ -185,9 +186,9 @@ fn reclaim_flow_defers_a_scattering_region_until_end_scatter() {
     assert_eq!(grants.len(), 4);
     let busy = grants[1];
     s.begin_scatter(a, busy.region.offset).unwrap();
-    let r = s.reclaim_flow(a);
+    let r = s.reclaim_flow(a, Reuse::Now);
     let others: Vec<Region> = [0, 2, 3].iter().map(|&i| grants[i].region).collect();
-    assert_eq!(r, Reclaimed { freed: others, deferred: vec![busy.region] });
+    assert_eq!(r, Reclaimed { freed: others, quarantined: vec![], deferred: vec![busy.region] });
     assert!(!s.has_flow(a));
     assert_eq!(s.free_bytes(), 3 * G);
     s.check_invariants().unwrap();
@@ -201,7 +202,7 @@ fn reclaim_flow_defers_a_scattering_region_until_end_scatter() {
     assert_eq!(end, EndScatter { flow: a, chunk: ChunkIdx(1), region: busy.region, orphaned: true });
     assert_eq!(order(&s.schedule()), vec![(b, 0)]);
     s.check_invariants().unwrap();
-    assert_eq!(s.reclaim_flow(a), Reclaimed::default(), "a second cancel is a no-op");
+    assert_eq!(s.reclaim_flow(a, Reuse::Now), Reclaimed::default(), "a second cancel is a no-op");
 }
 
 #[test]
@@ -214,7 +215,7 @@ fn reclaim_peer_reclaims_every_flow_of_that_peer_only() {
     }
     let grants = s.schedule();
     assert_eq!(grants.len(), 8);
-    let r = s.reclaim_peer(PeerId(3));
+    let r = s.reclaim_peer(PeerId(3), Reuse::Now);
     assert_eq!(r.freed.len(), 6);
     assert!(r.deferred.is_empty());
     assert_eq!(s.active_flows(), 1);
@@ -222,6 +223,56 @@ fn reclaim_peer_reclaims_every_flow_of_that_peer_only() {
     assert_eq!(s.free_bytes(), 14 * G);
     s.check_invariants().unwrap();
     assert_eq!(order(&s.schedule()), vec![], "kept is at its window");
+}
+
+#[test]
+fn a_region_reclaimed_from_a_silent_writer_is_granted_again_only_after_its_quarantine() {
+    let (silent, lost, next) = (flow(1, 1), flow(2, 1), flow(3, 1));
+    let t0 = Instant::now();
+    let (t1, t2) = (t0 + Duration::from_secs(1), t0 + Duration::from_secs(2));
+    let mut s = sched(4, 4);
+    s.want(silent, &[G, G]).unwrap();
+    s.want(lost, &[G]).unwrap();
+    let grants = s.schedule();
+    assert_eq!(grants.len(), 3);
+    let busy = grants.iter().find(|g| g.flow == silent).unwrap().region;
+    s.begin_scatter(silent, busy.offset).unwrap();
+    let r = s.reclaim_flow(silent, Reuse::After(t2));
+    let idle: Vec<Region> = grants.iter().filter(|g| g.flow == silent && g.region != busy).map(|g| g.region).collect();
+    assert_eq!(r, Reclaimed { freed: vec![], quarantined: idle.clone(), deferred: vec![busy] });
+    let r = s.reclaim_peer(PeerId(2), Reuse::After(t1));
+    let lost_region = grants.iter().find(|g| g.flow == lost).unwrap().region;
+    assert_eq!(r.quarantined, vec![lost_region]);
+    assert_eq!((s.quarantined_bytes(), s.free_bytes(), s.next_lift()), (2 * G, G, Some(t1)));
+    s.check_invariants().unwrap();
+    // Quarantined regions belong to nobody: a late DATA naming one is refused.
+    assert_eq!(s.is_held(silent, idle[0].offset), None);
+    assert_eq!(s.is_held(lost, lost_region.offset), None);
+    // The whole arena is wanted; the one free unit is not enough while the rest rests.
+    s.want(next, &[4 * G]).unwrap();
+    assert!(s.schedule().is_empty());
+    assert!(s.lift_quarantine(Some(t0)).is_empty(), "nothing is due before its instant");
+    assert!(s.end_scatter(busy.offset).unwrap().orphaned);
+    assert!(s.schedule().is_empty(), "the scattered region is back, the quarantined ones are not");
+    assert_eq!(s.lift_quarantine(Some(t1)), vec![lost_region]);
+    assert_eq!(s.next_lift(), Some(t2));
+    assert!(s.schedule().is_empty());
+    assert_eq!(s.lift_quarantine(Some(t2 + Duration::from_millis(1))), idle);
+    assert_eq!((s.quarantined_bytes(), s.next_lift()), (0, None));
+    assert_eq!(order(&s.schedule()), vec![(next, 0)]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn shutting_down_lifts_every_quarantine_at_once() {
+    let t = Instant::now() + Duration::from_secs(3600);
+    let mut s = sched(4, 4);
+    s.want(flow(1, 1), &[G, G, G]).unwrap();
+    assert_eq!(s.schedule().len(), 3);
+    assert_eq!(s.reclaim_flow(flow(1, 1), Reuse::After(t)).quarantined.len(), 3);
+    assert_eq!(s.lift_quarantine(None).len(), 3);
+    assert_eq!((s.free_bytes(), s.quarantined_bytes()), (4 * G, 0));
+    s.check_invariants().unwrap();
 }
 
 #[test]
@@ -343,8 +394,11 @@ enum Op {
     Begin(usize),
     End(usize),
     Ack(usize),
-    Reclaim(u8),
-    ReclaimPeer(u8),
+    /// A reclaim: freed at once with `None`, else quarantined for that many ms.
+    Reclaim(u8, Option<u8>),
+    ReclaimPeer(u8, Option<u8>),
+    /// Time passes by this many ms, and the quarantines that ended are lifted.
+    Tick(u8),
     Acquire {
         raw: u64,
         eager: bool,
@@ -368,8 +422,9 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(Op::Begin),
         2 => any::<usize>().prop_map(Op::End),
         4 => any::<usize>().prop_map(Op::Ack),
-        1 => (0..FLOW_IDS).prop_map(Op::Reclaim),
-        1 => (0..3u8).prop_map(Op::ReclaimPeer),
+        1 => (0..FLOW_IDS, any::<Option<u8>>()).prop_map(|(id, rest)| Op::Reclaim(id, rest)),
+        1 => (0..3u8, any::<Option<u8>>()).prop_map(|(p, rest)| Op::ReclaimPeer(p, rest)),
+        1 => any::<u8>().prop_map(Op::Tick),
         2 => (any::<u64>(), any::<bool>()).prop_map(|(raw, eager)| Op::Acquire { raw, eager }),
         1 => any::<usize>().prop_map(Op::Promote),
         2 => any::<usize>().prop_map(Op::Release),
@@ -399,6 +454,10 @@ struct Harness {
     /// Scattering regions, with their orphaned flag.
     scattering: Vec<(Grant, bool)>,
     local: Vec<(Region, bool)>,
+    /// Quarantined regions and when each may be freed, in ms since `t0`.
+    quarantined: Vec<(u64, Region)>,
+    t0: Instant,
+    now_ms: u64,
     waits: BTreeMap<FlowKey, Wait>,
     /// Flows created so far (a reused key after erasure counts again).
     incarnations: u64,
@@ -415,6 +474,9 @@ impl Harness {
             granted: Vec::new(),
             scattering: Vec::new(),
             local: Vec::new(),
+            quarantined: Vec::new(),
+            t0: Instant::now(),
+            now_ms: 0,
             waits: BTreeMap::new(),
             incarnations: 0,
             max_ratio: 0.0,
@@ -495,16 +557,30 @@ impl Harness {
                 prop_assert_eq!(self.s.end_scatter(g.region.offset).map(|e| e.orphaned), Ok(false));
                 self.forget_if_done(g.flow);
             }
-            Op::Reclaim(id) => self.reclaim(&[key(id)])?,
-            Op::ReclaimPeer(p) => {
+            Op::Reclaim(id, rest) => {
+                let reuse = self.reuse(rest);
+                let want = self.expect_reclaim(key(id), rest);
+                prop_assert_eq!(self.s.reclaim_flow(key(id), reuse), want);
+            }
+            Op::ReclaimPeer(p, rest) => {
                 let flows: Vec<FlowKey> = self.pending.keys().copied().filter(|f| f.peer == PeerId(p.into())).collect();
                 let mut want = Reclaimed::default();
                 for &f in &flows {
-                    let r = self.expect_reclaim(f);
+                    let r = self.expect_reclaim(f, rest);
                     want.freed.extend(r.freed);
+                    want.quarantined.extend(r.quarantined);
                     want.deferred.extend(r.deferred);
                 }
-                prop_assert_eq!(self.s.reclaim_peer(PeerId(p.into())), want);
+                prop_assert_eq!(self.s.reclaim_peer(PeerId(p.into()), self.reuse(rest)), want);
+            }
+            Op::Tick(ms) => {
+                self.now_ms += u64::from(ms);
+                // Earliest instant first, ties by offset.
+                self.quarantined.sort();
+                let due = self.quarantined.iter().take_while(|(at, _)| *at <= self.now_ms).count();
+                let want: Vec<Region> = self.quarantined.drain(..due).map(|(_, r)| r).collect();
+                let now = self.t0 + Duration::from_millis(self.now_ms);
+                prop_assert_eq!(self.s.lift_quarantine(Some(now)), want);
             }
             Op::Acquire { raw, eager } => {
                 let bytes = 1 + raw % max;
@@ -534,16 +610,15 @@ impl Harness {
         self.step()
     }
 
-    fn reclaim(&mut self, flows: &[FlowKey]) -> std::result::Result<(), TestCaseError> {
-        for &f in flows {
-            let want = self.expect_reclaim(f);
-            prop_assert_eq!(self.s.reclaim_flow(f), want);
+    fn reuse(&self, rest: Option<u8>) -> Reuse {
+        match rest {
+            None => Reuse::Now,
+            Some(ms) => Reuse::After(self.t0 + Duration::from_millis(self.now_ms + u64::from(ms))),
         }
-        Ok(())
     }
 
     /// Updates the mirror for a reclaim of `f` and returns what the scheduler must report.
-    fn expect_reclaim(&mut self, f: FlowKey) -> Reclaimed {
+    fn expect_reclaim(&mut self, f: FlowKey, rest: Option<u8>) -> Reclaimed {
         let mut r = Reclaimed::default();
         let mut freed: Vec<Region> = self.granted.iter().filter(|g| g.flow == f).map(|g| g.region).collect();
         let mut deferred: Vec<Region> = Vec::new();
@@ -558,7 +633,14 @@ impl Harness {
         // interleaved as they come.
         freed.sort();
         deferred.sort();
-        r.freed = freed;
+        match rest {
+            None => r.freed = freed,
+            Some(ms) => {
+                let at = self.now_ms + u64::from(ms);
+                self.quarantined.extend(freed.iter().map(|&region| (at, region)));
+                r.quarantined = freed;
+            }
+        }
         r.deferred = deferred;
         self.pending.remove(&f);
         self.next_chunk.remove(&f);
@@ -620,6 +702,9 @@ impl Harness {
             }
         }
         prop_assert!(self.s.schedule().is_empty(), "schedule() is idempotent");
+        let quarantined: u64 = self.quarantined.iter().map(|(_, r)| r.len).sum();
+        let next = self.quarantined.iter().map(|&(at, _)| self.t0 + Duration::from_millis(at)).min();
+        prop_assert_eq!((self.s.quarantined_bytes(), self.s.next_lift()), (quarantined, next));
         self.drains += u64::from(self.s.drain_target().is_some());
         self.s.check_invariants().map_err(TestCaseError::fail)?;
         let active = self.active();
@@ -631,8 +716,9 @@ impl Harness {
         Ok(())
     }
 
-    /// Liveness: with every grant eventually scattered and ACKed and local staging
-    /// released, every pending chunk is granted. Each round empties the arena, and an
+    /// Liveness: with every grant eventually scattered and ACKed, local staging released and
+    /// every quarantine lifted in time, every pending chunk is granted. Each round empties the
+    /// arena, and an
     /// empty arena always fits the drain target or the first eligible head, so each round
     /// grants at least one chunk.
     fn drain_all(&mut self) -> std::result::Result<(), TestCaseError> {
@@ -648,6 +734,8 @@ impl Harness {
             while !self.local.is_empty() {
                 self.apply(Op::Release(0))?;
             }
+            // Every quarantine ends at most 255 ms after its reclaim.
+            self.apply(Op::Tick(u8::MAX))?;
             if self.pending.is_empty() {
                 break;
             }

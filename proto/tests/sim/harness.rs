@@ -55,6 +55,10 @@ pub(crate) struct Knobs {
     /// Probability that the shell gathers a one-chunk WRITE into its WANT (see
     /// `Endpoint::submit_write`), two way or one way.
     pub(crate) inline_p: f64,
+    /// Every KEEP is lost: a write in flight longer than half the request timeout then finds
+    /// its flow reclaimed, and must land in a quarantined region (counted in
+    /// [`Sim::quarantine_hits`]), never in one its receiver has granted since.
+    pub(crate) drop_keeps: bool,
 }
 
 impl Default for Knobs {
@@ -68,6 +72,7 @@ impl Default for Knobs {
             clear_direct_p: 0.25,
             one_way: false,
             inline_p: 0.5,
+            drop_keeps: false,
         }
     }
 }
@@ -258,6 +263,9 @@ pub(crate) struct Sim {
     pub(crate) region_plans_checked: u64,
     /// Scatters of inline chunks (their bytes put in the region first).
     pub(crate) inline_scatters: u64,
+    /// Writes that landed after their flow was reclaimed, in a region resting in quarantine
+    /// ([`Knobs::drop_keeps`]).
+    pub(crate) quarantine_hits: u64,
 }
 
 impl Sim {
@@ -311,6 +319,7 @@ impl Sim {
             region_plans_written: 0,
             region_plans_checked: 0,
             inline_scatters: 0,
+            quarantine_hits: 0,
             fetching: BTreeSet::new(),
         }
     }
@@ -376,7 +385,7 @@ impl Sim {
     /// Whether `node`'s write into (or READ of, `what`) `peer`'s region `remote` for `xfer`
     /// succeeds: not when the peer is dead or a drawn job failure hits (which taints the
     /// transfer); `None` when `node` itself is dead. Asserts first that a live peer's flow still
-    /// holds the region.
+    /// holds the region, or, with [`Knobs::drop_keeps`], that it rests in quarantine.
     fn remote_job(&mut self, node: usize, xfer: XferId, peer: usize, remote: Region, what: &str) -> Option<bool> {
         if !self.nodes[node].alive {
             return None;
@@ -393,6 +402,10 @@ impl Sim {
             // the region is then still the sender's standing flow's.
             let standing = ep.receiver().standing_flow(PeerId(node as u32)).and_then(held_by);
             let held = held_by(xfer).or(standing);
+            if held.is_none() && self.knobs.drop_keeps && ep.scheduler().quarantined_at(remote.offset) == Some(remote) {
+                self.quarantine_hits += 1;
+                return Some(ok);
+            }
             assert!(
                 held.is_some_and(|g| g.region == remote),
                 "node {node} xfer {xfer:?}: {what} {remote} of node {peer}, which the flow no longer holds"
@@ -833,6 +846,9 @@ impl Sim {
         match a {
             Action::Send { peer, msg } => {
                 let to = peer.0 as usize;
+                if self.knobs.drop_keeps && matches!(msg, Msg::Keep(_)) {
+                    return;
+                }
                 if let Msg::Grant(g) = &msg {
                     *self.granted.entry((me, to, g.xfer)).or_default() += g.credits.len() as u64;
                 }

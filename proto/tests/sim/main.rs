@@ -180,6 +180,7 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
                 ("late_data", st.late_data),
                 ("late_msgs", st.late_msgs),
                 ("flows_timed_out", st.flows_timed_out),
+                ("regions_quarantined", st.regions_quarantined),
                 ("data_refused", st.data_refused),
                 ("chunks_scattered", st.chunks_scattered),
                 ("chunks_direct", st.chunks_direct),
@@ -212,6 +213,7 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
     let events: &[&str] = if one_way {
         &[
             "flows_timed_out",
+            "regions_quarantined",
             "chunks_direct",
             "chunks_staged",
             "records_read",
@@ -229,6 +231,7 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>) {
         &[
             "late_msgs",
             "flows_timed_out",
+            "regions_quarantined",
             "chunks_direct",
             "chunks_staged",
             "plans_kept",
@@ -417,4 +420,35 @@ fn slow_jobs_within_the_write_bound_never_yield_success_with_wrong_bytes() {
 #[test]
 fn writes_slower_than_a_quarter_timeout_are_kept_alive_and_land_in_their_own_regions() {
     slow_jobs_against_reclaims(0..40, Duration::from_millis(8));
+}
+
+/// Writes up to 4.5 ms against a 10 ms request timeout with every KEEP lost: a write still in
+/// flight half a timeout after its flow's last sign of life finds the flow reclaimed. The
+/// reclaimed regions rest in quarantine for a quarter timeout, and a write is posted within a
+/// quarter timeout of its credit, so every such late write lands in a region nobody holds: the
+/// harness asserts at each write that its region is still its flow's or quarantined, never
+/// granted since to another flow (whose scatter would then deliver the late bytes as its own).
+#[test]
+fn writes_whose_keeps_are_lost_land_in_quarantine_never_in_a_region_granted_since() {
+    let hits = std::cell::Cell::new(0);
+    for_seeds(0..40, |seed| {
+        let rng = &mut scenario_rng(seed);
+        let senders = rng.random_range(1..=3);
+        let cfg = sim_config(8192, rng.random_range(1..=3), rng.random_bool(0.5));
+        let knobs =
+            Knobs { fifo: rng.random_bool(0.5), job_delay: (us(1), us(4_500)), drop_keeps: true, ..Knobs::default() };
+        let mut sim = Sim::new(senders + 1, &cfg, knobs, seed);
+        for from in 1..=senders {
+            for _ in 0..sim.rng().random_range(1..=3) {
+                let bytes = sim.rng().random_range(1..=20_000);
+                let at = us(sim.rng().random_range(0..2_000));
+                sim.add_xfer(from, 0, bytes, at);
+            }
+        }
+        sim.drive_bounded(2_000_000);
+        sim.check_settled();
+        hits.set(hits.get() + sim.quarantine_hits);
+    });
+    assert!(hits.get() > 0, "no write ever outlived its flow: the scenario tests nothing");
+    eprintln!("late writes that landed in quarantine: {}", hits.get());
 }

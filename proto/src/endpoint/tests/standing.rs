@@ -180,6 +180,9 @@ fn claims_forged_stale_or_too_large_change_nothing_or_are_refused() {
     let acts = drain(&mut ep);
     assert!(scatters(&acts).is_empty(), "nothing scattered from a standing region: {acts:?}");
     assert_eq!(ep.receiver().standing_flow(PEER), None, "and the flow is reclaimed");
+    // Its region rests: its honest owner may be writing a claimed chunk into it right now.
+    assert_eq!(ep.arena_free_bytes() + ep.arena_quarantined_bytes(), free);
+    ep.handle_timeout(t + TIMEOUT / 4);
     assert_eq!(ep.arena_free_bytes(), free);
     check(&ep);
 }
@@ -217,8 +220,13 @@ fn an_unclaimed_standing_region_is_reclaimed_after_the_idle_timeout_and_not_prob
     assert!(waited.is_empty(), "a standing flow alone is not a reason to probe its peer");
     ep.handle_timeout(t + TIMEOUT / 4);
     assert_eq!(ep.receiver().standing_flow(PEER), Some(XferId(STANDING_XFER_BIT | 1)));
-    ep.handle_timeout(t + TIMEOUT / 2 + Duration::from_millis(1));
+    let lease_end = t + TIMEOUT / 2 + Duration::from_millis(1);
+    ep.handle_timeout(lease_end);
     assert_eq!(ep.receiver().standing_flow(PEER), None);
+    // A claim may have crossed the lease's end: the region rests before anyone else gets it.
+    assert_eq!(ep.arena_free_bytes() + ep.arena_quarantined_bytes(), free);
+    assert_eq!(ep.poll_timeout(), Some(lease_end + TIMEOUT / 4));
+    ep.handle_timeout(lease_end + TIMEOUT / 4);
     assert_eq!(ep.arena_free_bytes(), free);
     check(&ep);
 }
