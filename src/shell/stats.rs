@@ -136,6 +136,9 @@ counters! {
     control_forged,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
+    /// Arena bytes resting in quarantine: reclaimed from peers' flows whose writer went silent
+    /// or was lost, free again a quarter of the request timeout later (not leaked).
+    arena_quarantined_bytes,
     /// Arena bytes held for peers' standing credits (`bounce_standing_bytes`): granted ahead of
     /// their WRITEs, not free, not leaked (a lease ends each unclaimed one).
     arena_standing_bytes,
@@ -148,6 +151,8 @@ counters! {
     peers_ready,
     /// Remote flows reclaimed because their sender went silent (the core's count).
     flows_timed_out,
+    /// Arena regions put in quarantine after such a reclaim or a lost peer (the core's count).
+    regions_quarantined,
     /// Liveness PINGs sent to silent peers we wait on (the core's count).
     pings_sent,
     /// PONGs that answered one of our PINGs (the core's count).

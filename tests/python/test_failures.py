@@ -598,6 +598,12 @@ def test_a_peer_that_wants_and_goes_silent_cannot_starve_another_peer(procs, tmp
             f"STARVED: an honest transfer failed ({r}) while a silent peer held the receiver's "
             f"arena (free bytes then: {held} of {ARENA})")
         c.assert_victim_exact(tmp_path)
+        # The silent peer's grants are reclaimed after a lease (half the timeout) and rest in
+        # quarantine a quarter timeout more, so a late write of a peer that is slow rather than
+        # gone lands where nobody reads; then the whole arena is back (the reactor wakes for it).
+        s = settle(lambda: peer_stats(c.v), ARENA, SLACK_S, "victim after the silent peer's lease")
+        assert s["flows_timed_out"] > 0 and s["regions_quarantined"] > 0, s
+        assert s["arena_quarantined_bytes"] == 0, s
 
 
 def test_a_peer_announcing_thousands_of_transfers_is_capped_and_others_still_bounce(procs, tmp_path):

@@ -810,10 +810,12 @@ impl Driver {
         let (s, core) = (&self.shared.stats, self.ep.stats());
         s.arena_free_bytes.store(self.ep.arena_free_bytes(), Ordering::Relaxed);
         s.arena_standing_bytes.store(self.ep.arena_standing_bytes(), Ordering::Relaxed);
+        s.arena_quarantined_bytes.store(self.ep.arena_quarantined_bytes(), Ordering::Relaxed);
         s.arena_orphans.store(self.ep.orphans() as u64, Ordering::Relaxed);
         s.chunks_direct.store(core.chunks_direct, Ordering::Relaxed);
         s.timeouts.store(core.timeouts, Ordering::Relaxed);
         s.flows_timed_out.store(core.flows_timed_out, Ordering::Relaxed);
+        s.regions_quarantined.store(core.regions_quarantined, Ordering::Relaxed);
         s.pings_sent.store(core.pings_sent, Ordering::Relaxed);
         s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
