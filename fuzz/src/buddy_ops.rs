@@ -7,8 +7,8 @@
 //! invariants; conservation (free + live bytes = usable capacity); every granted region is a
 //! power of two of at least `max(bytes, granularity)`, aligned to its size, inside the arena and
 //! disjoint from every live region; an allocation is refused only when no free block is large
-//! enough (next-fit must still find any fit); a region freed hot comes back from the next
-//! allocation of its size; a bogus free is an error that changes nothing. At
+//! enough (next-fit must still find any fit); the lowest region freed hot since the last
+//! allocation comes back from the next allocation of its size; a bogus free is an error that changes nothing. At
 //! the end, freeing everything coalesces the arena back into its top-level blocks.
 
 use arbitrary::Unstructured;
@@ -55,6 +55,8 @@ pub fn run_buddy(data: &[u8]) -> BuddyCoverage {
     let mut b = Buddy::new(capacity, granularity).expect("valid geometry");
     let usable = units * granularity;
     let mut live: Vec<Region> = Vec::new();
+    // The lowest offset freed hot since the last allocation.
+    let mut hot_floor: Option<u64> = None;
     while !u.is_empty() {
         let op = match u.int_in_range(0u8..=9).unwrap_or(0) {
             0..=5 => Op::Alloc { bytes: u.int_in_range(0..=usable + granularity).unwrap_or(0) },
@@ -77,6 +79,7 @@ pub fn run_buddy(data: &[u8]) -> BuddyCoverage {
                         live.iter().all(|l| r.offset + r.len <= l.offset || l.offset + l.len <= r.offset),
                         "{r:?} overlaps a live region"
                     );
+                    hot_floor = None;
                     live.push(r);
                     cov.granted += 1;
                 }
@@ -95,8 +98,13 @@ pub fn run_buddy(data: &[u8]) -> BuddyCoverage {
                 let r = live.swap_remove(usize::from(which) % live.len());
                 assert_eq!(if hot { b.free_hot(r.offset) } else { b.free(r.offset) }, Ok(r));
                 cov.freed += 1;
-                if hot && reuse {
+                if hot {
+                    hot_floor = Some(hot_floor.map_or(r.offset, |f: u64| f.min(r.offset)));
+                }
+                // The lowest region freed hot since the last allocation comes back first.
+                if hot && reuse && hot_floor == Some(r.offset) {
                     assert_eq!(b.alloc(r.len), Some(r), "a region freed hot was not the next of its size");
+                    hot_floor = None;
                     live.push(r);
                     cov.hot_reused += 1;
                 }

@@ -59,12 +59,14 @@ pub type Result<T> = std::result::Result<T, AllocError>;
 /// - Placement is deterministic next-fit: the lowest free block that fits at or after a
 ///   cursor, wrapping around to offset 0. [`alloc`](Self::alloc) leaves the cursor at the end
 ///   of the block it hands out and [`free`](Self::free) leaves it alone, so a region freed that
-///   way is reused last; [`free_hot`](Self::free_hot) moves the cursor to the freed block, so
-///   the next allocation of its size takes it again. Callers free *hot* what no peer can still
-///   write (a scattered region, local staging): reused at once, its lines are still in cache.
-///   On the 16-core GPU host a bounced 1 MiB WRITE's cma write into a reused region took 120
-///   us instead of 230, the WRITE 587-607 us instead of 765-767, and a 64 MiB one 15.1-16.4
-///   ms instead of 16.1-18.1 (BENCHMARKS.md, session 17).
+///   way is reused last; [`free_hot`](Self::free_hot) moves the cursor to the lowest block
+///   freed hot since the last allocation, so the next allocation of its size takes it again.
+///   Callers free *hot* what no peer can still write (a scattered region, local staging):
+///   reused at once, its lines are still in cache. On the 16-core GPU host a bounced 1 MiB
+///   WRITE's cma write into a reused region took 120 us instead of 230, the WRITE 587-607 us
+///   instead of 765-767, and a 64 MiB one 15.1-16.4 ms instead of 16.1-18.1 (BENCHMARKS.md,
+///   session 17); the lowest rather than the last block freed hot took the 64 MiB WRITE from
+///   18.9-20.3 to 15.7-17.1 ms (session 18), as the working set stays at the arena's start.
 ///   They free the rest plainly (a reclaimed flow's regions, after the scheduler's quarantine
 ///   that keeps them from a slow writer's late write): that does not pull the cursor to them.
 ///   (Next-fit was chosen on the 2-core machine, where reusing regions
@@ -84,9 +86,11 @@ pub struct Buddy {
     max_order: u32,
     /// Free block offsets, indexed by order.
     free: Vec<BTreeSet<u64>>,
-    /// Where the next search starts: the end of the previous allocation, or the block freed
-    /// hot since (next-fit).
+    /// Where the next search starts: the end of the previous allocation, or the lowest block
+    /// freed hot since (next-fit).
     cursor: u64,
+    /// A block was freed hot since the last allocation (so `cursor` points at one).
+    hot_since_alloc: bool,
     /// Allocated block offset -> order.
     allocated: BTreeMap<u64, u32>,
     free_bytes: u64,
@@ -117,7 +121,16 @@ impl Buddy {
                 offset += 1 << (shift + order);
             }
         }
-        Ok(Self { shift, usable, max_order, free, cursor: 0, allocated: BTreeMap::new(), free_bytes: usable })
+        Ok(Self {
+            shift,
+            usable,
+            max_order,
+            free,
+            cursor: 0,
+            hot_since_alloc: false,
+            allocated: BTreeMap::new(),
+            free_bytes: usable,
+        })
     }
 
     /// The minimum block size in bytes.
@@ -177,6 +190,7 @@ impl Buddy {
         }
         debug_assert_eq!(start, offset);
         self.cursor = offset + self.order_len(want);
+        self.hot_since_alloc = false;
         self.allocated.insert(offset, want);
         let len = self.order_len(want);
         self.free_bytes -= len;
@@ -226,14 +240,17 @@ impl Buddy {
         Ok(region)
     }
 
-    /// [`free`](Self::free), then points the cursor at the freed block, so that the next
-    /// allocation of its size reuses it while its lines are still in cache.
+    /// [`free`](Self::free), then points the cursor at the freed block, or leaves it at a
+    /// lower block freed hot since the last allocation: the next allocation of its size
+    /// reuses the lowest of them while its lines are still in cache, and a transfer's regions
+    /// start where the previous transfer's began instead of drifting up the arena.
     ///
     /// # Errors
     /// As for [`free`](Self::free); the cursor is then left unchanged.
     pub fn free_hot(&mut self, offset: u64) -> Result<Region> {
         let region = self.free(offset)?;
-        self.cursor = region.offset;
+        self.cursor = if self.hot_since_alloc { self.cursor.min(region.offset) } else { region.offset };
+        self.hot_since_alloc = true;
         Ok(region)
     }
 
@@ -665,6 +682,25 @@ mod tests {
         b.free_hot(regions[1].offset).unwrap();
         assert_eq!(b.alloc(2 * 4096), Some(r(6 * 4096, 2 * 4096)));
         assert_eq!(b.free_hot(3 * 4096 + 1), Err(AllocError::NotAllocated { offset: 3 * 4096 + 1 }));
+        b.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn of_several_regions_freed_hot_the_lowest_comes_back_first_until_the_next_allocation() {
+        let mut b = Buddy::new(16 * 4096, 4096).unwrap();
+        let regions: Vec<Region> = (0..6).map(|_| b.alloc(4096).unwrap()).collect();
+        // A transfer's chunks are acknowledged out of order: 4, then 2, then 3.
+        for i in [4, 2, 3] {
+            b.free_hot(regions[i].offset).unwrap();
+        }
+        let next: Vec<Region> = (0..3).map(|_| b.alloc(4096).unwrap()).collect();
+        assert_eq!(next, [regions[2], regions[3], regions[4]], "from the lowest, then on up");
+        // After an allocation the next hot free points the cursor again, higher or not.
+        b.free_hot(regions[5].offset).unwrap();
+        b.free_hot(regions[4].offset).unwrap();
+        assert_eq!(b.alloc(4096), Some(regions[4]));
+        b.free_hot(regions[0].offset).unwrap();
+        assert_eq!(b.alloc(4096), Some(regions[0]), "the first hot free after an allocation moves the cursor");
         b.check_invariants().unwrap();
     }
 
