@@ -169,7 +169,10 @@ def test_a_1_mib_write_moves_as_two_chunks_that_overlap_unless_splitting_is_off(
     assert d == {"bounce_ok": 2, "bounce_chunks": 4 if split != "0" else 2}, d
 
 
-def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
+@pytest.mark.parametrize("streaming", ["false", "true"])
+def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path, streaming):
+    """Unaligned pieces scatter byte-exact with ordinary stores (the default) and with
+    non-temporal ones (their head and tail lines go through ordinary stores)."""
     rng = np.random.default_rng(7)
     sizes = [int(x) for x in rng.integers(512, 1 << 20, size=300)]
     sizes[:200] = [int(x) for x in rng.integers(512, 4096, size=200)]  # mostly small: gate's average
@@ -177,7 +180,7 @@ def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path):
     src = nixlkit.pattern(511, lay.src_bytes)
     gate = {"bounce_min_descriptor_count": "64", "bounce_max_average_descriptor_size": "1MiB"}
     ag, p, raddr = pair(peer, src, tx="tx-mixed", rx="rx-mixed", rx_size=lay.dst_bytes, rx_seed=510,
-                        params=gate)
+                        params=gate, rx_params={**gate, "bounce_streaming_scatter": streaming})
     write_from_here(ag, "rx-mixed", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(510, lay.dst_bytes)), "mixed destination")
