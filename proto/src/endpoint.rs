@@ -107,7 +107,8 @@ macro_rules! ctx {
 /// is truly silent sends none. A dead one is declared so by the liveness probe. Should KEEPs be
 /// lost, or a live peer be declared dead, the regions reclaimed rest in quarantine for a
 /// quarter `request_timeout` before they are granted again ([`Reuse::After`]): a late write
-/// lands where nobody reads. A cancel frees at once (it follows the transfer's writes).
+/// lands where nobody reads. A cancel frees at once (it follows the transfer's writes), and
+/// ends the quarantine of a flow reclaimed before it came.
 ///
 /// [`Reuse::After`]: crate::scheduler::Reuse::After
 #[derive(Debug)]

@@ -187,7 +187,8 @@ struct PullGather {
 ///   request timeout is reclaimed: its sender is presumed dead. So is every flow of a lost
 ///   peer. Their regions are quarantined for a quarter timeout before they are granted again
 ///   (a writer presumed dead may only be slow); a cancel, sent after its writer's writes have
-///   ended, frees them at once.
+///   ended, frees them at once, also when it comes after the reclaim (its token is kept while
+///   the regions rest).
 #[derive(Debug)]
 pub struct Receiver {
     idle_timeout: Duration,
@@ -227,6 +228,9 @@ pub struct Receiver {
     standing_bytes: u64,
     /// Each peer's standing flow (at most one) and its chunk's bytes.
     standing: BTreeMap<PeerId, (XferId, u64)>,
+    /// The token of each reclaimed flow whose regions rest in quarantine: its sender's cancel,
+    /// which follows its writes, frees them at once. Pruned as quarantines end.
+    resting: BTreeMap<FlowKey, Token>,
 }
 
 impl Receiver {
@@ -248,6 +252,7 @@ impl Receiver {
             claim_floor: BTreeMap::new(),
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
+            resting: BTreeMap::new(),
         }
     }
 
@@ -389,6 +394,9 @@ impl Receiver {
         if self.flows.get(&key).is_some_and(|f| f.token != want.token) {
             ctx.stats.control_forged += 1;
             return Err(ProtocolError::WrongToken { peer: from, xfer: want.xfer });
+        }
+        if want.is_cancel() && !self.flows.contains_key(&key) {
+            return self.cancel_resting(ctx, key, want.token);
         }
         if want.is_cancel() {
             debug!(peer = from.0, xfer = want.xfer.0, "cancel");
@@ -989,12 +997,17 @@ impl Receiver {
             );
         }
         for key in keys {
+            self.note_resting(ctx, key);
             self.forget(key);
         }
     }
 
     pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
         let now = ctx.now;
+        // Quarantines that ended (the endpoint lifts them first) need no cancel any more.
+        if !self.resting.is_empty() {
+            self.resting.retain(|&k, _| ctx.sched.is_resting(k));
+        }
         while let Some(key) = self.timers.pop_due(now) {
             let Some(flow) = self.flows.get_mut(&key) else {
                 continue;
@@ -1030,6 +1043,7 @@ impl Receiver {
         }
         // The arena goes with the engine; a late write then fails at its writer.
         ctx.sched.lift_quarantine(None);
+        self.resting.clear();
     }
 
     /// Sends fresh credits, one GRANT per flow (split only beyond the wire's credit cap).
@@ -1206,6 +1220,9 @@ impl Receiver {
                 Ack { xfer: pull.xfer, token: pull.token, chunk: ChunkIdx(0), region, status: AckStatus::Refused };
             ctx.send(from, ack);
         };
+        if pull.chunks.is_empty() && flow.is_none() {
+            return self.cancel_resting(ctx, key, pull.token);
+        }
         if pull.chunks.is_empty() {
             debug!(peer = from.0, xfer = pull.xfer.0, "READ cancel");
             self.reclaim(ctx, key, Reuse::Now);
@@ -1444,10 +1461,37 @@ impl Receiver {
         Reuse::After(ctx.now + self.quarantine)
     }
 
+    /// A cancel for flow `key`, which we no longer track: if we reclaimed it and its regions
+    /// still rest in quarantine, its sender now says its writes have ended (a cancel follows
+    /// them), so they are freed at once. It must carry the flow's token, as any cancel must;
+    /// a cancel for a flow we never knew or that rests no more changes nothing.
+    fn cancel_resting(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, token: Token) -> Result<(), ProtocolError> {
+        let Some(&rested) = self.resting.get(&key) else {
+            trace!(peer = key.peer.0, xfer = key.xfer.0, "cancel of an unknown flow");
+            return Ok(());
+        };
+        if rested != token {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: key.peer, xfer: key.xfer });
+        }
+        self.resting.remove(&key);
+        let lifted = ctx.sched.lift_flow(key);
+        debug!(peer = key.peer.0, xfer = key.xfer.0, regions = lifted.len(), "cancel ends a quarantine");
+        Ok(())
+    }
+
+    /// Notes the token of reclaimed flow `key` while its regions rest (see `resting`).
+    fn note_resting(&mut self, ctx: &Ctx<'_>, key: FlowKey) {
+        if let Some(flow) = self.flows.get(&key).filter(|_| ctx.sched.is_resting(key)) {
+            self.resting.insert(key, flow.token);
+        }
+    }
+
     /// Cancels flow `key`: orphans its scattering regions and frees the others as `reuse` says.
     fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, reuse: Reuse) {
         let r = ctx.sched.reclaim_flow(key, reuse);
         ctx.stats.regions_quarantined += r.quarantined.len() as u64;
+        self.note_resting(ctx, key);
         if self.flows.get(&key).is_some_and(|f| f.claimed_from.is_some()) {
             self.rearm_standing(ctx, key.peer);
         }
@@ -1631,6 +1675,30 @@ mod tests {
 
     fn expect_refused(ep: &mut Endpoint, t: Instant, chunk: u32, region: Region, runs: Vec<CopyRun>, fault: DataFault) {
         refused_with(ep, t, (chunk, region, runs), fault, 0);
+    }
+
+    #[test]
+    fn the_senders_cancel_after_a_refusal_ends_the_quarantine_and_a_forged_one_does_not() {
+        let (mut ep, t) = receiver();
+        let [r0, _] = wanted(&mut ep, t);
+        let bad = vec![run(CHUNK - 8, DST, 16)];
+        assert!(ep.handle_msg(t, PEER, data_msg(X, 0, r0, bad)).is_err());
+        drain(&mut ep);
+        assert_eq!(ep.arena_quarantined_bytes(), 2 * CHUNK, "chunk 1 may still be written: both rest");
+        // Anyone else's cancel for the flow, or one without its token, lifts nothing.
+        let forged = ep.stats().control_forged;
+        assert!(ep.handle_msg(t, PEER, Msg::cancel(X, Token(0xbad), Vec::new())).is_err());
+        ep.handle_msg(t, PeerId(8), Msg::cancel(X, TOKEN, Vec::new())).unwrap();
+        drain(&mut ep);
+        assert_eq!((ep.arena_quarantined_bytes(), ep.stats().control_forged), (2 * CHUNK, forged + 1));
+        // The sender fails on the refusal and cancels once its writes have ended.
+        ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
+        assert!(acks(&drain(&mut ep)).is_empty(), "a cancel is not answered");
+        assert_eq!((ep.arena_quarantined_bytes(), ep.arena_free_bytes()), (0, 32 * KIB));
+        assert_eq!(ep.poll_timeout(), None);
+        // A second cancel finds nothing resting: no error, no change.
+        ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
+        check(&ep);
     }
 
     #[test]

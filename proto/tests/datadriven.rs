@@ -343,6 +343,8 @@ impl Handler for SchedHandler {
                 let _ = writeln!(out, "deferred: {}", fmt_regions(r.deferred));
                 out
             }
+            // The flow's writer says its writes ended (its cancel): its regions are freed now.
+            "lift-flow" => format!("lifted: {}\n", fmt_regions(s.lift_flow(flow(arg(c, "flow"))))),
             // `lift at=<ms>` lifts the quarantines ended by then; `lift` alone, all (shutdown).
             "lift" => {
                 let lifted = s.lift_quarantine(opt(c, "at").map(|ms| self.t0 + millis(ms)));

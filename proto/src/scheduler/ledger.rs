@@ -15,7 +15,9 @@ use std::time::Instant;
 
 use tracing::{debug, trace};
 
-use super::{CreditScheduler, EndScatter, Flow, Grant, Held, Local, Reclaimed, Result, Reuse, Scatter, SchedError};
+use super::{
+    CreditScheduler, EndScatter, Flow, Grant, Held, Local, Reclaimed, Rest, Result, Reuse, Scatter, SchedError,
+};
 use crate::buddy::Buddy;
 use crate::types::{ChunkIdx, FlowKey, PeerId, Region, XferId};
 
@@ -208,15 +210,38 @@ impl CreditScheduler {
                 break;
             }
             self.quarantine.by_time.pop_first();
-            let len = self.quarantine.regions.remove(&offset).unwrap_or_default();
-            self.quarantine.bytes -= len;
-            // Cold: a late write may have touched it, and nothing makes its lines warm.
-            lifted.push(self.free_region(offset, false));
+            lifted.push(self.unrest(offset));
         }
         if !lifted.is_empty() {
             trace!(regions = lifted.len(), "quarantine lifted");
         }
         lifted
+    }
+
+    /// Frees at once the quarantined regions reclaimed from `flow` (its writer says its writes
+    /// have ended: a cancel, sent after them), by ascending offset. Call
+    /// [`schedule`](Self::schedule) afterwards when any came back.
+    pub fn lift_flow(&mut self, flow: FlowKey) -> Vec<Region> {
+        let lo = (flow, 0);
+        let offsets: Vec<u64> =
+            self.quarantine.by_flow.range(lo..).take_while(|(f, _)| *f == flow).map(|&(_, o)| o).collect();
+        offsets.into_iter().map(|offset| self.unrest(offset)).collect()
+    }
+
+    /// Whether regions reclaimed from `flow` are still quarantined.
+    pub fn is_resting(&self, flow: FlowKey) -> bool {
+        self.quarantine.by_flow.range((flow, 0)..).next().is_some_and(|(f, _)| *f == flow)
+    }
+
+    /// Takes the region at `offset` out of the quarantine and frees it (cold: a late write may
+    /// have touched it, and nothing makes its lines warm).
+    fn unrest(&mut self, offset: u64) -> Region {
+        if let Some(rest) = self.quarantine.regions.remove(&offset) {
+            self.quarantine.by_time.remove(&(rest.until, offset));
+            self.quarantine.by_flow.remove(&(rest.flow, offset));
+            self.quarantine.bytes -= rest.len;
+        }
+        self.free_region(offset, false)
     }
 
     /// When the next quarantined region may be freed, if any is quarantined.
@@ -231,7 +256,7 @@ impl CreditScheduler {
 
     /// The quarantined region that starts at `offset`, if one does.
     pub fn quarantined_at(&self, offset: u64) -> Option<Region> {
-        self.quarantine.regions.get(&offset).map(|&len| Region { offset, len })
+        self.quarantine.regions.get(&offset).map(|rest| Region { offset, len: rest.len })
     }
 
     /// Takes a local gather-staging region for `bytes` bytes from the shared arena. With
@@ -337,7 +362,7 @@ impl CreditScheduler {
     /// Checked: the buddy's own invariants; every allocated block has exactly one owner (a
     /// flow's held set, an orphaned scatter, local staging, or the quarantine) and every owned
     /// region is an allocated block (so owned regions never overlap); free + held + orphaned +
-    /// local + quarantined bytes == usable capacity, and the quarantine's two indexes agree;
+    /// local + quarantined bytes == usable capacity, and the quarantine's indexes agree;
     /// each flow holds at most `W` regions and is not finished; the eager counter is exact and
     /// within the cap; the ring lists each active flow exactly once; scatter and drain
     /// bookkeeping is consistent (the fair-share half is
@@ -383,15 +408,17 @@ impl CreditScheduler {
             eager += if l.eager { l.len } else { 0 };
         }
         let mut quarantined = 0;
-        for (&off, &len) in &self.quarantine.regions {
-            claim(off, len, "quarantine".into())?;
-            quarantined += len;
+        for (&off, rest) in &self.quarantine.regions {
+            claim(off, rest.len, "quarantine".into())?;
+            quarantined += rest.len;
         }
-        let timed: Vec<u64> = self.quarantine.by_time.iter().map(|&(_, off)| off).collect();
-        if timed.len() != self.quarantine.regions.len()
-            || timed.iter().any(|o| !self.quarantine.regions.contains_key(o))
-        {
-            return Err("the quarantine's time index disagrees with its regions".into());
+        let q = &self.quarantine;
+        let timed = q.by_time.len() == q.regions.len()
+            && q.by_time.iter().all(|&(at, o)| q.regions.get(&o).is_some_and(|r| r.until == at));
+        let flowed = q.by_flow.len() == q.regions.len()
+            && q.by_flow.iter().all(|&(f, o)| q.regions.get(&o).is_some_and(|r| r.flow == f));
+        if !(timed && flowed) {
+            return Err("the quarantine's indexes disagree with its regions".into());
         }
         if quarantined != self.quarantine.bytes {
             return Err("quarantined byte counter drifted".into());
@@ -459,8 +486,9 @@ impl CreditScheduler {
                 // Cold: nothing writes it any more, but nothing warmed it either.
                 (None, Reuse::Now) => out.freed.push(self.free_region(offset, false)),
                 (None, Reuse::After(at)) => {
-                    self.quarantine.regions.insert(offset, held.len);
+                    self.quarantine.regions.insert(offset, Rest { len: held.len, flow: key, until: at });
                     self.quarantine.by_time.insert((at, offset));
+                    self.quarantine.by_flow.insert((key, offset));
                     self.quarantine.bytes += held.len;
                     out.quarantined.push(region);
                 }

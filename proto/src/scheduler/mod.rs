@@ -162,7 +162,8 @@ pub struct Reclaimed {
     /// flow.
     pub freed: Vec<Region>,
     /// Regions granted but not scattering, quarantined ([`Reuse::After`]): freed by
-    /// [`CreditScheduler::lift_quarantine`] once their instant has passed.
+    /// [`CreditScheduler::lift_quarantine`] once their instant has passed, or by
+    /// [`CreditScheduler::lift_flow`] when their writer says its writes have ended.
     pub quarantined: Vec<Region>,
     /// Regions still scattering: now orphaned, freed by their `end_scatter`.
     pub deferred: Vec<Region>,
@@ -290,12 +291,22 @@ struct Local {
     eager: bool,
 }
 
-/// Quarantined regions: offset -> length, and the same offsets in the order they may be freed.
+/// Quarantined regions, by offset, with the same offsets in the order they may be freed and
+/// by the flow they were reclaimed from.
 #[derive(Debug, Default)]
 struct Quarantine {
-    regions: BTreeMap<u64, u64>,
+    regions: BTreeMap<u64, Rest>,
     by_time: BTreeSet<(Instant, u64)>,
+    by_flow: BTreeSet<(FlowKey, u64)>,
     bytes: u64,
+}
+
+/// One quarantined region: its length, the flow it was reclaimed from, when it may be freed.
+#[derive(Debug, Clone, Copy)]
+struct Rest {
+    len: u64,
+    flow: FlowKey,
+    until: Instant,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -264,6 +264,27 @@ fn a_region_reclaimed_from_a_silent_writer_is_granted_again_only_after_its_quara
 }
 
 #[test]
+fn a_cancel_of_a_reclaimed_flow_lifts_its_quarantine_and_no_other() {
+    let t = Instant::now() + Duration::from_secs(3600);
+    let (a, b) = (flow(1, 1), flow(1, 2));
+    let mut s = sched(8, 4);
+    s.want(a, &[G, G]).unwrap();
+    s.want(b, &[G]).unwrap();
+    let grants = s.schedule();
+    let of = |f: FlowKey| grants.iter().filter(|g| g.flow == f).map(|g| g.region).collect::<Vec<_>>();
+    assert_eq!(s.reclaim_peer(PeerId(1), Reuse::After(t)).quarantined.len(), 3);
+    assert!(s.is_resting(a) && s.is_resting(b));
+    assert_eq!(s.lift_flow(a), of(a), "flow a's writer said its writes ended");
+    assert!(!s.is_resting(a) && s.is_resting(b));
+    assert_eq!(s.lift_flow(a), vec![], "a second cancel lifts nothing");
+    assert_eq!((s.quarantined_bytes(), s.next_lift()), (G, Some(t)));
+    s.check_invariants().unwrap();
+    assert_eq!(s.lift_quarantine(Some(t)), of(b));
+    assert!(!s.is_resting(b));
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn shutting_down_lifts_every_quarantine_at_once() {
     let t = Instant::now() + Duration::from_secs(3600);
     let mut s = sched(4, 4);
@@ -399,6 +420,8 @@ enum Op {
     ReclaimPeer(u8, Option<u8>),
     /// Time passes by this many ms, and the quarantines that ended are lifted.
     Tick(u8),
+    /// The writer of flow `id` says its writes ended: its quarantined regions are freed.
+    LiftFlow(u8),
     Acquire {
         raw: u64,
         eager: bool,
@@ -425,6 +448,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..FLOW_IDS, any::<Option<u8>>()).prop_map(|(id, rest)| Op::Reclaim(id, rest)),
         1 => (0..3u8, any::<Option<u8>>()).prop_map(|(p, rest)| Op::ReclaimPeer(p, rest)),
         1 => any::<u8>().prop_map(Op::Tick),
+        1 => (0..FLOW_IDS).prop_map(Op::LiftFlow),
         2 => (any::<u64>(), any::<bool>()).prop_map(|(raw, eager)| Op::Acquire { raw, eager }),
         1 => any::<usize>().prop_map(Op::Promote),
         2 => any::<usize>().prop_map(Op::Release),
@@ -454,8 +478,8 @@ struct Harness {
     /// Scattering regions, with their orphaned flag.
     scattering: Vec<(Grant, bool)>,
     local: Vec<(Region, bool)>,
-    /// Quarantined regions and when each may be freed, in ms since `t0`.
-    quarantined: Vec<(u64, Region)>,
+    /// Quarantined regions, when each may be freed (in ms since `t0`) and their flow.
+    quarantined: Vec<(u64, Region, FlowKey)>,
     t0: Instant,
     now_ms: u64,
     waits: BTreeMap<FlowKey, Wait>,
@@ -577,10 +601,19 @@ impl Harness {
                 self.now_ms += u64::from(ms);
                 // Earliest instant first, ties by offset.
                 self.quarantined.sort();
-                let due = self.quarantined.iter().take_while(|(at, _)| *at <= self.now_ms).count();
-                let want: Vec<Region> = self.quarantined.drain(..due).map(|(_, r)| r).collect();
+                let due = self.quarantined.iter().take_while(|(at, _, _)| *at <= self.now_ms).count();
+                let want: Vec<Region> = self.quarantined.drain(..due).map(|(_, r, _)| r).collect();
                 let now = self.t0 + Duration::from_millis(self.now_ms);
                 prop_assert_eq!(self.s.lift_quarantine(Some(now)), want);
+            }
+            Op::LiftFlow(id) => {
+                let f = key(id);
+                let mut want: Vec<Region> =
+                    self.quarantined.iter().filter(|(_, _, q)| *q == f).map(|&(_, r, _)| r).collect();
+                want.sort();
+                self.quarantined.retain(|(_, _, q)| *q != f);
+                prop_assert_eq!(self.s.is_resting(f), !want.is_empty());
+                prop_assert_eq!(self.s.lift_flow(f), want);
             }
             Op::Acquire { raw, eager } => {
                 let bytes = 1 + raw % max;
@@ -637,7 +670,7 @@ impl Harness {
             None => r.freed = freed,
             Some(ms) => {
                 let at = self.now_ms + u64::from(ms);
-                self.quarantined.extend(freed.iter().map(|&region| (at, region)));
+                self.quarantined.extend(freed.iter().map(|&region| (at, region, f)));
                 r.quarantined = freed;
             }
         }
@@ -702,8 +735,8 @@ impl Harness {
             }
         }
         prop_assert!(self.s.schedule().is_empty(), "schedule() is idempotent");
-        let quarantined: u64 = self.quarantined.iter().map(|(_, r)| r.len).sum();
-        let next = self.quarantined.iter().map(|&(at, _)| self.t0 + Duration::from_millis(at)).min();
+        let quarantined: u64 = self.quarantined.iter().map(|(_, r, _)| r.len).sum();
+        let next = self.quarantined.iter().map(|&(at, _, _)| self.t0 + Duration::from_millis(at)).min();
         prop_assert_eq!((self.s.quarantined_bytes(), self.s.next_lift()), (quarantined, next));
         self.drains += u64::from(self.s.drain_target().is_some());
         self.s.check_invariants().map_err(TestCaseError::fail)?;
