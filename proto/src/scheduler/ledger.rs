@@ -240,6 +240,7 @@ impl CreditScheduler {
             self.quarantine.by_time.remove(&(rest.until, offset));
             self.quarantine.by_flow.remove(&(rest.flow, offset));
             self.quarantine.bytes -= rest.len;
+            Self::unhold(&mut self.quarantine.by_peer, rest.flow.peer, rest.len);
         }
         self.free_region(offset, false)
     }
@@ -420,8 +421,12 @@ impl CreditScheduler {
         if !(timed && flowed) {
             return Err("the quarantine's indexes disagree with its regions".into());
         }
-        if quarantined != self.quarantine.bytes {
-            return Err("quarantined byte counter drifted".into());
+        let mut resting: BTreeMap<PeerId, u64> = BTreeMap::new();
+        for rest in self.quarantine.regions.values() {
+            *resting.entry(rest.flow.peer).or_default() += rest.len;
+        }
+        if quarantined != self.quarantine.bytes || resting != self.quarantine.by_peer {
+            return Err("quarantined byte counters drifted".into());
         }
         let allocated: Vec<Region> = self.buddy.allocated_regions().collect();
         let owned: Vec<Region> = owners.iter().map(|(&offset, &(len, _))| Region { offset, len }).collect();
@@ -489,6 +494,7 @@ impl CreditScheduler {
                     self.quarantine.regions.insert(offset, Rest { len: held.len, flow: key, until: at });
                     self.quarantine.by_time.insert((at, offset));
                     self.quarantine.by_flow.insert((key, offset));
+                    *self.quarantine.by_peer.entry(key.peer).or_default() += held.len;
                     self.quarantine.bytes += held.len;
                     out.quarantined.push(region);
                 }

@@ -299,6 +299,10 @@ struct Quarantine {
     by_time: BTreeSet<(Instant, u64)>,
     by_flow: BTreeSet<(FlowKey, u64)>,
     bytes: u64,
+    /// Quarantined bytes per peer they were reclaimed from: charged to that peer's share, or a
+    /// peer whose grants keep being reclaimed (refused DATAs, silence) could rest the whole
+    /// arena while its held bytes stay under the cap.
+    by_peer: BTreeMap<PeerId, u64>,
 }
 
 /// One quarantined region: its length, the flow it was reclaimed from, when it may be freed.

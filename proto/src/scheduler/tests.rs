@@ -285,6 +285,27 @@ fn a_cancel_of_a_reclaimed_flow_lifts_its_quarantine_and_no_other() {
 }
 
 #[test]
+fn a_peers_resting_regions_count_against_its_share_of_the_arena() {
+    let t = Instant::now() + Duration::from_secs(3600);
+    let (a, b, c) = (flow(1, 1), flow(1, 2), flow(2, 1));
+    let mut s = sched(8, 8);
+    s.want(a, &[G, G, G, G]).unwrap();
+    assert_eq!(s.schedule().len(), 4, "alone, peer 1 takes half the arena");
+    // Its grants are reclaimed unwritten (refused DATA, silence): they rest, held by nobody.
+    assert_eq!(s.reclaim_flow(a, Reuse::After(t)).quarantined.len(), 4);
+    // Peer 2 waits for more than is free; peer 1 asks again.
+    s.want(c, &[8 * G]).unwrap();
+    s.want(b, &[G]).unwrap();
+    assert_eq!(order(&s.schedule()), vec![], "peer 1's resting half is still its share");
+    assert!(s.over_peer_share(PeerId(1), G));
+    s.check_invariants().unwrap();
+    // Its writer's cancel ends the rest: the arena is whole again and peer 2 takes it.
+    s.lift_flow(a);
+    assert_eq!(order(&s.schedule()), vec![(c, 0)]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn shutting_down_lifts_every_quarantine_at_once() {
     let t = Instant::now() + Duration::from_secs(3600);
     let mut s = sched(4, 4);
