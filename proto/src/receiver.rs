@@ -1649,7 +1649,7 @@ mod tests {
 
     /// Sends `runs` for chunk `chunk` in `region`, expects a refusal with `fault` and a reclaimed
     /// flow whose regions rest in quarantine (its other writes may still land) and are free
-    /// again a request timeout later, except `scattering` ones.
+    /// again a quarter request timeout later, except `scattering` ones.
     fn refused_with(
         ep: &mut Endpoint,
         t: Instant,
