@@ -42,7 +42,7 @@ use crate::sys::nixl::{MemSeg, NixlStatus};
 use crate::sys::shim::{Md, WriteSide, WriteState};
 use bounce_proto::peers::Hello;
 use fetch::Fetches;
-use pace::{BUSY_SLEEP, Pace, Wait};
+use pace::{AppPolls, BUSY_SLEEP, Pace, Wait};
 
 mod fetch;
 mod pace;
@@ -398,6 +398,8 @@ struct Driver {
     cmds: Vec<Cmd>,
     /// The latest pass took as many control frames as its budget allowed.
     control_full: bool,
+    /// Whether the reactor thread leaves the inner engine's notifications to the application.
+    app_polls: AppPolls,
 }
 
 /// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
@@ -465,6 +467,7 @@ impl Reactor {
             inline_done: Vec::new(),
             cmds: Vec::new(),
             control_full: false,
+            app_polls: AppPolls::default(),
         };
         let session = d.session;
         let cell = Arc::new(Cell {
@@ -728,9 +731,10 @@ impl Driver {
     fn iterate_with(&mut self, budget: usize, reactor_thread: bool) -> bool {
         let mut moved = false;
         // The reactor thread leaves the inner engine's notifications to an application that is
-        // pulling them: its pull hands their control frames to a pass on its own thread (or
-        // queues them and wakes us). Frames already queued are taken below either way.
-        if !(reactor_thread && self.data.app_pulls()) {
+        // pulling them closely ([`AppPolls`]): its pull hands their control frames to a pass on
+        // its own thread (or queues them and wakes us). Frames already queued are taken below
+        // either way.
+        if !(reactor_thread && self.app_polls.leave_to_app(Instant::now(), self.data.app_pulls())) {
             self.data.progress();
         }
         let mut frames = std::mem::take(&mut self.frames);

@@ -90,6 +90,34 @@ impl Pace {
     }
 }
 
+/// The reactor thread leaves the inner engine's notifications to the application only when the
+/// application pulled within this long of the thread's previous look, so it polls at least
+/// about this often. "Any pull since the previous look" was the rule before: an application
+/// that polled every 0.5 ms had always pulled during the reactor's idle park, so the reactor
+/// stopped pulling and each WANT or PULL waited for the application's next poll (on the 2-core
+/// machine the first hop of a KV READ took a median 290 us, up to 680; issue 13).
+pub(super) const POLLER_GAP: Duration = Duration::from_micros(100);
+
+/// Whether the reactor thread leaves the inner engine's notifications to the application.
+/// While the application pulls them closely its pull hands their control frames to a pass on
+/// its own thread at once, and a reactor thread pulling beside it only contends for the lock
+/// and, on a small host, for the cores (`Mailroom::app_pulled_since_look`); an application that
+/// polls now and then must not make the reactor wait for it.
+#[derive(Debug, Default)]
+pub(super) struct AppPolls {
+    last_look: Option<Instant>,
+}
+
+impl AppPolls {
+    /// At the reactor thread's look at `now`, told whether the application `pulled` since the
+    /// previous look: true when it did and that look was at most [`POLLER_GAP`] ago.
+    pub(super) fn leave_to_app(&mut self, now: Instant, pulled: bool) -> bool {
+        let close = self.last_look.is_some_and(|t| now.saturating_duration_since(t) <= POLLER_GAP);
+        self.last_look = Some(now);
+        pulled && close
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,5 +192,25 @@ mod tests {
         // A movement opens a new window.
         assert_eq!(p.after_pass(t0 + us(5000), true, false, None), Wait::Now);
         assert_eq!(p.after_pass(t0 + us(5900), false, false, None), Wait::Yield);
+    }
+
+    #[test]
+    fn only_an_application_that_pulls_closely_is_left_the_pulls() {
+        let t0 = Instant::now();
+        let mut a = AppPolls::default();
+        assert!(!a.leave_to_app(t0, true), "the first look has nothing to compare with");
+        // A busy reactor looking every few microseconds beside an application spinning on
+        // getNotifs: the application pulls.
+        assert!(a.leave_to_app(t0 + us(5), true));
+        assert!(!a.leave_to_app(t0 + us(10), false), "no pull since the previous look");
+        // Parked for its shortest sleep while the application spins: still the application's.
+        assert!(a.leave_to_app(t0 + us(10) + BUSY_SLEEP, true));
+        // An idle park of 1 ms with an application polling every 0.5 ms: it pulled during the
+        // park, but a frame may have waited up to half a millisecond for it. The reactor pulls.
+        assert!(!a.leave_to_app(t0 + ms(1) + us(60), true));
+        assert!(!a.leave_to_app(t0 + ms(2) + us(60), true));
+        // Exactly the gap still counts as close; a microsecond more does not.
+        assert!(a.leave_to_app(t0 + ms(2) + us(60) + POLLER_GAP, true));
+        assert!(!a.leave_to_app(t0 + ms(2) + us(61) + POLLER_GAP * 2, true));
     }
 }
