@@ -75,8 +75,9 @@ pub struct Config {
     /// Bytes of the standing credit asked of each peer written to, and most given to one
     /// (clamped to the chunk size); 0: never (`bounce_standing_bytes`).
     pub standing_bytes: u64,
-    /// A transfer of at least twice this many bytes that would take one or two chunks takes
-    /// two equal ones; 0: never (`bounce_split_bytes`).
+    /// A transfer of at least twice this many bytes that would take fewer than four chunks
+    /// takes up to four about equal ones, none smaller than this; 0: never
+    /// (`bounce_split_bytes`, [`crate::plan::PlanParams::split_for`]).
     pub split_bytes: u64,
     /// Coalesce copy runs in transfer plans (`bounce_scatter_run_merging`).
     pub scatter_run_merging: bool,

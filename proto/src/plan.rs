@@ -29,6 +29,12 @@ pub struct DescPair {
     pub len: u64,
 }
 
+/// Most chunks a transfer of a few chunks is split into ([`PlanParams::split_for`]). Four: a
+/// KV request of 4 MiB of 4 KiB pieces took 1.0-1.3 ms in four 1 MiB chunks against 1.3-1.5 ms
+/// in two of 2 MiB on the 16-core H200 host (BENCHMARKS.md, session 19); more chunks add a
+/// control exchange each and the copy workers (two) are already both busy.
+pub const SPLIT_WAYS: u64 = 4;
+
 /// Packing rules of [`plan`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanParams {
@@ -41,8 +47,9 @@ pub struct PlanParams {
     /// Fewest scatter runs for which a chunk carries them in its region ([`Chunk::region_plan`]);
     /// 0: never.
     pub region_plan_runs: u32,
-    /// A transfer of at least twice this many region bytes that would take one or two chunks
-    /// takes two of about equal size instead ([`Self::split_for`]); 0: never.
+    /// A transfer of at least twice this many region bytes that would take fewer than
+    /// [`SPLIT_WAYS`] chunks takes up to that many of about equal size, none smaller than
+    /// this ([`Self::split_for`]); 0: never.
     pub split_bytes: u64,
 }
 
@@ -63,11 +70,12 @@ impl PlanParams {
     }
 
     /// The parameters for `descs`: with [`split_bytes`](Self::split_bytes) set, a transfer
-    /// whose region bytes (each piece padded to `align`) are at least twice that and at most
-    /// two chunks gets a chunk cap of half of them, so it moves in two chunks of about equal
-    /// size: one chunk's gather, write and scatter then overlap the other's instead of all
-    /// following each other (a 1 MiB WRITE as one chunk had them in series). Larger transfers
-    /// already pipeline and keep `max_chunk`.
+    /// whose region bytes (each piece padded to `align`) would take fewer than [`SPLIT_WAYS`]
+    /// chunks moves in `min(SPLIT_WAYS, bytes / split_bytes)` chunks of about equal size (when
+    /// that is at least two): one chunk's gather, write and scatter then overlap the others'
+    /// instead of following each other. A 1 MiB WRITE as one chunk had them in series; a KV
+    /// request of 4 MiB moved as two 2 MiB chunks left each side's second copy after its
+    /// first. Larger transfers already pipeline and keep `max_chunk`.
     pub fn split_for(self, descs: &[DescPair]) -> Self {
         // No alignment check: an alignment of 0 makes every piece's padding "overflow", the
         // sum saturates and the transfer is left as it is.
@@ -77,11 +85,15 @@ impl PlanParams {
         let padded = descs
             .iter()
             .fold(0u64, |sum, d| sum.saturating_add(d.len.checked_next_multiple_of(self.align).unwrap_or(u64::MAX)));
-        if padded / 2 < self.split_bytes || padded / 2 >= self.max_chunk {
+        let ways = (padded / self.split_bytes).min(SPLIT_WAYS);
+        if ways < 2 {
             return self;
         }
-        let half = padded.div_ceil(2).checked_next_multiple_of(self.align).unwrap_or(self.max_chunk);
-        Self { max_chunk: half.min(self.max_chunk), ..self }
+        let part = padded.div_ceil(ways).checked_next_multiple_of(self.align).unwrap_or(self.max_chunk);
+        if part >= self.max_chunk {
+            return self;
+        }
+        Self { max_chunk: part, ..self }
     }
 
     fn validate(&self) -> Result<()> {
@@ -1108,23 +1120,30 @@ chunk 1 bytes 128
     }
 
     #[test]
-    fn a_transfer_of_one_or_two_chunks_is_split_in_two_halves_when_large_enough() {
+    fn a_transfer_of_a_few_chunks_is_split_in_up_to_four_equal_parts_when_large_enough() {
         let split = |descs: &[DescPair], split_bytes| {
             let params = PlanParams { split_bytes, ..PlanParams::new(2 * MIB) };
             plan(descs, params).unwrap().chunks.iter().map(|c| c.bytes).collect::<Vec<_>>()
         };
-        // 1 MiB of 4 KiB pieces: one chunk unsplit, two halves with a 512 KiB floor.
+        // 1 MiB of 4 KiB pieces: one chunk unsplit; with a 512 KiB floor two halves, with a
+        // 256 KiB floor four quarters (never more than SPLIT_WAYS).
         let one_mib = strided(256, 4 * KIB);
         assert_eq!(split(&one_mib, 0), [MIB]);
         assert_eq!(split(&one_mib, 512 * KIB), [512 * KIB, 512 * KIB]);
-        assert_eq!(split(&one_mib, 256 * KIB), [512 * KIB, 512 * KIB]);
+        assert_eq!(split(&one_mib, 256 * KIB), [256 * KIB; 4]);
+        assert_eq!(split(&one_mib, 128 * KIB), [256 * KIB; 4]);
+        // Three ways when the floor allows three and not four.
+        assert_eq!(split(&strided(192, 4 * KIB), 256 * KIB), [256 * KIB; 3]);
         // Below twice the floor: untouched.
         assert_eq!(split(&one_mib, 512 * KIB + 1), [MIB]);
-        // Two unequal chunks become two equal ones; a transfer of two full chunks or more
-        // already pipelines and keeps its chunks.
-        assert_eq!(split(&strided(768, 4 * KIB), 512 * KIB), [1536 * KIB, 1536 * KIB]);
-        assert_eq!(split(&strided(1024, 4 * KIB), 512 * KIB), [2 * MIB, 2 * MIB]);
-        assert_eq!(split(&strided(1280, 4 * KIB), 512 * KIB), [2 * MIB, 2 * MIB, MIB]);
+        // A KV request (4 MiB) moves in four 1 MiB chunks instead of two of 2 MiB; 3 MiB in
+        // four of 768 KiB instead of 2 + 1.
+        assert_eq!(split(&strided(1024, 4 * KIB), 512 * KIB), [MIB; 4]);
+        assert_eq!(split(&strided(768, 4 * KIB), 512 * KIB), [768 * KIB; 4]);
+        assert_eq!(split(&strided(1280, 4 * KIB), 512 * KIB), [1280 * KIB; 4]);
+        // A transfer of four full chunks or more already pipelines and keeps its chunks.
+        assert_eq!(split(&strided(2048, 4 * KIB), 512 * KIB), [2 * MIB; 4]);
+        assert_eq!(split(&strided(2304, 4 * KIB), 512 * KIB), [2 * MIB, 2 * MIB, 2 * MIB, 2 * MIB, MIB]);
         // Padding counts: 256 pieces of 4000 bytes occupy 4032 each at the default alignment.
         let padded = split(&strided(256, 4000), 500 * KIB);
         assert_eq!(padded.len(), 2);

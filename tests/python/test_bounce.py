@@ -148,16 +148,18 @@ def test_writes_after_the_first_write_their_chunk_into_a_standing_credit_with_no
     assert theirs["arena_standing_bytes"] == (256 << 10 if given else 0), theirs
 
 
-@pytest.mark.parametrize("split", ["512KiB", "0"])
-def test_a_1_mib_write_moves_as_two_chunks_that_overlap_unless_splitting_is_off(peer, tmp_path, split):
-    """A bounced 1 MiB WRITE (256 x 4 KiB) fits one 2 MiB chunk. With `bounce_split_bytes`
-    512 KiB (the default) it moves as two chunks of 512 KiB, so that one's gather, write and
-    scatter overlap the other's; with 0 as one. Byte-exact either way, with the bytes around
-    every destination untouched."""
-    lay = nixlkit.Scattered(256, 4096, seed=61)
+@pytest.mark.parametrize("pieces,split,chunks", [(256, "512KiB", 2), (256, "0", 1), (1024, "512KiB", 4), (1024, "0", 2)])
+def test_a_write_of_a_few_chunks_moves_in_up_to_four_that_overlap_unless_splitting_is_off(
+        peer, tmp_path, pieces, split, chunks):
+    """A bounced WRITE that fits in fewer than four 2 MiB chunks moves in up to four of about
+    equal size, none under `bounce_split_bytes` (512 KiB by default), so that one chunk's
+    gather, write and scatter overlap another's: 1 MiB (256 x 4 KiB) as two of 512 KiB, a
+    4 MiB KV request (1024 x 4 KiB) as four of 1 MiB; with 0 as one and two. Byte-exact
+    either way, with the bytes around every destination untouched."""
+    lay = nixlkit.Scattered(pieces, 4096, seed=61)
     src = nixlkit.pattern(611, lay.src_bytes)
-    rx = f"rx-split-{split}"
-    ag, p, raddr = pair(peer, src, tx=f"tx-split-{split}", rx=rx, rx_size=lay.dst_bytes, rx_seed=610,
+    rx = f"rx-split-{pieces}-{split}"
+    ag, p, raddr = pair(peer, src, tx=f"tx-split-{pieces}-{split}", rx=rx, rx_size=lay.dst_bytes, rx_seed=610,
                         params={"bounce_split_bytes": split})
     before = stats(ag)
     for _ in range(2):
@@ -166,7 +168,7 @@ def test_a_1_mib_write_moves_as_two_chunks_that_overlap_unless_splitting_is_off(
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(610, lay.dst_bytes)), "destination")
     after = stats(ag)
     d = {k: after[k] - before[k] for k in ("bounce_ok", "bounce_chunks")}
-    assert d == {"bounce_ok": 2, "bounce_chunks": 4 if split != "0" else 2}, d
+    assert d == {"bounce_ok": 2, "bounce_chunks": 2 * chunks}, d
 
 
 @pytest.mark.parametrize("streaming", ["false", "true"])
