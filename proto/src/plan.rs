@@ -30,9 +30,9 @@ pub struct DescPair {
 }
 
 /// Most chunks a transfer of a few chunks is split into ([`PlanParams::split_for`]). Four: a
-/// KV request of 4 MiB of 4 KiB pieces took 1.0-1.3 ms in four 1 MiB chunks against 1.3-1.5 ms
-/// in two of 2 MiB on the 16-core H200 host (BENCHMARKS.md, session 19); more chunks add a
-/// control exchange each and the copy workers (two) are already both busy.
+/// KV request of 4 MiB of 4 KiB pieces took 1.06-1.42 ms in four 1 MiB chunks against
+/// 1.33-1.72 ms in two of 2 MiB on the 16-core H200 host (BENCHMARKS.md, session 19); more
+/// chunks add a control exchange each, and the two copy workers are already both busy.
 pub const SPLIT_WAYS: u64 = 4;
 
 /// Packing rules of [`plan`].

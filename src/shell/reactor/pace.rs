@@ -22,6 +22,9 @@
 //!   a target whose application does not poll (about half of it on average), and how often an
 //!   idle engine wakes.
 //!
+//! [`AppPolls`] decides the other half of a pass's cost: whether the reactor thread pulls the
+//! inner engine itself or leaves that to an application polling it closely.
+//!
 //! Time is passed in, so the policy is tested without a clock.
 
 use std::time::{Duration, Instant};
