@@ -315,9 +315,17 @@ impl Engine {
                             streaming_scatter: self.config.streaming_scatter,
                         };
                         let waker = Arc::clone(&shared);
-                        Box::new(CpuEngine::start(self.config.copy_workers, host, INLINE_MAX_BYTES, move || {
-                            waker.inbox.wake();
-                        })?)
+                        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+                        let linger = crate::shell::reactor::hot_spin(cores);
+                        Box::new(CpuEngine::start(
+                            self.config.copy_workers,
+                            host,
+                            INLINE_MAX_BYTES,
+                            linger,
+                            move || {
+                                waker.inbox.wake();
+                            },
+                        )?)
                     }
                 };
                 let parts = Parts {

@@ -6,15 +6,22 @@
 //! handing a few KiB to a worker costs two thread wake-ups, tens of microseconds on a loaded
 //! host, against a copy of a few microseconds (issue 12: a bounced 256 x 64 B WRITE spent more
 //! in its gather's and scatter's hand-offs than in the copies).
+//!
+//! On a host with cores to spare a worker that finished a job keeps looking for the next one
+//! (yielding) for a while before it blocks ([`CpuEngine::start`]'s `linger`), as the reactor
+//! spins around activity: waking a blocked worker took 40-60 us between the chunks of a
+//! transfer on the 16-core H200 host, and up to 256 us after a pause (BENCHMARKS.md, session
+//! 19), and a transfer's chunks come a few hundred microseconds apart.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use bounce_proto::endpoint::{InRegionPlan, JobId};
 use bounce_proto::wire::region_plan::{self, RegionPlanFault};
 use bounce_proto::{CopyRun, Region};
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::kernels;
 use super::{CopyEngine, CopyJob, Dir};
@@ -79,7 +86,9 @@ impl CpuEngine {
     /// Starts `n` workers (at least one) copying within `arena`; jobs of at most `inline_max`
     /// bytes run on the submitting thread instead. `wake` runs after each worker's job finishes
     /// (its report is then ready for [`CopyEngine::poll_done`]); a job run on the submitting
-    /// thread is ready when `submit` returns, and wakes nobody.
+    /// thread is ready when `submit` returns, and wakes nobody. An idle worker looks for its
+    /// next job, yielding, for `linger` after its last one before it blocks (see the module
+    /// docs; zero on a host with few cores, where the application and the reactor need them).
     ///
     /// # Errors
     /// [`Error::Spawn`] when a worker thread cannot be started.
@@ -87,6 +96,7 @@ impl CpuEngine {
         n: u32,
         arena: HostArena,
         inline_max: u64,
+        linger: Duration,
         wake: impl Fn() + Send + Clone + 'static,
     ) -> Result<Self> {
         let (tx, rx): (Sender<CopyJob>, Receiver<CopyJob>) = crossbeam_channel::unbounded();
@@ -103,7 +113,7 @@ impl CpuEngine {
         for i in 0..n.max(1) {
             let (rx, done_tx, wake) = (rx.clone(), done_tx.clone(), wake.clone());
             let worker = std::thread::Builder::new().name(format!("bounce-copy-{i}")).spawn(move || {
-                for job in rx {
+                while let Some(job) = next_job(&rx, linger) {
                     let span = match job.dir {
                         Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len()),
                         Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len()),
@@ -194,6 +204,20 @@ impl Drop for CpuEngine {
         self.tx = None; // closes the channel: workers finish queued jobs and exit
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+/// A worker's next job: looked for (yielding) for `linger` after the last one, then waited
+/// for; `None` once the engine is gone.
+fn next_job(rx: &Receiver<CopyJob>, linger: Duration) -> Option<CopyJob> {
+    let idle = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(job) => return Some(job),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) if idle.elapsed() < linger => std::thread::yield_now(),
+            Err(TryRecvError::Empty) => return rx.recv().ok(),
         }
     }
 }
@@ -324,7 +348,7 @@ mod tests {
         let src: Vec<u8> = (0..64u8).collect();
         let mut dst = vec![0xEEu8; 128];
         let (tx, rx) = mpsc::channel();
-        let mut w = CpuEngine::start(2, view, 0, move || tx.send(()).unwrap()).unwrap();
+        let mut w = CpuEngine::start(2, view, 0, Duration::ZERO, move || tx.send(()).unwrap()).unwrap();
         let wait_one = |w: &mut CpuEngine| {
             rx.recv().unwrap();
             let mut done = Vec::new();
@@ -379,6 +403,40 @@ mod tests {
         ));
     }
 
+    /// A worker lingering after its job (a 60 s linger here) takes the jobs submitted while it
+    /// looks, each copied and reported once, and ends as soon as the engine goes, not when its
+    /// linger runs out.
+    #[test]
+    fn a_lingering_worker_takes_the_next_jobs_and_ends_with_the_engine() {
+        let mut arena = vec![0u8; 1 << 16];
+        let view = HostArena { base: arena.as_mut_ptr() as u64, len: 1 << 16, streaming_scatter: false };
+        let src: Vec<u8> = (0..3 * 4096u32).map(|i| (i * 7 + 1) as u8).collect();
+        let (tx, rx) = mpsc::channel();
+        let mut w = CpuEngine::start(1, view, 0, Duration::from_secs(60), move || tx.send(()).unwrap()).unwrap();
+        for j in 0..3u64 {
+            let run = CopyRun {
+                region_off: 0,
+                addr: src.as_ptr() as u64 + j * 4096,
+                len: 4096,
+                count: 1,
+                region_stride: 0,
+                addr_stride: 0,
+            };
+            let region = Region { offset: j * 4096, len: 4096 };
+            let job =
+                CopyJob { job: JobId(j), dir: Dir::Gather, region, runs: JobRuns::Own(vec![run]), in_region: None };
+            assert!(w.submit(job).is_ok());
+            rx.recv().unwrap();
+            let mut done = Vec::new();
+            assert_eq!(w.poll_done(&mut done), 1);
+            assert_eq!(done, [(JobId(j), true)]);
+        }
+        assert_eq!(&arena[..src.len()], &src[..]);
+        let t = Instant::now();
+        drop(w);
+        assert!(t.elapsed() < Duration::from_secs(10), "the worker outlived its engine for {:?}", t.elapsed());
+    }
+
     /// A job of at most the inline bound is copied before `submit` returns and reported by the
     /// next `poll_done` without waking anyone; a larger one goes to a worker, which wakes.
     #[test]
@@ -388,7 +446,7 @@ mod tests {
         let view = HostArena { base: arena.as_mut_ptr() as u64, len: 1 << 16, streaming_scatter: false };
         let src: Vec<u8> = (0..8192u32).map(|i| (i * 13 + 5) as u8).collect();
         let (tx, rx) = mpsc::channel();
-        let mut w = CpuEngine::start(1, view, BOUND, move || tx.send(()).unwrap()).unwrap();
+        let mut w = CpuEngine::start(1, view, BOUND, Duration::from_millis(1), move || tx.send(()).unwrap()).unwrap();
         let gather = |job, len| CopyJob {
             job: JobId(job),
             dir: Dir::Gather,

@@ -42,6 +42,7 @@ use crate::sys::nixl::{MemSeg, NixlStatus};
 use crate::sys::shim::{Md, WriteSide, WriteState};
 use bounce_proto::peers::Hello;
 use fetch::Fetches;
+pub(crate) use pace::hot_spin;
 use pace::{AppPolls, BUSY_SLEEP, Pace, Wait};
 
 mod fetch;

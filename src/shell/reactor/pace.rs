@@ -40,6 +40,12 @@ pub(super) const HOT_SPIN: Duration = Duration::from_millis(1);
 /// Fewest cores for [`HOT_SPIN`]: below, the reactor's core is needed elsewhere.
 pub(super) const HOT_SPIN_CORES: usize = 8;
 
+/// How long a thread of the bounce path keeps looking for work (yielding) after its last on a
+/// host with `cores` cores: the reactor after a pass that moved, a copy worker after a job.
+pub(crate) fn hot_spin(cores: usize) -> Duration {
+    if cores >= HOT_SPIN_CORES { HOT_SPIN } else { Duration::ZERO }
+}
+
 /// What the reactor does before its next pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Wait {
@@ -65,7 +71,7 @@ impl Pace {
     /// The policy for a host with `cores` cores whose idle parks grow up to `longest_park`
     /// (`bounce_idle_park_us`).
     pub(super) fn new(cores: usize, longest_park: Duration, now: Instant) -> Self {
-        let hot = if cores >= HOT_SPIN_CORES { HOT_SPIN } else { Duration::ZERO };
+        let hot = hot_spin(cores);
         Self { hot, stalls: 0, idle_park: longest_park, longest_park, last_moved: now }
     }
 

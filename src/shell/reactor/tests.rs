@@ -143,7 +143,9 @@ impl Side {
         let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
         let host = HostArena { base, len, streaming_scatter: true };
         let waker = Arc::clone(&shared);
-        let copier = CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, move || waker.inbox.wake()).unwrap();
+        let copier =
+            CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, Duration::ZERO, move || waker.inbox.wake())
+                .unwrap();
         let notified = Arc::clone(&path.notified);
         let parts = Parts {
             session,
