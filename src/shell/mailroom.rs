@@ -138,6 +138,7 @@ impl Mailroom {
     /// The application is pulling the inner engine's notifications (each `getNotifs`, either
     /// way): one relaxed load, and a store only when the reactor thread looked since.
     pub(crate) fn note_app_pull(&self) {
+        crate::shell::mark!("app-pull", 0);
         if !self.app_pulled.load(Ordering::Relaxed) {
             self.app_pulled.store(true, Ordering::Relaxed);
         }

@@ -114,11 +114,13 @@ impl CpuEngine {
             let (rx, done_tx, wake) = (rx.clone(), done_tx.clone(), wake.clone());
             let worker = std::thread::Builder::new().name(format!("bounce-copy-{i}")).spawn(move || {
                 while let Some(job) = next_job(&rx, linger) {
+                    crate::shell::mark!("worker-start", job.job.0);
                     let span = match job.dir {
                         Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len()),
                         Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len()),
                     };
                     let ok = run_guarded(arena, &job, &span);
+                    crate::shell::mark!("worker-end", job.job.0);
                     let _ = done_tx.send((job.job, ok));
                     wake();
                 }

@@ -691,10 +691,16 @@ fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration) -> bool {
             // application need this core more than we do.
             Wait::Yield => std::thread::yield_now(),
             Wait::Park(d) => {
+                if d > BUSY_SLEEP {
+                    crate::shell::mark!("park", d.as_micros());
+                }
                 // Set before parking and cleared after: an application pass that starts work
                 // meanwhile wakes us (an unpark before the park makes the park return at once).
                 cell.parked_idle.store(!busy, Ordering::Release);
                 std::thread::park_timeout(d);
+                if d > BUSY_SLEEP {
+                    crate::shell::mark!("unpark", 0);
+                }
                 cell.parked_idle.store(false, Ordering::Release);
             }
         }
@@ -863,6 +869,7 @@ impl Driver {
         match cmd {
             Cmd::Submit(p) => {
                 let _span = tracing::trace_span!("submit", handle = p.handle).entered();
+                crate::shell::mark!("submit", p.handle);
                 let peer = self.shared.peers.id(&p.peer);
                 // Two way once the peer said HELLO; one way (answers READ from its mailbox)
                 // when it never loaded us but keeps a mailbox, and we keep a fetch area.
@@ -985,6 +992,7 @@ impl Driver {
             }
             wire::Body::Msg(msg) => msg,
         };
+        crate::shell::mark!(format_args!("recv-{}", msg.kind_name()), bytes.len());
         // The session must be the one of the peer's loaded metadata; a new one arrives only
         // through a metadata reload (`Engine::load_conn_info`), never through a frame.
         let admitted = match self.shared.peers.admit(peer, frame.session) {
@@ -1269,6 +1277,7 @@ impl Driver {
 
     fn send(&mut self, peer: PeerId, msg: Msg) {
         let Some(name) = self.shared.peers.name(peer) else { return };
+        crate::shell::mark!(format_args!("send-{}", msg.kind_name()), peer.0);
         let bytes = Frame { session: self.session, msg }.to_vec();
         let _span = tracing::trace_span!("send", peer = name, len = bytes.len()).entered();
         if let Err(e) = self.control.send(&name, &bytes) {
@@ -1335,6 +1344,7 @@ impl Driver {
             None => None,
         };
         self.copies.insert(job, CopyInFlight { dir, pin, in_region: in_region.is_some() });
+        crate::shell::mark!(if dir == Dir::Gather { "copy-gather" } else { "copy-scatter" }, job.0);
         if self.copier.submit(CopyJob { job, dir, region, runs, in_region }).is_err() {
             self.copy_done(Instant::now(), job, false);
         }
@@ -1358,6 +1368,7 @@ impl Driver {
     }
 
     fn copy_done(&mut self, now: Instant, job: JobId, ok: bool) {
+        crate::shell::mark!("copy-done", job.0);
         let dir = self.copies.remove(&job).map(|c| {
             if let Some(pin) = c.pin {
                 self.shared.fence.unpin(pin);
@@ -1408,6 +1419,7 @@ impl Driver {
 
     /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
     fn read(&mut self, job: JobId, peer: PeerId, remote: Region, local: Region, len: u64) {
+        crate::shell::mark!("read", job.0);
         let now = Instant::now();
         let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {
             return self.ep.handle_read_done(now, job, false);
@@ -1482,6 +1494,7 @@ impl Driver {
     }
 
     fn complete(&mut self, xfer: XferId, outcome: std::result::Result<(), XferError>) {
+        crate::shell::mark!("complete", xfer.0);
         let Some(ctx) = self.xfers.remove(&xfer) else { return };
         // The core's counters first: an application that sees the request settle and then
         // reads the counters must find what ended it counted.

@@ -1,0 +1,115 @@
+"""Where a bounced transfer's time goes, from BOUNCE's timeline events (issues 12, 13).
+
+BOUNCE marks each step of a transfer with a TRACE event of target `bounce_timeline` (a
+submit, each control frame sent and handled, each copy queued, started and finished on its
+worker, each READ, each completion, each idle park of the reactor and each application
+`getNotifs`), with its process and thread. Both processes of a benchmark write them to stderr;
+this script puts them on one clock and splits them into the initiator's transfers:
+
+    BENCH_VERBOSE=1 NIXL_BOUNCE_LOG=bounce_timeline=trace \\
+        .venv/bin/python benches/kv_patterns.py --rounds 3 --only pull-two-way \\
+        --variants "BOUNCE bounced,UCX" 2> timeline.log
+    python3 benches/timeline.py timeline.log [--dump] [--all]
+
+Prints, per transfer (microseconds after its submit): when the target handled the first
+PULL or WANT, its first gather started and ended on a worker, the first READY/GRANT was sent
+and handled, the first READ was posted, the first RELEASE sent, the first scatter started and
+ended, and the transfer completed; then the medians of the transfers that follow a pause of
+more than 5 ms ("first" of a block) and of the others. `--dump` prints every event of both
+processes around each first transfer (`--all` adds parks and application polls). The clocks
+of two processes of one host agree; across hosts they do not.
+"""
+
+import argparse
+import re
+import statistics
+from datetime import datetime
+
+LINE = re.compile(r"^(\S+) TRACE (\S+) pid=(\d+) thread=(\S+) id=(\d+)")
+NOISE = ("park", "unpark", "app-pull")
+COLUMNS = [  # (column, event, side)
+    ("want", ("recv-PULL", "recv-WANT"), "target"),
+    ("gstart", ("worker-start",), "target"),
+    ("gend", ("worker-end",), "target"),
+    ("ready", ("send-GRANT",), "target"),
+    ("rready", ("recv-GRANT",), "initiator"),
+    ("read", ("read",), "initiator"),
+    ("rel", ("send-RELEASE",), "initiator"),
+    ("sstart", ("worker-start",), "initiator"),
+    ("send", ("worker-end",), "initiator"),
+]
+
+
+def events(path):
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = LINE.match(line)
+            if m:
+                us = datetime.fromisoformat(m[1].replace("Z", "+00:00")).timestamp() * 1e6
+                out.append((int(us), int(m[3]), m[2], int(m[5]), m[4]))
+    return sorted(out)
+
+
+def transfers(evs):
+    """The initiator's transfers, each from its submit to its completion, with every event of
+    either process in between; the initiator is the process that submits first."""
+    initiator = next((p for _, p, what, _, _ in evs if what == "submit"), None)
+    out, cur = [], None
+    for e in evs:
+        if e[2] == "submit" and e[1] == initiator:
+            cur = [e]
+            out.append(cur)
+        elif cur is not None:
+            cur.append(e)
+    done = []
+    for t in out:
+        end = next((x[0] for x in t if x[2] == "complete" and x[1] == initiator), None)
+        if end is not None:
+            done.append((t[0][0], end, [x for x in t if x[0] <= end]))
+    return initiator, done
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("log")
+    ap.add_argument("--dump", action="store_true", help="every event around each first transfer")
+    ap.add_argument("--all", action="store_true", help="with --dump: parks and application polls too")
+    ap.add_argument("--pause-ms", type=float, default=5.0, help="a transfer after a longer pause is a first")
+    args = ap.parse_args()
+    evs = events(args.log)
+    initiator, xfers = transfers(evs)
+    if not xfers:
+        raise SystemExit("no complete transfer in the log (was NIXL_BOUNCE_LOG=bounce_timeline=trace set?)")
+    names = [c for c, _, _ in COLUMNS] + ["done"]
+    print("pause_ms " + " ".join(f"{n:>7}" for n in names))
+    rows, prev_end = [], None
+    for t0, end, body in xfers:
+        pause = (t0 - prev_end) / 1e3 if prev_end is not None else 0.0
+        prev_end = end
+        row = {}
+        for col, whats, side in COLUMNS:
+            mine = (lambda p: p == initiator) if side == "initiator" else (lambda p: p != initiator)
+            row[col] = next((t - t0 for t, p, w, _, _ in body if w in whats and mine(p)), None)
+        row["done"] = end - t0
+        rows.append((pause, row))
+        print(f"{pause:8.1f} " + " ".join(f"{row[n] if row[n] is not None else '-':>7}" for n in names))
+    for label, keep in (("first", lambda p: p > args.pause_ms), ("others", lambda p: p <= args.pause_ms)):
+        group = [r for p, r in rows if keep(p)]
+        if group:
+            meds = [statistics.median([r[n] for r in group if r[n] is not None] or [0]) for n in names]
+            print(f"{label:>8} " + " ".join(f"{int(m):>7}" for m in meds) + f"   ({len(group)} transfers)")
+    if args.dump:
+        prev_end = None
+        for t0, end, _ in xfers:
+            if prev_end is not None and (t0 - prev_end) / 1e3 > args.pause_ms:
+                print(f"--- a transfer after a pause of {(t0 - prev_end) / 1e3:.1f} ms")
+                for t, p, what, ident, thread in evs:
+                    if t0 - 1500 <= t <= end and (args.all or what not in NOISE):
+                        side = "INI" if p == initiator else "TGT"
+                        print(f"{t - t0:8d} {side} {thread:15s} {what} {ident}")
+            prev_end = end
+
+
+if __name__ == "__main__":
+    main()
