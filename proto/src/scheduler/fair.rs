@@ -196,9 +196,8 @@ impl CreditScheduler {
     /// peer with many flows (or many announced and then abandoned: frozen, buggy or hostile)
     /// would otherwise take every region that frees up; the cap keeps half the arena turning
     /// over for the others. It never binds a peer that is alone. Its regions resting in
-    /// quarantine count as held.
+    /// quarantine count as held: it made them unusable.
     pub(crate) fn over_peer_share(&self, peer: PeerId, bytes: u64) -> bool {
-        // Its regions resting in quarantine count as held: it made them unusable.
         let resting = self.quarantine.by_peer.get(&peer).copied().unwrap_or(0);
         let held = self.peer_held.get(&peer).copied().unwrap_or(0) + resting;
         let need = self.buddy.block_len(bytes).unwrap_or(bytes);
