@@ -432,7 +432,8 @@ impl Engine {
     /// The inner engine has loaded the peer's conn info: we can now answer it, so tell it
     /// (HELLO), and return its arena to load when it can bounce with us.
     pub(crate) fn peer_loaded(&self, agent: &str) -> Option<ArenaToLoad> {
-        self.shared()?.inbox.push(Cmd::Hello(agent.to_owned()));
+        let sh = self.shared()?;
+        sh.inbox.push(Cmd::Hello(agent.to_owned(), self.peers.losses()));
         self.peers.arena_to_load(agent)
     }
 

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::atomic::Ordering::Relaxed;
 
 use bounce_proto::gate::ArenaPlace;
@@ -96,6 +96,11 @@ pub(crate) struct PeerTable {
     /// storing them costs no pass over a table, whatever a flood of frames changes.
     ready: AtomicUsize,
     arenas: AtomicUsize,
+    /// Disconnects so far, of any peer: a HELLO that fails to send is an error only if no peer
+    /// was lost since it was queued (an application that unloads and reloads a peer at once
+    /// races the inner engine, which knows the peer only once the reload is done; the reload
+    /// queues its own HELLO).
+    losses: AtomicU64,
 }
 
 /// The table locked by a change that may move the gauges; they are stored when it is dropped,
@@ -215,8 +220,14 @@ impl PeerTable {
     /// (empty: none was loaded).
     pub(crate) fn lost(&self, name: &str) -> Vec<Md> {
         let mut t = self.change();
+        self.losses.fetch_add(1, Relaxed);
         let Some(id) = t.rules.lost(name) else { return Vec::new() };
         t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default()
+    }
+
+    /// Disconnects of any peer so far.
+    pub(crate) fn losses(&self) -> u64 {
+        self.losses.load(Relaxed)
     }
 
     /// Peer arenas loaded (their inner metadata held) now.

@@ -59,8 +59,9 @@ pub(crate) enum Cmd {
     Cancel(XferId),
     /// The peer disconnected.
     PeerLost(String),
-    /// We loaded this peer's connection info: tell it we can answer (HELLO).
-    Hello(String),
+    /// We loaded this peer's connection info: tell it we can answer (HELLO). With the count
+    /// of peer losses then ([`crate::shell::peers::PeerTable::losses`]).
+    Hello(String, u64),
     /// Host memory registered through this engine, with its id and key (the receiver may
     /// scatter into it for flows that prove the key), address and length.
     Registered(Destination, u64, u64),
@@ -915,13 +916,15 @@ impl Driver {
                     self.ep.handle_peer_lost(now, id);
                 }
             }
-            Cmd::Hello(name) => {
+            Cmd::Hello(name, losses) => {
                 if !self.shared.peers.compatible(&name) {
                     tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
                 } else if let Err(e) = self.control.send(&name, &wire::encode_hello(self.session)) {
-                    // The application may have unloaded the peer since the check above (its
-                    // loss is recorded before the inner engine disconnects): nothing is wrong.
-                    if self.shared.peers.compatible(&name) {
+                    // The application may have unloaded the peer since this was queued (its
+                    // loss is recorded before the inner engine disconnects), and loaded it
+                    // again (then compatible, but the inner engine may not know it yet: the
+                    // reload queues its own HELLO): nothing is wrong.
+                    if self.shared.peers.compatible(&name) && self.shared.peers.losses() == losses {
                         tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
                     } else {
                         tracing::debug!(peer = name, error = %e, "no HELLO: the peer was unloaded meanwhile");

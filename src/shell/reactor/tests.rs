@@ -183,7 +183,7 @@ impl Side {
         let loaded = self.shared.peers.loaded(name, Some(other.caps.clone()), Some(&self.caps));
         assert_eq!(loaded, (bounce_proto::peers::Loaded::Compatible, false));
         assert_eq!(self.shared.peers.arena_loaded(name, Some(Md(1)), Some(Md(2))), (true, vec![]));
-        self.shared.inbox.push(Cmd::Hello(name.to_owned()));
+        self.shared.inbox.push(Cmd::Hello(name.to_owned(), self.shared.peers.losses()));
     }
 
     /// Registers `buf` through this engine (the receiver may scatter into it).
