@@ -13,14 +13,20 @@
 //!   [`BUSY_SLEEP`] between polls: on a 2-core machine the copy workers and the application
 //!   need the cores (a reactor polling every 50 us for 20 ms there made UCX's own round trips
 //!   2x slower, issue 12).
-//! - Idle, its sleeps start at [`BUSY_SLEEP`] after a pass that moved anything or had work in
-//!   flight, and double up to `bounce_idle_park_us` (1 ms by default), so the next transfer of
-//!   a run is seen within about its gap, for a handful of wake-ups. A movement counts even
+//! - Idle, it sleeps a [`IDLE_RAMP`]th of the time since its last pass that moved anything or
+//!   had work in flight, at least [`BUSY_SLEEP`] and at most `bounce_idle_park_us` (1 ms by
+//!   default). A transfer that comes a while after the previous one is then seen within a small
+//!   part of that pause: 80 ms after a burst the park is 0.3 ms, where doubling sleeps reached
+//!   the longest park within 2 ms and a request after such a pause waited half of it on average
+//!   (the first request of a KV block on the H200 host; BENCHMARKS.md, session 20). The
+//!   wake-ups this costs grow with the logarithm of the pause (about 1000 in the quarter second
+//!   after a burst), and an engine idle for longer parks the longest. A movement counts even
 //!   with nothing left in flight: a target serves an inline WANT (put, scatter, ACK) within one
 //!   pass, and counting only work in flight kept it at the longest park for every transfer of
-//!   a run (an idle 2-core target: 1.1 ms a transfer instead of 0.2 ms). That longest park is also the most a transfer after a pause waits to be seen at
-//!   a target whose application does not poll (about half of it on average), and how often an
-//!   idle engine wakes.
+//!   a run (an idle 2-core target: 1.1 ms a transfer instead of 0.2 ms). The longest park is
+//!   also the most a transfer after a long pause waits to be seen at a target whose
+//!   application does not poll (about half of it on average), and how often an idle engine
+//!   wakes.
 //!
 //! [`AppPolls`] decides the other half of a pass's cost: whether the reactor thread pulls the
 //! inner engine itself or leaves that to an application polling it closely.
@@ -37,6 +43,8 @@ pub(super) const SPIN_ITERATIONS: u32 = 20;
 pub(super) const BUSY_SLEEP: Duration = Duration::from_micros(bounce_proto::config::MIN_IDLE_PARK_US);
 /// How long a reactor on a many-core host keeps spinning after its last pass that moved.
 pub(super) const HOT_SPIN: Duration = Duration::from_millis(1);
+/// An idle park is the time since the last activity divided by this (see the module docs).
+pub(super) const IDLE_RAMP: u32 = 256;
 /// Fewest cores for [`HOT_SPIN`]: below, the reactor's core is needed elsewhere.
 pub(super) const HOT_SPIN_CORES: usize = 8;
 
@@ -62,9 +70,11 @@ pub(super) enum Wait {
 pub(super) struct Pace {
     hot: Duration,
     stalls: u32,
-    idle_park: Duration,
     longest_park: Duration,
     last_moved: Instant,
+    /// The last pass that moved or had work in flight; none yet for a new reactor, which
+    /// parks the longest at once.
+    last_active: Option<Instant>,
 }
 
 impl Pace {
@@ -72,14 +82,14 @@ impl Pace {
     /// (`bounce_idle_park_us`).
     pub(super) fn new(cores: usize, longest_park: Duration, now: Instant) -> Self {
         let hot = hot_spin(cores);
-        Self { hot, stalls: 0, idle_park: longest_park, longest_park, last_moved: now }
+        Self { hot, stalls: 0, longest_park, last_moved: now, last_active: None }
     }
 
     /// After a pass at `now` that `moved` anything, with work in flight (`busy`) or not, and
     /// the core's next timer due in `timer`: what to do before the next pass.
     pub(super) fn after_pass(&mut self, now: Instant, moved: bool, busy: bool, timer: Option<Duration>) -> Wait {
         if busy || moved {
-            self.idle_park = BUSY_SLEEP;
+            self.last_active = Some(now);
         }
         if moved {
             self.stalls = 0;
@@ -93,9 +103,10 @@ impl Pace {
             self.stalls += 1;
             return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
         }
-        let longest = self.idle_park;
-        self.idle_park = (self.idle_park * 2).min(self.longest_park);
-        Wait::Park(timer.unwrap_or(longest).min(longest))
+        let park = self.last_active.map_or(self.longest_park, |t| {
+            (now.saturating_duration_since(t) / IDLE_RAMP).max(BUSY_SLEEP).min(self.longest_park)
+        });
+        Wait::Park(timer.unwrap_or(park).min(park))
     }
 }
 
@@ -152,34 +163,42 @@ mod tests {
         let waits = stalled(&mut p, t0, us(1), us(1), SPIN_ITERATIONS + 2, true);
         assert!(waits[..SPIN_ITERATIONS as usize].iter().all(|w| *w == Wait::Yield), "{waits:?}");
         assert_eq!(waits[SPIN_ITERATIONS as usize..], [Wait::Park(BUSY_SLEEP); 2]);
-        // Idle: 50 us, doubling up to 2 ms; a timer due sooner cuts the park short.
-        let idle = stalled(&mut p, t0, us(100), us(1), 7, false);
-        let parks: Vec<_> = [50, 100, 200, 400, 800, 1600, 2000].into_iter().map(|n| Wait::Park(us(n))).collect();
-        assert_eq!(idle, parks);
-        assert_eq!(p.after_pass(t0 + us(200), false, false, Some(us(30))), Wait::Park(us(30)));
-        // Work in flight again resets the back-off.
-        p.after_pass(t0 + us(300), false, true, None);
-        assert_eq!(p.after_pass(t0 + us(301), false, false, None), Wait::Park(BUSY_SLEEP));
+        let active = t0 + us(SPIN_ITERATIONS as u64 + 2);
+        // Idle: a 256th of the time since the last activity, from 50 us up to 2 ms; a timer
+        // due sooner cuts the park short.
+        let park = |p: &mut Pace, after: Duration| p.after_pass(active + after, false, false, None);
+        assert_eq!(park(&mut p, us(100)), Wait::Park(BUSY_SLEEP));
+        assert_eq!(park(&mut p, ms(12)), Wait::Park(BUSY_SLEEP));
+        assert_eq!(park(&mut p, us(25_600)), Wait::Park(us(100)));
+        assert_eq!(park(&mut p, ms(80)), Wait::Park(us(312) + Duration::from_nanos(500)));
+        assert_eq!(park(&mut p, ms(256)), Wait::Park(ms(1)));
+        assert_eq!(park(&mut p, ms(512)), Wait::Park(ms(2)));
+        assert_eq!(park(&mut p, ms(60_000)), Wait::Park(ms(2)));
+        assert_eq!(p.after_pass(active + ms(100), false, false, Some(us(30))), Wait::Park(us(30)));
+        // Work in flight again restarts the ramp.
+        p.after_pass(active + ms(70_000), false, true, None);
+        assert_eq!(park(&mut p, ms(70_000) + us(1)), Wait::Park(BUSY_SLEEP));
     }
 
     #[test]
-    fn a_movement_with_nothing_left_in_flight_restarts_the_back_off() {
+    fn a_movement_with_nothing_left_in_flight_restarts_the_ramp() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, ms(1), t0);
         assert_eq!(p.after_pass(t0 + ms(5), false, false, None), Wait::Park(ms(1)));
         // A WANT served whole in one pass: moved, and idle again at once.
         assert_eq!(p.after_pass(t0 + ms(6), true, false, None), Wait::Now);
-        let idle = stalled(&mut p, t0, ms(6) + us(1), us(1), 3, false);
-        assert_eq!(idle, [Wait::Park(BUSY_SLEEP), Wait::Park(us(100)), Wait::Park(us(200))]);
+        let idle = stalled(&mut p, t0, ms(6), ms(40), 3, false);
+        let ns = |n| Wait::Park(Duration::from_nanos(n));
+        assert_eq!(idle, [Wait::Park(BUSY_SLEEP), ns(156_250), ns(312_500)]);
     }
 
     #[test]
-    fn idle_parks_grow_to_the_configured_longest() {
+    fn idle_parks_grow_to_the_configured_longest_and_a_new_reactor_starts_there() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, us(500), t0);
         p.after_pass(t0, false, true, None); // work in flight: parks start short again
-        let idle = stalled(&mut p, t0, us(10), us(1), 6, false);
-        let parks: Vec<_> = [50, 100, 200, 400, 500, 500].into_iter().map(|n| Wait::Park(us(n))).collect();
+        let idle = stalled(&mut p, t0, Duration::ZERO, ms(32), 6, false);
+        let parks: Vec<_> = [50, 125, 250, 375, 500, 500].into_iter().map(|n| Wait::Park(us(n))).collect();
         assert_eq!(idle, parks);
         // The first idle park of a new reactor is already the longest.
         let mut fresh = Pace::new(2, us(500), t0);
@@ -195,12 +214,13 @@ mod tests {
         let hot = stalled(&mut p, t0, us(1), us(10), 99, true);
         assert!(hot.iter().all(|w| *w == Wait::Yield), "{hot:?}");
         assert!(stalled(&mut p, t0, us(500), us(10), 20, false).iter().all(|w| *w == Wait::Yield));
-        // Past the window, the few-core pacing: idle parks back off, busy ones sleep 50 us.
+        // Past the window, the few-core pacing: idle parks ramp up from the last activity (the
+        // busy passes above count: the last at 981 us).
         assert_eq!(p.after_pass(t0 + HOT_SPIN, false, false, None), Wait::Park(BUSY_SLEEP));
-        assert_eq!(p.after_pass(t0 + HOT_SPIN + us(60), false, false, None), Wait::Park(us(100)));
+        assert_eq!(p.after_pass(t0 + us(981 + 51_200), false, false, None), Wait::Park(us(200)));
         // A movement opens a new window.
-        assert_eq!(p.after_pass(t0 + us(5000), true, false, None), Wait::Now);
-        assert_eq!(p.after_pass(t0 + us(5900), false, false, None), Wait::Yield);
+        assert_eq!(p.after_pass(t0 + ms(60), true, false, None), Wait::Now);
+        assert_eq!(p.after_pass(t0 + ms(60) + us(900), false, false, None), Wait::Yield);
     }
 
     #[test]
