@@ -189,6 +189,7 @@ impl CopyEngine for CpuEngine {
             Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len(), helped = true),
         };
         let ok = run_guarded(self.arena, &job, &span);
+        crate::shell::mark!("help-end", job.job.0);
         self.ran.push((job.job, ok));
         true
     }
