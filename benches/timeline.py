@@ -2,7 +2,7 @@
 
 BOUNCE marks each step of a transfer with a TRACE event of target `bounce_timeline` (a
 submit, each control frame sent and handled, each copy queued, started and finished on its
-worker or on the thread that queued it while every worker slept ("help"), each READ, each completion, each idle park of the reactor and each application
+worker, each READ, each completion, each idle park of the reactor and each application
 `getNotifs`), with its process and thread. Both processes of a benchmark write them to stderr;
 this script puts them on one clock and splits them into the initiator's transfers:
 
@@ -29,14 +29,14 @@ LINE = re.compile(r"^(\S+) TRACE (\S+) pid=(\d+) thread=(\S+) id=(\d+)")
 NOISE = ("park", "unpark", "app-pull")
 COLUMNS = [  # (column, event, side)
     ("want", ("recv-PULL", "recv-WANT"), "target"),
-    ("gstart", ("worker-start", "help"), "target"),
-    ("gend", ("worker-end", "help-end"), "target"),
+    ("gstart", ("worker-start",), "target"),
+    ("gend", ("worker-end",), "target"),
     ("ready", ("send-GRANT",), "target"),
     ("rready", ("recv-GRANT",), "initiator"),
     ("read", ("read",), "initiator"),
     ("rel", ("send-RELEASE",), "initiator"),
-    ("sstart", ("worker-start", "help"), "initiator"),
-    ("send", ("worker-end", "help-end"), "initiator"),
+    ("sstart", ("worker-start",), "initiator"),
+    ("send", ("worker-end",), "initiator"),
 ]
 
 

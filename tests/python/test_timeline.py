@@ -39,14 +39,11 @@ def test_each_bounced_request_leaves_its_steps_in_order_on_one_clock(tmp_path):
             steps = [(t, p == initiator, what, thread) for t, p, what, _, thread in body]
             assert end > t0
             want = next(t for t, mine, what, _ in steps if not mine and what == first_frame)
-            # A copy starts on a copy worker, or (a host of 8 cores or more, after an idle
-            # spell) on the thread that queued it while every worker slept ("help").
-            copy = lambda what, thread: (what == "worker-start" and thread.startswith("bounce-copy")) or what == "help"
-            work = [(t, mine) for t, mine, what, thread in steps if copy(what, thread)]
+            work = [t for t, _, what, thread in steps if what == "worker-start" and thread.startswith("bounce-copy")]
             assert t0 <= want <= end, (pattern, steps[:10])
-            assert work and all(t0 <= t <= end for t, _ in work), (pattern, steps[:10])
-            assert any(mine for _, mine in work), "the initiator's copies"
-            assert any(not mine for _, mine in work), "the target's copies"
+            assert work and all(t0 <= t <= end for t in work), (pattern, steps[:10])
+            assert any(mine for _, mine, what, _ in steps if what == "worker-start"), "the initiator's copies"
+            assert any(not mine for _, mine, what, _ in steps if what == "worker-start"), "the target's copies"
 
 
 def test_with_the_target_off_nothing_is_logged(tmp_path):

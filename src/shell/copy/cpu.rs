@@ -12,12 +12,6 @@
 //! spins around activity: waking a blocked worker took 40-60 us between the chunks of a
 //! transfer on the 16-core H200 host, and up to 256 us after a pause (BENCHMARKS.md, session
 //! 19), and a transfer's chunks come a few hundred microseconds apart.
-//!
-//! Past its linger a worker blocks, and the first job after a pause waited for it to wake: up
-//! to 256 us on the H200 host, a fifth of a KV request. So on such a host a job queued while
-//! no worker was awake is one the submitting thread may run itself ([`CopyEngine::help`]),
-//! once it has queued the rest of its pass's jobs: the worker the queue woke takes the next
-//! one, and the first copy overlaps its wake-up instead of following it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -86,12 +80,6 @@ pub(crate) struct CpuEngine {
     inline_max: u64,
     in_flight: Arc<AtomicUsize>,
     threads: Vec<JoinHandle<()>>,
-    /// The queue's receiving end, for [`CopyEngine::help`]; `None` where helping is off.
-    rx: Option<Receiver<CopyJob>>,
-    /// Workers not blocked on the queue (looking for a job or running one).
-    awake: Arc<AtomicUsize>,
-    /// A job went to the queue while no worker was awake, and no thread helped since.
-    cold: bool,
 }
 
 impl CpuEngine {
@@ -101,9 +89,6 @@ impl CpuEngine {
     /// thread is ready when `submit` returns, and wakes nobody. An idle worker looks for its
     /// next job, yielding, for `linger` after its last one before it blocks (see the module
     /// docs; zero on a host with few cores, where the application and the reactor need them).
-    /// With a linger, [`CopyEngine::help`] runs a job queued while every worker was blocked;
-    /// without, workers are blocked between any two jobs and the submitting thread (the
-    /// reactor, on a host with few cores) keeps to its own work.
     ///
     /// # Errors
     /// [`Error::Spawn`] when a worker thread cannot be started.
@@ -124,14 +109,11 @@ impl CpuEngine {
             inline_max,
             in_flight: Arc::new(AtomicUsize::new(0)),
             threads: Vec::new(),
-            rx: (!linger.is_zero()).then(|| rx.clone()),
-            awake: Arc::new(AtomicUsize::new(n.max(1) as usize)),
-            cold: false,
         };
         for i in 0..n.max(1) {
-            let (rx, done_tx, wake, awake) = (rx.clone(), done_tx.clone(), wake.clone(), engine.awake.clone());
+            let (rx, done_tx, wake) = (rx.clone(), done_tx.clone(), wake.clone());
             let worker = std::thread::Builder::new().name(format!("bounce-copy-{i}")).spawn(move || {
-                while let Some(job) = next_job(&rx, linger, &awake) {
+                while let Some(job) = next_job(&rx, linger) {
                     crate::shell::mark!("worker-start", job.job.0);
                     let span = match job.dir {
                         Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len()),
@@ -166,32 +148,10 @@ impl CopyEngine for CpuEngine {
             self.ran.push((job.job, ok));
             return Ok(());
         }
-        // Read before the send, which may wake a worker: "no worker awake" then means the job
-        // would wait for a wake-up.
-        let cold = self.awake.load(Ordering::Acquire) == 0;
         tx.send(job).map_err(|e| {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
             e.into_inner()
-        })?;
-        self.cold |= cold;
-        Ok(())
-    }
-
-    fn help(&mut self) -> bool {
-        if !std::mem::take(&mut self.cold) {
-            return false;
-        }
-        // A worker may have taken every queued job meanwhile: then there is nothing to help.
-        let Some(job) = self.rx.as_ref().and_then(|rx| rx.try_recv().ok()) else { return false };
-        crate::shell::mark!("help", job.job.0);
-        let span = match job.dir {
-            Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len(), helped = true),
-            Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len(), helped = true),
-        };
-        let ok = run_guarded(self.arena, &job, &span);
-        crate::shell::mark!("help-end", job.job.0);
-        self.ran.push((job.job, ok));
-        true
+        })
     }
 
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
@@ -251,20 +211,15 @@ impl Drop for CpuEngine {
 }
 
 /// A worker's next job: looked for (yielding) for `linger` after the last one, then waited
-/// for, not counted in `awake` while blocked; `None` once the engine is gone.
-fn next_job(rx: &Receiver<CopyJob>, linger: Duration, awake: &AtomicUsize) -> Option<CopyJob> {
+/// for; `None` once the engine is gone.
+fn next_job(rx: &Receiver<CopyJob>, linger: Duration) -> Option<CopyJob> {
     let idle = Instant::now();
     loop {
         match rx.try_recv() {
             Ok(job) => return Some(job),
             Err(TryRecvError::Disconnected) => return None,
             Err(TryRecvError::Empty) if idle.elapsed() < linger => std::thread::yield_now(),
-            Err(TryRecvError::Empty) => {
-                awake.fetch_sub(1, Ordering::AcqRel);
-                let job = rx.recv().ok();
-                awake.fetch_add(1, Ordering::AcqRel);
-                return job;
-            }
+            Err(TryRecvError::Empty) => return rx.recv().ok(),
         }
     }
 }
@@ -482,114 +437,6 @@ mod tests {
         let t = Instant::now();
         drop(w);
         assert!(t.elapsed() < Duration::from_secs(10), "the worker outlived its engine for {:?}", t.elapsed());
-    }
-
-    /// On a host where workers linger, a job queued while every worker is blocked is one the
-    /// submitting thread runs itself, once: bytes exact, reported once with the others. With
-    /// a worker awake, or with no linger (a host with few cores), it helps with nothing.
-    #[test]
-    fn a_job_queued_while_every_worker_sleeps_is_run_by_the_helping_thread() {
-        let mut arena = vec![0u8; 1 << 16];
-        let view = HostArena { base: arena.as_mut_ptr() as u64, len: 1 << 16, streaming_scatter: false };
-        let src: Vec<u8> = (0..4 * 4096u32).map(|i| (i * 11 + 3) as u8).collect();
-        let job = |j: u64| CopyJob {
-            job: JobId(j),
-            dir: Dir::Gather,
-            region: Region { offset: j * 4096, len: 4096 },
-            runs: JobRuns::Own(vec![CopyRun {
-                region_off: 0,
-                addr: src.as_ptr() as u64 + j * 4096,
-                len: 4096,
-                count: 1,
-                region_stride: 0,
-                addr_stride: 0,
-            }]),
-            in_region: None,
-        };
-        // Every worker blocked, none to wake (a worker's wake-up is a race this test must
-        // not depend on): the engine's queue with no thread behind it.
-        let (tx, queue) = crossbeam_channel::unbounded();
-        let (_done_tx, done) = crossbeam_channel::unbounded();
-        let mut w = CpuEngine {
-            tx: Some(tx),
-            done,
-            ran: Vec::new(),
-            arena: view,
-            inline_max: 0,
-            in_flight: Arc::new(AtomicUsize::new(0)),
-            threads: Vec::new(),
-            rx: Some(queue.clone()),
-            awake: Arc::new(AtomicUsize::new(0)),
-            cold: false,
-        };
-        assert!(!w.help(), "nothing queued, nothing to help with");
-        assert!(w.submit(job(0)).is_ok() && w.submit(job(1)).is_ok());
-        assert!(w.help(), "a job queued while no worker was awake");
-        assert!(!w.help(), "one job per pass that found the workers asleep");
-        let mut done = Vec::new();
-        assert_eq!(w.take_finished_inline(&mut done), 1);
-        assert_eq!(done, [(JobId(0), true)]);
-        assert_eq!(w.in_flight(), 1, "the other job stays queued for the woken worker");
-        assert_eq!(&arena[..4096], &src[..4096]);
-        assert!(arena[4096..].iter().all(|&b| b == 0), "only the helped job was copied");
-        assert_eq!(queue.try_recv().map(|j| j.job).ok(), Some(JobId(1)));
-        // A worker awake: the next job is its, nobody helps.
-        w.awake.store(1, Ordering::Release);
-        assert!(w.submit(job(2)).is_ok());
-        assert!(!w.help());
-        // No linger (few cores): workers block between any two jobs, and the reactor keeps to
-        // its own work.
-        w.awake.store(0, Ordering::Release);
-        w.rx = None;
-        assert!(w.submit(job(3)).is_ok());
-        assert!(!w.help());
-        assert_eq!(queue.len(), 2);
-    }
-
-    /// With real workers past their linger, every job submitted at once, helped or not, is
-    /// copied and reported exactly once.
-    #[test]
-    fn helping_beside_real_workers_loses_and_repeats_no_job() {
-        let mut arena = vec![0u8; 1 << 20];
-        let view = HostArena { base: arena.as_mut_ptr() as u64, len: 1 << 20, streaming_scatter: false };
-        let src: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 29 + 7) as u8).collect();
-        let mut w = CpuEngine::start(2, view, 0, Duration::from_micros(100), || {}).unwrap();
-        let mut seen = std::collections::BTreeSet::new();
-        let mut helped = 0;
-        for round in 0..20u64 {
-            while w.awake.load(Ordering::Acquire) != 0 {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            for j in 0..16u64 {
-                let run = CopyRun {
-                    region_off: 0,
-                    addr: src.as_ptr() as u64 + j * 65536,
-                    len: 65536,
-                    count: 1,
-                    region_stride: 0,
-                    addr_stride: 0,
-                };
-                let region = Region { offset: j * 65536, len: 65536 };
-                let id = JobId(round * 16 + j);
-                let job = CopyJob { job: id, dir: Dir::Gather, region, runs: JobRuns::Own(vec![run]), in_region: None };
-                assert!(w.submit(job).is_ok());
-            }
-            helped += u32::from(w.help());
-            let mut done = Vec::new();
-            while w.in_flight() > 0 {
-                w.poll_done(&mut done);
-                std::thread::yield_now();
-            }
-            for (id, ok) in done {
-                assert!(ok && seen.insert(id.0), "job {id:?} reported twice or failed");
-            }
-            assert_eq!(seen.len() as u64, (round + 1) * 16);
-        }
-        drop(w);
-        assert_eq!(arena, src);
-        // Sixteen jobs queued at once against workers that need tens of microseconds to wake:
-        // at least one round finds a job left to help with.
-        assert!(helped > 0, "no round helped");
     }
 
     /// A job of at most the inline bound is copied before `submit` returns and reported by the

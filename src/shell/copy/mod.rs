@@ -62,13 +62,6 @@ pub(crate) trait CopyEngine: Send {
     fn take_finished_inline(&mut self, _out: &mut Vec<(JobId, bool)>) -> usize {
         0
     }
-    /// Runs on the calling thread one job queued while no worker was awake to take it at once
-    /// (the queue woke one, which takes the next); true when it ran one, reported then by
-    /// [`Self::take_finished_inline`]. Called after a pass has queued its jobs, so the other
-    /// jobs are already on their way. False unless an engine says so.
-    fn help(&mut self) -> bool {
-        false
-    }
     /// Prepares the calling thread for work on this engine's memory: the CUDA engine makes its
     /// GPU's context current there (the reactor's thread once at its start; where
     /// [`Self::any_thread`] allows passes on application threads, such a thread before each

@@ -1232,9 +1232,6 @@ impl Driver {
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
                 }
             }
-            // A copy queued while every copy worker slept: this thread runs one while a worker
-            // wakes for the rest (after the frames above went out).
-            self.copier.help();
             // Copies run inline just now are done: their completions go on at once (a scatter's
             // ACK, a gathered chunk's write), not at the next pass's poll, which on a busy
             // 2-core host can be tens of microseconds away.
