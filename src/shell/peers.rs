@@ -8,8 +8,8 @@
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::mailbox::MailboxLayout;

@@ -13,14 +13,15 @@
 //!   [`BUSY_SLEEP`] between polls: on a 2-core machine the copy workers and the application
 //!   need the cores (a reactor polling every 50 us for 20 ms there made UCX's own round trips
 //!   2x slower, issue 12).
-//! - Idle, it sleeps a [`IDLE_RAMP`]th of the time since its last pass that moved anything or
-//!   had work in flight, at least [`BUSY_SLEEP`] and at most `bounce_idle_park_us` (1 ms by
-//!   default). A transfer that comes a while after the previous one is then seen within a small
-//!   part of that pause: 80 ms after a burst the park is 0.3 ms, where doubling sleeps reached
-//!   the longest park within 2 ms and a request after such a pause waited half of it on average
-//!   (the first request of a KV block on the H200 host; BENCHMARKS.md, session 20). The
-//!   wake-ups this costs grow with the logarithm of the pause (about 1000 in the quarter second
-//!   after a burst), and an engine idle for longer parks the longest. A movement counts even
+//! - Idle, it sleeps a fraction of the time since its last pass that moved anything or had
+//!   work in flight ([`IDLE_RAMP`], [`IDLE_RAMP_MANY_CORES`]), at least [`BUSY_SLEEP`] and at
+//!   most `bounce_idle_park_us` (1 ms by default). A transfer that comes a while after the
+//!   previous one is then seen within a small part of that pause, where doubling sleeps
+//!   reached the longest park within 2 ms and a request after a pause waited half of it on
+//!   average (the first request of a KV block on the H200 host, 80-100 ms after the previous
+//!   block; BENCHMARKS.md, session 20). The wake-ups this costs grow with the logarithm of the
+//!   pause (with the 256th, about 1000 in the quarter second after a burst), and an engine idle
+//!   for longer parks the longest. A movement counts even
 //!   with nothing left in flight: a target serves an inline WANT (put, scatter, ACK) within one
 //!   pass, and counting only work in flight kept it at the longest park for every transfer of
 //!   a run (an idle 2-core target: 1.1 ms a transfer instead of 0.2 ms). The longest park is
@@ -43,8 +44,13 @@ pub(super) const SPIN_ITERATIONS: u32 = 20;
 pub(super) const BUSY_SLEEP: Duration = Duration::from_micros(bounce_proto::config::MIN_IDLE_PARK_US);
 /// How long a reactor on a many-core host keeps spinning after its last pass that moved.
 pub(super) const HOT_SPIN: Duration = Duration::from_millis(1);
-/// An idle park is the time since the last activity divided by this (see the module docs).
+/// An idle park is the time since the last activity divided by this (see the module docs):
+/// 0.3 ms 80 ms after a burst, the longest park (1 ms) after a quarter second.
 pub(super) const IDLE_RAMP: u32 = 256;
+/// The same on a host with [`HOT_SPIN_CORES`] or more, which has cores for the wake-ups: 0.1 ms
+/// 100 ms after a burst. With the 256th the first KV request of a block on the H200 host still
+/// had its PULL handled 330-440 us after it was sent, about half a 0.4 ms park (session 20).
+pub(super) const IDLE_RAMP_MANY_CORES: u32 = 1024;
 /// Fewest cores for [`HOT_SPIN`]: below, the reactor's core is needed elsewhere.
 pub(super) const HOT_SPIN_CORES: usize = 8;
 
@@ -69,6 +75,7 @@ pub(super) enum Wait {
 #[derive(Debug)]
 pub(super) struct Pace {
     hot: Duration,
+    ramp: u32,
     stalls: u32,
     longest_park: Duration,
     last_moved: Instant,
@@ -82,7 +89,8 @@ impl Pace {
     /// (`bounce_idle_park_us`).
     pub(super) fn new(cores: usize, longest_park: Duration, now: Instant) -> Self {
         let hot = hot_spin(cores);
-        Self { hot, stalls: 0, longest_park, last_moved: now, last_active: None }
+        let ramp = if cores >= HOT_SPIN_CORES { IDLE_RAMP_MANY_CORES } else { IDLE_RAMP };
+        Self { hot, ramp, stalls: 0, longest_park, last_moved: now, last_active: None }
     }
 
     /// After a pass at `now` that `moved` anything, with work in flight (`busy`) or not, and
@@ -104,7 +112,7 @@ impl Pace {
             return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
         }
         let park = self.last_active.map_or(self.longest_park, |t| {
-            (now.saturating_duration_since(t) / IDLE_RAMP).max(BUSY_SLEEP).min(self.longest_park)
+            (now.saturating_duration_since(t) / self.ramp).max(BUSY_SLEEP).min(self.longest_park)
         });
         Wait::Park(timer.unwrap_or(park).min(park))
     }
@@ -217,7 +225,8 @@ mod tests {
         // Past the window, the few-core pacing: idle parks ramp up from the last activity (the
         // busy passes above count: the last at 981 us).
         assert_eq!(p.after_pass(t0 + HOT_SPIN, false, false, None), Wait::Park(BUSY_SLEEP));
-        assert_eq!(p.after_pass(t0 + us(981 + 51_200), false, false, None), Wait::Park(us(200)));
+        // A 1024th of the time since then here, not the 256th of few cores.
+        assert_eq!(p.after_pass(t0 + us(981 + 204_800), false, false, None), Wait::Park(us(200)));
         // A movement opens a new window.
         assert_eq!(p.after_pass(t0 + ms(60), true, false, None), Wait::Now);
         assert_eq!(p.after_pass(t0 + ms(60) + us(900), false, false, None), Wait::Yield);
