@@ -292,6 +292,12 @@ impl Receiver {
         self.flows.len()
     }
 
+    /// Flows that wait on their sender: all but the standing ones (`standing` holds exactly the
+    /// standing flows of `flows`, which [`Self::check_invariants`] checks).
+    pub fn waiting_flows(&self) -> usize {
+        self.flows.len().saturating_sub(self.standing.len())
+    }
+
     /// Adds the peers whose flows we track (the liveness probe watches them). Runs after every
     /// input, so it visits one flow per peer (flows are ordered by peer), not every flow: a
     /// peer with thousands of flows costs one lookup.

@@ -723,7 +723,8 @@ impl Driver {
 
     /// Whether work is in flight: the reactor then polls closely. Includes the receiver role:
     /// a remote flow waiting for its next DATA must be noticed at once, not after an idle park
-    /// (which cost up to 2 ms per chunk).
+    /// (which cost up to 2 ms per chunk). A standing flow waits for nothing and does not count
+    /// ([`bounce_proto::endpoint::Endpoint::is_quiet`]).
     fn busy(&self) -> bool {
         !self.writes.is_empty()
             || !self.queued_writes.is_empty()
@@ -731,7 +732,7 @@ impl Driver {
             || !self.xfers.is_empty()
             || !self.deregs.is_empty()
             || self.fetches.busy()
-            || !self.ep.is_idle()
+            || !self.ep.is_quiet()
     }
 
     /// One pass, handling at most `budget` control frames; true when anything moved. Sets

@@ -70,8 +70,10 @@ fn a_claim_takes_the_standing_region_for_chunk_0_with_no_grant_and_its_scatter_g
     let (mut ep, t) = standing_endpoint(32 * KIB, false);
     let r1 = with_standing(&mut ep, t);
     let s = FlowKey { peer: PEER, xfer: XferId(STANDING_XFER_BIT | 1) };
+    assert!(ep.is_quiet());
     ep.handle_msg(t, PEER, claim_msg(X, &[CHUNK, CHUNK], 1, Token(0x57a4d))).unwrap();
     let acts = drain(&mut ep);
+    assert!(!ep.is_quiet(), "the claiming transfer's flow waits for its DATA");
     // Chunk 1 is granted as usual; chunk 0 never is: it holds the standing region already,
     // and the standing flow waits for it back (no fresh grant, no frame more).
     assert_eq!(grants(&acts).iter().map(|(x, c)| (*x, c.len(), c[0].0)).collect::<Vec<_>>(), vec![(X, 1, 1)]);
@@ -211,13 +213,16 @@ fn a_receiver_gives_one_standing_flow_per_peer_within_an_eighth_of_its_arena() {
 }
 
 #[test]
-fn an_unclaimed_standing_region_is_reclaimed_after_the_idle_timeout_and_not_probed_before() {
+fn an_unclaimed_standing_region_is_reclaimed_after_the_idle_timeout_and_neither_probed_nor_polled_for_before() {
     let (mut ep, t) = standing_endpoint(32 * KIB, false);
     let free = ep.arena_free_bytes();
     with_standing(&mut ep, t);
     let mut waited = std::collections::BTreeSet::new();
     ep.receiver().peers_waited_on(&mut waited);
     assert!(waited.is_empty(), "a standing flow alone is not a reason to probe its peer");
+    // Nor to poll closely: it waits for nothing but its lease, a timer.
+    assert!(ep.is_quiet() && !ep.is_idle(), "quiet, not idle: the flow still holds its region");
+    assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT / 2));
     ep.handle_timeout(t + TIMEOUT / 4);
     assert_eq!(ep.receiver().standing_flow(PEER), Some(XferId(STANDING_XFER_BIT | 1)));
     let lease_end = t + TIMEOUT / 2 + Duration::from_millis(1);
