@@ -809,7 +809,7 @@ impl Endpoint {
     /// flows ([`wire::Standing`]) may remain, which wait for nothing (a later transfer claims
     /// their region, or their lease, a timer, ends them). The shell polls closely only while
     /// this is false: a standing flow kept a target's reactor polling every 50 us for as long
-    /// as it stood after a single bounced WRITE, 10-30% of a core while idle (session 20).
+    /// as it stood after a single bounced WRITE, 11-35% of a core while idle (session 20).
     pub fn is_quiet(&self) -> bool {
         self.out.is_empty()
             && self.in_flight_xfers() == 0

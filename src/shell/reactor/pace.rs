@@ -21,13 +21,12 @@
 //!   average (the first request of a KV block on the H200 host, 80-100 ms after the previous
 //!   block; BENCHMARKS.md, session 20). The wake-ups this costs grow with the logarithm of the
 //!   pause (with the 256th, about 1000 in the quarter second after a burst), and an engine idle
-//!   for longer parks the longest. A movement counts even
-//!   with nothing left in flight: a target serves an inline WANT (put, scatter, ACK) within one
-//!   pass, and counting only work in flight kept it at the longest park for every transfer of
-//!   a run (an idle 2-core target: 1.1 ms a transfer instead of 0.2 ms). The longest park is
-//!   also the most a transfer after a long pause waits to be seen at a target whose
-//!   application does not poll (about half of it on average), and how often an idle engine
-//!   wakes.
+//!   for longer parks the longest. A movement counts even with nothing left in flight: a
+//!   target serves an inline WANT (put, scatter, ACK) within one pass, and counting only work
+//!   in flight kept it at the longest park for every transfer of a run (an idle 2-core target:
+//!   1.1 ms a transfer instead of 0.2 ms). The longest park is also the most a transfer after a
+//!   long pause waits to be seen at a target whose application does not poll (about half of it
+//!   on average), and how often an idle engine wakes.
 //!
 //! [`AppPolls`] decides the other half of a pass's cost: whether the reactor thread pulls the
 //! inner engine itself or leaves that to an application polling it closely.
