@@ -802,7 +802,7 @@ impl Endpoint {
     /// After [`shutdown`](Self::shutdown), the shell may drop the endpoint (and the arena) once
     /// this holds.
     pub fn is_idle(&self) -> bool {
-        self.out.is_empty() && self.in_flight_xfers() == 0 && self.jobs_in_flight() == 0 && self.remote_flows() == 0
+        self.is_quiet() && self.remote_flows() == 0
     }
 
     /// True when nothing waits on a peer or a job: as [`Self::is_idle`], except that standing
