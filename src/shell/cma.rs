@@ -39,8 +39,7 @@ use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
 use crate::sys::cma::{self, CmaDir, Piece, ProcessId};
-use crate::sys::shim::Md;
-use crate::sys::shim::Shim;
+use crate::sys::shim::{Md, MdMap, Shim};
 
 /// Request handles of this path carry this bit.
 pub(crate) const CMA_HANDLE_BIT: u64 = 1 << 61;
@@ -58,7 +57,7 @@ struct Liveness {
 
 #[derive(Debug, Default)]
 struct Slots {
-    by_md: HashMap<Md, usize>,
+    by_md: MdMap<usize>,
     free: Vec<usize>,
     next: usize,
 }

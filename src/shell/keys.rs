@@ -22,7 +22,7 @@ use bounce_proto::wire::{CmaRecord, IpcRecord, PublicData};
 use bounce_proto::{RegId, RegKey};
 use parking_lot::Mutex;
 
-use crate::sys::shim::Md;
+use crate::sys::shim::{Md, MdMap};
 
 /// Most peers' records waiting for their load at once.
 const MAX_PENDING_REACH: usize = 1 << 16;
@@ -52,15 +52,15 @@ impl Reach {
 #[derive(Debug, Default)]
 pub(crate) struct Keys {
     /// Our registrations, by the inner engine's handle.
-    local: Mutex<HashMap<Md, Destination>>,
+    local: Mutex<MdMap<Destination>>,
     /// Peers' registrations we loaded, by the inner engine's remote handle.
-    remote: Mutex<HashMap<Md, Destination>>,
+    remote: Mutex<MdMap<Destination>>,
     /// Our registrations' same-host records, by the inner engine's handle.
-    local_reach: Mutex<HashMap<Md, Reach>>,
+    local_reach: Mutex<MdMap<Reach>>,
     /// Peers' records taken out of an envelope, waiting for the inner engine's load.
     pending_reach: Mutex<HashMap<Destination, Reach>>,
     /// Peers' records, by the inner engine's remote handle.
-    remote_reach: Mutex<HashMap<Md, Reach>>,
+    remote_reach: Mutex<MdMap<Reach>>,
     next_id: AtomicU64,
     /// A blob without our envelope was loaded (logged once).
     foreign_seen: AtomicBool,

@@ -3,7 +3,6 @@
 //! reactor resolves a direct write's source from them and feeds the core's own copy (the
 //! receiver's scatter check, which stays in the core).
 
-use std::collections::HashMap;
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -11,7 +10,7 @@ use bounce_proto::MemKind;
 use bounce_proto::gate::ArenaPlace;
 use parking_lot::Mutex;
 
-use crate::sys::shim::Md;
+use crate::sys::shim::{Md, MdMap};
 
 /// A registration made through this engine (the receiver only ever scatters into these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,7 +43,7 @@ impl Registration {
 /// The one table of registrations, keyed by the inner engine's metadata handle.
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
-    table: Mutex<HashMap<Md, Registration>>,
+    table: Mutex<MdMap<Registration>>,
     /// The table's length, stored under its lock by every change: a polling application's
     /// stats refresh reads it without taking the lock (issue 12).
     len: AtomicUsize,

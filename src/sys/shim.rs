@@ -105,6 +105,12 @@ pub(crate) struct Notif {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Md(pub(crate) usize);
 
+/// A map keyed by inner metadata handles. Fx hashing, not std's SipHash: the keys are this
+/// process's own pointers, which no peer picks (nothing to flood), and a registration is
+/// looked up by its handle about a dozen times between its register and its deregister
+/// (issue 12: what registering through BOUNCE adds to UCX's).
+pub(crate) type MdMap<V> = std::collections::HashMap<Md, V, rustc_hash::FxBuildHasher>;
+
 /// An in-flight inner request (`nixlBackendReqH*`), opaque to Rust; released exactly once
 /// (by [`Shim::release`], which consumes it).
 #[derive(Debug, PartialEq, Eq, Hash)]
