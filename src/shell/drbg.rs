@@ -122,14 +122,16 @@ mod tests {
         assert_eq!(seeds, 1);
     }
 
+    /// A seed the same every time (an OS that gives ones).
+    fn fixed(o: &mut [u8]) -> Result<(), getrandom::Error> {
+        o.fill(1);
+        Ok(())
+    }
+
     /// A forked child has its parent's generator in memory: it must draw a seed of its own,
     /// not continue the parent's stream.
     #[test]
     fn a_new_process_mark_means_a_new_seed() {
-        let fixed = |o: &mut [u8]| {
-            o.fill(1);
-            Ok(())
-        };
         let (parent, child) = (Drbg::new(), Drbg::new());
         let (mut a, mut b) = ([0u8; 16], [0u8; 16]);
         parent.fill_in(100, &mut a, fixed).unwrap();
@@ -153,10 +155,6 @@ mod tests {
     /// byte is handed out twice or skipped.
     #[test]
     fn draws_of_any_size_read_one_stream() {
-        let fixed = |o: &mut [u8]| {
-            o.fill(3);
-            Ok(())
-        };
         let (whole, cut) = (Drbg::new(), Drbg::new());
         let mut all = vec![0u8; 3 * BLOCK + 100];
         whole.fill_in(5, &mut all, fixed).unwrap();
