@@ -9,9 +9,19 @@ import time
 
 import numpy as np
 try:  # the PyPI twin for CUDA 13 hosts (the GPU machine) has the same API
-    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    import nixl_cu12 as nixl_package
 except ImportError:  # pragma: no cover - only where nixl-cu12 is absent
-    from nixl_cu13 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    import nixl_cu13 as nixl_package
+nixl_agent = nixl_package.nixl_agent
+nixl_agent_config = nixl_package.nixl_agent_config
+nixl_thread_sync_t = nixl_package.nixl_thread_sync_t
+
+
+def plugin_dir():
+    """The plugin folder of whichever NIXL wheel is installed (nixl-cu12 here, nixl-cu13 on the
+    GPU host): `.<package>.mesonpy.libs/plugins` beside the package."""
+    site = os.path.dirname(os.path.dirname(nixl_package.__file__))
+    return os.path.join(site, f".{nixl_package.__name__}.mesonpy.libs", "plugins")
 
 DEADLINE_S = 30.0
 

@@ -183,9 +183,7 @@ def test_inner_plugin_with_wrong_api_version_is_refused(tmp_path):
 
 
 def test_inner_plugin_pointing_at_bounce_itself_is_refused():
-    import nixl_cu12
-    site = os.path.dirname(os.path.dirname(nixl_cu12.__file__))
-    me = os.path.join(site, ".nixl_cu12.mesonpy.libs", "plugins", "libplugin_BOUNCE.so")
+    me = os.path.join(nixlkit.plugin_dir(), "libplugin_BOUNCE.so")
     out = create_bounce_in_isolation({"bounce_ucx_plugin": me})
     assert "create failed" in out and "is BOUNCE itself" in out, out
 
