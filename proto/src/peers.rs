@@ -431,6 +431,7 @@ impl PeerTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::types::ControlKind;
 
     fn caps(max_chunk: u64) -> Capabilities {
         Capabilities { arena_base: 0x10_0000, arena_key: vec![1], ..Capabilities::host_arena(0x1_0000, max_chunk, 1) }
@@ -461,9 +462,10 @@ mod tests {
     fn loading_records_capabilities_only_when_compatible() {
         let mut t = PeerTable::new();
         assert_eq!(t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
+        let zmq = Capabilities { control: ControlKind::Zmq, ..caps(4096) };
         assert_eq!(
-            t.load_conn_info("b", Some(caps(8192)), Some(&caps(4096))),
-            Loaded::Incompatible(Incompatible::MaxChunk { local: 4096, peer: 8192 })
+            t.load_conn_info("b", Some(zmq), Some(&caps(4096))),
+            Loaded::Incompatible(Incompatible::ControlKind { local: ControlKind::Ucx, peer: ControlKind::Zmq })
         );
         assert_eq!(t.load_conn_info("c", None, Some(&caps(4096))), Loaded::NoCapabilities);
         assert_eq!(t.load_conn_info("d", Some(caps(4096)), None), Loaded::NoCapabilities);
@@ -488,7 +490,7 @@ mod tests {
         assert!(t.can_bounce("a"));
         assert_eq!(t.bounce_peers(), 1);
         // An incompatible peer's arena never counts, whatever the shell reports.
-        t.load_conn_info("b", Some(caps(8192)), Some(&caps(4096)));
+        t.load_conn_info("b", Some(Capabilities { control: ControlKind::Zmq, ..caps(4096) }), Some(&caps(4096)));
         t.arena_loaded("b", true);
         assert_eq!(t.hello("b"), Hello::First { answer: false }, "no HELLO back to an incompatible peer");
         assert!(!t.can_bounce("b"));

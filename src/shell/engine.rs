@@ -601,6 +601,11 @@ impl Engine {
             return None;
         };
         let mut params = PlanParams::from_config(&self.config);
+        // Chunks that both arenas can hold, whichever max chunk is smaller (a host arena's and
+        // a GPU arena's defaults differ): the peer grants regions of the planned sizes.
+        if let Some(chunk) = self.bounce.as_ref().and_then(|b| self.peers.chunk_with(agent, &b.caps)) {
+            params.max_chunk = params.max_chunk.min(chunk);
+        }
         // Plans in regions are for WRITEs, two way and one way (the DATA that names them goes
         // from the initiator either way): a READ's initiator scatters by its own runs.
         if read {

@@ -245,6 +245,12 @@ impl PeerTable {
         t.rules.compatible(name).map(|c| ArenaPlace { mem: c.mem, dev: c.arena_dev })
     }
 
+    /// The largest chunk of a transfer with `name` (the core's [`Capabilities::chunk_with`]:
+    /// the smaller of its max chunk and `ours`), when it is loaded and compatible.
+    pub(crate) fn chunk_with(&self, name: &str, ours: &Capabilities) -> Option<u64> {
+        self.table.lock().rules.compatible(name).map(|theirs| ours.chunk_with(theirs))
+    }
+
     /// Where the agent's arena lives and its mailbox's shape, when a transfer to it may bounce
     /// one way only: loaded, compatible, its arena loaded, a mailbox in bounds, but no HELLO
     /// (it never loaded us, or not yet). A peer that said HELLO is bounced to two way.

@@ -336,6 +336,40 @@ def test_gate_sends_few_descriptors_to_plain_ucx_and_bounces_a_read_of_many(peer
     assert s["passthrough_xfers"] == 1
 
 
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_peers_with_different_max_chunks_bounce_in_chunks_both_arenas_hold(peer, tmp_path, op):
+    """A peer whose max chunk differs (a GPU arena's default is 32 MiB, a host arena's 2 MiB)
+    is compatible: the initiator plans with the smaller, here the target's 512 KiB, so the
+    target's 4 MiB arena grants every chunk. Byte-exact either way, the gaps untouched."""
+    lay = nixlkit.Scattered(4096, 4096, seed=53)  # 16 MiB: at least 32 chunks of 512 KiB
+    small = {"bounce_arena_size": "4MiB", "bounce_max_chunk_size": "512KiB"}
+    p = peer()
+    rx = f"rx-chunks-{op}"
+    size = lay.dst_bytes if op == "WRITE" else lay.src_bytes
+    meta, raddr = p.start(name=rx, size=size, seed=570, params=small)
+    ag = nixlkit.agent(f"tx-chunks-{op}", params={"bounce_max_chunk_size": "2MiB"})
+    here = nixlkit.pattern(571, lay.src_bytes if op == "WRITE" else lay.dst_bytes)
+    before = here.copy()
+    nixlkit.register(ag, here)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    if op == "WRITE":
+        write_from_here(ag, rx, lay, here, raddr)
+        nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(here, nixlkit.pattern(570, size)),
+                            "WRITE destinations")
+    else:
+        lo = ag.get_xfer_descs(lay.dst_list(here.ctypes.data), "DRAM")
+        re = ag.get_xfer_descs(lay.src_list(raddr), "DRAM")
+        h = ag.initialize_xfer("READ", lo, re, rx, b"", backends=[B])
+        assert ag.transfer(h) != "ERR"
+        nixlkit.wait_xfer(ag, h, deadline=60)
+        ag.release_xfer_handle(h)
+        nixlkit.assert_same(here, lay.expected(nixlkit.pattern(570, size), before), "READ destinations")
+    s = stats(ag)
+    assert s["peers_incompatible"] == 0 and s["passthrough_xfers"] == 0, s
+    assert s["bounce_ok"] == 1 and s["bounce_chunks"] >= 32, s
+
+
 @pytest.mark.parametrize("case, params, rx_params, incompatible", [
     ("off", None, {"bounce_enable": "false"}, 0),  # the peer advertises no capabilities
     ("mix", ZMQ, None, 1),  # ZMQ control here, UCX control there: incompatible

@@ -27,14 +27,6 @@ pub enum Incompatible {
         /// The peer's control kind.
         peer: ControlKind,
     },
-    /// The peer chunks transfers differently, so the two plans would disagree.
-    #[error("max chunk {peer} differs from ours ({local})")]
-    MaxChunk {
-        /// Our max chunk size in bytes.
-        local: u64,
-        /// The peer's max chunk size in bytes.
-        peer: u64,
-    },
 }
 
 /// An agent's bounce capability blob, published with its connection info (design §5): what a
@@ -56,7 +48,8 @@ pub struct Capabilities {
     pub arena_dev: u64,
     /// Bytes of the arena usable for regions.
     pub usable_capacity: u64,
-    /// Largest chunk in bytes; both peers must agree.
+    /// Largest chunk in bytes this engine moves and takes. The two may differ: an initiator
+    /// plans its transfers to a peer with the smaller of the two (see [`Self::chunk_with`]).
     pub max_chunk: u64,
     /// The owner engine's instance nonce (as in frame headers).
     pub session: u64,
@@ -190,11 +183,16 @@ impl Capabilities {
         Ok(caps)
     }
 
-    /// Whether bounce may be used between us (`self`) and `peer`: wire version, control kind and
-    /// max chunk size must match (design §5). Arena geometry and memory kind may differ.
+    /// Whether bounce may be used between us (`self`) and `peer`: wire version and control
+    /// kind must match (design §5). Arena geometry, memory kind and max chunk may differ.
+    ///
+    /// The design also asks for equal max chunks, because each side planned with its own. Here
+    /// only the initiator plans, and with [`Self::chunk_with`] the peer, so every chunk fits
+    /// both arenas' largest regions (each side's config clamps its max chunk to them). That lets
+    /// a host-arena engine (2 MiB chunks by default) bounce with a GPU-arena one (32 MiB).
     ///
     /// # Errors
-    /// The first mismatch, in the order version, control kind, max chunk.
+    /// The first mismatch, in the order version, control kind.
     pub fn compatible_with(&self, peer: &Self) -> Result<(), Incompatible> {
         if self.wire_version != peer.wire_version {
             return Err(Incompatible::WireVersion { local: self.wire_version, peer: peer.wire_version });
@@ -202,10 +200,13 @@ impl Capabilities {
         if self.control != peer.control {
             return Err(Incompatible::ControlKind { local: self.control, peer: peer.control });
         }
-        if self.max_chunk != peer.max_chunk {
-            return Err(Incompatible::MaxChunk { local: self.max_chunk, peer: peer.max_chunk });
-        }
         Ok(())
+    }
+
+    /// The largest chunk of a transfer between us (`self`) and `peer`, either way: the smaller
+    /// max chunk, so that both the peer's arena and ours can always hold it.
+    pub fn chunk_with(&self, peer: &Self) -> u64 {
+        self.max_chunk.min(peer.max_chunk)
     }
 }
 

@@ -623,7 +623,7 @@ fn envelope_header_errors_are_specific() {
 }
 
 #[test]
-fn compatibility_needs_same_version_control_kind_and_max_chunk() {
+fn compatibility_needs_same_version_and_control_kind_and_chunks_take_the_smaller_max() {
     let local = sample_caps();
     let same_rules = Capabilities {
         mem: MemKind::Dram,
@@ -648,7 +648,9 @@ fn compatibility_needs_same_version_control_kind_and_max_chunk() {
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
     );
-    assert_eq!(local.compatible_with(&other_chunk), Err(Incompatible::MaxChunk { local: 0x400, peer: 0x800 }));
+    // A host arena's 2 MiB chunks meet a GPU arena's 32 MiB ones: both plan with the smaller.
+    assert_eq!(local.compatible_with(&other_chunk), Ok(()));
+    assert_eq!((local.chunk_with(&other_chunk), other_chunk.chunk_with(&local)), (0x400, 0x400));
     // Several mismatches: the version is reported first, then the control kind.
     let all = Capabilities {
         wire_version: u16::from(WIRE_VERSION) + 1,
