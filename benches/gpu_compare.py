@@ -4,9 +4,13 @@ cuda_ipc), every variant in ONE run.
 
     python3 benches/gpu_compare.py [--shapes 16384x4096,4096x16384,1024x65536] [--iters 20]
                                    [--peer-gpu 0] [--inflight 64] [--op WRITE|READ]
+                                   [--local-mem VRAM|DRAM] [--remote-mem VRAM|DRAM]
 
 With --op READ the initiator reads the target's scattered pieces into its packed buffer (the
 way vLLM's decode side pulls KV); hand staging is a WRITE recipe and is not run then.
+With --local-mem DRAM or --remote-mem DRAM that side's buffer is host memory and its BOUNCE
+engine has a host arena (a KV store of host memory against a GPU worker): the mixes bounce
+between a host arena and a GPU arena; hand staging (a torch scatter) is not run then.
 
 Variants (each in its own initiator process, against a target process running peer.py):
   BOUNCE            bounce_arena_mem=vram: between two processes of one host, the same-host path
@@ -53,15 +57,20 @@ def child(args):
     from conftest import Peer
 
     backend, params, mode = args.backend, json.loads(args.params), args.mode
+    here, there = args.local_mem, args.remote_mem
+    dev_there = args.peer_gpu if there == "VRAM" else 0
+
+    def on(mem):  # a BOUNCE engine's arena follows its side's memory
+        return {**params, "bounce_arena_mem": mem.lower()} if backend == "BOUNCE" else params
     n, size = args.n, args.size
     lay = nixlkit.Scattered(n, size, seed=5)
     total = n * size
     peer = Peer()
     # target buffer: [scattered destination slots | staging area]
-    meta, raddr = peer.start(name="gtgt", backends=[backend], params=params, size=lay.dst_bytes + total,
-                             seed=6, mem="VRAM", dev=args.peer_gpu)
-    ag = nixlkit.agent("gini", (backend,), params)
-    src = nixlkit.VramBuf(nixlkit.pattern(7, total), 0)
+    meta, raddr = peer.start(name="gtgt", backends=[backend], params=on(there), size=lay.dst_bytes + total,
+                             seed=6, mem=there, dev=dev_there)
+    ag = nixlkit.agent("gini", (backend,), on(here))
+    src = nixlkit.VramBuf(nixlkit.pattern(7, total), 0) if here == "VRAM" else nixlkit.pattern(7, total)
     nixlkit.register(ag, src, backend)
     ag.add_remote_agent(meta)
     peer.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
@@ -69,10 +78,10 @@ def child(args):
         nixlkit.wait_ready(ag, 1)
     base = nixlkit.addr(src)
     if mode == "scattered":
-        lo, re = lay.src_list(base, 0), lay.dst_list(raddr, args.peer_gpu)
+        lo, re = lay.src_list(base, 0), lay.dst_list(raddr, dev_there)
     else:  # one descriptor: the staging area, or the same bytes contiguous
-        lo, re = [(base, total, 0)], [(raddr + lay.dst_bytes, total, args.peer_gpu)]
-    h = ag.initialize_xfer(args.op, ag.get_xfer_descs(lo, "VRAM"), ag.get_xfer_descs(re, "VRAM"),
+        lo, re = [(base, total, 0)], [(raddr + lay.dst_bytes, total, dev_there)]
+    h = ag.initialize_xfer(args.op, ag.get_xfer_descs(lo, here), ag.get_xfer_descs(re, there),
                            "gtgt", b"staged" if mode == "staged" else b"", backends=[backend])
     if mode == "staged":
         peer.send(op="stage_serve", **{"from": "gini"}, n=n, size=size, seed=5,
@@ -102,8 +111,8 @@ def child(args):
         hs = []
         for j in range(args.inflight):
             off = (j * small.src_bytes) % max(1, total - small.src_bytes + 1)
-            lo = ag.get_xfer_descs(small.src_list(base + off, 0), "VRAM")
-            re = ag.get_xfer_descs(small.dst_list(raddr, args.peer_gpu), "VRAM")
+            lo = ag.get_xfer_descs(small.src_list(base + off, 0), here)
+            re = ag.get_xfer_descs(small.dst_list(raddr, dev_there), there)
             hs.append(ag.initialize_xfer(args.op, lo, re, "gtgt", b"", backends=[backend]))
         for _ in range(3):
             t0 = time.perf_counter()
@@ -130,7 +139,8 @@ def child(args):
 def run(name, backend, params, env, mode, n, size, args):
     cmd = [sys.executable, __file__, "--child", "--backend", backend, "--params", json.dumps(params),
            "--mode", mode, "--n", str(n), "--size", str(size), "--iters", str(args.iters),
-           "--peer-gpu", str(args.peer_gpu), "--inflight", str(args.inflight), "--op", args.op]
+           "--peer-gpu", str(args.peer_gpu), "--inflight", str(args.inflight), "--op", args.op,
+           "--local-mem", args.local_mem, "--remote-mem", args.remote_mem]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
                        stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
                        env={**os.environ, **env})
@@ -160,12 +170,16 @@ def main():
     ap.add_argument("--n", type=int)
     ap.add_argument("--size", type=int)
     ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
+    ap.add_argument("--local-mem", choices=["VRAM", "DRAM"], default="VRAM")
+    ap.add_argument("--remote-mem", choices=["VRAM", "DRAM"], default="VRAM")
     args = ap.parse_args()
     if args.child:
         child(args)
         return
     import torch
-    print(f"VRAM -> VRAM {args.op}, two processes, initiator GPU 0 -> target GPU {args.peer_gpu} "
+    mixed = "DRAM" in (args.local_mem, args.remote_mem)
+    print(f"{args.local_mem} (initiator) / {args.remote_mem} (target) {args.op}, two processes, "
+          f"initiator GPU 0 -> target GPU {args.peer_gpu} "
           f"({torch.cuda.get_device_name(0)}), median of {args.iters}")
     for shape in args.shapes.split(","):
         n, size = (int(x) for x in shape.split("x"))
@@ -173,7 +187,8 @@ def main():
         print(f"{n} x {size} B = {mib:.0f} MiB")
         med = {}
         for name, backend, params, env, mode in VARIANTS:
-            if args.only and not any(o in name for o in args.only.split(",")) or (args.op == "READ" and mode == "staged"):
+            staged_off = mode == "staged" and (args.op == "READ" or mixed)
+            if args.only and not any(o in name for o in args.only.split(",")) or staged_off:
                 continue
             res = run(name, backend, params, env, mode, n, size, args)
             if not res:

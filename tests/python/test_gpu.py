@@ -124,6 +124,57 @@ def test_vram_scattered_read_bounces_byte_exact(peer):
     assert s["passthrough_xfers"] == 0, s
 
 
+MIX_CASES = [("WRITE", "two-way"), ("WRITE", "two-way-region-plans"), ("WRITE", "one-way"),
+             ("READ", "two-way"), ("READ", "one-way")]
+
+
+@pytest.mark.parametrize("op, case", MIX_CASES)
+@pytest.mark.parametrize("here, there", [("DRAM", "VRAM"), ("VRAM", "DRAM")])
+def test_a_host_arena_and_a_gpu_arena_bounce_with_each_other(peer, tmp_path, op, case, here, there):
+    """A process of host memory only (a KV store; its engine has a host arena) and a GPU worker
+    (a GPU arena) bounce with each other, each side copying with its own engine (CPU here, CUDA
+    kernels there): the host arena's 2 MiB chunks and the GPU arena's 32 MiB ones meet at
+    2 MiB. WRITE and READ, metadata loaded both ways or by the initiator only, region plans
+    behind the data or runs in frames; byte-exact, every byte between the pieces untouched."""
+    lay = nixlkit.Scattered(16384, 4096, seed=1101)  # 64 MiB: 32 chunks of 2 MiB
+    write = op == "WRITE"
+    local_bytes, remote_bytes = (lay.src_bytes, lay.dst_bytes) if write else (lay.dst_bytes, lay.src_bytes)
+    arena = {"VRAM": VRAM, "DRAM": {"bounce_arena_mem": "dram"}}
+    plans = {"bounce_region_plan_runs": "64"} if case.endswith("region-plans") else {}
+    name = f"mix-{here}-{op}-{case}"
+    p = peer()
+    there_dev = PEER_GPU if there == "VRAM" else 0
+    meta, raddr = p.start(name=f"{name}-rx", size=remote_bytes, seed=1102, mem=there, dev=there_dev,
+                          params=arena[there])
+    ag = nixlkit.agent(f"{name}-tx", params={**arena[here], **plans})
+    init = nixlkit.pattern(1103, local_bytes)
+    buf = nixlkit.VramBuf(init, 0) if here == "VRAM" else init.copy()
+    nixlkit.register(ag, buf)
+    ag.add_remote_agent(meta)
+    if case.startswith("two-way"):
+        connect(ag, p)
+    mine = (lay.src_list if write else lay.dst_list)(nixlkit.addr(buf), 0)
+    theirs = (lay.dst_list if write else lay.src_list)(raddr, there_dev)
+    h = ag.initialize_xfer(op, ag.get_xfer_descs(mine, here), ag.get_xfer_descs(theirs, there), f"{name}-rx",
+                           b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=60)
+    ag.release_xfer_handle(h)
+    remote_before = nixlkit.pattern(1102, remote_bytes)
+    if write:
+        nixlkit.assert_same(remote_host_copy(p, tmp_path), lay.expected(init, remote_before), f"{there} destinations")
+    else:
+        got = buf.host() if here == "VRAM" else buf
+        nixlkit.assert_same(got, lay.expected(remote_before, init), f"{here} destinations")
+    s, t = stats(ag), peer_stats(p)
+    assert s["passthrough_xfers"] == 0 and s["peers_incompatible"] == 0, s
+    assert s["bounce_write_ok" if write else "bounce_read_ok"] == 1 and s["bounce_chunks"] >= 32, s
+    assert s["one_way_sent"] == (case == "one-way"), s
+    if plans:
+        assert s["region_plans_sent"] >= 32 and t["region_plans_received"] == s["region_plans_sent"], (s, t)
+        assert t["region_plans_failed"] == 0, t
+
+
 def test_vram_mixed_unaligned_sizes(peer, tmp_path):
     rng = np.random.default_rng(910)
     sizes = [int(x) for x in rng.integers(1, 16384, size=2048)]
