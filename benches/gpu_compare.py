@@ -5,6 +5,7 @@ cuda_ipc), every variant in ONE run.
     python3 benches/gpu_compare.py [--shapes 16384x4096,4096x16384,1024x65536] [--iters 20]
                                    [--peer-gpu 0] [--inflight 64] [--op WRITE|READ]
                                    [--local-mem VRAM|DRAM] [--remote-mem VRAM|DRAM]
+                                   [--variant-timeout 300]
 
 With --op READ the initiator reads the target's scattered pieces into its packed buffer (the
 way vLLM's decode side pulls KV); hand staging is a WRITE recipe and is not run then.
@@ -31,6 +32,7 @@ import argparse
 import base64
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -141,13 +143,23 @@ def run(name, backend, params, env, mode, n, size, args):
            "--mode", mode, "--n", str(n), "--size", str(size), "--iters", str(args.iters),
            "--peer-gpu", str(args.peer_gpu), "--inflight", str(args.inflight), "--op", args.op,
            "--local-mem", args.local_mem, "--remote-mem", args.remote_mem]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
-                       stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
-                       env={**os.environ, **env})
-    for line in r.stdout.splitlines():
+    # A session of its own: on a timeout the whole group goes, the target process too, which
+    # would otherwise hold the pipes open and stall the run (plain UCX's scattered DRAM -> VRAM
+    # on the H200 host, where that mix goes over TCP, never finished).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
+                            env={**os.environ, **env})
+    try:
+        out, err = proc.communicate(timeout=args.variant_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        print(f"  {name:22s} TIMED OUT after {args.variant_timeout} s")
+        return None
+    for line in out.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    print(f"  {name}: FAILED rc={r.returncode}\n{(r.stderr or '')[-2000:]}")
+    print(f"  {name}: FAILED rc={proc.returncode}\n{(err or '')[-2000:]}")
     return None
 
 
@@ -170,6 +182,8 @@ def main():
     ap.add_argument("--n", type=int)
     ap.add_argument("--size", type=int)
     ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
+    ap.add_argument("--variant-timeout", type=int, default=300,
+                    help="seconds one variant (its two processes) may take before it is killed")
     ap.add_argument("--local-mem", choices=["VRAM", "DRAM"], default="VRAM")
     ap.add_argument("--remote-mem", choices=["VRAM", "DRAM"], default="VRAM")
     args = ap.parse_args()
