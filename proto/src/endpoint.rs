@@ -1527,21 +1527,30 @@ pub(crate) mod tests {
         mem: [BTreeMap<u64, u8>; 2],
         done: Vec<(usize, XferId, Result<(), XferError>)>,
         now: Instant,
+        /// Protocol errors from delivered frames, kept only when a test expects them (else a
+        /// delivery that fails panics).
+        refusals: Option<Vec<ProtocolError>>,
     }
 
     impl Pair {
         fn new(arena: u64, w: u32, eager: bool) -> Self {
-            let (a, now) = endpoint(arena, w, eager);
-            let (b, _) = endpoint(arena, w, eager);
+            Self::of(&config(arena, w, eager), &config(arena, w, eager))
+        }
+
+        /// Two endpoints of configs `a` and `b`.
+        fn of(a: &Config, b: &Config) -> Self {
+            let now = Instant::now();
+            let (a, b) = (Endpoint::new(a, now).unwrap(), Endpoint::new(b, now).unwrap());
             // One buffer for all the core's offsets: the scheduler's part, the mailbox and the
             // fetch area.
-            let len = a.one_way_layout().arena_len as usize;
+            let len = |ep: &Endpoint| vec![0; ep.one_way_layout().arena_len as usize];
             let mut p = Self {
+                arenas: [len(&a), len(&b)],
                 eps: [a, b],
-                arenas: [vec![0; len], vec![0; len]],
                 mem: [BTreeMap::new(), BTreeMap::new()],
                 done: Vec::new(),
                 now,
+                refusals: None,
             };
             for ep in &mut p.eps {
                 ep.add_registered(REG, KEY, DST, 1 << 20);
@@ -1594,7 +1603,10 @@ pub(crate) mod tests {
             match a {
                 Action::Send { peer: p, msg } => {
                     assert_eq!(p.0 as usize, peer);
-                    self.eps[peer].handle_msg(now, PeerId(me as u32), msg).unwrap();
+                    match (self.eps[peer].handle_msg(now, PeerId(me as u32), msg), &mut self.refusals) {
+                        (Err(e), Some(kept)) => kept.push(e),
+                        (r, _) => r.unwrap(),
+                    }
                 }
                 Action::Gather { job, region, runs, .. } => {
                     for r in runs.runs() {
@@ -1658,6 +1670,51 @@ pub(crate) mod tests {
             }
         }
         p
+    }
+
+    #[test]
+    fn peers_of_different_max_chunks_move_chunks_of_the_smaller_and_refuse_larger_ones_at_once() {
+        // Endpoint 0 chunks up to 8 KiB in a 32 KiB arena; endpoint 1's arena is one 4 KiB
+        // block. Capabilities no longer need equal max chunks: planned with the smaller (the
+        // shell's `Capabilities::chunk_with`) every byte lands. A chunk larger than the target's
+        // largest block (a peer that planned with its own max) is refused with its WANT: the
+        // transfer fails at once, with no time passing, instead of waiting for a timeout.
+        let big = Config { max_chunk_size: 2 * CHUNK, ..config(32 * KIB, 2, false) };
+        let small = config(CHUNK, 2, false);
+        let mut p = Pair::of(&big, &small);
+        let theirs = wire::Capabilities::host_arena(CHUNK, small.max_chunk_size, 1);
+        let chunk = wire::Capabilities::host_arena(32 * KIB, big.max_chunk_size, 2).chunk_with(&theirs);
+        assert_eq!(chunk, CHUNK);
+        for i in 0..(10 * CHUNK) {
+            p.mem[0].insert(SRC + i, (i as u8).wrapping_mul(5).wrapping_add(3));
+        }
+        let descs: Vec<DescPair> =
+            (0..10).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
+        let planned = |max| {
+            let mut plan = plan::plan(&descs, PlanParams::new(max)).unwrap();
+            plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+            plan
+        };
+        let now = p.now;
+        p.eps[0].submit(now, XferId(1), TOKEN, PeerId(1), planned(chunk)).unwrap();
+        p.run();
+        assert_eq!(p.done, vec![(0, XferId(1), Ok(()))]);
+        for i in 0..(10 * CHUNK) {
+            assert_eq!(p.mem[1].get(&(DST + i)), Some(&(i as u8).wrapping_mul(5).wrapping_add(3)), "byte {i}");
+        }
+        assert_eq!(p.eps[1].stats().chunks_scattered, 10);
+
+        let too_large = planned(2 * CHUNK);
+        assert_eq!(too_large.chunks[0].bytes, 2 * CHUNK);
+        p.refusals = Some(Vec::new());
+        p.eps[0].submit(now, XferId(2), Token(TOKEN.0 + 1), PeerId(1), too_large).unwrap();
+        p.run();
+        assert_eq!(p.now, now, "no time passed");
+        assert!(matches!(p.done[1], (0, XferId(2), Err(_))), "{:?}", p.done);
+        let refusals = p.refusals.take().unwrap();
+        assert!(matches!(refusals[..], [ProtocolError::BadWant { .. }]), "{refusals:?}");
+        assert!(p.eps[0].is_idle() && p.eps[1].is_idle());
+        assert_eq!((p.eps[0].arena_free_bytes(), p.eps[1].arena_free_bytes()), (32 * KIB, CHUNK));
     }
 
     #[test]
