@@ -336,23 +336,26 @@ def test_gate_sends_few_descriptors_to_plain_ucx_and_bounces_a_read_of_many(peer
     assert s["passthrough_xfers"] == 1
 
 
+@pytest.mark.parametrize("way", ["two-way", "one-way"])
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_peers_with_different_max_chunks_bounce_in_chunks_both_arenas_hold(peer, tmp_path, op):
+def test_peers_with_different_max_chunks_bounce_in_chunks_both_arenas_hold(peer, tmp_path, op, way):
     """A peer whose max chunk differs (a GPU arena's default is 32 MiB, a host arena's 2 MiB)
     is compatible: the initiator plans with the smaller, here the target's 512 KiB, so the
-    target's 4 MiB arena grants every chunk. Byte-exact either way, the gaps untouched."""
+    target's 4 MiB arena grants every chunk. Byte-exact either way, the gaps untouched; one way
+    (the target never loads us) the answers come through its mailbox."""
     lay = nixlkit.Scattered(4096, 4096, seed=53)  # 16 MiB: at least 32 chunks of 512 KiB
     small = {"bounce_arena_size": "4MiB", "bounce_max_chunk_size": "512KiB"}
     p = peer()
-    rx = f"rx-chunks-{op}"
+    rx = f"rx-chunks-{op}-{way}"
     size = lay.dst_bytes if op == "WRITE" else lay.src_bytes
     meta, raddr = p.start(name=rx, size=size, seed=570, params=small)
-    ag = nixlkit.agent(f"tx-chunks-{op}", params={"bounce_max_chunk_size": "2MiB"})
+    ag = nixlkit.agent(f"tx-chunks-{op}-{way}", params={"bounce_max_chunk_size": "2MiB"})
     here = nixlkit.pattern(571, lay.src_bytes if op == "WRITE" else lay.dst_bytes)
     before = here.copy()
     nixlkit.register(ag, here)
     ag.add_remote_agent(meta)
-    connect(ag, p)
+    if way == "two-way":
+        connect(ag, p)
     if op == "WRITE":
         write_from_here(ag, rx, lay, here, raddr)
         nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(here, nixlkit.pattern(570, size)),
@@ -368,6 +371,7 @@ def test_peers_with_different_max_chunks_bounce_in_chunks_both_arenas_hold(peer,
     s = stats(ag)
     assert s["peers_incompatible"] == 0 and s["passthrough_xfers"] == 0, s
     assert s["bounce_ok"] == 1 and s["bounce_chunks"] >= 32, s
+    assert s["one_way_sent"] == (way == "one-way"), s
 
 
 @pytest.mark.parametrize("case, params, rx_params, incompatible", [
