@@ -13,13 +13,14 @@ import base64
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
+sys.path.insert(0, HERE)
+from child import run_child  # noqa: E402
 
 
 def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0, scatter_src=False):
@@ -90,14 +91,10 @@ def run_variant(backend, contiguous, env, args):
     cmd = [sys.executable, __file__, "--child", backend, "--descs", str(args.descs), "--size",
            str(args.size), "--iters", str(args.iters), "--poll-sleep-us", str(args.poll_sleep_us)] \
         + (["--contiguous"] if contiguous else []) + (["--scatter-src"] if args.scatter_src else [])
-    # BENCH_VERBOSE=1 lets the children's stderr (BOUNCE's own log) through.
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
-                       stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
-                       env={**os.environ, **env})
-    for line in r.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise SystemExit(f"variant {backend} failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}")
+    res, why = run_child(cmd, 600, env)
+    if res is None:
+        raise SystemExit(f"variant {backend} failed: {why}")
+    return res
 
 
 def main():

@@ -32,15 +32,15 @@ import argparse
 import base64
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
+sys.path.insert(0, HERE)
+from child import run_child  # noqa: E402
 
 VARIANTS = [
     # name, backend, params, env, mode
@@ -143,24 +143,10 @@ def run(name, backend, params, env, mode, n, size, args):
            "--mode", mode, "--n", str(n), "--size", str(size), "--iters", str(args.iters),
            "--peer-gpu", str(args.peer_gpu), "--inflight", str(args.inflight), "--op", args.op,
            "--local-mem", args.local_mem, "--remote-mem", args.remote_mem]
-    # A session of its own: on a timeout the whole group goes, the target process too, which
-    # would otherwise hold the pipes open and stall the run (plain UCX's scattered DRAM -> VRAM
-    # on the H200 host, where that mix goes over TCP, never finished).
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE,
-                            env={**os.environ, **env})
-    try:
-        out, err = proc.communicate(timeout=args.variant_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        print(f"  {name:22s} TIMED OUT after {args.variant_timeout} s")
-        return None
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    print(f"  {name}: FAILED rc={proc.returncode}\n{(err or '')[-2000:]}")
-    return None
+    res, why = run_child(cmd, args.variant_timeout, env)
+    if res is None:
+        print(f"  {name}: FAILED, {why}")
+    return res
 
 
 def pct(xs, q):

@@ -45,6 +45,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
+sys.path.insert(0, HERE)
+from child import run_child  # noqa: E402
 
 # (name, backend, params): "BOUNCE" as shipped (between processes of one host, the same-host
 # path: CMA for host memory, CUDA IPC for GPU memory), "BOUNCE bounced" with that path off (what
@@ -284,12 +286,9 @@ def main():
                         "peer_gpu", "variants")
             if getattr(args, k) is not None
             for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + (["--prep-each"] if args.prep_each else [])
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600,
-                           stderr=None if os.environ.get("BENCH_VERBOSE") else subprocess.PIPE)
-        res = next((json.loads(line[7:]) for line in r.stdout.splitlines()
-                    if line.startswith("RESULT ")), None)
+        res, why = run_child(cmd, 600)
         if res is None:
-            raise SystemExit(f"case {name} failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}")
+            raise SystemExit(f"case {name} failed: {why}")
         print(f"{name} ({'decode READs from prefill' if pattern == 'pull' else 'context WRITEs to generation'}"
               f", metadata {metadata}):")
         med = {}
