@@ -248,14 +248,14 @@ pub(crate) struct Sim {
     /// Steps taken.
     pub(crate) steps: usize,
     knobs: Knobs,
-    capacity: u64,
+    /// Each node's configuration (its arena, max chunk, ...).
+    configs: Vec<Config>,
     start: Instant,
     rng: ChaCha8Rng,
     queue: BTreeMap<(Duration, u64), Ev>,
     seq: u64,
     /// Latest delivery time per channel, for FIFO channels.
     channel: BTreeMap<(usize, usize), Duration>,
-    plan_params: PlanParams,
     /// One-way transfers with a mailbox READ in flight.
     fetching: BTreeSet<(usize, XferId)>,
     /// Region plans gathered behind their chunk's data, and checked by a receiver.
@@ -271,9 +271,17 @@ pub(crate) struct Sim {
 impl Sim {
     /// `n` nodes with configuration `config`, driven by `seed`. All user memory is registered.
     pub(crate) fn new(n: usize, config: &Config, knobs: Knobs, seed: u64) -> Self {
+        Self::of(vec![config.clone(); n], knobs, seed)
+    }
+
+    /// A node of each configuration of `configs` (arenas and max chunks may differ, as
+    /// capabilities allow), driven by `seed`. All user memory is registered.
+    pub(crate) fn of(configs: Vec<Config>, knobs: Knobs, seed: u64) -> Self {
         let start = Instant::now();
+        let n = configs.len();
         let nodes = (0..n)
             .map(|i| {
+                let config = &configs[i];
                 let mut ep = Endpoint::new(config, start).unwrap();
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
                 ep.keep_mailbox(knobs.one_way);
@@ -284,7 +292,7 @@ impl Sim {
                     assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
                     if j != i {
                         // Node `j`'s metadata: its session is `j`, the one its frames carry.
-                        ep.handle_conn_info(start, &agent(j), Some(caps(config, j as u64)), None);
+                        ep.handle_conn_info(start, &agent(j), Some(caps(&configs[j], j as u64)), None);
                         // Each says HELLO to each, through the same frame path as the messages.
                         ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO accepted");
                         assert!(ep.peers().is_reachable(&agent(j)));
@@ -309,13 +317,12 @@ impl Sim {
             elapsed: Duration::ZERO,
             steps: 0,
             knobs,
-            capacity: config.arena_usable_capacity(),
+            configs,
             start,
             rng: ChaCha8Rng::seed_from_u64(seed),
             queue: BTreeMap::new(),
             seq: 0,
             channel: BTreeMap::new(),
-            plan_params: PlanParams::from_config(config),
             region_plans_written: 0,
             region_plans_checked: 0,
             inline_scatters: 0,
@@ -422,7 +429,7 @@ impl Sim {
     /// plan alignment long: every chunk's source is laid out exactly as its region, so every
     /// chunk is planned direct. Destinations are scattered.
     fn add_contiguous_xfer(&mut self, from: usize, to: usize, xfer: XferId, bytes: u64, at: Duration) -> usize {
-        let align = self.plan_params.align;
+        let align = PlanParams::from_config(&self.configs[from]).align;
         let mut lens = Vec::new();
         let mut total = 0;
         while total < bytes {
@@ -440,7 +447,7 @@ impl Sim {
             src += len;
         }
         let spec = self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false }, at);
-        let p = plan::plan(&self.specs[spec].descs, self.params(false)).unwrap();
+        let p = plan::plan(&self.specs[spec].descs, self.params(&self.specs[spec])).unwrap();
         // A chunk carrying its plan is staged (the plan goes behind the data).
         assert!(
             p.chunks.iter().all(|c| c.direct.is_some() || c.region_plan.is_some()),
@@ -449,14 +456,18 @@ impl Sim {
         spec
     }
 
-    /// How a transfer is planned: as the shell does, a READ never carries its plan in a region
-    /// (its initiator scatters by its own runs).
-    fn params(&self, read: bool) -> PlanParams {
-        PlanParams { region_plan_runs: if read { 0 } else { self.plan_params.region_plan_runs }, ..self.plan_params }
+    /// How a transfer is planned, as the shell does: by its initiator's configuration, in chunks
+    /// of the smaller max chunk of the two nodes (`Capabilities::chunk_with`); a READ never
+    /// carries its plan in a region (its initiator scatters by its own runs).
+    fn params(&self, spec: &XferSpec) -> PlanParams {
+        let (mine, theirs) = (&self.configs[spec.initiator()], &self.configs[spec.target()]);
+        let p = PlanParams::from_config(mine);
+        let chunk = caps(mine, 0).chunk_with(&caps(theirs, 0));
+        PlanParams { max_chunk: chunk, region_plan_runs: if spec.read { 0 } else { p.region_plan_runs }, ..p }
     }
 
     fn push_spec(&mut self, mut spec: XferSpec, at: Duration) -> usize {
-        spec.chunks = plan::plan(&spec.descs, self.params(spec.read)).unwrap().chunks.len();
+        spec.chunks = plan::plan(&spec.descs, self.params(&spec)).unwrap().chunks.len();
         self.specs.push(spec);
         let spec = self.specs.len() - 1;
         self.schedule(at, Ev::Submit { spec });
@@ -524,7 +535,7 @@ impl Sim {
                 n.ep.in_flight_xfers(),
                 n.ep.jobs_in_flight()
             );
-            assert_eq!(n.ep.arena_free_bytes(), self.capacity, "node {i} leaks arena space");
+            assert_eq!(n.ep.arena_free_bytes(), self.configs[i].arena_usable_capacity(), "node {i} leaks arena space");
             assert_eq!(n.ep.poll_timeout(), None, "node {i} still has timers");
             assert_eq!(n.ep.stats().protocol_errors, 0, "node {i} saw protocol errors from honest peers");
             if self.nodes.iter().all(|n| n.alive) {
@@ -706,7 +717,7 @@ impl Sim {
                 if !self.nodes[s.initiator()].alive {
                     return;
                 }
-                let mut plan = plan::plan(&s.descs, self.params(s.read)).unwrap();
+                let mut plan = plan::plan(&s.descs, self.params(s)).unwrap();
                 let (from, to, xfer) = (s.initiator(), s.target(), s.xfer);
                 if s.read {
                     // The initiator holds the target's registration metadata (its sources).

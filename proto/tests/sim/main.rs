@@ -6,6 +6,7 @@
 mod harness;
 mod slot_queue;
 
+use bounce_proto::config::Config;
 use std::time::Duration;
 
 use harness::{Knobs, Sim, sim_config};
@@ -59,6 +60,18 @@ fn one_way_senders_into_one_receiver_settle_under_random_faults() {
 /// the destinations changes.
 #[test]
 fn reads_and_writes_between_nodes_settle_under_random_faults() {
+    reads_and_writes_under_random_faults(false);
+}
+
+/// The same between nodes whose arenas and max chunks differ (a host arena's 2 MiB chunks meet
+/// a GPU arena's 32 MiB ones in practice): every transfer is planned with the smaller max
+/// chunk of its two nodes, and everything still settles byte-exact.
+#[test]
+fn nodes_of_different_arenas_and_max_chunks_settle_under_random_faults() {
+    reads_and_writes_under_random_faults(true);
+}
+
+fn reads_and_writes_under_random_faults(differ: bool) {
     let seen = std::cell::RefCell::new(std::collections::BTreeMap::<String, u64>::new());
     for_seeds(0..150, |seed| {
         let rng = &mut scenario_rng(seed);
@@ -72,7 +85,19 @@ fn reads_and_writes_between_nodes_settle_under_random_faults() {
             ..Knobs::default()
         };
         let kill = rng.random_bool(0.15);
-        let mut sim = Sim::new(3, &sim_config(arena, window, rng.random_bool(0.5)), knobs, seed);
+        let config = sim_config(arena, window, rng.random_bool(0.5));
+        let configs = (0..3)
+            .map(|_| match differ {
+                false => config.clone(),
+                true => {
+                    // A node's max chunk may exceed a peer's whole arena: only the smaller fits.
+                    let arena = [2048, 8192, 16384][rng.random_range(0..3)];
+                    let max_chunk_size = [512, 1024, 4096, 8192][rng.random_range(0..4)].min(arena);
+                    Config { arena_size: arena, max_chunk_size, ..config.clone() }
+                }
+            })
+            .collect();
+        let mut sim = Sim::of(configs, knobs, seed);
         for _ in 0..sim.rng().random_range(2..=6) {
             let from = sim.rng().random_range(0..3);
             let to = (from + sim.rng().random_range(1..3)) % 3;
