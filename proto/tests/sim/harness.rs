@@ -288,11 +288,11 @@ impl Sim {
                 ep.add_registered(RegId(0), reg_key(i), MEM_BASE, 1 << 40);
                 // Every node loads every other's connection info, naming them in node order,
                 // so the peer table numbers node `j` as `PeerId(j)`.
-                for j in 0..n {
+                for (j, theirs) in configs.iter().enumerate() {
                     assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
                     if j != i {
                         // Node `j`'s metadata: its session is `j`, the one its frames carry.
-                        ep.handle_conn_info(start, &agent(j), Some(caps(&configs[j], j as u64)), None);
+                        ep.handle_conn_info(start, &agent(j), Some(caps(theirs, j as u64)), None);
                         // Each says HELLO to each, through the same frame path as the messages.
                         ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO accepted");
                         assert!(ep.peers().is_reachable(&agent(j)));
