@@ -27,7 +27,23 @@ pub enum Incompatible {
         /// The peer's control kind.
         peer: ControlKind,
     },
+    /// The peer's max chunk is not a power of two, or so much smaller than ours that planning
+    /// with it ([`Capabilities::chunk_with`]) would cut our transfers into more than
+    /// [`MAX_CHUNK_SHRINK`] times the chunks our own config asks for.
+    #[error("max chunk {peer} is not a power of two of at least 1/{MAX_CHUNK_SHRINK} of ours ({local})")]
+    MaxChunk {
+        /// Our max chunk size in bytes.
+        local: u64,
+        /// The peer's max chunk size in bytes.
+        peer: u64,
+    },
 }
+
+/// How many times smaller than ours a peer's max chunk may be. Transfers with a peer are
+/// planned in chunks of the smaller max chunk, so this bounds what a peer's capabilities can
+/// make us plan: a hostile blob advertising 32-byte chunks would otherwise cut a 1 GiB transfer
+/// into 32 million chunks (gigabytes of plan) in our process.
+pub const MAX_CHUNK_SHRINK: u64 = 1024;
 
 /// An agent's bounce capability blob, published with its connection info (design §5): what a
 /// peer needs to decide whether bounce can be used with it and to write into its arena.
@@ -184,21 +200,25 @@ impl Capabilities {
     }
 
     /// Whether bounce may be used between us (`self`) and `peer`: wire version and control
-    /// kind must match (design §5). Arena geometry, memory kind and max chunk may differ.
+    /// kind must match (design §5); the peer's max chunk must be a power of two of at least
+    /// 1/[`MAX_CHUNK_SHRINK`] of ours. Arena geometry, memory kind and max chunk may differ.
     ///
-    /// The design also asks for equal max chunks, because each side planned with its own. Here
+    /// The design asks for equal max chunks, because each side planned with its own. Here
     /// only the initiator plans, and with [`Self::chunk_with`] the peer, so every chunk fits
     /// both arenas' largest regions (each side's config clamps its max chunk to them). That lets
     /// a host-arena engine (2 MiB chunks by default) bounce with a GPU-arena one (32 MiB).
     ///
     /// # Errors
-    /// The first mismatch, in the order version, control kind.
+    /// The first mismatch, in the order version, control kind, max chunk.
     pub fn compatible_with(&self, peer: &Self) -> Result<(), Incompatible> {
         if self.wire_version != peer.wire_version {
             return Err(Incompatible::WireVersion { local: self.wire_version, peer: peer.wire_version });
         }
         if self.control != peer.control {
             return Err(Incompatible::ControlKind { local: self.control, peer: peer.control });
+        }
+        if !peer.max_chunk.is_power_of_two() || peer.max_chunk < self.max_chunk / MAX_CHUNK_SHRINK {
+            return Err(Incompatible::MaxChunk { local: self.max_chunk, peer: peer.max_chunk });
         }
         Ok(())
     }

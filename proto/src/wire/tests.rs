@@ -651,6 +651,14 @@ fn compatibility_needs_same_version_and_control_kind_and_chunks_take_the_smaller
     // A host arena's 2 MiB chunks meet a GPU arena's 32 MiB ones: both plan with the smaller.
     assert_eq!(local.compatible_with(&other_chunk), Ok(()));
     assert_eq!((local.chunk_with(&other_chunk), other_chunk.chunk_with(&local)), (0x400, 0x400));
+    // A peer cannot make us plan absurdly many chunks, nor chunks of odd sizes.
+    let big = Capabilities { max_chunk: 32 << 20, ..local.clone() };
+    let smallest = (32 << 20) / MAX_CHUNK_SHRINK;
+    for (peer, ok) in [(smallest, true), (smallest / 2, false), (32, false), (0, false), (3 << 20, false)] {
+        let theirs = Capabilities { max_chunk: peer, ..local.clone() };
+        let want = if ok { Ok(()) } else { Err(Incompatible::MaxChunk { local: 32 << 20, peer }) };
+        assert_eq!(big.compatible_with(&theirs), want, "peer max chunk {peer}");
+    }
     // Several mismatches: the version is reported first, then the control kind.
     let all = Capabilities {
         wire_version: u16::from(WIRE_VERSION) + 1,
