@@ -374,6 +374,36 @@ def test_peers_with_different_max_chunks_bounce_in_chunks_both_arenas_hold(peer,
     assert s["one_way_sent"] == (way == "one-way"), s
 
 
+def test_capabilities_advertising_tiny_chunks_are_incompatible_and_the_peer_stays_on_ucx(peer, tmp_path):
+    """Max chunks may differ (transfers take the smaller), but a forged capability blob cannot
+    make this engine cut transfers into tiny chunks: a peer whose max chunk is below 1/1024 of
+    ours (32 bytes here, edited into its real metadata) is incompatible, and a transfer to it
+    goes to UCX, byte-exact."""
+    import struct
+
+    import hostile_peer as hp
+    lay = nixlkit.Scattered(1024, 4096, seed=54)
+    src = nixlkit.pattern(581, lay.src_bytes)
+    p = peer()
+    meta, raddr = p.start(name="rx-tiny", size=lay.dst_bytes, seed=580)
+    at = meta.find(hp.ENVELOPE_MAGIC)
+    assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in the peer's metadata"
+    # After the envelope header (15 bytes) the caps: u16 wire version, control and memory tags,
+    # then arena base, length, device, usable capacity and max chunk (u64 each).
+    off = at + 15 + 4 + 4 * 8
+    spoiled = bytearray(meta)
+    assert struct.unpack_from("<Q", spoiled, off)[0] == 2 << 20, "the peer's default max chunk"
+    struct.pack_into("<Q", spoiled, off, 32)
+    ag = nixlkit.agent("tx-tiny")
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(bytes(spoiled))
+    write_from_here(ag, "rx-tiny", lay, src, raddr)
+    got = remote_buffer(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(580, lay.dst_bytes)), "destination")
+    s = stats(ag)
+    assert s["peers_incompatible"] == 1 and s["fallback_peer"] == 1 and s["bounce_xfers"] == 0, s
+
+
 @pytest.mark.parametrize("case, params, rx_params, incompatible", [
     ("off", None, {"bounce_enable": "false"}, 0),  # the peer advertises no capabilities
     ("mix", ZMQ, None, 1),  # ZMQ control here, UCX control there: incompatible
