@@ -21,6 +21,17 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::sys::shim::Md;
 
+/// Why a write to a peer's region may not go ([`PeerTable::write_target`]).
+#[derive(Debug)]
+pub(crate) enum WriteRefused {
+    /// NIXL no longer has the peer loaded (it disconnected, or was never loaded).
+    Gone,
+    /// Loaded, but its arena is not (or no longer) loaded here.
+    NoArena,
+    /// The region lies outside the peer's arena: a broken or hostile grant (the peer's name).
+    Credit(String, CreditRefused),
+}
+
 /// A peer's arena, loaded into the inner engine: where bounce writes go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PeerArena {
@@ -330,26 +341,24 @@ impl PeerTable {
         self.table.lock().rules.admit(name, session)
     }
 
-    /// True when NIXL no longer has the peer loaded (it disconnected, or was never loaded).
-    pub(crate) fn gone(&self, id: PeerId) -> bool {
-        let t = self.table.lock();
-        t.rules.name(id).is_none_or(|n| !t.rules.is_loaded(n))
-    }
-
-    /// Where writes to a peer go: its name and arena.
-    pub(crate) fn write_target(&self, id: PeerId) -> Option<(String, PeerArena)> {
-        let t = self.table.lock();
-        let a = *t.arenas.get(&id)?;
-        Some((t.rules.name(id)?.to_owned(), a))
-    }
-
-    /// Whether a write of `len` bytes into the granted `region` stays inside it and the peer's
-    /// arena (the core's rule).
+    /// Where a write (or READ) of `len` bytes into the peer's granted `region` goes: its name
+    /// and arena, once the region is checked against that arena (the core's rule). One lock
+    /// for both, so a loss on another thread reads as [`WriteRefused::Gone`], never as a bad
+    /// credit (it once failed a transfer as `WriteFailed` instead of `PeerLost`).
     ///
     /// # Errors
-    /// A [`CreditRefused`]: never write then.
-    pub(crate) fn check_credit(&self, id: PeerId, region: Region, len: u64) -> Result<(), CreditRefused> {
-        self.table.lock().rules.check_credit(id, region, len)
+    /// A [`WriteRefused`]: never write then.
+    pub(crate) fn write_target(
+        &self,
+        id: PeerId,
+        region: Region,
+        len: u64,
+    ) -> Result<(String, PeerArena), WriteRefused> {
+        let t = self.table.lock();
+        let name = t.rules.name(id).filter(|n| t.rules.is_loaded(n)).ok_or(WriteRefused::Gone)?;
+        let arena = *t.arenas.get(&id).ok_or(WriteRefused::NoArena)?;
+        t.rules.check_credit(id, region, len).map_err(|e| WriteRefused::Credit(name.to_owned(), e))?;
+        Ok((name.to_owned(), arena))
     }
 
     /// A GOODBYE from `name` with `session` (see the core's `PeerTable::goodbye`). Returns the
@@ -396,15 +405,18 @@ mod tests {
         assert!(t.bounce_arena("b").is_some());
         assert_eq!(t.ready(), 1);
         let id = t.admit("b", 9).unwrap();
-        assert_eq!(t.write_target(id).map(|(n, a)| (n, a.md)), Some(("b".to_owned(), Md(5))));
         // A credit inside the peer's arena passes, one past its end is refused.
-        assert!(t.check_credit(id, Region { offset: 0, len: 4096 }, 4096).is_ok());
-        assert!(t.check_credit(id, Region { offset: (1 << 20) - 8, len: 4096 }, 16).is_err());
+        let first = Region { offset: 0, len: 4096 };
+        assert_eq!(t.write_target(id, first, 4096).map(|(n, a)| (n, a.md)).ok(), Some(("b".to_owned(), Md(5))));
+        let past_end = t.write_target(id, Region { offset: (1 << 20) - 8, len: 4096 }, 16);
+        assert!(matches!(past_end, Err(WriteRefused::Credit(..))));
         assert_eq!(t.lost("b"), vec![Md(5)], "the lost peer's arena is handed back to unload");
-        assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
+        assert!(t.bounce_arena("b").is_none() && matches!(t.write_target(id, first, 4096), Err(WriteRefused::Gone)));
         assert_eq!((t.ready(), t.arenas_loaded()), (0, 0), "the gauges follow the loss");
         assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
-        assert!(t.gone(id) && t.gone(PeerId(99)));
+        for gone in [id, PeerId(99)] {
+            assert!(matches!(t.write_target(gone, first, 4096), Err(WriteRefused::Gone)), "{gone:?}");
+        }
         assert_eq!(t.id("b"), id, "ids are never reused");
         // An incompatible peer is loaded (it may talk to us, with its session) but has nothing
         // to load; one without capabilities has no session to send message frames with.
@@ -450,7 +462,10 @@ mod tests {
         assert_eq!((t.ready(), t.arenas_loaded()), (1, 1), "a refused GOODBYE moves no gauge");
         let id = t.known_id("b").unwrap();
         assert_eq!(t.goodbye("b", 9), Ok((id, vec![Md(6)])));
-        assert!(t.bounce_arena("b").is_none() && t.write_target(id).is_none());
+        let region = Region { offset: 0, len: 4096 };
+        assert!(
+            t.bounce_arena("b").is_none() && matches!(t.write_target(id, region, 4096), Err(WriteRefused::NoArena))
+        );
         assert_eq!((t.ready(), t.arenas_loaded()), (0, 0));
         assert_eq!((t.arenas_loaded(), t.lost("b")), (0, vec![]), "handed back once only");
         // Loading failed after a success: the old handle goes too.

@@ -33,7 +33,7 @@ use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
 use crate::shell::fence::{Fence, Pin, runs_span, runs_touch};
 use crate::shell::oneway_area::AreaView;
-use crate::shell::peers::{PeerArena, PeerTable};
+use crate::shell::peers::{PeerArena, PeerTable, WriteRefused};
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
@@ -1408,17 +1408,18 @@ impl Driver {
     /// The core checked the region against its own bookkeeping; only we know the peer's arena
     /// size, and a region pointing outside it comes from a broken or hostile peer.
     fn peer_region(&mut self, now: Instant, peer: PeerId, remote: Region, len: u64) -> Option<(String, PeerArena)> {
-        let Some((name, pa)) = self.shared.peers.write_target(peer) else {
-            if self.shared.peers.gone(peer) {
+        match self.shared.peers.write_target(peer, remote, len) {
+            Ok(target) => Some(target),
+            Err(WriteRefused::Gone) => {
                 self.ep.handle_peer_lost(now, peer);
+                None
             }
-            return None;
-        };
-        if let Err(e) = self.shared.peers.check_credit(peer, remote, len) {
-            self.drop_frame(now, &name, &e);
-            return None;
+            Err(WriteRefused::NoArena) => None,
+            Err(WriteRefused::Credit(name, e)) => {
+                self.drop_frame(now, &name, &e);
+                None
+            }
         }
-        Some((name, pa))
     }
 
     /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
