@@ -174,6 +174,19 @@ pub fn route(input: &GateInput<'_>) -> Route {
     Route::Bounce
 }
 
+/// The memory kind a pass-through transfer would have bounced with, when nothing but our
+/// arena's kind kept it off the bounce path: its local descriptors are memory of the other
+/// kind (a GPU-arena engine moving host memory, or a host-arena one moving GPU memory) and
+/// they are many and small enough for the thresholds. One arena per engine
+/// (`bounce_arena_mem`); the shell says so once, since `auto` picks the arena before any
+/// memory is registered.
+pub fn other_arena_kind(input: &GateInput<'_>) -> Option<MemKind> {
+    let kind = input.local_mem.filter(|&k| k != input.arena.mem)?;
+    let n = input.local.len() as u64;
+    let total: u64 = input.local.iter().map(|d| d.len).fold(0u64, u64::saturating_add);
+    (n > 0 && n >= input.min_descriptor_count && total / n <= input.max_average_descriptor_size).then_some(kind)
+}
+
 /// The gate for the same-host paths (`bounce_cuda_ipc` for GPU arenas, `bounce_cma` for host
 /// arenas): the bounce gate's rules, with the peer's side judged as memory of our arena's kind
 /// (for GPU memory, on the remote descriptors' device) and no HELLO asked for: the paths need
@@ -258,6 +271,24 @@ mod tests {
     fn a_write_of_many_small_dram_descriptors_to_a_ready_peer_bounces() {
         let d = descs(8, 512);
         assert_eq!(route(&input(&d, &d)), Route::Bounce);
+    }
+
+    #[test]
+    fn only_a_transfer_kept_off_by_the_arenas_kind_alone_names_the_other_kind() {
+        let d = descs(8, 512);
+        let gpu_arena = GateInput { arena: ArenaPlace { mem: MemKind::Vram, dev: 0 }, ..input(&d, &d) };
+        assert_eq!(route(&gpu_arena), Route::PassThrough(FallbackReason::Mem));
+        assert_eq!(other_arena_kind(&gpu_arena), Some(MemKind::Dram), "host memory in a GPU-arena engine");
+        assert_eq!(other_arena_kind(&input(&d, &d)), None, "memory of the arena's kind");
+        assert_eq!(other_arena_kind(&GateInput { local_mem: None, ..gpu_arena }), None, "a kind bounce knows not");
+        let few = descs(MIN as usize - 1, 512);
+        assert_eq!(other_arena_kind(&GateInput { local: &few, remote: &few, ..gpu_arena }), None, "too few");
+        let large = descs(8, MAX_AVG + 1);
+        assert_eq!(other_arena_kind(&GateInput { local: &large, remote: &large, ..gpu_arena }), None, "too large");
+        assert_eq!(
+            other_arena_kind(&GateInput { local: &[], remote: &[], min_descriptor_count: 0, ..gpu_arena }),
+            None
+        );
     }
 
     #[test]

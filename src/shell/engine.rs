@@ -10,7 +10,7 @@ use std::ffi::c_void;
 use std::hash::{BuildHasher, Hasher};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::{ArenaMem, Config, GpuCopy};
@@ -150,6 +150,8 @@ pub(crate) struct Engine {
     ipc: Option<IpcPath>,
     /// The same-host path for host memory (`bounce_cma`, host arenas).
     cma: Option<CmaPath>,
+    /// Whether the one line about transfers of the other memory kind was logged.
+    told_other_kind: AtomicBool,
 }
 
 impl Engine {
@@ -217,6 +219,7 @@ impl Engine {
             last_empty_notifs: Mutex::new(None),
             ipc,
             cma,
+            told_other_kind: AtomicBool::new(false),
         };
         Ok((engine, inner))
     }
@@ -588,7 +591,20 @@ impl Engine {
         // `bounce_running`), and would count as disabled.
         let sh = match (gate::route(&input), self.shared()) {
             (Route::Bounce, Some(sh)) => sh,
-            (Route::PassThrough(reason), _) => return self.count_fallback(reason),
+            (Route::PassThrough(reason), _) => {
+                let other = (reason == FallbackReason::Mem).then(|| gate::other_arena_kind(&input)).flatten();
+                if let Some(kind) = other.filter(|_| !self.told_other_kind.swap(true, Ordering::Relaxed)) {
+                    tracing::warn!(
+                        agent = %self.agent,
+                        "{kind:?} transfers of many small descriptors go to UCX: this engine's arena is {:?} \
+                         memory (one arena per engine; set bounce_arena_mem={} on an engine that moves {kind:?}, \
+                         README \"GPU memory\"); said once",
+                        input.arena.mem,
+                        if kind == MemKind::Dram { "dram" } else { "vram" },
+                    );
+                }
+                return self.count_fallback(reason);
+            }
             (Route::Bounce, None) => return self.count_fallback(FallbackReason::Disabled),
         };
         let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
