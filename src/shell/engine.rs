@@ -592,16 +592,8 @@ impl Engine {
         let sh = match (gate::route(&input), self.shared()) {
             (Route::Bounce, Some(sh)) => sh,
             (Route::PassThrough(reason), _) => {
-                let other = (reason == FallbackReason::Mem).then(|| gate::other_arena_kind(&input)).flatten();
-                if let Some(kind) = other.filter(|_| !self.told_other_kind.swap(true, Ordering::Relaxed)) {
-                    tracing::warn!(
-                        agent = %self.agent,
-                        "{kind:?} transfers of many small descriptors go to UCX: this engine's arena is {:?} \
-                         memory (one arena per engine; set bounce_arena_mem={} on an engine that moves {kind:?}, \
-                         README \"GPU memory\"); said once",
-                        input.arena.mem,
-                        if kind == MemKind::Dram { "dram" } else { "vram" },
-                    );
+                if reason == FallbackReason::Mem {
+                    self.tell_other_kind_once(&input);
                 }
                 return self.count_fallback(reason);
             }
@@ -617,10 +609,11 @@ impl Engine {
             return None;
         };
         let mut params = PlanParams::from_config(&self.config);
-        // Chunks that both arenas can hold, whichever max chunk is smaller (a host arena's and
-        // a GPU arena's defaults differ): the peer grants regions of the planned sizes.
+        // Chunks that both arenas can hold: the smaller of our max chunk (our caps carry the
+        // config's) and the peer's (a host arena's and a GPU arena's defaults differ); the peer
+        // grants regions of the planned sizes.
         if let Some(chunk) = self.bounce.as_ref().and_then(|b| self.peers.chunk_with(agent, &b.caps)) {
-            params.max_chunk = params.max_chunk.min(chunk);
+            params.max_chunk = chunk;
         }
         // Plans in regions are for WRITEs, two way and one way (the DATA that names them goes
         // from the initiator either way): a READ's initiator scatters by its own runs.
@@ -689,6 +682,24 @@ impl Engine {
             }
             (None, None) => None,
         }
+    }
+
+    /// Logs once per engine that a transfer went to UCX only because its memory is not our
+    /// arena's kind (the gate's [`gate::other_arena_kind`]): `auto` picks the arena before any
+    /// memory is registered, so nothing else would tell the application.
+    fn tell_other_kind_once(&self, input: &GateInput<'_>) {
+        let Some(kind) = gate::other_arena_kind(input) else { return };
+        if self.told_other_kind.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        tracing::warn!(
+            agent = %self.agent,
+            "{kind:?} transfers of many small descriptors go to UCX: this engine's arena is {:?} memory \
+             (one arena per engine; set bounce_arena_mem={} on an engine that moves {kind:?}, README \
+             \"GPU memory\"); said once",
+            input.arena.mem,
+            if kind == MemKind::Dram { "dram" } else { "vram" },
+        );
     }
 
     /// Counts a pass-through and its reason (README "What takes the bounce path"); the request
