@@ -64,14 +64,23 @@ def tok(token):
     return (token & ((1 << 128) - 1)).to_bytes(16, "little")
 
 
-def session_of(meta):
-    """The BOUNCE session (instance nonce) an agent publishes in its metadata: the frames it
-    sends must carry it, or the peers that loaded the metadata refuse them. The metadata holds
-    the connection-info envelope raw: magic, u16 version, u8 flags, u32 caps length, then the
-    capabilities (u16 wire version, control and memory tags, five u64 fields, the session)."""
+# The u64 fields of the capabilities, in order (proto/src/wire/caps.rs).
+CAPS_U64 = ("arena_base", "arena_len", "arena_dev", "usable_capacity", "max_chunk", "session")
+
+
+def caps_offset(meta, field):
+    """Where u64 capability `field` lies in an agent's metadata. The metadata holds the
+    connection-info envelope raw: magic, u16 version, u8 flags, u32 caps length, then the
+    capabilities (u16 wire version, control and memory tags, then the u64 fields)."""
     at = meta.find(ENVELOPE_MAGIC)
     assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in this agent's metadata"
-    return struct.unpack_from("<Q", meta, at + 15 + 4 + 5 * 8)[0]
+    return at + 15 + 4 + 8 * CAPS_U64.index(field)
+
+
+def session_of(meta):
+    """The BOUNCE session (instance nonce) an agent publishes in its metadata: the frames it
+    sends must carry it, or the peers that loaded the metadata refuse them."""
+    return struct.unpack_from("<Q", meta, caps_offset(meta, "session"))[0]
 
 
 def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None, standing=None):

@@ -386,11 +386,7 @@ def test_capabilities_advertising_tiny_chunks_are_incompatible_and_the_peer_stay
     src = nixlkit.pattern(581, lay.src_bytes)
     p = peer()
     meta, raddr = p.start(name="rx-tiny", size=lay.dst_bytes, seed=580)
-    at = meta.find(hp.ENVELOPE_MAGIC)
-    assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in the peer's metadata"
-    # After the envelope header (15 bytes) the caps: u16 wire version, control and memory tags,
-    # then arena base, length, device, usable capacity and max chunk (u64 each).
-    off = at + 15 + 4 + 4 * 8
+    off = hp.caps_offset(meta, "max_chunk")
     spoiled = bytearray(meta)
     assert struct.unpack_from("<Q", spoiled, off)[0] == 2 << 20, "the peer's default max chunk"
     struct.pack_into("<Q", spoiled, off, 32)
