@@ -175,6 +175,37 @@ def test_a_host_arena_and_a_gpu_arena_bounce_with_each_other(peer, tmp_path, op,
         assert t["region_plans_failed"] == 0, t
 
 
+def test_a_gpu_arena_engine_sends_host_memory_to_ucx_and_says_so_once(peer, tmp_path, capfd):
+    """One arena per engine: an engine with a GPU arena (a worker with a CUDA context under
+    `auto`, here `vram`) moving many small host-memory pieces hands them to UCX, byte-exact,
+    counts each such request in `fallback_mem`, and warns once (not per request) that
+    `bounce_arena_mem=dram` would bounce them (vLLM's `kv_buffer_device=cpu` workers)."""
+    lay = nixlkit.Scattered(1024, 4096, seed=1201)
+    p = peer()
+    meta, raddr = p.start(name="kind-rx", size=lay.dst_bytes, seed=1202, mem="DRAM", dev=0,
+                          params={"bounce_arena_mem": "dram"})
+    ag = nixlkit.agent("kind-tx", params=VRAM)
+    src = nixlkit.pattern(1203, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    capfd.readouterr()
+    lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(src), 0), "DRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr, 0), "DRAM")
+    for _ in range(2):
+        h = ag.initialize_xfer("WRITE", lo, re, "kind-rx", b"", backends=[B])
+        assert ag.transfer(h) != "ERR"
+        nixlkit.wait_xfer(ag, h, deadline=60)
+        ag.release_xfer_handle(h)
+    nixlkit.assert_same(remote_host_copy(p, tmp_path),
+                        lay.expected(src, nixlkit.pattern(1202, lay.dst_bytes)), "DRAM destinations")
+    s = stats(ag)
+    assert s["fallback_mem"] == 2 and s["passthrough_xfers"] == 2 and s["bounce_xfers"] == 0, s
+    err = capfd.readouterr().err
+    said = [line for line in err.splitlines() if "transfers of many small descriptors go to UCX" in line]
+    assert len(said) == 1 and "bounce_arena_mem=dram" in said[0], err[-3000:]
+
+
 def test_vram_mixed_unaligned_sizes(peer, tmp_path):
     rng = np.random.default_rng(910)
     sizes = [int(x) for x in rng.integers(1, 16384, size=2048)]

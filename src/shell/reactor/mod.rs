@@ -85,6 +85,18 @@ pub(crate) enum Cmd {
     Unload(Vec<Md>),
 }
 
+impl Cmd {
+    /// Whether handling it is activity: the reactor then keeps looking closely (its hot
+    /// window on a many-core host, the idle ramp restarted), as after a frame or a finished
+    /// copy. The bookkeeping of a registration or of a deregistration nobody waits for is not:
+    /// an application registering in a loop made the reactor of a 16-core host spin for 1 ms
+    /// after each command, polling the inner engine beside every call the application made to
+    /// it (a register + deregister 1.49x UCX's, a 4 KiB WRITE 1.20x; issue 12).
+    pub(crate) fn stirs(&self) -> bool {
+        !matches!(self, Cmd::Registered(..) | Cmd::Deregister { done: None, .. })
+    }
+}
+
 /// What an application thread waits on while the reactor finishes a command.
 #[derive(Debug, Default)]
 pub(crate) struct Completion {
@@ -758,7 +770,7 @@ impl Driver {
         // before its metadata went out, a frame of a peer's new incarnation after the reload
         // that reclaims the old one.
         for cmd in cmds.drain(..) {
-            moved = true;
+            moved |= cmd.stirs();
             self.handle_cmd(now, cmd);
         }
         for (peer, frame) in frames.drain(..) {

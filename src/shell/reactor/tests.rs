@@ -989,3 +989,39 @@ fn a_pollers_pass_takes_a_bounded_batch_of_a_flood() {
     assert_eq!(takes.iter().map(|t| t.1).sum::<usize>(), FLOOD, "the reactor thread took the rest");
     drop(b.reactor);
 }
+
+/// The pass of a poller that took only registrations, and deregistrations nobody waits for,
+/// moved nothing: such bookkeeping must not open a many-core reactor's hot window, where it
+/// polls the inner engine beside every call of an application registering in a loop (issue
+/// 12). A command that is work (here a HELLO to send) still counts as a movement.
+#[test]
+fn registrations_alone_are_not_activity_for_the_reactor() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let a = Side::start("a", 11, &cfg, &net);
+    let mut buf = vec![0u8; 4096];
+    let (addr, len) = (buf.as_mut_ptr() as u64, buf.len() as u64);
+    // The next pass that runs, on this thread; `None` when the reactor thread ran the pass
+    // (it took the commands itself, and this attempt tells nothing).
+    let pass_after = |cmd: Cmd| {
+        a.shared.inbox.push_quiet(cmd);
+        loop {
+            if let Some(d) = a.reactor.drive() {
+                return Some(d.moved);
+            }
+            std::thread::yield_now();
+        }
+    };
+    let (mut bookkeeping, mut work) = (Vec::new(), Vec::new());
+    for i in 0..200u64 {
+        let dest = Destination { reg: RegId(addr), key: RegKey([i as u8; 32]) };
+        bookkeeping.extend(pass_after(Cmd::Registered(dest, addr, len)));
+        bookkeeping.extend(pass_after(Cmd::Deregister { reg: Some(RegId(addr)), addr, len, done: None }));
+        work.extend(pass_after(Cmd::Hello("nobody".to_owned(), a.shared.peers.losses())));
+    }
+    assert!(bookkeeping.iter().all(|moved| !moved), "a bookkeeping pass counted as a movement");
+    assert!(work.iter().any(|&moved| moved), "no pass that took a HELLO counted as a movement");
+    assert!(!a.reactor.busy());
+    drop(buf);
+    drop(a.reactor);
+}
