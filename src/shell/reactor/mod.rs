@@ -93,7 +93,7 @@ impl Cmd {
     /// after each command, polling the inner engine beside every call the application made to
     /// it (a register + deregister 1.49x UCX's, a 4 KiB WRITE 1.20x; issue 12).
     pub(crate) fn stirs(&self) -> bool {
-        !matches!(self, Cmd::Registered(..) | Cmd::Deregister { done: None, .. })
+        !matches!(self, Self::Registered(..) | Self::Deregister { done: None, .. })
     }
 }
 
