@@ -15,7 +15,10 @@ Prints, per transfer (microseconds after its submit): when the target handled th
 PULL or WANT, its first gather started and ended on a worker, the first READY/GRANT was sent
 and handled, the first READ was posted, the first RELEASE sent, the first scatter started and
 ended, and the transfer completed; then the medians of the transfers that follow a pause of
-more than 5 ms ("first" of a block) and of the others. `--dump` prints every event of both
+more than 5 ms ("first" of a block) and of the others. `--hops` prints instead the control exchange
+step by step (WANT or PULL sent and handled, GRANT, DATA, ACK, completion): the median time
+of each after submit, the median and 90th percentile of its gap from the step before, and
+which threads took it (the application's poller or BOUNCE's reactor). `--dump` prints every event of both
 processes around each first transfer (`--all` adds parks and application polls). The clocks
 of two processes of one host agree; across hosts they do not.
 """
@@ -70,9 +73,57 @@ def transfers(evs):
     return initiator, done
 
 
+# The control exchange of a transfer, step by step: (step, the events that mark it, side).
+HOP_STEPS = [
+    ("send WANT/PULL", ("send-WANT", "send-PULL"), "initiator"),
+    ("target handles it", ("recv-WANT", "recv-PULL"), "target"),
+    ("send GRANT", ("send-GRANT",), "target"),
+    ("initiator handles it", ("recv-GRANT",), "initiator"),
+    ("send DATA", ("send-DATA",), "initiator"),
+    ("target handles it", ("recv-DATA",), "target"),
+    ("send ACK", ("send-ACK",), "target"),
+    ("initiator handles it", ("recv-ACK",), "initiator"),
+    ("complete", ("complete",), "initiator"),
+]
+
+
+def hop_steps(initiator, xfers):
+    """Per transfer, the first event of each of HOP_STEPS as (microseconds after submit, thread),
+    or None where the transfer had none (an inline WANT has no GRANT or DATA, a READ no DATA)."""
+    rows = []
+    for t0, _, body in xfers:
+        row = []
+        for _, whats, side in HOP_STEPS:
+            mine = (lambda p: p == initiator) if side == "initiator" else (lambda p: p != initiator)
+            row.append(next(((t - t0, th) for t, p, w, _, th in body if w in whats and mine(p)), None))
+        rows.append(row)
+    return rows
+
+
+def print_hops(initiator, xfers):
+    """Medians of each step's time after submit and of its gap from the step before it (when the
+    transfer had both), with the threads that took it: where each control hop's time goes."""
+    rows = hop_steps(initiator, xfers)
+    print(f"{'step':22s} {'side':9s} {'at p50':>7s} {'gap p50':>8s} {'gap p90':>8s}  transfers  threads")
+    for i, (name, _, side) in enumerate(HOP_STEPS):
+        at = [r[i][0] for r in rows if r[i]]
+        if not at:
+            continue
+        gaps = sorted(r[i][0] - r[i - 1][0] for r in rows if r[i] and i > 0 and r[i - 1])
+        threads = {}
+        for r in rows:
+            if r[i]:
+                threads[r[i][1]] = threads.get(r[i][1], 0) + 1
+        gap50 = f"{statistics.median(gaps):8.0f}" if gaps else f"{'-':>8s}"
+        gap90 = f"{gaps[int(0.9 * len(gaps))]:8.0f}" if gaps else f"{'-':>8s}"
+        print(f"{name:22s} {side:9s} {statistics.median(at):7.0f} {gap50} {gap90}  {len(at):9d}  {threads}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log")
+    ap.add_argument("--hops", action="store_true",
+                    help="the control exchange step by step (medians, gaps, threads) instead of the table")
     ap.add_argument("--dump", action="store_true", help="every event around each first transfer")
     ap.add_argument("--all", action="store_true", help="with --dump: parks and application polls too")
     ap.add_argument("--pause-ms", type=float, default=5.0, help="a transfer after a longer pause is a first")
@@ -81,6 +132,9 @@ def main():
     initiator, xfers = transfers(evs)
     if not xfers:
         raise SystemExit("no complete transfer in the log (was NIXL_BOUNCE_LOG=bounce_timeline=trace set?)")
+    if args.hops:
+        print_hops(initiator, xfers)
+        return
     names = [c for c, _, _ in COLUMNS] + ["done"]
     print("pause_ms " + " ".join(f"{n:>7}" for n in names))
     rows, prev_end = [], None

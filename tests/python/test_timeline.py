@@ -1,7 +1,8 @@
 """The transfer timeline (`NIXL_BOUNCE_LOG=bounce_timeline=trace`, read by benches/timeline.py):
 two real processes bouncing KV requests leave, for every request, a submit and a completion in
 the initiator, the target's handling of the initiator's first frame and the copies on both
-sides' workers, in that order on one clock; and nothing of it when the target is off."""
+sides' workers, in that order on one clock (and each control frame handled after it was sent,
+each answer sent after its cause); and nothing of it when the target is off."""
 import os
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def test_each_bounced_request_leaves_its_steps_in_order_on_one_clock(tmp_path):
             assert work and all(t0 <= t <= end for t in work), (pattern, steps[:10])
             assert any(mine for _, mine, what, _ in steps if what == "worker-start"), "the initiator's copies"
             assert any(not mine for _, mine, what, _ in steps if what == "worker-start"), "the target's copies"
+        # The step-by-step view of the control exchange (`timeline.py --hops`): every transfer
+        # sent its first frame, had it handled and completed, and each answer follows its cause.
+        caused = [(0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7), (7, 8)]
+        for row in timeline.hop_steps(initiator, xfers):
+            assert row[0] and row[1] and row[8], (pattern, row)
+            for a, b in caused:
+                if row[a] and row[b]:
+                    assert row[a][0] <= row[b][0], (pattern, timeline.HOP_STEPS[a][0], timeline.HOP_STEPS[b][0], row)
 
 
 def test_with_the_target_off_nothing_is_logged(tmp_path):
