@@ -158,12 +158,8 @@ pub fn route(input: &GateInput<'_>) -> Route {
     if n == 0 || input.remote.len() != n || input.local.iter().zip(input.remote).any(|(l, r)| l.len != r.len) {
         return pass(R::Malformed);
     }
-    if (n as u64) < input.min_descriptor_count {
-        return pass(R::Count);
-    }
-    let total: u64 = input.local.iter().map(|d| d.len).fold(0u64, u64::saturating_add);
-    if total / n as u64 > input.max_average_descriptor_size {
-        return pass(R::Size);
+    if let Some(reason) = too_few_or_too_large(input) {
+        return pass(reason);
     }
     let Some(peer_arena) = input.peer_arena.filter(|_| input.peer_can_bounce) else {
         return pass(R::Peer);
@@ -182,9 +178,18 @@ pub fn route(input: &GateInput<'_>) -> Route {
 /// memory is registered.
 pub fn other_arena_kind(input: &GateInput<'_>) -> Option<MemKind> {
     let kind = input.local_mem.filter(|&k| k != input.arena.mem)?;
+    (!input.local.is_empty() && too_few_or_too_large(input).is_none()).then_some(kind)
+}
+
+/// The gate's size rules on the local descriptors (a non-empty list): fewer than
+/// `min_descriptor_count` of them, or an average above `max_average_descriptor_size`.
+fn too_few_or_too_large(input: &GateInput<'_>) -> Option<FallbackReason> {
     let n = input.local.len() as u64;
+    if n < input.min_descriptor_count {
+        return Some(FallbackReason::Count);
+    }
     let total: u64 = input.local.iter().map(|d| d.len).fold(0u64, u64::saturating_add);
-    (n > 0 && n >= input.min_descriptor_count && total / n <= input.max_average_descriptor_size).then_some(kind)
+    (total / n.max(1) > input.max_average_descriptor_size).then_some(FallbackReason::Size)
 }
 
 /// The gate for the same-host paths (`bounce_cuda_ipc` for GPU arenas, `bounce_cma` for host
