@@ -26,6 +26,7 @@ of two processes of one host agree; across hosts they do not.
 import argparse
 import re
 import statistics
+from collections import Counter
 from datetime import datetime
 
 LINE = re.compile(r"^(\S+) TRACE (\S+) pid=(\d+) thread=(\S+) id=(\d+)")
@@ -87,17 +88,17 @@ HOP_STEPS = [
 ]
 
 
+def first(initiator, t0, body, whats, side):
+    """The first of the events `whats` on `side` ("initiator" or "target") in a transfer's
+    `body`, as (microseconds after its submit at `t0`, thread); None when it has none."""
+    ours = side == "initiator"
+    return next(((t - t0, th) for t, p, w, _, th in body if w in whats and (p == initiator) == ours), None)
+
+
 def hop_steps(initiator, xfers):
     """Per transfer, the first event of each of HOP_STEPS as (microseconds after submit, thread),
     or None where the transfer had none (an inline WANT has no GRANT or DATA, a READ no DATA)."""
-    rows = []
-    for t0, _, body in xfers:
-        row = []
-        for _, whats, side in HOP_STEPS:
-            mine = (lambda p: p == initiator) if side == "initiator" else (lambda p: p != initiator)
-            row.append(next(((t - t0, th) for t, p, w, _, th in body if w in whats and mine(p)), None))
-        rows.append(row)
-    return rows
+    return [[first(initiator, t0, body, whats, side) for _, whats, side in HOP_STEPS] for t0, _, body in xfers]
 
 
 def print_hops(initiator, xfers):
@@ -110,10 +111,7 @@ def print_hops(initiator, xfers):
         if not at:
             continue
         gaps = sorted(r[i][0] - r[i - 1][0] for r in rows if r[i] and i > 0 and r[i - 1])
-        threads = {}
-        for r in rows:
-            if r[i]:
-                threads[r[i][1]] = threads.get(r[i][1], 0) + 1
+        threads = dict(Counter(r[i][1] for r in rows if r[i]))
         gap50 = f"{statistics.median(gaps):8.0f}" if gaps else f"{'-':>8s}"
         gap90 = f"{gaps[int(0.9 * len(gaps))]:8.0f}" if gaps else f"{'-':>8s}"
         print(f"{name:22s} {side:9s} {statistics.median(at):7.0f} {gap50} {gap90}  {len(at):9d}  {threads}")
@@ -143,8 +141,8 @@ def main():
         prev_end = end
         row = {}
         for col, whats, side in COLUMNS:
-            mine = (lambda p: p == initiator) if side == "initiator" else (lambda p: p != initiator)
-            row[col] = next((t - t0 for t, p, w, _, _ in body if w in whats and mine(p)), None)
+            hit = first(initiator, t0, body, whats, side)
+            row[col] = hit[0] if hit else None
         row["done"] = end - t0
         rows.append((pause, row))
         print(f"{pause:8.1f} " + " ".join(f"{row[n] if row[n] is not None else '-':>7}" for n in names))
