@@ -30,7 +30,7 @@ from collections import Counter
 from datetime import datetime
 
 LINE = re.compile(r"^(\S+) TRACE (\S+) pid=(\d+) thread=(\S+) id=(\d+)")
-NOISE = ("park", "unpark", "app-pull")
+NOISE = ("park", "unpark", "app-pull", "fetch", "fetch-done")
 COLUMNS = [  # (column, event, side)
     ("want", ("recv-PULL", "recv-WANT"), "target"),
     ("gstart", ("worker-start",), "target"),
@@ -75,14 +75,16 @@ def transfers(evs):
 
 
 # The control exchange of a transfer, step by step: (step, the events that mark it, side).
+# One way, the target's answers are mailbox records it puts (put-GRANT, put-READY, put-ACK) and
+# the initiator finds them in a fetch of the mailbox (fetched: the first fetch that brought any).
 HOP_STEPS = [
     ("send WANT/PULL", ("send-WANT", "send-PULL"), "initiator"),
     ("target handles it", ("recv-WANT", "recv-PULL"), "target"),
-    ("send GRANT", ("send-GRANT",), "target"),
-    ("initiator handles it", ("recv-GRANT",), "initiator"),
+    ("send GRANT/READY", ("send-GRANT", "put-GRANT", "put-READY"), "target"),
+    ("initiator handles it", ("recv-GRANT", "fetched"), "initiator"),
     ("send DATA", ("send-DATA",), "initiator"),
     ("target handles it", ("recv-DATA",), "target"),
-    ("send ACK", ("send-ACK",), "target"),
+    ("send ACK", ("send-ACK", "put-ACK"), "target"),
     ("initiator handles it", ("recv-ACK",), "initiator"),
     ("complete", ("complete",), "initiator"),
 ]

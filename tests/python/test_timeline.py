@@ -2,7 +2,8 @@
 two real processes bouncing KV requests leave, for every request, a submit and a completion in
 the initiator, the target's handling of the initiator's first frame and the copies on both
 sides' workers, in that order on one clock (and each control frame handled after it was sent,
-each answer sent after its cause); and nothing of it when the target is off."""
+each answer sent after its cause; one way, each answer a mailbox record put by the target and
+then fetched by the initiator); and nothing of it when the target is off."""
 import os
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def run_kv(tmp_path, pattern, log):
 
 
 def test_each_bounced_request_leaves_its_steps_in_order_on_one_clock(tmp_path):
-    for pattern, first_frame in (("push-two-way", "recv-WANT"), ("pull-two-way", "recv-PULL")):
+    for pattern, first_frame in (("push-two-way", "recv-WANT"), ("pull-two-way", "recv-PULL"),
+                                 ("pull-one-way", "recv-PULL")):
         evs = timeline.events(run_kv(tmp_path, pattern, "bounce_timeline=trace"))
         initiator, xfers = timeline.transfers(evs)
         # 2 rounds (a warm-up and one kept) x (3 requests + the batch).
@@ -50,6 +52,9 @@ def test_each_bounced_request_leaves_its_steps_in_order_on_one_clock(tmp_path):
         caused = [(0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7), (7, 8)]
         for row in timeline.hop_steps(initiator, xfers):
             assert row[0] and row[1] and row[8], (pattern, row)
+            if pattern.endswith("one-way"):
+                # the target's READY is a record in its mailbox, seen in one of our fetches
+                assert row[2] and row[3], (pattern, row)
             for a, b in caused:
                 if row[a] and row[b]:
                     assert row[a][0] <= row[b][0], (pattern, timeline.HOP_STEPS[a][0], timeline.HOP_STEPS[b][0], row)

@@ -270,6 +270,18 @@ impl Record {
         record.validate()?;
         Ok(record)
     }
+
+    /// The kind an encoded record says it is ("GRANT", "READY", "ACK", "FAIL", else "?"),
+    /// unverified: for traces of records this engine wrote itself, never for a decision.
+    pub fn kind_name(bytes: &[u8]) -> &'static str {
+        match bytes.get(1) {
+            Some(&KIND_GRANT) => "GRANT",
+            Some(&KIND_READY) => "READY",
+            Some(&KIND_ACK) => "ACK",
+            Some(&KIND_FAIL) => "FAIL",
+            _ => "?",
+        }
+    }
 }
 
 /// The chunk and region fields of a FAIL record.
@@ -371,8 +383,18 @@ mod tests {
         ];
         for answer in answers {
             let r = Record { answer, ..grant() };
-            assert_eq!(Record::decode(&r.encode(&key(1)), &key(1)), Ok(r));
+            let bytes = r.encode(&key(1));
+            assert_eq!(Record::decode(&bytes, &key(1)), Ok(r));
+            let named = match answer {
+                Answer::Grant(_) => "GRANT",
+                Answer::Ready(_) => "READY",
+                Answer::Ack { .. } => "ACK",
+                Answer::Fail(_) => "FAIL",
+            };
+            assert_eq!(Record::kind_name(&bytes), named);
         }
+        assert_eq!(Record::kind_name(&[]), "?");
+        assert_eq!(Record::kind_name(&[1, 9]), "?");
     }
 
     #[test]

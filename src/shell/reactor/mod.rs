@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use bounce_proto::config::Config;
 use bounce_proto::endpoint::{Action, Endpoint, InRegionPlan, JobId, JobRuns, WriteRoute, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
+use bounce_proto::mailbox::Record;
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::proof::Destination;
@@ -1090,6 +1091,7 @@ impl Driver {
             if poll.posted {
                 let (failed, slice, len) = (poll.failed, poll.slice, poll.len);
                 let took = now.saturating_duration_since(poll.posted_at);
+                crate::shell::mark!("fetch-done", xfer.0);
                 moved = true;
                 let stats = &self.shared.stats;
                 Stats::bump(&stats.mailbox_fetches);
@@ -1111,6 +1113,9 @@ impl Driver {
                         None => Vec::new(),
                     };
                     let new = self.ep.handle_fetched(now, xfer, &image);
+                    if new > 0 {
+                        crate::shell::mark!("fetched", new);
+                    }
                     self.fetches.fetched(xfer, new, now);
                 }
                 let _ = self.drain_actions();
@@ -1138,6 +1143,7 @@ impl Driver {
         };
         poll.posted = true;
         poll.posted_at = now;
+        crate::shell::mark!("fetch", xfer.0);
         poll.remote_md = Some(mb.md);
         let mut off = 0;
         for r in &f.regions {
@@ -1241,6 +1247,7 @@ impl Driver {
                         if self.area.is_some_and(|a| !a.put(offset, &bytes)) {
                             self.area_outside("writing a mailbox record");
                         }
+                        crate::shell::mark!(format_args!("put-{}", Record::kind_name(&bytes)), offset);
                     }
                     Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
                 }
