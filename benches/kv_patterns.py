@@ -5,6 +5,7 @@ in ONE run, two processes, DRAM, a paged KV cache laid out as vLLM lays it out
     .venv/bin/python benches/kv_patterns.py [--rounds 15] [--layers 16] [--blocks 512]
         [--per-request 32] [--requests 8] [--block-bytes 4096] [--only pull-one-way]
         [--mem VRAM [--peer-gpu 1]] [--variants "BOUNCE bounced,UCX"] [--prep-each]
+        [--pause-ms 40] [--samples]
 
 --mem VRAM (on a GPU machine) puts both caches in GPU memory (one torch tensor per layer, both
 processes on GPU 0, or the target's on --peer-gpu) and gives BOUNCE a GPU arena (bounce_arena_mem=vram): between two processes
@@ -26,7 +27,9 @@ before its post and released after, the prep timed too, as vLLM's connector prep
 request's own block ids), timed from transfer() to DONE
 (status polled in a busy loop; the target process polls its agents every 0.5 ms meanwhile, as
 a framework's loop would), then the target must have seen every notification. One
-warm-up round is not counted. Reported per backend: batch median; per-request p50 and p99
+warm-up round is not counted. `--pause-ms` idles before each block (the first request of a
+block then follows a pause with no transfer, as between a framework's batches), `--samples`
+prints every request's time in order. Reported per backend: batch median; per-request p50 and p99
 (over rounds x requests); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal
 <= 1.5); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
 request is prepared, so `passthrough_xfers` and `fallback_*` count the 9 prepared requests,
@@ -204,6 +207,7 @@ def child(case, args):
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
+            time.sleep(args.pause_ms / 1e3)
             s.block(target, keep=rnd > 0)
     out = {}
     for s in sides:
@@ -262,6 +266,10 @@ def main():
     ap.add_argument("--prep-each", action="store_true",
                     help="prepare each request (and the batch) right before its post, timed with it, "
                          "and release it after, as vLLM does; default: prepared once, posted every round")
+    ap.add_argument("--pause-ms", type=float, default=0.0,
+                    help="idle this long before each block (the target process still polls every 0.5 ms), "
+                         "as a framework between batches")
+    ap.add_argument("--samples", action="store_true", help="print every request's time, in the order posted")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -283,7 +291,7 @@ def main():
             continue
         cmd = [sys.executable, __file__, "--child", f"{pattern}:{metadata}"] + [
             a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request", "mem",
-                        "peer_gpu", "variants")
+                        "peer_gpu", "variants", "pause_ms")
             if getattr(args, k) is not None
             for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + (["--prep-each"] if args.prep_each else [])
         res, why = run_child(cmd, 600)
@@ -303,6 +311,8 @@ def main():
             others = [t for i, t in enumerate(x["single"]) if i % args.requests]
             split = (f"  (first of a block {first * 1e3:.2f}, others {statistics.median(others) * 1e3:.2f})"
                      if others else "")
+            if args.samples:
+                print(f"  {b}: requests in order, ms: " + " ".join(f"{t * 1e3:.2f}" for t in x["single"]))
             print(f"  {b:14s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
                   f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}{split}   "
                   f"{'byte-exact' if x['exact'] else 'NOT BYTE-EXACT ' + json.dumps([x['mine'], x['theirs']])}")
