@@ -359,6 +359,15 @@ struct QueuedWrite {
     len: u64,
 }
 
+/// A READ the core asked for (see `drain_actions` for when it is posted).
+struct QueuedRead {
+    job: JobId,
+    peer: PeerId,
+    remote: Region,
+    local: Region,
+    len: u64,
+}
+
 struct XferCtx {
     handle: u64,
     peer: String,
@@ -385,6 +394,9 @@ struct Driver {
     writes: Vec<InFlightWrite>,
     /// Writes the core asked for that wait for a slot (see MAX_WRITES_IN_FLIGHT).
     queued_writes: VecDeque<QueuedWrite>,
+    /// READs the core asked for in one drain after its first, posted one at a time by
+    /// `drain_actions`.
+    queued_reads: VecDeque<QueuedRead>,
     copies: HashMap<JobId, CopyInFlight>,
     xfers: HashMap<XferId, XferCtx>,
     /// Deregistrations waiting for running jobs (declared after `copier`: dropped after the
@@ -468,6 +480,7 @@ impl Reactor {
             control_budget,
             writes: Vec::new(),
             queued_writes: VecDeque::new(),
+            queued_reads: VecDeque::new(),
             copies: HashMap::new(),
             xfers: HashMap::new(),
             deregs: Vec::new(),
@@ -741,6 +754,7 @@ impl Driver {
     fn busy(&self) -> bool {
         !self.writes.is_empty()
             || !self.queued_writes.is_empty()
+            || !self.queued_reads.is_empty()
             || self.copier.in_flight() > 0
             || !self.xfers.is_empty()
             || !self.deregs.is_empty()
@@ -1215,6 +1229,7 @@ impl Driver {
     /// the receiver idled for 7 ms per 32 MiB window on the 2-core machine, BENCHMARKS.md.)
     fn drain_actions(&mut self) -> bool {
         let mut moved = false;
+        let mut read_posted = false;
         loop {
             while let Some(a) = self.ep.poll_action() {
                 moved = true;
@@ -1239,7 +1254,15 @@ impl Driver {
                         // or more (on the H200 two PLANs held both writes back ~300 us).
                         self.post_queued_writes();
                     }
-                    Action::Read { job, peer, remote, local, len, .. } => self.read(job, peer, remote, local, len),
+                    Action::Read { job, peer, remote, local, len, .. } => {
+                        let r = QueuedRead { job, peer, remote, local, len };
+                        if read_posted || !self.queued_reads.is_empty() {
+                            self.queued_reads.push_back(r);
+                        } else {
+                            read_posted = true;
+                            self.read(r);
+                        }
+                    }
                     Action::PutRecord { offset, bytes } => {
                         // Only an engine with a one-way area keeps a mailbox; the core places
                         // records inside it. A record not written is an answer the initiator
@@ -1256,6 +1279,16 @@ impl Driver {
             // ACK, a gathered chunk's write), not at the next pass's poll, which on a busy
             // 2-core host can be tens of microseconds away.
             if self.finish_inline_copies() {
+                moved = true;
+                continue;
+            }
+            // The first READ of a drain goes at once, each later one after what the READ
+            // before it caused. Between processes of one host UCX copies a READ inside its post
+            // (`process_vm_readv`, 100-150 us a MiB on the H200 host): the two READs a mailbox
+            // fetch with two READY records asked for, posted back to back, held the first one's
+            // RELEASE and scatter behind the second one's copy.
+            if let Some(r) = self.queued_reads.pop_front() {
+                self.read(r);
                 moved = true;
                 continue;
             }
@@ -1442,7 +1475,8 @@ impl Driver {
     }
 
     /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
-    fn read(&mut self, job: JobId, peer: PeerId, remote: Region, local: Region, len: u64) {
+    fn read(&mut self, r: QueuedRead) {
+        let QueuedRead { job, peer, remote, local, len } = r;
         crate::shell::mark!("read", job.0);
         let now = Instant::now();
         let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {

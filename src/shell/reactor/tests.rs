@@ -37,6 +37,11 @@ struct MemPath {
     hold: Option<Arc<AtomicBool>>,
     held: HashSet<u64>,
     reads: Arc<AtomicUsize>,
+    /// Every READ of a peer's arena finishes inside its post (as UCX's copy between processes
+    /// of one host) and is logged as "read"; every READ of a peer's mailbox stays in flight for
+    /// 200 checks, so that answers pile up between two fetches.
+    log: Option<Sent>,
+    lagging: HashMap<u64, u32>,
 }
 
 impl DataPath for MemPath {
@@ -68,6 +73,14 @@ impl DataPath for MemPath {
         unsafe { std::ptr::copy_nonoverlapping(remote.addr as *const u8, local.addr as *mut u8, len as usize) };
         self.posted += 1;
         self.reads.fetch_add(1, Ordering::Relaxed);
+        if let Some(log) = &self.log {
+            if remote.md == Md(1) {
+                log.lock().push(("read".to_owned(), Vec::new()));
+                return Ok(Posted::Done);
+            }
+            self.lagging.insert(self.posted, 200);
+            return Ok(Posted::InFlight(WriteId(self.posted)));
+        }
         if self.hold.is_some() {
             self.held.insert(self.posted);
             return Ok(Posted::InFlight(WriteId(self.posted)));
@@ -76,6 +89,13 @@ impl DataPath for MemPath {
     }
 
     fn check(&mut self, w: &WriteId) -> WriteState {
+        if let Some(n) = self.lagging.get_mut(&w.0) {
+            if *n > 0 {
+                *n -= 1;
+                return WriteState::InProg;
+            }
+            self.lagging.remove(&w.0);
+        }
         let released = self.hold.as_ref().is_none_or(|h| h.load(Ordering::Acquire));
         if self.held.contains(&w.0) && !released {
             return WriteState::InProg;
@@ -412,6 +432,59 @@ fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_ma
     // A GRANT is fetched before its chunk is written and the ACK after it is scattered: two
     // fetches at the least, each timed.
     assert!(a.stat(|s| &s.mailbox_fetches) >= 2, "{} fetches", a.stat(|s| &s.mailbox_fetches));
+    drop((a.reactor, b.reactor));
+}
+
+/// A READ whose copy runs inside its post (UCX between processes of one host) holds up the
+/// thread: READs the core asks for at once (one way, a fetch of the target's mailbox that
+/// brought several READY records) must not run back to back, or the first one's RELEASE (the
+/// target's region back) and scatter wait for the next one's copy. The mailbox fetches are slow
+/// here, so READYs pile up; the initiator's log of READs and of the RELEASEs it sent must never
+/// show two READs in a row, and the data lands byte-exact.
+#[test]
+fn reads_asked_for_together_run_one_at_a_time_each_after_the_release_of_the_one_before() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (mut src, mut dst) = buffers();
+    let log: Sent = Arc::default();
+    let path = MemPath { log: Some(Arc::clone(&log)), ..MemPath::default() };
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let b = Side::start("b", 22, &cfg, &net);
+    a.load("b", &b); // one way: b never loads a
+    let net_log = Arc::clone(&log);
+    net.set_fault(move |from, _, f| {
+        if from == "a" && kind(f) == Some("release") {
+            net_log.lock().push(("release".to_owned(), Vec::new()));
+        }
+        Fate::Deliver
+    });
+    // a READs b's `src` pieces into its own `dst`.
+    let source = b.register(&mut src);
+    let pairs: Vec<DescPair> = (0..PIECES)
+        .map(|i| DescPair {
+            src: src.as_ptr() as u64 + (i * 2 * PIECE) as u64,
+            dst: dst.as_mut_ptr() as u64 + (i * 3 * PIECE) as u64,
+            len: PIECE as u64,
+        })
+        .collect();
+    let mut p = plan::plan(&pairs, PlanParams::from_config(&cfg)).unwrap();
+    for c in &mut p.chunks {
+        c.direct = None;
+    }
+    assert!(p.chunks.len() >= 4, "several chunks, READY in pairs");
+    p.read = true;
+    p.dests = vec![source];
+    let h = a.shared.requests.insert("b".to_owned(), p);
+    let posted = a.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
+    a.shared.inbox.push(Cmd::Submit(posted));
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    let steps: Vec<String> = log.lock().iter().map(|(k, _)| k.clone()).collect();
+    assert_eq!(steps.iter().filter(|k| *k == "read").count(), a.stat(|s| &s.bounce_chunks) as usize, "{steps:?}");
+    assert!(
+        steps.windows(2).all(|w| !(w[0] == "read" && w[1] == "read")),
+        "a READ ran before the RELEASE of the one before it: {steps:?}"
+    );
     drop((a.reactor, b.reactor));
 }
 
