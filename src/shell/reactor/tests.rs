@@ -219,6 +219,12 @@ impl Side {
     /// Prepares and posts a WRITE of `src[i*2*PIECE..][..PIECE]` to `dst[i*3*PIECE..][..PIECE]`
     /// at `peer`; returns the request handle.
     fn post(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8], dest: Destination) -> u64 {
+        self.post_op(peer, config, src, dst, dest, false)
+    }
+
+    /// As [`Side::post`], a WRITE or (`read`) a READ, where `src` is the peer's and `dest` its
+    /// registration of it, and `dst` ours.
+    fn post_op(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8], dest: Destination, read: bool) -> u64 {
         let pairs: Vec<DescPair> = (0..PIECES)
             .map(|i| DescPair {
                 src: src.as_ptr() as u64 + (i * 2 * PIECE) as u64,
@@ -231,7 +237,8 @@ impl Side {
             c.direct = None; // the source is not registered here: every chunk is gathered
         }
         assert!(p.chunks.len() >= 4, "the tests need several chunks in flight");
-        p.dests = vec![dest]; // the receiver's registration metadata, as if loaded
+        p.dests = vec![dest]; // the peer's registration metadata, as if loaded
+        p.read = read;
         let h = self.shared.requests.insert(peer.to_owned(), p);
         let posted = self.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
         self.shared.inbox.push(Cmd::Submit(posted));
@@ -460,23 +467,7 @@ fn reads_asked_for_together_run_one_at_a_time_each_after_the_release_of_the_one_
     });
     // a READs b's `src` pieces into its own `dst`.
     let source = b.register(&mut src);
-    let pairs: Vec<DescPair> = (0..PIECES)
-        .map(|i| DescPair {
-            src: src.as_ptr() as u64 + (i * 2 * PIECE) as u64,
-            dst: dst.as_mut_ptr() as u64 + (i * 3 * PIECE) as u64,
-            len: PIECE as u64,
-        })
-        .collect();
-    let mut p = plan::plan(&pairs, PlanParams::from_config(&cfg)).unwrap();
-    for c in &mut p.chunks {
-        c.direct = None;
-    }
-    assert!(p.chunks.len() >= 4, "several chunks, READY in pairs");
-    p.read = true;
-    p.dests = vec![source];
-    let h = a.shared.requests.insert("b".to_owned(), p);
-    let posted = a.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
-    a.shared.inbox.push(Cmd::Submit(posted));
+    let h = a.post_op("b", &cfg, &src, &mut dst, source, true);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert_exact(&src, &dst);
     let steps: Vec<String> = log.lock().iter().map(|(k, _)| k.clone()).collect();
