@@ -395,7 +395,7 @@ struct Driver {
     /// Writes the core asked for that wait for a slot (see MAX_WRITES_IN_FLIGHT).
     queued_writes: VecDeque<QueuedWrite>,
     /// READs the core asked for in one drain after its first, posted one at a time by
-    /// `drain_actions`.
+    /// `drain_actions` before it returns (empty between drains; nothing it calls drains).
     queued_reads: VecDeque<QueuedRead>,
     copies: HashMap<JobId, CopyInFlight>,
     xfers: HashMap<XferId, XferCtx>,
@@ -754,7 +754,6 @@ impl Driver {
     fn busy(&self) -> bool {
         !self.writes.is_empty()
             || !self.queued_writes.is_empty()
-            || !self.queued_reads.is_empty()
             || self.copier.in_flight() > 0
             || !self.xfers.is_empty()
             || !self.deregs.is_empty()
@@ -1256,7 +1255,7 @@ impl Driver {
                     }
                     Action::Read { job, peer, remote, local, len, .. } => {
                         let r = QueuedRead { job, peer, remote, local, len };
-                        if read_posted || !self.queued_reads.is_empty() {
+                        if read_posted {
                             self.queued_reads.push_back(r);
                         } else {
                             read_posted = true;
