@@ -192,18 +192,32 @@ fn too_few_or_too_large(input: &GateInput<'_>) -> Option<FallbackReason> {
     (total / n.max(1) > input.max_average_descriptor_size).then_some(FallbackReason::Size)
 }
 
-/// The gate for the same-host paths (`bounce_cuda_ipc` for GPU arenas, `bounce_cma` for host
-/// arenas): the bounce gate's rules, with the peer's side judged as memory of our arena's kind
-/// (for GPU memory, on the remote descriptors' device) and no HELLO asked for: the paths need
-/// no peer arena and no control frame, only the peer's records, which the caller has checked
-/// (`mapped`).
+/// The gate for the same-host paths (`bounce_cuda_ipc` for GPU memory, `bounce_cma` for host
+/// memory): the bounce gate's rules with no HELLO asked for (the paths need no arena and no
+/// control frame, only the peer's records, which the caller has checked: `mapped`), and with
+/// the transfer's own memory in place of the arenas: our side is [`mapped_place`] (any memory
+/// kind this engine registers, on any one GPU, whatever its arena), the peer's is memory of the
+/// same kind on the remote descriptors' device. The caller gives the thresholds of that kind.
 pub fn route_mapped(input: &GateInput<'_>, mapped: bool) -> Route {
-    let dev = match input.arena.mem {
+    let place = mapped_place(input).unwrap_or(input.arena);
+    let dev = match place.mem {
         MemKind::Vram => input.remote.first().map_or(0, |d| d.dev),
         MemKind::Dram => 0,
     };
-    let peer = ArenaPlace { mem: input.arena.mem, dev };
-    route(&GateInput { peer_arena: Some(peer), peer_can_bounce: mapped, ..*input })
+    let peer = ArenaPlace { mem: place.mem, dev };
+    route(&GateInput { arena: place, peer_arena: Some(peer), peer_can_bounce: mapped, ..*input })
+}
+
+/// Where a same-host copy of this transfer runs: the local descriptors' memory kind and, for GPU
+/// memory, the first one's GPU (the path of that GPU launches the kernel; [`route_mapped`]
+/// refuses lists spread over several). `None` for a segment kind bounce does not know.
+pub fn mapped_place(input: &GateInput<'_>) -> Option<ArenaPlace> {
+    let mem = input.local_mem?;
+    let dev = match mem {
+        MemKind::Vram => input.local.first().map_or(0, |d| d.dev),
+        MemKind::Dram => 0,
+    };
+    Some(ArenaPlace { mem, dev })
 }
 
 /// A memory registration made through this engine.
@@ -297,7 +311,7 @@ mod tests {
     }
 
     #[test]
-    fn the_mapped_paths_need_the_peers_records_and_memory_of_the_arenas_kind_but_no_hello() {
+    fn the_mapped_paths_need_the_peers_records_and_one_memory_kind_on_both_sides_but_no_hello() {
         let gpu = ArenaPlace { mem: MemKind::Vram, dev: 1 };
         let mine: Vec<Desc> = descs(8, 512).into_iter().map(|d| Desc { dev: 1, ..d }).collect();
         let theirs: Vec<Desc> = descs(8, 512).into_iter().map(|d| Desc { dev: 3, ..d }).collect();
@@ -306,34 +320,38 @@ mod tests {
         (i.local_mem, i.remote_mem) = (Some(MemKind::Vram), Some(MemKind::Vram));
         assert_eq!(route(&i), Route::PassThrough(FallbackReason::Peer), "no HELLO: no bounce");
         assert_eq!(route_mapped(&i, true), Route::Bounce, "the peer's GPU is its descriptors' own");
+        assert_eq!(mapped_place(&i), Some(gpu));
         assert_eq!(route_mapped(&i, false), Route::PassThrough(FallbackReason::Peer), "no handles");
         assert_eq!(route_mapped(&GateInput { op: XferOp::Read, ..i }, true), Route::Bounce);
         assert_eq!(
             route_mapped(&GateInput { remote_mem: Some(MemKind::Dram), ..i }, true),
-            Route::PassThrough(FallbackReason::Mem)
-        );
-        assert_eq!(
-            route_mapped(&GateInput { arena: HOST, local_mem: Some(MemKind::Dram), ..i }, true),
             Route::PassThrough(FallbackReason::Mem),
-            "a host arena, a GPU peer"
+            "GPU memory here, host memory there: no one path copies both"
         );
-        let host = GateInput { arena: HOST, local_mem: Some(MemKind::Dram), remote_mem: Some(MemKind::Dram), ..i };
+        assert_eq!(
+            route_mapped(&GateInput { local_mem: Some(MemKind::Dram), ..i }, true),
+            Route::PassThrough(FallbackReason::Mem),
+            "host memory here, GPU memory there"
+        );
+        assert_eq!(route_mapped(&GateInput { local_mem: None, ..i }, true), Route::PassThrough(FallbackReason::Mem));
         let d = descs(8, 512);
-        assert_eq!(
-            route_mapped(&GateInput { local: &d, remote: &d, ..host }, true),
-            Route::Bounce,
-            "host memory on both sides (CMA)"
-        );
-        assert_eq!(
-            route_mapped(&GateInput { local: &d, remote: &d, ..host }, false),
-            Route::PassThrough(FallbackReason::Peer)
-        );
+        let host =
+            GateInput { local_mem: Some(MemKind::Dram), remote_mem: Some(MemKind::Dram), local: &d, remote: &d, ..i };
+        // The arena does not matter: a GPU-arena engine moves host memory by CMA, a host-arena
+        // engine GPU memory by CUDA IPC (on the path of the GPU the memory is on).
+        for arena in [gpu, HOST] {
+            assert_eq!(route_mapped(&GateInput { arena, ..host }, true), Route::Bounce, "host memory both sides (CMA)");
+            assert_eq!(mapped_place(&GateInput { arena, ..host }), Some(HOST));
+            assert_eq!(route_mapped(&GateInput { arena, ..i }, true), Route::Bounce, "GPU memory both sides (IPC)");
+            assert_eq!(mapped_place(&GateInput { arena, ..i }), Some(gpu), "the path of the local memory's GPU");
+        }
+        assert_eq!(route_mapped(&host, false), Route::PassThrough(FallbackReason::Peer));
         // The thresholds hold as for bouncing.
         assert_eq!(
             route_mapped(&GateInput { min_descriptor_count: 9, ..i }, true),
             Route::PassThrough(FallbackReason::Count)
         );
-        // Every remote descriptor on one device, every local one on the arena's GPU.
+        // Every remote descriptor on one device, every local one on one GPU.
         let mut mixed = theirs.clone();
         mixed[5].dev = 2;
         assert_eq!(
@@ -341,11 +359,14 @@ mod tests {
             Route::PassThrough(FallbackReason::Mem)
         );
         let mut elsewhere = mine.clone();
-        elsewhere[0].dev = 0;
+        elsewhere[3].dev = 0;
         assert_eq!(
             route_mapped(&GateInput { local: &elsewhere, remote: &theirs, ..i }, true),
             Route::PassThrough(FallbackReason::Mem)
         );
+        let all_on_0: Vec<Desc> = mine.iter().map(|d| Desc { dev: 0, ..*d }).collect();
+        assert_eq!(route_mapped(&GateInput { local: &all_on_0, remote: &theirs, ..i }, true), Route::Bounce);
+        assert_eq!(mapped_place(&GateInput { local: &all_on_0, ..i }), Some(ArenaPlace { mem: MemKind::Vram, dev: 0 }));
     }
 
     #[test]
