@@ -32,7 +32,7 @@ use crate::shell::copy::CopyEngine;
 use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
 use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
-use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPath};
+use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPaths};
 use crate::shell::keys::{Keys, Reach};
 use crate::shell::mailroom::Mailroom;
 use crate::shell::oneway_area::OneWayArea;
@@ -146,10 +146,13 @@ pub(crate) struct Engine {
     gpu: Option<Arc<Gpu>>,
     /// When `getNotifs` last found nothing (busy-poll detection, see [`Engine::take_notifs`]).
     last_empty_notifs: Mutex<Option<Instant>>,
-    /// The same-host path (`bounce_cuda_ipc`, GPU arenas).
-    ipc: Option<IpcPath>,
-    /// The same-host path for host memory (`bounce_cma`, host arenas).
+    /// The same-host paths for GPU memory (`bounce_cuda_ipc`): one per GPU whose memory this
+    /// engine registers, whatever its arena.
+    ipc: Option<IpcPaths>,
+    /// The same-host path for host memory (`bounce_cma`), whatever the arena.
     cma: Option<CmaPath>,
+    /// The same-host paths' thresholds, by the memory kind they copy.
+    mapped_limits: MappedLimits,
     /// Whether the one line about transfers of the other memory kind was logged.
     told_other_kind: AtomicBool,
 }
@@ -198,10 +201,14 @@ impl Engine {
         };
         let session = RandomState::new().build_hasher().finish() | 1;
         let stats = Arc::new(Stats::default());
-        let ipc = gpu.as_ref().filter(|_| config.cuda_ipc).and_then(|g| IpcPath::new(g, Arc::clone(&stats)));
-        let cma = (gpu.is_none() && config.enabled && config.cma && config.arena_mem != ArenaMem::Vram)
-            .then(|| CmaPath::new(config.copy_workers, Arc::clone(&stats)))
-            .flatten();
+        // The same-host paths copy the memory they are given, not through the arena: an engine
+        // has both whatever its arena (a GPU worker that also moves host memory, a host-arena
+        // engine whose process registers GPU memory). Only an engine that asked for a GPU arena
+        // and got none has no bounce path at all, and so none of these.
+        let no_bounce = !config.enabled || (config.arena_mem == ArenaMem::Vram && gpu.is_none());
+        let ipc = (!no_bounce && config.cuda_ipc).then(|| IpcPaths::new(gpu.as_ref(), Arc::clone(&stats)));
+        let cma = (!no_bounce && config.cma).then(|| CmaPath::new(config.copy_workers, Arc::clone(&stats))).flatten();
+        let mapped_limits = MappedLimits::new(&config, gpu.is_some(), &p.params, &env);
         let engine = Self {
             agent: p.agent.to_owned(),
             config,
@@ -219,6 +226,7 @@ impl Engine {
             last_empty_notifs: Mutex::new(None),
             ipc,
             cma,
+            mapped_limits,
             told_other_kind: AtomicBool::new(false),
         };
         Ok((engine, inner))
@@ -480,10 +488,9 @@ impl Engine {
         self.registry.insert(md, reg);
         let key = self.keys.issue(md);
         if key.is_some() {
-            let reach = match (&self.ipc, &self.cma) {
-                (Some(ipc), _) => ipc.export(&reg).map(Reach::Ipc),
-                (None, Some(cma)) => cma.export(md, &reg).map(Reach::Cma),
-                (None, None) => None,
+            let reach = match reg.mem {
+                MemKind::Vram => self.ipc.as_ref().and_then(|ipc| ipc.export(&reg)).map(Reach::Ipc),
+                MemKind::Dram => self.cma.as_ref().and_then(|cma| cma.export(md, &reg)).map(Reach::Cma),
             };
             if let Some(r) = reach {
                 self.keys.set_local_reach(md, r);
@@ -651,8 +658,9 @@ impl Engine {
     }
 
     /// The same-host path's request for a transfer the gate would let bounce, when every
-    /// remote descriptor's registration came with a record of this host this engine can use
-    /// (CUDA IPC for a GPU arena, CMA for a host arena).
+    /// remote descriptor's registration came with a record of this host this engine can use:
+    /// CUDA IPC for GPU memory (the path of the GPU our descriptors are on), CMA for host
+    /// memory, whatever our arena, under that memory kind's thresholds.
     fn prep_mapped(
         &self,
         op: Option<XferOp>,
@@ -662,31 +670,38 @@ impl Engine {
         agent: &str,
         pair: impl Fn((&DescView, &DescView)) -> DescPair,
     ) -> Option<u64> {
-        if self.ipc.is_none() && self.cma.is_none() {
+        let place = gate::mapped_place(input)?;
+        let has_path = match place.mem {
+            MemKind::Vram => self.ipc.is_some(),
+            MemKind::Dram => self.cma.is_some(),
+        };
+        if !has_path || !matches!(op, Some(XferOp::Write | XferOp::Read)) {
             return None;
         }
-        if !matches!(op, Some(XferOp::Write | XferOp::Read)) || gate::route_mapped(input, true) != Route::Bounce {
+        let input = self.mapped_limits.apply(place.mem, input);
+        if gate::route_mapped(&input, true) != Route::Bounce {
             return None;
         }
         let recs = self.keys.remote_reach(remote.iter().map(|d| d.md))?;
         let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
         let read = matches!(op, Some(XferOp::Read));
-        match (&self.ipc, &self.cma) {
-            (Some(ipc), _) => {
+        match (place.mem, &self.ipc, &self.cma) {
+            (MemKind::Vram, Some(ipc), _) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.ipc()?, *n))).collect();
-                ipc.prep(agent, &pairs, &recs?, read)
+                ipc.prep(place.dev, agent, &pairs, &recs?, read)
             }
-            (None, Some(cma)) => {
+            (MemKind::Dram, _, Some(cma)) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.cma()?, *n))).collect();
                 cma.prep(agent, &pairs, &recs?, read)
             }
-            (None, None) => None,
+            _ => None,
         }
     }
 
     /// Logs once per engine that a transfer went to UCX only because its memory is not our
-    /// arena's kind (the gate's [`gate::other_arena_kind`]): `auto` picks the arena before any
-    /// memory is registered, so nothing else would tell the application.
+    /// arena's kind (the gate's [`gate::other_arena_kind`]) and no same-host path took it
+    /// (another host, or the path off): `auto` picks the arena before any memory is
+    /// registered, so nothing else would tell the application.
     fn tell_other_kind_once(&self, input: &GateInput<'_>) {
         let Some(kind) = gate::other_arena_kind(input) else { return };
         if self.told_other_kind.swap(true, Ordering::Relaxed) {
@@ -695,8 +710,8 @@ impl Engine {
         tracing::warn!(
             agent = %self.agent,
             "{kind:?} transfers of many small descriptors go to UCX: this engine's arena is {:?} memory \
-             (one arena per engine; set bounce_arena_mem={} on an engine that moves {kind:?}, README \
-             \"GPU memory\"); said once",
+             and no same-host path took them (one arena per engine; set bounce_arena_mem={} on an \
+             engine that moves {kind:?} between hosts, README \"GPU memory\"); said once",
             input.arena.mem,
             if kind == MemKind::Dram { "dram" } else { "vram" },
         );
@@ -936,6 +951,43 @@ impl Engine {
     }
 }
 
+/// The gate's thresholds for the same-host paths, by the memory kind a path copies: for the
+/// arena's kind the configuration's, for the other kind the same options with that kind's
+/// defaults. So a GPU-arena engine's host-memory transfers take the host defaults, as a
+/// host-arena engine's do, and the other way round; an option the application set holds for
+/// both.
+#[derive(Debug, Clone, Copy)]
+struct MappedLimits {
+    /// `(min_descriptor_count, max_average_descriptor_size)` for host memory.
+    dram: (u64, u64),
+    /// The same for GPU memory.
+    vram: (u64, u64),
+}
+
+impl MappedLimits {
+    fn new(config: &Config, gpu_arena: bool, params: &[(&str, &str)], env: impl Fn(&str) -> Option<String>) -> Self {
+        let of = |c: &Config| (c.min_descriptor_count, c.max_average_descriptor_size);
+        let other_kind = if gpu_arena { MemKind::Dram } else { MemKind::Vram };
+        // Its warnings were said by the configuration's load; one that does not validate with
+        // the other kind's defaults keeps the configuration's thresholds.
+        let other = Config::from_params_as(Some(other_kind), params.iter().copied(), env)
+            .map_or(of(config), |loaded| of(&loaded.config));
+        match gpu_arena {
+            true => Self { dram: other, vram: of(config) },
+            false => Self { dram: of(config), vram: other },
+        }
+    }
+
+    /// `input` under the thresholds for memory `mem`.
+    fn apply<'a>(&self, mem: MemKind, input: &GateInput<'a>) -> GateInput<'a> {
+        let (min_descriptor_count, max_average_descriptor_size) = match mem {
+            MemKind::Dram => self.dram,
+            MemKind::Vram => self.vram,
+        };
+        GateInput { min_descriptor_count, max_average_descriptor_size, ..*input }
+    }
+}
+
 /// The GPU whose memory the arena should be (`None`: host memory), as `bounce_arena_mem` asks:
 /// `vram` takes the GPU of the CUDA context current on this thread (the application's), else
 /// GPU 0; `auto` takes the current context's GPU only (a process that has not used a GPU keeps a
@@ -1008,5 +1060,66 @@ impl Drop for Engine {
     fn drop(&mut self) {
         // Normally done already by bnc_engine_stop, before the inner engine was destroyed.
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KIB: u64 = 1024;
+
+    fn limits(gpu_arena: bool, params: &[(&str, &str)], env: &[(&str, &str)]) -> MappedLimits {
+        let env = |k: &str| env.iter().find(|(name, _)| *name == k).map(|(_, v)| (*v).to_owned());
+        let kind = gpu_arena.then_some(MemKind::Vram).or(Some(MemKind::Dram));
+        let config = Config::from_params_as(kind, params.iter().copied(), env).unwrap().config;
+        MappedLimits::new(&config, gpu_arena, params, env)
+    }
+
+    #[test]
+    fn each_memory_kind_takes_its_own_defaults_whatever_the_arena() {
+        // Host memory: at most 64 KiB on average; GPU memory: 256 KiB (the manifest's columns).
+        for gpu_arena in [false, true] {
+            let l = limits(gpu_arena, &[], &[]);
+            assert_eq!(l.dram, (256, 64 * KIB), "gpu arena: {gpu_arena}");
+            assert_eq!(l.vram, (256, 256 * KIB), "gpu arena: {gpu_arena}");
+        }
+    }
+
+    #[test]
+    fn an_option_the_application_set_holds_for_both_kinds() {
+        for gpu_arena in [false, true] {
+            let l = limits(gpu_arena, &[("bounce_max_average_descriptor_size", "8KiB")], &[]);
+            assert_eq!((l.dram.1, l.vram.1), (8 * KIB, 8 * KIB), "gpu arena: {gpu_arena}");
+            let l = limits(gpu_arena, &[], &[("NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT", "17")]);
+            assert_eq!((l.dram.0, l.vram.0), (17, 17), "gpu arena: {gpu_arena}");
+        }
+    }
+
+    #[test]
+    fn the_same_host_gate_applies_the_thresholds_of_the_memory_it_copies() {
+        let l = MappedLimits { dram: (4, 100), vram: (8, 1000) };
+        let d: Vec<gate::Desc> = (0..6).map(|i| gate::Desc { addr: i * 0x1000, len: 512, dev: 0 }).collect();
+        let place = ArenaPlace { mem: MemKind::Vram, dev: 0 };
+        let config = Config::from_params_as(Some(MemKind::Vram), [], |_| None).unwrap().config;
+        let mut input = GateInput::new(
+            &config,
+            true,
+            gate::XferOp::Write,
+            (Some(MemKind::Dram), place),
+            (Some(MemKind::Dram), None),
+            &d,
+            &d,
+            false,
+        );
+        // Six pieces of 512 bytes: too large on average for host memory here, too few for GPU.
+        assert_eq!(gate::route_mapped(&l.apply(MemKind::Dram, &input), true), Route::PassThrough(FallbackReason::Size));
+        (input.local_mem, input.remote_mem) = (Some(MemKind::Vram), Some(MemKind::Vram));
+        assert_eq!(
+            gate::route_mapped(&l.apply(MemKind::Vram, &input), true),
+            Route::PassThrough(FallbackReason::Count)
+        );
+        let l = MappedLimits { vram: (4, 1000), ..l };
+        assert_eq!(gate::route_mapped(&l.apply(MemKind::Vram, &input), true), Route::Bounce);
     }
 }

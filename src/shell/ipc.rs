@@ -28,7 +28,7 @@ use bounce_proto::MemKind;
 use bounce_proto::endpoint::XferError;
 use bounce_proto::plan::{self, DescPair};
 use bounce_proto::wire::IpcRecord;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
@@ -38,6 +38,12 @@ use crate::sys::shim::Shim;
 
 /// Request handles of this path carry this bit; the bounce path's never do.
 pub(crate) const IPC_HANDLE_BIT: u64 = 1 << 62;
+
+/// A request handle of this path names, in these bits, the GPU whose path prepared it (below
+/// them a counter; above them the paths' bits, [`IPC_HANDLE_BIT`] and the CMA path's).
+const DEV_SHIFT: u32 = 40;
+/// GPU ordinals a handle can name: one path per GPU up to this many.
+const MAX_GPUS: u64 = 256;
 
 /// Where a request of this path stands.
 #[derive(Debug)]
@@ -73,10 +79,13 @@ struct Request {
     state: State,
 }
 
-/// The path of one engine whose arena is on `gpu`.
+/// The path for GPU memory on one GPU, `gpu`: its kernels run there, and peers' allocations
+/// are mapped into its context.
 #[derive(Debug)]
 pub(crate) struct IpcPath {
     gpu: Arc<Gpu>,
+    /// [`DEV_SHIFT`]'s bits of this path's request handles.
+    dev_bits: u64,
     node: [u8; 16],
     kernels: Kernels,
     /// Peer allocations mapped, by handle, until no loaded registration names them (see
@@ -93,9 +102,14 @@ pub(crate) struct IpcPath {
 }
 
 impl IpcPath {
-    /// The path for an engine whose arena is on `gpu`; `None` (with the reason logged) when the
-    /// host has no identity to check peers' handles against or the kernels do not load.
+    /// The path for memory on `gpu`; `None` (with the reason logged) when the host has no
+    /// identity to check peers' handles against, the kernels do not load, or the GPU's ordinal
+    /// is beyond what a handle can name.
     pub(crate) fn new(gpu: &Arc<Gpu>, stats: Arc<Stats>) -> Option<Self> {
+        let Some(dev_bits) = u64::try_from(gpu.ordinal()).ok().filter(|&d| d < MAX_GPUS).map(|d| d << DEV_SHIFT) else {
+            tracing::warn!(gpu = gpu.ordinal(), "GPU ordinal beyond {MAX_GPUS}: no same-host path for its memory");
+            return None;
+        };
         let Some(node) = host_identity() else {
             tracing::info!("no host identity (/proc/sys/kernel/random/boot_id): no same-host path");
             return None;
@@ -103,6 +117,7 @@ impl IpcPath {
         match Kernels::load(gpu).and_then(|k| Ok((k, PlanPool::new(gpu)?))) {
             Ok((kernels, plans)) => Some(Self {
                 gpu: gpu.clone(),
+                dev_bits,
                 node,
                 kernels,
                 maps: Mutex::default(),
@@ -188,7 +203,7 @@ impl IpcPath {
                 return None;
             }
         };
-        let h = IPC_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
+        let h = IPC_HANDLE_BIT | self.dev_bits | self.next.fetch_add(1, Ordering::Relaxed);
         let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, state: State::Prepared };
         self.reqs.lock().insert(h, req);
         Some(h)
@@ -332,6 +347,107 @@ impl Drop for IpcPath {
             if let State::Running(ctx, _) = req.state {
                 let _ = ctx.synchronize();
             }
+        }
+    }
+}
+
+/// The same-host paths for the GPU memory of one engine: an [`IpcPath`] per GPU whose memory
+/// the engine registers, opened at the first registration of that GPU's memory (the arena's
+/// GPU's when the engine is created). So a host-arena engine (no CUDA context when the backend
+/// was created, or `bounce_arena_mem=dram`) and an engine with memory on several GPUs copy
+/// GPU memory between processes of one host as a GPU-arena engine does its arena's GPU's.
+#[derive(Debug)]
+pub(crate) struct IpcPaths {
+    stats: Arc<Stats>,
+    /// By GPU ordinal; `None`: that GPU's path could not be had (logged when tried; not tried
+    /// again).
+    by_dev: RwLock<HashMap<u64, Option<Arc<IpcPath>>>>,
+}
+
+impl IpcPaths {
+    /// The paths of an engine, with the one for its arena's GPU (`arena_gpu`) opened now.
+    pub(crate) fn new(arena_gpu: Option<&Arc<Gpu>>, stats: Arc<Stats>) -> Self {
+        let paths = Self { stats, by_dev: RwLock::default() };
+        if let Some(gpu) = arena_gpu {
+            let path = IpcPath::new(gpu, Arc::clone(&paths.stats)).map(Arc::new);
+            paths.by_dev.write().insert(gpu.ordinal() as u64, path);
+        }
+        paths
+    }
+
+    /// The path for memory on GPU `dev`, opened (the GPU, its kernels, a plan stream) at the
+    /// first call for it.
+    fn open(&self, dev: u64) -> Option<Arc<IpcPath>> {
+        if let Some(p) = self.by_dev.read().get(&dev) {
+            return p.clone();
+        }
+        let mut by_dev = self.by_dev.write();
+        by_dev
+            .entry(dev)
+            .or_insert_with(|| {
+                let gpu = i32::try_from(dev).map_err(|_| CudaError::Unavailable(format!("no CUDA device {dev}")));
+                match gpu.and_then(Gpu::open) {
+                    Ok(gpu) => IpcPath::new(&gpu, Arc::clone(&self.stats)).map(Arc::new),
+                    Err(e) => {
+                        tracing::warn!(gpu = dev, error = %e, "cannot open the GPU: no same-host path for its memory");
+                        None
+                    }
+                }
+            })
+            .clone()
+    }
+
+    /// The path already open for GPU `dev`.
+    fn path(&self, dev: u64) -> Option<Arc<IpcPath>> {
+        self.by_dev.read().get(&dev).cloned().flatten()
+    }
+
+    /// The path that prepared request `h`.
+    fn owner(&self, h: u64) -> Result<Arc<IpcPath>> {
+        self.path((h >> DEV_SHIFT) % MAX_GPUS).ok_or(Error::UnknownRequest(h))
+    }
+
+    /// The record to publish with our registration `reg`: GPU memory only, exported through
+    /// the path of its GPU (opened now if this is that GPU's first registration).
+    pub(crate) fn export(&self, reg: &Registration) -> Option<IpcRecord> {
+        if reg.mem != MemKind::Vram || reg.len == 0 {
+            return None;
+        }
+        self.open(reg.dev)?.export(reg)
+    }
+
+    /// [`IpcPath::prep`] on the path of GPU `dev`, where every local descriptor lies (the
+    /// gate's `mapped_place`); `None` when no registration of that GPU's memory opened one.
+    pub(crate) fn prep(
+        &self,
+        dev: u64,
+        peer: &str,
+        descs: &[DescPair],
+        ipc: &[(IpcRecord, usize)],
+        read: bool,
+    ) -> Option<u64> {
+        self.path(dev)?.prep(peer, descs, ipc, read)
+    }
+
+    /// [`IpcPath::post`] on the path that prepared `h`.
+    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>) -> Result<()> {
+        self.owner(h)?.post(h, notif)
+    }
+
+    /// [`IpcPath::check`] on the path that prepared `h`.
+    pub(crate) fn check(&self, h: u64, shim: Option<Shim>) -> Result<Progress> {
+        self.owner(h)?.check(h, shim)
+    }
+
+    /// [`IpcPath::release`] on the path that prepared `h`.
+    pub(crate) fn release(&self, h: u64) -> Result<()> {
+        self.owner(h)?.release(h)
+    }
+
+    /// [`IpcPath::unmap`] on every path (each may have mapped the allocation).
+    pub(crate) fn unmap(&self, handle: &[u8; 64]) {
+        for p in self.by_dev.read().values().flatten() {
+            p.unmap(handle);
         }
     }
 }

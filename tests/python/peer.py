@@ -6,10 +6,12 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "start", "name": N, "backends": [...], "params": {...}, "size": BYTES, "seed": S,
    "mem": "DRAM"|"VRAM", "dev": GPU}
       -> {"meta": b64, "addr": int}   (buffer filled with pattern(seed); VRAM: a torch tensor)
+      "host": {"size": BYTES, "seed": S} also registers a host-memory buffer with the same
+      agent (a GPU worker that moves host memory too) -> "host_addr": int
   {"op": "load", "meta": b64}                 add a remote agent
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
   {"op": "notif_send", "to": A, "msg": M}
-  {"op": "dump", "path": P}                   write the buffer to a file
+  {"op": "dump", "path": P, "host": bool}     write the buffer (the host buffer) to a file
   {"op": "fill", "seed": S}                   refill the buffer with pattern(seed)
   {"op": "write", "to": A, "n": N, "size": S, "seed": L, "src_off": O, "raddr": R,
    "notif": M, "sizes": [..]?}   scattered WRITE of Scattered(N, S, L) from buffer+O to R
@@ -33,6 +35,7 @@ import nixlkit
 def main():
     ag = None
     buf = None
+    hbuf = None
     regs = []
     seen = []
 
@@ -44,7 +47,7 @@ def main():
                 seen.append((sender, m))
 
     def start(cmd):
-        nonlocal ag, buf
+        nonlocal ag, buf, hbuf
         if cmd.get("mem", "DRAM") == "VRAM":
             # As frameworks do: the process's GPU is current before the agent is made
             # (BOUNCE puts its GPU arena on the GPU current at backend creation).
@@ -59,7 +62,13 @@ def main():
             buf = nixlkit.VramBuf(buf, cmd.get("dev", 0))
         for b in cmd.get("backends", ["BOUNCE"]):
             regs.append(nixlkit.register(ag, buf, b))
-        return {"meta": base64.b64encode(ag.get_agent_metadata()).decode(), "addr": nixlkit.addr(buf)}
+        out = {"addr": nixlkit.addr(buf)}
+        if "host" in cmd:
+            hbuf = nixlkit.pattern(cmd["host"]["seed"], cmd["host"]["size"])
+            for b in cmd.get("backends", ["BOUNCE"]):
+                regs.append(nixlkit.register(ag, hbuf, b))
+            out["host_addr"] = nixlkit.addr(hbuf)
+        return {"meta": base64.b64encode(ag.get_agent_metadata()).decode(), **out}
 
     def notif_wait(cmd):
         want = (cmd["from"], cmd["msg"].encode())
@@ -124,7 +133,7 @@ def main():
         "load": lambda cmd: ag.add_remote_agent(base64.b64decode(cmd["meta"])),
         "notif_wait": notif_wait,
         "notif_send": lambda cmd: ag.send_notif(cmd["to"], cmd["msg"].encode()),
-        "dump": lambda cmd: buf.tofile(cmd["path"]),
+        "dump": lambda cmd: (hbuf if cmd.get("host") else buf).tofile(cmd["path"]),
         "fill": fill,
         "write": write,
         "wait_ready": lambda cmd: nixlkit.wait_ready(ag, cmd.get("n", 1)),

@@ -7,6 +7,7 @@ machine without a GPU (CI) every test says "skipped: no GPU (...)".
 BOUNCE_TEST_PEER_GPU picks the target process's GPU (default 0: both processes share GPU 0;
 1 on a two-GPU machine sends across NVLink).
 """
+import base64
 import os
 import signal
 import threading
@@ -177,8 +178,9 @@ def test_a_host_arena_and_a_gpu_arena_bounce_with_each_other(peer, tmp_path, op,
 
 def test_a_gpu_arena_engine_sends_host_memory_to_ucx_and_says_so_once(peer, tmp_path, capfd):
     """One arena per engine: an engine with a GPU arena (a worker with a CUDA context under
-    `auto`, here `vram`) moving many small host-memory pieces hands them to UCX, byte-exact,
-    counts each such request in `fallback_mem`, and warns once (not per request) that
+    `auto`, here `vram`) moving many small host-memory pieces, with no same-host path to take
+    them (CMA is off here, as between two hosts), hands them to UCX, byte-exact, counts each
+    such request in `fallback_mem`, and warns once (not per request) that
     `bounce_arena_mem=dram` would bounce them (vLLM's `kv_buffer_device=cpu` workers)."""
     lay = nixlkit.Scattered(1024, 4096, seed=1201)
     p = peer()
@@ -204,6 +206,97 @@ def test_a_gpu_arena_engine_sends_host_memory_to_ucx_and_says_so_once(peer, tmp_
     err = capfd.readouterr().err
     said = [line for line in err.splitlines() if "transfers of many small descriptors go to UCX" in line]
     assert len(said) == 1 and "bounce_arena_mem=dram" in said[0], err[-3000:]
+
+
+def mixed_transfer(ag, op, peer_name, mem, lay, mine, theirs, dev=0, rdev=0):
+    """One scattered `op` of `lay` between our buffer at `mine` and the peer's at `theirs`."""
+    write = op == "WRITE"
+    lo = (lay.src_list if write else lay.dst_list)(mine, dev)
+    re = (lay.dst_list if write else lay.src_list)(theirs, rdev)
+    h = ag.initialize_xfer(op, ag.get_xfer_descs(lo, mem), ag.get_xfer_descs(re, mem), peer_name, b"",
+                           backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=60)
+    ag.release_xfer_handle(h)
+
+
+@pytest.mark.parametrize("metadata", ["two-way", "one-way"])
+def test_one_gpu_arena_engine_copies_host_memory_by_cma_and_gpu_memory_by_ipc(peer, tmp_path, monkeypatch, metadata):
+    """A GPU worker that moves host memory too (Dynamo's KV block manager registers GPU and
+    pinned host blocks with one agent; vLLM's host buffer on a CUDA worker): between two
+    processes of one host, each engine with a GPU arena and a host and a GPU registration, the
+    host-memory pieces take the same-host path for host memory (CMA) and the GPU ones the one
+    for GPU memory (CUDA IPC), WRITE and READ, with metadata loaded both ways or by us only;
+    nothing bounced, nothing to UCX; every byte of both of the peer's buffers and ours checked."""
+    monkeypatch.setenv("NIXL_BOUNCE_CMA", "1")
+    lay = nixlkit.Scattered(1024, 4096, seed=1301)  # 4 MiB of 4 KiB pieces, 8 MiB buffers
+    name = f"kinds-{metadata}"
+    p = peer({"NIXL_BOUNCE_CMA": "1"})
+    r = p.call(op="start", name=f"{name}-rx", size=lay.dst_bytes, seed=1302, mem="VRAM", dev=PEER_GPU,
+               params=IPC, host={"size": lay.dst_bytes, "seed": 1303})
+    meta, rv, rh = base64.b64decode(r["meta"]), r["addr"], r["host_addr"]
+    ag = nixlkit.agent(f"{name}-tx", params=IPC)
+    v_src, h_src = nixlkit.VramBuf(nixlkit.pattern(1304, lay.src_bytes), 0), nixlkit.pattern(1305, lay.src_bytes)
+    v_dst, h_dst = nixlkit.VramBuf(nixlkit.pattern(1306, lay.dst_bytes), 0), nixlkit.pattern(1307, lay.dst_bytes)
+    for b in (v_src, h_src, v_dst, h_dst):
+        nixlkit.register(ag, b)
+    ag.add_remote_agent(meta)
+    if metadata == "two-way":
+        connect(ag, p)
+    rx = f"{name}-rx"
+    mixed_transfer(ag, "WRITE", rx, "VRAM", lay, nixlkit.addr(v_src), rv, 0, PEER_GPU)
+    mixed_transfer(ag, "WRITE", rx, "DRAM", lay, nixlkit.addr(h_src), rh)
+    # READ back what the peer had between the pieces it was sent (the source layout over its
+    # destination buffers): the READ's sources are the WRITE's destinations' neighbours too.
+    back = nixlkit.Scattered(1024, 4096, seed=1308)
+    mixed_transfer(ag, "READ", rx, "VRAM", back, nixlkit.addr(v_dst), rv, 0, PEER_GPU)
+    mixed_transfer(ag, "READ", rx, "DRAM", back, nixlkit.addr(h_dst), rh)
+    peer_v = lay.expected(nixlkit.pattern(1304, lay.src_bytes), nixlkit.pattern(1302, lay.dst_bytes))
+    peer_h = lay.expected(nixlkit.pattern(1305, lay.src_bytes), nixlkit.pattern(1303, lay.dst_bytes))
+    nixlkit.assert_same(remote_host_copy(p, tmp_path), peer_v, "the peer's GPU buffer")
+    path = tmp_path / "host.bin"
+    p.call(op="dump", path=str(path), host=True)
+    nixlkit.assert_same(np.fromfile(path, dtype=np.uint8), peer_h, "the peer's host buffer")
+    # Our READ destinations: the peer's buffers as they were after the WRITEs.
+    nixlkit.assert_same(v_dst.host(), back.expected(peer_v, nixlkit.pattern(1306, lay.dst_bytes)), "our GPU READ")
+    nixlkit.assert_same(h_dst, back.expected(peer_h, nixlkit.pattern(1307, lay.dst_bytes)), "our host READ")
+    s, t = stats(ag), peer_stats(p)
+    assert s["ipc_xfers"] == 2 and s["ipc_ok"] == 2, s
+    assert s["cma_xfers"] == 2 and s["cma_ok"] == 2, s
+    assert s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0 and s["fallback_mem"] == 0, s
+    assert t["bounce_ok"] == 0 and t["ipc_xfers"] == 0 and t["cma_xfers"] == 0, t
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_host_arena_engine_copies_gpu_memory_by_ipc(peer, tmp_path, op):
+    """An engine whose arena is host memory (`bounce_arena_mem=dram` here; `auto` in a process
+    with no CUDA context yet when the agent was made) still copies GPU memory between processes
+    of one host by CUDA IPC: the path for that GPU opens at its first GPU registration, on both
+    sides (the peer publishes its handle, we map it). Byte-exact, nothing bounced or to UCX."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1401)
+    host_arena = {"bounce_arena_mem": "dram"}
+    name = f"harena-{op.lower()}"
+    p = peer()
+    write = op == "WRITE"
+    local_bytes, remote_bytes = (lay.src_bytes, lay.dst_bytes) if write else (lay.dst_bytes, lay.src_bytes)
+    meta, raddr = p.start(name=f"{name}-rx", size=remote_bytes, seed=1402, mem="VRAM", dev=PEER_GPU,
+                          params=host_arena)
+    ag = nixlkit.agent(f"{name}-tx", params=host_arena)
+    buf = nixlkit.VramBuf(nixlkit.pattern(1403, local_bytes), 0)
+    nixlkit.register(ag, buf)
+    ag.add_remote_agent(meta)
+    mixed_transfer(ag, op, f"{name}-rx", "VRAM", lay, nixlkit.addr(buf), raddr, 0, PEER_GPU)
+    if write:
+        nixlkit.assert_same(remote_host_copy(p, tmp_path),
+                            lay.expected(nixlkit.pattern(1403, local_bytes), nixlkit.pattern(1402, remote_bytes)),
+                            "the peer's GPU buffer")
+    else:
+        nixlkit.assert_same(buf.host(),
+                            lay.expected(nixlkit.pattern(1402, remote_bytes), nixlkit.pattern(1403, local_bytes)),
+                            "our GPU buffer")
+    s = stats(ag)
+    assert s["ipc_xfers"] == 1 and s["ipc_ok"] == 1, s
+    assert s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0, s
 
 
 def test_vram_mixed_unaligned_sizes(peer, tmp_path):
