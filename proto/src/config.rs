@@ -89,6 +89,9 @@ pub struct Config {
     /// Copy same-host host-memory transfers with cross-memory attach instead of bouncing them
     /// (`bounce_cma`).
     pub cma: bool,
+    /// Threads of the same-host path for host memory (`bounce_cma_workers`); 0: the shell
+    /// picks from the CPUs it may run on.
+    pub cma_workers: u32,
     /// Scatter with non-temporal stores (`bounce_streaming_scatter`).
     pub streaming_scatter: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
@@ -464,6 +467,7 @@ impl Config {
             direct_writes: boolean("bounce_direct_writes")?,
             cuda_ipc: boolean("bounce_cuda_ipc")?,
             cma: boolean("bounce_cma")?,
+            cma_workers: u32_of("bounce_cma_workers")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
             idle_park: Duration::from_micros(u64_of("bounce_idle_park_us")?),
@@ -721,6 +725,7 @@ mod tests {
         assert_eq!(c.max_average_descriptor_size, bytes("bounce_max_average_descriptor_size"));
         assert_eq!(c.max_inflight_chunks.to_string(), spec("bounce_max_inflight_chunks").default);
         assert_eq!(c.copy_workers.to_string(), spec("bounce_copy_workers").default);
+        assert_eq!(c.cma_workers.to_string(), spec("bounce_cma_workers").default);
         assert_eq!(c.min_descriptor_count.to_string(), spec("bounce_min_descriptor_count").default);
         assert_eq!(c.request_timeout.as_millis().to_string(), spec("bounce_request_timeout_ms").default);
         assert_eq!(c.ucx_plugin.is_none(), spec("bounce_ucx_plugin").default.is_empty());
@@ -795,6 +800,7 @@ mod tests {
             ("bounce_direct_writes", "false"),
             ("bounce_cuda_ipc", "no"),
             ("bounce_cma", "off"),
+            ("bounce_cma_workers", "3"),
             ("bounce_streaming_scatter", "off"),
             ("bounce_check_wait_us", "0"),
             ("bounce_idle_park_us", "250"),
@@ -829,6 +835,7 @@ mod tests {
             direct_writes: false,
             cuda_ipc: false,
             cma: false,
+            cma_workers: 3,
             streaming_scatter: false,
             check_wait: Duration::ZERO,
             idle_park: Duration::from_micros(250),

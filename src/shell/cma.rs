@@ -489,6 +489,19 @@ impl Drop for CmaPath {
     }
 }
 
+/// The path's threads: `configured` (`bounce_cma_workers`), or for 0 half of `cpus` (the CPUs
+/// this process may run on), at least 2 and at most 8. CMA copies scale with cores (on a
+/// 16-core host the KV batch took 0.30-0.41 of UCX's time with 2 threads, 0.19-0.25 with 4,
+/// 0.15-0.18 with 8: BENCHMARKS.md, session 25), and a small transfer stays in one part
+/// ([`MIN_PART_BYTES`]), so idle threads cost nothing but their stacks.
+pub(crate) fn workers_for(configured: u32, cpus: Option<usize>) -> u32 {
+    if configured > 0 {
+        return configured;
+    }
+    let half = cpus.map_or(0, |n| n / 2);
+    u32::try_from(half).unwrap_or(u32::MAX).clamp(2, 8)
+}
+
 /// Cuts `pieces` into at most `n` parts of about equal bytes, in order, a piece never split
 /// (one part below [`MIN_PART_BYTES`] a part).
 fn split(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
@@ -517,6 +530,18 @@ mod tests {
 
     fn piece(i: u64, len: u64) -> Piece {
         Piece { local: i << 32, remote: i << 33, len }
+    }
+
+    #[test]
+    fn the_threads_are_what_was_set_else_half_the_cpus_between_2_and_8() {
+        assert_eq!(workers_for(5, Some(16)), 5, "a value set wins");
+        assert_eq!(workers_for(1, Some(64)), 1);
+        assert_eq!(workers_for(0, Some(16)), 8);
+        assert_eq!(workers_for(0, Some(12)), 6);
+        assert_eq!(workers_for(0, Some(64)), 8, "at most 8");
+        assert_eq!(workers_for(0, Some(2)), 2, "at least 2");
+        assert_eq!(workers_for(0, Some(1)), 2);
+        assert_eq!(workers_for(0, None), 2, "the CPUs unknown");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use bounce_proto::{ControlKind, MemKind};
 use parking_lot::Mutex;
 
 use crate::shell::arena::Arena;
-use crate::shell::cma::{CMA_HANDLE_BIT, CmaPath};
+use crate::shell::cma::{self, CMA_HANDLE_BIT, CmaPath};
 use crate::shell::control::ControlChannel;
 use crate::shell::control::ucx::UcxChannel;
 use crate::shell::control::zmq::ZmqChannel;
@@ -207,7 +207,12 @@ impl Engine {
         // and got none has no bounce path at all, and so none of these.
         let no_bounce = !config.enabled || (config.arena_mem == ArenaMem::Vram && gpu.is_none());
         let ipc = (!no_bounce && config.cuda_ipc).then(|| IpcPaths::new(gpu.as_ref(), Arc::clone(&stats)));
-        let cma = (!no_bounce && config.cma).then(|| CmaPath::new(config.copy_workers, Arc::clone(&stats))).flatten();
+        let cma = (!no_bounce && config.cma)
+            .then(|| {
+                let cpus = std::thread::available_parallelism().ok().map(std::num::NonZeroUsize::get);
+                CmaPath::new(cma::workers_for(config.cma_workers, cpus), Arc::clone(&stats))
+            })
+            .flatten();
         let mapped_limits = MappedLimits::new(&config, gpu.is_some(), &p.params, &env);
         let engine = Self {
             agent: p.agent.to_owned(),

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import nixlkit
+from conftest import run_isolated
 from test_bounce import B, connect, remote_buffer, stats
 
 ON = {"NIXL_BOUNCE_CMA": "1"}
@@ -207,3 +208,43 @@ def test_a_deregistered_destination_is_not_written(cma, peer, tmp_path):
     assert (after == before).all(), "the deregistered buffer was written"
     s = stats(ag)
     assert s["cma_xfers"] == 1 and s["cma_ok"] == 1, s
+
+
+CMA_THREADS = """
+import os, nixlkit
+def cma_threads():
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{t}/comm") as f:
+            n += f.read().startswith("bounce-cma-")
+    return n
+before = cma_threads()
+ag = nixlkit.agent("threads", params=PARAMS)
+def cpus():
+    # As Rust's available_parallelism: the affinity mask, lowered by a cgroup v2 CPU quota.
+    n = len(os.sched_getaffinity(0))
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return n
+print("THREADS", cma_threads() - before, cpus())
+nixlkit.leave(0)
+"""
+
+
+@pytest.mark.parametrize("set_to", [None, "3"])
+def test_the_path_runs_the_threads_set_else_half_the_cpus_between_2_and_8(cma, set_to):
+    """`bounce_cma_workers`: the threads the path starts (named `bounce-cma-N`), counted in a
+    fresh process: the value set, or for the default 0 half the CPUs the process may run on,
+    at least 2 and at most 8."""
+    params = {} if set_to is None else {"bounce_cma_workers": set_to}
+    rc, out = run_isolated(f"PARAMS = {params!r}\n" + CMA_THREADS, env=ON)
+    assert rc == 0, out[-3000:]
+    line = [x for x in out.splitlines() if x.startswith("THREADS ")]
+    assert line, out[-3000:]
+    threads, cpus = map(int, line[0].split()[1:])
+    want = int(set_to) if set_to else min(8, max(2, cpus // 2))
+    assert threads == want, (threads, cpus, out[-2000:])
