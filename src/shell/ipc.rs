@@ -376,7 +376,10 @@ impl IpcPaths {
     }
 
     /// The path for memory on GPU `dev`, opened (the GPU, its kernels, a plan stream) at the
-    /// first call for it.
+    /// first call for it: the registration of that GPU's first memory, on the application's
+    /// thread (its context is given back when the call returns, see `Gpu::bind`). It retains
+    /// the GPU's primary context, the one the CUDA runtime and PyTorch use. Other paths' posts
+    /// wait for the lock meanwhile, once per GPU.
     fn open(&self, dev: u64) -> Option<Arc<IpcPath>> {
         if let Some(p) = self.by_dev.read().get(&dev) {
             return p.clone();
