@@ -35,6 +35,7 @@ use bounce_proto::wire::CmaRecord;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
+use crate::shell::copy::cpu::next_job;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -209,9 +210,11 @@ impl std::fmt::Debug for CmaPath {
 }
 
 impl CmaPath {
-    /// The path with `workers` copy threads; `None` (logged) without a host identity or
-    /// `/proc`.
-    pub(crate) fn new(workers: u32, stats: Arc<Stats>) -> Option<Self> {
+    /// The path with `workers` copy threads, each looking for its next part (yielding) for
+    /// `linger` after its last before it blocks, as the bounce path's copy workers do (a KV
+    /// request's parts come a few hundred microseconds after the previous request's); `None`
+    /// (logged) without a host identity or `/proc`.
+    pub(crate) fn new(workers: u32, linger: Duration, stats: Arc<Stats>) -> Option<Self> {
         let (Some(node), Some(me)) = (super::ipc::host_identity(), cma::this_process()) else {
             tracing::info!("no host or process identity (/proc): no same-host path for host memory");
             return None;
@@ -221,7 +224,7 @@ impl CmaPath {
         for i in 0..workers.max(1) {
             let rx: Receiver<Task> = rx.clone();
             let spawned = std::thread::Builder::new().name(format!("bounce-cma-{i}")).spawn(move || {
-                for t in rx.iter() {
+                while let Some(t) = next_job(&rx, linger) {
                     let pieces = &t.parts[t.part];
                     // A panic (none is known) must still end the part, or its transfer would
                     // stay in flight for ever: it counts as a failed copy.
@@ -561,7 +564,7 @@ mod tests {
     #[test]
     fn a_record_is_taken_only_for_this_host_namespace_and_a_live_process() {
         let stats = Arc::new(Stats::default());
-        let mut path = CmaPath::new(1, Arc::clone(&stats)).expect("Linux has /proc");
+        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
         let mut buf = vec![0u8; 64];
         let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
         let rec = path.export(Md(1), &reg).expect("host memory exports");
@@ -607,5 +610,34 @@ mod tests {
         assert!(!path.permitted("p", &rec_gone));
         assert_eq!(path.permitted.lock().get(&(gone, 1)), Some(&false));
         assert!(path.permitted("p", &rec), "this process: reachable");
+    }
+
+    /// A worker lingering after its part (a 60 s linger here) copies the next request's, and
+    /// the path still ends at once when dropped (the closed channel ends the linger).
+    #[test]
+    fn a_lingering_worker_copies_the_next_request_and_ends_with_the_path() {
+        let stats = Arc::new(Stats::default());
+        let mut path = CmaPath::new(1, Duration::from_secs(60), Arc::clone(&stats)).expect("Linux has /proc");
+        path.allow_self = true;
+        let mut buf = vec![0u8; 64];
+        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let src: Vec<u8> = (1..=64).collect();
+        for (i, at) in [0u64, 32].into_iter().enumerate() {
+            let pair = [DescPair { src: src.as_ptr() as u64 + at, dst: reg.addr + at, len: 32 }];
+            let h = path.prep("p", &pair, &[(rec, 1)], false).expect("this process");
+            path.post(h, None).unwrap();
+            let end = Instant::now() + Duration::from_secs(10);
+            while path.check(h, None, Duration::from_micros(200)).unwrap() == Progress::InFlight {
+                assert!(Instant::now() < end, "request {i} never finished");
+                std::thread::yield_now();
+            }
+            path.release(h).unwrap();
+        }
+        assert_eq!(buf, src);
+        assert_eq!(stats.cma_ok.load(Ordering::Relaxed), 2);
+        let t = Instant::now();
+        drop(path);
+        assert!(t.elapsed() < Duration::from_secs(5), "the linger outlived the path: {:?}", t.elapsed());
     }
 }

@@ -210,7 +210,8 @@ impl Engine {
         let cma = (!no_bounce && config.cma)
             .then(|| {
                 let cpus = std::thread::available_parallelism().ok().map(std::num::NonZeroUsize::get);
-                CmaPath::new(cma::workers_for(config.cma_workers, cpus), Arc::clone(&stats))
+                let linger = crate::shell::reactor::hot_spin(cpus.unwrap_or(1));
+                CmaPath::new(cma::workers_for(config.cma_workers, cpus), linger, Arc::clone(&stats))
             })
             .flatten();
         let mapped_limits = MappedLimits::new(&config, gpu.is_some(), &p.params, &env);

@@ -211,8 +211,9 @@ impl Drop for CpuEngine {
 }
 
 /// A worker's next job: looked for (yielding) for `linger` after the last one, then waited
-/// for; `None` once the engine is gone.
-fn next_job(rx: &Receiver<CopyJob>, linger: Duration) -> Option<CopyJob> {
+/// for; `None` once the engine is gone. The copy workers of the bounce path and of the
+/// same-host path for host memory (`shell::cma`) alike.
+pub(crate) fn next_job<T>(rx: &Receiver<T>, linger: Duration) -> Option<T> {
     let idle = Instant::now();
     loop {
         match rx.try_recv() {
