@@ -385,6 +385,9 @@ impl Engine {
         // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
         let huge = tracing::enabled!(tracing::Level::INFO).then(|| arena.huge_bytes()).flatten();
         let place = arena.place();
+        if place.mem == MemKind::Vram {
+            self.stats.arena_gpu.store(place.dev.saturating_add(1), Ordering::Relaxed);
+        }
         tracing::info!(
             agent = self.agent,
             arena = arena.len(),

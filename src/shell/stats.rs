@@ -134,6 +134,9 @@ counters! {
     /// Of those, frames that looked valid but were not authentic: a wrong transfer token, or a
     /// session other than the one in the sender's loaded metadata.
     control_forged,
+    /// Where the bounce path's arena is: the GPU's ordinal plus one for a GPU arena, 0 for a
+    /// host arena or none (what `bounce_arena_mem=auto` chose; set once the path is ready).
+    arena_gpu,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
     /// Arena bytes resting in quarantine: reclaimed from peers' flows whose writer went silent

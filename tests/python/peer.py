@@ -8,6 +8,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
       -> {"meta": b64, "addr": int}   (buffer filled with pattern(seed); VRAM: a torch tensor)
       "host": {"size": BYTES, "seed": S} also registers a host-memory buffer with the same
       agent (a GPU worker that moves host memory too) -> "host_addr": int
+      "cuda_late": true makes the agent before the process touches CUDA (VRAM)
   {"op": "load", "meta": b64}                 add a remote agent
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
   {"op": "notif_send", "to": A, "msg": M}
@@ -48,15 +49,22 @@ def main():
 
     def start(cmd):
         nonlocal ag, buf, hbuf
-        if cmd.get("mem", "DRAM") == "VRAM":
-            # As frameworks do: the process's GPU is current before the agent is made
-            # (BOUNCE puts its GPU arena on the GPU current at backend creation).
+        vram = cmd.get("mem", "DRAM") == "VRAM"
+
+        def touch_cuda():
             import torch
             torch.cuda.set_device(cmd.get("dev", 0))
             torch.cuda.init()
             torch.empty(1, device=f"cuda:{cmd.get('dev', 0)}")
             nixlkit.gpu_trace(f"target-{cmd['name']}")
+
+        # As frameworks do: the process's GPU is current before the agent is made (BOUNCE puts
+        # its GPU arena on the GPU current at backend creation); "cuda_late" does it after.
+        if vram and not cmd.get("cuda_late"):
+            touch_cuda()
         ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
+        if vram and cmd.get("cuda_late"):
+            touch_cuda()
         buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
         if cmd.get("mem", "DRAM") == "VRAM":
             buf = nixlkit.VramBuf(buf, cmd.get("dev", 0))

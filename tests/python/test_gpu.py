@@ -265,6 +265,7 @@ def test_one_gpu_arena_engine_copies_host_memory_by_cma_and_gpu_memory_by_ipc(pe
     assert s["cma_xfers"] == 2 and s["cma_ok"] == 2, s
     assert s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0 and s["fallback_mem"] == 0, s
     assert t["bounce_ok"] == 0 and t["ipc_xfers"] == 0 and t["cma_xfers"] == 0, t
+    assert (s["arena_gpu"], t["arena_gpu"]) == (1, PEER_GPU + 1), ("GPU arenas on both sides", s, t)
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
@@ -297,6 +298,29 @@ def test_a_host_arena_engine_copies_gpu_memory_by_ipc(peer, tmp_path, op):
     s = stats(ag)
     assert s["ipc_xfers"] == 1 and s["ipc_ok"] == 1, s
     assert s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0, s
+    assert s["arena_gpu"] == 0, "a host arena"
+
+
+def test_an_agent_made_before_cuda_was_touched_copies_gpu_memory_by_ipc(peer):
+    """`bounce_arena_mem=auto` in a process that made its agent before touching CUDA (a script
+    that creates the agent first): its arena is host memory (`stats.arena_gpu` 0), and its
+    GPU-memory WRITE to a process of the same host still takes CUDA IPC, through the path its
+    first GPU registration opened; byte-exact, nothing bounced, nothing to UCX."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1501)
+    ag = nixlkit.agent("late-rx", params=IPC)
+    dst = nixlkit.VramBuf(nixlkit.pattern(1502, lay.dst_bytes), 0)
+    nixlkit.register(ag, dst)
+    p = peer()
+    p.start(name="late-tx", size=lay.src_bytes, seed=1503, mem="VRAM", dev=PEER_GPU, cuda_late=True, params={})
+    p.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
+    out = p.call(op="write", to="late-rx", n=4096, size=4096, seed=1501, raddr=nixlkit.addr(dst), rdev=0)
+    assert out["state"] == "DONE", out
+    nixlkit.assert_same(dst.host(), lay.expected(nixlkit.pattern(1503, lay.src_bytes),
+                                                 nixlkit.pattern(1502, lay.dst_bytes)), "our GPU buffer")
+    t = peer_stats(p)
+    assert t["arena_gpu"] == 0, ("auto kept a host arena", t)
+    assert t["ipc_xfers"] == 1 and t["ipc_ok"] == 1, t
+    assert t["bounce_xfers"] == 0 and t["passthrough_xfers"] == 0, t
 
 
 def test_vram_mixed_unaligned_sizes(peer, tmp_path):
