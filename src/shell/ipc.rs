@@ -407,7 +407,7 @@ impl IpcPaths {
 
     /// The path that prepared request `h`.
     fn owner(&self, h: u64) -> Result<Arc<IpcPath>> {
-        self.path((h >> DEV_SHIFT) % MAX_GPUS).ok_or(Error::UnknownRequest(h))
+        self.path(gpu_of(h)).ok_or(Error::UnknownRequest(h))
     }
 
     /// The record to publish with our registration `reg`: GPU memory only, exported through
@@ -453,6 +453,11 @@ impl IpcPaths {
             p.unmap(handle);
         }
     }
+}
+
+/// The GPU whose path made request handle `h` (see [`DEV_SHIFT`]).
+fn gpu_of(h: u64) -> u64 {
+    (h >> DEV_SHIFT) % MAX_GPUS
 }
 
 /// Where `len` bytes at the peer's `addr` are in this process: `base` is the registration's
@@ -501,6 +506,19 @@ mod tests {
         assert_eq!(translate(&r, base, 0x0f_ffff, 1), None, "one byte before the start");
         assert_eq!(translate(&r, base, u64::MAX, 2), None);
         assert_eq!(translate(&rec(0, u64::MAX), u64::MAX - 1, 4, 1), None, "the mapped address overflows");
+    }
+
+    #[test]
+    fn a_handle_names_the_gpu_whose_path_made_it_and_keeps_clear_of_the_other_paths_bits() {
+        use crate::shell::cma::CMA_HANDLE_BIT;
+        for dev in [0, 1, 7, MAX_GPUS - 1] {
+            for n in [1, 2, (1 << DEV_SHIFT) - 1] {
+                let h = IPC_HANDLE_BIT | (dev << DEV_SHIFT) | n;
+                assert_eq!(gpu_of(h), dev, "dev {dev}, n {n}");
+                assert_eq!(h & CMA_HANDLE_BIT, 0, "never a CMA handle");
+                assert_ne!(h & IPC_HANDLE_BIT, 0);
+            }
+        }
     }
 
     #[test]
