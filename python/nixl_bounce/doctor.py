@@ -125,6 +125,28 @@ def _check_cuda(r: Report, nixl: locate.NixlInstall) -> None:
         r.ok(f"CUDA driver {c.driver}; {len(c.gpus)} GPU(s): {gpus}")
 
 
+def _check_same_host(r: Report, scope: Optional[int]) -> None:
+    """Whether processes of this host may use the same-host path for host memory (CMA): Yama's
+    ptrace scope `scope` (None: no Yama) decides, as it does for UCX's own cma transport."""
+    what = "same-host path for host memory (CMA)"
+    if scope is None or scope == 0:
+        r.ok(f"{what}: allowed between processes of one user"
+             + (" (no Yama)" if scope is None else " (Yama ptrace_scope 0)"))
+    elif scope == 1:
+        r.ok(f"{what}: allowed (Yama ptrace_scope 1: UCX's cma component lets processes of the user "
+             f"attach, PR_SET_PTRACER_ANY, when BOUNCE's inner UCX engine starts)")
+    elif scope == 2:
+        r.warn(f"{what}: only processes with CAP_SYS_PTRACE may use it (Yama ptrace_scope 2); "
+               f"host-memory transfers between processes of this host bounce instead",
+               "give the processes CAP_SYS_PTRACE, or set kernel.yama.ptrace_scope to 1 if your "
+               "security policy allows")
+    else:
+        r.warn(f"{what}: unavailable (Yama ptrace_scope {scope}: no process may attach); "
+               f"host-memory transfers between processes of this host bounce instead",
+               "set kernel.yama.ptrace_scope to 1 if your security policy allows (needs a reboot "
+               "from 3)")
+
+
 def _live(r: Report, nixl: locate.NixlInstall) -> None:
     importable = {n.lib_dir for n in locate.importable()}
     if nixl.package is None or nixl.lib_dir not in importable:
@@ -176,6 +198,7 @@ def run(nixl_path: Optional[str], live: bool = True) -> int:
         _check_nixl(r, nixl, tested)
         installed = _check_plugin_dir(r, nixl)
         _check_cuda(r, nixl)
+        _check_same_host(r, probes.ptrace_scope())
         if live and installed:
             _live(r, nixl)
     print("all checks passed" if r.failed == 0 else f"{r.failed} problem(s) found")

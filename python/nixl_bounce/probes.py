@@ -32,6 +32,20 @@ def tested_nixl_versions(path: str) -> Optional[Tuple[str, ...]]:
     return tuple(v for v in raw.decode().split(",") if v)
 
 
+YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def ptrace_scope(path: str = YAMA_PTRACE_SCOPE) -> Optional[int]:
+    """Yama's ptrace scope (0-3), which decides whether one process may copy into another by
+    cross-memory attach (BOUNCE's same-host path for host memory, UCX's cma); None without
+    Yama (or an unreadable value), where processes of one user may."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass
 class Cuda:
     """What the CUDA driver reports; `error` says why nothing was seen."""

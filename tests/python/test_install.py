@@ -110,6 +110,7 @@ def test_doctor_is_green_and_bounces_live(env):
     assert f"NIXL: {env.package} {NIXL_VERSION}" in out and "(tested with this build)" in out, out
     assert "UCX plugin found" in out and "BOUNCE plugin API version 1" in out, out
     assert "same file as the wheel's" in out and "CUDA" in out, out
+    assert "same-host path for host memory (CMA)" in out, out
     assert "live: two agents created BOUNCE" in out and "bytes checked" in out, out
     assert "[FAIL]" not in out and out.rstrip().endswith("all checks passed"), out
 
