@@ -40,6 +40,16 @@ pub struct ArenaPlace {
 }
 
 impl ArenaPlace {
+    /// Memory `mem` where the first of `descs` lies: its device for GPU memory, 0 for host
+    /// memory (whose device ids mean nothing).
+    fn first_of(mem: MemKind, descs: &[Desc]) -> Self {
+        let dev = match mem {
+            MemKind::Vram => descs.first().map_or(0, |d| d.dev),
+            MemKind::Dram => 0,
+        };
+        Self { mem, dev }
+    }
+
     /// Whether descriptors of memory `mem` lying on devices `devs` can be copied to or from this
     /// arena by its copy engine: same memory kind, and for GPU memory the arena's own GPU.
     fn serves(&self, mem: Option<MemKind>, descs: &[Desc]) -> bool {
@@ -200,11 +210,7 @@ fn too_few_or_too_large(input: &GateInput<'_>) -> Option<FallbackReason> {
 /// same kind on the remote descriptors' device. The caller gives the thresholds of that kind.
 pub fn route_mapped(input: &GateInput<'_>, mapped: bool) -> Route {
     let place = mapped_place(input).unwrap_or(input.arena);
-    let dev = match place.mem {
-        MemKind::Vram => input.remote.first().map_or(0, |d| d.dev),
-        MemKind::Dram => 0,
-    };
-    let peer = ArenaPlace { mem: place.mem, dev };
+    let peer = ArenaPlace::first_of(place.mem, input.remote);
     route(&GateInput { arena: place, peer_arena: Some(peer), peer_can_bounce: mapped, ..*input })
 }
 
@@ -212,12 +218,7 @@ pub fn route_mapped(input: &GateInput<'_>, mapped: bool) -> Route {
 /// memory, the first one's GPU (the path of that GPU launches the kernel; [`route_mapped`]
 /// refuses lists spread over several). `None` for a segment kind bounce does not know.
 pub fn mapped_place(input: &GateInput<'_>) -> Option<ArenaPlace> {
-    let mem = input.local_mem?;
-    let dev = match mem {
-        MemKind::Vram => input.local.first().map_or(0, |d| d.dev),
-        MemKind::Dram => 0,
-    };
-    Some(ArenaPlace { mem, dev })
+    Some(ArenaPlace::first_of(input.local_mem?, input.local))
 }
 
 /// A memory registration made through this engine.

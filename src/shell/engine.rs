@@ -680,11 +680,16 @@ impl Engine {
         pair: impl Fn((&DescView, &DescView)) -> DescPair,
     ) -> Option<u64> {
         let place = gate::mapped_place(input)?;
-        let has_path = match place.mem {
-            MemKind::Vram => self.ipc.is_some(),
-            MemKind::Dram => self.cma.is_some(),
+        // The path for that memory, if this engine has it.
+        enum Path<'a> {
+            Ipc(&'a IpcPaths),
+            Cma(&'a CmaPath),
+        }
+        let path = match place.mem {
+            MemKind::Vram => Path::Ipc(self.ipc.as_ref()?),
+            MemKind::Dram => Path::Cma(self.cma.as_ref()?),
         };
-        if !has_path || !matches!(op, Some(XferOp::Write | XferOp::Read)) {
+        if !matches!(op, Some(XferOp::Write | XferOp::Read)) {
             return None;
         }
         let input = self.mapped_limits.apply(place.mem, input);
@@ -694,16 +699,15 @@ impl Engine {
         let recs = self.keys.remote_reach(remote.iter().map(|d| d.md))?;
         let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
         let read = matches!(op, Some(XferOp::Read));
-        match (place.mem, &self.ipc, &self.cma) {
-            (MemKind::Vram, Some(ipc), _) => {
+        match path {
+            Path::Ipc(ipc) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.ipc()?, *n))).collect();
                 ipc.prep(place.dev, agent, &pairs, &recs?, read)
             }
-            (MemKind::Dram, _, Some(cma)) => {
+            Path::Cma(cma) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.cma()?, *n))).collect();
                 cma.prep(agent, &pairs, &recs?, read)
             }
-            _ => None,
         }
     }
 
