@@ -1472,7 +1472,8 @@ pub(crate) mod tests {
         assert_eq!(ep.peers().hints(), MAX_HELLO_HINTS, "bounded");
         assert!(!ep.peers().is_reachable("a"), "its hint was evicted");
         assert!(drain(&mut ep).is_empty() && ep.stats().frames_refused == 0);
-        let caps = wire::Capabilities { arena_key: vec![1], ..caps(1) };
+        let mut caps = caps(1);
+        caps.arenas.first_mut().key = vec![1];
         ep.peers_mut().load_conn_info("a", Some(caps.clone()), Some(&caps));
         ep.peers_mut().arena_loaded("a", true);
         let id = ep.peers().lookup("a").unwrap();

@@ -410,8 +410,8 @@ impl PeerTable {
             Some(Some(caps)) if p.arena => caps,
             _ => return Err(CreditRefused::NoArena(peer)),
         };
-        if region.offset.checked_add(len).is_none_or(|end| end > caps.arena_len) || len > region.len {
-            return Err(CreditRefused::OutsideArena { peer, region, len, arena_len: caps.arena_len });
+        if region.offset.checked_add(len).is_none_or(|end| end > caps.arenas.first().len) || len > region.len {
+            return Err(CreditRefused::OutsideArena { peer, region, len, arena_len: caps.arenas.first().len });
         }
         Ok(())
     }
@@ -434,7 +434,10 @@ mod tests {
     use crate::types::ControlKind;
 
     fn caps(max_chunk: u64) -> Capabilities {
-        Capabilities { arena_base: 0x10_0000, arena_key: vec![1], ..Capabilities::host_arena(0x1_0000, max_chunk, 1) }
+        let mut c = Capabilities::host_arena(0x1_0000, max_chunk, 1);
+        let arena = c.arenas.first_mut();
+        (arena.base, arena.key) = (0x10_0000, vec![1]);
+        c
     }
 
     /// A table where `name` is loaded, compatible, its arena loaded and it said HELLO.
@@ -469,7 +472,7 @@ mod tests {
         );
         assert_eq!(t.load_conn_info("c", None, Some(&caps(4096))), Loaded::NoCapabilities);
         assert_eq!(t.load_conn_info("d", Some(caps(4096)), None), Loaded::NoCapabilities);
-        assert_eq!(t.compatible("a").map(|c| c.arena_len), Some(0x1_0000));
+        assert_eq!(t.compatible("a").map(|c| c.arenas.first().len), Some(0x1_0000));
         for n in ["b", "c", "d"] {
             assert!(t.is_loaded(n) && t.compatible(n).is_none(), "{n}");
         }

@@ -33,6 +33,13 @@ pub struct Token(pub u128);
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct RegId(pub u64);
 
+/// One of an agent's arenas: its index in the list the agent advertises
+/// ([`Capabilities::arenas`](crate::wire::Capabilities::arenas)). The first, id 0, is the one
+/// every engine has.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct ArenaId(pub u8);
+
 /// A registration's secret key: random bits the owning engine draws at registration and
 /// publishes only in that registration's public metadata, so holding it proves an agent was
 /// given the metadata (see [`crate::proof`]).

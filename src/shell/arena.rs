@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use bounce_proto::gate::ArenaPlace;
-use bounce_proto::wire::Capabilities;
+use bounce_proto::wire::{ArenaCaps, Arenas, Capabilities};
 use bounce_proto::{ControlKind, MemKind};
 use memmap2::MmapMut;
 
@@ -154,14 +154,16 @@ impl Arena {
         Capabilities {
             wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
             control,
-            mem: self.place.mem,
-            arena_base: self.base,
-            arena_len: self.len(),
-            arena_dev: self.place.dev,
-            usable_capacity: usable,
-            max_chunk,
             session,
-            arena_key: self.key.clone(),
+            arenas: Arenas::one(ArenaCaps {
+                mem: self.place.mem,
+                dev: self.place.dev,
+                base: self.base,
+                len: self.len(),
+                usable_capacity: usable,
+                max_chunk,
+                key: self.key.clone(),
+            }),
             endpoint: Vec::new(),
             mailbox: None,
             mailbox_base: 0,

@@ -174,12 +174,13 @@ impl PeerTable {
     pub(crate) fn arena_to_load(&self, name: &str) -> Option<ArenaToLoad> {
         let t = self.table.lock();
         let c = t.rules.compatible(name)?;
+        let a = c.arenas.first();
         Some(ArenaToLoad {
-            base: c.arena_base,
-            len: c.arena_len,
-            dev: c.arena_dev,
-            mem: c.mem,
-            key: c.arena_key.clone(),
+            base: a.base,
+            len: a.len,
+            dev: a.dev,
+            mem: a.mem,
+            key: a.key.clone(),
             mailbox: c.mailbox.map(|_| (c.mailbox_base, c.mailbox_len, c.mailbox_key.clone())),
         })
     }
@@ -198,10 +199,10 @@ impl PeerTable {
         };
         let arena = match (md, t.rules.compatible(name)) {
             (Some(md), Some(c)) => Some(PeerArena {
-                base: c.arena_base,
-                len: c.arena_len,
-                dev: c.arena_dev,
-                mem: c.mem,
+                base: c.arenas.first().base,
+                len: c.arenas.first().len,
+                dev: c.arenas.first().dev,
+                mem: c.arenas.first().mem,
                 md,
                 mailbox: match (mailbox, c.mailbox) {
                     (Some(md), Some(m)) => {
@@ -253,7 +254,7 @@ impl PeerTable {
         if !t.rules.can_bounce(name) {
             return None;
         }
-        t.rules.compatible(name).map(|c| ArenaPlace { mem: c.mem, dev: c.arena_dev })
+        t.rules.compatible(name).map(|c| ArenaPlace { mem: c.arenas.first().mem, dev: c.arenas.first().dev })
     }
 
     /// The largest chunk of a transfer with `name` (the core's [`Capabilities::chunk_with`]:
@@ -273,7 +274,8 @@ impl PeerTable {
         // Its mailbox's registration must be loaded too: our fetches READ through it.
         t.arenas.get(&t.rules.lookup(name)?)?.mailbox?;
         let caps = t.rules.compatible(name)?;
-        Some((ArenaPlace { mem: caps.mem, dev: caps.arena_dev }, oneway::peer_layout(caps)?))
+        let first = caps.arenas.first();
+        Some((ArenaPlace { mem: first.mem, dev: first.dev }, oneway::peer_layout(caps)?))
     }
 
     /// Where one-way fetches from a peer go: its name and its mailbox's registration.
@@ -383,12 +385,13 @@ mod tests {
     use super::*;
 
     fn caps(session: u64) -> Capabilities {
-        Capabilities {
-            arena_base: 0x1000,
-            arena_key: b"key".to_vec(),
+        let mut c = Capabilities {
             endpoint: b"tcp://10.0.0.1:1".to_vec(),
             ..Capabilities::host_arena(1 << 20, 1 << 16, session)
-        }
+        };
+        let arena = c.arenas.first_mut();
+        (arena.base, arena.key) = (0x1000, b"key".to_vec());
+        c
     }
 
     #[test]

@@ -64,17 +64,21 @@ def tok(token):
     return (token & ((1 << 128) - 1)).to_bytes(16, "little")
 
 
-# The u64 fields of the capabilities, in order (proto/src/wire/caps.rs).
-CAPS_U64 = ("arena_base", "arena_len", "arena_dev", "usable_capacity", "max_chunk", "session")
+# The u64 fields of the first arena in the capabilities, in order (proto/src/wire/caps.rs).
+ARENA_U64 = ("arena_dev", "arena_base", "arena_len", "usable_capacity", "max_chunk")
 
 
 def caps_offset(meta, field):
-    """Where u64 capability `field` lies in an agent's metadata. The metadata holds the
-    connection-info envelope raw: magic, u16 version, u8 flags, u32 caps length, then the
-    capabilities (u16 wire version, control and memory tags, then the u64 fields)."""
+    """Where u64 capability `field` ("session", or one of the first arena's ARENA_U64) lies in
+    an agent's metadata. The metadata holds the connection-info envelope raw: magic, u16
+    version, u8 flags, u32 caps length, then the capabilities (u16 wire version, u8 control,
+    u64 session, u8 arena count, then each arena: u8 memory kind and the u64 fields)."""
     at = meta.find(ENVELOPE_MAGIC)
     assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in this agent's metadata"
-    return at + 15 + 4 + 8 * CAPS_U64.index(field)
+    caps = at + 15
+    if field == "session":
+        return caps + 3
+    return caps + 13 + 8 * ARENA_U64.index(field)
 
 
 def session_of(meta):

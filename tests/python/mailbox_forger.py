@@ -74,19 +74,30 @@ def _blob(b, at):
 def bounce_caps(meta):
     """The BOUNCE capabilities in an agent's metadata (proto/src/wire/envelope.rs and caps.rs):
     envelope magic, u16 version, u8 flags, u32 caps length, then the caps: u16 wire version, u8
-    control, u8 memory, six u64 (arena base, arena length, device, usable capacity, max chunk,
-    session), the arena key and the endpoint as u32-length blobs, the mailbox (u64 offset, u32
-    slots, u32 ring) and its registration (u64 base, u64 length, the key as a u32-length blob);
-    after the caps the inner UCX conn info as a u32-length blob."""
+    control, u64 session, u8 arena count, each arena (u8 memory, five u64: device, base, length,
+    usable capacity, max chunk, and its key as a u32-length blob), the endpoint as a u32-length
+    blob, the mailbox (u64 offset, u32 slots, u32 ring) and its registration (u64 base, u64
+    length, the key as a u32-length blob); after the caps the inner UCX conn info as a
+    u32-length blob. The arena fields are the first arena's."""
     at = meta.find(ENVELOPE_MAGIC)
     assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in the target's metadata"
     (caps_len,) = struct.unpack_from("<I", meta, at + 11)
     c = at + 15
     fields = {}
-    p = c + 4
-    for name in ("arena_base", "arena_len", "arena_dev", "usable", "max_chunk", "session"):
-        fields[name], p = _u64(meta, p)
-    fields["arena_key"], p = _blob(meta, p)
+    fields["session"], p = _u64(meta, c + 3)
+    arenas = meta[p]
+    p += 1
+    for i in range(arenas):
+        p += 1  # memory kind
+        values = []
+        for _ in range(5):
+            v, p = _u64(meta, p)
+            values.append(v)
+        key, p = _blob(meta, p)
+        if i == 0:
+            for name, v in zip(("arena_dev", "arena_base", "arena_len", "usable", "max_chunk"), values):
+                fields[name] = v
+            fields["arena_key"] = key
     _, p = _blob(meta, p)  # the ZMQ endpoint
     fields["mailbox_offset"], p = _u64(meta, p)
     fields["slots"], fields["ring"] = struct.unpack_from("<II", meta, p)

@@ -45,8 +45,13 @@ pub enum Incompatible {
 /// into 32 million chunks (gigabytes of plan) in our process.
 pub const MAX_CHUNK_SHRINK: u64 = 1024;
 
+/// Most arenas one agent may advertise. A real engine has one per memory place it bounces
+/// through (host memory, each GPU it serves); the bound keeps what a forged blob can make a peer
+/// load (one inner-engine load per arena) small.
+pub const MAX_ARENAS: usize = 16;
+
 /// An agent's bounce capability blob, published with its connection info (design §5): what a
-/// peer needs to decide whether bounce can be used with it and to write into its arena.
+/// peer needs to decide whether bounce can be used with it and to write into its arenas.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct Capabilities {
@@ -54,35 +59,138 @@ pub struct Capabilities {
     pub wire_version: u16,
     /// Control channel kind.
     pub control: ControlKind,
-    /// Memory kind of the arena.
-    pub mem: MemKind,
-    /// Address of the arena's first byte in the owner's address space.
-    pub arena_base: u64,
-    /// Arena length in bytes.
-    pub arena_len: u64,
-    /// Device id of the arena.
-    pub arena_dev: u64,
-    /// Bytes of the arena usable for regions.
-    pub usable_capacity: u64,
-    /// Largest chunk in bytes this engine moves and takes. The two may differ: an initiator
-    /// plans its transfers to a peer with the smaller of the two (see [`Self::chunk_with`]).
-    pub max_chunk: u64,
     /// The owner engine's instance nonce (as in frame headers).
     pub session: u64,
-    /// The inner UCX engine's public data for the arena registration (remote key).
-    pub arena_key: Vec<u8>,
+    /// The arenas peers may write into and read from, one per memory place; a frame names one
+    /// by its index in this list (an [`ArenaId`](crate::types::ArenaId)).
+    pub arenas: Arenas,
     /// The control endpoint (a ZMQ endpoint), or empty.
     pub endpoint: Vec<u8>,
     /// The mailbox one-way peers READ our answers from (docs/one-way.md), when we keep one.
     pub mailbox: Option<MailboxCaps>,
     /// Address of the first byte of the registration the mailbox lies in: host memory of its
-    /// own, whatever the arena's memory (a GPU arena's records would otherwise cost a device
+    /// own, whatever the arenas' memory (a GPU arena's records would otherwise cost a device
     /// copy each, and every fetch a READ of GPU memory). 0 without a mailbox.
     pub mailbox_base: u64,
     /// Length of that registration in bytes (0 without a mailbox).
     pub mailbox_len: u64,
     /// The inner UCX engine's public data for that registration (empty without a mailbox).
     pub mailbox_key: Vec<u8>,
+}
+
+/// One arena as its owner advertises it: where it lies, how much of it regions may use, the
+/// largest chunk it moves and takes, and the key a peer's inner engine needs to reach it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
+pub struct ArenaCaps {
+    /// Memory kind of the arena.
+    pub mem: MemKind,
+    /// Device id of the arena (the GPU's ordinal for GPU memory, 0 for host memory).
+    pub dev: u64,
+    /// Address of the arena's first byte in the owner's address space.
+    pub base: u64,
+    /// Arena length in bytes.
+    pub len: u64,
+    /// Bytes of the arena usable for regions.
+    pub usable_capacity: u64,
+    /// Largest chunk in bytes this arena moves and takes. The two sides' may differ: an
+    /// initiator plans its transfers with the smaller of its staging arena's and the peer's
+    /// (see [`Self::chunk_with`]).
+    pub max_chunk: u64,
+    /// The inner UCX engine's public data for the arena registration (remote key).
+    pub key: Vec<u8>,
+}
+
+impl ArenaCaps {
+    /// The largest chunk of a transfer staged in `self` (ours) and bounced through `peer`
+    /// (theirs), either way: the smaller max chunk, so that both arenas can always hold it.
+    pub fn chunk_with(&self, peer: &Self) -> u64 {
+        self.max_chunk.min(peer.max_chunk)
+    }
+
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u8(mem_tag(self.mem));
+        for v in [self.dev, self.base, self.len, self.usable_capacity, self.max_chunk] {
+            w.u64(v);
+        }
+        w.blob(&self.key);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self> {
+        Ok(Self {
+            mem: mem_from_tag(r.u8()?)?,
+            dev: r.u64()?,
+            base: r.u64()?,
+            len: r.u64()?,
+            usable_capacity: r.u64()?,
+            max_chunk: r.u64()?,
+            key: r.blob("arena key")?,
+        })
+    }
+}
+
+/// An agent's arenas: never empty, at most [`MAX_ARENAS`]. The first is the one every engine
+/// has (its `bounce_arena_mem`); an index into the list is an
+/// [`ArenaId`](crate::types::ArenaId).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Arenas {
+    first: ArenaCaps,
+    rest: Vec<ArenaCaps>,
+}
+
+impl Arenas {
+    /// One arena.
+    pub fn one(arena: ArenaCaps) -> Self {
+        Self { first: arena, rest: Vec::new() }
+    }
+
+    /// The list `arenas`, when it has 1 to [`MAX_ARENAS`] of them.
+    pub fn new(arenas: Vec<ArenaCaps>) -> Option<Self> {
+        let mut it = arenas.into_iter();
+        let first = it.next()?;
+        let rest: Vec<_> = it.collect();
+        (rest.len() < MAX_ARENAS).then_some(Self { first, rest })
+    }
+
+    /// The first arena.
+    pub fn first(&self) -> &ArenaCaps {
+        &self.first
+    }
+
+    /// The first arena, to change it (tests and simulations describe peers with it).
+    pub fn first_mut(&mut self) -> &mut ArenaCaps {
+        &mut self.first
+    }
+
+    /// The arena with index `id`, if there is one.
+    pub fn get(&self, id: crate::types::ArenaId) -> Option<&ArenaCaps> {
+        match usize::from(id.0) {
+            0 => Some(&self.first),
+            i => self.rest.get(i - 1),
+        }
+    }
+
+    /// How many arenas.
+    #[allow(clippy::len_without_is_empty)] // never empty
+    pub fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    /// The arenas with their ids, first to last.
+    pub fn iter(&self) -> impl Iterator<Item = (crate::types::ArenaId, &ArenaCaps)> {
+        // At most MAX_ARENAS (16) entries, so every index fits a u8.
+        std::iter::once(&self.first).chain(&self.rest).enumerate().map(|(i, a)| (crate::types::ArenaId(i as u8), a))
+    }
+}
+
+#[cfg(feature = "fuzzing")]
+impl<'a> arbitrary::Arbitrary<'a> for Arenas {
+    fn arbitrary(u: &mut arbitrary::Unstructured<'a>) -> arbitrary::Result<Self> {
+        let first = u.arbitrary()?;
+        let mut rest: Vec<ArenaCaps> = u.arbitrary()?;
+        rest.truncate(MAX_ARENAS - 1);
+        Ok(Self { first, rest })
+    }
 }
 
 /// Where and how large an agent's mailbox is: `slots` rings of `ring` 64-byte records, starting
@@ -101,7 +209,7 @@ pub struct MailboxCaps {
 }
 
 impl Capabilities {
-    /// The capabilities of a host arena of `capacity` usable bytes at address 0, on this build's
+    /// The capabilities of one host arena of `capacity` usable bytes at address 0, on this build's
     /// wire version and the UCX control channel, chunks of `max_chunk`, instance `session`; no
     /// keys, no ZMQ endpoint, no mailbox. What a simulated peer publishes (simulations, examples,
     /// fuzzers, tests), with struct update syntax for anything else. A real engine describes
@@ -110,14 +218,16 @@ impl Capabilities {
         Self {
             wire_version: WIRE_VERSION.into(),
             control: ControlKind::Ucx,
-            mem: MemKind::Dram,
-            arena_base: 0,
-            arena_len: capacity,
-            arena_dev: 0,
-            usable_capacity: capacity,
-            max_chunk,
             session,
-            arena_key: Vec::new(),
+            arenas: Arenas::one(ArenaCaps {
+                mem: MemKind::Dram,
+                dev: 0,
+                base: 0,
+                len: capacity,
+                usable_capacity: capacity,
+                max_chunk,
+                key: Vec::new(),
+            }),
             endpoint: Vec::new(),
             mailbox: None,
             mailbox_base: 0,
@@ -131,11 +241,12 @@ impl Capabilities {
         let mut w = Writer(out);
         w.u16(self.wire_version);
         w.u8(control_tag(self.control));
-        w.u8(mem_tag(self.mem));
-        for v in [self.arena_base, self.arena_len, self.arena_dev, self.usable_capacity, self.max_chunk, self.session] {
-            w.u64(v);
+        w.u64(self.session);
+        // At most MAX_ARENAS (16): the count fits a byte.
+        w.u8(self.arenas.len() as u8);
+        for (_, arena) in self.arenas.iter() {
+            arena.encode(&mut w);
         }
-        w.blob(&self.arena_key);
         w.blob(&self.endpoint);
         // No mailbox: all zero (a mailbox has at least one slot).
         let m = self.mailbox.unwrap_or(MailboxCaps { offset: 0, slots: 0, ring: 0 });
@@ -171,14 +282,15 @@ impl Capabilities {
         let caps = Self {
             wire_version,
             control: control_from_tag(r.u8()?)?,
-            mem: mem_from_tag(r.u8()?)?,
-            arena_base: r.u64()?,
-            arena_len: r.u64()?,
-            arena_dev: r.u64()?,
-            usable_capacity: r.u64()?,
-            max_chunk: r.u64()?,
             session: r.u64()?,
-            arena_key: r.blob("arena key")?,
+            arenas: {
+                let n = usize::from(r.u8()?);
+                if n == 0 || n > MAX_ARENAS {
+                    return Err(WireError::Invalid { what: "arena count" });
+                }
+                let arenas = (0..n).map(|_| ArenaCaps::decode(&mut r)).collect::<Result<Vec<_>>>()?;
+                Arenas::new(arenas).ok_or(WireError::Invalid { what: "arena count" })?
+            },
             endpoint: r.blob("endpoint")?,
             mailbox: {
                 let (offset, slots, ring) = (r.u64()?, r.u32()?, r.u32()?);
@@ -200,16 +312,19 @@ impl Capabilities {
     }
 
     /// Whether bounce may be used between us (`self`) and `peer`: wire version and control
-    /// kind must match (design §5); the peer's max chunk must be a power of two of at least
-    /// 1/[`MAX_CHUNK_SHRINK`] of ours. Arena geometry, memory kind and max chunk may differ.
+    /// kind must match (design §5); every arena's max chunk must be a power of two of at least
+    /// 1/[`MAX_CHUNK_SHRINK`] of our largest. Arena geometry, memory kind and max chunk may
+    /// differ.
     ///
     /// The design asks for equal max chunks, because each side planned with its own. Here
-    /// only the initiator plans, and with [`Self::chunk_with`] the peer, so every chunk fits
-    /// both arenas' largest regions (each side's config clamps its max chunk to them). That lets
-    /// a host-arena engine (2 MiB chunks by default) bounce with a GPU-arena one (32 MiB).
+    /// only the initiator plans, and with [`ArenaCaps::chunk_with`] the peer's arena, so every
+    /// chunk fits both arenas' largest regions (each side's config clamps its max chunk to
+    /// them). That lets a host-arena engine (2 MiB chunks by default) bounce with a GPU-arena
+    /// one (32 MiB). One bad arena rules out the whole peer: a real engine never advertises one,
+    /// so such a blob is broken or forged.
     ///
     /// # Errors
-    /// The first mismatch, in the order version, control kind, max chunk.
+    /// The first mismatch, in the order version, control kind, max chunk (first bad arena).
     pub fn compatible_with(&self, peer: &Self) -> Result<(), Incompatible> {
         if self.wire_version != peer.wire_version {
             return Err(Incompatible::WireVersion { local: self.wire_version, peer: peer.wire_version });
@@ -217,16 +332,19 @@ impl Capabilities {
         if self.control != peer.control {
             return Err(Incompatible::ControlKind { local: self.control, peer: peer.control });
         }
-        if !peer.max_chunk.is_power_of_two() || peer.max_chunk < self.max_chunk / MAX_CHUNK_SHRINK {
-            return Err(Incompatible::MaxChunk { local: self.max_chunk, peer: peer.max_chunk });
+        let ours = self.arenas.iter().map(|(_, a)| a.max_chunk).max().unwrap_or(0);
+        for (_, arena) in peer.arenas.iter() {
+            if !arena.max_chunk.is_power_of_two() || arena.max_chunk < ours / MAX_CHUNK_SHRINK {
+                return Err(Incompatible::MaxChunk { local: ours, peer: arena.max_chunk });
+            }
         }
         Ok(())
     }
 
-    /// The largest chunk of a transfer between us (`self`) and `peer`, either way: the smaller
-    /// max chunk, so that both the peer's arena and ours can always hold it.
+    /// The largest chunk of a transfer between our first arena and the peer's, either way
+    /// ([`ArenaCaps::chunk_with`]).
     pub fn chunk_with(&self, peer: &Self) -> u64 {
-        self.max_chunk.min(peer.max_chunk)
+        self.arenas.first().chunk_with(peer.arenas.first())
     }
 }
 

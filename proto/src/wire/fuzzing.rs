@@ -1,6 +1,6 @@
 //! Entry points of the cargo-fuzz targets under `fuzz/` and their seed corpus.
 
-use super::caps::Capabilities;
+use super::caps::{ArenaCaps, Capabilities};
 use super::envelope::ConnEnvelope;
 use super::frame::{ControlFrame, Frame};
 use super::public::PublicData;
@@ -65,11 +65,22 @@ pub fn seed_caps() -> Vec<Vec<u8>> {
     let zmq = samples::sample_caps();
     let ucx = Capabilities {
         control: crate::types::ControlKind::Ucx,
-        mem: crate::types::MemKind::Dram,
         endpoint: b"tcp://10.0.0.1:5555".to_vec(),
         ..zmq.clone()
     };
-    vec![zmq.to_vec(), ucx.to_vec()]
+    // An agent with a host arena and arenas on two GPUs.
+    let gpu = |dev| ArenaCaps {
+        mem: crate::types::MemKind::Vram,
+        dev,
+        base: 0x7000_0000 << dev,
+        ..zmq.arenas.first().clone()
+    };
+    let host = ArenaCaps { mem: crate::types::MemKind::Dram, ..zmq.arenas.first().clone() };
+    let three = Capabilities {
+        arenas: super::caps::Arenas::new(vec![host, gpu(0), gpu(1)]).unwrap_or(zmq.arenas.clone()),
+        ..ucx.clone()
+    };
+    vec![zmq.to_vec(), ucx.to_vec(), three.to_vec()]
 }
 
 /// Valid encoded envelopes (with and without capabilities) for the `envelope_decode` corpus.

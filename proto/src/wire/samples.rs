@@ -1,7 +1,7 @@
 //! One valid value of each wire shape, shared by the codec's tests and the fuzz seed corpus,
 //! and the canonical-encoding assertion both use.
 
-use super::caps::{Capabilities, MailboxCaps};
+use super::caps::{ArenaCaps, Arenas, Capabilities, MailboxCaps};
 use super::codec::Result;
 use super::envelope::ConnEnvelope;
 use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Inline, Msg, Proof, Standing, WIRE_VERSION, Want};
@@ -64,14 +64,16 @@ pub(super) fn sample_caps() -> Capabilities {
     Capabilities {
         wire_version: WIRE_VERSION.into(),
         control: ControlKind::Zmq,
-        mem: MemKind::Vram,
-        arena_base: 0x1000,
-        arena_len: 0x2000,
-        arena_dev: 0,
-        usable_capacity: 0x2000,
-        max_chunk: 0x400,
         session: 9,
-        arena_key: b"k".to_vec(),
+        arenas: Arenas::one(ArenaCaps {
+            mem: MemKind::Vram,
+            dev: 0,
+            base: 0x1000,
+            len: 0x2000,
+            usable_capacity: 0x2000,
+            max_chunk: 0x400,
+            key: b"k".to_vec(),
+        }),
         endpoint: Vec::new(),
         mailbox: Some(MailboxCaps { offset: 0, slots: 256, ring: 18 }),
         mailbox_base: 0x7f00_0000_0000,

@@ -114,18 +114,22 @@ fn arb_caps() -> impl Strategy<Value = Capabilities> {
             }
             None => (None, 0, 0, Vec::new()),
         });
-    (control, mem, prop::array::uniform6(any::<u64>()), arb_blob(), arb_blob(), mailbox).prop_map(
-        |(control, mem, v, arena_key, endpoint, (mailbox, mailbox_base, mailbox_len, mailbox_key))| Capabilities {
+    let arena = (mem, prop::array::uniform5(any::<u64>()), arb_blob()).prop_map(|(mem, v, key)| ArenaCaps {
+        mem,
+        dev: v[0],
+        base: v[1],
+        len: v[2],
+        usable_capacity: v[3],
+        max_chunk: v[4],
+        key,
+    });
+    let arenas = prop::collection::vec(arena, 1..=MAX_ARENAS).prop_map(|v| Arenas::new(v).expect("1 to 16 arenas"));
+    (control, any::<u64>(), arenas, arb_blob(), mailbox).prop_map(
+        |(control, session, arenas, endpoint, (mailbox, mailbox_base, mailbox_len, mailbox_key))| Capabilities {
             wire_version: WIRE_VERSION.into(),
             control,
-            mem,
-            arena_base: v[0],
-            arena_len: v[1],
-            arena_dev: v[2],
-            usable_capacity: v[3],
-            max_chunk: v[4],
-            session: v[5],
-            arena_key,
+            session,
+            arenas,
             endpoint,
             mailbox,
             mailbox_base,
@@ -249,7 +253,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e430a0508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e430b0508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -295,7 +299,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 0a 01 0100000000000000
+            "00424f554e43 0b 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
@@ -314,7 +318,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 0a 03 0400000000000000
+            "00424f554e43 0b 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001
@@ -324,7 +328,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 0a 04 0500000000000000
+            "00424f554e43 0b 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -392,9 +396,11 @@ fn only_the_canonical_run_encoding_decodes() {
 
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
-    let caps = "0a00 01 01 0010000000000000 0020000000000000 0000000000000000
-                0020000000000000 0004000000000000 0900000000000000 01000000 6b 00000000
-                0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
+    // Version, control kind, session, one arena (memory kind, device, base, length, usable,
+    // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key).
+    let caps = "0b00 01 0900000000000000 01
+                01 0000000000000000 0010000000000000 0020000000000000 0020000000000000 0004000000000000 01000000 6b
+                00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes = sample_envelopes();
     let [bare, full] = &envelopes[..] else { panic!("two samples") };
@@ -565,7 +571,7 @@ fn invalid_values_are_refused() {
     caps[2] = 2;
     assert_eq!(Capabilities::decode(&caps), Err(WireError::Invalid { what: "control kind tag" }));
     caps[2] = 0;
-    caps[3] = 7;
+    caps[12] = 7; // the first arena's memory kind
     assert_eq!(Capabilities::decode(&caps), Err(WireError::Invalid { what: "memory kind tag" }));
     // "No mailbox" has one encoding: its registration's fields zero and empty too.
     let none =
@@ -622,17 +628,27 @@ fn envelope_header_errors_are_specific() {
     assert_eq!(ConnEnvelope::decode(&b), Err(WireError::TrailingBytes { n: 1 }));
 }
 
+/// `caps` with its one arena's max chunk set to `max_chunk`.
+fn with_chunk(caps: &Capabilities, max_chunk: u64) -> Capabilities {
+    let mut c = caps.clone();
+    c.arenas.first_mut().max_chunk = max_chunk;
+    c
+}
+
 #[test]
 fn compatibility_needs_same_version_and_control_kind_and_chunks_take_the_smaller_max() {
     let local = sample_caps();
     let same_rules = Capabilities {
-        mem: MemKind::Dram,
-        arena_base: 0xdead_0000,
-        arena_len: 1 << 30,
-        arena_dev: 3,
-        usable_capacity: 1 << 29,
         session: 77,
-        arena_key: vec![1, 2, 3],
+        arenas: Arenas::one(ArenaCaps {
+            mem: MemKind::Dram,
+            base: 0xdead_0000,
+            len: 1 << 30,
+            dev: 3,
+            usable_capacity: 1 << 29,
+            key: vec![1, 2, 3],
+            ..local.arenas.first().clone()
+        }),
         endpoint: b"tcp://10.0.0.2:1".to_vec(),
         ..local.clone()
     };
@@ -642,8 +658,11 @@ fn compatibility_needs_same_version_and_control_kind_and_chunks_take_the_smaller
 
     let other_version = Capabilities { wire_version: u16::from(WIRE_VERSION) + 1, ..local.clone() };
     let other_control = Capabilities { control: ControlKind::Ucx, ..local.clone() };
-    let other_chunk = Capabilities { max_chunk: 0x800, ..local.clone() };
-    assert_eq!(local.compatible_with(&other_version), Err(Incompatible::WireVersion { local: 10, peer: 11 }));
+    let other_chunk = with_chunk(&local, 0x800);
+    assert_eq!(
+        local.compatible_with(&other_version),
+        Err(Incompatible::WireVersion { local: WIRE_VERSION.into(), peer: u16::from(WIRE_VERSION) + 1 })
+    );
     assert_eq!(
         local.compatible_with(&other_control),
         Err(Incompatible::ControlKind { local: ControlKind::Zmq, peer: ControlKind::Ucx })
@@ -652,23 +671,66 @@ fn compatibility_needs_same_version_and_control_kind_and_chunks_take_the_smaller
     assert_eq!(local.compatible_with(&other_chunk), Ok(()));
     assert_eq!((local.chunk_with(&other_chunk), other_chunk.chunk_with(&local)), (0x400, 0x400));
     // A peer cannot make us plan absurdly many chunks, nor chunks of odd sizes.
-    let big = Capabilities { max_chunk: 32 << 20, ..local.clone() };
+    let big = with_chunk(&local, 32 << 20);
     let smallest = (32 << 20) / MAX_CHUNK_SHRINK;
     for (peer, ok) in [(smallest, true), (smallest / 2, false), (32, false), (0, false), (3 << 20, false)] {
-        let theirs = Capabilities { max_chunk: peer, ..local.clone() };
+        let theirs = with_chunk(&local, peer);
         let want = if ok { Ok(()) } else { Err(Incompatible::MaxChunk { local: 32 << 20, peer }) };
         assert_eq!(big.compatible_with(&theirs), want, "peer max chunk {peer}");
     }
     // Several mismatches: the version is reported first, then the control kind.
-    let all = Capabilities {
-        wire_version: u16::from(WIRE_VERSION) + 1,
-        control: ControlKind::Ucx,
-        max_chunk: 1,
-        ..local.clone()
-    };
+    let all =
+        Capabilities { wire_version: u16::from(WIRE_VERSION) + 1, control: ControlKind::Ucx, ..with_chunk(&local, 1) };
     assert!(matches!(local.compatible_with(&all), Err(Incompatible::WireVersion { .. })));
-    let two = Capabilities { control: ControlKind::Ucx, max_chunk: 1, ..local.clone() };
+    let two = Capabilities { control: ControlKind::Ucx, ..with_chunk(&local, 1) };
     assert!(matches!(local.compatible_with(&two), Err(Incompatible::ControlKind { .. })));
+}
+
+#[test]
+fn every_arena_a_peer_advertises_is_judged_and_the_bound_is_our_largest_chunk() {
+    let host = ArenaCaps { mem: MemKind::Dram, max_chunk: 2 << 20, ..sample_caps().arenas.first().clone() };
+    let gpu = ArenaCaps { mem: MemKind::Vram, max_chunk: 32 << 20, ..host.clone() };
+    let ours = Capabilities { arenas: Arenas::new(vec![host.clone(), gpu.clone()]).unwrap(), ..sample_caps() };
+    // 32 KiB is 1/1024 of our GPU arena's chunk: fine as the first arena or any other.
+    let small = ArenaCaps { max_chunk: 32 << 10, ..host.clone() };
+    let theirs = |arenas: Vec<ArenaCaps>| Capabilities { arenas: Arenas::new(arenas).unwrap(), ..sample_caps() };
+    assert_eq!(ours.compatible_with(&theirs(vec![small.clone(), gpu.clone()])), Ok(()));
+    // One bad arena anywhere in the list rules the peer out: a real engine advertises none.
+    let bad = ArenaCaps { max_chunk: 16 << 10, ..host.clone() };
+    for list in [vec![bad.clone()], vec![gpu.clone(), bad.clone()], vec![host.clone(), gpu.clone(), bad.clone()]] {
+        assert_eq!(
+            ours.compatible_with(&theirs(list.clone())),
+            Err(Incompatible::MaxChunk { local: 32 << 20, peer: 16 << 10 }),
+            "{list:?}"
+        );
+    }
+    // A host-arena-only engine judges by its own (smaller) chunk.
+    let host_only = theirs(vec![host.clone()]);
+    assert_eq!(host_only.compatible_with(&theirs(vec![bad, gpu.clone()])), Ok(()));
+    // Chunks of a transfer take the smaller of the two arenas involved.
+    assert_eq!((host.chunk_with(&gpu), gpu.chunk_with(&host), gpu.chunk_with(&gpu)), (2 << 20, 2 << 20, 32 << 20));
+}
+
+#[test]
+fn an_arena_list_has_one_to_sixteen_arenas_and_ids_index_it() {
+    let a = |dev| ArenaCaps { dev, ..sample_caps().arenas.first().clone() };
+    assert_eq!(Arenas::new(vec![]), None);
+    assert_eq!(Arenas::new((0..17).map(a).collect()), None);
+    let list = Arenas::new((0..16).map(a).collect()).expect("16 arenas");
+    assert_eq!(list.len(), MAX_ARENAS);
+    assert!(list.iter().all(|(id, arena)| arena.dev == u64::from(id.0) && list.get(id) == Some(arena)));
+    assert_eq!(list.get(crate::types::ArenaId(16)), None);
+    assert_eq!(Arenas::one(a(5)).get(crate::types::ArenaId(0)).map(|x| x.dev), Some(5));
+    // The count on the wire: none and seventeen are refused; sixteen is taken.
+    let caps = Capabilities { arenas: list, ..sample_caps() };
+    let bytes = caps.to_vec();
+    assert_eq!(Capabilities::decode(&bytes), Ok(caps.clone()));
+    // version (2), control (1), session (8), then the count.
+    for n in [0u8, 17, 255] {
+        let mut forged = bytes.clone();
+        forged[11] = n;
+        assert_eq!(Capabilities::decode(&forged), Err(WireError::Invalid { what: "arena count" }), "{n} arenas");
+    }
 }
 
 #[test]
@@ -702,35 +764,35 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e430a010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000
+        "00424f554e430b010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000
          02 0100000000000080 1032547698badcfeefcdab8967452301",
         // cancel (empty WANT)
-        "00424f554e430a010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000 00",
+        "00424f554e430b010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000 00",
         // GRANT
-        "00424f554e430a020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e430b020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e430a030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e430b030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e430a040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e430b040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
         // WANT with its one chunk inline: 0x40 bytes, then one run
-        "00424f554e430a010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 01000000 4000000000000000
+        "00424f554e430b010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 01000000 4000000000000000
          01000000 0500000000000000 bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb
          40000000 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f
          01000000 0380402002208001 00",
         // WANT opening a standing flow of one 2 MiB chunk
-        "00424f554e430a010700000000000000 2900000000000080 1032547698badcfeefcdab8967452301 02000000 6570 01000000 0000200000000000
+        "00424f554e430b010700000000000000 2900000000000080 1032547698badcfeefcdab8967452301 02000000 6570 01000000 0000200000000000
          00000000 00000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e430a050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e430b050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e430a0a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e430b0a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
@@ -752,7 +814,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e430a0b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
+            "00424f554e430b0b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
              02000000 00000000 01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
@@ -761,18 +823,20 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e430a0d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e430b0d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e430a0c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e430b0c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
-    let caps = "0a00 01 01 0010000000000000 0020000000000000 0000000000000000 0020000000000000
-                0004000000000000 0900000000000000 01000000 6b 00000000 0000000000000000 00010000 12000000
-                00000000007f0000 0080040000000000 01000000 6d";
+    // Version, control kind, session, one arena (memory kind, device, base, length, usable,
+    // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key).
+    let caps = "0b00 01 0900000000000000 01
+                01 0000000000000000 0010000000000000 0020000000000000 0020000000000000 0004000000000000 01000000 6b
+                00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
     assert_eq!(
@@ -780,7 +844,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
         [
             hex(&unhex("4e58424f554e4345 0100 00 01000000 ab")),
             hex(&unhex(&format!(
-                "4e58424f554e4345 0100 01 62000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
+                "4e58424f554e4345 0100 01 63000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
             ))),
         ]
     );

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize};
 
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::plan::{self, DescPair, PlanParams};
-use bounce_proto::wire::{Capabilities, WIRE_VERSION};
+use bounce_proto::wire::{ArenaCaps, Arenas, Capabilities, WIRE_VERSION};
 use bounce_proto::{ControlKind, MemKind, RegKey};
 use memmap2::MmapMut;
 
@@ -181,14 +181,16 @@ impl Side {
         let caps = Capabilities {
             wire_version: u16::from(WIRE_VERSION),
             control: ControlKind::Ucx,
-            mem: MemKind::Dram,
-            arena_base: base,
-            arena_len: len,
-            arena_dev: 0,
-            usable_capacity: config.arena_usable_capacity(),
-            max_chunk: config.max_chunk_size,
             session,
-            arena_key: Vec::new(),
+            arenas: Arenas::one(ArenaCaps {
+                mem: MemKind::Dram,
+                dev: 0,
+                base,
+                len,
+                usable_capacity: config.arena_usable_capacity(),
+                max_chunk: config.max_chunk_size,
+                key: Vec::new(),
+            }),
             endpoint: Vec::new(),
             mailbox: Some(one_way.advertised()),
             mailbox_base: area_host.base,
