@@ -48,7 +48,7 @@ use bounce_proto::sender::STANDING_XFER_BIT;
 use bounce_proto::wire::{
     Ack, AckStatus, Capabilities, Credit, Data, Frame, Grant, Keep, Msg, Plan, Pull, PullChunk, Release, Standing, Want,
 };
-use bounce_proto::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
+use bounce_proto::{ArenaId, ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 
 /// One thing that can happen to an endpoint.
 #[derive(Debug)]
@@ -530,6 +530,7 @@ pub fn run(data: &[u8]) -> Coverage {
                     Standing::None => sizes,
                 };
                 let want = Msg::Want(Want {
+                    arena: ArenaId(0),
                     xfer,
                     token,
                     endpoint: Vec::new(),
@@ -632,6 +633,7 @@ pub fn run(data: &[u8]) -> Coverage {
                     bounce_proto::wire::Inline { runs: vec![run], bytes: vec![0x5a; len as usize] }
                 });
                 let want = Msg::Want(Want {
+                    arena: ArenaId(0),
                     xfer,
                     token,
                     endpoint,
@@ -735,7 +737,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 let token = remote_token(peer, xfer);
                 let proofs = if first == 0 { vec![proof::prove(reg, &key_of(reg), token)] } else { Vec::new() };
                 let (first, endpoint) = (ChunkIdx(first), Vec::new());
-                let pull = Msg::Pull(Pull { xfer, token, first, total, endpoint, chunks, proofs });
+                let pull = Msg::Pull(Pull { arena: ArenaId(0), xfer, token, first, total, endpoint, chunks, proofs });
                 if ep.handle_msg(now, peer, pull).is_ok() {
                     seen.pulls.push((peer, xfer));
                 }
@@ -837,6 +839,7 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             (
                 peer,
                 Msg::Want(Want {
+                    arena: ArenaId(which % 3),
                     xfer,
                     token,
                     endpoint: Vec::new(),
@@ -856,6 +859,7 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             (
                 peer,
                 Msg::Want(Want {
+                    arena: ArenaId(which % 3),
                     xfer,
                     token,
                     endpoint: Vec::new(),

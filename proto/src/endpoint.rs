@@ -1091,7 +1091,7 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::plan::{self, DescPair, PlanParams};
-    use crate::types::{ChunkIdx, CopyRun, Region};
+    use crate::types::{ArenaId, ChunkIdx, CopyRun, Region};
     use crate::wire::{Ack, AckStatus, Credit, Data, Grant, Msg, Want};
 
     pub(crate) const KIB: u64 = 1024;
@@ -1234,6 +1234,7 @@ pub(crate) mod tests {
     pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
         let proofs = vec![crate::proof::prove(REG, &KEY, TOKEN)];
         Msg::Want(Want {
+            arena: ArenaId(0),
             xfer,
             token: TOKEN,
             endpoint: Vec::new(),
@@ -1433,6 +1434,7 @@ pub(crate) mod tests {
             }),
             Msg::cancel(XferId(5), FORGED, vec![]),
             Msg::Want(Want {
+                arena: ArenaId(0),
                 xfer: XferId(5),
                 token: FORGED,
                 endpoint: vec![],
@@ -1798,6 +1800,7 @@ pub(crate) mod tests {
         ep.keep_mailbox(true);
         let want = |xfer: u64, proofs| {
             let w = Want {
+                arena: ArenaId(0),
                 xfer: XferId(xfer),
                 token: TOKEN,
                 endpoint: wire::REPLY_MAILBOX.to_vec(),

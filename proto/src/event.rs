@@ -485,6 +485,17 @@ pub enum ProtocolError {
         /// The flow.
         xfer: XferId,
     },
+    /// A WANT or PULL naming an arena this receiver does not have, or not the one its flow
+    /// lies in; refused.
+    #[error("peer {}: transfer {} names arena {} (not ours, or not its flow's)", .peer.0, .xfer.0, .arena.0)]
+    WrongArena {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// The arena it named.
+        arena: crate::types::ArenaId,
+    },
     /// A WANT that would take the peer over [`crate::receiver::MAX_FLOWS_PER_PEER`] open flows
     /// or [`crate::receiver::MAX_CHUNKS_PER_PEER`] announced chunks; dropped unqueued.
     #[error("peer {}: WANT for transfer {} refused: {flows} open flows, {chunks} announced chunks would exceed the per-peer caps", .peer.0, .xfer.0)]

@@ -11,7 +11,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::{config::Config, types::CopyRun};
+use crate::{
+    config::Config,
+    types::{ArenaId, CopyRun},
+};
 
 // Re-exported where it has always been found; it lives in `types` because `config` checks the
 // chunk size against it and `plan` reads the config, and neither may import the other back.
@@ -167,6 +170,10 @@ pub struct Plan {
     /// `dests` prove its registrations) and their destinations ours. `plan` leaves it false;
     /// the shell sets it for a READ request.
     pub read: bool,
+    /// The peer's arena the transfer bounces through (its regions: the destinations' place
+    /// for a WRITE, the sources' for a READ), named in its WANT or PULLs. `plan` leaves it 0,
+    /// the arena every engine has; the shell sets it from the peer's capabilities.
+    pub peer_arena: ArenaId,
 }
 
 impl Plan {
@@ -431,7 +438,7 @@ fn packed(descs: Descs<'_>, params: PlanParams) -> Result<Plan> {
         sizes,
     };
     pack(descs, params, &mut builder)?;
-    Ok(Plan { chunks: builder.chunks, total_bytes, dests: Vec::new(), read: false })
+    Ok(Plan { chunks: builder.chunks, total_bytes, dests: Vec::new(), read: false, peer_arena: ArenaId(0) })
 }
 
 /// Checks the descriptors up front, so that packing has no failure modes of the input, and

@@ -18,7 +18,7 @@ use crate::event::{Action, Ctx, DataFault, InRegionPlan, JobId, JobRuns, Protoco
 use crate::proof::{BadProof, Registrations};
 use crate::scheduler::{CreditScheduler, Grant as SchedGrant, Reuse};
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
+use crate::types::{ArenaId, ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Standing, Want};
 
 /// Most flows one peer may have open at this receiver at once. Each open flow costs receiver
@@ -51,6 +51,9 @@ struct Flow {
     /// The token of the WANT that created the flow: every later WANT, cancel and DATA of the
     /// flow must carry it, and every GRANT and ACK echoes it.
     token: Token,
+    /// The arena its regions are granted in (named by the WANT or PULL that created it; every
+    /// later one must name it too).
+    arena: ArenaId,
     /// The registrations the flow's WANTs proved (see [`crate::proof`]): its DATA runs may
     /// write only inside these (those still registered).
     proven: Vec<RegId>,
@@ -231,6 +234,9 @@ pub struct Receiver {
     /// The token of each reclaimed flow whose regions rest in quarantine: its sender's cancel,
     /// which follows its writes, frees them at once. Pruned as quarantines end.
     resting: BTreeMap<FlowKey, Token>,
+    /// How many arenas this engine advertises: a WANT or PULL naming an id past them is
+    /// refused.
+    arenas: usize,
 }
 
 impl Receiver {
@@ -253,7 +259,14 @@ impl Receiver {
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
             resting: BTreeMap::new(),
+            arenas: 1,
         }
+    }
+
+    /// Whether a WANT or PULL may name `arena` for flow `key`: one of ours, and the flow's own
+    /// when the flow exists.
+    fn arena_ok(&self, key: FlowKey, arena: ArenaId) -> bool {
+        usize::from(arena.0) < self.arenas && self.flows.get(&key).is_none_or(|f| f.arena == arena)
     }
 
     /// Lowers (never raises) the largest inline chunk taken from WANTs: the shell sets 0 when
@@ -415,6 +428,10 @@ impl Receiver {
             refuse_want(ctx, from, &want);
             return Ok(());
         }
+        if !self.arena_ok(key, want.arena) {
+            refuse_want(ctx, from, &want);
+            return Err(ProtocolError::WrongArena { peer: from, xfer: want.xfer, arena: want.arena });
+        }
         let live = self.flows.get(&key);
         if live.is_some_and(|f| f.standing) || (live.is_some() && want.standing == Standing::Open) {
             return Err(ProtocolError::StandingWant { peer: from, xfer: want.xfer });
@@ -501,6 +518,7 @@ impl Receiver {
                 self.timers.set(key, deadline);
                 let flow = Flow {
                     token: want.token,
+                    arena: want.arena,
                     proven,
                     chunks: want.chunks,
                     scattering: 0,
@@ -585,6 +603,7 @@ impl Receiver {
         self.timers.set(key, deadline);
         let flow = Flow {
             token: want.token,
+            arena: want.arena,
             proven: Vec::new(),
             chunks: want.chunks,
             scattering: 0,
@@ -619,7 +638,8 @@ impl Receiver {
     ) -> Result<SchedGrant, ProtocolError> {
         let key = FlowKey { peer: from, xfer: want.xfer };
         let standing = FlowKey { peer: from, xfer };
-        let Some(flow) = self.flows.get(&standing).filter(|f| f.standing) else {
+        // The claimed region lies in the standing flow's arena: the claimer's must be the same.
+        let Some(flow) = self.flows.get(&standing).filter(|f| f.standing && f.arena == want.arena) else {
             refuse_want(ctx, from, want);
             return Err(ProtocolError::BadClaim { peer: from, xfer: want.xfer });
         };
@@ -1254,6 +1274,10 @@ impl Receiver {
             refuse(ctx);
             return Ok(());
         }
+        if !self.arena_ok(key, pull.arena) {
+            refuse(ctx);
+            return Err(ProtocolError::WrongArena { peer: from, xfer: pull.xfer, arena: pull.arena });
+        }
         let load = self.load.get(&from).copied().unwrap_or_default();
         // A PULL's gather runs are kept until its flow ends: they count against the peer's
         // budget with its chunks, so a peer cannot park unbounded run lists here.
@@ -1322,6 +1346,7 @@ impl Receiver {
                 self.timers.set(key, deadline);
                 let flow = Flow {
                     token: pull.token,
+                    arena: pull.arena,
                     proven,
                     chunks: sizes,
                     scattering: 0,
@@ -1590,7 +1615,7 @@ mod tests {
     use super::*;
     use crate::endpoint::Endpoint;
     use crate::endpoint::tests::*;
-    use crate::types::{CopyRun, XferId};
+    use crate::types::{ArenaId, CopyRun, XferId};
     use crate::wire::Msg;
 
     /// A receiver with a 32 KiB arena, W = 2, and `[DST, DST + 64 KiB)` registered.
@@ -2129,6 +2154,55 @@ mod tests {
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
     }
 
+    /// An arena is named by the WANT or PULL that opens a flow: one this receiver does not
+    /// advertise is refused (answered, so an honest but confused sender learns at once), and
+    /// a flow's later WANTs cannot move it to another arena. Nothing is granted or moved.
+    #[test]
+    fn a_want_or_pull_naming_an_arena_we_lack_or_not_its_flows_is_refused() {
+        let (mut ep, t) = receiver();
+        let free = ep.arena_free_bytes();
+        let named = |msg: Msg, arena: u8| match msg {
+            Msg::Want(w) => Msg::Want(wire::Want { arena: ArenaId(arena), ..w }),
+            Msg::Pull(p) => Msg::Pull(wire::Pull { arena: ArenaId(arena), ..p }),
+            other => other,
+        };
+        let err = ep.handle_msg(t, PEER, named(want_msg(X, &[CHUNK]), 1)).unwrap_err();
+        assert_eq!(err, ProtocolError::WrongArena { peer: PEER, xfer: X, arena: ArenaId(1) });
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Refused)]);
+        assert_eq!((ep.remote_flows(), ep.arena_free_bytes()), (0, free));
+        // The flow opened through arena 0 keeps it: a further WANT naming another is refused
+        // and leaves the flow and its grants as they were.
+        ep.handle_msg(t, PEER, want_msg(X, &[CHUNK])).unwrap();
+        let granted = credits(&drain(&mut ep));
+        assert_eq!(granted.len(), 1);
+        let err = ep.handle_msg(t, PEER, named(want_msg(X, &[CHUNK]), 2)).unwrap_err();
+        assert_eq!(err, ProtocolError::WrongArena { peer: PEER, xfer: X, arena: ArenaId(2) });
+        // Refused (its sender fails the transfer and cancels the flow); until then the flow
+        // keeps its region.
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Refused)]);
+        assert_eq!(ep.remote_flows(), 1);
+        assert_eq!(ep.scheduler().flow_held_count(FlowKey { peer: PEER, xfer: X }), 1);
+        // A READ through an arena we lack.
+        let pull = Msg::Pull(wire::Pull {
+            arena: ArenaId(0),
+            xfer: XferId(9),
+            token: TOKEN,
+            first: ChunkIdx(0),
+            total: 1,
+            endpoint: Vec::new(),
+            chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run(0, DST, CHUNK)].into() }],
+            proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],
+        });
+        let err = ep.handle_msg(t, PEER, named(pull.clone(), 15)).unwrap_err();
+        assert_eq!(err, ProtocolError::WrongArena { peer: PEER, xfer: XferId(9), arena: ArenaId(15) });
+        assert_eq!(acks(&drain(&mut ep)), vec![(XferId(9), 0, AckStatus::Refused)]);
+        assert_eq!(ep.remote_flows(), 1);
+        ep.handle_msg(t, PEER, pull).unwrap();
+        assert_eq!(ep.remote_flows(), 2, "the same PULL through arena 0 is served");
+        ep.receiver().check_invariants().unwrap();
+        check(&ep);
+    }
+
     #[test]
     fn a_peers_pulls_are_capped_in_the_gather_runs_they_keep() {
         let (mut ep, t) = receiver();
@@ -2145,6 +2219,7 @@ mod tests {
                 })
                 .collect();
             Msg::Pull(wire::Pull {
+                arena: ArenaId(0),
                 xfer: XferId(xfer),
                 token: TOKEN,
                 first: ChunkIdx(0),

@@ -20,7 +20,7 @@ use crate::event::{Action, Ctx, JobId, JobRuns, ProtocolError, SubmitError, Writ
 use crate::plan::Plan;
 use crate::proof;
 use crate::timer::TimerTable;
-use crate::types::{ChunkIdx, CopyRun, PeerId, Region, Token, XferId};
+use crate::types::{ArenaId, ChunkIdx, CopyRun, PeerId, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Standing, Want};
 
 /// A credit as the sender keeps it: the granted remote region and when it arrived.
@@ -46,6 +46,9 @@ struct StandingSlot {
     token: Token,
     /// The bytes asked for.
     bytes: u64,
+    /// The peer's arena it lies in (that of the transfer that opened it): only transfers
+    /// bounced through the same arena claim it.
+    arena: ArenaId,
     /// The region granted and not claimed yet, and when its GRANT came; `None` while a grant
     /// is awaited.
     region: Option<(Region, Instant)>,
@@ -397,7 +400,7 @@ impl Sender {
             self.close_standing(ctx, peer, true);
         }
         let claim = match self.standing.get_mut(&peer) {
-            Some(slot) if !one_way && !inlined => match slot.region {
+            Some(slot) if !one_way && !inlined && slot.arena == plan.peer_arena => match slot.region {
                 Some((region, _)) if region.len >= plan.chunks[0].bytes => {
                     slot.region = None;
                     Some((slot.xfer, slot.token, region))
@@ -407,9 +410,9 @@ impl Sender {
             _ => None,
         };
         let standing = claim.map_or(Standing::None, |(xfer, token, _)| Standing::Claim { xfer, token });
-        ctx.send(peer, Want { xfer, token, endpoint, chunks, proofs, inline, standing });
+        ctx.send(peer, Want { xfer, token, arena: plan.peer_arena, endpoint, chunks, proofs, inline, standing });
         if !one_way {
-            self.open_standing(ctx, xfer, token, peer);
+            self.open_standing(ctx, xfer, token, peer, plan.peer_arena);
         }
         let deadline = ctx.now + self.timeout;
         let staged = plan.chunks.iter().any(|c| c.direct.is_none());
@@ -477,7 +480,7 @@ impl Sender {
     /// Opens our standing flow at `peer` (see [`wire::Standing`]) when we have none there and
     /// the peer has not refused one. Named after transfer `xfer`, whose submit opens it, with
     /// a token derived from that transfer's.
-    fn open_standing(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, token: Token, peer: PeerId) {
+    fn open_standing(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, token: Token, peer: PeerId, arena: ArenaId) {
         if self.standing_bytes == 0 || self.standing.contains_key(&peer) || self.no_standing.contains(&peer) {
             return;
         }
@@ -487,6 +490,7 @@ impl Sender {
         let want = Want {
             xfer: id,
             token,
+            arena,
             endpoint: self.endpoint.clone(),
             chunks: vec![bytes],
             proofs: Vec::new(),
@@ -494,7 +498,7 @@ impl Sender {
             standing: Standing::Open,
         };
         ctx.send(peer, want);
-        self.standing.insert(peer, StandingSlot { xfer: id, token, bytes, region: None });
+        self.standing.insert(peer, StandingSlot { xfer: id, token, bytes, arena, region: None });
         ctx.stats.standing_opened_out += 1;
         debug!(peer = peer.0, xfer = id.0, bytes, "standing flow opened");
     }
@@ -552,7 +556,8 @@ impl Sender {
         for (first, part) in pull_frames(&plan.chunks) {
             let chunks = part.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: Arc::clone(&c.gather) }).collect();
             let (first, proofs) = (ChunkIdx(first as u32), std::mem::take(&mut proofs));
-            ctx.send(peer, wire::Pull { xfer, token, first, total, endpoint: endpoint.clone(), chunks, proofs });
+            let (arena, endpoint) = (plan.peer_arena, endpoint.clone());
+            ctx.send(peer, wire::Pull { xfer, token, arena, first, total, endpoint, chunks, proofs });
         }
         let deadline = ctx.now + self.timeout;
         let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);

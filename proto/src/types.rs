@@ -40,6 +40,11 @@ pub struct RegId(pub u64);
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub struct ArenaId(pub u8);
 
+/// Most arenas one agent may advertise, so every [`ArenaId`] is below it. A real engine has
+/// one per memory place it bounces through (host memory, each GPU it serves); the bound keeps
+/// what a forged blob can make a peer load (one inner-engine load per arena) small.
+pub const MAX_ARENAS: usize = 16;
+
 /// A registration's secret key: random bits the owning engine draws at registration and
 /// publishes only in that registration's public metadata, so holding it proves an agent was
 /// given the metadata (see [`crate::proof`]).

@@ -12,7 +12,7 @@ use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, Plan, PlanParams};
 use bounce_proto::proof;
 use bounce_proto::wire::{self, Ack, AckStatus, Data, Frame, Grant, Msg, Want};
-use bounce_proto::{ChunkIdx, CopyRun, PeerId, RegId, RegKey, Region, Token, XferId};
+use bounce_proto::{ArenaId, ChunkIdx, CopyRun, PeerId, RegId, RegKey, Region, Token, XferId};
 
 const KIB: u64 = 1024;
 const CHUNK: u64 = 4 * KIB;
@@ -90,6 +90,7 @@ fn want(xfer: u64, chunks: &[u64]) -> Msg {
 fn want_proving(xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
     let proofs = regs.iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
     Msg::Want(Want {
+        arena: ArenaId(0),
         xfer: XferId(xfer),
         token: tok(xfer),
         endpoint: Vec::new(),
@@ -541,7 +542,16 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
     let chunks = (0..3).map(pull_chunk).collect();
     let proofs = [kept, gone].iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
     let (first, endpoint) = (ChunkIdx(0), Vec::new());
-    let pull = wire::Pull { xfer: XferId(xfer), token: tok(xfer), first, total: 3, endpoint, chunks, proofs };
+    let pull = wire::Pull {
+        arena: ArenaId(0),
+        xfer: XferId(xfer),
+        token: tok(xfer),
+        first,
+        total: 3,
+        endpoint,
+        chunks,
+        proofs,
+    };
     ep.handle_msg(now, peer, Msg::Pull(pull)).unwrap();
     let first = gathers(&drain(&mut ep));
     assert_eq!(first.len(), 2, "a window of two chunks");
@@ -568,7 +578,16 @@ fn pull(xfer: u64, first: u32, chunks: std::ops::Range<u64>, total: u32) -> Msg 
     let chunks = chunks.map(pull_chunk).collect();
     let proofs = if first == 0 { vec![proof::prove(D, &key(D), tok(xfer))] } else { Vec::new() };
     let (first, endpoint) = (ChunkIdx(first), Vec::new());
-    Msg::Pull(wire::Pull { xfer: XferId(xfer), token: tok(xfer), first, total, endpoint, chunks, proofs })
+    Msg::Pull(wire::Pull {
+        arena: ArenaId(0),
+        xfer: XferId(xfer),
+        token: tok(xfer),
+        first,
+        total,
+        endpoint,
+        chunks,
+        proofs,
+    })
 }
 
 /// A READ comes as several PULLs (the first chunk alone, so it is gathered while the rest

@@ -12,7 +12,7 @@ use bounce_proto::endpoint::{Action, Endpoint, JobId, XferError};
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{ControlFrame, Frame};
-use bounce_proto::{PeerId, RegId, RegKey, Token, XferId};
+use bounce_proto::{ArenaId, PeerId, RegId, RegKey, Token, XferId};
 
 /// The key of the receiver's one registration, as its metadata would carry it.
 const KEY: RegKey = RegKey([0x5a; 32]);
@@ -271,6 +271,7 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
     for (peer, xfers) in [(3u32, 4u64), (5, 1), (9, 7)] {
         for x in 0..xfers {
             let want = bounce_proto::wire::Want {
+                arena: ArenaId(0),
                 xfer: XferId(x),
                 token: Token(u128::from(x) + 1),
                 endpoint: Vec::new(),

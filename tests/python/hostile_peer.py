@@ -87,8 +87,9 @@ def session_of(meta):
     return struct.unpack_from("<Q", meta, caps_offset(meta, "session"))[0]
 
 
-def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None, standing=None):
-    """proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs); inline: (bytes, runs),
+def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None, standing=None, arena=0):
+    """arena: the receiver's arena the flow asks regions of (its index in the receiver's
+    capabilities); proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs); inline: (bytes, runs),
     the one chunk carried in the WANT (proto/src/wire/frame.rs `Inline`), runs as for `data`;
     standing: None, "open", or ("claim", standing flow id, its token) (frame.rs `Standing`)."""
     tail = struct.pack("<I", 0)
@@ -102,7 +103,7 @@ def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None, s
     else:
         _, sx, st = standing
         tail += b"\x02" + struct.pack("<Q", sx) + tok(st)
-    return (header(WANT, session) + struct.pack("<Q", xfer) + tok(token) + struct.pack("<I", len(endpoint))
+    return (header(WANT, session) + struct.pack("<Q", xfer) + tok(token) + bytes([arena]) + struct.pack("<I", len(endpoint))
             + endpoint + struct.pack("<I", len(chunks)) + b"".join(struct.pack("<Q", c) for c in chunks)
             + struct.pack("<I", len(proofs)) + b"".join(struct.pack("<Q", r) + t for r, t in proofs) + tail)
 
@@ -262,9 +263,9 @@ class Fuzzer:
             return "bitflip", bytes(f)
         if kind == 5:  # absurd counts with short bodies
             return "absurd_count", r.choice([
-                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<II", 0, 0xFFFF_FFFF) + b"\1" * 8,
-                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<II", 0, 1 << 20) + b"\1" * 8,
-                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<I", 0xFFFF_FFFF),
+                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + b"\0" + struct.pack("<II", 0, 0xFFFF_FFFF) + b"\1" * 8,
+                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + b"\0" + struct.pack("<II", 0, 1 << 20) + b"\1" * 8,
+                header(WANT, s) + struct.pack("<Q", 1) + tok(0) + b"\0" + struct.pack("<I", 0xFFFF_FFFF),
                 header(GRANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<I", 1 << 16),
                 header(DATA, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<IQQI", 0, 0, 1 << 16, 0xFFFF_FFFF),
                 want(s, self.new_xfer(), [U64, U64]),
@@ -312,6 +313,10 @@ class Fuzzer:
             return "standing_claim_bad_data", [
                 want(s, sx, [64 << 10], token=st, standing="open"), LATER,
                 want(s, x, [64 << 10], standing=("claim", sx, st)), LATER] + [
+                data(s, x, 0, self.guessed_region(), self.forbidden_runs()) for _ in range(16)]
+        if kind == 15 and r.random() < .5:  # a WANT through an arena the victim lacks, then DATA
+            x = self.new_xfer()
+            return "want_other_arena", [want(s, x, [64 << 10], arena=r.choice([1, 15, 16, 255])), LATER] + [
                 data(s, x, 0, self.guessed_region(), self.forbidden_runs()) for _ in range(16)]
         return "cancel", want(s, r.choice([victim_xfers, self.new_xfer()]), [])
 

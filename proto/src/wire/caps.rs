@@ -4,7 +4,7 @@
 
 use super::codec::{Reader, Result, WireError, Writer};
 use super::frame::WIRE_VERSION;
-use crate::types::{ControlKind, MemKind};
+use crate::types::{ControlKind, MAX_ARENAS, MemKind};
 
 /// Reasons a peer's capabilities rule out the bounce path with it (design §5); the peer then
 /// stays on the standard NIXL path.
@@ -44,11 +44,6 @@ pub enum Incompatible {
 /// make us plan: a hostile blob advertising 32-byte chunks would otherwise cut a 1 GiB transfer
 /// into 32 million chunks (gigabytes of plan) in our process.
 pub const MAX_CHUNK_SHRINK: u64 = 1024;
-
-/// Most arenas one agent may advertise. A real engine has one per memory place it bounces
-/// through (host memory, each GPU it serves); the bound keeps what a forged blob can make a peer
-/// load (one inner-engine load per arena) small.
-pub const MAX_ARENAS: usize = 16;
 
 /// An agent's bounce capability blob, published with its connection info (design §5): what a
 /// peer needs to decide whether bounce can be used with it and to write into its arenas.

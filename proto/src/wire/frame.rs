@@ -16,13 +16,13 @@
 use std::sync::Arc;
 
 use super::codec::{MAX_BLOB, Reader, Result, WireError, Writer, check_len};
-use crate::types::{ChunkIdx, CopyRun, RegId, Region, Token, XferId};
+use crate::types::{ArenaId, ChunkIdx, CopyRun, MAX_ARENAS, RegId, Region, Token, XferId};
 
 /// Magic that starts every control frame; the leading NUL keeps it apart from printable
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 11;
+pub const WIRE_VERSION: u8 = 12;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -132,6 +132,10 @@ pub struct Want {
     /// The transfer's secret, drawn by the sender; the receiver's flow keeps the one of the
     /// WANT that created it.
     pub token: Token,
+    /// The receiver's arena the flow's regions are granted in: the index of one it advertised
+    /// (`Capabilities::arenas`), chosen by the sender for the
+    /// memory place of the transfer's destinations (wire version 12). Ignored in a cancel.
+    pub arena: ArenaId,
     /// How the receiver answers: [`REPLY_MAILBOX`] for mailbox records the sender READs (a
     /// one-way flow); otherwise with GRANT and ACK frames (it is never parsed as an address).
     pub endpoint: Vec<u8>,
@@ -359,6 +363,9 @@ pub struct Pull {
     pub xfer: XferId,
     /// The transfer's secret, as in a WANT.
     pub token: Token,
+    /// The target's arena the chunks are gathered into, as [`Want::arena`]; the same in each
+    /// PULL of a transfer.
+    pub arena: ArenaId,
     /// The index of its first chunk in the transfer (0 in the PULL that opens the flow).
     pub first: ChunkIdx,
     /// The transfer's chunk count, the same in each of its PULLs (0 in a cancel).
@@ -482,6 +489,7 @@ impl Msg {
         Self::Want(Want {
             xfer,
             token,
+            arena: ArenaId(0),
             endpoint,
             chunks: Vec::new(),
             proofs: Vec::new(),
@@ -562,6 +570,7 @@ impl Msg {
     pub fn validate(&self) -> Result<()> {
         match self {
             Self::Want(m) => {
+                check_arena(m.arena)?;
                 check_len("endpoint", m.endpoint.len(), MAX_BLOB)?;
                 check_len("want chunks", m.chunks.len(), MAX_CHUNKS_PER_WANT)?;
                 check_len("want proofs", m.proofs.len(), MAX_PROOFS)?;
@@ -624,6 +633,7 @@ impl Msg {
             }
             Self::Keep(_) | Self::Cursor(_) => {}
             Self::Pull(m) => {
+                check_arena(m.arena)?;
                 check_len("endpoint", m.endpoint.len(), MAX_BLOB)?;
                 check_len("pull chunks", m.chunks.len(), MAX_CHUNKS_PER_WANT)?;
                 check_len("pull proofs", m.proofs.len(), MAX_PROOFS)?;
@@ -653,6 +663,15 @@ impl Msg {
 }
 
 /// No run of a DATA or PLAN copies nothing.
+/// An arena id no agent can have ([`MAX_ARENAS`] or more) is malformed; whether the receiver
+/// has the arena is its own check.
+fn check_arena(arena: ArenaId) -> Result<()> {
+    if usize::from(arena.0) >= MAX_ARENAS {
+        return Err(WireError::Invalid { what: "arena id" });
+    }
+    Ok(())
+}
+
 fn check_runs(runs: &[CopyRun]) -> Result<()> {
     if runs.iter().any(|r| r.count == 0) {
         return Err(WireError::Invalid { what: "run with count 0" });
@@ -851,6 +870,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
         Msg::Want(m) => {
             w.u64(m.xfer.0);
             w.token(m.token);
+            w.u8(m.arena.0);
             w.blob(&m.endpoint);
             w.len(m.chunks.len());
             m.chunks.iter().for_each(|&c| w.u64(c));
@@ -914,6 +934,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
         Msg::Pull(m) => {
             w.u64(m.xfer.0);
             w.token(m.token);
+            w.u8(m.arena.0);
             w.u32(m.first.0);
             w.u32(m.total);
             w.blob(&m.endpoint);
@@ -950,7 +971,7 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
 fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
     Ok(match kind {
         KIND_WANT => {
-            let (xfer, token) = (XferId(r.u64()?), r.token()?);
+            let (xfer, token, arena) = (XferId(r.u64()?), r.token()?, ArenaId(r.u8()?));
             let endpoint = r.blob("endpoint")?;
             let n = r.count("want chunks", MAX_CHUNKS_PER_WANT, 8)?;
             let chunks = (0..n).map(|_| r.u64()).collect::<Result<_>>()?;
@@ -969,7 +990,7 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
                 STANDING_CLAIM => Standing::Claim { xfer: XferId(r.u64()?), token: r.token()? },
                 _ => return Err(WireError::Invalid { what: "WANT standing tag" }),
             };
-            Msg::Want(Want { xfer, token, endpoint, chunks, proofs, inline, standing })
+            Msg::Want(Want { xfer, token, arena, endpoint, chunks, proofs, inline, standing })
         }
         KIND_GRANT => {
             let (xfer, token) = (XferId(r.u64()?), r.token()?);
@@ -1002,7 +1023,7 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
         KIND_KEEP => Msg::Keep(Keep { xfer: XferId(r.u64()?), token: r.token()? }),
         KIND_CURSOR => Msg::Cursor(Cursor { xfer: XferId(r.u64()?), token: r.token()?, consumed: r.u64()? }),
         KIND_PULL => {
-            let (xfer, token) = (XferId(r.u64()?), r.token()?);
+            let (xfer, token, arena) = (XferId(r.u64()?), r.token()?, ArenaId(r.u8()?));
             let (first, total) = (ChunkIdx(r.u32()?), r.u32()?);
             let endpoint = r.blob("endpoint")?;
             let n = r.count("pull chunks", MAX_CHUNKS_PER_WANT, 8 + 4)?;
@@ -1017,7 +1038,7 @@ fn read_msg(r: &mut Reader<'_>, kind: u8) -> Result<Msg> {
                 .collect::<Result<_>>()?;
             let n = r.count("pull proofs", MAX_PROOFS, PROOF_LEN)?;
             let proofs = (0..n).map(|_| Ok(Proof { reg: RegId(r.u64()?), tag: r.array()? })).collect::<Result<_>>()?;
-            Msg::Pull(Pull { xfer, token, first, total, endpoint, chunks, proofs })
+            Msg::Pull(Pull { xfer, token, arena, first, total, endpoint, chunks, proofs })
         }
         KIND_RELEASE => Msg::Release(Release {
             xfer: XferId(r.u64()?),

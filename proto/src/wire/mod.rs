@@ -34,7 +34,8 @@ mod samples;
 #[cfg(test)]
 mod tests;
 
-pub use caps::{ArenaCaps, Arenas, Capabilities, Incompatible, MAX_ARENAS, MAX_CHUNK_SHRINK, MailboxCaps};
+pub use crate::types::MAX_ARENAS;
+pub use caps::{ArenaCaps, Arenas, Capabilities, Incompatible, MAX_CHUNK_SHRINK, MailboxCaps};
 pub use codec::{MAX_BLOB, Result, WireError};
 pub use envelope::{ConnEnvelope, ENVELOPE_MAGIC, ENVELOPE_VERSION};
 pub use frame::{

@@ -5,7 +5,7 @@ use super::caps::{ArenaCaps, Arenas, Capabilities, MailboxCaps};
 use super::codec::Result;
 use super::envelope::ConnEnvelope;
 use super::frame::{Ack, AckStatus, Credit, Data, Frame, Grant, Inline, Msg, Proof, Standing, WIRE_VERSION, Want};
-use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
+use crate::types::{ArenaId, ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 
 /// One valid frame of each shape; the golden tests and the fuzz seed corpus start from these.
 pub(super) fn sample_frames() -> Vec<Frame> {
@@ -16,6 +16,8 @@ pub(super) fn sample_frames() -> Vec<Frame> {
     let token = Token(0x0123_4567_89ab_cdef_fedc_ba98_7654_3210);
     let msgs = [
         Msg::Want(Want {
+            // The receiver's second arena (wire version 12).
+            arena: ArenaId(1),
             xfer: XferId(0x2a),
             token,
             endpoint: b"ep".to_vec(),
@@ -38,6 +40,7 @@ pub(super) fn sample_frames() -> Vec<Frame> {
         Msg::Ack(Ack { xfer, token, chunk, region, status: AckStatus::Refused }),
         // A WANT carrying its one chunk (wire version 9).
         Msg::Want(Want {
+            arena: ArenaId(0),
             xfer: XferId(0x2b),
             token,
             endpoint: b"ep".to_vec(),
@@ -48,6 +51,7 @@ pub(super) fn sample_frames() -> Vec<Frame> {
         }),
         // A WANT that opens a standing flow (wire version 10).
         Msg::Want(Want {
+            arena: ArenaId(0),
             xfer: XferId(0x8000_0000_0000_0029),
             token,
             endpoint: b"ep".to_vec(),

@@ -4,7 +4,7 @@ use super::envelope::FLAG_CAPS;
 use super::frame::*;
 use super::samples::{assert_canonical, sample_caps, sample_envelopes, sample_frames};
 use super::*;
-use crate::types::{ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
+use crate::types::{ArenaId, ChunkIdx, ControlKind, CopyRun, MemKind, RegId, Region, Token, XferId};
 use proptest::prelude::*;
 
 fn hex(bytes: &[u8]) -> String {
@@ -55,8 +55,15 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
     let proofs = prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..3)
         .prop_map(|p| p.into_iter().map(|(reg, tag)| Proof { reg: RegId(reg), tag }).collect::<Vec<_>>());
     prop_oneof![
-        (xfer.clone(), token.clone(), arb_blob(), prop::collection::vec(1..=u64::MAX, 0..8), proofs).prop_map(
-            |(xfer, token, endpoint, chunks, proofs)| Msg::Want(Want {
+        (
+            xfer.clone(),
+            (token.clone(), 0..MAX_ARENAS as u8),
+            arb_blob(),
+            prop::collection::vec(1..=u64::MAX, 0..8),
+            proofs
+        )
+            .prop_map(|(xfer, (token, arena), endpoint, chunks, proofs)| Msg::Want(Want {
+                arena: ArenaId(arena),
                 xfer,
                 token,
                 endpoint,
@@ -64,8 +71,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                 proofs,
                 inline: None,
                 standing: Default::default(),
-            })
-        ),
+            })),
         (
             xfer.clone(),
             token.clone(),
@@ -75,6 +81,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
             .prop_map(|(xfer, token, bytes, runs)| {
                 let chunks = vec![bytes.len() as u64];
                 Msg::Want(Want {
+                    arena: ArenaId(0),
                     xfer,
                     token,
                     endpoint: vec![],
@@ -253,7 +260,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708);
-    assert_eq!(hex(&h), "00424f554e430b0508070605040302 01".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e430c0508070605040302 01".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -299,8 +306,8 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 0b 01 0100000000000000
-             2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570
+            "00424f554e43 0c 01 0100000000000000
+             2a00000000000000 1032547698badcfeefcdab8967452301 01 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
              00000000
@@ -310,7 +317,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&cancel.to_vec()[HEADER_LEN..]),
         format!(
-            "2a00000000000000 1032547698badcfeefcdab8967452301 13000000 {} 00000000 00000000 00000000 00",
+            "2a00000000000000 1032547698badcfeefcdab8967452301 00 13000000 {} 00000000 00000000 00000000 00",
             hex(b"tcp://10.0.0.1:5555")
         )
         .replace(' ', "")
@@ -318,7 +325,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 0b 03 0400000000000000
+            "00424f554e43 0c 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001
@@ -328,7 +335,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 0b 04 0500000000000000
+            "00424f554e43 0c 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -398,7 +405,7 @@ fn only_the_canonical_run_encoding_decodes() {
 fn capabilities_and_envelope_layouts_are_pinned() {
     // Version, control kind, session, one arena (memory kind, device, base, length, usable,
     // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key).
-    let caps = "0b00 01 0900000000000000 01
+    let caps = "0c00 01 0900000000000000 01
                 01 0000000000000000 0010000000000000 0020000000000000 0020000000000000 0004000000000000 01000000 6b
                 00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -464,10 +471,43 @@ fn a_body_under_another_kind_byte_is_refused() {
     }
 }
 
+/// An arena id is one byte, but no agent advertises more than `MAX_ARENAS`: an id past them is
+/// malformed in any WANT or PULL (whether the receiver has a smaller one is its own check).
+#[test]
+fn wants_and_pulls_name_an_arena_below_the_most_an_agent_may_have() {
+    let frames = sample_frames();
+    let want = frames[0].to_vec();
+    let at = HEADER_LEN + 8 + 16; // the header, the transfer id, the token
+    assert_eq!(want[at], 1, "the sample WANT names arena 1");
+    for (arena, ok) in [(0u8, true), (15, true), (16, false), (255, false)] {
+        let mut bytes = want.clone();
+        bytes[at] = arena;
+        let got = Frame::decode(&bytes);
+        if ok {
+            assert!(matches!(&got, Ok(Frame { msg: Msg::Want(w), .. }) if w.arena == ArenaId(arena)), "{got:?}");
+        } else {
+            assert_eq!(got, Err(WireError::Invalid { what: "arena id" }), "arena {arena}");
+        }
+    }
+    let pull = Msg::Pull(Pull {
+        arena: ArenaId(16),
+        xfer: XferId(3),
+        token: Token(1),
+        first: ChunkIdx(0),
+        total: 1,
+        endpoint: Vec::new(),
+        chunks: vec![PullChunk { bytes: 64, runs: vec![].into() }],
+        proofs: vec![],
+    });
+    assert_eq!(pull.validate(), Err(WireError::Invalid { what: "arena id" }));
+    assert_eq!(Frame::decode(&Frame { session: 1, msg: pull }.to_vec()), Err(WireError::Invalid { what: "arena id" }));
+}
+
 #[test]
 fn absurd_counts_are_refused_before_allocating() {
     let mut body = 1u64.to_le_bytes().to_vec(); // xfer
     body.extend_from_slice(&[7; 16]); // token
+    body.push(0); // arena
     body.extend_from_slice(&0u32.to_le_bytes()); // empty endpoint
     body.extend_from_slice(&u32::MAX.to_le_bytes()); // chunk count
     body.extend_from_slice(&[1; 8]);
@@ -476,10 +516,11 @@ fn absurd_counts_are_refused_before_allocating() {
         Err(WireError::CountTooLarge { what: "want chunks", count: u32::MAX.into(), max: MAX_CHUNKS_PER_WANT.into() })
     );
     // Under the cap but beyond the input: refused from the count alone.
-    body[28..32].copy_from_slice(&MAX_CHUNKS_PER_WANT.to_le_bytes());
+    body[29..33].copy_from_slice(&MAX_CHUNKS_PER_WANT.to_le_bytes());
     assert_eq!(Frame::decode(&frame_bytes(KIND_WANT, &body)), Err(WireError::Truncated { need: 8 << 20, have: 8 }));
     let mut endpoint = 1u64.to_le_bytes().to_vec();
     endpoint.extend_from_slice(&[7; 16]);
+    endpoint.push(0);
     endpoint.extend_from_slice(&u32::MAX.to_le_bytes());
     assert!(matches!(
         Frame::decode(&frame_bytes(KIND_WANT, &endpoint)),
@@ -524,7 +565,7 @@ fn invalid_values_are_refused() {
     let run = CopyRun { region_off: 0, addr: 0, len: 8, count: 1, region_stride: 0, addr_stride: 0 };
     let token = Token(1);
     let want = |chunks: Vec<u64>, proofs: Vec<Proof>, inline: Option<Inline>, standing: Standing| {
-        Msg::Want(Want { xfer, token, endpoint: vec![], chunks, proofs, inline, standing })
+        Msg::Want(Want { arena: ArenaId(0), xfer, token, endpoint: vec![], chunks, proofs, inline, standing })
     };
     let proof = Proof { reg: RegId(1), tag: [0; 16] };
     let claim = Standing::Claim { xfer: XferId(1 << 63), token };
@@ -736,6 +777,7 @@ fn an_arena_list_has_one_to_sixteen_arenas_and_ids_index_it() {
 #[test]
 fn oversized_blobs_encode_to_what_decode_refuses() {
     let big = Msg::Want(Want {
+        arena: ArenaId(0),
         xfer: XferId(1),
         token: Token(1),
         endpoint: vec![0; MAX_BLOB as usize + 1],
@@ -764,44 +806,45 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e430b010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000
+        "00424f554e430c010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 01 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000
          02 0100000000000080 1032547698badcfeefcdab8967452301",
         // cancel (empty WANT)
-        "00424f554e430b010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000 00",
+        "00424f554e430c010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 00 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000 00",
         // GRANT
-        "00424f554e430b020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e430c020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e430b030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e430c030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e430b040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e430c040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
         // WANT with its one chunk inline: 0x40 bytes, then one run
-        "00424f554e430b010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 02000000 6570 01000000 4000000000000000
+        "00424f554e430c010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 00 02000000 6570 01000000 4000000000000000
          01000000 0500000000000000 bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb
          40000000 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f
          01000000 0380402002208001 00",
         // WANT opening a standing flow of one 2 MiB chunk
-        "00424f554e430b010700000000000000 2900000000000080 1032547698badcfeefcdab8967452301 02000000 6570 01000000 0000200000000000
+        "00424f554e430c010700000000000000 2900000000000080 1032547698badcfeefcdab8967452301 00 02000000 6570 01000000 0000200000000000
          00000000 00000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
-    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e430b050807060504030201");
+    assert_eq!(hex(&encode_hello(0x0102_0304_0506_0708)), "00424f554e430c050807060504030201");
     // CURSOR (kind 10): transfer, token, records read.
     let cursor = Frame { session: 7, msg: Msg::Cursor(Cursor { xfer: XferId(3), token: Token(0xfeed), consumed: 9 }) };
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e430b0a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e430c0a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
-    // PULL (kind 11): transfer, token, first chunk, total chunks, endpoint, chunks (size,
+    // PULL (kind 11): transfer, token, arena, first chunk, total chunks, endpoint, chunks (size,
     // delta-coded gather runs as in DATA), proofs.
     let run = CopyRun { region_off: 0, addr: 0x1000, len: 0x20, count: 2, region_stride: 0x20, addr_stride: 0x80 };
     let pull = Frame {
         session: 7,
         msg: Msg::Pull(Pull {
+            arena: ArenaId(3),
             xfer: XferId(3),
             token: Token(0xfeed),
             first: ChunkIdx(1),
@@ -814,7 +857,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e430b0b0700000000000000 0300000000000000 edfe0000000000000000000000000000 01000000
+            "00424f554e430c0b0700000000000000 0300000000000000 edfe0000000000000000000000000000 03 01000000
              02000000 00000000 01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
@@ -823,18 +866,18 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e430b0d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e430c0d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e430b0c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e430c0c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
     // Version, control kind, session, one arena (memory kind, device, base, length, usable,
     // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key).
-    let caps = "0b00 01 0900000000000000 01
+    let caps = "0c00 01 0900000000000000 01
                 01 0000000000000000 0010000000000000 0020000000000000 0020000000000000 0004000000000000 01000000 6b
                 00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
@@ -872,6 +915,7 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
         region_plan_runs: 0,
     });
     let want = Msg::Want(Want {
+        arena: ArenaId(0),
         xfer: XferId(u64::MAX),
         token: Token(u128::MAX),
         endpoint: vec![0xff; MAX_BLOB as usize],
@@ -882,6 +926,7 @@ fn the_longest_legal_frames_fit_in_max_frame_len() {
     });
     // A PULL: every chunk with one run in its longest encoding (runs are capped in all).
     let pull = Msg::Pull(Pull {
+        arena: ArenaId(0),
         xfer: XferId(u64::MAX),
         token: Token(u128::MAX),
         first: ChunkIdx(0),

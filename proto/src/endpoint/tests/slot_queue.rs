@@ -18,6 +18,7 @@ fn one_way_want(xfer: u64) -> Msg {
     let t = token(xfer);
     let proofs = vec![crate::proof::prove(REG, &KEY, t)];
     Msg::Want(Want {
+        arena: ArenaId(0),
         xfer: XferId(xfer),
         token: t,
         endpoint: wire::REPLY_MAILBOX.to_vec(),
@@ -346,6 +347,7 @@ fn a_one_way_read_reclaimed_between_its_pulls_is_answered_fail() {
     let (xfer, tok) = (5, token(5));
     let run = CopyRun { region_off: 0, addr: DST, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
     let pull = wire::Pull {
+        arena: ArenaId(0),
         xfer: XferId(xfer),
         token: tok,
         first: ChunkIdx(0),

@@ -18,6 +18,7 @@ fn standing_endpoint(arena: u64, eager: bool) -> (Endpoint, Instant) {
 /// The standing flow a peer opens: `xfer` with the bit, one `bytes` chunk, no proofs.
 fn open_msg(xfer: u64, bytes: u64) -> Msg {
     Msg::Want(Want {
+        arena: ArenaId(0),
         xfer: XferId(STANDING_XFER_BIT | xfer),
         token: Token(0x57a4d),
         endpoint: Vec::new(),
@@ -367,4 +368,29 @@ fn a_refused_standing_flow_is_not_asked_again_until_the_peer_is_lost() {
     ep.handle_peer_lost(t, PEER);
     drain(&mut ep);
     assert_eq!(opened(&mut ep, 3), 1, "a new incarnation is asked again");
+}
+
+/// The standing flow lies in the peer's arena of the transfer that opened it: a transfer
+/// bounced through another of the peer's arenas names its own arena and takes the full
+/// exchange, and only one through the same arena claims the region.
+#[test]
+fn a_standing_region_is_claimed_only_by_transfers_through_its_arena() {
+    let (mut ep, t, s, token, _) = sender_with_standing(false);
+    let through = |arena: u8| {
+        let mut p = plan_of(1);
+        p.peer_arena = ArenaId(arena);
+        p
+    };
+    ep.submit(t, XferId(2), TOKEN, PEER, through(1)).unwrap();
+    let wants: Vec<(XferId, ArenaId, Standing)> = msgs(&drain(&mut ep))
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Want(w) = m { Some((w.xfer, w.arena, w.standing)) } else { None })
+        .collect();
+    assert_eq!(wants, vec![(XferId(2), ArenaId(1), Standing::None)], "no claim, and no second standing flow");
+    ep.submit(t, XferId(3), TOKEN, PEER, through(0)).unwrap();
+    let wants: Vec<(XferId, ArenaId, Standing)> = msgs(&drain(&mut ep))
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Want(w) = m { Some((w.xfer, w.arena, w.standing)) } else { None })
+        .collect();
+    assert_eq!(wants, vec![(XferId(3), ArenaId(0), Standing::Claim { xfer: s, token })]);
 }
