@@ -1,8 +1,9 @@
 //! The engine's protocol endpoint: the one object the IO shell drives (quinn-proto's
 //! `Endpoint`/`Connection` shape, STYLE.md §3), plus the event types both roles share.
 //!
-//! An [`Endpoint`] owns the engine's single [`CreditScheduler`] (one arena serves both
-//! directions, design §2), the [`Sender`] role (transfers this engine submits) and the
+//! An [`Endpoint`] owns one [`CreditScheduler`] per arena (each arena serves both directions,
+//! design §2; an engine has one, or one per memory place it bounces through: docs/arenas.md,
+//! [`add_arena`](Endpoint::add_arena)), the [`Sender`] role (transfers this engine submits) and the
 //! [`Receiver`] role (transfers peers write into this engine). It routes inputs to the right
 //! role and collects their outputs as [`Action`]s. It does not move bytes, send messages or read
 //! the clock: the shell performs the actions, reports their completion back through the
@@ -28,9 +29,10 @@ use crate::peers::{FrameRefused, Hello, Loaded, PeerTable};
 use crate::plan::Plan;
 use crate::proof::BadProof;
 use crate::receiver::Receiver;
+use crate::scheduler::arenas::ArenaSchedulers;
 use crate::scheduler::{CreditScheduler, SchedError};
 use crate::sender::{Sender, WantShape};
-use crate::types::{FlowKey, PeerId, RegId, RegKey, Token, XferId};
+use crate::types::{ArenaId, FlowKey, PeerId, RegId, RegKey, Token, XferId};
 use crate::wire;
 
 /// How a WRITE is answered and what its WANT carries ([`Endpoint::submit_write`]).
@@ -61,18 +63,27 @@ pub enum EndpointError {
     /// The scheduler rejected the arena geometry or window.
     #[error(transparent)]
     Sched(#[from] SchedError),
+    /// An arena past the most an engine may have ([`crate::types::MAX_ARENAS`]).
+    #[error("an engine has at most {} arenas", crate::types::MAX_ARENAS)]
+    TooManyArenas,
 }
 
 /// Builds a [`Ctx`] from an endpoint's disjoint fields, so a role can borrow them while the
 /// endpoint lends out the role itself.
 macro_rules! ctx {
     ($ep:ident, $now:expr) => {
-        Ctx { now: $now, sched: &mut $ep.sched, out: &mut $ep.out, next_job: &mut $ep.next_job, stats: &mut $ep.stats }
+        Ctx {
+            now: $now,
+            scheds: &mut $ep.scheds,
+            out: &mut $ep.out,
+            next_job: &mut $ep.next_job,
+            stats: &mut $ep.stats,
+        }
     };
 }
 
-/// Protocol state and logic of one BOUNCE engine: its sender and receiver roles over one shared
-/// arena.
+/// Protocol state and logic of one BOUNCE engine: its sender and receiver roles over its
+/// arenas, each shared by both roles.
 ///
 /// # Driving it
 /// - Commands: [`submit`](Self::submit), [`cancel`](Self::cancel), [`shutdown`](Self::shutdown),
@@ -113,7 +124,10 @@ macro_rules! ctx {
 /// [`Reuse::After`]: crate::scheduler::Reuse::After
 #[derive(Debug)]
 pub struct Endpoint {
-    sched: CreditScheduler,
+    /// One scheduler per arena; the first is the one [`new`](Self::new) makes.
+    scheds: ArenaSchedulers,
+    /// The per-flow window `W` every arena's scheduler keeps.
+    window: u32,
     sender: Sender,
     receiver: Receiver,
     out: VecDeque<Action>,
@@ -147,7 +161,8 @@ impl Endpoint {
         let sched =
             CreditScheduler::new(config.arena_usable_capacity(), config.arena_granularity, config.max_inflight_chunks)?;
         Ok(Self {
-            sched,
+            scheds: ArenaSchedulers::new(sched),
+            window: config.max_inflight_chunks,
             sender: Sender::new(config, now),
             receiver: Receiver::new(config, now),
             out: VecDeque::new(),
@@ -693,7 +708,9 @@ impl Endpoint {
         // linger ended (the pump below serves them).
         self.stats.one_way_refused += self.answering.expire(now) as u64;
         // Regions whose quarantine ended are free again (the pump below grants them).
-        self.sched.lift_quarantine(Some(now));
+        for (_, sched) in self.scheds.iter_mut() {
+            sched.lift_quarantine(Some(now));
+        }
         let mut ctx = ctx!(self, now);
         self.sender.handle_timeout(&mut ctx);
         self.receiver.handle_timeout(&mut ctx);
@@ -757,7 +774,7 @@ impl Endpoint {
 
     /// Regions granted to peers and not yet returned: where a peer's write may still land.
     pub fn grants_outstanding(&self) -> usize {
-        self.receiver.grants_outstanding(&self.sched)
+        self.receiver.grants_outstanding(&self.scheds)
     }
 
     /// The next action for the shell; call until `None` after every command or input.
@@ -771,7 +788,7 @@ impl Endpoint {
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
         let waiting = self.answering.next_timeout();
-        let lift = self.sched.next_lift();
+        let lift = self.scheds.next_lift();
         [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout(), waiting, lift]
             .into_iter()
             .flatten()
@@ -817,26 +834,45 @@ impl Endpoint {
             && self.receiver.waiting_flows() == 0
     }
 
-    /// Free arena bytes.
+    /// Free arena bytes, over all arenas.
     pub fn arena_free_bytes(&self) -> u64 {
-        self.sched.free_bytes()
+        self.scheds.free_bytes()
     }
 
-    /// Arena bytes in quarantine: reclaimed from writers that went silent or were lost, free
-    /// again a quarter request timeout later.
+    /// Arena bytes in quarantine, over all arenas: reclaimed from writers that went silent or
+    /// were lost, free again a quarter request timeout later.
     pub fn arena_quarantined_bytes(&self) -> u64 {
-        self.sched.quarantined_bytes()
+        self.scheds.iter().map(|(_, s)| s.quarantined_bytes()).sum()
     }
 
     /// Arena bytes held for peers' standing credits ([`wire::Standing`]): granted ahead of
     /// their transfers, back when claimed and replaced, or at the lease's end.
     pub fn arena_standing_bytes(&self) -> u64 {
-        self.receiver.standing_held_bytes(&self.sched)
+        self.receiver.standing_held_bytes(&self.scheds)
     }
 
-    /// The shared credit scheduler, read-only.
+    /// The first arena's credit scheduler (the one every engine has), read-only.
     pub fn scheduler(&self) -> &CreditScheduler {
-        &self.sched
+        self.scheds.get(ArenaId(0))
+    }
+
+    /// Every arena's credit scheduler, read-only.
+    pub fn schedulers(&self) -> &ArenaSchedulers {
+        &self.scheds
+    }
+
+    /// Adds an arena of `capacity` usable bytes (offsets from 0, as the first arena's) and
+    /// minimum block `granularity`, with the configured window: peers may then name it in
+    /// their WANTs and PULLs, and plans stage in it ([`Plan::local_arena`]). Its id is its
+    /// index in the capabilities the shell advertises, so arenas are added before any peer
+    /// loads them.
+    ///
+    /// # Errors
+    /// [`EndpointError::Sched`] for a geometry the scheduler refuses;
+    /// [`EndpointError::TooManyArenas`] past [`crate::types::MAX_ARENAS`].
+    pub fn add_arena(&mut self, capacity: u64, granularity: u64) -> Result<ArenaId, EndpointError> {
+        let sched = CreditScheduler::new(capacity, granularity, self.window)?;
+        self.scheds.add(sched).ok_or(EndpointError::TooManyArenas)
     }
 
     /// The sender role, read-only.
@@ -880,10 +916,12 @@ impl Endpoint {
         loop {
             let mut ctx = ctx!(self, now);
             self.sender.retry_parked(&mut ctx);
-            let mut free = ctx.sched.free_bytes();
+            let mut free = ctx.scheds.free_bytes();
             if !self.closing {
-                let grants = ctx.sched.schedule();
-                free = ctx.sched.free_bytes();
+                // Each arena schedules its own flows: one arena's drain mode or full ring
+                // never holds back another's.
+                let grants: Vec<_> = ctx.scheds.iter_mut().flat_map(|(_, s)| s.schedule()).collect();
+                free = ctx.scheds.free_bytes();
                 if !grants.is_empty() {
                     self.receiver.emit_grants(&mut ctx, grants);
                 }
@@ -893,7 +931,7 @@ impl Endpoint {
             // What was granted may have been freed at once (an inline chunk whose runs a
             // deregistration made invalid refuses its flow), and ending one-way flows may free
             // space too: that space is scheduled in one more round, not left for the next event.
-            let freed = self.sched.free_bytes() > free;
+            let freed = self.scheds.free_bytes() > free;
             if !self.serve_waiting(now) && !freed {
                 break;
             }

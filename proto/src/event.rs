@@ -15,8 +15,9 @@ use tracing::trace;
 
 use crate::plan::{Plan, PlanError};
 use crate::proof::ProvenRanges;
+use crate::scheduler::arenas::ArenaSchedulers;
 use crate::scheduler::{CreditScheduler, SchedError};
-use crate::types::{ChunkIdx, CopyRun, PeerId, Region, XferId};
+use crate::types::{ArenaId, ChunkIdx, CopyRun, PeerId, Region, XferId};
 use crate::wire;
 
 /// The copy runs of a gather or scatter: its own, or one chunk's of a prepared plan shared
@@ -118,6 +119,8 @@ pub enum Action {
         job: JobId,
         /// The transfer the chunk belongs to.
         xfer: XferId,
+        /// The local arena of the staging region.
+        arena: ArenaId,
         /// Local staging region (a whole buddy block; the runs cover at most the chunk bytes).
         region: Region,
         /// Copies source -> region, and for a chunk with a [`Chunk::region_plan`] the plan to
@@ -139,6 +142,10 @@ pub enum Action {
         peer: PeerId,
         /// Where the `len` bytes are read from.
         source: WriteSource,
+        /// The local arena a [`WriteSource::Arena`] region lies in.
+        arena: ArenaId,
+        /// The peer's arena written (the one the transfer's WANT named).
+        remote_arena: ArenaId,
         /// Target region in the peer's arena, as granted.
         remote: Region,
         /// Bytes to write: the chunk size (at most both region lengths).
@@ -154,6 +161,8 @@ pub enum Action {
         peer: PeerId,
         /// The peer's transfer.
         xfer: XferId,
+        /// The local arena of the region.
+        arena: ArenaId,
         /// Local arena region holding the chunk.
         region: Region,
         /// Copies region -> destination; `addr` is the destination address: a DATA's (own),
@@ -186,8 +195,12 @@ pub enum Action {
         xfer: XferId,
         /// The peer whose arena is read.
         peer: PeerId,
+        /// The peer's arena read (the one the transfer's PULLs named).
+        remote_arena: ArenaId,
         /// The ready region in the peer's arena.
         remote: Region,
+        /// Our arena of the staging region.
+        arena: ArenaId,
         /// Our staging region.
         local: Region,
         /// Bytes to read: the chunk size.
@@ -278,6 +291,14 @@ pub enum SubmitError {
     DuplicateXfer {
         /// The id.
         xfer: XferId,
+    },
+    /// The plan stages in an arena this engine does not have ([`Plan::local_arena`]).
+    #[error("transfer {} stages in arena {}, which this engine does not have", .xfer.0, .arena.0)]
+    NoSuchArena {
+        /// The transfer.
+        xfer: XferId,
+        /// The arena the plan names.
+        arena: ArenaId,
     },
     /// The plan has no chunks.
     #[error("transfer {} has an empty plan", .xfer.0)]
@@ -707,13 +728,18 @@ pub struct Stats {
 /// job counter and the counters.
 pub(crate) struct Ctx<'a> {
     pub(crate) now: Instant,
-    pub(crate) sched: &'a mut CreditScheduler,
+    pub(crate) scheds: &'a mut ArenaSchedulers,
     pub(crate) out: &'a mut VecDeque<Action>,
     pub(crate) next_job: &'a mut u64,
     pub(crate) stats: &'a mut Stats,
 }
 
 impl Ctx<'_> {
+    /// Arena `arena`'s scheduler (an id checked on entry: see [`ArenaSchedulers`]).
+    pub(crate) fn sched(&mut self, arena: ArenaId) -> &mut CreditScheduler {
+        self.scheds.get_mut(arena)
+    }
+
     /// A fresh job id.
     pub(crate) fn job(&mut self) -> JobId {
         let job = JobId(*self.next_job);

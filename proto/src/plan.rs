@@ -174,6 +174,9 @@ pub struct Plan {
     /// for a WRITE, the sources' for a READ), named in its WANT or PULLs. `plan` leaves it 0,
     /// the arena every engine has; the shell sets it from the peer's capabilities.
     pub peer_arena: ArenaId,
+    /// Our arena the transfer stages in (a WRITE's gathers, a READ's landing regions): the
+    /// one of the local descriptors' place. `plan` leaves it 0; the shell sets it.
+    pub local_arena: ArenaId,
 }
 
 impl Plan {
@@ -438,7 +441,14 @@ fn packed(descs: Descs<'_>, params: PlanParams) -> Result<Plan> {
         sizes,
     };
     pack(descs, params, &mut builder)?;
-    Ok(Plan { chunks: builder.chunks, total_bytes, dests: Vec::new(), read: false, peer_arena: ArenaId(0) })
+    Ok(Plan {
+        chunks: builder.chunks,
+        total_bytes,
+        dests: Vec::new(),
+        read: false,
+        peer_arena: ArenaId(0),
+        local_arena: ArenaId(0),
+    })
 }
 
 /// Checks the descriptors up front, so that packing has no failure modes of the input, and

@@ -16,7 +16,8 @@ use tracing::{debug, trace, warn};
 use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, InRegionPlan, JobId, JobRuns, ProtocolError, internal_error};
 use crate::proof::{BadProof, Registrations};
-use crate::scheduler::{CreditScheduler, Grant as SchedGrant, Reuse};
+use crate::scheduler::arenas::ArenaSchedulers;
+use crate::scheduler::{Grant as SchedGrant, Reuse};
 use crate::timer::TimerTable;
 use crate::types::{ArenaId, ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Standing, Want};
@@ -90,6 +91,8 @@ struct Flow {
 #[derive(Debug, Clone, Copy)]
 struct Scatter {
     flow: FlowKey,
+    /// The arena of `region`.
+    arena: ArenaId,
     token: Token,
     chunk: ChunkIdx,
     region: Region,
@@ -159,6 +162,8 @@ impl Flow {
 #[derive(Debug, Clone, Copy)]
 struct PullGather {
     flow: FlowKey,
+    /// The arena of `region`.
+    arena: ArenaId,
     token: Token,
     chunk: ChunkIdx,
     region: Region,
@@ -234,9 +239,6 @@ pub struct Receiver {
     /// The token of each reclaimed flow whose regions rest in quarantine: its sender's cancel,
     /// which follows its writes, frees them at once. Pruned as quarantines end.
     resting: BTreeMap<FlowKey, Token>,
-    /// How many arenas this engine advertises: a WANT or PULL naming an id past them is
-    /// refused.
-    arenas: usize,
 }
 
 impl Receiver {
@@ -259,14 +261,13 @@ impl Receiver {
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
             resting: BTreeMap::new(),
-            arenas: 1,
         }
     }
 
     /// Whether a WANT or PULL may name `arena` for flow `key`: one of ours, and the flow's own
     /// when the flow exists.
-    fn arena_ok(&self, key: FlowKey, arena: ArenaId) -> bool {
-        usize::from(arena.0) < self.arenas && self.flows.get(&key).is_none_or(|f| f.arena == arena)
+    fn arena_ok(&self, scheds: &ArenaSchedulers, key: FlowKey, arena: ArenaId) -> bool {
+        scheds.has(arena) && self.flows.get(&key).is_none_or(|f| f.arena == arena)
     }
 
     /// Lowers (never raises) the largest inline chunk taken from WANTs: the shell sets 0 when
@@ -281,8 +282,8 @@ impl Receiver {
     }
 
     /// Arena bytes the peers' standing flows hold (granted and not yet claimed).
-    pub fn standing_held_bytes(&self, sched: &CreditScheduler) -> u64 {
-        self.standing.iter().map(|(&peer, &(xfer, _))| sched.flow_held_bytes(FlowKey { peer, xfer })).sum()
+    pub fn standing_held_bytes(&self, scheds: &ArenaSchedulers) -> u64 {
+        self.standing.iter().map(|(&peer, &(xfer, _))| scheds.flow_held_bytes(FlowKey { peer, xfer })).sum()
     }
 
     /// True while the receiver tracks flow `key`.
@@ -398,8 +399,8 @@ impl Receiver {
 
     /// Regions granted to remote flows and not yet returned (scattering ones included): where
     /// a peer may still write.
-    pub(crate) fn grants_outstanding(&self, sched: &CreditScheduler) -> usize {
-        self.flows.keys().map(|&k| sched.flow_held_count(k)).sum()
+    pub(crate) fn grants_outstanding(&self, scheds: &ArenaSchedulers) -> usize {
+        self.flows.keys().map(|&k| scheds.flow_held_count(k)).sum()
     }
 
     pub(crate) fn next_timeout(&self) -> Option<Instant> {
@@ -428,7 +429,7 @@ impl Receiver {
             refuse_want(ctx, from, &want);
             return Ok(());
         }
-        if !self.arena_ok(key, want.arena) {
+        if !self.arena_ok(ctx.scheds, key, want.arena) {
             refuse_want(ctx, from, &want);
             return Err(ProtocolError::WrongArena { peer: from, xfer: want.xfer, arena: want.arena });
         }
@@ -467,15 +468,16 @@ impl Receiver {
         };
         let queued = match claimed {
             // Chunk 0 takes the standing region; the chunks after it queue as usual.
-            Some(standing) => ctx.sched.want_from(key, 1, &want.chunks[1..]).and_then(|()| {
-                let adopted = ctx.sched.adopt(standing.flow, standing.region.offset, key, ChunkIdx(0));
+            Some(standing) => ctx.sched(want.arena).want_from(key, 1, &want.chunks[1..]).and_then(|()| {
+                let sched = ctx.sched(want.arena);
+                let adopted = sched.adopt(standing.flow, standing.region.offset, key, ChunkIdx(0));
                 if adopted.is_err() {
                     // Only queued, never granted: nothing to free.
-                    ctx.sched.reclaim_flow(key, Reuse::Now);
+                    sched.reclaim_flow(key, Reuse::Now);
                 }
                 adopted.map(drop)
             }),
-            None => ctx.sched.want(key, &want.chunks),
+            None => ctx.sched(want.arena).want(key, &want.chunks),
         };
         if let Err(source) = queued {
             refuse_want(ctx, from, &want);
@@ -580,8 +582,9 @@ impl Receiver {
         let key = FlowKey { peer: from, xfer: want.xfer };
         let bytes = want.chunks[0];
         let held: u64 = self.standing.values().map(|&(_, b)| b).sum();
-        let share = ctx.sched.usable_capacity() / STANDING_SHARE;
-        let fits = bytes <= self.standing_bytes.min(ctx.sched.max_chunk_bytes()) && held + bytes <= share;
+        let sched = ctx.sched(want.arena);
+        let share = sched.usable_capacity() / STANDING_SHARE;
+        let fits = bytes <= self.standing_bytes.min(sched.max_chunk_bytes()) && held + bytes <= share;
         let fresh = !self.standing.contains_key(&from) && !self.flows.contains_key(&key);
         // What the decoder refuses too (`Msg::validate`), for messages handed in directly.
         let bare = want.chunks.len() == 1 && want.inline.is_none() && want.proofs.is_empty();
@@ -591,7 +594,7 @@ impl Receiver {
             refuse_want(ctx, from, &want);
             return Ok(());
         }
-        if let Err(source) = ctx.sched.want(key, &want.chunks) {
+        if let Err(source) = ctx.sched(want.arena).want(key, &want.chunks) {
             refuse_want(ctx, from, &want);
             return Err(ProtocolError::BadWant { peer: from, xfer: want.xfer, source });
         }
@@ -647,7 +650,7 @@ impl Receiver {
             ctx.stats.control_forged += 1;
             return Err(ProtocolError::WrongToken { peer: from, xfer });
         }
-        let region = ctx.sched.idle_held(standing);
+        let region = ctx.sched(want.arena).idle_held(standing);
         let usable = region.filter(|g| g.region.len >= want.chunks[0]);
         let fresh = self.claim_floor.get(&from).is_none_or(|&floor| want.xfer > floor);
         match usable {
@@ -810,7 +813,7 @@ impl Receiver {
         if let Err(fault) = checked {
             return self.refuse_data(ctx, from, &data, fault);
         }
-        let Some(job) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
+        let Some((job, arena)) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
         // Validation checked every run's span, so this fold cannot see a `None`.
         let span = data
             .runs
@@ -819,6 +822,7 @@ impl Receiver {
             .fold((u64::MAX, 0), |(lo, hi), (a, b)| (lo.min(a), hi.max(b)));
         let scatter = Scatter {
             flow: key,
+            arena,
             token: data.token,
             chunk: data.chunk,
             region: data.region,
@@ -833,6 +837,7 @@ impl Receiver {
             job,
             peer: from,
             xfer: data.xfer,
+            arena,
             region: data.region,
             runs: JobRuns::Own(data.runs),
             in_region: None,
@@ -842,17 +847,19 @@ impl Receiver {
     }
 
     /// Marks `region` of flow `key` as scattering (a DATA passed its checks) and returns the
-    /// job that will scatter it; `None` only on a scheduler inconsistency (logged).
-    fn begin_scatter(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, region: Region) -> Option<JobId> {
-        if let Err(e) = ctx.sched.begin_scatter(key, region.offset) {
+    /// job that will scatter it and the flow's arena; `None` only on an inconsistency (logged).
+    fn begin_scatter(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, region: Region) -> Option<(JobId, ArenaId)> {
+        let Some(flow) = self.flows.get_mut(&key) else {
+            internal_error("begin_scatter for a flow not known", &key.xfer.0);
+            return None;
+        };
+        if let Err(e) = ctx.sched(flow.arena).begin_scatter(key, region.offset) {
             internal_error("begin_scatter after a successful validation", &e);
             return None;
         }
-        if let Some(flow) = self.flows.get_mut(&key) {
-            flow.scattering += 1;
-            flow.deadline = ctx.now + self.idle_timeout;
-        }
-        Some(ctx.job())
+        flow.scattering += 1;
+        flow.deadline = ctx.now + self.idle_timeout;
+        Some((ctx.job(), flow.arena))
     }
 
     /// A DATA whose runs lie in its region: the plan must fill the end of the chunk's bytes
@@ -876,11 +883,12 @@ impl Receiver {
             // Nothing left that the peer may write: every run would fail.
             return self.refuse_data(ctx, from, &data, DataFault::RunOutsideRegistered { index: 0 });
         };
-        let Some(job) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
+        let Some((job, arena)) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
         // The scatter may touch any proven registration: a deregistration inside the hull dooms
         // it (conservative; the runs are not known here).
         let (token, chunk, region) = (data.token, data.chunk, data.region);
-        self.scatters.insert(job, Scatter { flow: key, token, chunk, region, bytes: offset, span, doomed: false });
+        let scatter = Scatter { flow: key, arena, token, chunk, region, bytes: offset, span, doomed: false };
+        self.scatters.insert(job, scatter);
         trace!(peer = from.0, xfer = data.xfer.0, chunk = chunk.0, region = %region, runs, "scatter by region plan");
         ctx.stats.region_plans_received += 1;
         let in_region = Some(InRegionPlan { offset, runs, allowed });
@@ -888,6 +896,7 @@ impl Receiver {
             job,
             peer: from,
             xfer: data.xfer,
+            arena,
             region,
             runs: JobRuns::Own(Vec::new()),
             in_region,
@@ -907,14 +916,14 @@ impl Receiver {
             if let Some(f) = self.flows.get_mut(&s.flow) {
                 f.claimed_from = None;
             }
-            match ok.then(|| self.keep_standing(ctx, s.flow, xfer, s.region)).flatten() {
+            match ok.then(|| self.keep_standing(ctx, s.flow, xfer, (s.arena, s.region))).flatten() {
                 Some(true) => return self.scattered(ctx, s, true, AckStatus::Kept),
                 // Orphaned meanwhile, and freed: nobody waits for the ACK.
                 Some(false) => return self.count_scatter(ctx, &s, ok),
                 None => self.rearm_standing(ctx, s.flow.peer),
             }
         }
-        let end = match ctx.sched.end_scatter(s.region.offset) {
+        let end = match ctx.sched(s.arena).end_scatter(s.region.offset) {
             Ok(end) => end,
             Err(e) => return internal_error("end_scatter of a scatter job", &e),
         };
@@ -949,7 +958,7 @@ impl Receiver {
     fn scattered(&mut self, ctx: &mut Ctx<'_>, s: Scatter, ok: bool, status: AckStatus) {
         self.count_scatter(ctx, &s, ok);
         ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, token: s.token, chunk: s.chunk, region: s.region, status });
-        if !ctx.sched.has_flow(s.flow) {
+        if !ctx.scheds.has_flow(s.flow) {
             self.forget(s.flow);
             debug!(peer = s.flow.peer.0, xfer = s.flow.xfer.0, "flow done");
         } else if let Some(flow) = self.flows.get_mut(&s.flow) {
@@ -963,13 +972,20 @@ impl Receiver {
     /// `Some(true)`. `None`, the scatter left as it was, when the standing flow is gone or holds
     /// or waits for another region (a claim failed first); `Some(false)` when the flow was
     /// reclaimed while the scatter ran (the region is freed).
-    fn keep_standing(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, xfer: XferId, region: Region) -> Option<bool> {
+    fn keep_standing(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        key: FlowKey,
+        xfer: XferId,
+        (arena, region): (ArenaId, Region),
+    ) -> Option<bool> {
         let standing = FlowKey { peer: key.peer, xfer };
-        if self.shutting_down || !self.flows.get(&standing).is_some_and(|f| f.standing) || ctx.sched.has_flow(standing)
-        {
+        // The claim named the standing flow's arena (`claimable`): the region lies there.
+        let same_arena = self.flows.get(&standing).is_some_and(|f| f.standing && f.arena == arena);
+        if self.shutting_down || !same_arena || ctx.scheds.has_flow(standing) {
             return None;
         }
-        match ctx.sched.end_job(region.offset) {
+        match ctx.sched(arena).end_job(region.offset) {
             Ok(None) => {}
             Ok(Some(_)) => return Some(false),
             Err(e) => {
@@ -977,7 +993,7 @@ impl Receiver {
                 return Some(false);
             }
         }
-        if let Err(e) = ctx.sched.adopt(key, region.offset, standing, ChunkIdx(0)) {
+        if let Err(e) = ctx.sched(arena).adopt(key, region.offset, standing, ChunkIdx(0)) {
             // Unreachable (checked above); the region stays the flow's, idle, until its reclaim.
             internal_error("give a claimed region back to its standing flow", &e);
             return Some(false);
@@ -998,10 +1014,11 @@ impl Receiver {
     fn rearm_standing(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
         let Some(&(xfer, bytes)) = self.standing.get(&peer) else { return };
         let key = FlowKey { peer, xfer };
-        if self.shutting_down || ctx.sched.has_flow(key) {
+        let Some(arena) = self.flows.get(&key).map(|f| f.arena) else { return };
+        if self.shutting_down || ctx.scheds.has_flow(key) {
             return;
         }
-        if let Err(e) = ctx.sched.want(key, &[bytes]) {
+        if let Err(e) = ctx.sched(arena).want(key, &[bytes]) {
             internal_error("re-arm a standing flow", &e);
         }
     }
@@ -1009,7 +1026,7 @@ impl Receiver {
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
         self.inline_floor.remove(&peer);
         self.claim_floor.remove(&peer);
-        let r = ctx.sched.reclaim_peer(peer, self.rest(ctx));
+        let r = ctx.scheds.reclaim_peer(peer, self.rest(ctx));
         ctx.stats.regions_quarantined += r.quarantined.len() as u64;
         let keys: Vec<FlowKey> = self.flows.keys().filter(|k| k.peer == peer).copied().collect();
         if !keys.is_empty() {
@@ -1032,13 +1049,13 @@ impl Receiver {
         let now = ctx.now;
         // Quarantines that ended (the endpoint lifts them first) need no cancel any more.
         if !self.resting.is_empty() {
-            self.resting.retain(|&k, _| ctx.sched.is_resting(k));
+            self.resting.retain(|&k, _| ctx.scheds.is_resting(k));
         }
         while let Some(key) = self.timers.pop_due(now) {
             let Some(flow) = self.flows.get_mut(&key) else {
                 continue;
             };
-            let waiting_for_data = ctx.sched.flow_held_count(key).saturating_sub(flow.scattering);
+            let waiting_for_data = ctx.scheds.flow_held_count(key).saturating_sub(flow.scattering);
             let waiting_for_pulls = flow.pull.as_ref().is_some_and(|p| !p.complete());
             if flow.deadline <= now && (waiting_for_data > 0 || waiting_for_pulls) {
                 // Counted (`flows_timed_out`, published by the shell); at debug, since a peer
@@ -1068,7 +1085,7 @@ impl Receiver {
             self.reclaim(ctx, key, Reuse::Now);
         }
         // The arena goes with the engine; a late write then fails at its writer.
-        ctx.sched.lift_quarantine(None);
+        ctx.scheds.lift_quarantine(None);
         self.resting.clear();
     }
 
@@ -1161,19 +1178,20 @@ impl Receiver {
             if !still_registered {
                 debug!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, "READ source no longer registered");
                 ctx.stats.dereg_failed += 1;
-                self.fail_chunk(ctx, key, token, c.chunk, c.region);
+                let arena = flow.arena;
+                self.fail_chunk(ctx, key, token, c.chunk, (arena, c.region));
                 continue;
             }
-            if let Err(e) = ctx.sched.begin_scatter(key, c.region.offset) {
+            if let Err(e) = ctx.sched(flow.arena).begin_scatter(key, c.region.offset) {
                 internal_error("begin a READ gather on a region just granted", &e);
                 continue;
             }
             flow.scattering += 1;
-            let job = ctx.job();
-            self.gathers
-                .insert(job, PullGather { flow: key, token, chunk: c.chunk, region: c.region, span, doomed: false });
+            let (job, arena) = (ctx.job(), flow.arena);
+            let gather = PullGather { flow: key, arena, token, chunk: c.chunk, region: c.region, span, doomed: false };
+            self.gathers.insert(job, gather);
             trace!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, region = %c.region, "READ gather");
-            ctx.push(Action::Gather { job, xfer: key.xfer, region: c.region, runs: JobRuns::Pulled(runs) });
+            ctx.push(Action::Gather { job, xfer: key.xfer, arena, region: c.region, runs: JobRuns::Pulled(runs) });
         }
     }
 
@@ -1186,7 +1204,7 @@ impl Receiver {
     /// answered ACK(Failed) and reclaimed.
     pub(crate) fn handle_gather_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
         let Some(g) = self.gathers.remove(&job) else { return };
-        match ctx.sched.end_job(g.region.offset) {
+        match ctx.sched(g.arena).end_job(g.region.offset) {
             Ok(Some(_freed)) => return, // the flow was reclaimed meanwhile: nobody waits
             Ok(None) => {}
             Err(e) => return internal_error("end of a READ gather", &e),
@@ -1200,22 +1218,30 @@ impl Receiver {
             let credit = Credit { chunk: g.chunk, region: g.region };
             ctx.send(g.flow.peer, Grant { xfer: g.flow.xfer, token: g.token, credits: vec![credit] });
         } else {
-            self.fail_chunk(ctx, g.flow, g.token, g.chunk, g.region);
+            self.fail_chunk(ctx, g.flow, g.token, g.chunk, (g.arena, g.region));
         }
     }
 
     /// A READ chunk that cannot be served: its region (never announced) is freed and the
     /// initiator told with ACK(Failed). The flow itself stays: the initiator may be READing
     /// other regions of it, which must not be freed under it; its cancel ends the flow.
-    fn fail_chunk(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, token: Token, chunk: ChunkIdx, region: Region) {
+    fn fail_chunk(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        key: FlowKey,
+        token: Token,
+        chunk: ChunkIdx,
+        (arena, region): (ArenaId, Region),
+    ) {
         let ack = Ack { xfer: key.xfer, token, chunk, region, status: AckStatus::Failed };
         ctx.send(key.peer, ack);
         // The transfer has failed: grant it nothing more (its initiator cancels the rest).
-        ctx.sched.drop_pending(key);
+        ctx.scheds.drop_pending(key);
         if let Some(p) = self.flows.get_mut(&key).and_then(|f| f.pull.as_mut()) {
             p.failed = true;
         }
-        if ctx.sched.begin_scatter(key, region.offset).is_err() || ctx.sched.end_scatter(region.offset).is_err() {
+        let sched = ctx.sched(arena);
+        if sched.begin_scatter(key, region.offset).is_err() || sched.end_scatter(region.offset).is_err() {
             internal_error("freeing a failed READ region", &region.offset);
         }
         self.forget_if_ended(ctx, key);
@@ -1224,7 +1250,7 @@ impl Receiver {
     /// Forgets READ flow `key` once it holds nothing and no PULL of it is still to come: a
     /// READ whose first chunks were served before the rest were announced goes on.
     fn forget_if_ended(&mut self, ctx: &Ctx<'_>, key: FlowKey) -> bool {
-        let ended = !ctx.sched.has_flow(key)
+        let ended = !ctx.scheds.has_flow(key)
             && self.flows.get(&key).is_none_or(|f| f.pull.as_ref().is_none_or(PullRuns::complete));
         ended && self.forget(key)
     }
@@ -1274,7 +1300,7 @@ impl Receiver {
             refuse(ctx);
             return Ok(());
         }
-        if !self.arena_ok(key, pull.arena) {
+        if !self.arena_ok(ctx.scheds, key, pull.arena) {
             refuse(ctx);
             return Err(ProtocolError::WrongArena { peer: from, xfer: pull.xfer, arena: pull.arena });
         }
@@ -1326,7 +1352,7 @@ impl Receiver {
             pulled.push(PulledChunk { runs: Arc::clone(&c.runs), span, removals });
         }
         let sizes: Vec<u64> = pull.chunks.iter().map(|c| c.bytes).collect();
-        if let Err(source) = ctx.sched.want_from(key, pull.first.0.into(), &sizes) {
+        if let Err(source) = ctx.sched(pull.arena).want_from(key, pull.first.0.into(), &sizes) {
             refuse(ctx);
             return Err(ProtocolError::BadWant { peer: from, xfer: pull.xfer, source });
         }
@@ -1386,13 +1412,14 @@ impl Receiver {
             return bad;
         }
         // Held, ready (its gather ended), and the very region and chunk announced.
-        match ctx.sched.is_held(key, rel.region.offset) {
+        let arena = flow.arena;
+        match ctx.sched(arena).is_held(key, rel.region.offset) {
             Some(g) if g.region == rel.region && g.chunk == rel.chunk => {}
             _ => return bad,
         }
         flow.deadline = ctx.now + self.idle_timeout;
-        if ctx.sched.begin_scatter(key, rel.region.offset).is_err() || ctx.sched.end_scatter(rel.region.offset).is_err()
-        {
+        let sched = ctx.sched(arena);
+        if sched.begin_scatter(key, rel.region.offset).is_err() || sched.end_scatter(rel.region.offset).is_err() {
             internal_error("freeing a released READ region", &rel.region.offset);
         }
         if self.forget_if_ended(ctx, key) {
@@ -1424,7 +1451,7 @@ impl Receiver {
     /// The DATA's region is the one the flow holds for its chunk: returns the chunk's bytes and
     /// how far into the region its runs may read.
     fn check_held(&self, ctx: &Ctx<'_>, key: FlowKey, flow: &Flow, data: &Data) -> Result<(u64, u64), DataFault> {
-        let held = ctx.sched.is_held(key, data.region.offset).ok_or(DataFault::NotHeld)?;
+        let held = ctx.scheds.get(flow.arena).is_held(key, data.region.offset).ok_or(DataFault::NotHeld)?;
         if held.region != data.region {
             return Err(DataFault::RegionMismatch);
         }
@@ -1506,21 +1533,21 @@ impl Receiver {
             return Err(ProtocolError::WrongToken { peer: key.peer, xfer: key.xfer });
         }
         self.resting.remove(&key);
-        let lifted = ctx.sched.lift_flow(key);
+        let lifted = ctx.scheds.lift_flow(key);
         debug!(peer = key.peer.0, xfer = key.xfer.0, regions = lifted.len(), "cancel ends a quarantine");
         Ok(())
     }
 
     /// Notes the token of reclaimed flow `key` while its regions rest (see `resting`).
     fn note_resting(&mut self, ctx: &Ctx<'_>, key: FlowKey) {
-        if let Some(flow) = self.flows.get(&key).filter(|_| ctx.sched.is_resting(key)) {
+        if let Some(flow) = self.flows.get(&key).filter(|_| ctx.scheds.is_resting(key)) {
             self.resting.insert(key, flow.token);
         }
     }
 
     /// Cancels flow `key`: orphans its scattering regions and frees the others as `reuse` says.
     fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, reuse: Reuse) {
-        let r = ctx.sched.reclaim_flow(key, reuse);
+        let r = ctx.scheds.reclaim_flow(key, reuse);
         ctx.stats.regions_quarantined += r.quarantined.len() as u64;
         self.note_resting(ctx, key);
         if self.flows.get(&key).is_some_and(|f| f.claimed_from.is_some()) {
@@ -2152,6 +2179,53 @@ mod tests {
         ep.handle_timeout(t + 6 * u);
         assert_eq!(ep.poll_timeout(), None);
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    /// Each arena has its own scheduler: with the first arena full and a flow queued for it,
+    /// a flow through the second is granted its whole window at once, the queued one still
+    /// waits, and a DATA naming a region of one arena is checked against that arena's ledger
+    /// only. Freed space of one arena never goes to the other's flows.
+    #[test]
+    fn arenas_grant_independently_and_a_region_belongs_to_its_flows_arena() {
+        let (mut ep, t) = receiver();
+        assert_eq!(ep.add_arena(16 * KIB, KIB).unwrap(), ArenaId(1));
+        assert_eq!(ep.schedulers().len(), 2);
+        let through = |msg: Msg, arena: u8| match msg {
+            Msg::Want(w) => Msg::Want(wire::Want { arena: ArenaId(arena), ..w }),
+            other => other,
+        };
+        // Eight 4 KiB chunks fill the 32 KiB first arena (W = 2 per flow: four flows).
+        for x in 0..4 {
+            ep.handle_msg(t, PeerId(10 + x), want_msg(XferId(1), &[CHUNK, CHUNK])).unwrap();
+        }
+        assert_eq!(credits(&drain(&mut ep)).len(), 8);
+        assert_eq!(ep.schedulers().get(ArenaId(0)).free_bytes(), 0);
+        ep.handle_msg(t, PeerId(20), want_msg(XferId(1), &[CHUNK])).unwrap();
+        assert!(credits(&drain(&mut ep)).is_empty(), "the first arena is full: the flow waits");
+        // The second arena's flow gets its window at once, in its own arena's offsets.
+        ep.handle_msg(t, PEER, through(want_msg(X, &[CHUNK, CHUNK, CHUNK]), 1)).unwrap();
+        let got = credits(&drain(&mut ep));
+        assert_eq!(got.iter().map(|c| (c.0, c.2)).collect::<Vec<_>>(), vec![(PEER, 0), (PEER, 1)]);
+        assert_eq!(ep.schedulers().get(ArenaId(1)).free_bytes(), 8 * KIB);
+        // Its region is held in arena 1 only: arena 0 holds a region at the same offset for
+        // another flow, and this flow's DATA is checked against arena 1's ledger.
+        let r0 = got[0].3;
+        assert!(ep.schedulers().get(ArenaId(0)).is_held(FlowKey { peer: PEER, xfer: X }, r0.offset).is_none());
+        ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+        let acts = drain(&mut ep);
+        assert!(acts.iter().any(|a| matches!(a, Action::Scatter { arena: ArenaId(1), .. })), "{acts:?}");
+        let s = scatters(&acts);
+        assert_eq!(s.len(), 1);
+        ep.handle_scatter_done(t, s[0].0, true);
+        let acts = drain(&mut ep);
+        assert_eq!(acks(&acts), vec![(X, 0, AckStatus::Scattered)]);
+        // The freed arena-1 region goes to the flow's chunk 2, not to the flow waiting for
+        // arena 0.
+        assert_eq!(credits(&acts).iter().map(|c| (c.0, c.2)).collect::<Vec<_>>(), vec![(PEER, 2)]);
+        for (_, sched) in ep.schedulers().iter() {
+            sched.check_invariants().unwrap();
+        }
+        ep.receiver().check_invariants().unwrap();
     }
 
     /// An arena is named by the WANT or PULL that opens a flow: one this receiver does not

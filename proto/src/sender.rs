@@ -188,6 +188,8 @@ struct JobRef {
 #[derive(Debug, Clone, Copy)]
 struct Orphan {
     xfer: XferId,
+    /// The arena of `region`.
+    arena: ArenaId,
     /// `None` for a direct write: nothing to free, but a pending cancel still waits for it.
     region: Option<Region>,
     kind: JobKind,
@@ -223,7 +225,7 @@ struct PendingCancel {
 ///
 /// # The staging reserve
 /// While it has transfers in flight, the sender keeps one region of `max_chunk_size` bytes of
-/// the shared arena in reserve. It counts against the eager budget (half the arena), so remote
+/// the shared arena in reserve (one per arena its transfers stage in). It counts against the eager budget (half the arena), so remote
 /// flows can always still be granted the other half; it is taken before any eager staging, and
 /// retaken whenever space frees, before the scheduler grants that space to remote flows. A
 /// credit that finds no other staging space takes the reserve (promoting it to credit-backed).
@@ -247,8 +249,9 @@ pub struct Sender {
     xfers: BTreeMap<XferId, Xfer>,
     jobs: BTreeMap<JobId, JobRef>,
     orphans: BTreeMap<JobId, Orphan>,
-    /// In-flight transfers with [`Xfer::staged`]: the reserve is kept while this is non-zero.
-    staging_xfers: usize,
+    /// In-flight transfers with [`Xfer::staged`], by the arena they stage in: an arena's
+    /// reserve is kept while its count is non-zero.
+    staging_xfers: BTreeMap<ArenaId, usize>,
     pending_cancels: BTreeMap<XferId, PendingCancel>,
     /// Chunks in [`Stage::Parked`], oldest first; entries of failed transfers are dropped
     /// lazily.
@@ -259,9 +262,9 @@ pub struct Sender {
     /// end of a transfer are ignored quietly instead of reported as protocol errors.
     finished: BTreeMap<XferId, PeerId>,
     finished_order: VecDeque<(Instant, XferId)>,
-    /// One max-chunk staging region kept back while transfers are in flight, for a credit that
-    /// finds the arena full (see the type docs).
-    reserve: Option<Region>,
+    /// Per arena, one max-chunk staging region kept back while transfers staging there are in
+    /// flight, for a credit that finds the arena full (see the type docs).
+    reserve: BTreeMap<ArenaId, Region>,
     shutting_down: bool,
     /// Writes posted and not yet done (of live and of failed transfers): while one outlasts
     /// `keep_every`, its flow gets a KEEP every `keep_every` (see [`wire::Keep`]).
@@ -300,13 +303,13 @@ impl Sender {
             xfers: BTreeMap::new(),
             jobs: BTreeMap::new(),
             orphans: BTreeMap::new(),
-            staging_xfers: 0,
+            staging_xfers: BTreeMap::new(),
             pending_cancels: BTreeMap::new(),
             parked: VecDeque::new(),
             timers: TimerTable::default(),
             finished: BTreeMap::new(),
             finished_order: VecDeque::new(),
-            reserve: None,
+            reserve: BTreeMap::new(),
             shutting_down: false,
             writes: BTreeMap::new(),
             next_keep: None,
@@ -433,11 +436,8 @@ impl Sender {
             claimed: claim.map(|(xfer, token, _)| (xfer, token)),
         };
         if staged {
-            self.staging_xfers += 1;
-            if self.reserve.is_none() {
-                // Before any eager staging can take the budget the reserve lives in.
-                self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
-            }
+            // Before any eager staging can take the budget the reserve lives in.
+            self.start_staging(ctx, x.plan.local_arena);
         }
         let mut eager = 0;
         // An inline chunk is staged only if the receiver GRANTs it after all.
@@ -451,7 +451,7 @@ impl Sender {
                 if x.plan.chunks[i].direct.is_some() {
                     continue;
                 }
-                let Some(local) = ctx.sched.acquire_local(x.plan.chunks[i].bytes, true) else {
+                let Some(local) = ctx.sched(x.plan.local_arena).acquire_local(x.plan.chunks[i].bytes, true) else {
                     break;
                 };
                 let job = start_gather(ctx, &mut self.jobs, xfer, &x, i, local);
@@ -576,10 +576,7 @@ impl Sender {
             inline: false,
             claimed: None,
         };
-        self.staging_xfers += 1;
-        if self.reserve.is_none() {
-            self.reserve = ctx.sched.acquire_local(self.max_chunk, true);
-        }
+        self.start_staging(ctx, x.plan.local_arena);
         debug!(xfer = xfer.0, peer = peer.0, chunks = x.plan.chunks.len(), bytes = x.plan.total_bytes, "submit READ");
         self.timers.set(xfer, deadline);
         self.xfers.insert(xfer, x);
@@ -610,7 +607,10 @@ impl Sender {
         if self.xfers.contains_key(&xfer) || self.finished.contains_key(&xfer) || xfer.0 & STANDING_XFER_BIT != 0 {
             return Err(SubmitError::DuplicateXfer { xfer });
         }
-        check_plan(xfer, plan, self.max_chunk.min(ctx.sched.max_chunk_bytes()))
+        if !ctx.scheds.has(plan.local_arena) {
+            return Err(SubmitError::NoSuchArena { xfer, arena: plan.local_arena });
+        }
+        check_plan(xfer, plan, self.max_chunk.min(ctx.sched(plan.local_arena).max_chunk_bytes()))
     }
 
     /// True when `job` is one of this sender's jobs (live or orphaned).
@@ -639,12 +639,14 @@ impl Sender {
         let scatter = ctx.job();
         x.stages[r.chunk] = Stage::Pulled { local, job: scatter };
         // The plan's own runs, shared: a GPU engine keeps their device copy with the plan.
-        let (peer, runs) = (x.peer, JobRuns::ChunkScatter { plan: Arc::clone(&x.plan), chunk: r.chunk });
+        let (peer, arena) = (x.peer, x.plan.local_arena);
+        let runs = JobRuns::ChunkScatter { plan: Arc::clone(&x.plan), chunk: r.chunk };
         self.jobs.insert(scatter, JobRef { xfer: r.xfer, chunk: r.chunk, kind: JobKind::Scatter });
         ctx.push(Action::Scatter {
             job: scatter,
             peer,
             xfer: r.xfer,
+            arena,
             region: local,
             runs,
             in_region: None,
@@ -659,7 +661,7 @@ impl Sender {
         let Stage::Pulled { local, .. } = x.stages[r.chunk] else {
             return internal_error("scatter done for a chunk not pulled", &r.chunk);
         };
-        release(ctx, local);
+        release(ctx, x.plan.local_arena, local);
         if !ok {
             x.stages[r.chunk] = Stage::Idle;
             return self.fail(ctx, r.xfer, XferError::ScatterFailed, true);
@@ -679,11 +681,11 @@ impl Sender {
         ctx: &mut Ctx<'_>,
         id: XferId,
         i: usize,
-        local: Region,
+        (arena, local): (ArenaId, Region),
         credit: Credit,
     ) -> Result<(), XferError> {
         let Some(x) = self.xfers.get_mut(&id) else {
-            release(ctx, local);
+            release(ctx, arena, local);
             return Ok(());
         };
         if ctx.now >= credit.at + self.timeout / 4 {
@@ -696,7 +698,8 @@ impl Sender {
         x.stages[i] = Stage::Reading { local, job, credit };
         let len = x.plan.chunks[i].bytes;
         trace!(xfer = id.0, chunk = i, remote = %credit.region, %local, "read");
-        ctx.push(Action::Read { job, xfer: id, peer: x.peer, remote: credit.region, local, len });
+        let remote_arena = x.plan.peer_arena;
+        ctx.push(Action::Read { job, xfer: id, peer: x.peer, remote_arena, remote: credit.region, arena, local, len });
         self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token, posted: ctx.now });
         if self.next_keep.is_none() && !self.keep_every.is_zero() {
             self.next_keep = Some(ctx.now + self.keep_every);
@@ -889,7 +892,7 @@ impl Sender {
                 x.acked += 1;
                 let done = x.acked == x.stages.len();
                 if let WriteSource::Arena(local) = source {
-                    release(ctx, local);
+                    release(ctx, x.plan.local_arena, local);
                 }
                 if done {
                     self.complete(ctx, id);
@@ -1063,15 +1066,15 @@ impl Sender {
                 let Stage::Parked { credit } = x.stages[i] else {
                     continue;
                 };
-                let read = x.read;
+                let (read, arena) = (x.read, x.plan.local_arena);
                 match ctx
-                    .sched
+                    .sched(arena)
                     .acquire_local(x.plan.chunks[i].bytes, false)
-                    .or_else(|| take_reserve(ctx, &mut self.reserve))
+                    .or_else(|| take_reserve(ctx, &mut self.reserve, arena))
                 {
                     Some(local) if read => {
                         trace!(xfer = id.0, chunk = i, "parked READ credit staged");
-                        if let Err(e) = self.start_read(ctx, id, i, local, credit) {
+                        if let Err(e) = self.start_read(ctx, id, i, (arena, local), credit) {
                             self.fail(ctx, id, e, true);
                         }
                     }
@@ -1085,13 +1088,51 @@ impl Sender {
             }
             self.parked = keep;
         }
-        match self.reserve {
-            Some(r) if self.staging_xfers == 0 => {
-                self.reserve = None;
-                release(ctx, r);
+        // Each arena's reserve goes back once no transfer stages there, and is retaken while
+        // one does.
+        let idle: Vec<ArenaId> =
+            self.reserve.keys().copied().filter(|a| self.staging_xfers.get(a).is_none_or(|&n| n == 0)).collect();
+        for arena in idle {
+            if let Some(r) = self.reserve.remove(&arena) {
+                release(ctx, arena, r);
             }
-            None if self.staging_xfers > 0 => self.reserve = ctx.sched.acquire_local(self.max_chunk, true),
-            _ => {}
+        }
+        let wanting: Vec<ArenaId> = self
+            .staging_xfers
+            .iter()
+            .filter(|&(a, &n)| n > 0 && !self.reserve.contains_key(a))
+            .map(|(&a, _)| a)
+            .collect();
+        for arena in wanting {
+            self.take_reserve_of(ctx, arena);
+        }
+    }
+
+    /// A transfer staging in `arena` starts: counted, and the arena's reserve taken if it has
+    /// none (before any eager staging can take the budget the reserve lives in).
+    fn start_staging(&mut self, ctx: &mut Ctx<'_>, arena: ArenaId) {
+        *self.staging_xfers.entry(arena).or_default() += 1;
+        if !self.reserve.contains_key(&arena) {
+            self.take_reserve_of(ctx, arena);
+        }
+    }
+
+    /// A transfer staging in `arena` ended (its reserve goes back at the next `retry_parked`).
+    fn stop_staging(&mut self, arena: ArenaId) {
+        if let Some(n) = self.staging_xfers.get_mut(&arena) {
+            *n -= 1;
+            if *n == 0 {
+                self.staging_xfers.remove(&arena);
+            }
+        }
+    }
+
+    /// Takes `arena`'s reserve: one region of the largest chunk it stages.
+    fn take_reserve_of(&mut self, ctx: &mut Ctx<'_>, arena: ArenaId) {
+        let sched = ctx.sched(arena);
+        let bytes = self.max_chunk.min(sched.max_chunk_bytes());
+        if let Some(r) = sched.acquire_local(bytes, true) {
+            self.reserve.insert(arena, r);
         }
     }
 
@@ -1106,12 +1147,13 @@ impl Sender {
                 internal_error("READ credit for a chunk that already has one", &i);
                 return Ok(());
             };
+            let arena = x.plan.local_arena;
             return match ctx
-                .sched
+                .sched(arena)
                 .acquire_local(x.plan.chunks[i].bytes, false)
-                .or_else(|| take_reserve(ctx, &mut self.reserve))
+                .or_else(|| take_reserve(ctx, &mut self.reserve, arena))
             {
-                Some(local) => self.start_read(ctx, id, i, local, credit),
+                Some(local) => self.start_read(ctx, id, i, (arena, local), credit),
                 None => {
                     trace!(xfer = id.0, chunk = i, "READ credit parked: no local staging space");
                     x.stages[i] = Stage::Parked { credit };
@@ -1123,11 +1165,12 @@ impl Sender {
         if let (Stage::Idle, Some(addr)) = (x.stages[i], x.plan.chunks[i].direct) {
             return self.post_write(ctx, id, i, WriteSource::User { addr }, credit);
         }
+        let arena = x.plan.local_arena;
         match x.stages[i] {
             Stage::Idle => match ctx
-                .sched
+                .sched(arena)
                 .acquire_local(x.plan.chunks[i].bytes, false)
-                .or_else(|| take_reserve(ctx, &mut self.reserve))
+                .or_else(|| take_reserve(ctx, &mut self.reserve, arena))
             {
                 Some(local) => {
                     let job = start_gather(ctx, &mut self.jobs, id, x, i, local);
@@ -1140,11 +1183,11 @@ impl Sender {
                 }
             },
             Stage::Gathering { local, job, credit: None } => {
-                promote(ctx, local);
+                promote(ctx, arena, local);
                 x.stages[i] = Stage::Gathering { local, job, credit: Some(credit) };
             }
             Stage::Gathered { local } => {
-                promote(ctx, local);
+                promote(ctx, arena, local);
                 return self.post_write(ctx, id, i, WriteSource::Arena(local), credit);
             }
             _ => internal_error("credit for a chunk that already has one", &i),
@@ -1179,7 +1222,17 @@ impl Sender {
         x.stages[i] = Stage::Writing { source, job, credit };
         let len = x.plan.chunks[i].bytes;
         trace!(xfer = id.0, chunk = i, ?source, remote = %credit.region, len, "write");
-        ctx.push(Action::Write { job, xfer: id, peer: x.peer, source, remote: credit.region, len });
+        let (arena, remote_arena) = (x.plan.local_arena, x.plan.peer_arena);
+        ctx.push(Action::Write {
+            job,
+            xfer: id,
+            peer: x.peer,
+            source,
+            arena,
+            remote_arena,
+            remote: credit.region,
+            len,
+        });
         self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token, posted: ctx.now });
         if self.next_keep.is_none() && !self.keep_every.is_zero() {
             self.next_keep = Some(ctx.now + self.keep_every);
@@ -1213,7 +1266,7 @@ impl Sender {
             self.orphans.remove(&job);
             trace!(job = job.0, xfer = o.xfer.0, region = ?o.region, "orphan done");
             if let Some(region) = o.region {
-                release(ctx, region);
+                release(ctx, o.arena, region);
             }
             if matches!(kind, JobKind::Write | JobKind::Read) {
                 if let Some(pc) = self.pending_cancels.get_mut(&o.xfer) {
@@ -1249,7 +1302,9 @@ impl Sender {
             return;
         };
         self.timers.stop(id);
-        self.staging_xfers -= usize::from(x.staged);
+        if x.staged {
+            self.stop_staging(x.plan.local_arena);
+        }
         debug!(xfer = id.0, chunks = x.stages.len(), bytes = x.plan.total_bytes, "transfer complete");
         ctx.stats.completed += 1;
         ctx.push(Action::Complete { xfer: id, outcome: Ok(()) });
@@ -1269,13 +1324,16 @@ impl Sender {
             return;
         };
         self.timers.stop(id);
-        self.staging_xfers -= usize::from(x.staged);
+        if x.staged {
+            self.stop_staging(x.plan.local_arena);
+        }
+        let arena = x.plan.local_arena;
         let mut writes = 0;
         for stage in &x.stages {
             match *stage {
                 Stage::Gathering { local, job, .. } => {
                     self.jobs.remove(&job);
-                    self.orphans.insert(job, Orphan { xfer: id, region: Some(local), kind: JobKind::Gather });
+                    self.orphans.insert(job, Orphan { xfer: id, arena, region: Some(local), kind: JobKind::Gather });
                 }
                 Stage::Writing { source, job, .. } => {
                     self.jobs.remove(&job);
@@ -1283,22 +1341,22 @@ impl Sender {
                         WriteSource::Arena(local) => Some(local),
                         WriteSource::User { .. } => None,
                     };
-                    self.orphans.insert(job, Orphan { xfer: id, region, kind: JobKind::Write });
+                    self.orphans.insert(job, Orphan { xfer: id, arena, region, kind: JobKind::Write });
                     writes += 1;
                 }
                 Stage::Gathered { local } | Stage::DataSent { source: WriteSource::Arena(local), .. } => {
-                    release(ctx, local);
+                    release(ctx, arena, local);
                 }
                 Stage::Reading { local, job, .. } => {
                     // The cancel waits for it, as for a write: the target must not reuse a
                     // region our READ may still be reading.
                     self.jobs.remove(&job);
-                    self.orphans.insert(job, Orphan { xfer: id, region: Some(local), kind: JobKind::Read });
+                    self.orphans.insert(job, Orphan { xfer: id, arena, region: Some(local), kind: JobKind::Read });
                     writes += 1;
                 }
                 Stage::Pulled { local, job } => {
                     self.jobs.remove(&job);
-                    self.orphans.insert(job, Orphan { xfer: id, region: Some(local), kind: JobKind::Scatter });
+                    self.orphans.insert(job, Orphan { xfer: id, arena, region: Some(local), kind: JobKind::Scatter });
                 }
                 Stage::DataSent { source: WriteSource::User { .. }, .. }
                 | Stage::Idle
@@ -1441,7 +1499,8 @@ fn start_gather(
     let job = ctx.job();
     jobs.insert(job, JobRef { xfer: id, chunk: i, kind: JobKind::Gather });
     trace!(xfer = id.0, chunk = i, region = %local, "gather");
-    ctx.push(Action::Gather { job, xfer: id, region: local, runs: JobRuns::Chunk { plan: x.plan.clone(), chunk: i } });
+    let (arena, runs) = (x.plan.local_arena, JobRuns::Chunk { plan: x.plan.clone(), chunk: i });
+    ctx.push(Action::Gather { job, xfer: id, arena, region: local, runs });
     job
 }
 
@@ -1451,20 +1510,20 @@ fn nanos(now: Instant, at: Instant) -> u64 {
     u64::try_from(now.saturating_duration_since(at).as_nanos()).unwrap_or(u64::MAX)
 }
 
-fn take_reserve(ctx: &mut Ctx<'_>, reserve: &mut Option<Region>) -> Option<Region> {
-    let local = reserve.take()?;
-    promote(ctx, local);
+fn take_reserve(ctx: &mut Ctx<'_>, reserve: &mut BTreeMap<ArenaId, Region>, arena: ArenaId) -> Option<Region> {
+    let local = reserve.remove(&arena)?;
+    promote(ctx, arena, local);
     Some(local)
 }
 
-fn promote(ctx: &mut Ctx<'_>, local: Region) {
-    if let Err(e) = ctx.sched.promote_local(local.offset) {
+fn promote(ctx: &mut Ctx<'_>, arena: ArenaId, local: Region) {
+    if let Err(e) = ctx.sched(arena).promote_local(local.offset) {
         internal_error("promoting an eager staging region", &e);
     }
 }
 
-fn release(ctx: &mut Ctx<'_>, local: Region) {
-    if let Err(e) = ctx.sched.release_local(local.offset) {
+fn release(ctx: &mut Ctx<'_>, arena: ArenaId, local: Region) {
+    if let Err(e) = ctx.sched(arena).release_local(local.offset) {
         internal_error("releasing a staging region", &e);
     }
 }
@@ -1684,6 +1743,56 @@ mod tests {
             assert!(w.inline.is_none());
         }
         assert_eq!(ep.stats().inline_sent, 0);
+    }
+
+    /// A plan stages in the arena it names (its gathers and the write read there; the reserve
+    /// is that arena's) and bounces through the peer's arena it names; one naming an arena we
+    /// lack is refused at submit, changing nothing.
+    #[test]
+    fn a_transfer_stages_in_its_own_arena_and_writes_into_the_peers_it_names() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        let through = |local: u8, peer: u8| {
+            let mut p = plan_of(1);
+            (p.local_arena, p.peer_arena) = (ArenaId(local), ArenaId(peer));
+            p
+        };
+        let refused = ep.submit(t, XferId(9), TOKEN, PEER, through(1, 0));
+        assert_eq!(refused, Err(SubmitError::NoSuchArena { xfer: XferId(9), arena: ArenaId(1) }));
+        assert!(drain(&mut ep).is_empty() && ep.is_idle());
+        assert_eq!(ep.add_arena(16 * KIB, KIB).unwrap(), ArenaId(1));
+        ep.submit(t, X, TOKEN, PEER, through(1, 3)).unwrap();
+        let wants: Vec<ArenaId> = msgs(&drain(&mut ep))
+            .into_iter()
+            .filter_map(|(_, m)| if let Msg::Want(w) = m { Some(w.arena) } else { None })
+            .collect();
+        assert_eq!(wants, vec![ArenaId(3)]);
+        let (first, second) = (ep.schedulers().get(ArenaId(0)), ep.schedulers().get(ArenaId(1)));
+        assert_eq!((first.local_bytes(), second.local_bytes()), (0, CHUNK), "the reserve is the staging arena's");
+        let acts = feed(&mut ep, t, grant_msg(X, &[(0, r(8))]));
+        let gather = acts.iter().find_map(|a| match a {
+            Action::Gather { job, arena, .. } => Some((*job, *arena)),
+            _ => None,
+        });
+        let (job, arena) = gather.expect("a gather");
+        assert_eq!(arena, ArenaId(1));
+        ep.handle_gather_done(t, job, true);
+        let acts = drain(&mut ep);
+        let write = acts.iter().find_map(|a| match a {
+            Action::Write { job, arena, remote_arena, .. } => Some((*job, *arena, *remote_arena)),
+            _ => None,
+        });
+        let (job, arena, remote_arena) = write.expect("a write");
+        assert_eq!((arena, remote_arena), (ArenaId(1), ArenaId(3)));
+        ep.handle_write_done(t, job, true);
+        drain(&mut ep);
+        let acts = feed(&mut ep, t, ack_msg(X, 0, r(8), AckStatus::Scattered));
+        assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+        // Done: the staging region and the reserve are back in arena 1.
+        assert_eq!(ep.schedulers().get(ArenaId(1)).free_bytes(), 16 * KIB);
+        assert_eq!(ep.arena_free_bytes(), 80 * KIB);
+        for (_, sched) in ep.schedulers().iter() {
+            sched.check_invariants().unwrap();
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The engine's arena ledger and credit scheduler (design §5), shared by both roles.
 //!
-//! [`CreditScheduler`] owns the one [`Buddy`] over the engine's arena and every region carved
+//! [`CreditScheduler`] owns the one [`Buddy`] over one of the engine's arenas and every region carved
 //! from it, for the receiver role (credits granted to remote flows, WANT -> GRANT, and regions
 //! being scattered) and for the sender role (the local gather staging,
 //! [`acquire_local`](CreditScheduler::acquire_local)). It does not send messages, run copies
@@ -13,7 +13,8 @@
 //! - `fair.rs`, the fair-share policy: which waiting flow gets the next region (round-robin
 //!   ring and cursor, drain mode, per-peer share cap).
 //!
-//! This file holds the shared state, its types and errors, and the constructor.
+//! This file holds the shared state, its types and errors, and the constructor; `arenas.rs`
+//! holds [`arenas::ArenaSchedulers`], one scheduler per arena of an engine.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Instant;
@@ -321,6 +322,7 @@ struct Scatter {
     orphaned: bool,
 }
 
+pub mod arenas;
 mod fair;
 mod ledger;
 #[cfg(test)]

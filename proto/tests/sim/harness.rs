@@ -21,7 +21,7 @@ use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg, region_plan};
-use bounce_proto::{CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
+use bounce_proto::{ArenaId, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -59,6 +59,10 @@ pub(crate) struct Knobs {
     /// its flow reclaimed, and must land in a quarantined region (counted in
     /// [`Sim::quarantine_hits`]), never in one its receiver has granted since.
     pub(crate) drop_keeps: bool,
+    /// Arenas per node: the first from the config, the others added with the same geometry.
+    /// Each transfer stages in a random one of its initiator's and bounces through a random
+    /// one of its target's (as a shell picks them by memory place).
+    pub(crate) arenas: usize,
 }
 
 impl Default for Knobs {
@@ -73,6 +77,7 @@ impl Default for Knobs {
             one_way: false,
             inline_p: 0.5,
             drop_keeps: false,
+            arenas: 1,
         }
     }
 }
@@ -99,8 +104,10 @@ pub(crate) fn sim_config(arena: u64, window: u32, eager: bool) -> Config {
 pub(crate) struct Node {
     /// The protocol endpoint.
     pub(crate) ep: Endpoint,
-    /// The registered arena's bytes.
+    /// The first arena's bytes (with the mailbox and fetch area behind its scheduled part).
     pub(crate) arena: Vec<u8>,
+    /// The bytes of the arenas after the first, by id - 1.
+    extra: Vec<Vec<u8>>,
     /// User memory at [`MEM_BASE`]; grows as transfers are added.
     pub(crate) mem: Vec<u8>,
     /// What `mem` held before the simulation ran.
@@ -114,7 +121,7 @@ pub(crate) struct Node {
 impl Node {
     /// Carries out a gather (`to_arena`) or scatter job's runs between user memory and the
     /// arena; a failing job (`!ok`) copies only every other run, as a copy that broke midway.
-    fn copy_runs(&mut self, region: Region, runs: &[CopyRun], ok: bool, to_arena: bool) {
+    fn copy_runs(&mut self, (id, region): (ArenaId, Region), runs: &[CopyRun], ok: bool, to_arena: bool) {
         for (i, r) in runs.iter().enumerate() {
             if !ok && i % 2 == 1 {
                 continue;
@@ -122,13 +129,25 @@ impl Node {
             for (off, addr, len) in r.copies() {
                 let at = (region.offset + off) as usize;
                 let user = (addr - MEM_BASE) as usize;
-                let (arena, mem) = (&mut self.arena[at..at + len as usize], &mut self.mem[user..user + len as usize]);
+                let arena = match id.0 {
+                    0 => &mut self.arena,
+                    k => &mut self.extra[usize::from(k) - 1],
+                };
+                let (arena, mem) = (&mut arena[at..at + len as usize], &mut self.mem[user..user + len as usize]);
                 if to_arena {
                     arena.copy_from_slice(mem);
                 } else {
                     mem.copy_from_slice(arena);
                 }
             }
+        }
+    }
+
+    /// Arena `id`'s bytes.
+    pub(crate) fn arena_bytes(&mut self, id: ArenaId) -> &mut [u8] {
+        match id.0 {
+            0 => &mut self.arena,
+            k => &mut self.extra[usize::from(k) - 1],
         }
     }
 
@@ -158,6 +177,9 @@ pub(crate) struct XferSpec {
     pub(crate) chunks: usize,
     /// A READ: `to` initiates it and pulls from `from` (the bytes still go `from` -> `to`).
     pub(crate) read: bool,
+    /// The initiator's arena it stages in and the target's it bounces through; `None`: drawn
+    /// at submit (with [`Knobs::arenas`] above 1).
+    pub(crate) arenas: Option<(ArenaId, ArenaId)>,
 }
 
 impl XferSpec {
@@ -183,6 +205,7 @@ enum Ev {
         node: usize,
         job: JobId,
         xfer: XferId,
+        arena: ArenaId,
         region: Region,
         runs: JobRuns,
     },
@@ -192,6 +215,8 @@ enum Ev {
         xfer: XferId,
         peer: usize,
         source: WriteSource,
+        arena: ArenaId,
+        remote_arena: ArenaId,
         remote: Region,
         len: u64,
     },
@@ -200,6 +225,7 @@ enum Ev {
         job: JobId,
         peer: usize,
         xfer: XferId,
+        arena: ArenaId,
         region: Region,
         runs: Vec<CopyRun>,
         in_region: Option<InRegionPlan>,
@@ -221,7 +247,9 @@ enum Ev {
         job: JobId,
         xfer: XferId,
         peer: usize,
+        remote_arena: ArenaId,
         remote: Region,
+        arena: ArenaId,
         local: Region,
         len: u64,
     },
@@ -283,6 +311,10 @@ impl Sim {
             .map(|i| {
                 let config = &configs[i];
                 let mut ep = Endpoint::new(config, start).unwrap();
+                for k in 1..knobs.arenas {
+                    let id = ep.add_arena(config.arena_usable_capacity(), config.arena_granularity).unwrap();
+                    assert_eq!(id, ArenaId(k as u8));
+                }
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
                 ep.keep_mailbox(knobs.one_way);
                 ep.add_registered(RegId(0), reg_key(i), MEM_BASE, 1 << 40);
@@ -302,6 +334,7 @@ impl Sim {
                     ep,
                     // The scheduler's part, then the mailbox (and the fetch area, unused here).
                     arena: vec![0xEE; ep_arena_len(config)],
+                    extra: vec![vec![0xEE; config.arena_usable_capacity() as usize]; knobs.arenas.saturating_sub(1)],
                     mem: Vec::new(),
                     initial: Vec::new(),
                     alive: true,
@@ -378,7 +411,7 @@ impl Sim {
                 descs.swap(i, j);
             }
         }
-        self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false }, at)
+        self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false, arenas: None }, at)
     }
 
     /// As [`Sim::add_xfer`], as a READ: node `to` pulls the bytes from node `from`.
@@ -393,7 +426,14 @@ impl Sim {
     /// succeeds: not when the peer is dead or a drawn job failure hits (which taints the
     /// transfer); `None` when `node` itself is dead. Asserts first that a live peer's flow still
     /// holds the region, or, with [`Knobs::drop_keeps`], that it rests in quarantine.
-    fn remote_job(&mut self, node: usize, xfer: XferId, peer: usize, remote: Region, what: &str) -> Option<bool> {
+    fn remote_job(
+        &mut self,
+        node: usize,
+        xfer: XferId,
+        peer: usize,
+        (arena, remote): (ArenaId, Region),
+        what: &str,
+    ) -> Option<bool> {
         if !self.nodes[node].alive {
             return None;
         }
@@ -404,12 +444,13 @@ impl Sim {
         }
         if self.nodes[peer].alive {
             let ep = &self.nodes[peer].ep;
-            let held_by = |xfer| ep.scheduler().is_held(FlowKey { peer: PeerId(node as u32), xfer }, remote.offset);
+            let sched = ep.schedulers().get(arena);
+            let held_by = |xfer| sched.is_held(FlowKey { peer: PeerId(node as u32), xfer }, remote.offset);
             // A chunk 0 written into a standing credit may land before its claim is taken:
             // the region is then still the sender's standing flow's.
             let standing = ep.receiver().standing_flow(PeerId(node as u32)).and_then(held_by);
             let held = held_by(xfer).or(standing);
-            if held.is_none() && self.knobs.drop_keeps && ep.scheduler().quarantined_at(remote.offset) == Some(remote) {
+            if held.is_none() && self.knobs.drop_keeps && sched.quarantined_at(remote.offset) == Some(remote) {
                 self.quarantine_hits += 1;
                 return Some(ok);
             }
@@ -446,7 +487,7 @@ impl Sim {
             descs.push(DescPair { src, dst, len });
             src += len;
         }
-        let spec = self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false }, at);
+        let spec = self.push_spec(XferSpec { from, to, xfer, descs, chunks: 0, read: false, arenas: None }, at);
         let p = plan::plan(&self.specs[spec].descs, self.params(&self.specs[spec])).unwrap();
         // A chunk carrying its plan is staged (the plan goes behind the data).
         assert!(
@@ -504,7 +545,8 @@ impl Sim {
         self.post_fetches();
         self.steps += 1;
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.alive) {
-            if let Err(e) = n.ep.scheduler().check_invariants().and_then(|()| n.ep.receiver().check_invariants()) {
+            let scheds = n.ep.schedulers().iter().map(|(_, s)| s.check_invariants()).collect::<Result<Vec<_>, _>>();
+            if let Err(e) = scheds.map(drop).and_then(|()| n.ep.receiver().check_invariants()) {
                 panic!("node {i} after step {}: {e}", self.steps);
             }
         }
@@ -535,7 +577,10 @@ impl Sim {
                 n.ep.in_flight_xfers(),
                 n.ep.jobs_in_flight()
             );
-            assert_eq!(n.ep.arena_free_bytes(), self.configs[i].arena_usable_capacity(), "node {i} leaks arena space");
+            for (id, sched) in n.ep.schedulers().iter() {
+                let capacity = self.configs[i].arena_usable_capacity();
+                assert_eq!(sched.free_bytes(), capacity, "node {i} leaks space of arena {}", id.0);
+            }
             assert_eq!(n.ep.poll_timeout(), None, "node {i} still has timers");
             assert_eq!(n.ep.stats().protocol_errors, 0, "node {i} saw protocol errors from honest peers");
             if self.nodes.iter().all(|n| n.alive) {
@@ -646,18 +691,18 @@ impl Sim {
                     Err(e) => panic!("node {to}: honest frame from {from} refused: {e}"),
                 }
             }
-            Ev::Gather { node, job, xfer, region, runs } => {
+            Ev::Gather { node, job, xfer, arena, region, runs } => {
                 if !self.nodes[node].alive {
                     return;
                 }
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
-                self.nodes[node].copy_runs(region, runs.runs(), ok, true);
+                self.nodes[node].copy_runs((arena, region), runs.runs(), ok, true);
                 if let (true, Some((off, scatter))) = (ok, runs.region_plan()) {
                     // The chunk's scatter runs behind its data, where the receiver reads them.
                     let bytes = region_plan::encoded(scatter).expect("an honest plan encodes");
                     let at = (region.offset + off) as usize;
                     assert!(off + bytes.len() as u64 <= region.len, "the region plan leaves its region");
-                    self.nodes[node].arena[at..at + bytes.len()].copy_from_slice(&bytes);
+                    self.nodes[node].arena_bytes(arena)[at..at + bytes.len()].copy_from_slice(&bytes);
                     self.region_plans_written += 1;
                 }
                 if !ok {
@@ -666,44 +711,49 @@ impl Sim {
                 }
                 self.nodes[node].ep.handle_gather_done(now, job, ok);
             }
-            Ev::Write { node, job, xfer, peer, source, remote, len } => {
+            Ev::Write { node, job, xfer, peer, source, arena, remote_arena, remote, len } => {
                 // The receiver must still hold the region for this flow, unscattered: a cancel or
                 // reclaim that freed it first would let it be granted elsewhere.
-                let Some(ok) = self.remote_job(node, xfer, peer, remote, "write into") else { return };
+                let Some(ok) = self.remote_job(node, xfer, peer, (remote_arena, remote), "write into") else { return };
                 if self.nodes[peer].alive {
                     // A failed write may still have landed in part.
                     let copied = if ok { len } else { len / 2 };
-                    let n = &self.nodes[node];
+                    let n = &mut self.nodes[node];
                     let src = match source {
-                        WriteSource::Arena(local) => n.arena[local.offset as usize..][..copied as usize].to_vec(),
+                        WriteSource::Arena(local) => {
+                            n.arena_bytes(arena)[local.offset as usize..][..copied as usize].to_vec()
+                        }
                         WriteSource::User { addr } => n.mem[(addr - MEM_BASE) as usize..][..copied as usize].to_vec(),
                     };
-                    self.nodes[peer].arena[remote.offset as usize..][..copied as usize].copy_from_slice(&src);
+                    self.nodes[peer].arena_bytes(remote_arena)[remote.offset as usize..][..copied as usize]
+                        .copy_from_slice(&src);
                 }
                 self.nodes[node].ep.handle_write_done(now, job, ok);
             }
-            Ev::Scatter { node, job, peer, xfer, region, mut runs, in_region, inline } => {
+            Ev::Scatter { node, job, peer, xfer, arena, region, mut runs, in_region, inline } => {
                 if !self.nodes[node].alive {
                     return;
                 }
                 if let Some(bytes) = inline {
                     // What the shell does first with an inline chunk: put it in its region.
                     assert!(bytes.len() as u64 <= region.len, "inline bytes beyond their region");
-                    self.nodes[node].arena[region.offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+                    self.nodes[node].arena_bytes(arena)[region.offset as usize..][..bytes.len()]
+                        .copy_from_slice(&bytes);
                     self.inline_scatters += 1;
                 }
                 if let Some(p) = in_region {
                     // What a copy engine does: copy the plan out of the arena, check that copy.
                     assert!(runs.is_empty());
                     let at = (region.offset + p.offset) as usize;
-                    let bytes = self.nodes[node].arena[at..at + region_plan::plan_bytes(p.runs) as usize].to_vec();
+                    let bytes =
+                        self.nodes[node].arena_bytes(arena)[at..at + region_plan::plan_bytes(p.runs) as usize].to_vec();
                     let checked = region_plan::check(&bytes, p.runs, p.offset, |a, b| p.allowed.covers(a, b));
                     // Honest peers only here: their plans always pass.
                     runs = checked.unwrap_or_else(|e| panic!("node {node}: an honest region plan was refused: {e}"));
                     self.region_plans_checked += 1;
                 }
                 let ok = !self.rng.random_bool(self.knobs.job_fail_p);
-                self.nodes[node].copy_runs(region, &runs, ok, false);
+                self.nodes[node].copy_runs((arena, region), &runs, ok, false);
                 if !ok {
                     // A WRITE's scatter at its receiver (`peer` sent it), or a READ's at its
                     // initiator: either way the initiator must fail.
@@ -719,6 +769,13 @@ impl Sim {
                 }
                 let mut plan = plan::plan(&s.descs, self.params(s)).unwrap();
                 let (from, to, xfer) = (s.initiator(), s.target(), s.xfer);
+                if let Some((local, peer)) = s.arenas {
+                    (plan.local_arena, plan.peer_arena) = (local, peer);
+                } else if self.knobs.arenas > 1 {
+                    // As a shell picks them from the memory places of the two sides.
+                    plan.local_arena = ArenaId(self.rng.random_range(0..self.knobs.arenas) as u8);
+                    plan.peer_arena = ArenaId(self.rng.random_range(0..self.knobs.arenas) as u8);
+                }
                 if s.read {
                     // The initiator holds the target's registration metadata (its sources).
                     plan.read = true;
@@ -773,14 +830,16 @@ impl Sim {
                     n.ep.cancel(now, xfer);
                 }
             }
-            Ev::Read { node, job, xfer, peer, remote, local, len } => {
+            Ev::Read { node, job, xfer, peer, remote_arena, remote, arena, local, len } => {
                 // The target must still hold the region for this flow, gathered and idle: a
                 // reclaim that freed it first would let another flow's bytes be read.
-                let Some(ok) = self.remote_job(node, xfer, peer, remote, "READ of") else { return };
+                let Some(ok) = self.remote_job(node, xfer, peer, (remote_arena, remote), "READ of") else { return };
                 if self.nodes[peer].alive {
                     let copied = if ok { len } else { len / 2 };
-                    let src = self.nodes[peer].arena[remote.offset as usize..][..copied as usize].to_vec();
-                    self.nodes[node].arena[local.offset as usize..][..copied as usize].copy_from_slice(&src);
+                    let src = self.nodes[peer].arena_bytes(remote_arena)[remote.offset as usize..][..copied as usize]
+                        .to_vec();
+                    self.nodes[node].arena_bytes(arena)[local.offset as usize..][..copied as usize]
+                        .copy_from_slice(&src);
                 }
                 self.nodes[node].ep.handle_read_done(now, job, ok);
             }
@@ -866,10 +925,11 @@ impl Sim {
                 msg.validate().expect("endpoints build valid messages");
                 self.post(me, to, Frame { session: me as u64, msg }.to_vec());
             }
-            Action::Read { job, xfer, peer, remote, local, len } => {
+            Action::Read { job, xfer, peer, remote_arena, remote, arena, local, len } => {
                 assert!(len <= remote.len && len <= local.len);
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
-                self.schedule(at, Ev::Read { node: me, job, xfer, peer: peer.0 as usize, remote, local, len });
+                let peer = peer.0 as usize;
+                self.schedule(at, Ev::Read { node: me, job, xfer, peer, remote_arena, remote, arena, local, len });
             }
             Action::PutRecord { offset, bytes } => {
                 assert!(self.knobs.one_way, "only one-way nodes keep a mailbox");
@@ -879,11 +939,11 @@ impl Sim {
             Action::Link { peer, body } => {
                 self.post(me, peer.0 as usize, wire::ControlFrame { session: me as u64, body }.to_vec());
             }
-            Action::Gather { job, xfer, region, runs } => {
+            Action::Gather { job, xfer, arena, region, runs } => {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
-                self.schedule(at, Ev::Gather { node: me, job, xfer, region, runs });
+                self.schedule(at, Ev::Gather { node: me, job, xfer, arena, region, runs });
             }
-            Action::Write { job, xfer, peer, source, remote, len } => {
+            Action::Write { job, xfer, peer, source, arena, remote_arena, remote, len } => {
                 assert!(len <= remote.len);
                 match source {
                     WriteSource::Arena(local) => assert!(len <= local.len),
@@ -903,9 +963,10 @@ impl Sim {
                     }
                 }
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
-                self.schedule(at, Ev::Write { node: me, job, xfer, peer: peer.0 as usize, source, remote, len });
+                let peer = peer.0 as usize;
+                self.schedule(at, Ev::Write { node: me, job, xfer, peer, source, arena, remote_arena, remote, len });
             }
-            Action::Scatter { job, peer, xfer, region, runs, in_region, inline } => {
+            Action::Scatter { job, peer, xfer, arena, region, runs, in_region, inline } => {
                 let at = self.elapsed + self.delay(self.knobs.job_delay);
                 self.schedule(
                     at,
@@ -914,6 +975,7 @@ impl Sim {
                         job,
                         peer: peer.0 as usize,
                         xfer,
+                        arena,
                         region,
                         runs: runs.runs().to_vec(),
                         in_region,
