@@ -920,7 +920,12 @@ impl Endpoint {
             if !self.closing {
                 // Each arena schedules its own flows: one arena's drain mode or full ring
                 // never holds back another's.
-                let grants: Vec<_> = ctx.scheds.iter_mut().flat_map(|(_, s)| s.schedule()).collect();
+                let mut grants = Vec::new();
+                for (_, sched) in ctx.scheds.iter_mut() {
+                    let more = sched.schedule();
+                    // One arena (the usual case): its list as it is, no copy.
+                    if grants.is_empty() { grants = more } else { grants.extend(more) }
+                }
                 free = ctx.scheds.free_bytes();
                 if !grants.is_empty() {
                     self.receiver.emit_grants(&mut ctx, grants);
