@@ -265,6 +265,9 @@ pub struct Sender {
     /// Per arena, one max-chunk staging region kept back while transfers staging there are in
     /// flight, for a credit that finds the arena full (see the type docs).
     reserve: BTreeMap<ArenaId, Region>,
+    /// Some arena's reserve may need taking or giving back (`staging_xfers` or `reserve`
+    /// changed, or a reserve could not be taken yet): `retry_parked` looks only then.
+    reserve_stale: bool,
     shutting_down: bool,
     /// Writes posted and not yet done (of live and of failed transfers): while one outlasts
     /// `keep_every`, its flow gets a KEEP every `keep_every` (see [`wire::Keep`]).
@@ -310,6 +313,7 @@ impl Sender {
             finished: BTreeMap::new(),
             finished_order: VecDeque::new(),
             reserve: BTreeMap::new(),
+            reserve_stale: false,
             shutting_down: false,
             writes: BTreeMap::new(),
             next_keep: None,
@@ -1070,7 +1074,7 @@ impl Sender {
                 match ctx
                     .sched(arena)
                     .acquire_local(x.plan.chunks[i].bytes, false)
-                    .or_else(|| take_reserve(ctx, &mut self.reserve, arena))
+                    .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
                 {
                     Some(local) if read => {
                         trace!(xfer = id.0, chunk = i, "parked READ credit staged");
@@ -1090,6 +1094,9 @@ impl Sender {
         }
         // Each arena's reserve goes back once no transfer stages there, and is retaken while
         // one does.
+        if !self.reserve_stale {
+            return;
+        }
         let idle: Vec<ArenaId> =
             self.reserve.keys().copied().filter(|a| self.staging_xfers.get(a).is_none_or(|&n| n == 0)).collect();
         for arena in idle {
@@ -1106,6 +1113,8 @@ impl Sender {
         for arena in wanting {
             self.take_reserve_of(ctx, arena);
         }
+        // An arena still without its reserve (full for now) is looked at again next time.
+        self.reserve_stale = self.staging_xfers.iter().any(|(a, &n)| n > 0 && !self.reserve.contains_key(a));
     }
 
     /// A transfer staging in `arena` starts: counted, and the arena's reserve taken if it has
@@ -1114,16 +1123,17 @@ impl Sender {
         *self.staging_xfers.entry(arena).or_default() += 1;
         if !self.reserve.contains_key(&arena) {
             self.take_reserve_of(ctx, arena);
+            self.reserve_stale |= !self.reserve.contains_key(&arena);
         }
     }
 
-    /// A transfer staging in `arena` ended (its reserve goes back at the next `retry_parked`).
+    /// A transfer staging in `arena` ended (the arena's last: its reserve goes back at the
+    /// next `retry_parked`).
     fn stop_staging(&mut self, arena: ArenaId) {
         if let Some(n) = self.staging_xfers.get_mut(&arena) {
             *n -= 1;
-            if *n == 0 {
-                self.staging_xfers.remove(&arena);
-            }
+            // The entry stays at 0 (an arena's count comes and goes with every transfer).
+            self.reserve_stale |= *n == 0;
         }
     }
 
@@ -1151,7 +1161,7 @@ impl Sender {
             return match ctx
                 .sched(arena)
                 .acquire_local(x.plan.chunks[i].bytes, false)
-                .or_else(|| take_reserve(ctx, &mut self.reserve, arena))
+                .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
             {
                 Some(local) => self.start_read(ctx, id, i, (arena, local), credit),
                 None => {
@@ -1170,7 +1180,7 @@ impl Sender {
             Stage::Idle => match ctx
                 .sched(arena)
                 .acquire_local(x.plan.chunks[i].bytes, false)
-                .or_else(|| take_reserve(ctx, &mut self.reserve, arena))
+                .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
             {
                 Some(local) => {
                     let job = start_gather(ctx, &mut self.jobs, id, x, i, local);
@@ -1510,8 +1520,14 @@ fn nanos(now: Instant, at: Instant) -> u64 {
     u64::try_from(now.saturating_duration_since(at).as_nanos()).unwrap_or(u64::MAX)
 }
 
-fn take_reserve(ctx: &mut Ctx<'_>, reserve: &mut BTreeMap<ArenaId, Region>, arena: ArenaId) -> Option<Region> {
+/// Marks `stale`: the arena's reserve is to be retaken.
+fn take_reserve(
+    ctx: &mut Ctx<'_>,
+    (reserve, stale): (&mut BTreeMap<ArenaId, Region>, &mut bool),
+    arena: ArenaId,
+) -> Option<Region> {
     let local = reserve.remove(&arena)?;
+    *stale = true;
     promote(ctx, arena, local);
     Some(local)
 }
