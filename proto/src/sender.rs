@@ -1514,13 +1514,13 @@ fn start_gather(
     job
 }
 
-/// Hands the reserve over to a credit-backed chunk.
 /// Nanoseconds from `at` to `now` (0 if the clock went backwards; saturating).
 fn nanos(now: Instant, at: Instant) -> u64 {
     u64::try_from(now.saturating_duration_since(at).as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// Marks `stale`: the arena's reserve is to be retaken.
+/// Hands `arena`'s reserve over to a credit-backed chunk, and marks `stale`: the arena's
+/// reserve is to be retaken.
 fn take_reserve(
     ctx: &mut Ctx<'_>,
     (reserve, stale): (&mut BTreeMap<ArenaId, Region>, &mut bool),
