@@ -264,6 +264,13 @@ impl Endpoint {
         self.receiver.set_inline_bytes(bytes);
     }
 
+    /// Whether chunks carried inline in peers' WANTs are taken into `arena` (all arenas do
+    /// unless told otherwise): the shell says no for an arena of GPU memory, where it could
+    /// put no bytes. Such WANTs are granted as any other.
+    pub fn set_arena_takes_inline(&mut self, arena: ArenaId, takes: bool) {
+        self.receiver.set_arena_takes_inline(arena, takes);
+    }
+
     /// A READ of one-way transfer `xfer`'s mailbox failed (the target is gone, or its mailbox
     /// no longer loaded): no answer can come, so it fails as lost.
     pub fn handle_fetch_failed(&mut self, now: Instant, xfer: XferId) {

@@ -221,6 +221,8 @@ pub struct Receiver {
     shutting_down: bool,
     /// Largest inline chunk taken from a WANT; 0: none (a GPU arena, or the option).
     inline_bytes: u64,
+    /// The arenas inline chunks are not taken into, a bit per [`ArenaId`] (GPU memory).
+    inline_declined: u16,
     /// Inline bytes held by flows not yet granted (at most [`MAX_INLINE_HELD`]).
     inline_held: u64,
     /// Per peer, the highest transfer whose inline chunk was taken. Transfer ids only grow
@@ -255,6 +257,7 @@ impl Receiver {
             timers: TimerTable::default(),
             shutting_down: false,
             inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
+            inline_declined: 0,
             inline_held: 0,
             inline_floor: BTreeMap::new(),
             claim_floor: BTreeMap::new(),
@@ -274,6 +277,13 @@ impl Receiver {
     /// its arena is not host memory, where it could not put the bytes.
     pub(crate) fn set_inline_bytes(&mut self, bytes: u64) {
         self.inline_bytes = self.inline_bytes.min(bytes);
+    }
+
+    /// Whether inline chunks are taken into `arena` (see `Endpoint::set_arena_takes_inline`).
+    pub(crate) fn set_arena_takes_inline(&mut self, arena: ArenaId, takes: bool) {
+        // MAX_ARENAS (16) bits.
+        let bit = 1u16 << (arena.0 & 15);
+        self.inline_declined = if takes { self.inline_declined & !bit } else { self.inline_declined | bit };
     }
 
     /// The standing flow `peer` holds here ([`wire::Standing`]), if any.
@@ -499,7 +509,7 @@ impl Receiver {
                 );
                 None
             }
-            Some(i) => self.take_inline(from, want.xfer, chunks, i),
+            Some(i) => self.take_inline(from, (want.xfer, want.arena), chunks, i),
             None => None,
         };
         let chunks = chunks + inline.as_ref().map_or(0, |i| i.runs.len() as u64);
@@ -550,15 +560,22 @@ impl Receiver {
     }
 
     /// Takes an inline chunk from a new flow's WANT when this receiver may: it takes inline
-    /// chunks of this size, the transfer is newer than any inline one taken from the peer (not
+    /// chunks of this size into the flow's arena, the transfer is newer than any inline one taken from the peer (not
     /// a replay), and holding the bytes stays within [`MAX_INLINE_HELD`] and the runs within
     /// the peer's budget. Otherwise the flow is served the usual way. A one-way flow's answer
     /// (the ACK) goes to its mailbox like any other.
-    fn take_inline(&mut self, from: PeerId, xfer: XferId, units: u64, inline: wire::Inline) -> Option<wire::Inline> {
+    fn take_inline(
+        &mut self,
+        from: PeerId,
+        (xfer, arena): (XferId, ArenaId),
+        units: u64,
+        inline: wire::Inline,
+    ) -> Option<wire::Inline> {
         let len = inline.bytes.len() as u64;
         let fresh = self.inline_floor.get(&from).is_none_or(|&floor| xfer > floor);
         let budget = units.saturating_add(inline.runs.len() as u64) <= self.caps.chunks;
-        let take = len <= self.inline_bytes && fresh && budget && self.inline_held + len <= MAX_INLINE_HELD;
+        let into = self.inline_declined & (1 << (arena.0 & 15)) == 0;
+        let take = len <= self.inline_bytes && into && fresh && budget && self.inline_held + len <= MAX_INLINE_HELD;
         if !take {
             debug!(peer = from.0, xfer = xfer.0, bytes = len, fresh, "inline bytes declined");
             return None;
@@ -2501,6 +2518,31 @@ mod tests {
         let acts = drain(&mut ep);
         assert!(inline_scatters(&acts).is_empty());
         assert_eq!(credits(&acts).len(), 1);
+        check(&ep);
+    }
+
+    /// Inline chunks are taken per arena: into one that declines them (GPU memory, where the
+    /// shell could put no bytes) the WANT is granted as any other, while another arena of the
+    /// same engine still takes them.
+    #[test]
+    fn an_arena_that_declines_inline_chunks_grants_their_wants_and_another_takes_them() {
+        let (mut ep, t) = receiver();
+        assert_eq!(ep.add_arena(16 * KIB, KIB).unwrap(), ArenaId(1));
+        ep.set_arena_takes_inline(ArenaId(1), false);
+        let through = |msg: Msg, arena: u8| match msg {
+            Msg::Want(w) => Msg::Want(wire::Want { arena: ArenaId(arena), ..w }),
+            other => other,
+        };
+        ep.handle_msg(t, PEER, through(inline_want(X, 1, full_run(0)), 1)).unwrap();
+        let acts = drain(&mut ep);
+        assert!(inline_scatters(&acts).is_empty());
+        assert_eq!(credits(&acts).len(), 1, "granted in arena 1 as for any WANT");
+        ep.handle_msg(t, PEER, inline_want(XferId(9), 2, full_run(1))).unwrap();
+        assert_eq!(inline_scatters(&drain(&mut ep)).len(), 1, "arena 0 still takes them");
+        // And back: arena 1 takes them again once told so.
+        ep.set_arena_takes_inline(ArenaId(1), true);
+        ep.handle_msg(t, PEER, through(inline_want(XferId(10), 3, full_run(2)), 1)).unwrap();
+        assert_eq!(inline_scatters(&drain(&mut ep)).len(), 1);
         check(&ep);
     }
 }
