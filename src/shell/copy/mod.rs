@@ -1,11 +1,13 @@
 //! The copy-engine seam: gathers (user memory -> arena region) and scatters (arena region ->
 //! user memory) run on a [`CopyEngine`], which never sees protocol state. Today's engine is
 //! [`cpu::CpuEngine`] (worker threads, [`kernels`]) for host arenas, [`cuda::CudaCopyEngine`]
-//! (streams and the kernels of `kernels/`) for GPU arenas.
+//! (streams and the kernels of `kernels/`) for GPU arenas; [`route::Copiers`] holds one per
+//! arena of an engine.
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 mod kernels;
+pub(crate) mod route;
 
 use bounce_proto::endpoint::{InRegionPlan, JobId, JobRuns};
 use bounce_proto::{CopyRun, Region};

@@ -25,10 +25,11 @@ use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{PeerId, RegId, Region, Token, XferId};
+use bounce_proto::{ArenaId, PeerId, RegId, Region, Token, XferId};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::control::{ControlChannel, ControlError};
+use crate::shell::copy::route::Copiers;
 use crate::shell::copy::{CopyEngine, CopyJob, Dir};
 use crate::shell::datapath::{DataPath, Posted, WriteId};
 use crate::shell::doorbell::Doorbell;
@@ -355,6 +356,8 @@ struct QueuedWrite {
     job: JobId,
     peer: PeerId,
     source: WriteSource,
+    /// Our arena a [`WriteSource::Arena`] region lies in.
+    arena: ArenaId,
     remote: Region,
     len: u64,
 }
@@ -364,6 +367,8 @@ struct QueuedRead {
     job: JobId,
     peer: PeerId,
     remote: Region,
+    /// Our arena of `local`.
+    arena: ArenaId,
     local: Region,
     len: u64,
 }
@@ -380,14 +385,16 @@ struct Driver {
     ep: Endpoint,
     shared: Arc<Shared>,
     session: u64,
-    arena: LocalArena,
+    /// Our arenas, by [`ArenaId`] (one today: docs/arenas.md slice 4).
+    arenas: Vec<LocalArena>,
     /// Our mailbox and fetch area, in host memory (`None`: two way only).
     area: Option<AreaView>,
     /// Where our mailbox and fetch area lie, in the core's offsets.
     one_way: OneWayLayout,
     /// Our one-way transfers' mailbox polls.
     fetches: Fetches,
-    copier: Box<dyn CopyEngine>,
+    /// One copy engine per arena.
+    copiers: Copiers,
     data: Box<dyn DataPath>,
     control: Box<dyn ControlChannel>,
     control_budget: usize,
@@ -470,11 +477,11 @@ impl Reactor {
             ep,
             shared: Arc::clone(&shared),
             session,
-            arena,
+            arenas: vec![arena],
             area,
             one_way,
             fetches: Fetches::new(one_way.fetch_slices),
-            copier,
+            copiers: Copiers::one(copier),
             data,
             control,
             control_budget,
@@ -499,7 +506,7 @@ impl Reactor {
         };
         let session = d.session;
         let cell = Arc::new(Cell {
-            any_thread: d.copier.any_thread(),
+            any_thread: d.copiers.any_thread(),
             driver: Mutex::new(Some(d)),
             parked_idle: AtomicBool::new(false),
             busy: AtomicBool::new(false),
@@ -560,7 +567,7 @@ impl Reactor {
         let mut g = self.cell.driver.try_lock()?;
         let d = g.as_mut()?;
         // A GPU arena's context, current here until the FFI edge puts the application's back.
-        if !d.copier.prepare_thread() {
+        if !d.copiers.prepare_thread() {
             return None;
         }
         let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
@@ -569,7 +576,7 @@ impl Reactor {
         let budget = d.control_budget.min(SOCKET_POLL_BATCH);
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
             Ok(moved) => {
-                let copying = d.copier.in_flight() > 0;
+                let copying = d.copiers.in_flight() > 0;
                 self.cell.busy.store(d.busy(), Ordering::Release);
                 let more = d.control_full;
                 drop(g);
@@ -687,7 +694,7 @@ fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration) -> bool {
     // Writes are posted from this thread too: a GPU arena's context must be current here
     // before the first one (a direct write from GPU memory may come before any copy).
     if let Some(d) = cell.driver.lock().as_mut() {
-        let _ = d.copier.prepare_thread();
+        let _ = d.copiers.prepare_thread();
     }
     crate::sys::thread::precise_sleeps();
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
@@ -754,7 +761,7 @@ impl Driver {
     fn busy(&self) -> bool {
         !self.writes.is_empty()
             || !self.queued_writes.is_empty()
-            || self.copier.in_flight() > 0
+            || self.copiers.in_flight() > 0
             || !self.xfers.is_empty()
             || !self.deregs.is_empty()
             || self.fetches.busy()
@@ -777,7 +784,7 @@ impl Driver {
         let mut cmds = std::mem::take(&mut self.cmds);
         self.shared.inbox.drain(&mut cmds);
         let mut done = std::mem::take(&mut self.done);
-        self.copier.poll_done(&mut done);
+        self.copiers.poll_done(&mut done);
         let now = Instant::now();
         // Commands first: every command queued before the frames above were polled is among
         // them, and those frames may depend on one -- a WANT proving a registration made just
@@ -1235,26 +1242,28 @@ impl Driver {
                 match a {
                     Action::Send { peer, msg } => self.send(peer, msg),
                     Action::Link { peer, body } => self.send_link(peer, body),
-                    Action::Gather { job, region, runs, .. } => self.copy(job, Dir::Gather, region, runs, None),
-                    Action::Scatter { job, region, runs, in_region, inline, .. } => {
+                    Action::Gather { job, arena, region, runs, .. } => {
+                        self.copy(job, Dir::Gather, (arena, region), runs, None);
+                    }
+                    Action::Scatter { job, arena, region, runs, in_region, inline, .. } => {
                         // An inline chunk's bytes go into its region first (a host arena: the
                         // core takes none otherwise); not put, nothing may be scattered.
-                        if inline.is_some_and(|bytes| !self.copier.put(region, &bytes)) {
+                        if inline.is_some_and(|bytes| !self.copiers.put(arena, region, &bytes)) {
                             self.copies.insert(job, CopyInFlight { dir: Dir::Scatter, pin: None, in_region: false });
                             self.copy_done(Instant::now(), job, false);
                         } else {
-                            self.copy(job, Dir::Scatter, region, runs, in_region);
+                            self.copy(job, Dir::Scatter, (arena, region), runs, in_region);
                         }
                     }
-                    Action::Write { job, peer, source, remote, len, .. } => {
-                        self.queued_writes.push_back(QueuedWrite { job, peer, source, remote, len });
+                    Action::Write { job, peer, source, arena, remote, len, .. } => {
+                        self.queued_writes.push_back(QueuedWrite { job, peer, source, arena, remote, len });
                         // Posted now, before the actions after it: a chunk's PLAN follows its
                         // write, and encoding a scattered chunk's PLAN takes the reactor 100 us
                         // or more (on the H200 two PLANs held both writes back ~300 us).
                         self.post_queued_writes();
                     }
-                    Action::Read { job, peer, remote, local, len, .. } => {
-                        let r = QueuedRead { job, peer, remote, local, len };
+                    Action::Read { job, peer, remote, arena, local, len, .. } => {
+                        let r = QueuedRead { job, peer, remote, arena, local, len };
                         if read_posted {
                             self.queued_reads.push_back(r);
                         } else {
@@ -1302,7 +1311,7 @@ impl Driver {
     /// there were any (they may have queued actions).
     fn finish_inline_copies(&mut self) -> bool {
         let mut done = std::mem::take(&mut self.inline_done);
-        if self.copier.take_finished_inline(&mut done) == 0 {
+        if self.copiers.take_finished_inline(&mut done) == 0 {
             self.inline_done = done;
             return false;
         }
@@ -1372,7 +1381,14 @@ impl Driver {
         }
     }
 
-    fn copy(&mut self, job: JobId, dir: Dir, region: Region, runs: JobRuns, in_region: Option<InRegionPlan>) {
+    fn copy(
+        &mut self,
+        job: JobId,
+        dir: Dir,
+        (arena, region): (ArenaId, Region),
+        runs: JobRuns,
+        in_region: Option<InRegionPlan>,
+    ) {
         // A plan in the region is not known yet: it may touch any range the flow proved
         // (`(starts[i], reach[i])` covers range i and is within the hull). Nothing is collected:
         // a gather names thousands of runs, and this runs on the reactor for every job.
@@ -1400,7 +1416,7 @@ impl Driver {
         };
         self.copies.insert(job, CopyInFlight { dir, pin, in_region: in_region.is_some() });
         crate::shell::mark!(if dir == Dir::Gather { "copy-gather" } else { "copy-scatter" }, job.0);
-        if self.copier.submit(CopyJob { job, dir, region, runs, in_region }).is_err() {
+        if self.copiers.submit(arena, CopyJob { job, dir, region, runs, in_region }).is_err() {
             self.copy_done(Instant::now(), job, false);
         }
     }
@@ -1417,7 +1433,7 @@ impl Driver {
         }
         let runs = &chunk.gather;
         let pin = self.shared.fence.pin(runs_span(runs)?, |range| runs_touch(runs, range))?;
-        let bytes = self.copier.gather_inline(runs, chunk.bytes);
+        let bytes = self.copiers.gather_inline(runs, chunk.bytes);
         self.shared.fence.unpin(pin);
         bytes
     }
@@ -1441,12 +1457,13 @@ impl Driver {
     }
 
     /// The local side of a write: our arena, or user memory registered through this engine.
-    fn write_source(&self, source: WriteSource, len: u64) -> Option<WriteSide> {
+    fn write_source(&self, source: WriteSource, arena: ArenaId, len: u64) -> Option<WriteSide> {
+        let arena = self.arenas.get(usize::from(arena.0))?;
         match source {
-            WriteSource::Arena(r) => Some(self.arena.side(r.offset)),
+            WriteSource::Arena(r) => Some(arena.side(r.offset)),
             WriteSource::User { addr } => {
                 // Only from a registration of the arena's memory: the gate planned it so.
-                let (md, reg) = self.shared.registry.covering(self.arena.place, addr, len)?;
+                let (md, reg) = self.shared.registry.covering(arena.place, addr, len)?;
                 Some(WriteSide { mem: reg.mem.into(), md, addr, dev: reg.dev })
             }
         }
@@ -1475,13 +1492,17 @@ impl Driver {
 
     /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
     fn read(&mut self, r: QueuedRead) {
-        let QueuedRead { job, peer, remote, local, len } = r;
+        let QueuedRead { job, peer, remote, arena, local, len } = r;
         crate::shell::mark!("read", job.0);
         let now = Instant::now();
         let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {
             return self.ep.handle_read_done(now, job, false);
         };
-        let local_side = self.arena.side(local.offset);
+        let Some(local_side) = self.arenas.get(usize::from(arena.0)).map(|a| a.side(local.offset)) else {
+            // The core names only arenas it was given: a bug, failed, never read elsewhere.
+            tracing::error!(arena = arena.0, "READ into an arena we do not have");
+            return self.ep.handle_read_done(now, job, false);
+        };
         let remote_side = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
         match self.data.read(&name, local_side, remote_side, len) {
             Ok(Posted::Done) => self.ep.handle_read_done(now, job, true),
@@ -1496,13 +1517,13 @@ impl Driver {
     }
 
     fn write(&mut self, w: QueuedWrite) {
-        let QueuedWrite { job, peer, source, remote, len } = w;
+        let QueuedWrite { job, peer, source, arena, remote, len } = w;
         let now = Instant::now();
         let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {
             return self.ep.handle_write_done(now, job, false);
         };
         let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();
-        let Some(local) = self.write_source(source, len) else {
+        let Some(local) = self.write_source(source, arena, len) else {
             // The gate planned a direct chunk only inside a registration, and only a
             // deregistration removes one: it took the source away before its fence mark (the
             // registry goes first), so this is the same refusal as the fence's.
