@@ -354,6 +354,23 @@ fn a_transfer_larger_than_both_arenas_streams_through() {
     }
 }
 
+/// How far apart the grant counts node 0 gave the transfers `specs` are, while every one of
+/// them still wants more (only then is the comparison meaningful).
+fn grant_spread(sim: &Sim, specs: &[usize]) -> Option<u64> {
+    let counts: Vec<(u64, usize)> = specs
+        .iter()
+        .map(|&k| {
+            let s = &sim.specs[k];
+            (sim.granted.get(&(0, s.from, s.xfer)).copied().unwrap_or(0), s.chunks)
+        })
+        .collect();
+    counts.iter().all(|&(g, n)| g > 0 && (g as usize) < n).then(|| {
+        let max = counts.iter().map(|c| c.0).max().unwrap_or(0);
+        let min = counts.iter().map(|c| c.0).min().unwrap_or(0);
+        max - min
+    })
+}
+
 #[test]
 fn four_senders_share_one_receiver_fairly() {
     for_seeds(0..20, |seed| {
@@ -365,18 +382,8 @@ fn four_senders_share_one_receiver_fairly() {
         let mut worst = 0;
         while sim.step() {
             assert!(sim.steps < 200_000);
-            let counts: Vec<(u64, usize)> = specs
-                .iter()
-                .map(|&k| {
-                    let s = &sim.specs[k];
-                    (sim.granted.get(&(0, s.from, s.xfer)).copied().unwrap_or(0), s.chunks)
-                })
-                .collect();
-            // Only while every flow still wants more is the comparison meaningful.
-            if counts.iter().all(|&(g, n)| g > 0 && (g as usize) < n) {
-                let max = counts.iter().map(|c| c.0).max().unwrap();
-                let min = counts.iter().map(|c| c.0).min().unwrap();
-                worst = worst.max(max - min);
+            if let Some(spread) = grant_spread(&sim, &specs) {
+                worst = worst.max(spread);
             }
         }
         sim.check_settled();
@@ -415,17 +422,8 @@ fn a_full_arena_holds_back_no_flow_of_another() {
             // freeing a region at a time for four flows) stands before it.
             let lone_granted = sim.granted.get(&(0, 5, lone_xfer)).copied().unwrap_or(0);
             assert!(lone_granted == 0 || lone_granted >= u64::from(W), "seed {seed}: granted {lone_granted} at first");
-            let counts: Vec<(u64, usize)> = specs
-                .iter()
-                .map(|&k| {
-                    let s = &sim.specs[k];
-                    (sim.granted.get(&(0, s.from, s.xfer)).copied().unwrap_or(0), s.chunks)
-                })
-                .collect();
-            if counts.iter().all(|&(g, n)| g > 0 && (g as usize) < n) {
-                let max = counts.iter().map(|c| c.0).max().unwrap();
-                let min = counts.iter().map(|c| c.0).min().unwrap();
-                worst = worst.max(max - min);
+            if let Some(spread) = grant_spread(&sim, &specs) {
+                worst = worst.max(spread);
                 lone_done_while_streaming |= sim.nodes[5].outcomes.get(&lone_xfer).is_some_and(|o| o.is_ok());
             }
         }
