@@ -225,10 +225,11 @@ struct PendingCancel {
 ///
 /// # The staging reserve
 /// While it has transfers in flight, the sender keeps one region of `max_chunk_size` bytes of
-/// the shared arena in reserve (one per arena its transfers stage in). It counts against the eager budget (half the arena), so remote
-/// flows can always still be granted the other half; it is taken before any eager staging, and
-/// retaken whenever space frees, before the scheduler grants that space to remote flows. A
-/// credit that finds no other staging space takes the reserve (promoting it to credit-backed).
+/// the shared arena in reserve (one in each arena its transfers stage in). It counts against
+/// the eager budget (half the arena), so remote flows can always still be granted the other
+/// half; it is taken before any eager staging, and retaken whenever space frees, before the
+/// scheduler grants that space to remote flows. A credit that finds no other staging space
+/// takes the reserve (promoting it to credit-backed).
 /// Without it two engines sending to each other can fill both arenas with credits granted to
 /// the other side, each waiting for staging space that only the other's progress would free.
 /// With it a credit is staged as soon as the reserve is back: a reserve-staged chunk needs
