@@ -96,17 +96,19 @@ typedef void (*bnc_stat_sink)(void *ctx, size_t index, const uint8_t *name, size
 // call; the sink runs under Rust's publish lock.
 void bnc_stats(void *engine, bnc_stat_sink sink, void *ctx);
 
-// After the inner engine loaded a peer's conn info: Rust tells the peer we can answer it
-// (HELLO) and, if the peer can bounce, describes its arena (bit 0 of the result; fills the
-// out-params, `key` receives its remote key) and, when it keeps one, its mailbox's host
-// registration (bit 1; `mbox_addr`, `mbox_len`, `mbox_key`), so the shim can load them;
-// 0: nothing to load.
-int32_t bnc_peer_loaded(void *engine, bnc_str agent, uint64_t *addr, uint64_t *len, uint64_t *dev,
-                        int32_t *mem, bnc_sink key, void *key_ctx, uint64_t *mbox_addr,
+// After the inner engine loaded a peer's conn info, once per arena index 0, 1, ... until it
+// returns 0 (at most BNC_MAX_ARENAS times): for index 0 Rust tells the peer we can answer it
+// (HELLO); if the peer can bounce and has arena `index`, it describes that arena (bit 0 of the
+// result; fills the out-params, `key` receives its remote key) and, for index 0 when the peer
+// keeps one, its mailbox's host registration (bit 1; `mbox_addr`, `mbox_len`, `mbox_key`), so
+// the shim can load them; 0: nothing (more) to load.
+#define BNC_MAX_ARENAS 16
+int32_t bnc_peer_loaded(void *engine, bnc_str agent, uint32_t index, uint64_t *addr, uint64_t *len,
+                        uint64_t *dev, int32_t *mem, bnc_sink key, void *key_ctx, uint64_t *mbox_addr,
                         uint64_t *mbox_len, bnc_sink mbox_key, void *mbox_key_ctx);
-// The inner engine's metadata for that peer's arena and mailbox (each null when loading it
-// failed or there was none).
-void bnc_peer_arena_md(void *engine, bnc_str agent, void *md, void *mbox_md);
+// The inner engine's metadata for that peer's arena `index` and (index 0) its mailbox (each
+// null when loading it failed or there was none).
+void bnc_peer_arena_md(void *engine, bnc_str agent, uint32_t index, void *md, void *mbox_md);
 // The peer is gone (disconnect): fail its transfers, reclaim its regions.
 void bnc_peer_lost(void *engine, bnc_str agent);
 

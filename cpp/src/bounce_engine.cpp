@@ -490,12 +490,6 @@ private:
     // keeps one: loaded through the inner engine like any remote registration, so bounce
     // writes and mailbox READs use UCX's own remote key handling. Called with mu_ held.
     void loadPeerArena(const std::string &agent) {
-        uint64_t addr = 0, len = 0, dev = 0, mbox_addr = 0, mbox_len = 0;
-        int32_t mem = 0;
-        std::string key, mbox_key;
-        const int32_t found = bnc_peer_loaded(rust_, view(agent), &addr, &len, &dev, &mem, assign_sink, &key,
-                                              &mbox_addr, &mbox_len, assign_sink, &mbox_key);
-        if (!(found & 1)) return;
         auto load = [&](uint64_t a, uint64_t n, uint64_t devId, nixl_mem_t m, const std::string &k) {
             BlobDesc d;
             d.addr = a;
@@ -506,9 +500,18 @@ private:
             if (inner_->loadRemoteMD(d, m, agent, md) != NIXL_SUCCESS) md = nullptr;
             return md;
         };
-        BackendMD *md = load(addr, len, dev, static_cast<nixl_mem_t>(mem), key);
-        BackendMD *mbox = (found & 2) ? load(mbox_addr, mbox_len, 0, DRAM_SEG, mbox_key) : nullptr;
-        bnc_peer_arena_md(rust_, view(agent), md, mbox);
+        // Each of the peer's arenas in turn (index 0 also says HELLO and carries the mailbox).
+        for (uint32_t i = 0; i < BNC_MAX_ARENAS; ++i) {
+            uint64_t addr = 0, len = 0, dev = 0, mbox_addr = 0, mbox_len = 0;
+            int32_t mem = 0;
+            std::string key, mbox_key;
+            const int32_t found = bnc_peer_loaded(rust_, view(agent), i, &addr, &len, &dev, &mem, assign_sink, &key,
+                                                  &mbox_addr, &mbox_len, assign_sink, &mbox_key);
+            if (!(found & 1)) return;
+            BackendMD *md = load(addr, len, dev, static_cast<nixl_mem_t>(mem), key);
+            BackendMD *mbox = (found & 2) ? load(mbox_addr, mbox_len, 0, DRAM_SEG, mbox_key) : nullptr;
+            bnc_peer_arena_md(rust_, view(agent), i, md, mbox);
+        }
     }
 
     // Publishes the counters as "stats.*" backend params, readable through NIXL's own

@@ -33,7 +33,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use thiserror::Error;
 
-use crate::types::{PeerId, Region};
+use crate::types::{ArenaId, PeerId, Region};
 use crate::wire::{Capabilities, Incompatible, WireError};
 
 /// Most names not loaded whose HELLO is kept as a hint (the oldest is evicted beyond).
@@ -108,7 +108,8 @@ pub enum CreditRefused {
     /// No peer has this id.
     #[error("unknown peer {}", .0.0)]
     UnknownPeer(PeerId),
-    /// The peer's arena is not loaded (it cannot bounce with us, or it was lost).
+    /// The peer's arena is not loaded (it cannot bounce with us, or it was lost), or it
+    /// advertised no arena of that id.
     #[error("peer {}'s arena is not loaded", .0.0)]
     NoArena(PeerId),
     /// The write would leave the granted region or the peer's arena: a broken or hostile peer.
@@ -397,21 +398,22 @@ impl PeerTable {
         Some(p.id)
     }
 
-    /// Whether a write of `len` bytes into `peer`'s granted `region` stays inside the region
-    /// and the peer's arena. The core checks credits against its own bookkeeping; only the
-    /// peer's capabilities tell the arena's size, so a credit from a broken or hostile peer that
-    /// points outside it is caught here, before anything is written.
+    /// Whether a write of `len` bytes into `peer`'s granted `region` of its arena `arena`
+    /// stays inside the region and that arena. The core checks credits against its own
+    /// bookkeeping; only the peer's capabilities tell the arena's size, so a credit from a
+    /// broken or hostile peer that points outside it is caught here, before anything is
+    /// written.
     ///
     /// # Errors
     /// A [`CreditRefused`]: never write then.
-    pub fn check_credit(&self, peer: PeerId, region: Region, len: u64) -> Result<(), CreditRefused> {
+    pub fn check_credit(&self, peer: PeerId, arena: ArenaId, region: Region, len: u64) -> Result<(), CreditRefused> {
         let p = self.names.get(&peer).and_then(|n| self.by_name.get(n)).ok_or(CreditRefused::UnknownPeer(peer))?;
-        let caps = match &p.conn {
-            Some(Some(caps)) if p.arena => caps,
+        let arena_len = match &p.conn {
+            Some(Some(caps)) if p.arena => caps.arenas.get(arena).ok_or(CreditRefused::NoArena(peer))?.len,
             _ => return Err(CreditRefused::NoArena(peer)),
         };
-        if region.offset.checked_add(len).is_none_or(|end| end > caps.arenas.first().len) || len > region.len {
-            return Err(CreditRefused::OutsideArena { peer, region, len, arena_len: caps.arenas.first().len });
+        if region.offset.checked_add(len).is_none_or(|end| end > arena_len) || len > region.len {
+            return Err(CreditRefused::OutsideArena { peer, region, len, arena_len });
         }
         Ok(())
     }
@@ -596,7 +598,7 @@ mod tests {
         let t = ready("a");
         let a = t.lookup("a").unwrap();
         let len = 0x1_0000; // the arena length in `caps`
-        let ok = |offset, rlen, n| t.check_credit(a, Region { offset, len: rlen }, n);
+        let ok = |offset, rlen, n| t.check_credit(a, ArenaId(0), Region { offset, len: rlen }, n);
         assert_eq!(ok(0, 4096, 4096), Ok(()));
         assert_eq!(ok(len - 4096, 4096, 4096), Ok(()), "ends exactly at the arena's end");
         assert_eq!(ok(len - 4096, 8192, 4096), Ok(()), "a region may be longer than the write");
@@ -607,12 +609,33 @@ mod tests {
         assert_eq!(ok(0, 2048, 4096), outside(0, 2048, 4096), "longer than the granted region");
         assert_eq!(ok(u64::MAX, 4096, 1), outside(u64::MAX, 4096, 1), "wraps the address space");
         assert_eq!(
-            t.check_credit(PeerId(99), Region { offset: 0, len: 1 }, 1),
+            t.check_credit(PeerId(99), ArenaId(0), Region { offset: 0, len: 1 }, 1),
             Err(CreditRefused::UnknownPeer(PeerId(99)))
         );
         let mut t = t;
         t.arena_loaded("a", false);
-        assert_eq!(t.check_credit(a, Region { offset: 0, len: 1 }, 1), Err(CreditRefused::NoArena(a)));
+        assert_eq!(t.check_credit(a, ArenaId(0), Region { offset: 0, len: 1 }, 1), Err(CreditRefused::NoArena(a)));
+    }
+
+    /// A credit is checked against the arena its flow's WANT named: each of a peer's arenas
+    /// has its own length, and an arena the peer did not advertise takes no write.
+    #[test]
+    fn credits_are_checked_against_the_arena_they_lie_in() {
+        let mut t = PeerTable::new();
+        let mut theirs = caps(4096);
+        let small = crate::wire::ArenaCaps { len: 0x4000, ..theirs.arenas.first().clone() };
+        theirs.arenas = crate::wire::Arenas::new(vec![theirs.arenas.first().clone(), small]).unwrap();
+        t.load_conn_info("b", Some(theirs), Some(&caps(4096)));
+        t.arena_loaded("b", true);
+        let b = t.lookup("b").unwrap();
+        let region = Region { offset: 0x8000, len: 4096 };
+        assert_eq!(t.check_credit(b, ArenaId(0), region, 4096), Ok(()));
+        assert!(matches!(
+            t.check_credit(b, ArenaId(1), region, 4096),
+            Err(CreditRefused::OutsideArena { arena_len: 0x4000, .. })
+        ));
+        assert_eq!(t.check_credit(b, ArenaId(1), Region { offset: 0x3000, len: 4096 }, 4096), Ok(()));
+        assert_eq!(t.check_credit(b, ArenaId(2), Region { offset: 0, len: 1 }, 1), Err(CreditRefused::NoArena(b)));
     }
 
     /// Every change a peer can go through, with the agent it is for (of three) and, for loads

@@ -7,7 +7,7 @@ use std::sync::{LazyLock, Once};
 
 use bounce_proto::manifest::{OPTIONS, PLUGIN_NAME, PLUGIN_VERSION};
 use bounce_proto::proof::Destination;
-use bounce_proto::{RegId, RegKey};
+use bounce_proto::{ArenaId, RegId, RegKey};
 
 use super::{Status, guard, guard_value, guard_void};
 use crate::shell::{CreateParams, DescView, Engine, Error, Progress, Registration};
@@ -566,9 +566,10 @@ pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, sink: BncStatSink, ctx: 
     });
 }
 
-/// The inner engine loaded the peer: sends HELLO, and describes what the shim is to load: the
-/// peer's arena (bit 0 of the result) and its mailbox's host registration (bit 1); 0 when
-/// there is nothing.
+/// The inner engine loaded the peer: describes what the shim is to load of the peer's arena
+/// `index` (the index in the peer's capabilities): the arena (bit 0 of the result) and, for
+/// arena 0, its mailbox's host registration (bit 1); 0 when there is nothing (the shim asks for
+/// 0, 1, ... and stops there, at most `MAX_ARENAS` times). Index 0 also sends HELLO.
 ///
 /// # Safety
 /// `engine` is a live handle; `agent` views live bytes; the out-pointers are writable;
@@ -577,6 +578,7 @@ pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, sink: BncStatSink, ctx: 
 pub unsafe extern "C" fn bnc_peer_loaded(
     engine: *mut c_void,
     agent: BncStr,
+    index: u32,
     addr: *mut u64,
     len: *mut u64,
     dev: *mut u64,
@@ -597,7 +599,9 @@ pub unsafe extern "C" fn bnc_peer_loaded(
         if [addr, len, dev, mbox_addr, mbox_len].iter().any(|p| p.is_null()) || mem.is_null() {
             return Status::ErrInvalidParam;
         }
-        if let Some(a) = e.peer_loaded(agent) {
+        // Past MAX_ARENAS no peer has an arena: nothing to load.
+        let Ok(index) = u8::try_from(index).map(ArenaId) else { return Status::Success };
+        if let Some(a) = e.peer_loaded(agent, index) {
             // SAFETY: all four are non-null and writable per the contract.
             unsafe {
                 *addr = a.base;
@@ -622,19 +626,29 @@ pub unsafe extern "C" fn bnc_peer_loaded(
     found
 }
 
-/// Records the inner metadata of a peer's arena and of its mailbox's registration (each null:
-/// loading it failed, or there was none).
+/// Records the inner metadata of a peer's arena `index` and (index 0) of its mailbox's
+/// registration (each null: loading it failed, or there was none).
 ///
 /// # Safety
 /// `engine` is a live handle; `agent` views live bytes. `md` and `mbox_md` are kept as opaque
 /// values and only ever handed back to the shim.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn bnc_peer_arena_md(engine: *mut c_void, agent: BncStr, md: *mut c_void, mbox_md: *mut c_void) {
+pub unsafe extern "C" fn bnc_peer_arena_md(
+    engine: *mut c_void,
+    agent: BncStr,
+    index: u32,
+    md: *mut c_void,
+    mbox_md: *mut c_void,
+) {
     guard_void("bnc_peer_arena_md", || {
         // SAFETY: caller contract.
         if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), text(agent, "agent name")) } {
             let handle = |p: *mut c_void| (!p.is_null()).then_some(Md(p as usize));
-            e.peer_arena_loaded(a, handle(md), handle(mbox_md));
+            match u8::try_from(index) {
+                Ok(i) => e.peer_arena_loaded(a, ArenaId(i), handle(md), handle(mbox_md)),
+                // Never asked for (bnc_peer_loaded loads nothing there): hand the handles back.
+                Err(_) => e.peer_arena_loaded(a, ArenaId(u8::MAX), handle(md), handle(mbox_md)),
+            }
         }
     });
 }

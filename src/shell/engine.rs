@@ -20,7 +20,7 @@ use bounce_proto::peers::Loaded;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{Capabilities, ConnEnvelope};
-use bounce_proto::{ControlKind, MemKind};
+use bounce_proto::{ArenaId, ControlKind, MemKind};
 use parking_lot::Mutex;
 
 use crate::shell::arena::Arena;
@@ -450,18 +450,21 @@ impl Engine {
     }
 
     /// The inner engine has loaded the peer's conn info: we can now answer it, so tell it
-    /// (HELLO), and return its arena to load when it can bounce with us.
-    pub(crate) fn peer_loaded(&self, agent: &str) -> Option<ArenaToLoad> {
+    /// (HELLO, at arena 0), and return its arena `index` to load when it can bounce with us
+    /// and has one of that index (the shim asks for 0, 1, ... until there is none).
+    pub(crate) fn peer_loaded(&self, agent: &str, index: ArenaId) -> Option<ArenaToLoad> {
         let sh = self.shared()?;
-        sh.inbox.push(Cmd::Hello(agent.to_owned(), self.peers.losses()));
-        self.peers.arena_to_load(agent)
+        if index == ArenaId(0) {
+            sh.inbox.push(Cmd::Hello(agent.to_owned(), self.peers.losses()));
+        }
+        self.peers.arena_to_load(agent, index)
     }
 
     /// Records the inner metadata of the peer's arena and of its mailbox's registration (None:
     /// loading failed, or it keeps no mailbox; without the arena it stays on UCX, without the
     /// mailbox it is bounced to two way only). What they replace (the peer's conn info was
     /// reloaded), or what is not kept, is unloaded once no write or READ uses it.
-    pub(crate) fn peer_arena_loaded(&self, agent: &str, md: Option<Md>, mailbox: Option<Md>) {
+    pub(crate) fn peer_arena_loaded(&self, agent: &str, index: ArenaId, md: Option<Md>, mailbox: Option<Md>) {
         let Some(sh) = self.shared() else {
             // No reactor, so no write or READ: nothing else can use them.
             if let Some(shim) = &self.shim {
@@ -471,9 +474,9 @@ impl Engine {
             }
             return;
         };
-        let (kept, unload) = self.peers.arena_loaded(agent, md, mailbox);
+        let (kept, unload) = self.peers.arena_loaded(agent, index, md, mailbox);
         if !kept {
-            tracing::warn!(peer = agent, "loading the peer's arena failed; plain UCX to it");
+            tracing::warn!(peer = agent, arena = index.0, "loading the peer's arena failed; plain UCX through it");
         }
         for arena in unload {
             sh.inbox.push(Cmd::Unload(arena));

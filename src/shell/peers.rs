@@ -16,7 +16,7 @@ use bounce_proto::mailbox::MailboxLayout;
 use bounce_proto::oneway;
 use bounce_proto::peers::{self, CreditRefused, FrameRefused, Loaded};
 use bounce_proto::wire::Capabilities;
-use bounce_proto::{MemKind, PeerId, Region};
+use bounce_proto::{ArenaId, MemKind, PeerId, Region};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::sys::shim::Md;
@@ -93,8 +93,9 @@ pub(crate) struct ArenaToLoad {
 struct Table {
     /// The core's rules and state.
     rules: peers::PeerTable,
-    /// Each peer's arena as loaded into the inner engine.
-    arenas: HashMap<PeerId, PeerArena>,
+    /// Each peer arena loaded into the inner engine, by peer and the arena's id in the peer's
+    /// capabilities (its mailbox rides with arena 0, the one every engine has).
+    arenas: HashMap<(PeerId, ArenaId), PeerArena>,
 }
 
 /// The peer table, shared by the engine's application threads and its reactor.
@@ -170,42 +171,56 @@ impl PeerTable {
         (t.rules.load_conn_info(name, theirs, ours), replaced)
     }
 
-    /// The arena to load for a peer that can bounce with us (`None`: nothing to load).
-    pub(crate) fn arena_to_load(&self, name: &str) -> Option<ArenaToLoad> {
+    /// Arena `arena` of a peer that can bounce with us, to load (`None`: nothing to load, or
+    /// past its last arena); arena 0 with its mailbox's registration.
+    pub(crate) fn arena_to_load(&self, name: &str, arena: ArenaId) -> Option<ArenaToLoad> {
         let t = self.table.lock();
         let c = t.rules.compatible(name)?;
-        let a = c.arenas.first();
+        let a = c.arenas.get(arena)?;
         Some(ArenaToLoad {
             base: a.base,
             len: a.len,
             dev: a.dev,
             mem: a.mem,
             key: a.key.clone(),
-            mailbox: c.mailbox.map(|_| (c.mailbox_base, c.mailbox_len, c.mailbox_key.clone())),
+            mailbox: c
+                .mailbox
+                .filter(|_| arena == ArenaId(0))
+                .map(|_| (c.mailbox_base, c.mailbox_len, c.mailbox_key.clone())),
         })
     }
 
-    /// The inner engine loaded the peer's arena as `md` and its mailbox registration as
-    /// `mailbox` (`None`: loading failed or there is none; without the arena, plain UCX to it;
-    /// without the mailbox, no one-way bounce to it). Returns whether the peer now has an arena,
-    /// and the inner metadata no longer kept, by arena: the handles the new ones replace, and
-    /// the new ones not kept. Each group is unloaded once no write or READ uses any of it.
-    pub(crate) fn arena_loaded(&self, name: &str, md: Option<Md>, mailbox: Option<Md>) -> (bool, Vec<Vec<Md>>) {
+    /// The inner engine loaded the peer's arena `index` as `md` and (arena 0) its mailbox
+    /// registration as `mailbox` (`None`: loading failed or there is none; without arena 0,
+    /// plain UCX to it; without another, no bounce through that one; without the mailbox, no
+    /// one-way bounce to it). Returns whether the peer now has that arena, and the inner
+    /// metadata no longer kept, by arena: the handles the new ones replace, and the new ones
+    /// not kept. Each group is unloaded once no write or READ uses any of it.
+    pub(crate) fn arena_loaded(
+        &self,
+        name: &str,
+        index: ArenaId,
+        md: Option<Md>,
+        mailbox: Option<Md>,
+    ) -> (bool, Vec<Vec<Md>>) {
         let mut t = self.change();
-        t.rules.arena_loaded(name, md.is_some());
+        if index == ArenaId(0) {
+            t.rules.arena_loaded(name, md.is_some());
+        }
         let given: Vec<Md> = md.into_iter().chain(mailbox).collect();
         let Some(id) = t.rules.lookup(name) else {
             return (false, [given].into_iter().filter(|g| !g.is_empty()).collect());
         };
-        let arena = match (md, t.rules.compatible(name)) {
-            (Some(md), Some(c)) => Some(PeerArena {
-                base: c.arenas.first().base,
-                len: c.arenas.first().len,
-                dev: c.arenas.first().dev,
-                mem: c.arenas.first().mem,
+        let caps = t.rules.compatible(name);
+        let arena = match (md, caps.and_then(|c| Some((c, c.arenas.get(index)?)))) {
+            (Some(md), Some((c, a))) => Some(PeerArena {
+                base: a.base,
+                len: a.len,
+                dev: a.dev,
+                mem: a.mem,
                 md,
                 mailbox: match (mailbox, c.mailbox) {
-                    (Some(md), Some(m)) => {
+                    (Some(md), Some(m)) if index == ArenaId(0) => {
                         Some(PeerMailbox { base: c.mailbox_base, len: c.mailbox_len, offset: m.offset, md })
                     }
                     _ => None,
@@ -214,8 +229,8 @@ impl PeerTable {
             _ => None,
         };
         let old = match arena {
-            Some(a) => t.arenas.insert(id, a),
-            None => t.arenas.remove(&id),
+            Some(a) => t.arenas.insert((id, index), a),
+            None => t.arenas.remove(&(id, index)),
         };
         // The handles kept are never unloaded (were the same ones reported twice), nor one
         // handed back twice.
@@ -234,7 +249,7 @@ impl PeerTable {
         let mut t = self.change();
         self.losses.fetch_add(1, Relaxed);
         let Some(id) = t.rules.lost(name) else { return Vec::new() };
-        t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default()
+        take_peer(&mut t.arenas, id)
     }
 
     /// Disconnects of any peer so far.
@@ -272,7 +287,7 @@ impl PeerTable {
             return None;
         }
         // Its mailbox's registration must be loaded too: our fetches READ through it.
-        t.arenas.get(&t.rules.lookup(name)?)?.mailbox?;
+        t.arenas.get(&(t.rules.lookup(name)?, ArenaId(0)))?.mailbox?;
         let caps = t.rules.compatible(name)?;
         let first = caps.arenas.first();
         Some((ArenaPlace { mem: first.mem, dev: first.dev }, oneway::peer_layout(caps)?))
@@ -281,7 +296,7 @@ impl PeerTable {
     /// Where one-way fetches from a peer go: its name and its mailbox's registration.
     pub(crate) fn mailbox_target(&self, id: PeerId) -> Option<(String, PeerMailbox)> {
         let t = self.table.lock();
-        let mailbox = t.arenas.get(&id)?.mailbox?;
+        let mailbox = t.arenas.get(&(id, ArenaId(0)))?.mailbox?;
         Some((t.rules.name(id)?.to_owned(), mailbox))
     }
 
@@ -353,14 +368,14 @@ impl PeerTable {
     pub(crate) fn write_target(
         &self,
         id: PeerId,
-        region: Region,
+        (arena, region): (ArenaId, Region),
         len: u64,
     ) -> Result<(String, PeerArena), WriteRefused> {
         let t = self.table.lock();
         let name = t.rules.name(id).filter(|n| t.rules.is_loaded(n)).ok_or(WriteRefused::Gone)?;
-        let arena = *t.arenas.get(&id).ok_or(WriteRefused::NoArena)?;
-        t.rules.check_credit(id, region, len).map_err(|e| WriteRefused::Credit(name.to_owned(), e))?;
-        Ok((name.to_owned(), arena))
+        let loaded = *t.arenas.get(&(id, arena)).ok_or(WriteRefused::NoArena)?;
+        t.rules.check_credit(id, arena, region, len).map_err(|e| WriteRefused::Credit(name.to_owned(), e))?;
+        Ok((name.to_owned(), loaded))
     }
 
     /// A GOODBYE from `name` with `session` (see the core's `PeerTable::goodbye`). Returns the
@@ -369,7 +384,7 @@ impl PeerTable {
     pub(crate) fn goodbye(&self, name: &str, session: u64) -> Result<(PeerId, Vec<Md>), FrameRefused> {
         let mut t = self.change();
         let id = t.rules.goodbye(name, session)?;
-        let unload = t.arenas.remove(&id).map(|a| a.mds()).unwrap_or_default();
+        let unload = take_peer(&mut t.arenas, id);
         Ok((id, unload))
     }
 
@@ -380,9 +395,23 @@ impl PeerTable {
     }
 }
 
+/// Removes every arena of peer `id`; their inner metadata handles, to unload.
+fn take_peer(arenas: &mut HashMap<(PeerId, ArenaId), PeerArena>, id: PeerId) -> Vec<Md> {
+    let mut mds = Vec::new();
+    arenas.retain(|&(peer, _), a| {
+        if peer == id {
+            mds.extend(a.mds());
+        }
+        peer != id
+    });
+    mds
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const A0: ArenaId = ArenaId(0);
 
     fn caps(session: u64) -> Capabilities {
         let mut c = Capabilities {
@@ -394,6 +423,38 @@ mod tests {
         c
     }
 
+    /// A peer with two arenas: each is loaded on its own (the mailbox with arena 0 only),
+    /// writes go to the arena their flow named and are checked against its length, and a loss
+    /// hands back every handle of every arena.
+    #[test]
+    fn every_arena_of_a_peer_is_loaded_and_written_by_its_id() {
+        let t = PeerTable::default();
+        let mut theirs = caps(9);
+        theirs.mailbox = Some(bounce_proto::wire::MailboxCaps { offset: 0, slots: 1, ring: 1 });
+        (theirs.mailbox_base, theirs.mailbox_len, theirs.mailbox_key) = (0x9000, 64, b"m".to_vec());
+        let second = bounce_proto::wire::ArenaCaps { base: 0x40_0000, len: 0x2000, ..theirs.arenas.first().clone() };
+        theirs.arenas = bounce_proto::wire::Arenas::new(vec![theirs.arenas.first().clone(), second]).unwrap();
+        assert_eq!(t.loaded("b", Some(theirs), Some(&caps(1))), (Loaded::Compatible, false));
+        let (zero, one) = (t.arena_to_load("b", A0).unwrap(), t.arena_to_load("b", ArenaId(1)).unwrap());
+        assert!(zero.mailbox.is_some() && one.mailbox.is_none(), "the mailbox rides with arena 0");
+        assert_eq!((one.base, one.len), (0x40_0000, 0x2000));
+        assert!(t.arena_to_load("b", ArenaId(2)).is_none(), "the shim stops here");
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), Some(Md(6))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", ArenaId(1), Some(Md(7)), None), (true, vec![]));
+        assert_eq!(t.arenas_loaded(), 2);
+        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
+        let id = t.admit("b", 9).unwrap();
+        let at = |arena, offset| t.write_target(id, (ArenaId(arena), Region { offset, len: 4096 }), 4096);
+        assert_eq!(at(1, 0x1000).map(|(_, a)| (a.md, a.base)).ok(), Some((Md(7), 0x40_0000)));
+        assert!(matches!(at(1, 0x2000), Err(WriteRefused::Credit(..))), "past the second arena's end");
+        assert_eq!(at(0, 0x2000).map(|(_, a)| a.md).ok(), Some(Md(5)), "the first arena is larger");
+        assert!(matches!(at(2, 0), Err(WriteRefused::NoArena)));
+        let mut back = t.lost("b");
+        back.sort_by_key(|m| m.0);
+        assert_eq!(back, vec![Md(5), Md(6), Md(7)]);
+        assert_eq!(t.arenas_loaded(), 0);
+    }
+
     #[test]
     fn a_peer_can_bounce_once_loaded_with_its_arena_and_after_its_hello() {
         let t = PeerTable::default();
@@ -401,8 +462,8 @@ mod tests {
         assert_eq!(t.loaded("b", Some(caps(9)), Some(&caps(1))), (Loaded::Compatible, false));
         assert!(t.compatible("b"));
         assert_eq!(t.endpoint("b").as_deref(), Some(&b"tcp://10.0.0.1:1"[..]));
-        assert_eq!(t.arena_to_load("b").map(|a| a.key), Some(b"key".to_vec()));
-        assert_eq!(t.arena_loaded("b", Some(Md(5)), None), (true, vec![]));
+        assert_eq!(t.arena_to_load("b", A0).map(|a| a.key), Some(b"key".to_vec()));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arena("b").is_none(), "no HELLO yet");
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert!(t.bounce_arena("b").is_some());
@@ -410,25 +471,27 @@ mod tests {
         let id = t.admit("b", 9).unwrap();
         // A credit inside the peer's arena passes, one past its end is refused.
         let first = Region { offset: 0, len: 4096 };
-        assert_eq!(t.write_target(id, first, 4096).map(|(n, a)| (n, a.md)).ok(), Some(("b".to_owned(), Md(5))));
-        let past_end = t.write_target(id, Region { offset: (1 << 20) - 8, len: 4096 }, 16);
+        assert_eq!(t.write_target(id, (A0, first), 4096).map(|(n, a)| (n, a.md)).ok(), Some(("b".to_owned(), Md(5))));
+        let past_end = t.write_target(id, (A0, Region { offset: (1 << 20) - 8, len: 4096 }), 16);
         assert!(matches!(past_end, Err(WriteRefused::Credit(..))));
         assert_eq!(t.lost("b"), vec![Md(5)], "the lost peer's arena is handed back to unload");
-        assert!(t.bounce_arena("b").is_none() && matches!(t.write_target(id, first, 4096), Err(WriteRefused::Gone)));
+        assert!(
+            t.bounce_arena("b").is_none() && matches!(t.write_target(id, (A0, first), 4096), Err(WriteRefused::Gone))
+        );
         assert_eq!((t.ready(), t.arenas_loaded()), (0, 0), "the gauges follow the loss");
         assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
         for gone in [id, PeerId(99)] {
-            assert!(matches!(t.write_target(gone, first, 4096), Err(WriteRefused::Gone)), "{gone:?}");
+            assert!(matches!(t.write_target(gone, (A0, first), 4096), Err(WriteRefused::Gone)), "{gone:?}");
         }
         assert_eq!(t.id("b"), id, "ids are never reused");
         // An incompatible peer is loaded (it may talk to us, with its session) but has nothing
         // to load; one without capabilities has no session to send message frames with.
         assert!(matches!(t.loaded("c", Some(caps(3)), None), (Loaded::NoCapabilities, false)));
-        assert!(t.admit("c", 3).is_ok() && t.arena_to_load("c").is_none());
+        assert!(t.admit("c", 3).is_ok() && t.arena_to_load("c", A0).is_none());
         assert!(matches!(t.loaded("d", None, Some(&caps(1))), (Loaded::NoCapabilities, false)));
         assert_eq!(t.admit("d", 1), Err(FrameRefused::NoSession));
         assert_eq!(
-            t.arena_loaded("c", Some(Md(6)), None),
+            t.arena_loaded("c", A0, Some(Md(6)), None),
             (false, vec![vec![Md(6)]]),
             "loaded but not kept: unload it"
         );
@@ -452,11 +515,11 @@ mod tests {
     fn every_arena_handle_dropped_from_the_table_is_handed_back_once_to_unload() {
         let t = PeerTable::default();
         t.loaded("b", Some(caps(9)), Some(&caps(1)));
-        assert_eq!(t.arena_loaded("b", Some(Md(5)), None), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
         // NIXL reloaded b's conn info: the new handle replaces the old, which must be unloaded.
-        assert_eq!(t.arena_loaded("b", Some(Md(6)), None), (true, vec![vec![Md(5)]]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), None), (true, vec![vec![Md(5)]]));
         // The same handle reported again is kept, never unloaded.
-        assert_eq!(t.arena_loaded("b", Some(Md(6)), None), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), None), (true, vec![]));
         assert_eq!(t.arenas_loaded(), 1);
         // GOODBYE under another session changes nothing; under b's, its arena goes.
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
@@ -467,15 +530,16 @@ mod tests {
         assert_eq!(t.goodbye("b", 9), Ok((id, vec![Md(6)])));
         let region = Region { offset: 0, len: 4096 };
         assert!(
-            t.bounce_arena("b").is_none() && matches!(t.write_target(id, region, 4096), Err(WriteRefused::NoArena))
+            t.bounce_arena("b").is_none()
+                && matches!(t.write_target(id, (A0, region), 4096), Err(WriteRefused::NoArena))
         );
         assert_eq!((t.ready(), t.arenas_loaded()), (0, 0));
         assert_eq!((t.arenas_loaded(), t.lost("b")), (0, vec![]), "handed back once only");
         // Loading failed after a success: the old handle goes too.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));
-        assert_eq!(t.arena_loaded("c", Some(Md(7)), None), (true, vec![]));
-        assert_eq!(t.arena_loaded("c", None, None), (false, vec![vec![Md(7)]]));
-        assert_eq!(t.arena_loaded("c", Some(Md(8)), None), (true, vec![]));
+        assert_eq!(t.arena_loaded("c", A0, Some(Md(7)), None), (true, vec![]));
+        assert_eq!(t.arena_loaded("c", A0, None, None), (false, vec![vec![Md(7)]]));
+        assert_eq!(t.arena_loaded("c", A0, Some(Md(8)), None), (true, vec![]));
         assert_eq!(t.take_arenas(), vec![Md(8)]);
         assert_eq!(t.arenas_loaded(), 0);
     }
@@ -492,35 +556,35 @@ mod tests {
             ..caps(session)
         };
         t.loaded("b", Some(with_mailbox(9)), Some(&caps(1)));
-        let load = t.arena_to_load("b").expect("compatible");
+        let load = t.arena_to_load("b", A0).expect("compatible");
         assert_eq!(load.mailbox, Some((0x7f00_0000_0000, layout.area_len(), b"mkey".to_vec())));
         // Its mailbox failed to load: two way only (after its HELLO), never one way.
-        assert_eq!(t.arena_loaded("b", Some(Md(5)), None), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
         assert!(t.one_way_target("b").is_none(), "no mailbox registration to READ through");
         let id = t.known_id("b").unwrap();
         assert!(t.mailbox_target(id).is_none());
         // Reloaded with both: the old arena handle goes, the new pair is kept.
-        assert_eq!(t.arena_loaded("b", Some(Md(6)), Some(Md(7))), (true, vec![vec![Md(5)]]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), Some(Md(7))), (true, vec![vec![Md(5)]]));
         assert!(t.one_way_target("b").is_some(), "one way before any HELLO");
         let m = t.mailbox_target(id).map(|(n, m)| (n, m.base, m.len, m.offset, m.md));
         assert_eq!(m, Some(("b".to_owned(), 0x7f00_0000_0000, layout.area_len(), 0, Md(7))));
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert!(t.one_way_target("b").is_none() && t.bounce_arena("b").is_some(), "two way after its HELLO");
         // The same pair reported again is kept; a new pair replaces both.
-        assert_eq!(t.arena_loaded("b", Some(Md(6)), Some(Md(7))), (true, vec![]));
-        assert_eq!(t.arena_loaded("b", Some(Md(8)), Some(Md(9))), (true, vec![vec![Md(6), Md(7)]]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), Some(Md(7))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(8)), Some(Md(9))), (true, vec![vec![Md(6), Md(7)]]));
         // The arena failed to load: the old pair handed back, and the new handle, nothing kept;
         // a handle reported again is handed back once.
-        assert_eq!(t.arena_loaded("b", None, Some(Md(10))), (false, vec![vec![Md(8), Md(9)], vec![Md(10)]]));
-        assert_eq!(t.arena_loaded("b", Some(Md(15)), Some(Md(16))), (true, vec![]));
-        assert_eq!(t.arena_loaded("b", None, Some(Md(16))), (false, vec![vec![Md(15), Md(16)]]));
-        assert_eq!(t.arena_loaded("b", Some(Md(11)), Some(Md(12))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", A0, None, Some(Md(10))), (false, vec![vec![Md(8), Md(9)], vec![Md(10)]]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(15)), Some(Md(16))), (true, vec![]));
+        assert_eq!(t.arena_loaded("b", A0, None, Some(Md(16))), (false, vec![vec![Md(15), Md(16)]]));
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(11)), Some(Md(12))), (true, vec![]));
         assert_eq!(t.lost("b"), vec![Md(11), Md(12)], "both handed back to unload");
         assert_eq!(t.arenas_loaded(), 0);
         // A peer without a mailbox has none to load, and a handle given anyway is not kept.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));
-        assert_eq!(t.arena_to_load("c").and_then(|a| a.mailbox), None);
-        assert_eq!(t.arena_loaded("c", Some(Md(13)), Some(Md(14))), (true, vec![vec![Md(14)]]));
+        assert_eq!(t.arena_to_load("c", A0).and_then(|a| a.mailbox), None);
+        assert_eq!(t.arena_loaded("c", A0, Some(Md(13)), Some(Md(14))), (true, vec![vec![Md(14)]]));
         assert_eq!(t.take_arenas(), vec![Md(13)]);
     }
 
@@ -533,7 +597,7 @@ mod tests {
         }
         assert_eq!(t.table.lock().rules.hints(), peers::MAX_HELLO_HINTS);
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
-        assert_eq!(t.arena_loaded("late", Some(Md(5)), None), (true, vec![]));
+        assert_eq!(t.arena_loaded("late", A0, Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arena("late").is_none(), "its hint was evicted");
         assert_eq!(t.ready(), 0);
         assert_eq!(t.hello("late"), peers::Hello::First { answer: true }, "a loaded agent is always heard");

@@ -358,6 +358,8 @@ struct QueuedWrite {
     source: WriteSource,
     /// Our arena a [`WriteSource::Arena`] region lies in.
     arena: ArenaId,
+    /// The peer's arena `remote` lies in.
+    remote_arena: ArenaId,
     remote: Region,
     len: u64,
 }
@@ -366,6 +368,8 @@ struct QueuedWrite {
 struct QueuedRead {
     job: JobId,
     peer: PeerId,
+    /// The peer's arena `remote` lies in.
+    remote_arena: ArenaId,
     remote: Region,
     /// Our arena of `local`.
     arena: ArenaId,
@@ -1255,15 +1259,16 @@ impl Driver {
                             self.copy(job, Dir::Scatter, (arena, region), runs, in_region);
                         }
                     }
-                    Action::Write { job, peer, source, arena, remote, len, .. } => {
-                        self.queued_writes.push_back(QueuedWrite { job, peer, source, arena, remote, len });
+                    Action::Write { job, peer, source, arena, remote_arena, remote, len, .. } => {
+                        let w = QueuedWrite { job, peer, source, arena, remote_arena, remote, len };
+                        self.queued_writes.push_back(w);
                         // Posted now, before the actions after it: a chunk's PLAN follows its
                         // write, and encoding a scattered chunk's PLAN takes the reactor 100 us
                         // or more (on the H200 two PLANs held both writes back ~300 us).
                         self.post_queued_writes();
                     }
-                    Action::Read { job, peer, remote, arena, local, len, .. } => {
-                        let r = QueuedRead { job, peer, remote, arena, local, len };
+                    Action::Read { job, peer, remote_arena, remote, arena, local, len, .. } => {
+                        let r = QueuedRead { job, peer, remote_arena, remote, arena, local, len };
                         if read_posted {
                             self.queued_reads.push_back(r);
                         } else {
@@ -1475,7 +1480,13 @@ impl Driver {
     /// transfers fail as lost, not as a failed write), or the region lies outside its arena.
     /// The core checked the region against its own bookkeeping; only we know the peer's arena
     /// size, and a region pointing outside it comes from a broken or hostile peer.
-    fn peer_region(&mut self, now: Instant, peer: PeerId, remote: Region, len: u64) -> Option<(String, PeerArena)> {
+    fn peer_region(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        remote: (ArenaId, Region),
+        len: u64,
+    ) -> Option<(String, PeerArena)> {
         match self.shared.peers.write_target(peer, remote, len) {
             Ok(target) => Some(target),
             Err(WriteRefused::Gone) => {
@@ -1492,10 +1503,10 @@ impl Driver {
 
     /// A READ's RDMA read of the peer's ready region `remote` into our staging region `local`.
     fn read(&mut self, r: QueuedRead) {
-        let QueuedRead { job, peer, remote, arena, local, len } = r;
+        let QueuedRead { job, peer, remote_arena, remote, arena, local, len } = r;
         crate::shell::mark!("read", job.0);
         let now = Instant::now();
-        let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {
+        let Some((name, pa)) = self.peer_region(now, peer, (remote_arena, remote), len) else {
             return self.ep.handle_read_done(now, job, false);
         };
         let Some(local_side) = self.arenas.get(usize::from(arena.0)).map(|a| a.side(local.offset)) else {
@@ -1517,9 +1528,9 @@ impl Driver {
     }
 
     fn write(&mut self, w: QueuedWrite) {
-        let QueuedWrite { job, peer, source, arena, remote, len } = w;
+        let QueuedWrite { job, peer, source, arena, remote_arena, remote, len } = w;
         let now = Instant::now();
-        let Some((name, pa)) = self.peer_region(now, peer, remote, len) else {
+        let Some((name, pa)) = self.peer_region(now, peer, (remote_arena, remote), len) else {
             return self.ep.handle_write_done(now, job, false);
         };
         let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();

@@ -204,7 +204,10 @@ impl Side {
     fn load(&self, name: &str, other: &Self) {
         let loaded = self.shared.peers.loaded(name, Some(other.caps.clone()), Some(&self.caps));
         assert_eq!(loaded, (bounce_proto::peers::Loaded::Compatible, false));
-        assert_eq!(self.shared.peers.arena_loaded(name, Some(Md(1)), Some(Md(2))), (true, vec![]));
+        assert_eq!(
+            self.shared.peers.arena_loaded(name, bounce_proto::ArenaId(0), Some(Md(1)), Some(Md(2))),
+            (true, vec![])
+        );
         self.shared.inbox.push(Cmd::Hello(name.to_owned(), self.shared.peers.losses()));
     }
 
