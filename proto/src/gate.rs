@@ -8,7 +8,7 @@
 
 use crate::config::Config;
 use crate::plan::Plan;
-use crate::types::MemKind;
+use crate::types::{ArenaId, MemKind};
 
 /// The NIXL operation of a transfer request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -221,6 +221,17 @@ pub fn mapped_place(input: &GateInput<'_>) -> Option<ArenaPlace> {
     Some(ArenaPlace::first_of(input.local_mem?, input.local))
 }
 
+/// Which of `arenas` (an agent's, in the order of its capabilities) a transfer whose
+/// descriptors on that side are memory `mem` on `descs`' devices bounces through: the first
+/// that serves them (its memory kind, and for GPU memory the GPU of every descriptor), with
+/// its id; else the first arena, which the gate then refuses ([`FallbackReason::Mem`]).
+/// `None` only for an empty list.
+pub fn arena_for(arenas: &[ArenaPlace], mem: Option<MemKind>, descs: &[Desc]) -> Option<(ArenaId, ArenaPlace)> {
+    let at = arenas.iter().position(|a| a.serves(mem, descs)).unwrap_or(0);
+    // At most MAX_ARENAS (16) arenas: the index fits a u8.
+    arenas.get(at).map(|&a| (ArenaId(at as u8), a))
+}
+
 /// A memory registration made through this engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Registration {
@@ -268,6 +279,29 @@ mod tests {
 
     fn descs(n: usize, len: u64) -> Vec<Desc> {
         (0..n as u64).map(|i| Desc { addr: 0x1000 + i * 0x10000, len, dev: 0 }).collect()
+    }
+
+    /// Each side of a transfer goes through the first of its agent's arenas that serves its
+    /// memory (kind, and GPU for GPU memory); with none, the first, which the gate refuses.
+    #[test]
+    fn a_transfer_takes_the_arena_of_its_memory_on_each_side() {
+        let gpu = |dev| ArenaPlace { mem: MemKind::Vram, dev };
+        let arenas = [HOST, gpu(0), gpu(1)];
+        let on = |dev: u64| vec![Desc { addr: 0x1000, len: 64, dev }, Desc { addr: 0x9000, len: 64, dev }];
+        assert_eq!(arena_for(&arenas, Some(MemKind::Dram), &on(5)), Some((ArenaId(0), HOST)), "host: any device id");
+        assert_eq!(arena_for(&arenas, Some(MemKind::Vram), &on(1)), Some((ArenaId(2), gpu(1))));
+        assert_eq!(arena_for(&arenas, Some(MemKind::Vram), &on(0)), Some((ArenaId(1), gpu(0))));
+        // Spread over two GPUs, on a GPU with no arena, or an unknown kind: the first arena,
+        // and the gate's memory rule then sends the transfer to UCX.
+        let spread = [Desc { addr: 0, len: 64, dev: 0 }, Desc { addr: 64, len: 64, dev: 1 }];
+        for (mem, d) in [(Some(MemKind::Vram), &spread[..]), (Some(MemKind::Vram), &on(7)[..]), (None, &on(0)[..])] {
+            let (id, place) = arena_for(&arenas, mem, d).unwrap();
+            assert_eq!(id, ArenaId(0));
+            let local = d.to_vec();
+            let refused = route(&GateInput { local_mem: mem, arena: place, ..input(&local, &local) });
+            assert_eq!(refused, Route::PassThrough(FallbackReason::Mem));
+        }
+        assert_eq!(arena_for(&[], Some(MemKind::Dram), &on(0)), None);
     }
 
     /// A request that bounces; each test changes one fact.

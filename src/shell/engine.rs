@@ -578,9 +578,15 @@ impl Engine {
         // Two way once the peer said HELLO; else one way, answered through its mailbox, when
         // it keeps one and so do we (our READs of it land in our fetch area).
         let one_way_here = self.bounce.as_ref().is_some_and(|b| b.caps.mailbox.is_some());
-        let two_way_arena = self.peers.bounce_arena(agent);
-        let peer_arena = two_way_arena
-            .or_else(|| one_way_here.then(|| self.peers.one_way_target(agent).map(|(place, _)| place)).flatten());
+        let two_way_arenas = self.peers.bounce_arenas(agent);
+        let peer_arenas = two_way_arenas
+            .or_else(|| one_way_here.then(|| self.peers.one_way_target(agent).map(|(places, _)| places)).flatten());
+        // Each side bounces through the arena of its descriptors' memory (docs/arenas.md); with
+        // none, the first, which the gate refuses for its memory.
+        let (local_kind, remote_kind) = (local_mem.and_then(MemSeg::kind), remote_mem.and_then(MemSeg::kind));
+        let ours = self.bounce.as_ref().map_or(vec![HOST_ARENA], |b| vec![b.arena.place()]);
+        let (our_id, our_place) = gate::arena_for(&ours, local_kind, &l).unwrap_or((ArenaId(0), HOST_ARENA));
+        let theirs = peer_arenas.as_deref().and_then(|p| gate::arena_for(p, remote_kind, &r));
         let input = GateInput::new(
             &self.config,
             self.bounce.is_some(),
@@ -588,12 +594,13 @@ impl Engine {
                 Some(XferOp::Write) => gate::XferOp::Write,
                 _ => gate::XferOp::Read, // an op NIXL does not define is not a write either
             },
-            (local_mem.and_then(MemSeg::kind), self.bounce.as_ref().map_or(HOST_ARENA, |b| b.arena.place())),
-            (remote_mem.and_then(MemSeg::kind), peer_arena),
+            (local_kind, our_place),
+            (remote_kind, theirs.map(|(_, place)| place)),
             &l,
             &r,
-            peer_arena.is_some(),
+            theirs.is_some(),
         );
+        let their_id = theirs.map_or(ArenaId(0), |(id, _)| id);
         // A READ's bytes go the other way: the peer's descriptors are the sources (its gather
         // runs), ours the destinations (our scatter runs).
         let read = matches!(op, Some(XferOp::Read));
@@ -628,10 +635,12 @@ impl Engine {
             return None;
         };
         let mut params = PlanParams::from_config(&self.config);
-        // Chunks that both arenas can hold: the smaller of our max chunk (our caps carry the
-        // config's) and the peer's (a host arena's and a GPU arena's defaults differ); the peer
-        // grants regions of the planned sizes.
-        if let Some(chunk) = self.bounce.as_ref().and_then(|b| self.peers.chunk_with(agent, &b.caps)) {
+        // Chunks that both arenas can hold: the smaller of our arena's max chunk (our caps
+        // carry the config's) and the peer's arena's (a host arena's and a GPU arena's defaults
+        // differ); the peer grants regions of the planned sizes.
+        if let Some(chunk) =
+            self.bounce.as_ref().and_then(|b| self.peers.chunk_with(agent, (&b.caps, our_id), their_id))
+        {
             params.max_chunk = chunk;
         }
         // Plans in regions are for WRITEs, two way and one way (the DATA that names them goes
@@ -657,6 +666,7 @@ impl Engine {
             Ok(mut p) => {
                 p.dests = dests;
                 p.read = read;
+                (p.local_arena, p.peer_arena) = (our_id, their_id);
                 // A chunk may be written straight from user memory only when one registration
                 // of the arena's memory made through this engine covers its whole source range.
                 gate::restrict_direct(&mut p, &self.registry.for_gate(), input.arena.mem, self.config.direct_writes);

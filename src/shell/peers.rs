@@ -262,26 +262,36 @@ impl PeerTable {
         self.arenas.load(Relaxed)
     }
 
-    /// Where the agent's arena lives, when a transfer to it may bounce: loaded, compatible,
-    /// its arena loaded, and it said HELLO.
-    pub(crate) fn bounce_arena(&self, name: &str) -> Option<ArenaPlace> {
+    /// Where the agent's arenas live (in the order of its capabilities: an index is an
+    /// [`ArenaId`]), when a transfer to it may bounce: loaded, compatible, its first arena
+    /// loaded, and it said HELLO. An arena whose load failed is listed too; a write into it
+    /// finds no loaded arena and fails (`write_target`).
+    pub(crate) fn bounce_arenas(&self, name: &str) -> Option<Vec<ArenaPlace>> {
         let t = self.table.lock();
         if !t.rules.can_bounce(name) {
             return None;
         }
-        t.rules.compatible(name).map(|c| ArenaPlace { mem: c.arenas.first().mem, dev: c.arenas.first().dev })
+        t.rules.compatible(name).map(places)
     }
 
-    /// The largest chunk of a transfer with `name` (the core's [`Capabilities::chunk_with`]:
-    /// the smaller of its max chunk and `ours`), when it is loaded and compatible.
-    pub(crate) fn chunk_with(&self, name: &str, ours: &Capabilities) -> Option<u64> {
-        self.table.lock().rules.compatible(name).map(|theirs| ours.chunk_with(theirs))
+    /// The largest chunk of a transfer between our arena `ours` and `name`'s arena `theirs`
+    /// (the core's [`ArenaCaps::chunk_with`](bounce_proto::wire::ArenaCaps::chunk_with): the
+    /// smaller of the two max chunks), when it is loaded and compatible and has that arena.
+    pub(crate) fn chunk_with(
+        &self,
+        name: &str,
+        (mine, ours): (&Capabilities, ArenaId),
+        theirs: ArenaId,
+    ) -> Option<u64> {
+        let t = self.table.lock();
+        let peer = t.rules.compatible(name)?.arenas.get(theirs)?;
+        Some(mine.arenas.get(ours)?.chunk_with(peer))
     }
 
     /// Where the agent's arena lives and its mailbox's shape, when a transfer to it may bounce
     /// one way only: loaded, compatible, its arena loaded, a mailbox in bounds, but no HELLO
     /// (it never loaded us, or not yet). A peer that said HELLO is bounced to two way.
-    pub(crate) fn one_way_target(&self, name: &str) -> Option<(ArenaPlace, MailboxLayout)> {
+    pub(crate) fn one_way_target(&self, name: &str) -> Option<(Vec<ArenaPlace>, MailboxLayout)> {
         let t = self.table.lock();
         if t.rules.can_bounce(name) || !t.rules.can_bounce_one_way(name) {
             return None;
@@ -289,8 +299,7 @@ impl PeerTable {
         // Its mailbox's registration must be loaded too: our fetches READ through it.
         t.arenas.get(&(t.rules.lookup(name)?, ArenaId(0)))?.mailbox?;
         let caps = t.rules.compatible(name)?;
-        let first = caps.arenas.first();
-        Some((ArenaPlace { mem: first.mem, dev: first.dev }, oneway::peer_layout(caps)?))
+        Some((places(caps), oneway::peer_layout(caps)?))
     }
 
     /// Where one-way fetches from a peer go: its name and its mailbox's registration.
@@ -395,6 +404,11 @@ impl PeerTable {
     }
 }
 
+/// Where each arena of `caps` lives, in order.
+fn places(caps: &Capabilities) -> Vec<ArenaPlace> {
+    caps.arenas.iter().map(|(_, a)| ArenaPlace { mem: a.mem, dev: a.dev }).collect()
+}
+
 /// Removes every arena of peer `id`; their inner metadata handles, to unload.
 fn take_peer(arenas: &mut HashMap<(PeerId, ArenaId), PeerArena>, id: PeerId) -> Vec<Md> {
     let mut mds = Vec::new();
@@ -464,9 +478,9 @@ mod tests {
         assert_eq!(t.endpoint("b").as_deref(), Some(&b"tcp://10.0.0.1:1"[..]));
         assert_eq!(t.arena_to_load("b", A0).map(|a| a.key), Some(b"key".to_vec()));
         assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
-        assert!(t.bounce_arena("b").is_none(), "no HELLO yet");
+        assert!(t.bounce_arenas("b").is_none(), "no HELLO yet");
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
-        assert!(t.bounce_arena("b").is_some());
+        assert!(t.bounce_arenas("b").is_some());
         assert_eq!(t.ready(), 1);
         let id = t.admit("b", 9).unwrap();
         // A credit inside the peer's arena passes, one past its end is refused.
@@ -476,7 +490,7 @@ mod tests {
         assert!(matches!(past_end, Err(WriteRefused::Credit(..))));
         assert_eq!(t.lost("b"), vec![Md(5)], "the lost peer's arena is handed back to unload");
         assert!(
-            t.bounce_arena("b").is_none() && matches!(t.write_target(id, (A0, first), 4096), Err(WriteRefused::Gone))
+            t.bounce_arenas("b").is_none() && matches!(t.write_target(id, (A0, first), 4096), Err(WriteRefused::Gone))
         );
         assert_eq!((t.ready(), t.arenas_loaded()), (0, 0), "the gauges follow the loss");
         assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
@@ -524,13 +538,13 @@ mod tests {
         // GOODBYE under another session changes nothing; under b's, its arena goes.
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
         assert_eq!(t.goodbye("b", 8), Err(FrameRefused::StaleSession { got: 8, current: 9 }));
-        assert!(t.bounce_arena("b").is_some());
+        assert!(t.bounce_arenas("b").is_some());
         assert_eq!((t.ready(), t.arenas_loaded()), (1, 1), "a refused GOODBYE moves no gauge");
         let id = t.known_id("b").unwrap();
         assert_eq!(t.goodbye("b", 9), Ok((id, vec![Md(6)])));
         let region = Region { offset: 0, len: 4096 };
         assert!(
-            t.bounce_arena("b").is_none()
+            t.bounce_arenas("b").is_none()
                 && matches!(t.write_target(id, (A0, region), 4096), Err(WriteRefused::NoArena))
         );
         assert_eq!((t.ready(), t.arenas_loaded()), (0, 0));
@@ -569,7 +583,7 @@ mod tests {
         let m = t.mailbox_target(id).map(|(n, m)| (n, m.base, m.len, m.offset, m.md));
         assert_eq!(m, Some(("b".to_owned(), 0x7f00_0000_0000, layout.area_len(), 0, Md(7))));
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
-        assert!(t.one_way_target("b").is_none() && t.bounce_arena("b").is_some(), "two way after its HELLO");
+        assert!(t.one_way_target("b").is_none() && t.bounce_arenas("b").is_some(), "two way after its HELLO");
         // The same pair reported again is kept; a new pair replaces both.
         assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), Some(Md(7))), (true, vec![]));
         assert_eq!(t.arena_loaded("b", A0, Some(Md(8)), Some(Md(9))), (true, vec![vec![Md(6), Md(7)]]));
@@ -598,10 +612,10 @@ mod tests {
         assert_eq!(t.table.lock().rules.hints(), peers::MAX_HELLO_HINTS);
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("late", A0, Some(Md(5)), None), (true, vec![]));
-        assert!(t.bounce_arena("late").is_none(), "its hint was evicted");
+        assert!(t.bounce_arenas("late").is_none(), "its hint was evicted");
         assert_eq!(t.ready(), 0);
         assert_eq!(t.hello("late"), peers::Hello::First { answer: true }, "a loaded agent is always heard");
-        assert!(t.bounce_arena("late").is_some());
+        assert!(t.bounce_arenas("late").is_some());
         assert_eq!(t.ready(), 1, "its first HELLO counts it ready");
         assert_eq!(t.hello("late"), peers::Hello::Repeat);
         assert_eq!(t.hello("x0"), peers::Hello::Hint);

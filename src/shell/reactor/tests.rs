@@ -289,7 +289,7 @@ fn introduce(a: Side, b: Side) -> (Side, Side) {
     a.load("b", &b);
     b.load("a", &a);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !(a.shared.peers.bounce_arena("b").is_some() && b.shared.peers.bounce_arena("a").is_some()) {
+    while !(a.shared.peers.bounce_arenas("b").is_some() && b.shared.peers.bounce_arenas("a").is_some()) {
         assert!(Instant::now() < deadline, "HELLOs were not exchanged");
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -424,7 +424,7 @@ fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_ma
     let (src, mut dst) = buffers();
     let (a, b) = (Side::start("a", 11, &cfg, &net), Side::start("b", 22, &cfg, &net));
     a.load("b", &b);
-    assert!(a.shared.peers.bounce_arena("b").is_none(), "no HELLO can come back");
+    assert!(a.shared.peers.bounce_arenas("b").is_none(), "no HELLO can come back");
     assert!(a.shared.peers.one_way_target("b").is_some(), "but b keeps a mailbox");
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
@@ -584,7 +584,7 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
     a.shared.inbox.push(Cmd::PeerLost("b".to_owned()));
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::PeerLost));
     assert!(lost_at.elapsed() < Duration::from_secs(5), "failed by the loss, not by the 60 s timeout");
-    assert!(a.shared.peers.bounce_arena("b").is_none());
+    assert!(a.shared.peers.bounce_arenas("b").is_none());
     // Every staging region comes back once the gathers and writes in flight have ended.
     let deadline = Instant::now() + Duration::from_secs(10);
     while a.stat(|s| &s.arena_free_bytes) != free_before || a.stat(|s| &s.arena_orphans) != 0 {
@@ -670,7 +670,7 @@ fn a_hello_flood_from_invented_names_cannot_lock_a_real_pair_out() {
     // ...which the rest of the flood evicts.
     flood(2 * n..4 * n);
     a.load("b", &b);
-    while !(a.shared.peers.bounce_arena("b").is_some() && b.shared.peers.bounce_arena("a").is_some()) {
+    while !(a.shared.peers.bounce_arenas("b").is_some() && b.shared.peers.bounce_arenas("a").is_some()) {
         assert!(Instant::now() < deadline, "the real pair never became ready to bounce");
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -835,7 +835,7 @@ fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     drop(arena);
     assert_eq!(a.outcome(x, Duration::from_secs(10)), Err(XferError::PeerLost));
     assert!(closed_at.elapsed() < Duration::from_secs(5), "failed by GOODBYE, not by the 60 s timeout");
-    assert!(a.shared.peers.bounce_arena("b").is_none(), "b's arena is forgotten");
+    assert!(a.shared.peers.bounce_arenas("b").is_none(), "b's arena is forgotten");
     assert_eq!(a.stat(|s| &s.bounce_ok), 0);
 }
 
