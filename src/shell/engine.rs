@@ -460,9 +460,10 @@ impl Engine {
         self.peers.arena_to_load(agent, index)
     }
 
-    /// Records the inner metadata of the peer's arena and of its mailbox's registration (None:
-    /// loading failed, or it keeps no mailbox; without the arena it stays on UCX, without the
-    /// mailbox it is bounced to two way only). What they replace (the peer's conn info was
+    /// Records the inner metadata of the peer's arena `index` and (index 0) of its mailbox's
+    /// registration (None: loading failed, or it keeps no mailbox; without arena 0 it stays on
+    /// UCX, without another arena nothing bounces through that one, without the mailbox it is
+    /// bounced to two way only). What they replace (the peer's conn info was
     /// reloaded), or what is not kept, is unloaded once no write or READ uses it.
     pub(crate) fn peer_arena_loaded(&self, agent: &str, index: ArenaId, md: Option<Md>, mailbox: Option<Md>) {
         let Some(sh) = self.shared() else {
@@ -584,7 +585,7 @@ impl Engine {
         // Each side bounces through the arena of its descriptors' memory (docs/arenas.md); with
         // none, the first, which the gate refuses for its memory.
         let (local_kind, remote_kind) = (local_mem.and_then(MemSeg::kind), remote_mem.and_then(MemSeg::kind));
-        let ours = self.bounce.as_ref().map_or(vec![HOST_ARENA], |b| vec![b.arena.place()]);
+        let ours = [self.bounce.as_ref().map_or(HOST_ARENA, |b| b.arena.place())];
         let (our_id, our_place) = gate::arena_for(&ours, local_kind, &l).unwrap_or((ArenaId(0), HOST_ARENA));
         let theirs = peer_arenas.as_deref().and_then(|p| gate::arena_for(p, remote_kind, &r));
         let input = GateInput::new(
