@@ -278,7 +278,7 @@ public:
             Lock g(mu_);
             st = inner_->loadRemoteConnInfo(agent, inner);
             if (st != NIXL_SUCCESS) return st;
-            loadPeerArena(agent);
+            loadPeerArenas(agent);
             return NIXL_SUCCESS;
         });
     }
@@ -486,10 +486,11 @@ public:
 private:
     using Lock = std::lock_guard<std::recursive_mutex>;
 
-    // The peer's arena, when it can bounce, and its mailbox's host registration, when it
-    // keeps one: loaded through the inner engine like any remote registration, so bounce
-    // writes and mailbox READs use UCX's own remote key handling. Called with mu_ held.
-    void loadPeerArena(const std::string &agent) {
+    // The peer's arenas, when it can bounce (each it advertises, in order), and its mailbox's
+    // host registration, when it keeps one: loaded through the inner engine like any remote
+    // registration, so bounce writes and mailbox READs use UCX's own remote key handling.
+    // Called with mu_ held.
+    void loadPeerArenas(const std::string &agent) {
         auto load = [&](uint64_t a, uint64_t n, uint64_t devId, nixl_mem_t m, const std::string &k) {
             BlobDesc d;
             d.addr = a;
