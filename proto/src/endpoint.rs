@@ -715,9 +715,7 @@ impl Endpoint {
         // linger ended (the pump below serves them).
         self.stats.one_way_refused += self.answering.expire(now) as u64;
         // Regions whose quarantine ended are free again (the pump below grants them).
-        for (_, sched) in self.scheds.iter_mut() {
-            sched.lift_quarantine(Some(now));
-        }
+        self.scheds.lift_quarantine(Some(now));
         let mut ctx = ctx!(self, now);
         self.sender.handle_timeout(&mut ctx);
         self.receiver.handle_timeout(&mut ctx);

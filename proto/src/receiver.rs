@@ -281,8 +281,7 @@ impl Receiver {
 
     /// Whether inline chunks are taken into `arena` (see `Endpoint::set_arena_takes_inline`).
     pub(crate) fn set_arena_takes_inline(&mut self, arena: ArenaId, takes: bool) {
-        // MAX_ARENAS (16) bits.
-        let bit = 1u16 << (arena.0 & 15);
+        let bit = inline_bit(arena);
         self.inline_declined = if takes { self.inline_declined & !bit } else { self.inline_declined | bit };
     }
 
@@ -574,7 +573,7 @@ impl Receiver {
         let len = inline.bytes.len() as u64;
         let fresh = self.inline_floor.get(&from).is_none_or(|&floor| xfer > floor);
         let budget = units.saturating_add(inline.runs.len() as u64) <= self.caps.chunks;
-        let into = self.inline_declined & (1 << (arena.0 & 15)) == 0;
+        let into = self.inline_declined & inline_bit(arena) == 0;
         let take = len <= self.inline_bytes && into && fresh && budget && self.inline_held + len <= MAX_INLINE_HELD;
         if !take {
             debug!(peer = from.0, xfer = xfer.0, bytes = len, fresh, "inline bytes declined");
@@ -1551,7 +1550,7 @@ impl Receiver {
         }
         self.resting.remove(&key);
         let lifted = ctx.scheds.lift_flow(key);
-        debug!(peer = key.peer.0, xfer = key.xfer.0, regions = lifted.len(), "cancel ends a quarantine");
+        debug!(peer = key.peer.0, xfer = key.xfer.0, regions = lifted, "cancel ends a quarantine");
         Ok(())
     }
 
@@ -1642,6 +1641,11 @@ impl Receiver {
 /// the one-byte region at offset 0: a refusal of the whole transfer, see
 /// [`crate::sender::Sender`]), so its sender fails at once instead of waiting for credits until
 /// its timeout. A flow that exists keeps going: only a refused WANT is answered.
+/// Arena `arena`'s bit in `Receiver::inline_declined` (MAX_ARENAS, 16, bits).
+fn inline_bit(arena: ArenaId) -> u16 {
+    1 << (arena.0 & 15)
+}
+
 fn refuse_want(ctx: &mut Ctx<'_>, to: PeerId, want: &Want) {
     refuse_xfer(ctx, to, want.xfer, want.token);
 }

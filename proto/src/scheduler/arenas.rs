@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::{CreditScheduler, Reclaimed, Reuse};
-use crate::types::{ArenaId, FlowKey, MAX_ARENAS, PeerId, Region};
+use crate::types::{ArenaId, FlowKey, MAX_ARENAS, PeerId};
 
 /// The engine's schedulers, by [`ArenaId`]: never empty, at most [`MAX_ARENAS`].
 ///
@@ -112,14 +112,14 @@ impl ArenaSchedulers {
         merge(self.0.iter_mut().map(|s| s.reclaim_peer(peer, reuse)))
     }
 
-    /// [`CreditScheduler::lift_flow`] in every arena.
-    pub fn lift_flow(&mut self, flow: FlowKey) -> Vec<Region> {
-        self.0.iter_mut().flat_map(|s| s.lift_flow(flow)).collect()
+    /// [`CreditScheduler::lift_flow`] in every arena; how many regions it freed.
+    pub fn lift_flow(&mut self, flow: FlowKey) -> usize {
+        self.0.iter_mut().map(|s| s.lift_flow(flow).len()).sum()
     }
 
-    /// [`CreditScheduler::lift_quarantine`] in every arena.
-    pub fn lift_quarantine(&mut self, now: Option<Instant>) -> Vec<Region> {
-        self.0.iter_mut().flat_map(|s| s.lift_quarantine(now)).collect()
+    /// [`CreditScheduler::lift_quarantine`] in every arena; how many regions it freed.
+    pub fn lift_quarantine(&mut self, now: Option<Instant>) -> usize {
+        self.0.iter_mut().map(|s| s.lift_quarantine(now).len()).sum()
     }
 }
 

@@ -100,6 +100,15 @@ pub(crate) fn sim_config(arena: u64, window: u32, eager: bool) -> Config {
     c
 }
 
+/// Arena `id`'s bytes of a node: the first arena, or one of the others (by id - 1). Over the
+/// fields, so a copy can borrow user memory beside it.
+fn arena_of<'a>(first: &'a mut [u8], extra: &'a mut [Vec<u8>], id: ArenaId) -> &'a mut [u8] {
+    match id.0 {
+        0 => first,
+        k => &mut extra[usize::from(k) - 1],
+    }
+}
+
 /// One simulated engine.
 pub(crate) struct Node {
     /// The protocol endpoint.
@@ -129,10 +138,7 @@ impl Node {
             for (off, addr, len) in r.copies() {
                 let at = (region.offset + off) as usize;
                 let user = (addr - MEM_BASE) as usize;
-                let arena = match id.0 {
-                    0 => &mut self.arena,
-                    k => &mut self.extra[usize::from(k) - 1],
-                };
+                let arena = arena_of(&mut self.arena, &mut self.extra, id);
                 let (arena, mem) = (&mut arena[at..at + len as usize], &mut self.mem[user..user + len as usize]);
                 if to_arena {
                     arena.copy_from_slice(mem);
@@ -145,10 +151,7 @@ impl Node {
 
     /// Arena `id`'s bytes.
     pub(crate) fn arena_bytes(&mut self, id: ArenaId) -> &mut [u8] {
-        match id.0 {
-            0 => &mut self.arena,
-            k => &mut self.extra[usize::from(k) - 1],
-        }
+        arena_of(&mut self.arena, &mut self.extra, id)
     }
 
     /// Takes `len` fresh bytes of user memory (sources and destinations interleave; no two
