@@ -434,7 +434,7 @@ pub fn run(data: &[u8]) -> Coverage {
     ep.keep_mailbox(true);
     let layout = ep.one_way_layout();
     let mailbox = MailboxLayout { slots: layout.mailbox.slots, ring: layout.mailbox.ring };
-    ep.add_registered(REG, KEY, USER_BASE, USER_LEN);
+    ep.add_registered(REG, KEY, (USER_BASE, USER_LEN), ArenaId(0));
     // Peers 0..3, loaded in order (so `agent(i)` is `PeerId(i)`) with their sessions.
     for i in 0..3 {
         let caps = Capabilities::host_arena(cfg.arena_usable_capacity(), cfg.max_chunk_size, session_of(PeerId(i)));
@@ -599,7 +599,7 @@ pub fn run(data: &[u8]) -> Coverage {
                     cov.deregistrations += 1;
                 } else {
                     reg = RegId(reg.0 + 1);
-                    ep.add_registered(reg, key_of(reg), USER_BASE, USER_LEN);
+                    ep.add_registered(reg, key_of(reg), (USER_BASE, USER_LEN), ArenaId(0));
                 }
                 seen.registered = !seen.registered;
             }

@@ -114,6 +114,9 @@ pub enum ArenaMem {
     Dram,
     /// GPU memory: GPU-memory transfers bounce (CUDA copy engine).
     Vram,
+    /// Two arenas: host memory (arena 0, under the host defaults) and GPU memory as for
+    /// `Vram` (under the GPU defaults); each kind bounces through its own.
+    Both,
 }
 
 /// How a GPU arena gathers and scatters (`bounce_gpu_copy`).
@@ -425,6 +428,7 @@ impl Config {
             Value::Enum("auto") => ArenaMem::Auto,
             Value::Enum("dram") => ArenaMem::Dram,
             Value::Enum("vram") => ArenaMem::Vram,
+            Value::Enum("both") => ArenaMem::Both,
             _ => return Err(mismatch("bounce_arena_mem")),
         };
         let gpu_copy = match get("bounce_gpu_copy")? {
@@ -859,10 +863,11 @@ mod tests {
         let a = Config::from_params_as(Some(MemKind::Vram), [("bounce_arena_mem", "auto")], |_| None).unwrap();
         assert_eq!((a.config.arena_mem, a.config.defaults_for), (ArenaMem::Auto, MemKind::Vram));
         assert_eq!(a.config.max_chunk_size, 32 * MIB);
-        // Host memory (and unresolved auto) keeps the host defaults.
-        for mem in ["dram", "auto"] {
+        // Host memory (and unresolved auto) keeps the host defaults, as does `both`, whose
+        // first arena is host memory (the shell loads the GPU arena's options for VRAM).
+        for (mem, want) in [("dram", ArenaMem::Dram), ("auto", ArenaMem::Auto), ("both", ArenaMem::Both)] {
             let d = load(&[("bounce_arena_mem", mem)]).unwrap().config;
-            assert_eq!(d.defaults_for, MemKind::Dram);
+            assert_eq!((d.arena_mem, d.defaults_for), (want, MemKind::Dram));
             assert_eq!(d.max_chunk_size, Config::default().max_chunk_size);
             assert_eq!(d.min_descriptor_count, 256);
         }

@@ -44,12 +44,16 @@ pub struct WriteRoute {
     /// The shell's gather of the plan's one chunk, to ride in the WANT when it may
     /// ([`wire::Inline`]).
     pub inline: Option<Vec<u8>>,
+    /// Neither claims nor opens our standing flow at the target ([`wire::Standing`]): the
+    /// shell says so for a write into a GPU arena of the target's, where a standing region
+    /// would hold GPU memory that the small host-memory writes it serves could not claim.
+    pub no_standing: bool,
 }
 
 impl WriteRoute {
     /// Two way, with the plan's one chunk `bytes` to carry inline.
     pub fn inline(bytes: Vec<u8>) -> Self {
-        Self { mailbox: None, inline: Some(bytes) }
+        Self { inline: Some(bytes), ..Self::default() }
     }
 }
 
@@ -216,7 +220,7 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         mailbox: MailboxLayout,
     ) -> Result<(), SubmitError> {
-        self.submit_write(now, xfer, token, peer, plan, WriteRoute { mailbox: Some(mailbox), inline: None })
+        self.submit_write(now, xfer, token, peer, plan, WriteRoute { mailbox: Some(mailbox), ..WriteRoute::default() })
     }
 
     /// Starts WRITE `xfer` as [`submit`](Self::submit) (two way) or
@@ -237,7 +241,8 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         route: WriteRoute,
     ) -> Result<(), SubmitError> {
-        let shape = WantShape { one_way: route.mailbox.is_some(), inline: route.inline };
+        let shape =
+            WantShape { one_way: route.mailbox.is_some(), inline: route.inline, no_standing: route.no_standing };
         self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), shape)?;
         if let Some(mailbox) = route.mailbox {
             if self.reading.start(xfer, peer, token, mailbox).is_err() {
@@ -410,8 +415,8 @@ impl Endpoint {
     /// Records registration `reg` of `[addr, addr + len)` with key `key`: memory the receiver
     /// may scatter into for a flow whose WANT proved it (see [`crate::proof`]). A DATA run must
     /// lie inside one registration its flow proved.
-    pub fn add_registered(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) {
-        self.receiver.add_registered(reg, key, addr, len);
+    pub fn add_registered(&mut self, reg: RegId, key: RegKey, range: (u64, u64), arena: ArenaId) {
+        self.receiver.add_registered(reg, key, range, arena);
     }
 
     /// Forgets registration `reg`; unknown ids are ignored. Scatters already emitted are not
@@ -866,18 +871,21 @@ impl Endpoint {
         &self.scheds
     }
 
-    /// Adds an arena of `capacity` usable bytes (offsets from 0, as the first arena's) and
-    /// minimum block `granularity`, with the configured window: peers may then name it in
-    /// their WANTs and PULLs, and plans stage in it ([`Plan::local_arena`]). Its id is its
-    /// index in the capabilities the shell advertises, so arenas are added before any peer
-    /// loads them.
+    /// Adds an arena of `capacity` usable bytes (offsets from 0, as the first arena's), minimum
+    /// block `granularity` and chunks of at most `max_chunk` bytes staged in it (its own
+    /// options', as its capabilities advertise), with the configured window: peers may then
+    /// name it in their WANTs and PULLs, and plans stage in it ([`Plan::local_arena`]). Its id
+    /// is its index in the capabilities the shell advertises, so arenas are added before any
+    /// peer loads them.
     ///
     /// # Errors
     /// [`EndpointError::Sched`] for a geometry the scheduler refuses;
     /// [`EndpointError::TooManyArenas`] past [`crate::types::MAX_ARENAS`].
-    pub fn add_arena(&mut self, capacity: u64, granularity: u64) -> Result<ArenaId, EndpointError> {
+    pub fn add_arena(&mut self, capacity: u64, granularity: u64, max_chunk: u64) -> Result<ArenaId, EndpointError> {
         let sched = CreditScheduler::new(capacity, granularity, self.window)?;
-        self.scheds.add(sched).ok_or(EndpointError::TooManyArenas)
+        let id = self.scheds.add(sched).ok_or(EndpointError::TooManyArenas)?;
+        self.sender.set_max_chunk(id, max_chunk);
+        Ok(id)
     }
 
     /// The sender role, read-only.
@@ -1087,9 +1095,9 @@ fn open_one_way(
     msg: wire::Msg,
 ) -> Result<(), ProtocolError> {
     let (token, chunks, genuine) = match &msg {
-        wire::Msg::Want(m) => (m.token, m.chunks.len(), receiver.registrations().verify(m.token, &m.proofs)),
+        wire::Msg::Want(m) => (m.token, m.chunks.len(), receiver.registrations().verify(m.token, &m.proofs, m.arena)),
         // A READ's answers count all its chunks, those of its later PULLs too.
-        wire::Msg::Pull(m) => (m.token, m.total as usize, receiver.registrations().verify(m.token, &m.proofs)),
+        wire::Msg::Pull(m) => (m.token, m.total as usize, receiver.registrations().verify(m.token, &m.proofs, m.arena)),
         _ => return Ok(()),
     };
     let genuine = matches!(genuine, Ok(_) | Err(BadProof::Deregistered(_)));
@@ -1181,7 +1189,7 @@ pub(crate) mod tests {
     pub(crate) fn endpoint(arena: u64, w: u32, eager: bool) -> (Endpoint, Instant) {
         let now = Instant::now();
         let mut ep = Endpoint::new(&config(arena, w, eager), now).unwrap();
-        ep.add_registered(REG, KEY, DST, 64 * KIB);
+        ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
         (ep, now)
     }
 
@@ -1500,7 +1508,7 @@ pub(crate) mod tests {
         assert_eq!((ep.remote_flows(), ep.stats().control_forged, ep.stats().data_refused), (1, 3, 0));
         assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
         // The real DATA scatters, and its ACK carries the flow's token.
-        ep.receiver_mut().add_registered(REG, KEY, DST, CHUNK);
+        ep.receiver_mut().add_registered(REG, KEY, (DST, CHUNK), ArenaId(0));
         ep.handle_frame(t, "a", &frame(7, data_msg(XferId(5), 0, region, vec![run(0, DST, CHUNK)]))).unwrap();
         let acts = drain(&mut ep);
         ep.handle_scatter_done(t, scatters(&acts)[0].0, true);
@@ -1604,7 +1612,7 @@ pub(crate) mod tests {
                 refusals: None,
             };
             for ep in &mut p.eps {
-                ep.add_registered(REG, KEY, DST, 1 << 20);
+                ep.add_registered(REG, KEY, (DST, 1 << 20), ArenaId(0));
             }
             p
         }
@@ -2006,7 +2014,7 @@ pub(crate) mod tests {
         #[test]
         fn arbitrary_peer_input_never_breaks_the_endpoint(ops in prop::collection::vec(any_op(), 1..80), eager: bool) {
             let (mut ep, mut now) = endpoint(32 * KIB, 2, eager);
-            ep.add_registered(REG, KEY, DST, 64 * KIB);
+            ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
             let mut jobs = Vec::new();
             for op in ops {
                 match op {

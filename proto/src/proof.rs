@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use thiserror::Error;
 
-use crate::types::{RegId, RegKey, Token};
+use crate::types::{ArenaId, RegId, RegKey, Token};
 use crate::wire::Proof;
 
 /// Bytes of a proof's tag (a truncated BLAKE3 keyed hash: 128 bits, like the token).
@@ -55,6 +55,11 @@ pub enum BadProof {
     /// is honest but late (no forgery), and its transfer cannot be served.
     #[error("registration {} was deregistered", .0.0)]
     Deregistered(RegId),
+    /// A valid proof of a registration that the flow's arena does not serve (host memory for
+    /// a GPU arena, or GPU memory for a host arena or another GPU's): that arena's copy engine
+    /// must never touch it. An honest sender names the arena of its destinations' memory.
+    #[error("registration {} is not served by arena {}", .0.0, .1.0)]
+    WrongArena(RegId, ArenaId),
 }
 
 /// Deregistered registrations remembered, so that a WANT racing a deregistration is told apart
@@ -67,6 +72,8 @@ struct Registration {
     key: RegKey,
     start: u64,
     end: u64,
+    /// The one arena whose copy engine may touch it.
+    arena: ArenaId,
 }
 
 /// The registrations made through this engine, by id: what a flow may prove and scatter into.
@@ -80,11 +87,12 @@ pub struct Registrations {
 }
 
 impl Registrations {
-    /// Records registration `reg` of `[addr, addr + len)` with `key`. An empty or wrapping
-    /// range is ignored (returns false); a repeated id replaces the older entry.
-    pub fn add(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) -> bool {
+    /// Records registration `reg` of `[addr, addr + len)` with `key`, served by `arena` (flows
+    /// of other arenas cannot prove it). An empty or wrapping range is ignored (returns false);
+    /// a repeated id replaces the older entry.
+    pub fn add(&mut self, reg: RegId, key: RegKey, (addr, len): (u64, u64), arena: ArenaId) -> bool {
         let Some(end) = addr.checked_add(len).filter(|_| len > 0) else { return false };
-        if self.by_id.insert(reg, Registration { key, start: addr, end }).is_some() {
+        if self.by_id.insert(reg, Registration { key, start: addr, end, arena }).is_some() {
             // The replaced range may have covered more than the new one.
             self.removals += 1;
         }
@@ -109,11 +117,12 @@ impl Registrations {
         self.removals
     }
 
-    /// Checks `proofs` for the transfer with `token`; returns the proven registration ids.
+    /// Checks `proofs` for the transfer with `token` through `arena`; returns the proven
+    /// registration ids.
     ///
     /// # Errors
     /// The first [`BadProof`]: then the WANT carrying them is refused as a whole.
-    pub fn verify(&self, token: Token, proofs: &[Proof]) -> Result<Vec<RegId>, BadProof> {
+    pub fn verify(&self, token: Token, proofs: &[Proof], arena: ArenaId) -> Result<Vec<RegId>, BadProof> {
         proofs
             .iter()
             .map(|p| {
@@ -126,7 +135,11 @@ impl Registrations {
                         BadProof::UnknownRegistration(p.reg)
                     });
                 };
-                if same(&tag(&r.key, token), &p.tag) { Ok(p.reg) } else { Err(BadProof::WrongTag(p.reg)) }
+                match (same(&tag(&r.key, token), &p.tag), r.arena == arena) {
+                    (false, _) => Err(BadProof::WrongTag(p.reg)),
+                    (true, false) => Err(BadProof::WrongArena(p.reg, arena)),
+                    (true, true) => Ok(p.reg),
+                }
             })
             .collect()
     }
@@ -214,6 +227,7 @@ mod tests {
     use super::*;
 
     const KEY: RegKey = RegKey([7; 32]);
+    const A0: ArenaId = ArenaId(0);
 
     proptest::proptest! {
         /// The ranges answer exactly what the per-id lookup answers, overlapping and nested
@@ -227,7 +241,7 @@ mod tests {
         ) {
             let mut r = Registrations::default();
             for (i, &(start, len)) in regs.iter().enumerate() {
-                r.add(RegId(i as u64), KEY, start, len);
+                r.add(RegId(i as u64), KEY, (start, len), A0);
             }
             for id in removed {
                 r.remove(RegId(id));
@@ -243,27 +257,27 @@ mod tests {
     #[test]
     fn a_proof_holds_only_for_its_key_and_token() {
         let mut regs = Registrations::default();
-        assert!(regs.add(RegId(1), KEY, 0x1000, 0x1000));
-        assert!(regs.add(RegId(2), RegKey([8; 32]), 0x4000, 0x1000));
+        assert!(regs.add(RegId(1), KEY, (0x1000, 0x1000), A0));
+        assert!(regs.add(RegId(2), RegKey([8; 32]), (0x4000, 0x1000), A0));
         let t = Token(42);
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)]), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
         // Another token, another key, another id, a flipped bit: all refused.
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, Token(43))]), Err(BadProof::WrongTag(RegId(1))));
-        assert_eq!(regs.verify(t, &[prove(RegId(2), &KEY, t)]), Err(BadProof::WrongTag(RegId(2))));
-        assert_eq!(regs.verify(t, &[prove(RegId(3), &KEY, t)]), Err(BadProof::UnknownRegistration(RegId(3))));
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, Token(43))], A0), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify(t, &[prove(RegId(2), &KEY, t)], A0), Err(BadProof::WrongTag(RegId(2))));
+        assert_eq!(regs.verify(t, &[prove(RegId(3), &KEY, t)], A0), Err(BadProof::UnknownRegistration(RegId(3))));
         let mut p = prove(RegId(1), &KEY, t);
         p.tag[TAG_LEN - 1] ^= 1;
-        assert_eq!(regs.verify(t, &[p]), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify(t, &[p], A0), Err(BadProof::WrongTag(RegId(1))));
         // One bad proof among good ones spoils the lot.
-        assert!(regs.verify(t, &[prove(RegId(1), &KEY, t), p]).is_err());
+        assert!(regs.verify(t, &[prove(RegId(1), &KEY, t), p], A0).is_err());
         assert_ne!(tag(&KEY, t), tag(&KEY, Token(43)), "tags differ per transfer");
     }
 
     #[test]
     fn only_proven_registrations_that_still_exist_are_covered() {
         let mut regs = Registrations::default();
-        regs.add(RegId(1), KEY, 0x1000, 0x1000);
-        regs.add(RegId(2), KEY, 0x4000, 0x1000);
+        regs.add(RegId(1), KEY, (0x1000, 0x1000), A0);
+        regs.add(RegId(2), KEY, (0x4000, 0x1000), A0);
         assert!(regs.covers(&[RegId(1)], 0x1000, 0x2000));
         assert!(!regs.covers(&[RegId(1)], 0x1000, 0x2001), "past its end");
         assert!(!regs.covers(&[RegId(1)], 0x4000, 0x4010), "registered, not proven");
@@ -272,10 +286,30 @@ mod tests {
         assert!(!regs.covers(&[RegId(1)], 0x1000, 0x1010), "deregistered since");
         // A valid proof of it is late, not forged; a wrong tag of it stays unknown.
         let t = Token(5);
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)]), Err(BadProof::Deregistered(RegId(1))));
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)], A0), Err(BadProof::Deregistered(RegId(1))));
         let other = RegKey([9; 32]);
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &other, t)]), Err(BadProof::UnknownRegistration(RegId(1))));
-        assert!(!regs.add(RegId(3), KEY, u64::MAX, 2), "a wrapping range is ignored");
+        assert_eq!(regs.verify(t, &[prove(RegId(1), &other, t)], A0), Err(BadProof::UnknownRegistration(RegId(1))));
+        assert!(!regs.add(RegId(3), KEY, (u64::MAX, 2), A0), "a wrapping range is ignored");
         assert_eq!(regs.len(), 1);
+    }
+
+    #[test]
+    fn a_valid_proof_holds_only_through_the_arena_that_serves_the_registration() {
+        // Host memory served by arena 0, GPU memory by arena 1: a flow through the host arena
+        // must not prove the GPU registration (its CPU scatter would touch a GPU address),
+        // nor the other way round, even with the right key.
+        let mut regs = Registrations::default();
+        regs.add(RegId(1), KEY, (0x1000, 0x1000), A0);
+        regs.add(RegId(2), KEY, (0x9000, 0x1000), ArenaId(1));
+        let t = Token(7);
+        let (host, gpu) = (prove(RegId(1), &KEY, t), prove(RegId(2), &KEY, t));
+        assert_eq!(regs.verify(t, &[host], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify(t, &[gpu], ArenaId(1)), Ok(vec![RegId(2)]));
+        assert_eq!(regs.verify(t, &[gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
+        assert_eq!(regs.verify(t, &[host, gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
+        assert_eq!(regs.verify(t, &[host], ArenaId(1)), Err(BadProof::WrongArena(RegId(1), ArenaId(1))));
+        // A wrong tag stays a forgery whatever the arena.
+        let forged = prove(RegId(2), &RegKey([1; 32]), t);
+        assert_eq!(regs.verify(t, &[forged], A0), Err(BadProof::WrongTag(RegId(2))));
     }
 }

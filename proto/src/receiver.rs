@@ -352,8 +352,8 @@ impl Receiver {
         &self.registered
     }
 
-    pub(crate) fn add_registered(&mut self, reg: RegId, key: RegKey, addr: u64, len: u64) {
-        if !self.registered.add(reg, key, addr, len) {
+    pub(crate) fn add_registered(&mut self, reg: RegId, key: RegKey, (addr, len): (u64, u64), arena: ArenaId) {
+        if !self.registered.add(reg, key, (addr, len), arena) {
             warn!(reg = reg.0, addr, len, "ignoring an empty or wrapping registered range");
         }
     }
@@ -457,11 +457,13 @@ impl Receiver {
             return self.open_standing(ctx, from, want, PeerLoad { flows, chunks });
         }
         // Where the flow may scatter: only registrations whose metadata the sender holds.
-        let proven = match self.registered.verify(want.token, &want.proofs) {
+        let proven = match self.registered.verify(want.token, &want.proofs, want.arena) {
             Ok(proven) => proven,
-            Err(source @ BadProof::Deregistered(_)) => {
+            Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {
                 // An honest sender whose WANT crossed the deregistration of its destination:
-                // it learns at once instead of waiting for credits until its timeout.
+                // it learns at once instead of waiting for credits until its timeout. One
+                // that named the wrong arena holds the key (it could write there through
+                // UCX): refused too, and nothing is scattered.
                 refuse_want(ctx, from, &want);
                 return Err(ProtocolError::BadProof { peer: from, xfer: want.xfer, source });
             }
@@ -1330,9 +1332,9 @@ impl Receiver {
             refuse(ctx);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: pull.xfer, flows, chunks });
         }
-        let mut proven = match self.registered.verify(pull.token, &pull.proofs) {
+        let mut proven = match self.registered.verify(pull.token, &pull.proofs, pull.arena) {
             Ok(proven) => proven,
-            Err(source @ BadProof::Deregistered(_)) => {
+            Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {
                 refuse(ctx);
                 return Err(ProtocolError::BadProof { peer: from, xfer: pull.xfer, source });
             }
@@ -1669,8 +1671,24 @@ mod tests {
     /// A receiver with a 32 KiB arena, W = 2, and `[DST, DST + 64 KiB)` registered.
     fn receiver() -> (Endpoint, Instant) {
         let (mut ep, t) = endpoint(32 * KIB, 2, true);
-        ep.add_registered(REG, KEY, DST, 64 * KIB);
+        ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
         (ep, t)
+    }
+
+    /// The registration of the destination memory served by arena 1, in tests that add one
+    /// (a registration serves one arena: `REG` is arena 0's).
+    const REG_OF_1: RegId = RegId(101);
+
+    /// `msg` (a WANT) through arena `arena`, proving the registration that arena serves.
+    fn through(msg: Msg, arena: u8) -> Msg {
+        let reg = if arena == 0 { REG } else { REG_OF_1 };
+        match msg {
+            Msg::Want(w) => {
+                let proofs = vec![crate::proof::prove(reg, &KEY, w.token)];
+                Msg::Want(wire::Want { arena: ArenaId(arena), proofs, ..w })
+            }
+            other => other,
+        }
     }
 
     /// `(peer, xfer, chunk, region)` of every credit in the GRANTs among `acts`.
@@ -1836,7 +1854,7 @@ mod tests {
         // inside one of them.
         let (mut ep, t) = receiver();
         let next = RegId(2);
-        ep.add_registered(next, KEY, DST + 64 * KIB, 64 * KIB);
+        ep.add_registered(next, KEY, (DST + 64 * KIB, 64 * KIB), ArenaId(0));
         let mut want = want_msg(X, &[CHUNK, CHUNK, 3000]);
         if let Msg::Want(w) = &mut want {
             w.proofs.push(crate::proof::prove(next, &KEY, TOKEN));
@@ -1855,7 +1873,7 @@ mod tests {
     fn data_into_a_registered_range_the_want_did_not_prove_is_refused() {
         let (mut ep, t) = receiver();
         let canary = RegId(2);
-        ep.add_registered(canary, RegKey([0xc0; 32]), DST + 64 * KIB, 64 * KIB);
+        ep.add_registered(canary, RegKey([0xc0; 32]), (DST + 64 * KIB, 64 * KIB), ArenaId(0));
         let [r0, _] = wanted(&mut ep, t);
         expect_refused(
             &mut ep,
@@ -2209,12 +2227,9 @@ mod tests {
     #[test]
     fn arenas_grant_independently_and_a_region_belongs_to_its_flows_arena() {
         let (mut ep, t) = receiver();
-        assert_eq!(ep.add_arena(16 * KIB, KIB).unwrap(), ArenaId(1));
+        assert_eq!(ep.add_arena(16 * KIB, KIB, CHUNK).unwrap(), ArenaId(1));
+        ep.add_registered(REG_OF_1, KEY, (DST, 64 * KIB), ArenaId(1));
         assert_eq!(ep.schedulers().len(), 2);
-        let through = |msg: Msg, arena: u8| match msg {
-            Msg::Want(w) => Msg::Want(wire::Want { arena: ArenaId(arena), ..w }),
-            other => other,
-        };
         // Eight 4 KiB chunks fill the 32 KiB first arena (W = 2 per flow: four flows).
         for x in 0..4 {
             ep.handle_msg(t, PeerId(10 + x), want_msg(XferId(1), &[CHUNK, CHUNK])).unwrap();
@@ -2294,6 +2309,62 @@ mod tests {
         assert_eq!(ep.remote_flows(), 1);
         ep.handle_msg(t, PEER, pull).unwrap();
         assert_eq!(ep.remote_flows(), 2, "the same PULL through arena 0 is served");
+        ep.receiver().check_invariants().unwrap();
+        check(&ep);
+    }
+
+    /// A registration serves one arena (host memory the host arena, GPU memory its GPU's):
+    /// a WANT or PULL through another arena that proves it, with the right key, is refused
+    /// and answered, nothing is granted, gathered or scattered, and the same frame through
+    /// the registration's own arena is served. Else a peer could make a CPU copy engine
+    /// dereference a GPU address, or a kernel a host one.
+    #[test]
+    fn a_proof_through_an_arena_that_does_not_serve_the_registration_is_refused() {
+        let (mut ep, t) = receiver();
+        assert_eq!(ep.add_arena(16 * KIB, KIB, CHUNK).unwrap(), ArenaId(1));
+        let gpu = RegId(102);
+        ep.add_registered(gpu, KEY, (DST + 64 * KIB, 64 * KIB), ArenaId(1));
+        let free = (ep.schedulers().get(ArenaId(0)).free_bytes(), ep.schedulers().get(ArenaId(1)).free_bytes());
+        // Arena 0's registration proven through arena 1.
+        let want = Msg::Want(wire::Want {
+            arena: ArenaId(1),
+            ..match want_msg(X, &[CHUNK]) {
+                Msg::Want(w) => w,
+                _ => unreachable!(),
+            }
+        });
+        let err = ep.handle_msg(t, PEER, want).unwrap_err();
+        assert!(
+            matches!(err, ProtocolError::BadProof { source: BadProof::WrongArena(REG, ArenaId(1)), .. }),
+            "{err:?}"
+        );
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Refused)]);
+        // Arena 1's registration proven through arena 0, by a READ.
+        let pull = wire::Pull {
+            arena: ArenaId(0),
+            xfer: XferId(9),
+            token: TOKEN,
+            first: ChunkIdx(0),
+            total: 1,
+            endpoint: Vec::new(),
+            chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run(0, DST + 64 * KIB, CHUNK)].into() }],
+            proofs: vec![crate::proof::prove(gpu, &KEY, TOKEN)],
+        };
+        let err = ep.handle_msg(t, PEER, Msg::Pull(pull.clone())).unwrap_err();
+        assert!(
+            matches!(err, ProtocolError::BadProof { source: BadProof::WrongArena(r, ArenaId(0)), .. } if r == gpu),
+            "{err:?}"
+        );
+        let acts = drain(&mut ep);
+        assert_eq!(acks(&acts), vec![(XferId(9), 0, AckStatus::Refused)]);
+        assert!(!acts.iter().any(|a| matches!(a, Action::Gather { .. } | Action::Scatter { .. })), "{acts:?}");
+        assert_eq!(ep.remote_flows(), 0);
+        let now = (ep.schedulers().get(ArenaId(0)).free_bytes(), ep.schedulers().get(ArenaId(1)).free_bytes());
+        assert_eq!(now, free, "nothing granted in either arena");
+        // Each through its own arena is served.
+        ep.handle_msg(t, PEER, Msg::Pull(wire::Pull { arena: ArenaId(1), ..pull })).unwrap();
+        ep.handle_msg(t, PEER, want_msg(X, &[CHUNK])).unwrap();
+        assert_eq!(ep.remote_flows(), 2);
         ep.receiver().check_invariants().unwrap();
         check(&ep);
     }
@@ -2531,12 +2602,9 @@ mod tests {
     #[test]
     fn an_arena_that_declines_inline_chunks_grants_their_wants_and_another_takes_them() {
         let (mut ep, t) = receiver();
-        assert_eq!(ep.add_arena(16 * KIB, KIB).unwrap(), ArenaId(1));
+        assert_eq!(ep.add_arena(16 * KIB, KIB, CHUNK).unwrap(), ArenaId(1));
+        ep.add_registered(REG_OF_1, KEY, (DST, 64 * KIB), ArenaId(1));
         ep.set_arena_takes_inline(ArenaId(1), false);
-        let through = |msg: Msg, arena: u8| match msg {
-            Msg::Want(w) => Msg::Want(wire::Want { arena: ArenaId(arena), ..w }),
-            other => other,
-        };
         ep.handle_msg(t, PEER, through(inline_want(X, 1, full_run(0)), 1)).unwrap();
         let acts = drain(&mut ep);
         assert!(inline_scatters(&acts).is_empty());

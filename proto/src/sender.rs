@@ -133,6 +133,8 @@ pub(crate) struct WantShape {
     /// The shell's gather of the plan's one chunk, to ride in the WANT when it may
     /// ([`wire::Inline`]; see `Sender::inline_chunk`).
     pub(crate) inline: Option<Vec<u8>>,
+    /// No standing credit claimed or opened ([`crate::endpoint::WriteRoute::no_standing`]).
+    pub(crate) no_standing: bool,
 }
 
 /// One submitted transfer.
@@ -244,8 +246,9 @@ pub struct Sender {
     plan_ahead_runs: usize,
     /// Largest chunk sent inside its WANT ([`wire::Inline`]); 0: never.
     inline_bytes: u64,
-    /// Largest chunk both peers agreed on (the handshake checks it).
-    max_chunk: u64,
+    /// Largest chunk each of our arenas stages, by [`ArenaId`] (its options' max chunk: a host
+    /// arena's and a GPU arena's differ); plans take the smaller of it and the peer arena's.
+    max_chunks: Vec<u64>,
     endpoint: Vec<u8>,
     xfers: BTreeMap<XferId, Xfer>,
     jobs: BTreeMap<JobId, JobRef>,
@@ -302,7 +305,7 @@ impl Sender {
             window: usize::try_from(config.max_inflight_chunks).unwrap_or(usize::MAX),
             plan_ahead_runs: usize::try_from(config.plan_ahead_runs).unwrap_or(usize::MAX),
             inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
-            max_chunk: config.max_chunk_size,
+            max_chunks: vec![config.max_chunk_size],
             endpoint: Vec::new(),
             xfers: BTreeMap::new(),
             jobs: BTreeMap::new(),
@@ -388,7 +391,7 @@ impl Sender {
         shape: WantShape,
     ) -> Result<(), SubmitError> {
         self.admit(ctx, xfer, &plan)?;
-        let WantShape { one_way, inline } = shape;
+        let WantShape { one_way, inline, no_standing } = shape;
         let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
         let chunks = plan.chunk_sizes().collect();
         // A one-way transfer asks to be answered through the target's mailbox.
@@ -408,7 +411,7 @@ impl Sender {
             self.close_standing(ctx, peer, true);
         }
         let claim = match self.standing.get_mut(&peer) {
-            Some(slot) if !one_way && !inlined && slot.arena == plan.peer_arena => match slot.region {
+            Some(slot) if !one_way && !inlined && !no_standing && slot.arena == plan.peer_arena => match slot.region {
                 Some((region, _)) if region.len >= plan.chunks[0].bytes => {
                     slot.region = None;
                     Some((slot.xfer, slot.token, region))
@@ -419,7 +422,7 @@ impl Sender {
         };
         let standing = claim.map_or(Standing::None, |(xfer, token, _)| Standing::Claim { xfer, token });
         ctx.send(peer, Want { xfer, token, arena: plan.peer_arena, endpoint, chunks, proofs, inline, standing });
-        if !one_way {
+        if !one_way && !no_standing {
             self.open_standing(ctx, xfer, token, peer, plan.peer_arena);
         }
         let deadline = ctx.now + self.timeout;
@@ -615,7 +618,7 @@ impl Sender {
         if !ctx.scheds.has(plan.local_arena) {
             return Err(SubmitError::NoSuchArena { xfer, arena: plan.local_arena });
         }
-        check_plan(xfer, plan, self.max_chunk.min(ctx.sched(plan.local_arena).max_chunk_bytes()))
+        check_plan(xfer, plan, self.max_chunk(plan.local_arena).min(ctx.sched(plan.local_arena).max_chunk_bytes()))
     }
 
     /// True when `job` is one of this sender's jobs (live or orphaned).
@@ -1138,10 +1141,25 @@ impl Sender {
         }
     }
 
+    /// The largest chunk `arena` stages (the first arena's for one never set).
+    fn max_chunk(&self, arena: ArenaId) -> u64 {
+        self.max_chunks.get(usize::from(arena.0)).copied().unwrap_or(self.max_chunks[0])
+    }
+
+    /// Sets the largest chunk `arena` stages (see [`crate::endpoint::Endpoint::add_arena`]).
+    pub(crate) fn set_max_chunk(&mut self, arena: ArenaId, bytes: u64) {
+        let i = usize::from(arena.0);
+        if self.max_chunks.len() <= i {
+            let first = self.max_chunks[0];
+            self.max_chunks.resize(i + 1, first);
+        }
+        self.max_chunks[i] = bytes;
+    }
+
     /// Takes `arena`'s reserve: one region of the largest chunk it stages.
     fn take_reserve_of(&mut self, ctx: &mut Ctx<'_>, arena: ArenaId) {
         let sched = ctx.sched(arena);
-        let bytes = self.max_chunk.min(sched.max_chunk_bytes());
+        let bytes = self.max_chunk(arena).min(sched.max_chunk_bytes());
         if let Some(r) = sched.acquire_local(bytes, true) {
             self.reserve.insert(arena, r);
         }
@@ -1765,6 +1783,32 @@ mod tests {
     /// A plan stages in the arena it names (its gathers and the write read there; the reserve
     /// is that arena's) and bounces through the peer's arena it names; one naming an arena we
     /// lack is refused at submit, changing nothing.
+    /// Each arena stages chunks up to its own max chunk (a host arena's 2 MiB, a GPU arena's
+    /// 32 MiB by default): a plan of larger chunks is taken through an arena added with them
+    /// and refused through the first, whose max chunk is the configuration's.
+    #[test]
+    fn each_arena_stages_chunks_up_to_its_own_max_chunk() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, false);
+        assert_eq!(ep.add_arena(64 * KIB, KIB, 4 * CHUNK).unwrap(), ArenaId(1));
+        let big = |xfer: u64, arena: u8| {
+            let descs: Vec<crate::plan::DescPair> = (0..2)
+                .map(|i| crate::plan::DescPair { src: SRC + i * 2 * CHUNK, dst: DST + i * 2 * CHUNK, len: 2 * CHUNK })
+                .collect();
+            let mut p = crate::plan::plan(&descs, crate::plan::PlanParams::new(4 * CHUNK)).unwrap();
+            p.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+            p.local_arena = ArenaId(arena);
+            assert_eq!(p.chunks.len(), 1, "one chunk of {} bytes", p.chunks[0].bytes);
+            p.chunks[0].direct = None; // staged, not written from its (contiguous) sources
+            (XferId(xfer), p)
+        };
+        let (x, p) = big(1, 0);
+        assert!(matches!(ep.submit(t, x, TOKEN, PEER, p), Err(SubmitError::ChunkTooLarge { max: CHUNK, .. })));
+        let (x, p) = big(2, 1);
+        ep.submit(t, x, TOKEN, PEER, p).unwrap();
+        drain(&mut ep);
+        assert_eq!(ep.schedulers().get(ArenaId(1)).local_bytes(), 4 * CHUNK, "its reserve: one chunk of its size");
+    }
+
     #[test]
     fn a_transfer_stages_in_its_own_arena_and_writes_into_the_peers_it_names() {
         let (mut ep, t) = endpoint(64 * KIB, 2, false);
@@ -1776,7 +1820,7 @@ mod tests {
         let refused = ep.submit(t, XferId(9), TOKEN, PEER, through(1, 0));
         assert_eq!(refused, Err(SubmitError::NoSuchArena { xfer: XferId(9), arena: ArenaId(1) }));
         assert!(drain(&mut ep).is_empty() && ep.is_idle());
-        assert_eq!(ep.add_arena(16 * KIB, KIB).unwrap(), ArenaId(1));
+        assert_eq!(ep.add_arena(16 * KIB, KIB, CHUNK).unwrap(), ArenaId(1));
         ep.submit(t, X, TOKEN, PEER, through(1, 3)).unwrap();
         let wants: Vec<ArenaId> = msgs(&drain(&mut ep))
             .into_iter()

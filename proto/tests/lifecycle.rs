@@ -165,7 +165,7 @@ fn scattering(times: usize) -> (Endpoint, Instant, JobId, Region) {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
     for i in 0..times as u64 {
-        ep.add_registered(RegId(D.0 + i), key(RegId(D.0 + i)), DST, 64 * KIB);
+        ep.add_registered(RegId(D.0 + i), key(RegId(D.0 + i)), (DST, 64 * KIB), ArenaId(0));
     }
     ep.handle_msg(now, PeerId(5), want(9, &[CHUNK, CHUNK])).unwrap();
     let c = credits(&sent(&drain(&mut ep)));
@@ -202,7 +202,7 @@ fn a_want_proving_a_registration_deregistered_before_it_arrived_fails_its_sender
     let now = Instant::now();
     let mut tx = Endpoint::new(&config(false), now).unwrap();
     let mut rx = Endpoint::new(&config(false), now).unwrap();
-    rx.add_registered(D, key(D), DST, 64 * KIB);
+    rx.add_registered(D, key(D), (DST, 64 * KIB), ArenaId(0));
     let mut plan = plan_from(SRC, 2);
     plan.dests = vec![bounce_proto::proof::Destination { reg: D, key: key(D) }];
     tx.submit(now, XferId(1), tok(1), PeerId(5), plan).unwrap();
@@ -232,7 +232,7 @@ fn a_scatter_still_covered_by_another_registration_is_not_doomed() {
 fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_reclaims_its_flows() {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
-    ep.add_registered(D, key(D), DST, 64 * KIB);
+    ep.add_registered(D, key(D), (DST, 64 * KIB), ArenaId(0));
     ep.peers_mut().load_conn_info("b", Some(caps(77)), None);
     let b = ep.peers_mut().id("b");
     let frame = |session, msg| Frame { session, msg }.to_vec();
@@ -277,7 +277,7 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
 fn closing_grants_nothing_more_and_counts_the_grants_until_they_come_back() {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
-    ep.add_registered(D, key(D), DST, 64 * KIB);
+    ep.add_registered(D, key(D), (DST, 64 * KIB), ArenaId(0));
     // Peer 5's flow wants four chunks; the window grants two.
     ep.handle_msg(now, PeerId(5), want(9, &[CHUNK; 4])).unwrap();
     let c = credits(&sent(&drain(&mut ep)));
@@ -417,8 +417,8 @@ fn random_lifecycles_never_touch_deregistered_memory() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut now = Instant::now();
         let mut ep = Endpoint::new(&config(rng.random_bool(0.5)), now).unwrap();
-        ep.add_registered(RA, key(RA), R1.0, R1.1);
-        ep.add_registered(RB, key(RB), R2.0, R2.1);
+        ep.add_registered(RA, key(RA), (R1.0, R1.1), ArenaId(0));
+        ep.add_registered(RB, key(RB), (R2.0, R2.1), ArenaId(0));
         let mut m = Model { r1: true, ..Model::default() };
         let mut next = 1u64;
         for _ in 0..200 {
@@ -482,7 +482,7 @@ fn random_lifecycles_never_touch_deregistered_memory() {
                         ep.deregister(now, Some(RA), R1.0, R1.1);
                     } else {
                         m.r1 = true;
-                        ep.add_registered(RA, key(RA), R1.0, R1.1);
+                        ep.add_registered(RA, key(RA), (R1.0, R1.1), ArenaId(0));
                     }
                 }
                 9 if rng.random_bool(0.2) => ep.handle_goodbye(now, LOCAL_PEER),
@@ -536,8 +536,8 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
     let (kept, gone) = (RegId(1), RegId(2));
-    ep.add_registered(kept, key(kept), DST, 2 * CHUNK);
-    ep.add_registered(gone, key(gone), DST + 2 * CHUNK, CHUNK);
+    ep.add_registered(kept, key(kept), (DST, 2 * CHUNK), ArenaId(0));
+    ep.add_registered(gone, key(gone), (DST + 2 * CHUNK, CHUNK), ArenaId(0));
     let (xfer, peer) = (9, PeerId(5));
     let chunks = (0..3).map(pull_chunk).collect();
     let proofs = [kept, gone].iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
@@ -598,7 +598,7 @@ fn pull(xfer: u64, first: u32, chunks: std::ops::Range<u64>, total: u32) -> Msg 
 fn a_read_split_in_pulls_is_served_from_its_first_pull_and_kept_until_its_last() {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
-    ep.add_registered(D, key(D), DST, 8 * CHUNK);
+    ep.add_registered(D, key(D), (DST, 8 * CHUNK), ArenaId(0));
     let (xfer, peer) = (9, PeerId(5));
     ep.handle_msg(now, peer, pull(xfer, 0, 0..1, 3)).unwrap();
     let g = gathers(&drain(&mut ep));
@@ -648,7 +648,7 @@ fn a_read_split_in_pulls_is_served_from_its_first_pull_and_kept_until_its_last()
 fn a_read_flow_waiting_for_pulls_that_never_come_is_reclaimed() {
     let now = Instant::now();
     let mut ep = Endpoint::new(&config(false), now).unwrap();
-    ep.add_registered(D, key(D), DST, 8 * CHUNK);
+    ep.add_registered(D, key(D), (DST, 8 * CHUNK), ArenaId(0));
     let peer = PeerId(5);
     ep.handle_msg(now, peer, pull(9, 0, 0..1, 2)).unwrap();
     let g = gathers(&drain(&mut ep));

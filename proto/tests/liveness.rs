@@ -75,7 +75,7 @@ impl Pair {
             ep.peers_mut().load_conn_info(other, Some(caps(2 - me as u64)), None);
             ids[me] = ep.peers_mut().id(other);
             ep.set_probe_seed(0xfeed + me as u64);
-            ep.add_registered(RegId(0), KEY, DST, 1 << 20);
+            ep.add_registered(RegId(0), KEY, (DST, 1 << 20), ArenaId(0));
         }
         Self {
             eps,

@@ -5,9 +5,9 @@
 
 use std::sync::Arc;
 
+use bounce_proto::MemKind;
 use bounce_proto::gate::ArenaPlace;
-use bounce_proto::wire::{ArenaCaps, Arenas, Capabilities};
-use bounce_proto::{ControlKind, MemKind};
+use bounce_proto::wire::ArenaCaps;
 use memmap2::MmapMut;
 
 use crate::sys::cuda::{DeviceAlloc, Gpu, alloc_vram};
@@ -148,27 +148,17 @@ impl Arena {
         self.md
     }
 
-    /// What we advertise in our connection info, without a mailbox (the engine adds the one
-    /// in its one-way area).
-    pub(crate) fn capabilities(&self, control: ControlKind, usable: u64, max_chunk: u64, session: u64) -> Capabilities {
-        Capabilities {
-            wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
-            control,
-            session,
-            arenas: Arenas::one(ArenaCaps {
-                mem: self.place.mem,
-                dev: self.place.dev,
-                base: self.base,
-                len: self.len(),
-                usable_capacity: usable,
-                max_chunk,
-                key: self.key.clone(),
-            }),
-            endpoint: Vec::new(),
-            mailbox: None,
-            mailbox_base: 0,
-            mailbox_len: 0,
-            mailbox_key: Vec::new(),
+    /// This arena as our capabilities list it, with `usable` bytes and chunks of at most
+    /// `max_chunk` (its options').
+    pub(crate) fn advert(&self, usable: u64, max_chunk: u64) -> ArenaCaps {
+        ArenaCaps {
+            mem: self.place.mem,
+            dev: self.place.dev,
+            base: self.base,
+            len: self.len,
+            usable_capacity: usable,
+            max_chunk,
+            key: self.key.clone(),
         }
     }
 

@@ -19,7 +19,7 @@ use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::Loaded;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
-use bounce_proto::wire::{Capabilities, ConnEnvelope};
+use bounce_proto::wire::{Arenas, Capabilities, ConnEnvelope};
 use bounce_proto::{ArenaId, ControlKind, MemKind};
 use parking_lot::Mutex;
 
@@ -37,7 +37,7 @@ use crate::shell::keys::{Keys, Reach};
 use crate::shell::mailroom::Mailroom;
 use crate::shell::oneway_area::OneWayArea;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
-use crate::shell::reactor::{Cmd, Drove, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
+use crate::shell::reactor::{ArenaPart, Cmd, Drove, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
 use crate::shell::registry::{Registration, Registry};
 use crate::shell::requests::{Released, State};
 use crate::shell::stats::{Published, Stats};
@@ -99,11 +99,14 @@ pub(crate) struct DescView {
 /// `Disabled` before it looks at memory).
 const HOST_ARENA: ArenaPlace = ArenaPlace { mem: MemKind::Dram, dev: 0 };
 
-/// The bounce machinery of an engine: the arena and the reactor driving the core. Field order
-/// is drop order: the reactor (thread + copy engine) stops before the arena is deregistered.
+/// The bounce machinery of an engine: its arenas and the reactor driving the core. Field order
+/// is drop order: the reactor (thread + copy engines) stops before the arenas are deregistered.
 struct Bounce {
     reactor: Reactor,
-    arena: Arena,
+    /// By [`ArenaId`] (the order of our capabilities): one, or a host and a GPU arena (`both`).
+    arenas: Vec<Arena>,
+    /// Where each arena lives, by [`ArenaId`] (what the gate picks from).
+    places: Vec<ArenaPlace>,
     /// Our mailbox and fetch area (`None`: it could not be set up; two way only).
     one_way: Option<OneWayArea>,
     caps: Capabilities,
@@ -142,8 +145,11 @@ pub(crate) struct Engine {
     plugin: InnerPlugin,
     /// What was last published to NIXL (see [`Engine::publish_changed_stats`]).
     published: Mutex<Published>,
-    /// The GPU whose memory the arena is, when `bounce_arena_mem` chose GPU memory.
+    /// The GPU whose memory an arena is, when `bounce_arena_mem` chose GPU memory.
     gpu: Option<Arc<Gpu>>,
+    /// The GPU arena's options (GPU defaults for what is unset) beside a host arena under
+    /// `config` (`both`); `None` with one arena, whose options `config` holds.
+    gpu_config: Option<Config>,
     /// When `getNotifs` last found nothing (busy-poll detection, see [`Engine::take_notifs`]).
     last_empty_notifs: Mutex<Option<Instant>>,
     /// The same-host paths for GPU memory (`bounce_cuda_ipc`): one per GPU whose memory this
@@ -157,6 +163,15 @@ pub(crate) struct Engine {
     told_other_kind: AtomicBool,
 }
 
+impl Bounce {
+    /// The arena whose copy engine may touch registration `reg` (the first that serves it),
+    /// if any: only such memory is ever a copy's source or target, or a direct write's source.
+    fn arena_serving(&self, reg: &Registration) -> Option<ArenaId> {
+        // At most MAX_ARENAS (16) arenas: the index fits a u8.
+        self.places.iter().position(|p| reg.serves(*p)).map(|i| ArenaId(i as u8))
+    }
+}
+
 impl Engine {
     /// Parses the configuration (params, then `NIXL_BOUNCE_*` from `env`) and loads the UCX plugin.
     ///
@@ -164,13 +179,22 @@ impl Engine {
     /// A bad configuration or a missing/incompatible UCX plugin.
     pub(crate) fn create(p: &CreateParams<'_>, env: impl Fn(&str) -> Option<String>) -> Result<(Self, InnerInit)> {
         let mut loaded = Config::from_params(p.params.iter().copied(), &env)?;
+        let both = loaded.config.arena_mem == ArenaMem::Both;
         let gpu = match choose_gpu(p.agent, &loaded.config) {
-            Some(gpu) => {
+            Some(gpu) if !both => {
                 // A GPU arena: the options left unset take their VRAM defaults.
                 loaded = Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?;
                 Some(gpu)
             }
-            None => None,
+            other => other,
+        };
+        // `both`: the engine's options (its host arena's) keep the host defaults, the GPU
+        // arena's take the VRAM ones; the warnings of that second load are the first's.
+        let gpu_config = match (both, &gpu) {
+            (true, Some(_)) => {
+                Some(Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?.config)
+            }
+            _ => None,
         };
         for w in &loaded.warnings {
             tracing::warn!(agent = p.agent, "{w}");
@@ -214,7 +238,7 @@ impl Engine {
                 CmaPath::new(cma::workers_for(config.cma_workers, cpus), linger, Arc::clone(&stats))
             })
             .flatten();
-        let mapped_limits = MappedLimits::new(&config, gpu.is_some(), &p.params, &env);
+        let mapped_limits = MappedLimits::new(&config, config.defaults_for == MemKind::Vram, &p.params, &env);
         let engine = Self {
             agent: p.agent.to_owned(),
             config,
@@ -229,6 +253,7 @@ impl Engine {
             plugin,
             published: Mutex::default(),
             gpu,
+            gpu_config,
             last_empty_notifs: Mutex::new(None),
             ipc,
             cma,
@@ -278,27 +303,101 @@ impl Engine {
         })
     }
 
-    fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
-        // Bound before the arena: a failure here costs no registration to undo.
-        let (control, control_endpoint) = self.control_channel(shim)?;
-        let len = self.config.arena_size;
-        let arena = match &self.gpu {
-            Some(gpu) => Arena::new_gpu(&shim, gpu, len)?,
-            None => Arena::new(&shim, len)?,
+    /// The options an arena of memory `mem` runs under: the GPU arena's beside a host one
+    /// (`both`), else the engine's.
+    fn arena_config(&self, mem: MemKind) -> &Config {
+        match (mem, &self.gpu_config) {
+            (MemKind::Vram, Some(c)) => c,
+            _ => &self.config,
+        }
+    }
+
+    /// The arenas `bounce_arena_mem` asks for, allocated and registered: the first (host
+    /// memory, or the GPU's for `vram`/`auto` with a GPU) must be had; the GPU arena beside a
+    /// host one (`both`) is given up with a warning (GPU memory then goes to UCX between hosts).
+    fn make_arenas(&self, shim: &Shim) -> Result<Vec<Arena>> {
+        let first = match (&self.gpu, &self.gpu_config) {
+            (Some(gpu), None) => Arena::new_gpu(shim, gpu, self.config.arena_size)?,
+            _ => Arena::new(shim, self.config.arena_size)?,
         };
+        let mut arenas = vec![first];
+        if let (Some(gpu), Some(c)) = (&self.gpu, &self.gpu_config) {
+            match Arena::new_gpu(shim, gpu, c.arena_size) {
+                Ok(a) => arenas.push(a),
+                Err(e) => tracing::warn!(
+                    agent = self.agent,
+                    error = %e,
+                    "no GPU arena beside the host one: GPU-memory transfers between hosts stay on UCX"
+                ),
+            }
+        }
+        Ok(arenas)
+    }
+
+    /// The copy engine of `arena`: CUDA streams for GPU memory, CPU workers for host memory.
+    fn copier_for(&self, arena: &Arena, shared: &Arc<Shared>) -> Result<Box<dyn CopyEngine>> {
+        let config = self.arena_config(arena.place().mem);
+        Ok(match arena.device() {
+            Some(vram) => {
+                let path = match config.gpu_copy {
+                    GpuCopy::Kernel => CopyPath::Kernel(PlanPlacement::Device),
+                    GpuCopy::Batched => CopyPath::Batched,
+                };
+                let contexts = config.copy_workers.max(1) as usize;
+                let engine = CudaCopyEngine::new(Arc::clone(vram), contexts, path)
+                    .map_err(|e| Error::Arena { len: arena.len(), why: crate::shell::error::ArenaFault::Gpu(e) })?;
+                tracing::info!(agent = self.agent, contexts, path = ?engine.path(), "CUDA copy engine");
+                Box::new(engine)
+            }
+            None => {
+                let host =
+                    HostArena { base: arena.base(), len: arena.len(), streaming_scatter: config.streaming_scatter };
+                let waker = Arc::clone(shared);
+                let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+                let linger = crate::shell::reactor::hot_spin(cores);
+                Box::new(CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, linger, move || {
+                    waker.inbox.wake();
+                })?)
+            }
+        })
+    }
+
+    /// Our capabilities: every arena with its own options' usable bytes and max chunk.
+    fn capabilities_of(&self, arenas: &[Arena]) -> Capabilities {
+        let listed = arenas
+            .iter()
+            .map(|a| {
+                let c = self.arena_config(a.place().mem);
+                a.advert(c.arena_usable_capacity(), c.max_chunk_size)
+            })
+            .collect();
+        Capabilities {
+            wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
+            control: self.config.control,
+            session: self.session,
+            // One or two arenas: well within MAX_ARENAS.
+            arenas: Arenas::new(listed).expect("one or two arenas"),
+            endpoint: Vec::new(),
+            mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
+        }
+    }
+
+    fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
+        // Bound before the arenas: a failure here costs no registration to undo.
+        let (control, control_endpoint) = self.control_channel(shim)?;
+        let arenas = self.make_arenas(&shim)?;
+        let places: Vec<ArenaPlace> = arenas.iter().map(Arena::place).collect();
         // The mailbox one-way peers READ our answers from, and the fetch area our own one-way
         // READs land in (bounce_proto::oneway): host memory registered on its own, whatever
-        // the arena's memory, so the reactor writes records and reads answers in place.
+        // the arenas' memory, so the reactor writes records and reads answers in place.
         let layout = OneWayLayout::for_config(&self.config);
         let one_way = OneWayArea::new(&shim, &layout)
             .map_err(|e| tracing::warn!(agent = self.agent, error = %e, "no mailbox: bouncing two way only"))
             .ok();
-        let mut caps = arena.capabilities(
-            self.config.control,
-            self.config.arena_usable_capacity(),
-            self.config.max_chunk_size,
-            self.session,
-        );
+        let mut caps = self.capabilities_of(&arenas);
         caps.endpoint = control_endpoint;
         if let Some(area) = &one_way {
             (caps.mailbox_base, caps.mailbox_len, caps.mailbox_key) = area.advert();
@@ -312,45 +411,22 @@ impl Engine {
         ));
         let started =
             shim.conn_info().map_err(|status| Error::Inner { op: "getConnInfo", status }).and_then(|endpoint| {
-                let copier: Box<dyn CopyEngine> = match arena.device() {
-                    Some(vram) => {
-                        let path = match self.config.gpu_copy {
-                            GpuCopy::Kernel => CopyPath::Kernel(PlanPlacement::Device),
-                            GpuCopy::Batched => CopyPath::Batched,
-                        };
-                        let contexts = self.config.copy_workers.max(1) as usize;
-                        let engine = CudaCopyEngine::new(Arc::clone(vram), contexts, path).map_err(|e| {
-                            Error::Arena { len: arena.len(), why: crate::shell::error::ArenaFault::Gpu(e) }
-                        })?;
-                        tracing::info!(agent = self.agent, contexts, path = ?engine.path(), "CUDA copy engine");
-                        Box::new(engine)
-                    }
-                    None => {
-                        let host = HostArena {
-                            base: arena.base(),
-                            len: arena.len(),
-                            streaming_scatter: self.config.streaming_scatter,
-                        };
-                        let waker = Arc::clone(&shared);
-                        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-                        let linger = crate::shell::reactor::hot_spin(cores);
-                        Box::new(CpuEngine::start(
-                            self.config.copy_workers,
-                            host,
-                            INLINE_MAX_BYTES,
-                            linger,
-                            move || {
-                                waker.inbox.wake();
-                            },
-                        )?)
-                    }
-                };
+                let parts = arenas
+                    .iter()
+                    .map(|a| {
+                        let c = self.arena_config(a.place().mem);
+                        Ok(ArenaPart {
+                            arena: LocalArena { place: a.place(), base: a.base(), md: a.md() },
+                            copier: self.copier_for(a, &shared)?,
+                            geometry: (c.arena_usable_capacity(), c.arena_granularity, c.max_chunk_size),
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
                 let parts = Parts {
                     session: self.session,
                     endpoint,
-                    arena: LocalArena { place: arena.place(), base: arena.base(), md: arena.md() },
+                    arenas: parts,
                     one_way: one_way.as_ref().map(OneWayArea::view),
-                    copier,
                     data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
                     control,
                     // The inner engine hands over everything it delivered at once; a socket
@@ -365,7 +441,9 @@ impl Engine {
         let reactor = match started {
             Ok(r) => r,
             Err(e) => {
-                arena.deregister(&shim);
+                for a in &arenas {
+                    a.deregister(&shim);
+                }
                 if let Some(area) = &one_way {
                     area.deregister(&shim);
                 }
@@ -377,26 +455,31 @@ impl Engine {
                 self.mail.accept_control(t);
             }
         }
-        for (md, r) in self.registry.serving(arena.place()) {
-            if let Some(d) = self.keys.local(md) {
-                shared.inbox.push(Cmd::Registered(d, r.addr, r.len));
+        let bounce = Bounce { reactor, arenas, places, one_way, caps };
+        // Registrations made before the bounce path started, each to the arena that serves it.
+        for (md, r) in self.registry.all() {
+            if let (Some(arena), Some(d)) = (bounce.arena_serving(&r), self.keys.local(md)) {
+                shared.inbox.push(Cmd::Registered(d, r.addr, r.len, arena));
             }
         }
-        // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
-        let huge = tracing::enabled!(tracing::Level::INFO).then(|| arena.huge_bytes()).flatten();
-        let place = arena.place();
-        if place.mem == MemKind::Vram {
-            self.stats.arena_gpu.store(place.dev.saturating_add(1), Ordering::Relaxed);
+        self.stats.arenas.store(bounce.arenas.len() as u64, Ordering::Relaxed);
+        for a in &bounce.arenas {
+            let place = a.place();
+            if place.mem == MemKind::Vram {
+                self.stats.arena_gpu.store(place.dev.saturating_add(1), Ordering::Relaxed);
+            }
+            // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
+            let huge = tracing::enabled!(tracing::Level::INFO).then(|| a.huge_bytes()).flatten();
+            tracing::info!(
+                agent = self.agent,
+                arena = a.len(),
+                mem = ?place.mem,
+                gpu = place.dev,
+                huge_pages = huge,
+                "bounce path ready"
+            );
         }
-        tracing::info!(
-            agent = self.agent,
-            arena = arena.len(),
-            mem = ?place.mem,
-            gpu = place.dev,
-            huge_pages = huge,
-            "bounce path ready"
-        );
-        Ok(Bounce { reactor, arena, one_way, caps })
+        Ok(bounce)
     }
 
     fn shared(&self) -> Option<&Arc<Shared>> {
@@ -511,13 +594,13 @@ impl Engine {
         }
         // Only host memory may ever be a CPU scatter target or a direct write source: a peer
         // naming a GPU address in DATA must be refused, not dereferenced.
-        let serves = self.bounce.as_ref().is_some_and(|b| reg.serves(b.arena.place()));
-        if let (Some(sh), true, Some(d)) = (self.shared(), serves, key) {
+        let serves = self.bounce.as_ref().and_then(|b| b.arena_serving(&reg));
+        if let (Some(sh), Some(arena), Some(d)) = (self.shared(), serves, key) {
             // No wake-up: the reactor needs it only for a later DATA or direct write, and it
             // drains its inbox, in order, before acting on either. Waking it made it take the
             // inner engine's lock right when the application's next call needed it (a
             // register + deregister cost 3x UCX's on 2 cores, issue 12).
-            sh.inbox.push_quiet(Cmd::Registered(d, reg.addr, reg.len));
+            sh.inbox.push_quiet(Cmd::Registered(d, reg.addr, reg.len, arena));
         }
     }
 
@@ -532,7 +615,7 @@ impl Engine {
         let key = self.keys.forget_local(md);
         let Some(r) = self.registry.remove(md) else { return };
         let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };
-        if !r.serves(b.arena.place()) {
+        if b.arena_serving(&r).is_none() {
             return; // never a copy source or target, never a direct-write source
         }
         sh.deregister(key.map(|d| d.reg), r.addr, r.len);
@@ -585,11 +668,12 @@ impl Engine {
         // Each side bounces through the arena of its descriptors' memory (docs/arenas.md); with
         // none, the first, which the gate refuses for its memory.
         let (local_kind, remote_kind) = (local_mem.and_then(MemSeg::kind), remote_mem.and_then(MemSeg::kind));
-        let ours = [self.bounce.as_ref().map_or(HOST_ARENA, |b| b.arena.place())];
-        let (our_id, our_place) = gate::arena_for(&ours, local_kind, &l).unwrap_or((ArenaId(0), HOST_ARENA));
+        let ours = self.bounce.as_ref().map_or(&[HOST_ARENA][..], |b| &b.places[..]);
+        let (our_id, our_place) = gate::arena_for(ours, local_kind, &l).unwrap_or((ArenaId(0), HOST_ARENA));
         let theirs = peer_arenas.as_deref().and_then(|p| gate::arena_for(p, remote_kind, &r));
+        let config = self.arena_config(our_place.mem);
         let input = GateInput::new(
-            &self.config,
+            config,
             self.bounce.is_some(),
             match op {
                 Some(XferOp::Write) => gate::XferOp::Write,
@@ -635,7 +719,7 @@ impl Engine {
             Stats::bump(&self.stats.passthrough_xfers);
             return None;
         };
-        let mut params = PlanParams::from_config(&self.config);
+        let mut params = PlanParams::from_config(config);
         // Chunks that both arenas can hold: the smaller of our arena's max chunk (our caps
         // carry the config's) and the peer's arena's (a host arena's and a GPU arena's defaults
         // differ); the peer grants regions of the planned sizes.
@@ -736,9 +820,9 @@ impl Engine {
         }
         tracing::warn!(
             agent = %self.agent,
-            "{kind:?} transfers of many small descriptors go to UCX: this engine's arena is {:?} memory \
-             and no same-host path took them (one arena per engine; set bounce_arena_mem={} on an \
-             engine that moves {kind:?} between hosts, README \"GPU memory\"); said once",
+            "{kind:?} transfers of many small descriptors go to UCX: no arena of this engine is {kind:?} \
+             memory ({:?} is the one they met) and no same-host path took them (set bounce_arena_mem={} \
+             or both on an engine that moves {kind:?} between hosts, README \"GPU memory\"); said once",
             input.arena.mem,
             if kind == MemKind::Dram { "dram" } else { "vram" },
         );
@@ -1015,26 +1099,30 @@ impl MappedLimits {
     }
 }
 
-/// The GPU whose memory the arena should be (`None`: host memory), as `bounce_arena_mem` asks:
-/// `vram` takes the GPU of the CUDA context current on this thread (the application's), else
-/// GPU 0; `auto` takes the current context's GPU only (a process that has not used a GPU keeps a
-/// host arena, and no CUDA context is created for it). Without a usable driver or GPU a GPU
-/// arena cannot be had: one log line, then host memory for `auto`, no bounce path for `vram`
-/// (see [`Engine::attach`]).
+/// The GPU whose memory an arena should be (`None`: host memory only), as `bounce_arena_mem`
+/// asks: `vram` and `both` take the GPU of the CUDA context current on this thread (the
+/// application's), else GPU 0; `auto` takes the current context's GPU only (a process that
+/// has not used a GPU keeps a host arena, and no CUDA context is created for it). Without a
+/// usable driver or GPU a GPU arena cannot be had: one log line, then host memory for `auto`
+/// and `both`, no bounce path for `vram` (see [`Engine::attach`]).
 fn choose_gpu(agent: &str, config: &Config) -> Option<Arc<Gpu>> {
     if !config.enabled || config.arena_mem == ArenaMem::Dram {
         return None;
     }
-    let explicit = config.arena_mem == ArenaMem::Vram;
+    let explicit = matches!(config.arena_mem, ArenaMem::Vram | ArenaMem::Both);
     let ordinal = match (cuda::current_device(), explicit) {
         (Ok(Some(dev)), _) => dev,
         (Ok(None), true) => 0,
         (Ok(None), false) => return None,
         (Err(e), _) => {
-            if explicit {
-                tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
-            } else {
-                tracing::debug!(agent, error = %e, "no CUDA: host-memory arena");
+            match config.arena_mem {
+                ArenaMem::Vram => {
+                    tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
+                }
+                ArenaMem::Both => {
+                    tracing::warn!(agent, error = %e, "bounce_arena_mem=both but CUDA is unusable: a host arena only");
+                }
+                _ => tracing::debug!(agent, error = %e, "no CUDA: host-memory arena"),
             }
             return None;
         }
@@ -1060,22 +1148,27 @@ impl Engine {
         drop(self.ipc.take());
         drop(self.cma.take());
         let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) else { return };
-        let Bounce { reactor, arena, one_way, .. } = b;
+        let Bounce { reactor, arenas, one_way, .. } = b;
         let quiet = reactor.stop();
-        arena.deregister(&shim);
+        self.stats.arenas.store(0, Ordering::Relaxed);
+        for arena in &arenas {
+            arena.deregister(&shim);
+        }
         if let Some(area) = &one_way {
             area.deregister(&shim);
         }
         if quiet {
-            drop(arena);
+            drop(arenas);
             drop(one_way);
         } else {
             tracing::warn!(
                 agent = self.agent,
-                len = arena.len() + one_way.as_ref().map_or(0, OneWayArea::len),
-                "a peer may still write into the arena: its memory and the mailbox's are kept (leaked)"
+                len = arenas.iter().map(Arena::len).sum::<u64>() + one_way.as_ref().map_or(0, OneWayArea::len),
+                "a peer may still write into the arenas: their memory and the mailbox's are kept (leaked)"
             );
-            arena.leak();
+            for arena in arenas {
+                arena.leak();
+            }
             if let Some(area) = one_way {
                 area.leak();
             }

@@ -34,6 +34,9 @@ pub(crate) enum Error {
         /// What failed.
         why: ArenaFault,
     },
+    /// The arenas handed to the reactor do not fit its core (a bug, never the user's input).
+    #[error("the reactor's arenas: {0}")]
+    Arenas(&'static str),
     /// The control channel failed.
     #[error(transparent)]
     Control(#[from] ControlError),

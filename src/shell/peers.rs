@@ -367,6 +367,11 @@ impl PeerTable {
         self.table.lock().rules.admit(name, session)
     }
 
+    /// The memory kind of peer `id`'s arena `arena`, when it is loaded.
+    pub(crate) fn arena_mem(&self, id: PeerId, arena: ArenaId) -> Option<MemKind> {
+        self.table.lock().arenas.get(&(id, arena)).map(|a| a.mem)
+    }
+
     /// Where a write (or READ) of `len` bytes into the peer's granted `region` goes: its name
     /// and arena, once the region is checked against that arena (the core's rule). One lock
     /// for both, so a loss on another thread reads as [`WriteRefused::Gone`], never as a bad

@@ -95,6 +95,9 @@ counters! {
     bounce_chunks,
     /// Payload bytes posted on the bounce path.
     bounce_bytes,
+    /// Of `bounce_chunks`, those staged in a GPU arena of ours (with `bounce_arena_mem=both`,
+    /// the GPU-memory transfers; the rest went through the host arena).
+    bounce_chunks_gpu_arena,
     /// Chunks written straight from user memory (no gather copy).
     chunks_direct,
     /// Transfers posted on the same-host path (one kernel through CUDA IPC, `bounce_cuda_ipc`).
@@ -137,6 +140,9 @@ counters! {
     /// Where the bounce path's arena is: the GPU's ordinal plus one for a GPU arena, 0 for a
     /// host arena or none (what `bounce_arena_mem=auto` chose; set once the path is ready).
     arena_gpu,
+    /// How many arenas the bounce path has: 1, or 2 with `bounce_arena_mem=both` and a GPU
+    /// (0 while it is not running).
+    arenas,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
     /// Arena bytes resting in quarantine: reclaimed from peers' flows whose writer went silent

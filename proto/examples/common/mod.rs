@@ -23,7 +23,7 @@ pub(crate) fn key(i: usize) -> RegKey {
 pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
     let mut ep = Endpoint::new(config, now).expect("endpoint");
     ep.set_local_endpoint(format!("node-{i}").into_bytes());
-    ep.add_registered(RegId(0), key(i), MEM_BASE, 1 << 40);
+    ep.add_registered(RegId(0), key(i), (MEM_BASE, 1 << 40), bounce_proto::ArenaId(0));
     for j in 0..2 {
         assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
         if j != i {

@@ -315,12 +315,18 @@ impl Sim {
                 let config = &configs[i];
                 let mut ep = Endpoint::new(config, start).unwrap();
                 for k in 1..knobs.arenas {
-                    let id = ep.add_arena(config.arena_usable_capacity(), config.arena_granularity).unwrap();
+                    let id = ep
+                        .add_arena(config.arena_usable_capacity(), config.arena_granularity, config.max_chunk_size)
+                        .unwrap();
                     assert_eq!(id, ArenaId(k as u8));
                 }
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
                 ep.keep_mailbox(knobs.one_way);
-                ep.add_registered(RegId(0), reg_key(i), MEM_BASE, 1 << 40);
+                // All user memory, once per arena (registration `k` served by arena `k`): a
+                // registration serves one arena, and transfers here go through any of them.
+                for k in 0..knobs.arenas.max(1) {
+                    ep.add_registered(RegId(k as u64), reg_key(i), (MEM_BASE, 1 << 40), ArenaId(k as u8));
+                }
                 // Every node loads every other's connection info, naming them in node order,
                 // so the peer table numbers node `j` as `PeerId(j)`.
                 for (j, theirs) in configs.iter().enumerate() {
@@ -782,7 +788,7 @@ impl Sim {
                 if s.read {
                     // The initiator holds the target's registration metadata (its sources).
                     plan.read = true;
-                    plan.dests = vec![Destination { reg: RegId(0), key: reg_key(to) }];
+                    plan.dests = vec![Destination { reg: RegId(u64::from(plan.peer_arena.0)), key: reg_key(to) }];
                     let token = Token(self.rng.random());
                     let layout = self.knobs.one_way.then(|| {
                         let m = self.nodes[to].ep.one_way_layout().mailbox;
@@ -801,7 +807,7 @@ impl Sim {
                 }
                 let token = Token(self.rng.random());
                 // The sender holds the destination node's registration metadata.
-                plan.dests = vec![Destination { reg: RegId(0), key: reg_key(to) }];
+                plan.dests = vec![Destination { reg: RegId(u64::from(plan.peer_arena.0)), key: reg_key(to) }];
                 let mailbox = self.knobs.one_way.then(|| {
                     let m = self.nodes[to].ep.one_way_layout().mailbox;
                     MailboxLayout { slots: m.slots, ring: m.ring }
@@ -819,7 +825,7 @@ impl Sim {
                     }
                     bytes
                 });
-                let route = WriteRoute { mailbox, inline };
+                let route = WriteRoute { mailbox, inline, ..WriteRoute::default() };
                 self.nodes[from].ep.submit_write(now, xfer, token, PeerId(to as u32), plan, route).expect("submit");
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.

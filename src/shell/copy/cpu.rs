@@ -516,8 +516,8 @@ mod tests {
         };
         assert!(run(view, &gather));
         let mut regs = Registrations::default();
-        regs.add(RegId(1), RegKey([1; 32]), dst_base, 8192);
-        regs.add(RegId(2), RegKey([2; 32]), dst_base + 8192, 8192);
+        regs.add(RegId(1), RegKey([1; 32]), (dst_base, 8192), bounce_proto::ArenaId(0));
+        regs.add(RegId(2), RegKey([2; 32]), (dst_base + 8192, 8192), bounce_proto::ArenaId(0));
         let runs = p.chunks[0].scatter.len() as u32;
         let scatter = |allowed| CopyJob {
             job: JobId(2),

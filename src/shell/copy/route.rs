@@ -10,9 +10,9 @@ use super::{CopyEngine, CopyJob};
 pub(crate) struct Copiers(Vec<Box<dyn CopyEngine>>);
 
 impl Copiers {
-    /// The copy engine of an engine with one arena.
-    pub(crate) fn one(first: Box<dyn CopyEngine>) -> Self {
-        Self(vec![first])
+    /// The copy engine of each arena, by [`ArenaId`]; `None` for none.
+    pub(crate) fn new(engines: Vec<Box<dyn CopyEngine>>) -> Option<Self> {
+        (!engines.is_empty()).then_some(Self(engines))
     }
 
     /// Runs `job` on `arena`'s engine; gives it back when that engine cannot take it, or the
@@ -116,9 +116,9 @@ mod tests {
 
     #[test]
     fn jobs_go_to_their_arenas_engine_and_an_unknown_arena_gets_its_job_back() {
-        let gpu = Recorder::default();
-        let mut c = Copiers::one(Box::new(gpu));
-        c.0.push(Box::new(Recorder { host: true, ..Recorder::default() }));
+        assert!(Copiers::new(Vec::new()).is_none(), "never empty");
+        let (gpu, host) = (Recorder::default(), Recorder { host: true, ..Recorder::default() });
+        let mut c = Copiers::new(vec![Box::new(gpu), Box::new(host)]).unwrap();
         assert!(c.submit(ArenaId(0), job(1)).is_ok());
         assert!(c.submit(ArenaId(1), job(2)).is_ok());
         assert!(c.submit(ArenaId(1), job(3)).is_ok());

@@ -25,7 +25,7 @@ use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::proof::Destination;
 use bounce_proto::wire::{self, Frame, Msg};
-use bounce_proto::{ArenaId, PeerId, RegId, Region, Token, XferId};
+use bounce_proto::{ArenaId, MemKind, PeerId, RegId, Region, Token, XferId};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::control::{ControlChannel, ControlError};
@@ -64,9 +64,10 @@ pub(crate) enum Cmd {
     /// We loaded this peer's connection info: tell it we can answer (HELLO). With the count
     /// of peer losses then ([`crate::shell::peers::PeerTable::losses`]).
     Hello(String, u64),
-    /// Host memory registered through this engine, with its id and key (the receiver may
-    /// scatter into it for flows that prove the key), address and length.
-    Registered(Destination, u64, u64),
+    /// Memory registered through this engine, with its id and key (the receiver may scatter
+    /// into it for flows that prove the key), address, length and the one arena that serves
+    /// it (flows through another cannot prove it: that arena's copy engine must never touch it).
+    Registered(Destination, u64, u64, ArenaId),
     /// The application deregistered `[addr, addr + len)` (marked removed in the [`Fence`]):
     /// fail what uses it in the core, then (with `done`) signal once no running copy job or
     /// write touches it.
@@ -251,19 +252,28 @@ impl LocalArena {
     }
 }
 
+/// One of our arenas, as a reactor is given it.
+pub(crate) struct ArenaPart {
+    /// Where it lives and how writes address it.
+    pub(crate) arena: LocalArena,
+    /// Where the gathers and scatters of its regions run.
+    pub(crate) copier: Box<dyn CopyEngine>,
+    /// `(usable bytes, granularity, max chunk)` of its credit scheduler and staging (the first
+    /// arena's must be the configuration's, which the core's endpoint is made with).
+    pub(crate) geometry: (u64, u64, u64),
+}
+
 /// What a reactor is made of: the engine's identity and its three seams.
 pub(crate) struct Parts {
     /// Our session id, carried in every frame.
     pub(crate) session: u64,
     /// Our inner conn info, carried in WANTs (the design's reverse path).
     pub(crate) endpoint: Vec<u8>,
-    /// Our arena.
-    pub(crate) arena: LocalArena,
+    /// Our arenas, by [`ArenaId`] (the order of our capabilities): at least one.
+    pub(crate) arenas: Vec<ArenaPart>,
     /// Our one-way area: our mailbox (records written by this thread) and our fetch area
     /// (one-way READs land there). `None`: no mailbox (two way only).
     pub(crate) one_way: Option<AreaView>,
-    /// Where gathers and scatters run.
-    pub(crate) copier: Box<dyn CopyEngine>,
     /// Where writes go.
     pub(crate) data: Box<dyn DataPath>,
     /// How control frames travel.
@@ -463,11 +473,33 @@ impl Reactor {
     /// # Errors
     /// When the core rejects the configuration or the thread cannot be started.
     pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
-        let Parts { session, endpoint, arena, one_way: area, copier, data, control, control_budget } = parts;
+        let Parts { session, endpoint, arenas: parts, one_way: area, data, control, control_budget } = parts;
         let mut ep = Endpoint::new(config, Instant::now())?;
         ep.set_local_endpoint(endpoint);
-        if arena.place.mem != bounce_proto::MemKind::Dram {
-            // Inline chunks are put into and gathered for host arenas only.
+        let (mut arenas, mut copiers) = (Vec::with_capacity(parts.len()), Vec::with_capacity(parts.len()));
+        for (i, part) in parts.into_iter().enumerate() {
+            // The first arena is the endpoint's own, made with the configuration's geometry.
+            let id = match i {
+                0 if part.geometry
+                    == (config.arena_usable_capacity(), config.arena_granularity, config.max_chunk_size) =>
+                {
+                    ArenaId(0)
+                }
+                0 => return Err(Error::Arenas("the first arena's geometry is not the configuration's")),
+                _ => ep.add_arena(part.geometry.0, part.geometry.1, part.geometry.2)?,
+            };
+            if part.arena.place.mem != MemKind::Dram {
+                // Inline chunks are put into host arenas only.
+                ep.set_arena_takes_inline(id, false);
+            }
+            arenas.push(part.arena);
+            copiers.push(part.copier);
+        }
+        let Some(copiers) = Copiers::new(copiers) else {
+            return Err(Error::Arenas("none"));
+        };
+        if !arenas.iter().any(|a| a.place.mem == MemKind::Dram) {
+            // Nor gathered, sent or taken without one.
             ep.set_inline_bytes(0);
         }
         // A mailbox only where we have one to write records into.
@@ -481,11 +513,11 @@ impl Reactor {
             ep,
             shared: Arc::clone(&shared),
             session,
-            arenas: vec![arena],
+            arenas,
             area,
             one_way,
             fetches: Fetches::new(one_way.fetch_slices),
-            copiers: Copiers::one(copier),
+            copiers,
             data,
             control,
             control_budget,
@@ -920,6 +952,9 @@ impl Driver {
                 self.xfers.insert(p.xfer, XferCtx { handle: p.handle, peer: p.peer, notif: p.notif, read });
                 Stats::bump(&self.shared.stats.bounce_xfers);
                 self.shared.stats.bounce_chunks.fetch_add(chunks, Ordering::Relaxed);
+                if self.arenas.get(usize::from(p.plan.local_arena.0)).is_some_and(|a| a.place.mem != MemKind::Dram) {
+                    self.shared.stats.bounce_chunks_gpu_arena.fetch_add(chunks, Ordering::Relaxed);
+                }
                 self.shared.stats.bounce_bytes.fetch_add(bytes, Ordering::Relaxed);
                 // The transfer's secret (see `Token`): only we and the receiver will know it.
                 let mut secret = [0u8; 16];
@@ -934,7 +969,11 @@ impl Driver {
                 let submitted = match plan.read {
                     true => self.ep.submit_read(now, p.xfer, token, peer, plan, one_way),
                     false => {
-                        let route = WriteRoute { mailbox: one_way, inline: self.inline_bytes(&plan) };
+                        // Into a peer's host arena: inline bytes and standing credits serve
+                        // small host-memory writes; a GPU arena takes neither.
+                        let into_host = self.shared.peers.arena_mem(peer, plan.peer_arena) == Some(MemKind::Dram);
+                        let inline = into_host.then(|| self.inline_bytes(&plan)).flatten();
+                        let route = WriteRoute { mailbox: one_way, inline, no_standing: !into_host };
                         self.ep.submit_write(now, p.xfer, token, peer, plan, route)
                     }
                 };
@@ -971,7 +1010,7 @@ impl Driver {
                     self.greeted.insert(name);
                 }
             }
-            Cmd::Registered(d, a, l) => self.ep.add_registered(d.reg, d.key, a, l),
+            Cmd::Registered(d, a, l, arena) => self.ep.add_registered(d.reg, d.key, (a, l), arena),
             Cmd::Deregister { reg, addr, len, done } => {
                 // Let the core fail what uses the range first (so each such transfer ends as
                 // Deregistered and is counted so, whatever it had queued), then hand out what
@@ -1434,6 +1473,10 @@ impl Driver {
     fn inline_bytes(&mut self, plan: &bounce_proto::plan::Plan) -> Option<Vec<u8>> {
         let [chunk] = &plan.chunks[..] else { return None };
         if chunk.bytes > self.ep.inline_bytes() || chunk.region_plan.is_some() {
+            return None;
+        }
+        // From host memory only: a GPU arena's sources are GPU addresses, never read by the CPU.
+        if self.arenas.get(usize::from(plan.local_arena.0)).map(|a| a.place.mem) != Some(MemKind::Dram) {
             return None;
         }
         let runs = &chunk.gather;

@@ -170,9 +170,12 @@ impl Side {
         let parts = Parts {
             session,
             endpoint: name.as_bytes().to_vec(),
-            arena: LocalArena { place: ArenaPlace { mem: MemKind::Dram, dev: 0 }, base, md: Md(0) },
+            arenas: vec![ArenaPart {
+                arena: LocalArena { place: ArenaPlace { mem: MemKind::Dram, dev: 0 }, base, md: Md(0) },
+                copier: wrap(copier),
+                geometry: (config.arena_usable_capacity(), config.arena_granularity, config.max_chunk_size),
+            }],
             one_way: Some(AreaView { host: area_host, origin: one_way.mailbox.offset, md: Md(2) }),
-            copier: wrap(copier),
             data: Box::new(path),
             control,
             control_budget,
@@ -217,7 +220,7 @@ impl Side {
         let (addr, len) = (buf.as_mut_ptr() as u64, buf.len() as u64);
         self.shared.registry.insert(Md(addr as usize), Registration { addr, len, dev: 0, mem: MemKind::Dram });
         let dest = Destination { reg: RegId(addr), key: RegKey([addr as u8; 32]) };
-        self.shared.inbox.push(Cmd::Registered(dest, addr, len));
+        self.shared.inbox.push(Cmd::Registered(dest, addr, len, ArenaId(0)));
         dest
     }
 
@@ -1085,7 +1088,7 @@ fn registrations_alone_are_not_activity_for_the_reactor() {
     let (mut bookkeeping, mut work) = (Vec::new(), Vec::new());
     for i in 0..200u64 {
         let dest = Destination { reg: RegId(addr), key: RegKey([i as u8; 32]) };
-        bookkeeping.push(pass_after(Cmd::Registered(dest, addr, len)));
+        bookkeeping.push(pass_after(Cmd::Registered(dest, addr, len, ArenaId(0))));
         bookkeeping.push(pass_after(Cmd::Deregister { reg: Some(RegId(addr)), addr, len, done: None }));
         work.push(pass_after(Cmd::Hello("nobody".to_owned(), a.shared.peers.losses())));
     }

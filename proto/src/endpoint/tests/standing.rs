@@ -11,7 +11,7 @@ fn standing_endpoint(arena: u64, eager: bool) -> (Endpoint, Instant) {
     let now = Instant::now();
     let cfg = Config { standing_bytes: CHUNK, ..config(arena, 2, eager) };
     let mut ep = Endpoint::new(&cfg, now).unwrap();
-    ep.add_registered(REG, KEY, DST, 64 * KIB);
+    ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
     (ep, now)
 }
 
@@ -393,4 +393,27 @@ fn a_standing_region_is_claimed_only_by_transfers_through_its_arena() {
         .filter_map(|(_, m)| if let Msg::Want(w) = m { Some((w.xfer, w.arena, w.standing)) } else { None })
         .collect();
     assert_eq!(wants, vec![(XferId(3), ArenaId(0), Standing::Claim { xfer: s, token })]);
+}
+
+/// A write the shell marks `no_standing` (into a peer's GPU arena) neither opens a standing
+/// flow nor claims the one it has: a later write without the mark still opens it, and a
+/// marked one after that leaves it for the next unmarked write.
+#[test]
+fn a_write_marked_no_standing_neither_opens_nor_claims_the_standing_flow() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    let wants = |ep: &mut Endpoint| -> Vec<(XferId, Standing)> {
+        msgs(&drain(ep))
+            .into_iter()
+            .filter_map(|(_, m)| if let Msg::Want(w) = m { Some((w.xfer, w.standing)) } else { None })
+            .collect()
+    };
+    let marked = WriteRoute { no_standing: true, ..WriteRoute::default() };
+    ep.submit_write(t, X, TOKEN, PEER, plan_of(1), marked.clone()).unwrap();
+    assert_eq!(wants(&mut ep), vec![(X, Standing::None)], "no standing flow opened");
+    let (mut ep, t, s, token, _) = sender_with_standing(false);
+    ep.submit_write(t, XferId(2), TOKEN, PEER, plan_of(1), marked).unwrap();
+    assert_eq!(wants(&mut ep), vec![(XferId(2), Standing::None)], "the region is not claimed");
+    ep.submit(t, XferId(3), TOKEN, PEER, plan_of(1)).unwrap();
+    assert_eq!(wants(&mut ep), vec![(XferId(3), Standing::Claim { xfer: s, token })]);
+    assert_eq!(ep.stats().standing_claims, 1);
 }
