@@ -17,6 +17,8 @@ Variants (each in its own initiator process, against a target process running pe
   BOUNCE            bounce_arena_mem=vram: between two processes of one host, the same-host path
                     (one kernel through CUDA IPC mappings of the peer's registrations)
   BOUNCE bounced    the same with bounce_cuda_ipc=false: the bounce path
+  BOUNCE both bounced  bounce_arena_mem=both (a host and a GPU arena in each engine), the bounce
+                    path: each side's memory picks its arena
   UCX               plain UCX, no progress thread
   UCX+SGL           NIXL_UCX_SGL_ENABLE=1
   UCX best          num_threads=4 + SGL
@@ -46,6 +48,7 @@ VARIANTS = [
     # name, backend, params, env, mode
     ("BOUNCE", "BOUNCE", {"bounce_arena_mem": "vram"}, {}, "scattered"),
     ("BOUNCE bounced", "BOUNCE", {"bounce_arena_mem": "vram", "bounce_cuda_ipc": "false"}, {}, "scattered"),
+    ("BOUNCE both bounced", "BOUNCE", {"bounce_arena_mem": "both", "bounce_cuda_ipc": "false"}, {}, "scattered"),
     ("UCX", "UCX", {}, {}, "scattered"),
     ("UCX+SGL", "UCX", {}, {"NIXL_UCX_SGL_ENABLE": "1"}, "scattered"),
     ("UCX best (4 thr+SGL)", "UCX", {"num_threads": "4"}, {"NIXL_UCX_SGL_ENABLE": "1"}, "scattered"),
@@ -62,8 +65,10 @@ def child(args):
     here, there = args.local_mem, args.remote_mem
     dev_there = args.peer_gpu if there == "VRAM" else 0
 
-    def on(mem):  # a BOUNCE engine's arena follows its side's memory
-        return {**params, "bounce_arena_mem": mem.lower()} if backend == "BOUNCE" else params
+    def on(mem):  # a BOUNCE engine's arena follows its side's memory (`both` has each kind)
+        if backend != "BOUNCE" or params.get("bounce_arena_mem") == "both":
+            return params
+        return {**params, "bounce_arena_mem": mem.lower()}
     n, size = args.n, args.size
     lay = nixlkit.Scattered(n, size, seed=5)
     total = n * size

@@ -400,6 +400,43 @@ def test_capabilities_advertising_tiny_chunks_are_incompatible_and_the_peer_stay
     assert s["peers_incompatible"] == 1 and s["fallback_peer"] == 1 and s["bounce_xfers"] == 0, s
 
 
+def test_both_arenas_without_a_gpu_keep_the_host_arena_and_bounce_host_memory(peer, tmp_path, capfd):
+    """`bounce_arena_mem=both` asks for a host arena and a GPU arena. Where no GPU can be had
+    (CI) the engine says so once, keeps the host arena alone (`stats.arenas` 1, `arena_gpu`
+    0) and bounces host memory as any host-arena engine, to a peer of either setting, WRITE and
+    READ, byte-exact. (With a GPU: test_gpu.py's two-arena tests.)"""
+    if nixlkit.gpu_skip_reason() is None:
+        pytest.skip("a GPU is usable here: test_gpu.py covers two arenas")
+    both = {"bounce_arena_mem": "both"}
+    lay = nixlkit.Scattered(1024, 4096, seed=57)
+    src = nixlkit.pattern(591, lay.src_bytes)
+    capfd.readouterr()
+    ag, p, raddr = pair(peer, src, tx="tx-both", rx="rx-both", rx_size=lay.dst_bytes, rx_seed=590,
+                        params=both, rx_params=both)
+    err = capfd.readouterr().err
+    assert "bounce_arena_mem=both but CUDA is unusable: a host arena only" in err \
+        or "cannot open the GPU for the arena" in err, err[-3000:]
+    write_from_here(ag, "rx-both", lay, src, raddr)
+    before = nixlkit.pattern(590, lay.dst_bytes)
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(src, before), "WRITE destinations")
+    back = nixlkit.Scattered(1024, 4096, seed=58)
+    dst = nixlkit.pattern(592, back.dst_bytes)
+    nixlkit.register(ag, dst)
+    lo = ag.get_xfer_descs(back.dst_list(dst.ctypes.data), "DRAM")
+    re = ag.get_xfer_descs(back.src_list(raddr), "DRAM")
+    h = ag.initialize_xfer("READ", lo, re, "rx-both", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=60)
+    ag.release_xfer_handle(h)
+    nixlkit.assert_same(dst, back.expected(lay.expected(src, before), nixlkit.pattern(592, back.dst_bytes)),
+                        "READ destinations")
+    s, t = stats(ag), {k[len("stats."):]: int(v) for k, v in p.call(op="params")["params"].items()
+                       if k.startswith("stats.")}
+    assert (s["arenas"], s["arena_gpu"], t["arenas"]) == (1, 0, 1), (s, t)
+    assert s["bounce_write_ok"] == 1 and s["bounce_read_ok"] == 1 and s["passthrough_xfers"] == 0, s
+    assert s["bounce_chunks_gpu_arena"] == 0, s
+
+
 @pytest.mark.parametrize("case, params, rx_params, incompatible", [
     ("off", None, {"bounce_enable": "false"}, 0),  # the peer advertises no capabilities
     ("mix", ZMQ, None, 1),  # ZMQ control here, UCX control there: incompatible

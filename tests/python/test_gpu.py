@@ -268,6 +268,73 @@ def test_one_gpu_arena_engine_copies_host_memory_by_cma_and_gpu_memory_by_ipc(pe
     assert (s["arena_gpu"], t["arena_gpu"]) == (1, PEER_GPU + 1), ("GPU arenas on both sides", s, t)
 
 
+# Two arenas per engine (docs/arenas.md): a host one and a GPU one, same-host paths off as
+# between two hosts.
+BOTH = {"bounce_arena_mem": "both", "bounce_cuda_ipc": "false", "bounce_cma": "false"}
+
+
+@pytest.mark.parametrize("metadata", ["two-way", "one-way"])
+def test_an_engine_with_a_host_and_a_gpu_arena_bounces_both_kinds(peer, tmp_path, metadata):
+    """A GPU worker that moves host and GPU memory between hosts (Dynamo's KV block manager, a
+    vLLM worker with a host KV buffer): with `bounce_arena_mem=both` each engine has a host
+    arena and a GPU arena, and with the same-host paths off (as between hosts) the host-memory
+    pieces bounce through the host arenas (CPU copies) and the GPU ones through the GPU arenas
+    (kernels), WRITE and READ, metadata loaded both ways or by us only, then host memory here
+    into GPU memory there (our host arena, their GPU arena). Nothing goes to UCX; every byte of
+    both of the peer's buffers and of ours is checked; the counters say which arena staged what."""
+    lay = nixlkit.Scattered(1024, 4096, seed=1351)  # 4 MiB of 4 KiB pieces, 8 MiB buffers
+    name = f"both-{metadata}"
+    p = peer()
+    r = p.call(op="start", name=f"{name}-rx", size=lay.dst_bytes, seed=1352, mem="VRAM", dev=PEER_GPU,
+               params=BOTH, host={"size": lay.dst_bytes, "seed": 1353})
+    meta, rv, rh = base64.b64decode(r["meta"]), r["addr"], r["host_addr"]
+    ag = nixlkit.agent(f"{name}-tx", params=BOTH)
+    v_src, h_src = nixlkit.VramBuf(nixlkit.pattern(1354, lay.src_bytes), 0), nixlkit.pattern(1355, lay.src_bytes)
+    v_dst, h_dst = nixlkit.VramBuf(nixlkit.pattern(1356, lay.dst_bytes), 0), nixlkit.pattern(1357, lay.dst_bytes)
+    for b in (v_src, h_src, v_dst, h_dst):
+        nixlkit.register(ag, b)
+    ag.add_remote_agent(meta)
+    if metadata == "two-way":
+        connect(ag, p)
+    rx = f"{name}-rx"
+    mixed_transfer(ag, "WRITE", rx, "VRAM", lay, nixlkit.addr(v_src), rv, 0, PEER_GPU)
+    after_vram = stats(ag)
+    mixed_transfer(ag, "WRITE", rx, "DRAM", lay, nixlkit.addr(h_src), rh)
+    back = nixlkit.Scattered(1024, 4096, seed=1358)
+    mixed_transfer(ag, "READ", rx, "VRAM", back, nixlkit.addr(v_dst), rv, 0, PEER_GPU)
+    mixed_transfer(ag, "READ", rx, "DRAM", back, nixlkit.addr(h_dst), rh)
+    peer_v = lay.expected(nixlkit.pattern(1354, lay.src_bytes), nixlkit.pattern(1352, lay.dst_bytes))
+    peer_h = lay.expected(nixlkit.pattern(1355, lay.src_bytes), nixlkit.pattern(1353, lay.dst_bytes))
+    nixlkit.assert_same(v_dst.host(), back.expected(peer_v, nixlkit.pattern(1356, lay.dst_bytes)), "our GPU READ")
+    nixlkit.assert_same(h_dst, back.expected(peer_h, nixlkit.pattern(1357, lay.dst_bytes)), "our host READ")
+    # Host memory here into GPU memory there: the pieces of a second layout, from our host
+    # source into the peer's GPU buffer.
+    cross = nixlkit.Scattered(1024, 4096, seed=1359)
+    lo = ag.get_xfer_descs(cross.src_list(nixlkit.addr(h_src), 0), "DRAM")
+    re = ag.get_xfer_descs(cross.dst_list(rv, PEER_GPU), "VRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, rx, b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=60)
+    ag.release_xfer_handle(h)
+    peer_v = cross.expected(nixlkit.pattern(1355, lay.src_bytes), peer_v)
+    nixlkit.assert_same(remote_host_copy(p, tmp_path), peer_v, "the peer's GPU buffer")
+    path = tmp_path / "host.bin"
+    p.call(op="dump", path=str(path), host=True)
+    nixlkit.assert_same(np.fromfile(path, dtype=np.uint8), peer_h, "the peer's host buffer")
+    s, t = stats(ag), peer_stats(p)
+    assert (s["arenas"], t["arenas"]) == (2, 2), ("a host and a GPU arena on both sides", s, t)
+    assert (s["arena_gpu"], t["arena_gpu"]) == (1, PEER_GPU + 1), (s, t)
+    assert s["bounce_write_ok"] == 3 and s["bounce_read_ok"] == 2 and s["bounce_failed"] == 0, s
+    assert s["passthrough_xfers"] == 0 and s["fallback_mem"] == 0 and s["peers_incompatible"] == 0, s
+    assert s["ipc_xfers"] == 0 and s["cma_xfers"] == 0 and t["ipc_xfers"] == 0 and t["cma_xfers"] == 0, (s, t)
+    assert s["one_way_sent"] == (5 if metadata == "one-way" else 0), s
+    # The first WRITE (GPU memory) staged every chunk in our GPU arena; the host-memory
+    # transfers staged none there.
+    gpu_chunks = after_vram["bounce_chunks_gpu_arena"]
+    assert gpu_chunks == after_vram["bounce_chunks"] > 0, after_vram
+    assert gpu_chunks < s["bounce_chunks_gpu_arena"] < s["bounce_chunks"], ("the GPU READ too, no host one", s)
+
+
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_a_host_arena_engine_copies_gpu_memory_by_ipc(peer, tmp_path, op):
     """An engine whose arena is host memory (`bounce_arena_mem=dram` here; `auto` in a process
