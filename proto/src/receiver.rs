@@ -1675,6 +1675,20 @@ mod tests {
         (ep, t)
     }
 
+    /// READ `XferId(9)` of one chunk at `addr` through arena 0, proving registration `reg`.
+    fn pull_of(reg: RegId, addr: u64) -> wire::Pull {
+        wire::Pull {
+            arena: ArenaId(0),
+            xfer: XferId(9),
+            token: TOKEN,
+            first: ChunkIdx(0),
+            total: 1,
+            endpoint: Vec::new(),
+            chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run(0, addr, CHUNK)].into() }],
+            proofs: vec![crate::proof::prove(reg, &KEY, TOKEN)],
+        }
+    }
+
     /// The registration of the destination memory served by arena 1, in tests that add one
     /// (a registration serves one arena: `REG` is arena 0's).
     const REG_OF_1: RegId = RegId(101);
@@ -2293,16 +2307,7 @@ mod tests {
         assert_eq!(ep.remote_flows(), 1);
         assert_eq!(ep.scheduler().flow_held_count(FlowKey { peer: PEER, xfer: X }), 1);
         // A READ through an arena we lack.
-        let pull = Msg::Pull(wire::Pull {
-            arena: ArenaId(0),
-            xfer: XferId(9),
-            token: TOKEN,
-            first: ChunkIdx(0),
-            total: 1,
-            endpoint: Vec::new(),
-            chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run(0, DST, CHUNK)].into() }],
-            proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],
-        });
+        let pull = Msg::Pull(pull_of(REG, DST));
         let err = ep.handle_msg(t, PEER, named(pull.clone(), 15)).unwrap_err();
         assert_eq!(err, ProtocolError::WrongArena { peer: PEER, xfer: XferId(9), arena: ArenaId(15) });
         assert_eq!(acks(&drain(&mut ep)), vec![(XferId(9), 0, AckStatus::Refused)]);
@@ -2340,16 +2345,7 @@ mod tests {
         );
         assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Refused)]);
         // Arena 1's registration proven through arena 0, by a READ.
-        let pull = wire::Pull {
-            arena: ArenaId(0),
-            xfer: XferId(9),
-            token: TOKEN,
-            first: ChunkIdx(0),
-            total: 1,
-            endpoint: Vec::new(),
-            chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run(0, DST + 64 * KIB, CHUNK)].into() }],
-            proofs: vec![crate::proof::prove(gpu, &KEY, TOKEN)],
-        };
+        let pull = pull_of(gpu, DST + 64 * KIB);
         let err = ep.handle_msg(t, PEER, Msg::Pull(pull.clone())).unwrap_err();
         assert!(
             matches!(err, ProtocolError::BadProof { source: BadProof::WrongArena(r, ArenaId(0)), .. } if r == gpu),

@@ -220,6 +220,25 @@ def mixed_transfer(ag, op, peer_name, mem, lay, mine, theirs, dev=0, rdev=0):
     ag.release_xfer_handle(h)
 
 
+def two_kind_pair(p, name, lay, seed, params, metadata):
+    """Peer process `p` as `{name}-rx` with a GPU buffer (on PEER_GPU) of pattern(seed) and a host
+    buffer of pattern(seed + 1), and our agent `{name}-tx` with a GPU and a host source
+    (pattern(seed + 2), pattern(seed + 3)) and a GPU and a host destination (seed + 4, seed + 5),
+    all registered; metadata loaded by us, and by the peer too for "two-way". Returns (agent,
+    peer name, (peer GPU addr, peer host addr), (GPU src, host src, GPU dst, host dst))."""
+    r = p.call(op="start", name=f"{name}-rx", size=lay.dst_bytes, seed=seed, mem="VRAM", dev=PEER_GPU,
+               params=params, host={"size": lay.dst_bytes, "seed": seed + 1})
+    ag = nixlkit.agent(f"{name}-tx", params=params)
+    bufs = (nixlkit.VramBuf(nixlkit.pattern(seed + 2, lay.src_bytes), 0), nixlkit.pattern(seed + 3, lay.src_bytes),
+            nixlkit.VramBuf(nixlkit.pattern(seed + 4, lay.dst_bytes), 0), nixlkit.pattern(seed + 5, lay.dst_bytes))
+    for b in bufs:
+        nixlkit.register(ag, b)
+    ag.add_remote_agent(base64.b64decode(r["meta"]))
+    if metadata == "two-way":
+        connect(ag, p)
+    return ag, f"{name}-rx", (r["addr"], r["host_addr"]), bufs
+
+
 @pytest.mark.parametrize("metadata", ["two-way", "one-way"])
 def test_one_gpu_arena_engine_copies_host_memory_by_cma_and_gpu_memory_by_ipc(peer, tmp_path, monkeypatch, metadata):
     """A GPU worker that moves host memory too (Dynamo's KV block manager registers GPU and
@@ -232,18 +251,7 @@ def test_one_gpu_arena_engine_copies_host_memory_by_cma_and_gpu_memory_by_ipc(pe
     lay = nixlkit.Scattered(1024, 4096, seed=1301)  # 4 MiB of 4 KiB pieces, 8 MiB buffers
     name = f"kinds-{metadata}"
     p = peer({"NIXL_BOUNCE_CMA": "1"})
-    r = p.call(op="start", name=f"{name}-rx", size=lay.dst_bytes, seed=1302, mem="VRAM", dev=PEER_GPU,
-               params=IPC, host={"size": lay.dst_bytes, "seed": 1303})
-    meta, rv, rh = base64.b64decode(r["meta"]), r["addr"], r["host_addr"]
-    ag = nixlkit.agent(f"{name}-tx", params=IPC)
-    v_src, h_src = nixlkit.VramBuf(nixlkit.pattern(1304, lay.src_bytes), 0), nixlkit.pattern(1305, lay.src_bytes)
-    v_dst, h_dst = nixlkit.VramBuf(nixlkit.pattern(1306, lay.dst_bytes), 0), nixlkit.pattern(1307, lay.dst_bytes)
-    for b in (v_src, h_src, v_dst, h_dst):
-        nixlkit.register(ag, b)
-    ag.add_remote_agent(meta)
-    if metadata == "two-way":
-        connect(ag, p)
-    rx = f"{name}-rx"
+    ag, rx, (rv, rh), (v_src, h_src, v_dst, h_dst) = two_kind_pair(p, name, lay, 1302, IPC, metadata)
     mixed_transfer(ag, "WRITE", rx, "VRAM", lay, nixlkit.addr(v_src), rv, 0, PEER_GPU)
     mixed_transfer(ag, "WRITE", rx, "DRAM", lay, nixlkit.addr(h_src), rh)
     # READ back what the peer had between the pieces it was sent (the source layout over its
@@ -284,19 +292,7 @@ def test_an_engine_with_a_host_and_a_gpu_arena_bounces_both_kinds(peer, tmp_path
     both of the peer's buffers and of ours is checked; the counters say which arena staged what."""
     lay = nixlkit.Scattered(1024, 4096, seed=1351)  # 4 MiB of 4 KiB pieces, 8 MiB buffers
     name = f"both-{metadata}"
-    p = peer()
-    r = p.call(op="start", name=f"{name}-rx", size=lay.dst_bytes, seed=1352, mem="VRAM", dev=PEER_GPU,
-               params=BOTH, host={"size": lay.dst_bytes, "seed": 1353})
-    meta, rv, rh = base64.b64decode(r["meta"]), r["addr"], r["host_addr"]
-    ag = nixlkit.agent(f"{name}-tx", params=BOTH)
-    v_src, h_src = nixlkit.VramBuf(nixlkit.pattern(1354, lay.src_bytes), 0), nixlkit.pattern(1355, lay.src_bytes)
-    v_dst, h_dst = nixlkit.VramBuf(nixlkit.pattern(1356, lay.dst_bytes), 0), nixlkit.pattern(1357, lay.dst_bytes)
-    for b in (v_src, h_src, v_dst, h_dst):
-        nixlkit.register(ag, b)
-    ag.add_remote_agent(meta)
-    if metadata == "two-way":
-        connect(ag, p)
-    rx = f"{name}-rx"
+    ag, rx, (rv, rh), (v_src, h_src, v_dst, h_dst) = two_kind_pair(peer(), name, lay, 1352, BOTH, metadata)
     mixed_transfer(ag, "WRITE", rx, "VRAM", lay, nixlkit.addr(v_src), rv, 0, PEER_GPU)
     after_vram = stats(ag)
     mixed_transfer(ag, "WRITE", rx, "DRAM", lay, nixlkit.addr(h_src), rh)
