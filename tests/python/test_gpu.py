@@ -292,7 +292,8 @@ def test_an_engine_with_a_host_and_a_gpu_arena_bounces_both_kinds(peer, tmp_path
     both of the peer's buffers and of ours is checked; the counters say which arena staged what."""
     lay = nixlkit.Scattered(1024, 4096, seed=1351)  # 4 MiB of 4 KiB pieces, 8 MiB buffers
     name = f"both-{metadata}"
-    ag, rx, (rv, rh), (v_src, h_src, v_dst, h_dst) = two_kind_pair(peer(), name, lay, 1352, BOTH, metadata)
+    p = peer()
+    ag, rx, (rv, rh), (v_src, h_src, v_dst, h_dst) = two_kind_pair(p, name, lay, 1352, BOTH, metadata)
     mixed_transfer(ag, "WRITE", rx, "VRAM", lay, nixlkit.addr(v_src), rv, 0, PEER_GPU)
     after_vram = stats(ag)
     mixed_transfer(ag, "WRITE", rx, "DRAM", lay, nixlkit.addr(h_src), rh)
