@@ -782,3 +782,28 @@ def test_vram_same_host_release_while_in_flight_then_again(peer, tmp_path):
                                           nixlkit.pattern(1063, lay.dst_bytes)), "after releases")
     s = stats(ag)
     assert s["ipc_xfers"] == 4 and s["bounce_xfers"] == 0, s
+
+
+def test_vram_of_expandable_segments_has_no_ipc_handle_and_bounces_byte_exact(peer, tmp_path):
+    """PyTorch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which
+    inference servers set to fight fragmentation) map GPU memory with CUDA's virtual memory API:
+    such memory has no legacy IPC handle. Between two processes of one host, both allocating so,
+    with the same-host path on (the default), BOUNCE publishes no IPC record for it and the
+    transfer bounces instead, byte-exact, rather than failing or going to UCX."""
+    vmm = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    lay = nixlkit.Scattered(4096, 4096, seed=1401)
+    rx, tx = peer(vmm), peer(vmm)
+    rmeta, raddr = rx.start(name="vmm-rx", size=lay.dst_bytes, seed=1402, mem="VRAM", dev=PEER_GPU, params=IPC)
+    tmeta, _ = tx.start(name="vmm-tx", size=lay.src_bytes, seed=1403, mem="VRAM", dev=0, params=IPC)
+    tx.call(op="load", meta=base64.b64encode(rmeta).decode())
+    rx.call(op="load", meta=base64.b64encode(tmeta).decode())
+    tx.call(op="wait_ready", n=1)
+    rx.call(op="wait_ready", n=1)
+    r = tx.call(op="write", to="vmm-rx", n=lay.n, size=4096, seed=1401, raddr=raddr, rdev=PEER_GPU)
+    assert r["state"] == "DONE", r
+    nixlkit.assert_same(remote_host_copy(rx, tmp_path),
+                        lay.expected(nixlkit.pattern(1403, lay.src_bytes), nixlkit.pattern(1402, lay.dst_bytes)),
+                        "destinations (and every byte between them)")
+    s = peer_stats(tx)
+    assert s["ipc_xfers"] == 0 and s["passthrough_xfers"] == 0, ("no IPC record for VMM memory", s)
+    assert s["bounce_write_ok"] == 1 and s["bounce_failed"] == 0, s
