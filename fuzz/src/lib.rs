@@ -164,6 +164,17 @@ enum Kind {
 const USER_BASE: u64 = 0x10_0000;
 const USER_LEN: u64 = 1 << 20;
 
+/// A second arena (a GPU one beside the host one, in a shell) and the memory it alone serves:
+/// `[OTHER_BASE, OTHER_BASE + USER_LEN)`, registered as [`OTHER_REG`], never deregistered.
+const OTHER_ARENA: ArenaId = ArenaId(1);
+const OTHER_BASE: u64 = 0x8000_0000;
+const OTHER_REG: RegId = RegId(900);
+
+/// Where arena `arena`'s registered memory starts.
+fn base_of(arena: ArenaId) -> u64 {
+    if arena == OTHER_ARENA { OTHER_BASE } else { USER_BASE }
+}
+
 fn config() -> Config {
     let params = [
         ("bounce_arena_size", "64KiB"),
@@ -289,6 +300,10 @@ pub struct Coverage {
     pub inline_scatters: usize,
     /// Remote WANTs whose chunk 0 claimed the peer's standing credit.
     pub standing_taken: u64,
+    /// Scatters through the second arena (each checked to write only the memory it serves).
+    pub other_scatters: usize,
+    /// Remote WANTs refused for proving a registration their arena does not serve.
+    pub wrong_arena: usize,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -304,6 +319,7 @@ struct Seen {
     /// Our WRITEs whose WANT went out: peer, transfer, chunk sizes (what a GRANT may credit).
     wanted: Vec<(PeerId, XferId, Vec<u64>)>,
     scatters: usize,
+    other_scatters: usize,
     region_plans: usize,
     inline_scatters: usize,
     /// The user range is registered (see [`Op::Deregister`]).
@@ -340,8 +356,16 @@ impl Seen {
                     }
                     self.jobs.push((job, Kind::Write));
                 }
-                Action::Scatter { job, region, runs, in_region, inline, .. } => {
-                    assert!(self.registered, "a scatter was emitted while its memory is deregistered");
+                Action::Scatter { job, arena, region, runs, in_region, inline, .. } => {
+                    // Each arena scatters only into the memory it serves: the user range
+                    // (deregistered at times) or the other arena's (always registered).
+                    let (lo_ok, hi_ok) = (base_of(arena), base_of(arena) + USER_LEN);
+                    let within = |(a, b): (u64, u64)| lo_ok <= a && b <= hi_ok;
+                    if arena == OTHER_ARENA {
+                        self.other_scatters += 1;
+                    } else {
+                        assert!(self.registered, "a scatter was emitted while its memory is deregistered");
+                    }
                     if let Some(bytes) = &inline {
                         assert!(bytes.len() as u64 <= region.len, "inline bytes beyond their region {region:?}");
                         assert!(in_region.is_none(), "an inline chunk's runs are its own");
@@ -352,7 +376,7 @@ impl Seen {
                         // against, which must be registered memory and leave room for the plan.
                         assert!(runs.runs().is_empty(), "a region plan's scatter names runs of its own");
                         let (lo, hi) = p.allowed.hull().expect("a region plan scatters only with ranges");
-                        assert!(USER_BASE <= lo && hi <= USER_BASE + USER_LEN, "region plan may write outside");
+                        assert!(within((lo, hi)), "region plan may write outside its arena's memory");
                         let end = p.offset.checked_add(bounce_proto::wire::region_plan::plan_bytes(p.runs));
                         assert!(end.is_some_and(|e| e <= region.len), "region plan leaves its region {region:?}");
                         self.region_plans += 1;
@@ -363,9 +387,8 @@ impl Seen {
                     for r in runs.runs() {
                         let inside = r.region_span().is_some_and(|(_, end)| end <= region.len);
                         assert!(inside, "scatter run {r:?} leaves its region {region:?}");
-                        let registered =
-                            r.addr_span().is_some_and(|(a, b)| USER_BASE <= a && b <= USER_BASE + USER_LEN);
-                        assert!(registered, "scatter run {r:?} writes outside registered memory");
+                        let registered = r.addr_span().is_some_and(within);
+                        assert!(registered, "scatter run {r:?} writes outside the memory its arena serves");
                     }
                     self.scatters += 1;
                     self.jobs.push((job, Kind::Scatter));
@@ -435,6 +458,8 @@ pub fn run(data: &[u8]) -> Coverage {
     let layout = ep.one_way_layout();
     let mailbox = MailboxLayout { slots: layout.mailbox.slots, ring: layout.mailbox.ring };
     ep.add_registered(REG, KEY, (USER_BASE, USER_LEN), ArenaId(0));
+    assert_eq!(ep.add_arena(cfg.arena_usable_capacity(), cfg.arena_granularity, cfg.max_chunk_size), Ok(OTHER_ARENA));
+    ep.add_registered(OTHER_REG, key_of(OTHER_REG), (OTHER_BASE, USER_LEN), OTHER_ARENA);
     // Peers 0..3, loaded in order (so `agent(i)` is `PeerId(i)`) with their sessions.
     for i in 0..3 {
         let caps = Capabilities::host_arena(cfg.arena_usable_capacity(), cfg.max_chunk_size, session_of(PeerId(i)));
@@ -446,6 +471,8 @@ pub fn run(data: &[u8]) -> Coverage {
 
     // What the remote senders know: chunk sizes they announced (credits come with `seen`).
     let mut announced: BTreeMap<(PeerId, XferId), Vec<u64>> = BTreeMap::new();
+    // The arena each remote flow was opened through (its DATA runs aim at that arena's memory).
+    let mut flow_arena: BTreeMap<(PeerId, XferId), ArenaId> = BTreeMap::new();
     let mailbox_at = (layout.mailbox.offset, layout.mailbox.offset + mailbox.byte_len());
     let mut seen = Seen { capacity, registered: true, mailbox: mailbox_at, ..Seen::default() };
     let mut our_one_way: Vec<XferId> = Vec::new();
@@ -502,11 +529,17 @@ pub fn run(data: &[u8]) -> Coverage {
                 let size = if size & 1 == 0 { size.next_multiple_of(8) } else { size };
                 let sizes = vec![size; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
-                let proofs = vec![proof::prove(reg, &key_of(reg), token)];
+                // Half the WANTs go through the second arena; a quarter prove the registration
+                // of the other arena (a hostile peer's, holding both keys): refused, whatever
+                // the DATA that follows.
+                let arena = if from & 0x40 != 0 { OTHER_ARENA } else { ArenaId(0) };
+                let mismatched = from & 0x30 == 0x30;
+                let proven = if (arena == OTHER_ARENA) != mismatched { OTHER_REG } else { reg };
+                let proofs = vec![proof::prove(proven, &key_of(proven), token)];
                 // Half the one-chunk WANTs carry the chunk inline, scattered by one run that
                 // may leave the registration (a hostile peer's).
                 let inline = (sizes.len() == 1 && from & 0x80 != 0).then(|| {
-                    let addr = USER_BASE - 4096 + (u64::from(size) * 131) % (USER_LEN + 8192);
+                    let addr = base_of(arena) - 4096 + (u64::from(size) * 131) % (USER_LEN + 8192);
                     let run = CopyRun { region_off: 0, addr, len: size, count: 1, region_stride: 0, addr_stride: 0 };
                     bounce_proto::wire::Inline { runs: vec![run], bytes: vec![0xa5; size as usize] }
                 });
@@ -530,7 +563,7 @@ pub fn run(data: &[u8]) -> Coverage {
                     Standing::None => sizes,
                 };
                 let want = Msg::Want(Want {
-                    arena: ArenaId(0),
+                    arena,
                     xfer,
                     token,
                     endpoint: Vec::new(),
@@ -539,7 +572,17 @@ pub fn run(data: &[u8]) -> Coverage {
                     inline,
                     standing,
                 });
-                if ep.handle_msg(now, peer, want).is_ok() && standing != Standing::Open {
+                let existed = ep.receiver().has_flow(FlowKey { peer, xfer });
+                let answered = ep.handle_msg(now, peer, want);
+                if let Err(ProtocolError::BadProof { source: proof::BadProof::WrongArena(..), .. }) = answered {
+                    assert!(mismatched, "a proof through the arena that serves it refused as of another arena");
+                    cov.wrong_arena += 1;
+                }
+                if answered.is_ok() && standing != Standing::Open {
+                    assert!(!mismatched, "a proof of another arena's memory accepted");
+                    if !existed {
+                        flow_arena.insert((peer, xfer), arena);
+                    }
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                     // A claim taken: chunk 0's region is the standing one, written as if granted.
                     if let Some(g) = ep.scheduler().idle_held(FlowKey { peer, xfer }) {
@@ -553,7 +596,8 @@ pub fn run(data: &[u8]) -> Coverage {
                 if !seen.credits.is_empty() {
                     let (peer, xfer, chunk, region) = seen.credits.swap_remove(usize::from(which) % seen.credits.len());
                     if let Some(&len) = announced.get(&(peer, xfer)).and_then(|s| s.get(chunk.0 as usize)) {
-                        let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
+                        let arena = flow_arena.get(&(peer, xfer)).copied().unwrap_or(ArenaId(0));
+                        let addr = base_of(arena) - 4096 + u64::from(at) % (USER_LEN + 8192);
                         let run = CopyRun { region_off: 0, addr, len, count: 1, region_stride: 0, addr_stride: 0 };
                         let token = remote_token(peer, xfer);
                         // One DATA in four says its runs lie in the region, in a plan of 1-8
@@ -574,7 +618,8 @@ pub fn run(data: &[u8]) -> Coverage {
                     let (&(peer, xfer), sizes) =
                         announced.iter().nth(usize::from(which) % announced.len()).expect("in range");
                     let i = usize::from(chunk) % sizes.len();
-                    let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
+                    let arena = flow_arena.get(&(peer, xfer)).copied().unwrap_or(ArenaId(0));
+                    let addr = base_of(arena) - 4096 + u64::from(at) % (USER_LEN + 8192);
                     let run =
                         CopyRun { region_off: 0, addr, len: sizes[i], count: 1, region_stride: 0, addr_stride: 0 };
                     let (token, chunk) = (remote_token(peer, xfer), ChunkIdx(i as u32));
@@ -785,9 +830,10 @@ pub fn run(data: &[u8]) -> Coverage {
         guard += 1;
         assert!(guard < 100_000, "jobs keep coming after shutdown");
     }
-    assert_eq!(ep.arena_free_bytes(), capacity, "arena bytes leaked after shutdown");
+    assert_eq!(ep.arena_free_bytes(), 2 * capacity, "arena bytes leaked after shutdown");
     cov.completed = seen.completed.len();
     cov.scatters = seen.scatters;
+    cov.other_scatters = seen.other_scatters;
     cov.region_plans = seen.region_plans;
     cov.inline_scatters = seen.inline_scatters;
     cov.standing_taken = ep.stats().standing_taken;

@@ -24,6 +24,8 @@ fn random_operation_sequences_keep_every_invariant() {
         total.region_plans += c.region_plans;
         total.inline_scatters += c.inline_scatters;
         total.standing_taken += c.standing_taken;
+        total.other_scatters += c.other_scatters;
+        total.wrong_arena += c.wrong_arena;
     }
     eprintln!("{total:?}");
     // Not vacuous: the random sequences really drive transfers through jobs to completion.
@@ -38,8 +40,12 @@ fn random_operation_sequences_keep_every_invariant() {
     assert!(total.region_plans > 80, "{total:?}");
     // Remote WANTs' inline chunks really reach the scatter, each within its region.
     assert!(total.inline_scatters > 50, "{total:?}");
-    // Remote WANTs really claim standing credits their peer opened.
-    assert!(total.standing_taken > 30, "{total:?}");
+    // Flows through the second arena really scatter (each only into the memory it serves),
+    // and proofs of memory the named arena does not serve really are refused.
+    assert!(total.other_scatters > 300 && total.wrong_arena > 300, "{total:?}");
+    // Remote WANTs really claim standing credits their peer opened. (29 of them since half the
+    // WANTs go through the second arena, where a claim of a region of the first is not taken.)
+    assert!(total.standing_taken > 20, "{total:?}");
     // Forged tokens and sessions really hit live transfers and flows (and each was refused).
     assert!(total.forged > 1_000, "{total:?}");
     // The user range really is deregistered (and registered again) under live transfers.
