@@ -362,8 +362,9 @@ impl Engine {
         })
     }
 
-    /// Our capabilities: every arena with its own options' usable bytes and max chunk.
-    fn capabilities_of(&self, arenas: &[Arena]) -> Capabilities {
+    /// Our capabilities: every arena with its own options' usable bytes and max chunk (`None`
+    /// for no arena or more than the wire's 16; we make one or two).
+    fn capabilities_of(&self, arenas: &[Arena]) -> Option<Capabilities> {
         let listed = arenas
             .iter()
             .map(|a| {
@@ -371,24 +372,29 @@ impl Engine {
                 a.advert(c.arena_usable_capacity(), c.max_chunk_size)
             })
             .collect();
-        Capabilities {
+        Some(Capabilities {
             wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
             control: self.config.control,
             session: self.session,
-            // One or two arenas: well within MAX_ARENAS.
-            arenas: Arenas::new(listed).expect("one or two arenas"),
+            arenas: Arenas::new(listed)?,
             endpoint: Vec::new(),
             mailbox: None,
             mailbox_base: 0,
             mailbox_len: 0,
             mailbox_key: Vec::new(),
-        }
+        })
     }
 
     fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
         // Bound before the arenas: a failure here costs no registration to undo.
         let (control, control_endpoint) = self.control_channel(shim)?;
         let arenas = self.make_arenas(&shim)?;
+        let Some(mut caps) = self.capabilities_of(&arenas) else {
+            for a in &arenas {
+                a.deregister(&shim);
+            }
+            return Err(Error::Arenas("none, or more than the wire's 16"));
+        };
         let places: Vec<ArenaPlace> = arenas.iter().map(Arena::place).collect();
         // The mailbox one-way peers READ our answers from, and the fetch area our own one-way
         // READs land in (bounce_proto::oneway): host memory registered on its own, whatever
@@ -397,7 +403,6 @@ impl Engine {
         let one_way = OneWayArea::new(&shim, &layout)
             .map_err(|e| tracing::warn!(agent = self.agent, error = %e, "no mailbox: bouncing two way only"))
             .ok();
-        let mut caps = self.capabilities_of(&arenas);
         caps.endpoint = control_endpoint;
         if let Some(area) = &one_way {
             (caps.mailbox_base, caps.mailbox_len, caps.mailbox_key) = area.advert();
