@@ -105,7 +105,8 @@ struct Bounce {
     reactor: Reactor,
     /// By [`ArenaId`] (the order of our capabilities): one, or a host and a GPU arena (`both`).
     arenas: Vec<Arena>,
-    /// Where each arena lives, by [`ArenaId`] (what the gate picks from).
+    /// Where each arena lives, by [`ArenaId`] (what the gate picks from): kept beside `arenas`
+    /// so that every prep borrows a slice instead of collecting one.
     places: Vec<ArenaPlace>,
     /// Our mailbox and fetch area (`None`: it could not be set up; two way only).
     one_way: Option<OneWayArea>,
