@@ -294,7 +294,6 @@ struct WriteInFlight {
     peer: PeerId,
     xfer: XferId,
     token: Token,
-    posted: Instant,
 }
 
 impl Sender {
@@ -708,7 +707,7 @@ impl Sender {
         trace!(xfer = id.0, chunk = i, remote = %credit.region, %local, "read");
         let remote_arena = x.plan.peer_arena;
         ctx.push(Action::Read { job, xfer: id, peer: x.peer, remote_arena, remote: credit.region, arena, local, len });
-        self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token, posted: ctx.now });
+        self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token });
         if self.next_keep.is_none() && !self.keep_every.is_zero() {
             self.next_keep = Some(ctx.now + self.keep_every);
         }
@@ -1262,21 +1261,28 @@ impl Sender {
             remote: credit.region,
             len,
         });
-        self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token, posted: ctx.now });
+        self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token });
         if self.next_keep.is_none() && !self.keep_every.is_zero() {
             self.next_keep = Some(ctx.now + self.keep_every);
         }
         Ok(())
     }
 
-    /// One round of KEEPs: one per flow with a write in flight for at least `keep_every`, so
-    /// the receiver does not reclaim a region a slow write may still land in. Re-armed while
-    /// any write is in flight.
+    /// One round of KEEPs: one per flow with a write in flight, so the receiver does not
+    /// reclaim a region a slow write may still land in. Re-armed while any write is in flight.
+    ///
+    /// Every write in flight counts, however young: its flow's lease at the receiver runs from
+    /// the grant (half the timeout), and the write may be posted up to a quarter timeout after
+    /// the credit came, so waiting until it is itself an eighth old could send its first KEEP
+    /// half a timeout after the credit, when the flow is already reclaimed. This way the first
+    /// KEEP leaves at most an eighth after the post: three eighths after the credit, an eighth
+    /// ahead of the lease (the simulation found the race: a write landing in a region reclaimed
+    /// under it).
     fn send_keeps(&mut self, ctx: &mut Ctx<'_>) {
         let now = ctx.now;
         let mut kept = BTreeSet::new();
         for w in self.writes.values() {
-            if w.posted + self.keep_every <= now && kept.insert((w.peer, w.xfer)) {
+            if kept.insert((w.peer, w.xfer)) {
                 trace!(peer = w.peer.0, xfer = w.xfer.0, "write still in flight: KEEP");
                 ctx.push(Action::Send { peer: w.peer, msg: wire::Keep { xfer: w.xfer, token: w.token }.into() });
             }
@@ -2285,6 +2291,28 @@ mod tests {
         ep.handle_timeout(t + TIMEOUT * 3 / 8);
         assert_eq!(keeps(&drain(&mut ep)), 0);
         assert_eq!(ep.stats().keeps_sent, 2);
+    }
+
+    #[test]
+    fn a_write_posted_just_before_a_round_of_keeps_is_kept_in_that_round() {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        direct_write_granted(&mut ep, t, 2);
+        // A second transfer's write is posted just before the round X's write armed: its credit
+        // may be a quarter timeout old by then, so waiting a round more could let its lease
+        // (half a timeout from the grant) end before its first KEEP.
+        let (y, late) = (XferId(2), t + TIMEOUT / 8 - Duration::from_millis(1));
+        ep.submit(t, y, TOKEN, PEER, direct_plan_of(1)).unwrap();
+        drain(&mut ep);
+        assert_eq!(writes(&feed(&mut ep, late, grant_msg(y, &[(0, r(1))]))).len(), 1);
+        ep.handle_timeout(t + TIMEOUT / 8);
+        let kept: Vec<XferId> = msgs(&drain(&mut ep))
+            .iter()
+            .filter_map(|(_, m)| match m {
+                Msg::Keep(k) => Some(k.xfer),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kept, vec![X, y]);
     }
 
     #[test]
