@@ -286,6 +286,11 @@ pub struct Sender {
     standing: BTreeMap<PeerId, StandingSlot>,
     /// Peers that refused our standing flow: not asked again until they are lost.
     no_standing: BTreeSet<PeerId>,
+    /// Per peer, the highest transfer that claimed our standing credit there. The receiver
+    /// refuses a claim at or below the newest it took from us as a replay, and transfers may
+    /// reach `submit` out of id order (the shell numbers them at post, on the posting thread),
+    /// so a lower one claiming after a higher would fail for nothing: it goes the usual way.
+    claim_floor: BTreeMap<PeerId, XferId>,
 }
 
 /// A write in flight, as KEEPs need it.
@@ -324,6 +329,7 @@ impl Sender {
             standing_bytes: config.standing_bytes.min(config.max_chunk_size),
             standing: BTreeMap::new(),
             no_standing: BTreeSet::new(),
+            claim_floor: BTreeMap::new(),
         }
     }
 
@@ -409,16 +415,22 @@ impl Sender {
         if stale {
             self.close_standing(ctx, peer, true);
         }
+        let in_order = self.claim_floor.get(&peer).is_none_or(|&floor| xfer > floor);
         let claim = match self.standing.get_mut(&peer) {
-            Some(slot) if !one_way && !inlined && !no_standing && slot.arena == plan.peer_arena => match slot.region {
-                Some((region, _)) if region.len >= plan.chunks[0].bytes => {
-                    slot.region = None;
-                    Some((slot.xfer, slot.token, region))
+            Some(slot) if !one_way && !inlined && !no_standing && in_order && slot.arena == plan.peer_arena => {
+                match slot.region {
+                    Some((region, _)) if region.len >= plan.chunks[0].bytes => {
+                        slot.region = None;
+                        Some((slot.xfer, slot.token, region))
+                    }
+                    _ => None,
                 }
-                _ => None,
-            },
+            }
             _ => None,
         };
+        if claim.is_some() {
+            self.claim_floor.insert(peer, xfer);
+        }
         let standing = claim.map_or(Standing::None, |(xfer, token, _)| Standing::Claim { xfer, token });
         ctx.send(peer, Want { xfer, token, arena: plan.peer_arena, endpoint, chunks, proofs, inline, standing });
         if !one_way && !no_standing {

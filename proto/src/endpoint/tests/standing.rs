@@ -297,6 +297,36 @@ fn a_senders_next_write_claims_its_standing_region_and_writes_chunk_0_at_once() 
 }
 
 #[test]
+fn a_transfer_submitted_after_a_higher_one_claimed_does_not_claim_since_its_claim_would_be_refused() {
+    let claims_of = |acts: &[Action]| -> Vec<(XferId, Standing)> {
+        msgs(acts)
+            .iter()
+            .filter_map(|(_, m)| if let Msg::Want(w) = m { Some((w.xfer, w.standing)) } else { None })
+            .collect()
+    };
+    let (mut ep, t, s, token, region) = sender_with_standing(false);
+    // Transfer 5 reaches the core first (the shell numbers transfers at post, on the posting
+    // thread, so two threads' transfers may arrive out of id order), claims and is done.
+    ep.submit(t, XferId(5), TOKEN, PEER, plan_of(1)).unwrap();
+    let acts = drain(&mut ep);
+    assert_eq!(claims_of(&acts), vec![(XferId(5), Standing::Claim { xfer: s, token })]);
+    ep.handle_gather_done(t, gathers(&acts)[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w[0].0, true);
+    drain(&mut ep);
+    ep.handle_msg(t, PEER, ack_msg(XferId(5), 0, region, AckStatus::Kept)).unwrap();
+    assert_eq!(completes(&drain(&mut ep)), vec![(XferId(5), Ok(()))]);
+    // Transfer 3 comes now: the receiver would refuse its claim as a replay (at or below the
+    // newest claim, 5), failing it for nothing. It asks for credits the usual way.
+    ep.submit(t, XferId(3), TOKEN, PEER, plan_of(1)).unwrap();
+    assert_eq!(claims_of(&drain(&mut ep)), vec![(XferId(3), Standing::None)]);
+    // The region stays ours: the next transfer in order claims it.
+    ep.submit(t, XferId(6), TOKEN, PEER, plan_of(1)).unwrap();
+    assert_eq!(claims_of(&drain(&mut ep)), vec![(XferId(6), Standing::Claim { xfer: s, token })]);
+    assert_eq!(ep.stats().standing_claims, 2);
+}
+
+#[test]
 fn a_stale_standing_region_is_not_claimed_its_flow_is_canceled_and_a_new_one_opened() {
     let (mut ep, t, s, _, _) = sender_with_standing(false);
     ep.submit(t + TIMEOUT / 4, XferId(2), TOKEN, PEER, plan_of(1)).unwrap();
