@@ -625,6 +625,9 @@ pub struct Stats {
     pub late_data: u64,
     /// Remote flows reclaimed because their sender went silent.
     pub flows_timed_out: u64,
+    /// Remote flows dropped before their first grant because their peer let another flow's
+    /// grant lapse and had used no grant since (see [`crate::endpoint::Endpoint`]'s timeouts).
+    pub flows_dropped_unserved: u64,
     /// Arena regions put in quarantine: reclaimed from a flow whose writer went silent or was
     /// lost, and kept from every flow for a quarter of the request timeout.
     pub regions_quarantined: u64,

@@ -85,6 +85,10 @@ struct Flow {
     /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
     /// when it fires.
     deadline: Instant,
+    /// When the flow was last given regions (a GRANT, or its WANT's claim of a standing
+    /// credit); `None` while it has waited for the arena since its WANT. See
+    /// `Receiver::drop_unserved`.
+    given: Option<Instant>,
 }
 
 /// A scatter job in flight.
@@ -241,6 +245,10 @@ pub struct Receiver {
     /// The token of each reclaimed flow whose regions rest in quarantine: its sender's cancel,
     /// which follows its writes, frees them at once. Pruned as quarantines end.
     resting: BTreeMap<FlowKey, Token>,
+    /// Per peer with open flows, when it last showed that it uses what it is granted: an
+    /// admitted DATA, PLAN, KEEP or RELEASE. A WANT shows nothing (announcing costs a flooder
+    /// nothing). Forgotten with the peer's last flow.
+    wrote: BTreeMap<PeerId, Instant>,
 }
 
 impl Receiver {
@@ -264,6 +272,7 @@ impl Receiver {
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
             resting: BTreeMap::new(),
+            wrote: BTreeMap::new(),
         }
     }
 
@@ -541,6 +550,7 @@ impl Receiver {
                     standing: false,
                     claimed_from: claimed.map(|g| g.flow.xfer),
                     deadline,
+                    given: claimed.map(|_| ctx.now),
                 };
                 self.flows.insert(key, flow);
             }
@@ -634,6 +644,7 @@ impl Receiver {
             standing: true,
             claimed_from: None,
             deadline,
+            given: None,
         };
         self.flows.insert(key, flow);
         ctx.stats.standing_opened += 1;
@@ -694,6 +705,7 @@ impl Receiver {
             return Err(ProtocolError::WrongToken { peer: from, xfer: keep.xfer });
         }
         flow.deadline = ctx.now + self.idle_timeout;
+        self.wrote.insert(from, ctx.now);
         Ok(())
     }
 
@@ -720,6 +732,7 @@ impl Receiver {
             ctx.stats.plans_dropped += 1;
             return Err(ProtocolError::InvalidData { peer: from, xfer, chunk, fault });
         }
+        self.wrote.insert(from, ctx.now);
         let load = self.load.entry(from).or_default();
         let runs = plan.runs.len() as u64;
         if load.chunks.saturating_add(runs) > self.caps.chunks {
@@ -796,6 +809,9 @@ impl Receiver {
             Ok(held) => held,
             Err(fault) => return self.refuse_data(ctx, from, &data, fault),
         };
+        if inline.is_none() {
+            self.wrote.insert(from, ctx.now);
+        }
         // A DATA with its runs makes any plan of the chunk moot; one without takes the plan.
         let planned = self.take_plan(key, data.chunk);
         if data.region_plan_runs != 0 {
@@ -1085,7 +1101,11 @@ impl Receiver {
                     "flow silent too long: reclaimed"
                 );
                 ctx.stats.flows_timed_out += 1;
+                let given = flow.given;
                 self.reclaim(ctx, key, self.rest(ctx));
+                if self.wrote.get(&key.peer).is_none_or(|&w| given.is_none_or(|g| w < g)) {
+                    self.drop_unserved(ctx, key.peer);
+                }
             } else {
                 // Waiting for our arena or our own scatters is not the sender's fault.
                 if flow.deadline <= now {
@@ -1125,6 +1145,7 @@ impl Receiver {
             let token = match self.flows.get_mut(&key) {
                 Some(flow) => {
                     flow.deadline = ctx.now + self.idle_timeout;
+                    flow.given = Some(ctx.now);
                     flow.token
                 }
                 None => {
@@ -1400,6 +1421,7 @@ impl Receiver {
                     standing: false,
                     claimed_from: None,
                     deadline,
+                    given: None,
                 };
                 self.flows.insert(key, flow);
             }
@@ -1425,6 +1447,7 @@ impl Receiver {
             ctx.stats.control_forged += 1;
             return Err(ProtocolError::WrongToken { peer: from, xfer: rel.xfer });
         }
+        self.wrote.insert(from, ctx.now);
         let bad = Err(ProtocolError::BadRelease { peer: from, xfer: rel.xfer, chunk: rel.chunk });
         if flow.pull.is_none() {
             return bad;
@@ -1583,6 +1606,34 @@ impl Receiver {
         }
     }
 
+    /// Peer `peer` let a grant lapse and has used none since it was given: its flows that have
+    /// waited for the arena since their WANT, never given a region, are dropped too (standing
+    /// flows aside: they hold one region at most and keep their own lease). Served, they would
+    /// only hand the same silence the next regions, a lease at a time: a peer that announced a
+    /// hundred transfers and stalled held the arena for a chain of leases while its queue
+    /// lasted. Their senders, if alive, fail them at their timeout, as for a WANT the flow cap
+    /// drops; a flow announced later is served as usual. Counted in `flows_dropped_unserved`.
+    fn drop_unserved(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        let lo = FlowKey { peer, xfer: XferId(0) };
+        let hi = FlowKey { peer, xfer: XferId(u64::MAX) };
+        let unserved: Vec<FlowKey> = self
+            .flows
+            .range(lo..=hi)
+            .filter(|(k, f)| {
+                f.given.is_none() && !f.standing && f.scattering == 0 && ctx.scheds.flow_held_count(**k) == 0
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        if unserved.is_empty() {
+            return;
+        }
+        debug!(peer = peer.0, flows = unserved.len(), "peer let a grant lapse: its unserved flows dropped");
+        ctx.stats.flows_dropped_unserved += unserved.len() as u64;
+        for key in unserved {
+            self.reclaim(ctx, key, Reuse::Now);
+        }
+    }
+
     /// Drops the receiver's record of `key`; true when there was one.
     fn forget(&mut self, key: FlowKey) -> bool {
         match self.flows.remove(&key) {
@@ -1597,6 +1648,7 @@ impl Receiver {
                     load.chunks -= flow.units();
                     if load.flows == 0 {
                         self.load.remove(&key.peer);
+                        self.wrote.remove(&key.peer);
                     }
                 }
                 true
@@ -1627,6 +1679,9 @@ impl Receiver {
             self.flows.iter().filter(|(_, f)| f.standing).map(|(k, f)| (k.peer, (k.xfer, f.chunks[0]))).collect();
         if standing != self.standing {
             return Err(format!("standing flows {:?} but the open flows have {standing:?}", self.standing));
+        }
+        if let Some(peer) = self.wrote.keys().find(|p| !self.load.contains_key(p)) {
+            return Err(format!("peer {} is remembered as writing but has no open flow", peer.0));
         }
         let held: u64 = self.flows.values().filter_map(|f| f.inline.as_ref()).map(|i| i.bytes.len() as u64).sum();
         if held != self.inline_held || held > MAX_INLINE_HELD {
@@ -2232,6 +2287,73 @@ mod tests {
         ep.handle_timeout(t + 6 * u);
         assert_eq!(ep.poll_timeout(), None);
         assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+
+    #[test]
+    fn a_peer_that_lets_a_grant_lapse_unused_loses_its_queue_with_it() {
+        // Peer 9 announces four transfers of one 16 KiB chunk each and then never writes: the
+        // first two fill the arena, two wait for it.
+        let lease = TIMEOUT / 2;
+        let (mut ep, t) = receiver();
+        let silent = PeerId(9);
+        for x in 1..=4 {
+            ep.handle_msg(t, silent, want_msg(XferId(x), &[16 * KIB])).unwrap();
+        }
+        let given: Vec<XferId> = credits(&drain(&mut ep)).iter().map(|c| c.1).collect();
+        assert_eq!(given, vec![XferId(1), XferId(2)]);
+        // A lease later both grants lapse, and the queue goes with them: served, it would only
+        // hand the same silence the arena again, a lease at a time.
+        ep.handle_timeout(t + lease);
+        assert!(credits(&drain(&mut ep)).is_empty());
+        assert_eq!((ep.stats().flows_timed_out, ep.stats().flows_dropped_unserved), (2, 2));
+        assert_eq!((ep.remote_flows(), ep.arena_quarantined_bytes()), (0, 32 * KIB));
+        check(&ep);
+        // The arena comes back whole after the quarantine, and nobody is granted it.
+        ep.handle_timeout(t + lease + TIMEOUT / 4);
+        assert!(credits(&drain(&mut ep)).is_empty());
+        assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+        // A transfer the peer announces afterwards is served as usual.
+        ep.handle_msg(t + TIMEOUT, silent, want_msg(XferId(5), &[16 * KIB])).unwrap();
+        assert_eq!(credits(&drain(&mut ep)).len(), 1);
+        check(&ep);
+    }
+
+    #[test]
+    fn a_peer_that_wrote_since_its_lapsed_grant_keeps_its_queue() {
+        let lease = TIMEOUT / 2;
+        let (mut ep, t) = receiver();
+        for x in 1..=4 {
+            ep.handle_msg(t, PEER, want_msg(XferId(x), &[16 * KIB])).unwrap();
+        }
+        let c = credits(&drain(&mut ep));
+        assert_eq!(c.iter().map(|c| c.1).collect::<Vec<_>>(), vec![XferId(1), XferId(2)]);
+        // Transfer 1 is written and scattered (its region goes to transfer 3); transfer 2 is
+        // lost at the sender, which keeps working.
+        let data = Msg::Data(wire::Data {
+            xfer: XferId(1),
+            token: TOKEN,
+            chunk: ChunkIdx(0),
+            region: c[0].3,
+            runs: vec![run(0, DST, 16 * KIB)],
+            region_plan_runs: 0,
+        });
+        ep.handle_msg(t + lease / 2, PEER, data).unwrap();
+        let s = scatters(&drain(&mut ep));
+        let regranted = t + lease / 2 + Duration::from_millis(1);
+        ep.handle_scatter_done(regranted, s[0].0, true);
+        let next = credits(&drain(&mut ep));
+        assert_eq!(next.iter().map(|c| c.1).collect::<Vec<_>>(), vec![XferId(3)]);
+        ep.handle_timeout(t + lease);
+        drain(&mut ep);
+        assert_eq!((ep.stats().flows_timed_out, ep.stats().flows_dropped_unserved), (1, 0));
+        assert_eq!(ep.remote_flows(), 2, "transfer 3, granted, and transfer 4, still waiting");
+        // A write before a grant shows nothing about it: transfer 3 lapses too (the peer has
+        // written nothing since it was given), and transfer 4 goes with it.
+        ep.handle_timeout(regranted + lease);
+        drain(&mut ep);
+        assert_eq!((ep.stats().flows_timed_out, ep.stats().flows_dropped_unserved), (2, 1));
+        assert_eq!(ep.remote_flows(), 0);
+        check(&ep);
     }
 
     /// Each arena has its own scheduler: with the first arena full and a flow queued for it,

@@ -160,6 +160,10 @@ counters! {
     peers_ready,
     /// Remote flows reclaimed because their sender went silent (the core's count).
     flows_timed_out,
+    /// Remote flows dropped before their first grant because their peer let another flow's
+    /// grant lapse and had used none since: served, they would only hand the same silence
+    /// the arena again (the core's count).
+    flows_dropped_unserved,
     /// Arena regions put in quarantine after such a reclaim or a lost peer (the core's count).
     regions_quarantined,
     /// Liveness PINGs sent to silent peers we wait on (the core's count).

@@ -897,6 +897,7 @@ impl Driver {
         s.chunks_direct.store(core.chunks_direct, Ordering::Relaxed);
         s.timeouts.store(core.timeouts, Ordering::Relaxed);
         s.flows_timed_out.store(core.flows_timed_out, Ordering::Relaxed);
+        s.flows_dropped_unserved.store(core.flows_dropped_unserved, Ordering::Relaxed);
         s.regions_quarantined.store(core.regions_quarantined, Ordering::Relaxed);
         s.pings_sent.store(core.pings_sent, Ordering::Relaxed);
         s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
