@@ -5,7 +5,7 @@ cuda_ipc), every variant in ONE run.
     python3 benches/gpu_compare.py [--shapes 16384x4096,4096x16384,1024x65536] [--iters 20]
                                    [--peer-gpu 0] [--inflight 64] [--op WRITE|READ]
                                    [--local-mem VRAM|DRAM] [--remote-mem VRAM|DRAM]
-                                   [--variant-timeout 300]
+                                   [--variant-timeout 300] [--mps]
 
 With --op READ the initiator reads the target's scattered pieces into its packed buffer (the
 way vLLM's decode side pulls KV); hand staging is a WRITE recipe and is not run then.
@@ -29,6 +29,9 @@ Variants (each in its own initiator process, against a target process running pe
 A sample is the time from transfer() (or the staging WRITE) to DONE (or the answer). Also
 --inflight N transfers of 1024 x 4 KiB posted at once: p50 / p99 of their completion times.
 BENCH_TRACE=DIR records both BOUNCE processes' CUDA activity into DIR/*.json (torch.profiler).
+--mps runs every process under an MPS daemon of its own (private pipe and log directories in a
+temporary directory, quit at exit; no GPU setting is changed): two processes on one GPU then
+share it instead of taking turns (about 130 us a switch), as two hosts' GPUs would.
 """
 import argparse
 import base64
@@ -159,6 +162,35 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def start_mps():
+    """Starts an MPS daemon that only this run's processes use (they inherit its pipe directory)
+    and quits it at exit."""
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
+    ctl = shutil.which("nvidia-cuda-mps-control")
+    if not ctl:
+        sys.exit("--mps: nvidia-cuda-mps-control is not on PATH")
+    top = tempfile.mkdtemp(prefix="bounce-mps-")
+    dirs = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(top, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(top, "log")}
+    for d in dirs.values():
+        os.makedirs(d)
+    os.environ.update(dirs)
+    subprocess.run([ctl, "-d"], check=True)
+
+    def quit_daemon():
+        # Not waited for: `quit` waits for every client to go, and this process is one (torch
+        # made its context), so waiting here would hang (it did, session 28 call 5). Detached,
+        # it ends the daemon once this process has exited.
+        q = subprocess.Popen([ctl], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        q.stdin.write(b"quit\n")
+        q.stdin.close()
+
+    atexit.register(quit_daemon)
+    return top
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x4096,4096x16384,1024x65536")
@@ -177,15 +209,19 @@ def main():
                     help="seconds one variant (its two processes) may take before it is killed")
     ap.add_argument("--local-mem", choices=["VRAM", "DRAM"], default="VRAM")
     ap.add_argument("--remote-mem", choices=["VRAM", "DRAM"], default="VRAM")
+    ap.add_argument("--mps", action="store_true", help="run every process under an MPS daemon of its own")
     args = ap.parse_args()
     if args.child:
         child(args)
         return
+    # Before any CUDA context of this process: it connects to the daemon when one exists.
+    mps = start_mps() if args.mps else None
     import torch
     mixed = "DRAM" in (args.local_mem, args.remote_mem)
     print(f"{args.local_mem} (initiator) / {args.remote_mem} (target) {args.op}, two processes, "
           f"initiator GPU 0 -> target GPU {args.peer_gpu} "
-          f"({torch.cuda.get_device_name(0)}), median of {args.iters}")
+          f"({torch.cuda.get_device_name(0)}), median of {args.iters}"
+          + (f", under an MPS daemon of its own ({mps})" if mps else ""))
     for shape in args.shapes.split(","):
         n, size = (int(x) for x in shape.split("x"))
         mib = n * size / 2**20
