@@ -304,6 +304,11 @@ pub struct Coverage {
     pub other_scatters: usize,
     /// Remote WANTs refused for proving a registration their arena does not serve.
     pub wrong_arena: usize,
+    /// Remote flows that lapsed (granted, then silent for a lease).
+    pub timed_out: u64,
+    /// Never-granted remote flows dropped with a lapsed one, their peer having used no grant
+    /// since it was given.
+    pub dropped_unserved: u64,
 }
 
 /// What the harness has seen come out of the endpoint.
@@ -837,6 +842,8 @@ pub fn run(data: &[u8]) -> Coverage {
     cov.region_plans = seen.region_plans;
     cov.inline_scatters = seen.inline_scatters;
     cov.standing_taken = ep.stats().standing_taken;
+    cov.timed_out = ep.stats().flows_timed_out;
+    cov.dropped_unserved = ep.stats().flows_dropped_unserved;
     cov.records = seen.records;
     cov.served = ep.stats().chunks_served;
     cov.data_refused = ep.stats().data_refused;
