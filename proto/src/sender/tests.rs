@@ -1,0 +1,792 @@
+//! The sender's unit tests, through an [`crate::endpoint::Endpoint`] driven by hand.
+
+use super::*;
+use crate::endpoint::Endpoint;
+use crate::endpoint::WriteRoute;
+use crate::endpoint::tests::*;
+
+fn r(kib: u64) -> Region {
+    Region { offset: kib * KIB, len: CHUNK }
+}
+
+/// A READ's PULLs: its first chunk alone, then whole chunks up to PULL_FRAME_RUNS runs a
+/// PULL, a chunk with more alone; every chunk exactly once, in order.
+#[test]
+fn a_read_is_pulled_first_chunk_alone_then_in_frames_of_whole_chunks() {
+    let run = CopyRun { region_off: 0, addr: SRC, len: 1, count: 1, region_stride: 0, addr_stride: 0 };
+    let chunk = |runs: usize| crate::plan::Chunk { gather: Arc::new(vec![run; runs]), ..Default::default() };
+    let runs = [600, 600, 400, 30, 2000, 1, 1024, 1];
+    let chunks: Vec<_> = runs.iter().map(|&n| chunk(n)).collect();
+    let frames: Vec<(usize, usize)> = pull_frames(&chunks).map(|(first, part)| (first, part.len())).collect();
+    // 600 + 400 fit in one; 30 + 2000 do not; 2000 and 1024 + 1 go alone.
+    assert_eq!(frames, [(0, 1), (1, 2), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1)]);
+    let mut next = 0;
+    for &(first, n) in &frames {
+        assert_eq!(first, next, "in order, none skipped");
+        assert!(n == 1 || runs[first..first + n].iter().sum::<usize>() <= PULL_FRAME_RUNS);
+        next = first + n;
+    }
+    assert_eq!(next, runs.len());
+    let one: Vec<_> = pull_frames(&chunks[..1]).map(|(f, p)| (f, p.len())).collect();
+    assert_eq!(one, [(0, 1)]);
+}
+
+fn is_cancel(m: &Msg, xfer: XferId) -> bool {
+    matches!(m, Msg::Want(w) if w.is_cancel() && w.xfer == xfer && w.token == TOKEN)
+}
+
+/// Feeds `msg` from `PEER` and returns the resulting actions.
+fn feed(ep: &mut Endpoint, now: Instant, msg: Msg) -> Vec<Action> {
+    ep.handle_msg(now, PEER, msg).unwrap();
+    drain(ep)
+}
+
+#[test]
+fn a_chunks_plan_follows_its_write_when_its_credit_comes_and_a_replan_sends_the_runs_with_the_data() {
+    let now = Instant::now();
+    let cfg = Config { plan_ahead_runs: 1, ..config(64 * KIB, 2, true) };
+    let mut ep = Endpoint::new(&cfg, now).unwrap();
+    let t = now;
+    let plan = direct_plan_of(3);
+    let runs = |i: usize| plan.chunks[i].scatter.clone();
+    ep.submit(t, X, TOKEN, PEER, plan.clone()).unwrap();
+    // The WANT alone: no plan crosses the control channel while the WANT and GRANT do.
+    let sent: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().map(|(_, m)| m).collect();
+    assert!(matches!(&sent[..], [Msg::Want(_)]), "{sent:?}");
+    let plan_msg = |i: u32| Msg::Plan(wire::Plan { xfer: X, token: TOKEN, chunk: ChunkIdx(i), runs: runs(i as usize) });
+    // Credits for chunks 0 and 1: both writes are posted first, then both plans.
+    let acts = feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))]));
+    let w = writes(&acts);
+    assert_eq!(w.len(), 2);
+    let first_send = acts.iter().position(|a| matches!(a, Action::Send { .. })).unwrap();
+    let last_write = acts.iter().rposition(|a| matches!(a, Action::Write { .. })).unwrap();
+    assert!(last_write < first_send, "writes before plans: {acts:?}");
+    assert_eq!(msgs(&acts).into_iter().map(|(_, m)| m).collect::<Vec<_>>(), [plan_msg(0), plan_msg(1)]);
+    assert_eq!(ep.stats().plans_sent, 2);
+    // Chunk 0 written: its DATA names no runs.
+    ep.handle_write_done(t, w[0].0, true);
+    let sent: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().map(|(_, m)| m).collect();
+    assert_eq!(sent, [data_msg(X, 0, r(0), Vec::new())]);
+    // The receiver kept no plan: the same DATA again, with its runs.
+    let sent = msgs(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Replan)));
+    assert_eq!(sent, [(PEER, data_msg(X, 0, r(0), runs(0)))]);
+    assert_eq!(ep.stats().replans, 1);
+    assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
+    assert_eq!(ep.sender().acked_chunks(X), Some(1));
+    // Chunk 2's credit brings its plan; a second credit for a planned chunk cannot come.
+    let acts = feed(&mut ep, t, grant_msg(X, &[(2, r(0))]));
+    assert_eq!(msgs(&acts).into_iter().map(|(_, m)| m).collect::<Vec<_>>(), [plan_msg(2)]);
+    assert_eq!(ep.stats().plans_sent, 3);
+}
+
+#[test]
+fn eager_lifecycle_gathers_before_the_grant_and_completes_after_every_ack() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    ep.set_local_endpoint(b"tcp://me".to_vec());
+    ep.submit(t, X, TOKEN, PEER, plan_of(3)).unwrap();
+    let acts = drain(&mut ep);
+    // WANT first, then eager gathers of the first W chunks, staged under the eager budget.
+    let Action::Send { peer, msg: Msg::Want(w) } = &acts[0] else { panic!("{acts:?}") };
+    assert_eq!((*peer, w.xfer, &w.chunks[..], &w.endpoint[..]), (PEER, X, &[CHUNK; 3][..], &b"tcp://me"[..]));
+    let g = gathers(&acts);
+    assert_eq!(g.len(), 2);
+    assert_eq!(ep.scheduler().eager_bytes(), 2 * CHUNK + CHUNK, "two chunks and the reserve");
+
+    // Credits for chunks 0 and 1 promote the eager regions; nothing to do until gathers end.
+    assert!(feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))])).is_empty());
+    assert_eq!(ep.scheduler().eager_bytes(), CHUNK, "only the reserve");
+    ep.handle_gather_done(t, g[0].0, true);
+    let w0 = writes(&drain(&mut ep));
+    assert_eq!(w0, vec![(w0[0].0, WriteSource::Arena(g[0].1), r(0), CHUNK)]);
+    ep.handle_gather_done(t, g[1].0, true);
+    let w1 = writes(&drain(&mut ep));
+
+    // Write done -> DATA with the credit's region and the chunk's scatter runs.
+    ep.handle_write_done(t, w0[0].0, true);
+    let m = msgs(&drain(&mut ep));
+    let Msg::Data(d) = &m[0].1 else { panic!("{m:?}") };
+    assert_eq!((d.chunk, d.region, d.runs[0].addr), (ChunkIdx(0), r(0), DST));
+    ep.handle_write_done(t, w1[0].0, true);
+    drain(&mut ep);
+
+    // ACK releases the staging region; the next credit gathers on arrival.
+    assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK + CHUNK, "chunk 1's staging and the reserve");
+    let g2 = gathers(&feed(&mut ep, t, grant_msg(X, &[(2, r(0))])));
+    assert_eq!(g2.len(), 1);
+    assert_eq!(ep.scheduler().eager_bytes(), CHUNK, "credit-backed staging is not eager");
+    ep.handle_gather_done(t, g2[0].0, true);
+    let w2 = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w2[0].0, true);
+    drain(&mut ep);
+    feed(&mut ep, t, ack_msg(X, 1, r(4), AckStatus::Scattered));
+    check(&ep);
+    let acts = feed(&mut ep, t, ack_msg(X, 2, r(0), AckStatus::Scattered));
+    assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+    assert!(ep.is_idle());
+    assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+    assert_eq!(ep.poll_timeout(), None);
+    assert_eq!((ep.stats().chunks_written, ep.stats().bytes_written), (3, 3 * CHUNK));
+}
+
+/// The two control round trips are timed from the pass that sent to the pass that read the
+/// answer: WANT -> first GRANT once per WRITE (a later GRANT refills the window and is
+/// not one), DATA -> ACK once per scattered chunk, from the DATA sent last (a replan's).
+#[test]
+fn the_want_grant_and_data_ack_round_trips_are_timed_by_the_time_passed_in() {
+    let us = Duration::from_micros;
+    let (mut ep, t) = endpoint(64 * KIB, 1, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    drain(&mut ep);
+    let g = gathers(&feed(&mut ep, t + us(7), grant_msg(X, &[(0, r(0))])));
+    assert_eq!((ep.stats().grant_waits, ep.stats().grant_wait_ns), (1, 7_000));
+    ep.handle_gather_done(t + us(8), g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t + us(10), w[0].0, true);
+    drain(&mut ep);
+    // A replan at +20 sends the DATA again: the round trip counts from there.
+    feed(&mut ep, t + us(20), ack_msg(X, 0, r(0), AckStatus::Replan));
+    feed(&mut ep, t + us(31), ack_msg(X, 0, r(0), AckStatus::Scattered));
+    assert_eq!((ep.stats().ack_waits, ep.stats().ack_wait_ns), (1, 11_000));
+    // Chunk 1's credit refills the window: no WANT went before it.
+    let g = gathers(&feed(&mut ep, t + us(40), grant_msg(X, &[(1, r(0))])));
+    assert_eq!((ep.stats().grant_waits, ep.stats().grant_wait_ns), (1, 7_000));
+    ep.handle_gather_done(t + us(41), g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t + us(45), w[0].0, true);
+    drain(&mut ep);
+    let acts = feed(&mut ep, t + us(50), ack_msg(X, 1, r(0), AckStatus::Scattered));
+    assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+    assert_eq!((ep.stats().ack_waits, ep.stats().ack_wait_ns), (2, 16_000));
+}
+
+/// The WANT of an inline submission carries the chunk's bytes and runs and nothing is
+/// staged; the ACK alone completes it (timed from the WANT). Declined (a GRANT comes
+/// instead), the chunk goes the usual way, and its ACK must then name the granted region.
+#[test]
+fn an_inline_chunk_rides_in_its_want_and_its_ack_alone_completes_it_or_a_grant_sends_it_the_usual_way() {
+    let us = Duration::from_micros;
+    for declined in [false, true] {
+        let (mut ep, t) = endpoint(64 * KIB, 2, true);
+        let bytes = vec![0x5a; CHUNK as usize];
+        ep.submit_write(t, X, TOKEN, PEER, plan_of(1), WriteRoute::inline(bytes.clone())).unwrap();
+        let acts = drain(&mut ep);
+        assert!(gathers(&acts).is_empty(), "nothing staged, even eagerly: {acts:?}");
+        let [(_, Msg::Want(w))] = &msgs(&acts)[..] else { panic!("one WANT: {acts:?}") };
+        let inline = w.inline.as_ref().expect("inline");
+        assert_eq!((&inline.bytes, &inline.runs), (&bytes, &plan_of(1).chunks[0].scatter));
+        assert_eq!(ep.stats().inline_sent, 1);
+        if !declined {
+            let acts = feed(&mut ep, t + us(9), ack_msg(X, 0, r(12), AckStatus::Scattered));
+            assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+            assert_eq!((ep.stats().inline_acks, ep.stats().inline_ack_wait_ns), (1, 9_000));
+            assert_eq!((ep.stats().chunks_written, ep.stats().grant_waits), (0, 0));
+        } else {
+            let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(8))])));
+            assert_eq!((g.len(), ep.stats().inline_declined), (1, 1));
+            ep.handle_gather_done(t, g[0].0, true);
+            let w = writes(&drain(&mut ep));
+            ep.handle_write_done(t, w[0].0, true);
+            drain(&mut ep);
+            // Now only an ACK for the granted region ends it.
+            assert!(ep.handle_msg(t, PEER, ack_msg(X, 0, r(12), AckStatus::Scattered)).is_err());
+            let acts = feed(&mut ep, t, ack_msg(X, 0, r(8), AckStatus::Scattered));
+            assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+            assert_eq!((ep.stats().chunks_written, ep.stats().inline_acks), (1, 0));
+        }
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+        check(&ep);
+    }
+}
+
+#[test]
+fn inline_bytes_that_are_not_the_plans_one_chunk_are_not_sent() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    // Two chunks; then one chunk with bytes of another length.
+    ep.submit_write(t, X, TOKEN, PEER, plan_of(2), WriteRoute::inline(vec![0; 2 * CHUNK as usize])).unwrap();
+    let short = WriteRoute::inline(vec![0; CHUNK as usize - 1]);
+    ep.submit_write(t, XferId(2), TOKEN, PEER, plan_of(1), short).unwrap();
+    for (_, m) in msgs(&drain(&mut ep)) {
+        let Msg::Want(w) = m else { panic!("{m:?}") };
+        assert!(w.inline.is_none());
+    }
+    assert_eq!(ep.stats().inline_sent, 0);
+}
+
+/// A plan stages in the arena it names (its gathers and the write read there; the reserve
+/// is that arena's) and bounces through the peer's arena it names; one naming an arena we
+/// lack is refused at submit, changing nothing.
+/// Each arena stages chunks up to its own max chunk (a host arena's 2 MiB, a GPU arena's
+/// 32 MiB by default): a plan of larger chunks is taken through an arena added with them
+/// and refused through the first, whose max chunk is the configuration's.
+#[test]
+fn each_arena_stages_chunks_up_to_its_own_max_chunk() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    assert_eq!(ep.add_arena(64 * KIB, KIB, 4 * CHUNK).unwrap(), ArenaId(1));
+    let big = |xfer: u64, arena: u8| {
+        let descs: Vec<crate::plan::DescPair> = (0..2)
+            .map(|i| crate::plan::DescPair { src: SRC + i * 2 * CHUNK, dst: DST + i * 2 * CHUNK, len: 2 * CHUNK })
+            .collect();
+        let mut p = crate::plan::plan(&descs, crate::plan::PlanParams::new(4 * CHUNK)).unwrap();
+        p.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+        p.local_arena = ArenaId(arena);
+        assert_eq!(p.chunks.len(), 1, "one chunk of {} bytes", p.chunks[0].bytes);
+        p.chunks[0].direct = None; // staged, not written from its (contiguous) sources
+        (XferId(xfer), p)
+    };
+    let (x, p) = big(1, 0);
+    assert!(matches!(ep.submit(t, x, TOKEN, PEER, p), Err(SubmitError::ChunkTooLarge { max: CHUNK, .. })));
+    let (x, p) = big(2, 1);
+    ep.submit(t, x, TOKEN, PEER, p).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.schedulers().get(ArenaId(1)).local_bytes(), 4 * CHUNK, "its reserve: one chunk of its size");
+}
+
+#[test]
+fn a_transfer_stages_in_its_own_arena_and_writes_into_the_peers_it_names() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let through = |local: u8, peer: u8| {
+        let mut p = plan_of(1);
+        (p.local_arena, p.peer_arena) = (ArenaId(local), ArenaId(peer));
+        p
+    };
+    let refused = ep.submit(t, XferId(9), TOKEN, PEER, through(1, 0));
+    assert_eq!(refused, Err(SubmitError::NoSuchArena { xfer: XferId(9), arena: ArenaId(1) }));
+    assert!(drain(&mut ep).is_empty() && ep.is_idle());
+    assert_eq!(ep.add_arena(16 * KIB, KIB, CHUNK).unwrap(), ArenaId(1));
+    ep.submit(t, X, TOKEN, PEER, through(1, 3)).unwrap();
+    let wants: Vec<ArenaId> = msgs(&drain(&mut ep))
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Want(w) = m { Some(w.arena) } else { None })
+        .collect();
+    assert_eq!(wants, vec![ArenaId(3)]);
+    let (first, second) = (ep.schedulers().get(ArenaId(0)), ep.schedulers().get(ArenaId(1)));
+    assert_eq!((first.local_bytes(), second.local_bytes()), (0, CHUNK), "the reserve is the staging arena's");
+    let acts = feed(&mut ep, t, grant_msg(X, &[(0, r(8))]));
+    let gather = acts.iter().find_map(|a| match a {
+        Action::Gather { job, arena, .. } => Some((*job, *arena)),
+        _ => None,
+    });
+    let (job, arena) = gather.expect("a gather");
+    assert_eq!(arena, ArenaId(1));
+    ep.handle_gather_done(t, job, true);
+    let acts = drain(&mut ep);
+    let write = acts.iter().find_map(|a| match a {
+        Action::Write { job, arena, remote_arena, .. } => Some((*job, *arena, *remote_arena)),
+        _ => None,
+    });
+    let (job, arena, remote_arena) = write.expect("a write");
+    assert_eq!((arena, remote_arena), (ArenaId(1), ArenaId(3)));
+    ep.handle_write_done(t, job, true);
+    drain(&mut ep);
+    let acts = feed(&mut ep, t, ack_msg(X, 0, r(8), AckStatus::Scattered));
+    assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+    // Done: the staging region and the reserve are back in arena 1.
+    assert_eq!(ep.schedulers().get(ArenaId(1)).free_bytes(), 16 * KIB);
+    assert_eq!(ep.arena_free_bytes(), 80 * KIB);
+    for (_, sched) in ep.schedulers().iter() {
+        sched.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn non_eager_gathers_only_when_a_credit_arrives() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    let acts = drain(&mut ep);
+    assert_eq!(acts.len(), 1, "only the WANT: {acts:?}");
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK, "only the reserve");
+    let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(1, r(8))])));
+    assert_eq!(g.len(), 1);
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    assert_eq!(w[0].2, r(8), "credits bind to their own chunk, in any order");
+}
+
+#[test]
+fn credit_is_parked_when_the_local_arena_is_full_and_staged_after_a_release() {
+    // The arena holds one chunk: the second credit must wait for the first ACK.
+    let (mut ep, t) = endpoint(4 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    drain(&mut ep);
+    let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))])));
+    assert_eq!(g.len(), 1);
+    assert_eq!(ep.sender().parked_credits(), 1);
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w[0].0, true);
+    drain(&mut ep);
+    let g1 = gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)));
+    assert_eq!(g1.len(), 1, "the freed region goes to the parked credit");
+    assert_eq!(ep.sender().parked_credits(), 0);
+    check(&ep);
+}
+
+#[test]
+fn a_credit_that_finds_the_arena_full_of_remote_grants_takes_the_reserve() {
+    let (mut ep, t) = endpoint(8 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK, "the reserve is taken before any grant");
+    // The peer also writes to us, and its credits take the rest of the arena.
+    ep.handle_msg(t, PEER, want_msg(XferId(50), &[CHUNK; 4])).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.arena_free_bytes(), 0);
+    let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0)), (1, r(4))])));
+    assert_eq!(g.len(), 1, "chunk 0 is staged in the reserve");
+    assert_eq!(ep.sender().parked_credits(), 1);
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w[0].0, true);
+    drain(&mut ep);
+    // Its ACK frees the region: the parked credit takes it before the remote flow does.
+    let g1 = gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)));
+    assert_eq!(g1.len(), 1);
+    ep.handle_gather_done(t, g1[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w[0].0, true);
+    drain(&mut ep);
+    let acts = feed(&mut ep, t, ack_msg(X, 1, r(4), AckStatus::Scattered));
+    assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+    // With no transfer left the reserve goes back, straight to the waiting remote flow.
+    assert_eq!(ep.scheduler().local_bytes(), 0);
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: PEER, xfer: XferId(50) }), 2);
+    check(&ep);
+}
+
+#[test]
+fn cancel_completes_at_once_but_retracts_credits_only_after_in_flight_writes() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    ep.submit(t, X, TOKEN, PEER, plan_of(3)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    feed(&mut ep, t, grant_msg(X, &[(0, r(0))]));
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+
+    ep.cancel(t, X);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::Canceled))]);
+    assert!(msgs(&acts).is_empty(), "no cancel while a write may still land: {acts:?}");
+    // Chunk 0's write and chunk 1's gather are in flight: their regions are orphans.
+    assert_eq!(ep.orphans(), 2);
+    assert_eq!(ep.scheduler().local_bytes(), 2 * CHUNK);
+
+    ep.handle_write_done(t, w[0].0, true);
+    let m = msgs(&drain(&mut ep));
+    assert!(m.len() == 1 && is_cancel(&m[0].1, X), "{m:?}");
+    ep.handle_gather_done(t, g[1].0, true);
+    assert!(drain(&mut ep).is_empty());
+    assert!(ep.is_idle());
+    assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+    // A second cancel, or a late credit, is harmless.
+    ep.cancel(t, X);
+    assert!(feed(&mut ep, t, grant_msg(X, &[(1, r(4))])).is_empty());
+    assert_eq!(ep.stats().late_msgs, 1);
+}
+
+#[test]
+fn no_progress_for_the_request_timeout_fails_the_transfer_and_cancels_it() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT));
+    ep.handle_timeout(t + TIMEOUT / 2);
+    assert!(drain(&mut ep).is_empty(), "an early call is harmless");
+    // A credit is progress: the deadline moves.
+    let half = t + TIMEOUT / 2;
+    let g = gathers(&feed(&mut ep, half, grant_msg(X, &[(0, r(0))])));
+    ep.handle_timeout(t + TIMEOUT);
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!(ep.poll_timeout(), Some(half + TIMEOUT));
+    ep.handle_timeout(half + TIMEOUT);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::Timeout))]);
+    assert!(is_cancel(&msgs(&acts)[0].1, X));
+    assert_eq!(ep.orphans(), 1, "the gather is still in flight");
+    ep.handle_gather_done(half + TIMEOUT, g[0].0, true);
+    assert!(ep.is_idle());
+    assert_eq!(ep.stats().timeouts, 1);
+}
+
+#[test]
+fn a_credit_that_went_stale_is_never_written() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+    drain(&mut ep);
+    let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+    // The shell reports the gather only after a whole timeout (and never ran our timer).
+    ep.handle_gather_done(t + TIMEOUT, g[0].0, true);
+    let acts = drain(&mut ep);
+    assert!(writes(&acts).is_empty());
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::Timeout))]);
+    assert!(ep.is_idle());
+}
+
+#[test]
+fn peer_loss_fails_its_transfers_without_a_cancel_and_frees_orphans_on_their_done_events() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    ep.submit(t, XferId(2), TOKEN, PeerId(8), plan_of(1)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    ep.handle_peer_lost(t, PEER);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::PeerLost))]);
+    assert!(msgs(&acts).is_empty());
+    assert_eq!(ep.in_flight_xfers(), 1, "the other peer's transfer lives on");
+    assert_eq!(ep.orphans(), 2);
+    ep.handle_gather_done(t, g[0].0, false);
+    ep.handle_gather_done(t, g[1].0, true);
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!(ep.orphans(), 0);
+    assert_eq!(ep.scheduler().local_bytes(), 2 * CHUNK, "XferId(2)'s eager region and the reserve");
+    check(&ep);
+}
+
+#[test]
+fn shutdown_fails_everything_and_refuses_new_transfers() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    ep.shutdown(t);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::ShuttingDown))]);
+    assert!(is_cancel(&msgs(&acts)[0].1, X));
+    assert_eq!(ep.submit(t, XferId(9), TOKEN, PEER, plan_of(1)), Err(SubmitError::ShuttingDown));
+    assert!(!ep.is_idle(), "the gather is still in flight");
+    ep.handle_gather_done(t, g[0].0, true);
+    assert!(ep.is_idle());
+    assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+}
+
+/// Runs chunk 0 of a fresh 2-chunk transfer up to its DATA; returns the endpoint.
+fn up_to_data(eager: bool) -> (Endpoint, Instant) {
+    let (mut ep, t) = endpoint(64 * KIB, 2, eager);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    let mut g = gathers(&drain(&mut ep));
+    g.extend(gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))]))));
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w[0].0, true);
+    drain(&mut ep);
+    (ep, t)
+}
+
+#[test]
+fn a_refused_or_failed_scatter_fails_the_transfer_and_cancels_it() {
+    for (status, err) in [(AckStatus::Refused, XferError::Refused), (AckStatus::Failed, XferError::ScatterFailed)] {
+        let (mut ep, t) = up_to_data(false);
+        let acts = feed(&mut ep, t, ack_msg(X, 0, r(0), status));
+        assert_eq!(completes(&acts), vec![(X, Err(err))]);
+        assert!(is_cancel(&msgs(&acts)[0].1, X));
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+    }
+}
+
+#[test]
+fn gather_and_write_failures_fail_the_transfer() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    ep.handle_gather_done(t, g[0].0, false);
+    assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::GatherFailed))]);
+    ep.handle_gather_done(t, g[1].0, true);
+    assert!(ep.is_idle());
+
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+    drain(&mut ep);
+    let g = gathers(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w[0].0, false);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::WriteFailed))]);
+    assert!(is_cancel(&msgs(&acts)[0].1, X), "the failed write is over: cancel at once");
+    assert!(ep.is_idle());
+}
+
+#[test]
+fn bad_peer_input_is_rejected_and_changes_nothing() {
+    let (mut ep, t) = up_to_data(true);
+    let before = format!("{:?}", ep.sender());
+    let cases = [
+        (PEER, grant_msg(XferId(99), &[(1, r(4))])),
+        (PeerId(3), grant_msg(X, &[(1, r(4))])),
+        (PEER, grant_msg(X, &[])),
+        (PEER, grant_msg(X, &[(2, r(4))])),
+        (PEER, grant_msg(X, &[(0, r(4))])),
+        (PEER, grant_msg(X, &[(1, r(4)), (1, r(8))])),
+        (PEER, grant_msg(X, &[(1, Region { offset: 0, len: 16 })])),
+        (PEER, grant_msg(X, &[(1, Region { offset: u64::MAX - 10, len: CHUNK })])),
+        (PEER, ack_msg(X, 1, r(4), AckStatus::Scattered)),
+        (PEER, ack_msg(X, 0, r(4), AckStatus::Scattered)),
+        (PEER, ack_msg(X, 5, r(0), AckStatus::Scattered)),
+        (PeerId(3), ack_msg(X, 0, r(0), AckStatus::Refused)),
+    ];
+    let n = cases.len() as u64;
+    for (from, msg) in cases {
+        assert!(ep.handle_msg(t, from, msg.clone()).is_err(), "{msg:?} accepted");
+        assert!(drain(&mut ep).is_empty());
+        assert_eq!(format!("{:?}", ep.sender()), before, "{msg:?} changed the state");
+    }
+    assert_eq!(ep.stats().protocol_errors, n);
+    // Valid input still works afterwards.
+    assert!(ep.handle_msg(t, PEER, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_ok());
+}
+
+#[test]
+fn submit_rejects_plans_the_peer_could_not_accept() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    assert_eq!(ep.submit(t, X, TOKEN, PEER, Plan::default()), Err(SubmitError::EmptyPlan { xfer: X }));
+    let big = crate::plan::plan(
+        &[crate::plan::DescPair { src: SRC, dst: DST, len: 8 * KIB }],
+        crate::plan::PlanParams::new(8 * KIB),
+    )
+    .unwrap();
+    assert!(matches!(ep.submit(t, X, TOKEN, PEER, big), Err(SubmitError::ChunkTooLarge { .. })));
+    let mut bad = plan_of(1);
+    bad.chunks[0].scatter[0].len = 2 * CHUNK;
+    assert!(matches!(ep.submit(t, X, TOKEN, PEER, bad), Err(SubmitError::BadChunk { .. })));
+    ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+    assert_eq!(ep.submit(t, X, TOKEN, PEER, plan_of(1)), Err(SubmitError::DuplicateXfer { xfer: X }));
+    ep.cancel(t, X);
+    assert_eq!(
+        ep.submit(t, X, TOKEN, PEER, plan_of(1)),
+        Err(SubmitError::DuplicateXfer { xfer: X }),
+        "ids are never reused"
+    );
+    assert_eq!(ep.stats().submitted, 1);
+    let mut wraps = direct_plan_of(1);
+    wraps.chunks[0].direct = Some(u64::MAX - 8);
+    assert!(matches!(ep.submit(t, XferId(2), TOKEN, PEER, wraps), Err(SubmitError::BadChunk { .. })));
+}
+
+// ---- direct chunks ----
+
+fn user(chunk: u64) -> WriteSource {
+    WriteSource::User { addr: SRC + chunk * CHUNK }
+}
+
+/// Reports the write `w` done and returns the DATA it caused.
+fn finish_write(ep: &mut Endpoint, t: Instant, w: (JobId, WriteSource, Region, u64)) -> wire::Data {
+    ep.handle_write_done(t, w.0, true);
+    let m = msgs(&drain(ep));
+    let [(_, Msg::Data(d))] = &m[..] else { panic!("{m:?}") };
+    d.clone()
+}
+
+#[test]
+fn a_fully_direct_plan_is_written_from_user_memory_without_any_staging() {
+    for eager in [false, true] {
+        let (mut ep, t) = endpoint(64 * KIB, 2, eager);
+        ep.submit(t, X, TOKEN, PEER, direct_plan_of(3)).unwrap();
+        let acts = drain(&mut ep);
+        assert!(matches!(&acts[..], [Action::Send { msg: Msg::Want(_), .. }]), "only the WANT: {acts:?}");
+        assert_eq!(ep.scheduler().local_bytes(), 0, "no eager staging and no reserve");
+
+        // Each credit posts its write at once, straight from the chunk's source.
+        let w = writes(&feed(&mut ep, t, grant_msg(X, &[(1, r(4)), (0, r(0))])));
+        assert_eq!(
+            w.iter().map(|w| (w.1, w.2, w.3)).collect::<Vec<_>>(),
+            vec![(user(1), r(4), CHUNK), (user(0), r(0), CHUNK)]
+        );
+        let d = finish_write(&mut ep, t, w[1]);
+        assert_eq!((d.chunk, d.region, d.runs[0].addr), (ChunkIdx(0), r(0), DST));
+        finish_write(&mut ep, t, w[0]);
+        // A credit for a chunk already written is still a duplicate.
+        assert!(ep.handle_msg(t, PEER, grant_msg(X, &[(0, r(8))])).is_err());
+        assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
+        let w2 = writes(&feed(&mut ep, t, grant_msg(X, &[(2, r(0))])));
+        assert_eq!(w2[0].1, user(2));
+        finish_write(&mut ep, t, w2[0]);
+        feed(&mut ep, t, ack_msg(X, 1, r(4), AckStatus::Scattered));
+        let acts = feed(&mut ep, t, ack_msg(X, 2, r(0), AckStatus::Scattered));
+        assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+        assert!(ep.is_idle());
+        assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+        let st = ep.stats();
+        assert_eq!((st.chunks_written, st.chunks_direct, st.bytes_written), (3, 3, 3 * CHUNK));
+    }
+}
+
+/// Chunks 0 and 2 direct, 1 and 3 staged.
+fn mixed_plan() -> Plan {
+    let mut p = direct_plan_of(4);
+    p.chunks[1].direct = None;
+    p.chunks[3].direct = None;
+    p
+}
+
+#[test]
+fn a_mixed_plan_stages_only_its_staged_chunks() {
+    // W = 2: the eager cap covers two staged chunks, however many direct ones precede them.
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    ep.submit(t, X, TOKEN, PEER, mixed_plan()).unwrap();
+    let g = gathers(&drain(&mut ep));
+    let gathered: Vec<_> = g.iter().map(|&(job, _)| job).collect();
+    assert_eq!(g.len(), 2);
+    assert_eq!(ep.scheduler().eager_bytes(), 2 * CHUNK + CHUNK, "chunks 1 and 3, and the reserve");
+
+    let credits = [(0, r(0)), (1, r(4)), (2, r(8)), (3, r(12))];
+    let w = writes(&feed(&mut ep, t, grant_msg(X, &credits)));
+    assert_eq!(w.iter().map(|w| (w.1, w.2)).collect::<Vec<_>>(), vec![(user(0), r(0)), (user(2), r(8))]);
+    let mut staged = Vec::new();
+    for (job, (_, region)) in gathered.into_iter().zip(&g) {
+        ep.handle_gather_done(t, job, true);
+        let ws = writes(&drain(&mut ep));
+        assert_eq!(ws[0].1, WriteSource::Arena(*region));
+        staged.extend(ws);
+    }
+    for w in w.into_iter().chain(staged) {
+        finish_write(&mut ep, t, w);
+    }
+    assert_eq!(ep.scheduler().local_bytes(), 2 * CHUNK + CHUNK);
+    for (i, region) in credits.into_iter().take(3) {
+        assert!(feed(&mut ep, t, ack_msg(X, i, region, AckStatus::Scattered)).is_empty());
+    }
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK + CHUNK, "chunk 3's staging and the reserve");
+    let acts = feed(&mut ep, t, ack_msg(X, 3, r(12), AckStatus::Scattered));
+    assert_eq!(completes(&acts), vec![(X, Ok(()))]);
+    assert!(ep.is_idle());
+    assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+    assert_eq!((ep.stats().chunks_written, ep.stats().chunks_direct), (4, 2));
+}
+
+#[test]
+fn direct_chunks_write_even_when_the_local_arena_is_full() {
+    // One staged chunk fills the arena; the direct ones need none of it.
+    let (mut ep, t) = endpoint(4 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, mixed_plan()).unwrap();
+    drain(&mut ep);
+    let acts = feed(&mut ep, t, grant_msg(X, &[(1, r(4)), (3, r(12)), (0, r(0)), (2, r(8))]));
+    assert_eq!(gathers(&acts).len(), 1);
+    assert_eq!(ep.sender().parked_credits(), 1);
+    assert_eq!(writes(&acts).iter().map(|w| w.1).collect::<Vec<_>>(), vec![user(0), user(2)]);
+    check(&ep);
+}
+
+/// Submits `X` as `chunks` direct chunks and grants chunk 0 region `r(0)`: its write is
+/// in flight (the only job).
+fn direct_write_granted(ep: &mut Endpoint, t: Instant, chunks: u64) -> Vec<(JobId, WriteSource, Region, u64)> {
+    ep.submit(t, X, TOKEN, PEER, direct_plan_of(chunks)).unwrap();
+    drain(ep);
+    writes(&feed(ep, t, grant_msg(X, &[(0, r(0))])))
+}
+
+#[test]
+fn cancel_waits_for_an_in_flight_direct_write_that_has_no_region_to_orphan() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::Canceled))]);
+    assert!(msgs(&acts).is_empty(), "no cancel while the direct write may still land: {acts:?}");
+    assert_eq!((ep.orphans(), ep.jobs_in_flight(), ep.sender().pending_cancels()), (0, 1, 1));
+    assert!(!ep.is_idle());
+
+    ep.handle_write_done(t, w[0].0, true);
+    let m = msgs(&drain(&mut ep));
+    assert!(m.len() == 1 && is_cancel(&m[0].1, X), "{m:?}");
+    assert!(ep.is_idle());
+    assert_eq!(ep.arena_free_bytes(), 64 * KIB);
+    assert_eq!(ep.stats().chunks_written, 0, "a canceled write announces nothing");
+}
+
+#[test]
+fn a_write_in_flight_past_an_eighth_of_the_timeout_sends_keeps_until_it_is_done() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    let w = direct_write_granted(&mut ep, t, 2);
+    let keeps = |acts: &[Action]| {
+        msgs(acts).iter().filter(|(_, m)| matches!(m, Msg::Keep(k) if k.xfer == X && k.token == TOKEN)).count()
+    };
+    // Not yet: a write younger than an eighth of the timeout needs no KEEP.
+    assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT / 8));
+    ep.handle_timeout(t + TIMEOUT / 16);
+    assert_eq!(keeps(&drain(&mut ep)), 0);
+    // Then one per round (one per flow, however many of its writes are in flight).
+    ep.handle_timeout(t + TIMEOUT / 8);
+    assert_eq!(keeps(&drain(&mut ep)), 1);
+    ep.handle_timeout(t + TIMEOUT / 4);
+    assert_eq!(keeps(&drain(&mut ep)), 1);
+    assert_eq!(ep.stats().keeps_sent, 2);
+    // Done: no more rounds.
+    for (job, ..) in w {
+        ep.handle_write_done(t + TIMEOUT / 4, job, true);
+    }
+    drain(&mut ep);
+    ep.handle_timeout(t + TIMEOUT * 3 / 8);
+    assert_eq!(keeps(&drain(&mut ep)), 0);
+    assert_eq!(ep.stats().keeps_sent, 2);
+}
+
+#[test]
+fn a_write_posted_just_before_a_round_of_keeps_is_kept_in_that_round() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    direct_write_granted(&mut ep, t, 2);
+    // A second transfer's write is posted just before the round X's write armed: its credit
+    // may be a quarter timeout old by then, so waiting a round more could let its lease
+    // (half a timeout from the grant) end before its first KEEP.
+    let (y, late) = (XferId(2), t + TIMEOUT / 8 - Duration::from_millis(1));
+    ep.submit(t, y, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    drain(&mut ep);
+    assert_eq!(writes(&feed(&mut ep, late, grant_msg(y, &[(0, r(1))]))).len(), 1);
+    ep.handle_timeout(t + TIMEOUT / 8);
+    let kept: Vec<XferId> = msgs(&drain(&mut ep))
+        .iter()
+        .filter_map(|(_, m)| match m {
+            Msg::Keep(k) => Some(k.xfer),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(kept, vec![X, y]);
+}
+
+#[test]
+fn a_direct_transfer_times_out_and_cancels_after_its_write_finishes() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    let w = direct_write_granted(&mut ep, t, 2);
+    // The write never reports within the timeout.
+    ep.handle_timeout(t + TIMEOUT);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::Timeout))]);
+    // No cancel while the write may still land; KEEPs tell the receiver it is in flight.
+    assert!(msgs(&acts).iter().all(|(_, m)| matches!(m, Msg::Keep(_))), "{:?}", msgs(&acts));
+    ep.handle_write_done(t + TIMEOUT, w[0].0, false);
+    assert!(is_cancel(&msgs(&drain(&mut ep))[0].1, X));
+    assert!(ep.is_idle());
+    assert_eq!(ep.stats().timeouts, 1);
+
+    // Without any credit, the cancel goes out at once.
+    ep.submit(t + TIMEOUT, XferId(2), TOKEN, PEER, direct_plan_of(1)).unwrap();
+    drain(&mut ep);
+    ep.handle_timeout(t + 2 * TIMEOUT);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(XferId(2), Err(XferError::Timeout))]);
+    assert!(is_cancel(&msgs(&acts)[0].1, XferId(2)));
+    assert!(ep.is_idle());
+}
+
+#[test]
+fn a_failed_direct_write_fails_the_transfer_and_cancels_at_once() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 1);
+    ep.handle_write_done(t, w[0].0, false);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::WriteFailed))]);
+    assert!(is_cancel(&msgs(&acts)[0].1, X));
+    assert!(ep.is_idle());
+}
+
+#[test]
+fn peer_loss_with_a_direct_write_in_flight_waits_only_for_its_done_event() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 1);
+    ep.handle_peer_lost(t, PEER);
+    assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
+    assert_eq!((ep.orphans(), ep.jobs_in_flight()), (0, 1));
+    ep.handle_write_done(t, w[0].0, false);
+    assert!(drain(&mut ep).is_empty(), "nobody to cancel at");
+    assert!(ep.is_idle());
+}
