@@ -1,0 +1,917 @@
+//! Endpoint-level tests, plus the fixtures the sender and receiver tests share.
+
+mod slot_queue;
+mod standing;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::plan::{self, DescPair, PlanParams};
+use crate::types::{ArenaId, ChunkIdx, CopyRun, Region};
+use crate::wire::{Ack, AckStatus, Credit, Data, Grant, Msg, Want};
+
+pub(crate) const KIB: u64 = 1024;
+pub(crate) const CHUNK: u64 = 4 * KIB;
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const SRC: u64 = 0x10_0000;
+pub(crate) const DST: u64 = 0x20_0000;
+pub(crate) const PEER: PeerId = PeerId(7);
+pub(crate) const X: XferId = XferId(1);
+/// The token every fixture transfer carries (the shell draws a random one per transfer).
+pub(crate) const TOKEN: Token = Token(0x5eed_0f70_ce00);
+/// A token nobody issued: what a forger without the secret has to guess.
+pub(crate) const FORGED: Token = Token(0xbad);
+/// The fixture registration covering `DST`, and its key (as its metadata carries it).
+pub(crate) const REG: RegId = RegId(1);
+pub(crate) const KEY: RegKey = RegKey([0x5a; 32]);
+
+/// 1 KiB granules, 4 KiB chunks, window `w`, 1 s timeout, no liveness probe (its timers
+/// would interleave with the ones these tests pin; tests/liveness.rs covers it).
+pub(crate) fn config(arena: u64, w: u32, eager: bool) -> Config {
+    let c = Config {
+        arena_size: arena,
+        arena_granularity: KIB,
+        max_chunk_size: CHUNK,
+        max_inflight_chunks: w,
+        eager_gather: eager,
+        request_timeout: TIMEOUT,
+        peer_dead_after: Duration::ZERO,
+        // Off here: the exchanges these tests pin have no standing flow in them
+        // (`standing.rs` in the endpoint tests covers it).
+        standing_bytes: 0,
+        ..Config::default()
+    };
+    c.validate().unwrap();
+    c
+}
+
+/// An endpoint of `config(arena, w, eager)` with `[DST, DST + 64 KiB)` registered as `REG`.
+pub(crate) fn endpoint(arena: u64, w: u32, eager: bool) -> (Endpoint, Instant) {
+    let now = Instant::now();
+    let mut ep = Endpoint::new(&config(arena, w, eager), now).unwrap();
+    ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
+    (ep, now)
+}
+
+/// `n` staged chunks of exactly 4 KiB: descriptor `i` copies `SRC + i*4K` to `DST + i*4K`.
+/// Their sources are contiguous, but `direct` is cleared, as a shell does when the source
+/// is not registered in one piece.
+pub(crate) fn plan_of(n: u64) -> Plan {
+    let mut p = direct_plan_of(n);
+    for c in &mut p.chunks {
+        c.direct = None;
+    }
+    p
+}
+
+/// [`plan_of`] with every chunk direct, as planned.
+pub(crate) fn direct_plan_of(n: u64) -> Plan {
+    let descs: Vec<DescPair> =
+        (0..n).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
+    let mut p = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+    assert!(p.chunks.iter().all(|c| c.direct.is_some()));
+    p.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+    p
+}
+
+pub(crate) fn drain(ep: &mut Endpoint) -> Vec<Action> {
+    std::iter::from_fn(|| ep.poll_action()).collect()
+}
+
+pub(crate) fn msgs(acts: &[Action]) -> Vec<(PeerId, Msg)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::Send { peer, msg } => Some((*peer, msg.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `(xfer, chunk, status)` of each ACK sent.
+pub(crate) fn acks(acts: &[Action]) -> Vec<(XferId, u32, AckStatus)> {
+    msgs(acts)
+        .into_iter()
+        .filter_map(|(_, m)| match m {
+            Msg::Ack(a) => Some((a.xfer, a.chunk.0, a.status)),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(crate) fn gathers(acts: &[Action]) -> Vec<(JobId, Region)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::Gather { job, region, .. } => Some((*job, *region)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `(job, source, remote, len)` of each write.
+pub(crate) fn writes(acts: &[Action]) -> Vec<(JobId, WriteSource, Region, u64)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::Write { job, source, remote, len, .. } => Some((*job, *source, *remote, *len)),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(crate) fn scatters(acts: &[Action]) -> Vec<(JobId, Region)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::Scatter { job, region, .. } => Some((*job, *region)),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(crate) fn completes(acts: &[Action]) -> Vec<(XferId, Result<(), XferError>)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::Complete { xfer, outcome } => Some((*xfer, outcome.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(crate) fn grant_msg(xfer: XferId, credits: &[(u32, Region)]) -> Msg {
+    Msg::Grant(Grant {
+        xfer,
+        token: TOKEN,
+        credits: credits.iter().map(|&(c, region)| Credit { chunk: ChunkIdx(c), region }).collect(),
+    })
+}
+
+pub(crate) fn ack_msg(xfer: XferId, chunk: u32, region: Region, status: AckStatus) -> Msg {
+    Msg::Ack(Ack { xfer, token: TOKEN, chunk: ChunkIdx(chunk), region, status })
+}
+
+pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
+    let proofs = vec![crate::proof::prove(REG, &KEY, TOKEN)];
+    Msg::Want(Want {
+        arena: ArenaId(0),
+        xfer,
+        token: TOKEN,
+        endpoint: Vec::new(),
+        chunks: chunks.to_vec(),
+        proofs,
+        inline: None,
+        standing: Default::default(),
+    })
+}
+
+pub(crate) fn data_msg(xfer: XferId, chunk: u32, region: Region, runs: Vec<CopyRun>) -> Msg {
+    Msg::Data(Data { xfer, token: TOKEN, chunk: ChunkIdx(chunk), region, runs, region_plan_runs: 0 })
+}
+
+/// A single-copy run of `len` bytes at region offset `off` to `addr`.
+pub(crate) fn run(off: u64, addr: u64, len: u64) -> CopyRun {
+    CopyRun { region_off: off, addr, len, count: 1, region_stride: 0, addr_stride: 0 }
+}
+
+pub(crate) fn check(ep: &Endpoint) {
+    ep.scheduler().check_invariants().unwrap();
+}
+
+#[test]
+fn new_rejects_an_invalid_config() {
+    let bad = Config { max_inflight_chunks: 0, ..Config::default() };
+    assert!(matches!(Endpoint::new(&bad, Instant::now()), Err(EndpointError::Config(_))));
+}
+
+fn frame(session: u64, msg: Msg) -> Vec<u8> {
+    wire::Frame { session, msg }.to_vec()
+}
+
+/// Capabilities matching `config`'s, with instance nonce `session`.
+fn caps(session: u64) -> wire::Capabilities {
+    wire::Capabilities::host_arena(32 * KIB, CHUNK, session)
+}
+
+/// An endpoint that loaded agent `name`'s connection info with session 7.
+fn with_loaded(name: &str) -> (Endpoint, Instant, PeerId) {
+    let (mut ep, t) = endpoint(32 * KIB, 2, false);
+    assert_eq!(ep.handle_conn_info(t, name, Some(caps(7)), Some(&caps(1))), Loaded::Compatible);
+    let id = ep.peers_mut().id(name);
+    (ep, t, id)
+}
+
+#[test]
+fn frames_from_an_agent_never_loaded_are_refused_before_the_endpoint_sees_them() {
+    let (mut ep, t) = endpoint(32 * KIB, 2, false);
+    let r = ep.handle_frame(t, "stranger", &frame(1, want_msg(XferId(5), &[CHUNK])));
+    assert_eq!(r, Err(FrameRefused::NotLoaded));
+    assert!(drain(&mut ep).is_empty(), "no GRANT to an unknown agent");
+    assert_eq!((ep.remote_flows(), ep.stats().wants, ep.stats().frames_refused), (0, 0, 1));
+    assert!(matches!(ep.handle_frame(t, "stranger", b"\0BOUNCgarbage"), Err(FrameRefused::Malformed(_))));
+    assert_eq!(ep.stats().frames_refused, 2);
+}
+
+#[test]
+fn a_loaded_peer_is_served_through_handle_frame_and_protocol_errors_pass_through() {
+    let (mut ep, t, id) = with_loaded("a");
+    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    let sent = msgs(&drain(&mut ep));
+    assert!(matches!(&sent[..], [(p, Msg::Grant(_))] if *p == id), "{sent:?}");
+    let r = ep.handle_frame(t, "a", &frame(7, grant_msg(XferId(99), &[(0, Region { offset: 0, len: CHUNK })])));
+    assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::UnknownXfer { .. }))), "{r:?}");
+    assert_eq!((ep.stats().protocol_errors, ep.stats().frames_refused), (1, 0));
+}
+
+#[test]
+fn a_frame_of_a_stale_session_is_refused_and_changes_nothing() {
+    let (mut ep, t, _) = with_loaded("a");
+    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    let granted = msgs(&drain(&mut ep));
+    let Msg::Grant(g) = &granted[0].1 else { panic!("{granted:?}") };
+    let region = g.credits[0].region;
+    // A DATA of an older incarnation for the region granted to the new one.
+    let stale = frame(6, data_msg(XferId(5), 0, region, vec![run(0, DST, CHUNK)]));
+    assert_eq!(ep.handle_frame(t, "a", &stale), Err(FrameRefused::StaleSession { got: 6, current: 7 }));
+    assert!(drain(&mut ep).is_empty(), "no scatter, no ACK");
+    assert_eq!(ep.remote_flows(), 1);
+    assert_eq!(ep.peers().session("a"), Some(7));
+    assert_eq!((ep.stats().control_forged, ep.stats().frames_refused), (1, 1));
+}
+
+/// The forgery of issue 10 item 6: a third party sends a WANT with a new session under a
+/// loaded peer's name. It used to reset the peer (failing our transfer to it and
+/// reclaiming its flows); now the session is the loaded capabilities' and the WANT is
+/// refused, changing nothing.
+#[test]
+fn a_want_with_a_new_session_is_refused_without_resetting_the_peer() {
+    let (mut ep, t, id) = with_loaded("a");
+    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
+    drain(&mut ep);
+    ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
+    drain(&mut ep);
+    let free = ep.arena_free_bytes();
+    assert_eq!((ep.remote_flows(), ep.in_flight_xfers()), (1, 1));
+    for forged in [want_msg(XferId(5), &[CHUNK]), want_msg(XferId(6), &[CHUNK]), Msg::cancel(XferId(5), TOKEN, vec![])]
+    {
+        let r = ep.handle_frame(t, "a", &frame(8, forged));
+        assert_eq!(r, Err(FrameRefused::StaleSession { got: 8, current: 7 }));
+    }
+    assert!(drain(&mut ep).is_empty(), "no completion, no GRANT");
+    assert_eq!((ep.remote_flows(), ep.in_flight_xfers(), ep.arena_free_bytes()), (1, 1, free));
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 2);
+    assert_eq!((ep.peers().session("a"), ep.stats().control_forged), (Some(7), 3));
+    check(&ep);
+}
+
+/// A restart is learned from NIXL, not from frames: reloading the peer's metadata with a
+/// new session reclaims everything of the old incarnation, and only then is the new
+/// session admitted.
+#[test]
+fn a_reload_with_a_new_session_reclaims_the_old_incarnation() {
+    let (mut ep, t, id) = with_loaded("a");
+    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
+    drain(&mut ep);
+    ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
+    drain(&mut ep);
+    // Reloading the same metadata changes nothing.
+    assert_eq!(ep.handle_conn_info(t, "a", Some(caps(7)), Some(&caps(1))), Loaded::Compatible);
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!((ep.remote_flows(), ep.in_flight_xfers()), (1, 1));
+    // The restarted agent's metadata: our transfer to the old incarnation fails as for a
+    // lost peer and the old flow's regions come back, after a quarantine (the old process
+    // may be stuck rather than gone).
+    assert_eq!(ep.handle_conn_info(t, "a", Some(caps(8)), Some(&caps(1))), Loaded::Compatible);
+    assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
+    assert_eq!(ep.arena_quarantined_bytes(), 2 * CHUNK);
+    assert_eq!((ep.remote_flows(), ep.arena_free_bytes() + 2 * CHUNK), (0, 32 * KIB));
+    // The new incarnation announces a transfer that reuses the old id; the old one is refused.
+    ep.handle_frame(t, "a", &frame(8, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
+    let old = frame(7, want_msg(XferId(9), &[CHUNK]));
+    assert_eq!(ep.handle_frame(t, "a", &old), Err(FrameRefused::StaleSession { got: 7, current: 8 }));
+    assert_eq!(ep.peers().session("a"), Some(8));
+    check(&ep);
+}
+
+/// The forgery of issue 10 item 6, second half: GRANT and ACK(Scattered) naming our
+/// transfer and its chunk, from the right peer and session, but without the transfer's
+/// token. The sender must never complete on them (and nothing of the transfer changes);
+/// the real ones still complete it.
+#[test]
+fn a_forged_grant_and_ack_with_the_wrong_token_never_complete_the_sender() {
+    let (mut ep, t, id) = with_loaded("a");
+    ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
+    drain(&mut ep);
+    let region = Region { offset: 0, len: CHUNK };
+    let forge = |m: Msg| match m {
+        Msg::Grant(g) => Msg::Grant(Grant { token: FORGED, ..g }),
+        Msg::Ack(a) => Msg::Ack(Ack { token: FORGED, ..a }),
+        m => m,
+    };
+    let r = ep.handle_frame(t, "a", &frame(7, forge(grant_msg(X, &[(0, region)]))));
+    assert_eq!(r, Err(FrameRefused::Protocol(ProtocolError::WrongToken { peer: id, xfer: X })));
+    assert!(drain(&mut ep).is_empty(), "no gather, no write for a forged credit");
+    // The real GRANT: the chunk is gathered, written and its DATA (with our token) sent.
+    ep.handle_frame(t, "a", &frame(7, grant_msg(X, &[(0, region)]))).unwrap();
+    let acts = drain(&mut ep);
+    ep.handle_gather_done(t, gathers(&acts)[0].0, true);
+    let acts = drain(&mut ep);
+    ep.handle_write_done(t, writes(&acts)[0].0, true);
+    let sent = msgs(&drain(&mut ep));
+    assert!(matches!(&sent[..], [(_, Msg::Data(d))] if d.token == TOKEN), "{sent:?}");
+    // Now a forged ACK(Scattered) for exactly that chunk and region.
+    let r = ep.handle_frame(t, "a", &frame(7, forge(ack_msg(X, 0, region, AckStatus::Scattered))));
+    assert_eq!(r, Err(FrameRefused::Protocol(ProtocolError::WrongToken { peer: id, xfer: X })));
+    assert!(drain(&mut ep).is_empty(), "no completion on a forged ACK");
+    assert_eq!((ep.in_flight_xfers(), ep.sender().acked_chunks(X)), (1, Some(0)));
+    assert_eq!(ep.stats().control_forged, 2);
+    // The receiver's own ACK completes it.
+    ep.handle_frame(t, "a", &frame(7, ack_msg(X, 0, region, AckStatus::Scattered))).unwrap();
+    assert_eq!(completes(&drain(&mut ep)), vec![(X, Ok(()))]);
+}
+
+/// Receiver side: a DATA, cancel or further WANT naming a live flow but carrying another
+/// token is dropped and counted; it neither scatters, nor refuses, nor reclaims the flow.
+#[test]
+fn data_cancel_and_want_with_the_wrong_token_leave_the_flow_alone() {
+    let (mut ep, t, id) = with_loaded("a");
+    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    let granted = msgs(&drain(&mut ep));
+    let Msg::Grant(g) = &granted[0].1 else { panic!("{granted:?}") };
+    assert_eq!(g.token, TOKEN, "the GRANT echoes the WANT's token");
+    let region = g.credits[0].region;
+    let forged = [
+        Msg::Data(Data {
+            xfer: XferId(5),
+            token: FORGED,
+            chunk: ChunkIdx(0),
+            region,
+            runs: vec![run(0, DST, CHUNK)],
+            region_plan_runs: 0,
+        }),
+        Msg::cancel(XferId(5), FORGED, vec![]),
+        Msg::Want(Want {
+            arena: ArenaId(0),
+            xfer: XferId(5),
+            token: FORGED,
+            endpoint: vec![],
+            chunks: vec![CHUNK],
+            proofs: vec![],
+            inline: None,
+            standing: Default::default(),
+        }),
+    ];
+    for m in forged {
+        let r = ep.handle_frame(t, "a", &frame(7, m));
+        assert_eq!(r, Err(FrameRefused::Protocol(ProtocolError::WrongToken { peer: id, xfer: XferId(5) })));
+    }
+    assert!(drain(&mut ep).is_empty(), "no scatter, no ACK(Refused)");
+    assert_eq!((ep.remote_flows(), ep.stats().control_forged, ep.stats().data_refused), (1, 3, 0));
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
+    // The real DATA scatters, and its ACK carries the flow's token.
+    ep.receiver_mut().add_registered(REG, KEY, (DST, CHUNK), ArenaId(0));
+    ep.handle_frame(t, "a", &frame(7, data_msg(XferId(5), 0, region, vec![run(0, DST, CHUNK)]))).unwrap();
+    let acts = drain(&mut ep);
+    ep.handle_scatter_done(t, scatters(&acts)[0].0, true);
+    let sent = msgs(&drain(&mut ep));
+    assert!(matches!(&sent[..], [(_, Msg::Ack(a))] if a.token == TOKEN && a.status == AckStatus::Scattered));
+    check(&ep);
+}
+
+#[test]
+fn a_hello_flood_from_invented_names_cannot_lock_a_real_peer_out() {
+    use crate::peers::MAX_HELLO_HINTS;
+    let (mut ep, t) = endpoint(32 * KIB, 2, false);
+    let hello = wire::encode_hello(1);
+    // The real peer's HELLO comes before we load it, then thousands of invented names.
+    ep.handle_frame(t, "a", &hello).unwrap();
+    for i in 0..4 * MAX_HELLO_HINTS {
+        ep.handle_frame(t, &format!("invented-{i}"), &hello).unwrap();
+    }
+    assert_eq!(ep.peers().hints(), MAX_HELLO_HINTS, "bounded");
+    assert!(!ep.peers().is_reachable("a"), "its hint was evicted");
+    assert!(drain(&mut ep).is_empty() && ep.stats().frames_refused == 0);
+    let mut caps = caps(1);
+    caps.arenas.first_mut().key = vec![1];
+    ep.peers_mut().load_conn_info("a", Some(caps.clone()), Some(&caps));
+    ep.peers_mut().arena_loaded("a", true);
+    let id = ep.peers().lookup("a").unwrap();
+    // Our HELLO on load makes it say HELLO again: recorded, and answered once, so that it
+    // records ours even if its own hint of it was evicted the same way.
+    ep.handle_frame(t, "a", &hello).unwrap();
+    assert_eq!(drain(&mut ep), vec![Action::Link { peer: id, body: wire::Body::Hello }]);
+    assert!(ep.peers().can_bounce("a"));
+    ep.handle_frame(t, "a", &hello).unwrap();
+    assert!(drain(&mut ep).is_empty(), "a repeat is not answered: no HELLO ping-pong");
+    // Loss forgets the peer's HELLO: it must say HELLO again before we bounce to it.
+    ep.handle_agent_lost(t, "a");
+    assert!(!ep.peers().is_reachable("a") && !ep.peers().is_loaded("a"));
+}
+
+/// `poll_timeout` is the earliest armed timer of both roles, and a `handle_timeout` before it
+/// (a spurious wake-up) changes nothing.
+#[test]
+fn poll_timeout_is_the_minimum_and_a_spurious_timeout_does_nothing() {
+    let (mut ep, t) = endpoint(32 * KIB, 2, false);
+    assert_eq!(ep.poll_timeout(), None);
+    ep.handle_timeout(t + TIMEOUT * 10);
+    assert!(drain(&mut ep).is_empty());
+    ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
+    let later = t + TIMEOUT / 4;
+    ep.handle_msg(later, PeerId(9), want_msg(XferId(5), &[CHUNK])).unwrap();
+    drain(&mut ep);
+    // The sender's transfer times out at t + TIMEOUT; the receiver reclaims the silent
+    // flow (it holds a granted region) half a timeout after its WANT, which is earlier.
+    let flow_at = later + TIMEOUT / 2;
+    assert!(flow_at < t + TIMEOUT);
+    assert_eq!(ep.poll_timeout(), Some(flow_at));
+    let before = (ep.stats().clone(), ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes());
+    ep.handle_timeout(flow_at - Duration::from_millis(1));
+    assert!(drain(&mut ep).is_empty(), "a spurious timeout emits nothing");
+    assert_eq!((ep.stats().clone(), ep.in_flight_xfers(), ep.remote_flows(), ep.arena_free_bytes()), before);
+    assert_eq!(ep.poll_timeout(), Some(flow_at));
+    ep.handle_timeout(flow_at);
+    drain(&mut ep);
+    assert_eq!((ep.stats().flows_timed_out, ep.remote_flows()), (1, 0));
+    assert_eq!(ep.poll_timeout(), Some(t + TIMEOUT));
+    ep.handle_timeout(t + TIMEOUT);
+    assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::Timeout))]);
+    assert_eq!(ep.poll_timeout(), None);
+}
+
+/// Two endpoints with byte-level memories, driven until quiet with every job completing at
+/// once: the smallest end-to-end run of the whole protocol.
+struct Pair {
+    eps: [Endpoint; 2],
+    arenas: [Vec<u8>; 2],
+    mem: [BTreeMap<u64, u8>; 2],
+    done: Vec<(usize, XferId, Result<(), XferError>)>,
+    now: Instant,
+    /// Protocol errors from delivered frames, kept only when a test expects them (else a
+    /// delivery that fails panics).
+    refusals: Option<Vec<ProtocolError>>,
+}
+
+impl Pair {
+    fn new(arena: u64, w: u32, eager: bool) -> Self {
+        Self::of(&config(arena, w, eager), &config(arena, w, eager))
+    }
+
+    /// Two endpoints of configs `a` and `b`.
+    fn of(a: &Config, b: &Config) -> Self {
+        let now = Instant::now();
+        let (a, b) = (Endpoint::new(a, now).unwrap(), Endpoint::new(b, now).unwrap());
+        // One buffer for all the core's offsets: the scheduler's part, the mailbox and the
+        // fetch area.
+        let len = |ep: &Endpoint| vec![0; ep.one_way_layout().arena_len as usize];
+        let mut p = Self {
+            arenas: [len(&a), len(&b)],
+            eps: [a, b],
+            mem: [BTreeMap::new(), BTreeMap::new()],
+            done: Vec::new(),
+            now,
+            refusals: None,
+        };
+        for ep in &mut p.eps {
+            ep.add_registered(REG, KEY, (DST, 1 << 20), ArenaId(0));
+        }
+        p
+    }
+
+    /// Runs until no endpoint has anything to do; returns the steps taken.
+    fn run(&mut self) -> usize {
+        let mut steps = 0;
+        loop {
+            let mut idle = true;
+            for me in 0..2 {
+                while let Some(a) = self.eps[me].poll_action() {
+                    idle = false;
+                    steps += 1;
+                    assert!(steps < 100_000, "no quiescence");
+                    self.perform(me, a);
+                    check(&self.eps[me]);
+                }
+            }
+            // One-way transfers READ their targets' mailboxes (here: copy the bytes).
+            for me in 0..2 {
+                let xfers: Vec<XferId> = self.eps[me].one_way_xfers().collect();
+                for xfer in xfers {
+                    let Some(f) = self.eps[me].fetch(xfer) else { continue };
+                    let base = self.eps[f.peer.0 as usize].one_way_layout().mailbox.offset;
+                    let image: Vec<u8> = f
+                        .regions
+                        .iter()
+                        .flat_map(|r| &self.arenas[f.peer.0 as usize][(base + r.offset) as usize..][..r.len as usize])
+                        .copied()
+                        .collect();
+                    if self.eps[me].handle_fetched(self.now, xfer, &image) > 0 {
+                        idle = false;
+                    }
+                }
+            }
+            if idle {
+                return steps;
+            }
+        }
+    }
+
+    fn perform(&mut self, me: usize, a: Action) {
+        let peer = 1 - me;
+        let now = self.now;
+        match a {
+            Action::Send { peer: p, msg } => {
+                assert_eq!(p.0 as usize, peer);
+                match (self.eps[peer].handle_msg(now, PeerId(me as u32), msg), &mut self.refusals) {
+                    (Err(e), Some(kept)) => kept.push(e),
+                    (r, _) => r.unwrap(),
+                }
+            }
+            Action::Gather { job, region, runs, .. } => {
+                for r in runs.runs() {
+                    for (off, addr, len) in r.copies() {
+                        for k in 0..len {
+                            let byte = self.mem[me].get(&(addr + k)).copied().unwrap_or(0);
+                            self.arenas[me][(region.offset + off + k) as usize] = byte;
+                        }
+                    }
+                }
+                self.eps[me].handle_gather_done(now, job, true);
+            }
+            Action::Write { job, source, remote, len, .. } => {
+                let src: Vec<u8> = match source {
+                    WriteSource::Arena(local) => self.arenas[me][local.offset as usize..][..len as usize].to_vec(),
+                    WriteSource::User { addr } => {
+                        (addr..addr + len).map(|a| self.mem[me].get(&a).copied().unwrap_or(0)).collect()
+                    }
+                };
+                self.arenas[peer][remote.offset as usize..][..len as usize].copy_from_slice(&src);
+                self.eps[me].handle_write_done(now, job, true);
+            }
+            Action::Scatter { job, region, runs, .. } => {
+                for r in runs.runs() {
+                    for (off, addr, len) in r.copies() {
+                        for k in 0..len {
+                            let byte = self.arenas[me][(region.offset + off + k) as usize];
+                            self.mem[me].insert(addr + k, byte);
+                        }
+                    }
+                }
+                self.eps[me].handle_scatter_done(now, job, true);
+            }
+            Action::Link { peer: p, body } => {
+                assert_eq!(p.0 as usize, peer);
+                match body {
+                    wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u32), nonce),
+                    wire::Body::Pong { nonce } => self.eps[peer].handle_pong(now, PeerId(me as u32), nonce),
+                    other => panic!("unexpected link frame {other:?}"),
+                }
+            }
+            Action::PutRecord { offset, bytes } => {
+                self.arenas[me][offset as usize..][..bytes.len()].copy_from_slice(&bytes);
+            }
+            Action::Read { job, remote, local, len, .. } => {
+                let src = self.arenas[peer][remote.offset as usize..][..len as usize].to_vec();
+                self.arenas[me][local.offset as usize..][..len as usize].copy_from_slice(&src);
+                self.eps[me].handle_read_done(now, job, true);
+            }
+            Action::Complete { xfer, outcome } => self.done.push((me, xfer, outcome)),
+        }
+    }
+}
+
+/// `plan_of(n)` with chunks `i` where `direct(i)` holds left direct.
+fn plan_with_direct(n: u64, direct: impl Fn(usize) -> bool) -> Plan {
+    let mut p = direct_plan_of(n);
+    for (i, c) in p.chunks.iter_mut().enumerate() {
+        if !direct(i) {
+            c.direct = None;
+        }
+    }
+    p
+}
+
+#[test]
+fn peers_of_different_max_chunks_move_chunks_of_the_smaller_and_refuse_larger_ones_at_once() {
+    // Endpoint 0 chunks up to 8 KiB in a 32 KiB arena; endpoint 1's arena is one 4 KiB
+    // block. Capabilities no longer need equal max chunks: planned with the smaller (the
+    // shell's `Capabilities::chunk_with`) every byte lands. A chunk larger than the target's
+    // largest block (a peer that planned with its own max) is refused with its WANT: the
+    // transfer fails at once, with no time passing, instead of waiting for a timeout.
+    let big = Config { max_chunk_size: 2 * CHUNK, ..config(32 * KIB, 2, false) };
+    let small = config(CHUNK, 2, false);
+    let mut p = Pair::of(&big, &small);
+    let theirs = wire::Capabilities::host_arena(CHUNK, small.max_chunk_size, 1);
+    let chunk = wire::Capabilities::host_arena(32 * KIB, big.max_chunk_size, 2).chunk_with(&theirs);
+    assert_eq!(chunk, CHUNK);
+    for i in 0..(10 * CHUNK) {
+        p.mem[0].insert(SRC + i, (i as u8).wrapping_mul(5).wrapping_add(3));
+    }
+    let descs: Vec<DescPair> =
+        (0..10).map(|i| DescPair { src: SRC + i * CHUNK, dst: DST + i * CHUNK, len: CHUNK }).collect();
+    let planned = |max| {
+        let mut plan = plan::plan(&descs, PlanParams::new(max)).unwrap();
+        plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+        plan
+    };
+    let now = p.now;
+    p.eps[0].submit(now, XferId(1), TOKEN, PeerId(1), planned(chunk)).unwrap();
+    p.run();
+    assert_eq!(p.done, vec![(0, XferId(1), Ok(()))]);
+    for i in 0..(10 * CHUNK) {
+        assert_eq!(p.mem[1].get(&(DST + i)), Some(&(i as u8).wrapping_mul(5).wrapping_add(3)), "byte {i}");
+    }
+    assert_eq!(p.eps[1].stats().chunks_scattered, 10);
+
+    let too_large = planned(2 * CHUNK);
+    assert_eq!(too_large.chunks[0].bytes, 2 * CHUNK);
+    p.refusals = Some(Vec::new());
+    p.eps[0].submit(now, XferId(2), Token(TOKEN.0 + 1), PeerId(1), too_large).unwrap();
+    p.run();
+    assert_eq!(p.now, now, "no time passed");
+    assert!(matches!(p.done[1], (0, XferId(2), Err(_))), "{:?}", p.done);
+    let refusals = p.refusals.take().unwrap();
+    assert!(matches!(refusals[..], [ProtocolError::BadWant { .. }]), "{refusals:?}");
+    assert!(p.eps[0].is_idle() && p.eps[1].is_idle());
+    assert_eq!((p.eps[0].arena_free_bytes(), p.eps[1].arena_free_bytes()), (32 * KIB, CHUNK));
+}
+
+#[test]
+fn two_endpoints_move_every_byte_both_ways_through_small_arenas() {
+    // Staged, mixed and fully direct plans.
+    let modes: [fn(usize) -> bool; 3] = [|_| false, |i| i % 3 == 1, |_| true];
+    for (eager, mode) in [false, true].into_iter().flat_map(|e| modes.map(|m| (e, m))) {
+        let mut p = Pair::new(16 * KIB, 2, eager);
+        // 40 KiB each way through 16 KiB arenas that also serve the other direction.
+        for me in 0..2 {
+            for i in 0..(10 * CHUNK) {
+                p.mem[me].insert(SRC + i, (i as u8).wrapping_mul(3).wrapping_add(me as u8));
+            }
+            let now = p.now;
+            p.eps[me].submit(now, X, TOKEN, PeerId(1 - me as u32), plan_with_direct(10, mode)).unwrap();
+        }
+        p.run();
+        let mut done = p.done.clone();
+        done.sort_by_key(|d| d.0);
+        assert_eq!(done, vec![(0, X, Ok(())), (1, X, Ok(()))]);
+        for me in 0..2 {
+            for i in 0..(10 * CHUNK) {
+                let want = (i as u8).wrapping_mul(3).wrapping_add(1 - me as u8);
+                assert_eq!(p.mem[me].get(&(DST + i)), Some(&want), "eager={eager} side {me} byte {i}");
+            }
+            let ep = &p.eps[me];
+            assert!(ep.is_idle());
+            assert_eq!(ep.arena_free_bytes(), 16 * KIB);
+            assert_eq!(ep.poll_timeout(), None);
+            assert_eq!(ep.stats().completed, 1);
+            assert_eq!(ep.stats().chunks_scattered, 10);
+            assert_eq!(ep.stats().chunks_direct, (0..10).filter(|&i| mode(i)).count() as u64);
+        }
+    }
+}
+
+#[test]
+fn a_one_way_write_moves_every_byte_through_the_targets_mailbox() {
+    // Endpoint 1 keeps a mailbox; endpoint 0 sends one way, so every GRANT and ACK of its
+    // transfers travels as a record it READs. Twenty chunks through a window of 2: 40
+    // records through rings of 8, so the ring fills and the CURSORs must make room.
+    for eager in [false, true] {
+        let mut p = Pair::new(16 * KIB, 2, eager);
+        p.eps[1].keep_mailbox(true);
+        let m = p.eps[1].one_way_layout().mailbox;
+        let layout = crate::mailbox::MailboxLayout { slots: m.slots, ring: m.ring };
+        assert_eq!(layout.ring, 8);
+        for i in 0..(20 * CHUNK) {
+            p.mem[0].insert(SRC + i, (i as u8).wrapping_mul(7).wrapping_add(1));
+        }
+        for (n, xfer) in [XferId(1), XferId(2)].into_iter().enumerate() {
+            let now = p.now;
+            let token = Token(TOKEN.0 + n as u128);
+            p.eps[0].submit_one_way(now, xfer, token, PeerId(1), plan_of(10), layout).unwrap();
+        }
+        p.run();
+        let mut done = p.done.clone();
+        done.sort_by_key(|d| d.1);
+        assert_eq!(done, vec![(0, XferId(1), Ok(())), (0, XferId(2), Ok(()))], "eager={eager}");
+        for i in 0..(10 * CHUNK) {
+            let want = (i as u8).wrapping_mul(7).wrapping_add(1);
+            assert_eq!(p.mem[1].get(&(DST + i)), Some(&want), "eager={eager} byte {i}");
+        }
+        let (tx, rx) = (p.eps[0].stats(), p.eps[1].stats());
+        assert_eq!((tx.one_way_sent, rx.one_way_answered), (2, 2));
+        // Per transfer 10 GRANTs and 10 ACKs: every record written was read.
+        assert_eq!((rx.records_written, tx.records_read), (40, 40));
+        assert_eq!(rx.chunks_scattered, 20);
+        // Nothing stays behind: the last CURSORs freed both slots.
+        assert!(p.eps[0].is_idle() && p.eps[1].is_idle());
+        assert_eq!(p.eps[1].answering.flows(), 0);
+        assert_eq!(p.eps[1].answering_slots_held(), 0);
+        assert_eq!(p.eps[0].one_way_xfers().count(), 0);
+    }
+}
+
+#[test]
+fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_destination() {
+    let (mut ep, t) = endpoint(16 * KIB, 2, false);
+    ep.keep_mailbox(true);
+    let want = |xfer: u64, proofs| {
+        let w = Want {
+            arena: ArenaId(0),
+            xfer: XferId(xfer),
+            token: TOKEN,
+            endpoint: wire::REPLY_MAILBOX.to_vec(),
+            chunks: vec![CHUNK],
+            proofs,
+            inline: None,
+            standing: Default::default(),
+        };
+        wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
+    };
+    // Forged proofs under invented names: refused, no slot, no answer, no flow.
+    for i in 0..20u64 {
+        let mut p = crate::proof::prove(REG, &KEY, TOKEN);
+        p.tag[0] ^= 1;
+        let r = ep.handle_frame(t, &format!("stranger-{i}"), &want(i, vec![p]));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{r:?}");
+    }
+    assert!(drain(&mut ep).is_empty(), "a forgery got an answer");
+    assert_eq!((ep.answering_slots_held(), ep.remote_flows()), (0, 0));
+    assert_eq!(ep.stats().control_forged, 20);
+    // A valid proof: admitted without loaded metadata or session, answered in the mailbox.
+    ep.handle_frame(t, "initiator", &want(1, vec![crate::proof::prove(REG, &KEY, TOKEN)])).unwrap();
+    let acts = drain(&mut ep);
+    assert!(acts.iter().all(|a| matches!(a, Action::PutRecord { .. })), "{acts:?}");
+    assert_eq!(acts.len(), 1, "one GRANT record");
+    assert_eq!((ep.answering_slots_held(), ep.remote_flows(), ep.stats().one_way_answered), (1, 1, 1));
+    // Its other frames pass only for its flow: a DATA of a flow it never opened does not.
+    let stray = Msg::Keep(wire::Keep { xfer: XferId(7), token: TOKEN });
+    let r = ep.handle_frame(t, "initiator", &wire::Frame { session: 99, msg: stray }.to_vec());
+    assert_eq!(r, Err(FrameRefused::NotLoaded));
+}
+
+/// A READ: endpoint 0 pulls 10 chunks of endpoint 1's registered memory into its own, two
+/// way (answers as frames) and one way (answers READ from endpoint 1's mailbox): endpoint 1
+/// gathers each chunk into its arena, announces it ready, endpoint 0 READs it, releases it
+/// and scatters it locally. Through arenas smaller than the transfer.
+#[test]
+fn a_read_pulls_every_byte_through_the_targets_arena_two_way_and_one_way() {
+    for one_way in [false, true] {
+        let mut p = Pair::new(16 * KIB, 2, false);
+        p.eps[1].keep_mailbox(true);
+        let m = p.eps[1].one_way_layout().mailbox;
+        let layout = crate::mailbox::MailboxLayout { slots: m.slots, ring: m.ring };
+        // The target's source: its registered range at DST; our destinations at SRC.
+        for i in 0..(10 * CHUNK) {
+            p.mem[1].insert(DST + i, (i as u8).wrapping_mul(5).wrapping_add(3));
+        }
+        let descs: Vec<DescPair> =
+            (0..10).map(|i| DescPair { src: DST + i * CHUNK, dst: SRC + i * CHUNK, len: CHUNK }).collect();
+        let mut plan = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+        let now = p.now;
+        p.eps[0].submit_read(now, X, TOKEN, PeerId(1), plan, one_way.then_some(layout)).unwrap();
+        p.run();
+        assert_eq!(p.done, vec![(0, X, Ok(()))], "one_way={one_way}");
+        for i in 0..(10 * CHUNK) {
+            let want = (i as u8).wrapping_mul(5).wrapping_add(3);
+            assert_eq!(p.mem[0].get(&(SRC + i)), Some(&want), "one_way={one_way} byte {i}");
+        }
+        let (ini, tgt) = (p.eps[0].stats(), p.eps[1].stats());
+        assert_eq!((ini.chunks_pulled, tgt.chunks_served), (10, 10));
+        assert_eq!(tgt.chunks_scattered, 0, "nothing was written into the target");
+        if one_way {
+            // Ten READY records (GRANTs), and no FAIL: the RELEASEs ended the flow.
+            assert_eq!((tgt.records_written, ini.records_read), (10, 10));
+            assert_eq!(p.eps[1].answering_slots_held(), 0);
+        }
+        for ep in &p.eps {
+            assert!(ep.is_idle());
+            assert_eq!(ep.arena_free_bytes(), 16 * KIB);
+        }
+    }
+}
+
+/// What the property test below does to an endpoint.
+#[derive(Debug, Clone)]
+enum Op {
+    Msg(u32, Msg),
+    Done(usize, bool),
+    Submit(u64, u64, u8),
+    Cancel(u64),
+    PeerLost(u32),
+    Advance(u64),
+}
+
+fn any_region() -> impl Strategy<Value = Region> {
+    prop_oneof![
+        (0..32u64, prop::sample::select(vec![KIB, CHUNK, 2 * CHUNK]))
+            .prop_map(|(o, len)| Region { offset: o * KIB, len }),
+        (any::<u64>(), any::<u64>()).prop_map(|(offset, len)| Region { offset, len }),
+    ]
+}
+
+fn any_run() -> impl Strategy<Value = CopyRun> {
+    (0..8 * KIB, 0..64 * KIB, 0..5 * KIB, 0..4u32, 0..KIB, 0..KIB).prop_map(|(off, a, len, count, rs, as_)| CopyRun {
+        region_off: off,
+        addr: DST + a,
+        len,
+        count,
+        region_stride: rs,
+        addr_stride: as_,
+    })
+}
+
+fn any_msg() -> impl Strategy<Value = Msg> {
+    let xfer = (0..4u64).prop_map(XferId);
+    prop_oneof![
+        (xfer.clone(), prop::collection::vec(prop_oneof![Just(CHUNK), 0..3 * CHUNK], 0..5))
+            .prop_map(|(x, c)| want_msg(x, &c)),
+        (xfer.clone(), prop::collection::vec((0..6u32, any_region()), 0..4)).prop_map(|(x, c)| grant_msg(x, &c)),
+        (xfer.clone(), 0..6u32, any_region(), prop::collection::vec(any_run(), 0..3))
+            .prop_map(|(x, c, r, runs)| data_msg(x, c, r, runs)),
+        (
+            xfer,
+            0..6u32,
+            any_region(),
+            prop::sample::select(vec![AckStatus::Scattered, AckStatus::Refused, AckStatus::Failed])
+        )
+            .prop_map(|(x, c, r, st)| ack_msg(x, c, r, st)),
+    ]
+}
+
+fn any_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3u32, any_msg()).prop_map(|(p, m)| Op::Msg(p, m)),
+        4 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Done(i, ok)),
+        1 => (0..4u64, 1..6u64, any::<u8>()).prop_map(|(x, n, d)| Op::Submit(x, n, d)),
+        1 => (0..4u64).prop_map(Op::Cancel),
+        1 => (0..3u32).prop_map(Op::PeerLost),
+        1 => (0..1500u64).prop_map(Op::Advance),
+    ]
+}
+
+/// The kind of an outstanding job: 0 gather, 1 write, 2 scatter.
+fn collect_jobs(ep: &mut Endpoint, jobs: &mut Vec<(JobId, u8)>) {
+    for a in drain(ep) {
+        match a {
+            Action::Gather { job, .. } => jobs.push((job, 0)),
+            Action::Write { job, .. } => jobs.push((job, 1)),
+            Action::Scatter { job, .. } => jobs.push((job, 2)),
+            _ => {}
+        }
+    }
+}
+
+fn report(ep: &mut Endpoint, now: Instant, (job, kind): (JobId, u8), ok: bool) {
+    match kind {
+        0 => ep.handle_gather_done(now, job, ok),
+        1 => ep.handle_write_done(now, job, ok),
+        _ => ep.handle_scatter_done(now, job, ok),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Arbitrary peer messages mixed with real work never panic, never break the arena's
+    /// conservation invariant, and after shutdown every region comes back once the jobs in
+    /// flight are reported.
+    #[test]
+    fn arbitrary_peer_input_never_breaks_the_endpoint(ops in prop::collection::vec(any_op(), 1..80), eager: bool) {
+        let (mut ep, mut now) = endpoint(32 * KIB, 2, eager);
+        ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
+        let mut jobs = Vec::new();
+        for op in ops {
+            match op {
+                Op::Msg(p, m) => { let _ = ep.handle_msg(now, PeerId(p), m); }
+                Op::Done(i, ok) if !jobs.is_empty() => {
+                    let j = jobs.swap_remove(i % jobs.len());
+                    report(&mut ep, now, j, ok);
+                }
+                Op::Done(..) => {}
+                Op::Submit(x, n, d) => {
+                    // Bit `i` of `d` makes chunk `i` direct.
+                    let plan = plan_with_direct(n, |i| d >> i & 1 == 1);
+                    let _ = ep.submit(now, XferId(x), TOKEN, PeerId(x as u32 % 3), plan);
+                }
+                Op::Cancel(x) => ep.cancel(now, XferId(x)),
+                Op::PeerLost(p) => ep.handle_peer_lost(now, PeerId(p)),
+                Op::Advance(ms) => {
+                    now += Duration::from_millis(ms);
+                    ep.handle_timeout(now);
+                }
+            }
+            collect_jobs(&mut ep, &mut jobs);
+            prop_assert!(ep.scheduler().check_invariants().is_ok(), "{:?}", ep.scheduler().check_invariants());
+            prop_assert!(ep.receiver().check_invariants().is_ok(), "{:?}", ep.receiver().check_invariants());
+        }
+        ep.shutdown(now);
+        collect_jobs(&mut ep, &mut jobs);
+        while let Some(j) = jobs.pop() {
+            report(&mut ep, now, j, true);
+            collect_jobs(&mut ep, &mut jobs);
+        }
+        prop_assert!(ep.is_idle());
+        prop_assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    }
+}
