@@ -549,60 +549,6 @@ impl Sender {
         Some(Ok(slot))
     }
 
-    /// Starts READ transfer `xfer` of `plan` from `peer`: the plan's gather runs read the
-    /// target's memory (`CopyRun::addr` there) and its scatter runs write ours. Sends the PULL;
-    /// each ready region (a GRANT) is READ into local staging, released, and scattered here.
-    /// No eager staging and no direct chunks: nothing can be staged before the target gathers.
-    pub(crate) fn submit_read(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        xfer: XferId,
-        token: Token,
-        peer: PeerId,
-        mut plan: Arc<Plan>,
-        one_way: bool,
-    ) -> Result<(), SubmitError> {
-        self.admit(ctx, xfer, &plan)?;
-        if plan.chunks.iter().any(|c| c.direct.is_some()) {
-            for c in &mut Arc::make_mut(&mut plan).chunks {
-                c.direct = None;
-            }
-        }
-        let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
-        let mut proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
-        // `check_plan` capped the chunks at MAX_CHUNKS_PER_WANT, a u32.
-        let total = plan.chunks.len() as u32;
-        for (first, part) in pull_frames(&plan.chunks) {
-            let chunks = part.iter().map(|c| wire::PullChunk { bytes: c.bytes, runs: Arc::clone(&c.gather) }).collect();
-            let (first, proofs) = (ChunkIdx(first as u32), std::mem::take(&mut proofs));
-            let (arena, endpoint) = (plan.peer_arena, endpoint.clone());
-            ctx.send(peer, wire::Pull { xfer, token, arena, first, total, endpoint, chunks, proofs });
-        }
-        let deadline = ctx.now + self.timeout;
-        let (stages, planned) = (vec![Stage::Idle; plan.chunks.len()], vec![false; plan.chunks.len()]);
-        // A READ's GRANT comes after the target's gather: no control round trip to time.
-        let x = Xfer {
-            peer,
-            token,
-            stages,
-            plan,
-            acked: 0,
-            staged: true,
-            read: true,
-            planned,
-            deadline,
-            wanted: None,
-            inline: false,
-            claimed: None,
-        };
-        self.start_staging(ctx, x.plan.local_arena);
-        debug!(xfer = xfer.0, peer = peer.0, chunks = x.plan.chunks.len(), bytes = x.plan.total_bytes, "submit READ");
-        self.timers.set(xfer, deadline);
-        self.xfers.insert(xfer, x);
-        ctx.stats.submitted += 1;
-        Ok(())
-    }
-
     /// The [`wire::Inline`] for `plan` out of the shell's gather of its chunk, `bytes`: only for
     /// a WRITE of one chunk of at most `inline_bytes`, its runs in frames (no region plan), and
     /// bytes that are exactly that chunk. Anything else goes the full exchange.
@@ -635,95 +581,6 @@ impl Sender {
     /// True when `job` is one of this sender's jobs (live or orphaned).
     pub(crate) fn owns_job(&self, job: JobId) -> bool {
         self.jobs.contains_key(&job) || self.orphans.contains_key(&job)
-    }
-
-    /// A READ's RDMA read ended: the region is released at the target and the chunk scattered
-    /// here, or the transfer fails.
-    pub(crate) fn handle_read_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
-        self.writes.remove(&job);
-        if self.writes.is_empty() {
-            self.next_keep = None;
-        }
-        let Some((r, x)) = self.finished_job(ctx, job, JobKind::Read) else { return };
-        let Stage::Reading { local, credit, .. } = x.stages[r.chunk] else {
-            return internal_error("read done for a chunk not reading", &r.chunk);
-        };
-        trace!(xfer = r.xfer.0, chunk = r.chunk, ok, "read done");
-        if !ok {
-            x.stages[r.chunk] = Stage::Gathered { local };
-            return self.fail(ctx, r.xfer, XferError::ReadFailed, true);
-        }
-        let chunk = ChunkIdx(r.chunk as u32);
-        ctx.send(x.peer, wire::Release { xfer: r.xfer, token: x.token, chunk, region: credit.region });
-        let scatter = ctx.job();
-        x.stages[r.chunk] = Stage::Pulled { local, job: scatter };
-        // The plan's own runs, shared: a GPU engine keeps their device copy with the plan.
-        let (peer, arena) = (x.peer, x.plan.local_arena);
-        let runs = JobRuns::ChunkScatter { plan: Arc::clone(&x.plan), chunk: r.chunk };
-        self.jobs.insert(scatter, JobRef { xfer: r.xfer, chunk: r.chunk, kind: JobKind::Scatter });
-        ctx.push(Action::Scatter {
-            job: scatter,
-            peer,
-            xfer: r.xfer,
-            arena,
-            region: local,
-            runs,
-            in_region: None,
-            inline: None,
-        });
-    }
-
-    /// A READ's local scatter ended: the chunk is done (the transfer completes with its last),
-    /// or the transfer fails.
-    pub(crate) fn handle_scatter_done(&mut self, ctx: &mut Ctx<'_>, job: JobId, ok: bool) {
-        let Some((r, x)) = self.finished_job(ctx, job, JobKind::Scatter) else { return };
-        let Stage::Pulled { local, .. } = x.stages[r.chunk] else {
-            return internal_error("scatter done for a chunk not pulled", &r.chunk);
-        };
-        release(ctx, x.plan.local_arena, local);
-        if !ok {
-            x.stages[r.chunk] = Stage::Idle;
-            return self.fail(ctx, r.xfer, XferError::ScatterFailed, true);
-        }
-        x.stages[r.chunk] = Stage::Acked;
-        x.acked += 1;
-        ctx.stats.chunks_pulled += 1;
-        if x.acked == x.stages.len() {
-            self.complete(ctx, r.xfer);
-        }
-    }
-
-    /// Starts the RDMA read of READ chunk `i` into `local`, unless its credit is stale (the
-    /// target reclaims a region left unread for half a timeout, as one left unwritten).
-    fn start_read(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        id: XferId,
-        i: usize,
-        (arena, local): (ArenaId, Region),
-        credit: Credit,
-    ) -> Result<(), XferError> {
-        let Some(x) = self.xfers.get_mut(&id) else {
-            release(ctx, arena, local);
-            return Ok(());
-        };
-        if ctx.now >= credit.at + self.timeout / 4 {
-            debug!(xfer = id.0, chunk = i, "READ credit went stale before the read");
-            x.stages[i] = Stage::Gathered { local };
-            return Err(XferError::Timeout);
-        }
-        let job = ctx.job();
-        self.jobs.insert(job, JobRef { xfer: id, chunk: i, kind: JobKind::Read });
-        x.stages[i] = Stage::Reading { local, job, credit };
-        let len = x.plan.chunks[i].bytes;
-        trace!(xfer = id.0, chunk = i, remote = %credit.region, %local, "read");
-        let remote_arena = x.plan.peer_arena;
-        ctx.push(Action::Read { job, xfer: id, peer: x.peer, remote_arena, remote: credit.region, arena, local, len });
-        self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token });
-        if self.next_keep.is_none() && !self.keep_every.is_zero() {
-            self.next_keep = Some(ctx.now + self.keep_every);
-        }
-        Ok(())
     }
 
     pub(crate) fn cancel(&mut self, ctx: &mut Ctx<'_>, xfer: XferId) {
@@ -1476,32 +1333,6 @@ impl Sender {
 
 /// Checks what the peer's decoder and scheduler would refuse, so a bad plan fails at submit
 /// rather than after a timeout.
-/// Most gather runs a later PULL of a READ carries (one chunk with more goes alone).
-pub(crate) const PULL_FRAME_RUNS: usize = 1024;
-
-/// How a READ's chunks are split into PULLs, as (index of the first chunk, the chunks): the
-/// first chunk alone, so the target gathers it while the rest are still encoded, sent and
-/// decoded; then whole chunks up to [`PULL_FRAME_RUNS`] runs a PULL.
-fn pull_frames(chunks: &[crate::plan::Chunk]) -> impl Iterator<Item = (usize, &[crate::plan::Chunk])> + '_ {
-    let mut first = 0;
-    std::iter::from_fn(move || {
-        if first >= chunks.len() {
-            return None;
-        }
-        let mut end = first + 1;
-        if first > 0 {
-            let mut runs = chunks[first].gather.len();
-            while end < chunks.len() && runs + chunks[end].gather.len() <= PULL_FRAME_RUNS {
-                runs += chunks[end].gather.len();
-                end += 1;
-            }
-        }
-        let part = (first, &chunks[first..end]);
-        first = end;
-        Some(part)
-    })
-}
-
 fn check_plan(xfer: XferId, plan: &Plan, max_chunk: u64) -> Result<(), SubmitError> {
     if plan.chunks.is_empty() {
         return Err(SubmitError::EmptyPlan { xfer });
@@ -1581,5 +1412,6 @@ fn release(ctx: &mut Ctx<'_>, arena: ArenaId, local: Region) {
     }
 }
 
+mod read;
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,6 @@
 //! The sender's unit tests, through an [`crate::endpoint::Endpoint`] driven by hand.
 
+use super::read::{PULL_FRAME_RUNS, pull_frames};
 use super::*;
 use crate::endpoint::Endpoint;
 use crate::endpoint::WriteRoute;
