@@ -2,8 +2,8 @@
 
 BOUNCE marks each step of a transfer with a TRACE event of target `bounce_timeline` (a
 submit, each control frame sent and handled, each copy queued, started and finished on its
-worker, each READ, each completion, each idle park of the reactor and each application
-`getNotifs`), with its process and thread. Both processes of a benchmark write them to stderr;
+worker, each write posted and done, each READ, each completion, each idle park of the
+reactor and each application `getNotifs`), with its process and thread. Both processes of a benchmark write them to stderr;
 this script puts them on one clock and splits them into the initiator's transfers:
 
     BENCH_VERBOSE=1 NIXL_BOUNCE_LOG=bounce_timeline=trace \\
