@@ -33,6 +33,10 @@ PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
 
 BIG = 64 << 20
+# Between two processes of one host a WRITE of at least bounce_cma_large_bytes takes the
+# same-host path (CMA) instead of UCX: off here, so that the 64 MiB WRITE measures the
+# pass-through, as between hosts (child processes inherit the environment).
+os.environ.setdefault("NIXL_BOUNCE_CMA_LARGE_BYTES", "0")
 BACKENDS = ("UCX", "BOUNCE")
 
 

@@ -92,6 +92,9 @@ pub struct Config {
     /// Threads of the same-host path for host memory (`bounce_cma_workers`); 0: the shell
     /// picks from the CPUs it may run on.
     pub cma_workers: u32,
+    /// Same-host host-memory transfers of at least this many bytes take CMA whatever their
+    /// descriptors (`bounce_cma_large_bytes`); 0: only what the gate's thresholds admit.
+    pub cma_large_bytes: u64,
     /// Scatter with non-temporal stores (`bounce_streaming_scatter`).
     pub streaming_scatter: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
@@ -472,6 +475,7 @@ impl Config {
             cuda_ipc: boolean("bounce_cuda_ipc")?,
             cma: boolean("bounce_cma")?,
             cma_workers: u32_of("bounce_cma_workers")?,
+            cma_large_bytes: u64_of("bounce_cma_large_bytes")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
             idle_park: Duration::from_micros(u64_of("bounce_idle_park_us")?),
@@ -730,6 +734,7 @@ mod tests {
         assert_eq!(c.max_inflight_chunks.to_string(), spec("bounce_max_inflight_chunks").default);
         assert_eq!(c.copy_workers.to_string(), spec("bounce_copy_workers").default);
         assert_eq!(c.cma_workers.to_string(), spec("bounce_cma_workers").default);
+        assert_eq!(c.cma_large_bytes, bytes("bounce_cma_large_bytes"));
         assert_eq!(c.min_descriptor_count.to_string(), spec("bounce_min_descriptor_count").default);
         assert_eq!(c.request_timeout.as_millis().to_string(), spec("bounce_request_timeout_ms").default);
         assert_eq!(c.ucx_plugin.is_none(), spec("bounce_ucx_plugin").default.is_empty());
@@ -805,6 +810,7 @@ mod tests {
             ("bounce_cuda_ipc", "no"),
             ("bounce_cma", "off"),
             ("bounce_cma_workers", "3"),
+            ("bounce_cma_large_bytes", "0"),
             ("bounce_streaming_scatter", "off"),
             ("bounce_check_wait_us", "0"),
             ("bounce_idle_park_us", "250"),
@@ -840,6 +846,7 @@ mod tests {
             cuda_ipc: false,
             cma: false,
             cma_workers: 3,
+            cma_large_bytes: 0,
             streaming_scatter: false,
             check_wait: Duration::ZERO,
             idle_park: Duration::from_micros(250),

@@ -115,6 +115,23 @@ fn all_live(pid: u32, words: &[(u64, u64)]) -> bool {
 /// A transfer smaller than this goes in one part (one worker): splitting costs more.
 const MIN_PART_BYTES: u64 = 1 << 20;
 
+/// Copies one part of a request; false when it failed (logged). A panic (none is known) still
+/// ends the part, as a failed copy, or its transfer would stay in flight for ever.
+fn copy_part(pid: u32, dir: CmaDir, pieces: &[Piece]) -> bool {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: a READ writes the pieces' local ranges: our registrations, named by local
+        // descriptors NIXL checked, which the request owns until its job is done (release
+        // waits for it); the parts of one request do not overlap (each byte of a descriptor is
+        // in exactly one part). A WRITE only reads them.
+        unsafe { cma::copy(pid, dir, pieces) }
+    }))
+    .unwrap_or_else(|_| Err(std::io::Error::other("the copy panicked")));
+    if let Err(e) = &r {
+        tracing::warn!(pid, error = %e, "same-host copy (CMA) failed");
+    }
+    r.is_ok()
+}
+
 /// The parts of one post still being copied.
 #[derive(Debug, Default)]
 struct Job {
@@ -225,22 +242,7 @@ impl CmaPath {
             let rx: Receiver<Task> = rx.clone();
             let spawned = std::thread::Builder::new().name(format!("bounce-cma-{i}")).spawn(move || {
                 while let Some(t) = next_job(&rx, linger) {
-                    let pieces = &t.parts[t.part];
-                    // A panic (none is known) must still end the part, or its transfer would
-                    // stay in flight for ever: it counts as a failed copy.
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        // SAFETY: a READ writes the pieces' local ranges: our registrations,
-                        // named by local descriptors NIXL checked, which the request owns until
-                        // its job is done (release waits for it); the parts of one request do
-                        // not overlap (each descriptor is in exactly one part). A WRITE only
-                        // reads them.
-                        unsafe { cma::copy(t.pid, t.dir, pieces) }
-                    }))
-                    .unwrap_or_else(|_| Err(std::io::Error::other("the copy worker panicked")));
-                    if let Err(e) = &r {
-                        tracing::warn!(pid = t.pid, error = %e, "same-host copy (CMA) failed");
-                    }
-                    t.job.part_done(r.is_ok());
+                    t.job.part_done(copy_part(t.pid, t.dir, &t.parts[t.part]));
                 }
             });
             match spawned {
@@ -381,7 +383,11 @@ impl CmaPath {
         })
     }
 
-    /// Hands request `h`'s parts to the workers.
+    /// Hands request `h`'s parts after the first to the workers and copies the first on the
+    /// calling thread, as UCX's own cma transport copies inside its post: a transfer of one
+    /// part then costs no hand-off to a worker and no wake-up of the poller after it (on 2
+    /// cores a 1 MiB WRITE took 0.15 ms through a worker against 0.06 ms copied here, UCX's
+    /// 0.05), and a split one gets the poster's core for its first part.
     ///
     /// # Errors
     /// [`Error::UnknownRequest`], [`Error::RepostActive`], or [`Error::Xfer`] when the peer's
@@ -409,14 +415,21 @@ impl CmaPath {
         if req.parts.is_empty() {
             job.part_done(true);
         }
-        for part in 0..req.parts.len() {
+        for part in 1..req.parts.len() {
             let t = Task { job: Arc::clone(&job), parts: Arc::clone(&req.parts), part, pid: req.pid, dir };
             if tx.send(t).is_err() {
                 job.part_done(false);
             }
         }
         Stats::bump(&self.stats.cma_xfers);
-        req.state = State::Running(job, notif);
+        let (parts, pid) = (Arc::clone(&req.parts), req.pid);
+        req.state = State::Running(Arc::clone(&job), notif);
+        // Without the table's lock: other requests' posts and checks go on meanwhile (a check
+        // of this one finds it in flight; a release waits for the job).
+        drop(reqs);
+        if let Some(first) = parts.first() {
+            job.part_done(copy_part(pid, dir, first));
+        }
         Ok(())
     }
 
@@ -505,8 +518,9 @@ pub(crate) fn workers_for(configured: u32, cpus: Option<usize>) -> u32 {
     u32::try_from(half).unwrap_or(u32::MAX).clamp(2, 8)
 }
 
-/// Cuts `pieces` into at most `n` parts of about equal bytes, in order, a piece never split
-/// (one part below [`MIN_PART_BYTES`] a part).
+/// Cuts `pieces` into at most `n` parts of about equal bytes, in order (one part below
+/// [`MIN_PART_BYTES`] a part). A piece that crosses a part's end is cut there (it is
+/// contiguous on both sides), so one large piece spreads over the threads too.
 fn split(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
     let total: u64 = pieces.iter().map(|p| p.len).sum();
     let n = (n.max(1) as u64).min(total.div_ceil(MIN_PART_BYTES).max(1));
@@ -516,13 +530,23 @@ fn split(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
     let per = total.div_ceil(n);
     let mut parts = vec![Vec::new()];
     let mut bytes = 0u64;
-    for p in pieces {
-        if bytes >= per && (parts.len() as u64) < n {
-            parts.push(Vec::new());
-            bytes = 0;
+    for mut p in pieces {
+        loop {
+            if bytes >= per && (parts.len() as u64) < n {
+                parts.push(Vec::new());
+                bytes = 0;
+            }
+            let last = parts.len() as u64 == n;
+            let room = per - bytes.min(per);
+            if last || p.len <= room {
+                bytes += p.len;
+                parts.last_mut().expect("one part at least").push(p);
+                break;
+            }
+            parts.last_mut().expect("one part at least").push(Piece { len: room, ..p });
+            bytes += room;
+            p = Piece { local: p.local + room, remote: p.remote + room, len: p.len - room };
         }
-        bytes += p.len;
-        parts.last_mut().expect("one part at least").push(p);
     }
     parts
 }
@@ -547,18 +571,48 @@ mod tests {
         assert_eq!(workers_for(0, None), 2, "the CPUs unknown");
     }
 
+    /// The parts' pieces in order, each run of pieces contiguous on both sides joined again.
+    fn joined(parts: &[Vec<Piece>]) -> Vec<Piece> {
+        let mut out: Vec<Piece> = Vec::new();
+        for p in parts.concat() {
+            match out.last_mut() {
+                Some(q) if q.local + q.len == p.local && q.remote + q.len == p.remote => q.len += p.len,
+                _ => out.push(p),
+            }
+        }
+        out
+    }
+
+    fn sizes(parts: &[Vec<Piece>]) -> Vec<u64> {
+        parts.iter().map(|p| p.iter().map(|x| x.len).sum()).collect()
+    }
+
     #[test]
     fn parts_are_balanced_by_bytes_keep_order_and_lose_nothing() {
         let pieces: Vec<Piece> = (0..1000).map(|i| piece(i, 4096 + (i % 7) * 100)).collect();
         let parts = split(pieces.clone(), 3);
         assert_eq!(parts.len(), 3);
-        assert_eq!(parts.concat(), pieces, "every piece once, in order");
-        let sizes: Vec<u64> = parts.iter().map(|p| p.iter().map(|x| x.len).sum()).collect();
+        assert_eq!(joined(&parts), pieces, "every byte once, in order");
+        let sizes = sizes(&parts);
         let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
-        assert!(hi - lo <= 2 * 4700, "{sizes:?}");
+        assert!(hi - lo <= 3, "a piece that crosses a part's end is cut there: {sizes:?}");
         // Small transfers stay in one part; nothing gives no part.
         assert_eq!(split(vec![piece(1, 4096); 10], 4).len(), 1);
         assert!(split(Vec::new(), 4).is_empty());
+    }
+
+    #[test]
+    fn one_large_piece_spreads_over_the_threads() {
+        let big = Piece { local: 1 << 40, remote: 1 << 41, len: 64 << 20 };
+        let parts = split(vec![big], 4);
+        assert_eq!(sizes(&parts), [16 << 20; 4]);
+        assert_eq!(joined(&parts), [big], "cut where the parts meet, on both sides alike");
+        // Uneven: 5 MiB + 1 byte over 8 threads goes in 6 parts (1 MiB at least each).
+        let odd = Piece { len: (5 << 20) + 1, ..big };
+        let parts = split(vec![odd], 8);
+        assert_eq!(parts.len(), 6);
+        assert_eq!(joined(&parts), [odd]);
+        assert!(parts.iter().all(|p| p.len() == 1 && p[0].len > 0));
     }
 
     #[test]

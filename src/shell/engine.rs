@@ -796,7 +796,16 @@ impl Engine {
         if !matches!(op, Some(XferOp::Write | XferOp::Read)) {
             return None;
         }
-        let input = self.mapped_limits.apply(place.mem, input);
+        let mut input = self.mapped_limits.apply(place.mem, input);
+        // A large host-memory transfer goes whatever its descriptors: split over the path's
+        // threads it beats UCX's cma, which copies it on one (`bounce_cma_large_bytes`).
+        let large = self.config.cma_large_bytes;
+        if place.mem == MemKind::Dram
+            && large > 0
+            && input.local.iter().map(|d| d.len).fold(0u64, u64::saturating_add) >= large
+        {
+            (input.min_descriptor_count, input.max_average_descriptor_size) = (1, u64::MAX);
+        }
         if gate::route_mapped(&input, true) != Route::Bounce {
             return None;
         }

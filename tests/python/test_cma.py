@@ -81,6 +81,54 @@ def test_same_host_transfer_is_one_copy_byte_exact(cma, peer, tmp_path, op, meta
     assert t["bounce_ok"] == 0 and t["cma_xfers"] == 0, t
 
 
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_large_transfer_of_few_descriptors_takes_the_path_split_over_its_threads(cma, peer, tmp_path, op):
+    """Three descriptors of 10 MiB in all (unaligned, mixed sizes): too few for the gate, yet
+    at least bounce_cma_large_bytes (8 MiB), so the same-host path copies them, each large
+    piece cut between the path's threads; byte-exact, with every byte between the
+    destinations untouched. A transfer below that size, and any with the option 0, go to UCX."""
+    lay = nixlkit.Scattered(3, 0, seed=1121, sizes=[(3 << 20) + 5, 6 << 20, 1234567])
+    name = f"c3-{op.lower()}"
+    if op == "WRITE":
+        ag, p, raddr, buf = setup(peer, name, lay.src_bytes, lay.dst_bytes, 1122, 1123)
+    else:
+        ag, p, raddr, buf = setup(peer, name, lay.dst_bytes, lay.src_bytes, 1123, 1122)
+    lo, re = descs(ag, op, lay, buf, raddr)
+    h = ag.initialize_xfer(op, lo, re, f"{name}-rx", b"c3-done", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    p.call(op="notif_wait", **{"from": f"{name}-tx", "msg": "c3-done"})
+    ag.release_xfer_handle(h)
+    got = remote_buffer(p, tmp_path) if op == "WRITE" else buf
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1122, lay.src_bytes),
+                                          nixlkit.pattern(1123, lay.dst_bytes)), f"{op} destination")
+    s = stats(ag)
+    assert s["cma_xfers"] == 1 and s["cma_ok"] == 1, s
+    assert s["passthrough_xfers"] == 0 and s["bounce_xfers"] == 0, s
+    # One descriptor of 1 MiB: below the size, UCX moves it.
+    small = ag.initialize_xfer(op, ag.get_xfer_descs([(buf.ctypes.data, 1 << 20, 0)], "DRAM"),
+                               ag.get_xfer_descs([(raddr, 1 << 20, 0)], "DRAM"), f"{name}-rx", b"", backends=[B])
+    assert ag.transfer(small) != "ERR"
+    nixlkit.wait_xfer(ag, small)
+    ag.release_xfer_handle(small)
+    s = stats(ag)
+    assert s["cma_xfers"] == 1 and s["passthrough_xfers"] == 1, s
+
+
+def test_with_the_large_size_off_a_large_transfer_of_few_descriptors_goes_to_ucx(cma, peer, monkeypatch):
+    """bounce_cma_large_bytes=0: only what the gate's thresholds admit takes the path."""
+    monkeypatch.setenv("NIXL_BOUNCE_CMA_LARGE_BYTES", "0")
+    n = 16 << 20
+    ag, p, raddr, buf = setup(peer, "c4", n, n, 1131, 1132)
+    h = ag.initialize_xfer("WRITE", ag.get_xfer_descs([(buf.ctypes.data, n, 0)], "DRAM"),
+                           ag.get_xfer_descs([(raddr, n, 0)], "DRAM"), "c4-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    ag.release_xfer_handle(h)
+    s = stats(ag)
+    assert s["cma_xfers"] == 0 and s["passthrough_xfers"] == 1, s
+
+
 def test_a_peer_without_records_is_bounced_to(cma, peer, tmp_path):
     """A peer with the path off publishes no record: transfers to it bounce, silently."""
     lay = nixlkit.Scattered(4096, 4096, seed=1111)
