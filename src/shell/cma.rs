@@ -1,7 +1,8 @@
 //! The same-host path for host memory (`bounce_cma`): a transfer between two processes of one
 //! host is copied by the kernel straight between the two address spaces
-//! (`process_vm_writev` / `process_vm_readv`), split across this path's copy workers. No
-//! staging, no credit, no control frame, nothing in the peer's process.
+//! (`process_vm_writev` / `process_vm_readv`), split by bytes between the posting thread and
+//! this path's copy workers. No staging, no credit, no control frame, nothing in the peer's
+//! process.
 //!
 //! Why: bouncing host memory copies each byte three times (gather, write, scatter), and UCX's
 //! own cma transport makes one system call per descriptor; here each byte is copied once, and

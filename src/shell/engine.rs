@@ -773,7 +773,8 @@ impl Engine {
     /// The same-host path's request for a transfer the gate would let bounce, when every
     /// remote descriptor's registration came with a record of this host this engine can use:
     /// CUDA IPC for GPU memory (the path of the GPU our descriptors are on), CMA for host
-    /// memory, whatever our arena, under that memory kind's thresholds.
+    /// memory, whatever our arena, under that memory kind's thresholds (for host memory, none
+    /// from `bounce_cma_large_bytes` up).
     fn prep_mapped(
         &self,
         op: Option<XferOp>,
