@@ -81,6 +81,15 @@ def test_same_host_transfer_is_one_copy_byte_exact(cma, peer, tmp_path, op, meta
     assert t["bounce_ok"] == 0 and t["cma_xfers"] == 0, t
 
 
+def one_piece(ag, op, buf, raddr, n, peer_name):
+    """One descriptor of `n` bytes between the start of `buf` and the peer's buffer, to its end."""
+    h = ag.initialize_xfer(op, ag.get_xfer_descs([(buf.ctypes.data, n, 0)], "DRAM"),
+                           ag.get_xfer_descs([(raddr, n, 0)], "DRAM"), peer_name, b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    ag.release_xfer_handle(h)
+
+
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_a_large_transfer_of_few_descriptors_takes_the_path_split_over_its_threads(cma, peer, tmp_path, op):
     """Three descriptors of 10 MiB in all (unaligned, mixed sizes): too few for the gate, yet
@@ -106,11 +115,7 @@ def test_a_large_transfer_of_few_descriptors_takes_the_path_split_over_its_threa
     assert s["cma_xfers"] == 1 and s["cma_ok"] == 1, s
     assert s["passthrough_xfers"] == 0 and s["bounce_xfers"] == 0, s
     # One descriptor of 1 MiB: below the size, UCX moves it.
-    small = ag.initialize_xfer(op, ag.get_xfer_descs([(buf.ctypes.data, 1 << 20, 0)], "DRAM"),
-                               ag.get_xfer_descs([(raddr, 1 << 20, 0)], "DRAM"), f"{name}-rx", b"", backends=[B])
-    assert ag.transfer(small) != "ERR"
-    nixlkit.wait_xfer(ag, small)
-    ag.release_xfer_handle(small)
+    one_piece(ag, op, buf, raddr, 1 << 20, f"{name}-rx")
     s = stats(ag)
     assert s["cma_xfers"] == 1 and s["passthrough_xfers"] == 1, s
 
@@ -120,11 +125,7 @@ def test_with_the_large_size_off_a_large_transfer_of_few_descriptors_goes_to_ucx
     monkeypatch.setenv("NIXL_BOUNCE_CMA_LARGE_BYTES", "0")
     n = 16 << 20
     ag, p, raddr, buf = setup(peer, "c4", n, n, 1131, 1132)
-    h = ag.initialize_xfer("WRITE", ag.get_xfer_descs([(buf.ctypes.data, n, 0)], "DRAM"),
-                           ag.get_xfer_descs([(raddr, n, 0)], "DRAM"), "c4-rx", b"", backends=[B])
-    assert ag.transfer(h) != "ERR"
-    nixlkit.wait_xfer(ag, h)
-    ag.release_xfer_handle(h)
+    one_piece(ag, "WRITE", buf, raddr, n, "c4-rx")
     s = stats(ag)
     assert s["cma_xfers"] == 0 and s["passthrough_xfers"] == 1, s
 
