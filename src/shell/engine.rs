@@ -797,16 +797,7 @@ impl Engine {
         if !matches!(op, Some(XferOp::Write | XferOp::Read)) {
             return None;
         }
-        let mut input = self.mapped_limits.apply(place.mem, input);
-        // A large host-memory transfer goes whatever its descriptors: split over the path's
-        // threads it beats UCX's cma, which copies it on one (`bounce_cma_large_bytes`).
-        let large = self.config.cma_large_bytes;
-        if place.mem == MemKind::Dram
-            && large > 0
-            && input.local.iter().map(|d| d.len).fold(0u64, u64::saturating_add) >= large
-        {
-            (input.min_descriptor_count, input.max_average_descriptor_size) = (1, u64::MAX);
-        }
+        let input = self.mapped_limits.apply(place.mem, input);
         if gate::route_mapped(&input, true) != Route::Bounce {
             return None;
         }
@@ -1089,6 +1080,9 @@ struct MappedLimits {
     dram: (u64, u64),
     /// The same for GPU memory.
     vram: (u64, u64),
+    /// Host-memory transfers of at least this many bytes pass whatever their descriptors
+    /// (`bounce_cma_large_bytes`; 0: none).
+    dram_large: u64,
 }
 
 impl MappedLimits {
@@ -1099,15 +1093,21 @@ impl MappedLimits {
         // the other kind's defaults keeps the configuration's thresholds.
         let other = Config::from_params_as(Some(other_kind), params.iter().copied(), env)
             .map_or(of(config), |loaded| of(&loaded.config));
+        let dram_large = config.cma_large_bytes;
         match gpu_arena {
-            true => Self { dram: other, vram: of(config) },
-            false => Self { dram: of(config), vram: other },
+            true => Self { dram: other, vram: of(config), dram_large },
+            false => Self { dram: of(config), vram: other, dram_large },
         }
     }
 
-    /// `input` under the thresholds for memory `mem`.
+    /// `input` under the thresholds for memory `mem`. A large host-memory transfer has none:
+    /// split over the CMA path's threads it beats UCX's cma, which copies it on one.
     fn apply<'a>(&self, mem: MemKind, input: &GateInput<'a>) -> GateInput<'a> {
+        let large = || {
+            self.dram_large > 0 && input.local.iter().map(|d| d.len).fold(0u64, u64::saturating_add) >= self.dram_large
+        };
         let (min_descriptor_count, max_average_descriptor_size) = match mem {
+            MemKind::Dram if large() => (1, u64::MAX),
             MemKind::Dram => self.dram,
             MemKind::Vram => self.vram,
         };
@@ -1234,7 +1234,7 @@ mod tests {
 
     #[test]
     fn the_same_host_gate_applies_the_thresholds_of_the_memory_it_copies() {
-        let l = MappedLimits { dram: (4, 100), vram: (8, 1000) };
+        let l = MappedLimits { dram: (4, 100), vram: (8, 1000), dram_large: 0 };
         let d: Vec<gate::Desc> = (0..6).map(|i| gate::Desc { addr: i * 0x1000, len: 512, dev: 0 }).collect();
         let place = ArenaPlace { mem: MemKind::Vram, dev: 0 };
         let config = Config::from_params_as(Some(MemKind::Vram), [], |_| None).unwrap().config;
@@ -1257,5 +1257,34 @@ mod tests {
         );
         let l = MappedLimits { vram: (4, 1000), ..l };
         assert_eq!(gate::route_mapped(&l.apply(MemKind::Vram, &input), true), Route::Bounce);
+    }
+
+    #[test]
+    fn a_large_host_memory_transfer_passes_whatever_its_descriptors() {
+        let d: Vec<gate::Desc> = (0..2).map(|i| gate::Desc { addr: i << 30, len: 4 << 20, dev: 0 }).collect();
+        let place = ArenaPlace { mem: MemKind::Dram, dev: 0 };
+        let config = Config::default();
+        let input = GateInput::new(
+            &config,
+            true,
+            gate::XferOp::Write,
+            (Some(MemKind::Dram), place),
+            (Some(MemKind::Dram), None),
+            &d,
+            &d,
+            false,
+        );
+        let l = MappedLimits { dram: (256, 64 * KIB), vram: (256, 256 * KIB), dram_large: 8 << 20 };
+        assert_eq!(gate::route_mapped(&l.apply(MemKind::Dram, &input), true), Route::Bounce, "8 MiB in two");
+        let small = MappedLimits { dram_large: (8 << 20) + 1, ..l };
+        assert_eq!(
+            gate::route_mapped(&small.apply(MemKind::Dram, &input), true),
+            Route::PassThrough(FallbackReason::Count)
+        );
+        let off = MappedLimits { dram_large: 0, ..l };
+        assert_eq!(
+            gate::route_mapped(&off.apply(MemKind::Dram, &input), true),
+            Route::PassThrough(FallbackReason::Count)
+        );
     }
 }

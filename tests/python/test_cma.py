@@ -50,6 +50,21 @@ def descs(ag, op, lay, buf, raddr):
     return ag.get_xfer_descs(lay.dst_list(buf.ctypes.data), "DRAM"), ag.get_xfer_descs(lay.src_list(raddr), "DRAM")
 
 
+def post_notified(ag, p, h, name, msg):
+    """Posts `h` of agent `name`-tx, waits for it, then for its notification at the peer."""
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    p.call(op="notif_wait", **{"from": f"{name}-tx", "msg": msg})
+
+
+def assert_landed(op, lay, p, tmp_path, buf, src_seed, dst_seed):
+    """The destination (the peer's buffer for a WRITE, ours for a READ) holds the sources'
+    bytes at `lay`'s destinations and its own bytes everywhere else."""
+    got = remote_buffer(p, tmp_path) if op == "WRITE" else buf
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(src_seed, lay.src_bytes),
+                                          nixlkit.pattern(dst_seed, lay.dst_bytes)), f"{op} destination")
+
+
 @pytest.mark.parametrize("metadata", ["two-way", "one-way"])
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_same_host_transfer_is_one_copy_byte_exact(cma, peer, tmp_path, op, metadata):
@@ -68,13 +83,9 @@ def test_same_host_transfer_is_one_copy_byte_exact(cma, peer, tmp_path, op, meta
     for _ in range(2):
         if op == "READ":
             buf[:] = nixlkit.pattern(1103, lay.dst_bytes)
-        assert ag.transfer(h) != "ERR"
-        nixlkit.wait_xfer(ag, h)
-        p.call(op="notif_wait", **{"from": f"{name}-tx", "msg": "c1-done"})
+        post_notified(ag, p, h, name, "c1-done")
     ag.release_xfer_handle(h)
-    got = remote_buffer(p, tmp_path) if op == "WRITE" else buf
-    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1102, lay.src_bytes),
-                                          nixlkit.pattern(1103, lay.dst_bytes)), f"{op} destination")
+    assert_landed(op, lay, p, tmp_path, buf, 1102, 1103)
     s, t = stats(ag), peer_stats(p)
     assert s["cma_xfers"] == 2 and s["cma_ok"] == 2, s
     assert s["bounce_xfers"] == 0 and s["passthrough_xfers"] == 0, s
@@ -104,13 +115,9 @@ def test_a_large_transfer_of_few_descriptors_takes_the_path_split_over_its_threa
         ag, p, raddr, buf = setup(peer, name, lay.dst_bytes, lay.src_bytes, 1123, 1122)
     lo, re = descs(ag, op, lay, buf, raddr)
     h = ag.initialize_xfer(op, lo, re, f"{name}-rx", b"c3-done", backends=[B])
-    assert ag.transfer(h) != "ERR"
-    nixlkit.wait_xfer(ag, h)
-    p.call(op="notif_wait", **{"from": f"{name}-tx", "msg": "c3-done"})
+    post_notified(ag, p, h, name, "c3-done")
     ag.release_xfer_handle(h)
-    got = remote_buffer(p, tmp_path) if op == "WRITE" else buf
-    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(1122, lay.src_bytes),
-                                          nixlkit.pattern(1123, lay.dst_bytes)), f"{op} destination")
+    assert_landed(op, lay, p, tmp_path, buf, 1122, 1123)
     s = stats(ag)
     assert s["cma_xfers"] == 1 and s["cma_ok"] == 1, s
     assert s["passthrough_xfers"] == 0 and s["bounce_xfers"] == 0, s

@@ -1276,7 +1276,7 @@ impl Driver {
     /// finds it done; true when it finished (and the core was told). On one host UCX copies
     /// inside the post and needs one more progress for the completion, which otherwise waited
     /// for a later pass's poll (0.5-0.9 ms in a 2-core trace, the receiver idle meanwhile).
-    fn in_flight(&mut self, now: Instant, w: InFlightWrite) -> bool {
+    fn track_posted(&mut self, now: Instant, w: InFlightWrite) -> bool {
         let ok = match self.data.check(&w.id) {
             WriteState::InProg => {
                 self.writes.push(w);
@@ -1605,7 +1605,7 @@ impl Driver {
         match self.data.read(&name, local_side, remote_side, len) {
             Ok(Posted::Done) => self.ep.handle_read_done(now, job, true),
             Ok(Posted::InFlight(id)) => {
-                self.in_flight(now, InFlightWrite { read: true, peer, job, id, pin: None, remote_md: pa.md });
+                self.track_posted(now, InFlightWrite { read: true, peer, job, id, pin: None, remote_md: pa.md });
             }
             Err(st) => {
                 tracing::warn!(peer = name, status = %st, "posting a bounce READ failed");
@@ -1670,7 +1670,7 @@ impl Driver {
         match posted {
             Ok(Posted::Done) => self.ep.handle_write_done(now, job, true),
             Ok(Posted::InFlight(id)) => {
-                return self.in_flight(now, InFlightWrite { read: false, peer, job, id, pin, remote_md: pa.md });
+                return self.track_posted(now, InFlightWrite { read: false, peer, job, id, pin, remote_md: pa.md });
             }
             Err(st) => {
                 tracing::warn!(peer = name, status = %st, "posting a bounce write failed");
