@@ -1232,22 +1232,19 @@ mod tests {
         }
     }
 
+    /// A WRITE of host memory `d` to host memory `d`, our arena at `place`, no peer arena.
+    fn host_write<'a>(config: &'a Config, place: ArenaPlace, d: &'a [gate::Desc]) -> GateInput<'a> {
+        let dram = Some(MemKind::Dram);
+        GateInput::new(config, true, gate::XferOp::Write, (dram, place), (dram, None), d, d, false)
+    }
+
     #[test]
     fn the_same_host_gate_applies_the_thresholds_of_the_memory_it_copies() {
         let l = MappedLimits { dram: (4, 100), vram: (8, 1000), dram_large: 0 };
         let d: Vec<gate::Desc> = (0..6).map(|i| gate::Desc { addr: i * 0x1000, len: 512, dev: 0 }).collect();
         let place = ArenaPlace { mem: MemKind::Vram, dev: 0 };
         let config = Config::from_params_as(Some(MemKind::Vram), [], |_| None).unwrap().config;
-        let mut input = GateInput::new(
-            &config,
-            true,
-            gate::XferOp::Write,
-            (Some(MemKind::Dram), place),
-            (Some(MemKind::Dram), None),
-            &d,
-            &d,
-            false,
-        );
+        let mut input = host_write(&config, place, &d);
         // Six pieces of 512 bytes: too large on average for host memory here, too few for GPU.
         assert_eq!(gate::route_mapped(&l.apply(MemKind::Dram, &input), true), Route::PassThrough(FallbackReason::Size));
         (input.local_mem, input.remote_mem) = (Some(MemKind::Vram), Some(MemKind::Vram));
@@ -1264,16 +1261,7 @@ mod tests {
         let d: Vec<gate::Desc> = (0..2).map(|i| gate::Desc { addr: i << 30, len: 4 << 20, dev: 0 }).collect();
         let place = ArenaPlace { mem: MemKind::Dram, dev: 0 };
         let config = Config::default();
-        let input = GateInput::new(
-            &config,
-            true,
-            gate::XferOp::Write,
-            (Some(MemKind::Dram), place),
-            (Some(MemKind::Dram), None),
-            &d,
-            &d,
-            false,
-        );
+        let input = host_write(&config, place, &d);
         let l = MappedLimits { dram: (256, 64 * KIB), vram: (256, 256 * KIB), dram_large: 8 << 20 };
         assert_eq!(gate::route_mapped(&l.apply(MemKind::Dram, &input), true), Route::Bounce, "8 MiB in two");
         let small = MappedLimits { dram_large: (8 << 20) + 1, ..l };
