@@ -950,7 +950,11 @@ impl Engine {
         }
         let wait = self.poll_wait(drove.or_else(|| self.drive()));
         if !wait.is_zero() && bell.wait_past(ticket, wait) {
-            return self.pull_and_take();
+            let got = self.pull_and_take()?;
+            if self.mail.control_waiting() {
+                let _ = self.control_arrived();
+            }
+            return Ok(got);
         }
         Ok(got)
     }

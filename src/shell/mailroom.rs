@@ -11,6 +11,13 @@
 //! and no pull is half done ([`Mailroom::app_pull_is_direct`]): the shim pulls straight into
 //! the caller's list and hands only the control frames over ([`Mailroom::divert`]). Going
 //! through the queue cost a notification round trip 8-13% over UCX's (issue 12).
+//!
+//! Sorting wakes nobody. A pull inside a reactor pass is followed by that pass reading the
+//! control queue, on whichever thread it runs; after an application's pull the engine runs a
+//! pass on that thread or wakes the reactor thread when none can run there
+//! ([`Mailroom::wake_reactor`], `Engine::control_arrived`). A wake-up at every sort made the
+//! reactor thread take the polling application's core for 8-15 us after each frame an
+//! application's pass pulled, on the 2-core machine, only to find the frame handled (issue 12).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -54,7 +61,8 @@ pub(crate) struct Mailroom {
     /// True while a reactor reads control frames from UCX (`bounce_control=ucx`); otherwise
     /// control frames arriving over UCX are dropped and counted.
     accepts_control: AtomicBool,
-    /// The reactor to wake when another thread's pull found control frames.
+    /// The reactor thread, woken when an application thread's pull found control frames and
+    /// no pass could run on that thread.
     reactor: Mutex<Option<Thread>>,
     /// Rung when an application notification was sorted (an application poller may wait on it).
     bell: Arc<Doorbell>,
@@ -100,7 +108,8 @@ impl Mailroom {
 
     /// Pulls every notification waiting in the inner engine, sorts it, and takes the
     /// application's ([`Self::take_app`]), under one hold of the application queue (the
-    /// application's `getNotifs` does both on every call).
+    /// application's `getNotifs` does both on every call). Control frames it queued wait for
+    /// the caller to run a pass or wake the reactor ([`Self::control_waiting`]).
     ///
     /// # Errors
     /// The inner engine's `getNotifs` status when it failed (nothing was pulled or taken).
@@ -160,7 +169,7 @@ impl Mailroom {
         !self.control.lock().frames.is_empty()
     }
 
-    /// Pulls and sorts like [`Self::pull_and_take`], for the reactor (taking nothing): when
+    /// Pulls and sorts like [`Self::pull_and_take`], for a reactor pass (taking nothing): when
     /// another thread is pulling right now it returns at once with `Ok(false)` instead of
     /// waiting its turn. That pull sorts whatever is waiting, control frames included, and wakes
     /// the reactor for them, so waiting would only repeat it. Waiting cost whole milliseconds on
@@ -191,21 +200,20 @@ impl Mailroom {
         Ok(polled)
     }
 
-    /// Pulls with `poll` and sorts, under the caller's hold of the application queue.
+    /// Pulls with `poll` and sorts, under the caller's hold of the application queue; true
+    /// when control frames were queued for the reactor.
     fn pull_into(
         &self,
         app: &mut VecDeque<Notif>,
         poll: impl FnOnce(&mut Vec<Notif>) -> Result<(), NixlStatus>,
-    ) -> Result<(), NixlStatus> {
+    ) -> Result<bool, NixlStatus> {
         // Counted before the poll and until sorted (see `app_pull_is_direct`).
         self.unsorted.fetch_add(1, Ordering::SeqCst);
         let mut got = Vec::new();
         let polled = poll(&mut got);
-        if polled.is_ok() {
-            self.sort(app, got);
-        }
+        let queued = polled.is_ok() && self.sort(app, got);
         self.unsorted.store(app.len(), Ordering::SeqCst);
-        polled
+        polled.map(|()| queued)
     }
 
     /// Empties the application's queue (held by the caller) into arrival order.
@@ -215,8 +223,9 @@ impl Mailroom {
         out
     }
 
-    /// Sorts pulled notifications (in arrival order) into the two queues.
-    fn sort(&self, app: &mut VecDeque<Notif>, got: Vec<Notif>) {
+    /// Sorts pulled notifications (in arrival order) into the two queues; true when control
+    /// frames were queued (the caller decides whom that wakes).
+    fn sort(&self, app: &mut VecDeque<Notif>, got: Vec<Notif>) -> bool {
         let (mut queued, mut for_app) = (false, false);
         for n in got {
             if !wire::is_control_frame(&n.msg) {
@@ -226,12 +235,10 @@ impl Mailroom {
             }
             queued |= self.queue_control(n.agent, n.msg);
         }
-        if queued {
-            self.wake_reactor();
-        }
         if for_app {
             self.bell.ring();
         }
+        queued
     }
 
     /// Queues a control frame for the reactor; false when it was dropped (and counted).
@@ -254,7 +261,8 @@ impl Mailroom {
         false
     }
 
-    /// Wakes the reactor for control frames another thread queued.
+    /// Wakes the reactor thread for control frames an application thread queued and could not
+    /// handle itself.
     pub(crate) fn wake_reactor(&self) {
         if let Some(t) = self.reactor.lock().as_ref() {
             t.unpark();
@@ -281,6 +289,7 @@ impl Mailroom {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
 
     fn notif(agent: &[u8], msg: &[u8]) -> Notif {
         Notif { agent: agent.to_vec(), msg: msg.to_vec() }
@@ -336,6 +345,32 @@ mod tests {
         // (the application's next getNotifs may still take the short way).
         assert_eq!(m.try_pull_with(|_| Ok(false)), Ok(false));
         assert!(m.app_pull_is_direct());
+    }
+
+    /// A pull that queues control frames wakes nobody: the pass that pulled reads them next, on
+    /// its own thread, and an application's pull is followed by a pass there (or a wake when
+    /// none can run, `Engine::control_arrived`). Only `wake_reactor` wakes. The reactor here is
+    /// this test's thread: a wake leaves a token that makes its next park return at once.
+    #[test]
+    fn sorting_control_frames_wakes_nobody() {
+        let m = Mailroom::new(Arc::new(Stats::default()));
+        m.accept_control(std::thread::current());
+        let hello = wire::encode_hello(4);
+        std::thread::park_timeout(Duration::ZERO); // no token left from before
+        let r = m.try_pull_with(|got| {
+            got.push(notif(b"p", &hello));
+            Ok(true)
+        });
+        assert_eq!(r, Ok(true));
+        assert!(m.control_waiting());
+        let parked = || {
+            let t = Instant::now();
+            std::thread::park_timeout(Duration::from_millis(30));
+            t.elapsed()
+        };
+        assert!(parked() >= Duration::from_millis(25), "a pass's pull woke the reactor");
+        m.wake_reactor();
+        assert!(parked() < Duration::from_millis(25), "an explicit wake does");
     }
 
     /// Each look of the reactor thread learns whether the application pulled since the look

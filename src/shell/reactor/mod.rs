@@ -45,7 +45,7 @@ use crate::sys::shim::{Md, WriteSide, WriteState};
 use bounce_proto::peers::Hello;
 use fetch::Fetches;
 pub(crate) use pace::hot_spin;
-use pace::{AppPolls, BUSY_SLEEP, Pace, Wait};
+use pace::{AppPolls, BUSY_SLEEP, Pace, STAND_DOWN, Wait};
 
 mod fetch;
 mod pace;
@@ -321,8 +321,14 @@ struct Cell {
     /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
     busy: AtomicBool,
     /// When the latest pass on an application thread ended, in nanoseconds since `epoch`
-    /// (0: none yet). While pollers drive, the reactor thread stands down ([`STAND_DOWN`]).
+    /// (0: none yet, or the poller resigned). While pollers drive, the reactor thread stands
+    /// down ([`Cell::standing_down`]).
     driven_at: AtomicU64,
+    /// When the application's current run of driving began (its passes no more than
+    /// [`STAND_DOWN`] apart), likewise.
+    driving_since: AtomicU64,
+    /// The longest stand-down: `bounce_idle_park_us`.
+    longest_stand_down: Duration,
     epoch: Instant,
     /// A pass on an application thread panicked: the driver's state is suspect, so the reactor
     /// thread ends without closing (as after its own panic, the arena is kept).
@@ -552,6 +558,8 @@ impl Reactor {
             parked_idle: AtomicBool::new(false),
             busy: AtomicBool::new(false),
             driven_at: AtomicU64::new(0),
+            driving_since: AtomicU64::new(0),
+            longest_stand_down: config.idle_park,
             epoch: Instant::now(),
             poisoned: AtomicBool::new(false),
         });
@@ -626,7 +634,7 @@ impl Reactor {
                     self.cell.resign();
                     self.shared.inbox.wake();
                 } else {
-                    self.cell.driven_at.store(self.cell.since_epoch(Instant::now()), Ordering::Release);
+                    self.cell.drove(Instant::now());
                     if moved && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
                         self.shared.inbox.wake();
                     }
@@ -698,14 +706,6 @@ pub(crate) const SOCKET_POLL_BATCH: usize = 256;
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
 /// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
 const MAX_WRITES_IN_FLIGHT: usize = 2;
-/// How long the reactor thread leaves the passes to the application after one of its threads
-/// drove: a poller that drives is the transfer's progress, and a reactor thread running passes
-/// beside it only contends for the driver and, on a small host, for the cores (a lock holder
-/// preempted by the other cost a scheduler tick, 4 ms, per transfer). As long as the engine's
-/// busy-poll gap, so a poller that stops polling is replaced within it (one that goes to wait
-/// resigns at once, [`Reactor::resign`]).
-const STAND_DOWN: Duration = Duration::from_micros(50);
-
 impl Cell {
     fn since_epoch(&self, now: Instant) -> u64 {
         u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
@@ -717,15 +717,32 @@ impl Cell {
         self.driven_at.swap(0, Ordering::AcqRel) != 0
     }
 
-    /// How much longer the reactor thread stands down, if an application thread drove within
-    /// [`STAND_DOWN`] of `now`.
+    /// An application thread's pass ended at `now`: the reactor thread stands down from here
+    /// ([`Self::standing_down`]). A pass more than [`STAND_DOWN`] after the previous one (or
+    /// after a resignation) starts a new run of driving.
+    fn drove(&self, now: Instant) {
+        let now = self.since_epoch(now);
+        let before = self.driven_at.swap(now, Ordering::AcqRel);
+        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > STAND_DOWN {
+            self.driving_since.store(now, Ordering::Release);
+        }
+    }
+
+    /// How much longer the reactor thread stands down, if an application thread drove lately:
+    /// a poller that drives is the transfer's progress, and a reactor thread running passes
+    /// beside it only contends for the driver and, on a small host, for the cores (a lock
+    /// holder preempted by the other cost a scheduler tick, 4 ms, per transfer; each look of
+    /// a thread woken to see whether the poller is still there took that core for 8-15 us).
+    /// How long after the latest pass grows with how long the application has been driving
+    /// ([`pace::stand_down`]).
     fn standing_down(&self, now: Instant) -> Option<Duration> {
         let at = self.driven_at.load(Ordering::Acquire);
         if at == 0 {
             return None;
         }
+        let run = Duration::from_nanos(at.saturating_sub(self.driving_since.load(Ordering::Acquire)));
         let since = Duration::from_nanos(self.since_epoch(now).saturating_sub(at));
-        STAND_DOWN.checked_sub(since).filter(|left| !left.is_zero())
+        pace::stand_down(run, self.longest_stand_down).checked_sub(since).filter(|left| !left.is_zero())
     }
 }
 

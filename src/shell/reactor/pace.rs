@@ -145,6 +145,29 @@ impl AppPolls {
     }
 }
 
+/// The shortest stand-down: how long the reactor thread leaves the passes to the application
+/// after one of its threads drove, when it has only just started driving. As long as the
+/// engine's busy-poll gap, so a poller that stops polling is replaced within it (one that goes
+/// to wait resigns at once).
+pub(super) const STAND_DOWN: Duration = Duration::from_micros(50);
+
+/// How long after the application's latest pass the reactor thread stands down, given that its
+/// threads have been driving for `run` without a gap longer than [`STAND_DOWN`]: as long as that
+/// run, from [`STAND_DOWN`] up to `longest` (`bounce_idle_park_us`).
+///
+/// Why it grows: while a poller drives, the reactor thread has nothing to do, and each of its
+/// wake-ups to look costs a core for a while. On the 2-core machine a reactor that looked every
+/// 50 us beside an application spinning on `checkXfer` took its core for 8-15 us each time
+/// (`perf sched`), and a small bounced WRITE took 38-59 us where one that left the poller alone
+/// took 15 (issue 12). A poller that has driven for a while will most likely drive again; one
+/// that just started may be a single check. What it costs: work left in flight when a
+/// long-running poller stops calling (without waiting in BOUNCE, which resigns) waits up to
+/// `longest` for the reactor thread, once; the same bound as a transfer that reaches an idle
+/// target whose application does not poll.
+pub(super) fn stand_down(run: Duration, longest: Duration) -> Duration {
+    run.clamp(STAND_DOWN, longest.max(STAND_DOWN))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,5 +272,15 @@ mod tests {
         // Exactly the gap still counts as close; a microsecond more does not.
         assert!(a.leave_to_app(t0 + ms(2) + us(60) + POLLER_GAP, true));
         assert!(!a.leave_to_app(t0 + ms(2) + us(61) + POLLER_GAP * 2, true));
+    }
+
+    #[test]
+    fn the_stand_down_grows_with_how_long_the_application_has_been_driving() {
+        let longest = ms(1);
+        assert_eq!(stand_down(Duration::ZERO, longest), STAND_DOWN, "a single pass");
+        assert_eq!(stand_down(us(30), longest), STAND_DOWN);
+        assert_eq!(stand_down(us(400), longest), us(400));
+        assert_eq!(stand_down(ms(60), longest), longest, "never longer than the longest idle park");
+        assert_eq!(stand_down(ms(60), us(20)), STAND_DOWN, "nor shorter than the shortest");
     }
 }

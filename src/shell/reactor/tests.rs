@@ -1012,8 +1012,9 @@ fn no_pass_runs_on_a_thread_the_copy_engine_cannot_prepare() {
     drop(a.reactor);
 }
 
-/// The reactor thread leaves the passes to the pollers for `STAND_DOWN` after one drove, not at
-/// all before any did, and no longer once the poller resigned (it went to wait).
+/// The reactor thread leaves the passes to the pollers for `STAND_DOWN` after one drove, longer
+/// after a run of driving (as long as the run, up to the longest idle park), not at all before
+/// any did, and no longer once the poller resigned (it went to wait).
 #[test]
 fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
     let t0 = Instant::now();
@@ -1023,21 +1024,40 @@ fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
         parked_idle: AtomicBool::new(false),
         busy: AtomicBool::new(false),
         driven_at: AtomicU64::new(0),
+        driving_since: AtomicU64::new(0),
+        longest_stand_down: Duration::from_millis(1),
         poisoned: AtomicBool::new(false),
         epoch: t0,
     };
     let us = Duration::from_micros;
     assert_eq!(cell.standing_down(t0 + us(5)), None, "nobody drove yet");
-    cell.driven_at.store(cell.since_epoch(t0 + us(10)), Ordering::Release);
+    cell.drove(t0 + us(10));
     assert_eq!(cell.standing_down(t0 + us(20)), Some(STAND_DOWN - us(10)));
     assert_eq!(cell.standing_down(t0 + us(10) + STAND_DOWN), None);
     assert_eq!(cell.standing_down(t0 + us(10) + STAND_DOWN * 3), None);
     // A poller that goes to wait resigns: the stand-down ends at once.
-    cell.driven_at.store(cell.since_epoch(t0 + us(100)), Ordering::Release);
-    assert!(cell.standing_down(t0 + us(110)).is_some());
+    cell.drove(t0 + us(300));
+    assert!(cell.standing_down(t0 + us(310)).is_some());
     assert!(cell.resign(), "it was standing down");
-    assert_eq!(cell.standing_down(t0 + us(110)), None);
+    assert_eq!(cell.standing_down(t0 + us(310)), None);
     assert!(!cell.resign());
+    // A poller driving every 20 us for 400 us: the reactor thread stands down 400 us after
+    // its latest pass, not 50.
+    let from = t0 + us(1000);
+    for i in 0..=20 {
+        cell.drove(from + us(20 * i));
+    }
+    let last = from + us(400);
+    assert_eq!(cell.standing_down(last + us(100)), Some(us(300)));
+    assert_eq!(cell.standing_down(last + us(400)), None);
+    // A gap longer than STAND_DOWN ends the run: the next pass starts a new one.
+    cell.drove(last + STAND_DOWN + us(1));
+    assert_eq!(cell.standing_down(last + STAND_DOWN + us(11)), Some(STAND_DOWN - us(10)));
+    // Never longer than the longest idle park, however long the run.
+    for i in 0..=500 {
+        cell.drove(t0 + Duration::from_millis(10) + us(20 * i));
+    }
+    assert_eq!(cell.standing_down(t0 + Duration::from_millis(20)), Some(Duration::from_millis(1)));
 }
 
 /// A control channel that records how many frames each `poll` took, and on which thread; while
