@@ -954,6 +954,35 @@ fn pollers_that_drive_carry_the_transfer_byte_exact() {
     drop((a.reactor, b.reactor));
 }
 
+/// Pollers that drove for a long run and then stop calling (without going to wait, which
+/// resigns) leave the reactor threads standing down for the longest stand-down at most: a
+/// transfer posted right after is carried by the reactor threads alone, byte-exact.
+#[test]
+fn the_reactor_threads_take_over_when_long_running_pollers_stop() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let dest = b.register(&mut dst);
+    std::thread::scope(|s| {
+        for side in [&a, &b] {
+            s.spawn(move || {
+                let until = Instant::now() + Duration::from_millis(30);
+                while Instant::now() < until {
+                    let _ = side.reactor.drive();
+                }
+            });
+        }
+    });
+    for side in [&a, &b] {
+        assert_ne!(side.reactor.cell.driven_at.load(Ordering::Acquire), 0, "the pollers left without resigning");
+    }
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    drop((a.reactor, b.reactor));
+}
+
 /// A copy engine that does not allow passes on other threads keeps every pass on the reactor
 /// thread: pollers get `None` and the transfer still completes.
 #[test]
