@@ -40,7 +40,7 @@ use crate::shell::copy::cpu::next_job;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
-use crate::sys::cma::{self, CmaDir, Piece, ProcessId};
+use crate::sys::cma::{self, CmaDir, Piece, ProcessId, Watch};
 use crate::sys::shim::{Md, MdMap, Shim};
 
 /// Request handles of this path carry this bit.
@@ -98,6 +98,19 @@ impl Liveness {
             self.words[slot].store(0, Ordering::Release);
             slots.free.push(slot);
         }
+    }
+}
+
+/// Most peer processes whose watch is kept (one file descriptor each); beyond, each prep of a
+/// request to a further process opens a watch of its own, which lives with the request.
+const MAX_WATCHES: usize = 1024;
+
+/// Whether process `pid` is still the one that started at `start`: asked of its watch when
+/// there is one (one `poll`), read from `/proc/<pid>/stat` otherwise.
+fn same_process_alive(watch: Option<&Watch>, pid: u32, start: u64) -> bool {
+    match watch {
+        Some(w) => w.alive(),
+        None => cma::start_time(pid) == Some(start),
     }
 }
 
@@ -190,6 +203,9 @@ struct Request {
     read: bool,
     pid: u32,
     start: u64,
+    /// The peer process's watch, when pidfds work here: each post asks it instead of reading
+    /// the start time again.
+    watch: Option<Arc<Watch>>,
     /// The liveness words of its registrations: (address, tag).
     live: Vec<(u64, u64)>,
     /// The pieces, cut into one part per worker (fewer for small transfers).
@@ -216,6 +232,8 @@ pub(crate) struct CmaPath {
     liveness: Liveness,
     /// Peer processes (pid, start time) tried, and whether the kernel let us copy with them.
     permitted: Mutex<HashMap<(u32, u64), bool>>,
+    /// Watches on peer processes (pid, start time), while they live ([`MAX_WATCHES`]).
+    watches: Mutex<HashMap<(u32, u64), Arc<Watch>>>,
     /// Whether a record of this very process is taken (tests only: two agents of one process
     /// keep bouncing, which their tests prove).
     allow_self: bool,
@@ -264,6 +282,7 @@ impl CmaPath {
             stats,
             liveness: Liveness::new(),
             permitted: Mutex::default(),
+            watches: Mutex::default(),
             allow_self: false,
         })
     }
@@ -342,7 +361,8 @@ impl CmaPath {
         // alternate.
         live.sort_unstable();
         live.dedup();
-        if cma::start_time(first.pid) != Some(first.start) {
+        let watch = self.watch(first.pid, first.start);
+        if !same_process_alive(watch.as_deref(), first.pid, first.start) {
             tracing::debug!(peer, pid = first.pid, "the record's process is gone or not the same: no CMA");
             return None;
         }
@@ -356,6 +376,7 @@ impl CmaPath {
             read,
             pid: first.pid,
             start: first.start,
+            watch,
             live,
             parts,
             state: State::Prepared,
@@ -363,6 +384,28 @@ impl CmaPath {
         };
         self.reqs.lock().insert(h, req);
         Some(h)
+    }
+
+    /// The watch on process (`pid`, `start`): the one kept while it lives, or a new one (kept
+    /// while fewer than [`MAX_WATCHES`] are); `None` when the process is gone or not that one,
+    /// or without pidfds.
+    fn watch(&self, pid: u32, start: u64) -> Option<Arc<Watch>> {
+        let mut watches = self.watches.lock();
+        if let Some(w) = watches.get(&(pid, start)) {
+            if w.alive() {
+                return Some(Arc::clone(w));
+            }
+            watches.remove(&(pid, start));
+            return None;
+        }
+        let w = Arc::new(Watch::open(pid, start)?);
+        if watches.len() >= MAX_WATCHES {
+            watches.retain(|_, w| w.alive());
+        }
+        if watches.len() < MAX_WATCHES {
+            watches.insert((pid, start), Arc::clone(&w));
+        }
+        Some(w)
     }
 
     /// Whether the kernel lets us copy with the process of `rec` (ptrace permission: same
@@ -399,7 +442,7 @@ impl CmaPath {
         if matches!(req.state, State::Running(..)) {
             return Err(Error::RepostActive(h));
         }
-        if cma::start_time(req.pid) != Some(req.start) {
+        if !same_process_alive(req.watch.as_deref(), req.pid, req.start) {
             req.state = State::Done(Err(XferError::PeerLost));
             return Err(Error::Xfer(XferError::PeerLost));
         }

@@ -108,6 +108,36 @@ pub(crate) fn pid_namespace() -> Option<u64> {
     std::fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
 }
 
+/// A hold on one process through a pidfd: tells, with one `poll`, whether that very process
+/// (never a later one given its pid) has exited. Reading `/proc/<pid>/stat` to compare start
+/// times answers the same and cost 7-8 us a post on the 2-core machine; the poll 0.5 us.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Watch {
+    /// A watch on process `pid` if it is the one that started at `start` (clock ticks since
+    /// boot): its start time is read after the pidfd is open, so a match means the pidfd names
+    /// that process (a pid reused before the open shows another start time; one reused between
+    /// the open and the read leaves a pidfd whose process has exited, which [`Self::alive`]
+    /// then says). `None` when it is not, or without pidfds (Linux before 5.3, a seccomp
+    /// profile that refuses them): callers then read the start time each time.
+    pub(crate) fn open(pid: u32, start: u64) -> Option<Self> {
+        let raw = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
+        let fd = rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()).ok()?;
+        (start_time(pid) == Some(start)).then_some(Self { fd })
+    }
+
+    /// Whether the process has not exited (a pidfd becomes readable when it does).
+    pub(crate) fn alive(&self) -> bool {
+        use rustix::event::{PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::new(&self.fd, PollFlags::IN)];
+        let now = Timespec { tv_sec: 0, tv_nsec: 0 };
+        matches!(rustix::event::poll(&mut fds, Some(&now)), Ok(0))
+    }
+}
+
 /// Process `pid`'s start time (`/proc/<pid>/stat` field 22), `None` when there is no such
 /// process.
 pub(crate) fn start_time(pid: u32) -> Option<u64> {
@@ -134,6 +164,29 @@ mod tests {
         let me = this_process().expect("Linux has /proc");
         assert_eq!(me.pid, std::process::id());
         assert_eq!(start_time(me.pid), Some(me.start), "stable for a live process");
+    }
+
+    /// A watch names one process: refused for a start time that is not the process's, alive
+    /// while it runs, and not alive once it has exited (its pid may be anyone's then).
+    #[test]
+    fn a_watch_tells_whether_that_very_process_is_alive() {
+        let me = this_process().expect("Linux has /proc");
+        let Some(w) = Watch::open(me.pid, me.start) else {
+            assert!(std::env::var_os("CI").is_none(), "pidfd_open must work on CI (Linux >= 5.3)");
+            eprintln!("LOUD: no pidfds here (Linux before 5.3 or seccomp): the watch is untested");
+            return;
+        };
+        assert!(w.alive());
+        assert!(Watch::open(me.pid, me.start + 1).is_none(), "another start time is another process");
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep runs");
+        let pid = child.id();
+        let start = start_time(pid).expect("the child's start time");
+        let w = Watch::open(pid, start).expect("a watch on the child");
+        assert!(w.alive());
+        child.kill().expect("kill the child");
+        child.wait().expect("reap the child");
+        assert!(!w.alive(), "the child has exited");
+        assert!(Watch::open(pid, start).is_none(), "nor is a new watch given");
     }
 
     #[test]
