@@ -106,7 +106,8 @@ impl Liveness {
 const MAX_WATCHES: usize = 1024;
 
 /// Whether process `pid` is still the one that started at `start`: asked of its watch when
-/// there is one (one `poll`), read from `/proc/<pid>/stat` otherwise.
+/// there is one (one `poll`), read from `/proc/<pid>/stat` otherwise (no pidfds here, or the
+/// watch could not be opened).
 fn same_process_alive(watch: Option<&Watch>, pid: u32, start: u64) -> bool {
     match watch {
         Some(w) => w.alive(),
@@ -361,8 +362,9 @@ impl CmaPath {
         // alternate.
         live.sort_unstable();
         live.dedup();
+        // A watch given is of a live process; without one the start time is read.
         let watch = self.watch(first.pid, first.start);
-        if !same_process_alive(watch.as_deref(), first.pid, first.start) {
+        if watch.is_none() && cma::start_time(first.pid) != Some(first.start) {
             tracing::debug!(peer, pid = first.pid, "the record's process is gone or not the same: no CMA");
             return None;
         }
@@ -386,9 +388,9 @@ impl CmaPath {
         Some(h)
     }
 
-    /// The watch on process (`pid`, `start`): the one kept while it lives, or a new one (kept
-    /// while fewer than [`MAX_WATCHES`] are); `None` when the process is gone or not that one,
-    /// or without pidfds.
+    /// The watch on process (`pid`, `start`), which is alive now: the one kept while it lives,
+    /// or a new one (kept while fewer than [`MAX_WATCHES`] are); `None` when the process is gone
+    /// or not that one, or without pidfds.
     fn watch(&self, pid: u32, start: u64) -> Option<Arc<Watch>> {
         let mut watches = self.watches.lock();
         if let Some(w) = watches.get(&(pid, start)) {

@@ -200,20 +200,21 @@ impl Mailroom {
         Ok(polled)
     }
 
-    /// Pulls with `poll` and sorts, under the caller's hold of the application queue; true
-    /// when control frames were queued for the reactor.
+    /// Pulls with `poll` and sorts, under the caller's hold of the application queue.
     fn pull_into(
         &self,
         app: &mut VecDeque<Notif>,
         poll: impl FnOnce(&mut Vec<Notif>) -> Result<(), NixlStatus>,
-    ) -> Result<bool, NixlStatus> {
+    ) -> Result<(), NixlStatus> {
         // Counted before the poll and until sorted (see `app_pull_is_direct`).
         self.unsorted.fetch_add(1, Ordering::SeqCst);
         let mut got = Vec::new();
         let polled = poll(&mut got);
-        let queued = polled.is_ok() && self.sort(app, got);
+        if polled.is_ok() {
+            self.sort(app, got);
+        }
         self.unsorted.store(app.len(), Ordering::SeqCst);
-        polled.map(|()| queued)
+        polled
     }
 
     /// Empties the application's queue (held by the caller) into arrival order.
@@ -223,42 +224,40 @@ impl Mailroom {
         out
     }
 
-    /// Sorts pulled notifications (in arrival order) into the two queues; true when control
-    /// frames were queued (the caller decides whom that wakes).
-    fn sort(&self, app: &mut VecDeque<Notif>, got: Vec<Notif>) -> bool {
-        let (mut queued, mut for_app) = (false, false);
+    /// Sorts pulled notifications (in arrival order) into the two queues. Wakes nobody for the
+    /// control frames (see the module docs).
+    fn sort(&self, app: &mut VecDeque<Notif>, got: Vec<Notif>) {
+        let mut for_app = false;
         for n in got {
             if !wire::is_control_frame(&n.msg) {
                 app.push_back(n);
                 for_app = true;
                 continue;
             }
-            queued |= self.queue_control(n.agent, n.msg);
+            self.queue_control(n.agent, n.msg);
         }
         if for_app {
             self.bell.ring();
         }
-        queued
     }
 
-    /// Queues a control frame for the reactor; false when it was dropped (and counted).
-    fn queue_control(&self, agent: Vec<u8>, msg: Vec<u8>) -> bool {
+    /// Queues a control frame for the reactor, or drops it and counts it.
+    fn queue_control(&self, agent: Vec<u8>, msg: Vec<u8>) {
         // Longer than any legal frame: no decoder would accept it, so it is not kept.
         let accepted = self.accepts_control.load(Ordering::Acquire) && msg.len() <= wire::MAX_FRAME_LEN;
         let Ok(agent) = String::from_utf8(agent) else {
             Stats::bump(&self.stats.control_dropped);
-            return false;
+            return;
         };
         if accepted {
             let mut q = self.control.lock();
             if q.frames.len() < MAX_QUEUED_CONTROL && q.bytes + msg.len() <= MAX_QUEUED_CONTROL_BYTES {
                 q.bytes += msg.len();
                 q.frames.push_back((agent, msg));
-                return true;
+                return;
             }
         }
         Stats::bump(&self.stats.control_dropped);
-        false
     }
 
     /// Wakes the reactor thread for control frames an application thread queued and could not
