@@ -140,8 +140,9 @@ int32_t bnc_notif_take(void *engine, bnc_pair_sink sink, void *ctx);
 // The short way for the application's getNotifs, asked with the inner engine's lock held:
 // 1 when nothing the application must see first waits in Rust (no notification pulled by the
 // reactor, no pull half done, no bounce request in flight whose poller may wait), so the shim
-// may pull the inner engine straight into the caller's list (2: and the bounce path is busy,
-// call bnc_control_arrived after the pull); 0 otherwise (use bnc_notif_take).
+// may pull the inner engine straight into the caller's list (2: and the bounce path is busy or
+// control frames may wait on a socket of the control channel's own: call bnc_control_arrived
+// after the pull); 0 otherwise (use bnc_notif_take).
 int32_t bnc_notif_direct(void *engine);
 // For a direct pull, each notification in arrival order, with the inner engine's lock still
 // held: 1 when it is a BOUNCE control frame, now Rust's (remove it from the list), 0 when it is
@@ -149,7 +150,8 @@ int32_t bnc_notif_direct(void *engine);
 int32_t bnc_notif_divert(void *engine, const uint8_t *agent, size_t agent_len, const uint8_t *msg,
                          size_t msg_len);
 // After a direct pull that diverted control frames or was answered 2 by bnc_notif_direct, with
-// the inner lock released: Rust runs a pass of its reactor on this thread or wakes it.
+// the inner lock released: Rust runs a pass of its reactor on this thread (or wakes it) when
+// frames wait or work is in flight.
 void bnc_control_arrived(void *engine);
 
 // ---- C++ shim -> exported to Rust ----

@@ -436,7 +436,8 @@ public:
     // straight into the caller's list, only control frames are handed to Rust, all under the
     // inner lock so no pull of the reactor's overtakes them. Returns the inner engine's status,
     // or nothing when the long way must be taken.
-    // `control` is set when control frames were handed over or the bounce path is busy.
+    // `control` is set when control frames were handed over, the bounce path is busy or frames
+    // may wait on the control channel's own socket (ZMQ).
     std::optional<nixl_status_t> pullDirect(notif_list_t &list, bool &control) {
         Lock g(mu_);
         const int32_t direct = bnc_notif_direct(rust_);

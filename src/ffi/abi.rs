@@ -784,7 +784,8 @@ pub unsafe extern "C" fn bnc_xfer_release(engine: *mut c_void, xfer: u64) -> i32
 }
 
 /// Whether the application's `getNotifs` may pull the inner engine straight into its list
-/// (1, or 2 when the bounce path is busy: then say [`bnc_control_arrived`] after the pull) or
+/// (1, or 2 when the bounce path is busy or control frames may wait on the control channel's
+/// own socket: then say [`bnc_control_arrived`] after the pull) or
 /// must go through [`bnc_notif_take`] (0; also on a bad handle or a panic).
 ///
 /// # Safety
@@ -796,7 +797,7 @@ pub unsafe extern "C" fn bnc_notif_direct(engine: *mut c_void) -> i32 {
         let Some(e) = (unsafe { engine_ref(engine) }) else { return 0 };
         match e.app_notifs_direct() {
             false => 0,
-            true if e.bounce_busy() => 2,
+            true if e.look_after_app_pull() => 2,
             true => 1,
         }
     })
@@ -826,9 +827,9 @@ pub unsafe extern "C" fn bnc_notif_divert(
     })
 }
 
-/// After a direct pull that diverted control frames, or that [`bnc_notif_direct`] found the
-/// bounce path busy for (the inner engine's lock released): the calling thread runs a reactor
-/// pass, or wakes the reactor.
+/// After a direct pull that diverted control frames, or that [`bnc_notif_direct`] answered 2
+/// for (the inner engine's lock released): the calling thread runs a reactor pass, or wakes
+/// the reactor ([`crate::shell::engine::Engine::after_app_pull`]).
 ///
 /// # Safety
 /// `engine` is a live handle.
@@ -837,7 +838,7 @@ pub unsafe extern "C" fn bnc_control_arrived(engine: *mut c_void) {
     guard_void("bnc_control_arrived", || {
         // SAFETY: caller contract.
         if let Some(e) = unsafe { engine_ref(engine) } {
-            let _ = e.control_arrived();
+            let _ = e.after_app_pull();
         }
     });
 }

@@ -944,7 +944,7 @@ impl Engine {
         let bell = self.mail.bell();
         let ticket = bell.ticket();
         let got = self.pull_and_take()?;
-        let drove = if self.mail.control_waiting() || self.bounce_busy() { self.control_arrived() } else { None };
+        let drove = self.after_app_pull();
         if !got.is_empty() || !self.notif_poll_is_busy() {
             return Ok(got);
         }
@@ -987,6 +987,25 @@ impl Engine {
     /// lock released.
     pub(crate) fn divert_notif(&self, agent: &[u8], msg: &[u8]) -> bool {
         self.mail.divert(agent, msg)
+    }
+
+    /// After the application's pull of the inner engine: a reactor pass on this thread when
+    /// the pull found control frames or the bounce path is busy ([`Self::control_arrived`]),
+    /// or when a frame waits on the control channel's own socket (ZMQ), which no pull of the
+    /// inner engine sees. A target whose application polls then answers a WANT at its next
+    /// poll, as it does over UCX notifications, not when its reactor thread next looks.
+    pub(crate) fn after_app_pull(&self) -> Option<Drove> {
+        if self.mail.control_waiting() || self.bounce_busy() {
+            self.control_arrived()
+        } else {
+            self.bounce.as_ref()?.reactor.drive_if_readable()
+        }
+    }
+
+    /// Whether the application's direct pull must be followed by [`Self::after_app_pull`]:
+    /// the bounce path is busy, or control frames may wait on a socket of the channel's own.
+    pub(crate) fn look_after_app_pull(&self) -> bool {
+        self.bounce_busy() || self.bounce.as_ref().is_some_and(|b| b.reactor.own_socket())
     }
 
     /// This application thread pulled control frames, or polled while the bounce path is

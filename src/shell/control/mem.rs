@@ -39,7 +39,13 @@ impl MemNet {
     /// A channel for member `name`.
     pub(crate) fn join(&self, name: &str) -> MemChannel {
         self.0.lock().queues.entry(name.to_owned()).or_default();
-        MemChannel { name: name.to_owned(), net: self.clone() }
+        MemChannel { name: name.to_owned(), net: self.clone(), socket: false }
+    }
+
+    /// A channel for member `name` that behaves as one with a socket of its own (ZMQ): only
+    /// its polls see its frames, and it says when one waits.
+    pub(crate) fn join_socket(&self, name: &str) -> MemChannel {
+        MemChannel { socket: true, ..self.join(name) }
     }
 
     /// Installs the fault hook (replacing any previous one).
@@ -52,6 +58,7 @@ impl MemNet {
 pub(crate) struct MemChannel {
     name: String,
     net: MemNet,
+    socket: bool,
 }
 
 impl ControlChannel for MemChannel {
@@ -85,6 +92,14 @@ impl ControlChannel for MemChannel {
     }
 
     fn forget(&mut self, _peer: &str) {}
+
+    fn own_socket(&self) -> bool {
+        self.socket
+    }
+
+    fn readable(&mut self) -> bool {
+        self.socket && self.net.0.lock().queues.get(&self.name).is_some_and(|q| !q.is_empty())
+    }
 }
 
 #[cfg(test)]

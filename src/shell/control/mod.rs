@@ -20,4 +20,17 @@ pub(crate) trait ControlChannel: Send {
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize;
     /// Forgets a peer (peer lost): drop its socket / state.
     fn forget(&mut self, peer: &str);
+    /// Whether frames arrive on a socket of the channel's own, which only a reactor pass reads
+    /// (ZMQ), rather than among the inner engine's notifications, which whoever pulls them
+    /// sorts (UCX). An application that polls then has to look at the socket too
+    /// ([`Self::readable`]): otherwise a frame to a target whose application polls waits for
+    /// the reactor thread, which stands down or parks while the application is there.
+    fn own_socket(&self) -> bool {
+        false
+    }
+    /// Whether a frame waits to be polled (cheap; no frame is taken). Only channels with
+    /// [`Self::own_socket`] answer: the others say false.
+    fn readable(&mut self) -> bool {
+        false
+    }
 }

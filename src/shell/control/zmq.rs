@@ -136,6 +136,15 @@ impl ControlChannel for ZmqChannel {
     fn forget(&mut self, peer: &str) {
         self.push.remove(peer);
     }
+
+    fn own_socket(&self) -> bool {
+        true
+    }
+
+    /// `ZMQ_EVENTS`: a look at the socket's queue, no system call when nothing changed.
+    fn readable(&mut self) -> bool {
+        self.pull.get_events().is_ok_and(|e| e.contains(zmq::POLLIN))
+    }
 }
 
 /// A peer's advertised endpoint, if it is a plausible `tcp://` address.
@@ -194,6 +203,27 @@ mod tests {
             got,
             [("alpha".to_owned(), b"\0BOUNC frame one".to_vec()), ("alpha".to_owned(), b"frame two".to_vec())]
         );
+    }
+
+    /// A poller may ask whether a frame waits without taking it: yes once one arrived, no
+    /// again once polled.
+    #[test]
+    fn readable_says_whether_a_frame_waits_without_taking_it() {
+        let (mut a, _) = bind("alpha");
+        let (mut b, _) = bind("beta");
+        assert!(b.own_socket());
+        assert!(!b.readable(), "nothing sent yet");
+        let ep = b.endpoint().as_bytes().to_vec();
+        a.send_to("beta", &ep, b"\0BOUNC one").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !b.readable() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(b.readable(), "the frame arrived");
+        assert!(b.readable(), "asking takes nothing");
+        let mut got = Vec::new();
+        assert_eq!(b.poll(16, &mut got), 1);
+        assert!(!b.readable(), "polled");
     }
 
     /// A peer restarted under the same name advertises a new endpoint: frames follow it.

@@ -983,6 +983,68 @@ fn the_reactor_threads_take_over_when_long_running_pollers_stop() {
     drop((a.reactor, b.reactor));
 }
 
+/// A control channel with a socket of its own (ZMQ): frames there reach no pull of the inner
+/// engine, so a poller with nothing in flight must look at the socket. With the target's
+/// reactor thread standing down (its application has been polling for long), a WANT is
+/// handled by the target's poller through `drive_if_readable`, and the transfer lands
+/// byte-exact well before the stand-down could end (before that fix, the frame waited for it:
+/// 1-4 ms a transfer with ZMQ and a polling target). Channels without a socket of their own
+/// never get such a pass.
+#[test]
+fn a_poller_handles_what_waits_on_a_control_socket_while_the_reactor_stands_down() {
+    let mut cfg = config("10000");
+    cfg.idle_park = Duration::from_secs(60); // the longest stand-down
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = introduce(
+        Side::start("a", 11, &cfg, &net),
+        Side::start_full(
+            "b",
+            22,
+            &cfg,
+            |c| Box::new(c),
+            Box::new(net.join_socket("b")),
+            SOCKET_POLL_BATCH,
+            MemPath::default(),
+        ),
+    );
+    assert!(!a.reactor.own_socket() && b.reactor.own_socket());
+    let dest = b.register(&mut dst);
+    assert_eq!(a.reactor.drive_if_readable(), None, "no socket of its own: nothing to look at");
+    assert_eq!(b.reactor.drive_if_readable(), None, "nothing waits");
+    assert_eq!(b.reactor.cell.driven_at.load(Ordering::Acquire), 0, "a look that ran no pass drives nothing");
+    // The target's application has been driving since its reactor started (a run of 300 ms
+    // and more): its reactor thread stands down at least that long.
+    std::thread::sleep(Duration::from_millis(300));
+    let cell = &b.reactor.cell;
+    cell.driving_since.store(1, Ordering::Release);
+    cell.driven_at.store(cell.since_epoch(Instant::now()), Ordering::Release);
+    assert!(cell.standing_down(Instant::now()).is_some_and(|d| d > Duration::from_millis(250)));
+    std::thread::sleep(Duration::from_millis(20)); // a pass already under way ends
+    let done = AtomicBool::new(false);
+    let looked = AtomicUsize::new(0);
+    let outcome = std::thread::scope(|s| {
+        s.spawn(|| {
+            // As the engine's getNotifs does after its pull (`Engine::after_app_pull`).
+            while !done.load(Ordering::Acquire) {
+                if b.reactor.busy() {
+                    let _ = b.reactor.drive();
+                } else if b.reactor.drive_if_readable().is_some_and(|d| d.moved) {
+                    looked.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        let h = a.post("b", &cfg, &src, &mut dst, dest);
+        let outcome = a.outcome(h, Duration::from_secs(20));
+        done.store(true, Ordering::Release);
+        outcome
+    });
+    assert_eq!(outcome, Ok(()));
+    assert_exact(&src, &dst);
+    assert!(looked.load(Ordering::Relaxed) > 0, "the poller's look at the socket handled the WANT");
+    drop((a.reactor, b.reactor));
+}
+
 /// A copy engine that does not allow passes on other threads keeps every pass on the reactor
 /// thread: pollers get `None` and the transfer still completes.
 #[test]
@@ -1050,6 +1112,8 @@ fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
     let cell = Cell {
         driver: Mutex::new(None),
         any_thread: true,
+        own_socket: false,
+        socket_looked_at: AtomicU64::new(0),
         parked_idle: AtomicBool::new(false),
         busy: AtomicBool::new(false),
         driven_at: AtomicU64::new(0),
