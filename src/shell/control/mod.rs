@@ -33,4 +33,10 @@ pub(crate) trait ControlChannel: Send {
     fn readable(&mut self) -> bool {
         false
     }
+    /// A descriptor that turns readable when frames may have arrived (ZMQ's `ZMQ_FD`), for an
+    /// idle reactor thread to sleep on; polled only, never read. `None`: frames come unannounced
+    /// (UCX), the reactor looks after each park.
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }

@@ -141,9 +141,13 @@ impl ControlChannel for ZmqChannel {
         true
     }
 
-    /// `ZMQ_EVENTS`: a look at the socket's queue, no system call when nothing changed.
+    /// `ZMQ_EVENTS`: a look at the socket's queue (a system call: ZMQ polls its mailbox).
     fn readable(&mut self) -> bool {
         self.pull.get_events().is_ok_and(|e| e.contains(zmq::POLLIN))
+    }
+
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.pull.get_fd().ok()
     }
 }
 

@@ -6,7 +6,8 @@
 //! (application commands), collects copy completions, polls in-flight writes, fires timers,
 //! then drains `poll_action()` to `None` (quinn's `ConnectionDriver` loop). Polling adapts: it
 //! spins while work is in flight, backs off to short sleeps when progress stalls, and parks
-//! (woken by new commands) when idle, so an idle engine costs no core.
+//! (woken by new commands, and with a ZMQ control channel by a frame on its socket:
+//! [`alarm`]) when idle, so an idle engine costs no core.
 //!
 //! The reactor never calls NIXL's entry points and never sees the shim directly: its three
 //! seams are given to it, which is how the unit tests below join two reactors in memory.
@@ -42,11 +43,13 @@ use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
 use crate::sys::nixl::{MemSeg, NixlStatus};
 use crate::sys::shim::{Md, WriteSide, WriteState};
+use alarm::Alarm;
 use bounce_proto::peers::Hello;
 use fetch::Fetches;
 pub(crate) use pace::hot_spin;
 use pace::{AppPolls, BUSY_SLEEP, Pace, STAND_DOWN, Wait};
 
+mod alarm;
 mod fetch;
 mod pace;
 #[cfg(test)]
@@ -145,6 +148,9 @@ impl Drop for Signal {
 pub(crate) struct Inbox {
     q: Mutex<VecDeque<Cmd>>,
     thread: Mutex<Option<Thread>>,
+    /// What the idle reactor thread sleeps on instead of parking, with a control channel that
+    /// has a descriptor ([`alarm`]): rung with every wake.
+    alarm: std::sync::OnceLock<Arc<Alarm>>,
 }
 
 impl Inbox {
@@ -164,6 +170,9 @@ impl Inbox {
     pub(crate) fn wake(&self) {
         if let Some(t) = self.thread.lock().as_ref() {
             t.unpark();
+        }
+        if let Some(a) = self.alarm.get() {
+            a.ring();
         }
     }
 
@@ -525,6 +534,18 @@ impl Reactor {
         // a dead peer alive): a random secret per engine.
         ep.set_probe_seed(std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), session));
         let stop = Arc::new(AtomicBool::new(false));
+        // With a socket to wait on, an idle reactor thread sleeps on it (and on the wakers'
+        // eventfd) instead of parking; without an eventfd it parks as over UCX.
+        let alarm = control.wait_fd().and_then(|fd| match Alarm::new(fd) {
+            Ok(a) => Some(Arc::new(a)),
+            Err(e) => {
+                tracing::warn!("no eventfd ({e}): the idle reactor looks at the control socket after each park");
+                None
+            }
+        });
+        if let Some(a) = &alarm {
+            let _ = shared.inbox.alarm.set(Arc::clone(a));
+        }
         let d = Driver {
             ep,
             shared: Arc::clone(&shared),
@@ -582,7 +603,9 @@ impl Reactor {
                 // A panic here would be a bug in the shell or core. It must not leave requests
                 // IN_PROG forever (nothing else runs their timeouts): fail them and refuse new
                 // posts; the engine's other entry points keep working on plain UCX.
-                let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cell2, &stop2, idle_park)));
+                let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    run(&cell2, &stop2, idle_park, alarm.as_deref())
+                }));
                 if quiet.is_err() {
                     tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");
                     shared.requests.close(XferError::ShuttingDown);
@@ -718,6 +741,8 @@ impl Reactor {
         let quiet = match self.thread.take() {
             Some(t) => {
                 t.thread().unpark();
+                // An idle reactor thread may sleep on its alarm instead.
+                self.shared.inbox.wake();
                 t.join().unwrap_or(false)
             }
             None => true,
@@ -792,8 +817,9 @@ impl Cell {
 }
 
 /// The reactor thread's loop: passes until `stop`, then closes and shuts down; true when no
-/// grant was left outstanding. Idle, it parks up to `idle_park` (`bounce_idle_park_us`).
-fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration) -> bool {
+/// grant was left outstanding. Idle, it parks up to `idle_park` (`bounce_idle_park_us`), or
+/// sleeps on `alarm` as long when the control channel has a socket to wait on.
+fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration, alarm: Option<&Alarm>) -> bool {
     // Writes are posted from this thread too: a GPU arena's context must be current here
     // before the first one (a direct write from GPU memory may come before any copy).
     if let Some(d) = cell.driver.lock().as_mut() {
@@ -834,7 +860,14 @@ fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration) -> bool {
                 // Set before parking and cleared after: an application pass that starts work
                 // meanwhile wakes us (an unpark before the park makes the park return at once).
                 cell.parked_idle.store(!busy, Ordering::Release);
-                std::thread::park_timeout(d);
+                match alarm {
+                    // Idle: a frame on the socket or a wake ends the sleep, so it need not
+                    // ramp up from a short one after activity (the ramp is for frames that
+                    // come unannounced): it lasts until the next timer, at most the longest
+                    // park, which bounds how late the inner engine's progress runs.
+                    Some(a) if !busy => a.wait(timer.map_or(idle_park, |t| t.min(idle_park))),
+                    _ => std::thread::park_timeout(d),
+                }
                 if d > BUSY_SLEEP {
                     crate::shell::mark!("unpark", 0);
                 }

@@ -1045,6 +1045,46 @@ fn a_poller_handles_what_waits_on_a_control_socket_while_the_reactor_stands_down
     drop((a.reactor, b.reactor));
 }
 
+/// Over ZMQ, an idle reactor thread sleeps on the control socket: with idle parks of a minute
+/// and no application polling on either side, a transfer still lands byte-exact well within
+/// its 10 s timeout (the WANT wakes the target's reactor, each answer the initiator's), and
+/// stopping both reactors does not wait out a park.
+#[test]
+fn over_zmq_a_frame_wakes_an_idle_reactor_thread() {
+    use crate::shell::control::zmq::ZmqChannel;
+    let mut cfg = config("10000");
+    cfg.idle_park = Duration::from_secs(60);
+    let endpoints: Arc<Mutex<HashMap<String, Vec<u8>>>> = Arc::default();
+    let channel = |name: &str| {
+        let eps = Arc::clone(&endpoints);
+        let resolve = Box::new(move |peer: &str| eps.lock().get(peer).cloned());
+        let ch = ZmqChannel::bind(name, "127.0.0.1", resolve, Arc::default()).unwrap();
+        endpoints.lock().insert(name.to_owned(), ch.endpoint().as_bytes().to_vec());
+        ch
+    };
+    let start = |name: &str, session| {
+        Side::start_full(
+            name,
+            session,
+            &cfg,
+            |c| Box::new(c),
+            Box::new(channel(name)),
+            SOCKET_POLL_BATCH,
+            MemPath::default(),
+        )
+    };
+    let (a, b) = introduce(start("a", 11), start("b", 22));
+    let (src, mut dst) = buffers();
+    let dest = b.register(&mut dst);
+    std::thread::sleep(Duration::from_millis(50)); // both reactor threads idle, asleep
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    let t0 = Instant::now();
+    drop((a.reactor, b.reactor));
+    assert!(t0.elapsed() < Duration::from_secs(30), "stopping waited out an idle park");
+}
+
 /// A copy engine that does not allow passes on other threads keeps every pass on the reactor
 /// thread: pollers get `None` and the transfer still completes.
 #[test]
