@@ -740,8 +740,7 @@ impl Reactor {
         self.stop.store(true, Ordering::Release);
         let quiet = match self.thread.take() {
             Some(t) => {
-                t.thread().unpark();
-                // An idle reactor thread may sleep on its alarm instead.
+                // Wherever it sleeps: parked, or on its alarm.
                 self.shared.inbox.wake();
                 t.join().unwrap_or(false)
             }
