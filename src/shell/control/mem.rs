@@ -48,6 +48,11 @@ impl MemNet {
         MemChannel { socket: true, ..self.join(name) }
     }
 
+    /// How many frames wait at member `name`.
+    pub(crate) fn waiting(&self, name: &str) -> usize {
+        self.0.lock().queues.get(name).map_or(0, VecDeque::len)
+    }
+
     /// Installs the fault hook (replacing any previous one).
     pub(crate) fn set_fault(&self, f: impl FnMut(&str, &str, &[u8]) -> Fate + Send + 'static) {
         self.0.lock().fault = Some(Box::new(f));

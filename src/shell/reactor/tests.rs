@@ -994,6 +994,10 @@ fn the_reactor_threads_take_over_when_long_running_pollers_stop() {
 fn a_poller_handles_what_waits_on_a_control_socket_while_the_reactor_stands_down() {
     let mut cfg = config("10000");
     cfg.idle_park = Duration::from_secs(60); // the longest stand-down
+    // No liveness probes: the first frame to reach the target after its reactor thread stood
+    // down is the transfer's WANT.
+    cfg.probe_after = Duration::from_secs(60);
+    cfg.peer_dead_after = Duration::from_secs(120);
     let net = MemNet::default();
     let (src, mut dst) = buffers();
     let (a, b) = introduce(
@@ -1010,6 +1014,14 @@ fn a_poller_handles_what_waits_on_a_control_socket_while_the_reactor_stands_down
     );
     assert!(!a.reactor.own_socket() && b.reactor.own_socket());
     let dest = b.register(&mut dst);
+    // The handshake's last frames may still be on their way: the reactor threads take them.
+    let mut quiet_since = Instant::now();
+    while quiet_since.elapsed() < Duration::from_millis(50) {
+        if net.waiting("a") + net.waiting("b") > 0 {
+            quiet_since = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(a.reactor.drive_if_readable(), None, "no socket of its own: nothing to look at");
     assert_eq!(b.reactor.drive_if_readable(), None, "nothing waits");
     assert_eq!(b.reactor.cell.driven_at.load(Ordering::Acquire), 0, "a look that ran no pass drives nothing");
