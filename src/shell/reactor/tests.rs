@@ -1234,6 +1234,14 @@ impl ControlChannel for Counted {
     fn forget(&mut self, peer: &str) {
         self.inner.forget(peer);
     }
+
+    fn own_socket(&self) -> bool {
+        self.inner.own_socket()
+    }
+
+    fn readable(&mut self) -> bool {
+        self.inner.readable()
+    }
 }
 
 /// A peer floods us over a channel read without a budget (as UCX's is): a pass run on the
@@ -1241,12 +1249,24 @@ impl ControlChannel for Counted {
 /// thread the rest, and every one of them is refused and counted.
 #[test]
 fn a_pollers_pass_takes_a_bounded_batch_of_a_flood() {
+    flood_meets_a_pollers_pass(false);
+}
+
+/// The same over a channel with a socket of its own (ZMQ), met by the look an application's
+/// `getNotifs` takes at that socket (`drive_if_readable`).
+#[test]
+fn a_pollers_look_at_a_flooded_socket_takes_a_bounded_batch() {
+    flood_meets_a_pollers_pass(true);
+}
+
+fn flood_meets_a_pollers_pass(socket: bool) {
     const FLOOD: usize = 1000;
     let cfg = config("10000");
     let net = MemNet::default();
     let me = std::thread::current().id();
     let (takes, only) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Some(me))));
-    let channel = Counted { inner: net.join("b"), takes: Arc::clone(&takes), only: Arc::clone(&only) };
+    let inner = if socket { net.join_socket("b") } else { net.join("b") };
+    let channel = Counted { inner, takes: Arc::clone(&takes), only: Arc::clone(&only) };
     let b = Side::start_full("b", 22, &cfg, |c| Box::new(c), Box::new(channel), usize::MAX, MemPath::default());
     let mut stranger = net.join("x");
     // Bytes that only start like a frame: refused at decoding, whoever sends them.
@@ -1255,7 +1275,11 @@ fn a_pollers_pass_takes_a_bounded_batch_of_a_flood() {
         stranger.send("b", &hello[..hello.len() / 2]).unwrap();
     }
     // This thread's pass meets the whole flood; then the reactor thread may poll again.
-    while b.reactor.drive().is_none() {}
+    if socket {
+        while b.reactor.drive_if_readable().is_none() {}
+    } else {
+        while b.reactor.drive().is_none() {}
+    }
     *only.lock() = None;
     let deadline = Instant::now() + Duration::from_secs(10);
     while b.stat(|s| &s.control_dropped) < FLOOD as u64 {
