@@ -49,6 +49,7 @@ mod reactor;
 mod registry;
 mod requests;
 mod stats;
+mod streak;
 
 pub(crate) use engine::{CreateParams, DescView, Engine, Progress};
 pub(crate) use error::{Error, Result};

@@ -40,6 +40,7 @@ use crate::shell::peers::{PeerArena, PeerTable, WriteRefused};
 use crate::shell::registry::Registry;
 use crate::shell::requests::{Posted as PostedXfer, Requests};
 use crate::shell::stats::Stats;
+use crate::shell::streak::Streak;
 use crate::shell::{Error, Result};
 use crate::sys::nixl::{MemSeg, NixlStatus};
 use crate::sys::shim::{Md, WriteSide, WriteState};
@@ -335,13 +336,10 @@ struct Cell {
     parked_idle: AtomicBool,
     /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
     busy: AtomicBool,
-    /// When the latest pass on an application thread ended, in nanoseconds since `epoch`
-    /// (0: none yet, or the poller resigned). While pollers drive, the reactor thread stands
-    /// down ([`Cell::standing_down`]).
-    driven_at: AtomicU64,
-    /// When the application's current run of driving began (its passes no more than
-    /// [`STAND_DOWN`] apart), likewise.
-    driving_since: AtomicU64,
+    /// The ends of the passes on application threads, no more than [`STAND_DOWN`] apart (ended
+    /// when the poller resigns). While pollers drive, the reactor thread stands down
+    /// ([`Cell::standing_down`]).
+    driving: Streak,
     /// The longest stand-down: `bounce_idle_park_us`.
     longest_stand_down: Duration,
     epoch: Instant,
@@ -586,8 +584,7 @@ impl Reactor {
             driver: Mutex::new(Some(d)),
             parked_idle: AtomicBool::new(false),
             busy: AtomicBool::new(false),
-            driven_at: AtomicU64::new(0),
-            driving_since: AtomicU64::new(0),
+            driving: Streak::new(STAND_DOWN),
             longest_stand_down: config.idle_park,
             epoch: Instant::now(),
             poisoned: AtomicBool::new(false),
@@ -775,6 +772,7 @@ const SOCKET_LOOK_GAP: Duration = Duration::from_micros(10);
 /// each finished chunk's DATA go out at once instead of queueing behind every other write's
 /// copy inside UCX's progress (measured: DATA arrived only after all 8 windowed writes).
 const MAX_WRITES_IN_FLIGHT: usize = 2;
+
 impl Cell {
     fn since_epoch(&self, now: Instant) -> u64 {
         u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
@@ -783,18 +781,14 @@ impl Cell {
     /// No application thread drives any more: the reactor thread stops standing down. True
     /// when it was (it may be parked for that, and wants waking).
     fn resign(&self) -> bool {
-        self.driven_at.swap(0, Ordering::AcqRel) != 0
+        self.driving.end()
     }
 
     /// An application thread's pass ended at `now`: the reactor thread stands down from here
     /// ([`Self::standing_down`]). A pass more than [`STAND_DOWN`] after the previous one (or
     /// after a resignation) starts a new run of driving.
     fn drove(&self, now: Instant) {
-        let now = self.since_epoch(now);
-        let before = self.driven_at.swap(now, Ordering::AcqRel);
-        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > STAND_DOWN {
-            self.driving_since.store(now, Ordering::Release);
-        }
+        self.driving.note(now);
     }
 
     /// How much longer the reactor thread stands down, if an application thread drove lately:
@@ -805,12 +799,7 @@ impl Cell {
     /// How long after the latest pass grows with how long the application has been driving
     /// ([`pace::stand_down`]).
     fn standing_down(&self, now: Instant) -> Option<Duration> {
-        let at = self.driven_at.load(Ordering::Acquire);
-        if at == 0 {
-            return None;
-        }
-        let run = Duration::from_nanos(at.saturating_sub(self.driving_since.load(Ordering::Acquire)));
-        let since = Duration::from_nanos(self.since_epoch(now).saturating_sub(at));
+        let (run, since) = self.driving.at(now)?;
         pace::stand_down(run, self.longest_stand_down).checked_sub(since).filter(|left| !left.is_zero())
     }
 }

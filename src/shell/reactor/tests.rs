@@ -975,7 +975,7 @@ fn the_reactor_threads_take_over_when_long_running_pollers_stop() {
         }
     });
     for side in [&a, &b] {
-        assert_ne!(side.reactor.cell.driven_at.load(Ordering::Acquire), 0, "the pollers left without resigning");
+        assert!(side.reactor.cell.driving.at(Instant::now()).is_some(), "the pollers left without resigning");
     }
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
@@ -1024,13 +1024,13 @@ fn a_poller_handles_what_waits_on_a_control_socket_while_the_reactor_stands_down
     }
     assert_eq!(a.reactor.drive_if_readable(), None, "no socket of its own: nothing to look at");
     assert_eq!(b.reactor.drive_if_readable(), None, "nothing waits");
-    assert_eq!(b.reactor.cell.driven_at.load(Ordering::Acquire), 0, "a look that ran no pass drives nothing");
+    assert_eq!(b.reactor.cell.driving.at(Instant::now()), None, "a look that ran no pass drives nothing");
     // The target's application has been driving since its reactor started (a run of 300 ms
     // and more): its reactor thread stands down at least that long.
     std::thread::sleep(Duration::from_millis(300));
     let cell = &b.reactor.cell;
-    cell.driving_since.store(1, Ordering::Release);
-    cell.driven_at.store(cell.since_epoch(Instant::now()), Ordering::Release);
+    let now = Instant::now();
+    cell.driving.set(now - Duration::from_millis(300), now);
     assert!(cell.standing_down(Instant::now()).is_some_and(|d| d > Duration::from_millis(250)));
     std::thread::sleep(Duration::from_millis(20)); // a pass already under way ends
     let done = AtomicBool::new(false);
@@ -1160,7 +1160,6 @@ fn no_pass_runs_on_a_thread_the_copy_engine_cannot_prepare() {
 /// any did, and no longer once the poller resigned (it went to wait).
 #[test]
 fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
-    let t0 = Instant::now();
     let cell = Cell {
         driver: Mutex::new(None),
         any_thread: true,
@@ -1168,12 +1167,12 @@ fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
         socket_looked_at: AtomicU64::new(0),
         parked_idle: AtomicBool::new(false),
         busy: AtomicBool::new(false),
-        driven_at: AtomicU64::new(0),
-        driving_since: AtomicU64::new(0),
+        driving: Streak::new(STAND_DOWN),
         longest_stand_down: Duration::from_millis(1),
         poisoned: AtomicBool::new(false),
-        epoch: t0,
+        epoch: Instant::now(),
     };
+    let t0 = cell.driving.epoch();
     let us = Duration::from_micros;
     assert_eq!(cell.standing_down(t0 + us(5)), None, "nobody drove yet");
     cell.drove(t0 + us(10));

@@ -1,0 +1,116 @@
+//! A streak: a run of events none more than a gap after the one before, such as an
+//! application's pulls of the inner engine or its pollers' reactor passes. Any thread notes an
+//! event and any other reads the streak, with two atomics and no lock, since the application's
+//! `getNotifs` notes one at every call. The reactor thread stays away from the application's
+//! threads while such a streak runs, for longer the longer it has run
+//! ([`crate::shell::reactor`]'s stand-downs).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Events at most `gap` apart, timed from an epoch.
+#[derive(Debug)]
+pub(crate) struct Streak {
+    gap: Duration,
+    epoch: Instant,
+    /// The latest event, in nanoseconds since `epoch` (0: none, or the streak was ended).
+    latest: AtomicU64,
+    /// The first event of the current streak, likewise.
+    first: AtomicU64,
+}
+
+impl Streak {
+    /// No streak yet; events more than `gap` apart start a new one.
+    pub(crate) fn new(gap: Duration) -> Self {
+        Self { gap, epoch: Instant::now(), latest: AtomicU64::new(0), first: AtomicU64::new(0) }
+    }
+
+    fn since_epoch(&self, now: Instant) -> u64 {
+        // Never 0: that means "none".
+        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// An event at `now`: it extends the streak when the previous one is at most `gap` ago,
+    /// else starts a new one.
+    pub(crate) fn note(&self, now: Instant) {
+        let now = self.since_epoch(now);
+        let before = self.latest.swap(now, Ordering::AcqRel);
+        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > self.gap {
+            self.first.store(now, Ordering::Release);
+        }
+    }
+
+    /// Ends the streak (the next event starts a new one); true when one was running.
+    pub(crate) fn end(&self) -> bool {
+        self.latest.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// At `now`: how long the streak ran up to its latest event and how long ago that event
+    /// was; `None` when there was none since the last [`Self::end`]. A streak whose latest
+    /// event is more than `gap` ago is over for its next event, not here: the caller decides
+    /// what an old streak is worth.
+    pub(crate) fn at(&self, now: Instant) -> Option<(Duration, Duration)> {
+        let latest = self.latest.load(Ordering::Acquire);
+        if latest == 0 {
+            return None;
+        }
+        // A racing `note` may have stored a newer `first` than this `latest`: a run of 0.
+        let run = Duration::from_nanos(latest.saturating_sub(self.first.load(Ordering::Acquire)));
+        let since = Duration::from_nanos(self.since_epoch(now).saturating_sub(latest));
+        Some((run, since))
+    }
+
+    /// A streak that ran from `first` to `latest` (tests).
+    #[cfg(test)]
+    pub(crate) fn set(&self, first: Instant, latest: Instant) {
+        self.first.store(self.since_epoch(first), Ordering::Release);
+        self.latest.store(self.since_epoch(latest), Ordering::Release);
+    }
+
+    /// The instant times are counted from (tests place events after it).
+    #[cfg(test)]
+    pub(crate) fn epoch(&self) -> Instant {
+        self.epoch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    #[test]
+    fn events_within_the_gap_extend_the_streak_and_a_longer_gap_starts_a_new_one() {
+        let s = Streak::new(us(50));
+        let t0 = s.epoch() + us(1000);
+        assert_eq!(s.at(t0), None, "no event yet");
+        s.note(t0);
+        assert_eq!(s.at(t0 + us(7)), Some((Duration::ZERO, us(7))));
+        for i in 1..=10 {
+            s.note(t0 + us(40 * i));
+        }
+        assert_eq!(s.at(t0 + us(400)), Some((us(400), Duration::ZERO)));
+        // Read long after, the streak still says how long it ran and how long ago it ended.
+        assert_eq!(s.at(t0 + us(900)), Some((us(400), us(500))));
+        // 51 us after the latest: a new streak.
+        s.note(t0 + us(451));
+        assert_eq!(s.at(t0 + us(461)), Some((Duration::ZERO, us(10))));
+    }
+
+    #[test]
+    fn an_ended_streak_is_none_until_the_next_event_starts_another() {
+        let s = Streak::new(us(50));
+        assert!(!s.end(), "nothing to end");
+        let t0 = s.epoch() + us(10);
+        s.note(t0);
+        s.note(t0 + us(20));
+        assert!(s.end());
+        assert_eq!(s.at(t0 + us(30)), None);
+        assert!(!s.end());
+        s.note(t0 + us(40));
+        assert_eq!(s.at(t0 + us(40)), Some((Duration::ZERO, Duration::ZERO)), "a new streak, not the old one's run");
+    }
+}
