@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::shell::mailroom::Mailroom;
 use crate::sys::nixl::NixlStatus;
@@ -52,6 +53,12 @@ pub(crate) trait DataPath: Send {
     /// leaves the pull to it. False for a path with no application pulling.
     fn app_pulls(&mut self) -> bool {
         false
+    }
+    /// The application's streak of close pulls of the inner engine's notifications
+    /// ([`crate::shell::mailroom::Mailroom::pull_streak`]); `None` for a path with no
+    /// application pulling.
+    fn app_pull_streak(&self, _now: Instant) -> Option<(Duration, Duration)> {
+        None
     }
     /// Unloads a peer arena's inner metadata (no write in flight uses it).
     fn unload(&mut self, md: Md);
@@ -120,6 +127,10 @@ impl DataPath for ShimPath {
 
     fn app_pulls(&mut self) -> bool {
         self.mail.app_pulled_since_look()
+    }
+
+    fn app_pull_streak(&self, now: Instant) -> Option<(Duration, Duration)> {
+        self.mail.pull_streak(now)
     }
 
     fn unload(&mut self, md: Md) {

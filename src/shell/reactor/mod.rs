@@ -685,7 +685,8 @@ impl Reactor {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
             Ok(moved) => {
                 let copying = d.copiers.in_flight() > 0;
-                self.cell.busy.store(d.busy(), Ordering::Release);
+                let busy = d.busy();
+                self.cell.busy.store(busy, Ordering::Release);
                 let more = d.control_full;
                 drop(g);
                 if more {
@@ -694,7 +695,11 @@ impl Reactor {
                     self.shared.inbox.wake();
                 } else {
                     self.cell.drove(Instant::now());
-                    if moved && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
+                    // This pass left work in flight while the reactor thread sleeps an idle
+                    // park: it must watch that work should the poller stop. Work begun and
+                    // ended here (an inline WANT put, scattered and answered) needs nobody,
+                    // and waking the thread for it took a polling application's core.
+                    if busy && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
                         self.shared.inbox.wake();
                     }
                 }
@@ -832,11 +837,12 @@ fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration, alarm: Option<&Alarm
             let now = Instant::now();
             let busy = d.busy();
             cell.busy.store(busy, Ordering::Release);
-            (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now)
+            let beside = pace::beside_puller(d.data.app_pull_streak(now), idle_park);
+            (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
         });
         drop(g);
-        let Some((moved, busy, timer, now)) = pass else { return false };
-        match pace.after_pass(now, moved, busy, timer) {
+        let Some((moved, busy, timer, now, beside)) = pass else { return false };
+        match pace.after_pass(now, moved, busy, timer, beside) {
             Wait::Now => {}
             // yield, not spin_loop: on a machine with few cores the copy workers and the
             // application need this core more than we do.

@@ -29,7 +29,9 @@
 //!   on average), and how often an idle engine wakes.
 //!
 //! [`AppPolls`] decides the other half of a pass's cost: whether the reactor thread pulls the
-//! inner engine itself or leaves that to an application polling it closely.
+//! inner engine itself or leaves that to an application polling it closely. Beside such an
+//! application it also stays away longer: [`stand_down`] after an application thread drove a
+//! pass, [`beside_puller`] while it only pulls and nothing is in flight.
 //!
 //! Time is passed in, so the policy is tested without a clock.
 
@@ -93,8 +95,17 @@ impl Pace {
     }
 
     /// After a pass at `now` that `moved` anything, with work in flight (`busy`) or not, and
-    /// the core's next timer due in `timer`: what to do before the next pass.
-    pub(super) fn after_pass(&mut self, now: Instant, moved: bool, busy: bool, timer: Option<Duration>) -> Wait {
+    /// the core's next timer due in `timer`: what to do before the next pass. Idle, it parks
+    /// at least `beside` ([`beside_puller`]), the time an application pulling the inner engine
+    /// closely lets the reactor thread sleep.
+    pub(super) fn after_pass(
+        &mut self,
+        now: Instant,
+        moved: bool,
+        busy: bool,
+        timer: Option<Duration>,
+        beside: Duration,
+    ) -> Wait {
         if busy || moved {
             self.last_active = Some(now);
         }
@@ -111,7 +122,7 @@ impl Pace {
             return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
         }
         let park = self.last_active.map_or(self.longest_park, |t| {
-            (now.saturating_duration_since(t) / self.ramp).max(BUSY_SLEEP).min(self.longest_park)
+            (now.saturating_duration_since(t) / self.ramp).max(beside).max(BUSY_SLEEP).min(self.longest_park)
         });
         Wait::Park(timer.unwrap_or(park).min(park))
     }
@@ -123,7 +134,7 @@ impl Pace {
 /// that polled every 0.5 ms had always pulled during the reactor's idle park, so the reactor
 /// stopped pulling and each WANT or PULL waited for the application's next poll (on the 2-core
 /// machine the first hop of a KV READ took a median 290 us, up to 680; issue 13).
-pub(super) const POLLER_GAP: Duration = Duration::from_micros(100);
+pub(super) const POLLER_GAP: Duration = crate::shell::mailroom::CLOSE_PULL_GAP;
 
 /// Whether the reactor thread leaves the inner engine's notifications to the application.
 /// While the application pulls them closely its pull hands their control frames to a pass on
@@ -168,6 +179,28 @@ pub(super) fn stand_down(run: Duration, longest: Duration) -> Duration {
     run.clamp(STAND_DOWN, longest.max(STAND_DOWN))
 }
 
+/// How long an idle reactor thread may sleep beside an application pulling the inner engine's
+/// notifications closely, given its `streak` of pulls (how long it has pulled no more than
+/// [`POLLER_GAP`] apart, how long ago it last pulled): as long as a poller that drove that long
+/// makes it stand down ([`stand_down`]), from the latest pull; nothing once that pull is more
+/// than [`POLLER_GAP`] ago.
+///
+/// Why: such an application's pull sorts every control frame that reaches the inner engine and
+/// hands it to a pass on its own thread (or wakes the reactor thread when none can run there),
+/// so an idle reactor thread that looks finds nothing, yet each look takes a core. On the
+/// 2-core machine a target's reactor thread, back from each idle park of 50-60 us to look
+/// beside an application spinning on `getNotifs`, preempted one of the two polling
+/// applications every time (`perf sched`): the one control round trip of a small WRITE (an
+/// inline WANT) took 50-57 us where the notification round trip of its size takes about 20.
+/// What it costs: an application that stops pulling leaves a frame that arrives after its
+/// last pull to the reactor thread, up to `longest` later, once.
+pub(super) fn beside_puller(streak: Option<(Duration, Duration)>, longest: Duration) -> Duration {
+    match streak {
+        Some((run, since)) if since <= POLLER_GAP => stand_down(run, longest).saturating_sub(since),
+        _ => Duration::ZERO,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,21 +215,21 @@ mod tests {
 
     /// The waits of `n` passes that move nothing, `step` apart, starting `from` after `t0`.
     fn stalled(p: &mut Pace, t0: Instant, from: Duration, step: Duration, n: u32, busy: bool) -> Vec<Wait> {
-        (0..n).map(|i| p.after_pass(t0 + from + step * i, false, busy, None)).collect()
+        (0..n).map(|i| p.after_pass(t0 + from + step * i, false, busy, None, Duration::ZERO)).collect()
     }
 
     #[test]
     fn few_cores_yield_a_while_then_sleep_between_polls_and_back_off_when_idle() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, ms(2), t0);
-        assert_eq!(p.after_pass(t0, true, true, None), Wait::Now);
+        assert_eq!(p.after_pass(t0, true, true, None, Duration::ZERO), Wait::Now);
         let waits = stalled(&mut p, t0, us(1), us(1), SPIN_ITERATIONS + 2, true);
         assert!(waits[..SPIN_ITERATIONS as usize].iter().all(|w| *w == Wait::Yield), "{waits:?}");
         assert_eq!(waits[SPIN_ITERATIONS as usize..], [Wait::Park(BUSY_SLEEP); 2]);
         let active = t0 + us(SPIN_ITERATIONS as u64 + 2);
         // Idle: a 256th of the time since the last activity, from 50 us up to 2 ms; a timer
         // due sooner cuts the park short.
-        let park = |p: &mut Pace, after: Duration| p.after_pass(active + after, false, false, None);
+        let park = |p: &mut Pace, after: Duration| p.after_pass(active + after, false, false, None, Duration::ZERO);
         assert_eq!(park(&mut p, us(100)), Wait::Park(BUSY_SLEEP));
         assert_eq!(park(&mut p, ms(12)), Wait::Park(BUSY_SLEEP));
         assert_eq!(park(&mut p, us(25_600)), Wait::Park(us(100)));
@@ -204,9 +237,9 @@ mod tests {
         assert_eq!(park(&mut p, ms(256)), Wait::Park(ms(1)));
         assert_eq!(park(&mut p, ms(512)), Wait::Park(ms(2)));
         assert_eq!(park(&mut p, ms(60_000)), Wait::Park(ms(2)));
-        assert_eq!(p.after_pass(active + ms(100), false, false, Some(us(30))), Wait::Park(us(30)));
+        assert_eq!(p.after_pass(active + ms(100), false, false, Some(us(30)), Duration::ZERO), Wait::Park(us(30)));
         // Work in flight again restarts the ramp.
-        p.after_pass(active + ms(70_000), false, true, None);
+        p.after_pass(active + ms(70_000), false, true, None, Duration::ZERO);
         assert_eq!(park(&mut p, ms(70_000) + us(1)), Wait::Park(BUSY_SLEEP));
     }
 
@@ -214,9 +247,9 @@ mod tests {
     fn a_movement_with_nothing_left_in_flight_restarts_the_ramp() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, ms(1), t0);
-        assert_eq!(p.after_pass(t0 + ms(5), false, false, None), Wait::Park(ms(1)));
+        assert_eq!(p.after_pass(t0 + ms(5), false, false, None, Duration::ZERO), Wait::Park(ms(1)));
         // A WANT served whole in one pass: moved, and idle again at once.
-        assert_eq!(p.after_pass(t0 + ms(6), true, false, None), Wait::Now);
+        assert_eq!(p.after_pass(t0 + ms(6), true, false, None, Duration::ZERO), Wait::Now);
         let idle = stalled(&mut p, t0, ms(6), ms(40), 3, false);
         let ns = |n| Wait::Park(Duration::from_nanos(n));
         assert_eq!(idle, [Wait::Park(BUSY_SLEEP), ns(156_250), ns(312_500)]);
@@ -226,32 +259,32 @@ mod tests {
     fn idle_parks_grow_to_the_configured_longest_and_a_new_reactor_starts_there() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, us(500), t0);
-        p.after_pass(t0, false, true, None); // work in flight: parks start short again
+        p.after_pass(t0, false, true, None, Duration::ZERO); // work in flight: parks start short again
         let idle = stalled(&mut p, t0, Duration::ZERO, ms(32), 6, false);
         let parks: Vec<_> = [50, 125, 250, 375, 500, 500].into_iter().map(|n| Wait::Park(us(n))).collect();
         assert_eq!(idle, parks);
         // The first idle park of a new reactor is already the longest.
         let mut fresh = Pace::new(2, us(500), t0);
-        assert_eq!(fresh.after_pass(t0 + ms(5), false, false, None), Wait::Park(us(500)));
+        assert_eq!(fresh.after_pass(t0 + ms(5), false, false, None, Duration::ZERO), Wait::Park(us(500)));
     }
 
     #[test]
     fn many_cores_spin_for_the_hot_window_after_the_last_movement_then_pace_as_few_cores_do() {
         let t0 = Instant::now();
         let mut p = Pace::new(16, ms(2), t0);
-        assert_eq!(p.after_pass(t0, true, true, None), Wait::Now);
+        assert_eq!(p.after_pass(t0, true, true, None, Duration::ZERO), Wait::Now);
         // Busy or idle, nothing moving: yields only, for HOT_SPIN after the movement.
         let hot = stalled(&mut p, t0, us(1), us(10), 99, true);
         assert!(hot.iter().all(|w| *w == Wait::Yield), "{hot:?}");
         assert!(stalled(&mut p, t0, us(500), us(10), 20, false).iter().all(|w| *w == Wait::Yield));
         // Past the window, the few-core pacing: idle parks ramp up from the last activity (the
         // busy passes above count: the last at 981 us).
-        assert_eq!(p.after_pass(t0 + HOT_SPIN, false, false, None), Wait::Park(BUSY_SLEEP));
+        assert_eq!(p.after_pass(t0 + HOT_SPIN, false, false, None, Duration::ZERO), Wait::Park(BUSY_SLEEP));
         // A 1024th of the time since then here, not the 256th of few cores.
-        assert_eq!(p.after_pass(t0 + us(981 + 204_800), false, false, None), Wait::Park(us(200)));
+        assert_eq!(p.after_pass(t0 + us(981 + 204_800), false, false, None, Duration::ZERO), Wait::Park(us(200)));
         // A movement opens a new window.
-        assert_eq!(p.after_pass(t0 + ms(60), true, false, None), Wait::Now);
-        assert_eq!(p.after_pass(t0 + ms(60) + us(900), false, false, None), Wait::Yield);
+        assert_eq!(p.after_pass(t0 + ms(60), true, false, None, Duration::ZERO), Wait::Now);
+        assert_eq!(p.after_pass(t0 + ms(60) + us(900), false, false, None, Duration::ZERO), Wait::Yield);
     }
 
     #[test]
@@ -272,6 +305,34 @@ mod tests {
         // Exactly the gap still counts as close; a microsecond more does not.
         assert!(a.leave_to_app(t0 + ms(2) + us(60) + POLLER_GAP, true));
         assert!(!a.leave_to_app(t0 + ms(2) + us(61) + POLLER_GAP * 2, true));
+    }
+
+    #[test]
+    fn beside_an_application_pulling_closely_an_idle_reactor_sleeps_as_long_as_it_has_pulled() {
+        let longest = ms(1);
+        assert_eq!(beside_puller(None, longest), Duration::ZERO, "no pull yet");
+        // Pulling for 400 us, the latest 30 us ago: a poller that drove that long.
+        assert_eq!(beside_puller(Some((us(400), us(30))), longest), us(370));
+        assert_eq!(beside_puller(Some((Duration::ZERO, us(10))), longest), STAND_DOWN - us(10), "one pull");
+        assert_eq!(beside_puller(Some((ms(60), Duration::ZERO)), longest), longest);
+        // Its latest pull more than the gap ago: it is not polling closely any more.
+        assert_eq!(beside_puller(Some((ms(60), POLLER_GAP + us(1))), longest), Duration::ZERO);
+
+        let t0 = Instant::now();
+        let mut p = Pace::new(2, longest, t0);
+        assert_eq!(p.after_pass(t0, true, true, None, Duration::ZERO), Wait::Now);
+        let idle = t0 + ms(1);
+        // Idle soon after activity its own ramp parks the shortest; beside a puller it parks
+        // what the puller allows, still cut short by a timer due sooner.
+        assert_eq!(p.after_pass(idle, false, false, None, Duration::ZERO), Wait::Park(BUSY_SLEEP));
+        assert_eq!(p.after_pass(idle, false, false, None, us(700)), Wait::Park(us(700)));
+        assert_eq!(p.after_pass(idle, false, false, Some(us(90)), us(700)), Wait::Park(us(90)));
+        // With work in flight the application's pulls drive passes (the other stand-down):
+        // the busy pacing is unchanged.
+        let busy: Vec<_> =
+            (0..=SPIN_ITERATIONS).map(|i| p.after_pass(idle + us(u64::from(i)), false, true, None, ms(1))).collect();
+        assert!(busy[..SPIN_ITERATIONS as usize].iter().all(|w| *w == Wait::Yield), "{busy:?}");
+        assert_eq!(busy[SPIN_ITERATIONS as usize], Wait::Park(BUSY_SLEEP));
     }
 
     #[test]
