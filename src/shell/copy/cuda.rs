@@ -298,7 +298,9 @@ impl CopyEngine for CudaCopyEngine {
     // `any_thread` stays false: passes on the application's threads were measured no faster
     // for GPU arenas on the H200 (a bounced 16384 x 4 KiB VRAM WRITE 0.58-0.69 ms against
     // 0.55-0.60 without, BENCHMARKS.md session 11): with 16 cores the reactor thread already
-    // spins around activity, and the GPU's copies, not the hops, bound the transfer.
+    // spins around activity, and the GPU's copies, not the hops, bound the transfer. Beside a
+    // host arena (`both`) the host engine's wish carries (`Copiers::any_thread`), and
+    // `prepare_thread` makes such a thread fit for this engine.
 
     fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
         let before = out.len();

@@ -86,8 +86,10 @@ pub(crate) trait CopyEngine: Send {
     fn gather_inline(&mut self, _runs: &[CopyRun], _len: u64) -> Option<Vec<u8>> {
         None
     }
-    /// Whether an application thread may run the reactor's passes while it polls (after
-    /// [`Self::prepare_thread`]). False unless an engine says so.
+    /// Whether this engine wants application threads to run the reactor's passes while they
+    /// poll (after [`Self::prepare_thread`]); when any engine of a reactor does, they run them
+    /// for every arena ([`crate::shell::copy::route::Copiers::any_thread`]), so every engine
+    /// must work on a prepared application thread. False unless an engine says so.
     fn any_thread(&self) -> bool {
         false
     }

@@ -322,8 +322,9 @@ pub(crate) struct Drove {
 struct Cell {
     /// `None` once the reactor thread has ended.
     driver: Mutex<Option<Driver>>,
-    /// Passes may run on application threads ([`CopyEngine::any_thread`]; a GPU arena's
-    /// context is made current for the pass and the application's restored at the FFI edge).
+    /// Passes may run on application threads ([`Copiers::any_thread`]: an arena's engine asks
+    /// for it; a GPU arena's context is made current for the pass and the application's
+    /// restored at the FFI edge).
     any_thread: bool,
     /// The control channel has a socket of its own ([`ControlChannel::own_socket`]): pollers
     /// look at it ([`Reactor::drive_if_readable`]).
