@@ -10,10 +10,10 @@
 //!
 //! The socket's descriptor is only polled here, never read: the socket itself belongs to the
 //! driver (ZMQ sockets are not thread-safe), which is dropped only after the reactor thread's
-//! loop, the one caller of [`Alarm::wait`], has ended; so the descriptor is open for every wait. That descriptor signals that ZMQ has commands to
-//! process, edge-triggered: a look at the socket by another thread may take the signal of a
-//! frame that is then handled by that thread's pass. A signal with no frame behind it costs a
-//! pass that finds nothing.
+//! loop, the one caller of [`Alarm::wait`], has ended; so the descriptor is open for every
+//! wait. That descriptor signals that ZMQ has commands to process, edge-triggered: a look at
+//! the socket by another thread may take the signal of a frame that is then handled by that
+//! thread's pass. A signal with no frame behind it costs a pass that finds nothing.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};

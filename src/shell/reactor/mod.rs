@@ -805,8 +805,8 @@ impl Cell {
     /// How long after the latest pass grows with how long the application has been driving
     /// ([`pace::stand_down`]).
     fn standing_down(&self, now: Instant) -> Option<Duration> {
-        let (run, since) = self.driving.at(now)?;
-        pace::stand_down(run, self.longest_stand_down).checked_sub(since).filter(|left| !left.is_zero())
+        let left = pace::stand_down_left(self.driving.at(now)?, self.longest_stand_down);
+        (!left.is_zero()).then_some(left)
     }
 }
 

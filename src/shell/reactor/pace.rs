@@ -179,6 +179,12 @@ pub(super) fn stand_down(run: Duration, longest: Duration) -> Duration {
     run.clamp(STAND_DOWN, longest.max(STAND_DOWN))
 }
 
+/// What is left, `since` the latest event of a `streak` that ran `run`, of the stand-down that
+/// run earns ([`stand_down`]); zero once it is over.
+pub(super) fn stand_down_left((run, since): (Duration, Duration), longest: Duration) -> Duration {
+    stand_down(run, longest).saturating_sub(since)
+}
+
 /// How long an idle reactor thread may sleep beside an application pulling the inner engine's
 /// notifications closely, given its `streak` of pulls (how long it has pulled no more than
 /// [`POLLER_GAP`] apart, how long ago it last pulled): as long as a poller that drove that long
@@ -196,7 +202,7 @@ pub(super) fn stand_down(run: Duration, longest: Duration) -> Duration {
 /// last pull to the reactor thread, up to `longest` later, once.
 pub(super) fn beside_puller(streak: Option<(Duration, Duration)>, longest: Duration) -> Duration {
     match streak {
-        Some((run, since)) if since <= POLLER_GAP => stand_down(run, longest).saturating_sub(since),
+        Some(streak) if streak.1 <= POLLER_GAP => stand_down_left(streak, longest),
         _ => Duration::ZERO,
     }
 }
