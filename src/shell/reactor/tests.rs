@@ -4,22 +4,30 @@
 //! final state and the bytes at the destination.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::time::Duration;
 
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::plan::{self, DescPair, PlanParams};
+use bounce_proto::proof::Destination;
 use bounce_proto::wire::{ArenaCaps, Arenas, Capabilities, WIRE_VERSION};
-use bounce_proto::{ControlKind, MemKind, RegKey};
+use bounce_proto::wire::{Frame, Msg};
+use bounce_proto::{ControlKind, MemKind, RegId, RegKey};
 use memmap2::MmapMut;
 
+use super::shared::Completion;
 use super::*;
+use crate::shell::control::ControlError;
 use crate::shell::control::mem::{Fate, MemChannel, MemNet};
+use crate::shell::copy::CopyJob;
 use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
+use crate::shell::datapath::{Posted, WriteId};
 use crate::shell::oneway_area::AreaView;
 use crate::shell::registry::Registration;
 use crate::shell::requests::State;
 use crate::shell::stats::Counter;
 use crate::shell::streak::Streak;
 use crate::sys::nixl::NixlStatus;
+use crate::sys::shim::WriteState;
 
 /// Descriptors per transfer, each `PIECE` bytes: 64 KiB in all, 16 chunks of 4 KiB.
 const PIECES: usize = 256;

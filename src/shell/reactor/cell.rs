@@ -1,0 +1,269 @@
+//! The reactor thread and the application threads that drive beside it: the [`Cell`] holding the
+//! driver, who runs a pass when, and the thread's loop ([`run`]) with its stand-downs and parks.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bounce_proto::endpoint::XferError;
+use parking_lot::Mutex;
+
+use super::alarm::Alarm;
+use super::pace::{self, BUSY_SLEEP, Pace, STAND_DOWN, Wait};
+use super::{Driver, Reactor, SOCKET_POLL_BATCH};
+use crate::shell::streak::Streak;
+
+/// What a pass on an application thread did ([`Reactor::drive`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Drove {
+    /// Anything moved: another pass may move more at once.
+    pub(crate) moved: bool,
+    /// Copy jobs run on the copy workers: they need the cores more than a poller does.
+    pub(crate) copying: bool,
+}
+
+/// The driver, shared between the reactor thread and application threads that run a pass of it
+/// while they poll ([`Reactor::drive`]).
+///
+/// Why: every control hop of a bounced transfer otherwise waits for the reactor thread to be
+/// scheduled. On a host with few cores an application spinning on `getNotifs` or `checkXfer`
+/// holds a core the woken reactor needs, and a hop cost up to a scheduler tick (4 ms; issue
+/// 12). The thread that found the frame handles it instead, as UCX's own progress runs on the
+/// thread that polls. The lock is only ever tried by application threads: one that finds it
+/// held leaves the work to the thread holding it.
+pub(super) struct Cell {
+    /// `None` once the reactor thread has ended.
+    pub(super) driver: Mutex<Option<Driver>>,
+    /// Passes may run on application threads ([`crate::shell::copy::route::Copiers::any_thread`]: an arena's engine asks
+    /// for it; a GPU arena's context is made current for the pass and the application's
+    /// restored at the FFI edge).
+    pub(super) any_thread: bool,
+    /// The control channel has a socket of its own ([`crate::shell::control::ControlChannel::own_socket`]): pollers
+    /// look at it ([`Reactor::drive_if_readable`]).
+    pub(super) own_socket: bool,
+    /// When a poller last asked the control socket whether a frame waits (nanoseconds since
+    /// `epoch`; [`Reactor::drive_if_readable`]).
+    pub(super) socket_looked_at: AtomicU64,
+    /// The reactor thread parks without work in flight (up to `bounce_idle_park_us`): a pass
+    /// elsewhere that started work must wake it, or the work's next step could wait that long.
+    pub(super) parked_idle: AtomicBool,
+    /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
+    pub(super) busy: AtomicBool,
+    /// The ends of the passes on application threads, no more than [`STAND_DOWN`] apart (ended
+    /// when the poller resigns). While pollers drive, the reactor thread stands down
+    /// ([`Cell::standing_down`]).
+    pub(super) driving: Streak,
+    /// The longest stand-down: `bounce_idle_park_us`.
+    pub(super) longest_stand_down: Duration,
+    pub(super) epoch: Instant,
+    /// A pass on an application thread panicked: the driver's state is suspect, so the reactor
+    /// thread ends without closing (as after its own panic, the arena is kept).
+    pub(super) poisoned: AtomicBool,
+}
+
+impl Reactor {
+    /// The poller that drove is about to wait (for copies on the workers or the GPU): the
+    /// reactor thread stops standing down and, if it is parked for that, is woken, so nothing
+    /// that arrives meanwhile waits for the stand-down to end.
+    pub(crate) fn resign(&self) {
+        if self.cell.resign() {
+            self.shared.inbox.wake();
+        }
+    }
+
+    /// Whether the control channel has a socket of its own, which pollers look at.
+    pub(crate) fn own_socket(&self) -> bool {
+        self.cell.own_socket
+    }
+
+    /// Whether work was in flight after the latest pass: a poller should drive.
+    pub(crate) fn busy(&self) -> bool {
+        self.cell.any_thread && self.cell.busy.load(Ordering::Acquire)
+    }
+
+    /// Runs one pass of the reactor on the calling (application) thread, when passes may run
+    /// there and no other thread is running one; `None` when no pass ran (the reactor thread is
+    /// in one and will see the same work in its next, or it has stopped).
+    pub(crate) fn drive(&self) -> Option<Drove> {
+        self.drive_when(|_| true)
+    }
+
+    /// For a poller that found nothing of ours among the inner engine's notifications: when
+    /// the control channel has a socket of its own (ZMQ) and a frame waits there, runs a pass
+    /// on the calling thread as [`Self::drive`] does; otherwise runs none (`None`) and leaves
+    /// the reactor thread's pacing as it was (no stand-down: nothing was driven).
+    pub(crate) fn drive_if_readable(&self) -> Option<Drove> {
+        if !self.cell.own_socket {
+            return None;
+        }
+        // Asking the socket is a system call: at most one look per gap, whoever polls.
+        let now = self.cell.since_epoch(Instant::now());
+        let last = self.cell.socket_looked_at.load(Ordering::Relaxed);
+        if Duration::from_nanos(now.saturating_sub(last)) < SOCKET_LOOK_GAP
+            || self.cell.socket_looked_at.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_err()
+        {
+            return None;
+        }
+        self.drive_when(|d| d.control.readable())
+    }
+
+    fn drive_when(&self, worth_a_pass: impl FnOnce(&mut Driver) -> bool) -> Option<Drove> {
+        if !self.cell.any_thread || self.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut g = self.cell.driver.try_lock()?;
+        let d = g.as_mut()?;
+        if !worth_a_pass(d) {
+            return None;
+        }
+        // A GPU arena's context, current here until the FFI edge puts the application's back.
+        if !d.copiers.prepare_thread() {
+            return None;
+        }
+        let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
+        // A pass on the application's call handles a bounded batch of frames: a peer flooding
+        // us must not hold that call for the whole flood.
+        let budget = d.control_budget.min(SOCKET_POLL_BATCH);
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
+            Ok(moved) => {
+                let copying = d.copiers.in_flight() > 0;
+                let busy = d.busy();
+                self.cell.busy.store(busy, Ordering::Release);
+                let more = d.control_full;
+                drop(g);
+                if more {
+                    // The rest of the batch is the reactor thread's, at once.
+                    self.cell.resign();
+                    self.shared.inbox.wake();
+                } else {
+                    self.cell.drove(Instant::now());
+                    // This pass left work in flight while the reactor thread sleeps an idle
+                    // park: it must watch that work should the poller stop. Work begun and
+                    // ended here (an inline WANT put, scattered and answered) needs nobody,
+                    // and waking the thread for it took a polling application's core.
+                    if busy && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
+                        self.shared.inbox.wake();
+                    }
+                }
+                Some(Drove { moved, copying })
+            }
+            Err(_) => {
+                drop(g);
+                tracing::error!(
+                    "a bounce pass on an application thread panicked; failing its transfers, bounce path closed"
+                );
+                self.cell.poisoned.store(true, Ordering::Release);
+                self.stop.store(true, Ordering::Release);
+                self.shared.requests.close(XferError::ShuttingDown);
+                self.shared.inbox.wake();
+                Some(Drove { moved: false, copying: false })
+            }
+        }
+    }
+}
+
+/// Least time between two pollers' looks at a control socket of the channel's own
+/// ([`Reactor::drive_if_readable`]). ZMQ answers "does a message wait" with a system call
+/// (it polls its mailbox's descriptor); asked at every `getNotifs` it cost a notification
+/// round trip 1.10-1.13x UCX's on 2 cores, once per 10 us 1.04 (the hops over ZMQ itself
+/// take 40-80 us there, so the wait this adds is small beside them).
+const SOCKET_LOOK_GAP: Duration = Duration::from_micros(10);
+
+impl Cell {
+    pub(super) fn since_epoch(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// No application thread drives any more: the reactor thread stops standing down. True
+    /// when it was (it may be parked for that, and wants waking).
+    pub(super) fn resign(&self) -> bool {
+        self.driving.end()
+    }
+
+    /// An application thread's pass ended at `now`: the reactor thread stands down from here
+    /// ([`Self::standing_down`]). A pass more than [`STAND_DOWN`] after the previous one (or
+    /// after a resignation) starts a new run of driving.
+    pub(super) fn drove(&self, now: Instant) {
+        self.driving.note(now);
+    }
+
+    /// How much longer the reactor thread stands down, if an application thread drove lately:
+    /// a poller that drives is the transfer's progress, and a reactor thread running passes
+    /// beside it only contends for the driver and, on a small host, for the cores (a lock
+    /// holder preempted by the other cost a scheduler tick, 4 ms, per transfer; each look of
+    /// a thread woken to see whether the poller is still there took that core for 8-15 us).
+    /// How long after the latest pass grows with how long the application has been driving
+    /// ([`pace::stand_down`]).
+    pub(super) fn standing_down(&self, now: Instant) -> Option<Duration> {
+        let left = pace::stand_down_left(self.driving.at(now)?, self.longest_stand_down);
+        (!left.is_zero()).then_some(left)
+    }
+}
+
+/// The reactor thread's loop: passes until `stop`, then closes and shuts down; true when no
+/// grant was left outstanding. Idle, it parks up to `idle_park` (`bounce_idle_park_us`), or
+/// sleeps on `alarm` as long when the control channel has a socket to wait on.
+pub(super) fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration, alarm: Option<&Alarm>) -> bool {
+    // Writes are posted from this thread too: a GPU arena's context must be current here
+    // before the first one (a direct write from GPU memory may come before any copy).
+    if let Some(d) = cell.driver.lock().as_mut() {
+        let _ = d.copiers.prepare_thread();
+    }
+    crate::sys::thread::precise_sleeps();
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let mut pace = Pace::new(cores, idle_park, Instant::now());
+    while !stop.load(Ordering::Acquire) {
+        if let Some(left) = cell.standing_down(Instant::now()) {
+            std::thread::park_timeout(left);
+            continue;
+        }
+        // An application thread in a pass does this pass's work: leave it the driver rather
+        // than queue behind it (and be woken late when it lets go).
+        let Some(mut g) = cell.driver.try_lock() else {
+            std::thread::park_timeout(STAND_DOWN);
+            continue;
+        };
+        let pass = g.as_mut().map(|d| {
+            let moved = d.iterate();
+            let now = Instant::now();
+            let busy = d.busy();
+            cell.busy.store(busy, Ordering::Release);
+            let beside = pace::beside_puller(d.data.app_pull_streak(now), idle_park);
+            (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
+        });
+        drop(g);
+        let Some((moved, busy, timer, now, beside)) = pass else { return false };
+        match pace.after_pass(now, moved, busy, timer, beside) {
+            Wait::Now => {}
+            // yield, not spin_loop: on a machine with few cores the copy workers and the
+            // application need this core more than we do.
+            Wait::Yield => std::thread::yield_now(),
+            Wait::Park(d) => {
+                if d > BUSY_SLEEP {
+                    crate::shell::mark!("park", d.as_micros());
+                }
+                // Set before parking and cleared after: an application pass that starts work
+                // meanwhile wakes us (an unpark before the park makes the park return at once).
+                cell.parked_idle.store(!busy, Ordering::Release);
+                match alarm {
+                    // Idle: a frame on the socket or a wake ends the sleep, so it need not
+                    // ramp up from a short one after activity (the ramp is for frames that
+                    // come unannounced): it lasts until the next timer, at most the longest
+                    // park, which bounds how late the inner engine's progress runs.
+                    Some(a) if !busy => a.wait(timer.map_or(idle_park, |t| t.min(idle_park))),
+                    _ => std::thread::park_timeout(d),
+                }
+                if d > BUSY_SLEEP {
+                    crate::shell::mark!("unpark", 0);
+                }
+                cell.parked_idle.store(false, Ordering::Release);
+            }
+        }
+    }
+    if cell.poisoned.load(Ordering::Acquire) {
+        return false;
+    }
+    let mut g = cell.driver.lock();
+    let Some(d) = g.as_mut() else { return false };
+    let quiet = d.close();
+    d.shutdown() && quiet
+}

@@ -1,0 +1,102 @@
+//! Closing the bounce path: fail what is in flight, wait (bounded) for our writes and for the
+//! grants we gave out, say GOODBYE, and let go of every peer arena.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bounce_proto::wire;
+
+use super::Driver;
+use super::pace::BUSY_SLEEP;
+
+/// How long a closing engine waits for its own writes, then for the grants it gave out to come
+/// back, before letting its arena go (an arena with grants still out is then kept mapped).
+pub(super) const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+impl Driver {
+    /// The engine is being destroyed: fails our transfers (no queued write is posted any
+    /// more), waits (bounded) for our writes in flight, then says GOODBYE to every peer we
+    /// greeted (none of our writes can land in its arena after it) and waits (bounded) for the
+    /// grants we gave out to come back (DATA, cancels, reclaims). True when none is left.
+    pub(super) fn close(&mut self) -> bool {
+        let now = Instant::now();
+        self.ep.close(now);
+        self.stop_posting(now);
+        let _ = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.writes.is_empty());
+        let goodbye = wire::encode_goodbye(self.session);
+        for name in std::mem::take(&mut self.greeted) {
+            if let Err(e) = self.control.send(&name, &goodbye) {
+                tracing::debug!(peer = name, error = %e, "sending GOODBYE failed");
+            }
+        }
+        let quiet = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.ep.grants_outstanding() == 0);
+        if !quiet {
+            tracing::warn!(
+                grants = self.ep.grants_outstanding(),
+                "peers still hold grants in our arena: it stays mapped (leaked) rather than handed back"
+            );
+        }
+        quiet
+    }
+
+    /// From now on no write is posted: carries out what the core emitted, failing every write
+    /// it queued instead of posting it.
+    fn stop_posting(&mut self, now: Instant) {
+        self.stopping = true;
+        let _ = self.drain_actions();
+        for w in std::mem::take(&mut self.queued_writes) {
+            self.ep.handle_write_done(now, w.job, false);
+        }
+        let _ = self.drain_actions();
+    }
+
+    /// Keeps the loop going (frames, commands, completions; writes are no longer posted) until
+    /// `done` holds or `deadline` passes; true when `done` held.
+    fn run_until(&mut self, deadline: Instant, done: impl Fn(&Self) -> bool) -> bool {
+        loop {
+            if done(self) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            if !self.iterate() {
+                std::thread::park_timeout(BUSY_SLEEP);
+            }
+        }
+    }
+
+    /// Fails everything, waits for operations that still touch the arena and unloads every
+    /// peer arena; true when every write ended (none was released in flight).
+    pub(super) fn shutdown(&mut self) -> bool {
+        let now = Instant::now();
+        self.ep.shutdown(now);
+        self.stop_posting(now);
+        // Writes may still read the arena, and mailbox READs land in the fetch area: wait for
+        // them (bounded), then release.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while (!self.writes.is_empty() || self.fetches.reading()) && Instant::now() < deadline {
+            self.data.progress();
+            let _ = self.poll_writes(Instant::now());
+            let _ = self.poll_fetches(Instant::now());
+            let _ = self.drain_actions();
+        }
+        let ended = self.writes.is_empty() && !self.fetches.reading();
+        for w in self.writes.drain(..) {
+            self.data.release(w.id);
+            if let Some(pin) = w.pin {
+                self.shared.fence.unpin(pin);
+            }
+        }
+        for id in self.fetches.take_reads() {
+            self.data.release(id);
+        }
+        for md in std::mem::take(&mut self.retiring).into_iter().flatten().chain(self.shared.peers.take_arenas()) {
+            self.data.unload(md);
+        }
+        self.shared.arenas_retiring.store(0, Ordering::Relaxed);
+        self.publish_gauges();
+        // The copy engine waits for its accepted jobs when the Driver drops.
+        ended
+    }
+}

@@ -1,0 +1,153 @@
+//! Control frames in and out: decoding and admitting a peer's frame (its session, one way or two
+//! way) before the core sees it, and sending the core's frames over the control channel.
+
+use std::time::{Duration, Instant};
+
+use bounce_proto::PeerId;
+use bounce_proto::peers::{FrameRefused, Hello};
+use bounce_proto::wire::{self, Frame, Msg};
+
+use super::Driver;
+use crate::shell::control::ControlError;
+use crate::shell::stats::Stats;
+use crate::sys::nixl::NixlStatus;
+
+/// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
+/// flood the log).
+pub(super) struct RateLimit {
+    pub(super) window: Instant,
+    pub(super) left: u32,
+}
+
+impl RateLimit {
+    pub(super) fn allow(&mut self, now: Instant) -> bool {
+        if now.duration_since(self.window) > Duration::from_secs(1) {
+            self.window = now;
+            self.left = 10;
+        }
+        self.left.checked_sub(1).map(|l| self.left = l).is_some()
+    }
+}
+
+impl Driver {
+    pub(super) fn drop_frame(&mut self, now: Instant, peer: &str, why: &dyn std::fmt::Display) {
+        Stats::bump(&self.shared.stats.control_dropped);
+        if self.warn_budget.allow(now) {
+            tracing::warn!(peer, reason = %why, "dropping control frame");
+        }
+    }
+
+    pub(super) fn on_control(&mut self, now: Instant, peer: &str, bytes: &[u8]) {
+        let _span = tracing::trace_span!("control", peer, len = bytes.len()).entered();
+        // One decoder for every frame kind: HELLO is a frame like the others (the core's).
+        let frame = match wire::ControlFrame::decode(bytes) {
+            Ok(f) => f,
+            Err(e) => return self.drop_frame(now, peer, &e),
+        };
+        let msg = match frame.body {
+            wire::Body::Hello => {
+                // The first HELLO of a compatible peer since its load is answered once: its
+                // copy of ours may have been evicted from its bounded hints.
+                if let Hello::First { answer: true } = self.shared.peers.hello(peer) {
+                    if let Err(e) = self.control.send(peer, &wire::encode_hello(self.session)) {
+                        tracing::debug!(peer, error = %e, "answering a HELLO failed");
+                    }
+                }
+                return;
+            }
+            wire::Body::Ping { .. } | wire::Body::Pong { .. } => return self.on_probe(now, peer, frame),
+            wire::Body::Goodbye => {
+                match self.shared.peers.goodbye(peer, frame.session) {
+                    Ok((id, unload)) => {
+                        tracing::info!(peer, "peer said goodbye: its transfers fail, its arena is forgotten");
+                        self.greeted.remove(peer);
+                        self.retire(unload);
+                        self.ep.handle_goodbye(now, id);
+                    }
+                    // A one-way initiator we never loaded says GOODBYE too: nothing binds it
+                    // to a session, so it cannot end its flows here (their timers do).
+                    Err(FrameRefused::NotLoaded) => tracing::debug!(peer, "GOODBYE from an agent never loaded"),
+                    Err(e) => self.drop_frame(now, peer, &e),
+                }
+                return;
+            }
+            wire::Body::Msg(msg) => msg,
+        };
+        crate::shell::mark!(format_args!("recv-{}", msg.kind_name()), bytes.len());
+        // The session must be the one of the peer's loaded metadata; a new one arrives only
+        // through a metadata reload (`Engine::load_conn_info`), never through a frame.
+        let admitted = match self.shared.peers.admit(peer, frame.session) {
+            // One way: an initiator we never loaded may open a flow answered through our
+            // mailbox, then send that flow's frames (each carries the flow's token).
+            Err(FrameRefused::NotLoaded) if self.ep.admits_one_way(self.shared.peers.known_id(peer), &msg) => {
+                self.shared.peers.admit_one_way(peer)
+            }
+            r => r,
+        };
+        let id = match admitted {
+            Ok(id) => id,
+            Err(e) => {
+                if matches!(e, FrameRefused::StaleSession { .. }) {
+                    self.sessions_forged += 1;
+                }
+                return self.drop_frame(now, peer, &e);
+            }
+        };
+        if let Err(e) = self.ep.handle_msg(now, id, msg) {
+            self.drop_frame(now, peer, &e);
+        }
+    }
+
+    /// A PING or PONG of the liveness probe: admitted by the same session and loading rules as
+    /// any frame (a PONG of a dead incarnation is stale), then handed to the core.
+    fn on_probe(&mut self, now: Instant, peer: &str, frame: wire::ControlFrame) {
+        let id = match self.shared.peers.admit(peer, frame.session) {
+            Ok(id) => id,
+            Err(e) => {
+                if matches!(e, FrameRefused::StaleSession { .. }) {
+                    self.sessions_forged += 1;
+                }
+                return self.drop_frame(now, peer, &e);
+            }
+        };
+        match frame.body {
+            wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
+            wire::Body::Pong { nonce } => self.ep.handle_pong(now, id, nonce),
+            _ => {}
+        }
+    }
+
+    pub(super) fn send(&mut self, peer: PeerId, msg: Msg) {
+        let Some(name) = self.shared.peers.name(peer) else { return };
+        crate::shell::mark!(format_args!("send-{}", msg.kind_name()), peer.0);
+        let bytes = Frame { session: self.session, msg }.to_vec();
+        let _span = tracing::trace_span!("send", peer = name, len = bytes.len()).entered();
+        if let Err(e) = self.control.send(&name, &bytes) {
+            self.send_failed(peer, &name, &e);
+        }
+    }
+
+    /// Sends a link-level frame (the liveness probe's PING or PONG).
+    pub(super) fn send_link(&mut self, peer: PeerId, body: wire::Body) {
+        let Some(name) = self.shared.peers.name(peer) else { return };
+        let bytes = wire::ControlFrame { session: self.session, body }.to_vec();
+        if let Err(e) = self.control.send(&name, &bytes) {
+            self.send_failed(peer, &name, &e);
+        }
+    }
+
+    fn send_failed(&mut self, id: PeerId, peer: &str, e: &ControlError) {
+        if self.warn_budget.allow(Instant::now()) {
+            // The transfer this belonged to fails by the liveness probe or times out; never
+            // block the reactor.
+            tracing::warn!(peer, error = %e, "sending a control frame failed");
+        }
+        // UCX fails a send with ERR_REMOTE_DISCONNECT only once the peer's endpoint has failed
+        // (measured: a SIGKILLed receiver's first PING, 250 ms after its last frame, already
+        // failed so): nothing sent to it can arrive any more, so its transfers need not wait for
+        // the probe's verdict.
+        if matches!(e, ControlError::Notif(NixlStatus::ErrRemoteDisconnect)) {
+            self.ep.handle_peer_unreachable(Instant::now(), id);
+        }
+    }
+}

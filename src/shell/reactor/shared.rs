@@ -1,0 +1,210 @@
+//! What application threads and the reactor share: the [`Inbox`] of commands ([`Cmd`]), the
+//! [`Completion`] an application thread waits on, and the [`Shared`] state (requests, counters,
+//! peers, registrations, the fence).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::Thread;
+use std::time::Duration;
+
+use bounce_proto::proof::Destination;
+use bounce_proto::{ArenaId, RegId, XferId};
+use parking_lot::{Condvar, Mutex};
+
+use super::alarm::Alarm;
+use crate::shell::doorbell::Doorbell;
+use crate::shell::fence::Fence;
+use crate::shell::peers::PeerTable;
+use crate::shell::registry::Registry;
+use crate::shell::requests::{Posted as PostedXfer, Requests};
+use crate::shell::stats::Stats;
+use crate::sys::shim::Md;
+
+/// A command for the reactor.
+#[derive(Debug)]
+pub(crate) enum Cmd {
+    /// Run a posted request.
+    Submit(PostedXfer),
+    /// The application released an in-flight request.
+    Cancel(XferId),
+    /// The peer disconnected.
+    PeerLost(String),
+    /// We loaded this peer's connection info: tell it we can answer (HELLO). With the count
+    /// of peer losses then ([`crate::shell::peers::PeerTable::losses`]).
+    Hello(String, u64),
+    /// Memory registered through this engine, with its id and key (the receiver may scatter
+    /// into it for flows that prove the key), address, length and the one arena that serves
+    /// it (flows through another cannot prove it: that arena's copy engine must never touch it).
+    Registered(Destination, u64, u64, ArenaId),
+    /// The application deregistered `[addr, addr + len)` (marked removed in the [`Fence`]):
+    /// fail what uses it in the core, then (with `done`) signal once no running copy job or
+    /// write touches it.
+    Deregister {
+        /// The registration's id, when it had one (a key was issued for it).
+        reg: Option<RegId>,
+        /// Start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// Signalled (dropped) when the range is no longer touched; `None` when nothing
+        /// touched it at the deregistration (the application did not wait).
+        done: Option<Signal>,
+    },
+    /// One peer arena's inner metadata (its arena's and its mailbox's registrations) that is
+    /// no longer used for new writes or READs (the peer was lost, said goodbye or was
+    /// reloaded): unload it once no write or READ in flight uses any of it.
+    Unload(Vec<Md>),
+}
+
+impl Cmd {
+    /// Whether handling it is activity: the reactor then keeps looking closely (its hot
+    /// window on a many-core host, the idle ramp restarted), as after a frame or a finished
+    /// copy. The bookkeeping of a registration or of a deregistration nobody waits for is not:
+    /// an application registering in a loop made the reactor of a 16-core host spin for 1 ms
+    /// after each command, polling the inner engine beside every call the application made to
+    /// it (a register + deregister 1.49x UCX's, a 4 KiB WRITE 1.20x; issue 12).
+    pub(crate) fn stirs(&self) -> bool {
+        !matches!(self, Self::Registered(..) | Self::Deregister { done: None, .. })
+    }
+}
+
+/// What an application thread waits on while the reactor finishes a command.
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    pub(super) done: Mutex<bool>,
+    pub(super) cv: Condvar,
+}
+
+impl Completion {
+    fn signal(&self) {
+        *self.done.lock() = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until signalled or until the reactor of `shared` has ended (its copy engine is
+    /// joined and its writes are released then, so nothing of it touches memory any more).
+    pub(crate) fn wait(&self, shared: &Shared) {
+        let mut done = self.done.lock();
+        let mut waited = Duration::ZERO;
+        while !*done && !shared.ended.load(Ordering::Acquire) {
+            let step = Duration::from_millis(50);
+            let _ = self.cv.wait_for(&mut done, step);
+            waited += step;
+            if waited == Duration::from_secs(5) {
+                tracing::warn!("still waiting for the bounce reactor to let go of deregistered memory");
+            }
+        }
+    }
+}
+
+/// The reactor's side of a [`Completion`]: signals it when dropped, so whatever becomes of the
+/// command (settled, or dropped by a reactor that stopped or panicked) the waiter wakes.
+#[derive(Debug)]
+pub(crate) struct Signal(pub(crate) Arc<Completion>);
+
+impl Drop for Signal {
+    fn drop(&mut self) {
+        self.0.signal();
+    }
+}
+
+/// The reactor's mailbox: a queue plus the thread to wake.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub(super) q: Mutex<VecDeque<Cmd>>,
+    pub(super) thread: Mutex<Option<Thread>>,
+    /// What the idle reactor thread sleeps on instead of parking, with a control channel that
+    /// has a descriptor ([`super::alarm`]): rung with every wake.
+    pub(super) alarm: std::sync::OnceLock<Arc<Alarm>>,
+}
+
+impl Inbox {
+    /// Queues a command and wakes the reactor.
+    pub(crate) fn push(&self, cmd: Cmd) {
+        self.q.lock().push_back(cmd);
+        self.wake();
+    }
+
+    /// Queues a command without waking the reactor: bookkeeping it needs only before its next
+    /// pass, which drains the inbox in order before anything else.
+    pub(crate) fn push_quiet(&self, cmd: Cmd) {
+        self.q.lock().push_back(cmd);
+    }
+
+    /// Wakes the reactor (a copy finished, a frame arrived).
+    pub(crate) fn wake(&self) {
+        if let Some(t) = self.thread.lock().as_ref() {
+            t.unpark();
+        }
+        if let Some(a) = self.alarm.get() {
+            a.ring();
+        }
+    }
+
+    pub(super) fn drain(&self, out: &mut Vec<Cmd>) {
+        out.extend(self.q.lock().drain(..));
+    }
+}
+
+/// Shared between the engine (application threads) and the reactor.
+pub(crate) struct Shared {
+    /// Commands.
+    pub(crate) inbox: Inbox,
+    /// Bounce requests.
+    pub(crate) requests: Requests,
+    /// Counters.
+    pub(crate) stats: Arc<Stats>,
+    /// The one peer table.
+    pub(crate) peers: Arc<PeerTable>,
+    /// The one table of registrations.
+    pub(crate) registry: Arc<Registry>,
+    /// Peer arenas dropped from the peer table and not yet unloaded (writes still use them).
+    pub(crate) arenas_retiring: AtomicU64,
+    /// Jobs touching user memory, against deregistrations.
+    pub(crate) fence: Fence,
+    /// The reactor thread has ended: no command will be handled any more.
+    pub(super) ended: AtomicBool,
+}
+
+impl Shared {
+    /// Fresh shared state over the engine's counters, peers and registrations; `bell` is rung
+    /// whenever a bounce request finishes.
+    pub(crate) fn new(stats: Arc<Stats>, peers: Arc<PeerTable>, registry: Arc<Registry>, bell: Arc<Doorbell>) -> Self {
+        Self {
+            inbox: Inbox::default(),
+            requests: Requests::new(bell),
+            stats,
+            peers,
+            registry,
+            arenas_retiring: AtomicU64::new(0),
+            fence: Fence::default(),
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    /// The application deregisters `[addr, addr + len)` (registration `reg`, when it had an
+    /// id), which the arena's copies may touch
+    /// (the registration is already gone from the registry): returns once no copy job or write
+    /// of the bounce path touches it, and none will. At once when none is running (the fence
+    /// refuses later ones); otherwise after the reactor has failed what uses the range and the
+    /// jobs on it have ended. The reactor applies the deregistration to the core either way.
+    pub(crate) fn deregister(&self, reg: Option<RegId>, addr: u64, len: u64) {
+        if !self.fence.deregister((addr, addr.saturating_add(len))) {
+            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None });
+            return;
+        }
+        let done = Arc::new(Completion::default());
+        self.inbox.push(Cmd::Deregister { reg, addr, len, done: Some(Signal(Arc::clone(&done))) });
+        done.wait(self);
+    }
+
+    /// The reactor thread is done: commands queued from now on are dropped (their signals
+    /// fire), and so are those it never took.
+    pub(super) fn reactor_ended(&self) {
+        self.ended.store(true, Ordering::Release);
+        let mut left = Vec::new();
+        self.inbox.drain(&mut left);
+        drop(left);
+    }
+}
