@@ -1,0 +1,189 @@
+//! How flows end without finishing: a lost peer, a silent flow timed out, a cancel, shutdown.
+//! Their regions are reclaimed (quarantined when their writer may only be slow) and the
+//! flow's state forgotten.
+
+use super::*;
+
+impl Receiver {
+    pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        self.inline_floor.remove(&peer);
+        self.claim_floor.remove(&peer);
+        let r = ctx.scheds.reclaim_peer(peer, self.rest(ctx));
+        ctx.stats.regions_quarantined += r.quarantined.len() as u64;
+        let keys: Vec<FlowKey> = self.flows.keys().filter(|k| k.peer == peer).copied().collect();
+        if !keys.is_empty() {
+            debug!(
+                peer = peer.0,
+                flows = keys.len(),
+                freed = r.freed.len(),
+                quarantined = r.quarantined.len(),
+                deferred = r.deferred.len(),
+                "peer lost: flows reclaimed"
+            );
+        }
+        for key in keys {
+            self.note_resting(ctx, key);
+            self.forget(key);
+        }
+    }
+
+    pub(crate) fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
+        let now = ctx.now;
+        // Quarantines that ended (the endpoint lifts them first) need no cancel any more.
+        if !self.resting.is_empty() {
+            self.resting.retain(|&k, _| ctx.scheds.is_resting(k));
+        }
+        while let Some(key) = self.timers.pop_due(now) {
+            let Some(flow) = self.flows.get_mut(&key) else {
+                continue;
+            };
+            let waiting_for_data = ctx.scheds.flow_held_count(key).saturating_sub(flow.scattering);
+            let waiting_for_pulls = flow.pull.as_ref().is_some_and(|p| !p.complete());
+            if flow.deadline <= now && (waiting_for_data > 0 || waiting_for_pulls) {
+                // Counted (`flows_timed_out`, published by the shell); at debug, since a peer
+                // that opens many flows and goes silent must not flood the log.
+                debug!(
+                    peer = key.peer.0,
+                    xfer = key.xfer.0,
+                    regions = waiting_for_data,
+                    "flow silent too long: reclaimed"
+                );
+                ctx.stats.flows_timed_out += 1;
+                let given = flow.given;
+                self.reclaim(ctx, key, self.rest(ctx));
+                if self.wrote.get(&key.peer).is_none_or(|&w| given.is_none_or(|g| w < g)) {
+                    self.drop_unserved(ctx, key.peer);
+                }
+            } else {
+                // Waiting for our arena or our own scatters is not the sender's fault.
+                if flow.deadline <= now {
+                    flow.deadline = now + self.idle_timeout;
+                }
+                self.timers.set(key, flow.deadline);
+            }
+        }
+    }
+
+    pub(crate) fn shutdown(&mut self, ctx: &mut Ctx<'_>) {
+        self.shutting_down = true;
+        let keys: Vec<FlowKey> = self.flows.keys().copied().collect();
+        for key in keys {
+            self.reclaim(ctx, key, Reuse::Now);
+        }
+        // The arena goes with the engine; a late write then fails at its writer.
+        ctx.scheds.lift_quarantine(None);
+        self.resting.clear();
+    }
+
+    /// Drops flow `key` as a cancel would (the endpoint found no way to answer it).
+    pub(crate) fn drop_flow(&mut self, ctx: &mut Ctx<'_>, key: FlowKey) {
+        self.reclaim(ctx, key, self.rest(ctx));
+    }
+
+    /// The quarantine of a region reclaimed now from a writer that did not say it is done.
+    pub(super) fn rest(&self, ctx: &Ctx<'_>) -> Reuse {
+        Reuse::After(ctx.now + self.quarantine)
+    }
+
+    /// A cancel for flow `key`, which we no longer track: if we reclaimed it and its regions
+    /// still rest in quarantine, its sender now says its writes have ended (a cancel follows
+    /// them), so they are freed at once. It must carry the flow's token, as any cancel must;
+    /// a cancel for a flow we never knew or that rests no more changes nothing.
+    pub(super) fn cancel_resting(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        key: FlowKey,
+        token: Token,
+    ) -> Result<(), ProtocolError> {
+        let Some(&rested) = self.resting.get(&key) else {
+            trace!(peer = key.peer.0, xfer = key.xfer.0, "cancel of an unknown flow");
+            return Ok(());
+        };
+        if rested != token {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::WrongToken { peer: key.peer, xfer: key.xfer });
+        }
+        self.resting.remove(&key);
+        let lifted = ctx.scheds.lift_flow(key);
+        debug!(peer = key.peer.0, xfer = key.xfer.0, regions = lifted, "cancel ends a quarantine");
+        Ok(())
+    }
+
+    /// Notes the token of reclaimed flow `key` while its regions rest (see `resting`).
+    fn note_resting(&mut self, ctx: &Ctx<'_>, key: FlowKey) {
+        if let Some(flow) = self.flows.get(&key).filter(|_| ctx.scheds.is_resting(key)) {
+            self.resting.insert(key, flow.token);
+        }
+    }
+
+    /// Cancels flow `key`: orphans its scattering regions and frees the others as `reuse` says.
+    pub(super) fn reclaim(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, reuse: Reuse) {
+        let r = ctx.scheds.reclaim_flow(key, reuse);
+        ctx.stats.regions_quarantined += r.quarantined.len() as u64;
+        self.note_resting(ctx, key);
+        if self.flows.get(&key).is_some_and(|f| f.claimed_from.is_some()) {
+            self.rearm_standing(ctx, key.peer);
+        }
+        if self.forget(key) {
+            trace!(
+                peer = key.peer.0,
+                xfer = key.xfer.0,
+                freed = r.freed.len(),
+                quarantined = r.quarantined.len(),
+                deferred = r.deferred.len(),
+                "flow reclaimed"
+            );
+        }
+    }
+
+    /// Peer `peer` let a grant lapse and has used none since it was given: its flows that have
+    /// waited for the arena since their WANT, never given a region, are dropped too (standing
+    /// flows aside: they hold one region at most and keep their own lease). Served, they would
+    /// only hand the same silence the next regions, a lease at a time: a peer that announced a
+    /// hundred transfers and stalled held the arena for a chain of leases while its queue
+    /// lasted. Their senders, if alive, fail them at their timeout, as for a WANT the flow cap
+    /// drops; a flow announced later is served as usual. Counted in `flows_dropped_unserved`.
+    pub(super) fn drop_unserved(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        let lo = FlowKey { peer, xfer: XferId(0) };
+        let hi = FlowKey { peer, xfer: XferId(u64::MAX) };
+        let unserved: Vec<FlowKey> = self
+            .flows
+            .range(lo..=hi)
+            .filter(|(k, f)| {
+                f.given.is_none() && !f.standing && f.scattering == 0 && ctx.scheds.flow_held_count(**k) == 0
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        if unserved.is_empty() {
+            return;
+        }
+        debug!(peer = peer.0, flows = unserved.len(), "peer let a grant lapse: its unserved flows dropped");
+        ctx.stats.flows_dropped_unserved += unserved.len() as u64;
+        for key in unserved {
+            self.reclaim(ctx, key, Reuse::Now);
+        }
+    }
+
+    /// Drops the receiver's record of `key`; true when there was one.
+    pub(super) fn forget(&mut self, key: FlowKey) -> bool {
+        match self.flows.remove(&key) {
+            Some(flow) => {
+                self.timers.stop(key);
+                self.inline_held -= flow.inline.as_ref().map_or(0, |i| i.bytes.len() as u64);
+                if flow.standing {
+                    self.standing.remove(&key.peer);
+                }
+                if let Some(load) = self.load.get_mut(&key.peer) {
+                    load.flows -= 1;
+                    load.chunks -= flow.units();
+                    if load.flows == 0 {
+                        self.load.remove(&key.peer);
+                        self.wrote.remove(&key.peer);
+                    }
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
