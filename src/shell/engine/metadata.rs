@@ -1,0 +1,160 @@
+//! What travels in NIXL's metadata, both ways: our connection info wrapped with our capabilities,
+//! a peer's unwrapped and loaded (its arenas and mailbox loaded into the inner engine, a HELLO
+//! queued), and the public data of each registration with its key and same-host records.
+
+use super::*;
+
+impl Engine {
+    /// BOUNCE's connection info: the versioned envelope around the inner engine's.
+    pub(crate) fn wrap_conn_info(&self, inner: &[u8]) -> Vec<u8> {
+        let env = ConnEnvelope { caps: self.capabilities(), inner: inner.to_vec() };
+        let mut out = Vec::with_capacity(inner.len() + 256);
+        env.encode(&mut out);
+        out
+    }
+
+    /// Takes a peer's connection info apart; returns the inner UCX conn info to load.
+    ///
+    /// # Errors
+    /// [`Error::BadEnvelope`] when it is not a BOUNCE envelope we understand.
+    pub(crate) fn load_conn_info(&self, agent: &str, envelope: &[u8]) -> Result<Vec<u8>> {
+        let env = ConnEnvelope::decode(envelope).map_err(|source| {
+            tracing::warn!(peer = agent, error = %source, "rejecting malformed BOUNCE connection info");
+            Error::BadEnvelope { agent: agent.to_owned(), source }
+        })?;
+        if self.bounce.is_some() {
+            let (loaded, replaced) = self.peers.loaded(agent, env.caps, self.capabilities().as_ref());
+            if replaced {
+                // A new session: the agent restarted under the same name. Its old incarnation's
+                // transfers and flows are void; the reactor reclaims them before the HELLO
+                // that `peer_loaded` queues behind this, so no frame of the new session can
+                // reach the old state.
+                tracing::info!(peer = agent, "peer reloaded with a new session: reclaiming its old state");
+                if let Some(sh) = self.shared() {
+                    sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
+                }
+            }
+            match loaded {
+                Loaded::Incompatible(why) => {
+                    tracing::info!(peer = agent, reason = ?why, "peer cannot bounce with us; plain UCX");
+                    Stats::bump(&self.stats.peers_incompatible);
+                }
+                Loaded::Compatible | Loaded::NoCapabilities => {}
+            }
+        }
+        Ok(env.inner)
+    }
+
+    /// The inner engine has loaded the peer's conn info: we can now answer it, so tell it
+    /// (HELLO, at arena 0), and return its arena `index` to load when it can bounce with us
+    /// and has one of that index (the shim asks for 0, 1, ... until there is none).
+    pub(crate) fn peer_loaded(&self, agent: &str, index: ArenaId) -> Option<ArenaToLoad> {
+        let sh = self.shared()?;
+        if index == ArenaId(0) {
+            sh.inbox.push(Cmd::Hello(agent.to_owned(), self.peers.losses()));
+        }
+        self.peers.arena_to_load(agent, index)
+    }
+
+    /// Records the inner metadata of the peer's arena `index` and (index 0) of its mailbox's
+    /// registration (None: loading failed, or it keeps no mailbox; without arena 0 it stays on
+    /// UCX, without another arena nothing bounces through that one, without the mailbox it is
+    /// bounced to two way only). What they replace (the peer's conn info was
+    /// reloaded), or what is not kept, is unloaded once no write or READ uses it.
+    pub(crate) fn peer_arena_loaded(&self, agent: &str, index: ArenaId, md: Option<Md>, mailbox: Option<Md>) {
+        let Some(sh) = self.shared() else {
+            // No reactor, so no write or READ: nothing else can use them.
+            if let Some(shim) = &self.shim {
+                for md in md.into_iter().chain(mailbox) {
+                    let _ = shim.unload(md);
+                }
+            }
+            return;
+        };
+        let (kept, unload) = self.peers.arena_loaded(agent, index, md, mailbox);
+        if !kept {
+            tracing::warn!(peer = agent, arena = index.0, "loading the peer's arena failed; plain UCX through it");
+        }
+        for arena in unload {
+            sh.inbox.push(Cmd::Unload(arena));
+        }
+    }
+
+    /// The peer disconnected: its transfers fail, its regions are reclaimed, its arena is
+    /// unloaded once no write uses it.
+    pub(crate) fn peer_lost(&self, agent: &str) {
+        if let Some(sh) = self.shared() {
+            let unload = self.peers.lost(agent);
+            sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
+            if !unload.is_empty() {
+                sh.inbox.push(Cmd::Unload(unload));
+            }
+        }
+    }
+
+    /// Records a registration made through this engine, keyed by the inner metadata handle.
+    pub(crate) fn mem_registered(&self, md: Md, reg: Registration) {
+        self.registry.insert(md, reg);
+        let key = self.keys.issue(md);
+        if key.is_some() {
+            let reach = match reg.mem {
+                MemKind::Vram => self.ipc.as_ref().and_then(|ipc| ipc.export(&reg)).map(Reach::Ipc),
+                MemKind::Dram => self.cma.as_ref().and_then(|cma| cma.export(md, &reg)).map(Reach::Cma),
+            };
+            if let Some(r) = reach {
+                self.keys.set_local_reach(md, r);
+            }
+        }
+        // Only host memory may ever be a CPU scatter target or a direct write source: a peer
+        // naming a GPU address in DATA must be refused, not dereferenced.
+        let serves = self.bounce.as_ref().and_then(|b| b.arena_serving(&reg));
+        if let (Some(sh), Some(arena), Some(d)) = (self.shared(), serves, key) {
+            // No wake-up: the reactor needs it only for a later DATA or direct write, and it
+            // drains its inbox, in order, before acting on either. Waking it made it take the
+            // inner engine's lock right when the application's next call needed it (a
+            // register + deregister cost 3x UCX's on 2 cores, issue 12).
+            sh.inbox.push_quiet(Cmd::Registered(d, reg.addr, reg.len, arena));
+        }
+    }
+
+    /// Forgets a registration, and returns only once nothing of the bounce path touches its
+    /// memory: transfers that read it or scatter into it fail, and the copy jobs and writes
+    /// already running on it have ended. Called before the inner engine's deregistration,
+    /// without the shim's lock (the reactor needs it to finish its writes).
+    pub(crate) fn mem_deregistered(&self, md: Md) {
+        if let Some(cma) = &self.cma {
+            cma.forget(md);
+        }
+        let key = self.keys.forget_local(md);
+        let Some(r) = self.registry.remove(md) else { return };
+        let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };
+        if b.arena_serving(&r).is_none() {
+            return; // never a copy source or target, never a direct-write source
+        }
+        sh.deregister(key.map(|d| d.reg), r.addr, r.len);
+    }
+
+    /// Our registration `md`'s public data: the inner engine's `inner` wrapped with the
+    /// registration's id and key (see `keys`).
+    pub(crate) fn public_data(&self, md: Md, inner: &[u8]) -> Vec<u8> {
+        self.keys.public_data(md, inner)
+    }
+
+    /// Takes a peer's registration metadata apart (see `keys`): the inner blob to load, and
+    /// the destination it proves (`None`: not ours; it loads, but never bounces).
+    pub(crate) fn split_remote_md(&self, blob: &[u8]) -> (Vec<u8>, Option<Destination>) {
+        self.keys.split_remote(blob)
+    }
+
+    /// The inner engine loaded a peer's registration as `md`, carrying `dest`.
+    pub(crate) fn remote_md_loaded(&self, md: Md, dest: Destination) {
+        self.keys.remote_loaded(md, dest);
+    }
+
+    /// NIXL unloaded remote metadata `md`.
+    pub(crate) fn remote_md_unloaded(&self, md: Md) {
+        if let (Some(handle), Some(ipc)) = (self.keys.remote_unloaded(md), &self.ipc) {
+            ipc.unmap(&handle);
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! Starting the bounce path when NIXL first asks for our connection info: which GPU, the arenas
+//! (allocated and registered with the inner engine), their copy engines, the control channel,
+//! the mailbox, our capabilities, and the reactor over all of them.
+
+use super::*;
+
+/// The GPU whose memory an arena should be (`None`: host memory only), as `bounce_arena_mem`
+/// asks: `vram` and `both` take the GPU of the CUDA context current on this thread (the
+/// application's), else GPU 0; `auto` takes the current context's GPU only (a process that
+/// has not used a GPU keeps a host arena, and no CUDA context is created for it). Without a
+/// usable driver or GPU a GPU arena cannot be had: one log line, then host memory for `auto`
+/// and `both`, no bounce path for `vram` (see [`Engine::attach`]).
+pub(super) fn choose_gpu(agent: &str, config: &Config) -> Option<Arc<Gpu>> {
+    if !config.enabled || config.arena_mem == ArenaMem::Dram {
+        return None;
+    }
+    let explicit = matches!(config.arena_mem, ArenaMem::Vram | ArenaMem::Both);
+    let ordinal = match (cuda::current_device(), explicit) {
+        (Ok(Some(dev)), _) => dev,
+        (Ok(None), true) => 0,
+        (Ok(None), false) => return None,
+        (Err(e), _) => {
+            match config.arena_mem {
+                ArenaMem::Vram => {
+                    tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
+                }
+                ArenaMem::Both => {
+                    tracing::warn!(agent, error = %e, "bounce_arena_mem=both but CUDA is unusable: a host arena only");
+                }
+                _ => tracing::debug!(agent, error = %e, "no CUDA: host-memory arena"),
+            }
+            return None;
+        }
+    };
+    match Gpu::open(ordinal) {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            tracing::warn!(agent, gpu = ordinal, error = %e, "cannot open the GPU for the arena: host-memory arena");
+            None
+        }
+    }
+}
+
+impl Engine {
+    /// The control channel `bounce_control` names, with the endpoint to advertise (ZMQ).
+    fn control_channel(&self, shim: Shim) -> Result<(Box<dyn ControlChannel>, Vec<u8>)> {
+        Ok(match self.config.control {
+            ControlKind::Zmq => {
+                let peers = Arc::clone(&self.peers);
+                let resolve = Box::new(move |peer: &str| peers.endpoint(peer));
+                let z = ZmqChannel::bind(&self.agent, &self.config.zmq_host, resolve, Arc::clone(&self.stats))?;
+                tracing::info!(agent = self.agent, endpoint = z.endpoint(), "ZMQ control channel bound");
+                let endpoint = z.endpoint().as_bytes().to_vec();
+                (Box::new(z), endpoint)
+            }
+            ControlKind::Ucx => (Box::new(UcxChannel::new(shim, Arc::clone(&self.mail))), Vec::new()),
+        })
+    }
+
+    /// The options an arena of memory `mem` runs under: the GPU arena's beside a host one
+    /// (`both`), else the engine's.
+    pub(super) fn arena_config(&self, mem: MemKind) -> &Config {
+        match (mem, &self.gpu_config) {
+            (MemKind::Vram, Some(c)) => c,
+            _ => &self.config,
+        }
+    }
+
+    /// The arenas `bounce_arena_mem` asks for, allocated and registered: the first (host
+    /// memory, or the GPU's for `vram`/`auto` with a GPU) must be had; the GPU arena beside a
+    /// host one (`both`) is given up with a warning (GPU memory then goes to UCX between hosts).
+    fn make_arenas(&self, shim: &Shim) -> Result<Vec<Arena>> {
+        let first = match (&self.gpu, &self.gpu_config) {
+            (Some(gpu), None) => Arena::new_gpu(shim, gpu, self.config.arena_size)?,
+            _ => Arena::new(shim, self.config.arena_size)?,
+        };
+        let mut arenas = vec![first];
+        if let (Some(gpu), Some(c)) = (&self.gpu, &self.gpu_config) {
+            match Arena::new_gpu(shim, gpu, c.arena_size) {
+                Ok(a) => arenas.push(a),
+                Err(e) => tracing::warn!(
+                    agent = self.agent,
+                    error = %e,
+                    "no GPU arena beside the host one: GPU-memory transfers between hosts stay on UCX"
+                ),
+            }
+        }
+        Ok(arenas)
+    }
+
+    /// The copy engine of `arena`: CUDA streams for GPU memory, CPU workers for host memory.
+    fn copier_for(&self, arena: &Arena, shared: &Arc<Shared>) -> Result<Box<dyn CopyEngine>> {
+        let config = self.arena_config(arena.place().mem);
+        Ok(match arena.device() {
+            Some(vram) => {
+                let path = match config.gpu_copy {
+                    GpuCopy::Kernel => CopyPath::Kernel(PlanPlacement::Device),
+                    GpuCopy::Batched => CopyPath::Batched,
+                };
+                let contexts = config.copy_workers.max(1) as usize;
+                let engine = CudaCopyEngine::new(Arc::clone(vram), contexts, path)
+                    .map_err(|e| Error::Arena { len: arena.len(), why: crate::shell::error::ArenaFault::Gpu(e) })?;
+                tracing::info!(agent = self.agent, contexts, path = ?engine.path(), "CUDA copy engine");
+                Box::new(engine)
+            }
+            None => {
+                let host =
+                    HostArena { base: arena.base(), len: arena.len(), streaming_scatter: config.streaming_scatter };
+                let waker = Arc::clone(shared);
+                let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+                let linger = crate::shell::reactor::hot_spin(cores);
+                Box::new(CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, linger, move || {
+                    waker.inbox.wake();
+                })?)
+            }
+        })
+    }
+
+    /// Our capabilities: every arena with its own options' usable bytes and max chunk (`None`
+    /// for no arena or more than the wire's 16; we make one or two).
+    fn capabilities_of(&self, arenas: &[Arena]) -> Option<Capabilities> {
+        let listed = arenas
+            .iter()
+            .map(|a| {
+                let c = self.arena_config(a.place().mem);
+                a.advert(c.arena_usable_capacity(), c.max_chunk_size)
+            })
+            .collect();
+        Some(Capabilities {
+            wire_version: u16::from(bounce_proto::wire::WIRE_VERSION),
+            control: self.config.control,
+            session: self.session,
+            arenas: Arenas::new(listed)?,
+            endpoint: Vec::new(),
+            mailbox: None,
+            mailbox_base: 0,
+            mailbox_len: 0,
+            mailbox_key: Vec::new(),
+        })
+    }
+
+    pub(super) fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
+        // Bound before the arenas: a failure here costs no registration to undo.
+        let (control, control_endpoint) = self.control_channel(shim)?;
+        let arenas = self.make_arenas(&shim)?;
+        let Some(mut caps) = self.capabilities_of(&arenas) else {
+            for a in &arenas {
+                a.deregister(&shim);
+            }
+            return Err(Error::Arenas("none, or more than the wire's 16"));
+        };
+        let places: Vec<ArenaPlace> = arenas.iter().map(Arena::place).collect();
+        // The mailbox one-way peers READ our answers from, and the fetch area our own one-way
+        // READs land in (bounce_proto::oneway): host memory registered on its own, whatever
+        // the arenas' memory, so the reactor writes records and reads answers in place.
+        let layout = OneWayLayout::for_config(&self.config);
+        let one_way = OneWayArea::new(&shim, &layout)
+            .map_err(|e| tracing::warn!(agent = self.agent, error = %e, "no mailbox: bouncing two way only"))
+            .ok();
+        caps.endpoint = control_endpoint;
+        if let Some(area) = &one_way {
+            (caps.mailbox_base, caps.mailbox_len, caps.mailbox_key) = area.advert();
+            caps.mailbox = Some(layout.advertised());
+        }
+        let shared = Arc::new(Shared::new(
+            Arc::clone(&self.stats),
+            Arc::clone(&self.peers),
+            Arc::clone(&self.registry),
+            self.mail.doorbell(),
+        ));
+        let started =
+            shim.conn_info().map_err(|status| Error::Inner { op: "getConnInfo", status }).and_then(|endpoint| {
+                let parts = arenas
+                    .iter()
+                    .map(|a| {
+                        let c = self.arena_config(a.place().mem);
+                        Ok(ArenaPart {
+                            arena: LocalArena { place: a.place(), base: a.base(), md: a.md() },
+                            copier: self.copier_for(a, &shared)?,
+                            geometry: (c.arena_usable_capacity(), c.arena_granularity, c.max_chunk_size),
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let parts = Parts {
+                    session: self.session,
+                    endpoint,
+                    arenas: parts,
+                    one_way: one_way.as_ref().map(OneWayArea::view),
+                    data: Box::new(ShimPath::new(shim, Arc::clone(&self.mail))),
+                    control,
+                    // The inner engine hands over everything it delivered at once; a socket
+                    // is read in bounded batches.
+                    control_budget: match self.config.control {
+                        ControlKind::Zmq => SOCKET_POLL_BATCH,
+                        ControlKind::Ucx => usize::MAX,
+                    },
+                };
+                Reactor::start(&self.config, Arc::clone(&shared), parts)
+            });
+        let reactor = match started {
+            Ok(r) => r,
+            Err(e) => {
+                for a in &arenas {
+                    a.deregister(&shim);
+                }
+                if let Some(area) = &one_way {
+                    area.deregister(&shim);
+                }
+                return Err(e);
+            }
+        };
+        if self.config.control == ControlKind::Ucx {
+            if let Some(t) = reactor.thread() {
+                self.mail.accept_control(t);
+            }
+        }
+        let bounce = Bounce { reactor, arenas, places, one_way, caps };
+        // Registrations made before the bounce path started, each to the arena that serves it.
+        for (md, r) in self.registry.all() {
+            if let (Some(arena), Some(d)) = (bounce.arena_serving(&r), self.keys.local(md)) {
+                shared.inbox.push(Cmd::Registered(d, r.addr, r.len, arena));
+            }
+        }
+        self.stats.arenas.store(bounce.arenas.len() as u64, Ordering::Relaxed);
+        for a in &bounce.arenas {
+            let place = a.place();
+            if place.mem == MemKind::Vram {
+                self.stats.arena_gpu.store(place.dev.saturating_add(1), Ordering::Relaxed);
+            }
+            // Reading /proc/self/smaps costs time in a large process: only when it will be logged.
+            let huge = tracing::enabled!(tracing::Level::INFO).then(|| a.huge_bytes()).flatten();
+            tracing::info!(
+                agent = self.agent,
+                arena = a.len(),
+                mem = ?place.mem,
+                gpu = place.dev,
+                huge_pages = huge,
+                "bounce path ready"
+            );
+        }
+        Ok(bounce)
+    }
+}
