@@ -52,9 +52,6 @@ use crate::sys::inner_plugin::{InnerPlugin, locate_ucx_plugin};
 use crate::sys::nixl::{MemSeg, XferOp};
 use crate::sys::shim::{Md, Notif, Shim};
 
-use prep::MappedLimits;
-use start::choose_gpu;
-
 mod metadata;
 mod notifs;
 mod prep;
@@ -177,6 +174,22 @@ pub(crate) struct Engine {
     told_other_kind: AtomicBool,
 }
 
+/// The gate's thresholds for the same-host paths, by the memory kind a path copies: for the
+/// arena's kind the configuration's, for the other kind the same options with that kind's
+/// defaults. So a GPU-arena engine's host-memory transfers take the host defaults, as a
+/// host-arena engine's do, and the other way round; an option the application set holds for
+/// both.
+#[derive(Debug, Clone, Copy)]
+struct MappedLimits {
+    /// `(min_descriptor_count, max_average_descriptor_size)` for host memory.
+    dram: (u64, u64),
+    /// The same for GPU memory.
+    vram: (u64, u64),
+    /// Host-memory transfers of at least this many bytes pass whatever their descriptors
+    /// (`bounce_cma_large_bytes`; 0: none).
+    dram_large: u64,
+}
+
 impl Bounce {
     /// The arena whose copy engine may touch registration `reg` (the first that serves it),
     /// if any: only such memory is ever a copy's source or target, or a direct write's source.
@@ -194,7 +207,7 @@ impl Engine {
     pub(crate) fn create(p: &CreateParams<'_>, env: impl Fn(&str) -> Option<String>) -> Result<(Self, InnerInit)> {
         let mut loaded = Config::from_params(p.params.iter().copied(), &env)?;
         let both = loaded.config.arena_mem == ArenaMem::Both;
-        let gpu = match choose_gpu(p.agent, &loaded.config) {
+        let gpu = match Self::choose_gpu(p.agent, &loaded.config) {
             Some(gpu) if !both => {
                 // A GPU arena: the options left unset take their VRAM defaults.
                 loaded = Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?;

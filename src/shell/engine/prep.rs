@@ -3,22 +3,6 @@
 
 use super::*;
 
-/// The gate's thresholds for the same-host paths, by the memory kind a path copies: for the
-/// arena's kind the configuration's, for the other kind the same options with that kind's
-/// defaults. So a GPU-arena engine's host-memory transfers take the host defaults, as a
-/// host-arena engine's do, and the other way round; an option the application set holds for
-/// both.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct MappedLimits {
-    /// `(min_descriptor_count, max_average_descriptor_size)` for host memory.
-    dram: (u64, u64),
-    /// The same for GPU memory.
-    vram: (u64, u64),
-    /// Host-memory transfers of at least this many bytes pass whatever their descriptors
-    /// (`bounce_cma_large_bytes`; 0: none).
-    dram_large: u64,
-}
-
 impl MappedLimits {
     pub(super) fn new(
         config: &Config,

@@ -4,44 +4,44 @@
 
 use super::*;
 
-/// The GPU whose memory an arena should be (`None`: host memory only), as `bounce_arena_mem`
-/// asks: `vram` and `both` take the GPU of the CUDA context current on this thread (the
-/// application's), else GPU 0; `auto` takes the current context's GPU only (a process that
-/// has not used a GPU keeps a host arena, and no CUDA context is created for it). Without a
-/// usable driver or GPU a GPU arena cannot be had: one log line, then host memory for `auto`
-/// and `both`, no bounce path for `vram` (see [`Engine::attach`]).
-pub(super) fn choose_gpu(agent: &str, config: &Config) -> Option<Arc<Gpu>> {
-    if !config.enabled || config.arena_mem == ArenaMem::Dram {
-        return None;
-    }
-    let explicit = matches!(config.arena_mem, ArenaMem::Vram | ArenaMem::Both);
-    let ordinal = match (cuda::current_device(), explicit) {
-        (Ok(Some(dev)), _) => dev,
-        (Ok(None), true) => 0,
-        (Ok(None), false) => return None,
-        (Err(e), _) => {
-            match config.arena_mem {
-                ArenaMem::Vram => {
-                    tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
-                }
-                ArenaMem::Both => {
-                    tracing::warn!(agent, error = %e, "bounce_arena_mem=both but CUDA is unusable: a host arena only");
-                }
-                _ => tracing::debug!(agent, error = %e, "no CUDA: host-memory arena"),
-            }
+impl Engine {
+    /// The GPU whose memory an arena should be (`None`: host memory only), as `bounce_arena_mem`
+    /// asks: `vram` and `both` take the GPU of the CUDA context current on this thread (the
+    /// application's), else GPU 0; `auto` takes the current context's GPU only (a process that
+    /// has not used a GPU keeps a host arena, and no CUDA context is created for it). Without a
+    /// usable driver or GPU a GPU arena cannot be had: one log line, then host memory for `auto`
+    /// and `both`, no bounce path for `vram` (see [`Engine::attach`]).
+    pub(super) fn choose_gpu(agent: &str, config: &Config) -> Option<Arc<Gpu>> {
+        if !config.enabled || config.arena_mem == ArenaMem::Dram {
             return None;
         }
-    };
-    match Gpu::open(ordinal) {
-        Ok(gpu) => Some(gpu),
-        Err(e) => {
-            tracing::warn!(agent, gpu = ordinal, error = %e, "cannot open the GPU for the arena: host-memory arena");
-            None
+        let explicit = matches!(config.arena_mem, ArenaMem::Vram | ArenaMem::Both);
+        let ordinal = match (cuda::current_device(), explicit) {
+            (Ok(Some(dev)), _) => dev,
+            (Ok(None), true) => 0,
+            (Ok(None), false) => return None,
+            (Err(e), _) => {
+                match config.arena_mem {
+                    ArenaMem::Vram => {
+                        tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
+                    }
+                    ArenaMem::Both => {
+                        tracing::warn!(agent, error = %e, "bounce_arena_mem=both but CUDA is unusable: a host arena only");
+                    }
+                    _ => tracing::debug!(agent, error = %e, "no CUDA: host-memory arena"),
+                }
+                return None;
+            }
+        };
+        match Gpu::open(ordinal) {
+            Ok(gpu) => Some(gpu),
+            Err(e) => {
+                tracing::warn!(agent, gpu = ordinal, error = %e, "cannot open the GPU for the arena: host-memory arena");
+                None
+            }
         }
     }
-}
 
-impl Engine {
     /// The control channel `bounce_control` names, with the endpoint to advertise (ZMQ).
     fn control_channel(&self, shim: Shim) -> Result<(Box<dyn ControlChannel>, Vec<u8>)> {
         Ok(match self.config.control {

@@ -1,64 +1,14 @@
 //! The reactor thread and the application threads that drive beside it: the [`Cell`] holding the
 //! driver, who runs a pass when, and the thread's loop ([`run`]) with its stand-downs and parks.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bounce_proto::endpoint::XferError;
-use parking_lot::Mutex;
 
 use super::alarm::Alarm;
 use super::pace::{self, BUSY_SLEEP, Pace, STAND_DOWN, Wait};
-use super::{Driver, Reactor, SOCKET_POLL_BATCH};
-use crate::shell::streak::Streak;
-
-/// What a pass on an application thread did ([`Reactor::drive`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Drove {
-    /// Anything moved: another pass may move more at once.
-    pub(crate) moved: bool,
-    /// Copy jobs run on the copy workers: they need the cores more than a poller does.
-    pub(crate) copying: bool,
-}
-
-/// The driver, shared between the reactor thread and application threads that run a pass of it
-/// while they poll ([`Reactor::drive`]).
-///
-/// Why: every control hop of a bounced transfer otherwise waits for the reactor thread to be
-/// scheduled. On a host with few cores an application spinning on `getNotifs` or `checkXfer`
-/// holds a core the woken reactor needs, and a hop cost up to a scheduler tick (4 ms; issue
-/// 12). The thread that found the frame handles it instead, as UCX's own progress runs on the
-/// thread that polls. The lock is only ever tried by application threads: one that finds it
-/// held leaves the work to the thread holding it.
-pub(super) struct Cell {
-    /// `None` once the reactor thread has ended.
-    pub(super) driver: Mutex<Option<Driver>>,
-    /// Passes may run on application threads ([`crate::shell::copy::route::Copiers::any_thread`]: an arena's engine asks
-    /// for it; a GPU arena's context is made current for the pass and the application's
-    /// restored at the FFI edge).
-    pub(super) any_thread: bool,
-    /// The control channel has a socket of its own ([`crate::shell::control::ControlChannel::own_socket`]): pollers
-    /// look at it ([`Reactor::drive_if_readable`]).
-    pub(super) own_socket: bool,
-    /// When a poller last asked the control socket whether a frame waits (nanoseconds since
-    /// `epoch`; [`Reactor::drive_if_readable`]).
-    pub(super) socket_looked_at: AtomicU64,
-    /// The reactor thread parks without work in flight (up to `bounce_idle_park_us`): a pass
-    /// elsewhere that started work must wake it, or the work's next step could wait that long.
-    pub(super) parked_idle: AtomicBool,
-    /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
-    pub(super) busy: AtomicBool,
-    /// The ends of the passes on application threads, no more than [`STAND_DOWN`] apart (ended
-    /// when the poller resigns). While pollers drive, the reactor thread stands down
-    /// ([`Cell::standing_down`]).
-    pub(super) driving: Streak,
-    /// The longest stand-down: `bounce_idle_park_us`.
-    pub(super) longest_stand_down: Duration,
-    pub(super) epoch: Instant,
-    /// A pass on an application thread panicked: the driver's state is suspect, so the reactor
-    /// thread ends without closing (as after its own panic, the arena is kept).
-    pub(super) poisoned: AtomicBool,
-}
+use super::{Cell, Driver, Drove, Reactor, SOCKET_POLL_BATCH};
 
 impl Reactor {
     /// The poller that drove is about to wait (for copies on the workers or the GPU): the
@@ -197,73 +147,73 @@ impl Cell {
         let left = pace::stand_down_left(self.driving.at(now)?, self.longest_stand_down);
         (!left.is_zero()).then_some(left)
     }
-}
 
-/// The reactor thread's loop: passes until `stop`, then closes and shuts down; true when no
-/// grant was left outstanding. Idle, it parks up to `idle_park` (`bounce_idle_park_us`), or
-/// sleeps on `alarm` as long when the control channel has a socket to wait on.
-pub(super) fn run(cell: &Cell, stop: &AtomicBool, idle_park: Duration, alarm: Option<&Alarm>) -> bool {
-    // Writes are posted from this thread too: a GPU arena's context must be current here
-    // before the first one (a direct write from GPU memory may come before any copy).
-    if let Some(d) = cell.driver.lock().as_mut() {
-        let _ = d.copiers.prepare_thread();
-    }
-    crate::sys::thread::precise_sleeps();
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let mut pace = Pace::new(cores, idle_park, Instant::now());
-    while !stop.load(Ordering::Acquire) {
-        if let Some(left) = cell.standing_down(Instant::now()) {
-            std::thread::park_timeout(left);
-            continue;
+    /// The reactor thread's loop: passes until `stop`, then closes and shuts down; true when no
+    /// grant was left outstanding. Idle, it parks up to `idle_park` (`bounce_idle_park_us`), or
+    /// sleeps on `alarm` as long when the control channel has a socket to wait on.
+    pub(super) fn run(&self, stop: &AtomicBool, idle_park: Duration, alarm: Option<&Alarm>) -> bool {
+        // Writes are posted from this thread too: a GPU arena's context must be current here
+        // before the first one (a direct write from GPU memory may come before any copy).
+        if let Some(d) = self.driver.lock().as_mut() {
+            let _ = d.copiers.prepare_thread();
         }
-        // An application thread in a pass does this pass's work: leave it the driver rather
-        // than queue behind it (and be woken late when it lets go).
-        let Some(mut g) = cell.driver.try_lock() else {
-            std::thread::park_timeout(STAND_DOWN);
-            continue;
-        };
-        let pass = g.as_mut().map(|d| {
-            let moved = d.iterate();
-            let now = Instant::now();
-            let busy = d.busy();
-            cell.busy.store(busy, Ordering::Release);
-            let beside = pace::beside_puller(d.data.app_pull_streak(now), idle_park);
-            (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
-        });
-        drop(g);
-        let Some((moved, busy, timer, now, beside)) = pass else { return false };
-        match pace.after_pass(now, moved, busy, timer, beside) {
-            Wait::Now => {}
-            // yield, not spin_loop: on a machine with few cores the copy workers and the
-            // application need this core more than we do.
-            Wait::Yield => std::thread::yield_now(),
-            Wait::Park(d) => {
-                if d > BUSY_SLEEP {
-                    crate::shell::mark!("park", d.as_micros());
+        crate::sys::thread::precise_sleeps();
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let mut pace = Pace::new(cores, idle_park, Instant::now());
+        while !stop.load(Ordering::Acquire) {
+            if let Some(left) = self.standing_down(Instant::now()) {
+                std::thread::park_timeout(left);
+                continue;
+            }
+            // An application thread in a pass does this pass's work: leave it the driver rather
+            // than queue behind it (and be woken late when it lets go).
+            let Some(mut g) = self.driver.try_lock() else {
+                std::thread::park_timeout(STAND_DOWN);
+                continue;
+            };
+            let pass = g.as_mut().map(|d| {
+                let moved = d.iterate();
+                let now = Instant::now();
+                let busy = d.busy();
+                self.busy.store(busy, Ordering::Release);
+                let beside = pace::beside_puller(d.data.app_pull_streak(now), idle_park);
+                (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
+            });
+            drop(g);
+            let Some((moved, busy, timer, now, beside)) = pass else { return false };
+            match pace.after_pass(now, moved, busy, timer, beside) {
+                Wait::Now => {}
+                // yield, not spin_loop: on a machine with few cores the copy workers and the
+                // application need this core more than we do.
+                Wait::Yield => std::thread::yield_now(),
+                Wait::Park(d) => {
+                    if d > BUSY_SLEEP {
+                        crate::shell::mark!("park", d.as_micros());
+                    }
+                    // Set before parking and cleared after: an application pass that starts work
+                    // meanwhile wakes us (an unpark before the park makes the park return at once).
+                    self.parked_idle.store(!busy, Ordering::Release);
+                    match alarm {
+                        // Idle: a frame on the socket or a wake ends the sleep, so it need not
+                        // ramp up from a short one after activity (the ramp is for frames that
+                        // come unannounced): it lasts until the next timer, at most the longest
+                        // park, which bounds how late the inner engine's progress runs.
+                        Some(a) if !busy => a.wait(timer.map_or(idle_park, |t| t.min(idle_park))),
+                        _ => std::thread::park_timeout(d),
+                    }
+                    if d > BUSY_SLEEP {
+                        crate::shell::mark!("unpark", 0);
+                    }
+                    self.parked_idle.store(false, Ordering::Release);
                 }
-                // Set before parking and cleared after: an application pass that starts work
-                // meanwhile wakes us (an unpark before the park makes the park return at once).
-                cell.parked_idle.store(!busy, Ordering::Release);
-                match alarm {
-                    // Idle: a frame on the socket or a wake ends the sleep, so it need not
-                    // ramp up from a short one after activity (the ramp is for frames that
-                    // come unannounced): it lasts until the next timer, at most the longest
-                    // park, which bounds how late the inner engine's progress runs.
-                    Some(a) if !busy => a.wait(timer.map_or(idle_park, |t| t.min(idle_park))),
-                    _ => std::thread::park_timeout(d),
-                }
-                if d > BUSY_SLEEP {
-                    crate::shell::mark!("unpark", 0);
-                }
-                cell.parked_idle.store(false, Ordering::Release);
             }
         }
+        if self.poisoned.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut g = self.driver.lock();
+        let Some(d) = g.as_mut() else { return false };
+        let quiet = d.close();
+        d.shutdown() && quiet
     }
-    if cell.poisoned.load(Ordering::Acquire) {
-        return false;
-    }
-    let mut g = cell.driver.lock();
-    let Some(d) = g.as_mut() else { return false };
-    let quiet = d.close();
-    d.shutdown() && quiet
 }

@@ -6,26 +6,10 @@ use std::time::Instant;
 use bounce_proto::endpoint::{InRegionPlan, JobId, JobRuns};
 use bounce_proto::{ArenaId, MemKind, Region};
 
-use super::{Driver, Signal};
+use super::{CopyInFlight, Driver};
 use crate::shell::copy::{CopyJob, Dir};
-use crate::shell::fence::{Pin, runs_span, runs_touch};
+use crate::shell::fence::{runs_span, runs_touch};
 use crate::shell::stats::Stats;
-
-/// A copy job handed to the copy engine.
-pub(super) struct CopyInFlight {
-    pub(super) dir: Dir,
-    /// Its pin in the fence: the user addresses its runs touch.
-    pub(super) pin: Option<Pin>,
-    /// A scatter by a plan in its region (counted when it fails).
-    pub(super) in_region: bool,
-}
-
-/// A deregistration waiting for the jobs that touch its range.
-pub(super) struct PendingDereg {
-    pub(super) start: u64,
-    pub(super) end: u64,
-    pub(super) _done: Signal,
-}
 
 impl Driver {
     /// Hands the core the completions of copies that finished inside their submit; true when

@@ -7,17 +7,10 @@ use bounce_proto::PeerId;
 use bounce_proto::peers::{FrameRefused, Hello};
 use bounce_proto::wire::{self, Frame, Msg};
 
-use super::Driver;
+use super::{Driver, RateLimit};
 use crate::shell::control::ControlError;
 use crate::shell::stats::Stats;
 use crate::sys::nixl::NixlStatus;
-
-/// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
-/// flood the log).
-pub(super) struct RateLimit {
-    pub(super) window: Instant,
-    pub(super) left: u32,
-}
 
 impl RateLimit {
     pub(super) fn allow(&mut self, now: Instant) -> bool {

@@ -16,35 +16,31 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::{JoinHandle, Thread};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteRoute, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteRoute, WriteSource, XferError};
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::mailbox::Record;
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::wire;
-use bounce_proto::{ArenaId, MemKind, Token, XferId};
+use bounce_proto::{ArenaId, MemKind, PeerId, Region, Token, XferId};
 use parking_lot::Mutex;
 
 use crate::shell::control::ControlChannel;
 use crate::shell::copy::route::Copiers;
 use crate::shell::copy::{CopyEngine, Dir};
-use crate::shell::datapath::DataPath;
+use crate::shell::datapath::{DataPath, WriteId};
+use crate::shell::fence::Pin;
 use crate::shell::oneway_area::AreaView;
 use crate::shell::stats::Stats;
 use crate::shell::streak::Streak;
 use crate::shell::{Error, Result};
 use crate::sys::shim::{Md, WriteSide};
 use alarm::Alarm;
-use cell::{Cell, run};
-use copies::{CopyInFlight, PendingDereg};
 use fetch::Fetches;
-use frames::RateLimit;
 use pace::{AppPolls, STAND_DOWN};
-use writes::{InFlightWrite, QueuedRead, QueuedWrite};
 
-pub(crate) use cell::Drove;
 pub(crate) use pace::hot_spin;
 pub(crate) use shared::{Cmd, Shared, Signal};
 
@@ -58,9 +54,10 @@ mod gauges;
 mod one_way;
 mod pace;
 mod shared;
+mod writes;
+
 #[cfg(test)]
 mod tests;
-mod writes;
 
 /// Our arena, as the write path addresses it.
 #[derive(Debug, Clone, Copy)]
@@ -117,6 +114,115 @@ pub(crate) struct Reactor {
     cell: Arc<Cell>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<bool>>,
+}
+
+/// What a pass on an application thread did ([`Reactor::drive`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Drove {
+    /// Anything moved: another pass may move more at once.
+    pub(crate) moved: bool,
+    /// Copy jobs run on the copy workers: they need the cores more than a poller does.
+    pub(crate) copying: bool,
+}
+
+/// The driver, shared between the reactor thread and application threads that run a pass of it
+/// while they poll ([`Reactor::drive`]).
+///
+/// Why: every control hop of a bounced transfer otherwise waits for the reactor thread to be
+/// scheduled. On a host with few cores an application spinning on `getNotifs` or `checkXfer`
+/// holds a core the woken reactor needs, and a hop cost up to a scheduler tick (4 ms; issue
+/// 12). The thread that found the frame handles it instead, as UCX's own progress runs on the
+/// thread that polls. The lock is only ever tried by application threads: one that finds it
+/// held leaves the work to the thread holding it.
+struct Cell {
+    /// `None` once the reactor thread has ended.
+    driver: Mutex<Option<Driver>>,
+    /// Passes may run on application threads ([`crate::shell::copy::route::Copiers::any_thread`]: an arena's engine asks
+    /// for it; a GPU arena's context is made current for the pass and the application's
+    /// restored at the FFI edge).
+    any_thread: bool,
+    /// The control channel has a socket of its own ([`crate::shell::control::ControlChannel::own_socket`]): pollers
+    /// look at it ([`Reactor::drive_if_readable`]).
+    own_socket: bool,
+    /// When a poller last asked the control socket whether a frame waits (nanoseconds since
+    /// `epoch`; [`Reactor::drive_if_readable`]).
+    socket_looked_at: AtomicU64,
+    /// The reactor thread parks without work in flight (up to `bounce_idle_park_us`): a pass
+    /// elsewhere that started work must wake it, or the work's next step could wait that long.
+    parked_idle: AtomicBool,
+    /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
+    busy: AtomicBool,
+    /// The ends of the passes on application threads, no more than [`STAND_DOWN`] apart (ended
+    /// when the poller resigns). While pollers drive, the reactor thread stands down
+    /// ([`Cell::standing_down`]).
+    driving: Streak,
+    /// The longest stand-down: `bounce_idle_park_us`.
+    longest_stand_down: Duration,
+    epoch: Instant,
+    /// A pass on an application thread panicked: the driver's state is suspect, so the reactor
+    /// thread ends without closing (as after its own panic, the arena is kept).
+    poisoned: AtomicBool,
+}
+
+struct InFlightWrite {
+    /// A READ's RDMA read of a peer's ready region (reported with `handle_read_done`).
+    read: bool,
+    /// The peer it writes to (or reads from).
+    peer: PeerId,
+    job: JobId,
+    id: WriteId,
+    /// Its pin in the fence: the user memory it reads (a direct write).
+    pin: Option<Pin>,
+    /// The peer arena's inner metadata it writes through, which is not unloaded before it ends.
+    remote_md: Md,
+}
+
+/// A copy job handed to the copy engine.
+struct CopyInFlight {
+    dir: Dir,
+    /// Its pin in the fence: the user addresses its runs touch.
+    pin: Option<Pin>,
+    /// A scatter by a plan in its region (counted when it fails).
+    in_region: bool,
+}
+
+/// A deregistration waiting for the jobs that touch its range.
+struct PendingDereg {
+    start: u64,
+    end: u64,
+    _done: Signal,
+}
+
+struct QueuedWrite {
+    job: JobId,
+    peer: PeerId,
+    source: WriteSource,
+    /// Our arena a [`WriteSource::Arena`] region lies in.
+    arena: ArenaId,
+    /// The peer's arena `remote` lies in.
+    remote_arena: ArenaId,
+    remote: Region,
+    len: u64,
+}
+
+/// A READ the core asked for (see `drain_actions` for when it is posted).
+struct QueuedRead {
+    job: JobId,
+    peer: PeerId,
+    /// The peer's arena `remote` lies in.
+    remote_arena: ArenaId,
+    remote: Region,
+    /// Our arena of `local`.
+    arena: ArenaId,
+    local: Region,
+    len: u64,
+}
+
+/// At most a few warnings per second for peer misbehaviour (a hostile peer must not be able to
+/// flood the log).
+struct RateLimit {
+    window: Instant,
+    left: u32,
 }
 
 struct XferCtx {
@@ -297,7 +403,7 @@ impl Reactor {
                 // IN_PROG forever (nothing else runs their timeouts): fail them and refuse new
                 // posts; the engine's other entry points keep working on plain UCX.
                 let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run(&cell2, &stop2, idle_park, alarm.as_deref())
+                    cell2.run(&stop2, idle_park, alarm.as_deref())
                 }));
                 if quiet.is_err() {
                     tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");

@@ -4,52 +4,13 @@
 
 use std::time::Instant;
 
-use bounce_proto::endpoint::{JobId, WriteSource};
+use bounce_proto::endpoint::WriteSource;
 use bounce_proto::{ArenaId, PeerId, Region};
 
-use super::Driver;
-use crate::shell::datapath::{Posted, WriteId};
-use crate::shell::fence::Pin;
+use super::{Driver, InFlightWrite, QueuedRead, QueuedWrite};
+use crate::shell::datapath::Posted;
 use crate::shell::peers::{PeerArena, WriteRefused};
-use crate::sys::shim::{Md, WriteSide, WriteState};
-
-pub(super) struct InFlightWrite {
-    /// A READ's RDMA read of a peer's ready region (reported with `handle_read_done`).
-    pub(super) read: bool,
-    /// The peer it writes to (or reads from).
-    pub(super) peer: PeerId,
-    pub(super) job: JobId,
-    pub(super) id: WriteId,
-    /// Its pin in the fence: the user memory it reads (a direct write).
-    pub(super) pin: Option<Pin>,
-    /// The peer arena's inner metadata it writes through, which is not unloaded before it ends.
-    pub(super) remote_md: Md,
-}
-
-pub(super) struct QueuedWrite {
-    pub(super) job: JobId,
-    pub(super) peer: PeerId,
-    pub(super) source: WriteSource,
-    /// Our arena a [`WriteSource::Arena`] region lies in.
-    pub(super) arena: ArenaId,
-    /// The peer's arena `remote` lies in.
-    pub(super) remote_arena: ArenaId,
-    pub(super) remote: Region,
-    pub(super) len: u64,
-}
-
-/// A READ the core asked for (see `drain_actions` for when it is posted).
-pub(super) struct QueuedRead {
-    pub(super) job: JobId,
-    pub(super) peer: PeerId,
-    /// The peer's arena `remote` lies in.
-    pub(super) remote_arena: ArenaId,
-    pub(super) remote: Region,
-    /// Our arena of `local`.
-    pub(super) arena: ArenaId,
-    pub(super) local: Region,
-    pub(super) len: u64,
-}
+use crate::sys::shim::{WriteSide, WriteState};
 
 /// Writes handed to the data path at once, per peer. UCX runs them one after another anyway; keeping
 /// one queued behind the running one keeps the link busy, and holding the rest back here lets
