@@ -435,9 +435,11 @@ fn a_full_arena_holds_back_no_flow_of_another() {
 }
 
 /// The liveness probe with timings scaled to the simulation (PING after 1 ms of silence, dead
-/// 3 ms after the first unanswered PING): copy jobs that take up to 10 ms each keep peers
+/// 3 ms after the first unanswered PING): copy jobs that take 2 to 10 ms each keep peers
 /// silent far longer than the probe's bound, yet a live peer always answers, so no peer is
-/// ever declared dead and every transfer succeeds byte-exactly (issue 10, item 11).
+/// ever declared dead and every transfer succeeds byte-exactly (issue 10, item 11). Every job
+/// outlasts the silence that starts a probe, so every seed probes (with jobs from 1 us, seed
+/// 476 of a 3,000-seed soak drew only fast ones and probed nothing).
 #[test]
 fn slow_but_live_peers_are_probed_and_never_declared_dead() {
     for_seeds(0..40, |seed| {
@@ -450,7 +452,7 @@ fn slow_but_live_peers_are_probed_and_never_declared_dead() {
             ..sim_config(8192, rng.random_range(1..=3), rng.random_bool(0.5))
         };
         let knobs =
-            Knobs { fifo: rng.random_bool(0.5), job_delay: (us(1), Duration::from_millis(10)), ..Knobs::default() };
+            Knobs { fifo: rng.random_bool(0.5), job_delay: (us(2000), Duration::from_millis(10)), ..Knobs::default() };
         let mut sim = Sim::new(senders + 1, &cfg, knobs, seed);
         for from in 1..=senders {
             let bytes = sim.rng().random_range(1..=20_000);
