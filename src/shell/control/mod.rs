@@ -1,6 +1,6 @@
 //! The control-channel seam: how WANT/GRANT/DATA/ACK and HELLO frames travel between engines.
 //! [`ucx`] rides the inner engine's notifications (the default), [`zmq`] uses ZMQ sockets, and
-//! [`mem`] is an in-memory network for tests. The reactor owns one as a `Box<dyn
+//! `mem` (tests only) is an in-memory network. The reactor owns one as a `Box<dyn
 //! ControlChannel>` and applies the same checks to frames from any of them.
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! The reactor thread and the application threads that drive beside it: the [`Cell`] holding the
-//! driver, who runs a pass when, and the thread's loop ([`run`]) with its stand-downs and parks.
+//! driver, who runs a pass when, and the thread's loop ([`Cell::run`]) with its stand-downs and parks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
