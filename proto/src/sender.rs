@@ -875,16 +875,6 @@ impl Sender {
         }
     }
 
-    /// Sets the largest chunk `arena` stages (see [`crate::endpoint::Endpoint::add_arena`]).
-    pub(crate) fn set_max_chunk(&mut self, arena: ArenaId, bytes: u64) {
-        let i = usize::from(arena.0);
-        if self.max_chunks.len() <= i {
-            let first = self.max_chunks[0];
-            self.max_chunks.resize(i + 1, first);
-        }
-        self.max_chunks[i] = bytes;
-    }
-
     /// Removes a reported job: a live one is returned; an orphan is released here.
     fn take_job(&mut self, ctx: &mut Ctx<'_>, job: JobId, kind: JobKind) -> Option<JobRef> {
         if let Some(o) = self.orphans.get(&job).copied() {

@@ -92,6 +92,16 @@ impl Sender {
         self.max_chunks.get(usize::from(arena.0)).copied().unwrap_or(self.max_chunks[0])
     }
 
+    /// Sets the largest chunk `arena` stages (see [`crate::endpoint::Endpoint::add_arena`]).
+    pub(crate) fn set_max_chunk(&mut self, arena: ArenaId, bytes: u64) {
+        let i = usize::from(arena.0);
+        if self.max_chunks.len() <= i {
+            let first = self.max_chunks[0];
+            self.max_chunks.resize(i + 1, first);
+        }
+        self.max_chunks[i] = bytes;
+    }
+
     /// Takes `arena`'s reserve: one region of the largest chunk it stages.
     fn take_reserve_of(&mut self, ctx: &mut Ctx<'_>, arena: ArenaId) {
         let sched = ctx.sched(arena);
