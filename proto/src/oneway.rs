@@ -11,7 +11,7 @@
 //!   before its last chunk was acknowledged (timeout, cancel, refusal, shutdown) a FAIL record
 //!   tells the initiator; a CURSOR frame frees ring room and, after the last record, the slot.
 //! - initiator side ([`Reading`]): each one-way transfer has a [`MailboxReader`]; the shell READs
-//!   what [`Reading::fetches`] names, hands the bytes to [`Reading::handle_fetched`], and the
+//!   what [`Reading::fetch`] names, hands the bytes to [`Reading::handle_fetched`], and the
 //!   answers come back as the GRANT and ACK messages the sender would have received as frames
 //!   (same token, same checks). How far it has read goes back to the target in CURSOR frames.
 //!
