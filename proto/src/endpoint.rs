@@ -318,7 +318,8 @@ impl Endpoint {
     }
 
     /// The application deregistered `[addr, addr + len)` (registration `reg`, when it had an
-    /// id): the receiver stops scattering into it (as [`remove_registered`](Self::remove_registered)) and answers ACK(Failed) for each
+    /// id): the receiver stops scattering into it (as
+    /// [`remove_registered`](Self::remove_registered)) and answers ACK(Failed) for each
     /// scatter in flight into it; every transfer reading from it fails with
     /// [`XferError::Deregistered`]. Jobs already emitted still run: the shell must wait for
     /// those that touch the range before it lets the application free the memory.

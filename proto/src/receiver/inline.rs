@@ -8,8 +8,8 @@ impl Receiver {
     /// Takes an inline chunk from a new flow's WANT when this receiver may: it takes inline
     /// chunks of this size into the flow's arena, the transfer is newer than any inline one
     /// taken from the peer (not a replay), and holding the bytes stays within
-    /// [`MAX_INLINE_HELD`] and the runs within the peer's budget. Otherwise the flow is served the usual way. A one-way flow's answer
-    /// (the ACK) goes to its mailbox like any other.
+    /// [`MAX_INLINE_HELD`] and the runs within the peer's budget. Otherwise the flow is served
+    /// the usual way. A one-way flow's answer (the ACK) goes to its mailbox like any other.
     pub(super) fn take_inline(
         &mut self,
         from: PeerId,

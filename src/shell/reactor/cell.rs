@@ -1,5 +1,6 @@
-//! The reactor thread and the application threads that drive beside it: the [`Cell`] holding the
-//! driver, who runs a pass when, and the thread's loop ([`Cell::run`]) with its stand-downs and parks.
+//! The reactor thread and the application threads that drive beside it: who runs a pass when
+//! ([`super::Reactor::drive`]), and the thread's loop ([`Cell::run`]) with its stand-downs and
+//! parks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};

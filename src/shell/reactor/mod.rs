@@ -137,11 +137,11 @@ pub(crate) struct Drove {
 struct Cell {
     /// `None` once the reactor thread has ended.
     driver: Mutex<Option<Driver>>,
-    /// Passes may run on application threads ([`crate::shell::copy::route::Copiers::any_thread`]: an arena's engine asks
+    /// Passes may run on application threads ([`Copiers::any_thread`]: an arena's engine asks
     /// for it; a GPU arena's context is made current for the pass and the application's
     /// restored at the FFI edge).
     any_thread: bool,
-    /// The control channel has a socket of its own ([`crate::shell::control::ControlChannel::own_socket`]): pollers
+    /// The control channel has a socket of its own ([`ControlChannel::own_socket`]): pollers
     /// look at it ([`Reactor::drive_if_readable`]).
     own_socket: bool,
     /// When a poller last asked the control socket whether a frame waits (nanoseconds since
