@@ -506,6 +506,14 @@ pub enum ProtocolError {
         /// The flow.
         xfer: XferId,
     },
+    /// A WANT naming a live READ flow (the mirror of a PULL for a WRITE flow); ignored.
+    #[error("peer {}: WANT for transfer {}, a READ flow", .peer.0, .xfer.0)]
+    WantForReadFlow {
+        /// The sending peer.
+        peer: PeerId,
+        /// The flow.
+        xfer: XferId,
+    },
     /// A WANT or PULL naming an arena this receiver does not have, or not the one its flow
     /// lies in; refused.
     #[error("peer {}: transfer {} names arena {} (not ours, or not its flow's)", .peer.0, .xfer.0, .arena.0)]

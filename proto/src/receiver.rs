@@ -452,6 +452,11 @@ impl Receiver {
             return Err(ProtocolError::WrongArena { peer: from, xfer: want.xfer, arena: want.arena });
         }
         let live = self.flows.get(&key);
+        // A READ flow's chunks are gathered from its PULLs' runs: a WANT adding chunks to it
+        // would be granted regions no run fills (only its own initiator holds the token).
+        if live.is_some_and(|f| f.pull.is_some()) {
+            return Err(ProtocolError::WantForReadFlow { peer: from, xfer: want.xfer });
+        }
         if live.is_some_and(|f| f.standing) || (live.is_some() && want.standing == Standing::Open) {
             return Err(ProtocolError::StandingWant { peer: from, xfer: want.xfer });
         }

@@ -1006,3 +1006,24 @@ fn an_arena_that_declines_inline_chunks_grants_their_wants_and_another_takes_the
     assert_eq!(inline_scatters(&drain(&mut ep)).len(), 1);
     check(&ep);
 }
+
+/// The mirror of a PULL for a WRITE flow: a WANT naming a live READ flow, even with the
+/// flow's own token, is refused. Nothing is granted for it (a region granted to a READ flow
+/// is gathered from its PULL's runs, and this chunk has none), and the READ goes on.
+#[test]
+fn a_want_for_a_live_read_flow_is_refused_and_the_read_goes_on() {
+    let (mut ep, t) = receiver();
+    ep.handle_msg(t, PEER, Msg::Pull(pull_of(REG, DST))).unwrap();
+    let acts = drain(&mut ep);
+    assert!(acts.iter().any(|a| matches!(a, Action::Gather { .. })), "{acts:?}");
+    let key = FlowKey { peer: PEER, xfer: XferId(9) };
+    let free = ep.schedulers().get(ArenaId(0)).free_bytes();
+    let err = ep.handle_msg(t, PEER, want_msg(XferId(9), &[CHUNK])).unwrap_err();
+    assert_eq!(err, ProtocolError::WantForReadFlow { peer: PEER, xfer: XferId(9) });
+    let acts = drain(&mut ep);
+    assert!(acts.is_empty(), "nothing granted, gathered or answered: {acts:?}");
+    assert_eq!(ep.schedulers().get(ArenaId(0)).free_bytes(), free);
+    assert_eq!((ep.remote_flows(), ep.scheduler().flow_held_count(key)), (1, 1));
+    ep.receiver().check_invariants().unwrap();
+    check(&ep);
+}
