@@ -32,7 +32,13 @@ pub(crate) struct Piece {
 /// Most iovecs one call takes (Linux's `UIO_MAXIOV`).
 const IOV_MAX: usize = 1024;
 
-/// Copies every piece between this process and process `pid`, `IOV_MAX` pieces a call.
+/// Most bytes one call is given. Linux moves at most `MAX_RW_COUNT` (2 GiB less a page) per
+/// call and returns a short count beyond it, which [`copy`] must read as a fault: so no call is
+/// asked for more, and a larger piece is split across calls.
+const CALL_MAX_BYTES: u64 = 1 << 30;
+
+/// Copies every piece between this process and process `pid`, at most `IOV_MAX` iovecs and
+/// [`CALL_MAX_BYTES`] a call.
 ///
 /// # Safety
 /// For [`CmaDir::Read`], every piece's local range must be memory of this process that nothing
@@ -40,26 +46,20 @@ const IOV_MAX: usize = 1024;
 /// [`CmaDir::Write`] the local ranges are only read, and an unmapped one fails the call.
 ///
 /// # Errors
-/// The kernel's error (`EPERM`, `ESRCH`, `EFAULT`, ...), or `UnexpectedEof` when a call moved
-/// fewer bytes than asked (an unmapped remote page): the copy is then incomplete.
+/// The kernel's error (`EPERM`, `ESRCH`, `EFAULT`, ...), `InvalidInput` for a piece whose range
+/// wraps, or `UnexpectedEof` when a call moved fewer bytes than asked (an unmapped remote page):
+/// the copy is then incomplete.
 pub(crate) unsafe fn copy(pid: u32, dir: CmaDir, pieces: &[Piece]) -> io::Result<()> {
     let mut local = Vec::with_capacity(pieces.len().min(IOV_MAX));
     let mut remote = Vec::with_capacity(pieces.len().min(IOV_MAX));
-    for batch in pieces.chunks(IOV_MAX) {
-        local.clear();
-        remote.clear();
-        let mut want = 0usize;
-        for p in batch {
-            let len = usize::try_from(p.len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-            local.push(libc::iovec { iov_base: p.local as usize as *mut libc::c_void, iov_len: len });
-            remote.push(libc::iovec { iov_base: p.remote as usize as *mut libc::c_void, iov_len: len });
-            want = want.checked_add(len).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
-        }
+    let mut calls = CallPlan { pieces, next: 0, done: 0 };
+    while calls.fill(&mut local, &mut remote)? {
+        let want: usize = local.iter().map(|v| v.iov_len).sum();
         let pid = pid as libc::pid_t;
-        // SAFETY: both iovec arrays are live for the call and `batch.len() <= IOV_MAX` long.
-        // The remote side is the kernel's to check. The local side: read for a write (an
-        // unmapped range fails with EFAULT); written for a read, which the caller's contract
-        // makes this call's alone.
+        // SAFETY: both iovec arrays are live for the call, at most `IOV_MAX` long, and cover
+        // sub-ranges of the caller's pieces. The remote side is the kernel's to check. The
+        // local side: read for a write (an unmapped range fails with EFAULT); written for a
+        // read, which the caller's contract makes this call's alone.
         let n = unsafe {
             match dir {
                 CmaDir::Write => libc::process_vm_writev(
@@ -83,6 +83,45 @@ pub(crate) unsafe fn copy(pid: u32, dir: CmaDir, pieces: &[Piece]) -> io::Result
         }
     }
     Ok(())
+}
+
+/// Cuts pieces into calls: each at most `IOV_MAX` iovecs and [`CALL_MAX_BYTES`] bytes, a piece
+/// over the byte bound spread over several.
+struct CallPlan<'a> {
+    pieces: &'a [Piece],
+    /// The piece the next call starts in.
+    next: usize,
+    /// Bytes of that piece given to earlier calls.
+    done: u64,
+}
+
+impl CallPlan<'_> {
+    /// The next call's iovecs into `local` and `remote`; false when every byte was given.
+    fn fill(&mut self, local: &mut Vec<libc::iovec>, remote: &mut Vec<libc::iovec>) -> io::Result<bool> {
+        local.clear();
+        remote.clear();
+        let mut budget = CALL_MAX_BYTES;
+        while local.len() < IOV_MAX && budget > 0 {
+            let Some(p) = self.pieces.get(self.next) else { break };
+            let take = (p.len - self.done).min(budget);
+            let at = |base: u64| base.checked_add(self.done).filter(|a| a.checked_add(take).is_some());
+            let (Some(l), Some(r)) = (at(p.local), at(p.remote)) else {
+                return Err(io::Error::from(io::ErrorKind::InvalidInput));
+            };
+            if take > 0 {
+                // `take <= CALL_MAX_BYTES`, which fits a usize on every target we build for.
+                local.push(libc::iovec { iov_base: l as usize as *mut libc::c_void, iov_len: take as usize });
+                remote.push(libc::iovec { iov_base: r as usize as *mut libc::c_void, iov_len: take as usize });
+            }
+            budget -= take;
+            self.done += take;
+            if self.done == p.len {
+                self.next += 1;
+                self.done = 0;
+            }
+        }
+        Ok(!local.is_empty())
+    }
 }
 
 /// A process as the kernel names it, with what tells a reused pid apart.
@@ -216,5 +255,60 @@ mod tests {
         let bad = [Piece { local: src.as_ptr() as u64, remote: 8, len: 2 }];
         // SAFETY: as above.
         assert!(unsafe { copy(pid, CmaDir::Write, &bad) }.is_err());
+    }
+
+    /// Calls are cut at `IOV_MAX` iovecs and at `CALL_MAX_BYTES`, a larger piece spread over
+    /// several calls without a byte lost or repeated, and empty pieces skipped.
+    #[test]
+    fn calls_stay_under_the_kernels_bounds_and_cover_every_byte_once() {
+        const G: u64 = 1 << 30;
+        let pieces = [
+            Piece { local: 0x1000, remote: 0x9000_0000_0000, len: 5 * G / 2 },
+            Piece { local: 0, remote: 0, len: 0 },
+            Piece { local: 0x7000_0000_0000, remote: 0x10, len: 3 },
+        ];
+        let mut plan = CallPlan { pieces: &pieces, next: 0, done: 0 };
+        let (mut local, mut remote) = (Vec::new(), Vec::new());
+        let mut calls = Vec::new();
+        while plan.fill(&mut local, &mut remote).unwrap() {
+            let span = |v: &libc::iovec| (v.iov_base as u64, v.iov_len as u64);
+            calls.push((local.iter().map(span).collect::<Vec<_>>(), remote.iter().map(span).collect::<Vec<_>>()));
+        }
+        let r = 0x9000_0000_0000;
+        assert_eq!(
+            calls,
+            vec![
+                (vec![(0x1000, G)], vec![(r, G)]),
+                (vec![(0x1000 + G, G)], vec![(r + G, G)]),
+                (vec![(0x1000 + 2 * G, G / 2), (0x7000_0000_0000, 3)], vec![(r + 2 * G, G / 2), (0x10, 3)]),
+            ]
+        );
+        // 1500 small pieces: 1024 iovecs, then 476.
+        let small: Vec<Piece> = (0..1500).map(|i| Piece { local: 8 * i, remote: 16 * i, len: 8 }).collect();
+        let mut plan = CallPlan { pieces: &small, next: 0, done: 0 };
+        let mut sizes = Vec::new();
+        while plan.fill(&mut local, &mut remote).unwrap() {
+            sizes.push(local.len());
+        }
+        assert_eq!(sizes, vec![1024, 476]);
+        // A piece whose range wraps the address space is refused, not cut.
+        let wraps = [Piece { local: u64::MAX - 4, remote: 0, len: 8 }];
+        assert!(CallPlan { pieces: &wraps, next: 0, done: 0 }.fill(&mut local, &mut remote).is_err());
+    }
+
+    /// More than the kernel moves in one call (2 GiB less a page) in one batch of pieces:
+    /// copied whole, where one call per 1024 pieces came back short and failed.
+    #[test]
+    fn a_batch_of_more_than_two_gib_is_copied_whole() {
+        let pid = std::process::id();
+        let src: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; 4 << 20];
+        // 600 pieces of 4 MiB (2.3 GiB) over the same two buffers: little memory, many bytes.
+        let pieces: Vec<Piece> = (0..600)
+            .map(|_| Piece { local: src.as_ptr() as u64, remote: dst.as_mut_ptr() as u64, len: 4 << 20 })
+            .collect();
+        // SAFETY: a write only reads the local ranges (inside `src`).
+        unsafe { copy(pid, CmaDir::Write, &pieces) }.expect("2.3 GiB through process_vm_writev");
+        assert!(dst == src);
     }
 }
