@@ -60,6 +60,11 @@ pub enum BadProof {
     /// must never touch it. An honest sender names the arena of its destinations' memory.
     #[error("registration {} is not served by arena {}", .0.0, .1.0)]
     WrongArena(RegId, ArenaId),
+    /// No proof at all. An honest WANT or PULL proves every registration its runs touch, at
+    /// least one; one proving none could never be served, and would only hold credits,
+    /// mailbox slots and queue places of ours for a sender holding no key of ours.
+    #[error("no proof")]
+    NoProof,
 }
 
 /// Deregistered registrations remembered, so that a WANT racing a deregistration is told apart
@@ -115,6 +120,19 @@ impl Registrations {
     /// this had the same value still holds: registrations only shrink by removal.
     pub fn removals(&self) -> u64 {
         self.removals
+    }
+
+    /// [`Self::verify`] for the frame that opens a flow (a WANT, or a READ's first PULL; later
+    /// PULLs add to what the first proved and may prove nothing more): it must prove at least
+    /// one registration.
+    ///
+    /// # Errors
+    /// [`BadProof::NoProof`] for no proof, else as [`Self::verify`].
+    pub fn verify_opening(&self, token: Token, proofs: &[Proof], arena: ArenaId) -> Result<Vec<RegId>, BadProof> {
+        if proofs.is_empty() {
+            return Err(BadProof::NoProof);
+        }
+        self.verify(token, proofs, arena)
     }
 
     /// Checks `proofs` for the transfer with `token` through `arena`; returns the proven
@@ -270,6 +288,11 @@ mod tests {
         assert_eq!(regs.verify(t, &[p], A0), Err(BadProof::WrongTag(RegId(1))));
         // One bad proof among good ones spoils the lot.
         assert!(regs.verify(t, &[prove(RegId(1), &KEY, t), p], A0).is_err());
+        // None proves nothing: an opening frame without proofs is refused; a later one adds
+        // nothing to what its flow proved.
+        assert_eq!(regs.verify_opening(t, &[], A0), Err(BadProof::NoProof));
+        assert_eq!(regs.verify(t, &[], A0), Ok(vec![]));
+        assert_eq!(regs.verify_opening(t, &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
         assert_ne!(tag(&KEY, t), tag(&KEY, Token(43)), "tags differ per transfer");
     }
 

@@ -471,7 +471,11 @@ impl Receiver {
             return self.open_standing(ctx, from, want, PeerLoad { flows, chunks });
         }
         // Where the flow may scatter: only registrations whose metadata the sender holds.
-        let proven = match self.registered.verify(want.token, &want.proofs, want.arena) {
+        let proven = match if self.flows.contains_key(&key) {
+            self.registered.verify(want.token, &want.proofs, want.arena)
+        } else {
+            self.registered.verify_opening(want.token, &want.proofs, want.arena)
+        } {
             Ok(proven) => proven,
             Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {
                 // An honest sender whose WANT crossed the deregistration of its destination:

@@ -270,13 +270,14 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
     // Flows from peers 3, 5 and 9 (several each), a transfer of ours to peer 1.
     for (peer, xfers) in [(3u32, 4u64), (5, 1), (9, 7)] {
         for x in 0..xfers {
+            let token = Token(u128::from(x) + 1);
             let want = bounce_proto::wire::Want {
                 arena: ArenaId(0),
                 xfer: XferId(x),
-                token: Token(u128::from(x) + 1),
+                token,
                 endpoint: Vec::new(),
                 chunks: vec![CHUNK],
-                proofs: Vec::new(),
+                proofs: vec![bounce_proto::proof::prove(RegId(0), &KEY, token)],
                 inline: None,
                 standing: Default::default(),
             };

@@ -280,11 +280,11 @@ impl Endpoint {
     ) -> Result<(), ProtocolError> {
         let (token, chunks, genuine) = match &msg {
             wire::Msg::Want(m) => {
-                (m.token, m.chunks.len(), receiver.registrations().verify(m.token, &m.proofs, m.arena))
+                (m.token, m.chunks.len(), receiver.registrations().verify_opening(m.token, &m.proofs, m.arena))
             }
             // A READ's answers count all its chunks, those of its later PULLs too.
             wire::Msg::Pull(m) => {
-                (m.token, m.total as usize, receiver.registrations().verify(m.token, &m.proofs, m.arena))
+                (m.token, m.total as usize, receiver.registrations().verify_opening(m.token, &m.proofs, m.arena))
             }
             _ => return Ok(()),
         };

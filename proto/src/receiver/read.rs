@@ -166,7 +166,12 @@ impl Receiver {
             refuse(ctx);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: pull.xfer, flows, chunks });
         }
-        let mut proven = match self.registered.verify(pull.token, &pull.proofs, pull.arena) {
+        let verified = if opens {
+            self.registered.verify_opening(pull.token, &pull.proofs, pull.arena)
+        } else {
+            self.registered.verify(pull.token, &pull.proofs, pull.arena)
+        };
+        let mut proven = match verified {
             Ok(proven) => proven,
             Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {
                 refuse(ctx);
