@@ -213,15 +213,27 @@ public:
         return guarded([&]() -> nixl_status_t {
             auto *h = static_cast<BounceReqH *>(handle);
             if (!h) return NIXL_ERR_INVALID_PARAM;
-            nixl_status_t st = NIXL_SUCCESS;
+            // The wrapper lives exactly as long as NIXL holds the handle: NIXL keeps a handle
+            // whose release failed and releases it again later, so a wrapper deleted before an
+            // error would be used after free then.
             if (h->xfer != 0) {
-                st = static_cast<nixl_status_t>(bnc_xfer_release(rust_, h->xfer));
-            } else if (h->inner) {
-                Lock g(mu_);
-                st = inner_->releaseReqH(h->inner);
+                // Whatever this returns, Rust holds nothing more for the handle (an unknown one
+                // was never or is no longer its; a panic was caught and logged there): the
+                // handle is gone, and saying so keeps NIXL from releasing it again.
+                (void)bnc_xfer_release(rust_, h->xfer);
+                delete h;
+                return NIXL_SUCCESS;
+            }
+            if (h->inner) {
+                nixl_status_t st;
+                {
+                    Lock g(mu_);
+                    st = inner_->releaseReqH(h->inner);
+                }
+                if (st != NIXL_SUCCESS) return st;  // still the inner engine's: kept for the retry
             }
             delete h;
-            return st;
+            return NIXL_SUCCESS;
         });
     }
 

@@ -777,7 +777,11 @@ pub unsafe extern "C" fn bnc_xfer_release(engine: *mut c_void, xfer: u64) -> i32
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         match e.release(xfer) {
             Ok(()) => Status::Success,
-            Err(err) => Status::from(&err),
+            Err(err) => {
+                // The shim releases the handle whatever this says (see its releaseReqH).
+                tracing::warn!(handle = xfer, error = %err, "release of a request handle this engine does not hold");
+                Status::from(&err)
+            }
         }
     })
     .code()
