@@ -69,7 +69,7 @@ enum Stage {
     /// RDMA write in flight, from the staging region or (a direct chunk) from user memory.
     Writing { source: WriteSource, job: JobId, credit: Credit },
     /// DATA sent at `sent`; waiting for the ACK.
-    DataSent { source: WriteSource, credit: Credit, sent: Instant },
+    DataSent { source: WriteSource, credit: Credit, sent: Instant, replanned: bool },
     /// Scattered at the receiver; staging released.
     Acked,
     /// A READ's chunk: RDMA READ of the target's ready region into `local` in flight.
@@ -677,7 +677,7 @@ impl Sender {
             }
             return Ok(());
         }
-        let Stage::DataSent { source, credit, sent } = stage else {
+        let Stage::DataSent { source, credit, sent, replanned } = stage else {
             // A refusal of the whole transfer (the receiver will not serve its WANT: see
             // `receiver::refuse_want`); its token shows it comes from the receiver.
             if ack.status == AckStatus::Refused {
@@ -691,7 +691,9 @@ impl Sender {
             }
             return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
         };
-        if credit.region != ack.region {
+        // A DATA sent again with its runs leaves nothing to replan: a second Replan would only
+        // keep the transfer alive (each pushes the deadline back) and make us send DATA again.
+        if credit.region != ack.region || (replanned && ack.status == AckStatus::Replan) {
             return Err(ProtocolError::UnexpectedAck { xfer: id, chunk: ack.chunk });
         }
         x.deadline = ctx.now + timeout;
@@ -726,7 +728,7 @@ impl Sender {
             AckStatus::Replan => {
                 // The receiver kept no plan for the chunk: the DATA again, with its runs.
                 ctx.stats.replans += 1;
-                x.stages[i] = Stage::DataSent { source, credit, sent: ctx.now };
+                x.stages[i] = Stage::DataSent { source, credit, sent: ctx.now, replanned: true };
                 let data = x.data(id, i, credit.region, true);
                 ctx.send(x.peer, data);
             }
@@ -777,7 +779,7 @@ impl Sender {
             x.stages[r.chunk] = Stage::unwritten(source);
             return self.fail(ctx, r.xfer, XferError::WriteFailed, true);
         }
-        x.stages[r.chunk] = Stage::DataSent { source, credit, sent: ctx.now };
+        x.stages[r.chunk] = Stage::DataSent { source, credit, sent: ctx.now, replanned: false };
         let chunk = &x.plan.chunks[r.chunk];
         ctx.stats.chunks_written += 1;
         ctx.stats.bytes_written += chunk.bytes;

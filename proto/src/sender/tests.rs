@@ -791,3 +791,31 @@ fn peer_loss_with_a_direct_write_in_flight_waits_only_for_its_done_event() {
     assert!(drain(&mut ep).is_empty(), "nobody to cancel at");
     assert!(ep.is_idle());
 }
+
+/// A chunk is replanned once: its DATA then carries every run, so a second Replan is a
+/// broken or hostile receiver's. It is refused, sends nothing and does not push the
+/// transfer's deadline back, so a target answering every DATA with Replan cannot keep the
+/// transfer alive: it times out a timeout after the last real progress.
+#[test]
+fn a_second_replan_of_a_chunk_is_refused_and_the_transfer_still_times_out() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    drain(&mut ep);
+    let w = writes(&feed(&mut ep, t, grant_msg(X, &[(0, r(0))])));
+    ep.handle_write_done(t, w[0].0, true);
+    drain(&mut ep);
+    let replan = || ack_msg(X, 0, r(0), AckStatus::Replan);
+    let first = t + TIMEOUT / 2;
+    let sent = msgs(&feed(&mut ep, first, replan()));
+    assert!(matches!(&sent[..], [(PEER, Msg::Data(_))]), "the DATA again, with its runs: {sent:?}");
+    let mut now = first;
+    for _ in 0..5 {
+        now += TIMEOUT / 5;
+        let err = ep.handle_msg(now, PEER, replan()).unwrap_err();
+        assert_eq!(err, ProtocolError::UnexpectedAck { xfer: X, chunk: ChunkIdx(0) });
+        assert!(drain(&mut ep).is_empty(), "no DATA sent again");
+    }
+    ep.handle_timeout(first + TIMEOUT);
+    assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::Timeout))]);
+    assert_eq!(ep.stats().replans, 1);
+}
