@@ -682,6 +682,12 @@ impl Endpoint {
         self.sender.orphans()
     }
 
+    /// Whether `job` (a gather, write or READ of ours) belongs to a transfer that ended before
+    /// it was reported done: a write or READ not yet posted need not be (report it failed).
+    pub fn is_orphan(&self, job: JobId) -> bool {
+        self.sender.is_orphan(job)
+    }
+
     /// Jobs emitted and not yet reported done (orphans included).
     pub fn jobs_in_flight(&self) -> usize {
         self.sender.jobs_in_flight() + self.receiver.scatters_in_flight()

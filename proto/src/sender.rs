@@ -68,8 +68,10 @@ enum Stage {
     Gathered { local: Region },
     /// RDMA write in flight, from the staging region or (a direct chunk) from user memory.
     Writing { source: WriteSource, job: JobId, credit: Credit },
-    /// DATA sent at `sent`; waiting for the ACK.
-    DataSent { source: WriteSource, credit: Credit, sent: Instant, replanned: bool },
+    /// DATA sent at `sent`; waiting for the ACK. The staging region went back when the write
+    /// was done: its bytes are in the peer's region (nothing ever writes them again), so a
+    /// target that never ACKs holds none of our arena.
+    DataSent { direct: bool, credit: Credit, sent: Instant, replanned: bool },
     /// Scattered at the receiver; staging released.
     Acked,
     /// A READ's chunk: RDMA READ of the target's ready region into `local` in flight.
@@ -347,6 +349,12 @@ impl Sender {
     /// writes of failed transfers hold none and are not counted).
     pub fn orphans(&self) -> usize {
         self.orphans.values().filter(|o| o.region.is_some()).count()
+    }
+
+    /// Whether `job` belongs to a transfer that ended (failed or canceled) before it was
+    /// reported done.
+    pub fn is_orphan(&self, job: JobId) -> bool {
+        self.orphans.contains_key(&job)
     }
 
     /// Gather and write jobs emitted and not yet reported (orphans included).
@@ -677,7 +685,7 @@ impl Sender {
             }
             return Ok(());
         }
-        let Stage::DataSent { source, credit, sent, replanned } = stage else {
+        let Stage::DataSent { direct, credit, sent, replanned } = stage else {
             // A refusal of the whole transfer (the receiver will not serve its WANT: see
             // `receiver::refuse_want`); its token shows it comes from the receiver.
             if ack.status == AckStatus::Refused {
@@ -716,9 +724,6 @@ impl Sender {
                 x.stages[i] = Stage::Acked;
                 x.acked += 1;
                 let done = x.acked == x.stages.len();
-                if let WriteSource::Arena(local) = source {
-                    release(ctx, x.plan.local_arena, local);
-                }
                 if done {
                     self.complete(ctx, id);
                 }
@@ -728,7 +733,7 @@ impl Sender {
             AckStatus::Replan => {
                 // The receiver kept no plan for the chunk: the DATA again, with its runs.
                 ctx.stats.replans += 1;
-                x.stages[i] = Stage::DataSent { source, credit, sent: ctx.now, replanned: true };
+                x.stages[i] = Stage::DataSent { direct, credit, sent: ctx.now, replanned: true };
                 let data = x.data(id, i, credit.region, true);
                 ctx.send(x.peer, data);
             }
@@ -779,11 +784,18 @@ impl Sender {
             x.stages[r.chunk] = Stage::unwritten(source);
             return self.fail(ctx, r.xfer, XferError::WriteFailed, true);
         }
-        x.stages[r.chunk] = Stage::DataSent { source, credit, sent: ctx.now, replanned: false };
+        let direct = match source {
+            WriteSource::Arena(local) => {
+                release(ctx, x.plan.local_arena, local);
+                false
+            }
+            WriteSource::User { .. } => true,
+        };
+        x.stages[r.chunk] = Stage::DataSent { direct, credit, sent: ctx.now, replanned: false };
         let chunk = &x.plan.chunks[r.chunk];
         ctx.stats.chunks_written += 1;
         ctx.stats.bytes_written += chunk.bytes;
-        if matches!(source, WriteSource::User { .. }) {
+        if direct {
             ctx.stats.chunks_direct += 1;
         }
         let data = x.data(r.xfer, r.chunk, credit.region, false);

@@ -53,7 +53,7 @@ impl Sender {
                     self.orphans.insert(job, Orphan { xfer: id, arena, region, kind: JobKind::Write });
                     writes += 1;
                 }
-                Stage::Gathered { local } | Stage::DataSent { source: WriteSource::Arena(local), .. } => {
+                Stage::Gathered { local } => {
                     release(ctx, arena, local);
                 }
                 Stage::Reading { local, job, .. } => {
@@ -67,10 +67,7 @@ impl Sender {
                     self.jobs.remove(&job);
                     self.orphans.insert(job, Orphan { xfer: id, arena, region: Some(local), kind: JobKind::Scatter });
                 }
-                Stage::DataSent { source: WriteSource::User { .. }, .. }
-                | Stage::Idle
-                | Stage::Parked { .. }
-                | Stage::Acked => {}
+                Stage::DataSent { .. } | Stage::Idle | Stage::Parked { .. } | Stage::Acked => {}
             }
         }
         // A claim of our standing region: the region may hold (or be about to receive) this

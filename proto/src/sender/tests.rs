@@ -110,9 +110,10 @@ fn eager_lifecycle_gathers_before_the_grant_and_completes_after_every_ack() {
     ep.handle_write_done(t, w1[0].0, true);
     drain(&mut ep);
 
-    // ACK releases the staging region; the next credit gathers on arrival.
+    // A write done gives its staging back (the bytes are in the peer's region); the ACK
+    // holds nothing of ours. The next credit gathers on arrival.
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK, "only the reserve");
     assert!(feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)).is_empty());
-    assert_eq!(ep.scheduler().local_bytes(), CHUNK + CHUNK, "chunk 1's staging and the reserve");
     let g2 = gathers(&feed(&mut ep, t, grant_msg(X, &[(2, r(0))])));
     assert_eq!(g2.len(), 1);
     assert_eq!(ep.scheduler().eager_bytes(), CHUNK, "credit-backed staging is not eager");
@@ -307,7 +308,7 @@ fn non_eager_gathers_only_when_a_credit_arrives() {
 
 #[test]
 fn credit_is_parked_when_the_local_arena_is_full_and_staged_after_a_release() {
-    // The arena holds one chunk: the second credit must wait for the first ACK.
+    // The arena holds one chunk: the second credit must wait for the first write.
     let (mut ep, t) = endpoint(4 * KIB, 2, false);
     ep.submit(t, X, TOKEN, PEER, plan_of(2)).unwrap();
     drain(&mut ep);
@@ -317,10 +318,10 @@ fn credit_is_parked_when_the_local_arena_is_full_and_staged_after_a_release() {
     ep.handle_gather_done(t, g[0].0, true);
     let w = writes(&drain(&mut ep));
     ep.handle_write_done(t, w[0].0, true);
-    drain(&mut ep);
-    let g1 = gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)));
-    assert_eq!(g1.len(), 1, "the freed region goes to the parked credit");
+    let g1 = gathers(&drain(&mut ep));
+    assert_eq!(g1.len(), 1, "the region freed with the write goes to the parked credit");
     assert_eq!(ep.sender().parked_credits(), 0);
+    assert!(gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered))).is_empty());
     check(&ep);
 }
 
@@ -340,10 +341,10 @@ fn a_credit_that_finds_the_arena_full_of_remote_grants_takes_the_reserve() {
     ep.handle_gather_done(t, g[0].0, true);
     let w = writes(&drain(&mut ep));
     ep.handle_write_done(t, w[0].0, true);
-    drain(&mut ep);
-    // Its ACK frees the region: the parked credit takes it before the remote flow does.
-    let g1 = gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered)));
+    // Its write done frees the region: the parked credit takes it before the remote flow does.
+    let g1 = gathers(&drain(&mut ep));
     assert_eq!(g1.len(), 1);
+    assert!(gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered))).is_empty());
     ep.handle_gather_done(t, g1[0].0, true);
     let w = writes(&drain(&mut ep));
     ep.handle_write_done(t, w[0].0, true);
@@ -643,11 +644,11 @@ fn a_mixed_plan_stages_only_its_staged_chunks() {
     for w in w.into_iter().chain(staged) {
         finish_write(&mut ep, t, w);
     }
-    assert_eq!(ep.scheduler().local_bytes(), 2 * CHUNK + CHUNK);
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK, "the staging went back with the writes: the reserve");
     for (i, region) in credits.into_iter().take(3) {
         assert!(feed(&mut ep, t, ack_msg(X, i, region, AckStatus::Scattered)).is_empty());
     }
-    assert_eq!(ep.scheduler().local_bytes(), CHUNK + CHUNK, "chunk 3's staging and the reserve");
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK);
     let acts = feed(&mut ep, t, ack_msg(X, 3, r(12), AckStatus::Scattered));
     assert_eq!(completes(&acts), vec![(X, Ok(()))]);
     assert!(ep.is_idle());
@@ -818,4 +819,41 @@ fn a_second_replan_of_a_chunk_is_refused_and_the_transfer_still_times_out() {
     ep.handle_timeout(first + TIMEOUT);
     assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::Timeout))]);
     assert_eq!(ep.stats().replans, 1);
+}
+
+/// A target that grants every chunk at once (past any window) and never ACKs holds none of
+/// our arena once the writes are done: each write gives its staging back, so the credits
+/// parked for lack of space are staged in turn, and another peer's transfer still finds room.
+#[test]
+fn a_target_that_never_acks_holds_no_staging_once_the_writes_are_done() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(32)).unwrap();
+    drain(&mut ep);
+    let credits: Vec<(u32, Region)> = (0..32).map(|i| (i, r(4 * u64::from(i)))).collect();
+    let mut acts = feed(&mut ep, t, grant_msg(X, &credits));
+    assert!(ep.sender().parked_credits() > 0, "more credits than the arena stages at once");
+    let mut written = 0;
+    loop {
+        for (job, _) in gathers(&acts) {
+            ep.handle_gather_done(t, job, true);
+        }
+        let w = writes(&drain(&mut ep));
+        if w.is_empty() {
+            break;
+        }
+        for (job, ..) in w {
+            ep.handle_write_done(t, job, true);
+            written += 1;
+        }
+        acts = drain(&mut ep);
+    }
+    assert_eq!((written, ep.sender().parked_credits()), (32, 0));
+    assert_eq!(ep.scheduler().local_bytes(), CHUNK, "only the reserve");
+    let other = PeerId(8);
+    let y = XferId(2);
+    ep.submit(t, y, TOKEN, other, plan_of(1)).unwrap();
+    drain(&mut ep);
+    ep.handle_msg(t, other, grant_msg(y, &[(0, r(0))])).unwrap();
+    assert_eq!(gathers(&drain(&mut ep)).len(), 1, "staged at once");
+    check(&ep);
 }

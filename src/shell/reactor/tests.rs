@@ -57,6 +57,10 @@ struct MemPath {
     /// The application's pulls of the inner engine, as the mailroom notes them (a test notes
     /// them itself).
     pulls: Option<Arc<Streak>>,
+    /// With this flag, every write (its bytes copied at the post) stays in flight until it is
+    /// set: a peer that stopped, whose writes UCX's flush never completes.
+    hold_writes: Option<Arc<AtomicBool>>,
+    held_writes: HashSet<u64>,
 }
 
 impl DataPath for MemPath {
@@ -74,6 +78,10 @@ impl DataPath for MemPath {
         self.posted += 1;
         if let Some(log) = &self.writes {
             log.lock().push(("write".to_owned(), Vec::new()));
+        }
+        if self.hold_writes.is_some() {
+            self.held_writes.insert(self.posted);
+            return Ok(Posted::InFlight(WriteId(self.posted)));
         }
         Ok(if self.posted % 2 == 0 { Posted::InFlight(WriteId(self.posted)) } else { Posted::Done })
     }
@@ -116,6 +124,10 @@ impl DataPath for MemPath {
         }
         let released = self.hold.as_ref().is_none_or(|h| h.load(Ordering::Acquire));
         if self.held.contains(&w.0) && !released {
+            return WriteState::InProg;
+        }
+        let writes_released = self.hold_writes.as_ref().is_none_or(|h| h.load(Ordering::Acquire));
+        if self.held_writes.contains(&w.0) && !writes_released {
             return WriteState::InProg;
         }
         WriteState::Done
@@ -653,6 +665,41 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
         assert!(Instant::now() < deadline, "the arena was not reclaimed");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// A peer whose writes never complete (stopped: UCX's flush waits for it) keeps the two writes
+/// in flight to it, and the transfer times out. The writes queued behind them were never
+/// posted: they give their staging back when the transfer ends, not when the peer resumes.
+#[test]
+fn writes_queued_behind_a_stopped_peer_give_their_staging_back_when_the_transfer_ends() {
+    let cfg = config("300");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let resume = Arc::new(AtomicBool::new(false));
+    let path = MemPath { hold_writes: Some(Arc::clone(&resume)), ..MemPath::default() };
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    wait_for("the arena was never counted", &|| a.stat(|s| &s.arena_free_bytes) != 0);
+    let free_before = a.stat(|s| &s.arena_free_bytes);
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::Timeout));
+    // W = 4 credits: two writes in flight, two queued behind them.
+    let chunk = 4096;
+    wait_for("the queued writes kept their staging", &|| {
+        a.stat(|s| &s.arena_orphans) == 2 && a.stat(|s| &s.arena_free_bytes) == free_before - 2 * chunk
+    });
+    resume.store(true, Ordering::Release);
+    wait_for("the writes in flight did not give theirs back", &|| {
+        a.stat(|s| &s.arena_orphans) == 0 && a.stat(|s| &s.arena_free_bytes) == free_before
+    });
 }
 
 #[test]

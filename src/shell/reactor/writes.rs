@@ -80,7 +80,8 @@ impl Driver {
         }
     }
 
-    /// Posts one queued write whose peer has room; true when it posted one. The caller drains
+    /// Posts one queued write whose peer has room; true when it posted one (or dropped the
+    /// queued writes of ended transfers). The caller drains
     /// what the write produced (on one host UCX copies it inside the post, so its DATA is
     /// ready at once) before it posts the next: posted back to back, five synchronous 2 MiB
     /// writes held the first one's DATA ~950 us on the 2-core machine. The oldest queued write
@@ -90,10 +91,33 @@ impl Driver {
         if self.stopping {
             return false;
         }
+        // Dropping one is progress too: the caller drains what it produced (a cancel).
+        let dropped = self.drop_orphaned_writes();
         let room = |peer: PeerId| self.writes.iter().filter(|w| w.peer == peer).count() < MAX_WRITES_IN_FLIGHT;
-        let Some(i) = self.queued_writes.iter().position(|w| room(w.peer)) else { return false };
+        let Some(i) = self.queued_writes.iter().position(|w| room(w.peer)) else { return dropped };
         let Some(w) = self.queued_writes.remove(i) else { return false };
         self.over_at_post |= self.write(w);
+        true
+    }
+
+    /// Reports the queued writes of transfers that ended meanwhile (failed, canceled) as not
+    /// done, without posting them: nothing was written, so their staging goes back and their
+    /// transfer's cancel goes out now. Queued behind a peer that stopped answering (its
+    /// writes in flight never complete), they would otherwise hold their staging for as long
+    /// as the peer stays stopped.
+    fn drop_orphaned_writes(&mut self) -> bool {
+        if !self.queued_writes.iter().any(|w| self.ep.is_orphan(w.job)) {
+            return false;
+        }
+        let now = Instant::now();
+        let (ep, queued) = (&mut self.ep, &mut self.queued_writes);
+        queued.retain(|w| {
+            let orphan = ep.is_orphan(w.job);
+            if orphan {
+                ep.handle_write_done(now, w.job, false);
+            }
+            !orphan
+        });
         true
     }
 
