@@ -289,9 +289,11 @@ impl PeerTable {
     }
 
     /// Where the agent's arena lives and its mailbox's shape, when a transfer to it may bounce
-    /// one way only: loaded, compatible, its arena loaded, a mailbox in bounds, but no HELLO
-    /// (it never loaded us, or not yet). A peer that said HELLO is bounced to two way.
-    pub(crate) fn one_way_target(&self, name: &str) -> Option<(Vec<ArenaPlace>, MailboxLayout)> {
+    /// one way only: loaded, compatible, its arena loaded, a mailbox in bounds whose ring fits
+    /// our `fetch_slice` (a ring is read whole into one slice: a peer running a larger window
+    /// than ours, or advertising a huge ring, stays on UCX), but no HELLO (it never loaded us,
+    /// or not yet). A peer that said HELLO is bounced to two way.
+    pub(crate) fn one_way_target(&self, name: &str, fetch_slice: u64) -> Option<(Vec<ArenaPlace>, MailboxLayout)> {
         let t = self.table.lock();
         if t.rules.can_bounce(name) || !t.rules.can_bounce_one_way(name) {
             return None;
@@ -299,7 +301,8 @@ impl PeerTable {
         // Its mailbox's registration must be loaded too: our fetches READ through it.
         t.arenas.get(&(t.rules.lookup(name)?, ArenaId(0)))?.mailbox?;
         let caps = t.rules.compatible(name)?;
-        Some((places(caps), oneway::peer_layout(caps)?))
+        let layout = oneway::peer_layout(caps).filter(|l| l.ring_bytes() <= fetch_slice)?;
+        Some((places(caps), layout))
     }
 
     /// Where one-way fetches from a peer go: its name and its mailbox's registration.
@@ -579,16 +582,22 @@ mod tests {
         assert_eq!(load.mailbox, Some((0x7f00_0000_0000, layout.area_len(), b"mkey".to_vec())));
         // Its mailbox failed to load: two way only (after its HELLO), never one way.
         assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
-        assert!(t.one_way_target("b").is_none(), "no mailbox registration to READ through");
+        assert!(t.one_way_target("b", layout.fetch_slice).is_none(), "no mailbox registration to READ through");
         let id = t.known_id("b").unwrap();
         assert!(t.mailbox_target(id).is_none());
         // Reloaded with both: the old arena handle goes, the new pair is kept.
         assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), Some(Md(7))), (true, vec![vec![Md(5)]]));
-        assert!(t.one_way_target("b").is_some(), "one way before any HELLO");
+        assert!(t.one_way_target("b", layout.fetch_slice).is_some(), "one way before any HELLO");
+        // A ring larger than our fetch slice (a larger window than ours): never one way.
+        let smaller = layout.fetch_slice - bounce_proto::mailbox::RECORD_LEN as u64;
+        assert!(t.one_way_target("b", smaller).is_none(), "its ring would not fit a fetch slice");
         let m = t.mailbox_target(id).map(|(n, m)| (n, m.base, m.len, m.offset, m.md));
         assert_eq!(m, Some(("b".to_owned(), 0x7f00_0000_0000, layout.area_len(), 0, Md(7))));
         assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
-        assert!(t.one_way_target("b").is_none() && t.bounce_arenas("b").is_some(), "two way after its HELLO");
+        assert!(
+            t.one_way_target("b", layout.fetch_slice).is_none() && t.bounce_arenas("b").is_some(),
+            "two way after its HELLO"
+        );
         // The same pair reported again is kept; a new pair replaces both.
         assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), Some(Md(7))), (true, vec![]));
         assert_eq!(t.arena_loaded("b", A0, Some(Md(8)), Some(Md(9))), (true, vec![vec![Md(6), Md(7)]]));

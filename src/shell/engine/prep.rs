@@ -57,8 +57,7 @@ impl Engine {
         // it keeps one and so do we (our READs of it land in our fetch area).
         let one_way_here = self.bounce.as_ref().is_some_and(|b| b.caps.mailbox.is_some());
         let two_way_arenas = self.peers.bounce_arenas(agent);
-        let peer_arenas = two_way_arenas
-            .or_else(|| one_way_here.then(|| self.peers.one_way_target(agent).map(|(places, _)| places)).flatten());
+        let peer_arenas = two_way_arenas.or_else(|| one_way_here.then(|| self.one_way_places(agent)).flatten());
         // Each side bounces through the arena of its descriptors' memory (docs/arenas.md); with
         // none, the first, which the gate refuses for its memory.
         let (local_kind, remote_kind) = (local_mem.and_then(MemSeg::kind), remote_mem.and_then(MemSeg::kind));
@@ -239,6 +238,13 @@ impl Engine {
         });
         Stats::bump(&s.passthrough_xfers);
         None
+    }
+
+    /// Where `agent`'s arenas live, when a transfer to it may bounce one way: its mailbox ring
+    /// must fit one of our fetch slices ([`PeerTable::one_way_target`]).
+    fn one_way_places(&self, agent: &str) -> Option<Vec<ArenaPlace>> {
+        let fetch_slice = OneWayLayout::for_config(&self.config).fetch_slice;
+        self.peers.one_way_target(agent, fetch_slice).map(|(places, _)| places)
     }
 }
 

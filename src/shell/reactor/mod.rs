@@ -584,8 +584,11 @@ impl Driver {
                 let peer = self.shared.peers.id(&p.peer);
                 // Two way once the peer said HELLO; one way (answers READ from its mailbox)
                 // when it never loaded us but keeps a mailbox, and we keep a fetch area.
-                let one_way =
-                    self.area.as_ref().and_then(|_| self.shared.peers.one_way_target(&p.peer)).map(|(_, l)| l);
+                let one_way = self
+                    .area
+                    .as_ref()
+                    .and_then(|_| self.shared.peers.one_way_target(&p.peer, self.one_way.fetch_slice));
+                let one_way = one_way.map(|(_, l)| l);
                 let chunks = p.plan.chunks.len() as u64;
                 let bytes = p.plan.total_bytes;
                 let read = p.plan.read;

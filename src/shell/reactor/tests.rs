@@ -462,7 +462,7 @@ fn a_one_way_transfer_lands_byte_exact_with_its_answers_read_from_the_targets_ma
     let (a, b) = (Side::start("a", 11, &cfg, &net), Side::start("b", 22, &cfg, &net));
     a.load("b", &b);
     assert!(a.shared.peers.bounce_arenas("b").is_none(), "no HELLO can come back");
-    assert!(a.shared.peers.one_way_target("b").is_some(), "but b keeps a mailbox");
+    assert!(a.shared.peers.one_way_target("b", u64::MAX).is_some(), "but b keeps a mailbox");
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
