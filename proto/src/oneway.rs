@@ -45,8 +45,9 @@ pub const WAITING_UNITS_PER_PEER: u64 = crate::receiver::MAX_CHUNKS_PER_PEER;
 /// Chunks and gather runs held by all waiting transfers (tens of MiB at most).
 pub const WAITING_UNITS_TOTAL: u64 = 2 * WAITING_UNITS_PER_PEER;
 /// Fetch slices of the initiator's fetch area: one-way transfers it can poll at once (the
-/// others wait for a slice, in order).
-pub const FETCH_SLICES: u32 = 64;
+/// others wait for a slice, in order), a quarter of them at most to one target (32: half of
+/// what one initiator may hold of a target's mailbox slots).
+pub const FETCH_SLICES: u32 = 128;
 
 /// Where the mailbox and the fetch area lie, in the endpoint's offsets, for its configuration:
 /// past the arena's part the credit scheduler hands out, so one offset space covers all three

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use bounce_proto::XferId;
+use bounce_proto::{PeerId, XferId};
 
 use crate::shell::datapath::WriteId;
 use crate::sys::shim::Md;
@@ -29,6 +29,8 @@ const MAX_BACKOFF: Duration = Duration::from_micros(200);
 pub(crate) struct Poll {
     /// Its fetch slice.
     pub(crate) slice: u32,
+    /// The target it reads.
+    peer: PeerId,
     /// A fetch was posted and its bytes not yet handed to the core.
     pub(crate) posted: bool,
     /// When the fetch in flight was posted.
@@ -51,12 +53,18 @@ pub(crate) struct Poll {
 pub(crate) struct Fetches {
     free: Vec<u32>,
     polls: HashMap<XferId, Poll>,
+    /// Slices each target's transfers hold, at most `per_peer_max`: a slice is held until its
+    /// READ completes, and a stopped target's never do, so one stopped target (or a few) must
+    /// not hold every slice and starve the transfers to the others.
+    held: HashMap<PeerId, u32>,
+    per_peer_max: u32,
 }
 
 impl Fetches {
-    /// `slices` fetch slices, all free.
+    /// `slices` fetch slices, all free, at most a quarter of them (at least one) to one target.
     pub(crate) fn new(slices: u32) -> Self {
-        Self { free: (0..slices).rev().collect(), polls: HashMap::new() }
+        let per_peer_max = (slices / 4).max(1);
+        Self { free: (0..slices).rev().collect(), polls: HashMap::new(), held: HashMap::new(), per_peer_max }
     }
 
     /// True when some READ is in flight or some transfer is being polled.
@@ -64,13 +72,19 @@ impl Fetches {
         !self.polls.is_empty()
     }
 
-    /// The poll of `xfer`, giving it a slice on first sight (`None`: no slice free now; it
-    /// waits for one).
-    pub(crate) fn poll(&mut self, xfer: XferId, now: Instant) -> Option<&mut Poll> {
+    /// The poll of `xfer`, a transfer to `peer`, giving it a slice on first sight (`None`: no
+    /// slice free now, or `peer`'s transfers hold their share; it waits for one).
+    pub(crate) fn poll(&mut self, xfer: XferId, peer: PeerId, now: Instant) -> Option<&mut Poll> {
         if !self.polls.contains_key(&xfer) {
+            let held = self.held.entry(peer).or_default();
+            if *held >= self.per_peer_max {
+                return None;
+            }
             let slice = self.free.pop()?;
+            *held += 1;
             let poll = Poll {
                 slice,
+                peer,
                 posted: false,
                 posted_at: now,
                 reads: Vec::new(),
@@ -82,6 +96,11 @@ impl Fetches {
             };
             self.polls.insert(xfer, poll);
         }
+        self.polls.get_mut(&xfer)
+    }
+
+    /// The poll of `xfer`, if it holds a slice.
+    pub(crate) fn existing(&mut self, xfer: XferId) -> Option<&mut Poll> {
         self.polls.get_mut(&xfer)
     }
 
@@ -125,6 +144,12 @@ impl Fetches {
     pub(crate) fn remove(&mut self, xfer: XferId) {
         if let Some(p) = self.polls.remove(&xfer) {
             self.free.push(p.slice);
+            if let Some(n) = self.held.get_mut(&p.peer) {
+                *n -= 1;
+                if *n == 0 {
+                    self.held.remove(&p.peer);
+                }
+            }
         }
     }
 }
@@ -141,6 +166,8 @@ fn backoff(empty: u32) -> Duration {
 mod tests {
     use super::*;
 
+    const P: PeerId = PeerId(1);
+
     #[test]
     fn polls_back_off_after_empty_rounds_up_to_the_cap_and_snap_back_on_an_answer() {
         assert_eq!(backoff(1), Duration::ZERO);
@@ -151,25 +178,47 @@ mod tests {
         let mut f = Fetches::new(1);
         let t = Instant::now();
         let x = XferId(1);
-        assert!(f.poll(x, t).is_some());
+        assert!(f.poll(x, P, t).is_some());
         for _ in 0..EAGER_EMPTY_POLLS + 3 {
             f.fetched(x, 0, t);
         }
-        assert_eq!(f.poll(x, t).unwrap().next_at, t + MIN_BACKOFF * 4);
+        assert_eq!(f.poll(x, P, t).unwrap().next_at, t + MIN_BACKOFF * 4);
         f.fetched(x, 2, t);
-        assert_eq!(f.poll(x, t).unwrap().next_at, t, "an answer snaps the poll back");
+        assert_eq!(f.poll(x, P, t).unwrap().next_at, t, "an answer snaps the poll back");
     }
 
     #[test]
     fn a_slice_is_held_until_its_transfer_is_removed_and_then_reused() {
-        let mut f = Fetches::new(2);
+        let mut f = Fetches::new(8);
+        f.free.truncate(2);
         let t = Instant::now();
-        let a = f.poll(XferId(1), t).unwrap().slice;
-        let b = f.poll(XferId(2), t).unwrap().slice;
+        let a = f.poll(XferId(1), P, t).unwrap().slice;
+        let b = f.poll(XferId(2), P, t).unwrap().slice;
         assert_ne!(a, b);
-        assert!(f.poll(XferId(3), t).is_none(), "no slice free: the third waits");
+        assert!(f.poll(XferId(3), P, t).is_none(), "no slice free: the third waits");
         f.remove(XferId(1));
-        assert_eq!(f.poll(XferId(3), t).unwrap().slice, a);
-        assert_eq!(f.poll(XferId(2), t).unwrap().slice, b, "a held slice stays with its transfer");
+        assert_eq!(f.poll(XferId(3), P, t).unwrap().slice, a);
+        assert_eq!(f.poll(XferId(2), P, t).unwrap().slice, b, "a held slice stays with its transfer");
+    }
+
+    /// A target whose READs never complete (stopped) keeps its transfers' slices: it holds at
+    /// most a quarter of them, and transfers to other targets still get theirs.
+    #[test]
+    fn one_target_holds_at_most_a_quarter_of_the_slices() {
+        let mut f = Fetches::new(8);
+        let t = Instant::now();
+        let stopped = PeerId(1);
+        assert!(f.poll(XferId(1), stopped, t).is_some() && f.poll(XferId(2), stopped, t).is_some());
+        assert!(f.poll(XferId(3), stopped, t).is_none(), "its share is two of eight");
+        // Three other targets take the six slices left, two each.
+        for x in 4..10u32 {
+            assert!(f.poll(XferId(u64::from(x)), PeerId(2 + (x - 4) / 2), t).is_some(), "{x}");
+        }
+        assert!(f.poll(XferId(10), PeerId(9), t).is_none(), "every slice is held");
+        f.remove(XferId(1));
+        assert!(f.poll(XferId(10), PeerId(9), t).is_some(), "a freed slice serves another target");
+        assert!(f.existing(XferId(10)).is_some() && f.existing(XferId(1)).is_none());
+        f.remove(XferId(4));
+        assert!(f.poll(XferId(3), stopped, t).is_some(), "back under its share, with a slice free");
     }
 }

@@ -22,7 +22,7 @@ impl Driver {
         let mut moved = false;
         for xfer in self.fetches.xfers() {
             let live = self.ep.fetch(xfer).is_some();
-            let Some(poll) = self.fetches.poll(xfer, now) else { continue };
+            let Some(poll) = self.fetches.existing(xfer) else { continue };
             let mut pending = false;
             let mut k = 0;
             while k < poll.reads.len() {
@@ -90,11 +90,11 @@ impl Driver {
 
     /// Posts the fetch of `xfer` when it is due and none is in flight; true when it posted.
     fn post_fetch(&mut self, now: Instant, xfer: XferId) -> bool {
-        let Some(poll) = self.fetches.poll(xfer, now) else { return false };
+        let Some(f) = self.ep.fetch(xfer) else { return false };
+        let Some(poll) = self.fetches.poll(xfer, f.peer, now) else { return false };
         if poll.posted || poll.next_at > now {
             return false;
         }
-        let Some(f) = self.ep.fetch(xfer) else { return false };
         let slice_at = self.one_way.fetch_offset + u64::from(poll.slice) * self.one_way.fetch_slice;
         let (Some(area), Some((name, mb))) = (self.area, self.shared.peers.mailbox_target(f.peer)) else {
             self.ep.handle_fetch_failed(now, xfer);
