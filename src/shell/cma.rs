@@ -17,8 +17,10 @@
 //! deregistered registration written: each record names a liveness word in its owner's
 //! process, which holds the record's tag while the registration lives and 0 once it is
 //! deregistered; the copier reads the words of a request's registrations at prep and before
-//! every post. (A deregistration racing a copy already running is not caught: the owner cannot
-//! wait for another process's system call. The bounce path's receiver can, and does.)
+//! every post. (A deregistration racing a peer's copy already running is not caught: the owner
+//! cannot wait for another process's system call. The bounce path's receiver can, and does.
+//! Our own copies into or out of a registration of ours being deregistered are waited for:
+//! [`CmaPath::quiesce`].)
 //!
 //! Completion: SUCCESS once every worker's part is copied; the notification then goes through
 //! the inner engine. A release of a running request waits for its parts (a system call cannot
@@ -209,6 +211,8 @@ struct Request {
     watch: Option<Arc<Watch>>,
     /// The liveness words of its registrations: (address, tag).
     live: Vec<(u64, u64)>,
+    /// The span of our memory its pieces touch, `[start, end)`.
+    local_span: (u64, u64),
     /// The pieces, cut into one part per worker (fewer for small transfers).
     parts: Arc<Vec<Vec<Piece>>>,
     state: State,
@@ -313,6 +317,27 @@ impl CmaPath {
         self.liveness.clear(md);
     }
 
+    /// Waits until no copy of ours runs into or out of our memory `[addr, addr + len)`: its
+    /// deregistration returns only then, as the bounce path's does (the application may free
+    /// or reuse the memory once it has). A request running there finishes as it would have:
+    /// it was posted while the memory was registered.
+    pub(crate) fn quiesce(&self, addr: u64, len: u64) {
+        let end = addr.saturating_add(len);
+        let running: Vec<Arc<Job>> = self
+            .reqs
+            .lock()
+            .values()
+            .filter(|r| r.local_span.0 < end && addr < r.local_span.1)
+            .filter_map(|r| match &r.state {
+                State::Running(job, _) => Some(Arc::clone(job)),
+                _ => None,
+            })
+            .collect();
+        for job in running {
+            job.wait();
+        }
+    }
+
     /// Prepares a transfer of `descs` (ours and the peer's addresses), `recs[i]` the record of
     /// descriptor i's remote registration. `None` when the path cannot take it: another host
     /// or PID namespace, records of several processes, a piece outside its registration, or a
@@ -371,6 +396,7 @@ impl CmaPath {
         if !self.permitted(peer, first) || !all_live(first.pid, &live) {
             return None;
         }
+        let local_span = pieces.iter().fold((u64::MAX, 0), |(a, b), p| (a.min(p.local), b.max(p.local + p.len)));
         let parts = Arc::new(split(pieces, self.workers.len()));
         let h = CMA_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
         let req = Request {
@@ -380,6 +406,7 @@ impl CmaPath {
             start: first.start,
             watch,
             live,
+            local_span,
             parts,
             state: State::Prepared,
             last_check: None,

@@ -76,6 +76,8 @@ struct Request {
     plan: Arc<DevicePlan>,
     /// Kept open for as long as the request may launch.
     _maps: Vec<Arc<Mapped>>,
+    /// The span of our memory its copies touch, `[start, end)`.
+    local_span: (u64, u64),
     state: State,
 }
 
@@ -168,6 +170,7 @@ impl IpcPath {
         }
         let mut maps: Vec<Arc<Mapped>> = Vec::new();
         let mut mapped = Vec::with_capacity(descs.len());
+        let mut local_span = (u64::MAX, 0);
         let mut at = 0;
         // Runs of descriptors of one record (see `Keys::remote_reach`): mapped once a run.
         for (rec, n) in ipc {
@@ -183,7 +186,8 @@ impl IpcPath {
                 maps.push(m);
             }
             for d in &descs[at..at + n] {
-                let remote = if read { d.src } else { d.dst };
+                let (ours, remote) = if read { (d.dst, d.src) } else { (d.src, d.dst) };
+                local_span = (local_span.0.min(ours), local_span.1.max(ours.saturating_add(d.len)));
                 let local = translate(rec, base, remote, d.len)?;
                 mapped.push(if read { DescPair { src: local, ..*d } } else { DescPair { dst: local, ..*d } });
             }
@@ -204,7 +208,7 @@ impl IpcPath {
             }
         };
         let h = IPC_HANDLE_BIT | self.dev_bits | self.next.fetch_add(1, Ordering::Relaxed);
-        let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, state: State::Prepared };
+        let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, local_span, state: State::Prepared };
         self.reqs.lock().insert(h, req);
         Some(h)
     }
@@ -322,6 +326,21 @@ impl IpcPath {
             shim.gen_notif(&req.peer, &msg).map_err(|status| Error::Inner { op: "genNotif", status })?;
         }
         Ok(Progress::Done)
+    }
+
+    /// Waits until no copy of ours runs into or out of our memory `[addr, addr + len)` on this
+    /// GPU: its deregistration returns only then, as the bounce path's does (PyTorch's caching
+    /// allocator hands freed memory to the next tensor at once). A request running there
+    /// finishes as it would have: it was posted while the memory was registered.
+    fn quiesce(&self, addr: u64, len: u64) {
+        let end = addr.saturating_add(len);
+        for r in self.reqs.lock().values() {
+            if let (State::Running(ctx, _), true) = (&r.state, r.local_span.0 < end && addr < r.local_span.1) {
+                if let Err(e) = ctx.synchronize() {
+                    tracing::warn!(error = %e, "waiting for a same-host GPU copy before a deregistration");
+                }
+            }
+        }
     }
 
     /// Releases request `h`; one still running is waited for (a launched copy cannot be
@@ -445,6 +464,13 @@ impl IpcPaths {
     /// [`IpcPath::release`] on the path that prepared `h`.
     pub(crate) fn release(&self, h: u64) -> Result<()> {
         self.owner(h)?.release(h)
+    }
+
+    /// [`IpcPath::quiesce`] on the path of GPU `dev`, if one is open.
+    pub(crate) fn quiesce(&self, dev: u64, addr: u64, len: u64) {
+        if let Some(p) = self.path(dev) {
+            p.quiesce(addr, len);
+        }
     }
 
     /// [`IpcPath::unmap`] on every path (each may have mapped the allocation).

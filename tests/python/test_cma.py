@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 
 import nixlkit
@@ -264,6 +265,35 @@ def test_a_deregistered_destination_is_not_written(cma, peer, tmp_path):
     assert (after == before).all(), "the deregistered buffer was written"
     s = stats(ag)
     assert s["cma_xfers"] == 1 and s["cma_ok"] == 1, s
+
+
+def test_a_local_deregistration_waits_for_our_copies_into_it(cma, peer):
+    """A READ into our buffer is still being copied by the path's threads when the application
+    deregisters the buffer: the deregistration returns only once the copy has ended (the
+    application may reuse the memory then, as PyTorch's allocator does), so not one byte is
+    written after it, and the transfer, posted while the memory was registered, is done."""
+    size = 256 << 20
+    p = peer(ON)
+    meta, raddr = p.start(name="c7-rx", size=size, seed=1171)
+    ag = nixlkit.agent("c7-tx")
+    ag.add_remote_agent(meta)
+    buf = np.zeros(size, dtype=np.uint8)
+    tail = buf[size - size // 8:]
+    for _ in range(3):
+        buf[:] = 0
+        reg = nixlkit.register(ag, buf)
+        lo = ag.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
+        re = ag.get_xfer_descs([(raddr, size, 0)], "DRAM")
+        h = ag.initialize_xfer("READ", lo, re, "c7-rx", b"", backends=[B])
+        assert ag.transfer(h) != "ERR"
+        ag.deregister_memory(reg, backends=[B])
+        assert ag.check_xfer_state(h) == "DONE", "the copy into the buffer ended before its deregistration returned"
+        tail[:] = 0xAB  # the application's memory again
+        time.sleep(0.2)
+        assert int(np.count_nonzero(tail != 0xAB)) == 0, "written after its deregistration"
+        ag.release_xfer_handle(h)
+    s = stats(ag)
+    assert s["cma_xfers"] == 3 and s["cma_ok"] == 3, s
 
 
 CMA_THREADS = """

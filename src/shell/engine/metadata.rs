@@ -127,6 +127,13 @@ impl Engine {
         }
         let key = self.keys.forget_local(md);
         let Some(r) = self.registry.remove(md) else { return };
+        // Our same-host copies into or out of it end first. (A peer's, into it, cannot be
+        // waited for: its liveness word, cleared above, stops only the peer's next post.)
+        match (r.mem, &self.cma, &self.ipc) {
+            (MemKind::Dram, Some(cma), _) => cma.quiesce(r.addr, r.len),
+            (MemKind::Vram, _, Some(ipc)) => ipc.quiesce(r.dev, r.addr, r.len),
+            _ => {}
+        }
         let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };
         if b.arena_serving(&r).is_none() {
             return; // never a copy source or target, never a direct-write source
