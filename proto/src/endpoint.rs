@@ -457,9 +457,16 @@ impl Endpoint {
             wire::Body::Hello => {
                 // The first HELLO of a compatible peer since its load is answered once: its
                 // copy of ours may have been an evicted hint (see `PeerTable::hello`).
-                if let Hello::First { answer: true } = self.peers.hello(name) {
-                    if let Some(peer) = self.peers.lookup(name) {
-                        self.out.push_back(Action::Link { peer, body: wire::Body::Hello });
+                match self.peers.hello(name, frame.session) {
+                    Hello::First { answer: true } => {
+                        if let Some(peer) = self.peers.lookup(name) {
+                            self.out.push_back(Action::Link { peer, body: wire::Body::Hello });
+                        }
+                    }
+                    other => {
+                        if let Some(refused) = other.refusal(frame.session) {
+                            return Err(refused);
+                        }
                     }
                 }
                 return Ok(());

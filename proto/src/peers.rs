@@ -87,6 +87,23 @@ pub enum Hello {
         /// Send our HELLO back.
         answer: bool,
     },
+    /// From a loaded peer, under another session than its loaded capabilities' (a forgery,
+    /// or an old incarnation): nothing recorded; drop it as a frame of a stale session.
+    Stale {
+        /// The peer's session (`None`: it published no capabilities).
+        current: Option<u64>,
+    },
+}
+
+impl Hello {
+    /// The refusal of a [`Hello::Stale`] that carried `got`; `None` for any other outcome.
+    pub fn refusal(self, got: u64) -> Option<FrameRefused> {
+        match self {
+            Self::Stale { current: Some(current) } => Some(FrameRefused::StaleSession { got, current }),
+            Self::Stale { current: None } => Some(FrameRefused::NoSession),
+            _ => None,
+        }
+    }
 }
 
 /// What loading a peer's connection info decided.
@@ -157,8 +174,8 @@ pub struct PeerTable {
     /// Names never loaded that were given an id for one-way frames (at most
     /// [`MAX_ONE_WAY_NAMES`]).
     one_way: BTreeSet<String>,
-    /// The same names, for lookup.
-    hinted: BTreeSet<String>,
+    /// The same names, for lookup, with the session each HELLO carried.
+    hinted: BTreeMap<String, u64>,
     next_id: u32,
     /// Peers that can bounce now, kept in step by every change to an entry ([`tracked`]), so
     /// reading it costs no pass over the table: the shell publishes it after each change, a
@@ -214,11 +231,13 @@ impl PeerTable {
             },
             _ => (None, Loaded::NoCapabilities),
         };
-        // A HELLO that came before the load counts now; one from an earlier incarnation does not.
-        let hinted = self.hinted.remove(name);
-        if hinted {
+        // A HELLO that came before the load counts now; one of another session (an earlier
+        // incarnation, or a forgery under the name) does not.
+        let hint = self.hinted.remove(name);
+        if hint.is_some() {
             self.hints.retain(|n| n != name);
         }
+        let hinted = hint.is_some() && hint == session;
         self.entry(name);
         let p = self.by_name.get_mut(name).expect("entry made above");
         tracked(&mut self.ready, p, |p| {
@@ -264,7 +283,7 @@ impl PeerTable {
 
     /// True when `name` said HELLO (since its load, or as a hint while not loaded).
     pub fn is_reachable(&self, name: &str) -> bool {
-        self.by_name.get(name).is_some_and(|p| p.hello) || self.hinted.contains(name)
+        self.by_name.get(name).is_some_and(|p| p.hello) || self.hinted.contains_key(name)
     }
 
     /// Names not loaded whose HELLO is kept as a hint.
@@ -288,11 +307,19 @@ impl PeerTable {
         self.by_name.get(name)?.session
     }
 
-    /// A HELLO from `name`: recorded on a loaded peer, else kept as a hint (see [`Hello`]).
-    /// Never refused: the hints are bounded by eviction, loaded peers by NIXL's loads.
-    pub fn hello(&mut self, name: &str) -> Hello {
+    /// A HELLO from `name` carrying `session`: recorded on a loaded peer whose session it is,
+    /// else kept as a hint with its session, which counts only if the load brings the same (see
+    /// [`Hello`]). The hints are bounded by eviction, loaded peers by NIXL's loads. A HELLO
+    /// switches our route to the peer from one way to two way, so one under a loaded peer's
+    /// name but another session (anyone may claim a name) is refused: the peer may never have
+    /// loaded us, and our two-way frames would then all be dropped there.
+    pub fn hello(&mut self, name: &str, session: u64) -> Hello {
         match self.by_name.get_mut(name) {
             Some(p) if p.conn.is_some() => {
+                let current = p.session.or_else(|| p.conn.as_ref()?.as_ref().map(|c| c.session));
+                if current != Some(session) {
+                    return Hello::Stale { current };
+                }
                 if p.hello {
                     return Hello::Repeat;
                 }
@@ -300,7 +327,7 @@ impl PeerTable {
                 Hello::First { answer: matches!(p.conn, Some(Some(_))) }
             }
             _ => {
-                if self.hinted.insert(name.to_owned()) {
+                if self.hinted.insert(name.to_owned(), session).is_none() {
                     self.hints.push_back(name.to_owned());
                     if self.hints.len() > MAX_HELLO_HINTS {
                         if let Some(old) = self.hints.pop_front() {
@@ -447,7 +474,7 @@ mod tests {
         let mut t = PeerTable::new();
         assert_eq!(t.load_conn_info(name, Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
         t.arena_loaded(name, true);
-        assert_eq!(t.hello(name), Hello::First { answer: true });
+        assert_eq!(t.hello(name, 1), Hello::First { answer: true });
         t
     }
 
@@ -487,7 +514,7 @@ mod tests {
         let mut t = PeerTable::new();
         t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
         assert!(!t.can_bounce("a"), "no arena, no HELLO");
-        assert_eq!(t.hello("a"), Hello::First { answer: true });
+        assert_eq!(t.hello("a", 1), Hello::First { answer: true });
         assert!(!t.can_bounce("a"), "no arena");
         t.arena_loaded("a", false);
         assert!(!t.can_bounce("a"), "arena load failed");
@@ -497,10 +524,10 @@ mod tests {
         // An incompatible peer's arena never counts, whatever the shell reports.
         t.load_conn_info("b", Some(Capabilities { control: ControlKind::Zmq, ..caps(4096) }), Some(&caps(4096)));
         t.arena_loaded("b", true);
-        assert_eq!(t.hello("b"), Hello::First { answer: false }, "no HELLO back to an incompatible peer");
+        assert_eq!(t.hello("b", 1), Hello::First { answer: false }, "no HELLO back to an incompatible peer");
         assert!(!t.can_bounce("b"));
         // HELLO without loading: reachable, but no bounce.
-        assert_eq!(t.hello("c"), Hello::Hint);
+        assert_eq!(t.hello("c", 1), Hello::Hint);
         assert!(t.is_reachable("c") && !t.can_bounce("c"));
         // Loss forgets everything but the id.
         t.lost("a");
@@ -559,11 +586,11 @@ mod tests {
     fn hellos_from_unknown_names_are_bounded_hints_that_cannot_lock_a_real_peer_out() {
         let mut t = PeerTable::new();
         // A real peer's HELLO arrives before we load it: a hint.
-        assert_eq!(t.hello("real"), Hello::Hint);
+        assert_eq!(t.hello("real", 1), Hello::Hint);
         assert_eq!(t.lookup("real"), None, "a hint makes no table entry, no id");
         // Thousands of invented names follow and evict it.
         for i in 0..4 * MAX_HELLO_HINTS {
-            assert_eq!(t.hello(&format!("stranger-{i}")), Hello::Hint);
+            assert_eq!(t.hello(&format!("stranger-{i}"), 1), Hello::Hint);
         }
         assert_eq!(t.hints(), MAX_HELLO_HINTS, "memory stays bounded");
         assert!(!t.is_reachable("real") && t.is_reachable(&format!("stranger-{}", 4 * MAX_HELLO_HINTS - 1)));
@@ -574,23 +601,49 @@ mod tests {
         assert!(!t.can_bounce("real"));
         // ...but our HELLO on load makes it answer (its First), and its HELLO reaches us now,
         // whatever the flood: the first one since the load is answered once, repeats are not.
-        assert_eq!(t.hello("real"), Hello::First { answer: true });
+        assert_eq!(t.hello("real", 1), Hello::First { answer: true });
         assert!(t.can_bounce("real"));
-        assert_eq!(t.hello("real"), Hello::Repeat);
+        assert_eq!(t.hello("real", 1), Hello::Repeat);
         for i in 0..2 * MAX_HELLO_HINTS {
-            let _ = t.hello(&format!("more-{i}"));
+            let _ = t.hello(&format!("more-{i}"), 1);
         }
         assert!(t.can_bounce("real"), "a loaded peer's HELLO is never evicted");
         // A hint that survives counts at the load (no answer needed: we HELLO on load anyway).
-        assert_eq!(t.hello("early"), Hello::Hint);
+        assert_eq!(t.hello("early", 1), Hello::Hint);
         t.load_conn_info("early", Some(caps(4096)), Some(&caps(4096)));
         assert!(t.is_reachable("early") && t.hints() == MAX_HELLO_HINTS - 1);
-        assert_eq!(t.hello("early"), Hello::Repeat);
+        assert_eq!(t.hello("early", 1), Hello::Repeat);
         // A loss forgets the HELLO: after a reload the first one is answered again.
         t.lost("real");
-        assert_eq!(t.hello("real"), Hello::Hint, "not loaded any more");
+        assert_eq!(t.hello("real", 1), Hello::Hint, "not loaded any more");
         t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
         assert!(t.is_reachable("real"));
+    }
+
+    /// Anyone may claim a name: a HELLO under a loaded peer's name counts only under that
+    /// peer's session, and a hint only if the load brings the session it carried. A forged
+    /// one would switch our route to the peer from one way to two way, whose frames a peer
+    /// that never loaded us drops.
+    #[test]
+    fn a_hello_counts_only_under_the_peers_own_session() {
+        let mut t = PeerTable::new();
+        let one_way = Capabilities { session: 7, ..caps(4096) };
+        t.load_conn_info("p", Some(one_way.clone()), Some(&caps(4096)));
+        t.arena_loaded("p", true);
+        assert_eq!(t.hello("p", 8), Hello::Stale { current: Some(7) });
+        assert_eq!(t.hello("p", 8).refusal(8), Some(FrameRefused::StaleSession { got: 8, current: 7 }));
+        assert!(!t.can_bounce("p") && !t.is_reachable("p"), "nothing recorded");
+        assert_eq!(t.hello("p", 7), Hello::First { answer: true });
+        assert!(t.can_bounce("p"));
+        // A hint forged before the load does not count at it; the peer's own does.
+        assert_eq!(t.hello("q", 8), Hello::Hint);
+        t.load_conn_info("q", Some(one_way.clone()), Some(&caps(4096)));
+        t.arena_loaded("q", true);
+        assert!(!t.can_bounce("q") && !t.is_reachable("q"));
+        assert_eq!(t.hello("r", 7), Hello::Hint);
+        t.load_conn_info("r", Some(one_way), Some(&caps(4096)));
+        t.arena_loaded("r", true);
+        assert!(t.can_bounce("r"));
     }
 
     #[test]
@@ -645,7 +698,7 @@ mod tests {
         Load(usize, Option<u64>),
         LoadIncompatible(usize),
         Arena(usize, bool),
-        Hello(usize),
+        Hello(usize, u64),
         Goodbye(usize, u64),
         Lost(usize),
         OneWay(usize),
@@ -659,7 +712,7 @@ mod tests {
             (who.clone(), proptest::option::of(session.clone())).prop_map(|(w, s)| Op::Load(w, s)),
             who.clone().prop_map(Op::LoadIncompatible),
             (who.clone(), any::<bool>()).prop_map(|(w, ok)| Op::Arena(w, ok)),
-            who.clone().prop_map(Op::Hello),
+            (who.clone(), session.clone()).prop_map(|(w, s)| Op::Hello(w, s)),
             (who.clone(), session).prop_map(|(w, s)| Op::Goodbye(w, s)),
             who.clone().prop_map(Op::Lost),
             who.prop_map(Op::OneWay),
@@ -684,8 +737,8 @@ mod tests {
                         let _ = t.load_conn_info(names[w], Some(caps(4096)), Some(&caps(8192)));
                     }
                     Op::Arena(w, ok) => t.arena_loaded(names[w], ok),
-                    Op::Hello(w) => {
-                        let _ = t.hello(names[w]);
+                    Op::Hello(w, s) => {
+                        let _ = t.hello(names[w], s);
                     }
                     Op::Goodbye(w, s) => {
                         let _ = t.goodbye(names[w], s);

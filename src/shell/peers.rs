@@ -356,8 +356,8 @@ impl PeerTable {
 
     /// Records a HELLO (those from agents not loaded are bounded hints); says whether to
     /// answer it with ours.
-    pub(crate) fn hello(&self, name: &str) -> peers::Hello {
-        self.change().rules.hello(name)
+    pub(crate) fn hello(&self, name: &str, session: u64) -> peers::Hello {
+        self.change().rules.hello(name, session)
     }
 
     /// Applies the core's loading and session rules to a message frame from `name`: the
@@ -464,7 +464,7 @@ mod tests {
         assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), Some(Md(6))), (true, vec![]));
         assert_eq!(t.arena_loaded("b", ArenaId(1), Some(Md(7)), None), (true, vec![]));
         assert_eq!(t.arenas_loaded(), 2);
-        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
+        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
         let id = t.admit("b", 9).unwrap();
         let at = |arena, offset| t.write_target(id, (ArenaId(arena), Region { offset, len: 4096 }), 4096);
         assert_eq!(at(1, 0x1000).map(|(_, a)| (a.md, a.base)).ok(), Some((Md(7), 0x40_0000)));
@@ -487,7 +487,7 @@ mod tests {
         assert_eq!(t.arena_to_load("b", A0).map(|a| a.key), Some(b"key".to_vec()));
         assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arenas("b").is_none(), "no HELLO yet");
-        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
+        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
         assert!(t.bounce_arenas("b").is_some());
         assert_eq!(t.ready(), 1);
         let id = t.admit("b", 9).unwrap();
@@ -544,7 +544,7 @@ mod tests {
         assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), None), (true, vec![]));
         assert_eq!(t.arenas_loaded(), 1);
         // GOODBYE under another session changes nothing; under b's, its arena goes.
-        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
+        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
         assert_eq!(t.goodbye("b", 8), Err(FrameRefused::StaleSession { got: 8, current: 9 }));
         assert!(t.bounce_arenas("b").is_some());
         assert_eq!((t.ready(), t.arenas_loaded()), (1, 1), "a refused GOODBYE moves no gauge");
@@ -593,7 +593,7 @@ mod tests {
         assert!(t.one_way_target("b", smaller).is_none(), "its ring would not fit a fetch slice");
         let m = t.mailbox_target(id).map(|(n, m)| (n, m.base, m.len, m.offset, m.md));
         assert_eq!(m, Some(("b".to_owned(), 0x7f00_0000_0000, layout.area_len(), 0, Md(7))));
-        assert_eq!(t.hello("b"), peers::Hello::First { answer: true });
+        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
         assert!(
             t.one_way_target("b", layout.fetch_slice).is_none() && t.bounce_arenas("b").is_some(),
             "two way after its HELLO"
@@ -619,20 +619,20 @@ mod tests {
     #[test]
     fn hellos_from_unloaded_agents_are_bounded_and_cannot_lock_out_a_loaded_one() {
         let t = PeerTable::default();
-        assert_eq!(t.hello("late"), peers::Hello::Hint);
+        assert_eq!(t.hello("late", 9), peers::Hello::Hint);
         for i in 0..2 * peers::MAX_HELLO_HINTS {
-            assert_eq!(t.hello(&format!("x{i}")), peers::Hello::Hint);
+            assert_eq!(t.hello(&format!("x{i}"), 9), peers::Hello::Hint);
         }
         assert_eq!(t.table.lock().rules.hints(), peers::MAX_HELLO_HINTS);
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("late", A0, Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arenas("late").is_none(), "its hint was evicted");
         assert_eq!(t.ready(), 0);
-        assert_eq!(t.hello("late"), peers::Hello::First { answer: true }, "a loaded agent is always heard");
+        assert_eq!(t.hello("late", 9), peers::Hello::First { answer: true }, "a loaded agent is always heard");
         assert!(t.bounce_arenas("late").is_some());
         assert_eq!(t.ready(), 1, "its first HELLO counts it ready");
-        assert_eq!(t.hello("late"), peers::Hello::Repeat);
-        assert_eq!(t.hello("x0"), peers::Hello::Hint);
+        assert_eq!(t.hello("late", 9), peers::Hello::Repeat);
+        assert_eq!(t.hello("x0", 9), peers::Hello::Hint);
         assert_eq!(t.ready(), 1, "repeats and hints change nothing");
     }
 }

@@ -41,9 +41,17 @@ impl Driver {
             wire::Body::Hello => {
                 // The first HELLO of a compatible peer since its load is answered once: its
                 // copy of ours may have been evicted from its bounded hints.
-                if let Hello::First { answer: true } = self.shared.peers.hello(peer) {
-                    if let Err(e) = self.control.send(peer, &wire::encode_hello(self.session)) {
-                        tracing::debug!(peer, error = %e, "answering a HELLO failed");
+                match self.shared.peers.hello(peer, frame.session) {
+                    Hello::First { answer: true } => {
+                        if let Err(e) = self.control.send(peer, &wire::encode_hello(self.session)) {
+                            tracing::debug!(peer, error = %e, "answering a HELLO failed");
+                        }
+                    }
+                    other => {
+                        if let Some(refused) = other.refusal(frame.session) {
+                            self.sessions_forged += 1;
+                            self.drop_frame(now, peer, &refused);
+                        }
                     }
                 }
                 return;
