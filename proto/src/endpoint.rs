@@ -493,7 +493,7 @@ impl Endpoint {
             // One way: an initiator we never loaded may open a flow answered through our
             // mailbox, and then send that flow's frames (each must carry its token).
             Err(FrameRefused::NotLoaded) if self.admits_one_way(self.peers.lookup(name), &msg) => {
-                self.peers.admit_one_way(name)?
+                self.admit_one_way(now, name)?
             }
             Err(e) => return Err(e),
         };
@@ -700,6 +700,37 @@ impl Endpoint {
         self.sender.jobs_in_flight() + self.receiver.scatters_in_flight()
     }
 
+    /// Whether nothing here belongs to `peer`: no flow of its into us, nothing in our mailbox
+    /// for it (slot, waiting transfer), no transfer of ours to it. Such a peer, if NIXL never
+    /// loaded it, may be forgotten ([`PeerTable::evict_one_way`]) after
+    /// [`Self::forget_peer`].
+    pub fn holds_nothing_for(&self, peer: PeerId) -> bool {
+        holds_nothing(&self.receiver, &self.answering, &self.sender, peer)
+    }
+
+    /// Drops what little may remain here of a peer that holds nothing (its replay floors):
+    /// its name is being forgotten, and its id is never given again.
+    pub fn forget_peer(&mut self, now: Instant, peer: PeerId) {
+        self.handle_peer_lost(now, peer);
+    }
+
+    /// Admits a one-way frame from `name` (see [`PeerTable::admit_one_way`]); when every
+    /// one-way name is taken, one that holds nothing here is forgotten to make room.
+    ///
+    /// # Errors
+    /// [`FrameRefused::NotLoaded`] when every one-way name holds something.
+    pub fn admit_one_way(&mut self, now: Instant, name: &str) -> Result<PeerId, FrameRefused> {
+        match self.peers.admit_one_way(name) {
+            Err(FrameRefused::NotLoaded) => {
+                let (receiver, answering, sender) = (&self.receiver, &self.answering, &self.sender);
+                let gone = self.peers.evict_one_way(|id| holds_nothing(receiver, answering, sender, id));
+                self.forget_peer(now, gone.ok_or(FrameRefused::NotLoaded)?);
+                self.peers.admit_one_way(name)
+            }
+            r => r,
+        }
+    }
+
     /// Remote flows the receiver tracks.
     pub fn remote_flows(&self) -> usize {
         self.receiver.flows()
@@ -839,5 +870,9 @@ impl Endpoint {
 
 mod one_way;
 
+/// See [`Endpoint::holds_nothing_for`] (apart, so that the peer table may be borrowed beside).
+fn holds_nothing(receiver: &Receiver, answering: &Answering, sender: &Sender, peer: PeerId) -> bool {
+    !receiver.has_flows(peer) && !answering.holds(peer) && !sender.has_xfers_to(peer)
+}
 #[cfg(test)]
 pub(crate) mod tests;

@@ -462,6 +462,15 @@ impl Answering {
         written
     }
 
+    /// Whether anything here belongs to `peer`: a one-way flow (open or lingering), a slot, a
+    /// transfer waiting for one.
+    pub fn holds(&self, peer: PeerId) -> bool {
+        let of_peer = FlowKey { peer, xfer: XferId(0) }..=FlowKey { peer, xfer: XferId(u64::MAX) };
+        self.flows.range(of_peer).next().is_some()
+            || self.waiting.waiting_of(peer) > 0
+            || self.writer.as_ref().is_some_and(|w| w.holds(peer))
+    }
+
     /// The peer is gone: its slots are freed at once, and its waiting transfers leave.
     pub fn release_peer(&mut self, peer: PeerId) {
         if let Some(w) = self.writer.as_mut() {

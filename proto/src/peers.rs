@@ -39,7 +39,9 @@ use crate::wire::{Capabilities, Incompatible, WireError};
 /// Most names not loaded whose HELLO is kept as a hint (the oldest is evicted beyond).
 pub const MAX_HELLO_HINTS: usize = 1024;
 /// Most agent names never loaded here that may be given an id to send one-way frames (see
-/// [`PeerTable::admit_one_way`]): invented names cannot grow the table beyond it.
+/// [`PeerTable::admit_one_way`]): invented names cannot grow the table beyond it, and beyond
+/// it a name that holds nothing is forgotten ([`PeerTable::evict_one_way`]), so junk frames
+/// under invented names cannot lock real initiators out either.
 pub const MAX_ONE_WAY_NAMES: usize = 4096;
 
 /// Why a control frame was refused. It was dropped and changed nothing else.
@@ -378,6 +380,38 @@ impl PeerTable {
         Ok(self.entry(name).id)
     }
 
+    /// Forgets one name admitted for one-way frames that NIXL never loaded and whose id
+    /// `holds_nothing` (no flow, no mailbox slot, nothing waiting: an endpoint's
+    /// `holds_nothing_for`), to make room for another when [`MAX_ONE_WAY_NAMES`] are admitted.
+    /// Its id is never given again: the name, should it come back, gets a new one. Names loaded
+    /// since their admission are not one-way names any more and leave the set on the way.
+    /// Returns the forgotten id; `None` when every one-way name holds something.
+    pub fn evict_one_way(&mut self, holds_nothing: impl Fn(PeerId) -> bool) -> Option<PeerId> {
+        let mut loaded = Vec::new();
+        let mut victim = None;
+        for name in &self.one_way {
+            match self.by_name.get(name) {
+                Some(p) if p.conn.is_some() => loaded.push(name.clone()),
+                Some(p) if holds_nothing(p.id) => {
+                    victim = Some((name.clone(), p.id));
+                    break;
+                }
+                _ => {}
+            }
+        }
+        for name in loaded {
+            self.one_way.remove(&name);
+        }
+        let (name, id) = victim?;
+        self.one_way.remove(&name);
+        if let Some(p) = self.by_name.remove(&name) {
+            // Never loaded: it cannot have counted as ready.
+            debug_assert!(!p.can_bounce());
+        }
+        self.names.remove(&id);
+        Some(id)
+    }
+
     /// Whether transfers to `name` may bounce one way: loaded, compatible, its arena loaded,
     /// and it keeps a mailbox (no HELLO needed: it answers through the mailbox).
     pub fn can_bounce_one_way(&self, name: &str) -> bool {
@@ -644,6 +678,32 @@ mod tests {
         t.load_conn_info("r", Some(one_way), Some(&caps(4096)));
         t.arena_loaded("r", true);
         assert!(t.can_bounce("r"));
+    }
+
+    /// Junk frames under thousands of invented names fill the one-way names; a real
+    /// initiator is still admitted, in place of a name that holds nothing, and a name that
+    /// holds something is never forgotten.
+    #[test]
+    fn invented_one_way_names_cannot_lock_a_real_initiator_out() {
+        let mut t = PeerTable::new();
+        let busy = t.admit_one_way("busy").unwrap();
+        for i in 0..MAX_ONE_WAY_NAMES - 1 {
+            t.admit_one_way(&format!("junk-{i}")).unwrap();
+        }
+        assert_eq!(t.admit_one_way("real"), Err(FrameRefused::NotLoaded), "full");
+        // Only "busy" holds something: one of the junk names goes.
+        let gone = t.evict_one_way(|id| id != busy).expect("an idle name");
+        assert_ne!(gone, busy);
+        assert_eq!(t.name(gone), None, "forgotten with its id");
+        let real = t.admit_one_way("real").unwrap();
+        assert!(real != gone && t.lookup("busy") == Some(busy));
+        // Nothing to forget when every name holds something.
+        assert_eq!(t.evict_one_way(|_| false), None);
+        // A one-way name loaded since is not forgotten, and leaves the one-way names.
+        t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
+        assert_eq!(t.evict_one_way(|id| id == real), None);
+        assert_eq!(t.lookup("real"), Some(real));
+        assert!(t.admit_one_way("another").is_ok(), "its place in the one-way names is free");
     }
 
     #[test]

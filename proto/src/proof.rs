@@ -60,9 +60,10 @@ pub enum BadProof {
     /// must never touch it. An honest sender names the arena of its destinations' memory.
     #[error("registration {} is not served by arena {}", .0.0, .1.0)]
     WrongArena(RegId, ArenaId),
-    /// No proof at all. An honest WANT or PULL proves every registration its runs touch, at
-    /// least one; one proving none could never be served, and would only hold credits,
-    /// mailbox slots and queue places of ours for a sender holding no key of ours.
+    /// No proof at all, in a frame that opens a one-way flow. An honest WANT or PULL proves
+    /// every registration its runs touch, at least one; a one-way one proving none could never
+    /// be served, and would only hold credits, mailbox slots and queue places of ours for a
+    /// sender holding no key of ours and never loaded here.
     #[error("no proof")]
     NoProof,
 }
@@ -122,9 +123,9 @@ impl Registrations {
         self.removals
     }
 
-    /// [`Self::verify`] for the frame that opens a flow (a WANT, or a READ's first PULL; later
-    /// PULLs add to what the first proved and may prove nothing more): it must prove at least
-    /// one registration.
+    /// [`Self::verify`] for the frame that opens a one-way flow (a WANT, or a READ's first
+    /// PULL; later PULLs add to what the first proved and may prove nothing more): it must
+    /// prove at least one registration.
     ///
     /// # Errors
     /// [`BadProof::NoProof`] for no proof, else as [`Self::verify`].

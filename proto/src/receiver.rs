@@ -319,6 +319,12 @@ impl Receiver {
         self.shutting_down
     }
 
+    /// Whether a flow of `peer` is open here.
+    pub(crate) fn has_flows(&self, peer: PeerId) -> bool {
+        let of_peer = FlowKey { peer, xfer: XferId(0) }..=FlowKey { peer, xfer: XferId(u64::MAX) };
+        self.flows.range(of_peer).next().is_some()
+    }
+
     /// Remote flows tracked (with pending chunks, granted or scattering regions).
     pub fn flows(&self) -> usize {
         self.flows.len()
@@ -471,10 +477,15 @@ impl Receiver {
             return self.open_standing(ctx, from, want, PeerLoad { flows, chunks });
         }
         // Where the flow may scatter: only registrations whose metadata the sender holds.
-        let proven = match if self.flows.contains_key(&key) {
-            self.registered.verify(want.token, &want.proofs, want.arena)
-        } else {
+        // A one-way WANT must prove something: it comes from a name we never loaded, and is
+        // answered in our mailbox. (A two-way one comes from a loaded peer in its session,
+        // which holds our metadata and so could prove; what its flows may hold is capped per
+        // peer either way.)
+        let opens_one_way = !self.flows.contains_key(&key) && want.endpoint == wire::REPLY_MAILBOX;
+        let proven = match if opens_one_way {
             self.registered.verify_opening(want.token, &want.proofs, want.arena)
+        } else {
+            self.registered.verify(want.token, &want.proofs, want.arena)
         } {
             Ok(proven) => proven,
             Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {

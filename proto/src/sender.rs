@@ -335,6 +335,11 @@ impl Sender {
         }
     }
 
+    /// Whether a transfer of ours to `peer`, or our standing flow there, is live.
+    pub(crate) fn has_xfers_to(&self, peer: PeerId) -> bool {
+        self.standing.contains_key(&peer) || self.xfers.values().any(|x| x.peer == peer)
+    }
+
     /// Transfers submitted and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.xfers.len()

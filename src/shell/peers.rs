@@ -321,6 +321,11 @@ impl PeerTable {
         self.table.lock().rules.admit_one_way(name)
     }
 
+    /// The core's `PeerTable::evict_one_way`: forgets a one-way name whose id `holds_nothing`.
+    pub(crate) fn evict_one_way(&self, holds_nothing: impl Fn(PeerId) -> bool) -> Option<PeerId> {
+        self.change().rules.evict_one_way(holds_nothing)
+    }
+
     /// Peers a transfer may bounce to now.
     pub(crate) fn ready(&self) -> usize {
         self.ready.load(Relaxed)

@@ -140,6 +140,11 @@ impl MailboxWriter {
         self.finish_if_drained(now, peer, xfer);
     }
 
+    /// Whether `peer` holds a slot (open or lingering) or a flow here.
+    pub fn holds(&self, peer: PeerId) -> bool {
+        self.table.held_by(peer) > 0 || self.flows.range((peer, XferId(0))..=(peer, XferId(u64::MAX))).next().is_some()
+    }
+
     /// The peer is gone: its transfers are dropped with their backlogs and their slots freed.
     /// Returns the transfers, lowest first.
     pub fn release_peer(&mut self, peer: PeerId) -> Vec<XferId> {

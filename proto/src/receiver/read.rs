@@ -166,7 +166,8 @@ impl Receiver {
             refuse(ctx);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: pull.xfer, flows, chunks });
         }
-        let verified = if opens {
+        // As for a WANT (see `handle_want`): a one-way READ must prove something.
+        let verified = if opens && pull.endpoint == wire::REPLY_MAILBOX {
             self.registered.verify_opening(pull.token, &pull.proofs, pull.arena)
         } else {
             self.registered.verify(pull.token, &pull.proofs, pull.arena)

@@ -81,7 +81,7 @@ impl Driver {
             // One way: an initiator we never loaded may open a flow answered through our
             // mailbox, then send that flow's frames (each carries the flow's token).
             Err(FrameRefused::NotLoaded) if self.ep.admits_one_way(self.shared.peers.known_id(peer), &msg) => {
-                self.shared.peers.admit_one_way(peer)
+                self.admit_one_way(now, peer)
             }
             r => r,
         };
@@ -115,6 +115,21 @@ impl Driver {
             wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
             wire::Body::Pong { nonce } => self.ep.handle_pong(now, id, nonce),
             _ => {}
+        }
+    }
+
+    /// Admits a one-way frame from `name`; when every one-way name is taken, one that holds
+    /// nothing in our endpoint is forgotten to make room (junk frames under invented names must
+    /// not lock real initiators out).
+    fn admit_one_way(&mut self, now: Instant, name: &str) -> Result<PeerId, FrameRefused> {
+        match self.shared.peers.admit_one_way(name) {
+            Err(FrameRefused::NotLoaded) => {
+                let ep = &self.ep;
+                let gone = self.shared.peers.evict_one_way(|id| ep.holds_nothing_for(id));
+                self.ep.forget_peer(now, gone.ok_or(FrameRefused::NotLoaded)?);
+                self.shared.peers.admit_one_way(name)
+            }
+            r => r,
         }
     }
 

@@ -727,11 +727,13 @@ fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_
         };
         wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
     };
-    // Forged proofs under invented names: refused, no slot, no answer, no flow.
+    // Forged proofs, or none at all, under invented names: refused, no slot, no answer, no
+    // flow (else keyless names could pin every mailbox slot and the arena, kept by KEEPs).
     for i in 0..20u64 {
         let mut p = crate::proof::prove(REG, &KEY, TOKEN);
         p.tag[0] ^= 1;
-        let r = ep.handle_frame(t, &format!("stranger-{i}"), &want(i, vec![p]));
+        let proofs = if i % 2 == 0 { vec![p] } else { Vec::new() };
+        let r = ep.handle_frame(t, &format!("stranger-{i}"), &want(i, proofs));
         assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{r:?}");
     }
     assert!(drain(&mut ep).is_empty(), "a forgery got an answer");
@@ -747,6 +749,42 @@ fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_
     let stray = Msg::Keep(wire::Keep { xfer: XferId(7), token: TOKEN });
     let r = ep.handle_frame(t, "initiator", &wire::Frame { session: 99, msg: stray }.to_vec());
     assert_eq!(r, Err(FrameRefused::NotLoaded));
+}
+
+/// Junk one-way frames under thousands of invented names (each name is admitted before its
+/// frame is judged) fill the one-way names; a real initiator's WANT is still admitted and
+/// answered: a name that holds nothing here is forgotten to make room.
+#[test]
+fn invented_one_way_names_cannot_lock_a_real_initiator_out() {
+    use crate::peers::MAX_ONE_WAY_NAMES;
+    let (mut ep, t) = endpoint(16 * KIB, 2, false);
+    ep.keep_mailbox(true);
+    let want = |proofs| {
+        let w = Want {
+            arena: ArenaId(0),
+            xfer: XferId(1),
+            token: TOKEN,
+            endpoint: wire::REPLY_MAILBOX.to_vec(),
+            chunks: vec![CHUNK],
+            proofs,
+            inline: None,
+            standing: Default::default(),
+        };
+        wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
+    };
+    let mut forged = crate::proof::prove(REG, &KEY, TOKEN);
+    forged.tag[0] ^= 1;
+    for i in 0..MAX_ONE_WAY_NAMES + 10 {
+        let r = ep.handle_frame(t, &format!("junk-{i}"), &want(vec![forged]));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{i}: {r:?}");
+    }
+    ep.handle_frame(t, "initiator", &want(vec![crate::proof::prove(REG, &KEY, TOKEN)])).unwrap();
+    assert_eq!((ep.answering_slots_held(), ep.remote_flows(), ep.stats().one_way_answered), (1, 1, 1));
+    // The real initiator, holding a flow now, is never the name forgotten.
+    for i in 0..100 {
+        let _ = ep.handle_frame(t, &format!("more-junk-{i}"), &want(vec![forged]));
+    }
+    assert!(ep.peers().lookup("initiator").is_some_and(|id| !ep.holds_nothing_for(id)));
 }
 
 /// A READ: endpoint 0 pulls 10 chunks of endpoint 1's registered memory into its own, two
