@@ -710,23 +710,27 @@ fn a_one_way_write_moves_every_byte_through_the_targets_mailbox() {
     }
 }
 
+/// A one-way WANT frame (answers asked in our mailbox) of one chunk for transfer `xfer`, from an
+/// agent never loaded here (its session is nobody's), carrying `proofs`.
+fn one_way_want(xfer: u64, proofs: Vec<wire::Proof>) -> Vec<u8> {
+    let w = Want {
+        arena: ArenaId(0),
+        xfer: XferId(xfer),
+        token: TOKEN,
+        endpoint: wire::REPLY_MAILBOX.to_vec(),
+        chunks: vec![CHUNK],
+        proofs,
+        inline: None,
+        standing: Default::default(),
+    };
+    wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
+}
+
 #[test]
 fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_destination() {
     let (mut ep, t) = endpoint(16 * KIB, 2, false);
     ep.keep_mailbox(true);
-    let want = |xfer: u64, proofs| {
-        let w = Want {
-            arena: ArenaId(0),
-            xfer: XferId(xfer),
-            token: TOKEN,
-            endpoint: wire::REPLY_MAILBOX.to_vec(),
-            chunks: vec![CHUNK],
-            proofs,
-            inline: None,
-            standing: Default::default(),
-        };
-        wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
-    };
+    let want = one_way_want;
     // Forged proofs, or none at all, under invented names: refused, no slot, no answer, no
     // flow (else keyless names could pin every mailbox slot and the arena, kept by KEEPs).
     for i in 0..20u64 {
@@ -759,19 +763,7 @@ fn invented_one_way_names_cannot_lock_a_real_initiator_out() {
     use crate::peers::MAX_ONE_WAY_NAMES;
     let (mut ep, t) = endpoint(16 * KIB, 2, false);
     ep.keep_mailbox(true);
-    let want = |proofs| {
-        let w = Want {
-            arena: ArenaId(0),
-            xfer: XferId(1),
-            token: TOKEN,
-            endpoint: wire::REPLY_MAILBOX.to_vec(),
-            chunks: vec![CHUNK],
-            proofs,
-            inline: None,
-            standing: Default::default(),
-        };
-        wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
-    };
+    let want = |proofs| one_way_want(1, proofs);
     let mut forged = crate::proof::prove(REG, &KEY, TOKEN);
     forged.tag[0] ^= 1;
     for i in 0..MAX_ONE_WAY_NAMES + 10 {
