@@ -538,6 +538,17 @@ pub enum ProtocolError {
         /// Announced chunks the peer would have.
         chunks: u64,
     },
+    /// A WANT or PULL that would take all peers' announced chunks together over
+    /// [`crate::receiver::MAX_CHUNKS_TOTAL`]; refused (answered ACK(Refused)).
+    #[error("peer {}: transfer {} refused: {chunks} chunks announced by all peers would exceed the receiver's cap", .peer.0, .xfer.0)]
+    OverTotalLimit {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer.
+        xfer: XferId,
+        /// Announced chunks all peers would have.
+        chunks: u64,
+    },
     /// A one-way WANT (answers through our mailbox) that got no mailbox slot and cannot wait
     /// for one: we keep no mailbox, or the queue of WANTs waiting for a slot is at its bound
     /// (see [`crate::oneway::Answering`]). Dropped; its sender times out.

@@ -30,6 +30,11 @@ pub const MAX_FLOWS_PER_PEER: usize = 4096;
 /// kept, with its size, until its flow ends), READ flows' kept gather runs counted with them.
 /// 2^20 chunks is 2 TiB in flight at 2 MiB chunks.
 pub const MAX_CHUNKS_PER_PEER: u64 = 1 << 20;
+/// Most chunks (and kept gather runs) all peers together may have announced: the per-peer cap
+/// bounds one peer, and this the many names a one-way target may serve (each its own peer),
+/// so that announced-but-unsent chunks cannot grow this engine's memory past a few hundred MiB.
+/// 2^22 chunks is 8 TiB in flight at 2 MiB chunks.
+pub const MAX_CHUNKS_TOTAL: u64 = 1 << 22;
 /// Most inline bytes ([`wire::Inline`]) held at once, across all peers, for flows whose chunk
 /// the scheduler has not granted yet (a busy arena). Beyond it an inline WANT is served the
 /// usual way (GRANT, write, DATA): a flood of them costs other peers the shortcut, never memory.
@@ -217,6 +222,8 @@ pub struct Receiver {
     load: BTreeMap<PeerId, PeerLoad>,
     /// The per-peer caps: [`MAX_FLOWS_PER_PEER`] and [`MAX_CHUNKS_PER_PEER`] (tests lower them).
     caps: PeerLoad,
+    /// The cap on all peers' announced chunks together: [`MAX_CHUNKS_TOTAL`] (tests lower it).
+    total_chunks_cap: u64,
     scatters: BTreeMap<JobId, Scatter>,
     /// READ flows' gathers in flight.
     gathers: BTreeMap<JobId, PullGather>,
@@ -260,6 +267,7 @@ impl Receiver {
             flows: BTreeMap::new(),
             load: BTreeMap::new(),
             caps: PeerLoad { flows: MAX_FLOWS_PER_PEER, chunks: MAX_CHUNKS_PER_PEER },
+            total_chunks_cap: MAX_CHUNKS_TOTAL,
             scatters: BTreeMap::new(),
             gathers: BTreeMap::new(),
             timers: TimerTable::default(),
@@ -472,6 +480,10 @@ impl Receiver {
         if flows > self.caps.flows || chunks > self.caps.chunks {
             refuse_want(ctx, from, &want);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: want.xfer, flows, chunks });
+        }
+        if let Err(total) = self.within_total(want.chunks.len() as u64) {
+            refuse_want(ctx, from, &want);
+            return Err(ProtocolError::OverTotalLimit { peer: from, xfer: want.xfer, chunks: total });
         }
         if want.standing == Standing::Open {
             return self.open_standing(ctx, from, want, PeerLoad { flows, chunks });
@@ -944,6 +956,20 @@ impl Receiver {
                 ctx.send(key.peer, Grant { xfer: key.xfer, token, credits: part.to_vec() });
             }
         }
+    }
+
+    /// `Ok` when `more` announced units keep all peers' together within
+    /// [`MAX_CHUNKS_TOTAL`]; else the total they would make. Summed from the per-peer loads
+    /// (a few entries, at most a few thousand one-way names) rather than kept beside them.
+    pub(super) fn within_total(&self, more: u64) -> Result<(), u64> {
+        let total = self.load.values().fold(more, |t, l| t.saturating_add(l.chunks));
+        if total > self.total_chunks_cap { Err(total) } else { Ok(()) }
+    }
+
+    /// Lowers the cap on all peers' announced chunks together (tests).
+    #[cfg(test)]
+    pub(crate) fn set_total_chunks_cap(&mut self, chunks: u64) {
+        self.total_chunks_cap = chunks;
     }
 
     /// Lowers the per-peer caps (tests: reaching the real ones takes thousands of flows).

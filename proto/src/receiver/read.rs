@@ -166,6 +166,10 @@ impl Receiver {
             refuse(ctx);
             return Err(ProtocolError::PeerOverLimit { peer: from, xfer: pull.xfer, flows, chunks });
         }
+        if let Err(total) = self.within_total(units) {
+            refuse(ctx);
+            return Err(ProtocolError::OverTotalLimit { peer: from, xfer: pull.xfer, chunks: total });
+        }
         // As for a WANT (see `handle_want`): a one-way READ must prove something.
         let verified = if opens && pull.endpoint == wire::REPLY_MAILBOX {
             self.registered.verify_opening(pull.token, &pull.proofs, pull.arena)

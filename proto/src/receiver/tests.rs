@@ -764,6 +764,26 @@ fn a_proof_through_an_arena_that_does_not_serve_the_registration_is_refused() {
     check(&ep);
 }
 
+/// All peers together are capped too: one-way names are each a peer of their own, and a
+/// target serving many of them must not hold unbounded announced chunks. A WANT that would
+/// pass the cap is refused and answered; one that fits is served.
+#[test]
+fn all_peers_announced_chunks_are_capped_together() {
+    let (mut ep, t) = receiver();
+    ep.receiver_mut().set_peer_caps(16, 100);
+    ep.receiver_mut().set_total_chunks_cap(150);
+    let other = PeerId(PEER.0 + 1);
+    ep.handle_msg(t, PEER, want_msg(XferId(1), &[CHUNK; 100])).unwrap();
+    drain(&mut ep);
+    let over = ep.handle_msg(t, other, want_msg(XferId(2), &[CHUNK; 60]));
+    assert_eq!(over, Err(ProtocolError::OverTotalLimit { peer: other, xfer: XferId(2), chunks: 160 }));
+    assert_eq!(acks(&drain(&mut ep)), vec![(XferId(2), 0, AckStatus::Refused)]);
+    ep.handle_msg(t, other, want_msg(XferId(3), &[CHUNK; 50])).unwrap();
+    assert_eq!(ep.remote_flows(), 2);
+    ep.receiver().check_invariants().unwrap();
+    check(&ep);
+}
+
 #[test]
 fn a_peers_pulls_are_capped_in_the_gather_runs_they_keep() {
     let (mut ep, t) = receiver();
