@@ -702,16 +702,10 @@ impl Endpoint {
 
     /// Whether nothing here belongs to `peer`: no flow of its into us, nothing in our mailbox
     /// for it (slot, waiting transfer), no transfer of ours to it. Such a peer, if NIXL never
-    /// loaded it, may be forgotten ([`PeerTable::evict_one_way`]) after
-    /// [`Self::forget_peer`].
+    /// loaded it, may be forgotten ([`PeerTable::evict_one_way`]); [`Self::handle_peer_lost`]
+    /// then drops what little may remain of it (replay floors).
     pub fn holds_nothing_for(&self, peer: PeerId) -> bool {
         holds_nothing(&self.receiver, &self.answering, &self.sender, peer)
-    }
-
-    /// Drops what little may remain here of a peer that holds nothing (its replay floors):
-    /// its name is being forgotten, and its id is never given again.
-    pub fn forget_peer(&mut self, now: Instant, peer: PeerId) {
-        self.handle_peer_lost(now, peer);
     }
 
     /// Admits a one-way frame from `name` (see [`PeerTable::admit_one_way`]); when every
@@ -724,7 +718,7 @@ impl Endpoint {
             Err(FrameRefused::NotLoaded) => {
                 let (receiver, answering, sender) = (&self.receiver, &self.answering, &self.sender);
                 let gone = self.peers.evict_one_way(|id| holds_nothing(receiver, answering, sender, id));
-                self.forget_peer(now, gone.ok_or(FrameRefused::NotLoaded)?);
+                self.handle_peer_lost(now, gone.ok_or(FrameRefused::NotLoaded)?);
                 self.peers.admit_one_way(name)
             }
             r => r,

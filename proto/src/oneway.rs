@@ -328,7 +328,7 @@ impl Answering {
 
     /// True when `peer` has a one-way flow here.
     pub fn has_peer(&self, peer: PeerId) -> bool {
-        self.flows.range(FlowKey { peer, xfer: XferId(0) }..=FlowKey { peer, xfer: XferId(u64::MAX) }).next().is_some()
+        self.flows.range(FlowKey::all_of(peer)).next().is_some()
     }
 
     /// Mailbox slots held now (open or closing).
@@ -465,10 +465,7 @@ impl Answering {
     /// Whether anything here belongs to `peer`: a one-way flow (open or lingering), a slot, a
     /// transfer waiting for one.
     pub fn holds(&self, peer: PeerId) -> bool {
-        let of_peer = FlowKey { peer, xfer: XferId(0) }..=FlowKey { peer, xfer: XferId(u64::MAX) };
-        self.flows.range(of_peer).next().is_some()
-            || self.waiting.waiting_of(peer) > 0
-            || self.writer.as_ref().is_some_and(|w| w.holds(peer))
+        self.has_peer(peer) || self.waiting.waiting_of(peer) > 0 || self.writer.as_ref().is_some_and(|w| w.holds(peer))
     }
 
     /// The peer is gone: its slots are freed at once, and its waiting transfers leave.

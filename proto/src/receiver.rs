@@ -329,8 +329,7 @@ impl Receiver {
 
     /// Whether a flow of `peer` is open here.
     pub(crate) fn has_flows(&self, peer: PeerId) -> bool {
-        let of_peer = FlowKey { peer, xfer: XferId(0) }..=FlowKey { peer, xfer: XferId(u64::MAX) };
-        self.flows.range(of_peer).next().is_some()
+        self.flows.range(FlowKey::all_of(peer)).next().is_some()
     }
 
     /// Remote flows tracked (with pending chunks, granted or scattering regions).

@@ -72,6 +72,13 @@ pub struct FlowKey {
     pub xfer: XferId,
 }
 
+impl FlowKey {
+    /// Every key of `peer`, for a range over a map ordered by key (peer first).
+    pub fn all_of(peer: PeerId) -> std::ops::RangeInclusive<Self> {
+        Self { peer, xfer: XferId(0) }..=Self { peer, xfer: XferId(u64::MAX) }
+    }
+}
+
 /// A slice of an arena: `len` bytes at byte `offset` from the arena's base. The offset is the
 /// region's handle (the design's `regionHandle`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -144,11 +144,9 @@ impl Receiver {
     /// lasted. Their senders, if alive, fail them at their timeout, as for a WANT the flow cap
     /// drops; a flow announced later is served as usual. Counted in `flows_dropped_unserved`.
     pub(super) fn drop_unserved(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
-        let lo = FlowKey { peer, xfer: XferId(0) };
-        let hi = FlowKey { peer, xfer: XferId(u64::MAX) };
         let unserved: Vec<FlowKey> = self
             .flows
-            .range(lo..=hi)
+            .range(FlowKey::all_of(peer))
             .filter(|(k, f)| {
                 f.given.is_none() && !f.standing && f.scattering == 0 && ctx.scheds.flow_held_count(**k) == 0
             })

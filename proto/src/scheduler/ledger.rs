@@ -19,7 +19,7 @@ use super::{
     CreditScheduler, EndScatter, Flow, Grant, Held, Local, Reclaimed, Rest, Result, Reuse, Scatter, SchedError,
 };
 use crate::buddy::Buddy;
-use crate::types::{ChunkIdx, FlowKey, PeerId, Region, XferId};
+use crate::types::{ChunkIdx, FlowKey, PeerId, Region};
 
 impl CreditScheduler {
     /// The grant `flow` holds at `offset`, if it holds that region and its scatter has not
@@ -190,9 +190,7 @@ impl CreditScheduler {
 
     /// [`reclaim_flow`](Self::reclaim_flow) for every flow of `peer` (peer loss), in key order.
     pub fn reclaim_peer(&mut self, peer: PeerId, reuse: Reuse) -> Reclaimed {
-        let lo = FlowKey { peer, xfer: XferId(0) };
-        let hi = FlowKey { peer, xfer: XferId(u64::MAX) };
-        let keys: Vec<FlowKey> = self.flows.range(lo..=hi).map(|(k, _)| *k).collect();
+        let keys: Vec<FlowKey> = self.flows.range(FlowKey::all_of(peer)).map(|(k, _)| *k).collect();
         let mut out = Reclaimed::default();
         for key in keys {
             self.reclaim_into(key, reuse, &mut out);

@@ -126,7 +126,8 @@ impl Driver {
             Err(FrameRefused::NotLoaded) => {
                 let ep = &self.ep;
                 let gone = self.shared.peers.evict_one_way(|id| ep.holds_nothing_for(id));
-                self.ep.forget_peer(now, gone.ok_or(FrameRefused::NotLoaded)?);
+                // What little may remain of it (replay floors) goes with its name.
+                self.ep.handle_peer_lost(now, gone.ok_or(FrameRefused::NotLoaded)?);
                 self.shared.peers.admit_one_way(name)
             }
             r => r,

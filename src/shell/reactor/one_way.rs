@@ -90,11 +90,19 @@ impl Driver {
 
     /// Posts the fetch of `xfer` when it is due and none is in flight; true when it posted.
     fn post_fetch(&mut self, now: Instant, xfer: XferId) -> bool {
-        let Some(f) = self.ep.fetch(xfer) else { return false };
-        let Some(poll) = self.fetches.poll(xfer, f.peer, now) else { return false };
+        // A transfer's first poll takes a slice of its target's share; later ones ask the core
+        // for the regions to read only when a fetch is due (a pass looks at every poll).
+        if self.fetches.existing(xfer).is_none() {
+            let Some(peer) = self.ep.fetch(xfer).map(|f| f.peer) else { return false };
+            if self.fetches.poll(xfer, peer, now).is_none() {
+                return false;
+            }
+        }
+        let Some(poll) = self.fetches.existing(xfer) else { return false };
         if poll.posted || poll.next_at > now {
             return false;
         }
+        let Some(f) = self.ep.fetch(xfer) else { return false };
         let slice_at = self.one_way.fetch_offset + u64::from(poll.slice) * self.one_way.fetch_slice;
         let (Some(area), Some((name, mb))) = (self.area, self.shared.peers.mailbox_target(f.peer)) else {
             self.ep.handle_fetch_failed(now, xfer);
