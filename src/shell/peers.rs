@@ -343,6 +343,12 @@ impl PeerTable {
         self.table.lock().rules.lookup(name)
     }
 
+    /// Whether `name` said HELLO (kept as a hint when not loaded): tests wait on it.
+    #[cfg(test)]
+    pub(crate) fn is_reachable(&self, name: &str) -> bool {
+        self.table.lock().rules.is_reachable(name)
+    }
+
     /// The name of a peer id.
     pub(crate) fn name(&self, id: PeerId) -> Option<String> {
         self.table.lock().rules.name(id).map(str::to_owned)

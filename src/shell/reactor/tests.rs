@@ -776,13 +776,24 @@ fn a_hello_flood_from_invented_names_cannot_lock_a_real_pair_out() {
         assert!(Instant::now() < deadline, "b sent no HELLO");
         std::thread::sleep(Duration::from_millis(1));
     }
-    // ...which the rest of the flood evicts.
+    // ...which the rest of the flood evicts (a's reactor has read the whole flood before the load).
     flood(2 * n..4 * n);
+    let last = format!("invented-{}", 4 * n - 1);
+    while !a.shared.peers.is_reachable(&last) {
+        assert!(Instant::now() < deadline, "a never read the flood");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!a.shared.peers.is_reachable("b"), "b's HELLO was evicted from a's hints");
     a.load("b", &b);
-    while !(a.shared.peers.bounce_arenas("b").is_some() && b.shared.peers.bounce_arenas("a").is_some()) {
+    // b marks a ready before it sends its answer, so wait for the answer itself too.
+    while !(a.shared.peers.bounce_arenas("b").is_some()
+        && b.shared.peers.bounce_arenas("a").is_some()
+        && hello_from_b.load(Ordering::Relaxed) >= 2)
+    {
         assert!(Instant::now() < deadline, "the real pair never became ready to bounce");
         std::thread::sleep(Duration::from_millis(1));
     }
+    std::thread::sleep(Duration::from_millis(20));
     assert_eq!(hello_from_b.load(Ordering::Relaxed), 2, "b answered a's HELLO once, no ping-pong");
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
