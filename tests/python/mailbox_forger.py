@@ -217,14 +217,26 @@ class Forger:
     def tops(self, img):
         """Per slot, the highest sequence number among records that sit where they claim to (their
         slot field and ring position agree) and that we did not write: the target's latest
-        record as far as a party without the token can tell (0: none)."""
+        record as far as a party without the token can tell (0: none).
+
+        A slot reused by a new transfer numbers its records from 1 again, over the old one's
+        last lap: until the new transfer has overwritten the whole ring, the highest number is
+        the old transfer's, and the position after it may hold a record of the new one that
+        the reader has not taken yet (often its first, which the reader needs to find the
+        slot at all). A forgery there would destroy a genuine record, a delay attack the
+        frozen rounds must not make by mistake. So a slot counts (nonzero) only while every
+        record placed in it names one transfer."""
         recs = img.reshape(self.slots, self.ring, RECORD)
         seq = recs[:, :, 8:16].copy().view("<u8")[:, :, 0]
+        xfer = recs[:, :, 16:24].copy().view("<u8")[:, :, 0]
         slot = recs[:, :, 4:8].copy().view("<u4")[:, :, 0]
         pos = np.arange(self.ring, dtype=np.uint64)[None, :]
         placed = (recs.any(axis=2) & (slot == np.arange(self.slots, dtype=np.uint32)[:, None])
-                  & (seq >= 1) & ((seq - 1) % np.uint64(self.ring) == pos))
-        return np.where(placed & ~self.ours(recs), seq, 0).max(axis=1)
+                  & (seq >= 1) & ((seq - 1) % np.uint64(self.ring) == pos)) & ~self.ours(recs)
+        top = np.where(placed, seq, 0).max(axis=1)
+        newest = xfer[np.arange(self.slots), np.where(placed, seq, 0).argmax(axis=1)]
+        one_transfer = ~(placed & (xfer != newest[:, None])).any(axis=1)
+        return np.where(one_transfer, top, 0)
 
     def ours(self, recs):
         """True where a position holds exactly what we wrote there ourselves."""
