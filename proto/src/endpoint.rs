@@ -287,7 +287,9 @@ impl Endpoint {
     }
 
     /// Cancels an in-flight transfer (the application released it): [`XferError::Canceled`]
-    /// and a cancel to the peer. Unknown or finished transfers are ignored.
+    /// and a cancel to the peer. Unknown or finished transfers are ignored. A READ's
+    /// [`Action::Complete`] waits for its scatters into our memory still running, as for any
+    /// failure: until then [`owes_completion`](Self::owes_completion) holds.
     pub fn cancel(&mut self, now: Instant, xfer: XferId) {
         self.sender.cancel(&mut ctx!(self, now), xfer);
         self.pump(now);
@@ -687,6 +689,14 @@ impl Endpoint {
     /// Staging regions of failed transfers waiting for their gather or write to finish.
     pub fn orphans(&self) -> usize {
         self.sender.orphans()
+    }
+
+    /// Whether transfer `xfer` of ours is still to get its [`Action::Complete`]: in flight, or
+    /// a failed READ whose scatters into our memory run on (its failure is told once they have
+    /// ended, so that nothing of it writes the destinations after the application learns of
+    /// it).
+    pub fn owes_completion(&self, xfer: XferId) -> bool {
+        self.sender.owes_completion(xfer)
     }
 
     /// Whether `job` (a gather, write or READ of ours) belongs to a transfer that ended before

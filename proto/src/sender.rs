@@ -259,6 +259,11 @@ pub struct Sender {
     /// reserve is kept while its count is non-zero.
     staging_xfers: BTreeMap<ArenaId, usize>,
     pending_cancels: BTreeMap<XferId, PendingCancel>,
+    /// Failed READs whose completion waits for their scatters into our memory still running
+    /// (the error, and how many): the application may reuse the destinations as soon as it
+    /// sees the failure (or its release of the request returns), so nothing of the transfer
+    /// may write them after that.
+    failing_reads: BTreeMap<XferId, (XferError, usize)>,
     /// Chunks in [`Stage::Parked`], oldest first; entries of failed transfers are dropped
     /// lazily.
     parked: VecDeque<(XferId, usize)>,
@@ -318,6 +323,7 @@ impl Sender {
             orphans: BTreeMap::new(),
             staging_xfers: BTreeMap::new(),
             pending_cancels: BTreeMap::new(),
+            failing_reads: BTreeMap::new(),
             parked: VecDeque::new(),
             timers: TimerTable::default(),
             finished: BTreeMap::new(),
@@ -536,6 +542,12 @@ impl Sender {
             return Err(SubmitError::NoSuchArena { xfer, arena: plan.local_arena });
         }
         check_plan(xfer, plan, self.max_chunk(plan.local_arena).min(ctx.sched(plan.local_arena).max_chunk_bytes()))
+    }
+
+    /// True while `xfer` is to complete: in flight, or failed with its completion waiting for
+    /// scatters into our memory (see `failing_reads`).
+    pub fn owes_completion(&self, xfer: XferId) -> bool {
+        self.xfers.contains_key(&xfer) || self.failing_reads.contains_key(&xfer)
     }
 
     /// True when `job` is one of this sender's jobs (live or orphaned).
@@ -905,6 +917,9 @@ impl Sender {
             trace!(job = job.0, xfer = o.xfer.0, region = ?o.region, "orphan done");
             if let Some(region) = o.region {
                 release(ctx, o.arena, region);
+            }
+            if kind == JobKind::Scatter {
+                self.scatter_ended(ctx, o.xfer);
             }
             if matches!(kind, JobKind::Write | JobKind::Read) {
                 if let Some(pc) = self.pending_cancels.get_mut(&o.xfer) {

@@ -392,7 +392,7 @@ impl Engine {
         match sh.requests.remove(handle) {
             None => Err(Error::UnknownRequest(handle)),
             Some(Released::InFlight(xfer)) => {
-                sh.inbox.push(Cmd::Cancel(xfer));
+                sh.cancel(xfer);
                 Ok(())
             }
             Some(Released::Idle) => Ok(()),

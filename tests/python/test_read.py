@@ -96,6 +96,9 @@ def test_a_cancelled_read_frees_both_arenas_then_the_pair_is_byte_exact(procs):
             h, st = act_in_flight(ag, post_read(ag, "rd-cancel-tgt", lay, dst, raddr), lambda: None)
             if h is not None:
                 ag.release_xfer_handle(h)  # still PROC: this cancels it
+                # The release returns once nothing of the READ writes our memory any more (a
+                # framework frees the destinations next): from here not one byte may change.
+                released = dst.copy()
                 break
             assert st == "DONE", st
         else:
@@ -104,7 +107,8 @@ def test_a_cancelled_read_frees_both_arenas_then_the_pair_is_byte_exact(procs):
         mine = settle_local(ag, ARENA, TIMEOUT_MS / 1000 + SLACK_S, "initiator after cancel")
         settle(lambda: peer_stats(p), ARENA, TIMEOUT_MS / 1000 + SLACK_S, "target after cancel")
         settled = time.monotonic() - t0
-        # Nothing of the cancelled READ may land after this point: refill, READ anew, and
+        nixlkit.assert_same(dst, released, "our buffer after the release of the READ returned")
+        # Nor after this point: refill, READ anew, and
         # compare the whole destination buffer.
         dst[:] = nixlkit.pattern(90, lay.dst_bytes)
         before = dst.copy()

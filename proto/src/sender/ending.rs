@@ -37,7 +37,7 @@ impl Sender {
             self.stop_staging(x.plan.local_arena);
         }
         let arena = x.plan.local_arena;
-        let mut writes = 0;
+        let (mut writes, mut scatters) = (0, 0);
         for stage in &x.stages {
             match *stage {
                 Stage::Gathering { local, job, .. } => {
@@ -64,8 +64,10 @@ impl Sender {
                     writes += 1;
                 }
                 Stage::Pulled { local, job } => {
+                    // It writes the application's memory: the failure is told once it ends.
                     self.jobs.remove(&job);
                     self.orphans.insert(job, Orphan { xfer: id, arena, region: Some(local), kind: JobKind::Scatter });
+                    scatters += 1;
                 }
                 Stage::DataSent { .. } | Stage::Idle | Stage::Parked { .. } | Stage::Acked => {}
             }
@@ -100,8 +102,23 @@ impl Sender {
             XferError::Refused => ctx.stats.refused += 1,
             _ => {}
         }
-        ctx.push(Action::Complete { xfer: id, outcome: Err(err) });
+        if scatters == 0 {
+            ctx.push(Action::Complete { xfer: id, outcome: Err(err) });
+        } else {
+            self.failing_reads.insert(id, (err, scatters));
+        }
         self.tombstone(ctx.now, id, x.peer);
+    }
+
+    /// One scatter of a failed READ ended: with its last, the failure is told.
+    pub(super) fn scatter_ended(&mut self, ctx: &mut Ctx<'_>, id: XferId) {
+        let Some((_, left)) = self.failing_reads.get_mut(&id) else { return };
+        *left -= 1;
+        if *left == 0 {
+            if let Some((err, _)) = self.failing_reads.remove(&id) {
+                ctx.push(Action::Complete { xfer: id, outcome: Err(err) });
+            }
+        }
     }
 
     /// A GRANT or ACK for a transfer not in flight: quietly ignored when it finished recently

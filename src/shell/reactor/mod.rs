@@ -265,6 +265,9 @@ struct Driver {
     /// Deregistrations waiting for running jobs (declared after `copier`: dropped after the
     /// copy engine has joined its workers, so their waiters wake only then).
     deregs: Vec<PendingDereg>,
+    /// Releases of in-flight transfers waiting for their completion (a failed READ's is told
+    /// once its scatters into our memory end); declared after `copiers` for the same reason.
+    cancels: HashMap<XferId, Signal>,
     /// Peer arenas (each its arena's and mailbox's handles) to unload once no write or READ in
     /// flight uses them.
     retiring: Vec<Vec<Md>>,
@@ -365,6 +368,7 @@ impl Reactor {
             copies: HashMap::new(),
             xfers: HashMap::new(),
             deregs: Vec::new(),
+            cancels: HashMap::new(),
             retiring: Vec::new(),
             greeted: HashSet::new(),
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
@@ -625,9 +629,14 @@ impl Driver {
                     self.complete(p.xfer, Err(XferError::Refused));
                 }
             }
-            Cmd::Cancel(x) => {
+            Cmd::Cancel(x, done) => {
                 self.xfers.remove(&x);
                 self.ep.cancel(now, x);
+                // Its completion is owed while a READ's scatters into our memory run: the
+                // release returns once it comes (the `Action::Complete` arm of `drain_actions`).
+                if let Some(done) = done.filter(|_| self.ep.owes_completion(x)) {
+                    self.cancels.insert(x, done);
+                }
             }
             Cmd::PeerLost(name) => {
                 self.greeted.remove(&name);
@@ -733,7 +742,11 @@ impl Driver {
                             self.area_outside("writing a mailbox record");
                         }
                     }
-                    Action::Complete { xfer, outcome } => self.complete(xfer, outcome),
+                    Action::Complete { xfer, outcome } => {
+                        // A release waiting for this transfer returns now.
+                        self.cancels.remove(&xfer);
+                        self.complete(xfer, outcome);
+                    }
                 }
             }
             // Copies run inline just now are done: their completions go on at once (a scatter's

@@ -26,8 +26,9 @@ use crate::sys::shim::Md;
 pub(crate) enum Cmd {
     /// Run a posted request.
     Submit(PostedXfer),
-    /// The application released an in-flight request.
-    Cancel(XferId),
+    /// The application released an in-flight request: signal `done` once nothing of it writes
+    /// our memory any more (its failure, deferred while a READ's scatters run, is settled).
+    Cancel(XferId, Option<Signal>),
     /// The peer disconnected.
     PeerLost(String),
     /// We loaded this peer's connection info: tell it we can answer (HELLO). With the count
@@ -84,7 +85,7 @@ impl Completion {
 
     /// Waits until signalled or until the reactor of `shared` has ended (its copy engine is
     /// joined and its writes are released then, so nothing of it touches memory any more).
-    pub(crate) fn wait(&self, shared: &Shared) {
+    pub(crate) fn wait(&self, shared: &Shared, what: &str) {
         let mut done = self.done.lock();
         let mut waited = Duration::ZERO;
         while !*done && !shared.ended.load(Ordering::Acquire) {
@@ -92,7 +93,7 @@ impl Completion {
             let _ = self.cv.wait_for(&mut done, step);
             waited += step;
             if waited == Duration::from_secs(5) {
-                tracing::warn!("still waiting for the bounce reactor to let go of deregistered memory");
+                tracing::warn!("still waiting for the bounce reactor to let go of {what}");
             }
         }
     }
@@ -196,7 +197,16 @@ impl Shared {
         }
         let done = Arc::new(Completion::default());
         self.inbox.push(Cmd::Deregister { reg, addr, len, done: Some(Signal(Arc::clone(&done))) });
-        done.wait(self);
+        done.wait(self, "deregistered memory");
+    }
+
+    /// The application releases in-flight transfer `xfer`: returns once it is cancelled and
+    /// nothing of it writes our memory any more (a READ's scatters still running end first;
+    /// UCX's release cancels its requests, and a framework frees the destinations next).
+    pub(crate) fn cancel(&self, xfer: XferId) {
+        let done = Arc::new(Completion::default());
+        self.inbox.push(Cmd::Cancel(xfer, Some(Signal(Arc::clone(&done)))));
+        done.wait(self, "a released READ's destinations");
     }
 
     /// The reactor thread is done: commands queued from now on are dropped (their signals

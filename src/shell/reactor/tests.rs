@@ -914,6 +914,84 @@ fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
     assert_eq!(a.stat(|s| &s.bounce_ok), 0);
 }
 
+/// What the engine does in `releaseReqH` for an in-flight request, on another thread: take
+/// the handle from the table, cancel the transfer and wait. Returns when the wait ended.
+fn release_async(side: &Side, h: u64) -> std::thread::JoinHandle<Instant> {
+    let Some(crate::shell::requests::Released::InFlight(xfer)) = side.shared.requests.remove(h) else {
+        panic!("request {h} is not in flight");
+    };
+    let shared = Arc::clone(&side.shared);
+    std::thread::spawn(move || {
+        shared.cancel(xfer);
+        Instant::now()
+    })
+}
+
+/// NIXL's release of an in-flight READ (a framework aborting a request, then freeing its KV
+/// blocks for another) returns only once the READ's scatters into our memory have ended:
+/// nothing of the transfer writes the destinations after it.
+#[test]
+fn releasing_a_read_waits_for_its_scatters_into_our_memory() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (open, held) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+    let (o, hd) = (Arc::clone(&open), Arc::clone(&held));
+    let (mut src, mut dst) = buffers();
+    let (a, b) = introduce(
+        Side::start_with("a", 11, &cfg, &net, move |inner| Box::new(Gated { inner, open: o, held: hd })),
+        Side::start("b", 22, &cfg, &net),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let source = b.register(&mut src);
+    let h = a.post_op("b", &cfg, &src, &mut dst, source, true);
+    // a's first scatter into dst is accepted and "running" (held at the gate).
+    while held.lock().is_empty() {
+        assert!(Instant::now() < deadline, "no scatter reached a's copy engine");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let waiter = release_async(&a, h);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!waiter.is_finished(), "the release returned while a scatter into the READ's destinations was running");
+    let opened = Instant::now();
+    open.store(true, Ordering::Release);
+    a.shared.inbox.wake();
+    let returned = waiter.join().unwrap();
+    assert!(returned >= opened, "returned before the scatter was let go");
+    assert!(held.lock().is_empty());
+    let after = dst.clone();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(after == dst, "bytes changed after the release returned");
+    assert_eq!((a.stat(|s| &s.bounce_ok), a.stat(|s| &s.bounce_failed)), (0, 0), "a released request is not counted");
+    // The pair is whole: the next READ lands every byte.
+    let mut dst2 = vec![0xEE; dst.len()];
+    let h2 = a.post_op("b", &cfg, &src, &mut dst2, source, true);
+    assert_eq!(a.outcome(h2, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst2);
+}
+
+/// A release with nothing of the transfer writing our memory (a WRITE whose target never
+/// answers) returns at once, and once the reactor is gone a release never waits.
+#[test]
+fn releasing_a_write_in_flight_returns_at_once() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let granted = drop_acks_counting(&net, "grant");
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    wait_nonzero(&granted, "b granted nothing");
+    let started = Instant::now();
+    release_async(&a, h).join().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    assert_eq!(a.stat(|s| &s.bounce_ok), 0);
+    let Side { reactor, shared, .. } = a;
+    drop(reactor);
+    let started = Instant::now();
+    shared.cancel(XferId(u64::MAX));
+    assert!(started.elapsed() < Duration::from_secs(1), "a release waited for a reactor that is gone");
+}
+
 #[test]
 fn deregistration_with_nothing_running_returns_at_once() {
     let cfg = config("60000");
@@ -933,7 +1011,7 @@ fn deregistration_with_nothing_running_returns_at_once() {
     let addr = other.as_ptr() as u64;
     let cmd = Cmd::Deregister { reg: Some(RegId(addr)), addr, len: 4096, done: Some(Signal(Arc::clone(&done))) };
     shared.inbox.push(cmd);
-    done.wait(&shared);
+    done.wait(&shared, "deregistered memory");
     drop(arena);
 }
 

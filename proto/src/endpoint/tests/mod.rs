@@ -821,6 +821,71 @@ fn a_read_pulls_every_byte_through_the_targets_arena_two_way_and_one_way() {
     }
 }
 
+/// A READ that fails while scatters into our memory run (cancelled by the application, timed
+/// out, or its peer lost) is told failed only once they have ended: the application may reuse
+/// its destinations the moment it learns, so nothing of the transfer may write them after.
+#[test]
+fn a_failed_read_is_told_only_once_its_scatters_into_our_memory_have_ended() {
+    for how in ["cancel", "timeout", "peer lost"] {
+        let mut p = Pair::new(16 * KIB, 2, false);
+        let descs: Vec<DescPair> =
+            (0..10).map(|i| DescPair { src: DST + i * CHUNK, dst: SRC + i * CHUNK, len: CHUNK }).collect();
+        let mut plan = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+        let now = p.now;
+        p.eps[0].submit_read(now, X, TOKEN, PeerId(1), plan, None).unwrap();
+        // Everything runs but our scatters, which are held as if still copying.
+        let mut held = Vec::new();
+        loop {
+            let mut idle = true;
+            for me in 0..2 {
+                while let Some(a) = p.eps[me].poll_action() {
+                    idle = false;
+                    match a {
+                        Action::Scatter { job, .. } if me == 0 => held.push(job),
+                        a => p.perform(me, a),
+                    }
+                }
+            }
+            if idle {
+                break;
+            }
+        }
+        assert!(held.len() >= 2, "{how}: scatters held {}", held.len());
+        let later = p.now + TIMEOUT * 2;
+        match how {
+            "cancel" => p.eps[0].cancel(now, X),
+            "timeout" => p.eps[0].handle_timeout(later),
+            _ => p.eps[0].handle_peer_lost(now, PeerId(1)),
+        }
+        let end = if how == "timeout" { later } else { now };
+        let told = |p: &mut Pair| {
+            std::iter::from_fn(|| p.eps[0].poll_action())
+                .filter_map(|a| match a {
+                    Action::Complete { xfer, outcome } => Some((xfer, outcome)),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert!(told(&mut p).is_empty(), "{how}: failure told with {} scatters still running", held.len());
+        assert!(p.eps[0].owes_completion(X), "{how}");
+        let last = held.pop().unwrap();
+        for job in held {
+            p.eps[0].handle_scatter_done(end, job, true);
+            assert!(told(&mut p).is_empty(), "{how}: told before the last scatter ended");
+        }
+        p.eps[0].handle_scatter_done(end, last, true);
+        let want = match how {
+            "cancel" => XferError::Canceled,
+            "timeout" => XferError::Timeout,
+            _ => XferError::PeerLost,
+        };
+        assert_eq!(told(&mut p), vec![(X, Err(want))], "{how}: told once, after the last scatter");
+        assert!(!p.eps[0].owes_completion(X), "{how}");
+        assert_eq!(p.eps[0].jobs_in_flight(), 0, "{how}");
+    }
+}
+
 /// What the property test below does to an endpoint.
 #[derive(Debug, Clone)]
 enum Op {
