@@ -13,7 +13,8 @@
 //! against our registrations; a WRITE reads our memory and writes the peer's, which the kernel
 //! checks (a piece outside the peer's mappings fails the transfer). The process named by a
 //! record must be the one that published it: same host (boot id), same PID namespace, and the
-//! start time of the pid checked again at every post, so a pid reused since is refused. Nor is a
+//! start time of the pid checked again at every post (and by a worker before each part it
+//! takes from the queue), so a pid reused since is refused. Nor is a
 //! deregistered registration written: each record names a liveness word in its owner's
 //! process, which holds the record's tag while the registration lives and 0 once it is
 //! deregistered; the copier reads the words of a request's registrations at prep and before
@@ -190,7 +191,22 @@ struct Task {
     parts: Arc<Vec<Vec<Piece>>>,
     part: usize,
     pid: u32,
+    /// The process's start time and watch, asked again when a worker takes the task: it may
+    /// wait in the queue behind other requests' parts, and a pid freed and reused meanwhile
+    /// must not be written.
+    start: u64,
+    watch: Option<Arc<Watch>>,
     dir: CmaDir,
+}
+
+impl Task {
+    fn run(&self) -> bool {
+        if !same_process_alive(self.watch.as_deref(), self.pid, self.start) {
+            tracing::debug!(pid = self.pid, "the peer process went while a part waited: not copied");
+            return false;
+        }
+        copy_part(self.pid, self.dir, &self.parts[self.part])
+    }
 }
 
 #[derive(Debug)]
@@ -266,7 +282,7 @@ impl CmaPath {
             let rx: Receiver<Task> = rx.clone();
             let spawned = std::thread::Builder::new().name(format!("bounce-cma-{i}")).spawn(move || {
                 while let Some(t) = next_job(&rx, linger) {
-                    t.job.part_done(copy_part(t.pid, t.dir, &t.parts[t.part]));
+                    t.job.part_done(t.run());
                 }
             });
             match spawned {
@@ -489,7 +505,8 @@ impl CmaPath {
             job.part_done(true);
         }
         for part in 1..req.parts.len() {
-            let t = Task { job: Arc::clone(&job), parts: Arc::clone(&req.parts), part, pid: req.pid, dir };
+            let (pid, start, watch) = (req.pid, req.start, req.watch.clone());
+            let t = Task { job: Arc::clone(&job), parts: Arc::clone(&req.parts), part, pid, start, watch, dir };
             if tx.send(t).is_err() {
                 job.part_done(false);
             }
@@ -737,6 +754,45 @@ mod tests {
         assert!(!path.permitted("p", &rec_gone));
         assert_eq!(path.permitted.lock().get(&(gone, 1)), Some(&false));
         assert!(path.permitted("p", &rec), "this process: reachable");
+    }
+
+    /// A part that waited in the queue asks again whether the process is the one checked at
+    /// the post: one that has gone since (its pid may be reused by then) is not written, with
+    /// a watch or without one.
+    #[test]
+    fn a_queued_part_is_not_copied_once_its_process_has_gone() {
+        let src = [7u8; 64];
+        let mut dst = [0u8; 64];
+        let pieces = vec![vec![Piece { local: dst.as_mut_ptr() as u64, remote: src.as_ptr() as u64, len: 64 }]];
+        let task = |pid, start, watch| Task {
+            job: Arc::new(Job::default()),
+            parts: Arc::new(pieces.clone()),
+            part: 0,
+            pid,
+            start,
+            watch,
+            dir: CmaDir::Read,
+        };
+        // This very process, as the post checked it: copied.
+        let me = cma::this_process().expect("Linux has /proc");
+        assert!(task(me.pid, me.start, None).run());
+        assert_eq!(dst, src);
+        dst = [0u8; 64];
+        // The pid now names another process (here: this one, which the kernel lets us write,
+        // with another start time than the one checked): not copied.
+        assert!(!task(me.pid, me.start + 1, None).run(), "checked by start time");
+        // With a watch: the watch of the process checked, which has exited since, decides.
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().expect("spawn sleep");
+        let (pid, start) = (child.id(), cma::start_time(child.id()).expect("the child runs"));
+        let watch = Watch::open(pid, start).map(Arc::new);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        if let Some(w) = watch {
+            assert!(!task(me.pid, me.start, Some(w)).run(), "checked by its watch");
+        } else {
+            eprintln!("no pidfd here: the watch half of this test did not run");
+        }
+        assert_eq!(dst, [0u8; 64], "nothing copied");
     }
 
     /// A worker lingering after its part (a 60 s linger here) copies the next request's, and
