@@ -91,12 +91,16 @@ impl ExecContext {
         }
     }
 
-    /// Grows the plan buffers to hold `bytes`. Only while the context is idle.
+    /// Grows the plan buffers to hold `bytes`. Only while the context is idle. Both are
+    /// allocated before either is replaced: a failed allocation (VRAM taken by the
+    /// application) leaves the pair as it was, never a host buffer larger than the device
+    /// one, which the launches size their copies by.
     pub(super) fn ensure_plan_bytes(&mut self, bytes: usize) -> Result<(), CudaError> {
-        if self.plan_host.len() < bytes {
+        if self.plan_host.len() < bytes || self.plan_dev.len() < bytes {
             let want = bytes.next_power_of_two();
-            self.plan_host = PinnedHost::new(&self.gpu, want)?;
-            self.plan_dev = alloc_vram(&self.gpu, want)?;
+            let host = PinnedHost::new(&self.gpu, want)?;
+            let dev = alloc_vram(&self.gpu, want)?;
+            (self.plan_host, self.plan_dev) = (host, dev);
         }
         Ok(())
     }
