@@ -139,10 +139,46 @@ impl Engine {
         })
     }
 
+    /// Each arena with its copy engine. A GPU arena beside a host one whose copy engine cannot
+    /// start (no kernels in this build, a module the driver refuses, no VRAM for the plan
+    /// buffers) is given up like one that could not be allocated, and the host arena goes on
+    /// alone; the first arena's failure is the bounce path's (every arena is deregistered).
+    fn arenas_with_copiers(&self, shim: &Shim, shared: &Arc<Shared>) -> Result<Vec<(Arena, Box<dyn CopyEngine>)>> {
+        let mut out = Vec::new();
+        for (i, a) in self.make_arenas(shim)?.into_iter().enumerate() {
+            match self.copier_for(&a, shared) {
+                Ok(c) => out.push((a, c)),
+                Err(e) if i > 0 && a.device().is_some() => {
+                    tracing::warn!(
+                        agent = self.agent,
+                        error = %e,
+                        "no GPU copy engine beside the host arena: GPU-memory transfers between hosts stay on UCX"
+                    );
+                    a.deregister(shim);
+                }
+                Err(e) => {
+                    for (done, _) in &out {
+                        done.deregister(shim);
+                    }
+                    a.deregister(shim);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     pub(super) fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
         // Bound before the arenas: a failure here costs no registration to undo.
         let (control, control_endpoint) = self.control_channel(shim)?;
-        let arenas = self.make_arenas(&shim)?;
+        let shared = Arc::new(Shared::new(
+            Arc::clone(&self.stats),
+            Arc::clone(&self.peers),
+            Arc::clone(&self.registry),
+            self.mail.doorbell(),
+        ));
+        let (arenas, copiers): (Vec<Arena>, Vec<Box<dyn CopyEngine>>) =
+            self.arenas_with_copiers(&shim, &shared)?.into_iter().unzip();
         let Some(mut caps) = self.capabilities_of(&arenas) else {
             for a in &arenas {
                 a.deregister(&shim);
@@ -162,25 +198,20 @@ impl Engine {
             (caps.mailbox_base, caps.mailbox_len, caps.mailbox_key) = area.advert();
             caps.mailbox = Some(layout.advertised());
         }
-        let shared = Arc::new(Shared::new(
-            Arc::clone(&self.stats),
-            Arc::clone(&self.peers),
-            Arc::clone(&self.registry),
-            self.mail.doorbell(),
-        ));
         let started =
             shim.conn_info().map_err(|status| Error::Inner { op: "getConnInfo", status }).and_then(|endpoint| {
                 let parts = arenas
                     .iter()
-                    .map(|a| {
+                    .zip(copiers)
+                    .map(|(a, copier)| {
                         let c = self.arena_config(a.place().mem);
-                        Ok(ArenaPart {
+                        ArenaPart {
                             arena: LocalArena { place: a.place(), base: a.base(), md: a.md() },
-                            copier: self.copier_for(a, &shared)?,
+                            copier,
                             geometry: (c.arena_usable_capacity(), c.arena_granularity, c.max_chunk_size),
-                        })
+                        }
                     })
-                    .collect::<Result<Vec<_>>>()?;
+                    .collect();
                 let parts = Parts {
                     session: self.session,
                     endpoint,
