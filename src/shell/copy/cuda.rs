@@ -15,7 +15,7 @@ use bounce_proto::plan::Plan;
 use bounce_proto::wire::region_plan;
 
 use super::{CopyEngine, CopyJob, Dir};
-use crate::sys::cuda::{self, CudaError, DeviceAlloc, DevicePlan, ExecPool, Gpu, Kernels, PlanPlacement};
+use crate::sys::cuda::{self, CudaError, DeviceAlloc, DevicePlan, ExecPool, Kernels, PlanPlacement, PlanPool};
 
 /// How the engine copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +57,13 @@ struct PlanCache(HashMap<(usize, usize, Dir), CachedChunk>);
 
 impl PlanCache {
     /// The device copies of the `dir` side of chunk `chunk` of `plan`, uploaded on first use.
-    fn get(&mut self, gpu: &Arc<Gpu>, plan: &Arc<Plan>, chunk: usize, dir: Dir) -> Result<&CachedChunk, CudaError> {
+    fn get(
+        &mut self,
+        pool: &Arc<PlanPool>,
+        plan: &Arc<Plan>,
+        chunk: usize,
+        dir: Dir,
+    ) -> Result<&CachedChunk, CudaError> {
         let key = (Arc::as_ptr(plan) as usize, chunk, dir);
         // A live entry under this address is this plan's (an address is reused only after the
         // plan that held it was dropped, and then its entry's owner is dead).
@@ -67,10 +73,10 @@ impl PlanCache {
             let c = plan.chunks.get(chunk).ok_or(CudaError::Plan("chunk beyond its plan"))?;
             let (runs, region_plan) = match dir {
                 Dir::Gather => (
-                    Arc::new(DevicePlan::upload(gpu, &c.gather)?),
-                    c.region_plan.map(|_| DevicePlan::upload(gpu, &c.scatter)).transpose()?.map(Arc::new),
+                    Arc::new(pool.upload(&c.gather)?),
+                    c.region_plan.map(|_| pool.upload(&c.scatter)).transpose()?.map(Arc::new),
                 ),
-                Dir::Scatter => (Arc::new(DevicePlan::upload(gpu, &c.scatter)?), None),
+                Dir::Scatter => (Arc::new(pool.upload(&c.scatter)?), None),
             };
             self.0.insert(key, CachedChunk { owner: Arc::downgrade(plan), runs, region_plan });
         }
@@ -89,6 +95,10 @@ pub(crate) struct CudaCopyEngine {
     running: Vec<Running>,
     waiting: VecDeque<CopyJob>,
     plans: PlanCache,
+    /// Device buffers for plans, kept when their plans drop: dropping an entry of `plans`
+    /// (its request released) must not cuMemFree on the reactor, which waits for every kernel
+    /// on the GPU, the application's included.
+    uploads: Arc<PlanPool>,
     /// Refused at validation or launch, reported by the next `poll_done`.
     failed: Vec<JobId>,
     /// A device fault was seen: the context is unusable, new jobs are given back.
@@ -114,6 +124,7 @@ impl CudaCopyEngine {
         };
         // Plan room for a typical chunk's runs; a context grows its buffers for larger jobs.
         let pool = ExecPool::new(&gpu, contexts, 1024)?;
+        let uploads = PlanPool::new(&gpu)?;
         Ok(Self {
             pool,
             kernels,
@@ -122,6 +133,7 @@ impl CudaCopyEngine {
             running: Vec::new(),
             waiting: VecDeque::new(),
             plans: PlanCache::default(),
+            uploads,
             failed: Vec::new(),
             broken: false,
         })
@@ -169,8 +181,7 @@ impl CudaCopyEngine {
         let cached = match (&job.runs, job.dir, self.path) {
             (JobRuns::Chunk { plan, chunk }, Dir::Gather, CopyPath::Kernel(_))
             | (JobRuns::ChunkScatter { plan, chunk }, Dir::Scatter, CopyPath::Kernel(_)) => {
-                let gpu = self.arena.gpu().clone();
-                let c = self.plans.get(&gpu, plan, *chunk, job.dir)?;
+                let c = self.plans.get(&self.uploads, plan, *chunk, job.dir)?;
                 Some((c.runs.clone(), c.region_plan.clone()))
             }
             _ => None,
@@ -223,7 +234,7 @@ impl CudaCopyEngine {
         let (gather, region_plan) = match cached {
             Some((g, Some(rp))) => (Some(g), rp),
             // The batched path keeps no device plans: upload this one for the launch.
-            _ => (None, Arc::new(DevicePlan::upload(self.arena.gpu(), scatter)?)),
+            _ => (None, Arc::new(self.uploads.upload(scatter)?)),
         };
         let len = region_plan::plan_bytes(u32::try_from(scatter.len()).unwrap_or(u32::MAX));
         if region_plan.len() as u64 != len || off.checked_add(len).is_none_or(|end| end > job.region.len) {
@@ -512,7 +523,11 @@ mod tests {
         drop(p);
         // A dead entry goes at the next upload (of any plan).
         let other = Arc::new(plan(&descs[..1], PlanParams { align: 1, ..PlanParams::new(piece) }).unwrap());
-        eng.plans.get(arena.gpu(), &other, 0, Dir::Scatter).unwrap();
+        let entry = eng.plans.get(&eng.uploads, &other, 0, Dir::Scatter).unwrap();
+        // Its device buffer was given back to the pool (kept, or serving this upload), not
+        // freed on the reactor: cuMemFree waits for every kernel on the GPU.
+        let reused = Some(entry.runs.ptr()) == uploaded;
+        assert!(reused || eng.uploads.kept() == 1, "the dead plan's buffer was freed");
         assert_eq!(eng.plans.0.len(), 1, "only the live plan's entry is left");
     }
 }
