@@ -194,8 +194,11 @@ impl CudaCopyEngine {
         // runs, cached or not, are our own plan's; the receiver machine checked every run
         // against this engine's registrations for a scatter by a DATA's runs; a peer's region plan is
         // checked on the device, against the ranges the receiver machine proved, before its
-        // scatter writes anything). The core gives each region to one job at a time, and user
-        // pieces of one job do not overlap. `ctx` is idle (taken from the pool, which gets a
+        // scatter writes anything). The core gives each region to one job at a time. User
+        // pieces of one job do not overlap, except in a peer's runs, whose checks do not forbid
+        // it: there two pieces may write the same bytes of memory the peer proved it may write,
+        // which then hold one piece's bytes or the other's, the same outcome as two of its
+        // writes racing through UCX (no read of those bytes is part of the copy). `ctx` is idle (taken from the pool, which gets a
         // context back only after its event completed). Device plans stay alive in `keep`
         // until that event.
         unsafe {

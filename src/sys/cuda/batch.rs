@@ -10,6 +10,9 @@ use super::error::{CudaError, check};
 use super::exec::ExecContext;
 use super::launch::CopyDir;
 
+/// Most pieces one batched copy takes.
+const MAX_BATCH_PIECES: u64 = 1 << 18;
+
 /// Queues the copies of `runs` between the user pieces and the region at `region_base` as one
 /// batched memcpy on `ctx`'s stream. `BatchUnsupported` when the driver lacks it.
 ///
@@ -22,6 +25,13 @@ pub unsafe fn batched_copy(
     runs: &[CopyRun],
     region_base: u64,
 ) -> Result<(), CudaError> {
+    // A peer's DATA may name up to a chunk's bytes in 1-byte pieces: millions of entries, whose
+    // arrays the context would keep. Jobs of more pieces than this fail (the ACK says so);
+    // the kernel path, the default, takes any.
+    let pieces: u64 = runs.iter().map(|r| u64::from(r.count)).sum();
+    if pieces > MAX_BATCH_PIECES {
+        return Err(CudaError::Plan("more pieces than the batched copy path takes"));
+    }
     let f = ctx.gpu().batch_fn()?;
     let ordinal = ctx.gpu().ordinal();
     ctx.gpu().bind()?;
