@@ -5,8 +5,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use bounce_proto::endpoint::XferError;
-
 use super::alarm::Alarm;
 use super::pace::{self, BUSY_SLEEP, Pace, STAND_DOWN, Wait};
 use super::{Cell, Driver, Drove, Reactor, SOCKET_POLL_BATCH};
@@ -104,7 +102,9 @@ impl Reactor {
                 );
                 self.cell.poisoned.store(true, Ordering::Release);
                 self.stop.store(true, Ordering::Release);
-                self.shared.requests.close(XferError::ShuttingDown);
+                // The reactor thread fails the requests once it has dropped the driver: its
+                // copy engine may still run a READ's scatters into our memory, and a request
+                // seen failed may have its destinations reused at once.
                 self.shared.inbox.wake();
                 Some(Drove { moved: false, copying: false })
             }

@@ -411,12 +411,15 @@ impl Reactor {
                 }));
                 if quiet.is_err() {
                     tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");
-                    shared.requests.close(XferError::ShuttingDown);
                 }
                 // The copy engine joins its workers here; only then do waiting deregistrations
                 // return. Taken under the lock: no application pass runs it any more.
                 let d = cell2.driver.lock().take();
                 drop(d);
+                // Only now may a request be seen failed: no scatter of a READ runs any more
+                // (after a panic, on either thread, nothing failed them before; after a stop,
+                // `Reactor::halt` does this too).
+                shared.requests.close(XferError::ShuttingDown);
                 shared.reactor_ended();
                 // After a panic nobody knows what peers still hold: keep the arena.
                 quiet.unwrap_or(false)

@@ -992,6 +992,90 @@ fn releasing_a_write_in_flight_returns_at_once() {
     assert!(started.elapsed() < Duration::from_secs(1), "a release waited for a reactor that is gone");
 }
 
+/// A control channel whose poll panics once `boom` is set: a bug in a pass, caught.
+struct Boom {
+    inner: MemChannel,
+    boom: Arc<AtomicBool>,
+}
+
+impl ControlChannel for Boom {
+    fn send(&mut self, peer: &str, frame: &[u8]) -> std::result::Result<(), ControlError> {
+        self.inner.send(peer, frame)
+    }
+    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+        assert!(!self.boom.load(Ordering::Acquire), "a bug in a pass (injected)");
+        self.inner.poll(budget, out)
+    }
+    fn forget(&mut self, peer: &str) {
+        self.inner.forget(peer);
+    }
+}
+
+/// A gated copy engine whose drop takes 300 ms (as CPU workers finish their queued scatters
+/// when the engine drops), then says it is gone.
+struct SlowDrop {
+    inner: Gated,
+    dropped: Arc<AtomicBool>,
+}
+
+impl CopyEngine for SlowDrop {
+    fn submit(&mut self, job: CopyJob) -> std::result::Result<(), CopyJob> {
+        self.inner.submit(job)
+    }
+    fn poll_done(&mut self, out: &mut Vec<(JobId, bool)>) -> usize {
+        self.inner.poll_done(out)
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+}
+
+impl Drop for SlowDrop {
+    fn drop(&mut self) {
+        std::thread::sleep(Duration::from_millis(300));
+        self.dropped.store(true, Ordering::Release);
+    }
+}
+
+/// After a panic in a pass (a bug; caught), the requests still in flight fail, but only once
+/// the copy engine is gone: a READ seen failed must have no scatter left to write its
+/// destinations.
+#[test]
+fn after_a_panic_a_read_is_failed_only_once_its_scatters_cannot_run() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (mut src, mut dst) = buffers();
+    let (open, held, dropped, boom) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(Mutex::new(Vec::new())),
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (o, hd, dr) = (Arc::clone(&open), Arc::clone(&held), Arc::clone(&dropped));
+    let a = Side::start_full(
+        "a",
+        11,
+        &cfg,
+        move |inner| Box::new(SlowDrop { inner: Gated { inner, open: o, held: hd }, dropped: dr }),
+        Box::new(Boom { inner: net.join("a"), boom: Arc::clone(&boom) }),
+        SOCKET_POLL_BATCH,
+        MemPath::default(),
+    );
+    let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
+    let source = b.register(&mut src);
+    let h = a.post_op("b", &cfg, &src, &mut dst, source, true);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while held.lock().is_empty() {
+        assert!(Instant::now() < deadline, "no scatter reached a's copy engine");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    boom.store(true, Ordering::Release);
+    a.shared.inbox.wake();
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::ShuttingDown));
+    assert!(dropped.load(Ordering::Acquire), "the READ was failed while its copy engine could still scatter");
+    drop(open);
+}
+
 #[test]
 fn deregistration_with_nothing_running_returns_at_once() {
     let cfg = config("60000");
