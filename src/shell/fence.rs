@@ -85,6 +85,11 @@ impl Fence {
         self.0.lock().pinned.remove(&pin.0);
     }
 
+    /// Whether pinned job `pin` touches `range`.
+    pub(crate) fn pin_touches(&self, pin: &Pin, range: Span) -> bool {
+        self.0.lock().pinned.get(&pin.0).is_some_and(|&p| overlaps(p, range))
+    }
+
     /// True when a pinned job touches `range`.
     pub(crate) fn busy(&self, range: Span) -> bool {
         self.0.lock().pinned.values().any(|&p| overlaps(p, range))

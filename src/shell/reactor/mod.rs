@@ -190,8 +190,17 @@ struct CopyInFlight {
 struct PendingDereg {
     start: u64,
     end: u64,
+    /// When it began to wait (the writes of failed transfers it waits for only so long).
+    since: Instant,
     _done: Signal,
 }
+
+/// Longest a deregistration waits for direct writes out of its range whose transfers have
+/// failed. Such a write to a peer that stopped never completes, and `deregisterMem` would wait
+/// for ever; after this it is let go of (unpinned, still tracked until the inner engine ends
+/// it), as plain UCX deregisters with a write in flight. Our own copies are always waited for:
+/// they end.
+const DEREG_WRITE_WAIT: Duration = Duration::from_secs(1);
 
 struct QueuedWrite {
     job: JobId,
@@ -554,6 +563,16 @@ impl Driver {
     /// peer arenas no write in flight uses.
     fn settle(&mut self) {
         if !self.deregs.is_empty() {
+            let now = Instant::now();
+            let overdue: Vec<(u64, u64)> = self
+                .deregs
+                .iter()
+                .filter(|d| now.saturating_duration_since(d.since) >= DEREG_WRITE_WAIT)
+                .map(|d| (d.start, d.end))
+                .collect();
+            for range in overdue {
+                self.let_go_of_failed_writes(range);
+            }
             let fence = &self.shared.fence;
             self.deregs.retain(|d| fence.busy((d.start, d.end)));
         }
@@ -570,6 +589,22 @@ impl Driver {
                 }
             }
             self.shared.arenas_retiring.store(self.retiring.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Unpins the direct writes out of `range` whose transfers have failed (see
+    /// [`DEREG_WRITE_WAIT`]); a live transfer's write is never let go of.
+    fn let_go_of_failed_writes(&mut self, range: (u64, u64)) {
+        let fence = &self.shared.fence;
+        for w in &mut self.writes {
+            let failed = self.ep.is_orphan(w.job);
+            if let Some(pin) = w.pin.take_if(|p| failed && fence.pin_touches(p, range)) {
+                tracing::warn!(
+                    job = w.job.0,
+                    "a deregistration waited a second for a write of a failed transfer out of its range: let go of"
+                );
+                fence.unpin(pin);
+            }
         }
     }
 
@@ -677,7 +712,7 @@ impl Driver {
                 let range = (addr, addr.saturating_add(len));
                 self.shared.fence.applied(range);
                 if let Some(done) = done {
-                    self.deregs.push(PendingDereg { start: range.0, end: range.1, _done: done });
+                    self.deregs.push(PendingDereg { start: range.0, end: range.1, since: now, _done: done });
                 }
             }
             Cmd::Unload(mds) => self.retire(mds),

@@ -992,6 +992,50 @@ fn releasing_a_write_in_flight_returns_at_once() {
     assert!(started.elapsed() < Duration::from_secs(1), "a release waited for a reactor that is gone");
 }
 
+/// A direct write out of registered memory to a peer that stopped never completes; once its
+/// transfer has failed, a deregistration of the source waits for it only DEREG_WRITE_WAIT,
+/// then lets it go as plain UCX does (it never waits for a write in flight).
+#[test]
+fn a_deregistration_waits_for_a_failed_transfers_stuck_write_only_a_second() {
+    let cfg = config("300");
+    let net = MemNet::default();
+    let mut src = vec![7u8; PIECES * PIECE];
+    let mut dst = vec![0u8; PIECES * PIECE];
+    let resume = Arc::new(AtomicBool::new(false));
+    let path = MemPath { hold_writes: Some(Arc::clone(&resume)), ..MemPath::default() };
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
+    let _ = a.register(&mut src);
+    let dest = b.register(&mut dst);
+    let pairs: Vec<DescPair> = (0..PIECES)
+        .map(|i| DescPair {
+            src: src.as_ptr() as u64 + (i * PIECE) as u64,
+            dst: dst.as_mut_ptr() as u64 + (i * PIECE) as u64,
+            len: PIECE as u64,
+        })
+        .collect();
+    let mut p = plan::plan(&pairs, PlanParams::from_config(&cfg)).unwrap();
+    assert!(p.chunks.len() > 1 && p.chunks.iter().all(|c| c.direct.is_some()), "every chunk written from src");
+    p.dests = vec![dest];
+    let h = a.shared.requests.insert("b".to_owned(), p);
+    let posted = a.shared.requests.post(h, None).unwrap();
+    a.shared.inbox.push(Cmd::Submit(posted));
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::Timeout), "its writes never complete");
+    let started = Instant::now();
+    let returned = deregister_async(&a, &src).join().unwrap();
+    let waited = returned - started;
+    assert!(waited >= DEREG_WRITE_WAIT / 2, "the stuck write was not waited for at all ({waited:?})");
+    assert!(waited < DEREG_WRITE_WAIT * 3, "deregisterMem waited {waited:?} for a failed transfer's write");
+    // The write is still tracked: when it does end, nothing breaks and the pair goes on.
+    resume.store(true, Ordering::Release);
+    a.shared.inbox.wake();
+    let (src2, mut dst2) = buffers();
+    let dest2 = b.register(&mut dst2);
+    let h2 = a.post("b", &config("10000"), &src2, &mut dst2, dest2);
+    assert_eq!(a.outcome(h2, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src2, &dst2);
+}
+
 /// A control channel whose poll panics once `boom` is set: a bug in a pass, caught.
 struct Boom {
     inner: MemChannel,
