@@ -32,6 +32,7 @@ fn seed_corpus_matches_the_encoders() {
     check_or_bless("public_decode", fuzzing::seed_public());
     check_or_bless("mailbox_decode", bounce_proto::mailbox::fuzzing::seed_rings());
     check_or_bless("region_plan_check", fuzzing::seed_region_plans());
+    check_or_bless("stream_feed", fuzzing::seed_stream());
 }
 
 #[test]
@@ -41,4 +42,13 @@ fn seeds_pass_their_targets() {
     fuzzing::seed_envelopes().iter().for_each(|s| fuzzing::envelope_decode(s));
     fuzzing::seed_public().iter().for_each(|s| fuzzing::public_decode(s));
     fuzzing::seed_region_plans().iter().for_each(|s| fuzzing::region_plan_check(s));
+    fuzzing::seed_stream().iter().for_each(|s| fuzzing::stream_feed(s));
+}
+
+/// `stream_feed` over seeded random inputs (what the fuzzer does, briefly, on stable).
+#[test]
+fn random_byte_streams_keep_the_framing_bounds() {
+    for input in bounce_fuzz::seeded_inputs(0x5eed_57ea, 3000, |i| 16 + (i * 37) % 9000) {
+        fuzzing::stream_feed(&input);
+    }
 }

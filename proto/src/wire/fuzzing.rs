@@ -161,3 +161,50 @@ pub fn seed_region_plans() -> Vec<Vec<u8>> {
         })
         .collect()
 }
+
+/// Feeds `data` to a [`super::stream::Streams`] as a run of events on eight connections: a
+/// byte picks the connection and whether this is a notice (open or end) or bytes, two more the
+/// length of the bytes that follow. Asserts the bounds: held bytes within the budget,
+/// connections within the cap, and every message delivered within the name and frame limits.
+///
+/// # Panics
+/// When a bound is broken (a bug).
+pub fn stream_feed(data: &[u8]) {
+    use super::stream::{Limits, Streams};
+    let limits = Limits { name: 32, frame: 2048, buffered: 6000, conns: 4 };
+    let mut s = Streams::new(limits);
+    let (mut out, mut dropped) = (Vec::new(), 0u64);
+    let mut rest = data;
+    while let [op, a, b, tail @ ..] = rest {
+        let id = [op & 7];
+        let len = usize::from(u16::from_le_bytes([*a, *b])).min(tail.len());
+        let (bytes, next) = tail.split_at(len);
+        if op & 8 != 0 || bytes.is_empty() {
+            let _ = s.notice(&id);
+        } else {
+            let _ = s.feed(&id, bytes, &mut out, &mut dropped);
+        }
+        assert!(s.buffered() <= limits.buffered, "{} bytes held", s.buffered());
+        assert!(s.conns() <= limits.conns);
+        rest = next;
+    }
+    assert!(out.iter().all(|(n, f)| n.len() <= limits.name && f.len() <= limits.frame));
+}
+
+/// Seeds for `stream_feed`: whole messages, one cut in two, and a header over the bounds.
+pub fn seed_stream() -> Vec<Vec<u8>> {
+    let msg = super::stream::encode("peer", b"\0BOUNC frame").unwrap_or_default();
+    let event = |op: u8, bytes: &[u8]| {
+        let mut e = vec![op];
+        e.extend_from_slice(&u16::try_from(bytes.len()).unwrap_or(0).to_le_bytes());
+        e.extend_from_slice(bytes);
+        e
+    };
+    let mut over = vec![0u8; super::stream::HEADER];
+    over[2..6].copy_from_slice(&4096u32.to_le_bytes());
+    vec![
+        [event(8, &[]), event(0, &msg), event(0, &msg)].concat(),
+        [event(1, &msg[..5]), event(2, &msg), event(1, &msg[5..])].concat(),
+        [event(3, &over), event(11, &[]), event(3, &msg)].concat(),
+    ]
+}

@@ -31,6 +31,7 @@ mod public;
 pub mod region_plan;
 #[cfg(any(test, feature = "fuzzing"))]
 mod samples;
+pub mod stream;
 #[cfg(test)]
 mod tests;
 
