@@ -124,6 +124,9 @@ pub(crate) enum ControlError {
     /// The peer's advertised endpoint is not a plausible `tcp://` address.
     #[error("the peer's ZMQ endpoint {0:?} is not a tcp:// address")]
     BadEndpoint(String),
+    /// A frame (or our agent name) longer than the ZMQ framing can carry.
+    #[error("a control frame of {0} bytes, or our agent name, is too long for the ZMQ framing")]
+    FrameTooLong(usize),
     /// No such peer on an in-memory network.
     #[cfg(test)]
     #[error("no peer {0:?} on this in-memory network")]

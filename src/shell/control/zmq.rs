@@ -1,27 +1,33 @@
 //! The ZMQ control channel (`bounce_control=zmq`): our WANT/GRANT/DATA/ACK and HELLO frames over
 //! ZMQ TCP sockets instead of the inner engine's UCX notifications.
 //!
-//! Each engine binds one PULL socket on an ephemeral TCP port and advertises it as the
-//! `endpoint` of its capability blob; to reach a peer it connects a PUSH socket to the endpoint
-//! in the peer's blob (the peer's connection info, which the application chose to load). A
-//! message is two parts: the sending agent's name, then the frame. The name is what the sender
-//! says it is, exactly as with a UCX notification, so the reactor applies the same checks
-//! (loaded peers only, session ids, strict decoding). All sends and receives are non-blocking:
-//! a full queue drops the frame, and the transfer it belonged to times out, never the reactor.
+//! Each engine binds one `ZMQ_STREAM` socket on an ephemeral TCP port and advertises it as the
+//! `endpoint` of its capability blob; to reach a peer it connects a `ZMQ_STREAM` socket of its
+//! own to the endpoint in the peer's blob (the peer's connection info, which the application
+//! chose to load). Both carry raw TCP bytes framed by [`bounce_proto::wire::stream`]: the sending agent's
+//! name, then the frame. The name is what the sender says it is, exactly as with a UCX
+//! notification, so the reactor applies the same checks (loaded peers only, session ids,
+//! strict decoding). All sends and receives are non-blocking: a full queue drops the frame,
+//! and the transfer it belonged to times out, never the reactor.
 //!
 //! Exposure: the socket binds only the address configured in `bounce_zmq_host` (loopback when
-//! empty; never a wildcard), and refuses any message part longer than the longest legal control
-//! frame ([`wire::MAX_FRAME_LEN`]) before reading it (ZMQ drops the connection, the sender's
-//! socket reconnects), so no peer can make it buffer more. ZMQ itself authenticates nothing:
-//! what protects the transfers is the frames' own checks (README, "Control channels").
+//! empty; never a wildcard). Whoever connects is held to bounds we count ourselves (a name and
+//! a frame no longer than legal, all connections' unfinished messages within a budget, a cap
+//! on connections) and cut off when it breaks one, and ZMQ holds at most [`RCV_HWM`] chunks per
+//! connection for us: no sender can make us buffer more. (ZMQ's own PUSH/PULL messages could
+//! not be bounded so: ZMQ keeps an unfinished multipart message out of the reader's sight and
+//! without limit.) ZMQ itself authenticates nothing: what protects the transfers is the
+//! frames' own checks (README, "Control channels").
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use bounce_proto::wire;
+use bounce_proto::wire::stream::{self as streams, Limits, Streams, Verdict};
 
 use super::{ControlChannel, ControlError};
 use crate::shell::stats::Stats;
+use crate::sys::zmq as zsys;
 
 /// Looks up a peer's advertised control endpoint (from the capabilities in its connection
 /// info, kept in the peer table).
@@ -31,17 +37,27 @@ pub(crate) type Resolve = Box<dyn Fn(&str) -> Option<Vec<u8>> + Send>;
 const MAX_ENDPOINT: usize = 256;
 /// Frames queued per peer before sends start failing (ZMQ's high-water mark).
 const SEND_HWM: i32 = 65_536;
-/// Longest message part the socket accepts (`ZMQ_MAXMSGSIZE`): the longest legal control
-/// frame. The other part, the sender's name, is far shorter.
-const MAX_MESSAGE_PART: i64 = wire::MAX_FRAME_LEN as i64;
+/// Chunks of bytes ZMQ reads ahead per connection for us (it reads 8 KiB at a time), beyond
+/// which it stops reading that connection until we take them.
+const RCV_HWM: i32 = 16;
+/// What a sender is held to (see [`Streams`]): a name of at most 1 KiB, a frame no longer
+/// than the longest legal one, two such frames unfinished over all connections, and 1024
+/// connections.
+const LIMITS: Limits =
+    Limits { name: 1024, frame: wire::MAX_FRAME_LEN, buffered: 2 * wire::MAX_FRAME_LEN, conns: 1024 };
+/// The routing id of our one connection on each outgoing socket.
+const OUT_ID: &[u8] = b"bounce";
 
 /// A bound ZMQ control channel.
 pub(crate) struct ZmqChannel {
-    /// One PUSH socket per peer with the endpoint it is connected to, made on first send and
-    /// remade when the peer's advertised endpoint changes (a restarted peer under the same
-    /// name). Declared before the context: sockets must close before the context terminates.
+    /// One outgoing socket per peer with the endpoint it is connected to, made on first send
+    /// and remade when the peer's advertised endpoint changes (a restarted peer under the same
+    /// name) or its connection ended. Declared before the context: sockets must close before
+    /// the context terminates.
     push: HashMap<String, (Vec<u8>, zmq::Socket)>,
     pull: zmq::Socket,
+    /// Every incoming connection's unfinished message.
+    streams: Streams,
     endpoint: String,
     agent: String,
     resolve: Resolve,
@@ -69,14 +85,17 @@ impl ZmqChannel {
     pub(crate) fn bind(agent: &str, host: &str, resolve: Resolve, stats: Arc<Stats>) -> Result<Self, ControlError> {
         let addr = bind_addr(host)?;
         let ctx = zmq::Context::new();
-        let pull = ctx.socket(zmq::PULL).map_err(zmq_err("socket"))?;
+        let mut pull = ctx.socket(zmq::STREAM).map_err(zmq_err("socket"))?;
         pull.set_linger(0).map_err(zmq_err("linger"))?;
-        pull.set_maxmsgsize(MAX_MESSAGE_PART).map_err(zmq_err("max message size"))?;
+        pull.set_rcvhwm(RCV_HWM).map_err(zmq_err("high-water mark"))?;
+        // A notice (an empty message) when a connection opens or ends: the cap counts them.
+        zsys::set_int(&mut pull, zsys::ZMQ_STREAM_NOTIFY, 1).map_err(zmq_err("stream notify"))?;
         pull.set_ipv6(addr.starts_with("tcp://[")).map_err(zmq_err("ipv6"))?;
         pull.bind(&addr).map_err(zmq_err("bind"))?;
         let endpoint =
             pull.get_last_endpoint().map_err(zmq_err("last endpoint"))?.map_err(|_| ControlError::EndpointNotUtf8)?;
-        Ok(Self { push: HashMap::new(), pull, endpoint, agent: agent.to_owned(), resolve, stats, ctx })
+        let streams = Streams::new(LIMITS);
+        Ok(Self { push: HashMap::new(), pull, streams, endpoint, agent: agent.to_owned(), resolve, stats, ctx })
     }
 
     /// The endpoint peers connect to (`tcp://host:port`), advertised in our capabilities.
@@ -90,17 +109,31 @@ impl ZmqChannel {
     /// The endpoint is not a `tcp://` address, the connect failed, or the frame could not be
     /// queued (the peer's queue is full); nothing blocks.
     fn send_to(&mut self, peer: &str, peer_endpoint: &[u8], frame: &[u8]) -> Result<(), ControlError> {
+        let msg = streams::encode(&self.agent, frame).ok_or(ControlError::FrameTooLong(frame.len()))?;
         if self.push.get(peer).is_none_or(|(at, _)| at.as_slice() != peer_endpoint) {
             self.push.remove(peer);
             let endpoint = valid_endpoint(peer_endpoint)?;
-            let s = self.ctx.socket(zmq::PUSH).map_err(zmq_err("socket"))?;
+            let mut s = self.ctx.socket(zmq::STREAM).map_err(zmq_err("socket"))?;
             s.set_linger(0).map_err(zmq_err("linger"))?;
             s.set_sndhwm(SEND_HWM).map_err(zmq_err("high-water mark"))?;
+            // A connection that ends is not made again under another routing id: the next
+            // send finds it gone and makes a new socket.
+            s.set_reconnect_ivl(-1).map_err(zmq_err("reconnect"))?;
+            zsys::set_int(&mut s, zsys::ZMQ_STREAM_NOTIFY, 0).map_err(zmq_err("stream notify"))?;
+            zsys::set_bytes(&mut s, zsys::ZMQ_CONNECT_ROUTING_ID, OUT_ID).map_err(zmq_err("routing id"))?;
             s.connect(endpoint).map_err(zmq_err("connect"))?;
             self.push.insert(peer.to_owned(), (peer_endpoint.to_vec(), s));
         }
         let (_, s) = &self.push[peer];
-        s.send_multipart([self.agent.as_bytes(), frame], zmq::DONTWAIT).map_err(zmq_err("send"))
+        match s.send_multipart([OUT_ID, &msg[..]], zmq::DONTWAIT) {
+            Ok(()) => Ok(()),
+            Err(zmq::Error::EAGAIN) => Err(zmq_err("send")(zmq::Error::EAGAIN)),
+            Err(e) => {
+                // The connection ended (the peer went, or cut us off): a new one next time.
+                self.push.remove(peer);
+                Err(zmq_err("send")(e))
+            }
+        }
     }
 }
 
@@ -111,25 +144,31 @@ impl ControlChannel for ZmqChannel {
         self.send_to(peer, &endpoint, frame)
     }
 
-    /// Receives up to `budget` waiting messages without blocking; malformed ones are counted as
-    /// dropped control frames.
+    /// Reads up to `budget` waiting chunks without blocking and returns the frames they
+    /// complete; malformed messages are counted as dropped control frames, and a connection
+    /// that breaks a bound is closed.
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
-        let mut got = 0;
+        let (before, mut dropped) = (out.len(), 0u64);
         for _ in 0..budget {
             let Ok(mut parts) = self.pull.recv_multipart(zmq::DONTWAIT) else { break };
-            let frame = parts.pop();
-            match (parts.pop(), frame, parts.is_empty()) {
-                (Some(name), Some(frame), true) => match String::from_utf8(name) {
-                    Ok(name) => {
-                        out.push((name, frame));
-                        got += 1;
-                    }
-                    Err(_) => Stats::bump(&self.stats.control_dropped),
-                },
-                _ => Stats::bump(&self.stats.control_dropped),
+            let (Some(data), Some(id), true) = (parts.pop(), parts.pop(), parts.is_empty()) else {
+                dropped += 1;
+                continue;
+            };
+            let verdict = if data.is_empty() {
+                self.streams.notice(&id)
+            } else {
+                self.streams.feed(&id, &data, out, &mut dropped)
+            };
+            if verdict == Verdict::Close {
+                // An empty message to a connection closes it.
+                let _ = self.pull.send_multipart([&id[..], &[][..]], zmq::DONTWAIT);
             }
         }
-        got
+        for _ in 0..dropped {
+            Stats::bump(&self.stats.control_dropped);
+        }
+        out.len() - before
     }
 
     /// Closes the socket to `peer` (it was lost or removed); a later send reconnects.
@@ -264,39 +303,101 @@ mod tests {
         assert_eq!(bind_addr("::1").unwrap(), "tcp://[::1]:*");
     }
 
-    /// A message part longer than the longest legal frame is refused by ZMQ before it is read
-    /// (the connection is dropped); the channel keeps receiving, from that sender too once its
-    /// socket reconnected.
+    fn wait(ch: &mut ZmqChannel, got: &mut Vec<(String, Vec<u8>)>, n: usize, ms: u64) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+        while got.len() < n && std::time::Instant::now() < deadline {
+            ch.poll(16, got);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// A raw TCP connection to the channel's endpoint.
+    fn raw(ch: &ZmqChannel) -> std::net::TcpStream {
+        let addr = ch.endpoint().trim_start_matches("tcp://");
+        std::net::TcpStream::connect(addr).unwrap()
+    }
+
+    /// A header promising a frame longer than the longest legal one gets its connection cut
+    /// before the body is read; the channel keeps receiving from everyone else.
     #[test]
-    fn an_oversized_message_is_dropped_and_the_channel_keeps_working() {
+    fn an_oversized_message_is_cut_off_and_the_channel_keeps_working() {
+        use std::io::{Read, Write};
         let (mut b, b_stats) = bind("beta");
         let (mut a, _) = bind("alpha");
-        let ctx = zmq::Context::new();
-        let raw = ctx.socket(zmq::PUSH).unwrap();
-        raw.set_linger(0).unwrap();
-        raw.connect(b.endpoint()).unwrap();
-        let huge = vec![0u8; wire::MAX_FRAME_LEN + 1];
-        raw.send_multipart([&b"mallory"[..], &huge[..]], 0).unwrap();
+        let mut m = raw(&b);
+        let mut header = vec![0u8; streams::HEADER];
+        header[2..6].copy_from_slice(&(wire::MAX_FRAME_LEN as u32 + 1).to_le_bytes());
+        m.write_all(&header).unwrap();
         let mut got = Vec::new();
-        let wait = |ch: &mut ZmqChannel, got: &mut Vec<(String, Vec<u8>)>, n: usize, ms: u64| {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
-            while got.len() < n && std::time::Instant::now() < deadline {
-                ch.poll(16, got);
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-        };
-        wait(&mut b, &mut got, 1, 500);
-        assert!(got.is_empty(), "the oversized message was delivered");
-        // A regular frame still passes, from another sender...
+        wait(&mut b, &mut got, 1, 300);
+        assert!(got.is_empty());
+        // The connection is closed: a read sees its end.
+        m.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        assert_eq!(m.read(&mut [0u8; 16]).unwrap(), 0, "the connection was not closed");
+        assert_eq!(b_stats.control_dropped.load(std::sync::atomic::Ordering::Relaxed), 1);
         let ep = b.endpoint().as_bytes().to_vec();
         a.send_to("beta", &ep, b"\0BOUNC after").unwrap();
         wait(&mut b, &mut got, 1, 10_000);
         assert_eq!(got, [("alpha".to_owned(), b"\0BOUNC after".to_vec())]);
-        // ...and from the dropped sender once ZMQ reconnected it.
-        raw.send_multipart([&b"mallory"[..], &b"small"[..]], 0).unwrap();
-        wait(&mut b, &mut got, 2, 10_000);
-        assert_eq!(got.get(1), Some(&("mallory".to_owned(), b"small".to_vec())));
-        assert_eq!(b_stats.control_dropped.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+
+    /// Messages that never finish, over many connections, hold no more than the budget: the
+    /// connections that would take it over are cut off (with ZMQ's own multipart messages the
+    /// parts piled up unseen and without limit), and honest frames still pass.
+    #[test]
+    fn messages_that_never_finish_are_held_within_the_budget() {
+        use std::io::Write;
+        let (mut b, _) = bind("beta");
+        let (mut a, _) = bind("alpha");
+        // Each connection promises the longest legal frame and sends 8 MiB of it.
+        let mut header = vec![0u8; streams::HEADER];
+        header[2..6].copy_from_slice(&(wire::MAX_FRAME_LEN as u32).to_le_bytes());
+        let chunk = vec![0xAB_u8; 1 << 20];
+        let mut conns: Vec<std::net::TcpStream> = (0..20).map(|_| raw(&b)).collect();
+        let mut got = Vec::new();
+        for c in &mut conns {
+            let _ = c.write_all(&header);
+        }
+        for _ in 0..8 {
+            for c in &mut conns {
+                c.set_nonblocking(true).unwrap();
+                let _ = c.write(&chunk);
+            }
+            b.poll(4096, &mut got);
+            assert!(b.streams.buffered() <= LIMITS.buffered);
+        }
+        for _ in 0..200 {
+            b.poll(4096, &mut got);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert!(b.streams.buffered() <= LIMITS.buffered, "{} bytes held", b.streams.buffered());
+        assert!(b.streams.conns() < conns.len(), "no connection took the held bytes to the budget");
+        assert!(got.is_empty());
+        let ep = b.endpoint().as_bytes().to_vec();
+        a.send_to("beta", &ep, b"\0BOUNC honest").unwrap();
+        wait(&mut b, &mut got, 1, 10_000);
+        assert_eq!(got, [("alpha".to_owned(), b"\0BOUNC honest".to_vec())]);
+    }
+
+    /// A sender whose connection was cut off (here: by a header over the bounds) is connected
+    /// anew by its next send.
+    #[test]
+    fn a_sender_cut_off_reconnects_on_its_next_send() {
+        let (mut b, _) = bind("beta");
+        let (mut a, _) = bind("alpha");
+        let ep = b.endpoint().as_bytes().to_vec();
+        let huge = vec![0u8; wire::MAX_FRAME_LEN + 1];
+        let mut got = Vec::new();
+        let _ = a.send_to("beta", &ep, &huge);
+        wait(&mut b, &mut got, 1, 300);
+        assert!(got.is_empty());
+        // Until the send that finds the connection gone, frames are lost; then they pass.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while got.is_empty() && std::time::Instant::now() < deadline {
+            let _ = a.send_to("beta", &ep, b"\0BOUNC again");
+            wait(&mut b, &mut got, 1, 50);
+        }
+        assert_eq!(got.first(), Some(&("alpha".to_owned(), b"\0BOUNC again".to_vec())));
     }
 
     #[test]
