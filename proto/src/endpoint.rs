@@ -9,7 +9,7 @@
 //! the clock: the shell performs the actions, reports their completion back through the
 //! `handle_*_done` methods, and passes `now` into every call.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -34,6 +34,10 @@ use crate::scheduler::{CreditScheduler, SchedError};
 use crate::sender::{Sender, WantShape};
 use crate::types::{ArenaId, FlowKey, PeerId, RegId, RegKey, Token, XferId};
 use crate::wire;
+
+/// What a closing engine mixes into the nonce of a PING it answers ("goodbye!"): the PONG then
+/// confirms its GOODBYE. Public, but of use only to whoever saw the PING's nonce, the peer.
+pub const FAREWELL: u64 = 0x676f_6f64_6279_6521;
 
 /// How a WRITE is answered and what its WANT carries ([`Endpoint::submit_write`]).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -141,8 +145,11 @@ pub struct Endpoint {
     liveness: Liveness,
     /// Scratch: the peers waited on, rebuilt after every input for the liveness probe.
     waited: BTreeSet<PeerId>,
-    /// [`close`](Self::close) was called: nothing more is granted.
+    /// [`close`](Self::close) was called: nothing more is granted, and a PING is answered
+    /// with the farewell PONG (see [`FAREWELL`]).
     closing: bool,
+    /// GOODBYEs heard and not yet confirmed: the nonce of the PING that asks each peer.
+    goodbyes: BTreeMap<PeerId, u64>,
     /// One-way flows into us, answered through our mailbox (see [`crate::oneway`]).
     answering: Answering,
     /// Our one-way transfers, whose answers we read from the targets' mailboxes.
@@ -179,6 +186,7 @@ impl Endpoint {
             }),
             waited: BTreeSet::new(),
             closing: false,
+            goodbyes: BTreeMap::new(),
             answering: Answering::new(None, 0, config.request_timeout),
             reading: Reading::default(),
             one_way: OneWayLayout::for_config(config),
@@ -415,20 +423,41 @@ impl Endpoint {
     }
 
     /// A PING from `from` (already admitted by the peer rules): it is alive, and it gets a PONG
-    /// echoing `nonce`.
+    /// echoing `nonce`; once we are closing, `nonce ^ FAREWELL`, which confirms our GOODBYE.
     pub fn handle_ping(&mut self, now: Instant, from: PeerId, nonce: u64) {
         self.liveness.heard(now, from);
+        let nonce = if self.closing { nonce ^ FAREWELL } else { nonce };
         self.out.push_back(Action::Link { peer: from, body: wire::Body::Pong { nonce } });
     }
 
     /// A PONG from `from` (already admitted by the peer rules): a sign of life when it echoes
-    /// one of our recent PINGs to it, else ignored.
-    pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) {
+    /// one of our recent PINGs to it, else ignored. True when it is the farewell answer to the
+    /// PING that asked about its GOODBYE: the peer is going away, call
+    /// [`handle_goodbye`](Self::handle_goodbye) (the shell first forgets its arena).
+    pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) -> bool {
+        if self.goodbyes.get(&from).is_some_and(|&asked| nonce == asked ^ FAREWELL) {
+            self.goodbyes.remove(&from);
+            debug!(peer = from.0, "GOODBYE confirmed");
+            return true;
+        }
         let answered = self.liveness.handle_pong(now, from, nonce);
         trace!(peer = from.0, nonce, answered, "pong");
         if answered {
             self.stats.pongs_received += 1;
         }
+        false
+    }
+
+    /// A GOODBYE from loaded peer `from` under its session. Nothing about it is secret (the
+    /// session is in its published metadata), so anyone who holds that metadata could send
+    /// one and end every transfer between us and the peer. It is only asked about: a PING
+    /// whose nonce only the peer sees, which a closing engine answers with the farewell PONG
+    /// ([`handle_pong`](Self::handle_pong) returns true for it); a peer that is not closing
+    /// answers a plain PONG, and the GOODBYE is forgotten.
+    pub fn handle_goodbye_said(&mut self, from: PeerId) {
+        let nonce = self.liveness.next_nonce();
+        self.goodbyes.insert(from, nonce);
+        self.out.push_back(Action::Link { peer: from, body: wire::Body::Ping { nonce } });
     }
 
     /// Handles one raw control frame from the agent `name`: decodes it, applies the peer rules
@@ -480,12 +509,15 @@ impl Endpoint {
             }
             wire::Body::Pong { nonce } => {
                 let peer = self.peers.admit(name, frame.session)?;
-                self.handle_pong(now, peer, nonce);
+                if self.handle_pong(now, peer, nonce) {
+                    let peer = self.peers.goodbye(name, frame.session)?;
+                    self.handle_goodbye(now, peer);
+                }
                 return Ok(());
             }
             wire::Body::Goodbye => {
-                let peer = self.peers.goodbye(name, frame.session)?;
-                self.handle_goodbye(now, peer);
+                let peer = self.peers.admit(name, frame.session)?;
+                self.handle_goodbye_said(peer);
                 return Ok(());
             }
             wire::Body::Msg(msg) => msg,

@@ -131,6 +131,13 @@ impl Liveness {
         }
     }
 
+    /// A fresh nonce from the PINGs' sequence, for a PING that is not a probe (a GOODBYE's
+    /// challenge: see `Endpoint::handle_goodbye_said`).
+    pub fn next_nonce(&mut self) -> u64 {
+        self.pings += 1;
+        nonce(self.seed, self.pings)
+    }
+
     /// A PONG from `peer`: a sign of life when it echoes one of our PINGs since its last one.
     /// Returns whether it did.
     pub fn handle_pong(&mut self, now: Instant, peer: PeerId, nonce: u64) -> bool {

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use bounce_proto::config::Config;
-use bounce_proto::endpoint::{Action, Endpoint, JobId, ProtocolError, XferError};
+use bounce_proto::endpoint::{Action, Endpoint, FAREWELL, JobId, ProtocolError, XferError};
 use bounce_proto::peers::FrameRefused;
 use bounce_proto::plan::{self, DescPair, Plan, PlanParams};
 use bounce_proto::proof;
@@ -261,7 +261,26 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
         Err(FrameRefused::StaleSession { got: 78, current: 77 })
     );
     assert_eq!(ep.in_flight_xfers(), 1);
+    // A GOODBYE under b's session changes nothing either (anyone holding b's metadata knows
+    // that session): it is asked about with a PING only b sees.
     ep.handle_frame(now, "b", &wire::encode_goodbye(77)).unwrap();
+    let acts = drain(&mut ep);
+    let asked = acts
+        .iter()
+        .find_map(|a| match a {
+            Action::Link { peer, body: wire::Body::Ping { nonce } } if *peer == b => Some(*nonce),
+            _ => None,
+        })
+        .expect("the GOODBYE is asked about");
+    assert!(completes(&acts).is_empty() && ep.in_flight_xfers() == 1, "a GOODBYE alone ended a transfer");
+    let pong = |nonce| wire::ControlFrame { session: 77, body: wire::Body::Pong { nonce } }.to_vec();
+    // b alive and not closing echoes the nonce: nothing ends. Nor does a guess.
+    for nonce in [asked, FAREWELL, asked ^ FAREWELL ^ 1] {
+        ep.handle_frame(now, "b", &pong(nonce)).unwrap();
+        assert!(completes(&drain(&mut ep)).is_empty() && ep.in_flight_xfers() == 1);
+    }
+    // b closing answers with the farewell PONG, which only whoever saw the PING can make.
+    ep.handle_frame(now, "b", &pong(asked ^ FAREWELL)).unwrap();
     let acts = drain(&mut ep);
     assert_eq!(completes(&acts), vec![(XferId(1), Err(XferError::PeerLost))]);
     assert!(sent(&acts).is_empty(), "no cancel while our write may still land in b's arena");
@@ -271,6 +290,31 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
     let msgs = sent(&drain(&mut ep));
     assert!(matches!(&msgs[..], [Msg::Want(w)] if w.is_cancel() && w.xfer == XferId(1)), "{msgs:?}");
     assert!(ep.is_idle());
+}
+
+/// A closing engine answers a PING with the farewell PONG, which confirms its GOODBYE; before
+/// closing it echoes the nonce.
+#[test]
+fn a_closing_engine_answers_a_ping_with_the_farewell_pong() {
+    let now = Instant::now();
+    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    ep.peers_mut().load_conn_info("b", Some(caps(77)), None);
+    let b = ep.peers_mut().id("b");
+    let ping = wire::ControlFrame { session: 77, body: wire::Body::Ping { nonce: 5 } }.to_vec();
+    let pongs = |acts: Vec<Action>| {
+        acts.into_iter()
+            .filter_map(|a| match a {
+                Action::Link { peer, body: wire::Body::Pong { nonce } } if peer == b => Some(nonce),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    ep.handle_frame(now, "b", &ping).unwrap();
+    assert_eq!(pongs(drain(&mut ep)), vec![5]);
+    ep.close(now);
+    drain(&mut ep);
+    ep.handle_frame(now, "b", &ping).unwrap();
+    assert_eq!(pongs(drain(&mut ep)), vec![5 ^ FAREWELL]);
 }
 
 #[test]

@@ -58,17 +58,22 @@ impl Driver {
             }
             wire::Body::Ping { .. } | wire::Body::Pong { .. } => return self.on_probe(now, peer, frame),
             wire::Body::Goodbye => {
-                match self.shared.peers.goodbye(peer, frame.session) {
-                    Ok((id, unload)) => {
-                        tracing::info!(peer, "peer said goodbye: its transfers fail, its arena is forgotten");
-                        self.greeted.remove(peer);
-                        self.retire(unload);
-                        self.ep.handle_goodbye(now, id);
+                // Anyone holding the peer's metadata knows its session: the GOODBYE is only
+                // asked about (a PING whose farewell PONG only the peer can make, `on_probe`).
+                match self.shared.peers.admit(peer, frame.session) {
+                    Ok(id) => {
+                        tracing::debug!(peer, "peer said goodbye: asking it to confirm");
+                        self.ep.handle_goodbye_said(id);
                     }
                     // A one-way initiator we never loaded says GOODBYE too: nothing binds it
                     // to a session, so it cannot end its flows here (their timers do).
                     Err(FrameRefused::NotLoaded) => tracing::debug!(peer, "GOODBYE from an agent never loaded"),
-                    Err(e) => self.drop_frame(now, peer, &e),
+                    Err(e) => {
+                        if matches!(e, FrameRefused::StaleSession { .. }) {
+                            self.sessions_forged += 1;
+                        }
+                        self.drop_frame(now, peer, &e);
+                    }
                 }
                 return;
             }
@@ -113,8 +118,26 @@ impl Driver {
         };
         match frame.body {
             wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
-            wire::Body::Pong { nonce } => self.ep.handle_pong(now, id, nonce),
+            wire::Body::Pong { nonce } => {
+                let confirms_goodbye = self.ep.handle_pong(now, id, nonce);
+                if confirms_goodbye {
+                    self.farewell(now, peer, frame.session);
+                }
+            }
             _ => {}
+        }
+    }
+
+    /// The peer confirmed its GOODBYE: its transfers fail, its arena is forgotten.
+    fn farewell(&mut self, now: Instant, peer: &str, session: u64) {
+        match self.shared.peers.goodbye(peer, session) {
+            Ok((id, unload)) => {
+                tracing::info!(peer, "peer said goodbye: its transfers fail, its arena is forgotten");
+                self.greeted.remove(peer);
+                self.retire(unload);
+                self.ep.handle_goodbye(now, id);
+            }
+            Err(e) => self.drop_frame(now, peer, &e),
         }
     }
 

@@ -1143,6 +1143,25 @@ fn deregistration_with_nothing_running_returns_at_once() {
     drop(arena);
 }
 
+/// A GOODBYE under a peer's name and session from a third agent (which holds the peer's
+/// metadata, and so its session) ends nothing: the real peer, asked, is not closing.
+#[test]
+fn a_forged_goodbye_under_a_peers_name_ends_nothing() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let granted = drop_acks_counting(&net, "grant");
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    wait_nonzero(&granted, "b granted nothing");
+    let mut mallory = net.join("b");
+    mallory.send("a", &bounce_proto::wire::encode_goodbye(22)).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(matches!(a.shared.requests.state(h), Some(State::Posted(_))), "a forged GOODBYE ended the transfer");
+    assert!(a.shared.peers.bounce_arenas("b").is_some(), "a forgot b's arena");
+}
+
 #[test]
 fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     let cfg = config("60000");

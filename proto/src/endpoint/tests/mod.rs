@@ -563,7 +563,11 @@ impl Pair {
                 assert_eq!(p.0 as usize, peer);
                 match body {
                     wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u32), nonce),
-                    wire::Body::Pong { nonce } => self.eps[peer].handle_pong(now, PeerId(me as u32), nonce),
+                    wire::Body::Pong { nonce } => {
+                        if self.eps[peer].handle_pong(now, PeerId(me as u32), nonce) {
+                            self.eps[peer].handle_goodbye(now, PeerId(me as u32));
+                        }
+                    }
                     other => panic!("unexpected link frame {other:?}"),
                 }
             }
