@@ -2,7 +2,7 @@
 //! [`super::fetch`]'s), and the records the core writes into our own mailbox.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bounce_proto::XferId;
 
@@ -11,6 +11,10 @@ use crate::shell::datapath::Posted;
 use crate::shell::stats::Stats;
 use crate::sys::nixl::MemSeg;
 use crate::sys::shim::{WriteSide, WriteState};
+
+/// How long an ended transfer's mailbox READ may stay in flight before its fetch slice is
+/// taken back (see `poll_fetches`). A READ normally takes microseconds.
+pub(super) const FETCH_LET_GO: Duration = Duration::from_secs(1);
 
 impl Driver {
     /// Our one-way transfers' mailbox READs: hands finished fetches to the core, frees the
@@ -40,6 +44,19 @@ impl Driver {
                 }
                 let id = poll.reads.swap_remove(k);
                 self.data.release(id);
+            }
+            if pending && !live && now.saturating_duration_since(poll.posted_at) >= FETCH_LET_GO {
+                // An ended transfer's READ that has not come back (a target stopped, over a
+                // transport that needs it to run) would hold its slice for ever, and a few such
+                // targets every slice. Released, it may still land in the slice later: the next
+                // transfer there takes nothing from it, since it accepts only records made under
+                // its own key, at its slot and sequence (stale bytes read as garbage does), and
+                // the slice is our own fetch area, mapped while the engine lives.
+                tracing::debug!(xfer = xfer.0, "an ended transfer's mailbox READ never came back: its slice is reused");
+                for id in std::mem::take(&mut poll.reads) {
+                    self.data.release(id);
+                }
+                pending = false;
             }
             if pending {
                 continue;

@@ -592,6 +592,34 @@ fn stopping_waits_for_a_mailbox_read_in_flight_before_the_fetch_area_may_go() {
     drop((area, b.reactor));
 }
 
+/// An ended one-way transfer whose mailbox READ never comes back (its target stopped, over a
+/// transport that needs it to run) gives its fetch slice back after FETCH_LET_GO: a few such
+/// targets must not hold every slice and starve the one-way transfers to all the others.
+#[test]
+fn an_ended_transfers_stuck_mailbox_read_gives_its_slice_back() {
+    let cfg = config("300");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let never = Arc::new(AtomicBool::new(false));
+    let path = MemPath { hold: Some(Arc::clone(&never)), ..MemPath::default() };
+    let reads = Arc::clone(&path.reads);
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let b = Side::start("b", 22, &cfg, &net);
+    a.load("b", &b); // one way: b never loads a
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::Timeout), "its answers are never read");
+    assert!(reads.load(Ordering::Relaxed) > 0, "no mailbox READ was posted");
+    let polled = || a.reactor.cell.driver.lock().as_ref().is_some_and(|d| d.fetches.busy());
+    assert!(polled(), "the ended transfer still holds its slice while its READ is in flight");
+    let deadline = Instant::now() + super::one_way::FETCH_LET_GO * 4;
+    while polled() {
+        assert!(Instant::now() < deadline, "the stuck READ's slice was never given back");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(b.reactor);
+}
+
 #[test]
 fn a_lost_data_frame_fails_the_transfer_by_timeout_never_success() {
     let cfg = config("300");
