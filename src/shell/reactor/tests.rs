@@ -904,34 +904,55 @@ fn deregister_async(side: &Side, buf: &[u8]) -> std::thread::JoinHandle<Instant>
     })
 }
 
+/// The switch of a [`Gated`] copy engine, and the jobs it holds.
+#[derive(Default)]
+struct Gate {
+    open: Arc<AtomicBool>,
+    held: Arc<Mutex<Vec<CopyJob>>>,
+}
+
+impl Gate {
+    /// A copy engine behind this gate.
+    fn engine(&self) -> impl FnOnce(CpuEngine) -> Box<dyn CopyEngine> + use<> {
+        let (open, held) = (Arc::clone(&self.open), Arc::clone(&self.held));
+        move |inner| Box::new(Gated { inner, open, held })
+    }
+
+    /// Waits until a copy job is held at the gate ("running").
+    fn wait_held(&self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.held.lock().is_empty() {
+            assert!(Instant::now() < deadline, "no job reached {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Asserts `waiter` stays blocked while the gate is shut (`what` says who waits), then
+    /// opens it and asserts the waiter returns only after that.
+    fn open_after_blocked(&self, side: &Side, waiter: std::thread::JoinHandle<Instant>, what: &str) {
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!waiter.is_finished(), "{what} returned while the held copy was running");
+        let opened = Instant::now();
+        self.open.store(true, Ordering::Release);
+        side.shared.inbox.wake();
+        let returned = waiter.join().unwrap();
+        assert!(returned >= opened, "{what} returned before the copy was let go");
+        assert!(self.held.lock().is_empty());
+    }
+}
+
 #[test]
 fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
     let cfg = config("60000");
     let net = MemNet::default();
-    let (open, held) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
-    let (o, h) = (Arc::clone(&open), Arc::clone(&held));
+    let gate = Gate::default();
     let (src, mut dst) = buffers();
-    let (a, b) = introduce(
-        Side::start("a", 11, &cfg, &net),
-        Side::start_with("b", 22, &cfg, &net, move |inner| Box::new(Gated { inner, open: o, held: h })),
-    );
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let (a, b) = introduce(Side::start("a", 11, &cfg, &net), Side::start_with("b", 22, &cfg, &net, gate.engine()));
     let dest = b.register(&mut dst);
     let x = a.post("b", &cfg, &src, &mut dst, dest);
     // b's first scatter into dst is accepted and "running" (held at the gate).
-    while held.lock().is_empty() {
-        assert!(Instant::now() < deadline, "no scatter reached b's copy engine");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let waiter = deregister_async(&b, &dst);
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(!waiter.is_finished(), "deregistration returned while a scatter into the range was running");
-    let opened = Instant::now();
-    open.store(true, Ordering::Release);
-    b.shared.inbox.wake();
-    let returned = waiter.join().unwrap();
-    assert!(returned >= opened, "returned before the scatter was let go");
-    assert!(held.lock().is_empty());
+    gate.wait_held("b's copy engine");
+    gate.open_after_blocked(&b, deregister_async(&b, &dst), "the deregistration");
     // Nothing lands after the deregistration returned, and the transfer never reports SUCCESS.
     let after = dst.clone();
     let outcome = a.outcome(x, Duration::from_secs(20));
@@ -962,30 +983,14 @@ fn release_async(side: &Side, h: u64) -> std::thread::JoinHandle<Instant> {
 fn releasing_a_read_waits_for_its_scatters_into_our_memory() {
     let cfg = config("60000");
     let net = MemNet::default();
-    let (open, held) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
-    let (o, hd) = (Arc::clone(&open), Arc::clone(&held));
+    let gate = Gate::default();
     let (mut src, mut dst) = buffers();
-    let (a, b) = introduce(
-        Side::start_with("a", 11, &cfg, &net, move |inner| Box::new(Gated { inner, open: o, held: hd })),
-        Side::start("b", 22, &cfg, &net),
-    );
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let (a, b) = introduce(Side::start_with("a", 11, &cfg, &net, gate.engine()), Side::start("b", 22, &cfg, &net));
     let source = b.register(&mut src);
     let h = a.post_op("b", &cfg, &src, &mut dst, source, true);
     // a's first scatter into dst is accepted and "running" (held at the gate).
-    while held.lock().is_empty() {
-        assert!(Instant::now() < deadline, "no scatter reached a's copy engine");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let waiter = release_async(&a, h);
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(!waiter.is_finished(), "the release returned while a scatter into the READ's destinations was running");
-    let opened = Instant::now();
-    open.store(true, Ordering::Release);
-    a.shared.inbox.wake();
-    let returned = waiter.join().unwrap();
-    assert!(returned >= opened, "returned before the scatter was let go");
-    assert!(held.lock().is_empty());
+    gate.wait_held("a's copy engine");
+    gate.open_after_blocked(&a, release_async(&a, h), "the release of the READ");
     let after = dst.clone();
     std::thread::sleep(Duration::from_millis(100));
     assert!(after == dst, "bytes changed after the release returned");
