@@ -432,10 +432,10 @@ impl Seen {
                     // The honest one-way senders read their credits from the records.
                     for &(peer, xfer) in &self.one_way {
                         let key = RecordKey::derive(&oneway::record_token(remote_token(peer, xfer)));
-                        if let Ok(r) = Record::decode(&bytes, &key) {
-                            if let (true, Answer::Grant(c)) = (r.xfer == xfer, r.answer) {
-                                self.credits.push((peer, xfer, c.chunk, c.region));
-                            }
+                        if let Ok(r) = Record::decode(&bytes, &key)
+                            && let (true, Answer::Grant(c)) = (r.xfer == xfer, r.answer)
+                        {
+                            self.credits.push((peer, xfer, c.chunk, c.region));
                         }
                     }
                 }
@@ -544,7 +544,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 // Half the one-chunk WANTs carry the chunk inline, scattered by one run that
                 // may leave the registration (a hostile peer's).
                 let inline = (sizes.len() == 1 && from & 0x80 != 0).then(|| {
-                    let addr = base_of(arena) - 4096 + (u64::from(size) * 131) % (USER_LEN + 8192);
+                    let addr = base_of(arena) - 4096 + (size * 131) % (USER_LEN + 8192);
                     let run = CopyRun { region_off: 0, addr, len: size, count: 1, region_stride: 0, addr_stride: 0 };
                     bounce_proto::wire::Inline { runs: vec![run], bytes: vec![0xa5; size as usize] }
                 });
@@ -590,10 +590,11 @@ pub fn run(data: &[u8]) -> Coverage {
                     }
                     announced.entry((peer, xfer)).or_default().extend(sizes);
                     // A claim taken: chunk 0's region is the standing one, written as if granted.
-                    if let Some(g) = ep.scheduler().idle_held(FlowKey { peer, xfer }) {
-                        if matches!(standing, Standing::Claim { .. }) && g.chunk.0 == 0 {
-                            seen.credits.push((peer, xfer, g.chunk, g.region));
-                        }
+                    if let Some(g) = ep.scheduler().idle_held(FlowKey { peer, xfer })
+                        && matches!(standing, Standing::Claim { .. })
+                        && g.chunk.0 == 0
+                    {
+                        seen.credits.push((peer, xfer, g.chunk, g.region));
                     }
                 }
             }
