@@ -15,8 +15,9 @@ pub(crate) trait ControlChannel: Send {
     /// Sends one control frame to `peer` (never blocks; a full queue is an error, the frame
     /// dropped).
     fn send(&mut self, peer: &str, frame: &[u8]) -> Result<(), ControlError>;
-    /// Appends up to `budget` received control frames `(peer, bytes)` to `out`; returns how
-    /// many.
+    /// Appends received control frames `(peer, bytes)` to `out`, taking up to `budget` of what
+    /// the channel receives in (frames; for a byte-stream channel, chunks of bytes, each of
+    /// which may complete several frames); returns how many frames.
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize;
     /// Forgets a peer (peer lost): drop its socket / state.
     fn forget(&mut self, peer: &str);
