@@ -558,6 +558,18 @@ fn each_write_that_finishes_at_its_post_sends_its_data_before_the_next_write() {
     drop((a.reactor, b.reactor));
 }
 
+/// `a` reads `b` one way (b never loads a) over a data path whose READs stay in flight until
+/// the returned flag is set; with the count of READs posted.
+fn one_way_with_held_reads(cfg: &Config, net: &MemNet) -> (Side, Side, Arc<AtomicBool>, Arc<AtomicUsize>) {
+    let release = Arc::new(AtomicBool::new(false));
+    let path = MemPath { hold: Some(Arc::clone(&release)), ..MemPath::default() };
+    let reads = Arc::clone(&path.reads);
+    let a = Side::start_full("a", 11, cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let b = Side::start("b", 22, cfg, net);
+    a.load("b", &b);
+    (a, b, release, reads)
+}
+
 #[test]
 fn stopping_waits_for_a_mailbox_read_in_flight_before_the_fetch_area_may_go() {
     // A mailbox READ lands in our fetch area: the engine unmaps that area once the reactor
@@ -565,12 +577,7 @@ fn stopping_waits_for_a_mailbox_read_in_flight_before_the_fetch_area_may_go() {
     let cfg = config("10000");
     let net = MemNet::default();
     let (src, mut dst) = buffers();
-    let release = Arc::new(AtomicBool::new(false));
-    let path = MemPath { hold: Some(Arc::clone(&release)), ..MemPath::default() };
-    let reads = Arc::clone(&path.reads);
-    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
-    let b = Side::start("b", 22, &cfg, &net);
-    a.load("b", &b);
+    let (a, b, release, reads) = one_way_with_held_reads(&cfg, &net);
     let dest = b.register(&mut dst);
     a.post("b", &cfg, &src, &mut dst, dest);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -600,12 +607,7 @@ fn an_ended_transfers_stuck_mailbox_read_gives_its_slice_back() {
     let cfg = config("300");
     let net = MemNet::default();
     let (src, mut dst) = buffers();
-    let never = Arc::new(AtomicBool::new(false));
-    let path = MemPath { hold: Some(Arc::clone(&never)), ..MemPath::default() };
-    let reads = Arc::clone(&path.reads);
-    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
-    let b = Side::start("b", 22, &cfg, &net);
-    a.load("b", &b); // one way: b never loads a
+    let (a, b, _never, reads) = one_way_with_held_reads(&cfg, &net);
     let dest = b.register(&mut dst);
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::Timeout), "its answers are never read");
