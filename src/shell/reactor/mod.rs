@@ -672,7 +672,7 @@ impl Driver {
                 self.ep.cancel(now, x);
                 // Its completion is owed while a READ's scatters into our memory run: the
                 // release returns once it comes (the `Action::Complete` arm of `drain_actions`).
-                if let Some(done) = done.filter(|_| self.ep.owes_completion(x)) {
+                if self.ep.owes_completion(x) {
                     self.cancels.insert(x, done);
                 }
             }

@@ -28,7 +28,7 @@ pub(crate) enum Cmd {
     Submit(PostedXfer),
     /// The application released an in-flight request: signal `done` once nothing of it writes
     /// our memory any more (its failure, deferred while a READ's scatters run, is settled).
-    Cancel(XferId, Option<Signal>),
+    Cancel(XferId, Signal),
     /// The peer disconnected.
     PeerLost(String),
     /// We loaded this peer's connection info: tell it we can answer (HELLO). With the count
@@ -205,7 +205,7 @@ impl Shared {
     /// UCX's release cancels its requests, and a framework frees the destinations next).
     pub(crate) fn cancel(&self, xfer: XferId) {
         let done = Arc::new(Completion::default());
-        self.inbox.push(Cmd::Cancel(xfer, Some(Signal(Arc::clone(&done)))));
+        self.inbox.push(Cmd::Cancel(xfer, Signal(Arc::clone(&done))));
         done.wait(self, "a released READ's destinations");
     }
 
