@@ -22,6 +22,7 @@ use crate::event::Ctx;
 pub use crate::event::{
     Action, DataFault, InRegionPlan, JobId, JobRuns, ProtocolError, Stats, SubmitError, WriteSource, XferError,
 };
+use crate::hello::HelloAsks;
 use crate::liveness::{Liveness, LivenessConfig};
 use crate::mailbox::{FailReason, MailboxLayout};
 use crate::oneway::{Answering, HoldError, OneWayLayout, OneWayRefused, Read, Reading};
@@ -38,6 +39,20 @@ use crate::wire;
 /// What a closing engine mixes into the nonce of a PING it answers ("goodbye!"): the PONG then
 /// confirms its GOODBYE. Public, but of use only to whoever saw the PING's nonce, the peer.
 pub const FAREWELL: u64 = 0x676f_6f64_6279_6521;
+
+/// What a PONG meant ([`Endpoint::handle_pong`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Pong {
+    /// The farewell answer to the PING that asked about the peer's GOODBYE: it is going away;
+    /// forget its arena, then call [`Endpoint::handle_goodbye`].
+    Farewell,
+    /// The answer to the PING that asked about the peer's HELLO: it loaded us, and its HELLO
+    /// counts now ([`PeerTable::confirm_hello`]).
+    Hello,
+    /// A liveness answer, or nothing we asked (ignored).
+    Other,
+}
 
 /// How a WRITE is answered and what its WANT carries ([`Endpoint::submit_write`]).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -150,6 +165,8 @@ pub struct Endpoint {
     closing: bool,
     /// GOODBYEs heard and not yet confirmed: the nonce of the PING that asks each peer.
     goodbyes: BTreeMap<PeerId, u64>,
+    /// HELLOs heard and not yet confirmed: the PINGs that ask each peer (see [`crate::hello`]).
+    hellos: HelloAsks,
     /// One-way flows into us, answered through our mailbox (see [`crate::oneway`]).
     answering: Answering,
     /// Our one-way transfers, whose answers we read from the targets' mailboxes.
@@ -187,6 +204,7 @@ impl Endpoint {
             waited: BTreeSet::new(),
             closing: false,
             goodbyes: BTreeMap::new(),
+            hellos: HelloAsks::new(),
             answering: Answering::new(None, 0, config.request_timeout),
             reading: Reading::default(),
             one_way: OneWayLayout::for_config(config),
@@ -431,21 +449,46 @@ impl Endpoint {
     }
 
     /// A PONG from `from` (already admitted by the peer rules): a sign of life when it echoes
-    /// one of our recent PINGs to it, else ignored. True when it is the farewell answer to the
-    /// PING that asked about its GOODBYE: the peer is going away, call
+    /// one of our recent PINGs to it, else ignored. [`Pong::Farewell`] when it is the farewell
+    /// answer to the PING that asked about its GOODBYE: the peer is going away, call
     /// [`handle_goodbye`](Self::handle_goodbye) (the shell first forgets its arena).
-    pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) -> bool {
+    /// [`Pong::Hello`] when it answers the ask of its HELLO: confirm the HELLO in the peer
+    /// table ([`PeerTable::confirm_hello`]).
+    pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) -> Pong {
         if self.goodbyes.get(&from).is_some_and(|&asked| nonce == asked ^ FAREWELL) {
             self.goodbyes.remove(&from);
             debug!(peer = from.0, "GOODBYE confirmed");
-            return true;
+            return Pong::Farewell;
+        }
+        if self.hellos.answered(from, nonce) {
+            debug!(peer = from.0, "HELLO confirmed");
+            self.stats.hellos_confirmed += 1;
+            return Pong::Hello;
         }
         let answered = self.liveness.handle_pong(now, from, nonce);
         trace!(peer = from.0, nonce, answered, "pong");
         if answered {
             self.stats.pongs_received += 1;
         }
-        false
+        Pong::Other
+    }
+
+    /// A HELLO from loaded, compatible peer `from` under its session whose HELLO is not
+    /// confirmed ([`Hello::Ask`]): asked about, unless an ask is open already. The ask is our
+    /// HELLO (the peer's copy of ours may have come before it loaded us) and a PING whose nonce
+    /// only the peer sees; its PONG ([`Pong::Hello`]) confirms. See [`crate::hello`].
+    pub fn handle_hello(&mut self, now: Instant, from: PeerId) {
+        let liveness = &mut self.liveness;
+        if let Some(ask) = self.hellos.heard(now, from, || liveness.next_nonce()) {
+            self.send_ask(ask);
+        }
+    }
+
+    fn send_ask(&mut self, ask: crate::hello::Ask) {
+        self.stats.hello_asks += 1;
+        trace!(peer = ask.peer.0, "asking about a HELLO");
+        self.out.push_back(Action::Link { peer: ask.peer, body: wire::Body::Hello });
+        self.out.push_back(Action::Link { peer: ask.peer, body: wire::Body::Ping { nonce: ask.nonce } });
     }
 
     /// A GOODBYE from loaded peer `from` under its session. Nothing about it is secret (the
@@ -486,14 +529,15 @@ impl Endpoint {
         let frame = wire::ControlFrame::decode(bytes)?;
         let msg = match frame.body {
             wire::Body::Hello => {
-                // The first HELLO of a compatible peer since its load is answered once: its
-                // copy of ours may have been an evicted hint (see `PeerTable::hello`).
+                // Counted only once asked about (see `crate::hello`); one from a name not loaded
+                // leaves nothing behind.
                 match self.peers.hello(name, frame.session) {
-                    Hello::First { answer: true } => {
+                    Hello::Ask => {
                         if let Some(peer) = self.peers.lookup(name) {
-                            self.out.push_back(Action::Link { peer, body: wire::Body::Hello });
+                            self.handle_hello(now, peer);
                         }
                     }
+                    Hello::NotLoaded => return Err(FrameRefused::NotLoaded),
                     other => {
                         if let Some(refused) = other.refusal(frame.session) {
                             return Err(refused);
@@ -509,9 +553,15 @@ impl Endpoint {
             }
             wire::Body::Pong { nonce } => {
                 let peer = self.peers.admit(name, frame.session)?;
-                if self.handle_pong(now, peer, nonce) {
-                    let peer = self.peers.goodbye(name, frame.session)?;
-                    self.handle_goodbye(now, peer);
+                match self.handle_pong(now, peer, nonce) {
+                    Pong::Farewell => {
+                        let peer = self.peers.goodbye(name, frame.session)?;
+                        self.handle_goodbye(now, peer);
+                    }
+                    Pong::Hello => {
+                        self.peers.confirm_hello(name);
+                    }
+                    Pong::Other => {}
                 }
                 return Ok(());
             }
@@ -599,6 +649,7 @@ impl Endpoint {
     /// The peer is gone: its transfers fail with [`XferError::PeerLost`] (no cancel is sent)
     /// and its flows are reclaimed (scattering regions are freed by their done-events).
     pub fn handle_peer_lost(&mut self, now: Instant, peer: PeerId) {
+        self.hellos.forget(peer);
         let mut ctx = ctx!(self, now);
         self.sender.handle_peer_lost(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
@@ -611,6 +662,7 @@ impl Endpoint {
     /// [`XferError::PeerLost`], their credits retracted (a cancel) once our writes into its
     /// arena have ended, so it can tell when no write of ours can land there any more.
     pub fn handle_goodbye(&mut self, now: Instant, peer: PeerId) {
+        self.hellos.forget(peer);
         let mut ctx = ctx!(self, now);
         self.sender.handle_goodbye(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
@@ -642,6 +694,9 @@ impl Endpoint {
         for peer in verdicts.dead {
             debug!(peer = peer.0, "no sign of life after PINGs: peer declared dead");
             self.declare_dead(now, peer);
+        }
+        for ask in self.hellos.handle_timeout(now) {
+            self.send_ask(ask);
         }
         self.pump(now);
     }
@@ -707,7 +762,8 @@ impl Endpoint {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let waiting = self.answering.next_timeout();
         let lift = self.scheds.next_lift();
-        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout(), waiting, lift]
+        let asks = self.hellos.next_timeout();
+        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout(), waiting, lift, asks]
             .into_iter()
             .flatten()
             .min()

@@ -665,6 +665,11 @@ pub struct Stats {
     pub pings_sent: u64,
     /// PONGs that answered one of our PINGs.
     pub pongs_received: u64,
+    /// Asks sent about peers' HELLOs (our HELLO and a PING only the peer can answer; repeats
+    /// included, see [`crate::hello`]).
+    pub hello_asks: u64,
+    /// Peers' HELLOs confirmed by their PONG to our ask.
+    pub hellos_confirmed: u64,
     /// Peers declared dead by the liveness probe (their transfers failed as lost).
     pub peers_declared_dead: u64,
     /// Transfers failed and scatters answered ACK(Failed) because the application deregistered

@@ -20,6 +20,7 @@
 //! - [`event`]: the types the endpoint and both roles share (actions, job ids, errors, stats).
 //! - [`sender`] / [`receiver`]: the two role state machines.
 //! - [`liveness`]: the probe that declares a silent peer we wait on dead (PING/PONG timings).
+//! - [`hello`]: a peer's HELLO asked about (a PING only the peer can answer) before it counts.
 //! - [`peers`]: the peer table (loaded connection info and capabilities, session, HELLO) and its
 //!   frame-admission and credit-bounds rules.
 //! - [`proof`]: destination proofs (a keyed hash of the transfer token under a registration
@@ -38,6 +39,7 @@ pub mod config;
 pub mod endpoint;
 pub mod event;
 pub mod gate;
+pub mod hello;
 pub mod liveness;
 pub mod mailbox;
 pub mod manifest;

@@ -4,15 +4,16 @@
 //! Per peer it keeps the [`PeerId`] the endpoint knows it by, whether NIXL loaded its connection
 //! info into this engine (and its [`Capabilities`] when they are compatible with ours, which
 //! carry the peer arena's base, length and device), whether the peer's arena was loaded into the
-//! inner engine, the session (instance nonce) its frames carry, and whether it said HELLO.
+//! inner engine, the session (instance nonce) its frames carry, and whether its HELLO is confirmed.
 //!
 //! Rules (as the IO shell applied them before they moved here):
-//! - A HELLO from a loaded peer is recorded on it. A HELLO from a name not loaded (the two
-//!   loads race) is only a hint, kept among the last [`MAX_HELLO_HINTS`] such names (the oldest
-//!   is evicted): invented names cannot grow memory, and however many there are they cannot
-//!   lock a real peer out. A hint counts as that peer's HELLO once it is loaded. The first HELLO
-//!   of a loaded, compatible peer since its load is answered once with ours
-//!   ([`Hello::First`]), so a peer whose early HELLO was evicted still learns we can answer.
+//! - A HELLO counts only from a loaded, compatible peer under its session, and only once the
+//!   peer proved it (the endpoint's ask, [`crate::hello`]: a PING only the peer can answer;
+//!   [`confirm_hello`](PeerTable::confirm_hello) on its PONG). Until then
+//!   [`hello`](PeerTable::hello) says [`Hello::Ask`]. A HELLO from a name not loaded (the two
+//!   loads race) is dropped and leaves nothing behind: invented names cannot grow memory or
+//!   lock a real peer out, and a real peer's early HELLO is made up by the ask that follows its
+//!   next one (our HELLO on loading it makes it say HELLO again).
 //! - A frame from an agent whose connection info was never loaded is refused: UCX needs it to
 //!   answer at all, and a WANT's reverse-path endpoint is never loaded on trust.
 //! - A peer's session is the one in the capabilities NIXL loaded for it, and nothing else: a
@@ -23,21 +24,19 @@
 //!   ([`load_conn_info`](PeerTable::load_conn_info) with new capabilities), which reports the
 //!   replaced incarnation so that its old state is reclaimed.
 //! - Bounce to a peer only when [`can_bounce`](PeerTable::can_bounce): loaded, compatible, its
-//!   arena loaded, and it said HELLO (it loaded ours, so it can answer our WANTs).
+//!   arena loaded, and its HELLO confirmed (it loaded ours, so it can answer our WANTs).
 //! - A credit is written only inside the peer's arena ([`check_credit`](PeerTable::check_credit)).
 //!
 //! Pure bookkeeping: the endpoint feeds it frames ([`crate::endpoint::Endpoint::handle_frame`]),
 //! the shell feeds it the loads and losses that NIXL reports.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use thiserror::Error;
 
 use crate::types::{ArenaId, PeerId, Region};
 use crate::wire::{Capabilities, Incompatible, WireError};
 
-/// Most names not loaded whose HELLO is kept as a hint (the oldest is evicted beyond).
-pub const MAX_HELLO_HINTS: usize = 1024;
 /// Most agent names never loaded here that may be given an id to send one-way frames (see
 /// [`PeerTable::admit_one_way`]): invented names cannot grow the table beyond it, and beyond
 /// it a name that holds nothing is forgotten ([`PeerTable::evict_one_way`]), so junk frames
@@ -77,18 +76,16 @@ pub enum FrameRefused {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
 pub enum Hello {
-    /// From a name not loaded: kept as a hint, the oldest hint evicted beyond
-    /// [`MAX_HELLO_HINTS`].
-    Hint,
-    /// From a loaded peer that already said HELLO since its load: nothing new.
+    /// From a name not loaded: dropped, nothing recorded.
+    NotLoaded,
+    /// From a loaded peer whose HELLO is confirmed since its load: nothing new.
     Repeat,
-    /// The first HELLO of a loaded peer since its load: it may now be bounced to. When `answer`
-    /// (it is compatible), reply once with our own HELLO: its copy of ours may have been an
-    /// evicted hint.
-    First {
-        /// Send our HELLO back.
-        answer: bool,
-    },
+    /// From a loaded, compatible peer whose HELLO is not confirmed: ask it (our HELLO and a
+    /// PING, [`crate::hello`]); its PONG confirms ([`PeerTable::confirm_hello`]).
+    Ask,
+    /// From a loaded peer that cannot bounce with us (no or incompatible capabilities):
+    /// nothing to ask.
+    Unusable,
     /// From a loaded peer, under another session than its loaded capabilities' (a forgery,
     /// or an old incarnation): nothing recorded; drop it as a frame of a stale session.
     Stale {
@@ -112,7 +109,7 @@ impl Hello {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Loaded {
     /// Both sides publish compatible capabilities: bounce may be used once the peer's arena is
-    /// loaded and it said HELLO.
+    /// loaded and its HELLO is confirmed.
     Compatible,
     /// One side publishes no capabilities (bounce disabled or unusable there): plain UCX.
     NoCapabilities,
@@ -155,12 +152,12 @@ struct Peer {
     arena: bool,
     /// The session its frames must carry: the one in the capabilities loaded for it.
     session: Option<u64>,
-    /// It said HELLO.
+    /// Its HELLO is confirmed (it answered our ask).
     hello: bool,
 }
 
 impl Peer {
-    /// Loaded, compatible, its arena loaded, and it said HELLO.
+    /// Loaded, compatible, its arena loaded, and its HELLO confirmed.
     fn can_bounce(&self) -> bool {
         matches!(self.conn, Some(Some(_))) && self.arena && self.hello
     }
@@ -171,13 +168,9 @@ impl Peer {
 pub struct PeerTable {
     by_name: BTreeMap<String, Peer>,
     names: BTreeMap<PeerId, String>,
-    /// Names not loaded that said HELLO, oldest first (at most [`MAX_HELLO_HINTS`]).
-    hints: VecDeque<String>,
     /// Names never loaded that were given an id for one-way frames (at most
     /// [`MAX_ONE_WAY_NAMES`]).
     one_way: BTreeSet<String>,
-    /// The same names, for lookup, with the session each HELLO carried.
-    hinted: BTreeMap<String, u64>,
     next_id: u32,
     /// Peers that can bounce now, kept in step by every change to an entry ([`tracked`]), so
     /// reading it costs no pass over the table: the shell publishes it after each change, a
@@ -233,13 +226,6 @@ impl PeerTable {
             },
             _ => (None, Loaded::NoCapabilities),
         };
-        // A HELLO that came before the load counts now; one of another session (an earlier
-        // incarnation, or a forgery under the name) does not.
-        let hint = self.hinted.remove(name);
-        if hint.is_some() {
-            self.hints.retain(|n| n != name);
-        }
-        let hinted = hint.is_some() && hint == session;
         self.entry(name);
         let p = self.by_name.get_mut(name).expect("entry made above");
         tracked(&mut self.ready, p, |p| {
@@ -248,7 +234,6 @@ impl PeerTable {
             }
             p.conn = Some(caps);
             p.session = session;
-            p.hello |= hinted;
         });
         loaded
     }
@@ -283,18 +268,13 @@ impl PeerTable {
         self.by_name.get(name).is_some_and(|p| p.conn.is_some())
     }
 
-    /// True when `name` said HELLO (since its load, or as a hint while not loaded).
+    /// True when `name`'s HELLO is confirmed since its load.
     pub fn is_reachable(&self, name: &str) -> bool {
-        self.by_name.get(name).is_some_and(|p| p.hello) || self.hinted.contains_key(name)
-    }
-
-    /// Names not loaded whose HELLO is kept as a hint.
-    pub fn hints(&self) -> usize {
-        self.hints.len()
+        self.by_name.get(name).is_some_and(|p| p.hello)
     }
 
     /// Whether transfers to `name` may take the bounce path: loaded, compatible, its arena
-    /// loaded, and it said HELLO.
+    /// loaded, and its HELLO confirmed.
     pub fn can_bounce(&self, name: &str) -> bool {
         self.by_name.get(name).is_some_and(Peer::can_bounce)
     }
@@ -309,36 +289,34 @@ impl PeerTable {
         self.by_name.get(name)?.session
     }
 
-    /// A HELLO from `name` carrying `session`: recorded on a loaded peer whose session it is,
-    /// else kept as a hint with its session, which counts only if the load brings the same (see
-    /// [`Hello`]). The hints are bounded by eviction, loaded peers by NIXL's loads. A HELLO
-    /// switches our route to the peer from one way to two way, so one under a loaded peer's
-    /// name but another session (anyone may claim a name) is refused: the peer may never have
-    /// loaded us, and our two-way frames would then all be dropped there.
-    pub fn hello(&mut self, name: &str, session: u64) -> Hello {
+    /// A HELLO from `name` carrying `session` (see [`Hello`]). Nothing is recorded: a HELLO
+    /// switches our route to the peer from one way to two way, and anyone may claim a name and
+    /// copy a published session, so it counts only once the peer answers the ask it opens
+    /// ([`confirm_hello`](Self::confirm_hello)). One under a loaded peer's name but another
+    /// session is refused as stale.
+    pub fn hello(&self, name: &str, session: u64) -> Hello {
+        match self.by_name.get(name) {
+            Some(p) if p.conn.is_some() => match p.session {
+                Some(current) if current != session => Hello::Stale { current: Some(current) },
+                None => Hello::Stale { current: None },
+                Some(_) if p.hello => Hello::Repeat,
+                Some(_) if matches!(p.conn, Some(Some(_))) => Hello::Ask,
+                Some(_) => Hello::Unusable,
+            },
+            _ => Hello::NotLoaded,
+        }
+    }
+
+    /// `name` answered the ask its HELLO opened (its PONG echoed a nonce only it saw): its
+    /// HELLO counts, and it may be bounced to two way once its arena is loaded. Returns false
+    /// (nothing changed) unless it is loaded and compatible.
+    pub fn confirm_hello(&mut self, name: &str) -> bool {
         match self.by_name.get_mut(name) {
-            Some(p) if p.conn.is_some() => {
-                let current = p.session.or_else(|| p.conn.as_ref()?.as_ref().map(|c| c.session));
-                if current != Some(session) {
-                    return Hello::Stale { current };
-                }
-                if p.hello {
-                    return Hello::Repeat;
-                }
+            Some(p) if matches!(p.conn, Some(Some(_))) => {
                 tracked(&mut self.ready, p, |p| p.hello = true);
-                Hello::First { answer: matches!(p.conn, Some(Some(_))) }
+                true
             }
-            _ => {
-                if self.hinted.insert(name.to_owned(), session).is_none() {
-                    self.hints.push_back(name.to_owned());
-                    if self.hints.len() > MAX_HELLO_HINTS {
-                        if let Some(old) = self.hints.pop_front() {
-                            self.hinted.remove(&old);
-                        }
-                    }
-                }
-                Hello::Hint
-            }
+            _ => false,
         }
     }
 
@@ -503,12 +481,13 @@ mod tests {
         c
     }
 
-    /// A table where `name` is loaded, compatible, its arena loaded and it said HELLO.
+    /// A table where `name` is loaded, compatible, its arena loaded and its HELLO confirmed.
     fn ready(name: &str) -> PeerTable {
         let mut t = PeerTable::new();
         assert_eq!(t.load_conn_info(name, Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
         t.arena_loaded(name, true);
-        assert_eq!(t.hello(name, 1), Hello::First { answer: true });
+        assert_eq!(t.hello(name, 1), Hello::Ask);
+        assert!(t.confirm_hello(name));
         t
     }
 
@@ -548,8 +527,11 @@ mod tests {
         let mut t = PeerTable::new();
         t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
         assert!(!t.can_bounce("a"), "no arena, no HELLO");
-        assert_eq!(t.hello("a", 1), Hello::First { answer: true });
-        assert!(!t.can_bounce("a"), "no arena");
+        t.arena_loaded("a", true);
+        assert_eq!(t.hello("a", 1), Hello::Ask);
+        assert!(!t.can_bounce("a"), "a HELLO alone counts for nothing: it is asked about");
+        assert!(t.confirm_hello("a"));
+        assert_eq!(t.hello("a", 1), Hello::Repeat);
         t.arena_loaded("a", false);
         assert!(!t.can_bounce("a"), "arena load failed");
         t.arena_loaded("a", true);
@@ -558,11 +540,11 @@ mod tests {
         // An incompatible peer's arena never counts, whatever the shell reports.
         t.load_conn_info("b", Some(Capabilities { control: ControlKind::Zmq, ..caps(4096) }), Some(&caps(4096)));
         t.arena_loaded("b", true);
-        assert_eq!(t.hello("b", 1), Hello::First { answer: false }, "no HELLO back to an incompatible peer");
-        assert!(!t.can_bounce("b"));
-        // HELLO without loading: reachable, but no bounce.
-        assert_eq!(t.hello("c", 1), Hello::Hint);
-        assert!(t.is_reachable("c") && !t.can_bounce("c"));
+        assert_eq!(t.hello("b", 1), Hello::Unusable, "nothing to ask an incompatible peer");
+        assert!(!t.confirm_hello("b") && !t.can_bounce("b"));
+        // HELLO without loading: dropped, nothing recorded, nothing to confirm.
+        assert_eq!(t.hello("c", 1), Hello::NotLoaded);
+        assert!(!t.confirm_hello("c") && !t.is_reachable("c") && t.lookup("c").is_none());
         // Loss forgets everything but the id.
         t.lost("a");
         assert!(!t.can_bounce("a") && !t.is_reachable("a") && !t.is_loaded("a"));
@@ -617,49 +599,37 @@ mod tests {
     }
 
     #[test]
-    fn hellos_from_unknown_names_are_bounded_hints_that_cannot_lock_a_real_peer_out() {
+    fn hellos_from_names_not_loaded_leave_nothing_and_cannot_lock_a_real_peer_out() {
         let mut t = PeerTable::new();
-        // A real peer's HELLO arrives before we load it: a hint.
-        assert_eq!(t.hello("real", 1), Hello::Hint);
-        assert_eq!(t.lookup("real"), None, "a hint makes no table entry, no id");
-        // Thousands of invented names follow and evict it.
-        for i in 0..4 * MAX_HELLO_HINTS {
-            assert_eq!(t.hello(&format!("stranger-{i}"), 1), Hello::Hint);
+        // A real peer's HELLO arrives before we load it, then thousands of invented names.
+        assert_eq!(t.hello("real", 1), Hello::NotLoaded);
+        for i in 0..4096 {
+            assert_eq!(t.hello(&format!("stranger-{i}"), 1), Hello::NotLoaded);
         }
-        assert_eq!(t.hints(), MAX_HELLO_HINTS, "memory stays bounded");
-        assert!(!t.is_reachable("real") && t.is_reachable(&format!("stranger-{}", 4 * MAX_HELLO_HINTS - 1)));
+        assert_eq!(t.lookup("real"), None, "no table entry, no id");
         assert_eq!(t.lookup("stranger-0"), None);
-        // Loaded now: its evicted hint is gone, so no HELLO yet...
+        // Loaded now: no HELLO yet. Our HELLO on load makes it say HELLO again, which is asked
+        // about whatever the flood, and counts once answered.
         t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
         t.arena_loaded("real", true);
         assert!(!t.can_bounce("real"));
-        // ...but our HELLO on load makes it answer (its First), and its HELLO reaches us now,
-        // whatever the flood: the first one since the load is answered once, repeats are not.
-        assert_eq!(t.hello("real", 1), Hello::First { answer: true });
-        assert!(t.can_bounce("real"));
+        assert_eq!(t.hello("real", 1), Hello::Ask);
+        assert!(t.confirm_hello("real") && t.can_bounce("real"));
         assert_eq!(t.hello("real", 1), Hello::Repeat);
-        for i in 0..2 * MAX_HELLO_HINTS {
-            let _ = t.hello(&format!("more-{i}"), 1);
-        }
-        assert!(t.can_bounce("real"), "a loaded peer's HELLO is never evicted");
-        // A hint that survives counts at the load (no answer needed: we HELLO on load anyway).
-        assert_eq!(t.hello("early", 1), Hello::Hint);
-        t.load_conn_info("early", Some(caps(4096)), Some(&caps(4096)));
-        assert!(t.is_reachable("early") && t.hints() == MAX_HELLO_HINTS - 1);
-        assert_eq!(t.hello("early", 1), Hello::Repeat);
-        // A loss forgets the HELLO: after a reload the first one is answered again.
+        // A loss forgets the HELLO: after a reload it is asked about again.
         t.lost("real");
-        assert_eq!(t.hello("real", 1), Hello::Hint, "not loaded any more");
+        assert_eq!(t.hello("real", 1), Hello::NotLoaded, "not loaded any more");
         t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
-        assert!(t.is_reachable("real"));
+        assert!(!t.is_reachable("real"));
+        assert_eq!(t.hello("real", 1), Hello::Ask);
     }
 
-    /// Anyone may claim a name: a HELLO under a loaded peer's name counts only under that
-    /// peer's session, and a hint only if the load brings the session it carried. A forged
-    /// one would switch our route to the peer from one way to two way, whose frames a peer
-    /// that never loaded us drops.
+    /// Anyone may claim a name and copy a published session: a HELLO under a loaded peer's
+    /// name counts only under that peer's session, and then only once the peer answers the ask
+    /// (the endpoint's PING, which a forger never sees). A forged one would switch our route to
+    /// the peer from one way to two way, whose frames a peer that never loaded us drops.
     #[test]
-    fn a_hello_counts_only_under_the_peers_own_session() {
+    fn a_hello_counts_only_under_the_peers_own_session_and_once_confirmed() {
         let mut t = PeerTable::new();
         let one_way = Capabilities { session: 7, ..caps(4096) };
         t.load_conn_info("p", Some(one_way.clone()), Some(&caps(4096)));
@@ -667,17 +637,21 @@ mod tests {
         assert_eq!(t.hello("p", 8), Hello::Stale { current: Some(7) });
         assert_eq!(t.hello("p", 8).refusal(8), Some(FrameRefused::StaleSession { got: 8, current: 7 }));
         assert!(!t.can_bounce("p") && !t.is_reachable("p"), "nothing recorded");
-        assert_eq!(t.hello("p", 7), Hello::First { answer: true });
-        assert!(t.can_bounce("p"));
-        // A hint forged before the load does not count at it; the peer's own does.
-        assert_eq!(t.hello("q", 8), Hello::Hint);
-        t.load_conn_info("q", Some(one_way.clone()), Some(&caps(4096)));
-        t.arena_loaded("q", true);
-        assert!(!t.can_bounce("q") && !t.is_reachable("q"));
-        assert_eq!(t.hello("r", 7), Hello::Hint);
-        t.load_conn_info("r", Some(one_way), Some(&caps(4096)));
-        t.arena_loaded("r", true);
-        assert!(t.can_bounce("r"));
+        // The right session only opens an ask; a forger's HELLO gets this far and no further.
+        for _ in 0..3 {
+            assert_eq!(t.hello("p", 7), Hello::Ask);
+            assert!(!t.can_bounce("p"));
+        }
+        assert!(t.confirm_hello("p") && t.can_bounce("p"));
+        // A GOODBYE (confirmed by the endpoint) forgets it: asked about again afterwards.
+        let id = t.lookup("p").unwrap();
+        assert_eq!(t.goodbye("p", 7), Ok(id));
+        assert_eq!(t.hello("p", 7), Hello::Ask);
+        // A reload with a new session forgets it too.
+        t.confirm_hello("p");
+        t.load_conn_info("p", Some(Capabilities { session: 9, ..one_way }), Some(&caps(4096)));
+        assert!(!t.is_reachable("p"));
+        assert_eq!(t.hello("p", 9), Hello::Ask);
     }
 
     /// Junk frames under thousands of invented names fill the one-way names; a real
@@ -759,6 +733,7 @@ mod tests {
         LoadIncompatible(usize),
         Arena(usize, bool),
         Hello(usize, u64),
+        Confirm(usize),
         Goodbye(usize, u64),
         Lost(usize),
         OneWay(usize),
@@ -773,6 +748,7 @@ mod tests {
             who.clone().prop_map(Op::LoadIncompatible),
             (who.clone(), any::<bool>()).prop_map(|(w, ok)| Op::Arena(w, ok)),
             (who.clone(), session.clone()).prop_map(|(w, s)| Op::Hello(w, s)),
+            who.clone().prop_map(Op::Confirm),
             (who.clone(), session).prop_map(|(w, s)| Op::Goodbye(w, s)),
             who.clone().prop_map(Op::Lost),
             who.prop_map(Op::OneWay),
@@ -799,6 +775,9 @@ mod tests {
                     Op::Arena(w, ok) => t.arena_loaded(names[w], ok),
                     Op::Hello(w, s) => {
                         let _ = t.hello(names[w], s);
+                    }
+                    Op::Confirm(w) => {
+                        let _ = t.confirm_hello(names[w]);
                     }
                     Op::Goodbye(w, s) => {
                         let _ = t.goodbye(names[w], s);

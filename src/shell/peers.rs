@@ -264,7 +264,7 @@ impl PeerTable {
 
     /// Where the agent's arenas live (in the order of its capabilities: an index is an
     /// [`ArenaId`]), when a transfer to it may bounce: loaded, compatible, its first arena
-    /// loaded, and it said HELLO. An arena whose load failed is listed too; a write into it
+    /// loaded, and its HELLO confirmed. An arena whose load failed is listed too; a write into it
     /// finds no loaded arena and fails (`write_target`).
     pub(crate) fn bounce_arenas(&self, name: &str) -> Option<Vec<ArenaPlace>> {
         let t = self.table.lock();
@@ -343,12 +343,6 @@ impl PeerTable {
         self.table.lock().rules.lookup(name)
     }
 
-    /// Whether `name` said HELLO (kept as a hint when not loaded): tests wait on it.
-    #[cfg(test)]
-    pub(crate) fn is_reachable(&self, name: &str) -> bool {
-        self.table.lock().rules.is_reachable(name)
-    }
-
     /// The name of a peer id.
     pub(crate) fn name(&self, id: PeerId) -> Option<String> {
         self.table.lock().rules.name(id).map(str::to_owned)
@@ -365,10 +359,16 @@ impl PeerTable {
         self.table.lock().rules.compatible(name).map(|c| c.endpoint.clone())
     }
 
-    /// Records a HELLO (those from agents not loaded are bounded hints); says whether to
-    /// answer it with ours.
+    /// What a HELLO from `name` under `session` calls for (the core's rules: nothing is
+    /// recorded until the peer answers the ask, [`confirm_hello`](Self::confirm_hello)).
     pub(crate) fn hello(&self, name: &str, session: u64) -> peers::Hello {
-        self.change().rules.hello(name, session)
+        self.table.lock().rules.hello(name, session)
+    }
+
+    /// `name` answered the ask its HELLO opened: it may be bounced to two way (the core's
+    /// `PeerTable::confirm_hello`). False when it is not loaded and compatible.
+    pub(crate) fn confirm_hello(&self, name: &str) -> bool {
+        self.change().rules.confirm_hello(name)
     }
 
     /// Applies the core's loading and session rules to a message frame from `name`: the
@@ -475,7 +475,7 @@ mod tests {
         assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), Some(Md(6))), (true, vec![]));
         assert_eq!(t.arena_loaded("b", ArenaId(1), Some(Md(7)), None), (true, vec![]));
         assert_eq!(t.arenas_loaded(), 2);
-        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
+        confirmed(&t, "b", 9);
         let id = t.admit("b", 9).unwrap();
         let at = |arena, offset| t.write_target(id, (ArenaId(arena), Region { offset, len: 4096 }), 4096);
         assert_eq!(at(1, 0x1000).map(|(_, a)| (a.md, a.base)).ok(), Some((Md(7), 0x40_0000)));
@@ -498,7 +498,7 @@ mod tests {
         assert_eq!(t.arena_to_load("b", A0).map(|a| a.key), Some(b"key".to_vec()));
         assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arenas("b").is_none(), "no HELLO yet");
-        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
+        confirmed(&t, "b", 9);
         assert!(t.bounce_arenas("b").is_some());
         assert_eq!(t.ready(), 1);
         let id = t.admit("b", 9).unwrap();
@@ -555,7 +555,7 @@ mod tests {
         assert_eq!(t.arena_loaded("b", A0, Some(Md(6)), None), (true, vec![]));
         assert_eq!(t.arenas_loaded(), 1);
         // GOODBYE under another session changes nothing; under b's, its arena goes.
-        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
+        confirmed(&t, "b", 9);
         assert_eq!(t.goodbye("b", 8), Err(FrameRefused::StaleSession { got: 8, current: 9 }));
         assert!(t.bounce_arenas("b").is_some());
         assert_eq!((t.ready(), t.arenas_loaded()), (1, 1), "a refused GOODBYE moves no gauge");
@@ -604,7 +604,7 @@ mod tests {
         assert!(t.one_way_target("b", smaller).is_none(), "its ring would not fit a fetch slice");
         let m = t.mailbox_target(id).map(|(n, m)| (n, m.base, m.len, m.offset, m.md));
         assert_eq!(m, Some(("b".to_owned(), 0x7f00_0000_0000, layout.area_len(), 0, Md(7))));
-        assert_eq!(t.hello("b", 9), peers::Hello::First { answer: true });
+        confirmed(&t, "b", 9);
         assert!(
             t.one_way_target("b", layout.fetch_slice).is_none() && t.bounce_arenas("b").is_some(),
             "two way after its HELLO"
@@ -627,23 +627,30 @@ mod tests {
         assert_eq!(t.take_arenas(), vec![Md(13)]);
     }
 
+    /// `name`'s HELLO under `session`, asked about and answered (the reactor does the asking).
+    fn confirmed(t: &PeerTable, name: &str, session: u64) {
+        assert_eq!(t.hello(name, session), peers::Hello::Ask);
+        assert!(t.confirm_hello(name));
+    }
+
     #[test]
-    fn hellos_from_unloaded_agents_are_bounded_and_cannot_lock_out_a_loaded_one() {
+    fn hellos_count_only_from_loaded_agents_and_once_confirmed() {
         let t = PeerTable::default();
-        assert_eq!(t.hello("late", 9), peers::Hello::Hint);
-        for i in 0..2 * peers::MAX_HELLO_HINTS {
-            assert_eq!(t.hello(&format!("x{i}"), 9), peers::Hello::Hint);
+        assert_eq!(t.hello("late", 9), peers::Hello::NotLoaded);
+        for i in 0..4096 {
+            assert_eq!(t.hello(&format!("x{i}"), 9), peers::Hello::NotLoaded);
         }
-        assert_eq!(t.table.lock().rules.hints(), peers::MAX_HELLO_HINTS);
+        assert!(t.known_id("x0").is_none(), "nothing recorded for names not loaded");
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("late", A0, Some(Md(5)), None), (true, vec![]));
-        assert!(t.bounce_arenas("late").is_none(), "its hint was evicted");
-        assert_eq!(t.ready(), 0);
-        assert_eq!(t.hello("late", 9), peers::Hello::First { answer: true }, "a loaded agent is always heard");
+        assert!(t.bounce_arenas("late").is_none(), "its early HELLO left nothing");
+        assert_eq!(t.hello("late", 9), peers::Hello::Ask, "a loaded agent is always heard");
+        assert_eq!((t.ready(), t.bounce_arenas("late").is_none()), (0, true), "asked about, not yet counted");
+        assert!(t.confirm_hello("late"));
         assert!(t.bounce_arenas("late").is_some());
-        assert_eq!(t.ready(), 1, "its first HELLO counts it ready");
+        assert_eq!(t.ready(), 1, "its confirmed HELLO counts it ready");
         assert_eq!(t.hello("late", 9), peers::Hello::Repeat);
-        assert_eq!(t.hello("x0", 9), peers::Hello::Hint);
-        assert_eq!(t.ready(), 1, "repeats and hints change nothing");
+        assert!(!t.confirm_hello("x0"), "nothing to confirm for a name not loaded");
+        assert_eq!(t.ready(), 1, "repeats and strangers change nothing");
     }
 }

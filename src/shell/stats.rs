@@ -156,7 +156,7 @@ counters! {
     arena_orphans,
     /// Registrations made through this engine.
     registrations,
-    /// Peers a transfer may bounce to now (compatible, arena loaded, HELLO received).
+    /// Peers a transfer may bounce to now (compatible, arena loaded, HELLO confirmed).
     peers_ready,
     /// Remote flows reclaimed because their sender went silent (the core's count).
     flows_timed_out,
@@ -170,6 +170,11 @@ counters! {
     pings_sent,
     /// PONGs that answered one of our PINGs (the core's count).
     pongs_received,
+    /// Asks about peers' HELLOs: our HELLO and a PING only the peer can answer, repeats
+    /// included (the core's count). A HELLO counts only once its PONG comes back.
+    hello_asks,
+    /// Peers' HELLOs confirmed by their PONG to our ask (the core's count).
+    hellos_confirmed,
     /// Peers declared dead by the liveness probe; their bounced transfers failed (the core's
     /// count).
     peers_declared_dead,

@@ -28,8 +28,18 @@ pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
         assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
         if j != i {
             let caps = wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, j as u64);
-            ep.handle_conn_info(now, &agent(j), Some(caps), None);
+            let ours = wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, i as u64);
+            ep.handle_conn_info(now, &agent(j), Some(caps), Some(&ours));
             ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO");
+            // Answer the ask the HELLO opens (a PING only the peer sees), as the peer would.
+            let nonce = std::iter::from_fn(|| ep.poll_action())
+                .find_map(|a| match a {
+                    bounce_proto::endpoint::Action::Link { body: wire::Body::Ping { nonce }, .. } => Some(nonce),
+                    _ => None,
+                })
+                .expect("a HELLO is asked about");
+            let pong = wire::ControlFrame { session: j as u64, body: wire::Body::Pong { nonce } };
+            ep.handle_frame(now, &agent(j), &pong.to_vec()).expect("PONG");
         }
     }
     ep

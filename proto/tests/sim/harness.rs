@@ -333,9 +333,24 @@ impl Sim {
                     assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
                     if j != i {
                         // Node `j`'s metadata: its session is `j`, the one its frames carry.
-                        ep.handle_conn_info(start, &agent(j), Some(caps(theirs, j as u64)), None);
-                        // Each says HELLO to each, through the same frame path as the messages.
+                        let loaded = ep.handle_conn_info(
+                            start,
+                            &agent(j),
+                            Some(caps(theirs, j as u64)),
+                            Some(&caps(config, i as u64)),
+                        );
+                        assert_eq!(loaded, bounce_proto::peers::Loaded::Compatible);
+                        // Each says HELLO to each, through the same frame path as the messages,
+                        // and answers the ask it opens (a PING) as the peer's engine would.
                         ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO accepted");
+                        let nonce = std::iter::from_fn(|| ep.poll_action())
+                            .find_map(|a| match a {
+                                Action::Link { body: wire::Body::Ping { nonce }, .. } => Some(nonce),
+                                _ => None,
+                            })
+                            .expect("a HELLO is asked about");
+                        let pong = wire::ControlFrame { session: j as u64, body: wire::Body::Pong { nonce } };
+                        ep.handle_frame(start, &agent(j), &pong.to_vec()).expect("PONG accepted");
                         assert!(ep.peers().is_reachable(&agent(j)));
                     }
                 }

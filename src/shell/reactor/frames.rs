@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use bounce_proto::PeerId;
+use bounce_proto::endpoint::Pong;
 use bounce_proto::peers::{FrameRefused, Hello};
 use bounce_proto::wire::{self, Frame, Msg};
 
@@ -39,14 +40,18 @@ impl Driver {
         };
         let msg = match frame.body {
             wire::Body::Hello => {
-                // The first HELLO of a compatible peer since its load is answered once: its
-                // copy of ours may have been evicted from its bounded hints.
+                // A HELLO counts only once the peer answers the ask it opens (our HELLO and a
+                // PING only the peer sees; `bounce_proto::hello`): its session is published,
+                // so anyone holding its metadata could forge one.
                 match self.shared.peers.hello(peer, frame.session) {
-                    Hello::First { answer: true } => {
-                        if let Err(e) = self.control.send(peer, &wire::encode_hello(self.session)) {
-                            tracing::debug!(peer, error = %e, "answering a HELLO failed");
+                    Hello::Ask => {
+                        if let Some(id) = self.shared.peers.known_id(peer) {
+                            self.ep.handle_hello(now, id);
                         }
                     }
+                    // The loads race: the peer says HELLO again once our HELLO on loading it
+                    // reaches it.
+                    Hello::NotLoaded => tracing::debug!(peer, "HELLO from an agent not loaded (yet): dropped"),
                     other => {
                         if let Some(refused) = other.refusal(frame.session) {
                             self.sessions_forged += 1;
@@ -118,12 +123,15 @@ impl Driver {
         };
         match frame.body {
             wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
-            wire::Body::Pong { nonce } => {
-                let confirms_goodbye = self.ep.handle_pong(now, id, nonce);
-                if confirms_goodbye {
-                    self.farewell(now, peer, frame.session);
+            wire::Body::Pong { nonce } => match self.ep.handle_pong(now, id, nonce) {
+                Pong::Farewell => self.farewell(now, peer, frame.session),
+                Pong::Hello => {
+                    if self.shared.peers.confirm_hello(peer) {
+                        tracing::debug!(peer, "HELLO confirmed: the peer may be bounced to two way");
+                    }
                 }
-            }
+                Pong::Other => {}
+            },
             _ => {}
         }
     }

@@ -19,6 +19,8 @@ impl Driver {
         s.regions_quarantined.store(core.regions_quarantined, Ordering::Relaxed);
         s.pings_sent.store(core.pings_sent, Ordering::Relaxed);
         s.pongs_received.store(core.pongs_received, Ordering::Relaxed);
+        s.hello_asks.store(core.hello_asks, Ordering::Relaxed);
+        s.hellos_confirmed.store(core.hellos_confirmed, Ordering::Relaxed);
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
         s.dereg_failed.store(core.dereg_failed + self.dereg_refused, Ordering::Relaxed);
         s.keeps_sent.store(core.keeps_sent, Ordering::Relaxed);

@@ -379,34 +379,102 @@ fn data_cancel_and_want_with_the_wrong_token_leave_the_flow_alone() {
     check(&ep);
 }
 
-#[test]
-fn a_hello_flood_from_invented_names_cannot_lock_a_real_peer_out() {
-    use crate::peers::MAX_HELLO_HINTS;
+/// Loads agent "a" (session 1) with its arena, as NIXL and the inner engine would.
+fn with_ready_arena() -> (Endpoint, Instant, PeerId) {
     let (mut ep, t) = endpoint(32 * KIB, 2, false);
-    let hello = wire::encode_hello(1);
-    // The real peer's HELLO comes before we load it, then thousands of invented names.
-    ep.handle_frame(t, "a", &hello).unwrap();
-    for i in 0..4 * MAX_HELLO_HINTS {
-        ep.handle_frame(t, &format!("invented-{i}"), &hello).unwrap();
-    }
-    assert_eq!(ep.peers().hints(), MAX_HELLO_HINTS, "bounded");
-    assert!(!ep.peers().is_reachable("a"), "its hint was evicted");
-    assert!(drain(&mut ep).is_empty() && ep.stats().frames_refused == 0);
     let mut caps = caps(1);
     caps.arenas.first_mut().key = vec![1];
     ep.peers_mut().load_conn_info("a", Some(caps.clone()), Some(&caps));
     ep.peers_mut().arena_loaded("a", true);
     let id = ep.peers().lookup("a").unwrap();
-    // Our HELLO on load makes it say HELLO again: recorded, and answered once, so that it
-    // records ours even if its own hint of it was evicted the same way.
+    (ep, t, id)
+}
+
+/// The PING nonce of an ask (our HELLO, then the PING), or a panic naming what was sent.
+fn ask_nonce(acts: &[Action], to: PeerId) -> u64 {
+    match acts {
+        [
+            Action::Link { peer: p, body: wire::Body::Hello },
+            Action::Link { peer: q, body: wire::Body::Ping { nonce } },
+        ] if *p == to && *q == to => *nonce,
+        other => panic!("expected an ask (HELLO, PING) to {to:?}, got {other:?}"),
+    }
+}
+
+/// A HELLO's session is published, so anyone holding the peer's metadata can forge one. It
+/// counts only once the peer answers the ask it opens: a PING whose nonce only the peer sees.
+#[test]
+fn a_hello_counts_only_once_the_peer_echoes_the_nonce_of_the_ask_it_opened() {
+    let (mut ep, t, id) = with_ready_arena();
+    let hello = wire::encode_hello(1);
+    // Invented names: refused, nothing recorded, nothing sent.
+    for i in 0..4096 {
+        assert_eq!(ep.handle_frame(t, &format!("invented-{i}"), &hello), Err(FrameRefused::NotLoaded));
+    }
+    assert!(drain(&mut ep).is_empty() && ep.peers().lookup("invented-0").is_none());
+    // A HELLO under a's name and session (forged or not: it cannot tell) opens one ask.
     ep.handle_frame(t, "a", &hello).unwrap();
-    assert_eq!(drain(&mut ep), vec![Action::Link { peer: id, body: wire::Body::Hello }]);
-    assert!(ep.peers().can_bounce("a"));
+    let nonce = ask_nonce(&drain(&mut ep), id);
+    assert!(!ep.peers().can_bounce("a"), "not before the answer");
+    for _ in 0..100 {
+        ep.handle_frame(t, "a", &hello).unwrap();
+    }
+    assert!(drain(&mut ep).is_empty(), "one ask open at a time: no frame per forged frame");
+    // Answers that are not the peer's: another nonce, or the right one under another session.
+    ep.handle_frame(t, "a", &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: nonce ^ 1 } }.to_vec())
+        .unwrap();
+    let stale = wire::ControlFrame { session: 2, body: wire::Body::Pong { nonce } }.to_vec();
+    assert!(matches!(ep.handle_frame(t, "a", &stale), Err(FrameRefused::StaleSession { .. })));
+    assert!(!ep.peers().can_bounce("a"));
+    // Unanswered, the ask is repeated with the same nonce (a late PONG still counts).
+    ep.handle_timeout(t + crate::hello::ASK_AGAIN_AFTER);
+    assert_eq!(ask_nonce(&drain(&mut ep), id), nonce);
+    // The peer's answer confirms it; later HELLOs are repeats and are not answered.
+    ep.handle_frame(t, "a", &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce } }.to_vec()).unwrap();
+    assert!(ep.peers().can_bounce("a") && ep.stats().hellos_confirmed == 1 && ep.stats().hello_asks == 2);
     ep.handle_frame(t, "a", &hello).unwrap();
     assert!(drain(&mut ep).is_empty(), "a repeat is not answered: no HELLO ping-pong");
-    // Loss forgets the peer's HELLO: it must say HELLO again before we bounce to it.
+    assert_eq!(ep.poll_timeout(), None, "the ask is closed");
+    // Loss forgets the peer's HELLO: after a reload it is asked about again.
     ep.handle_agent_lost(t, "a");
     assert!(!ep.peers().is_reachable("a") && !ep.peers().is_loaded("a"));
+}
+
+/// A forged HELLO for a peer that never loaded us: asked about a bounded number of times, then
+/// dropped; our route to the peer never turns two way.
+#[test]
+fn an_unanswered_ask_is_dropped_after_its_last_repeat_and_changes_nothing() {
+    let (mut ep, t, id) = with_ready_arena();
+    ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
+    let nonce = ask_nonce(&drain(&mut ep), id);
+    let mut asks = 1;
+    while let Some(at) = ep.poll_timeout() {
+        ep.handle_timeout(at);
+        let acts = drain(&mut ep);
+        if !acts.is_empty() {
+            assert_eq!(ask_nonce(&acts, id), nonce);
+            asks += 1;
+        }
+        assert!(at - t < Duration::from_secs(10), "the ask ends");
+    }
+    assert_eq!(asks, crate::hello::MAX_ASKS);
+    // A PONG now confirms nothing, even one echoing the nonce.
+    ep.handle_frame(t, "a", &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce } }.to_vec()).unwrap();
+    assert!(!ep.peers().can_bounce("a") && ep.stats().hellos_confirmed == 0);
+    // The peer's next HELLO (it loads us later) opens a new ask.
+    ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
+    assert_ne!(ask_nonce(&drain(&mut ep), id), nonce, "a fresh nonce");
+}
+
+/// A closing engine's PONG carries the farewell mark: it never confirms a HELLO.
+#[test]
+fn an_ask_answered_by_a_closing_peer_confirms_nothing() {
+    let (mut ep, t, id) = with_ready_arena();
+    ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
+    let nonce = ask_nonce(&drain(&mut ep), id);
+    let farewell = wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: nonce ^ FAREWELL } }.to_vec();
+    ep.handle_frame(t, "a", &farewell).unwrap();
+    assert!(!ep.peers().can_bounce("a"));
 }
 
 /// `poll_timeout` is the earliest armed timer of both roles, and a `handle_timeout` before it
@@ -564,7 +632,7 @@ impl Pair {
                 match body {
                     wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u32), nonce),
                     wire::Body::Pong { nonce } => {
-                        if self.eps[peer].handle_pong(now, PeerId(me as u32), nonce) {
+                        if self.eps[peer].handle_pong(now, PeerId(me as u32), nonce) == Pong::Farewell {
                             self.eps[peer].handle_goodbye(now, PeerId(me as u32));
                         }
                     }
