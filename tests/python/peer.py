@@ -11,7 +11,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
       "cuda_late": true makes the agent before the process touches CUDA (VRAM)
   {"op": "load", "meta": b64}                 add a remote agent
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
-  {"op": "notif_send", "to": A, "msg": M}
+  {"op": "notif_send", "to": A, "msg": M}     ("b64": B instead of "msg": raw bytes)
   {"op": "dump", "path": P, "host": bool}     write the buffer (the host buffer) to a file
   {"op": "fill", "seed": S}                   refill the buffer with pattern(seed)
   {"op": "write", "to": A, "n": N, "size": S, "seed": L, "src_off": O, "raddr": R,
@@ -140,7 +140,8 @@ def main():
         "start": start,
         "load": lambda cmd: ag.add_remote_agent(base64.b64decode(cmd["meta"])),
         "notif_wait": notif_wait,
-        "notif_send": lambda cmd: ag.send_notif(cmd["to"], cmd["msg"].encode()),
+        "notif_send": lambda cmd: ag.send_notif(
+            cmd["to"], base64.b64decode(cmd["b64"]) if "b64" in cmd else cmd["msg"].encode()),
         "dump": lambda cmd: (hbuf if cmd.get("host") else buf).tofile(cmd["path"]),
         "fill": fill,
         "write": write,

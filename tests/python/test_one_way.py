@@ -5,13 +5,15 @@ every byte lands (and nothing else changes), the counters prove the one-way path
 and every failure resolves the transfer: a target killed mid-transfer, a transfer cancelled
 mid-flight (both arenas come back whole, then the same pair is byte-exact again). Over both
 control channels."""
+import base64
+import struct
 import time
 
 import pytest
 
 import nixlkit
-from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, dump, kill_mid_flight, peer_stats,  # noqa: F401
-                           post, procs, resolve, settle, settle_local, stats, streaming_kill_or_cancel, watchdog)
+from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, dump, kill_mid_flight, meta_b64,  # noqa: F401
+                           peer_stats, post, procs, resolve, settle, settle_local, stats, streaming_kill_or_cancel, watchdog)
 
 CONTROL = {"ucx": {}, "zmq": ZMQ}
 
@@ -64,6 +66,44 @@ def test_a_one_way_write_is_byte_exact_and_both_sides_count_the_mailbox(procs, t
         assert sent == chunks and t1["region_plans_received"] - t0["region_plans_received"] == chunks, (s1, t1)
     else:
         assert sent == 0, s1
+
+
+def test_a_hello_forged_under_the_targets_name_leaves_the_write_one_way_and_exact(procs, tmp_path):
+    """A third agent that holds the target's metadata (so its name and session) says HELLO to
+    the initiator as the target, from an agent named like it. Taken at its word, the
+    HELLO would switch the initiator to two way, whose frames the target (which never loaded
+    the initiator) drops: every WRITE would fail. It is only asked about, with a PING that the
+    real target never answers, so the WRITE stays one way and lands byte-exact."""
+    from hostile_peer import MAGIC, VERSION, session_of
+    lay = nixlkit.Scattered(4096, 4096, seed=71)
+    p, forger = procs(), procs()
+    name = "ow-hello-rx"
+    meta, raddr = p.start(name=name, size=lay.dst_bytes, seed=72, params=SMALL)
+    ag = nixlkit.agent("ow-hello-tx", params=SMALL)
+    src = nixlkit.pattern(73, lay.src_bytes)
+    nixlkit.register(ag, src)
+    one_way(ag, meta)
+    # NIXL loads metadata only through a backend both agents have: the forger runs BOUNCE too
+    # (its own HELLO, under its own session, is refused as stale).
+    forger.start(name=name, size=4096, seed=74, params=SMALL)
+    forger.call(op="load", meta=meta_b64(ag))
+    hello = MAGIC + bytes([VERSION, 5]) + struct.pack("<Q", session_of(meta))
+    s0 = stats(ag)
+    forger.call(op="notif_send", to="ow-hello-tx", b64=base64.b64encode(hello).decode())
+    deadline = time.monotonic() + 10
+    while stats(ag)["hello_asks"] == s0["hello_asks"]:
+        assert time.monotonic() < deadline, "the forged HELLO never reached the initiator's engine"
+        ag.get_new_notifs()
+        time.sleep(0.005)
+    time.sleep(0.4)  # its asks at 0, 0.1 and 0.3 s go to the real target, which drops them
+    ag.get_new_notifs()  # the engine publishes its counters into the params when called
+    s1 = stats(ag)
+    assert s1["hellos_confirmed"] == s0["hellos_confirmed"] and s1["peers_ready"] == 0, s1
+    assert s1["hello_asks"] >= s0["hello_asks"] + 2, "an unanswered ask is repeated"
+    with watchdog(60, [p, forger], "one-way write after a forged HELLO"):
+        write_one_way_exact(ag, p, name, lay, src, raddr, tmp_path, nixlkit.pattern(72, lay.dst_bytes))
+    s2 = stats(ag)
+    assert s2["one_way_sent"] == s0["one_way_sent"] + 1 and s2["bounce_ok"] == s0["bounce_ok"] + 1, s2
 
 
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
