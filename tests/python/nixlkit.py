@@ -51,7 +51,8 @@ def live_params(ag, backend="BOUNCE"):
 
 
 def wait_ready(ag, n=1, deadline=DEADLINE_S, backend="BOUNCE"):
-    """Waits until `ag` may bounce to `n` peers (they loaded our metadata and said HELLO)."""
+    """Waits until `ag` may bounce to `n` peers (they loaded our metadata, said HELLO and answered
+    our ask about it)."""
     end = time.monotonic() + deadline
     while time.monotonic() < end:
         poll(ag)  # getNotifs refreshes the published counters
