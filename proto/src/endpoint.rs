@@ -463,6 +463,7 @@ impl Endpoint {
         if self.hellos.answered(from, nonce) {
             debug!(peer = from.0, "HELLO confirmed");
             self.stats.hellos_confirmed += 1;
+            self.liveness.heard(now, from);
             return Pong::Hello;
         }
         let answered = self.liveness.handle_pong(now, from, nonce);
