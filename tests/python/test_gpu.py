@@ -807,3 +807,47 @@ def test_vram_of_expandable_segments_has_no_ipc_handle_and_bounces_byte_exact(pe
     s = peer_stats(tx)
     assert s["ipc_xfers"] == 0 and s["passthrough_xfers"] == 0, ("no IPC record for VMM memory", s)
     assert s["bounce_write_ok"] == 1 and s["bounce_failed"] == 0, s
+
+
+NO_KERNELS = os.environ.get("BOUNCE_TEST_NO_KERNELS_PLUGIN")
+
+
+@pytest.mark.skipif(not NO_KERNELS, reason="skipped: no plugin built without kernels given "
+                    "(BOUNCE_TEST_NO_KERNELS_PLUGIN: a build with BOUNCE_NVRTC_LIB pointing nowhere)")
+def test_without_gpu_kernels_both_keeps_the_host_arena_and_bounces_host_memory():
+    """`bounce_arena_mem=both` on a GPU host whose GPU copy engine cannot start (here: a plugin
+    built without kernels) gives up the GPU arena only, with one warning; the host arena still
+    bounces host memory (before 0fd49cd the whole bounce path went, host arena included)."""
+    import shutil
+
+    from conftest import run_isolated
+    # Beside NIXL's own plugin folder: the UCX plugin finds its libraries relative to itself.
+    plugins = os.path.join(os.path.dirname(nixlkit.plugin_dir()), f"nokern-{os.getpid()}")
+    os.makedirs(plugins, exist_ok=True)
+    shutil.copy(os.path.join(nixlkit.plugin_dir(), "libplugin_UCX.so"), plugins)
+    shutil.copy(NO_KERNELS, os.path.join(plugins, "libplugin_BOUNCE.so"))
+    code = f"""
+import nixlkit
+P = {BOTH!r}
+a, b = nixlkit.agent("nk-a", params=P), nixlkit.agent("nk-b", params=P)
+lay = nixlkit.Scattered(1024, 4096, seed=1361)
+src, dst = nixlkit.pattern(1362, lay.src_bytes), nixlkit.pattern(1363, lay.dst_bytes)
+nixlkit.register(a, src), nixlkit.register(b, dst)
+a.add_remote_agent(b.get_agent_metadata()); b.add_remote_agent(a.get_agent_metadata())
+nixlkit.wait_ready(a)
+h = a.initialize_xfer("WRITE", a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                      a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "nk-b", b"")
+a.transfer(h)
+nixlkit.wait_xfer(a, h, peers=[b])
+nixlkit.assert_same(dst, lay.expected(src, nixlkit.pattern(1363, lay.dst_bytes)), "host memory bounced")
+s = {{k[6:]: int(v) for k, v in nixlkit.live_params(a).items() if k.startswith("stats.")}}
+print("RESULT", s["arenas"], s["arena_gpu"], s["bounce_ok"], s["passthrough_xfers"], flush=True)
+nixlkit.leave(0)
+"""
+    try:
+        rc, out = run_isolated(code, env={"NIXL_PLUGIN_DIR": plugins})
+    finally:
+        shutil.rmtree(plugins, ignore_errors=True)
+    assert rc == 0, out[-3000:]
+    assert "RESULT 1 0 1 0" in out, ("one host arena, no GPU arena, one bounced WRITE", out[-3000:])
+    assert out.count("no GPU copy engine beside the host arena") == 2, ("one warning per engine", out[-3000:])
