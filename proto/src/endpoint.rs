@@ -474,13 +474,15 @@ impl Endpoint {
         Pong::Other
     }
 
-    /// A HELLO from loaded, compatible peer `from` under its session whose HELLO is not
-    /// confirmed ([`Hello::Ask`]): asked about, unless an ask is open already. The ask is our
-    /// HELLO (the peer's copy of ours may have come before it loaded us) and a PING whose nonce
-    /// only the peer sees; its PONG ([`Pong::Hello`]) confirms. See [`crate::hello`].
-    pub fn handle_hello(&mut self, now: Instant, from: PeerId) {
+    /// A HELLO from loaded, compatible peer `from` under its session, whose HELLO is not
+    /// `confirmed` ([`Hello::Ask`]) or is ([`Hello::Repeat`]: the peer may have loaded us
+    /// again): asked about, unless an ask is open already (or, when confirmed, was opened less
+    /// than a second ago). The ask is our HELLO (the peer's copy of ours may have come before it
+    /// loaded us) and a PING whose nonce only the peer sees; its PONG ([`Pong::Hello`])
+    /// confirms. See [`crate::hello`].
+    pub fn handle_hello(&mut self, now: Instant, from: PeerId, confirmed: bool) {
         let liveness = &mut self.liveness;
-        if let Some(ask) = self.hellos.heard(now, from, || liveness.next_nonce()) {
+        if let Some(ask) = self.hellos.heard(now, from, confirmed, || liveness.next_nonce()) {
             self.send_ask(ask);
         }
     }
@@ -533,9 +535,9 @@ impl Endpoint {
                 // Counted only once asked about (see `crate::hello`); one from a name not loaded
                 // leaves nothing behind.
                 match self.peers.hello(name, frame.session) {
-                    Hello::Ask => {
+                    h @ (Hello::Ask | Hello::Repeat) => {
                         if let Some(peer) = self.peers.lookup(name) {
-                            self.handle_hello(now, peer);
+                            self.handle_hello(now, peer, h == Hello::Repeat);
                         }
                     }
                     Hello::NotLoaded => return Err(FrameRefused::NotLoaded),

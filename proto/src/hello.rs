@@ -13,6 +13,11 @@
 //!   nonce. That PONG confirms the HELLO ([`HelloAsks::answered`]).
 //! - One ask per peer at a time: a HELLO while one is open changes nothing, so a flood of
 //!   forged HELLOs costs the peer at most the asks' schedule below, never a frame per frame.
+//! - A HELLO from a peer whose HELLO is confirmed is asked about too, at most once per
+//!   [`REASK_CONFIRMED_AFTER`]: the peer may have unloaded our metadata and loaded it again
+//!   (same session, no restart), and then lacks our HELLO, which the ask carries, to ask about
+//!   us in turn. Two confirmed peers never trade HELLOs otherwise, so this starts no exchange
+//!   that does not end.
 //! - An ask is repeated (HELLO and PING again, the same nonce) after [`ASK_AGAIN_AFTER`],
 //!   doubling, [`MAX_ASKS`] times in all, then dropped. The repeats matter: a forged HELLO
 //!   may have opened the ask just before the peer loaded us, and the peer's own HELLO then
@@ -31,6 +36,8 @@ use crate::types::PeerId;
 pub const ASK_AGAIN_AFTER: Duration = Duration::from_millis(100);
 /// Asks sent per opened ask, the first included, before it is dropped unanswered.
 pub const MAX_ASKS: u32 = 6;
+/// Least time between two asks opened by HELLOs of a peer whose HELLO is confirmed.
+pub const REASK_CONFIRMED_AFTER: Duration = Duration::from_secs(1);
 
 /// An ask to send: our HELLO and a PING of `nonce` to `peer`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +61,8 @@ struct Open {
 #[derive(Debug, Clone, Default)]
 pub struct HelloAsks {
     open: BTreeMap<PeerId, Open>,
+    /// When an ask was last opened for a confirmed peer (see [`REASK_CONFIRMED_AFTER`]).
+    reasked: BTreeMap<PeerId, Instant>,
 }
 
 impl HelloAsks {
@@ -62,11 +71,18 @@ impl HelloAsks {
         Self::default()
     }
 
-    /// An admitted HELLO from `peer`, loaded and compatible, whose HELLO is not confirmed:
-    /// the ask to send now (its nonce from `nonce`), or `None` when one is open already.
-    pub fn heard(&mut self, now: Instant, peer: PeerId, nonce: impl FnOnce() -> u64) -> Option<Ask> {
+    /// An admitted HELLO from `peer`, loaded and compatible, whose HELLO is `confirmed` or
+    /// not: the ask to send now (its nonce from `nonce`), or `None` when one is open already,
+    /// or the peer is confirmed and was asked again less than [`REASK_CONFIRMED_AFTER`] ago.
+    pub fn heard(&mut self, now: Instant, peer: PeerId, confirmed: bool, nonce: impl FnOnce() -> u64) -> Option<Ask> {
         if self.open.contains_key(&peer) {
             return None;
+        }
+        if confirmed {
+            if self.reasked.get(&peer).is_some_and(|&at| now < at + REASK_CONFIRMED_AFTER) {
+                return None;
+            }
+            self.reasked.insert(peer, now);
         }
         let nonce = nonce();
         self.open.insert(peer, Open { nonce, due: now + ASK_AGAIN_AFTER, sent: 1 });
@@ -111,6 +127,7 @@ impl HelloAsks {
     /// longer confirms anything.
     pub fn forget(&mut self, peer: PeerId) {
         self.open.remove(&peer);
+        self.reasked.remove(&peer);
     }
 
     /// Asks open now.
@@ -129,7 +146,7 @@ mod tests {
     fn only_the_open_asks_nonce_confirms_and_closes_it() {
         let t = Instant::now();
         let mut a = HelloAsks::new();
-        assert_eq!(a.heard(t, P, || 42), Some(Ask { peer: P, nonce: 42 }));
+        assert_eq!(a.heard(t, P, false, || 42), Some(Ask { peer: P, nonce: 42 }));
         assert!(!a.answered(P, 41), "another nonce");
         assert!(!a.answered(PeerId(4), 42), "another peer");
         assert!(a.answered(P, 42));
@@ -141,9 +158,9 @@ mod tests {
     fn a_hello_while_an_ask_is_open_sends_nothing_more() {
         let t = Instant::now();
         let mut a = HelloAsks::new();
-        assert!(a.heard(t, P, || 1).is_some());
+        assert!(a.heard(t, P, false, || 1).is_some());
         for _ in 0..1000 {
-            assert_eq!(a.heard(t, P, || unreachable!("no new nonce while open")), None);
+            assert_eq!(a.heard(t, P, false, || unreachable!("no new nonce while open")), None);
         }
         assert_eq!(a.open(), 1);
     }
@@ -152,7 +169,7 @@ mod tests {
     fn an_unanswered_ask_is_repeated_with_its_nonce_on_a_doubling_schedule_then_dropped() {
         let t = Instant::now();
         let mut a = HelloAsks::new();
-        a.heard(t, P, || 9).unwrap();
+        a.heard(t, P, false, || 9).unwrap();
         let mut now = t;
         let mut repeats = Vec::new();
         while let Some(due) = a.next_timeout() {
@@ -174,19 +191,36 @@ mod tests {
     fn a_late_pong_of_the_first_ping_counts_after_a_repeat() {
         let t = Instant::now();
         let mut a = HelloAsks::new();
-        a.heard(t, P, || 5).unwrap();
+        a.heard(t, P, false, || 5).unwrap();
         assert_eq!(a.handle_timeout(t + ASK_AGAIN_AFTER).len(), 1);
         assert!(a.answered(P, 5));
+    }
+
+    #[test]
+    fn a_confirmed_peers_hello_is_asked_about_again_at_most_once_a_second() {
+        let t = Instant::now();
+        let mut a = HelloAsks::new();
+        assert_eq!(a.heard(t, P, true, || 1), Some(Ask { peer: P, nonce: 1 }), "it may have reloaded us");
+        assert!(a.answered(P, 1));
+        for ms in [0, 10, 999] {
+            let at = t + Duration::from_millis(ms);
+            assert_eq!(a.heard(at, P, true, || unreachable!("no ask within the second")), None);
+        }
+        assert!(a.heard(t + REASK_CONFIRMED_AFTER, P, true, || 2).is_some());
+        assert!(a.heard(t, PeerId(4), true, || 3).is_some(), "per peer");
+        // An unconfirmed peer's HELLO is not held back by the limit.
+        a.forget(P);
+        assert!(a.heard(t + REASK_CONFIRMED_AFTER, P, false, || 4).is_some());
     }
 
     #[test]
     fn a_forgotten_peer_has_no_ask() {
         let t = Instant::now();
         let mut a = HelloAsks::new();
-        a.heard(t, P, || 5).unwrap();
+        a.heard(t, P, false, || 5).unwrap();
         a.forget(P);
         assert_eq!((a.open(), a.next_timeout()), (0, None));
         assert!(!a.answered(P, 5));
-        assert!(a.heard(t, P, || 6).is_some(), "a new HELLO opens a new ask");
+        assert!(a.heard(t, P, false, || 6).is_some(), "a new HELLO opens a new ask");
     }
 }

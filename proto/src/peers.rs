@@ -78,7 +78,8 @@ pub enum FrameRefused {
 pub enum Hello {
     /// From a name not loaded: dropped, nothing recorded.
     NotLoaded,
-    /// From a loaded peer whose HELLO is confirmed since its load: nothing new.
+    /// From a loaded peer whose HELLO is confirmed since its load: nothing new here, but the
+    /// peer may have unloaded and loaded us again (the endpoint asks it, rate-limited).
     Repeat,
     /// From a loaded, compatible peer whose HELLO is not confirmed: ask it (our HELLO and a
     /// PING, [`crate::hello`]); its PONG confirms ([`PeerTable::confirm_hello`]).

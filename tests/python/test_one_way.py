@@ -106,6 +106,38 @@ def test_a_hello_forged_under_the_targets_name_leaves_the_write_one_way_and_exac
     assert s2["one_way_sent"] == s0["one_way_sent"] + 1 and s2["bounce_ok"] == s0["bounce_ok"] + 1, s2
 
 
+def test_a_peer_that_reloads_our_metadata_without_restarting_goes_two_way_again():
+    """b unloads a's metadata and loads it again (same process, same session: no restart). Its
+    HELLO then finds a's side confirmed already; a asks about it anyway (at most once a second),
+    and the HELLO in that ask lets b ask about a in turn, so b goes two way to a again instead
+    of staying one way. b's WRITE to a bounces two way and lands byte-exact."""
+    from conftest import run_isolated
+    code = """
+import nixlkit
+a, b = nixlkit.agent("rl-a"), nixlkit.agent("rl-b")
+lay = nixlkit.Scattered(1024, 4096, seed=81)
+src, dst = nixlkit.pattern(82, lay.src_bytes), nixlkit.pattern(83, lay.dst_bytes)
+nixlkit.register(b, src), nixlkit.register(a, dst)
+a_meta = a.get_agent_metadata()
+a.add_remote_agent(b.get_agent_metadata()); b.add_remote_agent(a_meta)
+nixlkit.wait_ready(a), nixlkit.wait_ready(b)
+b.remove_remote_agent("rl-a")
+b.add_remote_agent(a_meta)
+nixlkit.wait_ready(b, deadline=10)
+h = b.initialize_xfer("WRITE", b.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                      b.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "rl-a", b"")
+b.transfer(h)
+nixlkit.wait_xfer(b, h, peers=[a])
+nixlkit.assert_same(dst, lay.expected(src, nixlkit.pattern(83, lay.dst_bytes)), "after the reload")
+s = {k[6:]: int(v) for k, v in nixlkit.live_params(b).items() if k.startswith("stats.")}
+print("RESULT", s["bounce_ok"], s["one_way_sent"], s["peers_ready"], flush=True)
+nixlkit.leave(0)
+"""
+    rc, out = run_isolated(code)
+    assert rc == 0, out[-3000:]
+    assert "RESULT 1 0 1" in out, ("bounced two way after the reload", out[-3000:])
+
+
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
 def test_a_small_one_way_write_rides_in_its_want_and_one_ack_record_completes_it(procs, tmp_path, control):
     """256 x 64 B, one chunk within bounce_inline_bytes: the WANT carries the bytes, the target

@@ -44,9 +44,11 @@ impl Driver {
                 // PING only the peer sees; `bounce_proto::hello`): its session is published,
                 // so anyone holding its metadata could forge one.
                 match self.shared.peers.hello(peer, frame.session) {
-                    Hello::Ask => {
+                    // A confirmed peer's HELLO is asked about too (at most once a second): it may
+                    // have unloaded and loaded us again, and lacks our HELLO.
+                    h @ (Hello::Ask | Hello::Repeat) => {
                         if let Some(id) = self.shared.peers.known_id(peer) {
-                            self.ep.handle_hello(now, id);
+                            self.ep.handle_hello(now, id, h == Hello::Repeat);
                         }
                     }
                     // The loads race: the peer says HELLO again once our HELLO on loading it
