@@ -189,6 +189,17 @@ def wait_xfer(ag, handle, peers=(), deadline=DEADLINE_S):
             raise AssertionError("transfer did not finish in time")
 
 
+def write_exact(tx, rx, rx_name, lay, src, dst, before, what, notif=b""):
+    """A host-memory WRITE of Scattered `lay` from `src` (registered with `tx`) to `dst` (with
+    `rx`, another agent of this process): posted, waited for (polling `rx` too), and every byte
+    of `dst` checked against `before` with the pieces written."""
+    h = tx.initialize_xfer("WRITE", tx.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                           tx.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), rx_name, notif)
+    tx.transfer(h)
+    wait_xfer(tx, h, peers=[rx])
+    assert_same(dst, lay.expected(src, before), what)
+
+
 def wait_notif(ag, sender, msg, others=(), deadline=DEADLINE_S):
     """Polls `ag` until `msg` from `sender` arrives."""
     end = time.monotonic() + deadline

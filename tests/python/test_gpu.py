@@ -835,11 +835,7 @@ src, dst = nixlkit.pattern(1362, lay.src_bytes), nixlkit.pattern(1363, lay.dst_b
 nixlkit.register(a, src), nixlkit.register(b, dst)
 a.add_remote_agent(b.get_agent_metadata()); b.add_remote_agent(a.get_agent_metadata())
 nixlkit.wait_ready(a)
-h = a.initialize_xfer("WRITE", a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
-                      a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "nk-b", b"")
-a.transfer(h)
-nixlkit.wait_xfer(a, h, peers=[b])
-nixlkit.assert_same(dst, lay.expected(src, nixlkit.pattern(1363, lay.dst_bytes)), "host memory bounced")
+nixlkit.write_exact(a, b, "nk-b", lay, src, dst, nixlkit.pattern(1363, lay.dst_bytes), "host memory bounced")
 s = {{k[6:]: int(v) for k, v in nixlkit.live_params(a).items() if k.startswith("stats.")}}
 print("RESULT", s["arenas"], s["arena_gpu"], s["bounce_ok"], s["passthrough_xfers"], flush=True)
 nixlkit.leave(0)

@@ -124,11 +124,7 @@ nixlkit.wait_ready(a), nixlkit.wait_ready(b)
 b.remove_remote_agent("rl-a")
 b.add_remote_agent(a_meta)
 nixlkit.wait_ready(b, deadline=10)
-h = b.initialize_xfer("WRITE", b.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
-                      b.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "rl-a", b"")
-b.transfer(h)
-nixlkit.wait_xfer(b, h, peers=[a])
-nixlkit.assert_same(dst, lay.expected(src, nixlkit.pattern(83, lay.dst_bytes)), "after the reload")
+nixlkit.write_exact(b, a, "rl-a", lay, src, dst, nixlkit.pattern(83, lay.dst_bytes), "after the reload")
 s = {k[6:]: int(v) for k, v in nixlkit.live_params(b).items() if k.startswith("stats.")}
 print("RESULT", s["bounce_ok"], s["one_way_sent"], s["peers_ready"], flush=True)
 nixlkit.leave(0)

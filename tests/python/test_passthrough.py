@@ -233,11 +233,7 @@ def test_metadata_loaded_and_unloaded_in_a_tight_loop_warns_nothing_and_still_bo
         a.add_remote_agent(meta)
         b.add_remote_agent(a.get_agent_metadata())
         nixlkit.wait_ready(a)
-        h = a.initialize_xfer("WRITE", a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
-                              a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "churn-b", b"x")
-        a.transfer(h)
-        nixlkit.wait_xfer(a, h, peers=[b])
-        nixlkit.assert_same(dst, lay.expected(src, nixlkit.pattern(12, lay.dst_bytes)), "after the churn")
+        nixlkit.write_exact(a, b, "churn-b", lay, src, dst, nixlkit.pattern(12, lay.dst_bytes), "after the churn", b"x")
         print("bounced", nixlkit.live_params(a)["stats.bounce_xfers"])
         nixlkit.leave(0)
     """)
