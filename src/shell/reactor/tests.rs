@@ -390,6 +390,16 @@ fn drop_acks_counting(net: &MemNet, counted: &'static str) -> Arc<AtomicUsize> {
     seen
 }
 
+/// `a` posts a WRITE of `src` into `b`'s `dst` whose ACKs are all dropped on `net`; returns the
+/// request once `b` granted it. It can end only by a release, a cancel or `b` going away.
+fn post_unacked(a: &Side, b: &Side, cfg: &Config, net: &MemNet, src: &[u8], dst: &mut [u8]) -> u64 {
+    let granted = drop_acks_counting(net, "grant");
+    let dest = b.register(dst);
+    let h = a.post("b", cfg, src, dst, dest);
+    wait_nonzero(&granted, "b granted nothing");
+    h
+}
+
 /// Waits (at most 10 s) until `count` is non-zero.
 fn wait_nonzero(count: &AtomicUsize, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1011,10 +1021,7 @@ fn releasing_a_write_in_flight_returns_at_once() {
     let net = MemNet::default();
     let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
-    let granted = drop_acks_counting(&net, "grant");
-    let dest = b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst, dest);
-    wait_nonzero(&granted, "b granted nothing");
+    let h = post_unacked(&a, &b, &cfg, &net, &src, &mut dst);
     let started = Instant::now();
     release_async(&a, h).join().unwrap();
     assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
@@ -1185,10 +1192,7 @@ fn a_forged_goodbye_under_a_peers_name_ends_nothing() {
     let net = MemNet::default();
     let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
-    let granted = drop_acks_counting(&net, "grant");
-    let dest = b.register(&mut dst);
-    let h = a.post("b", &cfg, &src, &mut dst, dest);
-    wait_nonzero(&granted, "b granted nothing");
+    let h = post_unacked(&a, &b, &cfg, &net, &src, &mut dst);
     let mut mallory = net.join("b");
     mallory.send("a", &bounce_proto::wire::encode_goodbye(22)).unwrap();
     std::thread::sleep(Duration::from_millis(500));
@@ -1203,10 +1207,7 @@ fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     let (src, mut dst) = buffers();
     let (a, b) = pair(&cfg, &net);
     // b never ACKs: a's transfer can only end by b going away.
-    let granted = drop_acks_counting(&net, "grant");
-    let dest = b.register(&mut dst);
-    let x = a.post("b", &cfg, &src, &mut dst, dest);
-    wait_nonzero(&granted, "b granted nothing");
+    let x = post_unacked(&a, &b, &cfg, &net, &src, &mut dst);
     let closed_at = Instant::now();
     let Side { reactor, _arena: arena, .. } = b;
     // a retracts the credits b gave it once its writes ended: b's arena may be handed back.
