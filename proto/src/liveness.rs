@@ -132,7 +132,7 @@ impl Liveness {
     }
 
     /// A fresh nonce from the PINGs' sequence, for a PING that is not a probe (a GOODBYE's
-    /// challenge: see `Endpoint::handle_goodbye_said`).
+    /// challenge, `Endpoint::handle_goodbye_said`; a HELLO's ask, `crate::hello`).
     pub fn next_nonce(&mut self) -> u64 {
         self.pings += 1;
         nonce(self.seed, self.pings)
