@@ -371,6 +371,7 @@ impl Endpoint {
         // A frame for our receiver role (not a GRANT or ACK, which answer our own transfers) of a
         // one-way flow still waiting for a slot.
         let to_receiver = !matches!(msg, wire::Msg::Grant(_) | wire::Msg::Ack(_));
+        self.stats.peer_msgs += u64::from(to_receiver);
         if to_receiver && self.answering.is_waiting(FlowKey { peer: from, xfer: msg.xfer() }) {
             return self.hold_waiting(from, msg);
         }
@@ -444,6 +445,7 @@ impl Endpoint {
     /// echoing `nonce`; once we are closing, `nonce ^ FAREWELL`, which confirms our GOODBYE.
     pub fn handle_ping(&mut self, now: Instant, from: PeerId, nonce: u64) {
         self.liveness.heard(now, from);
+        self.stats.peer_msgs += 1;
         let nonce = if self.closing { nonce ^ FAREWELL } else { nonce };
         self.out.push_back(Action::Link { peer: from, body: wire::Body::Pong { nonce } });
     }
@@ -481,6 +483,7 @@ impl Endpoint {
     /// loaded us) and a PING whose nonce only the peer sees; its PONG ([`Pong::Hello`])
     /// confirms. See [`crate::hello`].
     pub fn handle_hello(&mut self, now: Instant, from: PeerId, confirmed: bool) {
+        self.stats.peer_msgs += 1;
         let liveness = &mut self.liveness;
         if let Some(ask) = self.hellos.heard(now, from, confirmed, || liveness.next_nonce()) {
             self.send_ask(ask);

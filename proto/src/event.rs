@@ -652,6 +652,12 @@ pub struct Stats {
     pub regions_quarantined: u64,
     /// Peer messages rejected with a [`ProtocolError`].
     pub protocol_errors: u64,
+    /// Admitted frames peers sent on their own initiative, valid or not: HELLOs, PINGs, and the
+    /// messages of their transfers handled in our target role (WANT, PLAN, DATA, PULL, RELEASE,
+    /// CURSOR, KEEP); not the GRANTs, ACKs and PONGs that answer ours. The shell watches it to
+    /// tell an engine that peers address, which must look often for their frames (they come
+    /// unannounced), from one that only starts transfers of its own.
+    pub peer_msgs: u64,
     /// Frames that looked valid but were not authentic: a wrong transfer token
     /// ([`ProtocolError::WrongToken`]), a bad destination proof ([`ProtocolError::BadProof`])
     /// or, through

@@ -903,6 +903,50 @@ fn a_read_pulls_every_byte_through_the_targets_arena_two_way_and_one_way() {
     }
 }
 
+/// `peer_msgs` counts what peers send on their own initiative (HELLOs, PINGs, their transfers'
+/// messages to our target role), never the GRANTs, ACKs and PONGs that answer ours: the shell
+/// tells from it an engine that peers address (and that must look often for their unannounced
+/// frames) from one that only initiates.
+#[test]
+fn only_the_target_of_a_transfer_counts_peer_messages() {
+    let (mut ep, now, peer) = with_loaded("b");
+    ep.handle_hello(now, peer, false);
+    ep.handle_ping(now, peer, 7);
+    assert_eq!(ep.stats().peer_msgs, 2, "a HELLO and a PING");
+    let _ = ep.handle_pong(now, peer, 7);
+    assert_eq!(ep.stats().peer_msgs, 2, "a PONG answers us");
+
+    // A WRITE, two way: WANTs and DATAs at the target, GRANTs and ACKs at the initiator.
+    let mut p = Pair::new(16 * KIB, 2, false);
+    for i in 0..(10 * CHUNK) {
+        p.mem[0].insert(SRC + i, i as u8);
+    }
+    let now = p.now;
+    p.eps[0].submit(now, X, TOKEN, PeerId(1), plan_with_direct(10, |_| false)).unwrap();
+    p.run();
+    assert_eq!(p.done, vec![(0, X, Ok(()))]);
+    assert_eq!(p.eps[0].stats().peer_msgs, 0, "the initiator served nobody");
+    assert!(p.eps[1].stats().peer_msgs >= 10, "a DATA per chunk at least: {:?}", p.eps[1].stats());
+    // A READ, two way and one way (CURSORs and RELEASEs at the target; the initiator READs
+    // its answers from the target's mailbox).
+    for one_way in [false, true] {
+        let mut p = Pair::new(16 * KIB, 2, false);
+        p.eps[1].keep_mailbox(true);
+        let m = p.eps[1].one_way_layout().mailbox;
+        let layout = crate::mailbox::MailboxLayout { slots: m.slots, ring: m.ring };
+        let descs: Vec<DescPair> =
+            (0..4).map(|i| DescPair { src: DST + i * CHUNK, dst: SRC + i * CHUNK, len: CHUNK }).collect();
+        let mut plan = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+        let now = p.now;
+        p.eps[0].submit_read(now, X, TOKEN, PeerId(1), plan, one_way.then_some(layout)).unwrap();
+        p.run();
+        assert_eq!(p.done, vec![(0, X, Ok(()))], "one_way={one_way}");
+        assert_eq!(p.eps[0].stats().peer_msgs, 0, "one_way={one_way}: the initiator served nobody");
+        assert!(p.eps[1].stats().peer_msgs >= 4, "one_way={one_way}: {:?}", p.eps[1].stats());
+    }
+}
+
 /// A READ that fails while scatters into our memory run (cancelled by the application, timed
 /// out, or its peer lost) is told failed only once they have ended: the application may reuse
 /// its destinations the moment it learns, so nothing of the transfer may write them after.
