@@ -161,6 +161,9 @@ impl Cell {
         crate::sys::thread::precise_sleeps();
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         let mut pace = Pace::new(cores, idle_park, Instant::now());
+        // The driver's peer activity at the previous pass: a change, made by this thread's pass
+        // or an application's, restarts the idle ramp.
+        let mut activity_seen = 0;
         while !stop.load(Ordering::Acquire) {
             if let Some(left) = self.standing_down(Instant::now()) {
                 std::thread::park_timeout(left);
@@ -178,10 +181,16 @@ impl Cell {
                 let busy = d.busy();
                 self.busy.store(busy, Ordering::Release);
                 let beside = pace::beside_puller(d.data.app_pull_streak(now), idle_park);
-                (moved, busy, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
+                let activity = d.peer_activity();
+                let served = activity != activity_seen;
+                activity_seen = activity;
+                (moved, busy, served, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
             });
             drop(g);
-            let Some((moved, busy, timer, now, beside)) = pass else { return false };
+            let Some((moved, busy, served, timer, now, beside)) = pass else { return false };
+            if served {
+                pace.served(now);
+            }
             match pace.after_pass(now, moved, busy, timer, beside) {
                 Wait::Now => {}
                 // yield, not spin_loop: on a machine with few cores the copy workers and the

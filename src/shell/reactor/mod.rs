@@ -282,6 +282,9 @@ struct Driver {
     retiring: Vec<Vec<Md>>,
     /// Peers we said HELLO to: those that may bounce to us, and so get our GOODBYE.
     greeted: HashSet<String>,
+    /// HELLOs we sent on loading a peer: its HELLO, ask and transfers may follow, unannounced
+    /// ([`Self::peer_activity`]).
+    hellos_sent: u64,
     warn_budget: RateLimit,
     /// Set by shutdown: queued writes are failed, never posted.
     stopping: bool,
@@ -380,6 +383,7 @@ impl Reactor {
             cancels: HashMap::new(),
             retiring: Vec::new(),
             greeted: HashSet::new(),
+            hellos_sent: 0,
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,
             sessions_forged: 0,
@@ -503,6 +507,15 @@ impl Driver {
             || !self.deregs.is_empty()
             || self.fetches.busy()
             || !self.ep.is_quiet()
+    }
+
+    /// Moves whenever a peer may have begun to address us: it sent a frame on its own
+    /// initiative (the core's `peer_msgs`: a HELLO, a PING, its transfer's message to our
+    /// target role, handled on any thread) or we greeted it. The reactor thread's idle parks
+    /// ramp up from such a change ([`pace::Pace::served`]); our own transfers' frames do not
+    /// count, as nothing they wait for comes once they have ended.
+    fn peer_activity(&self) -> u64 {
+        self.ep.stats().peer_msgs + self.hellos_sent
     }
 
     /// One pass, handling at most `budget` control frames; true when anything moved. Sets
@@ -698,6 +711,7 @@ impl Driver {
                     }
                 } else {
                     self.greeted.insert(name);
+                    self.hellos_sent += 1;
                 }
             }
             Cmd::Registered(d, a, l, arena) => self.ep.add_registered(d.reg, d.key, (a, l), arena),

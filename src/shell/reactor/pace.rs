@@ -13,20 +13,26 @@
 //!   [`BUSY_SLEEP`] between polls: on a 2-core machine the copy workers and the application
 //!   need the cores (a reactor polling every 50 us for 20 ms there made UCX's own round trips
 //!   2x slower, issue 12).
-//! - Idle, it sleeps a fraction of the time since its last pass that moved anything or had
-//!   work in flight ([`IDLE_RAMP`], [`IDLE_RAMP_MANY_CORES`]), at least [`BUSY_SLEEP`] and at
-//!   most `bounce_idle_park_us` (1 ms by default). A transfer that comes a while after the
-//!   previous one is then seen within a small part of that pause, where doubling sleeps
-//!   reached the longest park within 2 ms and a request after a pause waited half of it on
-//!   average (the first request of a KV block on the H200 host, 80-100 ms after the previous
-//!   block; BENCHMARKS.md, session 20). The wake-ups this costs grow with the logarithm of the
-//!   pause (with the 256th, about 1000 in the quarter second after a burst), and an engine idle
-//!   for longer parks the longest. A movement counts even with nothing left in flight: a
-//!   target serves an inline WANT (put, scatter, ACK) within one pass, and counting only work
-//!   in flight kept it at the longest park for every transfer of a run (an idle 2-core target:
-//!   1.1 ms a transfer instead of 0.2 ms). The longest park is also the most a transfer after a
-//!   long pause waits to be seen at a target whose application does not poll (about half of it
-//!   on average), and how often an idle engine wakes.
+//! - Idle, it sleeps a fraction of the time since a peer last addressed it (a HELLO, a PING or
+//!   a message of the peer's transfer handled, or our HELLO to a peer just loaded:
+//!   [`Pace::served`]) ([`IDLE_RAMP`], [`IDLE_RAMP_MANY_CORES`]), at least
+//!   [`BUSY_SLEEP`] and at most `bounce_idle_park_us` (1 ms by default). A transfer that comes
+//!   a while after the previous one is then seen within a small part of that pause, where
+//!   doubling sleeps reached the longest park within 2 ms and a request after a pause waited
+//!   half of it on average (the first request of a KV block on the H200 host, 80-100 ms after
+//!   the previous block; BENCHMARKS.md, session 20). The wake-ups this costs grow with the
+//!   logarithm of the pause (with the 256th, about 1000 in the quarter second after a burst),
+//!   and an engine idle for longer parks the longest. A message served whole within one pass
+//!   counts (a target serves an inline WANT, put, scatter and ACK, in one): counting only work
+//!   in flight kept such a target at the longest park for every transfer of a run (an idle
+//!   2-core target: 1.1 ms a transfer instead of 0.2 ms). The longest park is also the most a
+//!   transfer after a long pause waits to be seen at a target whose application does not poll
+//!   (about half of it on average), and how often an idle engine wakes.
+//! - An engine that only initiates parks the longest once idle: nothing it waits for comes
+//!   unannounced (its next transfer is its application's post, which wakes the reactor). Its
+//!   own transfers ramped it too before: on 2 cores it woke 817 times in the 300 ms after a
+//!   4 MiB WRITE, 6.4% of a core, where the longest park gives 288 and 3.0%
+//!   (`benches/wakes.py`, BENCHMARKS.md "Session 37").
 //!
 //! [`AppPolls`] decides the other half of a pass's cost: whether the reactor thread pulls the
 //! inner engine itself or leaves that to an application polling it closely. Beside such an
@@ -80,9 +86,9 @@ pub(super) struct Pace {
     stalls: u32,
     longest_park: Duration,
     last_moved: Instant,
-    /// The last pass that moved or had work in flight; none yet for a new reactor, which
-    /// parks the longest at once.
-    last_active: Option<Instant>,
+    /// When a peer last addressed it ([`Self::served`]); never for a new reactor or one whose
+    /// engine only initiates, which park the longest at once.
+    last_served: Option<Instant>,
 }
 
 impl Pace {
@@ -91,7 +97,14 @@ impl Pace {
     pub(super) fn new(cores: usize, longest_park: Duration, now: Instant) -> Self {
         let hot = hot_spin(cores);
         let ramp = if cores >= HOT_SPIN_CORES { IDLE_RAMP_MANY_CORES } else { IDLE_RAMP };
-        Self { hot, ramp, stalls: 0, longest_park, last_moved: now, last_active: None }
+        Self { hot, ramp, stalls: 0, longest_park, last_moved: now, last_served: None }
+    }
+
+    /// A peer addressed the engine at `now` (a frame it sent on its own initiative was handled,
+    /// on any thread, or we greeted a peer just loaded): idle parks ramp up from here, as more
+    /// of its frames may follow unannounced.
+    pub(super) fn served(&mut self, now: Instant) {
+        self.last_served = Some(now);
     }
 
     /// After a pass at `now` that `moved` anything, with work in flight (`busy`) or not, and
@@ -106,9 +119,6 @@ impl Pace {
         timer: Option<Duration>,
         beside: Duration,
     ) -> Wait {
-        if busy || moved {
-            self.last_active = Some(now);
-        }
         if moved {
             self.stalls = 0;
             self.last_moved = now;
@@ -121,7 +131,7 @@ impl Pace {
             self.stalls += 1;
             return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
         }
-        let park = self.last_active.map_or(self.longest_park, |t| {
+        let park = self.last_served.map_or(self.longest_park, |t| {
             (now.saturating_duration_since(t) / self.ramp).max(beside).max(BUSY_SLEEP).min(self.longest_park)
         });
         Wait::Park(timer.unwrap_or(park).min(park))
@@ -232,9 +242,11 @@ mod tests {
         let waits = stalled(&mut p, t0, us(1), us(1), SPIN_ITERATIONS + 2, true);
         assert!(waits[..SPIN_ITERATIONS as usize].iter().all(|w| *w == Wait::Yield), "{waits:?}");
         assert_eq!(waits[SPIN_ITERATIONS as usize..], [Wait::Park(BUSY_SLEEP); 2]);
+        // The transfer in flight was a peer's, served here.
         let active = t0 + us(SPIN_ITERATIONS as u64 + 2);
-        // Idle: a 256th of the time since the last activity, from 50 us up to 2 ms; a timer
-        // due sooner cuts the park short.
+        p.served(active);
+        // Idle: a 256th of the time since it last served, from 50 us up to 2 ms; a timer due
+        // sooner cuts the park short.
         let park = |p: &mut Pace, after: Duration| p.after_pass(active + after, false, false, None, Duration::ZERO);
         assert_eq!(park(&mut p, us(100)), Wait::Park(BUSY_SLEEP));
         assert_eq!(park(&mut p, ms(12)), Wait::Park(BUSY_SLEEP));
@@ -244,17 +256,18 @@ mod tests {
         assert_eq!(park(&mut p, ms(512)), Wait::Park(ms(2)));
         assert_eq!(park(&mut p, ms(60_000)), Wait::Park(ms(2)));
         assert_eq!(p.after_pass(active + ms(100), false, false, Some(us(30)), Duration::ZERO), Wait::Park(us(30)));
-        // Work in flight again restarts the ramp.
-        p.after_pass(active + ms(70_000), false, true, None, Duration::ZERO);
+        // Serving a peer again restarts the ramp.
+        p.served(active + ms(70_000));
         assert_eq!(park(&mut p, ms(70_000) + us(1)), Wait::Park(BUSY_SLEEP));
     }
 
     #[test]
-    fn a_movement_with_nothing_left_in_flight_restarts_the_ramp() {
+    fn a_peer_served_whole_in_one_pass_restarts_the_ramp() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, ms(1), t0);
         assert_eq!(p.after_pass(t0 + ms(5), false, false, None, Duration::ZERO), Wait::Park(ms(1)));
         // A WANT served whole in one pass: moved, and idle again at once.
+        p.served(t0 + ms(6));
         assert_eq!(p.after_pass(t0 + ms(6), true, false, None, Duration::ZERO), Wait::Now);
         let idle = stalled(&mut p, t0, ms(6), ms(40), 3, false);
         let ns = |n| Wait::Park(Duration::from_nanos(n));
@@ -262,10 +275,27 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_that_only_initiates_parks_the_longest_as_soon_as_its_transfers_end() {
+        // Its transfers move and keep work in flight, and their GRANTs and ACKs are no peer's
+        // transfer: once idle nothing it waits for comes unannounced, and its application's
+        // next post wakes it.
+        let t0 = Instant::now();
+        let mut p = Pace::new(2, ms(1), t0);
+        assert_eq!(p.after_pass(t0, true, true, None, Duration::ZERO), Wait::Now);
+        let busy = stalled(&mut p, t0, us(1), us(1), SPIN_ITERATIONS + 1, true);
+        assert_eq!(busy[SPIN_ITERATIONS as usize], Wait::Park(BUSY_SLEEP), "work in flight is watched closely");
+        assert_eq!(p.after_pass(t0 + us(30), true, false, None, Duration::ZERO), Wait::Now);
+        assert_eq!(stalled(&mut p, t0, us(31), ms(10), 3, false), [Wait::Park(ms(1)); 3]);
+        // Serving a peer later ramps it as any target.
+        p.served(t0 + ms(50));
+        assert_eq!(p.after_pass(t0 + ms(51), false, false, None, Duration::ZERO), Wait::Park(BUSY_SLEEP));
+    }
+
+    #[test]
     fn idle_parks_grow_to_the_configured_longest_and_a_new_reactor_starts_there() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, us(500), t0);
-        p.after_pass(t0, false, true, None, Duration::ZERO); // work in flight: parks start short again
+        p.served(t0); // a peer served: parks start short again
         let idle = stalled(&mut p, t0, Duration::ZERO, ms(32), 6, false);
         let parks: Vec<_> = [50, 125, 250, 375, 500, 500].into_iter().map(|n| Wait::Park(us(n))).collect();
         assert_eq!(idle, parks);
@@ -283,8 +313,9 @@ mod tests {
         let hot = stalled(&mut p, t0, us(1), us(10), 99, true);
         assert!(hot.iter().all(|w| *w == Wait::Yield), "{hot:?}");
         assert!(stalled(&mut p, t0, us(500), us(10), 20, false).iter().all(|w| *w == Wait::Yield));
-        // Past the window, the few-core pacing: idle parks ramp up from the last activity (the
-        // busy passes above count: the last at 981 us).
+        p.served(t0 + us(981));
+        // Past the window, the few-core pacing: idle parks ramp up from when it last served
+        // (the peer's frame handled at 981 us).
         assert_eq!(p.after_pass(t0 + HOT_SPIN, false, false, None, Duration::ZERO), Wait::Park(BUSY_SLEEP));
         // A 1024th of the time since then here, not the 256th of few cores.
         assert_eq!(p.after_pass(t0 + us(981 + 204_800), false, false, None, Duration::ZERO), Wait::Park(us(200)));
@@ -326,6 +357,7 @@ mod tests {
 
         let t0 = Instant::now();
         let mut p = Pace::new(2, longest, t0);
+        p.served(t0);
         assert_eq!(p.after_pass(t0, true, true, None, Duration::ZERO), Wait::Now);
         let idle = t0 + ms(1);
         // Idle soon after activity its own ramp parks the shortest; beside a puller it parks

@@ -1663,6 +1663,37 @@ fn an_idle_reactor_thread_sleeps_beside_an_application_pulling_closely() {
     assert_exact(&src, &dst2);
 }
 
+/// Once its transfer is done, the initiator's reactor thread parks the longest at once: nothing
+/// it waits for comes unannounced, and its application's next post wakes it. Its own transfers
+/// used to restart its idle ramp as a target's serving does, and on 2 cores those looks (about
+/// 800 in the 300 ms after a 4 MiB WRITE, against 290 at the longest park) took cores from
+/// other work (BENCHMARKS.md, session 37). The target, which may be sent more at any time,
+/// still ramps (see the test above).
+#[test]
+fn an_engine_that_only_initiates_looks_once_a_longest_park_after_its_transfer() {
+    let cfg = config("10000");
+    assert_eq!(cfg.idle_park, Duration::from_millis(1));
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let polls = Arc::new(AtomicUsize::new(0));
+    let looks = Looks { inner: net.join("a"), polls: Arc::clone(&polls) };
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(looks), SOCKET_POLL_BATCH, MemPath::default());
+    let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
+    let dest = b.register(&mut dst);
+    // Pairing is the peer addressing us: let the ramp it started run out first.
+    std::thread::sleep(Duration::from_millis(300));
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Ok(()));
+    let before = polls.load(Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(40));
+    let looked = polls.load(Ordering::Relaxed) - before;
+    // One a millisecond, and a few for the transfer's last frames (a load only lengthens
+    // parks). With the ramp restarted by the transfer: a 256th of 0-40 ms, from 50 us, about
+    // 250 looks.
+    assert!(looked <= 60, "the initiator looked {looked} times in the 40 ms after its transfer");
+    assert!(a.stat(|s| &s.bounce_ok) == 1 && b.stat(|s| &s.bounce_ok) == 0);
+}
+
 /// A peer floods us over a channel read without a budget (as UCX's is): a pass run on the
 /// application's call takes `SOCKET_POLL_BATCH` of the frames, not the flood, the reactor
 /// thread the rest, and every one of them is refused and counted.
