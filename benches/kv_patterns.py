@@ -204,6 +204,9 @@ def child(case, args):
         torch.cuda.set_device(0)
         torch.empty(1, device="cuda:0")  # the GPU current before the agents are made
     sides = [Side(v, case, target, layout, reqs, args.mem, args.peer_gpu, args.prep_each) for v in chosen(args)]
+    if args.mem == "VRAM":
+        # BENCH_TRACE=DIR: this process's CUDA activity from here to the end (benches/trace_kernels.py)
+        nixlkit.gpu_trace(f"kv-initiator-{case[0]}-{case[1]}")
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
