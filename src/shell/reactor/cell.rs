@@ -182,14 +182,14 @@ impl Cell {
                 self.busy.store(busy, Ordering::Release);
                 let beside = pace::beside_puller(d.data.app_pull_streak(now), idle_park);
                 let activity = d.peer_activity();
-                let served = activity != activity_seen;
+                let addressed = activity != activity_seen;
                 activity_seen = activity;
-                (moved, busy, served, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
+                (moved, busy, addressed, d.ep.poll_timeout().map(|t| t.saturating_duration_since(now)), now, beside)
             });
             drop(g);
-            let Some((moved, busy, served, timer, now, beside)) = pass else { return false };
-            if served {
-                pace.served(now);
+            let Some((moved, busy, addressed, timer, now, beside)) = pass else { return false };
+            if addressed {
+                pace.addressed(now);
             }
             match pace.after_pass(now, moved, busy, timer, beside) {
                 Wait::Now => {}

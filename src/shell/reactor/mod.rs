@@ -512,7 +512,7 @@ impl Driver {
     /// Moves whenever a peer may have begun to address us: it sent a frame on its own
     /// initiative (the core's `peer_msgs`: a HELLO, a PING, its transfer's message to our
     /// target role, handled on any thread) or we greeted it. The reactor thread's idle parks
-    /// ramp up from such a change ([`pace::Pace::served`]); our own transfers' frames do not
+    /// ramp up from such a change ([`pace::Pace::addressed`]); our own transfers' frames do not
     /// count, as nothing they wait for comes once they have ended.
     fn peer_activity(&self) -> u64 {
         self.ep.stats().peer_msgs + self.hellos_sent

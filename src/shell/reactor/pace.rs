@@ -15,7 +15,7 @@
 //!   2x slower, issue 12).
 //! - Idle, it sleeps a fraction of the time since a peer last addressed it (a HELLO, a PING or
 //!   a message of the peer's transfer handled, or our HELLO to a peer just loaded:
-//!   [`Pace::served`]) ([`IDLE_RAMP`], [`IDLE_RAMP_MANY_CORES`]), at least
+//!   [`Pace::addressed`]) ([`IDLE_RAMP`], [`IDLE_RAMP_MANY_CORES`]), at least
 //!   [`BUSY_SLEEP`] and at most `bounce_idle_park_us` (1 ms by default). A transfer that comes
 //!   a while after the previous one is then seen within a small part of that pause, where
 //!   doubling sleeps reached the longest park within 2 ms and a request after a pause waited
@@ -86,9 +86,9 @@ pub(super) struct Pace {
     stalls: u32,
     longest_park: Duration,
     last_moved: Instant,
-    /// When a peer last addressed it ([`Self::served`]); never for a new reactor or one whose
+    /// When a peer last addressed it ([`Self::addressed`]); never for a new reactor or one whose
     /// engine only initiates, which park the longest at once.
-    last_served: Option<Instant>,
+    last_addressed: Option<Instant>,
 }
 
 impl Pace {
@@ -97,14 +97,14 @@ impl Pace {
     pub(super) fn new(cores: usize, longest_park: Duration, now: Instant) -> Self {
         let hot = hot_spin(cores);
         let ramp = if cores >= HOT_SPIN_CORES { IDLE_RAMP_MANY_CORES } else { IDLE_RAMP };
-        Self { hot, ramp, stalls: 0, longest_park, last_moved: now, last_served: None }
+        Self { hot, ramp, stalls: 0, longest_park, last_moved: now, last_addressed: None }
     }
 
     /// A peer addressed the engine at `now` (a frame it sent on its own initiative was handled,
     /// on any thread, or we greeted a peer just loaded): idle parks ramp up from here, as more
     /// of its frames may follow unannounced.
-    pub(super) fn served(&mut self, now: Instant) {
-        self.last_served = Some(now);
+    pub(super) fn addressed(&mut self, now: Instant) {
+        self.last_addressed = Some(now);
     }
 
     /// After a pass at `now` that `moved` anything, with work in flight (`busy`) or not, and
@@ -131,7 +131,7 @@ impl Pace {
             self.stalls += 1;
             return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
         }
-        let park = self.last_served.map_or(self.longest_park, |t| {
+        let park = self.last_addressed.map_or(self.longest_park, |t| {
             (now.saturating_duration_since(t) / self.ramp).max(beside).max(BUSY_SLEEP).min(self.longest_park)
         });
         Wait::Park(timer.unwrap_or(park).min(park))
@@ -244,9 +244,9 @@ mod tests {
         assert_eq!(waits[SPIN_ITERATIONS as usize..], [Wait::Park(BUSY_SLEEP); 2]);
         // The transfer in flight was a peer's, served here.
         let active = t0 + us(SPIN_ITERATIONS as u64 + 2);
-        p.served(active);
-        // Idle: a 256th of the time since it last served, from 50 us up to 2 ms; a timer due
-        // sooner cuts the park short.
+        p.addressed(active);
+        // Idle: a 256th of the time since a peer last addressed it, from 50 us up to 2 ms; a
+        // timer due sooner cuts the park short.
         let park = |p: &mut Pace, after: Duration| p.after_pass(active + after, false, false, None, Duration::ZERO);
         assert_eq!(park(&mut p, us(100)), Wait::Park(BUSY_SLEEP));
         assert_eq!(park(&mut p, ms(12)), Wait::Park(BUSY_SLEEP));
@@ -256,8 +256,8 @@ mod tests {
         assert_eq!(park(&mut p, ms(512)), Wait::Park(ms(2)));
         assert_eq!(park(&mut p, ms(60_000)), Wait::Park(ms(2)));
         assert_eq!(p.after_pass(active + ms(100), false, false, Some(us(30)), Duration::ZERO), Wait::Park(us(30)));
-        // Serving a peer again restarts the ramp.
-        p.served(active + ms(70_000));
+        // A peer addressing it again restarts the ramp.
+        p.addressed(active + ms(70_000));
         assert_eq!(park(&mut p, ms(70_000) + us(1)), Wait::Park(BUSY_SLEEP));
     }
 
@@ -267,7 +267,7 @@ mod tests {
         let mut p = Pace::new(2, ms(1), t0);
         assert_eq!(p.after_pass(t0 + ms(5), false, false, None, Duration::ZERO), Wait::Park(ms(1)));
         // A WANT served whole in one pass: moved, and idle again at once.
-        p.served(t0 + ms(6));
+        p.addressed(t0 + ms(6));
         assert_eq!(p.after_pass(t0 + ms(6), true, false, None, Duration::ZERO), Wait::Now);
         let idle = stalled(&mut p, t0, ms(6), ms(40), 3, false);
         let ns = |n| Wait::Park(Duration::from_nanos(n));
@@ -287,7 +287,7 @@ mod tests {
         assert_eq!(p.after_pass(t0 + us(30), true, false, None, Duration::ZERO), Wait::Now);
         assert_eq!(stalled(&mut p, t0, us(31), ms(10), 3, false), [Wait::Park(ms(1)); 3]);
         // Serving a peer later ramps it as any target.
-        p.served(t0 + ms(50));
+        p.addressed(t0 + ms(50));
         assert_eq!(p.after_pass(t0 + ms(51), false, false, None, Duration::ZERO), Wait::Park(BUSY_SLEEP));
     }
 
@@ -295,7 +295,7 @@ mod tests {
     fn idle_parks_grow_to_the_configured_longest_and_a_new_reactor_starts_there() {
         let t0 = Instant::now();
         let mut p = Pace::new(2, us(500), t0);
-        p.served(t0); // a peer served: parks start short again
+        p.addressed(t0); // a peer served: parks start short again
         let idle = stalled(&mut p, t0, Duration::ZERO, ms(32), 6, false);
         let parks: Vec<_> = [50, 125, 250, 375, 500, 500].into_iter().map(|n| Wait::Park(us(n))).collect();
         assert_eq!(idle, parks);
@@ -313,9 +313,9 @@ mod tests {
         let hot = stalled(&mut p, t0, us(1), us(10), 99, true);
         assert!(hot.iter().all(|w| *w == Wait::Yield), "{hot:?}");
         assert!(stalled(&mut p, t0, us(500), us(10), 20, false).iter().all(|w| *w == Wait::Yield));
-        p.served(t0 + us(981));
-        // Past the window, the few-core pacing: idle parks ramp up from when it last served
-        // (the peer's frame handled at 981 us).
+        p.addressed(t0 + us(981));
+        // Past the window, the few-core pacing: idle parks ramp up from when a peer last
+        // addressed it (its frame handled at 981 us).
         assert_eq!(p.after_pass(t0 + HOT_SPIN, false, false, None, Duration::ZERO), Wait::Park(BUSY_SLEEP));
         // A 1024th of the time since then here, not the 256th of few cores.
         assert_eq!(p.after_pass(t0 + us(981 + 204_800), false, false, None, Duration::ZERO), Wait::Park(us(200)));
@@ -357,7 +357,7 @@ mod tests {
 
         let t0 = Instant::now();
         let mut p = Pace::new(2, longest, t0);
-        p.served(t0);
+        p.addressed(t0);
         assert_eq!(p.after_pass(t0, true, true, None, Duration::ZERO), Wait::Now);
         let idle = t0 + ms(1);
         // Idle soon after activity its own ramp parks the shortest; beside a puller it parks
