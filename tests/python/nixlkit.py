@@ -174,6 +174,23 @@ def poll(ag):
     return box
 
 
+def reactor_wakeups():
+    """{thread id: voluntary context switches} of this process's BOUNCE reactor threads (Linux).
+    A reactor thread gives its core up only to sleep, so each switch is one wake-up after a
+    sleep (a park, or a wait for the driver's lock)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "bounce-reactor":
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                out[int(tid)] = next(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            continue  # a thread that ended meanwhile
+    return out
+
+
 def wait_xfer(ag, handle, peers=(), deadline=DEADLINE_S):
     """Polls until the transfer is DONE (also polling `peers` so their side progresses)."""
     end = time.monotonic() + deadline

@@ -486,6 +486,39 @@ def test_idle_engine_does_not_eat_a_core(peer):
     assert target < 0.15, f"an idle target holding a standing flow used {target:.2%} of a core"
 
 
+def test_an_initiators_reactor_sleeps_its_longest_park_as_soon_as_its_write_is_done(peer):
+    """Its idle reactor ramps its sleeps up from short ones only after a peer addressed it (a
+    frame of the peer's transfer, a HELLO, a PING): those frames come unannounced. An engine that
+    only initiates has nothing coming once its transfer is done (its application's next post
+    wakes the reactor), so it sleeps the longest park (1 ms) at once: about 290 wake-ups in the
+    300 ms after a bounced WRITE, where ramping from the transfer gave 800-817 on 2 cores (the
+    build before, same test; benches/wakes.py, BENCHMARKS.md "Session 37"). A loaded machine
+    only lengthens sleeps."""
+    import time
+    lay = nixlkit.Scattered(1024, 4096, seed=53)
+    src = nixlkit.pattern(571, lay.src_bytes)
+    before = set(nixlkit.reactor_wakeups())
+    ag, p, raddr = pair(peer, src, tx="tx-park", rx="rx-park", rx_size=lay.dst_bytes, rx_seed=570)
+    (mine,) = set(nixlkit.reactor_wakeups()) - before
+    time.sleep(0.4)  # pairing is the peer addressing us: its ramp runs out first
+    # The application looks at its transfer every 2 ms, so the reactor thread moves it (an
+    # application spinning on the status drives the passes itself, and the thread stands down).
+    h = ag.initialize_xfer("WRITE", ag.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                           ag.get_xfer_descs(lay.dst_list(raddr), "DRAM"), "rx-park", b"", backends=[B])
+    state, end = ag.transfer(h), time.monotonic() + 60
+    while state not in ("DONE", "ERR") and time.monotonic() < end:
+        time.sleep(0.002)
+        state = ag.check_xfer_state(h)
+    assert state == "DONE"
+    ag.release_xfer_handle(h)
+    assert stats(ag)["bounce_ok"] == 1
+    w0 = nixlkit.reactor_wakeups()[mine]
+    time.sleep(0.3)
+    woke = nixlkit.reactor_wakeups()[mine] - w0
+    print(f"the initiator's reactor woke {woke} times in the 300 ms after its WRITE")
+    assert woke <= 450, f"the initiator's reactor woke {woke} times in the 300 ms after its WRITE"
+
+
 def test_a_target_busy_in_other_ucx_calls_still_answers_bounced_writes(peer):
     """The target's application never polls NIXL; a thread of it registers and deregisters
     memory in a loop, each call holding the engine's inner lock. Only the target's reactor can
