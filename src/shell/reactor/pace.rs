@@ -30,8 +30,8 @@
 //!   (about half of it on average), and how often an idle engine wakes.
 //! - An engine that only initiates parks the longest once idle: nothing it waits for comes
 //!   unannounced (its next transfer is its application's post, which wakes the reactor). Its
-//!   own transfers ramped it too before: on 2 cores it woke 817 times in the 300 ms after a
-//!   4 MiB WRITE, 6.4% of a core, where the longest park gives 288 and 3.0%
+//!   own transfers ramped it too before: on 2 cores it woke 807-808 times in the 300 ms after
+//!   a 4 MiB WRITE, 6.2-6.7% of a core, where the longest park gives 289-291 and 2.9-3.2%
 //!   (`benches/wakes.py`, BENCHMARKS.md "Session 37").
 //!
 //! [`AppPolls`] decides the other half of a pass's cost: whether the reactor thread pulls the
