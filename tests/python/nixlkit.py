@@ -191,10 +191,15 @@ def reactor_wakeups():
     return out
 
 
-def wait_xfer(ag, handle, peers=(), deadline=DEADLINE_S):
-    """Polls until the transfer is DONE (also polling `peers` so their side progresses)."""
+def wait_xfer(ag, handle, peers=(), deadline=DEADLINE_S, every=0.0):
+    """Polls until the transfer is DONE (also polling `peers` so their side progresses), every
+    `every` seconds (0: in a busy loop)."""
     end = time.monotonic() + deadline
+    first = True
     while True:
+        if every and not first:
+            time.sleep(every)
+        first = False
         state = ag.check_xfer_state(handle)
         for p in peers:
             poll(p)
