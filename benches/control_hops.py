@@ -8,6 +8,10 @@ A bounced WRITE of `--descs` scattered pieces of `--size` bytes costs two contro
 few KiB. Its floor on UCX is what the same messages cost there: one write of that many bytes plus
 two notification round trips. Measured, per block:
   - notif round trip: send_notif, then get_new_notifs polled until the echo's pong arrives;
+  - the same with a notification as large as the bounced WRITE's control frames (the mean of
+    what the initiator's engine sent during its warm-up block, `stats.control_sent_bytes` over
+    `stats.control_sent`): for a WRITE that rides inline, its WANT, whose bytes and runs make it
+    several KiB (16.7 KB for 256 x 64 B), so this is the floor of its one round trip;
   - UCX floor: a 1-descriptor UCX WRITE of descs x size bytes (post, check until DONE), then two
     notification round trips, timed as one sample;
   - WRITE descs x size: the scattered WRITE on each backend (post, check until DONE); on BOUNCE it
@@ -93,7 +97,7 @@ def target(flag_path, nbytes):
         ag = agents[active]
         for sender, msgs in ag.get_new_notifs().items():
             for m in msgs:
-                if m == b"ping":
+                if m.startswith(b"ping"):
                     ag.send_notif(sender, b"pong")
 
 
@@ -116,6 +120,7 @@ class Side:
         self.lo_one = [(self.src.ctypes.data, descs * size, 0)]
         self.re_one = [(raddr, descs * size, 0)]
         self.scattered = self.one = None
+        self.frame_ping = b"ping"  # sized once the bounced WRITE's frames are known
 
     def prepare(self):
         self.scattered = self._prep(self.lo_scattered, self.re_scattered)
@@ -144,8 +149,8 @@ class Side:
     def _pongs(self):
         return sum(m == b"pong" for _, msgs in self.ag.get_new_notifs().items() for m in msgs)
 
-    def _ping_pong(self):
-        self.ag.send_notif(self.peer, b"ping")
+    def _ping_pong(self, msg=b"ping"):
+        self.ag.send_notif(self.peer, msg)
         while not self._pongs():
             pass
 
@@ -169,6 +174,13 @@ class Side:
 
         return int(nixlkit.live_params(self.ag, self.backend).get("stats.standing_claims", 0))
 
+    def control_sent(self):
+        """Control frames this engine sent so far, and their bytes."""
+        import nixlkit
+
+        p = nixlkit.live_params(self.ag, self.backend)
+        return int(p.get("stats.control_sent", 0)), int(p.get("stats.control_sent_bytes", 0))
+
     def waits(self):
         """The engine's timed control round trips so far: {name: (count, summed ns)}."""
         import nixlkit
@@ -181,6 +193,11 @@ class Side:
     def notif_rtt(self):
         t0 = time.perf_counter()
         self._ping_pong()
+        return time.perf_counter() - t0
+
+    def notif_rtt_frame(self):
+        t0 = time.perf_counter()
+        self._ping_pong(self.frame_ping)
         return time.perf_counter() - t0
 
     def floor(self):
@@ -207,6 +224,7 @@ class Side:
 # name, method, backends, target idle, the row whose UCX median the ratio divides by
 OPS = [
     ("notif round trip", "notif_rtt", BACKENDS, False, "notif round trip"),
+    ("notif RT, frame-sized", "notif_rtt_frame", BACKENDS, False, "notif RT, frame-sized"),
     ("UCX floor: write + 2 RTT", "floor", ("UCX",), False, None),
     ("WRITE scattered", "write_scattered", BACKENDS, False, "WRITE scattered"),
     ("  after a pause", "write_scattered_apart", BACKENDS, False, "  after a pause"),
@@ -253,6 +271,7 @@ def main():
     for s in sides.values():
         proc.stdin.write(base64.b64encode(s.ag.get_agent_metadata()).decode() + "\n")
     proc.stdin.flush()
+    frame_bytes = 0
     for i, s in enumerate(sides.values()):
         flag[ACTIVE] = i
         s.wait_first_pong()
@@ -262,9 +281,16 @@ def main():
         # Both writes, a block's worth, while the target polls: UCX's first puts to a peer need
         # the target's progress (measured: with only one before them, a UCX WRITE to the idle
         # target stayed IN_PROG).
+        sent0 = s.control_sent() if s.backend == "BOUNCE" else None
         for _ in range(args.block):
             s.write_scattered()
             s.floor()
+        if sent0:
+            n, nbytes = (a - b for a, b in zip(s.control_sent(), sent0))
+            frame_bytes = nbytes // n if n else 0
+    # A notification of the bounced WRITE's mean control frame (b"ping" and zeros), on both.
+    for s in sides.values():
+        s.frame_ping = b"ping" + bytes(max(frame_bytes - 4, 0))
     samples = {(name, b): [] for name, _, backends, _, _ in OPS for b in backends}
     # Per block of bounced WRITEs (polling target, idle target): mean WANT -> GRANT and
     # DATA -> ACK as the initiator's engine timed them, in seconds.
@@ -300,7 +326,8 @@ def main():
     flag[IDLE] = 0
     ok = sides["BOUNCE"].bounce_ok() - ok_before
     print(f"control hops, two processes, DRAM, no progress thread, {os.cpu_count()} cores, "
-          f"{args.blocks} interleaved blocks of {args.block}, WRITE of {args.descs} x {args.size} B")
+          f"{args.blocks} interleaved blocks of {args.block}, WRITE of {args.descs} x {args.size} B; "
+          f"its initiator's control frames {frame_bytes} B on average")
     print(f"  {'measurement':27s} {'UCX p50':>9s} {'UCX p99':>9s} {'BOUNCE p50':>11s} {'BOUNCE p99':>11s} "
           f"{'p50 ratio':>10s}")
     med = {}
@@ -321,6 +348,14 @@ def main():
         hop = (med[("WRITE scattered", "BOUNCE")] - floor) / 2 + rtt
         print(f"  one bounce control round trip ~ {hop*1e6:.1f}us against the notification round trip "
               f"{rtt*1e6:.1f}us ({hop / rtt:.2f}x; includes a share of the gather and scatter)")
+    frame_rtt = med.get(("notif RT, frame-sized", "UCX"))
+    if frame_rtt:
+        for name in ("WRITE scattered", "WRITE scattered, idle tgt"):
+            xs = hops.get((name, "inline_ack_wait"))
+            if xs:
+                m = statistics.median(xs)
+                print(f"  WANT -> ACK, inline ({name}) against the round trip of a notification of its "
+                      f"WANT's size: {m / frame_rtt:.2f}x")
     if rtt:
         for name in ("WRITE scattered", "WRITE scattered, idle tgt"):
             for k, label in (("grant_wait", "WANT -> GRANT"), ("ack_wait", "DATA -> ACK"),

@@ -137,6 +137,12 @@ counters! {
     /// Of those, frames that looked valid but were not authentic: a wrong transfer token, or a
     /// session other than the one in the sender's loaded metadata.
     control_forged,
+    /// Control frames this engine sent (its transfers' messages, HELLO, GOODBYE, PING and
+    /// PONG), whatever the channel.
+    control_sent,
+    /// Their bytes: `control_sent_bytes / control_sent` is the mean frame (a small bounced
+    /// WRITE's one frame is its inline WANT, its bytes and runs included).
+    control_sent_bytes,
     /// Where the bounce path's arena is: the GPU's ordinal plus one for a GPU arena, 0 for a
     /// host arena or none (what `bounce_arena_mem=auto` chose; set once the path is ready).
     arena_gpu,

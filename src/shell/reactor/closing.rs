@@ -25,7 +25,7 @@ impl Driver {
         let _ = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.writes.is_empty());
         let goodbye = wire::encode_goodbye(self.session);
         for name in std::mem::take(&mut self.greeted) {
-            if let Err(e) = self.control.send(&name, &goodbye) {
+            if let Err(e) = self.send_control(&name, &goodbye) {
                 tracing::debug!(peer = name, error = %e, "sending GOODBYE failed");
             }
         }

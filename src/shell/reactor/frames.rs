@@ -172,16 +172,25 @@ impl Driver {
         crate::shell::mark!(format_args!("send-{}", msg.kind_name()), peer.0);
         let bytes = Frame { session: self.session, msg }.to_vec();
         let _span = tracing::trace_span!("send", peer = name, len = bytes.len()).entered();
-        if let Err(e) = self.control.send(&name, &bytes) {
+        if let Err(e) = self.send_control(&name, &bytes) {
             self.send_failed(peer, &name, &e);
         }
+    }
+
+    /// Sends `bytes` to `name` on the control channel, counted (`stats.control_sent`,
+    /// `stats.control_sent_bytes`) whether or not the channel took it.
+    pub(super) fn send_control(&mut self, name: &str, bytes: &[u8]) -> Result<(), ControlError> {
+        let stats = &self.shared.stats;
+        Stats::bump(&stats.control_sent);
+        stats.control_sent_bytes.fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.control.send(name, bytes)
     }
 
     /// Sends a link-level frame (the liveness probe's PING or PONG).
     pub(super) fn send_link(&mut self, peer: PeerId, body: wire::Body) {
         let Some(name) = self.shared.peers.name(peer) else { return };
         let bytes = wire::ControlFrame { session: self.session, body }.to_vec();
-        if let Err(e) = self.control.send(&name, &bytes) {
+        if let Err(e) = self.send_control(&name, &bytes) {
             self.send_failed(peer, &name, &e);
         }
     }

@@ -699,7 +699,7 @@ impl Driver {
             Cmd::Hello(name, losses) => {
                 if !self.shared.peers.compatible(&name) {
                     tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
-                } else if let Err(e) = self.control.send(&name, &wire::encode_hello(self.session)) {
+                } else if let Err(e) = self.send_control(&name, &wire::encode_hello(self.session)) {
                     // The application may have unloaded the peer since this was queued (its
                     // loss is recorded before the inner engine disconnects), and loaded it
                     // again (then compatible, but the inner engine may not know it yet: the
