@@ -8,10 +8,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Events at most `gap` apart, timed from an epoch.
+/// Events at most `gap` apart, timed from an epoch; or, for a streak whose allowed gap grows
+/// ([`Self::growing`]), at most as far apart as the streak has run so far, from `gap` up to
+/// `longest_gap`.
 #[derive(Debug)]
 pub(crate) struct Streak {
     gap: Duration,
+    longest_gap: Duration,
     epoch: Instant,
     /// The latest event, in nanoseconds since `epoch` (0: none, or the streak was ended).
     latest: AtomicU64,
@@ -22,7 +25,16 @@ pub(crate) struct Streak {
 impl Streak {
     /// No streak yet; events more than `gap` apart start a new one.
     pub(crate) fn new(gap: Duration) -> Self {
-        Self { gap, epoch: Instant::now(), latest: AtomicU64::new(0), first: AtomicU64::new(0) }
+        Self::growing(gap, gap)
+    }
+
+    /// No streak yet; an event extends the streak when it comes no later after the previous one
+    /// than the streak had run by then, and at least `gap`, at most `longest_gap`, after it.
+    /// A streak earns the gaps it tolerates: a single event is followed by `gap` only, a long
+    /// run by up to `longest_gap`.
+    pub(crate) fn growing(gap: Duration, longest_gap: Duration) -> Self {
+        let longest_gap = longest_gap.max(gap);
+        Self { gap, longest_gap, epoch: Instant::now(), latest: AtomicU64::new(0), first: AtomicU64::new(0) }
     }
 
     fn since_epoch(&self, now: Instant) -> u64 {
@@ -30,12 +42,20 @@ impl Streak {
         u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
     }
 
-    /// An event at `now`: it extends the streak when the previous one is at most `gap` ago,
-    /// else starts a new one.
+    /// An event at `now`: it extends the streak when the previous one is at most the allowed
+    /// gap ago (`gap`, or for a growing streak the run up to the previous event, clamped to
+    /// `gap..=longest_gap`), else starts a new one.
     pub(crate) fn note(&self, now: Instant) {
         let now = self.since_epoch(now);
         let before = self.latest.swap(now, Ordering::AcqRel);
-        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > self.gap {
+        let allowed = if self.longest_gap > self.gap {
+            // A racing note may have stored a newer `first`: a run of 0, the shortest gap.
+            Duration::from_nanos(before.saturating_sub(self.first.load(Ordering::Acquire)))
+                .clamp(self.gap, self.longest_gap)
+        } else {
+            self.gap
+        };
+        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > allowed {
             self.first.store(now, Ordering::Release);
         }
     }
@@ -98,6 +118,43 @@ mod tests {
         // 51 us after the latest: a new streak.
         s.note(t0 + us(451));
         assert_eq!(s.at(t0 + us(461)), Some((Duration::ZERO, us(10))));
+    }
+
+    #[test]
+    fn a_growing_streak_tolerates_gaps_as_long_as_it_has_run_up_to_its_longest() {
+        let s = Streak::growing(us(50), us(200));
+        let t0 = s.epoch() + us(1000);
+        s.note(t0);
+        // Run 0 so far: only the shortest gap extends it.
+        s.note(t0 + us(60));
+        assert_eq!(s.at(t0 + us(60)), Some((Duration::ZERO, Duration::ZERO)), "60 us after a lone event: a new streak");
+        // 40 us steps for 120 us, then a gap of 100 us: within the run so far (120 us).
+        for i in 1..=3 {
+            s.note(t0 + us(60 + 40 * i));
+        }
+        s.note(t0 + us(280));
+        assert_eq!(s.at(t0 + us(280)), Some((us(220), Duration::ZERO)));
+        // A longer run tolerates no more than the longest gap: 201 us starts anew even now.
+        for i in 1..=20 {
+            s.note(t0 + us(280 + 40 * i));
+        }
+        let last = t0 + us(1080);
+        assert_eq!(s.at(last), Some((us(1020), Duration::ZERO)));
+        s.note(last + us(200));
+        assert_eq!(s.at(last + us(200)), Some((us(1220), Duration::ZERO)), "200 us: still the same run");
+        s.note(last + us(401));
+        assert_eq!(s.at(last + us(401)), Some((Duration::ZERO, Duration::ZERO)), "201 us: a new run");
+    }
+
+    #[test]
+    fn a_fixed_streak_is_a_growing_one_whose_longest_gap_is_its_gap() {
+        let s = Streak::new(us(50));
+        let t0 = s.epoch() + us(10);
+        for i in 0..=10 {
+            s.note(t0 + us(40 * i));
+        }
+        s.note(t0 + us(400 + 51));
+        assert_eq!(s.at(t0 + us(451)), Some((Duration::ZERO, Duration::ZERO)), "a long run earns no longer gap");
     }
 
     #[test]

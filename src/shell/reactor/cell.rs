@@ -124,6 +124,10 @@ impl Cell {
         u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX).max(1)
     }
 
+    fn woke(&self) {
+        self.wakes.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// No application thread drives any more: the reactor thread stops standing down. True
     /// when it was (it may be parked for that, and wants waking).
     pub(super) fn resign(&self) -> bool {
@@ -167,12 +171,14 @@ impl Cell {
         while !stop.load(Ordering::Acquire) {
             if let Some(left) = self.standing_down(Instant::now()) {
                 std::thread::park_timeout(left);
+                self.woke();
                 continue;
             }
             // An application thread in a pass does this pass's work: leave it the driver rather
             // than queue behind it (and be woken late when it lets go).
             let Some(mut g) = self.driver.try_lock() else {
                 std::thread::park_timeout(STAND_DOWN);
+                self.woke();
                 continue;
             };
             let pass = g.as_mut().map(|d| {
@@ -211,6 +217,7 @@ impl Cell {
                         Some(a) if !busy => a.wait(timer.map_or(idle_park, |t| t.min(idle_park))),
                         _ => std::thread::park_timeout(d),
                     }
+                    self.woke();
                     if d > BUSY_SLEEP {
                         crate::shell::mark!("unpark", 0);
                     }

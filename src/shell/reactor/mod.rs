@@ -39,7 +39,7 @@ use crate::shell::{Error, Result};
 use crate::sys::shim::{Md, WriteSide};
 use alarm::Alarm;
 use fetch::Fetches;
-use pace::{AppPolls, STAND_DOWN};
+use pace::AppPolls;
 
 pub(crate) use pace::hot_spin;
 pub(crate) use shared::{Cmd, Shared, Signal};
@@ -152,8 +152,9 @@ struct Cell {
     parked_idle: AtomicBool,
     /// Work was in flight after the latest pass (whoever ran it): pollers then drive.
     busy: AtomicBool,
-    /// The ends of the passes on application threads, no more than [`STAND_DOWN`] apart (ended
-    /// when the poller resigns). While pollers drive, the reactor thread stands down
+    /// The ends of the passes on application threads, no more than [`pace::STAND_DOWN`] apart at
+    /// first and up to [`pace::LONGEST_DRIVING_GAP`] once they have run that long (ended when
+    /// the poller resigns). While pollers drive, the reactor thread stands down
     /// ([`Cell::standing_down`]).
     driving: Streak,
     /// The longest stand-down: `bounce_idle_park_us`.
@@ -162,6 +163,10 @@ struct Cell {
     /// A pass on an application thread panicked: the driver's state is suspect, so the reactor
     /// thread ends without closing (as after its own panic, the arena is kept).
     poisoned: AtomicBool,
+    /// How many times the reactor thread came back from a sleep (an idle park, a stand-down, a
+    /// lock it found taken, its alarm): on a small host each costs a core for a while, whatever
+    /// the thread then does.
+    wakes: AtomicU64,
 }
 
 struct InFlightWrite {
@@ -403,10 +408,11 @@ impl Reactor {
             driver: Mutex::new(Some(d)),
             parked_idle: AtomicBool::new(false),
             busy: AtomicBool::new(false),
-            driving: Streak::new(STAND_DOWN),
+            driving: pace::driving_streak(),
             longest_stand_down: config.idle_park,
             epoch: Instant::now(),
             poisoned: AtomicBool::new(false),
+            wakes: AtomicU64::new(0),
         });
         let (stop2, cell2, shared2) = (Arc::clone(&stop), Arc::clone(&cell), Arc::clone(&shared));
         let idle_park = config.idle_park;

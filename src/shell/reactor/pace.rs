@@ -172,6 +172,24 @@ impl AppPolls {
 /// to wait resigns at once).
 pub(super) const STAND_DOWN: Duration = Duration::from_micros(50);
 
+/// The longest gap between an application's passes that still continues its run of driving,
+/// once the run is that long (a run tolerates gaps as long as it has run, from [`STAND_DOWN`]).
+///
+/// Why: a pass that comes before the stand-down it earned is over is the same poller still
+/// driving, and the reactor thread never took over meanwhile. With a fixed 50 us gap a
+/// Python application's checks, 5-15 us apart but 60-80 us around each post (its own
+/// bookkeeping between one transfer and the next), started a new run at every transfer, each
+/// with a stand-down of 50 us: its reactor thread woke to look two or three times per small
+/// transfer, each time taking the application's core on 2 cores (`perf sched`). Capped low,
+/// so a poller that slows to sparse checks stops holding the reactor off after its first gap.
+pub(super) const LONGEST_DRIVING_GAP: Duration = Duration::from_micros(200);
+
+/// The streak of the application's passes the reactor thread stands down for: gaps of
+/// [`STAND_DOWN`] at first, up to [`LONGEST_DRIVING_GAP`] once the run is that long.
+pub(super) fn driving_streak() -> crate::shell::streak::Streak {
+    crate::shell::streak::Streak::growing(STAND_DOWN, LONGEST_DRIVING_GAP)
+}
+
 /// How long after the application's latest pass the reactor thread stands down, given that its
 /// threads have been driving for `run` without a gap longer than [`STAND_DOWN`]: as long as that
 /// run, from [`STAND_DOWN`] up to `longest` (`bounce_idle_park_us`).
