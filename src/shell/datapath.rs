@@ -5,9 +5,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use crate::shell::mailroom::Mailroom;
+use crate::shell::streak::Streak;
 use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Md, Shim, WriteHandle, WritePosted, WriteSide, WriteState};
 
@@ -55,9 +55,9 @@ pub(crate) trait DataPath: Send {
         false
     }
     /// The application's streak of close pulls of the inner engine's notifications
-    /// ([`crate::shell::mailroom::Mailroom::pull_streak`]); `None` for a path with no
-    /// application pulling.
-    fn app_pull_streak(&self, _now: Instant) -> Option<(Duration, Duration)> {
+    /// ([`crate::shell::mailroom::Mailroom::pulls`]), which the reactor thread reads without
+    /// the driver; `None` for a path with no application pulling.
+    fn app_pull_streak(&self) -> Option<Arc<Streak>> {
         None
     }
     /// Unloads a peer arena's inner metadata (no write in flight uses it).
@@ -129,8 +129,8 @@ impl DataPath for ShimPath {
         self.mail.app_pulled_since_look()
     }
 
-    fn app_pull_streak(&self, now: Instant) -> Option<(Duration, Duration)> {
-        self.mail.pull_streak(now)
+    fn app_pull_streak(&self) -> Option<Arc<Streak>> {
+        Some(self.mail.pulls())
     }
 
     fn unload(&mut self, md: Md) {

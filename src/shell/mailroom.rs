@@ -41,12 +41,27 @@ const MAX_QUEUED_CONTROL: usize = 1 << 16;
 /// longest legal size.
 const MAX_QUEUED_CONTROL_BYTES: usize = 256 << 20;
 /// Pulls of the application no more than this apart are close: it is polling, not calling now
-/// and then ([`Mailroom::pull_streak`]).
+/// and then (the reactor thread leaves the pulls to an application that pulled since its look
+/// of no more than this ago, `reactor::pace::AppPolls`).
 pub(crate) const CLOSE_PULL_GAP: Duration = Duration::from_micros(100);
+/// The longest gap between two of the application's sampled pulls that continues its streak.
+/// Why longer than [`CLOSE_PULL_GAP`]: the pull that finds a control frame runs the reactor's
+/// pass on its thread (a WANT checked and scattered and its ACK sent: 20-60 us on the 2-core
+/// machine) before the next pull, and only one pull in [`PULL_SAMPLE`] is timed. A target
+/// spinning on `getNotifs` while small WRITEs came had its timed pulls 100-130 us apart at
+/// each WRITE, and when a gap over 100 us ended its streak, its reactor thread fell back to
+/// its idle ramp (parks of 50 us after a peer's frames) and woke 3,200 times a second, each
+/// time taking an application's core.
+pub(crate) const PULL_STREAK_GAP: Duration = Duration::from_micros(200);
+
+/// The streak of the application's timed pulls ([`PULL_STREAK_GAP`] apart at most).
+pub(crate) fn close_pulls() -> Streak {
+    Streak::growing(PULL_STREAK_GAP, PULL_STREAK_GAP)
+}
 /// The application's pulls whose time is taken for the streak: one in this many (and the first
 /// after each look of the reactor thread). A clock read at every pull cost an empty `getNotifs`
 /// 4-6% (25-30 ns of 0.55 us on the 2-core machine). An application spinning on `getNotifs`
-/// pulls every few microseconds, so its sampled pulls stay well within [`CLOSE_PULL_GAP`] of
+/// pulls every few microseconds, so its sampled pulls stay well within [`PULL_STREAK_GAP`] of
 /// each other; one that polls more slowly than a sixteenth of that is not pulling closely and
 /// is not taken for it.
 const PULL_SAMPLE: u32 = 16;
@@ -82,8 +97,8 @@ pub(crate) struct Mailroom {
     /// thread's look ([`Self::app_pulled_since_look`]).
     app_pulled: AtomicBool,
     /// The application's pulls, each `getNotifs` ([`Self::note_app_pull`]), in streaks of
-    /// pulls at most [`CLOSE_PULL_GAP`] apart.
-    pulls: Streak,
+    /// timed pulls at most [`PULL_STREAK_GAP`] apart.
+    pulls: Arc<Streak>,
     /// Pulls counted for [`PULL_SAMPLE`].
     pull_count: AtomicU32,
     stats: Arc<Stats>,
@@ -100,7 +115,7 @@ impl Mailroom {
             reactor: Mutex::new(None),
             bell: Arc::default(),
             app_pulled: AtomicBool::new(false),
-            pulls: Streak::new(CLOSE_PULL_GAP),
+            pulls: Arc::new(close_pulls()),
             pull_count: AtomicU32::new(0),
             stats,
         }
@@ -181,13 +196,19 @@ impl Mailroom {
         }
     }
 
-    /// The application's streak of close pulls at `now` ([`Streak::at`]): how long it has
-    /// been pulling no more than [`CLOSE_PULL_GAP`] apart, and how long ago it last pulled.
-    /// Every control frame that reaches the inner engine meanwhile is sorted by its next pull
+    /// The application's streak of close pulls ([`Streak::live_at`] tells, at a time, how long
+    /// its timed pulls have come no more than [`PULL_STREAK_GAP`] apart and how long ago it
+    /// last pulled; `None` when it has not pulled within that gap). Every control frame that reaches the inner engine meanwhile is sorted by its next pull
     /// and handled on its thread (or the reactor is woken when no pass can run there), so
     /// the reactor thread, idle, need not look for itself.
+    pub(crate) fn pulls(&self) -> Arc<Streak> {
+        Arc::clone(&self.pulls)
+    }
+
+    /// [`Self::pulls`] at `now`.
+    #[cfg(test)]
     pub(crate) fn pull_streak(&self, now: Instant) -> Option<(Duration, Duration)> {
-        self.pulls.at(now)
+        self.pulls.live_at(now)
     }
 
     /// Whether the application pulled since the reactor thread last asked (and forgets it).

@@ -8,9 +8,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Events at most `gap` apart, timed from an epoch; or, for a streak whose allowed gap grows
-/// ([`Self::growing`]), at most as far apart as the streak has run so far, from `gap` up to
-/// `longest_gap`.
+/// Events at most as far apart as the streak has run so far, from `gap` up to `longest_gap`
+/// (a fixed gap when the two are equal), timed from an epoch.
 #[derive(Debug)]
 pub(crate) struct Streak {
     gap: Duration,
@@ -23,11 +22,6 @@ pub(crate) struct Streak {
 }
 
 impl Streak {
-    /// No streak yet; events more than `gap` apart start a new one.
-    pub(crate) fn new(gap: Duration) -> Self {
-        Self::growing(gap, gap)
-    }
-
     /// No streak yet; an event extends the streak when it comes no later after the previous one
     /// than the streak had run by then, and at least `gap`, at most `longest_gap`, after it.
     /// A streak earns the gaps it tolerates: a single event is followed by `gap` only, a long
@@ -48,16 +42,22 @@ impl Streak {
     pub(crate) fn note(&self, now: Instant) {
         let now = self.since_epoch(now);
         let before = self.latest.swap(now, Ordering::AcqRel);
-        let allowed = if self.longest_gap > self.gap {
-            // A racing note may have stored a newer `first`: a run of 0, the shortest gap.
-            Duration::from_nanos(before.saturating_sub(self.first.load(Ordering::Acquire)))
-                .clamp(self.gap, self.longest_gap)
-        } else {
-            self.gap
-        };
-        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > allowed {
+        // A racing note may have stored a newer `first`: a run of 0, the shortest gap.
+        let run = Duration::from_nanos(before.saturating_sub(self.first.load(Ordering::Acquire)));
+        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > self.allowed_gap(run) {
             self.first.store(now, Ordering::Release);
         }
+    }
+
+    /// The longest gap after which an event still extends a streak that has run `run`.
+    pub(crate) fn allowed_gap(&self, run: Duration) -> Duration {
+        run.clamp(self.gap, self.longest_gap)
+    }
+
+    /// As [`Self::at`], but `None` once the latest event is more than the allowed gap ago:
+    /// the streak is over (its next event starts a new one).
+    pub(crate) fn live_at(&self, now: Instant) -> Option<(Duration, Duration)> {
+        self.at(now).filter(|&(run, since)| since <= self.allowed_gap(run))
     }
 
     /// Ends the streak (the next event starts a new one); true when one was running.
@@ -104,7 +104,7 @@ mod tests {
 
     #[test]
     fn events_within_the_gap_extend_the_streak_and_a_longer_gap_starts_a_new_one() {
-        let s = Streak::new(us(50));
+        let s = Streak::growing(us(50), us(50));
         let t0 = s.epoch() + us(1000);
         assert_eq!(s.at(t0), None, "no event yet");
         s.note(t0);
@@ -147,8 +147,25 @@ mod tests {
     }
 
     #[test]
-    fn a_fixed_streak_is_a_growing_one_whose_longest_gap_is_its_gap() {
-        let s = Streak::new(us(50));
+    fn a_live_streak_is_one_whose_latest_event_is_within_its_allowed_gap() {
+        let s = Streak::growing(us(100), us(200));
+        let t0 = s.epoch() + us(10);
+        assert_eq!(s.live_at(t0), None, "no event yet");
+        s.note(t0);
+        assert_eq!(s.live_at(t0 + us(100)), Some((Duration::ZERO, us(100))));
+        assert_eq!(s.live_at(t0 + us(101)), None, "a lone event: over after the shortest gap");
+        for i in 1..=10 {
+            s.note(t0 + us(50 * i));
+        }
+        let last = t0 + us(500);
+        assert_eq!(s.live_at(last + us(200)), Some((us(500), us(200))));
+        assert_eq!(s.live_at(last + us(201)), None, "never beyond the longest gap");
+        assert_eq!(s.at(last + us(201)), Some((us(500), us(201))), "at() still tells how it ran");
+    }
+
+    #[test]
+    fn a_streak_whose_longest_gap_is_its_gap_tolerates_no_more_however_long_it_ran() {
+        let s = Streak::growing(us(50), us(50));
         let t0 = s.epoch() + us(10);
         for i in 0..=10 {
             s.note(t0 + us(40 * i));
@@ -159,7 +176,7 @@ mod tests {
 
     #[test]
     fn an_ended_streak_is_none_until_the_next_event_starts_another() {
-        let s = Streak::new(us(50));
+        let s = Streak::growing(us(50), us(50));
         assert!(!s.end(), "nothing to end");
         let t0 = s.epoch() + us(10);
         s.note(t0);

@@ -19,6 +19,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
       -> {"state": "DONE"|"ERR", "seconds": t}
   {"op": "wait_ready", "n": K}               wait until K peers may take the bounce path
   {"op": "params", "backend": B}             -> {"params": {...}} (live backend params)
+  {"op": "wakeups"}                           -> {"wakeups": W} (its reactor threads' wake-ups)
   {"op": "stage_serve", "from": A, "n": N, "size": S, "seed": L, "stage_off": O, "count": K}
       hand staging (VRAM benchmarks): K times, wait for notif "staged" from A, scatter the
       staging area at buffer+O to Scattered(N, S, L)'s slots with torch, answer "scattered"
@@ -147,6 +148,7 @@ def main():
         "write": write,
         "wait_ready": lambda cmd: nixlkit.wait_ready(ag, cmd.get("n", 1)),
         "params": lambda cmd: {"params": nixlkit.live_params(ag, cmd.get("backend", "BOUNCE"))},
+        "wakeups": lambda cmd: {"wakeups": sum(nixlkit.reactor_wakeups().values())},
         "stage_serve": stage_serve,
         "dereg": lambda cmd: [ag.deregister_memory(regs.pop()) for _ in list(regs)] and None,
     }, idle=poll, active=lambda: ag is not None)

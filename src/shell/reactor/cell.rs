@@ -128,6 +128,35 @@ impl Cell {
         self.wakes.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// How long the reactor thread may sleep beside the application's close pulls now
+    /// ([`pace::beside_puller`]).
+    fn beside_puller(&self, now: Instant, idle_park: Duration) -> Duration {
+        pace::beside_puller(self.pulls.as_ref().and_then(|p| p.live_at(now)), idle_park)
+    }
+
+    /// Sleeps `at_least` (a stand-down, or the wait for an application's pass to let go of the
+    /// driver), or longer beside an application pulling closely when nothing is in flight: its
+    /// pulls hand every control frame to a pass on its thread, and the stand-down that ended
+    /// (or the lock found taken) meant only that its thread had just driven one. Waking at the
+    /// end of each such short wait to find the puller still there cost a target's reactor
+    /// thread two wake-ups a millisecond beside an application spinning on `getNotifs` (issue
+    /// 12). The longer sleep is an idle park: a pass that leaves work in flight wakes it.
+    fn sleep_beside_puller(&self, at_least: Duration, idle_park: Duration) {
+        let beside = if self.busy.load(Ordering::Acquire) {
+            Duration::ZERO
+        } else {
+            self.beside_puller(Instant::now(), idle_park)
+        };
+        if beside > at_least {
+            self.parked_idle.store(true, Ordering::Release);
+            std::thread::park_timeout(beside);
+            self.parked_idle.store(false, Ordering::Release);
+        } else {
+            std::thread::park_timeout(at_least);
+        }
+        self.woke();
+    }
+
     /// No application thread drives any more: the reactor thread stops standing down. True
     /// when it was (it may be parked for that, and wants waking).
     pub(super) fn resign(&self) -> bool {
@@ -170,15 +199,13 @@ impl Cell {
         let mut activity_seen = 0;
         while !stop.load(Ordering::Acquire) {
             if let Some(left) = self.standing_down(Instant::now()) {
-                std::thread::park_timeout(left);
-                self.woke();
+                self.sleep_beside_puller(left, idle_park);
                 continue;
             }
             // An application thread in a pass does this pass's work: leave it the driver rather
             // than queue behind it (and be woken late when it lets go).
             let Some(mut g) = self.driver.try_lock() else {
-                std::thread::park_timeout(STAND_DOWN);
-                self.woke();
+                self.sleep_beside_puller(STAND_DOWN, idle_park);
                 continue;
             };
             let pass = g.as_mut().map(|d| {
@@ -186,7 +213,7 @@ impl Cell {
                 let now = Instant::now();
                 let busy = d.busy();
                 self.busy.store(busy, Ordering::Release);
-                let beside = pace::beside_puller(d.data.app_pull_streak(now), idle_park);
+                let beside = self.beside_puller(now, idle_park);
                 let activity = d.peer_activity();
                 let addressed = activity != activity_seen;
                 activity_seen = activity;

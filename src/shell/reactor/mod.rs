@@ -167,6 +167,10 @@ struct Cell {
     /// lock it found taken, its alarm): on a small host each costs a core for a while, whatever
     /// the thread then does.
     wakes: AtomicU64,
+    /// The application's pulls of the inner engine's notifications (the data path's
+    /// [`DataPath::app_pull_streak`]), read without the driver: beside an application pulling
+    /// closely the reactor thread sleeps whether or not it could take the driver.
+    pulls: Option<Arc<Streak>>,
 }
 
 struct InFlightWrite {
@@ -401,6 +405,7 @@ impl Reactor {
             app_polls: AppPolls::default(),
         };
         let session = d.session;
+        let pulls = d.data.app_pull_streak();
         let cell = Arc::new(Cell {
             any_thread: d.copiers.any_thread(),
             own_socket: d.control.own_socket(),
@@ -413,6 +418,7 @@ impl Reactor {
             epoch: Instant::now(),
             poisoned: AtomicBool::new(false),
             wakes: AtomicU64::new(0),
+            pulls,
         });
         let (stop2, cell2, shared2) = (Arc::clone(&stop), Arc::clone(&cell), Arc::clone(&shared));
         let idle_park = config.idle_park;
