@@ -140,8 +140,9 @@ impl Cell {
     /// (or the lock found taken) meant only that its thread had just driven one. Waking at the
     /// end of each such short wait to find the puller still there cost a target's reactor
     /// thread two wake-ups a millisecond beside an application spinning on `getNotifs` (issue
-    /// 12). The longer sleep is an idle park: a pass that leaves work in flight wakes it.
-    fn sleep_beside_puller(&self, at_least: Duration, idle_park: Duration) {
+    /// 12). The longer sleep is an idle park: a pass that leaves work in flight wakes it, and
+    /// so does a frame on the control channel's own socket (`alarm`, ZMQ).
+    fn sleep_beside_puller(&self, at_least: Duration, idle_park: Duration, alarm: Option<&Alarm>) {
         let beside = if self.busy.load(Ordering::Acquire) {
             Duration::ZERO
         } else {
@@ -149,7 +150,10 @@ impl Cell {
         };
         if beside > at_least {
             self.parked_idle.store(true, Ordering::Release);
-            std::thread::park_timeout(beside);
+            match alarm {
+                Some(a) => a.wait(beside),
+                None => std::thread::park_timeout(beside),
+            }
             self.parked_idle.store(false, Ordering::Release);
         } else {
             std::thread::park_timeout(at_least);
@@ -199,13 +203,13 @@ impl Cell {
         let mut activity_seen = 0;
         while !stop.load(Ordering::Acquire) {
             if let Some(left) = self.standing_down(Instant::now()) {
-                self.sleep_beside_puller(left, idle_park);
+                self.sleep_beside_puller(left, idle_park, alarm);
                 continue;
             }
             // An application thread in a pass does this pass's work: leave it the driver rather
             // than queue behind it (and be woken late when it lets go).
             let Some(mut g) = self.driver.try_lock() else {
-                self.sleep_beside_puller(STAND_DOWN, idle_park);
+                self.sleep_beside_puller(STAND_DOWN, idle_park, alarm);
                 continue;
             };
             let pass = g.as_mut().map(|d| {
