@@ -1633,13 +1633,15 @@ fn an_idle_reactor_thread_sleeps_beside_an_application_pulling_closely() {
     // A transfer first: the target's idle ramp starts over from its last activity.
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Ok(()));
-    let passes_in = |window: Duration, pull: bool| {
+    let mut gaps = Gaps::new(crate::shell::mailroom::PULL_STREAK_GAP);
+    let mut passes_in = |window: Duration, pull: bool| {
         let before = polls.load(Ordering::Relaxed);
         let end = Instant::now() + window;
         while Instant::now() < end {
             if pull {
                 // An application spinning on getNotifs (a sleep could overshoot the gap).
                 pulls.note(Instant::now());
+                gaps.event();
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_millis(1));
@@ -1653,10 +1655,14 @@ fn an_idle_reactor_thread_sleeps_beside_an_application_pulling_closely() {
     // Alone, 40 ms after activity, its parks are a 256th of the time since (at most ~320 us):
     // 125 passes and more (about 370 measured). Beside the puller, parks as long as the pulls
     // have run (to 1 ms): ~10 in the first 2 ms, then one a millisecond (about 40 measured).
-    // The bounds leave room for a loaded machine, where a puller kept off its core for more
-    // than the gap ends its streak for a while.
-    assert!(beside <= 120, "{beside} passes in {window:?} beside a closely pulling application");
-    assert!(alone >= 3 * beside, "alone {alone} passes, beside the puller {beside}");
+    // On a loaded machine a puller kept off its core for longer than the gap ends its streak
+    // for a while: each such gap is allowed a few passes more.
+    let (alone, beside) = (alone as u64, beside as u64);
+    let most = gaps.allowance(window) + 10;
+    assert!(beside <= most, "{beside} passes in {window:?} beside a closely pulling application ({gaps:?})");
+    // Alone it looks three times as often as beside a puller that was never kept off its core.
+    let unbroken = most - 6 * gaps.broken;
+    assert!(alone >= 3 * beside.min(unbroken), "alone {alone} passes, beside the puller {beside} ({gaps:?})");
     // A transfer while the application pulls (and, here, hands nothing on): the reactor
     // thread's looks, at most a longest park apart, carry it.
     let mut dst2 = vec![0xEE; dst.len()];
@@ -1698,11 +1704,13 @@ fn beside_a_puller_that_drives_now_and_then_the_reactor_thread_sleeps_its_longes
         pulls.note(Instant::now());
         spin(Duration::from_micros(5));
     }
+    let mut gaps = Gaps::new(crate::shell::mailroom::PULL_STREAK_GAP);
     let (start, before) = (Instant::now(), wakes());
     let mut passes = 0;
     while start.elapsed() < Duration::from_millis(60) {
         for _ in 0..15 {
             pulls.note(Instant::now());
+            gaps.event();
             spin(Duration::from_micros(5));
         }
         // The pass a WANT costs: checked, scattered, answered (40 us here), holding the driver.
@@ -1715,9 +1723,9 @@ fn beside_a_puller_that_drives_now_and_then_the_reactor_thread_sleeps_its_longes
     }
     let woke = wakes() - before;
     // About one a millisecond: 58-59 in 60 ms (about 510 passes), 109-123 when the reactor
-    // thread woke at the end of each short wait; more on a loaded machine (a puller kept off
-    // its core for longer than the gap ends its streak for a while).
-    assert!(woke * 6 <= passes, "the reactor thread woke {woke} times beside {passes} passes");
+    // thread woke at the end of each short wait.
+    let most = gaps.allowance(start.elapsed());
+    assert!(woke <= most, "the reactor thread woke {woke} times beside {passes} passes ({gaps:?})");
 }
 
 /// Once its transfer is done, the initiator's reactor thread parks the longest at once: nothing
@@ -1770,22 +1778,58 @@ fn a_pollers_short_gaps_between_transfers_keep_the_reactor_thread_standing_down(
     let net = MemNet::default();
     let a = Side::start("a", 11, &cfg, &net);
     let wakes = || a.reactor.cell.wakes.load(Ordering::Relaxed);
-    let start = Instant::now();
-    let before = wakes();
+    let mut gaps = Gaps::new(LONGEST_DRIVING_GAP);
+    let (start, before) = (Instant::now(), wakes());
     let mut cycles = 0;
     while start.elapsed() < Duration::from_millis(60) {
         for _ in 0..20 {
             let _ = a.reactor.drive();
+            gaps.event();
             spin(Duration::from_micros(10));
         }
         spin(Duration::from_micros(80));
         cycles += 1;
     }
     let woke = wakes() - before;
-    // About one wake a millisecond now (the longest stand-down), a few more where this thread
-    // was descheduled for longer than the longest gap (a loaded machine). With a fixed 50 us
-    // gap: two or three a cycle, each stand-down cut short by the next run's start.
-    assert!(woke <= cycles / 2, "the reactor thread woke {woke} times in {cycles} cycles of driving");
+    // About one wake a millisecond (the longest stand-down): 58-61 in 60 ms. With a fixed
+    // 50 us gap two or three a cycle (421-422), each stand-down cut short by the next run.
+    let most = gaps.allowance(start.elapsed());
+    assert!(woke <= most, "the reactor thread woke {woke} times in {cycles} cycles of driving ({gaps:?})");
+}
+
+/// The gaps a test's spinning thread left between its events: on a loaded machine it is kept
+/// off its core now and then, for longer than a streak tolerates, and each such gap may cost
+/// the reactor thread a few wake-ups (a new run, a short stand-down) that are no fault of the
+/// pacing under test.
+#[derive(Debug)]
+struct Gaps {
+    longest: Duration,
+    last: Option<Instant>,
+    broken: u64,
+}
+
+impl Gaps {
+    fn new(longest: Duration) -> Self {
+        Self { longest, last: None, broken: 0 }
+    }
+
+    fn event(&mut self) {
+        let now = Instant::now();
+        if self.last.is_some_and(|t| now.saturating_duration_since(t) > self.longest) {
+            self.broken += 1;
+        }
+        self.last = Some(now);
+    }
+
+    /// The wake-ups a reactor thread that sleeps its longest (1 ms) beside the events may take
+    /// in `elapsed`: one a millisecond and half as many more (its own wake-ups come late on a
+    /// busy machine, and a wait cut short by a pass may follow), a few for each broken streak,
+    /// and a handful to start. (A machine loaded beyond the test suite's own threads, two CPU
+    /// hogs on 2 cores, starves the events themselves and can exceed it.)
+    fn allowance(&self, elapsed: Duration) -> u64 {
+        let ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+        ms + ms / 2 + 6 * self.broken + 5
+    }
 }
 
 /// A peer floods us over a channel read without a budget (as UCX's is): a pass run on the
