@@ -1,5 +1,6 @@
-//! A streak: a run of events none more than a gap after the one before, such as an
-//! application's pulls of the inner engine or its pollers' reactor passes. Any thread notes an
+//! A streak: a run of events none more than a gap after the one before (a gap that may grow
+//! with the run: [`Streak::growing`]), such as an application's pulls of the inner engine or
+//! its pollers' reactor passes. Any thread notes an
 //! event and any other reads the streak, with two atomics and no lock, since the application's
 //! `getNotifs` notes one at every call. The reactor thread stays away from the application's
 //! threads while such a streak runs, for longer the longer it has run
