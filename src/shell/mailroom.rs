@@ -58,6 +58,7 @@ pub(crate) const PULL_STREAK_GAP: Duration = Duration::from_micros(200);
 pub(crate) fn close_pulls() -> Streak {
     Streak::growing(PULL_STREAK_GAP, PULL_STREAK_GAP)
 }
+
 /// The application's pulls whose time is taken for the streak: one in this many (and the first
 /// after each look of the reactor thread). A clock read at every pull cost an empty `getNotifs`
 /// 4-6% (25-30 ns of 0.55 us on the 2-core machine). An application spinning on `getNotifs`
@@ -198,9 +199,10 @@ impl Mailroom {
 
     /// The application's streak of close pulls ([`Streak::live_at`] tells, at a time, how long
     /// its timed pulls have come no more than [`PULL_STREAK_GAP`] apart and how long ago it
-    /// last pulled; `None` when it has not pulled within that gap). Every control frame that reaches the inner engine meanwhile is sorted by its next pull
-    /// and handled on its thread (or the reactor is woken when no pass can run there), so
-    /// the reactor thread, idle, need not look for itself.
+    /// last pulled; `None` when it has not pulled within that gap). Every control frame that
+    /// reaches the inner engine meanwhile is sorted by its next pull and handled on its thread
+    /// (or the reactor is woken when no pass can run there), so the reactor thread, idle, need
+    /// not look for itself.
     pub(crate) fn pulls(&self) -> Arc<Streak> {
         Arc::clone(&self.pulls)
     }

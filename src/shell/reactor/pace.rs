@@ -191,8 +191,9 @@ pub(super) fn driving_streak() -> crate::shell::streak::Streak {
 }
 
 /// How long after the application's latest pass the reactor thread stands down, given that its
-/// threads have been driving for `run` without a gap longer than [`STAND_DOWN`]: as long as that
-/// run, from [`STAND_DOWN`] up to `longest` (`bounce_idle_park_us`).
+/// threads have been driving for `run` without a gap longer than the run allowed
+/// ([`driving_streak`]): as long as that run, from [`STAND_DOWN`] up to `longest`
+/// (`bounce_idle_park_us`).
 ///
 /// Why it grows: while a poller drives, the reactor thread has nothing to do, and each of its
 /// wake-ups to look costs a core for a while. On the 2-core machine a reactor that looked every
