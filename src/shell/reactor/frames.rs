@@ -1,6 +1,7 @@
 //! Control frames in and out: decoding and admitting a peer's frame (its session, one way or two
 //! way) before the core sees it, and sending the core's frames over the control channel.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use bounce_proto::PeerId;
@@ -182,7 +183,7 @@ impl Driver {
     pub(super) fn send_control(&mut self, name: &str, bytes: &[u8]) -> Result<(), ControlError> {
         let stats = &self.shared.stats;
         Stats::bump(&stats.control_sent);
-        stats.control_sent_bytes.fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        stats.control_sent_bytes.fetch_add(bytes.len() as u64, Relaxed);
         self.control.send(name, bytes)
     }
 

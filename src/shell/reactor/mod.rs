@@ -165,7 +165,8 @@ struct Cell {
     poisoned: AtomicBool,
     /// How many times the reactor thread came back from a sleep (an idle park, a stand-down, a
     /// lock it found taken, its alarm): on a small host each costs a core for a while, whatever
-    /// the thread then does.
+    /// the thread then does. Counted for the tests only.
+    #[cfg(test)]
     wakes: AtomicU64,
     /// The application's pulls of the inner engine's notifications (the data path's
     /// [`DataPath::app_pull_streak`]), read without the driver: beside an application pulling
@@ -417,6 +418,7 @@ impl Reactor {
             longest_stand_down: config.idle_park,
             epoch: Instant::now(),
             poisoned: AtomicBool::new(false),
+            #[cfg(test)]
             wakes: AtomicU64::new(0),
             pulls,
         });

@@ -216,9 +216,9 @@ pub(super) fn stand_down_left((run, since): (Duration, Duration), longest: Durat
 
 /// How long an idle reactor thread may sleep beside an application pulling the inner engine's
 /// notifications closely, given its live `streak` of pulls (how long it has pulled closely, how
-/// long ago it last pulled; `None` once its latest pull is further back than its streak's gap,
-/// `Mailroom::pull_streak`): as long as a poller that drove that long makes it stand down
-/// ([`stand_down`]), from the latest pull.
+/// long ago it last pulled; `None` once its latest pull is further back than its streak's gap:
+/// `Streak::live_at` of `Mailroom::pulls`): as long as a poller that drove that long makes it
+/// stand down ([`stand_down`]), from the latest pull.
 ///
 /// Why: such an application's pull sorts every control frame that reaches the inner engine and
 /// hands it to a pass on its own thread (or wakes the reactor thread when none can run there),
