@@ -39,13 +39,35 @@ impl Streak {
 
     /// An event at `now`: it extends the streak when the previous one is at most the allowed
     /// gap ago (`gap`, or for a growing streak the run up to the previous event, clamped to
-    /// `gap..=longest_gap`), else starts a new one.
+    /// `gap..=longest_gap`). Else it starts a new one: from the previous event when that is at
+    /// most `longest_gap` ago, so the new run counts the gap it came back after and tolerates
+    /// the next one as long; from `now` when it is further back.
+    ///
+    /// Why a gap within `longest_gap` is counted: events that come back at a steady rhythm
+    /// longer than the run between two of them (a Python application that spends 120 us of its
+    /// own between small transfers of 100 us each) would otherwise start a new run at every
+    /// gap, and never earn the gap they keep; a reactor standing down beside them took three
+    /// wake-ups a transfer where one a millisecond was due (issue 12). An event after a longer
+    /// silence earns nothing: a single check still holds the reactor thread off only `gap`.
     pub(crate) fn note(&self, now: Instant) {
         let now = self.since_epoch(now);
         let before = self.latest.swap(now, Ordering::AcqRel);
         // A racing note may have stored a newer `first`: a run of 0, the shortest gap.
         let run = Duration::from_nanos(before.saturating_sub(self.first.load(Ordering::Acquire)));
-        if before == 0 || Duration::from_nanos(now.saturating_sub(before)) > self.allowed_gap(run) {
+        let gap = Duration::from_nanos(now.saturating_sub(before));
+        if before == 0 || gap > self.longest_gap {
+            self.first.store(now, Ordering::Release);
+        } else if gap > self.allowed_gap(run) {
+            self.first.store(before, Ordering::Release);
+        }
+    }
+
+    /// An event at `now` that continues the streak whatever the gap since the previous one
+    /// (the events' source was busy throughout, as an application in a pass that began with a
+    /// [`Self::note`]); it starts a new one only when there is none (ended meanwhile).
+    pub(crate) fn hold(&self, now: Instant) {
+        let now = self.since_epoch(now);
+        if self.latest.swap(now, Ordering::AcqRel) == 0 {
             self.first.store(now, Ordering::Release);
         }
     }
@@ -126,23 +148,24 @@ mod tests {
         let s = Streak::growing(us(50), us(200));
         let t0 = s.epoch() + us(1000);
         s.note(t0);
-        // Run 0 so far: only the shortest gap extends it.
+        // Run 0 so far: only the shortest gap extends it. A longer one, no longer than the
+        // longest, starts a new run that counts the gap it came back after.
         s.note(t0 + us(60));
-        assert_eq!(s.at(t0 + us(60)), Some((Duration::ZERO, Duration::ZERO)), "60 us after a lone event: a new streak");
-        // 40 us steps for 120 us, then a gap of 100 us: within the run so far (120 us).
+        assert_eq!(s.at(t0 + us(60)), Some((us(60), Duration::ZERO)), "60 us after a lone event: a new run of 60 us");
+        // 40 us steps for 120 us, then a gap of 100 us: within the run so far (180 us).
         for i in 1..=3 {
             s.note(t0 + us(60 + 40 * i));
         }
         s.note(t0 + us(280));
-        assert_eq!(s.at(t0 + us(280)), Some((us(220), Duration::ZERO)));
+        assert_eq!(s.at(t0 + us(280)), Some((us(280), Duration::ZERO)));
         // A longer run tolerates no more than the longest gap: 201 us starts anew even now.
         for i in 1..=20 {
             s.note(t0 + us(280 + 40 * i));
         }
         let last = t0 + us(1080);
-        assert_eq!(s.at(last), Some((us(1020), Duration::ZERO)));
+        assert_eq!(s.at(last), Some((us(1080), Duration::ZERO)));
         s.note(last + us(200));
-        assert_eq!(s.at(last + us(200)), Some((us(1220), Duration::ZERO)), "200 us: still the same run");
+        assert_eq!(s.at(last + us(200)), Some((us(1280), Duration::ZERO)), "200 us: still the same run");
         s.note(last + us(401));
         assert_eq!(s.at(last + us(401)), Some((Duration::ZERO, Duration::ZERO)), "201 us: a new run");
     }
@@ -173,6 +196,43 @@ mod tests {
         }
         s.note(t0 + us(400 + 51));
         assert_eq!(s.at(t0 + us(451)), Some((Duration::ZERO, Duration::ZERO)), "a long run earns no longer gap");
+    }
+
+    #[test]
+    fn events_back_at_a_steady_rhythm_longer_than_their_runs_keep_one_streak_after_the_first_gap() {
+        // Runs of 100 us (checks 10 us apart) with 150 us between them: the first gap is
+        // longer than the run before it and starts a new run, which counts that gap; from then
+        // on every gap is within the run.
+        let s = Streak::growing(us(50), us(200));
+        let t0 = s.epoch() + us(10);
+        let mut t = t0;
+        let mut firsts = Vec::new();
+        for _ in 0..5 {
+            for i in 0..=10 {
+                s.note(t + us(10 * i));
+            }
+            let (run, _) = s.at(t + us(100)).unwrap();
+            firsts.push(t + us(100) - run);
+            t += us(250);
+        }
+        assert_eq!(firsts[0], t0);
+        assert_eq!(firsts[1], t0 + us(100), "the first gap began a run from the event before it");
+        assert!(firsts[2..].iter().all(|&f| f == firsts[1]), "one run from then on: {firsts:?}");
+    }
+
+    #[test]
+    fn holding_continues_the_streak_across_any_gap_and_starts_one_only_when_none_runs() {
+        let s = Streak::growing(us(50), us(200));
+        let t0 = s.epoch() + us(10);
+        s.hold(t0);
+        assert_eq!(s.at(t0), Some((Duration::ZERO, Duration::ZERO)), "none ran: a new one");
+        s.note(t0 + us(20));
+        // A pass of 500 us that began with the note: the source was busy throughout.
+        s.hold(t0 + us(520));
+        assert_eq!(s.at(t0 + us(520)), Some((us(520), Duration::ZERO)));
+        assert!(s.end());
+        s.hold(t0 + us(600));
+        assert_eq!(s.at(t0 + us(600)), Some((Duration::ZERO, Duration::ZERO)));
     }
 
     #[test]

@@ -69,6 +69,7 @@ impl Reactor {
             return None;
         }
         let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
+        self.cell.driving_from(Instant::now());
         // A pass on the application's call handles a bounded batch of frames: a peer flooding
         // us must not hold that call for the whole flood.
         let budget = d.control_budget.min(SOCKET_POLL_BATCH);
@@ -169,11 +170,20 @@ impl Cell {
         self.driving.end()
     }
 
-    /// An application thread's pass ended at `now`: the reactor thread stands down from here
-    /// ([`Self::standing_down`]). A pass more than [`STAND_DOWN`] after the previous one (or
-    /// after a resignation) starts a new run of driving.
-    pub(super) fn drove(&self, now: Instant) {
+    /// An application thread's pass begins at `now`. One that begins longer after the previous
+    /// pass ended than the run of driving tolerates ([`pace::driving_streak`]), or after a
+    /// resignation, starts a new run.
+    pub(super) fn driving_from(&self, now: Instant) {
         self.driving.note(now);
+    }
+
+    /// An application thread's pass ended at `now`: the reactor thread stands down from here
+    /// ([`Self::standing_down`]). The run holds through the pass however long it took: the gaps
+    /// a run tolerates are the application's absences, and a post's pass (its gather, WANT and
+    /// send) counted as one ended the runs of a Python application whose own work between
+    /// transfers was shorter than the run allowed.
+    pub(super) fn drove(&self, now: Instant) {
+        self.driving.hold(now);
     }
 
     /// How much longer the reactor thread stands down, if an application thread drove lately:

@@ -1526,6 +1526,7 @@ fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
     // its latest pass, not 50.
     let from = t0 + us(1000);
     for i in 0..=20 {
+        cell.driving_from(from + us(20 * i));
         cell.drove(from + us(20 * i));
     }
     let last = from + us(400);
@@ -1534,18 +1535,27 @@ fn the_reactor_thread_stands_down_only_just_after_a_poller_drove() {
     // A run tolerates gaps as long as it has run, up to LONGEST_DRIVING_GAP: a pass 60 us
     // after the latest continues this 400 us run (a Python poller's bookkeeping between two
     // transfers), and the stand-down grows with it.
-    cell.drove(last + us(60));
-    assert_eq!(cell.standing_down(last + us(70)), Some(us(450)));
-    // A longer gap ends the run: the next pass starts a new one.
-    let next = last + us(60) + LONGEST_DRIVING_GAP + us(1);
+    cell.driving_from(last + us(60));
+    cell.drove(last + us(65));
+    assert_eq!(cell.standing_down(last + us(75)), Some(us(455)));
+    // The run holds through a pass however long it takes: a 300 us pass is no gap.
+    cell.driving_from(last + us(100));
+    cell.drove(last + us(400));
+    assert_eq!(cell.standing_down(last + us(400)), Some(us(800)));
+    // A gap longer than the longest ends the run: the next pass starts a new one, and a
+    // single check does not hold the reactor thread off a poller that then went away.
+    let next = last + us(400) + LONGEST_DRIVING_GAP + us(1);
+    cell.driving_from(next);
     cell.drove(next);
     assert_eq!(cell.standing_down(next + us(10)), Some(STAND_DOWN - us(10)));
-    // A run that has only just started tolerates only STAND_DOWN: a single check does not
-    // hold the reactor thread off a poller that then went away.
-    cell.drove(next + STAND_DOWN + us(1));
-    assert_eq!(cell.standing_down(next + STAND_DOWN + us(11)), Some(STAND_DOWN - us(10)));
+    // A pass back after a shorter gap, longer than that run tolerates, starts a new run that
+    // counts the gap: the reactor thread stands down as long again.
+    cell.driving_from(next + us(120));
+    cell.drove(next + us(125));
+    assert_eq!(cell.standing_down(next + us(135)), Some(us(115)));
     // Never longer than the longest idle park, however long the run.
     for i in 0..=500 {
+        cell.driving_from(t0 + Duration::from_millis(10) + us(20 * i));
         cell.drove(t0 + Duration::from_millis(10) + us(20 * i));
     }
     assert_eq!(cell.standing_down(t0 + Duration::from_millis(20)), Some(Duration::from_millis(1)));
