@@ -72,6 +72,37 @@ def register(ag, arr, backend="BOUNCE"):
     return ag.register_memory(descs, backends=[backend])
 
 
+class Gaps:
+    """The gaps a spinning application left between its calls into the plugin (from one call's
+    return to the next call): on a loaded machine it is kept off its core now and then, for
+    longer than a run of driving tolerates (`longest_s`), and each such gap may cost its
+    reactor thread a few wake-ups (a new run, a short stand-down) that are no fault of the
+    pacing under test. The reactor tests' `Gaps`."""
+
+    def __init__(self, longest_s):
+        self.longest_s, self.left_at, self.broken = longest_s, None, 0
+
+    def back(self):
+        """The application calls into the plugin again."""
+        if self.left_at is not None and time.perf_counter() - self.left_at > self.longest_s:
+            self.broken += 1
+
+    def left(self):
+        """The application's call returned."""
+        self.left_at = time.perf_counter()
+
+    def allowance(self, elapsed_s):
+        """The wake-ups a reactor thread that sleeps its longest (1 ms) beside the calls may take
+        in `elapsed_s`: one a millisecond and half as many more (its own wake-ups come late on a
+        busy machine, and a wait cut short by a pass may follow), a few for each broken run, and
+        a handful to start."""
+        ms = int(elapsed_s * 1e3)
+        return ms + ms // 2 + 6 * self.broken + 5
+
+    def __repr__(self):
+        return f"Gaps(broken={self.broken} over {self.longest_s * 1e6:.0f} us)"
+
+
 class VramBuf:
     """A GPU buffer (a torch uint8 tensor) with the few numpy-like operations the helpers use:
     `nbytes`, `fill` from a host pattern, `host()` to copy it back, `tofile`."""
