@@ -73,23 +73,22 @@ def register(ag, arr, backend="BOUNCE"):
 
 
 class Gaps:
-    """The gaps a spinning application left between its calls into the plugin (from one call's
-    return to the next call): on a loaded machine it is kept off its core now and then, for
-    longer than a run of driving tolerates (`longest_s`), and each such gap may cost its
-    reactor thread a few wake-ups (a new run, a short stand-down) that are no fault of the
-    pacing under test. The reactor tests' `Gaps`."""
+    """The gaps a spinning application left between its calls into the plugin: on a loaded
+    machine it is kept off its core now and then, for longer than a run of driving tolerates
+    (`longest_s`), and each such gap may cost its reactor thread a few wake-ups (a new run, a
+    short stand-down) that are no fault of the pacing under test. Timed from one call's start to
+    the next's: a call kept off its core, or waiting in the plugin, is as absent from the run
+    of driving as the application between calls. The reactor tests' `Gaps`."""
 
     def __init__(self, longest_s):
-        self.longest_s, self.left_at, self.broken = longest_s, None, 0
+        self.longest_s, self.last, self.broken = longest_s, None, 0
 
-    def back(self):
-        """The application calls into the plugin again."""
-        if self.left_at is not None and time.perf_counter() - self.left_at > self.longest_s:
+    def call(self):
+        """The application calls into the plugin."""
+        now = time.perf_counter()
+        if self.last is not None and now - self.last > self.longest_s:
             self.broken += 1
-
-    def left(self):
-        """The application's call returned."""
-        self.left_at = time.perf_counter()
+        self.last = now
 
     def allowance(self, elapsed_s):
         """The wake-ups a reactor thread that sleeps its longest (1 ms) beside the calls may take
