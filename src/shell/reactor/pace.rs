@@ -185,7 +185,8 @@ pub(super) const STAND_DOWN: Duration = Duration::from_micros(50);
 pub(super) const LONGEST_DRIVING_GAP: Duration = Duration::from_micros(200);
 
 /// The streak of the application's passes the reactor thread stands down for: gaps of
-/// [`STAND_DOWN`] at first, up to [`LONGEST_DRIVING_GAP`] once the run is that long.
+/// [`STAND_DOWN`] at first, up to [`LONGEST_DRIVING_GAP`] once the run is that long; a longer
+/// gap within [`LONGEST_DRIVING_GAP`] starts a run that counts it (`Streak::note`).
 pub(super) fn driving_streak() -> crate::shell::streak::Streak {
     crate::shell::streak::Streak::growing(STAND_DOWN, LONGEST_DRIVING_GAP)
 }
