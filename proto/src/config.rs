@@ -31,6 +31,9 @@ pub struct Config {
     /// Memory of the staging arena as configured (`bounce_arena_mem`); `Auto` is resolved by
     /// the shell, which alone can see whether the process uses a GPU.
     pub arena_mem: ArenaMem,
+    /// Which GPUs get a GPU arena (`bounce_arena_gpus`); the shell resolves it against the
+    /// driver.
+    pub arena_gpus: ArenaGpus,
     /// How a GPU arena copies (`bounce_gpu_copy`).
     pub gpu_copy: GpuCopy,
     /// The memory kind whose defaults filled the options left unset (see
@@ -122,6 +125,56 @@ pub enum ArenaMem {
     Both,
 }
 
+/// Which GPUs get a GPU arena (`bounce_arena_gpus`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArenaGpus {
+    /// One, on the GPU `bounce_arena_mem` describes (the current context's, else GPU 0).
+    Current,
+    /// Every GPU the driver shows the process.
+    All,
+    /// These device ordinals, in this order: distinct, at least one, at most [`MAX_ARENA_GPUS`].
+    Listed(Vec<u16>),
+}
+
+/// Most GPUs `bounce_arena_gpus` may list: with a host arena beside them (`both`) the engine
+/// then has the wire's [`crate::types::MAX_ARENAS`] arenas.
+pub const MAX_ARENA_GPUS: usize = crate::types::MAX_ARENAS - 1;
+
+impl ArenaGpus {
+    /// Whether the application named GPUs (a list or `all`): that asks for GPU memory even
+    /// under `auto` without a current CUDA context.
+    pub fn named(&self) -> bool {
+        !matches!(self, Self::Current)
+    }
+
+    /// Parses `current`, `all` or a comma-separated list of ordinals (blanks allowed around
+    /// each); `None` for anything else, an empty list, a repeated ordinal, or more than
+    /// [`MAX_ARENA_GPUS`].
+    pub fn parse(text: &str) -> Option<Self> {
+        let t = text.trim();
+        if t.eq_ignore_ascii_case("current") {
+            return Some(Self::Current);
+        }
+        if t.eq_ignore_ascii_case("all") {
+            return Some(Self::All);
+        }
+        let mut listed: Vec<u16> = Vec::new();
+        for part in t.split(',') {
+            let part = part.trim();
+            // Digits only: no sign, no blank entry, and no overflow past u16.
+            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let ordinal: u16 = part.parse().ok()?;
+            if listed.contains(&ordinal) || listed.len() == MAX_ARENA_GPUS {
+                return None;
+            }
+            listed.push(ordinal);
+        }
+        Some(Self::Listed(listed))
+    }
+}
+
 /// How a GPU arena gathers and scatters (`bounce_gpu_copy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GpuCopy {
@@ -179,6 +232,8 @@ pub enum ConfigWarning {
         /// The param name as given.
         name: String,
     },
+    /// `bounce_arena_gpus` names GPUs but `bounce_arena_mem` is `dram`: no GPU arena is made.
+    GpusWithoutGpuArena,
     /// `bounce_max_chunk_size` was lowered to fit the arena and/or to a power of two.
     ChunkSizeAdjusted {
         /// The configured value.
@@ -197,6 +252,9 @@ impl fmt::Display for ConfigWarning {
                 write!(f, "{option}: cannot parse {value:?} from {source}; using the default {default:?}")
             }
             Self::UnknownParam { name } => write!(f, "unknown backend param {name:?} ignored"),
+            Self::GpusWithoutGpuArena => {
+                f.write_str("bounce_arena_gpus ignored: bounce_arena_mem=dram makes no GPU arena")
+            }
             Self::ChunkSizeAdjusted { requested, used, largest_region } => write!(
                 f,
                 "bounce_max_chunk_size {requested} lowered to {used} (power of two, at most the \
@@ -304,6 +362,7 @@ enum Value {
     /// The canonical (manifest-spelled) variant of an `enum:` option.
     Enum(&'static str),
     Path(String),
+    Gpus(ArenaGpus),
 }
 
 impl Config {
@@ -401,6 +460,9 @@ impl Config {
             warnings.push(ConfigWarning::ChunkSizeAdjusted { requested, used: config.max_chunk_size, largest_region });
         }
         config.validate()?;
+        if config.arena_mem == ArenaMem::Dram && config.arena_gpus.named() {
+            warnings.push(ConfigWarning::GpusWithoutGpuArena);
+        }
         Ok(Loaded { config, warnings })
     }
 
@@ -434,6 +496,10 @@ impl Config {
             Value::Enum("both") => ArenaMem::Both,
             _ => return Err(mismatch("bounce_arena_mem")),
         };
+        let arena_gpus = match get("bounce_arena_gpus")? {
+            Value::Gpus(g) => g.clone(),
+            _ => return Err(mismatch("bounce_arena_gpus")),
+        };
         let gpu_copy = match get("bounce_gpu_copy")? {
             Value::Enum("kernel") => GpuCopy::Kernel,
             Value::Enum("batched") => GpuCopy::Batched,
@@ -451,6 +517,7 @@ impl Config {
         Ok(Self {
             enabled: boolean("bounce_enable")?,
             arena_mem,
+            arena_gpus,
             gpu_copy,
             defaults_for,
             arena_size: u64_of("bounce_arena_size")?,
@@ -591,6 +658,7 @@ fn parse_value(kind: &'static str, text: &str) -> Option<Value> {
         "u64" => text.trim().parse().ok().map(Value::U64),
         "u32" => text.trim().parse().ok().map(Value::U32),
         "path" => Some(Value::Path(text.to_owned())),
+        "gpus" => ArenaGpus::parse(text).map(Value::Gpus),
         _ => {
             let variants = kind.strip_prefix("enum:")?;
             let text = text.trim();
@@ -704,6 +772,7 @@ mod tests {
                 (if spec.name == "bounce_max_chunk_size" { n / 2 } else { n.max(1) * 2 }).to_string()
             }
             "path" => "/elsewhere/libplugin_UCX.so".into(),
+            "gpus" => "1,0".into(),
             kind => {
                 let variants = kind.strip_prefix("enum:").unwrap();
                 variants.split('|').find(|v| *v != spec.default).unwrap().to_owned()
@@ -789,6 +858,7 @@ mod tests {
         let c = load(&[
             ("bounce_enable", "off"),
             ("bounce_arena_size", "1GiB"),
+            ("bounce_arena_gpus", "2,0"),
             ("bounce_arena_granularity", "1MiB"),
             ("bounce_max_chunk_size", "32M"),
             ("bounce_max_inflight_chunks", "4"),
@@ -822,6 +892,7 @@ mod tests {
         let want = Config {
             enabled: false,
             arena_mem: ArenaMem::Auto,
+            arena_gpus: ArenaGpus::Listed(vec![2, 0]),
             gpu_copy: GpuCopy::Kernel,
             defaults_for: MemKind::Dram,
             arena_size: GIB,
@@ -886,6 +957,40 @@ mod tests {
             g.warnings
         );
         assert!(load(&[("bounce_arena_mem", "tpu")]).unwrap().warnings.len() == 1);
+    }
+
+    #[test]
+    fn arena_gpus_name_the_current_gpu_all_or_a_list_of_distinct_ordinals() {
+        assert_eq!(Config::default().arena_gpus, ArenaGpus::Current);
+        let gpus = |text: &str| load(&[("bounce_arena_mem", "vram"), ("bounce_arena_gpus", text)]).unwrap();
+        for (text, want) in [
+            ("current", ArenaGpus::Current),
+            (" ALL ", ArenaGpus::All),
+            ("3", ArenaGpus::Listed(vec![3])),
+            ("1, 0 ,7", ArenaGpus::Listed(vec![1, 0, 7])),
+        ] {
+            let l = gpus(text);
+            assert_eq!((&l.config.arena_gpus, l.warnings.len()), (&want, 0), "{text:?}");
+        }
+        let fifteen = (0..15).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+        assert_eq!(ArenaGpus::parse(&fifteen).map(|g| g.named()), Some(true));
+        // Each rejected whole, with the default named: never a partial list.
+        for bad in ["", "0,,1", "0,1,0", "-1", "1.5", "gpu0", "65536", "0 1", &format!("{fifteen},15")] {
+            let l = gpus(bad);
+            assert_eq!(l.config.arena_gpus, ArenaGpus::Current, "{bad:?}");
+            assert!(
+                matches!(
+                    l.warnings.as_slice(),
+                    [ConfigWarning::Unparsable { option: "bounce_arena_gpus", default: "current", .. }]
+                ),
+                "{bad:?}: {:?}",
+                l.warnings
+            );
+        }
+        // Named GPUs with a host arena only: said, not silently dropped.
+        let d = load(&[("bounce_arena_mem", "dram"), ("bounce_arena_gpus", "0,1")]).unwrap();
+        assert_eq!(d.warnings, vec![ConfigWarning::GpusWithoutGpuArena]);
+        assert!(load(&[("bounce_arena_mem", "dram")]).unwrap().warnings.is_empty());
     }
 
     #[test]

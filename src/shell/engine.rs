@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use bounce_proto::config::{ArenaMem, Config, GpuCopy};
+use bounce_proto::config::{ArenaGpus, ArenaMem, Config, GpuCopy, MAX_ARENA_GPUS};
 use bounce_proto::gate::{self, ArenaPlace, FallbackReason, GateInput, Route};
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::peers::Loaded;
@@ -113,7 +113,8 @@ const HOST_ARENA: ArenaPlace = ArenaPlace { mem: MemKind::Dram, dev: 0 };
 /// is drop order: the reactor (thread + copy engines) stops before the arenas are deregistered.
 struct Bounce {
     reactor: Reactor,
-    /// By [`ArenaId`] (the order of our capabilities): one, or a host and a GPU arena (`both`).
+    /// By [`ArenaId`] (the order of our capabilities): one, a host and a GPU arena (`both`),
+    /// or one per GPU `bounce_arena_gpus` lists (after the host one with `both`).
     arenas: Vec<Arena>,
     /// Where each arena lives, by [`ArenaId`] (what the gate picks from): kept beside `arenas`
     /// so that every prep borrows a slice instead of collecting one.
@@ -156,10 +157,11 @@ pub(crate) struct Engine {
     plugin: InnerPlugin,
     /// What was last published to NIXL (see [`Engine::publish_changed_stats`]).
     published: Mutex<Published>,
-    /// The GPU whose memory an arena is, when `bounce_arena_mem` chose GPU memory.
-    gpu: Option<Arc<Gpu>>,
-    /// The GPU arena's options (GPU defaults for what is unset) beside a host arena under
-    /// `config` (`both`); `None` with one arena, whose options `config` holds.
+    /// The GPUs whose memory arenas are, in arena order, when `bounce_arena_mem` chose GPU
+    /// memory (one, or those `bounce_arena_gpus` lists).
+    gpus: Vec<Arc<Gpu>>,
+    /// The GPU arenas' options (GPU defaults for what is unset) beside a host arena under
+    /// `config` (`both`); `None` when every arena is of one kind, whose options `config` holds.
     gpu_config: Option<Config>,
     /// When `getNotifs` last found nothing (busy-poll detection, see [`Engine::take_notifs`]).
     last_empty_notifs: Mutex<Option<Instant>>,
@@ -207,21 +209,17 @@ impl Engine {
     pub(crate) fn create(p: &CreateParams<'_>, env: impl Fn(&str) -> Option<String>) -> Result<(Self, InnerInit)> {
         let mut loaded = Config::from_params(p.params.iter().copied(), &env)?;
         let both = loaded.config.arena_mem == ArenaMem::Both;
-        let gpu = match Self::choose_gpu(p.agent, &loaded.config) {
-            Some(gpu) if !both => {
-                // A GPU arena: the options left unset take their VRAM defaults.
-                loaded = Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?;
-                Some(gpu)
-            }
-            other => other,
-        };
+        let gpus = Self::choose_gpus(p.agent, &loaded.config);
+        if !gpus.is_empty() && !both {
+            // GPU arenas only: the options left unset take their VRAM defaults.
+            loaded = Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?;
+        }
         // `both`: the engine's options (its host arena's) keep the host defaults, the GPU
-        // arena's take the VRAM ones; the warnings of that second load are the first's.
-        let gpu_config = match (both, &gpu) {
-            (true, Some(_)) => {
-                Some(Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?.config)
-            }
-            _ => None,
+        // arenas' take the VRAM ones; the warnings of that second load are the first's.
+        let gpu_config = if both && !gpus.is_empty() {
+            Some(Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?.config)
+        } else {
+            None
         };
         for w in &loaded.warnings {
             tracing::warn!(agent = p.agent, "{w}");
@@ -256,8 +254,8 @@ impl Engine {
         // has both whatever its arena (a GPU worker that also moves host memory, a host-arena
         // engine whose process registers GPU memory). Only an engine that asked for a GPU arena
         // and got none has no bounce path at all, and so none of these.
-        let no_bounce = !config.enabled || (config.arena_mem == ArenaMem::Vram && gpu.is_none());
-        let ipc = (!no_bounce && config.cuda_ipc).then(|| IpcPaths::new(gpu.as_ref(), Arc::clone(&stats)));
+        let no_bounce = !config.enabled || (config.arena_mem == ArenaMem::Vram && gpus.is_empty());
+        let ipc = (!no_bounce && config.cuda_ipc).then(|| IpcPaths::new(&gpus, Arc::clone(&stats)));
         let cma = (!no_bounce && config.cma)
             .then(|| {
                 let cpus = std::thread::available_parallelism().ok().map(std::num::NonZeroUsize::get);
@@ -279,7 +277,7 @@ impl Engine {
             bounce: None,
             plugin,
             published: Mutex::default(),
-            gpu,
+            gpus,
             gpu_config,
             last_empty_notifs: Mutex::new(None),
             ipc,
@@ -304,7 +302,7 @@ impl Engine {
             tracing::info!(agent = self.agent, "bounce disabled by configuration: pure UCX pass-through");
             return;
         }
-        if self.config.arena_mem == ArenaMem::Vram && self.gpu.is_none() {
+        if self.config.arena_mem == ArenaMem::Vram && self.gpus.is_empty() {
             // Asked for a GPU arena and no GPU could be had (logged at creation): a host arena
             // would bounce transfers the user did not ask to bounce.
             return;

@@ -384,10 +384,10 @@ pub(crate) struct IpcPaths {
 }
 
 impl IpcPaths {
-    /// The paths of an engine, with the one for its arena's GPU (`arena_gpu`) opened now.
-    pub(crate) fn new(arena_gpu: Option<&Arc<Gpu>>, stats: Arc<Stats>) -> Self {
+    /// The paths of an engine, with those for its arenas' GPUs (`arena_gpus`) opened now.
+    pub(crate) fn new(arena_gpus: &[Arc<Gpu>], stats: Arc<Stats>) -> Self {
         let paths = Self { stats, by_dev: RwLock::default() };
-        if let Some(gpu) = arena_gpu {
+        for gpu in arena_gpus {
             let path = IpcPath::new(gpu, Arc::clone(&paths.stats)).map(Arc::new);
             paths.by_dev.write().insert(gpu.ordinal() as u64, path);
         }

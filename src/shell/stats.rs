@@ -143,8 +143,8 @@ counters! {
     /// Their bytes: `control_sent_bytes / control_sent` is the mean frame (a small bounced
     /// WRITE's one frame is its inline WANT, its bytes and runs included).
     control_sent_bytes,
-    /// Where the bounce path's arena is: the GPU's ordinal plus one for a GPU arena, 0 for a
-    /// host arena or none (what `bounce_arena_mem=auto` chose; set once the path is ready).
+    /// Where the bounce path's (first) GPU arena is: its GPU's ordinal plus one, 0 for host
+    /// arenas only or none (what `bounce_arena_mem=auto` chose; set once the path is ready).
     arena_gpu,
     /// How many arenas the bounce path has: 1, or 2 with `bounce_arena_mem=both` and a GPU
     /// (0 while it is not running).

@@ -403,6 +403,33 @@ def test_capabilities_advertising_tiny_chunks_are_incompatible_and_the_peer_stay
     assert s["peers_incompatible"] == 1 and s["fallback_peer"] == 1 and s["bounce_xfers"] == 0, s
 
 
+@pytest.mark.parametrize("params, said", [
+    ({"bounce_arena_mem": "auto", "bounce_arena_gpus": "0,1"},
+     "bounce_arena_gpus names GPUs but CUDA is unusable: a host arena"),
+    ({"bounce_arena_mem": "dram", "bounce_arena_gpus": "all"},
+     "bounce_arena_gpus ignored: bounce_arena_mem=dram makes no GPU arena"),
+])
+def test_arena_gpus_without_a_gpu_arena_say_so_and_keep_the_host_arena(peer, tmp_path, capfd, params, said):
+    """`bounce_arena_gpus` names the GPUs that get arenas. Where no GPU arena can be made (no
+    GPU, as on CI), or none was asked for (`dram`), the engine says why once and bounces host
+    memory through its one host arena, byte-exact. (With GPUs: test_gpu.py's arena-per-GPU
+    tests.)"""
+    if nixlkit.gpu_skip_reason() is None and "dram" not in params.values():
+        pytest.skip("a GPU is usable here: test_gpu.py covers arenas on listed GPUs")
+    lay = nixlkit.Scattered(1024, 4096, seed=59)
+    src = nixlkit.pattern(593, lay.src_bytes)
+    capfd.readouterr()
+    ag, p, raddr = pair(peer, src, tx="tx-gpus", rx="rx-gpus", rx_size=lay.dst_bytes, rx_seed=594, params=params)
+    err = capfd.readouterr().err
+    assert said in err, err[-3000:]
+    write_from_here(ag, "rx-gpus", lay, src, raddr)
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(src, nixlkit.pattern(594, lay.dst_bytes)),
+                        "WRITE destinations")
+    s = stats(ag)
+    assert (s["arenas"], s["arena_gpu"]) == (1, 0), s
+    assert s["bounce_write_ok"] == 1 and s["passthrough_xfers"] == 0 and s["bounce_chunks_gpu_arena"] == 0, s
+
+
 def test_both_arenas_without_a_gpu_keep_the_host_arena_and_bounce_host_memory(peer, tmp_path, capfd):
     """`bounce_arena_mem=both` asks for a host arena and a GPU arena. Where no GPU can be had
     (CI) the engine says so once, keeps the host arena alone (`stats.arenas` 1, `arena_gpu`

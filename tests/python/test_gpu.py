@@ -332,6 +332,53 @@ def test_an_engine_with_a_host_and_a_gpu_arena_bounces_both_kinds(peer, tmp_path
     assert gpu_chunks < s["bounce_chunks_gpu_arena"] < s["bounce_chunks"], ("the GPU READ too, no host one", s)
 
 
+@pytest.mark.parametrize("mem", ["vram", "both"])
+def test_an_arena_on_each_listed_gpu_bounces_that_gpus_memory(peer, tmp_path, capfd, mem):
+    """A process that moves several GPUs' memory through one agent lists them in
+    `bounce_arena_gpus`: its engine gets an arena on each (after the host one with `both`), and
+    a transfer whose pieces are all on one GPU bounces through that GPU's arena. Here every GPU
+    the driver shows is listed, and one more it does not have, which is left out with a
+    warning. From each GPU's memory a WRITE into the peer's GPU buffer and a READ back, with
+    the same-host paths off (as between hosts): every byte of the peer's buffer and of each of
+    ours checked, each transfer staged in a GPU arena, nothing to UCX. On one GPU this is one
+    arena; on a two-GPU machine it is the several-GPU proof."""
+    import torch
+    gpus = torch.cuda.device_count()
+    listed = ",".join(str(g) for g in [*range(gpus), gpus + 3])
+    params = {**VRAM, "bounce_arena_mem": mem, "bounce_cma": "false", "bounce_arena_gpus": listed}
+    lay = nixlkit.Scattered(1024, 4096, seed=1401)
+    back = nixlkit.Scattered(1024, 4096, seed=1402)
+    p = peer()
+    rx = f"gpus-{mem}-rx"
+    meta, raddr = p.start(name=rx, size=lay.dst_bytes, seed=1400, mem="VRAM", dev=PEER_GPU, params=VRAM)
+    capfd.readouterr()
+    ag = nixlkit.agent(f"gpus-{mem}-tx", params=params)
+    bufs = [nixlkit.VramBuf(nixlkit.pattern(1410 + g, lay.dst_bytes), g) for g in range(gpus)]
+    for b in bufs:
+        nixlkit.register(ag, b)
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    err = capfd.readouterr().err
+    assert "cannot open a GPU bounce_arena_gpus names" in err and f"gpu={gpus + 3}" in err, err[-3000:]
+    s = stats(ag)
+    assert s["arenas"] == gpus + (mem == "both") and s["arena_gpu"] == 1, ("an arena per GPU", s)
+    theirs = nixlkit.pattern(1400, lay.dst_bytes)
+    for g, b in enumerate(bufs):
+        before = stats(ag)["bounce_chunks_gpu_arena"]
+        mixed_transfer(ag, "WRITE", rx, "VRAM", lay, nixlkit.addr(b), raddr, g, PEER_GPU)
+        theirs = lay.expected(nixlkit.pattern(1410 + g, lay.dst_bytes), theirs)
+        nixlkit.assert_same(remote_host_copy(p, tmp_path), theirs, f"the peer's buffer after GPU {g}'s WRITE")
+        assert stats(ag)["bounce_chunks_gpu_arena"] > before, (g, stats(ag))
+    for g, b in enumerate(bufs):
+        mixed_transfer(ag, "READ", rx, "VRAM", back, nixlkit.addr(b), raddr, g, PEER_GPU)
+        nixlkit.assert_same(b.host(), back.expected(theirs, nixlkit.pattern(1410 + g, lay.dst_bytes)),
+                            f"GPU {g}'s READ destinations")
+    s = stats(ag)
+    assert s["bounce_write_ok"] == gpus and s["bounce_read_ok"] == gpus and s["bounce_failed"] == 0, s
+    assert s["bounce_chunks_gpu_arena"] == s["bounce_chunks"] > 0, s
+    assert s["passthrough_xfers"] == 0 and s["ipc_xfers"] == 0 and s["fallback_mem"] == 0, s
+
+
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_a_host_arena_engine_copies_gpu_memory_by_ipc(peer, tmp_path, op):
     """An engine whose arena is host memory (`bounce_arena_mem=dram` here; `auto` in a process

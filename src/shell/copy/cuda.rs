@@ -148,6 +148,15 @@ impl CudaCopyEngine {
     fn launch(&mut self, ctx: usize, job: CopyJob) {
         let _span =
             tracing::trace_span!("cuda_launch", job = job.job.0, dir = ?job.dir, runs = job.runs.len()).entered();
+        // The reactor's thread serves every arena's engine, and with an arena per GPU
+        // (`bounce_arena_gpus`) another GPU's context may be current: streams and the kernels'
+        // module are this context's. A no-op (one query) when it is current already.
+        if let Err(e) = self.arena.gpu().bind() {
+            tracing::warn!(job = job.job.0, error = %e, "cannot make the arena's CUDA context current");
+            self.pool.release(ctx);
+            self.failed.push(job.job);
+            return;
+        }
         let mut plans = Vec::new();
         let launched = self.queue(ctx, &job, &mut plans);
         if let Err(e) = &launched {
@@ -361,6 +370,7 @@ impl Drop for CudaCopyEngine {
     fn drop(&mut self) {
         // No copy may still run when the arena (or a user buffer the caller frees after us)
         // goes; jobs not yet reported are abandoned, which the seam allows once nothing runs.
+        let _ = self.arena.gpu().bind();
         if let Err(e) = self.pool.synchronize_all() {
             tracing::warn!(error = %e, "synchronizing the CUDA copy streams on shutdown");
         }

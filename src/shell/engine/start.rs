@@ -5,41 +5,79 @@
 use super::*;
 
 impl Engine {
-    /// The GPU whose memory an arena should be (`None`: host memory only), as `bounce_arena_mem`
-    /// asks: `vram` and `both` take the GPU of the CUDA context current on this thread (the
-    /// application's), else GPU 0; `auto` takes the current context's GPU only (a process that
-    /// has not used a GPU keeps a host arena, and no CUDA context is created for it). Without a
-    /// usable driver or GPU a GPU arena cannot be had: one log line, then host memory for `auto`
-    /// and `both`, no bounce path for `vram` (see [`Engine::attach`]).
-    pub(super) fn choose_gpu(agent: &str, config: &Config) -> Option<Arc<Gpu>> {
+    /// The GPUs whose memory arenas should be (none: host memory only), as `bounce_arena_mem`
+    /// and `bounce_arena_gpus` ask. With `current`: `vram` and `both` take the GPU of the CUDA
+    /// context current on this thread (the application's), else GPU 0; `auto` takes the current
+    /// context's GPU only (a process that has not used a GPU keeps a host arena, and no CUDA
+    /// context is created for it). A list, or `all`, names the GPUs under any of the three (at
+    /// most [`MAX_ARENA_GPUS`]); one that cannot be opened is left out with a warning. Without
+    /// a usable driver or GPU no GPU arena can be had: one log line, then host memory for
+    /// `auto` and `both`, no bounce path for `vram` (see [`Engine::attach`]).
+    pub(super) fn choose_gpus(agent: &str, config: &Config) -> Vec<Arc<Gpu>> {
         if !config.enabled || config.arena_mem == ArenaMem::Dram {
-            return None;
+            return Vec::new();
         }
-        let explicit = matches!(config.arena_mem, ArenaMem::Vram | ArenaMem::Both);
-        let ordinal = match (cuda::current_device(), explicit) {
-            (Ok(Some(dev)), _) => dev,
-            (Ok(None), true) => 0,
-            (Ok(None), false) => return None,
-            (Err(e), _) => {
-                match config.arena_mem {
-                    ArenaMem::Vram => {
-                        tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
-                    }
-                    ArenaMem::Both => {
-                        tracing::warn!(agent, error = %e, "bounce_arena_mem=both but CUDA is unusable: a host arena only");
-                    }
-                    _ => tracing::debug!(agent, error = %e, "no CUDA: host-memory arena"),
+        let named = config.arena_gpus.named();
+        let explicit = named || matches!(config.arena_mem, ArenaMem::Vram | ArenaMem::Both);
+        let unusable = |e: &cuda::CudaError| match config.arena_mem {
+            ArenaMem::Vram => {
+                tracing::warn!(agent, error = %e, "bounce_arena_mem=vram but CUDA is unusable: no bounce path");
+            }
+            ArenaMem::Both => {
+                tracing::warn!(agent, error = %e, "bounce_arena_mem=both but CUDA is unusable: a host arena only");
+            }
+            _ if named => {
+                tracing::warn!(agent, error = %e, "bounce_arena_gpus names GPUs but CUDA is unusable: a host arena");
+            }
+            _ => tracing::debug!(agent, error = %e, "no CUDA: host-memory arena"),
+        };
+        let ordinals: Vec<i32> = match &config.arena_gpus {
+            ArenaGpus::Current => match (cuda::current_device(), explicit) {
+                (Ok(Some(dev)), _) => vec![dev],
+                (Ok(None), true) => vec![0],
+                (Ok(None), false) => return Vec::new(),
+                (Err(e), _) => {
+                    unusable(&e);
+                    return Vec::new();
                 }
-                return None;
+            },
+            ArenaGpus::All => match cuda::device_count() {
+                Ok(n) => {
+                    if n as usize > MAX_ARENA_GPUS {
+                        tracing::warn!(
+                            agent,
+                            gpus = n,
+                            "bounce_arena_gpus=all: arenas on the first {MAX_ARENA_GPUS} GPUs only"
+                        );
+                    }
+                    (0..n).take(MAX_ARENA_GPUS).collect()
+                }
+                Err(e) => {
+                    unusable(&e);
+                    return Vec::new();
+                }
+            },
+            ArenaGpus::Listed(list) => {
+                if let Err(e) = cuda::device_count() {
+                    unusable(&e);
+                    return Vec::new();
+                }
+                list.iter().map(|&o| i32::from(o)).collect()
             }
         };
-        match Gpu::open(ordinal) {
-            Ok(gpu) => Some(gpu),
-            Err(e) => {
-                tracing::warn!(agent, gpu = ordinal, error = %e, "cannot open the GPU for the arena: host-memory arena");
-                None
+        let mut gpus = Vec::with_capacity(ordinals.len());
+        for ordinal in ordinals {
+            match Gpu::open(ordinal) {
+                Ok(gpu) => gpus.push(gpu),
+                Err(e) if named => {
+                    tracing::warn!(agent, gpu = ordinal, error = %e, "cannot open a GPU bounce_arena_gpus names: no arena on it");
+                }
+                Err(e) => {
+                    tracing::warn!(agent, gpu = ordinal, error = %e, "cannot open the GPU for the arena: host-memory arena");
+                }
             }
         }
+        gpus
     }
 
     /// The control channel `bounce_control` names, with the endpoint to advertise (ZMQ).
@@ -66,22 +104,26 @@ impl Engine {
         }
     }
 
-    /// The arenas `bounce_arena_mem` asks for, allocated and registered: the first (host
-    /// memory, or the GPU's for `vram`/`auto` with a GPU) must be had; the GPU arena beside a
-    /// host one (`both`) is given up with a warning (GPU memory then goes to UCX between hosts).
+    /// The arenas `bounce_arena_mem` and `bounce_arena_gpus` ask for, allocated and registered,
+    /// in the order of our capabilities: the first (host memory, or the first GPU's for
+    /// `vram`/`auto` with a GPU) must be had; each further one (a GPU arena beside a host one,
+    /// `both`, or on a further listed GPU) is given up with a warning, and that GPU's memory
+    /// then goes to UCX between hosts.
     fn make_arenas(&self, shim: &Shim) -> Result<Vec<Arena>> {
-        let first = match (&self.gpu, &self.gpu_config) {
-            (Some(gpu), None) => Arena::new_gpu(shim, gpu, self.config.arena_size)?,
-            _ => Arena::new(shim, self.config.arena_size)?,
+        let (first, further) = match (self.gpus.split_first(), &self.gpu_config) {
+            (Some((gpu, rest)), None) => (Arena::new_gpu(shim, gpu, self.config.arena_size)?, rest),
+            _ => (Arena::new(shim, self.config.arena_size)?, &self.gpus[..]),
         };
         let mut arenas = vec![first];
-        if let (Some(gpu), Some(c)) = (&self.gpu, &self.gpu_config) {
-            match Arena::new_gpu(shim, gpu, c.arena_size) {
+        let size = self.arena_config(MemKind::Vram).arena_size;
+        for gpu in further {
+            match Arena::new_gpu(shim, gpu, size) {
                 Ok(a) => arenas.push(a),
                 Err(e) => tracing::warn!(
                     agent = self.agent,
+                    gpu = gpu.ordinal(),
                     error = %e,
-                    "no GPU arena beside the host one: GPU-memory transfers between hosts stay on UCX"
+                    "no arena on this GPU: its memory's transfers between hosts stay on UCX"
                 ),
             }
         }
@@ -151,8 +193,9 @@ impl Engine {
                 Err(e) if i > 0 && a.device().is_some() => {
                     tracing::warn!(
                         agent = self.agent,
+                        gpu = a.place().dev,
                         error = %e,
-                        "no GPU copy engine beside the host arena: GPU-memory transfers between hosts stay on UCX"
+                        "no copy engine for this GPU's arena: its memory's transfers between hosts stay on UCX"
                     );
                     a.deregister(shim);
                 }
@@ -255,7 +298,8 @@ impl Engine {
         self.stats.arenas.store(bounce.arenas.len() as u64, Ordering::Relaxed);
         for a in &bounce.arenas {
             let place = a.place();
-            if place.mem == MemKind::Vram {
+            if place.mem == MemKind::Vram && self.stats.arena_gpu.load(Ordering::Relaxed) == 0 {
+                // The first GPU arena's: one GPU arena per engine unless bounce_arena_gpus lists more.
                 self.stats.arena_gpu.store(place.dev.saturating_add(1), Ordering::Relaxed);
             }
             // Reading /proc/self/smaps costs time in a large process: only when it will be logged.

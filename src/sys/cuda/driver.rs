@@ -95,6 +95,16 @@ pub fn current_device() -> Result<Option<i32>, CudaError> {
     Ok(None)
 }
 
+/// How many GPUs the driver shows this process (`CUDA_VISIBLE_DEVICES` applied). Creates no
+/// context. `Unavailable` without libcuda.
+pub fn device_count() -> Result<i32, CudaError> {
+    driver()?;
+    let mut count = 0;
+    // SAFETY: the driver is initialised (above); valid out-pointer.
+    check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut count) })?;
+    Ok(count.max(0))
+}
+
 thread_local! {
     /// The context that was current on this thread before the first [`Gpu::bind`] that changed
     /// it since the last [`restore_thread_context`] (`Some(0)`: none was).

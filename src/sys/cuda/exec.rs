@@ -147,6 +147,8 @@ impl ExecContext {
 
 impl Drop for ExecContext {
     fn drop(&mut self) {
+        // Its own context current: a thread may serve several GPUs' engines (an arena per GPU).
+        let _ = self.gpu.bind();
         // Nothing of ours may still run on memory about to be freed (plan buffers, the arena).
         let _ = self.synchronize();
         // SAFETY: created in `new`, destroyed once, after the stream drained.
