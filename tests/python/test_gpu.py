@@ -895,4 +895,4 @@ nixlkit.leave(0)
         shutil.rmtree(plugins, ignore_errors=True)
     assert rc == 0, out[-3000:]
     assert "RESULT 1 0 1 0" in out, ("one host arena, no GPU arena, one bounced WRITE", out[-3000:])
-    assert out.count("no GPU copy engine beside the host arena") == 2, ("one warning per engine", out[-3000:])
+    assert out.count("no copy engine for this GPU's arena") == 2, ("one warning per engine", out[-3000:])
