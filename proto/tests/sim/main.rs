@@ -89,6 +89,14 @@ fn reads_and_writes_through_several_arenas_per_node_settle_under_random_faults()
     reads_and_writes_under_random_faults_with(false, 3);
 }
 
+/// The same with the most arenas a node may have (the wire's 16: a host arena and one on each
+/// of 15 GPUs `bounce_arena_gpus` lists): ids up to 15 travel in WANTs and PULLs, and every one
+/// of the sixteen schedulers keeps its invariants and ends whole.
+#[test]
+fn reads_and_writes_through_the_most_arenas_a_node_may_have_settle_under_random_faults() {
+    reads_and_writes_under_random_faults_with(false, bounce_proto::MAX_ARENAS);
+}
+
 fn reads_and_writes_under_random_faults(differ: bool) {
     reads_and_writes_under_random_faults_with(differ, 1);
 }
