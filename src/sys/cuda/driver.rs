@@ -151,10 +151,7 @@ impl Gpu {
     /// ordinal.
     pub fn open(ordinal: i32) -> Result<Arc<Self>, CudaError> {
         let driver_version = driver()?;
-        let mut count = 0;
-        // SAFETY: the driver is initialised (above); valid out-pointer.
-        check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut count) })
-            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        let count = device_count().map_err(|e| CudaError::Unavailable(e.to_string()))?;
         if count == 0 {
             return Err(CudaError::Unavailable("no CUDA device".into()));
         }
