@@ -180,15 +180,39 @@ pub fn route(input: &GateInput<'_>) -> Route {
     Route::Bounce
 }
 
-/// The memory kind a pass-through transfer would have bounced with, when nothing but our
-/// arena's kind kept it off the bounce path: its local descriptors are memory of the other
-/// kind (a GPU-arena engine moving host memory, or a host-arena one moving GPU memory) and
-/// they are many and small enough for the thresholds. One arena per engine
-/// (`bounce_arena_mem`); the shell says so once, since `auto` picks the arena before any
-/// memory is registered.
-pub fn other_arena_kind(input: &GateInput<'_>) -> Option<MemKind> {
-    let kind = input.local_mem.filter(|&k| k != input.arena.mem)?;
-    (!input.local.is_empty() && too_few_or_too_large(input).is_none()).then_some(kind)
+/// Why no arena of ours served a transfer that only that kept off the bounce path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unserved {
+    /// No arena of ours is memory of this kind (a GPU-arena engine moving host memory, or a
+    /// host-arena one moving GPU memory).
+    Kind(MemKind),
+    /// We have GPU arenas, none on this GPU, where every local descriptor lies.
+    Gpu(u64),
+    /// We have GPU arenas, but the local descriptors lie on several GPUs: one transfer
+    /// stages in one arena.
+    SeveralGpus,
+}
+
+/// Why a transfer that passes through would have bounced but for our arenas (`arenas`, in
+/// the order of our capabilities): its local descriptors are many and small enough for the
+/// thresholds, and no arena serves their memory ([`Unserved`]). `None` when an arena serves
+/// them or the gate's other rules keep the transfer off anyway. Arenas are fixed before any
+/// memory is registered (`bounce_arena_mem`, `bounce_arena_gpus`), so the shell says this once.
+pub fn unserved(input: &GateInput<'_>, arenas: &[ArenaPlace]) -> Option<Unserved> {
+    let kind = input.local_mem?;
+    let first = input.local.first()?;
+    if too_few_or_too_large(input).is_some() || arenas.iter().any(|a| a.serves(Some(kind), input.local)) {
+        return None;
+    }
+    if !arenas.iter().any(|a| a.mem == kind) {
+        return Some(Unserved::Kind(kind));
+    }
+    // An arena of this kind that serves none of them is a GPU arena (a host arena serves any
+    // host memory): the descriptors are on another GPU, or on several.
+    Some(match input.local.iter().all(|d| d.dev == first.dev) {
+        true => Unserved::Gpu(first.dev),
+        false => Unserved::SeveralGpus,
+    })
 }
 
 /// The gate's size rules on the local descriptors (a non-empty list): fewer than
@@ -328,21 +352,35 @@ mod tests {
     }
 
     #[test]
-    fn only_a_transfer_kept_off_by_the_arenas_kind_alone_names_the_other_kind() {
+    fn only_a_transfer_kept_off_by_our_arenas_alone_says_which_arena_it_lacked() {
         let d = descs(8, 512);
-        let gpu_arena = GateInput { arena: ArenaPlace { mem: MemKind::Vram, dev: 0 }, ..input(&d, &d) };
+        let gpu = |dev| ArenaPlace { mem: MemKind::Vram, dev };
+        let gpu_arena = GateInput { arena: gpu(0), ..input(&d, &d) };
         assert_eq!(route(&gpu_arena), Route::PassThrough(FallbackReason::Mem));
-        assert_eq!(other_arena_kind(&gpu_arena), Some(MemKind::Dram), "host memory in a GPU-arena engine");
-        assert_eq!(other_arena_kind(&input(&d, &d)), None, "memory of the arena's kind");
-        assert_eq!(other_arena_kind(&GateInput { local_mem: None, ..gpu_arena }), None, "a kind bounce knows not");
+        let host_memory = Some(Unserved::Kind(MemKind::Dram));
+        assert_eq!(unserved(&gpu_arena, &[gpu(0)]), host_memory, "host memory in a GPU-arena engine");
+        assert_eq!(unserved(&gpu_arena, &[gpu(0), gpu(1)]), host_memory, "in one of several GPU arenas");
+        assert_eq!(unserved(&input(&d, &d), &[HOST]), None, "memory of the arena's kind");
+        assert_eq!(unserved(&input(&d, &d), &[gpu(0), HOST]), None, "a host arena after a GPU one");
+        assert_eq!(unserved(&GateInput { local_mem: None, ..gpu_arena }, &[gpu(0)]), None, "a kind bounce knows not");
         let few = descs(MIN as usize - 1, 512);
-        assert_eq!(other_arena_kind(&GateInput { local: &few, remote: &few, ..gpu_arena }), None, "too few");
+        assert_eq!(unserved(&GateInput { local: &few, remote: &few, ..gpu_arena }, &[gpu(0)]), None, "too few");
         let large = descs(8, MAX_AVG + 1);
-        assert_eq!(other_arena_kind(&GateInput { local: &large, remote: &large, ..gpu_arena }), None, "too large");
-        assert_eq!(
-            other_arena_kind(&GateInput { local: &[], remote: &[], min_descriptor_count: 0, ..gpu_arena }),
-            None
-        );
+        assert_eq!(unserved(&GateInput { local: &large, remote: &large, ..gpu_arena }, &[gpu(0)]), None, "too large");
+        let none = GateInput { local: &[], remote: &[], min_descriptor_count: 0, ..gpu_arena };
+        assert_eq!(unserved(&none, &[gpu(0)]), None);
+        // GPU memory: no GPU arena at all, none on its GPU, or pieces on several GPUs.
+        let on = |devs: &[u64]| -> Vec<Desc> { (0..8).map(|i| Desc { dev: devs[i % devs.len()], ..d[i] }).collect() };
+        fn vram(local: &[Desc]) -> GateInput<'_> {
+            GateInput { local_mem: Some(MemKind::Vram), ..input(local, local) }
+        }
+        let (on1, on0, spread) = (on(&[1]), on(&[0]), on(&[0, 1]));
+        assert_eq!(unserved(&vram(&on1), &[HOST]), Some(Unserved::Kind(MemKind::Vram)));
+        assert_eq!(unserved(&vram(&on1), &[HOST, gpu(0)]), Some(Unserved::Gpu(1)));
+        assert_eq!(unserved(&vram(&on1), &[gpu(0), gpu(2)]), Some(Unserved::Gpu(1)));
+        assert_eq!(unserved(&vram(&spread), &[gpu(0), gpu(1)]), Some(Unserved::SeveralGpus));
+        assert_eq!(unserved(&vram(&on1), &[gpu(0), gpu(1)]), None, "served by GPU 1's arena");
+        assert_eq!(unserved(&vram(&on0), &[HOST, gpu(0)]), None);
     }
 
     #[test]

@@ -172,8 +172,9 @@ pub(crate) struct Engine {
     cma: Option<CmaPath>,
     /// The same-host paths' thresholds, by the memory kind they copy.
     mapped_limits: MappedLimits,
-    /// Whether the one line about transfers of the other memory kind was logged.
-    told_other_kind: AtomicBool,
+    /// Whether the one line about transfers no arena serves was logged: for memory of a kind
+    /// no arena is, and for GPU memory on a GPU without one (or spread over several).
+    told_unserved: [AtomicBool; 2],
 }
 
 /// The gate's thresholds for the same-host paths, by the memory kind a path copies: for the
@@ -283,7 +284,7 @@ impl Engine {
             ipc,
             cma,
             mapped_limits,
-            told_other_kind: AtomicBool::new(false),
+            told_unserved: Default::default(),
         };
         Ok((engine, inner))
     }

@@ -97,7 +97,7 @@ impl Engine {
             (Route::Bounce, Some(sh)) => sh,
             (Route::PassThrough(reason), _) => {
                 if reason == FallbackReason::Mem {
-                    self.tell_other_kind_once(&input);
+                    self.tell_unserved_once(&input, ours);
                 }
                 return self.count_fallback(reason);
             }
@@ -203,23 +203,43 @@ impl Engine {
         }
     }
 
-    /// Logs once per engine that a transfer went to UCX only because its memory is not our
-    /// arena's kind (the gate's [`gate::other_arena_kind`]) and no same-host path took it
-    /// (another host, or the path off): `auto` picks the arena before any memory is
-    /// registered, so nothing else would tell the application.
-    fn tell_other_kind_once(&self, input: &GateInput<'_>) {
-        let Some(kind) = gate::other_arena_kind(input) else { return };
-        if self.told_other_kind.swap(true, Ordering::Relaxed) {
+    /// Logs once per engine and cause that a transfer went to UCX only because no arena of
+    /// ours serves its memory (the gate's [`gate::unserved`]: no arena of its kind, none on its
+    /// GPU, or pieces on several GPUs) and no same-host path took it (another host, or the path
+    /// off): the arenas are chosen before any memory is registered, so nothing else would tell
+    /// the application.
+    fn tell_unserved_once(&self, input: &GateInput<'_>, ours: &[ArenaPlace]) {
+        let Some(why) = gate::unserved(input, ours) else { return };
+        let told = match why {
+            gate::Unserved::Kind(_) => &self.told_unserved[0],
+            gate::Unserved::Gpu(_) | gate::Unserved::SeveralGpus => &self.told_unserved[1],
+        };
+        if told.swap(true, Ordering::Relaxed) {
             return;
         }
-        tracing::warn!(
-            agent = %self.agent,
-            "{kind:?} transfers of many small descriptors go to UCX: no arena of this engine is {kind:?} \
-             memory ({:?} is the one they met) and no same-host path took them (set bounce_arena_mem={} \
-             or both on an engine that moves {kind:?} between hosts, README \"GPU memory\"); said once",
-            input.arena.mem,
-            if kind == MemKind::Dram { "dram" } else { "vram" },
-        );
+        match why {
+            gate::Unserved::Kind(kind) => tracing::warn!(
+                agent = %self.agent,
+                "{kind:?} transfers of many small descriptors go to UCX: no arena of this engine is {kind:?} \
+                 memory ({:?} is the one they met) and no same-host path took them (set bounce_arena_mem={} \
+                 or both on an engine that moves {kind:?} between hosts, README \"GPU memory\"); said once",
+                input.arena.mem,
+                if kind == MemKind::Dram { "dram" } else { "vram" },
+            ),
+            gate::Unserved::Gpu(dev) => tracing::warn!(
+                agent = %self.agent,
+                gpus = ?ours.iter().filter(|a| a.mem == MemKind::Vram).map(|a| a.dev).collect::<Vec<_>>(),
+                "transfers of many small descriptors in GPU {dev}'s memory go to UCX: this engine's GPU arenas \
+                 are on other GPUs (gpus) and no same-host path took them (list GPU {dev} in bounce_arena_gpus on an \
+                 engine that moves its memory between hosts, README \"GPU memory\"); said once"
+            ),
+            gate::Unserved::SeveralGpus => tracing::warn!(
+                agent = %self.agent,
+                "a transfer of many small descriptors spread over several GPUs goes to UCX: one transfer \
+                 stages in one GPU's arena (make one transfer per GPU to bounce them, README \"GPU memory\"); \
+                 said once"
+            ),
+        }
     }
 
     /// Counts a pass-through and its reason (README "What takes the bounce path"); the request
