@@ -1214,5 +1214,29 @@ mod tests {
             let v = loaded.config.max_average_descriptor_size;
             prop_assert!(v != 0 || literally_zero, "{:?} -> 0", text);
         }
+
+        #[test]
+        fn a_gpu_list_is_distinct_and_bounded_whatever_the_text(text in prop_oneof![
+            ".*",
+            "[ ,0-9]{0,60}",
+        ]) {
+            if let Some(ArenaGpus::Listed(list)) = ArenaGpus::parse(&text) {
+                prop_assert!((1..=MAX_ARENA_GPUS).contains(&list.len()), "{:?} -> {:?}", text, list);
+                let mut sorted = list.clone();
+                sorted.sort_unstable();
+                sorted.dedup();
+                prop_assert_eq!(sorted.len(), list.len(), "{:?} repeats a GPU", text);
+            }
+        }
+
+        #[test]
+        fn a_gpu_list_written_out_reads_back_in_its_order(
+            set in prop::collection::hash_set(0u16..1024, 1..=MAX_ARENA_GPUS),
+            sep in prop_oneof![Just(","), Just(", "), Just(" ,")],
+        ) {
+            let list: Vec<u16> = set.into_iter().collect();
+            let text = list.iter().map(u16::to_string).collect::<Vec<_>>().join(sep);
+            prop_assert_eq!(ArenaGpus::parse(&text), Some(ArenaGpus::Listed(list)));
+        }
     }
 }
