@@ -8,7 +8,7 @@ pub struct OptionSpec {
     pub name: &'static str,
     /// Environment variable that overrides the parameter.
     pub env: &'static str,
-    /// Value kind: `bool`, `bytes`, `u32`, `u64`, `path` or `enum:a|b`.
+    /// Value kind: `bool`, `bytes`, `u32`, `u64`, `path`, `gpus` or `enum:a|b`.
     pub kind: &'static str,
     /// Default value, in the same textual form a user would write.
     pub default: &'static str,
