@@ -159,7 +159,7 @@ impl Engine {
     }
 
     /// Our capabilities: every arena with its own options' usable bytes and max chunk (`None`
-    /// for no arena or more than the wire's 16; we make one or two).
+    /// for no arena or more than the wire's 16; we make at most 16: a host arena and 15 GPUs).
     fn capabilities_of(&self, arenas: &[Arena]) -> Option<Capabilities> {
         let listed = arenas
             .iter()
