@@ -172,9 +172,11 @@ pub(crate) struct Engine {
     cma: Option<CmaPath>,
     /// The same-host paths' thresholds, by the memory kind they copy.
     mapped_limits: MappedLimits,
-    /// Whether the one line about transfers no arena serves was logged: for memory of a kind
-    /// no arena is, and for GPU memory on a GPU without one (or spread over several).
-    told_unserved: [AtomicBool; 2],
+    /// Whether the one line about transfers of memory of a kind no arena is was logged.
+    told_other_kind: AtomicBool,
+    /// Whether the one line about GPU memory on a GPU without an arena (or spread over
+    /// several) was logged.
+    told_other_gpu: AtomicBool,
 }
 
 /// The gate's thresholds for the same-host paths, by the memory kind a path copies: for the
@@ -284,7 +286,8 @@ impl Engine {
             ipc,
             cma,
             mapped_limits,
-            told_unserved: Default::default(),
+            told_other_kind: AtomicBool::new(false),
+            told_other_gpu: AtomicBool::new(false),
         };
         Ok((engine, inner))
     }

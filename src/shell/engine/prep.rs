@@ -211,8 +211,8 @@ impl Engine {
     fn tell_unserved_once(&self, input: &GateInput<'_>, ours: &[ArenaPlace]) {
         let Some(why) = gate::unserved(input, ours) else { return };
         let told = match why {
-            gate::Unserved::Kind(_) => &self.told_unserved[0],
-            gate::Unserved::Gpu(_) | gate::Unserved::SeveralGpus => &self.told_unserved[1],
+            gate::Unserved::Kind(_) => &self.told_other_kind,
+            gate::Unserved::Gpu(_) | gate::Unserved::SeveralGpus => &self.told_other_gpu,
         };
         if told.swap(true, Ordering::Relaxed) {
             return;
