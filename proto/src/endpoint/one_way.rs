@@ -278,7 +278,7 @@ impl Endpoint {
         key: FlowKey,
         msg: wire::Msg,
     ) -> Result<(), ProtocolError> {
-        let (token, chunks, genuine) = match &msg {
+        let (token, chunks, verdict) = match &msg {
             wire::Msg::Want(m) => {
                 (m.token, m.chunks.len(), receiver.registrations().verify_opening(m.token, &m.proofs, m.arena))
             }
@@ -288,7 +288,19 @@ impl Endpoint {
             }
             _ => return Ok(()),
         };
-        let genuine = matches!(genuine, Ok(_) | Err(BadProof::Deregistered(_)));
+        // A forgery (no proof, or one no key of ours made) is judged before anything else: the
+        // receiver answers some refusals before it looks at proofs (shutting down, an arena we
+        // lack, a peer over its limits, a standing WANT), and each answer would take a slot for
+        // a full timeout, so keyless names could pin the mailbox.
+        let genuine = match verdict {
+            Ok(_) | Err(BadProof::Deregistered(_)) => true,
+            // It holds a key of ours (the receiver refuses it, with an answer).
+            Err(BadProof::WrongArena(..)) => false,
+            Err(source) => {
+                ctx.stats.control_forged += 1;
+                return Err(ProtocolError::BadProof { peer: key.peer, xfer: key.xfer, source });
+            }
+        };
         if genuine && matches!(answering.vacancy(ctx.now, key, token), Err(OneWayRefused::Slot(_))) {
             let mut msg = msg;
             Self::strip_inline(&mut msg);

@@ -375,3 +375,59 @@ fn a_one_way_read_reclaimed_between_its_pulls_is_answered_fail() {
     let end = answers(&drain(&mut ep));
     assert!(matches!(end[..], [Answer::Fail(_)]), "{end:?}");
 }
+
+/// A one-way WANT or PULL that proves nothing is a forgery whatever else it asks: the
+/// refusals the receiver answers before it reads proofs (a standing WANT, an arena we lack,
+/// shutting down) must not open a slot for their answer, or keyless names sending such frames
+/// would pin every mailbox slot for a full timeout each.
+#[test]
+fn proofless_one_way_frames_refused_before_their_proofs_are_read_take_no_slot_and_get_no_answer() {
+    let proofless = |xfer: u64, f: &dyn Fn(&mut Want)| {
+        let Msg::Want(mut w) = one_way_want(xfer) else { unreachable!() };
+        w.proofs.clear();
+        f(&mut w);
+        Msg::Want(w)
+    };
+    let pull = |xfer: u64, arena: u8| {
+        let run = CopyRun { region_off: 0, addr: DST, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
+        Msg::Pull(wire::Pull {
+            xfer: XferId(xfer),
+            token: token(xfer),
+            arena: ArenaId(arena),
+            first: ChunkIdx(0),
+            total: 1,
+            endpoint: wire::REPLY_MAILBOX.to_vec(),
+            chunks: vec![wire::PullChunk { bytes: CHUNK, runs: Arc::new(vec![run]) }],
+            proofs: Vec::new(),
+        })
+    };
+    let cases: Vec<(&str, Box<dyn Fn(u64) -> Msg>)> = vec![
+        ("standing", Box::new(move |x| proofless(x, &|w| w.standing = wire::Standing::Open))),
+        ("no such arena", Box::new(move |x| proofless(x, &|w| w.arena = ArenaId(15)))),
+        ("plain", Box::new(move |x| proofless(x, &|_| ()))),
+        ("PULL, no such arena", Box::new(move |x| pull(x, 15))),
+        ("PULL", Box::new(move |x| pull(x, 0))),
+    ];
+    for shutting_down in [false, true] {
+        for (what, frame) in &cases {
+            let (mut ep, t) = target();
+            if shutting_down {
+                ep.shutdown(t);
+                drain(&mut ep);
+            }
+            // Under many names, more frames than the mailbox has slots.
+            for x in 0..MAILBOX_SLOTS as u64 + 8 {
+                let r = ep.handle_msg(t, PeerId(1 + (x % 8) as u32), frame(x));
+                assert!(matches!(r, Err(ProtocolError::BadProof { .. })), "{what}: {r:?}");
+            }
+            let acts = drain(&mut ep);
+            assert!(acts.is_empty(), "{what} (shutting down: {shutting_down}) got answers: {acts:?}");
+            assert_eq!((ep.answering_slots_held(), ep.answering.waiting(), ep.remote_flows()), (0, 0, 0), "{what}");
+            assert_eq!(ep.stats().control_forged, MAILBOX_SLOTS as u64 + 8, "{what}");
+        }
+    }
+    // A genuine WANT still gets its slot and its GRANT record.
+    let (mut ep, t) = target();
+    ep.handle_msg(t, INI, one_way_want(1)).unwrap();
+    assert_eq!((ep.answering_slots_held(), records_of(&drain(&mut ep), 1).len()), (1, 1));
+}
