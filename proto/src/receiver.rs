@@ -7,7 +7,7 @@
 //! fairness live in the endpoint's shared [`crate::scheduler::CreditScheduler`]. The
 //! [`crate::endpoint::Endpoint`] drives it; nothing else does.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +73,10 @@ struct Flow {
     pull: Option<PullRuns>,
     /// Scatter runs that came ahead of their chunk's DATA in a PLAN, by chunk index.
     plans: BTreeMap<u32, Planned>,
+    /// Chunks answered ACK(Replan): an honest sender then sends the runs with the DATA, so a
+    /// second DATA without them is refused (each would push the flow's lease back and, one way,
+    /// add an answer to the mailbox backlog of a flow whose initiator reads none).
+    replanned: BTreeSet<u32>,
     /// The one chunk's bytes and runs from the WANT ([`wire::Inline`]), taken until the
     /// chunk's region is granted: then they are put there and scattered, with no GRANT sent.
     inline: Option<wire::Inline>,
@@ -577,6 +581,7 @@ impl Receiver {
                     scattering: 0,
                     pull: None,
                     plans: BTreeMap::new(),
+                    replanned: BTreeSet::new(),
                     inline,
                     standing: false,
                     claimed_from: claimed.map(|g| g.flow.xfer),
@@ -731,11 +736,13 @@ impl Receiver {
         if data.runs.is_empty() {
             let Some(planned) = planned else {
                 // Nothing kept for the chunk (dropped, or never sent): ask for the runs with
-                // the DATA. The region stays held for it.
+                // the DATA, once. The region stays held for it.
+                let Some(flow) = self.flows.get_mut(&key).filter(|f| !f.replanned.contains(&data.chunk.0)) else {
+                    return self.refuse_data(ctx, from, &data, DataFault::NoRuns);
+                };
+                flow.replanned.insert(data.chunk.0);
+                flow.deadline = ctx.now + self.idle_timeout;
                 ctx.stats.replans += 1;
-                if let Some(flow) = self.flows.get_mut(&key) {
-                    flow.deadline = ctx.now + self.idle_timeout;
-                }
                 let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
                 ctx.send(from, Ack { xfer, token, chunk, region, status: AckStatus::Replan });
                 return Ok(());

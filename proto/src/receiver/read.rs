@@ -240,6 +240,7 @@ impl Receiver {
                     scattering: 0,
                     pull: Some(PullRuns { chunks: pulled, total: pull.total, failed: false }),
                     plans: BTreeMap::new(),
+                    replanned: BTreeSet::new(),
                     inline: None,
                     standing: false,
                     claimed_from: None,

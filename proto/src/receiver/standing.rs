@@ -49,6 +49,7 @@ impl Receiver {
             scattering: 0,
             pull: None,
             plans: BTreeMap::new(),
+            replanned: BTreeSet::new(),
             inline: None,
             standing: true,
             claimed_from: None,

@@ -373,6 +373,25 @@ fn a_data_without_runs_and_no_plan_kept_asks_for_them_and_keeps_its_region() {
     invariants(&ep);
 }
 
+/// A chunk is asked for its runs once: a sender answering its Replan with another DATA
+/// without runs is refused and its flow reclaimed, so a loop of empty DATAs can neither hold the
+/// region past its lease nor pile answers up (one way, each would wait in the mailbox backlog).
+#[test]
+fn a_second_data_without_runs_for_a_replanned_chunk_is_refused_and_the_flow_reclaimed() {
+    let (mut ep, t) = receiver();
+    let [r0, _] = wanted(&mut ep, t);
+    ep.handle_msg(t, PEER, data_msg(X, 0, r0, Vec::new())).unwrap();
+    assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Replan)]);
+    let err = ep.handle_msg(t, PEER, data_msg(X, 0, r0, Vec::new())).unwrap_err();
+    let fault = DataFault::NoRuns;
+    assert_eq!(err, ProtocolError::InvalidData { peer: PEER, xfer: X, chunk: ChunkIdx(0), fault });
+    let acts = drain(&mut ep);
+    assert_eq!(acks(&acts), vec![(X, 0, AckStatus::Refused)]);
+    assert!(scatters(&acts).is_empty());
+    assert_eq!((ep.remote_flows(), ep.stats().replans, ep.stats().data_refused), (0, 1, 1));
+    invariants(&ep);
+}
+
 #[test]
 fn a_plan_that_breaks_a_rule_is_dropped_and_can_never_get_more_through_than_a_data() {
     let (mut ep, t) = receiver();
