@@ -648,14 +648,16 @@ impl Receiver {
             return Err(ProtocolError::InvalidData { peer: from, xfer, chunk, fault });
         }
         self.wrote.insert(from, ctx.now);
-        let load = self.load.entry(from).or_default();
         let runs = plan.runs.len() as u64;
-        if load.chunks.saturating_add(runs) > self.caps.chunks {
-            debug!(peer = from.0, xfer = xfer.0, chunk = chunk.0, runs, "PLAN dropped: over the peer's budget");
+        // Kept runs count as announced units, against the peer's budget and all peers' (many
+        // one-way names each within its own budget would otherwise park gigabytes of runs).
+        let load = self.load.get(&from).copied().unwrap_or_default();
+        if load.chunks.saturating_add(runs) > self.caps.chunks || self.within_total(runs).is_err() {
+            debug!(peer = from.0, xfer = xfer.0, chunk = chunk.0, runs, "PLAN dropped: over the peers' budget");
             ctx.stats.plans_dropped += 1;
             return Ok(());
         }
-        load.chunks += runs;
+        self.load.entry(from).or_default().chunks += runs;
         let removals = self.registered.removals();
         if let Some(flow) = self.flows.get_mut(&key) {
             let limit = flow.chunks[chunk.0 as usize];

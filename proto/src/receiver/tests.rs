@@ -468,6 +468,28 @@ fn plans_count_against_the_peers_budget_and_one_over_it_is_dropped_quietly() {
     invariants(&ep);
 }
 
+/// Kept runs also count against all peers' units together: a PLAN within its own peer's
+/// budget but past the engine's total is dropped quietly, as one past the peer's is.
+#[test]
+fn a_plan_past_all_peers_total_is_dropped_quietly_though_its_peer_has_room() {
+    let (mut ep, t) = receiver();
+    // The WANT's 3 chunks and 2 runs fit the total; 3 more runs do not (the peer's cap would).
+    ep.receiver_mut().set_total_chunks_cap(5);
+    let [r0, r1] = wanted(&mut ep, t);
+    ep.handle_msg(t, PEER, plan_msg(0, vec![run(0, DST, 8), run(8, DST + 64, CHUNK - 8)])).unwrap();
+    let three = vec![run(0, DST, 8), run(8, DST + 64, 8), run(16, DST + 128, CHUNK - 16)];
+    ep.handle_msg(t, PEER, plan_msg(1, three.clone())).unwrap();
+    assert_eq!((ep.stats().plans_kept, ep.stats().plans_dropped), (1, 1));
+    assert!(drain(&mut ep).is_empty(), "a dropped PLAN is never answered");
+    invariants(&ep);
+    // The dropped one's chunk is asked for its runs; the kept one scatters.
+    ep.handle_msg(t, PEER, data_msg(X, 1, r1, Vec::new())).unwrap();
+    assert_eq!(acks(&drain(&mut ep)), vec![(X, 1, AckStatus::Replan)]);
+    ep.handle_msg(t, PEER, data_msg(X, 0, r0, Vec::new())).unwrap();
+    assert_eq!(scatters(&drain(&mut ep)).len(), 1);
+    invariants(&ep);
+}
+
 #[test]
 fn late_data_after_a_cancel_is_dropped_without_an_ack() {
     let (mut ep, t) = receiver();
