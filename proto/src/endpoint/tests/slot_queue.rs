@@ -376,37 +376,42 @@ fn a_one_way_read_reclaimed_between_its_pulls_is_answered_fail() {
     assert!(matches!(end[..], [Answer::Fail(_)]), "{end:?}");
 }
 
+/// `one_way_want(xfer)` without its proof, edited by `edit`.
+fn proofless_want(xfer: u64, edit: fn(&mut Want)) -> Msg {
+    let Msg::Want(mut w) = one_way_want(xfer) else { unreachable!() };
+    w.proofs.clear();
+    edit(&mut w);
+    Msg::Want(w)
+}
+
+/// A one-way PULL of one 4 KiB chunk into `arena`, proving nothing.
+fn proofless_pull(xfer: u64, arena: u8) -> Msg {
+    let run = CopyRun { region_off: 0, addr: DST, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
+    Msg::Pull(wire::Pull {
+        xfer: XferId(xfer),
+        token: token(xfer),
+        arena: ArenaId(arena),
+        first: ChunkIdx(0),
+        total: 1,
+        endpoint: wire::REPLY_MAILBOX.to_vec(),
+        chunks: vec![wire::PullChunk { bytes: CHUNK, runs: Arc::new(vec![run]) }],
+        proofs: Vec::new(),
+    })
+}
+
 /// A one-way WANT or PULL that proves nothing is a forgery whatever else it asks: the
 /// refusals the receiver answers before it reads proofs (a standing WANT, an arena we lack,
 /// shutting down) must not open a slot for their answer, or keyless names sending such frames
 /// would pin every mailbox slot for a full timeout each.
 #[test]
 fn proofless_one_way_frames_refused_before_their_proofs_are_read_take_no_slot_and_get_no_answer() {
-    let proofless = |xfer: u64, f: &dyn Fn(&mut Want)| {
-        let Msg::Want(mut w) = one_way_want(xfer) else { unreachable!() };
-        w.proofs.clear();
-        f(&mut w);
-        Msg::Want(w)
-    };
-    let pull = |xfer: u64, arena: u8| {
-        let run = CopyRun { region_off: 0, addr: DST, len: CHUNK, count: 1, region_stride: 0, addr_stride: 0 };
-        Msg::Pull(wire::Pull {
-            xfer: XferId(xfer),
-            token: token(xfer),
-            arena: ArenaId(arena),
-            first: ChunkIdx(0),
-            total: 1,
-            endpoint: wire::REPLY_MAILBOX.to_vec(),
-            chunks: vec![wire::PullChunk { bytes: CHUNK, runs: Arc::new(vec![run]) }],
-            proofs: Vec::new(),
-        })
-    };
-    let cases: Vec<(&str, Box<dyn Fn(u64) -> Msg>)> = vec![
-        ("standing", Box::new(move |x| proofless(x, &|w| w.standing = wire::Standing::Open))),
-        ("no such arena", Box::new(move |x| proofless(x, &|w| w.arena = ArenaId(15)))),
-        ("plain", Box::new(move |x| proofless(x, &|_| ()))),
-        ("PULL, no such arena", Box::new(move |x| pull(x, 15))),
-        ("PULL", Box::new(move |x| pull(x, 0))),
+    type Frame = fn(u64) -> Msg;
+    let cases: [(&str, Frame); 5] = [
+        ("standing", |x| proofless_want(x, |w| w.standing = wire::Standing::Open)),
+        ("no such arena", |x| proofless_want(x, |w| w.arena = ArenaId(15))),
+        ("plain", |x| proofless_want(x, |_| ())),
+        ("PULL, no such arena", |x| proofless_pull(x, 15)),
+        ("PULL", |x| proofless_pull(x, 0)),
     ];
     for shutting_down in [false, true] {
         for (what, frame) in &cases {
