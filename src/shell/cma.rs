@@ -20,8 +20,9 @@
 //! deregistered; the copier reads the words of a request's registrations at prep and before
 //! every post. (A deregistration racing a peer's copy already running is not caught: the owner
 //! cannot wait for another process's system call. The bounce path's receiver can, and does.
-//! Our own copies into or out of a registration of ours being deregistered are waited for:
-//! [`CmaPath::quiesce`].)
+//! Our own copies into or out of a registration of ours being deregistered are waited for,
+//! those of requests released while running too, and requests prepared over it fail at their
+//! next post: [`CmaPath::quiesce`].)
 //!
 //! Completion: SUCCESS once every worker's part is copied; the notification then goes through
 //! the inner engine. A release of a running request waits for its parts (a system call cannot
@@ -40,6 +41,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::copy::cpu::next_job;
+use crate::shell::fence::Ranges;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -213,6 +215,9 @@ impl Task {
 enum State {
     Prepared,
     Running(Arc<Job>, Option<Vec<u8>>),
+    /// Released while running: kept until its parts end, so that [`CmaPath::quiesce`] still
+    /// finds it (a deregistration of its memory must wait for it).
+    Releasing(Arc<Job>),
     Done(std::result::Result<(), XferError>),
 }
 
@@ -227,8 +232,10 @@ struct Request {
     watch: Option<Arc<Watch>>,
     /// The liveness words of its registrations: (address, tag).
     live: Vec<(u64, u64)>,
-    /// The span of our memory its pieces touch, `[start, end)`.
-    local_span: (u64, u64),
+    /// Our memory its pieces touch.
+    local: Ranges,
+    /// Part of that memory was deregistered since the prep: no post copies any more.
+    revoked: bool,
     /// The pieces, cut into one part per worker (fewer for small transfers).
     parts: Arc<Vec<Vec<Piece>>>,
     state: State,
@@ -335,20 +342,19 @@ impl CmaPath {
 
     /// Waits until no copy of ours runs into or out of our memory `[addr, addr + len)`: its
     /// deregistration returns only then, as the bounce path's does (the application may free
-    /// or reuse the memory once it has). A request running there finishes as it would have:
-    /// it was posted while the memory was registered.
+    /// or reuse the memory once it has). A request running there, or released while running,
+    /// finishes as it would have: it was posted while the memory was registered. Every request
+    /// touching it is revoked: a later post fails (`Deregistered`) instead of copying into
+    /// memory the application may have freed.
     pub(crate) fn quiesce(&self, addr: u64, len: u64) {
-        let end = addr.saturating_add(len);
-        let running: Vec<Arc<Job>> = self
-            .reqs
-            .lock()
-            .values()
-            .filter(|r| r.local_span.0 < end && addr < r.local_span.1)
-            .filter_map(|r| match &r.state {
-                State::Running(job, _) => Some(Arc::clone(job)),
-                _ => None,
-            })
-            .collect();
+        let range = (addr, addr.saturating_add(len));
+        let mut running = Vec::new();
+        for r in self.reqs.lock().values_mut().filter(|r| r.local.touches(range)) {
+            r.revoked = true;
+            if let State::Running(job, _) | State::Releasing(job) = &r.state {
+                running.push(Arc::clone(job));
+            }
+        }
         for job in running {
             job.wait();
         }
@@ -412,7 +418,7 @@ impl CmaPath {
         if !self.permitted(peer, first) || !all_live(first.pid, &live) {
             return None;
         }
-        let local_span = pieces.iter().fold((u64::MAX, 0), |(a, b), p| (a.min(p.local), b.max(p.local + p.len)));
+        let local = Ranges::new(pieces.iter().map(|p| (p.local, p.local + p.len)));
         let parts = Arc::new(split(pieces, self.workers.len()));
         let h = CMA_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
         let req = Request {
@@ -422,7 +428,8 @@ impl CmaPath {
             start: first.start,
             watch,
             live,
-            local_span,
+            local,
+            revoked: false,
             parts,
             state: State::Prepared,
             last_check: None,
@@ -484,8 +491,14 @@ impl CmaPath {
     pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>) -> Result<()> {
         let mut reqs = self.reqs.lock();
         let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
-        if matches!(req.state, State::Running(..)) {
-            return Err(Error::RepostActive(h));
+        match req.state {
+            State::Running(..) => return Err(Error::RepostActive(h)),
+            State::Releasing(_) => return Err(Error::UnknownRequest(h)),
+            _ => {}
+        }
+        if req.revoked {
+            req.state = State::Done(Err(XferError::Deregistered));
+            return Err(Error::Xfer(XferError::Deregistered));
         }
         if !same_process_alive(req.watch.as_deref(), req.pid, req.start) {
             req.state = State::Done(Err(XferError::PeerLost));
@@ -549,6 +562,7 @@ impl CmaPath {
         let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
         let done = match &req.state {
             State::Prepared => return Err(Error::NotPosted(h)),
+            State::Releasing(_) => return Err(Error::UnknownRequest(h)),
             State::Done(r) => return r.clone().map(|()| Progress::Done).map_err(Error::Xfer),
             State::Running(job, _) => {
                 if job.left.load(Ordering::Acquire) > 0 {
@@ -577,10 +591,20 @@ impl CmaPath {
     /// # Errors
     /// [`Error::UnknownRequest`].
     pub(crate) fn release(&self, h: u64) -> Result<()> {
-        let req = self.reqs.lock().remove(&h).ok_or(Error::UnknownRequest(h))?;
-        if let State::Running(job, _) = req.state {
-            job.wait();
-        }
+        let mut reqs = self.reqs.lock();
+        let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
+        let job = match &req.state {
+            State::Running(job, _) | State::Releasing(job) => Arc::clone(job),
+            _ => {
+                reqs.remove(&h);
+                return Ok(());
+            }
+        };
+        // Kept, as releasing, until its parts end: a deregistration meanwhile waits for them.
+        req.state = State::Releasing(Arc::clone(&job));
+        drop(reqs);
+        job.wait();
+        self.reqs.lock().remove(&h);
         Ok(())
     }
 }
@@ -754,6 +778,76 @@ mod tests {
         assert!(!path.permitted("p", &rec_gone));
         assert_eq!(path.permitted.lock().get(&(gone, 1)), Some(&false));
         assert!(path.permitted("p", &rec), "this process: reachable");
+    }
+
+    /// Deregistering our memory revokes exactly the requests whose pieces touch it: a prepared
+    /// one fails at its post (nothing copied), one whose pieces lie around it posts as before.
+    /// And it waits for a request released while running, which stays in the table until its
+    /// parts end.
+    #[test]
+    fn a_deregistration_revokes_the_requests_on_its_memory_and_waits_for_one_being_released() {
+        let stats = Arc::new(Stats::default());
+        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
+        path.allow_self = true;
+        // READs from `src` (the "peer's" registration: this process) into our `dst`.
+        let mut src: Vec<u8> = (1..=64).collect();
+        let reg = Registration { addr: src.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let mut dst = vec![0u8; 64];
+        // Written by the kernel through this address (a pointer with write provenance).
+        let base = dst.as_mut_ptr() as u64;
+        let at = |i: u64| base + i;
+        let read = |pieces: &[(u64, u64)]| {
+            let descs: Vec<DescPair> =
+                pieces.iter().map(|&(o, n)| DescPair { src: reg.addr + o, dst: at(o), len: n }).collect();
+            let n = descs.len();
+            path.prep("p", &descs, &[(rec, n)], true).expect("this process")
+        };
+        let inside = read(&[(20, 8)]);
+        let around = read(&[(0, 8), (40, 8)]);
+        path.quiesce(at(16), 16);
+        assert!(matches!(path.post(inside, None), Err(Error::Xfer(XferError::Deregistered))));
+        assert!(matches!(path.check(inside, None, Duration::ZERO), Err(Error::Xfer(XferError::Deregistered))));
+        path.post(around, None).unwrap();
+        while path.check(around, None, Duration::from_micros(200)).unwrap() == Progress::InFlight {
+            std::thread::yield_now();
+        }
+        assert_eq!(&dst[..8], &src[..8]);
+        assert_eq!(&dst[40..48], &src[40..48]);
+        assert!(dst[8..40].iter().chain(&dst[48..]).all(|b| *b == 0), "nothing else written: {dst:?}");
+        // A request running (a job of one part not done yet, standing in for a long copy) is
+        // released on another thread: it stays, as releasing, until its part ends, and a
+        // deregistration of its memory meanwhile waits for it.
+        let h = read(&[(24, 4)]);
+        let job = Arc::new(Job::default());
+        job.left.store(1, Ordering::Release);
+        path.reqs.lock().get_mut(&h).unwrap().state = State::Running(Arc::clone(&job), None);
+        let (released, quiesced) = (AtomicBool::new(false), AtomicBool::new(false));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                path.release(h).unwrap();
+                released.store(true, Ordering::Release);
+            });
+            while !matches!(path.reqs.lock().get(&h).map(|r| &r.state), Some(State::Releasing(_))) {
+                std::thread::yield_now();
+            }
+            s.spawn(|| {
+                path.quiesce(at(24), 4);
+                quiesced.store(true, Ordering::Release);
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(
+                !released.load(Ordering::Acquire) && !quiesced.load(Ordering::Acquire),
+                "returned before the copy ended"
+            );
+            assert!(
+                matches!(path.post(h, None), Err(Error::UnknownRequest(_))),
+                "a released request is not posted again"
+            );
+            job.part_done(true);
+        });
+        assert!(released.load(Ordering::Acquire) && quiesced.load(Ordering::Acquire));
+        assert!(path.reqs.lock().get(&h).is_none());
     }
 
     /// A part that waited in the queue asks again whether the process is the one checked at

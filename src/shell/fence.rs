@@ -32,6 +32,36 @@ pub(crate) fn runs_touch(runs: &[CopyRun], range: Span) -> bool {
     runs.iter().filter_map(CopyRun::addr_span).any(|r| overlaps(r, range))
 }
 
+/// A same-host request's side in our memory: its pieces' ranges, sorted and coalesced, so a
+/// deregistration tells precisely which requests it revokes (a KV request's pieces span many
+/// registrations; its outer bounds would take in memory it never touches).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Ranges(Vec<Span>);
+
+impl Ranges {
+    /// The ranges of `spans` (empty ones left out).
+    pub(crate) fn new(spans: impl IntoIterator<Item = Span>) -> Self {
+        let mut v: Vec<Span> = spans.into_iter().filter(|&(a, b)| a < b).collect();
+        v.sort_unstable();
+        let mut out: Vec<Span> = Vec::with_capacity(v.len());
+        for (a, b) in v {
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        Self(out)
+    }
+
+    /// Whether one of the ranges overlaps `range`.
+    pub(crate) fn touches(&self, range: Span) -> bool {
+        // The first range ending after `range` starts is the only candidate (they are disjoint
+        // and sorted).
+        let i = self.0.partition_point(|r| r.1 <= range.0);
+        self.0.get(i).is_some_and(|&r| overlaps(r, range))
+    }
+}
+
 /// A pinned job's token (unpin it exactly once).
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Pin(u64);
@@ -99,6 +129,17 @@ impl Fence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranges_tell_precisely_whether_a_range_is_touched() {
+        // Two pieces of one layer (adjacent: one range) and one of another, far above.
+        let r = Ranges::new([(1000, 1100), (100, 200), (200, 300), (500, 500)]);
+        assert_eq!(r, Ranges(vec![(100, 300), (1000, 1100)]), "sorted, coalesced, empty left out");
+        assert!(r.touches((250, 260)) && r.touches((0, 101)) && r.touches((1099, 5000)));
+        // Between and beyond them, within their outer bounds or not: untouched.
+        assert!(!r.touches((300, 1000)) && !r.touches((0, 100)) && !r.touches((1100, 1200)));
+        assert!(!Ranges::new([]).touches((0, u64::MAX)));
+    }
 
     #[test]
     fn a_removed_range_refuses_pins_and_a_pinned_job_makes_the_deregistration_wait() {

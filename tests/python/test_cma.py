@@ -296,6 +296,40 @@ def test_a_local_deregistration_waits_for_our_copies_into_it(cma, peer):
     assert s["cma_xfers"] == 3 and s["cma_ok"] == 3, s
 
 
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_request_prepared_over_our_memory_deregistered_since_fails_at_its_post(cma, peer, tmp_path, op):
+    """The application deregisters the buffer a prepared request copies from (WRITE) or into
+    (READ), then posts the request: it fails (never DONE), nothing of the buffer is read into
+    the peer or written here, and a request prepared again once the buffer is registered again
+    moves every byte. UCX's request would use a memory handle freed by then; ours knows."""
+    lay = nixlkit.Scattered(1024, 4096, seed=1181)
+    ag, p, raddr, buf = setup(peer, "c8", lay.src_bytes if op == "WRITE" else lay.dst_bytes,
+                              lay.dst_bytes if op == "WRITE" else lay.src_bytes, 1182, 1183)
+    lo, re = descs(ag, op, lay, buf, raddr)
+    h = ag.initialize_xfer(op, lo, re, "c8-rx", b"", backends=[B])
+    peer_before = remote_buffer(p, tmp_path, "before.bin")
+    ag.deregister_memory(ag.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"), backends=[B])
+    ours_before = buf.copy()
+    try:
+        state = ag.transfer(h)
+        t0 = time.monotonic()
+        while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
+            state = ag.check_xfer_state(h)
+    except Exception:
+        state = "ERR"
+    assert state == "ERR", state
+    assert (remote_buffer(p, tmp_path, "after.bin") == peer_before).all(), "the peer's buffer changed"
+    assert (buf == ours_before).all(), "our deregistered buffer was written"
+    ag.release_xfer_handle(h)
+    nixlkit.register(ag, buf)
+    h = ag.initialize_xfer(op, lo, re, "c8-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    assert_landed(op, lay, p, tmp_path, buf, 1182 if op == "WRITE" else 1183, 1183 if op == "WRITE" else 1182)
+    s = stats(ag)
+    assert s["cma_xfers"] == 1 and s["cma_ok"] == 1 and s["bounce_xfers"] == 0, s
+
+
 CMA_THREADS = """
 import os, nixlkit
 def cma_threads():
