@@ -30,6 +30,7 @@ use bounce_proto::plan::{self, DescPair};
 use bounce_proto::wire::IpcRecord;
 use parking_lot::{Mutex, RwLock};
 
+use crate::shell::fence::Ranges;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -76,8 +77,10 @@ struct Request {
     plan: Arc<DevicePlan>,
     /// Kept open for as long as the request may launch.
     _maps: Vec<Arc<Mapped>>,
-    /// The span of our memory its copies touch, `[start, end)`.
-    local_span: (u64, u64),
+    /// Our memory its copies touch.
+    local: Ranges,
+    /// Part of that memory was deregistered since the prep: no post launches any more.
+    revoked: bool,
     state: State,
 }
 
@@ -170,7 +173,7 @@ impl IpcPath {
         }
         let mut maps: Vec<Arc<Mapped>> = Vec::new();
         let mut mapped = Vec::with_capacity(descs.len());
-        let mut local_span = (u64::MAX, 0);
+        let mut local = Vec::with_capacity(descs.len());
         let mut at = 0;
         // Runs of descriptors of one record (see `Keys::remote_reach`): mapped once a run.
         for (rec, n) in ipc {
@@ -187,7 +190,7 @@ impl IpcPath {
             }
             for d in &descs[at..at + n] {
                 let (ours, remote) = if read { (d.dst, d.src) } else { (d.src, d.dst) };
-                local_span = (local_span.0.min(ours), local_span.1.max(ours.saturating_add(d.len)));
+                local.push((ours, ours.saturating_add(d.len)));
                 let local = translate(rec, base, remote, d.len)?;
                 mapped.push(if read { DescPair { src: local, ..*d } } else { DescPair { dst: local, ..*d } });
             }
@@ -208,7 +211,8 @@ impl IpcPath {
             }
         };
         let h = IPC_HANDLE_BIT | self.dev_bits | self.next.fetch_add(1, Ordering::Relaxed);
-        let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, local_span, state: State::Prepared };
+        let (local, revoked) = (Ranges::new(local), false);
+        let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, local, revoked, state: State::Prepared };
         self.reqs.lock().insert(h, req);
         Some(h)
     }
@@ -255,6 +259,10 @@ impl IpcPath {
         let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
         if matches!(req.state, State::Running(..)) {
             return Err(Error::RepostActive(h));
+        }
+        if req.revoked {
+            req.state = State::Done(Err(XferError::Deregistered));
+            return Err(Error::Xfer(XferError::Deregistered));
         }
         let failed = if req.read { XferError::ReadFailed } else { XferError::WriteFailed };
         let launched = self.context().and_then(|mut ctx| {
@@ -331,11 +339,14 @@ impl IpcPath {
     /// Waits until no copy of ours runs into or out of our memory `[addr, addr + len)` on this
     /// GPU: its deregistration returns only then, as the bounce path's does (PyTorch's caching
     /// allocator hands freed memory to the next tensor at once). A request running there
-    /// finishes as it would have: it was posted while the memory was registered.
+    /// finishes as it would have: it was posted while the memory was registered. Every request
+    /// touching it is revoked: a later post fails (`Deregistered`) instead of launching into
+    /// memory that may hold another tensor by then.
     fn quiesce(&self, addr: u64, len: u64) {
-        let end = addr.saturating_add(len);
-        for r in self.reqs.lock().values() {
-            if let (State::Running(ctx, _), true) = (&r.state, r.local_span.0 < end && addr < r.local_span.1) {
+        let range = (addr, addr.saturating_add(len));
+        for r in self.reqs.lock().values_mut().filter(|r| r.local.touches(range)) {
+            r.revoked = true;
+            if let State::Running(ctx, _) = &r.state {
                 if let Err(e) = ctx.synchronize() {
                     tracing::warn!(error = %e, "waiting for a same-host GPU copy before a deregistration");
                 }
@@ -349,12 +360,16 @@ impl IpcPath {
     /// # Errors
     /// [`Error::UnknownRequest`].
     pub(crate) fn release(&self, h: u64) -> Result<()> {
-        let req = self.reqs.lock().remove(&h).ok_or(Error::UnknownRequest(h))?;
+        // Waited for under the table's lock (as `quiesce` does): removed first, a running copy
+        // would be out of a deregistration's sight while it ends.
+        let mut reqs = self.reqs.lock();
+        let req = reqs.remove(&h).ok_or(Error::UnknownRequest(h))?;
         if let State::Running(ctx, _) = req.state {
             if ctx.synchronize().is_ok() {
                 self.idle.lock().push(ctx);
             }
         }
+        drop(reqs);
         Ok(())
     }
 }
