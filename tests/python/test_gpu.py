@@ -831,6 +831,46 @@ def test_vram_same_host_release_while_in_flight_then_again(peer, tmp_path):
     assert s["ipc_xfers"] == 4 and s["bounce_xfers"] == 0, s
 
 
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_vram_same_host_request_over_memory_deregistered_since_fails_at_its_post(peer, tmp_path, op):
+    """The application deregisters the GPU buffer a prepared same-host request copies from
+    (WRITE) or into (READ), then posts it: it fails, no kernel reads or writes the buffer
+    (PyTorch's allocator may have handed it to another tensor), the peer's buffer is unchanged;
+    registered again, a new request moves every byte."""
+    lay = nixlkit.Scattered(1024, 4096, seed=1071)
+    name = f"i8-{op.lower()}"
+    ours, theirs = (lay.src_bytes, lay.dst_bytes) if op == "WRITE" else (lay.dst_bytes, lay.src_bytes)
+    ag, p, raddr, buf = ipc_pair(peer, name, ours, theirs, 1072, 1073)
+    mine = (lay.src_list if op == "WRITE" else lay.dst_list)(nixlkit.addr(buf), 0)
+    lo = ag.get_xfer_descs(mine, "VRAM")
+    re = ag.get_xfer_descs((lay.dst_list if op == "WRITE" else lay.src_list)(raddr, PEER_GPU), "VRAM")
+    h = ag.initialize_xfer(op, lo, re, f"{name}-rx", b"", backends=[B])
+    peer_before = remote_host_copy(p, tmp_path, "before.bin")
+    ag.deregister_memory(ag.get_reg_descs([(nixlkit.addr(buf), ours, 0, "")], "VRAM"), backends=[B])
+    try:
+        state = ag.transfer(h)
+        t0 = time.monotonic()
+        while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
+            state = ag.check_xfer_state(h)
+    except Exception:
+        state = "ERR"
+    assert state == "ERR", state
+    assert (remote_host_copy(p, tmp_path, "after.bin") == peer_before).all(), "the peer's buffer changed"
+    assert (buf.host() == nixlkit.pattern(1072, ours)).all(), "our deregistered buffer was written"
+    ag.release_xfer_handle(h)
+    nixlkit.register(ag, buf)
+    h = ag.initialize_xfer(op, lo, re, f"{name}-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=30)
+    ag.release_xfer_handle(h)
+    src_seed, dst_seed = (1072, 1073) if op == "WRITE" else (1073, 1072)
+    got = remote_host_copy(p, tmp_path) if op == "WRITE" else buf.host()
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(src_seed, lay.src_bytes),
+                                          nixlkit.pattern(dst_seed, lay.dst_bytes)), f"{op} destination")
+    s = stats(ag)
+    assert s["ipc_xfers"] == 1 and s["ipc_ok"] == 1 and s["bounce_xfers"] == 0, s
+
+
 def test_vram_of_expandable_segments_has_no_ipc_handle_and_bounces_byte_exact(peer, tmp_path):
     """PyTorch's expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which
     inference servers set to fight fragmentation) map GPU memory with CUDA's virtual memory API:
