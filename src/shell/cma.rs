@@ -12,13 +12,17 @@
 //! keys). Only our local side is written by a READ, within local descriptors NIXL checked
 //! against our registrations; a WRITE reads our memory and writes the peer's, which the kernel
 //! checks (a piece outside the peer's mappings fails the transfer). The process named by a
-//! record must be the one that published it: same host (boot id), same PID namespace, and the
-//! start time of the pid checked again at every post (and by a worker before each part it
-//! takes from the queue), so a pid reused since is refused. Nor is a
-//! deregistered registration written: each record names a liveness word in its owner's
-//! process, which holds the record's tag while the registration lives and 0 once it is
-//! deregistered; the copier reads the words of a request's registrations at prep and before
-//! every post. (A deregistration racing a peer's copy already running is not caught: the owner
+//! record must be alive and the one the record was made for: same host (boot id), same PID
+//! namespace, a process and not one of its threads, and the start time of the pid checked
+//! again at every post (and by a worker before each part it takes from the queue), so a pid
+//! reused since is refused. Those fields are public, so they bind nothing to the publisher:
+//! what does is the record's liveness word in the named process, which holds the record's tag
+//! and the registration's range while it lives (0 as tag once it is deregistered). The copier
+//! reads the words of a request's registrations at prep and before every post and copies only
+//! when tag and range match the record: a record forged or copied from another process's
+//! metadata reaches only a range that process registered itself and published with that tag
+//! (which whoever holds its metadata reaches through UCX anyway), and a deregistered
+//! registration is not written. (A deregistration racing a peer's copy already running is not caught: the owner
 //! cannot wait for another process's system call. The bounce path's receiver can, and does.
 //! Our own copies into or out of a registration of ours being deregistered are waited for,
 //! those of requests released while running too, and requests prepared over it fail at their
@@ -54,11 +58,38 @@ pub(crate) const CMA_HANDLE_BIT: u64 = 1 << 61;
 /// Liveness words, so registrations that can be reached by CMA at once.
 const LIVE_SLOTS: usize = 1 << 16;
 
+/// One registration's liveness word as a peer reads it (24 bytes at the record's `live`): the
+/// record's tag while the registration lives (0 once it is gone), and the range it covers, so
+/// that a record reaches only a range its owner registered itself, whatever a forger writes in
+/// the record's `addr` and `len`.
+#[derive(Debug, Default)]
+#[repr(C)]
+struct Word {
+    tag: AtomicU64,
+    addr: AtomicU64,
+    len: AtomicU64,
+}
+
+/// A liveness word's contents, as expected from a record or read from its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+#[repr(C)]
+struct Live {
+    tag: u64,
+    addr: u64,
+    len: u64,
+}
+
+impl Live {
+    fn of(rec: &CmaRecord) -> Self {
+        Self { tag: rec.tag, addr: rec.addr, len: rec.len }
+    }
+}
+
 /// Our registrations' liveness words (see the module docs).
 #[derive(Debug)]
 struct Liveness {
     /// Never moves: peers read its words at the addresses our records publish.
-    words: Box<[AtomicU64]>,
+    words: Box<[Word]>,
     slots: Mutex<Slots>,
 }
 
@@ -71,11 +102,12 @@ struct Slots {
 
 impl Liveness {
     fn new() -> Self {
-        Self { words: (0..LIVE_SLOTS).map(|_| AtomicU64::new(0)).collect(), slots: Mutex::default() }
+        Self { words: (0..LIVE_SLOTS).map(|_| Word::default()).collect(), slots: Mutex::default() }
     }
 
-    /// A word for registration `md`, set to a fresh nonzero tag: (its address, the tag).
-    fn take(&self, md: Md) -> Option<(u64, u64)> {
+    /// A word for registration `md` of `[addr, addr + len)`, set to a fresh nonzero tag and
+    /// that range: (its address, the tag).
+    fn take(&self, md: Md, addr: u64, len: u64) -> Option<(u64, u64)> {
         let mut slots = self.slots.lock();
         let slot = match slots.free.pop() {
             Some(s) => s,
@@ -88,19 +120,24 @@ impl Liveness {
         let mut raw = [0u8; 8];
         crate::shell::drbg::fill(&mut raw).ok()?;
         let tag = u64::from_ne_bytes(raw) | 1;
-        self.words[slot].store(tag, Ordering::Release);
+        let w = &self.words[slot];
+        // The range before the tag: a reader that finds the tag finds it with its range (a
+        // word is reused only after its tag went to 0).
+        w.addr.store(addr, Ordering::Relaxed);
+        w.len.store(len, Ordering::Relaxed);
+        w.tag.store(tag, Ordering::Release);
         if let Some(old) = slots.by_md.insert(md, slot) {
-            self.words[old].store(0, Ordering::Release);
+            self.words[old].tag.store(0, Ordering::Release);
             slots.free.push(old);
         }
-        Some((std::ptr::from_ref(&self.words[slot]) as u64, tag))
+        Some((std::ptr::from_ref(w) as u64, tag))
     }
 
     /// Registration `md` is gone: its word reads 0 from now on.
     fn clear(&self, md: Md) {
         let mut slots = self.slots.lock();
         if let Some(slot) = slots.by_md.remove(&md) {
-            self.words[slot].store(0, Ordering::Release);
+            self.words[slot].tag.store(0, Ordering::Release);
             slots.free.push(slot);
         }
     }
@@ -120,16 +157,18 @@ fn same_process_alive(watch: Option<&Watch>, pid: u32, start: u64) -> bool {
     }
 }
 
-/// Whether every (address, tag) liveness word of process `pid` still holds its tag.
-fn all_live(pid: u32, words: &[(u64, u64)]) -> bool {
-    let mut got = vec![0u64; words.len()];
+/// Whether every liveness word of process `pid` (its address, what it must hold) still holds
+/// its record's tag and range.
+fn all_live(pid: u32, words: &[(u64, Live)]) -> bool {
+    let mut got = vec![Live::default(); words.len()];
     let pieces: Vec<Piece> = got
         .iter_mut()
         .zip(words)
-        .map(|(g, (addr, _))| Piece { local: std::ptr::from_mut(g) as u64, remote: *addr, len: 8 })
+        .map(|(g, (addr, _))| Piece { local: std::ptr::from_mut(g) as u64, remote: *addr, len: 24 })
         .collect();
-    // SAFETY: the local ranges are the words of `got`, which nothing else touches meanwhile.
-    unsafe { cma::copy(pid, CmaDir::Read, &pieces) }.is_ok() && got.iter().zip(words).all(|(g, (_, tag))| g == tag)
+    // SAFETY: the local ranges are the elements of `got` (24 bytes each, `repr(C)` of three
+    // u64s, any bytes valid), which nothing else touches meanwhile.
+    unsafe { cma::copy(pid, CmaDir::Read, &pieces) }.is_ok() && got.iter().zip(words).all(|(g, (_, want))| g == want)
 }
 
 /// A transfer smaller than this goes in one part (one worker): splitting costs more.
@@ -230,8 +269,8 @@ struct Request {
     /// The peer process's watch, when pidfds work here: each post asks it instead of reading
     /// the start time again.
     watch: Option<Arc<Watch>>,
-    /// The liveness words of its registrations: (address, tag).
-    live: Vec<(u64, u64)>,
+    /// The liveness words of its registrations: (address, what each must hold).
+    live: Vec<(u64, Live)>,
     /// Our memory its pieces touch.
     local: Ranges,
     /// Part of that memory was deregistered since the prep: no post copies any more.
@@ -321,7 +360,7 @@ impl CmaPath {
         if reg.mem != MemKind::Dram || reg.len == 0 {
             return None;
         }
-        let (live, tag) = self.liveness.take(md)?;
+        let (live, tag) = self.liveness.take(md, reg.addr, reg.len)?;
         Some(CmaRecord {
             node: self.node,
             pidns: self.me.pidns,
@@ -376,13 +415,13 @@ impl CmaPath {
             return None;
         }
         let mut pieces: Vec<Piece> = Vec::with_capacity(descs.len());
-        let mut live: Vec<(u64, u64)> = Vec::new();
+        let mut live: Vec<(u64, Live)> = Vec::new();
         let mut at = 0;
         // Runs of descriptors of one record (see `Keys::remote_reach`).
         for (rec, n) in recs {
             // Duplicates left (a registration's runs interleaved with another's) go below.
-            if live.last() != Some(&(rec.live, rec.tag)) {
-                live.push((rec.live, rec.tag));
+            if live.last() != Some(&(rec.live, Live::of(rec))) {
+                live.push((rec.live, Live::of(rec)));
             }
             if (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start) {
                 return None;
@@ -466,6 +505,11 @@ impl CmaPath {
     /// transfer on instead of failing every one.
     fn permitted(&self, peer: &str, rec: &CmaRecord) -> bool {
         *self.permitted.lock().entry((rec.pid, rec.start)).or_insert_with(|| {
+            // A thread's id (ours, say) would pass every other check: refused outright.
+            if cma::thread_group(rec.pid) != Some(rec.pid) {
+                tracing::warn!(peer, pid = rec.pid, "a CMA record names a thread, not a process: transfers to this peer bounce");
+                return false;
+            }
             let mut byte = 0u8;
             let probe = [Piece { local: std::ptr::addr_of_mut!(byte) as u64, remote: rec.addr, len: 1 }];
             // SAFETY: the one local byte is `byte`, which nothing else touches meanwhile.
@@ -746,6 +790,14 @@ mod tests {
         assert!(path.prep("p", &pair, &[(CmaRecord { pidns: rec.pidns ^ 1, ..rec }, 1)], false).is_none());
         assert!(path.prep("p", &pair, &[(CmaRecord { start: rec.start + 1, ..rec }, 1)], false).is_none());
         assert!(path.prep("p", &pair, &[(CmaRecord { len: 16, ..rec }, 1)], false).is_none());
+        // The record's liveness word and tag with a range its owner never registered (a forger
+        // copying a published record): the word holds the real range, so refused, even where
+        // the forged range is the larger one and holds the pieces.
+        let mut other = vec![0u8; 128];
+        let forged = CmaRecord { addr: other.as_mut_ptr() as u64, len: 128, ..rec };
+        let into_other = [DescPair { src: src.as_ptr() as u64, dst: forged.addr, len: 16 }];
+        assert!(path.prep("p", &into_other, &[(forged, 1)], false).is_none());
+        assert!(other.iter().all(|b| *b == 0));
         // Record runs that do not add up to the descriptors: refused.
         assert!(path.prep("p", &pair, &[(rec, 2)], false).is_none());
         assert!(path.prep("p", &pair, &[(rec, 0)], false).is_none());
@@ -778,6 +830,20 @@ mod tests {
         assert!(!path.permitted("p", &rec_gone));
         assert_eq!(path.permitted.lock().get(&(gone, 1)), Some(&false));
         assert!(path.permitted("p", &rec), "this process: reachable");
+        // A thread's id with its start time passes the process checks and reaches our memory,
+        // but names a thread, not a process: refused.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tid_tx.send(unsafe { libc::gettid() }.unsigned_abs()).unwrap();
+            rx.recv().ok();
+        });
+        let tid = tid_rx.recv().unwrap();
+        let start = cma::start_time(tid).expect("/proc answers for a thread id");
+        assert!(!path.permitted("p", &CmaRecord { pid: tid, start, ..rec }));
+        tx.send(()).unwrap();
+        t.join().unwrap();
     }
 
     /// Deregistering our memory revokes exactly the requests whose pieces touch it: a prepared

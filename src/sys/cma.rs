@@ -177,6 +177,17 @@ impl Watch {
     }
 }
 
+/// The process (thread group) that task `pid` belongs to: `Tgid:` in `/proc/<pid>/status`.
+/// A thread's id reaches its process's memory as the process's pid does (and `/proc` answers
+/// for it), so a record must name a process itself, never one of its threads.
+pub(crate) fn thread_group(pid: u32) -> Option<u32> {
+    parse_tgid(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+}
+
+fn parse_tgid(status: &str) -> Option<u32> {
+    status.lines().find_map(|l| l.strip_prefix("Tgid:"))?.trim().parse().ok()
+}
+
 /// Process `pid`'s start time (`/proc/<pid>/stat` field 22), `None` when there is no such
 /// process.
 pub(crate) fn start_time(pid: u32) -> Option<u64> {
@@ -207,6 +218,27 @@ mod tests {
 
     /// A watch names one process: refused for a start time that is not the process's, alive
     /// while it runs, and not alive once it has exited (its pid may be anyone's then).
+    #[test]
+    fn a_threads_id_names_its_process_as_thread_group() {
+        assert_eq!(parse_tgid("Name:\tx y\nUmask:\t0022\nTgid:\t4242\nNgid:\t0\nPid:\t4250\n"), Some(4242));
+        assert_eq!(parse_tgid("Name:\tx\nPid:\t4250\n"), None);
+        let me = std::process::id();
+        assert_eq!(thread_group(me), Some(me));
+        // A thread kept alive while asked about: its id is not its process's.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tid_tx.send(unsafe { libc::gettid() }.unsigned_abs()).unwrap();
+            rx.recv().ok();
+        });
+        let tid = tid_rx.recv().unwrap();
+        assert_ne!(tid, me);
+        assert_eq!(thread_group(tid), Some(me), "the thread's id names this process as its group");
+        tx.send(()).unwrap();
+        t.join().unwrap();
+    }
+
     #[test]
     fn a_watch_tells_whether_that_very_process_is_alive() {
         let me = this_process().expect("Linux has /proc");
