@@ -243,10 +243,14 @@ impl CudaCopyEngine {
         };
         // The chunk's scatter plan goes behind its data, where the receiver looks for it:
         // one device-to-device copy of the bytes uploaded at the first post.
-        let (gather, region_plan) = match cached {
-            Some((g, Some(rp))) => (Some(g), rp),
+        // The gather's plan is kept first: the kernel is queued, so should what follows fail,
+        // the plan must still outlive it (else its buffer could be reused for another upload).
+        let (gather, cached_region_plan) = cached.map_or((None, None), |(g, rp)| (Some(g), rp));
+        keep.extend(gather);
+        let region_plan = match cached_region_plan {
+            Some(rp) => rp,
             // The batched path keeps no device plans: upload this one for the launch.
-            _ => (None, Arc::new(self.uploads.upload(scatter)?)),
+            None => Arc::new(self.uploads.upload(scatter)?),
         };
         let len = region_plan::plan_bytes(u32::try_from(scatter.len()).unwrap_or(u32::MAX));
         if region_plan.len() as u64 != len || off.checked_add(len).is_none_or(|end| end > job.region.len) {
@@ -256,7 +260,6 @@ impl CudaCopyEngine {
         // which the core gave to this job alone; the source is the plan's device copy, alive
         // in `keep` until the context's event. `ctx` is idle, as above.
         unsafe { c.copy_d2d(region_base + off, region_plan.ptr(), region_plan.len())? };
-        keep.extend(gather);
         keep.push(region_plan);
         Ok(())
     }

@@ -222,7 +222,12 @@ impl GpuTimer {
         // SAFETY: current context; valid out-pointers.
         check("cuEventCreate", unsafe { cu::cuEventCreate(&mut start, 0) })?;
         // SAFETY: as above.
-        check("cuEventCreate", unsafe { cu::cuEventCreate(&mut stop, 0) })?;
+        if let Err(e) = check("cuEventCreate", unsafe { cu::cuEventCreate(&mut stop, 0) }) {
+            // SAFETY: `start` was created just above in this (current) context and is used by
+            // nothing yet.
+            let _ = unsafe { cu::cuEventDestroy_v2(start) };
+            return Err(e);
+        }
         Ok(Self { gpu: gpu.clone(), start, stop })
     }
 
