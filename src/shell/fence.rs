@@ -32,33 +32,28 @@ pub(crate) fn runs_touch(runs: &[CopyRun], range: Span) -> bool {
     runs.iter().filter_map(CopyRun::addr_span).any(|r| overlaps(r, range))
 }
 
-/// A same-host request's side in our memory: its pieces' ranges, sorted and coalesced, so a
-/// deregistration tells precisely which requests it revokes (a KV request's pieces span many
-/// registrations; its outer bounds would take in memory it never touches).
+/// A same-host request's side in our memory: its pieces' ranges, so that a deregistration
+/// tells precisely which requests it revokes (a KV request's pieces span many registrations;
+/// its outer bounds would take in memory it never touches). Kept as they come, with their
+/// outer bounds: the prep of every request pays one push a piece, and only a deregistration
+/// whose range meets the outer bounds looks at the pieces.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Ranges(Vec<Span>);
+pub(crate) struct Ranges {
+    outer: Span,
+    spans: Vec<Span>,
+}
 
 impl Ranges {
     /// The ranges of `spans` (empty ones left out).
     pub(crate) fn new(spans: impl IntoIterator<Item = Span>) -> Self {
-        let mut v: Vec<Span> = spans.into_iter().filter(|&(a, b)| a < b).collect();
-        v.sort_unstable();
-        let mut out: Vec<Span> = Vec::with_capacity(v.len());
-        for (a, b) in v {
-            match out.last_mut() {
-                Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                _ => out.push((a, b)),
-            }
-        }
-        Self(out)
+        let spans: Vec<Span> = spans.into_iter().filter(|&(a, b)| a < b).collect();
+        let outer = spans.iter().fold((u64::MAX, 0), |(a, b), &(c, d)| (a.min(c), b.max(d)));
+        Self { outer, spans }
     }
 
     /// Whether one of the ranges overlaps `range`.
     pub(crate) fn touches(&self, range: Span) -> bool {
-        // The first range ending after `range` starts is the only candidate (they are disjoint
-        // and sorted).
-        let i = self.0.partition_point(|r| r.1 <= range.0);
-        self.0.get(i).is_some_and(|&r| overlaps(r, range))
+        overlaps(self.outer, range) && self.spans.iter().any(|&r| overlaps(r, range))
     }
 }
 
@@ -132,10 +127,10 @@ mod tests {
 
     #[test]
     fn ranges_tell_precisely_whether_a_range_is_touched() {
-        // Two pieces of one layer (adjacent: one range) and one of another, far above.
+        // Two pieces of one layer, one of another far above, and an empty one between.
         let r = Ranges::new([(1000, 1100), (100, 200), (200, 300), (500, 500)]);
-        assert_eq!(r, Ranges(vec![(100, 300), (1000, 1100)]), "sorted, coalesced, empty left out");
         assert!(r.touches((250, 260)) && r.touches((0, 101)) && r.touches((1099, 5000)));
+        assert!(!r.touches((500, 501)), "an empty piece touches nothing");
         // Between and beyond them, within their outer bounds or not: untouched.
         assert!(!r.touches((300, 1000)) && !r.touches((0, 100)) && !r.touches((1100, 1200)));
         assert!(!Ranges::new([]).touches((0, u64::MAX)));
