@@ -702,13 +702,16 @@ impl Sender {
             }
             return Ok(());
         }
+        // A refusal, whatever the chunk's stage and whatever region it names: the receiver
+        // reclaims every flow it refuses (`receiver::refuse_want`, a refused DATA), so nothing
+        // of the transfer can complete any more, and its token shows it comes from the receiver.
+        // (A refused standing claim names no region of ours and usually finds chunk 0's DATA
+        // already sent: ignored, it left the transfer waiting for its timeout.)
+        if ack.status == AckStatus::Refused {
+            self.fail(ctx, id, XferError::Refused, true);
+            return Ok(());
+        }
         let Stage::DataSent { direct, credit, sent, replanned } = stage else {
-            // A refusal of the whole transfer (the receiver will not serve its WANT: see
-            // `receiver::refuse_want`); its token shows it comes from the receiver.
-            if ack.status == AckStatus::Refused {
-                self.fail(ctx, id, XferError::Refused, true);
-                return Ok(());
-            }
             // A READ target whose gather of the chunk failed (nothing was announced ready).
             if x.read && ack.status == AckStatus::Failed {
                 self.fail(ctx, id, XferError::GatherFailed, true);
@@ -745,7 +748,7 @@ impl Sender {
                     self.complete(ctx, id);
                 }
             }
-            AckStatus::Refused => self.fail(ctx, id, XferError::Refused, true),
+            AckStatus::Refused => unreachable!("a refusal failed the transfer above"),
             AckStatus::Failed => self.fail(ctx, id, XferError::ScatterFailed, true),
             AckStatus::Replan => {
                 // The receiver kept no plan for the chunk: the DATA again, with its runs.

@@ -371,6 +371,34 @@ fn a_failed_claimer_cancels_the_standing_flow_with_itself_after_its_write() {
     assert_eq!(opens, 1);
 }
 
+/// The receiver refuses a claim (over a limit, its destination deregistered, the claim stale)
+/// after the claimer's write ended and its DATA went out, the usual order, since the write
+/// starts at submit: the transfer fails at once, not at its timeout, and the standing flow is
+/// cancelled with it.
+#[test]
+fn a_claim_refused_after_its_data_went_out_fails_at_once() {
+    let (mut ep, t, s, _, region) = sender_with_standing(false);
+    ep.submit(t, XferId(2), TOKEN, PEER, plan_of(1)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    ep.handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut ep));
+    ep.handle_write_done(t, w[0].0, true);
+    let data: Vec<Region> = msgs(&drain(&mut ep))
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Data(d) = m { Some(d.region) } else { None })
+        .collect();
+    assert_eq!(data, vec![region], "chunk 0's DATA went out into the claimed region");
+    let refused = ack_msg(XferId(2), 0, Region { offset: 0, len: 1 }, AckStatus::Refused);
+    ep.handle_msg(t + Duration::from_micros(50), PEER, refused).unwrap();
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(XferId(2), Err(XferError::Refused))]);
+    let cancels: Vec<XferId> = msgs(&acts)
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Want(w) = m { w.is_cancel().then_some(w.xfer) } else { None })
+        .collect();
+    assert_eq!(cancels, vec![XferId(2), s], "the claimer and its standing flow cancelled");
+}
+
 #[test]
 fn a_refused_standing_flow_is_not_asked_again_until_the_peer_is_lost() {
     let (mut ep, t) = standing_endpoint(32 * KIB, false);
