@@ -43,6 +43,12 @@ use crate::wire::{Capabilities, Incompatible, WireError};
 /// under invented names cannot lock real initiators out either.
 pub const MAX_ONE_WAY_NAMES: usize = 4096;
 
+/// Longest agent name a control frame may come from. The name comes with the frame (a UCX
+/// notification's sender, a ZMQ message's header), so the peer picks its length: a name kept
+/// for one-way frames, or queued with a frame, must not make that peer's memory ours. NIXL
+/// agent names are short (a host and a rank, a UUID).
+pub const MAX_NAME_LEN: usize = 1024;
+
 /// Why a control frame was refused. It was dropped and changed nothing else.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]
@@ -347,12 +353,13 @@ impl PeerTable {
     /// sight, for at most [`MAX_ONE_WAY_NAMES`] names.
     ///
     /// # Errors
-    /// [`FrameRefused::NotLoaded`] when the name is new and the cap is reached.
+    /// [`FrameRefused::NotLoaded`] when the name is new and the cap is reached, or longer than
+    /// [`MAX_NAME_LEN`].
     pub fn admit_one_way(&mut self, name: &str) -> Result<PeerId, FrameRefused> {
         if let Some(p) = self.by_name.get(name) {
             return Ok(p.id);
         }
-        if self.one_way.len() >= MAX_ONE_WAY_NAMES {
+        if self.one_way.len() >= MAX_ONE_WAY_NAMES || name.len() > MAX_NAME_LEN {
             return Err(FrameRefused::NotLoaded);
         }
         self.one_way.insert(name.to_owned());
@@ -679,6 +686,16 @@ mod tests {
         assert_eq!(t.evict_one_way(|id| id == real), None);
         assert_eq!(t.lookup("real"), Some(real));
         assert!(t.admit_one_way("another").is_ok(), "its place in the one-way names is free");
+    }
+
+    /// A one-way name is the sender's to choose, its length too: one longer than any agent
+    /// name we take is never kept (a name at the limit is).
+    #[test]
+    fn an_overlong_one_way_name_is_not_admitted() {
+        let mut t = PeerTable::new();
+        assert_eq!(t.admit_one_way(&"n".repeat(MAX_NAME_LEN + 1)), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.one_way.len(), 0);
+        assert!(t.admit_one_way(&"n".repeat(MAX_NAME_LEN)).is_ok());
     }
 
     #[test]

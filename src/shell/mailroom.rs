@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
+use bounce_proto::peers::MAX_NAME_LEN;
 use bounce_proto::wire;
 use parking_lot::Mutex;
 
@@ -303,16 +304,20 @@ impl Mailroom {
 
     /// Queues a control frame for the reactor, or drops it and counts it.
     fn queue_control(&self, agent: Vec<u8>, msg: Vec<u8>) {
-        // Longer than any legal frame: no decoder would accept it, so it is not kept.
-        let accepted = self.accepts_control.load(Ordering::Acquire) && msg.len() <= wire::MAX_FRAME_LEN;
+        // Longer than any legal frame, or from a name longer than any we take: no decoder
+        // would accept it, so it is not kept.
+        let accepted = self.accepts_control.load(Ordering::Acquire)
+            && msg.len() <= wire::MAX_FRAME_LEN
+            && agent.len() <= MAX_NAME_LEN;
         let Ok(agent) = String::from_utf8(agent) else {
             Stats::bump(&self.stats.control_dropped);
             return;
         };
         if accepted {
             let mut q = self.control.lock();
-            if q.frames.len() < MAX_QUEUED_CONTROL && q.bytes + msg.len() <= MAX_QUEUED_CONTROL_BYTES {
-                q.bytes += msg.len();
+            let bytes = agent.len() + msg.len();
+            if q.frames.len() < MAX_QUEUED_CONTROL && q.bytes + bytes <= MAX_QUEUED_CONTROL_BYTES {
+                q.bytes += bytes;
                 q.frames.push_back((agent, msg));
                 return;
             }
@@ -338,7 +343,7 @@ impl Mailroom {
     pub(crate) fn take_control(&self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
         let mut q = self.control.lock();
         let n = budget.min(q.frames.len());
-        let taken: usize = q.frames.iter().take(n).map(|f| f.1.len()).sum();
+        let taken: usize = q.frames.iter().take(n).map(|f| f.0.len() + f.1.len()).sum();
         q.bytes -= taken;
         out.extend(q.frames.drain(..n));
         n
@@ -534,7 +539,7 @@ mod tests {
         let mut big = wire::encode_hello(1);
         big.resize(16 << 20, 0);
         m.sort(&mut app, (0..20).map(|_| notif(b"p", &big)).collect());
-        let fits = MAX_QUEUED_CONTROL_BYTES / big.len();
+        let fits = MAX_QUEUED_CONTROL_BYTES / (big.len() + 1); // each with its 1-byte name
         assert_eq!((m.control.lock().frames.len(), dropped()), (fits, 1 + (20 - fits) as u64));
         // Small frames: the frame count bounds them.
         let hello = wire::encode_hello(1);
@@ -544,5 +549,26 @@ mod tests {
         m.sort(&mut app, (0..MAX_QUEUED_CONTROL + 5).map(|_| notif(b"p", &hello)).collect());
         assert_eq!(m.control.lock().frames.len(), MAX_QUEUED_CONTROL);
         assert_eq!(dropped(), 1 + (20 - fits) as u64 + 5);
+    }
+
+    /// The sender's name comes with the frame, its length the peer's choice: a name longer
+    /// than any we take is dropped with its frame, and the names queued count in the bytes.
+    #[test]
+    fn a_frame_from_an_overlong_name_is_dropped_and_names_count_in_the_bytes() {
+        let stats = Arc::new(Stats::default());
+        let m = Mailroom::new(Arc::clone(&stats));
+        m.accept_control(std::thread::current());
+        let mut app = m.app.lock();
+        let hello = wire::encode_hello(1);
+        let long = vec![b'n'; MAX_NAME_LEN + 1];
+        m.sort(&mut app, vec![notif(&long, &hello)]);
+        assert!(m.divert(&long, &hello), "a control frame is taken (here dropped), whatever its sender");
+        assert_eq!((stats.control_dropped.load(Ordering::Relaxed), m.control.lock().frames.len()), (2, 0));
+        let name = vec![b'n'; MAX_NAME_LEN];
+        m.sort(&mut app, vec![notif(&name, &hello)]);
+        assert_eq!(m.control.lock().bytes, MAX_NAME_LEN + hello.len());
+        let mut out = Vec::new();
+        m.take_control(usize::MAX, &mut out);
+        assert_eq!((out.len(), m.control.lock().bytes), (1, 0));
     }
 }

@@ -43,8 +43,12 @@ const RCV_HWM: i32 = 16;
 /// What a sender is held to (see [`Streams`]): a name of at most 1 KiB, a frame no longer
 /// than the longest legal one, two such frames unfinished over all connections, and 1024
 /// connections.
-const LIMITS: Limits =
-    Limits { name: 1024, frame: wire::MAX_FRAME_LEN, buffered: 2 * wire::MAX_FRAME_LEN, conns: 1024 };
+const LIMITS: Limits = Limits {
+    name: bounce_proto::peers::MAX_NAME_LEN,
+    frame: wire::MAX_FRAME_LEN,
+    buffered: 2 * wire::MAX_FRAME_LEN,
+    conns: 1024,
+};
 /// What the channel holds senders to: [`LIMITS`], with a budget of 4 MiB under test, so that
 /// reaching it takes little traffic.
 const fn limits() -> Limits {
