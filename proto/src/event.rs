@@ -273,6 +273,10 @@ pub enum XferError {
     /// source) or a chunk of it was being scattered into.
     #[error("memory of the transfer was deregistered")]
     Deregistered,
+    /// Every byte landed, but the notification the application gave with the transfer could
+    /// not be sent (the shell's to report: the peer's application would wait for it forever).
+    #[error("the transfer's notification could not be sent")]
+    NotifFailed,
     /// The descriptors could not be planned (for the shell, which plans before submitting).
     #[error(transparent)]
     Plan(#[from] PlanError),

@@ -841,7 +841,7 @@ impl Driver {
         }
     }
 
-    fn complete(&mut self, xfer: XferId, outcome: std::result::Result<(), XferError>) {
+    fn complete(&mut self, xfer: XferId, mut outcome: std::result::Result<(), XferError>) {
         crate::shell::mark!("complete", xfer.0);
         let Some(ctx) = self.xfers.remove(&xfer) else { return };
         // The core's counters first: an application that sees the request settle and then
@@ -853,10 +853,13 @@ impl Driver {
                 Stats::bump(&stats.bounce_ok);
                 Stats::bump(if ctx.read { &stats.bounce_read_ok } else { &stats.bounce_write_ok });
                 // Every chunk is scattered: now the notification may tell the peer's
-                // application its data is in place (the same promise UCX makes).
+                // application its data is in place (the same promise UCX makes). One that
+                // cannot be sent fails the request, as UCX's would: reported done, the peer's
+                // application would wait for a notification that never comes.
                 if let Some(msg) = &ctx.notif {
                     if let Err(st) = self.data.notify(&ctx.peer, msg) {
                         tracing::warn!(peer = ctx.peer, status = %st, "sending the transfer's notification failed");
+                        outcome = Err(XferError::NotifFailed);
                     }
                 }
             }

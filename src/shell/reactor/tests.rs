@@ -62,6 +62,8 @@ struct MemPath {
     /// set: a peer that stopped, whose writes UCX's flush never completes.
     hold_writes: Option<Arc<AtomicBool>>,
     held_writes: HashSet<u64>,
+    /// Every notification fails to send (the peer's endpoint went between the last ACK and it).
+    notify_fails: bool,
 }
 
 impl DataPath for MemPath {
@@ -137,6 +139,9 @@ impl DataPath for MemPath {
     fn release(&mut self, _w: WriteId) {}
 
     fn notify(&mut self, peer: &str, msg: &[u8]) -> std::result::Result<(), NixlStatus> {
+        if self.notify_fails {
+            return Err(NixlStatus::ErrRemoteDisconnect);
+        }
         self.notified.lock().push((peer.to_owned(), msg.to_vec()));
         Ok(())
     }
@@ -566,6 +571,25 @@ fn each_write_that_finishes_at_its_post_sends_its_data_before_the_next_write() {
         steps.windows(2).all(|w| !(w[0] == "write" && w[1] == "write")),
         "a write was posted before the DATA of the one before it: {steps:?}"
     );
+    drop((a.reactor, b.reactor));
+}
+
+/// Every byte lands, but the transfer's notification cannot be sent: the request ends failed,
+/// never done (the peer's application would wait for the notification for ever), and the data
+/// path counts it as bounced.
+#[test]
+fn a_transfer_whose_notification_cannot_be_sent_is_not_reported_done() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let path = MemPath { notify_fails: true, ..MemPath::default() };
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Err(XferError::NotifFailed));
+    assert_exact(&src, &dst);
+    assert!(a.notified.lock().is_empty());
     drop((a.reactor, b.reactor));
 }
 
