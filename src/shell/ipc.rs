@@ -331,7 +331,12 @@ impl IpcPath {
         done.map_err(Error::Xfer)?;
         Stats::bump(&self.stats.ipc_ok);
         if let (Some(msg), Some(shim)) = (notif, shim) {
-            shim.gen_notif(&req.peer, &msg).map_err(|status| Error::Inner { op: "genNotif", status })?;
+            if let Err(status) = shim.gen_notif(&req.peer, &msg) {
+                // Failed for good: a later check must not find it done (the peer's application
+                // would wait for the notification for ever).
+                req.state = State::Done(Err(XferError::NotifFailed));
+                return Err(Error::Inner { op: "genNotif", status });
+            }
         }
         Ok(Progress::Done)
     }
