@@ -163,29 +163,36 @@ pub fn seed_region_plans() -> Vec<Vec<u8>> {
 }
 
 /// Feeds `data` to a [`super::stream::Streams`] as a run of events on eight connections: a
-/// byte picks the connection and whether this is a notice (open or end) or bytes, two more the
-/// length of the bytes that follow. Asserts the bounds: held bytes within the budget,
-/// connections within the cap, and every message delivered within the name and frame limits.
+/// byte picks the connection, whether this is a notice (open or end) or bytes, and whether the
+/// clock first moves on by the eviction time; two more the length of the bytes that follow.
+/// Asserts the bounds: held bytes within the budget, connections within the cap, a connection
+/// never evicted to make room for itself, and every message delivered within the name and
+/// frame limits.
 ///
 /// # Panics
 /// When a bound is broken (a bug).
 pub fn stream_feed(data: &[u8]) {
-    use super::stream::{Limits, Streams};
+    use super::stream::{IDLE_EVICT, Limits, Streams};
     let limits = Limits { name: 32, frame: 2048, buffered: 6000, conns: 4 };
     let mut s = Streams::new(limits);
     let (mut out, mut dropped) = (Vec::new(), 0u64);
+    let mut now = std::time::Instant::now();
     let mut rest = data;
     while let [op, a, b, tail @ ..] = rest {
         let id = [op & 7];
+        if op & 16 != 0 {
+            now += IDLE_EVICT;
+        }
         let len = usize::from(u16::from_le_bytes([*a, *b])).min(tail.len());
         let (bytes, next) = tail.split_at(len);
         if op & 8 != 0 || bytes.is_empty() {
-            let _ = s.notice(&id);
+            let _ = s.notice(now, &id);
         } else {
-            let _ = s.feed(&id, bytes, &mut out, &mut dropped);
+            let _ = s.feed(now, &id, bytes, &mut out, &mut dropped);
         }
         assert!(s.buffered() <= limits.buffered, "{} bytes held", s.buffered());
         assert!(s.conns() <= limits.conns);
+        assert!(s.take_evicted().iter().all(|e| e[..] != id[..]), "evicted to make room for itself");
         rest = next;
     }
     assert!(out.iter().all(|(n, f)| n.len() <= limits.name && f.len() <= limits.frame));

@@ -1,7 +1,7 @@
 //! Control frames over a byte stream (the shell's ZMQ channel: a `ZMQ_STREAM` socket hands it
 //! each TCP connection's bytes as they come): every message is a 6-byte header, the sender's
 //! name length (u16 LE) and the frame's length (u32 LE), then the name and the frame. Sans-IO:
-//! the shell feeds bytes per connection and acts on the verdicts.
+//! the shell feeds bytes per connection, with the time, and acts on the verdicts.
 //!
 //! Why not ZMQ's own messages: ZMQ refuses a message *part* over `ZMQ_MAXMSGSIZE`, but holds
 //! the parts of an unfinished multipart message without limit and without telling the reader,
@@ -10,11 +10,22 @@
 //! a connection's partial message is bounded by the longest legal name and frame, all
 //! connections' together by a budget, and connections by a cap; whoever breaks a bound is cut
 //! off, and the frame is dropped (the transfer it belonged to times out).
+//!
+//! The cap and the budget must not be a way to lock peers out either: connections that sent
+//! nothing whole for [`IDLE_EVICT`] (1024 opened and left silent, or two that stall halfway
+//! through the longest message) make room when a new connection or an honest message needs
+//! it, the one idle longest first. A peer of ours whose connection went reconnects at its next
+//! send (ZMQ does), so what eviction costs an honest peer idle that long is at most a frame.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 /// Bytes before a message's name and frame.
 pub const HEADER: usize = 6;
+
+/// How long a connection must have gone without a whole message before it may be closed to
+/// make room for another (see the module docs).
+pub const IDLE_EVICT: Duration = Duration::from_secs(1);
 
 /// The bounds the receiver holds senders to.
 #[derive(Debug, Clone, Copy)]
@@ -42,7 +53,8 @@ pub fn encode(name: &str, frame: &[u8]) -> Option<Vec<u8>> {
     Some(m)
 }
 
-/// What the socket should do after [`Streams::feed`] or [`Streams::opened`].
+/// What the socket should do after [`Streams::feed`] or [`Streams::notice`] (and, for the
+/// connections [`Streams::take_evicted`] gives, close them too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     /// Go on reading the connection.
@@ -55,19 +67,28 @@ pub enum Verdict {
 /// for a new connection.
 const CLOSED_KEPT: usize = 1024;
 
+/// One open connection: its unfinished message, and when it last sent a whole one (or opened).
+#[derive(Debug)]
+struct Conn {
+    partial: Vec<u8>,
+    active: Instant,
+}
+
 /// Every connection's unfinished message.
 #[derive(Debug)]
 pub struct Streams {
     limits: Limits,
-    conns: HashMap<Vec<u8>, Vec<u8>>,
+    conns: HashMap<Vec<u8>, Conn>,
     buffered: usize,
     closed: VecDeque<Vec<u8>>,
+    /// Connections closed to make room, for the shell to close on the socket.
+    evicted: Vec<Vec<u8>>,
 }
 
 impl Streams {
     /// No connection yet, under `limits`.
     pub fn new(limits: Limits) -> Self {
-        Self { limits, conns: HashMap::new(), buffered: 0, closed: VecDeque::new() }
+        Self { limits, conns: HashMap::new(), buffered: 0, closed: VecDeque::new(), evicted: Vec::new() }
     }
 
     /// Bytes of unfinished messages held now.
@@ -80,31 +101,55 @@ impl Streams {
         self.conns.len()
     }
 
-    /// The socket's notice (an empty message) for connection `id`: a new connection, or the
-    /// end of one we know. `Close` for a new one over the cap.
-    pub fn notice(&mut self, id: &[u8]) -> Verdict {
-        if let Some(partial) = self.conns.remove(id) {
-            self.buffered -= partial.len();
+    /// Connections closed since the last call to make room for others: close them on the
+    /// socket too.
+    pub fn take_evicted(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// The socket's notice (an empty message) for connection `id` at `now`: a new connection,
+    /// or the end of one we know. `Close` for a new one over the cap when no connection has
+    /// been idle long enough to make room.
+    pub fn notice(&mut self, now: Instant, id: &[u8]) -> Verdict {
+        if let Some(c) = self.conns.remove(id) {
+            self.buffered -= c.partial.len();
             return Verdict::Keep;
         }
         if let Some(i) = self.closed.iter().position(|c| c == id) {
             self.closed.remove(i);
             return Verdict::Keep;
         }
-        self.opened(id)
+        self.opened(now, id)
     }
 
-    fn opened(&mut self, id: &[u8]) -> Verdict {
-        if self.conns.len() >= self.limits.conns {
+    fn opened(&mut self, now: Instant, id: &[u8]) -> Verdict {
+        if self.conns.len() >= self.limits.conns && !self.evict_idle(now, id, false) {
             return self.close(id);
         }
-        self.conns.insert(id.to_vec(), Vec::new());
+        self.conns.insert(id.to_vec(), Conn { partial: Vec::new(), active: now });
         Verdict::Keep
     }
 
+    /// Closes the connection other than `except` that has gone longest without a whole
+    /// message, if that is at least [`IDLE_EVICT`] (with `holding`, only one holding an
+    /// unfinished message); true when one went.
+    fn evict_idle(&mut self, now: Instant, except: &[u8], holding: bool) -> bool {
+        let victim = self
+            .conns
+            .iter()
+            .filter(|(k, c)| k.as_slice() != except && (!holding || !c.partial.is_empty()))
+            .min_by_key(|(_, c)| c.active)
+            .filter(|(_, c)| now.saturating_duration_since(c.active) >= IDLE_EVICT)
+            .map(|(k, _)| k.clone());
+        let Some(v) = victim else { return false };
+        self.close(&v);
+        self.evicted.push(v);
+        true
+    }
+
     fn close(&mut self, id: &[u8]) -> Verdict {
-        if let Some(partial) = self.conns.remove(id) {
-            self.buffered -= partial.len();
+        if let Some(c) = self.conns.remove(id) {
+            self.buffered -= c.partial.len();
         }
         if self.closed.len() == CLOSED_KEPT {
             self.closed.pop_front();
@@ -113,16 +158,24 @@ impl Streams {
         Verdict::Close
     }
 
-    /// Bytes `data` arrived on connection `id`: every message they complete goes to `out` as
-    /// (name, frame); `dropped` counts messages refused (a name that is not UTF-8). `Close`:
-    /// the connection broke a bound; what it sent unfinished is dropped.
-    pub fn feed(&mut self, id: &[u8], data: &[u8], out: &mut Vec<(String, Vec<u8>)>, dropped: &mut u64) -> Verdict {
-        if !self.conns.contains_key(id) && self.opened(id) == Verdict::Close {
+    /// Bytes `data` arrived on connection `id` at `now`: every message they complete goes to
+    /// `out` as (name, frame); `dropped` counts messages refused (a name that is not UTF-8).
+    /// `Close`: the connection broke a bound; what it sent unfinished is dropped.
+    pub fn feed(
+        &mut self,
+        now: Instant,
+        id: &[u8],
+        data: &[u8],
+        out: &mut Vec<(String, Vec<u8>)>,
+        dropped: &mut u64,
+    ) -> Verdict {
+        if !self.conns.contains_key(id) && self.opened(now, id) == Verdict::Close {
             *dropped += 1;
             return Verdict::Close;
         }
         let limits = self.limits;
-        let Some(buf) = self.conns.get_mut(id) else { return Verdict::Close };
+        let Some(conn) = self.conns.get_mut(id) else { return Verdict::Close };
+        let buf = &mut conn.partial;
         let held = buf.len();
         buf.extend_from_slice(data);
         let mut at = 0;
@@ -146,15 +199,24 @@ impl Streams {
             }
             at += end;
         };
+        if at > 0 {
+            conn.active = now;
+        }
         buf.drain(..at);
-        let now = buf.len();
-        self.buffered = self.buffered - held + now;
-        if broke || self.buffered > limits.buffered {
+        let left = buf.len();
+        if buf.capacity() > 4 * left.max(64 << 10) {
+            buf.shrink_to(left);
+        }
+        self.buffered = self.buffered - held + left;
+        if broke {
             *dropped += 1;
             return self.close(id);
         }
-        if buf.capacity() > 4 * now.max(64 << 10) {
-            buf.shrink_to(now);
+        // Over the budget: connections stalled mid-message longest make room first.
+        while self.buffered > limits.buffered && self.evict_idle(now, id, true) {}
+        if self.buffered > limits.buffered {
+            *dropped += 1;
+            return self.close(id);
         }
         Verdict::Keep
     }
@@ -174,9 +236,16 @@ mod tests {
     fn feed_all(s: &mut Streams, id: &[u8], chunks: &[&[u8]]) -> Fed {
         let (mut out, mut dropped, mut v) = (Vec::new(), 0, Vec::new());
         for c in chunks {
-            v.push(s.feed(id, c, &mut out, &mut dropped));
+            v.push(s.feed(t0(), id, c, &mut out, &mut dropped));
         }
         (out, dropped, v)
+    }
+
+    /// One instant for tests where no connection is ever idle long enough to be evicted.
+    fn t0() -> Instant {
+        use std::sync::OnceLock;
+        static T: OnceLock<Instant> = OnceLock::new();
+        *T.get_or_init(Instant::now)
     }
 
     proptest! {
@@ -198,7 +267,7 @@ mod tests {
                 at = end;
             }
             let mut s = Streams::new(LIMITS);
-            prop_assert_eq!(s.notice(b"c1"), Verdict::Keep);
+            prop_assert_eq!(s.notice(t0(), b"c1"), Verdict::Keep);
             let (out, dropped, v) = feed_all(&mut s, b"c1", &chunks);
             prop_assert!(v.iter().all(|v| *v == Verdict::Keep));
             prop_assert_eq!(dropped, 0);
@@ -216,9 +285,9 @@ mod tests {
             for (conn, data) in &chunks {
                 let id = [*conn];
                 if data.is_empty() {
-                    let _ = s.notice(&id);
+                    let _ = s.notice(t0(), &id);
                 } else {
-                    let _ = s.feed(&id, data, &mut out, &mut dropped);
+                    let _ = s.feed(t0(), &id, data, &mut out, &mut dropped);
                 }
                 prop_assert!(s.buffered() <= LIMITS.buffered);
                 prop_assert!(s.conns() <= LIMITS.conns);
@@ -230,14 +299,14 @@ mod tests {
     #[test]
     fn a_header_over_the_bounds_closes_the_connection_at_once() {
         let mut s = Streams::new(LIMITS);
-        s.notice(b"x");
+        s.notice(t0(), b"x");
         let mut h = vec![0u8; HEADER];
         h[2..6].copy_from_slice(&(LIMITS.frame as u32 + 1).to_le_bytes());
         let (out, dropped, v) = feed_all(&mut s, b"x", &[&h]);
         assert_eq!((out.len(), dropped, v), (0, 1, vec![Verdict::Close]));
         assert_eq!((s.buffered(), s.conns()), (0, 0));
         // The socket's notice of its end is not a new connection.
-        assert_eq!(s.notice(b"x"), Verdict::Keep);
+        assert_eq!(s.notice(t0(), b"x"), Verdict::Keep);
         assert_eq!(s.conns(), 0);
     }
 
@@ -250,12 +319,12 @@ mod tests {
         // Each connection sends all but 3 bytes of the longest legal message: 4100 bytes held.
         let unfinished = encode("n", &[7u8; 4096]).unwrap();
         let unfinished = &unfinished[..unfinished.len() - 3];
-        let verdicts: Vec<Verdict> = (0..4u8).map(|c| s.feed(&[c], unfinished, &mut out, &mut dropped)).collect();
+        let verdicts: Vec<Verdict> = (0..4u8).map(|c| s.feed(t0(), &[c], unfinished, &mut out, &mut dropped)).collect();
         assert_eq!(verdicts[..3], [Verdict::Keep, Verdict::Keep, Verdict::Keep]);
         assert_eq!(verdicts[3], Verdict::Close, "the fourth took the held bytes over the budget");
         assert!(s.buffered() <= LIMITS.buffered && out.is_empty() && dropped == 1);
         let whole = encode("n", &[9u8; 100]).unwrap();
-        assert_eq!(s.feed(b"ok", &whole, &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.feed(t0(), b"ok", &whole, &mut out, &mut dropped), Verdict::Keep);
         assert_eq!(out, vec![("n".to_owned(), vec![9u8; 100])]);
     }
 
@@ -264,15 +333,15 @@ mod tests {
     fn connections_over_the_cap_are_closed() {
         let mut s = Streams::new(LIMITS);
         for c in 0..LIMITS.conns as u8 {
-            assert_eq!(s.notice(&[c]), Verdict::Keep);
+            assert_eq!(s.notice(t0(), &[c]), Verdict::Keep);
         }
-        assert_eq!(s.notice(b"one too many"), Verdict::Close);
+        assert_eq!(s.notice(t0(), b"one too many"), Verdict::Close);
         let (mut out, mut dropped) = (Vec::new(), 0);
-        assert_eq!(s.feed(b"another", b"data", &mut out, &mut dropped), Verdict::Close);
+        assert_eq!(s.feed(t0(), b"another", b"data", &mut out, &mut dropped), Verdict::Close);
         assert_eq!(s.conns(), LIMITS.conns);
         // One ends: room for the next.
-        assert_eq!(s.notice(&[0]), Verdict::Keep);
-        assert_eq!(s.notice(b"next"), Verdict::Keep);
+        assert_eq!(s.notice(t0(), &[0]), Verdict::Keep);
+        assert_eq!(s.notice(t0(), b"next"), Verdict::Keep);
     }
 
     #[test]
@@ -284,5 +353,63 @@ mod tests {
         let (out, dropped, v) = feed_all(&mut s, b"c", &[&bad, &good]);
         assert_eq!((out, dropped, v), (vec![("ok".to_owned(), b"next".to_vec())], 1, vec![Verdict::Keep; 2]));
         assert!(encode(&"n".repeat(70_000), b"").is_none(), "a name the header cannot say");
+    }
+
+    /// Connections left silent at the cap do not lock new ones out: once one has gone
+    /// [`IDLE_EVICT`] without a whole message, a new connection takes its place (the one idle
+    /// longest, for the shell to close); before that, and never a connection that keeps sending
+    /// whole messages, none goes.
+    #[test]
+    fn a_connection_idle_past_the_eviction_time_makes_room_at_the_cap() {
+        let mut s = Streams::new(LIMITS);
+        let t = t0();
+        for c in 0..LIMITS.conns as u8 {
+            assert_eq!(s.notice(t, &[c]), Verdict::Keep);
+        }
+        assert_eq!(s.notice(t + IDLE_EVICT / 2, b"early"), Verdict::Close, "none idle long enough yet");
+        // Connection 2 keeps sending whole messages; the others stay silent.
+        let (mut out, mut dropped) = (Vec::new(), 0);
+        let whole = encode("p", b"ping").unwrap();
+        assert_eq!(s.feed(t + IDLE_EVICT / 2, &[2], &whole, &mut out, &mut dropped), Verdict::Keep);
+        assert!(s.take_evicted().is_empty());
+        let later = t + IDLE_EVICT + Duration::from_millis(1);
+        for n in 0..LIMITS.conns as u8 - 1 {
+            assert_eq!(s.notice(later, &[b'n', n]), Verdict::Keep, "new connection {n}");
+        }
+        let mut evicted = s.take_evicted();
+        evicted.sort();
+        assert_eq!(evicted, vec![vec![0], vec![1], vec![3]], "the silent ones, never the sender");
+        assert_eq!(s.conns(), LIMITS.conns);
+        // Their ends, as the socket tells them, are not new connections.
+        for e in &evicted {
+            assert_eq!(s.notice(later, e), Verdict::Keep);
+        }
+        assert_eq!(s.conns(), LIMITS.conns);
+    }
+
+    /// Two connections stalled halfway through long messages hold the budget: an honest
+    /// message that needs it closes the one stalled longest instead of being cut off itself,
+    /// once that one has been stalled [`IDLE_EVICT`].
+    #[test]
+    fn a_message_stalled_past_the_eviction_time_makes_room_in_the_budget() {
+        let limits = Limits { buffered: 9000, ..LIMITS };
+        let mut s = Streams::new(limits);
+        let t = t0();
+        let (mut out, mut dropped) = (Vec::new(), 0);
+        let long = encode("n", &[7u8; 4096]).unwrap();
+        let stall = &long[..long.len() - 3];
+        assert_eq!(s.feed(t, b"s1", stall, &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.feed(t + Duration::from_millis(10), b"s2", stall, &mut out, &mut dropped), Verdict::Keep);
+        let honest = encode("h", &[1u8; 2000]).unwrap();
+        // Its first part takes the held bytes over the budget: too early to evict, so it is cut.
+        let early = t + IDLE_EVICT / 2;
+        assert_eq!(s.feed(early, b"h1", &honest[..1500], &mut out, &mut dropped), Verdict::Close);
+        assert!(s.take_evicted().is_empty());
+        let later = t + IDLE_EVICT + Duration::from_millis(5);
+        assert_eq!(s.feed(later, b"h2", &honest[..1500], &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.take_evicted(), vec![b"s1".to_vec()], "the one stalled longest");
+        assert_eq!(s.feed(later, b"h2", &honest[1500..], &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(out, vec![("h".to_owned(), vec![1u8; 2000])]);
+        assert!(s.buffered() <= limits.buffered);
     }
 }

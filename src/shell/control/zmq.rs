@@ -21,6 +21,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bounce_proto::wire;
 use bounce_proto::wire::stream::{self as streams, Limits, Streams, Verdict};
@@ -159,6 +160,7 @@ impl ControlChannel for ZmqChannel {
     /// that breaks a bound is closed.
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
         let (before, mut dropped) = (out.len(), 0u64);
+        let now = Instant::now();
         for _ in 0..budget {
             let Ok(mut parts) = self.pull.recv_multipart(zmq::DONTWAIT) else { break };
             let (Some(data), Some(id), true) = (parts.pop(), parts.pop(), parts.is_empty()) else {
@@ -166,13 +168,17 @@ impl ControlChannel for ZmqChannel {
                 continue;
             };
             let verdict = if data.is_empty() {
-                self.streams.notice(&id)
+                self.streams.notice(now, &id)
             } else {
-                self.streams.feed(&id, &data, out, &mut dropped)
+                self.streams.feed(now, &id, &data, out, &mut dropped)
             };
+            // An empty message to a connection closes it: this one, and any closed to make
+            // room for it.
             if verdict == Verdict::Close {
-                // An empty message to a connection closes it.
                 let _ = self.pull.send_multipart([&id[..], &[][..]], zmq::DONTWAIT);
+            }
+            for idle in self.streams.take_evicted() {
+                let _ = self.pull.send_multipart([&idle[..], &[][..]], zmq::DONTWAIT);
             }
         }
         for _ in 0..dropped {
