@@ -14,8 +14,9 @@
 //! The cap and the budget must not be a way to lock peers out either: connections that sent
 //! nothing whole for [`IDLE_EVICT`] (1024 opened and left silent, or two that stall halfway
 //! through the longest message) make room when a new connection or an honest message needs
-//! it, the one idle longest first. A peer of ours whose connection went reconnects at its next
-//! send (ZMQ does), so what eviction costs an honest peer idle that long is at most a frame.
+//! it, the one idle longest first. A peer of ours whose connection went finds it gone at its
+//! next send and connects again, so what eviction costs an honest peer idle that long, under
+//! such a flood only, is that one frame.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
