@@ -77,9 +77,11 @@ impl Driver {
         let deadline = Instant::now() + Duration::from_secs(5);
         while (!self.writes.is_empty() || self.fetches.reading()) && Instant::now() < deadline {
             self.data.progress();
-            let _ = self.poll_writes(Instant::now());
-            let _ = self.poll_fetches(Instant::now());
-            let _ = self.drain_actions();
+            let moved = self.poll_writes(Instant::now()) | self.poll_fetches(Instant::now()) | self.drain_actions();
+            if !moved {
+                // A write to a peer that went may take the whole wait: not a core's worth.
+                std::thread::sleep(BUSY_SLEEP);
+            }
         }
         let ended = self.writes.is_empty() && !self.fetches.reading();
         for w in self.writes.drain(..) {
