@@ -837,18 +837,10 @@ mod tests {
         assert!(path.permitted("p", &rec), "this process: reachable");
         // A thread's id with its start time passes the process checks and reaches our memory,
         // but names a thread, not a process: refused.
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
-        let t = std::thread::spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            tid_tx.send(unsafe { libc::gettid() }.unsigned_abs()).unwrap();
-            rx.recv().ok();
+        cma::with_a_thread(|tid| {
+            let start = cma::start_time(tid).expect("/proc answers for a thread id");
+            assert!(!path.permitted("p", &CmaRecord { pid: tid, start, ..rec }));
         });
-        let tid = tid_rx.recv().unwrap();
-        let start = cma::start_time(tid).expect("/proc answers for a thread id");
-        assert!(!path.permitted("p", &CmaRecord { pid: tid, start, ..rec }));
-        tx.send(()).unwrap();
-        t.join().unwrap();
     }
 
     /// Deregistering our memory revokes exactly the requests whose pieces touch it: a prepared

@@ -188,6 +188,22 @@ fn parse_tgid(status: &str) -> Option<u32> {
     status.lines().find_map(|l| l.strip_prefix("Tgid:"))?.trim().parse().ok()
 }
 
+/// Runs `f` with the id of a thread of this process, kept alive meanwhile (tests).
+#[cfg(test)]
+pub(crate) fn with_a_thread<R>(f: impl FnOnce(u32) -> R) -> R {
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        tid_tx.send(unsafe { libc::gettid() }.unsigned_abs()).ok();
+        done_rx.recv().ok();
+    });
+    let r = f(tid_rx.recv().expect("the thread says its id"));
+    drop(done_tx);
+    t.join().expect("the thread ends");
+    r
+}
+
 /// Process `pid`'s start time (`/proc/<pid>/stat` field 22), `None` when there is no such
 /// process.
 pub(crate) fn start_time(pid: u32) -> Option<u64> {
@@ -225,18 +241,10 @@ mod tests {
         let me = std::process::id();
         assert_eq!(thread_group(me), Some(me));
         // A thread kept alive while asked about: its id is not its process's.
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
-        let t = std::thread::spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            tid_tx.send(unsafe { libc::gettid() }.unsigned_abs()).unwrap();
-            rx.recv().ok();
+        with_a_thread(|tid| {
+            assert_ne!(tid, me);
+            assert_eq!(thread_group(tid), Some(me), "the thread's id names this process as its group");
         });
-        let tid = tid_rx.recv().unwrap();
-        assert_ne!(tid, me);
-        assert_eq!(thread_group(tid), Some(me), "the thread's id names this process as its group");
-        tx.send(()).unwrap();
-        t.join().unwrap();
     }
 
     #[test]

@@ -241,6 +241,20 @@ def wait_xfer(ag, handle, peers=(), deadline=DEADLINE_S, every=0.0):
             raise AssertionError("transfer did not finish in time")
 
 
+def settle(ag, handle, deadline=10.0):
+    """Posts `handle` and polls it until it settles: "DONE", "ERR" (a post or check that
+    raised counts as "ERR"), or its last state when `deadline` seconds pass first. For tests
+    where failing is the expected outcome (`wait_xfer` raises on it)."""
+    end = time.monotonic() + deadline
+    try:
+        state = ag.transfer(handle)
+        while state not in ("DONE", "ERR") and time.monotonic() < end:
+            state = ag.check_xfer_state(handle)
+    except Exception:
+        state = "ERR"
+    return state
+
+
 def write_exact(tx, rx, rx_name, lay, src, dst, before, what, notif=b""):
     """A host-memory WRITE of Scattered `lay` from `src` (registered with `tx`) to `dst` (with
     `rx`, another agent of this process): posted, waited for (polling `rx` too), and every byte

@@ -195,12 +195,7 @@ def test_peer_killed_between_posts_fails_at_once_then_a_new_peer_works(cma, peer
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait()
     t0 = time.monotonic()
-    try:
-        state = ag.transfer(h)
-    except Exception:
-        state = "ERR"
-    while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
-        state = ag.check_xfer_state(h)
+    state = nixlkit.settle(ag, h)
     assert state == "ERR", state
     assert time.monotonic() - t0 < 1
     ag.release_xfer_handle(h)
@@ -250,16 +245,7 @@ def test_a_deregistered_destination_is_not_written(cma, peer, tmp_path):
     before = remote_buffer(p, tmp_path, "before.bin")
     p.call(op="dereg")
     buf[:] = nixlkit.pattern(1154, lay.src_bytes)  # other bytes, so a write would show
-    try:
-        state = ag.transfer(h)
-    except Exception:
-        state = "ERR"
-    t0 = time.monotonic()
-    while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
-        try:
-            state = ag.check_xfer_state(h)
-        except Exception:
-            state = "ERR"
+    state = nixlkit.settle(ag, h)
     assert state == "ERR", state
     after = remote_buffer(p, tmp_path, "after.bin")
     assert (after == before).all(), "the deregistered buffer was written"
@@ -310,13 +296,7 @@ def test_a_request_prepared_over_our_memory_deregistered_since_fails_at_its_post
     peer_before = remote_buffer(p, tmp_path, "before.bin")
     ag.deregister_memory(ag.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"), backends=[B])
     ours_before = buf.copy()
-    try:
-        state = ag.transfer(h)
-        t0 = time.monotonic()
-        while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
-            state = ag.check_xfer_state(h)
-    except Exception:
-        state = "ERR"
+    state = nixlkit.settle(ag, h)
     assert state == "ERR", state
     assert (remote_buffer(p, tmp_path, "after.bin") == peer_before).all(), "the peer's buffer changed"
     assert (buf == ours_before).all(), "our deregistered buffer was written"

@@ -781,16 +781,7 @@ def test_vram_same_host_peer_killed_then_a_new_peer_works(peer, tmp_path):
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait()
     t0 = time.monotonic()
-    state = "PROC"
-    try:
-        state = ag.transfer(h)
-    except Exception:
-        state = "ERR"
-    while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
-        try:
-            state = ag.check_xfer_state(h)
-        except Exception:
-            state = "ERR"
+    state = nixlkit.settle(ag, h)
     assert state in ("DONE", "ERR"), f"still {state} after {time.monotonic() - t0:.1f} s"
     print(f"\nsecond post after the peer was killed: {state}")
     try:
@@ -847,13 +838,7 @@ def test_vram_same_host_request_over_memory_deregistered_since_fails_at_its_post
     h = ag.initialize_xfer(op, lo, re, f"{name}-rx", b"", backends=[B])
     peer_before = remote_host_copy(p, tmp_path, "before.bin")
     ag.deregister_memory(ag.get_reg_descs([(nixlkit.addr(buf), ours, 0, "")], "VRAM"), backends=[B])
-    try:
-        state = ag.transfer(h)
-        t0 = time.monotonic()
-        while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
-            state = ag.check_xfer_state(h)
-    except Exception:
-        state = "ERR"
+    state = nixlkit.settle(ag, h)
     assert state == "ERR", state
     assert (remote_host_copy(p, tmp_path, "after.bin") == peer_before).all(), "the peer's buffer changed"
     assert (buf.host() == nixlkit.pattern(1072, ours)).all(), "our deregistered buffer was written"
