@@ -17,7 +17,8 @@ pub(crate) trait ControlChannel: Send {
     fn send(&mut self, peer: &str, frame: &[u8]) -> Result<(), ControlError>;
     /// Appends received control frames `(peer, bytes)` to `out`, taking up to `budget` of what
     /// the channel receives in (frames; for a byte-stream channel, chunks of bytes, each of
-    /// which may complete several frames); returns how many frames.
+    /// which may complete several frames, or none); returns how much of `budget` it took, so
+    /// that all of it means more may wait (count frames by `out`'s growth).
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize;
     /// Forgets a peer (peer lost): drop its socket / state.
     fn forget(&mut self, peer: &str);

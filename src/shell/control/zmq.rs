@@ -155,14 +155,18 @@ impl ControlChannel for ZmqChannel {
         self.send_to(peer, &endpoint, frame)
     }
 
-    /// Reads up to `budget` waiting chunks without blocking and returns the frames they
-    /// complete; malformed messages are counted as dropped control frames, and a connection
-    /// that breaks a bound is closed.
+    /// Reads up to `budget` waiting chunks without blocking, appends the frames they complete,
+    /// and returns how many chunks it read: a frame over 2 MiB in transit can take the whole
+    /// budget and complete nothing, and the reactor must still know that more waits (the
+    /// socket's descriptor will not say so again). Malformed messages are counted as dropped
+    /// control frames, and a connection that breaks a bound is closed.
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
-        let (before, mut dropped) = (out.len(), 0u64);
+        let mut dropped = 0u64;
         let now = Instant::now();
-        for _ in 0..budget {
+        let mut read = 0;
+        while read < budget {
             let Ok(mut parts) = self.pull.recv_multipart(zmq::DONTWAIT) else { break };
+            read += 1;
             let (Some(data), Some(id), true) = (parts.pop(), parts.pop(), parts.is_empty()) else {
                 dropped += 1;
                 continue;
@@ -184,7 +188,7 @@ impl ControlChannel for ZmqChannel {
         for _ in 0..dropped {
             Stats::bump(&self.stats.control_dropped);
         }
-        out.len() - before
+        read
     }
 
     /// Closes the socket to `peer` (it was lost or removed); a later send reconnects.
@@ -264,6 +268,29 @@ mod tests {
         );
     }
 
+    /// A frame longer than a poll's budget of chunks completes nothing in one poll, which then
+    /// says it took its whole budget (so the reactor polls again instead of parking: the
+    /// socket's descriptor will not say again that more waits); it arrives whole over the next.
+    #[test]
+    fn a_poll_that_completes_no_frame_still_says_it_took_its_whole_budget() {
+        let (mut a, _) = bind("alpha");
+        let (mut b, _) = bind("beta");
+        let ep = b.endpoint().as_bytes().to_vec();
+        let frame: Vec<u8> = (0..1u32 << 20).map(|i| i as u8).collect();
+        a.send_to("beta", &ep, &frame).unwrap();
+        let (mut got, mut full_without_frame) = (Vec::new(), false);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while got.is_empty() && std::time::Instant::now() < deadline {
+            let took = b.poll(4, &mut got);
+            full_without_frame |= took == 4 && got.is_empty();
+            if took < 4 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        assert_eq!(got, [("alpha".to_owned(), frame)]);
+        assert!(full_without_frame, "a poll of 4 chunks (32 KiB at most) never took its whole budget");
+    }
+
     /// A poller may ask whether a frame waits without taking it: yes once one arrived, no
     /// again once polled.
     #[test]
@@ -284,7 +311,8 @@ mod tests {
             }
             assert!(b.readable(), "the frame arrived");
             assert!(b.readable(), "asking takes nothing");
-            if b.poll(16, &mut got) == 1 {
+            b.poll(16, &mut got);
+            if got.len() == 1 {
                 break;
             }
             assert!(std::time::Instant::now() < deadline, "no frame within 10 s");
