@@ -45,7 +45,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::copy::cpu::next_job;
-use crate::shell::fence::Ranges;
+use crate::shell::fence::{Span, overlaps};
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -271,8 +271,9 @@ struct Request {
     watch: Option<Arc<Watch>>,
     /// The liveness words of its registrations: (address, what each must hold).
     live: Vec<(u64, Live)>,
-    /// Our memory its pieces touch.
-    local: Ranges,
+    /// The outer bounds of our memory its pieces touch, `[start, end)` (the pieces themselves
+    /// are in `parts`).
+    local_span: Span,
     /// Part of that memory was deregistered since the prep: no post copies any more.
     revoked: bool,
     /// The pieces, cut into one part per worker (fewer for small transfers).
@@ -280,6 +281,15 @@ struct Request {
     state: State,
     /// When a check last found it in flight (busy-poll detection).
     last_check: Option<Instant>,
+}
+
+impl Request {
+    /// Whether one of its pieces touches our memory `range` (looked at only when the outer
+    /// bounds do: a deregistration is rare, a prep is per request).
+    fn touches(&self, range: Span) -> bool {
+        overlaps(self.local_span, range)
+            && self.parts.iter().flatten().any(|p| overlaps((p.local, p.local + p.len), range))
+    }
 }
 
 /// Two checks of one in-flight request closer than this are a busy poll (as on the bounce
@@ -388,7 +398,7 @@ impl CmaPath {
     pub(crate) fn quiesce(&self, addr: u64, len: u64) {
         let range = (addr, addr.saturating_add(len));
         let mut running = Vec::new();
-        for r in self.reqs.lock().values_mut().filter(|r| r.local.touches(range)) {
+        for r in self.reqs.lock().values_mut().filter(|r| r.touches(range)) {
             r.revoked = true;
             if let State::Running(job, _) | State::Releasing(job) = &r.state {
                 running.push(Arc::clone(job));
@@ -457,7 +467,7 @@ impl CmaPath {
         if !self.permitted(peer, first) || !all_live(first.pid, &live) {
             return None;
         }
-        let local = Ranges::new(pieces.iter().map(|p| (p.local, p.local + p.len)));
+        let local_span = pieces.iter().fold((u64::MAX, 0), |(a, b), p| (a.min(p.local), b.max(p.local + p.len)));
         let parts = Arc::new(split(pieces, self.workers.len()));
         let h = CMA_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
         let req = Request {
@@ -467,7 +477,7 @@ impl CmaPath {
             start: first.start,
             watch,
             live,
-            local,
+            local_span,
             revoked: false,
             parts,
             state: State::Prepared,

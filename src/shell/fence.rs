@@ -18,7 +18,8 @@ use parking_lot::Mutex;
 /// A user-memory range `[start, end)`.
 pub(crate) type Span = (u64, u64);
 
-fn overlaps((a, b): Span, (c, d): Span) -> bool {
+/// Whether `[a, b)` and `[c, d)` share a byte.
+pub(crate) fn overlaps((a, b): Span, (c, d): Span) -> bool {
     a < d && c < b
 }
 
