@@ -748,7 +748,8 @@ impl Sender {
                     self.complete(ctx, id);
                 }
             }
-            AckStatus::Refused => unreachable!("a refusal failed the transfer above"),
+            // Failed above already; kept so that no arm panics should that move.
+            AckStatus::Refused => self.fail(ctx, id, XferError::Refused, true),
             AckStatus::Failed => self.fail(ctx, id, XferError::ScatterFailed, true),
             AckStatus::Replan => {
                 // The receiver kept no plan for the chunk: the DATA again, with its runs.
