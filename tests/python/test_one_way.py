@@ -193,8 +193,9 @@ def test_a_one_way_cancel_frees_both_arenas_then_the_pair_is_byte_exact(procs, t
     src = nixlkit.pattern(69, lay.src_bytes)
     nixlkit.register(ag, src)
     one_way(ag, meta)
+    s0 = stats(ag)
     with watchdog(90, [p], "one-way cancel"):
-        for _ in range(3):
+        for attempt in range(3):
             h, st = streaming_kill_or_cancel(ag, "ow-cancel-rx", lay, src, raddr, lambda: None)
             if h is not None:
                 ag.release_xfer_handle(h)  # still PROC: this cancels it
@@ -209,6 +210,15 @@ def test_a_one_way_cancel_frees_both_arenas_then_the_pair_is_byte_exact(procs, t
         p.call(op="fill", seed=70)
         lay2 = nixlkit.Scattered(16384, 4096, seed=71)
         write_one_way_exact(ag, p, "ow-cancel-rx", lay2, src, raddr, tmp_path, nixlkit.pattern(70, lay2.dst_bytes))
-    assert mine["bounce_ok"] == 0, "the cancelled transfer was counted as a success"
+    s1 = stats(ag)
+    # Every attempt, the cancelled one included, went one way through the bounce path ...
+    assert mine["bounce_xfers"] - s0["bounce_xfers"] == attempt + 1, (s0, mine)
+    assert mine["one_way_sent"] - s0["one_way_sent"] == attempt + 1, (s0, mine)
+    assert mine["passthrough_xfers"] == s0["passthrough_xfers"], "a transfer went through plain UCX"
+    # ... and only those done before a cancel could land counted as successes.
+    assert mine["bounce_ok"] - s0["bounce_ok"] == attempt, "the cancelled transfer was counted as a success"
+    # The transfer after the cancel went the same way.
+    assert (s1["bounce_ok"], s1["one_way_sent"]) == (mine["bounce_ok"] + 1, mine["one_way_sent"] + 1), (mine, s1)
+    assert s1["passthrough_xfers"] == s0["passthrough_xfers"]
     # The cancel (a frame to the target) frees its regions at once, not by the timeout.
     assert settled < TIMEOUT_MS / 1000 / 2, f"regions came back only after {settled:.1f}s"

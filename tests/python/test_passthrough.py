@@ -12,6 +12,18 @@ from conftest import run_isolated
 N, S = 4096, 4096
 
 
+def counters(ag):
+    return {k[len("stats."):]: int(v) for k, v in nixlkit.live_params(ag).items() if k.startswith("stats.")}
+
+
+def assert_bounced(before, after, op):
+    """One transfer took the bounce path and succeeded there: none went through plain UCX."""
+    ok = "bounce_ok" if op == "WRITE" else "bounce_read_ok"
+    assert after["bounce_xfers"] - before["bounce_xfers"] == 1, (before, after)
+    assert after[ok] - before[ok] == 1, (before, after)
+    assert after["passthrough_xfers"] == before["passthrough_xfers"], "it went through plain UCX"
+
+
 def test_plugin_is_discovered_without_env_and_reports_manifest_options():
     assert "NIXL_PLUGIN_DIR" not in os.environ
     a = nixlkit.agent("opts", backends=())
@@ -48,6 +60,10 @@ def test_scattered_transfer_one_process_is_byte_exact(op):
     nixlkit.register(b, remote)
     a.add_remote_agent(b.get_agent_metadata())
     b.add_remote_agent(a.get_agent_metadata())
+    # Both loaded: once the HELLOs are through, 4096 pieces of 4 KiB take the bounce path
+    # (waiting makes the path certain; posted earlier they would pass through to UCX).
+    nixlkit.wait_ready(a)
+    s0 = counters(a)
     if op == "WRITE":
         lo = a.get_xfer_descs(lay.src_list(local.ctypes.data), "DRAM")
         re = a.get_xfer_descs(lay.dst_list(remote.ctypes.data), "DRAM")
@@ -58,6 +74,7 @@ def test_scattered_transfer_one_process_is_byte_exact(op):
     assert a.transfer(h) != "ERR"
     nixlkit.wait_xfer(a, h, peers=[b])
     nixlkit.wait_notif(b, f"i-{op}", b"xfer-done", others=[a])
+    assert_bounced(s0, counters(a), op)
     if op == "WRITE":
         nixlkit.assert_same(remote, lay.expected(local, before), "WRITE destination")
     else:
@@ -90,13 +107,23 @@ def test_bounce_and_ucx_side_by_side_in_one_agent():
         nixlkit.register(b, dst, backend)
         a.add_remote_agent(b.get_agent_metadata())
         b.add_remote_agent(a.get_agent_metadata())
+        if backend == "BOUNCE":
+            nixlkit.wait_ready(a)
+        s0 = counters(a)
         lo = a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
         re = a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM")
         h = a.initialize_xfer("WRITE", lo, re, "sx-b", backend.encode(), backends=[backend])
-        a.transfer(h)
+        assert a.transfer(h) != "ERR"
         nixlkit.wait_xfer(a, h, peers=[b])
         nixlkit.wait_notif(b, "sx-a", backend.encode(), others=[a])
         nixlkit.assert_same(dst, lay.expected(src, before), f"{backend} destination")
+        s1 = counters(a)
+        if backend == "BOUNCE":
+            assert_bounced(s0, s1, "WRITE")
+        else:
+            # The agent's UCX engine moved it: BOUNCE's engine was not asked.
+            keys = ("bounce_xfers", "passthrough_xfers", "cma_xfers")
+            assert [s1[k] for k in keys] == [s0[k] for k in keys], (s0, s1)
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
@@ -112,6 +139,8 @@ def test_scattered_transfer_two_processes_is_byte_exact(peer, tmp_path, op):
     a.add_remote_agent(meta)
     import base64
     p.call(op="load", meta=base64.b64encode(a.get_agent_metadata()).decode())
+    nixlkit.wait_ready(a)
+    s0 = counters(a)
     if op == "WRITE":
         lo = a.get_xfer_descs(lay.src_list(local.ctypes.data), "DRAM")
         re = a.get_xfer_descs(lay.dst_list(raddr), "DRAM")
@@ -119,9 +148,10 @@ def test_scattered_transfer_two_processes_is_byte_exact(peer, tmp_path, op):
         lo = a.get_xfer_descs(lay.dst_list(local.ctypes.data), "DRAM")
         re = a.get_xfer_descs(lay.src_list(raddr), "DRAM")
     h = a.initialize_xfer(op, lo, re, "tgt", b"two-proc", backends=["BOUNCE"])
-    a.transfer(h)
+    assert a.transfer(h) != "ERR"
     nixlkit.wait_xfer(a, h)
     p.call(op="notif_wait", **{"from": "ini", "msg": "two-proc"})
+    assert_bounced(s0, counters(a), op)
     remote_before = nixlkit.pattern(300, remote_size)
     if op == "WRITE":
         path = tmp_path / "remote.bin"

@@ -91,8 +91,9 @@ def test_a_cancelled_read_frees_both_arenas_then_the_pair_is_byte_exact(procs):
     dst = nixlkit.pattern(89, lay.dst_bytes)
     nixlkit.register(ag, dst)
     ag.add_remote_agent(meta)
+    s0 = stats(ag)
     with watchdog(90, [p], "READ cancel"):
-        for _ in range(3):
+        for attempt in range(3):
             h, st = act_in_flight(ag, post_read(ag, "rd-cancel-tgt", lay, dst, raddr), lambda: None)
             if h is not None:
                 ag.release_xfer_handle(h)  # still PROC: this cancels it
@@ -101,6 +102,7 @@ def test_a_cancelled_read_frees_both_arenas_then_the_pair_is_byte_exact(procs):
                 released = dst.copy()
                 break
             assert st == "DONE", st
+            dst[:] = nixlkit.pattern(89, lay.dst_bytes)  # the next attempt starts from the same bytes
         else:
             raise AssertionError("could not cancel a READ mid-flight in 3 attempts")
         t0 = time.monotonic()
@@ -118,6 +120,14 @@ def test_a_cancelled_read_frees_both_arenas_then_the_pair_is_byte_exact(procs):
         ag.release_xfer_handle(h)
         time.sleep(0.2)
         nixlkit.assert_same(dst, lay.expected(nixlkit.pattern(88, lay.src_bytes), before), "READ after a cancel")
-    assert mine["bounce_read_ok"] == 0, "the cancelled READ was counted as a success"
+    s1 = stats(ag)
+    # Every attempt bounced (none went to plain UCX), the cancelled one included ...
+    assert mine["bounce_xfers"] - s0["bounce_xfers"] == attempt + 1, (s0, mine)
+    assert mine["passthrough_xfers"] == s0["passthrough_xfers"], "a READ went through plain UCX"
+    # ... and only the ones that finished before a cancel could land counted as successes.
+    assert mine["bounce_read_ok"] - s0["bounce_read_ok"] == attempt, "the cancelled READ was counted as a success"
+    # The READ after the cancel bounced too.
+    assert (s1["bounce_xfers"], s1["bounce_read_ok"]) == (mine["bounce_xfers"] + 1, mine["bounce_read_ok"] + 1), (mine, s1)
+    assert s1["passthrough_xfers"] == s0["passthrough_xfers"]
     assert settled < TIMEOUT_MS / 1000 / 2, f"regions came back only after {settled:.1f}s"
     assert np.array_equal(dst, lay.expected(nixlkit.pattern(88, lay.src_bytes), before))

@@ -51,4 +51,8 @@ def test_few_runs_per_chunk_keep_their_plans_in_control_frames(peer, tmp_path):
     write_from_here(ag, "rx-rp-few", lay, src, raddr)
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(610, lay.dst_bytes)), "destination")
-    assert stats(ag)["region_plans_sent"] == 0
+    mine, theirs = stats(ag), peer_stats(p)
+    # It bounced (a fallback to UCX would send no region plan either) ...
+    assert mine["bounce_ok"] == 1 and mine["passthrough_xfers"] == 0, mine
+    # ... with its runs in control frames, none in a region.
+    assert mine["region_plans_sent"] == 0 and theirs["region_plans_received"] == 0, (mine, theirs)
