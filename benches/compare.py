@@ -5,8 +5,15 @@ contiguous write of the same bytes, two processes, DRAM, measured in ONE run on 
 
 Each variant runs in its own initiator process (UCX reads NIXL_UCX_SGL_ENABLE at engine
 creation) against a target process (tests/python/peer.py). A sample is the time from
-transfer() to DONE for a re-posted, already prepared request; the table reports the median and
-the ratios the issues ask for.
+transfer() to DONE for a re-posted, already prepared request. The variants run in `--rounds`
+rounds, the order rotated each round, so a slow spell of the machine lands on all of them; the
+table reports the median over every round's samples and the ratios the issues ask for.
+
+Before any ratio is printed, each variant must have taken the path its name says, by its
+initiator engine's counters (every post through the same-host path, the bounce path, or passed
+through to UCX; an environment variable can override a variant's settings, and this catches
+it), and the target's whole buffer must hold exactly the bytes written and nothing else changed.
+Otherwise the run fails with the reason and no ratio.
 """
 import argparse
 import base64
@@ -14,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,6 +57,9 @@ def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0, 
         else:  # sources packed: chunks are written straight from them (no gather copy)
             lo = [(src.ctypes.data + i * size, size, 0) for i in range(descs)]
         re = [(raddr + int(k) * size, size, 0) for k in slots]
+    counters = (lambda: {k: int(v) for k, v in nixlkit.live_params(ag, backend).items() if k.startswith("stats.")}) \
+        if backend == "BOUNCE" else dict
+    before = counters()
     h = ag.initialize_xfer("WRITE", ag.get_xfer_descs(lo, "DRAM"), ag.get_xfer_descs(re, "DRAM"),
                            "bench-tgt", b"", backends=[backend])
     samples = []
@@ -66,28 +77,79 @@ def initiator(backend, descs, size, iters, contiguous, params, poll_sleep_us=0, 
                 time.sleep(poll_sleep_us * 1e-6)
         if i >= 2:  # two warm-ups
             samples.append(time.perf_counter() - t0)
-    stats = {}
-    if backend == "BOUNCE":
-        stats = {k: v for k, v in nixlkit.live_params(ag, backend).items() if k.startswith("stats.")}
-    print("RESULT " + json.dumps({"samples": samples, "stats": stats}), flush=True)
+    after = counters()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    # The target's whole buffer: what every post wrote (the same bytes each time) over its
+    # initial pattern, and nothing else.
+    expected = nixlkit.pattern(7, total * (1 if contiguous else slot_spread))
+    for (s_addr, n, _), (r_addr, _, _) in zip(lo, re):
+        expected[r_addr - raddr:r_addr - raddr + n] = src[s_addr - src.ctypes.data:s_addr - src.ctypes.data + n]
+    path = os.path.join(tempfile.mkdtemp(prefix="bench-"), "tgt.bin")
+    peer.call(op="dump", path=path)
+    got = np.fromfile(path, dtype=np.uint8)
+    os.unlink(path)
+    exact = got.shape == expected.shape and bool(np.array_equal(got, expected))
+    print("RESULT " + json.dumps({"samples": samples, "posts": iters + 2, "stats": delta, "exact": exact}),
+          flush=True)
     peer.close()
     nixlkit.leave(0)
 
 
 VARIANTS = [
-    # name, backend, contiguous, extra env. "BOUNCE scattered" is the plugin as shipped: between
-    # two processes of one host that is the same-host path (CMA); "BOUNCE bounced" turns it off,
-    # as between two hosts. "BOUNCE 1 contiguous" is the pass-through (a large transfer takes
-    # the same-host path too, bounce_cma_large_bytes: off there); "BOUNCE 1 contig CMA" is the
-    # plugin as shipped.
-    ("BOUNCE scattered", "BOUNCE", False, {}),
-    ("BOUNCE bounced", "BOUNCE", False, {"NIXL_BOUNCE_CMA": "0"}),
-    ("UCX scattered", "UCX", False, {}),
-    ("UCX+SGL scattered", "UCX", False, {"NIXL_UCX_SGL_ENABLE": "1"}),
-    ("UCX 1 contiguous", "UCX", True, {}),
-    ("BOUNCE 1 contiguous", "BOUNCE", True, {"NIXL_BOUNCE_CMA_LARGE_BYTES": "0"}),
-    ("BOUNCE 1 contig CMA", "BOUNCE", True, {}),
+    # name, backend, contiguous, extra env, path. "BOUNCE scattered" is the plugin as shipped:
+    # between two processes of one host that is the same-host path (CMA); "BOUNCE bounced" turns
+    # it off, as between two hosts. "BOUNCE 1 contiguous" is the pass-through (a large transfer
+    # takes the same-host path too, bounce_cma_large_bytes: off there); "BOUNCE 1 contig CMA" is
+    # the plugin as shipped.
+    ("BOUNCE scattered", "BOUNCE", False, {}, "cma"),
+    ("BOUNCE bounced", "BOUNCE", False, {"NIXL_BOUNCE_CMA": "0"}, "bounce"),
+    ("UCX scattered", "UCX", False, {}, None),
+    ("UCX+SGL scattered", "UCX", False, {"NIXL_UCX_SGL_ENABLE": "1"}, None),
+    ("UCX 1 contiguous", "UCX", True, {}, None),
+    ("BOUNCE 1 contiguous", "BOUNCE", True, {"NIXL_BOUNCE_CMA_LARGE_BYTES": "0"}, "pass"),
+    ("BOUNCE 1 contig CMA", "BOUNCE", True, {}, "cma-large"),
 ]
+
+# Per path: the counter that must count every post, and those that must not move.
+PATHS = {
+    "cma": ("stats.cma_ok", ("stats.bounce_xfers", "stats.passthrough_xfers")),
+    "bounce": ("stats.bounce_ok", ("stats.cma_xfers", "stats.passthrough_xfers")),
+    # The gate runs at prep: one prepared request passed through, posted `posts` times.
+    "pass": ("stats.passthrough_xfers", ("stats.bounce_xfers", "stats.cma_xfers")),
+}
+
+
+def cma_large_bytes():
+    """bounce_cma_large_bytes as the engine reads it: a contiguous transfer of at least this
+    takes the same-host path, a smaller one passes through to UCX."""
+    import tomllib
+    raw = os.environ.get("NIXL_BOUNCE_CMA_LARGE_BYTES")
+    if raw is None:
+        with open(os.path.join(os.path.dirname(HERE), "plugin-manifest", "manifest.toml"), "rb") as f:
+            raw = next(o["default"] for o in tomllib.load(f)["option"] if o["name"] == "bounce_cma_large_bytes")
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "": 1}
+    num = raw.rstrip("KMGiB")
+    return int(num) * units[raw[len(num):]]
+
+
+def path_problem(name, path, res, total):
+    """Why variant `name`'s result does not show its path (None when it does)."""
+    if path == "cma-large":
+        large = cma_large_bytes()
+        path = "cma" if large and total >= large else "pass"
+    if not res["exact"]:
+        return f"{name}: the target's buffer is not what the writes should have left"
+    if path is None:
+        return None
+    d = res["stats"]
+    counted, still = PATHS[path]
+    want = 1 if path == "pass" else res["posts"]
+    moved = {k: d.get(k, 0) for k in still if d.get(k, 0)}
+    if d.get(counted, 0) != want or moved:
+        return (f"{name}: expected every post on the {path} path ({counted} +{want}), got {counted} "
+                f"+{d.get(counted, 0)}, {moved or 'nothing else'} (an environment variable overriding "
+                f"the variant's settings?)")
+    return None
 
 
 def run_variant(backend, contiguous, env, args):
@@ -96,7 +158,7 @@ def run_variant(backend, contiguous, env, args):
         + (["--contiguous"] if contiguous else []) + (["--scatter-src"] if args.scatter_src else [])
     res, why = run_child(cmd, 600, env)
     if res is None:
-        raise SystemExit(f"variant {backend} failed: {why}")
+        raise SystemExit(f"FAIL: variant {backend} failed: {why}")
     return res
 
 
@@ -104,7 +166,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--descs", type=int, default=16384)
     ap.add_argument("--size", type=int, default=4096)
-    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=5, help="samples per variant and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every variant, the order rotated")
     ap.add_argument("--child")
     ap.add_argument("--contiguous", action="store_true")
     ap.add_argument("--poll-sleep-us", type=int, default=0,
@@ -118,20 +181,32 @@ def main():
         return
     mib = args.descs * args.size / 2**20
     print(f"WRITE of {args.descs} x {args.size} B = {mib:.0f} MiB, DRAM, two processes, "
-          f"{args.iters} samples each (median), status polled "
+          f"{args.rounds} rounds of {args.iters} samples each (median of all), status polled "
           + (f"every {args.poll_sleep_us} us" if args.poll_sleep_us else "in a busy loop")
           + (", sources scattered too" if args.scatter_src else ", sources packed"))
+    chosen = [v for v in VARIANTS if not args.only or args.only in v[0]]
+    samples = {v[0]: [] for v in chosen}
+    last = {}
+    for r in range(args.rounds):
+        k = r % len(chosen)
+        for name, backend, contiguous, env, path in chosen[k:] + chosen[:k]:
+            res = run_variant(backend, contiguous, env, args)
+            problem = path_problem(name, path, res, args.descs * args.size)
+            if problem:
+                raise SystemExit("FAIL: " + problem)
+            samples[name] += res["samples"]
+            last[name] = res["stats"]
     med = {}
-    for name, backend, contiguous, env in VARIANTS:
-        if args.only and args.only not in name:
-            continue
-        res = run_variant(backend, contiguous, env, args)
-        med[name] = statistics.median(res["samples"])
-        q = sorted(res["samples"])
+    for name, *_ in chosen:
+        med[name] = statistics.median(samples[name])
+        q = sorted(samples[name])
+        st = last[name]
         print(f"  {name:22s} median {med[name]*1e3:8.2f} ms   "
               f"min {q[0]*1e3:8.2f}  max {q[-1]*1e3:8.2f}   {mib / med[name] / 1024:6.2f} GiB/s"
-              + (f"   chunks={res['stats'].get('stats.bounce_chunks')} cma={res['stats'].get('stats.cma_ok')}"
-                 if res["stats"] else ""))
+              + (f"   chunks={st.get('stats.bounce_chunks', 0)} cma={st.get('stats.cma_ok', 0)}"
+                 f" bounced={st.get('stats.bounce_ok', 0)} passed={st.get('stats.passthrough_xfers', 0)}"
+                 if st else ""))
+    print("  (every variant on its path by its counters, the target's buffer byte-exact)")
     if args.only:
         return
     b = med["BOUNCE scattered"]
