@@ -271,34 +271,34 @@ def main():
     for s in sides.values():
         proc.stdin.write(base64.b64encode(s.ag.get_agent_metadata()).decode() + "\n")
     proc.stdin.flush()
-    frame_bytes = 0
-    for i, s in enumerate(sides.values()):
-        flag[ACTIVE] = i
-        s.wait_first_pong()
-        if s.backend == "BOUNCE":
-            nixlkit.wait_ready(s.ag)
-        s.prepare()
-        # Both writes, a block's worth, while the target polls: UCX's first puts to a peer need
-        # the target's progress (measured: with only one before them, a UCX WRITE to the idle
-        # target stayed IN_PROG).
-        sent0 = s.control_sent() if s.backend == "BOUNCE" else None
-        for _ in range(args.block):
-            s.write_scattered()
-            s.floor()
-        if sent0:
-            n, nbytes = (a - b for a, b in zip(s.control_sent(), sent0))
-            frame_bytes = nbytes // n if n else 0
-    # A notification of the bounced WRITE's mean control frame (b"ping" and zeros), on both.
-    for s in sides.values():
-        s.frame_ping = b"ping" + bytes(max(frame_bytes - 4, 0))
-    samples = {(name, b): [] for name, _, backends, _, _ in OPS for b in backends}
-    # Per block of bounced WRITEs (polling target, idle target): mean WANT -> GRANT and
-    # DATA -> ACK as the initiator's engine timed them, in seconds.
-    hops = {}
-    ok_before = sides["BOUNCE"].bounce_ok()
-    claims_before = sides["BOUNCE"].standing_claims()
-    bounced = 0
     try:
+        frame_bytes = 0
+        for i, s in enumerate(sides.values()):
+            flag[ACTIVE] = i
+            s.wait_first_pong()
+            if s.backend == "BOUNCE":
+                nixlkit.wait_ready(s.ag)
+            s.prepare()
+            # Both writes, a block's worth, while the target polls: UCX's first puts to a peer need
+            # the target's progress (measured: with only one before them, a UCX WRITE to the idle
+            # target stayed IN_PROG).
+            sent0 = s.control_sent() if s.backend == "BOUNCE" else None
+            for _ in range(args.block):
+                s.write_scattered()
+                s.floor()
+            if sent0:
+                n, nbytes = (a - b for a, b in zip(s.control_sent(), sent0))
+                frame_bytes = nbytes // n if n else 0
+        # A notification of the bounced WRITE's mean control frame (b"ping" and zeros), on both.
+        for s in sides.values():
+            s.frame_ping = b"ping" + bytes(max(frame_bytes - 4, 0))
+        samples = {(name, b): [] for name, _, backends, _, _ in OPS for b in backends}
+        # Per block of bounced WRITEs (polling target, idle target): mean WANT -> GRANT and
+        # DATA -> ACK as the initiator's engine timed them, in seconds.
+        hops = {}
+        ok_before = sides["BOUNCE"].bounce_ok()
+        claims_before = sides["BOUNCE"].standing_claims()
+        bounced = 0
         for _ in range(args.blocks):
             for name, method, backends, idle, _ in OPS:
                 if args.only and args.only not in name:
@@ -325,6 +325,12 @@ def main():
         raise
     flag[IDLE] = 0
     ok = sides["BOUNCE"].bounce_ok() - ok_before
+    if ok != bounced:
+        flag[ACTIVE] = len(BACKENDS)
+        proc.wait(timeout=10)
+        print(f"FAIL: {bounced - ok} of {bounced} BOUNCE WRITEs did not take the bounce path: no figure of "
+              f"this run is the bounce path's, none printed")
+        nixlkit.leave(1)
     print(f"control hops, two processes, DRAM, no progress thread, {os.cpu_count()} cores, "
           f"{args.blocks} interleaved blocks of {args.block}, WRITE of {args.descs} x {args.size} B; "
           f"its initiator's control frames {frame_bytes} B on average")
@@ -376,9 +382,6 @@ def main():
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
-    if ok != bounced:
-        print("FAIL: some BOUNCE WRITEs did not bounce; the figures above are not the bounce path's")
-        nixlkit.leave(1)
     nixlkit.leave(0)
 
 

@@ -157,6 +157,22 @@ def run(name, backend, params, env, mode, n, size, args):
     return res
 
 
+def path_problem(name, stats, op, mixed):
+    """Why a BOUNCE variant's counters (absolute: its engine is fresh) do not show its path, or
+    None. The gate runs at prep: any pass-through or fallback means the request went to UCX."""
+    c = {k[len("stats."):]: int(v) for k, v in stats.items()}
+    to_ucx = {k: v for k, v in c.items() if v and (k == "passthrough_xfers" or k.startswith("fallback_"))}
+    if to_ucx:
+        return f"it went to UCX ({to_ucx})"
+    ok = c.get("bounce_read_ok" if op == "READ" else "bounce_ok", 0)
+    if "bounced" in name:
+        if c.get("ipc_ok", 0) or c.get("cma_ok", 0) or not ok:
+            return f"not bounced (ipc_ok={c.get('ipc_ok')}, cma_ok={c.get('cma_ok')}, ok={ok})"
+    elif not mixed and (not c.get("ipc_ok", 0) or c.get("bounce_xfers", 0)):
+        return f"not on the same-host path (ipc_ok={c.get('ipc_ok')}, bounce_xfers={c.get('bounce_xfers')})"
+    return None
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -222,6 +238,7 @@ def main():
           f"initiator GPU 0 -> target GPU {args.peer_gpu} "
           f"({torch.cuda.get_device_name(0)}), median of {args.iters}"
           + (f", under an MPS daemon of its own ({mps})" if mps else ""))
+    failed = False
     for shape in args.shapes.split(","):
         n, size = (int(x) for x in shape.split("x"))
         mib = n * size / 2**20
@@ -233,6 +250,14 @@ def main():
                 continue
             res = run(name, backend, params, env, mode, n, size, args)
             if not res:
+                # Plain UCX failing a shape is a finding (it did, DRAM -> VRAM on one host); a
+                # BOUNCE variant failing fails the run.
+                failed |= backend == "BOUNCE"
+                continue
+            problem = path_problem(name, res["stats"], args.op, mixed) if backend == "BOUNCE" else None
+            if problem:
+                print(f"  {name}: FAILED, {problem}: no figure")
+                failed = True
                 continue
             med[name] = statistics.median(res["samples"])
             extra = ""
@@ -252,6 +277,8 @@ def main():
                     print(f"    BOUNCE / {other:22s} = {b / med[other]:.3f}")
         if "BOUNCE bounced" in med and "hand staging" in med:
             print(f"    BOUNCE bounced / hand staging    = {med['BOUNCE bounced'] / med['hand staging']:.3f}")
+    if failed:
+        raise SystemExit("FAIL: a BOUNCE variant failed or took another path (above)")
 
 
 if __name__ == "__main__":
