@@ -321,10 +321,11 @@ impl Endpoint {
         self.pump(now);
     }
 
-    /// Sets the secret the liveness probe's PING nonces derive from; the shell draws it at
-    /// random once, so a PONG cannot be forged without seeing our PING.
-    pub fn set_probe_seed(&mut self, seed: u64) {
-        self.liveness.set_seed(seed);
+    /// Sets the secret key the PING nonces (the liveness probe's, a GOODBYE's or a HELLO's ask)
+    /// derive from; the shell draws it at random once, so a PONG cannot be forged without
+    /// seeing the PING it answers.
+    pub fn set_probe_key(&mut self, key: [u8; 32]) {
+        self.liveness.set_key(key);
     }
 
     /// Sets the control endpoint carried in every WANT (the receiver's reverse path).

@@ -21,7 +21,7 @@
 //!
 //! Pure bookkeeping, time passed in: [`crate::endpoint::Endpoint`] tells it who it waits on and
 //! what was heard, asks it at each timeout which PINGs to send and who is dead, and performs
-//! both. Nonces come from a seed the shell sets (no randomness here).
+//! both. Nonces come from a secret key the shell sets (no randomness here).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -95,19 +95,20 @@ impl Watch {
 pub struct Liveness {
     cfg: LivenessConfig,
     watched: BTreeMap<PeerId, Watch>,
-    seed: u64,
+    /// The PRF key the PING nonces derive from.
+    key: [u8; 32],
     pings: u64,
 }
 
 impl Liveness {
     /// Nobody watched yet.
     pub fn new(cfg: LivenessConfig) -> Self {
-        Self { cfg, watched: BTreeMap::new(), seed: 0, pings: 0 }
+        Self { cfg, watched: BTreeMap::new(), key: [0; 32], pings: 0 }
     }
 
-    /// Sets the secret the PING nonces are derived from (the shell draws it at random).
-    pub fn set_seed(&mut self, seed: u64) {
-        self.seed = seed;
+    /// Sets the secret key the PING nonces are derived from (the shell draws it at random).
+    pub fn set_key(&mut self, key: [u8; 32]) {
+        self.key = key;
     }
 
     /// The peers waited on now are `waited`: new ones start their quiet time at `now`, the
@@ -135,7 +136,7 @@ impl Liveness {
     /// challenge, `Endpoint::handle_goodbye_said`; a HELLO's ask, `crate::hello`).
     pub fn next_nonce(&mut self) -> u64 {
         self.pings += 1;
-        nonce(self.seed, self.pings)
+        nonce(&self.key, self.pings)
     }
 
     /// A PONG from `peer`: a sign of life when it echoes one of our PINGs since its last one.
@@ -157,7 +158,7 @@ impl Liveness {
                 v.dead.push(peer);
             } else if now >= w.next_ping {
                 self.pings += 1;
-                let nonce = nonce(self.seed, self.pings);
+                let nonce = nonce(&self.key, self.pings);
                 if w.outstanding.len() == MAX_OUTSTANDING {
                     w.outstanding.remove(0);
                 }
@@ -184,13 +185,15 @@ impl Liveness {
     }
 }
 
-/// The `n`-th PING nonce under `seed`: splitmix64 of their mix. Not cryptographic, but nobody
-/// who does not know the seed can tell the next nonce from the ones seen.
-fn nonce(seed: u64, n: u64) -> u64 {
-    let mut z = seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// The `n`-th PING nonce under `key`: keyed BLAKE3 of the counter, a PRF, so the nonces a peer
+/// sees (every PING it is sent, asked for by a GOODBYE or a HELLO as often as it likes) tell it
+/// nothing about the next one or about the key. (An invertible mix of a 64-bit seed, as before,
+/// gave the seed away from two consecutive nonces, and with it every PONG a third party would
+/// need to forge a peer's farewell or HELLO.)
+fn nonce(key: &[u8; 32], n: u64) -> u64 {
+    let mut first = [0; 8];
+    first.copy_from_slice(&blake3::keyed_hash(key, &n.to_le_bytes()).as_bytes()[..8]);
+    u64::from_le_bytes(first)
 }
 
 #[cfg(test)]
@@ -202,7 +205,7 @@ mod tests {
 
     fn live() -> Liveness {
         let mut l = Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: DEAD });
-        l.set_seed(0x5eed);
+        l.set_key([0x5e; 32]);
         l
     }
 
@@ -350,5 +353,55 @@ mod tests {
         }
         let ping = ControlFrame { session: 1, body: Body::Ping { nonce: 5 } }.to_vec();
         assert_eq!((ping[7], ControlFrame { session: 1, body: Body::Pong { nonce: 5 } }.to_vec()[7]), (7, 8));
+    }
+
+    /// The attack a mixing function without a key allows: a peer asks for PINGs (a GOODBYE
+    /// under its own session gets one each), inverts the mix of two consecutive nonces to the
+    /// seed and the counter, and predicts the next nonce, the one a PING to ANOTHER peer will
+    /// carry: a forged PONG under that peer's name then confirms a forged HELLO or farewell.
+    #[test]
+    fn the_nonces_a_peer_sees_do_not_predict_the_next() {
+        const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+        const M1: u64 = 0xBF58_476D_1CE4_E5B9;
+        const M2: u64 = 0x94D0_49BB_1331_11EB;
+        fn mix(seed: u64, n: u64) -> u64 {
+            let mut z = seed ^ n.wrapping_mul(PHI);
+            z = (z ^ (z >> 30)).wrapping_mul(M1);
+            z = (z ^ (z >> 27)).wrapping_mul(M2);
+            z ^ (z >> 31)
+        }
+        fn unshift(mut x: u64, k: u32) -> u64 {
+            let y = x;
+            for _ in 0..64 / k {
+                x = y ^ (x >> k);
+            }
+            x
+        }
+        fn inverse(m: u64) -> u64 {
+            (0..6).fold(m, |x, _| x.wrapping_mul(2u64.wrapping_sub(m.wrapping_mul(x))))
+        }
+        // The attacker's model: the next nonce after (a, b), if a counter n gives both.
+        let predict = |a: u64, b: u64| {
+            let z1 = unshift(unshift(unshift(a, 31).wrapping_mul(inverse(M2)), 27).wrapping_mul(inverse(M1)), 30);
+            (1..=1000u64)
+                .map(|n| (n, z1 ^ n.wrapping_mul(PHI)))
+                .find(|&(n, seed)| mix(seed, n + 1) == b)
+                .map(|(n, seed)| mix(seed, n + 2))
+        };
+        // The attack is sound: against the unkeyed mix it predicts exactly.
+        assert_eq!(predict(mix(0xfeed_f00d, 41), mix(0xfeed_f00d, 42)), Some(mix(0xfeed_f00d, 43)));
+        // Against ours it finds no seed at all.
+        let mut l = live();
+        for _ in 0..40 {
+            l.next_nonce();
+        }
+        let (a, b) = (l.next_nonce(), l.next_nonce());
+        let next = l.next_nonce();
+        assert_eq!(predict(a, b), None);
+        assert_ne!(predict(a, b), Some(next));
+        // And another key gives other nonces from the same counter.
+        let mut other = Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: DEAD });
+        other.set_key([0x5f; 32]);
+        assert_ne!(other.next_nonce(), live().next_nonce());
     }
 }

@@ -74,7 +74,7 @@ impl Pair {
             // The other node's connection info carries its session (node n sends n + 1).
             ep.peers_mut().load_conn_info(other, Some(caps(2 - me as u64)), None);
             ids[me] = ep.peers_mut().id(other);
-            ep.set_probe_seed(0xfeed + me as u64);
+            ep.set_probe_key([0xfe + me as u8; 32]);
             ep.add_registered(RegId(0), KEY, (DST, 1 << 20), ArenaId(0));
         }
         Self {

@@ -22,7 +22,9 @@ impl From<&Error> for Status {
             Error::Xfer(_) | Error::BounceClosed => Self::ErrBackend,
             // An inner-engine call reports what the inner engine answered (getNotifs).
             Error::Inner { status, .. } => *status,
-            Error::Arena { .. } | Error::Arenas(_) | Error::Control(_) | Error::Spawn { .. } => Self::ErrBackend,
+            Error::Arena { .. } | Error::Arenas(_) | Error::Control(_) | Error::Spawn { .. } | Error::Random { .. } => {
+                Self::ErrBackend
+            }
         }
     }
 }

@@ -40,6 +40,14 @@ pub(crate) enum Error {
     /// The control channel failed.
     #[error(transparent)]
     Control(#[from] ControlError),
+    /// The OS had no randomness for a secret the engine cannot run without.
+    #[error("no randomness from the OS for {what}: {error}")]
+    Random {
+        /// Which secret.
+        what: &'static str,
+        /// The OS error.
+        error: getrandom::Error,
+    },
     /// A thread could not be started.
     #[error("spawning the {what} thread failed: {source}")]
     Spawn {

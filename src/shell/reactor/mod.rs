@@ -355,9 +355,12 @@ impl Reactor {
         // A mailbox only where we have one to write records into.
         ep.keep_mailbox(area.is_some());
         let one_way = ep.one_way_layout();
-        // The liveness probe's nonces must be unpredictable to others (a forged PONG would keep
-        // a dead peer alive): a random secret per engine.
-        ep.set_probe_seed(std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), session));
+        // The PING nonces must be unpredictable to others (a forged PONG would keep a dead peer
+        // alive, confirm a forged HELLO or a forged farewell): a random key per engine.
+        let mut probe_key = [0u8; 32];
+        crate::shell::drbg::fill(&mut probe_key)
+            .map_err(|error| Error::Random { what: "the PING nonces' key", error })?;
+        ep.set_probe_key(probe_key);
         let stop = Arc::new(AtomicBool::new(false));
         // With a socket to wait on, an idle reactor thread sleeps on it (and on the wakers'
         // eventfd) instead of parking; without an eventfd it parks as over UCX.
