@@ -300,19 +300,20 @@ impl Answering {
         Some((FlowKey { peer: w.peer, xfer: w.xfer }, w.held))
     }
 
-    /// Waiting transfers whose initiators have given up by `now` leave the queue; returns how
-    /// many.
+    /// Waiting transfers whose initiators have given up by `now` leave the queue, and slots
+    /// whose linger ended are freed; returns how many transfers left the queue.
     pub fn expire(&mut self, now: Instant) -> usize {
+        if let Some(w) = self.writer.as_mut() {
+            w.reclaim_expired(now);
+        }
         self.waiting.expire(now).len()
     }
 
-    /// When the waiting transfers need a call even if no message comes: the first deadline of
-    /// a waiter, or the first closing slot's linger end (which frees a slot for one).
+    /// When this needs a call even if no message comes: the first deadline of a waiter, or the
+    /// first closing slot's linger end (which frees a slot, for a waiter or whoever comes
+    /// next, and lets a departed one-way name be forgotten).
     pub fn next_timeout(&self) -> Option<Instant> {
-        if self.waiting.is_empty() {
-            return None;
-        }
-        let linger = self.writer.as_ref().and_then(|w| w.table().next_expiry());
+        let linger = self.writer.as_ref().and_then(MailboxWriter::next_expiry);
         self.waiting.next_deadline().into_iter().chain(linger).min()
     }
 

@@ -269,6 +269,11 @@ impl SlotTable {
         self.by_xfer.get(&(peer, xfer)).copied()
     }
 
+    /// How long a closed slot waits for its last record to be reported read.
+    pub fn linger(&self) -> std::time::Duration {
+        self.cfg.linger
+    }
+
     /// Slots that are free now (not counting closing slots whose linger has expired).
     pub fn free(&self) -> u32 {
         self.slots.iter().filter(|s| matches!(s, SlotState::Free)).count() as u32

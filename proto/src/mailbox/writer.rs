@@ -30,8 +30,9 @@ struct Flow {
     key: RecordKey,
     /// Answers waiting for ring room, oldest first.
     backlog: VecDeque<Answer>,
-    /// Closed by the caller: the slot closes once the backlog is written.
-    closing: bool,
+    /// Closed by the caller at this time: the slot closes once the backlog is written, or
+    /// the linger after this if the initiator never makes room for it.
+    closing: Option<Instant>,
 }
 
 /// The target's side of the mailbox for all its transfers.
@@ -76,8 +77,9 @@ impl MailboxWriter {
     /// # Errors
     /// As [`SlotTable::allocate`].
     pub fn open(&mut self, now: Instant, peer: PeerId, xfer: XferId, token: &Token) -> Result<SlotId, SlotError> {
+        self.reclaim_expired(now);
         let slot = self.table.allocate(now, peer, xfer, &candidates(token, self.table.layout()))?;
-        let flow = Flow { slot, key: RecordKey::derive(token), backlog: VecDeque::new(), closing: false };
+        let flow = Flow { slot, key: RecordKey::derive(token), backlog: VecDeque::new(), closing: None };
         self.flows.insert((peer, xfer), flow);
         Ok(slot)
     }
@@ -92,10 +94,31 @@ impl MailboxWriter {
         self.table.vacancy(peer, xfer, candidates)
     }
 
-    /// Frees the closing slots whose linger has ended by `now` (their transfers' flows were
-    /// already dropped when they closed).
+    /// Frees the closing slots whose linger has ended by `now`, those of closed transfers
+    /// whose backlog still waits for ring room included: an initiator that stops reading (it
+    /// crashed, or never reports its cursor) leaves its last answers unwritten, and its slot
+    /// must not stay held for ever.
     pub fn reclaim_expired(&mut self, now: Instant) {
+        let linger = self.table.linger();
+        let stuck: Vec<(PeerId, XferId)> = (self.flows.iter())
+            .filter(|(_, f)| f.closing.is_some_and(|at| at + linger <= now))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in stuck {
+            if let Some(flow) = self.flows.remove(&key) {
+                // Its linger counted from its close: already over, freed just below.
+                self.table.close(flow.closing.unwrap_or(now), flow.slot);
+            }
+        }
         self.table.reclaim_expired(now);
+    }
+
+    /// When the first closing slot's linger ends, a closed transfer's whose backlog waits
+    /// included (see [`reclaim_expired`](Self::reclaim_expired)).
+    pub fn next_expiry(&self) -> Option<Instant> {
+        let linger = self.table.linger();
+        let stuck = self.flows.values().filter_map(|f| f.closing).map(|at| at + linger).min();
+        self.table.next_expiry().into_iter().chain(stuck).min()
     }
 
     /// Queues `answer` for `peer`'s transfer `xfer`: written at once when the ring has room,
@@ -111,7 +134,7 @@ impl MailboxWriter {
     /// record the initiator cannot decode would stall its transfer until the timeout.
     pub fn answer(&mut self, peer: PeerId, xfer: XferId, answer: Answer) -> Result<(), SlotError> {
         assert!(answer.validate().is_ok(), "invalid mailbox answer {answer:?}");
-        let flow = self.flows.get_mut(&(peer, xfer)).filter(|f| !f.closing);
+        let flow = self.flows.get_mut(&(peer, xfer)).filter(|f| f.closing.is_none());
         let flow = flow.ok_or(SlotError::UnknownTransfer { peer, xfer })?;
         flow.backlog.push_back(answer);
         self.flush(peer, xfer);
@@ -135,7 +158,7 @@ impl MailboxWriter {
     /// Closing an unknown transfer does nothing.
     pub fn close(&mut self, now: Instant, peer: PeerId, xfer: XferId) {
         if let Some(flow) = self.flows.get_mut(&(peer, xfer)) {
-            flow.closing = true;
+            flow.closing.get_or_insert(now);
         }
         self.finish_if_drained(now, peer, xfer);
     }
@@ -176,7 +199,7 @@ impl MailboxWriter {
 
     /// A closed transfer whose backlog is written closes its slot.
     fn finish_if_drained(&mut self, now: Instant, peer: PeerId, xfer: XferId) {
-        if self.flows.get(&(peer, xfer)).is_some_and(|f| f.closing && f.backlog.is_empty()) {
+        if self.flows.get(&(peer, xfer)).is_some_and(|f| f.closing.is_some() && f.backlog.is_empty()) {
             if let Some(flow) = self.flows.remove(&(peer, xfer)) {
                 self.table.close(now, flow.slot);
             }
@@ -268,6 +291,32 @@ mod tests {
         w.handle_consumed(now, PEER, XFER, r.consumed()).unwrap();
         assert_eq!(w.table().slot_of(PEER, XFER), None);
         w.table().assert_consistent();
+    }
+
+    #[test]
+    fn a_closed_transfer_whose_backlog_is_never_made_room_for_frees_its_slot_after_the_linger() {
+        let now = Instant::now();
+        let mut w = writer();
+        let slot = w.open(now, PEER, XFER, &TOKEN).unwrap();
+        // Six answers into a ring of four, then the close: two wait for a cursor that never
+        // comes (the initiator crashed, or never reports).
+        for i in 0..6 {
+            w.answer(PEER, XFER, grant(i)).unwrap();
+        }
+        let closed = now + Duration::from_millis(10);
+        w.close(closed, PEER, XFER);
+        assert_eq!(w.backlog(PEER, XFER), 2);
+        let linger = Duration::from_secs(1);
+        assert_eq!(w.next_expiry(), Some(closed + linger), "the wake-up that frees it");
+        w.reclaim_expired(closed + linger - Duration::from_millis(1));
+        assert_eq!(w.table().slot_of(PEER, XFER), Some(slot), "held during the linger");
+        w.reclaim_expired(closed + linger);
+        assert_eq!(w.table().slot_of(PEER, XFER), None, "freed after it");
+        assert_eq!((w.table().held_by(PEER), w.backlog(PEER, XFER), w.next_expiry()), (0, 0, None));
+        assert!(!w.holds(PEER));
+        w.table().assert_consistent();
+        // And the slot serves a new transfer.
+        assert_eq!(w.open(closed + linger, PEER, XferId(41), &TOKEN), Ok(slot));
     }
 
     #[test]
