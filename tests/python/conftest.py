@@ -86,12 +86,18 @@ def run_isolated(code, timeout=120, env=None):
     return r.returncode, r.stdout + r.stderr
 
 
+def on_ci():
+    """Whether this run is CI's (`CI` set to 1, true or yes, any case): there every check must
+    run. The one rule for every test that decides between a skip and a failure."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
 def cannot_run(reason):
     """A check that cannot run here: a loud skip on a developer's machine, a failure under CI
-    (`CI=true`), where every check must run. GPU tests use `pytest.skip` directly instead: CI has
+    (`on_ci`), where every check must run. GPU tests use `pytest.skip` directly instead: CI has
     no GPU, so they skip there by design (saying "skipped: no GPU")."""
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"CI=true and this check cannot run: {reason}")
+    if on_ci():
+        pytest.fail(f"CI={os.environ.get('CI')} and this check cannot run: {reason}")
     sys.stderr.write(f"\n*** SKIPPED (cannot run here): {reason}\n")
     pytest.skip(reason)
 

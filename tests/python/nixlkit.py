@@ -159,7 +159,11 @@ class Scattered:
     def __init__(self, n, size, seed, spread=2, sizes=None):
         self.n = n
         self.sizes = list(sizes) if sizes is not None else [size] * n
-        slot = max(self.sizes)
+        # Mixed sizes shift each destination by 0..7 bytes (unaligned), so their slot is 8 bytes
+        # wider than the largest piece: a shifted piece then always ends inside its own slot
+        # (k*slot + 7 + max(sizes) < (k+1)*slot) and never overlaps the next slot's piece. Uniform
+        # sizes are not shifted and keep slot == size (peers rebuild them from `size`).
+        slot = max(self.sizes) + (8 if sizes is not None else 0)
         self.slot = slot
         rng = np.random.default_rng(seed + 1)
         self.slots = rng.permutation(n * spread)[:n]
@@ -168,8 +172,6 @@ class Scattered:
         self.dst_bytes = int(n * spread * slot)
         # unaligned destinations when sizes are mixed: shift each by a seed-dependent amount
         self.dst_shift = [int(rng.integers(0, 8)) if sizes is not None else 0 for _ in range(n)]
-        if sizes is not None:
-            self.dst_bytes += 8
 
     def src_list(self, base, dev=0):
         return [(base + int(o), s, dev) for o, s in zip(self.src_offsets, self.sizes)]

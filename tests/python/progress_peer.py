@@ -12,6 +12,8 @@ Commands (every reply is one JSON line with "ok"):
       buffer's first N * S bytes, polling only this agent -> {"seconds": [...], "state": "DONE"|"ERR"}
   {"op": "cpu", "seconds": T}  stay idle (polling every poll_ms) for T s -> {"cpu": s, "wall": s}
   {"op": "dump", "path": P}
+  {"op": "params", "backend": B}  -> {"params": {...}}: the backend's live params (its counters:
+      which path the transfers took), after a poll (getNotifs publishes them)
   {"op": "exit"}
 """
 import base64
@@ -69,6 +71,10 @@ def main():
             poll()
         return {"cpu": cpu_seconds() - c0, "wall": time.monotonic() - t0}
 
+    def params(cmd):
+        poll()
+        return {"params": nixlkit.live_params(ag, cmd.get("backend", "BOUNCE"))}
+
     # Polled every `poll_ms` of its start command: a passive target that rarely polls.
     nixlkit.serve({
         "start": start,
@@ -76,6 +82,7 @@ def main():
         "read": read,
         "cpu": cpu,
         "dump": lambda cmd: buf.tofile(cmd["path"]),
+        "params": params,
     }, idle=poll, active=lambda: ag is not None, interval=lambda: poll_s)
 
 

@@ -535,11 +535,16 @@ def test_an_initiators_reactor_sleeps_its_longest_park_as_soon_as_its_write_is_d
     # application spinning on the status drives the passes itself, and the thread stands down).
     write_from_here(ag, "rx-park", lay, src, raddr, every=0.002)
     assert stats(ag)["bounce_ok"] == 1
+    t0 = time.monotonic()
     w0 = nixlkit.reactor_wakeups()[mine]
     time.sleep(0.3)
     woke = nixlkit.reactor_wakeups()[mine] - w0
-    print(f"the initiator's reactor woke {woke} times in the 300 ms after its WRITE")
-    assert woke <= 450, f"the initiator's reactor woke {woke} times in the 300 ms after its WRITE"
+    took = time.monotonic() - t0  # the real window: a loaded machine oversleeps
+    # No call into the plugin meanwhile, so no broken run of driving: the allowance is about
+    # one wake a millisecond of the window measured, and half as many more (455 for 300 ms).
+    most = nixlkit.Gaps(LONGEST_DRIVING_GAP_S).allowance(took)
+    print(f"the initiator's reactor woke {woke} times in the {took * 1e3:.0f} ms after its WRITE (at most {most})")
+    assert woke <= most, f"the initiator's reactor woke {woke} times in the {took * 1e3:.0f} ms after its WRITE"
 
 
 def test_an_application_spinning_on_its_small_writes_leaves_its_reactor_asleep(peer, tmp_path):
@@ -662,7 +667,7 @@ def test_a_target_busy_in_other_ucx_calls_still_answers_bounced_writes(peer):
     assert theirs["bounce_ok"] == 3 and theirs["passthrough_xfers"] == 0, theirs
 
 
-def test_nixl_telemetry_reports_bounced_transfers(peer):
+def test_nixl_telemetry_reports_bounced_transfers(peer, tmp_path):
     """With telemetry on, NIXL's core measures a bounced transfer like any other (bytes,
     descriptor count, times): BOUNCE reports completion only when the data is in place, so the
     core's transfer time covers gather, write and scatter."""
@@ -686,7 +691,9 @@ def test_nixl_telemetry_reports_bounced_transfers(peer):
     assert t.totalBytes == 2048 * 4096
     assert t.descCount == 2048
     assert t.xferDuration > 0
-    assert stats(ag)["bounce_ok"] == 1
+    s = stats(ag)
+    assert s["bounce_ok"] == 1 and s["bounce_write_ok"] == 1 and s["passthrough_xfers"] == 0, s
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(src, nixlkit.pattern(570, lay.dst_bytes)), "destination")
 
 
 @pytest.mark.parametrize("direct", ["true", "false"])

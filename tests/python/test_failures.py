@@ -478,17 +478,24 @@ def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
         sessions = [hp_mod.session_of(h_meta), hp_mod.session_of(base64.b64decode(v_meta))]
         hp.send(op="fuzz", agents=["evil-known", "evil-stranger"], to="victim", seconds=3.0,
                 seed=44, targets=targets, endpoints=False, max_flows=40, forge=True, sessions=sessions)
-        t_end = time.monotonic() + 3.0
-        rounds = 1
-        while time.monotonic() < t_end:
+        # Honest rounds until the storm is over (the fuzzer answers when it stopped sending).
+        # A round counts as under the storm when the victim had already dropped hostile frames
+        # as it began and the fuzzer was still sending as it ended: event order, not a clock.
+        rounds, under_storm = 1, 0
+        while True:
+            begun = peer_stats(v, agent="victim")["control_dropped"] > s_before["control_dropped"]
             honest_round(rounds)
             rounds += 1
+            if select.select([hp.proc.stdout], [], [], 0)[0]:
+                break
+            under_storm += begun
         fz = hp.recv()
         honest_round(rounds)  # after the storm
         assert v.proc.poll() is None, "victim died"
         s_after = settle(lambda: peer_stats(v, agent="victim"), 64 << 20, TIMEOUT_MS / 1000 + SLACK_S,
                          "victim after the storm")
     vlog.close()
+    print(f"\nhostile storm: {rounds + 1} honest rounds, {under_storm} of them wholly inside it")
     assert fz["sent"] > 1000 and fz["send_errors"] == 0, fz
     assert s_after["control_dropped"] - s_before["control_dropped"] >= fz["sent"] // 10, (fz, s_after)
     # Every forgery was refused as one, and nothing else was taken for one.
@@ -496,7 +503,7 @@ def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
     assert forged.get("forged_session", 0) > 50 and forged.get("forged_token", 0) > 200, fz
     assert s_after["control_forged"] - s_before["control_forged"] == sum(forged.values()), (fz, s_before, s_after)
     assert s_after["bounce_ok"] == s_before["bounce_ok"] + rounds + 1
-    assert rounds >= 3, rounds
+    assert under_storm >= 1, f"no honest round ran wholly inside the storm ({rounds} rounds in all)"
 
 
 def test_data_into_a_granted_region_with_runs_outside_registered_memory_is_refused(procs, tmp_path):
@@ -529,17 +536,34 @@ def test_data_into_a_granted_region_with_runs_outside_registered_memory_is_refus
                 evil.send_notif("g-victim", hp.data(fz.session, x, 0, (k * (64 << 10), 64 << 10),
                                                     fz.forbidden_runs(pick)))
             pump(0.05)
+        # Settled means every flow's region came back, so each flow's refusal was counted.
         v1 = settle(lambda: peer_stats(v, agent="g-victim"), ARENA, TIMEOUT_MS / 1000 + SLACK_S,
                     "victim after refused DATA")
+        shapes = fz.FORBIDDEN_SHAPES
+        # The hostile's engine counts the victim's answers as it polls them in: wait for all,
+        # then a little longer, so an extra one would be counted too.
+        end = time.monotonic() + TIMEOUT_MS / 1000 + SLACK_S
+        while stats(evil)["control_dropped"] - e0["control_dropped"] < 2 * shapes and time.monotonic() < end:
+            pump(0.01)
+        pump(0.1)
         e1 = stats(evil)
         got = dump(v, tmp_path, "g.bin")
     nixlkit.assert_same(got[:mib], nixlkit.pattern(80, 2 * mib)[:mib], "registered memory")
     nixlkit.assert_same(got[mib:], nixlkit.pattern(80, 2 * mib)[mib:], "UNREGISTERED canary")
-    shapes = fz.FORBIDDEN_SHAPES
-    assert v1["control_dropped"] - v0["control_dropped"] >= shapes, (v0, v1)
-    # Each flow was answered with its GRANT and an ACK for the matching DATA (both unknown to
-    # the hostile's own engine, which drops them): proof the DATA hit a granted region.
-    assert e1["control_dropped"] - e0["control_dropped"] >= 2 * shapes, (e0, e1)
+    # Exactly one dropped frame per flow at the victim (proto/src/receiver.rs `take_data`): the
+    # flow's FIRST DATA is refused whatever region it names -- not the flow's region: NotHeld;
+    # the granted one: its runs leave registered memory (receiver/checks.rs) -- answered
+    # ACK(Refused), its flow reclaimed, and counted dropped. The 63 DATAs after it name a flow
+    # that is gone: late frames, ignored uncounted (`addressed_flow`). The WANTs are accepted.
+    # A count above `shapes` would mean frames dropped for another reason (undecodable, stale
+    # session...), that is, DATAs never checked against the granted region.
+    assert v1["control_dropped"] - v0["control_dropped"] == shapes, (v0, v1)
+    # Each flow was answered with its GRANT and, on the refusal, an ACK(Refused) for the region
+    # its DATA named: two frames about a transfer the hostile's own engine never made, so it
+    # drops both (sender.rs `unknown`: UnknownXfer), and nothing else. Exactly 2 per flow: the
+    # victim granted each WANT and refused a DATA of each (a DATA dropped before the flow's
+    # checks would get no ACK).
+    assert e1["control_dropped"] - e0["control_dropped"] == 2 * shapes, (e0, e1)
 
 
 class Crowd:

@@ -366,7 +366,7 @@ def test_forged_acks_cannot_complete_a_write_whose_data_never_landed(procs, tmp_
     "ucx",
     "zmq",
 ])
-def test_a_stopped_target_does_not_stall_transfers_to_others(procs, control):
+def test_a_stopped_target_does_not_stall_transfers_to_others(procs, tmp_path, control):
     """A hung (or hostile, or descheduled) target may fail its own transfers, by timeout, never
     those of the initiator to other targets."""
     params = {**PARAMS, **CONTROL[control]}
@@ -387,10 +387,21 @@ def test_a_stopped_target_does_not_stall_transfers_to_others(procs, control):
         assert i.transfer(h) != "ERR"
         return h
 
+    def bounced_one_way(s0, s1, what):
+        """The healthy target's WRITE took the bounce path one way (T never loaded us), not UCX."""
+        assert (s1["bounce_ok"] - s0["bounce_ok"], s1["bounce_write_ok"] - s0["bounce_write_ok"],
+                s1["one_way_sent"] - s0["one_way_sent"]) == (1, 1, 1), f"{what}: {s0} -> {s1}"
+        assert s1["passthrough_xfers"] == s0["passthrough_xfers"], f"{what}: {s0} -> {s1}"
+
     pid = ts[0].proc.pid
     with watchdog(60, ts, "transfers while another target is stopped"):
+        s0 = fresh(i)
         st, _ = resolve(i, post(1), BOUND_S)
         assert st == "DONE", f"the healthy target, before: {st}"
+        bounced_one_way(s0, fresh(i), "the healthy target's WRITE, before")
+        nixlkit.assert_same(dump(ts[1], tmp_path, "healthy-before.bin"),
+                            lay.expected(src, nixlkit.pattern(482, lay.dst_bytes)), "the healthy target, before")
+        ts[1].call(op="fill", seed=484)  # the WRITE while the other is stopped must land anew
         for _ in range(3):
             h, st = act_in_flight(i, post(0), lambda: os.kill(pid, signal.SIGSTOP), after_s=0.002)
             if h is not None:
@@ -401,12 +412,23 @@ def test_a_stopped_target_does_not_stall_transfers_to_others(procs, control):
         try:
             stopped(pid)
             time.sleep(0.05)  # what stalls sets in within this (posted at once, the WRITE may beat it)
+            s1 = fresh(i)
             other, took = resolve(i, post(1), BOUND_S)
+            # Event order, not a stopwatch: when the healthy WRITE ends, the stopped target's is
+            # still in flight and no transfer has timed out. A WRITE stalled behind the stopped
+            # one could only end once that one failed by its no-progress timeout (TIMEOUT_MS).
+            mine_then = i.check_xfer_state(h)
+            s2 = fresh(i)
             mine, _ = resolve(i, h, BOUND_S)
         finally:
             os.kill(pid, signal.SIGCONT)
     print(f"\n{control}: WRITE to the healthy target while the other is stopped: {other} in {took:.3f}s; "
-          f"the stopped target's: {mine}")
+          f"the stopped target's: {mine_then} then, {mine} in the end")
     assert mine != "DONE", "FALSE DONE: a WRITE into a stopped target completed"
-    assert other == "DONE" and took < TIMEOUT_MS / 1000 / 2, (
-        f"a WRITE to a healthy target ended {other} after {took:.1f}s while another target was stopped")
+    assert other == "DONE", f"a WRITE to a healthy target ended {other} after {took:.1f}s while another target was stopped"
+    assert mine_then == "PROC" and s2["timeouts"] == s1["timeouts"] and s2["bounce_failed"] == s1["bounce_failed"], (
+        f"the WRITE to the healthy target ended only after the stopped target's WRITE ended ({mine_then}; "
+        f"{s1} -> {s2}): it was stalled behind it")
+    bounced_one_way(s1, s2, "the healthy target's WRITE while the other was stopped")
+    nixlkit.assert_same(dump(ts[1], tmp_path, "healthy-during.bin"),
+                        lay.expected(src, nixlkit.pattern(484, lay.dst_bytes)), "the healthy target, while the other was stopped")

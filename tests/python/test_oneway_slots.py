@@ -143,7 +143,7 @@ def test_more_one_way_reads_than_a_peers_slots_all_land_byte_exact(procs):
           f" {t1['one_way_queued'] - t0['one_way_queued']} waited for a slot")
 
 
-def test_under_the_slot_cap_nothing_waits(procs):
+def test_under_the_slot_cap_nothing_waits(procs, tmp_path):
     """The control: a few transfers in flight, well under the cap, and no WANT waits (so the
     tests above show the queue at work, not an artefact of counting)."""
     lays = [nixlkit.Scattered(PIECES, SIZE, seed=900 + k) for k in range(8)]
@@ -151,10 +151,11 @@ def test_under_the_slot_cap_nothing_waits(procs):
     p = procs()
     meta, raddr = p.start(name="ows-c-rx", size=len(lays) * dst_bytes, seed=901, params=PARAMS)
     ag = nixlkit.agent("ows-c-tx", params=PARAMS)
-    src = nixlkit.pattern(902, len(lays) * src_bytes)
+    # Each transfer's source is a pattern of its own seed.
+    src = np.concatenate([nixlkit.pattern(910 + k, src_bytes) for k in range(len(lays))])
     nixlkit.register(ag, src)
-    ag.add_remote_agent(meta)
-    t0 = peer_stats(p)
+    ag.add_remote_agent(meta)  # the target never loads us: one way
+    s0, t0 = stats(ag), peer_stats(p)
     with watchdog(60, [p], "one-way writes under the slot cap"):
         # Posted as the tests above post theirs: all at once, the target stopped meanwhile.
         lists = [(lay.src_list(src.ctypes.data + k * src_bytes), lay.dst_list(raddr + k * dst_bytes))
@@ -165,6 +166,13 @@ def test_under_the_slot_cap_nothing_waits(procs):
         assert states == ["DONE"] * len(lays), f"states: {states}"
         for h in handles:
             ag.release_xfer_handle(h)
+    expected = expected_all(lays, src, nixlkit.pattern(901, len(lays) * dst_bytes))
+    nixlkit.assert_same(dump(p, tmp_path, "ows-c-rx.bin"), expected, "destinations (and every byte between them)")
+    s1 = settle_local(ag, ARENA, SLACK_S, "initiator")
     t1 = settle(lambda: peer_stats(p), ARENA, SLACK_S, "target")
+    assert s1["bounce_ok"] - s0["bounce_ok"] == len(lays), (s0, s1)
+    assert s1["one_way_sent"] - s0["one_way_sent"] == len(lays), (s0, s1)
+    assert s1["passthrough_xfers"] == s0["passthrough_xfers"], "a transfer went through plain UCX"
     assert t1["one_way_answered"] - t0["one_way_answered"] == len(lays)
+    assert t1["one_way_refused"] == t0["one_way_refused"], "a WANT was dropped"
     assert t1["one_way_queued"] == t0["one_way_queued"], "a WANT waited although slots were free"
