@@ -137,11 +137,19 @@ impl Registrations {
     }
 
     /// Checks `proofs` for the transfer with `token` through `arena`; returns the proven
-    /// registration ids.
+    /// registration ids, each once (a flow keeps them: a WANT repeating one proof 4096 times
+    /// must not make it keep, and check every run against, 4096 copies).
     ///
     /// # Errors
     /// The first [`BadProof`]: then the WANT carrying them is refused as a whole.
     pub fn verify(&self, token: Token, proofs: &[Proof], arena: ArenaId) -> Result<Vec<RegId>, BadProof> {
+        let mut proven = self.verify_each(token, proofs, arena)?;
+        proven.sort_unstable();
+        proven.dedup();
+        Ok(proven)
+    }
+
+    fn verify_each(&self, token: Token, proofs: &[Proof], arena: ArenaId) -> Result<Vec<RegId>, BadProof> {
         proofs
             .iter()
             .map(|p| {
@@ -295,6 +303,12 @@ mod tests {
         assert_eq!(regs.verify(t, &[], A0), Ok(vec![]));
         assert_eq!(regs.verify_opening(t, &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
         assert_ne!(tag(&KEY, t), tag(&KEY, Token(43)), "tags differ per transfer");
+        // Repeated proofs prove each registration once: what a flow keeps is bounded by what
+        // is registered, not by how often a WANT repeats itself.
+        let (one, two) = (prove(RegId(1), &KEY, t), prove(RegId(2), &RegKey([8; 32]), t));
+        let mut repeated = vec![two; 2048];
+        repeated.extend([one; 2048]);
+        assert_eq!(regs.verify(t, &repeated, A0), Ok(vec![RegId(1), RegId(2)]));
     }
 
     #[test]
