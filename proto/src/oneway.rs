@@ -42,7 +42,8 @@ pub const WAITING_TOTAL: usize = 4 * MAILBOX_SLOTS as usize;
 /// Chunks and gather runs the waiting transfers of one peer may hold: the receiver's own
 /// per-peer budget, which would refuse more anyway.
 pub const WAITING_UNITS_PER_PEER: u64 = crate::receiver::MAX_CHUNKS_PER_PEER;
-/// Chunks and gather runs held by all waiting transfers (tens of MiB at most).
+/// Chunks and gather runs held by all waiting transfers, their bytes counted too (see
+/// [`HELD_BYTES_PER_UNIT`]: tens of MiB at most).
 pub const WAITING_UNITS_TOTAL: u64 = 2 * WAITING_UNITS_PER_PEER;
 /// Fetch slices of the initiator's fetch area: one-way transfers it can poll at once (the
 /// others wait for a slice, in order), a quarter of them at most to one target (32: half of
@@ -124,13 +125,32 @@ pub enum OneWayRefused {
     Queue(#[from] QueueError),
 }
 
-/// What a held WANT or PULL costs the queue: its chunks and gather runs.
+/// Bytes of a held message that cost the queue one unit more, on top of one unit per chunk
+/// and run: a waiting transfer holds its messages whole, and a WANT of one chunk may carry up to
+/// a MiB of endpoint and thousands of proofs. With this the per-peer bound (2^20 units) holds
+/// at most 32 MiB of such bytes, the whole queue 64 MiB.
+pub const HELD_BYTES_PER_UNIT: u64 = 32;
+
+/// What a held WANT or PULL costs the queue: its chunks and gather runs, and its variable
+/// bytes (endpoint, proofs, runs, inline bytes) at [`HELD_BYTES_PER_UNIT`].
 fn held_units(msg: &Msg) -> u64 {
-    match msg {
-        Msg::Want(w) => w.chunks.len() as u64,
-        Msg::Pull(p) => p.chunks.iter().map(|c| 1 + c.runs.len() as u64).sum(),
-        _ => 0,
-    }
+    const PROOF: u64 = std::mem::size_of::<wire::Proof>() as u64;
+    const RUN: u64 = std::mem::size_of::<crate::types::CopyRun>() as u64;
+    let (count, bytes) = match msg {
+        Msg::Want(w) => {
+            let inline = w.inline.as_ref().map_or(0, |i| i.bytes.len() as u64 + RUN * i.runs.len() as u64);
+            let bytes = w.endpoint.len() as u64 + 8 * w.chunks.len() as u64 + PROOF * w.proofs.len() as u64 + inline;
+            (w.chunks.len() as u64, bytes)
+        }
+        Msg::Pull(p) => {
+            let runs: u64 = p.chunks.iter().map(|c| c.runs.len() as u64).sum();
+            let bytes =
+                p.endpoint.len() as u64 + RUN * runs + 8 * p.chunks.len() as u64 + PROOF * p.proofs.len() as u64;
+            (p.chunks.len() as u64 + runs, bytes)
+        }
+        _ => (0, 0),
+    };
+    count.saturating_add(bytes.div_ceil(HELD_BYTES_PER_UNIT))
 }
 
 /// One one-way flow into us, as the target answers it.
@@ -255,6 +275,11 @@ impl Answering {
     /// Transfers waiting for a slot.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Units the waiting transfers' held messages cost (see [`HELD_BYTES_PER_UNIT`]).
+    pub fn held_units(&self) -> u64 {
+        self.waiting.units()
     }
 
     /// A message of flow `key`, which waits for a slot: a further WANT or PULL is held behind

@@ -165,6 +165,33 @@ fn a_waiting_transfers_further_wants_are_held_and_opened_with_it() {
     assert_eq!(chunks, 3, "the opening chunk and the two held after it");
 }
 
+/// A waiter holds its further WANTs whole, so they are charged by their bytes, not only by
+/// their chunks: one-chunk WANTs each dragging a 64 KiB endpoint fill the peer's share of the
+/// queue after 32 MiB of them, where counting chunks alone took 2^20 of them (64 GiB).
+#[test]
+fn a_waiters_held_wants_are_charged_by_their_bytes() {
+    use crate::oneway::{HELD_BYTES_PER_UNIT, WAITING_UNITS_PER_PEER};
+    let (mut ep, t) = target();
+    fill_the_cap(&mut ep, t);
+    ep.handle_msg(t, INI, one_way_want(CAP)).unwrap();
+    let Msg::Want(mut heavy) = one_way_want(CAP) else { unreachable!() };
+    heavy.endpoint = vec![0xee; 64 * KIB as usize];
+    let mut held = 0u64;
+    let refused = loop {
+        match ep.handle_msg(t, INI, Msg::Want(heavy.clone())) {
+            Ok(()) => held += 1,
+            Err(e) => break e,
+        }
+        assert!(held < 1024, "still held after {held} WANTs of 64 KiB");
+    };
+    assert_eq!(refused, ProtocolError::NoMailboxSlot { peer: INI, xfer: XferId(CAP) });
+    let bound = WAITING_UNITS_PER_PEER * HELD_BYTES_PER_UNIT;
+    assert!(held * 64 * KIB <= bound && (held + 2) * 64 * KIB > bound, "{held} held against a {bound}-byte bound");
+    // The whole transfer left the queue (opened without those chunks it could only time out),
+    // and with it every byte it held.
+    assert_eq!((ep.answering.waiting(), ep.answering.held_units()), (0, 0));
+}
+
 #[test]
 fn a_waiter_leaves_on_cancel_on_timeout_and_with_its_peer() {
     for how in ["cancel", "timeout", "peer lost"] {
