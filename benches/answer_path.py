@@ -38,8 +38,11 @@ import subprocess
 import sys
 import time
 
-# This benchmark measures the bounce path. Between two processes of one host BOUNCE takes the
-# same-host path (CMA) instead, so that is off here (child processes inherit the environment).
+# This benchmark runs plain UCX agents only (no BOUNCE backend is created): it measures the
+# primitives a one-sided answer path would be built on (RDMA READs of a ring, notifications),
+# not the bounce path. NIXL_BOUNCE_CMA=0 therefore changes nothing here; it is kept so that a
+# BOUNCE agent added to this benchmark would not take the same-host path (CMA) between these two
+# processes of one host (child processes inherit the environment).
 os.environ.setdefault("NIXL_BOUNCE_CMA", "0")
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,6 +1,7 @@
 """Pass-through cost: every operation BOUNCE hands to UCX, measured against plain UCX in ONE run,
-two processes, interleaved (a block of UCX samples, then a block of BOUNCE samples, and so on), so
-that machine noise lands on both alike.
+two processes, interleaved (a block of UCX samples and a block of BOUNCE samples, in turn, the
+order of the two swapped every block), so that machine noise, and any cost of switching, lands on
+both alike.
 
     .venv/bin/python benches/passthrough.py [--rounds 2000] [--block 100]
 
@@ -17,13 +18,15 @@ the echo polls get_new_notifs of the backend being measured and answers each "pi
     registration). On BOUNCE a load of a peer that can bounce also loads its arena and mailbox
     registrations and greets it (HELLO), and the unload hands them back: work plain UCX has
     not, and the price of the bounce path's set-up, paid once per peer.
-Prints p50 / p99 per backend and the BOUNCE / UCX ratio of the medians.
+Prints p50 / p99 per backend and the BOUNCE / UCX ratio of the p50 columns.
+
+Forced, whatever the environment says (an inherited value would change what a row measures):
+NIXL_BOUNCE_CMA_LARGE_BYTES=0 (see FORCED_ENV); the output's first line says so.
 """
 import argparse
 import base64
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -35,8 +38,11 @@ sys.path.insert(0, PY)
 BIG = 64 << 20
 # Between two processes of one host a WRITE of at least bounce_cma_large_bytes takes the
 # same-host path (CMA) instead of UCX: off here, so that the 64 MiB WRITE measures the
-# pass-through, as between hosts (child processes inherit the environment).
-os.environ.setdefault("NIXL_BOUNCE_CMA_LARGE_BYTES", "0")
+# pass-through, as between hosts. Forced (not setdefault): an inherited value would silently
+# make the row measure CMA instead. Child processes inherit the environment.
+FORCED_ENV = {"NIXL_BOUNCE_CMA_LARGE_BYTES": "0"}
+OVERRIDDEN = {k: os.environ[k] for k, v in FORCED_ENV.items() if os.environ.get(k, v) != v}
+os.environ.update(FORCED_ENV)
 BACKENDS = ("UCX", "BOUNCE")
 
 
@@ -50,6 +56,7 @@ def echo(flag_path):
 
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # NIXL's own log lines must not corrupt the reply lines
+    parent = os.getppid()
     with open(flag_path, "r+b") as f:
         flag = mmap.mmap(f.fileno(), 1)
     agents, bufs = [], []
@@ -64,9 +71,13 @@ def echo(flag_path):
     out.flush()
     for ag in agents:
         ag.add_remote_agent(base64.b64decode(sys.stdin.readline()))
+    spins = 0
     while True:
         active = flag[0]
-        if active >= len(agents):
+        spins += 1
+        # Told to leave, or the initiator is gone (killed before it could tell us): leave,
+        # never busy-poll on for nobody.
+        if active >= len(agents) or (spins % 4096 == 0 and os.getppid() != parent):
             out.write("bye\n")
             out.flush()
             nixlkit.leave(0)
@@ -209,11 +220,16 @@ def pct(xs, q):
 
 
 def run_blocks(ops, blocks, block, sides, samples, activate):
-    """`blocks` rounds of every op in `ops`, each a block of samples per backend in turn."""
-    for _ in range(blocks):
+    """`blocks` rounds of every op in `ops`, each a block of samples per backend in turn; the
+    backends' order is swapped every block, so neither always runs first (right after the
+    switch) or second."""
+    for k in range(blocks):
+        order = list(enumerate(BACKENDS))
+        if k % 2:
+            order.reverse()
         for name, method, share in ops:
             n = max(1, int(block * share))
-            for i, b in enumerate(BACKENDS):  # interleaved: each block alternates the backends
+            for i, b in order:  # interleaved: each block alternates the backends
                 activate(i)
                 f = getattr(sides[b], method)
                 f()  # one warm-up per block keeps a cold first sample out of the tail
@@ -246,6 +262,27 @@ def main():
 
     proc = subprocess.Popen([sys.executable, __file__, "--echo", flag_path], text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        measure(args, proc, activate)
+    finally:
+        # Whatever happened (a SystemExit from a failed transfer, Ctrl-C, ...), the echo
+        # process must not busy-poll on: tell it to leave (the flag; a closed stdin if it still
+        # waits for our metadata), and kill it if it does not.
+        activate(len(BACKENDS))
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    nixlkit.leave(0)
+
+
+def measure(args, proc, activate):
+    """Joins the echo process, measures, prints (and writes --json)."""
     hellos = [json.loads(proc.stdout.readline()) for _ in BACKENDS]
     sides = {b: Side(b, h) for b, h in zip(BACKENDS, hellos)}
     for s in sides.values():
@@ -260,25 +297,22 @@ def main():
     for ops in (OPS, META_OPS):
         run_blocks(ops, blocks, args.block, sides, samples, activate)
     cpus = os.cpu_count()
+    forced = " ".join(f"{k}={v}" for k, v in FORCED_ENV.items())
     print(f"pass-through cost, two processes, DRAM, no progress thread, {cpus} cores, "
-          f"{blocks} interleaved blocks")
+          f"{blocks} interleaved blocks (order swapped every block); forced: {forced}"
+          + (f" (overriding the environment's {', '.join(f'{k}={v}' for k, v in OVERRIDDEN.items())})"
+             if OVERRIDDEN else ""))
     print(f"  {'operation':28s} {'UCX p50':>10s} {'UCX p99':>10s} {'BOUNCE p50':>11s} "
           f"{'BOUNCE p99':>11s} {'p50 ratio':>10s}")
     for name, _, _ in OPS + META_OPS:
         u, x = samples["UCX"][name], samples["BOUNCE"][name]
-        ratio = statistics.median(x) / statistics.median(u)
+        ratio = pct(x, .5) / pct(u, .5)  # the ratio of the two p50 columns printed beside it
         unit, k = ("ms", 1e3) if "64 MiB" in name else ("us", 1e6)
         print(f"  {name:28s} {pct(u, .5)*k:8.1f}{unit} {pct(u, .99)*k:8.1f}{unit} "
               f"{pct(x, .5)*k:9.1f}{unit} {pct(x, .99)*k:9.1f}{unit} {ratio:10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(samples, f)
-    activate(len(BACKENDS))
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    nixlkit.leave(0)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ COLUMNS = POINT_KEYS + ("backend", "samples", "avg_us", "p50_us", "p99_us", "min
                         "gbps", "ratio_p50_vs_ucx", "path", "bounce_xfers", "bounce_chunks",
                         "chunks_direct", "initiator_cpu_s", "target_cpu_s", "target_notifs",
                         "notif_calls", "wall_s")
-FALLBACKS = ("op", "mem", "count", "size", "peer", "disabled")
+FALLBACKS = ("op", "mem", "count", "size", "peer", "disabled", "unproven")
+SAME_HOST = ("cma", "ipc")  # the same-host paths' labels: host memory (CMA), GPU memory (CUDA IPC)
 
 
 def fmt_size(n):
@@ -24,19 +25,53 @@ def fmt_size(n):
 
 def path(stats_before, stats_after):
     """Which path the measurement's transfers took, from BOUNCE's live counters: `bounce`,
-    `ucx:<gate reason>` (a fallback, counted when the request was prepared), or `mixed`."""
+    `cma` or `ipc` (the same-host paths, `stats.cma_xfers` / `stats.ipc_xfers`), `ucx:<gate
+    reason>` (a fallback, counted when the request was prepared; `unproven`: a destination's
+    metadata carried no BOUNCE key), `mixed:<a>+<b>` when the transfers took several, or `?`
+    when no counter moved."""
     if not stats_after:
         return "ucx"
     d = {k[6:]: int(v) - int(stats_before.get(k, 0)) for k, v in stats_after.items() if k.startswith("stats.")}
-    bounced, passed = d.get("bounce_xfers", 0), d.get("passthrough_xfers", 0)
     if d.get("bounce_failed", 0):
         return "bounce-failed"
-    if bounced and not passed:
-        return "bounce"
-    if passed and not bounced:
+    taken = [p for p, key in (("bounce", "bounce_xfers"), ("cma", "cma_xfers"), ("ipc", "ipc_xfers"))
+             if d.get(key, 0)]
+    if d.get("passthrough_xfers", 0):
         why = [r for r in FALLBACKS if d.get(f"fallback_{r}", 0)]
-        return "ucx:" + ("+".join(why) or "?")
-    return "mixed" if bounced else "?"
+        taken.append("ucx:" + ("+".join(why) or "?"))
+    if not taken:
+        return "?"
+    return taken[0] if len(taken) == 1 else "mixed:" + "+".join(taken)
+
+
+def paths_in(label):
+    """The paths a `path()` label names (`mixed:bounce+ucx:count` -> bounce, ucx:count)."""
+    return label[len("mixed:"):].split("+") if label.startswith("mixed:") else [label]
+
+
+def took_bounce(label):
+    return any(p.startswith("bounce") for p in paths_in(label))
+
+
+def why_nothing_bounced(labels):
+    """Why no transfer of a memory kind took the bounce path, from its rows' path labels."""
+    parts = {p for label in labels for p in paths_in(label)}
+    reasons = {r for p in parts if p.startswith("ucx:") for r in p[4:].split("+")}
+    why = []
+    if parts & set(SAME_HOST):
+        why.append("the same-host path took them (it is tried before the bounce path between processes "
+                   "of one host: sweep with NIXL_BOUNCE_CMA=0 / NIXL_BOUNCE_CUDA_IPC=0, or between hosts)")
+    if "mem" in reasons:
+        why.append("the engines' arena is not of this memory kind (sweep it on its own, --mems VRAM)")
+    if "unproven" in reasons:
+        why.append("a destination's metadata carried no BOUNCE key (not published by a BOUNCE engine)")
+    if reasons & {"count", "size"}:
+        why.append("the gate's thresholds kept them on UCX (the gate under test must admit the grid)")
+    if reasons & {"peer", "disabled"}:
+        why.append("bounce was off or the peer could not bounce")
+    if not why:
+        why.append("BOUNCE's counters did not say which path they took")
+    return "; ".join(why)
 
 
 def delta(res, key):
@@ -167,9 +202,10 @@ def summary(rows, meta, win_below):
     out.append(f"Gate (BOUNCE wins = p50 below {win_below} x UCX's, WRITE, lowest concurrency run):")
     for mem in dict.fromkeys(r["mem"] for r in rows):
         mem_rows = [r for r in bounce if r["mem"] == mem and r["op"] == "WRITE"]
-        if mem_rows and all(not r["path"].startswith("bounce") for r in mem_rows):
-            out.append(f"- {mem}: every transfer took {', '.join(sorted({r['path'] for r in mem_rows}))}; "
-                       "nothing to derive (the engines' arena is not of this memory kind: sweep it on its own, --mems VRAM).")
+        if mem_rows and not any(took_bounce(r["path"]) for r in mem_rows):
+            labels = sorted({r["path"] for r in mem_rows})
+            out.append(f"- {mem}: every transfer took {', '.join(labels)}, none the bounce path; "
+                       f"nothing to derive: {why_nothing_bounced(labels)}.")
             continue
         for shape in dict.fromkeys(r["shape"] for r in mem_rows):
             ratios, conc = crossover(rows, shape, mem)

@@ -11,7 +11,9 @@ __version__ = "0.1.0"
 PLUGIN_FILE = "libplugin_BOUNCE.so"
 
 #: NIXL releases this build was tested against. The plugin itself carries the same list (its
-#: version guard) and exports it; `doctor` reads it from the .so and reports any difference.
+#: version guard) and exports it; `doctor` reads it from the .so, checks against the plugin's
+#: list (what the guard enforces), and WARNs when the two lists differ. This one is used only
+#: when the plugin exports none (an older build) or cannot be loaded.
 TESTED_NIXL_VERSIONS = ("1.5.1",)
 
 #: The environment variable that lets the plugin load into an untested NIXL anyway.

@@ -1,5 +1,6 @@
 """`nixl-bounce doctor`: every check prints OK, WARN or FAIL, each problem with its fix; the
-exit code is 1 when anything FAILed."""
+exit code is 1 when anything FAILed. Under CI (the CI environment variable 1, true or yes) a
+check that cannot give an answer (an unreadable ptrace scope, a skipped live check) FAILs."""
 import json
 import os
 import subprocess
@@ -12,6 +13,25 @@ from nixl_bounce import (ALLOW_UNTESTED_ENV, PLUGIN_FILE, TESTED_NIXL_VERSIONS, 
 #: NIXL_PLUGIN_API_VERSION of the NIXL releases BOUNCE is built for.
 PLUGIN_API_VERSION = 1
 LIVE_TIMEOUT_S = 120
+
+
+def _ascii_lower(value: str) -> str:
+    return value.translate({c: c + 32 for c in range(ord("A"), ord("Z") + 1)})
+
+
+def allow_untested(value: Optional[str]) -> bool:
+    """Whether a NIXL_BOUNCE_ALLOW_UNTESTED_NIXL value opts in: the plugin guard's rule
+    (src/sys/nixl_version.rs `is_opt_in`): 1, true, yes or on, any case, surrounding
+    whitespace ignored."""
+    return value is not None and _ascii_lower(value.strip()) in ("1", "true", "yes", "on")
+
+
+def under_ci(value: Optional[str] = None) -> bool:
+    """Whether this runs under CI: the CI environment variable (or `value`) is 1, true or yes,
+    any case, as ci/test reads it."""
+    if value is None:
+        value = os.environ.get("CI")
+    return value is not None and _ascii_lower(value.strip()) in ("1", "true", "yes")
 
 
 class Report:
@@ -46,21 +66,47 @@ def _tested_versions(r: Report, plugin: str):
         r.warn(f"{plugin} does not say which NIXL versions it accepts (an older build?)",
                "reinstall nixl-bounce from a current wheel")
         return TESTED_NIXL_VERSIONS
+    if tuple(from_so) != tuple(TESTED_NIXL_VERSIONS):
+        r.warn(f"the plugin's tested NIXL versions ({', '.join(from_so) or 'none'}) differ from this "
+               f"package's list ({', '.join(TESTED_NIXL_VERSIONS)}); checking against the plugin's, which "
+               f"its version guard enforces",
+               "reinstall nixl-bounce from one wheel (the plugin and the Python package come from "
+               "different builds)")
     return from_so
 
 
 def _check_nixl(r: Report, nixl: locate.NixlInstall, tested) -> None:
+    opt_in = os.environ.get(ALLOW_UNTESTED_ENV)
     if nixl.version in tested:
         r.ok(f"NIXL: {nixl.describe()} (tested with this build)")
-    elif os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    elif allow_untested(opt_in):
         r.warn(f"NIXL: {nixl.describe()}, NOT one this build was tested with ({', '.join(tested)}); "
-               f"loading anyway because {ALLOW_UNTESTED_ENV}=1",
+               f"loading anyway because {ALLOW_UNTESTED_ENV}={opt_in.strip()}",
                f"pip install --no-deps {(nixl.package or 'nixl_cu12').replace('_', '-')}=={tested[-1]}")
     else:
         r.fail(f"NIXL: {nixl.describe()}, NOT one this build was tested with ({', '.join(tested)}): "
                "BOUNCE refuses to load into it",
                f"pip install --no-deps {(nixl.package or 'nixl_cu12').replace('_', '-')}=={tested[-1]}, "
                f"or accept the risk with {ALLOW_UNTESTED_ENV}=1")
+    _check_dist_infos(r, nixl)
+
+
+def _check_dist_infos(r: Report, nixl: locate.NixlInstall) -> None:
+    """Several `<package>-*.dist-info` folders (a left-over of an interrupted upgrade or a
+    copied site-packages): the plugin's guard reads the first its directory listing gives, in
+    no defined order, and the doctor the first sorted, so the two may judge different versions."""
+    if not nixl.package:
+        return
+    infos = locate.dist_infos(nixl.site, nixl.package)
+    if len(infos) < 2:
+        return
+    named = ", ".join(f"{os.path.basename(d)} (Version: {locate.metadata_version(d) or 'none'})"
+                      for d in infos)
+    r.warn(f"several {nixl.package}-*.dist-info in {nixl.site}: {named}; the plugin's version guard "
+           f"reads whichever the directory listing gives first, so it may judge another version than "
+           f"the {nixl.version or 'unknown one'} shown here",
+           "delete the dist-info folder(s) of the version(s) not installed (left-overs), keeping the one "
+           "whose RECORD matches the installed files, then run the doctor again")
 
 
 def _check_plugin_dir(r: Report, nixl: locate.NixlInstall) -> bool:
@@ -113,23 +159,48 @@ def _check_plugin_dir(r: Report, nixl: locate.NixlInstall) -> bool:
 
 def _check_cuda(r: Report, nixl: locate.NixlInstall) -> None:
     c = probes.cuda()
+    if c.broken:
+        r.warn(f"CUDA: libcuda.so.1 loads but does not work ({c.error}"
+               + (f", driver {c.driver}" if c.driver else "") + "); only host memory (DRAM) transfers "
+               "can run here",
+               "check the NVIDIA driver with nvidia-smi (after a driver upgrade, reboot or reload its "
+               "kernel module) and that this process may see the GPUs (CUDA_VISIBLE_DEVICES, the "
+               "container's device access)")
+        return
     if c.error:
         r.ok(f"CUDA: none ({c.error}); host memory (DRAM) transfers only")
         return
     gpus = ", ".join(c.gpus) if c.gpus else "no GPUs"
     want = 13 if nixl.package == "nixl_cu13" else 12 if nixl.package == "nixl_cu12" else None
-    if want and c.driver_int // 1000 < want:
+    have = c.driver_int // 1000
+    if c.driver_int <= 0:
+        r.warn(f"CUDA driver version unknown (cuDriverGetVersion failed); {len(c.gpus)} GPU(s): {gpus}"
+               + (f"; GPU (VRAM) transfers with {nixl.package} need a CUDA {want} driver" if want else ""),
+               "check the NVIDIA driver with nvidia-smi")
+    elif want and have < want:
+        other = f"nixl_cu{have}"
         r.warn(f"CUDA driver {c.driver} with {nixl.package}: GPU (VRAM) transfers need a CUDA {want} driver",
-               f"use nixl-cu{c.driver_int // 1000} or update the NVIDIA driver")
+               (f"use {other.replace('_', '-')} or update the NVIDIA driver" if other in locate.PACKAGES
+                else f"update the NVIDIA driver to one for CUDA {want} or later"))
     else:
         r.ok(f"CUDA driver {c.driver}; {len(c.gpus)} GPU(s): {gpus}")
 
 
-def _check_same_host(r: Report, scope: Optional[int]) -> None:
+def _check_same_host(r: Report, scope) -> None:
     """Whether processes of this host may use the same-host path for host memory (CMA): Yama's
-    ptrace scope `scope` (None: no Yama) decides, as it does for UCX's own cma transport."""
+    ptrace scope `scope` (None: no Yama; a `probes.Unreadable`: Yama's file is there but gave
+    no number) decides, as it does for UCX's own cma transport."""
     what = "same-host path for host memory (CMA)"
-    if scope is None or scope == 0:
+    if isinstance(scope, probes.Unreadable):
+        msg = (f"{what}: could not read Yama's ptrace scope ({scope.why}), so whether processes of "
+               f"this host may use it is unknown (a peer it may not reach is bounced to)")
+        fix = (f"make {probes.YAMA_PTRACE_SCOPE} readable (it normally is, to every user) and "
+               f"run the doctor again")
+        if under_ci():
+            r.fail(msg + "; CI is set: every check must give an answer", fix)
+        else:
+            r.warn(msg, fix)
+    elif scope is None or scope == 0:
         r.ok(f"{what}: allowed between processes of one user"
              + (" (no Yama)" if scope is None else " (Yama ptrace_scope 0)"))
     elif scope == 1:
@@ -147,29 +218,34 @@ def _check_same_host(r: Report, scope: Optional[int]) -> None:
                "from 3)")
 
 
-def _live(r: Report, nixl: locate.NixlInstall) -> None:
+def _live(r: Report, nixl: locate.NixlInstall) -> bool:
+    """The live check; False when it was skipped (a FAIL under CI)."""
     importable = {n.lib_dir for n in locate.importable()}
     if nixl.package is None or nixl.lib_dir not in importable:
-        r.warn(f"live check skipped: {nixl.describe()} is not importable from {sys.executable}",
-               f"run the doctor with the Python of that environment")
-        return
+        what = f"live check skipped: {nixl.describe()} is not importable from {sys.executable}"
+        fix = "run the doctor with the Python of that environment"
+        if under_ci():
+            r.fail(what + "; CI is set: every check must run", fix)
+        else:
+            r.warn(what, fix)
+        return False
     try:
         proc = subprocess.run([sys.executable, "-m", "nixl_bounce.live", nixl.package],
                               capture_output=True, text=True, timeout=LIVE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         r.fail(f"live check: no result in {LIVE_TIMEOUT_S} s", "run with NIXL_BOUNCE_LOG=debug to see where it stops")
-        return
+        return True
     lines = [l for l in proc.stdout.splitlines() if l.startswith("NIXL_BOUNCE_LIVE ")]
     if not lines:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         r.fail(f"live check crashed (exit code {proc.returncode}): {tail}",
                "run `python -m nixl_bounce.live` with NIXL_BOUNCE_LOG=debug and report it")
-        return
+        return True
     res = json.loads(lines[-1][len("NIXL_BOUNCE_LIVE "):])
     if res["ok"]:
         r.ok(f"live: two agents created BOUNCE, exchanged metadata and bounced a WRITE of "
              f"{res['descriptors']} x 4 KiB ({res['chunks']} chunk(s), {res['ms']} ms), bytes checked")
-        return
+        return True
     bounce_lines = [l for l in proc.stderr.splitlines() if "BOUNCE" in l and ("ERROR" in l or "refus" in l)]
     detail = f" ({bounce_lines[-1].strip()})" if bounce_lines else ""
     fixes = {
@@ -179,6 +255,7 @@ def _live(r: Report, nixl: locate.NixlInstall) -> None:
     }
     r.fail(f"live check failed at '{res['stage']}': {res['error']}{detail}",
            fixes.get(res["stage"], "run with NIXL_BOUNCE_LOG=debug and report it"))
+    return True
 
 
 def run(nixl_path: Optional[str], live: bool = True) -> int:
@@ -192,14 +269,23 @@ def run(nixl_path: Optional[str], live: bool = True) -> int:
     try:
         installs: List[locate.NixlInstall] = locate.find(nixl_path)
     except locate.NixlNotFound as e:
-        r.fail(str(e).split(":")[0], str(e).split(":", 1)[-1].strip())
+        r.fail(e.what, e.fix)
         return 1
+    live_skipped = False
     for nixl in installs:
         _check_nixl(r, nixl, tested)
         installed = _check_plugin_dir(r, nixl)
         _check_cuda(r, nixl)
         _check_same_host(r, probes.ptrace_scope())
-        if live and installed:
-            _live(r, nixl)
-    print("all checks passed" if r.failed == 0 else f"{r.failed} problem(s) found")
+        if not live:
+            live_skipped = True
+        elif installed and not _live(r, nixl):
+            live_skipped = True
+    if not live and under_ci():
+        r.fail("live check skipped (--no-live); CI is set: every check must run",
+               "run the doctor without --no-live")
+    if r.failed:
+        print(f"{r.failed} problem(s) found")
+    else:
+        print("all checks passed (live check skipped)" if live_skipped else "all checks passed")
     return 1 if r.failed else 0

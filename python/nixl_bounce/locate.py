@@ -19,7 +19,13 @@ _LIBS_DIR = re.compile(r"^\.(nixl_cu\d+)\.mesonpy\.libs$")
 
 
 class NixlNotFound(Exception):
-    """No NIXL where we looked; the message says what to do."""
+    """No NIXL where we looked: `what` says what is wrong, `fix` what to do; the message is
+    both, joined by `sep`."""
+
+    def __init__(self, what: str, fix: str, sep: str = "; "):
+        super().__init__(f"{what}{sep}{fix}")
+        self.what = what
+        self.fix = fix
 
 
 @dataclass(frozen=True)
@@ -48,15 +54,34 @@ class NixlInstall:
         return f"{name} {self.version or '(unknown version)'} at {self.lib_dir}"
 
 
-def wheel_version(site: str, package: str) -> Optional[str]:
-    """`Version:` of `<site>/<package>-*.dist-info/METADATA`, or None."""
-    for meta in sorted(glob.glob(os.path.join(site, f"{package}-*.dist-info", "METADATA"))):
-        with open(meta, encoding="utf-8", errors="replace") as f:
+def dist_infos(site: str, package: str) -> List[str]:
+    """Every `<site>/<package>-*.dist-info` folder, sorted. More than one (a left-over of an
+    interrupted upgrade) makes the version ambiguous: the plugin's guard takes the first its
+    directory listing gives, in no defined order."""
+    return sorted(glob.glob(os.path.join(site, f"{package}-*.dist-info")))
+
+
+def metadata_version(dist_info: str) -> Optional[str]:
+    """`Version:` of `<dist_info>/METADATA`, or None."""
+    try:
+        with open(os.path.join(dist_info, "METADATA"), encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("Version:"):
-                    return line.split(":", 1)[1].strip()
                 if not line.strip():  # end of the header block
                     break
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return None
+
+
+def wheel_version(site: str, package: str) -> Optional[str]:
+    """`Version:` of `<site>/<package>-*.dist-info/METADATA` (the first, sorted, that has
+    one), or None."""
+    for d in dist_infos(site, package):
+        version = metadata_version(d)
+        if version:
+            return version
     return None
 
 
@@ -81,11 +106,12 @@ def from_path(path: str) -> NixlInstall:
     if len(libs) == 1:
         return _from_lib_dir(os.path.dirname(libs[0]))
     if len(libs) > 1:
-        raise NixlNotFound(f"{path} holds several NIXLs ({', '.join(libs)}); give one of those folders")
+        raise NixlNotFound(f"{path} holds several NIXLs ({', '.join(libs)})", "give one of those folders")
     beside = os.path.join(parent, f".{os.path.basename(path)}.mesonpy.libs")
     if os.path.isfile(os.path.join(beside, "libnixl.so")):
         return _from_lib_dir(beside)
-    raise NixlNotFound(f"no libnixl.so in or under {path}; give NIXL's lib folder (the one holding libnixl.so)")
+    raise NixlNotFound(f"no libnixl.so in or under {path}",
+                      "give NIXL's lib folder (the one holding libnixl.so)")
 
 
 def importable() -> List[NixlInstall]:
@@ -112,6 +138,8 @@ def find(nixl_path: Optional[str] = None) -> List[NixlInstall]:
     found = importable()
     if not found:
         raise NixlNotFound(
-            "no NIXL found: install it (pip install --no-deps nixl-cu12==1.5.1, or nixl-cu13 on CUDA 13 "
-            "hosts) in this Python's environment, or give --nixl-path <folder holding libnixl.so>")
+            "no NIXL found",
+            "install it (pip install --no-deps nixl-cu12==1.5.1, or nixl-cu13 on CUDA 13 "
+            "hosts) in this Python's environment, or give --nixl-path <folder holding libnixl.so>",
+            sep=": ")
     return found

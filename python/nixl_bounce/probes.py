@@ -1,8 +1,9 @@
-"""ctypes probes that need no NIXL Python API: a plugin's API version and the CUDA driver."""
+"""ctypes probes that need no NIXL Python API: a plugin's API version, the CUDA driver, and
+Yama's ptrace scope."""
 import ctypes
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 
 def plugin_api_version(path: str) -> int:
@@ -35,25 +36,59 @@ def tested_nixl_versions(path: str) -> Optional[Tuple[str, ...]]:
 YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
 
-def ptrace_scope(path: str = YAMA_PTRACE_SCOPE) -> Optional[int]:
+class Unreadable:
+    """A Yama ptrace scope that exists but could not be read or parsed; `why` says how."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __repr__(self):
+        return f"Unreadable({self.why!r})"
+
+
+def ptrace_scope(path: str = YAMA_PTRACE_SCOPE) -> Union[int, None, Unreadable]:
     """Yama's ptrace scope (0-3), which decides whether one process may copy into another by
-    cross-memory attach (BOUNCE's same-host path for host memory, UCX's cma); None without
-    Yama (or an unreadable value), where processes of one user may."""
+    cross-memory attach (BOUNCE's same-host path for host memory, UCX's cma). None only when
+    the file does not exist (no Yama: processes of one user may); an `Unreadable` when it
+    exists but cannot be read or holds no integer (the scope is then unknown, not absent)."""
     try:
         with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
+            raw = f.read()
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        return Unreadable(f"cannot read {path}: {e.strerror or e}")
+    try:
+        return int(raw.strip())
+    except ValueError:
+        return Unreadable(f"{path} holds {raw.strip()[:40]!r}, not a number")
 
 
 @dataclass
 class Cuda:
-    """What the CUDA driver reports; `error` says why nothing was seen."""
+    """What the CUDA driver reports; `error` says why nothing was seen. `broken` is True when
+    libcuda.so.1 loads but does not work (cuInit or the device count failed): a driver is
+    installed yet unusable, unlike a machine without one."""
 
     driver: Optional[str] = None
+    #: cuDriverGetVersion's value (12040 for 12.4); 0 when it failed.
     driver_int: int = 0
     gpus: List[str] = field(default_factory=list)
     error: Optional[str] = None
+    broken: bool = False
+
+
+def _cuda_error(lib, rc: int) -> str:
+    """`CUDA_ERROR_<NAME> (rc)` through cuGetErrorName (needs no cuInit), else the number."""
+    name = ctypes.c_char_p()
+    try:
+        fn = lib.cuGetErrorName
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        if fn(rc, ctypes.byref(name)) == 0 and name.value:
+            return f"{name.value.decode(errors='replace')} ({rc})"
+    except AttributeError:
+        pass
+    return f"CUDA error {rc}"
 
 
 def cuda() -> Cuda:
@@ -63,16 +98,18 @@ def cuda() -> Cuda:
     except OSError:
         return Cuda(error="libcuda.so.1 not found, no NVIDIA driver on this machine")
     version = ctypes.c_int(0)
-    if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value:
+    if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value > 0:
         driver = f"{version.value // 1000}.{version.value % 1000 // 10}"
     else:
-        driver = None
+        driver, version.value = None, 0
     rc = lib.cuInit(0)
     if rc != 0:
-        return Cuda(driver, version.value, error=f"cuInit failed with CUDA error {rc}")
+        return Cuda(driver, version.value, error=f"cuInit failed: {_cuda_error(lib, rc)}", broken=True)
     count = ctypes.c_int(0)
-    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return Cuda(driver, version.value, error="cuDeviceGetCount failed")
+    rc = lib.cuDeviceGetCount(ctypes.byref(count))
+    if rc != 0:
+        return Cuda(driver, version.value, error=f"cuDeviceGetCount failed: {_cuda_error(lib, rc)}",
+                    broken=True)
     gpus = []
     for i in range(count.value):
         dev = ctypes.c_int(0)
