@@ -376,6 +376,14 @@ impl Endpoint {
         if to_receiver && self.answering.is_waiting(FlowKey { peer: from, xfer: msg.xfer() }) {
             return self.hold_waiting(from, msg);
         }
+        let cancel = match &msg {
+            wire::Msg::Want(w) => w.is_cancel(),
+            wire::Msg::Pull(p) => p.chunks.is_empty(),
+            _ => false,
+        };
+        if cancel {
+            self.answering.note_cancel(FlowKey { peer: from, xfer: msg.xfer() }, msg.token());
+        }
         let mut ctx = ctx!(self, now);
         let r = match msg {
             wire::Msg::Want(m) if m.endpoint == wire::REPLY_MAILBOX && !m.is_cancel() => {

@@ -162,6 +162,9 @@ struct Flow {
     scattered: usize,
     /// The receiver forgot the flow and its slot is closing: only the CURSOR may still come.
     closed: bool,
+    /// Its initiator canceled it (a cancel with its token): it reads nothing more, so its
+    /// slot is freed as soon as the receiver forgets the flow, with no FAIL.
+    canceled: bool,
 }
 
 /// What became of a message of a transfer waiting for a slot ([`Answering::hold`]).
@@ -381,7 +384,7 @@ impl Answering {
         }
         let writer = self.writer.as_mut().ok_or(OneWayRefused::NoMailbox)?;
         writer.open(now, key.peer, key.xfer, &record_token(token))?;
-        self.flows.insert(key, Flow { token, chunks, scattered: 0, closed: false });
+        self.flows.insert(key, Flow { token, chunks, scattered: 0, closed: false, canceled: false });
         Ok(())
     }
 
@@ -390,6 +393,18 @@ impl Answering {
     pub fn count_done(&mut self, key: FlowKey) {
         if let Some(f) = self.flows.get_mut(&key) {
             f.scattered += 1;
+        }
+    }
+
+    /// A cancel of one-way flow `key` carrying `token` came: if it is the flow's, its
+    /// initiator has given the transfer up and reads no more records (its `Reading` ended with
+    /// the cancel, and its last CURSOR counts only what it read). Without this, the FAIL written
+    /// once the receiver forgot the flow stayed unread and held the slot for the whole linger:
+    /// 64 canceled transfers of one initiator within a request timeout (vLLM aborts requests
+    /// routinely) stalled its later one-way transfers to this target.
+    pub fn note_cancel(&mut self, key: FlowKey, token: Token) {
+        if let Some(f) = self.flows.get_mut(&key).filter(|f| f.token == token && !f.closed) {
+            f.canceled = true;
         }
     }
 
@@ -471,6 +486,12 @@ impl Answering {
         let ended: Vec<FlowKey> = flows.iter().filter(|(k, f)| !f.closed && !alive(**k)).map(|(k, _)| *k).collect();
         for key in ended {
             let Some(f) = flows.get_mut(&key) else { continue };
+            if f.canceled {
+                // Nobody will read a FAIL, nor report the records read: free the slot now.
+                f.closed = true;
+                writer.drop_transfer(key.peer, key.xfer);
+                continue;
+            }
             if f.scattered < f.chunks {
                 let reason = if shutting_down { FailReason::Shutdown } else { FailReason::TimedOut };
                 let _ = writer.answer(key.peer, key.xfer, Answer::Fail(reason));

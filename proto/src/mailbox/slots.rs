@@ -404,6 +404,13 @@ impl SlotTable {
         out
     }
 
+    /// Frees `slot` now, open or closing (its transfer is over and nobody reads it any more).
+    pub fn release_slot(&mut self, slot: SlotId) {
+        if (slot.0 as usize) < self.slots.len() {
+            self.free_slot(slot);
+        }
+    }
+
     /// Frees every closing slot whose linger has ended by `now`.
     pub fn reclaim_expired(&mut self, now: Instant) {
         let expired: Vec<SlotId> = (0..self.slots.len())

@@ -163,6 +163,14 @@ impl MailboxWriter {
         self.finish_if_drained(now, peer, xfer);
     }
 
+    /// `peer`'s transfer `xfer` is over and its initiator reads no more (it canceled): its
+    /// backlog is dropped and its slot freed at once. Unknown transfers are ignored.
+    pub fn drop_transfer(&mut self, peer: PeerId, xfer: XferId) {
+        if let Some(flow) = self.flows.remove(&(peer, xfer)) {
+            self.table.release_slot(flow.slot);
+        }
+    }
+
     /// Whether `peer` holds a slot (open or lingering) or a flow here.
     pub fn holds(&self, peer: PeerId) -> bool {
         self.table.held_by(peer) > 0 || self.flows.range((peer, XferId(0))..=(peer, XferId(u64::MAX))).next().is_some()

@@ -165,6 +165,32 @@ fn a_waiting_transfers_further_wants_are_held_and_opened_with_it() {
     assert_eq!(chunks, 3, "the opening chunk and the two held after it");
 }
 
+/// A canceled one-way flow frees its slot as soon as the cancel comes: its initiator reads no
+/// more records (its last CURSOR counts only what it read before), so a FAIL written after the
+/// cancel held the slot unread for the whole linger. A forged cancel (another token) frees
+/// nothing.
+#[test]
+fn a_canceled_one_way_flow_frees_its_slot_at_once_and_writes_no_fail() {
+    let (mut ep, t) = target();
+    let mut written = BTreeMap::new();
+    ep.handle_msg(t, INI, one_way_want(7)).unwrap();
+    count_records(&drain(&mut ep), &mut written);
+    let before_cancel = written[&7];
+    assert_eq!((ep.answering_slots_held(), before_cancel), (1, 1), "one slot, its GRANT written");
+    let forged = Msg::cancel(XferId(7), FORGED, Vec::new());
+    let _ = ep.handle_msg(t, INI, forged);
+    drain(&mut ep);
+    assert_eq!(ep.answering_slots_held(), 1, "a forged cancel frees nothing");
+    ep.handle_msg(t, INI, Msg::cancel(XferId(7), token(7), Vec::new())).unwrap();
+    let acts = drain(&mut ep);
+    assert!(records_of(&acts, 7).is_empty(), "no FAIL for an initiator that gave up: {acts:?}");
+    assert_eq!(ep.answering_slots_held(), 0, "freed with the cancel, not after the linger");
+    // Its initiator's last CURSOR (what it read: the GRANT) is a late one now, and harmless.
+    let cursor = Msg::Cursor(wire::Cursor { xfer: XferId(7), token: token(7), consumed: before_cancel });
+    assert_eq!(ep.handle_msg(t, INI, cursor), Ok(()));
+    assert_eq!(ep.answering_slots_held(), 0);
+}
+
 /// A waiter holds its further WANTs whole, so they are charged by their bytes, not only by
 /// their chunks: one-chunk WANTs each dragging a 64 KiB endpoint fill the peer's share of the
 /// queue after 32 MiB of them, where counting chunks alone took 2^20 of them (64 GiB).
@@ -349,15 +375,18 @@ fn more_one_way_transfers_than_a_peers_slot_cap_all_complete_byte_exact() {
 fn a_waiter_opens_when_a_closed_slot_lingers_out() {
     let (mut ep, t) = target();
     fill_the_cap(&mut ep, t);
-    // Flow 0 is cancelled, and its initiator never sends the CURSOR: the slot lingers.
-    ep.handle_msg(t, INI, Msg::cancel(XferId(0), token(0), Vec::new())).unwrap();
+    // The initiator goes silent: its flows are reclaimed (a FAIL each) and, with no CURSOR
+    // ever coming, their slots linger. (A cancel would free its slot at once.)
+    let reclaimed = ep.poll_timeout().expect("the flows' idle timer");
+    ep.handle_timeout(reclaimed);
     drain(&mut ep);
-    let later = t + TIMEOUT / 2 + Duration::from_millis(1);
+    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, CAP as u32), "reclaimed, lingering");
+    let later = reclaimed + Duration::from_millis(1);
     ep.handle_msg(later, INI, one_way_want(CAP)).unwrap();
     assert_eq!(ep.answering.waiting(), 1);
     let wake = ep.poll_timeout().expect("a wake-up");
-    assert!(wake <= t + TIMEOUT, "woken by the linger's end at the latest");
-    ep.handle_timeout(t + TIMEOUT);
+    assert!(wake <= reclaimed + TIMEOUT, "woken by the linger's end at the latest");
+    ep.handle_timeout(reclaimed + TIMEOUT);
     drain(&mut ep);
     assert!(ep.answering.is_one_way(FlowKey { peer: INI, xfer: XferId(CAP) }), "opened at the linger's end");
     assert_eq!((ep.answering.waiting(), ep.stats().one_way_refused), (0, 0));
