@@ -38,6 +38,15 @@ const NOTIF_MSG: &str = "nixl_sys_agents: write done";
 const SRC_SEED: u64 = 0x5eed_0001_b0c3_0001;
 const SENTINEL_SEED: u64 = 0x5e47_1e1e_0000_0002;
 const PERM_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+/// Seed of the READ-back buffer's poison (its destinations and the guards around them).
+const BACK_SEED: u64 = 0xbac4_0000_0000_0003;
+/// Guard bytes before, between and after the READ-back's destinations: must stay poison.
+const GUARD: usize = 64;
+
+/// Offset of READ-back destination `i` in its buffer (after `i + 1` guards).
+fn back_at(i: usize) -> usize {
+    GUARD + i * (DESC_LEN + GUARD)
+}
 
 // ---------------------------------------------------------------------------------------------
 // Environment: venv, libnixl_capi.so, installed plugin.
@@ -262,7 +271,9 @@ fn wait_notif(agent: &Agent, from: &str, msg: &str, seen: &mut HashMap<String, V
     }
 }
 
-/// True under CI (`CI=true`), where a check that cannot run is a failure.
+/// True under CI (the variable CI is 1, true or yes, any case), where a check that cannot run
+/// is a failure. The one rule of every Rust check (tests/cuda_kernels.rs, kernels/build_ptx.rs,
+/// the unit tests) and of ci/test.
 fn on_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
 }
@@ -277,7 +288,7 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
         Ok(env) => env,
         Err(why) => {
             // Under CI every check must run: a missing NIXL there is a broken set-up, not a pass.
-            assert!(!on_ci(), "CI=true and the nixl-sys test cannot run: {why} (ci/setup installs NIXL)");
+            assert!(!on_ci(), "CI is set and the nixl-sys test cannot run: {why} (ci/setup installs NIXL)");
             eprintln!("\n*** SKIPPED (cannot run here): run ci/setup first ({why})\n");
             return;
         }
@@ -290,10 +301,12 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
     let a = agent_with_bounce("A");
     let b = agent_with_bounce("B");
 
-    // Buffers: A's source (patterned), B's destination (sentinel), A's read-back (zeroed).
+    // Buffers: A's source (patterned), B's destination (sentinel), A's read-back (poison, its
+    // destinations apart, with guards around them).
     let src = DramBuf(pattern(DESC_COUNT * DESC_LEN, SRC_SEED, 0));
     let dst = DramBuf(pattern(DST_SLOTS * DESC_LEN, SENTINEL_SEED, 0));
-    let back = DramBuf(vec![0; DESC_COUNT * DESC_LEN]);
+    let back_len = back_at(DESC_COUNT);
+    let back = DramBuf(pattern(back_len, BACK_SEED, 0));
     let src_reg = register(&a, &src);
     let back_reg = register(&a, &back);
     let dst_reg = register(&b, &dst);
@@ -352,20 +365,37 @@ fn bounce_two_agents_write_read_and_bad_ucx_path() {
     }
     assert!(problems.is_empty(), "{} bad slots after WRITE:\n{}", problems.len(), problems.join("\n"));
 
-    // 2. READ B -> A into the fresh buffer, same scattered remote slots.
+    // 2. READ B -> A into the fresh buffer, same scattered remote slots; A's destinations
+    // GUARD bytes apart.
     {
         let mut back_list = XferDescList::new(MemType::Dram).expect("XferDescList::new");
         for i in 0..DESC_COUNT {
-            back_list.add_desc(back.addr() + i * DESC_LEN, DESC_LEN, 0);
+            back_list.add_desc(back.addr() + back_at(i), DESC_LEN, 0);
         }
         let req =
             a.create_xfer_req(XferOp::Read, &back_list, &remote_list, "B", None).expect("A: create_xfer_req(READ)");
         let took = post_and_wait(&a, &b, &req, &mut seen_at_b, "READ B->A");
         eprintln!("READ {DESC_COUNT} x {DESC_LEN} B scattered: complete after {took:?}");
+        drop(req);
+        // The path: the READ bounced (B gathered, A READ its region and scattered), not UCX.
+        let mut map = NotificationMap::new().expect("NotificationMap::new");
+        drain_notifs(&a, &mut map, &mut scratch); // getNotifs refreshes the published counters
+        assert_eq!(stat(&a, "bounce_read_ok"), 1, "the scattered READ took the bounce path");
+        assert_eq!((stat(&a, "bounce_ok"), stat(&a, "bounce_failed")), (2, 0), "(ok, failed): the WRITE and the READ");
     }
-    if let Some(msg) = first_mismatch("READ back", &back.0, &src.0) {
-        panic!("{msg}");
+    let poison = pattern(back_len, BACK_SEED, 0);
+    let mut problems = Vec::new();
+    for (i, &slot) in slots.iter().enumerate() {
+        let got = &back.0[back_at(i)..][..DESC_LEN];
+        let want = &src.0[i * DESC_LEN..][..DESC_LEN];
+        problems.extend(first_mismatch(&format!("READ slot {slot} -> desc {i}"), got, want));
     }
+    // The guards: before the first destination, between each two, after the last.
+    for g in 0..=DESC_COUNT {
+        let range = back_at(g) - GUARD..back_at(g);
+        problems.extend(first_mismatch(&format!("READ guard {g}"), &back.0[range.clone()], &poison[range]));
+    }
+    assert!(problems.is_empty(), "{} bad ranges after READ:\n{}", problems.len(), problems.join("\n"));
 
     // 3. A BOUNCE backend whose inner UCX plugin does not exist fails with an error.
     {
