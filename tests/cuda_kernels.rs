@@ -3,9 +3,9 @@
 //! Without a GPU (a developer machine, CI) every GPU test prints "skipped: no GPU (reason)" and
 //! returns; the checks of the embedded PTX need no GPU and run everywhere (under CI, `CI` set
 //! to 1, true or yes in any case, a build without kernels fails them). On a GPU: random piece
-//! sizes (1 B .. 1 MiB) and alignments, poisoned destinations with guard bytes between pieces (every byte outside the
-//! pieces must stay poison; each case runs under two poisons, so a byte the copy forgot cannot
-//! pass by equalling the poison), long pieces split across many warps, strided runs, both plan
+//! sizes (1 B .. 1 MiB) and alignments, poisoned destinations with guard bytes between pieces
+//! (every byte outside the pieces must stay poison; each case runs under two poisons, so a byte
+//! the copy forgot cannot pass by equalling the poison), long pieces split across many warps, strided runs, both plan
 //! placements, prepared plans in VRAM and the batched memcpy. Region plans (the peer's scatter
 //! plan behind the data, checked on the GPU): a valid random plan scatters byte-exact; every
 //! forged plan is refused with not one destination byte changed; random forgeries get the
