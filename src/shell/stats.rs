@@ -130,7 +130,8 @@ counters! {
     /// Fallbacks to UCX: a destination's metadata carried no BOUNCE key (not published by a
     /// BOUNCE engine), so the transfer could not prove it.
     fallback_unproven,
-    /// Peers whose capabilities were incompatible with ours.
+    /// Peers whose capabilities were incompatible with ours, or unreadable (another wire
+    /// version, garbage): they stay on plain UCX.
     peers_incompatible,
     /// Control frames dropped (malformed, unknown sender, stale session, refused).
     control_dropped,

@@ -57,6 +57,21 @@ impl ConnEnvelope {
     /// (a newer layout), truncation, an oversized inner blob, trailing bytes, or any error of
     /// [`Capabilities::decode`] on the embedded blob.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
+        match Self::decode_lenient(bytes)? {
+            (env, None) => Ok(env),
+            (_, Some(caps_error)) => Err(caps_error),
+        }
+    }
+
+    /// [`decode`](Self::decode), except that capabilities that do not decode (another wire
+    /// version, a newer layout, garbage) are dropped instead of failing the whole envelope: the
+    /// envelope comes back without them, with their error. The capability blob is
+    /// length-prefixed, so the inner conn info after it is still found; an agent whose
+    /// capabilities we cannot read is one we cannot bounce with, and it stays on plain UCX.
+    ///
+    /// # Errors
+    /// As [`decode`](Self::decode), except the capability blob's own errors.
+    pub fn decode_lenient(bytes: &[u8]) -> Result<(Self, Option<WireError>)> {
         let mut r = Reader(bytes);
         if r.array::<8>()? != ENVELOPE_MAGIC {
             return Err(WireError::BadMagic { what: "envelope" });
@@ -69,16 +84,19 @@ impl ConnEnvelope {
         if flags & !FLAG_CAPS != 0 {
             return Err(WireError::UnknownFlags { got: flags });
         }
-        let caps = if flags & FLAG_CAPS != 0 {
+        let (caps, caps_error) = if flags & FLAG_CAPS != 0 {
             // The caps blob is bounded by the input itself, and decoding it allocates only its
             // own (capped) byte strings, so no absolute cap is needed on its length.
             let n = r.count("capabilities", u32::MAX, 1)?;
-            Some(Capabilities::decode(r.take(n)?)?)
+            match Capabilities::decode(r.take(n)?) {
+                Ok(caps) => (Some(caps), None),
+                Err(e) => (None, Some(e)),
+            }
         } else {
-            None
+            (None, None)
         };
         let inner = r.blob("inner conn info")?;
         r.finish()?;
-        Ok(Self { caps, inner })
+        Ok((Self { caps, inner }, caps_error))
     }
 }

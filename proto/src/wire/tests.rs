@@ -654,9 +654,19 @@ fn envelope_header_errors_are_specific() {
     let mut b = good.clone();
     b[10] |= 0x02;
     assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnknownFlags { got: 0x03 }));
-    let mut b = good;
+    let mut b = good.clone();
     b[15] = 2; // capabilities' wire version
     assert_eq!(ConnEnvelope::decode(&b), Err(WireError::UnsupportedVersion { what: "capabilities", got: 2 }));
+    // Leniently, an agent of another wire version (or whose capabilities are garbage) keeps
+    // its inner conn info and loses only the capabilities: it stays on plain UCX.
+    let (env, why) = ConnEnvelope::decode_lenient(&b).unwrap();
+    assert_eq!(env, ConnEnvelope { caps: None, inner: sample_envelopes()[1].inner.clone() });
+    assert_eq!(why, Some(WireError::UnsupportedVersion { what: "capabilities", got: 2 }));
+    assert_eq!(ConnEnvelope::decode_lenient(&good), Ok((sample_envelopes()[1].clone(), None)));
+    // The envelope's own errors stay errors: a newer layout's flags say where nothing lies.
+    let mut flags = good;
+    flags[10] |= 0x02;
+    assert_eq!(ConnEnvelope::decode_lenient(&flags), Err(WireError::UnknownFlags { got: 0x03 }));
     // Capabilities with bytes of their own left over inside the declared length.
     let mut caps = sample_caps().to_vec();
     caps.push(0);

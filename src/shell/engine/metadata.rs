@@ -18,10 +18,17 @@ impl Engine {
     /// # Errors
     /// [`Error::BadEnvelope`] when it is not a BOUNCE envelope we understand.
     pub(crate) fn load_conn_info(&self, agent: &str, envelope: &[u8]) -> Result<Vec<u8>> {
-        let env = ConnEnvelope::decode(envelope).map_err(|source| {
+        let (env, caps_error) = ConnEnvelope::decode_lenient(envelope).map_err(|source| {
             tracing::warn!(peer = agent, error = %source, "rejecting malformed BOUNCE connection info");
             Error::BadEnvelope { agent: agent.to_owned(), source }
         })?;
+        if let Some(why) = caps_error {
+            // Another wire version (an older or newer BOUNCE) or garbage: loaded as an agent
+            // without capabilities, it stays on plain UCX, as the README's gate says, instead of
+            // failing the whole metadata load.
+            tracing::info!(peer = agent, error = %why, "peer's bounce capabilities unreadable; plain UCX");
+            Stats::bump(&self.stats.peers_incompatible);
+        }
         if self.bounce.is_some() {
             let (loaded, replaced) = self.peers.loaded(agent, env.caps, self.capabilities().as_ref());
             if replaced {
@@ -149,8 +156,11 @@ impl Engine {
 
     /// Takes a peer's registration metadata apart (see `keys`): the inner blob to load, and
     /// the destination it proves (`None`: not ours; it loads, but never bounces).
-    pub(crate) fn split_remote_md(&self, blob: &[u8]) -> (Vec<u8>, Option<Destination>) {
-        self.keys.split_remote(blob)
+    ///
+    /// # Errors
+    /// [`Error::BadPublicData`]: ours by its magic but unreadable; not to be loaded at all.
+    pub(crate) fn split_remote_md(&self, blob: &[u8]) -> Result<(Vec<u8>, Option<Destination>)> {
+        self.keys.split_remote(blob).map_err(Error::BadPublicData)
     }
 
     /// The inner engine loaded a peer's registration as `md`, carrying `dest`.
