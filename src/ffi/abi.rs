@@ -437,7 +437,8 @@ pub unsafe extern "C" fn bnc_public_data_wrap(
 
 /// Takes a peer's registration metadata apart: the inner blob goes to `inner`; `*reg` and
 /// `key[0..32]` receive the registration's id and key and `*has_key` says whether there were
-/// any (a blob that is not ours loads as is).
+/// any (a blob that is not ours loads as is; one with our magic that does not decode is
+/// refused, ERR_MISMATCH).
 ///
 /// # Safety
 /// `engine` is a live handle; `blob` views live bytes; `inner`/`ctx` form a valid sink; `reg`,
@@ -459,7 +460,10 @@ pub unsafe extern "C" fn bnc_remote_md_split(
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
-        let (bytes, dest) = e.split_remote_md(unsafe { blob.bytes() });
+        let (bytes, dest) = match e.split_remote_md(unsafe { blob.bytes() }) {
+            Ok(split) => split,
+            Err(err) => return Status::from(&err),
+        };
         give(inner, ctx, &bytes);
         let (id, k, has) = dest.map_or((0, [0u8; 32], 0), |d| (d.reg.0, d.key.0, 1));
         // SAFETY: caller contract: all three are valid for writes, `key` for 32 bytes.

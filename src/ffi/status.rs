@@ -12,7 +12,7 @@ impl From<&Error> for Status {
             Error::Config(_) | Error::Endpoint(_) => Self::ErrInvalidParam,
             Error::InnerPlugin(LoadError::Missing { .. } | LoadError::Load { .. }) => Self::ErrNotFound,
             Error::InnerPlugin(_) => Self::ErrMismatch,
-            Error::BadEnvelope { .. } => Self::ErrMismatch,
+            Error::BadEnvelope { .. } | Error::BadPublicData(_) => Self::ErrMismatch,
             Error::BadUtf8(_) | Error::NoBounce => Self::ErrInvalidParam,
             Error::UnknownRequest(_) => Self::ErrNotFound,
             Error::RepostActive(_) => Self::ErrRepostActive,

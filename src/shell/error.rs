@@ -64,6 +64,10 @@ pub(crate) enum Error {
         /// What the decoder found.
         source: bounce_proto::wire::WireError,
     },
+    /// A peer's registration metadata is BOUNCE's (its magic) but not a layout we can read (a
+    /// newer version, truncated): it must not reach UCX's rkey parser, which trusts its input.
+    #[error("a peer's BOUNCE registration metadata is unreadable: {0}")]
+    BadPublicData(bounce_proto::wire::WireError),
     /// A string argument was not UTF-8.
     #[error("{0} is not valid UTF-8")]
     BadUtf8(&'static str),

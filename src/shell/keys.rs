@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bounce_proto::proof::Destination;
-use bounce_proto::wire::{CmaRecord, IpcRecord, PublicData};
+use bounce_proto::wire::{CmaRecord, IpcRecord, PUBLIC_MAGIC, PublicData, WireError};
 use bounce_proto::{RegId, RegKey};
 use parking_lot::Mutex;
 
@@ -117,7 +117,17 @@ impl Keys {
     /// Takes a peer's public data apart: the inner engine's blob, and the destination it
     /// proves. A blob that is not ours (a peer without BOUNCE, an older build) loads as is,
     /// with no key: such destinations never bounce.
-    pub(crate) fn split_remote(&self, blob: &[u8]) -> (Vec<u8>, Option<Destination>) {
+    ///
+    /// # Errors
+    /// A blob with our magic that does not decode (a newer layout, truncated): it would
+    /// otherwise reach UCX's rkey parser.
+    pub(crate) fn split_remote(&self, blob: &[u8]) -> Result<(Vec<u8>, Option<Destination>), WireError> {
+        if !blob.starts_with(&PUBLIC_MAGIC) {
+            if !self.foreign_seen.swap(true, Ordering::Relaxed) {
+                tracing::info!("loading remote metadata without BOUNCE keys: transfers into it stay on UCX");
+            }
+            return Ok((blob.to_vec(), None));
+        }
         match PublicData::decode(blob) {
             Ok(p) => {
                 let dest = Destination { reg: p.reg, key: p.key };
@@ -129,13 +139,14 @@ impl Keys {
                     }
                     pending.insert(dest, reach);
                 }
-                (p.inner, Some(dest))
+                Ok((p.inner, Some(dest)))
             }
             Err(e) => {
-                if !self.foreign_seen.swap(true, Ordering::Relaxed) {
-                    tracing::info!(error = %e, "loading remote metadata without BOUNCE keys: transfers into it stay on UCX");
-                }
-                (blob.to_vec(), None)
+                // Ours by its magic, but unreadable: a newer layout or a truncated blob. Handed
+                // to the inner engine it would be parsed as a UCX rkey, which UCX reads with no
+                // length: refused instead.
+                tracing::warn!(error = %e, "refusing a peer's BOUNCE registration metadata we cannot read");
+                Err(e)
             }
         }
     }
@@ -211,13 +222,19 @@ mod tests {
         assert_ne!(d.reg, e.reg);
         assert_ne!(d.key, e.key, "keys are random");
         let blob = ours.public_data(Md(1), b"rkey");
-        let (inner, got) = theirs.split_remote(&blob);
+        let (inner, got) = theirs.split_remote(&blob).unwrap();
         assert_eq!((inner.as_slice(), got), (&b"rkey"[..], Some(d)));
         theirs.remote_loaded(Md(10), d);
         assert_eq!(theirs.destinations([Md(10), Md(10)]), Some(vec![d]));
         assert_eq!(theirs.destinations([Md(10), Md(11)]), None, "md 11 was never loaded");
         // A foreign blob loads as is, proving nothing.
-        assert_eq!(theirs.split_remote(b"plain"), (b"plain".to_vec(), None));
+        assert_eq!(theirs.split_remote(b"plain"), Ok((b"plain".to_vec(), None)));
+        // Ours by its magic but unreadable (a newer version, truncated): refused, never handed
+        // to the inner engine as an rkey.
+        let mut newer = blob.clone();
+        newer[8] = 0x7f;
+        assert!(matches!(theirs.split_remote(&newer), Err(WireError::UnsupportedVersion { .. })));
+        assert!(theirs.split_remote(&blob[..20]).is_err(), "truncated");
         theirs.remote_unloaded(Md(10));
         assert_eq!(theirs.destinations([Md(10)]), None);
         assert_eq!(ours.forget_local(Md(1)), Some(d));
@@ -231,9 +248,9 @@ mod tests {
         let e = ours.issue(Md(2)).expect("randomness");
         let ipc = IpcRecord { node: [1; 16], handle: [2; 64], alloc_off: 0, addr: 0x1000, len: 64 };
         ours.set_local_reach(Md(1), Reach::Ipc(ipc));
-        let (inner, got) = theirs.split_remote(&ours.public_data(Md(1), b"rkey"));
+        let (inner, got) = theirs.split_remote(&ours.public_data(Md(1), b"rkey")).unwrap();
         assert_eq!((inner.as_slice(), got), (&b"rkey"[..], Some(d)));
-        let (_, got_e) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
+        let (_, got_e) = theirs.split_remote(&ours.public_data(Md(2), b"rkey")).unwrap();
         assert_eq!(got_e, Some(e));
         assert_eq!(theirs.remote_reach([Md(10)]), None, "not loaded yet");
         theirs.remote_loaded(Md(10), d);
@@ -244,14 +261,14 @@ mod tests {
         assert_eq!(theirs.remote_reach([Md(10)]), None);
         assert_eq!(ours.forget_local(Md(1)), Some(d));
         ours.issue(Md(1)).expect("randomness");
-        let (_, again) = theirs.split_remote(&ours.public_data(Md(1), b"rkey"));
+        let (_, again) = theirs.split_remote(&ours.public_data(Md(1), b"rkey")).unwrap();
         theirs.remote_loaded(Md(12), again.unwrap());
         assert_eq!(theirs.remote_reach([Md(12)]), None, "a forgotten registration's record is gone");
         // A host registration's CMA record travels the same way.
         let cma =
             CmaRecord { node: [1; 16], pidns: 7, pid: 42, start: 99, addr: 0x2000, len: 64, live: 0x3000, tag: 5 };
         ours.set_local_reach(Md(2), Reach::Cma(cma));
-        let (_, got) = theirs.split_remote(&ours.public_data(Md(2), b"rkey"));
+        let (_, got) = theirs.split_remote(&ours.public_data(Md(2), b"rkey")).unwrap();
         theirs.remote_loaded(Md(13), got.unwrap());
         assert_eq!(theirs.remote_reach([Md(13)]), Some(vec![(Reach::Cma(cma), 1)]));
         assert_eq!(
@@ -271,7 +288,7 @@ mod tests {
             ours.issue(Md(md)).expect("randomness");
             let r = IpcRecord { node: [1; 16], handle, alloc_off, addr: 0x10000 * md as u64, len: 64 };
             ours.set_local_reach(Md(md), Reach::Ipc(r));
-            let (_, got) = theirs.split_remote(&ours.public_data(Md(md), b"rkey"));
+            let (_, got) = theirs.split_remote(&ours.public_data(Md(md), b"rkey")).unwrap();
             theirs.remote_loaded(Md(10 + md), got.unwrap());
         }
         assert_eq!(theirs.remote_unloaded(Md(11)), None, "registration 2 still names the allocation");
