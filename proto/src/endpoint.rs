@@ -681,6 +681,8 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.sender.handle_goodbye(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
+        // Its mailbox slots go with it, as for a lost peer: nobody will read them.
+        self.answering.release_peer(peer);
         self.pump(now);
     }
 
@@ -734,6 +736,7 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.sender.handle_peer_lost(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
+        self.answering.release_peer(peer);
     }
 
     /// Fails every transfer with [`XferError::ShuttingDown`] (cancels are still queued for the

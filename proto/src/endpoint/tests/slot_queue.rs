@@ -191,6 +191,17 @@ fn a_canceled_one_way_flow_frees_its_slot_at_once_and_writes_no_fail() {
     assert_eq!(ep.answering_slots_held(), 0);
 }
 
+/// A peer that said GOODBYE reads nothing more: its slots free at once, as a lost peer's, not
+/// after their FAILs linger out.
+#[test]
+fn a_peer_that_says_goodbye_frees_its_slots_at_once() {
+    let (mut ep, t) = target();
+    fill_the_cap(&mut ep, t);
+    ep.handle_goodbye(t, INI);
+    drain(&mut ep);
+    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 0));
+}
+
 /// A waiter holds its further WANTs whole, so they are charged by their bytes, not only by
 /// their chunks: one-chunk WANTs each dragging a 64 KiB endpoint fill the peer's share of the
 /// queue after 32 MiB of them, where counting chunks alone took 2^20 of them (64 GiB).
