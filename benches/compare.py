@@ -127,9 +127,21 @@ def cma_large_bytes():
     if raw is None:
         with open(os.path.join(os.path.dirname(HERE), "plugin-manifest", "manifest.toml"), "rb") as f:
             raw = next(o["default"] for o in tomllib.load(f)["option"] if o["name"] == "bounce_cma_large_bytes")
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "": 1}
-    num = raw.rstrip("KMGiB")
-    return int(num) * units[raw[len(num):]]
+    return parse_bytes(raw)
+
+
+def parse_bytes(text):
+    """A byte count as the engine reads one (proto/src/config.rs `parse_bytes`): digits and an
+    optional binary suffix K/KB/KiB, M/MB/MiB, G/GB/GiB in any case, blanks allowed before it.
+    A value the engine would not take falls back to the default there; here it is an error."""
+    t = text.strip()
+    digits = len(t) - len(t.lstrip("0123456789"))
+    shift = {"": 0, "k": 10, "kb": 10, "kib": 10, "m": 20, "mb": 20, "mib": 20, "g": 30, "gb": 30,
+             "gib": 30}.get(t[digits:].strip().lower())
+    if not digits or shift is None:
+        raise SystemExit(f"FAIL: cannot tell the path of 'BOUNCE 1 contig CMA': bounce_cma_large_bytes={text!r} "
+                         f"is not a byte count")
+    return int(t[:digits]) << shift
 
 
 def path_problem(name, path, res, total):
@@ -185,6 +197,8 @@ def main():
           + (f"every {args.poll_sleep_us} us" if args.poll_sleep_us else "in a busy loop")
           + (", sources scattered too" if args.scatter_src else ", sources packed"))
     chosen = [v for v in VARIANTS if not args.only or args.only in v[0]]
+    if not chosen:
+        raise SystemExit(f"no variant's name contains {args.only!r}: {[v[0] for v in VARIANTS]}")
     samples = {v[0]: [] for v in chosen}
     last = {}
     for r in range(args.rounds):

@@ -327,7 +327,10 @@ def main():
     ok = sides["BOUNCE"].bounce_ok() - ok_before
     if ok != bounced:
         flag[ACTIVE] = len(BACKENDS)
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         print(f"FAIL: {bounced - ok} of {bounced} BOUNCE WRITEs did not take the bounce path: no figure of "
               f"this run is the bounce path's, none printed")
         nixlkit.leave(1)

@@ -39,8 +39,8 @@ pub const MAILBOX_SLOTS: u32 = 256;
 pub const WAITING_PER_PEER: usize = MAILBOX_SLOTS as usize;
 /// One-way transfers waiting for a slot in all, from every peer.
 pub const WAITING_TOTAL: usize = 4 * MAILBOX_SLOTS as usize;
-/// Chunks and gather runs the waiting transfers of one peer may hold: the receiver's own
-/// per-peer budget, which would refuse more anyway.
+/// Units (chunks, gather runs, and held bytes: see [`HELD_BYTES_PER_UNIT`]) the waiting
+/// transfers of one peer may hold: the size of the receiver's own per-peer chunk budget.
 pub const WAITING_UNITS_PER_PEER: u64 = crate::receiver::MAX_CHUNKS_PER_PEER;
 /// Chunks and gather runs held by all waiting transfers, their bytes counted too (see
 /// [`HELD_BYTES_PER_UNIT`]: tens of MiB at most).
@@ -132,7 +132,8 @@ pub enum OneWayRefused {
 pub const HELD_BYTES_PER_UNIT: u64 = 32;
 
 /// What a held WANT or PULL costs the queue: its chunks and gather runs, and its variable
-/// bytes (endpoint, proofs, runs, inline bytes) at [`HELD_BYTES_PER_UNIT`].
+/// bytes (endpoint, proofs, runs; inline bytes too, though a held WANT's are stripped before
+/// it is held) at [`HELD_BYTES_PER_UNIT`].
 fn held_units(msg: &Msg) -> u64 {
     const PROOF: u64 = std::mem::size_of::<wire::Proof>() as u64;
     const RUN: u64 = std::mem::size_of::<crate::types::CopyRun>() as u64;
@@ -337,10 +338,15 @@ impl Answering {
         self.waiting.expire(now).len()
     }
 
-    /// When this needs a call even if no message comes: the first deadline of a waiter, or the
-    /// first closing slot's linger end (which frees a slot, for a waiter or whoever comes
-    /// next, and lets a departed one-way name be forgotten).
+    /// When the waiting transfers need a call even if no message comes: the first deadline of
+    /// a waiter, or the first closing slot's linger end (which frees a slot for one). With
+    /// nothing waiting there is no need: whoever comes next for a slot reclaims expired ones
+    /// first ([`vacancy`](Self::vacancy), `open`), as does every timeout ([`expire`](Self::expire));
+    /// and the reactor asks for this twice a pass, so it must stay cheap then.
     pub fn next_timeout(&self) -> Option<Instant> {
+        if self.waiting.is_empty() {
+            return None;
+        }
         let linger = self.writer.as_ref().and_then(MailboxWriter::next_expiry);
         self.waiting.next_deadline().into_iter().chain(linger).min()
     }

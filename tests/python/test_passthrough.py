@@ -2,6 +2,7 @@
 one process and in two, side by side with UCX, and clean failures. (Issue: foundation.)"""
 import os
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -102,6 +103,13 @@ def test_an_agent_of_another_wire_version_loads_and_stays_on_plain_ucx():
     s0 = counters(a)
     a.add_remote_agent(newer)
     b.add_remote_agent(a.get_agent_metadata())
+    # b says HELLO (it loaded a, and a's capabilities are readable to it); a cannot read b's,
+    # so b never becomes a peer a may bounce to.
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        nixlkit.poll(a)
+        nixlkit.poll(b)
+    assert counters(a)["peers_ready"] == s0["peers_ready"], "a peer of another wire version became bounce-ready"
     lo = a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
     re = a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM")
     h = a.initialize_xfer("WRITE", lo, re, "wv-b", b"wv", backends=["BOUNCE"])

@@ -191,6 +191,34 @@ fn a_canceled_one_way_flow_frees_its_slot_at_once_and_writes_no_fail() {
     assert_eq!(ep.answering_slots_held(), 0);
 }
 
+/// A slot whose FAIL is never reported read frees at the first timeout after its linger, with
+/// no WANT waiting for it: its initiator's name is then free to be forgotten.
+#[test]
+fn a_lingering_slot_frees_at_a_timeout_after_its_linger_with_nothing_waiting() {
+    let (mut ep, t) = target();
+    ep.handle_msg(t, INI, one_way_want(3)).unwrap();
+    drain(&mut ep);
+    let reclaimed = ep.poll_timeout().expect("the flow's idle timer");
+    ep.handle_timeout(reclaimed);
+    drain(&mut ep);
+    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 1), "reclaimed, its FAIL unread");
+    ep.handle_timeout(reclaimed + TIMEOUT - Duration::from_millis(1));
+    assert_eq!(ep.answering_slots_held(), 1, "not before the linger ends");
+    ep.handle_timeout(reclaimed + TIMEOUT);
+    assert_eq!(ep.answering_slots_held(), 0);
+    assert!(!ep.answering.holds(INI));
+}
+
+/// A peer declared dead by the liveness probe reads nothing more either.
+#[test]
+fn a_peer_declared_dead_frees_its_slots_at_once() {
+    let (mut ep, t) = target();
+    fill_the_cap(&mut ep, t);
+    ep.declare_dead(t, INI);
+    drain(&mut ep);
+    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 0));
+}
+
 /// A peer that said GOODBYE reads nothing more: its slots free at once, as a lost peer's, not
 /// after their FAILs linger out.
 #[test]
