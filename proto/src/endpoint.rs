@@ -388,7 +388,11 @@ impl Endpoint {
         let r = match msg {
             wire::Msg::Want(m) if m.endpoint == wire::REPLY_MAILBOX && !m.is_cancel() => {
                 let key = FlowKey { peer: from, xfer: m.xfer };
-                if self.answering.is_one_way(key) {
+                if self.answering.is_closed(key) && !self.receiver.has_flow(key) {
+                    // Its flow ended; only the slot lingers. A WANT now is late or replayed:
+                    // judged, it would open a flow whose answers no slot could carry.
+                    Ok(())
+                } else if self.answering.is_one_way(key) {
                     Self::more_one_way_chunks(&mut self.receiver, &mut self.answering, &mut ctx, key, m)
                 } else if self.receiver.has_flow(key) {
                     // A flow that began two way stays so, whatever a later WANT asks.
@@ -401,7 +405,9 @@ impl Endpoint {
                 // A one-way READ: opened like a one-way WANT (see there) by its first PULL; a
                 // later one only adds to a flow (or, the flow gone, is dropped as late).
                 let key = FlowKey { peer: from, xfer: m.xfer };
-                if m.first.0 > 0 || self.answering.is_one_way(key) || self.receiver.has_flow(key) {
+                if self.answering.is_closed(key) && !self.receiver.has_flow(key) {
+                    Ok(()) // late or replayed, as a WANT above
+                } else if m.first.0 > 0 || self.answering.is_one_way(key) || self.receiver.has_flow(key) {
                     self.receiver.handle_pull(&mut ctx, from, m)
                 } else {
                     Self::open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, wire::Msg::Pull(m))

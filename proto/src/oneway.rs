@@ -361,6 +361,12 @@ impl Answering {
         self.flows.contains_key(&key)
     }
 
+    /// True when one-way flow `key` has ended here (the receiver forgot it) and only its slot
+    /// lingers, for the initiator's last CURSOR.
+    pub fn is_closed(&self, key: FlowKey) -> bool {
+        self.flows.get(&key).is_some_and(|f| f.closed)
+    }
+
     /// True when `peer` has a one-way flow here.
     pub fn has_peer(&self, peer: PeerId) -> bool {
         self.flows.range(FlowKey::all_of(peer)).next().is_some()

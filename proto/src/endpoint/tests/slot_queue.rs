@@ -209,6 +209,23 @@ fn a_lingering_slot_frees_at_a_timeout_after_its_linger_with_nothing_waiting() {
     assert!(!ep.answering.holds(INI));
 }
 
+/// A WANT replayed for a one-way flow that ended (its slot lingering for the last CURSOR) opens
+/// nothing: the receiver would grant regions whose answers no slot could carry.
+#[test]
+fn a_want_replayed_after_its_one_way_flow_ended_opens_nothing() {
+    let (mut ep, t) = target();
+    ep.handle_msg(t, INI, one_way_want(3)).unwrap();
+    drain(&mut ep);
+    let reclaimed = ep.poll_timeout().expect("the flow's idle timer");
+    ep.handle_timeout(reclaimed);
+    drain(&mut ep);
+    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 1), "ended, its slot lingering");
+    assert_eq!(ep.handle_msg(reclaimed, INI, one_way_want(3)), Ok(()));
+    let acts = drain(&mut ep);
+    assert_eq!(ep.remote_flows(), 0, "no flow reopened: {acts:?}");
+    assert!(acts.is_empty(), "nothing answered: {acts:?}");
+}
+
 /// A peer declared dead by the liveness probe reads nothing more either.
 #[test]
 fn a_peer_declared_dead_frees_its_slots_at_once() {
