@@ -81,15 +81,17 @@ impl Driver {
                     let at = self.one_way.fetch_offset + u64::from(slice) * self.one_way.fetch_slice;
                     // An unreadable fetch reads as nothing new: the next poll tries again, and
                     // the transfer's timeout bounds the wait.
+                    // (The core takes only an image of the length it asked for: an empty one
+                    // would fail the transfer as a broken mailbox.)
                     let image = match self.area.as_ref().map(|a| a.get(at, len)) {
-                        Some(Some(image)) => image,
+                        Some(Some(image)) => Some(image),
                         Some(None) => {
                             self.area_outside("reading fetched answers");
-                            Vec::new()
+                            None
                         }
-                        None => Vec::new(),
+                        None => None,
                     };
-                    let new = self.ep.handle_fetched(now, xfer, &image);
+                    let new = image.map_or(0, |image| self.ep.handle_fetched(now, xfer, &image));
                     if new > 0 {
                         crate::shell::mark!("fetched", new);
                     }
