@@ -38,12 +38,20 @@ pub fn caps_decode(data: &[u8]) {
     assert_canonical(data, Capabilities::decode, Capabilities::to_vec);
 }
 
-/// Decodes `data` as an envelope; if that succeeds, asserts re-encoding gives `data`.
+/// Decodes `data` as an envelope; if that succeeds, asserts re-encoding gives `data`; and
+/// the lenient decode agrees with it (see the body).
 ///
 /// # Panics
 /// When the codec is not canonical (a bug).
 pub fn envelope_decode(data: &[u8]) {
     assert_canonical(data, ConnEnvelope::decode, ConnEnvelope::to_vec);
+    // The lenient decode (what the shell uses) never panics either, agrees with the strict one
+    // whenever that succeeds, and otherwise fails or keeps the inner blob without capabilities.
+    match (ConnEnvelope::decode(data), ConnEnvelope::decode_lenient(data)) {
+        (Ok(strict), lenient) => assert_eq!(lenient, Ok((strict, None))),
+        (Err(_), Ok((env, why))) => assert!(env.caps.is_none() && why.is_some(), "{env:?}"),
+        (Err(_), Err(_)) => {}
+    }
 }
 
 /// Decodes `data` as a registration's public-data envelope; if that succeeds, asserts
