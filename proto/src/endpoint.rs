@@ -312,6 +312,13 @@ impl Endpoint {
         Ok(())
     }
 
+    /// True when one-way flow `key` ended here and only its slot lingers (for the initiator's
+    /// last CURSOR): a WANT or PULL for it now is late or replayed, and judged it would open a
+    /// flow whose answers no slot could carry, so it is dropped.
+    fn one_way_ended(answering: &Answering, receiver: &Receiver, key: FlowKey) -> bool {
+        answering.is_closed(key) && !receiver.has_flow(key)
+    }
+
     /// Cancels an in-flight transfer (the application released it): [`XferError::Canceled`]
     /// and a cancel to the peer. Unknown or finished transfers are ignored. A READ's
     /// [`Action::Complete`] waits for its scatters into our memory still running, as for any
@@ -376,21 +383,14 @@ impl Endpoint {
         if to_receiver && self.answering.is_waiting(FlowKey { peer: from, xfer: msg.xfer() }) {
             return self.hold_waiting(from, msg);
         }
-        let cancel = match &msg {
-            wire::Msg::Want(w) => w.is_cancel(),
-            wire::Msg::Pull(p) => p.chunks.is_empty(),
-            _ => false,
-        };
-        if cancel {
+        if msg.is_cancel() {
             self.answering.note_cancel(FlowKey { peer: from, xfer: msg.xfer() }, msg.token());
         }
         let mut ctx = ctx!(self, now);
         let r = match msg {
             wire::Msg::Want(m) if m.endpoint == wire::REPLY_MAILBOX && !m.is_cancel() => {
                 let key = FlowKey { peer: from, xfer: m.xfer };
-                if self.answering.is_closed(key) && !self.receiver.has_flow(key) {
-                    // Its flow ended; only the slot lingers. A WANT now is late or replayed:
-                    // judged, it would open a flow whose answers no slot could carry.
+                if Self::one_way_ended(&self.answering, &self.receiver, key) {
                     Ok(())
                 } else if self.answering.is_one_way(key) {
                     Self::more_one_way_chunks(&mut self.receiver, &mut self.answering, &mut ctx, key, m)
@@ -401,12 +401,12 @@ impl Endpoint {
                     Self::open_one_way(&mut self.receiver, &mut self.answering, &mut ctx, key, wire::Msg::Want(m))
                 }
             }
-            wire::Msg::Pull(m) if m.endpoint == wire::REPLY_MAILBOX && !m.chunks.is_empty() => {
+            wire::Msg::Pull(m) if m.endpoint == wire::REPLY_MAILBOX && !m.is_cancel() => {
                 // A one-way READ: opened like a one-way WANT (see there) by its first PULL; a
                 // later one only adds to a flow (or, the flow gone, is dropped as late).
                 let key = FlowKey { peer: from, xfer: m.xfer };
-                if self.answering.is_closed(key) && !self.receiver.has_flow(key) {
-                    Ok(()) // late or replayed, as a WANT above
+                if Self::one_way_ended(&self.answering, &self.receiver, key) {
+                    Ok(())
                 } else if m.first.0 > 0 || self.answering.is_one_way(key) || self.receiver.has_flow(key) {
                     self.receiver.handle_pull(&mut ctx, from, m)
                 } else {

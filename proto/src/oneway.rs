@@ -298,12 +298,10 @@ impl Answering {
         if self.waiting.token(key.peer, key.xfer) != Some(&record_token(msg.token())) {
             return Err(HoldError::WrongToken);
         }
-        let cancel = match &msg {
-            Msg::Want(w) => w.is_cancel(),
-            Msg::Pull(p) => p.chunks.is_empty(),
-            _ => return Ok(Held::Ignored),
-        };
-        if cancel {
+        if !matches!(msg, Msg::Want(_) | Msg::Pull(_)) {
+            return Ok(Held::Ignored);
+        }
+        if msg.is_cancel() {
             self.waiting.remove(key.peer, key.xfer);
             return Ok(Held::Canceled);
         }

@@ -124,7 +124,7 @@ impl Endpoint {
         }
         match msg {
             wire::Msg::Want(w) if w.endpoint == wire::REPLY_MAILBOX && !w.is_cancel() => return true,
-            wire::Msg::Pull(p) if p.endpoint == wire::REPLY_MAILBOX && !p.chunks.is_empty() => return true,
+            wire::Msg::Pull(p) if p.endpoint == wire::REPLY_MAILBOX && !p.is_cancel() => return true,
             _ => {}
         }
         let Some(peer) = peer else { return false };

@@ -458,6 +458,13 @@ impl From<Keep> for Msg {
     }
 }
 
+impl Pull {
+    /// True when this PULL cancels the READ instead of asking for chunks.
+    pub fn is_cancel(&self) -> bool {
+        self.chunks.is_empty()
+    }
+}
+
 impl From<Pull> for Msg {
     fn from(m: Pull) -> Self {
         Self::Pull(m)
@@ -483,6 +490,15 @@ impl From<Cursor> for Msg {
 }
 
 impl Msg {
+    /// True for a cancel: a WANT or PULL without chunks.
+    pub fn is_cancel(&self) -> bool {
+        match self {
+            Self::Want(w) => w.is_cancel(),
+            Self::Pull(p) => p.is_cancel(),
+            _ => false,
+        }
+    }
+
     /// The cancel WANT for `xfer`: no chunks, still carrying the endpoint so the receiver can
     /// reach back even if it never saw the original WANT.
     pub fn cancel(xfer: XferId, token: Token, endpoint: Vec<u8>) -> Self {
@@ -538,7 +554,7 @@ impl Msg {
             Self::Ack(_) => "ACK",
             Self::Keep(_) => "KEEP",
             Self::Cursor(_) => "CURSOR",
-            Self::Pull(m) if m.chunks.is_empty() => "PULL-CANCEL",
+            Self::Pull(m) if m.is_cancel() => "PULL-CANCEL",
             Self::Pull(_) => "PULL",
             Self::Release(_) => "RELEASE",
             Self::Plan(_) => "PLAN",

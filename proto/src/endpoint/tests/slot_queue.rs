@@ -89,6 +89,15 @@ fn end_flow(ep: &mut Endpoint, t: Instant, xfer: u64, written: &mut BTreeMap<u64
     acts
 }
 
+/// Lets the target's idle timer reclaim its flows, as when their initiator goes silent: each
+/// gets a FAIL nobody reads, so its slot lingers. Returns when that happened.
+fn reclaim_by_idle_timer(ep: &mut Endpoint) -> Instant {
+    let reclaimed = ep.poll_timeout().expect("the flows' idle timer");
+    ep.handle_timeout(reclaimed);
+    drain(ep);
+    reclaimed
+}
+
 /// Two targets given the same events, except that `queued` gets the late WANT while its peer
 /// holds all its slots and `control` gets it only once a slot has freed: the waiter, opened
 /// when the slot frees, writes byte for byte the records, at the same places, that the WANT
@@ -198,9 +207,7 @@ fn a_lingering_slot_frees_at_a_timeout_after_its_linger_with_nothing_waiting() {
     let (mut ep, t) = target();
     ep.handle_msg(t, INI, one_way_want(3)).unwrap();
     drain(&mut ep);
-    let reclaimed = ep.poll_timeout().expect("the flow's idle timer");
-    ep.handle_timeout(reclaimed);
-    drain(&mut ep);
+    let reclaimed = reclaim_by_idle_timer(&mut ep);
     assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 1), "reclaimed, its FAIL unread");
     ep.handle_timeout(reclaimed + TIMEOUT - Duration::from_millis(1));
     assert_eq!(ep.answering_slots_held(), 1, "not before the linger ends");
@@ -216,9 +223,7 @@ fn a_want_replayed_after_its_one_way_flow_ended_opens_nothing() {
     let (mut ep, t) = target();
     ep.handle_msg(t, INI, one_way_want(3)).unwrap();
     drain(&mut ep);
-    let reclaimed = ep.poll_timeout().expect("the flow's idle timer");
-    ep.handle_timeout(reclaimed);
-    drain(&mut ep);
+    let reclaimed = reclaim_by_idle_timer(&mut ep);
     assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 1), "ended, its slot lingering");
     assert_eq!(ep.handle_msg(reclaimed, INI, one_way_want(3)), Ok(()));
     let acts = drain(&mut ep);
@@ -226,25 +231,19 @@ fn a_want_replayed_after_its_one_way_flow_ended_opens_nothing() {
     assert!(acts.is_empty(), "nothing answered: {acts:?}");
 }
 
-/// A peer declared dead by the liveness probe reads nothing more either.
+/// A peer that said GOODBYE, or that the liveness probe declared dead, reads nothing more:
+/// its slots free at once, as a lost peer's, not after their FAILs linger out.
 #[test]
-fn a_peer_declared_dead_frees_its_slots_at_once() {
-    let (mut ep, t) = target();
-    fill_the_cap(&mut ep, t);
-    ep.declare_dead(t, INI);
-    drain(&mut ep);
-    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 0));
-}
-
-/// A peer that said GOODBYE reads nothing more: its slots free at once, as a lost peer's, not
-/// after their FAILs linger out.
-#[test]
-fn a_peer_that_says_goodbye_frees_its_slots_at_once() {
-    let (mut ep, t) = target();
-    fill_the_cap(&mut ep, t);
-    ep.handle_goodbye(t, INI);
-    drain(&mut ep);
-    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 0));
+fn a_peer_that_says_goodbye_or_is_declared_dead_frees_its_slots_at_once() {
+    let gone: [(&str, fn(&mut Endpoint, Instant)); 2] =
+        [("goodbye", |ep, t| ep.handle_goodbye(t, INI)), ("declared dead", |ep, t| ep.declare_dead(t, INI))];
+    for (how, leave) in gone {
+        let (mut ep, t) = target();
+        fill_the_cap(&mut ep, t);
+        leave(&mut ep, t);
+        drain(&mut ep);
+        assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 0), "{how}");
+    }
 }
 
 /// A waiter holds its further WANTs whole, so they are charged by their bytes, not only by
@@ -433,9 +432,7 @@ fn a_waiter_opens_when_a_closed_slot_lingers_out() {
     fill_the_cap(&mut ep, t);
     // The initiator goes silent: its flows are reclaimed (a FAIL each) and, with no CURSOR
     // ever coming, their slots linger. (A cancel would free its slot at once.)
-    let reclaimed = ep.poll_timeout().expect("the flows' idle timer");
-    ep.handle_timeout(reclaimed);
-    drain(&mut ep);
+    let reclaimed = reclaim_by_idle_timer(&mut ep);
     assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, CAP as u32), "reclaimed, lingering");
     let later = reclaimed + Duration::from_millis(1);
     ep.handle_msg(later, INI, one_way_want(CAP)).unwrap();
