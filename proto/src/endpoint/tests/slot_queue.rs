@@ -235,7 +235,8 @@ fn a_want_replayed_after_its_one_way_flow_ended_opens_nothing() {
 /// its slots free at once, as a lost peer's, not after their FAILs linger out.
 #[test]
 fn a_peer_that_says_goodbye_or_is_declared_dead_frees_its_slots_at_once() {
-    let gone: [(&str, fn(&mut Endpoint, Instant)); 2] =
+    type Leave = fn(&mut Endpoint, Instant);
+    let gone: [(&str, Leave); 2] =
         [("goodbye", |ep, t| ep.handle_goodbye(t, INI)), ("declared dead", |ep, t| ep.declare_dead(t, INI))];
     for (how, leave) in gone {
         let (mut ep, t) = target();
