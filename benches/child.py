@@ -26,3 +26,12 @@ def run_child(cmd, timeout, env=None):
         if line.startswith("RESULT "):
             return json.loads(line[7:]), None
     return None, f"rc {proc.returncode}:\n{out}\n{(err or '')[-2000:]}"
+
+
+def to_ucx(counters):
+    """The counters among a BOUNCE engine's (names without the "stats." prefix) that say a
+    request went to plain UCX: the gate runs at prep, so any pass-through or fallback counted
+    means one did. A benchmark whose variant should bounce or take the same-host path prints
+    no figure when this is not empty."""
+    return {k: v for k, v in counters.items() if v and (k == "passthrough_xfers" or k.startswith("fallback_"))}
+

@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
 sys.path.insert(0, HERE)
-from child import run_child  # noqa: E402
+from child import run_child, to_ucx  # noqa: E402
 
 VARIANTS = [
     # name, backend, params, env, mode
@@ -161,9 +161,9 @@ def path_problem(name, stats, op, mixed):
     """Why a BOUNCE variant's counters (absolute: its engine is fresh) do not show its path, or
     None. The gate runs at prep: any pass-through or fallback means the request went to UCX."""
     c = {k[len("stats."):]: int(v) for k, v in stats.items()}
-    to_ucx = {k: v for k, v in c.items() if v and (k == "passthrough_xfers" or k.startswith("fallback_"))}
-    if to_ucx:
-        return f"it went to UCX ({to_ucx})"
+    went = to_ucx(c)
+    if went:
+        return f"it went to UCX ({went})"
     ok = c.get("bounce_read_ok" if op == "READ" else "bounce_ok", 0)
     if "bounced" in name:
         if c.get("ipc_ok", 0) or c.get("cma_ok", 0) or not ok:

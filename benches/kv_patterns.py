@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PY = os.path.join(os.path.dirname(HERE), "tests", "python")
 sys.path.insert(0, PY)
 sys.path.insert(0, HERE)
-from child import run_child  # noqa: E402
+from child import run_child, to_ucx  # noqa: E402
 
 # (name, backend, params): "BOUNCE" as shipped (between processes of one host, the same-host
 # path: CMA for host memory, CUDA IPC for GPU memory), "BOUNCE bounced" with that path off (what
@@ -256,9 +256,9 @@ def path_problem(variant, path):
     pass-through or fallback counted means a request went to UCX."""
     if variant == "UCX":
         return None
-    to_ucx = {k: v for k, v in path.items() if k == "passthrough_xfers" or k.startswith("fallback_")}
-    if to_ucx:
-        return f"requests went to UCX ({to_ucx})"
+    went = to_ucx(path)
+    if went:
+        return f"requests went to UCX ({went})"
     same_host = path.get("cma_ok", 0) + path.get("ipc_ok", 0)
     bounced = path.get("bounce_ok", 0)
     if variant == "BOUNCE bounced":

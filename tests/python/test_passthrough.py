@@ -9,12 +9,9 @@ import pytest
 
 import nixlkit
 from conftest import run_isolated
+from test_bounce import stats as counters
 
 N, S = 4096, 4096
-
-
-def counters(ag):
-    return {k[len("stats."):]: int(v) for k, v in nixlkit.live_params(ag).items() if k.startswith("stats.")}
 
 
 def assert_bounced(before, after, op):
