@@ -39,6 +39,8 @@ type GetFn = unsafe extern "C" fn(Prog, *mut c_char) -> c_int;
 type DestroyFn = unsafe extern "C" fn(*mut Prog) -> c_int;
 type VersionFn = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
 
+include!("../ci/on_ci.rs");
+
 /// Compiles every kernel source; called once from build.rs.
 pub(crate) fn build() {
     println!("cargo:rerun-if-env-changed=BOUNCE_NVRTC_LIB");
@@ -47,9 +49,8 @@ pub(crate) fn build() {
         println!("cargo:rerun-if-changed={s}");
     }
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
-    // Under CI (the variable CI is 1, true or yes, any case: the tests' rule, see
-    // tests/nixl_sys_agents.rs `on_ci`) the kernels must be built.
-    let ci = std::env::var("CI").is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"));
+    // Under CI the kernels must be built.
+    let ci = on_ci();
     for src in SOURCES {
         let stem = Path::new(src).file_stem().and_then(|s| s.to_str()).expect("kernel file name");
         let dest = out.join(format!("{stem}.ptx"));

@@ -56,16 +56,12 @@ fn gpu_or_skip(test: &str) -> Option<(Arc<Gpu>, Kernels)> {
     }
 }
 
-/// Whether this runs under CI, where every check must run: the variable CI is 1, true or yes,
-/// any case (the rule of tests/nixl_sys_agents.rs `on_ci`).
-fn under_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-}
+include!("../ci/on_ci.rs");
 
 #[test]
 fn embedded_ptx_names_every_kernel_and_loads_on_cuda_12_and_13_drivers() {
     let Some(ptx) = embedded_ptx() else {
-        assert!(!under_ci(), "CI is set but the plugin was built without kernels (NVRTC not found)");
+        assert!(!on_ci(), "CI is set but the plugin was built without kernels (NVRTC not found)");
         println!("skipped: built without kernels (NVRTC not found at build time)");
         return;
     };
@@ -1102,7 +1098,7 @@ fn region_plan_check_kernel_compiled_for_the_host_agrees_with_the_cpu_rules() {
     let exe = dir.join("plan_check_host");
     match std::process::Command::new(&cxx).args(["-O2", "-std=c++17", "-o"]).arg(&exe).arg(&src).output() {
         Err(e) => {
-            assert!(!under_ci(), "CI is set but no C++ compiler ({cxx}: {e})");
+            assert!(!on_ci(), "CI is set but no C++ compiler ({cxx}: {e})");
             println!("{TEST}: skipped: no C++ compiler ({cxx}: {e})");
             return;
         }

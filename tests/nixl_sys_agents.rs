@@ -271,12 +271,7 @@ fn wait_notif(agent: &Agent, from: &str, msg: &str, seen: &mut HashMap<String, V
     }
 }
 
-/// True under CI (the variable CI is 1, true or yes, any case), where a check that cannot run
-/// is a failure. The one rule of every Rust check (tests/cuda_kernels.rs, kernels/build_ptx.rs,
-/// the unit tests) and of ci/test.
-fn on_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-}
+include!("../ci/on_ci.rs");
 
 // ---------------------------------------------------------------------------------------------
 // The test.

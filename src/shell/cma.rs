@@ -728,11 +728,7 @@ fn split(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
 mod tests {
     use super::*;
 
-    /// Whether this runs under CI, where every check must run: the variable CI is 1, true or
-    /// yes, any case (the rule of tests/nixl_sys_agents.rs `on_ci`).
-    fn on_ci() -> bool {
-        std::env::var("CI").is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-    }
+    include!("../../ci/on_ci.rs");
 
     fn piece(i: u64, len: u64) -> Piece {
         Piece { local: i << 32, remote: i << 33, len }
