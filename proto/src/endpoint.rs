@@ -593,15 +593,18 @@ impl Endpoint {
             }
             wire::Body::Msg(msg) => msg,
         };
-        let peer = match self.peers.admit(name, frame.session) {
-            Ok(peer) => peer,
-            // One way: an initiator we never loaded may open a flow answered through our
-            // mailbox, and then send that flow's frames (each must carry its token).
-            Err(FrameRefused::NotLoaded) if self.admits_one_way(self.peers.lookup(name), &msg) => {
-                self.admit_one_way(now, name)?
-            }
-            Err(e) => return Err(e),
-        };
+        // One way: an initiator we never loaded, or another incarnation of one we did, may open
+        // a flow answered through our mailbox, and then send that flow's frames (each must
+        // carry its token).
+        let (receiver, answering, sender) = (&self.receiver, &self.answering, &self.sender);
+        let one_way = |id| Self::one_way_admissible(answering, id, &msg);
+        let (peer, gone) = self
+            .peers
+            .admit_message(name, frame.session, one_way, |id| holds_nothing(receiver, answering, sender, id))?;
+        if let Some(gone) = gone {
+            // What little may remain of it (replay floors) goes with its name.
+            self.handle_peer_lost(now, gone);
+        }
         Ok(self.handle_msg(now, peer, msg)?)
     }
 
@@ -828,23 +831,6 @@ impl Endpoint {
     /// then drops what little may remain of it (replay floors).
     pub fn holds_nothing_for(&self, peer: PeerId) -> bool {
         holds_nothing(&self.receiver, &self.answering, &self.sender, peer)
-    }
-
-    /// Admits a one-way frame from `name` (see [`PeerTable::admit_one_way`]); when every
-    /// one-way name is taken, one that holds nothing here is forgotten to make room.
-    ///
-    /// # Errors
-    /// [`FrameRefused::NotLoaded`] when every one-way name holds something.
-    pub fn admit_one_way(&mut self, now: Instant, name: &str) -> Result<PeerId, FrameRefused> {
-        match self.peers.admit_one_way(name) {
-            Err(FrameRefused::NotLoaded) => {
-                let (receiver, answering, sender) = (&self.receiver, &self.answering, &self.sender);
-                let gone = self.peers.evict_one_way(|id| holds_nothing(receiver, answering, sender, id));
-                self.handle_peer_lost(now, gone.ok_or(FrameRefused::NotLoaded)?);
-                self.peers.admit_one_way(name)
-            }
-            r => r,
-        }
     }
 
     /// Remote flows the receiver tracks.

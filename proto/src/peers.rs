@@ -176,8 +176,14 @@ pub struct PeerTable {
     by_name: BTreeMap<String, Peer>,
     names: BTreeMap<PeerId, String>,
     /// Names never loaded that were given an id for one-way frames (at most
-    /// [`MAX_ONE_WAY_NAMES`]).
+    /// [`MAX_ONE_WAY_NAMES`], with `incarnations`).
     one_way: BTreeSet<String>,
+    /// One-way initiators under the name of a loaded agent but another session: the agent
+    /// restarted (or a third party claims its name), and NIXL here still holds its old
+    /// metadata. Each gets an id of its own, so its flows never mix with the loaded
+    /// incarnation's, and a reload with its session adopts that id
+    /// ([`load_conn_info`](Self::load_conn_info)), so its flows go on.
+    incarnations: BTreeMap<(String, u64), PeerId>,
     next_id: u32,
     /// Peers that can bounce now, kept in step by every change to an entry ([`tracked`]), so
     /// reading it costs no pass over the table: the shell publishes it after each change, a
@@ -233,7 +239,19 @@ impl PeerTable {
             },
             _ => (None, Loaded::NoCapabilities),
         };
-        self.entry(name);
+        // Each incarnation of an agent goes by an id of its own: whatever still names the old
+        // one's id (the reclaim its replacement queued, a frame admitted just before) can never
+        // touch the new one's state. The new one takes the id its one-way flows already have
+        // here, if it sent any, so that they go on.
+        let replaced =
+            self.by_name.get(name).is_some_and(|p| p.conn.is_some() && p.session.is_some() && p.session != session);
+        if replaced {
+            self.retire(name);
+        }
+        if !self.by_name.contains_key(name) {
+            let adopted = session.and_then(|s| self.incarnations.remove(&(name.to_owned(), s)));
+            self.insert(name, adopted);
+        }
         let p = self.by_name.get_mut(name).expect("entry made above");
         tracked(&mut self.ready, p, |p| {
             if p.session != session {
@@ -359,19 +377,95 @@ impl PeerTable {
         if let Some(p) = self.by_name.get(name) {
             return Ok(p.id);
         }
-        if self.one_way.len() >= MAX_ONE_WAY_NAMES || name.len() > MAX_NAME_LEN {
+        if self.one_way_full() || name.len() > MAX_NAME_LEN {
             return Err(FrameRefused::NotLoaded);
         }
         self.one_way.insert(name.to_owned());
         Ok(self.entry(name).id)
     }
 
+    /// One-way names and incarnations together are at [`MAX_ONE_WAY_NAMES`].
+    fn one_way_full(&self) -> bool {
+        self.one_way.len() + self.incarnations.len() >= MAX_ONE_WAY_NAMES
+    }
+
+    /// The id of the one-way incarnation of `name` under `session` (see
+    /// [`admit_incarnation`](Self::admit_incarnation)), if it has one.
+    pub fn incarnation(&self, name: &str, session: u64) -> Option<PeerId> {
+        self.incarnations.get(&(name.to_owned(), session)).copied()
+    }
+
+    /// Admits a one-way frame from `name` under `session` while NIXL has `name` loaded under
+    /// another session (the caller checked the frame is one-way traffic, as for
+    /// [`admit_one_way`](Self::admit_one_way)): the agent restarted, and its new incarnation
+    /// transfers to us before this side reloads its metadata, which plain UCX's one-sided
+    /// writes would serve. It gets an id of its own on first sight, within the one-way names'
+    /// cap. The loaded incarnation's session rule is untouched: nothing of this id is ever
+    /// its, and a forger gains what an invented name would (its flows need our keys' proofs
+    /// and carry their tokens).
+    ///
+    /// # Errors
+    /// [`FrameRefused::NotLoaded`] when `name` is not loaded under another session, or the cap
+    /// is reached.
+    pub fn admit_incarnation(&mut self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {
+        if let Some(id) = self.incarnation(name, session) {
+            return Ok(id);
+        }
+        let other = self.by_name.get(name).is_some_and(|p| p.conn.is_some() && p.session.is_some_and(|s| s != session));
+        if !other || self.one_way_full() {
+            return Err(FrameRefused::NotLoaded);
+        }
+        let id = self.fresh_id();
+        self.names.insert(id, name.to_owned());
+        self.incarnations.insert((name.to_owned(), session), id);
+        Ok(id)
+    }
+
+    /// The peer a message frame from `name` under `session` is admitted as: the loaded
+    /// peer's id under its own session ([`admit`](Self::admit)); or, for one-way traffic
+    /// (`one_way(id)`: the endpoint's `admits_one_way`, given the id the frame's flows would
+    /// be under), a name never loaded ([`admit_one_way`](Self::admit_one_way)) or another
+    /// incarnation of a loaded one ([`admit_incarnation`](Self::admit_incarnation)). A one-way
+    /// incarnation's frames go to it first, even once its session is the loaded one's
+    /// (reloaded, it adopted the id: then both are one). When every one-way name is taken, one
+    /// whose id `holds_nothing` is forgotten to make room and returned beside the admitted id:
+    /// the endpoint must drop what little may remain of it (replay floors) before the frame.
+    ///
+    /// # Errors
+    /// A [`FrameRefused`]: drop the frame; nothing changed.
+    pub fn admit_message(
+        &mut self,
+        name: &str,
+        session: u64,
+        one_way: impl Fn(Option<PeerId>) -> bool,
+        holds_nothing: impl Fn(PeerId) -> bool,
+    ) -> Result<(PeerId, Option<PeerId>), FrameRefused> {
+        if let Some(id) = self.incarnation(name, session).filter(|&id| one_way(Some(id))) {
+            return Ok((id, None));
+        }
+        let stranger = match self.admit(name, session) {
+            Ok(id) => return Ok((id, None)),
+            Err(FrameRefused::NotLoaded) if one_way(self.lookup(name)) => false,
+            Err(FrameRefused::StaleSession { .. }) if one_way(None) => true,
+            Err(e) => return Err(e),
+        };
+        let admit = |t: &mut Self| if stranger { t.admit_incarnation(name, session) } else { t.admit_one_way(name) };
+        match admit(self) {
+            Err(FrameRefused::NotLoaded) if self.one_way_full() => {
+                let gone = self.evict_one_way(holds_nothing).ok_or(FrameRefused::NotLoaded)?;
+                Ok((admit(self)?, Some(gone)))
+            }
+            r => r.map(|id| (id, None)),
+        }
+    }
+
     /// Forgets one name admitted for one-way frames that NIXL never loaded and whose id
     /// `holds_nothing` (no flow, no mailbox slot, nothing waiting: an endpoint's
     /// `holds_nothing_for`), to make room for another when [`MAX_ONE_WAY_NAMES`] are admitted.
     /// Its id is never given again: the name, should it come back, gets a new one. Names loaded
-    /// since their admission are not one-way names any more and leave the set on the way.
-    /// Returns the forgotten id; `None` when every one-way name holds something.
+    /// since their admission are not one-way names any more and leave the set on the way. When
+    /// no such name holds nothing, a one-way incarnation that holds nothing goes instead.
+    /// Returns the forgotten id; `None` when every one-way name and incarnation holds something.
     pub fn evict_one_way(&mut self, holds_nothing: impl Fn(PeerId) -> bool) -> Option<PeerId> {
         let mut loaded = Vec::new();
         let mut victim = None;
@@ -387,6 +481,13 @@ impl PeerTable {
         }
         for name in loaded {
             self.one_way.remove(&name);
+        }
+        if victim.is_none() {
+            let idle = self.incarnations.iter().find(|(_, id)| holds_nothing(**id)).map(|(k, id)| (k.clone(), *id));
+            let (key, id) = idle?;
+            self.incarnations.remove(&key);
+            self.names.remove(&id);
+            return Some(id);
         }
         let (name, id) = victim?;
         self.one_way.remove(&name);
@@ -432,9 +533,16 @@ impl PeerTable {
         Ok(p.id)
     }
 
-    /// `name` disconnected (NIXL reports it): it is no longer loaded, its arena and HELLO are
-    /// forgotten and so is its session. Its id stays. Returns the id, if the name was known.
+    /// `name` disconnected (NIXL reports it): it is no longer loaded, its arena, HELLO and
+    /// session are forgotten, and so is its id: whatever comes under the name next (a reload, a
+    /// one-way frame, a transfer we submit) gets a new one, so the reclaim of the lost one can
+    /// never touch it. Returns the lost id, if the name was known.
     pub fn lost(&mut self, name: &str) -> Option<PeerId> {
+        self.retire(name)
+    }
+
+    /// Forgets `name`'s entry and its id (never given again).
+    fn retire(&mut self, name: &str) -> Option<PeerId> {
         let p = self.by_name.get_mut(name)?;
         tracked(&mut self.ready, p, |p| {
             p.conn = None;
@@ -442,7 +550,11 @@ impl PeerTable {
             p.hello = false;
             p.session = None;
         });
-        Some(p.id)
+        let id = p.id;
+        self.by_name.remove(name);
+        self.names.remove(&id);
+        self.one_way.remove(name);
+        Some(id)
     }
 
     /// Whether a write of `len` bytes into `peer`'s granted `region` of its arena `arena`
@@ -467,13 +579,23 @@ impl PeerTable {
 
     fn entry(&mut self, name: &str) -> &mut Peer {
         if !self.by_name.contains_key(name) {
-            let id = PeerId(self.next_id);
-            self.next_id += 1;
-            self.names.insert(id, name.to_owned());
-            let peer = Peer { id, conn: None, arena: false, session: None, hello: false };
-            self.by_name.insert(name.to_owned(), peer);
+            self.insert(name, None);
         }
         self.by_name.get_mut(name).expect("inserted above")
+    }
+
+    /// A new entry for `name`, by `id` or the next free one.
+    fn insert(&mut self, name: &str, id: Option<PeerId>) {
+        let id = id.unwrap_or_else(|| self.fresh_id());
+        self.names.insert(id, name.to_owned());
+        let peer = Peer { id, conn: None, arena: false, session: None, hello: false };
+        self.by_name.insert(name.to_owned(), peer);
+    }
+
+    fn fresh_id(&mut self) -> PeerId {
+        let id = PeerId(self.next_id);
+        self.next_id += 1;
+        id
     }
 }
 
@@ -499,16 +621,68 @@ mod tests {
         t
     }
 
+    /// An id names one incarnation of an agent: stable while it is loaded, retired when it is
+    /// lost or replaced (a reclaim of the old id, queued before the change, can then never
+    /// touch what comes next under the name), and never given again.
     #[test]
-    fn ids_are_stable_per_name_and_never_reused() {
+    fn ids_are_stable_per_incarnation_and_never_reused() {
         let mut t = PeerTable::new();
         let a = t.id("a");
         let b = t.id("b");
         assert_ne!(a, b);
         assert_eq!(t.id("a"), a);
-        t.lost("a");
-        assert_eq!(t.id("a"), a);
+        t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
+        assert_eq!(t.lookup("a"), Some(a), "a first load keeps the id transfers were submitted under");
+        t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
+        assert_eq!(t.lookup("a"), Some(a), "the same session: the same incarnation");
+        assert_eq!(t.lost("a"), Some(a));
+        assert_eq!((t.lookup("a"), t.name(a)), (None, None));
+        let again = t.id("a");
+        assert!(again != a && again != b);
+        t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
+        let replaced = t.load_conn_info("a", Some(Capabilities { session: 2, ..caps(4096) }), Some(&caps(4096)));
+        assert_eq!(replaced, Loaded::Compatible);
+        let third = t.lookup("a").unwrap();
+        assert!(third != again && third != a && t.name(again).is_none());
         assert_eq!((t.lookup("b"), t.name(b), t.lookup("c")), (Some(b), Some("b"), None));
+    }
+
+    /// A loaded agent's name under another session: one-way traffic only, under an id of its
+    /// own per session, within the one-way names' cap (an idle one gives way), and adopted by a
+    /// reload with its session. The loaded peer's own rule is untouched.
+    #[test]
+    fn another_incarnation_of_a_loaded_name_is_admitted_one_way_under_its_own_id() {
+        let mut t = ready("a");
+        let a = t.lookup("a").unwrap();
+        let nothing = |_| false;
+        let (one_way, two_way) = (|_: Option<PeerId>| true, |_: Option<PeerId>| false);
+        assert_eq!(t.admit_message("a", 1, two_way, nothing), Ok((a, None)), "its own session");
+        assert_eq!(t.admit_message("a", 2, two_way, nothing), Err(FrameRefused::StaleSession { got: 2, current: 1 }));
+        let (inc, gone) = t.admit_message("a", 2, one_way, nothing).unwrap();
+        assert!(inc != a && gone.is_none());
+        assert_eq!((t.incarnation("a", 2), t.name(inc)), (Some(inc), Some("a")));
+        assert_eq!(t.admit_message("a", 2, one_way, nothing), Ok((inc, None)), "the same id for its flows");
+        let (other, _) = t.admit_message("a", 3, one_way, nothing).unwrap();
+        assert!(other != inc && other != a, "one id per session");
+        assert_eq!(t.admit("a", 1), Ok(a));
+        assert!(t.can_bounce("a") && t.bounce_peers() == 1, "the loaded peer is untouched");
+        // Not for a name that is not loaded (that is admit_one_way's), nor under its own session.
+        assert_eq!(t.admit_incarnation("x", 2), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.admit_incarnation("a", 1), Err(FrameRefused::NotLoaded));
+        // The cap counts them with the one-way names; an idle one gives way, a busy one never.
+        for i in 0..MAX_ONE_WAY_NAMES - 2 {
+            t.admit_one_way(&format!("junk-{i}")).unwrap();
+        }
+        assert_eq!(t.admit_message("a", 4, one_way, nothing), Err(FrameRefused::NotLoaded), "full, all busy");
+        let (fourth, gone) = t.admit_message("a", 4, one_way, |id| id == other).unwrap();
+        assert_eq!(gone, Some(other));
+        assert!(t.incarnation("a", 3).is_none() && t.name(other).is_none() && t.incarnation("a", 4) == Some(fourth));
+        // NIXL reloads the agent with session 2: it adopts that incarnation's id.
+        assert_eq!(t.load_replaces("a", Some(&Capabilities { session: 2, ..caps(4096) })), Some(a));
+        t.load_conn_info("a", Some(Capabilities { session: 2, ..caps(4096) }), Some(&caps(4096)));
+        assert_eq!((t.lookup("a"), t.incarnation("a", 2), t.name(a)), (Some(inc), None, None));
+        assert_eq!(t.admit_message("a", 2, two_way, nothing), Ok((inc, None)));
+        assert_eq!(t.bounce_peers(), 0, "a new incarnation is asked about again");
     }
 
     #[test]
@@ -575,11 +749,13 @@ mod tests {
         let new = Capabilities { session: 8, ..caps(4096) };
         assert_eq!(t.load_replaces("a", Some(&new)), Some(a));
         assert_eq!(t.load_conn_info("a", Some(new), Some(&caps(4096))), Loaded::Compatible);
-        assert_eq!(t.admit("a", 8), Ok(a));
+        let a8 = t.lookup("a").unwrap();
+        assert_ne!(a8, a, "a new incarnation, a new id");
+        assert_eq!(t.admit("a", 8), Ok(a8));
         assert_eq!(t.admit("a", 1), Err(FrameRefused::StaleSession { got: 1, current: 8 }));
         // Reloaded without capabilities: the old incarnation is replaced, and the peer has no
         // session left to send message frames with.
-        assert_eq!(t.load_replaces("a", None), Some(a));
+        assert_eq!(t.load_replaces("a", None), Some(a8));
         t.load_conn_info("a", None, None);
         assert_eq!(t.admit("a", 8), Err(FrameRefused::NoSession));
         // After a loss nothing is replaced: the loss reclaimed everything already.
@@ -755,6 +931,7 @@ mod tests {
         Goodbye(usize, u64),
         Lost(usize),
         OneWay(usize),
+        Incarnation(usize, u64),
     }
 
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -769,14 +946,16 @@ mod tests {
             who.clone().prop_map(Op::Confirm),
             (who.clone(), session).prop_map(|(w, s)| Op::Goodbye(w, s)),
             who.clone().prop_map(Op::Lost),
-            who.prop_map(Op::OneWay),
+            who.clone().prop_map(Op::OneWay),
+            (who, 1..4u64).prop_map(|(w, s)| Op::Incarnation(w, s)),
         ]
     }
 
     proptest::proptest! {
         /// The count of peers that can bounce, kept as the table changes, is always what a
         /// pass over the table counts, whatever the order of loads, arenas, HELLOs, GOODBYEs
-        /// (accepted or refused), losses and one-way admissions.
+        /// (accepted or refused), losses and one-way admissions (of incarnations too). And ids
+        /// and names stay one to one: every name's id names it back, and no id goes by two names.
         #[test]
         fn the_ready_count_always_equals_a_recount(ops in proptest::collection::vec(op(), 0..64)) {
             let names = ["a", "b", "c"];
@@ -806,9 +985,20 @@ mod tests {
                     Op::OneWay(w) => {
                         let _ = t.admit_one_way(names[w]);
                     }
+                    Op::Incarnation(w, s) => {
+                        let _ = t.admit_message(names[w], s, |_| true, |_| true);
+                    }
                 }
                 let recount = names.iter().filter(|n| t.can_bounce(n)).count();
                 proptest::prop_assert_eq!(t.bounce_peers(), recount);
+                for (name, p) in &t.by_name {
+                    proptest::prop_assert_eq!(t.name(p.id), Some(name.as_str()));
+                }
+                for ((name, _), id) in &t.incarnations {
+                    proptest::prop_assert_eq!(t.name(*id), Some(name.as_str()));
+                    proptest::prop_assert!(t.by_name.values().all(|p| p.id != *id));
+                }
+                proptest::prop_assert_eq!(t.names.len(), t.by_name.len() + t.incarnations.len());
             }
         }
     }

@@ -157,17 +157,20 @@ impl PeerTable {
     // ---- from NIXL (application threads) ----
 
     /// NIXL loaded the agent's connection info, which published `theirs`; `ours` are our
-    /// capabilities. Says whether the two can bounce together, and whether the load replaced
-    /// an older incarnation of the agent (another session): everything of that one must then
-    /// be reclaimed, as for a lost peer, before the new one is told HELLO.
+    /// capabilities. Says whether the two can bounce together, and, when the load replaced an
+    /// older incarnation of the agent (another session), that one's id and its arenas' inner
+    /// metadata: everything of it must then be reclaimed, as for a lost peer, before the new
+    /// one is told HELLO, and its arenas unloaded once no write uses them.
     pub(crate) fn loaded(
         &self,
         name: &str,
         theirs: Option<Capabilities>,
         ours: Option<&Capabilities>,
-    ) -> (Loaded, bool) {
+    ) -> (Loaded, Option<(PeerId, Vec<Md>)>) {
         let mut t = self.change();
-        let replaced = t.rules.load_replaces(name, theirs.as_ref()).is_some();
+        // The old incarnation's id goes with it (the new one gets another): its arenas are
+        // taken here, to unload once no write uses them, or nothing would find them again.
+        let replaced = t.rules.load_replaces(name, theirs.as_ref()).map(|old| (old, take_peer(&mut t.arenas, old)));
         (t.rules.load_conn_info(name, theirs, ours), replaced)
     }
 
@@ -241,15 +244,15 @@ impl PeerTable {
         (arena.is_some(), [old, given].into_iter().filter(|g| !g.is_empty()).collect())
     }
 
-    /// The agent disconnected: forget everything NIXL and the agent told us. Its id stays
-    /// (ids are never reused).
-    /// Returns its arena's inner metadata (and its mailbox's) to unload once nothing uses them
-    /// (empty: none was loaded).
-    pub(crate) fn lost(&self, name: &str) -> Vec<Md> {
+    /// The agent disconnected: forget everything NIXL and the agent told us, its id too (the
+    /// name, should it come back, gets a new one; ids are never reused). Returns the lost id
+    /// (`None`: never heard of) and its arena's inner metadata (and its mailbox's) to unload
+    /// once nothing uses them (empty: none was loaded).
+    pub(crate) fn lost(&self, name: &str) -> (Option<PeerId>, Vec<Md>) {
         let mut t = self.change();
         self.losses.fetch_add(1, Relaxed);
-        let Some(id) = t.rules.lost(name) else { return Vec::new() };
-        take_peer(&mut t.arenas, id)
+        let Some(id) = t.rules.lost(name) else { return (None, Vec::new()) };
+        (Some(id), take_peer(&mut t.arenas, id))
     }
 
     /// Disconnects of any peer so far.
@@ -312,18 +315,21 @@ impl PeerTable {
         Some((t.rules.name(id)?.to_owned(), mailbox))
     }
 
-    /// Admits a one-way frame from an agent NIXL never loaded (the core's
-    /// `PeerTable::admit_one_way`: the caller checked it is one-way traffic).
+    /// The peer a message frame from `name` under `session` is admitted as, and a one-way name
+    /// forgotten to make room for it (the core's `PeerTable::admit_message`: the loaded peer
+    /// under its session, or one-way traffic from a name never loaded or from another
+    /// incarnation of a loaded one).
     ///
     /// # Errors
-    /// [`FrameRefused::NotLoaded`] once too many such names were seen.
-    pub(crate) fn admit_one_way(&self, name: &str) -> Result<PeerId, FrameRefused> {
-        self.table.lock().rules.admit_one_way(name)
-    }
-
-    /// The core's `PeerTable::evict_one_way`: forgets a one-way name whose id `holds_nothing`.
-    pub(crate) fn evict_one_way(&self, holds_nothing: impl Fn(PeerId) -> bool) -> Option<PeerId> {
-        self.change().rules.evict_one_way(holds_nothing)
+    /// A [`FrameRefused`]: drop the frame.
+    pub(crate) fn admit_message(
+        &self,
+        name: &str,
+        session: u64,
+        one_way: impl Fn(Option<PeerId>) -> bool,
+        holds_nothing: impl Fn(PeerId) -> bool,
+    ) -> Result<(PeerId, Option<PeerId>), FrameRefused> {
+        self.change().rules.admit_message(name, session, one_way, holds_nothing)
     }
 
     /// Peers a transfer may bounce to now.
@@ -467,7 +473,7 @@ mod tests {
         (theirs.mailbox_base, theirs.mailbox_len, theirs.mailbox_key) = (0x9000, 64, b"m".to_vec());
         let second = bounce_proto::wire::ArenaCaps { base: 0x40_0000, len: 0x2000, ..theirs.arenas.first().clone() };
         theirs.arenas = bounce_proto::wire::Arenas::new(vec![theirs.arenas.first().clone(), second]).unwrap();
-        assert_eq!(t.loaded("b", Some(theirs), Some(&caps(1))), (Loaded::Compatible, false));
+        assert_eq!(t.loaded("b", Some(theirs), Some(&caps(1))), (Loaded::Compatible, None));
         let (zero, one) = (t.arena_to_load("b", A0).unwrap(), t.arena_to_load("b", ArenaId(1)).unwrap());
         assert!(zero.mailbox.is_some() && one.mailbox.is_none(), "the mailbox rides with arena 0");
         assert_eq!((one.base, one.len), (0x40_0000, 0x2000));
@@ -482,7 +488,8 @@ mod tests {
         assert!(matches!(at(1, 0x2000), Err(WriteRefused::Credit(..))), "past the second arena's end");
         assert_eq!(at(0, 0x2000).map(|(_, a)| a.md).ok(), Some(Md(5)), "the first arena is larger");
         assert!(matches!(at(2, 0), Err(WriteRefused::NoArena)));
-        let mut back = t.lost("b");
+        let (lost, mut back) = t.lost("b");
+        assert_eq!(lost, Some(id));
         back.sort_by_key(|m| m.0);
         assert_eq!(back, vec![Md(5), Md(6), Md(7)]);
         assert_eq!(t.arenas_loaded(), 0);
@@ -492,7 +499,7 @@ mod tests {
     fn a_peer_can_bounce_once_loaded_with_its_arena_and_after_its_hello() {
         let t = PeerTable::default();
         assert_eq!(t.admit("b", 9), Err(FrameRefused::NotLoaded));
-        assert_eq!(t.loaded("b", Some(caps(9)), Some(&caps(1))), (Loaded::Compatible, false));
+        assert_eq!(t.loaded("b", Some(caps(9)), Some(&caps(1))), (Loaded::Compatible, None));
         assert!(t.compatible("b"));
         assert_eq!(t.endpoint("b").as_deref(), Some(&b"tcp://10.0.0.1:1"[..]));
         assert_eq!(t.arena_to_load("b", A0).map(|a| a.key), Some(b"key".to_vec()));
@@ -507,7 +514,7 @@ mod tests {
         assert_eq!(t.write_target(id, (A0, first), 4096).map(|(n, a)| (n, a.md)).ok(), Some(("b".to_owned(), Md(5))));
         let past_end = t.write_target(id, (A0, Region { offset: (1 << 20) - 8, len: 4096 }), 16);
         assert!(matches!(past_end, Err(WriteRefused::Credit(..))));
-        assert_eq!(t.lost("b"), vec![Md(5)], "the lost peer's arena is handed back to unload");
+        assert_eq!(t.lost("b"), (Some(id), vec![Md(5)]), "the lost peer's arena is handed back to unload");
         assert!(
             t.bounce_arenas("b").is_none() && matches!(t.write_target(id, (A0, first), 4096), Err(WriteRefused::Gone))
         );
@@ -516,12 +523,12 @@ mod tests {
         for gone in [id, PeerId(99)] {
             assert!(matches!(t.write_target(gone, (A0, first), 4096), Err(WriteRefused::Gone)), "{gone:?}");
         }
-        assert_eq!(t.id("b"), id, "ids are never reused");
+        assert_ne!(t.id("b"), id, "a lost id is never given again");
         // An incompatible peer is loaded (it may talk to us, with its session) but has nothing
         // to load; one without capabilities has no session to send message frames with.
-        assert!(matches!(t.loaded("c", Some(caps(3)), None), (Loaded::NoCapabilities, false)));
+        assert!(matches!(t.loaded("c", Some(caps(3)), None), (Loaded::NoCapabilities, None)));
         assert!(t.admit("c", 3).is_ok() && t.arena_to_load("c", A0).is_none());
-        assert!(matches!(t.loaded("d", None, Some(&caps(1))), (Loaded::NoCapabilities, false)));
+        assert!(matches!(t.loaded("d", None, Some(&caps(1))), (Loaded::NoCapabilities, None)));
         assert_eq!(t.admit("d", 1), Err(FrameRefused::NoSession));
         assert_eq!(
             t.arena_loaded("c", A0, Some(Md(6)), None),
@@ -533,14 +540,20 @@ mod tests {
     #[test]
     fn the_session_comes_from_the_loaded_metadata_and_changes_only_by_a_reload() {
         let t = PeerTable::default();
-        assert_eq!(t.loaded("b", Some(caps(1)), Some(&caps(9))), (Loaded::Compatible, false));
+        assert_eq!(t.loaded("b", Some(caps(1)), Some(&caps(9))), (Loaded::Compatible, None));
         let b = t.known_id("b").unwrap();
         assert_eq!(t.admit("b", 1), Ok(b));
         assert_eq!(t.admit("b", 2), Err(FrameRefused::StaleSession { got: 2, current: 1 }));
         assert_eq!(t.admit("b", 1), Ok(b), "a refused frame changes nothing");
-        assert_eq!(t.loaded("b", Some(caps(1)), Some(&caps(9))), (Loaded::Compatible, false), "same session");
-        assert_eq!(t.loaded("b", Some(caps(2)), Some(&caps(9))), (Loaded::Compatible, true), "new incarnation");
-        assert_eq!(t.admit("b", 2), Ok(b));
+        assert_eq!(t.loaded("b", Some(caps(1)), Some(&caps(9))), (Loaded::Compatible, None), "same session");
+        assert_eq!(t.arena_loaded("b", A0, Some(Md(5)), None), (true, vec![]));
+        // A new incarnation: the old one's id and arena handles come back, to reclaim and to
+        // unload (nothing would find them under the new id), and the new one gets a new id.
+        assert_eq!(t.loaded("b", Some(caps(2)), Some(&caps(9))), (Loaded::Compatible, Some((b, vec![Md(5)]))));
+        let b2 = t.known_id("b").unwrap();
+        assert_ne!(b2, b);
+        assert_eq!((t.admit("b", 2), t.arenas_loaded()), (Ok(b2), 0));
+        assert!(matches!(t.write_target(b, (A0, Region { offset: 0, len: 64 }), 64), Err(WriteRefused::Gone)));
         assert_eq!(t.admit("b", 1), Err(FrameRefused::StaleSession { got: 1, current: 2 }));
     }
 
@@ -567,7 +580,7 @@ mod tests {
                 && matches!(t.write_target(id, (A0, region), 4096), Err(WriteRefused::NoArena))
         );
         assert_eq!((t.ready(), t.arenas_loaded()), (0, 0));
-        assert_eq!((t.arenas_loaded(), t.lost("b")), (0, vec![]), "handed back once only");
+        assert_eq!((t.arenas_loaded(), t.lost("b")), (0, (Some(id), vec![])), "handed back once only");
         // Loading failed after a success: the old handle goes too.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("c", A0, Some(Md(7)), None), (true, vec![]));
@@ -618,7 +631,7 @@ mod tests {
         assert_eq!(t.arena_loaded("b", A0, Some(Md(15)), Some(Md(16))), (true, vec![]));
         assert_eq!(t.arena_loaded("b", A0, None, Some(Md(16))), (false, vec![vec![Md(15), Md(16)]]));
         assert_eq!(t.arena_loaded("b", A0, Some(Md(11)), Some(Md(12))), (true, vec![]));
-        assert_eq!(t.lost("b"), vec![Md(11), Md(12)], "both handed back to unload");
+        assert_eq!(t.lost("b"), (Some(id), vec![Md(11), Md(12)]), "both handed back to unload");
         assert_eq!(t.arenas_loaded(), 0);
         // A peer without a mailbox has none to load, and a handle given anyway is not kept.
         t.loaded("c", Some(caps(3)), Some(&caps(1)));

@@ -135,6 +135,83 @@ nixlkit.leave(0)
 
 
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_a_restarted_peer_bounces_one_way_before_we_reload_it_and_its_flow_survives_the_reload(control):
+    """a and b load each other; b restarts under the same name (its GOODBYE confirmed, a still
+    holds its old metadata) and writes to a before a reloads it. Plain UCX's one-sided write
+    would land; BOUNCE dropped every frame of the new incarnation as stale and failed the write
+    after the request timeout. Now it bounces one way, byte-exact, under an id of its own at a.
+    Then a reloads b (disconnect, load) while a write of b's streams one way through the
+    arenas: the write completes byte-exact (the reload reclaimed the old incarnation only, and
+    the new one kept its flows' id), and b's next write goes two way."""
+    from conftest import run_isolated
+    params = {**SMALL, **CONTROL[control]}
+    code = f"""
+import gc, time
+import nixlkit
+P = {params!r}
+a, b = nixlkit.agent("rs-a", params=P), nixlkit.agent("rs-b", params=P)
+small, big = nixlkit.Scattered(1024, 4096, seed=91), nixlkit.Scattered(8192, 4096, seed=92)
+dst = nixlkit.pattern(93, big.dst_bytes)
+nixlkit.register(a, dst)
+a_meta = a.get_agent_metadata()
+src = nixlkit.pattern(94, big.src_bytes)
+nixlkit.register(b, src)
+a.add_remote_agent(b.get_agent_metadata()); b.add_remote_agent(a_meta)
+nixlkit.wait_ready(a), nixlkit.wait_ready(b)
+nixlkit.write_exact(b, a, "rs-a", small, src, dst, dst.copy(), "before the restart")
+del b; gc.collect()                       # GOODBYE: a keeps b's metadata and session
+b = nixlkit.agent("rs-b", params=P)       # the restart: a new session, the same name
+src = nixlkit.pattern(95, big.src_bytes)
+nixlkit.register(b, src)
+b.add_remote_agent(a_meta)                # b loads a; a does not reload b yet
+st = lambda ag: {{k[6:]: int(v) for k, v in nixlkit.live_params(ag).items() if k.startswith("stats.")}}
+def post(lay):
+    h = b.initialize_xfer("WRITE", b.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                          b.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "rs-a", b"")
+    assert b.transfer(h) != "ERR"
+    return h
+s0, t = st(b), time.monotonic()
+before = dst.copy()
+nixlkit.wait_xfer(b, post(small), peers=[a], deadline=20)
+s1 = st(b)
+nixlkit.assert_same(dst, small.expected(src, before), "the restarted peer's write before the reload")
+print("RESULT before", s1["bounce_ok"] - s0["bounce_ok"], s1["one_way_sent"] - s0["one_way_sent"],
+      s1["passthrough_xfers"] - s0["passthrough_xfers"], round(time.monotonic() - t, 2), flush=True)
+for attempt in range(5):                  # reload a's view of b while b's write is in flight
+    before = dst.copy()
+    h = post(big)
+    in_flight = b.check_xfer_state(h) == "PROC"
+    a.remove_remote_agent("rs-b"); a.add_remote_agent(b.get_agent_metadata())
+    nixlkit.wait_xfer(b, h, peers=[a], deadline=60)
+    nixlkit.assert_same(dst, big.expected(src, before), "the write in flight across the reload")
+    b.release_xfer_handle(h)
+    if in_flight:
+        break
+nixlkit.wait_ready(b, deadline=10)        # a's HELLO after the reload: two way again
+s2 = st(b)
+before = dst.copy()
+nixlkit.write_exact(b, a, "rs-a", small, src, dst, before, "two way after the reload")
+s3 = st(b)
+print("RESULT across", int(in_flight), s2["bounce_ok"] - s1["bounce_ok"], s2["one_way_sent"] - s1["one_way_sent"],
+      s2["bounce_failed"] - s0["bounce_failed"], flush=True)
+print("RESULT after", s3["bounce_ok"] - s2["bounce_ok"], s3["one_way_sent"] - s2["one_way_sent"], flush=True)
+nixlkit.leave(0)
+"""
+    rc, out = run_isolated(code, timeout=180)
+    assert rc == 0, out[-3000:]
+    r = {line.split()[1]: line.split()[2:] for line in out.splitlines() if line.startswith("RESULT ")}
+    assert set(r) == {"before", "across", "after"}, out[-3000:]
+    ok, one_way, passthrough, secs = r["before"]
+    # Bounced one way (not plain UCX, not by a timeout: the request timeout is 3 s).
+    assert (ok, one_way, passthrough) == ("1", "1", "0"), r
+    assert float(secs) < 2, f"took {secs} s: the write waited for a timeout"
+    in_flight, ok, one_way, failed = r["across"]
+    assert in_flight == "1", "no attempt had the write in flight at the reload"
+    assert int(ok) == int(one_way) >= 1 and failed == "0", r
+    assert r["after"] == ["1", "0"], f"not two way after the reload: {r}"
+
+
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
 def test_a_small_one_way_write_rides_in_its_want_and_one_ack_record_completes_it(procs, tmp_path, control):
     """256 x 64 B, one chunk within bounce_inline_bytes: the WANT carries the bytes, the target
     (which never loaded us) puts them in a region and scatters them, and writes one record, the

@@ -119,7 +119,13 @@ impl Endpoint {
     /// pass as one-way traffic: a one-way WANT when we keep a mailbox, or any message of a
     /// one-way flow it holds. The shell, which keeps its own peer table, asks this too.
     pub fn admits_one_way(&self, peer: Option<PeerId>, msg: &wire::Msg) -> bool {
-        if !self.answering.has_mailbox() {
+        Self::one_way_admissible(&self.answering, peer, msg)
+    }
+
+    /// [`admits_one_way`](Self::admits_one_way) with only the part of the endpoint it reads,
+    /// so the peer table may ask it while the endpoint's other parts are borrowed.
+    pub(super) fn one_way_admissible(answering: &Answering, peer: Option<PeerId>, msg: &wire::Msg) -> bool {
+        if !answering.has_mailbox() {
             return false;
         }
         match msg {
@@ -136,7 +142,7 @@ impl Endpoint {
             | wire::Msg::Plan(_)
             | wire::Msg::Keep(_)
             | wire::Msg::Pull(_)
-            | wire::Msg::Release(_) => self.answering.knows(FlowKey { peer, xfer: msg.xfer() }),
+            | wire::Msg::Release(_) => answering.knows(FlowKey { peer, xfer: msg.xfer() }),
             wire::Msg::Grant(_) | wire::Msg::Ack(_) => false,
         }
     }
@@ -230,7 +236,9 @@ impl Endpoint {
         let (peers, answering, reading) = (&self.peers, &self.answering, &self.reading);
         self.waited.retain(|&p| {
             let one_way = answering.has_peer(p) || reading.has_peer(p);
-            !one_way || peers.name(p).is_some_and(|n| peers.can_bounce(n))
+            // A one-way incarnation of a loaded name is not that name's loaded peer: a PING to
+            // the name reaches the other incarnation, whose PONG never comes back to this id.
+            !one_way || peers.name(p).is_some_and(|n| peers.can_bounce(n) && peers.lookup(n) == Some(p))
         });
         self.liveness.watch(now, &self.waited);
     }

@@ -31,14 +31,18 @@ impl Engine {
         }
         if self.bounce.is_some() {
             let (loaded, replaced) = self.peers.loaded(agent, env.caps, self.capabilities().as_ref());
-            if replaced {
+            if let Some((old, unload)) = replaced {
                 // A new session: the agent restarted under the same name. Its old incarnation's
-                // transfers and flows are void; the reactor reclaims them before the HELLO
-                // that `peer_loaded` queues behind this, so no frame of the new session can
-                // reach the old state.
+                // transfers and flows are void; the reactor reclaims them by the old id, which
+                // the new incarnation never goes by, so no frame of the new session (admitted
+                // before the reactor takes this, or its one-way flows begun before the
+                // reload) can be reclaimed with them.
                 tracing::info!(peer = agent, "peer reloaded with a new session: reclaiming its old state");
                 if let Some(sh) = self.shared() {
-                    sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
+                    sh.inbox.push(Cmd::PeerLost(agent.to_owned(), old));
+                    if !unload.is_empty() {
+                        sh.inbox.push(Cmd::Unload(unload));
+                    }
                 }
             }
             match loaded {
@@ -91,8 +95,10 @@ impl Engine {
     /// unloaded once no write uses it.
     pub(crate) fn peer_lost(&self, agent: &str) {
         if let Some(sh) = self.shared() {
-            let unload = self.peers.lost(agent);
-            sh.inbox.push(Cmd::PeerLost(agent.to_owned()));
+            let (id, unload) = self.peers.lost(agent);
+            if let Some(id) = id {
+                sh.inbox.push(Cmd::PeerLost(agent.to_owned(), id));
+            }
             if !unload.is_empty() {
                 sh.inbox.push(Cmd::Unload(unload));
             }

@@ -90,16 +90,25 @@ impl Driver {
         crate::shell::mark!(format_args!("recv-{}", msg.kind_name()), bytes.len());
         // The session must be the one of the peer's loaded metadata; a new one arrives only
         // through a metadata reload (`Engine::load_conn_info`), never through a frame.
-        let admitted = match self.shared.peers.admit(peer, frame.session) {
-            // One way: an initiator we never loaded may open a flow answered through our
-            // mailbox, then send that flow's frames (each carries the flow's token).
-            Err(FrameRefused::NotLoaded) if self.ep.admits_one_way(self.shared.peers.known_id(peer), &msg) => {
-                self.admit_one_way(now, peer)
-            }
-            r => r,
-        };
+        // One way: an initiator we never loaded, or another incarnation of one we did (it
+        // restarted; we still hold its old metadata), may open a flow answered through our
+        // mailbox, then send that flow's frames (each carries the flow's token).
+        let ep = &self.ep;
+        let admitted = self.shared.peers.admit_message(
+            peer,
+            frame.session,
+            |id| ep.admits_one_way(id, &msg),
+            |id| ep.holds_nothing_for(id),
+        );
         let id = match admitted {
-            Ok(id) => id,
+            Ok((id, gone)) => {
+                if let Some(gone) = gone {
+                    // A one-way name forgotten to make room: what little may remain of it
+                    // (replay floors) goes with it.
+                    self.ep.handle_peer_lost(now, gone);
+                }
+                id
+            }
             Err(e) => {
                 if matches!(e, FrameRefused::StaleSession { .. }) {
                     self.sessions_forged += 1;
@@ -149,22 +158,6 @@ impl Driver {
                 self.ep.handle_goodbye(now, id);
             }
             Err(e) => self.drop_frame(now, peer, &e),
-        }
-    }
-
-    /// Admits a one-way frame from `name`; when every one-way name is taken, one that holds
-    /// nothing in our endpoint is forgotten to make room (junk frames under invented names must
-    /// not lock real initiators out).
-    fn admit_one_way(&mut self, now: Instant, name: &str) -> Result<PeerId, FrameRefused> {
-        match self.shared.peers.admit_one_way(name) {
-            Err(FrameRefused::NotLoaded) => {
-                let ep = &self.ep;
-                let gone = self.shared.peers.evict_one_way(|id| ep.holds_nothing_for(id));
-                // What little may remain of it (replay floors) goes with its name.
-                self.ep.handle_peer_lost(now, gone.ok_or(FrameRefused::NotLoaded)?);
-                self.shared.peers.admit_one_way(name)
-            }
-            r => r,
         }
     }
 

@@ -706,12 +706,10 @@ impl Driver {
                     self.cancels.insert(x, done);
                 }
             }
-            Cmd::PeerLost(name) => {
+            Cmd::PeerLost(name, id) => {
                 self.greeted.remove(&name);
                 self.control.forget(&name);
-                if let Some(id) = self.shared.peers.known_id(&name) {
-                    self.ep.handle_peer_lost(now, id);
-                }
+                self.ep.handle_peer_lost(now, id);
             }
             Cmd::Hello(name, losses) => {
                 if !self.shared.peers.compatible(&name) {

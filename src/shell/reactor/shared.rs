@@ -9,7 +9,7 @@ use std::thread::Thread;
 use std::time::Duration;
 
 use bounce_proto::proof::Destination;
-use bounce_proto::{ArenaId, RegId, XferId};
+use bounce_proto::{ArenaId, PeerId, RegId, XferId};
 use parking_lot::{Condvar, Mutex};
 
 use super::alarm::Alarm;
@@ -29,8 +29,9 @@ pub(crate) enum Cmd {
     /// The application released an in-flight request: signal `done` once nothing of it writes
     /// our memory any more (its failure, deferred while a READ's scatters run, is settled).
     Cancel(XferId, Signal),
-    /// The peer disconnected.
-    PeerLost(String),
+    /// The peer disconnected, or was reloaded with a new session: everything of the id it went
+    /// by (never the id of what comes next under its name) is reclaimed.
+    PeerLost(String, PeerId),
     /// We loaded this peer's connection info: tell it we can answer (HELLO). With the count
     /// of peer losses then ([`crate::shell::peers::PeerTable::losses`]).
     Hello(String, u64),

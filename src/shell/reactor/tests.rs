@@ -246,7 +246,7 @@ impl Side {
     /// NIXL loaded `other`'s connection info here and its arena into the inner engine.
     fn load(&self, name: &str, other: &Self) {
         let loaded = self.shared.peers.loaded(name, Some(other.caps.clone()), Some(&self.caps));
-        assert_eq!(loaded, (bounce_proto::peers::Loaded::Compatible, false));
+        assert_eq!(loaded, (bounce_proto::peers::Loaded::Compatible, None));
         assert_eq!(
             self.shared.peers.arena_loaded(name, bounce_proto::ArenaId(0), Some(Md(1)), Some(Md(2))),
             (true, vec![])
@@ -728,8 +728,8 @@ fn losing_the_peer_mid_transfer_fails_it_at_once_and_frees_the_arena() {
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     wait_nonzero(&data_sent, "no DATA was sent");
     let lost_at = Instant::now();
-    a.shared.peers.lost("b");
-    a.shared.inbox.push(Cmd::PeerLost("b".to_owned()));
+    let (id, _) = a.shared.peers.lost("b");
+    a.shared.inbox.push(Cmd::PeerLost("b".to_owned(), id.expect("b was loaded")));
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::PeerLost));
     assert!(lost_at.elapsed() < Duration::from_secs(5), "failed by the loss, not by the 60 s timeout");
     assert!(a.shared.peers.bounce_arenas("b").is_none());

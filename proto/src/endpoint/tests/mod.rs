@@ -284,10 +284,17 @@ fn a_reload_with_a_new_session_reclaims_the_old_incarnation() {
     assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
     assert_eq!(ep.arena_quarantined_bytes(), 2 * CHUNK);
     assert_eq!((ep.remote_flows(), ep.arena_free_bytes() + 2 * CHUNK), (0, 32 * KIB));
-    // The new incarnation announces a transfer that reuses the old id; the old one is refused.
+    // The new incarnation goes by a new id (whatever still names the old one cannot touch it),
+    // and announces a transfer that reuses the old transfer id; the old session is refused.
+    let new = ep.peers().lookup("a").unwrap();
+    assert_ne!(new, id);
     ep.handle_frame(t, "a", &frame(8, want_msg(XferId(5), &[CHUNK]))).unwrap();
     drain(&mut ep);
-    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: id, xfer: XferId(5) }), 1);
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: new, xfer: XferId(5) }), 1);
+    // A reclaim of the old id, late (the shell queues it), takes nothing of the new one's.
+    ep.handle_peer_lost(t, id);
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: new, xfer: XferId(5) }), 1);
     let old = frame(7, want_msg(XferId(9), &[CHUNK]));
     assert_eq!(ep.handle_frame(t, "a", &old), Err(FrameRefused::StaleSession { got: 7, current: 8 }));
     assert_eq!(ep.peers().session("a"), Some(8));
@@ -795,6 +802,11 @@ fn a_one_way_write_moves_every_byte_through_the_targets_mailbox() {
 /// A one-way WANT frame (answers asked in our mailbox) of one chunk for transfer `xfer`, from an
 /// agent never loaded here (its session is nobody's), carrying `proofs`.
 fn one_way_want(xfer: u64, proofs: Vec<wire::Proof>) -> Vec<u8> {
+    one_way_want_in(99, xfer, proofs)
+}
+
+/// [`one_way_want`] under `session`.
+fn one_way_want_in(session: u64, xfer: u64, proofs: Vec<wire::Proof>) -> Vec<u8> {
     let w = Want {
         arena: ArenaId(0),
         xfer: XferId(xfer),
@@ -805,7 +817,57 @@ fn one_way_want(xfer: u64, proofs: Vec<wire::Proof>) -> Vec<u8> {
         inline: None,
         standing: Default::default(),
     };
-    wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
+    wire::Frame { session, msg: Msg::Want(w) }.to_vec()
+}
+
+/// A loaded agent restarts under the same name and transfers to us one way before NIXL here
+/// reloads its metadata (plain UCX's one-sided writes would serve it; its frames used to be
+/// dropped as stale, failing the transfer by timeout). Its WANT is admitted under an id of its
+/// own, with the loaded incarnation's session rule untouched; the reload adopts that id, so its
+/// flow goes on, and reclaims only the old incarnation's flow. Both ways NIXL reloads: a
+/// disconnect then a load, and a load over the old one.
+#[test]
+fn a_restarted_peers_one_way_flow_is_served_before_its_reload_and_survives_it() {
+    for disconnect_first in [true, false] {
+        let (mut ep, t, old) = with_loaded("a");
+        ep.keep_mailbox(true);
+        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        drain(&mut ep);
+        // The new incarnation (session 8): a one-way WANT proving its destination.
+        let proof = || vec![crate::proof::prove(REG, &KEY, TOKEN)];
+        ep.handle_frame(t, "a", &one_way_want_in(8, 1, proof())).unwrap();
+        let acts = drain(&mut ep);
+        assert!(acts.len() == 1 && matches!(acts[0], Action::PutRecord { .. }), "one GRANT record: {acts:?}");
+        let inc = ep.peers().incarnation("a", 8).expect("an id of its own");
+        assert_ne!(inc, old);
+        assert_eq!((ep.remote_flows(), ep.stats().one_way_answered), (2, 1));
+        // Only one-way traffic passes so: a two-way WANT under the new session is still stale,
+        // and a proofless one-way WANT opens nothing.
+        let two_way = ep.handle_frame(t, "a", &frame(8, want_msg(XferId(6), &[CHUNK])));
+        assert_eq!(two_way, Err(FrameRefused::StaleSession { got: 8, current: 7 }));
+        let proofless = ep.handle_frame(t, "a", &one_way_want_in(8, 2, Vec::new()));
+        assert!(matches!(proofless, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{proofless:?}");
+        assert_eq!(ep.remote_flows(), 2);
+        // NIXL reloads the agent: the old incarnation's flow is reclaimed, the new one's kept,
+        // and the new incarnation goes by the id its flow has.
+        if disconnect_first {
+            ep.handle_agent_lost(t, "a");
+        }
+        assert_eq!(ep.handle_conn_info(t, "a", Some(caps(8)), Some(&caps(1))), Loaded::Compatible);
+        drain(&mut ep);
+        assert_eq!(ep.peers().lookup("a"), Some(inc), "disconnect_first={disconnect_first}");
+        assert_eq!(ep.peers().incarnation("a", 8), None, "adopted");
+        assert_eq!(ep.remote_flows(), 1, "disconnect_first={disconnect_first}");
+        assert!(!ep.holds_nothing_for(inc));
+        // Its flow's frames pass under the now loaded session, to the same flow.
+        let keep = Msg::Keep(wire::Keep { xfer: XferId(1), token: TOKEN });
+        ep.handle_frame(t, "a", &frame(8, keep)).unwrap();
+        assert_eq!(ep.remote_flows(), 1);
+        // A late reclaim of the old id (the shell queues it) takes nothing of the new one's.
+        ep.handle_peer_lost(t, old);
+        assert_eq!(ep.remote_flows(), 1);
+        check(&ep);
+    }
 }
 
 #[test]
