@@ -287,11 +287,19 @@ public:
             auto st = static_cast<nixl_status_t>(
                 bnc_conn_info_load(rust_, view(agent), view(conn), assign_sink, &inner));
             if (st != NIXL_SUCCESS) return st;
-            Lock g(mu_);
-            st = inner_->loadRemoteConnInfo(agent, inner);
-            if (st != NIXL_SUCCESS) return st;
-            loadPeerArenas(agent);
-            return NIXL_SUCCESS;
+            {
+                Lock g(mu_);
+                st = inner_->loadRemoteConnInfo(agent, inner);
+                if (st == NIXL_SUCCESS) {
+                    loadPeerArenas(agent);
+                    return NIXL_SUCCESS;
+                }
+            }
+            // NIXL keeps no connection to the agent: neither may we (a peer recorded as loaded
+            // would have its frames admitted with nothing to answer them through). Outside the
+            // inner lock, as disconnect calls it.
+            bnc_peer_lost(rust_, view(agent));
+            return st;
         });
     }
     // A peer's registration: the inner engine loads the inner blob; Rust remembers the key it
