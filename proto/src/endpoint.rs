@@ -374,8 +374,13 @@ impl Endpoint {
     /// invalid DATA was refused and its flow reclaimed). Log it; the endpoint stays usable.
     pub fn handle_msg(&mut self, now: Instant, from: PeerId, msg: wire::Msg) -> Result<(), ProtocolError> {
         trace!(peer = from.0, xfer = msg.xfer().0, kind = msg.kind_name(), "recv");
-        // Any admitted message is a sign of life, valid or not: only a live peer sends.
-        self.liveness.heard(now, from);
+        // A sign of life only when it carries the token of one of our transfers to the peer or
+        // of one of its flows into us (asked before handling it, which may end either): a
+        // peer's name and session are published, so a frame they alone admit may come from any
+        // agent holding its metadata, keeping a dead peer looking alive.
+        if self.proves_life(from, &msg) {
+            self.liveness.heard(now, from);
+        }
         // A frame for our receiver role (not a GRANT or ACK, which answer our own transfers) of a
         // one-way flow still waiting for a slot.
         let to_receiver = !matches!(msg, wire::Msg::Grant(_) | wire::Msg::Ack(_));
@@ -456,10 +461,24 @@ impl Endpoint {
         r
     }
 
-    /// A PING from `from` (already admitted by the peer rules): it is alive, and it gets a PONG
-    /// echoing `nonce`; once we are closing, `nonce ^ FAREWELL`, which confirms our GOODBYE.
-    pub fn handle_ping(&mut self, now: Instant, from: PeerId, nonce: u64) {
-        self.liveness.heard(now, from);
+    /// Whether `msg` from `from` carries a secret only the peer and we hold: the token of one
+    /// of our transfers to it (an answer) or of one of its flows into us.
+    fn proves_life(&self, from: PeerId, msg: &wire::Msg) -> bool {
+        let (xfer, token) = (msg.xfer(), msg.token());
+        match msg {
+            wire::Msg::Grant(_) | wire::Msg::Ack(_) => self.sender.is_answer(from, xfer, token),
+            _ => {
+                let key = FlowKey { peer: from, xfer };
+                self.receiver.flow_token(key).or_else(|| self.answering.token(key)) == Some(token)
+            }
+        }
+    }
+
+    /// A PING from `from` (already admitted by the peer rules): it gets a PONG echoing `nonce`;
+    /// once we are closing, `nonce ^ FAREWELL`, which confirms our GOODBYE. Not a sign of life:
+    /// anyone holding the peer's metadata can send one under its name (its PONGs to our PINGs
+    /// are, echoing a nonce only it saw).
+    pub fn handle_ping(&mut self, _now: Instant, from: PeerId, nonce: u64) {
         self.stats.peer_msgs += 1;
         let nonce = if self.closing { nonce ^ FAREWELL } else { nonce };
         self.out.push_back(Action::Link { peer: from, body: wire::Body::Pong { nonce } });

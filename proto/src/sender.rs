@@ -588,6 +588,13 @@ impl Sender {
         }
     }
 
+    /// Whether `from` may answer our transfer (or standing flow) `xfer` with `token`: the
+    /// transfer is ours, to that peer, under that token. The token is secret to the two ends.
+    pub(crate) fn is_answer(&self, from: PeerId, xfer: XferId, token: Token) -> bool {
+        let ours = self.xfers.get(&xfer).is_some_and(|x| x.peer == from && x.token == token);
+        ours || self.standing.get(&from).is_some_and(|s| s.xfer == xfer && s.token == token)
+    }
+
     pub(crate) fn handle_grant(&mut self, ctx: &mut Ctx<'_>, from: PeerId, grant: Grant) -> Result<(), ProtocolError> {
         let id = grant.xfer;
         if let Some(slot) = self.standing_msg(ctx, from, id, grant.token) {

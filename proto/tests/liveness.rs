@@ -34,6 +34,9 @@ const X: XferId = XferId(1);
 enum Ev {
     /// A frame from node `from` arrives at node `to`.
     Deliver { from: usize, to: usize, frame: Vec<u8> },
+    /// A third agent's frame under node 1's name and published session arrives at node 0
+    /// (refused or not, it is no frame of node 1's).
+    Forged { frame: Vec<u8> },
     /// A job of node `node` finishes.
     Done { node: usize, job: JobId, kind: u8 },
 }
@@ -163,6 +166,9 @@ impl Pair {
                             self.last_from_receiver = now;
                         }
                     }
+                    Ev::Forged { frame } => {
+                        let _ = self.eps[0].handle_frame(now, NAMES[1], &frame);
+                    }
                     Ev::Done { node, job, kind } if self.alive[node] => match kind {
                         0 => self.eps[node].handle_gather_done(now, job, true),
                         1 => self.eps[node].handle_write_done(now, job, true),
@@ -202,6 +208,60 @@ fn a_receiver_that_dies_mid_transfer_fails_the_transfer_within_the_probe_bound()
     assert!(*at - died < Duration::from_secs(2), "failed {:?} after the death", *at - died);
     // Nothing is left waiting on the dead peer: no transfer, no PING, no timer.
     assert_eq!((p.eps[0].in_flight_xfers(), p.eps[0].poll_timeout()), (0, None));
+}
+
+/// The receiver dies mid-transfer and a third agent holding its metadata (its name and
+/// session are published) keeps sending frames under its name: PINGs, answers to our transfer
+/// without its token, frames of flows it never opened. None is a sign of life (only a PONG
+/// echoing our nonce, or a frame with a token of ours or of its flow, is): the receiver is
+/// declared dead within the probe's bound, as with silence. Before, any admitted frame counted,
+/// and the transfer failed only by the 30 s request timeout.
+#[test]
+fn frames_forged_under_a_dead_receivers_name_do_not_keep_it_alive() {
+    use bounce_proto::wire::{Ack, AckStatus, Body, Credit, Cursor, Grant, Keep, Msg};
+    use bounce_proto::{ChunkIdx, Region};
+    let mut p = Pair::new(Duration::from_micros(100));
+    p.submit(64);
+    p.run(p.start + Duration::from_millis(2));
+    assert!(p.done.is_empty() && p.eps[1].stats().chunks_scattered > 0, "mid-transfer");
+    p.alive[1] = false;
+    let died = p.now;
+    let wrong = Token(0xbad);
+    let region = Region { offset: 0, len: CHUNK };
+    let forged: Vec<Vec<u8>> = vec![
+        ControlFrame { session: 2, body: Body::Ping { nonce: 7 } }.to_vec(),
+        ControlFrame { session: 2, body: Body::Pong { nonce: 7 } }.to_vec(),
+        Frame {
+            session: 2,
+            msg: Msg::Grant(Grant { xfer: X, token: wrong, credits: vec![Credit { chunk: ChunkIdx(60), region }] }),
+        }
+        .to_vec(),
+        Frame {
+            session: 2,
+            msg: Msg::Ack(Ack {
+                xfer: XferId(77),
+                token: wrong,
+                chunk: ChunkIdx(0),
+                region,
+                status: AckStatus::Scattered,
+            }),
+        }
+        .to_vec(),
+        Frame { session: 2, msg: Msg::Keep(Keep { xfer: XferId(78), token: wrong }) }.to_vec(),
+        Frame { session: 2, msg: Msg::Cursor(Cursor { xfer: XferId(79), token: wrong, consumed: 0 }) }.to_vec(),
+    ];
+    for i in 0..700u32 {
+        let at = died + Duration::from_millis(50) * i;
+        for f in &forged {
+            p.at(at, Ev::Forged { frame: f.clone() });
+        }
+    }
+    p.run(p.start + Duration::from_secs(60));
+    let [(at, outcome)] = &p.done[..] else { panic!("{:?}", p.done) };
+    assert_eq!(outcome, &Err(XferError::PeerLost));
+    let s = p.eps[0].stats();
+    assert_eq!((s.peers_declared_dead, s.timeouts, s.pongs_received), (1, 0, 0), "{s:?}");
+    assert!(*at - died < Duration::from_secs(2), "failed {:?} after the death, forgeries still arriving", *at - died);
 }
 
 #[test]

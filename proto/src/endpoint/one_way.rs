@@ -82,12 +82,18 @@ impl Endpoint {
         for read in reads.drain(..) {
             let mut ctx = ctx!(self, now);
             let r = match read {
+                // A record is a sign of life only with its transfer's token (any holder of the
+                // peer's arena key can write its mailbox).
                 Read::Msg(peer, wire::Msg::Grant(g)) => {
-                    self.liveness.heard(now, peer);
+                    if self.sender.is_answer(peer, g.xfer, g.token) {
+                        self.liveness.heard(now, peer);
+                    }
                     self.sender.handle_grant(&mut ctx, peer, g)
                 }
                 Read::Msg(peer, wire::Msg::Ack(a)) => {
-                    self.liveness.heard(now, peer);
+                    if self.sender.is_answer(peer, a.xfer, a.token) {
+                        self.liveness.heard(now, peer);
+                    }
                     self.sender.handle_ack(&mut ctx, peer, a)
                 }
                 Read::Msg(..) => Ok(()),
