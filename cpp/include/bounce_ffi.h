@@ -111,6 +111,8 @@ int32_t bnc_peer_loaded(void *engine, bnc_str agent, uint32_t index, uint64_t *a
 void bnc_peer_arena_md(void *engine, bnc_str agent, uint32_t index, void *md, void *mbox_md);
 // The peer is gone (disconnect): fail its transfers, reclaim its regions.
 void bnc_peer_lost(void *engine, bnc_str agent);
+// The inner engine refused the conn info bnc_conn_info_load unwrapped for the agent: undo the load.
+void bnc_conn_info_failed(void *engine, bnc_str agent);
 
 // A descriptor as NIXL hands it to a backend (nixlMetaDesc, 32 bytes).
 typedef struct {

@@ -297,8 +297,8 @@ public:
             }
             // NIXL keeps no connection to the agent: neither may we (a peer recorded as loaded
             // would have its frames admitted with nothing to answer them through). Outside the
-            // inner lock, as disconnect calls it.
-            bnc_peer_lost(rust_, view(agent));
+            // inner lock, as disconnect calls bnc_peer_lost.
+            bnc_conn_info_failed(rust_, view(agent));
             return st;
         });
     }

@@ -693,6 +693,8 @@ impl Endpoint {
     /// and its flows are reclaimed (scattering regions are freed by their done-events).
     pub fn handle_peer_lost(&mut self, now: Instant, peer: PeerId) {
         self.hellos.forget(peer);
+        // An ask about its GOODBYE is moot (and, its id retired, would stay for good).
+        self.goodbyes.remove(&peer);
         let mut ctx = ctx!(self, now);
         self.sender.handle_peer_lost(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);

@@ -243,9 +243,7 @@ impl PeerTable {
         // one's id (the reclaim its replacement queued, a frame admitted just before) can never
         // touch the new one's state. The new one takes the id its one-way flows already have
         // here, if it sent any, so that they go on.
-        let replaced =
-            self.by_name.get(name).is_some_and(|p| p.conn.is_some() && p.session.is_some() && p.session != session);
-        if replaced {
+        if self.replaced_by(name, session).is_some() {
             self.retire(name);
         }
         if !self.by_name.contains_key(name) {
@@ -269,9 +267,37 @@ impl PeerTable {
     /// (as for a lost peer) before frames of the new session can arrive, so ask this *before*
     /// calling [`load_conn_info`](Self::load_conn_info).
     pub fn load_replaces(&self, name: &str, theirs: Option<&Capabilities>) -> Option<PeerId> {
-        let p = self.by_name.get(name).filter(|p| p.conn.is_some())?;
-        let old = p.session?;
-        (theirs.map(|c| c.session) != Some(old)).then_some(p.id)
+        self.replaced_by(name, theirs.map(|c| c.session))
+    }
+
+    /// The entry of `name` that a load under `session` replaces: one loaded under another
+    /// session, or any other entry of the name when a one-way incarnation of that session is
+    /// there to be adopted (an entry never loaded, under which a third agent may have opened
+    /// one-way flows: they go with it, and the incarnation's flows go on).
+    fn replaced_by(&self, name: &str, session: Option<u64>) -> Option<PeerId> {
+        let p = self.by_name.get(name)?;
+        let other = p.conn.is_some() && p.session.is_some() && p.session != session;
+        let adopts =
+            session.is_some_and(|s| p.session != Some(s) && self.incarnations.contains_key(&(name.to_owned(), s)));
+        (other || adopts).then_some(p.id)
+    }
+
+    /// NIXL's inner engine refused the connection info just loaded for `name`: NIXL keeps no
+    /// connection to it, so neither may we. An entry under a session goes back to being a
+    /// one-way incarnation of that session, its id kept (the agent may have begun one-way
+    /// flows under it before this load, which go on as before it); one without a session is
+    /// forgotten as lost. Returns the id to reclaim as lost, if any.
+    pub fn load_failed(&mut self, name: &str) -> Option<PeerId> {
+        let session = self.by_name.get(name).filter(|p| p.conn.is_some())?.session;
+        let id = self.retire(name)?;
+        match session {
+            Some(s) => {
+                self.names.insert(id, name.to_owned());
+                self.incarnations.insert((name.to_owned(), s), id);
+                None
+            }
+            None => Some(id),
+        }
     }
 
     /// The inner engine loaded `name`'s arena (`ok`), or failed to. Only a compatible peer's
@@ -442,6 +468,10 @@ impl PeerTable {
     ) -> Result<(PeerId, Option<PeerId>), FrameRefused> {
         if let Some(id) = self.incarnation(name, session).filter(|&id| one_way(Some(id))) {
             return Ok((id, None));
+        }
+        // A name we would never keep is refused before anything is forgotten to make room.
+        if name.len() > MAX_NAME_LEN {
+            return self.admit(name, session).map(|id| (id, None));
         }
         let stranger = match self.admit(name, session) {
             Ok(id) => return Ok((id, None)),
@@ -865,13 +895,51 @@ mod tests {
     }
 
     /// A one-way name is the sender's to choose, its length too: one longer than any agent
-    /// name we take is never kept (a name at the limit is).
+    /// name we take is never kept (a name at the limit is), and, the names full, forgets none
+    /// to make room for itself (it would not be kept anyway).
     #[test]
     fn an_overlong_one_way_name_is_not_admitted() {
         let mut t = PeerTable::new();
-        assert_eq!(t.admit_one_way(&"n".repeat(MAX_NAME_LEN + 1)), Err(FrameRefused::NotLoaded));
+        let long = "n".repeat(MAX_NAME_LEN + 1);
+        assert_eq!(t.admit_one_way(&long), Err(FrameRefused::NotLoaded));
         assert_eq!(t.one_way.len(), 0);
         assert!(t.admit_one_way(&"n".repeat(MAX_NAME_LEN)).is_ok());
+        for i in 1..MAX_ONE_WAY_NAMES {
+            t.admit_one_way(&format!("idle-{i}")).unwrap();
+        }
+        assert_eq!(t.admit_message(&long, 1, |_| true, |_| true), Err(FrameRefused::NotLoaded));
+        assert_eq!(t.one_way.len(), MAX_ONE_WAY_NAMES, "nothing forgotten for it");
+    }
+
+    /// The incarnation a reload adopts wins over an entry of the name never loaded (one-way
+    /// flows a third agent opened under it after the name was lost go with it, reclaimed by
+    /// its id); and a load the inner engine refuses gives the incarnation back, its id and
+    /// flows kept, while a refused load without a session is reclaimed as lost.
+    #[test]
+    fn a_reload_adopts_its_incarnation_over_any_entry_and_a_refused_load_gives_it_back() {
+        let (one_way, nothing) = (|_: Option<PeerId>| true, |_: PeerId| false);
+        let mut t = ready("a");
+        let (inc, _) = t.admit_message("a", 2, one_way, nothing).unwrap();
+        t.lost("a");
+        let (stranger, _) = t.admit_message("a", 3, one_way, nothing).unwrap();
+        assert_ne!(stranger, inc);
+        assert_eq!(t.admit_message("a", 2, one_way, nothing), Ok((inc, None)), "its flows still go to it");
+        let s2 = Capabilities { session: 2, ..caps(4096) };
+        assert_eq!(t.load_replaces("a", Some(&s2)), Some(stranger));
+        t.load_conn_info("a", Some(s2.clone()), Some(&caps(4096)));
+        assert_eq!((t.lookup("a"), t.incarnation("a", 2), t.name(stranger)), (Some(inc), None, None));
+        assert_eq!(t.admit_message("a", 2, |_| false, nothing), Ok((inc, None)), "one, loaded");
+        // The inner engine refuses the load: back to a one-way incarnation, nothing to reclaim.
+        assert_eq!(t.load_failed("a"), None);
+        assert_eq!((t.lookup("a"), t.incarnation("a", 2), t.name(inc)), (None, Some(inc), Some("a")));
+        assert_eq!(t.admit_message("a", 2, one_way, nothing), Ok((inc, None)));
+        // Loaded again, it adopts it again.
+        t.load_conn_info("a", Some(s2), Some(&caps(4096)));
+        assert_eq!(t.lookup("a"), Some(inc));
+        // A refused load with no session is reclaimed as lost; a name not loaded has nothing.
+        t.load_conn_info("b", None, None);
+        let b = t.lookup("b").unwrap();
+        assert_eq!((t.load_failed("b"), t.lookup("b"), t.load_failed("c")), (Some(b), None, None));
     }
 
     #[test]
@@ -932,6 +1000,7 @@ mod tests {
         Lost(usize),
         OneWay(usize),
         Incarnation(usize, u64),
+        LoadFailed(usize),
     }
 
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -947,7 +1016,8 @@ mod tests {
             (who.clone(), session).prop_map(|(w, s)| Op::Goodbye(w, s)),
             who.clone().prop_map(Op::Lost),
             who.clone().prop_map(Op::OneWay),
-            (who, 1..4u64).prop_map(|(w, s)| Op::Incarnation(w, s)),
+            (who.clone(), 1..4u64).prop_map(|(w, s)| Op::Incarnation(w, s)),
+            who.prop_map(Op::LoadFailed),
         ]
     }
 
@@ -987,6 +1057,9 @@ mod tests {
                     }
                     Op::Incarnation(w, s) => {
                         let _ = t.admit_message(names[w], s, |_| true, |_| true);
+                    }
+                    Op::LoadFailed(w) => {
+                        let _ = t.load_failed(names[w]);
                     }
                 }
                 let recount = names.iter().filter(|n| t.can_bounce(n)).count();

@@ -671,6 +671,20 @@ pub unsafe extern "C" fn bnc_peer_lost(engine: *mut c_void, agent: BncStr) {
     });
 }
 
+/// The inner engine refused the conn info `bnc_conn_info_load` unwrapped for `agent`.
+///
+/// # Safety
+/// `engine` is a live handle; `agent` views live bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_conn_info_failed(engine: *mut c_void, agent: BncStr) {
+    guard_void("bnc_conn_info_failed", || {
+        // SAFETY: caller contract.
+        if let (Some(e), Ok(a)) = unsafe { (engine_ref(engine), text(agent, "agent name")) } {
+            e.conn_info_failed(a);
+        }
+    });
+}
+
 /// A NIXL meta descriptor as the shim flattens it (`bnc_meta_desc`).
 #[repr(C)]
 #[derive(Clone, Copy)]

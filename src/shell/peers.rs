@@ -255,6 +255,16 @@ impl PeerTable {
         (Some(id), take_peer(&mut t.arenas, id))
     }
 
+    /// The inner engine refused the connection info just loaded for `name` (the core's
+    /// `PeerTable::load_failed`). Returns the id to reclaim as lost (`None`: none, or it went
+    /// back to being a one-way incarnation) and any arena handles to unload.
+    pub(crate) fn load_failed(&self, name: &str) -> (Option<PeerId>, Vec<Md>) {
+        let mut t = self.change();
+        let id = t.rules.lookup(name);
+        let lost = t.rules.load_failed(name);
+        (lost, id.map(|id| take_peer(&mut t.arenas, id)).unwrap_or_default())
+    }
+
     /// Disconnects of any peer so far.
     pub(crate) fn losses(&self) -> u64 {
         self.losses.load(Relaxed)
@@ -339,14 +349,15 @@ impl PeerTable {
 
     // ---- from the reactor ----
 
-    /// The id of a peer the application submits a transfer to (adding it if needed).
-    pub(crate) fn id(&self, name: &str) -> PeerId {
-        self.table.lock().rules.id(name)
-    }
-
     /// The id of an agent already in the table (`None`: never heard of).
     pub(crate) fn known_id(&self, name: &str) -> Option<PeerId> {
         self.table.lock().rules.lookup(name)
+    }
+
+    /// The id of an agent NIXL has loaded now (`None`: not loaded).
+    pub(crate) fn loaded_id(&self, name: &str) -> Option<PeerId> {
+        let t = self.table.lock();
+        t.rules.lookup(name).filter(|_| t.rules.is_loaded(name))
     }
 
     /// The name of a peer id.
@@ -371,10 +382,12 @@ impl PeerTable {
         self.table.lock().rules.hello(name, session)
     }
 
-    /// `name` answered the ask its HELLO opened: it may be bounced to two way (the core's
-    /// `PeerTable::confirm_hello`). False when it is not loaded and compatible.
-    pub(crate) fn confirm_hello(&self, name: &str) -> bool {
-        self.change().rules.confirm_hello(name)
+    /// `name`, admitted as `id`, answered the ask its HELLO opened: it may be bounced to two
+    /// way (the core's `PeerTable::confirm_hello`). False when it is not loaded and compatible,
+    /// or `id` is not its incarnation any more (reloaded since the answer was admitted).
+    pub(crate) fn confirm_hello(&self, name: &str, id: PeerId) -> bool {
+        let mut t = self.change();
+        t.rules.lookup(name) == Some(id) && t.rules.confirm_hello(name)
     }
 
     /// Applies the core's loading and session rules to a message frame from `name`: the
@@ -523,7 +536,8 @@ mod tests {
         for gone in [id, PeerId(99)] {
             assert!(matches!(t.write_target(gone, (A0, first), 4096), Err(WriteRefused::Gone)), "{gone:?}");
         }
-        assert_ne!(t.id("b"), id, "a lost id is never given again");
+        t.loaded("b", Some(caps(9)), Some(&caps(1)));
+        assert_ne!(t.known_id("b"), Some(id), "a lost id is never given again");
         // An incompatible peer is loaded (it may talk to us, with its session) but has nothing
         // to load; one without capabilities has no session to send message frames with.
         assert!(matches!(t.loaded("c", Some(caps(3)), None), (Loaded::NoCapabilities, None)));
@@ -643,7 +657,7 @@ mod tests {
     /// `name`'s HELLO under `session`, asked about and answered (the reactor does the asking).
     fn confirmed(t: &PeerTable, name: &str, session: u64) {
         assert_eq!(t.hello(name, session), peers::Hello::Ask);
-        assert!(t.confirm_hello(name));
+        assert!(t.confirm_hello(name, t.known_id(name).unwrap()));
     }
 
     #[test]
@@ -659,11 +673,13 @@ mod tests {
         assert!(t.bounce_arenas("late").is_none(), "its early HELLO left nothing");
         assert_eq!(t.hello("late", 9), peers::Hello::Ask, "a loaded agent is always heard");
         assert_eq!((t.ready(), t.bounce_arenas("late").is_none()), (0, true), "asked about, not yet counted");
-        assert!(t.confirm_hello("late"));
+        let late = t.known_id("late").unwrap();
+        assert!(!t.confirm_hello("late", PeerId(late.0 + 1)), "another incarnation's answer confirms nothing");
+        assert!(t.confirm_hello("late", late));
         assert!(t.bounce_arenas("late").is_some());
         assert_eq!(t.ready(), 1, "its confirmed HELLO counts it ready");
         assert_eq!(t.hello("late", 9), peers::Hello::Repeat);
-        assert!(!t.confirm_hello("x0"), "nothing to confirm for a name not loaded");
+        assert!(!t.confirm_hello("x0", late), "nothing to confirm for a name not loaded");
         assert_eq!(t.ready(), 1, "repeats and strangers change nothing");
     }
 }

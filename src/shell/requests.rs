@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use bounce_proto::XferId;
 use bounce_proto::endpoint::XferError;
 use bounce_proto::plan::Plan;
+use bounce_proto::{PeerId, XferId};
 use parking_lot::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,8 @@ pub(crate) enum State {
 pub(crate) struct Request {
     /// The peer agent.
     pub peer: String,
+    /// The incarnation of it the plan was made for (its id then; `None`: not known then).
+    pub peer_id: Option<PeerId>,
     /// The chunk plan, computed once at prep.
     pub plan: Arc<Plan>,
     /// Where it stands.
@@ -47,6 +49,8 @@ pub(crate) struct Posted {
     pub handle: u64,
     /// The peer agent.
     pub peer: String,
+    /// The incarnation of it the plan was made for (see [`Request::peer_id`]).
+    pub peer_id: Option<PeerId>,
     /// The plan.
     pub plan: Arc<Plan>,
     /// Notification to deliver once every chunk is scattered.
@@ -89,10 +93,12 @@ impl Requests {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Adds a prepared request; returns its handle id (never 0).
-    pub(crate) fn insert(&self, peer: String, plan: Plan) -> u64 {
+    /// Adds a request prepared for `peer` (its incarnation `peer_id`); returns its handle id
+    /// (never 0).
+    pub(crate) fn insert(&self, peer: String, peer_id: Option<PeerId>, plan: Plan) -> u64 {
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed) + 1;
-        self.map.lock().insert(h, Request { peer, plan: Arc::new(plan), state: State::Prepared, last_check: None });
+        let r = Request { peer, peer_id, plan: Arc::new(plan), state: State::Prepared, last_check: None };
+        self.map.lock().insert(h, r);
         h
     }
 
@@ -113,7 +119,7 @@ impl Requests {
         let xfer = XferId(self.next_xfer.fetch_add(1, Ordering::Relaxed) + 1);
         r.state = State::Posted(xfer);
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        Ok(Posted { xfer, handle, peer: r.peer.clone(), plan: Arc::clone(&r.plan), notif })
+        Ok(Posted { xfer, handle, peer: r.peer.clone(), peer_id: r.peer_id, plan: Arc::clone(&r.plan), notif })
     }
 
     /// The request's state.
@@ -191,7 +197,7 @@ mod tests {
     #[test]
     fn repost_gets_a_fresh_xfer_and_stale_completions_are_ignored() {
         let t = Requests::default();
-        let h = t.insert("peer".into(), Plan::default());
+        let h = t.insert("peer".into(), None, Plan::default());
         assert_eq!(t.state(h), Some(State::Prepared));
         let p1 = t.post(h, None).unwrap();
         assert!(matches!(t.post(h, None), Err(Error::RepostActive(x)) if x == h));
@@ -203,7 +209,7 @@ mod tests {
         assert_eq!(t.state(h), Some(State::Posted(p2.xfer)));
         assert_eq!(t.remove(h), Some(Released::InFlight(p2.xfer)));
         assert!(matches!(t.post(h, None), Err(Error::UnknownRequest(x)) if x == h));
-        let idle = t.insert("peer".into(), Plan::default());
+        let idle = t.insert("peer".into(), None, Plan::default());
         assert_eq!(t.remove(idle), Some(Released::Idle));
         assert_eq!(t.remove(idle), None);
     }
@@ -213,7 +219,7 @@ mod tests {
     #[test]
     fn busy_polled_checks_sleep_until_a_finish_and_no_longer_than_the_wait() {
         let t = Arc::new(Requests::default());
-        let h = t.insert("p".into(), Plan::default());
+        let h = t.insert("p".into(), None, Plan::default());
         let p = t.post(h, None).unwrap();
         let (tight, long) = (Duration::from_secs(60), Duration::from_secs(60));
         let start = Instant::now();
@@ -245,7 +251,7 @@ mod tests {
     #[test]
     fn closing_fails_in_flight_requests_and_refuses_new_posts() {
         let t = Requests::default();
-        let (a, b) = (t.insert("p".into(), Plan::default()), t.insert("p".into(), Plan::default()));
+        let (a, b) = (t.insert("p".into(), None, Plan::default()), t.insert("p".into(), None, Plan::default()));
         let pa = t.post(a, None).unwrap();
         t.close(XferError::ShuttingDown);
         assert_eq!(t.state(a), Some(State::Done(Err(XferError::ShuttingDown))));

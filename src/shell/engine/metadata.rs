@@ -105,6 +105,22 @@ impl Engine {
         }
     }
 
+    /// The inner engine refused the conn info [`load_conn_info`](Self::load_conn_info) just
+    /// unwrapped for `agent`: NIXL keeps no connection to it, so neither do we (a peer left
+    /// loaded would have its frames admitted with nothing to answer them through).
+    pub(crate) fn conn_info_failed(&self, agent: &str) {
+        let (lost, unload) = self.peers.load_failed(agent);
+        tracing::warn!(peer = agent, "the inner engine refused the peer's connection info; not loaded");
+        if let Some(sh) = self.shared() {
+            if let Some(id) = lost {
+                sh.inbox.push(Cmd::PeerLost(agent.to_owned(), id));
+            }
+            if !unload.is_empty() {
+                sh.inbox.push(Cmd::Unload(unload));
+            }
+        }
+    }
+
     /// Records a registration made through this engine, keyed by the inner metadata handle.
     pub(crate) fn mem_registered(&self, md: Md, reg: Registration) {
         self.registry.insert(md, reg);

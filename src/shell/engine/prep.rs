@@ -148,7 +148,10 @@ impl Engine {
                 // A chunk may be written straight from user memory only when one registration
                 // of the arena's memory made through this engine covers its whole source range.
                 gate::restrict_direct(&mut p, &self.registry.for_gate(), input.arena.mem, self.config.direct_writes);
-                Some(sh.requests.insert(agent.to_owned(), p))
+                // The incarnation the plan is for: a post after the peer was lost or reloaded
+                // fails (its arenas and proofs were that incarnation's), as NIXL's own handles of
+                // an unloaded agent's metadata do.
+                Some(sh.requests.insert(agent.to_owned(), self.peers.known_id(agent), p))
             }
             Err(e) => {
                 tracing::warn!(peer = agent, error = %e, "cannot plan the transfer; plain UCX");

@@ -137,8 +137,10 @@ impl Driver {
             wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
             wire::Body::Pong { nonce } => match self.ep.handle_pong(now, id, nonce) {
                 Pong::Farewell => self.farewell(now, peer, frame.session),
+                // Confirmed for the incarnation the PONG was admitted as only: a reload between
+                // the two must not confirm the new one on the old one's answer.
                 Pong::Hello => {
-                    if self.shared.peers.confirm_hello(peer) {
+                    if self.shared.peers.confirm_hello(peer, id) {
                         tracing::debug!(peer, "HELLO confirmed: the peer may be bounced to two way");
                     }
                 }

@@ -653,7 +653,17 @@ impl Driver {
             Cmd::Submit(p) => {
                 let _span = tracing::trace_span!("submit", handle = p.handle).entered();
                 crate::shell::mark!("submit", p.handle);
-                let peer = self.shared.peers.id(&p.peer);
+                // The incarnation the request was prepared for, still loaded: else it was lost
+                // or reloaded since (its loss may be queued behind this), and the transfer fails
+                // as lost at once rather than waiting on an agent NIXL no longer has.
+                let current = self.shared.peers.loaded_id(&p.peer).filter(|id| p.peer_id == Some(*id));
+                let Some(peer) = current else {
+                    let read = p.plan.read;
+                    self.xfers.insert(p.xfer, XferCtx { handle: p.handle, peer: p.peer, notif: p.notif, read });
+                    Stats::bump(&self.shared.stats.bounce_xfers);
+                    self.complete(p.xfer, Err(XferError::PeerLost));
+                    return;
+                };
                 // Two way once the peer said HELLO; one way (answers READ from its mailbox)
                 // when it never loaded us but keeps a mailbox, and we keep a fetch area.
                 let one_way = self

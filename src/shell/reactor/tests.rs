@@ -273,6 +273,14 @@ impl Side {
     /// As [`Side::post`], a WRITE or (`read`) a READ, where `src` is the peer's and `dest` its
     /// registration of it, and `dst` ours.
     fn post_op(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8], dest: Destination, read: bool) -> u64 {
+        let h = self.prep_op(peer, config, src, dst, dest, read);
+        let posted = self.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
+        self.shared.inbox.push(Cmd::Submit(posted));
+        h
+    }
+
+    /// As [`Side::post_op`], prepared only (for the incarnation of `peer` loaded now).
+    fn prep_op(&self, peer: &str, config: &Config, src: &[u8], dst: &mut [u8], dest: Destination, read: bool) -> u64 {
         let pairs: Vec<DescPair> = (0..PIECES)
             .map(|i| DescPair {
                 src: src.as_ptr() as u64 + (i * 2 * PIECE) as u64,
@@ -287,10 +295,7 @@ impl Side {
         assert!(p.chunks.len() >= 4, "the tests need several chunks in flight");
         p.dests = vec![dest]; // the peer's registration metadata, as if loaded
         p.read = read;
-        let h = self.shared.requests.insert(peer.to_owned(), p);
-        let posted = self.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
-        self.shared.inbox.push(Cmd::Submit(posted));
-        h
+        self.shared.requests.insert(peer.to_owned(), self.shared.peers.known_id(peer), p)
     }
 
     /// The request's final state (panics if it does not finish within `limit`).
@@ -450,7 +455,7 @@ fn a_one_chunk_write_rides_in_its_want_and_lands_byte_exact_with_no_write() {
     let mut p = plan::plan(&pairs, PlanParams::from_config(&cfg)).unwrap();
     assert_eq!(p.chunks.len(), 1);
     p.dests = vec![dest];
-    let h = a.shared.requests.insert("b".to_owned(), p);
+    let h = a.shared.requests.insert("b".to_owned(), a.shared.peers.known_id("b"), p);
     let posted = a.shared.requests.post(h, Some(b"landed".to_vec())).unwrap();
     a.shared.inbox.push(Cmd::Submit(posted));
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
@@ -705,6 +710,33 @@ fn a_reordered_data_frame_still_lands_byte_exact() {
     let h = a.post("b", &cfg, &src, &mut dst, dest);
     assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert!(held.load(Ordering::Relaxed) >= 2, "the first DATA was held behind a later one");
+    assert_exact(&src, &dst);
+}
+
+/// A request prepared for the peer and posted after NIXL lost it and loaded it again fails as
+/// lost at once, touching nothing: its plan (arenas, proofs) was made for the incarnation gone.
+/// Before ids were per incarnation, the reactor looked the name up when it took the request and
+/// sent it to whatever was loaded under it then. A request prepared after the reload lands.
+#[test]
+fn a_request_prepared_before_the_peer_was_reloaded_fails_as_lost_when_posted() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let dest = b.register(&mut dst);
+    let stale = a.prep_op("b", &cfg, &src, &mut dst, dest, false);
+    let (old, _) = a.shared.peers.lost("b");
+    a.shared.inbox.push(Cmd::PeerLost("b".to_owned(), old.expect("b was loaded")));
+    b.shared.inbox.push(Cmd::PeerLost("a".to_owned(), b.shared.peers.lost("a").0.unwrap()));
+    let (a, _b) = introduce(a, b);
+    assert_ne!(a.shared.peers.known_id("b"), old, "a new incarnation, a new id");
+    let posted = a.shared.requests.post(stale, None).unwrap();
+    a.shared.inbox.push(Cmd::Submit(posted));
+    assert_eq!(a.outcome(stale, Duration::from_secs(5)), Err(XferError::PeerLost));
+    assert_eq!(a.stat(|s| &s.bounce_failed), 1);
+    assert!(dst.iter().all(|&x| x == 0xEE), "the stale request wrote nothing");
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
     assert_exact(&src, &dst);
 }
 
@@ -1107,7 +1139,7 @@ fn a_deregistration_waits_for_a_failed_transfers_stuck_write_only_a_second() {
     let mut p = plan::plan(&pairs, PlanParams::from_config(&cfg)).unwrap();
     assert!(p.chunks.len() > 1 && p.chunks.iter().all(|c| c.direct.is_some()), "every chunk written from src");
     p.dests = vec![dest];
-    let h = a.shared.requests.insert("b".to_owned(), p);
+    let h = a.shared.requests.insert("b".to_owned(), a.shared.peers.known_id("b"), p);
     let posted = a.shared.requests.post(h, None).unwrap();
     a.shared.inbox.push(Cmd::Submit(posted));
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::Timeout), "its writes never complete");
