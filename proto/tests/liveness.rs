@@ -188,15 +188,21 @@ impl Pair {
     }
 }
 
-#[test]
-fn a_receiver_that_dies_mid_transfer_fails_the_transfer_within_the_probe_bound() {
+/// A pair whose receiver died mid-transfer (SIGKILL: nothing more from it, ever), a few
+/// chunks in; with when it died.
+fn killed_mid_transfer() -> (Pair, Instant) {
     let mut p = Pair::new(Duration::from_micros(100));
     p.submit(64);
-    // Let a few chunks move, then the receiver dies (SIGKILL: nothing more from it, ever).
     p.run(p.start + Duration::from_millis(2));
     assert!(p.done.is_empty() && p.eps[1].stats().chunks_scattered > 0, "mid-transfer");
     p.alive[1] = false;
     let died = p.now;
+    (p, died)
+}
+
+#[test]
+fn a_receiver_that_dies_mid_transfer_fails_the_transfer_within_the_probe_bound() {
+    let (mut p, died) = killed_mid_transfer();
     p.run(p.start + Duration::from_secs(60));
     let [(at, outcome)] = &p.done[..] else { panic!("{:?}", p.done) };
     assert_eq!(outcome, &Err(XferError::PeerLost));
@@ -220,12 +226,7 @@ fn a_receiver_that_dies_mid_transfer_fails_the_transfer_within_the_probe_bound()
 fn frames_forged_under_a_dead_receivers_name_do_not_keep_it_alive() {
     use bounce_proto::wire::{Ack, AckStatus, Body, Credit, Cursor, Grant, Keep, Msg};
     use bounce_proto::{ChunkIdx, Region};
-    let mut p = Pair::new(Duration::from_micros(100));
-    p.submit(64);
-    p.run(p.start + Duration::from_millis(2));
-    assert!(p.done.is_empty() && p.eps[1].stats().chunks_scattered > 0, "mid-transfer");
-    p.alive[1] = false;
-    let died = p.now;
+    let (mut p, died) = killed_mid_transfer();
     let wrong = Token(0xbad);
     let region = Region { offset: 0, len: CHUNK };
     let forged: Vec<Vec<u8>> = vec![
