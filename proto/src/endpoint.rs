@@ -622,7 +622,7 @@ impl Endpoint {
             .admit_message(name, frame.session, one_way, |id| holds_nothing(receiver, answering, sender, id))?;
         if let Some(gone) = gone {
             // What little may remain of it (replay floors) goes with its name.
-            self.handle_peer_lost(now, gone);
+            self.handle_peer_retired(now, gone);
         }
         Ok(self.handle_msg(now, peer, msg)?)
     }
@@ -641,7 +641,7 @@ impl Endpoint {
     ) -> Loaded {
         if let Some(old) = self.peers.load_replaces(name, theirs.as_ref()) {
             debug!(peer = name, "peer reloaded with a new session: reclaiming its old incarnation");
-            self.handle_peer_lost(now, old);
+            self.handle_peer_retired(now, old);
         }
         self.peers.load_conn_info(name, theirs, ours)
     }
@@ -651,7 +651,7 @@ impl Endpoint {
     /// [`handle_peer_lost`](Self::handle_peer_lost). Unknown names are ignored.
     pub fn handle_agent_lost(&mut self, now: Instant, name: &str) {
         if let Some(peer) = self.peers.lost(name) {
-            self.handle_peer_lost(now, peer);
+            self.handle_peer_retired(now, peer);
         }
     }
 
@@ -687,6 +687,15 @@ impl Endpoint {
             self.receiver.handle_scatter_done(&mut ctx!(self, now), job, ok);
         }
         self.pump(now);
+    }
+
+    /// The peer's id is retired for good (NIXL lost the agent or loaded another incarnation of
+    /// it, or a one-way name was forgotten): [`handle_peer_lost`](Self::handle_peer_lost), and
+    /// what is kept per id for its whole life (the order floor of our standing claims to it)
+    /// goes too. Not for a peer declared dead by the probe: it may be alive, with its floors.
+    pub fn handle_peer_retired(&mut self, now: Instant, peer: PeerId) {
+        self.handle_peer_lost(now, peer);
+        self.sender.forget_peer(peer);
     }
 
     /// The peer is gone: its transfers fail with [`XferError::PeerLost`] (no cancel is sent)

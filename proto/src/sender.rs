@@ -588,6 +588,12 @@ impl Sender {
         }
     }
 
+    /// Forgets what is kept per peer id for its whole life (the order floor of our claims), its
+    /// id retired; [`handle_peer_lost`](Self::handle_peer_lost) has ended the rest.
+    pub(crate) fn forget_peer(&mut self, peer: PeerId) {
+        self.claim_floor.remove(&peer);
+    }
+
     /// Whether `from` may answer our transfer (or standing flow) `xfer` with `token`: the
     /// transfer is ours, to that peer, under that token. The token is secret to the two ends.
     pub(crate) fn is_answer(&self, from: PeerId, xfer: XferId, token: Token) -> bool {

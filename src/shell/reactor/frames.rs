@@ -105,7 +105,7 @@ impl Driver {
                 if let Some(gone) = gone {
                     // A one-way name forgotten to make room: what little may remain of it
                     // (replay floors) goes with it.
-                    self.ep.handle_peer_lost(now, gone);
+                    self.ep.handle_peer_retired(now, gone);
                 }
                 id
             }

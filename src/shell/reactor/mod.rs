@@ -719,7 +719,7 @@ impl Driver {
             Cmd::PeerLost(name, id) => {
                 self.greeted.remove(&name);
                 self.control.forget(&name);
-                self.ep.handle_peer_lost(now, id);
+                self.ep.handle_peer_retired(now, id);
             }
             Cmd::Hello(name, losses) => {
                 if !self.shared.peers.compatible(&name) {
