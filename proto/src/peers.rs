@@ -418,6 +418,10 @@ impl PeerTable {
     /// The id of the one-way incarnation of `name` under `session` (see
     /// [`admit_incarnation`](Self::admit_incarnation)), if it has one.
     pub fn incarnation(&self, name: &str, session: u64) -> Option<PeerId> {
+        // Asked for every message frame: no key is built while there are none (the usual case).
+        if self.incarnations.is_empty() {
+            return None;
+        }
         self.incarnations.get(&(name.to_owned(), session)).copied()
     }
 
