@@ -38,12 +38,7 @@ impl Engine {
                 // before the reactor takes this, or its one-way flows begun before the
                 // reload) can be reclaimed with them.
                 tracing::info!(peer = agent, "peer reloaded with a new session: reclaiming its old state");
-                if let Some(sh) = self.shared() {
-                    sh.inbox.push(Cmd::PeerLost(agent.to_owned(), old));
-                    if !unload.is_empty() {
-                        sh.inbox.push(Cmd::Unload(unload));
-                    }
-                }
+                self.retire_peer(agent, Some(old), unload);
             }
             match loaded {
                 Loaded::Incompatible(why) => {
@@ -94,14 +89,9 @@ impl Engine {
     /// The peer disconnected: its transfers fail, its regions are reclaimed, its arena is
     /// unloaded once no write uses it.
     pub(crate) fn peer_lost(&self, agent: &str) {
-        if let Some(sh) = self.shared() {
+        if self.shared().is_some() {
             let (id, unload) = self.peers.lost(agent);
-            if let Some(id) = id {
-                sh.inbox.push(Cmd::PeerLost(agent.to_owned(), id));
-            }
-            if !unload.is_empty() {
-                sh.inbox.push(Cmd::Unload(unload));
-            }
+            self.retire_peer(agent, id, unload);
         }
     }
 
@@ -111,13 +101,18 @@ impl Engine {
     pub(crate) fn conn_info_failed(&self, agent: &str) {
         let (lost, unload) = self.peers.load_failed(agent);
         tracing::warn!(peer = agent, "the inner engine refused the peer's connection info; not loaded");
-        if let Some(sh) = self.shared() {
-            if let Some(id) = lost {
-                sh.inbox.push(Cmd::PeerLost(agent.to_owned(), id));
-            }
-            if !unload.is_empty() {
-                sh.inbox.push(Cmd::Unload(unload));
-            }
+        self.retire_peer(agent, lost, unload);
+    }
+
+    /// Queues the reclaim of `agent`'s retired incarnation `id` (its transfers fail, its flows
+    /// are reclaimed) and the unloading of its arena handles `unload` once no write uses them.
+    fn retire_peer(&self, agent: &str, id: Option<bounce_proto::PeerId>, unload: Vec<Md>) {
+        let Some(sh) = self.shared() else { return };
+        if let Some(id) = id {
+            sh.inbox.push(Cmd::PeerLost(agent.to_owned(), id));
+        }
+        if !unload.is_empty() {
+            sh.inbox.push(Cmd::Unload(unload));
         }
     }
 
