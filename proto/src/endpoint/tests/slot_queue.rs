@@ -200,15 +200,22 @@ fn a_canceled_one_way_flow_frees_its_slot_at_once_and_writes_no_fail() {
     assert_eq!(ep.answering_slots_held(), 0);
 }
 
-/// A slot whose FAIL is never reported read frees at the first timeout after its linger, with
-/// no WANT waiting for it: its initiator's name is then free to be forgotten.
-#[test]
-fn a_lingering_slot_frees_at_a_timeout_after_its_linger_with_nothing_waiting() {
+/// A target whose one-way flow 3 of INI ended by its idle timer (reclaimed, its FAIL unread):
+/// no flow, its slot lingering for the last CURSOR. With when it was reclaimed.
+fn ended_one_way_flow() -> (Endpoint, Instant) {
     let (mut ep, t) = target();
     ep.handle_msg(t, INI, one_way_want(3)).unwrap();
     drain(&mut ep);
     let reclaimed = reclaim_by_idle_timer(&mut ep);
-    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 1), "reclaimed, its FAIL unread");
+    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 1), "reclaimed, its slot lingering");
+    (ep, reclaimed)
+}
+
+/// A slot whose FAIL is never reported read frees at the first timeout after its linger, with
+/// no WANT waiting for it: its initiator's name is then free to be forgotten.
+#[test]
+fn a_lingering_slot_frees_at_a_timeout_after_its_linger_with_nothing_waiting() {
+    let (mut ep, reclaimed) = ended_one_way_flow();
     ep.handle_timeout(reclaimed + TIMEOUT - Duration::from_millis(1));
     assert_eq!(ep.answering_slots_held(), 1, "not before the linger ends");
     ep.handle_timeout(reclaimed + TIMEOUT);
@@ -220,11 +227,7 @@ fn a_lingering_slot_frees_at_a_timeout_after_its_linger_with_nothing_waiting() {
 /// nothing: the receiver would grant regions whose answers no slot could carry.
 #[test]
 fn a_want_replayed_after_its_one_way_flow_ended_opens_nothing() {
-    let (mut ep, t) = target();
-    ep.handle_msg(t, INI, one_way_want(3)).unwrap();
-    drain(&mut ep);
-    let reclaimed = reclaim_by_idle_timer(&mut ep);
-    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 1), "ended, its slot lingering");
+    let (mut ep, reclaimed) = ended_one_way_flow();
     assert_eq!(ep.handle_msg(reclaimed, INI, one_way_want(3)), Ok(()));
     let acts = drain(&mut ep);
     assert_eq!(ep.remote_flows(), 0, "no flow reopened: {acts:?}");
