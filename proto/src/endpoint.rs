@@ -26,7 +26,7 @@ use crate::hello::HelloAsks;
 use crate::liveness::{Liveness, LivenessConfig};
 use crate::mailbox::{FailReason, MailboxLayout};
 use crate::oneway::{Answering, HoldError, OneWayLayout, OneWayRefused, Read, Reading};
-use crate::peers::{FrameRefused, Hello, Loaded, PeerTable};
+use crate::peers::{Forgot, FrameRefused, Hello, Loaded, PeerTable};
 use crate::plan::Plan;
 use crate::proof::BadProof;
 use crate::receiver::Receiver;
@@ -158,6 +158,8 @@ pub struct Endpoint {
     stats: Stats,
     peers: PeerTable,
     liveness: Liveness,
+    /// What the forget secrets in our PONGs derive from ([`crate::forget`]).
+    forget_key: [u8; 32],
     /// Scratch: the peers waited on, rebuilt after every input for the liveness probe.
     waited: BTreeSet<PeerId>,
     /// [`close`](Self::close) was called: nothing more is granted, and a PING is answered
@@ -197,6 +199,7 @@ impl Endpoint {
             next_job: 0,
             stats: Stats::default(),
             peers: PeerTable::new(),
+            forget_key: crate::forget::key(&[0; 32]),
             liveness: Liveness::new(LivenessConfig {
                 probe_after: config.probe_after,
                 dead_after: config.peer_dead_after,
@@ -333,6 +336,7 @@ impl Endpoint {
     /// seeing the PING it answers.
     pub fn set_probe_key(&mut self, key: [u8; 32]) {
         self.liveness.set_key(key);
+        self.forget_key = crate::forget::key(&key);
     }
 
     /// Sets the control endpoint carried in every WANT (the receiver's reverse path).
@@ -478,10 +482,14 @@ impl Endpoint {
     /// once we are closing, `nonce ^ FAREWELL`, which confirms our GOODBYE. Not a sign of life:
     /// anyone holding the peer's metadata can send one under its name (its PONGs to our PINGs
     /// are, echoing a nonce only it saw).
+    ///
+    /// The PONG carries the forget secret of the peer's load here ([`crate::forget`]): the
+    /// peer records it when the PONG confirms our HELLO, and honours our FORGET only with it.
     pub fn handle_ping(&mut self, _now: Instant, from: PeerId, nonce: u64) {
         self.stats.peer_msgs += 1;
         let nonce = if self.closing { nonce ^ FAREWELL } else { nonce };
-        self.out.push_back(Action::Link { peer: from, body: wire::Body::Pong { nonce } });
+        let forget = crate::forget::secret(&self.forget_key, from);
+        self.out.push_back(Action::Link { peer: from, body: wire::Body::Pong { nonce, forget } });
     }
 
     /// A PONG from `from` (already admitted by the peer rules): a sign of life when it echoes
@@ -591,7 +599,7 @@ impl Endpoint {
                 self.handle_ping(now, peer, nonce);
                 return Ok(());
             }
-            wire::Body::Pong { nonce } => {
+            wire::Body::Pong { nonce, forget } => {
                 let peer = self.peers.admit(name, frame.session)?;
                 match self.handle_pong(now, peer, nonce) {
                     Pong::Farewell => {
@@ -599,9 +607,20 @@ impl Endpoint {
                         self.handle_goodbye(now, peer);
                     }
                     Pong::Hello => {
-                        self.peers.confirm_hello(name);
+                        self.peers.confirm_hello(name, forget);
                     }
                     Pong::Other => {}
+                }
+                return Ok(());
+            }
+            wire::Body::Forget { proof } => {
+                match self.peers.forgot_us(name, frame.session, proof)? {
+                    Forgot::Us(peer) => self.handle_forgotten(now, peer),
+                    Forgot::NotConfirmed => {}
+                    Forgot::Forged => {
+                        self.stats.control_forged += 1;
+                        return Err(FrameRefused::ForgedForget);
+                    }
                 }
                 return Ok(());
             }
@@ -721,6 +740,22 @@ impl Endpoint {
         self.sender.handle_goodbye(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
         // Its mailbox slots go with it, as for a lost peer: nobody will read them.
+        self.answering.release_peer(peer);
+        self.pump(now);
+    }
+
+    /// The peer unloaded our metadata (its FORGET proved it, [`PeerTable::forgot_us`]): it can
+    /// no longer send us frames, so our transfers to it fail with [`XferError::Forgotten`]
+    /// (its side reclaimed their flows) and its flows into us are reclaimed (their writes
+    /// still in flight land in quarantined regions), as for a lost peer. Its id stays: it is
+    /// still loaded here, and our transfers to it go one way from now on.
+    pub fn handle_forgotten(&mut self, now: Instant, peer: PeerId) {
+        self.stats.peers_forgot_us += 1;
+        self.hellos.forget(peer);
+        self.goodbyes.remove(&peer);
+        let mut ctx = ctx!(self, now);
+        self.sender.fail_peer(&mut ctx, peer, XferError::Forgotten);
+        self.receiver.handle_peer_lost(&mut ctx, peer);
         self.answering.release_peer(peer);
         self.pump(now);
     }

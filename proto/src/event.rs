@@ -248,6 +248,11 @@ pub enum XferError {
     /// The peer was lost.
     #[error("peer lost")]
     PeerLost,
+    /// The peer unloaded our metadata while the transfer was in flight (its FORGET, see
+    /// [`crate::forget`]): it reclaimed the transfer's flow. The peer is still loaded here, and
+    /// the transfer posted again goes one way.
+    #[error("the peer unloaded our metadata")]
+    Forgotten,
     /// The application canceled the transfer.
     #[error("canceled")]
     Canceled,
@@ -682,6 +687,9 @@ pub struct Stats {
     pub hellos_confirmed: u64,
     /// Peers declared dead by the liveness probe (their transfers failed as lost).
     pub peers_declared_dead: u64,
+    /// FORGETs that proved a peer unloaded our metadata (see [`crate::forget`]): our two-way
+    /// transfers to it failed, and the later ones go one way.
+    pub peers_forgot_us: u64,
     /// Transfers failed and scatters answered ACK(Failed) because the application deregistered
     /// memory they touch.
     pub dereg_failed: u64,

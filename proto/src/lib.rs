@@ -38,6 +38,7 @@ pub mod buddy;
 pub mod config;
 pub mod endpoint;
 pub mod event;
+pub mod forget;
 pub mod gate;
 pub mod hello;
 pub mod liveness;

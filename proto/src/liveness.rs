@@ -340,10 +340,13 @@ mod tests {
     #[test]
     fn ping_and_pong_round_trip_through_the_frame_codec() {
         use crate::wire::{Body, ControlFrame, Frame, WireError};
-        for body in [Body::Ping { nonce: 0x0102_0304_0506_0708 }, Body::Pong { nonce: u64::MAX }] {
+        for body in
+            [Body::Ping { nonce: 0x0102_0304_0506_0708 }, Body::Pong { nonce: u64::MAX, forget: crate::Token(0) }]
+        {
             let f = ControlFrame { session: 9, body };
             let bytes = f.to_vec();
-            assert_eq!(bytes.len(), crate::wire::HEADER_LEN + 8);
+            let forget = if matches!(f.body, Body::Pong { .. }) { 16 } else { 0 };
+            assert_eq!(bytes.len(), crate::wire::HEADER_LEN + 8 + forget);
             assert_eq!(ControlFrame::decode(&bytes), Ok(f.clone()));
             assert!(matches!(Frame::decode(&bytes), Err(WireError::UnknownKind { .. })), "no message");
             assert!(ControlFrame::decode(&bytes[..bytes.len() - 1]).is_err(), "truncated");
@@ -352,7 +355,10 @@ mod tests {
             assert_eq!(ControlFrame::decode(&longer), Err(WireError::TrailingBytes { n: 1 }));
         }
         let ping = ControlFrame { session: 1, body: Body::Ping { nonce: 5 } }.to_vec();
-        assert_eq!((ping[7], ControlFrame { session: 1, body: Body::Pong { nonce: 5 } }.to_vec()[7]), (7, 8));
+        assert_eq!(
+            (ping[7], ControlFrame { session: 1, body: Body::Pong { nonce: 5, forget: crate::Token(0) } }.to_vec()[7]),
+            (7, 8)
+        );
     }
 
     /// The attack a mixing function without a key allows: a peer asks for PINGs (a GOODBYE

@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use thiserror::Error;
 
-use crate::types::{ArenaId, PeerId, Region};
+use crate::types::{ArenaId, PeerId, Region, Token};
 use crate::wire::{Capabilities, Incompatible, WireError};
 
 /// Most agent names never loaded here that may be given an id to send one-way frames (see
@@ -73,6 +73,10 @@ pub enum FrameRefused {
     /// Nothing of it is recorded: invented names cannot grow the table.
     #[error("control frame from an agent whose connection info was never loaded")]
     NotLoaded,
+    /// A FORGET without the secret of our load of the peer ([`crate::forget`]): forged, or
+    /// one of an earlier load replayed.
+    #[error("FORGET without the secret of its load here")]
+    ForgedForget,
     /// The endpoint refused the message (see [`crate::event::ProtocolError`]).
     #[error(transparent)]
     Protocol(#[from] crate::event::ProtocolError),
@@ -110,6 +114,19 @@ impl Hello {
             _ => None,
         }
     }
+}
+
+/// What a FORGET proved ([`PeerTable::forgot_us`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forgot {
+    /// The peer unloaded our metadata: its HELLO no longer counts.
+    Us(PeerId),
+    /// Its HELLO is not confirmed (it never loaded us, or its FORGET came already): nothing
+    /// to undo.
+    NotConfirmed,
+    /// Not the secret its confirming PONG carried: a forgery (or a FORGET of an earlier load,
+    /// replayed). Nothing changed.
+    Forged,
 }
 
 /// What loading a peer's connection info decided.
@@ -159,14 +176,15 @@ struct Peer {
     arena: bool,
     /// The session its frames must carry: the one in the capabilities loaded for it.
     session: Option<u64>,
-    /// Its HELLO is confirmed (it answered our ask).
-    hello: bool,
+    /// Its HELLO is confirmed (it answered our ask), with the forget secret its confirming
+    /// PONG carried ([`crate::forget`]): a FORGET from it must prove that.
+    hello: Option<Token>,
 }
 
 impl Peer {
     /// Loaded, compatible, its arena loaded, and its HELLO confirmed.
     fn can_bounce(&self) -> bool {
-        matches!(self.conn, Some(Some(_))) && self.arena && self.hello
+        matches!(self.conn, Some(Some(_))) && self.arena && self.hello.is_some()
     }
 }
 
@@ -253,7 +271,7 @@ impl PeerTable {
         let p = self.by_name.get_mut(name).expect("entry made above");
         tracked(&mut self.ready, p, |p| {
             if p.session != session {
-                p.hello = false;
+                p.hello = None;
             }
             p.conn = Some(caps);
             p.session = session;
@@ -321,7 +339,7 @@ impl PeerTable {
 
     /// True when `name`'s HELLO is confirmed since its load.
     pub fn is_reachable(&self, name: &str) -> bool {
-        self.by_name.get(name).is_some_and(|p| p.hello)
+        self.by_name.get(name).is_some_and(|p| p.hello.is_some())
     }
 
     /// Whether transfers to `name` may take the bounce path: loaded, compatible, its arena
@@ -350,7 +368,7 @@ impl PeerTable {
             Some(p) if p.conn.is_some() => match p.session {
                 Some(current) if current != session => Hello::Stale { current: Some(current) },
                 None => Hello::Stale { current: None },
-                Some(_) if p.hello => Hello::Repeat,
+                Some(_) if p.hello.is_some() => Hello::Repeat,
                 Some(_) if matches!(p.conn, Some(Some(_))) => Hello::Ask,
                 Some(_) => Hello::Unusable,
             },
@@ -359,16 +377,38 @@ impl PeerTable {
     }
 
     /// `name` answered the ask its HELLO opened (its PONG echoed a nonce only it saw): its
-    /// HELLO counts, and it may be bounced to two way once its arena is loaded. Returns false
-    /// (nothing changed) unless it is loaded and compatible.
-    pub fn confirm_hello(&mut self, name: &str) -> bool {
+    /// HELLO counts, and it may be bounced to two way once its arena is loaded; `forget` is
+    /// the forget secret that PONG carried ([`crate::forget`]), which a FORGET from it must
+    /// prove. Returns false (nothing changed) unless it is loaded and compatible.
+    pub fn confirm_hello(&mut self, name: &str, forget: Token) -> bool {
         match self.by_name.get_mut(name) {
             Some(p) if matches!(p.conn, Some(Some(_))) => {
-                tracked(&mut self.ready, p, |p| p.hello = true);
+                tracked(&mut self.ready, p, |p| p.hello = Some(forget));
                 true
             }
             _ => false,
         }
+    }
+
+    /// A FORGET from `name` under `session`, proving `proof` (see [`crate::forget`]): when
+    /// `name` is loaded under that session, its HELLO confirmed and `proof` the secret its
+    /// confirming PONG carried, the peer unloaded us: its HELLO no longer counts (our route to
+    /// it is one way again, until it loads us and says HELLO again). Nothing changes
+    /// otherwise.
+    ///
+    /// # Errors
+    /// As [`admit`](Self::admit) for the session and loading rules.
+    pub fn forgot_us(&mut self, name: &str, session: u64, proof: Token) -> Result<Forgot, FrameRefused> {
+        let id = self.admit(name, session)?;
+        let p = self.by_name.get_mut(name).expect("admitted: loaded");
+        Ok(match p.hello {
+            None => Forgot::NotConfirmed,
+            Some(secret) if secret != proof => Forgot::Forged,
+            Some(_) => {
+                tracked(&mut self.ready, p, |p| p.hello = None);
+                Forgot::Us(id)
+            }
+        })
     }
 
     /// Applies the loading and session rules to a message frame from `name` carrying
@@ -562,7 +602,7 @@ impl PeerTable {
         }
         tracked(&mut self.ready, p, |p| {
             p.arena = false;
-            p.hello = false;
+            p.hello = None;
         });
         Ok(p.id)
     }
@@ -581,7 +621,7 @@ impl PeerTable {
         tracked(&mut self.ready, p, |p| {
             p.conn = None;
             p.arena = false;
-            p.hello = false;
+            p.hello = None;
             p.session = None;
         });
         let id = p.id;
@@ -622,7 +662,7 @@ impl PeerTable {
     fn insert(&mut self, name: &str, id: Option<PeerId>) {
         let id = id.unwrap_or_else(|| self.fresh_id());
         self.names.insert(id, name.to_owned());
-        let peer = Peer { id, conn: None, arena: false, session: None, hello: false };
+        let peer = Peer { id, conn: None, arena: false, session: None, hello: None };
         self.by_name.insert(name.to_owned(), peer);
     }
 
@@ -651,7 +691,7 @@ mod tests {
         assert_eq!(t.load_conn_info(name, Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
         t.arena_loaded(name, true);
         assert_eq!(t.hello(name, 1), Hello::Ask);
-        assert!(t.confirm_hello(name));
+        assert!(t.confirm_hello(name, Token(0)));
         t
     }
 
@@ -746,7 +786,7 @@ mod tests {
         t.arena_loaded("a", true);
         assert_eq!(t.hello("a", 1), Hello::Ask);
         assert!(!t.can_bounce("a"), "a HELLO alone counts for nothing: it is asked about");
-        assert!(t.confirm_hello("a"));
+        assert!(t.confirm_hello("a", Token(0)));
         assert_eq!(t.hello("a", 1), Hello::Repeat);
         t.arena_loaded("a", false);
         assert!(!t.can_bounce("a"), "arena load failed");
@@ -757,10 +797,10 @@ mod tests {
         t.load_conn_info("b", Some(Capabilities { control: ControlKind::Zmq, ..caps(4096) }), Some(&caps(4096)));
         t.arena_loaded("b", true);
         assert_eq!(t.hello("b", 1), Hello::Unusable, "nothing to ask an incompatible peer");
-        assert!(!t.confirm_hello("b") && !t.can_bounce("b"));
+        assert!(!t.confirm_hello("b", Token(0)) && !t.can_bounce("b"));
         // HELLO without loading: dropped, nothing recorded, nothing to confirm.
         assert_eq!(t.hello("c", 1), Hello::NotLoaded);
-        assert!(!t.confirm_hello("c") && !t.is_reachable("c") && t.lookup("c").is_none());
+        assert!(!t.confirm_hello("c", Token(0)) && !t.is_reachable("c") && t.lookup("c").is_none());
         // Loss forgets everything but the id.
         t.lost("a");
         assert!(!t.can_bounce("a") && !t.is_reachable("a") && !t.is_loaded("a"));
@@ -832,7 +872,7 @@ mod tests {
         t.arena_loaded("real", true);
         assert!(!t.can_bounce("real"));
         assert_eq!(t.hello("real", 1), Hello::Ask);
-        assert!(t.confirm_hello("real") && t.can_bounce("real"));
+        assert!(t.confirm_hello("real", Token(0)) && t.can_bounce("real"));
         assert_eq!(t.hello("real", 1), Hello::Repeat);
         // A loss forgets the HELLO: after a reload it is asked about again.
         t.lost("real");
@@ -860,13 +900,13 @@ mod tests {
             assert_eq!(t.hello("p", 7), Hello::Ask);
             assert!(!t.can_bounce("p"));
         }
-        assert!(t.confirm_hello("p") && t.can_bounce("p"));
+        assert!(t.confirm_hello("p", Token(0)) && t.can_bounce("p"));
         // A GOODBYE (confirmed by the endpoint) forgets it: asked about again afterwards.
         let id = t.lookup("p").unwrap();
         assert_eq!(t.goodbye("p", 7), Ok(id));
         assert_eq!(t.hello("p", 7), Hello::Ask);
         // A reload with a new session forgets it too.
-        t.confirm_hello("p");
+        t.confirm_hello("p", Token(0));
         t.load_conn_info("p", Some(Capabilities { session: 9, ..one_way }), Some(&caps(4096)));
         assert!(!t.is_reachable("p"));
         assert_eq!(t.hello("p", 9), Hello::Ask);
@@ -1048,7 +1088,7 @@ mod tests {
                         let _ = t.hello(names[w], s);
                     }
                     Op::Confirm(w) => {
-                        let _ = t.confirm_hello(names[w]);
+                        let _ = t.confirm_hello(names[w], Token(0));
                     }
                     Op::Goodbye(w, s) => {
                         let _ = t.goodbye(names[w], s);

@@ -840,12 +840,17 @@ impl Sender {
     }
 
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        self.fail_peer(ctx, peer, XferError::PeerLost);
+    }
+
+    /// As [`handle_peer_lost`](Self::handle_peer_lost), the transfers failing with `err`.
+    pub(crate) fn fail_peer(&mut self, ctx: &mut Ctx<'_>, peer: PeerId, err: XferError) {
         let lost: Vec<XferId> = self.xfers.iter().filter(|(_, x)| x.peer == peer).map(|(&id, _)| id).collect();
         if !lost.is_empty() {
-            debug!(peer = peer.0, xfers = lost.len(), "peer lost: failing its transfers");
+            debug!(peer = peer.0, xfers = lost.len(), error = %err, "failing the peer's transfers");
         }
         for id in lost {
-            self.fail(ctx, id, XferError::PeerLost, false);
+            self.fail(ctx, id, err.clone(), false);
         }
         // Its new incarnation starts with no standing flow of ours, and may give one.
         self.close_standing(ctx, peer, false);

@@ -273,7 +273,9 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
         })
         .expect("the GOODBYE is asked about");
     assert!(completes(&acts).is_empty() && ep.in_flight_xfers() == 1, "a GOODBYE alone ended a transfer");
-    let pong = |nonce| wire::ControlFrame { session: 77, body: wire::Body::Pong { nonce } }.to_vec();
+    let pong = |nonce| {
+        wire::ControlFrame { session: 77, body: wire::Body::Pong { nonce, forget: bounce_proto::Token(0) } }.to_vec()
+    };
     // b alive and not closing echoes the nonce: nothing ends. Nor does a guess.
     for nonce in [asked, FAREWELL, asked ^ FAREWELL ^ 1] {
         ep.handle_frame(now, "b", &pong(nonce)).unwrap();
@@ -304,7 +306,7 @@ fn a_closing_engine_answers_a_ping_with_the_farewell_pong() {
     let pongs = |acts: Vec<Action>| {
         acts.into_iter()
             .filter_map(|a| match a {
-                Action::Link { peer, body: wire::Body::Pong { nonce } } if peer == b => Some(nonce),
+                Action::Link { peer, body: wire::Body::Pong { nonce, .. } } if peer == b => Some(nonce),
                 _ => None,
             })
             .collect::<Vec<_>>()

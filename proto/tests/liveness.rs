@@ -231,7 +231,7 @@ fn frames_forged_under_a_dead_receivers_name_do_not_keep_it_alive() {
     let region = Region { offset: 0, len: CHUNK };
     let forged: Vec<Vec<u8>> = vec![
         ControlFrame { session: 2, body: Body::Ping { nonce: 7 } }.to_vec(),
-        ControlFrame { session: 2, body: Body::Pong { nonce: 7 } }.to_vec(),
+        ControlFrame { session: 2, body: Body::Pong { nonce: 7, forget: bounce_proto::Token(0) } }.to_vec(),
         Frame {
             session: 2,
             msg: Msg::Grant(Grant { xfer: X, token: wrong, credits: vec![Credit { chunk: ChunkIdx(60), region }] }),

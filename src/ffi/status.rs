@@ -61,6 +61,7 @@ mod tests {
             (Error::BounceClosed, Status::ErrBackend),
             (Error::Xfer(XferError::PeerLost), Status::ErrRemoteDisconnect),
             (Error::Xfer(XferError::Canceled), Status::ErrCanceled),
+            (Error::Xfer(XferError::Forgotten), Status::ErrBackend),
             (Error::Xfer(XferError::Timeout), Status::ErrBackend),
             (Error::Xfer(XferError::Refused), Status::ErrBackend),
             (Error::InnerPlugin(LoadError::Missing { path: "/x".into() }), Status::ErrNotFound),

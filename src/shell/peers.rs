@@ -14,9 +14,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::mailbox::MailboxLayout;
 use bounce_proto::oneway;
-use bounce_proto::peers::{self, CreditRefused, FrameRefused, Loaded};
+use bounce_proto::peers::{self, CreditRefused, Forgot, FrameRefused, Loaded};
 use bounce_proto::wire::Capabilities;
-use bounce_proto::{ArenaId, MemKind, PeerId, Region};
+use bounce_proto::{ArenaId, MemKind, PeerId, Region, Token};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::sys::shim::Md;
@@ -385,9 +385,20 @@ impl PeerTable {
     /// `name`, admitted as `id`, answered the ask its HELLO opened: it may be bounced to two
     /// way (the core's `PeerTable::confirm_hello`). False when it is not loaded and compatible,
     /// or `id` is not its incarnation any more (reloaded since the answer was admitted).
-    pub(crate) fn confirm_hello(&self, name: &str, id: PeerId) -> bool {
+    /// `forget` is the forget secret the answer carried.
+    pub(crate) fn confirm_hello(&self, name: &str, id: PeerId, forget: Token) -> bool {
         let mut t = self.change();
-        t.rules.lookup(name) == Some(id) && t.rules.confirm_hello(name)
+        t.rules.lookup(name) == Some(id) && t.rules.confirm_hello(name, forget)
+    }
+
+    /// A FORGET from `name` under `session` proving `proof` (the core's
+    /// `PeerTable::forgot_us`): [`Forgot::Us`] when the peer unloaded us, its HELLO no longer
+    /// counting.
+    ///
+    /// # Errors
+    /// As [`admit`](Self::admit): drop the frame.
+    pub(crate) fn forgot_us(&self, name: &str, session: u64, proof: Token) -> Result<Forgot, FrameRefused> {
+        self.change().rules.forgot_us(name, session, proof)
     }
 
     /// Applies the core's loading and session rules to a message frame from `name`: the
@@ -657,7 +668,7 @@ mod tests {
     /// `name`'s HELLO under `session`, asked about and answered (the reactor does the asking).
     fn confirmed(t: &PeerTable, name: &str, session: u64) {
         assert_eq!(t.hello(name, session), peers::Hello::Ask);
-        assert!(t.confirm_hello(name, t.known_id(name).unwrap()));
+        assert!(t.confirm_hello(name, t.known_id(name).unwrap(), Token(0)));
     }
 
     #[test]
@@ -674,12 +685,15 @@ mod tests {
         assert_eq!(t.hello("late", 9), peers::Hello::Ask, "a loaded agent is always heard");
         assert_eq!((t.ready(), t.bounce_arenas("late").is_none()), (0, true), "asked about, not yet counted");
         let late = t.known_id("late").unwrap();
-        assert!(!t.confirm_hello("late", PeerId(late.0 + 1)), "another incarnation's answer confirms nothing");
-        assert!(t.confirm_hello("late", late));
+        assert!(
+            !t.confirm_hello("late", PeerId(late.0 + 1), Token(0)),
+            "another incarnation's answer confirms nothing"
+        );
+        assert!(t.confirm_hello("late", late, Token(0)));
         assert!(t.bounce_arenas("late").is_some());
         assert_eq!(t.ready(), 1, "its confirmed HELLO counts it ready");
         assert_eq!(t.hello("late", 9), peers::Hello::Repeat);
-        assert!(!t.confirm_hello("x0", late), "nothing to confirm for a name not loaded");
+        assert!(!t.confirm_hello("x0", late, Token(0)), "nothing to confirm for a name not loaded");
         assert_eq!(t.ready(), 1, "repeats and strangers change nothing");
     }
 }

@@ -185,6 +185,12 @@ counters! {
     /// Peers declared dead by the liveness probe; their bounced transfers failed (the core's
     /// count).
     peers_declared_dead,
+    /// FORGETs sent: NIXL here unloaded a peer that could bounce with us, and we told it so
+    /// (see the core's `forget` module), so its transfers to us go one way.
+    forgets_sent,
+    /// Peers whose FORGET proved they unloaded our metadata: our two-way transfers to them
+    /// failed at once, and the later ones go one way (the core's count).
+    peers_forgot_us,
     /// Peer arenas loaded through the inner engine and not yet unloaded (those retiring
     /// behind a write in flight included).
     peer_arenas_loaded,

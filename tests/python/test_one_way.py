@@ -212,6 +212,100 @@ nixlkit.leave(0)
 
 
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_a_peer_that_unloads_our_metadata_gets_our_writes_one_way_from_then_on(control):
+    """a and b load each other; then b unloads a (remove_remote_agent) and does not load it
+    again, while a goes on writing to b. Through plain UCX a's one-sided writes would go on.
+    Before, a's two-way frames went unanswered and each write failed as a lost peer after the
+    liveness probe's ~2 s. Now b tells a as it unloads it (a FORGET proving the secret of its
+    load of a, which only b's PONGs carried): a write in flight then fails at once, posted
+    again it lands byte-exact one way, and so do the next ones. When b loads a again, a's
+    writes go two way again."""
+    from conftest import run_isolated
+    params = {**SMALL, **CONTROL[control]}
+    code = f"""
+import time
+import nixlkit
+P = {params!r}
+a, b = nixlkit.agent("fg-a", params=P), nixlkit.agent("fg-b", params=P)
+small, big = nixlkit.Scattered(1024, 4096, seed=101), nixlkit.Scattered(8192, 4096, seed=102)
+dst = nixlkit.pattern(103, big.dst_bytes)
+nixlkit.register(b, dst)
+src = nixlkit.pattern(104, big.src_bytes)
+nixlkit.register(a, src)
+a_meta = a.get_agent_metadata()
+a.add_remote_agent(b.get_agent_metadata()); b.add_remote_agent(a_meta)
+nixlkit.wait_ready(a), nixlkit.wait_ready(b)
+st = lambda ag: {{k[6:]: int(v) for k, v in nixlkit.live_params(ag).items() if k.startswith("stats.")}}
+def handle(lay):
+    return a.initialize_xfer("WRITE", a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                             a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "fg-b", b"")
+def settle(h, deadline=20):
+    t, state = time.monotonic(), "PROC"
+    while state not in ("DONE", "ERR") and time.monotonic() < t + deadline:
+        try:
+            state = a.check_xfer_state(h)
+        except Exception:
+            state = "ERR"
+        nixlkit.poll(b)
+    return state, round(time.monotonic() - t, 2)
+nixlkit.write_exact(a, b, "fg-b", small, src, dst, dst.copy(), "two way before the unload")
+s0 = st(a)
+for attempt in range(5):                  # b unloads a while a's write is in flight
+    before = dst.copy()
+    h = handle(big)
+    assert a.transfer(h) != "ERR"
+    in_flight = a.check_xfer_state(h) == "PROC"
+    if attempt == 0 or in_flight:
+        b.remove_remote_agent("fg-a")
+    state, secs = settle(h)
+    print("RESULT in-flight", int(in_flight), state, secs, flush=True)
+    if state == "ERR":                    # failed at the unload: posted again, one way
+        assert a.transfer(h) != "ERR"
+        state, secs = settle(h)
+    assert state == "DONE", state
+    nixlkit.assert_same(dst, big.expected(src, before), "the write posted again after the unload")
+    a.release_xfer_handle(h)
+    if in_flight:
+        break
+s1 = st(a)
+before = dst.copy()
+h = handle(small)
+assert a.transfer(h) != "ERR"
+state, secs = settle(h)
+s2 = st(a)
+nixlkit.assert_same(dst, small.expected(src, before), "the next write")
+print("RESULT next", state, secs, s2["one_way_sent"] - s1["one_way_sent"], s2["bounce_ok"] - s1["bounce_ok"], flush=True)
+sb = st(b)
+print("RESULT forget", sb["forgets_sent"], s2["peers_forgot_us"], s2["peers_declared_dead"] - s0["peers_declared_dead"],
+      s1["one_way_sent"] - s0["one_way_sent"], flush=True)
+b.add_remote_agent(a_meta)                # b loads a again: two way again
+nixlkit.wait_ready(a, deadline=10)
+s3 = st(a)
+nixlkit.write_exact(a, b, "fg-b", small, src, dst, dst.copy(), "two way after b loads a again")
+s4 = st(a)
+print("RESULT reload", s4["bounce_ok"] - s3["bounce_ok"], s4["one_way_sent"] - s3["one_way_sent"], flush=True)
+nixlkit.leave(0)
+"""
+    rc, out = run_isolated(code, timeout=180)
+    assert rc == 0, out[-3000:]
+    r = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            r.setdefault(line.split()[1], []).append(line.split()[2:])
+    assert set(r) == {"in-flight", "next", "forget", "reload"}, out[-3000:]
+    in_flight, state, secs = r["in-flight"][-1]
+    assert in_flight == "1", f"no attempt had the write in flight at the unload: {r}"
+    # At once: not after the probe's ~2 s or the request timeout (3 s here).
+    assert state in ("ERR", "DONE") and float(secs) < 1.5, r
+    state, secs, one_way, ok = r["next"][0]
+    assert (state, one_way, ok) == ("DONE", "1", "1") and float(secs) < 1.5, f"not one way at once: {r}"
+    sent, forgot, dead, one_way_before = r["forget"][0]
+    assert (sent, forgot, dead) == ("1", "1", "0"), f"b's FORGET, a's count, no death: {r}"
+    assert int(one_way_before) >= 1, f"the write posted again went one way: {r}"
+    assert r["reload"][0] == ["1", "0"], f"not two way after b loaded a again: {r}"
+
+
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
 def test_a_small_one_way_write_rides_in_its_want_and_one_ack_record_completes_it(procs, tmp_path, control):
     """256 x 64 B, one chunk within bounce_inline_bytes: the WANT carries the bytes, the target
     (which never loaded us) puts them in a region and scatters them, and writes one record, the

@@ -38,7 +38,10 @@ pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
                     _ => None,
                 })
                 .expect("a HELLO is asked about");
-            let pong = wire::ControlFrame { session: j as u64, body: wire::Body::Pong { nonce } };
+            let pong = wire::ControlFrame {
+                session: j as u64,
+                body: wire::Body::Pong { nonce, forget: bounce_proto::Token(0) },
+            };
             ep.handle_frame(now, &agent(j), &pong.to_vec()).expect("PONG");
         }
     }

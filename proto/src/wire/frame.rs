@@ -22,7 +22,7 @@ use crate::types::{ArenaId, ChunkIdx, CopyRun, MAX_ARENAS, RegId, Region, Token,
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 12;
+pub const WIRE_VERSION: u8 = 13;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -58,8 +58,11 @@ pub const REPLY_MAILBOX: &[u8] = b"\0mailbox";
 pub(super) const KIND_HELLO: u8 = 5;
 /// A PING frame: header and a nonce (see [`Body::Ping`]).
 pub(super) const KIND_PING: u8 = 7;
-/// A PONG frame: header and the PING's nonce (see [`Body::Pong`]).
+/// A PONG frame: header, the PING's nonce and the answerer's forget proof for us (see
+/// [`Body::Pong`]).
 pub(super) const KIND_PONG: u8 = 8;
+/// A FORGET frame: header and a forget proof (see [`Body::Forget`]).
+pub(super) const KIND_FORGET: u8 = 14;
 
 /// Longest legal control frame of any kind, in bytes: a DATA with [`MAX_RUNS`] runs each in
 /// its longest encoding, plus 4 KiB of headroom for fields a later wire version adds. A
@@ -754,10 +757,23 @@ pub enum Body {
         /// Chosen by the prober, unpredictable to others, so a PONG cannot be forged blind.
         nonce: u64,
     },
-    /// PONG: the answer to a [`Body::Ping`], echoing its nonce. Header and nonce only.
+    /// PONG: the answer to a [`Body::Ping`], echoing its nonce. Header, nonce and forget proof.
     Pong {
         /// The nonce of the PING answered.
         nonce: u64,
+        /// The answerer's secret for the load of our metadata it answers under: it sends it
+        /// back in a [`Body::Forget`] when it unloads us. Only a PONG that confirms a HELLO
+        /// (its nonce was seen by the peer alone) records it.
+        forget: Token,
+    },
+    /// FORGET: "I unloaded your metadata; I cannot answer your two-way frames any more". Sent
+    /// by an engine whose application unloaded the peer (NIXL's `disconnect`), while it still
+    /// can; it carries the secret of that load, which only its PONGs to us carried, so no
+    /// third agent can send one. The peer fails its two-way transfers to us at once and goes
+    /// one way to us (answers through our mailbox), as it would had we never loaded it.
+    Forget {
+        /// The forget secret our confirming PONG carried.
+        proof: Token,
     },
     /// GOODBYE, header only: "my engine is going away; my arena with it". Sent by an engine
     /// being destroyed once its own writes have ended; the peer fails its transfers to it at
@@ -789,9 +805,14 @@ impl ControlFrame {
                 write_header(&mut w, KIND_PING, self.session);
                 w.u64(*nonce);
             }
-            Body::Pong { nonce } => {
+            Body::Pong { nonce, forget } => {
                 write_header(&mut w, KIND_PONG, self.session);
                 w.u64(*nonce);
+                w.token(*forget);
+            }
+            Body::Forget { proof } => {
+                write_header(&mut w, KIND_FORGET, self.session);
+                w.token(*proof);
             }
             Body::Goodbye => write_header(&mut w, KIND_GOODBYE, self.session),
             Body::Msg(msg) => {
@@ -818,7 +839,8 @@ impl ControlFrame {
         let body = match kind {
             KIND_HELLO => Body::Hello,
             KIND_PING => Body::Ping { nonce: r.u64()? },
-            KIND_PONG => Body::Pong { nonce: r.u64()? },
+            KIND_PONG => Body::Pong { nonce: r.u64()?, forget: r.token()? },
+            KIND_FORGET => Body::Forget { proof: r.token()? },
             KIND_GOODBYE => Body::Goodbye,
             kind => Body::Msg(read_msg(&mut r, kind)?),
         };

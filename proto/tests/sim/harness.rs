@@ -349,7 +349,10 @@ impl Sim {
                                 _ => None,
                             })
                             .expect("a HELLO is asked about");
-                        let pong = wire::ControlFrame { session: j as u64, body: wire::Body::Pong { nonce } };
+                        let pong = wire::ControlFrame {
+                            session: j as u64,
+                            body: wire::Body::Pong { nonce, forget: bounce_proto::Token(0) },
+                        };
                         ep.handle_frame(start, &agent(j), &pong.to_vec()).expect("PONG accepted");
                         assert!(ep.peers().is_reachable(&agent(j)));
                     }

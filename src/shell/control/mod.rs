@@ -20,6 +20,13 @@ pub(crate) trait ControlChannel: Send {
     /// which may complete several frames, or none); returns how much of `budget` it took, so
     /// that all of it means more may wait (count frames by `out`'s growth).
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize;
+    /// Sends one frame to `peer` at `endpoint`, its control endpoint as resolved while it was
+    /// still loaded: the last frame to a peer being unloaded (a FORGET), which [`Self::send`]
+    /// could no longer resolve. Channels that need no endpoint (UCX) send as [`Self::send`].
+    fn send_at(&mut self, peer: &str, endpoint: &[u8], frame: &[u8]) -> Result<(), ControlError> {
+        let _ = endpoint;
+        self.send(peer, frame)
+    }
     /// Forgets a peer (peer lost): drop its socket / state.
     fn forget(&mut self, peer: &str);
     /// Whether frames arrive on a socket of the channel's own, which only a reactor pass reads

@@ -155,6 +155,10 @@ impl ControlChannel for ZmqChannel {
         self.send_to(peer, &endpoint, frame)
     }
 
+    fn send_at(&mut self, peer: &str, endpoint: &[u8], frame: &[u8]) -> Result<(), ControlError> {
+        self.send_to(peer, endpoint, frame)
+    }
+
     /// Reads up to `budget` waiting chunks without blocking, appends the frames they complete,
     /// and returns how many chunks it read: a frame over 2 MiB in transit can take the whole
     /// budget and complete nothing, and the reactor must still know that more waits (the

@@ -88,10 +88,40 @@ impl Engine {
 
     /// The peer disconnected: its transfers fail, its regions are reclaimed, its arena is
     /// unloaded once no write uses it.
+    ///
+    /// A peer that could bounce with us is told first (a FORGET, `bounce_proto::forget`), while
+    /// it can still be reached: the inner engine disconnects it once this returns. Its
+    /// transfers to us then go one way (as plain UCX's one-sided writes would go on) instead of
+    /// failing, each after the liveness probe's bound, for want of our answers.
     pub(crate) fn peer_lost(&self, agent: &str) {
-        if self.shared().is_some() {
-            let (id, unload) = self.peers.lost(agent);
-            self.retire_peer(agent, id, unload);
+        let Some(sh) = self.shared() else { return };
+        // Resolved while the peer is still in the table: its id (the load whose secret the
+        // FORGET proves) and, for ZMQ, its control endpoint.
+        let told = self.peers.compatible(agent).then(|| self.peers.loaded_id(agent)).flatten();
+        let endpoint = self.peers.endpoint(agent).unwrap_or_default();
+        let (id, unload) = self.peers.lost(agent);
+        if let Some(told) = told {
+            self.send_forget(sh, agent, told, endpoint);
+        }
+        self.retire_peer(agent, id, unload);
+    }
+
+    /// Sends `agent`, loaded here as `id` until now, the FORGET proving that load's secret.
+    fn send_forget(&self, sh: &Shared, agent: &str, id: bounce_proto::PeerId, endpoint: Vec<u8>) {
+        let Some(key) = sh.forget_key.get() else { return };
+        let proof = bounce_proto::forget::secret(key, id);
+        let body = bounce_proto::wire::Body::Forget { proof };
+        let bytes = bounce_proto::wire::ControlFrame { session: self.session, body }.to_vec();
+        match (self.config.control, &self.shim) {
+            (ControlKind::Ucx, Some(shim)) => match shim.gen_notif(agent, &bytes) {
+                Ok(()) => Stats::bump(&self.stats.forgets_sent),
+                Err(status) => tracing::debug!(peer = agent, ?status, "sending FORGET failed"),
+            },
+            (ControlKind::Ucx, None) => {}
+            (ControlKind::Zmq, _) => {
+                sh.inbox.push(Cmd::Forget { peer: agent.to_owned(), endpoint, frame: bytes });
+                Stats::bump(&self.stats.forgets_sent);
+            }
         }
     }
 

@@ -4,10 +4,10 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use bounce_proto::PeerId;
 use bounce_proto::endpoint::Pong;
-use bounce_proto::peers::{FrameRefused, Hello};
+use bounce_proto::peers::{Forgot, FrameRefused, Hello};
 use bounce_proto::wire::{self, Frame, Msg};
+use bounce_proto::{PeerId, Token};
 
 use super::{Driver, RateLimit};
 use crate::shell::control::ControlError;
@@ -65,6 +65,7 @@ impl Driver {
                 return;
             }
             wire::Body::Ping { .. } | wire::Body::Pong { .. } => return self.on_probe(now, peer, frame),
+            wire::Body::Forget { proof } => return self.on_forget(now, peer, frame.session, proof),
             wire::Body::Goodbye => {
                 // Anyone holding the peer's metadata knows its session: the GOODBYE is only
                 // asked about (a PING whose farewell PONG only the peer can make, `on_probe`).
@@ -135,18 +136,42 @@ impl Driver {
         };
         match frame.body {
             wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
-            wire::Body::Pong { nonce } => match self.ep.handle_pong(now, id, nonce) {
+            wire::Body::Pong { nonce, forget } => match self.ep.handle_pong(now, id, nonce) {
                 Pong::Farewell => self.farewell(now, peer, frame.session),
                 // Confirmed for the incarnation the PONG was admitted as only: a reload between
                 // the two must not confirm the new one on the old one's answer.
                 Pong::Hello => {
-                    if self.shared.peers.confirm_hello(peer, id) {
+                    if self.shared.peers.confirm_hello(peer, id, forget) {
                         tracing::debug!(peer, "HELLO confirmed: the peer may be bounced to two way");
                     }
                 }
                 Pong::Other => {}
             },
             _ => {}
+        }
+    }
+
+    /// A FORGET: the peer unloaded our metadata, if it proves the secret of its load here
+    /// (`bounce_proto::forget`). Then our transfers to it fail at once, its flows into us are
+    /// reclaimed, and our later transfers to it go one way; its arena stays loaded for them.
+    fn on_forget(&mut self, now: Instant, peer: &str, session: u64, proof: Token) {
+        match self.shared.peers.forgot_us(peer, session, proof) {
+            Ok(Forgot::Us(id)) => {
+                tracing::info!(peer, "the peer unloaded our metadata: our transfers to it go one way from now on");
+                self.ep.handle_forgotten(now, id);
+            }
+            // Never confirmed (or already forgotten): our route to it is one way already.
+            Ok(Forgot::NotConfirmed) => tracing::debug!(peer, "FORGET from a peer whose HELLO is not confirmed"),
+            Ok(Forgot::Forged) => {
+                self.sessions_forged += 1;
+                self.drop_frame(now, peer, &FrameRefused::ForgedForget);
+            }
+            Err(e) => {
+                if matches!(e, FrameRefused::StaleSession { .. }) {
+                    self.sessions_forged += 1;
+                }
+                self.drop_frame(now, peer, &e);
+            }
         }
     }
 

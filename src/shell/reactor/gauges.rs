@@ -22,6 +22,7 @@ impl Driver {
         s.hello_asks.store(core.hello_asks, Ordering::Relaxed);
         s.hellos_confirmed.store(core.hellos_confirmed, Ordering::Relaxed);
         s.peers_declared_dead.store(core.peers_declared_dead, Ordering::Relaxed);
+        s.peers_forgot_us.store(core.peers_forgot_us, Ordering::Relaxed);
         s.dereg_failed.store(core.dereg_failed + self.dereg_refused, Ordering::Relaxed);
         s.keeps_sent.store(core.keeps_sent, Ordering::Relaxed);
         s.one_way_sent.store(core.one_way_sent, Ordering::Relaxed);

@@ -361,6 +361,7 @@ impl Reactor {
         crate::shell::drbg::fill(&mut probe_key)
             .map_err(|error| Error::Random { what: "the PING nonces' key", error })?;
         ep.set_probe_key(probe_key);
+        let _ = shared.forget_key.set(bounce_proto::forget::key(&probe_key));
         let stop = Arc::new(AtomicBool::new(false));
         // With a socket to wait on, an idle reactor thread sleeps on it (and on the wakers'
         // eventfd) instead of parking; without an eventfd it parks as over UCX.
@@ -714,6 +715,15 @@ impl Driver {
                 // release returns once it comes (the `Action::Complete` arm of `drain_actions`).
                 if self.ep.owes_completion(x) {
                     self.cancels.insert(x, done);
+                }
+            }
+            Cmd::Forget { peer, endpoint, frame } => {
+                // Best effort: a peer that misses it finds out as before (its two-way frames
+                // unanswered, the probe's verdict).
+                Stats::bump(&self.shared.stats.control_sent);
+                self.shared.stats.control_sent_bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
+                if let Err(e) = self.control.send_at(&peer, &endpoint, &frame) {
+                    tracing::debug!(peer, error = %e, "sending FORGET failed");
                 }
             }
             Cmd::PeerLost(name, id) => {

@@ -57,6 +57,11 @@ pub(crate) enum Cmd {
     /// no longer used for new writes or READs (the peer was lost, said goodbye or was
     /// reloaded): unload it once no write or READ in flight uses any of it.
     Unload(Vec<Md>),
+    /// A FORGET the engine made for a peer NIXL is unloading, to send over a control channel
+    /// of the reactor's own (ZMQ) at the peer's control endpoint (resolved before the peer left
+    /// the table), before the [`Cmd::PeerLost`] behind it drops the peer's socket. (Over UCX
+    /// the engine sends it itself, before the inner engine disconnects.)
+    Forget { peer: String, endpoint: Vec<u8>, frame: Vec<u8> },
 }
 
 impl Cmd {
@@ -167,6 +172,10 @@ pub(crate) struct Shared {
     pub(crate) fence: Fence,
     /// The reactor thread has ended: no command will be handled any more.
     pub(super) ended: AtomicBool,
+    /// What the forget secrets in our PONGs derive from (`bounce_proto::forget`), set by the
+    /// reactor as it starts: the engine proves the secret in the FORGET it sends a peer it
+    /// unloads.
+    pub(crate) forget_key: std::sync::OnceLock<[u8; 32]>,
 }
 
 impl Shared {
@@ -182,6 +191,7 @@ impl Shared {
             arenas_retiring: AtomicU64::new(0),
             fence: Fence::default(),
             ended: AtomicBool::new(false),
+            forget_key: std::sync::OnceLock::new(),
         }
     }
 

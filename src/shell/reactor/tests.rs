@@ -1294,7 +1294,7 @@ fn a_forged_goodbye_under_a_peers_name_ends_nothing() {
         }
         match bounce_proto::wire::ControlFrame::decode(f).map(|c| c.body) {
             Ok(bounce_proto::wire::Body::Ping { nonce }) if (from, to) == ("a", "b") => pi.lock().push(nonce),
-            Ok(bounce_proto::wire::Body::Pong { nonce }) if (from, to) == ("b", "a") => po.lock().push(nonce),
+            Ok(bounce_proto::wire::Body::Pong { nonce, .. }) if (from, to) == ("b", "a") => po.lock().push(nonce),
             _ => {}
         }
         Fate::Deliver

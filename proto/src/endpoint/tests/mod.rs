@@ -1,5 +1,6 @@
 //! Endpoint-level tests, plus the fixtures the sender and receiver tests share.
 
+mod forget;
 mod slot_queue;
 mod standing;
 
@@ -428,16 +429,26 @@ fn a_hello_counts_only_once_the_peer_echoes_the_nonce_of_the_ask_it_opened() {
     }
     assert!(drain(&mut ep).is_empty(), "one ask open at a time: no frame per forged frame");
     // Answers that are not the peer's: another nonce, or the right one under another session.
-    ep.handle_frame(t, "a", &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: nonce ^ 1 } }.to_vec())
-        .unwrap();
-    let stale = wire::ControlFrame { session: 2, body: wire::Body::Pong { nonce } }.to_vec();
+    ep.handle_frame(
+        t,
+        "a",
+        &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: nonce ^ 1, forget: crate::Token(0) } }
+            .to_vec(),
+    )
+    .unwrap();
+    let stale = wire::ControlFrame { session: 2, body: wire::Body::Pong { nonce, forget: crate::Token(0) } }.to_vec();
     assert!(matches!(ep.handle_frame(t, "a", &stale), Err(FrameRefused::StaleSession { .. })));
     assert!(!ep.peers().can_bounce("a"));
     // Unanswered, the ask is repeated with the same nonce (a late PONG still counts).
     ep.handle_timeout(t + crate::hello::ASK_AGAIN_AFTER);
     assert_eq!(ask_nonce(&drain(&mut ep), id), nonce);
     // The peer's answer confirms it.
-    ep.handle_frame(t, "a", &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce } }.to_vec()).unwrap();
+    ep.handle_frame(
+        t,
+        "a",
+        &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce, forget: crate::Token(0) } }.to_vec(),
+    )
+    .unwrap();
     assert!(ep.peers().can_bounce("a") && ep.stats().hellos_confirmed == 1 && ep.stats().hello_asks == 2);
     assert_eq!(ep.poll_timeout(), None, "the ask is closed");
     // A confirmed peer's HELLO (it may have unloaded and loaded us again, and lacks ours) is
@@ -445,8 +456,12 @@ fn a_hello_counts_only_once_the_peer_echoes_the_nonce_of_the_ask_it_opened() {
     ep.handle_frame(t, "a", &hello).unwrap();
     let again = ask_nonce(&drain(&mut ep), id);
     assert_ne!(again, nonce);
-    ep.handle_frame(t, "a", &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: again } }.to_vec())
-        .unwrap();
+    ep.handle_frame(
+        t,
+        "a",
+        &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: again, forget: crate::Token(0) } }.to_vec(),
+    )
+    .unwrap();
     for _ in 0..100 {
         ep.handle_frame(t + Duration::from_millis(500), "a", &hello).unwrap();
     }
@@ -476,7 +491,12 @@ fn an_unanswered_ask_is_dropped_after_its_last_repeat_and_changes_nothing() {
     }
     assert_eq!(asks, crate::hello::MAX_ASKS);
     // A PONG now confirms nothing, even one echoing the nonce.
-    ep.handle_frame(t, "a", &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce } }.to_vec()).unwrap();
+    ep.handle_frame(
+        t,
+        "a",
+        &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce, forget: crate::Token(0) } }.to_vec(),
+    )
+    .unwrap();
     assert!(!ep.peers().can_bounce("a") && ep.stats().hellos_confirmed == 0);
     // The peer's next HELLO (it loads us later) opens a new ask.
     ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
@@ -489,7 +509,9 @@ fn an_ask_answered_by_a_closing_peer_confirms_nothing() {
     let (mut ep, t, id) = with_ready_arena();
     ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
     let nonce = ask_nonce(&drain(&mut ep), id);
-    let farewell = wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: nonce ^ FAREWELL } }.to_vec();
+    let farewell =
+        wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: nonce ^ FAREWELL, forget: crate::Token(0) } }
+            .to_vec();
     ep.handle_frame(t, "a", &farewell).unwrap();
     assert!(!ep.peers().can_bounce("a"));
 }
@@ -648,7 +670,7 @@ impl Pair {
                 assert_eq!(p.0 as usize, peer);
                 match body {
                     wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u32), nonce),
-                    wire::Body::Pong { nonce } => {
+                    wire::Body::Pong { nonce, .. } => {
                         if self.eps[peer].handle_pong(now, PeerId(me as u32), nonce) == Pong::Farewell {
                             self.eps[peer].handle_goodbye(now, PeerId(me as u32));
                         }

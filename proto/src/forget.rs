@@ -1,0 +1,50 @@
+//! FORGET: telling a peer that we unloaded its metadata, in a way no third agent can copy.
+//!
+//! When NIXL here unloads a peer (`disconnect`), we can no longer send it frames, so its two-way
+//! transfers to us (answered by GRANT and ACK frames) cannot finish, and every later one would
+//! fail after the liveness probe's bound. Through plain UCX its one-sided writes would go on.
+//! So, while we still can, we send it a FORGET: it fails its two-way transfers to us at once
+//! and goes one way to us (answers through our mailbox), as if we had never loaded it.
+//!
+//! A FORGET must not be forgeable: anyone holding our published metadata knows our session,
+//! and a forged one would fail a peer's transfers to us and slow the later ones. So it carries
+//! a secret of this load of the peer's metadata here, which only we know and which we gave the
+//! peer in our PONGs to it. The peer records it from the PONG that confirms our HELLO (its
+//! nonce was seen by us alone, so that PONG is ours) and honours a FORGET only with it.
+//!
+//! The secret of a load is keyed BLAKE3 of the peer's id here under a key derived from the
+//! engine's random probe key. An id is never reused by an engine (a reload after an unload
+//! gives a new one), so each load has its own secret: a FORGET of an earlier load, replayed or
+//! late, does not match the one a reload brought, and one secret tells nothing of another.
+
+use crate::types::{PeerId, Token};
+
+/// The key forget secrets derive from, from the engine's random probe key (see
+/// [`crate::endpoint::Endpoint::set_probe_key`]); derived, so a secret reveals nothing of the
+/// PING nonces and the other way round.
+pub fn key(probe_key: &[u8; 32]) -> [u8; 32] {
+    blake3::derive_key("nixl-bounce 2026-12 FORGET secrets of loaded peers", probe_key)
+}
+
+/// The secret of the load of `peer`'s metadata that `peer` names here: carried in every PONG
+/// we send it, and in the FORGET we send it when we unload it.
+pub fn secret(key: &[u8; 32], peer: PeerId) -> Token {
+    let hash = blake3::keyed_hash(key, &u64::from(peer.0).to_le_bytes());
+    let mut first = [0u8; 16];
+    first.copy_from_slice(&hash.as_bytes()[..16]);
+    Token(u128::from_le_bytes(first))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_load_and_each_engine_has_its_own_secret() {
+        let (k1, k2) = (key(&[1; 32]), key(&[2; 32]));
+        assert_ne!(secret(&k1, PeerId(7)), secret(&k1, PeerId(8)), "another load (id) here");
+        assert_ne!(secret(&k1, PeerId(7)), secret(&k2, PeerId(7)), "another engine");
+        assert_eq!(secret(&k1, PeerId(7)), secret(&k1, PeerId(7)), "the PONG's and the FORGET's agree");
+        assert_ne!(key(&[1; 32]), [1; 32], "derived, not the probe key itself");
+    }
+}
