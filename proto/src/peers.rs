@@ -1039,7 +1039,8 @@ mod tests {
         LoadIncompatible(usize),
         Arena(usize, bool),
         Hello(usize, u64),
-        Confirm(usize),
+        Confirm(usize, u128),
+        Forget(usize, u64, u128),
         Goodbye(usize, u64),
         Lost(usize),
         OneWay(usize),
@@ -1056,7 +1057,8 @@ mod tests {
             who.clone().prop_map(Op::LoadIncompatible),
             (who.clone(), any::<bool>()).prop_map(|(w, ok)| Op::Arena(w, ok)),
             (who.clone(), session.clone()).prop_map(|(w, s)| Op::Hello(w, s)),
-            who.clone().prop_map(Op::Confirm),
+            (who.clone(), 0..2u128).prop_map(|(w, k)| Op::Confirm(w, k)),
+            (who.clone(), session.clone(), 0..2u128).prop_map(|(w, s, k)| Op::Forget(w, s, k)),
             (who.clone(), session).prop_map(|(w, s)| Op::Goodbye(w, s)),
             who.clone().prop_map(Op::Lost),
             who.clone().prop_map(Op::OneWay),
@@ -1068,7 +1070,8 @@ mod tests {
     proptest::proptest! {
         /// The count of peers that can bounce, kept as the table changes, is always what a
         /// pass over the table counts, whatever the order of loads, arenas, HELLOs, GOODBYEs
-        /// (accepted or refused), losses and one-way admissions (of incarnations too). And ids
+        /// (accepted or refused), FORGETs (proven or not), losses and one-way admissions (of
+        /// incarnations too). And ids
         /// and names stay one to one: every name's id names it back, and no id goes by two names.
         #[test]
         fn the_ready_count_always_equals_a_recount(ops in proptest::collection::vec(op(), 0..64)) {
@@ -1087,8 +1090,25 @@ mod tests {
                     Op::Hello(w, s) => {
                         let _ = t.hello(names[w], s);
                     }
-                    Op::Confirm(w) => {
-                        let _ = t.confirm_hello(names[w], Token(0));
+                    Op::Confirm(w, k) => {
+                        let _ = t.confirm_hello(names[w], Token(k));
+                    }
+                    Op::Forget(w, s, k) => {
+                        // Only the secret of the confirming PONG, under the loaded session,
+                        // undoes a HELLO; the peer stays loaded under its id.
+                        let before = (t.can_bounce(names[w]), t.lookup(names[w]), t.is_loaded(names[w]));
+                        let held = t.by_name.get(names[w]).and_then(|p| p.hello);
+                        match t.forgot_us(names[w], s, Token(k)) {
+                            Ok(Forgot::Us(id)) => {
+                                proptest::prop_assert_eq!(held, Some(Token(k)));
+                                proptest::prop_assert_eq!(Some(id), before.1);
+                                proptest::prop_assert!(!t.is_reachable(names[w]) && t.is_loaded(names[w]));
+                            }
+                            _ => {
+                                let after = (t.can_bounce(names[w]), t.lookup(names[w]), t.is_loaded(names[w]));
+                                proptest::prop_assert_eq!(before, after);
+                            }
+                        }
                     }
                     Op::Goodbye(w, s) => {
                         let _ = t.goodbye(names[w], s);
