@@ -10,6 +10,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
       agent (a GPU worker that moves host memory too) -> "host_addr": int
       "cuda_late": true makes the agent before the process touches CUDA (VRAM)
   {"op": "load", "meta": b64}                 add a remote agent
+  {"op": "unload", "name": A}                 remove remote agent A (NIXL's remove_remote_agent)
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
   {"op": "notif_send", "to": A, "msg": M}     ("b64": B instead of "msg": raw bytes)
   {"op": "dump", "path": P, "host": bool}     write the buffer (the host buffer) to a file
@@ -140,6 +141,7 @@ def main():
     nixlkit.serve({
         "start": start,
         "load": lambda cmd: ag.add_remote_agent(base64.b64decode(cmd["meta"])),
+        "unload": lambda cmd: [ag.remove_remote_agent(cmd["name"])] and None,
         "notif_wait": notif_wait,
         "notif_send": lambda cmd: ag.send_notif(
             cmd["to"], base64.b64decode(cmd["b64"]) if "b64" in cmd else cmd["msg"].encode()),

@@ -306,6 +306,35 @@ nixlkit.leave(0)
 
 
 @pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_a_target_in_another_process_that_unloads_us_is_written_one_way_at_once(procs, tmp_path, control):
+    """The test above across two processes (as deployments run): the target, in its own
+    process, loads the initiator and then unloads it; its FORGET reaches the initiator before
+    its inner engine disconnects, and the initiator's next write goes one way at once,
+    byte-exact, with no peer declared dead."""
+    params = {**SMALL, **CONTROL[control]}
+    lay = nixlkit.Scattered(1024, 4096, seed=111)
+    p = procs()
+    meta, raddr = p.start(name=f"fgp-rx-{control}", size=lay.dst_bytes, seed=112, params=params)
+    ag = nixlkit.agent(f"fgp-tx-{control}", params=params)
+    src = nixlkit.pattern(113, lay.src_bytes)
+    nixlkit.register(ag, src)
+    ag.add_remote_agent(meta)
+    p.call(op="load", meta=base64.b64encode(ag.get_agent_metadata()).decode())
+    nixlkit.wait_ready(ag)
+    s0 = stats(ag)
+    p.call(op="unload", name=f"fgp-tx-{control}")
+    with watchdog(60, [p], "write after the unload"):
+        t = time.monotonic()
+        write_one_way_exact(ag, p, f"fgp-rx-{control}", lay, src, raddr, tmp_path, nixlkit.pattern(112, lay.dst_bytes))
+        secs = time.monotonic() - t
+    s1, t1 = stats(ag), peer_stats(p)
+    assert (t1["forgets_sent"], s1["peers_forgot_us"] - s0["peers_forgot_us"]) == (1, 1), (s1, t1)
+    assert s1["one_way_sent"] == s0["one_way_sent"] + 1 and s1["bounce_ok"] == s0["bounce_ok"] + 1, s1
+    assert s1["peers_declared_dead"] == s0["peers_declared_dead"], s1
+    assert secs < 1.5, f"took {secs:.2f} s: the write waited on the probe"
+
+
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
 def test_a_small_one_way_write_rides_in_its_want_and_one_ack_record_completes_it(procs, tmp_path, control):
     """256 x 64 B, one chunk within bounce_inline_bytes: the WANT carries the bytes, the target
     (which never loaded us) puts them in a region and scatters them, and writes one record, the
