@@ -65,7 +65,20 @@ pub fn public_decode(data: &[u8]) {
 
 /// Valid encoded frames, one per message shape, for the `wire_decode` seed corpus.
 pub fn seed_frames() -> Vec<Vec<u8>> {
-    samples::sample_frames().iter().map(Frame::to_vec).collect()
+    use super::frame::Body;
+    use crate::types::Token;
+    let mut seeds: Vec<Vec<u8>> = samples::sample_frames().iter().map(Frame::to_vec).collect();
+    // The link frames, which carry no message: HELLO, PING, PONG (with its forget secret),
+    // GOODBYE and FORGET.
+    let link = [
+        Body::Hello,
+        Body::Ping { nonce: 5 },
+        Body::Pong { nonce: 5, forget: Token(0xfeed) },
+        Body::Goodbye,
+        Body::Forget { proof: Token(0xfeed) },
+    ];
+    seeds.extend(link.into_iter().map(|body| ControlFrame { session: 7, body }.to_vec()));
+    seeds
 }
 
 /// Valid encoded capability blobs for the `caps_decode` seed corpus.
