@@ -218,8 +218,8 @@ def test_a_peer_that_unloads_our_metadata_gets_our_writes_one_way_from_then_on(c
     Before, a's two-way frames went unanswered and each write failed as a lost peer after the
     liveness probe's ~2 s. Now b tells a as it unloads it (a FORGET proving the secret of its
     load of a, which only b's PONGs carried): a write in flight then fails at once, posted
-    again it lands byte-exact one way, and so do the next ones. When b loads a again, a's
-    writes go two way again."""
+    again it lands byte-exact one way, and so do the next ones (a READ, as vLLM pulls, too).
+    When b loads a again, a's writes go two way again."""
     from conftest import run_isolated
     params = {**SMALL, **CONTROL[control]}
     code = f"""
@@ -232,6 +232,8 @@ dst = nixlkit.pattern(103, big.dst_bytes)
 nixlkit.register(b, dst)
 src = nixlkit.pattern(104, big.src_bytes)
 nixlkit.register(a, src)
+pulled = nixlkit.pattern(105, small.dst_bytes)  # where a's READ from b lands
+nixlkit.register(a, pulled)
 a_meta = a.get_agent_metadata()
 a.add_remote_agent(b.get_agent_metadata()); b.add_remote_agent(a_meta)
 nixlkit.wait_ready(a), nixlkit.wait_ready(b)
@@ -275,8 +277,17 @@ state, secs = settle(h)
 s2 = st(a)
 nixlkit.assert_same(dst, small.expected(src, before), "the next write")
 print("RESULT next", state, secs, s2["one_way_sent"] - s1["one_way_sent"], s2["bounce_ok"] - s1["bounce_ok"], flush=True)
+# A READ (the way vLLM pulls) goes one way too: b's packed bytes into a's scattered slots.
+before, packed = pulled.copy(), dst[:small.src_bytes].copy()
+h = a.initialize_xfer("READ", a.get_xfer_descs(small.dst_list(pulled.ctypes.data), "DRAM"),
+                      a.get_xfer_descs(small.src_list(dst.ctypes.data), "DRAM"), "fg-b", b"")
+assert a.transfer(h) != "ERR"
+state, secs = settle(h)
+s5 = st(a)
+nixlkit.assert_same(pulled, small.expected(packed, before), "a READ after the unload")
+print("RESULT read", state, secs, s5["one_way_sent"] - s2["one_way_sent"], s5["bounce_ok"] - s2["bounce_ok"], flush=True)
 sb = st(b)
-print("RESULT forget", sb["forgets_sent"], s2["peers_forgot_us"], s2["peers_declared_dead"] - s0["peers_declared_dead"],
+print("RESULT forget", sb["forgets_sent"], s5["peers_forgot_us"], s5["peers_declared_dead"] - s0["peers_declared_dead"],
       s1["one_way_sent"] - s0["one_way_sent"], flush=True)
 b.add_remote_agent(a_meta)                # b loads a again: two way again
 nixlkit.wait_ready(a, deadline=10)
@@ -292,13 +303,15 @@ nixlkit.leave(0)
     for line in out.splitlines():
         if line.startswith("RESULT "):
             r.setdefault(line.split()[1], []).append(line.split()[2:])
-    assert set(r) == {"in-flight", "next", "forget", "reload"}, out[-3000:]
+    assert set(r) == {"in-flight", "next", "read", "forget", "reload"}, out[-3000:]
     in_flight, state, secs = r["in-flight"][-1]
     assert in_flight == "1", f"no attempt had the write in flight at the unload: {r}"
     # At once: not after the probe's ~2 s or the request timeout (3 s here).
     assert state in ("ERR", "DONE") and float(secs) < 1.5, r
     state, secs, one_way, ok = r["next"][0]
     assert (state, one_way, ok) == ("DONE", "1", "1") and float(secs) < 1.5, f"not one way at once: {r}"
+    state, secs, one_way, ok = r["read"][0]
+    assert (state, one_way, ok) == ("DONE", "1", "1") and float(secs) < 1.5, f"READ not one way at once: {r}"
     sent, forgot, dead, one_way_before = r["forget"][0]
     assert (sent, forgot, dead) == ("1", "1", "0"), f"b's FORGET, a's count, no death: {r}"
     assert int(one_way_before) >= 1, f"the write posted again went one way: {r}"
