@@ -23,6 +23,21 @@ def one_way(ag, meta):
     ag.add_remote_agent(meta)
 
 
+def pair_script(prefix, control, seed):
+    """The start of a `run_isolated` script: agents `{prefix}-a` and `{prefix}-b` of this
+    process with SMALL arenas over `control`, layouts `small` (1024 x 4 KiB) and `big`
+    (8192 x 4 KiB), and `dst`, a buffer for big's destinations (registered by the caller)."""
+    params = {**SMALL, **CONTROL[control]}
+    return f"""
+import gc, time
+import nixlkit
+P = {params!r}
+a, b = nixlkit.agent("{prefix}-a", params=P), nixlkit.agent("{prefix}-b", params=P)
+small, big = nixlkit.Scattered(1024, 4096, seed={seed}), nixlkit.Scattered(8192, 4096, seed={seed + 1})
+dst = nixlkit.pattern({seed + 2}, big.dst_bytes)
+"""
+
+
 def write_one_way_exact(ag, p, name, lay, src, raddr, tmp_path, before):
     lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
     re = ag.get_xfer_descs(lay.dst_list(raddr), "DRAM")
@@ -144,14 +159,7 @@ def test_a_restarted_peer_bounces_one_way_before_we_reload_it_and_its_flow_survi
     arenas: the write completes byte-exact (the reload reclaimed the old incarnation only, and
     the new one kept its flows' id), and b's next write goes two way."""
     from conftest import run_isolated
-    params = {**SMALL, **CONTROL[control]}
-    code = f"""
-import gc, time
-import nixlkit
-P = {params!r}
-a, b = nixlkit.agent("rs-a", params=P), nixlkit.agent("rs-b", params=P)
-small, big = nixlkit.Scattered(1024, 4096, seed=91), nixlkit.Scattered(8192, 4096, seed=92)
-dst = nixlkit.pattern(93, big.dst_bytes)
+    code = pair_script("rs", control, 91) + f"""
 nixlkit.register(a, dst)
 a_meta = a.get_agent_metadata()
 src = nixlkit.pattern(94, big.src_bytes)
@@ -221,14 +229,7 @@ def test_a_peer_that_unloads_our_metadata_gets_our_writes_one_way_from_then_on(c
     again it lands byte-exact one way, and so do the next ones (a READ, as vLLM pulls, too).
     When b loads a again, a's writes go two way again."""
     from conftest import run_isolated
-    params = {**SMALL, **CONTROL[control]}
-    code = f"""
-import time
-import nixlkit
-P = {params!r}
-a, b = nixlkit.agent("fg-a", params=P), nixlkit.agent("fg-b", params=P)
-small, big = nixlkit.Scattered(1024, 4096, seed=101), nixlkit.Scattered(8192, 4096, seed=102)
-dst = nixlkit.pattern(103, big.dst_bytes)
+    code = pair_script("fg", control, 101) + f"""
 nixlkit.register(b, dst)
 src = nixlkit.pattern(104, big.src_bytes)
 nixlkit.register(a, src)
