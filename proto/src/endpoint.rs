@@ -747,16 +747,19 @@ impl Endpoint {
     /// The peer unloaded our metadata (its FORGET proved it, [`PeerTable::forgot_us`]): it can
     /// no longer send us frames, so our transfers to it fail with [`XferError::Forgotten`]
     /// (its side reclaimed their flows) and its flows into us are reclaimed (their writes
-    /// still in flight land in quarantined regions), as for a lost peer. Its id stays: it is
-    /// still loaded here, and our transfers to it go one way from now on.
+    /// still in flight land in quarantined regions), as for a lost peer, its replay floors
+    /// kept. Its id stays: it is still loaded here, and our transfers to it go one way from now
+    /// on. An ask about its HELLO stays open (it may have loaded us again already, its new
+    /// HELLO overtaking the FORGET), and we say HELLO: a peer that loaded us again asks about
+    /// it and we go two way again; one that did not drops it.
     pub fn handle_forgotten(&mut self, now: Instant, peer: PeerId) {
         self.stats.peers_forgot_us += 1;
-        self.hellos.forget(peer);
         self.goodbyes.remove(&peer);
         let mut ctx = ctx!(self, now);
         self.sender.fail_peer(&mut ctx, peer, XferError::Forgotten);
-        self.receiver.handle_peer_lost(&mut ctx, peer);
+        self.receiver.reclaim_flows_of(&mut ctx, peer);
         self.answering.release_peer(peer);
+        self.out.push_back(Action::Link { peer, body: wire::Body::Hello });
         self.pump(now);
     }
 
@@ -809,7 +812,8 @@ impl Endpoint {
         self.stats.peers_declared_dead += 1;
         let mut ctx = ctx!(self, now);
         self.sender.handle_peer_lost(&mut ctx, peer);
-        self.receiver.handle_peer_lost(&mut ctx, peer);
+        // It may be alive, under the same id and session: its replay floors stay.
+        self.receiver.reclaim_flows_of(&mut ctx, peer);
         self.answering.release_peer(peer);
     }
 

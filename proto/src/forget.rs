@@ -13,9 +13,10 @@
 //! nonce was seen by us alone, so that PONG is ours) and honours a FORGET only with it.
 //!
 //! The secret of a load is keyed BLAKE3 of the peer's id here under a key derived from the
-//! engine's random probe key. An id is never reused by an engine (a reload after an unload
-//! gives a new one), so each load has its own secret: a FORGET of an earlier load, replayed or
-//! late, does not match the one a reload brought, and one secret tells nothing of another.
+//! engine's random probe key. A reload after an unload gives the peer a new id, so each load
+//! has its own secret: a FORGET of an earlier load, replayed or late, does not match the one a
+//! reload brought, and one secret tells nothing of another. (A load the inner engine refuses
+//! hands its id back to the incarnation a later load adopts; no FORGET is sent for it.)
 
 use crate::types::{PeerId, Token};
 

@@ -179,6 +179,10 @@ struct Peer {
     /// Its HELLO is confirmed (it answered our ask), with the forget secret its confirming
     /// PONG carried ([`crate::forget`]): a FORGET from it must prove that.
     hello: Option<Token>,
+    /// The proof of a FORGET that came while its HELLO was not confirmed: a PONG carrying that
+    /// secret confirms nothing (the peer sent it before it unloaded us, and the FORGET overtook
+    /// it). Only the peer can make its secret, and it never uses one for two loads.
+    forgot: Option<Token>,
 }
 
 impl Peer {
@@ -272,6 +276,7 @@ impl PeerTable {
         tracked(&mut self.ready, p, |p| {
             if p.session != session {
                 p.hello = None;
+                p.forgot = None;
             }
             p.conn = Some(caps);
             p.session = session;
@@ -379,10 +384,11 @@ impl PeerTable {
     /// `name` answered the ask its HELLO opened (its PONG echoed a nonce only it saw): its
     /// HELLO counts, and it may be bounced to two way once its arena is loaded; `forget` is
     /// the forget secret that PONG carried ([`crate::forget`]), which a FORGET from it must
-    /// prove. Returns false (nothing changed) unless it is loaded and compatible.
+    /// prove. Returns false (nothing changed) unless it is loaded and compatible, and the
+    /// secret is not one a FORGET already ended.
     pub fn confirm_hello(&mut self, name: &str, forget: Token) -> bool {
         match self.by_name.get_mut(name) {
-            Some(p) if matches!(p.conn, Some(Some(_))) => {
+            Some(p) if matches!(p.conn, Some(Some(_))) && p.forgot != Some(forget) => {
                 tracked(&mut self.ready, p, |p| p.hello = Some(forget));
                 true
             }
@@ -402,7 +408,10 @@ impl PeerTable {
         let id = self.admit(name, session)?;
         let p = self.by_name.get_mut(name).expect("admitted: loaded");
         Ok(match p.hello {
-            None => Forgot::NotConfirmed,
+            None => {
+                p.forgot = Some(proof);
+                Forgot::NotConfirmed
+            }
             Some(secret) if secret != proof => Forgot::Forged,
             Some(_) => {
                 tracked(&mut self.ready, p, |p| p.hello = None);
@@ -662,7 +671,7 @@ impl PeerTable {
     fn insert(&mut self, name: &str, id: Option<PeerId>) {
         let id = id.unwrap_or_else(|| self.fresh_id());
         self.names.insert(id, name.to_owned());
-        let peer = Peer { id, conn: None, arena: false, session: None, hello: None };
+        let peer = Peer { id, conn: None, arena: false, session: None, hello: None, forgot: None };
         self.by_name.insert(name.to_owned(), peer);
     }
 

@@ -243,11 +243,12 @@ pub struct Receiver {
     /// Per peer, the highest transfer whose inline chunk was taken. Transfer ids only grow
     /// (see [`crate::types::XferId`]), so an inline WANT at or below it is a replay: its bytes
     /// would land again over newer ones. It is served the usual way, which writes nothing
-    /// without its sender. Forgotten when the peer is lost (a new incarnation counts afresh).
+    /// without its sender. Forgotten when the peer's id is retired (a new incarnation counts
+    /// afresh); kept while the id lives on (a peer declared dead, or one that forgot us).
     inline_floor: BTreeMap<PeerId, XferId>,
     /// Per peer, the highest transfer that claimed its standing credit: a claim at or below it
     /// is a replay (a captured WANT and DATA sent again would otherwise scatter whatever the
-    /// standing region holds now into the old transfer's destinations). Forgotten with the peer.
+    /// standing region holds now into the old transfer's destinations). Kept as `inline_floor`.
     claim_floor: BTreeMap<PeerId, XferId>,
     /// Largest standing credit given to one peer (`bounce_standing_bytes`); 0: none.
     standing_bytes: u64,

@@ -5,9 +5,18 @@
 use super::*;
 
 impl Receiver {
+    /// The peer's id is retired (lost, reloaded, an evicted one-way name): its flows are
+    /// reclaimed and its replay floors go with it (an id never comes back).
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
         self.inline_floor.remove(&peer);
         self.claim_floor.remove(&peer);
+        self.reclaim_flows_of(ctx, peer);
+    }
+
+    /// Reclaims every flow of `peer`, keeping its replay floors: for a peer that keeps its id
+    /// and session here (declared dead by the probe, or one that unloaded our metadata), whose
+    /// captured inline WANTs or standing claims must stay refused as replays.
+    pub(crate) fn reclaim_flows_of(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
         let r = ctx.scheds.reclaim_peer(peer, self.rest(ctx));
         ctx.stats.regions_quarantined += r.quarantined.len() as u64;
         let keys: Vec<FlowKey> = self.flows.keys().filter(|k| k.peer == peer).copied().collect();

@@ -1011,6 +1011,23 @@ fn a_replayed_or_older_inline_want_is_served_the_usual_way_and_puts_nothing() {
     check(&ep);
 }
 
+/// A peer that unloaded us (FORGET) keeps its id and session here, so its captured inline
+/// WANT, replayed after the FORGET has reclaimed its flows, must still find its floor.
+#[test]
+fn an_inline_want_replayed_after_its_sender_forgot_us_puts_nothing() {
+    let (mut ep, t) = receiver();
+    ep.handle_msg(t, PEER, inline_want(X, 1, full_run(0))).unwrap();
+    let s = inline_scatters(&drain(&mut ep));
+    ep.handle_scatter_done(t, s[0].0, true);
+    drain(&mut ep);
+    ep.handle_forgotten(t, PEER);
+    drain(&mut ep);
+    ep.handle_msg(t, PEER, inline_want(X, 2, full_run(0))).unwrap();
+    assert!(inline_scatters(&drain(&mut ep)).is_empty(), "the replay put its bytes again");
+    assert_eq!(ep.stats().inline_taken, 1);
+    check(&ep);
+}
+
 #[test]
 fn inline_bytes_wait_for_a_busy_arena_within_their_budget_and_go_with_a_cancel() {
     let (mut ep, t) = receiver();

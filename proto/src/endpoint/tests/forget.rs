@@ -21,9 +21,16 @@ fn only_the_secret_of_the_confirming_pong_undoes_a_hello_and_our_transfers_fail_
     let (mut ep, t, id) = with_ready_arena();
     let secret = Token(0x5ec2_e7f0_44e7);
     // Before its HELLO is confirmed there is nothing to undo (and nothing was promised, so
-    // nothing is forged either).
-    ep.handle_frame(t, "a", &forget(1, secret)).unwrap();
+    // nothing is forged either), but the proof is kept: a PONG carrying that secret (sent
+    // before the peer unloaded us, and overtaken by the FORGET) confirms nothing.
+    let overtaken = Token(0x01d);
+    ep.handle_frame(t, "a", &forget(1, overtaken)).unwrap();
     assert_eq!((ep.stats().peers_forgot_us, ep.stats().control_forged), (0, 0));
+    ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
+    let nonce = ask_nonce(&drain(&mut ep), id);
+    let late = wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce, forget: overtaken } };
+    ep.handle_frame(t, "a", &late.to_vec()).unwrap();
+    assert!(!ep.peers().can_bounce("a"), "the PONG of the load the FORGET ended");
     confirmed_with(&mut ep, t, id, secret);
     // Our transfer to it in flight, and a flow of its into us.
     ep.submit(t, X, TOKEN, id, plan_of(2)).unwrap();
@@ -41,7 +48,10 @@ fn only_the_secret_of_the_confirming_pong_undoes_a_hello_and_our_transfers_fail_
     // The peer's own FORGET: our transfer fails at once (not after the probe), its flow into
     // us is reclaimed, and it stays loaded under the same id, one way.
     ep.handle_frame(t, "a", &forget(1, secret)).unwrap();
-    assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::Forgotten))]);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(X, Err(XferError::Forgotten))]);
+    // And we say HELLO: were it to have loaded us again already, it would ask about it.
+    assert!(acts.iter().any(|a| matches!(a, Action::Link { peer, body: wire::Body::Hello } if *peer == id)));
     assert_eq!((ep.in_flight_xfers(), ep.remote_flows(), ep.stats().peers_forgot_us), (0, 0, 1));
     assert!(!ep.peers().can_bounce("a") && !ep.peers().is_reachable("a"), "one way now");
     assert!(ep.peers().is_loaded("a") && ep.peers().lookup("a") == Some(id), "still loaded, same id");
