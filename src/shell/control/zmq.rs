@@ -38,6 +38,10 @@ pub(crate) type Resolve = Box<dyn Fn(&str) -> Option<Vec<u8>> + Send>;
 const MAX_ENDPOINT: usize = 256;
 /// Frames queued per peer before sends start failing (ZMQ's high-water mark).
 const SEND_HWM: i32 = 65_536;
+/// How long the socket to a forgotten peer may still deliver what it queued (its last frame,
+/// a FORGET, was sent just before) in ZMQ's I/O thread: closing does not wait for it, but a
+/// socket closed with no linger would drop that frame unsent.
+const FORGET_LINGER_MS: i32 = 200;
 /// Chunks of bytes ZMQ reads ahead per connection for us (it reads 8 KiB at a time), beyond
 /// which it stops reading that connection until we take them.
 const RCV_HWM: i32 = 16;
@@ -195,9 +199,12 @@ impl ControlChannel for ZmqChannel {
         read
     }
 
-    /// Closes the socket to `peer` (it was lost or removed); a later send reconnects.
+    /// Closes the socket to `peer` (it was lost or removed); a later send reconnects. What it
+    /// queued still goes out for [`FORGET_LINGER_MS`] (a FORGET sent just before).
     fn forget(&mut self, peer: &str) {
-        self.push.remove(peer);
+        if let Some((_, s)) = self.push.remove(peer) {
+            let _ = s.set_linger(FORGET_LINGER_MS);
+        }
     }
 
     fn own_socket(&self) -> bool {

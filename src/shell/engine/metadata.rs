@@ -118,10 +118,8 @@ impl Engine {
                 Err(status) => tracing::debug!(peer = agent, ?status, "sending FORGET failed"),
             },
             (ControlKind::Ucx, None) => {}
-            (ControlKind::Zmq, _) => {
-                sh.inbox.push(Cmd::Forget { peer: agent.to_owned(), endpoint, frame: bytes });
-                Stats::bump(&self.stats.forgets_sent);
-            }
+            // Counted by the reactor once the channel took it.
+            (ControlKind::Zmq, _) => sh.inbox.push(Cmd::Forget { peer: agent.to_owned(), endpoint, frame: bytes }),
         }
     }
 

@@ -722,8 +722,9 @@ impl Driver {
                 // unanswered, the probe's verdict).
                 Stats::bump(&self.shared.stats.control_sent);
                 self.shared.stats.control_sent_bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
-                if let Err(e) = self.control.send_at(&peer, &endpoint, &frame) {
-                    tracing::debug!(peer, error = %e, "sending FORGET failed");
+                match self.control.send_at(&peer, &endpoint, &frame) {
+                    Ok(()) => Stats::bump(&self.shared.stats.forgets_sent),
+                    Err(e) => tracing::debug!(peer, error = %e, "sending FORGET failed"),
                 }
             }
             Cmd::PeerLost(name, id) => {
