@@ -755,10 +755,7 @@ impl Endpoint {
     pub fn handle_forgotten(&mut self, now: Instant, peer: PeerId) {
         self.stats.peers_forgot_us += 1;
         self.goodbyes.remove(&peer);
-        let mut ctx = ctx!(self, now);
-        self.sender.fail_peer(&mut ctx, peer, XferError::Forgotten);
-        self.receiver.reclaim_flows_of(&mut ctx, peer);
-        self.answering.release_peer(peer);
+        self.end_with_living_id(now, peer, XferError::Forgotten);
         self.out.push_back(Action::Link { peer, body: wire::Body::Hello });
         self.pump(now);
     }
@@ -810,9 +807,16 @@ impl Endpoint {
     /// Fails `peer`'s transfers as lost and reclaims its flows, counted as a death.
     fn declare_dead(&mut self, now: Instant, peer: PeerId) {
         self.stats.peers_declared_dead += 1;
+        // It may be alive, under the same id and session.
+        self.end_with_living_id(now, peer, XferError::PeerLost);
+    }
+
+    /// Ends everything between us and `peer`, whose id lives on (it stays loaded here): our
+    /// transfers to it fail with `err`, its flows into us are reclaimed with their replay
+    /// floors kept, and its mailbox slots are released.
+    fn end_with_living_id(&mut self, now: Instant, peer: PeerId, err: XferError) {
         let mut ctx = ctx!(self, now);
-        self.sender.handle_peer_lost(&mut ctx, peer);
-        // It may be alive, under the same id and session: its replay floors stay.
+        self.sender.fail_peer(&mut ctx, peer, err);
         self.receiver.reclaim_flows_of(&mut ctx, peer);
         self.answering.release_peer(peer);
     }

@@ -201,10 +201,16 @@ impl Driver {
     /// Sends `bytes` to `name` on the control channel, counted (`stats.control_sent`,
     /// `stats.control_sent_bytes`) whether or not the channel took it.
     pub(super) fn send_control(&mut self, name: &str, bytes: &[u8]) -> Result<(), ControlError> {
+        self.count_sent(bytes.len());
+        self.control.send(name, bytes)
+    }
+
+    /// Counts a control frame of `len` bytes handed to the channel (`stats.control_sent`,
+    /// `stats.control_sent_bytes`).
+    pub(super) fn count_sent(&self, len: usize) {
         let stats = &self.shared.stats;
         Stats::bump(&stats.control_sent);
-        stats.control_sent_bytes.fetch_add(bytes.len() as u64, Relaxed);
-        self.control.send(name, bytes)
+        stats.control_sent_bytes.fetch_add(len as u64, Relaxed);
     }
 
     /// Sends a link-level frame (the liveness probe's PING or PONG).

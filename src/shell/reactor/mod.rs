@@ -720,8 +720,7 @@ impl Driver {
             Cmd::Forget { peer, endpoint, frame } => {
                 // Best effort: a peer that misses it finds out as before (its two-way frames
                 // unanswered, the probe's verdict).
-                Stats::bump(&self.shared.stats.control_sent);
-                self.shared.stats.control_sent_bytes.fetch_add(frame.len() as u64, Ordering::Relaxed);
+                self.count_sent(frame.len());
                 match self.control.send_at(&peer, &endpoint, &frame) {
                     Ok(()) => Stats::bump(&self.shared.stats.forgets_sent),
                     Err(e) => tracing::debug!(peer, error = %e, "sending FORGET failed"),
