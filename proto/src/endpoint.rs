@@ -518,24 +518,38 @@ impl Endpoint {
         Pong::Other
     }
 
-    /// A HELLO from loaded, compatible peer `from` under its session, whose HELLO is not
-    /// `confirmed` ([`Hello::Ask`]) or is ([`Hello::Repeat`]: the peer may have loaded us
-    /// again): asked about, unless an ask is open already (or, when confirmed, was opened less
-    /// than a second ago). The ask is our HELLO (the peer's copy of ours may have come before it
-    /// loaded us) and a PING whose nonce only the peer sees; its PONG ([`Pong::Hello`])
-    /// confirms. See [`crate::hello`].
-    pub fn handle_hello(&mut self, now: Instant, from: PeerId, confirmed: bool) {
+    /// A HELLO from loaded, compatible peer `from` under its session, as
+    /// [`PeerTable::hello`] judged it: not confirmed ([`Hello::Ask`]), or confirmed for another
+    /// load than this HELLO's ([`Hello::Reloaded`]: the peer loaded us again, its FORGET lost),
+    /// is asked about, unless an ask is open already (a reload's, when one was opened less than
+    /// a second ago, is deferred to the end of that second). The ask is our HELLO (the peer's
+    /// copy of ours may have come before it loaded us) and a PING whose nonce only the peer
+    /// sees; its PONG ([`Pong::Hello`]) confirms. A repeat of the load confirmed
+    /// ([`Hello::Repeat`]) asks nothing. See [`crate::hello`].
+    pub fn handle_hello(&mut self, now: Instant, from: PeerId, hello: Hello) {
         self.stats.peer_msgs += 1;
+        let reloaded = match hello {
+            Hello::Ask => false,
+            Hello::Reloaded => true,
+            _ => return,
+        };
         let liveness = &mut self.liveness;
-        if let Some(ask) = self.hellos.heard(now, from, confirmed, || liveness.next_nonce()) {
+        if let Some(ask) = self.hellos.heard(now, from, reloaded, || liveness.next_nonce()) {
             self.send_ask(ask);
         }
+    }
+
+    /// Our HELLO to loaded peer `peer`: it carries the tag of this load of the peer's metadata
+    /// (of its id here, [`crate::forget::load_tag`]), so the peer tells it from a HELLO of an
+    /// earlier load of ours.
+    pub fn hello_to(&self, peer: PeerId) -> wire::Body {
+        wire::Body::Hello { load: crate::forget::load_tag(crate::forget::secret(&self.forget_key, peer)) }
     }
 
     fn send_ask(&mut self, ask: crate::hello::Ask) {
         self.stats.hello_asks += 1;
         trace!(peer = ask.peer.0, "asking about a HELLO");
-        self.out.push_back(Action::Link { peer: ask.peer, body: wire::Body::Hello });
+        self.out.push_back(Action::Link { peer: ask.peer, body: self.hello_to(ask.peer) });
         self.out.push_back(Action::Link { peer: ask.peer, body: wire::Body::Ping { nonce: ask.nonce } });
     }
 
@@ -576,13 +590,13 @@ impl Endpoint {
     fn admit_frame(&mut self, now: Instant, name: &str, bytes: &[u8]) -> Result<(), FrameRefused> {
         let frame = wire::ControlFrame::decode(bytes)?;
         let msg = match frame.body {
-            wire::Body::Hello => {
+            wire::Body::Hello { load } => {
                 // Counted only once asked about (see `crate::hello`); one from a name not loaded
                 // leaves nothing behind.
-                match self.peers.hello(name, frame.session) {
-                    h @ (Hello::Ask | Hello::Repeat) => {
+                match self.peers.hello(name, frame.session, load) {
+                    h @ (Hello::Ask | Hello::Reloaded | Hello::Repeat) => {
                         if let Some(peer) = self.peers.lookup(name) {
-                            self.handle_hello(now, peer, h == Hello::Repeat);
+                            self.handle_hello(now, peer, h);
                         }
                     }
                     Hello::NotLoaded => return Err(FrameRefused::NotLoaded),
@@ -756,7 +770,7 @@ impl Endpoint {
         self.stats.peers_forgot_us += 1;
         self.goodbyes.remove(&peer);
         self.end_with_living_id(now, peer, XferError::Forgotten);
-        self.out.push_back(Action::Link { peer, body: wire::Body::Hello });
+        self.out.push_back(Action::Link { peer, body: self.hello_to(peer) });
         self.pump(now);
     }
 
@@ -786,7 +800,8 @@ impl Endpoint {
             debug!(peer = peer.0, "no sign of life after PINGs: peer declared dead");
             self.declare_dead(now, peer);
         }
-        for ask in self.hellos.handle_timeout(now) {
+        let liveness = &mut self.liveness;
+        for ask in self.hellos.handle_timeout(now, || liveness.next_nonce()) {
             self.send_ask(ask);
         }
         self.pump(now);

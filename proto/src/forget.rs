@@ -36,6 +36,18 @@ pub fn secret(key: &[u8; 32], peer: PeerId) -> Token {
     Token(u128::from_le_bytes(first))
 }
 
+/// The tag of the load whose forget secret is `secret`, carried in our HELLOs to the peer: the
+/// first 8 bytes of its BLAKE3 hash. The peer compares it with the tag of the secret it holds
+/// from its confirming PONG: the same tag is a repeat of a HELLO it confirmed, another a reload
+/// of its metadata here (a lost FORGET between), which it asks about to learn the new secret
+/// (see [`crate::hello`]). One way: the tag tells nothing of the secret a FORGET must prove.
+pub fn load_tag(secret: Token) -> u64 {
+    let hash = blake3::hash(&secret.0.to_le_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&hash.as_bytes()[..8]);
+    u64::from_le_bytes(first)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -47,5 +59,9 @@ mod tests {
         assert_ne!(secret(&k1, PeerId(7)), secret(&k2, PeerId(7)), "another engine");
         assert_eq!(secret(&k1, PeerId(7)), secret(&k1, PeerId(7)), "the PONG's and the FORGET's agree");
         assert_ne!(key(&[1; 32]), [1; 32], "derived, not the probe key itself");
+        let (a, b) = (secret(&k1, PeerId(7)), secret(&k1, PeerId(8)));
+        assert_ne!(load_tag(a), load_tag(b), "each load its own tag");
+        assert_eq!(load_tag(a), load_tag(a));
+        assert_ne!(load_tag(a), a.0 as u64, "a digest, not the secret's own bytes");
     }
 }

@@ -13,11 +13,18 @@
 //!   nonce. That PONG confirms the HELLO ([`HelloAsks::answered`]).
 //! - One ask per peer at a time: a HELLO while one is open changes nothing, so a flood of
 //!   forged HELLOs costs the peer at most the asks' schedule below, never a frame per frame.
-//! - A HELLO from a peer whose HELLO is confirmed is asked about too, at most once per
-//!   [`REASK_CONFIRMED_AFTER`]: the peer may have unloaded our metadata and loaded it again
-//!   (same session, no restart), and then lacks our HELLO, which the ask carries, to ask about
-//!   us in turn. Two confirmed peers never trade HELLOs otherwise, so this starts no exchange
-//!   that does not end.
+//! - A HELLO carries the tag of the load of our metadata it speaks for
+//!   ([`crate::forget::load_tag`]). From a peer whose HELLO is confirmed, one with the tag of
+//!   the load confirmed is a repeat and asks nothing. One with another tag is a *reload*: the
+//!   peer unloaded our metadata and loaded it again (same session, no restart) and its FORGET
+//!   was lost. It lacks our HELLO, which the ask carries, to ask about us in turn, and only
+//!   the ask's PONG brings the new load's forget secret, without which its next FORGET would
+//!   be refused as forged. Anyone can put another tag in a HELLO, so a reload's ask is opened
+//!   at most once per [`REASK_CONFIRMED_AFTER`]; one heard sooner is *deferred* to the end of
+//!   that second, never dropped (dropped, a real reload just after a forged one, or two
+//!   reloads within a second, kept the old secret and left the peer one way to us). A repeat
+//!   asks nothing, so two confirmed peers never trade HELLOs and a deferral starts no
+//!   exchange that does not end.
 //! - An ask is repeated (HELLO and PING again, the same nonce) after [`ASK_AGAIN_AFTER`],
 //!   doubling, [`MAX_ASKS`] times in all, then dropped. The repeats matter: a forged HELLO
 //!   may have opened the ask just before the peer loaded us, and the peer's own HELLO then
@@ -36,7 +43,7 @@ use crate::types::PeerId;
 pub const ASK_AGAIN_AFTER: Duration = Duration::from_millis(100);
 /// Asks sent per opened ask, the first included, before it is dropped unanswered.
 pub const MAX_ASKS: u32 = 6;
-/// Least time between two asks opened by HELLOs of a peer whose HELLO is confirmed.
+/// Least time between two asks opened by reload HELLOs of a peer whose HELLO is confirmed.
 pub const REASK_CONFIRMED_AFTER: Duration = Duration::from_secs(1);
 
 /// An ask to send: our HELLO and a PING of `nonce` to `peer`.
@@ -61,8 +68,11 @@ struct Open {
 #[derive(Debug, Clone, Default)]
 pub struct HelloAsks {
     open: BTreeMap<PeerId, Open>,
-    /// When an ask was last opened for a confirmed peer (see [`REASK_CONFIRMED_AFTER`]).
+    /// When an ask was last opened for a confirmed peer's reload (see [`REASK_CONFIRMED_AFTER`]).
     reasked: BTreeMap<PeerId, Instant>,
+    /// Reloads heard within [`REASK_CONFIRMED_AFTER`] of the last one's ask: asked about when
+    /// that second ends.
+    deferred: BTreeMap<PeerId, Instant>,
 }
 
 impl HelloAsks {
@@ -71,22 +81,30 @@ impl HelloAsks {
         Self::default()
     }
 
-    /// An admitted HELLO from `peer`, loaded and compatible, whose HELLO is `confirmed` or
-    /// not: the ask to send now (its nonce from `nonce`), or `None` when one is open already,
-    /// or the peer is confirmed and was asked again less than [`REASK_CONFIRMED_AFTER`] ago.
-    pub fn heard(&mut self, now: Instant, peer: PeerId, confirmed: bool, nonce: impl FnOnce() -> u64) -> Option<Ask> {
+    /// An admitted HELLO from `peer`, loaded and compatible, whose HELLO is not confirmed, or
+    /// (`reloaded`) is confirmed for another load than this HELLO's: the ask to send now (its
+    /// nonce from `nonce`), or `None` when one is open already (its PONG will bring what this
+    /// one's would), or when this is a reload heard less than [`REASK_CONFIRMED_AFTER`] after
+    /// the last reload's ask: then it is asked about when that second ends
+    /// ([`handle_timeout`](Self::handle_timeout)).
+    pub fn heard(&mut self, now: Instant, peer: PeerId, reloaded: bool, nonce: impl FnOnce() -> u64) -> Option<Ask> {
         if self.open.contains_key(&peer) {
             return None;
         }
-        if confirmed {
-            if self.reasked.get(&peer).is_some_and(|&at| now < at + REASK_CONFIRMED_AFTER) {
+        if reloaded {
+            if let Some(&at) = self.reasked.get(&peer).filter(|&&at| now < at + REASK_CONFIRMED_AFTER) {
+                self.deferred.insert(peer, at + REASK_CONFIRMED_AFTER);
                 return None;
             }
             self.reasked.insert(peer, now);
         }
-        let nonce = nonce();
+        self.deferred.remove(&peer);
+        Some(self.open_ask(now, peer, nonce()))
+    }
+
+    fn open_ask(&mut self, now: Instant, peer: PeerId, nonce: u64) -> Ask {
         self.open.insert(peer, Open { nonce, due: now + ASK_AGAIN_AFTER, sent: 1 });
-        Some(Ask { peer, nonce })
+        Ask { peer, nonce }
     }
 
     /// A PONG from `peer` (admitted under its session): true when it echoes the open ask's
@@ -99,10 +117,19 @@ impl HelloAsks {
         hit
     }
 
-    /// The asks due again at `now`; asks sent [`MAX_ASKS`] times and still unanswered are
-    /// dropped.
-    pub fn handle_timeout(&mut self, now: Instant) -> Vec<Ask> {
+    /// The asks due at `now`: open asks due again, and deferred reloads whose second ended
+    /// (each a new ask, its nonce from `nonce`, unless one is open); asks sent [`MAX_ASKS`]
+    /// times and still unanswered are dropped.
+    pub fn handle_timeout(&mut self, now: Instant, mut nonce: impl FnMut() -> u64) -> Vec<Ask> {
         let mut again = Vec::new();
+        let due: Vec<PeerId> = self.deferred.iter().filter(|&(_, &at)| at <= now).map(|(&p, _)| p).collect();
+        for peer in due {
+            self.deferred.remove(&peer);
+            if !self.open.contains_key(&peer) {
+                self.reasked.insert(peer, now);
+                again.push(self.open_ask(now, peer, nonce()));
+            }
+        }
         self.open.retain(|&peer, o| {
             if now < o.due {
                 return true;
@@ -120,14 +147,15 @@ impl HelloAsks {
 
     /// When [`handle_timeout`](Self::handle_timeout) is next needed, if ever.
     pub fn next_timeout(&self) -> Option<Instant> {
-        self.open.values().map(|o| o.due).min()
+        self.open.values().map(|o| o.due).chain(self.deferred.values().copied()).min()
     }
 
-    /// `peer` is gone (lost, reloaded, or said GOODBYE): its ask is dropped; a PONG to it no
-    /// longer confirms anything.
+    /// `peer` is gone (lost, reloaded, or said GOODBYE): its ask is dropped, a deferred one
+    /// too; a PONG to it no longer confirms anything.
     pub fn forget(&mut self, peer: PeerId) {
         self.open.remove(&peer);
         self.reasked.remove(&peer);
+        self.deferred.remove(&peer);
     }
 
     /// Asks open now.
@@ -173,9 +201,9 @@ mod tests {
         let mut now = t;
         let mut repeats = Vec::new();
         while let Some(due) = a.next_timeout() {
-            assert!(a.handle_timeout(due - Duration::from_nanos(1)).is_empty(), "never early");
+            assert!(a.handle_timeout(due - Duration::from_nanos(1), || unreachable!()).is_empty(), "never early");
             now = due;
-            for ask in a.handle_timeout(now) {
+            for ask in a.handle_timeout(now, || unreachable!("repeats keep their nonce")) {
                 assert_eq!(ask, Ask { peer: P, nonce: 9 });
                 repeats.push(now - t);
             }
@@ -192,25 +220,55 @@ mod tests {
         let t = Instant::now();
         let mut a = HelloAsks::new();
         a.heard(t, P, false, || 5).unwrap();
-        assert_eq!(a.handle_timeout(t + ASK_AGAIN_AFTER).len(), 1);
+        assert_eq!(a.handle_timeout(t + ASK_AGAIN_AFTER, || unreachable!()).len(), 1);
         assert!(a.answered(P, 5));
     }
 
     #[test]
-    fn a_confirmed_peers_hello_is_asked_about_again_at_most_once_a_second() {
+    fn a_reload_is_asked_about_at_once_then_at_most_once_a_second_and_never_dropped() {
+        let t = Instant::now();
+        let ms = |n| t + Duration::from_millis(n);
+        let mut a = HelloAsks::new();
+        assert_eq!(a.heard(t, P, true, || 1), Some(Ask { peer: P, nonce: 1 }), "it reloaded us");
+        assert!(a.answered(P, 1));
+        for n in [0, 10, 999] {
+            assert_eq!(a.heard(ms(n), P, true, || unreachable!("no ask within the second")), None);
+        }
+        // Deferred to the end of the second: one ask for all of them.
+        assert_eq!(a.next_timeout(), Some(t + REASK_CONFIRMED_AFTER));
+        assert!(a.handle_timeout(ms(999), || unreachable!("not yet")).is_empty());
+        assert_eq!(a.handle_timeout(t + REASK_CONFIRMED_AFTER, || 2), vec![Ask { peer: P, nonce: 2 }]);
+        assert!(a.answered(P, 2));
+        assert_eq!(a.next_timeout(), None);
+        // That ask counts as the second's: the next reload waits for the one after.
+        assert_eq!(a.heard(ms(1500), P, true, || unreachable!()), None);
+        assert_eq!(a.handle_timeout(ms(2000), || 3), vec![Ask { peer: P, nonce: 3 }]);
+        assert!(a.heard(t, PeerId(4), true, || 4).is_some(), "per peer");
+        assert!(a.answered(PeerId(4), 4));
+        // An unconfirmed peer's HELLO is not held back by the limit, and takes a deferred
+        // reload's place.
+        assert!(a.answered(P, 3));
+        assert_eq!(a.heard(ms(2100), P, true, || unreachable!()), None);
+        assert!(a.heard(ms(2100), P, false, || 5).is_some());
+        assert!(a.answered(P, 5));
+        assert!(a.handle_timeout(ms(5000), || unreachable!("the deferred reload went with it")).is_empty());
+    }
+
+    #[test]
+    fn a_deferred_reload_waits_while_an_ask_is_open_and_goes_with_a_forgotten_peer() {
         let t = Instant::now();
         let mut a = HelloAsks::new();
-        assert_eq!(a.heard(t, P, true, || 1), Some(Ask { peer: P, nonce: 1 }), "it may have reloaded us");
+        a.heard(t, P, true, || 1).unwrap();
         assert!(a.answered(P, 1));
-        for ms in [0, 10, 999] {
-            let at = t + Duration::from_millis(ms);
-            assert_eq!(a.heard(at, P, true, || unreachable!("no ask within the second")), None);
-        }
-        assert!(a.heard(t + REASK_CONFIRMED_AFTER, P, true, || 2).is_some());
-        assert!(a.heard(t, PeerId(4), true, || 3).is_some(), "per peer");
-        // An unconfirmed peer's HELLO is not held back by the limit.
+        assert_eq!(a.heard(t, P, true, || unreachable!()), None);
         a.forget(P);
-        assert!(a.heard(t + REASK_CONFIRMED_AFTER, P, false, || 4).is_some());
+        assert_eq!(a.next_timeout(), None, "nothing deferred for a forgotten peer");
+        // Deferred while an ask is open: the open ask's PONG brings what it would have.
+        a.heard(t, P, true, || 2).unwrap();
+        assert!(a.answered(P, 2));
+        assert_eq!(a.heard(t, P, true, || unreachable!()), None);
+        a.heard(t, P, false, || 3).unwrap();
+        assert_eq!(a.next_timeout(), Some(t + ASK_AGAIN_AFTER), "only the open ask's repeat");
     }
 
     #[test]

@@ -88,9 +88,13 @@ pub enum FrameRefused {
 pub enum Hello {
     /// From a name not loaded: dropped, nothing recorded.
     NotLoaded,
-    /// From a loaded peer whose HELLO is confirmed since its load: nothing new here, but the
-    /// peer may have unloaded and loaded us again (the endpoint asks it, rate-limited).
+    /// From a loaded peer whose HELLO is confirmed, for the load confirmed (its tag,
+    /// [`crate::forget::load_tag`]): nothing new, nothing to ask.
     Repeat,
+    /// From a loaded peer whose HELLO is confirmed, for another load: it unloaded us and loaded
+    /// us again, and its FORGET was lost (or the HELLO is forged). Ask it, rate-limited
+    /// ([`crate::hello`]): its PONG brings the new load's secret, and our HELLO, which it lacks.
+    Reloaded,
     /// From a loaded, compatible peer whose HELLO is not confirmed: ask it (our HELLO and a
     /// PING, [`crate::hello`]); its PONG confirms ([`PeerTable::confirm_hello`]).
     Ask,
@@ -367,13 +371,16 @@ impl PeerTable {
     /// switches our route to the peer from one way to two way, and anyone may claim a name and
     /// copy a published session, so it counts only once the peer answers the ask it opens
     /// ([`confirm_hello`](Self::confirm_hello)). One under a loaded peer's name but another
-    /// session is refused as stale.
-    pub fn hello(&self, name: &str, session: u64) -> Hello {
+    /// session is refused as stale. `load` is the HELLO's load tag: once the peer's HELLO is
+    /// confirmed, one for the load confirmed is a [`Hello::Repeat`], another a
+    /// [`Hello::Reloaded`].
+    pub fn hello(&self, name: &str, session: u64, load: u64) -> Hello {
         match self.by_name.get(name) {
             Some(p) if p.conn.is_some() => match p.session {
                 Some(current) if current != session => Hello::Stale { current: Some(current) },
                 None => Hello::Stale { current: None },
-                Some(_) if p.hello.is_some() => Hello::Repeat,
+                Some(_) if p.hello.is_some_and(|s| crate::forget::load_tag(s) == load) => Hello::Repeat,
+                Some(_) if p.hello.is_some() => Hello::Reloaded,
                 Some(_) if matches!(p.conn, Some(Some(_))) => Hello::Ask,
                 Some(_) => Hello::Unusable,
             },
@@ -694,12 +701,17 @@ mod tests {
         c
     }
 
+    /// The load tag of the secret the tests confirm HELLOs with (`Token(0)`).
+    fn tag0() -> u64 {
+        crate::forget::load_tag(Token(0))
+    }
+
     /// A table where `name` is loaded, compatible, its arena loaded and its HELLO confirmed.
     fn ready(name: &str) -> PeerTable {
         let mut t = PeerTable::new();
         assert_eq!(t.load_conn_info(name, Some(caps(4096)), Some(&caps(4096))), Loaded::Compatible);
         t.arena_loaded(name, true);
-        assert_eq!(t.hello(name, 1), Hello::Ask);
+        assert_eq!(t.hello(name, 1, tag0()), Hello::Ask);
         assert!(t.confirm_hello(name, Token(0)));
         t
     }
@@ -793,10 +805,15 @@ mod tests {
         t.load_conn_info("a", Some(caps(4096)), Some(&caps(4096)));
         assert!(!t.can_bounce("a"), "no arena, no HELLO");
         t.arena_loaded("a", true);
-        assert_eq!(t.hello("a", 1), Hello::Ask);
+        assert_eq!(t.hello("a", 1, tag0()), Hello::Ask);
         assert!(!t.can_bounce("a"), "a HELLO alone counts for nothing: it is asked about");
         assert!(t.confirm_hello("a", Token(0)));
-        assert_eq!(t.hello("a", 1), Hello::Repeat);
+        assert_eq!(t.hello("a", 1, tag0()), Hello::Repeat, "the load confirmed");
+        let reload = crate::forget::load_tag(Token(1));
+        assert_eq!(t.hello("a", 1, reload), Hello::Reloaded, "another load of ours: ask again");
+        assert!(t.confirm_hello("a", Token(1)), "its PONG brings the new load's secret");
+        assert_eq!((t.hello("a", 1, reload), t.hello("a", 1, tag0())), (Hello::Repeat, Hello::Reloaded));
+        assert!(t.confirm_hello("a", Token(0)));
         t.arena_loaded("a", false);
         assert!(!t.can_bounce("a"), "arena load failed");
         t.arena_loaded("a", true);
@@ -805,10 +822,10 @@ mod tests {
         // An incompatible peer's arena never counts, whatever the shell reports.
         t.load_conn_info("b", Some(Capabilities { control: ControlKind::Zmq, ..caps(4096) }), Some(&caps(4096)));
         t.arena_loaded("b", true);
-        assert_eq!(t.hello("b", 1), Hello::Unusable, "nothing to ask an incompatible peer");
+        assert_eq!(t.hello("b", 1, tag0()), Hello::Unusable, "nothing to ask an incompatible peer");
         assert!(!t.confirm_hello("b", Token(0)) && !t.can_bounce("b"));
         // HELLO without loading: dropped, nothing recorded, nothing to confirm.
-        assert_eq!(t.hello("c", 1), Hello::NotLoaded);
+        assert_eq!(t.hello("c", 1, tag0()), Hello::NotLoaded);
         assert!(!t.confirm_hello("c", Token(0)) && !t.is_reachable("c") && t.lookup("c").is_none());
         // Loss forgets everything but the id.
         t.lost("a");
@@ -869,9 +886,9 @@ mod tests {
     fn hellos_from_names_not_loaded_leave_nothing_and_cannot_lock_a_real_peer_out() {
         let mut t = PeerTable::new();
         // A real peer's HELLO arrives before we load it, then thousands of invented names.
-        assert_eq!(t.hello("real", 1), Hello::NotLoaded);
+        assert_eq!(t.hello("real", 1, tag0()), Hello::NotLoaded);
         for i in 0..4096 {
-            assert_eq!(t.hello(&format!("stranger-{i}"), 1), Hello::NotLoaded);
+            assert_eq!(t.hello(&format!("stranger-{i}"), 1, tag0()), Hello::NotLoaded);
         }
         assert_eq!(t.lookup("real"), None, "no table entry, no id");
         assert_eq!(t.lookup("stranger-0"), None);
@@ -880,15 +897,15 @@ mod tests {
         t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
         t.arena_loaded("real", true);
         assert!(!t.can_bounce("real"));
-        assert_eq!(t.hello("real", 1), Hello::Ask);
+        assert_eq!(t.hello("real", 1, tag0()), Hello::Ask);
         assert!(t.confirm_hello("real", Token(0)) && t.can_bounce("real"));
-        assert_eq!(t.hello("real", 1), Hello::Repeat);
+        assert_eq!(t.hello("real", 1, tag0()), Hello::Repeat);
         // A loss forgets the HELLO: after a reload it is asked about again.
         t.lost("real");
-        assert_eq!(t.hello("real", 1), Hello::NotLoaded, "not loaded any more");
+        assert_eq!(t.hello("real", 1, tag0()), Hello::NotLoaded, "not loaded any more");
         t.load_conn_info("real", Some(caps(4096)), Some(&caps(4096)));
         assert!(!t.is_reachable("real"));
-        assert_eq!(t.hello("real", 1), Hello::Ask);
+        assert_eq!(t.hello("real", 1, tag0()), Hello::Ask);
     }
 
     /// Anyone may claim a name and copy a published session: a HELLO under a loaded peer's
@@ -901,24 +918,24 @@ mod tests {
         let one_way = Capabilities { session: 7, ..caps(4096) };
         t.load_conn_info("p", Some(one_way.clone()), Some(&caps(4096)));
         t.arena_loaded("p", true);
-        assert_eq!(t.hello("p", 8), Hello::Stale { current: Some(7) });
-        assert_eq!(t.hello("p", 8).refusal(8), Some(FrameRefused::StaleSession { got: 8, current: 7 }));
+        assert_eq!(t.hello("p", 8, tag0()), Hello::Stale { current: Some(7) });
+        assert_eq!(t.hello("p", 8, tag0()).refusal(8), Some(FrameRefused::StaleSession { got: 8, current: 7 }));
         assert!(!t.can_bounce("p") && !t.is_reachable("p"), "nothing recorded");
         // The right session only opens an ask; a forger's HELLO gets this far and no further.
         for _ in 0..3 {
-            assert_eq!(t.hello("p", 7), Hello::Ask);
+            assert_eq!(t.hello("p", 7, tag0()), Hello::Ask);
             assert!(!t.can_bounce("p"));
         }
         assert!(t.confirm_hello("p", Token(0)) && t.can_bounce("p"));
         // A GOODBYE (confirmed by the endpoint) forgets it: asked about again afterwards.
         let id = t.lookup("p").unwrap();
         assert_eq!(t.goodbye("p", 7), Ok(id));
-        assert_eq!(t.hello("p", 7), Hello::Ask);
+        assert_eq!(t.hello("p", 7, tag0()), Hello::Ask);
         // A reload with a new session forgets it too.
         t.confirm_hello("p", Token(0));
         t.load_conn_info("p", Some(Capabilities { session: 9, ..one_way }), Some(&caps(4096)));
         assert!(!t.is_reachable("p"));
-        assert_eq!(t.hello("p", 9), Hello::Ask);
+        assert_eq!(t.hello("p", 9, tag0()), Hello::Ask);
     }
 
     /// Junk frames under thousands of invented names fill the one-way names; a real
@@ -1047,7 +1064,7 @@ mod tests {
         Load(usize, Option<u64>),
         LoadIncompatible(usize),
         Arena(usize, bool),
-        Hello(usize, u64),
+        Hello(usize, u64, u128),
         Confirm(usize, u128),
         Forget(usize, u64, u128),
         Goodbye(usize, u64),
@@ -1065,7 +1082,7 @@ mod tests {
             (who.clone(), proptest::option::of(session.clone())).prop_map(|(w, s)| Op::Load(w, s)),
             who.clone().prop_map(Op::LoadIncompatible),
             (who.clone(), any::<bool>()).prop_map(|(w, ok)| Op::Arena(w, ok)),
-            (who.clone(), session.clone()).prop_map(|(w, s)| Op::Hello(w, s)),
+            (who.clone(), session.clone(), 0..2u128).prop_map(|(w, s, k)| Op::Hello(w, s, k)),
             (who.clone(), 0..2u128).prop_map(|(w, k)| Op::Confirm(w, k)),
             (who.clone(), session.clone(), 0..2u128).prop_map(|(w, s, k)| Op::Forget(w, s, k)),
             (who.clone(), session).prop_map(|(w, s)| Op::Goodbye(w, s)),
@@ -1096,8 +1113,16 @@ mod tests {
                         let _ = t.load_conn_info(names[w], Some(caps(4096)), Some(&caps(8192)));
                     }
                     Op::Arena(w, ok) => t.arena_loaded(names[w], ok),
-                    Op::Hello(w, s) => {
-                        let _ = t.hello(names[w], s);
+                    Op::Hello(w, s, k) => {
+                        // A confirmed peer's HELLO is a repeat only for the load confirmed.
+                        let held = t.by_name.get(names[w]).and_then(|p| p.hello);
+                        let tag = crate::forget::load_tag(Token(k));
+                        match t.hello(names[w], s, tag) {
+                            Hello::Repeat => proptest::prop_assert_eq!(held, Some(Token(k))),
+                            Hello::Reloaded => proptest::prop_assert!(held.is_some_and(|h| h != Token(k))),
+                            Hello::Ask => proptest::prop_assert_eq!(held, None),
+                            _ => {}
+                        }
                     }
                     Op::Confirm(w, k) => {
                         let _ = t.confirm_hello(names[w], Token(k));

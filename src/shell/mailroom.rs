@@ -363,7 +363,7 @@ mod tests {
     fn control_frames_go_to_the_channel_and_the_rest_stays_in_order() {
         let stats = Arc::new(Stats::default());
         let m = Mailroom::new(Arc::clone(&stats));
-        let hello = wire::encode_hello(7);
+        let hello = wire::encode_hello(7, 0);
         let mut app = m.app.lock();
         // No reactor reads UCX control frames yet: they are dropped and counted.
         m.sort(&mut app, vec![notif(b"p", &hello), notif(b"p", b"app one")]);
@@ -386,7 +386,7 @@ mod tests {
     fn a_reactor_pull_skips_while_another_thread_pulls() {
         let m = Mailroom::new(Arc::new(Stats::default()));
         m.accept_control(std::thread::current());
-        let hello = wire::encode_hello(3);
+        let hello = wire::encode_hello(3, 0);
         let held = m.app.lock(); // the application's getNotifs is pulling
         let mut polled = false;
         let r = m.try_pull_with(|_| {
@@ -419,7 +419,7 @@ mod tests {
     fn sorting_control_frames_wakes_nobody() {
         let m = Mailroom::new(Arc::new(Stats::default()));
         m.accept_control(std::thread::current());
-        let hello = wire::encode_hello(4);
+        let hello = wire::encode_hello(4, 0);
         std::thread::park_timeout(Duration::ZERO); // no token left from before
         let r = m.try_pull_with(|got| {
             got.push(notif(b"p", &hello));
@@ -510,7 +510,7 @@ mod tests {
         assert_eq!(m.try_pull_with(|_| Err(NixlStatus::ErrBackend)), Err(NixlStatus::ErrBackend));
         assert!(m.app_pull_is_direct());
         // Diverting: control frames are taken (queued, or dropped and counted), the rest stays.
-        let hello = wire::encode_hello(5);
+        let hello = wire::encode_hello(5, 0);
         assert!(!m.divert(b"p", b"app two"));
         assert!(m.divert(b"p", &hello));
         assert!(m.divert(b"\xff", &hello), "taken even when dropped");
@@ -531,18 +531,18 @@ mod tests {
         let dropped = || stats.control_dropped.load(Ordering::Relaxed);
         let mut app = m.app.lock();
         // Longer than any legal frame: never queued.
-        let mut huge = wire::encode_hello(1);
+        let mut huge = wire::encode_hello(1, 0);
         huge.resize(wire::MAX_FRAME_LEN + 1, 0);
         m.sort(&mut app, vec![notif(b"p", &huge)]);
         assert_eq!((dropped(), m.control.lock().frames.len()), (1, 0));
         // 16 MiB frames: the byte bound stops them long before the frame count does.
-        let mut big = wire::encode_hello(1);
+        let mut big = wire::encode_hello(1, 0);
         big.resize(16 << 20, 0);
         m.sort(&mut app, (0..20).map(|_| notif(b"p", &big)).collect());
         let fits = MAX_QUEUED_CONTROL_BYTES / (big.len() + 1); // each with its 1-byte name
         assert_eq!((m.control.lock().frames.len(), dropped()), (fits, 1 + (20 - fits) as u64));
         // Small frames: the frame count bounds them.
-        let hello = wire::encode_hello(1);
+        let hello = wire::encode_hello(1, 0);
         let mut out = Vec::new();
         m.take_control(usize::MAX, &mut out);
         assert_eq!(m.control.lock().bytes, 0, "draining gives the bytes back");
@@ -559,7 +559,7 @@ mod tests {
         let m = Mailroom::new(Arc::clone(&stats));
         m.accept_control(std::thread::current());
         let mut app = m.app.lock();
-        let hello = wire::encode_hello(1);
+        let hello = wire::encode_hello(1, 0);
         let long = vec![b'n'; MAX_NAME_LEN + 1];
         m.sort(&mut app, vec![notif(&long, &hello)]);
         assert!(m.divert(&long, &hello), "a control frame is taken (here dropped), whatever its sender");

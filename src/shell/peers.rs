@@ -376,10 +376,11 @@ impl PeerTable {
         self.table.lock().rules.compatible(name).map(|c| c.endpoint.clone())
     }
 
-    /// What a HELLO from `name` under `session` calls for (the core's rules: nothing is
-    /// recorded until the peer answers the ask, [`confirm_hello`](Self::confirm_hello)).
-    pub(crate) fn hello(&self, name: &str, session: u64) -> peers::Hello {
-        self.table.lock().rules.hello(name, session)
+    /// What a HELLO from `name` under `session`, for the load tagged `load`, calls for (the
+    /// core's rules: nothing is recorded until the peer answers the ask,
+    /// [`confirm_hello`](Self::confirm_hello)).
+    pub(crate) fn hello(&self, name: &str, session: u64, load: u64) -> peers::Hello {
+        self.table.lock().rules.hello(name, session, load)
     }
 
     /// `name`, admitted as `id`, answered the ask its HELLO opened: it may be bounced to two
@@ -665,24 +666,29 @@ mod tests {
         assert_eq!(t.take_arenas(), vec![Md(13)]);
     }
 
+    /// The load tag of the secret these tests confirm HELLOs with (`Token(0)`).
+    fn tag0() -> u64 {
+        bounce_proto::forget::load_tag(Token(0))
+    }
+
     /// `name`'s HELLO under `session`, asked about and answered (the reactor does the asking).
     fn confirmed(t: &PeerTable, name: &str, session: u64) {
-        assert_eq!(t.hello(name, session), peers::Hello::Ask);
+        assert_eq!(t.hello(name, session, tag0()), peers::Hello::Ask);
         assert!(t.confirm_hello(name, t.known_id(name).unwrap(), Token(0)));
     }
 
     #[test]
     fn hellos_count_only_from_loaded_agents_and_once_confirmed() {
         let t = PeerTable::default();
-        assert_eq!(t.hello("late", 9), peers::Hello::NotLoaded);
+        assert_eq!(t.hello("late", 9, tag0()), peers::Hello::NotLoaded);
         for i in 0..4096 {
-            assert_eq!(t.hello(&format!("x{i}"), 9), peers::Hello::NotLoaded);
+            assert_eq!(t.hello(&format!("x{i}"), 9, tag0()), peers::Hello::NotLoaded);
         }
         assert!(t.known_id("x0").is_none(), "nothing recorded for names not loaded");
         t.loaded("late", Some(caps(9)), Some(&caps(1)));
         assert_eq!(t.arena_loaded("late", A0, Some(Md(5)), None), (true, vec![]));
         assert!(t.bounce_arenas("late").is_none(), "its early HELLO left nothing");
-        assert_eq!(t.hello("late", 9), peers::Hello::Ask, "a loaded agent is always heard");
+        assert_eq!(t.hello("late", 9, tag0()), peers::Hello::Ask, "a loaded agent is always heard");
         assert_eq!((t.ready(), t.bounce_arenas("late").is_none()), (0, true), "asked about, not yet counted");
         let late = t.known_id("late").unwrap();
         assert!(
@@ -692,7 +698,7 @@ mod tests {
         assert!(t.confirm_hello("late", late, Token(0)));
         assert!(t.bounce_arenas("late").is_some());
         assert_eq!(t.ready(), 1, "its confirmed HELLO counts it ready");
-        assert_eq!(t.hello("late", 9), peers::Hello::Repeat);
+        assert_eq!(t.hello("late", 9, tag0()), peers::Hello::Repeat);
         assert!(!t.confirm_hello("x0", late, Token(0)), "nothing to confirm for a name not loaded");
         assert_eq!(t.ready(), 1, "repeats and strangers change nothing");
     }

@@ -102,7 +102,8 @@ def test_a_hello_forged_under_the_targets_name_leaves_the_write_one_way_and_exac
     # (its own HELLO, under its own session, is refused as stale).
     forger.start(name=name, size=4096, seed=74, params=SMALL)
     forger.call(op="load", meta=meta_b64(ag))
-    hello = MAGIC + bytes([VERSION, 5]) + struct.pack("<Q", session_of(meta))
+    # Header (the target's session), then a load tag: any, the forger knows no real one.
+    hello = MAGIC + bytes([VERSION, 5]) + struct.pack("<QQ", session_of(meta), 0x5EED)
     s0 = stats(ag)
     forger.call(op="notif_send", to="ow-hello-tx", b64=base64.b64encode(hello).decode())
     deadline = time.monotonic() + 10

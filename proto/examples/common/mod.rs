@@ -30,7 +30,7 @@ pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
             let caps = wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, j as u64);
             let ours = wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, i as u64);
             ep.handle_conn_info(now, &agent(j), Some(caps), Some(&ours));
-            ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO");
+            ep.handle_frame(now, &agent(j), &wire::encode_hello(j as u64, 0)).expect("HELLO");
             // Answer the ask the HELLO opens (a PING only the peer sees), as the peer would.
             let nonce = std::iter::from_fn(|| ep.poll_action())
                 .find_map(|a| match a {

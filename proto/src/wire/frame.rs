@@ -22,7 +22,7 @@ use crate::types::{ArenaId, ChunkIdx, CopyRun, MAX_ARENAS, RegId, Region, Token,
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 13;
+pub const WIRE_VERSION: u8 = 14;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.
@@ -54,7 +54,7 @@ pub(super) const KIND_PLAN: u8 = 13;
 /// (it loaded the receiver's metadata, the receiver may never have loaded its own: see
 /// docs/one-way.md). Any other value, the empty one included, asks for GRANT and ACK frames.
 pub const REPLY_MAILBOX: &[u8] = b"\0mailbox";
-/// A HELLO frame: header only (see [`Body::Hello`]).
+/// A HELLO frame: header and the sender's load tag (see [`Body::Hello`]).
 pub(super) const KIND_HELLO: u8 = 5;
 /// A PING frame: header and a nonce (see [`Body::Ping`]).
 pub(super) const KIND_PING: u8 = 7;
@@ -747,10 +747,15 @@ impl Frame {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
 pub enum Body {
-    /// HELLO, header only: "I have loaded your connection info, so I can answer your WANTs". It
-    /// is no step of a transfer but a fact about the link: a sender bounces to a peer only after
-    /// its HELLO; until then it stays on plain UCX instead of sending WANTs nobody could answer.
-    Hello,
+    /// HELLO: "I have loaded your connection info, so I can answer your WANTs". It is no step
+    /// of a transfer but a fact about the link: a sender bounces to a peer only after its
+    /// HELLO; until then it stays on plain UCX instead of sending WANTs nobody could answer.
+    Hello {
+        /// Which load of the receiver's metadata it speaks for: a one-way digest of that
+        /// load's forget secret ([`crate::forget::load_tag`]). The receiver tells a repeat
+        /// (its confirmed load's tag) from a reload (another tag), which it must ask about.
+        load: u64,
+    },
     /// PING: "are you alive?". A peer we wait on that has sent nothing for a while is probed
     /// (see `crate::liveness`); the nonce is echoed in the [`Body::Pong`]. Header and nonce only.
     Ping {
@@ -795,12 +800,15 @@ pub struct ControlFrame {
 }
 
 impl ControlFrame {
-    /// Appends the frame's encoding to `out`: a HELLO is the bare header, a PING or PONG the
-    /// header and its nonce.
+    /// Appends the frame's encoding to `out`: the header, then a HELLO's load tag, a PING's
+    /// nonce, a PONG's nonce and forget secret, a FORGET's proof (a GOODBYE is the bare header).
     pub fn encode(&self, out: &mut Vec<u8>) {
         let mut w = Writer(out);
         match &self.body {
-            Body::Hello => write_header(&mut w, KIND_HELLO, self.session),
+            Body::Hello { load } => {
+                write_header(&mut w, KIND_HELLO, self.session);
+                w.u64(*load);
+            }
             Body::Ping { nonce } => {
                 write_header(&mut w, KIND_PING, self.session);
                 w.u64(*nonce);
@@ -837,7 +845,7 @@ impl ControlFrame {
         let mut r = Reader(bytes);
         let (kind, session) = read_header(&mut r)?;
         let body = match kind {
-            KIND_HELLO => Body::Hello,
+            KIND_HELLO => Body::Hello { load: r.u64()? },
             KIND_PING => Body::Ping { nonce: r.u64()? },
             KIND_PONG => Body::Pong { nonce: r.u64()?, forget: r.token()? },
             KIND_FORGET => Body::Forget { proof: r.token()? },
@@ -858,9 +866,9 @@ impl From<Frame> for ControlFrame {
     }
 }
 
-/// A HELLO frame from the engine with instance nonce `session`.
-pub fn encode_hello(session: u64) -> Vec<u8> {
-    ControlFrame { session, body: Body::Hello }.to_vec()
+/// A HELLO frame from the engine with instance nonce `session`, for the load tagged `load`.
+pub fn encode_hello(session: u64, load: u64) -> Vec<u8> {
+    ControlFrame { session, body: Body::Hello { load } }.to_vec()
 }
 
 /// A GOODBYE frame from the engine with instance nonce `session`.
@@ -871,7 +879,7 @@ pub fn encode_goodbye(session: u64) -> Vec<u8> {
 /// The sender's session when `bytes` is exactly a HELLO frame of our wire version.
 pub fn decode_hello(bytes: &[u8]) -> Option<u64> {
     match ControlFrame::decode(bytes) {
-        Ok(ControlFrame { session, body: Body::Hello }) => Some(session),
+        Ok(ControlFrame { session, body: Body::Hello { .. } }) => Some(session),
         _ => None,
     }
 }

@@ -71,7 +71,7 @@ pub fn seed_frames() -> Vec<Vec<u8>> {
     // The link frames, which carry no message: HELLO, PING, PONG (with its forget secret),
     // GOODBYE and FORGET.
     let link = [
-        Body::Hello,
+        Body::Hello { load: 0x1d },
         Body::Ping { nonce: 5 },
         Body::Pong { nonce: 5, forget: Token(0xfeed) },
         Body::Goodbye,

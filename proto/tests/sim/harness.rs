@@ -342,7 +342,7 @@ impl Sim {
                         assert_eq!(loaded, bounce_proto::peers::Loaded::Compatible);
                         // Each says HELLO to each, through the same frame path as the messages,
                         // and answers the ask it opens (a PING) as the peer's engine would.
-                        ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64)).expect("HELLO accepted");
+                        ep.handle_frame(start, &agent(j), &wire::encode_hello(j as u64, 0)).expect("HELLO accepted");
                         let nonce = std::iter::from_fn(|| ep.poll_action())
                             .find_map(|a| match a {
                                 Action::Link { body: wire::Body::Ping { nonce }, .. } => Some(nonce),

@@ -40,16 +40,16 @@ impl Driver {
             Err(e) => return self.drop_frame(now, peer, &e),
         };
         let msg = match frame.body {
-            wire::Body::Hello => {
+            wire::Body::Hello { load } => {
                 // A HELLO counts only once the peer answers the ask it opens (our HELLO and a
                 // PING only the peer sees; `bounce_proto::hello`): its session is published,
                 // so anyone holding its metadata could forge one.
-                match self.shared.peers.hello(peer, frame.session) {
-                    // A confirmed peer's HELLO is asked about too (at most once a second): it may
-                    // have unloaded and loaded us again, and lacks our HELLO.
-                    h @ (Hello::Ask | Hello::Repeat) => {
+                match self.shared.peers.hello(peer, frame.session, load) {
+                    // A confirmed peer's HELLO for another load is asked about too (at most once
+                    // a second): it unloaded and loaded us again, and lacks our HELLO.
+                    h @ (Hello::Ask | Hello::Reloaded | Hello::Repeat) => {
                         if let Some(id) = self.shared.peers.known_id(peer) {
-                            self.ep.handle_hello(now, id, h == Hello::Repeat);
+                            self.ep.handle_hello(now, id, h);
                         }
                     }
                     // The loads race: the peer says HELLO again once our HELLO on loading it
@@ -211,6 +211,15 @@ impl Driver {
         let stats = &self.shared.stats;
         Stats::bump(&stats.control_sent);
         stats.control_sent_bytes.fetch_add(len as u64, Relaxed);
+    }
+
+    /// Sends our HELLO to `name` on loading it: it carries the tag of this load of the peer
+    /// (`Endpoint::hello_to`), so the peer tells a reload from a repeat. A name without an id
+    /// was unloaded meanwhile: nothing to say.
+    pub(super) fn send_hello(&mut self, name: &str) -> Result<(), ControlError> {
+        let Some(id) = self.shared.peers.known_id(name) else { return Ok(()) };
+        let bytes = wire::ControlFrame { session: self.session, body: self.ep.hello_to(id) }.to_vec();
+        self.send_control(name, &bytes)
     }
 
     /// Sends a link-level frame (the liveness probe's PING or PONG).

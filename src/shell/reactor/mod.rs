@@ -23,7 +23,6 @@ use bounce_proto::endpoint::{Action, Endpoint, JobId, WriteRoute, WriteSource, X
 use bounce_proto::gate::ArenaPlace;
 use bounce_proto::mailbox::Record;
 use bounce_proto::oneway::OneWayLayout;
-use bounce_proto::wire;
 use bounce_proto::{ArenaId, MemKind, PeerId, Region, Token, XferId};
 use parking_lot::Mutex;
 
@@ -734,7 +733,7 @@ impl Driver {
             Cmd::Hello(name, losses) => {
                 if !self.shared.peers.compatible(&name) {
                     tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
-                } else if let Err(e) = self.send_control(&name, &wire::encode_hello(self.session)) {
+                } else if let Err(e) = self.send_hello(&name) {
                     // The application may have unloaded the peer since this was queued (its
                     // loss is recorded before the inner engine disconnects), and loaded it
                     // again (then compatible, but the inner engine may not know it yet: the

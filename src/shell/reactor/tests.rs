@@ -9,8 +9,8 @@ use std::time::Duration;
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::plan::{self, DescPair, PlanParams};
 use bounce_proto::proof::Destination;
+use bounce_proto::wire::{self, Frame, Msg};
 use bounce_proto::wire::{ArenaCaps, Arenas, Capabilities, WIRE_VERSION};
-use bounce_proto::wire::{Frame, Msg};
 use bounce_proto::{ControlKind, MemKind, RegId, RegKey};
 use memmap2::MmapMut;
 
@@ -851,6 +851,62 @@ fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counte
     assert_eq!(b.shared.peers.known_id("x"), None, "a stranger's frames add nothing to the peer table");
 }
 
+/// A FORGET is best effort (sent as the application unloads the peer). b unloads a and loads
+/// it again twice within a second, and neither FORGET arrives: a asks about each reload (the
+/// second once the second since the first ends), so it holds the secret of b's latest load, and
+/// b's next unload, whose FORGET arrives, turns a's route to b one way at once. (Before HELLOs
+/// carried their load's tag, the second reload went unasked: a kept the older secret and
+/// refused that FORGET as forged.)
+#[test]
+fn reloads_whose_forgets_were_lost_still_teach_the_secret_the_next_forget_proves() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    let lose = Arc::new(AtomicBool::new(true));
+    let losing = Arc::clone(&lose);
+    net.set_fault(move |from, _, f| {
+        let forget =
+            matches!(wire::ControlFrame::decode(f), Ok(wire::ControlFrame { body: wire::Body::Forget { .. }, .. }));
+        if from == "b" && forget && losing.load(Ordering::Relaxed) { Fate::Drop } else { Fate::Deliver }
+    });
+    // As the engine's `peer_lost` does: the FORGET of this load, then the loss.
+    let unload = |b: &Side| {
+        let id = b.shared.peers.loaded_id("a").expect("a is loaded at b");
+        let proof = bounce_proto::forget::secret(b.shared.forget_key.get().expect("keyed"), id);
+        let frame = wire::ControlFrame { session: 22, body: wire::Body::Forget { proof } }.to_vec();
+        b.shared.inbox.push(Cmd::Forget { peer: "a".to_owned(), endpoint: Vec::new(), frame });
+        let (lost, _) = b.shared.peers.lost("a");
+        b.shared.inbox.push(Cmd::PeerLost("a".to_owned(), lost.expect("was loaded")));
+    };
+    // a holds the secret of b's load of it now (its HELLO for that load is a repeat at a).
+    let holds_latest = |a: &Side, b: &Side| {
+        let id = b.shared.peers.loaded_id("a").expect("a is loaded at b");
+        let tag = bounce_proto::forget::load_tag(bounce_proto::forget::secret(b.shared.forget_key.get().unwrap(), id));
+        a.shared.peers.hello("b", 22, tag) == bounce_proto::peers::Hello::Repeat
+    };
+    let started = Instant::now();
+    for reload in 0..2 {
+        unload(&b);
+        b.load("a", &a);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !holds_latest(&a, &b) {
+            assert!(Instant::now() < deadline, "reload {reload}: a never learnt b's new load");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(3), "the second reload waited about a second at most");
+    assert_eq!((b.stat(|s| &s.forgets_sent), a.stat(|s| &s.peers_forgot_us)), (2, 0), "both FORGETs lost");
+    lose.store(false, Ordering::Relaxed);
+    unload(&b);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while a.stat(|s| &s.peers_forgot_us) == 0 {
+        assert!(Instant::now() < deadline, "a did not honour the FORGET of b's latest load");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(a.shared.peers.bounce_arenas("b").is_none(), "a's route to b is one way");
+    assert_eq!(a.stat(|s| &s.control_forged), 0, "nothing refused as forged");
+}
+
 /// A HELLO under a real peer's name and session from a third agent (which holds the peer's
 /// metadata, and so its session), beside thousands from invented names, cannot switch our route
 /// to the peer two way while the peer never loaded us: the HELLO is asked about, and only the
@@ -871,11 +927,11 @@ fn a_forged_hello_under_a_peers_name_cannot_turn_our_route_to_it_two_way() {
         Fate::Deliver
     });
     for i in 0..4096 {
-        net.join(&format!("invented-{i}")).send("a", &wire::encode_hello(i as u64)).unwrap();
+        net.join(&format!("invented-{i}")).send("a", &wire::encode_hello(i as u64, 0)).unwrap();
     }
     // a loads b (its HELLO to b is dropped there: b never loaded a); mallory says HELLO as b.
     a.load("b", &b);
-    net.join("b").send("a", &wire::encode_hello(22)).unwrap();
+    net.join("b").send("a", &wire::encode_hello(22, 0)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while a.stat(|s| &s.hello_asks) == 0 {
         assert!(Instant::now() < deadline, "a never asked about the HELLO");
@@ -1997,7 +2053,7 @@ fn flood_meets_a_pollers_pass(socket: bool) {
     let b = Side::start_full("b", 22, &cfg, |c| Box::new(c), Box::new(channel), usize::MAX, MemPath::default());
     let mut stranger = net.join("x");
     // Bytes that only start like a frame: refused at decoding, whoever sends them.
-    let hello = wire::encode_hello(7);
+    let hello = wire::encode_hello(7, 0);
     for _ in 0..FLOOD {
         stranger.send("b", &hello[..hello.len() / 2]).unwrap();
     }

@@ -402,7 +402,7 @@ fn with_ready_arena() -> (Endpoint, Instant, PeerId) {
 fn ask_nonce(acts: &[Action], to: PeerId) -> u64 {
     match acts {
         [
-            Action::Link { peer: p, body: wire::Body::Hello },
+            Action::Link { peer: p, body: wire::Body::Hello { .. } },
             Action::Link { peer: q, body: wire::Body::Ping { nonce } },
         ] if *p == to && *q == to => *nonce,
         other => panic!("expected an ask (HELLO, PING) to {to:?}, got {other:?}"),
@@ -414,7 +414,7 @@ fn ask_nonce(acts: &[Action], to: PeerId) -> u64 {
 #[test]
 fn a_hello_counts_only_once_the_peer_echoes_the_nonce_of_the_ask_it_opened() {
     let (mut ep, t, id) = with_ready_arena();
-    let hello = wire::encode_hello(1);
+    let hello = wire::encode_hello(1, crate::forget::load_tag(crate::Token(0)));
     // Invented names: refused, nothing recorded, nothing sent.
     for i in 0..4096 {
         assert_eq!(ep.handle_frame(t, &format!("invented-{i}"), &hello), Err(FrameRefused::NotLoaded));
@@ -451,22 +451,34 @@ fn a_hello_counts_only_once_the_peer_echoes_the_nonce_of_the_ask_it_opened() {
     .unwrap();
     assert!(ep.peers().can_bounce("a") && ep.stats().hellos_confirmed == 1 && ep.stats().hello_asks == 2);
     assert_eq!(ep.poll_timeout(), None, "the ask is closed");
-    // A confirmed peer's HELLO (it may have unloaded and loaded us again, and lacks ours) is
-    // asked about again, once: repeats within the second send nothing, so no HELLO ping-pong.
-    ep.handle_frame(t, "a", &hello).unwrap();
+    // A HELLO for the load confirmed (its PONG's secret's tag) is a repeat: nothing is asked,
+    // so two confirmed peers never trade HELLOs.
+    for _ in 0..100 {
+        ep.handle_frame(t, "a", &hello).unwrap();
+    }
+    assert!(drain(&mut ep).is_empty(), "a repeat asks nothing");
+    // One for another load (the peer unloaded us and loaded us again, its FORGET lost: it
+    // lacks our HELLO, and we its new secret) is asked about, at once the first time.
+    let reload = |k: u128| wire::encode_hello(1, crate::forget::load_tag(crate::Token(k)));
+    ep.handle_frame(t, "a", &reload(1)).unwrap();
     let again = ask_nonce(&drain(&mut ep), id);
     assert_ne!(again, nonce);
-    ep.handle_frame(
-        t,
-        "a",
-        &wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: again, forget: crate::Token(0) } }.to_vec(),
-    )
-    .unwrap();
-    for _ in 0..100 {
-        ep.handle_frame(t + Duration::from_millis(500), "a", &hello).unwrap();
+    let pong = |nonce, k| wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce, forget: crate::Token(k) } };
+    ep.handle_frame(t, "a", &pong(again, 1).to_vec()).unwrap();
+    assert_eq!(ep.peers().hello("a", 1, crate::forget::load_tag(crate::Token(1))), Hello::Repeat, "the new load's");
+    // Anyone can claim a reload: within the second after that ask, more reloads (forged, or a
+    // real one just after) send nothing at once, and are asked about once when it ends.
+    for k in 2..100 {
+        ep.handle_frame(t + Duration::from_millis(500), "a", &reload(k)).unwrap();
     }
-    assert!(drain(&mut ep).is_empty(), "at most one such ask a second");
+    assert!(drain(&mut ep).is_empty(), "at most one reload's ask a second");
+    assert_eq!(ep.poll_timeout(), Some(t + crate::hello::REASK_CONFIRMED_AFTER), "deferred, not dropped");
+    ep.handle_timeout(t + crate::hello::REASK_CONFIRMED_AFTER);
+    let deferred = ask_nonce(&drain(&mut ep), id);
+    ep.handle_frame(t + crate::hello::REASK_CONFIRMED_AFTER, "a", &pong(deferred, 99).to_vec()).unwrap();
+    assert_eq!(ep.peers().hello("a", 1, crate::forget::load_tag(crate::Token(99))), Hello::Repeat, "its secret now");
     assert!(ep.peers().can_bounce("a"), "stays confirmed throughout");
+    assert_eq!(ep.poll_timeout(), None, "nothing more to ask");
     // Loss forgets the peer's HELLO: after a reload it is asked about again.
     ep.handle_agent_lost(t, "a");
     assert!(!ep.peers().is_reachable("a") && !ep.peers().is_loaded("a"));
@@ -477,7 +489,7 @@ fn a_hello_counts_only_once_the_peer_echoes_the_nonce_of_the_ask_it_opened() {
 #[test]
 fn an_unanswered_ask_is_dropped_after_its_last_repeat_and_changes_nothing() {
     let (mut ep, t, id) = with_ready_arena();
-    ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
+    ep.handle_frame(t, "a", &wire::encode_hello(1, 0)).unwrap();
     let nonce = ask_nonce(&drain(&mut ep), id);
     let mut asks = 1;
     while let Some(at) = ep.poll_timeout() {
@@ -499,7 +511,7 @@ fn an_unanswered_ask_is_dropped_after_its_last_repeat_and_changes_nothing() {
     .unwrap();
     assert!(!ep.peers().can_bounce("a") && ep.stats().hellos_confirmed == 0);
     // The peer's next HELLO (it loads us later) opens a new ask.
-    ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
+    ep.handle_frame(t, "a", &wire::encode_hello(1, 0)).unwrap();
     assert_ne!(ask_nonce(&drain(&mut ep), id), nonce, "a fresh nonce");
 }
 
@@ -507,7 +519,7 @@ fn an_unanswered_ask_is_dropped_after_its_last_repeat_and_changes_nothing() {
 #[test]
 fn an_ask_answered_by_a_closing_peer_confirms_nothing() {
     let (mut ep, t, id) = with_ready_arena();
-    ep.handle_frame(t, "a", &wire::encode_hello(1)).unwrap();
+    ep.handle_frame(t, "a", &wire::encode_hello(1, 0)).unwrap();
     let nonce = ask_nonce(&drain(&mut ep), id);
     let farewell =
         wire::ControlFrame { session: 1, body: wire::Body::Pong { nonce: nonce ^ FAREWELL, forget: crate::Token(0) } }
@@ -998,7 +1010,7 @@ fn a_read_pulls_every_byte_through_the_targets_arena_two_way_and_one_way() {
 #[test]
 fn only_the_target_of_a_transfer_counts_peer_messages() {
     let (mut ep, now, peer) = with_loaded("b");
-    ep.handle_hello(now, peer, false);
+    ep.handle_hello(now, peer, Hello::Ask);
     ep.handle_ping(now, peer, 7);
     assert_eq!(ep.stats().peer_msgs, 2, "a HELLO and a PING");
     let _ = ep.handle_pong(now, peer, 7);
