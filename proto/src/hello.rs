@@ -281,4 +281,109 @@ mod tests {
         assert!(!a.answered(P, 5));
         assert!(a.heard(t, P, false, || 6).is_some(), "a new HELLO opens a new ask");
     }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Time passes (ms), then `handle_timeout`.
+        Wait(u64),
+        /// A HELLO of peer 0 or 1, a reload or not.
+        Heard(usize, bool),
+        /// The peer answers its open ask, if any.
+        Answer(usize),
+        Forget(usize),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0..1500u64).prop_map(Op::Wait),
+            (0..2usize, any::<bool>()).prop_map(|(p, r)| Op::Heard(p, r)),
+            (0..2usize).prop_map(Op::Answer),
+            (0..2usize).prop_map(Op::Forget),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever HELLOs come (forged reloads included) and whatever is answered: asks opened
+        /// for reloads of one peer are at least a second apart, and a reload heard is asked
+        /// about (or an ask is open that will bring what its ask would) within a second,
+        /// unless the peer is forgotten first.
+        #[test]
+        fn reload_asks_are_a_second_apart_and_no_reload_goes_unasked(ops in proptest::collection::vec(op(), 0..80)) {
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut a = HelloAsks::new();
+            let mut counter = 0u64;
+            let mut open: [Option<u64>; 2] = [None, None];
+            let mut last_reload_ask: [Option<Instant>; 2] = [None, None];
+            // A reload heard and not yet covered by an ask: when it was heard.
+            let mut waiting: [Option<Instant>; 2] = [None, None];
+            let opened = |p: usize, ask: Ask, reload: bool, now: Instant,
+                              open: &mut [Option<u64>; 2], last: &mut [Option<Instant>; 2]| {
+                proptest::prop_assert_eq!(ask.peer, PeerId(p as u32));
+                if open[p].is_none() || open[p] != Some(ask.nonce) {
+                    // A new ask (not a repeat of the open one's nonce).
+                    if reload {
+                        if let Some(at) = last[p] {
+                            proptest::prop_assert!(now >= at + REASK_CONFIRMED_AFTER, "reload asks {:?} apart", now - at);
+                        }
+                        last[p] = Some(now);
+                    }
+                    open[p] = Some(ask.nonce);
+                }
+                Ok(())
+            };
+            for op in ops {
+                match op {
+                    Op::Wait(ms) => {
+                        now += Duration::from_millis(ms);
+                        let before = open;
+                        let mut n = || { counter += 1; counter };
+                        for ask in a.handle_timeout(now, &mut n) {
+                            let p = ask.peer.0 as usize;
+                            let deferred = before[p].is_none_or(|nonce| nonce != ask.nonce);
+                            opened(p, ask, deferred, now, &mut open, &mut last_reload_ask)?;
+                            if deferred {
+                                waiting[p] = None;
+                            }
+                        }
+                        // Dropped asks (unanswered after their last repeat) leave nothing open.
+                        for (p, o) in open.iter_mut().enumerate() {
+                            if o.is_some() && !a.open.contains_key(&PeerId(p as u32)) {
+                                *o = None;
+                            }
+                        }
+                    }
+                    Op::Heard(p, reload) => {
+                        let mut n = || { counter += 1; counter };
+                        match a.heard(now, PeerId(p as u32), reload, &mut n) {
+                            Some(ask) => {
+                                proptest::prop_assert!(open[p].is_none(), "one ask open at a time");
+                                opened(p, ask, reload, now, &mut open, &mut last_reload_ask)?;
+                                waiting[p] = None;
+                            }
+                            None if open[p].is_some() => waiting[p] = None,
+                            None => {
+                                proptest::prop_assert!(reload, "only a reload waits");
+                                waiting[p].get_or_insert(now);
+                            }
+                        }
+                    }
+                    Op::Answer(p) => {
+                        if let Some(nonce) = open[p].take() {
+                            proptest::prop_assert!(a.answered(PeerId(p as u32), nonce));
+                        }
+                    }
+                    Op::Forget(p) => {
+                        a.forget(PeerId(p as u32));
+                        (open[p], waiting[p], last_reload_ask[p]) = (None, None, None);
+                    }
+                }
+                for &at in waiting.iter().flatten() {
+                    proptest::prop_assert!(now < at + REASK_CONFIRMED_AFTER, "a reload heard {:?} ago still unasked", now - at);
+                    proptest::prop_assert!(a.next_timeout().is_some_and(|due| due <= at + REASK_CONFIRMED_AFTER));
+                }
+            }
+        }
+    }
 }
