@@ -10,7 +10,9 @@
 //! - A HELLO counts only from a loaded, compatible peer under its session, and only once the
 //!   peer proved it (the endpoint's ask, [`crate::hello`]: a PING only the peer can answer;
 //!   [`confirm_hello`](PeerTable::confirm_hello) on its PONG). Until then
-//!   [`hello`](PeerTable::hello) says [`Hello::Ask`]. A HELLO from a name not loaded (the two
+//!   [`hello`](PeerTable::hello) says [`Hello::Ask`]; once confirmed, a HELLO tagged with the
+//!   load confirmed is a [`Hello::Repeat`] and one of another load (the peer loaded us again,
+//!   its FORGET lost) a [`Hello::Reloaded`], asked about again. A HELLO from a name not loaded (the two
 //!   loads race) is dropped and leaves nothing behind: invented names cannot grow memory or
 //!   lock a real peer out, and a real peer's early HELLO is made up by the ask that follows its
 //!   next one (our HELLO on loading it makes it say HELLO again).
