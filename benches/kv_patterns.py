@@ -5,7 +5,7 @@ in ONE run, two processes, DRAM, a paged KV cache laid out as vLLM lays it out
     .venv/bin/python benches/kv_patterns.py [--rounds 15] [--layers 16] [--blocks 512]
         [--per-request 32] [--requests 8] [--block-bytes 4096] [--only pull-one-way]
         [--mem VRAM [--peer-gpu 1]] [--variants "BOUNCE bounced,UCX"] [--prep-each]
-        [--pause-ms 40] [--samples]
+        [--pause-ms 40] [--evict-mib 512] [--samples]
 
 --mem VRAM (on a GPU machine) puts both caches in GPU memory (one torch tensor per layer, both
 processes on GPU 0, or the target's on --peer-gpu) and gives BOUNCE a GPU arena (bounce_arena_mem=vram): between two processes
@@ -28,7 +28,9 @@ request's own block ids), timed from transfer() to DONE
 (status polled in a busy loop; the target process polls its agents every 0.5 ms meanwhile, as
 a framework's loop would), then the target must have seen every notification. One
 warm-up round is not counted. `--pause-ms` idles before each block (the first request of a
-block then follows a pause with no transfer, as between a framework's batches), `--samples`
+block then follows a pause with no transfer, as between a framework's batches), `--evict-mib`
+writes through a buffer that large before each block instead (cold caches, no idle thread:
+which of the two makes a block's first request slow), `--samples`
 prints every request's time in order. Reported per backend: batch median; per-request p50 and p99
 (over rounds x requests); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal
 <= 1.5); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
@@ -198,6 +200,7 @@ class Side:
 def child(case, args):
     import kvcache
     import nixlkit
+    import numpy
 
     layout = kvcache.KvLayout(args.layers, args.blocks, args.block_bytes)
     reqs = kvcache.make_requests(layout, args.requests, args.per_request, seed=7)
@@ -210,10 +213,15 @@ def child(case, args):
     if args.mem == "VRAM":
         # BENCH_TRACE=DIR: this process's CUDA activity from here to the end (benches/trace_kernels.py)
         nixlkit.gpu_trace(f"kv-initiator-{case[0]}-{case[1]}")
+    # --evict-mib: a buffer written through before each block, which evicts the last-level cache
+    # the two processes share on one socket without leaving any thread idle.
+    evict = numpy.zeros(args.evict_mib << 20, dtype=numpy.uint8) if args.evict_mib else None
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
             time.sleep(args.pause_ms / 1e3)
+            if evict is not None:
+                evict.fill(rnd & 0xFF)
             s.block(target, keep=rnd > 0)
     out = {}
     for s in sides:
@@ -294,6 +302,9 @@ def main():
     ap.add_argument("--pause-ms", type=float, default=0.0,
                     help="idle this long before each block (the target process still polls every 0.5 ms), "
                          "as a framework between batches")
+    ap.add_argument("--evict-mib", type=int, default=0,
+                    help="before each block, write through this many MiB in the initiator process (no "
+                         "pause): caches the transfer's memory shares with it go cold, and nothing idles")
     ap.add_argument("--samples", action="store_true", help="print every request's time, in the order posted")
     ap.add_argument("--child")
     args = ap.parse_args()
@@ -315,7 +326,7 @@ def main():
             continue
         cmd = [sys.executable, __file__, "--child", f"{pattern}:{metadata}"] + [
             a for k in ("rounds", "layers", "blocks", "block_bytes", "requests", "per_request", "mem",
-                        "peer_gpu", "variants", "pause_ms")
+                        "peer_gpu", "variants", "pause_ms", "evict_mib")
             if getattr(args, k) is not None
             for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + (["--prep-each"] if args.prep_each else [])
         res, why = run_child(cmd, 600)
