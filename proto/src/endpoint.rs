@@ -539,11 +539,16 @@ impl Endpoint {
         }
     }
 
-    /// Our HELLO to loaded peer `peer`: it carries the tag of this load of the peer's metadata
-    /// (of its id here, [`crate::forget::load_tag`]), so the peer tells it from a HELLO of an
-    /// earlier load of ours.
+    /// The tag of this load of loaded peer `peer`'s metadata (of its id here,
+    /// [`crate::forget::load_tag`]), which our HELLOs to it carry, so the peer tells them from
+    /// a HELLO of an earlier load of ours ([`wire::encode_hello`]).
+    pub fn load_tag_of(&self, peer: PeerId) -> u64 {
+        crate::forget::load_tag(crate::forget::secret(&self.forget_key, peer))
+    }
+
+    /// Our HELLO to loaded peer `peer`, carrying [`load_tag_of`](Self::load_tag_of) it.
     pub fn hello_to(&self, peer: PeerId) -> wire::Body {
-        wire::Body::Hello { load: crate::forget::load_tag(crate::forget::secret(&self.forget_key, peer)) }
+        wire::Body::Hello { load: self.load_tag_of(peer) }
     }
 
     fn send_ask(&mut self, ask: crate::hello::Ask) {

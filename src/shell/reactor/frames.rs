@@ -214,12 +214,11 @@ impl Driver {
     }
 
     /// Sends our HELLO to `name` on loading it: it carries the tag of this load of the peer
-    /// (`Endpoint::hello_to`), so the peer tells a reload from a repeat. A name without an id
-    /// was unloaded meanwhile: nothing to say.
+    /// (`Endpoint::load_tag_of`), so the peer tells a reload from a repeat. A name without an
+    /// id was unloaded meanwhile: nothing to say.
     pub(super) fn send_hello(&mut self, name: &str) -> Result<(), ControlError> {
         let Some(id) = self.shared.peers.known_id(name) else { return Ok(()) };
-        let bytes = wire::ControlFrame { session: self.session, body: self.ep.hello_to(id) }.to_vec();
-        self.send_control(name, &bytes)
+        self.send_control(name, &wire::encode_hello(self.session, self.ep.load_tag_of(id)))
     }
 
     /// Sends a link-level frame (the liveness probe's PING or PONG).
