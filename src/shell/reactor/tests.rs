@@ -1824,39 +1824,51 @@ fn an_idle_reactor_thread_sleeps_beside_an_application_pulling_closely() {
     let b = Side::start_full("b", 22, &cfg, |c| Box::new(c), Box::new(looks), SOCKET_POLL_BATCH, path);
     let (a, b) = introduce(Side::start("a", 11, &cfg, &net), b);
     let dest = b.register(&mut dst);
-    // A transfer first: the target's idle ramp starts over from its last activity.
-    let h = a.post("b", &cfg, &src, &mut dst, dest);
-    assert_eq!(a.outcome(h, Duration::from_secs(10)), Ok(()));
-    let mut gaps = Gaps::new(crate::shell::mailroom::PULL_STREAK_GAP);
-    let mut passes_in = |window: Duration, pull: bool| {
-        let before = polls.load(Ordering::Relaxed);
-        let end = Instant::now() + window;
-        while Instant::now() < end {
-            if pull {
-                // An application spinning on getNotifs (a sleep could overshoot the gap).
-                pulls.note(Instant::now());
-                gaps.event();
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        polls.load(Ordering::Relaxed) - before
-    };
     let window = Duration::from_millis(40);
-    let alone = passes_in(window, false);
-    let beside = passes_in(window, true);
     // Alone, 40 ms after activity, its parks are a 256th of the time since (at most ~320 us):
     // 125 passes and more (about 370 measured). Beside the puller, parks as long as the pulls
     // have run (to 1 ms): ~10 in the first 2 ms, then one a millisecond (about 40 measured).
     // On a loaded machine a puller kept off its core for longer than the gap ends its streak
-    // for a while: each such gap is allowed a few passes more.
-    let (alone, beside) = (alone as u64, beside as u64);
-    let most = gaps.allowance(window) + 10;
-    assert!(beside <= most, "{beside} passes in {window:?} beside a closely pulling application ({gaps:?})");
-    // Alone it looks three times as often as beside a puller that was never kept off its core.
-    let unbroken = most - 6 * gaps.broken;
-    assert!(alone >= 3 * beside.min(unbroken), "alone {alone} passes, beside the puller {beside} ({gaps:?})");
+    // for a while: each such gap is allowed a few passes more. Load also cuts the passes
+    // alone (its short parks overshoot) and can starve the puller past its allowance, so the
+    // measurement gets three tries, each from a fresh transfer, and one must meet both bounds.
+    const TRIES: usize = 3;
+    for attempt in 1..=TRIES {
+        // A transfer first: the target's idle ramp starts over from its last activity.
+        let h = a.post("b", &cfg, &src, &mut dst, dest);
+        assert_eq!(a.outcome(h, Duration::from_secs(10)), Ok(()));
+        let mut gaps = Gaps::new(crate::shell::mailroom::PULL_STREAK_GAP);
+        let mut passes_in = |window: Duration, pull: bool| {
+            let before = polls.load(Ordering::Relaxed);
+            let end = Instant::now() + window;
+            while Instant::now() < end {
+                if pull {
+                    // An application spinning on getNotifs (a sleep could overshoot the gap).
+                    pulls.note(Instant::now());
+                    gaps.event();
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            polls.load(Ordering::Relaxed) - before
+        };
+        let alone = passes_in(window, false) as u64;
+        let beside = passes_in(window, true) as u64;
+        let most = gaps.allowance(window) + 10;
+        // Alone it looks three times as often as beside a puller that was never kept off its core.
+        let unbroken = most - 6 * gaps.broken;
+        let (sleeps, fewer) = (beside <= most, alone >= 3 * beside.min(unbroken));
+        if sleeps && fewer {
+            break;
+        }
+        assert!(
+            attempt < TRIES,
+            "{TRIES} tries: {beside} passes in {window:?} beside a closely pulling application (at most {most}), \
+             alone {alone} (at least 3 x {}); {gaps:?}",
+            beside.min(unbroken)
+        );
+    }
     // A transfer while the application pulls (and, here, hands nothing on): the reactor
     // thread's looks, at most a longest park apart, carry it.
     let mut dst2 = vec![0xEE; dst.len()];
