@@ -259,6 +259,25 @@ impl CreditScheduler {
         if self.cursor >= self.ring.len() {
             self.cursor = 0;
         }
+        self.tighten_stamps();
+    }
+
+    /// Pulls each stamp's deadline in to two rounds of the flows still active: a flow stamped
+    /// while many flows were active would otherwise, after most of them left (cancelled, or
+    /// their peer lost), wait out rounds of flows that are gone while the few left take every
+    /// grant. That keeps the fairness bound in terms of the flows active during the wait.
+    fn tighten_stamps(&mut self) {
+        let rounds = BYPASS_ROUNDS * self.ring.len() as u64;
+        let late: Vec<(Blocked, FlowKey)> =
+            self.blocked.iter().filter(|(b, _)| b.at + rounds < b.deadline).copied().collect();
+        for (b, key) in late {
+            let tight = Blocked { deadline: b.at + rounds, at: b.at };
+            self.blocked.remove(&(b, key));
+            self.blocked.insert((tight, key));
+            if let Some(flow) = self.flows.get_mut(&key) {
+                flow.blocked = Some(tight);
+            }
+        }
     }
 
     /// The fair-share half of [`check_invariants`](Self::check_invariants): stamps, the

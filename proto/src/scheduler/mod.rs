@@ -210,7 +210,8 @@ pub struct Reclaimed {
 ///   of every active flow) without it being granted, the scheduler enters *drain mode* for the
 ///   expired flow with the earliest such deadline: no remote grant is issued until that flow's
 ///   head fits, then it is granted and normal sweeps resume. A drain grant does not move the
-///   cursor.
+///   cursor. When flows leave, each stamp's deadline tightens to `s + BYPASS_ROUNDS * n'`
+///   with `n'` the flows left: two rounds of the flows still there, not of those gone.
 /// - A flow with nothing pending and nothing held is erased at once (keys are never reused by
 ///   a correct sender; a reused key starts a new flow at chunk 0).
 ///

@@ -158,6 +158,39 @@ fn drain_mode_admits_a_big_head_blocked_by_a_stream_of_small_chunks() {
     s.check_invariants().unwrap();
 }
 
+/// A stamp counts two rounds of the flows still active: when flows leave (cancelled, or their
+/// peer lost), a blocked flow's deadline tightens to two rounds of those left, instead of
+/// waiting out rounds of flows that are gone.
+#[test]
+fn a_blocked_flows_deadline_tightens_when_other_flows_leave() {
+    let (small, big) = (flow(1, 1), flow(1, 2));
+    let gone = [flow(1, 3), flow(1, 4), flow(1, 5)];
+    let mut s = sched(8, 100);
+    for f in [small, gone[0], gone[1], gone[2]] {
+        s.want(f, &[G; 100]).unwrap();
+    }
+    let mut held: VecDeque<Grant> = s.schedule().into();
+    assert_eq!(held.len(), 8, "four flows fill the arena");
+    held.retain(|g| g.flow == small);
+    s.want(big, &[8 * G]).unwrap();
+    assert!(s.schedule().is_empty());
+    // `big` is stamped at grant 8 with five flows: two rounds of them end at grant 18. Three
+    // leave, so two rounds of the two left end at grant 8 + 2 * 2.
+    for f in gone {
+        s.reclaim_flow(f, Reuse::Now);
+    }
+    let g = s.schedule();
+    assert_eq!(order(&g), (2..6).map(|c| (small, c)).collect::<Vec<_>>(), "two rounds of two flows");
+    assert_eq!((s.grant_seq(), s.drain_target()), (12, Some(big)));
+    held.extend(g);
+    while let Some(g) = held.pop_front() {
+        ack(&mut s, &g);
+        assert!(held.is_empty() || s.schedule().is_empty(), "drain mode holds the space for big");
+    }
+    assert_eq!(order(&s.schedule()), vec![(big, 0)]);
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn local_staging_ignores_drain_mode() {
     let (small, big) = (flow(1, 1), flow(1, 2));
@@ -733,7 +766,10 @@ impl Harness {
                     //   flow is swept past at most once, so it is drained at most twice
                     //   (one old stamp, one new): <= 2(M - 1) drain grants;
                     // - once its head did not fit it is stamped with deadline s + 2n, n <= M:
-                    //   <= 2M grants until the deadline;
+                    //   <= 2M grants until the deadline (a stamp older than the wait, kept
+                    //   while the share cap held the flow back, has n = the ring then, or the
+                    //   ring at the last departure since, as `tighten_stamps` pulls it in; the
+                    //   ring has only grown after that, so n <= M still);
                     // - after the deadline only drain grants happen, each to a distinct flow
                     //   with an earlier deadline: <= M - 1.
                     let m = w.active_at_start + (self.incarnations - w.incarnations_at_start);
