@@ -561,6 +561,11 @@ impl Driver {
             moved |= cmd.stirs();
             self.handle_cmd(now, cmd);
         }
+        // A transfer just submitted opens with a message the target acts on (a READ's PULL, a
+        // WRITE's WANT) and its first gathers: they go now, not after the fetches and writes
+        // polled below. A one-way READ's first mailbox fetch was posted before its PULL went
+        // out, though it cannot find an answer to a PULL not yet sent.
+        moved |= self.drain_actions();
         for (peer, frame) in frames.drain(..) {
             moved = true;
             self.on_control(now, &peer, &frame);
