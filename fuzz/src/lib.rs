@@ -132,6 +132,8 @@ fn agent(i: u32) -> String {
 /// registration after a deregistration gets the next id and its own key.
 const REG: RegId = RegId(1);
 const KEY: RegKey = RegKey([0x3c; 32]);
+/// The secret PING nonces derive from (the shell draws one at random per engine).
+const PROBE_KEY: [u8; 32] = [0x5b; 32];
 
 /// The key of registration `reg` (the first is [`KEY`]).
 fn key_of(reg: RegId) -> RegKey {
@@ -458,7 +460,7 @@ pub fn run(data: &[u8]) -> Coverage {
     }
     let cfg = config();
     let mut now = Instant::now();
-    let mut ep = Endpoint::new(&cfg, now).expect("endpoint");
+    let mut ep = Endpoint::new(&cfg, now, PROBE_KEY).expect("endpoint");
     ep.keep_mailbox(true);
     let layout = ep.one_way_layout();
     let mailbox = MailboxLayout { slots: layout.mailbox.slots, ring: layout.mailbox.ring };

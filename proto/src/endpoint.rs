@@ -183,10 +183,16 @@ impl Endpoint {
     /// An idle endpoint over an arena of [`Config::arena_usable_capacity`] bytes with the
     /// configured granularity and window.
     ///
+    /// `probe_key` is the secret the PING nonces (the liveness probe's, a GOODBYE's or a
+    /// HELLO's ask) and the forget secrets our PONGs carry derive from. The caller draws it at
+    /// random, once per engine: a nonce others could predict would let them forge a PONG (keep
+    /// a dead peer alive, confirm a forged HELLO), and a secret they could derive would let
+    /// them forge our FORGET. The core has no randomness of its own, so there is no default.
+    ///
     /// # Errors
     /// [`EndpointError::Config`] when `config` does not validate; [`EndpointError::Sched`]
     /// for a geometry the scheduler refuses.
-    pub fn new(config: &Config, now: Instant) -> Result<Self, EndpointError> {
+    pub fn new(config: &Config, now: Instant, probe_key: [u8; 32]) -> Result<Self, EndpointError> {
         config.validate()?;
         let sched =
             CreditScheduler::new(config.arena_usable_capacity(), config.arena_granularity, config.max_inflight_chunks)?;
@@ -199,11 +205,11 @@ impl Endpoint {
             next_job: 0,
             stats: Stats::default(),
             peers: PeerTable::new(),
-            forget_key: crate::forget::key(&[0; 32]),
-            liveness: Liveness::new(LivenessConfig {
-                probe_after: config.probe_after,
-                dead_after: config.peer_dead_after,
-            }),
+            forget_key: crate::forget::key(&probe_key),
+            liveness: Liveness::new(
+                LivenessConfig { probe_after: config.probe_after, dead_after: config.peer_dead_after },
+                probe_key,
+            ),
             waited: BTreeSet::new(),
             closing: false,
             goodbyes: BTreeMap::new(),
@@ -329,14 +335,6 @@ impl Endpoint {
     pub fn cancel(&mut self, now: Instant, xfer: XferId) {
         self.sender.cancel(&mut ctx!(self, now), xfer);
         self.pump(now);
-    }
-
-    /// Sets the secret key the PING nonces (the liveness probe's, a GOODBYE's or a HELLO's ask)
-    /// derive from; the shell draws it at random once, so a PONG cannot be forged without
-    /// seeing the PING it answers.
-    pub fn set_probe_key(&mut self, key: [u8; 32]) {
-        self.liveness.set_key(key);
-        self.forget_key = crate::forget::key(&key);
     }
 
     /// Sets the control endpoint carried in every WANT (the receiver's reverse path).

@@ -21,7 +21,7 @@
 use crate::types::{PeerId, Token};
 
 /// The key forget secrets derive from, from the engine's random probe key (see
-/// [`crate::endpoint::Endpoint::set_probe_key`]); derived, so a secret reveals nothing of the
+/// [`crate::endpoint::Endpoint::new`]); derived, so a secret reveals nothing of the
 /// PING nonces and the other way round.
 pub fn key(probe_key: &[u8; 32]) -> [u8; 32] {
     blake3::derive_key("nixl-bounce 2026-12 FORGET secrets of loaded peers", probe_key)

@@ -102,13 +102,10 @@ pub struct Liveness {
 
 impl Liveness {
     /// Nobody watched yet.
-    pub fn new(cfg: LivenessConfig) -> Self {
-        Self { cfg, watched: BTreeMap::new(), key: [0; 32], pings: 0 }
-    }
-
-    /// Sets the secret key the PING nonces are derived from (the shell draws it at random).
-    pub fn set_key(&mut self, key: [u8; 32]) {
-        self.key = key;
+    /// A prober whose PING nonces derive from the secret `key` (the shell draws it at random:
+    /// a nonce others could predict would let them forge the PONG that answers it).
+    pub fn new(cfg: LivenessConfig, key: [u8; 32]) -> Self {
+        Self { cfg, watched: BTreeMap::new(), key, pings: 0 }
     }
 
     /// The peers waited on now are `waited`: new ones start their quiet time at `now`, the
@@ -204,9 +201,7 @@ mod tests {
     const DEAD: Duration = Duration::from_millis(1500);
 
     fn live() -> Liveness {
-        let mut l = Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: DEAD });
-        l.set_key([0x5e; 32]);
-        l
+        Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: DEAD }, [0x5e; 32])
     }
 
     fn peers(ids: &[u32]) -> BTreeSet<PeerId> {
@@ -330,7 +325,7 @@ mod tests {
 
     #[test]
     fn zero_turns_probing_off() {
-        let mut l = Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: Duration::ZERO });
+        let mut l = Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: Duration::ZERO }, [0x5e; 32]);
         let t = Instant::now();
         l.watch(t, &peers(&[1]));
         assert_eq!((l.watched(), l.next_timeout()), (0, None));
@@ -406,8 +401,7 @@ mod tests {
         assert_eq!(predict(a, b), None);
         assert_ne!(predict(a, b), Some(next));
         // And another key gives other nonces from the same counter.
-        let mut other = Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: DEAD });
-        other.set_key([0x5f; 32]);
+        let mut other = Liveness::new(LivenessConfig { probe_after: PROBE, dead_after: DEAD }, [0x5f; 32]);
         assert_ne!(other.next_nonce(), live().next_nonce());
     }
 }

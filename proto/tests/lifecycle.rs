@@ -14,6 +14,9 @@ use bounce_proto::proof;
 use bounce_proto::wire::{self, Ack, AckStatus, Data, Frame, Grant, Msg, Want};
 use bounce_proto::{ArenaId, ChunkIdx, CopyRun, PeerId, RegId, RegKey, Region, Token, XferId};
 
+/// The secret PING nonces derive from (the shell draws one at random per engine).
+const PROBE_KEY: [u8; 32] = [0x5b; 32];
+
 const KIB: u64 = 1024;
 const CHUNK: u64 = 4 * KIB;
 const SRC: u64 = 0x10_0000;
@@ -133,7 +136,7 @@ fn acks(msgs: &[Msg]) -> Vec<AckStatus> {
 #[test]
 fn deregistration_fails_the_transfers_that_read_the_range_and_no_other() {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(true), now).unwrap();
+    let mut ep = Endpoint::new(&config(true), now, PROBE_KEY).unwrap();
     let peer = PeerId(3);
     ep.submit(now, XferId(1), tok(1), peer, plan_from(SRC, 2)).unwrap();
     ep.submit(now, XferId(2), tok(2), peer, plan_from(SRC2, 2)).unwrap();
@@ -163,7 +166,7 @@ fn deregistration_fails_the_transfers_that_read_the_range_and_no_other() {
 /// second credit.
 fn scattering(times: usize) -> (Endpoint, Instant, JobId, Region) {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     for i in 0..times as u64 {
         ep.add_registered(RegId(D.0 + i), key(RegId(D.0 + i)), (DST, 64 * KIB), ArenaId(0));
     }
@@ -200,8 +203,8 @@ fn a_scatter_into_deregistered_memory_is_answered_failed_and_later_data_refused(
 #[test]
 fn a_want_proving_a_registration_deregistered_before_it_arrived_fails_its_sender_at_once() {
     let now = Instant::now();
-    let mut tx = Endpoint::new(&config(false), now).unwrap();
-    let mut rx = Endpoint::new(&config(false), now).unwrap();
+    let mut tx = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
+    let mut rx = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     rx.add_registered(D, key(D), (DST, 64 * KIB), ArenaId(0));
     let mut plan = plan_from(SRC, 2);
     plan.dests = vec![bounce_proto::proof::Destination { reg: D, key: key(D) }];
@@ -231,7 +234,7 @@ fn a_scatter_still_covered_by_another_registration_is_not_doomed() {
 #[test]
 fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_reclaims_its_flows() {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     ep.add_registered(D, key(D), (DST, 64 * KIB), ArenaId(0));
     ep.peers_mut().load_conn_info("b", Some(caps(77)), None);
     let b = ep.peers_mut().id("b");
@@ -299,7 +302,7 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
 #[test]
 fn a_closing_engine_answers_a_ping_with_the_farewell_pong() {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     ep.peers_mut().load_conn_info("b", Some(caps(77)), None);
     let b = ep.peers_mut().id("b");
     let ping = wire::ControlFrame { session: 77, body: wire::Body::Ping { nonce: 5 } }.to_vec();
@@ -322,7 +325,7 @@ fn a_closing_engine_answers_a_ping_with_the_farewell_pong() {
 #[test]
 fn closing_grants_nothing_more_and_counts_the_grants_until_they_come_back() {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     ep.add_registered(D, key(D), (DST, 64 * KIB), ArenaId(0));
     // Peer 5's flow wants four chunks; the window grants two.
     ep.handle_msg(now, PeerId(5), want(9, &[CHUNK; 4])).unwrap();
@@ -462,7 +465,7 @@ fn random_lifecycles_never_touch_deregistered_memory() {
     for seed in 0..300u64 {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut now = Instant::now();
-        let mut ep = Endpoint::new(&config(rng.random_bool(0.5)), now).unwrap();
+        let mut ep = Endpoint::new(&config(rng.random_bool(0.5)), now, PROBE_KEY).unwrap();
         ep.add_registered(RA, key(RA), (R1.0, R1.1), ArenaId(0));
         ep.add_registered(RB, key(RB), (R2.0, R2.1), ArenaId(0));
         let mut m = Model { r1: true, ..Model::default() };
@@ -580,7 +583,7 @@ fn pull_chunk(i: u64) -> wire::PullChunk {
 #[test]
 fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other() {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     let (kept, gone) = (RegId(1), RegId(2));
     ep.add_registered(kept, key(kept), (DST, 2 * CHUNK), ArenaId(0));
     ep.add_registered(gone, key(gone), (DST + 2 * CHUNK, CHUNK), ArenaId(0));
@@ -643,7 +646,7 @@ fn pull(xfer: u64, first: u32, chunks: std::ops::Range<u64>, total: u32) -> Msg 
 #[test]
 fn a_read_split_in_pulls_is_served_from_its_first_pull_and_kept_until_its_last() {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     ep.add_registered(D, key(D), (DST, 8 * CHUNK), ArenaId(0));
     let (xfer, peer) = (9, PeerId(5));
     ep.handle_msg(now, peer, pull(xfer, 0, 0..1, 3)).unwrap();
@@ -693,7 +696,7 @@ fn a_read_split_in_pulls_is_served_from_its_first_pull_and_kept_until_its_last()
 #[test]
 fn a_read_flow_waiting_for_pulls_that_never_come_is_reclaimed() {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(false), now).unwrap();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
     ep.add_registered(D, key(D), (DST, 8 * CHUNK), ArenaId(0));
     let peer = PeerId(5);
     ep.handle_msg(now, peer, pull(9, 0, 0..1, 2)).unwrap();

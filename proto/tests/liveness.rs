@@ -70,14 +70,14 @@ impl Pair {
         cfg.validate().unwrap();
         assert_eq!(cfg.request_timeout, Duration::from_secs(30), "the manifest default");
         let start = Instant::now();
-        let mut eps = [Endpoint::new(&cfg, start).unwrap(), Endpoint::new(&cfg, start).unwrap()];
+        let mut eps =
+            [Endpoint::new(&cfg, start, [0xfe; 32]).unwrap(), Endpoint::new(&cfg, start, [0xff; 32]).unwrap()];
         let mut ids = [PeerId(0); 2];
         for (me, ep) in eps.iter_mut().enumerate() {
             let other = NAMES[1 - me];
             // The other node's connection info carries its session (node n sends n + 1).
             ep.peers_mut().load_conn_info(other, Some(caps(2 - me as u64)), None);
             ids[me] = ep.peers_mut().id(other);
-            ep.set_probe_key([0xfe + me as u8; 32]);
             ep.add_registered(RegId(0), KEY, (DST, 1 << 20), ArenaId(0));
         }
         Self {
@@ -295,7 +295,8 @@ fn with_probing_off_a_dead_receiver_is_found_only_by_the_request_timeout() {
         peer_dead_after: Duration::ZERO,
         ..Config::default()
     };
-    p.eps[0] = Endpoint::new(&cfg, p.start).unwrap();
+    // A restarted process draws a new key.
+    p.eps[0] = Endpoint::new(&cfg, p.start, [0xfd; 32]).unwrap();
     p.eps[0].peers_mut().load_conn_info("b", None, None);
     p.ids[0] = p.eps[0].peers_mut().id("b");
     p.submit(64);

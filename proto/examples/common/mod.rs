@@ -21,7 +21,7 @@ pub(crate) fn key(i: usize) -> RegKey {
 
 /// Endpoint `i` of two that loaded each other and exchanged HELLO; all its memory registered.
 pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
-    let mut ep = Endpoint::new(config, now).expect("endpoint");
+    let mut ep = Endpoint::new(config, now, [i as u8 ^ 0x3c; 32]).expect("endpoint");
     ep.set_local_endpoint(format!("node-{i}").into_bytes());
     ep.add_registered(RegId(0), key(i), (MEM_BASE, 1 << 40), bounce_proto::ArenaId(0));
     for j in 0..2 {

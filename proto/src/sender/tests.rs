@@ -46,7 +46,7 @@ fn feed(ep: &mut Endpoint, now: Instant, msg: Msg) -> Vec<Action> {
 fn a_chunks_plan_follows_its_write_when_its_credit_comes_and_a_replan_sends_the_runs_with_the_data() {
     let now = Instant::now();
     let cfg = Config { plan_ahead_runs: 1, ..config(64 * KIB, 2, true) };
-    let mut ep = Endpoint::new(&cfg, now).unwrap();
+    let mut ep = Endpoint::new(&cfg, now, PROBE_KEY).unwrap();
     let t = now;
     let plan = direct_plan_of(3);
     let runs = |i: usize| plan.chunks[i].scatter.clone();

@@ -313,7 +313,7 @@ impl Sim {
         let nodes = (0..n)
             .map(|i| {
                 let config = &configs[i];
-                let mut ep = Endpoint::new(config, start).unwrap();
+                let mut ep = Endpoint::new(config, start, [i as u8 ^ 0x3c; 32]).unwrap();
                 for k in 1..knobs.arenas {
                     let id = ep
                         .add_arena(config.arena_usable_capacity(), config.arena_granularity, config.max_chunk_size)

@@ -323,7 +323,12 @@ impl Reactor {
     /// When the core rejects the configuration or the thread cannot be started.
     pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
         let Parts { session, endpoint, arenas: parts, one_way: area, data, control, control_budget } = parts;
-        let mut ep = Endpoint::new(config, Instant::now())?;
+        // The PING nonces must be unpredictable to others (a forged PONG would keep a dead peer
+        // alive, confirm a forged HELLO or a forged farewell): a random key per engine.
+        let mut probe_key = [0u8; 32];
+        crate::shell::drbg::fill(&mut probe_key)
+            .map_err(|error| Error::Random { what: "the PING nonces' key", error })?;
+        let mut ep = Endpoint::new(config, Instant::now(), probe_key)?;
         ep.set_local_endpoint(endpoint);
         let (mut arenas, mut copiers) = (Vec::with_capacity(parts.len()), Vec::with_capacity(parts.len()));
         for (i, part) in parts.into_iter().enumerate() {
@@ -354,12 +359,6 @@ impl Reactor {
         // A mailbox only where we have one to write records into.
         ep.keep_mailbox(area.is_some());
         let one_way = ep.one_way_layout();
-        // The PING nonces must be unpredictable to others (a forged PONG would keep a dead peer
-        // alive, confirm a forged HELLO or a forged farewell): a random key per engine.
-        let mut probe_key = [0u8; 32];
-        crate::shell::drbg::fill(&mut probe_key)
-            .map_err(|error| Error::Random { what: "the PING nonces' key", error })?;
-        ep.set_probe_key(probe_key);
         let _ = shared.forget_key.set(bounce_proto::forget::key(&probe_key));
         let stop = Arc::new(AtomicBool::new(false));
         // With a socket to wait on, an idle reactor thread sleeps on it (and on the wakers'

@@ -72,8 +72,7 @@ fn only_the_secret_of_the_confirming_pong_undoes_a_hello_and_our_transfers_fail_
 #[test]
 fn our_pongs_carry_the_secret_our_forget_proves_one_per_load() {
     let (mut ep, t) = endpoint(32 * KIB, 2, false);
-    let key = [7u8; 32];
-    ep.set_probe_key(key);
+    let key = PROBE_KEY;
     let secret_of = |ep: &mut Endpoint, id: PeerId| {
         ep.handle_ping(t, id, 42);
         match &drain(ep)[..] {

@@ -49,10 +49,13 @@ pub(crate) fn config(arena: u64, w: u32, eager: bool) -> Config {
     c
 }
 
+/// The secret PING nonces derive from (the shell draws one at random per engine).
+pub(crate) const PROBE_KEY: [u8; 32] = [0x5b; 32];
+
 /// An endpoint of `config(arena, w, eager)` with `[DST, DST + 64 KiB)` registered as `REG`.
 pub(crate) fn endpoint(arena: u64, w: u32, eager: bool) -> (Endpoint, Instant) {
     let now = Instant::now();
-    let mut ep = Endpoint::new(&config(arena, w, eager), now).unwrap();
+    let mut ep = Endpoint::new(&config(arena, w, eager), now, PROBE_KEY).unwrap();
     ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
     (ep, now)
 }
@@ -181,7 +184,7 @@ pub(crate) fn check(ep: &Endpoint) {
 #[test]
 fn new_rejects_an_invalid_config() {
     let bad = Config { max_inflight_chunks: 0, ..Config::default() };
-    assert!(matches!(Endpoint::new(&bad, Instant::now()), Err(EndpointError::Config(_))));
+    assert!(matches!(Endpoint::new(&bad, Instant::now(), PROBE_KEY), Err(EndpointError::Config(_))));
 }
 
 fn frame(session: u64, msg: Msg) -> Vec<u8> {
@@ -580,7 +583,7 @@ impl Pair {
     /// Two endpoints of configs `a` and `b`.
     fn of(a: &Config, b: &Config) -> Self {
         let now = Instant::now();
-        let (a, b) = (Endpoint::new(a, now).unwrap(), Endpoint::new(b, now).unwrap());
+        let (a, b) = (Endpoint::new(a, now, PROBE_KEY).unwrap(), Endpoint::new(b, now, PROBE_KEY).unwrap());
         // One buffer for all the core's offsets: the scheduler's part, the mailbox and the
         // fetch area.
         let len = |ep: &Endpoint| vec![0; ep.one_way_layout().arena_len as usize];

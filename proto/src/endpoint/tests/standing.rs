@@ -10,7 +10,7 @@ use crate::wire::Standing;
 fn standing_endpoint(arena: u64, eager: bool) -> (Endpoint, Instant) {
     let now = Instant::now();
     let cfg = Config { standing_bytes: CHUNK, ..config(arena, 2, eager) };
-    let mut ep = Endpoint::new(&cfg, now).unwrap();
+    let mut ep = Endpoint::new(&cfg, now, PROBE_KEY).unwrap();
     ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
     (ep, now)
 }
