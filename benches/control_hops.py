@@ -30,7 +30,8 @@ what one control round trip of the bounce path costs against the notification ro
 Then the two round trips as the initiator's engine timed them (`stats.grant_wait_ns` and
 `stats.ack_wait_ns` over their counts): WANT -> GRANT and DATA -> ACK (the target's scatter of
 the chunk in it), each the median over blocks of the block's mean, beside the notification
-round trip's p50. A WRITE small enough to ride in its WANT (`bounce_inline_bytes`, 16 KiB by
+round trip taken the same way (the median over blocks of the block's mean; before session 46
+its p50, against which a mean's tail read as 10-20% more). A WRITE small enough to ride in its WANT (`bounce_inline_bytes`, 16 KiB by
 default: 256 x 64 B does) has one round trip instead, WANT -> ACK (`stats.inline_ack_wait_ns`);
 run with NIXL_BOUNCE_INLINE_BYTES=0 to measure the two-round-trip exchange. A larger WRITE
 (`--size 4096`: 1 MiB, one chunk) writes its chunk into the standing credit its initiator keeps
@@ -357,14 +358,23 @@ def main():
         hop = (med[("WRITE scattered", "BOUNCE")] - floor) / 2 + rtt
         print(f"  one bounce control round trip ~ {hop*1e6:.1f}us against the notification round trip "
               f"{rtt*1e6:.1f}us ({hop / rtt:.2f}x; includes a share of the gather and scatter)")
-    frame_rtt = med.get(("notif RT, frame-sized", "UCX"))
+    # The engine times its hops as a sum per block (a mean), so the notifications they are
+    # compared with are taken the same way: each block's mean, the median over blocks. Set
+    # against a median of single samples, a mean carries the tail (a 2-core block with one
+    # 100 us sample) and made the hops look 10-20% slower than they are.
+    def block_means(xs):
+        return statistics.median(statistics.fmean(xs[i:i + args.block]) for i in range(0, len(xs), args.block))
+
+    frame_xs, rtt_xs = samples.get(("notif RT, frame-sized", "UCX")), samples.get(("notif round trip", "UCX"))
+    frame_rtt = block_means(frame_xs) if frame_xs else None
+    rtt = block_means(rtt_xs) if rtt_xs else None
     if frame_rtt:
         for name in ("WRITE scattered", "WRITE scattered, idle tgt"):
             xs = hops.get((name, "inline_ack_wait"))
             if xs:
                 m = statistics.median(xs)
                 print(f"  WANT -> ACK, inline ({name}) against the round trip of a notification of its "
-                      f"WANT's size: {m / frame_rtt:.2f}x")
+                      f"WANT's size: {m / frame_rtt:.2f}x (means per block, median over blocks)")
     if rtt:
         for name in ("WRITE scattered", "WRITE scattered, idle tgt"):
             for k, label in (("grant_wait", "WANT -> GRANT"), ("ack_wait", "DATA -> ACK"),
@@ -373,7 +383,7 @@ def main():
                 if xs:
                     m = statistics.median(xs)
                     print(f"  {label:19s} timed by the engine ({name}): {m*1e6:6.1f}us, "
-                          f"{m / rtt:.2f}x the notification round trip")
+                          f"{m / rtt:.2f}x the notification round trip ({rtt*1e6:.1f}us; means per block)")
     print(f"  bounced: {ok} of {bounced} BOUNCE scattered WRITEs took the bounce path; "
           f"{sides['BOUNCE'].standing_claims() - claims_before} wrote their first chunk into a standing "
           f"credit (no WANT -> GRANT)")
