@@ -30,8 +30,8 @@ what one control round trip of the bounce path costs against the notification ro
 Then the two round trips as the initiator's engine timed them (`stats.grant_wait_ns` and
 `stats.ack_wait_ns` over their counts): WANT -> GRANT and DATA -> ACK (the target's scatter of
 the chunk in it), each the median over blocks of the block's mean, beside the notification
-round trip taken the same way (the median over blocks of the block's mean; before session 46
-its p50, against which a mean's tail read as 10-20% more). A WRITE small enough to ride in its WANT (`bounce_inline_bytes`, 16 KiB by
+round trip taken the same way (before session 46 its p50, against which a mean's tail read as
+up to 20% more). A WRITE small enough to ride in its WANT (`bounce_inline_bytes`, 16 KiB by
 default: 256 x 64 B does) has one round trip instead, WANT -> ACK (`stats.inline_ack_wait_ns`);
 run with NIXL_BOUNCE_INLINE_BYTES=0 to measure the two-round-trip exchange. A larger WRITE
 (`--size 4096`: 1 MiB, one chunk) writes its chunk into the standing credit its initiator keeps
@@ -361,7 +361,7 @@ def main():
     # The engine times its hops as a sum per block (a mean), so the notifications they are
     # compared with are taken the same way: each block's mean, the median over blocks. Set
     # against a median of single samples, a mean carries the tail (a 2-core block with one
-    # 100 us sample) and made the hops look 10-20% slower than they are.
+    # 100 us sample) and made the hops look up to 20% slower than they are.
     def block_means(xs):
         return statistics.median(statistics.fmean(xs[i:i + args.block]) for i in range(0, len(xs), args.block))
 
