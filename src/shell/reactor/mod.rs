@@ -556,6 +556,7 @@ impl Driver {
         // them, and those frames may depend on one -- a WANT proving a registration made just
         // before its metadata went out, a frame of a peer's new incarnation after the reload
         // that reclaims the old one.
+        let commanded = !cmds.is_empty();
         for cmd in cmds.drain(..) {
             moved |= cmd.stirs();
             self.handle_cmd(now, cmd);
@@ -563,8 +564,11 @@ impl Driver {
         // A transfer just submitted opens with a message the target acts on (a READ's PULL, a
         // WRITE's WANT) and its first gathers: they go now, not after the fetches and writes
         // polled below. A one-way READ's first mailbox fetch was posted before its PULL went
-        // out, though it cannot find an answer to a PULL not yet sent.
-        moved |= self.drain_actions();
+        // out, though it cannot find an answer to a PULL not yet sent. (Only after commands:
+        // an application's status poll runs a pass each call, and the pass drains at its end.)
+        if commanded {
+            moved |= self.drain_actions();
+        }
         for (peer, frame) in frames.drain(..) {
             moved = true;
             self.on_control(now, &peer, &frame);
