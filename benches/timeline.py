@@ -3,13 +3,20 @@
 BOUNCE marks each step of a transfer with a TRACE event of target `bounce_timeline` (a
 submit, each control frame sent and handled, each copy queued, started and finished on its
 worker, each write posted and done, each READ, each completion, each idle park of the
-reactor and each application `getNotifs`), with its process and thread. Both processes of a benchmark write them to stderr;
-this script puts them on one clock and splits them into the initiator's transfers:
+reactor and each application `getNotifs`), with its process and thread. Both processes of a
+benchmark write them to stderr, or, much cheaper (about 0.1 us a mark against microseconds for
+a line to stderr), to the flight recorder's files in a directory; this script puts them on one
+clock and splits them into the initiator's transfers:
+
+    NIXL_BOUNCE_MARKS=/tmp/marks .venv/bin/python benches/kv_patterns.py --rounds 3 \\
+        --only pull-two-way --variants "BOUNCE bounced,UCX"
+    python3 benches/timeline.py /tmp/marks [--dump] [--all]
 
     BENCH_VERBOSE=1 NIXL_BOUNCE_LOG=bounce_timeline=trace \\
-        .venv/bin/python benches/kv_patterns.py --rounds 3 --only pull-two-way \\
-        --variants "BOUNCE bounced,UCX" 2> timeline.log
-    python3 benches/timeline.py timeline.log [--dump] [--all]
+        .venv/bin/python benches/kv_patterns.py ... 2> timeline.log
+    python3 benches/timeline.py timeline.log
+
+The recorder's writer appends every 100 ms: empty the directory between runs.
 
 Prints, per transfer (microseconds after its submit): when the target handled the first
 PULL or WANT, its first gather started and ended on a worker, the first READY/GRANT was sent
@@ -24,6 +31,7 @@ of two processes of one host agree; across hosts they do not.
 """
 
 import argparse
+import os
 import re
 import statistics
 from collections import Counter
@@ -44,14 +52,28 @@ COLUMNS = [  # (column, event, side)
 ]
 
 
-def events(path):
+def events(paths):
+    """Every mark of the logs at `paths`: stderr logs (an ISO time per line) or the flight
+    recorder's files (`NIXL_BOUNCE_MARKS=DIR`: `@NS` per line, nanoseconds since the epoch);
+    a directory stands for its `marks.*.log` files."""
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += sorted(os.path.join(p, f) for f in os.listdir(p) if f.startswith("marks."))
+        else:
+            files.append(p)
     out = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            m = LINE.match(line)
-            if m:
-                us = datetime.fromisoformat(m[1].replace("Z", "+00:00")).timestamp() * 1e6
-                out.append((int(us), int(m[3]), m[2], int(m[5]), m[4]))
+    for path in files:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = LINE.match(line)
+                if not m:
+                    continue
+                if m[1].startswith("@"):
+                    us = int(m[1][1:]) // 1000
+                else:
+                    us = int(datetime.fromisoformat(m[1].replace("Z", "+00:00")).timestamp() * 1e6)
+                out.append((us, int(m[3]), m[2], int(m[5]), m[4]))
     return sorted(out)
 
 
@@ -121,7 +143,7 @@ def print_hops(initiator, xfers):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("log")
+    ap.add_argument("log", nargs="+", help="stderr logs, flight-recorder files, or their directory")
     ap.add_argument("--hops", action="store_true",
                     help="the control exchange step by step (medians, gaps, threads) instead of the table")
     ap.add_argument("--dump", action="store_true", help="every event around each first transfer")

@@ -304,6 +304,7 @@ impl Mailroom {
 
     /// Queues a control frame for the reactor, or drops it and counts it.
     fn queue_control(&self, agent: Vec<u8>, msg: Vec<u8>) {
+        crate::shell::mark!("queued", msg.len());
         // Longer than any legal frame, or from a name longer than any we take: no decoder
         // would accept it, so it is not kept.
         let accepted = self.accepts_control.load(Ordering::Acquire)

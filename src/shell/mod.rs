@@ -5,22 +5,31 @@
 //! writes go). It never imports `ffi`; `sys` never imports it.
 
 /// One point of a transfer's timeline: a TRACE event of target `bounce_timeline`, off unless
-/// `NIXL_BOUNCE_LOG` names it (`NIXL_BOUNCE_LOG=bounce_timeline=trace`). Each carries the
-/// process and thread, so the lines of two processes interleave into one timeline
-/// (`benches/timeline.py`). Cheaper than span timings (`NIXL_BOUNCE_LOG_SPANS`), which close
-/// a span at every reactor pass and slowed a 2-core KV request several-fold; these slowed it
-/// by a fifth to a half (a line to stderr per step). Nothing is evaluated while the target is
-/// off.
+/// `NIXL_BOUNCE_LOG` names it (`NIXL_BOUNCE_LOG=bounce_timeline=trace`), or, with
+/// `NIXL_BOUNCE_MARKS=DIR`, an entry of the flight recorder ([`marks`]), which costs about
+/// 0.1 us where a line to stderr costs microseconds. Each carries the process and thread, so
+/// the marks of two processes interleave into one timeline (`benches/timeline.py`). Cheaper
+/// than span timings (`NIXL_BOUNCE_LOG_SPANS`), which close a span at every reactor pass and
+/// slowed a 2-core KV request several-fold; the stderr lines slowed it by a fifth to a half.
+/// Nothing is evaluated while both are off. `mark!((prefix, kind), id)` names a frame or
+/// record kind after a prefix (`"recv-"`, `"WANT"`) without formatting.
 macro_rules! mark {
+    (($what:expr, $kind:expr), $id:expr) => {
+        match crate::shell::marks::recorder() {
+            Some(rec) => rec.mark($what, $kind, $id as u64),
+            None => tracing::trace!(
+                target: "bounce_timeline",
+                pid = std::process::id(),
+                thread = %crate::shell::thread_name(),
+                id = $id,
+                "{}{}",
+                $what,
+                $kind
+            ),
+        }
+    };
     ($what:expr, $id:expr) => {
-        tracing::trace!(
-            target: "bounce_timeline",
-            pid = std::process::id(),
-            thread = %crate::shell::thread_name(),
-            id = $id,
-            "{}",
-            $what
-        )
+        crate::shell::mark!(($what, ""), $id)
     };
 }
 pub(crate) use mark;
@@ -43,6 +52,7 @@ mod fence;
 mod ipc;
 mod keys;
 mod mailroom;
+pub(crate) mod marks;
 mod oneway_area;
 mod peers;
 mod reactor;

@@ -34,6 +34,7 @@ impl Driver {
 
     pub(super) fn on_control(&mut self, now: Instant, peer: &str, bytes: &[u8]) {
         let _span = tracing::trace_span!("control", peer, len = bytes.len()).entered();
+        crate::shell::mark!("frame", bytes.len());
         // One decoder for every frame kind: HELLO is a frame like the others (the core's).
         let frame = match wire::ControlFrame::decode(bytes) {
             Ok(f) => f,
@@ -88,7 +89,7 @@ impl Driver {
             }
             wire::Body::Msg(msg) => msg,
         };
-        crate::shell::mark!(format_args!("recv-{}", msg.kind_name()), bytes.len());
+        crate::shell::mark!(("recv-", msg.kind_name()), bytes.len());
         // The session must be the one of the peer's loaded metadata; a new one arrives only
         // through a metadata reload (`Engine::load_conn_info`), never through a frame.
         // One way: an initiator we never loaded, or another incarnation of one we did (it
@@ -190,12 +191,14 @@ impl Driver {
 
     pub(super) fn send(&mut self, peer: PeerId, msg: Msg) {
         let Some(name) = self.shared.peers.name(peer) else { return };
-        crate::shell::mark!(format_args!("send-{}", msg.kind_name()), peer.0);
+        crate::shell::mark!(("send-", msg.kind_name()), peer.0);
         let bytes = Frame { session: self.session, msg }.to_vec();
         let _span = tracing::trace_span!("send", peer = name, len = bytes.len()).entered();
+        crate::shell::mark!("encoded", bytes.len());
         if let Err(e) = self.send_control(&name, &bytes) {
             self.send_failed(peer, &name, &e);
         }
+        crate::shell::mark!("sent", bytes.len());
     }
 
     /// Sends `bytes` to `name` on the control channel, counted (`stats.control_sent`,

@@ -828,7 +828,7 @@ impl Driver {
                         // Marked before the put, as a frame is before its send: once written,
                         // the record may be fetched and handled by the initiator before a mark
                         // taken after it (seen on 2 cores: handled 66 us "before" the put).
-                        crate::shell::mark!(format_args!("put-{}", Record::kind_name(&bytes)), offset);
+                        crate::shell::mark!(("put-", Record::kind_name(&bytes)), offset);
                         // Only an engine with a one-way area keeps a mailbox; the core places
                         // records inside it. A record not written is an answer the initiator
                         // never reads: its transfer times out.
