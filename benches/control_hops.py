@@ -8,10 +8,14 @@ A bounced WRITE of `--descs` scattered pieces of `--size` bytes costs two contro
 few KiB. Its floor on UCX is what the same messages cost there: one write of that many bytes plus
 two notification round trips. Measured, per block:
   - notif round trip: send_notif, then get_new_notifs polled until the echo's pong arrives;
-  - the same with a notification as large as the bounced WRITE's control frames (the mean of
-    what the initiator's engine sent during its warm-up block, `stats.control_sent_bytes` over
-    `stats.control_sent`): for a WRITE that rides inline, its WANT, whose bytes and runs make it
-    several KiB (16.7 KB for 256 x 64 B), so this is the floor of its one round trip;
+  - the same with a notification as large as the bounced WRITE's control frames (the median
+    over the warm-up block's WRITEs of each one's `stats.control_sent_bytes` over its
+    `stats.control_sent`): for a WRITE that rides inline, its WANT exactly, whose bytes and runs
+    make it several KiB (16,705 B for 256 x 64 B), so this is the floor of its one round trip.
+    Until session 47 this was the mean over the whole block, which took in the odd liveness
+    PING (15,922 B): below the size where UCX's send of a notification grows by 3.5 us at once
+    (message and agent name past about 16,479 B, 2 cores), so the WANT was set against a
+    cheaper notification than itself;
   - UCX floor: a 1-descriptor UCX WRITE of descs x size bytes (post, check until DONE), then two
     notification round trips, timed as one sample;
   - WRITE descs x size: the scattered WRITE on each backend (post, check until DONE); on BOUNCE it
@@ -283,14 +287,18 @@ def main():
             # Both writes, a block's worth, while the target polls: UCX's first puts to a peer need
             # the target's progress (measured: with only one before them, a UCX WRITE to the idle
             # target stayed IN_PROG).
-            sent0 = s.control_sent() if s.backend == "BOUNCE" else None
+            per_write = []
             for _ in range(args.block):
+                sent0 = s.control_sent() if s.backend == "BOUNCE" else None
                 s.write_scattered()
+                if sent0:
+                    n, nbytes = (a - b for a, b in zip(s.control_sent(), sent0))
+                    if n:
+                        per_write.append(nbytes // n)
                 s.floor()
-            if sent0:
-                n, nbytes = (a - b for a, b in zip(s.control_sent(), sent0))
-                frame_bytes = nbytes // n if n else 0
-        # A notification of the bounced WRITE's mean control frame (b"ping" and zeros), on both.
+            if per_write:
+                frame_bytes = int(statistics.median(per_write))
+        # A notification of the bounced WRITE's control frame (b"ping" and zeros), on both.
         for s in sides.values():
             s.frame_ping = b"ping" + bytes(max(frame_bytes - 4, 0))
         samples = {(name, b): [] for name, _, backends, _, _ in OPS for b in backends}
@@ -337,7 +345,7 @@ def main():
         nixlkit.leave(1)
     print(f"control hops, two processes, DRAM, no progress thread, {os.cpu_count()} cores, "
           f"{args.blocks} interleaved blocks of {args.block}, WRITE of {args.descs} x {args.size} B; "
-          f"its initiator's control frames {frame_bytes} B on average")
+          f"its initiator's control frames {frame_bytes} B (median per WRITE)")
     print(f"  {'measurement':27s} {'UCX p50':>9s} {'UCX p99':>9s} {'BOUNCE p50':>11s} {'BOUNCE p99':>11s} "
           f"{'p50 ratio':>10s}")
     med = {}
