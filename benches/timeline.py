@@ -16,7 +16,7 @@ clock and splits them into the initiator's transfers:
         .venv/bin/python benches/kv_patterns.py ... 2> timeline.log
     python3 benches/timeline.py timeline.log
 
-The recorder's writer appends every 100 ms: empty the directory between runs.
+The recorder's writer appends every 20 ms: empty the directory between runs.
 
 Prints, per transfer (microseconds after its submit): when the target handled the first
 PULL or WANT, its first gather started and ended on a worker, the first READY/GRANT was sent

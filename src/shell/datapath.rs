@@ -81,7 +81,7 @@ impl ShimPath {
 
 impl DataPath for ShimPath {
     fn write(&mut self, peer: &str, local: WriteSide, remote: WriteSide, len: u64) -> Result<Posted, NixlStatus> {
-        match self.shim.write(peer, local, remote, len)? {
+        match crate::shell::marks::timed("slow-write-post", || self.shim.write(peer, local, remote, len))? {
             WritePosted::Done => Ok(Posted::Done),
             WritePosted::InFlight(h) => {
                 self.next += 1;
@@ -92,7 +92,7 @@ impl DataPath for ShimPath {
     }
 
     fn read(&mut self, peer: &str, local: WriteSide, remote: WriteSide, len: u64) -> Result<Posted, NixlStatus> {
-        match self.shim.read(peer, local, remote, len)? {
+        match crate::shell::marks::timed("slow-read-post", || self.shim.read(peer, local, remote, len))? {
             WritePosted::Done => Ok(Posted::Done),
             WritePosted::InFlight(h) => {
                 self.next += 1;
@@ -103,7 +103,9 @@ impl DataPath for ShimPath {
     }
 
     fn check(&mut self, w: &WriteId) -> WriteState {
-        self.writes.get(&w.0).map_or(WriteState::Failed(NixlStatus::ErrNotFound), |h| self.shim.check(h))
+        self.writes.get(&w.0).map_or(WriteState::Failed(NixlStatus::ErrNotFound), |h| {
+            crate::shell::marks::timed("slow-check", || self.shim.check(h))
+        })
     }
 
     fn release(&mut self, w: WriteId) {

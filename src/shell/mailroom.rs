@@ -152,7 +152,7 @@ impl Mailroom {
     pub(crate) fn pull_and_take(&self, shim: &Shim) -> Result<Vec<Notif>, NixlStatus> {
         self.note_app_pull();
         let mut app = self.app.lock();
-        self.pull_into(&mut app, |got| shim.poll_notifs(got))?;
+        self.pull_into(&mut app, |got| crate::shell::marks::timed("slow-app-pull", || shim.poll_notifs(got)))?;
         Ok(self.drain(&mut app))
     }
 
@@ -246,7 +246,7 @@ impl Mailroom {
     /// # Errors
     /// The inner engine's `getNotifs` status when it failed (nothing was pulled).
     pub(crate) fn try_pull(&self, shim: &Shim) -> Result<bool, NixlStatus> {
-        self.try_pull_with(|got| shim.try_poll_notifs(got))
+        self.try_pull_with(|got| crate::shell::marks::timed("slow-pull", || shim.try_poll_notifs(got)))
     }
 
     /// [`Self::try_pull`] over any source of notifications (the tests' stand-in for the shim),

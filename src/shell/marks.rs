@@ -2,7 +2,7 @@
 //! clock read and a push under an uncontended lock (about 0.1 us), where the `tracing` line to
 //! stderr it otherwise becomes costs a formatted write and a syscall (several microseconds,
 //! which slowed a traced 2-core control hop 3-4x: issue 12). A writer thread moves the marks
-//! to `DIR/marks.PID.log` every [`FLUSH_EVERY`], in the line format `benches/timeline.py`
+//! to `DIR/marks.PID.log` every [`FLUSH_EVERY`] (a lock and an empty swap when nothing came), in the line format `benches/timeline.py`
 //! reads, so the marks survive a process that leaves with `_exit` (as the benchmarks do) up
 //! to the last interval.
 //!
@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 /// How often the writer thread moves the recorded marks to their file.
-pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(100);
+pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(20);
 
 /// One mark: when, what (a prefix and a frame or record kind, either may be empty), which
 /// thread, and the id the call site gives (a transfer, job, peer or byte count).
@@ -39,12 +39,17 @@ pub(crate) struct Recorder {
     /// Thread names by the index [`thread_index`] gave each marking thread.
     threads: Mutex<Vec<String>>,
     next_thread: AtomicU32,
+    /// Also mark `faults` (id: how many) when a thread took minor page faults since its
+    /// previous mark (`NIXL_BOUNCE_MARKS_FAULTS=1`; a system call a mark).
+    faults: bool,
 }
 
 static RECORDER: OnceLock<Option<Recorder>> = OnceLock::new();
 
 thread_local! {
     static THREAD: Cell<Option<u32>> = const { Cell::new(None) };
+    /// The thread's minor faults at its previous mark (`NIXL_BOUNCE_MARKS_FAULTS`).
+    static FAULTS: Cell<u64> = const { Cell::new(0) };
     /// The thread's last mark, to keep only the first of a run of equal ones.
     static LAST: Cell<(&'static str, &'static str, u64)> = const { Cell::new(("", "", u64::MAX)) };
 }
@@ -62,11 +67,30 @@ pub(crate) fn recorder() -> Option<&'static Recorder> {
                 entries: Mutex::new(Vec::with_capacity(1 << 16)),
                 threads: Mutex::new(Vec::new()),
                 next_thread: AtomicU32::new(0),
+                faults: std::env::var("NIXL_BOUNCE_MARKS_FAULTS").is_ok_and(|v| v == "1"),
             };
             Some(rec)
         })
         .as_ref()
         .inspect(|rec| rec.start_writer())
+}
+
+/// Least duration of a call into the inner engine that [`timed`] marks.
+pub(crate) const SLOW_CALL: Duration = Duration::from_micros(5);
+
+/// Runs `f`; with the recorder on, marks `what` with the call's microseconds when it took at
+/// least [`SLOW_CALL`]. Around calls into the inner engine, each under its lock: a slow one
+/// tells whether a step waited for that lock (another thread's call slow at the same time) or
+/// for UCX itself.
+pub(crate) fn timed<T>(what: &'static str, f: impl FnOnce() -> T) -> T {
+    let Some(rec) = recorder() else { return f() };
+    let t = std::time::Instant::now();
+    let out = f();
+    let took = t.elapsed();
+    if took >= SLOW_CALL {
+        rec.mark(what, "", took.as_micros() as u64);
+    }
+    out
 }
 
 impl Recorder {
@@ -80,7 +104,15 @@ impl Recorder {
         }
         let ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         let thread = self.thread_index();
-        self.entries.lock().push(Entry { ns, what, kind, id, thread });
+        let faulted = match self.faults.then(crate::sys::thread::minor_faults).flatten() {
+            Some(now) => FAULTS.with(|f| now - f.replace(now).min(now)),
+            None => 0,
+        };
+        let mut entries = self.entries.lock();
+        if faulted > 0 {
+            entries.push(Entry { ns, what: "faults", kind: "", id: faulted, thread });
+        }
+        entries.push(Entry { ns, what, kind, id, thread });
     }
 
     fn thread_index(&self) -> u32 {
@@ -90,6 +122,10 @@ impl Recorder {
                 let i = self.next_thread.fetch_add(1, Ordering::Relaxed);
                 self.threads.lock().push(super::thread_name());
                 t.set(Some(i));
+                // Faults count from the thread's first mark, not from its start.
+                if let Some(n) = self.faults.then(crate::sys::thread::minor_faults).flatten() {
+                    FAULTS.with(|f| f.set(n));
+                }
                 i
             }
         })
@@ -148,6 +184,7 @@ mod tests {
             entries: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
             next_thread: AtomicU32::new(0),
+            faults: false,
         };
         rec.mark("recv-", "WANT", 42);
         rec.mark("recv-", "WANT", 42); // a repeat: not recorded

@@ -12,3 +12,14 @@ pub(crate) fn precise_sleeps() {
         tracing::debug!(error = %std::io::Error::last_os_error(), "could not set the reactor's timer slack");
     }
 }
+
+/// The calling thread's minor page faults so far (`getrusage(RUSAGE_THREAD)`), or `None` when
+/// the kernel refuses. For the flight recorder's fault counts (`shell::marks`).
+pub(crate) fn minor_faults() -> Option<u64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
+    // SAFETY: `usage` is valid for writes of one `rusage`, which the kernel fills on success
+    // (checked before it is read); RUSAGE_THREAD concerns only the calling thread.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) };
+    // SAFETY: rc == 0: the kernel wrote the whole struct.
+    (rc == 0).then(|| u64::try_from(unsafe { usage.assume_init() }.ru_minflt).unwrap_or(0))
+}

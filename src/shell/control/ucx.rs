@@ -23,7 +23,7 @@ impl UcxChannel {
 
 impl ControlChannel for UcxChannel {
     fn send(&mut self, peer: &str, frame: &[u8]) -> Result<(), ControlError> {
-        self.shim.gen_notif(peer, frame).map_err(ControlError::Notif)
+        crate::shell::marks::timed("slow-send", || self.shim.gen_notif(peer, frame)).map_err(ControlError::Notif)
     }
 
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
