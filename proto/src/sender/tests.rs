@@ -565,6 +565,29 @@ fn submit_rejects_plans_the_peer_could_not_accept() {
     assert!(matches!(ep.submit(t, XferId(2), TOKEN, PEER, wraps), Err(SubmitError::BadChunk { .. })));
 }
 
+#[test]
+fn a_plan_posted_again_is_checked_once_and_a_changed_copy_is_checked_anew() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, true);
+    let mut plan = Arc::new(plan_of(1));
+    ep.submit(t, XferId(1), TOKEN, PEER, Arc::clone(&plan)).unwrap();
+    ep.cancel(t, XferId(1));
+    // Posted again, the same shared plan is admitted (from the memo of plans that passed).
+    ep.submit(t, XferId(2), TOKEN, PEER, Arc::clone(&plan)).unwrap();
+    ep.cancel(t, XferId(2));
+    let _ = drain(&mut ep);
+    // Made bad in place once the core let go of it: `make_mut` cuts the memo's `Weak` loose, so
+    // the changed plan is checked and refused, not waved through as the plan that passed.
+    assert_eq!(Arc::strong_count(&plan), 1, "the core keeps no plan of a finished transfer");
+    Arc::make_mut(&mut plan).chunks[0].scatter[0].len = 2 * CHUNK;
+    assert!(matches!(ep.submit(t, XferId(3), TOKEN, PEER, Arc::clone(&plan)), Err(SubmitError::BadChunk { .. })));
+    // A bad copy of a plan that passed is another allocation: checked, refused.
+    let good = Arc::new(plan_of(1));
+    ep.submit(t, XferId(4), TOKEN, PEER, Arc::clone(&good)).unwrap();
+    let mut copy = (*good).clone();
+    copy.chunks[0].scatter[0].len = 2 * CHUNK;
+    assert!(matches!(ep.submit(t, XferId(5), TOKEN, PEER, copy), Err(SubmitError::BadChunk { .. })));
+}
+
 // ---- direct chunks ----
 
 fn user(chunk: u64) -> WriteSource {
