@@ -1218,7 +1218,10 @@ impl Writer<'_> {
     /// it changes, and `count` and both strides only for a strided run. A DATA for 512
     /// scattered 4 KiB pieces shrinks from 22.5 KB (fixed 44-byte runs) to about 3 KB: one UCX
     /// message fragment instead of several, which each need the sender's progress to go out.
-    /// Returns the cursor for the next run.
+    /// Returns the cursor for the next run. Inlined into its loops: called, it passed the
+    /// cursor through memory and encoding took 11.7 ns a run against 4.4 inlined (2 cores; a
+    /// 2048-run PLAN took 40 us to encode on the H100 host, issue 11), slower than decoding.
+    #[inline(always)]
     fn run(&mut self, r: &CopyRun, prev: RunCursor) -> RunCursor {
         let flags = RunCursor::flags(r, prev);
         self.u8(flags);
