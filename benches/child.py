@@ -28,6 +28,18 @@ def run_child(cmd, timeout, env=None):
     return None, f"rc {proc.returncode}:\n{out}\n{(err or '')[-2000:]}"
 
 
+def leave_after(proc, timeout=10):
+    """Waits up to `timeout` s for a target process that was told to leave (killed if it has
+    not), then leaves this process without interpreter teardown (`nixlkit.leave`)."""
+    import nixlkit
+
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    nixlkit.leave(0)
+
+
 def to_ucx(counters):
     """The counters among a BOUNCE engine's (names without the "stats." prefix) that say a
     request went to plain UCX: the gate runs at prep, so any pass-through or fallback counted

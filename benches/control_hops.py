@@ -60,6 +60,8 @@ os.environ.setdefault("NIXL_BOUNCE_CMA", "0")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python"))
+sys.path.insert(0, HERE)
+from child import leave_after  # noqa: E402
 
 BACKENDS = ("UCX", "BOUNCE")
 # The flag file the initiator steers the target with: byte 0 is the backend whose agent the
@@ -399,11 +401,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump({f"{n}|{b}": v for (n, b), v in samples.items()}, f)
     flag[ACTIVE] = len(BACKENDS)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    nixlkit.leave(0)
+    leave_after(proc)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python"))
+sys.path.insert(0, HERE)
+from child import leave_after  # noqa: E402
 
 BACKENDS = ("UCX", "BOUNCE")
 
@@ -116,11 +118,7 @@ def main():
         print(f"  {size:7d}  {med['UCX'][0]:7.1f}us {med['UCX'][1]:6.1f}us  {med['BOUNCE'][0]:9.1f}us "
               f"{med['BOUNCE'][1]:7.1f}us  {med['BOUNCE'][1] / med['UCX'][1]:8.2f}")
     agents["UCX"].send_notif("size-target-UCX", b"bye")
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    nixlkit.leave(0)
+    leave_after(proc)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ COLUMNS = [  # (column, event, side)
 def events(paths):
     """Every mark of the logs at `paths`: stderr logs (an ISO time per line) or the flight
     recorder's files (`NIXL_BOUNCE_MARKS=DIR`: `@NS` per line, nanoseconds since the epoch);
-    a directory stands for its `marks.*.log` files."""
+    a directory stands for its `marks.*.log` files. One path may be given as a string."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
     files = []
     for p in paths:
         if os.path.isdir(p):
