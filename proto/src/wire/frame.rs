@@ -985,6 +985,8 @@ fn write_msg(w: &mut Writer<'_>, msg: &Msg) {
             w.u32(m.total);
             w.blob(&m.endpoint);
             w.len(m.chunks.len());
+            // One allocation for the runs (typically 8-16 bytes each), as `Writer::runs` does.
+            w.reserve(m.chunks.iter().map(|c| c.runs.len() * 16 + 12).sum());
             for c in &m.chunks {
                 w.u64(c.bytes);
                 w.len(c.runs.len());
