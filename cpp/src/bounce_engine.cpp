@@ -60,12 +60,17 @@ struct BounceReqH final : BackendReqH {
     uint64_t xfer = 0;
 };
 
-std::vector<bnc_meta_desc> flatten(const meta_dlist_t &l) {
-    std::vector<bnc_meta_desc> v;
+// Flattens `l` into `v` (emptied first). prepXfer flattens into lists kept per thread: fresh
+// ones were new memory at every prep (256 KiB for 8192 descriptors), and their page faults a
+// visible part of a prep that vLLM's connector makes for every request (issue 13).
+void flatten(const meta_dlist_t &l, std::vector<bnc_meta_desc> &v) {
+    v.clear();
     v.reserve(l.descs.size());
     for (const auto &d : l.descs) v.push_back(bnc_meta_desc{d.addr, d.len, d.devId, d.metadataP});
-    return v;
 }
+
+// Lists larger than this many descriptors are not kept after a prep.
+constexpr size_t KEPT_FLAT_DESCS = size_t(1) << 16;
 
 // Every status-returning override runs its body through this: no C++ exception (an allocation
 // failure, a std::string throw) may propagate into NIXL's core, which does not expect one.
@@ -150,10 +155,14 @@ public:
         return guarded([&]() -> nixl_status_t {
             uint64_t xfer = 0;
             {
-                const auto l = flatten(local), r = flatten(remote);
+                thread_local std::vector<bnc_meta_desc> l, r;
+                flatten(local, l);
+                flatten(remote, r);
                 auto st = static_cast<nixl_status_t>(
                     bnc_xfer_prep(rust_, op, l.data(), l.size(), local.type, r.data(), r.size(),
                                   remote.type, view(agent), &xfer));
+                for (auto *v : {&l, &r})
+                    if (v->capacity() > KEPT_FLAT_DESCS) std::vector<bnc_meta_desc>().swap(*v);
                 if (st != NIXL_SUCCESS) return st;
             }
             auto *h = new (std::nothrow) BounceReqH();

@@ -695,15 +695,34 @@ pub struct BncMetaDesc {
     md: *const c_void,
 }
 
+// `descs` reads NIXL's descriptors as `DescView`s in place: the two must be laid out alike.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<BncMetaDesc>() == size_of::<DescView>());
+    assert!(align_of::<BncMetaDesc>() == align_of::<DescView>());
+    assert!(offset_of!(BncMetaDesc, addr) == offset_of!(DescView, addr));
+    assert!(offset_of!(BncMetaDesc, len) == offset_of!(DescView, len));
+    assert!(offset_of!(BncMetaDesc, dev) == offset_of!(DescView, dev));
+    assert!(offset_of!(BncMetaDesc, md) == offset_of!(DescView, md));
+    assert!(size_of::<*const c_void>() == size_of::<Md>());
+};
+
+/// The shim's descriptor list, read in place: a copy of each list (8192 descriptors, 256 KiB)
+/// was fresh memory at every prep, and its page faults were a tenth of a prep's time (issue 13,
+/// vLLM's connector preps every request).
+///
 /// # Safety
-/// `p` is null with `n == 0`, or points at `n` live descriptors for the call.
-unsafe fn descs(p: *const BncMetaDesc, n: usize) -> Vec<DescView> {
+/// `p` is null with `n == 0`, or points at `n` live descriptors that stay unchanged for `'a`.
+unsafe fn descs<'a>(p: *const BncMetaDesc, n: usize) -> &'a [DescView] {
     if p.is_null() || n == 0 {
-        return Vec::new();
+        return &[];
     }
-    // SAFETY: caller contract.
-    let raw = unsafe { std::slice::from_raw_parts(p, n) };
-    raw.iter().map(|d| DescView { addr: d.addr, len: d.len, dev: d.dev, md: Md(d.md as usize) }).collect()
+    // SAFETY: the caller's `n` descriptors live for 'a. `DescView` is `repr(C)` with the same
+    // size, alignment and field offsets as `BncMetaDesc` (asserted above at compile time); its
+    // fields are integers (`Md` is a transparent `usize`, the width of the pointer it takes the
+    // place of), for which every bit pattern is valid, and the pointer is only ever handed back
+    // to the shim as the integer it was.
+    unsafe { std::slice::from_raw_parts(p.cast::<DescView>(), n) }
 }
 
 /// Routing decision for a request: `*xfer` = our handle (bounce) or 0 (delegate to UCX).
@@ -738,7 +757,7 @@ pub unsafe extern "C" fn bnc_xfer_prep(
         let (l, r) = unsafe { (descs(local, n_local), descs(remote, n_remote)) };
         let (op, local_mem, remote_mem) =
             (XferOp::from_code(op), MemSeg::from_code(local_mem), MemSeg::from_code(remote_mem));
-        if let Some(h) = e.prep(op, &l, local_mem, &r, remote_mem, agent) {
+        if let Some(h) = e.prep(op, l, local_mem, r, remote_mem, agent) {
             // SAFETY: checked non-null above.
             unsafe { *xfer = h };
         }

@@ -91,8 +91,10 @@ pub(crate) struct InnerInit {
 /// so we raise it.
 const MIN_INNER_PTHR_DELAY_US: u64 = 1_000;
 
-/// A descriptor as NIXL hands it to a backend (`bnc_meta_desc`).
+/// A descriptor as NIXL hands it to a backend (`bnc_meta_desc`). Laid out as the FFI's
+/// descriptor, so a prep reads NIXL's list in place (`ffi::abi`'s `descs`).
 #[derive(Debug, Clone, Copy)]
+#[repr(C)]
 pub(crate) struct DescView {
     /// Address.
     pub(crate) addr: u64,
@@ -165,6 +167,8 @@ pub(crate) struct Engine {
     gpu_config: Option<Config>,
     /// When `getNotifs` last found nothing (busy-poll detection, see [`Engine::take_notifs`]).
     last_empty_notifs: Mutex<Option<Instant>>,
+    /// The lists a prep works in, kept for the next one (see [`prep::PrepScratch`]).
+    prep_scratch: Mutex<prep::PrepScratch>,
     /// The same-host paths for GPU memory (`bounce_cuda_ipc`): one per GPU whose memory this
     /// engine registers, whatever its arena.
     ipc: Option<IpcPaths>,
@@ -283,6 +287,7 @@ impl Engine {
             gpus,
             gpu_config,
             last_empty_notifs: Mutex::new(None),
+            prep_scratch: Mutex::default(),
             ipc,
             cma,
             mapped_limits,

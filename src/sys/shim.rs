@@ -103,6 +103,7 @@ pub(crate) struct Notif {
 /// An inner-engine metadata handle (`nixlBackendMD*`), opaque to Rust: only a key and a value
 /// handed back to the shim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(transparent)]
 pub(crate) struct Md(pub(crate) usize);
 
 /// A map keyed by inner metadata handles. Fx hashing, not std's SipHash: the keys are this

@@ -38,6 +38,31 @@ impl MappedLimits {
     }
 }
 
+/// The lists a prep builds and drops (both sides' descriptors for the gate, the planner's pairs
+/// and segments), kept for the next prep. Built fresh, each was new memory at every prep (the
+/// allocator gives large freed blocks back to the kernel), and a prep of 8192 descriptors, as
+/// vLLM's connector makes for each request, spent 0.43 of its 0.96 ms in page faults on 2
+/// cores (issue 13; BENCHMARKS.md "Session 47").
+#[derive(Debug, Default)]
+pub(crate) struct PrepScratch {
+    l: Vec<gate::Desc>,
+    r: Vec<gate::Desc>,
+    pairs: Vec<DescPair>,
+    segs: Vec<u32>,
+}
+
+impl PrepScratch {
+    /// Largest lists kept (descriptors): a larger prep's are dropped after it, so one huge
+    /// request does not hold its memory for good.
+    const KEPT: usize = 1 << 16;
+
+    fn trim(&mut self) {
+        if self.l.capacity().max(self.r.capacity()).max(self.pairs.capacity()) > Self::KEPT {
+            *self = Self::default();
+        }
+    }
+}
+
 impl Engine {
     /// Routing decision for a request (the gate, README "What takes the bounce path"):
     /// `Some(handle)` when BOUNCE owns it, `None` to delegate it to UCX unchanged. `None` for
@@ -51,8 +76,30 @@ impl Engine {
         remote_mem: Option<MemSeg>,
         agent: &str,
     ) -> Option<u64> {
+        // Another thread's prep holds the kept lists: this one builds its own.
+        let mut kept = self.prep_scratch.try_lock();
+        let mut own = PrepScratch::default();
+        let scratch = kept.as_deref_mut().unwrap_or(&mut own);
+        let h = self.prep_in(scratch, op, (local, local_mem), (remote, remote_mem), agent);
+        scratch.trim();
+        h
+    }
+
+    fn prep_in(
+        &self,
+        scratch: &mut PrepScratch,
+        op: Option<XferOp>,
+        (local, local_mem): (&[DescView], Option<MemSeg>),
+        (remote, remote_mem): (&[DescView], Option<MemSeg>),
+        agent: &str,
+    ) -> Option<u64> {
+        let PrepScratch { l, r, pairs, segs } = scratch;
         let to_desc = |d: &DescView| gate::Desc { addr: d.addr, len: d.len, dev: d.dev };
-        let (l, r): (Vec<_>, Vec<_>) = (local.iter().map(to_desc).collect(), remote.iter().map(to_desc).collect());
+        l.clear();
+        l.extend(local.iter().map(to_desc));
+        r.clear();
+        r.extend(remote.iter().map(to_desc));
+        let (l, r) = (&l[..], &r[..]);
         // Two way once the peer said HELLO; else one way, answered through its mailbox, when
         // it keeps one and so do we (our READs of it land in our fetch area).
         let one_way_here = self.bounce.as_ref().is_some_and(|b| b.caps.mailbox.is_some());
@@ -62,8 +109,8 @@ impl Engine {
         // none, the first, which the gate refuses for its memory.
         let (local_kind, remote_kind) = (local_mem.and_then(MemSeg::kind), remote_mem.and_then(MemSeg::kind));
         let ours = self.bounce.as_ref().map_or(&[HOST_ARENA][..], |b| &b.places[..]);
-        let (our_id, our_place) = gate::arena_for(ours, local_kind, &l).unwrap_or((ArenaId(0), HOST_ARENA));
-        let theirs = peer_arenas.as_deref().and_then(|p| gate::arena_for(p, remote_kind, &r));
+        let (our_id, our_place) = gate::arena_for(ours, local_kind, l).unwrap_or((ArenaId(0), HOST_ARENA));
+        let theirs = peer_arenas.as_deref().and_then(|p| gate::arena_for(p, remote_kind, r));
         let config = self.arena_config(our_place.mem);
         let input = GateInput::new(
             config,
@@ -74,8 +121,8 @@ impl Engine {
             },
             (local_kind, our_place),
             (remote_kind, theirs.map(|(_, place)| place)),
-            &l,
-            &r,
+            l,
+            r,
             theirs.is_some(),
         );
         let their_id = theirs.map_or(ArenaId(0), |(id, _)| id);
@@ -88,7 +135,7 @@ impl Engine {
         };
         // A peer process of this host whose records we loaded: one kernel (GPU memory) or one
         // kernel copy per piece (host memory, CMA), no bounce.
-        if let Some(h) = self.prep_mapped(op, &input, local, remote, agent, pair) {
+        if let Some(h) = self.prep_mapped(op, &input, (local, remote), agent, (pairs, pair)) {
             return Some(h);
         }
         // The gate runs once; `Bounce` without a running reactor cannot happen (the gate checks
@@ -103,7 +150,8 @@ impl Engine {
             }
             (Route::Bounce, None) => return self.count_fallback(FallbackReason::Disabled),
         };
-        let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
+        pairs.clear();
+        pairs.extend(local.iter().zip(remote).map(pair));
         // Where the transfer writes must be registrations whose metadata (and key) we were
         // given: the WANT proves each, and the receiver scatters nowhere else.
         let Some(dests) = self.keys.destinations(remote.iter().map(|d| d.md)) else {
@@ -129,18 +177,14 @@ impl Engine {
         // Runs never merge across registrations (either side's): the receiver checks each run
         // inside one.
         let mut seg = 0u32;
-        let segs: Vec<u32> = local
-            .iter()
-            .zip(remote)
-            .enumerate()
-            .map(|(i, (l, r))| {
-                if i > 0 && (local[i - 1].md, remote[i - 1].md) != (l.md, r.md) {
-                    seg = seg.wrapping_add(1);
-                }
-                seg
-            })
-            .collect();
-        match plan::plan_segmented(&pairs, &segs, params) {
+        segs.clear();
+        segs.extend(local.iter().zip(remote).enumerate().map(|(i, (l, r))| {
+            if i > 0 && (local[i - 1].md, remote[i - 1].md) != (l.md, r.md) {
+                seg = seg.wrapping_add(1);
+            }
+            seg
+        }));
+        match plan::plan_segmented(pairs, segs, params) {
             Ok(mut p) => {
                 p.dests = dests;
                 p.read = read;
@@ -169,10 +213,9 @@ impl Engine {
         &self,
         op: Option<XferOp>,
         input: &GateInput<'_>,
-        local: &[DescView],
-        remote: &[DescView],
+        (local, remote): (&[DescView], &[DescView]),
         agent: &str,
-        pair: impl Fn((&DescView, &DescView)) -> DescPair,
+        (pairs, pair): (&mut Vec<DescPair>, impl Fn((&DescView, &DescView)) -> DescPair),
     ) -> Option<u64> {
         let place = gate::mapped_place(input)?;
         // The path for that memory, if this engine has it.
@@ -192,16 +235,17 @@ impl Engine {
             return None;
         }
         let recs = self.keys.remote_reach(remote.iter().map(|d| d.md))?;
-        let pairs: Vec<DescPair> = local.iter().zip(remote).map(pair).collect();
+        pairs.clear();
+        pairs.extend(local.iter().zip(remote).map(pair));
         let read = matches!(op, Some(XferOp::Read));
         match path {
             Path::Ipc(ipc) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.ipc()?, *n))).collect();
-                ipc.prep(place.dev, agent, &pairs, &recs?, read)
+                ipc.prep(place.dev, agent, pairs, &recs?, read)
             }
             Path::Cma(cma) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.cma()?, *n))).collect();
-                cma.prep(agent, &pairs, &recs?, read)
+                cma.prep(agent, pairs, &recs?, read)
             }
         }
     }
