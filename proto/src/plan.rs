@@ -703,7 +703,10 @@ impl RunList for RunCounter {
 
 /// Appends the copy `(region_off, addr, len)` to `runs`, merged into the last run when
 /// `merge` allows it. Pieces arrive in increasing `region_off`, so only the last run can
-/// absorb the next one: merging is O(1) per piece.
+/// absorb the next one: merging is O(1) per piece. Inlined into both sinks' loops: a prep
+/// plans every request vLLM's connector makes, and a called `push_copy` was a sixth of the
+/// planning (16384 scattered pieces: 265 against 220 us on 2 cores).
+#[inline(always)]
 fn push_copy(runs: &mut impl RunList, region_off: u64, addr: u64, len: u64, merge: bool) {
     if merge {
         if let Some(last) = runs.last_run() {
