@@ -908,3 +908,25 @@ pub unsafe extern "C" fn bnc_notif_take(engine: *mut c_void, sink: BncPairSink, 
     })
     .code()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shims_descriptors_are_read_in_place_field_for_field() {
+        let target = 7u8;
+        let md = (&raw const target).cast::<c_void>();
+        let raw = [
+            BncMetaDesc { addr: 0x1000, len: 64, dev: 0, md },
+            BncMetaDesc { addr: u64::MAX - 1, len: 1, dev: 3, md: std::ptr::null() },
+        ];
+        // SAFETY: `raw` holds two live descriptors for the whole test.
+        let views = unsafe { descs(raw.as_ptr(), raw.len()) };
+        assert_eq!(views.len(), 2);
+        assert_eq!((views[0].addr, views[0].len, views[0].dev, views[0].md), (0x1000, 64, 0, Md(md as usize)));
+        assert_eq!((views[1].addr, views[1].len, views[1].dev, views[1].md), (u64::MAX - 1, 1, 3, Md(0)));
+        // SAFETY: null with zero descriptors is the empty list.
+        assert!(unsafe { descs(std::ptr::null(), 0) }.is_empty());
+    }
+}
