@@ -13,7 +13,7 @@ use std::cell::Cell;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
@@ -42,6 +42,9 @@ pub(crate) struct Recorder {
     /// Also mark `faults` (id: how many) when a thread took minor page faults since its
     /// previous mark (`NIXL_BOUNCE_MARKS_FAULTS=1`; a system call a mark).
     faults: bool,
+    /// Set when the marks can no longer be written (no writer thread, or a write failed):
+    /// recording stops, so the unwritten marks cannot grow without bound.
+    stopped: AtomicBool,
 }
 
 static RECORDER: OnceLock<Option<Recorder>> = OnceLock::new();
@@ -68,6 +71,7 @@ pub(crate) fn recorder() -> Option<&'static Recorder> {
                 threads: Mutex::new(Vec::new()),
                 next_thread: AtomicU32::new(0),
                 faults: std::env::var("NIXL_BOUNCE_MARKS_FAULTS").is_ok_and(|v| v == "1"),
+                stopped: AtomicBool::new(false),
             };
             Some(rec)
         })
@@ -99,6 +103,9 @@ impl Recorder {
     /// application spinning on `getNotifs` marks each of its millions of pulls ("app-pull"),
     /// and writing those out took the core the measurement needed.
     pub(crate) fn mark(&self, what: &'static str, kind: &'static str, id: u64) {
+        if self.stopped.load(Ordering::Relaxed) {
+            return;
+        }
         if LAST.with(|l| l.replace((what, kind, id)) == (what, kind, id)) {
             return;
         }
@@ -140,14 +147,22 @@ impl Recorder {
                     std::thread::sleep(FLUSH_EVERY);
                     if let Err(e) = self.flush() {
                         tracing::warn!(path = %self.out.display(), error = %e, "NIXL_BOUNCE_MARKS: cannot write the marks; recording stops");
+                        self.stop();
                         return;
                     }
                 }
             });
             if let Err(e) = spawned {
-                tracing::warn!(error = %e, "NIXL_BOUNCE_MARKS: no writer thread; marks stay unwritten");
+                tracing::warn!(error = %e, "NIXL_BOUNCE_MARKS: no writer thread; recording stops");
+                self.stop();
             }
         });
+    }
+
+    /// Stops recording and drops what was not written.
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Relaxed);
+        drop(std::mem::take(&mut *self.entries.lock()));
     }
 
     /// Appends the marks recorded so far to the file, one line each:
@@ -185,6 +200,7 @@ mod tests {
             threads: Mutex::new(Vec::new()),
             next_thread: AtomicU32::new(0),
             faults: false,
+            stopped: AtomicBool::new(false),
         };
         rec.mark("recv-", "WANT", 42);
         rec.mark("recv-", "WANT", 42); // a repeat: not recorded
@@ -205,5 +221,23 @@ mod tests {
         assert_eq!(first, format!("TRACE recv-WANT pid=7 thread={me} id=42"));
         assert_eq!(second, format!("TRACE complete pid=7 thread={me} id=3"));
         assert!(t0 <= t1 && t0 > 1_600_000_000_000_000_000, "{t0} {t1}");
+    }
+
+    #[test]
+    fn a_recorder_whose_marks_cannot_be_written_stops_recording() {
+        let rec = Recorder {
+            out: std::path::PathBuf::from("/nonexistent-bounce-marks-dir/m.log"),
+            pid: 7,
+            entries: Mutex::new(Vec::new()),
+            threads: Mutex::new(Vec::new()),
+            next_thread: AtomicU32::new(0),
+            faults: false,
+            stopped: AtomicBool::new(false),
+        };
+        rec.mark("submit", "", 1);
+        assert!(rec.flush().is_err(), "the directory does not exist");
+        rec.stop();
+        rec.mark("complete", "", 1);
+        assert!(rec.entries.lock().is_empty(), "nothing is kept once recording stopped");
     }
 }
