@@ -64,16 +64,8 @@ pub(crate) fn recorder() -> Option<&'static Recorder> {
             let dir = std::env::var_os("NIXL_BOUNCE_MARKS").filter(|d| !d.is_empty())?;
             let pid = std::process::id();
             let out = PathBuf::from(dir).join(format!("marks.{pid}.log"));
-            let rec = Recorder {
-                out,
-                pid,
-                entries: Mutex::new(Vec::with_capacity(1 << 16)),
-                threads: Mutex::new(Vec::new()),
-                next_thread: AtomicU32::new(0),
-                faults: std::env::var("NIXL_BOUNCE_MARKS_FAULTS").is_ok_and(|v| v == "1"),
-                stopped: AtomicBool::new(false),
-            };
-            Some(rec)
+            let faults = std::env::var("NIXL_BOUNCE_MARKS_FAULTS").is_ok_and(|v| v == "1");
+            Some(Recorder::new(out, pid, faults))
         })
         .as_ref()
         .inspect(|rec| rec.start_writer())
@@ -98,6 +90,18 @@ pub(crate) fn timed<T>(what: &'static str, f: impl FnOnce() -> T) -> T {
 }
 
 impl Recorder {
+    fn new(out: PathBuf, pid: u32, faults: bool) -> Self {
+        Self {
+            out,
+            pid,
+            entries: Mutex::new(Vec::with_capacity(1 << 16)),
+            threads: Mutex::new(Vec::new()),
+            next_thread: AtomicU32::new(0),
+            faults,
+            stopped: AtomicBool::new(false),
+        }
+    }
+
     /// Records a mark of `what` followed by `kind` with `id`, on the calling thread, now; not
     /// when it equals the thread's previous mark. A run of equal marks keeps its first: an
     /// application spinning on `getNotifs` marks each of its millions of pulls ("app-pull"),
@@ -193,15 +197,7 @@ mod tests {
     fn marks_are_written_as_timeline_lines_in_order() {
         let dir = std::env::temp_dir().join(format!("bounce-marks-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let rec = Recorder {
-            out: dir.join("m.log"),
-            pid: 7,
-            entries: Mutex::new(Vec::new()),
-            threads: Mutex::new(Vec::new()),
-            next_thread: AtomicU32::new(0),
-            faults: false,
-            stopped: AtomicBool::new(false),
-        };
+        let rec = Recorder::new(dir.join("m.log"), 7, false);
         rec.mark("recv-", "WANT", 42);
         rec.mark("recv-", "WANT", 42); // a repeat: not recorded
         rec.mark("complete", "", 3);
@@ -225,15 +221,7 @@ mod tests {
 
     #[test]
     fn a_recorder_whose_marks_cannot_be_written_stops_recording() {
-        let rec = Recorder {
-            out: std::path::PathBuf::from("/nonexistent-bounce-marks-dir/m.log"),
-            pid: 7,
-            entries: Mutex::new(Vec::new()),
-            threads: Mutex::new(Vec::new()),
-            next_thread: AtomicU32::new(0),
-            faults: false,
-            stopped: AtomicBool::new(false),
-        };
+        let rec = Recorder::new(PathBuf::from("/nonexistent-bounce-marks-dir/m.log"), 7, false);
         rec.mark("submit", "", 1);
         assert!(rec.flush().is_err(), "the directory does not exist");
         rec.stop();
