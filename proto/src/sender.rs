@@ -308,9 +308,9 @@ pub struct Sender {
 /// WRITE), which took 18-31 us of a 0.3 ms transfer's submit on the H100 host (issue 11).
 ///
 /// Kept as `Weak` pointers: a plan is immutable while shared, `Arc::get_mut` refuses while a
-/// `Weak` exists, and `Arc::make_mut` disassociates it (it no longer upgrades); and the
-/// allocation a `Weak` points to is never reused while the `Weak` lives. So a `Weak` that still
-/// upgrades to the very allocation submitted names bytes that passed.
+/// `Weak` exists, and `Arc::make_mut` moves the value to a new allocation instead of writing
+/// through it; and the allocation a `Weak` points to is never reused while the `Weak` lives. So
+/// a `Weak` pointing at the very allocation submitted names bytes that passed.
 #[derive(Debug, Default)]
 struct CheckedPlans(VecDeque<(std::sync::Weak<Plan>, u64)>);
 
@@ -319,7 +319,7 @@ impl CheckedPlans {
     const KEPT: usize = 64;
 
     fn passed(&self, plan: &Arc<Plan>, max_chunk: u64) -> bool {
-        self.0.iter().any(|(w, m)| *m == max_chunk && w.upgrade().is_some_and(|p| Arc::ptr_eq(&p, plan)))
+        self.0.iter().any(|(w, m)| *m == max_chunk && std::ptr::eq(w.as_ptr(), Arc::as_ptr(plan)))
     }
 
     fn remember(&mut self, plan: &Arc<Plan>, max_chunk: u64) {

@@ -2,9 +2,9 @@
 //! clock read and a push under an uncontended lock (about 0.1 us), where the `tracing` line to
 //! stderr it otherwise becomes costs a formatted write and a syscall (several microseconds,
 //! which slowed a traced 2-core control hop 3-4x: issue 12). A writer thread moves the marks
-//! to `DIR/marks.PID.log` every [`FLUSH_EVERY`] (a lock and an empty swap when nothing came), in the line format `benches/timeline.py`
-//! reads, so the marks survive a process that leaves with `_exit` (as the benchmarks do) up
-//! to the last interval.
+//! to `DIR/marks.PID.log` every [`FLUSH_EVERY`] (a lock and an empty swap when nothing came),
+//! in the line format `benches/timeline.py` reads, so the marks survive a process that leaves
+//! with `_exit` (as the benchmarks do) up to the last interval.
 //!
 //! Off unless the variable is set; then nothing is recorded and a mark is one atomic load.
 //! A process forked after the first mark keeps no writer (the thread does not survive a fork).
@@ -116,7 +116,7 @@ impl Recorder {
         let ns = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         let thread = self.thread_index();
         let faulted = match self.faults.then(crate::sys::thread::minor_faults).flatten() {
-            Some(now) => FAULTS.with(|f| now - f.replace(now).min(now)),
+            Some(now) => FAULTS.with(|f| now.saturating_sub(f.replace(now))),
             None => 0,
         };
         let mut entries = self.entries.lock();
