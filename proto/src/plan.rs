@@ -359,10 +359,17 @@ fn balanced(descs: Descs<'_>, params: PlanParams, cap: u64, s: &[ChunkShape]) ->
     let even = s.iter().map(|c| c.bytes).sum::<u64>().div_ceil(n);
     // Pieces are not split to fill a chunk to the byte: the exact third of 64 MiB of 4 KiB
     // pieces packs into four chunks. Try the even share rounded up to ever coarser steps.
+    let mut tried = None;
     for step in [params.align, 4 << 10, 64 << 10, 1 << 20] {
         let even_cap = even.next_multiple_of(step.max(params.align));
         if even_cap >= params.max_chunk {
             break;
+        }
+        // An even share already a multiple of the coarser step gives the same cap again: its
+        // packing was just refused (a GPU plan of 8192 pieces of 4 KiB, 32 MiB in two even
+        // chunks, counted the same packing four times).
+        if tried.replace(even_cap) == Some(even_cap) {
+            continue;
         }
         let e = shape(descs, PlanParams { max_chunk: even_cap, ..params })?;
         let fits = e.iter().filter_map(|c| c.with_region_plan(params)).all(|b| b <= params.max_chunk);
