@@ -152,7 +152,7 @@ impl Engine {
                 let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
                 let linger = crate::shell::reactor::hot_spin(cores);
                 Box::new(CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, linger, move || {
-                    waker.inbox.wake();
+                    waker.copy_finished();
                 })?)
             }
         })

@@ -3,11 +3,12 @@
 //! parks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::alarm::Alarm;
 use super::pace::{self, BUSY_SLEEP, Pace, STAND_DOWN, Wait};
-use super::{Cell, Driver, Drove, Reactor, SOCKET_POLL_BATCH};
+use super::{Cell, Driver, Drove, Reactor, SOCKET_POLL_BATCH, Shared};
 
 impl Reactor {
     /// The poller that drove is about to wait (for copies on the workers or the GPU): the
@@ -110,6 +111,74 @@ impl Reactor {
                 Some(Drove { moved: false, copying: false })
             }
         }
+    }
+}
+
+/// What a copy worker needs to run a pass when its job ends ([`Shared::copy_finished`]).
+///
+/// Why: a finished copy's consequence (a gathered chunk's READY record or its write, a
+/// scatter's ACK) otherwise waits for the reactor thread to be scheduled. On a host with few
+/// cores, where the copy workers and a polling application take them, that came only once the
+/// copies were all done: a bounced KV pull on 2 cores published its first chunk's READY
+/// 444 us after that chunk's gather ended, when the target's application next polled. The
+/// worker that finished holds a core already. Unlike an application's pass, a worker's does
+/// not stand the reactor thread down: no poller keeps driving after it. Only on hosts where
+/// the reactor thread does not spin after activity ([`super::pace::hot_spin`]): a KV batch on
+/// 2 cores took 8-13% less time with two way metadata and as long one way, and on the 16-core
+/// H100 host worker passes changed nothing measurable (BENCHMARKS.md "Session 48").
+pub(crate) struct WorkerPasses {
+    /// Weak: the driver owns the copy engine and its workers (a strong reference from a worker
+    /// would be a cycle). The reactor thread drops the driver, joining the workers, before it
+    /// lets go of the cell, so no worker ever holds the last reference.
+    cell: Weak<Cell>,
+    stop: Arc<AtomicBool>,
+}
+
+impl WorkerPasses {
+    pub(super) fn new(cell: &Arc<Cell>, stop: &Arc<AtomicBool>) -> Self {
+        Self { cell: Arc::downgrade(cell), stop: Arc::clone(stop) }
+    }
+
+    /// Runs one pass on the calling copy worker; false when none ran (another thread is in one,
+    /// passes must stay on the reactor thread, or the reactor is stopping).
+    pub(super) fn pass(&self, shared: &Shared) -> bool {
+        self.cell.upgrade().is_some_and(|cell| cell.worker_pass(&self.stop, shared))
+    }
+}
+
+impl Cell {
+    fn worker_pass(&self, stop: &AtomicBool, shared: &Shared) -> bool {
+        // Passes off the reactor thread need an engine that allows them (a GPU arena's CUDA
+        // engine has no workers of this kind, but an engine with one beside a host arena
+        // keeps every pass on the reactor thread).
+        if !self.any_thread || stop.load(Ordering::Acquire) {
+            return false;
+        }
+        let Some(mut g) = self.driver.try_lock() else { return false };
+        let Some(d) = g.as_mut() else { return false };
+        crate::shell::mark!("worker-pass", 0);
+        let budget = d.control_budget.min(SOCKET_POLL_BATCH);
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
+            Ok(_) => {
+                let busy = d.busy();
+                self.busy.store(busy, Ordering::Release);
+                let more = d.control_full;
+                drop(g);
+                // As after an application's pass: the rest of a batch of frames is the reactor
+                // thread's, and work left in flight needs it awake.
+                if more || (busy && self.parked_idle.swap(false, Ordering::AcqRel)) {
+                    shared.inbox.wake();
+                }
+            }
+            Err(_) => {
+                drop(g);
+                tracing::error!("a bounce pass on a copy worker panicked; failing its transfers, bounce path closed");
+                self.poisoned.store(true, Ordering::Release);
+                stop.store(true, Ordering::Release);
+                shared.inbox.wake();
+            }
+        }
+        true
     }
 }
 

@@ -455,6 +455,13 @@ impl Reactor {
             })
             .map_err(|source| Error::Spawn { what: "reactor", source })?;
         *shared.inbox.thread.lock() = Some(thread.thread().clone());
+        // Copy workers run passes only where the reactor thread does not spin after activity
+        // (a host of few cores, `cell::WorkerPasses`): on a larger host it sees their
+        // completions within microseconds, and a worker's pass measured no better there.
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        if pace::hot_spin(cores).is_zero() {
+            let _ = shared.worker_passes.set(cell::WorkerPasses::new(&cell, &stop));
+        }
         Ok(Self { shared, cell, stop, thread: Some(thread) })
     }
 

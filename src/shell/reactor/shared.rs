@@ -13,6 +13,7 @@ use bounce_proto::{ArenaId, PeerId, RegId, XferId};
 use parking_lot::{Condvar, Mutex};
 
 use super::alarm::Alarm;
+use super::cell::WorkerPasses;
 use crate::shell::doorbell::Doorbell;
 use crate::shell::fence::Fence;
 use crate::shell::peers::PeerTable;
@@ -176,6 +177,9 @@ pub(crate) struct Shared {
     /// reactor as it starts: the engine proves the secret in the FORGET it sends a peer it
     /// unloads.
     pub(crate) forget_key: std::sync::OnceLock<[u8; 32]>,
+    /// The reactor's driver, for a copy worker whose job just ended ([`Self::copy_finished`]);
+    /// set once the reactor thread runs.
+    pub(super) worker_passes: std::sync::OnceLock<WorkerPasses>,
 }
 
 impl Shared {
@@ -192,6 +196,15 @@ impl Shared {
             fence: Fence::default(),
             ended: AtomicBool::new(false),
             forget_key: std::sync::OnceLock::new(),
+            worker_passes: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// A copy worker finished a job: it runs the pass that hands the job's result on when no
+    /// other thread is in one ([`WorkerPasses`]), else wakes the reactor thread to run it.
+    pub(crate) fn copy_finished(&self) {
+        if !self.worker_passes.get().is_some_and(|w| w.pass(self)) {
+            self.inbox.wake();
         }
     }
 

@@ -203,9 +203,10 @@ impl Side {
         let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
         let host = HostArena { base, len, streaming_scatter: true };
         let waker = Arc::clone(&shared);
-        let copier =
-            CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, Duration::ZERO, move || waker.inbox.wake())
-                .unwrap();
+        let copier = CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, Duration::ZERO, move || {
+            waker.copy_finished()
+        })
+        .unwrap();
         let notified = Arc::clone(&path.notified);
         let parts = Parts {
             session,
@@ -1296,6 +1297,31 @@ fn after_a_panic_a_read_is_failed_only_once_its_scatters_cannot_run() {
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::ShuttingDown));
     assert!(dropped.load(Ordering::Acquire), "the READ was failed while its copy engine could still scatter");
     drop(open);
+}
+
+/// A copy worker whose job ended runs the pass that hands it on only while no other thread is
+/// in one and the reactor runs; otherwise it leaves the work to the reactor thread (which
+/// `Shared::copy_finished` then wakes).
+#[test]
+fn a_copy_worker_runs_a_pass_only_when_the_driver_is_free_and_the_reactor_runs() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (a, _b) = pair(&cfg, &net);
+    let worker = cell::WorkerPasses::new(&a.reactor.cell, &a.reactor.stop);
+    {
+        let _in_a_pass = a.reactor.cell.driver.lock();
+        assert!(!worker.pass(&a.shared), "another thread holds the driver");
+    }
+    // The reactor thread takes the driver for its own passes: the worker's try may meet one.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !worker.pass(&a.shared) {
+        assert!(Instant::now() < deadline, "the worker never found the driver free");
+        std::thread::yield_now();
+    }
+    let Side { reactor, shared, _arena: arena, .. } = a;
+    assert!(reactor.stop(), "nothing was granted");
+    assert!(!worker.pass(&shared), "the reactor has stopped");
+    drop(arena);
 }
 
 #[test]
