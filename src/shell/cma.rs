@@ -701,12 +701,15 @@ fn split(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
         return if pieces.is_empty() { Vec::new() } else { vec![pieces] };
     }
     let per = total.div_ceil(n);
-    let mut parts = vec![Vec::new()];
+    // Each part about its share of the pieces (plus the one split at each boundary): grown
+    // from empty, the lists of a prep of thousands of pieces were reallocated again and again.
+    let room = pieces.len() / n as usize + 2;
+    let mut parts = vec![Vec::with_capacity(room)];
     let mut bytes = 0u64;
     for mut p in pieces {
         loop {
             if bytes >= per && (parts.len() as u64) < n {
-                parts.push(Vec::new());
+                parts.push(Vec::with_capacity(room));
                 bytes = 0;
             }
             let last = parts.len() as u64 == n;
