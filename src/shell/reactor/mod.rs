@@ -131,8 +131,9 @@ pub(crate) struct Drove {
 /// scheduled. On a host with few cores an application spinning on `getNotifs` or `checkXfer`
 /// holds a core the woken reactor needs, and a hop cost up to a scheduler tick (4 ms; issue
 /// 12). The thread that found the frame handles it instead, as UCX's own progress runs on the
-/// thread that polls. The lock is only ever tried by application threads: one that finds it
-/// held leaves the work to the thread holding it.
+/// thread that polls. On hosts of fewer than 8 cores a copy worker whose job ended runs one
+/// too ([`cell::WorkerPasses`]). The lock is only ever tried by application threads and copy
+/// workers: one that finds it held leaves the work to the thread holding it.
 struct Cell {
     /// `None` once the reactor thread has ended.
     driver: Mutex<Option<Driver>>,
