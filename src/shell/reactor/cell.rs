@@ -124,7 +124,7 @@ impl Reactor {
 /// worker that finished holds a core already. Unlike an application's pass, a worker's does
 /// not stand the reactor thread down: no poller keeps driving after it. Only on hosts where
 /// the reactor thread does not spin after activity ([`super::pace::hot_spin`]): a KV batch on
-/// 2 cores took 8-13% less time with two way metadata and as long one way, and on the 16-core
+/// 2 cores took 9-14% less time with two way metadata and as long one way, and on the 16-core
 /// H100 host worker passes changed nothing measurable (BENCHMARKS.md "Session 48").
 pub(crate) struct WorkerPasses {
     /// Weak: the driver owns the copy engine and its workers (a strong reference from a worker
