@@ -441,8 +441,8 @@ fn packed(descs: Descs<'_>, params: PlanParams) -> Result<Plan> {
     // allocator keeping its memory). Lists of exact size matter: a chunk's own lists grown
     // from empty, or allocated at a bound and shrunk, left the allocator fragments it gave
     // back to the kernel, and the next plan page-faulted (137 faults a prep of 8192 pieces).
-    let per_chunk = usize::try_from(params.max_chunk.div_ceil(params.align)).unwrap_or(usize::MAX);
-    // The average piece's slot: its length padded to the alignment.
+    // The average piece's slot: its length padded to the alignment (so never more chunk slots
+    // than `max_chunk / align`).
     let slot = total_bytes.checked_div(pieces).and_then(|avg| avg.checked_next_multiple_of(params.align));
     let typical = match slot {
         // One more for a piece split off the chunk before.
@@ -450,7 +450,7 @@ fn packed(descs: Descs<'_>, params: PlanParams) -> Result<Plan> {
         _ => 1,
     };
     // A chunk holds at most one piece of each descriptor.
-    let room = typical.min(per_chunk).min(descs.pairs.len());
+    let room = typical.min(descs.pairs.len());
     let mut builder = Builder {
         merge: params.merge_runs,
         last_seg: None,

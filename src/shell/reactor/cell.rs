@@ -71,44 +71,69 @@ impl Reactor {
         }
         let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
         self.cell.driving_from(Instant::now());
-        // A pass on the application's call handles a bounded batch of frames: a peer flooding
-        // us must not hold that call for the whole flood.
+        let Some(end) = self.cell.pass_off_thread(g, &self.stop, &self.shared, "an application thread") else {
+            return Some(Drove { moved: false, copying: false });
+        };
+        if end.more {
+            // The rest of the batch is the reactor thread's, at once.
+            self.cell.resign();
+            self.shared.inbox.wake();
+        } else {
+            self.cell.drove(Instant::now());
+            // This pass left work in flight while the reactor thread sleeps an idle park: it
+            // must watch that work should the poller stop. Work begun and ended here (an inline
+            // WANT put, scattered and answered) needs nobody, and waking the thread for it took
+            // a polling application's core.
+            if end.busy && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
+                self.shared.inbox.wake();
+            }
+        }
+        Some(Drove { moved: end.moved, copying: end.copying })
+    }
+}
+
+/// How a pass off the reactor thread ended ([`Cell::pass_off_thread`]).
+struct PassEnd {
+    moved: bool,
+    /// Copy jobs were in flight after it.
+    copying: bool,
+    /// Frames of the channel's batch were left: they are the reactor thread's.
+    more: bool,
+    /// Work was in flight after it.
+    busy: bool,
+}
+
+impl Cell {
+    /// One pass of the driver held through `g` on the calling thread (`who`, for the log): the
+    /// part an application's pass and a copy worker's share. The guard is released before it
+    /// returns. A pass here handles a bounded batch of frames: a peer flooding us must not hold
+    /// an application's call, or a copy worker, for the whole flood. `None` when the pass
+    /// panicked: the bounce path is closed, and the reactor thread fails the transfers once it
+    /// has dropped the driver (its copy engine may still run a READ's scatters into our
+    /// memory, and a request seen failed may have its destinations reused at once).
+    fn pass_off_thread(
+        &self,
+        mut g: parking_lot::MutexGuard<'_, Option<Driver>>,
+        stop: &AtomicBool,
+        shared: &Shared,
+        who: &str,
+    ) -> Option<PassEnd> {
+        let d = g.as_mut()?;
         let budget = d.control_budget.min(SOCKET_POLL_BATCH);
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
             Ok(moved) => {
-                let copying = d.copiers.in_flight() > 0;
-                let busy = d.busy();
-                self.cell.busy.store(busy, Ordering::Release);
-                let more = d.control_full;
+                let (copying, busy, more) = (d.copiers.in_flight() > 0, d.busy(), d.control_full);
+                self.busy.store(busy, Ordering::Release);
                 drop(g);
-                if more {
-                    // The rest of the batch is the reactor thread's, at once.
-                    self.cell.resign();
-                    self.shared.inbox.wake();
-                } else {
-                    self.cell.drove(Instant::now());
-                    // This pass left work in flight while the reactor thread sleeps an idle
-                    // park: it must watch that work should the poller stop. Work begun and
-                    // ended here (an inline WANT put, scattered and answered) needs nobody,
-                    // and waking the thread for it took a polling application's core.
-                    if busy && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
-                        self.shared.inbox.wake();
-                    }
-                }
-                Some(Drove { moved, copying })
+                Some(PassEnd { moved, copying, more, busy })
             }
             Err(_) => {
                 drop(g);
-                tracing::error!(
-                    "a bounce pass on an application thread panicked; failing its transfers, bounce path closed"
-                );
-                self.cell.poisoned.store(true, Ordering::Release);
-                self.stop.store(true, Ordering::Release);
-                // The reactor thread fails the requests once it has dropped the driver: its
-                // copy engine may still run a READ's scatters into our memory, and a request
-                // seen failed may have its destinations reused at once.
-                self.shared.inbox.wake();
-                Some(Drove { moved: false, copying: false })
+                tracing::error!("a bounce pass on {who} panicked; failing its transfers, bounce path closed");
+                self.poisoned.store(true, Ordering::Release);
+                stop.store(true, Ordering::Release);
+                shared.inbox.wake();
+                None
             }
         }
     }
@@ -154,27 +179,15 @@ impl Cell {
         if !self.any_thread || stop.load(Ordering::Acquire) {
             return false;
         }
-        let Some(mut g) = self.driver.try_lock() else { return false };
-        let Some(d) = g.as_mut() else { return false };
+        let Some(g) = self.driver.try_lock() else { return false };
+        if g.is_none() {
+            return false;
+        }
         crate::shell::mark!("worker-pass", 0);
-        let budget = d.control_budget.min(SOCKET_POLL_BATCH);
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
-            Ok(_) => {
-                let busy = d.busy();
-                self.busy.store(busy, Ordering::Release);
-                let more = d.control_full;
-                drop(g);
-                // As after an application's pass: the rest of a batch of frames is the reactor
-                // thread's, and work left in flight needs it awake.
-                if more || (busy && self.parked_idle.swap(false, Ordering::AcqRel)) {
-                    shared.inbox.wake();
-                }
-            }
-            Err(_) => {
-                drop(g);
-                tracing::error!("a bounce pass on a copy worker panicked; failing its transfers, bounce path closed");
-                self.poisoned.store(true, Ordering::Release);
-                stop.store(true, Ordering::Release);
+        // As after an application's pass: the rest of a batch of frames is the reactor
+        // thread's, and work left in flight needs it awake.
+        if let Some(end) = self.pass_off_thread(g, stop, shared, "a copy worker") {
+            if end.more || (end.busy && self.parked_idle.swap(false, Ordering::AcqRel)) {
                 shared.inbox.wake();
             }
         }
