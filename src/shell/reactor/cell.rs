@@ -173,14 +173,15 @@ impl WorkerPasses {
 
 impl Cell {
     fn worker_pass(&self, stop: &AtomicBool, shared: &Shared) -> bool {
-        // Passes off the reactor thread need an engine that allows them (a GPU arena's CUDA
-        // engine has no workers of this kind, but an engine with one beside a host arena
-        // keeps every pass on the reactor thread).
+        // Passes off the reactor thread need an engine that allows them: a host arena's does,
+        // and an engine with a GPU arena beside it (`both`) then runs them too.
         if !self.any_thread || stop.load(Ordering::Acquire) {
             return false;
         }
-        let Some(g) = self.driver.try_lock() else { return false };
-        if g.is_none() {
+        let Some(mut g) = self.driver.try_lock() else { return false };
+        // As for an application's pass: a GPU arena's context current on this thread before
+        // a pass may post a write from GPU memory or queue a GPU copy.
+        if !g.as_mut().is_some_and(|d| d.copiers.prepare_thread()) {
             return false;
         }
         crate::shell::mark!("worker-pass", 0);
