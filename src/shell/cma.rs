@@ -703,13 +703,13 @@ fn split(pieces: Vec<Piece>, n: usize) -> Vec<Vec<Piece>> {
     let per = total.div_ceil(n);
     // Each part about its share of the pieces (plus the one split at each boundary): grown
     // from empty, the lists of a prep of thousands of pieces were reallocated again and again.
-    let room = pieces.len() / n as usize + 2;
-    let mut parts = vec![Vec::with_capacity(room)];
+    let part_len = pieces.len() / n as usize + 2;
+    let mut parts = vec![Vec::with_capacity(part_len)];
     let mut bytes = 0u64;
     for mut p in pieces {
         loop {
             if bytes >= per && (parts.len() as u64) < n {
-                parts.push(Vec::with_capacity(room));
+                parts.push(Vec::with_capacity(part_len));
                 bytes = 0;
             }
             let last = parts.len() as u64 == n;
