@@ -61,6 +61,11 @@ impl Reactor {
             return None;
         }
         let mut g = self.cell.driver.try_lock()?;
+        // Again under the lock: a pass that panicked, or a reactor that stopped, set it before
+        // letting go of the driver.
+        if self.stop.load(Ordering::Acquire) {
+            return None;
+        }
         let d = g.as_mut()?;
         if !worth_a_pass(d) {
             return None;
@@ -84,7 +89,7 @@ impl Reactor {
             // must watch that work should the poller stop. Work begun and ended here (an inline
             // WANT put, scattered and answered) needs nobody, and waking the thread for it took
             // a polling application's core.
-            if end.busy && self.cell.parked_idle.swap(false, Ordering::AcqRel) {
+            if end.busy && self.cell.parked_idle.swap(false, Ordering::SeqCst) {
                 self.shared.inbox.wake();
             }
         }
@@ -123,15 +128,18 @@ impl Cell {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.iterate_with(budget, false))) {
             Ok(moved) => {
                 let (copying, busy, more) = (d.copiers.in_flight() > 0, d.busy(), d.control_full);
-                self.busy.store(busy, Ordering::Release);
+                // SeqCst: read against `parked_idle` by a reactor thread about to park.
+                self.busy.store(busy, Ordering::SeqCst);
                 drop(g);
                 Some(PassEnd { moved, copying, more, busy })
             }
             Err(_) => {
-                drop(g);
-                tracing::error!("a bounce pass on {who} panicked; failing its transfers, bounce path closed");
+                // Before letting go: a thread that takes the driver next must find it closed,
+                // not run a pass on the state this one left halfway.
                 self.poisoned.store(true, Ordering::Release);
                 stop.store(true, Ordering::Release);
+                drop(g);
+                tracing::error!("a bounce pass on {who} panicked; failing its transfers, bounce path closed");
                 shared.inbox.wake();
                 None
             }
@@ -179,6 +187,10 @@ impl Cell {
             return false;
         }
         let Some(mut g) = self.driver.try_lock() else { return false };
+        // Again under the lock, as in `drive_when`.
+        if stop.load(Ordering::Acquire) {
+            return false;
+        }
         // As for an application's pass: a GPU arena's context current on this thread before
         // a pass may post a write from GPU memory or queue a GPU copy.
         if !g.as_mut().is_some_and(|d| d.copiers.prepare_thread()) {
@@ -188,11 +200,27 @@ impl Cell {
         // As after an application's pass: the rest of a batch of frames is the reactor
         // thread's, and work left in flight needs it awake.
         if let Some(end) = self.pass_off_thread(g, stop, shared, "a copy worker") {
-            if end.more || (end.busy && self.parked_idle.swap(false, Ordering::AcqRel)) {
+            if end.more || (end.busy && self.parked_idle.swap(false, Ordering::SeqCst)) {
                 shared.inbox.wake();
             }
         }
         true
+    }
+}
+
+/// Closes the bounce path when dropped by a panic: set before the driver's guard is released,
+/// so no other thread runs a pass on what the panicking pass left.
+struct PoisonOnPanic<'a> {
+    cell: &'a Cell,
+    stop: &'a AtomicBool,
+}
+
+impl Drop for PoisonOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.cell.poisoned.store(true, Ordering::Release);
+            self.stop.store(true, Ordering::Release);
+        }
     }
 }
 
@@ -234,8 +262,7 @@ impl Cell {
         } else {
             self.beside_puller(Instant::now(), idle_park)
         };
-        if beside > at_least {
-            self.parked_idle.store(true, Ordering::Release);
+        if beside > at_least && self.may_park_idle() {
             match alarm {
                 Some(a) => a.wait(beside),
                 None => std::thread::park_timeout(beside),
@@ -245,6 +272,19 @@ impl Cell {
             std::thread::park_timeout(at_least);
         }
         self.woke();
+    }
+
+    /// Says the reactor thread is about to park idle (`parked_idle`), unless a pass on another
+    /// thread left work in flight since the thread's last look: such a pass stores `busy`
+    /// before it looks at `parked_idle` (both SeqCst, as here), so either it sees the flag and
+    /// wakes the thread, or the thread sees its work here and must not park idle.
+    pub(super) fn may_park_idle(&self) -> bool {
+        self.parked_idle.store(true, Ordering::SeqCst);
+        if self.busy.load(Ordering::SeqCst) {
+            self.parked_idle.store(false, Ordering::Release);
+            return false;
+        }
+        true
     }
 
     /// No application thread drives any more: the reactor thread stops standing down. True
@@ -307,6 +347,13 @@ impl Cell {
                 self.sleep_beside_puller(STAND_DOWN, idle_park, alarm);
                 continue;
             };
+            // A pass on another thread may have panicked between our look at `stop` and the lock.
+            if stop.load(Ordering::Acquire) {
+                continue;
+            }
+            // Dropped before `g` should this pass panic: the flags are set before the driver is
+            // let go, as `pass_off_thread` does for a pass on another thread.
+            let _poison = PoisonOnPanic { cell: self, stop };
             let pass = g.as_mut().map(|d| {
                 let moved = d.iterate();
                 let now = Instant::now();
@@ -329,12 +376,14 @@ impl Cell {
                 // application need this core more than we do.
                 Wait::Yield => std::thread::yield_now(),
                 Wait::Park(d) => {
+                    // Set before parking and cleared after: an application pass that starts work
+                    // meanwhile wakes us (an unpark before the park makes the park return at once).
+                    if !busy && !self.may_park_idle() {
+                        continue;
+                    }
                     if d > BUSY_SLEEP {
                         crate::shell::mark!("park", d.as_micros());
                     }
-                    // Set before parking and cleared after: an application pass that starts work
-                    // meanwhile wakes us (an unpark before the park makes the park return at once).
-                    self.parked_idle.store(!busy, Ordering::Release);
                     match alarm {
                         // Idle: a frame on the socket or a wake ends the sleep, so it need not
                         // ramp up from a short one after activity (the ramp is for frames that

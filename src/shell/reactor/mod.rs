@@ -160,8 +160,9 @@ struct Cell {
     /// The longest stand-down: `bounce_idle_park_us`.
     longest_stand_down: Duration,
     epoch: Instant,
-    /// A pass on an application thread panicked: the driver's state is suspect, so the reactor
-    /// thread ends without closing (as after its own panic, the arena is kept).
+    /// A pass panicked, on any thread: the driver's state is suspect, so no thread runs another
+    /// pass, and the reactor thread ends without closing (the arena is kept). Set, with `stop`,
+    /// before the panicking pass lets go of the driver.
     poisoned: AtomicBool,
     /// How many times the reactor thread came back from a sleep (an idle park, a stand-down, a
     /// lock it found taken, its alarm): on a small host each costs a core for a while, whatever

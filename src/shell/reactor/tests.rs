@@ -1215,10 +1215,12 @@ fn a_deregistration_waits_for_a_failed_transfers_stuck_write_only_a_second() {
     assert_exact(&src2, &dst2);
 }
 
-/// A control channel whose poll panics once `boom` is set: a bug in a pass, caught.
+/// A control channel whose poll panics once `boom` is set: a bug in a pass, caught. `fired`
+/// is set just before it panics.
 struct Boom {
     inner: MemChannel,
     boom: Arc<AtomicBool>,
+    fired: Arc<AtomicBool>,
 }
 
 impl ControlChannel for Boom {
@@ -1226,7 +1228,10 @@ impl ControlChannel for Boom {
         self.inner.send(peer, frame)
     }
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
-        assert!(!self.boom.load(Ordering::Acquire), "a bug in a pass (injected)");
+        if self.boom.load(Ordering::Acquire) {
+            self.fired.store(true, Ordering::Release);
+            panic!("a bug in a pass (injected)");
+        }
         self.inner.poll(budget, out)
     }
     fn forget(&mut self, peer: &str) {
@@ -1280,7 +1285,7 @@ fn after_a_panic_a_read_is_failed_only_once_its_scatters_cannot_run() {
         11,
         &cfg,
         move |inner| Box::new(SlowDrop { inner: Gated { inner, open: o, held: hd }, dropped: dr }),
-        Box::new(Boom { inner: net.join("a"), boom: Arc::clone(&boom) }),
+        Box::new(Boom { inner: net.join("a"), boom: Arc::clone(&boom), fired: Arc::default() }),
         SOCKET_POLL_BATCH,
         MemPath::default(),
     );
@@ -1297,6 +1302,66 @@ fn after_a_panic_a_read_is_failed_only_once_its_scatters_cannot_run() {
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::ShuttingDown));
     assert!(dropped.load(Ordering::Acquire), "the READ was failed while its copy engine could still scatter");
     drop(open);
+}
+
+/// A pass that panics closes the bounce path before it lets go of the driver: whichever thread
+/// takes the driver next (an application's pass, a copy worker's) finds `stop` set and runs
+/// no pass on the state the panicking one left halfway.
+#[test]
+fn after_a_pass_panics_the_next_holder_of_the_driver_finds_the_path_closed() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (boom, fired) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let channel = Boom { inner: net.join("a"), boom: Arc::clone(&boom), fired: Arc::clone(&fired) };
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(channel), SOCKET_POLL_BATCH, MemPath::default());
+    let (cell, stop) = (Arc::clone(&a.reactor.cell), Arc::clone(&a.reactor.stop));
+    // Takes the driver as often as it can, so that it is waiting for it when the panicking
+    // pass lets go.
+    let watcher = std::thread::spawn(move || {
+        let (deadline, mut after) = (Instant::now() + Duration::from_secs(10), 0);
+        loop {
+            assert!(Instant::now() < deadline, "the reactor thread never dropped the driver");
+            let g = cell.driver.lock();
+            if g.is_none() {
+                return after;
+            }
+            if fired.load(Ordering::Acquire) {
+                assert!(
+                    stop.load(Ordering::Acquire) && cell.poisoned.load(Ordering::Acquire),
+                    "a thread took the driver a panicking pass left with the bounce path open"
+                );
+                after += 1;
+            }
+            drop(g);
+            std::hint::spin_loop();
+        }
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    boom.store(true, Ordering::Release);
+    a.shared.inbox.wake();
+    let after = watcher.join().expect("the watcher's check");
+    eprintln!("the watcher held the driver {after} times between the panic and its drop");
+    drop(a);
+}
+
+/// The reactor thread parks idle only when no pass on another thread left work in flight since
+/// its own: a pass that stored `busy` before the thread raised `parked_idle` did not wake it.
+#[test]
+fn the_reactor_thread_does_not_park_idle_over_work_another_pass_left() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (a, _b) = pair(&cfg, &net);
+    // The reactor thread ended: nobody else looks at the flags meanwhile.
+    let Side { reactor, _arena: arena, .. } = a;
+    let cell = Arc::clone(&reactor.cell);
+    assert!(reactor.stop(), "nothing was granted");
+    drop(arena);
+    cell.busy.store(true, Ordering::SeqCst);
+    assert!(!cell.may_park_idle(), "work in flight, left by another thread's pass");
+    assert!(!cell.parked_idle.load(Ordering::SeqCst), "a pass ending now would not wake the thread");
+    cell.busy.store(false, Ordering::SeqCst);
+    assert!(cell.may_park_idle());
+    assert!(cell.parked_idle.swap(false, Ordering::SeqCst), "a pass ending now sees the park and wakes it");
 }
 
 /// A copy worker whose job ended runs the pass that hands it on only while no other thread is
