@@ -124,6 +124,8 @@ typedef struct {
 
 // Routing decision for prepXfer. On NIXL_SUCCESS, *xfer != 0 means BOUNCE owns the request
 // (handle id for the calls below); *xfer == 0 means "delegate to the inner engine".
+// `local` and `remote` are read in place: null with a count of 0, or 8-aligned lists that stay
+// unchanged until the call returns (Rust keeps no pointer into them afterwards).
 int32_t bnc_xfer_prep(void *engine, int32_t op, const bnc_meta_desc *local, size_t n_local,
                       int32_t local_mem, const bnc_meta_desc *remote, size_t n_remote,
                       int32_t remote_mem, bnc_str agent, uint64_t *xfer);

@@ -76,6 +76,12 @@ static_assert(offsetof(MetaDesc, len) == offsetof(bnc_meta_desc, len), "len");
 static_assert(offsetof(MetaDesc, devId) == offsetof(bnc_meta_desc, dev), "devId");
 static_assert(offsetof(MetaDesc, metadataP) == offsetof(bnc_meta_desc, md), "metadataP");
 #pragma GCC diagnostic pop
+// The ABI type itself, pinned to the numbers src/ffi/abi.rs pins its BncMetaDesc to: with the
+// asserts above, NIXL's layout, the header's and Rust's are checked against each other.
+static_assert(sizeof(bnc_meta_desc) == 32 && offsetof(bnc_meta_desc, addr) == 0 &&
+                  offsetof(bnc_meta_desc, len) == 8 && offsetof(bnc_meta_desc, dev) == 16 &&
+                  offsetof(bnc_meta_desc, md) == 24,
+              "bnc_meta_desc as src/ffi/abi.rs declares it");
 
 // `l`'s descriptors as the ABI's type (see the asserts above): valid while `l` is unchanged.
 const bnc_meta_desc *abi_descs(const meta_dlist_t &l) {

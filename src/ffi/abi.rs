@@ -706,6 +706,16 @@ const _: () = {
     assert!(offset_of!(BncMetaDesc, dev) == offset_of!(DescView, dev));
     assert!(offset_of!(BncMetaDesc, md) == offset_of!(DescView, md));
     assert!(size_of::<*const c_void>() == size_of::<Md>());
+    // And both to the layout the C header declares (the shim asserts `bnc_meta_desc` against
+    // the same numbers), so the chain NIXL -> header -> Rust has no link kept by hand.
+    #[cfg(target_pointer_width = "64")]
+    assert!(
+        size_of::<BncMetaDesc>() == 32
+            && offset_of!(BncMetaDesc, addr) == 0
+            && offset_of!(BncMetaDesc, len) == 8
+            && offset_of!(BncMetaDesc, dev) == 16
+            && offset_of!(BncMetaDesc, md) == 24
+    );
 };
 
 /// NIXL's descriptor list, read in place: a copy of each list (8192 descriptors, 256 KiB) was
@@ -729,8 +739,10 @@ unsafe fn descs<'a>(p: *const BncMetaDesc, n: usize) -> &'a [DescView] {
 /// Routing decision for a request: `*xfer` = our handle (bounce) or 0 (delegate to UCX).
 ///
 /// # Safety
-/// `engine` is a live handle; `local`/`remote` point at `n_local`/`n_remote` descriptors;
-/// `agent` views live bytes; `xfer` is writable.
+/// `engine` is a live handle; `local`/`remote` are null with a count of 0, or point at
+/// `n_local`/`n_remote` descriptors, 8-aligned, laid out as `bnc_meta_desc`, and unchanged
+/// until the call returns (they are read in place, [`descs`]; nothing keeps a pointer into
+/// them afterwards); `agent` views live bytes; `xfer` is writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_xfer_prep(
     engine: *mut c_void,
