@@ -350,7 +350,7 @@ impl Engine {
         // reactor thread when no pass can run here.
         sh.inbox.push_quiet(Cmd::Submit(p));
         if self.drive().is_none() {
-            sh.inbox.wake();
+            sh.inbox.kick();
         }
         Ok(())
     }

@@ -103,7 +103,11 @@ impl Engine {
     pub(crate) fn control_arrived(&self) -> Option<Drove> {
         let drove = self.drive();
         if drove.is_none() {
-            self.mail.wake_reactor();
+            // A pass wanted even while the reactor thread stands down (`Inbox::kick`).
+            match self.shared() {
+                Some(sh) => sh.inbox.kick(),
+                None => self.mail.wake_reactor(),
+            }
         }
         drove
     }

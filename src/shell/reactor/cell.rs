@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::alarm::Alarm;
 use super::pace::{self, BUSY_SLEEP, Pace, STAND_DOWN, Wait};
+use super::shared::Inbox;
 use super::{Cell, Driver, Drove, Reactor, SOCKET_POLL_BATCH, Shared};
 
 impl Reactor {
@@ -200,7 +201,10 @@ impl Cell {
         // As after an application's pass: the rest of a batch of frames is the reactor
         // thread's, and work left in flight needs it awake.
         if let Some(end) = self.pass_off_thread(g, stop, shared, "a copy worker") {
-            if end.more || (end.busy && self.parked_idle.swap(false, Ordering::SeqCst)) {
+            if end.more {
+                // The rest of the batch is the reactor thread's, stand-down or not.
+                shared.inbox.kick();
+            } else if end.busy && self.parked_idle.swap(false, Ordering::SeqCst) {
                 shared.inbox.wake();
             }
         }
@@ -324,7 +328,7 @@ impl Cell {
     /// The reactor thread's loop: passes until `stop`, then closes and shuts down; true when no
     /// grant was left outstanding. Idle, it parks up to `idle_park` (`bounce_idle_park_us`), or
     /// sleeps on `alarm` as long when the control channel has a socket to wait on.
-    pub(super) fn run(&self, stop: &AtomicBool, idle_park: Duration, alarm: Option<&Alarm>) -> bool {
+    pub(super) fn run(&self, stop: &AtomicBool, inbox: &Inbox, idle_park: Duration, alarm: Option<&Alarm>) -> bool {
         // Writes are posted from this thread too: a GPU arena's context must be current here
         // before the first one (a direct write from GPU memory may come before any copy).
         if let Some(d) = self.driver.lock().as_mut() {
@@ -337,7 +341,11 @@ impl Cell {
         // or an application's, restarts the idle ramp.
         let mut activity_seen = 0;
         while !stop.load(Ordering::Acquire) {
-            if let Some(left) = self.standing_down(Instant::now()) {
+            // Beside an application that drives, unless a thread that could not run a pass
+            // wants one (`Inbox::kick`).
+            if !inbox.wanted()
+                && let Some(left) = self.standing_down(Instant::now())
+            {
                 self.sleep_beside_puller(left, idle_park, alarm);
                 continue;
             }
@@ -351,11 +359,14 @@ impl Cell {
             if stop.load(Ordering::Acquire) {
                 continue;
             }
+            inbox.serve_wanted();
             // Dropped before `g` should this pass panic: the flags are set before the driver is
             // let go, as `pass_off_thread` does for a pass on another thread.
             let _poison = PoisonOnPanic { cell: self, stop };
             let pass = g.as_mut().map(|d| {
-                let moved = d.iterate();
+                // A full batch of the control channel counts as movement: more may wait, and a
+                // socket that was not emptied does not signal its alarm again (ZMQ).
+                let moved = d.iterate() || d.control_full;
                 let now = Instant::now();
                 let busy = d.busy();
                 self.busy.store(busy, Ordering::Release);

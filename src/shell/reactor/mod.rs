@@ -438,7 +438,7 @@ impl Reactor {
                 // IN_PROG forever (nothing else runs their timeouts): fail them and refuse new
                 // posts; the engine's other entry points keep working on plain UCX.
                 let quiet = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    cell2.run(&stop2, idle_park, alarm.as_deref())
+                    cell2.run(&stop2, &shared.inbox, idle_park, alarm.as_deref())
                 }));
                 if quiet.is_err() {
                     tracing::error!("the bounce reactor panicked; failing its transfers, bounce path closed");

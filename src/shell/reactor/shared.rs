@@ -125,13 +125,40 @@ pub(crate) struct Inbox {
     /// What the idle reactor thread sleeps on instead of parking, with a control channel that
     /// has a descriptor ([`super::alarm`]): rung with every wake.
     pub(super) alarm: std::sync::OnceLock<Arc<Alarm>>,
+    /// A pass is wanted of the reactor thread even while it stands down beside an application
+    /// that drives ([`Self::kick`]); cleared by the thread as it takes the driver for a pass.
+    wanted: AtomicBool,
 }
 
 impl Inbox {
-    /// Queues a command and wakes the reactor.
+    /// Queues a command and has the reactor thread run a pass for it ([`Self::kick`]): the
+    /// callers (loads, registrations, cancels, deregistrations) drive no pass themselves.
     pub(crate) fn push(&self, cmd: Cmd) {
         self.q.lock().push_back(cmd);
+        self.kick();
+    }
+
+    /// Wakes the reactor thread for a pass it must run even if it stands down beside an
+    /// application that drove lately: work this thread queued or left (a command, a finished
+    /// copy, control frames) and could not run a pass for, the driver being taken. A plain
+    /// [`Self::wake`] only ends its sleep, and a stand-down then sleeps again for what is left
+    /// (up to `bounce_idle_park_us`): a release waiting on its cancel waited that long behind
+    /// the application's own last passes.
+    pub(crate) fn kick(&self) {
+        // Before the wake: the thread looks at it after every sleep (SeqCst both sides).
+        self.wanted.store(true, Ordering::SeqCst);
         self.wake();
+    }
+
+    /// Whether a pass is wanted ([`Self::kick`]).
+    pub(super) fn wanted(&self) -> bool {
+        self.wanted.load(Ordering::SeqCst)
+    }
+
+    /// The reactor thread runs a pass now, with the driver held: what was wanted before is
+    /// served by it; a kick from here on is seen after it.
+    pub(super) fn serve_wanted(&self) {
+        self.wanted.store(false, Ordering::SeqCst);
     }
 
     /// Queues a command without waking the reactor: bookkeeping it needs only before its next
@@ -204,7 +231,7 @@ impl Shared {
     /// other thread is in one ([`WorkerPasses`]), else wakes the reactor thread to run it.
     pub(crate) fn copy_finished(&self) {
         if !self.worker_passes.get().is_some_and(|w| w.pass(self)) {
-            self.inbox.wake();
+            self.inbox.kick();
         }
     }
 

@@ -1344,6 +1344,91 @@ fn after_a_pass_panics_the_next_holder_of_the_driver_finds_the_path_closed() {
     drop(a);
 }
 
+/// The test configuration with idle parks and stand-downs up to half a second, so that a
+/// thread that sleeps one out is told apart from one that is woken, whatever the host's load.
+fn config_long_parks() -> Config {
+    let params = [
+        ("bounce_arena_size", "256KiB"),
+        ("bounce_arena_granularity", "4KiB"),
+        ("bounce_max_chunk_size", "4KiB"),
+        ("bounce_copy_workers", "1"),
+        ("bounce_request_timeout_ms", "60000"),
+        ("bounce_idle_park_us", "500000"),
+    ];
+    Config::from_params(params, |_| None).unwrap().config
+}
+
+/// A command queued by a thread that drives no pass itself (here a release's cancel, which
+/// waits for it) is served at once even while the reactor thread stands down beside an
+/// application that drove lately: the stand-down does not swallow its wake. Before, the cancel
+/// waited out the rest of the stand-down (up to `bounce_idle_park_us`).
+#[test]
+fn a_command_is_served_while_the_reactor_thread_stands_down() {
+    let cfg = config_long_parks();
+    let net = MemNet::default();
+    let a = Side::start("a", 11, &cfg, &net);
+    // An application drives for 150 ms: the reactor thread stands down as long after it.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(150) {
+        let _ = a.reactor.drive();
+    }
+    let left = a.reactor.cell.standing_down(Instant::now()).expect("a stand-down after 150 ms of driving");
+    assert!(left > Duration::from_millis(100), "stand-down left {left:?}");
+    let t = Instant::now();
+    a.shared.cancel(XferId(1_000_000));
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(60), "the cancel waited {took:?} of a {left:?} stand-down");
+}
+
+/// A control channel that hands over a whole budget of fragments with no frame completed
+/// `left` times (a frame larger than a batch, ZMQ), then passes on.
+struct Chunky {
+    inner: MemChannel,
+    left: Arc<AtomicUsize>,
+}
+
+impl ControlChannel for Chunky {
+    fn send(&mut self, peer: &str, frame: &[u8]) -> std::result::Result<(), ControlError> {
+        self.inner.send(peer, frame)
+    }
+    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+        if self.left.load(Ordering::SeqCst) > 0 {
+            self.left.fetch_sub(1, Ordering::SeqCst);
+            return budget;
+        }
+        self.inner.poll(budget, out)
+    }
+    fn forget(&mut self, peer: &str) {
+        self.inner.forget(peer);
+    }
+}
+
+/// A pass that used the control channel's whole budget is followed by another at once, moved
+/// or not: more may wait, and a ZMQ socket that was not emptied does not ring the reactor's
+/// alarm again. Before, an idle reactor thread parked after each such batch (up to
+/// `bounce_idle_park_us`).
+#[test]
+fn a_full_control_batch_is_followed_by_another_pass_at_once() {
+    let cfg = config_long_parks();
+    let net = MemNet::default();
+    let left = Arc::new(AtomicUsize::new(0));
+    let channel = Chunky { inner: net.join("a"), left: Arc::clone(&left) };
+    let a = Side::start_full("a", 11, &cfg, |c| Box::new(c), Box::new(channel), SOCKET_POLL_BATCH, MemPath::default());
+    std::thread::sleep(Duration::from_millis(20));
+    left.store(5, Ordering::SeqCst);
+    let t = Instant::now();
+    a.shared.inbox.wake();
+    while left.load(Ordering::SeqCst) > 0 {
+        assert!(
+            t.elapsed() < Duration::from_millis(200),
+            "{} full batches left after {:?}",
+            left.load(Ordering::SeqCst),
+            t.elapsed()
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// The reactor thread parks idle only when no pass on another thread left work in flight since
 /// its own: a pass that stored `busy` before the thread raised `parked_idle` did not wake it.
 #[test]
