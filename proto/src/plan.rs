@@ -356,12 +356,14 @@ fn balanced(descs: Descs<'_>, params: PlanParams, cap: u64, s: &[ChunkShape]) ->
     if n < 2 {
         return Ok((cap, s.to_vec()));
     }
-    let even = s.iter().map(|c| c.bytes).sum::<u64>().div_ceil(n);
+    // Summed wide: with the alignment gaps, chunks of nearly 2^64 payload bytes sum past u64.
+    let total: u128 = s.iter().map(|c| u128::from(c.bytes)).sum();
+    let even = u64::try_from(total.div_ceil(u128::from(n))).unwrap_or(u64::MAX);
     // Pieces are not split to fill a chunk to the byte: the exact third of 64 MiB of 4 KiB
     // pieces packs into four chunks. Try the even share rounded up to ever coarser steps.
     let mut tried = None;
     for step in [params.align, 4 << 10, 64 << 10, 1 << 20] {
-        let even_cap = even.next_multiple_of(step.max(params.align));
+        let Some(even_cap) = even.checked_next_multiple_of(step.max(params.align)) else { break };
         if even_cap >= params.max_chunk {
             break;
         }
@@ -371,7 +373,9 @@ fn balanced(descs: Descs<'_>, params: PlanParams, cap: u64, s: &[ChunkShape]) ->
         if tried.replace(even_cap) == Some(even_cap) {
             continue;
         }
-        let e = shape(descs, PlanParams { max_chunk: even_cap, ..params })?;
+        // A cap whose packing cannot be made is refused like one that does not fit: the
+        // packing `s` stands.
+        let Ok(e) = shape(descs, PlanParams { max_chunk: even_cap, ..params }) else { continue };
         let fits = e.iter().filter_map(|c| c.with_region_plan(params)).all(|b| b <= params.max_chunk);
         // Smaller chunks may fall below the run threshold: never trade plans away for balance.
         if e.len() as u64 == n && fits && plan_carriers(&e, params) >= plan_carriers(s, params) {
