@@ -72,7 +72,11 @@ impl Reactor {
             return None;
         }
         // A GPU arena's context, current here until the FFI edge puts the application's back.
+        // Without it the pass is the reactor thread's, at once: the caller may have consumed
+        // the socket's edge (`drive_if_readable`), which would not wake the thread again.
         if !d.copiers.prepare_thread() {
+            drop(g);
+            self.shared.inbox.kick();
             return None;
         }
         let _span = tracing::debug_span!("reactor", session = d.session, inline = true).entered();
