@@ -470,13 +470,19 @@ mod tests {
             for _ in 0..PULL_SAMPLE {
                 m.note_app_pull();
             }
-            let (run, since) = m.pull_streak(Instant::now()).expect("a streak");
-            if (run >= Duration::from_millis(1) && since <= CLOSE_PULL_GAP) || start.elapsed() > Duration::from_secs(1)
+            // None: a preemption longer than the gap came between the last pull and this look
+            // (seen on CI's 2 cores); the spin goes on.
+            let streak = m.pull_streak(Instant::now());
+            if streak.is_some_and(|(run, since)| run >= Duration::from_millis(1) && since <= CLOSE_PULL_GAP)
+                || start.elapsed() > Duration::from_secs(1)
             {
-                break (run, since);
+                break streak;
             }
         };
-        assert!(streak.0 >= Duration::from_millis(1) && streak.1 <= CLOSE_PULL_GAP, "{streak:?}");
+        assert!(
+            streak.is_some_and(|(run, since)| run >= Duration::from_millis(1) && since <= CLOSE_PULL_GAP),
+            "{streak:?}"
+        );
         // A single pull after the reactor thread's look is timed whatever the count.
         std::thread::sleep(Duration::from_millis(5));
         assert!(m.app_pulled_since_look());

@@ -1367,17 +1367,17 @@ fn a_command_is_served_while_the_reactor_thread_stands_down() {
     let cfg = config_long_parks();
     let net = MemNet::default();
     let a = Side::start("a", 11, &cfg, &net);
-    // An application drives for 150 ms: the reactor thread stands down as long after it.
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_millis(150) {
-        let _ = a.reactor.drive();
-    }
-    let left = a.reactor.cell.standing_down(Instant::now()).expect("a stand-down after 150 ms of driving");
-    assert!(left > Duration::from_millis(100), "stand-down left {left:?}");
+    // An application drove for 200 ms, ending now (the streak set as its passes leave it; a
+    // real run of passes breaks at any preemption longer than its gap on a loaded host).
+    std::thread::sleep(Duration::from_millis(250));
+    let now = Instant::now();
+    a.reactor.cell.driving.set(now - Duration::from_millis(200), now);
+    let left = a.reactor.cell.standing_down(Instant::now()).expect("a stand-down after 200 ms of driving");
+    assert!(left > Duration::from_millis(150), "stand-down left {left:?}");
     let t = Instant::now();
     a.shared.cancel(XferId(1_000_000));
     let took = t.elapsed();
-    assert!(took < Duration::from_millis(60), "the cancel waited {took:?} of a {left:?} stand-down");
+    assert!(took < Duration::from_millis(100), "the cancel waited {took:?} of a {left:?} stand-down");
 }
 
 /// A control channel that hands over a whole budget of fragments with no frame completed
@@ -1420,7 +1420,7 @@ fn a_full_control_batch_is_followed_by_another_pass_at_once() {
     a.shared.inbox.wake();
     while left.load(Ordering::SeqCst) > 0 {
         assert!(
-            t.elapsed() < Duration::from_millis(200),
+            t.elapsed() < Duration::from_secs(1),
             "{} full batches left after {:?}",
             left.load(Ordering::SeqCst),
             t.elapsed()
