@@ -58,15 +58,10 @@ impl Reactor {
     }
 
     fn drive_when(&self, worth_a_pass: impl FnOnce(&mut Driver) -> bool) -> Option<Drove> {
-        if !self.cell.any_thread || self.stop.load(Ordering::Acquire) {
+        if !self.cell.any_thread {
             return None;
         }
-        let mut g = self.cell.driver.try_lock()?;
-        // Again under the lock: a pass that panicked, or a reactor that stopped, set it before
-        // letting go of the driver.
-        if self.stop.load(Ordering::Acquire) {
-            return None;
-        }
+        let mut g = self.cell.try_driver(&self.stop)?;
         let d = g.as_mut()?;
         if !worth_a_pass(d) {
             return None;
@@ -185,17 +180,22 @@ impl WorkerPasses {
 }
 
 impl Cell {
+    /// The driver, for a pass on the calling thread: `None` while another thread holds it, or
+    /// once the bounce path is closed. `stop` is looked at under the lock, where it is
+    /// certain: a pass that panicked (`pass_off_thread`, [`PoisonOnPanic`]) and the reactor
+    /// thread that stopped set it before they let go of the driver.
+    fn try_driver(&self, stop: &AtomicBool) -> Option<parking_lot::MutexGuard<'_, Option<Driver>>> {
+        let g = self.driver.try_lock()?;
+        (!stop.load(Ordering::Acquire)).then_some(g)
+    }
+
     fn worker_pass(&self, stop: &AtomicBool, shared: &Shared) -> bool {
         // Passes off the reactor thread need an engine that allows them: a host arena's does,
         // and an engine with a GPU arena beside it (`both`) then runs them too.
-        if !self.any_thread || stop.load(Ordering::Acquire) {
+        if !self.any_thread {
             return false;
         }
-        let Some(mut g) = self.driver.try_lock() else { return false };
-        // Again under the lock, as in `drive_when`.
-        if stop.load(Ordering::Acquire) {
-            return false;
-        }
+        let Some(mut g) = self.try_driver(stop) else { return false };
         // As for an application's pass: a GPU arena's context current on this thread before
         // a pass may post a write from GPU memory or queue a GPU copy.
         if !g.as_mut().is_some_and(|d| d.copiers.prepare_thread()) {
@@ -354,15 +354,12 @@ impl Cell {
                 continue;
             }
             // An application thread in a pass does this pass's work: leave it the driver rather
-            // than queue behind it (and be woken late when it lets go).
-            let Some(mut g) = self.driver.try_lock() else {
+            // than queue behind it (and be woken late when it lets go). Closed since the look
+            // at `stop` above (a pass on another thread panicked), the loop's next look ends.
+            let Some(mut g) = self.try_driver(stop) else {
                 self.sleep_beside_puller(STAND_DOWN, idle_park, alarm);
                 continue;
             };
-            // A pass on another thread may have panicked between our look at `stop` and the lock.
-            if stop.load(Ordering::Acquire) {
-                continue;
-            }
             inbox.serve_wanted();
             // Dropped before `g` should this pass panic: the flags are set before the driver is
             // let go, as `pass_off_thread` does for a pass on another thread.
