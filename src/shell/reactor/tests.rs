@@ -317,6 +317,11 @@ impl Side {
 }
 
 fn config(timeout_ms: &str) -> Config {
+    config_with(timeout_ms, &[])
+}
+
+/// The tests' configuration with `extra` parameters on top.
+fn config_with(timeout_ms: &str, extra: &[(&str, &str)]) -> Config {
     let params = [
         ("bounce_arena_size", "256KiB"),
         ("bounce_arena_granularity", "4KiB"),
@@ -325,7 +330,7 @@ fn config(timeout_ms: &str) -> Config {
         ("bounce_copy_workers", "1"),
         ("bounce_request_timeout_ms", timeout_ms),
     ];
-    Config::from_params(params, |_| None).unwrap().config
+    Config::from_params(params.iter().chain(extra).copied(), |_| None).unwrap().config
 }
 
 /// Two reactors that loaded each other and exchanged HELLOs.
@@ -1347,15 +1352,7 @@ fn after_a_pass_panics_the_next_holder_of_the_driver_finds_the_path_closed() {
 /// The test configuration with idle parks and stand-downs up to half a second, so that a
 /// thread that sleeps one out is told apart from one that is woken, whatever the host's load.
 fn config_long_parks() -> Config {
-    let params = [
-        ("bounce_arena_size", "256KiB"),
-        ("bounce_arena_granularity", "4KiB"),
-        ("bounce_max_chunk_size", "4KiB"),
-        ("bounce_copy_workers", "1"),
-        ("bounce_request_timeout_ms", "60000"),
-        ("bounce_idle_park_us", "500000"),
-    ];
-    Config::from_params(params, |_| None).unwrap().config
+    config_with("60000", &[("bounce_idle_park_us", "500000")])
 }
 
 /// A command queued by a thread that drives no pass itself (here a release's cancel, which
