@@ -14,8 +14,9 @@
 //!
 //! Sorting wakes nobody. A pull inside a reactor pass is followed by that pass reading the
 //! control queue, on whichever thread it runs; after an application's pull the engine runs a
-//! pass on that thread or wakes the reactor thread when none can run there
-//! ([`Mailroom::wake_reactor`], `Engine::control_arrived`). A wake-up at every sort made the
+//! pass on that thread or, when none can run there, has the reactor thread run one
+//! (`Engine::control_arrived`: the inbox's kick, which also ends a stand-down; this
+//! [`Mailroom::wake_reactor`] only where the engine has no bounce path). A wake-up at every sort made the
 //! reactor thread take the polling application's core for 8-15 us after each frame an
 //! application's pass pulled, on the 2-core machine, only to find the frame handled (issue 12).
 
