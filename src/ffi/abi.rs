@@ -741,7 +741,7 @@ unsafe fn descs<'a>(p: *const BncMetaDesc, n: usize) -> &'a [DescView] {
 /// # Safety
 /// `engine` is a live handle; `local`/`remote` are null with a count of 0, or point at
 /// `n_local`/`n_remote` descriptors, 8-aligned, laid out as `bnc_meta_desc`, and unchanged
-/// until the call returns (they are read in place, [`descs`]; nothing keeps a pointer into
+/// until the call returns (they are read in place, `descs`; nothing keeps a pointer into
 /// them afterwards); `agent` views live bytes; `xfer` is writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_xfer_prep(
