@@ -883,7 +883,7 @@ pub unsafe extern "C" fn bnc_notif_divert(
 
 /// After a direct pull that diverted control frames, or that [`bnc_notif_direct`] answered 2
 /// for (the inner engine's lock released): the calling thread runs a reactor pass, or wakes
-/// the reactor ([`crate::shell::Engine::after_app_pull`]).
+/// the reactor (`Engine::after_app_pull`).
 ///
 /// # Safety
 /// `engine` is a live handle.

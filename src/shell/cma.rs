@@ -17,12 +17,15 @@
 //! again at every post (and by a worker before each part it takes from the queue), so a pid
 //! reused since is refused. Those fields are public, so they bind nothing to the publisher:
 //! what does is the record's liveness word in the named process, which holds the record's tag
-//! and the registration's range while it lives (0 as tag once it is deregistered). The copier
-//! reads the words of a request's registrations at prep and before every post and copies only
-//! when tag and range match the record: a record forged or copied from another process's
-//! metadata reaches only a range that process registered itself and published with that tag
-//! (which whoever holds its metadata reaches through UCX anyway), and a deregistered
-//! registration is not written. (A deregistration racing a peer's copy already running is not caught: the owner
+//! and the registration's range while it lives (all 0 once it is deregistered). The words lie in
+//! one mapping per process of a memory file named [`LIVE_FILE`], never unmapped; a word counts
+//! only inside that process's mapping of it, found in `/proc/<pid>/maps`, or a peer able to
+//! write into the process's registered memory could plant one there. The copier reads the
+//! words of a request's registrations at prep, before every post and before each queued part,
+//! and copies only when tag (never 0) and range match the record: a record forged or copied
+//! from another process's metadata reaches only a range that process registered itself and
+//! published with that tag (which whoever holds its metadata reaches through UCX anyway), and a
+//! deregistered registration is not written. (A deregistration racing a peer's copy already running is not caught: the owner
 //! cannot wait for another process's system call. The bounce path's receiver can, and does.
 //! Our own copies into or out of a registration of ours being deregistered are waited for,
 //! those of requests released while running too, and requests prepared over it fail at their
@@ -55,20 +58,16 @@ use crate::sys::shim::{Md, MdMap, Shim};
 /// Request handles of this path carry this bit.
 pub(crate) const CMA_HANDLE_BIT: u64 = 1 << 61;
 
-/// Liveness words, so registrations that can be reached by CMA at once.
+/// Liveness words, so registrations that can be reached by CMA at once (all engines of the
+/// process together).
 const LIVE_SLOTS: usize = 1 << 16;
 
-/// One registration's liveness word as a peer reads it (24 bytes at the record's `live`): the
-/// record's tag while the registration lives (0 once it is gone), and the range it covers, so
-/// that a record reaches only a range its owner registered itself, whatever a forger writes in
-/// the record's `addr` and `len`.
-#[derive(Debug, Default)]
-#[repr(C)]
-struct Word {
-    tag: AtomicU64,
-    addr: AtomicU64,
-    len: AtomicU64,
-}
+/// The memory file that holds the liveness words: a peer trusts a word only inside a mapping
+/// of this name in the record's process (see [`LIVE_PATH`]).
+const LIVE_FILE: &std::ffi::CStr = c"nixl-bounce-live";
+
+/// How `/proc/<pid>/maps` shows the mapping of [`LIVE_FILE`].
+const LIVE_PATH: &str = "/memfd:nixl-bounce-live (deleted)";
 
 /// A liveness word's contents, as expected from a record or read from its owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
@@ -85,60 +84,98 @@ impl Live {
     }
 }
 
-/// Our registrations' liveness words (see the module docs).
-#[derive(Debug)]
-struct Liveness {
-    /// Never moves: peers read its words at the addresses our records publish.
-    words: Box<[Word]>,
-    slots: Mutex<Slots>,
+/// The process's liveness words, in one mapping of [`LIVE_FILE`] that is never unmapped
+/// (peers read the words at the addresses our records publish, and a range of it a peer has
+/// checked stays ours for the process's life), and which of them are free.
+struct LiveArea {
+    words: &'static [cma::SharedWord],
+    slots: Mutex<AreaSlots>,
 }
 
 #[derive(Debug, Default)]
-struct Slots {
-    by_md: MdMap<usize>,
+struct AreaSlots {
     free: Vec<usize>,
     next: usize,
 }
 
-impl Liveness {
-    fn new() -> Self {
-        Self { words: (0..LIVE_SLOTS).map(|_| Word::default()).collect(), slots: Mutex::default() }
-    }
+/// The process's [`LiveArea`], made at the first export; `None` (logged once) where the memory
+/// file cannot be made: no record is published then, and peers bounce to this process.
+fn live_area() -> Option<&'static LiveArea> {
+    static AREA: std::sync::OnceLock<Option<LiveArea>> = std::sync::OnceLock::new();
+    AREA.get_or_init(|| match cma::shared_words(LIVE_FILE, LIVE_SLOTS) {
+        Ok(words) => Some(LiveArea { words, slots: Mutex::default() }),
+        Err(e) => {
+            tracing::info!(error = %e, "no memory file for liveness words: no same-host path for host memory into this process");
+            None
+        }
+    })
+    .as_ref()
+}
 
+/// One engine's registrations' liveness words (see the module docs), in the process's
+/// [`LiveArea`].
+#[derive(Debug, Default)]
+struct Liveness {
+    by_md: Mutex<MdMap<usize>>,
+}
+
+impl Liveness {
     /// A word for registration `md` of `[addr, addr + len)`, set to a fresh nonzero tag and
     /// that range: (its address, the tag).
     fn take(&self, md: Md, addr: u64, len: u64) -> Option<(u64, u64)> {
-        let mut slots = self.slots.lock();
-        let slot = match slots.free.pop() {
-            Some(s) => s,
-            None if slots.next < LIVE_SLOTS => {
-                slots.next += 1;
-                slots.next - 1
-            }
-            None => return None, // every word in use: the registration is not published
-        };
+        let area = live_area()?;
         let mut raw = [0u8; 8];
         crate::shell::drbg::fill(&mut raw).ok()?;
         let tag = u64::from_ne_bytes(raw) | 1;
-        let w = &self.words[slot];
+        let mut by_md = self.by_md.lock();
+        let slot = {
+            let mut slots = area.slots.lock();
+            match slots.free.pop() {
+                Some(s) => s,
+                None if slots.next < LIVE_SLOTS => {
+                    slots.next += 1;
+                    slots.next - 1
+                }
+                None => return None, // every word in use: the registration is not published
+            }
+        };
+        let w = &area.words[slot];
         // The range before the tag: a reader that finds the tag finds it with its range (a
         // word is reused only after its tag went to 0).
         w.addr.store(addr, Ordering::Relaxed);
         w.len.store(len, Ordering::Relaxed);
         w.tag.store(tag, Ordering::Release);
-        if let Some(old) = slots.by_md.insert(md, slot) {
-            self.words[old].tag.store(0, Ordering::Release);
-            slots.free.push(old);
+        if let Some(old) = by_md.insert(md, slot) {
+            Self::free(area, old);
         }
         Some((std::ptr::from_ref(w) as u64, tag))
     }
 
     /// Registration `md` is gone: its word reads 0 from now on.
     fn clear(&self, md: Md) {
-        let mut slots = self.slots.lock();
-        if let Some(slot) = slots.by_md.remove(&md) {
-            self.words[slot].tag.store(0, Ordering::Release);
-            slots.free.push(slot);
+        if let (Some(slot), Some(area)) = (self.by_md.lock().remove(&md), live_area()) {
+            Self::free(area, slot);
+        }
+    }
+
+    /// Zeroes word `slot`, the tag first (a reader then finds no tag, whatever the range
+    /// holds), and hands it back.
+    fn free(area: &LiveArea, slot: usize) {
+        let w = &area.words[slot];
+        w.tag.store(0, Ordering::Release);
+        w.addr.store(0, Ordering::Relaxed);
+        w.len.store(0, Ordering::Relaxed);
+        area.slots.lock().free.push(slot);
+    }
+}
+
+impl Drop for Liveness {
+    /// The engine ends: its registrations' words read 0, and go back to the process's area.
+    fn drop(&mut self) {
+        if let Some(area) = live_area() {
+            for (_, slot) in self.by_md.get_mut().drain() {
+                Self::free(area, slot);
+            }
         }
     }
 }
@@ -237,6 +274,9 @@ struct Task {
     /// must not be written.
     start: u64,
     watch: Option<Arc<Watch>>,
+    /// The request's liveness words, read again for the same reason: the peer may have
+    /// deregistered (and freed) the memory while the part waited.
+    live: Arc<Vec<(u64, Live)>>,
     dir: CmaDir,
 }
 
@@ -244,6 +284,10 @@ impl Task {
     fn run(&self) -> bool {
         if !same_process_alive(self.watch.as_deref(), self.pid, self.start) {
             tracing::debug!(pid = self.pid, "the peer process went while a part waited: not copied");
+            return false;
+        }
+        if !all_live(self.pid, &self.live) {
+            tracing::debug!(pid = self.pid, "a registration went while a part waited: not copied");
             return false;
         }
         copy_part(self.pid, self.dir, &self.parts[self.part])
@@ -270,7 +314,7 @@ struct Request {
     /// the start time again.
     watch: Option<Arc<Watch>>,
     /// The liveness words of its registrations: (address, what each must hold).
-    live: Vec<(u64, Live)>,
+    live: Arc<Vec<(u64, Live)>>,
     /// The outer bounds of our memory its pieces touch, `[start, end)` (the pieces themselves
     /// are in `parts`).
     local_span: Span,
@@ -292,6 +336,9 @@ impl Request {
     }
 }
 
+/// Peer processes (pid, start time) -> their liveness mappings found, `[start, end)`.
+type LiveAreas = HashMap<(u32, u64), Vec<(u64, u64)>>;
+
 /// Two checks of one in-flight request closer than this are a busy poll (as on the bounce
 /// path).
 const BUSY_POLL_GAP: Duration = Duration::from_micros(50);
@@ -309,6 +356,9 @@ pub(crate) struct CmaPath {
     liveness: Liveness,
     /// Peer processes (pid, start time) tried, and whether the kernel let us copy with them.
     permitted: Mutex<HashMap<(u32, u64), bool>>,
+    /// Peer processes' (pid, start time) mappings of [`LIVE_FILE`] found so far, `[start, end)`:
+    /// a liveness word is read only inside one.
+    live_areas: Mutex<LiveAreas>,
     /// Watches on peer processes (pid, start time), while they live ([`MAX_WATCHES`]).
     watches: Mutex<HashMap<(u32, u64), Arc<Watch>>>,
     /// Whether a record of this very process is taken (tests only: two agents of one process
@@ -357,7 +407,8 @@ impl CmaPath {
             reqs: Mutex::default(),
             next: AtomicU64::new(1),
             stats,
-            liveness: Liveness::new(),
+            liveness: Liveness::default(),
+            live_areas: Mutex::default(),
             permitted: Mutex::default(),
             watches: Mutex::default(),
             allow_self: false,
@@ -433,7 +484,10 @@ impl CmaPath {
             if live.last() != Some(&(rec.live, Live::of(rec))) {
                 live.push((rec.live, Live::of(rec)));
             }
-            if (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start) {
+            // A tag of 0 is what a deregistered registration's word holds: never a live one.
+            if rec.tag == 0
+                || (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start)
+            {
                 return None;
             }
             for d in &descs[at..at + n] {
@@ -464,7 +518,10 @@ impl CmaPath {
             tracing::debug!(peer, pid = first.pid, "the record's process is gone or not the same: no CMA");
             return None;
         }
-        if !self.permitted(peer, first) || !all_live(first.pid, &live) {
+        if !live.iter().all(|(at, _)| self.in_live_area(peer, first.pid, first.start, *at))
+            || !self.permitted(peer, first.pid, first.start, live[0].0)
+            || !all_live(first.pid, &live)
+        {
             return None;
         }
         let local_span = pieces.iter().fold((u64::MAX, 0), |(a, b), p| (a.min(p.local), b.max(p.local + p.len)));
@@ -476,7 +533,7 @@ impl CmaPath {
             pid: first.pid,
             start: first.start,
             watch,
-            live,
+            live: Arc::new(live),
             local_span,
             revoked: false,
             parts,
@@ -509,28 +566,73 @@ impl CmaPath {
         Some(w)
     }
 
-    /// Whether the kernel lets us copy with the process of `rec` (ptrace permission: same
-    /// user, and Yama or a seccomp profile may forbid it): one byte of its registration read
-    /// once per process, so that a peer we may not reach is bounced to from its first
-    /// transfer on instead of failing every one.
-    fn permitted(&self, peer: &str, rec: &CmaRecord) -> bool {
-        *self.permitted.lock().entry((rec.pid, rec.start)).or_insert_with(|| {
-            // A thread's id (ours, say) would pass every other check: refused outright.
-            if cma::thread_group(rec.pid) != Some(rec.pid) {
-                tracing::warn!(peer, pid = rec.pid, "a CMA record names a thread, not a process: transfers to this peer bounce");
-                return false;
-            }
+    /// Whether the kernel lets us copy with process (`pid`, `start`) (ptrace permission: same
+    /// user, and Yama or a seccomp profile may forbid it): one byte read once per process, at
+    /// `word` (a liveness word [`Self::in_live_area`] found in its own mapping, never an address
+    /// only the record names), so that a peer we may not reach is bounced to from its first
+    /// transfer on instead of failing every one. Only a refusal (`EPERM`) is remembered: any
+    /// other failure refuses this request alone.
+    fn permitted(&self, peer: &str, pid: u32, start: u64, word: u64) -> bool {
+        if let Some(&known) = self.permitted.lock().get(&(pid, start)) {
+            return known;
+        }
+        // A thread's id (ours, say) would pass every other check: refused outright.
+        let answer = if cma::thread_group(pid) != Some(pid) {
+            tracing::warn!(peer, pid, "a CMA record names a thread, not a process: transfers to this peer bounce");
+            false
+        } else {
             let mut byte = 0u8;
-            let probe = [Piece { local: std::ptr::addr_of_mut!(byte) as u64, remote: rec.addr, len: 1 }];
+            let probe = [Piece { local: std::ptr::addr_of_mut!(byte) as u64, remote: word, len: 1 }];
             // SAFETY: the one local byte is `byte`, which nothing else touches meanwhile.
-            match unsafe { cma::copy(rec.pid, CmaDir::Read, &probe) } {
+            match unsafe { cma::copy(pid, CmaDir::Read, &probe) } {
                 Ok(()) => true,
-                Err(e) => {
-                    tracing::info!(peer, pid = rec.pid, error = %e, "cross-memory attach refused: transfers to this peer bounce");
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                    tracing::info!(peer, pid, error = %e, "cross-memory attach refused: transfers to this peer bounce");
                     false
                 }
+                Err(e) => {
+                    tracing::debug!(peer, pid, error = %e, "a liveness word could not be read: this request bounces");
+                    return false;
+                }
             }
-        })
+        };
+        self.permitted.lock().insert((pid, start), answer);
+        answer
+    }
+
+    /// Whether the 24 bytes at `at` lie in a mapping of [`LIVE_FILE`] of process (`pid`,
+    /// `start`): only there are they a liveness word its engine wrote. A word anywhere else,
+    /// such as one a remote peer wrote into memory that process registered, binds nothing to
+    /// it. The mappings found are remembered per process: ours are never unmapped, so one stays
+    /// the process's until it ends. (A process that `exec`s keeps its pid and start time: a
+    /// mapping found before then is still believed, and its words must still match a record's
+    /// tag and range, which a forger would have to plant at that very address in the new
+    /// program's registered memory.)
+    fn in_live_area(&self, peer: &str, pid: u32, start: u64, at: u64) -> bool {
+        let Some(end) = at.checked_add(size_of::<Live>() as u64) else { return false };
+        let inside = |areas: &[(u64, u64)]| areas.iter().any(|&(a, b)| a <= at && end <= b);
+        if self.live_areas.lock().get(&(pid, start)).is_some_and(|areas| inside(areas)) {
+            return true;
+        }
+        let Some((a, b, path)) = cma::mapping_of(pid, at) else {
+            tracing::debug!(peer, pid, "a liveness word in no mapping of the process (or no /proc): no CMA");
+            return false;
+        };
+        if path != LIVE_PATH || end > b || cma::start_time(pid) != Some(start) {
+            tracing::warn!(
+                peer,
+                pid,
+                path,
+                "a CMA record's liveness word is not in the process's liveness mapping: refused"
+            );
+            return false;
+        }
+        let mut areas = self.live_areas.lock();
+        if areas.len() >= MAX_WATCHES {
+            areas.retain(|&(p, s), _| cma::start_time(p) == Some(s));
+        }
+        areas.entry((pid, start)).or_default().push((a, b));
+        true
     }
 
     /// Hands request `h`'s parts after the first to the workers and copies the first on the
@@ -572,8 +674,8 @@ impl CmaPath {
             job.part_done(true);
         }
         for part in 1..req.parts.len() {
-            let (pid, start, watch) = (req.pid, req.start, req.watch.clone());
-            let t = Task { job: Arc::clone(&job), parts: Arc::clone(&req.parts), part, pid, start, watch, dir };
+            let (pid, start, watch, live) = (req.pid, req.start, req.watch.clone(), Arc::clone(&req.live));
+            let t = Task { job: Arc::clone(&job), parts: Arc::clone(&req.parts), part, pid, start, watch, live, dir };
             if tx.send(t).is_err() {
                 job.part_done(false);
             }
@@ -846,16 +948,102 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().expect("spawn true");
         let gone = child.id();
         child.wait().unwrap();
-        let rec_gone = CmaRecord { pid: gone, start: 1, ..rec };
-        assert!(!path.permitted("p", &rec_gone));
+        assert!(!path.permitted("p", gone, 1, rec.live));
         assert_eq!(path.permitted.lock().get(&(gone, 1)), Some(&false));
-        assert!(path.permitted("p", &rec), "this process: reachable");
+        assert!(path.permitted("p", rec.pid, rec.start, rec.live), "this process: reachable");
         // A thread's id with its start time passes the process checks and reaches our memory,
         // but names a thread, not a process: refused.
         cma::with_a_thread(|tid| {
             let start = cma::start_time(tid).expect("/proc answers for a thread id");
-            assert!(!path.permitted("p", &CmaRecord { pid: tid, start, ..rec }));
+            assert!(!path.permitted("p", tid, start, rec.live));
         });
+    }
+
+    /// A remote peer that can write into memory a process registered plants there a word
+    /// that reads like a liveness word (the tag it chooses, a range of that process it never
+    /// registered), then publishes a record naming it: refused, because the word is not in the
+    /// process's liveness mapping, and nothing is written.
+    #[test]
+    fn a_liveness_word_planted_in_registered_memory_is_refused() {
+        let stats = Arc::new(Stats::default());
+        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
+        path.allow_self = true;
+        let mut buf = vec![0u64; 8];
+        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let mut victim = vec![0u8; 64];
+        let planted = Live { tag: 0x1235, addr: victim.as_mut_ptr() as u64, len: 64 };
+        (buf[0], buf[1], buf[2]) = (planted.tag, planted.addr, planted.len);
+        let forged = CmaRecord { live: reg.addr, tag: planted.tag, addr: planted.addr, len: planted.len, ..rec };
+        let src = [0xabu8; 16];
+        let into_victim = [DescPair { src: src.as_ptr() as u64, dst: planted.addr, len: 16 }];
+        assert!(path.prep("p", &into_victim, &[(forged, 1)], false).is_none(), "a planted word binds nothing");
+        assert!(victim.iter().all(|b| *b == 0));
+        // The same range, the word in the liveness mapping but not the tag it holds: refused
+        // (a genuine word holds the genuine tag and range).
+        let beside = CmaRecord { tag: planted.tag, ..rec };
+        let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr + 32, len: 16 }];
+        assert!(path.prep("p", &pair, &[(beside, 1)], false).is_none());
+        // A word at the very end of the address space: refused, no overflow.
+        assert!(path.prep("p", &pair, &[(CmaRecord { live: u64::MAX - 8, ..rec }, 1)], false).is_none());
+        // The genuine record still goes, and its process is still permitted.
+        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_some());
+        assert_eq!(path.permitted.lock().get(&(rec.pid, rec.start)), Some(&true));
+    }
+
+    /// A deregistered registration's word reads tag 0: a record that copies the old one with
+    /// tag 0 does not reach the range, and a record naming a bad address does not make the
+    /// process unreachable for the genuine ones.
+    #[test]
+    fn a_tag_zero_record_does_not_reach_a_deregistered_range_nor_a_bad_one_disable_the_process() {
+        let stats = Arc::new(Stats::default());
+        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
+        path.allow_self = true;
+        let mut buf = vec![0u8; 64];
+        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let src = [0xcdu8; 16];
+        let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr, len: 16 }];
+        // A bad address first (where the probe once read: the record's own range).
+        let bad = CmaRecord { addr: 8, len: 64, ..rec };
+        let at_bad = [DescPair { src: src.as_ptr() as u64, dst: 16, len: 16 }];
+        assert!(path.prep("p", &at_bad, &[(bad, 1)], false).is_none());
+        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_some(), "the process stays reachable");
+        path.forget(Md(1));
+        let zero = CmaRecord { tag: 0, ..rec };
+        assert!(path.prep("p", &pair, &[(zero, 1)], false).is_none(), "tag 0 is no live tag");
+        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_none());
+        assert!(buf.iter().all(|b| *b == 0));
+    }
+
+    /// A part that waited in the queue reads its request's liveness words again: a
+    /// registration of the peer deregistered meanwhile is not written.
+    #[test]
+    fn a_queued_part_is_not_copied_once_its_registration_is_gone() {
+        let stats = Arc::new(Stats::default());
+        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
+        path.allow_self = true;
+        let mut buf = vec![0u8; 64];
+        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let src = [7u8; 64];
+        let me = cma::this_process().expect("Linux has /proc");
+        let task = || Task {
+            job: Arc::new(Job::default()),
+            parts: Arc::new(vec![vec![Piece { local: src.as_ptr() as u64, remote: reg.addr, len: 64 }]]),
+            part: 0,
+            pid: me.pid,
+            start: me.start,
+            watch: None,
+            live: Arc::new(vec![(rec.live, Live::of(&rec))]),
+            dir: CmaDir::Write,
+        };
+        assert!(task().run(), "registered: copied");
+        assert_eq!(buf, src);
+        buf.fill(0);
+        path.forget(Md(1));
+        assert!(!task().run(), "deregistered while the part waited: not copied");
+        assert!(buf.iter().all(|b| *b == 0));
     }
 
     /// Deregistering our memory revokes exactly the requests whose pieces touch it: a prepared
@@ -943,6 +1131,7 @@ mod tests {
             pid,
             start,
             watch,
+            live: Arc::new(Vec::new()),
             dir: CmaDir::Read,
         };
         // This very process, as the post checked it: copied.

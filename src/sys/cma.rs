@@ -204,6 +204,76 @@ pub(crate) fn with_a_thread<R>(f: impl FnOnce(u32) -> R) -> R {
     r
 }
 
+/// One liveness word as peers read it with [`copy`]: 24 bytes, three native-endian u64s.
+#[derive(Debug, Default)]
+#[repr(C)]
+pub(crate) struct SharedWord {
+    /// A registration's tag while it lives, 0 otherwise.
+    pub(crate) tag: std::sync::atomic::AtomicU64,
+    /// Its range's start.
+    pub(crate) addr: std::sync::atomic::AtomicU64,
+    /// Its range's length.
+    pub(crate) len: std::sync::atomic::AtomicU64,
+}
+
+/// `count` zeroed words in a shared mapping of a memory file named `name`, mapped for the rest
+/// of the process's life: `/proc/<pid>/maps` shows the mapping as `/memfd:<name> (deleted)`,
+/// which a peer checks before it trusts a word (memory registered for transfers is never such
+/// a mapping, so a word written there by a remote peer is not taken for one).
+///
+/// # Errors
+/// `memfd_create`'s, `ftruncate`'s or `mmap`'s (a seccomp profile may refuse the first).
+pub(crate) fn shared_words(name: &std::ffi::CStr, count: usize) -> io::Result<&'static [SharedWord]> {
+    use std::os::fd::FromRawFd;
+    let len = count.checked_mul(size_of::<SharedWord>()).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `name` is NUL-terminated and outlives the call; MFD_CLOEXEC is a valid flag.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened by this call and is owned by nothing else.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(len as u64)?;
+    // SAFETY: memmap2's contract is that the file is not truncated while mapped: this memory
+    // file is reachable only through `file`, which is dropped right after without being
+    // resized (the mapping keeps the memory).
+    let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }?;
+    let map: &'static mut memmap2::MmapMut = Box::leak(Box::new(map));
+    // SAFETY: the mapping is `len` = `count` * 24 bytes, page-aligned (so aligned for u64),
+    // zero-filled by the kernel (a valid `SharedWord`: three zero atomics), and leaked above,
+    // so it lives, at the same address, as long as the process. Every access goes through
+    // the atomics, so other threads' reads and peers' cross-process reads race with no
+    // undefined behaviour on our side.
+    Ok(unsafe { std::slice::from_raw_parts(map.as_mut_ptr().cast::<SharedWord>(), count) })
+}
+
+/// The mapping of process `pid` that holds address `addr`: its range `[start, end)` and its
+/// path as `/proc/<pid>/maps` shows it (empty for an anonymous mapping); `None` when `addr` is
+/// in none or the file cannot be read.
+pub(crate) fn mapping_of(pid: u32, addr: u64) -> Option<(u64, u64, String)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    find_mapping(&maps, addr).map(|(a, b, path)| (a, b, path.to_owned()))
+}
+
+/// [`mapping_of`] on the text of a `maps` file: lines of `start-end perms offset dev inode
+/// [path]`, the addresses in hex.
+fn find_mapping(maps: &str, addr: u64) -> Option<(u64, u64, &str)> {
+    maps.lines().find_map(|line| {
+        let (range, rest) = line.split_once(' ')?;
+        let (a, b) = range.split_once('-')?;
+        let (a, b) = (u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?);
+        if !(a <= addr && addr < b) {
+            return None;
+        }
+        // Four fields (perms, offset, dev, inode), then the path, which may hold spaces.
+        let mut fields = rest.trim_start();
+        for _ in 0..4 {
+            fields = fields.split_once(' ').map_or("", |(_, r)| r).trim_start();
+        }
+        Some((a, b, fields))
+    })
+}
+
 /// Process `pid`'s start time (`/proc/<pid>/stat` field 22), `None` when there is no such
 /// process.
 pub(crate) fn start_time(pid: u32) -> Option<u64> {
@@ -221,6 +291,37 @@ fn parse_start_time(stat: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mapping_is_found_by_address_with_its_path_spaces_kept() {
+        let maps = "7f00-7f10 rw-s 00000000 00:01 1234                       /memfd:nixl-bounce-live (deleted)\n\
+                    7f10-7f20 rw-p 00000000 00:00 0 \n\
+                    7f20-7f30 r--p 00001000 fd:01 99                         /usr/lib/my lib.so\n";
+        assert_eq!(find_mapping(maps, 0x7f00), Some((0x7f00, 0x7f10, "/memfd:nixl-bounce-live (deleted)")));
+        assert_eq!(find_mapping(maps, 0x7f0f), Some((0x7f00, 0x7f10, "/memfd:nixl-bounce-live (deleted)")));
+        assert_eq!(find_mapping(maps, 0x7f10), Some((0x7f10, 0x7f20, "")), "anonymous: no path");
+        assert_eq!(find_mapping(maps, 0x7f2a), Some((0x7f20, 0x7f30, "/usr/lib/my lib.so")));
+        assert_eq!(find_mapping(maps, 0x7f30), None, "the end is outside");
+        assert_eq!(find_mapping(maps, 0x10), None);
+        assert_eq!(find_mapping("garbage\nzz-yy x\n", 0x10), None);
+    }
+
+    /// The words live in a mapping this process's maps show under the memory file's name, and
+    /// are zero to begin with.
+    #[test]
+    fn shared_words_are_zero_and_shown_under_their_name() {
+        let words = shared_words(c"nixl-bounce-test-words", 1000).expect("memfd_create works on Linux >= 3.17");
+        assert_eq!(words.len(), 1000);
+        assert!(words.iter().all(|w| w.tag.load(std::sync::atomic::Ordering::Relaxed) == 0));
+        let at = std::ptr::from_ref(&words[999]) as u64;
+        let (a, b, path) = mapping_of(std::process::id(), at).expect("the mapping is in /proc/self/maps");
+        assert!(a <= at && at + 24 <= b);
+        assert_eq!(path, "/memfd:nixl-bounce-test-words (deleted)");
+        let heap = Box::new(0u64);
+        let (_, _, path) =
+            mapping_of(std::process::id(), std::ptr::from_ref(&*heap) as u64).expect("the heap is mapped");
+        assert!(!path.starts_with("/memfd:"), "{path}");
+    }
 
     #[test]
     fn the_start_time_is_field_22_even_when_the_name_has_spaces_and_parentheses() {
