@@ -166,6 +166,9 @@ struct Flow {
     /// Its initiator canceled it (a cancel with its token): it reads nothing more, so its
     /// slot is freed as soon as the receiver forgets the flow, with no FAIL.
     canceled: bool,
+    /// An ACK that fails the transfer (Refused, Failed) is written: its initiator ends the
+    /// transfer on reading it, so a FAIL after it would only hold the slot, unread.
+    failed: bool,
 }
 
 /// What became of a message of a transfer waiting for a slot ([`Answering::hold`]).
@@ -394,7 +397,7 @@ impl Answering {
         }
         let writer = self.writer.as_mut().ok_or(OneWayRefused::NoMailbox)?;
         writer.open(now, key.peer, key.xfer, &record_token(token))?;
-        self.flows.insert(key, Flow { token, chunks, scattered: 0, closed: false, canceled: false });
+        self.flows.insert(key, Flow { token, chunks, scattered: 0, closed: false, canceled: false, failed: false });
         Ok(())
     }
 
@@ -412,9 +415,18 @@ impl Answering {
     /// once the receiver forgot the flow stayed unread and held the slot for the whole linger:
     /// 64 canceled transfers of one initiator within a request timeout (vLLM aborts requests
     /// routinely) stalled its later one-way transfers to this target.
+    /// A flow already closed, its slot lingering for a CURSOR that counts records its
+    /// initiator will now never read, is freed at once for the same reason.
     pub fn note_cancel(&mut self, key: FlowKey, token: Token) {
-        if let Some(f) = self.flows.get_mut(&key).filter(|f| f.token == token && !f.closed) {
-            f.canceled = true;
+        match self.flows.get_mut(&key).filter(|f| f.token == token) {
+            Some(f) if !f.closed => f.canceled = true,
+            Some(_) => {
+                if let Some(w) = self.writer.as_mut() {
+                    w.drop_transfer(key.peer, key.xfer);
+                }
+                self.flows.remove(&key);
+            }
+            None => {}
         }
     }
 
@@ -482,8 +494,10 @@ impl Answering {
             let xfer = action_xfer(&action);
             let key = FlowKey { peer, xfer };
             for answer in answers {
-                if let (Answer::Ack { status: AckStatus::Scattered, .. }, Some(f)) = (&answer, flows.get_mut(&key)) {
-                    f.scattered += 1;
+                match (&answer, flows.get_mut(&key)) {
+                    (Answer::Ack { status: AckStatus::Scattered, .. }, Some(f)) => f.scattered += 1,
+                    (Answer::Ack { status: AckStatus::Refused | AckStatus::Failed, .. }, Some(f)) => f.failed = true,
+                    _ => {}
                 }
                 // The receiver only answers with regions it allocated: never invalid.
                 if writer.answer(peer, xfer, answer).is_err() {
@@ -502,7 +516,7 @@ impl Answering {
                 writer.drop_transfer(key.peer, key.xfer);
                 continue;
             }
-            if f.scattered < f.chunks {
+            if f.scattered < f.chunks && !f.failed {
                 let reason = if shutting_down { FailReason::Shutdown } else { FailReason::TimedOut };
                 let _ = writer.answer(key.peer, key.xfer, Answer::Fail(reason));
             }

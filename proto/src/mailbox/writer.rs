@@ -164,10 +164,15 @@ impl MailboxWriter {
     }
 
     /// `peer`'s transfer `xfer` is over and its initiator reads no more (it canceled): its
-    /// backlog is dropped and its slot freed at once. Unknown transfers are ignored.
+    /// backlog is dropped and its slot freed at once, open or already closing (lingering for
+    /// a last count of records that will not come). Unknown transfers are ignored.
     pub fn drop_transfer(&mut self, peer: PeerId, xfer: XferId) {
-        if let Some(flow) = self.flows.remove(&(peer, xfer)) {
-            self.table.release_slot(flow.slot);
+        let slot = match self.flows.remove(&(peer, xfer)) {
+            Some(flow) => Some(flow.slot),
+            None => self.table.slot_of(peer, xfer),
+        };
+        if let Some(slot) = slot {
+            self.table.release_slot(slot);
         }
     }
 

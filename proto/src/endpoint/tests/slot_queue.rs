@@ -211,6 +211,44 @@ fn ended_one_way_flow() -> (Endpoint, Instant) {
     (ep, reclaimed)
 }
 
+/// A one-way WANT refused as it opens (its destination deregistered) gets its ACK(Refused)
+/// and no FAIL after it: its initiator ends the transfer on the ACK and reports reading one
+/// record, which frees the slot then, not after the linger.
+#[test]
+fn a_one_way_want_refused_at_open_gets_no_fail_and_its_cursor_frees_the_slot() {
+    let (mut ep, t) = target();
+    ep.deregister(t, Some(REG), DST, 64 * KIB);
+    drain(&mut ep);
+    let _ = ep.handle_msg(t, INI, one_way_want(1));
+    let mut written = BTreeMap::new();
+    let acts = drain(&mut ep);
+    count_records(&acts, &mut written);
+    assert_eq!(written.get(&1), Some(&1), "the ACK(Refused) alone: {acts:?}");
+    let cursor = Msg::Cursor(wire::Cursor { xfer: XferId(1), token: token(1), consumed: 1 });
+    ep.handle_msg(t, INI, cursor).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.answering_slots_held(), 0, "freed by the cursor, not after the linger");
+}
+
+/// A cancel of a one-way flow the target has already closed (its FAIL written, its slot
+/// lingering for the last CURSOR) frees the slot at once: its initiator will read no more
+/// records, so no CURSOR would ever count that FAIL. A cancel with another token frees nothing.
+#[test]
+fn a_cancel_of_a_closed_one_way_flow_frees_its_lingering_slot() {
+    let (mut ep, reclaimed) = ended_one_way_flow();
+    let _ = ep.handle_msg(reclaimed, INI, Msg::cancel(XferId(3), FORGED, Vec::new()));
+    drain(&mut ep);
+    assert_eq!(ep.answering_slots_held(), 1, "a forged cancel frees nothing");
+    ep.handle_msg(reclaimed, INI, Msg::cancel(XferId(3), token(3), Vec::new())).unwrap();
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!(ep.answering_slots_held(), 0, "freed with the cancel");
+    assert!(!ep.answering.holds(INI));
+    // A late CURSOR is harmless, and a replayed WANT still opens nothing.
+    let cursor = Msg::Cursor(wire::Cursor { xfer: XferId(3), token: token(3), consumed: 1 });
+    let _ = ep.handle_msg(reclaimed, INI, cursor);
+    assert_eq!(ep.answering_slots_held(), 0);
+}
+
 /// A slot whose FAIL is never reported read frees at the first timeout after its linger, with
 /// no WANT waiting for it: its initiator's name is then free to be forgotten.
 #[test]
