@@ -66,6 +66,12 @@ pub(crate) enum Released {
     InFlight(XferId),
 }
 
+/// The transfer id before a table's first, taken at `now`: nanoseconds since 1970 (below
+/// 2^61 until the year 2043, leaving 2^62 ids), or 0 for a clock before 1970.
+fn first_xfer(now: std::time::SystemTime) -> u64 {
+    now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(0) & ((1 << 62) - 1))
+}
+
 /// The request table.
 #[derive(Debug, Default)]
 pub(crate) struct Requests {
@@ -83,9 +89,15 @@ pub(crate) struct Requests {
 }
 
 impl Requests {
-    /// An empty table that rings `bell` whenever a request finishes.
+    /// An empty table that rings `bell` whenever a request finishes. Its transfer ids start
+    /// above the wall clock's nanoseconds since 1970, not at 1: a process restarted under
+    /// the same agent name then numbers its transfers above any its previous incarnation used.
+    /// A target that cannot tell the two apart (one that never loaded our metadata) would
+    /// otherwise take a reused id for the old transfer still open there, refuse the new
+    /// WANT's token as a forgery and let the transfer time out, and would serve inline WANTs
+    /// the slow way until the ids passed the old ones (they only grow).
     pub(crate) fn new(bell: Arc<Doorbell>) -> Self {
-        Self { bell, ..Self::default() }
+        Self { bell, next_xfer: AtomicU64::new(first_xfer(std::time::SystemTime::now())), ..Self::default() }
     }
 
     /// Requests posted and not yet finished or released.
@@ -212,6 +224,29 @@ mod tests {
         let idle = t.insert("peer".into(), None, Plan::default());
         assert_eq!(t.remove(idle), Some(Released::Idle));
         assert_eq!(t.remove(idle), None);
+    }
+
+    /// A table made after another (a process restarted under the same name) numbers its
+    /// transfers above every id the earlier one used, however many it posted.
+    #[test]
+    fn a_later_table_numbers_its_transfers_above_an_earlier_ones() {
+        let earlier = Requests::new(Arc::new(Doorbell::default()));
+        let h = earlier.insert("peer".into(), None, Plan::default());
+        let mut last = XferId(0);
+        for _ in 0..10_000 {
+            let p = earlier.post(h, None).unwrap();
+            assert!(p.xfer > last, "ids only grow");
+            last = p.xfer;
+            earlier.finish(h, p.xfer, Ok(()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        let later = Requests::new(Arc::new(Doorbell::default()));
+        let h = later.insert("peer".into(), None, Plan::default());
+        assert!(later.post(h, None).unwrap().xfer > last);
+        let epoch = std::time::UNIX_EPOCH;
+        assert_eq!(first_xfer(epoch + Duration::from_secs(1)), 1_000_000_000);
+        assert!(first_xfer(epoch + Duration::from_secs(2_000_000_000)) < 1 << 62, "masked below 2^62");
+        assert_eq!(first_xfer(epoch - Duration::from_secs(1)), 0, "a clock before 1970");
     }
 
     /// The first check of an in-flight request answers at once; a check right behind it (a

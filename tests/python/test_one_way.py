@@ -6,12 +6,14 @@ and every failure resolves the transfer: a target killed mid-transfer, a transfe
 mid-flight (both arenas come back whole, then the same pair is byte-exact again). Over both
 control channels."""
 import base64
+import signal
 import struct
 import time
 
 import pytest
 
 import nixlkit
+from conftest import run_isolated
 from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, dump, kill_mid_flight, meta_b64,  # noqa: F401
                            peer_stats, post, procs, resolve, settle, settle_local, stats, streaming_kill_or_cancel, watchdog)
 
@@ -31,6 +33,7 @@ def pair_script(prefix, control, seed):
     return f"""
 import gc, time
 import nixlkit
+from conftest import run_isolated
 P = {params!r}
 a, b = nixlkit.agent("{prefix}-a", params=P), nixlkit.agent("{prefix}-b", params=P)
 small, big = nixlkit.Scattered(1024, 4096, seed={seed}), nixlkit.Scattered(8192, 4096, seed={seed + 1})
@@ -130,6 +133,7 @@ def test_a_peer_that_reloads_our_metadata_without_restarting_goes_two_way_again(
     from conftest import run_isolated
     code = """
 import nixlkit
+from conftest import run_isolated
 a, b = nixlkit.agent("rl-a"), nixlkit.agent("rl-b")
 lay = nixlkit.Scattered(1024, 4096, seed=81)
 src, dst = nixlkit.pattern(82, lay.src_bytes), nixlkit.pattern(83, lay.dst_bytes)
@@ -437,3 +441,76 @@ def test_a_one_way_cancel_frees_both_arenas_then_the_pair_is_byte_exact(procs, t
     assert s1["passthrough_xfers"] == s0["passthrough_xfers"]
     # The cancel (a frame to the target) frees its regions at once, not by the timeout.
     assert settled < TIMEOUT_MS / 1000 / 2, f"regions came back only after {settled:.1f}s"
+
+
+def test_a_one_way_initiator_killed_with_a_transfer_open_and_restarted_under_its_name_is_served_at_once(tmp_path):
+    """The target never loads the initiator's metadata, so it cannot tell a restarted initiator
+    from the old one: a transfer the old process left open stays there until its timeout. The
+    restarted process numbers its transfers above the old one's, so its first transfer meets no
+    old flow, is not taken for a forgery (another token under an id in use), and is served at
+    once, byte-exact. Until session 51 both numbered from 1, and the new transfer timed out."""
+    timeout_ms = 10_000  # the old flow stays open this long: the restart comes well within it
+    # An arena with room beside the old flow's window (8 of its 64 chunks granted): with none,
+    # the new flow would wait for the dead one's regions, and go with its peer's unserved flows
+    # when the old grant lapses (the target cannot tell the two incarnations apart).
+    params = {**SMALL, "bounce_request_timeout_ms": str(timeout_ms), "bounce_arena_size": "32MiB"}
+    big, small = nixlkit.Scattered(16384, 4096, seed=72), nixlkit.Scattered(1024, 4096, seed=73)
+    rx = nixlkit.agent("ow-restart-rx", params=params)
+    dst = nixlkit.pattern(74, big.dst_bytes)
+    nixlkit.register(rx, dst)
+    meta = tmp_path / "rx.meta"
+    meta.write_bytes(rx.get_agent_metadata())
+
+    def initiator(lay, seed, then):
+        return f"""
+import os, signal, time
+import nixlkit
+from conftest import run_isolated
+ag = nixlkit.agent("ow-restart-tx", params={params!r})
+lay = nixlkit.Scattered({lay.n}, 4096, seed={seed})
+src = nixlkit.pattern({seed + 10}, lay.src_bytes)
+nixlkit.register(ag, src)
+ag.add_remote_agent(open({str(meta)!r}, "rb").read())
+lo = ag.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+re = ag.get_xfer_descs(lay.dst_list({dst.ctypes.data}), "DRAM")
+h = ag.initialize_xfer("WRITE", lo, re, "ow-restart-rx", b"", backends=["BOUNCE"])
+t0 = time.monotonic()
+assert ag.transfer(h) != "ERR"
+{then}
+"""
+    nixlkit.poll(rx)
+    s0 = stats(rx)
+    # The first incarnation dies right after its post: its transfer is open at the target.
+    rc, out = run_isolated(initiator(big, 72, "os.kill(os.getpid(), signal.SIGKILL)"), timeout=60)
+    killed = time.monotonic()
+    assert rc == -signal.SIGKILL, f"the first initiator was to die by SIGKILL: rc={rc}\n{out[-2000:]}"
+    wait = """
+st = ag.check_xfer_state(h)
+while st == "PROC" and time.monotonic() - t0 < 8:
+    st = ag.check_xfer_state(h)
+print("STATE", st, time.monotonic() - t0, flush=True)
+p = nixlkit.live_params(ag, "BOUNCE")
+print("STATS", p["stats.one_way_sent"], p["stats.bounce_ok"], p["stats.passthrough_xfers"], flush=True)
+"""
+    time.sleep(0.5)  # the old transfer's chunks already sent settle at the target
+    before = dst.copy()
+    rc, out = run_isolated(initiator(small, 73, wait), timeout=60)
+    restarted_after = time.monotonic() - killed
+    nixlkit.poll(rx)  # getNotifs refreshes the published counters
+    s1 = stats(rx)
+    assert rc == 0, out[-3000:]
+    state = [line for line in out.splitlines() if line.startswith("STATE")]
+    assert state and state[0].split()[1] == "DONE", f"the restarted initiator's transfer: {state}\n{out[-3000:]}"
+    assert float(state[0].split()[2]) < 5, f"served only after {state[0].split()[2]} s"
+    # The restart came while the old transfer was still open at the target (or this test
+    # proves nothing) ...
+    assert restarted_after < timeout_ms / 1000, f"the restart took {restarted_after:.1f} s: past the old flow"
+    assert s1["flows_timed_out"] == s0["flows_timed_out"], "the old flow was already gone"
+    # ... and its frames were not taken for forgeries of the old one's.
+    assert s1["control_forged"] == s0["control_forged"], (s0, s1)
+    assert s1["records_written"] > s0["records_written"], "the target answered through its mailbox"
+    # The restarted initiator's transfer bounced one way, not through plain UCX.
+    counts = [line.split()[1:] for line in out.splitlines() if line.startswith("STATS")]
+    assert counts == [["1", "1", "0"]], f"one_way_sent, bounce_ok, passthrough_xfers: {counts}"
+    src2 = nixlkit.pattern(83, small.src_bytes)
+    nixlkit.assert_same(dst, small.expected(src2, before), "destination of the restarted initiator's transfer")
