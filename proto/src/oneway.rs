@@ -73,7 +73,13 @@ impl OneWayLayout {
     /// The layout for `config`: `ring` = 2W + 2 records per slot (up to W GRANTs and W ACKs
     /// unread, a FAIL, one spare), so a reader that keeps up never holds an answer back.
     pub fn for_config(config: &Config) -> Self {
-        let ring = (2 * config.max_inflight_chunks + 2).clamp(CANDIDATES as u32, MailboxLayout::MAX_RING);
+        // Saturating: a window near u32::MAX (a valid setting) overflowed, a panic in a debug
+        // build and, wrapped, a ring of 8 in a release one.
+        let ring = config
+            .max_inflight_chunks
+            .saturating_mul(2)
+            .saturating_add(2)
+            .clamp(CANDIDATES as u32, MailboxLayout::MAX_RING);
         let layout = MailboxLayout { slots: MAILBOX_SLOTS, ring };
         let offset = config.arena_usable_capacity();
         let fetch_offset = offset + layout.byte_len();
@@ -721,6 +727,16 @@ impl Reading {
 mod tests {
     use super::*;
     use crate::{ControlKind, MemKind};
+
+    /// The ring holds 2W + 2 records, within the layout's bounds, whatever the window.
+    #[test]
+    fn the_ring_follows_the_window_within_its_bounds_even_for_the_largest_window() {
+        let ring = |w| OneWayLayout::for_config(&Config { max_inflight_chunks: w, ..Config::default() }).mailbox.ring;
+        assert_eq!(ring(8), 18);
+        assert_eq!(ring(1), CANDIDATES as u32, "at least one record per candidate slot");
+        assert_eq!(ring(u32::MAX / 2 + 1), MailboxLayout::MAX_RING, "no overflow");
+        assert_eq!(ring(u32::MAX), MailboxLayout::MAX_RING);
+    }
 
     #[test]
     fn a_peers_mailbox_is_used_only_inside_the_registration_it_advertised() {
