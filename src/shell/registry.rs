@@ -47,6 +47,10 @@ pub(crate) struct Registry {
     /// The table's length, stored under its lock by every change: a polling application's
     /// stats refresh reads it without taking the lock (issue 12).
     len: AtomicUsize,
+    /// Registrations of GPU memory that is not on the GPU their device id names (see
+    /// [`Self::set_misplaced`]), and how many (read without the lock: almost always 0).
+    misplaced: Mutex<MdMap<()>>,
+    misplaced_len: AtomicUsize,
 }
 
 impl Registry {
@@ -62,7 +66,31 @@ impl Registry {
         let mut t = self.table.lock();
         let r = t.remove(&md);
         self.len.store(t.len(), Relaxed);
+        if self.misplaced_len.load(Relaxed) > 0 {
+            let mut m = self.misplaced.lock();
+            m.remove(&md);
+            self.misplaced_len.store(m.len(), Relaxed);
+        }
         r
+    }
+
+    /// Marks registration `md` as GPU memory whose device id is not the GPU it is on: no
+    /// kernel of ours may touch it (one launched on the named GPU would fault, and leave that
+    /// GPU's context, the application's, unusable), so transfers from it go to UCX.
+    pub(crate) fn set_misplaced(&self, md: Md) {
+        let mut m = self.misplaced.lock();
+        m.insert(md, ());
+        self.misplaced_len.store(m.len(), Relaxed);
+    }
+
+    /// Whether one of the registrations `mds` is [misplaced](Self::set_misplaced); costs one
+    /// atomic load while none is.
+    pub(crate) fn any_misplaced(&self, mut mds: impl Iterator<Item = Md>) -> bool {
+        if self.misplaced_len.load(Relaxed) == 0 {
+            return false;
+        }
+        let m = self.misplaced.lock();
+        mds.any(|md| m.contains_key(&md))
     }
 
     /// How many there are (as of the last change; no lock).
@@ -114,5 +142,18 @@ mod tests {
         assert_eq!(r.len(), 3);
         assert!(r.remove(Md(1)).is_some());
         assert!(r.covering(host, 1000, 100).is_none());
+    }
+
+    #[test]
+    fn a_misplaced_registration_is_found_among_a_requests_until_it_is_removed() {
+        let r = Registry::default();
+        r.insert(Md(2), Registration { addr: 5000, len: 100, dev: 1, mem: MemKind::Vram });
+        r.insert(Md(3), Registration { addr: 9000, len: 100, dev: 0, mem: MemKind::Vram });
+        assert!(!r.any_misplaced([Md(2), Md(3)].into_iter()));
+        r.set_misplaced(Md(2));
+        assert!(r.any_misplaced([Md(3), Md(2)].into_iter()));
+        assert!(!r.any_misplaced([Md(3), Md(3)].into_iter()));
+        assert!(r.remove(Md(2)).is_some());
+        assert!(!r.any_misplaced([Md(2)].into_iter()), "forgotten with its registration");
     }
 }

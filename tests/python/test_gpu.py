@@ -96,6 +96,40 @@ def test_vram_scattered_write_bounces_byte_exact(peer, tmp_path, n, size, region
         assert t["region_plans_received"] == s["region_plans_sent"] and t["region_plans_failed"] == 0, t
 
 
+def test_vram_registered_under_another_gpus_id_goes_to_ucx_and_leaves_the_gpu_usable(peer, tmp_path):
+    """GPU memory registered with the device id of another GPU (a wrong index, a rank where
+    the ordinal belongs): UCX finds the GPU from the address, but a kernel of ours launched on
+    the named GPU would fault and leave that GPU's context, the application's, unusable. The
+    engine asks the driver where the memory is, finds the ids differ, and sends the transfer
+    to UCX: byte-exact, counted as a fallback for its memory, and the GPU works after it."""
+    import torch
+    lay = nixlkit.Scattered(16384, 4096, seed=911)
+    name = "gmis"
+    p = peer()
+    meta, raddr = p.start(name=f"{name}-rx", size=lay.dst_bytes, seed=913, mem="VRAM", dev=PEER_GPU, params=VRAM)
+    ag = nixlkit.agent(f"{name}-tx", params=VRAM)
+    src = nixlkit.VramBuf(nixlkit.pattern(912, lay.src_bytes), 0)
+    wrong = torch.cuda.device_count()  # no GPU has this ordinal: never the memory's
+    ag.register_memory(ag.get_reg_descs([(nixlkit.addr(src), src.nbytes, wrong, "")], "VRAM"), backends=[B])
+    ag.add_remote_agent(meta)
+    connect(ag, p)
+    s0 = stats(ag)
+    lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(src), wrong), "VRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr, PEER_GPU), "VRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, f"{name}-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h, deadline=120)
+    ag.release_xfer_handle(h)
+    s1 = stats(ag)
+    got = remote_host_copy(p, tmp_path)
+    nixlkit.assert_same(got, lay.expected(nixlkit.pattern(912, lay.src_bytes), nixlkit.pattern(913, lay.dst_bytes)),
+                        "VRAM destination")
+    assert s1["bounce_xfers"] == s0["bounce_xfers"] and s1["ipc_xfers"] == s0["ipc_xfers"], (s0, s1)
+    assert s1["passthrough_xfers"] == s0["passthrough_xfers"] + 1, (s0, s1)
+    assert s1["fallback_mem"] == s0["fallback_mem"] + 1, (s0, s1)
+    assert torch.zeros(4, device="cuda:0").add(1).sum().item() == 4, "the GPU's context still works"
+
+
 def test_vram_scattered_read_bounces_byte_exact(peer):
     """READ (vLLM's pull): the target gathers its scattered VRAM pieces into its GPU arena with
     the gather kernel, we READ each region into our GPU arena and scatter it here; every

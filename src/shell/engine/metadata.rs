@@ -145,8 +145,18 @@ impl Engine {
     }
 
     /// Records a registration made through this engine, keyed by the inner metadata handle.
+    /// GPU memory whose device id is not the GPU the driver says it is on is recorded as
+    /// misplaced and given nothing else: no key and no same-host record (peers reach it
+    /// through UCX), no scatter target, and our transfers from it go to UCX. UCX finds the GPU
+    /// from the address itself, so a wrong id costs it nothing; one of our kernels launched on
+    /// the named GPU would fault on the address and leave that GPU's context, the
+    /// application's, unusable.
     pub(crate) fn mem_registered(&self, md: Md, reg: Registration) {
         self.registry.insert(md, reg);
+        if reg.mem == MemKind::Vram && !on_its_gpu(&reg) {
+            self.registry.set_misplaced(md);
+            return;
+        }
         let key = self.keys.issue(md);
         if key.is_some() {
             let reach = match reg.mem {
@@ -217,6 +227,30 @@ impl Engine {
     pub(crate) fn remote_md_unloaded(&self, md: Md) {
         if let (Some(handle), Some(ipc)) = (self.keys.remote_unloaded(md), &self.ipc) {
             ipc.unmap(&handle);
+        }
+    }
+}
+
+/// Whether GPU registration `reg` is on the GPU its device id names, as the driver says.
+/// Without a usable driver nothing of ours touches GPU memory anyway: taken as it is.
+fn on_its_gpu(reg: &Registration) -> bool {
+    match crate::sys::cuda::device_of(reg.addr) {
+        Ok(ordinal) => {
+            let same = u64::try_from(ordinal).is_ok_and(|o| o == reg.dev);
+            if !same {
+                tracing::warn!(
+                    addr = reg.addr,
+                    dev = reg.dev,
+                    gpu = ordinal,
+                    "GPU memory registered with the device id of another GPU: its transfers go to UCX"
+                );
+            }
+            same
+        }
+        Err(crate::sys::cuda::CudaError::Unavailable(_)) => true,
+        Err(e) => {
+            tracing::warn!(addr = reg.addr, dev = reg.dev, error = %e, "GPU memory the driver does not know: its transfers go to UCX");
+            false
         }
     }
 }

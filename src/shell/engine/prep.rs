@@ -93,6 +93,10 @@ impl Engine {
         (remote, remote_mem): (&[DescView], Option<MemSeg>),
         agent: &str,
     ) -> Option<u64> {
+        // Our GPU memory registered under another GPU's id: no kernel of ours may touch it.
+        if self.registry.any_misplaced(local.iter().map(|d| d.md)) {
+            return self.count_fallback(FallbackReason::Mem);
+        }
         let PrepScratch { l, r, pairs, segs } = scratch;
         let to_desc = |d: &DescView| gate::Desc { addr: d.addr, len: d.len, dev: d.dev };
         l.clear();

@@ -95,6 +95,25 @@ pub fn current_device() -> Result<Option<i32>, CudaError> {
     Ok(None)
 }
 
+/// The ordinal of the GPU whose memory address `ptr` is, as the driver knows it
+/// (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`), whatever device id the application gave with it.
+/// Creates no context. `Unavailable` without libcuda; the driver's error for an address it does
+/// not know (host memory it never saw, say).
+pub fn device_of(ptr: u64) -> Result<i32, CudaError> {
+    driver()?;
+    let mut ordinal: i32 = -1;
+    // SAFETY: the driver is initialised (above); the out-pointer is valid for the attribute's
+    // one i32; the driver looks `ptr` up in its own tables and never dereferences it.
+    check("cuPointerGetAttribute", unsafe {
+        cu::cuPointerGetAttribute(
+            std::ptr::from_mut(&mut ordinal).cast::<c_void>(),
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    })?;
+    Ok(ordinal)
+}
+
 /// How many GPUs the driver shows this process (`CUDA_VISIBLE_DEVICES` applied). Creates no
 /// context. `Unavailable` without libcuda.
 pub fn device_count() -> Result<i32, CudaError> {
