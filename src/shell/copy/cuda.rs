@@ -175,8 +175,15 @@ impl CudaCopyEngine {
                 // Without an event nothing tells when the stream is past this job's queued
                 // work: wait for it here (a failure path only) before reusing the context.
                 tracing::warn!(job = job.job.0, error = %e, "CUDA event record failed");
-                let _ = c.synchronize();
-                self.pool.release(ctx);
+                match c.synchronize() {
+                    Ok(()) => self.pool.release(ctx),
+                    Err(e) => {
+                        // Not known to be past the job: the context is never handed out again,
+                        // and the engine takes no more jobs (it fails them, as after a fault).
+                        tracing::error!(job = job.job.0, error = %e, "CUDA stream wait failed after a failed event record");
+                        self.broken = true;
+                    }
+                }
                 self.failed.push(job.job);
             }
         }
