@@ -83,7 +83,8 @@ impl Driver {
                 std::thread::sleep(BUSY_SLEEP);
             }
         }
-        let ended = self.writes.is_empty() && !self.fetches.reading();
+        // A mailbox READ let go in flight earlier may still land in the fetch area: not quiet.
+        let ended = self.writes.is_empty() && !self.fetches.reading() && !self.fetches.may_still_land();
         for w in self.writes.drain(..) {
             self.data.release(w.id);
             if let Some(pin) = w.pin {

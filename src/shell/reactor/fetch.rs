@@ -58,13 +58,26 @@ pub(crate) struct Fetches {
     /// not hold every slice and starve the transfers to the others.
     held: HashMap<PeerId, u32>,
     per_peer_max: u32,
+    /// The peer registrations of READs let go in flight (an ended transfer's, after
+    /// `FETCH_LET_GO`), and whether there was one at all: such a READ may still land in our
+    /// fetch area, so the area is not unmapped at a stop ([`Self::may_still_land`]) and those
+    /// registrations are not unloaded ([`Self::uses`]) while the engine lives.
+    let_go: Vec<Md>,
+    let_go_any: bool,
 }
 
 impl Fetches {
     /// `slices` fetch slices, all free, at most a quarter of them (at least one) to one target.
     pub(crate) fn new(slices: u32) -> Self {
         let per_peer_max = (slices / 4).max(1);
-        Self { free: (0..slices).rev().collect(), polls: HashMap::new(), held: HashMap::new(), per_peer_max }
+        Self {
+            free: (0..slices).rev().collect(),
+            polls: HashMap::new(),
+            held: HashMap::new(),
+            per_peer_max,
+            let_go: Vec::new(),
+            let_go_any: false,
+        }
     }
 
     /// True when some READ is in flight or some transfer is being polled.
@@ -134,9 +147,22 @@ impl Fetches {
         self.polls.values_mut().flat_map(|p| std::mem::take(&mut p.reads)).collect()
     }
 
-    /// True when a READ in flight goes through the peer registration `md`.
+    /// True when a READ in flight goes through the peer registration `md`, or one let go did.
     pub(crate) fn uses(&self, md: Md) -> bool {
-        self.polls.values().any(|p| !p.reads.is_empty() && p.remote_md == Some(md))
+        self.let_go.contains(&md) || self.polls.values().any(|p| !p.reads.is_empty() && p.remote_md == Some(md))
+    }
+
+    /// A READ through `md` was released before it came back (see the field `let_go`).
+    pub(crate) fn note_let_go(&mut self, md: Option<Md>) {
+        self.let_go_any = true;
+        if let Some(md) = md.filter(|m| !self.let_go.contains(m)) {
+            self.let_go.push(md);
+        }
+    }
+
+    /// Whether a READ let go may still land in the fetch area.
+    pub(crate) fn may_still_land(&self) -> bool {
+        self.let_go_any
     }
 
     /// `xfer` is no longer read (it ended) and none of its READs is in flight: its slice is
@@ -167,6 +193,22 @@ mod tests {
     use super::*;
 
     const P: PeerId = PeerId(1);
+
+    /// A READ let go in flight keeps its peer registration loaded and the fetch area mapped
+    /// for the engine's life, whatever happens to its transfer's poll.
+    #[test]
+    fn a_read_let_go_keeps_its_registration_and_the_area() {
+        let mut f = Fetches::new(8);
+        assert!(!f.may_still_land() && !f.uses(Md(7)));
+        f.poll(XferId(1), P, Instant::now()).expect("a slice");
+        f.note_let_go(Some(Md(7)));
+        f.remove(XferId(1));
+        assert!(f.may_still_land());
+        assert!(f.uses(Md(7)) && !f.uses(Md(8)));
+        f.note_let_go(Some(Md(7)));
+        f.note_let_go(None);
+        assert_eq!(f.let_go, [Md(7)], "each registration once");
+    }
 
     #[test]
     fn polls_back_off_after_empty_rounds_up_to_the_cap_and_snap_back_on_an_answer() {

@@ -28,6 +28,8 @@ impl Driver {
             let live = self.ep.fetch(xfer).is_some();
             let Some(poll) = self.fetches.existing(xfer) else { continue };
             let mut pending = false;
+            // A READ let go below: through which peer registration.
+            let mut let_go = None;
             let mut k = 0;
             while k < poll.reads.len() {
                 match self.data.check(&poll.reads[k]) {
@@ -56,12 +58,16 @@ impl Driver {
                 for id in std::mem::take(&mut poll.reads) {
                     self.data.release(id);
                 }
+                let_go = Some(poll.remote_md);
                 pending = false;
             }
             if pending {
                 continue;
             }
             if !live {
+                if let Some(md) = let_go {
+                    self.fetches.note_let_go(md);
+                }
                 self.fetches.remove(xfer);
                 continue;
             }
