@@ -515,6 +515,17 @@ pub enum ProtocolError {
         /// The flow.
         xfer: XferId,
     },
+    /// A WANT or PULL that would open again a flow that ended here: a captured frame sent
+    /// again (its proofs, made with its own token, still check out), whose DATA would scatter
+    /// whatever its region holds now into the old transfer's destinations. Ignored, counted in
+    /// [`Stats::control_forged`].
+    #[error("peer {}: transfer {} already ended here: a replay, ignored", .peer.0, .xfer.0)]
+    Replayed {
+        /// The sending peer.
+        peer: PeerId,
+        /// The transfer named.
+        xfer: XferId,
+    },
     /// A WANT naming a live READ flow (the mirror of a PULL for a WRITE flow); ignored.
     #[error("peer {}: WANT for transfer {}, a READ flow", .peer.0, .xfer.0)]
     WantForReadFlow {

@@ -250,6 +250,10 @@ pub struct Receiver {
     /// is a replay (a captured WANT and DATA sent again would otherwise scatter whatever the
     /// standing region holds now into the old transfer's destinations). Kept as `inline_floor`.
     claim_floor: BTreeMap<PeerId, XferId>,
+    /// Per peer, the transfers whose flows ended here: a WANT or PULL opening one again is a
+    /// replay (a captured WANT and DATA sent again would otherwise scatter whatever the new
+    /// flow's region holds now into the old transfer's destinations). Kept as `inline_floor`.
+    ended: BTreeMap<PeerId, ended::Ended>,
     /// Largest standing credit given to one peer (`bounce_standing_bytes`); 0: none.
     standing_bytes: u64,
     /// Each peer's standing flow (at most one) and its chunk's bytes.
@@ -281,6 +285,7 @@ impl Receiver {
             inline_declined: 0,
             inline_held: 0,
             inline_floor: BTreeMap::new(),
+            ended: BTreeMap::new(),
             claim_floor: BTreeMap::new(),
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
@@ -459,6 +464,10 @@ impl Receiver {
             // Sent after the writes of the transfer ended: nothing can land any more.
             self.reclaim(ctx, key, Reuse::Now);
             return Ok(());
+        }
+        if !self.flows.contains_key(&key) && self.ended.get(&from).is_some_and(|e| e.covers(want.xfer)) {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::Replayed { peer: from, xfer: want.xfer });
         }
         if self.shutting_down {
             debug!(peer = from.0, xfer = want.xfer.0, "WANT refused: shutting down");
@@ -1038,6 +1047,7 @@ fn refuse_xfer(ctx: &mut Ctx<'_>, to: PeerId, xfer: XferId, token: Token) {
 }
 
 mod checks;
+mod ended;
 mod inline;
 mod read;
 mod reclaim;

@@ -688,6 +688,11 @@ fn a_read_split_in_pulls_is_served_from_its_first_pull_and_kept_until_its_last()
     ep.handle_msg(now, peer, pull(xfer, 3, 3..4, 4)).unwrap();
     assert_eq!((ep.remote_flows(), ep.stats().late_data), (0, 1));
     assert!(drain(&mut ep).is_empty());
+    // Its opening PULL sent again is a replay: it opens nothing and gathers nothing.
+    let r = ep.handle_msg(now, peer, pull(xfer, 0, 0..1, 3));
+    assert!(matches!(r, Err(ProtocolError::Replayed { .. })), "{r:?}");
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!(ep.remote_flows(), 0);
     ep.receiver().check_invariants().unwrap();
 }
 

@@ -11,6 +11,7 @@ impl Receiver {
         self.inline_floor.remove(&peer);
         self.claim_floor.remove(&peer);
         self.reclaim_flows_of(ctx, peer);
+        self.ended.remove(&peer);
     }
 
     /// Reclaims every flow of `peer`, keeping its replay floors: for a peer that keeps its id
@@ -175,6 +176,7 @@ impl Receiver {
     pub(super) fn forget(&mut self, key: FlowKey) -> bool {
         match self.flows.remove(&key) {
             Some(flow) => {
+                self.ended.entry(key.peer).or_default().note(key.xfer);
                 self.timers.stop(key);
                 self.inline_held -= flow.inline.as_ref().map_or(0, |i| i.bytes.len() as u64);
                 if flow.standing {

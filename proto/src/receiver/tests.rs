@@ -991,6 +991,34 @@ fn an_inline_chunk_whose_runs_leave_the_proven_memory_is_refused_and_writes_noth
     assert_eq!(ep.stats().inline_taken, 0);
 }
 
+/// A captured WANT and its DATA sent again after their flow ended: the WANT's proofs still
+/// check out (made with its own token), and the region it would get is likely the same one,
+/// so its DATA would scatter whatever the region holds now into the old destinations. The
+/// ended transfer's WANT is ignored (counted as forged), and its DATA finds no flow.
+#[test]
+fn a_replayed_want_and_its_data_after_the_flow_ended_scatter_nothing() {
+    let (mut ep, t) = receiver();
+    ep.handle_msg(t, PEER, want_msg(X, &[CHUNK])).unwrap();
+    let r0 = credits(&drain(&mut ep))[0].3;
+    let data = data_msg(X, 0, r0, vec![run(0, DST, CHUNK)]);
+    ep.handle_msg(t, PEER, data.clone()).unwrap();
+    let sc = scatters(&drain(&mut ep));
+    ep.handle_scatter_done(t, sc[0].0, true);
+    drain(&mut ep);
+    assert_eq!(ep.remote_flows(), 0, "the flow ended");
+    let forged = ep.stats().control_forged;
+    let r = ep.handle_msg(t, PEER, want_msg(X, &[CHUNK]));
+    assert!(matches!(r, Err(ProtocolError::Replayed { .. })), "{r:?}");
+    assert!(credits(&drain(&mut ep)).is_empty(), "no GRANT for a replay");
+    let _ = ep.handle_msg(t, PEER, data);
+    assert!(scatters(&drain(&mut ep)).is_empty(), "a replayed DATA scatters nothing");
+    assert_eq!(ep.stats().control_forged, forged + 1);
+    // A later transfer of the same peer is served as usual.
+    ep.handle_msg(t, PEER, want_msg(XferId(X.0 + 1), &[CHUNK])).unwrap();
+    assert_eq!(credits(&drain(&mut ep)).len(), 1);
+    check(&ep);
+}
+
 #[test]
 fn a_replayed_or_older_inline_want_is_served_the_usual_way_and_puts_nothing() {
     let (mut ep, t) = receiver();
@@ -999,14 +1027,16 @@ fn a_replayed_or_older_inline_want_is_served_the_usual_way_and_puts_nothing() {
     let s = inline_scatters(&drain(&mut ep));
     ep.handle_scatter_done(t, s[0].0, true);
     drain(&mut ep);
-    // The same frame again, and an older transfer's: no bytes put, a GRANT instead (which
-    // a replay's sender, long done, ignores: nothing is written without it).
-    for xfer in [later, X] {
-        ep.handle_msg(t, PEER, inline_want(xfer, 2, full_run(0))).unwrap();
-        let acts = drain(&mut ep);
-        assert!(inline_scatters(&acts).is_empty(), "{acts:?}");
-        assert_eq!(credits(&acts).iter().map(|c| (c.1, c.2)).collect::<Vec<_>>(), vec![(xfer, 0)]);
-    }
+    // The same frame again: its transfer ended here, so it is a replay, ignored.
+    let r = ep.handle_msg(t, PEER, inline_want(later, 2, full_run(0)));
+    assert!(matches!(r, Err(ProtocolError::Replayed { .. })), "{r:?}");
+    assert!(drain(&mut ep).is_empty());
+    // An older transfer's, never seen here: no bytes put, a GRANT instead (which a replay's
+    // sender, long done, ignores: nothing is written without it).
+    ep.handle_msg(t, PEER, inline_want(X, 2, full_run(0))).unwrap();
+    let acts = drain(&mut ep);
+    assert!(inline_scatters(&acts).is_empty(), "{acts:?}");
+    assert_eq!(credits(&acts).iter().map(|c| (c.1, c.2)).collect::<Vec<_>>(), vec![(X, 0)]);
     assert_eq!(ep.stats().inline_taken, 1);
     check(&ep);
 }
@@ -1022,7 +1052,8 @@ fn an_inline_want_replayed_after_its_sender_forgot_us_puts_nothing() {
     drain(&mut ep);
     ep.handle_forgotten(t, PEER);
     drain(&mut ep);
-    ep.handle_msg(t, PEER, inline_want(X, 2, full_run(0))).unwrap();
+    let r = ep.handle_msg(t, PEER, inline_want(X, 2, full_run(0)));
+    assert!(matches!(r, Err(ProtocolError::Replayed { .. })), "{r:?}");
     assert!(inline_scatters(&drain(&mut ep)).is_empty(), "the replay put its bytes again");
     assert_eq!(ep.stats().inline_taken, 1);
     check(&ep);
