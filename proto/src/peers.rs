@@ -45,6 +45,11 @@ use crate::wire::{Capabilities, Incompatible, WireError};
 /// under invented names cannot lock real initiators out either.
 pub const MAX_ONE_WAY_NAMES: usize = 4096;
 
+/// Ids from here on go only to names the application loads: one-way names and incarnations
+/// are refused once the id counter reaches it (see `PeerTable::fresh_id`), 2^24 ids short of the
+/// end, which no application's loads reach.
+pub const ONE_WAY_IDS_END: u32 = u32::MAX - (1 << 24);
+
 /// Longest agent name a control frame may come from. The name comes with the frame (a UCX
 /// notification's sender, a ZMQ message's header), so the peer picks its length: a name kept
 /// for one-way frames, or queued with a frame, must not make that peer's memory ours. NIXL
@@ -468,9 +473,10 @@ impl PeerTable {
         Ok(self.entry(name).id)
     }
 
-    /// One-way names and incarnations together are at [`MAX_ONE_WAY_NAMES`].
+    /// One-way names and incarnations together are at [`MAX_ONE_WAY_NAMES`], or the ids they
+    /// may take are spent ([`ONE_WAY_IDS_END`]).
     fn one_way_full(&self) -> bool {
-        self.one_way.len() + self.incarnations.len() >= MAX_ONE_WAY_NAMES
+        self.one_way.len() + self.incarnations.len() >= MAX_ONE_WAY_NAMES || self.next_id >= ONE_WAY_IDS_END
     }
 
     /// The id of the one-way incarnation of `name` under `session` (see
@@ -543,7 +549,8 @@ impl PeerTable {
         };
         let admit = |t: &mut Self| if stranger { t.admit_incarnation(name, session) } else { t.admit_one_way(name) };
         match admit(self) {
-            Err(FrameRefused::NotLoaded) if self.one_way_full() => {
+            // Ids spent: evicting would only drop a name's state for nothing.
+            Err(FrameRefused::NotLoaded) if self.one_way_full() && self.next_id < ONE_WAY_IDS_END => {
                 let gone = self.evict_one_way(holds_nothing).ok_or(FrameRefused::NotLoaded)?;
                 Ok((admit(self)?, Some(gone)))
             }
@@ -684,9 +691,14 @@ impl PeerTable {
         self.by_name.insert(name.to_owned(), peer);
     }
 
+    /// The next id: never one given before. Ids are never reused (a retired id's frames must
+    /// not reach a later peer), and one-way names, which junk frames under invented names can
+    /// make and evict without end, stop taking them at [`ONE_WAY_IDS_END`]: after 2^32 such
+    /// frames the counter would otherwise wrap to the first loaded peer's id. The ids above it
+    /// are left to names the application loads.
     fn fresh_id(&mut self) -> PeerId {
         let id = PeerId(self.next_id);
-        self.next_id += 1;
+        self.next_id = self.next_id.saturating_add(1);
         id
     }
 }
@@ -695,6 +707,27 @@ impl PeerTable {
 mod tests {
     use super::*;
     use crate::types::ControlKind;
+
+    /// Junk frames under invented names can make and evict one-way names without end: once
+    /// their ids are spent they are refused (evicting nobody), and the counter never wraps to
+    /// a loaded peer's id; a name the application loads still gets a new id.
+    #[test]
+    fn one_way_names_stop_taking_ids_before_they_run_out_and_loaded_ones_still_get_new_ids() {
+        let mut t = PeerTable::default();
+        let first = t.entry("loaded").id;
+        t.next_id = ONE_WAY_IDS_END - 1;
+        let last = t.admit_one_way("w-last").expect("one id left");
+        assert_eq!(last, PeerId(ONE_WAY_IDS_END - 1));
+        assert_eq!(t.admit_one_way("w-next"), Err(FrameRefused::NotLoaded), "ids spent");
+        let before = t.one_way.len();
+        assert!(t.admit_message("w-junk", 9, |_| true, |_| true).is_err());
+        assert_eq!(t.one_way.len(), before, "nothing evicted for a name that could not be admitted");
+        let loaded = t.entry("loaded-later").id;
+        assert!(loaded.0 >= ONE_WAY_IDS_END && loaded != first);
+        t.next_id = u32::MAX;
+        let _ = t.entry("one-more");
+        assert_eq!(t.next_id, u32::MAX, "saturates: no panic, no wrap");
+    }
 
     fn caps(max_chunk: u64) -> Capabilities {
         let mut c = Capabilities::host_arena(0x1_0000, max_chunk, 1);
