@@ -131,9 +131,13 @@ impl ZmqChannel {
             let mut s = self.ctx.socket(zmq::STREAM).map_err(zmq_err("socket"))?;
             s.set_linger(0).map_err(zmq_err("linger"))?;
             s.set_sndhwm(SEND_HWM).map_err(zmq_err("high-water mark"))?;
-            // A connection that ends is not made again under another routing id: the next
-            // send finds it gone and makes a new socket.
-            s.set_reconnect_ivl(-1).map_err(zmq_err("reconnect"))?;
+            // A connect that fails is tried again (every 100 ms, backing off to 1 s): with no
+            // retry, a peer not listening at our first send (a route flapping, a process still
+            // starting) was never reached, every later frame queued into a connection that
+            // never came. A connection that ended comes back under another routing id: the
+            // next send to ours then fails and makes a new socket.
+            s.set_reconnect_ivl(100).map_err(zmq_err("reconnect"))?;
+            s.set_reconnect_ivl_max(1000).map_err(zmq_err("reconnect"))?;
             zsys::set_int(&mut s, zsys::ZMQ_STREAM_NOTIFY, 0).map_err(zmq_err("stream notify"))?;
             zsys::set_bytes(&mut s, zsys::ZMQ_CONNECT_ROUTING_ID, OUT_ID).map_err(zmq_err("routing id"))?;
             s.connect(endpoint).map_err(zmq_err("connect"))?;
@@ -459,6 +463,36 @@ mod tests {
             wait(&mut b, &mut got, 1, 50);
         }
         assert_eq!(got.first(), Some(&("alpha".to_owned(), b"\0BOUNC again".to_vec())));
+    }
+
+    /// A peer not listening yet at our first send (its connect refused: a route flapping, a
+    /// process still starting) is reached once it listens: the socket made for it keeps
+    /// trying, rather than queueing every later frame into a connection that never comes.
+    #[test]
+    fn a_peer_unreachable_at_first_connect_is_reached_once_it_listens() {
+        use std::io::Read;
+        let (mut a, _) = bind("alpha");
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let ep = format!("tcp://127.0.0.1:{port}").into_bytes();
+        a.send_to("beta", &ep, b"\0BOUNC early").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port is free again");
+        listener.set_nonblocking(true).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut conn = loop {
+            let _ = a.send_to("beta", &ep, b"\0BOUNC late");
+            match listener.accept() {
+                Ok((c, _)) => break c,
+                Err(_) => {
+                    assert!(std::time::Instant::now() < deadline, "no connection came once the peer listened");
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+        };
+        conn.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        let mut bytes = [0u8; 64];
+        let n = conn.read(&mut bytes).unwrap();
+        assert!(n > 0, "a frame arrives on the connection");
     }
 
     #[test]
