@@ -209,7 +209,7 @@ pub fn stream_feed(data: &[u8]) {
         if op & 8 != 0 || bytes.is_empty() {
             let _ = s.notice(now, &id);
         } else {
-            let _ = s.feed(now, &id, bytes, &mut out, &mut dropped);
+            let _ = s.feed(now, &id, bytes, &mut out, &mut dropped, |n| n.len() % 2 == 0);
         }
         assert!(s.buffered() <= limits.buffered, "{} bytes held", s.buffered());
         assert!(s.conns() <= limits.conns);

@@ -12,7 +12,7 @@
 //! off, and the frame is dropped (the transfer it belonged to times out).
 //!
 //! The cap and the budget must not be a way to lock peers out either: connections that sent
-//! nothing whole for [`IDLE_EVICT`] (1024 opened and left silent, or two that stall halfway
+//! nothing whole under a peer's name for [`IDLE_EVICT`] (1024 opened and left silent, or two that stall halfway
 //! through the longest message) make room when a new connection or an honest message needs
 //! it, the one idle longest first. A peer of ours whose connection went finds it gone at its
 //! next send and connects again, so what eviction costs an honest peer idle that long, under
@@ -161,7 +161,11 @@ impl Streams {
 
     /// Bytes `data` arrived on connection `id` at `now`: every message they complete goes to
     /// `out` as (name, frame); `dropped` counts messages refused (a name that is not UTF-8).
-    /// `Close`: the connection broke a bound; what it sent unfinished is dropped.
+    /// `Close`: the connection broke a bound; what it sent unfinished is dropped. The
+    /// connection counts as active only when a message completed under a name `vouch` knows
+    /// (a peer we loaded): junk messages under any other name, however frequent, would
+    /// otherwise keep junk connections from ever going idle, and 1024 of them would lock every
+    /// new connection out.
     pub fn feed(
         &mut self,
         now: Instant,
@@ -169,6 +173,7 @@ impl Streams {
         data: &[u8],
         out: &mut Vec<(String, Vec<u8>)>,
         dropped: &mut u64,
+        vouch: impl Fn(&str) -> bool,
     ) -> Verdict {
         if !self.conns.contains_key(id) && self.opened(now, id) == Verdict::Close {
             *dropped += 1;
@@ -180,6 +185,7 @@ impl Streams {
         let held = buf.len();
         buf.extend_from_slice(data);
         let mut at = 0;
+        let mut vouched = false;
         let broke = loop {
             let rest = &buf[at..];
             if rest.len() < HEADER {
@@ -195,12 +201,15 @@ impl Streams {
                 break false;
             }
             match std::str::from_utf8(&rest[HEADER..HEADER + name_len]) {
-                Ok(name) => out.push((name.to_owned(), rest[HEADER + name_len..end].to_vec())),
+                Ok(name) => {
+                    vouched = vouched || vouch(name);
+                    out.push((name.to_owned(), rest[HEADER + name_len..end].to_vec()));
+                }
                 Err(_) => *dropped += 1,
             }
             at += end;
         };
-        if at > 0 {
+        if vouched {
             conn.active = now;
         }
         buf.drain(..at);
@@ -237,7 +246,7 @@ mod tests {
     fn feed_all(s: &mut Streams, id: &[u8], chunks: &[&[u8]]) -> Fed {
         let (mut out, mut dropped, mut v) = (Vec::new(), 0, Vec::new());
         for c in chunks {
-            v.push(s.feed(t0(), id, c, &mut out, &mut dropped));
+            v.push(s.feed(t0(), id, c, &mut out, &mut dropped, |_| true));
         }
         (out, dropped, v)
     }
@@ -288,7 +297,7 @@ mod tests {
                 if data.is_empty() {
                     let _ = s.notice(t0(), &id);
                 } else {
-                    let _ = s.feed(t0(), &id, data, &mut out, &mut dropped);
+                    let _ = s.feed(t0(), &id, data, &mut out, &mut dropped, |_| true);
                 }
                 prop_assert!(s.buffered() <= LIMITS.buffered);
                 prop_assert!(s.conns() <= LIMITS.conns);
@@ -320,12 +329,13 @@ mod tests {
         // Each connection sends all but 3 bytes of the longest legal message: 4100 bytes held.
         let unfinished = encode("n", &[7u8; 4096]).unwrap();
         let unfinished = &unfinished[..unfinished.len() - 3];
-        let verdicts: Vec<Verdict> = (0..4u8).map(|c| s.feed(t0(), &[c], unfinished, &mut out, &mut dropped)).collect();
+        let verdicts: Vec<Verdict> =
+            (0..4u8).map(|c| s.feed(t0(), &[c], unfinished, &mut out, &mut dropped, |_| true)).collect();
         assert_eq!(verdicts[..3], [Verdict::Keep, Verdict::Keep, Verdict::Keep]);
         assert_eq!(verdicts[3], Verdict::Close, "the fourth took the held bytes over the budget");
         assert!(s.buffered() <= LIMITS.buffered && out.is_empty() && dropped == 1);
         let whole = encode("n", &[9u8; 100]).unwrap();
-        assert_eq!(s.feed(t0(), b"ok", &whole, &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.feed(t0(), b"ok", &whole, &mut out, &mut dropped, |_| true), Verdict::Keep);
         assert_eq!(out, vec![("n".to_owned(), vec![9u8; 100])]);
     }
 
@@ -338,7 +348,7 @@ mod tests {
         }
         assert_eq!(s.notice(t0(), b"one too many"), Verdict::Close);
         let (mut out, mut dropped) = (Vec::new(), 0);
-        assert_eq!(s.feed(t0(), b"another", b"data", &mut out, &mut dropped), Verdict::Close);
+        assert_eq!(s.feed(t0(), b"another", b"data", &mut out, &mut dropped, |_| true), Verdict::Close);
         assert_eq!(s.conns(), LIMITS.conns);
         // One ends: room for the next.
         assert_eq!(s.notice(t0(), &[0]), Verdict::Keep);
@@ -356,6 +366,34 @@ mod tests {
         assert!(encode(&"n".repeat(70_000), b"").is_none(), "a name the header cannot say");
     }
 
+    /// Connections at the cap that keep sending junk (whole messages under names no loaded
+    /// peer has, or empty ones) do not lock new connections out: only a message under a name
+    /// `vouch` knows keeps a connection active, so the junk ones go idle and make room.
+    #[test]
+    fn chatty_junk_connections_do_not_lock_out_a_new_connection() {
+        let mut s = Streams::new(LIMITS);
+        let t = t0();
+        let (mut out, mut dropped) = (Vec::new(), 0);
+        let known = |name: &str| name == "peer";
+        for c in 0..LIMITS.conns as u8 {
+            assert_eq!(s.notice(t, &[c]), Verdict::Keep);
+        }
+        let junk = encode("", b"").unwrap();
+        let honest = encode("peer", b"frame").unwrap();
+        for step in 1..=2u32 {
+            let at = t + IDLE_EVICT * 9 * step / 10;
+            for c in 1..LIMITS.conns as u8 {
+                assert_eq!(s.feed(at, &[c], &junk, &mut out, &mut dropped, known), Verdict::Keep);
+            }
+            assert_eq!(s.feed(at, &[0], &honest, &mut out, &mut dropped, known), Verdict::Keep);
+        }
+        let later = t + IDLE_EVICT * 2;
+        assert_eq!(s.notice(later, b"new"), Verdict::Keep, "a junk connection made room");
+        let evicted = s.take_evicted();
+        assert_eq!(evicted.len(), 1);
+        assert_ne!(evicted[0], vec![0], "never the connection a known peer keeps using");
+    }
+
     /// Connections left silent at the cap do not lock new ones out: once one has gone
     /// [`IDLE_EVICT`] without a whole message, a new connection takes its place (the one idle
     /// longest, for the shell to close); before that, and never a connection that keeps sending
@@ -371,7 +409,7 @@ mod tests {
         // Connection 2 keeps sending whole messages; the others stay silent.
         let (mut out, mut dropped) = (Vec::new(), 0);
         let whole = encode("p", b"ping").unwrap();
-        assert_eq!(s.feed(t + IDLE_EVICT / 2, &[2], &whole, &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.feed(t + IDLE_EVICT / 2, &[2], &whole, &mut out, &mut dropped, |_| true), Verdict::Keep);
         assert!(s.take_evicted().is_empty());
         let later = t + IDLE_EVICT + Duration::from_millis(1);
         for n in 0..LIMITS.conns as u8 - 1 {
@@ -399,17 +437,20 @@ mod tests {
         let (mut out, mut dropped) = (Vec::new(), 0);
         let long = encode("n", &[7u8; 4096]).unwrap();
         let stall = &long[..long.len() - 3];
-        assert_eq!(s.feed(t, b"s1", stall, &mut out, &mut dropped), Verdict::Keep);
-        assert_eq!(s.feed(t + Duration::from_millis(10), b"s2", stall, &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.feed(t, b"s1", stall, &mut out, &mut dropped, |_| true), Verdict::Keep);
+        assert_eq!(
+            s.feed(t + Duration::from_millis(10), b"s2", stall, &mut out, &mut dropped, |_| true),
+            Verdict::Keep
+        );
         let honest = encode("h", &[1u8; 2000]).unwrap();
         // Its first part takes the held bytes over the budget: too early to evict, so it is cut.
         let early = t + IDLE_EVICT / 2;
-        assert_eq!(s.feed(early, b"h1", &honest[..1500], &mut out, &mut dropped), Verdict::Close);
+        assert_eq!(s.feed(early, b"h1", &honest[..1500], &mut out, &mut dropped, |_| true), Verdict::Close);
         assert!(s.take_evicted().is_empty());
         let later = t + IDLE_EVICT + Duration::from_millis(5);
-        assert_eq!(s.feed(later, b"h2", &honest[..1500], &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.feed(later, b"h2", &honest[..1500], &mut out, &mut dropped, |_| true), Verdict::Keep);
         assert_eq!(s.take_evicted(), vec![b"s1".to_vec()], "the one stalled longest");
-        assert_eq!(s.feed(later, b"h2", &honest[1500..], &mut out, &mut dropped), Verdict::Keep);
+        assert_eq!(s.feed(later, b"h2", &honest[1500..], &mut out, &mut dropped, |_| true), Verdict::Keep);
         assert_eq!(out, vec![("h".to_owned(), vec![1u8; 2000])]);
         assert!(s.buffered() <= limits.buffered);
     }

@@ -186,7 +186,9 @@ impl ControlChannel for ZmqChannel {
             let verdict = if data.is_empty() {
                 self.streams.notice(now, &id)
             } else {
-                self.streams.feed(now, &id, &data, out, &mut dropped)
+                // Activity is what a loaded peer sends (one with an endpoint here).
+                let resolve = &self.resolve;
+                self.streams.feed(now, &id, &data, out, &mut dropped, |name| resolve(name).is_some())
             };
             // An empty message to a connection closes it: this one, and any closed to make
             // room for it.
