@@ -959,15 +959,27 @@ mod tests {
         });
     }
 
+    /// A path of one worker that takes records of this very process (two agents of one process
+    /// otherwise keep bouncing).
+    fn path_to_self() -> CmaPath {
+        let mut path = CmaPath::new(1, Duration::ZERO, Arc::new(Stats::default())).expect("Linux has /proc");
+        path.allow_self = true;
+        path
+    }
+
+    /// Exports `buf` (this process's host memory) as registration `Md(1)` of `path`.
+    fn export_as_md1(path: &CmaPath, buf: &mut [u8]) -> (Registration, CmaRecord) {
+        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: buf.len() as u64, dev: 0, mem: MemKind::Dram };
+        (reg, path.export(Md(1), &reg).expect("host memory exports"))
+    }
+
     /// A remote peer that can write into memory a process registered plants there a word
     /// that reads like a liveness word (the tag it chooses, a range of that process it never
     /// registered), then publishes a record naming it: refused, because the word is not in the
     /// process's liveness mapping, and nothing is written.
     #[test]
     fn a_liveness_word_planted_in_registered_memory_is_refused() {
-        let stats = Arc::new(Stats::default());
-        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
-        path.allow_self = true;
+        let path = path_to_self();
         let mut buf = vec![0u64; 8];
         let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
         let rec = path.export(Md(1), &reg).expect("host memory exports");
@@ -996,12 +1008,9 @@ mod tests {
     /// process unreachable for the genuine ones.
     #[test]
     fn a_tag_zero_record_does_not_reach_a_deregistered_range_nor_a_bad_one_disable_the_process() {
-        let stats = Arc::new(Stats::default());
-        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
-        path.allow_self = true;
+        let path = path_to_self();
         let mut buf = vec![0u8; 64];
-        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
-        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let (reg, rec) = export_as_md1(&path, &mut buf);
         let src = [0xcdu8; 16];
         let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr, len: 16 }];
         // A bad address first (where the probe once read: the record's own range).
@@ -1020,12 +1029,9 @@ mod tests {
     /// registration of the peer deregistered meanwhile is not written.
     #[test]
     fn a_queued_part_is_not_copied_once_its_registration_is_gone() {
-        let stats = Arc::new(Stats::default());
-        let mut path = CmaPath::new(1, Duration::ZERO, Arc::clone(&stats)).expect("Linux has /proc");
-        path.allow_self = true;
+        let path = path_to_self();
         let mut buf = vec![0u8; 64];
-        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
-        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let (reg, rec) = export_as_md1(&path, &mut buf);
         let src = [7u8; 64];
         let me = cma::this_process().expect("Linux has /proc");
         let task = || Task {
