@@ -362,7 +362,8 @@ pub enum SubmitError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DataFault {
-    /// The flow does not hold the region, or it is already being scattered.
+    /// The flow does not hold the region, or it is already being scattered, or the flow is a
+    /// READ's (its regions are READ by its initiator, never scattered from).
     NotHeld,
     /// The region's length differs from the granted one.
     RegionMismatch,
@@ -518,7 +519,7 @@ pub enum ProtocolError {
     /// A WANT or PULL that would open again a flow that ended here: a captured frame sent
     /// again (its proofs, made with its own token, still check out), whose DATA would scatter
     /// whatever its region holds now into the old transfer's destinations. Ignored, counted in
-    /// [`Stats::control_forged`].
+    /// [`Stats::control_replayed`].
     #[error("peer {}: transfer {} already ended here: a replay, ignored", .peer.0, .xfer.0)]
     Replayed {
         /// The sending peer.
@@ -684,6 +685,10 @@ pub struct Stats {
     /// [`Endpoint::handle_frame`](crate::endpoint::Endpoint::handle_frame), a session other
     /// than the one in the peer's loaded capabilities.
     pub control_forged: u64,
+    /// WANTs and opening PULLs for a transfer whose flow already ended here
+    /// ([`ProtocolError::Replayed`]): captured frames sent again. Ignored; not in
+    /// `control_forged` (the frame is authentic, only late).
+    pub control_replayed: u64,
     /// Control frames refused by the peer rules or the decoder
     /// ([`crate::peers::FrameRefused`] other than a protocol error).
     pub frames_refused: u64,

@@ -466,7 +466,7 @@ impl Receiver {
             return Ok(());
         }
         if !self.flows.contains_key(&key) && self.ended.get(&from).is_some_and(|e| e.covers(want.xfer)) {
-            ctx.stats.control_forged += 1;
+            ctx.stats.control_replayed += 1;
             return Err(ProtocolError::Replayed { peer: from, xfer: want.xfer });
         }
         if self.shutting_down {

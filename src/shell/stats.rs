@@ -138,6 +138,9 @@ counters! {
     /// Of those, frames that looked valid but were not authentic: a wrong transfer token, or a
     /// session other than the one in the sender's loaded metadata.
     control_forged,
+    /// WANTs and opening PULLs for a transfer that already ended here: captured frames sent
+    /// again (or a peer's very late WANT), ignored.
+    control_replayed,
     /// Control frames this engine sent (its transfers' messages, HELLO, GOODBYE, PING and
     /// PONG), whatever the channel.
     control_sent,

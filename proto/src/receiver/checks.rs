@@ -34,6 +34,11 @@ impl Receiver {
         flow: &Flow,
         data: &Data,
     ) -> Result<(u64, u64), DataFault> {
+        // A READ flow's regions hold our gathered bytes for its initiator to READ: never a
+        // DATA's to scatter.
+        if flow.pull.is_some() {
+            return Err(DataFault::NotHeld);
+        }
         let held = ctx.scheds.get(flow.arena).is_held(key, data.region.offset).ok_or(DataFault::NotHeld)?;
         if held.region != data.region {
             return Err(DataFault::RegionMismatch);

@@ -130,7 +130,7 @@ impl Receiver {
         // An opening PULL of a READ that ended here is a replay (a later one of an ended READ
         // is only late: counted below).
         if flow.is_none() && pull.first.0 == 0 && self.ended.get(&from).is_some_and(|e| e.covers(pull.xfer)) {
-            ctx.stats.control_forged += 1;
+            ctx.stats.control_replayed += 1;
             return Err(ProtocolError::Replayed { peer: from, xfer: pull.xfer });
         }
         if pull.chunks.is_empty() {

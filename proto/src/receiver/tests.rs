@@ -761,6 +761,24 @@ fn a_want_or_pull_naming_an_arena_we_lack_or_not_its_flows_is_refused() {
     check(&ep);
 }
 
+/// A READ flow's region holds the target's gathered bytes for its initiator's READ: a DATA
+/// naming it (with the flow's own token) is refused, scatters nothing, and the flow goes.
+#[test]
+fn a_data_on_a_read_flow_is_refused_and_scatters_nothing() {
+    let (mut ep, t) = receiver();
+    ep.handle_msg(t, PEER, Msg::Pull(pull_of(REG, DST))).unwrap();
+    let g = gathers(&drain(&mut ep));
+    ep.handle_gather_done(t, g[0].0, true);
+    let ready = credits(&drain(&mut ep));
+    assert_eq!(ready.len(), 1, "the chunk is announced ready");
+    let r = ep.handle_msg(t, PEER, data_msg(XferId(9), 0, ready[0].3, vec![run(0, DST, CHUNK)]));
+    assert!(matches!(r, Err(ProtocolError::InvalidData { fault: DataFault::NotHeld, .. })), "{r:?}");
+    let acts = drain(&mut ep);
+    assert!(scatters(&acts).is_empty(), "{acts:?}");
+    assert_eq!(ep.remote_flows(), 0, "the flow is reclaimed");
+    ep.receiver().check_invariants().unwrap();
+}
+
 /// A registration serves one arena (host memory the host arena, GPU memory its GPU's):
 /// a WANT or PULL through another arena that proves it, with the right key, is refused
 /// and answered, nothing is granted, gathered or scattered, and the same frame through
@@ -1006,13 +1024,13 @@ fn a_replayed_want_and_its_data_after_the_flow_ended_scatter_nothing() {
     ep.handle_scatter_done(t, sc[0].0, true);
     drain(&mut ep);
     assert_eq!(ep.remote_flows(), 0, "the flow ended");
-    let forged = ep.stats().control_forged;
+    let replayed = ep.stats().control_replayed;
     let r = ep.handle_msg(t, PEER, want_msg(X, &[CHUNK]));
     assert!(matches!(r, Err(ProtocolError::Replayed { .. })), "{r:?}");
     assert!(credits(&drain(&mut ep)).is_empty(), "no GRANT for a replay");
     let _ = ep.handle_msg(t, PEER, data);
     assert!(scatters(&drain(&mut ep)).is_empty(), "a replayed DATA scatters nothing");
-    assert_eq!(ep.stats().control_forged, forged + 1);
+    assert_eq!(ep.stats().control_replayed, replayed + 1);
     // A later transfer of the same peer is served as usual.
     ep.handle_msg(t, PEER, want_msg(XferId(X.0 + 1), &[CHUNK])).unwrap();
     assert_eq!(credits(&drain(&mut ep)).len(), 1);

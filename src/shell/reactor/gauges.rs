@@ -56,5 +56,6 @@ impl Driver {
         s.standing_taken.store(core.standing_taken, Ordering::Relaxed);
         s.standing_kept.store(core.standing_kept, Ordering::Relaxed);
         s.control_forged.store(core.control_forged + self.sessions_forged, Ordering::Relaxed);
+        s.control_replayed.store(core.control_replayed, Ordering::Relaxed);
     }
 }
