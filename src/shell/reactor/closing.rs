@@ -13,6 +13,10 @@ use super::pace::BUSY_SLEEP;
 /// back, before letting its arena go (an arena with grants still out is then kept mapped).
 pub(super) const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
+/// How long a closing engine waits to answer the PINGs that confirm its GOODBYE (a round trip
+/// to a live peer; one that is gone never asks).
+const FAREWELL_WAIT: Duration = Duration::from_millis(200);
+
 impl Driver {
     /// The engine is being destroyed: fails our transfers (no queued write is posted any
     /// more), waits (bounded) for our writes in flight, then says GOODBYE to every peer we
@@ -25,11 +29,20 @@ impl Driver {
         let _ = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.writes.is_empty());
         let goodbye = wire::encode_goodbye(self.session);
         for name in std::mem::take(&mut self.greeted) {
-            if let Err(e) = self.send_control(&name, &goodbye) {
-                tracing::debug!(peer = name, error = %e, "sending GOODBYE failed");
+            match self.send_control(&name, &goodbye) {
+                Ok(()) => {
+                    self.farewells.insert(name);
+                }
+                Err(e) => tracing::debug!(peer = name, error = %e, "sending GOODBYE failed"),
             }
         }
-        let quiet = self.run_until(Instant::now() + CLOSE_WAIT, |d| d.ep.grants_outstanding() == 0);
+        // A peer believes a GOODBYE only once we answer its PING about it (the name and
+        // session are public): wait a little for those PINGs too, or a peer of an idle engine
+        // learns of the close only through its liveness probe, if at all.
+        let farewell_by = Instant::now() + FAREWELL_WAIT;
+        let quiet = self.run_until(Instant::now() + CLOSE_WAIT, |d| {
+            d.ep.grants_outstanding() == 0 && (d.farewells.is_empty() || Instant::now() >= farewell_by)
+        });
         if !quiet {
             tracing::warn!(
                 grants = self.ep.grants_outstanding(),

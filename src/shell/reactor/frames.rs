@@ -136,7 +136,10 @@ impl Driver {
             }
         };
         match frame.body {
-            wire::Body::Ping { nonce } => self.ep.handle_ping(now, id, nonce),
+            wire::Body::Ping { nonce } => {
+                self.ep.handle_ping(now, id, nonce);
+                self.farewells.remove(peer);
+            }
             wire::Body::Pong { nonce, forget } => match self.ep.handle_pong(now, id, nonce) {
                 Pong::Farewell => self.farewell(now, peer, frame.session),
                 // Confirmed for the incarnation the PONG was admitted as only: a reload between

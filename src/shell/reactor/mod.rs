@@ -293,6 +293,9 @@ struct Driver {
     retiring: Vec<Vec<Md>>,
     /// Peers we said HELLO to: those that may bounce to us, and so get our GOODBYE.
     greeted: HashSet<String>,
+    /// Peers we said GOODBYE to whose PING asking about it we have not answered yet (a
+    /// closing engine waits a little for them, see `close`).
+    farewells: HashSet<String>,
     /// HELLOs we sent on loading a peer: its HELLO, ask and transfers may follow, unannounced
     /// ([`Self::peer_activity`]).
     hellos_sent: u64,
@@ -397,6 +400,7 @@ impl Reactor {
             cancels: HashMap::new(),
             retiring: Vec::new(),
             greeted: HashSet::new(),
+            farewells: HashSet::new(),
             hellos_sent: 0,
             warn_budget: RateLimit { window: Instant::now(), left: 10 },
             stopping: false,

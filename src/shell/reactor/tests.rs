@@ -1583,6 +1583,26 @@ fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     assert_eq!(a.stat(|s| &s.bounce_ok), 0);
 }
 
+/// An idle engine that closes (no transfer, no grant out) still answers the PING with which
+/// its peer confirms the GOODBYE: the peer forgets its arena at once. Before, the close
+/// returned as soon as no grant was out, the PING went unanswered, and an idle peer (which no
+/// liveness probe watches) kept the arena for good.
+#[test]
+fn a_goodbye_is_confirmed_by_an_idle_closing_engine() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (a, b) = pair(&cfg, &net);
+    assert!(a.shared.peers.bounce_arenas("b").is_some(), "a may bounce to b");
+    let Side { reactor, _arena: arena, .. } = b;
+    assert!(reactor.stop(), "an idle engine's close is quiet");
+    drop(arena);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while a.shared.peers.bounce_arenas("b").is_some() {
+        assert!(Instant::now() < deadline, "a never believed b's GOODBYE");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn memory_deregistered_and_registered_again_at_once_bounces_normally() {
     // Memory pools free and re-register the same addresses: the fence's mark of the old
