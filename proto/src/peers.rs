@@ -473,10 +473,15 @@ impl PeerTable {
         Ok(self.entry(name).id)
     }
 
-    /// One-way names and incarnations together are at [`MAX_ONE_WAY_NAMES`], or the ids they
-    /// may take are spent ([`ONE_WAY_IDS_END`]).
+    /// No one-way name or incarnation can be admitted now: they are [`MAX_ONE_WAY_NAMES`]
+    /// together, or the ids they may take are spent.
     fn one_way_full(&self) -> bool {
-        self.one_way.len() + self.incarnations.len() >= MAX_ONE_WAY_NAMES || self.next_id >= ONE_WAY_IDS_END
+        self.one_way.len() + self.incarnations.len() >= MAX_ONE_WAY_NAMES || self.one_way_ids_spent()
+    }
+
+    /// The id counter reached [`ONE_WAY_IDS_END`]: the ids left are loaded names'.
+    fn one_way_ids_spent(&self) -> bool {
+        self.next_id >= ONE_WAY_IDS_END
     }
 
     /// The id of the one-way incarnation of `name` under `session` (see
@@ -550,7 +555,7 @@ impl PeerTable {
         let admit = |t: &mut Self| if stranger { t.admit_incarnation(name, session) } else { t.admit_one_way(name) };
         match admit(self) {
             // Ids spent: evicting would only drop a name's state for nothing.
-            Err(FrameRefused::NotLoaded) if self.one_way_full() && self.next_id < ONE_WAY_IDS_END => {
+            Err(FrameRefused::NotLoaded) if self.one_way_full() && !self.one_way_ids_spent() => {
                 let gone = self.evict_one_way(holds_nothing).ok_or(FrameRefused::NotLoaded)?;
                 Ok((admit(self)?, Some(gone)))
             }

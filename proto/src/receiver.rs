@@ -465,9 +465,8 @@ impl Receiver {
             self.reclaim(ctx, key, Reuse::Now);
             return Ok(());
         }
-        if !self.flows.contains_key(&key) && self.ended.get(&from).is_some_and(|e| e.covers(want.xfer)) {
-            ctx.stats.control_replayed += 1;
-            return Err(ProtocolError::Replayed { peer: from, xfer: want.xfer });
+        if !self.flows.contains_key(&key) {
+            self.refuse_replay(ctx, key)?;
         }
         if self.shutting_down {
             debug!(peer = from.0, xfer = want.xfer.0, "WANT refused: shutting down");

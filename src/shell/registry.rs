@@ -10,7 +10,7 @@ use bounce_proto::MemKind;
 use bounce_proto::gate::ArenaPlace;
 use parking_lot::Mutex;
 
-use crate::sys::shim::{Md, MdMap};
+use crate::sys::shim::{Md, MdMap, MdSet};
 
 /// A registration made through this engine (the receiver only ever scatters into these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ pub(crate) struct Registry {
     len: AtomicUsize,
     /// Registrations of GPU memory that is not on the GPU their device id names (see
     /// [`Self::set_misplaced`]), and how many (read without the lock: almost always 0).
-    misplaced: Mutex<MdMap<()>>,
+    misplaced: Mutex<MdSet>,
     misplaced_len: AtomicUsize,
 }
 
@@ -79,7 +79,7 @@ impl Registry {
     /// GPU's context, the application's, unusable), so transfers from it go to UCX.
     pub(crate) fn set_misplaced(&self, md: Md) {
         let mut m = self.misplaced.lock();
-        m.insert(md, ());
+        m.insert(md);
         self.misplaced_len.store(m.len(), Relaxed);
     }
 
@@ -90,7 +90,7 @@ impl Registry {
             return false;
         }
         let m = self.misplaced.lock();
-        mds.any(|md| m.contains_key(&md))
+        mds.any(|md| m.contains(&md))
     }
 
     /// How many there are (as of the last change; no lock).

@@ -112,6 +112,9 @@ pub(crate) struct Md(pub(crate) usize);
 /// (issue 12: what registering through BOUNCE adds to UCX's).
 pub(crate) type MdMap<V> = std::collections::HashMap<Md, V, rustc_hash::FxBuildHasher>;
 
+/// A set of inner metadata handles, hashed as [`MdMap`].
+pub(crate) type MdSet = std::collections::HashSet<Md, rustc_hash::FxBuildHasher>;
+
 /// An in-flight inner request (`nixlBackendReqH*`), opaque to Rust; released exactly once
 /// (by [`Shim::release`], which consumes it).
 #[derive(Debug, PartialEq, Eq, Hash)]

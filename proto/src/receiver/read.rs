@@ -129,9 +129,8 @@ impl Receiver {
         }
         // An opening PULL of a READ that ended here is a replay (a later one of an ended READ
         // is only late: counted below).
-        if flow.is_none() && pull.first.0 == 0 && self.ended.get(&from).is_some_and(|e| e.covers(pull.xfer)) {
-            ctx.stats.control_replayed += 1;
-            return Err(ProtocolError::Replayed { peer: from, xfer: pull.xfer });
+        if flow.is_none() && pull.first.0 == 0 {
+            self.refuse_replay(ctx, key)?;
         }
         if pull.chunks.is_empty() {
             debug!(peer = from.0, xfer = pull.xfer.0, "READ cancel");

@@ -173,6 +173,16 @@ impl Receiver {
     }
 
     /// Drops the receiver's record of `key`; true when there was one.
+    /// A frame that would open flow `key` again after it ended here is a replay: counted
+    /// ([`Stats::control_replayed`]) and refused.
+    pub(super) fn refuse_replay(&self, ctx: &mut Ctx<'_>, key: FlowKey) -> Result<(), ProtocolError> {
+        if self.ended.get(&key.peer).is_some_and(|e| e.covers(key.xfer)) {
+            ctx.stats.control_replayed += 1;
+            return Err(ProtocolError::Replayed { peer: key.peer, xfer: key.xfer });
+        }
+        Ok(())
+    }
+
     pub(super) fn forget(&mut self, key: FlowKey) -> bool {
         match self.flows.remove(&key) {
             Some(flow) => {

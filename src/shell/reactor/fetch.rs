@@ -59,11 +59,10 @@ pub(crate) struct Fetches {
     held: HashMap<PeerId, u32>,
     per_peer_max: u32,
     /// The peer registrations of READs let go in flight (an ended transfer's, after
-    /// `FETCH_LET_GO`), and whether there was one at all: such a READ may still land in our
-    /// fetch area, so the area is not unmapped at a stop ([`Self::may_still_land`]) and those
-    /// registrations are not unloaded ([`Self::uses`]) while the engine lives.
+    /// `FETCH_LET_GO`): such a READ may still land in our fetch area, so the area is not
+    /// unmapped at a stop ([`Self::may_still_land`]) and those registrations are not unloaded
+    /// ([`Self::uses`]) while the engine lives.
     let_go: Vec<Md>,
-    let_go_any: bool,
 }
 
 impl Fetches {
@@ -76,7 +75,6 @@ impl Fetches {
             held: HashMap::new(),
             per_peer_max,
             let_go: Vec::new(),
-            let_go_any: false,
         }
     }
 
@@ -153,16 +151,15 @@ impl Fetches {
     }
 
     /// A READ through `md` was released before it came back (see the field `let_go`).
-    pub(crate) fn note_let_go(&mut self, md: Option<Md>) {
-        self.let_go_any = true;
-        if let Some(md) = md.filter(|m| !self.let_go.contains(m)) {
+    pub(crate) fn note_let_go(&mut self, md: Md) {
+        if !self.let_go.contains(&md) {
             self.let_go.push(md);
         }
     }
 
     /// Whether a READ let go may still land in the fetch area.
     pub(crate) fn may_still_land(&self) -> bool {
-        self.let_go_any
+        !self.let_go.is_empty()
     }
 
     /// `xfer` is no longer read (it ended) and none of its READs is in flight: its slice is
@@ -201,12 +198,11 @@ mod tests {
         let mut f = Fetches::new(8);
         assert!(!f.may_still_land() && !f.uses(Md(7)));
         f.poll(XferId(1), P, Instant::now()).expect("a slice");
-        f.note_let_go(Some(Md(7)));
+        f.note_let_go(Md(7));
         f.remove(XferId(1));
         assert!(f.may_still_land());
         assert!(f.uses(Md(7)) && !f.uses(Md(8)));
-        f.note_let_go(Some(Md(7)));
-        f.note_let_go(None);
+        f.note_let_go(Md(7));
         assert_eq!(f.let_go, [Md(7)], "each registration once");
     }
 

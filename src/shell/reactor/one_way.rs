@@ -28,7 +28,7 @@ impl Driver {
             let live = self.ep.fetch(xfer).is_some();
             let Some(poll) = self.fetches.existing(xfer) else { continue };
             let mut pending = false;
-            // A READ let go below: through which peer registration.
+            // A READ let go below: the peer registration it went through.
             let mut let_go = None;
             let mut k = 0;
             while k < poll.reads.len() {
@@ -58,7 +58,8 @@ impl Driver {
                 for id in std::mem::take(&mut poll.reads) {
                     self.data.release(id);
                 }
-                let_go = Some(poll.remote_md);
+                // Set before its READs were posted (`post_fetch`), so there is one.
+                let_go = poll.remote_md;
                 pending = false;
             }
             if pending {
