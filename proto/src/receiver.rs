@@ -397,17 +397,31 @@ impl Receiver {
     }
 
     /// Removes registration `reg` of `[addr, addr + len)` (as [`Self::remove_registered`]) and
-    /// dooms every scatter in flight that writes into the range and no other registration still
-    /// covers:
-    /// each is answered ACK(Failed), so its sender's transfer ends in an error. Later DATA
-    /// naming the range is refused by validation.
+    /// dooms every scatter or gather in flight that may touch memory the range loses: each is
+    /// answered ACK(Failed), so its sender's transfer ends in an error. Later DATA naming the
+    /// range is refused by validation.
     pub(crate) fn deregister(&mut self, ctx: &mut Ctx<'_>, reg: Option<RegId>, addr: u64, len: u64) {
         if let Some(reg) = reg {
             self.remove_registered(reg);
         }
         let end = addr.saturating_add(len);
+        let (flows, registered) = (&self.flows, &self.registered);
+        // A job's runs lie inside its flow's proven registrations, so it can touch the range
+        // only when the flow proved `reg`; its span is only a hull, which may straddle memory
+        // the flow never proved (another registration, or none, between two of its own). A job
+        // whose flow is gone, or a range with no id, is judged by the span alone.
+        let touches = |flow: &FlowKey, span: (u64, u64)| {
+            let (lo, hi) = (span.0.max(addr), span.1.min(end));
+            lo < hi
+                && match (reg, flows.get(flow)) {
+                    (Some(reg), Some(f)) => f.proven.contains(&reg),
+                    _ => true,
+                }
+                // Memory another registration still covers stays the application's to write.
+                && !registered.covers_any(lo, hi)
+        };
         for s in self.scatters.values_mut() {
-            if !s.doomed && s.span.0 < end && addr < s.span.1 && !self.registered.covers_any(s.span.0, s.span.1) {
+            if !s.doomed && touches(&s.flow, s.span) {
                 debug!(
                     peer = s.flow.peer.0,
                     xfer = s.flow.xfer.0,
@@ -419,7 +433,7 @@ impl Receiver {
             }
         }
         for g in self.gathers.values_mut() {
-            if !g.doomed && g.span.0 < end && addr < g.span.1 && !self.registered.covers_any(g.span.0, g.span.1) {
+            if !g.doomed && touches(&g.flow, g.span) {
                 debug!(
                     peer = g.flow.peer.0,
                     xfer = g.flow.xfer.0,

@@ -231,6 +231,58 @@ fn a_scatter_still_covered_by_another_registration_is_not_doomed() {
     assert_eq!(ep.stats().dereg_failed, 0);
 }
 
+/// Registrations A, B and C side by side; a flow of peer 5 proving A and C only, whose one
+/// chunk scatters 2 KiB into A and 2 KiB into C (its span straddles B); returns the scatter's job.
+fn scattering_around_b() -> (Endpoint, Instant, JobId) {
+    let now = Instant::now();
+    let mut ep = Endpoint::new(&config(false), now, PROBE_KEY).unwrap();
+    for (i, r) in [A, B, C].into_iter().enumerate() {
+        ep.add_registered(r, key(r), (DST + i as u64 * 16 * KIB, 16 * KIB), ArenaId(0));
+    }
+    ep.handle_msg(now, PeerId(5), want_proving(9, &[CHUNK], &[A, C])).unwrap();
+    let c = credits(&sent(&drain(&mut ep)));
+    let half = CHUNK / 2;
+    let run = |region_off, addr| CopyRun { region_off, addr, len: half, count: 1, region_stride: 0, addr_stride: 0 };
+    let msg = Msg::Data(Data {
+        xfer: XferId(9),
+        token: tok(9),
+        chunk: ChunkIdx(0),
+        region: c[0].1,
+        runs: vec![run(0, DST), run(half, DST + 32 * KIB)],
+        region_plan_runs: 0,
+    });
+    ep.handle_msg(now, PeerId(5), msg).unwrap();
+    let job = drain(&mut ep)
+        .into_iter()
+        .find_map(|a| if let Action::Scatter { job, .. } = a { Some(job) } else { None })
+        .expect("a scatter");
+    (ep, now, job)
+}
+
+const A: RegId = RegId(11);
+const B: RegId = RegId(12);
+const C: RegId = RegId(13);
+
+#[test]
+fn deregistering_memory_a_scatter_straddles_but_never_writes_leaves_it_whole() {
+    let (mut ep, now, job) = scattering_around_b();
+    ep.deregister(now, Some(B), DST + 16 * KIB, 16 * KIB);
+    ep.handle_scatter_done(now, job, true);
+    assert_eq!(acks(&sent(&drain(&mut ep))), vec![AckStatus::Scattered]);
+    assert_eq!((ep.stats().dereg_failed, ep.stats().chunks_scattered), (0, 1));
+}
+
+#[test]
+fn deregistering_one_of_the_registrations_a_scatter_writes_dooms_it() {
+    for (r, at) in [(A, DST), (C, DST + 32 * KIB)] {
+        let (mut ep, now, job) = scattering_around_b();
+        ep.deregister(now, Some(r), at, 16 * KIB);
+        ep.handle_scatter_done(now, job, true);
+        assert_eq!(acks(&sent(&drain(&mut ep))), vec![AckStatus::Failed], "{r:?}");
+        assert_eq!((ep.stats().dereg_failed, ep.stats().chunks_scattered), (1, 0));
+    }
+}
+
 #[test]
 fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_reclaims_its_flows() {
     let now = Instant::now();
