@@ -177,6 +177,26 @@ pub struct Endpoint {
     one_way: OneWayLayout,
     /// Scratch for [`handle_fetched`](Self::handle_fetched).
     reads: Vec<Read>,
+    /// Who answers a PING, when the peer table that knows is not ours (see
+    /// [`set_ping_answerers`](Self::set_ping_answerers)).
+    answers_pings: PingAnswerers,
+}
+
+/// The shell's view of which peers answer a PING ([`Endpoint::set_ping_answerers`]).
+#[derive(Default)]
+struct PingAnswerers(Option<Box<dyn Fn(PeerId) -> bool + Send>>);
+
+impl PingAnswerers {
+    /// `None`: the endpoint's own peer table knows.
+    fn as_ref(&self) -> Option<&(dyn Fn(PeerId) -> bool + Send)> {
+        self.0.as_deref()
+    }
+}
+
+impl std::fmt::Debug for PingAnswerers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "PingAnswerers(shell)" } else { "PingAnswerers(own table)" })
+    }
 }
 
 impl Endpoint {
@@ -218,6 +238,7 @@ impl Endpoint {
             reading: Reading::default(),
             one_way: OneWayLayout::for_config(config),
             reads: Vec::new(),
+            answers_pings: PingAnswerers::default(),
         })
     }
 
@@ -1011,6 +1032,18 @@ impl Endpoint {
     /// The peer table, read-only.
     pub fn peers(&self) -> &PeerTable {
         &self.peers
+    }
+
+    /// Hands the liveness probe the peer table that knows who answers a PING, for a shell
+    /// that keeps the peers itself (admits frames and calls [`handle_msg`](Self::handle_msg)):
+    /// `answers(id)` must say whether `id` is the loaded incarnation of a name that can bounce
+    /// with us ([`PeerTable::answers_pings`]). The probe asks it only about peers that also
+    /// hold one-way state here; without it, this endpoint's own table is asked, and a shell
+    /// that never fills it would leave a two-way peer unprobed while it also sends us one-way
+    /// flows (our transfers to it, should it die, would fail only at their timeout). It must
+    /// not call back into the endpoint.
+    pub fn set_ping_answerers(&mut self, answers: impl Fn(PeerId) -> bool + Send + 'static) {
+        self.answers_pings = PingAnswerers(Some(Box::new(answers)));
     }
 
     /// The peer table, for the loads NIXL reports (connection info, arenas).

@@ -364,6 +364,13 @@ impl PeerTable {
         self.by_name.get(name).is_some_and(Peer::can_bounce)
     }
 
+    /// True when a PING to `id` reaches the peer behind it: `id` is the loaded incarnation
+    /// of a name that can bounce with us (a one-way incarnation of a loaded name is not: the
+    /// name's PINGs reach the other one, whose PONG never comes back to this id).
+    pub fn answers_pings(&self, id: PeerId) -> bool {
+        self.name(id).is_some_and(|n| self.can_bounce(n) && self.lookup(n) == Some(id))
+    }
+
     /// Peers that can bounce with us now (a count kept as the table changes).
     pub fn bounce_peers(&self) -> usize {
         self.ready

@@ -360,6 +360,13 @@ impl PeerTable {
         t.rules.lookup(name).filter(|_| t.rules.is_loaded(name))
     }
 
+    /// True when a PING to `id` reaches the peer behind it (the core's
+    /// [`peers::PeerTable::answers_pings`]): what the liveness probe asks about a peer that
+    /// also holds one-way state with us.
+    pub(crate) fn answers_pings(&self, id: PeerId) -> bool {
+        self.table.lock().rules.answers_pings(id)
+    }
+
     /// The name of a peer id.
     pub(crate) fn name(&self, id: PeerId) -> Option<String> {
         self.table.lock().rules.name(id).map(str::to_owned)

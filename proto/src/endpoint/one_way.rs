@@ -240,11 +240,10 @@ impl Endpoint {
         self.sender.peers_waited_on(&mut self.waited);
         self.receiver.peers_waited_on(&mut self.waited);
         let (peers, answering, reading) = (&self.peers, &self.answering, &self.reading);
+        let answers = &self.answers_pings;
         self.waited.retain(|&p| {
             let one_way = answering.has_peer(p) || reading.has_peer(p);
-            // A one-way incarnation of a loaded name is not that name's loaded peer: a PING to
-            // the name reaches the other incarnation, whose PONG never comes back to this id.
-            !one_way || peers.name(p).is_some_and(|n| peers.can_bounce(n) && peers.lookup(n) == Some(p))
+            !one_way || answers.as_ref().map_or_else(|| peers.answers_pings(p), |f| f(p))
         });
         self.liveness.watch(now, &self.waited);
     }

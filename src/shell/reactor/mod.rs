@@ -335,6 +335,10 @@ impl Reactor {
             .map_err(|error| Error::Random { what: "the PING nonces' key", error })?;
         let mut ep = Endpoint::new(config, Instant::now(), probe_key)?;
         ep.set_local_endpoint(endpoint);
+        // The peers live in the shell's table, not the core's own: the probe asks it who
+        // answers a PING (it locks the table; the reactor never calls the core holding it).
+        let peers = Arc::clone(&shared.peers);
+        ep.set_ping_answerers(move |id| peers.answers_pings(id));
         let (mut arenas, mut copiers) = (Vec::with_capacity(parts.len()), Vec::with_capacity(parts.len()));
         for (i, part) in parts.into_iter().enumerate() {
             // The first arena is the endpoint's own, made with the configuration's geometry.

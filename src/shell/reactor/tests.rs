@@ -1010,6 +1010,48 @@ fn a_peer_gone_silent_mid_transfer_is_declared_dead_by_the_probe() {
     assert!(dead.load(Ordering::Relaxed) > 1, "b sent nothing after its last delivered frame");
 }
 
+/// b, which we bounce to two way, also opens a one-way flow into a (answers asked in a's
+/// mailbox, under b's loaded session), then goes silent while a's transfer to it waits. The
+/// probe must still PING b and declare it dead: before the reactor told the core who answers
+/// PINGs, a peer holding one-way state was never probed, and the transfer failed only at its
+/// 10 s timeout.
+#[test]
+fn a_two_way_peer_that_also_sends_us_one_way_flows_is_still_probed_and_declared_dead() {
+    let cfg = config("10000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let mut ours = vec![0u8; 4096];
+    let (a, b) = pair(&cfg, &net);
+    let mine = a.register(&mut ours);
+    // From now on nothing b sends reaches a, but for the one-way WANT sent below under its name.
+    net.set_fault(|from, _, f| if from == "b" && kind(f) != Some("want") { Fate::Drop } else { Fate::Deliver });
+    let token = bounce_proto::Token(0x0e_5eed);
+    let want = wire::Want {
+        arena: ArenaId(0),
+        xfer: bounce_proto::XferId(77),
+        token,
+        endpoint: wire::REPLY_MAILBOX.to_vec(),
+        chunks: vec![1024],
+        proofs: vec![bounce_proto::proof::prove(mine.reg, &mine.key, token)],
+        inline: None,
+        standing: Default::default(),
+    };
+    net.join("b").send("a", &Frame { session: 22, msg: Msg::Want(want) }.to_vec()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while a.stat(|s| &s.one_way_answered) == 0 {
+        assert!(Instant::now() < deadline, "a never opened b's one-way flow");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let dest = b.register(&mut dst);
+    let t0 = Instant::now();
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(12)), Err(XferError::PeerLost));
+    let took = t0.elapsed();
+    assert_eq!((a.stat(|s| &s.peers_declared_dead), a.stat(|s| &s.timeouts)), (1, 0));
+    assert!(took < Duration::from_secs(5), "the probe took {took:?} to end the transfer");
+    assert!(a.stat(|s| &s.pings_sent) >= 2 && a.stat(|s| &s.pongs_received) == 0);
+}
+
 /// A copy engine that holds every job until its gate opens, then hands them to the real one:
 /// a copy "running" for as long as a test wants.
 struct Gated {

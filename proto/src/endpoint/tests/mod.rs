@@ -1222,3 +1222,46 @@ proptest! {
         prop_assert_eq!(ep.arena_free_bytes(), 32 * KIB);
     }
 }
+
+/// A peer we transfer to two way that also sends us one-way flows. The probe PINGs it only
+/// when a peer table says its id answers PINGs: this endpoint's own (empty here, as in the
+/// shell, which admits frames itself and calls `handle_msg`) says no, so without
+/// `set_ping_answerers` it stays unprobed, and our transfer to it, should it die, would fail
+/// only at its timeout.
+#[test]
+fn a_two_way_peer_that_also_sends_one_way_flows_is_probed_when_the_shells_table_says_it_answers() {
+    for answers in [None, Some(false), Some(true)] {
+        let c = Config {
+            probe_after: Duration::from_millis(100),
+            peer_dead_after: Duration::from_secs(2),
+            ..config(16 * KIB, 2, false)
+        };
+        c.validate().unwrap();
+        let now = Instant::now();
+        let mut ep = Endpoint::new(&c, now, PROBE_KEY).unwrap();
+        ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
+        ep.keep_mailbox(true);
+        if let Some(a) = answers {
+            ep.set_ping_answerers(move |p| a && p == PEER);
+        }
+        ep.submit(now, X, Token(TOKEN.0 + 1), PEER, plan_of(1)).unwrap();
+        let one_way = Want {
+            arena: ArenaId(0),
+            xfer: XferId(9),
+            token: TOKEN,
+            endpoint: wire::REPLY_MAILBOX.to_vec(),
+            chunks: vec![CHUNK],
+            proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],
+            inline: None,
+            standing: Default::default(),
+        };
+        ep.handle_msg(now, PEER, Msg::Want(one_way)).unwrap();
+        assert_eq!(ep.remote_flows(), 1, "the one-way flow is open");
+        drain(&mut ep);
+        ep.handle_timeout(now + Duration::from_millis(150));
+        let pinged = drain(&mut ep)
+            .iter()
+            .any(|a| matches!(a, Action::Link { peer, body: wire::Body::Ping { .. } } if *peer == PEER));
+        assert_eq!(pinged, answers == Some(true), "answers={answers:?}");
+    }
+}
