@@ -10,6 +10,8 @@
 
 use std::{fmt, time::Duration};
 
+mod ucx_tls;
+
 use crate::{
     manifest::{self, OptionSpec},
     types::{ControlKind, DEFAULT_ALIGN, MemKind},
@@ -234,6 +236,14 @@ pub enum ConfigWarning {
     },
     /// `bounce_arena_gpus` names GPUs but `bounce_arena_mem` is `dram`: no GPU arena is made.
     GpusWithoutGpuArena,
+    /// `UCX_TLS` leaves out UCX's `cuda_ipc`, so the CUDA IPC same-host path is off unless
+    /// `bounce_cuda_ipc` asks for it (`explicit`: it did, and it is on).
+    CudaIpcBesideUcxTls {
+        /// `UCX_TLS` as set.
+        ucx_tls: String,
+        /// `bounce_cuda_ipc=true` was set explicitly: the path stays on.
+        explicit: bool,
+    },
     /// `bounce_max_chunk_size` was lowered to fit the arena and/or to a power of two.
     ChunkSizeAdjusted {
         /// The configured value.
@@ -255,6 +265,17 @@ impl fmt::Display for ConfigWarning {
             Self::GpusWithoutGpuArena => {
                 f.write_str("bounce_arena_gpus ignored: bounce_arena_mem=dram makes no GPU arena")
             }
+            Self::CudaIpcBesideUcxTls { ucx_tls, explicit: false } => write!(
+                f,
+                "bounce_cuda_ipc off: UCX_TLS={ucx_tls:?} leaves out cuda_ipc, so no CUDA IPC handle \
+                 is published (GPU transfers between processes of one host bounce); set \
+                 bounce_cuda_ipc=true to publish them anyway"
+            ),
+            Self::CudaIpcBesideUcxTls { ucx_tls, explicit: true } => write!(
+                f,
+                "bounce_cuda_ipc=true publishes CUDA IPC handles (each maps a registration's whole \
+                 allocation) although UCX_TLS={ucx_tls:?} keeps UCX from publishing its own"
+            ),
             Self::ChunkSizeAdjusted { requested, used, largest_region } => write!(
                 f,
                 "bounce_max_chunk_size {requested} lowered to {used} (power of two, at most the \
@@ -452,6 +473,22 @@ impl Config {
         }
 
         let mut config = Self::assemble(&values, defaults_for)?;
+        // A CUDA IPC handle in our metadata lets any process of this host that holds it map the
+        // whole allocation behind a registration. UCX's cuda_ipc publishes the same handles, so
+        // BOUNCE grants a peer nothing more while UCX may use it; where UCX_TLS forbids it, the
+        // path is off unless asked for by name.
+        let ucx_tls = env("UCX_TLS");
+        if config.cuda_ipc && !ucx_tls::allows(ucx_tls.as_deref(), "cuda_ipc") {
+            // Set to a value that parsed (as true: the path is on), by param or environment.
+            let explicit = manifest::OPTIONS
+                .iter()
+                .zip(&chosen)
+                .find(|(o, _)| o.name == "bounce_cuda_ipc")
+                .and_then(|(o, c)| c.as_ref().map(|(_, text)| parse_value(o.kind, text)))
+                .is_some_and(|v| v.is_some());
+            config.cuda_ipc = explicit;
+            warnings.push(ConfigWarning::CudaIpcBesideUcxTls { ucx_tls: ucx_tls.unwrap_or_default(), explicit });
+        }
         config.check_arena()?;
         let requested = config.max_chunk_size;
         let largest_region = config.largest_region();
@@ -1043,6 +1080,39 @@ mod tests {
         assert_eq!(loaded.config.copy_workers, 5);
         assert_eq!(loaded.config.control, ControlKind::Zmq);
         assert!(loaded.warnings.is_empty());
+    }
+
+    #[test]
+    fn ucx_tls_without_cuda_ipc_turns_the_cuda_ipc_path_off_unless_asked_for_by_name() {
+        let tls = |v| ("UCX_TLS", v);
+        let off = load_env(&[], &[tls("tcp,cuda_copy")]).unwrap();
+        assert!(!off.config.cuda_ipc);
+        let warned = ConfigWarning::CudaIpcBesideUcxTls { ucx_tls: "tcp,cuda_copy".into(), explicit: false };
+        assert_eq!(off.warnings, vec![warned]);
+        assert!(off.warnings[0].to_string().contains("leaves out cuda_ipc"));
+        // Asked for by name (param or environment): on, with a warning that says what it grants.
+        for (params, env) in [
+            (vec![("bounce_cuda_ipc", "true")], vec![tls("^cuda_ipc")]),
+            (vec![], vec![tls("^cuda_ipc"), ("NIXL_BOUNCE_CUDA_IPC", "yes")]),
+        ] {
+            let on = load_env(&params, &env).unwrap();
+            assert!(on.config.cuda_ipc, "{params:?} {env:?}");
+            assert_eq!(
+                on.warnings,
+                vec![ConfigWarning::CudaIpcBesideUcxTls { ucx_tls: "^cuda_ipc".into(), explicit: true }]
+            );
+        }
+        // An unparsable value is no request: the default under UCX_TLS, off.
+        let junk = load_env(&[("bounce_cuda_ipc", "perhaps")], &[tls("tcp")]).unwrap();
+        assert!(!junk.config.cuda_ipc);
+        // UCX may use cuda_ipc (named, through the cuda alias, or by default): on, no warning.
+        for v in ["", "tcp,cuda", "rc,cuda_ipc", "^tcp"] {
+            let l = load_env(&[], &[tls(v)]).unwrap();
+            assert!(l.config.cuda_ipc && l.warnings.is_empty(), "UCX_TLS={v:?}: {l:?}");
+        }
+        // Turned off by the user: nothing to say.
+        let off_anyway = load_env(&[("bounce_cuda_ipc", "false")], &[tls("tcp")]).unwrap();
+        assert!(!off_anyway.config.cuda_ipc && off_anyway.warnings.is_empty());
     }
 
     #[test]

@@ -15,7 +15,8 @@
 //! checked to lie inside the registration its descriptor names, and the registration inside
 //! the allocation as the driver mapped it (not as the peer claims), before anything is
 //! launched. A peer can do no more to us this way than through UCX's own cuda_ipc transport,
-//! which maps the same allocations from the same handles.
+//! which maps the same allocations from the same handles (and where `UCX_TLS` leaves cuda_ipc
+//! out, the configuration turns this path off unless it is asked for by name).
 //!
 //! Completion: SUCCESS once the kernel's event has completed; the notification, if any, is
 //! sent through the inner engine then, so it reaches the peer after the bytes.
