@@ -363,6 +363,12 @@ impl Endpoint {
         self.sender.set_local_endpoint(bytes);
     }
 
+    /// Our agent name, which our proofs are bound to ([`crate::proof::Initiator`]): a receiver
+    /// checks them against the name our frames reach it under. Without it, the empty name.
+    pub fn set_local_name(&mut self, name: &str) {
+        self.sender.set_initiator(crate::proof::Initiator::named(name));
+    }
+
     /// Records registration `reg` of `[addr, addr + len)` with key `key`: memory the receiver
     /// may scatter into for a flow whose WANT proved it (see [`crate::proof`]). A DATA run must
     /// lie inside one registration its flow proved.
@@ -387,6 +393,26 @@ impl Endpoint {
         self.receiver.deregister(&mut ctx, reg, addr, len);
         self.sender.deregister(&mut ctx, addr, addr.saturating_add(len));
         self.pump(now);
+    }
+
+    /// [`handle_msg`](Self::handle_msg) for a message that came from the agent `name` (as the
+    /// channel names its sender): the proofs of `from`'s WANTs and PULLs must be made by that
+    /// name. The name of an id is taken at its first WANT or PULL and never changes; an id
+    /// only ever given to [`handle_msg`](Self::handle_msg) is taken as the empty name.
+    ///
+    /// # Errors
+    /// As [`handle_msg`](Self::handle_msg).
+    pub fn handle_msg_named(
+        &mut self,
+        now: Instant,
+        from: PeerId,
+        name: &str,
+        msg: wire::Msg,
+    ) -> Result<(), ProtocolError> {
+        if matches!(msg, wire::Msg::Want(_) | wire::Msg::Pull(_)) && !self.receiver.names(from) {
+            self.receiver.name_initiator(from, crate::proof::Initiator::named(name));
+        }
+        self.handle_msg(now, from, msg)
     }
 
     /// Handles one control message from `from`: WANT and DATA go to the receiver, GRANT and
@@ -678,10 +704,9 @@ impl Endpoint {
             .peers
             .admit_message(name, frame.session, one_way, |id| holds_nothing(receiver, answering, sender, id))?;
         if let Some(gone) = gone {
-            // What little may remain of it (replay floors) goes with its name.
-            self.handle_peer_retired(now, gone);
+            self.handle_peer_evicted(now, gone);
         }
-        Ok(self.handle_msg(now, peer, msg)?)
+        Ok(self.handle_msg_named(now, peer, name, msg)?)
     }
 
     /// NIXL loaded the agent `name`'s connection info, which published `theirs`; `ours` is
@@ -753,6 +778,15 @@ impl Endpoint {
     pub fn handle_peer_retired(&mut self, now: Instant, peer: PeerId) {
         self.handle_peer_lost(now, peer);
         self.sender.forget_peer(peer);
+    }
+
+    /// One-way name `peer` was evicted from the peer table to make room for another (it held
+    /// nothing here): its id is retired as [`handle_peer_retired`](Self::handle_peer_retired)
+    /// does, but the replay window of its ended flows is kept under its name, for the id the
+    /// name gets next.
+    pub fn handle_peer_evicted(&mut self, now: Instant, peer: PeerId) {
+        self.receiver.keep_evicted_window(peer);
+        self.handle_peer_retired(now, peer);
     }
 
     /// The peer is gone: its transfers fail with [`XferError::PeerLost`] (no cancel is sent)

@@ -19,17 +19,59 @@ use crate::wire::Proof;
 /// Bytes of a proof's tag (a truncated BLAKE3 keyed hash: 128 bits, like the token).
 pub const TAG_LEN: usize = 16;
 
-/// The tag proving possession of `key` for the transfer with `token`.
+/// The keyed hash of `token` under `key`, truncated to [`TAG_LEN`] bytes (also what a standing
+/// flow's token derives from).
 pub fn tag(key: &RegKey, token: Token) -> [u8; TAG_LEN] {
-    let hash = blake3::keyed_hash(&key.0, &token.0.to_le_bytes());
+    truncate(&blake3::keyed_hash(&key.0, &token.0.to_le_bytes()))
+}
+
+fn truncate(hash: &blake3::Hash) -> [u8; TAG_LEN] {
     let mut out = [0; TAG_LEN];
     out.copy_from_slice(&hash.as_bytes()[..TAG_LEN]);
     out
 }
 
-/// The proof for `key`'s registration `reg` in the transfer with `token`.
+/// Who a proof is made by: a hash of the initiator's agent name, which the receiver takes from
+/// the channel the frame came on (the name NIXL or our ZMQ framing gives). Binding the tag to
+/// it means a WANT captured on the wire and sent again under another name (a one-way name is
+/// anyone's to invent) proves nothing, so only its own name can replay it, and the receiver's
+/// per-name replay window ([`crate::receiver`]) refuses that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Initiator([u8; 32]);
+
+impl Initiator {
+    /// The initiator named `name`.
+    pub fn named(name: &str) -> Self {
+        let mut h = blake3::Hasher::new_derive_key("nixl-bounce 2026-12 proof initiator");
+        h.update(name.as_bytes());
+        Self(*h.finalize().as_bytes())
+    }
+}
+
+impl Default for Initiator {
+    /// The initiator with the empty name: what an endpoint that was told no names uses on both
+    /// sides (the core's tests).
+    fn default() -> Self {
+        Self::named("")
+    }
+}
+
+/// The tag proving possession of `key` for the transfer with `token`, made by `initiator`.
+pub fn bound_tag(key: &RegKey, token: Token, initiator: &Initiator) -> [u8; TAG_LEN] {
+    let mut h = blake3::Hasher::new_keyed(&key.0);
+    h.update(&token.0.to_le_bytes());
+    h.update(&initiator.0);
+    truncate(&h.finalize())
+}
+
+/// The proof for `key`'s registration `reg` in the transfer with `token`, made by `initiator`.
+pub fn prove_as(reg: RegId, key: &RegKey, token: Token, initiator: &Initiator) -> Proof {
+    Proof { reg, tag: bound_tag(key, token, initiator) }
+}
+
+/// [`prove_as`] by the initiator with the empty name ([`Initiator::default`]).
 pub fn prove(reg: RegId, key: &RegKey, token: Token) -> Proof {
-    Proof { reg, tag: tag(key, token) }
+    prove_as(reg, key, token, &Initiator::default())
 }
 
 /// A destination registration the sender holds the metadata (and so the key) of.
@@ -129,40 +171,60 @@ impl Registrations {
     ///
     /// # Errors
     /// [`BadProof::NoProof`] for no proof, else as [`Self::verify`].
-    pub fn verify_opening(&self, token: Token, proofs: &[Proof], arena: ArenaId) -> Result<Vec<RegId>, BadProof> {
+    pub fn verify_opening(
+        &self,
+        token: Token,
+        by: &Initiator,
+        proofs: &[Proof],
+        arena: ArenaId,
+    ) -> Result<Vec<RegId>, BadProof> {
         if proofs.is_empty() {
             return Err(BadProof::NoProof);
         }
-        self.verify(token, proofs, arena)
+        self.verify(token, by, proofs, arena)
     }
 
-    /// Checks `proofs` for the transfer with `token` through `arena`; returns the proven
+    /// Checks `proofs` for the transfer with `token` made by initiator `by` through `arena`;
+    /// returns the proven
     /// registration ids, each once (a flow keeps them: a WANT repeating one proof 4096 times
     /// must not make it keep, and check every run against, 4096 copies).
     ///
     /// # Errors
     /// The first [`BadProof`]: then the WANT carrying them is refused as a whole.
-    pub fn verify(&self, token: Token, proofs: &[Proof], arena: ArenaId) -> Result<Vec<RegId>, BadProof> {
-        let mut proven = self.verify_each(token, proofs, arena)?;
+    pub fn verify(
+        &self,
+        token: Token,
+        by: &Initiator,
+        proofs: &[Proof],
+        arena: ArenaId,
+    ) -> Result<Vec<RegId>, BadProof> {
+        let mut proven = self.verify_each(token, by, proofs, arena)?;
         proven.sort_unstable();
         proven.dedup();
         Ok(proven)
     }
 
-    fn verify_each(&self, token: Token, proofs: &[Proof], arena: ArenaId) -> Result<Vec<RegId>, BadProof> {
+    fn verify_each(
+        &self,
+        token: Token,
+        by: &Initiator,
+        proofs: &[Proof],
+        arena: ArenaId,
+    ) -> Result<Vec<RegId>, BadProof> {
         proofs
             .iter()
             .map(|p| {
                 let Some(r) = self.by_id.get(&p.reg) else {
                     // Only a proof under the gone registration's key counts as late, not forged.
-                    let late = self.gone.iter().any(|(id, key)| *id == p.reg && same(&tag(key, token), &p.tag));
+                    let late =
+                        self.gone.iter().any(|(id, key)| *id == p.reg && same(&bound_tag(key, token, by), &p.tag));
                     return Err(if late {
                         BadProof::Deregistered(p.reg)
                     } else {
                         BadProof::UnknownRegistration(p.reg)
                     });
                 };
-                match (same(&tag(&r.key, token), &p.tag), r.arena == arena) {
+                match (same(&bound_tag(&r.key, token, by), &p.tag), r.arena == arena) {
                     (false, _) => Err(BadProof::WrongTag(p.reg)),
                     (true, false) => Err(BadProof::WrongArena(p.reg, arena)),
                     (true, true) => Ok(p.reg),
@@ -253,6 +315,11 @@ fn same(a: &[u8; TAG_LEN], b: &[u8; TAG_LEN]) -> bool {
 mod tests {
     use super::*;
 
+    /// The initiator the tests' proofs are made by.
+    fn by() -> Initiator {
+        Initiator::default()
+    }
+
     const KEY: RegKey = RegKey([7; 32]);
     const A0: ArenaId = ArenaId(0);
 
@@ -282,33 +349,48 @@ mod tests {
     }
 
     #[test]
+    fn a_proof_holds_only_for_the_initiator_that_made_it() {
+        let mut regs = Registrations::default();
+        assert!(regs.add(RegId(1), KEY, (0x1000, 0x1000), A0));
+        let (t, a, b) = (Token(42), Initiator::named("a"), Initiator::named("b"));
+        let p = prove_as(RegId(1), &KEY, t, &a);
+        assert_eq!(regs.verify(t, &a, &[p], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify(t, &b, &[p], A0), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify(t, &Initiator::default(), &[p], A0), Err(BadProof::WrongTag(RegId(1))));
+        assert_ne!(Initiator::named("a"), Initiator::named("a\0"));
+    }
+
+    #[test]
     fn a_proof_holds_only_for_its_key_and_token() {
         let mut regs = Registrations::default();
         assert!(regs.add(RegId(1), KEY, (0x1000, 0x1000), A0));
         assert!(regs.add(RegId(2), RegKey([8; 32]), (0x4000, 0x1000), A0));
         let t = Token(42);
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
         // Another token, another key, another id, a flipped bit: all refused.
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, Token(43))], A0), Err(BadProof::WrongTag(RegId(1))));
-        assert_eq!(regs.verify(t, &[prove(RegId(2), &KEY, t)], A0), Err(BadProof::WrongTag(RegId(2))));
-        assert_eq!(regs.verify(t, &[prove(RegId(3), &KEY, t)], A0), Err(BadProof::UnknownRegistration(RegId(3))));
+        assert_eq!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, Token(43))], A0), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify(t, &by(), &[prove(RegId(2), &KEY, t)], A0), Err(BadProof::WrongTag(RegId(2))));
+        assert_eq!(
+            regs.verify(t, &by(), &[prove(RegId(3), &KEY, t)], A0),
+            Err(BadProof::UnknownRegistration(RegId(3)))
+        );
         let mut p = prove(RegId(1), &KEY, t);
         p.tag[TAG_LEN - 1] ^= 1;
-        assert_eq!(regs.verify(t, &[p], A0), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify(t, &by(), &[p], A0), Err(BadProof::WrongTag(RegId(1))));
         // One bad proof among good ones spoils the lot.
-        assert!(regs.verify(t, &[prove(RegId(1), &KEY, t), p], A0).is_err());
+        assert!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, t), p], A0).is_err());
         // None proves nothing: an opening frame without proofs is refused; a later one adds
         // nothing to what its flow proved.
-        assert_eq!(regs.verify_opening(t, &[], A0), Err(BadProof::NoProof));
-        assert_eq!(regs.verify(t, &[], A0), Ok(vec![]));
-        assert_eq!(regs.verify_opening(t, &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify_opening(t, &by(), &[], A0), Err(BadProof::NoProof));
+        assert_eq!(regs.verify(t, &by(), &[], A0), Ok(vec![]));
+        assert_eq!(regs.verify_opening(t, &by(), &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
         assert_ne!(tag(&KEY, t), tag(&KEY, Token(43)), "tags differ per transfer");
         // Repeated proofs prove each registration once: what a flow keeps is bounded by what
         // is registered, not by how often a WANT repeats itself.
         let (one, two) = (prove(RegId(1), &KEY, t), prove(RegId(2), &RegKey([8; 32]), t));
         let mut repeated = vec![two; 2048];
         repeated.extend([one; 2048]);
-        assert_eq!(regs.verify(t, &repeated, A0), Ok(vec![RegId(1), RegId(2)]));
+        assert_eq!(regs.verify(t, &by(), &repeated, A0), Ok(vec![RegId(1), RegId(2)]));
     }
 
     #[test]
@@ -324,9 +406,12 @@ mod tests {
         assert!(!regs.covers(&[RegId(1)], 0x1000, 0x1010), "deregistered since");
         // A valid proof of it is late, not forged; a wrong tag of it stays unknown.
         let t = Token(5);
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &KEY, t)], A0), Err(BadProof::Deregistered(RegId(1))));
+        assert_eq!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, t)], A0), Err(BadProof::Deregistered(RegId(1))));
         let other = RegKey([9; 32]);
-        assert_eq!(regs.verify(t, &[prove(RegId(1), &other, t)], A0), Err(BadProof::UnknownRegistration(RegId(1))));
+        assert_eq!(
+            regs.verify(t, &by(), &[prove(RegId(1), &other, t)], A0),
+            Err(BadProof::UnknownRegistration(RegId(1)))
+        );
         assert!(!regs.add(RegId(3), KEY, (u64::MAX, 2), A0), "a wrapping range is ignored");
         assert_eq!(regs.len(), 1);
     }
@@ -341,13 +426,13 @@ mod tests {
         regs.add(RegId(2), KEY, (0x9000, 0x1000), ArenaId(1));
         let t = Token(7);
         let (host, gpu) = (prove(RegId(1), &KEY, t), prove(RegId(2), &KEY, t));
-        assert_eq!(regs.verify(t, &[host], A0), Ok(vec![RegId(1)]));
-        assert_eq!(regs.verify(t, &[gpu], ArenaId(1)), Ok(vec![RegId(2)]));
-        assert_eq!(regs.verify(t, &[gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
-        assert_eq!(regs.verify(t, &[host, gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
-        assert_eq!(regs.verify(t, &[host], ArenaId(1)), Err(BadProof::WrongArena(RegId(1), ArenaId(1))));
+        assert_eq!(regs.verify(t, &by(), &[host], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify(t, &by(), &[gpu], ArenaId(1)), Ok(vec![RegId(2)]));
+        assert_eq!(regs.verify(t, &by(), &[gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
+        assert_eq!(regs.verify(t, &by(), &[host, gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
+        assert_eq!(regs.verify(t, &by(), &[host], ArenaId(1)), Err(BadProof::WrongArena(RegId(1), ArenaId(1))));
         // A wrong tag stays a forgery whatever the arena.
         let forged = prove(RegId(2), &RegKey([1; 32]), t);
-        assert_eq!(regs.verify(t, &[forged], A0), Err(BadProof::WrongTag(RegId(2))));
+        assert_eq!(regs.verify(t, &by(), &[forged], A0), Err(BadProof::WrongTag(RegId(2))));
     }
 }

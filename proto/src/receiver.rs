@@ -15,7 +15,7 @@ use tracing::{debug, trace, warn};
 
 use crate::config::Config;
 use crate::event::{Action, Ctx, DataFault, InRegionPlan, JobId, JobRuns, ProtocolError, internal_error};
-use crate::proof::{BadProof, Registrations};
+use crate::proof::{BadProof, Initiator, Registrations};
 use crate::scheduler::arenas::ArenaSchedulers;
 use crate::scheduler::{Grant as SchedGrant, Reuse};
 use crate::timer::TimerTable;
@@ -254,6 +254,14 @@ pub struct Receiver {
     /// replay (a captured WANT and DATA sent again would otherwise scatter whatever the new
     /// flow's region holds now into the old transfer's destinations). Kept as `inline_floor`.
     ended: BTreeMap<PeerId, ended::Ended>,
+    /// Who each peer id's proofs must be made by (its agent name's hash, as the shell names the
+    /// frames' sender); an id never named here is taken as the empty name. Set at an id's
+    /// first WANT or PULL, forgotten when the id is retired.
+    initiators: BTreeMap<PeerId, Initiator>,
+    /// The replay windows of one-way names evicted to make room for others, by name: the name's
+    /// next id takes its window back (else a captured WANT of the name, sent again after a
+    /// flood of invented names pushed it out, would open a flow again).
+    evicted: ended::Evicted,
     /// Largest standing credit given to one peer (`bounce_standing_bytes`); 0: none.
     standing_bytes: u64,
     /// Each peer's standing flow (at most one) and its chunk's bytes.
@@ -286,6 +294,8 @@ impl Receiver {
             inline_held: 0,
             inline_floor: BTreeMap::new(),
             ended: BTreeMap::new(),
+            initiators: BTreeMap::new(),
+            evicted: ended::Evicted::default(),
             claim_floor: BTreeMap::new(),
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
@@ -446,6 +456,29 @@ impl Receiver {
         }
     }
 
+    /// True when `peer` was named ([`Self::name_initiator`]).
+    pub(crate) fn names(&self, peer: PeerId) -> bool {
+        self.initiators.contains_key(&peer)
+    }
+
+    /// Who `peer`'s proofs must be made by ([`Self::name_initiator`]).
+    pub(crate) fn initiator_of(&self, peer: PeerId) -> Initiator {
+        self.initiators.get(&peer).copied().unwrap_or_default()
+    }
+
+    /// `peer` is the agent `by` names (the shell's name for the sender of its frames): its
+    /// proofs must be made by it. Set once per id (an id never changes name); an id a one-way
+    /// name was given after an older one of the same name was evicted takes that one's replay
+    /// window back.
+    pub(crate) fn name_initiator(&mut self, peer: PeerId, by: Initiator) {
+        if let std::collections::btree_map::Entry::Vacant(v) = self.initiators.entry(peer) {
+            v.insert(by);
+            if let Some(window) = self.evicted.take(&by) {
+                self.ended.insert(peer, window);
+            }
+        }
+    }
+
     /// Stops accepting WANTs (the engine is closing); flows already open keep their regions
     /// until their DATA, cancel, reclaim or [`Self::shutdown`].
     pub(crate) fn close(&mut self) {
@@ -520,10 +553,11 @@ impl Receiver {
         // which holds our metadata and so could prove; what its flows may hold is capped per
         // peer either way.)
         let opens_one_way = !self.flows.contains_key(&key) && want.endpoint == wire::REPLY_MAILBOX;
+        let by = self.initiator_of(from);
         let proven = match if opens_one_way {
-            self.registered.verify_opening(want.token, &want.proofs, want.arena)
+            self.registered.verify_opening(want.token, &by, &want.proofs, want.arena)
         } else {
-            self.registered.verify(want.token, &want.proofs, want.arena)
+            self.registered.verify(want.token, &by, &want.proofs, want.arena)
         } {
             Ok(proven) => proven,
             Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {

@@ -252,6 +252,8 @@ pub struct Sender {
     /// arena's and a GPU arena's differ); plans take the smaller of it and the peer arena's.
     max_chunks: Vec<u64>,
     endpoint: Vec<u8>,
+    /// Who our proofs are made by: our agent name ([`proof::Initiator`]).
+    initiator: proof::Initiator,
     xfers: BTreeMap<XferId, Xfer>,
     jobs: BTreeMap<JobId, JobRef>,
     orphans: BTreeMap<JobId, Orphan>,
@@ -349,6 +351,7 @@ impl Sender {
             inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
             max_chunks: vec![config.max_chunk_size],
             endpoint: Vec::new(),
+            initiator: proof::Initiator::default(),
             xfers: BTreeMap::new(),
             jobs: BTreeMap::new(),
             orphans: BTreeMap::new(),
@@ -433,6 +436,10 @@ impl Sender {
         self.endpoint = bytes;
     }
 
+    pub(crate) fn set_initiator(&mut self, by: proof::Initiator) {
+        self.initiator = by;
+    }
+
     pub(crate) fn next_timeout(&self) -> Option<Instant> {
         [self.timers.next(), self.next_keep].into_iter().flatten().min()
     }
@@ -448,7 +455,7 @@ impl Sender {
     ) -> Result<(), SubmitError> {
         self.admit(ctx, xfer, &plan)?;
         let WantShape { one_way, inline, no_standing } = shape;
-        let proofs = plan.dests.iter().map(|d| proof::prove(d.reg, &d.key, token)).collect();
+        let proofs = plan.dests.iter().map(|d| proof::prove_as(d.reg, &d.key, token, &self.initiator)).collect();
         let chunks = plan.chunk_sizes().collect();
         // A one-way transfer asks to be answered through the target's mailbox.
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };

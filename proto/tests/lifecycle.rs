@@ -91,7 +91,13 @@ fn want(xfer: u64, chunks: &[u64]) -> Msg {
 }
 
 fn want_proving(xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
-    let proofs = regs.iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
+    want_proving_by("", xfer, chunks, regs)
+}
+
+/// [`want_proving`] as the agent `name` sends it (its proofs bound to that name).
+fn want_proving_by(name: &str, xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
+    let by = proof::Initiator::named(name);
+    let proofs = regs.iter().map(|&r| proof::prove_as(r, &key(r), tok(xfer), &by)).collect();
     Msg::Want(Want {
         arena: ArenaId(0),
         xfer: XferId(xfer),
@@ -292,7 +298,7 @@ fn goodbye_fails_our_transfers_retracts_their_credits_after_our_writes_and_recla
     let b = ep.peers_mut().id("b");
     let frame = |session, msg| Frame { session, msg }.to_vec();
     // b writes into us (a flow holding two regions) ...
-    ep.handle_frame(now, "b", &frame(77, want(4, &[CHUNK, CHUNK]))).unwrap();
+    ep.handle_frame(now, "b", &frame(77, want_proving_by("b", 4, &[CHUNK, CHUNK], &[D]))).unwrap();
     drain(&mut ep);
     assert_eq!(ep.grants_outstanding(), 2);
     // ... and we write into b: credit, gather, write in flight.

@@ -74,6 +74,7 @@ impl Pair {
             [Endpoint::new(&cfg, start, [0xfe; 32]).unwrap(), Endpoint::new(&cfg, start, [0xff; 32]).unwrap()];
         let mut ids = [PeerId(0); 2];
         for (me, ep) in eps.iter_mut().enumerate() {
+            ep.set_local_name(NAMES[me]);
             let other = NAMES[1 - me];
             // The other node's connection info carries its session (node n sends n + 1).
             ep.peers_mut().load_conn_info(other, Some(caps(2 - me as u64)), None);
@@ -297,6 +298,7 @@ fn with_probing_off_a_dead_receiver_is_found_only_by_the_request_timeout() {
     };
     // A restarted process draws a new key.
     p.eps[0] = Endpoint::new(&cfg, p.start, [0xfd; 32]).unwrap();
+    p.eps[0].set_local_name(NAMES[0]);
     p.eps[0].peers_mut().load_conn_info("b", None, None);
     p.ids[0] = p.eps[0].peers_mut().id("b");
     p.submit(64);

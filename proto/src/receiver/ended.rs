@@ -6,12 +6,19 @@
 //! of that window: an honest WANT is refused only if more than [`RECENT`] later transfers to
 //! the same peer ended before it arrived.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
+use crate::proof::Initiator;
 use crate::types::XferId;
 
 /// Ended ids kept exactly per peer (8 bytes each).
 pub(crate) const RECENT: usize = 256;
+
+/// Evicted one-way names whose windows are kept; the oldest kept goes beyond. Only a name
+/// whose proofs verified has a window (an opened flow), and a proof is bound to its name, so
+/// only holders of our registration keys, who could write there through UCX anyway, can push
+/// a name's window out.
+pub(crate) const EVICTED_KEPT: usize = 4096;
 
 /// One peer's ended transfers.
 #[derive(Debug, Default)]
@@ -41,6 +48,55 @@ impl Ended {
     }
 }
 
+/// The replay windows of evicted one-way names, by name, at most [`EVICTED_KEPT`].
+#[derive(Debug, Default)]
+pub(crate) struct Evicted {
+    by_name: BTreeMap<Initiator, Ended>,
+    /// Names in the order they were kept (a name taken back leaves a stale entry, skipped).
+    order: VecDeque<Initiator>,
+}
+
+impl Evicted {
+    /// Keeps `window` for `name` (merged with one kept before, should the name have had two ids).
+    pub(crate) fn keep(&mut self, name: Initiator, window: Ended) {
+        match self.by_name.get_mut(&name) {
+            Some(old) => old.merge(window),
+            None => {
+                self.by_name.insert(name, window);
+                self.order.push_back(name);
+            }
+        }
+        while self.by_name.len() > EVICTED_KEPT {
+            let Some(oldest) = self.order.pop_front() else { break };
+            self.by_name.remove(&oldest);
+        }
+        // Stale entries (names taken back) never outnumber the kept ones by much.
+        if self.order.len() > 2 * EVICTED_KEPT {
+            let kept = &self.by_name;
+            self.order.retain(|n| kept.contains_key(n));
+        }
+    }
+
+    /// The window kept for `name`, if any (it is no longer kept here).
+    pub(crate) fn take(&mut self, name: &Initiator) -> Option<Ended> {
+        self.by_name.remove(name)
+    }
+}
+
+impl Ended {
+    /// Adds every id `other` covers.
+    fn merge(&mut self, other: Self) {
+        if let Some(f) = other.floor {
+            self.floor = self.floor.max(Some(f));
+            let floor = self.floor;
+            self.recent.retain(|&x| floor.is_none_or(|f| x > f));
+        }
+        for x in other.recent {
+            self.note(x);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -59,6 +115,30 @@ mod tests {
         }
         assert!(e.covers(XferId(4)), "pushed below the window: taken as ended");
         assert!(!e.covers(XferId(10 + RECENT as u64)));
+    }
+
+    #[test]
+    fn evicted_windows_are_kept_by_name_merged_and_bounded() {
+        let (a, b) = (Initiator::named("a"), Initiator::named("b"));
+        let mut kept = Evicted::default();
+        let window = |ids: &[u64]| {
+            let mut e = Ended::default();
+            ids.iter().for_each(|&x| e.note(XferId(x)));
+            e
+        };
+        kept.keep(a, window(&[5, 9]));
+        kept.keep(a, window(&[7]));
+        kept.keep(b, window(&[1]));
+        let back = kept.take(&a).expect("kept under its name");
+        assert!([5, 7, 9].iter().all(|&x| back.covers(XferId(x))) && !back.covers(XferId(6)));
+        assert!(kept.take(&a).is_none(), "taken once");
+        for i in 0..EVICTED_KEPT as u64 + 5 {
+            kept.keep(Initiator::named(&format!("n{i}")), window(&[i]));
+        }
+        assert_eq!(kept.by_name.len(), EVICTED_KEPT);
+        assert!(kept.order.len() <= 2 * EVICTED_KEPT);
+        assert!(kept.take(&b).is_none(), "the oldest went first");
+        assert!(kept.take(&Initiator::named(&format!("n{}", EVICTED_KEPT + 4))).is_some());
     }
 
     proptest! {

@@ -176,10 +176,11 @@ impl Receiver {
             return Err(ProtocolError::OverTotalLimit { peer: from, xfer: pull.xfer, chunks: total });
         }
         // As for a WANT (see `handle_want`): a one-way READ must prove something.
+        let by = self.initiator_of(from);
         let verified = if opens && pull.endpoint == wire::REPLY_MAILBOX {
-            self.registered.verify_opening(pull.token, &pull.proofs, pull.arena)
+            self.registered.verify_opening(pull.token, &by, &pull.proofs, pull.arena)
         } else {
-            self.registered.verify(pull.token, &pull.proofs, pull.arena)
+            self.registered.verify(pull.token, &by, &pull.proofs, pull.arena)
         };
         let mut proven = match verified {
             Ok(proven) => proven,

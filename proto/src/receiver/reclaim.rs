@@ -12,6 +12,18 @@ impl Receiver {
         self.claim_floor.remove(&peer);
         self.reclaim_flows_of(ctx, peer);
         self.ended.remove(&peer);
+        self.initiators.remove(&peer);
+    }
+
+    /// One-way name `peer` is evicted to make room for another (it holds nothing here; its id
+    /// is retired next): its replay window is kept under its name, for the name's next id. (A
+    /// reloaded or lost peer's window goes with its id: a new incarnation's ids start at its
+    /// own clock.)
+    pub(crate) fn keep_evicted_window(&mut self, peer: PeerId) {
+        let kept = self.ended.remove(&peer);
+        if let (Some(window), Some(by)) = (kept, self.initiators.get(&peer)) {
+            self.evicted.keep(*by, window);
+        }
     }
 
     /// Reclaims every flow of `peer`, keeping its replay floors: for a peer that keeps its id

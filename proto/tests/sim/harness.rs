@@ -321,6 +321,8 @@ impl Sim {
                     assert_eq!(id, ArenaId(k as u8));
                 }
                 ep.set_local_endpoint(format!("node-{i}").into_bytes());
+                // Frames reach the others under `agent(i)`: our proofs are bound to it.
+                ep.set_local_name(&agent(i));
                 ep.keep_mailbox(knobs.one_way);
                 // All user memory, once per arena (registration `k` served by arena `k`): a
                 // registration serves one arena, and transfers here go through any of them.

@@ -256,6 +256,7 @@ impl Engine {
                     })
                     .collect();
                 let parts = Parts {
+                    agent: self.agent.clone(),
                     session: self.session,
                     endpoint,
                     arenas: parts,

@@ -105,9 +105,9 @@ impl Driver {
         let id = match admitted {
             Ok((id, gone)) => {
                 if let Some(gone) = gone {
-                    // A one-way name forgotten to make room: what little may remain of it
-                    // (replay floors) goes with it.
-                    self.ep.handle_peer_retired(now, gone);
+                    // A one-way name forgotten to make room: its id goes, its replay window
+                    // stays with its name.
+                    self.ep.handle_peer_evicted(now, gone);
                 }
                 id
             }
@@ -118,7 +118,7 @@ impl Driver {
                 return self.drop_frame(now, peer, &e);
             }
         };
-        if let Err(e) = self.ep.handle_msg(now, id, msg) {
+        if let Err(e) = self.ep.handle_msg_named(now, id, peer, msg) {
             self.drop_frame(now, peer, &e);
         }
     }

@@ -89,6 +89,8 @@ pub(crate) struct ArenaPart {
 
 /// What a reactor is made of: the engine's identity and its three seams.
 pub(crate) struct Parts {
+    /// Our agent name: the name our frames reach peers under, which our proofs are bound to.
+    pub(crate) agent: String,
     /// Our session id, carried in every frame.
     pub(crate) session: u64,
     /// Our inner conn info, carried in WANTs (the design's reverse path).
@@ -327,7 +329,7 @@ impl Reactor {
     /// # Errors
     /// When the core rejects the configuration or the thread cannot be started.
     pub(crate) fn start(config: &Config, shared: Arc<Shared>, parts: Parts) -> Result<Self> {
-        let Parts { session, endpoint, arenas: parts, one_way: area, data, control, control_budget } = parts;
+        let Parts { agent, session, endpoint, arenas: parts, one_way: area, data, control, control_budget } = parts;
         // The PING nonces must be unpredictable to others (a forged PONG would keep a dead peer
         // alive, confirm a forged HELLO or a forged farewell): a random key per engine.
         let mut probe_key = [0u8; 32];
@@ -335,6 +337,7 @@ impl Reactor {
             .map_err(|error| Error::Random { what: "the PING nonces' key", error })?;
         let mut ep = Endpoint::new(config, Instant::now(), probe_key)?;
         ep.set_local_endpoint(endpoint);
+        ep.set_local_name(&agent);
         // The peers live in the shell's table, not the core's own: the probe asks it who
         // answers a PING (it locks the table; the reactor never calls the core holding it).
         let peers = Arc::clone(&shared.peers);

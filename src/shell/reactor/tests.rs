@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::plan::{self, DescPair, PlanParams};
-use bounce_proto::proof::Destination;
+use bounce_proto::proof::{Destination, Initiator, prove_as};
 use bounce_proto::wire::{self, Frame, Msg};
 use bounce_proto::wire::{ArenaCaps, Arenas, Capabilities, WIRE_VERSION};
 use bounce_proto::{ControlKind, MemKind, RegId, RegKey};
@@ -209,6 +209,7 @@ impl Side {
         .unwrap();
         let notified = Arc::clone(&path.notified);
         let parts = Parts {
+            agent: name.to_owned(),
             session,
             endpoint: name.as_bytes().to_vec(),
             arenas: vec![ArenaPart {
@@ -1032,7 +1033,7 @@ fn a_two_way_peer_that_also_sends_us_one_way_flows_is_still_probed_and_declared_
         token,
         endpoint: wire::REPLY_MAILBOX.to_vec(),
         chunks: vec![1024],
-        proofs: vec![bounce_proto::proof::prove(mine.reg, &mine.key, token)],
+        proofs: vec![prove_as(mine.reg, &mine.key, token, &Initiator::named("b"))],
         inline: None,
         standing: Default::default(),
     };

@@ -34,7 +34,7 @@ fn only_the_secret_of_the_confirming_pong_undoes_a_hello_and_our_transfers_fail_
     confirmed_with(&mut ep, t, id, secret);
     // Our transfer to it in flight, and a flow of its into us.
     ep.submit(t, X, TOKEN, id, plan_of(2)).unwrap();
-    ep.handle_frame(t, "a", &frame(1, want_msg(XferId(9), &[CHUNK]))).unwrap();
+    ep.handle_frame(t, "a", &frame(1, want_msg_by("a", XferId(9), &[CHUNK]))).unwrap();
     drain(&mut ep);
     assert_eq!((ep.in_flight_xfers(), ep.remote_flows()), (1, 1));
     // Forgeries: another secret; the right one under another session; any under a name

@@ -155,7 +155,17 @@ pub(crate) fn ack_msg(xfer: XferId, chunk: u32, region: Region, status: AckStatu
 }
 
 pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
-    let proofs = vec![crate::proof::prove(REG, &KEY, TOKEN)];
+    want_msg_by("", xfer, chunks)
+}
+
+/// The proof of `REG` for a transfer with `TOKEN`, as the agent `name` makes it.
+pub(crate) fn proof_by(name: &str) -> wire::Proof {
+    crate::proof::prove_as(REG, &KEY, TOKEN, &crate::proof::Initiator::named(name))
+}
+
+/// [`want_msg`] as the agent `name` sends it (its proofs bound to that name).
+pub(crate) fn want_msg_by(name: &str, xfer: XferId, chunks: &[u64]) -> Msg {
+    let proofs = vec![proof_by(name)];
     Msg::Want(Want {
         arena: ArenaId(0),
         xfer,
@@ -207,7 +217,7 @@ fn with_loaded(name: &str) -> (Endpoint, Instant, PeerId) {
 #[test]
 fn frames_from_an_agent_never_loaded_are_refused_before_the_endpoint_sees_them() {
     let (mut ep, t) = endpoint(32 * KIB, 2, false);
-    let r = ep.handle_frame(t, "stranger", &frame(1, want_msg(XferId(5), &[CHUNK])));
+    let r = ep.handle_frame(t, "stranger", &frame(1, want_msg_by("stranger", XferId(5), &[CHUNK])));
     assert_eq!(r, Err(FrameRefused::NotLoaded));
     assert!(drain(&mut ep).is_empty(), "no GRANT to an unknown agent");
     assert_eq!((ep.remote_flows(), ep.stats().wants, ep.stats().frames_refused), (0, 0, 1));
@@ -218,7 +228,7 @@ fn frames_from_an_agent_never_loaded_are_refused_before_the_endpoint_sees_them()
 #[test]
 fn a_loaded_peer_is_served_through_handle_frame_and_protocol_errors_pass_through() {
     let (mut ep, t, id) = with_loaded("a");
-    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
     let sent = msgs(&drain(&mut ep));
     assert!(matches!(&sent[..], [(p, Msg::Grant(_))] if *p == id), "{sent:?}");
     let r = ep.handle_frame(t, "a", &frame(7, grant_msg(XferId(99), &[(0, Region { offset: 0, len: CHUNK })])));
@@ -229,7 +239,7 @@ fn a_loaded_peer_is_served_through_handle_frame_and_protocol_errors_pass_through
 #[test]
 fn a_frame_of_a_stale_session_is_refused_and_changes_nothing() {
     let (mut ep, t, _) = with_loaded("a");
-    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
     let granted = msgs(&drain(&mut ep));
     let Msg::Grant(g) = &granted[0].1 else { panic!("{granted:?}") };
     let region = g.credits[0].region;
@@ -249,7 +259,7 @@ fn a_frame_of_a_stale_session_is_refused_and_changes_nothing() {
 #[test]
 fn a_want_with_a_new_session_is_refused_without_resetting_the_peer() {
     let (mut ep, t, id) = with_loaded("a");
-    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK, CHUNK]))).unwrap();
     drain(&mut ep);
     ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
     drain(&mut ep);
@@ -273,7 +283,7 @@ fn a_want_with_a_new_session_is_refused_without_resetting_the_peer() {
 #[test]
 fn a_reload_with_a_new_session_reclaims_the_old_incarnation() {
     let (mut ep, t, id) = with_loaded("a");
-    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK, CHUNK]))).unwrap();
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK, CHUNK]))).unwrap();
     drain(&mut ep);
     ep.submit(t, X, TOKEN, id, plan_of(1)).unwrap();
     drain(&mut ep);
@@ -292,7 +302,7 @@ fn a_reload_with_a_new_session_reclaims_the_old_incarnation() {
     // and announces a transfer that reuses the old transfer id; the old session is refused.
     let new = ep.peers().lookup("a").unwrap();
     assert_ne!(new, id);
-    ep.handle_frame(t, "a", &frame(8, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    ep.handle_frame(t, "a", &frame(8, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
     drain(&mut ep);
     assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: new, xfer: XferId(5) }), 1);
     // A reclaim of the old id, late (the shell queues it), takes nothing of the new one's.
@@ -347,7 +357,7 @@ fn a_forged_grant_and_ack_with_the_wrong_token_never_complete_the_sender() {
 #[test]
 fn data_cancel_and_want_with_the_wrong_token_leave_the_flow_alone() {
     let (mut ep, t, id) = with_loaded("a");
-    ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
     let granted = msgs(&drain(&mut ep));
     let Msg::Grant(g) = &granted[0].1 else { panic!("{granted:?}") };
     assert_eq!(g.token, TOKEN, "the GRANT echoes the WANT's token");
@@ -868,10 +878,10 @@ fn a_restarted_peers_one_way_flow_is_served_before_its_reload_and_survives_it() 
     for disconnect_first in [true, false] {
         let (mut ep, t, old) = with_loaded("a");
         ep.keep_mailbox(true);
-        ep.handle_frame(t, "a", &frame(7, want_msg(XferId(5), &[CHUNK]))).unwrap();
+        ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
         drain(&mut ep);
         // The new incarnation (session 8): a one-way WANT proving its destination.
-        let proof = || vec![crate::proof::prove(REG, &KEY, TOKEN)];
+        let proof = || vec![proof_by("a")];
         ep.handle_frame(t, "a", &one_way_want_in(8, 1, proof())).unwrap();
         let acts = drain(&mut ep);
         assert!(acts.len() == 1 && matches!(acts[0], Action::PutRecord { .. }), "one GRANT record: {acts:?}");
@@ -880,7 +890,7 @@ fn a_restarted_peers_one_way_flow_is_served_before_its_reload_and_survives_it() 
         assert_eq!((ep.remote_flows(), ep.stats().one_way_answered), (2, 1));
         // Only one-way traffic passes so: a two-way WANT under the new session is still stale,
         // and a proofless one-way WANT opens nothing.
-        let two_way = ep.handle_frame(t, "a", &frame(8, want_msg(XferId(6), &[CHUNK])));
+        let two_way = ep.handle_frame(t, "a", &frame(8, want_msg_by("a", XferId(6), &[CHUNK])));
         assert_eq!(two_way, Err(FrameRefused::StaleSession { got: 8, current: 7 }));
         let proofless = ep.handle_frame(t, "a", &one_way_want_in(8, 2, Vec::new()));
         assert!(matches!(proofless, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{proofless:?}");
@@ -925,7 +935,7 @@ fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_
     assert_eq!((ep.answering_slots_held(), ep.remote_flows()), (0, 0));
     assert_eq!(ep.stats().control_forged, 20);
     // A valid proof: admitted without loaded metadata or session, answered in the mailbox.
-    ep.handle_frame(t, "initiator", &want(1, vec![crate::proof::prove(REG, &KEY, TOKEN)])).unwrap();
+    ep.handle_frame(t, "initiator", &want(1, vec![proof_by("initiator")])).unwrap();
     let acts = drain(&mut ep);
     assert!(acts.iter().all(|a| matches!(a, Action::PutRecord { .. })), "{acts:?}");
     assert_eq!(acts.len(), 1, "one GRANT record");
@@ -951,7 +961,7 @@ fn invented_one_way_names_cannot_lock_a_real_initiator_out() {
         let r = ep.handle_frame(t, &format!("junk-{i}"), &want(vec![forged]));
         assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{i}: {r:?}");
     }
-    ep.handle_frame(t, "initiator", &want(vec![crate::proof::prove(REG, &KEY, TOKEN)])).unwrap();
+    ep.handle_frame(t, "initiator", &want(vec![proof_by("initiator")])).unwrap();
     assert_eq!((ep.answering_slots_held(), ep.remote_flows(), ep.stats().one_way_answered), (1, 1, 1));
     // The real initiator, holding a flow now, is never the name forgotten.
     for i in 0..100 {
@@ -1264,4 +1274,54 @@ fn a_two_way_peer_that_also_sends_one_way_flows_is_probed_when_the_shells_table_
             .any(|a| matches!(a, Action::Link { peer, body: wire::Body::Ping { .. } } if *peer == PEER));
         assert_eq!(pinged, answers == Some(true), "answers={answers:?}");
     }
+}
+
+/// A one-way initiator's WANT captured on the wire. Sent under another name, its proofs (bound
+/// to the initiator's name) prove nothing. Sent under its own name after its flow ended, it is
+/// a replay, and stays one after a flood of invented names pushed that name out of the peer
+/// table (the window is kept under the name, and its next id takes it back).
+#[test]
+fn a_captured_one_way_want_opens_nothing_again_under_any_name_even_after_its_name_was_evicted() {
+    use crate::peers::MAX_ONE_WAY_NAMES;
+    let (mut ep, t) = endpoint(16 * KIB, 2, false);
+    ep.keep_mailbox(true);
+    let captured = one_way_want(1, vec![proof_by("initiator")]);
+    let r = ep.handle_frame(t, "thief", &captured);
+    assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{r:?}");
+    assert_eq!((ep.remote_flows(), ep.stats().control_forged), (0, 1));
+    ep.handle_frame(t, "initiator", &captured).unwrap();
+    assert_eq!(ep.remote_flows(), 1, "the genuine WANT opens its flow");
+    let first = ep.peers().lookup("initiator").unwrap();
+    // Its flow ends (its initiator went quiet), and its mailbox slot with it.
+    let later = t + Duration::from_secs(60);
+    while let Some(due) = ep.poll_timeout().filter(|&d| d <= later) {
+        ep.handle_timeout(due);
+        drain(&mut ep);
+    }
+    ep.handle_timeout(later);
+    drain(&mut ep);
+    assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 0));
+    assert!(ep.holds_nothing_for(first));
+    let replayed = ep.stats().control_replayed;
+    assert!(ep.handle_frame(later, "initiator", &captured).is_err(), "a replay under its own name");
+    assert_eq!(ep.stats().control_replayed, replayed + 1);
+    // Invented names (their proofs forged) push the name out.
+    let mut forged = proof_by("junk");
+    forged.tag[0] ^= 1;
+    for i in 0..MAX_ONE_WAY_NAMES + 10 {
+        let _ = ep.handle_frame(later, &format!("junk-{i}"), &one_way_want(1, vec![forged]));
+    }
+    assert_ne!(ep.peers().lookup("initiator"), Some(first), "evicted");
+    let r = ep.handle_frame(later, "initiator", &captured);
+    assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::Replayed { .. }))), "{r:?}");
+    assert_eq!((ep.remote_flows(), ep.stats().control_replayed), (0, replayed + 2));
+    // A new transfer of the same initiator is served as usual.
+    let want = |xfer| {
+        let Msg::Want(mut w) = wire::Frame::decode(&one_way_want(xfer, vec![])).unwrap().msg else { unreachable!() };
+        w.token = Token(TOKEN.0 + 1);
+        w.proofs = vec![crate::proof::prove_as(REG, &KEY, w.token, &crate::proof::Initiator::named("initiator"))];
+        wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
+    };
+    ep.handle_frame(later, "initiator", &want(2)).unwrap();
+    assert_eq!(ep.remote_flows(), 1);
 }
