@@ -214,8 +214,9 @@ impl Endpoint {
     /// for a geometry the scheduler refuses.
     pub fn new(config: &Config, now: Instant, probe_key: [u8; 32]) -> Result<Self, EndpointError> {
         config.validate()?;
-        let sched =
+        let mut sched =
             CreditScheduler::new(config.arena_usable_capacity(), config.arena_granularity, config.max_inflight_chunks)?;
+        sched.limit_chunks(config.max_chunk_size);
         Ok(Self {
             scheds: ArenaSchedulers::new(sched),
             window: config.max_inflight_chunks,
@@ -1041,7 +1042,8 @@ impl Endpoint {
     /// [`EndpointError::Sched`] for a geometry the scheduler refuses;
     /// [`EndpointError::TooManyArenas`] past [`crate::types::MAX_ARENAS`].
     pub fn add_arena(&mut self, capacity: u64, granularity: u64, max_chunk: u64) -> Result<ArenaId, EndpointError> {
-        let sched = CreditScheduler::new(capacity, granularity, self.window)?;
+        let mut sched = CreditScheduler::new(capacity, granularity, self.window)?;
+        sched.limit_chunks(max_chunk);
         let id = self.scheds.add(sched).ok_or(EndpointError::TooManyArenas)?;
         self.sender.set_max_chunk(id, max_chunk);
         Ok(id)

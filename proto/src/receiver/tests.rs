@@ -15,6 +15,16 @@ fn receiver() -> (Endpoint, Instant) {
     (ep, t)
 }
 
+/// [`receiver`] whose arena's max chunk is half of it (16 KiB): one chunk then takes half the
+/// arena, as the fairness tests need.
+fn receiver_of_halves() -> (Endpoint, Instant) {
+    let t = Instant::now();
+    let c = Config { max_chunk_size: 16 * KIB, ..config(32 * KIB, 2, true) };
+    let mut ep = Endpoint::new(&c, t, PROBE_KEY).unwrap();
+    ep.add_registered(REG, KEY, (DST, 64 * KIB), ArenaId(0));
+    (ep, t)
+}
+
 /// READ `XferId(9)` of one chunk at `addr` through arena 0, proving registration `reg`.
 fn pull_of(reg: RegId, addr: u64) -> wire::Pull {
     wire::Pull {
@@ -569,7 +579,7 @@ fn a_flow_silent_for_half_a_timeout_is_reclaimed_but_one_waiting_for_the_arena_i
     // The lease is half the request timeout; u is half the lease, and the quarantine of a
     // reclaimed region.
     let u = TIMEOUT / 4;
-    let (mut ep, t) = receiver();
+    let (mut ep, t) = receiver_of_halves();
     let [r0, _] = wanted(&mut ep, t);
     // Peer 9 takes half the arena and goes silent; peer 8's chunk waits for space.
     ep.handle_msg(t, PeerId(9), want_msg(XferId(3), &[16 * KIB])).unwrap();
@@ -615,7 +625,7 @@ fn a_peer_that_lets_a_grant_lapse_unused_loses_its_queue_with_it() {
     // Peer 9 announces four transfers of one 16 KiB chunk each and then never writes: the
     // first two fill the arena, two wait for it.
     let lease = TIMEOUT / 2;
-    let (mut ep, t) = receiver();
+    let (mut ep, t) = receiver_of_halves();
     let silent = PeerId(9);
     for x in 1..=4 {
         ep.handle_msg(t, silent, want_msg(XferId(x), &[16 * KIB])).unwrap();
@@ -642,7 +652,7 @@ fn a_peer_that_lets_a_grant_lapse_unused_loses_its_queue_with_it() {
 #[test]
 fn a_peer_that_wrote_since_its_lapsed_grant_keeps_its_queue() {
     let lease = TIMEOUT / 2;
-    let (mut ep, t) = receiver();
+    let (mut ep, t) = receiver_of_halves();
     for x in 1..=4 {
         ep.handle_msg(t, PEER, want_msg(XferId(x), &[16 * KIB])).unwrap();
     }
@@ -957,6 +967,24 @@ fn a_want_the_scheduler_cannot_queue_is_a_protocol_error() {
     assert!(ep.is_idle());
     // The endpoint is still usable by the same sender.
     wanted(&mut ep, t);
+}
+
+/// A chunk above the arena's configured max chunk (which our capabilities advertise, so no
+/// honest plan has one) is refused, even one the arena could hold. Before, one WANT for a chunk
+/// as large as the whole arena was granted all of it when idle, past the half-arena share cap;
+/// and, waiting as the drain target, it held every other peer's credits until the arena was all
+/// free, which never came while a staging reserve of ours was out.
+#[test]
+fn a_want_above_the_configured_max_chunk_is_refused_even_when_the_arena_could_hold_it() {
+    let (mut ep, t) = receiver();
+    for (peer, chunks) in [(PeerId(3), vec![32 * KIB]), (PeerId(4), vec![CHUNK, 2 * CHUNK])] {
+        let err = ep.handle_msg(t, peer, want_msg(X, &chunks)).unwrap_err();
+        assert!(matches!(err, ProtocolError::BadWant { .. }), "{err}");
+        assert_eq!(acks(&drain(&mut ep)), vec![(X, 0, AckStatus::Refused)]);
+    }
+    assert_eq!(ep.arena_free_bytes(), 32 * KIB, "nothing granted");
+    // An honest peer is granted as usual.
+    assert_eq!(wanted(&mut ep, t).len(), 2);
 }
 
 /// A WANT for `xfer` carrying its one chunk of `CHUNK` bytes (`fill`), scattered by `runs`.

@@ -314,10 +314,11 @@ impl CreditScheduler {
         self.buddy.usable_capacity()
     }
 
-    /// The largest chunk a WANT may ask for: the arena's largest block. A fully drained arena
-    /// can always fit it, which is what makes drain mode terminate.
+    /// The largest chunk a WANT may ask for: the arena's configured max chunk
+    /// ([`limit_chunks`](Self::limit_chunks)), at most its largest block. A fully drained
+    /// arena can always fit it, which is what makes drain mode terminate.
     pub fn max_chunk_bytes(&self) -> u64 {
-        self.buddy.largest_block()
+        self.buddy.largest_block().min(self.max_chunk)
     }
 
     /// The eager staging budget: half the usable capacity.

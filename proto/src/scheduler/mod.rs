@@ -260,6 +260,9 @@ pub struct CreditScheduler {
     /// pending chunks or held regions: a scan of all flows there made each grant O(flows) and
     /// a schedule pass O(flows^2), which one peer with thousands of flows turned into seconds.
     waiting: BTreeMap<PeerId, usize>,
+    /// The largest chunk this arena stages or grants, as configured for it (`u64::MAX`: the
+    /// arena's largest block): see [`CreditScheduler::limit_chunks`].
+    max_chunk: u64,
 }
 
 #[derive(Debug, Default)]
@@ -356,6 +359,16 @@ impl CreditScheduler {
             quarantine: Quarantine::default(),
             peer_held: BTreeMap::new(),
             waiting: BTreeMap::new(),
+            max_chunk: u64::MAX,
         })
+    }
+
+    /// Chunks above `bytes` (the arena's configured max chunk, which our capabilities
+    /// advertise, so no honest peer's plan exceeds it) are refused. Without it a WANT may ask
+    /// for the arena's largest block: one chunk as large as the whole arena, which takes it all
+    /// when it is idle, or, as the drain target, holds every other flow's credits until it is
+    /// all free (never, while a staging reserve of ours is out).
+    pub fn limit_chunks(&mut self, bytes: u64) {
+        self.max_chunk = bytes;
     }
 }
