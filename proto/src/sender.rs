@@ -739,10 +739,10 @@ impl Sender {
         if x.inline && i == 0 && matches!(stage, Stage::Idle) {
             // The answer to an inline WANT: the receiver put the bytes in a region of its own,
             // scattered them and freed it; nothing of ours is held.
-            x.deadline = ctx.now + timeout;
             trace!(xfer = id.0, status = ?ack.status, "inline ack");
             match ack.status {
                 AckStatus::Scattered => {
+                    x.deadline = ctx.now + timeout;
                     if let Some(at) = x.wanted.take() {
                         ctx.stats.inline_acks += 1;
                         ctx.stats.inline_ack_wait_ns += nanos(ctx.now, at);

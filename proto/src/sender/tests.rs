@@ -844,6 +844,25 @@ fn a_second_replan_of_a_chunk_is_refused_and_the_transfer_still_times_out() {
     assert_eq!(ep.stats().replans, 1);
 }
 
+/// The same for an inline transfer: ACKs that are no answer to it (Replan, Kept) from a target
+/// holding its token are refused and do not put its timeout off.
+#[test]
+fn an_inline_transfer_answered_only_by_replans_and_kepts_still_times_out() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let bytes = vec![7u8; CHUNK as usize];
+    ep.submit_write(t, X, TOKEN, PEER, plan_of(1), WriteRoute::inline(bytes)).unwrap();
+    drain(&mut ep);
+    for (k, status) in [(1, AckStatus::Replan), (2, AckStatus::Kept)] {
+        let now = t + TIMEOUT * k / 3;
+        let err = ep.handle_msg(now, PEER, ack_msg(X, 0, r(0), status)).unwrap_err();
+        assert_eq!(err, ProtocolError::UnexpectedAck { xfer: X, chunk: ChunkIdx(0) });
+        ep.handle_timeout(now);
+        assert!(completes(&drain(&mut ep)).is_empty());
+    }
+    ep.handle_timeout(t + TIMEOUT);
+    assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::Timeout))]);
+}
+
 /// A target that grants every chunk at once (past any window) and never ACKs holds none of
 /// our arena once the writes are done: each write gives its staging back, so the credits
 /// parked for lack of space are staged in turn, and another peer's transfer still finds room.
