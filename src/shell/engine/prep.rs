@@ -93,6 +93,9 @@ impl Engine {
         (remote, remote_mem): (&[DescView], Option<MemSeg>),
         agent: &str,
     ) -> Option<u64> {
+        // An operation NIXL does not define goes to UCX, which refuses it (ERR_INVALID_PARAM):
+        // read as neither READ nor WRITE, it must not bounce either way.
+        let Some(op) = op else { return self.count_fallback(FallbackReason::Op) };
         // Our GPU memory registered under another GPU's id: no kernel of ours may touch it.
         if self.registry.any_misplaced(local.iter().map(|d| d.md)) {
             return self.count_fallback(FallbackReason::Mem);
@@ -120,8 +123,8 @@ impl Engine {
             config,
             self.bounce.is_some(),
             match op {
-                Some(XferOp::Write) => gate::XferOp::Write,
-                _ => gate::XferOp::Read, // an op NIXL does not define is not a write either
+                XferOp::Write => gate::XferOp::Write,
+                XferOp::Read => gate::XferOp::Read,
             },
             (local_kind, our_place),
             (remote_kind, theirs.map(|(_, place)| place)),
@@ -132,7 +135,7 @@ impl Engine {
         let their_id = theirs.map_or(ArenaId(0), |(id, _)| id);
         // A READ's bytes go the other way: the peer's descriptors are the sources (its gather
         // runs), ours the destinations (our scatter runs).
-        let read = matches!(op, Some(XferOp::Read));
+        let read = matches!(op, XferOp::Read);
         let pair = |(l, r): (&DescView, &DescView)| match read {
             false => DescPair { src: l.addr, dst: r.addr, len: l.len },
             true => DescPair { src: r.addr, dst: l.addr, len: l.len },
@@ -215,7 +218,7 @@ impl Engine {
     /// from `bounce_cma_large_bytes` up).
     fn prep_mapped(
         &self,
-        op: Option<XferOp>,
+        op: XferOp,
         input: &GateInput<'_>,
         (local, remote): (&[DescView], &[DescView]),
         agent: &str,
@@ -231,9 +234,6 @@ impl Engine {
             MemKind::Vram => Path::Ipc(self.ipc.as_ref()?),
             MemKind::Dram => Path::Cma(self.cma.as_ref()?),
         };
-        if !matches!(op, Some(XferOp::Write | XferOp::Read)) {
-            return None;
-        }
         let input = self.mapped_limits.apply(place.mem, input);
         if gate::route_mapped(&input, true) != Route::Bounce {
             return None;
@@ -241,7 +241,7 @@ impl Engine {
         let recs = self.keys.remote_reach(remote.iter().map(|d| d.md))?;
         pairs.clear();
         pairs.extend(local.iter().zip(remote).map(pair));
-        let read = matches!(op, Some(XferOp::Read));
+        let read = matches!(op, XferOp::Read);
         match path {
             Path::Ipc(ipc) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.ipc()?, *n))).collect();
