@@ -32,8 +32,10 @@ block then follows a pause with no transfer, as between a framework's batches), 
 writes through a buffer that large before each block instead (cold caches, no idle thread:
 which of the two makes a block's first request slow), `--samples`
 prints every request's time in order. Reported per backend: batch median; per-request p50 and p99
-(over rounds x requests); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal
-<= 1.5); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
+(over rounds x requests), and the same split by the block before each (right after a block of
+the same variant, as a framework using one backend runs, or after another variant's block:
+the first request of a block that follows another backend's pays for the caches that block
+took); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal <= 1.5); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
 request is prepared, so `passthrough_xfers` and `fallback_*` count the 9 prepared requests,
 `bounce_xfers` / `bounce_ok` count posts); and a byte-exact check of both caches of both
 backends after the run. A case prints no figure unless every variant's caches are byte-exact
@@ -162,6 +164,7 @@ class Side:
         self.groups = [([q], q.notif) for q in reqs] + [(reqs, b"batch")]
         self.handles = [] if prep_each else [prep(*g) for g in self.groups]
         self.single_s, self.batch_s, self.prep_single_s, self.prep_batch_s = [], [], [], []
+        self.after_own = []  # per kept block: did it follow a block of this variant (see child)
 
     def post_fresh(self, group, notif):
         """Makes the request, posts it and releases it: (total time, prep time)."""
@@ -216,6 +219,7 @@ def child(case, args):
     # --evict-mib: a buffer written through before each block, which evicts the last-level cache
     # the two processes share on one socket without leaving any thread idle.
     evict = numpy.zeros(args.evict_mib << 20, dtype=numpy.uint8) if args.evict_mib else None
+    prev = None
     for rnd in range(args.rounds + 1):
         order = sides if rnd % 2 == 0 else sides[::-1]
         for s in order:
@@ -223,6 +227,12 @@ def child(case, args):
             if evict is not None:
                 evict.fill(rnd & 0xFF)
             s.block(target, keep=rnd > 0)
+            if rnd > 0:
+                # whether this block came right after one of the same variant (nothing of another
+                # backend's between its requests and the previous ones: the steady state of a
+                # framework that uses one backend) or after another variant's block
+                s.after_own.append(prev is s and not args.pause_ms and not args.evict_mib)
+            prev = s
     out = {}
     for s in sides:
         # byte-exact: the destinations hold the sources' bytes, everything else is untouched
@@ -241,7 +251,7 @@ def child(case, args):
             after = counters(s.ag, s.backend)
             path = {k: after.get(k, 0) - s.before.get(k, 0) for k in PATH_KEYS
                     if after.get(k, 0) != s.before.get(k, 0)}
-        out[s.variant] = {"single": s.single_s, "batch": s.batch_s, "path": path,
+        out[s.variant] = {"single": s.single_s, "batch": s.batch_s, "path": path, "after_own": s.after_own,
                           "prep_single": s.prep_single_s, "prep_batch": s.prep_batch_s,
                           "exact": mine["clean"] and theirs["clean"], "mine": mine, "theirs": theirs}
     print("RESULT " + json.dumps(out), flush=True)
@@ -275,6 +285,16 @@ def path_problem(variant, path):
     elif not same_host or path.get("bounce_xfers", 0):
         return "not every post took the same-host path"
     return None
+
+
+def split_blocks(single, after_own, per_block):
+    """The requests of the blocks that came right after a block of the same variant (`steady`)
+    and of the others (after another variant's block, or after a pause or an eviction), each in
+    order."""
+    steady, switched = [], []
+    for i, own in enumerate(after_own):
+        (steady if own else switched).extend(single[i * per_block:(i + 1) * per_block])
+    return steady, switched
 
 
 def pct(xs, p):
@@ -354,9 +374,16 @@ def main():
                      if others else "")
             if args.samples:
                 print(f"  {b}: requests in order, ms: " + " ".join(f"{t * 1e3:.2f}" for t in x["single"]))
+            steady, switched = split_blocks(x["single"], x.get("after_own", []), args.requests)
             print(f"  {b:14s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
                   f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}{split}   "
                   f"byte-exact")
+            if steady and switched:
+                print(f"  {'':14s} blocks right after one of its own ({len(steady) // args.requests}): p99/p50 "
+                      f"{pct(steady, 99) / pct(steady, 50):.2f}, first of a block "
+                      f"{statistics.median(steady[::args.requests]) * 1e3:.2f} ms;  after another variant's "
+                      f"({len(switched) // args.requests}): first of a block "
+                      f"{statistics.median(switched[::args.requests]) * 1e3:.2f} ms")
             if x.get("prep_single"):
                 print(f"  {'':14s} of which prep: request median {statistics.median(x['prep_single']) * 1e3:.2f} ms, "
                       f"batch median {statistics.median(x['prep_batch']) * 1e3:.2f} ms")
