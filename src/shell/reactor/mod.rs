@@ -203,6 +203,8 @@ struct CopyInFlight {
 struct PendingDereg {
     start: u64,
     end: u64,
+    /// The fence's mark at the deregistration: the jobs it waits for were pinned up to it.
+    mark: u64,
     /// When it began to wait (the writes of failed transfers it waits for only so long).
     since: Instant,
     _done: Signal,
@@ -632,7 +634,7 @@ impl Driver {
                 self.let_go_of_failed_writes(range);
             }
             let fence = &self.shared.fence;
-            self.deregs.retain(|d| fence.busy((d.start, d.end)));
+            self.deregs.retain(|d| fence.busy((d.start, d.end), d.mark));
         }
         if !self.retiring.is_empty() {
             let mut i = 0;
@@ -777,7 +779,7 @@ impl Driver {
                 }
             }
             Cmd::Registered(d, a, l, arena) => self.ep.add_registered(d.reg, d.key, (a, l), arena),
-            Cmd::Deregister { reg, addr, len, done } => {
+            Cmd::Deregister { reg, addr, len, done, mark } => {
                 // Let the core fail what uses the range first (so each such transfer ends as
                 // Deregistered and is counted so, whatever it had queued), then hand out what
                 // it emitted (the fence, still marking the range, refuses the jobs on it), then
@@ -788,7 +790,7 @@ impl Driver {
                 let range = (addr, addr.saturating_add(len));
                 self.shared.fence.applied(range);
                 if let Some(done) = done {
-                    self.deregs.push(PendingDereg { start: range.0, end: range.1, since: now, _done: done });
+                    self.deregs.push(PendingDereg { start: range.0, end: range.1, mark, since: now, _done: done });
                 }
             }
             Cmd::Unload(mds) => self.retire(mds),

@@ -53,6 +53,8 @@ pub(crate) enum Cmd {
         /// Signalled (dropped) when the range is no longer touched; `None` when nothing
         /// touched it at the deregistration (the application did not wait).
         done: Option<Signal>,
+        /// The fence's mark at the deregistration: only jobs pinned up to it are waited for.
+        mark: u64,
     },
     /// One peer arena's inner metadata (its arena's and its mailbox's registrations) that is
     /// no longer used for new writes or READs (the peer was lost, said goodbye or was
@@ -242,12 +244,12 @@ impl Shared {
     /// refuses later ones); otherwise after the reactor has failed what uses the range and the
     /// jobs on it have ended. The reactor applies the deregistration to the core either way.
     pub(crate) fn deregister(&self, reg: Option<RegId>, addr: u64, len: u64) {
-        if !self.fence.deregister((addr, addr.saturating_add(len))) {
-            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None });
+        let Some(mark) = self.fence.deregister((addr, addr.saturating_add(len))) else {
+            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None, mark: 0 });
             return;
-        }
+        };
         let done = Arc::new(Completion::default());
-        self.inbox.push(Cmd::Deregister { reg, addr, len, done: Some(Signal(Arc::clone(&done))) });
+        self.inbox.push(Cmd::Deregister { reg, addr, len, done: Some(Signal(Arc::clone(&done))), mark });
         done.wait(self, "deregistered memory");
     }
 

@@ -1528,7 +1528,7 @@ fn deregistration_with_nothing_running_returns_at_once() {
     let (_a, b) = pair(&cfg, &net);
     b.register(&mut dst);
     let span = (dst.as_ptr() as u64, dst.as_ptr() as u64 + dst.len() as u64);
-    assert!(!b.shared.fence.busy(span), "nothing runs on the memory");
+    assert!(!b.shared.fence.busy(span, u64::MAX), "nothing runs on the memory");
     // The order, not the clock: the deregistration returns while the test holds the reactor
     // off (no pass can run), so it never waited for one. Bounded, so that a wait fails.
     {
@@ -1548,7 +1548,13 @@ fn deregistration_with_nothing_running_returns_at_once() {
     assert!(reactor.stop(), "nothing was granted: the arena may be handed back");
     let done = Arc::new(Completion::default());
     let addr = other.as_ptr() as u64;
-    let cmd = Cmd::Deregister { reg: Some(RegId(addr)), addr, len: 4096, done: Some(Signal(Arc::clone(&done))) };
+    let cmd = Cmd::Deregister {
+        reg: Some(RegId(addr)),
+        addr,
+        len: 4096,
+        done: Some(Signal(Arc::clone(&done))),
+        mark: u64::MAX,
+    };
     shared.inbox.push(cmd);
     done.wait(&shared, "deregistered memory");
     drop(arena);
@@ -2358,7 +2364,7 @@ fn registrations_alone_are_not_activity_for_the_reactor() {
     for i in 0..200u64 {
         let dest = Destination { reg: RegId(addr), key: RegKey([i as u8; 32]) };
         bookkeeping.push(pass_after(Cmd::Registered(dest, addr, len, ArenaId(0))));
-        bookkeeping.push(pass_after(Cmd::Deregister { reg: Some(RegId(addr)), addr, len, done: None }));
+        bookkeeping.push(pass_after(Cmd::Deregister { reg: Some(RegId(addr)), addr, len, done: None, mark: 0 }));
         work.push(pass_after(Cmd::Hello("nobody".to_owned(), a.shared.peers.losses())));
     }
     assert!(bookkeeping.iter().all(|&moved| !moved), "a bookkeeping pass counted as a movement");
