@@ -364,6 +364,8 @@ pub(crate) struct CmaPath {
     /// Whether a record of this very process is taken (tests only: two agents of one process
     /// keep bouncing, which their tests prove).
     allow_self: bool,
+    /// Requests running with a notification to send (see [`Self::settle`]).
+    notifying: AtomicUsize,
 }
 
 impl std::fmt::Debug for CmaPath {
@@ -412,6 +414,7 @@ impl CmaPath {
             permitted: Mutex::default(),
             watches: Mutex::default(),
             allow_self: false,
+            notifying: AtomicUsize::new(0),
         })
     }
 
@@ -682,6 +685,9 @@ impl CmaPath {
         }
         Stats::bump(&self.stats.cma_xfers);
         let (parts, pid) = (Arc::clone(&req.parts), req.pid);
+        if notif.is_some() {
+            self.notifying.fetch_add(1, Ordering::AcqRel);
+        }
         req.state = State::Running(Arc::clone(&job), notif);
         // Without the table's lock: other requests' posts and checks go on meanwhile (a check
         // of this one finds it in flight; a release waits for the job).
@@ -734,6 +740,9 @@ impl CmaPath {
         let State::Running(_, notif) = std::mem::replace(&mut req.state, State::Done(done.clone())) else {
             unreachable!("matched Running above");
         };
+        if notif.is_some() {
+            self.notifying.fetch_sub(1, Ordering::AcqRel);
+        }
         done.map_err(Error::Xfer)?;
         Stats::bump(&self.stats.cma_ok);
         if let (Some(msg), Some(shim)) = (notif, shim) {
@@ -747,6 +756,34 @@ impl CmaPath {
         Ok(Progress::Done)
     }
 
+    /// True when a running request still has its notification to send: `getNotifs` must
+    /// then [`settle`](Self::settle) rather than pull the inner engine straight through.
+    pub(crate) fn notifying(&self) -> bool {
+        self.notifying.load(Ordering::Acquire) > 0
+    }
+
+    /// Sends the notification of every request whose copy has ended, as [`Self::check`] would
+    /// at the application's next status query (failures are kept for that query). UCX sends a
+    /// transfer's notification behind its data whether or not the application asks: an
+    /// application that waits for its peer's answer to the notification (polling
+    /// `getNotifs`) without querying its own request would otherwise wait for ever.
+    pub(crate) fn settle(&self, shim: Option<Shim>) {
+        if !self.notifying() {
+            return;
+        }
+        let done: Vec<u64> = self
+            .reqs
+            .lock()
+            .iter()
+            .filter(|(_, r)| matches!(&r.state, State::Running(job, Some(_)) if job.left.load(Ordering::Acquire) == 0))
+            .map(|(&h, _)| h)
+            .collect();
+        for h in done {
+            // Its outcome (and a failed notification) stays for the application's check.
+            let _ = self.check(h, shim, Duration::ZERO);
+        }
+    }
+
     /// Releases request `h`, waiting for its parts when it is running.
     ///
     /// # Errors
@@ -755,7 +792,15 @@ impl CmaPath {
         let mut reqs = self.reqs.lock();
         let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
         let job = match &req.state {
-            State::Running(job, _) | State::Releasing(job) => Arc::clone(job),
+            State::Running(job, notif) => {
+                // Released before it was found done: no notification goes (as UCX's release
+                // cancels what it has not sent).
+                if notif.is_some() {
+                    self.notifying.fetch_sub(1, Ordering::AcqRel);
+                }
+                Arc::clone(job)
+            }
+            State::Releasing(job) => Arc::clone(job),
             _ => {
                 reqs.remove(&h);
                 return Ok(());

@@ -247,6 +247,30 @@ def test_release_while_in_flight_waits_and_loses_nothing(cma, peer, tmp_path):
     assert s["cma_xfers"] == 4 and s["bounce_xfers"] == 0, s
 
 
+def test_the_notification_goes_out_though_the_request_is_never_checked(cma, peer, tmp_path):
+    """An application that posts a notified WRITE and then only polls its notifications,
+    waiting for its peer's answer to it, never asking about its request: UCX sends the
+    notification behind the data whether the request is asked about or not, and so must the
+    same-host path (it was sent only by a status query, and both sides waited for ever).
+    Our polls of `getNotifs` send it once the copy has ended; then the request reads DONE."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1151)
+    ag, p, raddr, buf = setup(peer, "c10", lay.src_bytes, lay.dst_bytes, 1152, 1153)
+    lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    h = ag.initialize_xfer("WRITE", lo, re, "c10-rx", b"c10-done", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        assert not ag.get_new_notifs(), "nothing was sent to us"
+        time.sleep(0.01)
+    r = p.call(op="notif_wait", timeout=5, **{"from": "c10-tx", "msg": "c10-done"})
+    assert r.get("ok"), r
+    assert ag.check_xfer_state(h) == "DONE"
+    ag.release_xfer_handle(h)
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, nixlkit.pattern(1153, lay.dst_bytes)), "landed")
+    s = stats(ag)
+    assert s["cma_xfers"] == 1 and s["cma_ok"] == 1 and s["bounce_xfers"] == 0, s
+
+
 def test_a_deregistered_destination_is_not_written(cma, peer, tmp_path):
     """The peer deregisters its buffer (its memory stays allocated): the next post of a
     prepared request fails at once, and not one byte of the peer's buffer changes after the

@@ -19,6 +19,11 @@ impl Engine {
     /// keeps pulling the inner engine while bounce requests are in flight, so nothing arrives
     /// unseen; with none in flight, `getNotifs` never waits (pass-through keeps UCX's cost).
     pub(crate) fn take_notifs(&self) -> Result<Vec<Notif>> {
+        // Same-host copies that ended since: their notifications go now, as UCX's would
+        // without a status query (see `CmaPath::settle`).
+        if let Some(cma) = &self.cma {
+            cma.settle(self.shim);
+        }
         let bell = self.mail.bell();
         let ticket = bell.ticket();
         let got = self.pull_and_take()?;
@@ -45,6 +50,7 @@ impl Engine {
     pub(crate) fn app_notifs_direct(&self) -> bool {
         let direct = self.shim.is_some()
             && self.shared().is_none_or(|sh| sh.requests.in_flight() == 0)
+            && self.cma.as_ref().is_none_or(|c| !c.notifying())
             && self.mail.app_pull_is_direct();
         // The caller pulls the inner engine now; the other way notes its pull in
         // `Mailroom::pull_and_take`.
