@@ -47,6 +47,15 @@ pub enum JobRuns {
 }
 
 impl JobRuns {
+    /// True when the job names a chunk its plan does not have: it has no runs, and a copy
+    /// engine must fail it rather than report an empty copy done.
+    pub fn names_a_missing_chunk(&self) -> bool {
+        match self {
+            Self::Own(_) | Self::Pulled(_) => false,
+            Self::Chunk { plan, chunk } | Self::ChunkScatter { plan, chunk } => plan.chunks.get(*chunk).is_none(),
+        }
+    }
+
     /// The runs.
     pub fn runs(&self) -> &[CopyRun] {
         match self {

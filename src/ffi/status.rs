@@ -20,8 +20,10 @@ impl From<&Error> for Status {
             Error::Xfer(XferError::PeerLost) => Self::ErrRemoteDisconnect,
             Error::Xfer(XferError::Canceled) => Self::ErrCanceled,
             Error::Xfer(_) | Error::BounceClosed => Self::ErrBackend,
-            // An inner-engine call reports what the inner engine answered (getNotifs).
-            Error::Inner { status, .. } => *status,
+            // An inner-engine call reports what the inner engine answered (getNotifs), which
+            // is an error: a success or in-progress code there would read as no failure.
+            Error::Inner { status, .. } if status.code() < 0 => *status,
+            Error::Inner { .. } => Self::ErrBackend,
             Error::Arena { .. } | Error::Arenas(_) | Error::Control(_) | Error::Spawn { .. } | Error::Random { .. } => {
                 Self::ErrBackend
             }
@@ -67,6 +69,9 @@ mod tests {
             (Error::InnerPlugin(LoadError::Missing { path: "/x".into() }), Status::ErrNotFound),
             (Error::InnerPlugin(LoadError::IsBounce { path: "/x".into() }), Status::ErrMismatch),
             (Error::Inner { op: "getNotifs", status: Status::ErrNotAllowed }, Status::ErrNotAllowed),
+            // An inner failure carrying a code that is no error must never read as success.
+            (Error::Inner { op: "postXfer", status: Status::Success }, Status::ErrBackend),
+            (Error::Inner { op: "postXfer", status: Status::InProg }, Status::ErrBackend),
         ];
         for (e, want) in cases {
             assert_eq!(Status::from(&e), want, "{e}");

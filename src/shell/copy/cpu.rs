@@ -245,7 +245,7 @@ fn run_guarded(arena: HostArena, job: &CopyJob, span: &tracing::Span) -> bool {
 /// core never produces such a job; this is defense in depth against a core bug), or when the
 /// plan a peer left in the region fails its check (then nothing is copied).
 fn run(arena: HostArena, job: &CopyJob) -> bool {
-    if job.region.end() > arena.len {
+    if job.region.end() > arena.len || !job.well_formed() {
         return false;
     }
     let checked;
@@ -515,6 +515,20 @@ mod tests {
             in_region: None,
         };
         assert!(run(view, &gather));
+        // A job naming a chunk its plan lacks, or a gather by a plan in its region, copies
+        // nothing and fails (an empty copy must not read as done).
+        let job = |dir, runs, in_region| CopyJob { job: JobId(3), dir, region, runs, in_region };
+        for bad in [
+            job(Dir::Gather, JobRuns::Chunk { plan: p.clone(), chunk: 9 }, None),
+            job(Dir::Scatter, JobRuns::ChunkScatter { plan: p.clone(), chunk: 9 }, None),
+            job(
+                Dir::Gather,
+                JobRuns::Own(Vec::new()),
+                Some(InRegionPlan { offset: off, runs: 1, allowed: Default::default() }),
+            ),
+        ] {
+            assert!(!run(view, &bad), "{:?}", bad.runs.names_a_missing_chunk());
+        }
         let mut regs = Registrations::default();
         regs.add(RegId(1), RegKey([1; 32]), (dst_base, 8192), bounce_proto::ArenaId(0));
         regs.add(RegId(2), RegKey([2; 32]), (dst_base + 8192, 8192), bounce_proto::ArenaId(0));

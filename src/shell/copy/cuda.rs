@@ -284,6 +284,9 @@ impl CudaCopyEngine {
 /// Checks a job against the arena, as the CPU workers do: the region inside the arena, every
 /// run inside the region, no address arithmetic that overflows. False means a core bug.
 fn validate(arena_len: u64, job: &CopyJob) -> bool {
+    if !job.well_formed() {
+        return false;
+    }
     let plan_inside = job
         .in_region
         .as_ref()

@@ -40,6 +40,16 @@ pub(crate) struct CopyJob {
     pub(crate) in_region: Option<InRegionPlan>,
 }
 
+impl CopyJob {
+    /// Whether the job is one the core can emit: its chunk exists in its plan (or it names
+    /// none), and only a scatter takes its runs from its region. Engines fail any other (an
+    /// empty job would read as a copy done; a gather by a peer's plan would read where the
+    /// peer chose). Neither comes from peer input today: defense in depth.
+    pub(crate) fn well_formed(&self) -> bool {
+        !self.runs.names_a_missing_chunk() && !(self.in_region.is_some() && self.dir == Dir::Gather)
+    }
+}
+
 /// A copy engine: CPU workers (memcpy / streaming stores) or CUDA streams (kernels).
 ///
 /// Contract: `submit` never waits for anything (it may run a small job at once on the calling
