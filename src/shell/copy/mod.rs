@@ -46,7 +46,8 @@ impl CopyJob {
     /// empty job would read as a copy done; a gather by a peer's plan would read where the
     /// peer chose). Neither comes from peer input today: defense in depth.
     pub(crate) fn well_formed(&self) -> bool {
-        !self.runs.names_a_missing_chunk() && !(self.in_region.is_some() && self.dir == Dir::Gather)
+        let gather_by_region_plan = self.in_region.is_some() && self.dir == Dir::Gather;
+        !(self.runs.names_a_missing_chunk() || gather_by_region_plan)
     }
 }
 
