@@ -857,7 +857,7 @@ impl Endpoint {
         }
         for peer in verdicts.dead {
             debug!(peer = peer.0, "no sign of life after PINGs: peer declared dead");
-            self.declare_dead(now, peer);
+            self.declare_dead(now, peer, XferError::Unresponsive);
         }
         let liveness = &mut self.liveness;
         for ask in self.hellos.handle_timeout(now, || liveness.next_nonce()) {
@@ -873,16 +873,16 @@ impl Endpoint {
         self.watch_waited(now);
         if self.waited.contains(&peer) {
             debug!(peer = peer.0, "the transport reports the peer unreachable: peer declared dead");
-            self.declare_dead(now, peer);
+            self.declare_dead(now, peer, XferError::PeerLost);
             self.pump(now);
         }
     }
 
-    /// Fails `peer`'s transfers as lost and reclaims its flows, counted as a death.
-    fn declare_dead(&mut self, now: Instant, peer: PeerId) {
+    /// Fails `peer`'s transfers with `err` and reclaims its flows, counted as a death.
+    fn declare_dead(&mut self, now: Instant, peer: PeerId, err: XferError) {
         self.stats.peers_declared_dead += 1;
         // It may be alive, under the same id and session.
-        self.end_with_living_id(now, peer, XferError::PeerLost);
+        self.end_with_living_id(now, peer, err);
     }
 
     /// Ends everything between us and `peer`, whose id lives on (it stays loaded here): our

@@ -254,9 +254,16 @@ pub enum XferError {
     /// stale before its chunk could be written.
     #[error("no progress within the request timeout")]
     Timeout,
-    /// The peer was lost.
+    /// The peer was lost: the transport reports it gone, it said GOODBYE, or NIXL unloaded or
+    /// reloaded it.
     #[error("peer lost")]
     PeerLost,
+    /// The peer showed no sign of life for the liveness probe's bound (no PONG to our PINGs):
+    /// declared dead here, though it may only be stalled. Told apart from [`Self::PeerLost`]
+    /// because NIXL drops a peer whose transfer ends in `ERR_REMOTE_DISCONNECT` (unloads its
+    /// metadata for every backend), which a stall of two seconds must not cost.
+    #[error("the peer answered no PING within the probe's bound")]
+    Unresponsive,
     /// The peer unloaded our metadata while the transfer was in flight (its FORGET, see
     /// [`crate::forget`]): it reclaimed the transfer's flow. The peer is still loaded here, and
     /// the transfer posted again goes one way.

@@ -206,7 +206,7 @@ fn a_receiver_that_dies_mid_transfer_fails_the_transfer_within_the_probe_bound()
     let (mut p, died) = killed_mid_transfer();
     p.run(p.start + Duration::from_secs(60));
     let [(at, outcome)] = &p.done[..] else { panic!("{:?}", p.done) };
-    assert_eq!(outcome, &Err(XferError::PeerLost));
+    assert_eq!(outcome, &Err(XferError::Unresponsive));
     let s = p.eps[0].stats();
     assert_eq!((s.peers_declared_dead, s.timeouts), (1, 0));
     assert!(s.pings_sent >= 2 && s.pongs_received == 0, "{s:?}");
@@ -260,7 +260,7 @@ fn frames_forged_under_a_dead_receivers_name_do_not_keep_it_alive() {
     }
     p.run(p.start + Duration::from_secs(60));
     let [(at, outcome)] = &p.done[..] else { panic!("{:?}", p.done) };
-    assert_eq!(outcome, &Err(XferError::PeerLost));
+    assert_eq!(outcome, &Err(XferError::Unresponsive));
     let s = p.eps[0].stats();
     assert_eq!((s.peers_declared_dead, s.timeouts, s.pongs_received), (1, 0, 0), "{s:?}");
     assert!(*at - died < Duration::from_secs(2), "failed {:?} after the death, forgeries still arriving", *at - died);

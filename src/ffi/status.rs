@@ -18,6 +18,9 @@ impl From<&Error> for Status {
             Error::RepostActive(_) => Self::ErrRepostActive,
             Error::NotPosted(_) => Self::ErrNotPosted,
             Error::Xfer(XferError::PeerLost) => Self::ErrRemoteDisconnect,
+            // Not ERR_REMOTE_DISCONNECT: NIXL would unload the peer for every backend, and a
+            // peer that answered no PING for two seconds may only be stalled.
+            Error::Xfer(XferError::Unresponsive) => Self::ErrBackend,
             Error::Xfer(XferError::Canceled) => Self::ErrCanceled,
             Error::Xfer(_) | Error::BounceClosed => Self::ErrBackend,
             // An inner-engine call reports what the inner engine answered (getNotifs), which
@@ -62,6 +65,7 @@ mod tests {
             (Error::NotPosted(3), Status::ErrNotPosted),
             (Error::BounceClosed, Status::ErrBackend),
             (Error::Xfer(XferError::PeerLost), Status::ErrRemoteDisconnect),
+            (Error::Xfer(XferError::Unresponsive), Status::ErrBackend),
             (Error::Xfer(XferError::Canceled), Status::ErrCanceled),
             (Error::Xfer(XferError::Forgotten), Status::ErrBackend),
             (Error::Xfer(XferError::Timeout), Status::ErrBackend),

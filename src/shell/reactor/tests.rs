@@ -999,7 +999,7 @@ fn a_peer_gone_silent_mid_transfer_is_declared_dead_by_the_probe() {
     let dest = b.register(&mut dst);
     let t0 = Instant::now();
     let h = a.post("b", &cfg, &src, &mut dst, dest);
-    assert_eq!(a.outcome(h, Duration::from_secs(8)), Err(XferError::PeerLost));
+    assert_eq!(a.outcome(h, Duration::from_secs(8)), Err(XferError::Unresponsive));
     let took = t0.elapsed();
     // Why it ended: the probe declared b dead; the request's timeout never fired.
     assert_eq!((a.stat(|s| &s.peers_declared_dead), a.stat(|s| &s.timeouts)), (1, 0));
@@ -1046,7 +1046,7 @@ fn a_two_way_peer_that_also_sends_us_one_way_flows_is_still_probed_and_declared_
     let dest = b.register(&mut dst);
     let t0 = Instant::now();
     let h = a.post("b", &cfg, &src, &mut dst, dest);
-    assert_eq!(a.outcome(h, Duration::from_secs(12)), Err(XferError::PeerLost));
+    assert_eq!(a.outcome(h, Duration::from_secs(12)), Err(XferError::Unresponsive));
     let took = t0.elapsed();
     assert_eq!((a.stat(|s| &s.peers_declared_dead), a.stat(|s| &s.timeouts)), (1, 0));
     assert!(took < Duration::from_secs(5), "the probe took {took:?} to end the transfer");

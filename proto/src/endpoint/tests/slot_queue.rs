@@ -277,8 +277,10 @@ fn a_want_replayed_after_its_one_way_flow_ended_opens_nothing() {
 #[test]
 fn a_peer_that_says_goodbye_or_is_declared_dead_frees_its_slots_at_once() {
     type Leave = fn(&mut Endpoint, Instant);
-    let gone: [(&str, Leave); 2] =
-        [("goodbye", |ep, t| ep.handle_goodbye(t, INI)), ("declared dead", |ep, t| ep.declare_dead(t, INI))];
+    let gone: [(&str, Leave); 2] = [
+        ("goodbye", |ep, t| ep.handle_goodbye(t, INI)),
+        ("declared dead", |ep, t| ep.declare_dead(t, INI, XferError::Unresponsive)),
+    ];
     for (how, leave) in gone {
         let (mut ep, t) = target();
         fill_the_cap(&mut ep, t);
