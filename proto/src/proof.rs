@@ -185,9 +185,8 @@ impl Registrations {
     }
 
     /// Checks `proofs` for the transfer with `token` made by initiator `by` through `arena`;
-    /// returns the proven
-    /// registration ids, each once (a flow keeps them: a WANT repeating one proof 4096 times
-    /// must not make it keep, and check every run against, 4096 copies).
+    /// returns the proven registration ids, each once (a flow keeps them: a WANT repeating one
+    /// proof 4096 times must not make it keep, and check every run against, 4096 copies).
     ///
     /// # Errors
     /// The first [`BadProof`]: then the WANT carrying them is refused as a whole.
