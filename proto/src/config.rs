@@ -442,14 +442,17 @@ impl Config {
                 (None, None) => None,
             })
             .collect();
+        // The text an option was given (param or environment), if any.
+        let given = |name: &str| {
+            let i = manifest::OPTIONS.iter().position(|o| o.name == name);
+            i.and_then(|i| chosen[i].as_ref()).map(|(_, v)| v.as_str())
+        };
         // Which defaults apply depends on one option's value, so that one is read first.
-        let defaults_for = arena.unwrap_or_else(|| {
-            let i = manifest::OPTIONS.iter().position(|o| o.name == "bounce_arena_mem");
-            match i.and_then(|i| chosen[i].as_ref()).map(|(_, v)| v.trim().to_ascii_lowercase()) {
+        let defaults_for =
+            arena.unwrap_or_else(|| match given("bounce_arena_mem").map(|v| v.trim().to_ascii_lowercase()) {
                 Some(v) if v == "vram" => MemKind::Vram,
                 _ => MemKind::Dram,
-            }
-        });
+            });
         let mut values = Vec::with_capacity(manifest::OPTIONS.len());
         for (spec, chosen) in manifest::OPTIONS.iter().zip(&chosen) {
             let chosen = chosen.as_ref().map(|(source, v)| (*source, v.as_str()));
@@ -480,12 +483,9 @@ impl Config {
         let ucx_tls = env("UCX_TLS");
         if config.cuda_ipc && !ucx_tls::allows(ucx_tls.as_deref(), "cuda_ipc") {
             // Set to a value that parsed (as true: the path is on), by param or environment.
-            let explicit = manifest::OPTIONS
-                .iter()
-                .zip(&chosen)
-                .find(|(o, _)| o.name == "bounce_cuda_ipc")
-                .and_then(|(o, c)| c.as_ref().map(|(_, text)| parse_value(o.kind, text)))
-                .is_some_and(|v| v.is_some());
+            let explicit = given("bounce_cuda_ipc")
+                .zip(manifest::option("bounce_cuda_ipc"))
+                .is_some_and(|(text, o)| parse_value(o.kind, text).is_some());
             config.cuda_ipc = explicit;
             warnings.push(ConfigWarning::CudaIpcBesideUcxTls { ucx_tls: ucx_tls.unwrap_or_default(), explicit });
         }

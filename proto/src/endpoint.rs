@@ -410,8 +410,8 @@ impl Endpoint {
         name: &str,
         msg: wire::Msg,
     ) -> Result<(), ProtocolError> {
-        if matches!(msg, wire::Msg::Want(_) | wire::Msg::Pull(_)) && !self.receiver.names(from) {
-            self.receiver.name_initiator(from, crate::proof::Initiator::named(name));
+        if matches!(msg, wire::Msg::Want(_) | wire::Msg::Pull(_)) {
+            self.receiver.name_initiator(from, || crate::proof::Initiator::named(name));
         }
         self.handle_msg(now, from, msg)
     }

@@ -456,23 +456,18 @@ impl Receiver {
         }
     }
 
-    /// True when `peer` was named ([`Self::name_initiator`]).
-    pub(crate) fn names(&self, peer: PeerId) -> bool {
-        self.initiators.contains_key(&peer)
-    }
-
     /// Who `peer`'s proofs must be made by ([`Self::name_initiator`]).
     pub(crate) fn initiator_of(&self, peer: PeerId) -> Initiator {
         self.initiators.get(&peer).copied().unwrap_or_default()
     }
 
-    /// `peer` is the agent `by` names (the shell's name for the sender of its frames): its
-    /// proofs must be made by it. Set once per id (an id never changes name); an id a one-way
-    /// name was given after an older one of the same name was evicted takes that one's replay
-    /// window back.
-    pub(crate) fn name_initiator(&mut self, peer: PeerId, by: Initiator) {
+    /// `peer` is the agent `by()` names (the shell's name for the sender of its frames): its
+    /// proofs must be made by it. Set once per id (an id never changes name), so `by` is asked
+    /// only at an id's first frame; an id a one-way name was given after an older one of the
+    /// same name was evicted takes that one's replay window back.
+    pub(crate) fn name_initiator(&mut self, peer: PeerId, by: impl FnOnce() -> Initiator) {
         if let std::collections::btree_map::Entry::Vacant(v) = self.initiators.entry(peer) {
-            v.insert(by);
+            let by = *v.insert(by());
             if let Some(window) = self.evicted.take(&by) {
                 self.ended.insert(peer, window);
             }
