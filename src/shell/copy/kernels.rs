@@ -57,6 +57,29 @@ pub(super) unsafe fn copy_streaming(src: *const u8, dst: *mut u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
 }
 
+/// How much of a piece [`prefetch`] asks for: four lines, enough for the hardware prefetcher
+/// to take up the rest of the piece (more measured the same).
+const PREFETCH_BYTES: usize = 256;
+
+/// Asks the CPU to bring the first lines of `[addr, addr + len)` into the cache, ahead of a
+/// copy from there. A hint only: it reads nothing the program sees and never faults.
+pub(super) fn prefetch(addr: *const u8, len: usize) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let mut off = 0;
+        while off < len.min(PREFETCH_BYTES) {
+            // SAFETY: a prefetch is a hint that neither faults nor changes memory, whatever the
+            // address (`wrapping_add`: the address is never dereferenced); SSE is part of the
+            // x86-64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(addr.wrapping_add(off).cast::<i8>()) };
+            off += LINE;
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    let _ = (addr, len);
+}
+
 /// Orders every streaming store issued by this thread before any later store, such as the one
 /// that publishes a job's completion.
 pub(super) fn fence() {
