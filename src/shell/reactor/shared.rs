@@ -94,6 +94,13 @@ impl Completion {
 
     /// Waits until signalled or until the reactor of `shared` has ended (its copy engine is
     /// joined and its writes are released then, so nothing of it touches memory any more).
+    ///
+    /// Unbounded on purpose: what it waits for is a copy job or a write still touching memory
+    /// the application is about to free (a deregistration, a released READ's destinations),
+    /// and returning before it ends would let that job write freed memory. Every job ends
+    /// within its own bound (a chunk's copy, a failed write's `DEREG_WRITE_WAIT`), so only an
+    /// inner call that never returns keeps it waiting; that is said at 5 s and every minute
+    /// after, at error level.
     pub(crate) fn wait(&self, shared: &Shared, what: &str) {
         let mut done = self.done.lock();
         let mut waited = Duration::ZERO;
@@ -103,6 +110,11 @@ impl Completion {
             waited += step;
             if waited == Duration::from_secs(5) {
                 tracing::warn!("still waiting for the bounce reactor to let go of {what}");
+            } else if waited.as_millis() % 60_000 == 0 {
+                tracing::error!(
+                    waited_s = waited.as_secs(),
+                    "the bounce reactor has not let go of {what}: a copy or an inner call does not end"
+                );
             }
         }
     }
@@ -130,13 +142,16 @@ pub(crate) struct Inbox {
     /// A pass is wanted of the reactor thread even while it stands down beside an application
     /// that drives ([`Self::kick`]); cleared by the thread as it takes the driver for a pass.
     wanted: AtomicBool,
+    /// The reactor thread has ended ([`Self::close`]): commands are dropped, not queued. Set
+    /// and read with `q` locked, so no command slips in behind the last drain.
+    closed: AtomicBool,
 }
 
 impl Inbox {
     /// Queues a command and has the reactor thread run a pass for it ([`Self::kick`]): the
     /// callers (loads, registrations, cancels, deregistrations) drive no pass themselves.
     pub(crate) fn push(&self, cmd: Cmd) {
-        self.q.lock().push_back(cmd);
+        self.push_quiet(cmd);
         self.kick();
     }
 
@@ -166,7 +181,32 @@ impl Inbox {
     /// Queues a command without waking the reactor: bookkeeping it needs only before its next
     /// pass, which drains the inbox in order before anything else.
     pub(crate) fn push_quiet(&self, cmd: Cmd) {
-        self.q.lock().push_back(cmd);
+        let mut q = self.q.lock();
+        if self.closed.load(Ordering::Relaxed) {
+            // Nobody will take it: dropped (its signal fires) after the lock is let go. Queued,
+            // every later registration's bookkeeping would pile up for the engine's life.
+            drop(q);
+            drop(cmd);
+            return;
+        }
+        q.push_back(cmd);
+    }
+
+    /// No command will be taken any more: drops those queued (their signals fire) and every
+    /// one pushed from now on.
+    pub(super) fn close(&self) {
+        let left: VecDeque<Cmd> = {
+            let mut q = self.q.lock();
+            self.closed.store(true, Ordering::Relaxed);
+            std::mem::take(&mut *q)
+        };
+        drop(left);
+    }
+
+    /// How many commands wait to be taken.
+    #[cfg(test)]
+    pub(super) fn queued(&self) -> usize {
+        self.q.lock().len()
     }
 
     /// Wakes the reactor (a copy finished, a frame arrived).
@@ -266,8 +306,6 @@ impl Shared {
     /// fire), and so are those it never took.
     pub(super) fn reactor_ended(&self) {
         self.ended.store(true, Ordering::Release);
-        let mut left = Vec::new();
-        self.inbox.drain(&mut left);
-        drop(left);
+        self.inbox.close();
     }
 }

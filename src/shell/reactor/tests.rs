@@ -1225,6 +1225,27 @@ fn releasing_a_write_in_flight_returns_at_once() {
     canceller.join().unwrap();
 }
 
+/// Once the reactor has ended, a command is dropped as it is pushed (its signal fires at once)
+/// instead of queued for a thread that will never take it: after a reactor panic the engine
+/// lives on, and every registration's bookkeeping would otherwise pile up for its life.
+#[test]
+fn once_the_reactor_has_ended_commands_are_dropped_not_queued() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (a, _b) = pair(&cfg, &net);
+    let Side { reactor, shared, .. } = a;
+    drop(reactor);
+    assert!(shared.ended.load(Ordering::Acquire));
+    for i in 0..10_000 {
+        shared.inbox.push_quiet(Cmd::Hello(format!("peer-{i}"), 0));
+        shared.inbox.push(Cmd::Unload(Vec::new()));
+    }
+    assert_eq!(shared.inbox.queued(), 0, "commands queued behind an ended reactor");
+    let done = Arc::new(Completion::default());
+    shared.inbox.push(Cmd::Cancel(XferId(1), Signal(Arc::clone(&done))));
+    assert!(*done.done.lock(), "the dropped command's signal fired");
+}
+
 /// A direct write out of registered memory to a peer that stopped never completes; once its
 /// transfer has failed, a deregistration of the source waits for it only DEREG_WRITE_WAIT,
 /// then lets it go as plain UCX does (it never waits for a write in flight).
