@@ -52,6 +52,9 @@ struct StandingSlot {
     /// The region granted and not claimed yet, and when its GRANT came; `None` while a grant
     /// is awaited.
     region: Option<(Region, Instant)>,
+    /// Since when a grant is awaited (the flow opened, or its region claimed): one awaited
+    /// half a timeout with no claimer left in flight was lost, and the flow is asked again.
+    awaited: Instant,
 }
 
 /// Where one chunk is in its lifecycle.
@@ -470,7 +473,7 @@ impl Sender {
         // is opened below.
         let lease = self.timeout / 4;
         let stale = self.standing.get(&peer).and_then(|s| s.region).is_some_and(|(_, at)| ctx.now >= at + lease);
-        if stale {
+        if stale || self.standing_grant_lost(ctx.now, peer) {
             self.close_standing(ctx, peer, true);
         }
         let in_order = self.claim_floor.get(&peer).is_none_or(|&floor| xfer > floor);
@@ -479,6 +482,7 @@ impl Sender {
                 match slot.region {
                     Some((region, _)) if region.len >= plan.chunks[0].bytes => {
                         slot.region = None;
+                        slot.awaited = ctx.now;
                         Some((slot.xfer, slot.token, region))
                     }
                     _ => None,

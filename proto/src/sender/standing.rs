@@ -33,9 +33,22 @@ impl Sender {
             standing: Standing::Open,
         };
         ctx.send(peer, want);
-        self.standing.insert(peer, StandingSlot { xfer: id, token, bytes, arena, region: None });
+        self.standing.insert(peer, StandingSlot { xfer: id, token, bytes, arena, region: None, awaited: ctx.now });
         ctx.stats.standing_opened_out += 1;
         debug!(peer = peer.0, xfer = id.0, bytes, "standing flow opened");
+    }
+
+    /// Whether the grant our standing flow at `peer` awaits was lost: awaited half a timeout
+    /// (a GRANT answers a WANT within a round trip, an ACK(Kept) its claimer's chunk 0) with no
+    /// transfer of ours that claimed it still in flight (its write may still be on the way into
+    /// the region, and its own end settles the flow). Frames can be lost, and nothing else ever
+    /// asked again: standing credits to that peer stayed off for its life.
+    pub(super) fn standing_grant_lost(&self, now: Instant, peer: PeerId) -> bool {
+        self.standing.get(&peer).is_some_and(|slot| {
+            slot.region.is_none()
+                && now >= slot.awaited + self.timeout / 2
+                && !self.xfers.values().any(|x| x.peer == peer && x.claimed.is_some_and(|(c, _)| c == slot.xfer))
+        })
     }
 
     /// Ends our standing flow at `peer`, if any: forgotten here and, with `cancel`, canceled

@@ -343,6 +343,60 @@ fn a_stale_standing_region_is_not_claimed_its_flow_is_canceled_and_a_new_one_ope
     );
 }
 
+/// The WANTs among `acts`: `(xfer, is a cancel, standing)`.
+fn wants_of(acts: &[Action]) -> Vec<(XferId, bool, Standing)> {
+    msgs(acts)
+        .iter()
+        .filter_map(|(_, m)| if let Msg::Want(w) = m { Some((w.xfer, w.is_cancel(), w.standing)) } else { None })
+        .collect()
+}
+
+/// A standing GRANT lost on the way (frames can be lost) left the slot awaiting it for the
+/// peer's life: no later transfer claimed or reopened a standing credit there (review 52,
+/// sender F3). Half a timeout after it was asked for, the next transfer cancels and reopens it.
+#[test]
+fn a_standing_flow_whose_grant_is_lost_is_asked_for_again() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    ep.submit(t, X, TOKEN, PEER, plan_of(1)).unwrap();
+    let opened = wants_of(&drain(&mut ep));
+    let s = XferId(STANDING_XFER_BIT | X.0);
+    assert_eq!(opened, vec![(X, false, Standing::None), (s, false, Standing::Open)]);
+    // Its GRANT never comes. Before half a timeout the flow is still awaited, not asked again.
+    ep.submit(t + TIMEOUT / 2 - Duration::from_millis(1), XferId(2), TOKEN, PEER, plan_of(1)).unwrap();
+    assert_eq!(wants_of(&drain(&mut ep)), vec![(XferId(2), false, Standing::None)]);
+    // From half a timeout on, it is canceled there and opened afresh.
+    ep.submit(t + TIMEOUT / 2, XferId(3), TOKEN, PEER, plan_of(1)).unwrap();
+    let reopened = XferId(STANDING_XFER_BIT | 3);
+    assert_eq!(
+        wants_of(&drain(&mut ep)),
+        vec![(s, true, Standing::None), (XferId(3), false, Standing::None), (reopened, false, Standing::Open)]
+    );
+}
+
+/// A claimed region comes back with its claimer's ACK(Kept): while that claimer is in flight,
+/// however long, the flow is not asked again (its write may still be on the way into the
+/// region). Once it is gone with no region back, it is.
+#[test]
+fn a_claimed_standing_flow_is_asked_again_only_once_no_claimer_is_in_flight() {
+    let (mut ep, t, s, token, _) = sender_with_standing(false);
+    ep.submit(t, XferId(2), TOKEN, PEER, plan_of(1)).unwrap();
+    assert_eq!(wants_of(&drain(&mut ep)), vec![(XferId(2), false, Standing::Claim { xfer: s, token })]);
+    // Transfer 2 is still in flight (gathered, its write not done) half a timeout later.
+    let late = t + TIMEOUT / 2;
+    ep.submit(late, XferId(3), TOKEN, PEER, plan_of(1)).unwrap();
+    assert_eq!(wants_of(&drain(&mut ep)), vec![(XferId(3), false, Standing::None)]);
+    // Its ACK(Kept) never comes and it times out: its failure cancels the standing flow with
+    // itself, and the next transfer opens a fresh one.
+    ep.handle_timeout(t + TIMEOUT * 2);
+    let _ = drain(&mut ep);
+    ep.submit(t + TIMEOUT * 3, XferId(9), TOKEN, PEER, plan_of(1)).unwrap();
+    let wants = wants_of(&drain(&mut ep));
+    assert!(
+        wants.iter().any(|&(_, cancel, st)| !cancel && st == Standing::Open),
+        "a fresh standing flow is opened: {wants:?}"
+    );
+}
+
 #[test]
 fn a_failed_claimer_cancels_the_standing_flow_with_itself_after_its_write() {
     let (mut ep, t, s, token, region) = sender_with_standing(false);
