@@ -169,13 +169,18 @@ public:
                            const meta_dlist_t &remote, const std::string &agent,
                            BackendReqH *&handle, const BackendOptArgs *opt) const override {
         return guarded([&]() -> nixl_status_t {
+            // The wrapper first: once Rust has prepared a request (an entry of its own, mapped
+            // peer memory), nothing may fail before the wrapper owns it.
+            auto *h = new (std::nothrow) BounceReqH();
+            if (!h) return NIXL_ERR_BACKEND;
             uint64_t xfer = 0;
             auto st = static_cast<nixl_status_t>(bnc_xfer_prep(
                 rust_, op, abi_descs(local), local.descs.size(), local.type, abi_descs(remote),
                 remote.descs.size(), remote.type, view(agent), &xfer));
-            if (st != NIXL_SUCCESS) return st;
-            auto *h = new (std::nothrow) BounceReqH();
-            if (!h) return NIXL_ERR_BACKEND;
+            if (st != NIXL_SUCCESS) {
+                delete h;
+                return st;
+            }
             h->xfer = xfer;
             if (xfer == 0) {
                 Lock g(mu_);
@@ -270,8 +275,12 @@ public:
         });
     }
     void releaseMemView(mem_view_t v) const override {
-        Lock g(mu_);
-        inner_->releaseMemView(v);
+        // No status to report an exception with, and none may reach NIXL.
+        try {
+            Lock g(mu_);
+            inner_->releaseMemView(v);
+        } catch (...) {
+        }
     }
     // Our registration's public data: the inner blob wrapped with the registration's id and
     // key, which a peer needs to name it as a bounce destination (Rust: shell/keys.rs).
@@ -307,7 +316,13 @@ public:
             if (st != NIXL_SUCCESS) return st;
             {
                 Lock g(mu_);
-                st = inner_->loadRemoteConnInfo(agent, inner);
+                // Caught here, not by `guarded`: the peer Rust just recorded must be dropped
+                // below, or Rust would admit its frames with nothing to answer them through.
+                try {
+                    st = inner_->loadRemoteConnInfo(agent, inner);
+                } catch (...) {
+                    st = NIXL_ERR_UNKNOWN;
+                }
                 if (st == NIXL_SUCCESS) {
                     loadPeerArenas(agent);
                     return NIXL_SUCCESS;
@@ -528,17 +543,24 @@ private:
     // The peer's arenas, when it can bounce (each it advertises, in order), and its mailbox's
     // host registration, when it keeps one: loaded through the inner engine like any remote
     // registration, so bounce writes and mailbox READs use UCX's own remote key handling.
-    // Called with mu_ held.
-    void loadPeerArenas(const std::string &agent) {
-        auto load = [&](uint64_t a, uint64_t n, uint64_t devId, nixl_mem_t m, const std::string &k) {
-            BlobDesc d;
-            d.addr = a;
-            d.len = n;
-            d.devId = devId;
-            d.metaInfo = k;
-            BackendMD *md = nullptr;
-            if (inner_->loadRemoteMD(d, m, agent, md) != NIXL_SUCCESS) md = nullptr;
-            return md;
+    // Called with mu_ held. Throws nothing: the inner engine has loaded the peer by now, and an exception out of here
+    // would fail the load in NIXL while the inner engine and Rust keep the peer (NIXL's retry
+    // would then be refused by UCX as already loaded, for good). An arena whose registration
+    // does not load is left without one: transfers through it go to UCX.
+    void loadPeerArenas(const std::string &agent) noexcept {
+        auto load = [&](uint64_t a, uint64_t n, uint64_t devId, nixl_mem_t m, const std::string &k) -> BackendMD * {
+            try {
+                BlobDesc d;
+                d.addr = a;
+                d.len = n;
+                d.devId = devId;
+                d.metaInfo = k;
+                BackendMD *md = nullptr;
+                if (inner_->loadRemoteMD(d, m, agent, md) != NIXL_SUCCESS) md = nullptr;
+                return md;
+            } catch (...) {
+                return nullptr;
+            }
         };
         // Each of the peer's arenas in turn (index 0 also says HELLO and carries the mailbox).
         for (uint32_t i = 0; i < BNC_MAX_ARENAS; ++i) {

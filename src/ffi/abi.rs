@@ -25,6 +25,16 @@ unsafe fn text<'a>(s: BncStr, what: &'static str) -> Result<&'a str, Error> {
     std::str::from_utf8(unsafe { s.bytes() }).map_err(|_| Error::BadUtf8(what))
 }
 
+/// Says once per process that an agent name is not UTF-8. NIXL's names are any bytes, and UCX
+/// serves such a peer; BOUNCE keeps peers by text, so it leaves that peer to UCX (loaded with
+/// no capabilities, its transfers passed through) rather than refusing it with nothing said.
+fn non_utf8_name(entry: &str) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(entry, "an agent name is not UTF-8: that peer stays on plain UCX");
+    }
+}
+
 /// A key/value pair (`bnc_kv`).
 #[repr(C)]
 pub struct BncKv {
@@ -397,10 +407,17 @@ pub unsafe extern "C" fn bnc_conn_info_load(
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
         let (agent, envelope) = match unsafe { (text(agent, "agent name"), envelope.bytes()) } {
-            (Ok(a), b) => (a, b),
-            (Err(err), _) => return Status::from(&err),
+            (Ok(a), b) => (Some(a), b),
+            (Err(_), b) => (None, b),
         };
-        match e.load_conn_info(agent, envelope) {
+        let loaded = match agent {
+            Some(agent) => e.load_conn_info(agent, envelope),
+            None => {
+                non_utf8_name("loadRemoteConnInfo");
+                e.conn_info_for_ucx_only(envelope)
+            }
+        };
+        match loaded {
             Ok(bytes) => {
                 give(inner, ctx, &bytes);
                 Status::Success
@@ -550,7 +567,9 @@ pub unsafe extern "C" fn bnc_mem_deregistered(engine: *mut c_void, md: *const c_
 }
 
 /// C++ counter sink (`bnc_stat_sink`): the counter's index, its name and its value.
-type BncStatSink = unsafe extern "C" fn(ctx: *mut c_void, index: usize, name: *const u8, len: usize, value: u64);
+/// Nullable, as [`BncSink`].
+type BncStatSink =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, index: usize, name: *const u8, len: usize, value: u64)>;
 
 /// Emits the engine's counters that changed, one `(index, name, value)` per sink call. The
 /// index lets the shim keep each counter's slot in NIXL's params map, so publishing a counter
@@ -563,7 +582,7 @@ type BncStatSink = unsafe extern "C" fn(ctx: *mut c_void, index: usize, name: *c
 pub unsafe extern "C" fn bnc_stats(engine: *mut c_void, sink: BncStatSink, ctx: *mut c_void) {
     guard_void("bnc_stats", || {
         // SAFETY: caller contract.
-        if let Some(e) = unsafe { engine_ref(engine) } {
+        if let (Some(e), Some(sink)) = (unsafe { engine_ref(engine) }, sink) {
             // SAFETY: the sink copies the name, which is 'static, during the call.
             e.publish_changed_stats(|i, k, v| unsafe { sink(ctx, i, k.as_ptr(), k.len(), v) });
         }
@@ -765,7 +784,12 @@ pub unsafe extern "C" fn bnc_xfer_prep(
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
-        let Ok(agent) = (unsafe { text(agent, "agent name") }) else { return Status::ErrInvalidParam };
+        let Ok(agent) = (unsafe { text(agent, "agent name") }) else {
+            // Never bounced to (see `non_utf8_name`): UCX prepares it (`*xfer` stays 0).
+            non_utf8_name("prepXfer");
+            e.prep_for_unkept_peer();
+            return Status::Success;
+        };
         // SAFETY: caller contract.
         let (l, r) = unsafe { (descs(local, n_local), descs(remote, n_remote)) };
         let (op, local_mem, remote_mem) =
@@ -908,6 +932,7 @@ pub unsafe extern "C" fn bnc_notif_take(engine: *mut c_void, sink: BncPairSink, 
     guard("bnc_notif_take", || {
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
+        let Some(sink) = sink else { return Status::ErrInvalidParam };
         match e.take_notifs() {
             Ok(notifs) => {
                 for n in notifs {

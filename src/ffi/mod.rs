@@ -22,7 +22,8 @@ pub use status::Status;
 /// another ([`crate::sys::cuda::restore_thread_context`]).
 pub fn guard(what: &'static str, f: impl FnOnce() -> Status) -> Status {
     let outcome = catch_unwind(AssertUnwindSafe(f));
-    crate::sys::cuda::restore_thread_context();
+    // Under the guard too: nothing may unwind out of an entry point.
+    let _ = catch_unwind(crate::sys::cuda::restore_thread_context);
     match outcome {
         Ok(s) => s,
         Err(payload) => {

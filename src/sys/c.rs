@@ -41,10 +41,13 @@ impl BncStr {
 }
 
 /// C++ byte sink (`bnc_sink`): copies `[ptr, ptr + len)` into whatever `ctx` points at.
-pub type BncSink = unsafe extern "C" fn(ctx: *mut c_void, ptr: *const u8, len: usize);
+/// `Option`: a function pointer from C may be null, and a plain `fn` type would make a null
+/// undefined behaviour before any check (the same ABI as the nullable C pointer).
+pub type BncSink = Option<unsafe extern "C" fn(ctx: *mut c_void, ptr: *const u8, len: usize)>;
 
-/// C++ pair sink (`bnc_pair_sink`): copies two byte ranges (agent, message).
-pub type BncPairSink = unsafe extern "C" fn(*mut c_void, *const u8, usize, *const u8, usize);
+/// C++ pair sink (`bnc_pair_sink`): copies two byte ranges (agent, message); nullable as
+/// [`BncSink`].
+pub type BncPairSink = Option<unsafe extern "C" fn(*mut c_void, *const u8, usize, *const u8, usize)>;
 
 /// Hands `bytes` to a C++ sink.
 ///
@@ -52,6 +55,7 @@ pub type BncPairSink = unsafe extern "C" fn(*mut c_void, *const u8, usize, *cons
 /// `sink`/`ctx` form a valid sink: `sink` copies exactly `len` bytes from `ptr` into `ctx`'s
 /// object, which is alive for this call.
 pub(crate) unsafe fn sink_bytes(sink: BncSink, ctx: *mut c_void, bytes: &[u8]) {
+    let Some(sink) = sink else { return };
     // SAFETY: forwarded contract; `bytes` is live for the call.
     unsafe { sink(ctx, bytes.as_ptr(), bytes.len()) }
 }

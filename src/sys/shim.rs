@@ -186,7 +186,16 @@ impl Shim {
         // SAFETY: shim is live (type invariant); md and key outlive the call; vec_sink matches
         // the sink contract for &mut Vec<u8>.
         let st = unsafe {
-            bnc_shim_register(self.0.as_ptr(), addr, len, dev, mem.code(), &mut md, vec_sink, (&raw mut key).cast())
+            bnc_shim_register(
+                self.0.as_ptr(),
+                addr,
+                len,
+                dev,
+                mem.code(),
+                &mut md,
+                Some(vec_sink),
+                (&raw mut key).cast(),
+            )
         };
         NixlStatus::from_code(st).ok()?;
         if md.is_null() {
@@ -212,7 +221,7 @@ impl Shim {
     pub(crate) fn conn_info(&self) -> Result<Vec<u8>, NixlStatus> {
         let mut out = Vec::new();
         // SAFETY: shim is live; out outlives the call; vec_sink matches &mut Vec<u8>.
-        let st = unsafe { bnc_shim_conn_info(self.0.as_ptr(), vec_sink, (&raw mut out).cast()) };
+        let st = unsafe { bnc_shim_conn_info(self.0.as_ptr(), Some(vec_sink), (&raw mut out).cast()) };
         NixlStatus::from_code(st).ok().map(|()| out)
     }
 
@@ -324,7 +333,7 @@ impl Shim {
     /// arrival order. Nothing is routed back into Rust: the caller decides what each one is.
     pub(crate) fn poll_notifs(&self, out: &mut Vec<Notif>) -> Result<(), NixlStatus> {
         // SAFETY: shim is live; `out` outlives the call; notif_sink matches &mut Vec<Notif>.
-        let st = unsafe { bnc_shim_poll_notifs(self.0.as_ptr(), notif_sink, (out as *mut Vec<Notif>).cast()) };
+        let st = unsafe { bnc_shim_poll_notifs(self.0.as_ptr(), Some(notif_sink), (out as *mut Vec<Notif>).cast()) };
         NixlStatus::from_code(st).ok()
     }
 
@@ -334,7 +343,12 @@ impl Shim {
         let mut polled = 0i32;
         // SAFETY: as poll_notifs; `polled` outlives the call.
         let st = unsafe {
-            bnc_shim_try_poll_notifs(self.0.as_ptr(), notif_sink, (out as *mut Vec<Notif>).cast(), &raw mut polled)
+            bnc_shim_try_poll_notifs(
+                self.0.as_ptr(),
+                Some(notif_sink),
+                (out as *mut Vec<Notif>).cast(),
+                &raw mut polled,
+            )
         };
         NixlStatus::from_code(st).ok().map(|()| polled == 1)
     }

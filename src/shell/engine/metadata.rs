@@ -51,6 +51,17 @@ impl Engine {
         Ok(env.inner)
     }
 
+    /// The inner conn info of a peer BOUNCE does not keep (a name that is not UTF-8): the
+    /// envelope is checked as for any peer, and the peer is recorded nowhere, so it stays on
+    /// plain UCX (`bnc_peer_loaded` then finds nothing to load for it).
+    pub(crate) fn conn_info_for_ucx_only(&self, envelope: &[u8]) -> Result<Vec<u8>> {
+        let (env, _) = ConnEnvelope::decode_lenient(envelope).map_err(|source| {
+            tracing::warn!(error = %source, "rejecting malformed BOUNCE connection info");
+            Error::BadEnvelope { agent: "(a name not UTF-8)".to_owned(), source }
+        })?;
+        Ok(env.inner)
+    }
+
     /// The inner engine has loaded the peer's conn info: we can now answer it, so tell it
     /// (HELLO, at arena 0), and return its arena `index` to load when it can bounce with us
     /// and has one of that index (the shim asks for 0, 1, ... until there is none).

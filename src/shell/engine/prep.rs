@@ -293,6 +293,12 @@ impl Engine {
         }
     }
 
+    /// A request to a peer BOUNCE keeps no record of (a name that is not UTF-8): counted as a
+    /// pass-through for its peer, and left to UCX.
+    pub(crate) fn prep_for_unkept_peer(&self) -> Option<u64> {
+        self.count_fallback(FallbackReason::Peer)
+    }
+
     /// Counts a pass-through and its reason (README "What takes the bounce path"); the request
     /// goes to UCX (`None`).
     fn count_fallback(&self, reason: FallbackReason) -> Option<u64> {

@@ -137,7 +137,9 @@ thread_local! {
 /// it on application threads) must not change it under the application. Costs a thread-local
 /// read when nothing was bound.
 pub fn restore_thread_context() {
-    let Some(prev) = REPLACED.with(std::cell::Cell::take) else { return };
+    // `try_with`: an entry point may be called from another thread-local's destructor at
+    // thread exit, after this one is gone (nothing was bound there since, so nothing to undo).
+    let Ok(Some(prev)) = REPLACED.try_with(std::cell::Cell::take) else { return };
     // A context was bound, so the driver is loaded and initialised. SAFETY: `prev` was current
     // on this thread when it was replaced; a context the application destroyed since is
     // refused by the driver with an error, which leaves no context current (nothing to do).
@@ -212,7 +214,8 @@ impl Gpu {
         }
         // SAFETY: `ctx` is retained for as long as `self` lives.
         check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.ctx) })?;
-        REPLACED.with(|r| {
+        // At thread exit (see `restore_thread_context`) there is nothing to restore into.
+        let _ = REPLACED.try_with(|r| {
             if r.get().is_none() {
                 r.set(Some(current as usize));
             }
