@@ -272,6 +272,10 @@ pub struct Sender {
     /// Chunks in [`Stage::Parked`], oldest first; entries of failed transfers are dropped
     /// lazily.
     parked: VecDeque<(XferId, usize)>,
+    /// Arenas whose oldest parked credit has waited an eighth of a timeout without fitting, as
+    /// of the last `retry_parked`: new credits and eager gathers there take no staging space
+    /// until it is served (see `retry_parked`).
+    staging_held: Vec<ArenaId>,
     /// One no-progress timer per in-flight transfer.
     timers: TimerTable<XferId>,
     /// Recently finished transfers and their peers, so that GRANTs and ACKs racing with the
@@ -362,6 +366,7 @@ impl Sender {
             pending_cancels: BTreeMap::new(),
             failing_reads: BTreeMap::new(),
             parked: VecDeque::new(),
+            staging_held: Vec::new(),
             timers: TimerTable::default(),
             finished: BTreeMap::new(),
             finished_order: VecDeque::new(),
@@ -521,8 +526,9 @@ impl Sender {
             self.start_staging(ctx, x.plan.local_arena);
         }
         let mut eager = 0;
-        // An inline chunk is staged only if the receiver GRANTs it after all.
-        if self.eager && !inlined {
+        // An inline chunk is staged only if the receiver GRANTs it after all; an arena held for
+        // an old parked credit stages nothing ahead.
+        if self.eager && !inlined && !self.staging_held.contains(&x.plan.local_arena) {
             // Overlap the WANT -> GRANT round trip with the first gathers (design §6). Direct
             // chunks have nothing to gather.
             for i in 0..x.plan.chunks.len() {

@@ -7,12 +7,22 @@ use super::*;
 
 impl Sender {
     /// Gives parked credits the local staging space that freed up, oldest first (a chunk that
-    /// does not fit does not block smaller ones behind it), falling back on the reserve; then
-    /// refills the reserve (or returns it when no transfer is left). Call before the
-    /// scheduler's `schedule()`, so freed space serves local credits before new remote grants.
+    /// does not fit does not block smaller ones behind it, until it has waited an eighth of a
+    /// timeout: see below), falling back on the reserve; then refills the reserve (or returns
+    /// it when no transfer is left). Call before the scheduler's `schedule()`, so freed space
+    /// serves local credits before new remote grants.
     pub(crate) fn retry_parked(&mut self, ctx: &mut Ctx<'_>) {
         if !self.parked.is_empty() {
             let mut keep = VecDeque::new();
+            // Arenas whose oldest waiting credit has waited an eighth of a timeout and still
+            // does not fit: credits behind it there wait too, so that the space freed
+            // piecemeal coalesces into a block it fits. Served first-fit for ever, a large
+            // credit whose space came back in small pieces (last chunks, small transfers) went
+            // to the smaller credits behind it, and timed out at a quarter of a timeout while
+            // the engine was making progress (review 52, sender F4).
+            let mut held = std::mem::take(&mut self.staging_held);
+            held.clear();
+            let patience = self.timeout / 8;
             while let Some((id, i)) = self.parked.pop_front() {
                 let Some(x) = self.xfers.get_mut(&id) else {
                     continue;
@@ -21,6 +31,10 @@ impl Sender {
                     continue;
                 };
                 let (read, arena) = (x.read, x.plan.local_arena);
+                if held.contains(&arena) {
+                    keep.push_back((id, i));
+                    continue;
+                }
                 match ctx
                     .sched(arena)
                     .acquire_local(x.plan.chunks[i].bytes, false)
@@ -37,10 +51,18 @@ impl Sender {
                         let job = start_gather(ctx, &mut self.jobs, id, x, i, local);
                         x.stages[i] = Stage::Gathering { local, job, credit: Some(credit) };
                     }
-                    None => keep.push_back((id, i)),
+                    None => {
+                        if ctx.now >= credit.at + patience {
+                            held.push(arena);
+                        }
+                        keep.push_back((id, i));
+                    }
                 }
             }
             self.parked = keep;
+            self.staging_held = held;
+        } else {
+            self.staging_held.clear();
         }
         // Each arena's reserve goes back once no transfer stages there, and is retaken while
         // one does.
@@ -123,9 +145,10 @@ impl Sender {
                 return Ok(());
             };
             let arena = x.plan.local_arena;
-            return match ctx
-                .sched(arena)
-                .acquire_local(x.plan.chunks[i].bytes, false)
+            let held = self.staging_held.contains(&arena);
+            return match (!held)
+                .then(|| ctx.sched(arena).acquire_local(x.plan.chunks[i].bytes, false))
+                .flatten()
                 .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
             {
                 Some(local) => self.start_read(ctx, id, i, (arena, local), credit),
@@ -141,10 +164,13 @@ impl Sender {
             return self.post_write(ctx, id, i, WriteSource::User { addr }, credit);
         }
         let arena = x.plan.local_arena;
+        // Behind an old parked credit in this arena (see `retry_parked`): no freed space, only
+        // the reserve, which the old credit could already have taken.
+        let held = self.staging_held.contains(&arena);
         match x.stages[i] {
-            Stage::Idle => match ctx
-                .sched(arena)
-                .acquire_local(x.plan.chunks[i].bytes, false)
+            Stage::Idle => match (!held)
+                .then(|| ctx.sched(arena).acquire_local(x.plan.chunks[i].bytes, false))
+                .flatten()
                 .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
             {
                 Some(local) => {

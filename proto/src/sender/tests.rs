@@ -5,6 +5,7 @@ use super::*;
 use crate::endpoint::Endpoint;
 use crate::endpoint::WriteRoute;
 use crate::endpoint::tests::*;
+use crate::plan::{self, DescPair, PlanParams};
 
 fn r(kib: u64) -> Region {
     Region { offset: kib * KIB, len: CHUNK }
@@ -322,6 +323,65 @@ fn credit_is_parked_when_the_local_arena_is_full_and_staged_after_a_release() {
     assert_eq!(g1.len(), 1, "the region freed with the write goes to the parked credit");
     assert_eq!(ep.sender().parked_credits(), 0);
     assert!(gathers(&feed(&mut ep, t, ack_msg(X, 0, r(0), AckStatus::Scattered))).is_empty());
+    check(&ep);
+}
+
+/// A transfer of one 1 KiB chunk: descriptor `i`'s own piece.
+fn small_plan(i: u64) -> Plan {
+    let desc = DescPair { src: SRC + i * KIB, dst: DST + i * KIB, len: KIB };
+    let mut p = plan::plan(&[desc], PlanParams::new(CHUNK)).unwrap();
+    p.chunks[0].direct = None;
+    p.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+    p
+}
+
+/// A 4 KiB credit parked in a full arena whose space comes back in 1 KiB pieces used to see
+/// every piece go to the 1 KiB credits parked behind it (first fit), and failed at a quarter
+/// timeout while the engine was making progress (review 52, sender F4). Once it has waited an
+/// eighth of a timeout, the credits behind it wait too, and the pieces coalesce for it.
+#[test]
+fn a_large_parked_credit_is_not_starved_by_smaller_ones_behind_it() {
+    // 8 KiB of 1 KiB granules: the 4 KiB reserve and four 1 KiB staging regions.
+    let (mut ep, t) = endpoint(8 * KIB, 2, false);
+    let small = |i: u64| XferId(10 + i);
+    let remote = |i: u64| Region { offset: 32 * KIB + i * KIB, len: KIB };
+    // Four small transfers stage in the four free KiB; then L takes the reserve, and M parks.
+    let mut small_writes = Vec::new();
+    for i in 0..4 {
+        ep.submit(t, small(i), TOKEN, PEER, small_plan(i)).unwrap();
+        drain(&mut ep);
+        let g = gathers(&feed(&mut ep, t, grant_msg(small(i), &[(0, remote(i))])));
+        assert_eq!(g.len(), 1, "small transfer {i} stages");
+        ep.handle_gather_done(t, g[0].0, true);
+        small_writes.push(writes(&drain(&mut ep))[0].0);
+    }
+    let (l, m) = (XferId(2), XferId(3));
+    ep.submit(t, l, TOKEN, PEER, plan_of(1)).unwrap();
+    ep.submit(t, m, TOKEN, PEER, plan_of(1)).unwrap();
+    drain(&mut ep);
+    assert_eq!(gathers(&feed(&mut ep, t, grant_msg(l, &[(0, r(0))]))).len(), 1, "L stages in the reserve");
+    assert!(gathers(&feed(&mut ep, t, grant_msg(m, &[(0, r(4))]))).is_empty());
+    // Four more small transfers' credits park behind M.
+    let later = t + TIMEOUT / 8;
+    for i in 4..8 {
+        ep.submit(later, small(i), TOKEN, PEER, small_plan(i)).unwrap();
+        drain(&mut ep);
+        assert!(gathers(&feed(&mut ep, later, grant_msg(small(i), &[(0, remote(i))]))).is_empty());
+    }
+    assert_eq!(ep.sender().parked_credits(), 5);
+    // The first four small writes end one by one, each freeing 1 KiB: M has waited an eighth
+    // of a timeout, so none goes to the small credits behind it, and the fourth makes the
+    // 4 KiB block M fits.
+    let mut staged = Vec::new();
+    for w in &small_writes {
+        ep.handle_write_done(later, *w, true);
+        staged.extend(drain(&mut ep).into_iter().filter_map(|a| match a {
+            Action::Gather { xfer, .. } => Some(xfer),
+            _ => None,
+        }));
+    }
+    assert_eq!(staged, vec![m], "M is staged, and nothing before it");
+    assert_eq!(ep.sender().parked_credits(), 4);
     check(&ep);
 }
 
