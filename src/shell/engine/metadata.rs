@@ -211,7 +211,7 @@ impl Engine {
         if b.arena_serving(&r).is_none() {
             return; // never a copy source or target, never a direct-write source
         }
-        sh.deregister(key.map(|d| d.reg), r.addr, r.len);
+        sh.deregister(key.map(|d| d.reg), r.addr, r.len, ArenaPlace { mem: r.mem, dev: r.dev });
     }
 
     /// Our registration `md`'s public data: the inner engine's `inner` wrapped with the

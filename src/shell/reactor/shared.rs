@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::Thread;
 use std::time::Duration;
 
+use bounce_proto::gate::ArenaPlace;
 use bounce_proto::proof::Destination;
 use bounce_proto::{ArenaId, PeerId, RegId, XferId};
 use parking_lot::{Condvar, Mutex};
@@ -283,7 +284,16 @@ impl Shared {
     /// of the bounce path touches it, and none will. At once when none is running (the fence
     /// refuses later ones); otherwise after the reactor has failed what uses the range and the
     /// jobs on it have ended. The reactor applies the deregistration to the core either way.
-    pub(crate) fn deregister(&self, reg: Option<RegId>, addr: u64, len: u64) {
+    ///
+    /// Memory that another live registration of the same memory (`place`) wholly covers stays
+    /// the application's to be written: the fence is not marked for it, as the core does not
+    /// doom scatters into it. Marked, it refused for a pass the jobs the core had judged fine
+    /// (review 52, copy F2), and made the deregistration wait for jobs on memory nobody frees.
+    pub(crate) fn deregister(&self, reg: Option<RegId>, addr: u64, len: u64, place: ArenaPlace) {
+        if self.registry.covering(place, addr, len).is_some() {
+            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None, mark: 0 });
+            return;
+        }
         let Some(mark) = self.fence.deregister((addr, addr.saturating_add(len))) else {
             self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None, mark: 0 });
             return;
@@ -307,5 +317,55 @@ impl Shared {
     pub(super) fn reactor_ended(&self) {
         self.ended.store(true, Ordering::Release);
         self.inbox.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shell::registry::Registration;
+    use bounce_proto::MemKind;
+
+    const HOST: ArenaPlace = ArenaPlace { mem: MemKind::Dram, dev: 0 };
+
+    fn shared() -> Shared {
+        Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default())
+    }
+
+    fn reg(s: &Shared, md: usize, addr: u64, len: u64, mem: MemKind, dev: u64) {
+        s.registry.insert(Md(md), Registration { addr, len, dev, mem });
+    }
+
+    /// What `deregisterMem` does: the registration leaves the registry, then the range goes
+    /// to [`Shared::deregister`] (no job is pinned here, so it returns at once).
+    fn deregister(s: &Shared, md: usize, place: ArenaPlace) -> (u64, u64) {
+        let r = s.registry.remove(Md(md)).unwrap();
+        s.deregister(Some(RegId(md as u64)), r.addr, r.len, place);
+        (r.addr, r.addr + r.len)
+    }
+
+    fn pinnable(s: &Shared, span: (u64, u64)) -> bool {
+        s.fence.pin(span, |_| true).map(|p| s.fence.unpin(p)).is_some()
+    }
+
+    /// Memory another registration of the same memory still covers whole is not fenced off:
+    /// the core does not doom scatters into it, and jobs on it keep running before the reactor
+    /// applies the deregistration (review 52, copy F2). Memory nothing else covers is.
+    #[test]
+    fn only_memory_no_other_registration_covers_is_fenced_off_at_a_deregistration() {
+        let s = shared();
+        reg(&s, 1, 0x10_000, 0x2000, MemKind::Dram, 0);
+        reg(&s, 2, 0x10_000, 0x1000, MemKind::Dram, 0);
+        // The same addresses on a GPU are other memory: no cover for host memory.
+        reg(&s, 3, 0x20_000, 0x2000, MemKind::Vram, 0);
+        reg(&s, 4, 0x20_000, 0x1000, MemKind::Dram, 0);
+        let inner = deregister(&s, 2, HOST);
+        assert!(pinnable(&s, inner), "a job inside the larger registration is still pinned");
+        let uncovered = deregister(&s, 4, HOST);
+        assert!(!pinnable(&s, uncovered), "memory covered only by GPU memory's addresses is fenced off");
+        let outer = deregister(&s, 1, HOST);
+        assert!(!pinnable(&s, outer), "the last registration of the memory fences it off");
+        // Each deregistration still reaches the core (which dooms by its own rule).
+        assert_eq!(s.inbox.queued(), 3);
     }
 }

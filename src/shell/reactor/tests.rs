@@ -1090,7 +1090,7 @@ fn deregister_async(side: &Side, buf: &[u8]) -> std::thread::JoinHandle<Instant>
     let shared = Arc::clone(&side.shared);
     std::thread::spawn(move || {
         assert!(shared.registry.remove(Md(addr as usize)).is_some());
-        shared.deregister(Some(RegId(addr)), addr, len);
+        shared.deregister(Some(RegId(addr)), addr, len, ArenaPlace { mem: MemKind::Dram, dev: 0 });
         Instant::now()
     })
 }
