@@ -238,7 +238,13 @@ fn job_bytes(job: &CopyJob) -> u64 {
 /// thread (a worker, or the reactor for a job run inline) and leaving the transfer to its
 /// timeout.
 fn run_guarded(arena: HostArena, job: &CopyJob, span: &tracing::Span) -> bool {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| span.in_scope(|| run(arena, job)))).unwrap_or(false)
+    let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| span.in_scope(|| run(arena, job))));
+    if ok.is_err() && arena.streaming_scatter {
+        // A panic skips the job's own fence: no completion may overtake its streaming stores,
+        // even a failed one.
+        kernels::fence();
+    }
+    ok.unwrap_or(false)
 }
 
 /// Checks a job's arena side, then copies. False when the job would leave its region (the

@@ -12,8 +12,6 @@
 //! Streaming stores are weakly ordered: [`fence`] must run after a job's last copy and before
 //! its completion is published.
 
-// The CUDA copy engine, behind this branch's copy of the shell's copy seam.
-
 /// Pieces shorter than this are copied plainly: they are mostly partial cache lines, which
 /// streaming stores handle badly.
 const STREAM_MIN: usize = 256;
