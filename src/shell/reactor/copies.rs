@@ -54,7 +54,8 @@ impl Driver {
                     None => {
                         // Its memory was deregistered since the core emitted it: never run it.
                         self.dereg_refused += 1;
-                        self.copies.insert(job, CopyInFlight { dir, pin: None, in_region: false });
+                        let in_region = in_region.is_some();
+                        self.copies.insert(job, CopyInFlight { dir, pin: None, in_region });
                         return self.copy_done(Instant::now(), job, false);
                     }
                 }

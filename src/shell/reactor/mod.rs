@@ -819,7 +819,8 @@ impl Driver {
                         // An inline chunk's bytes go into its region first (a host arena: the
                         // core takes none otherwise); not put, nothing may be scattered.
                         if inline.is_some_and(|bytes| !self.copiers.put(arena, region, &bytes)) {
-                            self.copies.insert(job, CopyInFlight { dir: Dir::Scatter, pin: None, in_region: false });
+                            let in_region = in_region.is_some();
+                            self.copies.insert(job, CopyInFlight { dir: Dir::Scatter, pin: None, in_region });
                             self.copy_done(Instant::now(), job, false);
                         } else {
                             self.copy(job, Dir::Scatter, (arena, region), runs, in_region);
