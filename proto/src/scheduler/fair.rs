@@ -152,10 +152,15 @@ impl CreditScheduler {
     /// One round-robin sweep from the cursor: grants the first flow that can take its head.
     pub(super) fn sweep(&mut self) -> Option<Grant> {
         let n = self.ring.len();
+        // Nothing is allocated until the sweep grants (and returns): a head larger than the
+        // largest free block misses without asking the allocator. A full arena otherwise cost
+        // an allocation attempt (a search of every larger order, twice) per flow per event,
+        // and a peer may hold thousands of flows (review 52, sender F5).
+        let largest = self.buddy.largest_free();
         for i in 0..n {
             let idx = (self.cursor + i) % n;
             let key = self.ring[idx];
-            match self.try_grant(key) {
+            match self.try_grant_within(key, largest) {
                 Ok(grant) => {
                     self.cursor = (idx + 1) % n;
                     return Some(grant);
@@ -169,6 +174,11 @@ impl CreditScheduler {
 
     /// Grants `key` its head chunk if it is eligible and the chunk fits.
     pub(super) fn try_grant(&mut self, key: FlowKey) -> std::result::Result<Grant, Miss> {
+        self.try_grant_within(key, u64::MAX)
+    }
+
+    /// [`try_grant`](Self::try_grant), told that no free block is larger than `largest`.
+    fn try_grant_within(&mut self, key: FlowKey, largest: u64) -> std::result::Result<Grant, Miss> {
         let window = self.window as usize;
         let flow = self.flows.get_mut(&key).ok_or(Miss::NotEligible)?;
         if flow.held.len() >= window {
@@ -177,6 +187,9 @@ impl CreditScheduler {
         let &(chunk, bytes) = flow.pending.front().ok_or(Miss::NotEligible)?;
         if self.over_peer_share(key.peer, bytes) {
             return Err(Miss::NotEligible);
+        }
+        if bytes > largest {
+            return Err(Miss::NoFit);
         }
         let flow = self.flows.get_mut(&key).ok_or(Miss::NotEligible)?;
         let region = self.buddy.alloc(bytes).ok_or(Miss::NoFit)?;
