@@ -1,6 +1,7 @@
 // The C++ shim driven the way NIXL's core drives an engine (STYLE.md §8), with no core in the
-// process: the plugin's descriptor, engine creation, conn info and registration metadata, a
-// scattered WRITE bounced and one passed to UCX, every byte checked, and what the edge answers
+// process: the plugin's descriptor, engine creation, conn info and registration metadata,
+// scattered WRITEs (one with a notification) and a READ bounced and a WRITE passed to UCX,
+// every byte checked, notifications both ways, and what the edge answers
 // to input NIXL's core does not check but a C++ application may pass (an agent name that is
 // not UTF-8, an undefined op, a non-empty notification list). Run by
 // tests/python/test_shim_cpp.py, which builds it:
@@ -96,10 +97,15 @@ long stat(const BackendEngine *e, const char *name) {
     return it == p.end() ? -1 : std::atol(it->second.c_str());
 }
 
-// Writes `n` pieces of `piece` bytes of `src` (every other piece) into `dst` at `name` (the
-// pieces in reverse order there), polling both engines as NIXL's core and a target's
-// application would; true when the transfer ended in SUCCESS within 20 s.
-bool write_pieces(Side &src, Side &dst, BackendMD *remote_md, const std::string &name, size_t n, size_t piece) {
+// Moves `n` pieces of `piece` bytes between `me`'s buffer (every other piece) and `peer`'s (the
+// pieces in reverse order there) at `name`: a WRITE from `me` to `peer`, or a READ by `me`
+// from `peer`; with `notif`, the notification `peer` gets once the bytes landed. Polls both
+// engines as NIXL's core and a target's application would (what `peer` gets is kept in `got`);
+// true when the transfer ended in SUCCESS within 20 s.
+bool move_pieces(nixl_xfer_op_t op, Side &me, Side &peer, BackendMD *remote_md, const std::string &name, size_t n,
+                 size_t piece, const std::string *notif = nullptr, notif_list_t *got = nullptr) {
+    Side &src = me;
+    Side &dst = peer;
     meta_dlist_t local(DRAM_SEG), remote(DRAM_SEG);
     for (size_t i = 0; i < n; ++i) {
         MetaDesc l, r;
@@ -114,18 +120,37 @@ bool write_pieces(Side &src, Side &dst, BackendMD *remote_md, const std::string 
         local.addDesc(l);
         remote.addDesc(r);
     }
+    BackendOptArgs opt;
+    if (notif) {
+        opt.notifMsg = *notif;
+        opt.hasNotif = true;
+    }
     BackendReqH *h = nullptr;
-    if (src.e->prepXfer(NIXL_WRITE, local, remote, name, h, nullptr) != NIXL_SUCCESS || !h) return false;
-    nixl_status_t st = src.e->postXfer(NIXL_WRITE, local, remote, name, h, nullptr);
+    if (src.e->prepXfer(op, local, remote, name, h, &opt) != NIXL_SUCCESS || !h) return false;
+    nixl_status_t st = src.e->postXfer(op, local, remote, name, h, &opt);
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (st == NIXL_IN_PROG && std::chrono::steady_clock::now() < until) {
         notif_list_t notifs;
         dst.e->getNotifs(notifs);
+        if (got) got->insert(got->end(), notifs.begin(), notifs.end());
         st = src.e->checkXfer(h);
         std::this_thread::yield();
     }
     src.e->releaseReqH(h);
     return st == NIXL_SUCCESS;
+}
+
+// The first notification from `from` among `got`, or else polled from `e` for up to 10 s.
+std::string notif_from(BackendEngine *e, const std::string &from, notif_list_t got = {}) {
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    do {
+        for (auto &[agent, msg] : got)
+            if (agent == from) return msg;
+        got.clear();
+        if (e->getNotifs(got) != NIXL_SUCCESS) return "(getNotifs failed)";
+        std::this_thread::yield();
+    } while (std::chrono::steady_clock::now() < until);
+    return "(none)";
 }
 
 // Every piece landed where it was sent, and every byte between the destinations is untouched.
@@ -202,10 +227,36 @@ int main(int argc, char **argv) {
     // A scattered WRITE B -> A bounces (once the HELLOs are in: a first one may pass through).
     long bounced_before = stat(b.e, "bounce_ok");
     bool ok = true;
-    for (int i = 0; i < 3 && ok; ++i) ok = write_pieces(b, a, b_of_a, "A", n, piece);
+    for (int i = 0; i < 3 && ok; ++i) ok = move_pieces(NIXL_WRITE, b, a, b_of_a, "A", n, piece);
     check(ok, "a WRITE of 256 x 1 KiB pieces B -> A ends in SUCCESS");
     check(exact(b.buf, a.buf, 11, n, piece), "every byte landed, and nothing between the pieces moved");
     check(stat(b.e, "bounce_ok") > bounced_before, "it took the bounce path", stat(b.e, "bounce_ok"));
+
+    // A WRITE with a notification: the target gets it once the bytes are in (NIXL's promise;
+    // the bounce path sends it after the last scatter's ACK).
+    fill(b.buf, 55);
+    const std::string note("kv-ready:7");
+    bounced_before = stat(b.e, "bounce_ok");
+    notif_list_t got;
+    check(move_pieces(NIXL_WRITE, b, a, b_of_a, "A", n, piece, &note, &got),
+          "a bounced WRITE with a notification ends in SUCCESS");
+    check(notif_from(a.e, "B", got) == note, "A gets its notification from B");
+    check(exact(b.buf, a.buf, 11, n, piece), "every byte of it landed, and nothing between the pieces moved");
+    check(stat(b.e, "bounce_ok") > bounced_before, "it took the bounce path", stat(b.e, "bounce_ok"));
+    // A's application notification to B, outside any transfer, through the inner engine.
+    check(a.e->genNotif("B", "hello-b") == NIXL_SUCCESS && notif_from(b.e, "A") == "hello-b",
+          "a notification A -> B arrives as sent");
+
+    // A READ: B pulls A's pieces into its own buffer, bounced; every byte checked.
+    fill(a.buf, 66);
+    fill(b.buf, 77);
+    std::vector<uint8_t> want(b.buf.size());
+    fill(want, 77);
+    for (size_t i = 0; i < n; ++i) std::memcpy(&want[2 * i * piece], &a.buf[(n - 1 - i) * 2 * piece], piece);
+    long reads_before = stat(b.e, "bounce_ok");
+    check(move_pieces(NIXL_READ, b, a, b_of_a, "A", n, piece), "a READ of 256 x 1 KiB pieces by B from A ends in SUCCESS");
+    check(b.buf == want, "every byte read landed, and nothing between the pieces moved");
+    check(stat(b.e, "bounce_ok") > reads_before, "it took the bounce path", stat(b.e, "bounce_ok"));
 
     // An agent name that is not UTF-8 (NIXL's names are any bytes): UCX serves that peer, so
     // BOUNCE leaves it to UCX instead of refusing it (review 52, FFI F7).
@@ -216,7 +267,7 @@ int main(int argc, char **argv) {
     BackendMD *b_of_odd = load_peer(b, a, odd, &st);
     check(b_of_odd != nullptr, "B loads A's conn info and registration under a name that is not UTF-8", st);
     long passed_before = stat(b.e, "passthrough_xfers");
-    check(b_of_odd && write_pieces(b, a, b_of_odd, odd, n, piece), "a WRITE to that name ends in SUCCESS");
+    check(b_of_odd && move_pieces(NIXL_WRITE, b, a, b_of_odd, odd, n, piece), "a WRITE to that name ends in SUCCESS");
     check(exact(b.buf, a.buf, 33, n, piece), "every byte of it landed, and nothing between the pieces moved");
     check(stat(b.e, "passthrough_xfers") > passed_before, "it went to UCX", stat(b.e, "passthrough_xfers"));
 
