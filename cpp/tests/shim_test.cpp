@@ -1,10 +1,10 @@
 // The C++ shim driven the way NIXL's core drives an engine (STYLE.md §8), with no core in the
 // process: the plugin's descriptor, engine creation, conn info and registration metadata,
 // scattered WRITEs (one with a notification) and a READ bounced and a WRITE passed to UCX,
-// every byte checked, notifications both ways, and what the edge answers
-// to input NIXL's core does not check but a C++ application may pass (an agent name that is
-// not UTF-8, an undefined op, a non-empty notification list). Run by
-// tests/python/test_shim_cpp.py, which builds it:
+// every byte checked, notifications both ways, and what the edge answers to input NIXL's
+// core does not check but a C++ application may pass (an agent name that is not UTF-8, an
+// undefined op, a non-empty notification list). `ci/test` builds it and runs it under
+// valgrind; by hand:
 //
 //   g++ -std=c++20 -Icpp/include cpp/tests/shim_test.cpp -ldl -o /tmp/shim_test
 //   /tmp/shim_test PLUGIN_DIR/libplugin_BOUNCE.so      # exit 0: every check held
