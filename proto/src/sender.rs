@@ -1083,6 +1083,21 @@ fn nanos(now: Instant, at: Instant) -> u64 {
     u64::try_from(now.saturating_duration_since(at).as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// Staging space for a credit-backed chunk of `bytes` in `arena`: a fresh region, unless the
+/// arena is `held` for an older parked credit (`Sender::retry_parked`), else the reserve.
+fn stage_credit(
+    ctx: &mut Ctx<'_>,
+    reserve: (&mut BTreeMap<ArenaId, Region>, &mut bool),
+    arena: ArenaId,
+    bytes: u64,
+    held: bool,
+) -> Option<Region> {
+    (!held)
+        .then(|| ctx.sched(arena).acquire_local(bytes, false))
+        .flatten()
+        .or_else(|| take_reserve(ctx, reserve, arena))
+}
+
 /// Hands `arena`'s reserve over to a credit-backed chunk, and marks `stale`: the arena's
 /// reserve is to be retaken.
 fn take_reserve(

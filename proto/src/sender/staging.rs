@@ -35,11 +35,8 @@ impl Sender {
                     keep.push_back((id, i));
                     continue;
                 }
-                match ctx
-                    .sched(arena)
-                    .acquire_local(x.plan.chunks[i].bytes, false)
-                    .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
-                {
+                let bytes = x.plan.chunks[i].bytes;
+                match stage_credit(ctx, (&mut self.reserve, &mut self.reserve_stale), arena, bytes, false) {
                     Some(local) if read => {
                         trace!(xfer = id.0, chunk = i, "parked READ credit staged");
                         if let Err(e) = self.start_read(ctx, id, i, (arena, local), credit) {
@@ -145,12 +142,8 @@ impl Sender {
                 return Ok(());
             };
             let arena = x.plan.local_arena;
-            let held = self.staging_held.contains(&arena);
-            return match (!held)
-                .then(|| ctx.sched(arena).acquire_local(x.plan.chunks[i].bytes, false))
-                .flatten()
-                .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
-            {
+            let (bytes, held) = (x.plan.chunks[i].bytes, self.staging_held.contains(&arena));
+            return match stage_credit(ctx, (&mut self.reserve, &mut self.reserve_stale), arena, bytes, held) {
                 Some(local) => self.start_read(ctx, id, i, (arena, local), credit),
                 None => {
                     trace!(xfer = id.0, chunk = i, "READ credit parked: no local staging space");
@@ -166,13 +159,9 @@ impl Sender {
         let arena = x.plan.local_arena;
         // Behind an old parked credit in this arena (see `retry_parked`): no freed space, only
         // the reserve, which the old credit could already have taken.
-        let held = self.staging_held.contains(&arena);
+        let (bytes, held) = (x.plan.chunks[i].bytes, self.staging_held.contains(&arena));
         match x.stages[i] {
-            Stage::Idle => match (!held)
-                .then(|| ctx.sched(arena).acquire_local(x.plan.chunks[i].bytes, false))
-                .flatten()
-                .or_else(|| take_reserve(ctx, (&mut self.reserve, &mut self.reserve_stale), arena))
-            {
+            Stage::Idle => match stage_credit(ctx, (&mut self.reserve, &mut self.reserve_stale), arena, bytes, held) {
                 Some(local) => {
                     let job = start_gather(ctx, &mut self.jobs, id, x, i, local);
                     x.stages[i] = Stage::Gathering { local, job, credit: Some(credit) };
