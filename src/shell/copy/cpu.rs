@@ -312,9 +312,10 @@ fn copy_runs(arena: HostArena, job: &CopyJob, runs: &[CopyRun]) -> bool {
     }
     let region_base = arena.base + job.region.offset;
     let streaming = job.dir == Dir::Scatter && arena.streaming_scatter;
+    let gather = job.dir == Dir::Gather;
     let mut copies = runs.iter().flat_map(CopyRun::copies).peekable();
     while let Some((off, addr, len)) = copies.next() {
-        if job.dir == Dir::Gather {
+        if gather {
             // The next piece's first lines are asked for while this one is copied: a gather's
             // pieces lie anywhere in the application's memory, and each one's first misses
             // otherwise wait for memory one after the other before the hardware prefetcher

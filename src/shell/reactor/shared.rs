@@ -290,11 +290,8 @@ impl Shared {
     /// doom scatters into it. Marked, it refused for a pass the jobs the core had judged fine
     /// (review 52, copy F2), and made the deregistration wait for jobs on memory nobody frees.
     pub(crate) fn deregister(&self, reg: Option<RegId>, addr: u64, len: u64, place: ArenaPlace) {
-        if self.registry.covering(place, addr, len).is_some() {
-            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None, mark: 0 });
-            return;
-        }
-        let Some(mark) = self.fence.deregister((addr, addr.saturating_add(len))) else {
+        let covered = self.registry.covering(place, addr, len).is_some();
+        let Some(mark) = (!covered).then(|| self.fence.deregister((addr, addr.saturating_add(len)))).flatten() else {
             self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None, mark: 0 });
             return;
         };
