@@ -180,6 +180,8 @@ pub struct Endpoint {
     /// Who answers a PING, when the peer table that knows is not ours (see
     /// [`set_ping_answerers`](Self::set_ping_answerers)).
     answers_pings: PingAnswerers,
+    /// WRITEs held back behind a cancel of ours still waiting for its writes (see `deferred`).
+    deferred: deferred::Deferred,
 }
 
 /// The shell's view of which peers answer a PING ([`Endpoint::set_ping_answerers`]).
@@ -240,6 +242,7 @@ impl Endpoint {
             one_way: OneWayLayout::for_config(config),
             reads: Vec::new(),
             answers_pings: PingAnswerers::default(),
+            deferred: deferred::Deferred::default(),
         })
     }
 
@@ -270,6 +273,11 @@ impl Endpoint {
     ///
     /// # Errors
     /// As [`submit`](Self::submit).
+    ///
+    /// A WRITE to a peer that a cancel of ours still waits to reach (a failed or released
+    /// transfer's writes are in flight) starts only once that cancel is out, so the target
+    /// learns of the release first and scatters this WRITE's bytes after the released one's
+    /// (see `deferred`).
     pub fn submit_write(
         &mut self,
         now: Instant,
@@ -279,9 +287,26 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         route: WriteRoute,
     ) -> Result<(), SubmitError> {
+        let plan = plan.into();
+        if self.defers_write_to(peer) {
+            return self.defer_write(now, (xfer, token, peer), plan, route);
+        }
+        self.start_write(now, (xfer, token, peer), plan, route)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Starts WRITE `xfer` (see [`submit_write`](Self::submit_write)); the caller pumps.
+    fn start_write(
+        &mut self,
+        now: Instant,
+        (xfer, token, peer): (XferId, Token, PeerId),
+        plan: Arc<Plan>,
+        route: WriteRoute,
+    ) -> Result<(), SubmitError> {
         let shape =
             WantShape { one_way: route.mailbox.is_some(), inline: route.inline, no_standing: route.no_standing };
-        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan.into(), shape)?;
+        self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan, shape)?;
         if let Some(mailbox) = route.mailbox {
             if self.reading.start(xfer, peer, token, mailbox).is_err() {
                 // The layout was checked when the peer was loaded: unreachable in practice.
@@ -290,7 +315,6 @@ impl Endpoint {
                 self.stats.one_way_sent += 1;
             }
         }
-        self.pump(now);
         Ok(())
     }
 
@@ -355,7 +379,9 @@ impl Endpoint {
     /// [`Action::Complete`] waits for its scatters into our memory still running, as for any
     /// failure: until then [`owes_completion`](Self::owes_completion) holds.
     pub fn cancel(&mut self, now: Instant, xfer: XferId) {
-        self.sender.cancel(&mut ctx!(self, now), xfer);
+        if !self.cancel_deferred(xfer) {
+            self.sender.cancel(&mut ctx!(self, now), xfer);
+        }
         self.pump(now);
     }
 
@@ -393,6 +419,7 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.receiver.deregister(&mut ctx, reg, addr, len);
         self.sender.deregister(&mut ctx, addr, addr.saturating_add(len));
+        self.fail_deferred_reading((addr, addr.saturating_add(len)));
         self.pump(now);
     }
 
@@ -800,6 +827,7 @@ impl Endpoint {
         self.sender.handle_peer_lost(&mut ctx, peer);
         self.receiver.handle_peer_lost(&mut ctx, peer);
         self.answering.release_peer(peer);
+        self.fail_deferred(Some(peer), XferError::PeerLost);
         self.pump(now);
     }
 
@@ -814,6 +842,7 @@ impl Endpoint {
         self.receiver.handle_peer_lost(&mut ctx, peer);
         // Its mailbox slots go with it, as for a lost peer: nobody will read them.
         self.answering.release_peer(peer);
+        self.fail_deferred(Some(peer), XferError::PeerLost);
         self.pump(now);
     }
 
@@ -890,9 +919,10 @@ impl Endpoint {
     /// floors kept, and its mailbox slots are released.
     fn end_with_living_id(&mut self, now: Instant, peer: PeerId, err: XferError) {
         let mut ctx = ctx!(self, now);
-        self.sender.fail_peer(&mut ctx, peer, err);
+        self.sender.fail_peer(&mut ctx, peer, err.clone());
         self.receiver.reclaim_flows_of(&mut ctx, peer);
         self.answering.release_peer(peer);
+        self.fail_deferred(Some(peer), err);
     }
 
     /// Fails every transfer with [`XferError::ShuttingDown`] (cancels are still queued for the
@@ -902,6 +932,7 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.sender.shutdown(&mut ctx);
         self.receiver.shutdown(&mut ctx);
+        self.fail_deferred(None, XferError::ShuttingDown);
         self.pump(now);
     }
 
@@ -916,6 +947,7 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.sender.shutdown(&mut ctx);
         self.receiver.close();
+        self.fail_deferred(None, XferError::ShuttingDown);
         self.pump(now);
     }
 
@@ -945,7 +977,7 @@ impl Endpoint {
 
     /// Transfers submitted and not yet completed.
     pub fn in_flight_xfers(&self) -> usize {
-        self.sender.in_flight()
+        self.sender.in_flight() + self.deferred.len()
     }
 
     /// Staging regions of failed transfers waiting for their gather or write to finish.
@@ -958,7 +990,7 @@ impl Endpoint {
     /// ended, so that nothing of it writes the destinations after the application learns of
     /// it).
     pub fn owes_completion(&self, xfer: XferId) -> bool {
-        self.sender.owes_completion(xfer)
+        self.sender.owes_completion(xfer) || self.deferred.contains(xfer)
     }
 
     /// Whether `job` (a gather, write or READ of ours) belongs to a transfer that ended before
@@ -977,7 +1009,7 @@ impl Endpoint {
     /// loaded it, may be forgotten ([`PeerTable::evict_one_way`]); [`Self::handle_peer_lost`]
     /// then drops what little may remain of it (replay floors).
     pub fn holds_nothing_for(&self, peer: PeerId) -> bool {
-        holds_nothing(&self.receiver, &self.answering, &self.sender, peer)
+        holds_nothing(&self.receiver, &self.answering, &self.sender, peer) && !self.deferred.has_peer(peer)
     }
 
     /// Remote flows the receiver tracks.
@@ -1099,6 +1131,10 @@ impl Endpoint {
     /// Then opens the one-way flows waiting for a slot that one has freed for, and pumps again
     /// for them (each round opens at least one waiter, so this ends).
     fn pump(&mut self, now: Instant) {
+        // A cancel that went out with a job just reported lets the WRITEs held behind it start.
+        if self.deferred.len() > 0 {
+            self.start_deferred(now);
+        }
         loop {
             let mut ctx = ctx!(self, now);
             self.sender.retry_parked(&mut ctx);
@@ -1130,6 +1166,7 @@ impl Endpoint {
     }
 }
 
+mod deferred;
 mod one_way;
 
 /// See [`Endpoint::holds_nothing_for`] (apart, so that the peer table may be borrowed beside).

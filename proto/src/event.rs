@@ -650,6 +650,9 @@ pub struct Stats {
     pub completed: u64,
     /// Transfers that failed (any [`XferError`], cancellation included).
     pub failed: u64,
+    /// WRITEs held back at submission behind a cancel of ours to the same peer that still
+    /// waited for its transfer's writes (see [`Endpoint::submit_write`](crate::endpoint::Endpoint::submit_write)).
+    pub writes_deferred: u64,
     /// Failures by [`XferError::Timeout`].
     pub timeouts: u64,
     /// Failures by [`XferError::Canceled`].
@@ -675,6 +678,9 @@ pub struct Stats {
     pub bytes_scattered: u64,
     /// Scatter jobs that failed.
     pub scatters_failed: u64,
+    /// DATAs held until the scatters their peer left running when its flows ended here had
+    /// ended (see the receiver's `order`): the peer's next bytes land after its released ones.
+    pub scatters_held: u64,
     /// DATA messages refused by validation.
     pub data_refused: u64,
     /// DATA messages for unknown (canceled or reclaimed) flows, dropped silently.

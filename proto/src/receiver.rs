@@ -115,6 +115,8 @@ struct Scatter {
     /// Memory it writes was deregistered while it was in flight: it is answered ACK(Failed)
     /// whatever its outcome (the shell waits for it before the deregistration returns).
     doomed: bool,
+    /// Its flow ended here while it ran (see [`order`]): it holds back its peer's next scatters.
+    orphan: bool,
 }
 
 /// A READ flow's gather runs, kept from its PULLs (see [`wire::Pull`]).
@@ -273,6 +275,9 @@ pub struct Receiver {
     /// admitted DATA, PLAN, KEEP or RELEASE. A WANT shows nothing (announcing costs a flooder
     /// nothing). Forgotten with the peer's last flow.
     wrote: BTreeMap<PeerId, Instant>,
+    /// Per peer, its scatters still running whose flows ended here, and its DATAs they hold
+    /// back (see [`order`]).
+    behind: order::Behind,
 }
 
 impl Receiver {
@@ -301,6 +306,7 @@ impl Receiver {
             standing: BTreeMap::new(),
             resting: BTreeMap::new(),
             wrote: BTreeMap::new(),
+            behind: order::Behind::default(),
         }
     }
 
@@ -781,6 +787,9 @@ impl Receiver {
         if inline.is_none() {
             self.wrote.insert(from, ctx.now);
         }
+        if self.behind.holds(from) {
+            return self.hold_data(ctx, key, data, inline);
+        }
         // A DATA with its runs makes any plan of the chunk moot; one without takes the plan.
         let planned = self.take_plan(key, data.chunk);
         if data.region_plan_runs != 0 {
@@ -834,6 +843,7 @@ impl Receiver {
             bytes,
             span,
             doomed: false,
+            orphan: false,
         };
         self.scatters.insert(job, scatter);
         trace!(peer = from.0, xfer = data.xfer.0, chunk = data.chunk.0, region = %data.region, runs = data.runs.len(), "scatter");
@@ -892,7 +902,8 @@ impl Receiver {
         // The scatter may touch any proven registration: a deregistration inside the hull dooms
         // it (conservative; the runs are not known here).
         let (token, chunk, region) = (data.token, data.chunk, data.region);
-        let scatter = Scatter { flow: key, arena, token, chunk, region, bytes: offset, span, doomed: false };
+        let scatter =
+            Scatter { flow: key, arena, token, chunk, region, bytes: offset, span, doomed: false, orphan: false };
         self.scatters.insert(job, scatter);
         trace!(peer = from.0, xfer = data.xfer.0, chunk = chunk.0, region = %region, runs, "scatter by region plan");
         ctx.stats.region_plans_received += 1;
@@ -915,6 +926,15 @@ impl Receiver {
             warn!(job = job.0, "scatter done-event for an unknown job; ignored");
             return;
         };
+        let orphan = s.orphan.then_some(s.flow.peer);
+        self.end_scatter(ctx, s, ok);
+        if let Some(peer) = orphan {
+            self.orphan_ended(ctx, peer);
+        }
+    }
+
+    /// Scatter `s` ended: frees (or keeps for the standing flow) its region and answers.
+    fn end_scatter(&mut self, ctx: &mut Ctx<'_>, s: Scatter, ok: bool) {
         let ok = ok && !s.doomed;
         let claimed = self.flows.get(&s.flow).and_then(|f| f.claimed_from).filter(|_| s.chunk.0 == 0);
         if let Some(xfer) = claimed {
@@ -1062,6 +1082,7 @@ impl Receiver {
         if held != self.inline_held || held > MAX_INLINE_HELD {
             return Err(format!("inline bytes held {} but the open flows hold {held}", self.inline_held));
         }
+        self.check_behind()?;
         match recount.iter().find(|(_, l)| l.flows > self.caps.flows || l.chunks > self.caps.chunks) {
             Some((peer, l)) => Err(format!("peer {} holds {l:?}, over the per-peer caps", peer.0)),
             None => Ok(()),
@@ -1091,6 +1112,7 @@ fn refuse_xfer(ctx: &mut Ctx<'_>, to: PeerId, xfer: XferId, token: Token) {
 mod checks;
 mod ended;
 mod inline;
+mod order;
 mod read;
 mod reclaim;
 mod standing;

@@ -426,6 +426,11 @@ impl Sender {
         self.pending_cancels.len()
     }
 
+    /// Whether a cancel of ours to `peer` waits for its failed transfer's writes to end.
+    pub(crate) fn cancel_pending_to(&self, peer: PeerId) -> bool {
+        !self.pending_cancels.is_empty() && self.pending_cancels.values().any(|c| c.peer == peer)
+    }
+
     /// Chunks of `xfer` acknowledged so far, if it is in flight.
     pub fn acked_chunks(&self, xfer: XferId) -> Option<usize> {
         self.xfers.get(&xfer).map(|x| x.acked)
@@ -579,7 +584,7 @@ impl Sender {
 
     /// Whether a new transfer `xfer` of `plan` may start: not shutting down, a fresh id, a
     /// plan within the caps.
-    fn admit(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, plan: &Arc<Plan>) -> Result<(), SubmitError> {
+    pub(crate) fn admit(&mut self, ctx: &mut Ctx<'_>, xfer: XferId, plan: &Arc<Plan>) -> Result<(), SubmitError> {
         self.prune(ctx.now);
         if self.shutting_down {
             return Err(SubmitError::ShuttingDown);
@@ -934,18 +939,12 @@ impl Sender {
     /// its jobs still in flight become orphans as for any failure (the shell waits for those
     /// that touch the range before the deregistration returns).
     pub(crate) fn deregister(&mut self, ctx: &mut Ctx<'_>, start: u64, end: u64) {
-        let overlaps = |(a, b): (u64, u64)| a < end && start < b;
-        let reads = |x: &Xfer| {
-            x.plan.chunks.iter().any(|c| {
-                if x.read {
-                    // A READ's local side is its scatter's destinations.
-                    return c.scatter.iter().filter_map(CopyRun::addr_span).any(overlaps);
-                }
-                c.direct.is_some_and(|d| overlaps((d, d.saturating_add(c.bytes))))
-                    || c.gather.iter().filter_map(CopyRun::addr_span).any(overlaps)
-            })
-        };
-        let hit: Vec<XferId> = self.xfers.iter().filter(|(_, x)| reads(x)).map(|(&id, _)| id).collect();
+        let hit: Vec<XferId> = self
+            .xfers
+            .iter()
+            .filter(|(_, x)| touches_local(&x.plan, x.read, (start, end)))
+            .map(|(&id, _)| id)
+            .collect();
         for id in hit {
             ctx.stats.dereg_failed += 1;
             self.fail(ctx, id, XferError::Deregistered, true);
@@ -1127,5 +1126,18 @@ mod ending;
 mod read;
 mod staging;
 mod standing;
+
+/// Whether transfer `plan` (a READ when `read`) touches our memory in `[start, end)`: a WRITE
+/// reads its gather sources and direct chunks there, a READ writes its scatter destinations.
+pub(crate) fn touches_local(plan: &Plan, read: bool, (start, end): (u64, u64)) -> bool {
+    let overlaps = |(a, b): (u64, u64)| a < end && start < b;
+    plan.chunks.iter().any(|c| {
+        if read {
+            return c.scatter.iter().filter_map(CopyRun::addr_span).any(overlaps);
+        }
+        c.direct.is_some_and(|d| overlaps((d, d.saturating_add(c.bytes))))
+            || c.gather.iter().filter_map(CopyRun::addr_span).any(overlaps)
+    })
+}
 #[cfg(test)]
 mod tests;

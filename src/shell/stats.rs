@@ -251,6 +251,14 @@ counters! {
     /// Of those, scatters whose plan our copy engine refused (or whose copy failed): nothing
     /// was written for a refused plan, and its transfer failed.
     region_plans_failed,
+    /// Peers' chunks whose scatter waited for the scatters of their transfers that ended here
+    /// while still scattering (released, refused or timed out): a peer's later bytes land
+    /// after them, as on one UCX endpoint (the core's count).
+    scatters_held,
+    /// Our WRITEs held back at submission until a cancel of ours to the same peer, waiting for
+    /// a released or failed transfer's writes, was out: the target learns of the release before
+    /// the new WRITE's bytes come (the core's count).
+    writes_deferred,
     /// Bounced WRITEs whose first GRANT came: each is one WANT -> GRANT round trip timed
     /// (the core's count).
     grant_waits,

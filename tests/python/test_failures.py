@@ -307,6 +307,57 @@ def test_cancel_mid_transfer_frees_both_arenas_then_same_peer_is_byte_exact(proc
     assert theirs["arena_free_bytes"] + theirs["arena_standing_bytes"] == ARENA
 
 
+def test_writes_after_a_cancelled_one_to_the_same_destinations_land_last(procs, tmp_path):
+    """A cancelled WRITE's scatters already running at the receiver finish there. Small WRITEs
+    of the same pieces posted at once (inline: scattered as their WANT comes) must still leave
+    THEIR bytes, as one UCX endpoint, whose writes land in post order, would: the receiver
+    holds their DATAs until the orphaned scatters have ended (`scatters_held`)."""
+    lay = nixlkit.Scattered(16384, 4096, seed=26)
+    per_chunk, tail = 256, 4  # 1 MiB chunks of 4 KiB pieces; the last pieces each scatter writes
+    params = {**FAST, "bounce_arena_size": "64MiB", "bounce_max_chunk_size": "1MiB",
+              "bounce_max_inflight_chunks": "32", "bounce_min_descriptor_count": str(tail)}
+    p = procs()
+    meta, raddr = p.start(name="reorder-rx", size=lay.dst_bytes, seed=27, params=params)
+    ag = nixlkit.agent("reorder-tx", params=params)
+    old, new = nixlkit.pattern(28, lay.src_bytes), nixlkit.pattern(29, lay.src_bytes)
+    nixlkit.register(ag, old)
+    nixlkit.register(ag, new)
+    connect(ag, p, meta)
+    srcs, dsts = lay.src_list(new.ctypes.data), lay.dst_list(raddr)
+    pieces = [i for k in range(lay.n // per_chunk) for i in range(k * per_chunk + per_chunk - tail, (k + 1) * per_chunk)]
+    cancelled, held, deferred = 0, 0, 0
+    with watchdog(90, [p], "writes after a cancelled one"):
+        for _ in range(8):
+            h, st = streaming_kill_or_cancel(ag, "reorder-rx", lay, old, raddr, lambda: None)
+            if h is None:
+                assert st == "DONE", st
+                continue
+            ag.release_xfer_handle(h)  # still PROC: this cancels it
+            cancelled += 1
+            # At once, no settling: one small WRITE per chunk of the cancelled one, of the pieces
+            # its scatter writes last.
+            hs = []
+            for k in range(0, len(pieces), tail):
+                part = pieces[k:k + tail]
+                lo = ag.get_xfer_descs([srcs[i] for i in part], "DRAM")
+                re = ag.get_xfer_descs([dsts[i] for i in part], "DRAM")
+                hs.append(ag.initialize_xfer("WRITE", lo, re, "reorder-rx", b"", backends=[B]))
+                assert ag.transfer(hs[-1]) != "ERR"
+            for h2 in hs:
+                st, _ = resolve(ag, h2, 30)
+                assert st == "DONE", st
+                ag.release_xfer_handle(h2)
+            settle(lambda: peer_stats(p), 64 << 20, TIMEOUT_MS / 1000 + SLACK_S, "receiver after a round")
+            got = dump(p, tmp_path, "reorder.bin")
+            for i in pieces:
+                d, o = srcs[i][0] - new.ctypes.data, dsts[i][0] - raddr
+                if not np.array_equal(got[o:o + 4096], new[d:d + 4096]):
+                    raise AssertionError(f"piece {i}: the cancelled WRITE's bytes landed over a later one's")
+            held = peer_stats(p)["scatters_held"]; deferred = stats(ag)["writes_deferred"]
+    assert cancelled > 0, "no round cancelled its WRITE mid-flight"
+    print(f"cancelled {cancelled}, DATAs held behind orphaned scatters: {held}, WRITEs deferred: {deferred}")
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. engine destroyed with 64 transfers in flight
 

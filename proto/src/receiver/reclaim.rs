@@ -11,6 +11,7 @@ impl Receiver {
         self.inline_floor.remove(&peer);
         self.claim_floor.remove(&peer);
         self.reclaim_flows_of(ctx, peer);
+        self.drop_held_of(peer);
         self.ended.remove(&peer);
         self.initiators.remove(&peer);
     }
@@ -198,6 +199,9 @@ impl Receiver {
     pub(super) fn forget(&mut self, key: FlowKey) -> bool {
         match self.flows.remove(&key) {
             Some(flow) => {
+                if flow.scattering > 0 || self.behind.holds(key.peer) {
+                    self.orphan_scatters_of(key);
+                }
                 self.ended.entry(key.peer).or_default().note(key.xfer);
                 self.timers.stop(key);
                 self.inline_held -= flow.inline.as_ref().map_or(0, |i| i.bytes.len() as u64);

@@ -1184,3 +1184,108 @@ fn a_want_for_a_live_read_flow_is_refused_and_the_read_goes_on() {
     ep.receiver().check_invariants().unwrap();
     check(&ep);
 }
+
+/// Flow `xfer` of one chunk from `peer`, granted: its region.
+fn granted_one(ep: &mut Endpoint, t: Instant, peer: PeerId, xfer: XferId) -> Region {
+    ep.handle_msg(t, peer, want_msg(xfer, &[CHUNK])).unwrap();
+    let c = credits(&drain(ep));
+    assert_eq!(c.len(), 1, "{c:?}");
+    c[0].3
+}
+
+/// Flow X scattering chunk 0 into the destination's first chunk, then released by its sender:
+/// returns the orphaned scatter's job.
+fn released_while_scattering(ep: &mut Endpoint, t: Instant) -> JobId {
+    let [r0, _] = wanted(ep, t);
+    ep.handle_msg(t, PEER, data_msg(X, 0, r0, full_run(0))).unwrap();
+    let s = scatters(&drain(ep));
+    assert_eq!(s.len(), 1);
+    ep.handle_msg(t, PEER, Msg::cancel(X, TOKEN, Vec::new())).unwrap();
+    assert!(drain(ep).is_empty());
+    s[0].0
+}
+
+#[test]
+fn a_released_flows_running_scatter_holds_back_its_peers_next_data_until_it_ends() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    // The peer's next transfer writes the same destination: its bytes must land last.
+    let y = XferId(2);
+    let r = granted_one(&mut ep, t, PEER, y);
+    ep.handle_msg(t, PEER, data_msg(y, 0, r, full_run(0))).unwrap();
+    let acts = drain(&mut ep);
+    assert!(scatters(&acts).is_empty() && acks(&acts).is_empty(), "held behind the orphan: {acts:?}");
+    assert_eq!(ep.stats().scatters_held, 1);
+    ep.receiver().check_invariants().unwrap();
+    ep.handle_scatter_done(t, old, true);
+    let new = scatters(&drain(&mut ep));
+    assert_eq!(new.iter().map(|s| s.1).collect::<Vec<_>>(), vec![r], "taken once the orphan ended");
+    ep.receiver().check_invariants().unwrap();
+    ep.handle_scatter_done(t, new[0].0, true);
+    assert_eq!(acks(&drain(&mut ep)), vec![(y, 0, AckStatus::Scattered)]);
+    assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    assert!(ep.is_idle());
+    ep.receiver().check_invariants().unwrap();
+    check(&ep);
+}
+
+#[test]
+fn an_orphaned_scatter_holds_back_only_its_own_peers_data() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    let other = PeerId(8);
+    let r = granted_one(&mut ep, t, other, XferId(5));
+    ep.handle_msg(t, other, data_msg(XferId(5), 0, r, full_run(1))).unwrap();
+    let s = scatters(&drain(&mut ep));
+    assert_eq!(s.iter().map(|s| s.1).collect::<Vec<_>>(), vec![r], "another peer's DATA is not held");
+    assert_eq!(ep.stats().scatters_held, 0);
+    ep.handle_scatter_done(t, s[0].0, true);
+    ep.handle_scatter_done(t, old, true);
+    assert_eq!(acks(&drain(&mut ep)), vec![(XferId(5), 0, AckStatus::Scattered)]);
+    assert_eq!(ep.arena_free_bytes(), 32 * KIB);
+    ep.receiver().check_invariants().unwrap();
+}
+
+#[test]
+fn a_held_data_sent_twice_is_refused_and_a_held_flow_released_is_never_scattered() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    let (y, z) = (XferId(2), XferId(3));
+    let ry = granted_one(&mut ep, t, PEER, y);
+    let rz = granted_one(&mut ep, t, PEER, z);
+    ep.handle_msg(t, PEER, data_msg(y, 0, ry, full_run(0))).unwrap();
+    ep.handle_msg(t, PEER, data_msg(z, 0, rz, full_run(1))).unwrap();
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!(ep.stats().scatters_held, 2);
+    // A second DATA for a held chunk: refused like one for a region already scattering.
+    let err = ep.handle_msg(t, PEER, data_msg(y, 0, ry, full_run(0))).unwrap_err();
+    assert_eq!(err, ProtocolError::InvalidData { peer: PEER, xfer: y, chunk: ChunkIdx(0), fault: DataFault::NotHeld });
+    assert_eq!(acks(&drain(&mut ep)), vec![(y, 0, AckStatus::Refused)]);
+    // Z's sender releases it while its DATA waits: nothing of it is scattered.
+    ep.handle_msg(t, PEER, Msg::cancel(z, TOKEN, Vec::new())).unwrap();
+    ep.receiver().check_invariants().unwrap();
+    ep.handle_scatter_done(t, old, true);
+    let acts = drain(&mut ep);
+    assert!(scatters(&acts).is_empty() && acks(&acts).is_empty(), "{acts:?}");
+    assert_eq!((ep.remote_flows(), ep.stats().data_refused), (0, 1));
+    ep.handle_timeout(t + TIMEOUT / 4);
+    assert_eq!(ep.arena_free_bytes(), 32 * KIB, "every region freed or out of quarantine");
+    ep.receiver().check_invariants().unwrap();
+    check(&ep);
+}
+
+#[test]
+fn a_held_data_keeps_its_flow_alive_while_it_waits() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    let y = XferId(2);
+    let late = t + TIMEOUT * 2 / 5;
+    let r = granted_one(&mut ep, t, PEER, y);
+    ep.handle_msg(late, PEER, data_msg(y, 0, r, full_run(0))).unwrap();
+    // Half a timeout after its grant, but only a tenth after its DATA came: the flow stays.
+    ep.handle_timeout(t + TIMEOUT * 3 / 5);
+    assert_eq!((ep.remote_flows(), ep.stats().flows_timed_out), (1, 0));
+    ep.handle_scatter_done(t + TIMEOUT * 3 / 5, old, true);
+    let s = scatters(&drain(&mut ep));
+    assert_eq!(s.iter().map(|s| s.1).collect::<Vec<_>>(), vec![r]);
+}

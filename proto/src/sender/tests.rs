@@ -959,3 +959,75 @@ fn a_target_that_never_acks_holds_no_staging_once_the_writes_are_done() {
     assert_eq!(gathers(&drain(&mut ep)).len(), 1, "staged at once");
     check(&ep);
 }
+
+/// Whether `m` is the WANT that opens `xfer`.
+fn is_want(m: &Msg, xfer: XferId) -> bool {
+    matches!(m, Msg::Want(w) if w.xfer == xfer && !w.chunks.is_empty())
+}
+
+#[test]
+fn a_write_submitted_while_a_cancel_to_its_peer_waits_starts_right_after_that_cancel() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    drain(&mut ep);
+    // X's cancel waits for its write; the target may still be scattering X's earlier chunks,
+    // so Y, which may write the same destinations, must not reach it first.
+    let y = XferId(2);
+    ep.submit(t, y, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    assert!(msgs(&drain(&mut ep)).is_empty(), "no WANT before X's cancel");
+    assert!(ep.owes_completion(y) && !ep.is_idle());
+    assert_eq!((ep.stats().writes_deferred, ep.in_flight_xfers()), (1, 1));
+    // Another peer's WRITE does not wait.
+    ep.submit(t, XferId(3), TOKEN, PeerId(8), direct_plan_of(1)).unwrap();
+    assert!(msgs(&drain(&mut ep)).iter().any(|(p, m)| *p == PeerId(8) && is_want(m, XferId(3))));
+    ep.handle_write_done(t, w[0].0, true);
+    let m: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().filter(|(p, _)| *p == PEER).map(|(_, m)| m).collect();
+    assert!(m.len() == 2 && is_cancel(&m[0], X) && is_want(&m[1], y), "cancel, then the WANT: {m:?}");
+    assert_eq!(ep.stats().submitted, 3);
+    check(&ep);
+}
+
+#[test]
+fn a_held_write_cancelled_or_whose_peer_is_lost_fails_without_a_word_to_the_peer() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    drain(&mut ep);
+    let (y, z) = (XferId(2), XferId(3));
+    ep.submit(t, y, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    ep.submit(t, z, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    assert_eq!(ep.submit(t, z, TOKEN, PEER, direct_plan_of(1)), Err(SubmitError::DuplicateXfer { xfer: z }));
+    ep.cancel(t, y);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(y, Err(XferError::Canceled))]);
+    assert!(msgs(&acts).is_empty() && !ep.owes_completion(y));
+    ep.handle_peer_lost(t, PEER);
+    let acts = drain(&mut ep);
+    assert_eq!(completes(&acts), vec![(z, Err(XferError::PeerLost))]);
+    assert!(msgs(&acts).is_empty(), "{acts:?}");
+    ep.handle_write_done(t, w[0].0, true);
+    assert!(msgs(&drain(&mut ep)).is_empty(), "nothing starts after the peer is lost");
+    assert_eq!((ep.stats().submitted, ep.stats().failed, ep.stats().canceled), (3, 3, 2));
+    assert!(ep.is_idle());
+}
+
+#[test]
+fn a_held_write_whose_sources_are_deregistered_fails_and_never_gathers() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    drain(&mut ep);
+    let (y, z) = (XferId(2), XferId(3));
+    ep.submit(t, y, TOKEN, PEER, plan_of(1)).unwrap();
+    ep.submit(t, z, TOKEN, PEER, plan_of(1)).unwrap();
+    // Memory none of them reads: both stay held.
+    ep.deregister(t, None, SRC + 64 * KIB, CHUNK);
+    assert!(completes(&drain(&mut ep)).is_empty());
+    ep.deregister(t, None, SRC, CHUNK);
+    assert_eq!(completes(&drain(&mut ep)), vec![(y, Err(XferError::Deregistered)), (z, Err(XferError::Deregistered))]);
+    assert_eq!(ep.stats().dereg_failed, 2);
+    ep.handle_write_done(t, w[0].0, true);
+    let acts = drain(&mut ep);
+    assert!(gathers(&acts).is_empty() && msgs(&acts).iter().all(|(_, m)| is_cancel(m, X)), "{acts:?}");
+}

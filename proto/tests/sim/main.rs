@@ -255,6 +255,8 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>, arenas: usize) {
                 ("standing_claims", st.standing_claims),
                 ("standing_taken", st.standing_taken),
                 ("standing_kept", st.standing_kept),
+                ("scatters_held", st.scatters_held),
+                ("writes_deferred", st.writes_deferred),
             ] {
                 *seen.entry(k.to_string()).or_default() += v;
             }

@@ -40,6 +40,8 @@ impl Driver {
         s.replans.store(core.replans, Ordering::Relaxed);
         s.region_plans_sent.store(core.region_plans_sent, Ordering::Relaxed);
         s.region_plans_received.store(core.region_plans_received, Ordering::Relaxed);
+        s.scatters_held.store(core.scatters_held, Ordering::Relaxed);
+        s.writes_deferred.store(core.writes_deferred, Ordering::Relaxed);
         s.grant_waits.store(core.grant_waits, Ordering::Relaxed);
         s.grant_wait_ns.store(core.grant_wait_ns, Ordering::Relaxed);
         s.ack_waits.store(core.ack_waits, Ordering::Relaxed);

@@ -1,0 +1,118 @@
+//! A flow that ends here while its scatters still run (its sender released or failed the
+//! transfer, we refused or reclaimed it) leaves those scatters to finish: they copy from its
+//! regions into the application's memory until they end. Its sender's next transfer to the same
+//! destination, a full control exchange later, could otherwise be scattered by another copy
+//! worker at the same time and end first, reporting SUCCESS before the old bytes land over
+//! it. Plain UCX posts both on one endpoint, whose writes land in post order; so do we: while a
+//! peer has such orphaned scatters running, its valid DATAs wait here (their regions stay held)
+//! and are taken, checked again, once the last orphan has ended. Only that peer waits, and only
+//! in that window.
+
+use std::collections::BTreeMap;
+
+use super::*;
+
+/// A DATA held back, with the inline bytes it carries (see `take_data`).
+type HeldData = (Data, Option<Vec<u8>>);
+
+/// Per peer, its orphaned scatters running and the DATAs they hold back.
+#[derive(Debug, Default)]
+pub(super) struct Behind {
+    /// Orphaned scatters still running, per peer (never 0: an entry goes with its last one).
+    orphans: BTreeMap<PeerId, u32>,
+    /// DATAs held, per peer with orphans, in arrival order, each with its inline bytes.
+    held: BTreeMap<PeerId, Vec<HeldData>>,
+}
+
+impl Behind {
+    /// Whether `peer`'s DATAs wait: some of its orphaned scatters still run.
+    pub(super) fn holds(&self, peer: PeerId) -> bool {
+        self.orphans.contains_key(&peer)
+    }
+}
+
+impl Receiver {
+    /// Holds a checked DATA of flow `key` until its peer's orphaned scatters have ended. A
+    /// second DATA for a chunk already held is refused as one for a region already scattering
+    /// is, so the held DATAs stay within the regions the peer holds.
+    pub(super) fn hold_data(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        key: FlowKey,
+        data: Data,
+        inline: Option<Vec<u8>>,
+    ) -> Result<(), ProtocolError> {
+        let held = self.behind.held.entry(key.peer).or_default();
+        if held.iter().any(|(d, _)| d.xfer == data.xfer && d.chunk == data.chunk) {
+            return self.refuse_data(ctx, key.peer, &data, DataFault::NotHeld);
+        }
+        trace!(peer = key.peer.0, xfer = key.xfer.0, chunk = data.chunk.0, "DATA held behind an orphaned scatter");
+        held.push((data, inline));
+        ctx.stats.scatters_held += 1;
+        // Waiting for our own copies is not its sender's silence.
+        if let Some(flow) = self.flows.get_mut(&key) {
+            flow.deadline = ctx.now + self.idle_timeout;
+        }
+        Ok(())
+    }
+
+    /// Flow `key` ended here: its scatters still running become orphans of its peer, and its
+    /// held DATAs are dropped (nobody waits for them).
+    pub(super) fn orphan_scatters_of(&mut self, key: FlowKey) {
+        let mut n = 0;
+        for s in self.scatters.values_mut().filter(|s| s.flow == key && !s.orphan) {
+            s.orphan = true;
+            n += 1;
+        }
+        if n > 0 {
+            *self.behind.orphans.entry(key.peer).or_default() += n;
+        }
+        if let Some(held) = self.behind.held.get_mut(&key.peer) {
+            held.retain(|(d, _)| d.xfer != key.xfer);
+        }
+    }
+
+    /// An orphaned scatter of `peer` ended; after its last one, the DATAs it held back are
+    /// taken in the order they came (each checked again: a registration may have gone since).
+    pub(super) fn orphan_ended(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
+        let Some(n) = self.behind.orphans.get_mut(&peer) else {
+            return internal_error("an orphaned scatter of a peer with none counted", &peer.0);
+        };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        self.behind.orphans.remove(&peer);
+        for (data, inline) in self.behind.held.remove(&peer).unwrap_or_default() {
+            // A refusal among them may orphan more scatters: the rest are then held again.
+            if let Err(e) = self.take_data(ctx, peer, data, inline) {
+                ctx.stats.protocol_errors += 1;
+                debug!(peer = peer.0, error = %e, "a held DATA refused");
+            }
+        }
+    }
+
+    /// Drops what is held for `peer`, whose id is retired (its flows are gone).
+    pub(super) fn drop_held_of(&mut self, peer: PeerId) {
+        self.behind.held.remove(&peer);
+    }
+
+    /// The orphans counted per peer are the scatters marked so, and DATAs are held only for a
+    /// peer with orphans (else nothing would take them).
+    pub(super) fn check_behind(&self) -> Result<(), String> {
+        let mut recount: BTreeMap<PeerId, u32> = BTreeMap::new();
+        for s in self.scatters.values().filter(|s| s.orphan) {
+            *recount.entry(s.flow.peer).or_default() += 1;
+        }
+        if recount != self.behind.orphans {
+            return Err(format!(
+                "orphans counted {:?} but the scatters marked add up to {recount:?}",
+                self.behind.orphans
+            ));
+        }
+        match self.behind.held.keys().find(|p| !self.behind.orphans.contains_key(p)) {
+            Some(p) => Err(format!("DATAs held for peer {} with no orphaned scatter running", p.0)),
+            None => Ok(()),
+        }
+    }
+}
