@@ -726,11 +726,10 @@ impl Endpoint {
         // One way: an initiator we never loaded, or another incarnation of one we did, may open
         // a flow answered through our mailbox, and then send that flow's frames (each must
         // carry its token).
-        let (receiver, answering, sender) = (&self.receiver, &self.answering, &self.sender);
+        let (receiver, answering, sender, deferred) = (&self.receiver, &self.answering, &self.sender, &self.deferred);
         let one_way = |id| Self::one_way_admissible(answering, id, &msg);
-        let (peer, gone) = self
-            .peers
-            .admit_message(name, frame.session, one_way, |id| holds_nothing(receiver, answering, sender, id))?;
+        let idle = |id| holds_nothing(receiver, answering, (sender, deferred), id);
+        let (peer, gone) = self.peers.admit_message(name, frame.session, one_way, idle)?;
         if let Some(gone) = gone {
             self.handle_peer_evicted(now, gone);
         }
@@ -877,6 +876,7 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.sender.handle_timeout(&mut ctx);
         self.receiver.handle_timeout(&mut ctx);
+        self.expire_deferred(now);
         self.watch_waited(now);
         let verdicts = self.liveness.handle_timeout(now);
         for (peer, nonce) in verdicts.pings {
@@ -969,10 +969,19 @@ impl Endpoint {
         let waiting = self.answering.next_timeout();
         let lift = self.scheds.next_lift();
         let asks = self.hellos.next_timeout();
-        [self.sender.next_timeout(), self.receiver.next_timeout(), self.liveness.next_timeout(), waiting, lift, asks]
-            .into_iter()
-            .flatten()
-            .min()
+        let held = self.deferred.next_timeout();
+        [
+            self.sender.next_timeout(),
+            self.receiver.next_timeout(),
+            self.liveness.next_timeout(),
+            waiting,
+            lift,
+            asks,
+            held,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Transfers submitted and not yet completed.
@@ -1009,7 +1018,7 @@ impl Endpoint {
     /// loaded it, may be forgotten ([`PeerTable::evict_one_way`]); [`Self::handle_peer_lost`]
     /// then drops what little may remain of it (replay floors).
     pub fn holds_nothing_for(&self, peer: PeerId) -> bool {
-        holds_nothing(&self.receiver, &self.answering, &self.sender, peer) && !self.deferred.has_peer(peer)
+        holds_nothing(&self.receiver, &self.answering, (&self.sender, &self.deferred), peer)
     }
 
     /// Remote flows the receiver tracks.
@@ -1170,8 +1179,13 @@ mod deferred;
 mod one_way;
 
 /// See [`Endpoint::holds_nothing_for`] (apart, so that the peer table may be borrowed beside).
-fn holds_nothing(receiver: &Receiver, answering: &Answering, sender: &Sender, peer: PeerId) -> bool {
-    !receiver.has_flows(peer) && !answering.holds(peer) && !sender.has_xfers_to(peer)
+fn holds_nothing(
+    receiver: &Receiver,
+    answering: &Answering,
+    (sender, deferred): (&Sender, &deferred::Deferred),
+    peer: PeerId,
+) -> bool {
+    !receiver.has_flows(peer) && !answering.holds(peer) && !sender.has_xfers_to(peer) && !deferred.has_peer(peer)
 }
 #[cfg(test)]
 pub(crate) mod tests;

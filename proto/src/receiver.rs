@@ -787,9 +787,6 @@ impl Receiver {
         if inline.is_none() {
             self.wrote.insert(from, ctx.now);
         }
-        if self.behind.holds(from) {
-            return self.hold_data(ctx, key, data, inline);
-        }
         // A DATA with its runs makes any plan of the chunk moot; one without takes the plan.
         let planned = self.take_plan(key, data.chunk);
         if data.region_plan_runs != 0 {
@@ -826,6 +823,9 @@ impl Receiver {
         };
         if let Err(fault) = checked {
             return self.refuse_data(ctx, from, &data, fault);
+        }
+        if self.behind.holds(from) {
+            return self.hold_data(ctx, key, data, inline, limit);
         }
         let Some((job, arena)) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
         // Validation checked every run's span, so this fold cannot see a `None`.
@@ -898,6 +898,9 @@ impl Receiver {
             // Nothing left that the peer may write: every run would fail.
             return self.refuse_data(ctx, from, &data, DataFault::RunOutsideRegistered { index: 0 });
         };
+        if self.behind.holds(from) {
+            return self.hold_data(ctx, key, data, None, limit);
+        }
         let Some((job, arena)) = self.begin_scatter(ctx, key, data.region) else { return Ok(()) };
         // The scatter may touch any proven registration: a deregistration inside the hull dooms
         // it (conservative; the runs are not known here).
@@ -983,12 +986,13 @@ impl Receiver {
     fn scattered(&mut self, ctx: &mut Ctx<'_>, s: Scatter, ok: bool, status: AckStatus) {
         self.count_scatter(ctx, &s, ok);
         ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, token: s.token, chunk: s.chunk, region: s.region, status });
+        if let Some(flow) = self.flows.get_mut(&s.flow) {
+            flow.scattering -= 1;
+            flow.deadline = ctx.now + self.idle_timeout;
+        }
         if !ctx.scheds.has_flow(s.flow) {
             self.forget(s.flow);
             debug!(peer = s.flow.peer.0, xfer = s.flow.xfer.0, "flow done");
-        } else if let Some(flow) = self.flows.get_mut(&s.flow) {
-            flow.scattering -= 1;
-            flow.deadline = ctx.now + self.idle_timeout;
         }
     }
 

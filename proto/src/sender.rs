@@ -426,6 +426,11 @@ impl Sender {
         self.pending_cancels.len()
     }
 
+    /// The request timeout: how long a transfer may make no progress.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Whether a cancel of ours to `peer` waits for its failed transfer's writes to end.
     pub(crate) fn cancel_pending_to(&self, peer: PeerId) -> bool {
         !self.pending_cancels.is_empty() && self.pending_cancels.values().any(|c| c.peer == peer)

@@ -9,6 +9,9 @@
 //!
 //! Only WRITEs to a peer with a cancel pending wait, in the order submitted; the cancel goes out
 //! when the old writes are reported done (the shell reports every job), or the peer is lost.
+//! A held WRITE is a transfer in flight like any other: its peer is watched by the liveness
+//! probe, and it fails with [`XferError::Timeout`] if it is still held a request timeout after
+//! it was submitted.
 
 use super::*;
 use crate::event::internal_error;
@@ -21,6 +24,8 @@ struct Held {
     peer: PeerId,
     plan: Arc<Plan>,
     route: WriteRoute,
+    /// When it fails if still held.
+    deadline: Instant,
 }
 
 /// The WRITEs held back, in submission order.
@@ -38,6 +43,16 @@ impl Deferred {
 
     pub(super) fn has_peer(&self, peer: PeerId) -> bool {
         self.0.iter().any(|h| h.peer == peer)
+    }
+
+    /// Adds the peers held WRITEs wait on to `into`.
+    pub(super) fn peers_into(&self, into: &mut BTreeSet<PeerId>) {
+        into.extend(self.0.iter().map(|h| h.peer));
+    }
+
+    /// The earliest deadline of a held WRITE.
+    pub(super) fn next_timeout(&self) -> Option<Instant> {
+        self.0.iter().map(|h| h.deadline).min()
     }
 }
 
@@ -63,7 +78,8 @@ impl Endpoint {
         self.sender.admit(&mut ctx!(self, now), xfer, &plan)?;
         debug!(xfer = xfer.0, peer = peer.0, "WRITE held back behind a cancel still waiting for its writes");
         self.stats.writes_deferred += 1;
-        self.deferred.0.push_back(Held { xfer, token, peer, plan, route });
+        let deadline = now + self.sender.timeout();
+        self.deferred.0.push_back(Held { xfer, token, peer, plan, route, deadline });
         Ok(())
     }
 
@@ -91,25 +107,33 @@ impl Endpoint {
     /// Fails the held WRITEs to `peer` (every one with `None`) with `err`: the peer is gone, or
     /// the engine is shutting down.
     pub(super) fn fail_deferred(&mut self, peer: Option<PeerId>, err: XferError) {
+        let _ = self.fail_held_if(|h| peer.is_none_or(|p| h.peer == p), err);
+    }
+
+    /// Fails the held WRITEs whose request timeout has passed at `now`.
+    pub(super) fn expire_deferred(&mut self, now: Instant) {
+        if self.deferred.next_timeout().is_some_and(|t| t <= now) {
+            let _ = self.fail_held_if(|h| h.deadline <= now, XferError::Timeout);
+        }
+    }
+
+    /// Fails the held WRITEs `gone` picks with `err`; returns how many.
+    fn fail_held_if(&mut self, gone: impl Fn(&Held) -> bool, err: XferError) -> u64 {
         let (gone, kept): (VecDeque<Held>, VecDeque<Held>) =
-            std::mem::take(&mut self.deferred.0).into_iter().partition(|h| peer.is_none_or(|p| h.peer == p));
+            std::mem::take(&mut self.deferred.0).into_iter().partition(gone);
         self.deferred.0 = kept;
+        let n = gone.len() as u64;
         for h in gone {
             self.fail_unstarted(h.xfer, err.clone());
         }
+        n
     }
 
     /// Fails the held WRITEs that read our memory in `range`, just deregistered (as the
     /// sender fails its transfers that do): started, they would gather from it.
     pub(super) fn fail_deferred_reading(&mut self, range: (u64, u64)) {
-        let (gone, kept): (VecDeque<Held>, VecDeque<Held>) = std::mem::take(&mut self.deferred.0)
-            .into_iter()
-            .partition(|h| crate::sender::touches_local(&h.plan, false, range));
-        self.deferred.0 = kept;
-        for h in gone {
-            self.stats.dereg_failed += 1;
-            self.fail_unstarted(h.xfer, XferError::Deregistered);
-        }
+        let reads = |h: &Held| crate::sender::touches_local(&h.plan, false, range);
+        self.stats.dereg_failed += self.fail_held_if(reads, XferError::Deregistered);
     }
 
     /// Completes a WRITE that never started with `err`, counted as a transfer submitted and failed.
@@ -119,6 +143,7 @@ impl Endpoint {
         self.stats.failed += 1;
         match err {
             XferError::Canceled => self.stats.canceled += 1,
+            XferError::Timeout => self.stats.timeouts += 1,
             XferError::Refused => self.stats.refused += 1,
             _ => {}
         }

@@ -239,6 +239,9 @@ impl Endpoint {
         self.waited.clear();
         self.sender.peers_waited_on(&mut self.waited);
         self.receiver.peers_waited_on(&mut self.waited);
+        // A held WRITE waits on its peer too: a peer that stops answering fails it as it fails
+        // the transfer whose writes the held WRITE waits behind.
+        self.deferred.peers_into(&mut self.waited);
         let (peers, answering, reading) = (&self.peers, &self.answering, &self.reading);
         let answers = &self.answers_pings;
         self.waited.retain(|&p| {

@@ -29,25 +29,47 @@ impl Behind {
     pub(super) fn holds(&self, peer: PeerId) -> bool {
         self.orphans.contains_key(&peer)
     }
+
+    /// DATAs of flow `key` held.
+    pub(super) fn held_of(&self, key: FlowKey) -> usize {
+        self.held.get(&key.peer).map_or(0, |h| h.iter().filter(|(d, _)| d.xfer == key.xfer).count())
+    }
 }
 
 impl Receiver {
-    /// Holds a checked DATA of flow `key` until its peer's orphaned scatters have ended. A
-    /// second DATA for a chunk already held is refused as one for a region already scattering
-    /// is, so the held DATAs stay within the regions the peer holds.
+    /// Holds a DATA of flow `key` that passed every check, until its peer's orphaned scatters
+    /// have ended. A second DATA for a chunk already held is refused as one for a region
+    /// already scattering is, so the held DATAs stay within the regions the peer holds. Its
+    /// runs (checked against `limit`) are kept as the chunk's plan, in the peer's budget as a
+    /// PLAN's are; over it they are dropped, and the DATA taken again asks for them
+    /// (ACK(Replan)) as one whose plan was dropped does.
     pub(super) fn hold_data(
         &mut self,
         ctx: &mut Ctx<'_>,
         key: FlowKey,
-        data: Data,
+        mut data: Data,
         inline: Option<Vec<u8>>,
+        limit: u64,
     ) -> Result<(), ProtocolError> {
-        let held = self.behind.held.entry(key.peer).or_default();
-        if held.iter().any(|(d, _)| d.xfer == data.xfer && d.chunk == data.chunk) {
+        let dup = self
+            .behind
+            .held
+            .get(&key.peer)
+            .is_some_and(|h| h.iter().any(|(d, _)| d.xfer == data.xfer && d.chunk == data.chunk));
+        if dup {
             return self.refuse_data(ctx, key.peer, &data, DataFault::NotHeld);
         }
+        let runs = std::mem::take(&mut data.runs);
+        let n = runs.len() as u64;
+        let load = self.load.get(&key.peer).copied().unwrap_or_default();
+        let fits = n > 0 && load.chunks.saturating_add(n) <= self.caps.chunks && self.within_total(n).is_ok();
+        let removals = self.registered.removals();
+        if let Some(flow) = self.flows.get_mut(&key).filter(|_| fits) {
+            flow.plans.insert(data.chunk.0, Planned { runs, removals, limit });
+            self.load.entry(key.peer).or_default().chunks += n;
+        }
         trace!(peer = key.peer.0, xfer = key.xfer.0, chunk = data.chunk.0, "DATA held behind an orphaned scatter");
-        held.push((data, inline));
+        self.behind.held.entry(key.peer).or_default().push((data, inline));
         ctx.stats.scatters_held += 1;
         // Waiting for our own copies is not its sender's silence.
         if let Some(flow) = self.flows.get_mut(&key) {

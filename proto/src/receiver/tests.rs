@@ -1275,17 +1275,59 @@ fn a_held_data_sent_twice_is_refused_and_a_held_flow_released_is_never_scattered
 }
 
 #[test]
-fn a_held_data_keeps_its_flow_alive_while_it_waits() {
+fn a_held_data_keeps_its_flow_alive_however_long_it_waits() {
     let (mut ep, t) = receiver();
     let old = released_while_scattering(&mut ep, t);
     let y = XferId(2);
-    let late = t + TIMEOUT * 2 / 5;
     let r = granted_one(&mut ep, t, PEER, y);
-    ep.handle_msg(late, PEER, data_msg(y, 0, r, full_run(0))).unwrap();
-    // Half a timeout after its grant, but only a tenth after its DATA came: the flow stays.
-    ep.handle_timeout(t + TIMEOUT * 3 / 5);
-    assert_eq!((ep.remote_flows(), ep.stats().flows_timed_out), (1, 0));
-    ep.handle_scatter_done(t + TIMEOUT * 3 / 5, old, true);
+    ep.handle_msg(t + TIMEOUT / 4, PEER, data_msg(y, 0, r, full_run(0))).unwrap();
+    assert!(scatters(&drain(&mut ep)).is_empty(), "held");
+    // Its sender did its part: waiting for our own copies, the flow is never taken as silent.
+    for k in 1..=8u32 {
+        ep.handle_timeout(t + TIMEOUT * k / 4);
+        assert_eq!((ep.remote_flows(), ep.stats().flows_timed_out), (1, 0), "at {k} quarters");
+    }
+    ep.handle_scatter_done(t + TIMEOUT * 2, old, true);
     let s = scatters(&drain(&mut ep));
     assert_eq!(s.iter().map(|s| s.1).collect::<Vec<_>>(), vec![r]);
+    ep.receiver().check_invariants().unwrap();
+}
+
+#[test]
+fn a_data_that_fails_its_checks_is_refused_at_once_even_while_its_peer_waits() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    let y = XferId(2);
+    let r = granted_one(&mut ep, t, PEER, y);
+    // Its runs copy more than the chunk: refused now, not held (nothing kept of it).
+    let runs = vec![CopyRun { region_off: 0, addr: DST, len: 1, count: 100_000, region_stride: 0, addr_stride: 0 }];
+    let err = ep.handle_msg(t, PEER, data_msg(y, 0, r, runs)).unwrap_err();
+    assert!(matches!(err, ProtocolError::InvalidData { fault: DataFault::TooManyBytes { .. }, .. }), "{err:?}");
+    assert_eq!((ep.stats().scatters_held, ep.stats().data_refused), (0, 1));
+    ep.receiver().check_invariants().unwrap();
+    ep.handle_scatter_done(t, old, true);
+    assert!(scatters(&drain(&mut ep)).is_empty());
+}
+
+#[test]
+fn a_held_datas_runs_count_in_its_peers_budget_and_over_it_are_asked_for_again() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    let (y, z) = (XferId(2), XferId(3));
+    let ry = granted_one(&mut ep, t, PEER, y);
+    let rz = granted_one(&mut ep, t, PEER, z);
+    // The two flows announced one chunk each: room for one more unit only.
+    ep.receiver_mut().set_peer_caps(MAX_FLOWS_PER_PEER, 3);
+    ep.handle_msg(t, PEER, data_msg(y, 0, ry, full_run(0))).unwrap();
+    ep.handle_msg(t, PEER, data_msg(z, 0, rz, full_run(1))).unwrap();
+    assert_eq!(ep.stats().scatters_held, 2);
+    ep.receiver().check_invariants().unwrap();
+    ep.handle_scatter_done(t, old, true);
+    let acts = drain(&mut ep);
+    // Y's runs were kept: scattered. Z's did not fit: asked for again, its region kept.
+    assert_eq!(scatters(&acts).iter().map(|s| s.1).collect::<Vec<_>>(), vec![ry]);
+    assert_eq!(acks(&acts), vec![(z, 0, AckStatus::Replan)]);
+    ep.handle_msg(t, PEER, data_msg(z, 0, rz, full_run(1))).unwrap();
+    assert_eq!(scatters(&drain(&mut ep)).iter().map(|s| s.1).collect::<Vec<_>>(), vec![rz]);
+    ep.receiver().check_invariants().unwrap();
 }

@@ -1021,6 +1021,8 @@ fn a_held_write_whose_sources_are_deregistered_fails_and_never_gathers() {
     let (y, z) = (XferId(2), XferId(3));
     ep.submit(t, y, TOKEN, PEER, plan_of(1)).unwrap();
     ep.submit(t, z, TOKEN, PEER, plan_of(1)).unwrap();
+    assert!(msgs(&drain(&mut ep)).is_empty(), "both held");
+    assert_eq!(ep.stats().writes_deferred, 2);
     // Memory none of them reads: both stay held.
     ep.deregister(t, None, SRC + 64 * KIB, CHUNK);
     assert!(completes(&drain(&mut ep)).is_empty());
@@ -1030,4 +1032,59 @@ fn a_held_write_whose_sources_are_deregistered_fails_and_never_gathers() {
     ep.handle_write_done(t, w[0].0, true);
     let acts = drain(&mut ep);
     assert!(gathers(&acts).is_empty() && msgs(&acts).iter().all(|(_, m)| is_cancel(m, X)), "{acts:?}");
+}
+
+#[test]
+fn a_held_write_is_a_transfer_in_flight_its_peer_watched_and_its_timeout_kept() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let _w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    drain(&mut ep);
+    let y = XferId(2);
+    let at = t + TIMEOUT / 2;
+    ep.submit(at, y, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    assert!(msgs(&drain(&mut ep)).is_empty(), "held");
+    // The write Y waits behind never ends (its peer froze): Y fails at its own timeout.
+    assert!(ep.poll_timeout().is_some_and(|d| d <= at + TIMEOUT));
+    ep.handle_timeout(at + TIMEOUT / 2);
+    assert!(completes(&drain(&mut ep)).is_empty());
+    ep.handle_timeout(at + TIMEOUT);
+    assert_eq!(completes(&drain(&mut ep)), vec![(y, Err(XferError::Timeout))]);
+    assert_eq!(ep.stats().timeouts, 1);
+    assert!(!ep.owes_completion(y));
+}
+
+#[test]
+fn the_peer_of_a_held_write_is_probed_and_the_write_fails_when_it_is_declared_dead() {
+    let c = Config {
+        probe_after: Duration::from_millis(100),
+        peer_dead_after: Duration::from_millis(400),
+        ..config(64 * KIB, 2, false)
+    };
+    let t = Instant::now();
+    let mut ep = Endpoint::new(&c, t, PROBE_KEY).unwrap();
+    ep.set_ping_answerers(|p| p == PEER);
+    let _w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    drain(&mut ep);
+    let y = XferId(2);
+    ep.submit(t, y, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    drain(&mut ep);
+    // The peer froze with X's write in flight: only the held Y still waits on it.
+    let mut pinged = 0;
+    let mut now = t;
+    while ep.owes_completion(y) && now < t + Duration::from_secs(1) {
+        now = ep.poll_timeout().unwrap().max(now + Duration::from_millis(10));
+        ep.handle_timeout(now);
+        let acts = drain(&mut ep);
+        pinged += acts
+            .iter()
+            .filter(|a| matches!(a, Action::Link { peer, body: wire::Body::Ping { .. } } if *peer == PEER))
+            .count();
+        if let Some(done) = completes(&acts).into_iter().find(|c| c.0 == y) {
+            assert_eq!(done.1, Err(XferError::Unresponsive));
+        }
+    }
+    assert!(pinged > 0 && !ep.owes_completion(y), "pings {pinged}, still owed: {}", ep.owes_completion(y));
+    assert!(now < t + TIMEOUT, "declared dead before its timeout");
 }
