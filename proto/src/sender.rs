@@ -210,6 +210,9 @@ struct PendingCancel {
     writes: usize,
     /// The standing flow the transfer claimed a region of, canceled with it.
     standing: Option<(XferId, Token)>,
+    /// A READ's: it leaves nothing scattering at the target, so later WRITEs need not wait
+    /// for it (see [`cancel_pending_to`](Sender::cancel_pending_to)).
+    read: bool,
 }
 
 /// Protocol state of the transfers this engine sends.
@@ -431,9 +434,9 @@ impl Sender {
         self.timeout
     }
 
-    /// Whether a cancel of ours to `peer` waits for its failed transfer's writes to end.
+    /// Whether a cancel of ours to `peer` waits for its failed WRITE's writes to end.
     pub(crate) fn cancel_pending_to(&self, peer: PeerId) -> bool {
-        !self.pending_cancels.is_empty() && self.pending_cancels.values().any(|c| c.peer == peer)
+        !self.pending_cancels.is_empty() && self.pending_cancels.values().any(|c| c.peer == peer && !c.read)
     }
 
     /// Chunks of `xfer` acknowledged so far, if it is in flight.

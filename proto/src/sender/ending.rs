@@ -90,7 +90,7 @@ impl Sender {
                     ctx.send(x.peer, Msg::cancel(s, token, self.endpoint.clone()));
                 }
             } else {
-                let pc = PendingCancel { peer: x.peer, token: x.token, writes, standing };
+                let pc = PendingCancel { peer: x.peer, token: x.token, writes, standing, read: x.read };
                 self.pending_cancels.insert(id, pc);
             }
         }
