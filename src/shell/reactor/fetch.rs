@@ -87,6 +87,10 @@ impl Fetches {
     /// slice free now, or `peer`'s transfers hold their share; it waits for one).
     pub(crate) fn poll(&mut self, xfer: XferId, peer: PeerId, now: Instant) -> Option<&mut Poll> {
         if !self.polls.contains_key(&xfer) {
+            // No slice free: nothing recorded (an entry per waiting peer would stay at 0).
+            if self.free.is_empty() {
+                return None;
+            }
             let held = self.held.entry(peer).or_default();
             if *held >= self.per_peer_max {
                 return None;

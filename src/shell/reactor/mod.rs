@@ -779,7 +779,7 @@ impl Driver {
                 }
             }
             Cmd::Registered(d, a, l, arena) => self.ep.add_registered(d.reg, d.key, (a, l), arena),
-            Cmd::Deregister { reg, addr, len, done, mark } => {
+            Cmd::Deregister { reg, addr, len, done, mark, fenced } => {
                 // Let the core fail what uses the range first (so each such transfer ends as
                 // Deregistered and is counted so, whatever it had queued), then hand out what
                 // it emitted (the fence, still marking the range, refuses the jobs on it), then
@@ -788,7 +788,9 @@ impl Driver {
                 self.ep.deregister(now, reg, addr, len);
                 let _ = self.drain_actions();
                 let range = (addr, addr.saturating_add(len));
-                self.shared.fence.applied(range);
+                if fenced {
+                    self.shared.fence.applied(range);
+                }
                 if let Some(done) = done {
                     self.deregs.push(PendingDereg { start: range.0, end: range.1, mark, since: now, _done: done });
                 }

@@ -147,11 +147,13 @@ impl Driver {
                 mb.offset.checked_add(r.offset).and_then(|o| o.checked_add(r.len)).is_some_and(|end| end <= mb.len)
                     && off + r.len <= self.one_way.fetch_slice;
             let local = area.side(slice_at + off, r.len).filter(|_| inside);
-            let Some(local) = local else {
+            // The base came from the peer's metadata: one that wraps names no memory of it.
+            let addr = mb.offset.checked_add(r.offset).and_then(|o| mb.base.checked_add(o));
+            let (Some(local), Some(addr)) = (local, addr) else {
                 poll.failed = true;
                 break;
             };
-            let remote = WriteSide { mem: MemSeg::Dram, md: mb.md, addr: mb.base + mb.offset + r.offset, dev: 0 };
+            let remote = WriteSide { mem: MemSeg::Dram, md: mb.md, addr, dev: 0 };
             match self.data.read(&name, local, remote, r.len) {
                 Ok(Posted::Done) => {}
                 Ok(Posted::InFlight(id)) => poll.reads.push(id),

@@ -128,7 +128,7 @@ impl Pace {
             return Wait::Yield;
         }
         if busy {
-            self.stalls += 1;
+            self.stalls = self.stalls.saturating_add(1);
             return if self.stalls > SPIN_ITERATIONS { Wait::Park(BUSY_SLEEP) } else { Wait::Yield };
         }
         let park = self.last_addressed.map_or(self.longest_park, |t| {

@@ -56,6 +56,8 @@ pub(crate) enum Cmd {
         done: Option<Signal>,
         /// The fence's mark at the deregistration: only jobs pinned up to it are waited for.
         mark: u64,
+        /// The range was marked removed in the fence (lift the mark once applied).
+        fenced: bool,
     },
     /// One peer arena's inner metadata (its arena's and its mailbox's registrations) that is
     /// no longer used for new writes or READs (the peer was lost, said goodbye or was
@@ -128,6 +130,11 @@ pub(crate) struct Signal(pub(crate) Arc<Completion>);
 
 impl Drop for Signal {
     fn drop(&mut self) {
+        // Dropped by a panicking pass (its commands still queued): the waiter returns once the
+        // reactor has ended (`Shared::ended`), after its copy engine is joined, not now.
+        if std::thread::panicking() {
+            return;
+        }
         self.0.signal();
     }
 }
@@ -290,13 +297,18 @@ impl Shared {
     /// doom scatters into it. Marked, it refused for a pass the jobs the core had judged fine
     /// (review 52, copy F2), and made the deregistration wait for jobs on memory nobody frees.
     pub(crate) fn deregister(&self, reg: Option<RegId>, addr: u64, len: u64, place: ArenaPlace) {
+        // The reactor has ended (its copy engine joined): nothing runs to wait for, and a
+        // fence mark would never be lifted.
+        if self.ended.load(Ordering::Acquire) {
+            return;
+        }
         let covered = self.registry.covering(place, addr, len).is_some();
         let Some(mark) = (!covered).then(|| self.fence.deregister((addr, addr.saturating_add(len)))).flatten() else {
-            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None, mark: 0 });
+            self.inbox.push_quiet(Cmd::Deregister { reg, addr, len, done: None, mark: 0, fenced: !covered });
             return;
         };
         let done = Arc::new(Completion::default());
-        self.inbox.push(Cmd::Deregister { reg, addr, len, done: Some(Signal(Arc::clone(&done))), mark });
+        self.inbox.push(Cmd::Deregister { reg, addr, len, done: Some(Signal(Arc::clone(&done))), mark, fenced: true });
         done.wait(self, "deregistered memory");
     }
 

@@ -1575,6 +1575,7 @@ fn deregistration_with_nothing_running_returns_at_once() {
         len: 4096,
         done: Some(Signal(Arc::clone(&done))),
         mark: u64::MAX,
+        fenced: true,
     };
     shared.inbox.push(cmd);
     done.wait(&shared, "deregistered memory");
@@ -2385,7 +2386,14 @@ fn registrations_alone_are_not_activity_for_the_reactor() {
     for i in 0..200u64 {
         let dest = Destination { reg: RegId(addr), key: RegKey([i as u8; 32]) };
         bookkeeping.push(pass_after(Cmd::Registered(dest, addr, len, ArenaId(0))));
-        bookkeeping.push(pass_after(Cmd::Deregister { reg: Some(RegId(addr)), addr, len, done: None, mark: 0 }));
+        bookkeeping.push(pass_after(Cmd::Deregister {
+            reg: Some(RegId(addr)),
+            addr,
+            len,
+            done: None,
+            mark: 0,
+            fenced: false,
+        }));
         work.push(pass_after(Cmd::Hello("nobody".to_owned(), a.shared.peers.losses())));
     }
     assert!(bookkeeping.iter().all(|&moved| !moved), "a bookkeeping pass counted as a movement");
@@ -2393,4 +2401,136 @@ fn registrations_alone_are_not_activity_for_the_reactor() {
     assert!(!a.reactor.busy());
     drop(buf);
     drop(a.reactor);
+}
+
+/// A control channel whose `send` panics once `boom` is set (a bug in a pass, caught).
+struct BoomSend {
+    inner: MemChannel,
+    boom: Arc<AtomicBool>,
+}
+
+impl ControlChannel for BoomSend {
+    fn send(&mut self, peer: &str, frame: &[u8]) -> std::result::Result<(), ControlError> {
+        let hello = matches!(wire::ControlFrame::decode(frame).map(|f| f.body), Ok(wire::Body::Hello { .. }));
+        if hello && self.boom.load(Ordering::Acquire) {
+            panic!("a bug in a pass (injected)");
+        }
+        self.inner.send(peer, frame)
+    }
+    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+        self.inner.poll(budget, out)
+    }
+    fn forget(&mut self, peer: &str) {
+        self.inner.forget(peer);
+    }
+}
+
+/// A pass that panics while handling a command drops the commands still queued behind it in
+/// the same batch as it unwinds: a release among them returns only once the reactor has ended
+/// and its copy engine is gone, never while a READ's scatter may still run.
+#[test]
+fn a_release_queued_behind_a_panicking_command_returns_only_once_the_copy_engine_is_gone() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (mut src, mut dst) = buffers();
+    let (open, held, dropped, boom) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(Mutex::new(Vec::new())),
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (o, hd, dr) = (Arc::clone(&open), Arc::clone(&held), Arc::clone(&dropped));
+    let a = Side::start_full(
+        "a",
+        11,
+        &cfg,
+        move |inner| Box::new(SlowDrop { inner: Gated { inner, open: o, held: hd }, dropped: dr }),
+        Box::new(BoomSend { inner: net.join("a"), boom: Arc::clone(&boom) }),
+        SOCKET_POLL_BATCH,
+        MemPath::default(),
+    );
+    let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
+    let source = b.register(&mut src);
+    let h = a.post_op("b", &cfg, &src, &mut dst, source, true);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while held.lock().is_empty() {
+        assert!(Instant::now() < deadline, "no scatter reached a's copy engine");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let Some(State::Posted(x)) = a.shared.requests.state(h) else { panic!("not in flight") };
+    assert!(a.shared.requests.remove(h).is_some());
+    let done = Arc::new(Completion::default());
+    {
+        let mut q = a.shared.inbox.q.lock();
+        q.push_back(Cmd::Hello("b".to_owned(), a.shared.peers.losses()));
+        q.push_back(Cmd::Cancel(x, Signal(Arc::clone(&done))));
+        boom.store(true, Ordering::Release);
+    }
+    a.shared.inbox.kick();
+    let shared = Arc::clone(&a.shared);
+    let d = Arc::clone(&dropped);
+    let waiter = std::thread::spawn(move || {
+        done.wait(&shared, "a released READ's destinations");
+        d.load(Ordering::Acquire)
+    });
+    let gone_at_return = waiter.join().unwrap();
+    drop(open);
+    assert!(gone_at_return, "releaseReqH returned while the READ's scatter could still run (copy engine not joined)");
+}
+
+/// A deregistration another registration covers (no fence mark) leaves alone the mark of a
+/// concurrent deregistration of the same range: no job on the range is handed to the copy
+/// engine after that mark, before the deregistration returns.
+#[test]
+fn a_covered_deregistration_leaves_a_concurrent_deregistrations_fence_mark_alone() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let gate = Gate::default();
+    let (a, b) = introduce(Side::start_with("a", 11, &cfg, &net, gate.engine()), Side::start("b", 22, &cfg, &net));
+    let dest = b.register(&mut dst);
+    let (addr, len) = (src.as_ptr() as u64, src.len() as u64);
+    let reg = Registration { addr, len, dev: 0, mem: MemKind::Dram };
+    // Two registrations of the same memory (A1, A2).
+    a.shared.registry.insert(Md(addr as usize), reg);
+    a.shared.registry.insert(Md(addr as usize + 1), reg);
+    // A job already running on the range (pinned), so A2's deregistration must wait.
+    let running = a.shared.fence.pin((addr, addr + len), |_| true).unwrap();
+    // A WRITE from the range, prepared earlier.
+    let hy = a.prep_op("b", &cfg, &src, &mut dst, dest, false);
+    let posted = a.shared.requests.post(hy, None).unwrap();
+    // A1 deregistered: A2 covers it, no mark. A2 deregistered: marked, waits.
+    a.shared.registry.remove(Md(addr as usize)).unwrap();
+    assert!(a.shared.registry.covering(ArenaPlace { mem: MemKind::Dram, dev: 0 }, addr, len).is_some());
+    a.shared.registry.remove(Md(addr as usize + 1)).unwrap();
+    let mark = a.shared.fence.deregister((addr, addr + len)).expect("a pinned job");
+    let done = Arc::new(Completion::default());
+    {
+        let mut q = a.shared.inbox.q.lock();
+        q.push_back(Cmd::Deregister { reg: None, addr, len, done: None, mark: 0, fenced: false });
+        q.push_back(Cmd::Submit(posted));
+        q.push_back(Cmd::Deregister {
+            reg: None,
+            addr,
+            len,
+            done: Some(Signal(Arc::clone(&done))),
+            mark,
+            fenced: true,
+        });
+    }
+    a.shared.inbox.kick();
+    let shared = Arc::clone(&a.shared);
+    let waiter = std::thread::spawn(move || done.wait(&shared, "deregistered memory"));
+    std::thread::sleep(Duration::from_millis(300));
+    // The running job ends: the deregistration may return.
+    a.shared.fence.unpin(running);
+    waiter.join().unwrap();
+    let touching =
+        gate.held.lock().iter().filter(|j| crate::shell::fence::runs_touch(&j.runs, (addr, addr + len))).count();
+    gate.open.store(true, Ordering::Release);
+    a.shared.inbox.wake();
+    assert_eq!(
+        touching, 0,
+        "deregisterMem returned with {touching} gathers on the range handed to the copy engine after its mark"
+    );
 }

@@ -174,7 +174,12 @@ impl Driver {
             tracing::error!(arena = arena.0, "READ into an arena we do not have");
             return self.ep.handle_read_done(now, job, false);
         };
-        let remote_side = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
+        // The base came from the peer's metadata: one that wraps names no memory of it.
+        let Some(addr) = pa.base.checked_add(remote.offset) else {
+            tracing::debug!(peer = name, "peer arena address out of range");
+            return self.ep.handle_read_done(now, job, false);
+        };
+        let remote_side = WriteSide { mem: pa.mem.into(), md: pa.md, addr, dev: pa.dev };
         match self.data.read(&name, local_side, remote_side, len) {
             Ok(Posted::Done) => self.ep.handle_read_done(now, job, true),
             Ok(Posted::InFlight(id)) => {
@@ -197,6 +202,12 @@ impl Driver {
             return true;
         };
         let _span = tracing::trace_span!("write", job = job.0, peer = %name, len).entered();
+        // The base came from the peer's metadata: one that wraps names no memory of it.
+        let Some(remote_addr) = pa.base.checked_add(remote.offset) else {
+            tracing::debug!(peer = name, "peer arena address out of range");
+            self.ep.handle_write_done(now, job, false);
+            return true;
+        };
         let Some(local) = self.write_source(source, arena, len) else {
             // The gate planned a direct chunk only inside a registration, and only a
             // deregistration removes one: it took the source away before its fence mark (the
@@ -224,7 +235,7 @@ impl Driver {
             },
             None => None,
         };
-        let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: pa.base + remote.offset, dev: pa.dev };
+        let remote = WriteSide { mem: pa.mem.into(), md: pa.md, addr: remote_addr, dev: pa.dev };
         crate::shell::mark!("write", job.0);
         let posted = self.data.write(&name, local, remote, len);
         crate::shell::mark!(
