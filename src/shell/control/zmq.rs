@@ -140,6 +140,9 @@ impl ZmqChannel {
             s.set_reconnect_ivl_max(1000).map_err(zmq_err("reconnect"))?;
             zsys::set_int(&mut s, zsys::ZMQ_STREAM_NOTIFY, 0).map_err(zmq_err("stream notify"))?;
             zsys::set_bytes(&mut s, zsys::ZMQ_CONNECT_ROUTING_ID, OUT_ID).map_err(zmq_err("routing id"))?;
+            // Without it libzmq refuses to connect to an IPv6 address (an engine bound to an
+            // IPv6 `bounce_zmq_host`), and the frames wait in the pipe for ever.
+            s.set_ipv6(endpoint.starts_with("tcp://[")).map_err(zmq_err("ipv6"))?;
             s.connect(endpoint).map_err(zmq_err("connect"))?;
             self.push.insert(peer.to_owned(), (peer_endpoint.to_vec(), s));
         }
@@ -227,13 +230,17 @@ impl ControlChannel for ZmqChannel {
     }
 }
 
-/// A peer's advertised endpoint, if it is a plausible `tcp://` address.
+/// A peer's advertised endpoint, if it is `tcp://` and an IP address with a port, as our
+/// engines advertise (`bind_addr`). A host name would make libzmq resolve it, blocking, on the
+/// thread that also reads our receiving socket, at every reconnect: a name whose resolver never
+/// answers held every peer's frames for seconds (review 54, control H1).
 fn valid_endpoint(bytes: &[u8]) -> Result<&str, ControlError> {
     let bad = || ControlError::BadEndpoint(String::from_utf8_lossy(bytes).into_owned());
     let s = std::str::from_utf8(bytes).map_err(|_| bad())?;
     // Printable ASCII only: the zmq crate panics on an interior NUL (it unwraps a CString).
     let printable = bytes.iter().all(u8::is_ascii_graphic);
-    if bytes.len() > MAX_ENDPOINT || !printable || !s.starts_with("tcp://") || s.len() <= "tcp://".len() {
+    let addr = s.strip_prefix("tcp://").and_then(|a| a.parse::<std::net::SocketAddr>().ok());
+    if bytes.len() > MAX_ENDPOINT || !printable || addr.is_none() {
         return Err(bad());
     }
     Ok(s)
@@ -283,6 +290,33 @@ mod tests {
             got,
             [("alpha".to_owned(), b"\0BOUNC frame one".to_vec()), ("alpha".to_owned(), b"frame two".to_vec())]
         );
+    }
+
+    /// An engine bound to an IPv6 `bounce_zmq_host` is reached: the connecting socket enables
+    /// IPv6 (without it libzmq never connected, and the frames waited in the pipe for ever).
+    /// A host without IPv6 loopback cannot run it, and says so (under CI it fails).
+    #[test]
+    fn a_peer_bound_to_an_ipv6_address_is_reached() {
+        let stats = Arc::new(Stats::default());
+        let bind6 = |agent| ZmqChannel::bind(agent, "::1", Box::new(|_| None), Arc::clone(&stats));
+        let (mut a, mut b) = match (bind6("alpha"), bind6("beta")) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                assert!(std::env::var("CI").is_err(), "no IPv6 loopback under CI: {e}");
+                eprintln!("SKIPPED (loudly): this host cannot bind ZMQ to ::1: {e}");
+                return;
+            }
+        };
+        assert!(b.endpoint().starts_with("tcp://[::1]:"), "{}", b.endpoint());
+        let ep = b.endpoint().as_bytes().to_vec();
+        a.send_to("beta", &ep, b"\0BOUNC over v6").unwrap();
+        let mut got = Vec::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while got.is_empty() && std::time::Instant::now() < deadline {
+            b.poll(16, &mut got);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(got, [("alpha".to_owned(), b"\0BOUNC over v6".to_vec())]);
     }
 
     /// A frame longer than a poll's budget of chunks completes nothing in one poll, which then
@@ -504,6 +538,11 @@ mod tests {
             assert!(a.send_to("p", bad, b"x").is_err(), "{bad:?}");
         }
         assert!(valid_endpoint(b"tcp://10.0.0.1:5555").is_ok());
+        assert!(valid_endpoint(b"tcp://[::1]:5555").is_ok());
+        // A host name (resolved, blocking, by libzmq), a missing port, an interface name.
+        for bad in [&b"tcp://localhost:5555"[..], b"tcp://10.0.0.1", b"tcp://eth0:5555", b"tcp://10.0.0.1:*"] {
+            assert!(valid_endpoint(bad).is_err(), "{bad:?}");
+        }
         // A peer without a known endpoint is an error too, through the channel interface.
         assert!(matches!(a.send("p", b"x"), Err(ControlError::NoEndpoint)));
     }
