@@ -84,12 +84,22 @@ pub struct Streams {
     closed: VecDeque<Vec<u8>>,
     /// Connections closed to make room, for the shell to close on the socket.
     evicted: Vec<Vec<u8>>,
+    /// Per name `vouch` knows, the one connection whose messages under it keep it active (see
+    /// [`feed`](Self::feed)). At most one entry per such name.
+    vouched: HashMap<String, Vec<u8>>,
 }
 
 impl Streams {
     /// No connection yet, under `limits`.
     pub fn new(limits: Limits) -> Self {
-        Self { limits, conns: HashMap::new(), buffered: 0, closed: VecDeque::new(), evicted: Vec::new() }
+        Self {
+            limits,
+            conns: HashMap::new(),
+            buffered: 0,
+            closed: VecDeque::new(),
+            evicted: Vec::new(),
+            vouched: HashMap::new(),
+        }
     }
 
     /// Bytes of unfinished messages held now.
@@ -148,6 +158,22 @@ impl Streams {
         true
     }
 
+    /// Whether `name` keeps connection `id` active: it holds the name's vouch, or takes it from
+    /// a holder closed or idle for [`IDLE_EVICT`].
+    fn vouch_for(&mut self, now: Instant, id: &[u8], name: String) -> bool {
+        let free = match self.vouched.get(&name) {
+            None => true,
+            Some(holder) if holder.as_slice() == id => true,
+            Some(holder) => {
+                self.conns.get(holder).is_none_or(|c| now.saturating_duration_since(c.active) >= IDLE_EVICT)
+            }
+        };
+        if free {
+            self.vouched.insert(name, id.to_vec());
+        }
+        free
+    }
+
     fn close(&mut self, id: &[u8]) -> Verdict {
         if let Some(c) = self.conns.remove(id) {
             self.buffered -= c.partial.len();
@@ -165,7 +191,10 @@ impl Streams {
     /// connection counts as active only when a message completed under a name `vouch` knows
     /// (a peer we loaded): junk messages under any other name, however frequent, would
     /// otherwise keep junk connections from ever going idle, and 1024 of them would lock every
-    /// new connection out.
+    /// new connection out. Names are not secret, so a name keeps one connection active at a
+    /// time: the first to speak under it, until it has gone [`IDLE_EVICT`] without doing so (or
+    /// closed); junk under a loaded name then keeps one connection per loaded name at most
+    /// (review 54, control M1).
     pub fn feed(
         &mut self,
         now: Instant,
@@ -185,7 +214,7 @@ impl Streams {
         let held = buf.len();
         buf.extend_from_slice(data);
         let mut at = 0;
-        let mut vouched = false;
+        let mut names: Vec<&str> = Vec::new();
         let broke = loop {
             let rest = &buf[at..];
             if rest.len() < HEADER {
@@ -202,22 +231,27 @@ impl Streams {
             }
             match std::str::from_utf8(&rest[HEADER..HEADER + name_len]) {
                 Ok(name) => {
-                    vouched = vouched || vouch(name);
+                    if names.len() < 4 && !names.contains(&name) && vouch(name) {
+                        names.push(name);
+                    }
                     out.push((name.to_owned(), rest[HEADER + name_len..end].to_vec()));
                 }
                 Err(_) => *dropped += 1,
             }
             at += end;
         };
-        if vouched {
-            conn.active = now;
-        }
+        let names: Vec<String> = names.into_iter().map(str::to_owned).collect();
         buf.drain(..at);
         let left = buf.len();
         if buf.capacity() > 4 * left.max(64 << 10) {
             buf.shrink_to(left);
         }
         self.buffered = self.buffered - held + left;
+        if names.into_iter().fold(false, |kept, name| self.vouch_for(now, id, name) || kept) {
+            if let Some(conn) = self.conns.get_mut(id) {
+                conn.active = now;
+            }
+        }
         if broke {
             *dropped += 1;
             return self.close(id);
@@ -392,6 +426,33 @@ mod tests {
         let evicted = s.take_evicted();
         assert_eq!(evicted.len(), 1);
         assert_ne!(evicted[0], vec![0], "never the connection a known peer keeps using");
+    }
+
+    /// Names are public: connections at the cap that all send messages under a loaded peer's
+    /// name do not lock new connections out either. The name keeps one of them active (the
+    /// first to use it); the others go idle and make room, and the name's own peer, once its
+    /// connection is the one left, keeps it.
+    #[test]
+    fn chatty_connections_under_a_loaded_name_do_not_lock_out_a_new_connection() {
+        let mut s = Streams::new(LIMITS);
+        let t = t0();
+        let (mut out, mut dropped) = (Vec::new(), 0);
+        let known = |name: &str| name == "peer";
+        for c in 0..LIMITS.conns as u8 {
+            assert_eq!(s.notice(t, &[c]), Verdict::Keep);
+        }
+        let junk = encode("peer", b"junk").unwrap();
+        for step in 1..=2u32 {
+            let at = t + IDLE_EVICT * 9 * step / 10;
+            for c in 0..LIMITS.conns as u8 {
+                assert_eq!(s.feed(at, &[c], &junk, &mut out, &mut dropped, known), Verdict::Keep);
+            }
+        }
+        let later = t + IDLE_EVICT * 2;
+        assert_eq!(s.notice(later, b"new"), Verdict::Keep, "a connection made room");
+        let evicted = s.take_evicted();
+        assert_eq!(evicted.len(), 1);
+        assert_ne!(evicted[0], vec![0], "never the connection that holds the name");
     }
 
     /// Connections left silent at the cap do not lock new ones out: once one has gone
