@@ -247,7 +247,12 @@ impl Streams {
             buf.shrink_to(left);
         }
         self.buffered = self.buffered - held + left;
-        if names.into_iter().fold(false, |kept, name| self.vouch_for(now, id, name) || kept) {
+        // Every name takes its vouch, not only the first (no short cut).
+        let mut kept = false;
+        for name in names {
+            kept |= self.vouch_for(now, id, name);
+        }
+        if kept {
             if let Some(conn) = self.conns.get_mut(id) {
                 conn.active = now;
             }
