@@ -726,6 +726,11 @@ impl Endpoint {
         // One way: an initiator we never loaded, or another incarnation of one we did, may open
         // a flow answered through our mailbox, and then send that flow's frames (each must
         // carry its token).
+        if self.peers.lookup(name).is_none() {
+            if let Some(e) = self.refuse_forged_opening(name, &msg) {
+                return Err(FrameRefused::Protocol(e));
+            }
+        }
         let (receiver, answering, sender, deferred) = (&self.receiver, &self.answering, &self.sender, &self.deferred);
         let one_way = |id| Self::one_way_admissible(answering, id, &msg);
         let idle = |id| holds_nothing(receiver, answering, (sender, deferred), id);

@@ -463,6 +463,27 @@ impl Receiver {
     }
 
     /// Who `peer`'s proofs must be made by ([`Self::name_initiator`]).
+    /// The proof that fails, if `msg` opens a one-way flow (a WANT or PULL answered through
+    /// our mailbox) with proofs that the agent `name` did not make: a forgery. A proof naming
+    /// a registration since removed, or the wrong arena, is not one (its sender holds the key,
+    /// and is answered with a refusal).
+    pub(crate) fn forged_opening(&self, name: &str, msg: &wire::Msg) -> Option<BadProof> {
+        let by = Initiator::named(name);
+        let checked = match msg {
+            wire::Msg::Want(w) if w.endpoint == wire::REPLY_MAILBOX && !w.is_cancel() => {
+                self.registered.verify_opening(w.token, &by, &w.proofs, w.arena)
+            }
+            wire::Msg::Pull(p) if p.endpoint == wire::REPLY_MAILBOX && !p.is_cancel() => {
+                self.registered.verify_opening(p.token, &by, &p.proofs, p.arena)
+            }
+            _ => return None,
+        };
+        match checked {
+            Ok(_) | Err(BadProof::Deregistered(_) | BadProof::WrongArena(..)) => None,
+            Err(forged) => Some(forged),
+        }
+    }
+
     pub(crate) fn initiator_of(&self, peer: PeerId) -> Initiator {
         self.initiators.get(&peer).copied().unwrap_or_default()
     }

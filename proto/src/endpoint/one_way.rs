@@ -121,6 +121,21 @@ impl Endpoint {
         n
     }
 
+    /// For a message from the agent `name`, which has no id here yet, that opens a one-way
+    /// flow with proofs `name` did not make: the error to refuse it with before the peer table
+    /// gives the name an id, counted as a forgery (the shell, with its own peer table, asks
+    /// this too). Checked later, each invented name took an id for good, and a flood of them
+    /// could use the id space up and close one-way admission until a restart (review 54,
+    /// control M2). `None`: admit it as usual.
+    pub fn refuse_forged_opening(&mut self, name: &str, msg: &wire::Msg) -> Option<ProtocolError> {
+        if !self.answering.has_mailbox() {
+            return None;
+        }
+        let source = self.receiver.forged_opening(name, msg)?;
+        self.stats.control_forged += 1;
+        Some(ProtocolError::BadProof { peer: PeerId(u32::MAX), xfer: msg.xfer(), source })
+    }
+
     /// Whether a message from an agent never loaded here (`peer`: its id, if it has one) may
     /// pass as one-way traffic: a one-way WANT when we keep a mailbox, or any message of a
     /// one-way flow it holds. The shell, which keeps its own peer table, asks this too.

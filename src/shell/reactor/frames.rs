@@ -95,6 +95,12 @@ impl Driver {
         // One way: an initiator we never loaded, or another incarnation of one we did (it
         // restarted; we still hold its old metadata), may open a flow answered through our
         // mailbox, then send that flow's frames (each carries the flow's token).
+        // A name never heard of is given an id only once its opening proofs verify.
+        if self.shared.peers.known_id(peer).is_none() {
+            if let Some(e) = self.ep.refuse_forged_opening(peer, &msg) {
+                return self.drop_frame(now, peer, &e);
+            }
+        }
         let ep = &self.ep;
         let admitted = self.shared.peers.admit_message(
             peer,

@@ -1278,8 +1278,9 @@ fn a_two_way_peer_that_also_sends_one_way_flows_is_probed_when_the_shells_table_
 
 /// A one-way initiator's WANT captured on the wire. Sent under another name, its proofs (bound
 /// to the initiator's name) prove nothing. Sent under its own name after its flow ended, it is
-/// a replay, and stays one after a flood of invented names pushed that name out of the peer
-/// table (the window is kept under the name, and its next id takes it back).
+/// a replay, and stays one after other names pushed that name out of the peer table (the
+/// window is kept under the name, and its next id takes it back). A flood of invented names
+/// with forged proofs pushes nobody out.
 #[test]
 fn a_captured_one_way_want_opens_nothing_again_under_any_name_even_after_its_name_was_evicted() {
     use crate::peers::MAX_ONE_WAY_NAMES;
@@ -1305,12 +1306,17 @@ fn a_captured_one_way_want_opens_nothing_again_under_any_name_even_after_its_nam
     let replayed = ep.stats().control_replayed;
     assert!(ep.handle_frame(later, "initiator", &captured).is_err(), "a replay under its own name");
     assert_eq!(ep.stats().control_replayed, replayed + 1);
-    // Invented names (their proofs forged) push the name out.
+    // Invented names whose proofs are forged take no id, and so push no name out...
     let mut forged = proof_by("junk");
     forged.tag[0] ^= 1;
     for i in 0..MAX_ONE_WAY_NAMES + 10 {
         let _ = ep.handle_frame(later, &format!("junk-{i}"), &one_way_want(1, vec![forged]));
     }
+    assert_eq!(ep.peers().lookup("initiator"), Some(first), "forgeries evict nobody");
+    // ...but other initiators' genuine names may: evicted as admission evicts it.
+    let gone = ep.peers_mut().evict_one_way(|_| true);
+    assert_eq!(gone, Some(first));
+    ep.handle_peer_evicted(later, first);
     assert_ne!(ep.peers().lookup("initiator"), Some(first), "evicted");
     let r = ep.handle_frame(later, "initiator", &captured);
     assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::Replayed { .. }))), "{r:?}");

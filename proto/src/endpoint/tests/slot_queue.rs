@@ -589,3 +589,24 @@ fn proofless_one_way_frames_refused_before_their_proofs_are_read_take_no_slot_an
     ep.handle_msg(t, INI, one_way_want(1)).unwrap();
     assert_eq!((ep.answering_slots_held(), records_of(&drain(&mut ep), 1).len()), (1, 1));
 }
+
+/// One-way WANTs with forged proofs under ever new names are refused before any name is given
+/// an id (each would use one up for good: 2^32 - 2^24 of them closed one-way admission until a
+/// restart), counted as forged; a genuine one under a new name is still admitted.
+#[test]
+fn forged_one_way_wants_under_invented_names_take_no_id() {
+    let (mut ep, t) = target();
+    for i in 0..2000u64 {
+        let name = format!("junk{i}");
+        let r = ep.handle_frame(t, &name, &frame(7, forged_want(i + 1)));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{r:?}");
+        assert!(ep.peers().lookup(&name).is_none(), "{name} was given an id");
+    }
+    assert_eq!((ep.stats().control_forged, ep.remote_flows()), (2000, 0));
+    let Msg::Want(mut w) = one_way_want(9) else { unreachable!() };
+    w.token = TOKEN;
+    w.proofs = vec![proof_by("honest")];
+    ep.handle_frame(t, "honest", &frame(7, Msg::Want(w))).unwrap();
+    assert!(ep.peers().lookup("honest").is_some());
+    assert_eq!(ep.remote_flows(), 1);
+}
