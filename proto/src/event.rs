@@ -807,6 +807,19 @@ pub struct Stats {
     pub standing_kept: u64,
 }
 
+impl Stats {
+    /// Counts a transfer that failed with `err`: in `failed`, and in its kind's counter.
+    pub(crate) fn count_failed(&mut self, err: &XferError) {
+        self.failed += 1;
+        match err {
+            XferError::Timeout => self.timeouts += 1,
+            XferError::Canceled => self.canceled += 1,
+            XferError::Refused => self.refused += 1,
+            _ => {}
+        }
+    }
+}
+
 /// Shared mutable context a role borrows for one call: the scheduler, the action queue, the
 /// job counter and the counters.
 pub(crate) struct Ctx<'a> {

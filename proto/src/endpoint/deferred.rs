@@ -140,13 +140,7 @@ impl Endpoint {
     fn fail_unstarted(&mut self, xfer: XferId, err: XferError) {
         debug!(xfer = xfer.0, error = %err, "held WRITE failed before it started");
         self.stats.submitted += 1;
-        self.stats.failed += 1;
-        match err {
-            XferError::Canceled => self.stats.canceled += 1,
-            XferError::Timeout => self.stats.timeouts += 1,
-            XferError::Refused => self.stats.refused += 1,
-            _ => {}
-        }
+        self.stats.count_failed(&err);
         self.out.push_back(Action::Complete { xfer, outcome: Err(err) });
     }
 }

@@ -95,13 +95,7 @@ impl Sender {
             }
         }
         debug!(xfer = id.0, peer = x.peer.0, error = %err, acked = x.acked, orphaned_writes = writes, "transfer failed");
-        ctx.stats.failed += 1;
-        match err {
-            XferError::Timeout => ctx.stats.timeouts += 1,
-            XferError::Canceled => ctx.stats.canceled += 1,
-            XferError::Refused => ctx.stats.refused += 1,
-            _ => {}
-        }
+        ctx.stats.count_failed(&err);
         if scatters == 0 {
             ctx.push(Action::Complete { xfer: id, outcome: Err(err) });
         } else {
