@@ -1340,38 +1340,50 @@ impl Drop for SlowDrop {
     }
 }
 
-/// After a panic in a pass (a bug; caught), the requests still in flight fail, but only once
-/// the copy engine is gone: a READ seen failed must have no scatter left to write its
-/// destinations.
-#[test]
-fn after_a_panic_a_read_is_failed_only_once_its_scatters_cannot_run() {
+/// Side "a", its copy engine gated (its jobs held) and slow to drop, on the control channel
+/// `chan` makes, introduced to "b"; a READ from "b" into `dst` posted, and its first scatter
+/// held in a's copy engine. Returns the sides, the READ, the gate's `open` flag and whether
+/// the engine has dropped.
+fn read_held_in_a_slow_engine(
+    chan: impl FnOnce(&MemNet) -> Box<dyn ControlChannel>,
+    src: &mut [u8],
+    dst: &mut [u8],
+) -> (Side, Side, u64, Arc<AtomicBool>, Arc<AtomicBool>) {
     let cfg = config("60000");
     let net = MemNet::default();
-    let (mut src, mut dst) = buffers();
-    let (open, held, dropped, boom) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(Mutex::new(Vec::new())),
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
+    let (open, held, dropped) =
+        (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicBool::new(false)));
     let (o, hd, dr) = (Arc::clone(&open), Arc::clone(&held), Arc::clone(&dropped));
     let a = Side::start_full(
         "a",
         11,
         &cfg,
         move |inner| Box::new(SlowDrop { inner: Gated { inner, open: o, held: hd }, dropped: dr }),
-        Box::new(Boom { inner: net.join("a"), boom: Arc::clone(&boom), fired: Arc::default() }),
+        chan(&net),
         SOCKET_POLL_BATCH,
         MemPath::default(),
     );
     let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
-    let source = b.register(&mut src);
-    let h = a.post_op("b", &cfg, &src, &mut dst, source, true);
+    let source = b.register(src);
+    let h = a.post_op("b", &cfg, src, dst, source, true);
     let deadline = Instant::now() + Duration::from_secs(10);
     while held.lock().is_empty() {
         assert!(Instant::now() < deadline, "no scatter reached a's copy engine");
         std::thread::sleep(Duration::from_millis(1));
     }
+    (a, b, h, open, dropped)
+}
+
+/// After a panic in a pass (a bug; caught), the requests still in flight fail, but only once
+/// the copy engine is gone: a READ seen failed must have no scatter left to write its
+/// destinations.
+#[test]
+fn after_a_panic_a_read_is_failed_only_once_its_scatters_cannot_run() {
+    let (mut src, mut dst) = buffers();
+    let boom = Arc::new(AtomicBool::new(false));
+    let chan =
+        |net: &MemNet| Box::new(Boom { inner: net.join("a"), boom: Arc::clone(&boom), fired: Arc::default() }) as _;
+    let (a, _b, h, open, dropped) = read_held_in_a_slow_engine(chan, &mut src, &mut dst);
     boom.store(true, Ordering::Release);
     a.shared.inbox.wake();
     assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::ShuttingDown));
@@ -2430,33 +2442,10 @@ impl ControlChannel for BoomSend {
 /// and its copy engine is gone, never while a READ's scatter may still run.
 #[test]
 fn a_release_queued_behind_a_panicking_command_returns_only_once_the_copy_engine_is_gone() {
-    let cfg = config("60000");
-    let net = MemNet::default();
     let (mut src, mut dst) = buffers();
-    let (open, held, dropped, boom) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(Mutex::new(Vec::new())),
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let (o, hd, dr) = (Arc::clone(&open), Arc::clone(&held), Arc::clone(&dropped));
-    let a = Side::start_full(
-        "a",
-        11,
-        &cfg,
-        move |inner| Box::new(SlowDrop { inner: Gated { inner, open: o, held: hd }, dropped: dr }),
-        Box::new(BoomSend { inner: net.join("a"), boom: Arc::clone(&boom) }),
-        SOCKET_POLL_BATCH,
-        MemPath::default(),
-    );
-    let (a, b) = introduce(a, Side::start("b", 22, &cfg, &net));
-    let source = b.register(&mut src);
-    let h = a.post_op("b", &cfg, &src, &mut dst, source, true);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while held.lock().is_empty() {
-        assert!(Instant::now() < deadline, "no scatter reached a's copy engine");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let boom = Arc::new(AtomicBool::new(false));
+    let chan = |net: &MemNet| Box::new(BoomSend { inner: net.join("a"), boom: Arc::clone(&boom) }) as _;
+    let (a, _b, h, open, dropped) = read_held_in_a_slow_engine(chan, &mut src, &mut dst);
     let Some(State::Posted(x)) = a.shared.requests.state(h) else { panic!("not in flight") };
     assert!(a.shared.requests.remove(h).is_some());
     let done = Arc::new(Completion::default());
