@@ -93,14 +93,11 @@ def child(args):
         lo, re = [(base, total, 0)], [(raddr + lay.dst_bytes, total, dev_there)]
     h = ag.initialize_xfer(args.op, ag.get_xfer_descs(lo, here), ag.get_xfer_descs(re, there),
                            "gtgt", b"staged" if mode == "staged" else b"", backends=[backend])
-    if mode == "staged":
-        peer.send(op="stage_serve", **{"from": "gini"}, n=n, size=size, seed=5,
-                  stage_off=lay.dst_bytes, count=args.iters + 2)
-    samples = []
-    if backend == "BOUNCE":
-        nixlkit.gpu_trace(f"initiator-{n}x{size}")
-    for i in range(args.iters + 2):
-        t0 = time.perf_counter()
+    posts = 0
+
+    def post_once():
+        nonlocal posts
+        posts += 1
         if ag.transfer(h) == "ERR":
             raise SystemExit("transfer failed")
         while True:
@@ -111,10 +108,21 @@ def child(args):
                 raise SystemExit("transfer failed")
         if mode == "staged":
             nixlkit.wait_notif(ag, "gtgt", b"scattered")
+
+    if mode == "staged":
+        peer.send(op="stage_serve", **{"from": "gini"}, n=n, size=size, seed=5,
+                  stage_off=lay.dst_bytes, count=args.iters + 2)
+    samples = []
+    if backend == "BOUNCE":
+        nixlkit.gpu_trace(f"initiator-{n}x{size}")
+    for i in range(args.iters + 2):
+        t0 = time.perf_counter()
+        post_once()
         if i >= 2:
             samples.append(time.perf_counter() - t0)
     if mode == "staged":
         peer.recv()
+    mismatch = check_bytes(args, peer, src, lay, mode, post_once)
     inflight = []
     if args.inflight and mode == "scattered":
         small = nixlkit.Scattered(1024, 4096, seed=8)
@@ -127,6 +135,7 @@ def child(args):
         for _ in range(3):
             t0 = time.perf_counter()
             for x in hs:
+                posts += 1
                 if ag.transfer(x) == "ERR":
                     raise SystemExit("transfer failed")
             left = set(range(len(hs)))
@@ -141,9 +150,71 @@ def child(args):
     stats = {}
     if backend == "BOUNCE":
         stats = {k: v for k, v in nixlkit.live_params(ag, backend).items() if k.startswith("stats.")}
-    print("RESULT " + json.dumps({"samples": samples, "inflight": inflight, "stats": stats}), flush=True)
+    print("RESULT " + json.dumps({"samples": samples, "inflight": inflight, "stats": stats, "posts": posts,
+                                  "mismatch": mismatch}), flush=True)
     peer.close()
     nixlkit.leave(0)
+
+
+def check_bytes(args, peer, src, lay, mode, post_once):
+    """Every byte the variant's transfer must have written, after one more post (untimed) into
+    destinations refilled with other bytes, so the check proves that post wrote; and the bytes
+    around the destinations (and the source side) untouched. Returns a mismatch's description,
+    or None. Every timed post moved the same bytes, so the destinations alone could not tell a
+    post that moved nothing from one that did."""
+    import tempfile
+
+    import numpy as np
+    import nixlkit
+
+    total = lay.src_bytes
+    size_there = lay.dst_bytes + total
+    host = (lambda b: b.host()) if isinstance(src, nixlkit.VramBuf) else (lambda b: b)
+
+    def there():
+        with tempfile.TemporaryDirectory(prefix="gpu-compare-") as tmp:
+            path = os.path.join(tmp, "tgt.bin")
+            peer.call(op="dump", path=path)
+            return np.fromfile(path, dtype=np.uint8)
+
+    def refill(buf, seed):
+        if isinstance(buf, nixlkit.VramBuf):
+            buf.fill(nixlkit.pattern(seed, buf.nbytes))
+        else:
+            buf[:] = nixlkit.pattern(seed, buf.nbytes)
+
+    if args.op == "WRITE":
+        peer.call(op="fill", seed=61)
+        if mode == "staged":
+            peer.send(op="stage_serve", **{"from": "gini"}, n=lay.n, size=lay.sizes[0], seed=5,
+                      stage_off=lay.dst_bytes, count=1)
+        post_once()
+        if mode == "staged":
+            peer.recv()
+        sent = host(src)
+        want = nixlkit.pattern(61, size_there)
+        if mode in ("scattered", "staged"):
+            want[:lay.dst_bytes] = lay.expected(sent, want[:lay.dst_bytes])
+        if mode in ("contiguous", "staged"):
+            want[lay.dst_bytes:] = sent
+        got, where, src_want = there(), "the target's buffer", nixlkit.pattern(7, total)
+        if not np.array_equal(host(src), src_want):
+            return "the initiator's source buffer changed"
+    else:  # READ: our buffer is the destination
+        refill(src, 71)
+        post_once()
+        theirs = nixlkit.pattern(6, size_there)
+        if mode == "scattered":
+            want = np.concatenate([theirs[d:d + s] for d, s, _ in lay.dst_list(0)])
+        else:
+            want = theirs[lay.dst_bytes:].copy()
+        got, where = host(src), "the initiator's buffer"
+        if not np.array_equal(there(), theirs):
+            return "the target's buffer changed"
+    if got.shape != want.shape or not np.array_equal(got, want):
+        bad = np.flatnonzero(got != want) if got.shape == want.shape else [0]
+        return f"{where}: {len(bad)} bytes differ, first at offset {int(bad[0])}"
+    return None
 
 
 def run(name, backend, params, env, mode, n, size, args):
@@ -157,19 +228,26 @@ def run(name, backend, params, env, mode, n, size, args):
     return res
 
 
-def path_problem(name, stats, op, mixed):
-    """Why a BOUNCE variant's counters (absolute: its engine is fresh) do not show its path, or
-    None. The gate runs at prep: any pass-through or fallback means the request went to UCX."""
+def path_problem(name, stats, op, mixed, posts):
+    """Why a BOUNCE variant's counters (absolute: its engine is fresh) do not show every one of
+    its `posts` on its path, each counted once, or None. The gate runs at prep: any pass-through
+    or fallback means the request went to UCX."""
     c = {k[len("stats."):]: int(v) for k, v in stats.items()}
     went = to_ucx(c)
     if went:
         return f"it went to UCX ({went})"
     ok = c.get("bounce_read_ok" if op == "READ" else "bounce_ok", 0)
+    same_host = c.get("ipc_ok", 0) + c.get("cma_ok", 0)
     if "bounced" in name:
-        if c.get("ipc_ok", 0) or c.get("cma_ok", 0) or not ok:
-            return f"not bounced (ipc_ok={c.get('ipc_ok')}, cma_ok={c.get('cma_ok')}, ok={ok})"
-    elif not mixed and (not c.get("ipc_ok", 0) or c.get("bounce_xfers", 0)):
-        return f"not on the same-host path (ipc_ok={c.get('ipc_ok')}, bounce_xfers={c.get('bounce_xfers')})"
+        if same_host or ok != posts:
+            return f"not every post bounced ({ok} of {posts}; ipc_ok={c.get('ipc_ok')}, cma_ok={c.get('cma_ok')})"
+    elif mixed:
+        # As shipped with host memory on one side: the same-host path or the bounce path, never UCX.
+        if same_host + ok != posts:
+            return f"not every post on a BOUNCE path ({same_host} same-host + {ok} bounced of {posts})"
+    elif same_host != posts or c.get("bounce_xfers", 0):
+        return (f"not every post on the same-host path ({same_host} of {posts}, "
+                f"bounce_xfers={c.get('bounce_xfers')})")
     return None
 
 
@@ -254,7 +332,9 @@ def main():
                 # BOUNCE variant failing fails the run.
                 failed |= backend == "BOUNCE"
                 continue
-            problem = path_problem(name, res["stats"], args.op, mixed) if backend == "BOUNCE" else None
+            problem = res["mismatch"]
+            if not problem and backend == "BOUNCE":
+                problem = path_problem(name, res["stats"], args.op, mixed, res["posts"])
             if problem:
                 print(f"  {name}: FAILED, {problem}: no figure")
                 failed = True

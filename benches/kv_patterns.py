@@ -18,8 +18,10 @@ metadata loaded both ways (two-way) and by the initiator only (one-way: the targ
 add_remote_agent). Each case runs in a child process (the initiator) against a target process
 (tests/python/kv_peer.py); both hold one agent per variant (BOUNCE as shipped, which between
 processes of one host takes the same-host path; "BOUNCE bounced", that path off, as between two
-hosts; UCX), each with its own cache, and the variants are measured in interleaved blocks (a round: one block per backend, the order
-alternating), so machine noise lands on both alike.
+hosts; UCX), each with its own cache, and the variants are measured in interleaved blocks (a
+round: one block per variant, each round starting with the variant that ended the one before,
+so every variant has as many blocks right after one of its own as any other), so machine noise
+lands on all alike.
 
 A block: the 8 requests one by one (1024 descriptors each with the defaults), then one batch of
 all 8 (8192 descriptors); each a prepared request re-posted (with --prep-each: prepared right
@@ -35,17 +37,22 @@ prints every request's time in order. Reported per backend: batch median; per-re
 (over rounds x requests), and the same split by the block before each (right after a block of
 the same variant, as a framework using one backend runs, or after another variant's block:
 the first request of a block that follows another backend's pays for the caches that block
-took); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal <= 1.5); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
+took); ratios BOUNCE / UCX (goal <= 0.4 on the batch) and p99 / p50 (goal <= 1.5), each
+"met" or "MISSED" (`--strict`: exit status 1 when one is missed; a p99 of fewer than 100
+requests is their largest, and printed as such); the path the initiator's BOUNCE engine took (its counters: the gate runs when a
 request is prepared, so `passthrough_xfers` and `fallback_*` count the 9 prepared requests,
-`bounce_xfers` / `bounce_ok` count posts); and a byte-exact check of both caches of both
-backends after the run. A case prints no figure unless every variant's caches are byte-exact
-and BOUNCE's counters show each of its variants on its path (as shipped: the same-host path;
-bounced: every post bounced; neither: a request passed to UCX), so an inherited
+`bounce_xfers` / `bounce_ok` count posts); and a byte-exact check of both caches of every
+variant after the run: the destinations are refilled with other bytes and every request posted
+once more, untimed, first, so the check proves the last posts wrote. A case prints no figure
+unless every variant's caches are byte-exact and BOUNCE's counters show every post of each of
+its variants on its path, counted once (as shipped: the same-host path; bounced: bounced;
+neither: a request passed to UCX), so an inherited
 `NIXL_BOUNCE_*` that overrides a variant's settings fails the run instead of mislabelling it.
 """
 import argparse
 import base64
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -65,6 +72,11 @@ VARIANTS = (("BOUNCE", "BOUNCE", {}), ("BOUNCE bounced", "BOUNCE", {"bounce_cma"
             ("UCX", "UCX", {}))
 BACKENDS = tuple(v[0] for v in VARIANTS)
 CASES = [(p, m) for p in ("pull", "push") for m in ("two-way", "one-way")]
+# Issue 13's goals: the bounced batch at most this fraction of UCX's; a request's p99 at most
+# this multiple of its p50.
+BATCH_GOAL, TAIL_GOAL = 0.4, 1.5
+# Added to a side's seed to refill its destinations before the untimed check round.
+REFILL = 1000
 PATH_KEYS = ("cma_xfers", "cma_ok", "ipc_xfers", "ipc_ok", "bounce_xfers", "bounce_ok", "bounce_failed", "one_way_sent",
              "region_plans_sent", "mailbox_fetches", "mailbox_fetch_us", "passthrough_xfers", "fallback_op",
              "fallback_peer", "fallback_count", "fallback_size", "fallback_unproven")
@@ -165,6 +177,7 @@ class Side:
         self.handles = [] if prep_each else [prep(*g) for g in self.groups]
         self.single_s, self.batch_s, self.prep_single_s, self.prep_batch_s = [], [], [], []
         self.after_own = []  # per kept block: did it follow a block of this variant (see child)
+        self.posts = 0  # every transfer() of this variant, timed or not
 
     def post_fresh(self, group, notif):
         """Makes the request, posts it and releases it: (total time, prep time)."""
@@ -177,6 +190,7 @@ class Side:
 
     def post(self, h, t0=None):
         t0 = time.perf_counter() if t0 is None else t0
+        self.posts += 1
         state = self.ag.transfer(h)
         while state not in ("DONE", "ERR"):
             state = self.ag.check_xfer_state(h)
@@ -221,8 +235,7 @@ def child(case, args):
     evict = numpy.zeros(args.evict_mib << 20, dtype=numpy.uint8) if args.evict_mib else None
     prev = None
     for rnd in range(args.rounds + 1):
-        order = sides if rnd % 2 == 0 else sides[::-1]
-        for s in order:
+        for s in block_order(sides, rnd):
             time.sleep(args.pause_ms / 1e3)
             if evict is not None:
                 evict.fill(rnd & 0xFF)
@@ -233,6 +246,15 @@ def child(case, args):
                 # framework that uses one backend) or after another variant's block
                 s.after_own.append(prev is s and not args.pause_ms and not args.evict_mib)
             prev = s
+    # Every timed round re-posts the same requests with the same bytes, so the caches alone
+    # would only prove that some post wrote each destination: refill the destinations with
+    # other bytes and post every request once more (untimed) before the byte check.
+    for s in sides:
+        if case[0] == "pull":
+            s.cache.fill(s.ini_seed + REFILL)
+        else:
+            target.call(op="fill", name=s.peer, seed=s.tgt_seed + REFILL)
+        s.block(target, keep=False)
     out = {}
     for s in sides:
         # byte-exact: the destinations hold the sources' bytes, everything else is untouched
@@ -252,6 +274,7 @@ def child(case, args):
             path = {k: after.get(k, 0) - s.before.get(k, 0) for k in PATH_KEYS
                     if after.get(k, 0) != s.before.get(k, 0)}
         out[s.variant] = {"single": s.single_s, "batch": s.batch_s, "path": path, "after_own": s.after_own,
+                          "posts": s.posts,
                           "prep_single": s.prep_single_s, "prep_batch": s.prep_batch_s,
                           "exact": mine["clean"] and theirs["clean"], "mine": mine, "theirs": theirs}
     print("RESULT " + json.dumps(out), flush=True)
@@ -268,23 +291,37 @@ def chosen(args):
     return [v for v in VARIANTS if v[0] in names]
 
 
-def path_problem(variant, path):
+def path_problem(variant, path, posts):
     """Why the initiator engine's counters (`path`: the keys of PATH_KEYS that moved) do not show
-    every transfer of `variant` on its path (None when they do). The gate runs at prep, so any
-    pass-through or fallback counted means a request went to UCX."""
+    every one of the variant's `posts` transfers on its path, each counted once (None when they
+    do). The gate runs at prep, so any pass-through or fallback counted means a request went to
+    UCX; a post that returned DONE without moving anything would leave its counter short."""
     if variant == "UCX":
         return None
     went = to_ucx(path)
     if went:
         return f"requests went to UCX ({went})"
     same_host = path.get("cma_ok", 0) + path.get("ipc_ok", 0)
-    bounced = path.get("bounce_ok", 0)
+    bounced, submitted = path.get("bounce_ok", 0), path.get("bounce_xfers", 0)
     if variant == "BOUNCE bounced":
-        if not bounced or same_host or path.get("bounce_xfers", 0) != bounced:
-            return "not every post bounced"
-    elif not same_host or path.get("bounce_xfers", 0):
-        return "not every post took the same-host path"
+        if same_host or bounced != posts or submitted != posts:
+            return f"not every post bounced ({bounced} of {posts} posts bounced, {same_host} took the same-host path)"
+    elif same_host != posts or submitted:
+        return f"not every post took the same-host path ({same_host} of {posts} posts did, {submitted} bounced)"
     return None
+
+
+def block_order(sides, rnd):
+    """The variants' blocks in round `rnd`: each round starts with the variant that ended the one
+    before (A B | B A | A B with two, A B C | C A B | B C A with three), so every variant has
+    as many blocks right after one of its own (a framework's steady state) as any other, and
+    takes each place in the round equally often."""
+    start = -rnd % len(sides)
+    return sides[start:] + sides[:start]
+
+
+def verdict(met):
+    return "met" if met else "MISSED"
 
 
 def split_blocks(single, after_own, per_block):
@@ -298,8 +335,17 @@ def split_blocks(single, after_own, per_block):
 
 
 def pct(xs, p):
+    """The `p`th percentile of `xs`, nearest rank (the 50th is the median): below 100 samples
+    the 99th is their largest, which the printout says (`p99_label`)."""
+    if p == 50:
+        return statistics.median(xs)
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+    return xs[max(0, math.ceil(p / 100 * len(xs)) - 1)]
+
+
+def p99_label(n):
+    """What the 99th percentile of `n` samples is."""
+    return f"p99 (max of {n})" if n < 100 else f"p99 (of {n})"
 
 
 def main():
@@ -326,6 +372,8 @@ def main():
                     help="before each block, write through this many MiB in the initiator process (no "
                          "pause): caches the transfer's memory shares with it go cold, and nothing idles")
     ap.add_argument("--samples", action="store_true", help="print every request's time, in the order posted")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit with status 1 when a goal is missed (a missed goal is always printed as MISSED)")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
@@ -337,9 +385,11 @@ def main():
           f"one registration per layer; {args.requests} requests of {args.per_request} random blocks "
           f"= {descs} descriptors ({descs * args.block_bytes / 2**20:.0f} MiB) each, batch "
           f"{args.requests * descs} descriptors; {args.mem}, two processes, {args.rounds} rounds "
-          f"(interleaved blocks, BOUNCE and UCX alternating first), status polled in a busy loop, "
+          f"(interleaved blocks, each round starting with the variant that ended the one before), "
+          f"status polled in a busy loop, "
           f"{'each request prepared right before its post and timed with it' if args.prep_each else 'requests prepared once'}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    missed = 0
     for pattern, metadata in CASES:
         name = f"{pattern}-{metadata}"
         if args.only and args.only not in name:
@@ -356,7 +406,7 @@ def main():
         for b, x in res.items():
             if not x["exact"]:
                 raise SystemExit(f"FAIL: {name}, {b}: not byte-exact: {json.dumps([x['mine'], x['theirs']])}")
-            problem = path_problem(b, x["path"])
+            problem = path_problem(b, x["path"], x["posts"])
             if problem:
                 raise SystemExit(f"FAIL: {name}, {b}: {problem}; engine's path: {json.dumps(x['path'])}")
         print(f"{name} ({'decode READs from prefill' if pattern == 'pull' else 'context WRITEs to generation'}"
@@ -376,8 +426,8 @@ def main():
                 print(f"  {b}: requests in order, ms: " + " ".join(f"{t * 1e3:.2f}" for t in x["single"]))
             steady, switched = split_blocks(x["single"], x.get("after_own", []), args.requests)
             print(f"  {b:14s} batch median {med[b] * 1e3:8.2f} ms   request p50 {p50 * 1e3:7.2f} ms  "
-                  f"p99 {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}{split}   "
-                  f"byte-exact")
+                  f"{p99_label(len(x['single']))} {p99 * 1e3:7.2f} ms  p99/p50 {p99 / p50:5.2f}{split}   "
+                  f"byte-exact, {x['posts']} posts" + (", every one on its path" if b != "UCX" else ""))
             if steady and switched:
                 print(f"  {'':14s} blocks right after one of its own ({len(steady) // args.requests}): p99/p50 "
                       f"{pct(steady, 99) / pct(steady, 50):.2f}, first of a block "
@@ -394,9 +444,19 @@ def main():
             path = res[name]["path"]
             fetch = (f"   mailbox fetch mean {path['mailbox_fetch_us'] / path['mailbox_fetches']:.0f} us"
                      if path.get("mailbox_fetches") else "")
-            ratio = f"{name} / UCX batch = {med[name] / med['UCX']:.3f} (goal <= 0.4)   " if "UCX" in med else f"{name}: "
-            print(f"  {ratio}request p99/p50 = {pct(b, 99) / pct(b, 50):.2f} (goal <= 1.5)   engine's path: "
-                  f"{json.dumps(path)}{fetch}")
+            ratio = ""
+            if "UCX" in med:
+                r = med[name] / med["UCX"]
+                missed += r > BATCH_GOAL
+                ratio = f"{name} / UCX batch = {r:.3f} (goal <= {BATCH_GOAL}: {verdict(r <= BATCH_GOAL)})   "
+            tail = pct(b, 99) / pct(b, 50)
+            missed += tail > TAIL_GOAL
+            print(f"  {ratio or name + ': '}request p99/p50 = {tail:.2f} (goal <= {TAIL_GOAL}: "
+                  f"{verdict(tail <= TAIL_GOAL)})   engine's path: {json.dumps(path)}{fetch}")
+    if missed:
+        print(f"{missed} goal(s) MISSED" + ("" if args.strict else " (--strict makes that an exit status of 1)"))
+        if args.strict:
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":
