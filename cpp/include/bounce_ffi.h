@@ -79,12 +79,15 @@ int32_t bnc_mem_registered(void *engine, const void *md, uint64_t addr, uint64_t
 void bnc_mem_deregistered(void *engine, const void *md);
 // Registration keys (issue 10, item 7): getPublicData wraps the inner blob with our
 // registration's id and key; loadRemoteMD splits a peer's blob (inner blob to the sink, id and
-// 32-byte key out, *has_key = 0 for a blob that is not ours), then reports the inner remote md;
-// unloadMD forgets it.
+// 32-byte key out, *has_key = 0 for a blob that is not ours, *ticket naming the same-host record
+// it carried, 0 for none), then reports the inner engine's load of that blob with the ticket:
+// the inner remote md when it loaded, or the failure (the record then goes, and no other blob's
+// load can take it); unloadMD forgets it.
 int32_t bnc_public_data_wrap(void *engine, const void *md, bnc_str inner, bnc_sink out, void *out_ctx);
 int32_t bnc_remote_md_split(void *engine, bnc_str blob, bnc_sink inner, void *inner_ctx, uint64_t *reg,
-                            uint8_t *key, int32_t *has_key);
-void bnc_remote_md_loaded(void *engine, const void *md, uint64_t reg, const uint8_t *key);
+                            uint8_t *key, int32_t *has_key, uint64_t *ticket);
+void bnc_remote_md_loaded(void *engine, const void *md, uint64_t reg, const uint8_t *key, uint64_t ticket);
+void bnc_remote_md_load_failed(void *engine, uint64_t ticket);
 void bnc_remote_md_unloaded(void *engine, const void *md);
 
 // C++-side counter sink: counter number `index` (the same counter, and name, for the engine's

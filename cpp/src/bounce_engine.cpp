@@ -342,17 +342,30 @@ public:
         return guarded([&]() -> nixl_status_t {
             BlobDesc inner = in;
             inner.metaInfo.clear();
-            uint64_t reg = 0;
+            uint64_t reg = 0, ticket = 0;
             uint8_t key[32] = {};
             int32_t has_key = 0;
-            auto st = static_cast<nixl_status_t>(
-                bnc_remote_md_split(rust_, view(in.metaInfo), assign_sink, &inner.metaInfo, &reg, key, &has_key));
+            auto st = static_cast<nixl_status_t>(bnc_remote_md_split(rust_, view(in.metaInfo), assign_sink,
+                                                                     &inner.metaInfo, &reg, key, &has_key, &ticket));
             if (st != NIXL_SUCCESS) return st;
+            // Every path below reports this blob's load, so the record it carried is kept for
+            // its own handle or dropped: never left for another blob's load to take.
+            struct Report {
+                void *rust;
+                uint64_t ticket;
+                bool done = false;
+                ~Report() {
+                    if (!done) bnc_remote_md_load_failed(rust, ticket);
+                }
+            } report{rust_, ticket};
             {
                 Lock g(mu_);
                 st = inner_->loadRemoteMD(inner, mem, agent, out);
             }
-            if (st == NIXL_SUCCESS && out && has_key) bnc_remote_md_loaded(rust_, out, reg, key);
+            if (st == NIXL_SUCCESS && out && has_key) {
+                bnc_remote_md_loaded(rust_, out, reg, key, ticket);
+                report.done = true;
+            }
             return st;
         });
     }

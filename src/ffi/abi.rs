@@ -455,11 +455,13 @@ pub unsafe extern "C" fn bnc_public_data_wrap(
 /// Takes a peer's registration metadata apart: the inner blob goes to `inner`; `*reg` and
 /// `key[0..32]` receive the registration's id and key and `*has_key` says whether there were
 /// any (a blob that is not ours loads as is; one with our magic that does not decode is
-/// refused, ERR_MISMATCH).
+/// refused, ERR_MISMATCH); `*ticket` names the same-host record the blob carried (0: none)
+/// until the caller reports the inner engine's load of this blob: `bnc_remote_md_loaded` with
+/// it, or `bnc_remote_md_load_failed`.
 ///
 /// # Safety
 /// `engine` is a live handle; `blob` views live bytes; `inner`/`ctx` form a valid sink; `reg`,
-/// `has_key` and `key` (32 bytes) are valid for writes.
+/// `has_key`, `ticket` and `key` (32 bytes) are valid for writes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_remote_md_split(
     engine: *mut c_void,
@@ -469,47 +471,70 @@ pub unsafe extern "C" fn bnc_remote_md_split(
     reg: *mut u64,
     key: *mut u8,
     has_key: *mut i32,
+    ticket: *mut u64,
 ) -> i32 {
     guard("bnc_remote_md_split", || {
-        if reg.is_null() || key.is_null() || has_key.is_null() {
+        if reg.is_null() || key.is_null() || has_key.is_null() || ticket.is_null() {
             return Status::ErrInvalidParam;
         }
         // SAFETY: caller contract.
         let Some(e) = (unsafe { engine_ref(engine) }) else { return Status::ErrInvalidParam };
         // SAFETY: caller contract.
-        let (bytes, dest) = match e.split_remote_md(unsafe { blob.bytes() }) {
+        let split = match e.split_remote_md(unsafe { blob.bytes() }) {
             Ok(split) => split,
             Err(err) => return Status::from(&err),
         };
-        give(inner, ctx, &bytes);
-        let (id, k, has) = dest.map_or((0, [0u8; 32], 0), |d| (d.reg.0, d.key.0, 1));
-        // SAFETY: caller contract: all three are valid for writes, `key` for 32 bytes.
+        give(inner, ctx, &split.inner);
+        let (id, k, has) = split.dest.map_or((0, [0u8; 32], 0), |d| (d.reg.0, d.key.0, 1));
+        // SAFETY: caller contract: all four are valid for writes, `key` for 32 bytes.
         unsafe {
             reg.write(id);
             std::ptr::copy_nonoverlapping(k.as_ptr(), key, k.len());
             has_key.write(has);
+            ticket.write(split.ticket);
         }
         Status::Success
     })
     .code()
 }
 
-/// The inner engine loaded a peer's registration as `md`, with the id and key (32 bytes)
-/// `bnc_remote_md_split` found.
+/// The inner engine loaded a peer's registration as `md`, from the blob whose
+/// `bnc_remote_md_split` gave the id, the key (32 bytes) and `ticket`.
 ///
 /// # Safety
 /// `engine` is a live handle; `key` points at 32 readable bytes. `md` is only a key.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn bnc_remote_md_loaded(engine: *mut c_void, md: *const c_void, reg: u64, key: *const u8) {
+pub unsafe extern "C" fn bnc_remote_md_loaded(
+    engine: *mut c_void,
+    md: *const c_void,
+    reg: u64,
+    key: *const u8,
+    ticket: u64,
+) {
     guard_void("bnc_remote_md_loaded", || {
+        // SAFETY: caller contract.
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return };
         if key.is_null() {
+            e.remote_md_load_failed(ticket);
             return;
         }
         // SAFETY: caller contract: 32 readable bytes.
         let k: [u8; 32] = unsafe { std::ptr::read_unaligned(key.cast::<[u8; 32]>()) };
+        e.remote_md_loaded(Md(md as usize), Destination { reg: RegId(reg), key: RegKey(k) }, ticket);
+    });
+}
+
+/// The inner engine did not load the blob whose `bnc_remote_md_split` gave `ticket`: the
+/// record it carried goes (it must never be taken by another blob's load).
+///
+/// # Safety
+/// `engine` is a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_remote_md_load_failed(engine: *mut c_void, ticket: u64) {
+    guard_void("bnc_remote_md_load_failed", || {
         // SAFETY: caller contract.
         if let Some(e) = unsafe { engine_ref(engine) } {
-            e.remote_md_loaded(Md(md as usize), Destination { reg: RegId(reg), key: RegKey(k) });
+            e.remote_md_load_failed(ticket);
         }
     });
 }

@@ -38,7 +38,7 @@ use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
 use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
 use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPaths};
-use crate::shell::keys::{Keys, Reach};
+use crate::shell::keys::{Keys, Reach, Split};
 use crate::shell::mailroom::Mailroom;
 use crate::shell::oneway_area::OneWayArea;
 use crate::shell::peers::{ArenaToLoad, PeerTable};

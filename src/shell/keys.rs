@@ -11,8 +11,12 @@
 //!
 //! A registration may also carry a [`Reach`], what a process of the same host needs to copy
 //! into it without bouncing (`shell::ipc` for GPU memory, `shell::cma` for host memory): it
-//! travels in the same envelope, waits by the registration's id and key until the inner engine
-//! has loaded the blob, and is then kept by the inner remote handle, like the key.
+//! travels in the same envelope, waits under a ticket of the load that carried it until the
+//! inner engine has loaded that blob, and is then kept by the inner remote handle, like the key.
+//! Only that load can take it: a record that waited by the registration's id and key alone was
+//! taken by the next load of any blob naming them, so an agent of this host holding another's
+//! metadata could plant its own record under the other's id and key in a load that fails, and
+//! our same-host transfers to the other would land in its process (review 55).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,6 +30,18 @@ use crate::sys::shim::{Md, MdMap};
 
 /// Most peers' records waiting for their load at once.
 const MAX_PENDING_REACH: usize = 1 << 16;
+
+/// A peer's public data taken apart ([`Keys::split_remote`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Split {
+    /// The inner engine's blob.
+    pub(crate) inner: Vec<u8>,
+    /// The destination it proves (`None`: a blob that is not ours, proving nothing).
+    pub(crate) dest: Option<Destination>,
+    /// Names its same-host record until the load that carried it ends: [`Keys::remote_loaded`]
+    /// with it keeps the record, [`Keys::load_failed`] drops it. 0: no record.
+    pub(crate) ticket: u64,
+}
 
 /// What a process of the same host needs to copy into and out of a registration directly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,8 +73,10 @@ pub(crate) struct Keys {
     remote: Mutex<MdMap<Destination>>,
     /// Our registrations' same-host records, by the inner engine's handle.
     local_reach: Mutex<MdMap<Reach>>,
-    /// Peers' records taken out of an envelope, waiting for the inner engine's load.
-    pending_reach: Mutex<HashMap<Destination, Reach>>,
+    /// Peers' records taken out of an envelope, waiting for the inner engine's load of that
+    /// envelope, by its ticket ([`Split::ticket`]).
+    pending_reach: Mutex<HashMap<u64, (Destination, Reach)>>,
+    next_ticket: AtomicU64,
     /// Peers' records, by the inner engine's remote handle.
     remote_reach: Mutex<MdMap<Reach>>,
     next_id: AtomicU64,
@@ -114,32 +132,37 @@ impl Keys {
         }
     }
 
-    /// Takes a peer's public data apart: the inner engine's blob, and the destination it
-    /// proves. A blob that is not ours (a peer without BOUNCE, an older build) loads as is,
-    /// with no key: such destinations never bounce.
+    /// Takes a peer's public data apart: the inner engine's blob, the destination it proves,
+    /// and a ticket for its same-host record, for the load of this blob only. A blob that is
+    /// not ours (a peer without BOUNCE, an older build) loads as is, with no key: such
+    /// destinations never bounce.
     ///
     /// # Errors
     /// A blob with our magic that does not decode (a newer layout, truncated): it would
     /// otherwise reach UCX's rkey parser.
-    pub(crate) fn split_remote(&self, blob: &[u8]) -> Result<(Vec<u8>, Option<Destination>), WireError> {
+    pub(crate) fn split_remote(&self, blob: &[u8]) -> Result<Split, WireError> {
         if !blob.starts_with(&PUBLIC_MAGIC) {
             if !self.foreign_seen.swap(true, Ordering::Relaxed) {
                 tracing::info!("loading remote metadata without BOUNCE keys: transfers into it stay on UCX");
             }
-            return Ok((blob.to_vec(), None));
+            return Ok(Split { inner: blob.to_vec(), dest: None, ticket: 0 });
         }
         match PublicData::decode(blob) {
             Ok(p) => {
                 let dest = Destination { reg: p.reg, key: p.key };
+                let mut ticket = 0;
                 if let Some(reach) = p.ipc.map(Reach::Ipc).or(p.cma.map(Reach::Cma)) {
+                    ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed) + 1;
                     let mut pending = self.pending_reach.lock();
-                    // A blob whose load failed leaves its record here; bound what that costs.
+                    // A load that never reports back (a caller that neither loaded nor failed)
+                    // leaves its record here; bound what that costs. The records dropped only
+                    // cost those loads their same-host path.
                     if pending.len() >= MAX_PENDING_REACH {
                         pending.clear();
                     }
-                    pending.insert(dest, reach);
+                    pending.insert(ticket, (dest, reach));
                 }
-                Ok((p.inner, Some(dest)))
+                Ok(Split { inner: p.inner, dest: Some(dest), ticket })
             }
             Err(e) => {
                 // Ours by its magic, but unreadable: a newer layout or a truncated blob. Handed
@@ -151,12 +174,29 @@ impl Keys {
         }
     }
 
-    /// The inner engine loaded a peer's registration as `md`, carrying `dest`.
-    pub(crate) fn remote_loaded(&self, md: Md, dest: Destination) {
-        if let Some(reach) = self.pending_reach.lock().remove(&dest) {
-            self.remote_reach.lock().insert(md, reach);
+    /// The inner engine loaded a peer's registration as `md`, carrying `dest`, from the blob
+    /// whose split gave `ticket`: the record that blob carried (if any) is kept for `md`.
+    pub(crate) fn remote_loaded(&self, md: Md, dest: Destination, ticket: u64) {
+        let carried = (ticket != 0).then(|| self.pending_reach.lock().remove(&ticket)).flatten();
+        let mut reach = self.remote_reach.lock();
+        match carried {
+            Some((d, r)) if d == dest => {
+                reach.insert(md, r);
+            }
+            // A handle is only ever the blob's own (a reused handle keeps no earlier record).
+            _ => {
+                reach.remove(&md);
+            }
         }
+        drop(reach);
         self.remote.lock().insert(md, dest);
+    }
+
+    /// The inner engine did not load the blob whose split gave `ticket`: its record goes.
+    pub(crate) fn load_failed(&self, ticket: u64) {
+        if ticket != 0 {
+            self.pending_reach.lock().remove(&ticket);
+        }
     }
 
     /// NIXL unloaded remote metadata `md`. Returns the IPC handle of its allocation when no
@@ -214,6 +254,15 @@ impl Keys {
 mod tests {
     use super::*;
 
+    /// Splits `blob` and reports its load as `md`, as the shim does; the destination it proved.
+    fn load(keys: &Keys, blob: &[u8], md: usize) -> Option<Destination> {
+        let split = keys.split_remote(blob).unwrap();
+        if let Some(d) = split.dest {
+            keys.remote_loaded(Md(md), d, split.ticket);
+        }
+        split.dest
+    }
+
     #[test]
     fn keys_travel_in_public_data_and_prove_only_what_was_loaded() {
         let (ours, theirs) = (Keys::default(), Keys::default());
@@ -222,13 +271,13 @@ mod tests {
         assert_ne!(d.reg, e.reg);
         assert_ne!(d.key, e.key, "keys are random");
         let blob = ours.public_data(Md(1), b"rkey");
-        let (inner, got) = theirs.split_remote(&blob).unwrap();
-        assert_eq!((inner.as_slice(), got), (&b"rkey"[..], Some(d)));
-        theirs.remote_loaded(Md(10), d);
+        let split = theirs.split_remote(&blob).unwrap();
+        assert_eq!(split, Split { inner: b"rkey".to_vec(), dest: Some(d), ticket: 0 }, "no record, no ticket");
+        theirs.remote_loaded(Md(10), d, split.ticket);
         assert_eq!(theirs.destinations([Md(10), Md(10)]), Some(vec![d]));
         assert_eq!(theirs.destinations([Md(10), Md(11)]), None, "md 11 was never loaded");
         // A foreign blob loads as is, proving nothing.
-        assert_eq!(theirs.split_remote(b"plain"), Ok((b"plain".to_vec(), None)));
+        assert_eq!(theirs.split_remote(b"plain"), Ok(Split { inner: b"plain".to_vec(), dest: None, ticket: 0 }));
         // Ours by its magic but unreadable (a newer version, truncated): refused, never handed
         // to the inner engine as an rkey.
         let mut newer = blob.clone();
@@ -248,28 +297,27 @@ mod tests {
         let e = ours.issue(Md(2)).expect("randomness");
         let ipc = IpcRecord { node: [1; 16], handle: [2; 64], alloc_off: 0, addr: 0x1000, len: 64 };
         ours.set_local_reach(Md(1), Reach::Ipc(ipc));
-        let (inner, got) = theirs.split_remote(&ours.public_data(Md(1), b"rkey")).unwrap();
-        assert_eq!((inner.as_slice(), got), (&b"rkey"[..], Some(d)));
-        let (_, got_e) = theirs.split_remote(&ours.public_data(Md(2), b"rkey")).unwrap();
-        assert_eq!(got_e, Some(e));
+        let split = theirs.split_remote(&ours.public_data(Md(1), b"rkey")).unwrap();
+        assert_eq!((split.inner.as_slice(), split.dest), (&b"rkey"[..], Some(d)));
+        assert_ne!(split.ticket, 0, "a record waits under its load's ticket");
+        let split_e = theirs.split_remote(&ours.public_data(Md(2), b"rkey")).unwrap();
+        assert_eq!((split_e.dest, split_e.ticket), (Some(e), 0));
         assert_eq!(theirs.remote_reach([Md(10)]), None, "not loaded yet");
-        theirs.remote_loaded(Md(10), d);
-        theirs.remote_loaded(Md(11), e);
+        theirs.remote_loaded(Md(10), d, split.ticket);
+        theirs.remote_loaded(Md(11), e, split_e.ticket);
         assert_eq!(theirs.remote_reach([Md(10), Md(10)]), Some(vec![(Reach::Ipc(ipc), 2)]));
         assert_eq!(theirs.remote_reach([Md(10), Md(11)]), None, "registration 2 has no record");
         assert_eq!(theirs.remote_unloaded(Md(10)), Some([2; 64]), "the allocation's last registration");
         assert_eq!(theirs.remote_reach([Md(10)]), None);
         assert_eq!(ours.forget_local(Md(1)), Some(d));
         ours.issue(Md(1)).expect("randomness");
-        let (_, again) = theirs.split_remote(&ours.public_data(Md(1), b"rkey")).unwrap();
-        theirs.remote_loaded(Md(12), again.unwrap());
+        load(&theirs, &ours.public_data(Md(1), b"rkey"), 12);
         assert_eq!(theirs.remote_reach([Md(12)]), None, "a forgotten registration's record is gone");
         // A host registration's CMA record travels the same way.
         let cma =
             CmaRecord { node: [1; 16], pidns: 7, pid: 42, start: 99, addr: 0x2000, len: 64, live: 0x3000, tag: 5 };
         ours.set_local_reach(Md(2), Reach::Cma(cma));
-        let (_, got) = theirs.split_remote(&ours.public_data(Md(2), b"rkey")).unwrap();
-        theirs.remote_loaded(Md(13), got.unwrap());
+        load(&theirs, &ours.public_data(Md(2), b"rkey"), 13);
         assert_eq!(theirs.remote_reach([Md(13)]), Some(vec![(Reach::Cma(cma), 1)]));
         assert_eq!(
             theirs.remote_reach([Md(13), Md(13), Md(11), Md(13)]),
@@ -288,12 +336,48 @@ mod tests {
             ours.issue(Md(md)).expect("randomness");
             let r = IpcRecord { node: [1; 16], handle, alloc_off, addr: 0x10000 * md as u64, len: 64 };
             ours.set_local_reach(Md(md), Reach::Ipc(r));
-            let (_, got) = theirs.split_remote(&ours.public_data(Md(md), b"rkey")).unwrap();
-            theirs.remote_loaded(Md(10 + md), got.unwrap());
+            load(&theirs, &ours.public_data(Md(md), b"rkey"), 10 + md);
         }
         assert_eq!(theirs.remote_unloaded(Md(11)), None, "registration 2 still names the allocation");
         assert_eq!(theirs.remote_unloaded(Md(13)), Some([3; 64]));
         assert_eq!(theirs.remote_unloaded(Md(12)), Some([2; 64]));
         assert_eq!(theirs.remote_unloaded(Md(12)), None, "unloaded twice: nothing more to unmap");
+    }
+
+    /// Review 55 H1: agent C of this host holds A's metadata, so A's registration id and key.
+    /// It publishes them with a record of its own process (its memory at A's address) in a
+    /// blob whose load fails here, then we load A's own metadata, which carries no record
+    /// (A's same-host path off). A's registration must not take C's record: our same-host
+    /// WRITEs to A would land in C.
+    #[test]
+    fn a_record_is_kept_only_by_the_load_of_the_blob_that_carried_it() {
+        let (a, us) = (Keys::default(), Keys::default());
+        let d = a.issue(Md(1)).expect("randomness");
+        let c_cma =
+            CmaRecord { node: [1; 16], pidns: 7, pid: 4242, start: 99, addr: 0x2000, len: 64, live: 0x3000, tag: 5 };
+        let forged = PublicData { reg: d.reg, key: d.key, ipc: None, cma: Some(c_cma), inner: b"rkey".to_vec() };
+        // The forged blob's load fails in the inner engine, reported or not.
+        for report in [true, false] {
+            let split = us.split_remote(&forged.to_vec()).unwrap();
+            assert_eq!(split.dest, Some(d));
+            if report {
+                us.load_failed(split.ticket);
+            }
+            assert_eq!(load(&us, &a.public_data(Md(1), b"rkey"), 10), Some(d));
+            assert_eq!(us.remote_reach([Md(10)]), None, "A's registration must not carry C's record");
+            assert_eq!(us.destinations([Md(10)]), Some(vec![d]), "it still bounces");
+            us.remote_unloaded(Md(10));
+        }
+        // A blob's record goes only with a load of the same destination, and a handle loaded
+        // again without one keeps none of its earlier load.
+        let split = us.split_remote(&forged.to_vec()).unwrap();
+        let other = Destination { reg: RegId(d.reg.0 + 1), key: d.key };
+        us.remote_loaded(Md(11), other, split.ticket);
+        assert_eq!(us.remote_reach([Md(11)]), None);
+        let split = us.split_remote(&forged.to_vec()).unwrap();
+        us.remote_loaded(Md(12), d, split.ticket);
+        assert_eq!(us.remote_reach([Md(12)]), Some(vec![(Reach::Cma(c_cma), 1)]), "its own load keeps it");
+        load(&us, &a.public_data(Md(1), b"rkey"), 12);
+        assert_eq!(us.remote_reach([Md(12)]), None);
     }
 }

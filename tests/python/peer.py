@@ -9,10 +9,13 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
       "host": {"size": BYTES, "seed": S} also registers a host-memory buffer with the same
       agent (a GPU worker that moves host memory too) -> "host_addr": int
       "cuda_late": true makes the agent before the process touches CUDA (VRAM)
+      "at": ADDR puts the (host) buffer at that virtual address (mmap MAP_FIXED_NOREPLACE)
   {"op": "load", "meta": b64}                 add a remote agent
   {"op": "unload", "name": A}                 remove remote agent A (NIXL's remove_remote_agent)
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
   {"op": "notif_send", "to": A, "msg": M}     ("b64": B instead of "msg": raw bytes)
+  {"op": "partial_meta"}                      -> {"meta": b64}: the buffer's registration
+      metadata for BOUNCE without connection info (NIXL's get_partial_agent_metadata)
   {"op": "dump", "path": P, "host": bool}     write the buffer (the host buffer) to a file
   {"op": "fill", "seed": S}                   refill the buffer with pattern(seed)
   {"op": "write", "to": A, "n": N, "size": S, "seed": L, "src_off": O, "raddr": R,
@@ -33,6 +36,20 @@ import time
 import numpy as np
 
 import nixlkit
+
+
+def fixed_buffer(addr, size):
+    """`size` bytes of fresh anonymous memory at virtual address `addr` (refused if anything is
+    mapped there), as a numpy array: two processes can then hold buffers at the same address."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    prot, flags = 0x1 | 0x2, 0x02 | 0x20 | 0x100000  # READ|WRITE; PRIVATE|ANONYMOUS|FIXED_NOREPLACE
+    got = libc.mmap(addr, size, prot, flags, -1, 0)
+    if got != addr:
+        raise OSError(ctypes.get_errno(), f"cannot map {size} bytes at {addr:#x} (got {got})")
+    return np.frombuffer((ctypes.c_uint8 * size).from_address(addr), dtype=np.uint8)
 
 
 def main():
@@ -68,6 +85,10 @@ def main():
         if vram and cmd.get("cuda_late"):
             touch_cuda()
         buf = nixlkit.pattern(cmd.get("seed", 0), cmd["size"])
+        if "at" in cmd:
+            fixed = fixed_buffer(cmd["at"], cmd["size"])
+            fixed[:] = buf
+            buf = fixed
         if cmd.get("mem", "DRAM") == "VRAM":
             buf = nixlkit.VramBuf(buf, cmd.get("dev", 0))
         for b in cmd.get("backends", ["BOUNCE"]):
@@ -145,6 +166,8 @@ def main():
         "notif_wait": notif_wait,
         "notif_send": lambda cmd: ag.send_notif(
             cmd["to"], base64.b64decode(cmd["b64"]) if "b64" in cmd else cmd["msg"].encode()),
+        "partial_meta": lambda cmd: {"meta": base64.b64encode(ag.get_partial_agent_metadata(
+            ag.get_reg_descs([(nixlkit.addr(buf), buf.nbytes, 0, "")], "DRAM"), False, ["BOUNCE"])).decode()},
         "dump": lambda cmd: (hbuf if cmd.get("host") else buf).tofile(cmd["path"]),
         "fill": fill,
         "write": write,

@@ -6,6 +6,7 @@ processes, byte-exact (every byte between the destinations too), the counters pr
 conftest.py turns the path off for the rest of the suite; each test here turns it on (the
 environment is read when an agent is made, and peer processes inherit it).
 """
+import base64
 import os
 import signal
 import time
@@ -402,3 +403,40 @@ def test_the_path_runs_the_threads_set_else_half_the_cpus_between_2_and_8(cma, s
     threads, cpus = map(int, line[0].split()[1:])
     want = int(set_to) if set_to else min(8, max(2, cpus // 2))
     assert threads == want, (threads, cpus, out[-2000:])
+
+
+def test_a_record_planted_by_a_failed_load_never_takes_our_writes_to_another_agent(cma, peer, tmp_path):
+    """Review 55 H1. Agent C of this host holds A's metadata, so A's registration id and key,
+    and has a buffer of its own at the same virtual address as A's. It hands us its
+    registration metadata with A's id and key in place of its own and no connection info: our
+    load of it fails (UCX has no connection to C), but its same-host record used to stay
+    behind, to be taken by the next load of a registration under A's id and key. A's own
+    metadata carries no record (A's same-host path is off), so our scattered WRITE to A went
+    by CMA into C's process and was reported DONE, A's buffer untouched. Only the load of the
+    blob that carried a record may keep it: the WRITE now bounces into A."""
+    at = 0x7E0000000000
+    lay = nixlkit.Scattered(4096, 4096, seed=1201)
+    a = peer({"NIXL_BOUNCE_CMA": "0"})
+    meta_a, addr_a = a.start(name="h1-rx", size=lay.dst_bytes, seed=1202, at=at)
+    c = peer(ON)
+    _, addr_c = c.start(name="h1-c", size=lay.dst_bytes, seed=1203, at=at)
+    assert addr_a == addr_c == at
+    partial = base64.b64decode(c.call(op="partial_meta")["meta"])
+    # A registration's public data: magic (8 bytes), layout version (2), id (8), key (32).
+    i, j = meta_a.index(b"NXBNCREG"), partial.index(b"NXBNCREG")
+    forged = partial[:j + 10] + meta_a[i + 10:i + 50] + partial[j + 50:]
+    assert forged != partial and len(forged) == len(partial)
+    ag = nixlkit.agent("h1-tx")
+    buf = nixlkit.pattern(1204, lay.src_bytes)
+    nixlkit.register(ag, buf)
+    with pytest.raises(Exception):
+        ag.add_remote_agent(forged)  # no connection info: the inner engine refuses the load
+    ag.add_remote_agent(meta_a)
+    connect(ag, a)
+    before = stats(ag)
+    h = ag.initialize_xfer("WRITE", *descs(ag, "WRITE", lay, buf, at), "h1-rx", b"h1")
+    post_notified(ag, a, h, "h1", "h1")
+    moved = {k: v - before.get(k, 0) for k, v in stats(ag).items() if v != before.get(k, 0)}
+    assert not moved.get("cma_xfers") and moved.get("bounce_ok") == 1, moved
+    assert_landed("WRITE", lay, a, tmp_path, buf, 1204, 1202)
+    nixlkit.assert_same(remote_buffer(c, tmp_path, "c.bin"), nixlkit.pattern(1203, lay.dst_bytes), "C's buffer")

@@ -225,13 +225,19 @@ impl Engine {
     ///
     /// # Errors
     /// [`Error::BadPublicData`]: ours by its magic but unreadable; not to be loaded at all.
-    pub(crate) fn split_remote_md(&self, blob: &[u8]) -> Result<(Vec<u8>, Option<Destination>)> {
+    pub(crate) fn split_remote_md(&self, blob: &[u8]) -> Result<Split> {
         self.keys.split_remote(blob).map_err(Error::BadPublicData)
     }
 
-    /// The inner engine loaded a peer's registration as `md`, carrying `dest`.
-    pub(crate) fn remote_md_loaded(&self, md: Md, dest: Destination) {
-        self.keys.remote_loaded(md, dest);
+    /// The inner engine loaded a peer's registration as `md`, carrying `dest`, from the blob
+    /// whose split gave `ticket`.
+    pub(crate) fn remote_md_loaded(&self, md: Md, dest: Destination, ticket: u64) {
+        self.keys.remote_loaded(md, dest, ticket);
+    }
+
+    /// The inner engine did not load the blob whose split gave `ticket`.
+    pub(crate) fn remote_md_load_failed(&self, ticket: u64) {
+        self.keys.load_failed(ticket);
     }
 
     /// NIXL unloaded remote metadata `md`.
