@@ -68,7 +68,8 @@ def parse_args(argv):
         min_samples=b.min_samples if args.samples is None else args.samples,
         max_samples=b.max_samples if args.max_samples is None else args.max_samples,
         min_time=b.min_time if args.min_time is None else args.min_time,
-        max_time=b.max_time if args.max_time is None else args.max_time)
+        max_time=b.max_time if args.max_time is None else args.max_time,
+        floor=min(b.floor, b.min_samples if args.samples is None else args.samples))
     for name, allowed in (("ops", plan.OPS), ("mems", plan.MEMS), ("shapes", plan.SHAPES)):
         bad = [x for x in getattr(args, name) if x not in allowed]
         if bad:
@@ -98,6 +99,12 @@ def main(argv=None):
     variants = [plan.parse_variant(s, args.ucx_threads, args.shipped_gate) for s in args.backends]
     if len({v.label for v in variants}) != len(variants):
         sys.exit("sweep: a backend is listed twice")
+    # Inherited gate variables override the open gate in every worker: say so, loudly.
+    inherited = plan.inherited_gate_env(os.environ)
+    gate_warning = None
+    if inherited and not args.shipped_gate and any(v.is_bounce for v in variants):
+        gate_warning = plan.gate_env_warning(inherited)
+        print(gate_warning, file=sys.stderr, flush=True)
     points, skipped = plan.points(args.shapes, args.ops, args.mems, args.sizes, args.counts, args.concurrency,
                                   args.max_request_bytes)
     if not points:
@@ -115,18 +122,22 @@ def main(argv=None):
                       progress=not args.no_progress, notif_sleep_us=args.notif_sleep_us)
     report.add_ratios(rows)
     report.write_csv(rows, os.path.join(outdir, "sweep.csv"))
-    text = report.table(rows)
+    text = report.table(rows, args.budget.min_samples)
     with open(os.path.join(outdir, "table.txt"), "w") as f:
         f.write(text)
     print(text)
     figures = plots.all_plots(rows, outdir, args.win_below)
     meta = dict(machine=where + f", {os.getloadavg()[0]:.1f} at end", elapsed=time.monotonic() - t0,
-                outdir=outdir)
+                outdir=outdir, gate_warning=gate_warning)
     summ = report.summary(rows, meta, args.win_below)
     summ += "Plots:\n" + "".join(f"  {p}\n" for p in figures)
     with open(os.path.join(outdir, "summary.txt"), "w") as f:
         f.write(summ)
     print(summ)
+    failed = [r for r in rows if r["check"] != "ok"]
+    if failed:
+        sys.exit(f"sweep: FAILED: {len(failed)} of {len(rows)} rows failed their data or notification check "
+                 "(see CHECK FAILED in the summary)")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -15,6 +16,7 @@ from . import plan, report
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ACTIVE_PACE_US = 500  # the target's notification poll while a measurement runs (as peer.py)
 IDLE_PACE_US = 5000  # and between measurements, so idle pairs leave the cores to the others
+NOTIF_WAIT_S = 10.0  # after a measurement of a notifying shape: the longest wait for the last ones
 
 
 
@@ -76,8 +78,8 @@ class Pair:
         self.tgt = Worker(env, os.path.join(logdir, f"{tag}-target.log"))
         self.ini_name, self.tgt_name = f"sweep-ini-{index}", f"sweep-tgt-{index}"
         common = dict(op="start", backend=variant.backend, params=dict(variant.params), sync=sync, mems=mems)
-        self.ini.send(role="initiator", name=self.ini_name, gpu=gpus[0], **common)
-        self.tgt.send(role="target", name=self.tgt_name, gpu=gpus[1], **common)
+        self.ini.send(role="initiator", name=self.ini_name, gpu=gpus[0], seed=1, **common)
+        self.tgt.send(role="target", name=self.tgt_name, gpu=gpus[1], seed=2, **common)
 
     def connect(self):
         """Second half of start-up (after every pair's processes were launched)."""
@@ -88,8 +90,13 @@ class Pair:
         if self.variant.is_bounce:
             self.ini.call(op="ready", backend="BOUNCE")
 
-    def measure(self, point, budget, src, buffer_bytes, notif_sleep_us=0):
+    def measure(self, point, budget, src, buffer_bytes, seq, notif_sleep_us=0):
         shape = plan.SHAPES[point.shape]
+        # Untimed, before: both buffers get fresh bytes of seeds of this measurement's own.
+        seeds = {"initiator": 2 * seq + 11, "target": 2 * seq + 12}
+        t_fill = time.monotonic()
+        both(self, "fill", dict(mem=point.mem), {side: dict(seed=seed) for side, seed in seeds.items()})
+        fill_s = time.monotonic() - t_fill
         before = self.tgt.call(op="pace", us=ACTIVE_PACE_US)
         try:
             res = self.ini.call(op="run", point=dataclasses.asdict(point), budget=dataclasses.asdict(budget),
@@ -97,17 +104,35 @@ class Pair:
                                 notif=shape.notif, notif_thread=shape.notif_thread,
                                 backend=self.variant.backend, buffer_bytes=buffer_bytes[point.mem],
                                 notif_sleep_us=notif_sleep_us)
+            if shape.notif:  # the last transfers' notifications may still be on their way
+                self.tgt.call(op="wait_notifs", want=before["notifs"] + res["completed"], timeout_s=NOTIF_WAIT_S)
         finally:
             after = self.tgt.call(op="pace", us=IDLE_PACE_US)
         res["target_cpu"] = after["cpu"] - before["cpu"]
         res["target_notifs"] = after["notifs"] - before["notifs"]
         res["target_threads"] = {k: round(v - before["threads"].get(k, 0), 3) for k, v in after["threads"].items()
                                  if v - before["threads"].get(k, 0) > 0}
+        # Untimed, after: the bytes (destination side) and the untouched source (the other).
+        check = dict(mem=point.mem, point=dataclasses.asdict(point), buffer_bytes=buffer_bytes[point.mem],
+                     src=src, seeds=seeds)
+        t_check = time.monotonic()
+        replies = both(self, "check", check, {"initiator": dict(side="initiator"), "target": dict(side="target")})
+        res["fill_s"], res["check_s"] = fill_s, time.monotonic() - t_check  # the check's cost (measurements.jsonl)
+        problems = [f"data ({side}): {p}" for side in ("initiator", "target") for p in replies[side]["problems"]]
+        notifs = report.notif_problem(shape.notif, res["completed"], res["target_notifs"])
+        res["problems"] = problems + ([notifs] if notifs else [])
         return res
 
     def close(self):
         self.ini.close()
         self.tgt.close()
+
+
+def both(pair, op, common, per_side):
+    """One command to both workers of `pair`, run by both at once; their replies by side."""
+    pair.ini.send(op=op, **common, **per_side["initiator"])
+    pair.tgt.send(op=op, **common, **per_side["target"])
+    return {"initiator": pair.ini.recv(), "target": pair.tgt.recv()}
 
 
 def safe(label):
@@ -136,7 +161,8 @@ def gpu_pair():
 
 
 def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row=None, notif_sleep_us=0):
-    """Measures every point with every variant; returns the rows (report.row dicts)."""
+    """Measures every point with every variant; returns the rows (report.row dicts). A row whose
+    data or notification check failed says so in its `check` (and on stderr at once)."""
     logdir = os.path.join(outdir, "logs")
     os.makedirs(logdir, exist_ok=True)
     buffers = buffer_sizes(points, max_buffer)
@@ -145,7 +171,7 @@ def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row
     bar = tqdm(total=len(points) * len(variants), unit="run", disable=not progress,
                dynamic_ncols=True, file=sys.stderr)
     shapes = list(dict.fromkeys(p.shape for p in points))
-    index = 0
+    index = seq = 0
     # Everything measured, samples and per-thread CPU included, one JSON object per line.
     raw = open(os.path.join(outdir, "measurements.jsonl"), "w")
     for shape in shapes:
@@ -162,9 +188,14 @@ def run(points, variants, budget, src, outdir, max_buffer, progress=True, on_row
                 for v in plan.rotated(variants, i):
                     bar.set_description(f"{shape} {p.op} {p.mem} {p.count}x{report.fmt_size(p.size)} "
                                         f"x{p.conc} {v.label}")
-                    res = pairs[v.label].measure(p, budget, src, buffers, notif_sleep_us)
+                    res = pairs[v.label].measure(p, budget, src, buffers, seq, notif_sleep_us)
+                    seq += 1
                     row = report.row(p, v, res)
                     rows.append(row)
+                    if row["check"] != "ok":
+                        tqdm.write(f"sweep: CHECK FAILED: {p.shape} {p.op} {p.mem} {p.count} x "
+                                   f"{report.fmt_size(p.size)}, {p.conc} in flight, {v.label}: {row['check']}",
+                                   file=sys.stderr)
                     raw.write(json.dumps({**row, "raw": res}) + "\n")
                     raw.flush()
                     if on_row:

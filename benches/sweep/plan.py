@@ -49,6 +49,29 @@ class Variant:
 # it the gate's defaults) can be read off the sweep. --shipped-gate measures the routing as is.
 OPEN_GATE = (("bounce_min_descriptor_count", "1"), ("bounce_max_average_descriptor_size", "1GiB"))
 
+# The environment variables of the gate (README "Configuration"). An environment variable wins
+# over a backend param, so one of these inherited by the workers overrides OPEN_GATE: the points
+# it excludes go to UCX and measure nothing of the bounce path (the crossover leaves them out).
+GATE_ENV = ("NIXL_BOUNCE_ENABLE", "NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT", "NIXL_BOUNCE_MAX_AVERAGE_DESCRIPTOR_SIZE")
+
+
+def inherited_gate_env(environ):
+    """The gate's variables set in `environ` (the sweep's own environment, which every worker
+    inherits), name -> value."""
+    return {k: environ[k] for k in GATE_ENV if k in environ}
+
+
+def gate_env_warning(inherited):
+    """The loud warning for `inherited_gate_env`'s answer (lines, no trailing newline)."""
+    names = " ".join(f"{k}={v}" for k, v in inherited.items())
+    return (f"WARNING: inherited from the environment: {names}\n"
+            "WARNING: environment variables win over backend params, so these OVERRIDE the sweep's open "
+            "gate in every BOUNCE worker:\n"
+            "WARNING: the points they exclude go to UCX and are left out of the crossover and the derived "
+            "gate (unmeasured), which cannot reach beyond them.\n"
+            f"WARNING: unset them (env -u {' -u '.join(inherited)} ...) to derive a gate, or pass "
+            "--shipped-gate to measure the routing they give.")
+
 
 def parse_variant(spec, ucx_threads=4, shipped_gate=False):
     """`BASE[:key=value,...]` -> Variant. BASE is BOUNCE, UCX, UCX+SGL or UCX-MT (UCX with
@@ -103,12 +126,14 @@ class Point:
 class Budget:
     """How long one (point, backend) measurement runs: `warmup` completions (at least one per
     request in flight) are dropped, then it samples until it has `min_samples` AND `min_time`
-    seconds, or `max_samples`, or `max_time` seconds (with at least one sample)."""
+    seconds, or `max_samples`, or `max_time` seconds once it has at least `floor` samples (so a
+    slow point still gets `floor` samples; rows with fewer than `min_samples` are marked)."""
     warmup: int
     min_samples: int
     max_samples: int
     min_time: float
     max_time: float
+    floor: int = 1
 
 
 PRESETS = {
@@ -117,20 +142,20 @@ PRESETS = {
     "quick": dict(sizes=[4 * KiB, 64 * KiB], counts=[1024, 16384], concs=[1, 8], ops=["WRITE", "READ"],
                   mems=["DRAM"], shapes=["poll", "mt-strict"],
                   backends=["BOUNCE", "UCX", "UCX+SGL", "UCX-MT"],
-                  budget=Budget(2, 5, 400, 0.05, 0.3)),
+                  budget=Budget(2, 5, 400, 0.05, 0.3, floor=5)),
     # Everything the issue lists. Hours on two cores: narrow it with the flags.
     "full": dict(sizes=[512 * 2 ** i for i in range(12)], counts=[16, 64, 256, 1024, 4096, 16384],
                  concs=[1, 8, 64, 128], ops=["WRITE", "READ"], mems=["DRAM", "VRAM"],
                  shapes=["poll", "mt-strict", "mt-rw"],
                  backends=["BOUNCE", "UCX", "UCX+SGL", "UCX-MT"],
-                 budget=Budget(3, 30, 2000, 0.3, 2.0)),
+                 budget=Budget(3, 30, 2000, 0.3, 2.0, floor=5)),
     # Only what the gate's crossover needs: WRITE, one request at a time, single-threaded.
     "gate": dict(sizes=[512 * 4 ** i for i in range(6)] + [1 * MiB], counts=[16, 64, 256, 1024, 4096, 16384],
                  concs=[1], ops=["WRITE"], mems=["DRAM"], shapes=["poll"], backends=["BOUNCE", "UCX"],
-                 budget=Budget(2, 10, 400, 0.2, 1.0)),
+                 budget=Budget(2, 10, 400, 0.2, 1.0, floor=5)),
     # The tool's own test: seconds.
     "tiny": dict(sizes=[4 * KiB], counts=[256], concs=[1, 2], ops=["WRITE", "READ"], mems=["DRAM"],
-                 shapes=["poll"], backends=["BOUNCE", "UCX"], budget=Budget(1, 3, 50, 0.02, 0.1)),
+                 shapes=["poll"], backends=["BOUNCE", "UCX"], budget=Budget(1, 3, 50, 0.02, 0.1, floor=3)),
 }
 
 
