@@ -29,8 +29,15 @@ two notification round trips. Measured, per block:
     comes after a pause, when both sides' threads have gone quiet and an idle target's reactor
     has backed off to its longest idle park. The polling row shows what a pause costs anyway
     (both processes' wake-ups, cold caches); the idle row adds the target reactor's park.
-Prints p50 / p99 of each and the hop estimate: (bounced WRITE - UCX floor) / 2 + one RTT, i.e.
-what one control round trip of the bounce path costs against the notification round trip.
+Prints p50 / p99 of each (the p50 ratio column divides the p50 columns beside it) and the hop
+estimate: what one control round trip of the bounce path costs against a notification round
+trip, from the p50s printed and the round trips each bounced WRITE took (the engine's counts:
+`grant_waits`, `ack_waits`, `inline_acks`). A WRITE of k round trips with a data write: its p50
+less the UCX WRITE alone (the floor less its 2 RTT), over k, against the notification round trip
+(k = 2: (bounced WRITE - UCX floor) / 2 + one RTT). An inline WRITE (one round trip, its bytes
+in the WANT, no data write): the whole WRITE against the round trip of a notification of its
+WANT's size. No estimate when the WRITEs mixed kinds, a row is missing (--only), or it would
+not be positive (noise larger than the difference).
 Then the two round trips as the initiator's engine timed them (`stats.grant_wait_ns` and
 `stats.ack_wait_ns` over their counts): WANT -> GRANT and DATA -> ACK (the target's scatter of
 the chunk in it), each the median over blocks of the block's mean, beside the notification
@@ -156,10 +163,14 @@ class Side:
     def _pongs(self):
         return sum(m == b"pong" for _, msgs in self.ag.get_new_notifs().items() for m in msgs)
 
-    def _ping_pong(self, msg=b"ping"):
+    def _ping_pong(self, msg=b"ping", deadline_s=10.0):
+        t0 = time.perf_counter()
         self.ag.send_notif(self.peer, msg)
+        spins = 0
         while not self._pongs():
-            pass
+            spins += 1
+            if not spins % 4096 and time.perf_counter() - t0 > deadline_s:
+                raise SystemExit(f"{self.backend}: no pong within {deadline_s} s of a ping")
 
     def _write(self, h, deadline_s=10.0):
         st = self.ag.transfer(h)
@@ -245,6 +256,35 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def hop_estimate(write, floor, rtt, frame_rtt, counts, writes):
+    """One control round trip of the bounce path, from p50s (s): the bounced WRITE, the UCX floor
+    (a UCX WRITE and 2 notification round trips), a notification round trip and one of the
+    WANT's size; `counts`: the engine's {grant_wait, ack_wait, inline_ack_wait: round trips}
+    over `writes` bounced WRITEs. Returns (estimate, what it is set against, its label, how
+    many round trips a WRITE took) or (None, why not)."""
+    if not writes or write is None:
+        return None, "no bounced WRITE to a polling target measured"
+    inline = counts.get("inline_ack_wait", 0)
+    per_write = sum(counts.values()) / writes
+    k = round(per_write)
+    if abs(per_write - k) > 0.05 or k < 1 or inline not in (0, writes):
+        return None, (f"the bounced WRITEs took {per_write:.2f} round trips each "
+                      f"({', '.join(f'{n} {c}' for n, c in counts.items() if c)} over {writes} WRITEs): "
+                      f"no single kind")
+    if inline:  # k == 1: the WANT carries the bytes, there is no data write to take off
+        if k != 1 or frame_rtt is None:
+            return None, "an inline WRITE without a frame-sized notification measured"
+        hop, base, label = write, frame_rtt, "the round trip of a notification of its WANT's size"
+    else:
+        if floor is None or rtt is None:
+            return None, "no UCX floor or notification round trip measured"
+        hop, base, label = (write - (floor - 2 * rtt)) / k, rtt, "the notification round trip"
+    if hop <= 0:
+        return None, (f"it came out {hop * 1e6:.1f}us (the bounced WRITE's p50 {write * 1e6:.1f}us, "
+                      f"below the floor's data write): noise larger than the difference")
+    return hop, base, label, k
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=20, help="interleaved blocks")
@@ -307,6 +347,8 @@ def main():
         # Per block of bounced WRITEs (polling target, idle target): mean WANT -> GRANT and
         # DATA -> ACK as the initiator's engine timed them, in seconds.
         hops = {}
+        # Per row of bounced WRITEs: the engine's round trips of each kind, and the WRITEs.
+        rt_counts, rt_writes = {}, {}
         ok_before = sides["BOUNCE"].bounce_ok()
         claims_before = sides["BOUNCE"].standing_claims()
         bounced = 0
@@ -325,8 +367,11 @@ def main():
                     samples[(name, b)].extend(f() for _ in range(args.block))
                     if timed:
                         w1 = sides[b].waits()
+                        rt_writes[name] = rt_writes.get(name, 0) + args.block
                         for k in w1:
                             n, ns = w1[k][0] - w0[k][0], w1[k][1] - w0[k][1]
+                            rt_counts.setdefault(name, {}).setdefault(k, 0)
+                            rt_counts[name][k] += n
                             if n:
                                 hops.setdefault((name, k), []).append(ns / n / 1e9)
                     if b == "BOUNCE" and method.startswith("write_scattered"):
@@ -350,24 +395,32 @@ def main():
           f"its initiator's control frames {frame_bytes} B (median per WRITE)")
     print(f"  {'measurement':27s} {'UCX p50':>9s} {'UCX p99':>9s} {'BOUNCE p50':>11s} {'BOUNCE p99':>11s} "
           f"{'p50 ratio':>10s}")
-    med = {}
+    p50 = {}  # the p50 columns, which the ratio column and the hop estimate divide
     for name, _, backends, _, base in OPS:
         cols = []
         for b in BACKENDS:
             xs = samples.get((name, b))
             if xs:
-                med[(name, b)] = statistics.median(xs)
-                cols += [f"{pct(xs, .5)*1e6:7.1f}us", f"{pct(xs, .99)*1e6:7.1f}us"]
+                p50[(name, b)] = pct(xs, .5)
+                cols += [f"{p50[(name, b)]*1e6:7.1f}us", f"{pct(xs, .99)*1e6:7.1f}us"]
             else:
                 cols += ["-", "-"]
-        ratio = (f"{med[(name, 'BOUNCE')] / med[(base, 'UCX')]:10.2f}"
-                 if (name, "BOUNCE") in med and (base, "UCX") in med else f"{'-':>10s}")
+        ratio = (f"{p50[(name, 'BOUNCE')] / p50[(base, 'UCX')]:10.2f}"
+                 if (name, "BOUNCE") in p50 and (base, "UCX") in p50 else f"{'-':>10s}")
         print(f"  {name:27s} {cols[0]:>9s} {cols[1]:>9s} {cols[2]:>11s} {cols[3]:>11s} {ratio}")
-    rtt, floor = med.get(("notif round trip", "UCX")), med.get(("UCX floor: write + 2 RTT", "UCX"))
-    if rtt and floor and ("WRITE scattered", "BOUNCE") in med:
-        hop = (med[("WRITE scattered", "BOUNCE")] - floor) / 2 + rtt
-        print(f"  one bounce control round trip ~ {hop*1e6:.1f}us against the notification round trip "
-              f"{rtt*1e6:.1f}us ({hop / rtt:.2f}x; includes a share of the gather and scatter)")
+    est = hop_estimate(p50.get(("WRITE scattered", "BOUNCE")), p50.get(("UCX floor: write + 2 RTT", "UCX")),
+                       p50.get(("notif round trip", "UCX")), p50.get(("notif RT, frame-sized", "UCX")),
+                       rt_counts.get("WRITE scattered", {}), rt_writes.get("WRITE scattered", 0))
+    if est[0] is None:
+        print(f"  one bounce control round trip: no estimate ({est[1]}); see the engine's timings below")
+    else:
+        hop, base, label, k = est
+        how = ("the whole inline WRITE, WANT -> ACK (its bytes in the WANT; includes the gather and scatter)"
+               if label != "the notification round trip" else
+               f"{k} round trip{'s' if k > 1 else ''} per WRITE, by the engine's counts; includes a share "
+               f"of the gather and scatter")
+        print(f"  one bounce control round trip ~ {hop*1e6:.1f}us against {label} {base*1e6:.1f}us "
+              f"({hop / base:.2f}x; p50s; {how})")
     # The engine times its hops as a sum per block (a mean), so the notifications they are
     # compared with are taken the same way: each block's mean, the median over blocks. Set
     # against a median of single samples, a mean carries the tail (a 2-core block with one
