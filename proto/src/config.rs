@@ -218,17 +218,6 @@ impl fmt::Display for ValueSource {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigWarning {
-    /// A value could not be parsed, so the manifest default was used instead.
-    Unparsable {
-        /// The option's param name.
-        option: &'static str,
-        /// Where the bad value came from.
-        source: ValueSource,
-        /// The rejected text.
-        value: String,
-        /// The manifest default used instead.
-        default: &'static str,
-    },
     /// A `bounce_*` param that the manifest does not declare (most likely a typo); ignored.
     UnknownParam {
         /// The param name as given.
@@ -258,9 +247,6 @@ pub enum ConfigWarning {
 impl fmt::Display for ConfigWarning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Unparsable { option, source, value, default } => {
-                write!(f, "{option}: cannot parse {value:?} from {source}; using the default {default:?}")
-            }
             Self::UnknownParam { name } => write!(f, "unknown backend param {name:?} ignored"),
             Self::GpusWithoutGpuArena => {
                 f.write_str("bounce_arena_gpus ignored: bounce_arena_mem=dram makes no GPU arena")
@@ -289,6 +275,22 @@ impl fmt::Display for ConfigWarning {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
+    /// A value could not be parsed. Fatal, whatever the option: a default in its place would
+    /// do what the user did not ask for (`bounce_enable=disable` bounced, a `bounce_control`
+    /// typo spoke UCX to a ZMQ peer), with only a log line to say so (review 55).
+    #[error(
+        "{option}: cannot parse {value:?} from {from} (the default is {default:?}; README \"Configuration\" lists the values each option takes)"
+    )]
+    Unparsable {
+        /// The option's param name.
+        option: &'static str,
+        /// Where the bad value came from.
+        from: ValueSource,
+        /// The rejected text.
+        value: String,
+        /// The option's default (for the arena's memory kind).
+        default: &'static str,
+    },
     /// The arena granularity is zero or not a power of two.
     #[error("bounce_arena_granularity {granularity} is not a power of two")]
     GranularityNotPowerOfTwo {
@@ -455,21 +457,13 @@ impl Config {
             });
         let mut values = Vec::with_capacity(manifest::OPTIONS.len());
         for (spec, chosen) in manifest::OPTIONS.iter().zip(&chosen) {
-            let chosen = chosen.as_ref().map(|(source, v)| (*source, v.as_str()));
-            let parsed = chosen.and_then(|(source, text)| {
-                let v = parse_value(spec.kind, text);
-                if v.is_none() {
-                    warnings.push(ConfigWarning::Unparsable {
-                        option: spec.name,
-                        source,
-                        value: text.to_owned(),
-                        default: spec.default_for(defaults_for),
-                    });
-                }
-                v
-            });
-            let value = match parsed {
-                Some(v) => v,
+            let value = match chosen {
+                Some((source, text)) => parse_value(spec.kind, text).ok_or_else(|| ConfigError::Unparsable {
+                    option: spec.name,
+                    from: *source,
+                    value: text.clone(),
+                    default: spec.default_for(defaults_for),
+                })?,
                 None => default_value(spec, defaults_for)?,
             };
             values.push((spec.name, value));
@@ -986,14 +980,11 @@ mod tests {
             assert_eq!(d.max_chunk_size, Config::default().max_chunk_size);
             assert_eq!(d.min_descriptor_count, 256);
         }
-        // A garbage value names the default that replaced it: the VRAM one for a GPU arena.
-        let g = load(&[("bounce_arena_mem", "vram"), ("bounce_max_chunk_size", "huge")]).unwrap();
-        assert!(
-            g.warnings.iter().any(|w| matches!(w, ConfigWarning::Unparsable { default: "32MiB", .. })),
-            "{:?}",
-            g.warnings
-        );
-        assert!(load(&[("bounce_arena_mem", "tpu")]).unwrap().warnings.len() == 1);
+        // A garbage value fails, naming the default it would have had: the VRAM one for a GPU
+        // arena.
+        let g = load(&[("bounce_arena_mem", "vram"), ("bounce_max_chunk_size", "huge")]).unwrap_err();
+        assert!(matches!(g, ConfigError::Unparsable { default: "32MiB", .. }), "{g:?}");
+        assert!(matches!(load(&[("bounce_arena_mem", "tpu")]), Err(ConfigError::Unparsable { .. })));
     }
 
     #[test]
@@ -1011,17 +1002,13 @@ mod tests {
         }
         let fifteen = (0..15).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
         assert_eq!(ArenaGpus::parse(&fifteen).map(|g| g.named()), Some(true));
-        // Each rejected whole, with the default named: never a partial list.
+        // Each refused whole, with the default named: never a partial list.
+        let gpus = |text: &str| load(&[("bounce_arena_mem", "vram"), ("bounce_arena_gpus", text)]);
         for bad in ["", "0,,1", "0,1,0", "-1", "1.5", "gpu0", "65536", "0 1", &format!("{fifteen},15")] {
-            let l = gpus(bad);
-            assert_eq!(l.config.arena_gpus, ArenaGpus::Current, "{bad:?}");
+            let e = gpus(bad).unwrap_err();
             assert!(
-                matches!(
-                    l.warnings.as_slice(),
-                    [ConfigWarning::Unparsable { option: "bounce_arena_gpus", default: "current", .. }]
-                ),
-                "{bad:?}: {:?}",
-                l.warnings
+                matches!(e, ConfigError::Unparsable { option: "bounce_arena_gpus", default: "current", .. }),
+                "{bad:?}: {e:?}"
             );
         }
         // Named GPUs with a host arena only: said, not silently dropped.
@@ -1031,43 +1018,35 @@ mod tests {
     }
 
     #[test]
-    fn garbage_falls_back_to_the_default_with_a_warning() {
-        let loaded = load(&[
+    fn a_value_that_does_not_parse_fails_the_configuration_naming_it() {
+        // Every kind of option: a default in its place would do what was not asked for.
+        for (option, value) in [
+            ("bounce_enable", "disable"),
+            ("bounce_control", "zeromq"),
             ("bounce_arena_size", "lots"),
+            ("bounce_arena_size", "1.5GiB"),
             ("bounce_copy_workers", "-3"),
             ("bounce_max_inflight_chunks", "4294967296"),
             ("bounce_eager_gather", "maybe"),
-            ("bounce_control", "tcp"),
             ("bounce_request_timeout_ms", ""),
-        ])
-        .unwrap();
-        assert_eq!(loaded.config, Config::default());
-        let bad: Vec<_> = loaded
-            .warnings
-            .iter()
-            .map(|w| match w {
-                ConfigWarning::Unparsable { option, source, value, default } => {
-                    assert_eq!(*source, ValueSource::Param);
-                    assert_eq!(*default, spec(option).default);
-                    (*option, value.as_str())
-                }
-                other => panic!("unexpected {other:?}"),
-            })
-            .collect();
-        // Manifest order, not param order.
-        assert_eq!(
-            bad,
-            vec![
-                ("bounce_arena_size", "lots"),
-                ("bounce_max_inflight_chunks", "4294967296"),
-                ("bounce_copy_workers", "-3"),
-                ("bounce_request_timeout_ms", ""),
-                ("bounce_eager_gather", "maybe"),
-                ("bounce_control", "tcp"),
-            ]
-        );
-        let text = loaded.warnings[0].to_string();
-        assert!(text.contains("bounce_arena_size") && text.contains("lots"), "{text}");
+        ] {
+            let e = load(&[("bounce_copy_workers", "3"), (option, value)]).unwrap_err();
+            assert_eq!(
+                e,
+                ConfigError::Unparsable {
+                    option: spec(option).name,
+                    from: ValueSource::Param,
+                    value: value.into(),
+                    default: spec(option).default,
+                },
+                "{option}={value:?}"
+            );
+            let text = e.to_string();
+            assert!(text.contains(option) && text.contains(&format!("{value:?}")), "{text}");
+        }
+        // The first in manifest order is named, whatever the params' order.
+        let e = load(&[("bounce_control", "tcp"), ("bounce_arena_size", "lots")]).unwrap_err();
+        assert!(matches!(e, ConfigError::Unparsable { option: "bounce_arena_size", .. }), "{e:?}");
     }
 
     #[test]
@@ -1102,9 +1081,8 @@ mod tests {
                 vec![ConfigWarning::CudaIpcBesideUcxTls { ucx_tls: "^cuda_ipc".into(), explicit: true }]
             );
         }
-        // An unparsable value is no request: the default under UCX_TLS, off.
-        let junk = load_env(&[("bounce_cuda_ipc", "perhaps")], &[tls("tcp")]).unwrap();
-        assert!(!junk.config.cuda_ipc);
+        // An unparsable value is no request: refused.
+        assert!(load_env(&[("bounce_cuda_ipc", "perhaps")], &[tls("tcp")]).is_err());
         // UCX may use cuda_ipc (named, through the cuda alias, or by default): on, no warning.
         for v in ["", "tcp,cuda", "rc,cuda_ipc", "^tcp"] {
             let l = load_env(&[], &[tls(v)]).unwrap();
@@ -1116,18 +1094,18 @@ mod tests {
     }
 
     #[test]
-    fn bad_env_falls_back_to_the_default_not_to_the_param() {
-        let loaded = load_env(&[("bounce_copy_workers", "3")], &[("NIXL_BOUNCE_COPY_WORKERS", "many")]).unwrap();
-        assert_eq!(loaded.config.copy_workers, Config::default().copy_workers);
+    fn bad_env_fails_naming_the_variable_and_does_not_fall_back_to_the_param() {
+        let e = load_env(&[("bounce_copy_workers", "3")], &[("NIXL_BOUNCE_COPY_WORKERS", "many")]).unwrap_err();
         assert_eq!(
-            loaded.warnings,
-            vec![ConfigWarning::Unparsable {
+            e,
+            ConfigError::Unparsable {
                 option: "bounce_copy_workers",
-                source: ValueSource::Env("NIXL_BOUNCE_COPY_WORKERS"),
+                from: ValueSource::Env("NIXL_BOUNCE_COPY_WORKERS"),
                 value: "many".into(),
                 default: spec("bounce_copy_workers").default,
-            }]
+            }
         );
+        assert!(e.to_string().contains("NIXL_BOUNCE_COPY_WORKERS"), "{e}");
     }
 
     #[test]
@@ -1279,10 +1257,19 @@ mod tests {
             if let Some(n) = parse_bytes(&text) {
                 prop_assert_eq!(n == 0, literally_zero, "{:?} -> {}", text, n);
             }
-            // Through the whole loader: no panic, and a non-zero-input never yields 0.
-            let loaded = load(&[("bounce_max_average_descriptor_size", &text)]).unwrap();
-            let v = loaded.config.max_average_descriptor_size;
-            prop_assert!(v != 0 || literally_zero, "{:?} -> 0", text);
+            // Through the whole loader: no panic; a value that parses is taken as parsed (a
+            // non-zero input never yields 0), one that does not is refused.
+            match load(&[("bounce_max_average_descriptor_size", &text)]) {
+                Ok(loaded) => {
+                    let v = loaded.config.max_average_descriptor_size;
+                    prop_assert_eq!(Some(v), parse_bytes(&text), "{:?}", text);
+                    prop_assert!(v != 0 || literally_zero, "{:?} -> 0", text);
+                }
+                Err(e) => prop_assert!(
+                    parse_bytes(&text).is_none() && matches!(e, ConfigError::Unparsable { .. }),
+                    "{:?}: {:?}", text, e
+                ),
+            }
         }
 
         #[test]

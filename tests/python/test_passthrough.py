@@ -230,6 +230,11 @@ def test_scattered_transfer_two_processes_is_byte_exact(peer, tmp_path, op):
     ({"bounce_ucx_plugin": "/nonexistent/libplugin_UCX.so"}, "UCX plugin was not found"),
     ({"bounce_max_inflight_chunks": "0"}, "invalid BOUNCE configuration"),
     ({"bounce_arena_granularity": "3000"}, "invalid BOUNCE configuration"),
+    # A value that does not parse is refused too: in its place the default would do the
+    # opposite of what was asked (review 55).
+    ({"bounce_enable": "disable"}, 'bounce_enable: cannot parse "disable" from backend param'),
+    ({"bounce_control": "zeromq"}, 'bounce_control: cannot parse "zeromq"'),
+    ({"bounce_arena_size": "1.5GiB"}, 'bounce_arena_size: cannot parse "1.5GiB"'),
 ])
 def test_bad_setup_fails_creation_cleanly(params, needle):
     out = create_bounce_in_isolation(params)
