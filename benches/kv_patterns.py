@@ -204,8 +204,9 @@ class Side:
         else:
             times, preps = [self.post(h) for h in self.handles], []
         singles, batch = list(times[:-1]), times[-1]
-        # every notification must reach the target: 8 requests + the batch
-        target.call(op="take", name=self.peer, **{"from": self.name}, n=len(self.groups))
+        # every notification must reach the target, each once: 8 requests + the batch
+        target.call(op="take", name=self.peer, **{"from": self.name},
+                    msgs=[base64.b64encode(notif).decode() for _, notif in self.groups])
         if keep:
             self.single_s.extend(singles)
             self.batch_s.append(batch)

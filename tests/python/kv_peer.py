@@ -25,6 +25,7 @@ Commands:
           a prefill worker reusing blocks the decode side said it has read;
       -> {"seen": [{"msg", "t", "bad"}...]}  (t: time.monotonic(), comparable across processes)
   {"op": "take", "name": N, "from": A, "n": K}   wait until K notifications from A arrived
+      ("msgs": [b64, ...] instead of "n": until exactly those arrived, each once)
       (any messages; for the benchmark's re-posted requests) and forget them
   {"op": "expect", "name": N, "requests": {...}, "src_seed": S}   N's cache must now hold those
       requests' blocks from `src_seed`'s cache (a push whose notifications were taken)
@@ -68,13 +69,26 @@ class Side:
         return kvcache.make_requests(self.layout, spec["count"], spec["blocks"], spec["seed"])
 
     def take(self, cmd):
-        sender, left = cmd["from"], cmd["n"]
+        """Waits for `n` notifications from `from`, or, with `msgs` (base64), for exactly those
+        (each once, in any order): a duplicated, mislabelled or empty one does not count."""
+        sender = cmd["from"]
+        want = [base64.b64decode(m) for m in cmd["msgs"]] if "msgs" in cmd else None
+        left = len(want) if want is not None else cmd["n"]
         end = time.monotonic() + cmd.get("timeout", nixlkit.DEADLINE_S)
         while left > 0:
             if time.monotonic() > end:
-                raise TimeoutError(f"{left} notification(s) from {sender} never arrived")
+                what = f" ({sorted(want)} still missing)" if want is not None else ""
+                raise TimeoutError(f"{left} notification(s) from {sender} never arrived{what}")
             self.poll()
-            mine = [x for x in self.seen if x[0] == sender][:left]
+            mine = []
+            for x in self.seen:
+                if x[0] != sender or len(mine) == left:
+                    continue
+                if want is None:
+                    mine.append(x)
+                elif x[1] in want:
+                    want.remove(x[1])
+                    mine.append(x)
             for x in mine:
                 self.seen.remove(x)
             left -= len(mine)
