@@ -160,7 +160,7 @@ def main():
         print_hops(initiator, xfers)
         return
     names = [c for c, _, _ in COLUMNS] + ["done"]
-    print("pause_ms " + " ".join(f"{n:>7}" for n in names))
+    print("pause_ms " + " ".join(f"{n:>7}" for n in names) + "   (microseconds after each transfer's submit)")
     rows, prev_end = [], None
     for t0, end, body in xfers:
         pause = (t0 - prev_end) / 1e3 if prev_end is not None else 0.0
@@ -175,8 +175,10 @@ def main():
     for label, keep in (("first", lambda p: p > args.pause_ms), ("others", lambda p: p <= args.pause_ms)):
         group = [r for p, r in rows if keep(p)]
         if group:
-            meds = [statistics.median([r[n] for r in group if r[n] is not None] or [0]) for n in names]
-            print(f"{label:>8} " + " ".join(f"{int(m):>7}" for m in meds) + f"   ({len(group)} transfers)")
+            # A step no transfer of the group had (a one-way run has no GRANT) is "-", not 0.
+            seen = [[r[n] for r in group if r[n] is not None] for n in names]
+            meds = [f"{int(statistics.median(xs)):>7}" if xs else f"{'-':>7}" for xs in seen]
+            print(f"{label:>8} " + " ".join(meds) + f"   ({len(group)} transfers)")
     if args.dump:
         prev_end = None
         for t0, end, _ in xfers:
