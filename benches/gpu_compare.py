@@ -2,7 +2,7 @@
 vs hand staging vs one contiguous write of the same bytes, two processes (one process gets no
 cuda_ipc), every variant in ONE run.
 
-    python3 benches/gpu_compare.py [--shapes 16384x4096,4096x16384,1024x65536] [--iters 20]
+    python3 benches/gpu_compare.py [--shapes 16384x4096,4096x16384,1024x65536] [--iters 20] [--rounds 1]
                                    [--peer-gpu 0] [--inflight 64] [--op WRITE|READ]
                                    [--local-mem VRAM|DRAM] [--remote-mem VRAM|DRAM]
                                    [--variant-timeout 300] [--mps]
@@ -289,6 +289,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x4096,4096x16384,1024x65536")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of every variant (a fresh pair of processes each), the order rotated each round")
     ap.add_argument("--peer-gpu", type=int, default=0)
     ap.add_argument("--inflight", type=int, default=64)
     ap.add_argument("--only", help="run only variants whose name contains this (or one of these, comma-separated)")
@@ -314,38 +316,55 @@ def main():
     mixed = "DRAM" in (args.local_mem, args.remote_mem)
     print(f"{args.local_mem} (initiator) / {args.remote_mem} (target) {args.op}, two processes, "
           f"initiator GPU 0 -> target GPU {args.peer_gpu} "
-          f"({torch.cuda.get_device_name(0)}), median of {args.iters}"
+          f"({torch.cuda.get_device_name(0)}), median of {args.iters} x {args.rounds} round(s), order rotated"
           + (f", under an MPS daemon of its own ({mps})" if mps else ""))
     failed = False
     for shape in args.shapes.split(","):
         n, size = (int(x) for x in shape.split("x"))
         mib = n * size / 2**20
         print(f"{n} x {size} B = {mib:.0f} MiB")
+        chosen = [v for v in VARIANTS
+                  if not (args.only and not any(o in v[0] for o in args.only.split(",")))
+                  and not (v[4] == "staged" and (args.op == "READ" or mixed))]
+        # Per variant: every round's samples, in-flight times and counters (each round's own,
+        # from a fresh engine), or None once a round of it failed.
+        runs = {v[0]: {"samples": [], "inflight": [], "stats": []} for v in chosen}
+        for r in range(args.rounds):
+            # The order rotated each round, so drift and the first context land on all alike.
+            k = r % len(chosen)
+            for name, backend, params, env, mode in chosen[k:] + chosen[:k]:
+                if runs[name] is None:
+                    continue
+                res = run(name, backend, params, env, mode, n, size, args)
+                if not res:
+                    # Plain UCX failing a shape is a finding (it did, DRAM -> VRAM on one host); a
+                    # BOUNCE variant failing fails the run.
+                    failed |= backend == "BOUNCE"
+                    runs[name] = None
+                    continue
+                problem = res["mismatch"]
+                if not problem and backend == "BOUNCE":
+                    problem = path_problem(name, res["stats"], args.op, mixed, res["posts"])
+                if problem:
+                    print(f"  {name}: FAILED, {problem}: no figure")
+                    failed = True
+                    runs[name] = None
+                    continue
+                for key in ("samples", "inflight"):
+                    runs[name][key] += res[key]
+                runs[name]["stats"].append(res["stats"])
         med = {}
-        for name, backend, params, env, mode in VARIANTS:
-            staged_off = mode == "staged" and (args.op == "READ" or mixed)
-            if args.only and not any(o in name for o in args.only.split(",")) or staged_off:
+        for name, *_ in chosen:
+            got = runs[name]
+            if got is None:
                 continue
-            res = run(name, backend, params, env, mode, n, size, args)
-            if not res:
-                # Plain UCX failing a shape is a finding (it did, DRAM -> VRAM on one host); a
-                # BOUNCE variant failing fails the run.
-                failed |= backend == "BOUNCE"
-                continue
-            problem = res["mismatch"]
-            if not problem and backend == "BOUNCE":
-                problem = path_problem(name, res["stats"], args.op, mixed, res["posts"])
-            if problem:
-                print(f"  {name}: FAILED, {problem}: no figure")
-                failed = True
-                continue
-            med[name] = statistics.median(res["samples"])
+            med[name] = statistics.median(got["samples"])
             extra = ""
-            if res["inflight"]:
-                extra = (f"   {args.inflight} in flight: p50 {pct(res['inflight'], .5)*1e3:.2f} ms "
-                         f"p99 {pct(res['inflight'], .99)*1e3:.2f} ms")
-            if res["stats"]:
-                s = res["stats"]
+            if got["inflight"]:
+                extra = (f"   {args.inflight} in flight: p50 {pct(got['inflight'], .5)*1e3:.2f} ms "
+                         f"p99 {pct(got['inflight'], .99)*1e3:.2f} ms")
+            if got["stats"] and got["stats"][0]:
+                s = {k: sum(int(x.get(k, 0)) for x in got["stats"]) for k in got["stats"][0]}
                 ok = s.get("stats.bounce_read_ok") if args.op == "READ" else s.get("stats.bounce_ok")
                 extra += (f"   ipc_ok={s.get('stats.ipc_ok')} chunks={s.get('stats.bounce_chunks')} ok={ok} "
                           f"region_plans={s.get('stats.region_plans_sent')}")
