@@ -2,6 +2,7 @@
 wheel carries it as `nixl_bounce/libplugin_BOUNCE.so`, tagged py3-none-<platform>."""
 import os
 import subprocess
+import sys
 
 from setuptools import setup
 from setuptools.dist import Distribution
@@ -13,6 +14,23 @@ except ImportError:
     from wheel.bdist_wheel import bdist_wheel
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def check_kernels(built):
+    """Refuses a plugin built without its GPU kernels unless BOUNCE_ALLOW_NO_KERNELS=1
+    (nixl_bounce.plugin_files.kernels_build_check)."""
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    try:
+        from nixl_bounce import plugin_files
+    finally:
+        sys.path.pop(0)
+    problem = plugin_files.kernels_build_check(built)
+    if problem is None:
+        return
+    message, fatal = problem
+    if fatal:
+        raise SystemExit(message)
+    sys.stderr.write(message)
 
 
 class BuildWithPlugin(build_py):
@@ -27,6 +45,7 @@ class BuildWithPlugin(build_py):
                              "(https://rustup.rs)") from None
         target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
         built = os.path.join(target, "release", "libnixl_bounce.so")
+        check_kernels(built)
         self.copy_file(built, os.path.join(self.build_lib, "nixl_bounce", "libplugin_BOUNCE.so"))
 
 

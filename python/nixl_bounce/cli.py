@@ -7,30 +7,125 @@ from nixl_bounce import __version__, bundled_plugin, plugin_files
 from nixl_bounce.locate import NixlNotFound, find
 
 
-def _plugin_dir_env_note():
-    env = os.environ.get("NIXL_PLUGIN_DIR")
-    if env:
-        print(f"note: NIXL_PLUGIN_DIR={env} is set, so NIXL looks only there; copy or link "
-              f"{bundled_plugin()} into it (next to libplugin_UCX.so) or unset it")
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def _tested_versions():
+    """The NIXL versions the wheel's plugin accepts (its own list, else this package's)."""
+    from nixl_bounce import TESTED_NIXL_VERSIONS, probes
+    try:
+        return probes.tested_nixl_versions(bundled_plugin()) or TESTED_NIXL_VERSIONS
+    except OSError:
+        return TESTED_NIXL_VERSIONS
+
+
+def _warn_untested(nixl, tested) -> None:
+    from nixl_bounce import ALLOW_UNTESTED_ENV
+    from nixl_bounce.doctor import allow_untested
+    if nixl.version in tested:
+        return
+    dist = (nixl.package or "nixl_cu12").replace("_", "-")
+    if allow_untested(os.environ.get(ALLOW_UNTESTED_ENV)):
+        _warn(f"{nixl.describe()} is NOT a NIXL version this build was tested with ({', '.join(tested)}); "
+              f"BOUNCE loads into it only because {ALLOW_UNTESTED_ENV} is set, at your own risk")
+    else:
+        _warn(f"{nixl.describe()} is NOT a NIXL version this build was tested with ({', '.join(tested)}): "
+              f"BOUNCE will refuse to load into it. Fix: pip install --no-deps {dist}=={tested[-1]} "
+              f"(or accept the risk with {ALLOW_UNTESTED_ENV}=1)")
+
+
+def _warn_no_kernels() -> None:
+    try:
+        built = plugin_files.gpu_kernels(bundled_plugin())
+    except OSError:
+        return
+    if not built:
+        _warn(f"this nixl-bounce wheel was built WITHOUT its GPU kernels (NVRTC was not found when it "
+              f"was built): GPU-memory (VRAM) transfers will not bounce and the same-host CUDA IPC path "
+              f"is off; host-memory transfers are unaffected. On GPU hosts, "
+              f"{plugin_files.REBUILD_WITH_KERNELS}")
+
+
+def _install_into_plugin_dir_env(installs) -> int:
+    """With NIXL_PLUGIN_DIR set (and not one of the NIXLs' own folders) NIXL loads plugins only
+    from there: install there too, or say loudly that NIXL keeps loading whatever is there."""
+    env = plugin_files.plugin_dir_override()
+    if not env or any(plugin_files.same_dir(env, n.plugin_dir) for n in installs):
+        return 0
+    target = os.path.join(os.path.abspath(os.path.expanduser(env)), plugin_files.PLUGIN_FILE)
+    if not os.path.isdir(env):
+        print(f"error: NIXL_PLUGIN_DIR={env} is set but is not a folder: NIXL loads plugins only from "
+              f"there, so it will find none (no BOUNCE). Fix: unset NIXL_PLUGIN_DIR, or create that "
+              f"folder and run nixl-bounce install again", file=sys.stderr)
+        return 1
+    try:
+        result = plugin_files.install_into(env)
+    except OSError as e:
+        what = "an OLD or foreign BOUNCE that is there" if os.path.exists(target) else "no BOUNCE at all"
+        print(f"error: NIXL_PLUGIN_DIR={env} is set, so NIXL loads plugins only from there, and {target} "
+              f"was NOT updated: {e}. NIXL will load {what}. Fix: copy {bundled_plugin()} to {target} "
+              f"yourself, or unset NIXL_PLUGIN_DIR", file=sys.stderr)
+        return 1
+    print(f"{result}: {target} (NIXL_PLUGIN_DIR: NIXL loads plugins only from there)")
+    if not os.environ.get(plugin_files.UCX_PLUGIN_ENV):
+        from nixl_bounce import probes
+        from nixl_bounce.doctor import ucx_fix
+        beside = os.path.join(os.path.dirname(target), plugin_files.UCX_PLUGIN_FILE)
+        why = f"there is none in {env}" if not os.path.exists(beside) else None
+        if why is None:
+            err = probes.load_error_alone(beside)
+            why = f"{beside} cannot load from there ({err})" if err else None
+        if why:
+            _warn(f"BOUNCE in NIXL_PLUGIN_DIR delegates to NIXL's UCX plugin, and {why}. "
+                  f"Fix: {ucx_fix(installs[0])}. NIXL itself then offers only the backends in "
+                  f"NIXL_PLUGIN_DIR (BOUNCE passes everything else to UCX)")
+    return 0
 
 
 def cmd_install(args) -> int:
-    for nixl in find(args.nixl_path):
-        result = plugin_files.install(nixl)
+    code = 0
+    installs = find(args.nixl_path)
+    tested = _tested_versions()
+    for nixl in installs:
+        try:
+            result = plugin_files.install(nixl)
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+            continue
         print(f"{result}: {plugin_files.installed_path(nixl)} ({nixl.describe()})")
+        _warn_untested(nixl, tested)
         if not os.path.isfile(os.path.join(nixl.plugin_dir, plugin_files.UCX_PLUGIN_FILE)):
-            print(f"warning: no {plugin_files.UCX_PLUGIN_FILE} in {nixl.plugin_dir}: BOUNCE delegates "
-                  f"to it; set the backend param bounce_ucx_plugin (or NIXL_BOUNCE_UCX_PLUGIN) to its path")
-    _plugin_dir_env_note()
-    return 0
+            _warn(f"no {plugin_files.UCX_PLUGIN_FILE} in {nixl.plugin_dir}: BOUNCE delegates to it; set "
+                  f"the backend param bounce_ucx_plugin (or {plugin_files.UCX_PLUGIN_ENV}) to its path")
+    code |= _install_into_plugin_dir_env(installs)
+    _warn_no_kernels()
+    return code
 
 
 def cmd_uninstall(args) -> int:
-    for nixl in find(args.nixl_path):
-        removed = plugin_files.uninstall(nixl)
+    code = 0
+    installs = find(args.nixl_path)
+    for nixl in installs:
+        try:
+            removed = plugin_files.uninstall(nixl)
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+            continue
         state = "removed" if removed else "not installed"
         print(f"{state}: {plugin_files.installed_path(nixl)}")
-    return 0
+    env = plugin_files.plugin_dir_override()
+    if env and os.path.isdir(env) and not any(plugin_files.same_dir(env, n.plugin_dir) for n in installs):
+        try:
+            if plugin_files.uninstall_from(env):
+                print(f"removed: {os.path.join(env, plugin_files.PLUGIN_FILE)} (NIXL_PLUGIN_DIR)")
+        except OSError as e:
+            print(f"error: NIXL_PLUGIN_DIR={env}: {e}; NIXL, which loads plugins only from there, "
+                  f"still offers BOUNCE", file=sys.stderr)
+            code = 1
+    return code
 
 
 def cmd_doctor(args) -> int:

@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from nixl_bounce import (ALLOW_UNTESTED_ENV, PLUGIN_FILE, TESTED_NIXL_VERSIONS, __version__,
                          bundled_plugin, locate, plugin_files, probes)
@@ -38,10 +38,12 @@ class Report:
     def __init__(self):
         self.failed = 0
 
-    def line(self, state: str, what: str, fix: Optional[str] = None):
+    def line(self, state: str, what: str, fix: Optional[str] = None, detail: Sequence[str] = ()):
         if state == "FAIL":
             self.failed += 1
         print(f"[{state:^4}] {what}")
+        for d in detail:
+            print(f"       | {d}")
         if fix:
             print(f"       fix: {fix}")
 
@@ -51,8 +53,8 @@ class Report:
     def warn(self, what, fix=None):
         self.line("WARN", what, fix)
 
-    def fail(self, what, fix):
-        self.line("FAIL", what, fix)
+    def fail(self, what, fix, detail: Sequence[str] = ()):
+        self.line("FAIL", what, fix, detail)
 
 
 def _tested_versions(r: Report, plugin: str):
@@ -109,51 +111,120 @@ def _check_dist_infos(r: Report, nixl: locate.NixlInstall) -> None:
            "whose RECORD matches the installed files, then run the doctor again")
 
 
+def ucx_fix(nixl: locate.NixlInstall) -> str:
+    """How to point BOUNCE at NIXL's own UCX plugin: a copy or link of it elsewhere cannot find
+    its UCX libraries (they are found relative to the folder NIXL installed it in)."""
+    return (f"set {plugin_files.UCX_PLUGIN_ENV}={os.path.join(nixl.plugin_dir, plugin_files.UCX_PLUGIN_FILE)} "
+            f"(or the backend param bounce_ucx_plugin) in the processes that use NIXL: NIXL's own "
+            f"copy, where its UCX libraries are found; a copy or link of it elsewhere cannot load them")
+
+
+def _has_gpus() -> bool:
+    """Whether this host has (or is meant to have) GPUs: CUDA shows some, or a driver is
+    installed but broken."""
+    c = probes.cuda()
+    return bool(c.gpus) or c.broken
+
+
+def _check_kernels(r: Report, plugin: str, gpus: Optional[bool] = None) -> None:
+    """Whether the plugin NIXL loads carries its GPU kernels (PTX embedded at build time by
+    NVRTC): without them its GPU-memory (VRAM) bounce path and same-host CUDA IPC path are off."""
+    try:
+        built = plugin_files.gpu_kernels(plugin)
+    except OSError as e:
+        r.warn(f"cannot read {plugin} to see whether it carries its GPU kernels: {e}", "nixl-bounce install")
+        return
+    if built:
+        r.ok(f"BOUNCE carries its GPU kernels (PTX built by {built})")
+        return
+    if gpus is None:
+        gpus = _has_gpus()
+    what = (f"BOUNCE at {plugin} was built WITHOUT its GPU kernels (no NVRTC at build time): "
+            f"GPU-memory (VRAM) transfers do not bounce and the same-host CUDA IPC path is off")
+    if gpus:
+        r.warn(what + "; this host has GPUs", plugin_files.REBUILD_WITH_KERNELS)
+    else:
+        r.ok(what + "; this host has no GPU, so host-memory transfers lose nothing (a GPU host needs "
+             "a build with them)")
+
+
+def _check_ucx(r: Report, nixl: locate.NixlInstall, load_dir: str) -> None:
+    """The UCX plugin BOUNCE delegates to: NIXL_BOUNCE_UCX_PLUGIN, else libplugin_UCX.so beside
+    the BOUNCE NIXL loads (src/sys/inner_plugin.rs `locate_ucx_plugin`)."""
+    configured = os.environ.get(plugin_files.UCX_PLUGIN_ENV) or None
+    ucx = configured or os.path.join(load_dir, plugin_files.UCX_PLUGIN_FILE)
+    how = f" ({plugin_files.UCX_PLUGIN_ENV})" if configured else ""
+    own = os.path.join(nixl.plugin_dir, plugin_files.UCX_PLUGIN_FILE)
+    if not os.path.isfile(ucx):
+        fix = (ucx_fix(nixl) if os.path.isfile(own) and os.path.abspath(ucx) != os.path.abspath(own)
+               else f"reinstall NIXL, or set bounce_ucx_plugin / {plugin_files.UCX_PLUGIN_ENV} to its path")
+        r.fail(f"no UCX plugin at {ucx}{how}: BOUNCE delegates to it", fix)
+        return
+    if os.path.abspath(ucx) != os.path.abspath(own):
+        # Not NIXL's own copy: its UCX libraries may be out of its reach; only a fresh process
+        # tells (this one may have UCX loaded already).
+        err = probes.load_error_alone(ucx)
+        if err:
+            r.fail(f"UCX plugin {ucx}{how} cannot be loaded: {err}",
+                   ucx_fix(nixl) if os.path.isfile(own) else "reinstall NIXL")
+            return
+    try:
+        api = probes.plugin_api_version(ucx)
+    except OSError as e:
+        r.fail(f"UCX plugin {ucx} cannot be loaded: {e}",
+               "reinstall NIXL" if os.path.abspath(ucx) == os.path.abspath(own) else ucx_fix(nixl))
+        return
+    if api == PLUGIN_API_VERSION:
+        r.ok(f"UCX plugin found ({ucx}{how}, plugin API {api})")
+    else:
+        r.fail(f"UCX plugin {ucx} has plugin API version {api}; BOUNCE speaks {PLUGIN_API_VERSION}",
+               "install the NIXL version this build was tested with")
+
+
 def _check_plugin_dir(r: Report, nixl: locate.NixlInstall) -> bool:
-    """The plugin dir, UCX and BOUNCE in it; True when BOUNCE is installed."""
-    env = os.environ.get("NIXL_PLUGIN_DIR")
-    if env and os.path.abspath(env) != os.path.abspath(nixl.plugin_dir):
-        r.warn(f"NIXL_PLUGIN_DIR={env} is set: NIXL looks there, not in {nixl.plugin_dir}",
-               f"unset NIXL_PLUGIN_DIR, or put {PLUGIN_FILE} and libplugin_UCX.so there")
-    if not os.path.isdir(nixl.plugin_dir):
+    """The plugin directory NIXL loads from (NIXL_PLUGIN_DIR when set, else NIXL's own), the
+    UCX plugin BOUNCE delegates to, and the BOUNCE there; True when BOUNCE is installed."""
+    override = plugin_files.plugin_dir_override()
+    load_dir = nixl.plugin_dir
+    fix = replace = "nixl-bounce install"
+    if override and not plugin_files.same_dir(override, nixl.plugin_dir):
+        load_dir = os.path.abspath(os.path.expanduser(override))
+        fix = replace = ("nixl-bounce install with NIXL_PLUGIN_DIR set (it puts this wheel's copy there "
+                         "too), or unset NIXL_PLUGIN_DIR")
+        if not os.path.isdir(load_dir):
+            r.fail(f"NIXL_PLUGIN_DIR={override} is set but is not a folder: NIXL loads plugins only "
+                   f"from there, so it finds none",
+                   f"unset NIXL_PLUGIN_DIR (NIXL then loads from {nixl.plugin_dir}), or create it and run {fix}")
+            return False
+        r.ok(f"NIXL_PLUGIN_DIR={override} is set: NIXL loads plugins only from there, not from "
+             f"{nixl.plugin_dir} (and offers only the backends there); checking the plugins there")
+    elif not os.path.isdir(nixl.plugin_dir):
         r.fail(f"plugin directory {nixl.plugin_dir} is missing",
                "reinstall NIXL (pip install --force-reinstall --no-deps nixl-cu12==1.5.1)")
         return False
-    r.ok(f"plugin directory: {nixl.plugin_dir}")
-    ucx = os.path.join(nixl.plugin_dir, plugin_files.UCX_PLUGIN_FILE)
-    if os.path.isfile(ucx):
-        try:
-            api = probes.plugin_api_version(ucx)
-        except OSError as e:
-            r.fail(f"UCX plugin {ucx} cannot be loaded: {e}", "reinstall NIXL")
-        else:
-            if api == PLUGIN_API_VERSION:
-                r.ok(f"UCX plugin found ({plugin_files.UCX_PLUGIN_FILE}, plugin API {api})")
-            else:
-                r.fail(f"UCX plugin has plugin API version {api}; BOUNCE speaks {PLUGIN_API_VERSION}",
-                       "install the NIXL version this build was tested with")
     else:
-        r.fail(f"no {plugin_files.UCX_PLUGIN_FILE} in {nixl.plugin_dir}: BOUNCE delegates to it",
-               "reinstall NIXL, or set bounce_ucx_plugin / NIXL_BOUNCE_UCX_PLUGIN to its path")
-    target = plugin_files.installed_path(nixl)
+        r.ok(f"plugin directory: {nixl.plugin_dir}")
+    _check_ucx(r, nixl, load_dir)
+    target = os.path.join(load_dir, PLUGIN_FILE)
     if not os.path.isfile(target):
-        r.fail(f"BOUNCE is not installed ({target} missing)", "nixl-bounce install")
+        r.fail(f"BOUNCE is not installed ({target} missing)", fix)
         return False
-    if plugin_files.is_current(nixl):
+    if plugin_files.is_same_file(target):
         r.ok(f"BOUNCE installed: {target} (same file as the wheel's)")
     else:
-        r.fail(f"BOUNCE at {target} differs from this wheel's {bundled_plugin()}",
-               "nixl-bounce install (replaces it with this wheel's)")
+        r.fail(f"BOUNCE at {target}, the one NIXL loads, differs from this wheel's {bundled_plugin()} "
+               f"(stale, or not this build)",
+               replace if override else "nixl-bounce install (replaces it with this wheel's)")
     try:
         api = probes.plugin_api_version(target)
     except OSError as e:
-        r.fail(f"{target} cannot be loaded: {e}", "nixl-bounce install")
+        r.fail(f"{target} cannot be loaded: {e}", fix)
         return False
     if api == PLUGIN_API_VERSION:
         r.ok(f"BOUNCE plugin API version {api}")
     else:
-        r.fail(f"BOUNCE declares plugin API version {api}, expected {PLUGIN_API_VERSION}",
-               "nixl-bounce install")
+        r.fail(f"BOUNCE declares plugin API version {api}, expected {PLUGIN_API_VERSION}", fix)
+    _check_kernels(r, target)
     return True
 
 
@@ -218,6 +289,60 @@ def _check_same_host(r: Report, scope) -> None:
                "from 3)")
 
 
+#: NIXL_BOUNCE_* variables the live check keeps: where NIXL's UCX plugin is (part of the
+#: install), the version guard's opt-in (the NIXL check reports it), the guard's test hook, and
+#: logging. Every other NIXL_BOUNCE_* (the option overrides, which win over backend params, and
+#: the recorders) is removed from the live check's environment: it tests the install.
+LIVE_KEEPS = (plugin_files.UCX_PLUGIN_ENV, ALLOW_UNTESTED_ENV, "NIXL_BOUNCE_TEST_FAKE_NIXL_VERSION",
+              "NIXL_BOUNCE_LOG", "NIXL_BOUNCE_LOG_SPANS")
+_FALSE = ("0", "false", "no", "off")
+
+
+def ignored_overrides(environ=None) -> List[str]:
+    """The NIXL_BOUNCE_* variables set here that the live check runs without, sorted."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith("NIXL_BOUNCE_") and k not in LIVE_KEEPS)
+
+
+def live_env(environ=None) -> dict:
+    """The live check's environment: this one without `ignored_overrides`."""
+    environ = os.environ if environ is None else environ
+    drop = set(ignored_overrides(environ))
+    return {k: v for k, v in environ.items() if k not in drop}
+
+
+def _check_env_overrides(r: Report, live: bool) -> None:
+    """Says which NIXL_BOUNCE_* overrides are set: they win over backend params in the user's
+    own runs, and the live check runs without them."""
+    names = ignored_overrides()
+    if not names:
+        return
+    shown = ", ".join(f"{k}={os.environ[k]!r}" for k in names)
+    what = (f"environment overrides set: {shown}; they win over backend params in your own runs"
+            + ("; the live check below runs without them (it tests the install, not them)" if live else ""))
+    enable = os.environ.get("NIXL_BOUNCE_ENABLE")
+    if enable is not None and _ascii_lower(enable.strip()) in _FALSE:
+        r.warn(what + "; NIXL_BOUNCE_ENABLE turns the bounce path OFF in every process that has it",
+               "unset NIXL_BOUNCE_ENABLE where you want BOUNCE to bounce")
+    else:
+        r.ok(what)
+
+
+def _stderr_lines(stderr: str, n: int = 6) -> List[str]:
+    """The child's last `n` log lines that matter (BOUNCE's, warnings and errors), else its last
+    `n` lines."""
+    lines = [l.rstrip() for l in stderr.splitlines() if l.strip()]
+    keep = [l for l in lines if "BOUNCE" in l or "ERROR" in l or "WARN" in l or "rror" in l]
+    return (keep or lines)[-n:]
+
+
+def _missing_module(error: str) -> Optional[str]:
+    marker = "No module named '"
+    if marker in error:
+        return error.split(marker, 1)[1].split("'", 1)[0].split(".")[0]
+    return None
+
+
 def _live(r: Report, nixl: locate.NixlInstall) -> bool:
     """The live check; False when it was skipped (a FAIL under CI)."""
     importable = {n.lib_dir for n in locate.importable()}
@@ -229,32 +354,42 @@ def _live(r: Report, nixl: locate.NixlInstall) -> bool:
         else:
             r.warn(what, fix)
         return False
+    rerun = f"{sys.executable} -m nixl_bounce.live {nixl.package}"
     try:
         proc = subprocess.run([sys.executable, "-m", "nixl_bounce.live", nixl.package],
-                              capture_output=True, text=True, timeout=LIVE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        r.fail(f"live check: no result in {LIVE_TIMEOUT_S} s", "run with NIXL_BOUNCE_LOG=debug to see where it stops")
+                              capture_output=True, text=True, timeout=LIVE_TIMEOUT_S, env=live_env())
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        r.fail(f"live check: no result in {LIVE_TIMEOUT_S} s",
+               f"run `NIXL_BOUNCE_LOG=debug {rerun}` to see where it stops", _stderr_lines(err))
         return True
     lines = [l for l in proc.stdout.splitlines() if l.startswith("NIXL_BOUNCE_LIVE ")]
     if not lines:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        r.fail(f"live check crashed (exit code {proc.returncode}): {tail}",
-               "run `python -m nixl_bounce.live` with NIXL_BOUNCE_LOG=debug and report it")
+        r.fail(f"live check crashed (exit code {proc.returncode})",
+               f"run `NIXL_BOUNCE_LOG=debug {rerun}` and report it",
+               _stderr_lines(proc.stderr) or ["(no output)"])
         return True
     res = json.loads(lines[-1][len("NIXL_BOUNCE_LIVE "):])
     if res["ok"]:
         r.ok(f"live: two agents created BOUNCE, exchanged metadata and bounced a WRITE of "
              f"{res['descriptors']} x 4 KiB ({res['chunks']} chunk(s), {res['ms']} ms), bytes checked")
         return True
-    bounce_lines = [l for l in proc.stderr.splitlines() if "BOUNCE" in l and ("ERROR" in l or "refus" in l)]
-    detail = f" ({bounce_lines[-1].strip()})" if bounce_lines else ""
-    fixes = {
-        "create BOUNCE": "see the NIXL line above; `nixl-bounce install` and a tested NIXL fix most causes",
-        "bounce ready": "check that both agents run BOUNCE with bounce_enable=true and the same bounce_control",
-        "bounce path": "check the bounce_min_descriptor_count / bounce_max_average_descriptor_size params",
-    }
-    r.fail(f"live check failed at '{res['stage']}': {res['error']}{detail}",
-           fixes.get(res["stage"], "run with NIXL_BOUNCE_LOG=debug and report it"))
+    log = _stderr_lines(proc.stderr)
+    said = " ".join([res["error"]] + log)
+    stage = res["stage"]
+    if stage == "create BOUNCE" and ("UCX plugin" in said or plugin_files.UCX_PLUGIN_FILE in said):
+        fix = ucx_fix(nixl)
+    elif stage == "create BOUNCE":
+        fix = "the plugin's lines below say why; `nixl-bounce install` and a tested NIXL fix most causes"
+    elif stage == "setup" and _missing_module(res["error"]):
+        fix = (f"pip install {_missing_module(res['error'])} (with {sys.executable}; "
+               f"NIXL's Python API needs it)")
+    elif stage in ("bounce ready", "bounce path", "transfer"):
+        fix = (f"the plugin's lines below say why; for more, run `NIXL_BOUNCE_LOG=debug {rerun}` "
+               f"and report it")
+    else:
+        fix = f"run `NIXL_BOUNCE_LOG=debug {rerun}` and report it"
+    r.fail(f"live check failed at '{stage}': {res['error']}", fix, log)
     return True
 
 
@@ -272,6 +407,7 @@ def run(nixl_path: Optional[str], live: bool = True) -> int:
         r.fail(e.what, e.fix)
         return 1
     live_skipped = False
+    _check_env_overrides(r, live)
     for nixl in installs:
         _check_nixl(r, nixl, tested)
         installed = _check_plugin_dir(r, nixl)

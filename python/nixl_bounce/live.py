@@ -65,7 +65,7 @@ def check(package):
     while _stats(tx).get("peers_ready", 0) < 1:
         _poll(tx, rx)
         if time.monotonic() > end:
-            raise Failed("bounce ready", "the peer never became bounce-ready (no HELLO); see stderr")
+            raise Failed("bounce ready", f"the peer never became bounce-ready in {DEADLINE_S:.0f} s (no HELLO)")
         time.sleep(0.001)
 
     before = _stats(tx)

@@ -2,6 +2,8 @@
 Yama's ptrace scope."""
 import ctypes
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -17,6 +19,26 @@ def plugin_api_version(path: str) -> int:
     if not plugin:
         raise OSError(f"nixl_plugin_init of {path} returned NULL")
     return ctypes.c_int.from_address(plugin).value
+
+
+def load_error_alone(path: str, timeout: float = 60) -> Optional[str]:
+    """Why `path` cannot be loaded by a fresh process (the loader's message), or None when it
+    loads. A fresh process, not this one: libraries this process already loaded (another UCX
+    plugin's UCX) would satisfy the file's dependencies here and hide a missing one."""
+    code = ("import ctypes, os, sys\n"
+            "try:\n"
+            "    ctypes.CDLL(sys.argv[1], mode=os.RTLD_LOCAL | os.RTLD_NOW)\n"
+            "except OSError as e:\n"
+            "    print(e); sys.stdout.flush(); os._exit(1)\n"
+            "os._exit(0)\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, os.path.abspath(path)], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"loading it took more than {timeout:.0f} s"
+    if proc.returncode == 0:
+        return None
+    return (proc.stdout.strip() or proc.stderr.strip() or f"exit code {proc.returncode}").splitlines()[-1]
 
 
 def tested_nixl_versions(path: str) -> Optional[Tuple[str, ...]]:

@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 pub(crate) enum LoadError {
     /// No UCX plugin where we looked.
     #[error(
-        "NIXL's UCX plugin was not found at {path}; put BOUNCE next to libplugin_UCX.so or set \
-         the backend param bounce_ucx_plugin / NIXL_BOUNCE_UCX_PLUGIN"
+        "NIXL's UCX plugin was not found at {path}; install BOUNCE into NIXL's own plugin folder \
+         (`nixl-bounce install`), or set the backend param bounce_ucx_plugin / NIXL_BOUNCE_UCX_PLUGIN \
+         to NIXL's own libplugin_UCX.so (a copy elsewhere cannot find the libraries it needs)"
     )]
     Missing {
         /// Where we looked.

@@ -207,3 +207,284 @@ def test_a_nixl_path_error_is_said_once(capsys, monkeypatch, tmp_path):
     out = capsys.readouterr().out
     assert out.count("no libnixl.so in or under") == 1, out
     assert "fix: give NIXL's lib folder" in out, out
+
+
+# --- The plugin NIXL loads (NIXL_PLUGIN_DIR), its GPU kernels, the UCX plugin it delegates to,
+# --- and the live check's environment (review 55: M1, M2, M3, M5, L1, L2, L4).
+
+from nixl_bounce import cli, plugin_files  # noqa: E402
+
+#: What kernels/build_ptx.rs embeds at the head of the PTX.
+PTX = b"// Built by NVRTC 12.0 from kernels/gather_scatter.cu\n.version 8.0\n.target compute_80\n.visible .entry gather(\n"
+
+
+def _plugin(path, kernels=True, extra=b""):
+    path.write_bytes(b"\x7fELF" + b"\0" * 64 + (PTX if kernels else b"") + b"\0tail" + extra)
+    return str(path)
+
+
+def test_gpu_kernels_are_read_from_the_plugin_file(tmp_path):
+    assert plugin_files.gpu_kernels(_plugin(tmp_path / "a.so")) == "NVRTC 12.0 from kernels/gather_scatter.cu"
+    assert plugin_files.gpu_kernels(_plugin(tmp_path / "b.so", kernels=False)) is None
+    (tmp_path / "c.so").write_bytes(b"")
+    assert plugin_files.gpu_kernels(str(tmp_path / "c.so")) is None
+    # the marker alone (no PTX entry after it) is not kernels
+    (tmp_path / "d.so").write_bytes(b"// Built by NVRTC 12.0 from x\n")
+    assert plugin_files.gpu_kernels(str(tmp_path / "d.so")) is None
+
+
+def test_the_real_plugin_says_it_carries_kernels():
+    """The plugin this checkout built (ci/setup builds it with NVRTC)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    built = os.path.join(os.environ.get("CARGO_TARGET_DIR") or os.path.join(root, "target"),
+                         "release", "libnixl_bounce.so")
+    if not os.path.isfile(built):
+        pytest.skip("no release build of the plugin here")
+    assert (plugin_files.gpu_kernels(built) or "").startswith("NVRTC "), built
+
+
+@pytest.mark.parametrize("kernels, gpus, state", [(True, True, "OK"), (False, True, "WARN"), (False, False, "OK")])
+def test_a_plugin_without_gpu_kernels_warns_on_a_gpu_host(capsys, tmp_path, kernels, gpus, state):
+    r = doctor.Report()
+    doctor._check_kernels(r, _plugin(tmp_path / "p.so", kernels=kernels), gpus=gpus)
+    out = capsys.readouterr().out
+    assert out.startswith(f"[{state:^4}] BOUNCE"), out
+    assert ("WITHOUT its GPU kernels" in out) == (not kernels), out
+    if state == "WARN":
+        assert "nvidia-cuda-nvrtc-cu12==12.0.140" in out and "BOUNCE_NVRTC_LIB" in out, out
+    assert r.failed == 0
+
+
+def _fake_nixl(tmp_path, monkeypatch, loads=True):
+    """A NIXL wheel layout with stand-in plugins; the wheel's plugin is `bundled`; loading a
+    plugin is stubbed (API version 1; a fresh process loads it when `loads`)."""
+    site = tmp_path / "site"
+    plugins = site / ".nixl_cu12.mesonpy.libs" / "plugins"
+    plugins.mkdir(parents=True)
+    (site / ".nixl_cu12.mesonpy.libs" / "libnixl.so").write_bytes(b"")
+    (plugins / "libplugin_UCX.so").write_bytes(b"ucx")
+    info = site / "nixl_cu12-1.5.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nixl_cu12\nVersion: 1.5.1\n\n")
+    bundled = _plugin(tmp_path / "bundled.so")
+    for mod in (doctor, plugin_files, cli):
+        monkeypatch.setattr(mod, "bundled_plugin", lambda: bundled)
+    monkeypatch.setattr(doctor.probes, "plugin_api_version", lambda p: 1)
+    monkeypatch.setattr(doctor.probes, "load_error_alone",
+                        lambda p: None if loads else "libucp-b39b3ed9.so.0.0.0: cannot open shared object file")
+    monkeypatch.setattr(doctor, "_has_gpus", lambda: False)
+    monkeypatch.delenv(plugin_files.UCX_PLUGIN_ENV, raising=False)
+    from nixl_bounce import locate
+    nixl = locate.from_path(str(site))
+    plugin_files.install(nixl)
+    return nixl, bundled
+
+
+def test_with_nixl_plugin_dir_the_doctor_checks_the_plugin_nixl_loads(capsys, monkeypatch, tmp_path):
+    """The default folder holds the current plugin, NIXL_PLUGIN_DIR a stale one: NIXL loads
+    the stale one, so that is a FAIL (it was a WARN and "all checks passed")."""
+    nixl, bundled = _fake_nixl(tmp_path, monkeypatch)
+    env_dir = tmp_path / "pd"
+    env_dir.mkdir()
+    _plugin(env_dir / "libplugin_BOUNCE.so", extra=b"old")
+    monkeypatch.setenv("NIXL_PLUGIN_DIR", str(env_dir))
+    monkeypatch.setenv(plugin_files.UCX_PLUGIN_ENV, os.path.join(nixl.plugin_dir, "libplugin_UCX.so"))
+    r = doctor.Report()
+    assert doctor._check_plugin_dir(r, nixl)
+    out = capsys.readouterr().out
+    assert f"[FAIL] BOUNCE at {env_dir}/libplugin_BOUNCE.so, the one NIXL loads, differs" in out, out
+    assert "fix: nixl-bounce install with NIXL_PLUGIN_DIR set" in out, out
+    assert "same file as the wheel's" not in out and r.failed == 1, out
+    # missing there: a FAIL too, with the same fix
+    os.unlink(env_dir / "libplugin_BOUNCE.so")
+    r = doctor.Report()
+    assert not doctor._check_plugin_dir(r, nixl)
+    out = capsys.readouterr().out
+    assert f"[FAIL] BOUNCE is not installed ({env_dir}/libplugin_BOUNCE.so missing)" in out, out
+    assert "with NIXL_PLUGIN_DIR set" in out and r.failed == 1, out
+    # NIXL_PLUGIN_DIR naming NIXL's own folder (another spelling) is no override
+    monkeypatch.setenv("NIXL_PLUGIN_DIR", nixl.plugin_dir + "/.")
+    r = doctor.Report()
+    assert doctor._check_plugin_dir(r, nixl)
+    out = capsys.readouterr().out
+    assert "NIXL_PLUGIN_DIR" not in out and "same file as the wheel's" in out and r.failed == 0, out
+
+
+def test_a_ucx_plugin_copied_or_linked_into_nixl_plugin_dir_fails_with_the_env_fix(capsys, monkeypatch, tmp_path):
+    """NIXL's UCX plugin finds its UCX libraries relative to its own folder: a link or copy
+    beside BOUNCE in NIXL_PLUGIN_DIR cannot load them; the fix is NIXL_BOUNCE_UCX_PLUGIN."""
+    nixl, bundled = _fake_nixl(tmp_path, monkeypatch, loads=False)
+    env_dir = tmp_path / "pd"
+    env_dir.mkdir()
+    plugin_files.install_into(str(env_dir))
+    os.symlink(os.path.join(nixl.plugin_dir, "libplugin_UCX.so"), env_dir / "libplugin_UCX.so")
+    monkeypatch.setenv("NIXL_PLUGIN_DIR", str(env_dir))
+    r = doctor.Report()
+    doctor._check_plugin_dir(r, nixl)
+    out = capsys.readouterr().out
+    own = os.path.join(nixl.plugin_dir, "libplugin_UCX.so")
+    assert f"[FAIL] UCX plugin {env_dir}/libplugin_UCX.so cannot be loaded: libucp" in out, out
+    assert f"fix: set NIXL_BOUNCE_UCX_PLUGIN={own}" in out, out
+    assert "next to libplugin_UCX.so" not in out and "libplugin_UCX.so there" not in out, out
+    assert r.failed == 1, out
+
+
+def _install(monkeypatch, nixl, capsys):
+    monkeypatch.setattr(cli, "_tested_versions", lambda: ("1.5.1",))
+    import argparse
+    code = cli.cmd_install(argparse.Namespace(nixl_path=nixl.site))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_install_updates_the_copy_in_nixl_plugin_dir(capsys, monkeypatch, tmp_path):
+    nixl, bundled = _fake_nixl(tmp_path, monkeypatch)
+    env_dir = tmp_path / "pd"
+    env_dir.mkdir()
+    _plugin(env_dir / "libplugin_BOUNCE.so", extra=b"old")
+    monkeypatch.setenv("NIXL_PLUGIN_DIR", str(env_dir))
+    code, out, err = _install(monkeypatch, nixl, capsys)
+    assert code == 0, out + err
+    assert f"updated: {env_dir}/libplugin_BOUNCE.so (NIXL_PLUGIN_DIR" in out, out
+    assert plugin_files.is_same_file(str(env_dir / "libplugin_BOUNCE.so"), bundled)
+    # no UCX plugin there and no NIXL_BOUNCE_UCX_PLUGIN: say what works (not "copy it there")
+    assert f"NIXL_BOUNCE_UCX_PLUGIN={nixl.plugin_dir}/libplugin_UCX.so" in err, err
+    assert "next to libplugin_UCX.so" not in out + err, out + err
+
+
+def test_install_says_loudly_when_it_cannot_update_nixl_plugin_dir(capsys, monkeypatch, tmp_path):
+    nixl, bundled = _fake_nixl(tmp_path, monkeypatch)
+    env_dir = tmp_path / "pd"
+    env_dir.mkdir()
+    _plugin(env_dir / "libplugin_BOUNCE.so", extra=b"old")
+    monkeypatch.setenv("NIXL_PLUGIN_DIR", str(env_dir))
+    real = plugin_files.install_into
+
+    def refuse(d, source=None):
+        if os.path.realpath(d) == os.path.realpath(env_dir):
+            raise plugin_files._unwritable(d, PermissionError(13, "Permission denied"))
+        return real(d, source)
+    monkeypatch.setattr(plugin_files, "install_into", refuse)
+    code, out, err = _install(monkeypatch, nixl, capsys)
+    assert code == 1, out + err
+    assert f"error: NIXL_PLUGIN_DIR={env_dir} is set" in err and "was NOT updated" in err, err
+    assert "an OLD or foreign BOUNCE" in err and f"copy {bundled} to" in err, err
+
+
+def test_an_unwritable_plugin_dir_names_the_folder_and_the_fix(monkeypatch, tmp_path):
+    """Not a bare errno about a temp file (review 55 L2)."""
+    nixl, bundled = _fake_nixl(tmp_path, monkeypatch)
+    os.unlink(plugin_files.installed_path(nixl))
+
+    def denied(a, b):
+        raise PermissionError(13, "Permission denied", a)
+    monkeypatch.setattr(plugin_files.os, "replace", denied)
+    with pytest.raises(OSError) as e:
+        plugin_files.install(nixl)
+    msg = str(e.value)
+    assert msg.startswith(f"cannot write into {nixl.plugin_dir} (Permission denied)"), msg
+    assert ".tmp-" not in msg and "NIXL_PLUGIN_DIR" in msg, msg
+    assert not [f for f in os.listdir(nixl.plugin_dir) if ".tmp-" in f], "temp file left behind"
+
+
+def test_install_into_an_untested_nixl_says_so(capsys, monkeypatch, tmp_path):
+    nixl, bundled = _fake_nixl(tmp_path, monkeypatch)
+    monkeypatch.delenv(doctor.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv("NIXL_PLUGIN_DIR", raising=False)
+    meta = os.path.join(nixl.site, "nixl_cu12-1.5.1.dist-info", "METADATA")
+    open(meta, "w").write("Metadata-Version: 2.1\nName: nixl_cu12\nVersion: 1.5.0\n\n")
+    code, out, err = _install(monkeypatch, nixl, capsys)
+    assert code == 0 and out.startswith("unchanged:"), out + err
+    assert "nixl_cu12 1.5.0" in err and "NOT a NIXL version this build was tested with" in err, err
+    assert "pip install --no-deps nixl-cu12==1.5.1" in err, err
+
+
+def test_install_says_when_the_wheel_has_no_gpu_kernels(capsys, monkeypatch, tmp_path):
+    nixl, bundled = _fake_nixl(tmp_path, monkeypatch)
+    monkeypatch.delenv("NIXL_PLUGIN_DIR", raising=False)
+    code, out, err = _install(monkeypatch, nixl, capsys)
+    assert "GPU kernels" not in err, err
+    _plugin(tmp_path / "bundled.so", kernels=False)
+    code, out, err = _install(monkeypatch, nixl, capsys)
+    assert code == 0 and "built WITHOUT its GPU kernels" in err and "BOUNCE_NVRTC_LIB" in err, out + err
+
+
+def test_the_live_check_runs_without_the_users_overrides_and_says_which():
+    environ = {"NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT": "4096", "NIXL_BOUNCE_ENABLE": "0",
+               "NIXL_BOUNCE_ARENA_MEM": "vram", "NIXL_BOUNCE_UCX_PLUGIN": "/x/libplugin_UCX.so",
+               "NIXL_BOUNCE_LOG": "debug", "NIXL_BOUNCE_ALLOW_UNTESTED_NIXL": "1", "NIXL_PLUGIN_DIR": "/p",
+               "PATH": "/bin"}
+    assert doctor.ignored_overrides(environ) == [
+        "NIXL_BOUNCE_ARENA_MEM", "NIXL_BOUNCE_ENABLE", "NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT"]
+    env = doctor.live_env(environ)
+    assert not [k for k in env if k in doctor.ignored_overrides(environ)]
+    for kept in ("NIXL_BOUNCE_UCX_PLUGIN", "NIXL_BOUNCE_LOG", "NIXL_BOUNCE_ALLOW_UNTESTED_NIXL",
+                 "NIXL_PLUGIN_DIR", "PATH"):
+        assert env[kept] == environ[kept], kept
+
+
+@pytest.mark.parametrize("enable, state", [("0", "WARN"), ("true", "OK"), (None, "OK")])
+def test_the_overrides_in_effect_are_named(capsys, monkeypatch, enable, state):
+    for k in list(os.environ):
+        if k.startswith("NIXL_BOUNCE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT", "4096")
+    if enable is not None:
+        monkeypatch.setenv("NIXL_BOUNCE_ENABLE", enable)
+    r = doctor.Report()
+    doctor._check_env_overrides(r, live=True)
+    out = capsys.readouterr().out
+    assert out.startswith(f"[{state:^4}] environment overrides set:"), out
+    assert "NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT='4096'" in out and "your own runs" in out, out
+    assert "the live check below runs without them" in out and r.failed == 0, out
+    assert ("turns the bounce path OFF" in out) == (state == "WARN"), out
+
+
+def _live_run(monkeypatch, tmp_path, result, stderr):
+    """doctor._live with the child stubbed; returns the environment the child was given."""
+    import json
+    import subprocess
+    nixl = _nixl(tmp_path, ["1.5.1"])
+    monkeypatch.setattr(doctor.locate, "importable", lambda: [nixl])
+    seen = {}
+
+    def run(cmd, **kw):
+        seen.update(kw.get("env") or {})
+        return subprocess.CompletedProcess(cmd, 0, "NIXL_BOUNCE_LIVE " + json.dumps(result) + "\n", stderr)
+    monkeypatch.setattr(doctor.subprocess, "run", run)
+    r = doctor.Report()
+    doctor._live(r, nixl)
+    return r, seen
+
+
+def test_a_live_failure_shows_the_childs_log_lines(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("NIXL_BOUNCE_ENABLE", "0")
+    stderr = ("noise\n2026-01-01T00:00:00Z  WARN BOUNCE bounce is off (bounce_enable=false)\n"
+              "more noise\n")
+    r, env = _live_run(monkeypatch, tmp_path, {"ok": False, "stage": "bounce ready",
+                                               "error": "the peer never became bounce-ready in 30 s (no HELLO)"},
+                       stderr)
+    out = capsys.readouterr().out
+    assert "NIXL_BOUNCE_ENABLE" not in env, "the live check ran with the user's override"
+    assert "[FAIL] live check failed at 'bounce ready'" in out, out
+    assert "       | 2026-01-01T00:00:00Z  WARN BOUNCE bounce is off" in out, out
+    assert "see stderr" not in out and "noise" not in out and r.failed == 1, out
+
+
+def test_a_missing_module_in_the_live_check_says_what_to_install(capsys, monkeypatch, tmp_path):
+    r, _ = _live_run(monkeypatch, tmp_path, {"ok": False, "stage": "setup",
+                                             "error": "ModuleNotFoundError: No module named 'numpy'"}, "")
+    out = capsys.readouterr().out
+    assert "fix: pip install numpy" in out and "report it" not in out, out
+
+
+def test_the_wheel_build_refuses_a_plugin_without_kernels_unless_asked(tmp_path):
+    """setup.py's check: pip hides cargo's warning, so a kernel-less build must stop (or be
+    asked for with BOUNCE_ALLOW_NO_KERNELS=1)."""
+    assert plugin_files.kernels_build_check(_plugin(tmp_path / "k.so"), {}) is None
+    bare = _plugin(tmp_path / "bare.so", kernels=False)
+    msg, fatal = plugin_files.kernels_build_check(bare, {})
+    assert fatal and "WITHOUT its GPU kernels" in msg and "nvidia-cuda-nvrtc-cu12==12.0.140" in msg, msg
+    assert "BOUNCE_ALLOW_NO_KERNELS=1" in msg, msg
+    msg, fatal = plugin_files.kernels_build_check(bare, {"BOUNCE_ALLOW_NO_KERNELS": "1"})
+    assert not fatal and "Building it anyway" in msg, msg

@@ -33,7 +33,10 @@ def _clean_env(**extra):
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory):
-    """The wheel ci/setup built (dist/), else one built now from this tree."""
+    """BOUNCE_TEST_WHEEL when set (a wheel built elsewhere), else the wheel ci/setup built
+    (dist/), else one built now from this tree."""
+    if os.environ.get("BOUNCE_TEST_WHEEL"):
+        return os.environ["BOUNCE_TEST_WHEEL"]
     built = sorted(glob.glob(os.path.join(ROOT, "dist", "nixl_bounce-*.whl")), key=os.path.getmtime)
     if built:
         return built[-1]
@@ -191,3 +194,37 @@ def test_uninstall_removes_it_and_doctor_says_how_to_fix(env):
         sys.stdout.flush(); os._exit(0)
     """)
     assert rc == 0 and "'UCX'" in out and "'BOUNCE'" not in out, out + err
+
+
+def test_nixl_plugin_dir_is_what_doctor_checks_and_install_updates(env, tmp_path):
+    """With NIXL_PLUGIN_DIR set NIXL loads BOUNCE from there only: a stale copy there is a FAIL
+    (not "all checks passed"), `install` updates it, a linked UCX plugin there cannot load its
+    UCX libraries, and what the tools advise instead (NIXL_BOUNCE_UCX_PLUGIN naming NIXL's own
+    libplugin_UCX.so) bounces live. The user's NIXL_BOUNCE_* overrides are named, not tested.
+    (Review 55: M1, M2, M5.)"""
+    assert env.cli("install")[0] == 0
+    own_ucx = os.path.join(os.path.dirname(env.plugin), "libplugin_UCX.so")
+    pd = tmp_path / "plugins"
+    pd.mkdir()
+    stale = pd / "libplugin_BOUNCE.so"
+    stale.write_bytes(open(env.plugin, "rb").read() + b"old")
+    os.symlink(own_ucx, pd / "libplugin_UCX.so")
+    rc, out, err = env.cli("doctor", env={"NIXL_PLUGIN_DIR": str(pd)})
+    assert rc == 1 and "all checks passed" not in out, out + err
+    assert f"[FAIL] BOUNCE at {stale}, the one NIXL loads, differs" in out, out
+    assert f"[FAIL] UCX plugin {pd}/libplugin_UCX.so cannot be loaded" in out, out
+    assert f"fix: set NIXL_BOUNCE_UCX_PLUGIN={own_ucx}" in out, out
+
+    rc, out, err = env.cli("install", env={"NIXL_PLUGIN_DIR": str(pd)})
+    assert rc == 0 and f"updated: {stale} (NIXL_PLUGIN_DIR" in out, out + err
+    assert f"NIXL_BOUNCE_UCX_PLUGIN={own_ucx}" in err, err
+    with open(stale, "rb") as a, open(env.plugin, "rb") as b:
+        assert a.read() == b.read(), "install left the copy in NIXL_PLUGIN_DIR stale"
+
+    os.unlink(pd / "libplugin_UCX.so")
+    rc, out, err = env.cli("doctor", env={"NIXL_PLUGIN_DIR": str(pd), "NIXL_BOUNCE_UCX_PLUGIN": own_ucx,
+                                          "NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT": "4096"})
+    assert rc == 0 and out.rstrip().endswith("all checks passed"), out + err
+    assert f"BOUNCE installed: {stale} (same file as the wheel's)" in out, out
+    assert "environment overrides set: NIXL_BOUNCE_MIN_DESCRIPTOR_COUNT='4096'" in out, out
+    assert "live: two agents created BOUNCE" in out and "bytes checked" in out, out
