@@ -87,9 +87,22 @@ impl Live {
 /// The process's liveness words, in one mapping of [`LIVE_FILE`] that is never unmapped
 /// (peers read the words at the addresses our records publish, and a range of it a peer has
 /// checked stays ours for the process's life), and which of them are free.
+///
+/// A forked child does not inherit the mapping (`MADV_DONTFORK`, see `cma::shared_words`): it
+/// makes an area of its own at its first export, and never touches its parent's, whose words
+/// are not mapped in it ([`Self::ours`]).
 struct LiveArea {
     words: &'static [cma::SharedWord],
     slots: Mutex<AreaSlots>,
+    /// The process that made it ([`crate::sys::fork::process_mark`]).
+    mark: u64,
+}
+
+impl LiveArea {
+    /// Whether the running process made this area, so its words are mapped here.
+    fn ours(&self) -> bool {
+        self.mark == crate::sys::fork::process_mark()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -98,25 +111,43 @@ struct AreaSlots {
     next: usize,
 }
 
-/// The process's [`LiveArea`], made at the first export; `None` (logged once) where the memory
-/// file cannot be made: no record is published then, and peers bounce to this process.
+/// The running process's [`LiveArea`], made at its first export (again in a forked child);
+/// `None` (logged once per process) where the memory file cannot be made: no record is
+/// published then, and peers bounce to this process.
 fn live_area() -> Option<&'static LiveArea> {
-    static AREA: std::sync::OnceLock<Option<LiveArea>> = std::sync::OnceLock::new();
-    AREA.get_or_init(|| match cma::shared_words(LIVE_FILE, LIVE_SLOTS) {
-        Ok(words) => Some(LiveArea { words, slots: Mutex::default() }),
-        Err(e) => {
-            tracing::info!(error = %e, "no memory file for liveness words: no same-host path for host memory into this process");
-            None
+    // The area of the process that made it last (`None`: it could not); an area is leaked,
+    // so a reference to it stays valid, though in a child its words are not mapped.
+    static AREA: Mutex<Option<(u64, Option<&'static LiveArea>)>> = Mutex::new(None);
+    let mark = crate::sys::fork::process_mark();
+    let mut area = AREA.lock();
+    match *area {
+        Some((made_by, got)) if made_by == mark => got,
+        _ => {
+            let got = match cma::shared_words(LIVE_FILE, LIVE_SLOTS) {
+                Ok(words) => Some(&*Box::leak(Box::new(LiveArea { words, slots: Mutex::default(), mark }))),
+                Err(e) => {
+                    tracing::info!(error = %e, "no memory file for liveness words: no same-host path for host memory into this process");
+                    None
+                }
+            };
+            *area = Some((mark, got));
+            got
         }
-    })
-    .as_ref()
+    }
 }
 
 /// One engine's registrations' liveness words (see the module docs), in the process's
 /// [`LiveArea`].
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Liveness {
-    by_md: Mutex<MdMap<usize>>,
+    /// Each registration's word: its slot, in the area it was taken from.
+    by_md: Mutex<MdMap<(usize, &'static LiveArea)>>,
+}
+
+impl std::fmt::Debug for Liveness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Liveness").field("words", &self.by_md.lock().len()).finish()
+    }
 }
 
 impl Liveness {
@@ -145,22 +176,26 @@ impl Liveness {
         w.addr.store(addr, Ordering::Relaxed);
         w.len.store(len, Ordering::Relaxed);
         w.tag.store(tag, Ordering::Release);
-        if let Some(old) = by_md.insert(md, slot) {
-            Self::free(area, old);
+        if let Some((old, in_area)) = by_md.insert(md, (slot, area)) {
+            Self::free(in_area, old);
         }
         Some((std::ptr::from_ref(w) as u64, tag))
     }
 
     /// Registration `md` is gone: its word reads 0 from now on.
     fn clear(&self, md: Md) {
-        if let (Some(slot), Some(area)) = (self.by_md.lock().remove(&md), live_area()) {
+        if let Some((slot, area)) = self.by_md.lock().remove(&md) {
             Self::free(area, slot);
         }
     }
 
     /// Zeroes word `slot`, the tag first (a reader then finds no tag, whatever the range
-    /// holds), and hands it back.
+    /// holds), and hands it back. Nothing in a forked child for its parent's area: its words
+    /// are not mapped there, and they are the parent's to clear.
     fn free(area: &LiveArea, slot: usize) {
+        if !area.ours() {
+            return;
+        }
         let w = &area.words[slot];
         w.tag.store(0, Ordering::Release);
         w.addr.store(0, Ordering::Relaxed);
@@ -172,10 +207,8 @@ impl Liveness {
 impl Drop for Liveness {
     /// The engine ends: its registrations' words read 0, and go back to the process's area.
     fn drop(&mut self) {
-        if let Some(area) = live_area() {
-            for (_, slot) in self.by_md.get_mut().drain() {
-                Self::free(area, slot);
-            }
+        for (_, (slot, area)) in self.by_md.get_mut().drain() {
+            Self::free(area, slot);
         }
     }
 }
@@ -1208,6 +1241,111 @@ mod tests {
         };
         assert!(!task(me.pid, me.start, Some(w)).run(), "checked by its watch");
         assert_eq!(dst, [0u8; 64], "nothing copied by the watch");
+    }
+
+    /// Review 55 (same-host) F1: a child forked (no exec) after a registration kept the
+    /// parent's liveness mapping at the same address, so a record naming the child with the
+    /// parent's word, tag and range passed every check, and a WRITE landed in the child, which
+    /// registered nothing. The mapping is not inherited now: such a record is refused.
+    #[test]
+    fn a_forked_child_does_not_pass_for_its_parents_registration() {
+        let path = CmaPath::new(1, Duration::ZERO, Arc::new(Stats::default())).expect("Linux has /proc");
+        let mut buf = vec![0u8; 64];
+        let (reg, rec) = export_as_md1(&path, &mut buf);
+        let (mut to_child, mut from_child) = ([0i32; 2], [0i32; 2]);
+        // SAFETY: two pipes into arrays of two descriptors each.
+        unsafe {
+            assert_eq!(libc::pipe(to_child.as_mut_ptr()), 0);
+            assert_eq!(libc::pipe(from_child.as_mut_ptr()), 0);
+        }
+        // SAFETY: the child only reads a pipe, reads its own memory, writes a pipe and _exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let mut b = [0u8; 1];
+            let mut got = [0u8; 64];
+            // SAFETY: the pipes are open in the child; `reg.addr` is the child's copy of `buf`.
+            unsafe {
+                libc::read(to_child[0], b.as_mut_ptr().cast(), 1);
+                std::ptr::copy_nonoverlapping(reg.addr as *const u8, got.as_mut_ptr(), 64);
+                libc::write(from_child[1], got.as_ptr().cast(), 64);
+                libc::_exit(0);
+            }
+        }
+        assert!(child > 0);
+        let start = cma::start_time(child as u32).expect("the child runs");
+        let forged = CmaRecord { pid: child as u32, start, ..rec };
+        let src = [0xabu8; 16];
+        let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr + 8, len: 16 }];
+        let taken = path.prep("C", &pair, &[(forged, 1)], false);
+        let mut got = [0u8; 64];
+        // SAFETY: the pipes are open here; the child answers with 64 bytes and exits.
+        unsafe {
+            libc::write(to_child[1], [1u8].as_ptr().cast(), 1);
+            assert_eq!(libc::read(from_child[0], got.as_mut_ptr().cast(), 64), 64);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        assert!(taken.is_none(), "a record naming the child is refused at prep");
+        assert_eq!(got, [0u8; 64], "nothing landed in the child");
+        // The parent's own record still serves.
+        let me = cma::this_process().expect("Linux has /proc");
+        assert!(all_live(me.pid, &[(rec.live, Live::of(&rec))]));
+    }
+
+    /// Review 55 (same-host), honest case: a forked child that registers with its own engine
+    /// drew its liveness slot from its copy of the parent's free list, in the shared mapping,
+    /// so the parent's next registration took the same word and the child's deregistration
+    /// zeroed the parent's. A child now makes an area of its own.
+    #[test]
+    fn a_forked_childs_liveness_words_are_its_own() {
+        let mut path = CmaPath::new(1, Duration::ZERO, Arc::new(Stats::default())).expect("Linux has /proc");
+        path.allow_self = true;
+        let mut buf = vec![0u8; 64];
+        let _ = export_as_md1(&path, &mut buf);
+        let (mut to_child, mut from_child) = ([0i32; 2], [0i32; 2]);
+        // SAFETY: two pipes into arrays of two descriptors each.
+        unsafe {
+            assert_eq!(libc::pipe(to_child.as_mut_ptr()), 0);
+            assert_eq!(libc::pipe(from_child.as_mut_ptr()), 0);
+        }
+        let mut cbuf = vec![0u8; 32];
+        let creg = Registration { addr: cbuf.as_mut_ptr() as u64, len: 32, dev: 0, mem: MemKind::Dram };
+        // SAFETY: the child exports, reports, waits for a byte, deregisters, reports and _exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let rec = path.export(Md(2), &creg).map_or([0u64; 2], |r| [r.live, r.tag]);
+            let mut b = [0u8; 1];
+            // SAFETY: the pipes are open in the child.
+            unsafe {
+                libc::write(from_child[1], rec.as_ptr().cast(), 16);
+                libc::read(to_child[0], b.as_mut_ptr().cast(), 1);
+            }
+            path.forget(Md(2));
+            // SAFETY: as above.
+            unsafe {
+                libc::write(from_child[1], b.as_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        let mut crec = [0u64; 2];
+        // SAFETY: the pipe is open; the child writes 16 bytes.
+        unsafe { assert_eq!(libc::read(from_child[0], crec.as_mut_ptr().cast(), 16), 16) };
+        assert_ne!(crec[1], 0, "the child exported its registration");
+        let mut pbuf = vec![0u8; 48];
+        let preg = Registration { addr: pbuf.as_mut_ptr() as u64, len: 48, dev: 0, mem: MemKind::Dram };
+        let prec = path.export(Md(3), &preg).expect("exports");
+        let child_live = Live { tag: crec[1], addr: creg.addr, len: 32 };
+        assert!(all_live(child as u32, &[(crec[0], child_live)]), "the child's record is live while it is registered");
+        let me = cma::this_process().expect("Linux has /proc");
+        assert!(all_live(me.pid, &[(prec.live, Live::of(&prec))]));
+        // SAFETY: the pipes are open; the child answers one byte, then exits.
+        unsafe {
+            libc::write(to_child[1], [1u8].as_ptr().cast(), 1);
+            let mut b = [0u8; 1];
+            libc::read(from_child[0], b.as_mut_ptr().cast(), 1);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        assert!(all_live(me.pid, &[(prec.live, Live::of(&prec))]), "the child's deregistration left ours alone");
+        drop(pbuf);
     }
 
     /// A worker lingering after its part (a 60 s linger here) copies the next request's, and

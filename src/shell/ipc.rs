@@ -211,7 +211,15 @@ impl IpcPath {
                 return None;
             }
         };
-        let h = IPC_HANDLE_BIT | self.dev_bits | self.next.fetch_add(1, Ordering::Relaxed);
+        // The counter lives below the GPU's bits: one that reached them would name another
+        // GPU's request (review 55; 2^40 preps on one path). No new request from then on:
+        // such transfers bounce.
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        if n >= 1 << DEV_SHIFT {
+            tracing::warn!(peer, "same-host GPU path out of request handles; transfers bounce");
+            return None;
+        }
+        let h = IPC_HANDLE_BIT | self.dev_bits | n;
         let (local, revoked) = (Ranges::new(local), false);
         let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, local, revoked, state: State::Prepared };
         self.reqs.lock().insert(h, req);

@@ -238,6 +238,14 @@ pub(crate) fn shared_words(name: &std::ffi::CStr, count: usize) -> io::Result<&'
     // file is reachable only through `file`, which is dropped right after without being
     // resized (the mapping keeps the memory).
     let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }?;
+    // Not inherited by a forked child: a child keeping this mapping (same address, same name)
+    // would show its parent's live words as its own, and a record naming the child would pass
+    // every check (review 55). Without the advice the words are not offered at all.
+    // SAFETY: `map` is a mapping of exactly `len` bytes made above and owned here; the advice
+    // changes only what a future fork inherits.
+    if unsafe { libc::madvise(map.as_ptr() as *mut libc::c_void, len, libc::MADV_DONTFORK) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
     let map: &'static mut memmap2::MmapMut = Box::leak(Box::new(map));
     // SAFETY: the mapping is `len` = `count` * 24 bytes, page-aligned (so aligned for u64),
     // zero-filled by the kernel (a valid `SharedWord`: three zero atomics), and leaked above,
