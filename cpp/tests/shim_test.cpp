@@ -193,12 +193,11 @@ int main(int argc, char **argv) {
     check(options.count("bounce_arena_size") == 1, "its options list bounce_arena_size with its default");
 
     {
-        // A value that cannot be parsed falls back to its default with a warning (README
-        // "Configuration"); an impossible one fails creation with an init error, which NIXL
-        // reports as the backend's failure.
+        // A value that cannot be parsed, and an impossible one, fail creation with an init
+        // error, which NIXL reports as the backend's failure (README "Configuration").
         params_t unparsed{{"bounce_arena_size", "lots"}}, impossible{{"bounce_max_inflight_chunks", "0"}};
         BackendEngine *e = plugin.engine("unparsed", unparsed);
-        check(e && !e->getInitErr(), "a value that cannot be parsed leaves the engine on the default");
+        check(!e || e->getInitErr(), "a value that cannot be parsed fails engine creation");
         if (e) plugin.p->destroy_engine(e);
         e = plugin.engine("impossible", impossible);
         check(!e || e->getInitErr(), "an impossible value (a window of 0) fails engine creation");
