@@ -757,7 +757,21 @@ impl Endpoint {
             debug!(peer = name, "peer reloaded with a new session: reclaiming its old incarnation");
             self.handle_peer_retired(now, old);
         }
-        self.peers.load_conn_info(name, theirs, ours)
+        let timeout = theirs.as_ref().map(wire::Capabilities::request_timeout);
+        let loaded = self.peers.load_conn_info(name, theirs, ours);
+        if let (Some(t), Some(id)) = (timeout, self.peers.lookup(name)) {
+            self.sender.set_peer_timeout(id, t);
+        }
+        loaded
+    }
+
+    /// `peer`'s capabilities say it runs with no-progress timeout `timeout`
+    /// ([`wire::Capabilities::request_timeout_ms`]): the credits it grants are leased by it, so
+    /// ours to it are used within a quarter of the smaller of the two timeouts and kept alive
+    /// every eighth of it. A shell that keeps its own peer table tells the endpoint so before
+    /// it submits to the peer ([`handle_conn_info`](Self::handle_conn_info) does it itself).
+    pub fn set_peer_timeout(&mut self, peer: PeerId, timeout: std::time::Duration) {
+        self.sender.set_peer_timeout(peer, timeout);
     }
 
     /// The agent `name` disconnected: the peer table forgets its connection info, arena, HELLO

@@ -759,6 +759,7 @@ mod tests {
             mailbox_base: 0x7f00_0000_0000,
             mailbox_len,
             mailbox_key: b"m".to_vec(),
+            request_timeout_ms: 10_000,
         };
         let fits = layout.byte_len();
         assert_eq!(peer_layout(&caps(0, fits)), Some(layout), "exactly its registration");

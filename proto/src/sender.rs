@@ -297,6 +297,9 @@ pub struct Sender {
     writes: BTreeMap<JobId, WriteInFlight>,
     /// When the next round of KEEPs is due; `None` with no write in flight.
     next_keep: Option<Instant>,
+    /// Each peer's own no-progress timeout, from its capabilities ([`Self::set_peer_timeout`]):
+    /// its leases on the credits it grants us run by it (see [`Self::lease_base`]).
+    peer_timeouts: BTreeMap<PeerId, Duration>,
     /// An eighth of the request timeout: the receiver reclaims a flow silent for half of it.
     keep_every: Duration,
     /// Bytes of the standing credit asked of each peer written to two way; 0: none.
@@ -378,6 +381,7 @@ impl Sender {
             shutting_down: false,
             writes: BTreeMap::new(),
             next_keep: None,
+            peer_timeouts: BTreeMap::new(),
             keep_every: config.request_timeout / 8,
             standing_bytes: config.standing_bytes.min(config.max_chunk_size),
             standing: BTreeMap::new(),
@@ -385,6 +389,22 @@ impl Sender {
             claim_floor: BTreeMap::new(),
             checked: CheckedPlans::default(),
         }
+    }
+
+    /// `peer` runs with no-progress timeout `timeout` (its capabilities say so): the credits
+    /// it grants are leased by it.
+    pub(crate) fn set_peer_timeout(&mut self, peer: PeerId, timeout: Duration) {
+        self.peer_timeouts.insert(peer, timeout);
+    }
+
+    /// The timeout the leases on `peer`'s credits run by: the smaller of ours and the
+    /// peer's. A receiver takes back a region left unwritten for half of *its* timeout and
+    /// grants it again a quarter later; a credit used within a quarter of the smaller timeout,
+    /// kept alive every eighth of it, never meets that, whichever side's timeout is longer
+    /// (review 55: a sender whose timeout was several times the receiver's wrote into a region
+    /// granted since to another transfer).
+    pub(crate) fn lease_base(&self, peer: PeerId) -> Duration {
+        self.peer_timeouts.get(&peer).map_or(self.timeout, |&t| t.min(self.timeout))
     }
 
     /// Whether a transfer of ours to `peer`, or our standing flow there, is live.
@@ -489,7 +509,7 @@ impl Sender {
         // granted a quarter timeout ago is not used, as any credit (see `post_write`): the
         // receiver's lease on it may end before our write lands. Its flow goes, and a new one
         // is opened below.
-        let lease = self.timeout / 4;
+        let lease = self.lease_base(peer) / 4;
         let stale = self.standing.get(&peer).and_then(|s| s.region).is_some_and(|(_, at)| ctx.now >= at + lease);
         if stale || self.standing_grant_lost(ctx.now, peer) {
             self.close_standing(ctx, peer, true);
@@ -660,6 +680,7 @@ impl Sender {
     /// id retired; [`handle_peer_lost`](Self::handle_peer_lost) has ended the rest.
     pub(crate) fn forget_peer(&mut self, peer: PeerId) {
         self.claim_floor.remove(&peer);
+        self.peer_timeouts.remove(&peer);
     }
 
     /// Whether `from` may answer our transfer (or standing flow) `xfer` with `token`: the

@@ -378,6 +378,11 @@ impl PeerTable {
         self.table.lock().rules.compatible(name).is_some()
     }
 
+    /// The no-progress timeout the agent advertised (its leases on our credits run by it).
+    pub(crate) fn request_timeout(&self, name: &str) -> Option<std::time::Duration> {
+        self.table.lock().rules.compatible(name).map(bounce_proto::wire::Capabilities::request_timeout)
+    }
+
     /// The control endpoint the agent advertised (ZMQ).
     pub(crate) fn endpoint(&self, name: &str) -> Option<Vec<u8>> {
         self.table.lock().rules.compatible(name).map(|c| c.endpoint.clone())

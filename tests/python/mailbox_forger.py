@@ -77,8 +77,8 @@ def bounce_caps(meta):
     control, u64 session, u8 arena count, each arena (u8 memory, five u64: device, base, length,
     usable capacity, max chunk, and its key as a u32-length blob), the endpoint as a u32-length
     blob, the mailbox (u64 offset, u32 slots, u32 ring) and its registration (u64 base, u64
-    length, the key as a u32-length blob); after the caps the inner UCX conn info as a
-    u32-length blob. The arena fields are the first arena's."""
+    length, the key as a u32-length blob), the u64 request timeout in ms; after the caps the
+    inner UCX conn info as a u32-length blob. The arena fields are the first arena's."""
     at = meta.find(ENVELOPE_MAGIC)
     assert at >= 0 and meta[at + 10] & 1, "no BOUNCE capabilities in the target's metadata"
     (caps_len,) = struct.unpack_from("<I", meta, at + 11)
@@ -104,6 +104,7 @@ def bounce_caps(meta):
     fields["mailbox_base"], p = _u64(meta, p + 8)
     fields["mailbox_len"], p = _u64(meta, p)
     fields["mailbox_key"], p = _blob(meta, p)
+    fields["request_timeout_ms"], p = _u64(meta, p)
     assert p == c + caps_len, "capability blob of an unexpected length"
     fields["inner"], _ = _blob(meta, c + caps_len)
     return fields

@@ -126,11 +126,12 @@ impl Sender {
         (arena, local): (ArenaId, Region),
         credit: Credit,
     ) -> Result<(), XferError> {
+        let lease = self.xfers.get(&id).map_or(self.timeout, |x| self.lease_base(x.peer));
         let Some(x) = self.xfers.get_mut(&id) else {
             release(ctx, arena, local);
             return Ok(());
         };
-        if ctx.now >= credit.at + self.timeout / 4 {
+        if ctx.now >= credit.at + lease / 4 {
             debug!(xfer = id.0, chunk = i, "READ credit went stale before the read");
             x.stages[i] = Stage::Gathered { local };
             return Err(XferError::Timeout);
@@ -143,9 +144,7 @@ impl Sender {
         let remote_arena = x.plan.peer_arena;
         ctx.push(Action::Read { job, xfer: id, peer: x.peer, remote_arena, remote: credit.region, arena, local, len });
         self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token });
-        if self.next_keep.is_none() && !self.keep_every.is_zero() {
-            self.next_keep = Some(ctx.now + self.keep_every);
-        }
+        self.keep_from(ctx.now, lease);
         Ok(())
     }
 }

@@ -22,8 +22,8 @@ impl Sender {
             // the engine was making progress (review 52, sender F4).
             let mut held = std::mem::take(&mut self.staging_held);
             held.clear();
-            let patience = self.timeout / 8;
             while let Some((id, i)) = self.parked.pop_front() {
+                let patience = self.xfers.get(&id).map_or(self.timeout, |x| self.lease_base(x.peer)) / 8;
                 let Some(x) = self.xfers.get_mut(&id) else {
                     continue;
                 };
@@ -195,11 +195,12 @@ impl Sender {
         source: WriteSource,
         credit: Credit,
     ) -> Result<(), XferError> {
+        let lease = self.xfers.get(&id).map_or(self.timeout, |x| self.lease_base(x.peer));
         let Some(x) = self.xfers.get_mut(&id) else {
             internal_error("write for a vanished transfer", &id.0);
             return Ok(());
         };
-        if ctx.now >= credit.at + self.timeout / 4 {
+        if ctx.now >= credit.at + lease / 4 {
             // The receiver reclaims regions left unwritten for half a timeout (a lease: a silent
             // peer must not hold the arena long enough to time out everyone else's transfers);
             // writing after a quarter could land in a region it has granted to someone else.
@@ -224,10 +225,18 @@ impl Sender {
             len,
         });
         self.writes.insert(job, WriteInFlight { peer: x.peer, xfer: id, token: x.token });
-        if self.next_keep.is_none() && !self.keep_every.is_zero() {
-            self.next_keep = Some(ctx.now + self.keep_every);
-        }
+        self.keep_from(ctx.now, lease);
         Ok(())
+    }
+
+    /// A write (or READ) in flight under a lease of `lease`: the next round of KEEPs comes
+    /// within an eighth of it.
+    pub(super) fn keep_from(&mut self, now: Instant, lease: Duration) {
+        let every = self.keep_every.min(lease / 8);
+        if !every.is_zero() {
+            let due = now + every;
+            self.next_keep = Some(self.next_keep.map_or(due, |t| t.min(due)));
+        }
     }
 
     /// One round of KEEPs: one per flow with a write in flight, so the receiver does not
@@ -250,6 +259,8 @@ impl Sender {
             }
         }
         ctx.stats.keeps_sent += kept.len() as u64;
-        self.next_keep = (!self.writes.is_empty()).then(|| now + self.keep_every);
+        // Every eighth of the shortest lease among the writes still in flight.
+        let every = self.writes.values().map(|w| self.lease_base(w.peer) / 8).min().map(|e| e.min(self.keep_every));
+        self.next_keep = every.filter(|e| !e.is_zero()).map(|e| now + e);
     }
 }

@@ -71,6 +71,12 @@ pub struct Capabilities {
     pub mailbox_len: u64,
     /// The inner UCX engine's public data for that registration (empty without a mailbox).
     pub mailbox_key: Vec<u8>,
+    /// The owner's no-progress timeout (`bounce_request_timeout_ms`), at least 1 ms. Its
+    /// leases on the regions it grants run by it (an unwritten region is taken back after half
+    /// of it), so a peer keeps a credit of ours no longer than our timeout allows, whatever
+    /// its own (since wire version 16: with timeouts that differed, a slow write could land in
+    /// a region granted since to another transfer).
+    pub request_timeout_ms: u64,
 }
 
 /// One arena as its owner advertises it: where it lies, how much of it regions may use, the
@@ -205,8 +211,8 @@ pub struct MailboxCaps {
 
 impl Capabilities {
     /// The capabilities of one host arena of `capacity` usable bytes at address 0, on this build's
-    /// wire version and the UCX control channel, chunks of `max_chunk`, instance `session`; no
-    /// keys, no ZMQ endpoint, no mailbox. What a simulated peer publishes (simulations, examples,
+    /// wire version and the UCX control channel, chunks of `max_chunk`, instance `session`, the
+    /// default 30 s timeout; no keys, no ZMQ endpoint, no mailbox. What a simulated peer publishes (simulations, examples,
     /// fuzzers, tests), with struct update syntax for anything else. A real engine describes
     /// its own arena instead.
     pub fn host_arena(capacity: u64, max_chunk: u64, session: u64) -> Self {
@@ -228,7 +234,13 @@ impl Capabilities {
             mailbox_base: 0,
             mailbox_len: 0,
             mailbox_key: Vec::new(),
+            request_timeout_ms: 30_000, // bounce_request_timeout_ms's default
         }
+    }
+
+    /// The owner's no-progress timeout ([`Self::request_timeout_ms`]).
+    pub fn request_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.request_timeout_ms)
     }
 
     /// Appends the blob's encoding to `out`.
@@ -251,6 +263,7 @@ impl Capabilities {
         w.u64(self.mailbox_base);
         w.u64(self.mailbox_len);
         w.blob(&self.mailbox_key);
+        w.u64(self.request_timeout_ms);
     }
 
     /// The blob's encoding as a new vector.
@@ -298,6 +311,10 @@ impl Capabilities {
             mailbox_base: r.u64()?,
             mailbox_len: r.u64()?,
             mailbox_key: r.blob("mailbox key")?,
+            request_timeout_ms: match r.u64()? {
+                0 => return Err(WireError::Invalid { what: "request timeout of 0" }),
+                ms => ms,
+            },
         };
         if caps.mailbox.is_none() && (caps.mailbox_base != 0 || caps.mailbox_len != 0 || !caps.mailbox_key.is_empty()) {
             return Err(WireError::Invalid { what: "mailbox registration without a mailbox" });

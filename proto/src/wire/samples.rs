@@ -83,6 +83,7 @@ pub(super) fn sample_caps() -> Capabilities {
         mailbox_base: 0x7f00_0000_0000,
         mailbox_len: 256 * 18 * 64,
         mailbox_key: b"m".to_vec(),
+        request_timeout_ms: 1500,
     }
 }
 

@@ -131,17 +131,27 @@ fn arb_caps() -> impl Strategy<Value = Capabilities> {
         key,
     });
     let arenas = prop::collection::vec(arena, 1..=MAX_ARENAS).prop_map(|v| Arenas::new(v).expect("1 to 16 arenas"));
-    (control, any::<u64>(), arenas, arb_blob(), mailbox).prop_map(
-        |(control, session, arenas, endpoint, (mailbox, mailbox_base, mailbox_len, mailbox_key))| Capabilities {
-            wire_version: WIRE_VERSION.into(),
+    (control, any::<u64>(), arenas, arb_blob(), mailbox, 1..=u64::MAX).prop_map(
+        |(
             control,
             session,
             arenas,
             endpoint,
-            mailbox,
-            mailbox_base,
-            mailbox_len,
-            mailbox_key,
+            (mailbox, mailbox_base, mailbox_len, mailbox_key),
+            request_timeout_ms,
+        )| {
+            Capabilities {
+                wire_version: WIRE_VERSION.into(),
+                control,
+                session,
+                arenas,
+                endpoint,
+                mailbox,
+                mailbox_base,
+                mailbox_len,
+                mailbox_key,
+                request_timeout_ms,
+            }
         },
     )
 }
@@ -260,7 +270,7 @@ proptest! {
 #[test]
 fn hello_round_trips_and_is_a_control_frame_but_no_msg() {
     let h = encode_hello(0x0102_0304_0506_0708, 0x1112_1314_1516_1718);
-    assert_eq!(hex(&h), "00424f554e430f05 0807060504030201 1817161514131211".replace(' ', ""));
+    assert_eq!(hex(&h), "00424f554e431005 0807060504030201 1817161514131211".replace(' ', ""));
     assert!(is_control_frame(&h));
     assert_eq!(decode_hello(&h), Some(0x0102_0304_0506_0708));
     assert_eq!(Frame::decode(&h), Err(WireError::UnknownKind { got: KIND_HELLO }));
@@ -306,7 +316,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&want.to_vec()),
         hex(&unhex(
-            "00424f554e43 0f 01 0100000000000000
+            "00424f554e43 10 01 0100000000000000
              2a00000000000000 1032547698badcfeefcdab8967452301 01 02000000 6570
              02000000 0010000000000000 2000000000000000
              01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
@@ -325,7 +335,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&data.to_vec()),
         hex(&unhex(
-            "00424f554e43 0f 03 0400000000000000
+            "00424f554e43 10 03 0400000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
              01000000
              03 8040 20 02 20 8001
@@ -335,7 +345,7 @@ fn frame_layout_is_pinned() {
     assert_eq!(
         hex(&ack.to_vec()),
         hex(&unhex(
-            "00424f554e43 0f 04 0500000000000000
+            "00424f554e43 10 04 0500000000000000
              0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01"
         ))
     );
@@ -404,10 +414,12 @@ fn only_the_canonical_run_encoding_decodes() {
 #[test]
 fn capabilities_and_envelope_layouts_are_pinned() {
     // Version, control kind, session, one arena (memory kind, device, base, length, usable,
-    // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key).
-    let caps = "0f00 01 0900000000000000 01
+    // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key), request
+    // timeout in ms.
+    let caps = "1000 01 0900000000000000 01
                 01 0000000000000000 0010000000000000 0020000000000000 0020000000000000 0004000000000000 01000000 6b
-                00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
+                00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d
+                dc05000000000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes = sample_envelopes();
     let [bare, full] = &envelopes[..] else { panic!("two samples") };
@@ -816,42 +828,42 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let frames: Vec<String> = sample_frames().iter().map(|f| hex(&f.to_vec())).collect();
     let want = [
         // WANT
-        "00424f554e430f010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 01 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000
+        "00424f554e4310010100000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 01 02000000 6570 02000000 0010000000000000 2000000000000000 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 00000000
          02 0100000000000080 1032547698badcfeefcdab8967452301",
         // cancel (empty WANT)
-        "00424f554e430f010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 00 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000 00",
+        "00424f554e4310010200000000000000 2a00000000000000 1032547698badcfeefcdab8967452301 00 13000000 7463703a2f2f31302e302e302e313a35353535 00000000 00000000 00000000 00",
         // GRANT
-        "00424f554e430f020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
+        "00424f554e4310020300000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000
          00000000 0001000000000000 4000000000000000 01000000 4001000000000000 2000000000000000",
         // DATA
-        "00424f554e430f030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
+        "00424f554e4310030400000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000
          01000000 0380402002208001 00000000",
         // ACK
-        "00424f554e430f040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
+        "00424f554e4310040500000000000000 0300000000000000 1032547698badcfeefcdab8967452301 02000000 0001000000000000 4000000000000000 01",
         // WANT with its one chunk inline: 0x40 bytes, then one run
-        "00424f554e430f010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 00 02000000 6570 01000000 4000000000000000
+        "00424f554e4310010600000000000000 2b00000000000000 1032547698badcfeefcdab8967452301 00 02000000 6570 01000000 4000000000000000
          01000000 0500000000000000 bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb
          40000000 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f
          01000000 0380402002208001 00",
         // WANT opening a standing flow of one 2 MiB chunk
-        "00424f554e430f010700000000000000 2900000000000080 1032547698badcfeefcdab8967452301 00 02000000 6570 01000000 0000200000000000
+        "00424f554e4310010700000000000000 2900000000000080 1032547698badcfeefcdab8967452301 00 02000000 6570 01000000 0000200000000000
          00000000 00000000 01",
     ];
     assert_eq!(frames, want.map(|w| hex(&unhex(w))));
     // HELLO (kind 5): the load tag.
     assert_eq!(
         hex(&encode_hello(0x0102_0304_0506_0708, 0x1d)),
-        "00424f554e430f050807060504030201 1d00000000000000".replace(' ', "")
+        "00424f554e4310050807060504030201 1d00000000000000".replace(' ', "")
     );
     // PONG (kind 8): the nonce echoed, then the answerer's forget secret; FORGET (kind 14):
     // the secret.
     let pong = ControlFrame { session: 7, body: Body::Pong { nonce: 5, forget: Token(0xfeed) } };
     assert_eq!(
         hex(&pong.to_vec()),
-        hex(&unhex("00424f554e430f080700000000000000 0500000000000000 edfe0000000000000000000000000000"))
+        hex(&unhex("00424f554e4310080700000000000000 0500000000000000 edfe0000000000000000000000000000"))
     );
     let forget = ControlFrame { session: 7, body: Body::Forget { proof: Token(0xfeed) } };
-    assert_eq!(hex(&forget.to_vec()), hex(&unhex("00424f554e430f0e0700000000000000 edfe0000000000000000000000000000")));
+    assert_eq!(hex(&forget.to_vec()), hex(&unhex("00424f554e43100e0700000000000000 edfe0000000000000000000000000000")));
     for f in [pong, forget] {
         assert_eq!(ControlFrame::decode(&f.to_vec()), Ok(f.clone()));
         let bytes = f.to_vec();
@@ -862,7 +874,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&cursor.to_vec()),
         hex(&unhex(
-            "00424f554e430f0a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
+            "00424f554e43100a0700000000000000 0300000000000000 edfe0000000000000000000000000000 0900000000000000"
         ))
     );
     assert_eq!(Frame::decode(&cursor.to_vec()), Ok(cursor));
@@ -885,7 +897,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     assert_eq!(
         hex(&pull.to_vec()),
         hex(&unhex(
-            "00424f554e430f0b0700000000000000 0300000000000000 edfe0000000000000000000000000000 03 01000000
+            "00424f554e43100b0700000000000000 0300000000000000 edfe0000000000000000000000000000 03 01000000
              02000000 00000000 01000000 4000000000000000 01000000 0380402002208001 01000000 0500000000000000 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
         ))
     );
@@ -894,20 +906,22 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
     let (xfer, token, chunk) = (XferId(3), Token(0xfeed), ChunkIdx(2));
     assert_pinned(
         Msg::Plan(Plan { xfer, token, chunk, runs: vec![run] }),
-        "00424f554e430f0d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43100d0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          01000000 0380402002208001",
     );
     // RELEASE (kind 12): transfer, token, chunk, region.
     assert_pinned(
         Msg::Release(Release { xfer, token, chunk, region: Region { offset: 0x100, len: 0x40 } }),
-        "00424f554e430f0c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
+        "00424f554e43100c0700000000000000 0300000000000000 edfe0000000000000000000000000000 02000000
          0001000000000000 4000000000000000",
     );
     // Version, control kind, session, one arena (memory kind, device, base, length, usable,
-    // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key).
-    let caps = "0f00 01 0900000000000000 01
+    // max chunk, key), endpoint, mailbox (offset, slots, ring, base, length, key), request
+    // timeout in ms.
+    let caps = "1000 01 0900000000000000 01
                 01 0000000000000000 0010000000000000 0020000000000000 0020000000000000 0004000000000000 01000000 6b
-                00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d";
+                00000000 0000000000000000 00010000 12000000 00000000007f0000 0080040000000000 01000000 6d
+                dc05000000000000";
     assert_eq!(hex(&sample_caps().to_vec()), hex(&unhex(caps)));
     let envelopes: Vec<String> = sample_envelopes().iter().map(|e| hex(&e.to_vec())).collect();
     assert_eq!(
@@ -915,7 +929,7 @@ fn golden_bytes_of_every_frame_kind_caps_and_envelope() {
         [
             hex(&unhex("4e58424f554e4345 0100 00 01000000 ab")),
             hex(&unhex(&format!(
-                "4e58424f554e4345 0100 01 63000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
+                "4e58424f554e4345 0100 01 6b000000 {caps} 12000000 7563782d776f726b65722d61646472657373"
             ))),
         ]
     );

@@ -178,6 +178,8 @@ impl Engine {
             mailbox_base: 0,
             mailbox_len: 0,
             mailbox_key: Vec::new(),
+            // Our leases on the regions we grant run by it (peers keep our credits within it).
+            request_timeout_ms: u64::try_from(self.config.request_timeout.as_millis()).unwrap_or(u64::MAX).max(1),
         })
     }
 

@@ -694,6 +694,11 @@ impl Driver {
                     self.complete(p.xfer, Err(XferError::PeerLost));
                     return;
                 };
+                // The peer's leases on our credits run by its own timeout: the core keeps each
+                // credit within the smaller of the two.
+                if let Some(t) = self.shared.peers.request_timeout(&p.peer) {
+                    self.ep.set_peer_timeout(peer, t);
+                }
                 // Two way once the peer said HELLO; one way (answers READ from its mailbox)
                 // when it never loaded us but keeps a mailbox, and we keep a fetch area.
                 let one_way = self

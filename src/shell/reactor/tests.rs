@@ -241,6 +241,7 @@ impl Side {
             mailbox_base: area_host.base,
             mailbox_len: area_host.len,
             mailbox_key: Vec::new(),
+            request_timeout_ms: config.request_timeout.as_millis() as u64,
         };
         Self { reactor, shared, caps, notified, _arena: arena, _area: area }
     }

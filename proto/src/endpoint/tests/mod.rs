@@ -1331,3 +1331,106 @@ fn a_captured_one_way_want_opens_nothing_again_under_any_name_even_after_its_nam
     ep.handle_frame(later, "initiator", &want(2)).unwrap();
     assert_eq!(ep.remote_flows(), 1);
 }
+
+/// A slow write under a sender timeout of 8 s to a receiver of 1 s, the receiver's timeout
+/// known to the sender (`told`) or not: (KEEPs the sender sent, flows the receiver reclaimed,
+/// regions granted since to other peers that overlap the slow write's).
+fn slow_write_under_mismatched_timeouts(told: bool) -> (u32, u64, Vec<(PeerId, Region)>) {
+    let ms = Duration::from_millis;
+    let s_cfg = Config { request_timeout: Duration::from_secs(8), ..config(16 * KIB, 2, false) };
+    let r_cfg = config(16 * KIB, 2, false); // 1 s
+    assert_eq!(r_cfg.request_timeout, Duration::from_secs(1));
+    let mut p = Pair::of(&s_cfg, &r_cfg);
+    let (t, s, r) = (p.now, 0usize, 1usize);
+    if told {
+        // What the receiver's capabilities say (`handle_conn_info`, or the shell at submit).
+        p.eps[s].set_peer_timeout(PeerId(1), r_cfg.request_timeout);
+    }
+    p.eps[s].submit(t, X, TOKEN, PeerId(1), plan_of(1)).unwrap();
+    for (_, m) in msgs(&drain(&mut p.eps[s])) {
+        p.eps[r].handle_msg(t, PeerId(0), m).unwrap();
+    }
+    let mut granted = None;
+    for (_, m) in msgs(&drain(&mut p.eps[r])) {
+        if let Msg::Grant(g) = &m {
+            granted = Some(g.credits[0].region);
+        }
+        p.eps[s].handle_msg(t, PeerId(1), m).unwrap();
+    }
+    let granted = granted.expect("a grant");
+    // The sender gathers and posts its write at once; the write is slow (a congested link).
+    let g = gathers(&drain(&mut p.eps[s]));
+    p.eps[s].handle_gather_done(t, g[0].0, true);
+    let w = writes(&drain(&mut p.eps[s]));
+    assert_eq!((w.len(), w[0].2), (1, granted));
+    let (mut now, mut keeps, mut regranted) = (t, 0, Vec::new());
+    while now < t + ms(900) {
+        now += ms(10);
+        if p.eps[s].poll_timeout().is_some_and(|d| d <= now) {
+            p.eps[s].handle_timeout(now);
+        }
+        for (_, m) in msgs(&drain(&mut p.eps[s])) {
+            keeps += u32::from(matches!(m, Msg::Keep(_)));
+            let _ = p.eps[r].handle_msg(now, PeerId(0), m);
+        }
+        if p.eps[r].poll_timeout().is_some_and(|d| d <= now) {
+            p.eps[r].handle_timeout(now);
+        }
+        drain(&mut p.eps[r]);
+        // Other peers ask for the arena past the lease and its quarantine (a busy receiver).
+        if now >= t + ms(760) && regranted.is_empty() {
+            for k in 0..4u32 {
+                let peer = PeerId(10 + k);
+                p.eps[r].handle_msg(now, peer, want_msg(XferId(100 + u64::from(k)), &[CHUNK])).unwrap();
+            }
+            for a in drain(&mut p.eps[r]) {
+                if let Action::Send { peer, msg: Msg::Grant(g) } = a {
+                    regranted.extend(g.credits.iter().map(|c| (peer, c.region)));
+                }
+            }
+        }
+    }
+    let overlap = regranted
+        .into_iter()
+        .filter(|(_, reg)| reg.offset < granted.offset + granted.len && granted.offset < reg.offset + reg.len)
+        .collect();
+    (keeps, p.eps[r].stats().flows_timed_out, overlap)
+}
+
+/// Review 55 (liveness) F1: each side timed a credit's lease by its own timeout, and nothing
+/// told the sender the receiver's, so a sender whose timeout was several times the receiver's
+/// sent its first KEEP after the receiver had taken the region back and granted it to another
+/// transfer, into which the slow write then landed. Told the receiver's timeout (its
+/// capabilities carry it since wire version 16), the sender keeps the flow alive by the
+/// smaller of the two.
+#[test]
+fn a_sender_keeps_a_credit_by_the_receivers_timeout_when_it_is_shorter() {
+    let (keeps, reclaimed, overlap) = slow_write_under_mismatched_timeouts(true);
+    assert!(keeps >= 6, "a KEEP every eighth of the receiver's 1 s: {keeps}");
+    assert_eq!(reclaimed, 0, "the receiver kept the flow");
+    assert!(overlap.is_empty(), "the slow write's region was granted to {overlap:?}");
+}
+
+/// And a credit is used within a quarter of the smaller timeout, or the chunk fails: a write
+/// posted later could land after the receiver took the region back.
+#[test]
+fn a_credit_goes_stale_by_the_smaller_of_the_two_timeouts() {
+    let s_cfg = Config { request_timeout: Duration::from_secs(8), ..config(16 * KIB, 2, false) };
+    let r_cfg = config(16 * KIB, 2, false); // 1 s
+    let mut p = Pair::of(&s_cfg, &r_cfg);
+    let (t, s, r) = (p.now, 0usize, 1usize);
+    p.eps[s].set_peer_timeout(PeerId(1), r_cfg.request_timeout);
+    p.eps[s].submit(t, X, TOKEN, PeerId(1), plan_of(1)).unwrap();
+    for (_, m) in msgs(&drain(&mut p.eps[s])) {
+        p.eps[r].handle_msg(t, PeerId(0), m).unwrap();
+    }
+    for (_, m) in msgs(&drain(&mut p.eps[r])) {
+        p.eps[s].handle_msg(t, PeerId(1), m).unwrap();
+    }
+    let g = gathers(&drain(&mut p.eps[s]));
+    // The gather ends a quarter of the receiver's timeout after the credit came (a 16th of ours).
+    let late = t + Duration::from_millis(250);
+    p.eps[s].handle_gather_done(late, g[0].0, true);
+    assert!(writes(&drain(&mut p.eps[s])).is_empty(), "no write into a region whose lease may have ended");
+    assert_eq!(p.eps[s].stats().timeouts, 1);
+}
