@@ -405,18 +405,24 @@ mod tests {
         assert!(encode(&"n".repeat(70_000), b"").is_none(), "a name the header cannot say");
     }
 
+    /// Streams with connections 0 to the cap noticed at once, and that instant.
+    fn streams_at_the_cap() -> (Streams, Instant) {
+        let mut s = Streams::new(LIMITS);
+        let t = t0();
+        for c in 0..LIMITS.conns as u8 {
+            assert_eq!(s.notice(t, &[c]), Verdict::Keep);
+        }
+        (s, t)
+    }
+
     /// Connections at the cap that keep sending junk (whole messages under names no loaded
     /// peer has, or empty ones) do not lock new connections out: only a message under a name
     /// `vouch` knows keeps a connection active, so the junk ones go idle and make room.
     #[test]
     fn chatty_junk_connections_do_not_lock_out_a_new_connection() {
-        let mut s = Streams::new(LIMITS);
-        let t = t0();
+        let (mut s, t) = streams_at_the_cap();
         let (mut out, mut dropped) = (Vec::new(), 0);
         let known = |name: &str| name == "peer";
-        for c in 0..LIMITS.conns as u8 {
-            assert_eq!(s.notice(t, &[c]), Verdict::Keep);
-        }
         let junk = encode("", b"").unwrap();
         let honest = encode("peer", b"frame").unwrap();
         for step in 1..=2u32 {
@@ -439,13 +445,9 @@ mod tests {
     /// connection is the one left, keeps it.
     #[test]
     fn chatty_connections_under_a_loaded_name_do_not_lock_out_a_new_connection() {
-        let mut s = Streams::new(LIMITS);
-        let t = t0();
+        let (mut s, t) = streams_at_the_cap();
         let (mut out, mut dropped) = (Vec::new(), 0);
         let known = |name: &str| name == "peer";
-        for c in 0..LIMITS.conns as u8 {
-            assert_eq!(s.notice(t, &[c]), Verdict::Keep);
-        }
         let junk = encode("peer", b"junk").unwrap();
         for step in 1..=2u32 {
             let at = t + IDLE_EVICT * 9 * step / 10;
