@@ -49,6 +49,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::shell::copy::cpu::next_job;
 use crate::shell::fence::{Span, overlaps};
+use crate::shell::keys::LoadStamp;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -353,6 +354,9 @@ struct Request {
     local_span: Span,
     /// Part of that memory was deregistered since the prep: no post copies any more.
     revoked: bool,
+    /// The loads of the peer's registrations it was prepared from: once one is unloaded
+    /// (`remove_remote_agent`), no post copies any more.
+    loads: LoadStamp,
     /// The pieces, cut into one part per worker (fewer for small transfers).
     parts: Arc<Vec<Vec<Piece>>>,
     state: State,
@@ -500,7 +504,14 @@ impl CmaPath {
     /// descriptor i's remote registration. `None` when the path cannot take it: another host
     /// or PID namespace, records of several processes, a piece outside its registration, or a
     /// process that is not (any more) the one that published the record.
-    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], recs: &[(CmaRecord, usize)], read: bool) -> Option<u64> {
+    pub(crate) fn prep(
+        &self,
+        peer: &str,
+        descs: &[DescPair],
+        recs: &[(CmaRecord, usize)],
+        read: bool,
+        loads: LoadStamp,
+    ) -> Option<u64> {
         let (first, _) = recs.first()?;
         if descs.len() != recs.iter().map(|(_, n)| n).sum::<usize>()
             || first.node != self.node
@@ -572,6 +583,7 @@ impl CmaPath {
             live: Arc::new(live),
             local_span,
             revoked: false,
+            loads,
             parts,
             state: State::Prepared,
             last_check: None,
@@ -679,8 +691,9 @@ impl CmaPath {
     ///
     /// # Errors
     /// [`Error::UnknownRequest`], [`Error::RepostActive`], or [`Error::Xfer`] when the peer's
-    /// process is gone (or its pid reused) or the path is shutting down.
-    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>) -> Result<()> {
+    /// process is gone (or its pid reused), `loaded` says a registration of the peer it was
+    /// prepared from was unloaded since, or the path is shutting down.
+    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>, loaded: impl Fn(&LoadStamp) -> bool) -> Result<()> {
         let mut reqs = self.reqs.lock();
         let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
         match req.state {
@@ -691,6 +704,12 @@ impl CmaPath {
         if req.revoked {
             req.state = State::Done(Err(XferError::Deregistered));
             return Err(Error::Xfer(XferError::Deregistered));
+        }
+        // The application unloaded the peer (or reloaded it) since the prep: fails as the bounce
+        // path's requests for a lost incarnation do.
+        if !loaded(&req.loads) {
+            req.state = State::Done(Err(XferError::PeerLost));
+            return Err(Error::Xfer(XferError::PeerLost));
         }
         if !same_process_alive(req.watch.as_deref(), req.pid, req.start) {
             req.state = State::Done(Err(XferError::PeerLost));
@@ -981,29 +1000,40 @@ mod tests {
         let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
         let rec = path.export(Md(1), &reg).expect("host memory exports");
         let one = [DescPair { src: 0x1000, dst: reg.addr, len: 8 }];
-        assert!(path.prep("p", &one, &[(rec, 1)], false).is_none(), "two agents of one process keep bouncing");
+        assert!(
+            path.prep("p", &one, &[(rec, 1)], false, LoadStamp::default()).is_none(),
+            "two agents of one process keep bouncing"
+        );
         path.allow_self = true;
         let src: Vec<u8> = (0..64).collect();
         let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr + 8, len: 16 }];
         // Another host, another namespace, a reused pid, a piece outside: refused.
-        assert!(path.prep("p", &pair, &[(CmaRecord { node: [0xee; 16], ..rec }, 1)], false).is_none());
-        assert!(path.prep("p", &pair, &[(CmaRecord { pidns: rec.pidns ^ 1, ..rec }, 1)], false).is_none());
-        assert!(path.prep("p", &pair, &[(CmaRecord { start: rec.start + 1, ..rec }, 1)], false).is_none());
-        assert!(path.prep("p", &pair, &[(CmaRecord { len: 16, ..rec }, 1)], false).is_none());
+        assert!(
+            path.prep("p", &pair, &[(CmaRecord { node: [0xee; 16], ..rec }, 1)], false, LoadStamp::default()).is_none()
+        );
+        assert!(
+            path.prep("p", &pair, &[(CmaRecord { pidns: rec.pidns ^ 1, ..rec }, 1)], false, LoadStamp::default())
+                .is_none()
+        );
+        assert!(
+            path.prep("p", &pair, &[(CmaRecord { start: rec.start + 1, ..rec }, 1)], false, LoadStamp::default())
+                .is_none()
+        );
+        assert!(path.prep("p", &pair, &[(CmaRecord { len: 16, ..rec }, 1)], false, LoadStamp::default()).is_none());
         // The record's liveness word and tag with a range its owner never registered (a forger
         // copying a published record): the word holds the real range, so refused, even where
         // the forged range is the larger one and holds the pieces.
         let mut other = vec![0u8; 128];
         let forged = CmaRecord { addr: other.as_mut_ptr() as u64, len: 128, ..rec };
         let into_other = [DescPair { src: src.as_ptr() as u64, dst: forged.addr, len: 16 }];
-        assert!(path.prep("p", &into_other, &[(forged, 1)], false).is_none());
+        assert!(path.prep("p", &into_other, &[(forged, 1)], false, LoadStamp::default()).is_none());
         assert!(other.iter().all(|b| *b == 0));
         // Record runs that do not add up to the descriptors: refused.
-        assert!(path.prep("p", &pair, &[(rec, 2)], false).is_none());
-        assert!(path.prep("p", &pair, &[(rec, 0)], false).is_none());
+        assert!(path.prep("p", &pair, &[(rec, 2)], false, LoadStamp::default()).is_none());
+        assert!(path.prep("p", &pair, &[(rec, 0)], false, LoadStamp::default()).is_none());
         // This very process as the peer: the copy lands, and only where the pair says.
-        let h = path.prep("p", &pair, &[(rec, 1)], false).expect("a live process of this host");
-        path.post(h, None).unwrap();
+        let h = path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).expect("a live process of this host");
+        path.post(h, None, |_| true).unwrap();
         while path.check(h, None, Duration::from_micros(200)).unwrap() == Progress::InFlight {
             std::thread::yield_now();
         }
@@ -1012,15 +1042,24 @@ mod tests {
         assert_eq!(stats.cma_ok.load(Ordering::Relaxed), 1);
         path.release(h).unwrap();
         assert!(matches!(path.check(h, None, Duration::ZERO), Err(Error::UnknownRequest(_))));
+        // The peer's registrations unloaded since the prep (`remove_remote_agent`): the post
+        // fails as a lost peer's does and copies nothing.
+        let other_src = [0xa5u8; 16];
+        let unloaded = [DescPair { src: other_src.as_ptr() as u64, ..pair[0] }];
+        let h = path.prep("p", &unloaded, &[(rec, 1)], false, LoadStamp::default()).expect("live");
+        assert!(matches!(path.post(h, None, |_| false), Err(Error::Xfer(XferError::PeerLost))));
+        assert!(matches!(path.check(h, None, Duration::ZERO), Err(Error::Xfer(XferError::PeerLost))));
+        assert_eq!(&buf[8..24], &src[..16], "nothing copied");
+        path.release(h).unwrap();
         // Deregistered: a prepared request's next post fails, and no new one is prepared.
-        let h = path.prep("p", &pair, &[(rec, 1)], false).expect("live");
+        let h = path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).expect("live");
         path.forget(Md(1));
-        assert!(matches!(path.post(h, None), Err(Error::Xfer(XferError::Deregistered))));
-        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_none(), "its liveness word reads 0");
+        assert!(matches!(path.post(h, None, |_| true), Err(Error::Xfer(XferError::Deregistered))));
+        assert!(path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).is_none(), "its liveness word reads 0");
         let again = path.export(Md(1), &reg).expect("registered again");
         assert_ne!(again.tag, rec.tag, "a fresh tag: the old record stays dead");
-        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_none());
-        assert!(path.prep("p", &pair, &[(again, 1)], false).is_some());
+        assert!(path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).is_none());
+        assert!(path.prep("p", &pair, &[(again, 1)], false, LoadStamp::default()).is_some());
         // A process the kernel does not let us reach (here: one that has exited) is tried once
         // and remembered: its transfers bounce instead of failing.
         let mut child = std::process::Command::new("true").spawn().expect("spawn true");
@@ -1067,17 +1106,23 @@ mod tests {
         let forged = CmaRecord { live: reg.addr, tag: planted.tag, addr: planted.addr, len: planted.len, ..rec };
         let src = [0xabu8; 16];
         let into_victim = [DescPair { src: src.as_ptr() as u64, dst: planted.addr, len: 16 }];
-        assert!(path.prep("p", &into_victim, &[(forged, 1)], false).is_none(), "a planted word binds nothing");
+        assert!(
+            path.prep("p", &into_victim, &[(forged, 1)], false, LoadStamp::default()).is_none(),
+            "a planted word binds nothing"
+        );
         assert!(victim.iter().all(|b| *b == 0));
         // The same range, the word in the liveness mapping but not the tag it holds: refused
         // (a genuine word holds the genuine tag and range).
         let beside = CmaRecord { tag: planted.tag, ..rec };
         let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr + 32, len: 16 }];
-        assert!(path.prep("p", &pair, &[(beside, 1)], false).is_none());
+        assert!(path.prep("p", &pair, &[(beside, 1)], false, LoadStamp::default()).is_none());
         // A word at the very end of the address space: refused, no overflow.
-        assert!(path.prep("p", &pair, &[(CmaRecord { live: u64::MAX - 8, ..rec }, 1)], false).is_none());
+        assert!(
+            path.prep("p", &pair, &[(CmaRecord { live: u64::MAX - 8, ..rec }, 1)], false, LoadStamp::default())
+                .is_none()
+        );
         // The genuine record still goes, and its process is still permitted.
-        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_some());
+        assert!(path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).is_some());
         assert_eq!(path.permitted.lock().get(&(rec.pid, rec.start)), Some(&true));
     }
 
@@ -1094,12 +1139,15 @@ mod tests {
         // A bad address first (where the probe once read: the record's own range).
         let bad = CmaRecord { addr: 8, len: 64, ..rec };
         let at_bad = [DescPair { src: src.as_ptr() as u64, dst: 16, len: 16 }];
-        assert!(path.prep("p", &at_bad, &[(bad, 1)], false).is_none());
-        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_some(), "the process stays reachable");
+        assert!(path.prep("p", &at_bad, &[(bad, 1)], false, LoadStamp::default()).is_none());
+        assert!(
+            path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).is_some(),
+            "the process stays reachable"
+        );
         path.forget(Md(1));
         let zero = CmaRecord { tag: 0, ..rec };
-        assert!(path.prep("p", &pair, &[(zero, 1)], false).is_none(), "tag 0 is no live tag");
-        assert!(path.prep("p", &pair, &[(rec, 1)], false).is_none());
+        assert!(path.prep("p", &pair, &[(zero, 1)], false, LoadStamp::default()).is_none(), "tag 0 is no live tag");
+        assert!(path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).is_none());
         assert!(buf.iter().all(|b| *b == 0));
     }
 
@@ -1151,14 +1199,14 @@ mod tests {
             let descs: Vec<DescPair> =
                 pieces.iter().map(|&(o, n)| DescPair { src: reg.addr + o, dst: at(o), len: n }).collect();
             let n = descs.len();
-            path.prep("p", &descs, &[(rec, n)], true).expect("this process")
+            path.prep("p", &descs, &[(rec, n)], true, LoadStamp::default()).expect("this process")
         };
         let inside = read(&[(20, 8)]);
         let around = read(&[(0, 8), (40, 8)]);
         path.quiesce(at(16), 16);
-        assert!(matches!(path.post(inside, None), Err(Error::Xfer(XferError::Deregistered))));
+        assert!(matches!(path.post(inside, None, |_| true), Err(Error::Xfer(XferError::Deregistered))));
         assert!(matches!(path.check(inside, None, Duration::ZERO), Err(Error::Xfer(XferError::Deregistered))));
-        path.post(around, None).unwrap();
+        path.post(around, None, |_| true).unwrap();
         while path.check(around, None, Duration::from_micros(200)).unwrap() == Progress::InFlight {
             std::thread::yield_now();
         }
@@ -1191,7 +1239,7 @@ mod tests {
                 "returned before the copy ended"
             );
             assert!(
-                matches!(path.post(h, None), Err(Error::UnknownRequest(_))),
+                matches!(path.post(h, None, |_| true), Err(Error::UnknownRequest(_))),
                 "a released request is not posted again"
             );
             job.part_done(true);
@@ -1276,7 +1324,7 @@ mod tests {
         let forged = CmaRecord { pid: child as u32, start, ..rec };
         let src = [0xabu8; 16];
         let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr + 8, len: 16 }];
-        let taken = path.prep("C", &pair, &[(forged, 1)], false);
+        let taken = path.prep("C", &pair, &[(forged, 1)], false, LoadStamp::default());
         let mut got = [0u8; 64];
         // SAFETY: the pipes are open here; the child answers with 64 bytes and exits.
         unsafe {
@@ -1361,8 +1409,8 @@ mod tests {
         let src: Vec<u8> = (1..=64).collect();
         for (i, at) in [0u64, 32].into_iter().enumerate() {
             let pair = [DescPair { src: src.as_ptr() as u64 + at, dst: reg.addr + at, len: 32 }];
-            let h = path.prep("p", &pair, &[(rec, 1)], false).expect("this process");
-            path.post(h, None).unwrap();
+            let h = path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).expect("this process");
+            path.post(h, None, |_| true).unwrap();
             let end = Instant::now() + Duration::from_secs(10);
             while path.check(h, None, Duration::from_micros(200)).unwrap() == Progress::InFlight {
                 assert!(Instant::now() < end, "request {i} never finished");

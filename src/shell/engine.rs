@@ -38,7 +38,7 @@ use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
 use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
 use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPaths};
-use crate::shell::keys::{Keys, Reach, Split};
+use crate::shell::keys::{Keys, LoadStamp, Reach, Split};
 use crate::shell::mailroom::Mailroom;
 use crate::shell::oneway_area::OneWayArea;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
@@ -338,11 +338,14 @@ impl Engine {
     /// [`Error::NoBounce`], or what [`Requests::post`](crate::shell::requests::Requests::post)
     /// refuses.
     pub(crate) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<()> {
+        // A same-host request copies only while the peer registrations it was prepared from
+        // are loaded (the bounce path's requests are bound to the peer's incarnation alike).
+        let loaded = |stamp: &LoadStamp| self.keys.still_loaded(stamp);
         if let Some(ipc) = self.ipc.as_ref().filter(|_| handle & IPC_HANDLE_BIT != 0) {
-            return ipc.post(handle, notif);
+            return ipc.post(handle, notif, loaded);
         }
         if let Some(cma) = self.cma.as_ref().filter(|_| handle & CMA_HANDLE_BIT != 0) {
-            return cma.post(handle, notif);
+            return cma.post(handle, notif, loaded);
         }
         let sh = self.shared().ok_or(Error::NoBounce)?;
         let p = sh.requests.post(handle, notif)?;

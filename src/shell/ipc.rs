@@ -32,6 +32,7 @@ use bounce_proto::wire::IpcRecord;
 use parking_lot::{Mutex, RwLock};
 
 use crate::shell::fence::Ranges;
+use crate::shell::keys::LoadStamp;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -82,6 +83,9 @@ struct Request {
     local: Ranges,
     /// Part of that memory was deregistered since the prep: no post launches any more.
     revoked: bool,
+    /// The loads of the peer's registrations it was prepared from: once one is unloaded
+    /// (`remove_remote_agent`), no post launches any more.
+    loads: LoadStamp,
     state: State,
 }
 
@@ -168,7 +172,14 @@ impl IpcPath {
     /// the peer's addresses), `ipc[i]` the record of descriptor i's remote registration.
     /// `None` when the path cannot take it (another host, a piece outside its registration, a
     /// handle the driver refuses): the caller bounces it or hands it to UCX.
-    pub(crate) fn prep(&self, peer: &str, descs: &[DescPair], ipc: &[(IpcRecord, usize)], read: bool) -> Option<u64> {
+    pub(crate) fn prep(
+        &self,
+        peer: &str,
+        descs: &[DescPair],
+        ipc: &[(IpcRecord, usize)],
+        read: bool,
+        loads: LoadStamp,
+    ) -> Option<u64> {
         if descs.len() != ipc.iter().map(|(_, n)| n).sum::<usize>() {
             return None;
         }
@@ -221,7 +232,8 @@ impl IpcPath {
         }
         let h = IPC_HANDLE_BIT | self.dev_bits | n;
         let (local, revoked) = (Ranges::new(local), false);
-        let req = Request { peer: peer.to_owned(), read, plan, _maps: maps, local, revoked, state: State::Prepared };
+        let req =
+            Request { peer: peer.to_owned(), read, plan, _maps: maps, local, revoked, loads, state: State::Prepared };
         self.reqs.lock().insert(h, req);
         Some(h)
     }
@@ -261,9 +273,10 @@ impl IpcPath {
     /// Launches request `h`; the notification goes to the peer once the copy is done.
     ///
     /// # Errors
-    /// [`Error::UnknownRequest`], [`Error::RepostActive`], or the launch's failure as
-    /// [`Error::Xfer`] (the request is then done with that error).
-    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>) -> Result<()> {
+    /// [`Error::UnknownRequest`], [`Error::RepostActive`], `PeerLost` as [`Error::Xfer`] when
+    /// `loaded` says a registration of the peer it was prepared from was unloaded since, or
+    /// the launch's failure as [`Error::Xfer`] (the request is then done with that error).
+    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>, loaded: impl Fn(&LoadStamp) -> bool) -> Result<()> {
         let mut reqs = self.reqs.lock();
         let req = reqs.get_mut(&h).ok_or(Error::UnknownRequest(h))?;
         if matches!(req.state, State::Running(..)) {
@@ -272,6 +285,12 @@ impl IpcPath {
         if req.revoked {
             req.state = State::Done(Err(XferError::Deregistered));
             return Err(Error::Xfer(XferError::Deregistered));
+        }
+        // The application unloaded the peer (or reloaded it) since the prep: fails as the bounce
+        // path's requests for a lost incarnation do.
+        if !loaded(&req.loads) {
+            req.state = State::Done(Err(XferError::PeerLost));
+            return Err(Error::Xfer(XferError::PeerLost));
         }
         let failed = if req.read { XferError::ReadFailed } else { XferError::WriteFailed };
         let launched = self.context().and_then(|mut ctx| {
@@ -476,13 +495,14 @@ impl IpcPaths {
         descs: &[DescPair],
         ipc: &[(IpcRecord, usize)],
         read: bool,
+        loads: LoadStamp,
     ) -> Option<u64> {
-        self.path(dev)?.prep(peer, descs, ipc, read)
+        self.path(dev)?.prep(peer, descs, ipc, read, loads)
     }
 
     /// [`IpcPath::post`] on the path that prepared `h`.
-    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>) -> Result<()> {
-        self.owner(h)?.post(h, notif)
+    pub(crate) fn post(&self, h: u64, notif: Option<Vec<u8>>, loaded: impl Fn(&LoadStamp) -> bool) -> Result<()> {
+        self.owner(h)?.post(h, notif, loaded)
     }
 
     /// [`IpcPath::check`] on the path that prepared `h`.

@@ -43,6 +43,22 @@ pub(crate) struct Split {
     pub(crate) ticket: u64,
 }
 
+/// The loads of peers' registrations a same-host request was prepared from
+/// ([`Keys::reach_for_prep`]): its post copies only while every one of them is still loaded
+/// ([`Keys::still_loaded`]). NIXL's `invalidateRemoteMD` (`remove_remote_agent`) unloads an
+/// agent's registrations, and a request prepared before it must fail at a later post, as the
+/// bounce path's does, rather than copy into a process the application no longer trusts
+/// (review 55).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(test, derive(Default))]
+pub(crate) struct LoadStamp {
+    /// [`Keys`]'s count of unloads and replaced loads when the request was prepared: while
+    /// it has not moved, every load the request names is still there (one atomic read).
+    epoch: u64,
+    /// Each remote handle the request names, with the load it named.
+    loads: Vec<(Md, u64)>,
+}
+
 /// What a process of the same host needs to copy into and out of a registration directly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reach {
@@ -77,8 +93,12 @@ pub(crate) struct Keys {
     /// envelope, by its ticket ([`Split::ticket`]).
     pending_reach: Mutex<HashMap<u64, (Destination, Reach)>>,
     next_ticket: AtomicU64,
-    /// Peers' records, by the inner engine's remote handle.
-    remote_reach: Mutex<MdMap<Reach>>,
+    /// Peers' records, by the inner engine's remote handle, with the load that kept each.
+    remote_reach: Mutex<MdMap<(Reach, u64)>>,
+    next_load: AtomicU64,
+    /// Counts the unloads and replacements of kept records (see [`LoadStamp`]); changed only
+    /// under `remote_reach`'s lock.
+    reach_epoch: AtomicU64,
     next_id: AtomicU64,
     /// A blob without our envelope was loaded (logged once).
     foreign_seen: AtomicBool,
@@ -179,14 +199,16 @@ impl Keys {
     pub(crate) fn remote_loaded(&self, md: Md, dest: Destination, ticket: u64) {
         let carried = (ticket != 0).then(|| self.pending_reach.lock().remove(&ticket)).flatten();
         let mut reach = self.remote_reach.lock();
-        match carried {
+        let replaced = match carried {
             Some((d, r)) if d == dest => {
-                reach.insert(md, r);
+                let load = self.next_load.fetch_add(1, Ordering::Relaxed) + 1;
+                reach.insert(md, (r, load)).is_some()
             }
             // A handle is only ever the blob's own (a reused handle keeps no earlier record).
-            _ => {
-                reach.remove(&md);
-            }
+            _ => reach.remove(&md).is_some(),
+        };
+        if replaced {
+            self.reach_epoch.fetch_add(1, Ordering::Release);
         }
         drop(reach);
         self.remote.lock().insert(md, dest);
@@ -204,8 +226,10 @@ impl Keys {
     pub(crate) fn remote_unloaded(&self, md: Md) -> Option<[u8; 64]> {
         self.remote.lock().remove(&md);
         let mut reach = self.remote_reach.lock();
-        let gone = reach.remove(&md)?.ipc()?;
-        (!reach.values().any(|r| r.ipc().is_some_and(|o| o.node == gone.node && o.handle == gone.handle)))
+        let (gone, _) = reach.remove(&md)?;
+        self.reach_epoch.fetch_add(1, Ordering::Release);
+        let gone = gone.ipc()?;
+        (!reach.values().any(|(r, _)| r.ipc().is_some_and(|o| o.node == gone.node && o.handle == gone.handle)))
             .then_some(gone.handle)
     }
 
@@ -213,21 +237,45 @@ impl Keys {
     /// coded (a record and how many descriptors in a row it serves: descriptors of one
     /// registration come in runs, and a record per descriptor was ~110 bytes copied twice for
     /// each of 8192), when every one has one (`None` otherwise: no same-host path for the
-    /// transfer).
-    pub(crate) fn remote_reach(&self, mds: impl IntoIterator<Item = Md>) -> Option<Vec<(Reach, usize)>> {
+    /// transfer), and the stamp of the loads they came from.
+    pub(crate) fn reach_for_prep(&self, mds: impl IntoIterator<Item = Md>) -> Option<(Vec<(Reach, usize)>, LoadStamp)> {
         let remote = self.remote_reach.lock();
+        let epoch = self.reach_epoch.load(Ordering::Acquire);
         let mut out: Vec<(Reach, usize)> = Vec::new();
+        let mut loads: Vec<(Md, u64)> = Vec::new();
         let mut last = None;
         for md in mds {
             match out.last_mut() {
                 Some((_, n)) if last == Some(md) => *n += 1,
                 _ => {
-                    out.push((*remote.get(&md)?, 1));
+                    let (r, load) = *remote.get(&md)?;
+                    out.push((r, 1));
+                    loads.push((md, load));
                     last = Some(md);
                 }
             }
         }
-        Some(out)
+        drop(remote);
+        // Registrations interleaved in the list come back: each is checked once.
+        loads.sort_unstable_by_key(|&(md, load)| (md.0, load));
+        loads.dedup();
+        Some((out, LoadStamp { epoch, loads }))
+    }
+
+    /// [`Self::reach_for_prep`]'s records alone.
+    #[cfg(test)]
+    fn remote_reach(&self, mds: impl IntoIterator<Item = Md>) -> Option<Vec<(Reach, usize)>> {
+        self.reach_for_prep(mds).map(|(runs, _)| runs)
+    }
+
+    /// True while every load `stamp` names is still loaded: none of those registrations was
+    /// unloaded (or loaded again under its handle) since the request was prepared.
+    pub(crate) fn still_loaded(&self, stamp: &LoadStamp) -> bool {
+        if self.reach_epoch.load(Ordering::Acquire) == stamp.epoch {
+            return true;
+        }
+        let remote = self.remote_reach.lock();
+        stamp.loads.iter().all(|(md, load)| remote.get(md).is_some_and(|(_, l)| l == load))
     }
 
     /// The distinct destinations the remote descriptors `mds` write into, when every one is
@@ -379,5 +427,42 @@ mod tests {
         assert_eq!(us.remote_reach([Md(12)]), Some(vec![(Reach::Cma(c_cma), 1)]), "its own load keeps it");
         load(&us, &a.public_data(Md(1), b"rkey"), 12);
         assert_eq!(us.remote_reach([Md(12)]), None);
+    }
+
+    /// Review 55: a same-host request prepared before `remove_remote_agent` copied at a later
+    /// post. Its stamp holds while the loads it names stay, whatever else loads or unloads,
+    /// and never again once one goes, even when the same registration is loaded back under the
+    /// same handle.
+    #[test]
+    fn a_same_host_request_is_bound_to_the_loads_it_was_prepared_from() {
+        let (a, b, us) = (Keys::default(), Keys::default(), Keys::default());
+        let cma =
+            |pid| CmaRecord { node: [1; 16], pidns: 7, pid, start: 9, addr: 0x2000, len: 64, live: 0x3000, tag: 5 };
+        for (keys, md, pid) in [(&a, 1, 40), (&a, 2, 40), (&b, 3, 41)] {
+            keys.issue(Md(md)).expect("randomness");
+            keys.set_local_reach(Md(md), Reach::Cma(cma(pid)));
+        }
+        load(&us, &a.public_data(Md(1), b"rkey"), 10);
+        load(&us, &a.public_data(Md(2), b"rkey"), 11);
+        let (runs, stamp) = us.reach_for_prep([Md(10), Md(11), Md(10)]).expect("records loaded");
+        assert_eq!(runs.len(), 3);
+        assert_eq!(stamp.loads.len(), 2, "each registration once");
+        assert!(us.still_loaded(&stamp));
+        // Another agent's loads and unloads leave it bound.
+        load(&us, &b.public_data(Md(3), b"rkey"), 12);
+        us.remote_unloaded(Md(12));
+        assert_ne!(stamp.epoch, us.reach_epoch.load(Ordering::Relaxed), "the slow check runs");
+        assert!(us.still_loaded(&stamp));
+        // One of its registrations unloaded: never again, even loaded back at the same handle.
+        us.remote_unloaded(Md(11));
+        assert!(!us.still_loaded(&stamp));
+        load(&us, &a.public_data(Md(2), b"rkey"), 11);
+        assert!(!us.still_loaded(&stamp), "a new load is not the one it was prepared from");
+        let (_, fresh) = us.reach_for_prep([Md(10), Md(11)]).expect("loaded again");
+        assert!(us.still_loaded(&fresh), "a request prepared from the new load copies");
+        // A handle reloaded without a record also ends the stamp's load.
+        let plain = Destination { reg: RegId(77), key: RegKey([3; 32]) };
+        us.remote_loaded(Md(10), plain, 0);
+        assert!(!us.still_loaded(&fresh));
     }
 }

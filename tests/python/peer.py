@@ -14,6 +14,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "unload", "name": A}                 remove remote agent A (NIXL's remove_remote_agent)
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
   {"op": "notif_send", "to": A, "msg": M}     ("b64": B instead of "msg": raw bytes)
+  {"op": "meta"}                              -> {"meta": b64}: the agent's whole metadata
   {"op": "partial_meta"}                      -> {"meta": b64}: the buffer's registration
       metadata for BOUNCE without connection info (NIXL's get_partial_agent_metadata)
   {"op": "dump", "path": P, "host": bool}     write the buffer (the host buffer) to a file
@@ -166,6 +167,7 @@ def main():
         "notif_wait": notif_wait,
         "notif_send": lambda cmd: ag.send_notif(
             cmd["to"], base64.b64decode(cmd["b64"]) if "b64" in cmd else cmd["msg"].encode()),
+        "meta": lambda cmd: {"meta": base64.b64encode(ag.get_agent_metadata()).decode()},
         "partial_meta": lambda cmd: {"meta": base64.b64encode(ag.get_partial_agent_metadata(
             ag.get_reg_descs([(nixlkit.addr(buf), buf.nbytes, 0, "")], "DRAM"), False, ["BOUNCE"])).decode()},
         "dump": lambda cmd: (hbuf if cmd.get("host") else buf).tofile(cmd["path"]),

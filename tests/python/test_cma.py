@@ -365,6 +365,49 @@ def test_a_request_prepared_over_our_memory_deregistered_since_fails_at_its_post
     assert s["cma_xfers"] == 1 and s["cma_ok"] == 1 and s["bounce_xfers"] == 0, s
 
 
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_request_prepared_before_the_peer_was_removed_fails_at_its_post(cma, peer, tmp_path, op):
+    """The application removes the peer (`remove_remote_agent`: NIXL unloads its metadata) after
+    preparing a request to it, then posts the request: it fails, and not one byte moves either
+    way; loaded again, the old request still fails and a new one moves every byte (review 55).
+    NIXL 1.5.1 refuses such a post itself (NIXL_ERR_NOT_FOUND) before BOUNCE sees it; behind
+    that, the same-host paths bind each request to the loads it was prepared from, as the
+    bounce path binds its requests to the peer's incarnation (specs
+    `keys::a_same_host_request_is_bound_to_the_loads_it_was_prepared_from` and the CMA path's
+    unit test), for a NIXL that does not, or a post racing the removal."""
+    lay = nixlkit.Scattered(1024, 4096, seed=1191)
+    write = op == "WRITE"
+    ag, p, raddr, buf = setup(peer, "c11", lay.src_bytes if write else lay.dst_bytes,
+                              lay.dst_bytes if write else lay.src_bytes, 1192, 1193)
+    lo, re = descs(ag, op, lay, buf, raddr)
+    h = ag.initialize_xfer(op, lo, re, "c11-rx", b"", backends=[B])
+    peer_before = remote_buffer(p, tmp_path, "before.bin")
+    ag.remove_remote_agent("c11-rx")
+    if write:
+        buf[:] = nixlkit.pattern(1194, lay.src_bytes)  # other bytes, so a write would show
+    ours_before = buf.copy()
+    assert nixlkit.settle(ag, h) == "ERR", "a request to a removed peer copied"
+    assert (remote_buffer(p, tmp_path, "after.bin") == peer_before).all(), "the removed peer's buffer changed"
+    assert (buf == ours_before).all(), "a READ from the removed peer wrote here"
+    s = stats(ag)
+    assert s["cma_xfers"] == 0 and s["bounce_xfers"] == 0, s
+    # Loaded again (the same process, the same registration): the old request names the
+    # load that was removed.
+    ag.add_remote_agent(base64.b64decode(p.call(op="meta")["meta"]))
+    assert nixlkit.settle(ag, h) == "ERR", "a request prepared from a removed load copied"
+    assert (remote_buffer(p, tmp_path, "again.bin") == peer_before).all(), "the peer's buffer changed"
+    ag.release_xfer_handle(h)
+    if write:
+        buf[:] = nixlkit.pattern(1192, lay.src_bytes)
+    h = ag.initialize_xfer(op, lo, re, "c11-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    ag.release_xfer_handle(h)
+    assert_landed(op, lay, p, tmp_path, buf, 1192 if write else 1193, 1193 if write else 1192)
+    s = stats(ag)
+    assert s["cma_xfers"] == 1 and s["cma_ok"] == 1 and s["bounce_xfers"] == 0, s
+
 CMA_THREADS = """
 import os, nixlkit
 def cma_threads():

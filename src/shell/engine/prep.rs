@@ -238,18 +238,19 @@ impl Engine {
         if gate::route_mapped(&input, true) != Route::Bounce {
             return None;
         }
-        let recs = self.keys.remote_reach(remote.iter().map(|d| d.md))?;
+        // The loads the records came from: a post after any of them was unloaded fails.
+        let (recs, stamp) = self.keys.reach_for_prep(remote.iter().map(|d| d.md))?;
         pairs.clear();
         pairs.extend(local.iter().zip(remote).map(pair));
         let read = matches!(op, XferOp::Read);
         match path {
             Path::Ipc(ipc) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.ipc()?, *n))).collect();
-                ipc.prep(place.dev, agent, pairs, &recs?, read)
+                ipc.prep(place.dev, agent, pairs, &recs?, read, stamp)
             }
             Path::Cma(cma) => {
                 let recs: Option<Vec<_>> = recs.iter().map(|(r, n)| Some((r.cma()?, *n))).collect();
-                cma.prep(agent, pairs, &recs?, read)
+                cma.prep(agent, pairs, &recs?, read, stamp)
             }
         }
     }
