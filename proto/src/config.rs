@@ -21,6 +21,11 @@ use crate::{
 /// idle one must not undercut.
 pub const MIN_IDLE_PARK_US: u64 = 50;
 
+/// Most threads `bounce_copy_workers` and `bounce_cma_workers` may ask for: each is an OS
+/// thread the engine starts at creation (100000 took 45 s of spawning before it failed), and
+/// copies are bound by memory bandwidth long before this many cores.
+pub const MAX_WORKERS: u32 = 256;
+
 /// Configuration of one BOUNCE engine, shared by its sender and receiver roles.
 ///
 /// Build it with [`Config::from_params`] (or [`Config::default`] for the manifest defaults);
@@ -334,6 +339,22 @@ pub enum ConfigError {
     /// No copy worker would ever run a gather or scatter.
     #[error("bounce_copy_workers must be at least 1")]
     ZeroCopyWorkers,
+    /// More threads than any host's memory can keep busy (see [`MAX_WORKERS`]).
+    #[error("{option} must be at most {MAX_WORKERS}, got {got}")]
+    TooManyWorkers {
+        /// The option's param name.
+        option: &'static str,
+        /// The value given.
+        got: u32,
+    },
+    /// `bounce_zmq_host` is not empty and not one specific IP address: the control socket
+    /// would listen on every interface (a wildcard) and advertise an address no peer can use,
+    /// or could not bind at all (a name, multicast).
+    #[error("bounce_zmq_host {got:?} is not a specific IP address (empty: 127.0.0.1)")]
+    ZmqHostNotAnAddress {
+        /// The value given.
+        got: String,
+    },
     /// Every transfer would time out at once.
     #[error("bounce_request_timeout_ms must be at least 1")]
     ZeroRequestTimeout,
@@ -629,6 +650,18 @@ impl Config {
         if self.copy_workers == 0 {
             return Err(ConfigError::ZeroCopyWorkers);
         }
+        for (option, got) in [("bounce_copy_workers", self.copy_workers), ("bounce_cma_workers", self.cma_workers)] {
+            if got > MAX_WORKERS {
+                return Err(ConfigError::TooManyWorkers { option, got });
+            }
+        }
+        // Checked here whatever the control channel, as every other value is: the same setting
+        // under bounce_control=zmq would fail later, at the bind, with the bounce path off.
+        if !self.zmq_host.is_empty()
+            && !self.zmq_host.parse::<std::net::IpAddr>().is_ok_and(|ip| !ip.is_unspecified() && !ip.is_multicast())
+        {
+            return Err(ConfigError::ZmqHostNotAnAddress { got: self.zmq_host.clone() });
+        }
         if self.request_timeout.is_zero() {
             return Err(ConfigError::ZeroRequestTimeout);
         }
@@ -802,6 +835,7 @@ mod tests {
                 let n = parse_bytes(spec.default).unwrap();
                 (if spec.name == "bounce_max_chunk_size" { n / 2 } else { n.max(1) * 2 }).to_string()
             }
+            "path" if spec.name == "bounce_zmq_host" => "10.0.0.7".into(),
             "path" => "/elsewhere/libplugin_UCX.so".into(),
             "gpus" => "1,0".into(),
             kind => {
@@ -1015,6 +1049,25 @@ mod tests {
         let d = load(&[("bounce_arena_mem", "dram"), ("bounce_arena_gpus", "0,1")]).unwrap();
         assert_eq!(d.warnings, vec![ConfigWarning::GpusWithoutGpuArena]);
         assert!(load(&[("bounce_arena_mem", "dram")]).unwrap().warnings.is_empty());
+    }
+
+    #[test]
+    fn worker_counts_and_the_zmq_host_are_checked_whatever_the_control_channel() {
+        for option in ["bounce_copy_workers", "bounce_cma_workers"] {
+            assert!(load(&[(option, "256")]).is_ok(), "{option} at the cap");
+            let e = load(&[(option, "100000")]).unwrap_err();
+            assert_eq!(e, ConfigError::TooManyWorkers { option: spec(option).name, got: 100_000 });
+            assert!(e.to_string().contains(option), "{e}");
+        }
+        for ok in ["", " ", "10.0.0.7", "127.0.0.1", "::1", "fe80::1"] {
+            assert!(load(&[("bounce_zmq_host", ok)]).is_ok(), "{ok:?}");
+        }
+        for (control, bad) in
+            [("ucx", "0.0.0.0"), ("zmq", "::"), ("zmq", "my-host"), ("zmq", "239.1.1.1"), ("zmq", "10.0.0")]
+        {
+            let e = load(&[("bounce_control", control), ("bounce_zmq_host", bad)]).unwrap_err();
+            assert_eq!(e, ConfigError::ZmqHostNotAnAddress { got: bad.into() }, "{bad:?}");
+        }
     }
 
     #[test]

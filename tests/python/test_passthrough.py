@@ -235,6 +235,11 @@ def test_scattered_transfer_two_processes_is_byte_exact(peer, tmp_path, op):
     ({"bounce_enable": "disable"}, 'bounce_enable: cannot parse "disable" from backend param'),
     ({"bounce_control": "zeromq"}, 'bounce_control: cannot parse "zeromq"'),
     ({"bounce_arena_size": "1.5GiB"}, 'bounce_arena_size: cannot parse "1.5GiB"'),
+    # Out of bounds: a thread per worker (100000 took 45 s to fail), a socket listening on every
+    # interface (it left the bounce path off with a warning before, review 55).
+    ({"bounce_copy_workers": "100000"}, "bounce_copy_workers must be at most 256, got 100000"),
+    ({"bounce_cma_workers": "257"}, "bounce_cma_workers must be at most 256"),
+    ({"bounce_control": "zmq", "bounce_zmq_host": "0.0.0.0"}, 'bounce_zmq_host "0.0.0.0" is not a specific IP'),
 ])
 def test_bad_setup_fails_creation_cleanly(params, needle):
     out = create_bounce_in_isolation(params)
