@@ -104,9 +104,27 @@ def cmd_install(args) -> int:
     return code
 
 
+def _orphans(nixl_path):
+    """Plugins of ours whose NIXL is gone: the folder `nixl_path` names when it holds one (a
+    plugins folder whose libnixl.so went with its wheel), else every one on this Python's path
+    (see `locate.orphaned_plugins`)."""
+    from nixl_bounce import locate
+    if nixl_path:
+        target = os.path.join(os.path.abspath(os.path.expanduser(nixl_path)), plugin_files.PLUGIN_FILE)
+        return [target] if os.path.lexists(target) else []
+    return locate.orphaned_plugins(plugin_files.PLUGIN_FILE)
+
+
 def cmd_uninstall(args) -> int:
     code = 0
-    installs = find(args.nixl_path)
+    try:
+        installs = find(args.nixl_path)
+    except NixlNotFound:
+        # `pip uninstall nixl-cuXX` before us leaves our plugin behind, where `find` sees no
+        # NIXL any more (review 55 L3): remove it anyway, or say what was looked for.
+        installs = []
+        if not _orphans(args.nixl_path):
+            raise
     for nixl in installs:
         try:
             removed = plugin_files.uninstall(nixl)
@@ -116,6 +134,14 @@ def cmd_uninstall(args) -> int:
             continue
         state = "removed" if removed else "not installed"
         print(f"{state}: {plugin_files.installed_path(nixl)}")
+    for orphan in _orphans(args.nixl_path if not installs else None):
+        try:
+            plugin_files.uninstall_from(os.path.dirname(orphan))
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+            continue
+        print(f"removed: {orphan} (left behind: its NIXL is no longer installed)")
     env = plugin_files.plugin_dir_override()
     if env and os.path.isdir(env) and not any(plugin_files.same_dir(env, n.plugin_dir) for n in installs):
         try:
@@ -144,8 +170,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("install", help="copy libplugin_BOUNCE.so into NIXL's plugin directory")
     p.add_argument("--nixl-path", help=path_help)
     p.set_defaults(func=cmd_install)
-    p = sub.add_parser("uninstall", help="remove libplugin_BOUNCE.so from NIXL's plugin directory")
-    p.add_argument("--nixl-path", help=path_help)
+    p = sub.add_parser("uninstall", help="remove libplugin_BOUNCE.so from NIXL's plugin directory "
+                                         "(and any left where a NIXL was uninstalled first)")
+    p.add_argument("--nixl-path", help=path_help + "; or a plugins folder whose NIXL is gone")
     p.set_defaults(func=cmd_uninstall)
     p = sub.add_parser("doctor", help="check NIXL, the plugin, CUDA, and a live two-agent bounce")
     p.add_argument("--nixl-path", help=path_help)

@@ -3,6 +3,7 @@ exit code is 1 when anything FAILed. Under CI (the CI environment variable 1, tr
 check that cannot give an answer (an unreadable ptrace scope, a skipped live check) FAILs."""
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import List, Optional, Sequence
@@ -57,12 +58,23 @@ class Report:
         self.line("FAIL", what, fix, detail)
 
 
+def _load_fix(error: str) -> str:
+    """What to do about a plugin that the dynamic loader refused with `error`."""
+    m = re.search(r"(GLIBC(?:XX)?_[0-9.]+)' not found", error)
+    if m:
+        # Not a broken install: the wheel was built on a newer distribution than this one
+        # (review 55 L5). NIXL's own wheels are manylinux_2_28.
+        return (f"this wheel was built against a newer C library than this host has ({m.group(1)} is "
+                f"missing): build nixl-bounce on this host or on the oldest distribution you deploy to "
+                f"(README \"Install into your own NIXL\"), then install that wheel")
+    return "reinstall nixl-bounce (pip install --force-reinstall <wheel>)"
+
+
 def _tested_versions(r: Report, plugin: str):
     try:
         from_so = probes.tested_nixl_versions(plugin)
     except OSError as e:
-        r.fail(f"cannot load the wheel's plugin {plugin}: {e}",
-               "reinstall nixl-bounce (pip install --force-reinstall <wheel>)")
+        r.fail(f"cannot load the wheel's plugin {plugin}: {e}", _load_fix(str(e)))
         return TESTED_NIXL_VERSIONS
     if from_so is None:
         r.warn(f"{plugin} does not say which NIXL versions it accepts (an older build?)",

@@ -9,6 +9,7 @@ import glob
 import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -142,4 +143,22 @@ def find(nixl_path: Optional[str] = None) -> List[NixlInstall]:
             "install it (pip install --no-deps nixl-cu12==1.5.1, or nixl-cu13 on CUDA 13 "
             "hosts) in this Python's environment, or give --nixl-path <folder holding libnixl.so>",
             sep=": ")
+    return found
+
+
+def orphaned_plugins(plugin_file: str) -> List[str]:
+    """Our plugin left in a NIXL wheel's plugin folder after that NIXL was uninstalled (pip
+    removes the files it installed, not the one `nixl-bounce install` added): every
+    `<entry>/.nixl_cuXX.mesonpy.libs/plugins/<plugin_file>` of this Python's path with no
+    libnixl.so beside the folder."""
+    found = []
+    for entry in sys.path:
+        if not entry or not os.path.isdir(entry):
+            continue
+        pattern = os.path.join(entry, ".nixl_cu*.mesonpy.libs", "plugins", plugin_file)
+        for plugin in sorted(glob.glob(pattern)):
+            lib_dir = os.path.dirname(os.path.dirname(plugin))
+            real = os.path.realpath(plugin)
+            if not os.path.isfile(os.path.join(lib_dir, "libnixl.so")) and real not in found:
+                found.append(real)
     return found

@@ -489,3 +489,48 @@ def test_the_wheel_build_refuses_a_plugin_without_kernels_unless_asked(tmp_path)
     assert "BOUNCE_ALLOW_NO_KERNELS=1" in msg, msg
     msg, fatal = plugin_files.kernels_build_check(bare, {"BOUNCE_ALLOW_NO_KERNELS": "1"})
     assert not fatal and "Building it anyway" in msg, msg
+
+
+def _uninstall(nixl_path, capsys):
+    import argparse
+    code = cli.cmd_uninstall(argparse.Namespace(nixl_path=nixl_path))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_uninstall_removes_a_plugin_left_where_nixl_was_uninstalled_first(capsys, monkeypatch, tmp_path):
+    """`pip uninstall nixl-cu12` before `nixl-bounce uninstall` takes libnixl.so and leaves our
+    plugin: uninstall still finds it on this Python's path, or in the plugins folder given,
+    and says why it was left (review 55 L3)."""
+    from nixl_bounce import locate
+    monkeypatch.delenv("NIXL_PLUGIN_DIR", raising=False)
+    for given in (False, True):
+        nixl, _ = _fake_nixl(tmp_path / str(given), monkeypatch)
+        orphan = plugin_files.installed_path(nixl)
+        os.unlink(os.path.join(nixl.lib_dir, "libnixl.so"))  # what pip removes
+        # This Python's path is the fake site alone (every module used is imported already).
+        monkeypatch.setattr(sys, "path", [nixl.site])
+        monkeypatch.setattr(cli, "find", lambda path: locate.find(path) if path else [])
+        if given:
+            code, out, err = _uninstall(nixl.plugin_dir, capsys)
+        else:
+            assert locate.orphaned_plugins(plugin_files.PLUGIN_FILE) == [os.path.realpath(orphan)]
+            code, out, err = _uninstall(None, capsys)
+        assert code == 0, out + err
+        assert "left behind: its NIXL is no longer installed" in out, out
+        assert not os.path.exists(orphan)
+        assert locate.orphaned_plugins(plugin_files.PLUGIN_FILE) == []
+    # Nothing of ours in a folder without NIXL: the error says what was looked for.
+    with pytest.raises(locate.NixlNotFound):
+        _uninstall(str(tmp_path / "nothing"), capsys)
+
+
+def test_a_plugin_built_for_a_newer_c_library_is_not_called_a_broken_install():
+    """On a host with an older glibc than the build machine's the plugin cannot load; the fix is
+    a wheel built for that host, not a reinstall of the same one (review 55 L5)."""
+    glibc = ("/x/libplugin_BOUNCE.so: /lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.34' not found "
+             "(required by /x/libplugin_BOUNCE.so)")
+    fix = doctor._load_fix(glibc)
+    assert "GLIBC_2.34 is missing" in fix and "oldest distribution" in fix and "reinstall" not in fix, fix
+    assert "GLIBCXX_3.4.30 is missing" in doctor._load_fix(glibc.replace("GLIBC_2.34", "GLIBCXX_3.4.30"))
+    assert doctor._load_fix("/x/libplugin_BOUNCE.so: invalid ELF header").startswith("reinstall nixl-bounce")

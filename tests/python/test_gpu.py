@@ -20,6 +20,9 @@ import nixlkit
 from test_bounce import connect, stats
 
 WHY = nixlkit.gpu_skip_reason()
+if WHY is not None and os.environ.get("BOUNCE_REQUIRE_GPU") == "1":
+    # ci/gpu-e2e on the GPU machine: these tests are the GPU proof there, and must not skip.
+    raise RuntimeError(f"BOUNCE_REQUIRE_GPU=1 but the GPU tests cannot run: {WHY}")
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"skipped: {WHY}")
 
 B = "BOUNCE"
