@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use bounce_proto::MemKind;
 use bounce_proto::endpoint::XferError;
@@ -109,13 +109,16 @@ pub(crate) struct IpcPath {
     plans: Arc<PlanPool>,
     next: AtomicU64,
     stats: Arc<Stats>,
+    /// Running requests with a notification still to send (see [`IpcPath::settle`]), counted
+    /// over all the engine's paths ([`IpcPaths::notifying`] is one load on every `getNotifs`).
+    notifying: Arc<AtomicUsize>,
 }
 
 impl IpcPath {
     /// The path for memory on `gpu`; `None` (with the reason logged) when the host has no
     /// identity to check peers' handles against, the kernels do not load, or the GPU's ordinal
     /// is beyond what a handle can name.
-    pub(crate) fn new(gpu: &Arc<Gpu>, stats: Arc<Stats>) -> Option<Self> {
+    pub(crate) fn new(gpu: &Arc<Gpu>, stats: Arc<Stats>, notifying: Arc<AtomicUsize>) -> Option<Self> {
         let Some(dev_bits) = u64::try_from(gpu.ordinal()).ok().filter(|&d| d < MAX_GPUS).map(|d| d << DEV_SHIFT) else {
             tracing::warn!(gpu = gpu.ordinal(), "GPU ordinal beyond {MAX_GPUS}: no same-host path for its memory");
             return None;
@@ -136,6 +139,7 @@ impl IpcPath {
                 plans,
                 next: AtomicU64::new(1),
                 stats,
+                notifying,
             }),
             Err(e) => {
                 tracing::warn!(error = %e, "kernels or a plan stream unavailable: no same-host path");
@@ -308,6 +312,9 @@ impl IpcPath {
         match launched {
             Ok(ctx) => {
                 Stats::bump(&self.stats.ipc_xfers);
+                if notif.is_some() {
+                    self.notifying.fetch_add(1, Ordering::AcqRel);
+                }
                 req.state = State::Running(ctx, notif);
                 Ok(())
             }
@@ -353,6 +360,9 @@ impl IpcPath {
         let State::Running(ctx, notif) = std::mem::replace(&mut req.state, State::Done(done.clone())) else {
             unreachable!("matched Running above");
         };
+        if notif.is_some() {
+            self.notifying.fetch_sub(1, Ordering::AcqRel);
+        }
         if done.is_ok() {
             self.idle.lock().push(ctx);
         }
@@ -387,6 +397,29 @@ impl IpcPath {
         }
     }
 
+    /// Sends the notification of every request whose copy has ended, as [`Self::check`] would
+    /// at the application's next status query (failures are kept for that query): UCX sends a
+    /// transfer's notification behind its data whether or not the application asks, and an
+    /// application that waits for its peer's answer (polling `getNotifs`) without querying
+    /// its own request would otherwise wait for ever (as the CMA path's `settle`). An event
+    /// is queried from any thread, as `check` queries it from the application's.
+    fn settle(&self, shim: Option<Shim>) {
+        if self.notifying.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let running: Vec<u64> = self
+            .reqs
+            .lock()
+            .iter()
+            .filter(|(_, r)| matches!(&r.state, State::Running(_, Some(_))))
+            .map(|(&h, _)| h)
+            .collect();
+        for h in running {
+            // Its outcome (and a failed notification) stays for the application's check.
+            let _ = self.check(h, shim);
+        }
+    }
+
     /// Releases request `h`; one still running is waited for (a launched copy cannot be
     /// called back, and its plan and mappings must outlive it).
     ///
@@ -397,7 +430,12 @@ impl IpcPath {
         // would be out of a deregistration's sight while it ends.
         let mut reqs = self.reqs.lock();
         let req = reqs.remove(&h).ok_or(Error::UnknownRequest(h))?;
-        if let State::Running(ctx, _) = req.state {
+        if let State::Running(ctx, notif) = req.state {
+            // Released before it was found done: no notification goes (as UCX's release
+            // cancels what it has not sent).
+            if notif.is_some() {
+                self.notifying.fetch_sub(1, Ordering::AcqRel);
+            }
             if ctx.synchronize().is_ok() {
                 self.idle.lock().push(ctx);
             }
@@ -426,6 +464,8 @@ impl Drop for IpcPath {
 #[derive(Debug)]
 pub(crate) struct IpcPaths {
     stats: Arc<Stats>,
+    /// Shared by the paths (see [`IpcPath::notifying`]).
+    notifying: Arc<AtomicUsize>,
     /// By GPU ordinal; `None`: that GPU's path could not be had (logged when tried; not tried
     /// again).
     by_dev: RwLock<HashMap<u64, Option<Arc<IpcPath>>>>,
@@ -434,9 +474,9 @@ pub(crate) struct IpcPaths {
 impl IpcPaths {
     /// The paths of an engine, with those for its arenas' GPUs (`arena_gpus`) opened now.
     pub(crate) fn new(arena_gpus: &[Arc<Gpu>], stats: Arc<Stats>) -> Self {
-        let paths = Self { stats, by_dev: RwLock::default() };
+        let paths = Self { stats, notifying: Arc::default(), by_dev: RwLock::default() };
         for gpu in arena_gpus {
-            let path = IpcPath::new(gpu, Arc::clone(&paths.stats)).map(Arc::new);
+            let path = IpcPath::new(gpu, Arc::clone(&paths.stats), Arc::clone(&paths.notifying)).map(Arc::new);
             paths.by_dev.write().insert(gpu.ordinal() as u64, path);
         }
         paths
@@ -457,7 +497,7 @@ impl IpcPaths {
             .or_insert_with(|| {
                 let gpu = i32::try_from(dev).map_err(|_| CudaError::Unavailable(format!("no CUDA device {dev}")));
                 match gpu.and_then(Gpu::open) {
-                    Ok(gpu) => IpcPath::new(&gpu, Arc::clone(&self.stats)).map(Arc::new),
+                    Ok(gpu) => IpcPath::new(&gpu, Arc::clone(&self.stats), Arc::clone(&self.notifying)).map(Arc::new),
                     Err(e) => {
                         tracing::warn!(gpu = dev, error = %e, "cannot open the GPU: no same-host path for its memory");
                         None
@@ -519,6 +559,23 @@ impl IpcPaths {
     pub(crate) fn quiesce(&self, dev: u64, addr: u64, len: u64) {
         if let Some(p) = self.path(dev) {
             p.quiesce(addr, len);
+        }
+    }
+
+    /// True when a running request of a path still has its notification to send: `getNotifs`
+    /// must then [`settle`](Self::settle) rather than pull the inner engine straight through.
+    pub(crate) fn notifying(&self) -> bool {
+        self.notifying.load(Ordering::Acquire) > 0
+    }
+
+    /// [`IpcPath::settle`] on every path.
+    pub(crate) fn settle(&self, shim: Option<Shim>) {
+        if !self.notifying() {
+            return;
+        }
+        let paths: Vec<Arc<IpcPath>> = self.by_dev.read().values().flatten().cloned().collect();
+        for p in paths {
+            p.settle(shim);
         }
     }
 

@@ -635,6 +635,33 @@ def test_vram_same_host_transfer_is_one_kernel_byte_exact(peer, tmp_path, op):
     assert t["bounce_ok"] == 0 and t["ipc_xfers"] == 0, t
 
 
+
+def test_vram_same_host_notification_goes_out_though_the_request_is_never_checked(peer, tmp_path):
+    """An application that posts a notified WRITE and then only polls its notifications,
+    waiting for its peer's answer, never asking about its request: UCX sends the notification
+    behind the data whether the request is asked about or not, and so must the CUDA IPC path
+    (before, only a status query sent it, and both sides waited for ever). Our polls of
+    `getNotifs` send it once the kernel has ended; then the request reads DONE, and the
+    peer's buffer is byte-exact."""
+    lay = nixlkit.Scattered(4096, 4096, seed=1021)
+    ag, p, raddr, buf = ipc_pair(peer, "i10", lay.src_bytes, lay.dst_bytes, 1022, 1023)
+    lo = ag.get_xfer_descs(lay.src_list(nixlkit.addr(buf), 0), "VRAM")
+    re = ag.get_xfer_descs(lay.dst_list(raddr, PEER_GPU), "VRAM")
+    h = ag.initialize_xfer("WRITE", lo, re, "i10-rx", b"i10-done", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        assert not ag.get_new_notifs(), "nothing was sent to us"
+        time.sleep(0.01)
+    r = p.call(op="notif_wait", timeout=5, **{"from": "i10-tx", "msg": "i10-done"})
+    assert r.get("ok"), r
+    assert ag.check_xfer_state(h) == "DONE"
+    ag.release_xfer_handle(h)
+    nixlkit.assert_same(remote_host_copy(p, tmp_path), lay.expected(nixlkit.pattern(1022, lay.src_bytes),
+                                                                     nixlkit.pattern(1023, lay.dst_bytes)), "landed")
+    s = stats(ag)
+    assert s["ipc_xfers"] == 1 and s["ipc_ok"] == 1 and s["bounce_xfers"] == 0, s
+
 def test_vram_same_host_mixed_unaligned_sizes(peer, tmp_path):
     """Pieces of 1..16383 bytes at every alignment: the kernel's byte, word and vector paths
     across the mapping."""

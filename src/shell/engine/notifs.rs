@@ -24,6 +24,9 @@ impl Engine {
         if let Some(cma) = &self.cma {
             cma.settle(self.shim);
         }
+        if let Some(ipc) = &self.ipc {
+            ipc.settle(self.shim);
+        }
         let bell = self.mail.bell();
         let ticket = bell.ticket();
         let got = self.pull_and_take()?;
@@ -51,6 +54,7 @@ impl Engine {
         let direct = self.shim.is_some()
             && self.shared().is_none_or(|sh| sh.requests.in_flight() == 0)
             && self.cma.as_ref().is_none_or(|c| !c.notifying())
+            && self.ipc.as_ref().is_none_or(|i| !i.notifying())
             && self.mail.app_pull_is_direct();
         // The caller pulls the inner engine now; the other way notes its pull in
         // `Mailroom::pull_and_take`.
