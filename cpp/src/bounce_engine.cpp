@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
@@ -171,26 +172,22 @@ public:
         return guarded([&]() -> nixl_status_t {
             // The wrapper first: once Rust has prepared a request (an entry of its own, mapped
             // peer memory), nothing may fail before the wrapper owns it.
-            auto *h = new (std::nothrow) BounceReqH();
+            // Owned until handed to NIXL: an exception from the inner prepXfer (caught by
+            // `guarded`) must not leak it.
+            std::unique_ptr<BounceReqH> h(new (std::nothrow) BounceReqH());
             if (!h) return NIXL_ERR_BACKEND;
             uint64_t xfer = 0;
             auto st = static_cast<nixl_status_t>(bnc_xfer_prep(
                 rust_, op, abi_descs(local), local.descs.size(), local.type, abi_descs(remote),
                 remote.descs.size(), remote.type, view(agent), &xfer));
-            if (st != NIXL_SUCCESS) {
-                delete h;
-                return st;
-            }
+            if (st != NIXL_SUCCESS) return st;
             h->xfer = xfer;
             if (xfer == 0) {
                 Lock g(mu_);
                 nixl_status_t st = inner_->prepXfer(op, local, remote, agent, h->inner, opt);
-                if (st != NIXL_SUCCESS) {
-                    delete h;
-                    return st;
-                }
+                if (st != NIXL_SUCCESS) return st;
             }
-            handle = h;
+            handle = h.release();
             // Routing counters changed: publish them (prep is once per request, not a hot path).
             const_cast<BounceEngine *>(this)->refreshStats();
             return NIXL_SUCCESS;

@@ -202,6 +202,16 @@ int main(int argc, char **argv) {
         e = plugin.engine("impossible", impossible);
         check(!e || e->getInitErr(), "an impossible value (a window of 0) fails engine creation");
         if (e) plugin.p->destroy_engine(e);
+        // Only our own options must be UTF-8: a UCX param's bytes are UCX's business, and UCX
+        // takes them (review 56); one of ours that is not text is refused.
+        params_t theirs{{"bounce_cma", "false"}, {"ucx_only_note", "caf\xe9"}},
+            ours{{"bounce_control", "uc\xe9"}};
+        e = plugin.engine("latin1-ucx", theirs);
+        check(e && !e->getInitErr(), "a non-UTF-8 value of a param that is not ours still creates the engine");
+        if (e) plugin.p->destroy_engine(e);
+        e = plugin.engine("latin1-ours", ours);
+        check(!e || e->getInitErr(), "a non-UTF-8 value of one of our options fails engine creation");
+        if (e) plugin.p->destroy_engine(e);
     }
 
     // Two engines of one process; the same-host path off, so a scattered WRITE bounces.

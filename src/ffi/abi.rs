@@ -261,6 +261,16 @@ pub unsafe extern "C" fn bnc_engine_create(
             let mut params = Vec::with_capacity(kvs.len());
             for kv in kvs {
                 // SAFETY: as above, each key/value views a live std::string.
+                let (key, value) = unsafe { (kv.key.bytes(), kv.value.bytes()) };
+                // Only our own options must be text: the others are UCX's, which the shim hands
+                // the inner engine as NIXL gave them, and UCX takes any bytes (review 56).
+                if !key.starts_with(b"bounce_") {
+                    if let (Ok(k), Ok(v)) = (std::str::from_utf8(key), std::str::from_utf8(value)) {
+                        params.push((k, v));
+                    }
+                    continue;
+                }
+                // SAFETY: as above.
                 params.push(unsafe { (text(kv.key, "param name")?, text(kv.value, "param value")?) });
             }
             // SAFETY: as above.

@@ -129,6 +129,19 @@ pub(crate) fn libnixl_in_maps(maps: &str) -> Option<PathBuf> {
         .map(Path::to_path_buf)
 }
 
+/// A libnixl.so mapping the kernel marks `(deleted)`: NIXL was reinstalled or upgraded on
+/// disk under this running process (review 56). Its version cannot be read any more (the
+/// dist-info beside the path is the new install's), so the guard says that, not that no NIXL
+/// is loaded.
+pub(crate) fn replaced_libnixl_in_maps(maps: &str) -> Option<PathBuf> {
+    maps.lines()
+        .filter_map(|line| line.splitn(6, char::is_whitespace).nth(5).map(str::trim))
+        .filter_map(|p| p.strip_suffix(" (deleted)"))
+        .map(Path::new)
+        .find(|p| p.file_name().is_some_and(|n| n == "libnixl.so"))
+        .map(Path::to_path_buf)
+}
+
 /// For a wheel's `<site>/.nixl_cuXX.mesonpy.libs/libnixl.so`: the glob-free parts of its
 /// metadata path, `(<site>, "nixl_cuXX")`.
 pub(crate) fn wheel_of(libnixl: &Path) -> Option<(PathBuf, String)> {
@@ -177,9 +190,14 @@ fn detect(env: &impl Fn(&str) -> Option<String>) -> Detected {
         Ok(m) => m,
         Err(e) => return Detected::Unknown(format!("cannot read /proc/self/maps: {e}")),
     };
-    match libnixl_in_maps(&maps) {
-        Some(lib) => version_of_wheel(&lib),
-        None => Detected::Unknown("no libnixl.so is loaded in this process".to_owned()),
+    match (libnixl_in_maps(&maps), replaced_libnixl_in_maps(&maps)) {
+        (Some(lib), _) => version_of_wheel(&lib),
+        (None, Some(lib)) => Detected::Unknown(format!(
+            "the libnixl.so this process loaded ({}) was replaced or removed on disk since (NIXL reinstalled \
+             under a running process), so its version cannot be read; restart the process",
+            lib.display()
+        )),
+        (None, None) => Detected::Unknown("no libnixl.so is loaded in this process".to_owned()),
     }
 }
 
@@ -262,6 +280,18 @@ mod tests {
             Some(PathBuf::from("/opt/my venv/site-packages/.nixl_cu12.mesonpy.libs/libnixl.so"))
         );
         assert_eq!(libnixl_in_maps("7f-80 r-xp 0 08:01 1 /usr/lib/libnixl_capi.so\n"), None);
+        assert_eq!(replaced_libnixl_in_maps(maps), None);
+    }
+
+    #[test]
+    fn a_libnixl_replaced_on_disk_is_told_apart_from_none() {
+        let maps = "7f02-7f03 r-xp 00000000 08:01 12 /v/site-packages/.nixl_cu12.mesonpy.libs/libnixl.so (deleted)\n";
+        assert_eq!(libnixl_in_maps(maps), None, "its version is not read from the new install's dist-info");
+        assert_eq!(
+            replaced_libnixl_in_maps(maps),
+            Some(PathBuf::from("/v/site-packages/.nixl_cu12.mesonpy.libs/libnixl.so"))
+        );
+        assert_eq!(replaced_libnixl_in_maps("7f-80 r-xp 0 08:01 1 /x/libnixl_capi.so (deleted)\n"), None);
     }
 
     #[test]
