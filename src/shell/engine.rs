@@ -441,10 +441,15 @@ impl Engine {
     /// a late write cannot land in memory used for something else). Idempotent; afterwards the
     /// engine is plain UCX.
     pub(crate) fn stop(&mut self) {
+        // Out of the engine before anything that could unwind: a panic below (caught at the
+        // FFI edge) must not leave the bounce path for the final destroy, which runs after the
+        // inner engine is gone (review 56); dropped here while unwinding, it stops with the
+        // inner engine still alive.
+        let bounce = self.bounce.take();
         // Its running copies end first; its notifications need the inner engine.
         drop(self.ipc.take());
         drop(self.cma.take());
-        let (Some(b), Some(shim)) = (self.bounce.take(), self.shim) else { return };
+        let (Some(b), Some(shim)) = (bounce, self.shim) else { return };
         let Bounce { reactor, arenas, one_way, .. } = b;
         let quiet = reactor.stop();
         self.stats.arenas.store(0, Ordering::Relaxed);
