@@ -84,6 +84,11 @@ impl Arena {
         let fault = |why| Error::Arena { len, why };
         let size = usize::try_from(len).map_err(|_| fault(ArenaFault::TooLarge))?;
         let alloc = Arc::new(alloc_vram(gpu, size).map_err(|e| fault(ArenaFault::Gpu(e)))?);
+        // Zeroed before it is registered: cuMemAlloc may hand back memory this process freed
+        // (activations, another request's KV), and any agent given our connection info may
+        // READ any region of the arena (review 56; a host arena is fresh zero pages). Once, at
+        // creation.
+        alloc.fill(0).map_err(|e| fault(ArenaFault::Gpu(e)))?;
         let dev = u64::try_from(gpu.ordinal()).unwrap_or(0);
         let base = alloc.ptr();
         let (md, key) = shim.register(base, len, dev, MemSeg::Vram).map_err(|st| fault(ArenaFault::Register(st)))?;

@@ -251,23 +251,37 @@ impl Engine {
 /// Whether GPU registration `reg` is on the GPU its device id names, as the driver says.
 /// Without a usable driver nothing of ours touches GPU memory anyway: taken as it is.
 fn on_its_gpu(reg: &Registration) -> bool {
-    match crate::sys::cuda::device_of(reg.addr) {
-        Ok(ordinal) => {
-            let same = u64::try_from(ordinal).is_ok_and(|o| o == reg.dev);
-            if !same {
-                tracing::warn!(
-                    addr = reg.addr,
-                    dev = reg.dev,
-                    gpu = ordinal,
-                    "GPU memory registered with the device id of another GPU: its transfers go to UCX"
-                );
-            }
-            same
+    use crate::sys::cuda::{CudaError, device_of};
+    // Its last byte too: a registration that runs past its allocation (an application bug UCX
+    // turns into a failed copy) would let a peer's scatter fault in the application's own CUDA
+    // context (review 56). A contiguous mapping of several pieces (CUDA's virtual memory API)
+    // passes; a hole between first and last byte is not looked for.
+    let last = reg.addr.saturating_add(reg.len.max(1) - 1);
+    let (first, end) = match (device_of(reg.addr), device_of(last)) {
+        (Err(CudaError::Unavailable(_)), _) => return true,
+        (Ok(first), Ok(end)) => (first, end),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!(addr = reg.addr, len = reg.len, dev = reg.dev, error = %e,
+                "GPU memory the driver does not know (all of it, first to last byte): its transfers go to UCX");
+            return false;
         }
-        Err(crate::sys::cuda::CudaError::Unavailable(_)) => true,
-        Err(e) => {
-            tracing::warn!(addr = reg.addr, dev = reg.dev, error = %e, "GPU memory the driver does not know: its transfers go to UCX");
-            false
-        }
+    };
+    if end != first {
+        tracing::warn!(
+            addr = reg.addr,
+            len = reg.len,
+            "GPU memory registered across two GPUs' memory: its transfers go to UCX"
+        );
+        return false;
     }
+    let same = u64::try_from(first).is_ok_and(|o| o == reg.dev);
+    if !same {
+        tracing::warn!(
+            addr = reg.addr,
+            dev = reg.dev,
+            gpu = first,
+            "GPU memory registered with the device id of another GPU: its transfers go to UCX"
+        );
+    }
+    same
 }
