@@ -94,10 +94,32 @@ struct Flow {
     /// The armed instant in `Receiver::timers` stays (at most this deadline) and is re-armed
     /// when it fires.
     deadline: Instant,
+    /// Its last progress: opened, given regions, a DATA or RELEASE received, a scatter or
+    /// gather ended. KEEPs and WANTs or PULLs adding to it push `deadline` on only until a
+    /// request timeout after this (see [`Flow::kept`]).
+    progress: Instant,
     /// When the flow was last given regions (a GRANT, or its WANT's claim of a standing
     /// credit); `None` while it has waited for the arena since its WANT. See
     /// `Receiver::drop_unserved`.
     given: Option<Instant>,
+}
+
+impl Flow {
+    /// The flow progressed at `now`: its lease starts again.
+    fn progressed(&mut self, now: Instant, idle: Duration) {
+        self.deadline = now + idle;
+        self.progress = now;
+    }
+
+    /// A sign of life that is not progress (a KEEP; a WANT or PULL adding chunks): the lease
+    /// moves on, but never past one and a half request timeouts (three leases) after the last
+    /// progress. An honest sender fails its transfer after a request timeout without progress
+    /// (the smaller of the two sides'), so its write has landed or been given up by then, with
+    /// half a timeout to spare; without the cap a flow that only KEEPs held its regions for
+    /// ever (review 56, H1).
+    fn kept(&mut self, now: Instant, idle: Duration) {
+        self.deadline = (now + idle).min(self.progress + idle * 3).max(self.deadline);
+    }
 }
 
 /// A scatter job in flight.
@@ -570,13 +592,13 @@ impl Receiver {
             return self.open_standing(ctx, from, want, PeerLoad { flows, chunks });
         }
         // Where the flow may scatter: only registrations whose metadata the sender holds.
-        // A one-way WANT must prove something: it comes from a name we never loaded, and is
-        // answered in our mailbox. (A two-way one comes from a loaded peer in its session,
-        // which holds our metadata and so could prove; what its flows may hold is capped per
-        // peer either way.)
-        let opens_one_way = !self.flows.contains_key(&key) && want.endpoint == wire::REPLY_MAILBOX;
+        // The WANT that opens a flow must prove one at least, one way or two way: a loaded
+        // peer's name and session are published, so a WANT proving nothing could come from
+        // anyone holding its metadata, and its flows would hold our arena under that peer's
+        // share (review 56, H1). Every honest WANT proves its destinations.
+        let opens = !self.flows.contains_key(&key);
         let by = self.initiator_of(from);
-        let proven = match if opens_one_way {
+        let proven = match if opens {
             self.registered.verify_opening(want.token, &by, &want.proofs, want.arena)
         } else {
             self.registered.verify(want.token, &by, &want.proofs, want.arena)
@@ -648,7 +670,7 @@ impl Receiver {
                         flow.proven.push(reg);
                     }
                 }
-                flow.deadline = deadline;
+                flow.kept(ctx.now, self.idle_timeout);
             }
             None => {
                 self.timers.set(key, deadline);
@@ -665,6 +687,7 @@ impl Receiver {
                     standing: false,
                     claimed_from: claimed.map(|g| g.flow.xfer),
                     deadline,
+                    progress: ctx.now,
                     given: claimed.map(|_| ctx.now),
                 };
                 self.flows.insert(key, flow);
@@ -698,7 +721,7 @@ impl Receiver {
             ctx.stats.control_forged += 1;
             return Err(ProtocolError::WrongToken { peer: from, xfer: keep.xfer });
         }
-        flow.deadline = ctx.now + self.idle_timeout;
+        flow.kept(ctx.now, self.idle_timeout);
         self.wrote.insert(from, ctx.now);
         Ok(())
     }
@@ -822,7 +845,7 @@ impl Receiver {
                     return self.refuse_data(ctx, from, &data, DataFault::NoRuns);
                 };
                 flow.replanned.insert(data.chunk.0);
-                flow.deadline = ctx.now + self.idle_timeout;
+                flow.progressed(ctx.now, self.idle_timeout);
                 ctx.stats.replans += 1;
                 let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
                 ctx.send(from, Ack { xfer, token, chunk, region, status: AckStatus::Replan });
@@ -894,7 +917,7 @@ impl Receiver {
             return None;
         }
         flow.scattering += 1;
-        flow.deadline = ctx.now + self.idle_timeout;
+        flow.progressed(ctx.now, self.idle_timeout);
         Some((ctx.job(), flow.arena))
     }
 
@@ -1009,7 +1032,7 @@ impl Receiver {
         ctx.send(s.flow.peer, Ack { xfer: s.flow.xfer, token: s.token, chunk: s.chunk, region: s.region, status });
         if let Some(flow) = self.flows.get_mut(&s.flow) {
             flow.scattering -= 1;
-            flow.deadline = ctx.now + self.idle_timeout;
+            flow.progressed(ctx.now, self.idle_timeout);
         }
         if !ctx.scheds.has_flow(s.flow) {
             self.forget(s.flow);
@@ -1034,7 +1057,7 @@ impl Receiver {
         for (key, mut credits) in batches {
             let token = match self.flows.get_mut(&key) {
                 Some(flow) => {
-                    flow.deadline = ctx.now + self.idle_timeout;
+                    flow.progressed(ctx.now, self.idle_timeout);
                     flow.given = Some(ctx.now);
                     flow.token
                 }

@@ -73,7 +73,7 @@ impl Receiver {
         ctx.stats.scatters_held += 1;
         // Waiting for our own copies is not its sender's silence.
         if let Some(flow) = self.flows.get_mut(&key) {
-            flow.deadline = ctx.now + self.idle_timeout;
+            flow.progressed(ctx.now, self.idle_timeout);
         }
         Ok(())
     }

@@ -63,7 +63,7 @@ impl Receiver {
         }
         if let Some(flow) = self.flows.get_mut(&g.flow) {
             flow.scattering -= 1;
-            flow.deadline = ctx.now + self.idle_timeout;
+            flow.progressed(ctx.now, self.idle_timeout);
         }
         if ok && !g.doomed {
             ctx.stats.chunks_served += 1;
@@ -175,9 +175,9 @@ impl Receiver {
             refuse(ctx);
             return Err(ProtocolError::OverTotalLimit { peer: from, xfer: pull.xfer, chunks: total });
         }
-        // As for a WANT (see `handle_want`): a one-way READ must prove something.
         let by = self.initiator_of(from);
-        let verified = if opens && pull.endpoint == wire::REPLY_MAILBOX {
+        // The opening PULL proves its sources, one way or two way (see `handle_want`).
+        let verified = if opens {
             self.registered.verify_opening(pull.token, &by, &pull.proofs, pull.arena)
         } else {
             self.registered.verify(pull.token, &by, &pull.proofs, pull.arena)
@@ -231,7 +231,7 @@ impl Receiver {
             Some(flow) => {
                 flow.chunks.extend_from_slice(&sizes);
                 flow.proven = proven;
-                flow.deadline = deadline;
+                flow.kept(ctx.now, self.idle_timeout);
                 if let Some(p) = flow.pull.as_mut() {
                     p.chunks.extend(pulled);
                 }
@@ -251,6 +251,7 @@ impl Receiver {
                     standing: false,
                     claimed_from: None,
                     deadline,
+                    progress: ctx.now,
                     given: None,
                 };
                 self.flows.insert(key, flow);
@@ -288,7 +289,7 @@ impl Receiver {
             Some(g) if g.region == rel.region && g.chunk == rel.chunk => {}
             _ => return bad,
         }
-        flow.deadline = ctx.now + self.idle_timeout;
+        flow.progressed(ctx.now, self.idle_timeout);
         let sched = ctx.sched(arena);
         if sched.begin_scatter(key, rel.region.offset).is_err() || sched.end_scatter(rel.region.offset).is_err() {
             internal_error("freeing a released READ region", &rel.region.offset);

@@ -54,6 +54,7 @@ impl Receiver {
             standing: true,
             claimed_from: None,
             deadline,
+            progress: ctx.now,
             given: None,
         };
         self.flows.insert(key, flow);

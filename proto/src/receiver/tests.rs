@@ -240,17 +240,17 @@ fn data_into_a_registered_range_the_want_did_not_prove_is_refused() {
     ep.add_registered(canary, RegKey([0xc0; 32]), (DST + 64 * KIB, 64 * KIB), ArenaId(0));
     let [r0, _] = wanted(&mut ep, t);
     expect_refused(&mut ep, t, 0, r0, vec![run(0, DST + 64 * KIB, 8)], DataFault::RunOutsideRegistered { index: 0 });
-    // A WANT without proofs proves nothing: even the memory the fixture proves is refused.
-    // (From a loaded peer its flow is granted, within the peer's caps; one way, from a name
-    // never loaded, it is not even that: `a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_destination`.)
+    // A WANT without proofs proves nothing, and opens nothing, even from a loaded peer in its
+    // session (published: anyone holding its metadata could send it; review 56 H1): no GRANT,
+    // no answer at all, counted as forged.
     let (mut ep, t) = receiver();
     let mut want = want_msg(X, &[CHUNK]);
     if let Msg::Want(w) = &mut want {
         w.proofs.clear();
     }
-    ep.handle_msg(t, PEER, want).unwrap();
-    let r0 = credits(&drain(&mut ep))[0].3;
-    expect_refused(&mut ep, t, 0, r0, vec![run(0, DST, 8)], DataFault::RunOutsideRegistered { index: 0 });
+    let e = ep.handle_msg(t, PEER, want).unwrap_err();
+    assert!(matches!(e, ProtocolError::BadProof { source: BadProof::NoProof, .. }), "{e:?}");
+    assert!(drain(&mut ep).is_empty(), "a forgery gets no answer");
     // Proven, then deregistered before the DATA.
     let (mut ep, t) = receiver();
     let [r0, _] = wanted(&mut ep, t);

@@ -1,6 +1,7 @@
 //! Endpoint-level tests, plus the fixtures the sender and receiver tests share.
 
 mod forget;
+mod holds;
 mod slot_queue;
 mod standing;
 

@@ -1,0 +1,92 @@
+//! Review 56, H1: how long a flow may hold our arena without progress. A KEEP says a write is
+//! in flight, so it pushes the lease on, but only until a request timeout after the flow's last
+//! progress; and a flow opens only on a WANT (or PULL) that proves a registration, two way as
+//! one way, since a loaded peer's name and session are published.
+
+use super::*;
+
+fn one_way_want(name: &str, xfer: u64, chunks: &[u64]) -> Vec<u8> {
+    let w = Want {
+        arena: ArenaId(0),
+        xfer: XferId(xfer),
+        token: TOKEN,
+        endpoint: wire::REPLY_MAILBOX.to_vec(),
+        chunks: chunks.to_vec(),
+        proofs: vec![proof_by(name)],
+        inline: None,
+        standing: Default::default(),
+    };
+    wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
+}
+
+fn one_way_keep(xfer: u64) -> Vec<u8> {
+    wire::Frame { session: 99, msg: Msg::Keep(wire::Keep { xfer: XferId(xfer), token: TOKEN }) }.to_vec()
+}
+
+/// An agent holding one registration's key opens flows under two invented one-way names, which
+/// take the whole arena, and then only KEEPs them (no DATA ever). Before review 56 the honest
+/// initiator's flow got no region in 30 request timeouts; now the two are reclaimed one and a
+/// half request timeouts after their grants, and the honest flow is granted.
+#[test]
+fn keeps_alone_hold_regions_at_most_a_request_timeout_after_the_last_progress() {
+    let (mut ep, t) = endpoint(16 * KIB, 2, false); // 4 regions of 4 KiB
+    ep.keep_mailbox(true);
+    for name in ["m1", "m2"] {
+        ep.handle_frame(t, name, &one_way_want(name, 1, &[CHUNK, CHUNK])).unwrap();
+    }
+    drain(&mut ep);
+    assert_eq!(ep.arena_free_bytes(), 0, "the two names hold the arena");
+    ep.handle_frame(t, "honest", &one_way_want("honest", 1, &[CHUNK])).unwrap();
+    drain(&mut ep);
+    let honest = FlowKey { peer: ep.peers().lookup("honest").unwrap(), xfer: XferId(1) };
+    let (mut now, mut granted_at) = (t, None);
+    while now < t + TIMEOUT * 4 && granted_at.is_none() {
+        now += TIMEOUT / 5; // a KEEP per name every fifth of a timeout (the lease is half)
+        for name in ["m1", "m2"] {
+            ep.handle_frame(now, name, &one_way_keep(1)).unwrap();
+        }
+        if ep.poll_timeout().is_some_and(|d| d <= now) {
+            ep.handle_timeout(now);
+        }
+        drain(&mut ep);
+        if ep.schedulers().flow_held_count(honest) > 0 {
+            granted_at = Some(now);
+        }
+    }
+    let granted_at = granted_at.expect("the honest flow got a region");
+    // The KEEPs' flows go one and a half request timeouts after their grants; their regions
+    // rest in quarantine a quarter timeout more (a late write lands where nobody reads).
+    let bound = TIMEOUT * 3 / 2 + TIMEOUT / 4 + TIMEOUT * 2 / 5; // two KEEP steps of slack
+    assert!(granted_at - t <= bound, "granted after {:?}", granted_at - t);
+    assert!(ep.stats().flows_timed_out >= 2, "{:?}", ep.stats());
+}
+
+/// The same with no key: anyone holding two loaded peers' metadata knows their names and
+/// sessions, and sent two-way WANTs under them that proved nothing, each opening a flow that
+/// took a share of the arena. Such a WANT now opens nothing and gets no answer.
+#[test]
+fn a_want_under_a_loaded_name_that_proves_nothing_opens_no_flow() {
+    let (mut ep, t) = endpoint(16 * KIB, 2, false);
+    for (name, s) in [("p1", 71u64), ("p2", 72), ("honest", 73)] {
+        assert_eq!(ep.handle_conn_info(t, name, Some(caps(s)), Some(&caps(1))), Loaded::Compatible);
+    }
+    let unproven = Msg::Want(Want {
+        arena: ArenaId(0),
+        xfer: XferId(1),
+        token: FORGED,
+        endpoint: Vec::new(),
+        chunks: vec![CHUNK, CHUNK],
+        proofs: Vec::new(),
+        inline: None,
+        standing: Default::default(),
+    });
+    for (name, s) in [("p1", 71u64), ("p2", 72)] {
+        assert!(ep.handle_frame(t, name, &frame(s, unproven.clone())).is_err(), "{name}'s forged WANT");
+        assert!(drain(&mut ep).is_empty(), "a forgery gets no answer");
+    }
+    assert_eq!(ep.arena_free_bytes(), 16 * KIB, "nothing held");
+    ep.handle_frame(t, "honest", &frame(73, want_msg_by("honest", XferId(1), &[CHUNK]))).unwrap();
+    drain(&mut ep);
+    let honest = FlowKey { peer: ep.peers().lookup("honest").unwrap(), xfer: XferId(1) };
+    assert_eq!(ep.schedulers().flow_held_count(honest), 1, "granted at once");
+}
