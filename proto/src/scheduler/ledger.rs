@@ -40,6 +40,7 @@ impl CreditScheduler {
     /// [`SchedError::NotHeld`] when the flow does not hold that region;
     /// [`SchedError::AlreadyScattering`] for a duplicate DATA.
     pub fn begin_scatter(&mut self, flow: FlowKey, offset: u64) -> Result<Grant> {
+        self.touch();
         let held =
             *self.flows.get(&flow).and_then(|f| f.held.get(&offset)).ok_or(SchedError::NotHeld { flow, offset })?;
         if self.scattering.contains_key(&offset) {
@@ -75,6 +76,7 @@ impl CreditScheduler {
     ///
     /// [`wire::Standing::Claim`]: crate::wire::Standing::Claim
     pub fn adopt(&mut self, from: FlowKey, offset: u64, to: FlowKey, chunk: ChunkIdx) -> Result<Grant> {
+        self.touch();
         let idle = !self.scattering.contains_key(&offset);
         let held = self.flows.get(&from).and_then(|f| f.held.get(&offset)).copied();
         let Some(held) = held.filter(|_| idle && from.peer == to.peer && from != to) else {
@@ -120,6 +122,7 @@ impl CreditScheduler {
     /// # Errors
     /// [`SchedError::NotScattering`] when no scatter of that region is in progress.
     pub fn end_scatter(&mut self, offset: u64) -> Result<EndScatter> {
+        self.touch();
         let s = self.scattering.remove(&offset).ok_or(SchedError::NotScattering { offset })?;
         if s.orphaned {
             self.orphaned_bytes -= s.len;
@@ -150,6 +153,7 @@ impl CreditScheduler {
     /// # Errors
     /// [`SchedError::NotScattering`] when no job on that region is in progress.
     pub fn end_job(&mut self, offset: u64) -> Result<Option<EndScatter>> {
+        self.touch();
         let s = self.scattering.get(&offset).ok_or(SchedError::NotScattering { offset })?;
         if s.orphaned {
             return self.end_scatter(offset).map(Some);
@@ -163,6 +167,7 @@ impl CreditScheduler {
     /// reading ready regions, which must not be freed under it before its cancel. A flow left
     /// with nothing held is erased. Unknown flows are ignored.
     pub fn drop_pending(&mut self, key: FlowKey) {
+        self.touch();
         self.unblock(key);
         let window = self.window as usize;
         let Some(flow) = self.flows.get_mut(&key) else { return };
@@ -190,10 +195,15 @@ impl CreditScheduler {
 
     /// [`reclaim_flow`](Self::reclaim_flow) for every flow of `peer` (peer loss), in key order.
     pub fn reclaim_peer(&mut self, peer: PeerId, reuse: Reuse) -> Reclaimed {
+        self.touch();
         let keys: Vec<FlowKey> = self.flows.range(FlowKey::all_of(peer)).map(|(k, _)| *k).collect();
         let mut out = Reclaimed::default();
-        for key in keys {
-            self.reclaim_into(key, reuse, &mut out);
+        for &key in &keys {
+            self.reclaim_off_ring(key, reuse, &mut out);
+        }
+        // Every flow of the peer left `flows` above: one pass takes them out of the ring.
+        if !keys.is_empty() {
+            self.remove_from_ring_where(|k| k.peer == peer);
         }
         out
     }
@@ -202,6 +212,7 @@ impl CreditScheduler {
     /// `None`: the engine is shutting down), earliest first, and returns them. Call
     /// [`schedule`](Self::schedule) afterwards when any came back.
     pub fn lift_quarantine(&mut self, now: Option<Instant>) -> Vec<Region> {
+        self.touch();
         let mut lifted = Vec::new();
         while let Some(&(at, offset)) = self.quarantine.by_time.first() {
             if now.is_some_and(|now| at > now) {
@@ -220,6 +231,7 @@ impl CreditScheduler {
     /// have ended: a cancel, sent after them), by ascending offset. Call
     /// [`schedule`](Self::schedule) afterwards when any came back.
     pub fn lift_flow(&mut self, flow: FlowKey) -> Vec<Region> {
+        self.touch();
         let lo = (flow, 0);
         let offsets: Vec<u64> =
             self.quarantine.by_flow.range(lo..).take_while(|(f, _)| *f == flow).map(|&(_, o)| o).collect();
@@ -234,6 +246,7 @@ impl CreditScheduler {
     /// Takes the region at `offset` out of the quarantine and frees it (cold: a late write may
     /// have touched it, and nothing makes its lines warm).
     fn unrest(&mut self, offset: u64) -> Region {
+        self.touch();
         if let Some(rest) = self.quarantine.regions.remove(&offset) {
             self.quarantine.by_time.remove(&(rest.until, offset));
             self.quarantine.by_flow.remove(&(rest.flow, offset));
@@ -263,6 +276,7 @@ impl CreditScheduler {
     /// [`eager_cap`](Self::eager_cap); credit-backed staging is not capped. Drain mode does not
     /// apply. `None` when `bytes` is 0, the cap is hit or no block fits.
     pub fn acquire_local(&mut self, bytes: u64, eager: bool) -> Option<Region> {
+        self.touch();
         let len = self.buddy.block_len(bytes)?;
         if eager && self.eager_bytes + len > self.eager_cap() {
             return None;
@@ -284,6 +298,7 @@ impl CreditScheduler {
     /// [`SchedError::NotLocal`] for an unknown offset; [`SchedError::NotEager`] when it is
     /// already credit-backed.
     pub fn promote_local(&mut self, offset: u64) -> Result<()> {
+        self.touch();
         let local = self.local.get_mut(&offset).ok_or(SchedError::NotLocal { offset })?;
         if !local.eager {
             return Err(SchedError::NotEager { offset });
@@ -300,6 +315,7 @@ impl CreditScheduler {
     /// [`SchedError::NotLocal`] when no local region starts there (for example a double
     /// release).
     pub fn release_local(&mut self, offset: u64) -> Result<Region> {
+        self.touch();
         let local = self.local.remove(&offset).ok_or(SchedError::NotLocal { offset })?;
         self.local_bytes -= local.len;
         if local.eager {
@@ -468,12 +484,21 @@ impl CreditScheduler {
     }
 
     pub(super) fn reclaim_into(&mut self, key: FlowKey, reuse: Reuse, out: &mut Reclaimed) {
+        if self.reclaim_off_ring(key, reuse, out) {
+            self.remove_from_ring(key);
+        }
+    }
+
+    /// [`reclaim_into`](Self::reclaim_into) but for taking the flow out of the ring, which the
+    /// caller does (for many flows at once, in [`reclaim_peer`](Self::reclaim_peer)); whether
+    /// the flow was there.
+    fn reclaim_off_ring(&mut self, key: FlowKey, reuse: Reuse, out: &mut Reclaimed) -> bool {
+        self.touch();
         self.unblock(key);
         let Some(flow) = self.flows.remove(&key) else {
-            return;
+            return false;
         };
         Self::rewait(&mut self.waiting, key.peer, Self::is_waiting(&flow, self.window as usize), false);
-        self.remove_from_ring(key);
         if self.drain == Some(key) {
             self.drain = None;
         }
@@ -507,11 +532,13 @@ impl CreditScheduler {
             deferred = out.deferred.len() - deferred,
             "flow reclaimed"
         );
+        true
     }
 
     /// Frees a region this scheduler owns, `hot` ([`Buddy::free_hot`]) when nothing can still
     /// write into it; failure means the bookkeeping is corrupt.
     pub(super) fn free_region(&mut self, offset: u64, hot: bool) -> Region {
+        self.touch();
         let freed = if hot { self.buddy.free_hot(offset) } else { self.buddy.free(offset) };
         match freed {
             Ok(region) => region,

@@ -184,7 +184,8 @@ pub struct Reclaimed {
 ///   is granted behind your back, and a freed region granted to nobody stays free until the
 ///   next `schedule()`. Several such calls may be
 ///   batched before one `schedule()`; `schedule()` is idempotent (a second call right after
-///   returns nothing).
+///   returns nothing, in O(1): a sweep that granted nothing is not repeated until something
+///   changes).
 /// - On DATA: [`is_held`](Self::is_held) validates the region handle (held by *this* flow, not
 ///   already scattering); [`begin_scatter`](Self::begin_scatter) marks it scattering; when the
 ///   scatter completes (success or failure) call [`end_scatter`](Self::end_scatter), which frees
@@ -263,6 +264,14 @@ pub struct CreditScheduler {
     /// The largest chunk this arena stages or grants, as configured for it (`u64::MAX`: the
     /// arena's largest block): see [`CreditScheduler::limit_chunks`].
     max_chunk: u64,
+    /// The largest free block when a sweep last granted nothing, while nothing changed since
+    /// (every mutation clears it, [`CreditScheduler::touch`]): a sweep then would visit the
+    /// same flows with the same outcome, so it returns at once. Without it every event swept
+    /// every parked flow (review 56 H2).
+    fruitless: Option<u64>,
+    /// Flows visited by sweeps, for the tests of the short cut.
+    #[cfg(test)]
+    visits: u64,
 }
 
 #[derive(Debug, Default)]
@@ -360,6 +369,9 @@ impl CreditScheduler {
             peer_held: BTreeMap::new(),
             waiting: BTreeMap::new(),
             max_chunk: u64::MAX,
+            fruitless: None,
+            #[cfg(test)]
+            visits: 0,
         })
     }
 
@@ -369,6 +381,15 @@ impl CreditScheduler {
     /// when it is idle, or, as the drain target, holds every other flow's credits until it is
     /// all free (never, while a staging reserve of ours is out).
     pub fn limit_chunks(&mut self, bytes: u64) {
+        self.touch();
         self.max_chunk = bytes;
+    }
+
+    /// Records that the state changed, so the next sweep visits every flow again. Called by
+    /// every method that changes anything a sweep reads (flows' pending and held sets, stamps,
+    /// the ring, the allocator, per-peer counts, the quarantine): conservatively, at the entry of
+    /// each mutating method and again where regions are granted, freed or flows leave.
+    fn touch(&mut self) {
+        self.fruitless = None;
     }
 }

@@ -792,6 +792,10 @@ impl Harness {
             }
         }
         prop_assert!(self.s.schedule().is_empty(), "schedule() is idempotent");
+        if self.s.drain_target().is_none() {
+            // A sweep it skipped (nothing changed since one granted nothing) missed no grant.
+            prop_assert_eq!(grantable(&self.s), None);
+        }
         let quarantined: u64 = self.quarantined.iter().map(|(_, r, _)| r.len).sum();
         let next = self.quarantined.iter().map(|&(at, _, _)| self.t0 + Duration::from_millis(at)).min();
         prop_assert_eq!((self.s.quarantined_bytes(), self.s.next_lift()), (quarantined, next));
@@ -891,4 +895,254 @@ fn fairness_bound_holds_under_heavy_contention() {
     h.drain_all().unwrap();
     assert!(h.drains > 0, "the workload exercises drain mode");
     assert!(h.max_ratio <= 6.0, "worst bypass/M ratio {}", h.max_ratio);
+}
+
+// ---- The fruitless-sweep short cut and batch reclaim (review 56 H2) ---------------------
+
+/// A flow a full sweep would grant now, if any: eligible, within its peer's share, and its
+/// head fits the largest free block.
+fn grantable(s: &CreditScheduler) -> Option<FlowKey> {
+    let largest = s.buddy().largest_free();
+    s.ring.iter().copied().find(|k| {
+        let f = &s.flows[k];
+        f.held.len() < s.window() as usize
+            && f.pending.front().is_some_and(|&(_, bytes)| {
+                !s.over_peer_share(k.peer, bytes) && s.buddy().block_len(bytes).is_some_and(|l| l <= largest)
+            })
+    })
+}
+
+/// What fair share keeps: the ring, the cursor, every stamp, the drain target, grants issued.
+type Fair = (Vec<FlowKey>, usize, Vec<(Blocked, FlowKey)>, Vec<(FlowKey, Option<Blocked>)>, Option<FlowKey>, u64);
+
+fn fair_state(s: &CreditScheduler) -> Fair {
+    (
+        s.ring.clone(),
+        s.cursor,
+        s.blocked.iter().copied().collect(),
+        s.flows.iter().map(|(k, f)| (*k, f.blocked)).collect(),
+        s.drain,
+        s.grant_seq,
+    )
+}
+
+#[test]
+fn a_sweep_after_no_change_visits_no_flow_and_any_change_restores_a_full_one() {
+    // Four regions, W = 1: four flows hold them, a hundred more park (stamped, nothing fits).
+    let mut s = sched(4, 1);
+    let flows: Vec<FlowKey> = (0..104).map(|x| flow(1, x)).collect();
+    for &f in &flows {
+        s.want(f, &[G]).unwrap();
+    }
+    let held = s.schedule();
+    assert_eq!(held.len(), 4);
+    let parked = || flows.len() as u64 - 4;
+    assert!(s.visits >= 104, "the first pass looked at every flow");
+    assert_eq!(s.blocked.len() as u64, parked(), "every parked flow is stamped");
+    let before = fair_state(&s);
+    s.visits = 0;
+    for _ in 0..10 {
+        assert!(s.schedule().is_empty());
+    }
+    assert_eq!(s.visits, 0, "no change: no flow visited");
+    assert_eq!(fair_state(&s), before, "and nothing else differs");
+
+    // A want (a new flow) is a change: the next sweep visits every flow again, once.
+    s.want(flow(9, 1), &[G]).unwrap();
+    assert!(s.schedule().is_empty());
+    assert_eq!(s.visits, 105);
+    assert!(s.schedule().is_empty());
+    assert_eq!(s.visits, 105, "then nothing changed again");
+    s.check_invariants().unwrap();
+
+    // A want that cannot fit (a chunk larger than any free block) on a parked flow still
+    // counts as a change.
+    s.want(flows[50], &[2 * G]).unwrap();
+    s.visits = 0;
+    assert!(s.schedule().is_empty());
+    assert_eq!(s.visits, 105);
+
+    // A free is a change: its region is granted, then the ring is swept in full and found
+    // empty of fits, and the next schedule visits nothing.
+    ack(&mut s, &held[0]);
+    s.visits = 0;
+    let g = s.schedule();
+    assert_eq!(g.len(), 1);
+    assert_eq!(grantable(&s), None);
+    let after_grant = s.visits;
+    assert!(after_grant >= 105, "{after_grant}");
+    assert!(s.schedule().is_empty());
+    assert_eq!(s.visits, after_grant);
+
+    // Local staging given back is a change too.
+    ack(&mut s, &g[0]);
+    let local = s.acquire_local(G, false).unwrap();
+    assert!(s.schedule().is_empty(), "the arena is full again");
+    let v = s.visits;
+    s.release_local(local.offset).unwrap();
+    assert_eq!(s.schedule().len(), 1);
+    assert!(s.visits > v);
+    s.check_invariants().unwrap();
+}
+
+/// A reference that skips nothing: `touch` before each `schedule`, and a peer reclaimed one
+/// flow at a time; the scheduler under test must agree with it at every step.
+struct Twin {
+    s: CreditScheduler,
+    r: CreditScheduler,
+    granted: Vec<Grant>,
+    scattering: Vec<u64>,
+    local: Vec<u64>,
+    t0: Instant,
+    now_ms: u64,
+}
+
+impl Twin {
+    fn apply(&mut self, op: Op) -> std::result::Result<(), TestCaseError> {
+        let max = self.s.max_chunk_bytes();
+        let reuse = |now_ms: u64, rest: Option<u8>| match rest {
+            None => Reuse::Now,
+            Some(ms) => Reuse::After(self.t0 + Duration::from_millis(now_ms + u64::from(ms))),
+        };
+        match op {
+            Op::Want { id, chunks } => {
+                let bytes: Vec<u64> = chunks.iter().map(|r| ((1 + r % max) >> ((r >> 60) % 5)).max(1)).collect();
+                prop_assert_eq!(self.s.want(key(id), &bytes), self.r.want(key(id), &bytes));
+            }
+            Op::BadWant { id, zero } => {
+                let bad = if zero { 0 } else { max + 1 };
+                prop_assert_eq!(self.s.want(key(id), &[G, bad]), self.r.want(key(id), &[G, bad]));
+            }
+            Op::Begin(i) if !self.granted.is_empty() => {
+                let g = self.granted.remove(i % self.granted.len());
+                prop_assert_eq!(
+                    self.s.begin_scatter(g.flow, g.region.offset),
+                    self.r.begin_scatter(g.flow, g.region.offset)
+                );
+                self.scattering.push(g.region.offset);
+            }
+            Op::End(i) if !self.scattering.is_empty() => {
+                let o = self.scattering.remove(i % self.scattering.len());
+                prop_assert_eq!(self.s.end_scatter(o), self.r.end_scatter(o));
+            }
+            Op::Ack(i) if !self.granted.is_empty() => {
+                let g = self.granted.remove(i % self.granted.len());
+                for t in [&mut self.s, &mut self.r] {
+                    t.begin_scatter(g.flow, g.region.offset).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+                prop_assert_eq!(self.s.end_scatter(g.region.offset), self.r.end_scatter(g.region.offset));
+            }
+            Op::Reclaim(id, rest) => {
+                let reuse = reuse(self.now_ms, rest);
+                prop_assert_eq!(self.s.reclaim_flow(key(id), reuse), self.r.reclaim_flow(key(id), reuse));
+                self.granted.retain(|g| g.flow != key(id));
+            }
+            Op::ReclaimPeer(p, rest) => {
+                let (peer, reuse) = (PeerId(p.into()), reuse(self.now_ms, rest));
+                let keys: Vec<FlowKey> = self.r.flows.range(FlowKey::all_of(peer)).map(|(k, _)| *k).collect();
+                let mut want = Reclaimed::default();
+                for k in keys {
+                    let one = self.r.reclaim_flow(k, reuse);
+                    want.freed.extend(one.freed);
+                    want.quarantined.extend(one.quarantined);
+                    want.deferred.extend(one.deferred);
+                }
+                prop_assert_eq!(self.s.reclaim_peer(peer, reuse), want);
+                self.granted.retain(|g| g.flow.peer != peer);
+            }
+            Op::Tick(ms) => {
+                self.now_ms += u64::from(ms);
+                let now = Some(self.t0 + Duration::from_millis(self.now_ms));
+                prop_assert_eq!(self.s.lift_quarantine(now), self.r.lift_quarantine(now));
+            }
+            Op::LiftFlow(id) => prop_assert_eq!(self.s.lift_flow(key(id)), self.r.lift_flow(key(id))),
+            Op::Acquire { raw, eager } => {
+                let got = self.s.acquire_local(1 + raw % max, eager);
+                prop_assert_eq!(got, self.r.acquire_local(1 + raw % max, eager));
+                self.local.extend(got.map(|r| r.offset));
+            }
+            Op::Promote(i) if !self.local.is_empty() => {
+                let o = self.local[i % self.local.len()];
+                prop_assert_eq!(self.s.promote_local(o), self.r.promote_local(o));
+            }
+            Op::Release(i) if !self.local.is_empty() => {
+                let o = self.local.remove(i % self.local.len());
+                prop_assert_eq!(self.s.release_local(o), self.r.release_local(o));
+            }
+            Op::Begin(_) | Op::End(_) | Op::Ack(_) | Op::Promote(_) | Op::Release(_) => {}
+        }
+        self.r.touch();
+        let grants = self.s.schedule();
+        prop_assert_eq!(&grants, &self.r.schedule());
+        self.granted.extend(grants);
+        prop_assert_eq!(fair_state(&self.s), fair_state(&self.r));
+        self.s.check_invariants().map_err(TestCaseError::fail)?;
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(160))]
+
+    /// The short cut and the batch reclaim change no outcome: grants, ring, cursor, stamps and
+    /// drain mode match a scheduler that sweeps in full every time and reclaims flow by flow.
+    #[test]
+    fn short_cut_and_batch_reclaim_match_full_sweeps_and_one_by_one_reclaims(
+        units in 1u64..24,
+        extra in 0u64..G,
+        window in 1u32..4,
+        ops in prop::collection::vec(op(), 0..120),
+    ) {
+        let new = || CreditScheduler::new(units * G + extra, G, window).unwrap();
+        let mut t = Twin {
+            s: new(),
+            r: new(),
+            granted: Vec::new(),
+            scattering: Vec::new(),
+            local: Vec::new(),
+            t0: Instant::now(),
+            now_ms: 0,
+        };
+        for op in ops {
+            t.apply(op)?;
+        }
+    }
+}
+
+#[test]
+fn a_peers_batch_reclaim_leaves_ring_cursor_and_stamps_as_one_by_one() {
+    // Three peers' flows interleaved in the ring, most parked and stamped; the cursor at each
+    // position in turn (the flow there lost or kept).
+    for cursor_at in 0..12 {
+        let build = || {
+            let mut s = sched(4, 1);
+            for x in 0..12u64 {
+                s.want(flow(1 + (x % 3) as u32, x), &[G, G]).unwrap();
+            }
+            let held = s.schedule();
+            // Vary the stamps' deadlines: one more flow arrives after some grants.
+            s.want(flow(4, 99), &[G]).unwrap();
+            ack(&mut s, &held[0]);
+            s.schedule();
+            s.cursor = cursor_at;
+            s
+        };
+        let mut batch = build();
+        let mut one = build();
+        assert!(one.blocked.len() >= 8, "most flows are stamped");
+        let r = batch.reclaim_peer(PeerId(2), Reuse::Now);
+        let mut want = Reclaimed::default();
+        for x in (1..12).step_by(3) {
+            let r = one.reclaim_flow(flow(2, x), Reuse::Now);
+            want.freed.extend(r.freed);
+            want.deferred.extend(r.deferred);
+        }
+        assert_eq!(r, want);
+        assert_eq!(fair_state(&batch), fair_state(&one), "cursor at {cursor_at}");
+        batch.check_invariants().unwrap();
+        // And they go on the same.
+        one.touch();
+        assert_eq!(batch.schedule(), one.schedule());
+        assert_eq!(fair_state(&batch), fair_state(&one));
+    }
 }
