@@ -87,6 +87,31 @@ def session_of(meta):
     return struct.unpack_from("<Q", meta, caps_offset(meta, "session"))[0]
 
 
+PUBLIC_MAGIC = b"NXBNCREG"
+
+
+def registrations_of(meta):
+    """(registration id, 32-byte key) of each BOUNCE registration in an agent's metadata: its
+    public-data envelopes (proto/src/wire/public.rs: magic, u16 version, u64 id, the key). What
+    any agent given that metadata holds."""
+    found, at = [], meta.find(PUBLIC_MAGIC)
+    while at >= 0:
+        reg = struct.unpack_from("<Q", meta, at + 10)[0]
+        found.append((reg, bytes(meta[at + 18:at + 50])))
+        at = meta.find(PUBLIC_MAGIC, at + 1)
+    return found
+
+
+def proof(reg, key, token, initiator):
+    """The proof of registration `reg` (its `key`) for the transfer with `token`, made by the
+    agent named `initiator` (proto/src/proof.rs: BLAKE3 keyed by the registration key over the
+    token and the initiator's derived name hash, truncated to 16 bytes): what a peer holding
+    the registration's metadata can make, and a WANT or PULL opening a flow must carry."""
+    import blake3
+    by = blake3.blake3(initiator.encode(), derive_key_context="nixl-bounce 2026-12 proof initiator").digest()
+    return reg, blake3.blake3(tok(token) + by, key=key).digest()[:16]
+
+
 def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None, standing=None, arena=0):
     """arena: the receiver's arena the flow asks regions of (its index in the receiver's
     capabilities); proofs: (registration id, 16-byte tag) pairs (proto/src/proof.rs); inline: (bytes, runs),
@@ -182,6 +207,17 @@ class Fuzzer:
         self.others = [x for x in sessions if x != self.session]
         self.next_xfer = 1 << 40
         self.next_forged_xfer = 1 << 50
+        # token -> the proofs the sending agent can make (it holds the victim's registration
+        # metadata); None: it proves nothing. A WANT opening a flow must prove a registration,
+        # so without them no plain WANT would get past the proof check to the ones behind it.
+        self.prove = None
+
+    def want(self, *args, **kw):
+        """`want` with the sending agent's proofs for its token (none asked for a standing WANT,
+        which names no destination, or where the caller gives its own)."""
+        if self.prove is not None and "proofs" not in kw and kw.get("standing") != "open":
+            kw["proofs"] = self.prove(kw.get("token", 0))
+        return want(*args, **kw)
 
     FORBIDDEN_SHAPES = 7
 
@@ -235,9 +271,9 @@ class Fuzzer:
         target = t.get("reg_canary", t["reg_addr"])
         forged = [data(s, x, 0, (k * (64 << 10), 64 << 10), [(0, target, 4096, 1, 0, 0)], token=bad)
                   for k in range(16)]
-        forged += [want(s, x, [], token=bad), want(s, x, [4096], token=bad)]
-        return "forged_token", [want(s, x, [64 << 10], token=token), LATER] + forged + [
-            want(s, x, [], token=token)], len(forged)
+        forged += [self.want(s, x, [], token=bad), self.want(s, x, [4096], token=bad)]
+        return "forged_token", [self.want(s, x, [64 << 10], token=token), LATER] + forged + [
+            self.want(s, x, [], token=token)], len(forged)
 
     def plain_frame(self):
         r, t, s = self.r, self.t, self.session
@@ -268,9 +304,9 @@ class Fuzzer:
                 header(WANT, s) + struct.pack("<Q", 1) + tok(0) + b"\0" + struct.pack("<I", 0xFFFF_FFFF),
                 header(GRANT, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<I", 1 << 16),
                 header(DATA, s) + struct.pack("<Q", 1) + tok(0) + struct.pack("<IQQI", 0, 0, 1 << 16, 0xFFFF_FFFF),
-                want(s, self.new_xfer(), [U64, U64]),
-                want(s, self.new_xfer(), [1 << 62] * 64),
-                want(s, self.new_xfer(), [64 << 10] * 4096),
+                self.want(s, self.new_xfer(), [U64, U64]),
+                self.want(s, self.new_xfer(), [1 << 62] * 64),
+                self.want(s, self.new_xfer(), [64 << 10] * 4096),
             ])
         if kind == 6:
             return "grant_unknown", grant(s, victim_xfers, [(c, *self.guessed_region()) for c in range(r.randrange(1, 9))])
@@ -286,39 +322,39 @@ class Fuzzer:
             if r.random() < .5:
                 # ...or DATA saying the runs lie in the region, where whatever an earlier flow
                 # left (or nothing) must fail the victim's check: nothing scattered.
-                return "want_then_region_plan", [want(s, x, [64 << 10] * r.randrange(1, 4)), LATER] + [
+                return "want_then_region_plan", [self.want(s, x, [64 << 10] * r.randrange(1, 4)), LATER] + [
                     data(s, x, 0, (k * (64 << 10), 64 << 10), [], region_plan_runs=r.randrange(1, 64))
                     for k in range(64)]
-            return "want_then_bad_data", [want(s, x, [64 << 10] * r.randrange(1, 4)), LATER] + [
+            return "want_then_bad_data", [self.want(s, x, [64 << 10] * r.randrange(1, 4)), LATER] + [
                 data(s, x, 0, (k * (64 << 10), 64 << 10), self.forbidden_runs()) for k in range(64)]
         if kind == 10:
             return "bad_data", data(s, self.new_xfer() if r.random() < .5 else victim_xfers,
                                     r.randrange(0, 4), self.guessed_region(), self.forbidden_runs())
         if kind == 11 and not self.endpoints:
-            return "want", want(s, self.new_xfer(), [4096])
+            return "want", self.want(s, self.new_xfer(), [4096])
         if kind == 11:  # WANT with a garbage endpoint (the reverse path must not trust it)
-            return "want_garbage_endpoint", want(s, self.new_xfer(), [4096], r.randbytes(r.randrange(1, 200)))
+            return "want_garbage_endpoint", self.want(s, self.new_xfer(), [4096], r.randbytes(r.randrange(1, 200)))
         if kind == 12:  # a truncated frame under another session: malformed first
             f = bytearray(self.valid_looking()[1])
             f[8:16] = struct.pack("<Q", r.getrandbits(64))
             return "replay_truncated", bytes(f[:20])
         if kind == 13:  # a WANT carrying its one chunk inline, scattered by forbidden runs
             size = r.choice([64, 4096, 16 << 10])
-            return "inline_bad_runs", want(s, self.new_xfer(), [size], inline=(r.randbytes(size), self.forbidden_runs()))
+            return "inline_bad_runs", self.want(s, self.new_xfer(), [size], inline=(r.randbytes(size), self.forbidden_runs()))
         if kind == 14:  # a standing flow opened and claimed, then DATA into guessed regions
             # The standing flow's token follows from its id: once the flow budget is spent the
             # ids repeat, and a new token on a live flow would be a forgery (counted apart).
             sx, x = (1 << 63) | self.new_xfer(), self.new_xfer()
             st = sx ^ 0x5747
             return "standing_claim_bad_data", [
-                want(s, sx, [64 << 10], token=st, standing="open"), LATER,
-                want(s, x, [64 << 10], standing=("claim", sx, st)), LATER] + [
+                self.want(s, sx, [64 << 10], token=st, standing="open"), LATER,
+                self.want(s, x, [64 << 10], standing=("claim", sx, st)), LATER] + [
                 data(s, x, 0, self.guessed_region(), self.forbidden_runs()) for _ in range(16)]
         if kind == 15 and r.random() < .5:  # a WANT through an arena the victim lacks, then DATA
             x = self.new_xfer()
-            return "want_other_arena", [want(s, x, [64 << 10], arena=r.choice([1, 15, 16, 255])), LATER] + [
+            return "want_other_arena", [self.want(s, x, [64 << 10], arena=r.choice([1, 15, 16, 255])), LATER] + [
                 data(s, x, 0, self.guessed_region(), self.forbidden_runs()) for _ in range(16)]
-        return "cancel", want(s, r.choice([victim_xfers, self.new_xfer()]), [])
+        return "cancel", self.want(s, r.choice([victim_xfers, self.new_xfer()]), [])
 
     def new_xfer(self):
         """A fresh transfer id, until the flow budget is spent; then the last one again (a WANT
@@ -331,7 +367,7 @@ class Fuzzer:
     def valid_looking(self):
         s, r = self.session, self.r
         return r.choice([
-            ("want", want(s, self.new_xfer(), [4096, 64 << 10])),
+            ("want", self.want(s, self.new_xfer(), [4096, 64 << 10])),
             ("grant", grant(s, r.randrange(256), [(0, 0, 64 << 10)])),
             ("data", data(s, r.randrange(256), 0, (0, 64 << 10), self.forbidden_runs())),
             ("ack", ack(s, r.randrange(256), 0, (0, 64 << 10), 0)),
@@ -340,6 +376,7 @@ class Fuzzer:
 
 def main():
     agents = {}
+    loaded = {}  # agent name -> the metadata blobs it loaded
     buf = None
 
     def poll():
@@ -389,8 +426,20 @@ def main():
             pass
         return {"state": state, "seconds": secs, "error": err}
 
+    def load(cmd):
+        meta = base64.b64decode(cmd["meta"])
+        agents[cmd["agent"]].add_remote_agent(meta)
+        loaded.setdefault(cmd["agent"], []).append(meta)
+
     def fuzz(cmd):
         senders = [agents[n] for n in cmd["agents"]]
+        # The first agent (the one the victim loaded) proves the victim's registrations whose
+        # metadata it loaded, as any such peer can; the others' frames prove nothing.
+        regs = [rk for meta in loaded.get(cmd["agents"][0], []) for rk in registrations_of(meta)]
+        first = cmd["agents"][0]
+
+        def prove(token):
+            return [proof(reg, key, token, first) for reg, key in regs]
         # The first agent is the one the victim loaded: its frames carry its real session,
         # and it alone sends the forgeries (a victim refuses the others' frames earlier).
         fz = Fuzzer(cmd.get("seed", 0), cmd["targets"], cmd.get("endpoints", True),
@@ -418,12 +467,14 @@ def main():
             while later and later[0][0] <= time.monotonic():
                 send(*later.pop(0)[1:])
             if cmd.get("forge") and i % 4 == 3:
+                fz.prove = prove if regs else None
                 kind, frames, n_forged = fz.forged_frame()
                 sender = senders[0]
                 forged[kind] = forged.get(kind, 0) + n_forged
             else:
-                kind, frames, _ = fz.frame()
                 sender = senders[i % len(senders)]
+                fz.prove = prove if regs and sender is senders[0] else None
+                kind, frames, _ = fz.frame()
             kinds[kind] = kinds.get(kind, 0) + 1
             # every frame of one group comes from the same agent (one flow)
             send(sender, frames if isinstance(frames, list) else [frames])
@@ -439,7 +490,7 @@ def main():
         "agent": agent,
         "buffer": buffer,
         "register": register,
-        "load": lambda cmd: agents[cmd["agent"]].add_remote_agent(base64.b64decode(cmd["meta"])),
+        "load": load,
         "dump": lambda cmd: buf.tofile(cmd["path"]),
         "write": write,
         "wait_ready": lambda cmd: nixlkit.wait_ready(agents[cmd["agent"]], cmd.get("n", 1), deadline=10),

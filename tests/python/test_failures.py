@@ -585,9 +585,11 @@ def test_data_into_a_granted_region_with_runs_outside_registered_memory_is_refus
             while time.monotonic() < end:
                 evil.get_new_notifs()
 
+        # Its flows prove the registration whose metadata it holds (an opening WANT must).
+        (reg, key), = hp.registrations_of(base64.b64decode(vmeta))
         for pick in range(fz.FORBIDDEN_SHAPES):
             x = 7000 + pick
-            evil.send_notif("g-victim", hp.want(fz.session, x, [64 << 10]))
+            evil.send_notif("g-victim", hp.want(fz.session, x, [64 << 10], proofs=[hp.proof(reg, key, 0, "g-evil")]))
             pump(0.03)  # the victim grants one 64 KiB region somewhere in its arena
             for k in range(64):  # one of these names the granted region
                 evil.send_notif("g-victim", hp.data(fz.session, x, 0, (k * (64 << 10), 64 << 10),
@@ -638,6 +640,9 @@ class Crowd:
         self.p.call(op="wait_ready", n=1)
         self.third = nixlkit.agent(f"{prefix}-third", params=SMALL)
         self.third.add_remote_agent(vmeta)
+        # What the third agent's WANTs prove: the victim's buffer, whose metadata it holds.
+        (reg, key), = hostile_peer.registrations_of(vmeta)
+        self.proofs = [hostile_peer.proof(reg, key, 0, f"{prefix}-third")]
         # The session its frames must carry (the one in the metadata the victim loads).
         self.session = hostile_peer.session_of(self.third.get_agent_metadata())
         self.v.call(op="load", meta=meta_b64(self.third))
@@ -665,7 +670,7 @@ def test_a_peer_that_wants_and_goes_silent_cannot_starve_another_peer(procs, tmp
     c = Crowd(procs, "s", nixlkit.Scattered(1024, 4096, seed=90), 90)
     with watchdog(60, [c.v, c.p], "starvation test"):
         for x in range(1, 101):  # 100 transfers of 8 x 64 KiB announced, then silence
-            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10] * 8))
+            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10] * 8, proofs=c.proofs))
         # Let the victim hand out what it will to the silent peer before the honest one arrives
         # (the grants stop changing), so the scenario doesn't depend on who is faster.
         last, end = None, time.monotonic() + 1.0
@@ -704,7 +709,7 @@ def test_a_peer_announcing_thousands_of_transfers_is_capped_and_others_still_bou
         before = v0["control_dropped"]
         announced = 5000
         for x in range(1, announced + 1):
-            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10]))
+            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10], proofs=c.proofs))
             if x % 256 == 0:
                 c.third.get_new_notifs()
         over = announced - 4096
