@@ -194,11 +194,9 @@ impl Receiver {
             }
         };
         // A later PULL reads what the flow proved so far, and what it proves itself.
-        for reg in self.flows.get(&key).map_or(&[][..], |f| &f.proven[..]) {
-            if !proven.contains(reg) {
-                proven.push(*reg);
-            }
-        }
+        proven.extend_from_slice(self.flows.get(&key).map_or(&[][..], |f| &f.proven[..]));
+        proven.sort_unstable();
+        proven.dedup();
         let ranges = self.registered.proven_ranges(&proven);
         let removals = self.registered.removals();
         let mut pulled = Vec::with_capacity(pull.chunks.len());
