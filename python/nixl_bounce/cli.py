@@ -118,13 +118,14 @@ def _orphans(nixl_path):
 def cmd_uninstall(args) -> int:
     code = 0
     try:
-        installs = find(args.nixl_path)
-    except NixlNotFound:
-        # `pip uninstall nixl-cuXX` before us leaves our plugin behind, where `find` sees no
-        # NIXL any more (review 55 L3): remove it anyway, or say what was looked for.
-        installs = []
-        if not _orphans(args.nixl_path):
-            raise
+        installs, missing = find(args.nixl_path), None
+    except NixlNotFound as e:
+        installs, missing = [], e
+    # `pip uninstall nixl-cuXX` before us leaves our plugin behind, where `find` sees no NIXL
+    # any more (review 55 L3): removed too; a NIXL path that was found names nothing else.
+    orphans = [] if args.nixl_path and installs else _orphans(args.nixl_path)
+    if missing and not orphans:
+        raise missing
     for nixl in installs:
         try:
             removed = plugin_files.uninstall(nixl)
@@ -134,7 +135,7 @@ def cmd_uninstall(args) -> int:
             continue
         state = "removed" if removed else "not installed"
         print(f"{state}: {plugin_files.installed_path(nixl)}")
-    for orphan in _orphans(args.nixl_path if not installs else None):
+    for orphan in orphans:
         try:
             plugin_files.uninstall_from(os.path.dirname(orphan))
         except OSError as e:
