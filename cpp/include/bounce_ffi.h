@@ -153,9 +153,15 @@ int32_t bnc_notif_take(void *engine, bnc_pair_sink sink, void *ctx);
 int32_t bnc_notif_direct(void *engine);
 // For a direct pull, each notification in arrival order, with the inner engine's lock still
 // held: 1 when it is a BOUNCE control frame, now Rust's (remove it from the list), 0 when it is
-// the application's.
+// the application's, whose first `*skip` bytes the application must not see (the escape a
+// BOUNCE sender put around a notification beginning with the frame magic; 0 for the others).
 int32_t bnc_notif_divert(void *engine, const uint8_t *agent, size_t agent_len, const uint8_t *msg,
-                         size_t msg_len);
+                         size_t msg_len, size_t *skip);
+// An application notification on its way to a peer (genNotif, a pass-through transfer's): 1
+// when it begins with BOUNCE's frame magic and `sink` got it escaped, to be sent instead (the
+// peer, a BOUNCE engine, would take the bare one for a control frame); 0 when it goes as it
+// is (also on a panic).
+int32_t bnc_notif_escape(bnc_str msg, bnc_sink sink, void *ctx);
 // After a direct pull that diverted control frames or was answered 2 by bnc_notif_direct, with
 // the inner lock released: Rust runs a pass of its reactor on this thread (or wakes it) when
 // frames wait or work is in flight.

@@ -39,6 +39,14 @@ void assign_sink(void *ctx, const uint8_t *ptr, size_t len) noexcept {
     }
 }
 
+// The bytes an application notification travels as: `msg` itself, or its escape in `escaped`
+// (bnc_notif_escape: one that begins with BOUNCE's frame magic, which the peer would take for
+// a control frame). Null when the escape could not be copied (out of memory).
+const std::string *wire_notif(const std::string &msg, std::string &escaped) {
+    if (bnc_notif_escape(view(msg), assign_sink, &escaped) != 1) return &msg;
+    return escaped.empty() ? nullptr : &escaped;
+}
+
 std::string self_path() {
     Dl_info info{};
     if (dladdr(reinterpret_cast<void *>(&bnc_shim_plugin), &info) != 0 && info.dli_fname)
@@ -204,6 +212,19 @@ public:
                 const bool has = opt && opt->hasNotif;
                 if (has) msg = view(opt->notifMsg);
                 return static_cast<nixl_status_t>(bnc_xfer_post(rust_, h->xfer, msg, has ? 1 : 0));
+            }
+            if (opt && opt->hasNotif) {
+                std::string escaped;
+                const std::string *msg = wire_notif(opt->notifMsg, escaped);
+                if (!msg) return NIXL_ERR_BACKEND;
+                if (msg != &opt->notifMsg) {
+                    // NIXL's optional args are these three fields (nixl_abi.h), so a copy with
+                    // the escaped message is what the inner engine would have been given.
+                    BackendOptArgs with_escape = *opt;
+                    with_escape.notifMsg = std::move(escaped);
+                    Lock g(mu_);
+                    return inner_->postXfer(op, local, remote, agent, h->inner, &with_escape);
+                }
             }
             Lock g(mu_);
             return inner_->postXfer(op, local, remote, agent, h->inner, opt);
@@ -391,8 +412,11 @@ public:
     }
     nixl_status_t genNotif(const std::string &agent, const std::string &msg) const override {
         return guarded([&]() -> nixl_status_t {
+            std::string escaped;
+            const std::string *out = wire_notif(msg, escaped);
+            if (!out) return NIXL_ERR_BACKEND;
             Lock g(mu_);
-            return inner_->genNotif(agent, msg);
+            return inner_->genNotif(agent, *out);
         });
     }
     nixl_status_t queryMem(const RegDescListTag &d, std::vector<query_resp_t> &r) const override {
@@ -511,18 +535,22 @@ public:
             list.clear();
             return st;
         }
-        list.erase(std::remove_if(list.begin(), list.end(),
-                                  [this, &control](const auto &n) {
-                                      bool c = bnc_notif_divert(
-                                                 rust_,
-                                                 reinterpret_cast<const uint8_t *>(n.first.data()),
-                                                 n.first.size(),
-                                                 reinterpret_cast<const uint8_t *>(n.second.data()),
-                                                 n.second.size()) == 1;
-                                      control |= c;
-                                      return c;
-                                  }),
-                   list.end());
+        // In place, in arrival order: control frames leave the list, an escaped notification
+        // loses its escape.
+        auto kept = list.begin();
+        for (auto &n : list) {
+            size_t skip = 0;
+            const bool c = bnc_notif_divert(rust_, reinterpret_cast<const uint8_t *>(n.first.data()),
+                                            n.first.size(),
+                                            reinterpret_cast<const uint8_t *>(n.second.data()),
+                                            n.second.size(), &skip) == 1;
+            control |= c;
+            if (c) continue;
+            if (skip != 0) n.second.erase(0, std::min(skip, n.second.size()));
+            if (&*kept != &n) *kept = std::move(n);
+            ++kept;
+        }
+        list.erase(kept, list.end());
         return NIXL_SUCCESS;
     }
     // `polled` null: waits for the inner lock. Otherwise only tries it, and sets `*polled` to 0

@@ -10,7 +10,7 @@ use bounce_proto::proof::Destination;
 use bounce_proto::{ArenaId, RegId, RegKey};
 
 use super::{Status, guard, guard_value, guard_void};
-use crate::shell::{CreateParams, DescView, Engine, Error, Progress, Registration};
+use crate::shell::{CreateParams, DescView, Diverted, Engine, Error, Progress, Registration};
 use crate::sys::c::{BncPairSink, BncSink, BncStr, sink_bytes};
 use crate::sys::inner_plugin::{InnerPlugin, locate_ucx_plugin};
 use crate::sys::nixl::{MemSeg, XferOp};
@@ -917,11 +917,12 @@ pub unsafe extern "C" fn bnc_notif_direct(engine: *mut c_void) -> i32 {
 }
 
 /// For a direct pull: 1 when the notification is a BOUNCE control frame, now taken by Rust; 0
-/// when it is the application's (also on bad arguments or a panic: it stays in the list).
+/// when it is the application's (also on bad arguments or a panic: it stays in the list), with
+/// `*skip` set to how many of its first bytes the application must not see (an escape's).
 ///
 /// # Safety
 /// `engine` is a live handle; `agent`/`msg` point at `agent_len`/`msg_len` readable bytes (or
-/// are null with length 0).
+/// are null with length 0); `skip` is null or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn bnc_notif_divert(
     engine: *mut c_void,
@@ -929,6 +930,7 @@ pub unsafe extern "C" fn bnc_notif_divert(
     agent_len: usize,
     msg: *const u8,
     msg_len: usize,
+    skip: *mut usize,
 ) -> i32 {
     guard_value("bnc_notif_divert", 0, || {
         // SAFETY: caller contract.
@@ -936,7 +938,34 @@ pub unsafe extern "C" fn bnc_notif_divert(
         // SAFETY: caller contract: both ranges are readable (or null and empty) for the call.
         let (agent, msg) =
             unsafe { (BncStr::from_raw(agent, agent_len).bytes(), BncStr::from_raw(msg, msg_len).bytes()) };
-        i32::from(e.divert_notif(agent, msg))
+        let (taken, skipped) = match e.divert_notif(agent, msg) {
+            Diverted::Control => (1, 0),
+            Diverted::App { skip } => (0, skip),
+        };
+        if !skip.is_null() {
+            // SAFETY: caller contract: non-null `skip` is valid for a write.
+            unsafe { skip.write(skipped) };
+        }
+        taken
+    })
+}
+
+/// 1 when the application notification `msg` must travel escaped and `sink` got it so; 0 when
+/// it goes as it is (also on a panic). See `bounce_proto::wire::escape_app_notif`.
+///
+/// # Safety
+/// `msg` views live bytes; `sink`/`ctx` form a valid sink.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn bnc_notif_escape(msg: BncStr, sink: BncSink, ctx: *mut c_void) -> i32 {
+    guard_value("bnc_notif_escape", 0, || {
+        // SAFETY: caller contract.
+        match bounce_proto::wire::escape_app_notif(unsafe { msg.bytes() }) {
+            Some(escaped) => {
+                give(sink, ctx, &escaped);
+                1
+            }
+            None => 0,
+        }
     })
 }
 

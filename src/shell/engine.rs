@@ -39,7 +39,7 @@ use crate::shell::copy::cuda::{CopyPath, CudaCopyEngine};
 use crate::shell::datapath::ShimPath;
 use crate::shell::ipc::{IPC_HANDLE_BIT, IpcPaths};
 use crate::shell::keys::{Keys, LoadStamp, Reach, Split};
-use crate::shell::mailroom::Mailroom;
+use crate::shell::mailroom::{Diverted, Mailroom};
 use crate::shell::oneway_area::OneWayArea;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
 use crate::shell::reactor::{ArenaPart, Cmd, Drove, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};

@@ -77,6 +77,23 @@ struct ControlQueue {
     bytes: usize,
 }
 
+/// The bytes an application notification of a transfer BOUNCE moved (bounced, or by a same-host
+/// path) travels as: escaped when it begins with the frame magic, so that the peer's mailroom
+/// gives it to its application rather than its reactor (`wire::escape_app_notif`). The shim
+/// escapes the application's own `genNotif` and pass-through notifications the same way.
+pub(crate) fn outgoing_app_notif(msg: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    wire::escape_app_notif(msg).map_or(std::borrow::Cow::Borrowed(msg), std::borrow::Cow::Owned)
+}
+
+/// What a direct pull does with one notification ([`Mailroom::divert`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Diverted {
+    /// A control frame, taken.
+    Control,
+    /// The application's, from byte `skip` on (an escaped one's header skipped).
+    App { skip: usize },
+}
+
 /// The sorting point for inner-engine notifications.
 pub(crate) struct Mailroom {
     /// The application's notifications, in arrival order. Held while pulling, so two threads'
@@ -168,17 +185,21 @@ impl Mailroom {
     }
 
     /// For a direct pull: takes `msg` from `agent` when it is a control frame (queued for the
-    /// reactor, or dropped and counted, as a sorted one would be) and returns true; false when
-    /// it is the application's. Called with the inner engine's lock held, in arrival order, so
-    /// control frames keep their order against every other pull. Wakes nobody: the caller
-    /// handles what it queued once the lock is released, or wakes the reactor
+    /// reactor, or dropped and counted, as a sorted one would be); otherwise it is the
+    /// application's, from its `skip`th byte on (past the escape of one that begins with the
+    /// magic, `wire::escape_app_notif`). Called with the inner engine's lock held, in arrival
+    /// order, so control frames keep their order against every other pull. Wakes nobody: the
+    /// caller handles what it queued once the lock is released, or wakes the reactor
     /// ([`crate::shell::engine`]'s `control_arrived`).
-    pub(crate) fn divert(&self, agent: &[u8], msg: &[u8]) -> bool {
+    pub(crate) fn divert(&self, agent: &[u8], msg: &[u8]) -> Diverted {
         if !wire::is_control_frame(msg) {
-            return false;
+            return Diverted::App { skip: 0 };
+        }
+        if let Some(app) = wire::unescape_app_notif(msg) {
+            return Diverted::App { skip: msg.len() - app.len() };
         }
         self.queue_control(agent.to_vec(), msg.to_vec());
-        true
+        Diverted::Control
     }
 
     /// The application is pulling the inner engine's notifications (each `getNotifs`, either
@@ -290,13 +311,16 @@ impl Mailroom {
     /// control frames (see the module docs).
     fn sort(&self, app: &mut VecDeque<Notif>, got: Vec<Notif>) {
         let mut for_app = false;
-        for n in got {
-            if !wire::is_control_frame(&n.msg) {
-                app.push_back(n);
-                for_app = true;
-                continue;
+        for mut n in got {
+            if wire::is_control_frame(&n.msg) {
+                let Some(escaped) = wire::unescape_app_notif(&n.msg) else {
+                    self.queue_control(n.agent, n.msg);
+                    continue;
+                };
+                n.msg.drain(..n.msg.len() - escaped.len());
             }
-            self.queue_control(n.agent, n.msg);
+            app.push_back(n);
+            for_app = true;
         }
         if for_app {
             self.bell.ring();
@@ -519,14 +543,45 @@ mod tests {
         assert!(m.app_pull_is_direct());
         // Diverting: control frames are taken (queued, or dropped and counted), the rest stays.
         let hello = wire::encode_hello(5, 0);
-        assert!(!m.divert(b"p", b"app two"));
-        assert!(m.divert(b"p", &hello));
-        assert!(m.divert(b"\xff", &hello), "taken even when dropped");
+        assert_eq!(m.divert(b"p", b"app two"), Diverted::App { skip: 0 });
+        assert_eq!(m.divert(b"p", &hello), Diverted::Control);
+        assert_eq!(m.divert(b"\xff", &hello), Diverted::Control, "taken even when dropped");
+        // An escaped notification stays the application's, its escape skipped.
+        let escaped = wire::escape_app_notif(b"\0BOUNC app three").unwrap();
+        assert_eq!(m.divert(b"p", &escaped), Diverted::App { skip: wire::HEADER_LEN });
         assert_eq!(stats.control_dropped.load(Ordering::Relaxed), 1);
         let mut out = Vec::new();
         assert_eq!(m.take_control(8, &mut out), 1);
         assert_eq!(out, [("p".to_owned(), hello)]);
         assert!(m.take_app().is_empty(), "diverting never queues for the application");
+    }
+
+    /// An application notification that begins with the frame magic reaches the application
+    /// as it was sent, in its place among the others, when it came escaped (every BOUNCE
+    /// sender escapes it); one that came bare is a control frame, refused by the reactor.
+    #[test]
+    fn an_escaped_application_notification_is_sorted_to_the_application_as_it_was_sent() {
+        let stats = Arc::new(Stats::default());
+        let m = Mailroom::new(Arc::clone(&stats));
+        m.accept_control(std::thread::current());
+        let theirs = b"\0BOUNC looks like ours".to_vec();
+        let escaped = wire::escape_app_notif(&theirs).unwrap();
+        let hello = wire::encode_hello(5, 0);
+        let r = m.try_pull_with(|got| {
+            got.extend([
+                notif(b"p", b"one"),
+                notif(b"p", &escaped),
+                notif(b"q", &hello),
+                notif(b"p", &theirs),
+                notif(b"p", b"two"),
+            ]);
+            Ok(true)
+        });
+        assert_eq!(r, Ok(true));
+        assert_eq!(m.take_app(), [notif(b"p", b"one"), notif(b"p", &theirs), notif(b"p", b"two")]);
+        let mut out = Vec::new();
+        assert_eq!(m.take_control(8, &mut out), 2);
+        assert_eq!(out, [("q".to_owned(), hello), ("p".to_owned(), theirs)]);
     }
 
     /// A reactor that stops draining (it died) cannot make the queue grow without bound, in
@@ -570,7 +625,11 @@ mod tests {
         let hello = wire::encode_hello(1, 0);
         let long = vec![b'n'; MAX_NAME_LEN + 1];
         m.sort(&mut app, vec![notif(&long, &hello)]);
-        assert!(m.divert(&long, &hello), "a control frame is taken (here dropped), whatever its sender");
+        assert_eq!(
+            m.divert(&long, &hello),
+            Diverted::Control,
+            "a control frame is taken (here dropped), whatever its sender"
+        );
         assert_eq!((stats.control_dropped.load(Ordering::Relaxed), m.control.lock().frames.len()), (2, 0));
         let name = vec![b'n'; MAX_NAME_LEN];
         m.sort(&mut app, vec![notif(&name, &hello)]);

@@ -63,4 +63,5 @@ mod streak;
 
 pub(crate) use engine::{CreateParams, DescView, Engine, Progress};
 pub(crate) use error::{Error, Result};
+pub(crate) use mailroom::Diverted;
 pub(crate) use registry::Registration;

@@ -153,6 +153,63 @@ def test_gen_notif_both_ways_one_process():
     nixlkit.wait_notif(a, "n-b", b"pong", others=[b])
 
 
+def test_an_application_notification_that_begins_like_a_control_frame_reaches_the_peer_as_sent():
+    """BOUNCE's control frames begin with `\\0BOUNC`; an application notification beginning so
+    (binary payloads may) went to the peer's reactor as a malformed frame and never to its
+    application. Every way a notification leaves (genNotif, a pass-through WRITE's, a bounced
+    WRITE's and READ's) now reaches the application byte for byte, in order among the others,
+    and none is counted as a dropped control frame."""
+    a, b = nixlkit.agent("esc-a"), nixlkit.agent("esc-b")
+    lay = nixlkit.Scattered(512, S, seed=17)
+    src, dst = nixlkit.pattern(40, lay.src_bytes), nixlkit.pattern(41, lay.dst_bytes)
+    one_src, one_dst = nixlkit.pattern(42, 1 << 20), nixlkit.pattern(43, 1 << 20)
+    for ag, buf in ((a, src), (b, dst), (a, one_src), (b, one_dst)):
+        nixlkit.register(ag, buf)
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    nixlkit.wait_ready(a)
+    nixlkit.wait_ready(b)
+    magic = b"\0BOUNC"
+    # A valid HELLO frame's bytes too: as an application's notification it is still only bytes.
+    sent = [magic + b" gen", b"plain", magic, magic + bytes(range(256)), b"\0BOUN", magic + b" write one",
+            magic + b" write bounced", magic + b" read bounced"]
+    s0, t0 = counters(a), counters(b)
+    a.send_notif("esc-b", sent[0])
+    a.send_notif("esc-b", sent[1])
+    a.send_notif("esc-b", sent[2])
+    a.send_notif("esc-b", sent[3])
+    a.send_notif("esc-b", sent[4])
+    one = [(one_src.ctypes.data, one_src.nbytes, 0)], [(one_dst.ctypes.data, one_dst.nbytes, 0)]
+    h1 = a.initialize_xfer("WRITE", a.get_xfer_descs(one[0], "DRAM"), a.get_xfer_descs(one[1], "DRAM"), "esc-b",
+                           sent[5])
+    assert a.transfer(h1) != "ERR"
+    nixlkit.wait_xfer(a, h1, peers=[b])
+    before = dst.copy()
+    h2 = a.initialize_xfer("WRITE", a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM"),
+                           a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "esc-b", sent[6])
+    assert a.transfer(h2) != "ERR"
+    nixlkit.wait_xfer(a, h2, peers=[b])
+    nixlkit.assert_same(dst, lay.expected(src, before), "bounced WRITE")
+    nixlkit.assert_same(one_dst, one_src, "pass-through WRITE")
+    back = nixlkit.pattern(44, lay.src_bytes)
+    nixlkit.register(a, back)
+    before = back.copy()
+    # READ the scattered destinations back into packed slots of `back`.
+    h3 = a.initialize_xfer("READ", a.get_xfer_descs(lay.src_list(back.ctypes.data), "DRAM"),
+                           a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM"), "esc-b", sent[7])
+    assert a.transfer(h3) != "ERR"
+    nixlkit.wait_xfer(a, h3, peers=[b])
+    nixlkit.wait_notif(b, "esc-a", sent[-1], others=[a])
+    got = [m for who, m in nixlkit.poll(b) if who == "esc-a"]
+    assert got == sent[:-1], got
+    s1, t1 = counters(a), counters(b)
+    moved = {k: s1[k] - s0[k] for k in ("bounce_ok", "bounce_read_ok", "passthrough_xfers")}
+    assert moved == {"bounce_ok": 2, "bounce_read_ok": 1, "passthrough_xfers": 1}, moved
+    assert t1["control_dropped"] == t0["control_dropped"], "a notification was taken for a control frame"
+    for h in (h1, h2, h3):
+        a.release_xfer_handle(h)
+
+
 def test_bounce_and_ucx_side_by_side_in_one_agent():
     a = nixlkit.agent("sx-a", ("BOUNCE", "UCX"))
     b = nixlkit.agent("sx-b", ("BOUNCE", "UCX"))

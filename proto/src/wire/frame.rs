@@ -63,6 +63,9 @@ pub(super) const KIND_PING: u8 = 7;
 pub(super) const KIND_PONG: u8 = 8;
 /// A FORGET frame: header and a forget proof (see [`Body::Forget`]).
 pub(super) const KIND_FORGET: u8 = 14;
+/// An application notification that begins with [`MAGIC`], escaped (see [`escape_app_notif`]):
+/// header (session 0) and the notification's bytes as they are.
+pub(super) const KIND_APP: u8 = 15;
 
 /// Longest legal control frame of any kind, in bytes: a DATA with [`MAX_RUNS`] runs each in
 /// its longest encoding, plus 4 KiB of headroom for fields a later wire version adds. A
@@ -888,6 +891,37 @@ pub fn decode_hello(bytes: &[u8]) -> Option<u64> {
 /// our frames from the application's own notifications before decoding.
 pub fn is_control_frame(bytes: &[u8]) -> bool {
     bytes.starts_with(&MAGIC)
+}
+
+/// An application notification as it must travel to a BOUNCE peer: `None` when it goes as it is
+/// (it does not begin with [`MAGIC`]), else wrapped in a header of kind APP, which the peer's
+/// [`unescape_app_notif`] takes off before its application sees it. Without this a
+/// notification beginning with the magic was taken for a control frame and never reached the
+/// peer's application. Every agent NIXL lets us notify through the BOUNCE backend loaded our
+/// BOUNCE metadata, so the receiver is a BOUNCE engine (of another wire version, it drops the
+/// escaped notification as it would have dropped the bare one).
+pub fn escape_app_notif(msg: &[u8]) -> Option<Vec<u8>> {
+    if !is_control_frame(msg) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(HEADER_LEN + msg.len());
+    let mut w = Writer(&mut out);
+    write_header(&mut w, KIND_APP, 0);
+    w.bytes(msg);
+    Some(out)
+}
+
+/// The application notification inside an escaped one ([`escape_app_notif`]), or `None` when
+/// `bytes` is not one. Anyone may send one: it is delivered as the bytes it carries, which the
+/// sender could have sent as a notification through UCX anyway, and never looked at again.
+pub fn unescape_app_notif(bytes: &[u8]) -> Option<&[u8]> {
+    let mut r = Reader(bytes);
+    // Only what `escape_app_notif` makes (its payload begins with the magic), so that the
+    // codec stays canonical; anything else of kind APP is a malformed control frame.
+    match read_header(&mut r) {
+        Ok((KIND_APP, 0)) if is_control_frame(r.0) => Some(r.0),
+        _ => None,
+    }
 }
 
 /// The header: magic, version, kind, session.

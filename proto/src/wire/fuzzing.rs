@@ -14,6 +14,11 @@ use super::samples::{self, assert_canonical};
 pub fn frame_decode(data: &[u8]) {
     assert_canonical(data, Frame::decode, Frame::to_vec);
     assert_canonical(data, ControlFrame::decode, ControlFrame::to_vec);
+    // An escaped application notification is canonical too, and never also a control frame.
+    if let Some(app) = super::frame::unescape_app_notif(data) {
+        assert_eq!(super::frame::escape_app_notif(app).as_deref(), Some(data));
+        assert!(ControlFrame::decode(data).is_err());
+    }
 }
 
 /// Encodes `frame` and asserts that decoding accepts it exactly when [`Msg::validate`](super::frame::Msg::validate)
@@ -78,6 +83,8 @@ pub fn seed_frames() -> Vec<Vec<u8>> {
         Body::Forget { proof: Token(0xfeed) },
     ];
     seeds.extend(link.into_iter().map(|body| ControlFrame { session: 7, body }.to_vec()));
+    // An application notification that begins with the magic, escaped.
+    seeds.extend(super::frame::escape_app_notif(b"\0BOUNC the application's"));
     seeds
 }
 

@@ -43,7 +43,7 @@ pub use frame::{
     Ack, AckStatus, Body, ControlFrame, Credit, Cursor, Data, Frame, Grant, HEADER_LEN, Inline, Keep, MAGIC,
     MAX_CHUNKS_PER_WANT, MAX_CREDITS, MAX_FRAME_LEN, MAX_INLINE_BYTES, MAX_PROOFS, MAX_RUNS, Msg, Plan, Proof, Pull,
     PullChunk, REPLY_MAILBOX, Release, Standing, WIRE_VERSION, Want, decode_hello, encode_goodbye, encode_hello,
-    is_control_frame,
+    escape_app_notif, is_control_frame, unescape_app_notif,
 };
 pub use public::{
     CmaRecord, IpcRecord, PUBLIC_MAGIC, PUBLIC_VERSION, PUBLIC_VERSION_CMA, PUBLIC_VERSION_IPC, PublicData,

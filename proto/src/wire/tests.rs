@@ -204,6 +204,21 @@ proptest! {
     }
 
     #[test]
+    fn an_escaped_application_notification_comes_back_as_it_was(
+        tail in proptest::collection::vec(any::<u8>(), 0..256),
+        magic in any::<bool>(),
+    ) {
+        let msg: Vec<u8> = if magic { MAGIC.iter().copied().chain(tail).collect() } else { tail };
+        match escape_app_notif(&msg) {
+            None => prop_assert!(!is_control_frame(&msg), "a notification with the magic must be escaped"),
+            Some(escaped) => {
+                prop_assert!(is_control_frame(&msg));
+                prop_assert_eq!(unescape_app_notif(&escaped), Some(&msg[..]));
+            }
+        }
+    }
+
+    #[test]
     fn capabilities_round_trip(caps in arb_caps()) {
         prop_assert_eq!(Capabilities::decode(&caps.to_vec()), Ok(caps));
     }
@@ -444,6 +459,32 @@ fn samples_decode_and_every_truncation_fails() {
         }
     }
     assert!(matches!(Frame::decode(&[]), Err(WireError::Truncated { need: 6, have: 0 })));
+}
+
+#[test]
+fn an_application_notification_beginning_with_the_magic_travels_escaped() {
+    assert_eq!(escape_app_notif(b"hello from the application"), None, "goes as it is");
+    assert_eq!(escape_app_notif(b"\0BOUN"), None, "not the whole magic");
+    let msg = b"\0BOUNC and the application's own bytes".to_vec();
+    let escaped = escape_app_notif(&msg).expect("begins with the magic");
+    // The pinned layout: the header of kind APP with session 0, then the bytes as they were.
+    assert_eq!(hex(&escaped[..HEADER_LEN]), format!("00424f554e43{WIRE_VERSION:02x}0f0000000000000000"));
+    assert_eq!(&escaped[HEADER_LEN..], &msg[..]);
+    assert!(is_control_frame(&escaped), "a BOUNCE receiver sorts it out of the application's way");
+    assert_eq!(unescape_app_notif(&escaped), Some(&msg[..]));
+    assert!(ControlFrame::decode(&escaped).is_err(), "never handled as a control frame");
+    // Only what the escape makes: another session, version or payload is not one.
+    let mut other_session = escaped.clone();
+    other_session[8] = 1;
+    let mut other_version = escaped.clone();
+    other_version[6] = WIRE_VERSION.wrapping_add(1);
+    for bad in [other_session, other_version, frame_bytes(15, b"not the magic")[..].to_vec()] {
+        assert_eq!(unescape_app_notif(&bad), None, "{}", hex(&bad));
+    }
+    for frame in sample_frames() {
+        assert_eq!(unescape_app_notif(&frame.to_vec()), None, "{}", frame.msg.kind_name());
+    }
+    assert_eq!(unescape_app_notif(&encode_hello(3, 4)), None);
 }
 
 #[test]

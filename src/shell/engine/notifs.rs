@@ -73,7 +73,7 @@ impl Engine {
     /// For a direct pull: takes `msg` when it is a control frame (see [`Mailroom::divert`]).
     /// The caller says [`Self::control_arrived`] once its pull is over and the inner engine's
     /// lock released.
-    pub(crate) fn divert_notif(&self, agent: &[u8], msg: &[u8]) -> bool {
+    pub(crate) fn divert_notif(&self, agent: &[u8], msg: &[u8]) -> Diverted {
         self.mail.divert(agent, msg)
     }
 
