@@ -160,8 +160,8 @@ int32_t bnc_notif_divert(void *engine, const uint8_t *agent, size_t agent_len, c
 // An application notification on its way to a peer (genNotif, a pass-through transfer's): 1
 // when it begins with BOUNCE's frame magic and `sink` got it escaped, to be sent instead (the
 // peer, a BOUNCE engine, would take the bare one for a control frame); 0 when it goes as it
-// is (also on a panic).
-int32_t bnc_notif_escape(bnc_str msg, bnc_sink sink, void *ctx);
+// is (bounce_escape_notifs=false; also on a panic).
+int32_t bnc_notif_escape(void *engine, bnc_str msg, bnc_sink sink, void *ctx);
 // After a direct pull that diverted control frames or was answered 2 by bnc_notif_direct, with
 // the inner lock released: Rust runs a pass of its reactor on this thread (or wakes it) when
 // frames wait or work is in flight.

@@ -39,14 +39,6 @@ void assign_sink(void *ctx, const uint8_t *ptr, size_t len) noexcept {
     }
 }
 
-// The bytes an application notification travels as: `msg` itself, or its escape in `escaped`
-// (bnc_notif_escape: one that begins with BOUNCE's frame magic, which the peer would take for
-// a control frame). Null when the escape could not be copied (out of memory).
-const std::string *wire_notif(const std::string &msg, std::string &escaped) {
-    if (bnc_notif_escape(view(msg), assign_sink, &escaped) != 1) return &msg;
-    return escaped.empty() ? nullptr : &escaped;
-}
-
 std::string self_path() {
     Dl_info info{};
     if (dladdr(reinterpret_cast<void *>(&bnc_shim_plugin), &info) != 0 && info.dli_fname)
@@ -215,7 +207,7 @@ public:
             }
             if (opt && opt->hasNotif) {
                 std::string escaped;
-                const std::string *msg = wire_notif(opt->notifMsg, escaped);
+                const std::string *msg = wireNotif(opt->notifMsg, escaped);
                 if (!msg) return NIXL_ERR_BACKEND;
                 if (msg != &opt->notifMsg) {
                     // NIXL's optional args are these three fields (nixl_abi.h), so a copy with
@@ -413,7 +405,7 @@ public:
     nixl_status_t genNotif(const std::string &agent, const std::string &msg) const override {
         return guarded([&]() -> nixl_status_t {
             std::string escaped;
-            const std::string *out = wire_notif(msg, escaped);
+            const std::string *out = wireNotif(msg, escaped);
             if (!out) return NIXL_ERR_BACKEND;
             Lock g(mu_);
             return inner_->genNotif(agent, *out);
@@ -577,6 +569,14 @@ public:
 
 private:
     using Lock = std::lock_guard<std::recursive_mutex>;
+
+    // The bytes an application notification travels as: `msg` itself, or its escape in
+    // `escaped` (bnc_notif_escape: one that begins with BOUNCE's frame magic, which the peer
+    // would take for a control frame). Null when the escape could not be copied (no memory).
+    const std::string *wireNotif(const std::string &msg, std::string &escaped) const {
+        if (bnc_notif_escape(rust_, view(msg), assign_sink, &escaped) != 1) return &msg;
+        return escaped.empty() ? nullptr : &escaped;
+    }
 
     // The peer's arenas, when it can bounce (each it advertises, in order), and its mailbox's
     // host registration, when it keeps one: loaded through the inner engine like any remote

@@ -107,6 +107,9 @@ pub struct Config {
     pub cma_large_bytes: u64,
     /// Scatter with non-temporal stores (`bounce_streaming_scatter`).
     pub streaming_scatter: bool,
+    /// Escape application notifications that begin with the frame magic
+    /// (`bounce_escape_notifs`; see `wire::escape_app_notif`).
+    pub escape_notifs: bool,
     /// Longest wait of a busy-polled status check (`bounce_check_wait_us`).
     pub check_wait: Duration,
     /// Longest sleep of an idle reactor between polls (`bounce_idle_park_us`).
@@ -596,6 +599,7 @@ impl Config {
             cma_workers: u32_of("bounce_cma_workers")?,
             cma_large_bytes: u64_of("bounce_cma_large_bytes")?,
             streaming_scatter: boolean("bounce_streaming_scatter")?,
+            escape_notifs: boolean("bounce_escape_notifs")?,
             check_wait: Duration::from_micros(u64_of("bounce_check_wait_us")?),
             idle_park: Duration::from_micros(u64_of("bounce_idle_park_us")?),
             zmq_host,
@@ -947,6 +951,7 @@ mod tests {
             ("bounce_cma_workers", "3"),
             ("bounce_cma_large_bytes", "0"),
             ("bounce_streaming_scatter", "off"),
+            ("bounce_escape_notifs", "false"),
             ("bounce_check_wait_us", "0"),
             ("bounce_idle_park_us", "250"),
             ("bounce_zmq_host", "10.0.0.7"),
@@ -984,6 +989,7 @@ mod tests {
             cma_workers: 3,
             cma_large_bytes: 0,
             streaming_scatter: false,
+            escape_notifs: false,
             check_wait: Duration::ZERO,
             idle_park: Duration::from_micros(250),
             zmq_host: "10.0.0.7".into(),

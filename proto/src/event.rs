@@ -374,6 +374,13 @@ pub enum SubmitError {
     },
 }
 
+impl DataFault {
+    /// Whether the DATA named a region its flow held and was refused for its scatter runs.
+    pub fn is_about_runs(&self) -> bool {
+        !matches!(self, Self::NotHeld | Self::RegionMismatch | Self::ChunkMismatch)
+    }
+}
+
 /// What is wrong with a DATA message (see [`ProtocolError::InvalidData`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -683,6 +690,10 @@ pub struct Stats {
     pub scatters_held: u64,
     /// DATA messages refused by validation.
     pub data_refused: u64,
+    /// Of [`data_refused`](Self::data_refused), those for a region their flow held, refused for
+    /// their scatter runs (a run outside the chunk or the registrations the flow proved, a
+    /// degenerate one, too many runs or bytes): the checks a forged scatter meets.
+    pub data_runs_refused: u64,
     /// DATA messages for unknown (canceled or reclaimed) flows, dropped silently.
     pub late_data: u64,
     /// Remote flows reclaimed because their sender went silent.

@@ -700,6 +700,7 @@ impl Receiver {
         if let Some(i) = &flow.inline {
             if let Err(fault) = self.check_runs(flow, &i.runs, i.bytes.len() as u64) {
                 ctx.stats.data_refused += 1;
+                ctx.stats.data_runs_refused += 1;
                 refuse_xfer(ctx, from, key.xfer, flow.token);
                 self.reclaim(ctx, key, self.rest(ctx));
                 return Err(ProtocolError::InvalidData { peer: from, xfer: key.xfer, chunk: ChunkIdx(0), fault });

@@ -951,15 +951,17 @@ pub unsafe extern "C" fn bnc_notif_divert(
 }
 
 /// 1 when the application notification `msg` must travel escaped and `sink` got it so; 0 when
-/// it goes as it is (also on a panic). See `bounce_proto::wire::escape_app_notif`.
+/// it goes as it is (also on a bad handle or a panic). See `Engine::escape_notif`.
 ///
 /// # Safety
-/// `msg` views live bytes; `sink`/`ctx` form a valid sink.
+/// `engine` is a live handle; `msg` views live bytes; `sink`/`ctx` form a valid sink.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn bnc_notif_escape(msg: BncStr, sink: BncSink, ctx: *mut c_void) -> i32 {
+pub unsafe extern "C" fn bnc_notif_escape(engine: *mut c_void, msg: BncStr, sink: BncSink, ctx: *mut c_void) -> i32 {
     guard_value("bnc_notif_escape", 0, || {
         // SAFETY: caller contract.
-        match bounce_proto::wire::escape_app_notif(unsafe { msg.bytes() }) {
+        let Some(e) = (unsafe { engine_ref(engine) }) else { return 0 };
+        // SAFETY: caller contract.
+        match e.escape_notif(unsafe { msg.bytes() }) {
             Some(escaped) => {
                 give(sink, ctx, &escaped);
                 1

@@ -50,7 +50,6 @@ use parking_lot::{Condvar, Mutex};
 use crate::shell::copy::cpu::next_job;
 use crate::shell::fence::{Span, overlaps};
 use crate::shell::keys::LoadStamp;
-use crate::shell::mailroom::outgoing_app_notif;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -799,7 +798,7 @@ impl CmaPath {
         done.map_err(Error::Xfer)?;
         Stats::bump(&self.stats.cma_ok);
         if let (Some(msg), Some(shim)) = (notif, shim) {
-            if let Err(status) = shim.gen_notif(&req.peer, &outgoing_app_notif(&msg)) {
+            if let Err(status) = shim.gen_notif(&req.peer, &msg) {
                 // Failed for good: a later check must not find it done (the peer's application
                 // would wait for the notification for ever).
                 req.state = State::Done(Err(XferError::NotifFailed));

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::shell::mailroom::{Mailroom, outgoing_app_notif};
+use crate::shell::mailroom::Mailroom;
 use crate::shell::streak::Streak;
 use crate::sys::nixl::NixlStatus;
 use crate::sys::shim::{Md, Shim, WriteHandle, WritePosted, WriteSide, WriteState};
@@ -115,7 +115,7 @@ impl DataPath for ShimPath {
     }
 
     fn notify(&mut self, peer: &str, msg: &[u8]) -> Result<(), NixlStatus> {
-        self.shim.gen_notif(peer, &outgoing_app_notif(msg))
+        self.shim.gen_notif(peer, msg)
     }
 
     /// Progresses the inner engine by pulling its notifications (sorted by the mailroom:

@@ -338,6 +338,8 @@ impl Engine {
     /// [`Error::NoBounce`], or what [`Requests::post`](crate::shell::requests::Requests::post)
     /// refuses.
     pub(crate) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<()> {
+        // The notification goes out, when the transfer is done, as it must travel.
+        let notif = notif.map(|msg| self.escape_notif(&msg).unwrap_or(msg));
         // A same-host request copies only while the peer registrations it was prepared from
         // are loaded (the bounce path's requests are bound to the peer's incarnation alike).
         let loaded = |stamp: &LoadStamp| self.keys.still_loaded(stamp);

@@ -33,7 +33,6 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::shell::fence::Ranges;
 use crate::shell::keys::LoadStamp;
-use crate::shell::mailroom::outgoing_app_notif;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
 use crate::shell::{Error, Progress, Result};
@@ -370,7 +369,7 @@ impl IpcPath {
         done.map_err(Error::Xfer)?;
         Stats::bump(&self.stats.ipc_ok);
         if let (Some(msg), Some(shim)) = (notif, shim) {
-            if let Err(status) = shim.gen_notif(&req.peer, &outgoing_app_notif(&msg)) {
+            if let Err(status) = shim.gen_notif(&req.peer, &msg) {
                 // Failed for good: a later check must not find it done (the peer's application
                 // would wait for the notification for ever).
                 req.state = State::Done(Err(XferError::NotifFailed));

@@ -77,14 +77,6 @@ struct ControlQueue {
     bytes: usize,
 }
 
-/// The bytes an application notification of a transfer BOUNCE moved (bounced, or by a same-host
-/// path) travels as: escaped when it begins with the frame magic, so that the peer's mailroom
-/// gives it to its application rather than its reactor (`wire::escape_app_notif`). The shim
-/// escapes the application's own `genNotif` and pass-through notifications the same way.
-pub(crate) fn outgoing_app_notif(msg: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    wire::escape_app_notif(msg).map_or(std::borrow::Cow::Borrowed(msg), std::borrow::Cow::Owned)
-}
-
 /// What a direct pull does with one notification ([`Mailroom::divert`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Diverted {

@@ -5,8 +5,10 @@ them.
 Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "agent", "name": N, "params": {...}}          -> {"meta": b64}
   {"op": "buffer", "agent": N, "size": B, "seed": S, "register": R}
-      one buffer per process, filled with pattern(seed); only its first R bytes are registered
-      (the rest is a canary no peer may ever write)          -> {"addr": int}
+      the process's buffer, filled with pattern(seed); only its first R bytes are registered
+      (the rest is a canary no peer may ever write); a later one replaces it for "dump",
+      "register" and "write", the earlier ones kept alive (still registered)
+                                                              -> {"addr": int}
   {"op": "register", "agent": N, "off": O, "len": L}
       registers buffer[O:O+L] too, after the metadata went out     -> {"meta": b64}
   {"op": "load", "agent": N, "meta": b64}
@@ -48,6 +50,10 @@ def wire_version():
 
 
 MAGIC = b"\0BOUNC"
+# The params of an agent that plays a hostile peer: its notifications go as they are, so the
+# frames it sends with send_notif reach the victim's reactor raw, as from a peer running other
+# code (an honest BOUNCE escapes a notification that begins with MAGIC: bounce_escape_notifs).
+RAW = {"bounce_escape_notifs": "false"}
 VERSION = wire_version()
 WANT, GRANT, DATA, ACK = 1, 2, 3, 4
 ENVELOPE_MAGIC = b"NXBOUNCE"
@@ -378,19 +384,23 @@ def main():
     agents = {}
     loaded = {}  # agent name -> the metadata blobs it loaded
     buf = None
+    earlier = []  # buffers an earlier "buffer" made, still registered
 
     def poll():
         for ag in agents.values():
             ag.get_new_notifs()
 
     def agent(cmd):
-        ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), cmd.get("params"))
+        # Every agent here may send raw frames (RAW); it changes nothing else.
+        ag = nixlkit.agent(cmd["name"], cmd.get("backends", ["BOUNCE"]), {**RAW, **(cmd.get("params") or {})})
         agents[cmd["name"]] = ag
         return {"meta": base64.b64encode(ag.get_agent_metadata()).decode()}
 
     def buffer(cmd):
         nonlocal buf
         ag = agents[cmd["agent"]]
+        if buf is not None:
+            earlier.append(buf)
         buf = nixlkit.pattern(cmd["seed"], cmd["size"])
         n = cmd.get("register", cmd["size"])
         ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, n, 0, "")], "DRAM"), backends=["BOUNCE"])

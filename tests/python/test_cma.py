@@ -232,18 +232,26 @@ def test_peer_killed_between_posts_fails_at_once_then_a_new_peer_works(cma, peer
 
 
 def test_release_while_in_flight_waits_and_loses_nothing(cma, peer, tmp_path):
-    """Requests released right after their posts (the copy is waited for), then a full one."""
+    """Requests released right after their posts: the release waits for the copy, so once it
+    returns the destination holds every byte and the source is no longer read (refilled with
+    other bytes, a full request then writes those)."""
     lay = nixlkit.Scattered(16384, 4096, seed=1141)
     ag, p, raddr, buf = setup(peer, "c5", lay.src_bytes, lay.dst_bytes, 1142, 1143)
     lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    before = nixlkit.pattern(1143, lay.dst_bytes)
     for _ in range(3):
         h = ag.initialize_xfer("WRITE", lo, re, "c5-rx", b"", backends=[B])
         assert ag.transfer(h) != "ERR"
         ag.release_xfer_handle(h)
+    # Released, so done with: every byte landed, none read later (the source changes now).
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, before), "after the releases returned")
+    buf[:] = nixlkit.pattern(1144, lay.src_bytes)
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(nixlkit.pattern(1142, lay.src_bytes), before),
+                        "after the source changed: a released copy read it")
     h = ag.initialize_xfer("WRITE", lo, re, "c5-rx", b"", backends=[B])
     assert ag.transfer(h) != "ERR"
     nixlkit.wait_xfer(ag, h)
-    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, nixlkit.pattern(1143, lay.dst_bytes)), "after releases")
+    nixlkit.assert_same(remote_buffer(p, tmp_path), lay.expected(buf, before), "after the full request")
     s = stats(ag)
     assert s["cma_xfers"] == 4 and s["bounce_xfers"] == 0, s
 

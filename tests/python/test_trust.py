@@ -37,7 +37,7 @@ def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(pr
         # [0, 1 MiB): registered, its metadata goes to the peer; [1, 2 MiB): registered later.
         r = v.call(op="buffer", agent="t-victim", size=2 * MIB, seed=111, register=MIB)
         addr, vmeta = r["addr"], r["meta"]
-        peer = nixlkit.agent("t-peer", params=SMALL)
+        peer = nixlkit.agent("t-peer", params={**SMALL, **hp.RAW})
         src = nixlkit.pattern(112, lay.src_bytes)
         nixlkit.register(peer, src)
         peer.add_remote_agent(base64.b64decode(vmeta))
@@ -125,3 +125,48 @@ def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(pr
     assert p1["fallback_unproven"] == p0["fallback_unproven"], (p0, p1)
     nixlkit.assert_same(got[:lay.dst_bytes], lay.expected(src, before[:lay.dst_bytes]), "proven destination")
     nixlkit.assert_same(got[lay.dst_bytes:], before[lay.dst_bytes:], "rest of the buffer, hidden half included")
+
+
+def test_a_flow_proving_one_registration_cannot_scatter_into_another(procs, tmp_path):
+    """The step past the proof (review 57): a peer that proves the registration whose metadata
+    it holds opens a flow, then aims the flow's bytes at a registration it never saw, by a DATA
+    for the region it was granted and by a chunk inline in a proven WANT. Both reach the checks
+    of their runs (`stats.data_runs_refused`) and are refused there; nothing lands in either
+    buffer."""
+    v = procs("hostile_peer.py")
+    with watchdog(60, [v], "proven-flow trust test"):
+        v.call(op="agent", name="pv-victim", params=SMALL)
+        r = v.call(op="buffer", agent="pv-victim", size=2 * MIB, seed=121, register=MIB)
+        addr, vmeta = r["addr"], r["meta"]
+        peer = nixlkit.agent("pv-peer", params={**SMALL, **hp.RAW})
+        peer.add_remote_agent(base64.b64decode(vmeta))
+        v.call(op="load", agent="pv-victim", meta=meta_b64(peer))
+        v.call(op="wait_ready", agent="pv-victim", n=1)
+        nixlkit.wait_ready(peer, 1)
+        hidden = addr + MIB
+        v.call(op="register", agent="pv-victim", off=MIB, len=MIB)  # the peer never sees this
+        before = nixlkit.pattern(121, 2 * MIB)
+        session = hp.session_of(peer.get_agent_metadata())
+        (reg, key), = hp.registrations_of(base64.b64decode(vmeta))
+        v0 = peer_stats(v, agent="pv-victim")
+        # A proven flow: its one 64 KiB chunk is granted the first region of the victim's fresh
+        # arena, and its DATA names that region, with a run into the hidden registration.
+        x = 9500
+        peer.send_notif("pv-victim", hp.want(session, x, [64 << 10], token=x, proofs=[hp.proof(reg, key, x, "pv-peer")]))
+        pump(peer, 0.05)
+        peer.send_notif("pv-victim", hp.data(session, x, 0, (0, 64 << 10), [(0, hidden, 4096, 1, 0, 0)], token=x))
+        # A proven WANT carrying its chunk inline, aimed at the hidden registration.
+        x = 9501
+        inline = (random.Random(122).randbytes(4096), [(0, hidden + 4096, 4096, 1, 0, 0)])
+        peer.send_notif("pv-victim", hp.want(session, x, [4096], token=x, proofs=[hp.proof(reg, key, x, "pv-peer")],
+                                             inline=inline))
+        v1 = settle(lambda: peer_stats(v, agent="pv-victim"), ARENA, TIMEOUT_MS / 1000 + SLACK_S,
+                    "victim after the proven flows' runs")
+        got = dump(v, tmp_path, "proven.bin")
+    nixlkit.assert_same(got, before, "victim buffer after the proven flows (hidden half included)")
+    delta = sorted((k, v0[k], v1[k]) for k in v1 if v0[k] != v1[k])
+    # Both proofs held (nothing forged); both were refused by the checks of their runs, and
+    # dropped for that alone.
+    assert v1["control_forged"] == v0["control_forged"], delta
+    assert v1["data_runs_refused"] - v0["data_runs_refused"] == 2, delta
+    assert v1["control_dropped"] - v0["control_dropped"] == 2, delta

@@ -16,6 +16,9 @@ impl Receiver {
         fault: DataFault,
     ) -> Result<(), ProtocolError> {
         ctx.stats.data_refused += 1;
+        if fault.is_about_runs() {
+            ctx.stats.data_runs_refused += 1;
+        }
         if data.region.len != 0 {
             let (xfer, token, chunk, region) = (data.xfer, data.token, data.chunk, data.region);
             ctx.send(from, Ack { xfer, token, chunk, region, status: AckStatus::Refused });

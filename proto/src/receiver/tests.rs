@@ -118,8 +118,16 @@ fn refused_with(
     fault: DataFault,
     scattering: u64,
 ) {
+    let (refused, runs_refused) = (ep.stats().data_refused, ep.stats().data_runs_refused);
     let err = ep.handle_msg(t, PEER, data_msg(X, chunk, region, runs)).unwrap_err();
     assert_eq!(err, ProtocolError::InvalidData { peer: PEER, xfer: X, chunk: ChunkIdx(chunk), fault });
+    // Counted, and as refused for its runs exactly when the region was the flow's.
+    let about_runs = !matches!(fault, DataFault::NotHeld | DataFault::RegionMismatch | DataFault::ChunkMismatch);
+    assert_eq!(
+        (ep.stats().data_refused - refused, ep.stats().data_runs_refused - runs_refused),
+        (1, u64::from(about_runs)),
+        "{fault:?}"
+    );
     let acts = drain(ep);
     assert!(scatters(&acts).is_empty());
     assert_eq!(acks(&acts), vec![(X, chunk, AckStatus::Refused)]);

@@ -70,6 +70,18 @@ impl Engine {
         self.bounce.as_ref().is_some_and(|b| b.reactor.busy())
     }
 
+    /// The bytes an application notification must travel as, when not its own: escaped when it
+    /// begins with the frame magic and `bounce_escape_notifs` is on, so that the peer's
+    /// mailroom hands it to its application rather than its reactor
+    /// (`wire::escape_app_notif`). For the application's `genNotif` and pass-through
+    /// notifications (the shim) and the notifications of the transfers BOUNCE moves.
+    pub(crate) fn escape_notif(&self, msg: &[u8]) -> Option<Vec<u8>> {
+        if !self.config.escape_notifs {
+            return None;
+        }
+        bounce_proto::wire::escape_app_notif(msg)
+    }
+
     /// For a direct pull: takes `msg` when it is a control frame (see [`Mailroom::divert`]).
     /// The caller says [`Self::control_arrived`] once its pull is over and the inner engine's
     /// lock released.
