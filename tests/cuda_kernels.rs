@@ -50,6 +50,11 @@ fn gpu_or_skip(test: &str) -> Option<(Arc<Gpu>, Kernels)> {
             Some((gpu, k))
         }
         Err(e) => {
+            // ci/gpu-kernels on the GPU machine: a run of skips must not pass as the proof.
+            assert!(
+                std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
+                "{test}: BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
+            );
             println!("{test}: skipped: no GPU ({e})");
             None
         }

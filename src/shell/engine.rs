@@ -176,6 +176,11 @@ pub(crate) struct Engine {
     cma: Option<CmaPath>,
     /// The same-host paths' thresholds, by the memory kind they copy.
     mapped_limits: MappedLimits,
+    /// `bounce_arena_mem=auto` that chose a GPU: the options with the host defaults (and their
+    /// thresholds), for a host arena when the GPU arena cannot be had at start (its copy
+    /// engine cannot start: a build without kernels, a driver refusing the PTX; its VRAM or
+    /// registration refused), which `auto` promises rather than no bounce path.
+    host_fallback: Option<(Config, MappedLimits)>,
     /// Whether the one line about transfers of memory of a kind no arena is was logged.
     told_other_kind: AtomicBool,
     /// Whether the one line about GPU memory on a GPU without an arena (or spread over
@@ -217,7 +222,12 @@ impl Engine {
         let mut loaded = Config::from_params(p.params.iter().copied(), &env)?;
         let both = loaded.config.arena_mem == ArenaMem::Both;
         let gpus = Self::choose_gpus(p.agent, &loaded.config);
+        let mut host_fallback = None;
         if !gpus.is_empty() && !both {
+            if loaded.config.arena_mem == ArenaMem::Auto {
+                // Loaded with the host defaults: what a host arena would run under.
+                host_fallback = Some(loaded.config.clone());
+            }
             // GPU arenas only: the options left unset take their VRAM defaults.
             loaded = Config::from_params_as(Some(MemKind::Vram), p.params.iter().copied(), &env)?;
         }
@@ -271,6 +281,10 @@ impl Engine {
             })
             .flatten();
         let mapped_limits = MappedLimits::new(&config, config.defaults_for == MemKind::Vram, &p.params, &env);
+        let host_fallback = host_fallback.map(|c| {
+            let limits = MappedLimits::new(&c, false, &p.params, &env);
+            (c, limits)
+        });
         let engine = Self {
             agent: p.agent.to_owned(),
             config,
@@ -291,6 +305,7 @@ impl Engine {
             ipc,
             cma,
             mapped_limits,
+            host_fallback,
             told_other_kind: AtomicBool::new(false),
             told_other_gpu: AtomicBool::new(false),
         };
@@ -316,7 +331,17 @@ impl Engine {
             // would bounce transfers the user did not ask to bounce.
             return;
         }
-        match self.start_bounce(shim) {
+        let started = match (self.start_bounce(shim), self.host_fallback.take()) {
+            (Err(why), Some((config, limits))) => {
+                // `auto`: a host arena, as on a host whose process uses no GPU.
+                tracing::warn!(agent = self.agent, "bounce_arena_mem=auto: no GPU arena ({why}); a host-memory arena");
+                (self.config, self.mapped_limits) = (config, limits);
+                self.gpus.clear();
+                self.start_bounce(shim)
+            }
+            (started, _) => started,
+        };
+        match started {
             Ok(b) => self.bounce = Some(b),
             Err(why) => tracing::warn!(agent = self.agent, "bounce path unavailable, staying on plain UCX: {why}"),
         }

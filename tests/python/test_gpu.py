@@ -18,6 +18,7 @@ import pytest
 
 import nixlkit
 from test_bounce import connect, stats
+from test_failures import act_in_flight, resolve
 
 WHY = nixlkit.gpu_skip_reason()
 if WHY is not None and os.environ.get("BOUNCE_REQUIRE_GPU") == "1":
@@ -553,21 +554,16 @@ def test_vram_peer_killed_mid_transfer_fails_in_bounded_time_then_new_peer_works
     re = ag.get_xfer_descs(lay.dst_list(raddr, PEER_GPU), "VRAM")
     h = ag.initialize_xfer("WRITE", lo, re, "g5-rx", b"", backends=[B])
     assert ag.transfer(h) != "ERR"
-    time.sleep(0.002)
+    # Frozen while in flight, what it sent let arrive, then killed (test_failures'
+    # kill_mid_flight): from then on nothing can acknowledge the rest, so a DONE is a lie.
+    frozen, st = act_in_flight(ag, h, lambda: os.kill(p.proc.pid, signal.SIGSTOP))
+    assert frozen is not None, f"256 MiB through 8 MiB arenas ended ({st}) within 3 ms: nothing to kill mid-flight"
+    st, _ = resolve(ag, h, 0.3)
+    assert st == "PROC", f"the transfer ended ({st}) while its peer was frozen"
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait()
-    t0 = time.monotonic()
-    state = "PROC"
-    while state not in ("DONE", "ERR") and time.monotonic() - t0 < TIMEOUT_MS / 1000 + 10:
-        try:
-            state = ag.check_xfer_state(h)
-        except Exception:
-            state = "ERR"
-    elapsed = time.monotonic() - t0
-    # The transfer may have finished before the kill landed; it must never hang.
-    assert state in ("DONE", "ERR"), f"still {state} after {elapsed:.1f} s"
-    if state == "ERR":
-        assert elapsed < TIMEOUT_MS / 1000 + 10
+    state, elapsed = resolve(ag, h, TIMEOUT_MS / 1000 + 10)
+    assert state == "ERR", f"{state} after {elapsed:.1f} s: a killed peer's transfer must fail, in bounded time"
     try:
         ag.release_xfer_handle(h)
     except Exception:
@@ -948,14 +944,22 @@ def test_vram_of_expandable_segments_has_no_ipc_handle_and_bounces_byte_exact(pe
 NO_KERNELS = os.environ.get("BOUNCE_TEST_NO_KERNELS_PLUGIN")
 
 
-def test_without_gpu_kernels_both_keeps_the_host_arena_and_bounces_host_memory():
-    """`bounce_arena_mem=both` on a GPU host whose GPU copy engine cannot start (here: a plugin
-    built without kernels) gives up the GPU arena only, with one warning; the host arena still
-    bounces host memory (before 0fd49cd the whole bounce path went, host arena included)."""
+@pytest.mark.parametrize("mem", ["both", "auto"])
+def test_without_gpu_kernels_a_host_arena_still_bounces_host_memory(mem):
+    """On a GPU host whose GPU copy engine cannot start (here: a plugin built without kernels),
+    `bounce_arena_mem=both` gives up the GPU arena only, with one warning, and the host arena
+    still bounces host memory (before 0fd49cd the whole bounce path went, host arena
+    included); `auto`, in a process with a current CUDA context (so it chose the GPU), falls
+    back to a host arena, with one warning, and bounces host memory (before session 57 it was
+    left with no bounce path)."""
     # Inside the test, so that without a GPU (CI) it says "skipped: no GPU" like the others.
     if not NO_KERNELS:
-        pytest.skip("skipped: no plugin built without kernels given (BOUNCE_TEST_NO_KERNELS_PLUGIN: "
-                    "a build with BOUNCE_NVRTC_LIB pointing nowhere)")
+        # Under ci/gpu-e2e (BOUNCE_REQUIRE_GPU=1) the GPU proof must not skip this either.
+        why = ("no plugin built without kernels given (BOUNCE_TEST_NO_KERNELS_PLUGIN, ci/gpu-e2e's "
+               "fourth argument: a build with BOUNCE_NVRTC_LIB pointing nowhere)")
+        if os.environ.get("BOUNCE_REQUIRE_GPU") == "1":
+            pytest.fail(f"BOUNCE_REQUIRE_GPU=1 but {why}")
+        pytest.skip(f"skipped: {why}")
     import shutil
 
     from conftest import run_isolated
@@ -964,9 +968,12 @@ def test_without_gpu_kernels_both_keeps_the_host_arena_and_bounces_host_memory()
     os.makedirs(plugins, exist_ok=True)
     shutil.copy(os.path.join(nixlkit.plugin_dir(), "libplugin_UCX.so"), plugins)
     shutil.copy(NO_KERNELS, os.path.join(plugins, "libplugin_BOUNCE.so"))
+    params = {**BOTH, "bounce_arena_mem": mem}
     code = f"""
 import nixlkit
-P = {BOTH!r}
+import torch
+torch.zeros(1, device="cuda:0")  # a current CUDA context, which `auto` takes as its GPU
+P = {params!r}
 a, b = nixlkit.agent("nk-a", params=P), nixlkit.agent("nk-b", params=P)
 lay = nixlkit.Scattered(1024, 4096, seed=1361)
 src, dst = nixlkit.pattern(1362, lay.src_bytes), nixlkit.pattern(1363, lay.dst_bytes)
@@ -984,4 +991,5 @@ nixlkit.leave(0)
         shutil.rmtree(plugins, ignore_errors=True)
     assert rc == 0, out[-3000:]
     assert "RESULT 1 0 1 0" in out, ("one host arena, no GPU arena, one bounced WRITE", out[-3000:])
-    assert out.count("no copy engine for this GPU's arena") == 2, ("one warning per engine", out[-3000:])
+    warning = {"both": "no copy engine for this GPU's arena", "auto": "bounce_arena_mem=auto: no GPU arena"}[mem]
+    assert out.count(warning) == 2, ("one warning per engine", out[-3000:])

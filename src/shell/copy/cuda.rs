@@ -430,6 +430,10 @@ mod tests {
         let gpu = match Gpu::open(0) {
             Ok(g) => g,
             Err(e) => {
+                assert!(
+                    std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
+                    "BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
+                );
                 println!("engine_reports_every_job_once_and_moves_exact_bytes: skipped: no GPU ({e})");
                 return;
             }
@@ -505,6 +509,10 @@ mod tests {
         let gpu = match Gpu::open(0) {
             Ok(g) => g,
             Err(e) => {
+                assert!(
+                    std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
+                    "BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
+                );
                 println!(
                     "a_reads_scatter_by_its_prepared_plan_uploads_the_runs_once_and_is_exact: skipped: no GPU ({e})"
                 );

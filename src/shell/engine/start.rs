@@ -12,7 +12,8 @@ impl Engine {
     /// context is created for it). A list, or `all`, names the GPUs under any of the three (at
     /// most [`MAX_ARENA_GPUS`]); one that cannot be opened is left out with a warning. Without
     /// a usable driver or GPU no GPU arena can be had: one log line, then host memory for
-    /// `auto` and `both`, no bounce path for `vram` (see [`Engine::attach`]).
+    /// `auto` and `both`, no bounce path for `vram` (see [`Engine::attach`], which also gives
+    /// `auto` a host arena when the GPU arena cannot start).
     pub(super) fn choose_gpus(agent: &str, config: &Config) -> Vec<Arc<Gpu>> {
         if !config.enabled || config.arena_mem == ArenaMem::Dram {
             return Vec::new();
