@@ -26,6 +26,36 @@ pub struct ExecContext {
     pub(super) verdict: Option<PinnedHost>,
     /// The region limit (P) the last region plan launch checked against.
     pub(super) verdict_limit: u64,
+    /// Jobs in a row whose plan fitted [`KEPT_PLAN_BYTES`] while the buffers were larger
+    /// (see [`plan_len_for`]).
+    small_jobs: u32,
+}
+
+/// Plan buffers a context keeps for good: honest chunks of 4 KiB pieces need under 0.5 MiB.
+/// A larger job (a DATA may carry up to 2^20 runs: 64 MiB of plan) grows them for itself.
+pub(super) const KEPT_PLAN_BYTES: usize = 1 << 20;
+/// Jobs in a row that fit [`KEPT_PLAN_BYTES`] after which grown buffers shrink back: a peer
+/// sending such DATAs now and then costs one reallocation pair per this many jobs at most,
+/// and never holds the memory past them.
+pub(super) const SHRINK_AFTER_JOBS: u32 = 64;
+
+/// The length the plan buffers must be reallocated to before a job needing `need` bytes, given
+/// their length `len` and the run of small jobs so far (updated), or `None` to keep them.
+pub(super) fn plan_len_for(len: usize, need: usize, small_jobs: &mut u32) -> Option<usize> {
+    if len < need {
+        *small_jobs = 0;
+        return Some(need.next_power_of_two());
+    }
+    if len <= KEPT_PLAN_BYTES || need > KEPT_PLAN_BYTES {
+        *small_jobs = 0;
+        return None;
+    }
+    *small_jobs += 1;
+    if *small_jobs < SHRINK_AFTER_JOBS {
+        return None;
+    }
+    *small_jobs = 0;
+    Some(KEPT_PLAN_BYTES)
 }
 
 /// The argument arrays of one cuMemcpyBatchAsync call.
@@ -79,6 +109,7 @@ impl ExecContext {
                 batch: BatchArrays::default(),
                 verdict: None,
                 verdict_limit: 0,
+                small_jobs: 0,
             }),
             (Err(e), _) | (_, Err(e)) => {
                 // SAFETY: created above, never used.
@@ -91,18 +122,25 @@ impl ExecContext {
         }
     }
 
-    /// Grows the plan buffers to hold `bytes`. Only while the context is idle. Both are
-    /// allocated before either is replaced: a failed allocation (VRAM taken by the
-    /// application) leaves the pair as it was, never a host buffer larger than the device
-    /// one, which the launches size their copies by.
+    /// Makes the plan buffers hold `bytes`: grown for a larger job, shrunk back to
+    /// [`KEPT_PLAN_BYTES`] after a run of small ones ([`plan_len_for`]). Only while the
+    /// context is idle. Both are allocated before either is replaced: a failed allocation
+    /// (VRAM taken by the application) leaves the pair as it was, never a host buffer larger
+    /// than the device one, which the launches size their copies by.
     pub(super) fn ensure_plan_bytes(&mut self, bytes: usize) -> Result<(), CudaError> {
-        if self.plan_host.len() < bytes || self.plan_dev.len() < bytes {
-            let want = bytes.next_power_of_two();
+        let len = self.plan_host.len().min(self.plan_dev.len());
+        if let Some(want) = plan_len_for(len, bytes, &mut self.small_jobs) {
             let host = PinnedHost::new(&self.gpu, want)?;
             let dev = alloc_vram(&self.gpu, want)?;
             (self.plan_host, self.plan_dev) = (host, dev);
         }
         Ok(())
+    }
+
+    /// The plan buffers' length (the smaller of the two).
+    #[cfg(test)]
+    pub(super) fn plan_len(&self) -> usize {
+        self.plan_host.len().min(self.plan_dev.len())
     }
 
     /// Records the completion event after the work queued so far on the stream.
@@ -258,5 +296,62 @@ impl Drop for GpuTimer {
             let _ = cu::cuEventDestroy_v2(self.start);
             let _ = cu::cuEventDestroy_v2(self.stop);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Grown plan buffers go back to the kept size after a run of small jobs, and only then:
+    /// a peer's occasional huge DATA costs one reallocation pair per [`SHRINK_AFTER_JOBS`]
+    /// jobs at most, and holds its memory no longer (review 56).
+    #[test]
+    fn grown_plan_buffers_shrink_back_after_a_run_of_small_jobs() {
+        let mut small = 0;
+        assert_eq!(plan_len_for(64 << 10, 100, &mut small), None, "fits");
+        assert_eq!(plan_len_for(64 << 10, (300 << 10) + 1, &mut small), Some(512 << 10), "grown to a power of two");
+        assert_eq!(plan_len_for(512 << 10, 100, &mut small), None, "at most the kept size: kept for good");
+        assert_eq!(small, 0);
+        let huge = 64 << 20;
+        assert_eq!(plan_len_for(1 << 20, huge, &mut small), Some(huge));
+        for job in 1..SHRINK_AFTER_JOBS {
+            assert_eq!(plan_len_for(huge, 4096, &mut small), None, "small job {job}");
+        }
+        // A job that needs more than the kept size starts the run again.
+        assert_eq!(plan_len_for(huge, KEPT_PLAN_BYTES + 1, &mut small), None);
+        for job in 1..SHRINK_AFTER_JOBS {
+            assert_eq!(plan_len_for(huge, 4096, &mut small), None, "small job {job} after a large one");
+        }
+        assert_eq!(plan_len_for(huge, 4096, &mut small), Some(KEPT_PLAN_BYTES), "the run is long enough");
+        assert_eq!(small, 0);
+        assert_eq!(plan_len_for(KEPT_PLAN_BYTES, KEPT_PLAN_BYTES, &mut small), None, "the kept size fits its own");
+    }
+
+    /// The same on a GPU: the context's pinned and device buffers follow the policy.
+    #[test]
+    #[cfg_attr(miri, ignore = "loads the CUDA driver (FFI)")]
+    fn a_contexts_plan_buffers_grow_for_a_large_job_and_shrink_back() {
+        let gpu = match Gpu::open(0) {
+            Ok(g) => g,
+            Err(e) => {
+                assert!(
+                    std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
+                    "BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
+                );
+                println!("a_contexts_plan_buffers_grow_for_a_large_job_and_shrink_back: skipped: no GPU ({e})");
+                return;
+            }
+        };
+        let mut ctx = ExecContext::new(&gpu, 1024).unwrap();
+        let first = ctx.plan_len();
+        ctx.ensure_plan_bytes(8 << 20).unwrap();
+        assert_eq!(ctx.plan_len(), 8 << 20);
+        for _ in 1..SHRINK_AFTER_JOBS {
+            ctx.ensure_plan_bytes(first).unwrap();
+        }
+        assert_eq!(ctx.plan_len(), 8 << 20);
+        ctx.ensure_plan_bytes(first).unwrap();
+        assert_eq!(ctx.plan_len(), KEPT_PLAN_BYTES);
     }
 }
