@@ -42,6 +42,7 @@ use crate::shell::keys::{Keys, LoadStamp, Reach, Split};
 use crate::shell::mailroom::{Diverted, Mailroom};
 use crate::shell::oneway_area::OneWayArea;
 use crate::shell::peers::{ArenaToLoad, PeerTable};
+use crate::shell::progress::ProgressThread;
 use crate::shell::reactor::{ArenaPart, Cmd, Drove, LocalArena, Parts, Reactor, SOCKET_POLL_BATCH, Shared};
 use crate::shell::registry::{Registration, Registry};
 use crate::shell::requests::{Released, State};
@@ -181,6 +182,10 @@ pub(crate) struct Engine {
     /// engine cannot start: a build without kernels, a driver refusing the PTX; its VRAM or
     /// registration refused), which `auto` promises rather than no bounce path.
     host_fallback: Option<(Config, MappedLimits)>,
+    /// Whether the agent asked for NIXL's progress thread (the reactor gives that progress).
+    wants_progress: bool,
+    /// Background progress when the bounce path did not start and the agent asked for it.
+    progress: Option<ProgressThread>,
     /// Whether the one line about transfers of memory of a kind no arena is was logged.
     told_other_kind: AtomicBool,
     /// Whether the one line about GPU memory on a GPU without an arena (or spread over
@@ -306,6 +311,8 @@ impl Engine {
             cma,
             mapped_limits,
             host_fallback,
+            wants_progress: p.enable_prog_th,
+            progress: None,
             told_other_kind: AtomicBool::new(false),
             told_other_gpu: AtomicBool::new(false),
         };
@@ -329,6 +336,7 @@ impl Engine {
         if self.config.arena_mem == ArenaMem::Vram && self.gpus.is_empty() {
             // Asked for a GPU arena and no GPU could be had (logged at creation): a host arena
             // would bounce transfers the user did not ask to bounce.
+            self.progress_without_reactor(shim);
             return;
         }
         let started = match (self.start_bounce(shim), self.host_fallback.take()) {
@@ -343,7 +351,25 @@ impl Engine {
         };
         match started {
             Ok(b) => self.bounce = Some(b),
-            Err(why) => tracing::warn!(agent = self.agent, "bounce path unavailable, staying on plain UCX: {why}"),
+            Err(why) => {
+                tracing::warn!(agent = self.agent, "bounce path unavailable, staying on plain UCX: {why}");
+                self.progress_without_reactor(shim);
+            }
+        }
+    }
+
+    /// The bounce path is on but did not start: when the agent asked for NIXL's progress
+    /// thread, which the reactor was to give (the inner engine was made without UCX's own),
+    /// a thread of ours gives it instead ([`ProgressThread`]).
+    fn progress_without_reactor(&mut self, shim: Shim) {
+        if !self.wants_progress {
+            return;
+        }
+        match ProgressThread::start(shim, Arc::clone(&self.mail), self.config.idle_park) {
+            Ok(t) => self.progress = Some(t),
+            Err(e) => {
+                tracing::warn!(agent = self.agent, error = %e, "no background progress thread: progress only in NIXL calls")
+            }
         }
     }
 
@@ -468,6 +494,10 @@ impl Engine {
     /// a late write cannot land in memory used for something else). Idempotent; afterwards the
     /// engine is plain UCX.
     pub(crate) fn stop(&mut self) {
+        // Its pull in progress ends before the inner engine goes.
+        if let Some(mut progress) = self.progress.take() {
+            progress.stop();
+        }
         // Out of the engine before anything that could unwind: a panic below (caught at the
         // FFI edge) must not leave the bounce path for the final destroy, which runs after the
         // inner engine is gone (review 56); dropped here while unwinding, it stops with the

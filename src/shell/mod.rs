@@ -55,6 +55,7 @@ mod mailroom;
 pub(crate) mod marks;
 mod oneway_area;
 mod peers;
+mod progress;
 mod reactor;
 mod registry;
 mod requests;

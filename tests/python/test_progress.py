@@ -32,10 +32,15 @@ def links_up(two_hosts, deadline=10.0):
             time.sleep(0.05)
 
 
-# (label, backend, params): BOUNCE as shipped, and BOUNCE with its bounce path off (pure
-# pass-through: no reactor runs, so the inner engine's own progress thread must).
+# (label, backend, params): BOUNCE as shipped, BOUNCE with its bounce path off (pure
+# pass-through: no reactor runs, so the inner engine's own progress thread must), and BOUNCE
+# whose bounce path is on but cannot start (its ZMQ control socket cannot bind an address of
+# TEST-NET-1, not this host's: no reactor, and the inner engine made without UCX's thread, so
+# BOUNCE's own background progress thread must; review 57).
 VARIANTS = (("UCX", "UCX", {}), ("BOUNCE", "BOUNCE", {}),
-            ("BOUNCE-passthrough", "BOUNCE", {"bounce_enable": "false"}))
+            ("BOUNCE-passthrough", "BOUNCE", {"bounce_enable": "false"}),
+            ("BOUNCE-not-started", "BOUNCE", {"bounce_control": "zmq", "bounce_zmq_host": "192.0.2.1"}))
+PASS_THROUGH = ("BOUNCE-passthrough", "BOUNCE-not-started")
 
 
 def start_pair(two_hosts, procs, backend, tag, params=None, ini_poll_ms=0.5, tgt_poll_ms=POLL_MS):
@@ -67,7 +72,7 @@ def counters(p):
 def test_a_passive_target_serves_reads_over_tcp_without_waiting_for_its_polls(two_hosts, procs, tmp_path):
     lay = nixlkit.Scattered(**LAYOUT)
     medians = {}
-    with watchdog(150, procs.all, "READs from a passive target"):
+    with watchdog(200, procs.all, "READs from a passive target"):
         for i, (backend, base, params) in enumerate(VARIANTS):
             (ini, _, _), (tgt, _, raddr) = start_pair(two_hosts, procs, base, f"rd{i}", params, tgt_poll_ms=NEVER_MS)
             if base == "BOUNCE":
@@ -107,13 +112,13 @@ def test_a_passive_target_serves_reads_over_tcp_without_waiting_for_its_polls(tw
     # before the fix; 17-27 ms with it on the 2-core machine). How close BOUNCE comes to UCX
     # is a figure, not a check (a timed bound on a shared 2-core machine failed by 0.14 ms
     # once): printed here, and in BENCHMARKS.md.
-    for b in ("BOUNCE", "BOUNCE-passthrough"):
+    for b in ("BOUNCE", *PASS_THROUGH):
         print(f"{b} / UCX: {medians[b] / medians['UCX']:.2f}")
 
 
 def test_idle_cpu_with_the_progress_thread_asked_for_stays_far_below_ucx(two_hosts, procs):
     cpu = {}
-    with watchdog(90, procs.all, "idle CPU"):
+    with watchdog(120, procs.all, "idle CPU"):
         for i, (backend, base, params) in enumerate(VARIANTS):
             (ini, _, _), (tgt, _, _) = start_pair(two_hosts, procs, base, f"idle{i}", params, ini_poll_ms=POLL_MS)
             ini.send(op="cpu", seconds=2.0)
@@ -126,5 +131,5 @@ def test_idle_cpu_with_the_progress_thread_asked_for_stays_far_below_ucx(two_hos
     # The lead over UCX is what must hold; the absolute bound leaves room for a loaded 2-core
     # CI machine (two UCX threads waking every 1 ms on their event fds, plus Python's polls:
     # measured 0.06-0.10 cores there).
-    for b in ("BOUNCE", "BOUNCE-passthrough"):
+    for b in ("BOUNCE", *PASS_THROUGH):
         assert cpu[b] < 0.25 and cpu[b] < cpu["UCX"] / 4, cpu
