@@ -207,6 +207,13 @@ pub(crate) fn check(env: impl Fn(&str) -> Option<String>) -> Result<(), Refusal>
     static DETECTED: OnceLock<Detected> = OnceLock::new();
     static WARNED: std::sync::Once = std::sync::Once::new();
     let detected = DETECTED.get_or_init(|| detect(&env));
+    static FAKED: std::sync::Once = std::sync::Once::new();
+    if let Detected::Version { version, from } = detected {
+        if from == TEST_FAKE_VERSION_ENV {
+            // It can make any NIXL pass as tested: never silently (review 57).
+            FAKED.call_once(|| tracing::warn!("{TEST_FAKE_VERSION_ENV}={version}: the version guard takes that for NIXL's version (for the project's tests only)"));
+        }
+    }
     match decide(detected, TESTED_NIXL_VERSIONS, is_opt_in(env(ALLOW_UNTESTED_ENV).as_deref())) {
         Verdict::Tested => Ok(()),
         Verdict::AllowedUntested(why) => {
