@@ -418,8 +418,8 @@ impl Config {
     /// For each manifest option the environment variable (looked up through `env`) wins over
     /// the param, which wins over the manifest default. An empty environment variable counts
     /// as unset. Params not starting with `bounce_` are ignored (the shell passes them on to
-    /// UCX); unknown `bounce_*` params and unparsable values become [`ConfigWarning`]s, the
-    /// latter falling back to the manifest default (never to 0). `bounce_max_chunk_size` is
+    /// UCX); unknown `bounce_*` params become [`ConfigWarning`]s, and a value that does not
+    /// parse is [`ConfigError::Unparsable`] (it fails backend creation). `bounce_max_chunk_size` is
     /// then lowered to a power of two that fits the arena (see [`Config::largest_region`]).
     ///
     /// # Errors

@@ -13,7 +13,7 @@ use crate::types::{ArenaId, MemKind};
 /// The NIXL operation of a transfer request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum XferOp {
-    /// `NIXL_READ`: bounce does not serve reads (yet); they pass through.
+    /// `NIXL_READ`: bounced the other way round (the target gathers, we READ and scatter).
     Read,
     /// `NIXL_WRITE`.
     Write,
@@ -121,7 +121,7 @@ impl<'a> GateInput<'a> {
 pub enum FallbackReason {
     /// Bounce is disabled or not running in this engine.
     Disabled,
-    /// Not a write.
+    /// Neither a WRITE nor a READ.
     Op,
     /// The local descriptors are not of our arena's memory, or the remote ones not of the
     /// peer arena's (a GPU arena also needs every descriptor on its own GPU).

@@ -168,14 +168,17 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     path_help = ("NIXL's lib folder (holding libnixl.so), its plugins folder, or a site-packages "
                  "folder; default: every NIXL wheel this Python can import")
-    p = sub.add_parser("install", help="copy libplugin_BOUNCE.so into NIXL's plugin directory")
+    p = sub.add_parser("install", help="copy libplugin_BOUNCE.so into every importable NIXL's plugin "
+                                       "directory (and NIXL_PLUGIN_DIR when set)")
     p.add_argument("--nixl-path", help=path_help)
     p.set_defaults(func=cmd_install)
     p = sub.add_parser("uninstall", help="remove libplugin_BOUNCE.so from NIXL's plugin directory "
                                          "(and any left where a NIXL was uninstalled first)")
     p.add_argument("--nixl-path", help=path_help + "; or a plugins folder whose NIXL is gone")
     p.set_defaults(func=cmd_uninstall)
-    p = sub.add_parser("doctor", help="check NIXL, the plugin, CUDA, and a live two-agent bounce")
+    p = sub.add_parser("doctor", help="check NIXL's version, the plugin and its UCX plugin, GPU kernels, "
+                                      "CUDA, same-host (ptrace) permission, NIXL_BOUNCE_* overrides, and "
+                                      "a live two-agent bounce")
     p.add_argument("--nixl-path", help=path_help)
     p.add_argument("--no-live", action="store_true", help="skip the live two-agent transfer")
     p.set_defaults(func=cmd_doctor)

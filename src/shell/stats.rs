@@ -117,7 +117,8 @@ counters! {
     passthrough_xfers,
     /// Fallbacks to UCX: neither a WRITE nor a READ.
     fallback_op,
-    /// Fallbacks to UCX: not DRAM on both sides.
+    /// Fallbacks to UCX: memory not of an arena of ours (or of the peer's), or one transfer's
+    /// pieces spread over GPUs.
     fallback_mem,
     /// Fallbacks to UCX: fewer descriptors than the gate's minimum.
     fallback_count,
@@ -150,8 +151,8 @@ counters! {
     /// Where the bounce path's (first) GPU arena is: its GPU's ordinal plus one, 0 for host
     /// arenas only or none (what `bounce_arena_mem=auto` chose; set once the path is ready).
     arena_gpu,
-    /// How many arenas the bounce path has: 1, or 2 with `bounce_arena_mem=both` and a GPU
-    /// (0 while it is not running).
+    /// How many arenas the bounce path has: one per GPU arena, plus the host one with
+    /// `bounce_arena_mem=both` (0 while it is not running).
     arenas,
     /// Free bytes of the arena as last seen by the reactor.
     arena_free_bytes,
