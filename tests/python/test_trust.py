@@ -28,24 +28,34 @@ def pump(ag, seconds):
         ag.get_new_notifs()
 
 
+def victim_and_peer(v, prefix, seed, register_src=None):
+    """A victim agent in process `v` with a 2 MiB buffer of pattern(seed): [0, 1 MiB)
+    registered, its metadata loaded by a peer here (which may send raw frames, hp.RAW; it
+    registers `register_src` first); [1, 2 MiB) registered only afterwards, so the peer never
+    sees it. Both loaded both ways and ready. Returns (peer, victim's metadata, its buffer's
+    address, the hidden half's address)."""
+    victim = f"{prefix}-victim"
+    v.call(op="agent", name=victim, params=SMALL)
+    r = v.call(op="buffer", agent=victim, size=2 * MIB, seed=seed, register=MIB)
+    addr, vmeta = r["addr"], r["meta"]
+    peer = nixlkit.agent(f"{prefix}-peer", params={**SMALL, **hp.RAW})
+    if register_src is not None:
+        nixlkit.register(peer, register_src)
+    peer.add_remote_agent(base64.b64decode(vmeta))
+    v.call(op="load", agent=victim, meta=meta_b64(peer))
+    v.call(op="wait_ready", agent=victim, n=1)
+    nixlkit.wait_ready(peer, 1)
+    v.call(op="register", agent=victim, off=MIB, len=MIB)  # the peer never sees this
+    return peer, vmeta, addr, addr + MIB
+
+
 def test_a_peer_without_a_buffers_metadata_cannot_make_bounce_scatter_into_it(procs, tmp_path):
     v = procs("hostile_peer.py")
     lay = nixlkit.Scattered(1024, 256, seed=110)  # 1024 x 256 B pieces into the first MiB
     assert lay.dst_bytes <= MIB
     with watchdog(90, [v], "trust test"):
-        v.call(op="agent", name="t-victim", params=SMALL)
-        # [0, 1 MiB): registered, its metadata goes to the peer; [1, 2 MiB): registered later.
-        r = v.call(op="buffer", agent="t-victim", size=2 * MIB, seed=111, register=MIB)
-        addr, vmeta = r["addr"], r["meta"]
-        peer = nixlkit.agent("t-peer", params={**SMALL, **hp.RAW})
         src = nixlkit.pattern(112, lay.src_bytes)
-        nixlkit.register(peer, src)
-        peer.add_remote_agent(base64.b64decode(vmeta))
-        v.call(op="load", agent="t-victim", meta=meta_b64(peer))
-        v.call(op="wait_ready", agent="t-victim", n=1)
-        nixlkit.wait_ready(peer, 1)
-        hidden = addr + MIB
-        v.call(op="register", agent="t-victim", off=MIB, len=MIB)  # the peer never sees this
+        peer, vmeta, addr, hidden = victim_and_peer(v, "t", 111, register_src=src)
         before = nixlkit.pattern(111, 2 * MIB)
         v0, p0 = peer_stats(v, agent="t-victim"), stats(peer)
 
@@ -135,16 +145,7 @@ def test_a_flow_proving_one_registration_cannot_scatter_into_another(procs, tmp_
     buffer."""
     v = procs("hostile_peer.py")
     with watchdog(60, [v], "proven-flow trust test"):
-        v.call(op="agent", name="pv-victim", params=SMALL)
-        r = v.call(op="buffer", agent="pv-victim", size=2 * MIB, seed=121, register=MIB)
-        addr, vmeta = r["addr"], r["meta"]
-        peer = nixlkit.agent("pv-peer", params={**SMALL, **hp.RAW})
-        peer.add_remote_agent(base64.b64decode(vmeta))
-        v.call(op="load", agent="pv-victim", meta=meta_b64(peer))
-        v.call(op="wait_ready", agent="pv-victim", n=1)
-        nixlkit.wait_ready(peer, 1)
-        hidden = addr + MIB
-        v.call(op="register", agent="pv-victim", off=MIB, len=MIB)  # the peer never sees this
+        peer, vmeta, _, hidden = victim_and_peer(v, "pv", 121)
         before = nixlkit.pattern(121, 2 * MIB)
         session = hp.session_of(peer.get_agent_metadata())
         (reg, key), = hp.registrations_of(base64.b64decode(vmeta))

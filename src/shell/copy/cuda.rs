@@ -393,7 +393,7 @@ impl Drop for CudaCopyEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sys::cuda::{Gpu, alloc_vram};
+    use crate::sys::cuda::alloc_vram;
     use bounce_proto::endpoint::JobRuns;
     use bounce_proto::{CopyRun, Region};
 
@@ -427,16 +427,8 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "loads the CUDA driver (FFI)")]
     fn engine_reports_every_job_once_and_moves_exact_bytes() {
-        let gpu = match Gpu::open(0) {
-            Ok(g) => g,
-            Err(e) => {
-                assert!(
-                    std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
-                    "BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
-                );
-                println!("engine_reports_every_job_once_and_moves_exact_bytes: skipped: no GPU ({e})");
-                return;
-            }
+        let Some(gpu) = crate::sys::cuda::gpu_for_test("engine_reports_every_job_once_and_moves_exact_bytes") else {
+            return;
         };
         for path in [CopyPath::Kernel(PlanPlacement::Device), CopyPath::Kernel(PlanPlacement::Host), CopyPath::Batched]
         {
@@ -506,18 +498,10 @@ mod tests {
     #[cfg_attr(miri, ignore = "loads the CUDA driver (FFI)")]
     fn a_reads_scatter_by_its_prepared_plan_uploads_the_runs_once_and_is_exact() {
         use bounce_proto::plan::{DescPair, PlanParams, plan};
-        let gpu = match Gpu::open(0) {
-            Ok(g) => g,
-            Err(e) => {
-                assert!(
-                    std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
-                    "BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
-                );
-                println!(
-                    "a_reads_scatter_by_its_prepared_plan_uploads_the_runs_once_and_is_exact: skipped: no GPU ({e})"
-                );
-                return;
-            }
+        let Some(gpu) =
+            crate::sys::cuda::gpu_for_test("a_reads_scatter_by_its_prepared_plan_uploads_the_runs_once_and_is_exact")
+        else {
+            return;
         };
         let (piece, n) = (4096u64 + 3, 300u64);
         let arena = Arc::new(alloc_vram(&gpu, (piece * n) as usize).unwrap());

@@ -282,3 +282,21 @@ fn find_batch_fn(driver_version: i32) -> Option<BatchFn> {
     }
     None
 }
+
+/// GPU 0 for a test that needs one, or `None` after printing that `test` is skipped; with
+/// `BOUNCE_REQUIRE_GPU=1` (the GPU machine's runs) no GPU fails the test instead: a run of skips
+/// must not pass as the GPU proof.
+#[cfg(test)]
+pub(crate) fn gpu_for_test(test: &str) -> Option<Arc<Gpu>> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            assert!(
+                std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
+                "{test}: BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
+            );
+            println!("{test}: skipped: no GPU ({e})");
+            None
+        }
+    }
+}

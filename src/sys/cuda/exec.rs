@@ -332,16 +332,9 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "loads the CUDA driver (FFI)")]
     fn a_contexts_plan_buffers_grow_for_a_large_job_and_shrink_back() {
-        let gpu = match Gpu::open(0) {
-            Ok(g) => g,
-            Err(e) => {
-                assert!(
-                    std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
-                    "BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
-                );
-                println!("a_contexts_plan_buffers_grow_for_a_large_job_and_shrink_back: skipped: no GPU ({e})");
-                return;
-            }
+        let Some(gpu) = crate::sys::cuda::gpu_for_test("a_contexts_plan_buffers_grow_for_a_large_job_and_shrink_back")
+        else {
+            return;
         };
         let mut ctx = ExecContext::new(&gpu, 1024).unwrap();
         let first = ctx.plan_len();
