@@ -690,9 +690,10 @@ pub struct Stats {
     pub scatters_held: u64,
     /// DATA messages refused by validation.
     pub data_refused: u64,
-    /// Of [`data_refused`](Self::data_refused), those for a region their flow held, refused for
-    /// their scatter runs (a run outside the chunk or the registrations the flow proved, a
-    /// degenerate one, too many runs or bytes): the checks a forged scatter meets.
+    /// Of [`data_refused`](Self::data_refused), those for a region their flow held (or a WANT's
+    /// inline chunk), refused for their scatter runs (a run outside the chunk or the
+    /// registrations the flow proved, a degenerate one, too many runs or bytes): the checks a
+    /// forged scatter meets.
     pub data_runs_refused: u64,
     /// DATA messages for unknown (canceled or reclaimed) flows, dropped silently.
     pub late_data: u64,

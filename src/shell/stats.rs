@@ -252,9 +252,9 @@ counters! {
     /// Of those, scatters whose plan our copy engine refused (or whose copy failed): nothing
     /// was written for a refused plan, and its transfer failed.
     region_plans_failed,
-    /// Peers' DATAs for a region their flow held, refused for their scatter runs (outside the
-    /// chunk or the registrations the flow proved, degenerate, too many): nothing of them was
-    /// written, and their flow was reclaimed (the core's count).
+    /// Peers' DATAs for a region their flow held, and WANTs' inline chunks, refused for their
+    /// scatter runs (outside the chunk or the registrations the flow proved, degenerate, too
+    /// many): nothing of them was written, and their flow was reclaimed (the core's count).
     data_runs_refused,
     /// Peers' chunks whose scatter waited for the scatters of their transfers that ended here
     /// while still scattering (released, refused or timed out): a peer's later bytes land
