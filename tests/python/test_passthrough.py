@@ -400,8 +400,9 @@ def test_metadata_loaded_and_unloaded_in_a_tight_loop_warns_nothing_and_still_bo
 
 @pytest.mark.parametrize("case", ["mismatched_counts", "outside_registered", "empty", "unequal_lengths"])
 def test_bad_requests_get_the_same_answer_as_from_ucx(case):
-    """Bad input at the API: BOUNCE answers exactly as UCX does (both reject it, neither moves
-    a byte), with the bounce gate in front."""
+    """Bad input at the API: an agent on BOUNCE answers exactly as one on UCX does (both reject
+    it, neither moves a byte). NIXL's core may reject these before any backend sees them; the
+    edge's own answers to bad input are cpp/tests/shim_test.cpp's."""
     outcomes = {}
     for backend in ("UCX", "BOUNCE"):
         a = nixlkit.agent(f"bad-{case}-{backend}-a", (backend,))
