@@ -340,7 +340,9 @@ impl Engine {
             return;
         }
         let started = match (self.start_bounce(shim), self.host_fallback.take()) {
-            (Err(why), Some((config, limits))) => {
+            // The GPU arena's own failure (its VRAM, registration or copy engine); another one
+            // (a control socket) would fail a host arena alike.
+            (Err(why @ Error::Arena { .. }), Some((config, limits))) => {
                 // `auto`: a host arena, as on a host whose process uses no GPU.
                 tracing::warn!(agent = self.agent, "bounce_arena_mem=auto: no GPU arena ({why}); a host-memory arena");
                 (self.config, self.mapped_limits) = (config, limits);
