@@ -18,8 +18,8 @@ use nixl_bounce::proto::CopyRun;
 use nixl_bounce::sys::cuda::{
     CopyDir, CudaError, DeviceAlloc, DevicePlan, ExecContext, GATHER_KERNEL, Gpu, GpuTimer, Kernels, PLAN_CHECK_KERNEL,
     PlanPlacement, PlanPool, SCATTER_CHECKED_KERNEL, SCATTER_KERNEL, alloc_vram, batched_copy, current_device,
-    embedded_ptx, encode_plan, gather, gather_planned, plan_bytes, region_plan_verdict, restore_thread_context,
-    scatter, scatter_planned, scatter_region_plan, stage_plan,
+    embedded_ptx, encode_plan, gather, gather_planned, gpu_for_test, plan_bytes, region_plan_verdict,
+    restore_thread_context, scatter, scatter_planned, scatter_region_plan, stage_plan,
 };
 
 /// SplitMix64: a seeded generator, so a failure names a reproducible case.
@@ -41,24 +41,13 @@ impl Rng {
     }
 }
 
-/// The GPU and its kernels, or `None` after printing why the test is skipped.
+/// The GPU and its kernels, or `None` after printing why the test is skipped (a failure instead
+/// under `BOUNCE_REQUIRE_GPU=1`, which ci/gpu-kernels sets on the GPU machine).
 fn gpu_or_skip(test: &str) -> Option<(Arc<Gpu>, Kernels)> {
-    match Gpu::open(0) {
-        Ok(gpu) => {
-            // A GPU without kernels is a build defect, not a reason to skip.
-            let k = Kernels::load(&gpu).expect("loading the embedded PTX on the GPU");
-            Some((gpu, k))
-        }
-        Err(e) => {
-            // ci/gpu-kernels on the GPU machine: a run of skips must not pass as the proof.
-            assert!(
-                std::env::var("BOUNCE_REQUIRE_GPU").as_deref() != Ok("1"),
-                "{test}: BOUNCE_REQUIRE_GPU=1 but no GPU: {e}"
-            );
-            println!("{test}: skipped: no GPU ({e})");
-            None
-        }
-    }
+    let gpu = gpu_for_test(test)?;
+    // A GPU without kernels is a build defect, not a reason to skip.
+    let k = Kernels::load(&gpu).expect("loading the embedded PTX on the GPU");
+    Some((gpu, k))
 }
 
 include!("../ci/on_ci.rs");

@@ -641,7 +641,7 @@ class Crowd:
         self.p.call(op="load", meta=base64.b64encode(vmeta).decode())
         self.v.call(op="wait_ready", n=1)
         self.p.call(op="wait_ready", n=1)
-        self.third = nixlkit.agent(f"{prefix}-third", params={**SMALL, "bounce_escape_notifs": "false"})
+        self.third = nixlkit.agent(f"{prefix}-third", params={**SMALL, **hostile_peer.RAW})
         self.third.add_remote_agent(vmeta)
         # What the third agent's WANTs prove: the victim's buffer, whose metadata it holds.
         (reg, key), = hostile_peer.registrations_of(vmeta)
@@ -742,7 +742,7 @@ def test_want_from_an_unknown_agent_with_a_forged_endpoint_cannot_crash_the_vict
     import random
     v = procs()
     meta, _ = v.start(name="ep-victim", size=1 << 20, seed=60, params=FAST)
-    stranger = nixlkit.agent("ep-stranger", params={"bounce_escape_notifs": "false"})
+    stranger = nixlkit.agent("ep-stranger", params=hp.RAW)
     stranger.add_remote_agent(meta)
     r = random.Random(61)
     endpoints = [b"\xff" * 16] + [r.randbytes(r.randrange(1, 200)) for _ in range(30)]
@@ -770,7 +770,7 @@ def test_unknown_agent_flooding_wants_cannot_flood_the_victims_log(procs, tmp_pa
     v = procs(stderr=log)
     meta, _ = v.start(name="log-victim", size=1 << 20, seed=70,
                       params={"bounce_request_timeout_ms": "1000"})
-    stranger = nixlkit.agent("log-stranger", params={"bounce_escape_notifs": "false"})
+    stranger = nixlkit.agent("log-stranger", params=hp.RAW)
     stranger.add_remote_agent(meta)
     s0 = peer_stats(v)
     sent = 0

@@ -92,7 +92,7 @@ def test_a_hello_forged_under_the_targets_name_leaves_the_write_one_way_and_exac
     HELLO would switch the initiator to two way, whose frames the target (which never loaded
     the initiator) drops: every WRITE would fail. It is only asked about, with a PING that the
     real target never answers, so the WRITE stays one way and lands byte-exact."""
-    from hostile_peer import MAGIC, VERSION, session_of
+    from hostile_peer import MAGIC, RAW, VERSION, session_of
     lay = nixlkit.Scattered(4096, 4096, seed=71)
     p, forger = procs(), procs()
     name = "ow-hello-rx"
@@ -103,7 +103,7 @@ def test_a_hello_forged_under_the_targets_name_leaves_the_write_one_way_and_exac
     one_way(ag, meta)
     # NIXL loads metadata only through a backend both agents have: the forger runs BOUNCE too
     # (its own HELLO, under its own session, is refused as stale).
-    forger.start(name=name, size=4096, seed=74, params={**SMALL, "bounce_escape_notifs": "false"})
+    forger.start(name=name, size=4096, seed=74, params={**SMALL, **RAW})
     forger.call(op="load", meta=meta_b64(ag))
     # Header (the target's session), then a load tag: any, the forger knows no real one.
     hello = MAGIC + bytes([VERSION, 5]) + struct.pack("<QQ", session_of(meta), 0x5EED)

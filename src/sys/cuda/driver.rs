@@ -283,11 +283,13 @@ fn find_batch_fn(driver_version: i32) -> Option<BatchFn> {
     None
 }
 
-/// GPU 0 for a test that needs one, or `None` after printing that `test` is skipped; with
-/// `BOUNCE_REQUIRE_GPU=1` (the GPU machine's runs) no GPU fails the test instead: a run of skips
-/// must not pass as the GPU proof.
-#[cfg(test)]
-pub(crate) fn gpu_for_test(test: &str) -> Option<Arc<Gpu>> {
+/// For tests (the lib's and `tests/cuda_kernels.rs`): GPU 0, or `None` after printing that
+/// `test` is skipped; with `BOUNCE_REQUIRE_GPU=1` (the GPU machine's runs) no GPU fails the test
+/// instead: a run of skips must not pass as the GPU proof.
+///
+/// # Panics
+/// With no GPU under `BOUNCE_REQUIRE_GPU=1`.
+pub fn gpu_for_test(test: &str) -> Option<Arc<Gpu>> {
     match Gpu::open(0) {
         Ok(g) => Some(g),
         Err(e) => {

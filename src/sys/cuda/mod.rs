@@ -28,9 +28,7 @@ mod region_plan;
 
 pub use batch::batched_copy;
 pub use device_plan::{DevicePlan, PlanPool, gather_planned, scatter_planned};
-#[cfg(test)]
-pub(crate) use driver::gpu_for_test;
-pub use driver::{Gpu, current_device, device_count, device_of, restore_thread_context};
+pub use driver::{Gpu, current_device, device_count, device_of, gpu_for_test, restore_thread_context};
 pub use error::CudaError;
 pub use exec::{ExecContext, ExecPool, GpuTimer};
 pub use ipc::{IpcExport, IpcMapping, ipc_export};
