@@ -572,7 +572,11 @@ impl CmaPath {
             return None;
         }
         let local_span = pieces.iter().fold((u64::MAX, 0), |(a, b), p| (a.min(p.local), b.max(p.local + p.len)));
+        let whole = pieces.len();
         let parts = Arc::new(split(pieces, self.workers.len()));
+        // Each cut adds one piece to the parts.
+        let cut = parts.iter().map(Vec::len).sum::<usize>() - whole;
+        self.stats.cma_pieces_cut.fetch_add(cut as u64, Ordering::Relaxed);
         let h = CMA_HANDLE_BIT | self.next.fetch_add(1, Ordering::Relaxed);
         let req = Request {
             peer: peer.to_owned(),

@@ -100,6 +100,10 @@ counters! {
     bounce_chunks_gpu_arena,
     /// Chunks written straight from user memory (no gather copy).
     chunks_direct,
+    /// Bytes our host arena's scatters wrote with streaming (non-temporal) stores
+    /// (`bounce_streaming_scatter`: the whole cache lines of each piece of 256 bytes or more,
+    /// on x86-64).
+    scatter_streamed_bytes,
     /// Transfers posted on the same-host path (one kernel through CUDA IPC, `bounce_cuda_ipc`).
     ipc_xfers,
     /// Of those, the ones that completed successfully.
@@ -111,6 +115,9 @@ counters! {
     cma_xfers,
     /// Of those, the ones that completed successfully.
     cma_ok,
+    /// Pieces the same-host path for host memory cut at a part's end when it prepared a
+    /// request, so that one large piece spreads over its threads (`bounce_cma_workers`).
+    cma_pieces_cut,
     /// Bounce transfers that failed by no-progress timeout (the core's count).
     timeouts,
     /// Requests handed to the inner UCX engine unchanged.

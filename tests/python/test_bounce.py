@@ -180,7 +180,8 @@ def test_a_write_of_a_few_chunks_moves_in_up_to_four_that_overlap_unless_splitti
 @pytest.mark.parametrize("streaming", ["false", "true"])
 def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path, streaming):
     """Unaligned pieces scatter byte-exact with ordinary stores (the default) and with
-    non-temporal ones (their head and tail lines go through ordinary stores)."""
+    non-temporal ones (their head and tail lines go through ordinary stores): the receiver's
+    `stats.scatter_streamed_bytes` shows which (none, or most of the bytes)."""
     rng = np.random.default_rng(7)
     sizes = [int(x) for x in rng.integers(512, 1 << 20, size=300)]
     sizes[:200] = [int(x) for x in rng.integers(512, 4096, size=200)]  # mostly small: gate's average
@@ -193,6 +194,12 @@ def test_mixed_unaligned_sizes_bounce_byte_exact(peer, tmp_path, streaming):
     got = remote_buffer(p, tmp_path)
     nixlkit.assert_same(got, lay.expected(src, nixlkit.pattern(510, lay.dst_bytes)), "mixed destination")
     assert stats(ag)["bounce_ok"] == 1
+    streamed = int(p.call(op="params")["params"]["stats.scatter_streamed_bytes"])
+    if streaming == "false":
+        assert streamed == 0
+    else:
+        # Every piece is 512 B or more; at most its two partial lines are not streamed.
+        assert sum(sizes) >= streamed >= sum(sizes) - 128 * len(sizes), (streamed, sum(sizes))
 
 
 def test_write_larger_than_both_arenas_streams_through(peer, tmp_path):

@@ -123,6 +123,9 @@ def test_a_large_transfer_of_few_descriptors_takes_the_path_split_over_its_threa
     s = stats(ag)
     assert s["cma_xfers"] == 1 and s["cma_ok"] == 1, s
     assert s["passthrough_xfers"] == 0 and s["bounce_xfers"] == 0, s
+    # At least two threads (bounce_cma_workers is 2 or more) and 10 MiB: a part's end falls
+    # inside a piece, and that piece was cut between them.
+    assert s["cma_pieces_cut"] >= 1, s
     # One descriptor of 1 MiB: below the size, UCX moves it. Its source holds new bytes first
     # (seed 1124), so the piece it moves shows in the destination.
     dst_now = lay.expected(nixlkit.pattern(1122, lay.src_bytes), nixlkit.pattern(1123, lay.dst_bytes))
@@ -135,8 +138,10 @@ def test_a_large_transfer_of_few_descriptors_takes_the_path_split_over_its_threa
     dst_now[:1 << 20] = src_now[:1 << 20]
     nixlkit.assert_same(remote_buffer(p, tmp_path, "piece.bin") if op == "WRITE" else buf, dst_now,
                         f"{op} destination after the 1 MiB piece")
+    cut = s["cma_pieces_cut"]
     s = stats(ag)
     assert s["cma_xfers"] == 1 and s["passthrough_xfers"] == 1 and s["bounce_xfers"] == 0, s
+    assert s["cma_pieces_cut"] == cut, s
 
 
 def test_with_the_large_size_off_a_large_transfer_of_few_descriptors_goes_to_ucx(cma, peer, monkeypatch, tmp_path):

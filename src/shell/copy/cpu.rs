@@ -25,6 +25,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::kernels;
 use super::{CopyEngine, CopyJob, Dir};
+use crate::shell::stats::Stats;
 use crate::shell::{Error, Result};
 
 /// The host arena a CPU engine copies into and out of.
@@ -80,6 +81,8 @@ pub(crate) struct CpuEngine {
     inline_max: u64,
     in_flight: Arc<AtomicUsize>,
     threads: Vec<JoinHandle<()>>,
+    /// The engine's counters (`scatter_streamed_bytes`).
+    stats: Arc<Stats>,
 }
 
 impl CpuEngine {
@@ -89,6 +92,7 @@ impl CpuEngine {
     /// thread is ready when `submit` returns, and wakes nobody. An idle worker looks for its
     /// next job, yielding, for `linger` after its last one before it blocks (see the module
     /// docs; zero on a host with few cores, where the application and the reactor need them).
+    /// Every job adds the bytes it wrote with streaming stores to `stats.scatter_streamed_bytes`.
     ///
     /// # Errors
     /// [`Error::Spawn`] when a worker thread cannot be started.
@@ -97,6 +101,7 @@ impl CpuEngine {
         arena: HostArena,
         inline_max: u64,
         linger: Duration,
+        stats: Arc<Stats>,
         wake: impl Fn() + Send + Clone + 'static,
     ) -> Result<Self> {
         let (tx, rx): (Sender<CopyJob>, Receiver<CopyJob>) = crossbeam_channel::unbounded();
@@ -109,9 +114,10 @@ impl CpuEngine {
             inline_max,
             in_flight: Arc::new(AtomicUsize::new(0)),
             threads: Vec::new(),
+            stats,
         };
         for i in 0..n.max(1) {
-            let (rx, done_tx, wake) = (rx.clone(), done_tx.clone(), wake.clone());
+            let (rx, done_tx, wake, stats) = (rx.clone(), done_tx.clone(), wake.clone(), Arc::clone(&engine.stats));
             let worker = std::thread::Builder::new().name(format!("bounce-copy-{i}")).spawn(move || {
                 while let Some(job) = next_job(&rx, linger) {
                     crate::shell::mark!("worker-start", job.job.0);
@@ -119,7 +125,7 @@ impl CpuEngine {
                         Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len()),
                         Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len()),
                     };
-                    let ok = run_guarded(arena, &job, &span);
+                    let ok = run_guarded(arena, &job, &span, &stats);
                     crate::shell::mark!("worker-end", job.job.0);
                     let _ = done_tx.send((job.job, ok));
                     wake();
@@ -144,7 +150,7 @@ impl CopyEngine for CpuEngine {
                 Dir::Gather => tracing::trace_span!("gather", job = job.job.0, runs = job.runs.len(), inline = true),
                 Dir::Scatter => tracing::trace_span!("scatter", job = job.job.0, runs = job.runs.len(), inline = true),
             };
-            let ok = run_guarded(self.arena, &job, &span);
+            let ok = run_guarded(self.arena, &job, &span, &self.stats);
             self.ran.push((job.job, ok));
             return Ok(());
         }
@@ -234,25 +240,32 @@ fn job_bytes(job: &CopyJob) -> u64 {
     job.runs.iter().try_fold(0u64, |sum, r| sum.checked_add(r.bytes()?)).unwrap_or(u64::MAX)
 }
 
-/// [`run`] inside `span`; a panicking job (a bug) reports failure instead of killing its
-/// thread (a worker, or the reactor for a job run inline) and leaving the transfer to its
-/// timeout.
-fn run_guarded(arena: HostArena, job: &CopyJob, span: &tracing::Span) -> bool {
-    let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| span.in_scope(|| run(arena, job))));
-    if ok.is_err() && arena.streaming_scatter {
+/// [`run`] inside `span`, its streamed bytes counted; a panicking job (a bug) reports failure
+/// instead of killing its thread (a worker, or the reactor for a job run inline) and leaving
+/// the transfer to its timeout.
+fn run_guarded(arena: HostArena, job: &CopyJob, span: &tracing::Span, stats: &Stats) -> bool {
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| span.in_scope(|| run(arena, job))));
+    if ran.is_err() && arena.streaming_scatter {
         // A panic skips the job's own fence: no completion may overtake its streaming stores,
         // even a failed one.
         kernels::fence();
     }
-    ok.unwrap_or(false)
+    match ran {
+        Ok(Some(streamed)) => {
+            stats.scatter_streamed_bytes.fetch_add(streamed, Ordering::Relaxed);
+            true
+        }
+        _ => false,
+    }
 }
 
-/// Checks a job's arena side, then copies. False when the job would leave its region (the
-/// core never produces such a job; this is defense in depth against a core bug), or when the
-/// plan a peer left in the region fails its check (then nothing is copied).
-fn run(arena: HostArena, job: &CopyJob) -> bool {
+/// Checks a job's arena side, then copies; the bytes written with streaming stores. `None`
+/// when the job would leave its region (the core never produces such a job; this is defense
+/// in depth against a core bug), or when the plan a peer left in the region fails its check
+/// (then nothing is copied).
+fn run(arena: HostArena, job: &CopyJob) -> Option<u64> {
     if job.region.end() > arena.len || !job.well_formed() {
-        return false;
+        return None;
     }
     let checked;
     let runs: &[CopyRun] = match &job.in_region {
@@ -264,16 +277,16 @@ fn run(arena: HostArena, job: &CopyJob) -> bool {
             }
             Err(e) => {
                 tracing::warn!(job = job.job.0, error = %e, "a peer's region plan was refused; nothing copied");
-                return false;
+                return None;
             }
         },
     };
-    if !copy_runs(arena, job, runs) {
-        return false;
-    }
+    let streamed = copy_runs(arena, job, runs)?;
     match job.runs.region_plan() {
-        Some((off, scatter)) if job.dir == Dir::Gather => write_plan(arena, job.region, off, scatter),
-        _ => true,
+        Some((off, scatter)) if job.dir == Dir::Gather => {
+            write_plan(arena, job.region, off, scatter).then_some(streamed)
+        }
+        _ => Some(streamed),
     }
 }
 
@@ -299,17 +312,17 @@ fn write_plan(arena: HostArena, region: Region, off: u64, scatter: &[CopyRun]) -
     off.checked_add(bytes.len() as u64).is_some_and(|end| end <= region.len) && arena.put(region.offset + off, &bytes)
 }
 
-/// Copies `runs` of `job` after checking their arena side.
-fn copy_runs(arena: HostArena, job: &CopyJob, runs: &[CopyRun]) -> bool {
+/// Copies `runs` of `job` after checking their arena side; the bytes written with streaming
+/// stores, `None` (nothing copied) when a run leaves the region.
+fn copy_runs(arena: HostArena, job: &CopyJob, runs: &[CopyRun]) -> Option<u64> {
     for r in runs {
         match r.region_span() {
             Some((_, end)) if end <= job.region.len => {}
-            _ => return false,
+            _ => return None,
         }
-        if r.addr_span().is_none() {
-            return false;
-        }
+        r.addr_span()?;
     }
+    let mut streamed = 0u64;
     let region_base = arena.base + job.region.offset;
     let streaming = job.dir == Dir::Scatter && arena.streaming_scatter;
     let gather = job.dir == Dir::Gather;
@@ -341,7 +354,7 @@ fn copy_runs(arena: HostArena, job: &CopyJob, runs: &[CopyRun]) -> bool {
         unsafe {
             match job.dir {
                 Dir::Gather => kernels::copy_cached(user_ptr, arena_ptr, len),
-                Dir::Scatter if streaming => kernels::copy_streaming(arena_ptr, user_ptr, len),
+                Dir::Scatter if streaming => streamed += kernels::copy_streaming(arena_ptr, user_ptr, len) as u64,
                 Dir::Scatter => kernels::copy_cached(arena_ptr, user_ptr, len),
             }
         }
@@ -350,7 +363,7 @@ fn copy_runs(arena: HostArena, job: &CopyJob, runs: &[CopyRun]) -> bool {
         // The completion this job reports next must not overtake its streaming stores.
         kernels::fence();
     }
-    true
+    Some(streamed)
 }
 
 #[cfg(test)]
@@ -369,7 +382,9 @@ mod tests {
         let src: Vec<u8> = (0..64u8).collect();
         let mut dst = vec![0xEEu8; 128];
         let (tx, rx) = mpsc::channel();
-        let mut w = CpuEngine::start(2, view, 0, Duration::ZERO, move || tx.send(()).unwrap()).unwrap();
+        let stats = Arc::new(Stats::default());
+        let mut w =
+            CpuEngine::start(2, view, 0, Duration::ZERO, Arc::clone(&stats), move || tx.send(()).unwrap()).unwrap();
         let wait_one = |w: &mut CpuEngine| {
             rx.recv().unwrap();
             let mut done = Vec::new();
@@ -411,17 +426,74 @@ mod tests {
         assert_eq!(&dst[8..24], &src[0..16]);
         assert_eq!(&dst[24..40], &src[32..48]);
         assert!(dst[40..].iter().all(|&b| b == 0xEE));
+        // 32 bytes are below what the streaming kernel streams
+        assert_eq!(stats.scatter_streamed_bytes.load(Ordering::Relaxed), 0);
         // a run past its region, and a region past the arena, are refused without copying
         let bad = CopyRun { region_off: 1000, len: 100, ..s };
-        assert!(!run(
-            view,
-            &CopyJob { job: JobId(3), dir: Dir::Scatter, region, runs: JobRuns::Own(vec![bad]), in_region: None }
-        ));
+        assert!(
+            run(
+                view,
+                &CopyJob { job: JobId(3), dir: Dir::Scatter, region, runs: JobRuns::Own(vec![bad]), in_region: None }
+            )
+            .is_none()
+        );
         let outside = Region { offset: 4000, len: 1024 };
-        assert!(!run(
-            view,
-            &CopyJob { job: JobId(4), dir: Dir::Scatter, region: outside, runs: JobRuns::Own(vec![]), in_region: None }
-        ));
+        assert!(
+            run(
+                view,
+                &CopyJob {
+                    job: JobId(4),
+                    dir: Dir::Scatter,
+                    region: outside,
+                    runs: JobRuns::Own(vec![]),
+                    in_region: None
+                }
+            )
+            .is_none()
+        );
+    }
+
+    /// `stats.scatter_streamed_bytes` counts what a scatter wrote with streaming stores: the
+    /// whole lines of each piece with `bounce_streaming_scatter` on (x86-64), nothing with it
+    /// off, and never a gather's bytes.
+    #[test]
+    fn a_streaming_scatter_counts_the_lines_it_streamed() {
+        let mut arena = vec![0u8; 1 << 14];
+        let src: Vec<u8> = (0..4104u32).map(|i| (i * 7) as u8).collect();
+        for streaming in [false, true] {
+            let view = HostArena { base: arena.as_mut_ptr() as u64, len: 1 << 14, streaming_scatter: streaming };
+            let stats = Stats::default();
+            let region = Region { offset: 4096, len: 8192 };
+            let span = tracing::Span::none();
+            let mut dst = vec![0u8; 4200];
+            let piece =
+                |addr: u64| CopyRun { region_off: 0, addr, len: 4104, count: 1, region_stride: 0, addr_stride: 0 };
+            let gather = CopyJob {
+                job: JobId(1),
+                dir: Dir::Gather,
+                region,
+                runs: JobRuns::Own(vec![piece(src.as_ptr() as u64)]),
+                in_region: None,
+            };
+            assert!(run_guarded(view, &gather, &span, &stats));
+            assert_eq!(stats.scatter_streamed_bytes.load(Ordering::Relaxed), 0, "a gather streams nothing");
+            // an odd destination: a partial line at either end goes through ordinary stores
+            let scatter = CopyJob {
+                job: JobId(2),
+                dir: Dir::Scatter,
+                region,
+                runs: JobRuns::Own(vec![piece(dst.as_mut_ptr() as u64 + 5)]),
+                in_region: None,
+            };
+            assert!(run_guarded(view, &scatter, &span, &stats));
+            assert_eq!(&dst[5..4109], &src[..]);
+            let streamed = stats.scatter_streamed_bytes.load(Ordering::Relaxed);
+            if streaming && cfg!(target_arch = "x86_64") {
+                assert!(streamed % 64 == 0 && (4104 - 127..=4104).contains(&streamed), "{streamed}");
+            } else {
+                assert_eq!(streamed, 0);
+            }
+        }
     }
 
     /// A worker lingering after its job (a 60 s linger here) takes the jobs submitted while it
@@ -433,7 +505,8 @@ mod tests {
         let view = HostArena { base: arena.as_mut_ptr() as u64, len: 1 << 16, streaming_scatter: false };
         let src: Vec<u8> = (0..3 * 4096u32).map(|i| (i * 7 + 1) as u8).collect();
         let (tx, rx) = mpsc::channel();
-        let mut w = CpuEngine::start(1, view, 0, Duration::from_secs(60), move || tx.send(()).unwrap()).unwrap();
+        let mut w = CpuEngine::start(1, view, 0, Duration::from_secs(60), Arc::default(), move || tx.send(()).unwrap())
+            .unwrap();
         for j in 0..3u64 {
             let run = CopyRun {
                 region_off: 0,
@@ -467,7 +540,9 @@ mod tests {
         let view = HostArena { base: arena.as_mut_ptr() as u64, len: 1 << 16, streaming_scatter: false };
         let src: Vec<u8> = (0..8192u32).map(|i| (i * 13 + 5) as u8).collect();
         let (tx, rx) = mpsc::channel();
-        let mut w = CpuEngine::start(1, view, BOUND, Duration::from_millis(1), move || tx.send(()).unwrap()).unwrap();
+        let mut w =
+            CpuEngine::start(1, view, BOUND, Duration::from_millis(1), Arc::default(), move || tx.send(()).unwrap())
+                .unwrap();
         let gather = |job, len| CopyJob {
             job: JobId(job),
             dir: Dir::Gather,
@@ -532,7 +607,7 @@ mod tests {
             runs: JobRuns::Chunk { plan: p.clone(), chunk: 0 },
             in_region: None,
         };
-        assert!(run(view, &gather));
+        assert!(run(view, &gather).is_some());
         // A job naming a chunk its plan lacks, or a gather by a plan in its region, copies
         // nothing and fails (an empty copy must not read as done).
         let job = |dir, runs, in_region| CopyJob { job: JobId(3), dir, region, runs, in_region };
@@ -545,7 +620,7 @@ mod tests {
                 Some(InRegionPlan { offset: off, runs: 1, allowed: Default::default() }),
             ),
         ] {
-            assert!(!run(view, &bad), "{:?}", bad.runs.names_a_missing_chunk());
+            assert!(run(view, &bad).is_none(), "{:?}", bad.runs.names_a_missing_chunk());
         }
         let mut regs = Registrations::default();
         regs.add(RegId(1), RegKey([1; 32]), (dst_base, 8192), bounce_proto::ArenaId(0));
@@ -559,17 +634,17 @@ mod tests {
             in_region: Some(InRegionPlan { offset: off, runs, allowed }),
         };
         // Only the second registration proved: every run falls outside it, nothing is copied.
-        assert!(!run(view, &scatter(regs.proven_ranges(&[RegId(2)]))));
+        assert!(run(view, &scatter(regs.proven_ranges(&[RegId(2)]))).is_none());
         assert!(dst.iter().all(|&b| b == 0xEE));
         // A forged first run, one byte past the first registration: nothing is copied.
         let at = (region.offset + off) as usize;
         arena[at + 8..at + 16].copy_from_slice(&(dst_base + 8192 - 63).to_le_bytes());
-        assert!(!run(view, &scatter(regs.proven_ranges(&[RegId(1)]))));
+        assert!(run(view, &scatter(regs.proven_ranges(&[RegId(1)]))).is_none());
         assert!(dst.iter().all(|&b| b == 0xEE));
         // Restored (its `addr` field), the plan scatters every piece and nothing else.
         let addr = p.chunks[0].scatter[0].addr;
         arena[at + 8..at + 16].copy_from_slice(&addr.to_le_bytes());
-        assert!(run(view, &scatter(regs.proven_ranges(&[RegId(1)]))));
+        assert!(run(view, &scatter(regs.proven_ranges(&[RegId(1)]))).is_some());
         for i in 0..32usize {
             let d = (31 - i) * 200;
             assert_eq!(&dst[d..d + 64], &src[i * 64..i * 64 + 64], "piece {i}");

@@ -152,9 +152,16 @@ impl Engine {
                 let waker = Arc::clone(shared);
                 let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
                 let linger = crate::shell::reactor::hot_spin(cores);
-                Box::new(CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, linger, move || {
-                    waker.copy_finished();
-                })?)
+                Box::new(CpuEngine::start(
+                    config.copy_workers,
+                    host,
+                    INLINE_MAX_BYTES,
+                    linger,
+                    Arc::clone(&shared.stats),
+                    move || {
+                        waker.copy_finished();
+                    },
+                )?)
             }
         })
     }

@@ -203,9 +203,14 @@ impl Side {
         let shared = Arc::new(Shared::new(Arc::default(), Arc::default(), Arc::default(), Arc::default()));
         let host = HostArena { base, len, streaming_scatter: true };
         let waker = Arc::clone(&shared);
-        let copier = CpuEngine::start(config.copy_workers, host, INLINE_MAX_BYTES, Duration::ZERO, move || {
-            waker.copy_finished()
-        })
+        let copier = CpuEngine::start(
+            config.copy_workers,
+            host,
+            INLINE_MAX_BYTES,
+            Duration::ZERO,
+            Arc::clone(&shared.stats),
+            move || waker.copy_finished(),
+        )
         .unwrap();
         let notified = Arc::clone(&path.notified);
         let parts = Parts {
