@@ -262,6 +262,9 @@ fn copy_part(pid: u32, dir: CmaDir, pieces: &[Piece]) -> bool {
     r.is_ok()
 }
 
+/// How long a wait for a running copy goes before it is logged (see [`Job::wait`]).
+const SLOW_WAIT: Duration = Duration::from_secs(1);
+
 /// The parts of one post still being copied.
 #[derive(Debug, Default)]
 struct Job {
@@ -282,10 +285,27 @@ impl Job {
         }
     }
 
-    fn wait(&self) {
+    /// Waits until the job is done, however long: its parts are system calls into memory of
+    /// ours, which must not be released or deregistered under them. Past [`SLOW_WAIT`] it says
+    /// so, once (`note`, with the time waited), and again when the job ends: a copy blocks in
+    /// the kernel while the peer's pages cannot be faulted in (a stopped `userfaultfd` handler,
+    /// a hung mount), and the application's release, deregistration or teardown then waits
+    /// with it (README "Limits").
+    fn wait(&self, note: impl FnOnce(Duration)) {
+        let start = Instant::now();
         let mut done = self.done.lock();
+        let mut note = Some(note);
         while !*done {
-            self.finished.wait(&mut done);
+            if note.is_none() {
+                self.finished.wait(&mut done);
+            } else if self.finished.wait_until(&mut done, start + SLOW_WAIT).timed_out() {
+                if let Some(note) = note.take() {
+                    note(start.elapsed());
+                }
+            }
+        }
+        if note.is_none() {
+            tracing::warn!(waited_ms = start.elapsed().as_millis() as u64, "the same-host copy waited for has ended");
         }
     }
 
@@ -492,11 +512,18 @@ impl CmaPath {
         for r in self.reqs.lock().values_mut().filter(|r| r.touches(range)) {
             r.revoked = true;
             if let State::Running(job, _) | State::Releasing(job) = &r.state {
-                running.push(Arc::clone(job));
+                running.push((Arc::clone(job), r.pid));
             }
         }
-        for job in running {
-            job.wait();
+        for (job, pid) in running {
+            job.wait(|waited| {
+                tracing::warn!(
+                    pid,
+                    waited_ms = waited.as_millis() as u64,
+                    "a deregistration waits for a same-host copy still in the kernel (the peer's pages cannot be \
+                     faulted in?)"
+                );
+            });
         }
     }
 
@@ -864,8 +891,15 @@ impl CmaPath {
         };
         // Kept, as releasing, until its parts end: a deregistration meanwhile waits for them.
         req.state = State::Releasing(Arc::clone(&job));
+        let pid = req.pid;
         drop(reqs);
-        job.wait();
+        job.wait(|waited| {
+            tracing::warn!(
+                pid,
+                waited_ms = waited.as_millis() as u64,
+                "a release waits for its same-host copy still in the kernel (the peer's pages cannot be faulted in?)"
+            );
+        });
         self.reqs.lock().remove(&h);
         Ok(())
     }
@@ -875,7 +909,18 @@ impl Drop for CmaPath {
     fn drop(&mut self) {
         // The workers finish what was handed to them, then see the channel closed.
         drop(self.tasks.take());
+        let start = Instant::now();
+        let mut noted = false;
         for h in self.workers.drain(..) {
+            // A worker in a copy blocked in the kernel holds the teardown (see `Job::wait`).
+            while !h.is_finished() && !noted {
+                if start.elapsed() >= SLOW_WAIT {
+                    tracing::warn!("the engine's teardown waits for a same-host copy still in the kernel");
+                    noted = true;
+                } else {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
             let _ = h.join();
         }
     }
@@ -950,6 +995,33 @@ mod tests {
         assert_eq!(workers_for(0, Some(2)), 2, "at least 2");
         assert_eq!(workers_for(0, Some(1)), 2);
         assert_eq!(workers_for(0, None), 2, "the CPUs unknown");
+    }
+
+    /// A wait for a running copy says so once it has gone on for SLOW_WAIT, and only then:
+    /// a release or deregistration behind a copy blocked in the kernel is not silent.
+    #[test]
+    fn a_long_wait_for_a_running_copy_is_noted_once_a_short_one_never() {
+        let quick = Job { left: AtomicUsize::new(1), ..Job::default() };
+        quick.part_done(true);
+        let mut noted = Vec::new();
+        quick.wait(|w| noted.push(w));
+        assert!(noted.is_empty(), "a finished job's wait is not noted");
+
+        let slow = Arc::new(Job { left: AtomicUsize::new(2), ..Job::default() });
+        let parts = {
+            let slow = Arc::clone(&slow);
+            std::thread::spawn(move || {
+                slow.part_done(true);
+                std::thread::sleep(SLOW_WAIT + Duration::from_millis(300));
+                slow.part_done(true);
+            })
+        };
+        let start = Instant::now();
+        slow.wait(|w| noted.push(w));
+        parts.join().unwrap();
+        assert!(start.elapsed() >= SLOW_WAIT + Duration::from_millis(300), "the wait lasted until the last part");
+        assert_eq!(noted.len(), 1, "noted once");
+        assert!(noted[0] >= SLOW_WAIT && noted[0] < start.elapsed(), "{noted:?}");
     }
 
     /// The parts' pieces in order, each run of pieces contiguous on both sides joined again.

@@ -347,9 +347,8 @@ impl Cell {
         while !stop.load(Ordering::Acquire) {
             // Beside an application that drives, unless a thread that could not run a pass
             // wants one (`Inbox::kick`).
-            if !inbox.wanted()
-                && let Some(left) = self.standing_down(Instant::now())
-            {
+            // (No let chain: the crate builds on Rust 1.85, its `rust-version`.)
+            if let Some(left) = (!inbox.wanted()).then(|| self.standing_down(Instant::now())).flatten() {
                 self.sleep_beside_puller(left, idle_park, alarm);
                 continue;
             }
