@@ -252,7 +252,9 @@ fn run_guarded(arena: HostArena, job: &CopyJob, span: &tracing::Span, stats: &St
     }
     match ran {
         Ok(Some(streamed)) => {
-            stats.scatter_streamed_bytes.fetch_add(streamed, Ordering::Relaxed);
+            if streamed > 0 {
+                stats.scatter_streamed_bytes.fetch_add(streamed, Ordering::Relaxed);
+            }
             true
         }
         _ => false,
