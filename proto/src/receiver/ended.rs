@@ -5,10 +5,16 @@
 //! newest [`RECENT`] ended ids are kept exactly, and the floor rises only past ids pushed out
 //! of that window: an honest WANT is refused only if more than [`RECENT`] later transfers to
 //! the same peer ended before it arrived.
+//!
+//! Standing flows' ids ([`STANDING_XFER_BIT`]) lie above every transfer's, so they keep a
+//! window of their own: in one window, 257 ended standing flows (one per pause of a bursty
+//! workload) raised the floor past every transfer id, and each later WANT of that peer was
+//! dropped as a replay and timed out (review 58).
 
 use std::collections::{BTreeMap, VecDeque};
 
 use crate::proof::Initiator;
+use crate::sender::STANDING_XFER_BIT;
 use crate::types::XferId;
 
 /// Ended ids kept exactly per peer (8 bytes each).
@@ -20,18 +26,46 @@ pub(crate) const RECENT: usize = 256;
 /// a name's window out.
 pub(crate) const EVICTED_KEPT: usize = 4096;
 
-/// One peer's ended transfers.
+/// One peer's ended flows: its transfers', and its standing flows' apart.
 #[derive(Debug, Default)]
 pub(crate) struct Ended {
+    transfers: Window,
+    standing: Window,
+}
+
+impl Ended {
+    /// Flow `xfer` ended.
+    pub(crate) fn note(&mut self, xfer: XferId) {
+        self.window_mut(xfer).note(xfer);
+    }
+
+    /// Whether flow `xfer` ended here (or lies below its window, where it is taken as ended).
+    pub(crate) fn covers(&self, xfer: XferId) -> bool {
+        if xfer.0 & STANDING_XFER_BIT == 0 { &self.transfers } else { &self.standing }.covers(xfer)
+    }
+
+    fn window_mut(&mut self, xfer: XferId) -> &mut Window {
+        if xfer.0 & STANDING_XFER_BIT == 0 { &mut self.transfers } else { &mut self.standing }
+    }
+
+    /// Adds every id `other` covers.
+    fn merge(&mut self, other: Self) {
+        self.transfers.merge(other.transfers);
+        self.standing.merge(other.standing);
+    }
+}
+
+/// The ended ids of one id space.
+#[derive(Debug, Default)]
+struct Window {
     /// Every id at or below it is taken as ended.
     floor: Option<XferId>,
     /// Ended ids above the floor, sorted.
     recent: VecDeque<XferId>,
 }
 
-impl Ended {
-    /// Transfer `xfer`'s flow ended.
-    pub(crate) fn note(&mut self, xfer: XferId) {
+impl Window {
+    fn note(&mut self, xfer: XferId) {
         if self.covers(xfer) {
             return;
         }
@@ -42,9 +76,19 @@ impl Ended {
         }
     }
 
-    /// Whether `xfer` ended here (or lies below the window, where it is taken as ended).
-    pub(crate) fn covers(&self, xfer: XferId) -> bool {
+    fn covers(&self, xfer: XferId) -> bool {
         self.floor.is_some_and(|f| xfer <= f) || self.recent.binary_search(&xfer).is_ok()
+    }
+
+    fn merge(&mut self, other: Self) {
+        if let Some(f) = other.floor {
+            self.floor = self.floor.max(Some(f));
+            let floor = self.floor;
+            self.recent.retain(|&x| floor.is_none_or(|f| x > f));
+        }
+        for x in other.recent {
+            self.note(x);
+        }
     }
 }
 
@@ -83,20 +127,6 @@ impl Evicted {
     }
 }
 
-impl Ended {
-    /// Adds every id `other` covers.
-    fn merge(&mut self, other: Self) {
-        if let Some(f) = other.floor {
-            self.floor = self.floor.max(Some(f));
-            let floor = self.floor;
-            self.recent.retain(|&x| floor.is_none_or(|f| x > f));
-        }
-        for x in other.recent {
-            self.note(x);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,6 +145,26 @@ mod tests {
         }
         assert!(e.covers(XferId(4)), "pushed below the window: taken as ended");
         assert!(!e.covers(XferId(10 + RECENT as u64)));
+    }
+
+    /// However many standing flows end (their ids above every transfer's), a transfer that
+    /// never ended is not taken as one, nor a standing flow that never ended.
+    #[test]
+    fn standing_flows_ending_never_cover_a_transfer() {
+        let mut e = Ended::default();
+        e.note(XferId(3));
+        for n in 1..=3 * RECENT as u64 {
+            e.note(XferId(STANDING_XFER_BIT | n));
+        }
+        assert!(e.covers(XferId(3)) && e.covers(XferId(STANDING_XFER_BIT | 1)));
+        assert!(!e.covers(XferId(1)) && !e.covers(XferId(4)) && !e.covers(XferId(u64::MAX >> 1)));
+        assert!(!e.covers(XferId(STANDING_XFER_BIT | (3 * RECENT as u64 + 1))));
+        // and the other way round: transfers ending push no standing flow below a floor
+        let mut e = Ended::default();
+        for n in 1..=3 * RECENT as u64 {
+            e.note(XferId(n));
+        }
+        assert!(!e.covers(XferId(STANDING_XFER_BIT)) && e.covers(XferId(1)));
     }
 
     #[test]
@@ -142,12 +192,12 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever the order ids end in, every noted id stays covered, the window never grows
+        /// Whatever the order ids end in (in one id space), every noted id stays covered, the window never grows
         /// past RECENT, and an id is covered only if noted or below an id that was noted and
         /// then pushed out of the window.
         #[test]
         fn noted_ids_stay_covered_within_bounded_memory(ids in proptest::collection::vec(0u64..2000, 0..800), probe in 0u64..2000) {
-            let mut e = Ended::default();
+            let mut e = Window::default();
             for &x in &ids {
                 e.note(XferId(x));
                 prop_assert!(e.recent.len() <= RECENT);

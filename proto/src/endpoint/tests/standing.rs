@@ -530,3 +530,34 @@ fn a_write_marked_no_standing_neither_opens_nor_claims_the_standing_flow() {
     assert_eq!(wants(&mut ep), vec![(XferId(3), Standing::Claim { xfer: s, token })]);
     assert_eq!(ep.stats().standing_claims, 1);
 }
+
+/// Standing flows' ids lie above every transfer's: however many of a peer's standing flows
+/// end here (one per pause of a bursty workload, each closed by its sender as stale), its next
+/// transfer is granted, not dropped as a replay to time out (review 58: the 257th ended
+/// standing flow raised the one replay window's floor past every transfer id).
+#[test]
+fn a_peers_ended_standing_flows_never_make_its_next_transfer_a_replay() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    for n in 1..=257u64 {
+        ep.handle_msg(t, PEER, open_msg(n, CHUNK)).unwrap();
+        drain(&mut ep);
+        // The sender closes it: an empty WANT with the flow's token.
+        let close = Msg::Want(Want {
+            arena: ArenaId(0),
+            xfer: XferId(STANDING_XFER_BIT | n),
+            token: Token(0x57a4d),
+            endpoint: Vec::new(),
+            chunks: Vec::new(),
+            proofs: Vec::new(),
+            inline: None,
+            standing: Standing::None,
+        });
+        ep.handle_msg(t, PEER, close).unwrap();
+        drain(&mut ep);
+        assert_eq!(ep.receiver().standing_flow(PEER), None, "standing flow {n} closed");
+    }
+    let r = ep.handle_msg(t, PEER, want_msg(XferId(10_000), &[CHUNK]));
+    assert!(r.is_ok(), "a new transfer refused: {r:?}");
+    assert_eq!(grants(&drain(&mut ep)).len(), 1, "the new transfer is granted");
+    assert_eq!(ep.stats().control_replayed, 0);
+}
