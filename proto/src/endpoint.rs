@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use tracing::{debug, trace};
@@ -39,6 +39,11 @@ use crate::wire;
 /// What a closing engine mixes into the nonce of a PING it answers ("goodbye!"): the PONG then
 /// confirms its GOODBYE. Public, but of use only to whoever saw the PING's nonce, the peer.
 pub const FAREWELL: u64 = 0x676f_6f64_6279_6521;
+
+/// Shortest gap between two PINGs that ask a peer about GOODBYEs heard under its name
+/// ([`Endpoint::handle_goodbye_said`]): a flood of forged GOODBYEs costs at most ten PINGs a
+/// second per peer, and a closing engine waits 200 ms for the first.
+pub const GOODBYE_ASK_GAP: Duration = Duration::from_millis(100);
 
 /// What a PONG meant ([`Endpoint::handle_pong`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,8 +170,10 @@ pub struct Endpoint {
     /// [`close`](Self::close) was called: nothing more is granted, and a PING is answered
     /// with the farewell PONG (see [`FAREWELL`]).
     closing: bool,
-    /// GOODBYEs heard and not yet confirmed: the nonce of the PING that asks each peer.
-    goodbyes: BTreeMap<PeerId, u64>,
+    /// GOODBYEs heard and not yet answered: the nonce of the PING that asks each peer, and
+    /// when it was last sent (one open ask per peer, see
+    /// [`handle_goodbye_said`](Self::handle_goodbye_said)).
+    goodbyes: BTreeMap<PeerId, (u64, Instant)>,
     /// HELLOs heard and not yet confirmed: the PINGs that ask each peer (see [`crate::hello`]).
     hellos: HelloAsks,
     /// One-way flows into us, answered through our mailbox (see [`crate::oneway`]).
@@ -572,10 +579,19 @@ impl Endpoint {
     /// [`Pong::Hello`] when it answers the ask of its HELLO: confirm the HELLO in the peer
     /// table ([`PeerTable::confirm_hello`]).
     pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) -> Pong {
-        if self.goodbyes.get(&from).is_some_and(|&asked| nonce == asked ^ FAREWELL) {
-            self.goodbyes.remove(&from);
-            debug!(peer = from.0, "GOODBYE confirmed");
-            return Pong::Farewell;
+        if let Some(&(asked, _)) = self.goodbyes.get(&from) {
+            if nonce == asked ^ FAREWELL {
+                self.goodbyes.remove(&from);
+                debug!(peer = from.0, "GOODBYE confirmed");
+                return Pong::Farewell;
+            }
+            if nonce == asked {
+                // The peer is not closing: the GOODBYE was not its own. A later one is asked
+                // about afresh.
+                self.goodbyes.remove(&from);
+                debug!(peer = from.0, "GOODBYE denied");
+                return Pong::Other;
+            }
         }
         if self.hellos.answered(from, nonce) {
             debug!(peer = from.0, "HELLO confirmed");
@@ -637,9 +653,19 @@ impl Endpoint {
     /// whose nonce only the peer sees, which a closing engine answers with the farewell PONG
     /// ([`handle_pong`](Self::handle_pong) returns true for it); a peer that is not closing
     /// answers a plain PONG, and the GOODBYE is forgotten.
-    pub fn handle_goodbye_said(&mut self, from: PeerId) {
-        let nonce = self.liveness.next_nonce();
-        self.goodbyes.insert(from, nonce);
+    ///
+    /// One ask per peer is open at a time: a GOODBYE heard while one is open sends its PING
+    /// again, with the same nonce, at most every [`GOODBYE_ASK_GAP`]. Each GOODBYE minted a
+    /// fresh nonce until session 58: a flood of forged ones cost a PING each, and each new
+    /// nonce made the farewell PONG of a peer really closing match nothing, so its transfers
+    /// failed by the probe's ~2 s instead of at once (review 58).
+    pub fn handle_goodbye_said(&mut self, now: Instant, from: PeerId) {
+        let nonce = match self.goodbyes.get(&from) {
+            Some(&(_, sent)) if now.saturating_duration_since(sent) < GOODBYE_ASK_GAP => return,
+            Some(&(nonce, _)) => nonce,
+            None => self.liveness.next_nonce(),
+        };
+        self.goodbyes.insert(from, (nonce, now));
         self.out.push_back(Action::Link { peer: from, body: wire::Body::Ping { nonce } });
     }
 
@@ -718,7 +744,7 @@ impl Endpoint {
             }
             wire::Body::Goodbye => {
                 let peer = self.peers.admit(name, frame.session)?;
-                self.handle_goodbye_said(peer);
+                self.handle_goodbye_said(now, peer);
                 return Ok(());
             }
             wire::Body::Msg(msg) => msg,
@@ -770,7 +796,7 @@ impl Endpoint {
     /// ours to it are used within a quarter of the smaller of the two timeouts and kept alive
     /// every eighth of it. A shell that keeps its own peer table tells the endpoint so before
     /// it submits to the peer ([`handle_conn_info`](Self::handle_conn_info) does it itself).
-    pub fn set_peer_timeout(&mut self, peer: PeerId, timeout: std::time::Duration) {
+    pub fn set_peer_timeout(&mut self, peer: PeerId, timeout: Duration) {
         self.sender.set_peer_timeout(peer, timeout);
     }
 

@@ -73,7 +73,7 @@ impl Driver {
                 match self.shared.peers.admit(peer, frame.session) {
                     Ok(id) => {
                         tracing::debug!(peer, "peer said goodbye: asking it to confirm");
-                        self.ep.handle_goodbye_said(id);
+                        self.ep.handle_goodbye_said(now, id);
                     }
                     // A one-way initiator we never loaded says GOODBYE too: nothing binds it
                     // to a session, so it cannot end its flows here (their timers do).

@@ -542,6 +542,42 @@ fn an_ask_answered_by_a_closing_peer_confirms_nothing() {
     assert!(!ep.peers().can_bounce("a"));
 }
 
+/// A GOODBYE is only asked about, one ask per peer at a time: a flood of them (anyone holding
+/// the peer's metadata can send one) costs one PING per GOODBYE_ASK_GAP, always with the first
+/// nonce, so the farewell PONG of a peer really closing still confirms (review 58: each
+/// GOODBYE minted a new nonce, and the real farewell then matched nothing). A plain PONG (the
+/// peer is not closing) closes the ask; the next GOODBYE opens a fresh one.
+#[test]
+fn goodbyes_are_asked_about_one_at_a_time_and_a_flood_cannot_hide_a_real_farewell() {
+    let (mut ep, t, id) = with_ready_arena();
+    let pings = |acts: Vec<Action>| -> Vec<u64> {
+        acts.into_iter()
+            .filter_map(|a| match a {
+                Action::Link { peer, body: wire::Body::Ping { nonce } } if peer == id => Some(nonce),
+                _ => None,
+            })
+            .collect()
+    };
+    for _ in 0..1000 {
+        ep.handle_frame(t, "a", &wire::encode_goodbye(1)).unwrap();
+    }
+    let asked = pings(drain(&mut ep));
+    assert_eq!(asked.len(), 1, "one PING for 1000 GOODBYEs within the gap");
+    let later = t + GOODBYE_ASK_GAP;
+    ep.handle_frame(later, "a", &wire::encode_goodbye(1)).unwrap();
+    assert_eq!(pings(drain(&mut ep)), asked, "asked again after the gap, with the same nonce");
+    assert!(matches!(ep.handle_pong(later, id, asked[0] ^ FAREWELL), Pong::Farewell), "the real farewell");
+    // Not closing: a plain PONG to the ask closes it, and the next GOODBYE is asked afresh.
+    ep.handle_frame(later, "a", &wire::encode_goodbye(1)).unwrap();
+    let second = pings(drain(&mut ep));
+    assert_eq!(second.len(), 1);
+    assert!(matches!(ep.handle_pong(later, id, second[0]), Pong::Other));
+    assert!(!matches!(ep.handle_pong(later, id, second[0] ^ FAREWELL), Pong::Farewell), "the ask was closed");
+    ep.handle_frame(later, "a", &wire::encode_goodbye(1)).unwrap();
+    let third = pings(drain(&mut ep));
+    assert!(third.len() == 1 && third != second, "a fresh ask: {third:?} after {second:?}");
+}
+
 /// `poll_timeout` is the earliest armed timer of both roles, and a `handle_timeout` before it
 /// (a spurious wake-up) changes nothing.
 #[test]
