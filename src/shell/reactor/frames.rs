@@ -228,9 +228,9 @@ impl Driver {
     /// Sends our HELLO to `name` on loading it: it carries the tag of this load of the peer
     /// (`Endpoint::load_tag_of`), so the peer tells a reload from a repeat. A name without an
     /// id was unloaded meanwhile: nothing to say.
-    pub(super) fn send_hello(&mut self, name: &str) -> Result<(), ControlError> {
-        let Some(id) = self.shared.peers.known_id(name) else { return Ok(()) };
-        self.send_control(name, &wire::encode_hello(self.session, self.ep.load_tag_of(id)))
+    pub(super) fn send_hello(&mut self, name: &str) -> Result<bool, ControlError> {
+        let Some(id) = self.shared.peers.known_id(name) else { return Ok(false) };
+        self.send_control(name, &wire::encode_hello(self.session, self.ep.load_tag_of(id))).map(|()| true)
     }
 
     /// Sends a link-level frame (the liveness probe's PING or PONG).

@@ -768,19 +768,23 @@ impl Driver {
             Cmd::Hello(name, losses) => {
                 if !self.shared.peers.compatible(&name) {
                     tracing::debug!(peer = name, "no HELLO to a peer that cannot bounce with us");
-                } else if let Err(e) = self.send_hello(&name) {
-                    // The application may have unloaded the peer since this was queued (its
-                    // loss is recorded before the inner engine disconnects), and loaded it
-                    // again (then compatible, but the inner engine may not know it yet: the
-                    // reload queues its own HELLO): nothing is wrong.
-                    if self.shared.peers.compatible(&name) && self.shared.peers.losses() == losses {
-                        tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
-                    } else {
-                        tracing::debug!(peer = name, error = %e, "no HELLO: the peer was unloaded meanwhile");
-                    }
                 } else {
-                    self.greeted.insert(name);
-                    self.hellos_sent += 1;
+                    match self.send_hello(&name) {
+                        // Only a peer greeted is told GOODBYE at the close.
+                        Ok(true) => {
+                            self.greeted.insert(name);
+                            self.hellos_sent += 1;
+                        }
+                        Ok(false) => tracing::debug!(peer = name, "no HELLO: the peer was unloaded meanwhile"),
+                        // The application may have unloaded the peer since this was queued (its
+                        // loss is recorded before the inner engine disconnects), and loaded it
+                        // again (then compatible, but the inner engine may not know it yet: the
+                        // reload queues its own HELLO): nothing is wrong.
+                        Err(e) if self.shared.peers.compatible(&name) && self.shared.peers.losses() == losses => {
+                            tracing::warn!(peer = name, error = %e, "sending HELLO failed; the peer stays on plain UCX to us");
+                        }
+                        Err(e) => tracing::debug!(peer = name, error = %e, "no HELLO: the peer was unloaded meanwhile"),
+                    }
                 }
             }
             Cmd::Registered(d, a, l, arena) => self.ep.add_registered(d.reg, d.key, (a, l), arena),
