@@ -579,19 +579,10 @@ impl Endpoint {
     /// [`Pong::Hello`] when it answers the ask of its HELLO: confirm the HELLO in the peer
     /// table ([`PeerTable::confirm_hello`]).
     pub fn handle_pong(&mut self, now: Instant, from: PeerId, nonce: u64) -> Pong {
-        if let Some(&(asked, _)) = self.goodbyes.get(&from) {
-            if nonce == asked ^ FAREWELL {
-                self.goodbyes.remove(&from);
-                debug!(peer = from.0, "GOODBYE confirmed");
-                return Pong::Farewell;
-            }
-            if nonce == asked {
-                // The peer is not closing: the GOODBYE was not its own. A later one is asked
-                // about afresh.
-                self.goodbyes.remove(&from);
-                debug!(peer = from.0, "GOODBYE denied");
-                return Pong::Other;
-            }
+        if self.goodbyes.get(&from).is_some_and(|&(asked, _)| nonce == asked ^ FAREWELL) {
+            self.goodbyes.remove(&from);
+            debug!(peer = from.0, "GOODBYE confirmed");
+            return Pong::Farewell;
         }
         if self.hellos.answered(from, nonce) {
             debug!(peer = from.0, "HELLO confirmed");
@@ -654,11 +645,13 @@ impl Endpoint {
     /// ([`handle_pong`](Self::handle_pong) returns true for it); a peer that is not closing
     /// answers a plain PONG, and the GOODBYE is forgotten.
     ///
-    /// One ask per peer is open at a time: a GOODBYE heard while one is open sends its PING
-    /// again, with the same nonce, at most every [`GOODBYE_ASK_GAP`]. Each GOODBYE minted a
-    /// fresh nonce until session 58: a flood of forged ones cost a PING each, and each new
-    /// nonce made the farewell PONG of a peer really closing match nothing, so its transfers
-    /// failed by the probe's ~2 s instead of at once (review 58).
+    /// One ask per peer is open at a time, until the farewell PONG (or the peer's loss): a
+    /// GOODBYE heard while one is open sends its PING again, with the same nonce, at most every
+    /// [`GOODBYE_ASK_GAP`]; a plain PONG (the peer is not closing) leaves it open, so a real
+    /// GOODBYE later is answered through it. Each GOODBYE minted a fresh nonce until session
+    /// 58: a flood of forged ones cost a PING each, and each new nonce made the farewell PONG
+    /// of a peer really closing match nothing, so its transfers failed by the probe's ~2 s
+    /// instead of at once (review 58).
     pub fn handle_goodbye_said(&mut self, now: Instant, from: PeerId) {
         let nonce = match self.goodbyes.get(&from) {
             Some(&(_, sent)) if now.saturating_duration_since(sent) < GOODBYE_ASK_GAP => return,

@@ -546,7 +546,7 @@ fn an_ask_answered_by_a_closing_peer_confirms_nothing() {
 /// the peer's metadata can send one) costs one PING per GOODBYE_ASK_GAP, always with the first
 /// nonce, so the farewell PONG of a peer really closing still confirms (review 58: each
 /// GOODBYE minted a new nonce, and the real farewell then matched nothing). A plain PONG (the
-/// peer is not closing) closes the ask; the next GOODBYE opens a fresh one.
+/// peer is not closing) leaves the ask open for a real GOODBYE later; the farewell ends it.
 #[test]
 fn goodbyes_are_asked_about_one_at_a_time_and_a_flood_cannot_hide_a_real_farewell() {
     let (mut ep, t, id) = with_ready_arena();
@@ -566,16 +566,14 @@ fn goodbyes_are_asked_about_one_at_a_time_and_a_flood_cannot_hide_a_real_farewel
     let later = t + GOODBYE_ASK_GAP;
     ep.handle_frame(later, "a", &wire::encode_goodbye(1)).unwrap();
     assert_eq!(pings(drain(&mut ep)), asked, "asked again after the gap, with the same nonce");
+    // Not closing yet: a plain PONG ends nothing and leaves the ask open.
+    assert!(matches!(ep.handle_pong(later, id, asked[0]), Pong::Other));
     assert!(matches!(ep.handle_pong(later, id, asked[0] ^ FAREWELL), Pong::Farewell), "the real farewell");
-    // Not closing: a plain PONG to the ask closes it, and the next GOODBYE is asked afresh.
+    // Confirmed: the ask is closed, and a GOODBYE after it is asked about afresh.
+    assert!(!matches!(ep.handle_pong(later, id, asked[0] ^ FAREWELL), Pong::Farewell), "confirmed once");
     ep.handle_frame(later, "a", &wire::encode_goodbye(1)).unwrap();
-    let second = pings(drain(&mut ep));
-    assert_eq!(second.len(), 1);
-    assert!(matches!(ep.handle_pong(later, id, second[0]), Pong::Other));
-    assert!(!matches!(ep.handle_pong(later, id, second[0] ^ FAREWELL), Pong::Farewell), "the ask was closed");
-    ep.handle_frame(later, "a", &wire::encode_goodbye(1)).unwrap();
-    let third = pings(drain(&mut ep));
-    assert!(third.len() == 1 && third != second, "a fresh ask: {third:?} after {second:?}");
+    let fresh = pings(drain(&mut ep));
+    assert!(fresh.len() == 1 && fresh != asked, "a fresh ask: {fresh:?} after {asked:?}");
 }
 
 /// `poll_timeout` is the earliest armed timer of both roles, and a `handle_timeout` before it
