@@ -505,9 +505,10 @@ impl Answering {
                     (Answer::Ack { status: AckStatus::Refused | AckStatus::Failed, .. }, Some(f)) => f.failed = true,
                     _ => {}
                 }
-                // The receiver only answers with regions it allocated: never invalid.
-                if writer.answer(peer, xfer, answer).is_err() {
-                    crate::event::internal_error("mailbox answer for a flow without a slot", &xfer.0);
+                // The receiver answers with regions it allocated, or a refused DATA's region,
+                // which the wire bounded: never invalid (the writer fails the flow if it were).
+                if let Err(e) = writer.answer(peer, xfer, answer) {
+                    crate::event::internal_error("mailbox answer refused", &e);
                 }
             }
         }

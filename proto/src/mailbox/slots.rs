@@ -177,6 +177,15 @@ pub enum SlotError {
         /// The transfer it named.
         xfer: XferId,
     },
+    /// An answer no initiator could decode (an empty or overflowing region): a FAIL was
+    /// written in its place.
+    #[error("invalid mailbox answer for {xfer:?} of {peer:?}: a FAIL was written instead")]
+    InvalidAnswer {
+        /// The peer it was for.
+        peer: PeerId,
+        /// Its transfer.
+        xfer: XferId,
+    },
     /// The initiator has not consumed enough records to free the ring position the next one
     /// needs; the target keeps the answer until it has.
     #[error("{slot:?}'s ring is full")]

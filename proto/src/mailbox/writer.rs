@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::types::{PeerId, XferId};
 
-use super::record::{Answer, RECORD_LEN, Record, RecordKey, Seq, SlotId, Token};
+use super::record::{Answer, FailReason, RECORD_LEN, Record, RecordKey, Seq, SlotId, Token};
 use super::slots::{SlotConfig, SlotError, SlotTable, candidates};
 
 /// One record for the shell to write into the mailbox.
@@ -126,18 +126,23 @@ impl MailboxWriter {
     ///
     /// # Errors
     /// [`SlotError::UnknownTransfer`] when the transfer is not open (never opened, closed, or
-    /// its peer released).
-    ///
-    /// # Panics
-    /// When `answer` is invalid ([`Answer::validate`]: an empty or overflowing region): the
-    /// receiver role only answers with regions it allocated, so this is a bug of ours, and a
-    /// record the initiator cannot decode would stall its transfer until the timeout.
+    /// its peer released); [`SlotError::InvalidAnswer`] when `answer` could not be decoded by
+    /// the initiator ([`Answer::validate`]: an empty or overflowing region), written as a
+    /// FAIL instead, so its transfer ends rather than stalls. (The receiver role answers with
+    /// regions it allocated, or a DATA's region the wire decoder bounded; review 58 found a
+    /// path where a peer's region reached here, and an `assert!` then panicked the reactor.)
     pub fn answer(&mut self, peer: PeerId, xfer: XferId, answer: Answer) -> Result<(), SlotError> {
-        assert!(answer.validate().is_ok(), "invalid mailbox answer {answer:?}");
+        let (answer, invalid) = match answer.validate() {
+            Ok(()) => (answer, false),
+            Err(_) => (Answer::Fail(FailReason::Refused), true),
+        };
         let flow = self.flows.get_mut(&(peer, xfer)).filter(|f| f.closing.is_none());
         let flow = flow.ok_or(SlotError::UnknownTransfer { peer, xfer })?;
         flow.backlog.push_back(answer);
         self.flush(peer, xfer);
+        if invalid {
+            return Err(SlotError::InvalidAnswer { peer, xfer });
+        }
         Ok(())
     }
 
@@ -228,7 +233,7 @@ mod tests {
     use crate::mailbox::reader::MailboxReader;
     use crate::mailbox::slots::MailboxLayout;
     use crate::types::{ChunkIdx, Region};
-    use crate::wire::Credit;
+    use crate::wire::{AckStatus, Credit};
 
     const LAYOUT: MailboxLayout = MailboxLayout { slots: 8, ring: 4 };
     const PEER: PeerId = PeerId(3);
@@ -332,13 +337,21 @@ mod tests {
         assert_eq!(w.open(closed + linger, PEER, XferId(41), &TOKEN), Ok(slot));
     }
 
+    /// An answer no initiator could decode (empty, or past 2^64) is never written: a FAIL
+    /// goes in its place, so the transfer ends instead of stalling, and the caller is told.
+    /// (It panicked until review 58 found a peer's region could reach it.)
     #[test]
-    #[should_panic(expected = "invalid mailbox answer")]
-    fn an_answer_with_an_empty_region_is_a_bug_of_ours() {
-        let mut w = writer();
-        w.open(Instant::now(), PEER, XFER, &TOKEN).unwrap();
-        let empty = Credit { chunk: ChunkIdx(0), region: Region { offset: 64, len: 0 } };
-        let _ = w.answer(PEER, XFER, Answer::Ready(empty));
+    fn an_answer_no_initiator_could_decode_is_written_as_a_fail() {
+        for region in [Region { offset: 64, len: 0 }, Region { offset: u64::MAX, len: 1 }] {
+            let mut w = writer();
+            let mut arena = vec![0u8; LAYOUT.byte_len() as usize];
+            w.open(Instant::now(), PEER, XFER, &TOKEN).unwrap();
+            let mut r = MailboxReader::locate(LAYOUT, XFER, &TOKEN).unwrap();
+            let bad = Answer::Ack { credit: Credit { chunk: ChunkIdx(0), region }, status: AckStatus::Refused };
+            assert_eq!(w.answer(PEER, XFER, bad), Err(SlotError::InvalidAnswer { peer: PEER, xfer: XFER }));
+            assert_eq!(apply(&mut w, &mut arena), 1);
+            assert_eq!(read(&mut r, &arena), [Answer::Fail(FailReason::Refused)], "{region:?}");
+        }
     }
 
     #[test]

@@ -630,11 +630,17 @@ impl Msg {
                 if m.credits.iter().any(|c| c.region.len == 0) {
                     return Err(WireError::Invalid { what: "zero-length region in GRANT" });
                 }
+                if m.credits.iter().any(|c| overflows(c.region)) {
+                    return Err(WireError::Invalid { what: "region past 2^64 in GRANT" });
+                }
             }
             Self::Data(m) => {
                 check_len("data runs", m.runs.len(), MAX_RUNS)?;
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in DATA" });
+                }
+                if overflows(m.region) {
+                    return Err(WireError::Invalid { what: "region past 2^64 in DATA" });
                 }
                 if m.region_plan_runs > MAX_RUNS || (m.region_plan_runs != 0 && !m.runs.is_empty()) {
                     return Err(WireError::Invalid { what: "DATA region plan" });
@@ -651,6 +657,9 @@ impl Msg {
             Self::Ack(m) => {
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in ACK" });
+                }
+                if overflows(m.region) {
+                    return Err(WireError::Invalid { what: "region past 2^64 in ACK" });
                 }
             }
             Self::Keep(_) | Self::Cursor(_) => {}
@@ -678,10 +687,19 @@ impl Msg {
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in RELEASE" });
                 }
+                if overflows(m.region) {
+                    return Err(WireError::Invalid { what: "region past 2^64 in RELEASE" });
+                }
             }
         }
         Ok(())
     }
+}
+
+/// A region whose end lies past 2^64 names no arena's bytes (and no mailbox record can carry
+/// it: `Answer::validate`).
+fn overflows(r: Region) -> bool {
+    r.offset.checked_add(r.len).is_none()
 }
 
 /// No run of a DATA or PLAN copies nothing.

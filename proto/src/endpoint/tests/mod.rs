@@ -981,6 +981,37 @@ fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_
     assert_eq!(r, Err(FrameRefused::NotLoaded));
 }
 
+/// A DATA whose region's end overflows (offset u64::MAX, or two halves of 2^64) for an open
+/// one-way flow: the wire refuses the frame, and the core, handed one anyway, refuses it with
+/// a record the initiator can read. Review 58: the refusal carried the peer's region into the
+/// record writer, whose `assert!` panicked, and the shell then closed the bounce path for
+/// every peer.
+#[test]
+fn a_one_way_data_with_an_overflowing_region_is_refused_without_a_panic() {
+    for region in [Region { offset: u64::MAX, len: 1 }, Region { offset: 1 << 63, len: 1 << 63 }] {
+        let (mut ep, t) = endpoint(16 * KIB, 2, false);
+        ep.keep_mailbox(true);
+        ep.handle_frame(t, "initiator", &one_way_want(1, vec![proof_by("initiator")])).unwrap();
+        drain(&mut ep);
+        let run = CopyRun { region_off: 0, addr: DST, len: 1, count: 1, region_stride: 0, addr_stride: 0 };
+        let data =
+            Data { xfer: XferId(1), token: TOKEN, chunk: ChunkIdx(0), region, runs: vec![run], region_plan_runs: 0 };
+        let bytes = wire::Frame { session: 99, msg: Msg::Data(data.clone()) }.to_vec();
+        let r = ep.handle_frame(t, "initiator", &bytes);
+        assert!(matches!(r, Err(FrameRefused::Malformed(_))), "{region:?}: {r:?}");
+        assert!(drain(&mut ep).is_empty() && ep.remote_flows() == 1, "the flow is untouched");
+        let id = ep.peers().lookup("initiator").expect("the one-way name's id");
+        assert!(ep.handle_msg(t, id, Msg::Data(data)).is_err());
+        let records = drain(&mut ep);
+        assert!(
+            !records.is_empty() && records.iter().all(|a| matches!(a, Action::PutRecord { .. })),
+            "{region:?}: {records:?}"
+        );
+        assert_eq!((ep.remote_flows(), ep.stats().data_refused), (0, 1), "{region:?}: refused, reclaimed");
+        check(&ep);
+    }
+}
+
 /// Junk one-way frames under thousands of invented names (each name is admitted before its
 /// frame is judged) fill the one-way names; a real initiator's WANT is still admitted and
 /// answered: a name that holds nothing here is forgotten to make room.
