@@ -479,7 +479,9 @@ impl Answering {
     ) -> usize {
         let Some(writer) = self.writer.as_mut() else { return 0 };
         if self.flows.is_empty() {
-            return 0;
+            // Only writes queued without a flow left: a released peer's unread records
+            // overwritten (`release_peer`).
+            return Self::put_records(self.base, writer, out);
         }
         let flows = &mut self.flows;
         let mut kept = std::collections::VecDeque::with_capacity(out.len());
@@ -532,9 +534,14 @@ impl Answering {
         }
         // Slots freed (read to the end, or lingered out): forget their flows.
         flows.retain(|k, f| !f.closed || writer.table().slot_of(k.peer, k.xfer).is_some());
+        Self::put_records(self.base, writer, out)
+    }
+
+    /// Appends the writer's queued record writes to `out`, in order; returns how many.
+    fn put_records(base: u64, writer: &mut MailboxWriter, out: &mut std::collections::VecDeque<Action>) -> usize {
         let mut written = 0;
         while let Some(w) = writer.poll_write() {
-            out.push_back(Action::PutRecord { offset: self.base + w.offset, bytes: w.bytes });
+            out.push_back(Action::PutRecord { offset: base + w.offset, bytes: w.bytes });
             written += 1;
         }
         written

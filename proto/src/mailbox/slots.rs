@@ -363,6 +363,24 @@ impl SlotTable {
         Ok(RecordPlace { slot, seq: Seq(seq), offset })
     }
 
+    /// The places of the records in `slot` written and not yet reported read, oldest first
+    /// (none for a slot not held).
+    pub fn unread(&self, slot: SlotId) -> Vec<RecordPlace> {
+        let layout = self.cfg.layout;
+        let h = match self.slots.get(slot.0 as usize) {
+            Some(SlotState::Open(h) | SlotState::Closing(h, _)) => *h,
+            _ => return Vec::new(),
+        };
+        let base = layout.slot_region(slot).map_or(0, |r| r.offset);
+        (h.consumed + 1..=h.written)
+            .map(|seq| RecordPlace {
+                slot,
+                seq: Seq(seq),
+                offset: base + u64::from(layout.position(Seq(seq))) * RECORD_LEN as u64,
+            })
+            .collect()
+    }
+
     /// The initiator `from` reports it has read every record of its transfer `xfer` up to
     /// `upto` (reports name the transfer, not the slot, so a late report of a finished
     /// transfer can never move the cursor of the slot's next holder). Stale (lower) cursors

@@ -188,13 +188,24 @@ impl MailboxWriter {
 
     /// The peer is gone: its transfers are dropped with their backlogs and their slots freed.
     /// Returns the transfers, lowest first.
+    ///
+    /// Each open transfer's records not yet reported read are overwritten with FAILs first: a
+    /// peer declared dead may only have stalled, and its reader would otherwise still take a
+    /// GRANT or READY left there and move a region that has since been granted to another
+    /// flow (review 58). Every unread place gets one, as the reader may have read further than
+    /// it reported.
     pub fn release_peer(&mut self, peer: PeerId) -> Vec<XferId> {
-        self.table.release_peer(peer);
         let range = (peer, XferId(0))..=(peer, XferId(u64::MAX));
         let gone: Vec<XferId> = self.flows.range(range).map(|(k, _)| k.1).collect();
         for xfer in &gone {
-            self.flows.remove(&(peer, *xfer));
+            let Some(flow) = self.flows.remove(&(peer, *xfer)) else { continue };
+            for place in self.table.unread(flow.slot) {
+                let record =
+                    Record { slot: flow.slot, seq: place.seq, xfer: *xfer, answer: Answer::Fail(FailReason::TimedOut) };
+                self.writes.push_back(RecordWrite { offset: place.offset, bytes: record.encode(&flow.key) });
+            }
         }
+        self.table.release_peer(peer);
         gone
     }
 
@@ -335,6 +346,27 @@ mod tests {
         w.table().assert_consistent();
         // And the slot serves a new transfer.
         assert_eq!(w.open(closed + linger, PEER, XferId(41), &TOKEN), Ok(slot));
+    }
+
+    /// A released peer's unread records become FAILs, wherever its reader really is: one that
+    /// only stalled (declared dead meanwhile) never takes a GRANT left in the freed slot.
+    #[test]
+    fn a_released_peers_unread_records_are_overwritten_with_fails() {
+        let now = Instant::now();
+        let mut w = writer();
+        let mut arena = vec![0u8; LAYOUT.byte_len() as usize];
+        w.open(now, PEER, XFER, &TOKEN).unwrap();
+        let mut r = MailboxReader::locate(LAYOUT, XFER, &TOKEN).unwrap();
+        for i in 0..3 {
+            w.answer(PEER, XFER, grant(i)).unwrap();
+        }
+        apply(&mut w, &mut arena);
+        // The reader takes the first GRANT and reports nothing; then the peer is released.
+        assert_eq!(read(&mut r, &arena), [grant(0)]);
+        assert_eq!(w.release_peer(PEER), [XFER]);
+        assert_eq!(apply(&mut w, &mut arena), 3, "a FAIL over each record not reported read");
+        assert_eq!(read(&mut r, &arena)[0], Answer::Fail(FailReason::TimedOut), "never the GRANT after it");
+        assert!(!w.holds(PEER));
     }
 
     /// An answer no initiator could decode (empty, or past 2^64) is never written: a FAIL

@@ -273,19 +273,27 @@ fn a_want_replayed_after_its_one_way_flow_ended_opens_nothing() {
 }
 
 /// A peer that said GOODBYE, or that the liveness probe declared dead, reads nothing more:
-/// its slots free at once, as a lost peer's, not after their FAILs linger out.
+/// its slots free at once, as a lost peer's, not after their FAILs linger out. Every record it
+/// had not reported read is overwritten first (with a FAIL): one declared dead may only have
+/// stalled, and must not take a GRANT left there once its region went to another flow.
 #[test]
 fn a_peer_that_says_goodbye_or_is_declared_dead_frees_its_slots_at_once() {
     type Leave = fn(&mut Endpoint, Instant);
     let gone: [(&str, Leave); 2] = [
         ("goodbye", |ep, t| ep.handle_goodbye(t, INI)),
-        ("declared dead", |ep, t| ep.declare_dead(t, INI, XferError::Unresponsive)),
+        ("declared dead", |ep, t| {
+            ep.declare_dead(t, INI, XferError::Unresponsive);
+            ep.pump(t); // as every caller does
+        }),
     ];
     for (how, leave) in gone {
         let (mut ep, t) = target();
-        fill_the_cap(&mut ep, t);
+        let unread: u64 = fill_the_cap(&mut ep, t).values().sum();
+        assert!(unread > 0, "GRANTs written, none read");
         leave(&mut ep, t);
-        drain(&mut ep);
+        let acts = drain(&mut ep);
+        let overwritten = acts.iter().filter(|a| matches!(a, Action::PutRecord { .. })).count() as u64;
+        assert_eq!(overwritten, unread, "{how}: every unread record overwritten");
         assert_eq!((ep.remote_flows(), ep.answering_slots_held()), (0, 0), "{how}");
     }
 }
