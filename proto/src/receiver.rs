@@ -370,7 +370,7 @@ impl Receiver {
         self.flows.get(&key).map(|f| f.token)
     }
 
-    /// True once [`shutdown`](Self::shutdown) or close stopped accepting WANTs.
+    /// True once a shutdown or close stopped accepting WANTs.
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down
     }
