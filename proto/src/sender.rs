@@ -701,7 +701,7 @@ impl Sender {
             if slot.region.is_some() {
                 return Err(ProtocolError::DuplicateCredit { xfer: id, chunk: c.chunk });
             }
-            if c.region.len < slot.bytes || c.region.offset.checked_add(c.region.len).is_none() {
+            if c.region.len < slot.bytes || c.region.checked_end().is_none() {
                 return Err(ProtocolError::BadCredit { xfer: id, chunk: c.chunk, region: c.region, bytes: slot.bytes });
             }
             trace!(peer = from.0, region = %c.region, "standing credit");
@@ -725,7 +725,7 @@ impl Sender {
             if !seen.insert(i) || !open {
                 return Err(ProtocolError::DuplicateCredit { xfer: id, chunk: c.chunk });
             }
-            if c.region.len < chunk.bytes || c.region.offset.checked_add(c.region.len).is_none() {
+            if c.region.len < chunk.bytes || c.region.checked_end().is_none() {
                 return Err(ProtocolError::BadCredit {
                     xfer: id,
                     chunk: c.chunk,

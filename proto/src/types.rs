@@ -96,6 +96,12 @@ impl Region {
         self.offset.saturating_add(self.len)
     }
 
+    /// One past the last byte, `None` when that lies past 2^64 (a region no arena has, and no
+    /// frame or mailbox record may carry).
+    pub fn checked_end(&self) -> Option<u64> {
+        self.offset.checked_add(self.len)
+    }
+
     /// True when `[off, off + len)` lies inside this region (relative offsets, overflow-safe).
     pub fn contains_rel(&self, off: u64, len: u64) -> bool {
         off.checked_add(len).is_some_and(|end| end <= self.len)

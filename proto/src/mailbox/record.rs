@@ -142,7 +142,7 @@ impl Answer {
                 if c.region.len == 0 {
                     return Err(RecordError::Invalid { what: "empty region" });
                 }
-                if c.region.offset.checked_add(c.region.len).is_none() {
+                if c.region.checked_end().is_none() {
                     return Err(RecordError::Invalid { what: "region overflows" });
                 }
                 Ok(())

@@ -70,6 +70,12 @@ impl MailboxLayout {
         // ring >= 1, and the remainder is < ring: it fits u32
         (seq.0.wrapping_sub(1) % u64::from(self.ring)) as u32
     }
+
+    /// Where record `seq` of `slot` lies, relative to the mailbox base.
+    fn place(&self, slot: SlotId, seq: Seq) -> RecordPlace {
+        let base = self.slot_region(slot).map_or(0, |r| r.offset);
+        RecordPlace { slot, seq, offset: base + u64::from(self.position(seq)) * RECORD_LEN as u64 }
+    }
 }
 
 /// How many candidate slots a transfer has: enough that a peer holding its whole share of
@@ -358,27 +364,17 @@ impl SlotTable {
             return Err(SlotError::RingFull { slot });
         }
         h.written = seq;
-        let base = layout.slot_region(slot).map_or(0, |r| r.offset);
-        let offset = base + u64::from(layout.position(Seq(seq))) * RECORD_LEN as u64;
-        Ok(RecordPlace { slot, seq: Seq(seq), offset })
+        Ok(layout.place(slot, Seq(seq)))
     }
 
     /// The places of the records in `slot` written and not yet reported read, oldest first
     /// (none for a slot not held).
     pub fn unread(&self, slot: SlotId) -> Vec<RecordPlace> {
-        let layout = self.cfg.layout;
         let h = match self.slots.get(slot.0 as usize) {
             Some(SlotState::Open(h) | SlotState::Closing(h, _)) => *h,
             _ => return Vec::new(),
         };
-        let base = layout.slot_region(slot).map_or(0, |r| r.offset);
-        (h.consumed + 1..=h.written)
-            .map(|seq| RecordPlace {
-                slot,
-                seq: Seq(seq),
-                offset: base + u64::from(layout.position(Seq(seq))) * RECORD_LEN as u64,
-            })
-            .collect()
+        (h.consumed + 1..=h.written).map(|seq| self.cfg.layout.place(slot, Seq(seq))).collect()
     }
 
     /// The initiator `from` reports it has read every record of its transfer `xfer` up to

@@ -22,11 +22,7 @@ impl Receiver {
         if data.region.len != 0 {
             // The peer's region, unless no record could carry it (its end past 2^64, which the
             // wire refuses): then the generic refusal's, as for a refused WANT.
-            let region = if data.region.offset.checked_add(data.region.len).is_some() {
-                data.region
-            } else {
-                Region { offset: 0, len: 1 }
-            };
+            let region = if data.region.checked_end().is_some() { data.region } else { Region { offset: 0, len: 1 } };
             let (xfer, token, chunk) = (data.xfer, data.token, data.chunk);
             ctx.send(from, Ack { xfer, token, chunk, region, status: AckStatus::Refused });
         }

@@ -41,7 +41,11 @@ impl Ended {
 
     /// Whether flow `xfer` ended here (or lies below its window, where it is taken as ended).
     pub(crate) fn covers(&self, xfer: XferId) -> bool {
-        if xfer.0 & STANDING_XFER_BIT == 0 { &self.transfers } else { &self.standing }.covers(xfer)
+        self.window(xfer).covers(xfer)
+    }
+
+    fn window(&self, xfer: XferId) -> &Window {
+        if xfer.0 & STANDING_XFER_BIT == 0 { &self.transfers } else { &self.standing }
     }
 
     fn window_mut(&mut self, xfer: XferId) -> &mut Window {

@@ -630,7 +630,7 @@ impl Msg {
                 if m.credits.iter().any(|c| c.region.len == 0) {
                     return Err(WireError::Invalid { what: "zero-length region in GRANT" });
                 }
-                if m.credits.iter().any(|c| overflows(c.region)) {
+                if m.credits.iter().any(|c| c.region.checked_end().is_none()) {
                     return Err(WireError::Invalid { what: "region past 2^64 in GRANT" });
                 }
             }
@@ -639,7 +639,7 @@ impl Msg {
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in DATA" });
                 }
-                if overflows(m.region) {
+                if m.region.checked_end().is_none() {
                     return Err(WireError::Invalid { what: "region past 2^64 in DATA" });
                 }
                 if m.region_plan_runs > MAX_RUNS || (m.region_plan_runs != 0 && !m.runs.is_empty()) {
@@ -658,7 +658,7 @@ impl Msg {
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in ACK" });
                 }
-                if overflows(m.region) {
+                if m.region.checked_end().is_none() {
                     return Err(WireError::Invalid { what: "region past 2^64 in ACK" });
                 }
             }
@@ -687,19 +687,13 @@ impl Msg {
                 if m.region.len == 0 {
                     return Err(WireError::Invalid { what: "zero-length region in RELEASE" });
                 }
-                if overflows(m.region) {
+                if m.region.checked_end().is_none() {
                     return Err(WireError::Invalid { what: "region past 2^64 in RELEASE" });
                 }
             }
         }
         Ok(())
     }
-}
-
-/// A region whose end lies past 2^64 names no arena's bytes (and no mailbox record can carry
-/// it: `Answer::validate`).
-fn overflows(r: Region) -> bool {
-    r.offset.checked_add(r.len).is_none()
 }
 
 /// No run of a DATA or PLAN copies nothing.
