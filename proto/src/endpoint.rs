@@ -295,8 +295,8 @@ impl Endpoint {
         route: WriteRoute,
     ) -> Result<(), SubmitError> {
         let plan = plan.into();
-        if self.defers_write_to(peer) {
-            return self.defer_write(now, (xfer, token, peer), plan, route);
+        if self.defers_to(peer) {
+            return self.defer(now, (xfer, token, peer), plan, deferred::HeldKind::Write(route));
         }
         self.start_write(now, (xfer, token, peer), plan, route)?;
         self.pump(now);
@@ -353,6 +353,9 @@ impl Endpoint {
     ///
     /// # Errors
     /// As [`submit`](Self::submit).
+    ///
+    /// A READ from a peer that a cancel of ours still waits to reach starts only once that
+    /// cancel is out, as a WRITE does (see `deferred`).
     pub fn submit_read(
         &mut self,
         now: Instant,
@@ -362,7 +365,24 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         mailbox: Option<MailboxLayout>,
     ) -> Result<(), SubmitError> {
-        self.sender.submit_read(&mut ctx!(self, now), xfer, token, peer, plan.into(), mailbox.is_some())?;
+        let plan = plan.into();
+        if self.defers_to(peer) {
+            return self.defer(now, (xfer, token, peer), plan, deferred::HeldKind::Read(mailbox));
+        }
+        self.start_read(now, (xfer, token, peer), plan, mailbox)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Starts READ `xfer` (see [`submit_read`](Self::submit_read)); the caller pumps.
+    fn start_read(
+        &mut self,
+        now: Instant,
+        (xfer, token, peer): (XferId, Token, PeerId),
+        plan: Arc<Plan>,
+        mailbox: Option<MailboxLayout>,
+    ) -> Result<(), SubmitError> {
+        self.sender.submit_read(&mut ctx!(self, now), xfer, token, peer, plan, mailbox.is_some())?;
         if let Some(layout) = mailbox {
             if self.reading.start(xfer, peer, token, layout).is_err() {
                 self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
@@ -370,7 +390,6 @@ impl Endpoint {
                 self.stats.one_way_sent += 1;
             }
         }
-        self.pump(now);
         Ok(())
     }
 
@@ -426,7 +445,7 @@ impl Endpoint {
         let mut ctx = ctx!(self, now);
         self.receiver.deregister(&mut ctx, reg, addr, len);
         self.sender.deregister(&mut ctx, addr, addr.saturating_add(len));
-        self.fail_deferred_reading((addr, addr.saturating_add(len)));
+        self.fail_deferred_touching((addr, addr.saturating_add(len)));
         self.pump(now);
     }
 

@@ -660,6 +660,8 @@ pub struct Stats {
     /// WRITEs held back at submission behind a cancel of ours to the same peer that still
     /// waited for its transfer's writes (see [`Endpoint::submit_write`](crate::endpoint::Endpoint::submit_write)).
     pub writes_deferred: u64,
+    /// READs held back so (see [`Endpoint::submit_read`](crate::endpoint::Endpoint::submit_read)).
+    pub reads_deferred: u64,
     /// Failures by [`XferError::Timeout`].
     pub timeouts: u64,
     /// Failures by [`XferError::Canceled`].
@@ -688,6 +690,9 @@ pub struct Stats {
     /// DATAs held until the scatters their peer left running when its flows ended here had
     /// ended (see the receiver's `order`): the peer's next bytes land after its released ones.
     pub scatters_held: u64,
+    /// READ regions whose gather waited the same way: a peer's READ posted after its release
+    /// reads what the released write left, not its bytes half landed.
+    pub gathers_held: u64,
     /// DATA messages refused by validation.
     pub data_refused: u64,
     /// Of [`data_refused`](Self::data_refused), those for a region their flow held (or a WANT's

@@ -267,10 +267,15 @@ counters! {
     /// while still scattering (released, refused or timed out): a peer's later bytes land
     /// after them, as on one UCX endpoint (the core's count).
     scatters_held,
+    /// Regions of peers' READs whose gather waited the same way (the core's count).
+    gathers_held,
     /// Our WRITEs held back at submission until a cancel of ours to the same peer, waiting for
     /// a released or failed transfer's writes, was out: the target learns of the release before
     /// the new WRITE's bytes come (the core's count).
     writes_deferred,
+    /// Our READs held back the same way: their PULL reaches the target after the cancel, and the
+    /// peer's transfer ids reach it in order (the core's count).
+    reads_deferred,
     /// Bounced WRITEs whose first GRANT came: each is one WANT -> GRANT round trip timed
     /// (the core's count).
     grant_waits,

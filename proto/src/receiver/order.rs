@@ -7,6 +7,11 @@
 //! peer has such orphaned scatters running, its valid DATAs wait here (their regions stay held)
 //! and are taken, checked again, once the last orphan has ended. Only that peer waits, and only
 //! in that window.
+//!
+//! A READ's gathers wait the same way: the initiator holds its READs behind the cancel it owes
+//! (the endpoint's `deferred`), so a PULL that comes while the peer's orphans run was posted
+//! after the release; gathered at once, it could read the destinations half old and half
+//! released bytes, where one UCX endpoint would have landed the released write first.
 
 use std::collections::BTreeMap;
 
@@ -22,12 +27,36 @@ pub(super) struct Behind {
     orphans: BTreeMap<PeerId, u32>,
     /// DATAs held, per peer with orphans, in arrival order, each with its inline bytes.
     held: BTreeMap<PeerId, Vec<HeldData>>,
+    /// READ gathers held, per peer with orphans: the flow, its token and the credits granted.
+    gathers: BTreeMap<PeerId, Vec<(FlowKey, Token, Vec<Credit>)>>,
 }
 
 impl Behind {
     /// Whether `peer`'s DATAs wait: some of its orphaned scatters still run.
     pub(super) fn holds(&self, peer: PeerId) -> bool {
         self.orphans.contains_key(&peer)
+    }
+
+    /// Holds the gathers of READ flow `key` into `credits` (just granted) while `key.peer` has
+    /// orphaned scatters running; false (nothing held) when it has none.
+    pub(super) fn hold_gathers(&mut self, key: FlowKey, token: Token, credits: &[Credit]) -> bool {
+        if !self.holds(key.peer) {
+            return false;
+        }
+        self.gathers.entry(key.peer).or_default().push((key, token, credits.to_vec()));
+        true
+    }
+
+    /// Whether the gather of flow `key` into `region` is held (so nothing is there to READ).
+    pub(super) fn holds_gather(&self, key: FlowKey, region: Region) -> bool {
+        self.gathers
+            .get(&key.peer)
+            .is_some_and(|h| h.iter().any(|(k, _, credits)| *k == key && credits.iter().any(|c| c.region == region)))
+    }
+
+    /// Regions of flow `key` granted whose gathers are held.
+    pub(super) fn gathers_held_of(&self, key: FlowKey) -> usize {
+        self.gathers.get(&key.peer).map_or(0, |h| h.iter().filter(|(k, ..)| *k == key).map(|(.., c)| c.len()).sum())
     }
 
     /// DATAs of flow `key` held.
@@ -92,6 +121,10 @@ impl Receiver {
         if let Some(held) = self.behind.held.get_mut(&key.peer) {
             held.retain(|(d, _)| d.xfer != key.xfer);
         }
+        // Its granted regions are reclaimed with it: none is gathering.
+        if let Some(held) = self.behind.gathers.get_mut(&key.peer) {
+            held.retain(|(k, ..)| *k != key);
+        }
     }
 
     /// An orphaned scatter of `peer` ended; after its last one, the DATAs it held back are
@@ -105,6 +138,9 @@ impl Receiver {
             return;
         }
         self.behind.orphans.remove(&peer);
+        for (key, token, credits) in self.behind.gathers.remove(&peer).unwrap_or_default() {
+            self.start_gathers(ctx, key, token, &credits);
+        }
         for (data, inline) in self.behind.held.remove(&peer).unwrap_or_default() {
             // A refusal among them may orphan more scatters: the rest are then held again.
             if let Err(e) = self.take_data(ctx, peer, data, inline) {
@@ -117,10 +153,11 @@ impl Receiver {
     /// Drops what is held for `peer`, whose id is retired (its flows are gone).
     pub(super) fn drop_held_of(&mut self, peer: PeerId) {
         self.behind.held.remove(&peer);
+        self.behind.gathers.remove(&peer);
     }
 
-    /// The orphans counted per peer are the scatters marked so, and DATAs are held only for a
-    /// peer with orphans (else nothing would take them).
+    /// The orphans counted per peer are the scatters marked so, and DATAs and gathers are held
+    /// only for a peer with orphans (else nothing would take them).
     pub(super) fn check_behind(&self) -> Result<(), String> {
         let mut recount: BTreeMap<PeerId, u32> = BTreeMap::new();
         for s in self.scatters.values().filter(|s| s.orphan) {
@@ -132,8 +169,11 @@ impl Receiver {
                 self.behind.orphans
             ));
         }
-        match self.behind.held.keys().find(|p| !self.behind.orphans.contains_key(p)) {
-            Some(p) => Err(format!("DATAs held for peer {} with no orphaned scatter running", p.0)),
+        if let Some(p) = self.behind.held.keys().find(|p| !self.behind.orphans.contains_key(p)) {
+            return Err(format!("DATAs held for peer {} with no orphaned scatter running", p.0));
+        }
+        match self.behind.gathers.keys().find(|p| !self.behind.orphans.contains_key(p)) {
+            Some(p) => Err(format!("gathers held for peer {} with no orphaned scatter running", p.0)),
             None => Ok(()),
         }
     }

@@ -11,7 +11,18 @@ use super::*;
 impl Receiver {
     /// A READ flow's regions were granted: gather each chunk into its region (announced ready
     /// once gathered). A chunk whose sources are no longer registered fails the flow.
+    /// While the peer's orphaned scatters run, the gathers wait for them (see `order`).
     pub(super) fn start_gathers(&mut self, ctx: &mut Ctx<'_>, key: FlowKey, token: Token, credits: &[Credit]) {
+        if self.behind.hold_gathers(key, token, credits) {
+            trace!(
+                peer = key.peer.0,
+                xfer = key.xfer.0,
+                regions = credits.len(),
+                "READ gathers held behind an orphaned scatter"
+            );
+            ctx.stats.gathers_held += credits.len() as u64;
+            return;
+        }
         for c in credits {
             let Some(flow) = self.flows.get_mut(&key) else { return };
             let i = c.chunk.0 as usize;
@@ -281,10 +292,11 @@ impl Receiver {
         if flow.pull.is_none() {
             return bad;
         }
-        // Held, ready (its gather ended), and the very region and chunk announced.
+        // Held, ready (its gather ended, not held back: see `order`), and the very region and
+        // chunk announced.
         let arena = flow.arena;
         match ctx.sched(arena).is_held(key, rel.region.offset) {
-            Some(g) if g.region == rel.region && g.chunk == rel.chunk => {}
+            Some(g) if g.region == rel.region && g.chunk == rel.chunk && !self.behind.holds_gather(key, g.region) => {}
             _ => return bad,
         }
         flow.progressed(ctx.now, self.idle_timeout);

@@ -60,8 +60,9 @@ impl Receiver {
             let Some(flow) = self.flows.get_mut(&key) else {
                 continue;
             };
-            // A DATA held behind its peer's orphaned scatters came (see `order`).
-            let held = self.behind.held_of(key);
+            // A DATA held behind its peer's orphaned scatters came, and a held gather is ours
+            // to start (see `order`).
+            let held = self.behind.held_of(key) + self.behind.gathers_held_of(key);
             let waiting_for_data = ctx.scheds.flow_held_count(key).saturating_sub(flow.scattering + held);
             let waiting_for_pulls = flow.pull.as_ref().is_some_and(|p| !p.complete());
             if flow.deadline <= now && (waiting_for_data > 0 || waiting_for_pulls) {

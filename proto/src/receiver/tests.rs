@@ -1282,6 +1282,67 @@ fn a_held_data_sent_twice_is_refused_and_a_held_flow_released_is_never_scattered
     check(&ep);
 }
 
+/// A READ posted after its initiator released a WRITE (the READ waits for that cancel) reads
+/// what the released WRITE left: its gather waits for the peer's orphaned scatters, as a DATA
+/// does, and its region cannot be released (nothing was announced) while it waits.
+#[test]
+fn a_released_flows_running_scatter_holds_back_its_peers_next_read_gather_until_it_ends() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    let key = FlowKey { peer: PEER, xfer: XferId(9) };
+    ep.handle_msg(t, PEER, Msg::Pull(pull_of(REG, DST))).unwrap();
+    let acts = drain(&mut ep);
+    assert!(gathers(&acts).is_empty() && msgs(&acts).is_empty(), "held behind the orphan: {acts:?}");
+    assert_eq!((ep.stats().gathers_held, ep.scheduler().flow_held_count(key)), (1, 1));
+    ep.receiver().check_invariants().unwrap();
+    // No RELEASE of any region frees it: none was announced.
+    for off in (0..32).step_by(4) {
+        let release = wire::Release {
+            xfer: key.xfer,
+            token: TOKEN,
+            chunk: ChunkIdx(0),
+            region: Region { offset: off * KIB, len: CHUNK },
+        };
+        let err = ep.handle_msg(t, PEER, Msg::Release(release)).unwrap_err();
+        assert!(matches!(err, ProtocolError::BadRelease { .. }), "{err:?}");
+    }
+    assert_eq!(ep.scheduler().flow_held_count(key), 1);
+    // Waiting for our own copies is not the initiator's silence.
+    for k in 1..=8u32 {
+        ep.handle_timeout(t + TIMEOUT * k / 4);
+        assert_eq!((ep.remote_flows(), ep.stats().flows_timed_out), (1, 0), "at {k} quarters");
+    }
+    let later = t + TIMEOUT * 2;
+    ep.handle_scatter_done(later, old, true);
+    let g = gathers(&drain(&mut ep));
+    assert_eq!(g.len(), 1, "gathered once the orphan ended");
+    ep.handle_gather_done(later, g[0].0, true);
+    let announced = credits(&drain(&mut ep));
+    assert_eq!(announced.len(), 1);
+    assert_eq!(announced[0].3, g[0].1, "the region gathered is announced");
+    ep.receiver().check_invariants().unwrap();
+    check(&ep);
+}
+
+#[test]
+fn a_read_cancelled_while_its_gather_is_held_is_never_gathered() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    ep.handle_msg(t, PEER, Msg::Pull(pull_of(REG, DST))).unwrap();
+    assert!(gathers(&drain(&mut ep)).is_empty());
+    let cancel = wire::Pull { chunks: Vec::new(), proofs: Vec::new(), ..pull_of(REG, DST) };
+    ep.handle_msg(t, PEER, Msg::Pull(cancel)).unwrap();
+    ep.receiver().check_invariants().unwrap();
+    ep.handle_scatter_done(t, old, true);
+    let acts = drain(&mut ep);
+    assert!(gathers(&acts).is_empty(), "{acts:?}");
+    assert_eq!(ep.remote_flows(), 0);
+    ep.handle_timeout(t + TIMEOUT / 4);
+    assert_eq!(ep.arena_free_bytes(), 32 * KIB, "every region freed or out of quarantine");
+    ep.receiver().check_invariants().unwrap();
+    check(&ep);
+}
+
 #[test]
 fn a_held_data_keeps_its_flow_alive_however_long_it_waits() {
     let (mut ep, t) = receiver();

@@ -988,6 +988,72 @@ fn a_write_submitted_while_a_cancel_to_its_peer_waits_starts_right_after_that_ca
     check(&ep);
 }
 
+fn is_pull(m: &Msg, xfer: XferId) -> bool {
+    matches!(m, Msg::Pull(p) if p.xfer == xfer && !p.chunks.is_empty())
+}
+
+/// Review 58: a READ started beside a held WRITE reached the target first; once 256 such READs
+/// had ended there, the WRITE's WANT fell below the target's replay window and was dropped
+/// unanswered, and the WRITE failed by its timeout. READs wait in the same queue now: the
+/// peer's ids reach it in submission order, and a READ's PULL comes after the cancel.
+#[test]
+fn a_read_submitted_while_a_cancel_to_its_peer_waits_starts_after_the_writes_held_before_it() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    drain(&mut ep);
+    let (y, reads) = (XferId(2), [XferId(3), XferId(4)]);
+    ep.submit(t, y, TOKEN, PEER, direct_plan_of(1)).unwrap();
+    for z in reads {
+        ep.submit_read(t, z, TOKEN, PEER, plan_of(1), None).unwrap();
+    }
+    assert!(msgs(&drain(&mut ep)).is_empty(), "no PULL before X's cancel and Y's WANT");
+    assert!(reads.iter().all(|&z| ep.owes_completion(z)));
+    assert_eq!((ep.stats().writes_deferred, ep.stats().reads_deferred, ep.in_flight_xfers()), (1, 2, 3));
+    // A READ from another peer does not wait.
+    ep.submit_read(t, XferId(5), TOKEN, PeerId(8), plan_of(1), None).unwrap();
+    assert!(msgs(&drain(&mut ep)).iter().any(|(p, m)| *p == PeerId(8) && is_pull(m, XferId(5))));
+    ep.handle_write_done(t, w[0].0, true);
+    let m: Vec<Msg> = msgs(&drain(&mut ep)).into_iter().filter(|(p, _)| *p == PEER).map(|(_, m)| m).collect();
+    assert!(
+        m.len() == 4
+            && is_cancel(&m[0], X)
+            && is_want(&m[1], y)
+            && is_pull(&m[2], reads[0])
+            && is_pull(&m[3], reads[1]),
+        "the cancel, then the held transfers in the order submitted: {m:?}"
+    );
+    assert_eq!(ep.stats().submitted, 5);
+    check(&ep);
+}
+
+#[test]
+fn a_held_read_cancelled_timed_out_or_whose_destinations_go_fails_and_never_pulls() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let w = direct_write_granted(&mut ep, t, 2);
+    ep.cancel(t, X);
+    drain(&mut ep);
+    let (a, b, c) = (XferId(2), XferId(3), XferId(4));
+    for z in [a, b] {
+        ep.submit_read(t, z, TOKEN, PEER, plan_of(1), None).unwrap();
+    }
+    ep.submit_read(t + TIMEOUT / 2, c, TOKEN, PEER, plan_of(1), None).unwrap();
+    ep.cancel(t, a);
+    assert_eq!(completes(&drain(&mut ep)), vec![(a, Err(XferError::Canceled))]);
+    // Held a request timeout, B fails by it; C, submitted later, is still held.
+    ep.handle_timeout(t + TIMEOUT);
+    assert_eq!(completes(&drain(&mut ep)), vec![(b, Err(XferError::Timeout))]);
+    // Deregistering what it reads at the peer (its sources there) fails nothing; the memory it
+    // would scatter into here does.
+    ep.deregister(t + TIMEOUT, None, SRC, CHUNK);
+    assert!(completes(&drain(&mut ep)).is_empty());
+    ep.deregister(t + TIMEOUT, None, DST, CHUNK);
+    assert_eq!(completes(&drain(&mut ep)), vec![(c, Err(XferError::Deregistered))]);
+    assert_eq!((ep.stats().reads_deferred, ep.stats().dereg_failed), (3, 1));
+    ep.handle_write_done(t + TIMEOUT, w[0].0, true);
+    assert!(msgs(&drain(&mut ep)).iter().all(|(_, m)| !matches!(m, Msg::Pull(_))), "no held READ pulls");
+}
+
 #[test]
 fn a_held_write_cancelled_or_whose_peer_is_lost_fails_without_a_word_to_the_peer() {
     let (mut ep, t) = endpoint(64 * KIB, 2, false);

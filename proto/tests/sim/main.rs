@@ -256,7 +256,9 @@ fn random_faults(one_way: bool, seeds: std::ops::Range<u64>, arenas: usize) {
                 ("standing_taken", st.standing_taken),
                 ("standing_kept", st.standing_kept),
                 ("scatters_held", st.scatters_held),
+                ("gathers_held", st.gathers_held),
                 ("writes_deferred", st.writes_deferred),
+                ("reads_deferred", st.reads_deferred),
             ] {
                 *seen.entry(k.to_string()).or_default() += v;
             }

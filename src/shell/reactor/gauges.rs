@@ -41,8 +41,10 @@ impl Driver {
         s.region_plans_sent.store(core.region_plans_sent, Ordering::Relaxed);
         s.region_plans_received.store(core.region_plans_received, Ordering::Relaxed);
         s.scatters_held.store(core.scatters_held, Ordering::Relaxed);
+        s.gathers_held.store(core.gathers_held, Ordering::Relaxed);
         s.data_runs_refused.store(core.data_runs_refused, Ordering::Relaxed);
         s.writes_deferred.store(core.writes_deferred, Ordering::Relaxed);
+        s.reads_deferred.store(core.reads_deferred, Ordering::Relaxed);
         s.grant_waits.store(core.grant_waits, Ordering::Relaxed);
         s.grant_wait_ns.store(core.grant_wait_ns, Ordering::Relaxed);
         s.ack_waits.store(core.ack_waits, Ordering::Relaxed);

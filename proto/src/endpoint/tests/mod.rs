@@ -1109,6 +1109,71 @@ fn only_the_target_of_a_transfer_counts_peer_messages() {
     // READs: see a_read_pulls_every_byte_through_the_targets_arena_two_way_and_one_way.
 }
 
+/// Review 58: a WRITE held behind our cancel started under the id it got at submit. READs were
+/// not held, so they started beside it; once 256 of them had ended at the target, the held
+/// WRITE's WANT fell below the target's replay window, was dropped unanswered, and the WRITE
+/// failed by its timeout. Now the READs wait with it, in submission order, and all succeed.
+#[test]
+fn reads_beside_a_held_write_wait_with_it_and_cannot_push_it_below_the_targets_replay_window() {
+    let mut p = Pair::new(64 * KIB, 2, false);
+    let (old, new) = (|i: u64| (i as u8).wrapping_mul(3), |i: u64| (i as u8).wrapping_mul(7).wrapping_add(1));
+    for i in 0..CHUNK {
+        p.mem[1].insert(DST + i, old(i));
+        p.mem[0].insert(SRC + i, new(i));
+    }
+    let now = p.now;
+    p.eps[0].submit(now, X, TOKEN, PeerId(1), direct_plan_of(1)).unwrap();
+    // Everything runs but X's direct write, held as if still in flight.
+    let mut write = None;
+    loop {
+        let mut idle = true;
+        for me in 0..2 {
+            while let Some(a) = p.eps[me].poll_action() {
+                idle = false;
+                match a {
+                    a @ Action::Write { .. } if me == 0 => write = Some(a),
+                    a => p.perform(me, a),
+                }
+            }
+        }
+        if idle {
+            break;
+        }
+    }
+    let write = write.expect("X's write posted");
+    p.eps[0].cancel(now, X);
+    // Y writes elsewhere at the target; then 300 READs of DST.
+    let y = XferId(2);
+    let mut plan =
+        plan::plan(&[DescPair { src: SRC, dst: DST + 8 * CHUNK, len: CHUNK }], PlanParams::new(CHUNK)).unwrap();
+    plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+    p.eps[0].submit(now, y, TOKEN, PeerId(1), plan).unwrap();
+    let reads: Vec<XferId> = (3..3 + 300).map(XferId).collect();
+    for &z in &reads {
+        let descs = [DescPair { src: DST, dst: SRC + z.0 * CHUNK, len: CHUNK }];
+        let mut plan = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+        plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+        p.eps[0].submit_read(now, z, TOKEN, PeerId(1), plan, None).unwrap();
+    }
+    p.run();
+    let early = p.done.clone();
+    p.perform(0, write);
+    p.run();
+    assert_eq!(p.eps[1].stats().control_replayed, 0, "Y's WANT taken for a replay");
+    assert_eq!(early, vec![(0, X, Err(XferError::Canceled))], "nothing else ends before X's write");
+    let mut ok: Vec<XferId> = p.done.iter().filter(|(_, _, r)| r.is_ok()).map(|&(_, x, _)| x).collect();
+    ok.sort();
+    assert_eq!(ok.len(), 301, "Y and every READ succeed: {:?}", p.done);
+    assert!(ok[0] == y && ok[1..] == reads[..]);
+    assert_eq!((p.eps[0].stats().writes_deferred, p.eps[0].stats().reads_deferred), (1, 300));
+    for i in 0..CHUNK {
+        assert_eq!(p.mem[1].get(&(DST + 8 * CHUNK + i)), Some(&new(i)), "Y's byte {i}");
+        for z in &reads {
+            assert_eq!(p.mem[0].get(&(SRC + z.0 * CHUNK + i)), Some(&old(i)), "READ {z:?} byte {i}");
+        }
+    }
+}
+
 /// A READ that fails while scatters into our memory run (cancelled by the application, timed
 /// out, or its peer lost) is told failed only once they have ended: the application may reuse
 /// its destinations the moment it learns, so nothing of the transfer may write them after.
