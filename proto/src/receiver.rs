@@ -655,7 +655,7 @@ impl Receiver {
                 );
                 None
             }
-            Some(i) => self.take_inline(from, (want.xfer, want.arena), chunks, i),
+            Some(i) => self.take_inline(from, (want.xfer, want.arena), (chunks, want.chunks.len() as u64), i),
             None => None,
         };
         let chunks = chunks + inline.as_ref().map_or(0, |i| i.runs.len() as u64);
@@ -1132,6 +1132,10 @@ impl Receiver {
             return Err(format!("inline bytes held {} but the open flows hold {held}", self.inline_held));
         }
         self.check_behind()?;
+        let total = recount.values().fold(0u64, |t, l| t.saturating_add(l.chunks));
+        if total > self.total_chunks_cap {
+            return Err(format!("all peers hold {total} chunks, over the cap of {}", self.total_chunks_cap));
+        }
         match recount.iter().find(|(_, l)| l.flows > self.caps.flows || l.chunks > self.caps.chunks) {
             Some((peer, l)) => Err(format!("peer {} holds {l:?}, over the per-peer caps", peer.0)),
             None => Ok(()),

@@ -8,18 +8,22 @@ impl Receiver {
     /// Takes an inline chunk from a new flow's WANT when this receiver may: it takes inline
     /// chunks of this size into the flow's arena, the transfer is newer than any inline one
     /// taken from the peer (not a replay), and holding the bytes stays within
-    /// [`MAX_INLINE_HELD`] and the runs within the peer's budget. Otherwise the flow is served
-    /// the usual way. A one-way flow's answer (the ACK) goes to its mailbox like any other.
+    /// [`MAX_INLINE_HELD`] and the runs within the peer's budget and all peers' (`units`: the
+    /// peer's load with this WANT's chunks, and those chunks alone, not yet counted in the
+    /// total). Otherwise the flow is served the usual way. A one-way flow's answer (the ACK)
+    /// goes to its mailbox like any other.
     pub(super) fn take_inline(
         &mut self,
         from: PeerId,
         (xfer, arena): (XferId, ArenaId),
-        units: u64,
+        (units, wanted): (u64, u64),
         inline: wire::Inline,
     ) -> Option<wire::Inline> {
         let len = inline.bytes.len() as u64;
         let fresh = self.inline_floor.get(&from).is_none_or(|&floor| xfer > floor);
-        let budget = units.saturating_add(inline.runs.len() as u64) <= self.caps.chunks;
+        let runs = inline.runs.len() as u64;
+        let budget =
+            units.saturating_add(runs) <= self.caps.chunks && self.within_total(wanted.saturating_add(runs)).is_ok();
         let into = self.inline_declined & inline_bit(arena) == 0;
         let take = len <= self.inline_bytes && into && fresh && budget && self.inline_held + len <= MAX_INLINE_HELD;
         if !take {

@@ -1029,6 +1029,28 @@ fn an_inline_want_is_put_in_a_region_and_scattered_with_no_grant_then_acked() {
     check(&ep);
 }
 
+/// An inline chunk's runs count against all peers' units together as a PLAN's do (review 58:
+/// only the peer's own budget was checked, so each held inline WANT could pass the total by
+/// its runs): past the total, the bytes are declined and the chunk is served the usual way.
+#[test]
+fn an_inline_chunk_whose_runs_pass_all_peers_total_is_declined_and_granted_instead() {
+    let (mut ep, t) = receiver();
+    // The WANT's chunk fits the total; its two runs besides do not.
+    ep.receiver_mut().set_total_chunks_cap(2);
+    let runs = vec![run(0, DST, 8), run(8, DST + 64, CHUNK - 8)];
+    ep.handle_msg(t, PEER, inline_want(X, 0xab, runs.clone())).unwrap();
+    let acts = drain(&mut ep);
+    assert!(inline_scatters(&acts).is_empty(), "{acts:?}");
+    assert_eq!(credits(&acts).len(), 1, "granted as a plain WANT");
+    assert_eq!(ep.stats().inline_taken, 0);
+    ep.receiver().check_invariants().unwrap();
+    // Within the total, the same WANT rides inline.
+    ep.receiver_mut().set_total_chunks_cap(4);
+    ep.handle_msg(t, PEER, inline_want(XferId(2), 0xcd, runs)).unwrap();
+    assert_eq!(inline_scatters(&drain(&mut ep)).len(), 1);
+    ep.receiver().check_invariants().unwrap();
+}
+
 #[test]
 fn an_inline_chunk_whose_runs_leave_the_proven_memory_is_refused_and_writes_nothing() {
     let (mut ep, t) = receiver();
