@@ -403,10 +403,10 @@ impl Engine {
             return cma.post(handle, notif, loaded);
         }
         let sh = self.shared().ok_or(Error::NoBounce)?;
-        let p = sh.requests.post(handle, notif)?;
-        // Submitted in a pass on this thread (the WANT leaves before post returns), or by the
-        // reactor thread when no pass can run here.
-        sh.inbox.push_quiet(Cmd::Submit(p));
+        // Queued before the request is seen posted: a release on another thread cancels it
+        // after it is submitted, never before. Submitted in a pass on this thread (the WANT
+        // leaves before post returns), or by the reactor thread when no pass can run here.
+        sh.requests.post_then(handle, notif, |p| sh.inbox.push_quiet(Cmd::Submit(p)))?;
         if self.drive().is_none() {
             sh.inbox.kick();
         }

@@ -114,13 +114,35 @@ impl Requests {
         h
     }
 
-    /// Marks a request posted under a fresh transfer id.
+    /// Marks a request posted under a fresh transfer id (tests; the engine posts with
+    /// [`Self::post_then`]).
     ///
     /// # Errors
     /// [`Error::BounceClosed`] after [`Self::close`], [`Error::UnknownRequest`],
     /// [`Error::RepostActive`] while it is in flight.
+    #[cfg(test)]
     pub(crate) fn post(&self, handle: u64, notif: Option<Vec<u8>>) -> Result<Posted> {
+        self.post_locked(&mut self.map.lock(), handle, notif)
+    }
+
+    /// Marks a request posted under a fresh transfer id and hands it to `submit` while the
+    /// table is still locked: a release of the same handle on another thread (which takes the lock to find it
+    /// posted) then comes after the submit, and its cancel reaches the reactor after it. Let go
+    /// between the two, a release could return before its own post's transfer ran, and a READ
+    /// would then write the destinations it was releasing (review 58). `submit` must not take
+    /// this table's lock.
+    ///
+    /// # Errors
+    /// [`Error::BounceClosed`] after [`Self::close`], [`Error::UnknownRequest`],
+    /// [`Error::RepostActive`] while it is in flight; then `submit` is not called.
+    pub(crate) fn post_then(&self, handle: u64, notif: Option<Vec<u8>>, submit: impl FnOnce(Posted)) -> Result<()> {
         let mut map = self.map.lock();
+        let posted = self.post_locked(&mut map, handle, notif)?;
+        submit(posted);
+        Ok(())
+    }
+
+    fn post_locked(&self, map: &mut HashMap<u64, Request>, handle: u64, notif: Option<Vec<u8>>) -> Result<Posted> {
         if self.closed.load(Ordering::Relaxed) {
             return Err(Error::BounceClosed);
         }
@@ -224,6 +246,30 @@ mod tests {
         let idle = t.insert("peer".into(), None, Plan::default());
         assert_eq!(t.remove(idle), Some(Released::Idle));
         assert_eq!(t.remove(idle), None);
+    }
+
+    /// A release racing its own post on another thread finds the request posted only once the
+    /// post has handed its transfer on (the cancel then follows the submit), never between.
+    #[test]
+    fn a_release_racing_a_post_waits_until_the_transfer_is_handed_on() {
+        let t = Arc::new(Requests::default());
+        let h = t.insert("peer".into(), None, Plan::default());
+        let mut releaser = None;
+        let mut submitted = None;
+        t.post_then(h, None, |p| {
+            let t2 = Arc::clone(&t);
+            let r = std::thread::spawn(move || t2.remove(h));
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(!r.is_finished(), "the release ran between the post and its submit");
+            submitted = Some(p.xfer);
+            releaser = Some(r);
+        })
+        .unwrap();
+        let released = releaser.unwrap().join().unwrap();
+        assert_eq!(released, Some(Released::InFlight(submitted.unwrap())));
+        assert_eq!(t.in_flight(), 0);
+        // A post refused hands nothing on.
+        assert!(matches!(t.post_then(h, None, |_| panic!("submitted")), Err(Error::UnknownRequest(_))));
     }
 
     /// A table made after another (a process restarted under the same name) numbers its
