@@ -187,8 +187,10 @@ pub struct Endpoint {
     /// Who answers a PING, when the peer table that knows is not ours (see
     /// [`set_ping_answerers`](Self::set_ping_answerers)).
     answers_pings: PingAnswerers,
-    /// WRITEs held back behind a cancel of ours still waiting for its writes (see `deferred`).
+    /// Transfers held back behind a cancel of ours still waiting for its writes (see `deferred`).
     deferred: deferred::Deferred,
+    /// Peers declared dead since the shell last asked ([`take_declared_dead`](Self::take_declared_dead)).
+    declared_dead: Vec<PeerId>,
 }
 
 /// The shell's view of which peers answer a PING ([`Endpoint::set_ping_answerers`]).
@@ -250,6 +252,7 @@ impl Endpoint {
             reads: Vec::new(),
             answers_pings: PingAnswerers::default(),
             deferred: deferred::Deferred::default(),
+            declared_dead: Vec::new(),
         })
     }
 
@@ -952,6 +955,13 @@ impl Endpoint {
         self.pump(now);
     }
 
+    /// The peers declared dead (by the probe, or the transport) since the last call: the shell
+    /// drops what its control channel still queues for them (a ZMQ connection that never
+    /// completed holds every frame sent to it), as for a peer lost.
+    pub fn take_declared_dead(&mut self) -> Vec<PeerId> {
+        std::mem::take(&mut self.declared_dead)
+    }
+
     /// The transport says `peer` is gone for good (UCX refused a send to it with
     /// `ERR_REMOTE_DISCONNECT`: its endpoint failed): when we wait on it, it is declared dead at
     /// once, as the liveness probe would have done later. Otherwise nothing happens.
@@ -967,6 +977,7 @@ impl Endpoint {
     /// Fails `peer`'s transfers with `err` and reclaims its flows, counted as a death.
     fn declare_dead(&mut self, now: Instant, peer: PeerId, err: XferError) {
         self.stats.peers_declared_dead += 1;
+        self.declared_dead.push(peer);
         // It may be alive, under the same id and session.
         self.end_with_living_id(now, peer, err);
     }

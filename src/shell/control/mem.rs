@@ -29,6 +29,8 @@ struct Net {
     /// Held-back frames `(to, from, frame)`.
     held: Vec<(String, String, Vec<u8>)>,
     fault: Option<Fault>,
+    /// Peers forgotten, `(member, peer)`, in order.
+    forgotten: Vec<(String, String)>,
 }
 
 /// The network; clone it to join more members.
@@ -51,6 +53,11 @@ impl MemNet {
     /// How many frames wait at member `name`.
     pub(crate) fn waiting(&self, name: &str) -> usize {
         self.0.lock().queues.get(name).map_or(0, VecDeque::len)
+    }
+
+    /// How many times member `name` forgot `peer` (dropped what its channel keeps for it).
+    pub(crate) fn forgets(&self, name: &str, peer: &str) -> usize {
+        self.0.lock().forgotten.iter().filter(|(m, p)| m == name && p == peer).count()
     }
 
     /// Installs the fault hook (replacing any previous one).
@@ -96,7 +103,9 @@ impl ControlChannel for MemChannel {
         n
     }
 
-    fn forget(&mut self, _peer: &str) {}
+    fn forget(&mut self, peer: &str) {
+        self.net.0.lock().forgotten.push((self.name.clone(), peer.to_owned()));
+    }
 
     fn own_socket(&self) -> bool {
         self.socket

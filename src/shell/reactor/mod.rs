@@ -613,6 +613,14 @@ impl Driver {
             self.ep.handle_timeout(now);
         }
         moved |= self.drain_actions();
+        // What the channel still holds for a peer declared dead goes, as for one lost: a ZMQ
+        // connection that never completed queued every frame sent to it (review 58). A peer
+        // only stalled is reached again by the next send.
+        for id in self.ep.take_declared_dead() {
+            if let Some(name) = self.shared.peers.name(id) {
+                self.control.forget(&name);
+            }
+        }
         // Gauges first: a deregistration that returns sees its failures counted.
         self.publish_gauges();
         self.settle();
