@@ -1163,6 +1163,48 @@ fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
     assert_eq!(a.stat(|s| &s.bounce_ok), 0);
 }
 
+/// `deregisterMem` racing the engine's close, with a scatter into that memory still running
+/// (held at the gate, and never let go): the deregistration returns within the close's bounded
+/// waits, once the reactor has ended and dropped the copy engine with the job, and nothing is
+/// written into the memory afterwards. Review 58: no test bounded it.
+#[test]
+fn a_deregistration_during_the_close_returns_once_the_reactor_ends_and_nothing_lands_after() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let gate = Gate::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = introduce(Side::start("a", 11, &cfg, &net), Side::start_with("b", 22, &cfg, &net, gate.engine()));
+    let dest = b.register(&mut dst);
+    let x = a.post("b", &cfg, &src, &mut dst, dest);
+    gate.wait_held("b's copy engine");
+    let (addr, len) = (dst.as_ptr() as u64, dst.len() as u64);
+    let Side { reactor, shared, _arena: b_arena, .. } = b;
+    let t = Instant::now();
+    let stopping = std::thread::spawn(move || reactor.stop());
+    std::thread::sleep(Duration::from_millis(20));
+    let dereg = std::thread::spawn(move || {
+        assert!(shared.registry.remove(Md(addr as usize)).is_some());
+        shared.deregister(Some(RegId(addr)), addr, len, ArenaPlace { mem: MemKind::Dram, dev: 0 });
+        Instant::now()
+    });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !dereg.is_finished() {
+        assert!(Instant::now() < deadline, "deregisterMem still waits {:?} into the close", t.elapsed());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let returned = dereg.join().unwrap();
+    let after = dst.clone();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(after == dst, "bytes changed after deregisterMem returned");
+    assert!(!gate.open.load(Ordering::SeqCst), "the held scatter was never let go");
+    let _ = stopping.join().unwrap();
+    assert!(returned.duration_since(t) < Duration::from_secs(15));
+    assert!(a.outcome(x, Duration::from_secs(10)).is_err(), "the write into a closed engine reported SUCCESS");
+    let Side { reactor, _arena: a_arena, .. } = a;
+    let _ = reactor.stop();
+    drop((a_arena, b_arena));
+}
+
 /// What the engine does in `releaseReqH` for an in-flight request, on another thread: take
 /// the handle from the table, cancel the transfer and wait. Returns when the wait ended.
 fn release_async(side: &Side, h: u64) -> std::thread::JoinHandle<Instant> {
@@ -1673,6 +1715,43 @@ fn goodbye_fails_the_peers_transfers_at_once_and_its_grants_come_back() {
     assert!(closed_at.elapsed() < Duration::from_secs(5), "failed by GOODBYE, not by the 60 s timeout");
     assert!(a.shared.peers.bounce_arenas("b").is_none(), "b's arena is forgotten");
     assert_eq!(a.stat(|s| &s.bounce_ok), 0);
+}
+
+/// A closing engine whose peer never gives a grant back (none of its frames arrive after the
+/// GRANT: no DATA, no cancel) waits for it a bounded time, then reports a stop that was not
+/// quiet, so its arena is kept (leaked) rather than handed back under a writer that may still
+/// write (README "Deregistration and teardown"). Review 58: no test made `stop` say false.
+#[test]
+fn a_close_with_a_grant_still_out_waits_a_bounded_time_and_is_not_quiet() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let granted = Arc::new(AtomicUsize::new(0));
+    let g = Arc::clone(&granted);
+    net.set_fault(move |from, _, f| {
+        if from == "b" && kind(f) == Some("grant") {
+            g.fetch_add(1, Ordering::SeqCst);
+        }
+        // The liveness frames (PING, PONG, GOODBYE) still pass: only a's flow is cut off.
+        let cut = from == "a" && kind(f).is_some() && g.load(Ordering::SeqCst) > 0;
+        if cut { Fate::Drop } else { Fate::Deliver }
+    });
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    wait_nonzero(&granted, "b granted nothing");
+    let Side { reactor, _arena: b_arena, .. } = b;
+    let t = Instant::now();
+    assert!(!reactor.stop(), "a's grant never came back, yet the stop reported quiet");
+    let took = t.elapsed();
+    assert!(took >= closing::CLOSE_WAIT / 2, "gave up on the grant after {took:?}");
+    assert!(took < closing::CLOSE_WAIT * 4, "the close took {took:?}");
+    // a learns of the close from the GOODBYE, not from its 60 s timeout.
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Err(XferError::PeerLost));
+    // a may still have written into b's arena until now: it goes only after a stops.
+    let Side { reactor, _arena: a_arena, .. } = a;
+    let _ = reactor.stop();
+    drop((a_arena, b_arena));
 }
 
 /// An idle engine that closes (no transfer, no grant out) still answers the PING with which
