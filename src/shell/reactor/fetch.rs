@@ -7,7 +7,7 @@
 //! flight at most once at a time, and its slice is given back only once none is (a READ still
 //! in flight would land in a slice given to another transfer).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use bounce_proto::{PeerId, XferId};
@@ -62,7 +62,7 @@ pub(crate) struct Fetches {
     /// `FETCH_LET_GO`): such a READ may still land in our fetch area, so the area is not
     /// unmapped at a stop ([`Self::may_still_land`]) and those registrations are not unloaded
     /// ([`Self::uses`]) while the engine lives.
-    let_go: Vec<Md>,
+    let_go: HashSet<Md>,
 }
 
 impl Fetches {
@@ -74,7 +74,7 @@ impl Fetches {
             polls: HashMap::new(),
             held: HashMap::new(),
             per_peer_max,
-            let_go: Vec::new(),
+            let_go: HashSet::new(),
         }
     }
 
@@ -150,15 +150,23 @@ impl Fetches {
     }
 
     /// True when a READ in flight goes through the peer registration `md`, or one let go did.
+    #[cfg(test)]
     pub(crate) fn uses(&self, md: Md) -> bool {
-        self.let_go.contains(&md) || self.polls.values().any(|p| !p.reads.is_empty() && p.remote_md == Some(md))
+        let mut used = HashSet::new();
+        self.uses_into(&mut used);
+        used.contains(&md)
+    }
+
+    /// Adds the peer registrations READs in flight go through, and those of READs let go, to
+    /// `into`.
+    pub(crate) fn uses_into(&self, into: &mut HashSet<Md>) {
+        into.extend(self.let_go.iter().copied());
+        into.extend(self.polls.values().filter(|p| !p.reads.is_empty()).filter_map(|p| p.remote_md));
     }
 
     /// A READ through `md` was released before it came back (see the field `let_go`).
     pub(crate) fn note_let_go(&mut self, md: Md) {
-        if !self.let_go.contains(&md) {
-            self.let_go.push(md);
-        }
+        self.let_go.insert(md);
     }
 
     /// Whether a READ let go may still land in the fetch area.
@@ -207,7 +215,7 @@ mod tests {
         assert!(f.may_still_land());
         assert!(f.uses(Md(7)) && !f.uses(Md(8)));
         f.note_let_go(Md(7));
-        assert_eq!(f.let_go, [Md(7)], "each registration once");
+        assert_eq!(f.let_go, HashSet::from([Md(7)]), "each registration once");
     }
 
     #[test]

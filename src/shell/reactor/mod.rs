@@ -645,17 +645,21 @@ impl Driver {
             self.deregs.retain(|d| fence.busy((d.start, d.end), d.mark));
         }
         if !self.retiring.is_empty() {
-            let mut i = 0;
-            while i < self.retiring.len() {
-                let busy = |md: &Md| self.writes.iter().any(|w| w.remote_md == *md) || self.fetches.uses(*md);
-                if self.retiring[i].iter().any(busy) {
-                    i += 1;
-                } else {
-                    for md in self.retiring.swap_remove(i) {
-                        self.data.unload(md);
-                    }
+            // One set of the handles in use, not a scan of every write per retired handle: a
+            // peer restarting while its old incarnations' operations never end adds a retired
+            // arena each time (review 58).
+            let mut busy: HashSet<Md> = self.writes.iter().map(|w| w.remote_md).collect();
+            self.fetches.uses_into(&mut busy);
+            let data = &mut self.data;
+            self.retiring.retain(|mds| {
+                if mds.iter().any(|md| busy.contains(md)) {
+                    return true;
                 }
-            }
+                for &md in mds {
+                    data.unload(md);
+                }
+                false
+            });
             self.shared.arenas_retiring.store(self.retiring.len() as u64, Ordering::Relaxed);
         }
     }
