@@ -827,6 +827,34 @@ fn writes_queued_behind_a_stopped_peer_give_their_staging_back_when_the_transfer
     });
 }
 
+/// A write that is slow, not lost: while it is in flight its sender KEEPs the flow every
+/// eighth of the (smaller) timeout, and the receiver holds the region past its own lease, so
+/// the transfer lands byte-exact and nothing is reclaimed or quarantined under it. b's lease is
+/// 400 ms and the write takes 500 ms (within one and a half leases, and a's 2 s timeout).
+/// Review 58: only the core's simulation covered KEEPs.
+#[test]
+fn a_slow_write_keeps_its_flow_past_the_receivers_lease_and_lands() {
+    // No standing credit: one unclaimed for half b's timeout lapses, and would be counted here.
+    let no_standing = [("bounce_standing_bytes", "0")];
+    let (cfg_a, cfg_b) = (config_with("2000", &no_standing), config_with("400", &no_standing));
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let resume = Arc::new(AtomicBool::new(false));
+    let path = MemPath { hold_writes: Some(Arc::clone(&resume)), ..MemPath::default() };
+    let a = Side::start_full("a", 11, &cfg_a, |c| Box::new(c), Box::new(net.join("a")), SOCKET_POLL_BATCH, path);
+    let (a, b) = introduce(a, Side::start("b", 22, &cfg_b, &net));
+    let dest = b.register(&mut dst);
+    let h = a.post("b", &cfg_a, &src, &mut dst, dest);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(matches!(a.shared.requests.state(h), Some(State::Posted(_))), "still in flight");
+    resume.store(true, Ordering::Release);
+    a.shared.inbox.wake();
+    assert_eq!(a.outcome(h, Duration::from_secs(10)), Ok(()));
+    assert_exact(&src, &dst);
+    assert!(a.stat(|s| &s.keeps_sent) >= 2, "{} KEEPs in 500 ms", a.stat(|s| &s.keeps_sent));
+    assert_eq!((b.stat(|s| &s.flows_timed_out), b.stat(|s| &s.regions_quarantined)), (0, 0));
+}
+
 #[test]
 fn frames_from_unloaded_agents_stale_sessions_and_garbage_are_dropped_and_counted() {
     let cfg = config("10000");
