@@ -1673,6 +1673,68 @@ fn deregistration_with_nothing_running_returns_at_once() {
     drop(arena);
 }
 
+/// A real close under a flood of forged GOODBYEs (a third agent holding b's metadata sends one
+/// every millisecond under b's name while b closes): a asks b about them with one PING at a
+/// time, so b's farewell answer to it still matches, and a's transfer to b fails as lost within
+/// the close, not by the liveness probe's verdict (~2 s). Before session 58 each forged GOODBYE
+/// replaced the nonce asked about, and the farewell matched nothing. Review 58 test gap 5.
+#[test]
+fn a_real_goodbye_is_believed_through_a_flood_of_forged_ones() {
+    let cfg = config("60000");
+    let net = MemNet::default();
+    let (src, mut dst) = buffers();
+    let (a, b) = pair(&cfg, &net);
+    let x = post_unacked(&a, &b, &cfg, &net, &src, &mut dst);
+    // Still no ACK; a's PINGs to b counted from here on.
+    let pings = Arc::new(AtomicUsize::new(0));
+    let p = Arc::clone(&pings);
+    net.set_fault(move |from, to, f| {
+        if kind(f) == Some("ack") {
+            return Fate::Drop;
+        }
+        let ping = matches!(
+            bounce_proto::wire::ControlFrame::decode(f).map(|c| c.body),
+            Ok(bounce_proto::wire::Body::Ping { .. })
+        );
+        if ping && (from, to) == ("a", "b") {
+            p.fetch_add(1, Ordering::Relaxed);
+        }
+        Fate::Deliver
+    });
+    let stop_flood = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = Arc::clone(&stop_flood);
+        let mut mallory = net.join("b");
+        std::thread::spawn(move || {
+            let mut sent = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                mallory.send("a", &bounce_proto::wire::encode_goodbye(22)).unwrap();
+                sent += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            sent
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let closed_at = Instant::now();
+    let Side { reactor, _arena: b_arena, .. } = b;
+    let _ = reactor.stop();
+    assert_eq!(a.outcome(x, Duration::from_secs(10)), Err(XferError::PeerLost));
+    let took = closed_at.elapsed();
+    stop_flood.store(true, Ordering::Relaxed);
+    let sent = flood.join().unwrap();
+    assert!(took < Duration::from_millis(1500), "believed only after {took:?} (the probe's verdict?)");
+    assert_eq!(a.stat(|s| &s.peers_declared_dead), 0, "ended by the probe, not the farewell");
+    // One ask at a time, resent at most every 100 ms (GOODBYE_ASK_GAP), whatever the flood:
+    // over the 300 ms of flood and the close, a handful.
+    let asked = pings.load(Ordering::Relaxed) as u64;
+    let bound = 2 + (300 + took.as_millis() as u64) / 100;
+    assert!(sent > 100 && asked <= bound, "{asked} PINGs for {sent} forged GOODBYEs (at most {bound})");
+    let Side { reactor, _arena: a_arena, .. } = a;
+    let _ = reactor.stop();
+    drop((a_arena, b_arena));
+}
+
 /// A GOODBYE under a peer's name and session from a third agent (which holds the peer's
 /// metadata, and so its session) ends nothing: the real peer, asked, is not closing.
 #[test]
