@@ -317,15 +317,25 @@ impl Endpoint {
         let shape =
             WantShape { one_way: route.mailbox.is_some(), inline: route.inline, no_standing: route.no_standing };
         self.sender.submit(&mut ctx!(self, now), xfer, token, peer, plan, shape)?;
-        if let Some(mailbox) = route.mailbox {
-            if self.reading.start(xfer, peer, token, mailbox).is_err() {
-                // The layout was checked when the peer was loaded: unreachable in practice.
-                self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
-            } else {
-                self.stats.one_way_sent += 1;
-            }
-        }
+        self.read_answers(now, (xfer, token, peer), route.mailbox);
         Ok(())
+    }
+
+    /// One way (`mailbox`: the target's mailbox shape), transfer `xfer` just started reads its
+    /// answers from the target's mailbox.
+    fn read_answers(
+        &mut self,
+        now: Instant,
+        (xfer, token, peer): (XferId, Token, PeerId),
+        mailbox: Option<MailboxLayout>,
+    ) {
+        let Some(layout) = mailbox else { return };
+        if self.reading.start(xfer, peer, token, layout).is_err() {
+            // The layout was checked when the peer was loaded: unreachable in practice.
+            self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
+        } else {
+            self.stats.one_way_sent += 1;
+        }
     }
 
     /// Largest chunk sent inside its WANT (`bounce_inline_bytes`); 0: never.
@@ -386,13 +396,7 @@ impl Endpoint {
         mailbox: Option<MailboxLayout>,
     ) -> Result<(), SubmitError> {
         self.sender.submit_read(&mut ctx!(self, now), xfer, token, peer, plan, mailbox.is_some())?;
-        if let Some(layout) = mailbox {
-            if self.reading.start(xfer, peer, token, layout).is_err() {
-                self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
-            } else {
-                self.stats.one_way_sent += 1;
-            }
-        }
+        self.read_answers(now, (xfer, token, peer), mailbox);
         Ok(())
     }
 

@@ -683,6 +683,28 @@ impl Pair {
         }
     }
 
+    /// As [`run`](Self::run), but the actions `hold` picks (by endpoint and action) are kept
+    /// back, as if still running, and returned.
+    fn run_holding(&mut self, mut hold: impl FnMut(usize, &Action) -> bool) -> Vec<Action> {
+        let mut held = Vec::new();
+        loop {
+            let mut idle = true;
+            for me in 0..2 {
+                while let Some(a) = self.eps[me].poll_action() {
+                    idle = false;
+                    if hold(me, &a) {
+                        held.push(a);
+                    } else {
+                        self.perform(me, a);
+                    }
+                }
+            }
+            if idle {
+                return held;
+            }
+        }
+    }
+
     fn perform(&mut self, me: usize, a: Action) {
         let peer = 1 - me;
         let now = self.now;
@@ -1124,23 +1146,9 @@ fn reads_beside_a_held_write_wait_with_it_and_cannot_push_it_below_the_targets_r
     let now = p.now;
     p.eps[0].submit(now, X, TOKEN, PeerId(1), direct_plan_of(1)).unwrap();
     // Everything runs but X's direct write, held as if still in flight.
-    let mut write = None;
-    loop {
-        let mut idle = true;
-        for me in 0..2 {
-            while let Some(a) = p.eps[me].poll_action() {
-                idle = false;
-                match a {
-                    a @ Action::Write { .. } if me == 0 => write = Some(a),
-                    a => p.perform(me, a),
-                }
-            }
-        }
-        if idle {
-            break;
-        }
-    }
-    let write = write.expect("X's write posted");
+    let mut held = p.run_holding(|me, a| me == 0 && matches!(a, Action::Write { .. }));
+    assert_eq!(held.len(), 1, "X's write posted");
+    let write = held.remove(0);
     p.eps[0].cancel(now, X);
     // Y writes elsewhere at the target; then 300 READs of DST.
     let y = XferId(2);
@@ -1188,22 +1196,14 @@ fn a_failed_read_is_told_only_once_its_scatters_into_our_memory_have_ended() {
         let now = p.now;
         p.eps[0].submit_read(now, X, TOKEN, PeerId(1), plan, None).unwrap();
         // Everything runs but our scatters, which are held as if still copying.
-        let mut held = Vec::new();
-        loop {
-            let mut idle = true;
-            for me in 0..2 {
-                while let Some(a) = p.eps[me].poll_action() {
-                    idle = false;
-                    match a {
-                        Action::Scatter { job, .. } if me == 0 => held.push(job),
-                        a => p.perform(me, a),
-                    }
-                }
-            }
-            if idle {
-                break;
-            }
-        }
+        let scatters = p.run_holding(|me, a| me == 0 && matches!(a, Action::Scatter { .. }));
+        let mut held: Vec<JobId> = scatters
+            .iter()
+            .filter_map(|a| match a {
+                Action::Scatter { job, .. } => Some(*job),
+                _ => None,
+            })
+            .collect();
         assert!(held.len() >= 2, "{how}: scatters held {}", held.len());
         let later = p.now + TIMEOUT * 2;
         match how {
