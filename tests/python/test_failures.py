@@ -634,6 +634,63 @@ def test_data_into_a_granted_region_with_runs_outside_registered_memory_is_refus
     assert e1["control_dropped"] - e0["control_dropped"] == 2 * shapes, (e0, e1)
 
 
+def test_a_replayed_want_and_data_after_their_flow_ended_open_nothing(procs, tmp_path):
+    """A WANT and its DATA sent again after their flow ended (a replay by anyone who saw them,
+    or a peer's own frames delivered twice) open nothing: the WANT is counted as replayed and
+    gets no answer, and the DATA finds no flow. Between real agents, over UCX notifications;
+    the core's tests cover the window's bounds (review 58 test gap)."""
+    import hostile_peer as hp
+    mib = 1 << 20
+    v = procs("hostile_peer.py")
+    evil = nixlkit.agent("r-evil", params={**SMALL, **hp.RAW})
+
+    def pump(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            evil.get_new_notifs()
+
+    def answers():
+        # The victim's answers (GRANT, ACK) reach the hostile's engine, which made no such
+        # transfer and drops each (sender.rs `unknown`).
+        pump(0.1)
+        return stats(evil)["control_dropped"]
+
+    with watchdog(60, [v], "replay test"):
+        v.call(op="agent", name="r-victim", params=SMALL)
+        r = v.call(op="buffer", agent="r-victim", size=2 * mib, seed=90, register=mib)
+        addr, vmeta = r["addr"], r["meta"]
+        evil.add_remote_agent(base64.b64decode(vmeta))
+        v.call(op="load", agent="r-victim", meta=meta_b64(evil))
+        session = hp.session_of(evil.get_agent_metadata())
+        (reg, key), = hp.registrations_of(base64.b64decode(vmeta))
+        want = hp.want(session, 9100, [64 << 10], proofs=[hp.proof(reg, key, 0, "r-evil")])
+        data = hp.data(session, 9100, 0, (0, 64 << 10), [(0, addr, 64 << 10, 1, 0, 0)])
+        a0, v0 = answers(), peer_stats(v, agent="r-victim")
+        evil.send_notif("r-victim", want)
+        pump(0.05)  # the victim grants the first 64 KiB of its fresh arena
+        evil.send_notif("r-victim", data)
+        v1 = settle(lambda: peer_stats(v, agent="r-victim"), ARENA, TIMEOUT_MS / 1000 + SLACK_S, "the flow")
+        deadline = time.monotonic() + SLACK_S
+        while answers() - a0 < 2 and time.monotonic() < deadline:
+            pass
+        a1 = answers()
+        assert a1 - a0 == 2, f"the flow's GRANT and ACK: {a1 - a0} answers"
+        assert v1["control_replayed"] == v0["control_replayed"]
+        landed = dump(v, tmp_path, "r1.bin")
+        # The same two frames again, after the flow ended.
+        evil.send_notif("r-victim", want)
+        pump(0.05)
+        evil.send_notif("r-victim", data)
+        time.sleep(0.3)
+        v2 = settle(lambda: peer_stats(v, agent="r-victim"), ARENA, TIMEOUT_MS / 1000 + SLACK_S, "the replay")
+        a2 = answers()
+        assert v2["control_replayed"] - v1["control_replayed"] == 1, (v1, v2)
+        assert a2 == a1, f"the replay was answered: {a2 - a1} frames"
+        got = dump(v, tmp_path, "r2.bin")
+        nixlkit.assert_same(got, landed, "the victim's memory after the replay")
+        nixlkit.assert_same(got[mib:], nixlkit.pattern(90, 2 * mib)[mib:], "UNREGISTERED canary")
+
+
 class Crowd:
     """A victim process and an honest sender process, loaded both ways and ready to bounce,
     plus a third, in-process agent (the misbehaving one) that the victim has loaded."""
