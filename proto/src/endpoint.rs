@@ -189,8 +189,9 @@ pub struct Endpoint {
     answers_pings: PingAnswerers,
     /// Transfers held back behind a cancel of ours still waiting for its writes (see `deferred`).
     deferred: deferred::Deferred,
-    /// Peers declared dead since the shell last asked ([`take_declared_dead`](Self::take_declared_dead)).
-    declared_dead: Vec<PeerId>,
+    /// Peers declared dead since the shell last asked ([`take_declared_dead`](Self::take_declared_dead));
+    /// a set, so one that is not asked keeps one entry per peer.
+    declared_dead: BTreeSet<PeerId>,
 }
 
 /// The shell's view of which peers answer a PING ([`Endpoint::set_ping_answerers`]).
@@ -252,7 +253,7 @@ impl Endpoint {
             reads: Vec::new(),
             answers_pings: PingAnswerers::default(),
             deferred: deferred::Deferred::default(),
-            declared_dead: Vec::new(),
+            declared_dead: BTreeSet::new(),
         })
     }
 
@@ -298,6 +299,9 @@ impl Endpoint {
         route: WriteRoute,
     ) -> Result<(), SubmitError> {
         let plan = plan.into();
+        if self.deferred.contains(xfer) {
+            return Err(SubmitError::DuplicateXfer { xfer });
+        }
         if self.defers_to(peer) {
             return self.defer(now, (xfer, token, peer), plan, deferred::HeldKind::Write(route));
         }
@@ -379,6 +383,9 @@ impl Endpoint {
         mailbox: Option<MailboxLayout>,
     ) -> Result<(), SubmitError> {
         let plan = plan.into();
+        if self.deferred.contains(xfer) {
+            return Err(SubmitError::DuplicateXfer { xfer });
+        }
         if self.defers_to(peer) {
             return self.defer(now, (xfer, token, peer), plan, deferred::HeldKind::Read(mailbox));
         }
@@ -962,7 +969,7 @@ impl Endpoint {
     /// The peers declared dead (by the probe, or the transport) since the last call: the shell
     /// drops what its control channel still queues for them (a ZMQ connection that never
     /// completed holds every frame sent to it), as for a peer lost.
-    pub fn take_declared_dead(&mut self) -> Vec<PeerId> {
+    pub fn take_declared_dead(&mut self) -> BTreeSet<PeerId> {
         std::mem::take(&mut self.declared_dead)
     }
 
@@ -981,7 +988,7 @@ impl Endpoint {
     /// Fails `peer`'s transfers with `err` and reclaims its flows, counted as a death.
     fn declare_dead(&mut self, now: Instant, peer: PeerId, err: XferError) {
         self.stats.peers_declared_dead += 1;
-        self.declared_dead.push(peer);
+        self.declared_dead.insert(peer);
         // It may be alive, under the same id and session.
         self.end_with_living_id(now, peer, err);
     }

@@ -47,31 +47,36 @@ impl HeldKind {
     }
 }
 
-/// The transfers held back, in submission order.
+/// The transfers held back, per peer in submission order (a peer's start together, when its
+/// cancel is out: a pass looks at the peers that hold some, not at every transfer held).
 #[derive(Debug, Default)]
-pub(super) struct Deferred(VecDeque<Held>);
+pub(super) struct Deferred(BTreeMap<PeerId, VecDeque<Held>>);
 
 impl Deferred {
     pub(super) fn len(&self) -> usize {
-        self.0.len()
+        self.0.values().map(VecDeque::len).sum()
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Held> {
+        self.0.values().flatten()
     }
 
     pub(super) fn contains(&self, xfer: XferId) -> bool {
-        self.0.iter().any(|h| h.xfer == xfer)
+        self.all().any(|h| h.xfer == xfer)
     }
 
     pub(super) fn has_peer(&self, peer: PeerId) -> bool {
-        self.0.iter().any(|h| h.peer == peer)
+        self.0.contains_key(&peer)
     }
 
-    /// Adds the peers held WRITEs wait on to `into`.
+    /// Adds the peers held transfers wait on to `into`.
     pub(super) fn peers_into(&self, into: &mut BTreeSet<PeerId>) {
-        into.extend(self.0.iter().map(|h| h.peer));
+        into.extend(self.0.keys().copied());
     }
 
     /// The earliest deadline of a held transfer.
     pub(super) fn next_timeout(&self) -> Option<Instant> {
-        self.0.iter().map(|h| h.deadline).min()
+        self.all().map(|h| h.deadline).min()
     }
 }
 
@@ -91,9 +96,7 @@ impl Endpoint {
         plan: Arc<Plan>,
         kind: HeldKind,
     ) -> Result<(), SubmitError> {
-        if self.deferred.contains(xfer) {
-            return Err(SubmitError::DuplicateXfer { xfer });
-        }
+        // (`submit_write` / `submit_read` refused an id held already.)
         self.sender.admit(&mut ctx!(self, now), xfer, &plan)?;
         debug!(
             xfer = xfer.0,
@@ -107,32 +110,46 @@ impl Endpoint {
             self.stats.writes_deferred += 1;
         }
         let deadline = now + self.sender.timeout();
-        self.deferred.0.push_back(Held { xfer, token, peer, plan, kind, deadline });
+        self.deferred.0.entry(peer).or_default().push_back(Held { xfer, token, peer, plan, kind, deadline });
         Ok(())
     }
 
-    /// Starts the held transfers whose peer has no cancel of ours pending any more, in order.
+    /// Starts the held transfers of each peer that has no cancel of ours pending any more, in
+    /// the order submitted.
     pub(super) fn start_deferred(&mut self, now: Instant) {
-        while let Some(i) = self.deferred.0.iter().position(|h| !self.sender.cancel_pending_to(h.peer)) {
-            let Some(h) = self.deferred.0.remove(i) else { break };
-            let ids = (h.xfer, h.token, h.peer);
-            let started = match h.kind {
-                HeldKind::Write(route) => self.start_write(now, ids, h.plan, route),
-                HeldKind::Read(mailbox) => self.start_read(now, ids, h.plan, mailbox),
-            };
-            // Admitted when held; the engine cannot have begun shutting down since (that fails
-            // every held transfer), so a refusal here is a bug: it fails rather than hang.
-            if let Err(e) = started {
-                internal_error("a held transfer refused when started", &e);
-                self.fail_unstarted(h.xfer, XferError::Refused);
+        if self.deferred.0.is_empty() {
+            return;
+        }
+        let ready: Vec<PeerId> =
+            self.deferred.0.keys().copied().filter(|&p| !self.sender.cancel_pending_to(p)).collect();
+        for peer in ready {
+            for h in self.deferred.0.remove(&peer).unwrap_or_default() {
+                let ids = (h.xfer, h.token, h.peer);
+                let started = match h.kind {
+                    HeldKind::Write(route) => self.start_write(now, ids, h.plan, route),
+                    HeldKind::Read(mailbox) => self.start_read(now, ids, h.plan, mailbox),
+                };
+                // Admitted when held, its id refused to any other submit since; the engine
+                // cannot have begun shutting down (that fails every held transfer). A refusal
+                // here is a bug: it fails rather than hang.
+                if let Err(e) = started {
+                    internal_error("a held transfer refused when started", &e);
+                    self.fail_unstarted(h.xfer, XferError::Refused);
+                }
             }
         }
     }
 
     /// Cancels held transfer `xfer`, if it is one: true when it was.
     pub(super) fn cancel_deferred(&mut self, xfer: XferId) -> bool {
-        let Some(i) = self.deferred.0.iter().position(|h| h.xfer == xfer) else { return false };
-        self.deferred.0.remove(i);
+        let found = self.deferred.0.iter().find_map(|(&p, q)| q.iter().position(|h| h.xfer == xfer).map(|i| (p, i)));
+        let Some((peer, i)) = found else { return false };
+        if let Some(q) = self.deferred.0.get_mut(&peer) {
+            q.remove(i);
+            if q.is_empty() {
+                self.deferred.0.remove(&peer);
+            }
+        }
         self.fail_unstarted(xfer, XferError::Canceled);
         true
     }
@@ -152,9 +169,14 @@ impl Endpoint {
 
     /// Fails the held transfers `gone` picks with `err`; returns how many.
     fn fail_held_if(&mut self, gone: impl Fn(&Held) -> bool, err: XferError) -> u64 {
-        let (gone, kept): (VecDeque<Held>, VecDeque<Held>) =
-            std::mem::take(&mut self.deferred.0).into_iter().partition(gone);
-        self.deferred.0 = kept;
+        let mut failed = Vec::new();
+        for q in self.deferred.0.values_mut() {
+            let (out, kept): (VecDeque<Held>, VecDeque<Held>) = std::mem::take(q).into_iter().partition(&gone);
+            *q = kept;
+            failed.extend(out);
+        }
+        self.deferred.0.retain(|_, q| !q.is_empty());
+        let gone = failed;
         let n = gone.len() as u64;
         for h in gone {
             self.fail_unstarted(h.xfer, err.clone());

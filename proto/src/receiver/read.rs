@@ -23,8 +23,19 @@ impl Receiver {
             ctx.stats.gathers_held += credits.len() as u64;
             return;
         }
+        let mut freed = false;
         for c in credits {
             let Some(flow) = self.flows.get_mut(&key) else { return };
+            if flow.pull.as_ref().is_some_and(|p| p.failed) {
+                freed = true;
+                // The READ failed while these waited behind orphans (review 59): nothing will
+                // READ them, so they are freed, not gathered; its initiator's cancel ends it.
+                let sched = ctx.sched(flow.arena);
+                if sched.begin_scatter(key, c.region.offset).is_err() || sched.end_scatter(c.region.offset).is_err() {
+                    internal_error("freeing a failed READ's held region", &c.region.offset);
+                }
+                continue;
+            }
             let i = c.chunk.0 as usize;
             let Some((runs, span, removals)) =
                 flow.pull.as_ref().and_then(|p| p.chunks.get(i)).map(|c| (Arc::clone(&c.runs), c.span, c.removals))
@@ -55,6 +66,9 @@ impl Receiver {
             self.gathers.insert(job, gather);
             trace!(peer = key.peer.0, xfer = key.xfer.0, chunk = c.chunk.0, region = %c.region, "READ gather");
             ctx.push(Action::Gather { job, xfer: key.xfer, arena, region: c.region, runs: JobRuns::Pulled(runs) });
+        }
+        if freed {
+            self.forget_if_ended(ctx, key);
         }
     }
 

@@ -1346,6 +1346,44 @@ fn a_released_flows_running_scatter_holds_back_its_peers_next_read_gather_until_
     check(&ep);
 }
 
+/// A READ that failed (a chunk's gather failed) while a later chunk's gather waited behind its
+/// peer's orphans: that region is freed when the orphans end, not gathered for a transfer
+/// nobody will READ (review 59).
+#[test]
+fn a_failed_reads_held_gathers_are_freed_not_gathered() {
+    let (mut ep, t) = receiver();
+    let key = FlowKey { peer: PEER, xfer: XferId(9) };
+    let chunk = |i: u64| wire::PullChunk { bytes: CHUNK, runs: vec![run(0, DST + i * CHUNK, CHUNK)].into() };
+    let pull = wire::Pull { total: 3, chunks: (0..3).map(chunk).collect(), ..pull_of(REG, DST) };
+    ep.handle_msg(t, PEER, Msg::Pull(pull)).unwrap();
+    let g = gathers(&drain(&mut ep));
+    assert_eq!(g.len(), 2, "W = 2 chunks gathered at once");
+    // Another transfer of the peer's, released while scattering: its scatter is an orphan.
+    let old = released_while_scattering(&mut ep, t);
+    // Chunk 0 gathered and READ: its RELEASE frees a region, granted to chunk 2 and held.
+    ep.handle_gather_done(t, g[0].0, true);
+    let announced = credits(&drain(&mut ep));
+    assert_eq!(announced.len(), 1);
+    let release = wire::Release { xfer: key.xfer, token: TOKEN, chunk: ChunkIdx(0), region: announced[0].3 };
+    ep.handle_msg(t, PEER, Msg::Release(release)).unwrap();
+    assert!(gathers(&drain(&mut ep)).is_empty());
+    assert_eq!(ep.stats().gathers_held, 1, "chunk 2's gather held");
+    // Chunk 1's gather fails: the READ has failed.
+    ep.handle_gather_done(t, g[1].0, false);
+    assert_eq!(acks(&drain(&mut ep)), vec![(key.xfer, 1, AckStatus::Failed)]);
+    ep.handle_scatter_done(t, old, true);
+    let acts = drain(&mut ep);
+    assert!(gathers(&acts).is_empty(), "a failed READ's held region gathered: {acts:?}");
+    assert_eq!(ep.scheduler().flow_held_count(key), 0, "chunk 2's region freed");
+    ep.receiver().check_invariants().unwrap();
+    let cancel = wire::Pull { chunks: Vec::new(), proofs: Vec::new(), ..pull_of(REG, DST) };
+    ep.handle_msg(t, PEER, Msg::Pull(cancel)).unwrap();
+    ep.handle_timeout(t + TIMEOUT / 4);
+    assert_eq!(ep.arena_free_bytes(), 32 * KIB, "every region freed or out of quarantine");
+    ep.receiver().check_invariants().unwrap();
+    check(&ep);
+}
+
 #[test]
 fn a_read_cancelled_while_its_gather_is_held_is_never_gathered() {
     let (mut ep, t) = receiver();

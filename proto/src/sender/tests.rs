@@ -1010,6 +1010,11 @@ fn a_read_submitted_while_a_cancel_to_its_peer_waits_starts_after_the_writes_hel
     assert!(msgs(&drain(&mut ep)).is_empty(), "no PULL before X's cancel and Y's WANT");
     assert!(reads.iter().all(|&z| ep.owes_completion(z)));
     assert_eq!((ep.stats().writes_deferred, ep.stats().reads_deferred, ep.in_flight_xfers()), (1, 2, 3));
+    // A held id is taken: not even a peer that nothing holds may start a transfer under it
+    // (it would start, and then the held one fail under the same id).
+    let dup = Err(SubmitError::DuplicateXfer { xfer: reads[0] });
+    assert_eq!(ep.submit_read(t, reads[0], TOKEN, PeerId(8), plan_of(1), None), dup);
+    assert_eq!(ep.submit(t, reads[0], TOKEN, PeerId(8), direct_plan_of(1)), dup);
     // A READ from another peer does not wait.
     ep.submit_read(t, XferId(5), TOKEN, PeerId(8), plan_of(1), None).unwrap();
     assert!(msgs(&drain(&mut ep)).iter().any(|(p, m)| *p == PeerId(8) && is_pull(m, XferId(5))));
@@ -1052,6 +1057,8 @@ fn a_held_read_cancelled_timed_out_or_whose_destinations_go_fails_and_never_pull
     assert_eq!((ep.stats().reads_deferred, ep.stats().dereg_failed), (3, 1));
     ep.handle_write_done(t + TIMEOUT, w[0].0, true);
     assert!(msgs(&drain(&mut ep)).iter().all(|(_, m)| !matches!(m, Msg::Pull(_))), "no held READ pulls");
+    assert!(ep.is_idle());
+    check(&ep);
 }
 
 #[test]
