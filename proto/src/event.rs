@@ -530,8 +530,10 @@ pub enum ProtocolError {
         /// The transfer.
         xfer: XferId,
     },
-    /// A WANT adding chunks to a standing flow (which keeps its one), or a second standing
-    /// flow under a live flow's id; ignored.
+    /// A WANT adding chunks to a standing flow (which keeps its one), a second standing flow
+    /// under a live flow's id, or a WANT or PULL whose id lies in the other kind's space (a
+    /// standing flow's carries [`crate::sender::STANDING_XFER_BIT`], a transfer's never);
+    /// ignored.
     #[error("peer {}: WANT for standing flow {} ignored", .peer.0, .xfer.0)]
     StandingWant {
         /// The sending peer.

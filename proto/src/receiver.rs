@@ -18,6 +18,7 @@ use crate::event::{Action, Ctx, DataFault, InRegionPlan, JobId, JobRuns, Protoco
 use crate::proof::{BadProof, Initiator, Registrations};
 use crate::scheduler::arenas::ArenaSchedulers;
 use crate::scheduler::{Grant as SchedGrant, Reuse};
+use crate::sender::STANDING_XFER_BIT;
 use crate::timer::TimerTable;
 use crate::types::{ArenaId, ChunkIdx, CopyRun, FlowKey, PeerId, RegId, RegKey, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Credit, Data, Grant, Keep, Pull, Release, Standing, Want};
@@ -555,6 +556,14 @@ impl Receiver {
             // Sent after the writes of the transfer ended: nothing can land any more.
             self.reclaim(ctx, key, Reuse::Now);
             return Ok(());
+        }
+        // A standing flow's id carries STANDING_XFER_BIT and a transfer's never (the sender's
+        // rule): else an Open, which proves nothing, sent under a peer's published name and
+        // session by anyone holding its metadata, would end in the transfers' replay window
+        // and could push it past every id of the real peer's (review 59, H1).
+        if (want.xfer.0 & STANDING_XFER_BIT != 0) != (want.standing == Standing::Open) {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::StandingWant { peer: from, xfer: want.xfer });
         }
         if !self.flows.contains_key(&key) {
             self.refuse_replay(ctx, key)?;

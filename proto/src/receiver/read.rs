@@ -138,6 +138,11 @@ impl Receiver {
     /// its flow; the next ones (same token, the chunks that follow) add to it.
     pub(crate) fn handle_pull(&mut self, ctx: &mut Ctx<'_>, from: PeerId, pull: Pull) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: pull.xfer };
+        // A transfer's id never carries the standing flows' bit (see `handle_want`).
+        if pull.xfer.0 & STANDING_XFER_BIT != 0 {
+            ctx.stats.control_forged += 1;
+            return Err(ProtocolError::StandingWant { peer: from, xfer: pull.xfer });
+        }
         let flow = self.flows.get(&key);
         if flow.is_some_and(|f| f.token != pull.token) {
             ctx.stats.control_forged += 1;

@@ -1384,6 +1384,18 @@ fn a_failed_reads_held_gathers_are_freed_not_gathered() {
     check(&ep);
 }
 
+/// A PULL under an id of the standing flows' space is refused as forged (review 59, H1: each
+/// id space has a replay window of its own, and no frame may file itself in the other).
+#[test]
+fn a_pull_with_the_standing_bit_is_refused() {
+    let (mut ep, t) = receiver();
+    let x = XferId(crate::sender::STANDING_XFER_BIT | 9);
+    let err = ep.handle_msg(t, PEER, Msg::Pull(wire::Pull { xfer: x, ..pull_of(REG, DST) })).unwrap_err();
+    assert_eq!(err, ProtocolError::StandingWant { peer: PEER, xfer: x });
+    assert!(drain(&mut ep).is_empty());
+    assert_eq!((ep.stats().control_forged, ep.remote_flows()), (1, 0));
+}
+
 #[test]
 fn a_read_cancelled_while_its_gather_is_held_is_never_gathered() {
     let (mut ep, t) = receiver();

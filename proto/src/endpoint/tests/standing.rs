@@ -561,3 +561,34 @@ fn a_peers_ended_standing_flows_never_make_its_next_transfer_a_replay() {
     assert_eq!(grants(&drain(&mut ep)).len(), 1, "the new transfer is granted");
     assert_eq!(ep.stats().control_replayed, 0);
 }
+
+/// Review 59 (H1): an Open proves nothing, and a peer's name and session are published, so
+/// anyone holding its metadata could open and close 257 "standing" flows under it with ids of
+/// the transfers' space (bit 63 clear) and push that window past every id of the real peer's:
+/// its transfers were then dropped as replays until it was reloaded. An id must lie in its
+/// kind's space: such Opens, and PULLs with the standing bit, are refused as forged.
+#[test]
+fn a_standing_open_or_a_pull_with_an_id_of_the_other_space_is_refused_and_covers_nothing() {
+    let (mut ep, t) = standing_endpoint(32 * KIB, false);
+    for i in 0..257u64 {
+        let x = XferId((1 << 63) - 1 - i);
+        let Msg::Want(open) = open_msg(0, CHUNK) else { unreachable!() };
+        let err = ep.handle_msg(t, PEER, Msg::Want(Want { xfer: x, ..open.clone() })).unwrap_err();
+        assert_eq!(err, ProtocolError::StandingWant { peer: PEER, xfer: x });
+        let cancel = Want { xfer: x, chunks: Vec::new(), standing: Standing::None, ..open };
+        let _ = ep.handle_msg(t, PEER, Msg::Want(cancel));
+        assert!(grants(&drain(&mut ep)).is_empty(), "nothing granted to {x:?}");
+    }
+    assert_eq!(ep.receiver().standing_flow(PEER), None);
+    assert_eq!(ep.stats().control_forged, 257);
+    // An ordinary WANT under a standing flow's id is refused the same way.
+    let x = XferId(STANDING_XFER_BIT | 5);
+    let err = ep.handle_msg(t, PEER, want_msg(x, &[CHUNK])).unwrap_err();
+    assert_eq!(err, ProtocolError::StandingWant { peer: PEER, xfer: x });
+    // The real peer's next transfer, at a wall-clock id, is granted.
+    let r = ep.handle_msg(t, PEER, want_msg(XferId(1_800_000_000_000_000_000), &[CHUNK]));
+    assert!(r.is_ok(), "the peer's transfer refused: {r:?}");
+    assert_eq!(grants(&drain(&mut ep)).len(), 1);
+    assert_eq!(ep.stats().control_replayed, 0);
+}
+
