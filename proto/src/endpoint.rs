@@ -777,8 +777,10 @@ impl Endpoint {
         };
         // One way: an initiator we never loaded, or another incarnation of one we did, may open
         // a flow answered through our mailbox, and then send that flow's frames (each must
-        // carry its token).
-        if self.peers.lookup(name).is_none() {
+        // carry its token). A name never heard of, or a loaded name under another session (a
+        // new incarnation), is given an id only once its opening's proofs verify: a loaded
+        // name is published, and invented sessions under it spent an id each (review 59).
+        if self.peers.lookup(name).is_none() || self.peers.is_other_session(name, frame.session) {
             if let Some(e) = self.refuse_forged_opening(name, &msg) {
                 return Err(FrameRefused::Protocol(e));
             }

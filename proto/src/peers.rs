@@ -435,10 +435,20 @@ impl PeerTable {
             }
             Some(secret) if secret != proof => Forgot::Forged,
             Some(_) => {
+                // Remembered, so that a late PONG of an ask still open, carrying this same
+                // secret, cannot confirm the HELLO again (review 59): a reload's PONG brings a
+                // new secret.
+                p.forgot = Some(proof);
                 tracked(&mut self.ready, p, |p| p.hello = None);
                 Forgot::Us(id)
             }
         })
+    }
+
+    /// Whether `name` is loaded with a session other than `session` (a frame of it would be
+    /// another incarnation's, see [`admit_message`](Self::admit_message)).
+    pub fn is_other_session(&self, name: &str, session: u64) -> bool {
+        matches!(self.admit(name, session), Err(FrameRefused::StaleSession { .. }))
     }
 
     /// Applies the loading and session rules to a message frame from `name` carrying
@@ -761,6 +771,20 @@ mod tests {
         assert_eq!(t.hello(name, 1, tag0()), Hello::Ask);
         assert!(t.confirm_hello(name, Token(0)));
         t
+    }
+
+    /// After a FORGET that proved the confirmed secret, a late PONG carrying that same secret
+    /// (an ask still open, answered before the peer unloaded us) confirms nothing; a reload's
+    /// PONG, with a new secret, does (review 59).
+    #[test]
+    fn a_late_pong_with_a_forgotten_secret_does_not_confirm_the_hello_again() {
+        let mut t = ready("p");
+        assert!(matches!(t.forgot_us("p", 1, Token(0)), Ok(Forgot::Us(_))));
+        assert!(!t.can_bounce("p"));
+        assert!(!t.confirm_hello("p", Token(0)), "the forgotten secret confirmed the HELLO again");
+        assert!(!t.can_bounce("p"));
+        assert!(t.confirm_hello("p", Token(5)), "a new load's secret confirms");
+        assert!(t.can_bounce("p"));
     }
 
     /// An id names one incarnation of an agent: stable while it is loaded, retired when it is

@@ -420,6 +420,11 @@ impl PeerTable {
     /// # Errors
     /// [`FrameRefused::NotLoaded`], [`FrameRefused::NoSession`] or
     /// [`FrameRefused::StaleSession`]: drop the frame.
+    /// Whether `name` is loaded under a session other than `session` (see the core's).
+    pub(crate) fn is_other_session(&self, name: &str, session: u64) -> bool {
+        self.table.lock().rules.is_other_session(name, session)
+    }
+
     pub(crate) fn admit(&self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {
         self.table.lock().rules.admit(name, session)
     }

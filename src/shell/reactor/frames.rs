@@ -95,8 +95,10 @@ impl Driver {
         // One way: an initiator we never loaded, or another incarnation of one we did (it
         // restarted; we still hold its old metadata), may open a flow answered through our
         // mailbox, then send that flow's frames (each carries the flow's token).
-        // A name never heard of is given an id only once its opening proofs verify.
-        if self.shared.peers.known_id(peer).is_none() {
+        // A name never heard of, or a loaded one under another session, is given an id only
+        // once its opening proofs verify (review 59: invented sessions under a published name
+        // spent an id each).
+        if self.shared.peers.known_id(peer).is_none() || self.shared.peers.is_other_session(peer, frame.session) {
             if let Some(e) = self.ep.refuse_forged_opening(peer, &msg) {
                 return self.drop_frame(now, peer, &e);
             }

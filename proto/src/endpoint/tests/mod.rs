@@ -924,6 +924,27 @@ fn one_way_want_in(session: u64, xfer: u64, proofs: Vec<wire::Proof>) -> Vec<u8>
     wire::Frame { session, msg: Msg::Want(w) }.to_vec()
 }
 
+/// Review 59 (wire, M1): a loaded name is published, and a one-way WANT under it with an
+/// invented session made a new incarnation, with an id of its own, before its proofs were
+/// checked: junk under one loaded name could spend the ids that one-way admission lives on.
+/// Such a WANT's proofs are checked first now, as a never-loaded name's are.
+#[test]
+fn invented_sessions_under_a_loaded_name_spend_no_id_without_a_proof() {
+    let (mut ep, t, _old) = with_loaded("a");
+    ep.keep_mailbox(true);
+    for session in 100..300u64 {
+        let r = ep.handle_frame(t, "a", &one_way_want_in(session, 1, Vec::new()));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{r:?}");
+        assert_eq!(ep.peers().incarnation("a", session), None, "session {session} got an id");
+    }
+    assert_eq!(ep.stats().control_forged, 200);
+    assert!(drain(&mut ep).is_empty());
+    // A real new incarnation, proving its destination, is served.
+    ep.handle_frame(t, "a", &one_way_want_in(8, 1, vec![proof_by("a")])).unwrap();
+    assert!(ep.peers().incarnation("a", 8).is_some());
+    check(&ep);
+}
+
 /// A loaded agent restarts under the same name and transfers to us one way before NIXL here
 /// reloads its metadata (plain UCX's one-sided writes would serve it; its frames used to be
 /// dropped as stale, failing the transfer by timeout). Its WANT is admitted under an id of its

@@ -591,4 +591,3 @@ fn a_standing_open_or_a_pull_with_an_id_of_the_other_space_is_refused_and_covers
     assert_eq!(grants(&drain(&mut ep)).len(), 1);
     assert_eq!(ep.stats().control_replayed, 0);
 }
-
