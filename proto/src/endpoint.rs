@@ -298,19 +298,10 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         route: WriteRoute,
     ) -> Result<(), SubmitError> {
-        let plan = plan.into();
-        if self.deferred.contains(xfer) {
-            return Err(SubmitError::DuplicateXfer { xfer });
-        }
-        if self.defers_to(peer) {
-            return self.defer(now, (xfer, token, peer), plan, deferred::HeldKind::Write(route));
-        }
-        self.start_write(now, (xfer, token, peer), plan, route)?;
-        self.pump(now);
-        Ok(())
+        self.submit_or_hold(now, (xfer, token, peer), plan.into(), deferred::HeldKind::Write(route))
     }
 
-    /// Starts WRITE `xfer` (see [`submit_write`](Self::submit_write)); the caller pumps.
+    /// Starts WRITE `xfer` (see [`submit_write`](Self::submit_write)).
     fn start_write(
         &mut self,
         now: Instant,
@@ -382,19 +373,10 @@ impl Endpoint {
         plan: impl Into<Arc<Plan>>,
         mailbox: Option<MailboxLayout>,
     ) -> Result<(), SubmitError> {
-        let plan = plan.into();
-        if self.deferred.contains(xfer) {
-            return Err(SubmitError::DuplicateXfer { xfer });
-        }
-        if self.defers_to(peer) {
-            return self.defer(now, (xfer, token, peer), plan, deferred::HeldKind::Read(mailbox));
-        }
-        self.start_read(now, (xfer, token, peer), plan, mailbox)?;
-        self.pump(now);
-        Ok(())
+        self.submit_or_hold(now, (xfer, token, peer), plan.into(), deferred::HeldKind::Read(mailbox))
     }
 
-    /// Starts READ `xfer` (see [`submit_read`](Self::submit_read)); the caller pumps.
+    /// Starts READ `xfer` (see [`submit_read`](Self::submit_read)).
     fn start_read(
         &mut self,
         now: Instant,

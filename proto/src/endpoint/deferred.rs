@@ -33,7 +33,7 @@ struct Held {
     deadline: Instant,
 }
 
-/// What a held transfer starts as.
+/// What a transfer starts as (at once, or once its hold ends).
 #[derive(Debug)]
 pub(super) enum HeldKind {
     Write(WriteRoute),
@@ -83,20 +83,55 @@ impl Deferred {
 impl Endpoint {
     /// Whether a transfer to `peer` submitted now must wait: a cancel of ours to it is pending,
     /// or an earlier transfer to it waits already (they start in order).
-    pub(super) fn defers_to(&self, peer: PeerId) -> bool {
+    fn defers_to(&self, peer: PeerId) -> bool {
         self.sender.cancel_pending_to(peer) || self.deferred.has_peer(peer)
+    }
+
+    /// Submits transfer `xfer`: started at once, or held back (see the module) when its peer
+    /// has a cancel of ours pending or transfers held already. An id held is refused to any
+    /// other submit: started, the held one would later fail under the same id.
+    pub(super) fn submit_or_hold(
+        &mut self,
+        now: Instant,
+        ids: (XferId, Token, PeerId),
+        plan: Arc<Plan>,
+        kind: HeldKind,
+    ) -> Result<(), SubmitError> {
+        let (xfer, _, peer) = ids;
+        if self.deferred.contains(xfer) {
+            return Err(SubmitError::DuplicateXfer { xfer });
+        }
+        if self.defers_to(peer) {
+            return self.defer(now, ids, plan, kind);
+        }
+        self.start(now, ids, plan, kind)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Starts transfer `xfer` as `kind` says; the caller pumps.
+    fn start(
+        &mut self,
+        now: Instant,
+        ids: (XferId, Token, PeerId),
+        plan: Arc<Plan>,
+        kind: HeldKind,
+    ) -> Result<(), SubmitError> {
+        match kind {
+            HeldKind::Write(route) => self.start_write(now, ids, plan, route),
+            HeldKind::Read(mailbox) => self.start_read(now, ids, plan, mailbox),
+        }
     }
 
     /// Holds transfer `xfer` back (see the module): checked now as any submission, so a
     /// refusal still comes from the submit itself.
-    pub(super) fn defer(
+    fn defer(
         &mut self,
         now: Instant,
         (xfer, token, peer): (XferId, Token, PeerId),
         plan: Arc<Plan>,
         kind: HeldKind,
     ) -> Result<(), SubmitError> {
-        // (`submit_write` / `submit_read` refused an id held already.)
         self.sender.admit(&mut ctx!(self, now), xfer, &plan)?;
         debug!(
             xfer = xfer.0,
@@ -124,11 +159,7 @@ impl Endpoint {
             self.deferred.0.keys().copied().filter(|&p| !self.sender.cancel_pending_to(p)).collect();
         for peer in ready {
             for h in self.deferred.0.remove(&peer).unwrap_or_default() {
-                let ids = (h.xfer, h.token, h.peer);
-                let started = match h.kind {
-                    HeldKind::Write(route) => self.start_write(now, ids, h.plan, route),
-                    HeldKind::Read(mailbox) => self.start_read(now, ids, h.plan, mailbox),
-                };
+                let started = self.start(now, (h.xfer, h.token, h.peer), h.plan, h.kind);
                 // Admitted when held, its id refused to any other submit since; the engine
                 // cannot have begun shutting down (that fails every held transfer). A refusal
                 // here is a bug: it fails rather than hang.
