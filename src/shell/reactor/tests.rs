@@ -1134,8 +1134,13 @@ impl Drop for Gated {
 /// What the engine does in `deregisterMem`, on another thread: forget the registration, hand
 /// the reactor the range and wait. Returns when the wait ended.
 fn deregister_async(side: &Side, buf: &[u8]) -> std::thread::JoinHandle<Instant> {
+    deregister_async_on(&side.shared, buf)
+}
+
+/// [`deregister_async`] on the engine's shared state alone (its reactor may be stopping).
+fn deregister_async_on(shared: &Arc<Shared>, buf: &[u8]) -> std::thread::JoinHandle<Instant> {
     let (addr, len) = (buf.as_ptr() as u64, buf.len() as u64);
-    let shared = Arc::clone(&side.shared);
+    let shared = Arc::clone(shared);
     std::thread::spawn(move || {
         assert!(shared.registry.remove(Md(addr as usize)).is_some());
         shared.deregister(Some(RegId(addr)), addr, len, ArenaPlace { mem: MemKind::Dram, dev: 0 });
@@ -1180,17 +1185,23 @@ impl Gate {
     }
 }
 
+/// a WRITEs `src` into b's `dst`, b's copy engine behind `gate`: returns a, b and the request
+/// once b's first scatter into `dst` is accepted and "running" (held at the gate).
+fn write_with_scatter_held(cfg: &Config, net: &MemNet, gate: &Gate, src: &[u8], dst: &mut [u8]) -> (Side, Side, u64) {
+    let (a, b) = introduce(Side::start("a", 11, cfg, net), Side::start_with("b", 22, cfg, net, gate.engine()));
+    let dest = b.register(dst);
+    let x = a.post("b", cfg, src, dst, dest);
+    gate.wait_held("b's copy engine");
+    (a, b, x)
+}
+
 #[test]
 fn deregistration_waits_for_the_running_scatter_and_the_transfer_fails() {
     let cfg = config("60000");
     let net = MemNet::default();
     let gate = Gate::default();
     let (src, mut dst) = buffers();
-    let (a, b) = introduce(Side::start("a", 11, &cfg, &net), Side::start_with("b", 22, &cfg, &net, gate.engine()));
-    let dest = b.register(&mut dst);
-    let x = a.post("b", &cfg, &src, &mut dst, dest);
-    // b's first scatter into dst is accepted and "running" (held at the gate).
-    gate.wait_held("b's copy engine");
+    let (a, b, x) = write_with_scatter_held(&cfg, &net, &gate, &src, &mut dst);
     gate.open_after_blocked(&b, deregister_async(&b, &dst), "the deregistration");
     // Nothing lands after the deregistration returned, and the transfer never reports SUCCESS.
     let after = dst.clone();
@@ -1213,20 +1224,12 @@ fn a_deregistration_during_the_close_returns_once_the_reactor_ends_and_nothing_l
     let net = MemNet::default();
     let gate = Gate::default();
     let (src, mut dst) = buffers();
-    let (a, b) = introduce(Side::start("a", 11, &cfg, &net), Side::start_with("b", 22, &cfg, &net, gate.engine()));
-    let dest = b.register(&mut dst);
-    let x = a.post("b", &cfg, &src, &mut dst, dest);
-    gate.wait_held("b's copy engine");
-    let (addr, len) = (dst.as_ptr() as u64, dst.len() as u64);
+    let (a, b, x) = write_with_scatter_held(&cfg, &net, &gate, &src, &mut dst);
     let Side { reactor, shared, _arena: b_arena, .. } = b;
     let t = Instant::now();
     let stopping = std::thread::spawn(move || reactor.stop());
     std::thread::sleep(Duration::from_millis(20));
-    let dereg = std::thread::spawn(move || {
-        assert!(shared.registry.remove(Md(addr as usize)).is_some());
-        shared.deregister(Some(RegId(addr)), addr, len, ArenaPlace { mem: MemKind::Dram, dev: 0 });
-        Instant::now()
-    });
+    let dereg = deregister_async_on(&shared, &dst);
     let deadline = Instant::now() + Duration::from_secs(15);
     while !dereg.is_finished() {
         assert!(Instant::now() < deadline, "deregisterMem still waits {:?} into the close", t.elapsed());
