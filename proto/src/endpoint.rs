@@ -762,7 +762,7 @@ impl Endpoint {
         // carry its token). A name never heard of, or a loaded name under another session (a
         // new incarnation), is given an id only once its opening's proofs verify: a loaded
         // name is published, and invented sessions under it spent an id each (review 59).
-        if self.peers.lookup(name).is_none() || self.peers.is_other_session(name, frame.session) {
+        if self.peers.is_unvouched(name, frame.session) {
             if let Some(e) = self.refuse_forged_opening(name, &msg) {
                 return Err(FrameRefused::Protocol(e));
             }

@@ -445,10 +445,12 @@ impl PeerTable {
         })
     }
 
-    /// Whether `name` is loaded with a session other than `session` (a frame of it would be
-    /// another incarnation's, see [`admit_message`](Self::admit_message)).
-    pub fn is_other_session(&self, name: &str, session: u64) -> bool {
-        matches!(self.admit(name, session), Err(FrameRefused::StaleSession { .. }))
+    /// Whether a frame from `name` under `session` comes from no id we hold for it yet: a
+    /// name never heard of, or a loaded one under another session (another incarnation, see
+    /// [`admit_message`](Self::admit_message)). Such a frame's opening must prove itself
+    /// before an id is spent on it.
+    pub fn is_unvouched(&self, name: &str, session: u64) -> bool {
+        self.lookup(name).is_none() || matches!(self.admit(name, session), Err(FrameRefused::StaleSession { .. }))
     }
 
     /// Applies the loading and session rules to a message frame from `name` carrying

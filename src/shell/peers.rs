@@ -420,9 +420,10 @@ impl PeerTable {
     /// # Errors
     /// [`FrameRefused::NotLoaded`], [`FrameRefused::NoSession`] or
     /// [`FrameRefused::StaleSession`]: drop the frame.
-    /// Whether `name` is loaded under a session other than `session` (see the core's).
-    pub(crate) fn is_other_session(&self, name: &str, session: u64) -> bool {
-        self.table.lock().rules.is_other_session(name, session)
+    /// Whether a frame from `name` under `session` comes from no id we hold for it yet (see
+    /// the core's [`PeerTable::is_unvouched`](bounce_proto::peers::PeerTable::is_unvouched)).
+    pub(crate) fn is_unvouched(&self, name: &str, session: u64) -> bool {
+        self.table.lock().rules.is_unvouched(name, session)
     }
 
     pub(crate) fn admit(&self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {

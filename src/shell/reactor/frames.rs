@@ -98,7 +98,7 @@ impl Driver {
         // A name never heard of, or a loaded one under another session, is given an id only
         // once its opening proofs verify (review 59: invented sessions under a published name
         // spent an id each).
-        if self.shared.peers.known_id(peer).is_none() || self.shared.peers.is_other_session(peer, frame.session) {
+        if self.shared.peers.is_unvouched(peer, frame.session) {
             if let Some(e) = self.ep.refuse_forged_opening(peer, &msg) {
                 return self.drop_frame(now, peer, &e);
             }
