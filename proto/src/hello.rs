@@ -320,7 +320,7 @@ mod tests {
             let mut waiting: [Option<Instant>; 2] = [None, None];
             let opened = |p: usize, ask: Ask, reload: bool, now: Instant,
                               open: &mut [Option<u64>; 2], last: &mut [Option<Instant>; 2]| {
-                proptest::prop_assert_eq!(ask.peer, PeerId(p as u32));
+                proptest::prop_assert_eq!(ask.peer, PeerId(p as u64));
                 if open[p].is_none() || open[p] != Some(ask.nonce) {
                     // A new ask (not a repeat of the open one's nonce).
                     if reload {
@@ -349,14 +349,14 @@ mod tests {
                         }
                         // Dropped asks (unanswered after their last repeat) leave nothing open.
                         for (p, o) in open.iter_mut().enumerate() {
-                            if o.is_some() && !a.open.contains_key(&PeerId(p as u32)) {
+                            if o.is_some() && !a.open.contains_key(&PeerId(p as u64)) {
                                 *o = None;
                             }
                         }
                     }
                     Op::Heard(p, reload) => {
                         let mut n = || { counter += 1; counter };
-                        match a.heard(now, PeerId(p as u32), reload, &mut n) {
+                        match a.heard(now, PeerId(p as u64), reload, &mut n) {
                             Some(ask) => {
                                 proptest::prop_assert!(open[p].is_none(), "one ask open at a time");
                                 opened(p, ask, reload, now, &mut open, &mut last_reload_ask)?;
@@ -371,11 +371,11 @@ mod tests {
                     }
                     Op::Answer(p) => {
                         if let Some(nonce) = open[p].take() {
-                            proptest::prop_assert!(a.answered(PeerId(p as u32), nonce));
+                            proptest::prop_assert!(a.answered(PeerId(p as u64), nonce));
                         }
                     }
                     Op::Forget(p) => {
-                        a.forget(PeerId(p as u32));
+                        a.forget(PeerId(p as u64));
                         (open[p], waiting[p], last_reload_ask[p]) = (None, None, None);
                     }
                 }

@@ -205,7 +205,7 @@ mod tests {
     }
 
     fn peers(ids: &[u32]) -> BTreeSet<PeerId> {
-        ids.iter().map(|&i| PeerId(i)).collect()
+        ids.iter().map(|&i| PeerId(u64::from(i))).collect()
     }
 
     /// Steps time in `step`s from `from` to `to`, firing every due timeout as a shell would

@@ -46,9 +46,11 @@ use crate::wire::{Capabilities, Incompatible, WireError};
 pub const MAX_ONE_WAY_NAMES: usize = 4096;
 
 /// Ids from here on go only to names the application loads: one-way names and incarnations
-/// are refused once the id counter reaches it (see `PeerTable::fresh_id`), 2^24 ids short of the
-/// end, which no application's loads reach.
-pub const ONE_WAY_IDS_END: u32 = u32::MAX - (1 << 24);
+/// are refused once the id counter reaches it (see `PeerTable::fresh_id`), 2^32 ids short of the
+/// end. Ids are 64 bits (review 59, L2: with 32, a flood of invented names could spend the
+/// one-way ids in hours, and 2^24 loads after that made two loaded names share the last id):
+/// at a million invented names a second, the one-way ids last over half a million years.
+pub const ONE_WAY_IDS_END: u64 = u64::MAX - (1 << 32);
 
 /// Longest agent name a control frame may come from. The name comes with the frame (a UCX
 /// notification's sender, a ZMQ message's header), so the peer picks its length: a name kept
@@ -217,7 +219,7 @@ pub struct PeerTable {
     /// incarnation's, and a reload with its session adopts that id
     /// ([`load_conn_info`](Self::load_conn_info)), so its flows go on.
     incarnations: BTreeMap<(String, u64), PeerId>,
-    next_id: u32,
+    next_id: u64,
     /// Peers that can bounce now, kept in step by every change to an entry ([`tracked`]), so
     /// reading it costs no pass over the table: the shell publishes it after each change, a
     /// flood of HELLOs or GOODBYEs included.
@@ -748,9 +750,11 @@ mod tests {
         assert_eq!(t.one_way.len(), before, "nothing evicted for a name that could not be admitted");
         let loaded = t.entry("loaded-later").id;
         assert!(loaded.0 >= ONE_WAY_IDS_END && loaded != first);
-        t.next_id = u32::MAX;
-        let _ = t.entry("one-more");
-        assert_eq!(t.next_id, u32::MAX, "saturates: no panic, no wrap");
+        let another = t.entry("loaded-after-that").id;
+        assert!(another.0 > loaded.0, "each load past the end its own id");
+        // 2^32 ids are left to loads past the one-way names' end: no application reloads that
+        // often (review 59, L2: with 32-bit ids 2^24 were, and the last was shared).
+        assert_eq!(u64::MAX - ONE_WAY_IDS_END, 1 << 32);
     }
 
     fn caps(max_chunk: u64) -> Capabilities {

@@ -10,7 +10,7 @@ pub const DEFAULT_ALIGN: u64 = 32;
 /// A peer agent, as numbered by the shell (which maps NIXL agent names to ids).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "fuzzing", derive(arbitrary::Arbitrary))]
-pub struct PeerId(pub u32);
+pub struct PeerId(pub u64);
 
 /// A transfer request id, chosen by the sender, monotonic and never reused within one engine
 /// (the design's `rid`).

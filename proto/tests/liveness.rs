@@ -332,7 +332,7 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
     let mut ep = p.eps.into_iter().next().unwrap();
     let t = p.start;
     // Flows from peers 3, 5 and 9 (several each), a transfer of ours to peer 1.
-    for (peer, xfers) in [(3u32, 4u64), (5, 1), (9, 7)] {
+    for (peer, xfers) in [(3u64, 4u64), (5, 1), (9, 7)] {
         for x in 0..xfers {
             let token = Token(u128::from(x) + 1);
             let want = bounce_proto::wire::Want {
@@ -354,7 +354,7 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
     let probe = Duration::from_millis(250);
     assert_eq!(ep.poll_timeout(), Some(t + probe));
     ep.handle_timeout(t + probe);
-    let mut pinged: Vec<u32> = std::iter::from_fn(|| ep.poll_action())
+    let mut pinged: Vec<u64> = std::iter::from_fn(|| ep.poll_action())
         .filter_map(|a| match a {
             Action::Link { peer, body: bounce_proto::wire::Body::Ping { .. } } => Some(peer.0),
             _ => None,

@@ -25,7 +25,7 @@ pub(crate) fn endpoint(config: &Config, i: usize, now: Instant) -> Endpoint {
     ep.set_local_endpoint(format!("node-{i}").into_bytes());
     ep.add_registered(RegId(0), key(i), (MEM_BASE, 1 << 40), bounce_proto::ArenaId(0));
     for j in 0..2 {
-        assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
+        assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u64));
         if j != i {
             let caps = wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, j as u64);
             let ours = wire::Capabilities::host_arena(config.arena_usable_capacity(), config.max_chunk_size, i as u64);

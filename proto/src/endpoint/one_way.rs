@@ -133,7 +133,7 @@ impl Endpoint {
         }
         let source = self.receiver.forged_opening(name, msg)?;
         self.stats.control_forged += 1;
-        Some(ProtocolError::BadProof { peer: PeerId(u32::MAX), xfer: msg.xfer(), source })
+        Some(ProtocolError::BadProof { peer: PeerId(u64::MAX), xfer: msg.xfer(), source })
     }
 
     /// Whether a message from an agent never loaded here (`peer`: its id, if it has one) may

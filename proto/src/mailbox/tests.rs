@@ -98,21 +98,21 @@ proptest! {
 /// One step of the slot-table model.
 #[derive(Debug, Clone)]
 enum SlotOp {
-    Allocate(u32, u64),
+    Allocate(u64, u64),
     Place(u32),
-    Consumed(u32, u64, u64),
+    Consumed(u64, u64, u64),
     Close(u32),
-    LosePeer(u32),
+    LosePeer(u64),
     Advance(u64),
 }
 
 fn slot_op() -> impl Strategy<Value = SlotOp> {
     prop_oneof![
-        (0u32..4, 0u64..6).prop_map(|(p, x)| SlotOp::Allocate(p, x)),
+        (0u64..4, 0u64..6).prop_map(|(p, x)| SlotOp::Allocate(p, x)),
         (0u32..6).prop_map(SlotOp::Place),
-        (0u32..4, 0u64..6, 0u64..12).prop_map(|(p, x, c)| SlotOp::Consumed(p, x, c)),
+        (0u64..4, 0u64..6, 0u64..12).prop_map(|(p, x, c)| SlotOp::Consumed(p, x, c)),
         (0u32..6).prop_map(SlotOp::Close),
-        (0u32..4).prop_map(SlotOp::LosePeer),
+        (0u64..4).prop_map(SlotOp::LosePeer),
         (0u64..80).prop_map(SlotOp::Advance),
     ]
 }
@@ -125,7 +125,7 @@ proptest! {
         let cfg = SlotConfig { layout: MailboxLayout { slots: 5, ring: 3 }, per_peer_max: 2, linger: Duration::from_millis(50) };
         let mut t = SlotTable::new(cfg).unwrap();
         let mut now = Instant::now();
-        let cands = |p: u32, x: u64| candidates(&Token([(p as u8) ^ (x as u8).rotate_left(3); 16]), cfg.layout);
+        let cands = |p: u64, x: u64| candidates(&Token([(p as u8) ^ (x as u8).rotate_left(3); 16]), cfg.layout);
         for op in ops {
             match op {
                 SlotOp::Allocate(p, x) => match t.allocate(now, PeerId(p), XferId(x), &cands(p, x)) {
@@ -273,23 +273,23 @@ proptest! {
 
 #[derive(Debug, Clone)]
 enum QueueOp {
-    Push(u32, u64, u64),
-    Hold(u32, u64, u64),
+    Push(u64, u64, u64),
+    Hold(u64, u64, u64),
     /// Serve with the slots of this bit mask free.
     Pop(u8),
-    Remove(u32, u64),
+    Remove(u64, u64),
     Advance(u64),
-    LosePeer(u32),
+    LosePeer(u64),
 }
 
 fn queue_op() -> impl Strategy<Value = QueueOp> {
     prop_oneof![
-        4 => (0u32..4, 0u64..12, 0u64..40).prop_map(|(p, x, u)| QueueOp::Push(p, x, u)),
-        2 => (0u32..4, 0u64..12, 0u64..40).prop_map(|(p, x, u)| QueueOp::Hold(p, x, u)),
+        4 => (0u64..4, 0u64..12, 0u64..40).prop_map(|(p, x, u)| QueueOp::Push(p, x, u)),
+        2 => (0u64..4, 0u64..12, 0u64..40).prop_map(|(p, x, u)| QueueOp::Hold(p, x, u)),
         3 => any::<u8>().prop_map(QueueOp::Pop),
-        1 => (0u32..4, 0u64..12).prop_map(|(p, x)| QueueOp::Remove(p, x)),
+        1 => (0u64..4, 0u64..12).prop_map(|(p, x)| QueueOp::Remove(p, x)),
         1 => (0u64..60).prop_map(QueueOp::Advance),
-        1 => (0u32..4).prop_map(QueueOp::LosePeer),
+        1 => (0u64..4).prop_map(QueueOp::LosePeer),
     ]
 }
 
@@ -303,7 +303,7 @@ proptest! {
         let mut q: SlotQueue<u64> = SlotQueue::new(cfg);
         let mut now = Instant::now();
         // The model: each peer's waiting transfers in arrival order, with their units.
-        let mut model: std::collections::BTreeMap<u32, Vec<(u64, u64, Instant)>> = Default::default();
+        let mut model: std::collections::BTreeMap<u64, Vec<(u64, u64, Instant)>> = Default::default();
         let slot_of = |x: u64| SlotId((x % 8) as u32);
         for op in ops {
             match op {

@@ -335,7 +335,7 @@ mod tests {
         SlotQueue::new(QueueConfig { per_peer, total, units_per_peer: 100, units_total: 150, wait: WAIT })
     }
 
-    fn push(q: &mut SlotQueue<u32>, now: Instant, peer: u32, xfer: u64, units: u64) -> Result<(), QueueError> {
+    fn push(q: &mut SlotQueue<u32>, now: Instant, peer: u64, xfer: u64, units: u64) -> Result<(), QueueError> {
         q.push(now, PeerId(peer), XferId(xfer), Token([xfer as u8; 16]), vec![SlotId(xfer as u32)], 0, units)
     }
 
@@ -344,7 +344,7 @@ mod tests {
         Ok(c[0])
     }
 
-    fn served(q: &mut SlotQueue<u32>) -> Vec<(u32, u64)> {
+    fn served(q: &mut SlotQueue<u32>) -> Vec<(u64, u64)> {
         std::iter::from_fn(|| q.pop_servable(any)).map(|w| (w.peer.0, w.xfer.0)).collect()
     }
 

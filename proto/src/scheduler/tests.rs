@@ -10,7 +10,7 @@ use crate::types::XferId;
 
 const G: u64 = 4096;
 
-fn flow(peer: u32, xfer: u64) -> FlowKey {
+fn flow(peer: u64, xfer: u64) -> FlowKey {
     FlowKey { peer: PeerId(peer), xfer: XferId(xfer) }
 }
 
@@ -354,7 +354,7 @@ fn shutting_down_lifts_every_quarantine_at_once() {
 fn finished_flows_are_erased_so_state_stays_bounded() {
     let mut s = sched(8, 2);
     for x in 0..10_000u64 {
-        let f = flow((x % 5) as u32, x);
+        let f = flow(x % 5, x);
         s.want(f, &[G, 2 * G]).unwrap();
         for g in s.schedule() {
             ack(&mut s, &g);
@@ -488,7 +488,7 @@ const FLOW_IDS: u8 = 6;
 
 /// Flow `id` of a small key space, so keys are reused after a flow finishes (a new flow).
 fn key(id: u8) -> FlowKey {
-    flow(u32::from(id % 3), u64::from(id))
+    flow(u64::from(id % 3), u64::from(id))
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -1117,7 +1117,7 @@ fn a_peers_batch_reclaim_leaves_ring_cursor_and_stamps_as_one_by_one() {
         let build = || {
             let mut s = sched(4, 1);
             for x in 0..12u64 {
-                s.want(flow(1 + (x % 3) as u32, x), &[G, G]).unwrap();
+                s.want(flow(1 + x % 3, x), &[G, G]).unwrap();
             }
             let held = s.schedule();
             // Vary the stamps' deadlines: one more flow arrives after some grants.

@@ -332,7 +332,7 @@ impl Sim {
                 // Every node loads every other's connection info, naming them in node order,
                 // so the peer table numbers node `j` as `PeerId(j)`.
                 for (j, theirs) in configs.iter().enumerate() {
-                    assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u32));
+                    assert_eq!(ep.peers_mut().id(&agent(j)), PeerId(j as u64));
                     if j != i {
                         // Node `j`'s metadata: its session is `j`, the one its frames carry.
                         let loaded = ep.handle_conn_info(
@@ -474,10 +474,10 @@ impl Sim {
         if self.nodes[peer].alive {
             let ep = &self.nodes[peer].ep;
             let sched = ep.schedulers().get(arena);
-            let held_by = |xfer| sched.is_held(FlowKey { peer: PeerId(node as u32), xfer }, remote.offset);
+            let held_by = |xfer| sched.is_held(FlowKey { peer: PeerId(node as u64), xfer }, remote.offset);
             // A chunk 0 written into a standing credit may land before its claim is taken:
             // the region is then still the sender's standing flow's.
-            let standing = ep.receiver().standing_flow(PeerId(node as u32)).and_then(held_by);
+            let standing = ep.receiver().standing_flow(PeerId(node as u64)).and_then(held_by);
             let held = held_by(xfer).or(standing);
             if held.is_none() && self.knobs.drop_keeps && sched.quarantined_at(remote.offset) == Some(remote) {
                 self.quarantine_hits += 1;
@@ -814,9 +814,9 @@ impl Sim {
                         let m = self.nodes[to].ep.one_way_layout().mailbox;
                         MailboxLayout { slots: m.slots, ring: m.ring }
                     });
-                    self.nodes[from].ep.submit_read(now, xfer, token, PeerId(to as u32), plan, layout).expect("submit");
+                    self.nodes[from].ep.submit_read(now, xfer, token, PeerId(to as u64), plan, layout).expect("submit");
                     if !self.nodes[to].alive {
-                        self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));
+                        self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u64));
                     }
                     return;
                 }
@@ -846,10 +846,10 @@ impl Sim {
                     bytes
                 });
                 let route = WriteRoute { mailbox, inline, ..WriteRoute::default() };
-                self.nodes[from].ep.submit_write(now, xfer, token, PeerId(to as u32), plan, route).expect("submit");
+                self.nodes[from].ep.submit_write(now, xfer, token, PeerId(to as u64), plan, route).expect("submit");
                 if !self.nodes[to].alive {
                     // The shell would not route to a lost peer; tell the endpoint again.
-                    self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u32));
+                    self.nodes[from].ep.handle_peer_lost(now, PeerId(to as u64));
                 }
             }
             Ev::Cancel { node, xfer } => {

@@ -262,7 +262,7 @@ mod tests {
         assert!(f.poll(XferId(3), stopped, t).is_none(), "its share is two of eight");
         // Three other targets take the six slices left, two each.
         for x in 4..10u32 {
-            assert!(f.poll(XferId(u64::from(x)), PeerId(2 + (x - 4) / 2), t).is_some(), "{x}");
+            assert!(f.poll(XferId(u64::from(x)), PeerId(u64::from(2 + (x - 4) / 2)), t).is_some(), "{x}");
         }
         assert!(f.poll(XferId(10), PeerId(9), t).is_none(), "every slice is held");
         f.remove(XferId(1));

@@ -711,7 +711,7 @@ impl Pair {
         match a {
             Action::Send { peer: p, msg } => {
                 assert_eq!(p.0 as usize, peer);
-                match (self.eps[peer].handle_msg(now, PeerId(me as u32), msg), &mut self.refusals) {
+                match (self.eps[peer].handle_msg(now, PeerId(me as u64), msg), &mut self.refusals) {
                     (Err(e), Some(kept)) => kept.push(e),
                     (r, _) => r.unwrap(),
                 }
@@ -751,10 +751,10 @@ impl Pair {
             Action::Link { peer: p, body } => {
                 assert_eq!(p.0 as usize, peer);
                 match body {
-                    wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u32), nonce),
+                    wire::Body::Ping { nonce } => self.eps[peer].handle_ping(now, PeerId(me as u64), nonce),
                     wire::Body::Pong { nonce, .. } => {
-                        if self.eps[peer].handle_pong(now, PeerId(me as u32), nonce) == Pong::Farewell {
-                            self.eps[peer].handle_goodbye(now, PeerId(me as u32));
+                        if self.eps[peer].handle_pong(now, PeerId(me as u64), nonce) == Pong::Farewell {
+                            self.eps[peer].handle_goodbye(now, PeerId(me as u64));
                         }
                     }
                     other => panic!("unexpected link frame {other:?}"),
@@ -841,7 +841,7 @@ fn two_endpoints_move_every_byte_both_ways_through_small_arenas() {
                 p.mem[me].insert(SRC + i, (i as u8).wrapping_mul(3).wrapping_add(me as u8));
             }
             let now = p.now;
-            p.eps[me].submit(now, X, TOKEN, PeerId(1 - me as u32), plan_with_direct(10, mode)).unwrap();
+            p.eps[me].submit(now, X, TOKEN, PeerId(1 - me as u64), plan_with_direct(10, mode)).unwrap();
         }
         p.run();
         let mut done = p.done.clone();
@@ -1352,7 +1352,7 @@ proptest! {
         let mut jobs = Vec::new();
         for op in ops {
             match op {
-                Op::Msg(p, m) => { let _ = ep.handle_msg(now, PeerId(p), m); }
+                Op::Msg(p, m) => { let _ = ep.handle_msg(now, PeerId(u64::from(p)), m); }
                 Op::Done(i, ok) if !jobs.is_empty() => {
                     let j = jobs.swap_remove(i % jobs.len());
                     report(&mut ep, now, j, ok);
@@ -1361,10 +1361,10 @@ proptest! {
                 Op::Submit(x, n, d) => {
                     // Bit `i` of `d` makes chunk `i` direct.
                     let plan = plan_with_direct(n, |i| d >> i & 1 == 1);
-                    let _ = ep.submit(now, XferId(x), TOKEN, PeerId(x as u32 % 3), plan);
+                    let _ = ep.submit(now, XferId(x), TOKEN, PeerId(x % 3), plan);
                 }
                 Op::Cancel(x) => ep.cancel(now, XferId(x)),
-                Op::PeerLost(p) => ep.handle_peer_lost(now, PeerId(p)),
+                Op::PeerLost(p) => ep.handle_peer_lost(now, PeerId(u64::from(p))),
                 Op::Advance(ms) => {
                     now += Duration::from_millis(ms);
                     ep.handle_timeout(now);
@@ -1532,7 +1532,7 @@ fn slow_write_under_mismatched_timeouts(told: bool) -> (u32, u64, Vec<(PeerId, R
         // Other peers ask for the arena past the lease and its quarantine (a busy receiver).
         if now >= t + ms(760) && regranted.is_empty() {
             for k in 0..4u32 {
-                let peer = PeerId(10 + k);
+                let peer = PeerId(u64::from(10 + k));
                 p.eps[r].handle_msg(now, peer, want_msg(XferId(100 + u64::from(k)), &[CHUNK])).unwrap();
             }
             for a in drain(&mut p.eps[r]) {
