@@ -70,6 +70,9 @@ const LIVE_FILE: &std::ffi::CStr = c"nixl-bounce-live";
 /// How `/proc/<pid>/maps` shows the mapping of [`LIVE_FILE`].
 const LIVE_PATH: &str = "/memfd:nixl-bounce-live (deleted)";
 
+/// Set in every tag we make, and above every range a record may name.
+const TAG_BIT: u64 = 1 << 63;
+
 /// A liveness word's contents, as expected from a record or read from its owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 #[repr(C)]
@@ -158,7 +161,9 @@ impl Liveness {
         let area = live_area()?;
         let mut raw = [0u8; 8];
         crate::shell::drbg::fill(&mut raw).ok()?;
-        let tag = u64::from_ne_bytes(raw) | 1;
+        // Bit 63 set: no user address or length reaches it, so no 8 bytes of a word but its
+        // tag can pass for one (defence beside the word grid's check, review 60 H1).
+        let tag = u64::from_ne_bytes(raw) | 1 | TAG_BIT;
         let mut by_md = self.by_md.lock();
         let slot = {
             let mut slots = area.slots.lock();
@@ -396,8 +401,8 @@ impl Request {
     }
 }
 
-/// Peer processes (pid, start time) -> their liveness mappings found, `[start, end)`.
-type LiveAreas = HashMap<(u32, u64), Vec<(u64, u64)>>;
+/// Peer processes (pid, start time) -> their liveness mappings found.
+type LiveAreas = HashMap<(u32, u64), Vec<cma::Mapping<()>>>;
 
 /// Two checks of one in-flight request closer than this are a busy poll (as on the bounce
 /// path).
@@ -554,8 +559,10 @@ impl CmaPath {
             if live.last() != Some(&(rec.live, Live::of(rec))) {
                 live.push((rec.live, Live::of(rec)));
             }
-            // A tag of 0 is what a deregistered registration's word holds: never a live one.
+            // A tag of 0 is what a deregistered registration's word holds: never a live one. A
+            // range reaching bit 63 is no user memory, and would be a tag read as a range.
             if rec.tag == 0
+                || rec.addr.checked_add(rec.len).is_none_or(|e| e > TAG_BIT)
                 || (rec.node, rec.pidns, rec.pid, rec.start) != (first.node, first.pidns, first.pid, first.start)
             {
                 return None;
@@ -685,20 +692,26 @@ impl CmaPath {
     /// program's registered memory.)
     fn in_live_area(&self, peer: &str, pid: u32, start: u64, at: u64) -> bool {
         let Some(end) = at.checked_add(size_of::<Live>() as u64) else { return false };
-        let inside = |areas: &[(u64, u64)]| areas.iter().any(|&(a, b)| a <= at && end <= b);
-        if self.live_areas.lock().get(&(pid, start)).is_some_and(|areas| inside(areas)) {
+        // A word, not 24 bytes straddling two: the file holds words one after another from its
+        // start, so read 8 or 16 bytes off that grid, a word's range and the next one's tag
+        // would pass for a word whose "range" is the 2^63 bytes a tag spans (review 60, H1).
+        let holds = |m: &cma::Mapping<()>| {
+            m.start <= at && end <= m.end && (m.offset.wrapping_add(at - m.start)) % size_of::<Live>() as u64 == 0
+        };
+        if self.live_areas.lock().get(&(pid, start)).is_some_and(|areas| areas.iter().any(holds)) {
             return true;
         }
-        let Some((a, b, path)) = cma::mapping_of(pid, at) else {
+        let Some(m) = cma::mapping_of(pid, at) else {
             tracing::debug!(peer, pid, "a liveness word in no mapping of the process (or no /proc): no CMA");
             return false;
         };
-        if path != LIVE_PATH || end > b || cma::start_time(pid) != Some(start) {
+        let area = cma::Mapping { start: m.start, end: m.end, offset: m.offset, path: () };
+        if m.path != LIVE_PATH || !holds(&area) || cma::start_time(pid) != Some(start) {
             tracing::warn!(
                 peer,
                 pid,
-                path,
-                "a CMA record's liveness word is not in the process's liveness mapping: refused"
+                path = m.path,
+                "a CMA record's liveness word is not a word of the process's liveness mapping: refused"
             );
             return false;
         }
@@ -706,7 +719,7 @@ impl CmaPath {
         if areas.len() >= MAX_WATCHES {
             areas.retain(|&(p, s), _| cma::start_time(p) == Some(s));
         }
-        areas.entry((pid, start)).or_default().push((a, b));
+        areas.entry((pid, start)).or_default().push(area);
         true
     }
 
@@ -1186,6 +1199,56 @@ mod tests {
         // The genuine record still goes, and its process is still permitted.
         assert!(path.prep("p", &pair, &[(rec, 1)], false, LoadStamp::default()).is_some());
         assert_eq!(path.permitted.lock().get(&(rec.pid, rec.start)), Some(&true));
+    }
+
+    /// Review 60, H1: words lie one after another, so the 24 bytes 8 or 16 bytes past a word
+    /// are its range and the next word's tag (or its length, the next tag and address): read
+    /// there, they passed for a word whose "range" was the 2^63 bytes a tag spans, and a
+    /// record naming them took our WRITE into any memory of the process (reproduced between
+    /// two processes, reported DONE). Only a word on the grid of the liveness file is a word.
+    #[test]
+    fn a_word_read_off_the_word_grid_is_no_word() {
+        let path = path_to_self();
+        let (mut one, mut two) = (vec![0u8; 64], vec![0u8; 64]);
+        let (_, rec) = export_as_md1(&path, &mut one);
+        let reg = Registration { addr: two.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let next = path.export(Md(2), &reg).expect("host memory exports");
+        let me = cma::this_process().expect("Linux has /proc");
+        for word in [rec.live, next.live] {
+            assert!(path.in_live_area("p", me.pid, me.start, word), "a word on the grid");
+            for off in [8, 16] {
+                assert!(!path.in_live_area("p", me.pid, me.start, word + off), "{off} bytes off the grid");
+            }
+        }
+        // And so through a record, as a forger would name them: refused, nothing written.
+        if next.live == rec.live + 24 {
+            let forged = CmaRecord { live: rec.live + 8, tag: rec.addr, addr: rec.len, len: next.tag, ..rec };
+            let mut victim = vec![0u8; 64];
+            let src = [0x5au8; 16];
+            let into = [DescPair { src: src.as_ptr() as u64, dst: victim.as_mut_ptr() as u64, len: 16 }];
+            assert!(path.prep("p", &into, &[(forged, 1)], false, LoadStamp::default()).is_none());
+            assert!(victim.iter().all(|b| *b == 0));
+        }
+    }
+
+    /// Every tag we make has bit 63 set and no record may name a range that reaches it, so
+    /// even a reader that missed the grid could not take a tag for a range (review 60, H1).
+    #[test]
+    fn tags_carry_bit_63_and_no_range_may_reach_it() {
+        let path = path_to_self();
+        let mut buf = vec![0u8; 64];
+        let (reg, rec) = export_as_md1(&path, &mut buf);
+        assert_ne!(rec.tag & TAG_BIT, 0);
+        // A genuine word (ours) whose range ends past bit 63: its record goes no further.
+        let high = Registration { addr: TAG_BIT - 32, len: 64, dev: 0, mem: MemKind::Dram };
+        let far = path.export(Md(2), &high).expect("a word for any range");
+        let src = [1u8; 16];
+        let pair = [DescPair { src: src.as_ptr() as u64, dst: TAG_BIT - 32, len: 16 }];
+        assert!(path.prep("p", &pair, &[(far, 1)], false, LoadStamp::default()).is_none());
+        let wraps = CmaRecord { addr: u64::MAX - 8, len: 64, ..rec };
+        assert!(path.prep("p", &pair, &[(wraps, 1)], false, LoadStamp::default()).is_none());
+        let ok = [DescPair { src: src.as_ptr() as u64, dst: reg.addr, len: 16 }];
+        assert!(path.prep("p", &ok, &[(rec, 1)], false, LoadStamp::default()).is_some());
     }
 
     /// A deregistered registration's word reads tag 0: a record that copies the old one with

@@ -255,17 +255,26 @@ pub(crate) fn shared_words(name: &std::ffi::CStr, count: usize) -> io::Result<&'
     Ok(unsafe { std::slice::from_raw_parts(map.as_mut_ptr().cast::<SharedWord>(), count) })
 }
 
-/// The mapping of process `pid` that holds address `addr`: its range `[start, end)` and its
-/// path as `/proc/<pid>/maps` shows it (empty for an anonymous mapping); `None` when `addr` is
-/// in none or the file cannot be read.
-pub(crate) fn mapping_of(pid: u32, addr: u64) -> Option<(u64, u64, String)> {
+/// One line of `/proc/<pid>/maps`: the range `[start, end)`, the offset in its file that
+/// `start` maps, and the path as the file shows it (empty for an anonymous mapping).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Mapping<P = String> {
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) offset: u64,
+    pub(crate) path: P,
+}
+
+/// The mapping of process `pid` that holds address `addr`; `None` when `addr` is in none or the
+/// file cannot be read.
+pub(crate) fn mapping_of(pid: u32, addr: u64) -> Option<Mapping> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    find_mapping(&maps, addr).map(|(a, b, path)| (a, b, path.to_owned()))
+    find_mapping(&maps, addr).map(|m| Mapping { start: m.start, end: m.end, offset: m.offset, path: m.path.to_owned() })
 }
 
 /// [`mapping_of`] on the text of a `maps` file: lines of `start-end perms offset dev inode
-/// [path]`, the addresses in hex.
-fn find_mapping(maps: &str, addr: u64) -> Option<(u64, u64, &str)> {
+/// [path]`, the addresses and the offset in hex.
+fn find_mapping(maps: &str, addr: u64) -> Option<Mapping<&str>> {
     maps.lines().find_map(|line| {
         let (range, rest) = line.split_once(' ')?;
         let (a, b) = range.split_once('-')?;
@@ -275,10 +284,15 @@ fn find_mapping(maps: &str, addr: u64) -> Option<(u64, u64, &str)> {
         }
         // Four fields (perms, offset, dev, inode), then the path, which may hold spaces.
         let mut fields = rest.trim_start();
-        for _ in 0..4 {
-            fields = fields.split_once(' ').map_or("", |(_, r)| r).trim_start();
+        let mut offset = None;
+        for i in 0..4 {
+            let (field, more) = fields.split_once(' ').unwrap_or((fields, ""));
+            if i == 1 {
+                offset = u64::from_str_radix(field, 16).ok();
+            }
+            fields = more.trim_start();
         }
-        Some((a, b, fields))
+        Some(Mapping { start: a, end: b, offset: offset?, path: fields })
     })
 }
 
@@ -305,10 +319,11 @@ mod tests {
         let maps = "7f00-7f10 rw-s 00000000 00:01 1234                       /memfd:nixl-bounce-live (deleted)\n\
                     7f10-7f20 rw-p 00000000 00:00 0 \n\
                     7f20-7f30 r--p 00001000 fd:01 99                         /usr/lib/my lib.so\n";
-        assert_eq!(find_mapping(maps, 0x7f00), Some((0x7f00, 0x7f10, "/memfd:nixl-bounce-live (deleted)")));
-        assert_eq!(find_mapping(maps, 0x7f0f), Some((0x7f00, 0x7f10, "/memfd:nixl-bounce-live (deleted)")));
-        assert_eq!(find_mapping(maps, 0x7f10), Some((0x7f10, 0x7f20, "")), "anonymous: no path");
-        assert_eq!(find_mapping(maps, 0x7f2a), Some((0x7f20, 0x7f30, "/usr/lib/my lib.so")));
+        let m = |start, end, offset, path| Some(Mapping { start, end, offset, path });
+        assert_eq!(find_mapping(maps, 0x7f00), m(0x7f00, 0x7f10, 0, "/memfd:nixl-bounce-live (deleted)"));
+        assert_eq!(find_mapping(maps, 0x7f0f), m(0x7f00, 0x7f10, 0, "/memfd:nixl-bounce-live (deleted)"));
+        assert_eq!(find_mapping(maps, 0x7f10), m(0x7f10, 0x7f20, 0, ""), "anonymous: no path");
+        assert_eq!(find_mapping(maps, 0x7f2a), m(0x7f20, 0x7f30, 0x1000, "/usr/lib/my lib.so"), "its file offset");
         assert_eq!(find_mapping(maps, 0x7f30), None, "the end is outside");
         assert_eq!(find_mapping(maps, 0x10), None);
         assert_eq!(find_mapping("garbage\nzz-yy x\n", 0x10), None);
@@ -322,13 +337,13 @@ mod tests {
         assert_eq!(words.len(), 1000);
         assert!(words.iter().all(|w| w.tag.load(std::sync::atomic::Ordering::Relaxed) == 0));
         let at = std::ptr::from_ref(&words[999]) as u64;
-        let (a, b, path) = mapping_of(std::process::id(), at).expect("the mapping is in /proc/self/maps");
-        assert!(a <= at && at + 24 <= b);
-        assert_eq!(path, "/memfd:nixl-bounce-test-words (deleted)");
+        let m = mapping_of(std::process::id(), at).expect("the mapping is in /proc/self/maps");
+        assert!(m.start <= at && at + 24 <= m.end);
+        assert_eq!((m.path.as_str(), m.offset), ("/memfd:nixl-bounce-test-words (deleted)", 0));
+        assert_eq!((at - m.start) % 24, 0, "the words lie on a grid of 24 bytes from the file's start");
         let heap = Box::new(0u64);
-        let (_, _, path) =
-            mapping_of(std::process::id(), std::ptr::from_ref(&*heap) as u64).expect("the heap is mapped");
-        assert!(!path.starts_with("/memfd:"), "{path}");
+        let heap = mapping_of(std::process::id(), std::ptr::from_ref(&*heap) as u64).expect("the heap is mapped");
+        assert!(!heap.path.starts_with("/memfd:"), "{}", heap.path);
     }
 
     #[test]

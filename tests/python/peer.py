@@ -10,6 +10,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
       agent (a GPU worker that moves host memory too) -> "host_addr": int
       "cuda_late": true makes the agent before the process touches CUDA (VRAM)
       "at": ADDR puts the (host) buffer at that virtual address (mmap MAP_FIXED_NOREPLACE)
+      "spare": {"at": ADDR, "size": BYTES} maps that much zeroed memory there, never registered
   {"op": "load", "meta": b64}                 add a remote agent
   {"op": "unload", "name": A}                 remove remote agent A (NIXL's remove_remote_agent)
   {"op": "notif_wait", "from": A, "msg": M}   wait until that notification arrived
@@ -18,6 +19,7 @@ Commands (one JSON object per line; every reply is one JSON line with "ok"):
   {"op": "partial_meta"}                      -> {"meta": b64}: the buffer's registration
       metadata for BOUNCE without connection info (NIXL's get_partial_agent_metadata)
   {"op": "dump", "path": P, "host": bool}     write the buffer (the host buffer) to a file
+      ("spare": true: the unregistered memory of "spare")
   {"op": "fill", "seed": S}                   refill the buffer with pattern(seed)
   {"op": "write", "to": A, "n": N, "size": S, "seed": L, "src_off": O, "raddr": R,
    "notif": M, "sizes": [..]?}   scattered WRITE of Scattered(N, S, L) from buffer+O to R
@@ -57,6 +59,7 @@ def main():
     ag = None
     buf = None
     hbuf = None
+    spare = None
     regs = []
     seen = []
 
@@ -68,7 +71,7 @@ def main():
                 seen.append((sender, m))
 
     def start(cmd):
-        nonlocal ag, buf, hbuf
+        nonlocal ag, buf, hbuf, spare
         vram = cmd.get("mem", "DRAM") == "VRAM"
 
         def touch_cuda():
@@ -100,6 +103,8 @@ def main():
             for b in cmd.get("backends", ["BOUNCE"]):
                 regs.append(nixlkit.register(ag, hbuf, b))
             out["host_addr"] = nixlkit.addr(hbuf)
+        if "spare" in cmd:
+            spare = fixed_buffer(cmd["spare"]["at"], cmd["spare"]["size"])
         return {"meta": base64.b64encode(ag.get_agent_metadata()).decode(), **out}
 
     def notif_wait(cmd):
@@ -170,7 +175,7 @@ def main():
         "meta": lambda cmd: {"meta": base64.b64encode(ag.get_agent_metadata()).decode()},
         "partial_meta": lambda cmd: {"meta": base64.b64encode(ag.get_partial_agent_metadata(
             ag.get_reg_descs([(nixlkit.addr(buf), buf.nbytes, 0, "")], "DRAM"), False, ["BOUNCE"])).decode()},
-        "dump": lambda cmd: (hbuf if cmd.get("host") else buf).tofile(cmd["path"]),
+        "dump": lambda cmd: (spare if cmd.get("spare") else hbuf if cmd.get("host") else buf).tofile(cmd["path"]),
         "fill": fill,
         "write": write,
         "wait_ready": lambda cmd: nixlkit.wait_ready(ag, cmd.get("n", 1)),

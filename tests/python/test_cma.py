@@ -9,6 +9,7 @@ environment is read when an agent is made, and peer processes inherit it).
 import base64
 import os
 import signal
+import struct
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 import nixlkit
 from conftest import run_isolated
+from peer import fixed_buffer
 from test_bounce import B, connect, remote_buffer, stats
 
 ON = {"NIXL_BOUNCE_CMA": "1"}
@@ -496,3 +498,63 @@ def test_a_record_planted_by_a_failed_load_never_takes_our_writes_to_another_age
     assert not moved.get("cma_xfers") and moved.get("bounce_ok") == 1, moved
     assert_landed("WRITE", lay, a, tmp_path, buf, 1204, 1202)
     nixlkit.assert_same(remote_buffer(c, tmp_path, "c.bin"), nixlkit.pattern(1203, lay.dst_bytes), "C's buffer")
+
+
+def cma_records(meta):
+    """Every CMA record in `meta`: where its envelope starts, and its fields (version-3
+    envelope: magic+version 10, id 8, key 32, node 16, then the PID namespace, pid, start time,
+    address, length, liveness word and tag)."""
+    magic, out = b"NXBNCREG\x03\x00", []
+    at = meta.find(magic)
+    while at >= 0:
+        pidns, pid, start, addr, length, live, tag = struct.unpack_from("<QIQQQQQ", meta, at + 66)
+        out.append(dict(at=at, node=meta[at + 50:at + 66], pidns=pidns, pid=pid, start=start, addr=addr,
+                        len=length, live=live, tag=tag))
+        at = meta.find(magic, at + 1)
+    return out
+
+
+def test_a_record_naming_bytes_off_the_word_grid_never_writes_the_process(cma, peer, tmp_path):
+    """Review 60 H1. Process K publishes two registrations whose liveness words are adjacent;
+    its memory at T is mapped but never registered. Agent C of this process holds K's
+    metadata and registers a buffer of its own at T, and hands us its metadata with its CMA
+    record rewritten to name K and the 24 bytes 8 past K's first word: K's first range and its
+    second tag, which read as a word proving the range [len, len + tag), nearly all of K. Our
+    WRITE to C at T went by CMA into K's unregistered memory and was reported DONE. Now the
+    record proves nothing: the WRITE bounces into C, byte-exact, and K's memory stays zero."""
+    T, n, size, stride = 0x7E4000000000, 256, 4096, 8192
+    k = peer(ON)
+    meta_k, _ = k.start(name="h60-k", size=4096, seed=1301, host={"size": 4096, "seed": 1302},
+                        spare={"at": T, "size": n * stride})
+    recs = cma_records(meta_k)
+    a, b = next(((a, b) for a in recs for b in recs if b["live"] == a["live"] + 24), (None, None))
+    assert a is not None, f"a fresh process's two registrations take adjacent words: {recs}"
+    c = nixlkit.agent("h60-c")
+    cbuf = fixed_buffer(T, n * stride)
+    cbuf[:] = nixlkit.pattern(1303, n * stride)
+    nixlkit.register(c, cbuf)
+    meta_c = c.get_agent_metadata()
+    (mine,) = cma_records(meta_c)
+    at = mine["at"] + 66
+    fields = struct.pack("<QIQQQQQ", a["pidns"], a["pid"], a["start"], a["len"], b["tag"], a["live"] + 8, a["addr"])
+    forged = meta_c[:mine["at"] + 50] + a["node"] + fields + meta_c[at + len(fields):]
+    assert len(forged) == len(meta_c)
+    x = nixlkit.agent("h60-x")
+    src = nixlkit.pattern(1304, n * stride)
+    nixlkit.register(x, src)
+    x.add_remote_agent(forged)
+    before = stats(x)
+    lo = x.get_xfer_descs([(src.ctypes.data + i * stride, size, 0) for i in range(n)], "DRAM")
+    re = x.get_xfer_descs([(T + i * stride, size, 0) for i in range(n)], "DRAM")
+    h = x.initialize_xfer("WRITE", lo, re, "h60-c", b"", backends=[B])
+    assert x.transfer(h) != "ERR"
+    nixlkit.wait_xfer(x, h)
+    moved = {key: v - before.get(key, 0) for key, v in stats(x).items() if v != before.get(key, 0)}
+    assert not moved.get("cma_xfers"), moved
+    spare = tmp_path / "spare.bin"
+    k.call(op="dump", path=str(spare), spare=True)
+    assert not np.fromfile(spare, dtype=np.uint8).any(), "K's unregistered memory was written"
+    want = nixlkit.pattern(1303, n * stride).reshape(n, stride).copy()
+    want[:, :size] = src.reshape(n, stride)[:, :size]
+    nixlkit.assert_same(cbuf, want.reshape(-1), "C's buffer")
+    x.release_xfer_handle(h)
