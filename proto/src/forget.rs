@@ -30,7 +30,7 @@ pub fn key(probe_key: &[u8; 32]) -> [u8; 32] {
 /// The secret of the load of `peer`'s metadata that `peer` names here: carried in every PONG
 /// we send it, and in the FORGET we send it when we unload it.
 pub fn secret(key: &[u8; 32], peer: PeerId) -> Token {
-    let hash = blake3::keyed_hash(key, &u64::from(peer.0).to_le_bytes());
+    let hash = blake3::keyed_hash(key, &peer.0.to_le_bytes());
     let mut first = [0u8; 16];
     first.copy_from_slice(&hash.as_bytes()[..16]);
     Token(u128::from_le_bytes(first))

@@ -583,7 +583,7 @@ fn proofless_one_way_frames_refused_before_their_proofs_are_read_take_no_slot_an
             }
             // Under many names, more frames than the mailbox has slots.
             for x in 0..MAILBOX_SLOTS as u64 + 8 {
-                let r = ep.handle_msg(t, PeerId(1 + (x % 8) as u64), frame(x));
+                let r = ep.handle_msg(t, PeerId(1 + x % 8), frame(x));
                 assert!(matches!(r, Err(ProtocolError::BadProof { .. })), "{what}: {r:?}");
             }
             let acts = drain(&mut ep);
