@@ -124,7 +124,7 @@ pub enum Op {
 }
 
 /// The agent name of peer `i`, whose loaded capabilities carry session `session_of(i)`.
-fn agent(i: u32) -> String {
+fn agent(i: u64) -> String {
     format!("peer-{i}")
 }
 
@@ -141,7 +141,7 @@ fn key_of(reg: RegId) -> RegKey {
 }
 
 fn session_of(peer: PeerId) -> u64 {
-    0x5e55_0000 + u64::from(peer.0)
+    0x5e55_0000 + peer.0
 }
 
 /// The token our endpoint's transfer `xfer` carries (the shell draws random ones; distinct
@@ -495,7 +495,7 @@ pub fn run(data: &[u8]) -> Coverage {
         cov.ops += 1;
         match op {
             Op::Msg { from, msg } => {
-                let _ = ep.handle_msg(now, PeerId(u32::from(from % 3)), msg);
+                let _ = ep.handle_msg(now, PeerId(u64::from(from % 3)), msg);
             }
             Op::Submit { .. } if !seen.registered => {}
             Op::Submit { peer, descs, size, packed } => {
@@ -510,7 +510,7 @@ pub fn run(data: &[u8]) -> Coverage {
                     .collect();
                 if let Ok(p) = plan(&pairs, PlanParams::from_config(&cfg)) {
                     let xfer = XferId(next_xfer);
-                    if ep.submit(now, xfer, our_token(xfer), PeerId(u32::from(peer % 3)), p).is_ok() {
+                    if ep.submit(now, xfer, our_token(xfer), PeerId(u64::from(peer % 3)), p).is_ok() {
                         cov.submitted += 1;
                     }
                     next_xfer += 1;
@@ -524,13 +524,13 @@ pub fn run(data: &[u8]) -> Coverage {
                 }
             }
             Op::Cancel { xfer } => ep.cancel(now, XferId(u64::from(xfer))),
-            Op::PeerLost { peer } => ep.handle_peer_lost(now, PeerId(u32::from(peer % 3))),
+            Op::PeerLost { peer } => ep.handle_peer_lost(now, PeerId(u64::from(peer % 3))),
             Op::Tick { ms } => {
                 now += Duration::from_millis(u64::from(ms % 200));
                 ep.handle_timeout(now);
             }
             Op::RemoteWant { from, xfer, chunks, size } => {
-                let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(1000 + u64::from(xfer)));
+                let (peer, xfer) = (PeerId(u64::from(from % 3)), XferId(1000 + u64::from(xfer)));
                 // Half the chunks a multiple of 8 bytes: where a region plan can end a chunk.
                 let size = u64::from(size % (16 << 10)) + 1;
                 let size = if size & 1 == 0 { size.next_multiple_of(8) } else { size };
@@ -554,7 +554,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 // arena holds two), or claim it, with its token or a forged one (a hostile
                 // peer's), for chunks of at most 4 KiB.
                 let mode = (chunks >> 4) % 16;
-                let standing_id = XferId(STANDING_XFER_BIT | (1000 + u64::from(peer.0)));
+                let standing_id = XferId(STANDING_XFER_BIT | (1000 + peer.0));
                 let (xfer, token, proofs, inline, standing) = match mode {
                     1 | 2 => (standing_id, remote_token(peer, standing_id), Vec::new(), None, Standing::Open),
                     3..=6 if inline.is_none() => {
@@ -673,7 +673,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 }
             }
             Op::OneWayWant { from, xfer, chunks, size } => {
-                let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(2000 + u64::from(xfer)));
+                let (peer, xfer) = (PeerId(u64::from(from % 3)), XferId(2000 + u64::from(xfer)));
                 let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
                 let proofs = vec![proof::prove(reg, &key_of(reg), token)];
@@ -719,7 +719,7 @@ pub fn run(data: &[u8]) -> Coverage {
                     .collect();
                 if let Ok(p) = plan(&pairs, PlanParams::from_config(&cfg)) {
                     let xfer = XferId(next_xfer);
-                    let peer = PeerId(u32::from(peer % 3));
+                    let peer = PeerId(u64::from(peer % 3));
                     if ep.submit_one_way(now, xfer, our_token(xfer), peer, p, mailbox).is_ok() {
                         cov.submitted += 1;
                         our_one_way.push(xfer);
@@ -770,7 +770,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 if let Ok(mut p) = plan(&pairs, PlanParams::from_config(&cfg)) {
                     p.read = true;
                     let xfer = XferId(next_xfer);
-                    if ep.submit_read(now, xfer, our_token(xfer), PeerId(u32::from(peer % 3)), p, None).is_ok() {
+                    if ep.submit_read(now, xfer, our_token(xfer), PeerId(u64::from(peer % 3)), p, None).is_ok() {
                         cov.submitted += 1;
                         cov.reads += 1;
                     }
@@ -778,7 +778,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 }
             }
             Op::RemotePull { from, xfer, chunks, size, at } => {
-                let (peer, xfer) = (PeerId(u32::from(from % 3)), XferId(3000 + u64::from(xfer)));
+                let (peer, xfer) = (PeerId(u64::from(from % 3)), XferId(3000 + u64::from(xfer)));
                 let bytes = u64::from(size % (16 << 10)) + 1;
                 let addr = USER_BASE - 4096 + u64::from(at) % (USER_LEN + 8192);
                 let run = CopyRun { region_off: 0, addr, len: bytes, count: 1, region_stride: 0, addr_stride: 0 };
@@ -909,7 +909,7 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
         5 => {
             // A transfer nobody announced yet, proving the registration: once its token is
             // changed, the proof is for another token (a replayed or guessed tag).
-            let (peer, xfer) = (PeerId(u32::from(which % 3)), XferId(1 << 32 | u64::from(which)));
+            let (peer, xfer) = (PeerId(u64::from(which % 3)), XferId(1 << 32 | u64::from(which)));
             let token = remote_token(peer, xfer);
             let proofs = vec![proof::prove(REG, &KEY, token)];
             (
