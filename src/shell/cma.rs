@@ -48,7 +48,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
 use crate::shell::copy::cpu::next_job;
-use crate::shell::fence::{Span, overlaps};
+use crate::shell::fence::{self, Span, overlaps};
 use crate::shell::keys::LoadStamp;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
@@ -393,11 +393,12 @@ struct Request {
 }
 
 impl Request {
-    /// Whether one of its pieces touches our memory `range` (looked at only when the outer
-    /// bounds do: a deregistration is rare, a prep is per request).
-    fn touches(&self, range: Span) -> bool {
+    /// Whether deregistering our memory `range` takes memory from under one of its pieces
+    /// (see [`fence::Ranges::loses`]; the pieces are looked at only when the outer bounds
+    /// meet it: a deregistration is rare, a prep is per request).
+    fn loses(&self, range: Span, kept: &dyn Fn(Span) -> bool) -> bool {
         overlaps(self.local_span, range)
-            && self.parts.iter().flatten().any(|p| overlaps((p.local, p.local + p.len), range))
+            && fence::spans_lose(self.parts.iter().flatten().map(|p| (p.local, p.local + p.len)), range, kept)
     }
 }
 
@@ -513,11 +514,12 @@ impl CmaPath {
     /// or reuse the memory once it has). A request running there, or released while running,
     /// finishes as it would have: it was posted while the memory was registered. Every request
     /// touching it is revoked: a later post fails (`Deregistered`) instead of copying into
-    /// memory the application may have freed.
-    pub(crate) fn quiesce(&self, addr: u64, len: u64) {
+    /// memory the application may have freed. Not one whose bytes there another registration
+    /// still covers whole (`kept`): that memory stays registered, as under UCX (review 60, L3).
+    pub(crate) fn quiesce(&self, addr: u64, len: u64, kept: &dyn Fn(Span) -> bool) {
         let range = (addr, addr.saturating_add(len));
         let mut running = Vec::new();
-        for r in self.reqs.lock().values_mut().filter(|r| r.touches(range)) {
+        for r in self.reqs.lock().values_mut().filter(|r| r.loses(range, kept)) {
             r.revoked = true;
             if let State::Running(job, _) | State::Releasing(job) = &r.state {
                 running.push((Arc::clone(job), r.pid));
@@ -1328,7 +1330,7 @@ mod tests {
         };
         let inside = read(&[(20, 8)]);
         let around = read(&[(0, 8), (40, 8)]);
-        path.quiesce(at(16), 16);
+        path.quiesce(at(16), 16, &|_| false);
         assert!(matches!(path.post(inside, None, |_| true), Err(Error::Xfer(XferError::Deregistered))));
         assert!(matches!(path.check(inside, None, Duration::ZERO), Err(Error::Xfer(XferError::Deregistered))));
         path.post(around, None, |_| true).unwrap();
@@ -1355,7 +1357,7 @@ mod tests {
                 std::thread::yield_now();
             }
             s.spawn(|| {
-                path.quiesce(at(24), 4);
+                path.quiesce(at(24), 4, &|_| false);
                 quiesced.store(true, Ordering::Release);
             });
             std::thread::sleep(Duration::from_millis(50));

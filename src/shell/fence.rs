@@ -53,9 +53,23 @@ impl Ranges {
     }
 
     /// Whether one of the ranges overlaps `range`.
+    #[cfg(test)]
     pub(crate) fn touches(&self, range: Span) -> bool {
-        overlaps(self.outer, range) && self.spans.iter().any(|&r| overlaps(r, range))
+        self.loses(range, &|_| false)
     }
+
+    /// Whether deregistering `range` takes memory from under them: one of the ranges overlaps
+    /// it where `kept` (memory another registration still covers whole) does not hold.
+    pub(crate) fn loses(&self, range: Span, kept: &dyn Fn(Span) -> bool) -> bool {
+        overlaps(self.outer, range) && spans_lose(self.spans.iter().copied(), range, kept)
+    }
+}
+
+/// Whether one of `spans` overlaps `range` in bytes `kept` does not hold (see
+/// [`Ranges::loses`]): only the overlap is asked about, the rest of a span keeps whatever
+/// registration it had.
+pub(crate) fn spans_lose(mut spans: impl Iterator<Item = Span>, range: Span, kept: &dyn Fn(Span) -> bool) -> bool {
+    spans.any(|s| overlaps(s, range) && !kept((s.0.max(range.0), s.1.min(range.1))))
 }
 
 /// A pinned job's token (unpin it exactly once).
@@ -129,6 +143,23 @@ impl Fence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A deregistration takes memory from under a request only where no other registration
+    /// still covers the bytes its pieces share with the range (review 60, L3).
+    #[test]
+    fn ranges_lose_only_the_bytes_no_other_registration_keeps() {
+        let r = Ranges::new([(100, 200), (1000, 1100)]);
+        let kept_by = |a: u64, b: u64| move |(x, y): Span| a <= x && y <= b;
+        assert!(r.loses((150, 160), &|_| false), "nothing keeps it");
+        assert!(!r.loses((150, 160), &kept_by(0, 300)), "another registration covers the overlap");
+        assert!(
+            !r.loses((150, 1050), &kept_by(100, 1100)),
+            "asked about the overlaps only: (150, 200) and (1000, 1050)"
+        );
+        assert!(r.loses((150, 1050), &kept_by(100, 200)), "(1000, 1050) is not kept");
+        assert!(r.loses((0, 5000), &kept_by(120, 5000)), "(100, 120) is not kept");
+        assert!(!r.loses((300, 900), &|_| false), "between the pieces: nothing lost");
+    }
 
     #[test]
     fn ranges_tell_precisely_whether_a_range_is_touched() {

@@ -31,7 +31,7 @@ use bounce_proto::plan::{self, DescPair};
 use bounce_proto::wire::IpcRecord;
 use parking_lot::{Mutex, RwLock};
 
-use crate::shell::fence::Ranges;
+use crate::shell::fence::{Ranges, Span};
 use crate::shell::keys::LoadStamp;
 use crate::shell::registry::Registration;
 use crate::shell::stats::Stats;
@@ -385,9 +385,9 @@ impl IpcPath {
     /// finishes as it would have: it was posted while the memory was registered. Every request
     /// touching it is revoked: a later post fails (`Deregistered`) instead of launching into
     /// memory that may hold another tensor by then.
-    fn quiesce(&self, addr: u64, len: u64) {
+    fn quiesce(&self, addr: u64, len: u64, kept: &dyn Fn(Span) -> bool) {
         let range = (addr, addr.saturating_add(len));
-        for r in self.reqs.lock().values_mut().filter(|r| r.local.touches(range)) {
+        for r in self.reqs.lock().values_mut().filter(|r| r.local.loses(range, kept)) {
             r.revoked = true;
             if let State::Running(ctx, _) = &r.state {
                 if let Err(e) = ctx.synchronize() {
@@ -556,9 +556,9 @@ impl IpcPaths {
     }
 
     /// [`IpcPath::quiesce`] on the path of GPU `dev`, if one is open.
-    pub(crate) fn quiesce(&self, dev: u64, addr: u64, len: u64) {
+    pub(crate) fn quiesce(&self, dev: u64, addr: u64, len: u64, kept: &dyn Fn(Span) -> bool) {
         if let Some(p) = self.path(dev) {
-            p.quiesce(addr, len);
+            p.quiesce(addr, len, kept);
         }
     }
 

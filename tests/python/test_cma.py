@@ -380,6 +380,30 @@ def test_a_request_prepared_over_our_memory_deregistered_since_fails_at_its_post
     assert s["cma_xfers"] == 1 and s["cma_ok"] == 1 and s["bounce_xfers"] == 0, s
 
 
+def test_deregistering_a_registration_inside_another_leaves_requests_over_the_other_working(cma, peer, tmp_path):
+    """Review 60 L3. Our buffer is registered whole, and a part of it again (4 KiB from 2 KiB
+    in, which holds no descriptor whole: NIXL matches every one to the whole buffer). The part
+    is deregistered between two posts of a prepared WRITE: that memory is still registered, so
+    as under UCX the second post moves every byte by the same path. It used to fail
+    (`Deregistered`): every request touching the part's range was revoked."""
+    lay = nixlkit.Scattered(1024, 4096, seed=1191)
+    ag, p, raddr, buf = setup(peer, "c9", lay.src_bytes, lay.dst_bytes, 1192, 1193)
+    part = ag.get_reg_descs([(buf.ctypes.data + 2048, 4096, 0, "")], "DRAM")
+    ag.register_memory(part, backends=[B])
+    lo, re = descs(ag, "WRITE", lay, buf, raddr)
+    h = ag.initialize_xfer("WRITE", lo, re, "c9-rx", b"", backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    p.call(op="fill", seed=1194)
+    ag.deregister_memory(part, backends=[B])
+    assert ag.transfer(h) != "ERR"
+    nixlkit.wait_xfer(ag, h)
+    assert_landed("WRITE", lay, p, tmp_path, buf, 1192, 1194)
+    s = stats(ag)
+    assert s["cma_xfers"] == 2 and s["cma_ok"] == 2 and s["bounce_xfers"] == 0, s
+    ag.release_xfer_handle(h)
+
+
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_a_request_prepared_before_the_peer_was_removed_fails_at_its_post(cma, peer, tmp_path, op):

@@ -201,10 +201,19 @@ impl Engine {
         let key = self.keys.forget_local(md);
         let Some(r) = self.registry.remove(md) else { return };
         // Our same-host copies into or out of it end first. (A peer's, into it, cannot be
-        // waited for: its liveness word, cleared above, stops only the peer's next post.)
+        // waited for: its liveness word, cleared above, stops only the peer's next post.) Not
+        // those over bytes another registration of the same memory still covers whole.
+        let place = ArenaPlace { mem: r.mem, dev: r.dev };
+        let still = || self.registry.all().into_iter().map(|(_, k)| k).filter(|k| k.serves(place)).collect::<Vec<_>>();
         match (r.mem, &self.cma, &self.ipc) {
-            (MemKind::Dram, Some(cma), _) => cma.quiesce(r.addr, r.len),
-            (MemKind::Vram, _, Some(ipc)) => ipc.quiesce(r.dev, r.addr, r.len),
+            (MemKind::Dram, Some(cma), _) => {
+                let still = still();
+                cma.quiesce(r.addr, r.len, &|(a, b)| still.iter().any(|k| k.covers(place, a, b - a)));
+            }
+            (MemKind::Vram, _, Some(ipc)) => {
+                let still = still();
+                ipc.quiesce(r.dev, r.addr, r.len, &|(a, b)| still.iter().any(|k| k.covers(place, a, b - a)));
+            }
             _ => {}
         }
         let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };
