@@ -135,9 +135,17 @@ pub(crate) struct ProcessId {
     pub(crate) start: u64,
 }
 
-/// This process, or `None` without a readable `/proc`.
+/// This process, or `None` without a readable `/proc`, or with one of another PID namespace
+/// (another's `/proc` mounted here, `unshare -p` without a new one): the checks read `/proc`
+/// while the copies name pids in ours, and the two would be different processes (review 60,
+/// L4). `/proc/self` names us by the pid of `/proc`'s namespace.
 pub(crate) fn this_process() -> Option<ProcessId> {
     let pid = std::process::id();
+    let seen: u32 = std::fs::read_link("/proc/self").ok()?.to_str()?.parse().ok()?;
+    if seen != pid {
+        tracing::info!(pid, proc_pid = seen, "/proc is of another PID namespace: no same-host path for host memory");
+        return None;
+    }
     Some(ProcessId { pidns: pid_namespace()?, pid, start: start_time(pid)? })
 }
 
