@@ -414,18 +414,18 @@ impl PeerTable {
         self.change().rules.forgot_us(name, session, proof)
     }
 
-    /// Applies the core's loading and session rules to a message frame from `name`: the
-    /// session must be the one of the agent's loaded capabilities.
-    ///
-    /// # Errors
-    /// [`FrameRefused::NotLoaded`], [`FrameRefused::NoSession`] or
-    /// [`FrameRefused::StaleSession`]: drop the frame.
     /// Whether a frame from `name` under `session` comes from no id we hold for it yet (see
     /// the core's [`PeerTable::is_unvouched`](bounce_proto::peers::PeerTable::is_unvouched)).
     pub(crate) fn is_unvouched(&self, name: &str, session: u64) -> bool {
         self.table.lock().rules.is_unvouched(name, session)
     }
 
+    /// Applies the core's loading and session rules to a message frame from `name`: the
+    /// session must be the one of the agent's loaded capabilities.
+    ///
+    /// # Errors
+    /// [`FrameRefused::NotLoaded`], [`FrameRefused::NoSession`] or
+    /// [`FrameRefused::StaleSession`]: drop the frame.
     pub(crate) fn admit(&self, name: &str, session: u64) -> Result<PeerId, FrameRefused> {
         self.table.lock().rules.admit(name, session)
     }
