@@ -100,6 +100,9 @@ struct LiveArea {
     slots: Mutex<AreaSlots>,
     /// The process that made it ([`crate::sys::fork::process_mark`]).
     mark: u64,
+    /// The inode of its memory file: a process whose liveness mapping is this very file
+    /// shares our memory (see [`our_live_inode`]).
+    inode: u64,
 }
 
 impl LiveArea {
@@ -115,20 +118,35 @@ struct AreaSlots {
     next: usize,
 }
 
+/// The area of the process that made it last (`None`: it could not); an area is leaked, so a
+/// reference to it stays valid, though in a child its words are not mapped.
+static AREA: Mutex<Option<(u64, Option<&'static LiveArea>)>> = Mutex::new(None);
+
+/// The inode of the running process's liveness file, if it made one. A process whose liveness
+/// mapping is this file shares our address space (a `vfork` or `posix_spawn` child before its
+/// `exec`, a `clone(CLONE_VM)` helper: its own thread group, so the thread check passes it) or
+/// was handed our file: a record naming it with one of our words would make a copy "to" it one
+/// into our own memory (review 60, L1).
+fn our_live_inode() -> Option<u64> {
+    match *AREA.lock() {
+        Some((made_by, Some(area))) if made_by == crate::sys::fork::process_mark() => Some(area.inode),
+        _ => None,
+    }
+}
+
 /// The running process's [`LiveArea`], made at its first export (again in a forked child);
 /// `None` (logged once per process) where the memory file cannot be made: no record is
 /// published then, and peers bounce to this process.
 fn live_area() -> Option<&'static LiveArea> {
-    // The area of the process that made it last (`None`: it could not); an area is leaked,
-    // so a reference to it stays valid, though in a child its words are not mapped.
-    static AREA: Mutex<Option<(u64, Option<&'static LiveArea>)>> = Mutex::new(None);
     let mark = crate::sys::fork::process_mark();
     let mut area = AREA.lock();
     match *area {
         Some((made_by, got)) if made_by == mark => got,
         _ => {
             let got = match cma::shared_words(LIVE_FILE, LIVE_SLOTS) {
-                Ok(words) => Some(&*Box::leak(Box::new(LiveArea { words, slots: Mutex::default(), mark }))),
+                Ok((words, inode)) => {
+                    Some(&*Box::leak(Box::new(LiveArea { words, slots: Mutex::default(), mark, inode })))
+                }
                 Err(e) => {
                     tracing::info!(error = %e, "no memory file for liveness words: no same-host path for host memory into this process");
                     None
@@ -707,7 +725,11 @@ impl CmaPath {
             tracing::debug!(peer, pid, "a liveness word in no mapping of the process (or no /proc): no CMA");
             return false;
         };
-        let area = cma::Mapping { start: m.start, end: m.end, offset: m.offset, path: () };
+        let area = cma::Mapping { start: m.start, end: m.end, offset: m.offset, inode: m.inode, path: () };
+        if !self.allow_self && our_live_inode() == Some(m.inode) {
+            tracing::warn!(peer, pid, "a CMA record names a process whose liveness mapping is ours: refused");
+            return false;
+        }
         if m.path != LIVE_PATH || !holds(&area) || cma::start_time(pid) != Some(start) {
             tracing::warn!(
                 peer,
@@ -1151,6 +1173,28 @@ mod tests {
             let start = cma::start_time(tid).expect("/proc answers for a thread id");
             assert!(!path.permitted("p", tid, start, rec.live));
         });
+    }
+
+    /// Review 60, L1: a process sharing our address space in a thread group of its own (a
+    /// `vfork` / `posix_spawn` child before its `exec`, a `clone(CLONE_VM)` helper) shows our
+    /// mappings and our words, so a record naming it with one of our records' words passed
+    /// every check, and a copy "to" it went into our own memory. Its liveness mapping is our
+    /// file: refused.
+    #[test]
+    fn a_process_sharing_our_memory_is_no_peer() {
+        let path = CmaPath::new(1, Duration::ZERO, Arc::new(Stats::default())).expect("Linux has /proc");
+        let mut buf = vec![0u8; 64];
+        let reg = Registration { addr: buf.as_mut_ptr() as u64, len: 64, dev: 0, mem: MemKind::Dram };
+        let rec = path.export(Md(1), &reg).expect("host memory exports");
+        let src = [0x3cu8; 16];
+        let pair = [DescPair { src: src.as_ptr() as u64, dst: reg.addr, len: 16 }];
+        cma::with_a_vm_sharing_child(|child| {
+            let start = cma::start_time(child).expect("/proc answers for the child");
+            assert_eq!(cma::thread_group(child), Some(child), "a thread group of its own");
+            let forged = CmaRecord { pid: child, start, ..rec };
+            assert!(path.prep("p", &pair, &[(forged, 1)], false, LoadStamp::default()).is_none());
+        });
+        assert!(buf.iter().all(|b| *b == 0));
     }
 
     /// A path of one worker that takes records of this very process (two agents of one process

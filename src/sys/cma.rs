@@ -212,6 +212,36 @@ pub(crate) fn with_a_thread<R>(f: impl FnOnce(u32) -> R) -> R {
     r
 }
 
+/// Runs `f` with the pid of a process that shares this one's address space, its own thread
+/// group (`clone(CLONE_VM)` without `CLONE_THREAD`, as `vfork` and `posix_spawn` make before
+/// their `exec`), kept alive meanwhile and reaped after (tests).
+#[cfg(test)]
+pub(crate) fn with_a_vm_sharing_child<R>(f: impl FnOnce(u32) -> R) -> R {
+    extern "C" fn sleep_for_ever(_: *mut libc::c_void) -> libc::c_int {
+        loop {
+            // SAFETY: pause has no preconditions; the child touches nothing of the process's
+            // memory but its own stack.
+            unsafe { libc::pause() };
+        }
+    }
+    let mut stack = vec![0u8; 64 << 10];
+    // The stack grows down from its 16-byte aligned top.
+    let top = ((stack.as_mut_ptr() as usize + stack.len()) & !15) as *mut libc::c_void;
+    // SAFETY: `top` is the aligned top of `stack`, which outlives the child (it is killed and
+    // reaped below before `stack` drops); the child runs only `sleep_for_ever`, which uses
+    // nothing but that stack.
+    let pid = unsafe { libc::clone(sleep_for_ever, top, libc::CLONE_VM | libc::SIGCHLD, std::ptr::null_mut()) };
+    assert!(pid > 0, "clone: {}", io::Error::last_os_error());
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(pid.unsigned_abs())));
+    // SAFETY: `pid` is our child, not reaped yet; killing and reaping it touches nothing else.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
+    }
+    drop(stack);
+    r.unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
 /// One liveness word as peers read it with [`copy`]: 24 bytes, three native-endian u64s.
 #[derive(Debug, Default)]
 #[repr(C)]
@@ -231,7 +261,7 @@ pub(crate) struct SharedWord {
 ///
 /// # Errors
 /// `memfd_create`'s, `ftruncate`'s or `mmap`'s (a seccomp profile may refuse the first).
-pub(crate) fn shared_words(name: &std::ffi::CStr, count: usize) -> io::Result<&'static [SharedWord]> {
+pub(crate) fn shared_words(name: &std::ffi::CStr, count: usize) -> io::Result<(&'static [SharedWord], u64)> {
     use std::os::fd::FromRawFd;
     let len = count.checked_mul(size_of::<SharedWord>()).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: `name` is NUL-terminated and outlives the call; MFD_CLOEXEC is a valid flag.
@@ -242,6 +272,7 @@ pub(crate) fn shared_words(name: &std::ffi::CStr, count: usize) -> io::Result<&'
     // SAFETY: `fd` was just opened by this call and is owned by nothing else.
     let file = unsafe { std::fs::File::from_raw_fd(fd) };
     file.set_len(len as u64)?;
+    let inode = std::os::unix::fs::MetadataExt::ino(&file.metadata()?);
     // SAFETY: memmap2's contract is that the file is not truncated while mapped: this memory
     // file is reachable only through `file`, which is dropped right after without being
     // resized (the mapping keeps the memory).
@@ -260,7 +291,7 @@ pub(crate) fn shared_words(name: &std::ffi::CStr, count: usize) -> io::Result<&'
     // so it lives, at the same address, as long as the process. Every access goes through
     // the atomics, so other threads' reads and peers' cross-process reads race with no
     // undefined behaviour on our side.
-    Ok(unsafe { std::slice::from_raw_parts(map.as_mut_ptr().cast::<SharedWord>(), count) })
+    Ok((unsafe { std::slice::from_raw_parts(map.as_mut_ptr().cast::<SharedWord>(), count) }, inode))
 }
 
 /// One line of `/proc/<pid>/maps`: the range `[start, end)`, the offset in its file that
@@ -270,6 +301,8 @@ pub(crate) struct Mapping<P = String> {
     pub(crate) start: u64,
     pub(crate) end: u64,
     pub(crate) offset: u64,
+    /// The inode of its file (0 for an anonymous mapping).
+    pub(crate) inode: u64,
     pub(crate) path: P,
 }
 
@@ -277,7 +310,13 @@ pub(crate) struct Mapping<P = String> {
 /// file cannot be read.
 pub(crate) fn mapping_of(pid: u32, addr: u64) -> Option<Mapping> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    find_mapping(&maps, addr).map(|m| Mapping { start: m.start, end: m.end, offset: m.offset, path: m.path.to_owned() })
+    find_mapping(&maps, addr).map(|m| Mapping {
+        start: m.start,
+        end: m.end,
+        offset: m.offset,
+        inode: m.inode,
+        path: m.path.to_owned(),
+    })
 }
 
 /// [`mapping_of`] on the text of a `maps` file: lines of `start-end perms offset dev inode
@@ -292,15 +331,17 @@ fn find_mapping(maps: &str, addr: u64) -> Option<Mapping<&str>> {
         }
         // Four fields (perms, offset, dev, inode), then the path, which may hold spaces.
         let mut fields = rest.trim_start();
-        let mut offset = None;
+        let (mut offset, mut inode) = (None, None);
         for i in 0..4 {
             let (field, more) = fields.split_once(' ').unwrap_or((fields, ""));
-            if i == 1 {
-                offset = u64::from_str_radix(field, 16).ok();
+            match i {
+                1 => offset = u64::from_str_radix(field, 16).ok(),
+                3 => inode = field.parse().ok(),
+                _ => {}
             }
             fields = more.trim_start();
         }
-        Some(Mapping { start: a, end: b, offset: offset?, path: fields })
+        Some(Mapping { start: a, end: b, offset: offset?, inode: inode?, path: fields })
     })
 }
 
@@ -327,11 +368,11 @@ mod tests {
         let maps = "7f00-7f10 rw-s 00000000 00:01 1234                       /memfd:nixl-bounce-live (deleted)\n\
                     7f10-7f20 rw-p 00000000 00:00 0 \n\
                     7f20-7f30 r--p 00001000 fd:01 99                         /usr/lib/my lib.so\n";
-        let m = |start, end, offset, path| Some(Mapping { start, end, offset, path });
-        assert_eq!(find_mapping(maps, 0x7f00), m(0x7f00, 0x7f10, 0, "/memfd:nixl-bounce-live (deleted)"));
-        assert_eq!(find_mapping(maps, 0x7f0f), m(0x7f00, 0x7f10, 0, "/memfd:nixl-bounce-live (deleted)"));
-        assert_eq!(find_mapping(maps, 0x7f10), m(0x7f10, 0x7f20, 0, ""), "anonymous: no path");
-        assert_eq!(find_mapping(maps, 0x7f2a), m(0x7f20, 0x7f30, 0x1000, "/usr/lib/my lib.so"), "its file offset");
+        let m = |start, end, offset, inode, path| Some(Mapping { start, end, offset, inode, path });
+        assert_eq!(find_mapping(maps, 0x7f00), m(0x7f00, 0x7f10, 0, 1234, "/memfd:nixl-bounce-live (deleted)"));
+        assert_eq!(find_mapping(maps, 0x7f0f), m(0x7f00, 0x7f10, 0, 1234, "/memfd:nixl-bounce-live (deleted)"));
+        assert_eq!(find_mapping(maps, 0x7f10), m(0x7f10, 0x7f20, 0, 0, ""), "anonymous: no path");
+        assert_eq!(find_mapping(maps, 0x7f2a), m(0x7f20, 0x7f30, 0x1000, 99, "/usr/lib/my lib.so"), "its file offset");
         assert_eq!(find_mapping(maps, 0x7f30), None, "the end is outside");
         assert_eq!(find_mapping(maps, 0x10), None);
         assert_eq!(find_mapping("garbage\nzz-yy x\n", 0x10), None);
@@ -341,13 +382,14 @@ mod tests {
     /// are zero to begin with.
     #[test]
     fn shared_words_are_zero_and_shown_under_their_name() {
-        let words = shared_words(c"nixl-bounce-test-words", 1000).expect("memfd_create works on Linux >= 3.17");
+        let (words, inode) =
+            shared_words(c"nixl-bounce-test-words", 1000).expect("memfd_create works on Linux >= 3.17");
         assert_eq!(words.len(), 1000);
         assert!(words.iter().all(|w| w.tag.load(std::sync::atomic::Ordering::Relaxed) == 0));
         let at = std::ptr::from_ref(&words[999]) as u64;
         let m = mapping_of(std::process::id(), at).expect("the mapping is in /proc/self/maps");
         assert!(m.start <= at && at + 24 <= m.end);
-        assert_eq!((m.path.as_str(), m.offset), ("/memfd:nixl-bounce-test-words (deleted)", 0));
+        assert_eq!((m.path.as_str(), m.offset, m.inode), ("/memfd:nixl-bounce-test-words (deleted)", 0, inode));
         assert_eq!((at - m.start) % 24, 0, "the words lie on a grid of 24 bytes from the file's start");
         let heap = Box::new(0u64);
         let heap = mapping_of(std::process::id(), std::ptr::from_ref(&*heap) as u64).expect("the heap is mapped");
