@@ -864,10 +864,9 @@ impl Endpoint {
 
     /// One-way name `peer` was evicted from the peer table to make room for another (it held
     /// nothing here): its id is retired as [`handle_peer_retired`](Self::handle_peer_retired)
-    /// does, but the replay window of its ended flows is kept under its name, for the id the
-    /// name gets next.
+    /// does (its name's replay state is kept, for the id the name gets next, as for any
+    /// retired id).
     pub fn handle_peer_evicted(&mut self, now: Instant, peer: PeerId) {
-        self.receiver.keep_evicted_window(peer);
         self.handle_peer_retired(now, peer);
     }
 

@@ -265,27 +265,22 @@ pub struct Receiver {
     inline_declined: u16,
     /// Inline bytes held by flows not yet granted (at most [`MAX_INLINE_HELD`]).
     inline_held: u64,
-    /// Per peer, the highest transfer whose inline chunk was taken. Transfer ids only grow
-    /// (see [`crate::types::XferId`]), so an inline WANT at or below it is a replay: its bytes
-    /// would land again over newer ones. It is served the usual way, which writes nothing
-    /// without its sender. Forgotten when the peer's id is retired (a new incarnation counts
-    /// afresh); kept while the id lives on (a peer declared dead, or one that forgot us).
-    inline_floor: BTreeMap<PeerId, XferId>,
-    /// Per peer, the highest transfer that claimed its standing credit: a claim at or below it
-    /// is a replay (a captured WANT and DATA sent again would otherwise scatter whatever the
-    /// standing region holds now into the old transfer's destinations). Kept as `inline_floor`.
-    claim_floor: BTreeMap<PeerId, XferId>,
-    /// Per peer, the transfers whose flows ended here: a WANT or PULL opening one again is a
-    /// replay (a captured WANT and DATA sent again would otherwise scatter whatever the new
-    /// flow's region holds now into the old transfer's destinations). Kept as `inline_floor`.
-    ended: BTreeMap<PeerId, ended::Ended>,
+    /// Per party (an id's agent name once named, see [`ended::Party`]), what makes a captured
+    /// frame a replay: the transfers whose flows ended here (a WANT or PULL opening one again
+    /// would scatter whatever the new flow's region holds into the old transfer's
+    /// destinations), and the highest transfers whose inline chunk and standing claim were
+    /// taken (one at or below would land its old bytes again over newer ones). Kept while an id
+    /// of the party lives, then in `evicted`.
+    replay: BTreeMap<ended::Party, ended::Replay>,
     /// Who each peer id's proofs must be made by (its agent name's hash, as the shell names the
     /// frames' sender); an id never named here is taken as the empty name. Set at an id's
     /// first WANT or PULL, forgotten when the id is retired.
     initiators: BTreeMap<PeerId, Initiator>,
-    /// The replay windows of one-way names evicted to make room for others, by name: the name's
-    /// next id takes its window back (else a captured WANT of the name, sent again after a
-    /// flood of invented names pushed it out, would open a flow again).
+    /// How many live ids each name has (`initiators` counted by name).
+    named_ids: BTreeMap<Initiator, usize>,
+    /// The replay state of names whose last id was retired, for the name's next id (else a
+    /// captured WANT of the name, sent again after its id was retired, reloaded or evicted,
+    /// would open a flow again).
     evicted: ended::Evicted,
     /// Largest standing credit given to one peer (`bounce_standing_bytes`); 0: none.
     standing_bytes: u64,
@@ -320,11 +315,10 @@ impl Receiver {
             inline_bytes: config.inline_bytes.min(u64::from(wire::MAX_INLINE_BYTES)),
             inline_declined: 0,
             inline_held: 0,
-            inline_floor: BTreeMap::new(),
-            ended: BTreeMap::new(),
+            replay: BTreeMap::new(),
             initiators: BTreeMap::new(),
+            named_ids: BTreeMap::new(),
             evicted: ended::Evicted::default(),
-            claim_floor: BTreeMap::new(),
             standing_bytes: config.standing_bytes,
             standing: BTreeMap::new(),
             resting: BTreeMap::new(),
@@ -512,16 +506,38 @@ impl Receiver {
     }
 
     /// `peer` is the agent `by()` names (the shell's name for the sender of its frames): its
-    /// proofs must be made by it. Set once per id (an id never changes name), so `by` is asked
-    /// only at an id's first frame; an id a one-way name was given after an older one of the
-    /// same name was evicted takes that one's replay window back.
+    /// proofs must be made by it, and its frames are checked against its name's replay state
+    /// (see [`ended::Party`]). Set once per id (an id never changes name), so `by` is asked
+    /// only at an id's first frame; the first live id of a name takes back the state its
+    /// retired ids left.
     pub(crate) fn name_initiator(&mut self, peer: PeerId, by: impl FnOnce() -> Initiator) {
-        if let std::collections::btree_map::Entry::Vacant(v) = self.initiators.entry(peer) {
-            let by = *v.insert(by());
-            if let Some(window) = self.evicted.take(&by) {
-                self.ended.insert(peer, window);
-            }
+        let std::collections::btree_map::Entry::Vacant(v) = self.initiators.entry(peer) else { return };
+        let by = *v.insert(by());
+        let live = self.named_ids.entry(by).or_default();
+        *live += 1;
+        let mut state = if *live == 1 { self.evicted.take(&by).unwrap_or_default() } else { Default::default() };
+        // Whatever the id did before it was named (nothing, as the endpoint names an id at its
+        // first WANT or PULL) goes with it.
+        if let Some(before) = self.replay.remove(&ended::Party::Id(peer)) {
+            state.merge(before);
         }
+        self.replay.entry(ended::Party::Name(by)).or_default().merge(state);
+    }
+
+    /// Whose replay state `peer`'s frames are checked against.
+    fn party(&self, peer: PeerId) -> ended::Party {
+        self.initiators.get(&peer).map_or(ended::Party::Id(peer), |&n| ended::Party::Name(n))
+    }
+
+    /// `peer`'s replay state (see [`Self::party`]).
+    fn replay_of(&self, peer: PeerId) -> Option<&ended::Replay> {
+        self.replay.get(&self.party(peer))
+    }
+
+    /// `peer`'s replay state, made on first use.
+    fn replay_mut(&mut self, peer: PeerId) -> &mut ended::Replay {
+        let party = self.party(peer);
+        self.replay.entry(party).or_default()
     }
 
     /// Stops accepting WANTs (the engine is closing); flows already open keep their regions
@@ -650,7 +666,7 @@ impl Receiver {
         }
         if let Some(standing) = claimed {
             // The region goes back to the standing flow when this chunk is scattered.
-            self.claim_floor.insert(from, want.xfer);
+            self.replay_mut(from).claim_floor = Some(want.xfer);
             ctx.stats.standing_taken += 1;
             trace!(peer = from.0, xfer = want.xfer.0, region = %standing.region, "standing credit claimed");
         }

@@ -691,6 +691,62 @@ def test_a_replayed_want_and_data_after_their_flow_ended_open_nothing(procs, tmp
         nixlkit.assert_same(got[mib:], nixlkit.pattern(90, 2 * mib)[mib:], "UNREGISTERED canary")
 
 
+def test_a_captured_inline_want_replayed_under_an_invented_session_writes_nothing(procs, tmp_path):
+    """Review 60 (scatter, H1). A loaded peer's inline WANT (its 4 KiB in the frame) lands; a
+    newer one lands over it. The first, captured and sent again byte for byte but for the
+    header's session, by another agent calling itself by the peer's name (anyone who loaded
+    the victim's metadata can send notifications): a one-way frame under another session gets
+    an id of its own, and the replay state was kept per id, so the old bytes landed over the
+    new ones. Now the state is the name's: counted as a replay, nothing written."""
+    import hostile_peer as hp
+    mib, mailbox = 1 << 20, b"\0mailbox"
+    v = procs("hostile_peer.py")
+
+    def pump(ag, seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ag.get_new_notifs()
+
+    with watchdog(60, [v], "replay under an invented session"):
+        v.call(op="agent", name="rs-victim", params=SMALL)
+        r = v.call(op="buffer", agent="rs-victim", size=mib, seed=91, register=mib)
+        addr, vmeta = r["addr"], r["meta"]
+        peer = nixlkit.agent("rs-peer", params={**SMALL, **hp.RAW})
+        peer.add_remote_agent(base64.b64decode(vmeta))
+        v.call(op="load", agent="rs-victim", meta=meta_b64(peer))
+        v.call(op="wait_ready", agent="rs-victim", n=1)
+        nixlkit.wait_ready(peer, 1)
+        session = hp.session_of(peer.get_agent_metadata())
+        (reg, key), = hp.registrations_of(base64.b64decode(vmeta))
+
+        def inline_want(sess, x, payload):
+            return hp.want(sess, x, [4096], endpoint=mailbox, token=x, proofs=[hp.proof(reg, key, x, "rs-peer")],
+                           inline=(payload, [(0, addr, 4096, 1, 0, 0)]))
+
+        old, new = nixlkit.pattern(92, 4096).tobytes(), nixlkit.pattern(93, 4096).tobytes()
+        x0 = 1 << 40
+        peer.send_notif("rs-victim", inline_want(session, x0, old))
+        pump(peer, 0.3)
+        assert bytes(dump(v, tmp_path, "old.bin")[:4096]) == old, "the genuine first WANT landed"
+        peer.send_notif("rs-victim", inline_want(session, x0 + 1, new))
+        pump(peer, 0.3)
+        assert bytes(dump(v, tmp_path, "new.bin")[:4096]) == new, "the genuine second WANT landed"
+        before = peer_stats(v, agent="rs-victim")
+        thief = nixlkit.agent("rs-peer", params={**SMALL, **hp.RAW})
+        thief.add_remote_agent(base64.b64decode(vmeta))
+        for sess in (session ^ 0x5555, session ^ 0xAAAA):
+            thief.send_notif("rs-victim", inline_want(sess, x0, old))
+        deadline = time.monotonic() + SLACK_S
+        while peer_stats(v, agent="rs-victim")["control_replayed"] - before["control_replayed"] < 2:
+            assert time.monotonic() < deadline, "the replays were not counted"
+            pump(thief, 0.05)
+        got = dump(v, tmp_path, "after.bin")
+        assert bytes(got[:4096]) == new, "a captured inline WANT replayed under an invented session wrote its old bytes"
+        nixlkit.assert_same(got[4096:], nixlkit.pattern(91, mib)[4096:], "the rest of the victim's buffer")
+        after = peer_stats(v, agent="rs-victim")
+        assert after["inline_taken"] == before["inline_taken"], (before, after)
+
+
 class Crowd:
     """A victim process and an honest sender process, loaded both ways and ready to bounce,
     plus a third, in-process agent (the misbehaving one) that the victim has loaded."""

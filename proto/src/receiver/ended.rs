@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::proof::Initiator;
 use crate::sender::STANDING_XFER_BIT;
-use crate::types::XferId;
+use crate::types::{PeerId, XferId};
 
 /// Ended ids kept exactly per peer (8 bytes each).
 pub(crate) const RECENT: usize = 256;
@@ -96,17 +96,48 @@ impl Window {
     }
 }
 
-/// The replay windows of evicted one-way names, by name, at most [`EVICTED_KEPT`].
+/// Whose replay state a peer id's frames are checked against: once the id is named (at its
+/// first WANT or PULL, see `Receiver::name_initiator`), its agent name's, which every id of
+/// that name shares: the loaded one, a one-way one, another incarnation's, and those retired
+/// before. A captured WANT replayed under an invented session gets a fresh id, and a restarted
+/// agent's old WANTs come back under its new id: by id, each found an empty window (review 60,
+/// H1). An id never named (the core's tests) is a party of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Party {
+    Name(Initiator),
+    Id(PeerId),
+}
+
+/// One party's replay state: the transfers whose flows ended here, and the highest transfers
+/// whose inline chunk was taken and whose claim of a standing credit was taken (transfer ids
+/// only grow within one process, and a restarted one's start at its clock, above them).
+#[derive(Debug, Default)]
+pub(crate) struct Replay {
+    pub(crate) ended: Ended,
+    pub(crate) inline_floor: Option<XferId>,
+    pub(crate) claim_floor: Option<XferId>,
+}
+
+impl Replay {
+    pub(crate) fn merge(&mut self, other: Self) {
+        self.ended.merge(other.ended);
+        self.inline_floor = self.inline_floor.max(other.inline_floor);
+        self.claim_floor = self.claim_floor.max(other.claim_floor);
+    }
+}
+
+/// The replay state of names none of whose ids lives any more (lost, reloaded, evicted one-way
+/// names), by name, at most [`EVICTED_KEPT`]: the name's next id takes it back.
 #[derive(Debug, Default)]
 pub(crate) struct Evicted {
-    by_name: BTreeMap<Initiator, Ended>,
+    by_name: BTreeMap<Initiator, Replay>,
     /// Names in the order they were kept (a name taken back leaves a stale entry, skipped).
     order: VecDeque<Initiator>,
 }
 
 impl Evicted {
     /// Keeps `window` for `name` (merged with one kept before, should the name have had two ids).
-    pub(crate) fn keep(&mut self, name: Initiator, window: Ended) {
+    pub(crate) fn keep(&mut self, name: Initiator, window: Replay) {
         match self.by_name.get_mut(&name) {
             Some(old) => old.merge(window),
             None => {
@@ -125,8 +156,8 @@ impl Evicted {
         }
     }
 
-    /// The window kept for `name`, if any (it is no longer kept here).
-    pub(crate) fn take(&mut self, name: &Initiator) -> Option<Ended> {
+    /// The state kept for `name`, if any (it is no longer kept here).
+    pub(crate) fn take(&mut self, name: &Initiator) -> Option<Replay> {
         self.by_name.remove(name)
     }
 }
@@ -176,15 +207,17 @@ mod tests {
         let (a, b) = (Initiator::named("a"), Initiator::named("b"));
         let mut kept = Evicted::default();
         let window = |ids: &[u64]| {
-            let mut e = Ended::default();
-            ids.iter().for_each(|&x| e.note(XferId(x)));
+            let mut e = Replay::default();
+            ids.iter().for_each(|&x| e.ended.note(XferId(x)));
+            e.inline_floor = ids.iter().max().map(|&x| XferId(x));
             e
         };
         kept.keep(a, window(&[5, 9]));
         kept.keep(a, window(&[7]));
         kept.keep(b, window(&[1]));
         let back = kept.take(&a).expect("kept under its name");
-        assert!([5, 7, 9].iter().all(|&x| back.covers(XferId(x))) && !back.covers(XferId(6)));
+        assert!([5, 7, 9].iter().all(|&x| back.ended.covers(XferId(x))) && !back.ended.covers(XferId(6)));
+        assert_eq!(back.inline_floor, Some(XferId(9)), "the higher floor of the two");
         assert!(kept.take(&a).is_none(), "taken once");
         for i in 0..EVICTED_KEPT as u64 + 5 {
             kept.keep(Initiator::named(&format!("n{i}")), window(&[i]));

@@ -20,7 +20,7 @@ impl Receiver {
         inline: wire::Inline,
     ) -> Option<wire::Inline> {
         let len = inline.bytes.len() as u64;
-        let fresh = self.inline_floor.get(&from).is_none_or(|&floor| xfer > floor);
+        let fresh = self.replay_of(from).and_then(|r| r.inline_floor).is_none_or(|floor| xfer > floor);
         let runs = inline.runs.len() as u64;
         let budget =
             units.saturating_add(runs) <= self.caps.chunks && self.within_total(wanted.saturating_add(runs)).is_ok();
@@ -30,7 +30,7 @@ impl Receiver {
             debug!(peer = from.0, xfer = xfer.0, bytes = len, fresh, "inline bytes declined");
             return None;
         }
-        self.inline_floor.insert(from, xfer);
+        self.replay_mut(from).inline_floor = Some(xfer);
         self.inline_held += len;
         Some(inline)
     }

@@ -6,24 +6,27 @@ use super::*;
 
 impl Receiver {
     /// The peer's id is retired (lost, reloaded, an evicted one-way name): its flows are
-    /// reclaimed and its replay floors go with it (an id never comes back).
+    /// reclaimed. Its name's replay state stays with the name's other ids, or, for its last,
+    /// is kept for the name's next id (see [`ended::Party`]); an id never named takes its own.
     pub(crate) fn handle_peer_lost(&mut self, ctx: &mut Ctx<'_>, peer: PeerId) {
-        self.inline_floor.remove(&peer);
-        self.claim_floor.remove(&peer);
         self.reclaim_flows_of(ctx, peer);
         self.drop_held_of(peer);
-        self.ended.remove(&peer);
-        self.initiators.remove(&peer);
-    }
-
-    /// One-way name `peer` is evicted to make room for another (it holds nothing here; its id
-    /// is retired next): its replay window is kept under its name, for the name's next id. (A
-    /// reloaded or lost peer's window goes with its id: a new incarnation's ids start at its
-    /// own clock.)
-    pub(crate) fn keep_evicted_window(&mut self, peer: PeerId) {
-        let kept = self.ended.remove(&peer);
-        if let (Some(window), Some(by)) = (kept, self.initiators.get(&peer)) {
-            self.evicted.keep(*by, window);
+        match self.initiators.remove(&peer) {
+            Some(name) => {
+                let live = self.named_ids.get_mut(&name).map_or(0, |n| {
+                    *n -= 1;
+                    *n
+                });
+                if live == 0 {
+                    self.named_ids.remove(&name);
+                    if let Some(state) = self.replay.remove(&ended::Party::Name(name)) {
+                        self.evicted.keep(name, state);
+                    }
+                }
+            }
+            None => {
+                self.replay.remove(&ended::Party::Id(peer));
+            }
         }
     }
 
@@ -192,7 +195,7 @@ impl Receiver {
     /// A frame that would open flow `key` again after it ended here is a replay: counted
     /// ([`Stats::control_replayed`]) and refused.
     pub(super) fn refuse_replay(&self, ctx: &mut Ctx<'_>, key: FlowKey) -> Result<(), ProtocolError> {
-        if self.ended.get(&key.peer).is_some_and(|e| e.covers(key.xfer)) {
+        if self.replay_of(key.peer).is_some_and(|r| r.ended.covers(key.xfer)) {
             ctx.stats.control_replayed += 1;
             return Err(ProtocolError::Replayed { peer: key.peer, xfer: key.xfer });
         }
@@ -205,7 +208,7 @@ impl Receiver {
                 if flow.scattering > 0 || self.behind.holds(key.peer) {
                     self.orphan_scatters_of(key);
                 }
-                self.ended.entry(key.peer).or_default().note(key.xfer);
+                self.replay_mut(key.peer).ended.note(key.xfer);
                 self.timers.stop(key);
                 self.inline_held -= flow.inline.as_ref().map_or(0, |i| i.bytes.len() as u64);
                 if flow.standing {

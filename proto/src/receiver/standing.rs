@@ -92,7 +92,7 @@ impl Receiver {
         }
         let region = ctx.sched(want.arena).idle_held(standing);
         let usable = region.filter(|g| g.region.len >= want.chunks[0]);
-        let fresh = self.claim_floor.get(&from).is_none_or(|&floor| want.xfer > floor);
+        let fresh = self.replay_of(from).and_then(|r| r.claim_floor).is_none_or(|floor| want.xfer > floor);
         match usable {
             Some(g) if fresh && !self.flows.contains_key(&key) && want.endpoint != wire::REPLY_MAILBOX => Ok(g),
             _ => {

@@ -299,17 +299,22 @@ fn a_reload_with_a_new_session_reclaims_the_old_incarnation() {
     assert_eq!(completes(&drain(&mut ep)), vec![(X, Err(XferError::PeerLost))]);
     assert_eq!(ep.arena_quarantined_bytes(), 2 * CHUNK);
     assert_eq!((ep.remote_flows(), ep.arena_free_bytes() + 2 * CHUNK), (0, 32 * KIB));
-    // The new incarnation goes by a new id (whatever still names the old one cannot touch it),
-    // and announces a transfer that reuses the old transfer id; the old session is refused.
+    // The new incarnation goes by a new id (whatever still names the old one cannot touch it).
+    // The old incarnation's WANT, captured and sent again under the new session, is a replay:
+    // the name's replay state outlives its ids (review 60, H1). A restarted process's ids
+    // start at its clock, above its old ones; the old session is refused.
     let new = ep.peers().lookup("a").unwrap();
     assert_ne!(new, id);
-    ep.handle_frame(t, "a", &frame(8, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
+    let replayed = ep.handle_frame(t, "a", &frame(8, want_msg_by("a", XferId(5), &[CHUNK])));
+    assert!(matches!(replayed, Err(FrameRefused::Protocol(ProtocolError::Replayed { .. }))), "{replayed:?}");
+    assert!(drain(&mut ep).is_empty(), "nothing granted");
+    ep.handle_frame(t, "a", &frame(8, want_msg_by("a", XferId(6), &[CHUNK]))).unwrap();
     drain(&mut ep);
-    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: new, xfer: XferId(5) }), 1);
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: new, xfer: XferId(6) }), 1);
     // A reclaim of the old id, late (the shell queues it), takes nothing of the new one's.
     ep.handle_peer_lost(t, id);
     assert!(drain(&mut ep).is_empty());
-    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: new, xfer: XferId(5) }), 1);
+    assert_eq!(ep.scheduler().flow_held_count(crate::types::FlowKey { peer: new, xfer: XferId(6) }), 1);
     let old = frame(7, want_msg(XferId(9), &[CHUNK]));
     assert_eq!(ep.handle_frame(t, "a", &old), Err(FrameRefused::StaleSession { got: 7, current: 8 }));
     assert_eq!(ep.peers().session("a"), Some(8));
@@ -922,6 +927,34 @@ fn one_way_want_in(session: u64, xfer: u64, proofs: Vec<wire::Proof>) -> Vec<u8>
         standing: Default::default(),
     };
     wire::Frame { session, msg: Msg::Want(w) }.to_vec()
+}
+
+/// Review 60 (scatter, H1): replay state was kept per peer id, and a one-way frame under a
+/// loaded name with any other session gets an id of its own (a new incarnation): a WANT of the
+/// loaded peer, captured and sent again one way under an invented session, found an empty
+/// window and opened its ended transfer again (an inline one wrote its old bytes over newer
+/// ones, between two processes). The state is the name's now, whichever id the frame gets.
+#[test]
+fn a_captured_want_replayed_under_an_invented_session_is_a_replay() {
+    let (mut ep, t, id) = with_loaded("a");
+    ep.keep_mailbox(true);
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
+    drain(&mut ep);
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[]))).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.remote_flows(), 0, "ended: canceled by its sender");
+    let replayed = ep.stats().control_replayed;
+    for session in [9, 10, 11] {
+        let r = ep.handle_frame(t, "a", &one_way_want_in(session, 5, vec![proof_by("a")]));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::Replayed { .. }))), "{r:?}");
+    }
+    assert!(drain(&mut ep).is_empty(), "nothing granted, nothing answered");
+    assert_eq!((ep.remote_flows(), ep.stats().control_replayed), (0, replayed + 3));
+    // A later transfer of the name, one way under a new session (the agent restarted), opens.
+    ep.handle_frame(t, "a", &one_way_want_in(12, 6, vec![proof_by("a")])).unwrap();
+    assert_eq!(ep.remote_flows(), 1);
+    assert_eq!(ep.peers().lookup("a"), Some(id), "the loaded id is untouched");
+    check(&ep);
 }
 
 /// Review 59 (wire, M1): a loaded name is published, and a one-way WANT under it with an
