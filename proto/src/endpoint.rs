@@ -325,7 +325,7 @@ impl Endpoint {
         mailbox: Option<MailboxLayout>,
     ) {
         let Some(layout) = mailbox else { return };
-        if self.reading.start(xfer, peer, token, layout).is_err() {
+        if self.reading.start(now, xfer, peer, token, layout).is_err() {
             // The layout was checked when the peer was loaded: unreachable in practice.
             self.sender.fail_by_peer(&mut ctx!(self, now), xfer, XferError::Refused);
         } else {

@@ -593,6 +593,8 @@ struct Reader {
     /// The cursor last reported to the target.
     reported: u64,
     ring: u32,
+    /// When the last image was handled (before any, when reading started).
+    looked: Instant,
 }
 
 /// What one fetch READs: regions of the target's mailbox, back to back into the transfer's
@@ -631,13 +633,14 @@ impl Reading {
     /// The layout is out of bounds (checked before by [`peer_layout`], so never in practice).
     pub fn start(
         &mut self,
+        now: Instant,
         xfer: XferId,
         peer: PeerId,
         token: Token,
         layout: MailboxLayout,
     ) -> Result<(), ReaderError> {
         let reader = MailboxReader::locate(layout, xfer, &record_token(token))?;
-        self.readers.insert(xfer, Reader { peer, token, reader, reported: 0, ring: layout.ring });
+        self.readers.insert(xfer, Reader { peer, token, reader, reported: 0, ring: layout.ring, looked: now });
         Ok(())
     }
 
@@ -675,14 +678,23 @@ impl Reading {
     /// The bytes a fetch of `xfer` READ: the new answers, in order, as messages for the sender
     /// (or the end of the transfer), and, when half a ring has been read since the last report,
     /// a CURSOR for the target. Returns how many records were new.
+    ///
+    /// `written_after` is set to about when the records new in this image were written at the
+    /// earliest: when the previous image was handled (they were not in it; it was read a fetch's
+    /// round trip before, which the lease's three quarters of slack cover), or, for the first,
+    /// when the reading started (the WANT or PULL went out then). A credit's age counts from
+    /// there, not from now: a GRANT that lay unread (the transfer had no fetch slice) must not
+    /// pass for a fresh one (review 60, mailbox H1).
     pub fn handle_fetched(
         &mut self,
+        (now, written_after): (Instant, &mut Instant),
         xfer: XferId,
         image: &[u8],
         out: &mut Vec<Read>,
         cursor: &mut Option<(PeerId, Msg)>,
     ) -> usize {
         let Some(r) = self.readers.get_mut(&xfer) else { return 0 };
+        *written_after = std::mem::replace(&mut r.looked, now).min(now);
         let refused_before = r.reader.stats().refused;
         let fetched = r.reader.handle_fetched(image);
         self.refused += r.reader.stats().refused - refused_before;
@@ -791,20 +803,24 @@ mod tests {
     #[test]
     fn reading_counts_every_refused_record_and_takes_none_of_them() {
         let layout = MailboxLayout { slots: 16, ring: 8 };
-        let (xfer, mut reading) = (XferId(9), Reading::default());
-        reading.start(xfer, PeerId(1), Token(0x5eed), layout).expect("layout in bounds");
+        let (xfer, mut reading, t) = (XferId(9), Reading::default(), Instant::now());
+        reading.start(t, xfer, PeerId(1), Token(0x5eed), layout).expect("layout in bounds");
         let len: u64 = reading.fetch(xfer).expect("reading it").regions.iter().map(|r| r.len).sum();
-        let (mut out, mut cursor) = (Vec::new(), None);
+        let (mut out, mut cursor, mut after) = (Vec::new(), None, t);
         // Nothing written yet: not a refusal.
-        assert_eq!(reading.handle_fetched(xfer, &vec![0; len as usize], &mut out, &mut cursor), 0);
+        let later = t + Duration::from_millis(5);
+        assert_eq!(reading.handle_fetched((later, &mut after), xfer, &vec![0; len as usize], &mut out, &mut cursor), 0);
+        assert_eq!(after, t, "the first image's records were written after the reading started");
         assert_eq!(reading.refused(), 0);
         // A third party's record in the first candidate slot: refused each time it is read.
         let mut image = vec![0u8; len as usize];
         image[..RECORD_LEN].fill(0xa5);
         image[0] = 1;
         for n in 1..=3 {
-            assert_eq!(reading.handle_fetched(xfer, &image, &mut out, &mut cursor), 0);
+            let now = later + Duration::from_millis(n);
+            assert_eq!(reading.handle_fetched((now, &mut after), xfer, &image, &mut out, &mut cursor), 0);
             assert_eq!(reading.refused(), n);
+            assert_eq!(after, now - Duration::from_millis(1), "a later image's: after the one before was handled");
         }
         assert!(out.is_empty() && cursor.is_none(), "a refused record became an answer: {out:?}");
     }

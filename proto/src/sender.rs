@@ -691,6 +691,20 @@ impl Sender {
     }
 
     pub(crate) fn handle_grant(&mut self, ctx: &mut Ctx<'_>, from: PeerId, grant: Grant) -> Result<(), ProtocolError> {
+        let now = ctx.now;
+        self.handle_grant_written_after(ctx, from, grant, now)
+    }
+
+    /// [`handle_grant`](Self::handle_grant) of a GRANT written no earlier than `written_after`
+    /// (read from a mailbox, where it may have lain unread): its credits' lease counts from
+    /// there, so one that went stale meanwhile is never written (or read).
+    pub(crate) fn handle_grant_written_after(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        from: PeerId,
+        grant: Grant,
+        written_after: Instant,
+    ) -> Result<(), ProtocolError> {
         let id = grant.xfer;
         if let Some(slot) = self.standing_msg(ctx, from, id, grant.token) {
             // Our standing flow's region: kept for the next transfer to this peer.
@@ -746,7 +760,7 @@ impl Sender {
         let min_runs = self.plan_ahead_runs;
         for c in &grant.credits {
             trace!(xfer = id.0, chunk = c.chunk.0, region = %c.region, "credit");
-            let credit = Credit { region: c.region, at: ctx.now };
+            let credit = Credit { region: c.region, at: written_after.min(ctx.now) };
             if let Err(e) = self.attach(ctx, id, c.chunk.0 as usize, credit) {
                 self.fail(ctx, id, e, true);
                 return Ok(());

@@ -76,19 +76,24 @@ impl Endpoint {
     pub fn handle_fetched(&mut self, now: Instant, xfer: XferId, image: &[u8]) -> usize {
         let mut reads = std::mem::take(&mut self.reads);
         let mut cursor = None;
-        let n = self.reading.handle_fetched(xfer, image, &mut reads, &mut cursor);
+        let mut written_after = now;
+        let n = self.reading.handle_fetched((now, &mut written_after), xfer, image, &mut reads, &mut cursor);
         self.stats.records_read += n as u64;
         self.stats.records_refused = self.reading.refused();
+        // A GRANT beside a FAIL of the same image is dead: the target ended the flow, and may
+        // have granted the region to another since (review 60, mailbox H1).
+        let failed = reads.iter().any(|r| matches!(r, Read::Failed(..)));
         for read in reads.drain(..) {
             let mut ctx = ctx!(self, now);
             let r = match read {
+                Read::Msg(_, wire::Msg::Grant(_)) if failed => Ok(()),
                 // A record is a sign of life only with its transfer's token (any holder of the
-                // peer's arena key can write its mailbox).
+                // peer's arena key can write its mailbox). Its credits are as old as it may be.
                 Read::Msg(peer, wire::Msg::Grant(g)) => {
                     if self.sender.is_answer(peer, g.xfer, g.token) {
                         self.liveness.heard(now, peer);
                     }
-                    self.sender.handle_grant(&mut ctx, peer, g)
+                    self.sender.handle_grant_written_after(&mut ctx, peer, g, written_after)
                 }
                 Read::Msg(peer, wire::Msg::Ack(a)) => {
                     if self.sender.is_answer(peer, a.xfer, a.token) {

@@ -778,6 +778,87 @@ impl Pair {
     }
 }
 
+impl Pair {
+    /// Performs every action until quiet, but fetches no one-way transfer's answers: they
+    /// lie unread in the target's mailbox (the transfer has no fetch slice).
+    fn run_unfetched(&mut self) {
+        while let Some((me, a)) = (0..2).find_map(|me| self.eps[me].poll_action().map(|a| (me, a))) {
+            self.perform(me, a);
+        }
+    }
+
+    /// One fetch of `me`'s one-way transfer `xfer`, as [`run`](Self::run) makes them.
+    fn fetch_once(&mut self, me: usize, xfer: XferId) {
+        let f = self.eps[me].fetch(xfer).expect("reading it");
+        let base = self.eps[f.peer.0 as usize].one_way_layout().mailbox.offset;
+        let arena = &self.arenas[f.peer.0 as usize];
+        let image: Vec<u8> =
+            f.regions.iter().flat_map(|r| &arena[(base + r.offset) as usize..][..r.len as usize]).copied().collect();
+        self.eps[me].handle_fetched(self.now, xfer, &image);
+    }
+}
+
+/// Review 60 (mailbox, H1): a one-way credit's age was counted from when its record was read,
+/// so a GRANT that lay unread in the target's mailbox (the transfer had no fetch slice) passed
+/// for a fresh one and was written (or read) after the target could have reclaimed its region
+/// and granted it to another flow. Now it counts from the last look that did not find it
+/// (here: the WANT or PULL going out): such a credit is never used, and the transfer fails.
+/// Nor is a GRANT read together with the FAIL that ended its flow (here the target shut down
+/// after granting two chunks: the first fetch, which locates the slot, reads only the first
+/// GRANT; the next brings the second and the FAIL).
+#[test]
+fn a_grant_that_lay_unread_past_a_quarter_of_its_lease_is_never_used() {
+    let cases = [
+        (false, TIMEOUT / 4, false),
+        (true, TIMEOUT / 4, false),
+        (false, TIMEOUT / 2 + TIMEOUT / 8, false),
+        (false, Duration::ZERO, true),
+        (true, Duration::ZERO, true),
+    ];
+    for (read, late, shut) in cases {
+        let chunks = if shut { 2 } else { 1 };
+        let mut p = Pair::new(16 * KIB, 2, false);
+        p.eps[1].keep_mailbox(true);
+        let m = p.eps[1].one_way_layout().mailbox;
+        let layout = crate::mailbox::MailboxLayout { slots: m.slots, ring: m.ring };
+        let now = p.now;
+        if read {
+            let descs: Vec<DescPair> =
+                (0..chunks).map(|i| DescPair { src: DST + i * CHUNK, dst: SRC + i * CHUNK, len: CHUNK }).collect();
+            let mut plan = plan::plan(&descs, PlanParams::new(CHUNK)).unwrap();
+            plan.dests = vec![crate::proof::Destination { reg: REG, key: KEY }];
+            p.eps[0].submit_read(now, X, TOKEN, PeerId(1), plan, Some(layout)).unwrap();
+        } else {
+            p.eps[0].submit_one_way(now, X, TOKEN, PeerId(1), plan_of(chunks), layout).unwrap();
+        }
+        p.run_unfetched();
+        assert_eq!(p.eps[1].stats().records_written, chunks, "read={read}: the GRANTs (READYs) lie unread");
+        p.now += late;
+        // Past the target's lease its flow is reclaimed and a FAIL follows the GRANT; so it is
+        // when the target shuts down.
+        let now = p.now;
+        p.eps[1].handle_timeout(now);
+        if shut {
+            p.eps[1].shutdown(now);
+        }
+        p.run_unfetched();
+        let (mut used, mut failed) = (0, false);
+        for _ in 0..chunks {
+            p.fetch_once(0, X);
+            while let Some(a) = p.eps[0].poll_action() {
+                used += u64::from(matches!(a, Action::Write { .. } | Action::Read { .. }));
+                failed |= matches!(a, Action::Complete { xfer, outcome: Err(_) } if xfer == X);
+                p.perform(0, a);
+            }
+        }
+        // Shut: the first GRANT was read alone and fresh, before anything ended its flow.
+        let fresh = u64::from(shut);
+        assert_eq!(used, fresh, "read={read} late={late:?} shut={shut}: a dead credit was used");
+        assert!(failed, "read={read} late={late:?} shut={shut}: the transfer fails");
+        assert!(!p.mem[1].contains_key(&(DST + CHUNK)) && !p.mem[0].contains_key(&(SRC + CHUNK)));
+    }
+}
+
 /// `plan_of(n)` with chunks `i` where `direct(i)` holds left direct.
 fn plan_with_direct(n: u64, direct: impl Fn(usize) -> bool) -> Plan {
     let mut p = direct_plan_of(n);
