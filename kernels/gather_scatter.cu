@@ -98,7 +98,8 @@ __device__ __forceinline__ void run_tiles(const PlanRun* __restrict__ runs,
     // skipped by both the search and the walk.
     u32 lo = 0, hi = nruns;
     while (hi - lo > 1) {
-        const u32 mid = (lo + hi) >> 1;
+        // Not (lo + hi) >> 1: in u32 that wraps past 2^31 runs, and the search never ends.
+        const u32 mid = lo + ((hi - lo) >> 1);
         if (first_tile[mid] <= begin) lo = mid; else hi = mid;
     }
     u32 r = lo;
