@@ -40,8 +40,8 @@ import time
 import pytest
 
 import nixlkit
-from test_failures import (SLACK_S, TIMEOUT_MS, ZMQ, act_in_flight, dump, peer_stats, procs, resolve, settle,  # noqa: F401
-                           settle_local, stats, watchdog)
+from test_failures import (SLACK_S, SMALL, TIMEOUT_MS, ZMQ, B, act_in_flight, dump, peer_stats, procs, resolve,  # noqa: F401
+                           settle, settle_local, stats, watchdog)
 
 ARENA = 4 << 20
 # 64 KiB chunks through a 4 MiB arena: a 4 MiB transfer is 64 chunks, 128 records for a WRITE
@@ -450,3 +450,32 @@ def test_a_stopped_target_does_not_stall_transfers_to_others(procs, tmp_path, co
     bounced_one_way(s1, s2, "the healthy target's WRITE while the other was stopped")
     nixlkit.assert_same(dump(ts[1], tmp_path, "healthy-during.bin"),
                         lay.expected(src, nixlkit.pattern(484, lay.dst_bytes)), "the healthy target, while the other was stopped")
+
+
+def test_honest_one_way_traffic_counts_no_refused_record():
+    """Review 60 (mailbox, L1): `stats.records_refused` is the forgery signal, and with no
+    forger anywhere it counted 166 in 60 one-way WRITEs: a reused slot kept its last holder's
+    records past the new transfer's, and while locating, every look at a candidate slot held
+    by another transfer counted one. The target clears a slot's places when it hands it out,
+    and locating passes other keys' records over: 60 WRITEs, each byte-exact, count none."""
+    a, b = nixlkit.agent("hr-a", params=SMALL), nixlkit.agent("hr-b", params=SMALL)
+    lay = nixlkit.Scattered(256, 4096, seed=1401)
+    src, dst = nixlkit.pattern(1402, lay.src_bytes), nixlkit.pattern(1403, lay.dst_bytes)
+    nixlkit.register(a, src)
+    nixlkit.register(b, dst)
+    a.add_remote_agent(b.get_agent_metadata())  # one way: b never loads a
+    before = stats(a)
+    for i in range(60):
+        lo = a.get_xfer_descs(lay.src_list(src.ctypes.data), "DRAM")
+        re = a.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM")
+        h = a.initialize_xfer("WRITE", lo, re, "hr-b", b"", backends=[B])
+        assert a.transfer(h) != "ERR"
+        deadline = time.monotonic() + 20
+        while (state := a.check_xfer_state(h)) == "PROC" and time.monotonic() < deadline:
+            b.get_new_notifs()
+        assert state == "DONE", f"WRITE {i}: {state}"
+        a.release_xfer_handle(h)
+    nixlkit.assert_same(dst, lay.expected(src, nixlkit.pattern(1403, lay.dst_bytes)), "the destination")
+    moved = {k: stats(a)[k] - before.get(k, 0) for k in ("one_way_sent", "records_read", "records_refused")}
+    assert moved["one_way_sent"] == 60 and moved["records_read"] >= 120, moved
+    assert moved["records_refused"] == 0, moved

@@ -19,8 +19,15 @@ use super::slots::{SlotConfig, SlotError, SlotTable, candidates};
 pub struct RecordWrite {
     /// Byte offset from the mailbox base.
     pub offset: u64,
-    /// The record, MAC'd under its transfer's key.
+    /// The record, MAC'd under its transfer's key; all zeros clears a place.
     pub bytes: [u8; RECORD_LEN],
+}
+
+impl RecordWrite {
+    /// Whether it clears a place (a slot handed to a new transfer) rather than writes a record.
+    pub fn is_clear(&self) -> bool {
+        self.bytes == [0; RECORD_LEN]
+    }
 }
 
 /// An open transfer's writing state.
@@ -79,6 +86,13 @@ impl MailboxWriter {
     pub fn open(&mut self, now: Instant, peer: PeerId, xfer: XferId, token: &Token) -> Result<SlotId, SlotError> {
         self.reclaim_expired(now);
         let slot = self.table.allocate(now, peer, xfer, &candidates(token, self.table.layout()))?;
+        // The slot's places are cleared before its first record: its last holder's records
+        // would otherwise sit past the new transfer's, and every look at them count as a
+        // refusal, honest traffic passing for forgery (review 60, mailbox L1).
+        if let Some(ring) = self.table.layout().slot_region(slot) {
+            let places = (ring.offset..ring.end()).step_by(RECORD_LEN);
+            self.writes.extend(places.map(|offset| RecordWrite { offset, bytes: [0; RECORD_LEN] }));
+        }
         let flow = Flow { slot, key: RecordKey::derive(token), backlog: VecDeque::new(), closing: None };
         self.flows.insert((peer, xfer), flow);
         Ok(slot)
@@ -259,13 +273,14 @@ mod tests {
         Answer::Grant(Credit { chunk: ChunkIdx(i), region: Region { offset: u64::from(i) * 64, len: 64 } })
     }
 
-    /// Performs every pending write on `arena` (the mailbox bytes).
+    /// Performs every pending write on `arena` (the mailbox bytes); returns the records written
+    /// (places cleared not counted).
     fn apply(w: &mut MailboxWriter, arena: &mut [u8]) -> usize {
         let mut n = 0;
         while let Some(rw) = w.poll_write() {
             let at = rw.offset as usize;
             arena[at..at + RECORD_LEN].copy_from_slice(&rw.bytes);
-            n += 1;
+            n += usize::from(!rw.is_clear());
         }
         n
     }
@@ -397,6 +412,39 @@ mod tests {
         assert_eq!(w.table().held_by(PEER), 0);
         assert_eq!(w.answer(PEER, XFER, grant(0)), Err(SlotError::UnknownTransfer { peer: PEER, xfer: XFER }));
         w.answer(PeerId(4), XFER, grant(0)).unwrap();
-        assert!(w.poll_write().is_some());
+        assert!(std::iter::from_fn(|| w.poll_write()).any(|rw| !rw.is_clear()));
+    }
+
+    /// Review 60 (mailbox, L1): a slot handed to a new transfer kept its last holder's
+    /// records, and each look of the new reader at a place past its own records counted a
+    /// refusal, in honest traffic. The places are cleared before the first record now.
+    #[test]
+    fn a_reused_slot_shows_its_new_reader_nothing_of_its_last_holder() {
+        let one = MailboxLayout { slots: 1, ring: 4 };
+        let cfg = SlotConfig { layout: one, per_peer_max: 1, linger: Duration::from_secs(1) };
+        let (now, mut w) = (Instant::now(), MailboxWriter::new(cfg).unwrap());
+        let mut arena = vec![0u8; one.byte_len() as usize];
+        w.open(now, PEER, XFER, &TOKEN).unwrap();
+        let mut r = MailboxReader::locate(one, XFER, &TOKEN).unwrap();
+        for i in 0..4 {
+            w.answer(PEER, XFER, grant(i)).unwrap();
+        }
+        w.close(now, PEER, XFER);
+        apply(&mut w, &mut arena);
+        read(&mut r, &arena);
+        read(&mut r, &arena);
+        w.handle_consumed(now, PEER, XFER, r.consumed()).unwrap();
+        assert_eq!(w.table().slot_of(PEER, XFER), None, "read to the end: the slot is free");
+        // The next transfer takes the only slot; one GRANT, then its reader looks on.
+        let (next, token) = (XferId(41), Token([0x78; 16]));
+        w.open(now, PEER, next, &token).unwrap();
+        w.answer(PEER, next, grant(0)).unwrap();
+        assert_eq!(apply(&mut w, &mut arena), 1, "one record; the cleared places are not records");
+        let mut r = MailboxReader::locate(one, next, &token).unwrap();
+        assert_eq!(read(&mut r, &arena), [grant(0)]);
+        for _ in 0..3 {
+            assert!(read(&mut r, &arena).is_empty());
+        }
+        assert_eq!(r.stats().refused, 0, "the last holder's records were cleared");
     }
 }
