@@ -249,13 +249,10 @@ impl MailboxReader {
         let n = cands.len().min(ids.len());
         ids[..n].copy_from_slice(&cands[..n]);
         for (&cand, bytes) in ids[..n].iter().zip(image.chunks_exact(RECORD_LEN)) {
-            let record = match Record::decode(bytes, &self.key) {
-                Ok(r) => r,
-                // Not counted as refused: the other candidates are other transfers' slots,
-                // whose records never verify under our key (review 60, mailbox L1: every honest
-                // look counted one).
-                Err(_) => continue,
-            };
+            // Not counted as refused: the other candidates are other transfers' slots, whose
+            // records never verify under our key (review 60, mailbox L1: every honest look
+            // counted one).
+            let Ok(record) = Record::decode(bytes, &self.key) else { continue };
             if record.xfer != self.xfer {
                 return Err(ReaderError::Misbound { slot: record.slot, xfer: record.xfer });
             }
