@@ -577,6 +577,12 @@ impl PeerTable {
         match admit(self) {
             // Ids spent: evicting would only drop a name's state for nothing.
             Err(FrameRefused::NotLoaded) if self.one_way_full() && !self.one_way_ids_spent() => {
+                // Names loaded since their admission leave first; if that made room, nobody
+                // goes (review 59, L3: the frame was refused, or a name evicted, needlessly).
+                self.prune_loaded_one_way();
+                if !self.one_way_full() {
+                    return admit(self).map(|id| (id, None));
+                }
                 let gone = self.evict_one_way(holds_nothing).ok_or(FrameRefused::NotLoaded)?;
                 Ok((admit(self)?, Some(gone)))
             }
@@ -592,20 +598,16 @@ impl PeerTable {
     /// no such name holds nothing, a one-way incarnation that holds nothing goes instead.
     /// Returns the forgotten id; `None` when every one-way name and incarnation holds something.
     pub fn evict_one_way(&mut self, holds_nothing: impl Fn(PeerId) -> bool) -> Option<PeerId> {
-        let mut loaded = Vec::new();
+        self.prune_loaded_one_way();
         let mut victim = None;
         for name in &self.one_way {
             match self.by_name.get(name) {
-                Some(p) if p.conn.is_some() => loaded.push(name.clone()),
                 Some(p) if holds_nothing(p.id) => {
                     victim = Some((name.clone(), p.id));
                     break;
                 }
                 _ => {}
             }
-        }
-        for name in loaded {
-            self.one_way.remove(&name);
         }
         if victim.is_none() {
             let idle = self.incarnations.iter().find(|(_, id)| holds_nothing(**id)).map(|(k, id)| (k.clone(), *id));
@@ -622,6 +624,13 @@ impl PeerTable {
         }
         self.names.remove(&id);
         Some(id)
+    }
+
+    /// Names admitted for one-way frames that NIXL has loaded since leave the one-way names
+    /// (they count against the application's loads, not the one-way names' cap).
+    fn prune_loaded_one_way(&mut self) {
+        let by_name = &self.by_name;
+        self.one_way.retain(|name| by_name.get(name).is_none_or(|p| p.conn.is_none()));
     }
 
     /// Whether transfers to `name` may bounce one way: loaded, compatible, its arena loaded,
@@ -1039,6 +1048,21 @@ mod tests {
         assert_eq!(t.evict_one_way(|id| id == real), None);
         assert_eq!(t.lookup("real"), Some(real));
         assert!(t.admit_one_way("another").is_ok(), "its place in the one-way names is free");
+    }
+
+    /// Review 59 (wire, L3): the one-way names full, one of them loaded since, every other
+    /// holding something: a frame under a new name is admitted in the loaded name's place,
+    /// and nobody is evicted. (It was refused: the loaded name left, but no victim was found.)
+    #[test]
+    fn a_one_way_name_loaded_since_makes_room_without_an_eviction() {
+        let mut t = PeerTable::new();
+        for i in 0..MAX_ONE_WAY_NAMES {
+            t.admit_one_way(&format!("busy-{i}")).unwrap();
+        }
+        t.load_conn_info("busy-7", Some(caps(4096)), Some(&caps(4096)));
+        let (id, gone) = t.admit_message("newcomer", 5, |_| true, |_| false).expect("room made by the loaded name");
+        assert_eq!((t.lookup("newcomer"), gone), (Some(id), None), "admitted, nobody evicted");
+        assert!((0..MAX_ONE_WAY_NAMES).all(|i| t.lookup(&format!("busy-{i}")).is_some()));
     }
 
     /// A one-way name is the sender's to choose, its length too: one longer than any agent
