@@ -35,7 +35,7 @@ impl Registration {
 
     /// True when `[addr, addr + len)` lies inside this registration and it [`Self::serves`]
     /// the arena at `place`.
-    pub(crate) fn covers(&self, place: ArenaPlace, addr: u64, len: u64) -> bool {
+    fn covers(&self, place: ArenaPlace, addr: u64, len: u64) -> bool {
         self.serves(place) && addr.checked_add(len).is_some_and(|end| self.addr <= addr && end <= self.addr + self.len)
     }
 }

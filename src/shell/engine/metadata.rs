@@ -203,17 +203,13 @@ impl Engine {
         // Our same-host copies into or out of it end first. (A peer's, into it, cannot be
         // waited for: its liveness word, cleared above, stops only the peer's next post.) Not
         // those over bytes another registration of the same memory still covers whole.
+        // Asked only of a request whose pieces meet the range (the registry's lock is a leaf,
+        // taken inside the path's table lock).
         let place = ArenaPlace { mem: r.mem, dev: r.dev };
-        let still = || self.registry.all().into_iter().map(|(_, k)| k).filter(|k| k.serves(place)).collect::<Vec<_>>();
+        let kept = |(a, b): (u64, u64)| self.registry.covering(place, a, b - a).is_some();
         match (r.mem, &self.cma, &self.ipc) {
-            (MemKind::Dram, Some(cma), _) => {
-                let still = still();
-                cma.quiesce(r.addr, r.len, &|(a, b)| still.iter().any(|k| k.covers(place, a, b - a)));
-            }
-            (MemKind::Vram, _, Some(ipc)) => {
-                let still = still();
-                ipc.quiesce(r.dev, r.addr, r.len, &|(a, b)| still.iter().any(|k| k.covers(place, a, b - a)));
-            }
+            (MemKind::Dram, Some(cma), _) => cma.quiesce(r.addr, r.len, &kept),
+            (MemKind::Vram, _, Some(ipc)) => ipc.quiesce(r.dev, r.addr, r.len, &kept),
             _ => {}
         }
         let (Some(b), Some(sh)) = (&self.bounce, self.shared()) else { return };
