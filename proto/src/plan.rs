@@ -184,6 +184,18 @@ impl Plan {
     pub fn chunk_sizes(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
         self.chunks.iter().map(|c| c.bytes)
     }
+
+    /// The byte spans of our own memory the transfer touches, `[start, end)`: a READ's scatter
+    /// runs, a WRITE's gather runs and direct-write sources (a strided run counts as its
+    /// whole span). A span that would overflow is left out: such a run was never planned.
+    /// `read`: the transfer is a READ (the shell's plans say so in [`Self::read`]).
+    pub fn local_spans(&self, read: bool) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunks.iter().flat_map(move |c| {
+            let runs = if read { &c.scatter[..] } else { &c.gather[..] };
+            let direct = c.direct.filter(|_| !read).map(|d| (d, d.saturating_add(c.bytes)));
+            runs.iter().filter_map(CopyRun::addr_span).chain(direct)
+        })
+    }
 }
 
 /// Which side of a descriptor pair an error is about.

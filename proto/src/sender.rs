@@ -20,7 +20,7 @@ use crate::event::{Action, Ctx, JobId, JobRuns, ProtocolError, SubmitError, Writ
 use crate::plan::Plan;
 use crate::proof;
 use crate::timer::TimerTable;
-use crate::types::{ArenaId, ChunkIdx, CopyRun, PeerId, Region, Token, XferId};
+use crate::types::{ArenaId, ChunkIdx, PeerId, Region, Token, XferId};
 use crate::wire::{self, Ack, AckStatus, Data, Grant, Msg, Standing, Want};
 
 /// A credit as the sender keeps it: the granted remote region and when it arrived.
@@ -1173,14 +1173,8 @@ mod standing;
 /// Whether transfer `plan` (a READ when `read`) touches our memory in `[start, end)`: a WRITE
 /// reads its gather sources and direct chunks there, a READ writes its scatter destinations.
 pub(crate) fn touches_local(plan: &Plan, read: bool, (start, end): (u64, u64)) -> bool {
-    let overlaps = |(a, b): (u64, u64)| a < end && start < b;
-    plan.chunks.iter().any(|c| {
-        if read {
-            return c.scatter.iter().filter_map(CopyRun::addr_span).any(overlaps);
-        }
-        c.direct.is_some_and(|d| overlaps((d, d.saturating_add(c.bytes))))
-            || c.gather.iter().filter_map(CopyRun::addr_span).any(overlaps)
-    })
+    plan.local_spans(read).any(|(a, b)| a < end && start < b)
 }
+
 #[cfg(test)]
 mod tests;

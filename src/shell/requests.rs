@@ -12,6 +12,7 @@ use parking_lot::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::shell::doorbell::Doorbell;
+use crate::shell::fence::{Span, overlaps, spans_lose};
 use crate::shell::{Error, Result};
 
 /// Where a request stands.
@@ -38,6 +39,11 @@ pub(crate) struct Request {
     pub state: State,
     /// When the application last found it in flight (busy-poll detection).
     pub last_check: Option<Instant>,
+    /// The outer bounds of our memory the plan touches (`None`: none), so that a
+    /// deregistration looks at the plan's runs only when they may meet it.
+    local_hull: Option<Span>,
+    /// Part of that memory was deregistered since the prep: no post runs any more.
+    revoked: bool,
 }
 
 /// What the reactor needs to run a posted request.
@@ -109,7 +115,9 @@ impl Requests {
     /// (never 0).
     pub(crate) fn insert(&self, peer: String, peer_id: Option<PeerId>, plan: Plan) -> u64 {
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed) + 1;
-        let r = Request { peer, peer_id, plan: Arc::new(plan), state: State::Prepared, last_check: None };
+        let local_hull = plan.local_spans(plan.read).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
+        let plan = Arc::new(plan);
+        let r = Request { peer, peer_id, plan, state: State::Prepared, last_check: None, local_hull, revoked: false };
         self.map.lock().insert(h, r);
         h
     }
@@ -150,10 +158,29 @@ impl Requests {
         if matches!(r.state, State::Posted(_)) {
             return Err(Error::RepostActive(handle));
         }
+        if r.revoked {
+            r.state = State::Done(Err(XferError::Deregistered));
+            return Err(Error::Xfer(XferError::Deregistered));
+        }
         let xfer = XferId(self.next_xfer.fetch_add(1, Ordering::Relaxed) + 1);
         r.state = State::Posted(xfer);
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         Ok(Posted { xfer, handle, peer: r.peer.clone(), peer_id: r.peer_id, plan: Arc::clone(&r.plan), notif })
+    }
+
+    /// Our memory `range` is being deregistered: every request whose plan touches it where
+    /// `kept` (another registration of that memory still covering those bytes whole) does not
+    /// hold is revoked, so that a later post fails (`Deregistered`) instead of scattering into,
+    /// or gathering from, memory the application may have freed (review 61, READ H1: the core
+    /// fails only the transfers in flight, and a request prepared before and posted after
+    /// wrote the range and reported DONE). Called before the reactor is told of the
+    /// deregistration: a post that came first has queued its submit ahead of it, and the core
+    /// fails it as in flight.
+    pub(crate) fn revoke(&self, range: Span, kept: &dyn Fn(Span) -> bool) {
+        let mut map = self.map.lock();
+        for r in map.values_mut().filter(|r| !r.revoked && r.local_hull.is_some_and(|h| overlaps(h, range))) {
+            r.revoked = spans_lose(r.plan.local_spans(r.plan.read), range, kept);
+        }
     }
 
     /// The request's state.
@@ -246,6 +273,38 @@ mod tests {
         let idle = t.insert("peer".into(), None, Plan::default());
         assert_eq!(t.remove(idle), Some(Released::Idle));
         assert_eq!(t.remove(idle), None);
+    }
+
+    /// A deregistration revokes the requests whose memory it takes (not one whose bytes there
+    /// another registration still covers, nor one elsewhere): their next post fails, whatever
+    /// their state, and nothing is handed to the reactor.
+    #[test]
+    fn a_request_over_deregistered_memory_fails_at_its_post() {
+        use bounce_proto::plan::{DescPair, PlanParams, plan};
+        let pieces = |at: u64| {
+            let descs: Vec<DescPair> =
+                (0..4).map(|i| DescPair { src: at + i * 8192, dst: i * 4096, len: 4096 }).collect();
+            plan(&descs, PlanParams::new(1 << 20)).unwrap()
+        };
+        let t = Requests::default();
+        let (hit, kept, elsewhere) = (
+            t.insert("peer".into(), None, pieces(0x10_0000)),
+            t.insert("peer".into(), None, pieces(0x20_0000)),
+            t.insert("peer".into(), None, pieces(0x40_0000)),
+        );
+        let done = t.post(hit, None).unwrap();
+        t.finish(hit, done.xfer, Ok(()));
+        // The first request's third piece, and the second's: the latter's bytes stay registered.
+        t.revoke((0x10_4000, 0x10_5000), &|_| false);
+        t.revoke((0x20_4000, 0x20_5000), &|_| true);
+        let mut handed = 0;
+        let r = t.post_then(hit, None, |_| handed += 1);
+        assert!(matches!(r, Err(Error::Xfer(XferError::Deregistered))), "{r:?}");
+        assert_eq!(t.state(hit), Some(State::Done(Err(XferError::Deregistered))));
+        assert!(matches!(t.post(hit, None), Err(Error::Xfer(XferError::Deregistered))), "revoked for good");
+        t.post_then(kept, None, |_| handed += 1).unwrap();
+        t.post_then(elsewhere, None, |_| handed += 1).unwrap();
+        assert_eq!(handed, 2, "only the requests that kept their memory were handed on");
     }
 
     /// A release racing its own post on another thread finds the request posted only once the

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import nixlkit
-from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, act_in_flight, connect, kill_mid_flight,  # noqa: F401
-                           peer_stats, procs, resolve, settle, settle_local, stats, watchdog)
+from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, act_in_flight, connect, dump,  # noqa: F401
+                           kill_mid_flight, peer_stats, procs, resolve, settle, settle_local, stats, watchdog)
 
 CONTROL = {"ucx": {}, "zmq": ZMQ}
 
@@ -61,6 +61,46 @@ def test_a_read_lands_byte_exact_and_the_counters_prove_the_path(procs, metadata
         assert s1["one_way_sent"] == s0["one_way_sent"] + 1
         assert t1["records_written"] - t0["records_written"] == chunks, "a READY record per chunk"
         assert t1["peer_arenas_loaded"] == 0, "the target loaded the initiator: not one way"
+
+
+@pytest.mark.parametrize("op, metadata", [("READ", "one-way"), ("READ", "two-way"), ("WRITE", "two-way")])
+def test_a_request_prepared_over_memory_deregistered_since_fails_at_its_post(procs, tmp_path, op, metadata):
+    """Review 61 (READ, H1). A bounced request prepared, its local memory deregistered with
+    nothing in flight, then posted: the core fails only transfers in flight, so the READ
+    scattered into the deregistered memory (2 MB of it) and the WRITE gathered from it, both
+    reported DONE. Now the deregistration revokes the request: its post fails, nothing of ours
+    is written, nothing reaches the target. (The WRITE gathers its scattered sources: one
+    written straight from user memory was already refused by its direct-write check.)"""
+    lay = nixlkit.Scattered(512, 4096, seed=611)
+    p = procs()
+    name = f"rd-dereg-{op}-{metadata}"
+    meta, raddr = p.start(name=name, size=lay.src_bytes, seed=612, params=SMALL)
+    ag = nixlkit.agent(f"rd-dereg-ini-{op}-{metadata}", params=SMALL)
+    buf = nixlkit.pattern(613, lay.dst_bytes)
+    nixlkit.register(ag, buf)
+    if metadata == "two-way":
+        connect(ag, p, meta)
+    else:
+        ag.add_remote_agent(meta)
+    lo = ag.get_xfer_descs(lay.dst_list(buf.ctypes.data), "DRAM")
+    re = ag.get_xfer_descs(lay.src_list(raddr), "DRAM")
+    h = ag.initialize_xfer(op, lo, re, name, b"", backends=["BOUNCE"])
+    t0 = peer_stats(p)
+    ag.deregister_memory(ag.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"), backends=["BOUNCE"])
+    with watchdog(60, [p], "a post after the deregistration"):
+        try:
+            st = ag.transfer(h)
+        except Exception:
+            st = "ERR"
+        if st != "ERR":
+            st, _ = resolve(ag, h, 10)
+    assert st == "ERR", f"a {op} prepared over memory deregistered since ended {st}"
+    nixlkit.assert_same(buf, nixlkit.pattern(613, lay.dst_bytes), "our deregistered memory")
+    nixlkit.assert_same(dump(p, tmp_path, "target.bin")[:lay.src_bytes], nixlkit.pattern(612, lay.src_bytes),
+                        "the target's memory")
+    t1 = peer_stats(p)
+    assert t1["read_chunks_served"] == t0["read_chunks_served"], "the target gathered for a revoked READ"
+    ag.release_xfer_handle(h)
 
 
 @pytest.mark.parametrize("metadata", ["one-way", "two-way"])

@@ -6,6 +6,7 @@ use crate::endpoint::Endpoint;
 use crate::endpoint::WriteRoute;
 use crate::endpoint::tests::*;
 use crate::plan::{self, DescPair, PlanParams};
+use crate::types::CopyRun;
 
 fn r(kib: u64) -> Region {
     Region { offset: kib * KIB, len: CHUNK }

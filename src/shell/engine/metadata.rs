@@ -216,6 +216,7 @@ impl Engine {
         if b.arena_serving(&r).is_none() {
             return; // never a copy source or target, never a direct-write source
         }
+        sh.requests.revoke((r.addr, r.addr.saturating_add(r.len)), &kept);
         sh.deregister(key.map(|d| d.reg), r.addr, r.len, ArenaPlace { mem: r.mem, dev: r.dev });
     }
 
