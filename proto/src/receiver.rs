@@ -296,7 +296,23 @@ pub struct Receiver {
     /// Per peer, its scatters still running whose flows ended here, and its DATAs they hold
     /// back (see [`order`]).
     behind: order::Behind,
+    /// When each region was last given to a flow (a grant, a claim of a standing credit), by
+    /// arena and offset: a region held idle past [`REGION_LEASES`] leases of that reclaims its
+    /// flow, whatever progress the flow makes with its other regions. Bounded by the arenas'
+    /// offsets; an entry left by a freed region is overwritten by the region's next grant and
+    /// never read before it.
+    given_at: BTreeMap<(ArenaId, u64), Instant>,
 }
+
+/// Leases (halves of the request timeout) a granted region may stay idle (unwritten, or for a
+/// READ unreleased) before its flow is reclaimed: the cap KEEPs have on a flow's lease (see
+/// [`Flow::kept`]), per region. The flow's own lease runs from its last progress, so without it
+/// a sender that wrote chunks 1, 2, 3, ... held chunk 0's region for ever: a few such regions
+/// placed one per max-chunk block kept every max-chunk flow out of the arena, and drain mode
+/// then held every peer's grants behind it (review 61, credits H1). An honest sender posts
+/// its write within a quarter lease of the credit and KEEPs a slow one, which lands well
+/// within this.
+pub(crate) const REGION_LEASES: u32 = 3;
 
 impl Receiver {
     pub(crate) fn new(config: &Config, _now: Instant) -> Self {
@@ -324,6 +340,7 @@ impl Receiver {
             resting: BTreeMap::new(),
             wrote: BTreeMap::new(),
             behind: order::Behind::default(),
+            given_at: BTreeMap::new(),
         }
     }
 
@@ -647,11 +664,15 @@ impl Receiver {
             Standing::Claim { xfer, token } => Some(self.claimable(ctx, from, &want, xfer, token)?),
             _ => None,
         };
+        let now = ctx.now;
         let queued = match claimed {
             // Chunk 0 takes the standing region; the chunks after it queue as usual.
             Some(standing) => ctx.sched(want.arena).want_from(key, 1, &want.chunks[1..]).and_then(|()| {
                 let sched = ctx.sched(want.arena);
                 let adopted = sched.adopt(standing.flow, standing.region.offset, key, ChunkIdx(0));
+                if adopted.is_ok() {
+                    self.given_at.insert((want.arena, standing.region.offset), now);
+                }
                 if adopted.is_err() {
                     // Only queued, never granted: nothing to free.
                     sched.reclaim_flow(key, Reuse::Now);
@@ -1085,6 +1106,9 @@ impl Receiver {
                 Some(flow) => {
                     flow.progressed(ctx.now, self.idle_timeout);
                     flow.given = Some(ctx.now);
+                    for c in &credits {
+                        self.given_at.insert((flow.arena, c.region.offset), ctx.now);
+                    }
                     flow.token
                 }
                 None => {

@@ -171,3 +171,41 @@ def test_a_flow_proving_one_registration_cannot_scatter_into_another(procs, tmp_
     assert v1["control_forged"] == v0["control_forged"], delta
     assert v1["data_runs_refused"] - v0["data_runs_refused"] == 2, delta
     assert v1["control_dropped"] - v0["control_dropped"] == 2, delta
+
+
+def run_pin_regions(mode, tmp_path):
+    """Runs pin_regions.py in its own process (it sets the plugin's trace log before NIXL loads
+    it); returns its JSON summary."""
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "pin_regions.py"), mode, str(tmp_path / "trace.log")],
+                       cwd=here, capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_region_left_unwritten_while_its_flow_writes_the_others_is_reclaimed(tmp_path):
+    """Review 61 (credits, H1), no KEEPs: a key holder's four flows each write chunks 1, 2, 3,
+    ... and never chunk 0, whose regions sit one per max-chunk block of the victim's arena. A
+    flow's lease ran from its last progress, so those regions stayed held for ever; now each
+    region's own cap reclaims its flow. Within four timeouts all four are reclaimed, and the
+    chunk-0 DATAs sent after that scatter nothing."""
+    out = run_pin_regions("nokeep", tmp_path)
+    assert out["timed_out"] == 4, out
+    assert out["late_scattered"] == [], f"regions left unwritten for four timeouts still held: {out}"
+
+
+def test_regions_pinned_at_each_max_chunk_block_stop_an_honest_peer_once_at_most(tmp_path):
+    """Review 61 (credits, H1), with KEEPs: while the pins held, every max-chunk WRITE of an
+    honest peer failed by its timeout (5 of 5 in 12 s) and drain mode held every other peer's
+    grants about 0.9 of a timeout each time. Now the pins go with their flows a region cap
+    after their grants: the first honest WRITE fails (it waits longer than its timeout; the
+    second too on a slow machine), every later one lands."""
+    out = run_pin_regions("attack", tmp_path)
+    p = [st for st, _ in out["P"]]
+    assert p.count("DONE") >= 3 and "ERR" not in p[2:], out["P"][:8]
+    assert all(st == "DONE" for st, _ in out["Q"]), out["Q"]
+    assert out["timed_out"] >= 4, out

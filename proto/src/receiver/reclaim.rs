@@ -68,14 +68,27 @@ impl Receiver {
             let held = self.behind.held_of(key) + self.behind.gathers_held_of(key);
             let waiting_for_data = ctx.scheds.flow_held_count(key).saturating_sub(flow.scattering + held);
             let waiting_for_pulls = flow.pull.as_ref().is_some_and(|p| !p.complete());
-            if flow.deadline <= now && (waiting_for_data > 0 || waiting_for_pulls) {
+            // Regions left idle past their own lease cap, beyond those we hold back ourselves
+            // (a standing flow's one region is its lease, kept by `kept`'s cap alone).
+            let cap = self.idle_timeout * REGION_LEASES;
+            let given_at = &self.given_at;
+            let overdue = !flow.standing
+                && ctx
+                    .scheds
+                    .get(flow.arena)
+                    .idle_regions(key)
+                    .filter(|&off| given_at.get(&(flow.arena, off)).is_some_and(|&t| t + cap <= now))
+                    .count()
+                    > held;
+            if (flow.deadline <= now || overdue) && (waiting_for_data > 0 || waiting_for_pulls) {
                 // Counted (`flows_timed_out`, published by the shell); at debug, since a peer
                 // that opens many flows and goes silent must not flood the log.
                 debug!(
                     peer = key.peer.0,
                     xfer = key.xfer.0,
                     regions = waiting_for_data,
-                    "flow silent too long: reclaimed"
+                    overdue,
+                    "flow silent too long (or a region of it idle past its cap): reclaimed"
                 );
                 ctx.stats.flows_timed_out += 1;
                 let given = flow.given;

@@ -134,6 +134,7 @@ impl Receiver {
             return Some(false);
         }
         // A fresh lease, as for a grant.
+        self.given_at.insert((arena, region.offset), ctx.now);
         let deadline = ctx.now + self.idle_timeout;
         if let Some(f) = self.flows.get_mut(&standing) {
             f.deadline = deadline;

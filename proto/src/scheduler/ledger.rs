@@ -61,6 +61,13 @@ impl CreditScheduler {
         Some(Grant { flow, chunk: held.chunk, region: Region { offset, len: held.len } })
     }
 
+    /// The offsets of the regions `flow` holds whose scatter (or gather) has not begun: granted
+    /// and waiting for their DATA, or for a READ gathered and waiting for their RELEASE.
+    pub fn idle_regions(&self, flow: FlowKey) -> impl Iterator<Item = u64> + '_ {
+        let held = self.flows.get(&flow).map(|f| f.held.keys());
+        held.into_iter().flatten().copied().filter(|off| !self.scattering.contains_key(off))
+    }
+
     /// Moves the idle region `from` holds at `offset` to flow `to` as its chunk `chunk`, as if
     /// it had been granted there: a standing credit claimed by a new transfer
     /// ([`wire::Standing::Claim`]). Both flows are one peer's, so its held bytes do not change.

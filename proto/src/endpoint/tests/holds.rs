@@ -90,3 +90,57 @@ fn a_want_under_a_loaded_name_that_proves_nothing_opens_no_flow() {
     let honest = FlowKey { peer: ep.peers().lookup("honest").unwrap(), xfer: XferId(1) };
     assert_eq!(ep.schedulers().flow_held_count(honest), 1, "granted at once");
 }
+
+/// Review 61 (credits, H1): a flow's lease runs from its last progress, so a sender that
+/// writes chunk 1, 2, 3, ... of a flow, each within a lease, and never chunk 0, held chunk 0's
+/// region for ever (a few such regions, one per max-chunk block, kept every max-chunk flow
+/// out of the arena). Each region now has its own cap: idle for `REGION_LEASES` leases after
+/// its grant, it reclaims its flow, whatever the flow does with its other regions.
+#[test]
+fn a_region_never_written_is_reclaimed_while_its_flow_writes_the_others() {
+    let (mut ep, t0) = endpoint(32 * KIB, 2, false);
+    let key = FlowKey { peer: PEER, xfer: X };
+    ep.handle_msg(t0, PEER, want_msg(X, &[CHUNK; 64])).unwrap();
+    let credits = |acts: &[Action]| -> Vec<(u32, Region)> {
+        msgs(acts)
+            .into_iter()
+            .filter_map(|(_, m)| match m {
+                Msg::Grant(g) => Some(g.credits),
+                _ => None,
+            })
+            .flatten()
+            .map(|c| (c.chunk.0, c.region))
+            .collect()
+    };
+    let first = credits(&drain(&mut ep));
+    assert_eq!(first.len(), 2, "W = 2 credits: {first:?}");
+    let (pinned, mut next, mut t) = (first[0].1, first[1], t0);
+    let mut written = 0;
+    // Four timeouts: the sender writes its newest chunk every quarter timeout, never chunk 0.
+    for _ in 0..16 {
+        t += TIMEOUT / 4;
+        ep.handle_timeout(t);
+        ep.handle_msg(t, PEER, data_msg(X, next.0, next.1, vec![run(0, DST, CHUNK)])).unwrap();
+        let [(job, _)] = scatters(&drain(&mut ep))[..] else { break };
+        ep.handle_scatter_done(t, job, true);
+        written += 1;
+        match credits(&drain(&mut ep))[..] {
+            [c] => next = c,
+            _ => break,
+        }
+    }
+    assert!(written >= 4, "the flow made progress for a while ({written} chunks written)");
+    assert!(
+        ep.scheduler().is_held(key, pinned.offset).is_none(),
+        "a region left unwritten for four timeouts is still held: the lease was per flow only"
+    );
+    assert!(ep.stats().flows_timed_out >= 1, "{:?}", ep.stats());
+    // Reclaimed about `REGION_LEASES` leases (plus one lease of timer slack) after its grant:
+    // the flow's chunks written after that point were refused.
+    let lease = TIMEOUT / 2;
+    let cap = lease * crate::receiver::REGION_LEASES + lease;
+    assert!(
+        u32::try_from(written).unwrap() <= cap.as_millis() as u32 / (TIMEOUT / 4).as_millis() as u32,
+        "{written} chunks written before the reclaim (cap {cap:?})"
+    );
+}
