@@ -18,10 +18,14 @@ impl Receiver {
     ) -> Result<(), ProtocolError> {
         let key = FlowKey { peer: from, xfer: want.xfer };
         let bytes = want.chunks[0];
-        let held: u64 = self.standing.values().map(|&(_, b)| b).sum();
         let sched = ctx.sched(want.arena);
+        // The share counts the blocks the regions take, not the bytes asked: a standing flow
+        // of one byte holds a granularity block (review 61, credits L2: 1-byte asks under
+        // many loaded names held blocks far past the share while counting a byte each).
+        let block = |b: u64| sched.buddy().block_len(b).unwrap_or(b);
+        let held: u64 = self.standing.values().map(|&(_, b)| block(b)).sum();
         let share = sched.usable_capacity() / STANDING_SHARE;
-        let fits = bytes <= self.standing_bytes.min(sched.max_chunk_bytes()) && held + bytes <= share;
+        let fits = bytes <= self.standing_bytes.min(sched.max_chunk_bytes()) && held + block(bytes) <= share;
         let fresh = !self.standing.contains_key(&from) && !self.flows.contains_key(&key);
         // What the decoder refuses too (`Msg::validate`), for messages handed in directly.
         let bare = want.chunks.len() == 1 && want.inline.is_none() && want.proofs.is_empty();

@@ -76,6 +76,24 @@ impl Sender {
             x.stages[r.chunk] = Stage::Gathered { local };
             return self.fail(ctx, r.xfer, XferError::ReadFailed, true);
         }
+        // A read that ended half a timeout after its credit came may have read a region the
+        // target reclaimed meanwhile (half a timeout after the gather, its KEEPs lost) and,
+        // after the quarter timeout's quarantine, gathered another flow's bytes into: those
+        // must not be scattered here and reported done (review 61, READ L1; a late WRITE is
+        // refused by its DATA instead). The quarter left covers the credit's own way here; an
+        // honest read takes milliseconds.
+        let peer = x.peer;
+        let timeout = self.lease_base(peer);
+        let Some(x) = self.xfers.get_mut(&r.xfer) else { return };
+        if ctx.now >= credit.at + timeout / 2 {
+            debug!(
+                xfer = r.xfer.0,
+                chunk = r.chunk,
+                "READ ended half a timeout after its credit: its bytes are not trusted"
+            );
+            x.stages[r.chunk] = Stage::Gathered { local };
+            return self.fail(ctx, r.xfer, XferError::Timeout, true);
+        }
         let chunk = ChunkIdx(r.chunk as u32);
         ctx.send(x.peer, wire::Release { xfer: r.xfer, token: x.token, chunk, region: credit.region });
         let scatter = ctx.job();

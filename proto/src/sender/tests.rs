@@ -1162,3 +1162,32 @@ fn the_peer_of_a_held_write_is_probed_and_the_write_fails_when_it_is_declared_de
     assert!(pinged > 0 && !ep.owes_completion(y), "pings {pinged}, still owed: {}", ep.owes_completion(y));
     assert!(now < t + TIMEOUT, "declared dead before its timeout");
 }
+
+/// Review 61 (READ, L1): a READ's RDMA read that ends half a timeout after its credit came may
+/// have read a region its target reclaimed (its KEEPs lost) and gave, after the quarantine, to
+/// another flow: its bytes are not scattered and the transfer fails by its timeout. One that
+/// ends in time is scattered as usual.
+#[test]
+fn a_read_that_ends_half_a_timeout_after_its_credit_scatters_nothing_and_fails() {
+    let (mut ep, t) = endpoint(64 * KIB, 2, false);
+    let reads = |acts: &[Action]| -> Vec<JobId> {
+        acts.iter().filter_map(|a| if let Action::Read { job, .. } = a { Some(*job) } else { None }).collect()
+    };
+    for (xfer, late) in [(XferId(10), false), (XferId(11), true)] {
+        ep.submit_read(t, xfer, TOKEN, PEER, plan_of(1), None).unwrap();
+        assert!(msgs(&drain(&mut ep)).iter().any(|(_, m)| matches!(m, Msg::Pull(_))));
+        let [job] = reads(&feed(&mut ep, t, grant_msg(xfer, &[(0, r(0))])))[..] else { panic!("one read") };
+        let done = if late { t + TIMEOUT / 2 } else { t + TIMEOUT / 8 };
+        ep.handle_read_done(done, job, true);
+        let acts = drain(&mut ep);
+        if late {
+            assert!(scatters(&acts).is_empty(), "a late read's bytes were scattered");
+            assert_eq!(completes(&acts), vec![(xfer, Err(XferError::Timeout))]);
+        } else {
+            let [(scatter, _)] = scatters(&acts)[..] else { panic!("one scatter: {acts:?}") };
+            ep.handle_scatter_done(done, scatter, true);
+            assert_eq!(completes(&drain(&mut ep)), vec![(xfer, Ok(()))]);
+        }
+    }
+    check(&ep);
+}

@@ -214,6 +214,26 @@ fn a_receiver_gives_one_standing_flow_per_peer_within_an_eighth_of_its_arena() {
     check(&ep);
 }
 
+/// Review 61 (credits, L2): the standing share counts the blocks the regions take, not the
+/// bytes asked. Standing flows of one byte each took a 1 KiB block each while counting one
+/// byte: 64 peers held all 64 blocks of the arena, eight times the share.
+#[test]
+fn standing_flows_of_one_byte_count_their_blocks_against_the_share() {
+    let (mut ep, t) = standing_endpoint(64 * KIB, false);
+    for peer in 0..64 {
+        ep.handle_msg(t, PeerId(100 + peer), open_msg(1, 1)).unwrap();
+    }
+    drain(&mut ep);
+    // An eighth of 64 KiB: eight blocks of 1 KiB.
+    assert_eq!(ep.stats().standing_opened, 8, "{:?}", ep.stats());
+    assert!(
+        64 * KIB - ep.arena_free_bytes() <= 8 * KIB,
+        "standing regions hold {} bytes",
+        64 * KIB - ep.arena_free_bytes()
+    );
+    check(&ep);
+}
+
 #[test]
 fn an_unclaimed_standing_region_is_reclaimed_after_the_idle_timeout_and_neither_probed_nor_polled_for_before() {
     let (mut ep, t) = standing_endpoint(32 * KIB, false);
