@@ -542,7 +542,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 let arena = if from & 0x40 != 0 { OTHER_ARENA } else { ArenaId(0) };
                 let mismatched = from & 0x30 == 0x30;
                 let proven = if (arena == OTHER_ARENA) != mismatched { OTHER_REG } else { reg };
-                let proofs = vec![proof::prove(proven, &key_of(proven), token)];
+                let proofs = vec![proof::prove(proven, &key_of(proven), token, xfer)];
                 // Half the one-chunk WANTs carry the chunk inline, scattered by one run that
                 // may leave the registration (a hostile peer's).
                 let inline = (sizes.len() == 1 && from & 0x80 != 0).then(|| {
@@ -676,7 +676,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 let (peer, xfer) = (PeerId(u64::from(from % 3)), XferId(2000 + u64::from(xfer)));
                 let sizes = vec![u64::from(size % (16 << 10)) + 1; usize::from(chunks % 4) + 1];
                 let token = remote_token(peer, xfer);
-                let proofs = vec![proof::prove(reg, &key_of(reg), token)];
+                let proofs = vec![proof::prove(reg, &key_of(reg), token, xfer)];
                 let endpoint = bounce_proto::wire::REPLY_MAILBOX.to_vec();
                 // Half the one-chunk ones carry their chunk inline, as a two-way WANT may.
                 let inline = (sizes.len() == 1 && from & 0x80 != 0).then(|| {
@@ -788,7 +788,7 @@ pub fn run(data: &[u8]) -> Coverage {
                 let total = first + n + u32::from((chunks >> 4) % 2);
                 let chunks = vec![PullChunk { bytes, runs: vec![run].into() }; n as usize];
                 let token = remote_token(peer, xfer);
-                let proofs = if first == 0 { vec![proof::prove(reg, &key_of(reg), token)] } else { Vec::new() };
+                let proofs = if first == 0 { vec![proof::prove(reg, &key_of(reg), token, xfer)] } else { Vec::new() };
                 let (first, endpoint) = (ChunkIdx(first), Vec::new());
                 let pull = Msg::Pull(Pull { arena: ArenaId(0), xfer, token, first, total, endpoint, chunks, proofs });
                 if ep.handle_msg(now, peer, pull).is_ok() {
@@ -911,7 +911,7 @@ fn forge(seen: &Seen, announced: &BTreeMap<(PeerId, XferId), Vec<u64>>, kind: u8
             // changed, the proof is for another token (a replayed or guessed tag).
             let (peer, xfer) = (PeerId(u64::from(which % 3)), XferId(1 << 32 | u64::from(which)));
             let token = remote_token(peer, xfer);
-            let proofs = vec![proof::prove(REG, &KEY, token)];
+            let proofs = vec![proof::prove(REG, &KEY, token, xfer)];
             (
                 peer,
                 Msg::Want(Want {

@@ -5,15 +5,18 @@
 //! Each registration made through BOUNCE has an id and a random [`RegKey`], published only in
 //! that registration's metadata. A sender proves, per destination registration of a transfer,
 //! that it holds the key: its WANT carries a [`Proof`] whose tag is the keyed hash (BLAKE3) of
-//! the transfer's [`Token`] under the key. Tags differ per transfer, so one seen on the wire
-//! proves nothing for another transfer. The receiver checks each proof against its
+//! the transfer's [`Token`] and id under the key. Tags differ per transfer, so one seen on the
+//! wire proves nothing for another transfer: not even for the same token under a fresh id (until
+//! wire version 17 the id was not bound, and a captured WANT or PULL with only its id changed
+//! opened a new flow; review 61). The id's own replays are refused by the receiver's replay
+//! window. The receiver checks each proof against its
 //! [`Registrations`] and lets the flow scatter only inside the registrations so proven.
 
 use std::collections::BTreeMap;
 
 use thiserror::Error;
 
-use crate::types::{ArenaId, RegId, RegKey, Token};
+use crate::types::{ArenaId, RegId, RegKey, Token, XferId};
 use crate::wire::Proof;
 
 /// Bytes of a proof's tag (a truncated BLAKE3 keyed hash: 128 bits, like the token).
@@ -56,22 +59,26 @@ impl Default for Initiator {
     }
 }
 
-/// The tag proving possession of `key` for the transfer with `token`, made by `initiator`.
-pub fn bound_tag(key: &RegKey, token: Token, initiator: &Initiator) -> [u8; TAG_LEN] {
+/// The tag proving possession of `key` for transfer `xfer` with `token`, made by `initiator`:
+/// the key's BLAKE3 keyed hash of the token (16 bytes, little-endian), the id (8 bytes,
+/// little-endian) and the initiator's name hash (32 bytes), truncated to [`TAG_LEN`].
+pub fn bound_tag(key: &RegKey, token: Token, xfer: XferId, initiator: &Initiator) -> [u8; TAG_LEN] {
     let mut h = blake3::Hasher::new_keyed(&key.0);
     h.update(&token.0.to_le_bytes());
+    h.update(&xfer.0.to_le_bytes());
     h.update(&initiator.0);
     truncate(&h.finalize())
 }
 
-/// The proof for `key`'s registration `reg` in the transfer with `token`, made by `initiator`.
-pub fn prove_as(reg: RegId, key: &RegKey, token: Token, initiator: &Initiator) -> Proof {
-    Proof { reg, tag: bound_tag(key, token, initiator) }
+/// The proof for `key`'s registration `reg` in transfer `xfer` with `token`, made by
+/// `initiator`.
+pub fn prove_as(reg: RegId, key: &RegKey, token: Token, xfer: XferId, initiator: &Initiator) -> Proof {
+    Proof { reg, tag: bound_tag(key, token, xfer, initiator) }
 }
 
 /// [`prove_as`] by the initiator with the empty name ([`Initiator::default`]).
-pub fn prove(reg: RegId, key: &RegKey, token: Token) -> Proof {
-    prove_as(reg, key, token, &Initiator::default())
+pub fn prove(reg: RegId, key: &RegKey, token: Token, xfer: XferId) -> Proof {
+    prove_as(reg, key, token, xfer, &Initiator::default())
 }
 
 /// A destination registration the sender holds the metadata (and so the key) of.
@@ -173,7 +180,7 @@ impl Registrations {
     /// [`BadProof::NoProof`] for no proof, else as [`Self::verify`].
     pub fn verify_opening(
         &self,
-        token: Token,
+        (token, xfer): (Token, XferId),
         by: &Initiator,
         proofs: &[Proof],
         arena: ArenaId,
@@ -181,10 +188,10 @@ impl Registrations {
         if proofs.is_empty() {
             return Err(BadProof::NoProof);
         }
-        self.verify(token, by, proofs, arena)
+        self.verify((token, xfer), by, proofs, arena)
     }
 
-    /// Checks `proofs` for the transfer with `token` made by initiator `by` through `arena`;
+    /// Checks `proofs` for transfer `xfer` with `token` made by initiator `by` through `arena`;
     /// returns the proven registration ids, each once (a flow keeps them: a WANT repeating one
     /// proof 4096 times must not make it keep, and check every run against, 4096 copies).
     ///
@@ -192,12 +199,12 @@ impl Registrations {
     /// The first [`BadProof`]: then the WANT carrying them is refused as a whole.
     pub fn verify(
         &self,
-        token: Token,
+        (token, xfer): (Token, XferId),
         by: &Initiator,
         proofs: &[Proof],
         arena: ArenaId,
     ) -> Result<Vec<RegId>, BadProof> {
-        let mut proven = self.verify_each(token, by, proofs, arena)?;
+        let mut proven = self.verify_each((token, xfer), by, proofs, arena)?;
         proven.sort_unstable();
         proven.dedup();
         Ok(proven)
@@ -205,7 +212,7 @@ impl Registrations {
 
     fn verify_each(
         &self,
-        token: Token,
+        (token, xfer): (Token, XferId),
         by: &Initiator,
         proofs: &[Proof],
         arena: ArenaId,
@@ -215,15 +222,17 @@ impl Registrations {
             .map(|p| {
                 let Some(r) = self.by_id.get(&p.reg) else {
                     // Only a proof under the gone registration's key counts as late, not forged.
-                    let late =
-                        self.gone.iter().any(|(id, key)| *id == p.reg && same(&bound_tag(key, token, by), &p.tag));
+                    let late = self
+                        .gone
+                        .iter()
+                        .any(|(id, key)| *id == p.reg && same(&bound_tag(key, token, xfer, by), &p.tag));
                     return Err(if late {
                         BadProof::Deregistered(p.reg)
                     } else {
                         BadProof::UnknownRegistration(p.reg)
                     });
                 };
-                match (same(&bound_tag(&r.key, token, by), &p.tag), r.arena == arena) {
+                match (same(&bound_tag(&r.key, token, xfer, by), &p.tag), r.arena == arena) {
                     (false, _) => Err(BadProof::WrongTag(p.reg)),
                     (true, false) => Err(BadProof::WrongArena(p.reg, arena)),
                     (true, true) => Ok(p.reg),
@@ -321,6 +330,24 @@ mod tests {
 
     const KEY: RegKey = RegKey([7; 32]);
     const A0: ArenaId = ArenaId(0);
+    /// The transfer id the tests' proofs are made for.
+    const X3: XferId = XferId(3);
+
+    /// Review 61 (READ, M1): the tag binds the transfer's id. A WANT or PULL captured on the
+    /// wire and sent again with only its id changed (a fresh id passes the replay window)
+    /// opened a new flow on its old proofs; now its proofs are for another transfer.
+    #[test]
+    fn a_proof_holds_only_for_the_transfer_id_it_was_made_for() {
+        let mut regs = Registrations::default();
+        assert!(regs.add(RegId(1), KEY, (0x1000, 0x1000), A0));
+        let t = Token(42);
+        let p = prove(RegId(1), &KEY, t, X3);
+        assert_eq!(regs.verify_opening((t, X3), &by(), &[p], A0), Ok(vec![RegId(1)]));
+        for other in [XferId(4), XferId(3 | 1 << 63), XferId(0)] {
+            assert_eq!(regs.verify_opening((t, other), &by(), &[p], A0), Err(BadProof::WrongTag(RegId(1))));
+        }
+        assert_ne!(bound_tag(&KEY, t, X3, &by()), bound_tag(&KEY, t, XferId(4), &by()));
+    }
 
     proptest::proptest! {
         /// The ranges answer exactly what the per-id lookup answers, overlapping and nested
@@ -352,10 +379,10 @@ mod tests {
         let mut regs = Registrations::default();
         assert!(regs.add(RegId(1), KEY, (0x1000, 0x1000), A0));
         let (t, a, b) = (Token(42), Initiator::named("a"), Initiator::named("b"));
-        let p = prove_as(RegId(1), &KEY, t, &a);
-        assert_eq!(regs.verify(t, &a, &[p], A0), Ok(vec![RegId(1)]));
-        assert_eq!(regs.verify(t, &b, &[p], A0), Err(BadProof::WrongTag(RegId(1))));
-        assert_eq!(regs.verify(t, &Initiator::default(), &[p], A0), Err(BadProof::WrongTag(RegId(1))));
+        let p = prove_as(RegId(1), &KEY, t, X3, &a);
+        assert_eq!(regs.verify((t, X3), &a, &[p], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify((t, X3), &b, &[p], A0), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify((t, X3), &Initiator::default(), &[p], A0), Err(BadProof::WrongTag(RegId(1))));
         assert_ne!(Initiator::named("a"), Initiator::named("a\0"));
     }
 
@@ -365,31 +392,34 @@ mod tests {
         assert!(regs.add(RegId(1), KEY, (0x1000, 0x1000), A0));
         assert!(regs.add(RegId(2), RegKey([8; 32]), (0x4000, 0x1000), A0));
         let t = Token(42);
-        assert_eq!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify((t, X3), &by(), &[prove(RegId(1), &KEY, t, X3)], A0), Ok(vec![RegId(1)]));
         // Another token, another key, another id, a flipped bit: all refused.
-        assert_eq!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, Token(43))], A0), Err(BadProof::WrongTag(RegId(1))));
-        assert_eq!(regs.verify(t, &by(), &[prove(RegId(2), &KEY, t)], A0), Err(BadProof::WrongTag(RegId(2))));
         assert_eq!(
-            regs.verify(t, &by(), &[prove(RegId(3), &KEY, t)], A0),
+            regs.verify((t, X3), &by(), &[prove(RegId(1), &KEY, Token(43), X3)], A0),
+            Err(BadProof::WrongTag(RegId(1)))
+        );
+        assert_eq!(regs.verify((t, X3), &by(), &[prove(RegId(2), &KEY, t, X3)], A0), Err(BadProof::WrongTag(RegId(2))));
+        assert_eq!(
+            regs.verify((t, X3), &by(), &[prove(RegId(3), &KEY, t, X3)], A0),
             Err(BadProof::UnknownRegistration(RegId(3)))
         );
-        let mut p = prove(RegId(1), &KEY, t);
+        let mut p = prove(RegId(1), &KEY, t, X3);
         p.tag[TAG_LEN - 1] ^= 1;
-        assert_eq!(regs.verify(t, &by(), &[p], A0), Err(BadProof::WrongTag(RegId(1))));
+        assert_eq!(regs.verify((t, X3), &by(), &[p], A0), Err(BadProof::WrongTag(RegId(1))));
         // One bad proof among good ones spoils the lot.
-        assert!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, t), p], A0).is_err());
+        assert!(regs.verify((t, X3), &by(), &[prove(RegId(1), &KEY, t, X3), p], A0).is_err());
         // None proves nothing: an opening frame without proofs is refused; a later one adds
         // nothing to what its flow proved.
-        assert_eq!(regs.verify_opening(t, &by(), &[], A0), Err(BadProof::NoProof));
-        assert_eq!(regs.verify(t, &by(), &[], A0), Ok(vec![]));
-        assert_eq!(regs.verify_opening(t, &by(), &[prove(RegId(1), &KEY, t)], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify_opening((t, X3), &by(), &[], A0), Err(BadProof::NoProof));
+        assert_eq!(regs.verify((t, X3), &by(), &[], A0), Ok(vec![]));
+        assert_eq!(regs.verify_opening((t, X3), &by(), &[prove(RegId(1), &KEY, t, X3)], A0), Ok(vec![RegId(1)]));
         assert_ne!(tag(&KEY, t), tag(&KEY, Token(43)), "tags differ per transfer");
         // Repeated proofs prove each registration once: what a flow keeps is bounded by what
         // is registered, not by how often a WANT repeats itself.
-        let (one, two) = (prove(RegId(1), &KEY, t), prove(RegId(2), &RegKey([8; 32]), t));
+        let (one, two) = (prove(RegId(1), &KEY, t, X3), prove(RegId(2), &RegKey([8; 32]), t, X3));
         let mut repeated = vec![two; 2048];
         repeated.extend([one; 2048]);
-        assert_eq!(regs.verify(t, &by(), &repeated, A0), Ok(vec![RegId(1), RegId(2)]));
+        assert_eq!(regs.verify((t, X3), &by(), &repeated, A0), Ok(vec![RegId(1), RegId(2)]));
     }
 
     #[test]
@@ -405,10 +435,13 @@ mod tests {
         assert!(!regs.covers(&[RegId(1)], 0x1000, 0x1010), "deregistered since");
         // A valid proof of it is late, not forged; a wrong tag of it stays unknown.
         let t = Token(5);
-        assert_eq!(regs.verify(t, &by(), &[prove(RegId(1), &KEY, t)], A0), Err(BadProof::Deregistered(RegId(1))));
+        assert_eq!(
+            regs.verify((t, X3), &by(), &[prove(RegId(1), &KEY, t, X3)], A0),
+            Err(BadProof::Deregistered(RegId(1)))
+        );
         let other = RegKey([9; 32]);
         assert_eq!(
-            regs.verify(t, &by(), &[prove(RegId(1), &other, t)], A0),
+            regs.verify((t, X3), &by(), &[prove(RegId(1), &other, t, X3)], A0),
             Err(BadProof::UnknownRegistration(RegId(1)))
         );
         assert!(!regs.add(RegId(3), KEY, (u64::MAX, 2), A0), "a wrapping range is ignored");
@@ -424,14 +457,14 @@ mod tests {
         regs.add(RegId(1), KEY, (0x1000, 0x1000), A0);
         regs.add(RegId(2), KEY, (0x9000, 0x1000), ArenaId(1));
         let t = Token(7);
-        let (host, gpu) = (prove(RegId(1), &KEY, t), prove(RegId(2), &KEY, t));
-        assert_eq!(regs.verify(t, &by(), &[host], A0), Ok(vec![RegId(1)]));
-        assert_eq!(regs.verify(t, &by(), &[gpu], ArenaId(1)), Ok(vec![RegId(2)]));
-        assert_eq!(regs.verify(t, &by(), &[gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
-        assert_eq!(regs.verify(t, &by(), &[host, gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
-        assert_eq!(regs.verify(t, &by(), &[host], ArenaId(1)), Err(BadProof::WrongArena(RegId(1), ArenaId(1))));
+        let (host, gpu) = (prove(RegId(1), &KEY, t, X3), prove(RegId(2), &KEY, t, X3));
+        assert_eq!(regs.verify((t, X3), &by(), &[host], A0), Ok(vec![RegId(1)]));
+        assert_eq!(regs.verify((t, X3), &by(), &[gpu], ArenaId(1)), Ok(vec![RegId(2)]));
+        assert_eq!(regs.verify((t, X3), &by(), &[gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
+        assert_eq!(regs.verify((t, X3), &by(), &[host, gpu], A0), Err(BadProof::WrongArena(RegId(2), A0)));
+        assert_eq!(regs.verify((t, X3), &by(), &[host], ArenaId(1)), Err(BadProof::WrongArena(RegId(1), ArenaId(1))));
         // A wrong tag stays a forgery whatever the arena.
-        let forged = prove(RegId(2), &RegKey([1; 32]), t);
-        assert_eq!(regs.verify(t, &by(), &[forged], A0), Err(BadProof::WrongTag(RegId(2))));
+        let forged = prove(RegId(2), &RegKey([1; 32]), t, X3);
+        assert_eq!(regs.verify((t, X3), &by(), &[forged], A0), Err(BadProof::WrongTag(RegId(2))));
     }
 }

@@ -505,10 +505,10 @@ impl Receiver {
         let by = Initiator::named(name);
         let checked = match msg {
             wire::Msg::Want(w) if w.endpoint == wire::REPLY_MAILBOX && !w.is_cancel() => {
-                self.registered.verify_opening(w.token, &by, &w.proofs, w.arena)
+                self.registered.verify_opening((w.token, w.xfer), &by, &w.proofs, w.arena)
             }
             wire::Msg::Pull(p) if p.endpoint == wire::REPLY_MAILBOX && !p.is_cancel() => {
-                self.registered.verify_opening(p.token, &by, &p.proofs, p.arena)
+                self.registered.verify_opening((p.token, p.xfer), &by, &p.proofs, p.arena)
             }
             _ => return None,
         };
@@ -641,9 +641,9 @@ impl Receiver {
         let opens = !self.flows.contains_key(&key);
         let by = self.initiator_of(from);
         let proven = match if opens {
-            self.registered.verify_opening(want.token, &by, &want.proofs, want.arena)
+            self.registered.verify_opening((want.token, want.xfer), &by, &want.proofs, want.arena)
         } else {
-            self.registered.verify(want.token, &by, &want.proofs, want.arena)
+            self.registered.verify((want.token, want.xfer), &by, &want.proofs, want.arena)
         } {
             Ok(proven) => proven,
             Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {

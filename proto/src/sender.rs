@@ -496,7 +496,7 @@ impl Sender {
     ) -> Result<(), SubmitError> {
         self.admit(ctx, xfer, &plan)?;
         let WantShape { one_way, inline, no_standing } = shape;
-        let proofs = plan.dests.iter().map(|d| proof::prove_as(d.reg, &d.key, token, &self.initiator)).collect();
+        let proofs = plan.dests.iter().map(|d| proof::prove_as(d.reg, &d.key, token, xfer, &self.initiator)).collect();
         let chunks = plan.chunk_sizes().collect();
         // A one-way transfer asks to be answered through the target's mailbox.
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };

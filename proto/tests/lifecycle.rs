@@ -97,7 +97,7 @@ fn want_proving(xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
 /// [`want_proving`] as the agent `name` sends it (its proofs bound to that name).
 fn want_proving_by(name: &str, xfer: u64, chunks: &[u64], regs: &[RegId]) -> Msg {
     let by = proof::Initiator::named(name);
-    let proofs = regs.iter().map(|&r| proof::prove_as(r, &key(r), tok(xfer), &by)).collect();
+    let proofs = regs.iter().map(|&r| proof::prove_as(r, &key(r), tok(xfer), XferId(xfer), &by)).collect();
     Msg::Want(Want {
         arena: ArenaId(0),
         xfer: XferId(xfer),
@@ -647,7 +647,7 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
     ep.add_registered(gone, key(gone), (DST + 2 * CHUNK, CHUNK), ArenaId(0));
     let (xfer, peer) = (9, PeerId(5));
     let chunks = (0..3).map(pull_chunk).collect();
-    let proofs = [kept, gone].iter().map(|&r| proof::prove(r, &key(r), tok(xfer))).collect();
+    let proofs = [kept, gone].iter().map(|&r| proof::prove(r, &key(r), tok(xfer), XferId(xfer))).collect();
     let (first, endpoint) = (ChunkIdx(0), Vec::new());
     let pull = wire::Pull {
         arena: ArenaId(0),
@@ -683,7 +683,7 @@ fn a_read_chunk_whose_source_went_after_the_pull_fails_at_its_turn_and_no_other(
 /// chunks, proving `D` when it opens the flow.
 fn pull(xfer: u64, first: u32, chunks: std::ops::Range<u64>, total: u32) -> Msg {
     let chunks = chunks.map(pull_chunk).collect();
-    let proofs = if first == 0 { vec![proof::prove(D, &key(D), tok(xfer))] } else { Vec::new() };
+    let proofs = if first == 0 { vec![proof::prove(D, &key(D), tok(xfer), XferId(xfer))] } else { Vec::new() };
     let (first, endpoint) = (ChunkIdx(first), Vec::new());
     Msg::Pull(wire::Pull {
         arena: ArenaId(0),

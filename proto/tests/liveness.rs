@@ -341,7 +341,7 @@ fn every_peer_with_flows_or_transfers_is_probed_once_per_round() {
                 token,
                 endpoint: Vec::new(),
                 chunks: vec![CHUNK],
-                proofs: vec![bounce_proto::proof::prove(RegId(0), &KEY, token)],
+                proofs: vec![bounce_proto::proof::prove(RegId(0), &KEY, token, XferId(x))],
                 inline: None,
                 standing: Default::default(),
             };

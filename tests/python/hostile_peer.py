@@ -125,14 +125,27 @@ def registrations_of(meta):
     return found
 
 
-def proof(reg, key, token, initiator):
-    """The proof of registration `reg` (its `key`) for the transfer with `token`, made by the
-    agent named `initiator` (proto/src/proof.rs: BLAKE3 keyed by the registration key over the
-    token and the initiator's derived name hash, truncated to 16 bytes): what a peer holding
-    the registration's metadata can make, and a WANT or PULL opening a flow must carry."""
+def proof(reg, key, token, initiator, xfer):
+    """The proof of registration `reg` (its `key`) for transfer `xfer` with `token`, made by
+    the agent named `initiator` (proto/src/proof.rs: BLAKE3 keyed by the registration key over
+    the token, the transfer id (u64, little-endian) and the initiator's derived name hash,
+    truncated to 16 bytes): what a peer holding the registration's metadata can make, and a
+    WANT or PULL opening a flow must carry."""
     import blake3
     by = blake3.blake3(initiator.encode(), derive_key_context="nixl-bounce 2026-12 proof initiator").digest()
-    return reg, blake3.blake3(tok(token) + by, key=key).digest()[:16]
+    return reg, blake3.blake3(tok(token) + struct.pack("<Q", xfer) + by, key=key).digest()[:16]
+
+
+def pull(session, xfer, token, chunks, proofs, first=0, total=None, endpoint=b"\0mailbox", arena=0):
+    """A PULL (kind 11, proto/src/wire/frame.rs): READ chunks `chunks`, each (bytes, runs), from
+    chunk `first` of `total`; one way (answered in the target's mailbox) by default."""
+    total = len(chunks) if total is None else total
+    body = struct.pack("<Q", xfer) + tok(token) + bytes([arena]) + struct.pack("<II", first, total)
+    body += struct.pack("<I", len(endpoint)) + endpoint + struct.pack("<I", len(chunks))
+    for nbytes, runs in chunks:
+        body += struct.pack("<QI", nbytes, len(runs)) + runs_bytes(runs)
+    body += struct.pack("<I", len(proofs)) + b"".join(struct.pack("<Q", r) + t for r, t in proofs)
+    return header(11, session) + body
 
 
 def want(session, xfer, chunks, endpoint=b"", token=0, proofs=(), inline=None, standing=None, arena=0):
@@ -236,10 +249,10 @@ class Fuzzer:
         self.prove = None
 
     def want(self, *args, **kw):
-        """`want` with the sending agent's proofs for its token (none asked for a standing WANT,
-        which names no destination, or where the caller gives its own)."""
+        """`want` with the sending agent's proofs for its token and transfer (none asked for a
+        standing WANT, which names no destination, or where the caller gives its own)."""
         if self.prove is not None and "proofs" not in kw and kw.get("standing") != "open":
-            kw["proofs"] = self.prove(kw.get("token", 0))
+            kw["proofs"] = self.prove(kw.get("token", 0), args[1] if len(args) > 1 else kw["xfer"])
         return want(*args, **kw)
 
     FORBIDDEN_SHAPES = 7
@@ -465,8 +478,8 @@ def main():
         regs = [rk for meta in loaded.get(cmd["agents"][0], []) for rk in registrations_of(meta)]
         first = cmd["agents"][0]
 
-        def prove(token):
-            return [proof(reg, key, token, first) for reg, key in regs]
+        def prove(token, xfer):
+            return [proof(reg, key, token, first, xfer) for reg, key in regs]
         # The first agent is the one the victim loaded: its frames carry its real session,
         # and it alone sends the forgeries (a victim refuses the others' frames earlier).
         fz = Fuzzer(cmd.get("seed", 0), cmd["targets"], cmd.get("endpoints", True),

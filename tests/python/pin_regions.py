@@ -137,7 +137,7 @@ done_data = set()
 for i in range(4):
     x = 7000 + i
     flows[x] = x
-    H.send_notif("v", hp.want(hs, x, [64 * KIB] * 4000, token=x, proofs=[hp.proof(reg, key, x, "h")]))
+    H.send_notif("v", hp.want(hs, x, [64 * KIB] * 4000, token=x, proofs=[hp.proof(reg, key, x, "h", x)]))
     pump(0.05)
     for peer, xf, ch, off, ln in new_grants():
         if xf in flows:

@@ -449,23 +449,23 @@ def test_frame_encoder_of_the_hostile_peer_matches_the_pinned_wire_layout():
     claim = ("claim", 0x8000_0000_0000_0001, t)
     assert hp.want(1, 0x2a, [4096, 32], b"ep", token=t, proofs=[(5, b"\xaa" * 16)], standing=claim,
                    arena=1).hex() == (
-        "00424f554e43" "10" "01" "0100000000000000" "2a00000000000000" + tb + "01" "02000000" "6570"
+        "00424f554e43" "11" "01" "0100000000000000" "2a00000000000000" + tb + "01" "02000000" "6570"
         "02000000" "0010000000000000" "2000000000000000" "01000000" "0500000000000000" + "aa" * 16
         + "00000000" "02" "0100000000000080" + tb)
     assert hp.want(7, 0x8000_0000_0000_0029, [0x20_0000], b"ep", token=t, standing="open").hex() == (
-        "00424f554e43" "10" "01" "0700000000000000" "2900000000000080" + tb + "00" "02000000" "6570"
+        "00424f554e43" "11" "01" "0700000000000000" "2900000000000080" + tb + "00" "02000000" "6570"
         "01000000" "0000200000000000" "00000000" "00000000" "01")
     run = (0, 0x1000, 0x20, 2, 0x20, 0x80)
     assert hp.want(6, 0x2b, [0x40], b"ep", token=t, proofs=[(5, b"\xbb" * 16)],
                    inline=(bytes(range(0x40)), [run])).hex() == (
-        "00424f554e43" "10" "01" "0600000000000000" "2b00000000000000" + tb + "00" "02000000" "6570"
+        "00424f554e43" "11" "01" "0600000000000000" "2b00000000000000" + tb + "00" "02000000" "6570"
         "01000000" "4000000000000000" "01000000" "0500000000000000" + "bb" * 16
         + "40000000" + bytes(range(0x40)).hex() + "01000000" "0380402002208001" "00")
     assert hp.data(4, 3, 2, (0x100, 0x40), [(0, 0x1000, 0x20, 2, 0x20, 0x80)], token=t).hex() == (
-        "00424f554e43" "10" "03" "0400000000000000" "0300000000000000" + tb + "02000000"
+        "00424f554e43" "11" "03" "0400000000000000" "0300000000000000" + tb + "02000000"
         "0001000000000000" "4000000000000000" "01000000" "03" "8040" "20" "02" "20" "8001" "00000000")
     assert hp.ack(5, 3, 2, (0x100, 0x40), 1, token=t).hex() == (
-        "00424f554e43" "10" "04" "0500000000000000" "0300000000000000" + tb + "02000000"
+        "00424f554e43" "11" "04" "0500000000000000" "0300000000000000" + tb + "02000000"
         "0001000000000000" "4000000000000000" "01")
     assert hp.grant(3, 3, [(0, 0x100, 0x40)], token=t)[16:].hex() == (
         "0300000000000000" + tb + "01000000" "00000000" "0001000000000000" "4000000000000000")
@@ -606,7 +606,7 @@ def test_data_into_a_granted_region_with_runs_outside_registered_memory_is_refus
             # Its flow proves the registration whose metadata it holds (an opening WANT must).
             (reg, key), = hp.registrations_of(base64.b64decode(vmeta))
             x = 7000 + pick
-            evil.send_notif(name, hp.want(fz.session, x, [64 << 10], proofs=[hp.proof(reg, key, 0, "g-evil")]))
+            evil.send_notif(name, hp.want(fz.session, x, [64 << 10], proofs=[hp.proof(reg, key, 0, "g-evil", x)]))
             pump(0.05)  # the victim grants the first 64 KiB of its fresh arena
             evil.send_notif(name, hp.data(fz.session, x, 0, (0, 64 << 10), fz.forbidden_runs(pick)))
             # Settled means the flow's region came back, so its refusal was counted.
@@ -663,7 +663,7 @@ def test_a_replayed_want_and_data_after_their_flow_ended_open_nothing(procs, tmp
         v.call(op="load", agent="r-victim", meta=meta_b64(evil))
         session = hp.session_of(evil.get_agent_metadata())
         (reg, key), = hp.registrations_of(base64.b64decode(vmeta))
-        want = hp.want(session, 9100, [64 << 10], proofs=[hp.proof(reg, key, 0, "r-evil")])
+        want = hp.want(session, 9100, [64 << 10], proofs=[hp.proof(reg, key, 0, "r-evil", 9100)])
         data = hp.data(session, 9100, 0, (0, 64 << 10), [(0, addr, 64 << 10, 1, 0, 0)])
         a0, v0 = answers(), peer_stats(v, agent="r-victim")
         evil.send_notif("r-victim", want)
@@ -720,7 +720,7 @@ def test_a_captured_inline_want_replayed_under_an_invented_session_writes_nothin
         (reg, key), = hp.registrations_of(base64.b64decode(vmeta))
 
         def inline_want(sess, x, payload):
-            return hp.want(sess, x, [4096], endpoint=mailbox, token=x, proofs=[hp.proof(reg, key, x, "rs-peer")],
+            return hp.want(sess, x, [4096], endpoint=mailbox, token=x, proofs=[hp.proof(reg, key, x, "rs-peer", x)],
                            inline=(payload, [(0, addr, 4096, 1, 0, 0)]))
 
         old, new = nixlkit.pattern(92, 4096).tobytes(), nixlkit.pattern(93, 4096).tobytes()
@@ -764,10 +764,15 @@ class Crowd:
         self.third.add_remote_agent(vmeta)
         # What the third agent's WANTs prove: the victim's buffer, whose metadata it holds.
         (reg, key), = hostile_peer.registrations_of(vmeta)
-        self.proofs = [hostile_peer.proof(reg, key, 0, f"{prefix}-third")]
+        self.name = f"{prefix}-third"
+        self.reg_key = (reg, key)
         # The session its frames must carry (the one in the metadata the victim loads).
         self.session = hostile_peer.session_of(self.third.get_agent_metadata())
         self.v.call(op="load", meta=meta_b64(self.third))
+
+    def proofs(self, xfer):
+        """The third agent's proof of the victim's buffer for its transfer `xfer` (token 0)."""
+        return [hostile_peer.proof(*self.reg_key, 0, self.name, xfer)]
 
     def honest_write(self, timeout):
         """The honest peer's scattered WRITE to the victim, the third agent kept polling."""
@@ -792,7 +797,7 @@ def test_a_peer_that_wants_and_goes_silent_cannot_starve_another_peer(procs, tmp
     c = Crowd(procs, "s", nixlkit.Scattered(1024, 4096, seed=90), 90)
     with watchdog(60, [c.v, c.p], "starvation test"):
         for x in range(1, 101):  # 100 transfers of 8 x 64 KiB announced, then silence
-            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10] * 8, proofs=c.proofs))
+            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10] * 8, proofs=c.proofs(x)))
         # Let the victim hand out what it will to the silent peer before the honest one arrives
         # (the grants stop changing), so the scenario doesn't depend on who is faster.
         last, end = None, time.monotonic() + 1.0
@@ -831,7 +836,7 @@ def test_a_peer_announcing_thousands_of_transfers_is_capped_and_others_still_bou
         before = v0["control_dropped"]
         announced = 5000
         for x in range(1, announced + 1):
-            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10], proofs=c.proofs))
+            c.third.send_notif(c.victim, hp.want(c.session, x, [64 << 10], proofs=c.proofs(x)))
             if x % 256 == 0:
                 c.third.get_new_notifs()
         over = announced - 4096

@@ -103,6 +103,54 @@ def test_a_request_prepared_over_memory_deregistered_since_fails_at_its_post(pro
     ag.release_xfer_handle(h)
 
 
+def test_a_captured_pull_sent_again_under_a_fresh_transfer_id_opens_nothing(procs):
+    """Review 61 (READ, M1). A PULL's proofs bound its token and its initiator's name, not its
+    transfer id, and the replay window is by id: a PULL seen on the wire, sent again with only
+    its id changed, or a new PULL reusing its token and proof bytes with runs of the sender's
+    choosing, was served (the target gathered those bytes into its arena, which anyone who
+    loaded its metadata may READ). Since wire version 17 the id is bound: both are forgeries."""
+    import base64
+    import struct
+
+    import hostile_peer as hp
+    v = procs("hostile_peer.py")
+    with watchdog(60, [v], "a captured PULL under a fresh id"):
+        v.call(op="agent", name="rt-victim", params=SMALL)
+        r = v.call(op="buffer", agent="rt-victim", size=1 << 20, seed=7, register=1 << 20)
+        addr, vmeta = r["addr"], base64.b64decode(r["meta"])
+        peer = nixlkit.agent("rt-peer", params={**SMALL, **hp.RAW})
+        peer.add_remote_agent(vmeta)
+        session = hp.session_of(peer.get_agent_metadata())
+        (reg, key), = hp.registrations_of(vmeta)
+        token, x = 0x1234_5678_9abc_def0_1122_3344_5566_7788, 1 << 50
+
+        def send(frame):
+            peer.send_notif("rt-victim", frame)
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:
+                peer.get_new_notifs()
+            return peer_stats(v, agent="rt-victim")
+
+        genuine = hp.pull(session, x, token, [(4096, [(0, addr, 4096, 1, 0, 0)])], [hp.proof(reg, key, token, "rt-peer", x)])
+        s1 = send(genuine)
+        assert s1["read_chunks_served"] == 1, "the genuine PULL was served"
+        send(hp.pull(session, x, token, [], [], total=0))  # its initiator cancels
+        s3 = send(genuine)
+        assert s3["control_replayed"] == s1["control_replayed"] + 1, "the same frame again is a replay"
+        at = len(hp.header(11, session))
+        fresh_id = bytearray(genuine)
+        fresh_id[at:at + 8] = struct.pack("<Q", x + 1)
+        s4 = send(bytes(fresh_id))
+        captured = [(reg, bytes(genuine[-16:]))]
+        s5 = send(hp.pull(session, x + 2, token, [(65536, [(0, addr + (512 << 10), 65536, 1, 0, 0)])], captured))
+        assert (s4["read_chunks_served"], s5["read_chunks_served"]) == (1, 1), "a captured proof served a new READ"
+        assert s5["control_forged"] == s3["control_forged"] + 2, (s3, s5)
+        # The initiator's own next transfer, proven for its own id, is served.
+        s6 = send(hp.pull(session, x + 3, token + 1, [(4096, [(0, addr, 4096, 1, 0, 0)])],
+                          [hp.proof(reg, key, token + 1, "rt-peer", x + 3)]))
+        assert s6["read_chunks_served"] == 2, s6
+
+
 @pytest.mark.parametrize("metadata", ["one-way", "two-way"])
 def test_a_read_whose_target_is_killed_fails_in_bounded_time(procs, metadata):
     lay = nixlkit.Scattered(16384, 4096, seed=84)

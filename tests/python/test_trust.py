@@ -153,13 +153,13 @@ def test_a_flow_proving_one_registration_cannot_scatter_into_another(procs, tmp_
         # A proven flow: its one 64 KiB chunk is granted the first region of the victim's fresh
         # arena, and its DATA names that region, with a run into the hidden registration.
         x = 9500
-        peer.send_notif("pv-victim", hp.want(session, x, [64 << 10], token=x, proofs=[hp.proof(reg, key, x, "pv-peer")]))
+        peer.send_notif("pv-victim", hp.want(session, x, [64 << 10], token=x, proofs=[hp.proof(reg, key, x, "pv-peer", x)]))
         pump(peer, 0.05)
         peer.send_notif("pv-victim", hp.data(session, x, 0, (0, 64 << 10), [(0, hidden, 4096, 1, 0, 0)], token=x))
         # A proven WANT carrying its chunk inline, aimed at the hidden registration.
         x = 9501
         inline = (random.Random(122).randbytes(4096), [(0, hidden + 4096, 4096, 1, 0, 0)])
-        peer.send_notif("pv-victim", hp.want(session, x, [4096], token=x, proofs=[hp.proof(reg, key, x, "pv-peer")],
+        peer.send_notif("pv-victim", hp.want(session, x, [4096], token=x, proofs=[hp.proof(reg, key, x, "pv-peer", x)],
                                              inline=inline))
         v1 = settle(lambda: peer_stats(v, agent="pv-victim"), ARENA, TIMEOUT_MS / 1000 + SLACK_S,
                     "victim after the proven flows' runs")

@@ -317,9 +317,13 @@ impl Endpoint {
         let by = receiver.initiator_of(key.peer);
         let regs = receiver.registrations();
         let (token, chunks, verdict) = match &msg {
-            wire::Msg::Want(m) => (m.token, m.chunks.len(), regs.verify_opening(m.token, &by, &m.proofs, m.arena)),
+            wire::Msg::Want(m) => {
+                (m.token, m.chunks.len(), regs.verify_opening((m.token, m.xfer), &by, &m.proofs, m.arena))
+            }
             // A READ's answers count all its chunks, those of its later PULLs too.
-            wire::Msg::Pull(m) => (m.token, m.total as usize, regs.verify_opening(m.token, &by, &m.proofs, m.arena)),
+            wire::Msg::Pull(m) => {
+                (m.token, m.total as usize, regs.verify_opening((m.token, m.xfer), &by, &m.proofs, m.arena))
+            }
             _ => return Ok(()),
         };
         // A forgery (no proof, or one no key of ours made) is judged before anything else: the

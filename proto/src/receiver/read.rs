@@ -208,9 +208,9 @@ impl Receiver {
         let by = self.initiator_of(from);
         // The opening PULL proves its sources, one way or two way (see `handle_want`).
         let verified = if opens {
-            self.registered.verify_opening(pull.token, &by, &pull.proofs, pull.arena)
+            self.registered.verify_opening((pull.token, pull.xfer), &by, &pull.proofs, pull.arena)
         } else {
-            self.registered.verify(pull.token, &by, &pull.proofs, pull.arena)
+            self.registered.verify((pull.token, pull.xfer), &by, &pull.proofs, pull.arena)
         };
         let mut proven = match verified {
             Ok(proven) => proven,

@@ -204,17 +204,29 @@ impl Receiver {
         }
     }
 
-    /// Drops the receiver's record of `key`; true when there was one.
     /// A frame that would open flow `key` again after it ended here is a replay: counted
     /// ([`Stats::control_replayed`]) and refused.
+    /// So is one for a transfer of the same name still open under another of the name's ids:
+    /// a captured opening frame sent again one way under an invented session (which buys an id
+    /// of its own) while its flow was open opened a second flow of it (review 61, READ M1).
     pub(super) fn refuse_replay(&self, ctx: &mut Ctx<'_>, key: FlowKey) -> Result<(), ProtocolError> {
-        if self.replay_of(key.peer).is_some_and(|r| r.ended.covers(key.xfer)) {
+        // Looked for only while the name has several live ids (a restart, or invented
+        // sessions): rare, and then a pass over the named ids.
+        let open_elsewhere = || {
+            let Some(by) = self.initiators.get(&key.peer) else { return false };
+            self.named_ids.get(by).is_some_and(|&n| n > 1)
+                && self.initiators.iter().any(|(&id, b)| {
+                    id != key.peer && b == by && self.flows.contains_key(&FlowKey { peer: id, xfer: key.xfer })
+                })
+        };
+        if self.replay_of(key.peer).is_some_and(|r| r.ended.covers(key.xfer)) || open_elsewhere() {
             ctx.stats.control_replayed += 1;
             return Err(ProtocolError::Replayed { peer: key.peer, xfer: key.xfer });
         }
         Ok(())
     }
 
+    /// Drops the receiver's record of `key`; true when there was one.
     pub(super) fn forget(&mut self, key: FlowKey) -> bool {
         match self.flows.remove(&key) {
             Some(flow) => {

@@ -35,7 +35,7 @@ fn pull_of(reg: RegId, addr: u64) -> wire::Pull {
         total: 1,
         endpoint: Vec::new(),
         chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run(0, addr, CHUNK)].into() }],
-        proofs: vec![crate::proof::prove(reg, &KEY, TOKEN)],
+        proofs: vec![crate::proof::prove(reg, &KEY, TOKEN, XferId(9))],
     }
 }
 
@@ -48,7 +48,7 @@ fn through(msg: Msg, arena: u8) -> Msg {
     let reg = if arena == 0 { REG } else { REG_OF_1 };
     match msg {
         Msg::Want(w) => {
-            let proofs = vec![crate::proof::prove(reg, &KEY, w.token)];
+            let proofs = vec![crate::proof::prove(reg, &KEY, w.token, w.xfer)];
             Msg::Want(wire::Want { arena: ArenaId(arena), proofs, ..w })
         }
         other => other,
@@ -229,7 +229,7 @@ fn data_with_a_run_outside_registered_memory_is_refused() {
     ep.add_registered(next, KEY, (DST + 64 * KIB, 64 * KIB), ArenaId(0));
     let mut want = want_msg(X, &[CHUNK, CHUNK, 3000]);
     if let Msg::Want(w) = &mut want {
-        w.proofs.push(crate::proof::prove(next, &KEY, TOKEN));
+        w.proofs.push(crate::proof::prove(next, &KEY, TOKEN, X));
     }
     ep.handle_msg(t, PEER, want).unwrap();
     let r0 = credits(&drain(&mut ep))[0].3;
@@ -271,13 +271,14 @@ fn data_into_a_registered_range_the_want_did_not_prove_is_refused() {
 #[test]
 fn a_want_with_a_bad_proof_is_refused_and_counted() {
     let (mut ep, t) = receiver();
-    let mut bad_tag = crate::proof::prove(REG, &KEY, TOKEN);
+    let mut bad_tag = crate::proof::prove(REG, &KEY, TOKEN, X);
     bad_tag.tag[0] ^= 1;
     let cases = [
         (bad_tag, crate::proof::BadProof::WrongTag(REG)),
-        (crate::proof::prove(REG, &RegKey([1; 32]), TOKEN), crate::proof::BadProof::WrongTag(REG)),
-        (crate::proof::prove(REG, &KEY, FORGED), crate::proof::BadProof::WrongTag(REG)),
-        (crate::proof::prove(RegId(9), &KEY, TOKEN), crate::proof::BadProof::UnknownRegistration(RegId(9))),
+        (crate::proof::prove(REG, &RegKey([1; 32]), TOKEN, X), crate::proof::BadProof::WrongTag(REG)),
+        (crate::proof::prove(REG, &KEY, FORGED, X), crate::proof::BadProof::WrongTag(REG)),
+        (crate::proof::prove(REG, &KEY, TOKEN, XferId(X.0 + 1)), crate::proof::BadProof::WrongTag(REG)),
+        (crate::proof::prove(RegId(9), &KEY, TOKEN, X), crate::proof::BadProof::UnknownRegistration(RegId(9))),
     ];
     for (i, (proof, why)) in cases.into_iter().enumerate() {
         let mut want = want_msg(X, &[CHUNK]);
@@ -884,7 +885,7 @@ fn a_peers_pulls_are_capped_in_the_gather_runs_they_keep() {
             total: 1,
             endpoint: Vec::new(),
             chunks: vec![wire::PullChunk { bytes: CHUNK, runs: runs.into() }],
-            proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],
+            proofs: vec![crate::proof::prove(REG, &KEY, TOKEN, XferId(xfer))],
         })
     };
     let over = ep.handle_msg(t, PEER, pull(1, 200));

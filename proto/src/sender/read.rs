@@ -26,7 +26,8 @@ impl Sender {
             }
         }
         let endpoint = if one_way { wire::REPLY_MAILBOX.to_vec() } else { self.endpoint.clone() };
-        let mut proofs = plan.dests.iter().map(|d| proof::prove_as(d.reg, &d.key, token, &self.initiator)).collect();
+        let mut proofs =
+            plan.dests.iter().map(|d| proof::prove_as(d.reg, &d.key, token, xfer, &self.initiator)).collect();
         // `check_plan` capped the chunks at MAX_CHUNKS_PER_WANT, a u32.
         let total = plan.chunks.len() as u32;
         for (first, part) in pull_frames(&plan.chunks) {

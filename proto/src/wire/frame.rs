@@ -22,7 +22,7 @@ use crate::types::{ArenaId, ChunkIdx, CopyRun, MAX_ARENAS, RegId, Region, Token,
 /// application notifications sharing the same channel.
 pub const MAGIC: [u8; 6] = *b"\0BOUNC";
 /// Version of the frame and capability layouts this build speaks.
-pub const WIRE_VERSION: u8 = 16;
+pub const WIRE_VERSION: u8 = 17;
 /// Length of the frame header: magic, version, kind, session.
 pub const HEADER_LEN: usize = 16;
 /// Most chunks one WANT may announce.

@@ -1070,7 +1070,7 @@ fn a_two_way_peer_that_also_sends_us_one_way_flows_is_still_probed_and_declared_
         token,
         endpoint: wire::REPLY_MAILBOX.to_vec(),
         chunks: vec![1024],
-        proofs: vec![prove_as(mine.reg, &mine.key, token, &Initiator::named("b"))],
+        proofs: vec![prove_as(mine.reg, &mine.key, token, bounce_proto::XferId(77), &Initiator::named("b"))],
         inline: None,
         standing: Default::default(),
     };

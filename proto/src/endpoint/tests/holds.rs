@@ -12,7 +12,7 @@ fn one_way_want(name: &str, xfer: u64, chunks: &[u64]) -> Vec<u8> {
         token: TOKEN,
         endpoint: wire::REPLY_MAILBOX.to_vec(),
         chunks: chunks.to_vec(),
-        proofs: vec![proof_by(name)],
+        proofs: vec![proof_by(name, xfer)],
         inline: None,
         standing: Default::default(),
     };

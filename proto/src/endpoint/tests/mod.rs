@@ -159,14 +159,14 @@ pub(crate) fn want_msg(xfer: XferId, chunks: &[u64]) -> Msg {
     want_msg_by("", xfer, chunks)
 }
 
-/// The proof of `REG` for a transfer with `TOKEN`, as the agent `name` makes it.
-pub(crate) fn proof_by(name: &str) -> wire::Proof {
-    crate::proof::prove_as(REG, &KEY, TOKEN, &crate::proof::Initiator::named(name))
+/// The proof of `REG` for transfer `xfer` with `TOKEN`, as the agent `name` makes it.
+pub(crate) fn proof_by(name: &str, xfer: u64) -> wire::Proof {
+    crate::proof::prove_as(REG, &KEY, TOKEN, XferId(xfer), &crate::proof::Initiator::named(name))
 }
 
 /// [`want_msg`] as the agent `name` sends it (its proofs bound to that name).
 pub(crate) fn want_msg_by(name: &str, xfer: XferId, chunks: &[u64]) -> Msg {
-    let proofs = vec![proof_by(name)];
+    let proofs = vec![proof_by(name, xfer.0)];
     Msg::Want(Want {
         arena: ArenaId(0),
         xfer,
@@ -1020,6 +1020,31 @@ fn one_way_want_in(session: u64, xfer: u64, proofs: Vec<wire::Proof>) -> Vec<u8>
 /// loaded peer, captured and sent again one way under an invented session, found an empty
 /// window and opened its ended transfer again (an inline one wrote its old bytes over newer
 /// ones, between two processes). The state is the name's now, whichever id the frame gets.
+/// Review 61 (READ, M1): the same while the captured WANT's flow is still open. The proof is
+/// good for its transfer id, and a fresh id under an invented session found no ended
+/// transfer: a second flow of the transfer opened. Now a transfer open under another id of the
+/// same name is a replay too; the flow itself goes on.
+#[test]
+fn a_captured_want_replayed_under_an_invented_session_while_its_flow_is_open_opens_nothing() {
+    let (mut ep, t, id) = with_loaded("a");
+    ep.keep_mailbox(true);
+    ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK, CHUNK]))).unwrap();
+    drain(&mut ep);
+    assert_eq!(ep.remote_flows(), 1);
+    let replayed = ep.stats().control_replayed;
+    for session in [9, 10] {
+        let r = ep.handle_frame(t, "a", &one_way_want_in(session, 5, vec![proof_by("a", 5)]));
+        assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::Replayed { .. }))), "{r:?}");
+    }
+    assert!(drain(&mut ep).is_empty(), "nothing granted, nothing answered");
+    assert_eq!((ep.remote_flows(), ep.stats().control_replayed), (1, replayed + 2));
+    assert!(ep.schedulers().flow_held_count(FlowKey { peer: id, xfer: XferId(5) }) > 0, "the genuine flow goes on");
+    // Another transfer of the name under a new session (the agent restarted) opens.
+    ep.handle_frame(t, "a", &one_way_want_in(12, 6, vec![proof_by("a", 6)])).unwrap();
+    assert_eq!(ep.remote_flows(), 2);
+    check(&ep);
+}
+
 #[test]
 fn a_captured_want_replayed_under_an_invented_session_is_a_replay() {
     let (mut ep, t, id) = with_loaded("a");
@@ -1031,13 +1056,13 @@ fn a_captured_want_replayed_under_an_invented_session_is_a_replay() {
     assert_eq!(ep.remote_flows(), 0, "ended: canceled by its sender");
     let replayed = ep.stats().control_replayed;
     for session in [9, 10, 11] {
-        let r = ep.handle_frame(t, "a", &one_way_want_in(session, 5, vec![proof_by("a")]));
+        let r = ep.handle_frame(t, "a", &one_way_want_in(session, 5, vec![proof_by("a", 5)]));
         assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::Replayed { .. }))), "{r:?}");
     }
     assert!(drain(&mut ep).is_empty(), "nothing granted, nothing answered");
     assert_eq!((ep.remote_flows(), ep.stats().control_replayed), (0, replayed + 3));
     // A later transfer of the name, one way under a new session (the agent restarted), opens.
-    ep.handle_frame(t, "a", &one_way_want_in(12, 6, vec![proof_by("a")])).unwrap();
+    ep.handle_frame(t, "a", &one_way_want_in(12, 6, vec![proof_by("a", 6)])).unwrap();
     assert_eq!(ep.remote_flows(), 1);
     assert_eq!(ep.peers().lookup("a"), Some(id), "the loaded id is untouched");
     check(&ep);
@@ -1059,7 +1084,7 @@ fn invented_sessions_under_a_loaded_name_spend_no_id_without_a_proof() {
     assert_eq!(ep.stats().control_forged, 200);
     assert!(drain(&mut ep).is_empty());
     // A real new incarnation, proving its destination, is served.
-    ep.handle_frame(t, "a", &one_way_want_in(8, 1, vec![proof_by("a")])).unwrap();
+    ep.handle_frame(t, "a", &one_way_want_in(8, 1, vec![proof_by("a", 1)])).unwrap();
     assert!(ep.peers().incarnation("a", 8).is_some());
     check(&ep);
 }
@@ -1078,7 +1103,7 @@ fn a_restarted_peers_one_way_flow_is_served_before_its_reload_and_survives_it() 
         ep.handle_frame(t, "a", &frame(7, want_msg_by("a", XferId(5), &[CHUNK]))).unwrap();
         drain(&mut ep);
         // The new incarnation (session 8): a one-way WANT proving its destination.
-        let proof = || vec![proof_by("a")];
+        let proof = || vec![proof_by("a", 1)];
         ep.handle_frame(t, "a", &one_way_want_in(8, 1, proof())).unwrap();
         let acts: Vec<Action> = drain(&mut ep).into_iter().filter(|a| !clears(a)).collect();
         assert!(acts.len() == 1 && matches!(acts[0], Action::PutRecord { .. }), "one GRANT record: {acts:?}");
@@ -1122,7 +1147,7 @@ fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_
     // Forged proofs, or none at all, under invented names: refused, no slot, no answer, no
     // flow (else keyless names could pin every mailbox slot and the arena, kept by KEEPs).
     for i in 0..20u64 {
-        let mut p = crate::proof::prove(REG, &KEY, TOKEN);
+        let mut p = crate::proof::prove(REG, &KEY, TOKEN, XferId(i));
         p.tag[0] ^= 1;
         let proofs = if i % 2 == 0 { vec![p] } else { Vec::new() };
         let r = ep.handle_frame(t, &format!("stranger-{i}"), &want(i, proofs));
@@ -1132,7 +1157,7 @@ fn a_one_way_want_from_a_name_never_loaded_takes_a_slot_only_when_it_proves_its_
     assert_eq!((ep.answering_slots_held(), ep.remote_flows()), (0, 0));
     assert_eq!(ep.stats().control_forged, 20);
     // A valid proof: admitted without loaded metadata or session, answered in the mailbox.
-    ep.handle_frame(t, "initiator", &want(1, vec![proof_by("initiator")])).unwrap();
+    ep.handle_frame(t, "initiator", &want(1, vec![proof_by("initiator", 1)])).unwrap();
     let acts = drain(&mut ep);
     assert!(acts.iter().all(|a| matches!(a, Action::PutRecord { .. })), "{acts:?}");
     assert_eq!(acts.iter().filter(|a| !clears(a)).count(), 1, "one GRANT record (its slot's places cleared first)");
@@ -1153,7 +1178,7 @@ fn a_one_way_data_with_an_overflowing_region_is_refused_without_a_panic() {
     for region in [Region { offset: u64::MAX, len: 1 }, Region { offset: 1 << 63, len: 1 << 63 }] {
         let (mut ep, t) = endpoint(16 * KIB, 2, false);
         ep.keep_mailbox(true);
-        ep.handle_frame(t, "initiator", &one_way_want(1, vec![proof_by("initiator")])).unwrap();
+        ep.handle_frame(t, "initiator", &one_way_want(1, vec![proof_by("initiator", 1)])).unwrap();
         drain(&mut ep);
         let run = CopyRun { region_off: 0, addr: DST, len: 1, count: 1, region_stride: 0, addr_stride: 0 };
         let data =
@@ -1183,13 +1208,13 @@ fn invented_one_way_names_cannot_lock_a_real_initiator_out() {
     let (mut ep, t) = endpoint(16 * KIB, 2, false);
     ep.keep_mailbox(true);
     let want = |proofs| one_way_want(1, proofs);
-    let mut forged = crate::proof::prove(REG, &KEY, TOKEN);
+    let mut forged = crate::proof::prove(REG, &KEY, TOKEN, XferId(1));
     forged.tag[0] ^= 1;
     for i in 0..MAX_ONE_WAY_NAMES + 10 {
         let r = ep.handle_frame(t, &format!("junk-{i}"), &want(vec![forged]));
         assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{i}: {r:?}");
     }
-    ep.handle_frame(t, "initiator", &want(vec![proof_by("initiator")])).unwrap();
+    ep.handle_frame(t, "initiator", &want(vec![proof_by("initiator", 1)])).unwrap();
     assert_eq!((ep.answering_slots_held(), ep.remote_flows(), ep.stats().one_way_answered), (1, 1, 1));
     // The real initiator, holding a flow now, is never the name forgotten.
     for i in 0..100 {
@@ -1532,7 +1557,7 @@ fn a_two_way_peer_that_also_sends_one_way_flows_is_probed_when_the_shells_table_
             token: TOKEN,
             endpoint: wire::REPLY_MAILBOX.to_vec(),
             chunks: vec![CHUNK],
-            proofs: vec![crate::proof::prove(REG, &KEY, TOKEN)],
+            proofs: vec![crate::proof::prove(REG, &KEY, TOKEN, XferId(9))],
             inline: None,
             standing: Default::default(),
         };
@@ -1557,7 +1582,7 @@ fn a_captured_one_way_want_opens_nothing_again_under_any_name_even_after_its_nam
     use crate::peers::MAX_ONE_WAY_NAMES;
     let (mut ep, t) = endpoint(16 * KIB, 2, false);
     ep.keep_mailbox(true);
-    let captured = one_way_want(1, vec![proof_by("initiator")]);
+    let captured = one_way_want(1, vec![proof_by("initiator", 1)]);
     let r = ep.handle_frame(t, "thief", &captured);
     assert!(matches!(r, Err(FrameRefused::Protocol(ProtocolError::BadProof { .. }))), "{r:?}");
     assert_eq!((ep.remote_flows(), ep.stats().control_forged), (0, 1));
@@ -1578,7 +1603,7 @@ fn a_captured_one_way_want_opens_nothing_again_under_any_name_even_after_its_nam
     assert!(ep.handle_frame(later, "initiator", &captured).is_err(), "a replay under its own name");
     assert_eq!(ep.stats().control_replayed, replayed + 1);
     // Invented names whose proofs are forged take no id, and so push no name out...
-    let mut forged = proof_by("junk");
+    let mut forged = proof_by("junk", 1);
     forged.tag[0] ^= 1;
     for i in 0..MAX_ONE_WAY_NAMES + 10 {
         let _ = ep.handle_frame(later, &format!("junk-{i}"), &one_way_want(1, vec![forged]));
@@ -1596,7 +1621,8 @@ fn a_captured_one_way_want_opens_nothing_again_under_any_name_even_after_its_nam
     let want = |xfer| {
         let Msg::Want(mut w) = wire::Frame::decode(&one_way_want(xfer, vec![])).unwrap().msg else { unreachable!() };
         w.token = Token(TOKEN.0 + 1);
-        w.proofs = vec![crate::proof::prove_as(REG, &KEY, w.token, &crate::proof::Initiator::named("initiator"))];
+        w.proofs =
+            vec![crate::proof::prove_as(REG, &KEY, w.token, w.xfer, &crate::proof::Initiator::named("initiator"))];
         wire::Frame { session: 99, msg: Msg::Want(w) }.to_vec()
     };
     ep.handle_frame(later, "initiator", &want(2)).unwrap();

@@ -16,7 +16,7 @@ fn token(xfer: u64) -> Token {
 /// A one-way WANT of one 4 KiB chunk for `xfer`, proving the fixture registration.
 fn one_way_want(xfer: u64) -> Msg {
     let t = token(xfer);
-    let proofs = vec![crate::proof::prove(REG, &KEY, t)];
+    let proofs = vec![crate::proof::prove(REG, &KEY, t, XferId(xfer))];
     Msg::Want(Want {
         arena: ArenaId(0),
         xfer: XferId(xfer),
@@ -515,7 +515,7 @@ fn a_one_way_read_reclaimed_between_its_pulls_is_answered_fail() {
         total: 2,
         endpoint: wire::REPLY_MAILBOX.to_vec(),
         chunks: vec![wire::PullChunk { bytes: CHUNK, runs: vec![run].into() }],
-        proofs: vec![crate::proof::prove(REG, &KEY, tok)],
+        proofs: vec![crate::proof::prove(REG, &KEY, tok, XferId(xfer))],
     };
     ep.handle_msg(t, INI, Msg::Pull(pull)).unwrap();
     let job = drain(&mut ep)
@@ -613,7 +613,7 @@ fn forged_one_way_wants_under_invented_names_take_no_id() {
     assert_eq!((ep.stats().control_forged, ep.remote_flows()), (2000, 0));
     let Msg::Want(mut w) = one_way_want(9) else { unreachable!() };
     w.token = TOKEN;
-    w.proofs = vec![proof_by("honest")];
+    w.proofs = vec![proof_by("honest", 9)];
     ep.handle_frame(t, "honest", &frame(7, Msg::Want(w))).unwrap();
     assert!(ep.peers().lookup("honest").is_some());
     assert_eq!(ep.remote_flows(), 1);
