@@ -92,6 +92,10 @@ impl Receiver {
         }
         if ok && !g.doomed {
             ctx.stats.chunks_served += 1;
+            // The region waits for the initiator from now on: its idle cap runs from here, not
+            // from the grant (our gather, or a wait behind orphaned scatters, is not the
+            // initiator's delay; review 61, diff L1).
+            self.given_at.insert((g.arena, g.region.offset), ctx.now);
             let credit = Credit { chunk: g.chunk, region: g.region };
             ctx.send(g.flow.peer, Grant { xfer: g.flow.xfer, token: g.token, credits: vec![credit] });
         } else {

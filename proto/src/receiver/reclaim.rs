@@ -91,9 +91,12 @@ impl Receiver {
                     "flow silent too long (or a region of it idle past its cap): reclaimed"
                 );
                 ctx.stats.flows_timed_out += 1;
-                let given = flow.given;
+                let (given, silent) = (flow.given, flow.deadline <= now);
                 self.reclaim(ctx, key, self.rest(ctx));
-                if self.wrote.get(&key.peer).is_none_or(|&w| given.is_none_or(|g| w < g)) {
+                // A peer silent since its last grant also loses its unserved flows; one whose
+                // flow still progresses (reclaimed only for a region idle past its cap) does not
+                // (review 61, diff L2).
+                if silent && self.wrote.get(&key.peer).is_none_or(|&w| given.is_none_or(|g| w < g)) {
                     self.drop_unserved(ctx, key.peer);
                 }
             } else {

@@ -1182,6 +1182,10 @@ fn a_read_that_ends_half_a_timeout_after_its_credit_scatters_nothing_and_fails()
         let acts = drain(&mut ep);
         if late {
             assert!(scatters(&acts).is_empty(), "a late read's bytes were scattered");
+            assert!(
+                !msgs(&acts).iter().any(|(_, m)| matches!(m, Msg::Release(_))),
+                "a late read's region was released as read"
+            );
             assert_eq!(completes(&acts), vec![(xfer, Err(XferError::Timeout))]);
         } else {
             let [(scatter, _)] = scatters(&acts)[..] else { panic!("one scatter: {acts:?}") };
