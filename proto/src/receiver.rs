@@ -103,6 +103,10 @@ struct Flow {
     /// credit); `None` while it has waited for the arena since its WANT. See
     /// `Receiver::drop_unserved`.
     given: Option<Instant>,
+    /// A region of it stayed idle past [`REGION_LEASES`] leases: it is granted nothing more
+    /// (chunks it announces since are dropped as they come), so it ends by its own lease once
+    /// the regions it holds are written or left.
+    frozen: bool,
 }
 
 impl Flow {
@@ -305,13 +309,15 @@ pub struct Receiver {
 }
 
 /// Leases (halves of the request timeout) a granted region may stay idle (unwritten, or for a
-/// READ unreleased) before its flow is reclaimed: the cap KEEPs have on a flow's lease (see
-/// [`Flow::kept`]), per region. The flow's own lease runs from its last progress, so without it
+/// READ unreleased) before its flow is frozen: granted nothing more, it then ends by its own
+/// lease (at most the cap KEEPs have, [`Flow::kept`], after its last progress) once the regions
+/// it holds are written or left. The flow's lease runs from its last progress, so before this
 /// a sender that wrote chunks 1, 2, 3, ... held chunk 0's region for ever: a few such regions
 /// placed one per max-chunk block kept every max-chunk flow out of the arena, and drain mode
-/// then held every peer's grants behind it (review 61, credits H1). An honest sender posts
-/// its write within a quarter lease of the credit and KEEPs a slow one, which lands well
-/// within this.
+/// then held every peer's grants behind it (review 61, credits H1). The flow is not reclaimed
+/// at once: a write of it in flight into another region, posted on a fresh credit, could
+/// outlast the quarantine and land in a region granted since. An honest sender posts its write
+/// within a quarter lease of the credit and KEEPs a slow one, which lands well within this.
 pub(crate) const REGION_LEASES: u32 = 3;
 
 impl Receiver {
@@ -717,6 +723,9 @@ impl Receiver {
                 flow.proven.sort_unstable();
                 flow.proven.dedup();
                 flow.kept(ctx.now, self.idle_timeout);
+                if flow.frozen {
+                    ctx.scheds.drop_pending(key);
+                }
             }
             None => {
                 self.timers.set(key, deadline);
@@ -735,6 +744,7 @@ impl Receiver {
                     deadline,
                     progress: ctx.now,
                     given: claimed.map(|_| ctx.now),
+                    frozen: false,
                 };
                 self.flows.insert(key, flow);
             }

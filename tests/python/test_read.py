@@ -17,6 +17,23 @@ from test_failures import (ARENA, SLACK_S, SMALL, TIMEOUT_MS, ZMQ, act_in_flight
 CONTROL = {"ucx": {}, "zmq": ZMQ}
 
 
+def reader_and_target(procs, names, lay, seeds, params, metadata):
+    """A target process (`names[0]`) holding `lay`'s packed sources (pattern `seeds[0]`) and an
+    agent here (`names[1]`) holding its scattered destinations (pattern `seeds[1]`), the
+    target's metadata loaded both ways or by the agent only. Returns (target, its buffer's
+    address, agent, destinations)."""
+    p = procs()
+    meta, raddr = p.start(name=names[0], size=lay.src_bytes, seed=seeds[0], params=params)
+    ag = nixlkit.agent(names[1], params=params)
+    dst = nixlkit.pattern(seeds[1], lay.dst_bytes)
+    nixlkit.register(ag, dst)
+    if metadata == "two-way":
+        connect(ag, p, meta)
+    else:
+        ag.add_remote_agent(meta)
+    return p, raddr, ag, dst
+
+
 def post_read(ag, name, lay, dst, raddr):
     """Our scattered destinations, the target's packed sources."""
     lo = ag.get_xfer_descs(lay.dst_list(dst.ctypes.data), "DRAM")
@@ -32,16 +49,8 @@ def post_read(ag, name, lay, dst, raddr):
 def test_a_read_lands_byte_exact_and_the_counters_prove_the_path(procs, metadata, control):
     params = {**SMALL, **CONTROL[control]}
     lay = nixlkit.Scattered(16384, 4096, seed=81)  # 64 MiB through 4 MiB arenas
-    p = procs()
     name = f"rd-tgt-{metadata}-{control}"
-    meta, raddr = p.start(name=name, size=lay.src_bytes, seed=82, params=params)
-    ag = nixlkit.agent(f"rd-ini-{metadata}-{control}", params=params)
-    dst = nixlkit.pattern(83, lay.dst_bytes)
-    nixlkit.register(ag, dst)
-    if metadata == "two-way":
-        connect(ag, p, meta)
-    else:
-        ag.add_remote_agent(meta)
+    p, raddr, ag, dst = reader_and_target(procs, (name, f"rd-ini-{metadata}-{control}"), lay, (82, 83), params, metadata)
     s0, t0 = stats(ag), peer_stats(p)
     with watchdog(90, [p], "READ"):
         h = post_read(ag, name, lay, dst, raddr)
@@ -72,16 +81,8 @@ def test_a_request_prepared_over_memory_deregistered_since_fails_at_its_post(pro
     is written, nothing reaches the target. (The WRITE gathers its scattered sources: one
     written straight from user memory was already refused by its direct-write check.)"""
     lay = nixlkit.Scattered(512, 4096, seed=611)
-    p = procs()
     name = f"rd-dereg-{op}-{metadata}"
-    meta, raddr = p.start(name=name, size=lay.src_bytes, seed=612, params=SMALL)
-    ag = nixlkit.agent(f"rd-dereg-ini-{op}-{metadata}", params=SMALL)
-    buf = nixlkit.pattern(613, lay.dst_bytes)
-    nixlkit.register(ag, buf)
-    if metadata == "two-way":
-        connect(ag, p, meta)
-    else:
-        ag.add_remote_agent(meta)
+    p, raddr, ag, buf = reader_and_target(procs, (name, f"rd-dereg-ini-{op}-{metadata}"), lay, (612, 613), SMALL, metadata)
     lo = ag.get_xfer_descs(lay.dst_list(buf.ctypes.data), "DRAM")
     re = ag.get_xfer_descs(lay.src_list(raddr), "DRAM")
     h = ag.initialize_xfer(op, lo, re, name, b"", backends=["BOUNCE"])

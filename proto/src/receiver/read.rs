@@ -264,6 +264,9 @@ impl Receiver {
                 flow.chunks.extend_from_slice(&sizes);
                 flow.proven = proven;
                 flow.kept(ctx.now, self.idle_timeout);
+                if flow.frozen {
+                    ctx.scheds.drop_pending(key);
+                }
                 if let Some(p) = flow.pull.as_mut() {
                     p.chunks.extend(pulled);
                 }
@@ -285,6 +288,7 @@ impl Receiver {
                     deadline,
                     progress: ctx.now,
                     given: None,
+                    frozen: false,
                 };
                 self.flows.insert(key, flow);
             }

@@ -69,10 +69,12 @@ impl Receiver {
             let waiting_for_data = ctx.scheds.flow_held_count(key).saturating_sub(flow.scattering + held);
             let waiting_for_pulls = flow.pull.as_ref().is_some_and(|p| !p.complete());
             // Regions left idle past their own lease cap, beyond those we hold back ourselves
-            // (a standing flow's one region is its lease, kept by `kept`'s cap alone).
+            // (a standing flow's one region is its lease, kept by `kept`'s cap alone): the flow
+            // is granted nothing more, and ends by its lease (see `REGION_LEASES`).
             let cap = self.idle_timeout * REGION_LEASES;
             let given_at = &self.given_at;
             let overdue = !flow.standing
+                && !flow.frozen
                 && ctx
                     .scheds
                     .get(flow.arena)
@@ -80,23 +82,28 @@ impl Receiver {
                     .filter(|&off| given_at.get(&(flow.arena, off)).is_some_and(|&t| t + cap <= now))
                     .count()
                     > held;
-            if (flow.deadline <= now || overdue) && (waiting_for_data > 0 || waiting_for_pulls) {
+            if overdue {
+                debug!(
+                    peer = key.peer.0,
+                    xfer = key.xfer.0,
+                    "a region idle past its cap: the flow is granted nothing more"
+                );
+                flow.frozen = true;
+                ctx.scheds.drop_pending(key);
+            }
+            if flow.deadline <= now && (waiting_for_data > 0 || waiting_for_pulls) {
                 // Counted (`flows_timed_out`, published by the shell); at debug, since a peer
                 // that opens many flows and goes silent must not flood the log.
                 debug!(
                     peer = key.peer.0,
                     xfer = key.xfer.0,
                     regions = waiting_for_data,
-                    overdue,
-                    "flow silent too long (or a region of it idle past its cap): reclaimed"
+                    "flow silent too long: reclaimed"
                 );
                 ctx.stats.flows_timed_out += 1;
-                let (given, silent) = (flow.given, flow.deadline <= now);
+                let given = flow.given;
                 self.reclaim(ctx, key, self.rest(ctx));
-                // A peer silent since its last grant also loses its unserved flows; one whose
-                // flow still progresses (reclaimed only for a region idle past its cap) does not
-                // (review 61, diff L2).
-                if silent && self.wrote.get(&key.peer).is_none_or(|&w| given.is_none_or(|g| w < g)) {
+                if self.wrote.get(&key.peer).is_none_or(|&w| given.is_none_or(|g| w < g)) {
                     self.drop_unserved(ctx, key.peer);
                 }
             } else {

@@ -60,6 +60,7 @@ impl Receiver {
             deadline,
             progress: ctx.now,
             given: None,
+            frozen: false,
         };
         self.flows.insert(key, flow);
         ctx.stats.standing_opened += 1;

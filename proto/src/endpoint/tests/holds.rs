@@ -95,7 +95,8 @@ fn a_want_under_a_loaded_name_that_proves_nothing_opens_no_flow() {
 /// writes chunk 1, 2, 3, ... of a flow, each within a lease, and never chunk 0, held chunk 0's
 /// region for ever (a few such regions, one per max-chunk block, kept every max-chunk flow
 /// out of the arena). Each region now has its own cap: idle for `REGION_LEASES` leases after
-/// its grant, it reclaims its flow, whatever the flow does with its other regions.
+/// its grant, its flow is granted nothing more and ends by its lease, whatever it did with its
+/// other regions.
 #[test]
 fn a_region_never_written_is_reclaimed_while_its_flow_writes_the_others() {
     let (mut ep, t0) = endpoint(32 * KIB, 2, false);
@@ -130,13 +131,21 @@ fn a_region_never_written_is_reclaimed_while_its_flow_writes_the_others() {
         }
     }
     assert!(written >= 4, "the flow made progress for a while ({written} chunks written)");
+    // Frozen, the flow gets no more credits; it ends by its own lease, a lease after its last
+    // progress (a write it had in flight then lands in quarantine, never in a region granted
+    // since).
+    for _ in 0..4 {
+        t += TIMEOUT / 4;
+        ep.handle_timeout(t);
+    }
+    drain(&mut ep);
     assert!(
         ep.scheduler().is_held(key, pinned.offset).is_none(),
         "a region left unwritten for four timeouts is still held: the lease was per flow only"
     );
     assert!(ep.stats().flows_timed_out >= 1, "{:?}", ep.stats());
-    // Reclaimed about `REGION_LEASES` leases (plus one lease of timer slack) after its grant:
-    // the flow's chunks written after that point were refused.
+    // Frozen about `REGION_LEASES` leases (plus one lease of timer slack) after its grant: no
+    // credit after that point.
     let lease = TIMEOUT / 2;
     let cap = lease * crate::receiver::REGION_LEASES + lease;
     assert!(
