@@ -301,8 +301,9 @@ pub struct Receiver {
     /// back (see [`order`]).
     behind: order::Behind,
     /// When each region was last given to a flow (a grant, a claim of a standing credit), by
-    /// arena and offset: a region held idle past [`REGION_LEASES`] leases of that reclaims its
-    /// flow, whatever progress the flow makes with its other regions. Bounded by the arenas'
+    /// arena and offset: a region held idle past [`REGION_LEASES`] leases of that freezes its
+    /// flow ([`Flow::frozen`]), whatever progress the flow makes with its other regions. Bounded
+    /// by the arenas'
     /// offsets; an entry left by a freed region is overwritten by the region's next grant and
     /// never read before it.
     given_at: BTreeMap<(ArenaId, u64), Instant>,

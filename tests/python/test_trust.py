@@ -191,8 +191,9 @@ def test_a_region_left_unwritten_while_its_flow_writes_the_others_is_reclaimed(t
     """Review 61 (credits, H1), no KEEPs: a key holder's four flows each write chunks 1, 2, 3,
     ... and never chunk 0, whose regions sit one per max-chunk block of the victim's arena. A
     flow's lease ran from its last progress, so those regions stayed held for ever; now each
-    region's own cap reclaims its flow. Within four timeouts all four are reclaimed, and the
-    chunk-0 DATAs sent after that scatter nothing."""
+    region's own cap freezes its flow (no more grants), which then ends by its lease. Within
+    four timeouts all four are reclaimed, and the chunk-0 DATAs sent after that scatter
+    nothing."""
     out = run_pin_regions("nokeep", tmp_path)
     assert out["timed_out"] == 4, out
     assert out["late_scattered"] == [], f"regions left unwritten for four timeouts still held: {out}"
