@@ -31,6 +31,7 @@ use parking_lot::Mutex;
 use crate::shell::arena::Arena;
 use crate::shell::cma::{self, CMA_HANDLE_BIT, CmaPath};
 use crate::shell::control::ControlChannel;
+use crate::shell::control::links::Links;
 use crate::shell::control::ucx::UcxChannel;
 use crate::shell::control::zmq::ZmqChannel;
 use crate::shell::copy::CopyEngine;
@@ -125,6 +126,9 @@ struct Bounce {
     /// Our mailbox and fetch area (`None`: it could not be set up; two way only).
     one_way: Option<OneWayArea>,
     caps: Capabilities,
+    /// Which peers' ZMQ endpoints our sockets reached (`None` over UCX, which needs none): a
+    /// one-way transfer goes only to a peer reached.
+    links: Option<Arc<Links>>,
 }
 
 /// Where a bounce request stands, as a status check reports it.

@@ -217,6 +217,10 @@ counters! {
     one_way_sent,
     /// One-way flows we answered through our mailbox (the core's count).
     one_way_answered,
+    /// Transfers prepared to a peer that could have been bounced to one way over ZMQ but whose
+    /// advertised endpoint our socket has not reached (after a wait of at most 100 ms once per
+    /// load): plain UCX, counted in `passthrough_xfers` too.
+    one_way_unreached,
     /// One-way WANTs dropped for want of a mailbox slot (the queue of waiting WANTs was full,
     /// or one waited past its sender's timeout); their senders time out (the core's count).
     one_way_refused,

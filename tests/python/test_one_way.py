@@ -531,3 +531,43 @@ print("STATS", p["stats.one_way_sent"], p["stats.bounce_ok"], p["stats.passthrou
     assert counts == [["1", "1", "0"]], f"one_way_sent, bounce_ok, passthrough_xfers: {counts}"
     src2 = nixlkit.pattern(83, small.src_bytes)
     nixlkit.assert_same(dst, small.expected(src2, before), "destination of the restarted initiator's transfer")
+
+
+def test_a_target_whose_zmq_endpoint_cannot_be_reached_stays_on_ucx_at_once(procs, tmp_path):
+    """Review 61, control M2. The target's metadata advertises a ZMQ endpoint the initiator
+    cannot reach (here: its port rewritten to one nobody listens on, as `bounce_zmq_host` left
+    at loopback between hosts, or a firewall, would leave it). Its one-way WANT would wait in a
+    socket that never connects and the transfer fail by its timeout; instead the transfer goes
+    to plain UCX (after at most one short wait for the connection, right after the load),
+    DONE and byte-exact, twice, well inside the timeout, and no frame of ours was sent one way."""
+    import socket
+    params = {**SMALL, **ZMQ}
+    lay = nixlkit.Scattered(1024, 4096, seed=121)
+    p = procs()
+    name = "ow-unreached-rx"
+    meta, raddr = p.start(name=name, size=lay.dst_bytes, seed=122, params=params)
+    from hostile_peer import zmq_endpoint_of
+    real = zmq_endpoint_of(meta).encode()
+    # A port of the same length nobody listens on (the metadata's lengths stay right).
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dead = b"tcp://127.0.0.1:%d" % port
+        if len(dead) == len(real) and dead != real:
+            break
+    assert meta.count(real) == 1
+    ag = nixlkit.agent("ow-unreached-tx", params=params)
+    src = nixlkit.pattern(123, lay.src_bytes)
+    nixlkit.register(ag, src)
+    one_way(ag, meta.replace(real, dead))
+    s0 = stats(ag)
+    with watchdog(60, [p], "writes to an unreachable ZMQ endpoint"):
+        for i in range(2):
+            t = time.monotonic()
+            write_one_way_exact(ag, p, name, lay, src, raddr, tmp_path, nixlkit.pattern(122, lay.dst_bytes))
+            secs = time.monotonic() - t
+            assert secs < TIMEOUT_MS / 1000 / 2, f"write {i} took {secs:.2f} s: it waited on the bounce path"
+    s1 = stats(ag)
+    d = {k: s1[k] - s0[k] for k in ("one_way_sent", "bounce_xfers", "one_way_unreached", "passthrough_xfers")}
+    assert d == {"one_way_sent": 0, "bounce_xfers": 0, "one_way_unreached": 2, "passthrough_xfers": 2}, d

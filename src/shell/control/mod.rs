@@ -3,6 +3,7 @@
 //! `mem` (tests only) is an in-memory network. The reactor owns one as a `Box<dyn
 //! ControlChannel>` and applies the same checks to frames from any of them.
 
+pub(crate) mod links;
 #[cfg(test)]
 pub(crate) mod mem;
 pub(crate) mod ucx;

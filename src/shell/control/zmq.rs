@@ -21,11 +21,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bounce_proto::wire;
 use bounce_proto::wire::stream::{self as streams, Limits, Streams, Verdict};
 
+use super::links::Links;
 use super::{ControlChannel, ControlError};
 use crate::shell::stats::Stats;
 use crate::sys::zmq as zsys;
@@ -62,6 +63,19 @@ const fn limits() -> Limits {
 
 /// The routing id of our one connection on each outgoing socket.
 const OUT_ID: &[u8] = b"bounce";
+/// How often the outgoing sockets are looked at for their connect and disconnect notices
+/// (a receive each): a prep waiting for a peer's first connection ([`Links`]) waits this long
+/// at most beyond it.
+const LINK_LOOK_EVERY: Duration = Duration::from_millis(1);
+
+/// A socket to one peer.
+struct Link {
+    /// The endpoint it connects to.
+    endpoint: Vec<u8>,
+    socket: zmq::Socket,
+    /// Its connect notice came (and no disconnect notice since).
+    up: bool,
+}
 
 /// A bound ZMQ control channel.
 pub(crate) struct ZmqChannel {
@@ -69,13 +83,17 @@ pub(crate) struct ZmqChannel {
     /// and remade when the peer's advertised endpoint changes (a restarted peer under the same
     /// name) or its connection ended. Declared before the context: sockets must close before
     /// the context terminates.
-    push: HashMap<String, (Vec<u8>, zmq::Socket)>,
+    push: HashMap<String, Link>,
     pull: zmq::Socket,
     /// Every incoming connection's unfinished message.
     streams: Streams,
     endpoint: String,
     agent: String,
     resolve: Resolve,
+    /// Which of those sockets are connected, for the gate's one-way route.
+    links: Arc<Links>,
+    /// When the outgoing sockets were last looked at ([`LINK_LOOK_EVERY`]).
+    links_seen: Instant,
     /// Malformed messages are counted as dropped control frames.
     stats: Arc<Stats>,
     ctx: zmq::Context,
@@ -97,7 +115,13 @@ impl ZmqChannel {
     /// [`ControlError::BindHost`] for a host that is no specific IP address,
     /// [`ControlError::Zmq`] (socket creation, options, bind, reading the bound endpoint) or
     /// [`ControlError::EndpointNotUtf8`].
-    pub(crate) fn bind(agent: &str, host: &str, resolve: Resolve, stats: Arc<Stats>) -> Result<Self, ControlError> {
+    pub(crate) fn bind(
+        agent: &str,
+        host: &str,
+        resolve: Resolve,
+        links: Arc<Links>,
+        stats: Arc<Stats>,
+    ) -> Result<Self, ControlError> {
         let addr = bind_addr(host)?;
         let ctx = zmq::Context::new();
         let mut pull = ctx.socket(zmq::STREAM).map_err(zmq_err("socket"))?;
@@ -110,12 +134,88 @@ impl ZmqChannel {
         let endpoint =
             pull.get_last_endpoint().map_err(zmq_err("last endpoint"))?.map_err(|_| ControlError::EndpointNotUtf8)?;
         let streams = Streams::new(limits());
-        Ok(Self { push: HashMap::new(), pull, streams, endpoint, agent: agent.to_owned(), resolve, stats, ctx })
+        Ok(Self {
+            push: HashMap::new(),
+            pull,
+            streams,
+            endpoint,
+            agent: agent.to_owned(),
+            resolve,
+            links,
+            links_seen: Instant::now(),
+            stats,
+            ctx,
+        })
     }
 
     /// The endpoint peers connect to (`tcp://host:port`), advertised in our capabilities.
     pub(crate) fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    /// Makes the socket to `peer` at `peer_endpoint` and starts its connection: it is up (for
+    /// [`Links`]) once its connect notice comes.
+    ///
+    /// # Errors
+    /// The endpoint is not a `tcp://` address, or making the socket or starting the connect
+    /// failed.
+    fn open(&mut self, peer: &str, peer_endpoint: &[u8]) -> Result<(), ControlError> {
+        let endpoint = valid_endpoint(peer_endpoint)?;
+        let mut s = self.ctx.socket(zmq::STREAM).map_err(zmq_err("socket"))?;
+        s.set_linger(0).map_err(zmq_err("linger"))?;
+        s.set_sndhwm(SEND_HWM).map_err(zmq_err("high-water mark"))?;
+        // Only its notices come in (an empty message when the connection opens, another when
+        // it ends; the peer sends nothing on it), and only a few at a time.
+        s.set_rcvhwm(RCV_HWM).map_err(zmq_err("high-water mark"))?;
+        // A connect that fails is tried again (every 100 ms, backing off to 1 s): with no
+        // retry, a peer not listening at our first send (a route flapping, a process still
+        // starting) was never reached, every later frame queued into a connection that
+        // never came. A connection that ended comes back under another routing id: its
+        // notice (or the next send to ours, which then fails) makes a new socket.
+        s.set_reconnect_ivl(100).map_err(zmq_err("reconnect"))?;
+        s.set_reconnect_ivl_max(1000).map_err(zmq_err("reconnect"))?;
+        zsys::set_int(&mut s, zsys::ZMQ_STREAM_NOTIFY, 1).map_err(zmq_err("stream notify"))?;
+        zsys::set_bytes(&mut s, zsys::ZMQ_CONNECT_ROUTING_ID, OUT_ID).map_err(zmq_err("routing id"))?;
+        // Without it libzmq refuses to connect to an IPv6 address (an engine bound to an
+        // IPv6 `bounce_zmq_host`), and the frames wait in the pipe for ever.
+        s.set_ipv6(endpoint.starts_with("tcp://[")).map_err(zmq_err("ipv6"))?;
+        s.connect(endpoint).map_err(zmq_err("connect"))?;
+        self.links.connecting(peer, peer_endpoint);
+        self.push.insert(peer.to_owned(), Link { endpoint: peer_endpoint.to_vec(), socket: s, up: false });
+        Ok(())
+    }
+
+    /// Takes the outgoing sockets' notices (at most every [`LINK_LOOK_EVERY`]): a connect
+    /// marks the peer reached, an end makes a new socket (down until it connects).
+    fn look_at_links(&mut self, now: Instant) {
+        if now.duration_since(self.links_seen) < LINK_LOOK_EVERY || self.push.is_empty() {
+            return;
+        }
+        self.links_seen = now;
+        let mut ended = Vec::new();
+        for (peer, link) in &mut self.push {
+            // A few notices at most per look: a connection that opens and ends at once is
+            // seen ending at the next look.
+            for _ in 0..4 {
+                let Ok(parts) = link.socket.recv_multipart(zmq::DONTWAIT) else { break };
+                // Our peers send nothing on our connection: only an empty message (a notice)
+                // counts.
+                if parts.len() != 2 || !parts[1].is_empty() {
+                    continue;
+                }
+                if link.up {
+                    ended.push(peer.clone());
+                    break;
+                }
+                link.up = true;
+                self.links.up(peer, &link.endpoint);
+            }
+        }
+        for peer in ended {
+            if let Some(link) = self.push.remove(&peer) {
+                let _ = self.open(&peer, &link.endpoint);
+            }
+        }
     }
 
     /// Sends `frame` to `peer`, whose capabilities advertise `peer_endpoint`.
@@ -125,34 +225,18 @@ impl ZmqChannel {
     /// queued (the peer's queue is full); nothing blocks.
     fn send_to(&mut self, peer: &str, peer_endpoint: &[u8], frame: &[u8]) -> Result<(), ControlError> {
         let msg = streams::encode(&self.agent, frame).ok_or(ControlError::FrameTooLong(frame.len()))?;
-        if self.push.get(peer).is_none_or(|(at, _)| at.as_slice() != peer_endpoint) {
+        if self.push.get(peer).is_none_or(|l| l.endpoint.as_slice() != peer_endpoint) {
             self.push.remove(peer);
-            let endpoint = valid_endpoint(peer_endpoint)?;
-            let mut s = self.ctx.socket(zmq::STREAM).map_err(zmq_err("socket"))?;
-            s.set_linger(0).map_err(zmq_err("linger"))?;
-            s.set_sndhwm(SEND_HWM).map_err(zmq_err("high-water mark"))?;
-            // A connect that fails is tried again (every 100 ms, backing off to 1 s): with no
-            // retry, a peer not listening at our first send (a route flapping, a process still
-            // starting) was never reached, every later frame queued into a connection that
-            // never came. A connection that ended comes back under another routing id: the
-            // next send to ours then fails and makes a new socket.
-            s.set_reconnect_ivl(100).map_err(zmq_err("reconnect"))?;
-            s.set_reconnect_ivl_max(1000).map_err(zmq_err("reconnect"))?;
-            zsys::set_int(&mut s, zsys::ZMQ_STREAM_NOTIFY, 0).map_err(zmq_err("stream notify"))?;
-            zsys::set_bytes(&mut s, zsys::ZMQ_CONNECT_ROUTING_ID, OUT_ID).map_err(zmq_err("routing id"))?;
-            // Without it libzmq refuses to connect to an IPv6 address (an engine bound to an
-            // IPv6 `bounce_zmq_host`), and the frames wait in the pipe for ever.
-            s.set_ipv6(endpoint.starts_with("tcp://[")).map_err(zmq_err("ipv6"))?;
-            s.connect(endpoint).map_err(zmq_err("connect"))?;
-            self.push.insert(peer.to_owned(), (peer_endpoint.to_vec(), s));
+            self.open(peer, peer_endpoint)?;
         }
-        let (_, s) = &self.push[peer];
+        let s = &self.push[peer].socket;
         match s.send_multipart([OUT_ID, &msg[..]], zmq::DONTWAIT) {
             Ok(()) => Ok(()),
             Err(zmq::Error::EAGAIN) => Err(zmq_err("send")(zmq::Error::EAGAIN)),
             Err(e) => {
                 // The connection ended (the peer went, or cut us off): a new one next time.
                 self.push.remove(peer);
+                let _ = self.open(peer, peer_endpoint);
                 Err(zmq_err("send")(e))
             }
         }
@@ -178,6 +262,7 @@ impl ControlChannel for ZmqChannel {
     fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
         let mut dropped = 0u64;
         let now = Instant::now();
+        self.look_at_links(now);
         let mut read = 0;
         while read < budget {
             let Ok(mut parts) = self.pull.recv_multipart(zmq::DONTWAIT) else { break };
@@ -208,11 +293,17 @@ impl ControlChannel for ZmqChannel {
         read
     }
 
-    /// Closes the socket to `peer` (it was lost or removed); a later send reconnects. What it
-    /// queued still goes out for [`FORGET_LINGER_MS`] (a FORGET sent just before).
+    /// Closes the socket to `peer` (it was lost or removed, or declared dead). What it queued
+    /// still goes out for [`FORGET_LINGER_MS`] (a FORGET sent just before). A peer still loaded
+    /// (declared dead while only stalled) gets a new socket at once: a one-way target is sent
+    /// nothing until it is reached again.
     fn forget(&mut self, peer: &str) {
-        if let Some((_, s)) = self.push.remove(peer) {
-            let _ = s.set_linger(FORGET_LINGER_MS);
+        if let Some(link) = self.push.remove(peer) {
+            let _ = link.socket.set_linger(FORGET_LINGER_MS);
+        }
+        match (self.resolve)(peer) {
+            Some(endpoint) if self.open(peer, &endpoint).is_ok() => {}
+            _ => self.links.gone(peer),
         }
     }
 
@@ -268,7 +359,7 @@ mod tests {
 
     fn bind(agent: &str) -> (ZmqChannel, Arc<Stats>) {
         let stats = Arc::new(Stats::default());
-        (ZmqChannel::bind(agent, "127.0.0.1", Box::new(|_| None), Arc::clone(&stats)).unwrap(), stats)
+        (ZmqChannel::bind(agent, "127.0.0.1", Box::new(|_| None), Arc::default(), Arc::clone(&stats)).unwrap(), stats)
     }
 
     #[test]
@@ -298,7 +389,7 @@ mod tests {
     #[test]
     fn a_peer_bound_to_an_ipv6_address_is_reached() {
         let stats = Arc::new(Stats::default());
-        let bind6 = |agent| ZmqChannel::bind(agent, "::1", Box::new(|_| None), Arc::clone(&stats));
+        let bind6 = |agent| ZmqChannel::bind(agent, "::1", Box::new(|_| None), Arc::default(), Arc::clone(&stats));
         let (mut a, mut b) = match (bind6("alpha"), bind6("beta")) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) => {
@@ -397,7 +488,7 @@ mod tests {
     #[test]
     fn it_binds_only_the_configured_address_loopback_by_default_never_a_wildcard() {
         let stats = Arc::new(Stats::default());
-        let bind = |host: &str| ZmqChannel::bind("a", host, Box::new(|_| None), Arc::clone(&stats));
+        let bind = |host: &str| ZmqChannel::bind("a", host, Box::new(|_| None), Arc::default(), Arc::clone(&stats));
         assert!(bind("").unwrap().endpoint().starts_with("tcp://127.0.0.1:"), "empty: loopback only");
         assert!(bind("127.0.0.1").unwrap().endpoint().starts_with("tcp://127.0.0.1:"));
         for bad in ["0.0.0.0", "::", "*", "eth0", "localhost", "224.0.0.1", "10.0.0.1:5555"] {
@@ -529,6 +620,52 @@ mod tests {
         let mut bytes = [0u8; 64];
         let n = conn.read(&mut bytes).unwrap();
         assert!(n > 0, "a frame arrives on the connection");
+    }
+
+    /// Polls `ch` (which looks at its outgoing sockets at most every millisecond) until
+    /// `cond` holds or `ms` pass; returns whether it held.
+    fn poll_until(ch: &mut ZmqChannel, ms: u64, cond: impl Fn() -> bool) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+        let mut got = Vec::new();
+        while std::time::Instant::now() < deadline {
+            ch.poll(16, &mut got);
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        cond()
+    }
+
+    /// The one-way route's signal (review 61, control M2): a peer counts as reached once our
+    /// socket to the endpoint it advertises has connected, never while nothing listens there,
+    /// and no longer once that connection ended (a new socket then tries again).
+    #[test]
+    fn a_peer_counts_as_reached_only_while_our_socket_to_its_endpoint_is_connected() {
+        let stats = Arc::new(Stats::default());
+        let links = Arc::new(Links::default());
+        let mut a =
+            ZmqChannel::bind("alpha", "127.0.0.1", Box::new(|_| None), Arc::clone(&links), Arc::clone(&stats)).unwrap();
+        let (b, _) = bind("beta");
+        let ep = b.endpoint().as_bytes().to_vec();
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dead = format!("tcp://127.0.0.1:{dead}").into_bytes();
+        let now = std::time::Instant::now();
+        a.send_to("beta", &ep, b"\0BOUNC hello").unwrap();
+        a.send_to("gamma", &dead, b"\0BOUNC hello").unwrap();
+        let past = now + super::super::links::FIRST_CONNECT_WAIT; // no load's wait: a plain look
+        assert!(poll_until(&mut a, 5000, || links.reached("beta", &ep, past)), "connected, never marked reached");
+        assert!(!poll_until(&mut a, 300, || links.reached("gamma", &dead, past)), "nothing listens there");
+        assert!(!links.reached("beta", &dead, past), "reached at the endpoint advertised, not another");
+        // The peer goes: its end of our connection closes; the link is down, and a new socket
+        // keeps trying.
+        drop(b);
+        assert!(poll_until(&mut a, 5000, || !links.reached("beta", &ep, past)), "the ended connection still counts");
+        assert!(a.push.get("beta").is_some_and(|l| !l.up), "a new socket to the same endpoint, not yet up");
+        // Lost or unloaded (no endpoint resolves for it any more): nothing is kept.
+        a.forget("beta");
+        a.forget("gamma");
+        assert!(a.push.is_empty() && links.len() == 0);
     }
 
     #[test]

@@ -68,6 +68,13 @@ impl Engine {
     pub(crate) fn peer_loaded(&self, agent: &str, index: ArenaId) -> Option<ArenaToLoad> {
         let sh = self.shared()?;
         if index == ArenaId(0) {
+            // Over ZMQ the HELLO makes our socket to the peer: a prep right after this waits
+            // a little for it to connect before choosing the one-way route (see `Links`).
+            if let (Some(links), Some(endpoint)) =
+                (self.bounce.as_ref().and_then(|b| b.links.as_ref()), self.peers.endpoint(agent))
+            {
+                links.expect(agent, &endpoint, Instant::now());
+            }
             sh.inbox.push(Cmd::Hello(agent.to_owned(), self.peers.losses()));
         }
         self.peers.arena_to_load(agent, index)

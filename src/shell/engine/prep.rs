@@ -322,7 +322,18 @@ impl Engine {
     /// must fit one of our fetch slices ([`PeerTable::one_way_target`]).
     fn one_way_places(&self, agent: &str) -> Option<Vec<ArenaPlace>> {
         let fetch_slice = OneWayLayout::for_config(&self.config).fetch_slice;
-        self.peers.one_way_target(agent, fetch_slice).map(|(places, _)| places)
+        let (places, _) = self.peers.one_way_target(agent, fetch_slice)?;
+        // Over ZMQ its WANT goes to the endpoint it advertises, and nothing of ours would ever
+        // come back if that cannot be reached (loopback between hosts, a firewall): such a
+        // peer stays on UCX, as one that cannot bounce (review 61, control M2).
+        if let Some(links) = self.bounce.as_ref().and_then(|b| b.links.as_ref()) {
+            let endpoint = self.peers.endpoint(agent)?;
+            if !links.reached(agent, &endpoint, Instant::now()) {
+                Stats::bump(&self.stats.one_way_unreached);
+                return None;
+            }
+        }
+        Some(places)
     }
 }
 

@@ -4,6 +4,14 @@
 
 use super::*;
 
+/// A control channel as started: the channel, the endpoint to advertise (ZMQ), and which
+/// peers' endpoints it has reached (ZMQ).
+struct Control {
+    channel: Box<dyn ControlChannel>,
+    endpoint: Vec<u8>,
+    links: Option<Arc<Links>>,
+}
+
 impl Engine {
     /// The GPUs whose memory arenas should be (none: host memory only), as `bounce_arena_mem`
     /// and `bounce_arena_gpus` ask. With `current`: `vram` and `both` take the GPU of the CUDA
@@ -81,18 +89,29 @@ impl Engine {
         gpus
     }
 
-    /// The control channel `bounce_control` names, with the endpoint to advertise (ZMQ).
-    fn control_channel(&self, shim: Shim) -> Result<(Box<dyn ControlChannel>, Vec<u8>)> {
+    /// The control channel `bounce_control` names.
+    fn control_channel(&self, shim: Shim) -> Result<Control> {
         Ok(match self.config.control {
             ControlKind::Zmq => {
                 let peers = Arc::clone(&self.peers);
                 let resolve = Box::new(move |peer: &str| peers.endpoint(peer));
-                let z = ZmqChannel::bind(&self.agent, &self.config.zmq_host, resolve, Arc::clone(&self.stats))?;
+                let links = Arc::new(Links::default());
+                let z = ZmqChannel::bind(
+                    &self.agent,
+                    &self.config.zmq_host,
+                    resolve,
+                    Arc::clone(&links),
+                    Arc::clone(&self.stats),
+                )?;
                 tracing::info!(agent = self.agent, endpoint = z.endpoint(), "ZMQ control channel bound");
                 let endpoint = z.endpoint().as_bytes().to_vec();
-                (Box::new(z), endpoint)
+                Control { channel: Box::new(z), endpoint, links: Some(links) }
             }
-            ControlKind::Ucx => (Box::new(UcxChannel::new(shim, Arc::clone(&self.mail))), Vec::new()),
+            ControlKind::Ucx => Control {
+                channel: Box::new(UcxChannel::new(shim, Arc::clone(&self.mail))),
+                endpoint: Vec::new(),
+                links: None,
+            },
         })
     }
 
@@ -223,7 +242,7 @@ impl Engine {
 
     pub(super) fn start_bounce(&self, shim: Shim) -> Result<Bounce> {
         // Bound before the arenas: a failure here costs no registration to undo.
-        let (control, control_endpoint) = self.control_channel(shim)?;
+        let Control { channel: control, endpoint: control_endpoint, links } = self.control_channel(shim)?;
         let shared = Arc::new(Shared::new(
             Arc::clone(&self.stats),
             Arc::clone(&self.peers),
@@ -299,7 +318,7 @@ impl Engine {
                 self.mail.accept_control(t);
             }
         }
-        let bounce = Bounce { reactor, arenas, places, one_way, caps };
+        let bounce = Bounce { reactor, arenas, places, one_way, caps, links };
         // Registrations made before the bounce path started, each to the arena that serves it.
         for (md, r) in self.registry.all() {
             if let (Some(arena), Some(d)) = (bounce.arena_serving(&r), self.keys.local(md)) {

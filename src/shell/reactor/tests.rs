@@ -2066,7 +2066,7 @@ fn over_zmq_a_frame_wakes_an_idle_reactor_thread() {
     let channel = |name: &str| {
         let eps = Arc::clone(&endpoints);
         let resolve = Box::new(move |peer: &str| eps.lock().get(peer).cloned());
-        let ch = ZmqChannel::bind(name, "127.0.0.1", resolve, Arc::default()).unwrap();
+        let ch = ZmqChannel::bind(name, "127.0.0.1", resolve, Arc::default(), Arc::default()).unwrap();
         endpoints.lock().insert(name.to_owned(), ch.endpoint().as_bytes().to_vec());
         ch
     };
