@@ -39,6 +39,23 @@ void assign_sink(void *ctx, const uint8_t *ptr, size_t len) noexcept {
     }
 }
 
+// A sink's target that remembers a copy that failed (no memory): the call is then an error,
+// never a SUCCESS with its bytes missing (an empty conn info or registration blob, which a peer's
+// UCX would parse as an rkey; review 62).
+struct Into {
+    std::string *s;
+    bool lost = false;
+};
+
+void into_sink(void *ctx, const uint8_t *ptr, size_t len) noexcept {
+    auto *in = static_cast<Into *>(ctx);
+    try {
+        in->s->assign(reinterpret_cast<const char *>(ptr), len);
+    } catch (...) {
+        in->lost = true;
+    }
+}
+
 std::string self_path() {
     Dl_info info{};
     if (dladdr(reinterpret_cast<void *>(&bnc_shim_plugin), &info) != 0 && info.dli_fname)
@@ -303,7 +320,9 @@ public:
                 if (st != NIXL_SUCCESS) return st;
             }
             s.clear();
-            return static_cast<nixl_status_t>(bnc_public_data_wrap(rust_, md, view(inner), assign_sink, &s));
+            Into into{&s};
+            auto st = static_cast<nixl_status_t>(bnc_public_data_wrap(rust_, md, view(inner), into_sink, &into));
+            return st == NIXL_SUCCESS && into.lost ? NIXL_ERR_BACKEND : st;
         });
     }
 
@@ -315,15 +334,23 @@ public:
                 nixl_status_t st = inner_->getConnInfo(inner);
                 if (st != NIXL_SUCCESS) return st;
             }
-            return static_cast<nixl_status_t>(bnc_conn_info_wrap(rust_, view(inner), assign_sink, &out));
+            Into into{&out};
+            auto st = static_cast<nixl_status_t>(bnc_conn_info_wrap(rust_, view(inner), into_sink, &into));
+            return st == NIXL_SUCCESS && into.lost ? NIXL_ERR_BACKEND : st;
         });
     }
     nixl_status_t loadRemoteConnInfo(const std::string &agent, const std::string &conn) override {
         return guarded([&]() -> nixl_status_t {
             std::string inner;
+            Into into{&inner};
             auto st = static_cast<nixl_status_t>(
-                bnc_conn_info_load(rust_, view(agent), view(conn), assign_sink, &inner));
+                bnc_conn_info_load(rust_, view(agent), view(conn), into_sink, &into));
             if (st != NIXL_SUCCESS) return st;
+            if (into.lost) {
+                // Rust recorded the peer: drop it again, as for a load the inner engine refused.
+                bnc_conn_info_failed(rust_, view(agent));
+                return NIXL_ERR_BACKEND;
+            }
             {
                 Lock g(mu_);
                 // Caught here, not by `guarded`: the peer Rust just recorded must be dropped
@@ -355,8 +382,9 @@ public:
             uint64_t reg = 0, ticket = 0;
             uint8_t key[32] = {};
             int32_t has_key = 0;
-            auto st = static_cast<nixl_status_t>(bnc_remote_md_split(rust_, view(in.metaInfo), assign_sink,
-                                                                     &inner.metaInfo, &reg, key, &has_key, &ticket));
+            Into into{&inner.metaInfo};
+            auto st = static_cast<nixl_status_t>(bnc_remote_md_split(rust_, view(in.metaInfo), into_sink, &into,
+                                                                     &reg, key, &has_key, &ticket));
             if (st != NIXL_SUCCESS) return st;
             // Every path below reports this blob's load, so the record it carried is kept for
             // its own handle or dropped: never left for another blob's load to take.
@@ -368,6 +396,7 @@ public:
                     if (!done) bnc_remote_md_load_failed(rust, ticket);
                 }
             } report{rust_, ticket};
+            if (into.lost) return NIXL_ERR_BACKEND;  // the report drops the record it carried
             {
                 Lock g(mu_);
                 st = inner_->loadRemoteMD(inner, mem, agent, out);
@@ -605,11 +634,14 @@ private:
             uint64_t addr = 0, len = 0, dev = 0, mbox_addr = 0, mbox_len = 0;
             int32_t mem = 0;
             std::string key, mbox_key;
-            const int32_t found = bnc_peer_loaded(rust_, view(agent), i, &addr, &len, &dev, &mem, assign_sink, &key,
-                                                  &mbox_addr, &mbox_len, assign_sink, &mbox_key);
+            Into key_into{&key}, mbox_into{&mbox_key};
+            const int32_t found = bnc_peer_loaded(rust_, view(agent), i, &addr, &len, &dev, &mem, into_sink,
+                                                  &key_into, &mbox_addr, &mbox_len, into_sink, &mbox_into);
             if (!(found & 1)) return;
-            BackendMD *md = load(addr, len, dev, static_cast<nixl_mem_t>(mem), key);
-            BackendMD *mbox = (found & 2) ? load(mbox_addr, mbox_len, 0, DRAM_SEG, mbox_key) : nullptr;
+            // A key that could not be copied is a load that failed: nothing goes through it.
+            BackendMD *md = key_into.lost ? nullptr : load(addr, len, dev, static_cast<nixl_mem_t>(mem), key);
+            BackendMD *mbox =
+                (found & 2) && !mbox_into.lost ? load(mbox_addr, mbox_len, 0, DRAM_SEG, mbox_key) : nullptr;
             bnc_peer_arena_md(rust_, view(agent), i, md, mbox);
         }
     }

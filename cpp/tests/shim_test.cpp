@@ -8,11 +8,17 @@
 //
 //   g++ -std=c++20 -Icpp/include cpp/tests/shim_test.cpp -ldl -o /tmp/shim_test
 //   /tmp/shim_test PLUGIN_DIR/libplugin_BOUNCE.so      # exit 0: every check held
+//   /tmp/shim_test PLUGIN_DIR/libplugin_BOUNCE.so --oom  # only: a copy out of memory is an error
 //
+// `--oom` runs outside valgrind (which replaces operator new with its own): this executable's
+// operator new interposes the plugin's, and fails on demand.
 // The inner UCX plugin is found beside libplugin_BOUNCE.so, as NIXL's own install has it.
 #include "nixl_abi.h"
 
 #include <dlfcn.h>
+
+#include <atomic>
+#include <new>
 
 #include <chrono>
 #include <cstdio>
@@ -23,6 +29,23 @@
 #include <vector>
 
 using namespace nixl_abi;
+
+// Allocation failure on demand (`--oom`): while `oom_at` is not 0, every operator new of at
+// least that many bytes throws. The plugin's own std::string copies call this one (the
+// executable's definition comes first in the dynamic linker's lookup).
+static std::atomic<size_t> oom_at{0};
+static std::atomic<long> oom_thrown{0};
+
+void *operator new(size_t n) {
+    const size_t at = oom_at.load();
+    if (at != 0 && n >= at) {
+        oom_thrown.fetch_add(1);
+        throw std::bad_alloc();
+    }
+    // From malloc, as libstdc++'s own operator new takes it: its operator delete (free) stays.
+    if (void *p = std::malloc(n ? n : 1)) return p;
+    throw std::bad_alloc();
+}
 
 namespace {
 
@@ -177,9 +200,54 @@ bool exact(const std::vector<uint8_t> &src, const std::vector<uint8_t> &dst, uin
 
 } // namespace
 
+// Review 62 (FFI, L2): a blob the plugin could not copy out (no memory) must make the call fail.
+// It was swallowed, and getConnInfo and getPublicData reported SUCCESS with an empty blob (a
+// peer's UCX would then parse an empty rkey). Each call is made once to learn its blob's size,
+// then again with every allocation of that size failing, then once more with none failing.
+int oom_checks(const Plugin &plugin) {
+    params_t params;
+    Side a;
+    a.e = plugin.engine("oom-a", params);
+    if (!a.e || a.e->getInitErr() || !reg(a, 1 << 20, 91)) {
+        std::printf("FAILED: no engine to test with\n");
+        return 1;
+    }
+    std::string conn, pub;
+    check(a.e->getConnInfo(conn) == NIXL_SUCCESS && !conn.empty(), "getConnInfo, memory to spare");
+    check(a.e->getPublicData(a.md, pub) == NIXL_SUCCESS && !pub.empty(), "getPublicData, memory to spare");
+    struct Call {
+        const char *what;
+        size_t size;
+        nixl_status_t (*call)(Side &, std::string &);
+    } calls[] = {
+        {"getConnInfo", conn.size(), [](Side &s, std::string &out) { return s.e->getConnInfo(out); }},
+        {"getPublicData", pub.size(), [](Side &s, std::string &out) { return s.e->getPublicData(s.md, out); }},
+    };
+    for (auto &c : calls) {
+        std::string out;
+        const long thrown = oom_thrown.load();
+        oom_at = c.size;
+        const nixl_status_t st = c.call(a, out);
+        oom_at = 0;
+        std::printf("     %s, its %zu-byte copy failing: status %d, %ld allocations refused\n", c.what, c.size,
+                    static_cast<int>(st), oom_thrown.load() - thrown);
+        // Nothing refused would mean this operator new was not the plugin's: the check proves
+        // nothing then, and says so by failing.
+        check(oom_thrown.load() > thrown, "the plugin's copy went through this test's operator new");
+        check(st != NIXL_SUCCESS, "a blob that could not be copied out is an error, not a SUCCESS", st);
+        out.clear();
+        check(c.call(a, out) == NIXL_SUCCESS && out.size() == c.size, "with memory back, the call succeeds again");
+    }
+    a.e->deregisterMem(a.md);
+    plugin.p->destroy_engine(a.e);
+    std::printf("%s: %d failed\n", failures ? "FAILED" : "passed", failures);
+    return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 2) {
-        std::fprintf(stderr, "usage: %s PATH/libplugin_BOUNCE.so\n", argv[0]);
+    const bool oom = argc == 3 && std::string(argv[2]) == "--oom";
+    if (argc != 2 && !oom) {
+        std::fprintf(stderr, "usage: %s PATH/libplugin_BOUNCE.so [--oom]\n", argv[0]);
         return 2;
     }
     // NIXL's core library first, as in any process that uses NIXL: BOUNCE's version guard
@@ -201,6 +269,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     Plugin plugin{init()};
+    if (oom) return oom_checks(plugin);
     check(plugin.p && plugin.p->api_version == kPluginApiVersion, "the descriptor is of plugin API version 1");
     check(std::string(plugin.p->get_plugin_name()) == "BOUNCE", "the plugin is named BOUNCE");
     params_t options = plugin.p->get_backend_options();
