@@ -597,11 +597,13 @@ impl Endpoint {
         if self.goodbyes.get(&from).is_some_and(|&(asked, _)| nonce == asked ^ FAREWELL) {
             self.goodbyes.remove(&from);
             debug!(peer = from.0, "GOODBYE confirmed");
+            self.stats.frames_authentic += 1;
             return Pong::Farewell;
         }
         if self.hellos.answered(from, nonce) {
             debug!(peer = from.0, "HELLO confirmed");
             self.stats.hellos_confirmed += 1;
+            self.stats.frames_authentic += 1;
             self.liveness.heard(now, from);
             return Pong::Hello;
         }
@@ -609,6 +611,7 @@ impl Endpoint {
         trace!(peer = from.0, nonce, answered, "pong");
         if answered {
             self.stats.pongs_received += 1;
+            self.stats.frames_authentic += 1;
         }
         Pong::Other
     }

@@ -726,6 +726,12 @@ pub struct Stats {
     /// [`Endpoint::handle_frame`](crate::endpoint::Endpoint::handle_frame), a session other
     /// than the one in the peer's loaded capabilities.
     pub control_forged: u64,
+    /// Frames proven to come from the peer they name: a transfer's own token matched (a GRANT,
+    /// ACK or READY to our transfer; a DATA, PLAN, KEEP or RELEASE of a flow here), a WANT's or
+    /// PULL's destination proofs verified, a PONG echoed a nonce only the peer saw. A shell
+    /// whose frames come over connections anyone can open counts the connections that carried
+    /// one as a peer's, and closes the others first under a flood (the ZMQ channel).
+    pub frames_authentic: u64,
     /// WANTs and opening PULLs for a transfer whose flow already ended here
     /// ([`ProtocolError::Replayed`]): captured frames sent again. Ignored; not in
     /// `control_forged` (the frame is authentic, only late).

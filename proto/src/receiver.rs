@@ -652,7 +652,10 @@ impl Receiver {
         } else {
             self.registered.verify((want.token, want.xfer), &by, &want.proofs, want.arena)
         } {
-            Ok(proven) => proven,
+            Ok(proven) => {
+                ctx.stats.frames_authentic += 1;
+                proven
+            }
             Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {
                 // An honest sender whose WANT crossed the deregistration of its destination:
                 // it learns at once instead of waiting for credits until its timeout. One
@@ -854,6 +857,7 @@ impl Receiver {
             ctx.stats.control_forged += 1;
             return Err(ProtocolError::WrongToken { peer: key.peer, xfer: key.xfer });
         }
+        ctx.stats.frames_authentic += 1;
         Ok(Some(flow))
     }
 

@@ -672,7 +672,10 @@ impl Sender {
                 ctx.stats.control_forged += 1;
                 Err(ProtocolError::WrongToken { peer: from, xfer: id })
             }
-            x => Ok(x),
+            x => {
+                ctx.stats.frames_authentic += 1;
+                Ok(x)
+            }
         }
     }
 

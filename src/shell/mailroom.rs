@@ -30,6 +30,7 @@ use bounce_proto::peers::MAX_NAME_LEN;
 use bounce_proto::wire;
 use parking_lot::Mutex;
 
+use crate::shell::control::Inbound;
 use crate::shell::doorbell::Doorbell;
 use crate::shell::stats::Stats;
 use crate::shell::streak::Streak;
@@ -358,12 +359,12 @@ impl Mailroom {
     }
 
     /// Moves up to `budget` control frames to `out`; returns how many.
-    pub(crate) fn take_control(&self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    pub(crate) fn take_control(&self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         let mut q = self.control.lock();
         let n = budget.min(q.frames.len());
         let taken: usize = q.frames.iter().take(n).map(|f| f.0.len() + f.1.len()).sum();
         q.bytes -= taken;
-        out.extend(q.frames.drain(..n));
+        out.extend(q.frames.drain(..n).map(Inbound::unconnected));
         n
     }
 }

@@ -217,7 +217,10 @@ impl Receiver {
             self.registered.verify((pull.token, pull.xfer), &by, &pull.proofs, pull.arena)
         };
         let mut proven = match verified {
-            Ok(proven) => proven,
+            Ok(proven) => {
+                ctx.stats.frames_authentic += 1;
+                proven
+            }
             Err(source @ (BadProof::Deregistered(_) | BadProof::WrongArena(..))) => {
                 refuse(ctx);
                 return Err(ProtocolError::BadProof { peer: from, xfer: pull.xfer, source });

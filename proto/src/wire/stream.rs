@@ -17,6 +17,14 @@
 //! it, the one idle longest first. A peer of ours whose connection went finds it gone at its
 //! next send and connects again, so what eviction costs an honest peer idle that long, under
 //! such a flood only, is that one frame.
+//!
+//! Names are public, so a third party can speak a quiet peer's name; what it cannot do is
+//! send a frame the core accepts as authentic (a transfer's token, valid proofs, a PONG of a
+//! nonce only the peer saw). The shell marks the connections that carried one
+//! ([`Streams::authentic`]), and they are closed to make room only when no connection that
+//! never carried one is idle enough to go (review 61, control M1: a stranger speaking a quiet
+//! peer's name had that peer's connection evicted under a flood, and one-way initiators,
+//! whose names are not loaded here, were evicted by plain connection churn).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -68,11 +76,13 @@ pub enum Verdict {
 /// for a new connection.
 const CLOSED_KEPT: usize = 1024;
 
-/// One open connection: its unfinished message, and when it last sent a whole one (or opened).
+/// One open connection: its unfinished message, when it last sent a whole one (or opened),
+/// and whether it ever carried a frame the core found authentic.
 #[derive(Debug)]
 struct Conn {
     partial: Vec<u8>,
     active: Instant,
+    authentic: bool,
 }
 
 /// Every connection's unfinished message.
@@ -137,20 +147,31 @@ impl Streams {
         if self.conns.len() >= self.limits.conns && !self.evict_idle(now, id, false) {
             return self.close(id);
         }
-        self.conns.insert(id.to_vec(), Conn { partial: Vec::new(), active: now });
+        self.conns.insert(id.to_vec(), Conn { partial: Vec::new(), active: now, authentic: false });
         Verdict::Keep
+    }
+
+    /// Connection `id` carried a frame the core accepted as authentic at `now`: it is a peer's,
+    /// active now, and closed to make room only after every idle one that never carried such
+    /// a frame. An id no longer open is ignored.
+    pub fn authentic(&mut self, now: Instant, id: &[u8]) {
+        if let Some(c) = self.conns.get_mut(id) {
+            c.authentic = true;
+            c.active = now;
+        }
     }
 
     /// Closes the connection other than `except` that has gone longest without a whole
     /// message, if that is at least [`IDLE_EVICT`] (with `holding`, only one holding an
-    /// unfinished message); true when one went.
+    /// unfinished message), one that never carried an authentic frame before any that did;
+    /// true when one went.
     fn evict_idle(&mut self, now: Instant, except: &[u8], holding: bool) -> bool {
         let victim = self
             .conns
             .iter()
             .filter(|(k, c)| k.as_slice() != except && (!holding || !c.partial.is_empty()))
-            .min_by_key(|(_, c)| c.active)
             .filter(|(_, c)| now.saturating_duration_since(c.active) >= IDLE_EVICT)
+            .min_by_key(|(_, c)| (c.authentic, c.active))
             .map(|(k, _)| k.clone());
         let Some(v) = victim else { return false };
         self.close(&v);
@@ -460,6 +481,42 @@ mod tests {
         let evicted = s.take_evicted();
         assert_eq!(evicted.len(), 1);
         assert_ne!(evicted[0], vec![0], "never the connection that holds the name");
+    }
+
+    /// Review 61, control M1: a stranger speaks a quiet peer's (public) name on a connection of
+    /// its own and leaves others silent at the cap. The peer's own connection, which carried an
+    /// authentic frame, is the one idle longest; new connections still close the stranger's
+    /// silent ones first (before the fix: the peer's, its next frame lost), and the peer's
+    /// only once no other idle one is left.
+    #[test]
+    fn a_connection_that_carried_an_authentic_frame_is_closed_last_to_make_room() {
+        let mut s = Streams::new(LIMITS);
+        let t = t0();
+        let (mut out, mut dropped) = (Vec::new(), 0);
+        let known = |name: &str| name == "peer";
+        assert_eq!(s.notice(t, b"peer's"), Verdict::Keep);
+        let honest = encode("peer", b"frame").unwrap();
+        assert_eq!(s.feed(t, b"peer's", &honest, &mut out, &mut dropped, known), Verdict::Keep);
+        s.authentic(t, b"peer's");
+        let opened = t + IDLE_EVICT / 2;
+        for c in [&b"stranger"[..], b"silent 1", b"silent 2"] {
+            assert_eq!(s.notice(opened, c), Verdict::Keep);
+        }
+        let junk = encode("peer", b"junk").unwrap();
+        for at in [t + IDLE_EVICT * 3 / 2, t + IDLE_EVICT * 19 / 10] {
+            assert_eq!(s.feed(at, b"stranger", &junk, &mut out, &mut dropped, known), Verdict::Keep);
+        }
+        let later = t + IDLE_EVICT * 2;
+        assert_eq!(s.notice(later, b"new 1"), Verdict::Keep);
+        assert_eq!(s.notice(later, b"new 2"), Verdict::Keep);
+        let mut evicted = s.take_evicted();
+        evicted.sort();
+        assert_eq!(evicted, vec![b"silent 1".to_vec(), b"silent 2".to_vec()], "never the peer's while others idle");
+        assert_eq!(s.notice(later, b"new 3"), Verdict::Keep);
+        assert_eq!(s.take_evicted(), vec![b"peer's".to_vec()], "the last idle one left");
+        // An id no longer open is ignored.
+        s.authentic(later, b"peer's");
+        assert_eq!(s.conns(), LIMITS.conns);
     }
 
     /// Connections left silent at the cap do not lock new ones out: once one has gone

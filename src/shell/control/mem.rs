@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{ControlChannel, ControlError};
+use super::{ControlChannel, ControlError, Inbound};
 
 /// What the fault hook decides for one frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,11 +95,11 @@ impl ControlChannel for MemChannel {
         Ok(())
     }
 
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         let mut net = self.net.0.lock();
         let Some(q) = net.queues.get_mut(&self.name) else { return 0 };
         let n = budget.min(q.len());
-        out.extend(q.drain(..n));
+        out.extend(q.drain(..n).map(Inbound::unconnected));
         n
     }
 

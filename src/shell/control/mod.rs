@@ -11,6 +11,32 @@ pub(crate) mod zmq;
 
 pub(crate) use crate::shell::error::ControlError;
 
+/// A control frame as a channel received it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Inbound {
+    /// The agent name it came under (what the sender says it is).
+    pub(crate) peer: String,
+    pub(crate) frame: Vec<u8>,
+    /// The connection it came on, for channels whose connections anyone may open (ZMQ); 0
+    /// for the others.
+    pub(crate) conn: u64,
+}
+
+impl Inbound {
+    /// A frame of a channel without connections of its own (UCX notifications).
+    pub(crate) fn unconnected((peer, frame): (String, Vec<u8>)) -> Self {
+        Self { peer, frame, conn: 0 }
+    }
+}
+
+/// Tests compare what a channel received by name and bytes (a connection is checked apart).
+#[cfg(test)]
+impl PartialEq<(String, Vec<u8>)> for Inbound {
+    fn eq(&self, (peer, frame): &(String, Vec<u8>)) -> bool {
+        self.peer == *peer && self.frame == *frame
+    }
+}
+
 /// A control channel.
 pub(crate) trait ControlChannel: Send {
     /// Sends one control frame to `peer` (never blocks; a full queue is an error, the frame
@@ -20,7 +46,14 @@ pub(crate) trait ControlChannel: Send {
     /// the channel receives in (frames; for a byte-stream channel, chunks of bytes, each of
     /// which may complete several frames, or none); returns how much of `budget` it took, so
     /// that all of it means more may wait (count frames by `out`'s growth).
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize;
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize;
+    /// The frame that came on connection `conn` (an [`Inbound::conn`]) at `now` was authentic
+    /// (the core counted it in `frames_authentic`): the connection is a peer's. Channels
+    /// whose connections anyone may open close such connections last when they must make
+    /// room; the others have nothing to do.
+    fn authentic(&mut self, conn: u64, now: std::time::Instant) {
+        let _ = (conn, now);
+    }
     /// Sends one frame to `peer` at `endpoint`, its control endpoint as resolved while it was
     /// still loaded: the last frame to a peer being unloaded (a FORGET), which [`Self::send`]
     /// could no longer resolve. Channels that need no endpoint (UCX) send as [`Self::send`].

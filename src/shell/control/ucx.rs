@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{ControlChannel, ControlError};
+use super::{ControlChannel, ControlError, Inbound};
 use crate::shell::mailroom::Mailroom;
 use crate::sys::shim::Shim;
 
@@ -26,7 +26,7 @@ impl ControlChannel for UcxChannel {
         crate::shell::marks::timed("slow-send", || self.shim.gen_notif(peer, frame)).map_err(ControlError::Notif)
     }
 
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         self.mail.take_control(budget, out)
     }
 

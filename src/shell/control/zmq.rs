@@ -27,7 +27,7 @@ use bounce_proto::wire;
 use bounce_proto::wire::stream::{self as streams, Limits, Streams, Verdict};
 
 use super::links::Links;
-use super::{ControlChannel, ControlError};
+use super::{ControlChannel, ControlError, Inbound};
 use crate::shell::stats::Stats;
 use crate::sys::zmq as zsys;
 
@@ -87,6 +87,8 @@ pub(crate) struct ZmqChannel {
     pull: zmq::Socket,
     /// Every incoming connection's unfinished message.
     streams: Streams,
+    /// The frames one connection's bytes completed, before they are tagged with it.
+    fed: Vec<(String, Vec<u8>)>,
     endpoint: String,
     agent: String,
     resolve: Resolve,
@@ -138,6 +140,7 @@ impl ZmqChannel {
             push: HashMap::new(),
             pull,
             streams,
+            fed: Vec::new(),
             endpoint,
             agent: agent.to_owned(),
             resolve,
@@ -259,7 +262,7 @@ impl ControlChannel for ZmqChannel {
     /// budget and complete nothing, and the reactor must still know that more waits (the
     /// socket's descriptor will not say so again). Malformed messages are counted as dropped
     /// control frames, and a connection that breaks a bound is closed.
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         let mut dropped = 0u64;
         let now = Instant::now();
         self.look_at_links(now);
@@ -276,7 +279,10 @@ impl ControlChannel for ZmqChannel {
             } else {
                 // Activity is what a loaded peer sends (one with an endpoint here).
                 let resolve = &self.resolve;
-                self.streams.feed(now, &id, &data, out, &mut dropped, |name| resolve(name).is_some())
+                let v = self.streams.feed(now, &id, &data, &mut self.fed, &mut dropped, |name| resolve(name).is_some());
+                let conn = conn_tag(&id);
+                out.extend(self.fed.drain(..).map(|(peer, frame)| Inbound { peer, frame, conn }));
+                v
             };
             // An empty message to a connection closes it: this one, and any closed to make
             // room for it.
@@ -307,6 +313,14 @@ impl ControlChannel for ZmqChannel {
         }
     }
 
+    /// Such a connection is closed last when strangers' connections need room (see
+    /// [`Streams::authentic`]).
+    fn authentic(&mut self, conn: u64, now: Instant) {
+        if let Some(id) = routing_id(conn) {
+            self.streams.authentic(now, &id);
+        }
+    }
+
     fn own_socket(&self) -> bool {
         true
     }
@@ -319,6 +333,23 @@ impl ControlChannel for ZmqChannel {
     fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
         self.pull.get_fd().ok()
     }
+}
+
+/// A connection's routing id as an [`Inbound::conn`]: its length in the top byte, its bytes
+/// below. libzmq gives each connection of a `ZMQ_STREAM` socket a 5-byte id; a longer one
+/// (none of ours) gets 0, and its frames never mark it.
+fn conn_tag(id: &[u8]) -> u64 {
+    if id.is_empty() || id.len() > 7 {
+        return 0;
+    }
+    let len = id.len() as u64; // at most 7
+    id.iter().enumerate().fold(len << 56, |tag, (i, &b)| tag | u64::from(b) << (8 * i))
+}
+
+/// The routing id [`conn_tag`] made `tag` of.
+fn routing_id(tag: u64) -> Option<Vec<u8>> {
+    let len = usize::try_from(tag >> 56).ok().filter(|&l| (1..=7).contains(&l))?;
+    Some((0..len).map(|i| (tag >> (8 * i)) as u8).collect())
 }
 
 /// A peer's advertised endpoint, if it is `tcp://` and an IP address with a port, as our
@@ -476,7 +507,7 @@ mod tests {
                 ch.poll(16, &mut got);
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
-            got.into_iter().map(|(_, f)| f).collect::<Vec<_>>()
+            got.into_iter().map(|i| i.frame).collect::<Vec<_>>()
         };
         a.send_to("beta", old.endpoint().as_bytes(), b"to the old one").unwrap();
         assert_eq!(wait_for(&mut old, 10_000), [b"to the old one".to_vec()]);
@@ -497,7 +528,7 @@ mod tests {
         assert_eq!(bind_addr("::1").unwrap(), "tcp://[::1]:*");
     }
 
-    fn wait(ch: &mut ZmqChannel, got: &mut Vec<(String, Vec<u8>)>, n: usize, ms: u64) {
+    fn wait(ch: &mut ZmqChannel, got: &mut Vec<Inbound>, n: usize, ms: u64) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
         while got.len() < n && std::time::Instant::now() < deadline {
             ch.poll(16, got);
@@ -589,7 +620,7 @@ mod tests {
             let _ = a.send_to("beta", &ep, b"\0BOUNC again");
             wait(&mut b, &mut got, 1, 50);
         }
-        assert_eq!(got.first(), Some(&("alpha".to_owned(), b"\0BOUNC again".to_vec())));
+        assert!(got.first().is_some_and(|i| *i == ("alpha".to_owned(), b"\0BOUNC again".to_vec())));
     }
 
     /// A peer not listening yet at our first send (its connect refused: a route flapping, a

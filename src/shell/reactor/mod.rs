@@ -26,7 +26,7 @@ use bounce_proto::oneway::OneWayLayout;
 use bounce_proto::{ArenaId, MemKind, PeerId, Region, Token, XferId};
 use parking_lot::Mutex;
 
-use crate::shell::control::ControlChannel;
+use crate::shell::control::{ControlChannel, Inbound};
 use crate::shell::copy::route::Copiers;
 use crate::shell::copy::{CopyEngine, Dir};
 use crate::shell::datapath::{DataPath, WriteId};
@@ -313,7 +313,7 @@ struct Driver {
     /// deregistered (their transfer fails before the core hears of the deregistration).
     dereg_refused: u64,
     /// Scratch buffers reused every pass.
-    frames: Vec<(String, Vec<u8>)>,
+    frames: Vec<Inbound>,
     done: Vec<(JobId, bool)>,
     /// Scratch for [`Driver::finish_inline_copies`] (apart from `done`, which a pass holds
     /// taken while it drains actions).
@@ -591,9 +591,15 @@ impl Driver {
         if commanded {
             moved |= self.drain_actions();
         }
-        for (peer, frame) in frames.drain(..) {
+        for f in frames.drain(..) {
             moved = true;
-            self.on_control(now, &peer, &frame);
+            let authentic = self.ep.stats().frames_authentic;
+            self.on_control(now, &f.peer, &f.frame);
+            // A connection that carried a frame only its peer could make is that peer's: kept
+            // when a flood of strangers' connections needs room (ZMQ).
+            if f.conn != 0 && self.ep.stats().frames_authentic != authentic {
+                self.control.authentic(f.conn, now);
+            }
             // Answer each frame before decoding the next: a WANT's GRANT must not wait for the
             // PLANs that follow it (thousands of runs each) to be decoded and checked.
             self.drain_actions();

@@ -17,8 +17,8 @@ use memmap2::MmapMut;
 use super::pace::{LONGEST_DRIVING_GAP, STAND_DOWN};
 use super::shared::Completion;
 use super::*;
-use crate::shell::control::ControlError;
 use crate::shell::control::mem::{Fate, MemChannel, MemNet};
+use crate::shell::control::{ControlError, Inbound};
 use crate::shell::copy::CopyJob;
 use crate::shell::copy::cpu::{CpuEngine, HostArena, INLINE_MAX_BYTES};
 use crate::shell::datapath::{Posted, WriteId};
@@ -1396,7 +1396,7 @@ impl ControlChannel for Boom {
     fn send(&mut self, peer: &str, frame: &[u8]) -> std::result::Result<(), ControlError> {
         self.inner.send(peer, frame)
     }
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         if self.boom.load(Ordering::Acquire) {
             self.fired.store(true, Ordering::Release);
             panic!("a bug in a pass (injected)");
@@ -1564,7 +1564,7 @@ impl ControlChannel for Chunky {
     fn send(&mut self, peer: &str, frame: &[u8]) -> std::result::Result<(), ControlError> {
         self.inner.send(peer, frame)
     }
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         if self.left.load(Ordering::SeqCst) > 0 {
             self.left.fetch_sub(1, Ordering::SeqCst);
             return budget;
@@ -2093,6 +2093,91 @@ fn over_zmq_a_frame_wakes_an_idle_reactor_thread() {
     assert!(t0.elapsed() < Duration::from_secs(30), "stopping waited out an idle park");
 }
 
+/// A ZMQ channel that records which connections the reactor found authentic frames on.
+struct Marked {
+    inner: crate::shell::control::zmq::ZmqChannel,
+    marked: Arc<Mutex<Vec<u64>>>,
+}
+
+impl ControlChannel for Marked {
+    fn send(&mut self, peer: &str, frame: &[u8]) -> std::result::Result<(), ControlError> {
+        self.inner.send(peer, frame)
+    }
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
+        self.inner.poll(budget, out)
+    }
+    fn authentic(&mut self, conn: u64, now: Instant) {
+        self.marked.lock().push(conn);
+        self.inner.authentic(conn, now);
+    }
+    fn forget(&mut self, peer: &str) {
+        self.inner.forget(peer);
+    }
+    fn own_socket(&self) -> bool {
+        self.inner.own_socket()
+    }
+    fn readable(&mut self) -> bool {
+        self.inner.readable()
+    }
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.inner.wait_fd()
+    }
+}
+
+/// Over ZMQ, the frames of a transfer that only its two ends could make (the WANT's proofs,
+/// the DATA's and the GRANT's and ACK's token) mark the connections they came on as the
+/// peer's, at both ends (review 61, control M1: such connections are closed last under a
+/// flood), and a frame under a peer's name that proves nothing marks nothing.
+#[test]
+fn over_zmq_authentic_frames_mark_their_connections_as_the_peers() {
+    use crate::shell::control::zmq::ZmqChannel;
+    let cfg = config("10000");
+    let endpoints: Arc<Mutex<HashMap<String, Vec<u8>>>> = Arc::default();
+    let marks: HashMap<&str, Arc<Mutex<Vec<u64>>>> = [("a", Arc::default()), ("b", Arc::default())].into();
+    let channel = |name: &str| {
+        let eps = Arc::clone(&endpoints);
+        let resolve = Box::new(move |peer: &str| eps.lock().get(peer).cloned());
+        let ch = ZmqChannel::bind(name, "127.0.0.1", resolve, Arc::default(), Arc::default()).unwrap();
+        endpoints.lock().insert(name.to_owned(), ch.endpoint().as_bytes().to_vec());
+        Marked { inner: ch, marked: Arc::clone(&marks[name]) }
+    };
+    let start = |name: &str, session| {
+        Side::start_full(
+            name,
+            session,
+            &cfg,
+            |c| Box::new(c),
+            Box::new(channel(name)),
+            SOCKET_POLL_BATCH,
+            MemPath::default(),
+        )
+    };
+    let (a, b) = introduce(start("a", 11), start("b", 22));
+    let (src, mut dst) = buffers();
+    let dest = b.register(&mut dst);
+    // A frame under a's name from a stranger's connection (another session: refused as forged).
+    let b_ep = endpoints.lock()["b"].clone();
+    let mut stranger = ZmqChannel::bind("a", "127.0.0.1", Box::new(|_| None), Arc::default(), Arc::default()).unwrap();
+    let junk = bounce_proto::wire::ControlFrame { session: 99, body: bounce_proto::wire::Body::Goodbye }.to_vec();
+    stranger.send_at("b", &b_ep, &junk).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.stat(|s| &s.control_forged) == 0 {
+        assert!(Instant::now() < deadline, "the stranger's GOODBYE never reached b");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let h = a.post("b", &cfg, &src, &mut dst, dest);
+    assert_eq!(a.outcome(h, Duration::from_secs(20)), Ok(()));
+    assert_exact(&src, &dst);
+    let (at_a, at_b) = (marks["a"].lock().clone(), marks["b"].lock().clone());
+    assert!(!at_b.is_empty() && !at_a.is_empty(), "no authentic frame marked: b {at_b:?}, a {at_a:?}");
+    assert!(at_a.iter().chain(&at_b).all(|&c| c != 0), "a frame over ZMQ always names its connection");
+    let mut conns = at_b.clone();
+    conns.sort_unstable();
+    conns.dedup();
+    assert_eq!(conns.len(), 1, "only a's own connection to b carried authentic frames: {at_b:?}");
+    drop((a.reactor, b.reactor));
+}
+
 /// A copy engine that does not allow passes on other threads keeps every pass on the reactor
 /// thread: pollers get `None` and the transfer still completes.
 #[test]
@@ -2236,7 +2321,7 @@ impl ControlChannel for Counted {
         self.inner.send(peer, frame)
     }
 
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         let me = std::thread::current().id();
         if self.only.lock().is_some_and(|t| t != me) {
             return 0;
@@ -2272,7 +2357,7 @@ impl ControlChannel for Looks {
         self.inner.send(peer, frame)
     }
 
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         self.polls.fetch_add(1, Ordering::Relaxed);
         self.inner.poll(budget, out)
     }
@@ -2624,7 +2709,7 @@ impl ControlChannel for BoomSend {
         }
         self.inner.send(peer, frame)
     }
-    fn poll(&mut self, budget: usize, out: &mut Vec<(String, Vec<u8>)>) -> usize {
+    fn poll(&mut self, budget: usize, out: &mut Vec<Inbound>) -> usize {
         self.inner.poll(budget, out)
     }
     fn forget(&mut self, peer: &str) {
