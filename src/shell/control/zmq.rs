@@ -63,17 +63,24 @@ const fn limits() -> Limits {
 
 /// The routing id of our one connection on each outgoing socket.
 const OUT_ID: &[u8] = b"bounce";
-/// How often the outgoing sockets are looked at for their connect and disconnect notices
-/// (a receive each): a prep waiting for a peer's first connection ([`Links`]) waits this long
-/// at most beyond it.
+/// How often the outgoing sockets not reached yet are looked at for their connect and
+/// disconnect notices (a receive each): a prep waiting for a peer's first connection
+/// ([`Links`]) waits about this long beyond [`LINK_STABLE`].
 const LINK_LOOK_EVERY: Duration = Duration::from_millis(1);
+/// How often every outgoing socket is looked at (an ended connection is seen this late at
+/// most, or at the next send to it).
+const LINKS_ALL_EVERY: Duration = Duration::from_millis(100);
+/// How long a connection must stay open before its peer counts as reached.
+const LINK_STABLE: Duration = Duration::from_millis(10);
 
 /// A socket to one peer.
 struct Link {
     /// The endpoint it connects to.
     endpoint: Vec<u8>,
     socket: zmq::Socket,
-    /// Its connect notice came (and no disconnect notice since).
+    /// Since when its connection is open (its connect notice, and no end since).
+    open_since: Option<Instant>,
+    /// Reported reached to [`Links`]: open for [`LINK_STABLE`] at least.
     up: bool,
 }
 
@@ -94,8 +101,10 @@ pub(crate) struct ZmqChannel {
     resolve: Resolve,
     /// Which of those sockets are connected, for the gate's one-way route.
     links: Arc<Links>,
-    /// When the outgoing sockets were last looked at ([`LINK_LOOK_EVERY`]).
+    /// When the outgoing sockets were last looked at ([`LINK_LOOK_EVERY`]), and all of them
+    /// ([`LINKS_ALL_EVERY`]).
     links_seen: Instant,
+    links_all_seen: Instant,
     /// Malformed messages are counted as dropped control frames.
     stats: Arc<Stats>,
     ctx: zmq::Context,
@@ -146,6 +155,7 @@ impl ZmqChannel {
             resolve,
             links,
             links_seen: Instant::now(),
+            links_all_seen: Instant::now(),
             stats,
             ctx,
         })
@@ -173,8 +183,8 @@ impl ZmqChannel {
         // A connect that fails is tried again (every 100 ms, backing off to 1 s): with no
         // retry, a peer not listening at our first send (a route flapping, a process still
         // starting) was never reached, every later frame queued into a connection that
-        // never came. A connection that ended comes back under another routing id: its
-        // notice (or the next send to ours, which then fails) makes a new socket.
+        // never came. A connection that ended is made again by libzmq (with this backoff);
+        // should a send to ours fail, a new socket is made.
         s.set_reconnect_ivl(100).map_err(zmq_err("reconnect"))?;
         s.set_reconnect_ivl_max(1000).map_err(zmq_err("reconnect"))?;
         zsys::set_int(&mut s, zsys::ZMQ_STREAM_NOTIFY, 1).map_err(zmq_err("stream notify"))?;
@@ -184,39 +194,46 @@ impl ZmqChannel {
         s.set_ipv6(endpoint.starts_with("tcp://[")).map_err(zmq_err("ipv6"))?;
         s.connect(endpoint).map_err(zmq_err("connect"))?;
         self.links.connecting(peer, peer_endpoint);
-        self.push.insert(peer.to_owned(), Link { endpoint: peer_endpoint.to_vec(), socket: s, up: false });
+        self.push
+            .insert(peer.to_owned(), Link { endpoint: peer_endpoint.to_vec(), socket: s, open_since: None, up: false });
         Ok(())
     }
 
-    /// Takes the outgoing sockets' notices (at most every [`LINK_LOOK_EVERY`]): a connect
-    /// marks the peer reached, an end makes a new socket (down until it connects).
+    /// Takes the outgoing sockets' notices: those not reached yet at most every
+    /// [`LINK_LOOK_EVERY`] (a prep may be waiting for one), all of them at most every
+    /// [`LINKS_ALL_EVERY`] (each look is a system call or two per socket, and an idle engine
+    /// with hundreds of peers loaded looks all the time). A connection counts once it has
+    /// stayed open [`LINK_STABLE`]: something that accepts and closes at once (a peer at its
+    /// connection cap, a proxy with no way on) never does. An ended one is down until libzmq's
+    /// own reconnect (with its backoff) comes back.
     fn look_at_links(&mut self, now: Instant) {
         if now.duration_since(self.links_seen) < LINK_LOOK_EVERY || self.push.is_empty() {
             return;
         }
         self.links_seen = now;
-        let mut ended = Vec::new();
-        for (peer, link) in &mut self.push {
-            // A few notices at most per look: a connection that opens and ends at once is
-            // seen ending at the next look.
+        let all = now.duration_since(self.links_all_seen) >= LINKS_ALL_EVERY;
+        if all {
+            self.links_all_seen = now;
+        }
+        for (peer, link) in self.push.iter_mut().filter(|(_, l)| all || !l.up) {
+            // A few notices at most per look (the rest wait for the next).
             for _ in 0..4 {
                 let Ok(parts) = link.socket.recv_multipart(zmq::DONTWAIT) else { break };
                 // Our peers send nothing on our connection: only an empty message (a notice)
-                // counts.
+                // counts, an open and an end in turn.
                 if parts.len() != 2 || !parts[1].is_empty() {
                     continue;
                 }
-                if link.up {
-                    ended.push(peer.clone());
-                    break;
+                if link.open_since.take().is_none() {
+                    link.open_since = Some(now);
+                } else if link.up {
+                    link.up = false;
+                    self.links.connecting(peer, &link.endpoint);
                 }
+            }
+            if !link.up && link.open_since.is_some_and(|t| now.duration_since(t) >= LINK_STABLE) {
                 link.up = true;
                 self.links.up(peer, &link.endpoint);
-            }
-        }
-        for peer in ended {
-            if let Some(link) = self.push.remove(&peer) {
-                let _ = self.open(&peer, &link.endpoint);
             }
         }
     }
@@ -237,8 +254,10 @@ impl ZmqChannel {
             Ok(()) => Ok(()),
             Err(zmq::Error::EAGAIN) => Err(zmq_err("send")(zmq::Error::EAGAIN)),
             Err(e) => {
-                // The connection ended (the peer went, or cut us off): a new one next time.
+                // The connection ended (the peer went, or cut us off): a new socket, down until
+                // it connects (and down if it cannot be made).
                 self.push.remove(peer);
+                self.links.connecting(peer, peer_endpoint);
                 let _ = self.open(peer, peer_endpoint);
                 Err(zmq_err("send")(e))
             }
@@ -692,11 +711,44 @@ mod tests {
         // keeps trying.
         drop(b);
         assert!(poll_until(&mut a, 5000, || !links.reached("beta", &ep, past)), "the ended connection still counts");
-        assert!(a.push.get("beta").is_some_and(|l| !l.up), "a new socket to the same endpoint, not yet up");
+        assert!(a.push.get("beta").is_some_and(|l| !l.up), "its socket kept (libzmq reconnects it), down");
         // Lost or unloaded (no endpoint resolves for it any more): nothing is kept.
         a.forget("beta");
         a.forget("gamma");
         assert!(a.push.is_empty() && links.len() == 0);
+    }
+
+    /// Something at the endpoint that accepts and closes at once (a peer at its connection
+    /// cap, a proxy with nowhere to go) never counts as reached (review 62: each connect made
+    /// the peer reached for a moment, long enough for a prep to choose the one-way route).
+    #[test]
+    fn an_endpoint_that_accepts_and_closes_at_once_is_never_reached() {
+        let links = Arc::new(Links::default());
+        let mut a =
+            ZmqChannel::bind("alpha", "127.0.0.1", Box::new(|_| None), Arc::clone(&links), Arc::default()).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ep = format!("tcp://{}", listener.local_addr().unwrap()).into_bytes();
+        listener.set_nonblocking(true).unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let closer = std::thread::spawn(move || {
+            let mut accepted = 0;
+            while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((c, _)) => {
+                        accepted += 1;
+                        drop(c);
+                    }
+                    Err(_) => std::thread::sleep(std::time::Duration::from_millis(1)),
+                }
+            }
+            accepted
+        });
+        a.send_to("beta", &ep, b"\0BOUNC hello").unwrap();
+        let past = std::time::Instant::now() + super::super::links::FIRST_CONNECT_WAIT;
+        assert!(!poll_until(&mut a, 700, || links.reached("beta", &ep, past)), "a connection closed at once counted");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(closer.join().unwrap() >= 1, "nothing ever connected: the check proved nothing");
     }
 
     #[test]
