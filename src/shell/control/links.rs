@@ -132,6 +132,23 @@ mod tests {
 
     const EP: &[u8] = b"tcp://10.0.0.2:5555";
 
+    /// Links where b was loaded at `t` with [`EP`], its socket made (not connected yet).
+    fn loaded_at(t: Instant) -> Links {
+        let r = Links::default();
+        r.expect("b", EP, t);
+        r.connecting("b", EP);
+        r
+    }
+
+    /// Marks b's link at [`EP`] up after `ms`, from another thread (the reactor's role).
+    fn up_after(r: &Arc<Links>, ms: u64) -> std::thread::JoinHandle<()> {
+        let r = Arc::clone(r);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            r.up("b", EP);
+        })
+    }
+
     #[test]
     fn a_peer_is_reached_only_once_its_socket_to_the_advertised_endpoint_is_up() {
         let r = Links::default();
@@ -153,15 +170,8 @@ mod tests {
 
     #[test]
     fn a_prep_right_after_the_load_waits_for_the_first_connection() {
-        let r = Arc::new(Links::default());
-        let t = Instant::now();
-        r.expect("b", EP, t);
-        r.connecting("b", EP);
-        let r2 = Arc::clone(&r);
-        let up = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            r2.up("b", EP);
-        });
+        let r = Arc::new(loaded_at(Instant::now()));
+        let up = up_after(&r, 20);
         let asked = Instant::now();
         assert!(r.reached("b", EP, asked), "the connection came within the wait");
         assert!(asked.elapsed() < FIRST_CONNECT_WAIT, "it returned when the link came up");
@@ -170,10 +180,8 @@ mod tests {
 
     #[test]
     fn an_unreachable_peer_costs_one_bounded_wait_then_none() {
-        let r = Links::default();
         let t = Instant::now();
-        r.expect("b", EP, t);
-        r.connecting("b", EP);
+        let r = loaded_at(t);
         let asked = Instant::now();
         assert!(!r.reached("b", EP, asked));
         let waited = asked.elapsed();
@@ -192,20 +200,14 @@ mod tests {
 
     #[test]
     fn a_reconnection_is_not_waited_for_but_a_reload_is() {
-        let r = Links::default();
         let t = Instant::now();
-        r.expect("b", EP, t);
-        r.connecting("b", EP);
+        let r = loaded_at(t);
         r.up("b", EP);
         r.connecting("b", EP); // its connection ended; a new socket
         assert!(!r.reached("b", EP, t), "no wait for a reconnection");
         r.expect("b", EP, t + Duration::from_secs(1)); // loaded again
         let r = Arc::new(r);
-        let r2 = Arc::clone(&r);
-        let up = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(10));
-            r2.up("b", EP);
-        });
+        let up = up_after(&r, 10);
         assert!(r.reached("b", EP, t + Duration::from_secs(1)));
         up.join().unwrap();
     }

@@ -2057,31 +2057,33 @@ fn a_poller_handles_what_waits_on_a_control_socket_while_the_reactor_stands_down
 /// and no application polling on either side, a transfer still lands byte-exact well within
 /// its 10 s timeout (the WANT wakes the target's reactor, each answer the initiator's), and
 /// stopping both reactors does not wait out a park.
-#[test]
-fn over_zmq_a_frame_wakes_an_idle_reactor_thread() {
+/// The ZMQ endpoint each side advertises, by name.
+type Endpoints = Arc<Mutex<HashMap<String, Vec<u8>>>>;
+
+/// Sides `a` (session 11) and `b` (session 22) introduced over ZMQ channels on loopback, each
+/// channel given to `wrap` first.
+fn zmq_sides(
+    cfg: &Config,
+    wrap: impl Fn(&str, crate::shell::control::zmq::ZmqChannel) -> Box<dyn ControlChannel>,
+) -> (Side, Side, Endpoints) {
     use crate::shell::control::zmq::ZmqChannel;
-    let mut cfg = config("10000");
-    cfg.idle_park = Duration::from_secs(60);
-    let endpoints: Arc<Mutex<HashMap<String, Vec<u8>>>> = Arc::default();
-    let channel = |name: &str| {
+    let endpoints: Endpoints = Arc::default();
+    let start = |name: &str, session| {
         let eps = Arc::clone(&endpoints);
         let resolve = Box::new(move |peer: &str| eps.lock().get(peer).cloned());
         let ch = ZmqChannel::bind(name, "127.0.0.1", resolve, Arc::default(), Arc::default()).unwrap();
         endpoints.lock().insert(name.to_owned(), ch.endpoint().as_bytes().to_vec());
-        ch
-    };
-    let start = |name: &str, session| {
-        Side::start_full(
-            name,
-            session,
-            &cfg,
-            |c| Box::new(c),
-            Box::new(channel(name)),
-            SOCKET_POLL_BATCH,
-            MemPath::default(),
-        )
+        Side::start_full(name, session, cfg, |c| Box::new(c), wrap(name, ch), SOCKET_POLL_BATCH, MemPath::default())
     };
     let (a, b) = introduce(start("a", 11), start("b", 22));
+    (a, b, endpoints)
+}
+
+#[test]
+fn over_zmq_a_frame_wakes_an_idle_reactor_thread() {
+    let mut cfg = config("10000");
+    cfg.idle_park = Duration::from_secs(60);
+    let (a, b, _) = zmq_sides(&cfg, |_, ch| Box::new(ch));
     let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     std::thread::sleep(Duration::from_millis(50)); // both reactor threads idle, asleep
@@ -2132,27 +2134,8 @@ impl ControlChannel for Marked {
 fn over_zmq_authentic_frames_mark_their_connections_as_the_peers() {
     use crate::shell::control::zmq::ZmqChannel;
     let cfg = config("10000");
-    let endpoints: Arc<Mutex<HashMap<String, Vec<u8>>>> = Arc::default();
     let marks: HashMap<&str, Arc<Mutex<Vec<u64>>>> = [("a", Arc::default()), ("b", Arc::default())].into();
-    let channel = |name: &str| {
-        let eps = Arc::clone(&endpoints);
-        let resolve = Box::new(move |peer: &str| eps.lock().get(peer).cloned());
-        let ch = ZmqChannel::bind(name, "127.0.0.1", resolve, Arc::default(), Arc::default()).unwrap();
-        endpoints.lock().insert(name.to_owned(), ch.endpoint().as_bytes().to_vec());
-        Marked { inner: ch, marked: Arc::clone(&marks[name]) }
-    };
-    let start = |name: &str, session| {
-        Side::start_full(
-            name,
-            session,
-            &cfg,
-            |c| Box::new(c),
-            Box::new(channel(name)),
-            SOCKET_POLL_BATCH,
-            MemPath::default(),
-        )
-    };
-    let (a, b) = introduce(start("a", 11), start("b", 22));
+    let (a, b, endpoints) = zmq_sides(&cfg, |name, inner| Box::new(Marked { inner, marked: Arc::clone(&marks[name]) }));
     let (src, mut dst) = buffers();
     let dest = b.register(&mut dst);
     // A frame under a's name from a stranger's connection (another session: refused as forged).
