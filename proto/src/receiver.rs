@@ -902,8 +902,12 @@ impl Receiver {
         if data.runs.is_empty() {
             let Some(planned) = planned else {
                 // Nothing kept for the chunk (dropped, or never sent): ask for the runs with
-                // the DATA, once. The region stays held for it.
-                let Some(flow) = self.flows.get_mut(&key).filter(|f| !f.replanned.contains(&data.chunk.0)) else {
+                // the DATA, once. The region stays held for it. Not an inline chunk's: its
+                // sender holds no credit to send a DATA with, and would wait out its timeout
+                // (review 62): refused, it fails at once.
+                let again = inline.is_none();
+                let Some(flow) = self.flows.get_mut(&key).filter(|f| again && !f.replanned.contains(&data.chunk.0))
+                else {
                     return self.refuse_data(ctx, from, &data, DataFault::NoRuns);
                 };
                 flow.replanned.insert(data.chunk.0);

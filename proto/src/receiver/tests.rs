@@ -1473,3 +1473,37 @@ fn a_held_datas_runs_count_in_its_peers_budget_and_over_it_are_asked_for_again()
     assert_eq!(scatters(&drain(&mut ep)).iter().map(|s| s.1).collect::<Vec<_>>(), vec![rz]);
     ep.receiver().check_invariants().unwrap();
 }
+
+/// Review 62 (success, L1): an inline chunk held behind an orphaned scatter whose runs no
+/// longer fit its peer's budget is refused when it is taken again, so its sender fails at once.
+/// It was answered ACK(Replan), which an inline transfer cannot act on (it has no credit to
+/// send its runs with): it waited out its timeout, the region held meanwhile.
+#[test]
+fn an_inline_chunk_held_whose_runs_no_longer_fit_is_refused_not_asked_for_again() {
+    let (mut ep, t) = receiver();
+    let old = released_while_scattering(&mut ep, t);
+    // The rest of the arena held by other flows (unwritten regions).
+    for (z, chunks) in [(20, 2), (21, 2), (22, 2), (23, 1)] {
+        ep.handle_msg(t, PEER, want_msg(XferId(z), &vec![CHUNK; chunks])).unwrap();
+        assert_eq!(credits(&drain(&mut ep)).len(), chunks, "flow {z} granted");
+    }
+    // The inline WANT is taken (its runs within the budget) and waits for a region.
+    let y = XferId(30);
+    ep.handle_msg(t, PEER, inline_want(y, 0x5a, full_run(1))).unwrap();
+    assert!(inline_scatters(&drain(&mut ep)).is_empty(), "no region free yet");
+    // Meanwhile the peer's budget shrinks below what the held chunk's runs need again.
+    ep.receiver_mut().set_peer_caps(MAX_FLOWS_PER_PEER, 4);
+    // A flow ends: the inline chunk is granted a region, put, and held behind the orphan.
+    ep.handle_msg(t, PEER, Msg::cancel(XferId(20), TOKEN, Vec::new())).unwrap();
+    ep.handle_timeout(t + TIMEOUT / 4);
+    let acts = drain(&mut ep);
+    assert!(inline_scatters(&acts).is_empty() && acks(&acts).is_empty(), "held: {acts:?}");
+    assert_eq!(ep.stats().scatters_held, 1);
+    ep.handle_scatter_done(t + TIMEOUT / 4, old, true);
+    let acts = drain(&mut ep);
+    assert!(inline_scatters(&acts).is_empty(), "{acts:?}");
+    assert_eq!(acks(&acts), vec![(y, 0, AckStatus::Refused)], "failed at once, not asked for runs it cannot send");
+    // (The caps lowered under the peer's flows: put back before the load's recount.)
+    ep.receiver_mut().set_peer_caps(MAX_FLOWS_PER_PEER, MAX_CHUNKS_PER_PEER);
+    ep.receiver().check_invariants().unwrap();
+}
